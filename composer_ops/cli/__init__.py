@@ -1,0 +1,66 @@
+"""The ``composer-ops`` command line.
+
+Every option can also be set through the ``COMPOSER_*`` variable shown in --help.
+Errors are one line on stderr (a traceback only with --debug); exit codes are 0 ok,
+1 operation failed, 2 bad input.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from collections.abc import Sequence
+
+import psycopg
+
+from composer_ops.cli import db_cmds, partition_cmds
+from composer_ops.cli._common import EXIT_BAD_INPUT, EXIT_FAILED, ArgumentParser
+from composer_ops.db.errors import translate
+from composer_ops.errors import ComposerError
+
+
+def build_parser() -> ArgumentParser:
+    parser = ArgumentParser(prog="composer-ops", description=__doc__)
+    parser.add_argument("--debug", action="store_true", default=os.environ.get("COMPOSER_DEBUG") == "1",
+                        help="show tracebacks and debug logs [env: COMPOSER_DEBUG=1]")
+    parser.add_argument("--log-level", default=os.environ.get("COMPOSER_LOG_LEVEL", "WARNING"),
+                        help="log level for the composer_ops logger [env: COMPOSER_LOG_LEVEL]")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=ArgumentParser)
+    db_cmds.register(sub)
+    partition_cmds.register(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    level = logging.DEBUG if args.debug else getattr(logging, str(args.log_level).upper(), logging.WARNING)
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("composer_ops").setLevel(level)
+    try:
+        code: int = args.func(args)
+        return code
+    except ComposerError as exc:
+        if args.debug:
+            raise
+        sys.stderr.write(f"composer-ops: {type(exc).__name__.lower()}: {exc}\n")
+        return exc.exit_code
+    except psycopg.Error as exc:
+        if args.debug:
+            raise
+        err = translate(exc, args.command)
+        sys.stderr.write(f"composer-ops: {type(err).__name__.lower()}: {err}\n")
+        return err.exit_code
+    except KeyboardInterrupt:
+        sys.stderr.write("composer-ops: interrupted\n")
+        return EXIT_FAILED
+    except (OSError, ValueError) as exc:
+        if args.debug:
+            raise
+        sys.stderr.write(f"composer-ops: error: {exc}\n")
+        return EXIT_BAD_INPUT if isinstance(exc, ValueError) else EXIT_FAILED
+
+
+def entry() -> None:
+    sys.exit(main())

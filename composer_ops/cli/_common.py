@@ -1,0 +1,55 @@
+"""CLI plumbing: options that fall back to COMPOSER_* variables, JSON arguments,
+one-line errors and exit codes (0 ok, 1 operation failed, 2 bad input)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import Any
+
+from composer_ops.errors import Invalid
+
+EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT = 0, 1, 2
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse that reports bad arguments as one line and exit code 2."""
+
+    def error(self, message: str) -> Any:
+        self.exit(EXIT_BAD_INPUT, f"composer-ops: error: {self.prog}: {message}\n")
+
+
+def env_option(parser: argparse.ArgumentParser, *flags: str, env: str, help: str, **kw: Any) -> None:
+    """An option whose default comes from environment variable ``env`` (shown in --help)."""
+    default = os.environ.get(env, kw.pop("default", None))
+    conv = kw.get("type")
+    if default is not None and conv is not None and isinstance(default, str):
+        try:
+            default = conv(default)
+        except (TypeError, ValueError):
+            sys.stderr.write(f"composer-ops: error: {env}={default!r} is not valid for {flags[0]}\n")
+            raise SystemExit(EXIT_BAD_INPUT) from None
+    shown = f" [env: {env}]" + (f" (default: {kw['metavar_default']})" if "metavar_default" in kw else "")
+    kw.pop("metavar_default", None)
+    parser.add_argument(*flags, default=default, help=help + shown, **kw)
+
+
+def add_database_option(parser: argparse.ArgumentParser) -> None:
+    env_option(parser, "--database-url", env="COMPOSER_DATABASE_URL",
+               help="libpq URL of the database; unset means the embedded server under COMPOSER_HOME")
+
+
+def json_arg(text: str | None, what: str) -> Any:
+    """Parse a JSON command-line argument, naming it and the position of a syntax error."""
+    if text is None:
+        return None
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise Invalid(f"{what} is not valid JSON: {exc.msg} at line {exc.lineno} column {exc.colno}") from None
+
+
+def emit_json(value: Any) -> None:
+    sys.stdout.write(json.dumps(value, indent=2, default=str, sort_keys=False) + "\n")

@@ -1,0 +1,57 @@
+"""``composer-ops db up|url|stop`` and ``composer-ops migrate``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from composer_ops.cli._common import EXIT_FAILED, EXIT_OK, add_database_option, env_option
+from composer_ops.db import embedded
+from composer_ops.db.migrate import migrate, status
+
+
+def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    db = sub.add_parser("db", help="the embedded PostgreSQL server (data under COMPOSER_HOME)")
+    env_option(db, "--home", env="COMPOSER_HOME", help="directory holding the embedded server's data",
+               default=".composer")
+    dsub = db.add_subparsers(dest="db_command", required=True, metavar="{up,url,stop}")
+    dsub.add_parser("up", help="start the embedded server (it keeps running) and print its URL")
+    dsub.add_parser("url", help="print the embedded server's URL (exit 1 if it is not running)")
+    dsub.add_parser("stop", help="stop the embedded server")
+    db.set_defaults(func=cmd_db)
+
+    mig = sub.add_parser("migrate", help="apply pending sql/V*.sql migrations in order")
+    add_database_option(mig)
+    mig.add_argument("--status", action="store_true", help="list migrations and whether each is applied")
+    mig.set_defaults(func=cmd_migrate)
+
+
+def cmd_db(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    base = Path(args.home).expanduser().resolve()
+    if args.db_command == "up":
+        print(embedded.up(base))
+        return EXIT_OK
+    if args.db_command == "url":
+        url = embedded.running_url(base)
+        if url is None:
+            sys.stderr.write(f"composer-ops: embedded PostgreSQL under {base} is not running "
+                             "(start it with `composer-ops db up`)\n")
+            return EXIT_FAILED
+        print(url)
+        return EXIT_OK
+    stopped = embedded.stop(base)
+    print("stopped" if stopped else "not running")
+    return EXIT_OK
+
+
+def cmd_migrate(args: argparse.Namespace) -> int:
+    if args.status:
+        for mig, applied in status(args.database_url):
+            print(f"{'applied' if applied else 'pending'}  {mig.filename}")
+        return EXIT_OK
+    done = migrate(args.database_url, on_apply=lambda m: print(f"applied {m.filename}", flush=True))
+    if not done:
+        print("schema is up to date")
+    return EXIT_OK

@@ -1,0 +1,69 @@
+"""Where the database is, and connections and pools to it.
+
+``COMPOSER_DATABASE_URL`` (a libpq URL) wins; when it is unset the embedded server is
+started (or reused). Nothing here commits: callers own their transactions.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import psycopg
+from psycopg.rows import dict_row
+from psycopg_pool import ConnectionPool
+
+from composer_ops.db import embedded
+from composer_ops.errors import Unavailable
+
+ENV_URL = "COMPOSER_DATABASE_URL"
+
+def resolve_url(url: str | None = None) -> str:
+    """The database URL: the argument, else ``COMPOSER_DATABASE_URL``, else the embedded server."""
+    if url:
+        return url
+    env = os.environ.get(ENV_URL)
+    if env:
+        return env
+    return embedded.up()
+
+
+def connect(url: str | None = None, *, application_name: str = "composer-ops", autocommit: bool = False,
+            row_dicts: bool = False) -> psycopg.Connection[Any]:
+    """One connection; raises :class:`Unavailable` with the server's reason when it cannot connect."""
+    target = resolve_url(url)
+    try:
+        conn: psycopg.Connection[Any] = psycopg.connect(
+            target, autocommit=autocommit, application_name=application_name,
+            row_factory=dict_row if row_dicts else psycopg.rows.tuple_row,
+        )
+    except psycopg.OperationalError as exc:
+        raise Unavailable(f"cannot connect to the database: {_first_line(exc)}") from exc
+    return conn
+
+
+def make_pool(url: str | None = None, *, min_size: int = 1, max_size: int = 8,
+              application_name: str = "composer-ops", timeout: float = 30.0) -> ConnectionPool:
+    """A checked psycopg pool (``check_connection`` drops connections a server restart killed)."""
+    target = resolve_url(url)
+    pool = ConnectionPool(
+        target,
+        min_size=min_size,
+        max_size=max_size,
+        kwargs={"application_name": application_name},
+        check=ConnectionPool.check_connection,
+        timeout=timeout,
+        open=False,
+        name=application_name,
+    )
+    try:
+        pool.open(wait=True, timeout=timeout)
+    except Exception as exc:
+        pool.close()
+        raise Unavailable(f"cannot connect to the database: {_first_line(exc)}") from exc
+    return pool
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__

@@ -1,0 +1,50 @@
+"""Translate driver errors into the :mod:`composer_ops.errors` tree, in one place."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import psycopg
+from psycopg import errors as pgerr
+
+from composer_ops.errors import ComposerError, Conflict, Invalid, NotFound, Unavailable
+
+#: SQLSTATEs a caller may simply retry: serialization failure, deadlock, and the
+#: connection-exception class (08xxx), plus admin shutdown / crash recovery.
+TRANSIENT_SQLSTATES = frozenset({"40001", "40P01", "57P01", "57P02", "57P03", "55P03"})
+
+
+def is_transient(exc: BaseException) -> bool:
+    """True for database errors that a retry of the whole transaction can cure."""
+    if isinstance(exc, psycopg.OperationalError) and not isinstance(exc, pgerr.QueryCanceled):
+        state = getattr(exc, "sqlstate", None)
+        return state is None or state.startswith("08") or state in TRANSIENT_SQLSTATES
+    state = getattr(exc, "sqlstate", None)
+    return state in TRANSIENT_SQLSTATES
+
+
+def translate(exc: psycopg.Error, what: str) -> ComposerError:
+    """Map a driver error raised while doing ``what`` to a ComposerError."""
+    msg = (exc.diag.message_primary if getattr(exc, "diag", None) else None) or str(exc).strip()
+    if isinstance(exc, pgerr.CheckViolation) and "no partition" in msg:
+        return Invalid(f"{what}: no partition holds this run ID's month ({msg}); "
+                       "run `composer-ops partitions ensure` or use a recent run ID")
+    if isinstance(exc, pgerr.UniqueViolation):
+        return Conflict(f"{what}: {msg}")
+    if isinstance(exc, pgerr.ForeignKeyViolation):
+        return NotFound(f"{what}: {msg}")
+    if isinstance(exc, (pgerr.DataException, pgerr.IntegrityError)):
+        return Invalid(f"{what}: {msg}")
+    if isinstance(exc, psycopg.OperationalError):
+        return Unavailable(f"{what}: {msg}")
+    return ComposerError(f"{what}: {msg}")
+
+
+@contextlib.contextmanager
+def translated(what: str) -> Iterator[None]:
+    """``with translated("insert run"):`` re-raises driver errors as ComposerErrors."""
+    try:
+        yield
+    except psycopg.Error as exc:
+        raise translate(exc, what) from exc

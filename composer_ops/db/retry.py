@@ -1,0 +1,54 @@
+"""Retry a whole transaction on transient database errors (DBOS ``db_retry`` style).
+
+Serialization failures, deadlocks, lock timeouts and lost connections are retried
+with jittered, capped exponential backoff; anything else propagates at once.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import random
+import time
+from collections.abc import Callable
+from typing import ParamSpec, TypeVar
+
+import psycopg
+
+from composer_ops.db.errors import is_transient
+
+log = logging.getLogger(__name__)
+
+P = ParamSpec("P")
+T = TypeVar("T")
+
+
+def backoff_delay(attempt: int, *, base: float = 0.05, cap: float = 2.0, rng: random.Random | None = None) -> float:
+    """Full-jitter delay before retry number ``attempt`` (0-based)."""
+    return (rng or random).uniform(0, min(cap, base * (2**attempt)))
+
+
+def db_retry(
+    max_attempts: int = 6, *, base: float = 0.05, cap: float = 2.0
+) -> Callable[[Callable[P, T]], Callable[P, T]]:
+    """Decorator: call again when the function raises a transient psycopg error."""
+
+    def wrap(fn: Callable[P, T]) -> Callable[P, T]:
+        @functools.wraps(fn)
+        def inner(*args: P.args, **kwargs: P.kwargs) -> T:
+            attempt = 0
+            while True:
+                try:
+                    return fn(*args, **kwargs)
+                except psycopg.Error as exc:
+                    if not is_transient(exc) or attempt + 1 >= max_attempts:
+                        raise
+                    delay = backoff_delay(attempt, base=base, cap=cap)
+                    log.warning("transient database error in %s (%s); retry %d in %.2fs",
+                                fn.__qualname__, type(exc).__name__, attempt + 1, delay)
+                    time.sleep(delay)
+                    attempt += 1
+
+        return inner
+
+    return wrap

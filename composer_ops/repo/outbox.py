@@ -1,0 +1,73 @@
+"""The dispatch outbox: written with the task in one transaction, claimed by workers.
+
+The claim is one statement: it deletes the oldest available outbox rows of the
+worker's queues (FOR UPDATE SKIP LOCKED, so claimers never wait on each other) and
+moves the matching tasks to RUNNING with a lease, fenced on attempt. An outbox row
+whose task is no longer PENDING (cancelled, already finished) is deleted and yields
+nothing.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Sequence
+
+from composer_ops.repo._base import Conn, fetch_all
+from composer_ops.repo.rows import Claim, Dispatch
+
+#: LISTEN/NOTIFY channel workers wait on; the payload is the queue name.
+CHANNEL = "composer_tasks"
+
+
+def shard_of(run_id: str, shards: int) -> int:
+    """The stream shard of a run within its queue (stable across processes)."""
+    return 0 if shards <= 1 else zlib.crc32(run_id.encode()) % shards
+
+
+def enqueue(conn: Conn, dispatches: Sequence[Dispatch], *, shards: int = 1) -> None:
+    """Write outbox rows and wake idle workers of their queues (NOTIFY is delivered
+    at commit, and only if the transaction commits)."""
+    if not dispatches:
+        return
+    with conn.cursor() as cur:
+        cur.executemany("""
+            INSERT INTO task_outbox (queue, shard, run_id, task_id, attempt, task_name, lease_s, available_at)
+            VALUES (%s, %s, %s, %s, %s, %s, %s, COALESCE(%s, NOW()))""",
+            [(d.queue, shard_of(d.run_id, shards), d.run_id, d.task_id, d.attempt, d.task_name,
+              d.lease_s, d.available_at) for d in dispatches])
+    for queue in sorted({d.queue for d in dispatches}):
+        conn.execute("SELECT pg_notify(%s, %s)", (CHANNEL, queue))
+
+
+def claim(conn: Conn, queues: Sequence[str], owner: str, limit: int) -> list[Claim]:
+    """Claim up to ``limit`` available tasks of ``queues`` for ``owner``."""
+    return fetch_all(conn, Claim, """
+        WITH picked AS (
+            DELETE FROM task_outbox o
+             USING (SELECT id FROM task_outbox
+                     WHERE queue = ANY(%(queues)s) AND available_at <= NOW()
+                     ORDER BY available_at, id
+                     LIMIT %(limit)s
+                       FOR UPDATE SKIP LOCKED) s
+             WHERE o.id = s.id
+            RETURNING o.run_id, o.task_id, o.attempt, o.task_name, o.lease_s, o.queue
+        )
+        UPDATE task_instances t
+           SET state = 'RUNNING', lease_owner = %(owner)s,
+               lease_expires_at = NOW() + make_interval(secs => p.lease_s),
+               started_at = NOW(), updated_at = NOW()
+          FROM picked p
+         WHERE t.run_id = p.run_id AND t.id = p.task_id AND t.attempt = p.attempt
+           AND t.state IN ('PENDING', 'QUEUED')
+        RETURNING t.run_id, t.id AS task_id, t.node_id, t.attempt, p.task_name, p.queue,
+                  t.input_json AS input, p.lease_s, t.lease_owner, t.lease_expires_at""",
+        {"queues": list(queues), "owner": owner, "limit": limit})
+
+
+def delete_for_tasks(conn: Conn, run_id: str, task_ids: Sequence[str]) -> int:
+    """Drop pending dispatches of the given tasks (cancelled runs)."""
+    if not task_ids:
+        return 0
+    cur = conn.execute("DELETE FROM task_outbox WHERE run_id = %s AND task_id = ANY(%s)",
+                       (run_id, list(task_ids)))
+    return cur.rowcount

@@ -1,0 +1,188 @@
+"""Rows the repository returns: frozen, keyword-only dataclasses built with class_row."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any
+
+
+@dataclass(frozen=True, kw_only=True)
+class TaskRef:
+    """One execution attempt of a task. Results apply only when all fields match,
+    which fences off reports from stale attempts (the seed's ``taskRef``)."""
+
+    task_id: str
+    run_id: str
+    node_id: str
+    attempt: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunRow:
+    """The locked run row, with the database clock read in the same statement."""
+
+    id: str
+    workflow_id: str
+    workflow_version: int
+    status: str
+    context: Any
+    now: datetime
+
+
+@dataclass(frozen=True, kw_only=True)
+class TaskStateRow:
+    """What LoadTasks reads per node: small columns only, no inputs or outputs."""
+
+    node_id: str
+    task_id: str
+    state: str
+    attempt: int
+    branches: list[str] | None
+    event_name: str | None
+    lease_owner: str | None
+    lease_expires_at: datetime | None
+
+
+@dataclass(frozen=True, kw_only=True)
+class FinishedTask:
+    node_type: str
+    started_at: datetime | None
+
+
+@dataclass(frozen=True, kw_only=True)
+class TaskDispatch:
+    """What the next dispatch of a re-queued task needs."""
+
+    task_id: str
+    run_id: str
+    node_id: str
+    node_type: str
+    queue: str
+    attempt: int
+    input: Any
+
+
+@dataclass(frozen=True, kw_only=True)
+class DueWait:
+    run_id: str
+    task_id: str
+    node_id: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class ExpiredLease:
+    run_id: str
+    task_id: str
+    node_id: str
+    attempt: int
+    lease_owner: str | None
+
+
+@dataclass(frozen=True, kw_only=True)
+class Signal:
+    id: str
+    name: str
+    payload: Any
+
+
+@dataclass(frozen=True, kw_only=True)
+class Dispatch:
+    """One outbox row to write."""
+
+    run_id: str
+    task_id: str
+    attempt: int
+    queue: str
+    task_name: str
+    lease_s: int
+    available_at: datetime | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class Claim:
+    """A task a worker has just claimed: it holds the lease until lease_expires_at."""
+
+    run_id: str
+    task_id: str
+    node_id: str
+    attempt: int
+    task_name: str
+    queue: str
+    input: Any
+    lease_s: int
+    lease_owner: str
+    lease_expires_at: datetime
+
+
+@dataclass(frozen=True, kw_only=True)
+class DefinitionRow:
+    id: str
+    name: str
+    version: int
+    spec_json: Any
+    created_by: str
+    enabled: bool
+    webhook_url: str | None
+    deployed: bool
+    deployed_at: datetime | None
+    deleted_at: datetime | None
+    created_at: datetime | None
+
+
+@dataclass(frozen=True, kw_only=True)
+class TaskView:
+    """A task as ``Engine.get_run`` shows it."""
+
+    id: str
+    node_id: str
+    node_type: str
+    queue: str | None
+    state: str
+    attempt: int
+    input: Any
+    output: Any
+    error: Any
+    branches: list[str] | None
+    wake_at: datetime | None
+    event_name: str | None
+    lease_owner: str | None
+    lease_expires_at: datetime | None
+    created_at: datetime
+    started_at: datetime | None
+    finished_at: datetime | None
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunView:
+    """A run as ``Engine.get_run`` shows it."""
+
+    id: str
+    workflow_id: str
+    workflow_version: int
+    status: str
+    input: Any
+    output: Any
+    error: Any
+    created_at: datetime
+    updated_at: datetime
+    completed_at: datetime | None
+    tasks: list[TaskView] = field(default_factory=list)
+
+
+@dataclass(frozen=True, kw_only=True)
+class PartitionRow:
+    table: str
+    name: str
+    month: str
+    lower_bound: str
+    upper_bound: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class WebhookDelivery:
+    id: int
+    run_id: str
+    url: str
+    payload: Any
+    attempts: int

@@ -1,0 +1,68 @@
+"""Waits and signals: due timers, resolving waits, buffered signals."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from composer_ops.repo._base import Conn, error_json, fetch_all, fetch_one, jsonb
+from composer_ops.repo.rows import DueWait, Signal
+
+
+def due_waits(conn: Conn, limit: int) -> list[DueWait]:
+    """Up to ``limit`` WAITING tasks whose wake_at has passed, oldest first
+    (served by the partial wake index)."""
+    return fetch_all(conn, DueWait, """
+        SELECT run_id, id AS task_id, node_id
+          FROM task_instances
+         WHERE state = 'WAITING' AND wake_at <= NOW()
+         ORDER BY wake_at
+         LIMIT %s""", (limit,))
+
+
+def resolve_wait(conn: Conn, run_id: str, task_id: str, *, state: str, output: Any = None,
+                 reason: str | None = None) -> bool:
+    """Move a WAITING task to COMPLETED (with output) or FAILED (with reason); False
+    when it was no longer waiting."""
+    cur = conn.execute("""
+        UPDATE task_instances
+           SET state = %(state)s, output_json = %(output)s, last_error = %(error)s,
+               finished_at = NOW(), updated_at = NOW(),
+               completed_at = CASE WHEN %(state)s = 'COMPLETED' THEN NOW() END
+         WHERE run_id = %(run)s AND id = %(task)s AND state = 'WAITING'""",
+        {"state": state, "output": jsonb(output), "error": error_json(reason),
+         "run": run_id, "task": task_id})
+    return cur.rowcount == 1
+
+
+def buffer_signal(conn: Conn, run_id: str, *, signal_id: str, name: str, payload: Any) -> None:
+    """Store a signal until a WAIT_FOR_EVENT node consumes it."""
+    conn.execute("INSERT INTO workflow_events (id, run_id, name, payload) VALUES (%s, %s, %s, %s)",
+                 (signal_id, run_id, name, jsonb(payload)))
+
+
+def pending_signal(conn: Conn, run_id: str, name: str) -> Signal | None:
+    """The oldest unconsumed signal of that name, or None."""
+    found = pending_signals(conn, run_id, name, limit=1)
+    return found[0] if found else None
+
+
+def pending_signals(conn: Conn, run_id: str, name: str, *, limit: int = 100) -> list[Signal]:
+    """Unconsumed signals of that name, oldest first (the partial pending index)."""
+    return fetch_all(conn, Signal, """
+        SELECT id, name, payload FROM workflow_events
+         WHERE run_id = %s AND name = %s AND consumed_at IS NULL
+         ORDER BY created_at, id
+         LIMIT %s""", (run_id, name, limit))
+
+
+def consume_signal(conn: Conn, run_id: str, signal_id: str) -> bool:
+    """Mark a buffered signal as used; False if it was already consumed."""
+    cur = conn.execute(
+        "UPDATE workflow_events SET consumed_at = NOW() WHERE run_id = %s AND id = %s AND consumed_at IS NULL",
+        (run_id, signal_id))
+    return cur.rowcount == 1
+
+
+def signal_row(conn: Conn, run_id: str, signal_id: str) -> Signal | None:
+    return fetch_one(conn, Signal, "SELECT id, name, payload FROM workflow_events WHERE run_id = %s AND id = %s",
+                     (run_id, signal_id))

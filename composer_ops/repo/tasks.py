@@ -1,0 +1,121 @@
+"""Task instances: insert, the fenced updates, leases.
+
+Every update repeats the state machine's fencing check in its WHERE clause (id,
+node_id, attempt, an active state). The machine already checked under the run lock;
+this is defence in depth: if anything wrote to the task outside the engine, the
+update matches zero rows and the shell rolls the transaction back.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from datetime import datetime
+from typing import Any
+
+from composer_ops.repo._base import Conn, error_json, fetch_all, fetch_one, jsonb
+from composer_ops.repo.rows import ExpiredLease, FinishedTask, TaskDispatch, TaskRef
+
+_ACTIVE = "('PENDING', 'QUEUED', 'RUNNING')"
+
+
+def insert_task(conn: Conn, run_id: str, *, task_id: str, node_id: str, node_type: str,
+                queue: str | None, state: str, input: Any = None, output: Any = None,
+                error: str | None = None, branches: Sequence[str] | None = None,
+                wake_at: datetime | None = None, event_name: str | None = None,
+                scheduled_at: datetime | None = None) -> bool:
+    """Insert the task a CreateTask action describes; False (no error) when the
+    (run, node) already has a task."""
+    cur = conn.execute("""
+        INSERT INTO task_instances
+               (id, run_id, node_id, node_type, queue, state, input_json, output_json, last_error,
+                branches, wake_at, event_name, scheduled_at, finished_at, completed_at)
+        VALUES (%(id)s, %(run)s, %(node)s, %(type)s, %(queue)s, %(state)s, %(input)s, %(output)s,
+                %(error)s, %(branches)s, %(wake)s, %(event)s, COALESCE(%(sched)s, NOW()),
+                CASE WHEN %(state)s IN ('COMPLETED', 'FAILED', 'SKIPPED') THEN NOW() END,
+                CASE WHEN %(state)s = 'COMPLETED' THEN NOW() END)
+        ON CONFLICT (run_id, node_id) DO NOTHING""",
+        {"id": task_id, "run": run_id, "node": node_id, "type": node_type, "queue": queue,
+         "state": state, "input": jsonb(input), "output": jsonb(output), "error": error_json(error),
+         "branches": list(branches) if branches is not None else None, "wake": wake_at,
+         "event": event_name, "sched": scheduled_at})
+    return cur.rowcount == 1
+
+
+def complete_task(conn: Conn, ref: TaskRef, output: Any) -> FinishedTask | None:
+    """Mark the referenced attempt COMPLETED and release its lease; None when the
+    attempt is stale or the task already finished."""
+    return fetch_one(conn, FinishedTask, f"""
+        UPDATE task_instances
+           SET state = 'COMPLETED', output_json = %s,
+               completed_at = NOW(), finished_at = NOW(), updated_at = NOW(),
+               lease_owner = NULL, lease_expires_at = NULL
+         WHERE run_id = %s AND id = %s AND node_id = %s AND attempt = %s
+           AND state IN {_ACTIVE}
+        RETURNING node_type, started_at""",
+        (jsonb(output), ref.run_id, ref.task_id, ref.node_id, ref.attempt))
+
+
+def fail_task(conn: Conn, ref: TaskRef, reason: str) -> FinishedTask | None:
+    """Mark the referenced attempt FAILED and release its lease."""
+    return fetch_one(conn, FinishedTask, f"""
+        UPDATE task_instances
+           SET state = 'FAILED', last_error = %s,
+               finished_at = NOW(), updated_at = NOW(),
+               lease_owner = NULL, lease_expires_at = NULL
+         WHERE run_id = %s AND id = %s AND node_id = %s AND attempt = %s
+           AND state IN {_ACTIVE}
+        RETURNING node_type, started_at""",
+        (error_json(reason), ref.run_id, ref.task_id, ref.node_id, ref.attempt))
+
+
+def requeue_task(conn: Conn, ref: TaskRef, reason: str) -> TaskDispatch | None:
+    """Schedule the next attempt of a failed execution: back to PENDING with
+    attempt+1. Returns what the next dispatch needs, including the stored input."""
+    return fetch_one(conn, TaskDispatch, f"""
+        UPDATE task_instances
+           SET state = 'PENDING', attempt = attempt + 1, last_error = %s,
+               started_at = NULL, updated_at = NOW(),
+               lease_owner = NULL, lease_expires_at = NULL
+         WHERE run_id = %s AND id = %s AND node_id = %s AND attempt = %s
+           AND state IN {_ACTIVE}
+        RETURNING id AS task_id, run_id, node_id, node_type,
+                  COALESCE(queue, lower(node_type)) AS queue, attempt, input_json AS input""",
+        (error_json(reason), ref.run_id, ref.task_id, ref.node_id, ref.attempt))
+
+
+def cancel_tasks(conn: Conn, run_id: str, task_ids: Sequence[str], reason: str) -> int:
+    """Move the given active tasks of a run to CANCELLED; returns how many moved."""
+    if not task_ids:
+        return 0
+    cur = conn.execute("""
+        UPDATE task_instances
+           SET state = 'CANCELLED', last_error = %s, finished_at = NOW(), updated_at = NOW(),
+               lease_owner = NULL, lease_expires_at = NULL
+         WHERE run_id = %s AND id = ANY(%s)
+           AND state IN ('PENDING', 'QUEUED', 'RUNNING', 'WAITING')""",
+        (error_json(reason), run_id, list(task_ids)))
+    return cur.rowcount
+
+
+def heartbeat(conn: Conn, ref: TaskRef, owner: str, lease_s: float) -> datetime | None:
+    """Extend a live lease by ``lease_s`` from the database clock. None when the lease
+    is lost (expired, re-queued, cancelled or owned by someone else). Touches only
+    lease_expires_at, so the update can stay HOT."""
+    row = conn.execute("""
+        UPDATE task_instances
+           SET lease_expires_at = NOW() + make_interval(secs => %s)
+         WHERE run_id = %s AND id = %s AND attempt = %s AND state = 'RUNNING'
+           AND lease_owner = %s AND lease_expires_at > NOW()
+        RETURNING lease_expires_at""",
+        (lease_s, ref.run_id, ref.task_id, ref.attempt, owner)).fetchone()
+    return None if row is None else row[0]
+
+
+def expired_leases(conn: Conn, limit: int) -> list[ExpiredLease]:
+    """RUNNING tasks whose lease has lapsed by the database clock, oldest first."""
+    return fetch_all(conn, ExpiredLease, """
+        SELECT run_id, id AS task_id, node_id, attempt, lease_owner
+          FROM task_instances
+         WHERE state = 'RUNNING' AND lease_expires_at <= NOW()
+         ORDER BY lease_expires_at
+         LIMIT %s""", (limit,))

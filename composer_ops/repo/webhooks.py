@@ -1,0 +1,45 @@
+"""Webhook deliveries: enqueued when a run finishes, relayed at least once."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from composer_ops.repo._base import Conn, fetch_all, jsonb
+from composer_ops.repo.rows import WebhookDelivery
+
+
+def enqueue(conn: Conn, run_id: str, url: str, payload: Any) -> None:
+    """Record a delivery in the transaction that finished the run."""
+    conn.execute("""
+        INSERT INTO webhook_deliveries (run_id, url, payload) VALUES (%s, %s, %s)
+        ON CONFLICT (run_id) DO NOTHING""", (run_id, url, jsonb(payload)))
+
+
+def claim_due(conn: Conn, limit: int, lease_s: float) -> list[WebhookDelivery]:
+    """Take up to ``limit`` due deliveries and push their next attempt ``lease_s``
+    ahead, so another relay does not send them while this one is; if this relay
+    dies the delivery is simply tried again after the lease (at least once)."""
+    return fetch_all(conn, WebhookDelivery, """
+        UPDATE webhook_deliveries d
+           SET next_attempt_at = NOW() + make_interval(secs => %s), attempts = d.attempts + 1
+          FROM (SELECT id FROM webhook_deliveries
+                 WHERE delivered_at IS NULL AND gave_up_at IS NULL AND next_attempt_at <= NOW()
+                 ORDER BY next_attempt_at LIMIT %s FOR UPDATE SKIP LOCKED) due
+         WHERE d.id = due.id
+        RETURNING d.id, d.run_id, d.url, d.payload, d.attempts""", (lease_s, limit))
+
+
+def mark_delivered(conn: Conn, delivery_id: int, status: int) -> None:
+    conn.execute("""UPDATE webhook_deliveries SET delivered_at = NOW(), last_status = %s, last_error = NULL
+                     WHERE id = %s""", (status, delivery_id))
+
+
+def mark_failed(conn: Conn, delivery_id: int, *, status: int | None, error: str, retry_in_s: float | None) -> None:
+    """Record a failed attempt; ``retry_in_s=None`` gives up."""
+    conn.execute("""
+        UPDATE webhook_deliveries
+           SET last_status = %s, last_error = %s,
+               next_attempt_at = CASE WHEN %s::float8 IS NULL THEN next_attempt_at
+                                      ELSE NOW() + make_interval(secs => %s::float8) END,
+               gave_up_at = CASE WHEN %s::float8 IS NULL THEN NOW() END
+         WHERE id = %s""", (status, error[:2000], retry_in_s, retry_in_s, retry_in_s, delivery_id))

@@ -1,0 +1,55 @@
+"""Small builders for integration tests: definitions and runs inserted directly."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from typing import Any
+
+import uuid6
+
+from composer_ops.repo import definitions, runs
+
+
+def uuid7_at(ts: datetime) -> str:
+    """A UUIDv7 whose timestamp is ``ts`` (random low bits)."""
+    ms = int(ts.timestamp() * 1000)
+    rand = uuid6.uuid7().int & ((1 << 80) - 1)
+    value = (ms << 80) | rand
+    value = (value & ~(0xF << 76)) | (0x7 << 76)        # version 7
+    value = (value & ~(0x3 << 62)) | (0x2 << 62)        # variant 10
+    h = f"{value:032x}"
+    return f"{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:]}"
+
+
+def add_definition(conn: Any, workflow_id: str = "wf", spec: dict[str, Any] | None = None) -> int:
+    spec = spec or {"id": workflow_id, "nodes": [{"id": "a", "type": "TASK", "task": "t"}]}
+    version = definitions.insert_version(conn, workflow_id=workflow_id, name=workflow_id, spec=spec,
+                                         created_by="test", webhook_url=None)
+    definitions.deploy(conn, workflow_id, version)
+    return version
+
+
+def add_run(conn: Any, workflow_id: str = "wf", *, at: datetime | None = None, version: int = 1,
+            status: str | None = None) -> str:
+    run_id = uuid7_at(at) if at else str(uuid6.uuid7())
+    runs.insert_run(conn, run_id=run_id, workflow_id=workflow_id, workflow_version=version,
+                    input={"x": 1}, context={"input": {"x": 1}, "config": {}})
+    if status and status != "RUNNING":
+        conn.execute("UPDATE workflow_runs SET status = %s WHERE id = %s", (status, run_id))
+    return run_id
+
+
+def now_utc() -> datetime:
+    return datetime.now(UTC)
+
+
+def connect_in_tz(url: str, tz: str) -> Any:
+    """A connection whose session TimeZone is ``tz`` (SET, since PGTZ would override
+    a startup option)."""
+    import psycopg
+
+    conn = psycopg.connect(url)
+    conn.execute("SELECT set_config('TimeZone', %s, false)", (tz,))
+    conn.commit()
+    assert conn.execute("SHOW TimeZone").fetchone()[0] == tz
+    return conn

@@ -1,0 +1,100 @@
+"""The migration runner: canonical schema, concurrency, checksums."""
+
+from __future__ import annotations
+
+import shutil
+import threading
+from pathlib import Path
+from typing import Any
+
+import psycopg
+import pytest
+
+from composer_ops.db.migrate import SQL_DIR, discover, migrate, status
+from composer_ops.errors import ComposerError, Invalid
+
+SCHEMA_QUERY = """
+SELECT 'column', table_name || '.' || column_name || ' ' || data_type || ' ' || is_nullable
+       || ' ' || COALESCE(column_default, '') || ' ' || COALESCE(collation_name, '')
+  FROM information_schema.columns WHERE table_schema = 'public'
+UNION ALL
+SELECT 'index', indexname || ' ' || indexdef FROM pg_indexes WHERE schemaname = 'public'
+UNION ALL
+SELECT 'function', p.proname || ' ' || md5(pg_get_functiondef(p.oid))
+  FROM pg_proc p JOIN pg_namespace n ON n.oid = p.pronamespace WHERE n.nspname = 'public'
+UNION ALL
+SELECT 'partition', c.relname || ' ' || pg_get_expr(c.relpartbound, c.oid)
+  FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace
+ WHERE n.nspname = 'public' AND c.relispartition AND c.relkind IN ('r', 'p')
+UNION ALL
+SELECT 'constraint', conrelid::regclass::text || ' ' || pg_get_constraintdef(oid)
+  FROM pg_constraint WHERE connamespace = 'public'::regnamespace AND conrelid <> 0
+ORDER BY 1, 2
+"""
+
+
+def schema(url: str) -> list[tuple[str, str]]:
+    with psycopg.connect(url) as conn:
+        return [(k, v) for k, v in conn.execute(SCHEMA_QUERY).fetchall() if "schema_migrations" not in v]
+
+
+def test_migrate_from_empty_equals_applying_the_files_by_hand(empty_db_url: str, db_url: str) -> None:
+    with psycopg.connect(empty_db_url, autocommit=True) as conn:
+        for mig in discover():
+            with conn.transaction():
+                conn.execute(mig.path.read_text())  # type: ignore[call-overload]
+    assert schema(empty_db_url) == schema(db_url)
+
+
+def test_migrate_is_idempotent_and_reports_status(db_url: str) -> None:
+    assert migrate(db_url) == []
+    assert all(applied for _, applied in status(db_url))
+
+
+def test_two_migrators_at_once_one_waits_neither_fails(empty_db_url: str) -> None:
+    barrier = threading.Barrier(2)
+    applied: list[int] = []
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            barrier.wait()
+            applied.append(len(migrate(empty_db_url)))
+        except BaseException as exc:  # noqa: BLE001 - asserted below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    assert sorted(applied) == [0, len(discover())]
+
+
+def test_an_edited_applied_file_is_refused(empty_db_url: str, tmp_path: Path) -> None:
+    sql_dir = tmp_path / "sql"
+    shutil.copytree(SQL_DIR, sql_dir)
+    migrate(empty_db_url, sql_dir=sql_dir)
+    first = sorted(sql_dir.glob("V001__*.sql"))[0]
+    first.write_text(first.read_text() + "\n-- an innocent-looking edit\n")
+    with pytest.raises(Invalid, match="V001__init.sql was changed after it was applied"):
+        migrate(empty_db_url, sql_dir=sql_dir)
+
+
+def test_a_failing_migration_rolls_back_and_is_not_recorded(empty_db_url: str, tmp_path: Path) -> None:
+    sql_dir = tmp_path / "sql"
+    shutil.copytree(SQL_DIR, sql_dir)
+    (sql_dir / "V999__broken.sql").write_text("CREATE TABLE half_done(x int);\nSELECT 1/0;\n")
+    with pytest.raises(ComposerError, match="V999__broken.sql failed: division by zero"):
+        migrate(empty_db_url, sql_dir=sql_dir)
+    with psycopg.connect(empty_db_url) as conn:
+        assert conn.execute("SELECT to_regclass('half_done')").fetchone()[0] is None
+        versions: Any = conn.execute("SELECT max(version) FROM schema_migrations").fetchone()
+        assert versions[0] == max(m.version for m in discover())
+
+
+def test_badly_named_migration_file_is_refused(tmp_path: Path) -> None:
+    (tmp_path / "V1_oops.sql").write_text("SELECT 1")
+    with pytest.raises(Invalid, match="named V<NNN>__<snake_case>.sql"):
+        discover(tmp_path)

@@ -1,0 +1,225 @@
+"""Every repository statement against a real server, fences included."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any
+
+import pytest
+
+from composer_ops.errors import Conflict, Invalid, NotFound
+from composer_ops.repo import definitions, outbox, runs, signals, tasks, webhooks
+from composer_ops.repo.rows import Dispatch, TaskRef
+from tests.integration.helpers import add_definition, add_run, now_utc
+
+
+@pytest.fixture
+def run_id(conn: Any) -> str:
+    add_definition(conn)
+    return add_run(conn)
+
+
+def _task(conn: Any, run_id: str, node: str = "a", state: str = "PENDING", **kw: Any) -> str:
+    task_id = f"{run_id[:8]}-{node}"
+    assert tasks.insert_task(conn, run_id, task_id=task_id, node_id=node, node_type=kw.pop("node_type", "TASK"),
+                             queue="default", state=state, **kw)
+    return task_id
+
+
+def _ref(run_id: str, task_id: str, node: str = "a", attempt: int = 0) -> TaskRef:
+    return TaskRef(task_id=task_id, run_id=run_id, node_id=node, attempt=attempt)
+
+
+def _state(conn: Any, run_id: str, node: str = "a") -> tuple[str, int]:
+    row = conn.execute("SELECT state, attempt FROM task_instances WHERE run_id = %s AND node_id = %s",
+                       (run_id, node)).fetchone()
+    return row[0], row[1]
+
+
+def test_lock_run_reads_row_and_db_clock(conn: Any, run_id: str) -> None:
+    row = runs.lock_run(conn, run_id)
+    assert (row.workflow_id, row.workflow_version, row.status) == ("wf", 1, "RUNNING")
+    assert row.context == {"input": {"x": 1}, "config": {}}
+    assert abs(row.now - now_utc()) < timedelta(seconds=5)
+    with pytest.raises(NotFound, match="does not exist"):
+        runs.lock_run(conn, "0190f0c0-0000-7000-8000-000000000000")
+
+
+def test_insert_run_twice_is_conflict(conn: Any, run_id: str) -> None:
+    with pytest.raises(Conflict, match="already exists"):
+        runs.insert_run(conn, run_id=run_id, workflow_id="wf", workflow_version=1, input=None, context={})
+    assert conn.execute("SELECT count(*) FROM workflow_runs").fetchone()[0] == 1
+
+
+def test_insert_run_needs_a_live_definition(conn: Any) -> None:
+    with pytest.raises(NotFound, match="wf v1"):
+        add_run(conn)
+    add_definition(conn)
+    definitions.soft_delete(conn, "wf")
+    with pytest.raises(Invalid, match="has been deleted"):
+        add_run(conn)
+
+
+def test_load_tasks_and_outputs(conn: Any, run_id: str) -> None:
+    _task(conn, run_id, "a", state="COMPLETED", output={"tier": "gold"})
+    _task(conn, run_id, "w", state="WAITING", node_type="WAIT_FOR_EVENT", event_name="go")
+    _task(conn, run_id, "s", state="COMPLETED", node_type="SWITCH", branches=["x"])
+    loaded = runs.load_tasks(conn, run_id)
+    assert set(loaded) == {"a", "w", "s"}
+    assert loaded["w"].event_name == "go" and loaded["a"].event_name is None
+    assert loaded["s"].branches == ["x"]
+    assert runs.load_outputs(conn, run_id, ["a", "w"]) == {"a": {"tier": "gold"}}
+    assert runs.load_outputs(conn, run_id, []) == {}
+
+
+def test_insert_task_twice_for_one_node_reports_false(conn: Any, run_id: str) -> None:
+    _task(conn, run_id)
+    again = tasks.insert_task(conn, run_id, task_id="other", node_id="a", node_type="TASK", queue=None,
+                              state="PENDING")
+    assert again is False
+    assert conn.execute("SELECT count(*) FROM task_instances WHERE run_id = %s", (run_id,)).fetchone()[0] == 1
+
+
+def test_insert_task_terminal_states_stamp_times(conn: Any, run_id: str) -> None:
+    _task(conn, run_id, "a", state="SKIPPED")
+    row = conn.execute("SELECT finished_at IS NOT NULL, completed_at IS NULL FROM task_instances"
+                       " WHERE run_id = %s", (run_id,)).fetchone()
+    assert row == (True, True)
+
+
+@pytest.mark.parametrize("op", ["complete", "fail", "requeue"])
+def test_fenced_updates_refuse_stale_attempt_and_finished_task(conn: Any, run_id: str, op: str) -> None:
+    task_id = _task(conn, run_id)
+    apply = {
+        "complete": lambda ref: tasks.complete_task(conn, ref, {"ok": 1}),
+        "fail": lambda ref: tasks.fail_task(conn, ref, "boom"),
+        "requeue": lambda ref: tasks.requeue_task(conn, ref, "retry"),
+    }[op]
+    assert apply(_ref(run_id, task_id, attempt=7)) is None          # stale attempt
+    assert apply(_ref(run_id, task_id, node="zzz")) is None         # wrong node
+    assert _state(conn, run_id) == ("PENDING", 0)
+    assert apply(_ref(run_id, task_id)) is not None
+    after = _state(conn, run_id)
+    tasks.complete_task(conn, _ref(run_id, task_id, attempt=after[1]), None)
+    final = _state(conn, run_id)
+    assert apply(_ref(run_id, task_id, attempt=after[1])) is None   # finished task
+    assert _state(conn, run_id) == final
+
+
+def test_requeue_bumps_attempt_and_returns_dispatch(conn: Any, run_id: str) -> None:
+    task_id = _task(conn, run_id, input={"n": 3})
+    d = tasks.requeue_task(conn, _ref(run_id, task_id), "flaky")
+    assert d is not None and (d.attempt, d.input, d.queue, d.node_type) == (1, {"n": 3}, "default", "TASK")
+    err = conn.execute("SELECT last_error FROM task_instances WHERE id = %s", (task_id,)).fetchone()[0]
+    assert err == {"error": "flaky"}
+
+
+def test_finish_run_once(conn: Any, run_id: str) -> None:
+    assert runs.finish_run(conn, run_id, "SUCCEEDED", output={"a": 1}) is True
+    assert runs.finish_run(conn, run_id, "FAILED", reason="late") is False
+    view = runs.get_run(conn, run_id)
+    assert (view.status, view.output, view.error) == ("SUCCEEDED", {"a": 1}, None)
+
+
+def test_due_waits_and_resolve_wait(conn: Any, run_id: str) -> None:
+    past = now_utc() - timedelta(seconds=5)
+    future = now_utc() + timedelta(hours=1)
+    due = _task(conn, run_id, "w1", state="WAITING", node_type="WAIT", wake_at=past)
+    _task(conn, run_id, "w2", state="WAITING", node_type="WAIT", wake_at=future)
+    assert [w.task_id for w in signals.due_waits(conn, 10)] == [due]
+    assert signals.resolve_wait(conn, run_id, due, state="COMPLETED", output={"ok": True})
+    assert not signals.resolve_wait(conn, run_id, due, state="FAILED", reason="late")
+    assert _state(conn, run_id, "w1") == ("COMPLETED", 0)
+    assert signals.due_waits(conn, 10) == []
+
+
+def test_signals_buffer_oldest_first_and_consume_once(conn: Any, run_id: str) -> None:
+    assert signals.pending_signal(conn, run_id, "go") is None
+    signals.buffer_signal(conn, run_id, signal_id="s1", name="go", payload={"n": 1})
+    signals.buffer_signal(conn, run_id, signal_id="s2", name="go", payload={"n": 2})
+    signals.buffer_signal(conn, run_id, signal_id="s3", name="other", payload=None)
+    first = signals.pending_signal(conn, run_id, "go")
+    assert first is not None and (first.id, first.payload) == ("s1", {"n": 1})
+    assert signals.consume_signal(conn, run_id, "s1") is True
+    assert signals.consume_signal(conn, run_id, "s1") is False
+    assert [s.id for s in signals.pending_signals(conn, run_id, "go")] == ["s2"]
+
+
+def test_definitions_versions_deploy_enable_delete(conn: Any) -> None:
+    v1 = add_definition(conn, "flow")
+    v2 = add_definition(conn, "flow")
+    assert (v1, v2) == (1, 2)
+    assert definitions.get_deployed(conn, "flow").version == 2
+    definitions.deploy(conn, "flow", 1)
+    deployed = [r.version for r in definitions.list_definitions(conn) if r.deployed]
+    assert deployed == [1]
+    definitions.set_enabled(conn, "flow", False)
+    assert definitions.get_version(conn, "flow", 2).enabled is False
+    with pytest.raises(NotFound):
+        definitions.deploy(conn, "flow", 9)
+    with pytest.raises(NotFound, match="deploy it first"):
+        definitions.get_deployed(conn, "nope")
+    definitions.soft_delete(conn, "flow")
+    with pytest.raises(Invalid, match="no deployed version"):
+        definitions.get_deployed(conn, "flow")
+    assert definitions.get_version(conn, "flow", 1).deleted_at is not None
+
+
+def test_outbox_claim_moves_task_to_running_with_lease(conn: Any, run_id: str) -> None:
+    task_id = _task(conn, run_id, input={"n": 1})
+    later = _task(conn, run_id, "b")
+    outbox.enqueue(conn, [
+        Dispatch(run_id=run_id, task_id=task_id, attempt=0, queue="default", task_name="t", lease_s=30),
+        Dispatch(run_id=run_id, task_id=later, attempt=0, queue="default", task_name="t", lease_s=30,
+                 available_at=now_utc() + timedelta(hours=1)),
+    ])
+    assert outbox.claim(conn, ["other"], "w1", 10) == []
+    claims = outbox.claim(conn, ["default"], "w1", 10)
+    assert [(c.task_id, c.input, c.lease_owner, c.task_name) for c in claims] == [(task_id, {"n": 1}, "w1", "t")]
+    assert _state(conn, run_id) == ("RUNNING", 0)
+    assert outbox.claim(conn, ["default"], "w2", 10) == []     # the delayed one is not yet available
+    assert conn.execute("SELECT count(*) FROM task_outbox").fetchone()[0] == 1
+
+
+def test_outbox_row_for_a_cancelled_task_claims_nothing(conn: Any, run_id: str) -> None:
+    task_id = _task(conn, run_id)
+    outbox.enqueue(conn, [Dispatch(run_id=run_id, task_id=task_id, attempt=0, queue="q", task_name="t",
+                                   lease_s=5)])
+    assert tasks.cancel_tasks(conn, run_id, [task_id], "cancelled") == 1
+    assert outbox.claim(conn, ["q"], "w", 5) == []
+    assert conn.execute("SELECT count(*) FROM task_outbox").fetchone()[0] == 0
+
+
+def test_heartbeat_extends_only_a_live_lease(conn: Any, run_id: str) -> None:
+    task_id = _task(conn, run_id)
+    outbox.enqueue(conn, [Dispatch(run_id=run_id, task_id=task_id, attempt=0, queue="q", task_name="t",
+                                   lease_s=1)])
+    claim = outbox.claim(conn, ["q"], "w1", 1)[0]
+    ref = _ref(run_id, task_id)
+    extended = tasks.heartbeat(conn, ref, "w1", 60)
+    assert extended is not None and extended > claim.lease_expires_at
+    assert tasks.heartbeat(conn, ref, "intruder", 60) is None
+    conn.execute("UPDATE task_instances SET lease_expires_at = now() - interval '1 s' WHERE id = %s", (task_id,))
+    assert tasks.heartbeat(conn, ref, "w1", 60) is None
+    assert [e.task_id for e in tasks.expired_leases(conn, 10)] == [task_id]
+
+
+def test_delete_outbox_rows_for_tasks(conn: Any, run_id: str) -> None:
+    task_id = _task(conn, run_id)
+    outbox.enqueue(conn, [Dispatch(run_id=run_id, task_id=task_id, attempt=0, queue="q", task_name="t",
+                                   lease_s=5)])
+    assert outbox.delete_for_tasks(conn, run_id, [task_id]) == 1
+
+
+def test_webhook_delivery_claim_and_outcomes(conn: Any, run_id: str) -> None:
+    webhooks.enqueue(conn, run_id, "http://127.0.0.1:9/hook", {"run_id": run_id})
+    webhooks.enqueue(conn, run_id, "http://127.0.0.1:9/hook", {"dup": True})
+    first = webhooks.claim_due(conn, 10, lease_s=30)
+    assert [(d.run_id, d.attempts) for d in first] == [(run_id, 1)]
+    assert webhooks.claim_due(conn, 10, lease_s=30) == []         # leased
+    webhooks.mark_failed(conn, first[0].id, status=500, error="boom", retry_in_s=0)
+    again = webhooks.claim_due(conn, 10, lease_s=30)
+    assert [d.attempts for d in again] == [2]
+    webhooks.mark_delivered(conn, again[0].id, 200)
+    row = conn.execute("SELECT delivered_at IS NOT NULL, last_status FROM webhook_deliveries").fetchone()
+    assert row == (True, 200)
