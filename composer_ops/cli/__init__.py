@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 import psycopg
 
-from composer_ops.cli import db_cmds, partition_cmds
+from composer_ops.cli import db_cmds, partition_cmds, run_cmds
 from composer_ops.cli._common import EXIT_BAD_INPUT, EXIT_FAILED, ArgumentParser
 from composer_ops.db.errors import translate
 from composer_ops.errors import ComposerError
@@ -28,6 +28,7 @@ def build_parser() -> ArgumentParser:
                         help="log level for the composer_ops logger [env: COMPOSER_LOG_LEVEL]")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=ArgumentParser)
     db_cmds.register(sub)
+    run_cmds.register(sub)
     partition_cmds.register(sub)
     return parser
 

@@ -39,13 +39,16 @@ def enqueue(conn: Conn, dispatches: Sequence[Dispatch], *, shards: int = 1) -> N
         conn.execute("SELECT pg_notify(%s, %s)", (CHANNEL, queue))
 
 
-def claim(conn: Conn, queues: Sequence[str], owner: str, limit: int) -> list[Claim]:
-    """Claim up to ``limit`` available tasks of ``queues`` for ``owner``."""
+def claim(conn: Conn, queues: Sequence[str], owner: str, limit: int,
+          task_names: Sequence[str] | None = None) -> list[Claim]:
+    """Claim up to ``limit`` available tasks of ``queues`` for ``owner`` (only tasks
+    named in ``task_names`` when given: a worker never takes work it has no handler for)."""
     return fetch_all(conn, Claim, """
         WITH picked AS (
             DELETE FROM task_outbox o
              USING (SELECT id FROM task_outbox
                      WHERE queue = ANY(%(queues)s) AND available_at <= NOW()
+                       AND (%(names)s::text[] IS NULL OR task_name = ANY(%(names)s::text[]))
                      ORDER BY available_at, id
                      LIMIT %(limit)s
                        FOR UPDATE SKIP LOCKED) s
@@ -61,7 +64,8 @@ def claim(conn: Conn, queues: Sequence[str], owner: str, limit: int) -> list[Cla
            AND t.state IN ('PENDING', 'QUEUED')
         RETURNING t.run_id, t.id AS task_id, t.node_id, t.attempt, p.task_name, p.queue,
                   t.input_json AS input, p.lease_s, t.lease_owner, t.lease_expires_at""",
-        {"queues": list(queues), "owner": owner, "limit": limit})
+        {"queues": list(queues), "owner": owner, "limit": limit,
+         "names": list(task_names) if task_names is not None else None})
 
 
 def delete_for_tasks(conn: Conn, run_id: str, task_ids: Sequence[str]) -> int:

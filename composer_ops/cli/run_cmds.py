@@ -1,0 +1,193 @@
+"""``deploy``, ``start``, ``signal``, ``cancel``, ``runs show``, ``coordinator``, ``worker``."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from pathlib import Path
+from typing import Any
+
+from composer_ops.cli._common import EXIT_OK, add_database_option, emit_json, env_option, json_arg
+from composer_ops.engine import Engine, Worker
+from composer_ops.errors import Invalid
+
+
+def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    dep = sub.add_parser("deploy", help="validate a definition (JSON or YAML file) and deploy it as a new version")
+    add_database_option(dep)
+    dep.add_argument("file", help="path of the definition, or - for standard input")
+    dep.set_defaults(func=cmd_deploy)
+
+    start = sub.add_parser("start", help="start a run of a deployed workflow; prints the run ID")
+    add_database_option(start)
+    start.add_argument("workflow", help="workflow id")
+    start.add_argument("--input", help="run input as JSON")
+    start.add_argument("--version", type=int, help="definition version (default: the deployed one)")
+    start.add_argument("--run-id", help="client-supplied run ID: a recent lowercase UUIDv7 (idempotency key)")
+    start.set_defaults(func=cmd_start)
+
+    sig = sub.add_parser("signal", help="send a signal to a run (buffered if no node waits for it yet)")
+    add_database_option(sig)
+    sig.add_argument("run_id")
+    sig.add_argument("name")
+    sig.add_argument("--payload", help="signal payload as JSON")
+    sig.set_defaults(func=cmd_signal)
+
+    cancel = sub.add_parser("cancel", help="cancel a run and its active tasks")
+    add_database_option(cancel)
+    cancel.add_argument("run_id")
+    cancel.add_argument("--reason", default="cancelled by operator", help="recorded as the run's error")
+    cancel.set_defaults(func=cmd_cancel)
+
+    runs = sub.add_parser("runs", help="inspect runs")
+    rsub = runs.add_subparsers(dest="runs_command", required=True, metavar="{show}")
+    show = rsub.add_parser("show", help="a run, its output or error, and its tasks")
+    add_database_option(show)
+    show.add_argument("run_id")
+    show.add_argument("--json", action="store_true", help="print JSON")
+    show.set_defaults(func=cmd_runs_show)
+
+    coord = sub.add_parser("coordinator", help="run the background loops (timers, leases, partitions, webhooks)")
+    add_database_option(coord)
+    coord.add_argument("--once", action="store_true", help="one pass of every loop, then exit")
+    env_option(coord, "--interval", env="COMPOSER_COORDINATOR_INTERVAL", type=float, default=0.5,
+               help="seconds between passes when idle")
+    env_option(coord, "--months-ahead", env="COMPOSER_MONTHS_AHEAD", type=int, default=3,
+               help="partition months kept ahead")
+    coord.set_defaults(func=cmd_coordinator)
+
+    work = sub.add_parser("worker", help="run a Worker defined in your code: --app module:attribute")
+    add_database_option(work)
+    env_option(work, "--app", env="COMPOSER_WORKER_APP", required=False,
+               help="module:attribute naming a Worker, or a function taking an Engine and returning one")
+    env_option(work, "--concurrency", env="COMPOSER_WORKER_CONCURRENCY", type=int,
+               help="override the Worker's concurrency")
+    work.set_defaults(func=cmd_worker)
+
+
+def load_definition(path: str) -> Any:
+    """Read a JSON or YAML definition, with errors that name the file and position."""
+    if path == "-":
+        text, name = sys.stdin.read(), "<stdin>"
+    else:
+        file = Path(path)
+        if not file.is_file():
+            raise Invalid(f"{path}: no such file")
+        text, name = file.read_text(encoding="utf-8"), path
+    if name.endswith((".yaml", ".yml")) or (not text.lstrip().startswith(("{", "["))):
+        import yaml
+
+        try:
+            return yaml.safe_load(text)
+        except yaml.YAMLError as exc:
+            mark = getattr(exc, "problem_mark", None)
+            where = f" at line {mark.line + 1} column {mark.column + 1}" if mark else ""
+            raise Invalid(f"{name}: not valid YAML{where}: {getattr(exc, 'problem', exc)}") from None
+    return json_arg(text, name)
+
+
+def _engine(args: argparse.Namespace) -> Engine:
+    return Engine.connect(args.database_url, pool_size=2, application_name=f"composer-ops {args.command}")
+
+
+def cmd_deploy(args: argparse.Namespace) -> int:
+    spec = load_definition(args.file)
+    with _engine(args) as engine:
+        workflow_id, version = engine.deploy(spec)
+    print(f"deployed {workflow_id} v{version}")
+    return EXIT_OK
+
+
+def cmd_start(args: argparse.Namespace) -> int:
+    payload = json_arg(args.input, "--input")
+    with _engine(args) as engine:
+        print(engine.start(args.workflow, input=payload, version=args.version, run_id=args.run_id))
+    return EXIT_OK
+
+
+def cmd_signal(args: argparse.Namespace) -> int:
+    payload = json_arg(args.payload, "--payload")
+    with _engine(args) as engine:
+        engine.signal(args.run_id, args.name, payload)
+    print("signalled")
+    return EXIT_OK
+
+
+def cmd_cancel(args: argparse.Namespace) -> int:
+    with _engine(args) as engine:
+        outcome = engine.cancel(args.run_id, reason=args.reason)
+    print("cancelled" if outcome.applied else f"unchanged: {outcome.stale}")
+    return EXIT_OK
+
+
+def cmd_runs_show(args: argparse.Namespace) -> int:
+    with _engine(args) as engine:
+        run = engine.get_run(args.run_id)
+    if args.json:
+        emit_json({**{k: v for k, v in run.__dict__.items() if k != "tasks"},
+                   "tasks": [t.__dict__ for t in run.tasks]})
+        return EXIT_OK
+    print(f"run {run.id}  {run.workflow_id} v{run.workflow_version}  {run.status}")
+    done = f"{run.completed_at:%Y-%m-%d %H:%M:%S%z}" if run.completed_at else "-"
+    print(f"created {run.created_at:%Y-%m-%d %H:%M:%S%z}  completed {done}")
+    if run.error:
+        print(f"error: {run.error}")
+    if run.output is not None:
+        print(f"output: {run.output}")
+    print(f"{'node':<24} {'type':<15} {'state':<10} {'attempt':>7}  detail")
+    for t in run.tasks:
+        detail = t.error or (f"waits for {t.event_name!r}" if t.state == "WAITING" and t.event_name else "")
+        if t.state == "WAITING" and t.wake_at:
+            detail = f"{detail} until {t.wake_at:%Y-%m-%d %H:%M:%S%z}".strip()
+        print(f"{t.node_id:<24} {t.node_type:<15} {t.state:<10} {t.attempt:>7}  {detail}")
+    return EXIT_OK
+
+
+def cmd_coordinator(args: argparse.Namespace) -> int:
+    with Engine.connect(args.database_url, pool_size=4, application_name="composer-coordinator") as engine:
+        coord = engine.coordinator(interval=args.interval, months_ahead=args.months_ahead)
+        if args.once:
+            stats = coord.run_once()
+            print(f"timers fired {stats.timers_fired}, leases expired {stats.leases_expired}, "
+                  f"stale {stats.stale}, partitions created {stats.partitions_created}, "
+                  f"webhooks delivered {stats.webhooks_delivered} (failed {stats.webhooks_failed})")
+            for err in stats.errors:
+                sys.stderr.write(f"composer-ops: {err}\n")
+            return 1 if stats.errors else EXIT_OK
+        coord.run()
+    return EXIT_OK
+
+
+def load_app(spec: str, engine: Engine) -> Worker:
+    """Resolve ``module:attribute`` to a Worker (or a factory taking the Engine)."""
+    if not spec or ":" not in spec:
+        raise Invalid(f"--app must look like module:attribute, got {spec!r}")
+    module_name, _, attr = spec.partition(":")
+    sys.path.insert(0, str(Path.cwd()))
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise Invalid(f"--app {spec}: cannot import {module_name!r}: {exc}") from None
+    target = getattr(module, attr, None)
+    if target is None:
+        raise Invalid(f"--app {spec}: module {module_name!r} has no attribute {attr!r}")
+    # A factory gets this command's Engine (and so --database-url); a ready-made
+    # Worker keeps the Engine it was built with.
+    worker = target if isinstance(target, Worker) else target(engine) if callable(target) else None
+    if not isinstance(worker, Worker):
+        raise Invalid(f"--app {spec}: expected a Worker or a function returning one, got {type(target).__name__}")
+    return worker
+
+
+def cmd_worker(args: argparse.Namespace) -> int:
+    if not args.app:
+        raise Invalid("worker needs --app module:attribute (or COMPOSER_WORKER_APP)")
+    with Engine.connect(args.database_url, application_name="composer-worker") as engine:
+        worker = load_app(args.app, engine)
+        if args.concurrency:
+            if args.concurrency < 1:
+                raise Invalid(f"--concurrency must be at least 1, got {args.concurrency}")
+            worker.concurrency = args.concurrency
+        worker.run()
+    return EXIT_OK

@@ -1,0 +1,486 @@
+"""The pure state machine: given a run snapshot and one event, decide the actions.
+
+``decide`` performs no I/O of its own and never reads a clock: ``event.now`` is the
+database clock read in the event's transaction, and the only reads it makes go
+through the ``Store`` the shell passes in (task outputs, buffered signals), in the
+same transaction, under the run's row lock. The shell applies the returned actions
+in order and commits; every state change of a run therefore happens under its lock.
+
+Task claim is deliberately *not* an event here. A worker claims with one fenced SQL
+statement (delete the outbox row, move the task PENDING/QUEUED -> RUNNING with
+``lease_owner`` and ``lease_expires_at``, fenced on ``attempt``) that needs no
+decision and must not take the run lock on the hot path. The machine sees its
+effect in the next snapshot: a RUNNING task with a lease.
+
+Within one decision the machine works on an overlay of the snapshot, so readiness
+sees the states it decided earlier in the same call: a SWITCH created COMPLETED,
+the skip cascade behind it and the join after it are all settled in one event.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import Any, Protocol
+
+from composer_ops.core.expressions import is_ref, parse_ref, referenced_nodes, resolve, resolve_ref
+from composer_ops.core.model import (
+    ACTIVE_RUN_STATUSES,
+    ACTIVE_TASK_STATES,
+    TERMINAL_TASK_STATES,
+    Action,
+    BufferSignal,
+    CancelRun,
+    CancelTasks,
+    CompleteTask,
+    ConsumeSignal,
+    CreateTask,
+    Decision,
+    Event,
+    FailTask,
+    FinishRun,
+    LeaseExpired,
+    NodeType,
+    RequeueTask,
+    ResolveWait,
+    RunSnapshot,
+    RunStatus,
+    Signal,
+    SignalReceived,
+    Stale,
+    StartRun,
+    TaskCompleted,
+    TaskFailed,
+    TaskRef,
+    TaskState,
+    TimerDue,
+)
+from composer_ops.core.retry import retry_decision
+from composer_ops.core.spec import NodeSpec
+from composer_ops.errors import Conflict, Invalid
+
+__all__ = ["Store", "decide"]
+
+
+class Store(Protocol):
+    """The reads a decision may need, served by the shell inside the event's transaction."""
+
+    def load_outputs(self, node_ids: Collection[str]) -> Mapping[str, Any]:
+        """Outputs of those of ``node_ids`` that are COMPLETED; others may be absent."""
+        ...
+
+    def pending_signals(self, name: str) -> Sequence[Signal]:
+        """Unconsumed buffered signals of that name, oldest first."""
+        ...
+
+
+@dataclass
+class _Slot:
+    """Mutable overlay of one node's ``NodeState`` during a decision."""
+
+    task_id: str
+    state: TaskState
+    attempt: int = 0
+    branches: tuple[str, ...] | None = None
+    awaited_signal: str | None = None
+    lease_owner: str | None = None
+    lease_expires_at: datetime | None = None
+
+
+def _seconds(value: float) -> str:
+    return f"{int(value)}s" if float(value).is_integer() else f"{value}s"
+
+
+def _instant(value: Any) -> datetime | None:
+    if not isinstance(value, str):
+        return None
+    try:
+        ts = datetime.fromisoformat(value)
+    except ValueError:
+        return None
+    return ts if ts.tzinfo is not None and ts.utcoffset() is not None else None
+
+
+def _stale(reason: str) -> Decision:
+    return Decision(actions=(Stale(reason=reason),))
+
+
+class _Decider:
+    """One decision in progress: the snapshot, the overlay and the actions so far."""
+
+    def __init__(self, run: RunSnapshot, store: Store, new_id: Callable[[], str], now: datetime) -> None:
+        self.run = run
+        self.spec = run.spec
+        self.store = store
+        self.new_id = new_id
+        self.now = now
+        self.slots: dict[str, _Slot] = {
+            node_id: _Slot(
+                task_id=ns.task_id,
+                state=ns.state,
+                attempt=ns.attempt,
+                branches=ns.branches,
+                awaited_signal=ns.awaited_signal,
+                lease_owner=ns.lease_owner,
+                lease_expires_at=ns.lease_expires_at,
+            )
+            for node_id, ns in run.nodes.items()
+        }
+        self.actions: list[Action] = []
+        # Outputs decided in this call (not yet in the database) or already loaded.
+        self.outputs: dict[str, Any] = {}
+        self.signals: dict[str, list[Signal]] = {}
+        self.consumed: set[str] = set()
+        self.finished = False
+
+    def decision(self) -> Decision:
+        return Decision(actions=tuple(self.actions))
+
+    # -- reads --------------------------------------------------------------
+
+    def outputs_of(self, node_ids: Iterable[str]) -> dict[str, Any]:
+        """Outputs of the COMPLETED nodes among ``node_ids``, loading only what is unknown."""
+        wanted = sorted({n for n in node_ids if n in self.slots and self.slots[n].state is TaskState.COMPLETED})
+        missing = [n for n in wanted if n not in self.outputs]
+        if missing:
+            loaded = self.store.load_outputs(missing)
+            for node_id in missing:
+                self.outputs[node_id] = loaded.get(node_id)
+        return {n: self.outputs[n] for n in wanted}
+
+    def take_signal(self, name: str) -> Signal | None:
+        """The oldest buffered signal of that name not yet consumed in this decision."""
+        if name not in self.signals:
+            self.signals[name] = list(self.store.pending_signals(name))
+        for signal in self.signals[name]:
+            if signal.id not in self.consumed:
+                self.consumed.add(signal.id)
+                return signal
+        return None
+
+    # -- writes -------------------------------------------------------------
+
+    def set_state(self, node_id: str, state: TaskState, *, output: Any = None) -> None:
+        slot = self.slots[node_id]
+        slot.state = state
+        slot.lease_owner = None
+        slot.lease_expires_at = None
+        if state is TaskState.COMPLETED:
+            self.outputs[node_id] = output
+
+    def create(self, node: NodeSpec, state: TaskState, **fields: Any) -> None:
+        task_id = self.new_id()
+        self.actions.append(CreateTask(task_id=task_id, node_id=node.id, node_type=node.type, state=state, **fields))
+        self.slots[node.id] = _Slot(
+            task_id=task_id,
+            state=state,
+            branches=fields.get("branches"),
+            awaited_signal=fields.get("awaited_signal"),
+        )
+        if state is TaskState.COMPLETED:
+            self.outputs[node.id] = fields.get("output")
+
+    def fail_run(self, reason: str) -> None:
+        """Cancel every active task and finish the run FAILED."""
+        active = sorted(s.task_id for s in self.slots.values() if s.state in ACTIVE_TASK_STATES)
+        if active:
+            self.actions.append(CancelTasks(task_ids=tuple(active), reason=f"run failed: {reason}"))
+            for slot in self.slots.values():
+                if slot.state in ACTIVE_TASK_STATES:
+                    slot.state = TaskState.CANCELLED
+        self.actions.append(FinishRun(status=RunStatus.FAILED, output=None, reason=reason))
+        self.finished = True
+
+    def node_failed(self, node_id: str, reason: str) -> None:
+        """A node failed for good: fail the run unless the node is optional."""
+        if not self.spec.nodes[node_id].optional:
+            self.fail_run(reason)
+
+    # -- readiness ----------------------------------------------------------
+
+    def live(self, dep: str, node_id: str) -> bool:
+        """Whether a terminal dependency lets ``node_id`` run rather than be skipped."""
+        slot = self.slots[dep]
+        dep_spec = self.spec.nodes[dep]
+        if slot.state is TaskState.COMPLETED:
+            pass
+        elif slot.state is TaskState.FAILED and dep_spec.optional:
+            pass
+        else:
+            return False
+        if dep_spec.type is NodeType.SWITCH:
+            return node_id in (slot.branches or ())
+        return True
+
+    def advance(self) -> None:
+        """Create every node that became ready, cascading to a fixpoint.
+
+        One pass in topological order suffices: a node created terminal (SWITCH,
+        SKIPPED, consumed signal) is seen by its dependents later in the same pass.
+        """
+        for node_id in self.spec.topological_order():
+            if self.finished:
+                return
+            if node_id in self.slots:
+                continue
+            node = self.spec.nodes[node_id]
+            deps = node.depends_on
+            if any(d not in self.slots or self.slots[d].state not in TERMINAL_TASK_STATES for d in deps):
+                continue
+            if deps and not any(self.live(d, node_id) for d in deps):
+                queue = node.queue if node.type is NodeType.TASK else None
+                self.create(node, TaskState.SKIPPED, queue=queue)
+            elif node.type is NodeType.TASK:
+                self.create_task(node)
+            elif node.type is NodeType.SWITCH:
+                self.create_switch(node)
+            elif node.type is NodeType.WAIT:
+                self.create_wait(node)
+            else:
+                self.create_wait_for_event(node)
+        self.finish_if_done()
+
+    def finish_if_done(self) -> None:
+        if self.finished:
+            return
+        for node_id in self.spec.nodes:
+            slot = self.slots.get(node_id)
+            if slot is None or slot.state not in TERMINAL_TASK_STATES:
+                return
+        sinks = self.spec.sinks()
+        outputs = self.outputs_of(sinks)
+        self.actions.append(
+            FinishRun(
+                status=RunStatus.SUCCEEDED,
+                output={sink: outputs.get(sink) for sink in sinks},
+                reason=None,
+            )
+        )
+        self.finished = True
+
+    # -- node creation ------------------------------------------------------
+
+    def create_task(self, node: NodeSpec) -> None:
+        outputs = self.outputs_of(referenced_nodes(node.input))
+        self.create(
+            node,
+            TaskState.PENDING,
+            queue=node.queue,
+            input=resolve(node.input, self.run.context, outputs),
+            available_at=self.now,
+        )
+
+    def create_switch(self, node: NodeSpec) -> None:
+        assert node.expression is not None
+        ref = parse_ref(node.expression)
+        outputs = self.outputs_of([ref.node] if ref.node is not None else [])
+        value = resolve_ref(ref, self.run.context, outputs)
+        # Case labels are JSON object keys, so a non-string value is matched by its
+        # JSON text: 1 -> "1", true -> "true", null -> "null".
+        key = value if isinstance(value, str) else json.dumps(value, sort_keys=True, default=str)
+        branches = tuple(node.cases.get(key, node.default))
+        self.create(
+            node,
+            TaskState.COMPLETED,
+            output={"value": value, "branches": list(branches)},
+            branches=branches,
+        )
+
+    def create_wait(self, node: NodeSpec) -> None:
+        if node.duration_s is not None:
+            self.create(node, TaskState.WAITING, wake_at=self.now + timedelta(seconds=node.duration_s))
+            return
+        assert node.until is not None
+        value: Any = node.until
+        if is_ref(node.until):
+            ref = parse_ref(node.until)
+            outputs = self.outputs_of([ref.node] if ref.node is not None else [])
+            value = resolve_ref(ref, self.run.context, outputs)
+        wake_at = _instant(value)
+        if wake_at is None:
+            error = (
+                f"until {node.until} resolved to {json.dumps(value, default=str)}, "
+                "which is not an ISO-8601 instant with a time zone"
+            )
+            self.create(node, TaskState.FAILED, error=error)
+            self.node_failed(node.id, f"node {json.dumps(node.id)} failed: {error}")
+            return
+        self.create(node, TaskState.WAITING, wake_at=wake_at)
+
+    def create_wait_for_event(self, node: NodeSpec) -> None:
+        assert node.event is not None
+        signal = self.take_signal(node.event)
+        if signal is not None:
+            self.create(node, TaskState.COMPLETED, output=signal.payload, awaited_signal=node.event)
+            self.actions.append(ConsumeSignal(signal_id=signal.id))
+            return
+        wake_at = None if node.timeout_s is None else self.now + timedelta(seconds=node.timeout_s)
+        self.create(node, TaskState.WAITING, wake_at=wake_at, awaited_signal=node.event)
+
+    # -- events -------------------------------------------------------------
+
+    def fence(self, ref: TaskRef) -> str | None:
+        """Why a worker's report for ``ref`` is stale, or None if it is current."""
+        run = self.run
+        if ref.run_id != run.id:
+            return f"task {ref.task_id} belongs to run {ref.run_id}, not {run.id}"
+        slot = self.slots.get(ref.node_id)
+        if ref.node_id not in self.spec.nodes or slot is None or slot.task_id != ref.task_id:
+            return f"run {run.id} has no task {ref.task_id} for node {json.dumps(ref.node_id)}"
+        if slot.attempt != ref.attempt:
+            return f"attempt {ref.attempt} of task {ref.task_id} is stale: the task is at attempt {slot.attempt}"
+        if slot.state is not TaskState.RUNNING:
+            return f"task {ref.task_id} is {slot.state}, not RUNNING"
+        if ref.lease_owner is not None and slot.lease_owner != ref.lease_owner:
+            return f"task {ref.task_id} is leased to {slot.lease_owner}, not {ref.lease_owner}"
+        return None
+
+    def on_result(self, ref: TaskRef) -> str | None:
+        """Fence a worker's result: the attempt must be current and its lease unexpired."""
+        reason = self.fence(ref)
+        if reason is not None:
+            return reason
+        expires = self.slots[ref.node_id].lease_expires_at
+        if expires is not None and expires <= self.now:
+            return (
+                f"lease of task {ref.task_id} attempt {ref.attempt} lapsed at {expires.isoformat()}; "
+                "the lease sweeper retries it"
+            )
+        return None
+
+    def task_completed(self, event: TaskCompleted) -> Decision:
+        reason = self.on_result(event.ref)
+        if reason is not None:
+            return _stale(reason)
+        self.actions.append(CompleteTask(ref=event.ref, output=event.output))
+        self.set_state(event.ref.node_id, TaskState.COMPLETED, output=event.output)
+        self.advance()
+        return self.decision()
+
+    def task_failed(self, ref: TaskRef, error: str, retryable: bool) -> Decision:
+        node = self.spec.nodes[ref.node_id]
+        delay = retry_decision(node.retry, ref.attempt, retryable)
+        if delay is not None:
+            available_at = self.now + timedelta(seconds=delay)
+            self.actions.append(RequeueTask(ref=ref, reason=error, available_at=available_at))
+            self.set_state(ref.node_id, TaskState.PENDING)
+            self.slots[ref.node_id].attempt += 1
+            return self.decision()
+        self.actions.append(FailTask(ref=ref, reason=error))
+        self.set_state(ref.node_id, TaskState.FAILED)
+        attempts = ref.attempt + 1
+        tried = f"after {attempts} attempts" if attempts > 1 else "after 1 attempt"
+        self.node_failed(ref.node_id, f"node {json.dumps(ref.node_id)} failed {tried}: {error}")
+        self.advance()
+        return self.decision()
+
+    def lease_expired(self, event: LeaseExpired) -> Decision:
+        ref = event.ref
+        reason = self.fence(ref)
+        if reason is not None:
+            return _stale(reason)
+        slot = self.slots[ref.node_id]
+        expires = slot.lease_expires_at
+        if expires is None or expires > self.now:
+            return _stale(f"lease of task {ref.task_id} has not expired")
+        error = f"lease of {slot.lease_owner} expired at {expires.isoformat()}"
+        return self.task_failed(ref, error, retryable=True)
+
+    def timer_due(self, event: TimerDue) -> Decision:
+        slot = self.slots.get(event.node_id)
+        node = self.spec.nodes.get(event.node_id)
+        if node is None or slot is None or slot.task_id != event.task_id:
+            return _stale(f"run {self.run.id} has no task {event.task_id} for node {json.dumps(event.node_id)}")
+        if slot.state is not TaskState.WAITING:
+            return _stale(f"task {event.task_id} is {slot.state}, not WAITING")
+        if node.type is NodeType.WAIT or (node.type is NodeType.WAIT_FOR_EVENT and node.on_timeout == "continue"):
+            self.actions.append(ResolveWait(task_id=slot.task_id, node_id=node.id, state=TaskState.COMPLETED))
+            self.set_state(node.id, TaskState.COMPLETED, output=None)
+        elif node.type is NodeType.WAIT_FOR_EVENT:
+            after = f" after {_seconds(node.timeout_s)}" if node.timeout_s is not None else ""
+            error = f"timed out waiting for event {json.dumps(node.event)}{after}"
+            self.actions.append(
+                ResolveWait(task_id=slot.task_id, node_id=node.id, state=TaskState.FAILED, reason=error)
+            )
+            self.set_state(node.id, TaskState.FAILED)
+            self.node_failed(node.id, f"node {json.dumps(node.id)} failed: {error}")
+        else:
+            return _stale(f"node {json.dumps(node.id)} is a {node.type} node and has no timer")
+        self.advance()
+        return self.decision()
+
+    def signal_received(self, event: SignalReceived) -> Decision:
+        run = self.run
+        if run.status not in ACTIVE_RUN_STATUSES:
+            raise Conflict(f"run {run.id} is {run.status}; it accepts no signals")
+        if not any(n.type is NodeType.WAIT_FOR_EVENT and n.event == event.name for n in self.spec.nodes.values()):
+            raise Invalid(
+                f"run {run.id}: workflow {json.dumps(run.workflow_id)} version {run.workflow_version} "
+                f"has no WAIT_FOR_EVENT node for event {json.dumps(event.name)}"
+            )
+        waiters = sorted(
+            (slot.task_id, node_id)
+            for node_id, slot in self.slots.items()
+            if slot.state is TaskState.WAITING
+            and slot.awaited_signal == event.name
+            and node_id in self.spec.nodes
+            and self.spec.nodes[node_id].type is NodeType.WAIT_FOR_EVENT
+        )
+        if not waiters:
+            self.actions.append(BufferSignal(name=event.name, payload=event.payload))
+            return self.decision()
+        task_id, node_id = waiters[0]
+        self.actions.append(
+            ResolveWait(task_id=task_id, node_id=node_id, state=TaskState.COMPLETED, output=event.payload)
+        )
+        self.set_state(node_id, TaskState.COMPLETED, output=event.payload)
+        self.advance()
+        return self.decision()
+
+    def cancel_run(self, event: CancelRun) -> Decision:
+        run = self.run
+        if run.status not in ACTIVE_RUN_STATUSES:
+            raise Conflict(f"run {run.id} is {run.status}; it cannot be cancelled")
+        active = sorted(s.task_id for s in self.slots.values() if s.state in ACTIVE_TASK_STATES)
+        if active:
+            self.actions.append(CancelTasks(task_ids=tuple(active), reason=event.reason))
+        self.actions.append(FinishRun(status=RunStatus.CANCELLED, output=None, reason=event.reason))
+        return self.decision()
+
+
+def decide(run: RunSnapshot, event: Event, store: Store, new_id: Callable[[], str]) -> Decision:
+    """Decide what one event does to a run.
+
+    ``new_id`` mints task ids (the shell passes UUIDv7 text, which sorts by creation;
+    the earliest waiter of a signal is the one with the smallest task id). Raises
+    ``Conflict`` for a signal or cancel on a finished run and ``Invalid`` for a
+    signal no node of the workflow waits for; every other event on a finished run,
+    and every report from a stale attempt, yields a decision with a single
+    ``Stale`` action.
+    """
+    if event.now.tzinfo is None or event.now.utcoffset() is None:
+        raise ValueError(f"event.now must be timezone-aware, got {event.now!r}")
+    decider = _Decider(run, store, new_id, event.now)
+    if isinstance(event, SignalReceived):
+        return decider.signal_received(event)
+    if isinstance(event, CancelRun):
+        return decider.cancel_run(event)
+    if run.status not in ACTIVE_RUN_STATUSES:
+        return _stale(f"run {run.id} is {run.status}")
+    if isinstance(event, StartRun):
+        if run.nodes:
+            return _stale(f"run {run.id} has already started")
+        decider.advance()
+        return decider.decision()
+    if isinstance(event, TaskCompleted):
+        return decider.task_completed(event)
+    if isinstance(event, TaskFailed):
+        reason = decider.on_result(event.ref)
+        if reason is not None:
+            return _stale(reason)
+        return decider.task_failed(event.ref, event.error, event.retryable)
+    if isinstance(event, LeaseExpired):
+        return decider.lease_expired(event)
+    return decider.timer_due(event)

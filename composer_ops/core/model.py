@@ -1,0 +1,340 @@
+"""The values the state machine reasons about: states, the run snapshot, events, actions.
+
+Every state is a ``StrEnum`` whose value is the exact text stored in PostgreSQL, so
+rows can be mapped to and from these types without a translation table. Every
+dataclass is frozen and keyword-only: a snapshot handed to the machine cannot be
+changed behind its back, and call sites stay readable when fields are added.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from datetime import datetime
+from enum import StrEnum
+from typing import TYPE_CHECKING, Any, TypeAlias
+
+if TYPE_CHECKING:
+    from composer_ops.core.spec import WorkflowSpec
+
+
+class TaskState(StrEnum):
+    """State of one task instance (one row of ``task_instances``)."""
+
+    PENDING = "PENDING"
+    QUEUED = "QUEUED"
+    RUNNING = "RUNNING"
+    WAITING = "WAITING"
+    COMPLETED = "COMPLETED"
+    FAILED = "FAILED"
+    SKIPPED = "SKIPPED"
+    CANCELLED = "CANCELLED"
+
+
+ACTIVE_TASK_STATES: frozenset[TaskState] = frozenset(
+    {TaskState.PENDING, TaskState.QUEUED, TaskState.RUNNING, TaskState.WAITING}
+)
+TERMINAL_TASK_STATES: frozenset[TaskState] = frozenset(
+    {TaskState.COMPLETED, TaskState.FAILED, TaskState.SKIPPED, TaskState.CANCELLED}
+)
+
+
+class RunStatus(StrEnum):
+    """Status of a workflow run (one row of ``workflow_runs``)."""
+
+    PENDING = "PENDING"
+    RUNNING = "RUNNING"
+    SUCCEEDED = "SUCCEEDED"
+    FAILED = "FAILED"
+    CANCELLED = "CANCELLED"
+
+
+ACTIVE_RUN_STATUSES: frozenset[RunStatus] = frozenset({RunStatus.PENDING, RunStatus.RUNNING})
+TERMINAL_RUN_STATUSES: frozenset[RunStatus] = frozenset({RunStatus.SUCCEEDED, RunStatus.FAILED, RunStatus.CANCELLED})
+
+
+class NodeType(StrEnum):
+    """Kind of a workflow node; stored in ``task_instances.node_type``."""
+
+    TASK = "TASK"
+    SWITCH = "SWITCH"
+    WAIT = "WAIT"
+    WAIT_FOR_EVENT = "WAIT_FOR_EVENT"
+
+
+# ---------------------------------------------------------------------------
+# The snapshot
+
+
+@dataclass(frozen=True, kw_only=True)
+class NodeState:
+    """What the machine knows about the task of one reached node.
+
+    ``attempt`` is 0-based: the number of retries so far. ``awaited_signal`` is the
+    event name of a WAIT_FOR_EVENT task. Inputs and outputs are deliberately absent:
+    they are loaded through the store only when a decision needs them.
+    """
+
+    task_id: str
+    state: TaskState
+    attempt: int = 0
+    branches: tuple[str, ...] | None = None
+    awaited_signal: str | None = None
+    lease_owner: str | None = None
+    lease_expires_at: datetime | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class Signal:
+    """A buffered, not yet consumed signal (one row of ``workflow_events``)."""
+
+    id: str
+    name: str
+    payload: Any
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunContext:
+    """The run's input and its definition's config: the roots of ``$.`` references."""
+
+    input: Any
+    config: Mapping[str, Any]
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunSnapshot:
+    """A run as loaded under its row lock: the machine's whole view of the world.
+
+    ``nodes`` holds only the nodes that have a task row, keyed by node id.
+    """
+
+    id: str
+    workflow_id: str
+    workflow_version: int
+    status: RunStatus
+    context: RunContext
+    spec: WorkflowSpec
+    nodes: Mapping[str, NodeState]
+
+
+@dataclass(frozen=True, kw_only=True)
+class TaskRef:
+    """One execution attempt of a task; a result applies only when every field matches.
+
+    ``lease_owner`` is the worker that claimed the attempt; ``None`` skips the owner
+    check (for reports that do not come from a worker).
+    """
+
+    task_id: str
+    run_id: str
+    node_id: str
+    attempt: int
+    lease_owner: str | None = None
+
+
+# ---------------------------------------------------------------------------
+# Events. ``now`` is always the database clock read in the event's transaction.
+
+
+@dataclass(frozen=True, kw_only=True)
+class StartRun:
+    """The run row was just inserted; create its root nodes."""
+
+    now: datetime
+
+
+@dataclass(frozen=True, kw_only=True)
+class TaskCompleted:
+    """A worker finished an attempt; ``output`` is the handler's JSON result."""
+
+    ref: TaskRef
+    output: Any
+    now: datetime
+
+
+@dataclass(frozen=True, kw_only=True)
+class TaskFailed:
+    """A worker's handler raised; ``retryable`` is false for ``NonRetryableError``."""
+
+    ref: TaskRef
+    error: str
+    retryable: bool
+    now: datetime
+
+
+@dataclass(frozen=True, kw_only=True)
+class LeaseExpired:
+    """The lease sweeper found the attempt RUNNING past its lease."""
+
+    ref: TaskRef
+    now: datetime
+
+
+@dataclass(frozen=True, kw_only=True)
+class TimerDue:
+    """The timer loop found a WAITING task whose ``wake_at`` has passed."""
+
+    task_id: str
+    node_id: str
+    now: datetime
+
+
+@dataclass(frozen=True, kw_only=True)
+class SignalReceived:
+    """A client signalled the run."""
+
+    name: str
+    payload: Any
+    now: datetime
+
+
+@dataclass(frozen=True, kw_only=True)
+class CancelRun:
+    """A client asked to cancel the run."""
+
+    reason: str
+    now: datetime
+
+
+Event: TypeAlias = StartRun | TaskCompleted | TaskFailed | LeaseExpired | TimerDue | SignalReceived | CancelRun
+
+
+# ---------------------------------------------------------------------------
+# Actions: what the shell must write, in order, in the event's transaction.
+
+
+@dataclass(frozen=True, kw_only=True)
+class CreateTask:
+    """Insert the task of a node that just became ready.
+
+    TASK nodes start PENDING with ``available_at`` set (the shell writes the outbox
+    row); SWITCH nodes and WAIT_FOR_EVENT nodes that consume a buffered signal are
+    born COMPLETED; WAIT and waiting WAIT_FOR_EVENT nodes are born WAITING with
+    ``wake_at``; skipped nodes are born SKIPPED; a WAIT whose ``until`` reference
+    does not resolve to an instant is born FAILED with ``error``.
+    """
+
+    task_id: str
+    node_id: str
+    node_type: NodeType
+    state: TaskState
+    queue: str | None = None
+    input: Any = None
+    output: Any = None
+    error: str | None = None
+    branches: tuple[str, ...] | None = None
+    wake_at: datetime | None = None
+    awaited_signal: str | None = None
+    available_at: datetime | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class RequeueTask:
+    """Put a failed attempt back to PENDING as attempt+1, dispatchable at ``available_at``."""
+
+    ref: TaskRef
+    reason: str
+    available_at: datetime
+
+
+@dataclass(frozen=True, kw_only=True)
+class CompleteTask:
+    """Mark the attempt COMPLETED with its output and release its lease."""
+
+    ref: TaskRef
+    output: Any
+
+
+@dataclass(frozen=True, kw_only=True)
+class FailTask:
+    """Mark the attempt FAILED for good and release its lease."""
+
+    ref: TaskRef
+    reason: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class ResolveWait:
+    """Move a WAITING task to COMPLETED (with ``output``) or FAILED (with ``reason``)."""
+
+    task_id: str
+    node_id: str
+    state: TaskState
+    output: Any = None
+    reason: str | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class BufferSignal:
+    """Store a signal no node is waiting for yet; the shell mints its id."""
+
+    name: str
+    payload: Any
+
+
+@dataclass(frozen=True, kw_only=True)
+class ConsumeSignal:
+    """Mark a buffered signal consumed (it resolved a node created in this decision)."""
+
+    signal_id: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class CancelTasks:
+    """Move these active tasks to CANCELLED (and drop their outbox rows)."""
+
+    task_ids: tuple[str, ...]
+    reason: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class FinishRun:
+    """Move the run to a terminal status; ``output`` is set for SUCCEEDED runs."""
+
+    status: RunStatus
+    output: Any = None
+    reason: str | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class Stale:
+    """The event changes nothing; a reported result is dropped and reported as stale."""
+
+    reason: str
+
+
+Action: TypeAlias = (
+    CreateTask
+    | RequeueTask
+    | CompleteTask
+    | FailTask
+    | ResolveWait
+    | BufferSignal
+    | ConsumeSignal
+    | CancelTasks
+    | FinishRun
+    | Stale
+)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Decision:
+    """The machine's answer to one event: actions to apply in order, in one transaction.
+
+    A stale decision holds exactly one ``Stale`` action and nothing else.
+    """
+
+    actions: tuple[Action, ...]
+
+    @property
+    def stale(self) -> bool:
+        """True when the event was dropped without changing anything."""
+        return any(isinstance(a, Stale) for a in self.actions)
+
+    @property
+    def finish(self) -> FinishRun | None:
+        """The run's terminal transition, when this decision finishes the run."""
+        for action in self.actions:
+            if isinstance(action, FinishRun):
+                return action
+        return None

@@ -1,0 +1,150 @@
+"""UUIDv7 run IDs: validation, embedded timestamps and partition bounds.
+
+Run-scoped tables are range-partitioned by month on the run ID's text, which works
+only because a canonical lowercase UUIDv7 sorts by its 48-bit millisecond
+timestamp. A client-supplied run ID must therefore be exactly that shape, and
+recent, or it would land in a partition that does not exist.
+"""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime, timedelta
+
+from composer_ops.errors import Invalid
+
+__all__ = [
+    "month_bounds",
+    "month_of",
+    "month_start",
+    "uuid7_bound",
+    "uuid7_timestamp",
+    "validate_run_id",
+]
+
+_EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
+_HEX = frozenset("0123456789abcdef")
+_HYPHENS = (8, 13, 18, 23)
+_EXAMPLE = "0190b6c8-5a3e-7d2c-9f1e-3b4a5c6d7e8f"
+
+
+def _require_aware(ts: datetime, name: str) -> None:
+    if ts.tzinfo is None or ts.utcoffset() is None:
+        raise ValueError(f"{name} must be a timezone-aware datetime, got {ts!r}")
+
+
+def _epoch_ms(ts: datetime) -> int:
+    # Exact integer arithmetic on the timedelta: ts.timestamp() is a float and can be
+    # off by one millisecond, which would move a partition bound.
+    delta = ts - _EPOCH
+    return (delta.days * 86_400 + delta.seconds) * 1000 + delta.microseconds // 1000
+
+
+def _format_age(delta: timedelta) -> str:
+    seconds = int(delta.total_seconds())
+    hours, rest = divmod(seconds, 3600)
+    minutes, secs = divmod(rest, 60)
+    parts = [f"{hours}h" if hours else "", f"{minutes}m" if minutes else "", f"{secs}s" if secs else ""]
+    return "".join(parts) or f"{delta.total_seconds():g}s"
+
+
+def _iso(ts: datetime) -> str:
+    return ts.astimezone(UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+
+
+def _check_uuid7(run_id: object) -> str:
+    """Return ``run_id`` if it is a canonical lowercase UUIDv7, else raise Invalid."""
+    if not isinstance(run_id, str):
+        raise Invalid(f"run id must be a string, got {type(run_id).__name__}")
+    shape_ok = len(run_id) == 36 and all(
+        (ch == "-") if i in _HYPHENS else (ch in _HEX or ch in "ABCDEF") for i, ch in enumerate(run_id)
+    )
+    if not shape_ok:
+        raise Invalid(
+            f"run id {run_id!r} is not a canonical UUID: expected 36 characters, "
+            f"hex digits with hyphens after the 8th, 12th, 16th and 20th, like {_EXAMPLE}"
+        )
+    if run_id != run_id.lower():
+        raise Invalid(f"run id {run_id!r} must be lowercase (try {run_id.lower()!r})")
+    if run_id[14] != "7":
+        raise Invalid(f"run id {run_id!r} is a version {run_id[14]} UUID, not a UUIDv7")
+    if run_id[19] not in "89ab":
+        raise Invalid(
+            f"run id {run_id!r} has variant nibble {run_id[19]!r}; "
+            "a UUIDv7 needs the RFC 9562 variant (bits 10xx: 8, 9, a or b)"
+        )
+    return run_id
+
+
+def uuid7_timestamp(run_id: str) -> datetime:
+    """The UTC instant (millisecond precision) embedded in a canonical UUIDv7.
+
+    Raises ``Invalid`` when ``run_id`` is not a canonical lowercase UUIDv7.
+    """
+    _check_uuid7(run_id)
+    ms = int(run_id[0:8] + run_id[9:13], 16)
+    return _EPOCH + timedelta(milliseconds=ms)
+
+
+def validate_run_id(
+    run_id: str,
+    now: datetime,
+    *,
+    max_age: timedelta = timedelta(hours=1),
+    max_ahead: timedelta = timedelta(minutes=5),
+) -> datetime:
+    """Check a client-supplied run ID against the database clock ``now``.
+
+    Returns the embedded timestamp. Raises ``Invalid`` with the reason when the ID
+    is not a canonical lowercase UUIDv7, or was minted more than ``max_age`` before
+    ``now`` or more than ``max_ahead`` after it.
+    """
+    _require_aware(now, "now")
+    minted = uuid7_timestamp(run_id)
+    if minted < now - max_age:
+        raise Invalid(
+            f"run id {run_id} was minted at {_iso(minted)}, more than {_format_age(max_age)} "
+            f"before the database clock {_iso(now)}"
+        )
+    if minted > now + max_ahead:
+        raise Invalid(
+            f"run id {run_id} was minted at {_iso(minted)}, more than {_format_age(max_ahead)} "
+            f"after the database clock {_iso(now)}"
+        )
+    return minted
+
+
+def month_of(run_id: str) -> str:
+    """The ``YYYYMM`` (UTC) of the partition a run ID belongs to."""
+    return uuid7_timestamp(run_id).strftime("%Y%m")
+
+
+def uuid7_bound(ts: datetime) -> str:
+    """The smallest UUIDv7 text whose timestamp is at or after ``ts``.
+
+    Byte-identical to the SQL function ``composer_uuid7_bound``: it is the partition
+    boundary for runs created from ``ts`` onwards.
+    """
+    _require_aware(ts, "ts")
+    ms = _epoch_ms(ts)
+    # to_hex() of a negative bigint prints its two's complement and lpad() truncates
+    # to 12 characters; mirror both so the result matches SQL for every input.
+    h = format(ms & 0xFFFF_FFFF_FFFF_FFFF, "x") if ms < 0 else format(ms, "x")
+    h = h.rjust(12, "0")[:12]
+    return f"{h[:8]}-{h[8:12]}-0000-0000-000000000000"
+
+
+def month_start(month: str) -> datetime:
+    """The UTC instant a ``YYYYMM`` month starts at; raises ``Invalid`` on bad text."""
+    if len(month) != 6 or not month.isascii() or not month.isdigit():
+        raise Invalid(f"month {month!r} is not YYYYMM")
+    year, mon = int(month[:4]), int(month[4:])
+    if not 1 <= mon <= 12 or year < 1:
+        raise Invalid(f"month {month!r} is not YYYYMM")
+    return datetime(year, mon, 1, tzinfo=UTC)
+
+
+def month_bounds(month: str) -> tuple[str, str]:
+    """The ``(from, to)`` run-ID bounds of a month's partition, as the SQL creates them."""
+    start = month_start(month)
+    end = datetime(start.year + start.month // 12, start.month % 12 + 1, 1, tzinfo=UTC)
+    return uuid7_bound(start), uuid7_bound(end)

@@ -1,0 +1,145 @@
+"""The coordinator's background loops (``composer-ops coordinator``).
+
+- timers: WAITING tasks whose wake_at passed (WAIT timers, WAIT_FOR_EVENT timeouts);
+- lease sweeper: RUNNING tasks whose lease lapsed -> retry or fail;
+- partition upkeep: ensure months ahead (hourly);
+- webhook relay: POST finished runs;
+- retention (optional): drop months older than a cut-off, via the same plan as the CLI.
+
+Every decision goes through the shell under the run lock, and every candidate is
+re-checked there, so any number of coordinators can run at once: a wait or lease
+found by two of them is applied by one and is stale for the other.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+import time
+from dataclasses import dataclass, field
+from datetime import datetime
+from functools import partial
+from typing import TYPE_CHECKING
+
+from composer_ops.core import LeaseExpired, TimerDue
+from composer_ops.core.model import TaskRef as CoreRef
+from composer_ops.engine.webhooks import RelayPolicy, relay_once
+from composer_ops.errors import ComposerError
+from composer_ops.repo import partitions, signals, tasks
+
+if TYPE_CHECKING:
+    from composer_ops.engine.engine import Engine
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class PassStats:
+    """What one pass of the loops did."""
+
+    timers_fired: int = 0
+    leases_expired: int = 0
+    stale: int = 0
+    partitions_created: int = 0
+    webhooks_delivered: int = 0
+    webhooks_failed: int = 0
+    errors: list[str] = field(default_factory=list)
+
+
+class Coordinator:
+    def __init__(self, engine: Engine, *, interval: float = 0.5, batch: int = 100, months_ahead: int = 3,
+                 upkeep_every_s: float = 3600.0, webhook_secret: str | None = None,
+                 relay: RelayPolicy | None = None) -> None:
+        self.engine = engine
+        self.interval = interval
+        self.batch = batch
+        self.months_ahead = months_ahead
+        self.upkeep_every_s = upkeep_every_s
+        self.webhook_secret = webhook_secret if webhook_secret is not None else os.environ.get(
+            "COMPOSER_WEBHOOK_SECRET") or None
+        self.relay = relay or RelayPolicy()
+        self._stop = threading.Event()
+        self._last_upkeep = float("-inf")
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def run(self) -> None:
+        """Loop until ``stop()`` or SIGTERM/SIGINT."""
+        self._stop.clear()
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                signal.signal(sig, lambda *_: self.stop())
+        log.info("coordinator running (interval %.2fs)", self.interval)
+        while not self._stop.is_set():
+            stats = self.run_once()
+            busy = stats.timers_fired + stats.leases_expired >= self.batch
+            if not busy:
+                self._stop.wait(self.interval)
+
+    def run_once(self) -> PassStats:
+        """One pass of every loop; a failing loop is logged and the others still run."""
+        stats = PassStats()
+        for name, loop in (("partitions", self._upkeep), ("timers", self._timers),
+                           ("leases", self._leases), ("webhooks", self._webhooks)):
+            try:
+                loop(stats)
+            except Exception as exc:  # one loop's failure (e.g. a lost connection) must not stop the others
+                log.warning("coordinator %s loop failed: %s", name, exc)
+                stats.errors.append(f"{name}: {exc}")
+        return stats
+
+    def _timers(self, stats: PassStats) -> None:
+        with self.engine.pool.connection() as conn:
+            due = signals.due_waits(conn, self.batch)
+        for wait in due:
+            try:
+                outcome = self.engine.shell.handle(
+                    wait.run_id, partial(_timer_due, wait.task_id, wait.node_id))
+            except ComposerError as exc:
+                stats.errors.append(f"timer {wait.task_id}: {exc}")
+                continue
+            if outcome.stale:
+                stats.stale += 1
+            else:
+                stats.timers_fired += 1
+
+    def _leases(self, stats: PassStats) -> None:
+        with self.engine.pool.connection() as conn:
+            expired = tasks.expired_leases(conn, self.batch)
+        for lease in expired:
+            ref = CoreRef(task_id=lease.task_id, run_id=lease.run_id, node_id=lease.node_id,
+                          attempt=lease.attempt, lease_owner=lease.lease_owner)
+            try:
+                outcome = self.engine.shell.handle(lease.run_id, partial(_lease_expired, ref))
+            except ComposerError as exc:
+                stats.errors.append(f"lease {lease.task_id}: {exc}")
+                continue
+            if outcome.stale:
+                stats.stale += 1
+            else:
+                stats.leases_expired += 1
+                log.info("lease of task %s (run %s, owner %s) expired", lease.task_id, lease.run_id,
+                         lease.lease_owner, extra={"action": "lease_expired", "run_id": lease.run_id})
+
+    def _upkeep(self, stats: PassStats) -> None:
+        if time.monotonic() - self._last_upkeep < self.upkeep_every_s:
+            return
+        with self.engine.pool.connection() as conn, conn.transaction():
+            stats.partitions_created += partitions.ensure(conn, self.months_ahead)
+        self._last_upkeep = time.monotonic()
+
+    def _webhooks(self, stats: PassStats) -> None:
+        delivered, failed = relay_once(self.engine.pool, secret=self.webhook_secret, policy=self.relay)
+        stats.webhooks_delivered += delivered
+        stats.webhooks_failed += failed
+
+
+def _timer_due(task_id: str, node_id: str, now: datetime) -> TimerDue:
+    return TimerDue(task_id=task_id, node_id=node_id, now=now)
+
+
+def _lease_expired(ref: CoreRef, now: datetime) -> LeaseExpired:
+    return LeaseExpired(ref=ref, now=now)

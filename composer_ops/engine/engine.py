@@ -1,0 +1,198 @@
+"""``Engine``: the application developer's entry point (SPEC section 7)."""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Mapping, Sequence
+from datetime import datetime, timedelta
+from typing import TYPE_CHECKING, Any
+
+from psycopg_pool import ConnectionPool
+
+from composer_ops.core import CancelRun, SignalReceived, TaskCompleted, TaskFailed, parse_spec
+from composer_ops.core.model import TaskRef as CoreRef
+from composer_ops.core.runids import month_of, uuid7_timestamp, validate_run_id
+from composer_ops.db import make_pool, resolve_url
+from composer_ops.db.migrate import migrate as run_migrations
+from composer_ops.db.retry import db_retry
+from composer_ops.engine.ids import uuid7_at
+from composer_ops.engine.jsonvalues import check_json
+from composer_ops.engine.shell import Outcome, Shell
+from composer_ops.errors import Invalid
+from composer_ops.repo import definitions, outbox, runs, tasks
+from composer_ops.repo.rows import Claim, RunRow, RunView, TaskRef
+
+if TYPE_CHECKING:
+    from composer_ops.engine.coordinator import Coordinator
+
+log = logging.getLogger(__name__)
+
+#: How far a client-supplied run ID's timestamp may lag or lead the database clock.
+RUN_ID_MAX_AGE = timedelta(hours=1)
+RUN_ID_MAX_AHEAD = timedelta(minutes=5)
+
+
+class Engine:
+    """A connection pool plus the shell: deploy, start, signal, cancel, inspect.
+
+    Thread-safe; one per process is enough. ``Engine.connect()`` uses ``url``, else
+    ``COMPOSER_DATABASE_URL``, else the embedded server.
+    """
+
+    def __init__(self, pool: ConnectionPool, url: str, *, stream_shards: int = 1) -> None:
+        self.pool = pool
+        self.url = url
+        self.shell = Shell(pool, stream_shards=stream_shards)
+
+    @classmethod
+    def connect(cls, url: str | None = None, *, pool_size: int | None = None,
+                application_name: str = "composer-engine") -> Engine:
+        target = resolve_url(url)
+        size = pool_size or int(os.environ.get("COMPOSER_POOL_SIZE", "10"))
+        pool = make_pool(target, min_size=1, max_size=size, application_name=application_name)
+        return cls(pool, target)
+
+    def close(self) -> None:
+        self.pool.close()
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- schema and definitions ---------------------------------------------
+
+    def migrate(self) -> list[str]:
+        """Apply pending migrations; returns the files applied."""
+        return [m.filename for m in run_migrations(self.url)]
+
+    @db_retry()
+    def deploy(self, spec: Mapping[str, Any], *, created_by: str = "composer-ops") -> tuple[str, int]:
+        """Validate ``spec``, store it as version last+1, deploy it and un-deploy the
+        others, in one transaction. Returns ``(workflow_id, version)``."""
+        if not isinstance(spec, Mapping):
+            raise Invalid(f"a workflow definition is a JSON object, got {type(spec).__name__}")
+        parsed = parse_spec(spec)
+        with self.pool.connection() as conn, conn.transaction():
+            version = definitions.insert_version(conn, workflow_id=parsed.id, name=parsed.name,
+                                                 spec=parsed.to_json(), created_by=created_by,
+                                                 webhook_url=parsed.webhook_url)
+            definitions.deploy(conn, parsed.id, version)
+        log.info("deployed %s v%d", parsed.id, version, extra={"action": "deploy", "workflow_id": parsed.id})
+        return parsed.id, version
+
+    def set_enabled(self, workflow_id: str, enabled: bool) -> None:
+        with self.pool.connection() as conn, conn.transaction():
+            definitions.set_enabled(conn, workflow_id, enabled)
+
+    def delete(self, workflow_id: str) -> None:
+        """Soft-delete every version: new runs are refused, started runs finish."""
+        with self.pool.connection() as conn, conn.transaction():
+            definitions.soft_delete(conn, workflow_id)
+
+    # -- runs -----------------------------------------------------------------
+
+    @db_retry()
+    def start(self, workflow_id: str, input: Any = None, version: int | None = None,
+              run_id: str | None = None) -> str:
+        """Start a run of the deployed (or the given) version; returns the run ID.
+
+        A client-supplied ``run_id`` must be a canonical lowercase UUIDv7 minted within
+        the last hour (and at most 5 minutes ahead) by the database clock, in a month
+        that has a partition. Starting the same run ID twice is a Conflict.
+        """
+        if not isinstance(workflow_id, str) or not workflow_id:
+            raise Invalid("workflow id must be a non-empty string")
+        if version is not None and (isinstance(version, bool) or not isinstance(version, int) or version < 1):
+            raise Invalid(f"version must be a positive integer, got {version!r}")
+        check_json(input, "input")
+        if run_id is not None:
+            uuid7_timestamp(run_id)  # format check before touching the database
+        with self.pool.connection() as conn, conn.transaction():
+            now: datetime = conn.execute("SELECT now()").fetchone()[0]  # type: ignore[index]
+            if run_id is None:
+                run_id = uuid7_at(now)
+            else:
+                validate_run_id(run_id, now, max_age=RUN_ID_MAX_AGE, max_ahead=RUN_ID_MAX_AHEAD)
+                self._require_partition(conn, run_id)
+            row = (definitions.get_deployed(conn, workflow_id) if version is None
+                   else definitions.get_version(conn, workflow_id, version))
+            if row.deleted_at is not None:
+                raise Invalid(f"workflow {workflow_id!r} v{row.version} has been deleted; it accepts no new runs")
+            if not row.enabled:
+                raise Invalid(f"workflow {workflow_id!r} is disabled; it accepts no new runs")
+            spec = self.shell.definition(conn, row.id, row.version).spec
+            runs.insert_run(conn, run_id=run_id, workflow_id=row.id, workflow_version=row.version,
+                            input=input, context={"input": input, "config": dict(spec.config)})
+            # The insert holds the new row's lock until commit; no need to lock again.
+            self.shell.start_decision(conn, RunRow(
+                id=run_id, workflow_id=row.id, workflow_version=row.version, status="RUNNING",
+                context={"input": input, "config": dict(spec.config)}, now=now))
+        log.info("started run %s of %s v%d", run_id, workflow_id, row.version,
+                 extra={"action": "start_run", "run_id": run_id})
+        return run_id
+
+    @staticmethod
+    def _require_partition(conn: Any, run_id: str) -> None:
+        month = month_of(run_id)
+        found = conn.execute("SELECT to_regclass(%s) IS NOT NULL", (f"workflow_runs_p{month}",)).fetchone()
+        if not found or not found[0]:
+            raise Invalid(f"run id {run_id} belongs to month {month}, which has no partition "
+                          "(run `composer-ops partitions ensure`)")
+
+    def signal(self, run_id: str, name: str, payload: Any = None) -> Outcome:
+        """Deliver a signal: it resolves the earliest node waiting for ``name``, or is
+        buffered. A finished run is a Conflict; an unknown one NotFound."""
+        uuid7_timestamp(run_id)
+        if not isinstance(name, str) or not name.strip() or len(name) > 200 or "\x00" in name:
+            raise Invalid(f"signal name must be a non-empty string of at most 200 characters, got {name!r}")
+        check_json(payload, "payload")
+        return self.shell.handle(run_id, lambda now: SignalReceived(name=name, payload=payload, now=now))
+
+    def cancel(self, run_id: str, reason: str = "cancelled") -> Outcome:
+        """Cancel a run and its active tasks; late results for them are stale."""
+        uuid7_timestamp(run_id)
+        return self.shell.handle(run_id, lambda now: CancelRun(reason=reason, now=now))
+
+    def get_run(self, run_id: str) -> RunView:
+        """The run, its output or error, and every task (node_id, state, attempt, output, error)."""
+        uuid7_timestamp(run_id)
+        with self.pool.connection() as conn:
+            return runs.get_run(conn, run_id)
+
+    def coordinator(self, **options: Any) -> Coordinator:
+        from composer_ops.engine.coordinator import Coordinator
+
+        return Coordinator(self, **options)
+
+    # -- the worker's side ----------------------------------------------------
+
+    @db_retry()
+    def claim(self, queues: Sequence[str], owner: str, limit: int, task_names: Sequence[str] | None = None
+              ) -> list[Claim]:
+        """Claim up to ``limit`` tasks for ``owner`` (one statement, its own transaction)."""
+        with self.pool.connection() as conn, conn.transaction():
+            return outbox.claim(conn, queues, owner, limit, task_names=task_names)
+
+    def complete(self, claim: Claim, output: Any) -> Outcome:
+        ref = _core_ref(claim)
+        return self.shell.handle(claim.run_id, lambda now: TaskCompleted(ref=ref, output=output, now=now))
+
+    def fail(self, claim: Claim, error: str, *, retryable: bool = True) -> Outcome:
+        ref = _core_ref(claim)
+        return self.shell.handle(claim.run_id,
+                                 lambda now: TaskFailed(ref=ref, error=error, retryable=retryable, now=now))
+
+    @db_retry(max_attempts=3)
+    def heartbeat(self, claim: Claim) -> datetime | None:
+        """Extend the claim's lease; None when the lease is lost."""
+        ref = TaskRef(task_id=claim.task_id, run_id=claim.run_id, node_id=claim.node_id, attempt=claim.attempt)
+        with self.pool.connection() as conn, conn.transaction():
+            return tasks.heartbeat(conn, ref, claim.lease_owner, claim.lease_s)
+
+
+def _core_ref(claim: Claim) -> CoreRef:
+    return CoreRef(task_id=claim.task_id, run_id=claim.run_id, node_id=claim.node_id, attempt=claim.attempt,
+                   lease_owner=claim.lease_owner)

@@ -1,0 +1,28 @@
+"""Identifiers: UUIDv7 text for runs, tasks and signals.
+
+Run IDs minted by the engine take their timestamp from the *database* clock (one
+clock: the run lands in the partition of the database's month). Task and signal IDs
+use the process's monotonic UUIDv7 generator: within a run they are created under
+the run lock, so their order is creation order.
+"""
+
+from __future__ import annotations
+
+import secrets
+from datetime import datetime
+
+import uuid6
+
+
+def uuid7_text() -> str:
+    return str(uuid6.uuid7())
+
+
+def uuid7_at(ts: datetime) -> str:
+    """A fresh UUIDv7 whose 48-bit timestamp is ``ts`` (random low 74 bits)."""
+    ms = int(ts.timestamp() * 1000)
+    value = (ms << 80) | secrets.randbits(80)
+    value = (value & ~(0xF << 76)) | (0x7 << 76)  # version 7
+    value = (value & ~(0x3 << 62)) | (0x2 << 62)  # RFC 4122 variant
+    h = f"{value:032x}"
+    return f"{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:]}"

@@ -1,0 +1,80 @@
+"""Validation of client JSON (run input, signal payload, handler output).
+
+PostgreSQL's jsonb refuses NUL characters and non-finite numbers, and deeply nested
+documents blow Python's recursion limit; all are reported here, before any write,
+as one ``Invalid`` line naming the document and the position.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Any
+
+from composer_ops.errors import Invalid
+
+MAX_DEPTH = 64
+MAX_BYTES = 8 * 1024 * 1024
+
+
+def check_json(value: Any, what: str) -> Any:
+    """Return ``value`` if it is a storable JSON document, else raise Invalid."""
+    _walk(value, what, "$", 0)
+    try:
+        size = len(json.dumps(value, allow_nan=False, separators=(",", ":")).encode())
+    except (TypeError, ValueError) as exc:
+        raise Invalid(f"{what} is not JSON: {exc}") from None
+    if size > MAX_BYTES:
+        raise Invalid(f"{what} is {size} bytes of JSON; the limit is {MAX_BYTES}")
+    return value
+
+
+def _walk(value: Any, what: str, path: str, depth: int) -> None:
+    if depth > MAX_DEPTH:
+        raise Invalid(f"{what} nests deeper than {MAX_DEPTH} levels at {path}")
+    if value is None or isinstance(value, bool | int):
+        return
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            raise Invalid(f"{what} has a non-finite number at {path}")
+        return
+    if isinstance(value, str):
+        _check_text(value, what, path)
+        return
+    if isinstance(value, list | tuple):
+        for i, item in enumerate(value):
+            _walk(item, what, f"{path}[{i}]", depth + 1)
+        return
+    if isinstance(value, dict):
+        for key, item in value.items():
+            if not isinstance(key, str):
+                raise Invalid(f"{what} has a non-string key {key!r} at {path}")
+            _check_text(key, what, f"{path} (key)")
+            _walk(item, what, f"{path}.{key}", depth + 1)
+        return
+    raise Invalid(f"{what} is not JSON: {type(value).__name__} at {path}")
+
+
+def _check_text(text: str, what: str, path: str) -> None:
+    if "\x00" in text:
+        raise Invalid(f"{what} has a NUL character at {path}; PostgreSQL cannot store it")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise Invalid(f"{what} has text that is not valid UTF-8 (a lone surrogate) at {path}") from None
+
+
+def parse_json_text(text: str | bytes, what: str) -> Any:
+    """Decode JSON text, naming the line and column of a syntax error."""
+    if isinstance(text, bytes):
+        try:
+            text = text.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise Invalid(f"{what} is not valid UTF-8 (byte {exc.start})") from None
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise Invalid(f"{what} is not valid JSON: {exc.msg} at line {exc.lineno} column {exc.colno}") from None
+    except RecursionError:
+        raise Invalid(f"{what} nests deeper than {MAX_DEPTH} levels") from None
+    return check_json(value, what)

@@ -1,0 +1,41 @@
+"""LISTEN on its own autocommit connection, with a reconnect loop.
+
+Wake-ups are an optimisation: callers also poll, so a lost connection costs
+latency, never correctness. After a server restart the loop reconnects with capped
+backoff and starts listening again.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+
+import psycopg
+from psycopg import sql
+
+from composer_ops.db.retry import backoff_delay
+
+log = logging.getLogger(__name__)
+
+
+class Listener(threading.Thread):
+    def __init__(self, url: str, channel: str, on_notify: Callable[[str], None], stop: threading.Event) -> None:
+        super().__init__(name=f"composer-listen-{channel}", daemon=True)
+        self.url, self.channel, self.on_notify, self.stop_event = url, channel, on_notify, stop
+
+    def run(self) -> None:
+        attempt = 0
+        while not self.stop_event.is_set():
+            try:
+                with psycopg.connect(self.url, autocommit=True, application_name="composer-listen") as conn:
+                    conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(self.channel)))
+                    attempt = 0
+                    while not self.stop_event.is_set():
+                        for note in conn.notifies(timeout=0.5):
+                            self.on_notify(note.payload)
+            except psycopg.Error as exc:
+                delay = backoff_delay(attempt, base=0.2, cap=5.0)
+                log.info("LISTEN connection lost (%s); reconnecting in %.1fs", exc, delay)
+                attempt += 1
+                self.stop_event.wait(delay)

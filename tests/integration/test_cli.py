@@ -1,0 +1,158 @@
+"""The CLI: happy paths, and bad input as one line, exit code 2, nothing written."""
+
+from __future__ import annotations
+
+import json
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+import psycopg
+import pytest
+
+from composer_ops.cli import main
+from tests.integration.helpers import uuid7_at
+
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLE = str(ROOT / "examples" / "order_fulfilment.json")
+
+
+def run(capsys: pytest.CaptureFixture[str], db_url: str, *argv: str) -> tuple[int, str, str]:
+    code = main([argv[0], *(["--database-url", db_url] if argv[0] not in ("runs", "partitions") else []),
+                 *argv[1:]]) if argv[0] not in ("runs", "partitions") else main(
+        [*argv[:2], "--database-url", db_url, *argv[2:]])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def counts(db_url: str) -> tuple[int, ...]:
+    with psycopg.connect(db_url) as conn:
+        row: Any = conn.execute("""SELECT (SELECT count(*) FROM workflow_definitions),
+                                          (SELECT count(*) FROM workflow_runs),
+                                          (SELECT count(*) FROM task_instances),
+                                          (SELECT count(*) FROM workflow_events),
+                                          (SELECT count(*) FROM task_outbox)""").fetchone()
+        return tuple(row)
+
+
+def test_deploy_start_signal_show_cancel(capsys: pytest.CaptureFixture[str], db_url: str) -> None:
+    assert run(capsys, db_url, "deploy", EXAMPLE)[:2] == (0, "deployed order-fulfilment v1\n")
+    code, out, _ = run(capsys, db_url, "start", "order-fulfilment", "--input", '{"amount": 120}')
+    run_id = out.strip()
+    assert code == 0 and len(run_id) == 36
+    assert run(capsys, db_url, "signal", run_id, "delivered", "--payload", '{"by": "courier"}')[0] == 0
+    code, out, _ = run(capsys, db_url, "runs", "show", run_id, "--json")
+    shown = json.loads(out)
+    assert code == 0 and shown["status"] == "RUNNING" and shown["tasks"][0]["node_id"] == "charge"
+    assert run(capsys, db_url, "cancel", run_id)[:2] == (0, "cancelled\n")
+    code, _, err = run(capsys, db_url, "cancel", run_id)
+    assert code == 1 and err.count("\n") == 1 and "CANCELLED" in err
+
+
+def _bad_spec(tmp_path: Path, text: str, name: str = "bad.json") -> str:
+    path = tmp_path / name
+    path.write_text(text)
+    return str(path)
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["deploy", "/nonexistent.json"], "no such file"),
+    (["deploy", "{bad}"], "no such file"),
+    (["start", "order-fulfilment", "--input", "{not json"], "--input is not valid JSON"),
+    (["start", "missing-workflow"], "does not exist"),
+    (["start", "order-fulfilment", "--version", "9"], "v9 does not exist"),
+    (["start", "order-fulfilment", "--run-id", "not-a-uuid"], "not a canonical"),
+    (["start", "order-fulfilment", "--input", '{"a": "\\u0000"}'], "NUL character"),
+    (["signal", "0190f0c0-0000-7000-8000-000000000000", "delivered"], "does not exist"),
+    (["signal", "not-a-uuid", "delivered"], "not a canonical"),
+    (["runs", "show", "0190f0c0-0000-7000-8000-000000000000"], "does not exist"),
+    (["partitions", "ensure", "--months-ahead", "-1"], "--months-ahead"),
+    (["start"], "the following arguments are required"),
+])
+def test_bad_input_is_one_line_exit_2_and_writes_nothing(
+        capsys: pytest.CaptureFixture[str], db_url: str, argv: list[str], message: str) -> None:
+    run(capsys, db_url, "deploy", EXAMPLE)
+    before = counts(db_url)
+    try:
+        code, _, err = run(capsys, db_url, *argv)
+    except SystemExit as exc:                      # argparse errors exit from inside main
+        code, err = int(exc.code or 0), capsys.readouterr().err
+    assert code == 2, err
+    assert message in err
+    assert err.count("\n") == 1 and "Traceback" not in err
+    assert counts(db_url) == before
+
+
+@pytest.mark.parametrize(("doc", "message"), [
+    ('{"id": "x", "nodes": [{"id": "a", "type": "NOPE"}]}', 'node "a"'),
+    ('{"id": "x", "nodes": [{"id": "a", "type": "TASK"}]}', "task"),
+    ('{"id": "x", "nodes": [{"id": "a", "type": "TASK", "task": "t", "depends_on": ["zz"]}]}', "zz"),
+    ('{"id": "x", "nodes": [', "not valid JSON"),
+    ("id: x\nnodes: [ {id: a, type: WAIT, duration_s: -1} ]\n", "duration_s"),
+])
+def test_malformed_definitions_are_refused(capsys: pytest.CaptureFixture[str], db_url: str, tmp_path: Path,
+                                           doc: str, message: str) -> None:
+    name = "bad.yaml" if not doc.startswith("{") else "bad.json"
+    code, _, err = run(capsys, db_url, "deploy", _bad_spec(tmp_path, doc, name))
+    assert code == 2 and message in err and err.count("\n") == 1, err
+    assert counts(db_url) == (0, 0, 0, 0, 0)
+
+
+@pytest.mark.parametrize("delta", [timedelta(hours=-2), timedelta(minutes=30)])
+def test_run_ids_too_old_or_too_far_ahead_are_refused(capsys: pytest.CaptureFixture[str], db_url: str,
+                                                      delta: timedelta) -> None:
+    run(capsys, db_url, "deploy", EXAMPLE)
+    run_id = uuid7_at(datetime.now(UTC) + delta)
+    code, _, err = run(capsys, db_url, "start", "order-fulfilment", "--run-id", run_id)
+    assert code == 2 and ("before the database clock" in err or "after the database clock" in err), err
+    assert counts(db_url)[1] == 0
+
+
+def test_uppercase_run_id_is_refused_and_a_good_one_is_idempotent(capsys: pytest.CaptureFixture[str],
+                                                                  db_url: str) -> None:
+    run(capsys, db_url, "deploy", EXAMPLE)
+    run_id = uuid7_at(datetime.now(UTC))
+    code, _, err = run(capsys, db_url, "start", "order-fulfilment", "--run-id", run_id.upper())
+    assert code == 2 and "lowercase" in err, err
+    assert run(capsys, db_url, "start", "order-fulfilment", "--run-id", run_id)[:2] == (0, run_id + "\n")
+    code, _, err = run(capsys, db_url, "start", "order-fulfilment", "--run-id", run_id)
+    assert code == 1 and "already exists" in err
+    assert counts(db_url)[1] == 1
+
+
+def test_run_id_without_a_partition_is_refused(capsys: pytest.CaptureFixture[str], db_url: str) -> None:
+    run(capsys, db_url, "deploy", EXAMPLE)
+    with psycopg.connect(db_url, autocommit=True) as conn:
+        month = datetime.now(UTC).strftime("%Y%m")
+        conn.execute(f"DROP TABLE workflow_events_p{month}")
+        conn.execute(f"DROP TABLE task_instances_p{month}")
+        conn.execute(f"ALTER TABLE workflow_runs DETACH PARTITION workflow_runs_p{month}")
+        conn.execute(f"DROP TABLE workflow_runs_p{month}")
+    code, _, err = run(capsys, db_url, "start", "order-fulfilment", "--run-id", uuid7_at(datetime.now(UTC)))
+    assert code == 2 and "has no partition" in err, err
+
+
+def test_disabled_and_deleted_definitions_refuse_new_runs(capsys: pytest.CaptureFixture[str], db_url: str) -> None:
+    from composer_ops import Engine
+
+    run(capsys, db_url, "deploy", EXAMPLE)
+    with Engine.connect(db_url, pool_size=1) as engine:
+        started = engine.start("order-fulfilment", input={"amount": 1})
+        engine.set_enabled("order-fulfilment", False)
+        assert run(capsys, db_url, "start", "order-fulfilment")[0] == 2
+        engine.set_enabled("order-fulfilment", True)
+        engine.delete("order-fulfilment")
+        code, _, err = run(capsys, db_url, "start", "order-fulfilment")
+        assert code == 2 and "no deployed version" in err
+        assert engine.get_run(started).status == "RUNNING"       # runs already started carry on
+    assert counts(db_url)[1] == 1
+
+
+def test_signal_to_a_finished_run_is_a_clear_error(capsys: pytest.CaptureFixture[str], db_url: str) -> None:
+    run(capsys, db_url, "deploy", EXAMPLE)
+    run_id = run(capsys, db_url, "start", "order-fulfilment")[1].strip()
+    run(capsys, db_url, "cancel", run_id)
+    before = counts(db_url)
+    code, _, err = run(capsys, db_url, "signal", run_id, "delivered")
+    assert code == 1 and "CANCELLED" in err and err.count("\n") == 1
+    assert counts(db_url) == before

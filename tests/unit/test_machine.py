@@ -1,0 +1,957 @@
+"""State machine scenarios, driven through an in-memory stand-in for the database shell.
+
+``Sim`` holds a run the way the tables would (task rows, outputs, buffered signals),
+serves the machine's ``Store`` reads, applies decisions with the same fences the
+repository's SQL has, and checks the engine's invariants on every action. The
+property tests in ``test_machine_properties`` reuse it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Collection, Mapping, Sequence
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import pytest
+
+from composer_ops.core.machine import decide
+from composer_ops.core.model import (
+    ACTIVE_RUN_STATUSES,
+    ACTIVE_TASK_STATES,
+    TERMINAL_TASK_STATES,
+    BufferSignal,
+    CancelRun,
+    CancelTasks,
+    CompleteTask,
+    ConsumeSignal,
+    CreateTask,
+    Decision,
+    Event,
+    FailTask,
+    FinishRun,
+    LeaseExpired,
+    NodeState,
+    NodeType,
+    RequeueTask,
+    ResolveWait,
+    RunContext,
+    RunSnapshot,
+    RunStatus,
+    Signal,
+    SignalReceived,
+    Stale,
+    StartRun,
+    TaskCompleted,
+    TaskFailed,
+    TaskRef,
+    TaskState,
+    TimerDue,
+)
+from composer_ops.core.spec import WorkflowSpec, parse_spec
+from composer_ops.errors import Conflict, Invalid
+
+from .test_spec import EXAMPLE
+
+T0 = datetime(2026, 5, 17, 12, 0, tzinfo=UTC)
+
+
+class Sim:
+    """An in-memory run: the tables, the shell's apply step and invariant checks."""
+
+    def __init__(self, spec: WorkflowSpec | Mapping[str, Any], *, input: Any = None, run_id: str = "run-1") -> None:
+        self.spec = spec if isinstance(spec, WorkflowSpec) else parse_spec(spec)
+        self.run_id = run_id
+        self.status = RunStatus.RUNNING
+        self.context = RunContext(input=input, config=self.spec.config)
+        self.now = T0
+        self.event_now = T0
+        self.nodes: dict[str, NodeState] = {}
+        self.node_types: dict[str, NodeType] = {}
+        self.inputs: dict[str, Any] = {}
+        self.outputs: dict[str, Any] = {}
+        self.errors: dict[str, str | None] = {}
+        self.wake_at: dict[str, datetime | None] = {}
+        self.available_at: dict[str, datetime | None] = {}
+        self.signals: list[Signal] = []
+        self.consumed: set[str] = set()
+        self.run_output: Any = None
+        self.run_reason: str | None = None
+        self.loads: list[tuple[str, ...]] = []
+        self.decisions: list[Decision] = []
+        self._tasks = 0
+        self._signals = 0
+
+    # -- the Store the machine reads through ----------------------------------
+
+    def load_outputs(self, node_ids: Collection[str]) -> Mapping[str, Any]:
+        self.loads.append(tuple(sorted(node_ids)))
+        assert len(set(node_ids)) == len(node_ids), "load_outputs asked twice for a node"
+        return {
+            n: self.outputs.get(n) for n in node_ids if n in self.nodes and self.nodes[n].state is TaskState.COMPLETED
+        }
+
+    def pending_signals(self, name: str) -> Sequence[Signal]:
+        return [s for s in self.signals if s.name == name and s.id not in self.consumed]
+
+    def new_id(self) -> str:
+        self._tasks += 1
+        return f"t{self._tasks:04d}"
+
+    # -- the shell --------------------------------------------------------------
+
+    def snapshot(self) -> RunSnapshot:
+        return RunSnapshot(
+            id=self.run_id,
+            workflow_id=self.spec.id,
+            workflow_version=1,
+            status=self.status,
+            context=self.context,
+            spec=self.spec,
+            nodes=dict(self.nodes),
+        )
+
+    def send(self, event: Event) -> Decision:
+        decision = decide(self.snapshot(), event, self, self.new_id)
+        self.event_now = event.now
+        self.apply(decision)
+        self.decisions.append(decision)
+        return decision
+
+    def apply(self, decision: Decision) -> None:
+        if decision.stale:
+            assert len(decision.actions) == 1, decision
+            return
+        assert self.status in ACTIVE_RUN_STATUSES, "a decision changed a finished run"
+        for action in decision.actions:
+            self._apply(action)
+        if self.status not in ACTIVE_RUN_STATUSES:
+            active = [n for n, s in self.nodes.items() if s.state in ACTIVE_TASK_STATES]
+            assert not active, f"run {self.status} with active tasks {active}"
+
+    def live(self, dep: str, node_id: str) -> bool:
+        """The readiness rule, restated independently of the machine."""
+        state = self.nodes[dep]
+        dep_spec = self.spec.nodes[dep]
+        ok = state.state is TaskState.COMPLETED or (state.state is TaskState.FAILED and dep_spec.optional)
+        if ok and dep_spec.type is NodeType.SWITCH:
+            return node_id in (state.branches or ())
+        return ok
+
+    def _fenced(self, ref: TaskRef) -> NodeState:
+        state = self.nodes[ref.node_id]
+        assert ref.run_id == self.run_id
+        assert state.task_id == ref.task_id and state.attempt == ref.attempt
+        assert state.state is TaskState.RUNNING, state
+        return state
+
+    def _apply(self, action: object) -> None:
+        if isinstance(action, CreateTask):
+            self._create(action)
+        elif isinstance(action, RequeueTask):
+            state = self._fenced(action.ref)
+            self.nodes[action.ref.node_id] = dataclasses.replace(
+                state, state=TaskState.PENDING, attempt=state.attempt + 1, lease_owner=None, lease_expires_at=None
+            )
+            self.errors[action.ref.node_id] = action.reason
+            self.available_at[action.ref.node_id] = action.available_at
+        elif isinstance(action, CompleteTask | FailTask):
+            state = self._fenced(action.ref)
+            done = TaskState.COMPLETED if isinstance(action, CompleteTask) else TaskState.FAILED
+            self.nodes[action.ref.node_id] = dataclasses.replace(
+                state, state=done, lease_owner=None, lease_expires_at=None
+            )
+            if isinstance(action, CompleteTask):
+                self.outputs[action.ref.node_id] = action.output
+            else:
+                self.errors[action.ref.node_id] = action.reason
+        elif isinstance(action, ResolveWait):
+            state = self.nodes[action.node_id]
+            assert state.task_id == action.task_id and state.state is TaskState.WAITING
+            assert action.state in (TaskState.COMPLETED, TaskState.FAILED)
+            self.nodes[action.node_id] = dataclasses.replace(state, state=action.state)
+            self.outputs[action.node_id] = action.output
+            self.errors[action.node_id] = action.reason
+        elif isinstance(action, BufferSignal):
+            self._signals += 1
+            self.signals.append(Signal(id=f"s{self._signals:04d}", name=action.name, payload=action.payload))
+        elif isinstance(action, ConsumeSignal):
+            assert action.signal_id in {s.id for s in self.signals}
+            assert action.signal_id not in self.consumed, "a signal consumed twice"
+            self.consumed.add(action.signal_id)
+        elif isinstance(action, CancelTasks):
+            assert action.task_ids, "empty CancelTasks"
+            by_task = {s.task_id: n for n, s in self.nodes.items()}
+            for task_id in action.task_ids:
+                node_id = by_task[task_id]
+                assert self.nodes[node_id].state in ACTIVE_TASK_STATES
+                self.nodes[node_id] = dataclasses.replace(
+                    self.nodes[node_id], state=TaskState.CANCELLED, lease_owner=None, lease_expires_at=None
+                )
+        elif isinstance(action, FinishRun):
+            assert self.status in ACTIVE_RUN_STATUSES, "run finished twice"
+            if action.status is RunStatus.SUCCEEDED:
+                assert set(self.nodes) == set(self.spec.nodes)
+                assert all(s.state in TERMINAL_TASK_STATES for s in self.nodes.values())
+            self.status = action.status
+            self.run_output = action.output
+            self.run_reason = action.reason
+        else:
+            raise AssertionError(f"unexpected action {action!r}")
+
+    def _create(self, action: CreateTask) -> None:
+        node = self.spec.nodes[action.node_id]
+        assert action.node_id not in self.nodes, f"second task for node {action.node_id}"
+        assert action.node_type is node.type
+        for dep in node.depends_on:
+            assert dep in self.nodes and self.nodes[dep].state in TERMINAL_TASK_STATES, (
+                f"{action.node_id} created before its dependency {dep} finished"
+            )
+        skipped = bool(node.depends_on) and not any(self.live(d, node.id) for d in node.depends_on)
+        assert (action.state is TaskState.SKIPPED) == skipped, (action, skipped)
+        if not skipped:
+            allowed = {
+                NodeType.TASK: {TaskState.PENDING},
+                NodeType.SWITCH: {TaskState.COMPLETED},
+                NodeType.WAIT: {TaskState.WAITING, TaskState.FAILED},
+                NodeType.WAIT_FOR_EVENT: {TaskState.WAITING, TaskState.COMPLETED},
+            }[node.type]
+            assert action.state in allowed, action
+        if action.state is TaskState.PENDING:
+            assert action.available_at == self.event_now
+        self.nodes[action.node_id] = NodeState(
+            task_id=action.task_id,
+            state=action.state,
+            branches=action.branches,
+            awaited_signal=action.awaited_signal,
+        )
+        self.node_types[action.node_id] = action.node_type
+        self.inputs[action.node_id] = action.input
+        self.outputs[action.node_id] = action.output
+        self.errors[action.node_id] = action.error
+        self.wake_at[action.node_id] = action.wake_at
+        self.available_at[action.node_id] = action.available_at
+
+    # -- what workers, timers and clients do -----------------------------------
+
+    def ref(self, node_id: str, owner: str | None = "w1") -> TaskRef:
+        state = self.nodes[node_id]
+        return TaskRef(
+            task_id=state.task_id, run_id=self.run_id, node_id=node_id, attempt=state.attempt, lease_owner=owner
+        )
+
+    def claim(self, node_id: str, owner: str = "w1") -> TaskRef:
+        """The worker's fenced claim statement: PENDING -> RUNNING with a lease."""
+        state = self.nodes[node_id]
+        assert state.state in (TaskState.PENDING, TaskState.QUEUED)
+        available = self.available_at.get(node_id)
+        assert available is None or available <= self.now, "claimed before its backoff elapsed"
+        lease = timedelta(seconds=self.spec.nodes[node_id].lease_s)
+        self.nodes[node_id] = dataclasses.replace(
+            state, state=TaskState.RUNNING, lease_owner=owner, lease_expires_at=self.now + lease
+        )
+        return self.ref(node_id, owner)
+
+    def complete(self, node_id: str, output: Any = None, owner: str = "w1") -> Decision:
+        ref = self.claim(node_id, owner)
+        return self.send(TaskCompleted(ref=ref, output=output, now=self.now))
+
+    def fail(self, node_id: str, error: str = "boom", retryable: bool = True) -> Decision:
+        ref = self.claim(node_id)
+        return self.send(TaskFailed(ref=ref, error=error, retryable=retryable, now=self.now))
+
+    def fire(self, node_id: str) -> Decision:
+        return self.send(TimerDue(task_id=self.nodes[node_id].task_id, node_id=node_id, now=self.now))
+
+    def signal(self, name: str, payload: Any = None) -> Decision:
+        return self.send(SignalReceived(name=name, payload=payload, now=self.now))
+
+    def start(self) -> Decision:
+        return self.send(StartRun(now=self.now))
+
+    def tick(self, seconds: float) -> None:
+        self.now += timedelta(seconds=seconds)
+
+    def state(self, node_id: str) -> TaskState | None:
+        return self.nodes[node_id].state if node_id in self.nodes else None
+
+
+def kinds(decision: Decision) -> list[str]:
+    """A compact view of a decision: action class, with the node for task actions."""
+    out: list[str] = []
+    for a in decision.actions:
+        if isinstance(a, CreateTask):
+            out.append(f"Create {a.node_id} {a.state}")
+        elif isinstance(a, CompleteTask | FailTask | RequeueTask):
+            out.append(f"{type(a).__name__} {a.ref.node_id}")
+        elif isinstance(a, ResolveWait):
+            out.append(f"ResolveWait {a.node_id} {a.state}")
+        elif isinstance(a, FinishRun):
+            out.append(f"FinishRun {a.status}")
+        else:
+            out.append(type(a).__name__)
+    return out
+
+
+def wf(*nodes: dict[str, Any], config: dict[str, Any] | None = None) -> dict[str, Any]:
+    return {"id": "wf", "config": config or {}, "nodes": list(nodes)}
+
+
+def task(node_id: str, *deps: str, **extra: Any) -> dict[str, Any]:
+    return {"id": node_id, "type": "TASK", "task": f"do.{node_id}", "depends_on": list(deps), **extra}
+
+
+# ---------------------------------------------------------------------------
+# The SPEC 5 example, through both branches
+
+
+def test_example_gold_branch() -> None:
+    sim = Sim(EXAMPLE, input={"amount": 12})
+    start = sim.start()
+    assert kinds(start) == ["Create charge PENDING"]
+    create = start.actions[0]
+    assert isinstance(create, CreateTask)
+    assert create.input == {"amount": 12, "region": "eu"}
+    assert create.queue == "payments"
+    assert create.available_at == T0
+    assert sim.loads == []
+
+    done = sim.complete("charge", {"tier": "gold"})
+    assert kinds(done) == [
+        "CompleteTask charge",
+        "Create route COMPLETED",
+        "Create express PENDING",
+        "Create standard SKIPPED",
+    ]
+    route = done.actions[1]
+    assert isinstance(route, CreateTask)
+    assert route.branches == ("express",)
+    assert route.output == {"value": "gold", "branches": ["express"]}
+    assert sim.loads == [], "charge's output was decided in this call; nothing to load"
+
+    sim.tick(3)
+    joined = sim.complete("express", {"tracking": "X1"})
+    assert kinds(joined) == ["CompleteTask express", "Create cool_off WAITING"]
+    assert sim.wake_at["cool_off"] == sim.now + timedelta(seconds=5)
+
+    sim.tick(5)
+    woke = sim.fire("cool_off")
+    assert kinds(woke) == ["ResolveWait cool_off COMPLETED", "Create delivered WAITING"]
+    assert sim.wake_at["delivered"] == sim.now + timedelta(days=1)
+    assert sim.nodes["delivered"].awaited_signal == "delivered"
+
+    proof = {"signed_by": "ann"}
+    got = sim.signal("delivered", proof)
+    assert kinds(got) == ["ResolveWait delivered COMPLETED", "Create notify PENDING"]
+    assert sim.inputs["notify"] == {"proof": proof}
+
+    finished = sim.complete("notify", {"sent": True})
+    assert kinds(finished) == ["CompleteTask notify", "FinishRun SUCCEEDED"]
+    assert sim.status is RunStatus.SUCCEEDED
+    assert sim.run_output == {"notify": {"sent": True}}
+    assert sim.loads == []
+    assert {n: s.state for n, s in sim.nodes.items()} == {
+        "charge": TaskState.COMPLETED,
+        "route": TaskState.COMPLETED,
+        "express": TaskState.COMPLETED,
+        "standard": TaskState.SKIPPED,
+        "cool_off": TaskState.COMPLETED,
+        "delivered": TaskState.COMPLETED,
+        "notify": TaskState.COMPLETED,
+    }
+
+
+def test_example_default_branch() -> None:
+    sim = Sim(EXAMPLE, input={"amount": 3})
+    sim.start()
+    sim.complete("charge", {"tier": "silver"})
+    assert sim.state("standard") is TaskState.PENDING
+    assert sim.state("express") is TaskState.SKIPPED
+    assert sim.nodes["route"].branches == ("standard",)
+    sim.complete("standard")
+    sim.fire("cool_off")
+    sim.signal("delivered", "ok")
+    assert sim.inputs["notify"] == {"proof": "ok"}
+    sim.complete("notify")
+    assert sim.status is RunStatus.SUCCEEDED
+    assert sim.run_output == {"notify": None}
+    assert sim.loads == []
+
+
+def test_switch_reads_an_earlier_output_through_the_store() -> None:
+    spec = wf(
+        task("a"),
+        task("b"),
+        {
+            "id": "s",
+            "type": "SWITCH",
+            "depends_on": ["a", "b"],
+            "expression": "$.nodes.a.output.k",
+            "cases": {"x": ["c"]},
+            "default": ["d"],
+        },
+        task("c", "s", input={"from_b": "$.nodes.b.output"}),
+        task("d", "s"),
+    )
+    sim = Sim(spec)
+    sim.start()
+    sim.complete("a", {"k": "x"})
+    assert sim.loads == []
+    sim.complete("b", "B")
+    assert sim.loads == [("a",)], "only the switch's referenced node is loaded"
+    assert sim.state("c") is TaskState.PENDING and sim.state("d") is TaskState.SKIPPED
+    assert sim.inputs["c"] == {"from_b": "B"}
+
+
+def test_no_matching_case_and_no_default_skips_everything_downstream() -> None:
+    doc = dict(EXAMPLE)
+    doc["nodes"] = [dict(n) for n in EXAMPLE["nodes"]]
+    doc["nodes"][1] = {k: v for k, v in doc["nodes"][1].items() if k != "default"}
+    sim = Sim(doc, input={})
+    sim.start()
+    decision = sim.complete("charge", {"tier": "bronze"})
+    assert kinds(decision) == [
+        "CompleteTask charge",
+        "Create route COMPLETED",
+        "Create express SKIPPED",
+        "Create standard SKIPPED",
+        "Create cool_off SKIPPED",
+        "Create delivered SKIPPED",
+        "Create notify SKIPPED",
+        "FinishRun SUCCEEDED",
+    ]
+    assert sim.run_output == {"notify": None}
+
+
+@pytest.mark.parametrize(
+    ("value", "case"),
+    [(1, "1"), (True, "true"), (None, "null"), ([1, 2], "[1, 2]"), ({"b": 1, "a": 2}, '{"a": 2, "b": 1}'), ("1", "1")],
+)
+def test_switch_matches_json_text_of_non_strings(value: Any, case: str) -> None:
+    spec = wf(
+        {"id": "s", "type": "SWITCH", "expression": "$.input.v", "cases": {case: ["hit"]}, "default": ["miss"]},
+        task("hit", "s"),
+        task("miss", "s"),
+    )
+    sim = Sim(spec, input={"v": value})
+    sim.start()
+    assert sim.state("hit") is TaskState.PENDING
+    assert sim.state("miss") is TaskState.SKIPPED
+
+
+def test_root_switch_finishes_in_one_decision() -> None:
+    sim = Sim(wf({"id": "s", "type": "SWITCH", "expression": "$.config.mode"}, config={"mode": "x"}))
+    decision = sim.start()
+    assert kinds(decision) == ["Create s COMPLETED", "FinishRun SUCCEEDED"]
+    assert sim.run_output == {"s": {"value": "x", "branches": []}}
+
+
+def test_switch_with_several_branches_and_a_join() -> None:
+    spec = wf(
+        {"id": "s", "type": "SWITCH", "expression": "$.input.v", "cases": {"both": ["a", "b"]}, "default": ["c"]},
+        task("a", "s"),
+        task("b", "s"),
+        task("c", "s"),
+        task("join", "a", "b", "c"),
+    )
+    sim = Sim(spec, input={"v": "both"})
+    sim.start()
+    assert [sim.state(n) for n in "abc"] == [TaskState.PENDING, TaskState.PENDING, TaskState.SKIPPED]
+    sim.complete("a")
+    assert sim.state("join") is None, "a join waits for every dependency"
+    sim.complete("b")
+    assert sim.state("join") is TaskState.PENDING
+
+
+def test_node_depending_on_switch_and_a_completed_task_runs_when_not_selected() -> None:
+    spec = wf(
+        task("t"),
+        {"id": "s", "type": "SWITCH", "expression": "$.input.v", "cases": {"x": ["a"]}},
+        task("a", "s"),
+        task("b", "s", "t"),
+    )
+    sim = Sim(spec, input={"v": "x"})
+    sim.start()
+    assert sim.state("a") is TaskState.PENDING
+    sim.complete("t")
+    assert sim.state("b") is TaskState.PENDING, "t is a live dependency of b"
+
+
+# ---------------------------------------------------------------------------
+# Signals and timeouts
+
+EVENTS = wf(
+    task("first"),
+    {"id": "w", "type": "WAIT_FOR_EVENT", "depends_on": ["first"], "event": "go", "timeout_s": 60},
+    task("after", "w", input={"got": "$.nodes.w.output"}),
+)
+
+
+def test_signal_before_wait_is_buffered_then_consumed() -> None:
+    sim = Sim(EVENTS)
+    sim.start()
+    early = sim.signal("go", {"n": 1})
+    assert early.actions == (BufferSignal(name="go", payload={"n": 1}),)
+    decision = sim.complete("first")
+    assert kinds(decision) == ["CompleteTask first", "Create w COMPLETED", "ConsumeSignal", "Create after PENDING"]
+    assert decision.actions[2] == ConsumeSignal(signal_id="s0001")
+    assert sim.outputs["w"] == {"n": 1}
+    assert sim.inputs["after"] == {"got": {"n": 1}}
+    assert sim.loads == []
+
+
+def test_oldest_buffered_signal_is_consumed_first() -> None:
+    sim = Sim(EVENTS)
+    sim.start()
+    sim.signal("go", "old")
+    sim.signal("go", "new")
+    sim.complete("first")
+    assert sim.outputs["w"] == "old"
+    assert sim.pending_signals("go") == [Signal(id="s0002", name="go", payload="new")]
+
+
+def test_signal_after_wait_resolves_it() -> None:
+    sim = Sim(EVENTS)
+    sim.start()
+    sim.complete("first")
+    assert sim.state("w") is TaskState.WAITING
+    assert sim.wake_at["w"] == T0 + timedelta(seconds=60)
+    decision = sim.signal("go", [1, 2])
+    assert kinds(decision) == ["ResolveWait w COMPLETED", "Create after PENDING"]
+    assert sim.inputs["after"] == {"got": [1, 2]}
+    # The next signal has no waiter left: it is buffered, not lost.
+    assert kinds(sim.signal("go", 3)) == ["BufferSignal"]
+
+
+def test_one_buffered_signal_resolves_one_node_per_decision() -> None:
+    spec = wf(
+        task("first"),
+        {"id": "w1", "type": "WAIT_FOR_EVENT", "depends_on": ["first"], "event": "go"},
+        {"id": "w2", "type": "WAIT_FOR_EVENT", "depends_on": ["first"], "event": "go"},
+    )
+    sim = Sim(spec)
+    sim.start()
+    sim.signal("go", "only")
+    decision = sim.complete("first")
+    assert kinds(decision) == ["CompleteTask first", "Create w1 COMPLETED", "ConsumeSignal", "Create w2 WAITING"]
+    assert sim.wake_at["w2"] is None
+    sim.signal("go", "second")
+    assert sim.outputs["w2"] == "second"
+    assert sim.status is RunStatus.SUCCEEDED
+    assert sim.run_output == {"w1": "only", "w2": "second"}
+
+
+def test_earliest_waiter_gets_the_signal() -> None:
+    spec = wf(
+        {"id": "late", "type": "WAIT_FOR_EVENT", "depends_on": ["gate"], "event": "go"},
+        {"id": "early", "type": "WAIT_FOR_EVENT", "event": "go"},
+        task("gate"),
+    )
+    sim = Sim(spec)
+    sim.start()
+    sim.complete("gate")
+    assert sim.nodes["early"].task_id < sim.nodes["late"].task_id
+    sim.signal("go", 1)
+    assert sim.state("early") is TaskState.COMPLETED and sim.state("late") is TaskState.WAITING
+    sim.signal("go", 2)
+    assert sim.outputs == {**sim.outputs, "early": 1, "late": 2}
+    assert sim.status is RunStatus.SUCCEEDED
+
+
+def test_timeout_fails_the_node_and_the_run() -> None:
+    sim = Sim(EVENTS)
+    sim.start()
+    sim.complete("first")
+    sim.tick(60)
+    decision = sim.fire("w")
+    assert kinds(decision) == ["ResolveWait w FAILED", "FinishRun FAILED"]
+    assert sim.errors["w"] == 'timed out waiting for event "go" after 60s'
+    assert sim.run_reason == 'node "w" failed: timed out waiting for event "go" after 60s'
+    with pytest.raises(Conflict, match="run run-1 is FAILED; it accepts no signals"):
+        sim.signal("go")
+
+
+def test_timeout_continue_completes_with_null() -> None:
+    doc = wf(
+        task("first"),
+        {
+            "id": "w",
+            "type": "WAIT_FOR_EVENT",
+            "depends_on": ["first"],
+            "event": "go",
+            "timeout_s": 1.5,
+            "on_timeout": "continue",
+        },
+        task("after", "w", input={"got": "$.nodes.w.output"}),
+    )
+    sim = Sim(doc)
+    sim.start()
+    sim.complete("first")
+    assert sim.wake_at["w"] == T0 + timedelta(seconds=1.5)
+    decision = sim.fire("w")
+    assert kinds(decision) == ["ResolveWait w COMPLETED", "Create after PENDING"]
+    assert sim.inputs["after"] == {"got": None}
+
+
+def test_timer_is_stale_once_the_signal_won() -> None:
+    sim = Sim(EVENTS)
+    sim.start()
+    sim.complete("first")
+    task_id = sim.nodes["w"].task_id
+    sim.signal("go", "x")
+    stale = sim.send(TimerDue(task_id=task_id, node_id="w", now=sim.now))
+    assert stale.stale and "not WAITING" in str(stale.actions[0])
+
+
+def test_signal_for_an_event_no_node_awaits_is_invalid() -> None:
+    sim = Sim(EVENTS)
+    sim.start()
+    with pytest.raises(Invalid, match='no WAIT_FOR_EVENT node for event "og"'):
+        sim.signal("og")
+
+
+# ---------------------------------------------------------------------------
+# WAIT
+
+
+def test_wait_until_literal_and_reference() -> None:
+    spec = wf(
+        {"id": "lit", "type": "WAIT", "until": "2030-01-01T00:00:00+01:00"},
+        {"id": "ref", "type": "WAIT", "until": "$.input.at"},
+    )
+    sim = Sim(spec, input={"at": "2031-02-03T04:05:06Z"})
+    sim.start()
+    assert sim.wake_at["lit"] == datetime(2029, 12, 31, 23, 0, tzinfo=UTC)
+    assert sim.wake_at["ref"] == datetime(2031, 2, 3, 4, 5, 6, tzinfo=UTC)
+    sim.fire("lit")
+    decision = sim.fire("ref")
+    assert kinds(decision) == ["ResolveWait ref COMPLETED", "FinishRun SUCCEEDED"]
+    assert sim.run_output == {"lit": None, "ref": None}
+
+
+@pytest.mark.parametrize("at", ["soon", 42, None, "2031-02-03T04:05:06"])
+def test_wait_until_unusable_value_fails_the_node(at: Any) -> None:
+    sim = Sim(wf(task("other"), {"id": "w", "type": "WAIT", "until": "$.input.at"}), input={"at": at})
+    decision = sim.start()
+    assert kinds(decision) == ["Create other PENDING", "Create w FAILED", "CancelTasks", "FinishRun FAILED"]
+    error = sim.errors["w"]
+    assert error is not None and "not an ISO-8601 instant with a time zone" in error
+    assert sim.run_reason is not None and sim.run_reason.startswith('node "w" failed: until $.input.at resolved to')
+    assert sim.state("other") is TaskState.CANCELLED
+
+
+def test_optional_wait_failure_lets_successors_run() -> None:
+    sim = Sim(wf({"id": "w", "type": "WAIT", "until": "$.input.at", "optional": True}, task("next", "w")), input={})
+    sim.start()
+    assert sim.state("w") is TaskState.FAILED
+    assert sim.state("next") is TaskState.PENDING
+
+
+# ---------------------------------------------------------------------------
+# Retries and failures
+
+RETRYING = wf(
+    task("a", retry={"max_attempts": 3, "initial_backoff_s": 2, "multiplier": 3, "max_backoff_s": 5}),
+    task("b", "a"),
+)
+
+
+def test_retries_then_success() -> None:
+    sim = Sim(RETRYING)
+    sim.start()
+    ref0 = sim.ref("a")
+    first = sim.fail("a", "flaky")
+    assert first.actions == (RequeueTask(ref=ref0, reason="flaky", available_at=T0 + timedelta(seconds=2)),)
+    assert sim.nodes["a"].state is TaskState.PENDING and sim.nodes["a"].attempt == 1
+    sim.tick(2)
+    second = sim.fail("a", "flaky")
+    assert isinstance(second.actions[0], RequeueTask)
+    assert second.actions[0].available_at == sim.now + timedelta(seconds=5)
+    sim.tick(5)
+    assert kinds(sim.complete("a", "ok")) == ["CompleteTask a", "Create b PENDING"]
+    assert sim.nodes["a"].attempt == 2
+
+
+def test_retries_exhausted_fail_the_run() -> None:
+    sim = Sim(RETRYING)
+    sim.start()
+    sim.fail("a")
+    sim.tick(2)
+    sim.fail("a")
+    sim.tick(5)
+    last = sim.fail("a", "still broken")
+    assert kinds(last) == ["FailTask a", "FinishRun FAILED"]
+    assert sim.run_reason == 'node "a" failed after 3 attempts: still broken'
+    assert sim.state("b") is None
+
+
+def test_non_retryable_error_skips_remaining_attempts() -> None:
+    sim = Sim(RETRYING)
+    sim.start()
+    decision = sim.fail("a", "bad card", retryable=False)
+    assert kinds(decision) == ["FailTask a", "FinishRun FAILED"]
+    assert sim.run_reason == 'node "a" failed after 1 attempt: bad card'
+
+
+def test_failure_cancels_the_other_active_tasks() -> None:
+    spec = wf(task("a"), task("b"), {"id": "w", "type": "WAIT", "duration_s": 10}, task("c", "a"))
+    sim = Sim(spec)
+    sim.start()
+    sim.claim("b")
+    decision = sim.fail("a")
+    cancel = decision.actions[1]
+    assert isinstance(cancel, CancelTasks)
+    assert cancel.task_ids == (sim.nodes["b"].task_id, sim.nodes["w"].task_id)
+    assert 'node "a"' in cancel.reason
+    assert [sim.state(n) for n in ("a", "b", "w", "c")] == [
+        TaskState.FAILED,
+        TaskState.CANCELLED,
+        TaskState.CANCELLED,
+        None,
+    ]
+    late = sim.send(TaskCompleted(ref=sim.ref("b"), output=1, now=sim.now))
+    assert late.stale
+
+
+def test_optional_failure_lets_successors_run() -> None:
+    spec = wf(task("opt", optional=True), task("req"), task("join", "opt", "req"), task("only_opt", "opt"))
+    sim = Sim(spec)
+    sim.start()
+    decision = sim.fail("opt", "meh")
+    assert kinds(decision) == ["FailTask opt", "Create only_opt PENDING"]
+    sim.complete("req")
+    assert sim.state("join") is TaskState.PENDING
+    sim.complete("join", 1)
+    sim.complete("only_opt", 2)
+    assert sim.status is RunStatus.SUCCEEDED
+    assert sim.run_output == {"join": 1, "only_opt": 2}
+
+
+def test_lease_expiry_retries_like_a_failure() -> None:
+    sim = Sim(RETRYING)
+    sim.start()
+    ref = sim.claim("a", owner="dead-worker")
+    early = sim.send(LeaseExpired(ref=ref, now=sim.now + timedelta(seconds=29)))
+    assert early.stale and "has not expired" in str(early.actions[0])
+    sim.tick(30)
+    expired = sim.send(LeaseExpired(ref=ref, now=sim.now))
+    assert kinds(expired) == ["RequeueTask a"]
+    requeue = expired.actions[0]
+    assert isinstance(requeue, RequeueTask) and "dead-worker" in requeue.reason
+    # The dead worker comes back with its result: too late.
+    assert sim.send(TaskCompleted(ref=ref, output=1, now=sim.now)).stale
+
+
+def test_lease_expiry_on_the_last_attempt_fails_the_node() -> None:
+    sim = Sim(wf(task("a")))
+    sim.start()
+    ref = sim.claim("a")
+    sim.tick(31)
+    decision = sim.send(LeaseExpired(ref=ref, now=sim.now))
+    assert kinds(decision) == ["FailTask a", "FinishRun FAILED"]
+    assert sim.run_reason is not None and "lease of w1 expired" in sim.run_reason
+
+
+# ---------------------------------------------------------------------------
+# Stale reports
+
+
+@pytest.fixture
+def running() -> tuple[Sim, TaskRef]:
+    sim = Sim(RETRYING)
+    sim.start()
+    return sim, sim.claim("a")
+
+
+def test_result_from_a_previous_attempt_is_stale(running: tuple[Sim, TaskRef]) -> None:
+    sim, ref = running
+    sim.send(TaskFailed(ref=ref, error="x", retryable=True, now=sim.now))
+    sim.tick(2)
+    sim.claim("a")
+    old = sim.send(TaskCompleted(ref=ref, output=1, now=sim.now))
+    assert old.stale and "attempt 0" in str(old.actions[0])
+    assert sim.state("a") is TaskState.RUNNING
+
+
+def test_duplicate_result_is_stale(running: tuple[Sim, TaskRef]) -> None:
+    sim, ref = running
+    sim.send(TaskCompleted(ref=ref, output=1, now=sim.now))
+    again = sim.send(TaskCompleted(ref=ref, output=2, now=sim.now))
+    assert again.stale
+    assert sim.outputs["a"] == 1
+    assert sim.send(TaskFailed(ref=ref, error="x", retryable=False, now=sim.now)).stale
+
+
+def test_result_after_the_lease_lapsed_is_stale(running: tuple[Sim, TaskRef]) -> None:
+    sim, ref = running
+    lapsed = sim.send(TaskCompleted(ref=ref, output=1, now=sim.now + timedelta(seconds=30)))
+    assert lapsed.stale and "lapsed" in str(lapsed.actions[0])
+    failed = sim.send(TaskFailed(ref=ref, error="x", retryable=True, now=sim.now + timedelta(seconds=31)))
+    assert failed.stale
+    assert sim.send(TaskCompleted(ref=ref, output=1, now=sim.now + timedelta(seconds=29))).finish is None
+    assert sim.state("a") is TaskState.COMPLETED
+
+
+@pytest.mark.parametrize(
+    ("change", "fragment"),
+    [
+        ({"lease_owner": "someone-else"}, "leased to w1"),
+        ({"task_id": "t9999"}, "no task t9999"),
+        ({"run_id": "other-run"}, "belongs to run other-run"),
+        ({"node_id": "b"}, "no task"),
+        ({"node_id": "ghost"}, "no task"),
+        ({"attempt": 1}, "attempt 1"),
+    ],
+)
+def test_mismatched_refs_are_stale(running: tuple[Sim, TaskRef], change: dict[str, Any], fragment: str) -> None:
+    sim, ref = running
+    bad = dataclasses.replace(ref, **change)
+    for event in (
+        TaskCompleted(ref=bad, output=1, now=sim.now),
+        TaskFailed(ref=bad, error="x", retryable=True, now=sim.now),
+        LeaseExpired(ref=bad, now=sim.now + timedelta(hours=1)),
+    ):
+        decision = sim.send(event)
+        assert decision.stale, event
+        stale = decision.actions[0]
+        assert isinstance(stale, Stale) and fragment in stale.reason
+
+
+def test_owner_check_is_skipped_when_the_ref_has_none(running: tuple[Sim, TaskRef]) -> None:
+    sim, ref = running
+    decision = sim.send(TaskCompleted(ref=dataclasses.replace(ref, lease_owner=None), output=1, now=sim.now))
+    assert not decision.stale
+
+
+def test_result_for_a_task_not_yet_claimed_is_stale() -> None:
+    sim = Sim(RETRYING)
+    sim.start()
+    decision = sim.send(TaskCompleted(ref=sim.ref("a"), output=1, now=sim.now))
+    assert decision.stale and "PENDING, not RUNNING" in str(decision.actions[0])
+
+
+def test_timer_for_a_task_node_or_wrong_task_is_stale() -> None:
+    sim = Sim(wf(task("a"), {"id": "w", "type": "WAIT", "duration_s": 1}))
+    sim.start()
+    assert sim.fire("a").stale
+    assert sim.send(TimerDue(task_id="t9999", node_id="w", now=sim.now)).stale
+    assert sim.send(TimerDue(task_id="t9999", node_id="ghost", now=sim.now)).stale
+
+
+def test_start_twice_is_stale() -> None:
+    sim = Sim(RETRYING)
+    sim.start()
+    assert sim.start().stale
+
+
+# ---------------------------------------------------------------------------
+# Cancel and finished runs
+
+
+def test_cancel_cancels_active_tasks_and_refuses_later_signals() -> None:
+    sim = Sim(EVENTS)
+    sim.start()
+    ref = sim.claim("first")
+    decision = sim.send(CancelRun(reason="operator said so", now=sim.now))
+    assert decision.actions == (
+        CancelTasks(task_ids=(ref.task_id,), reason="operator said so"),
+        FinishRun(status=RunStatus.CANCELLED, output=None, reason="operator said so"),
+    )
+    assert sim.status is RunStatus.CANCELLED
+    assert sim.send(TaskCompleted(ref=ref, output=1, now=sim.now)).stale
+    with pytest.raises(Conflict, match="is CANCELLED; it accepts no signals"):
+        sim.signal("go")
+    with pytest.raises(Conflict, match="is CANCELLED; it cannot be cancelled"):
+        sim.send(CancelRun(reason="again", now=sim.now))
+
+
+def test_cancel_with_nothing_active_just_finishes() -> None:
+    sim = Sim(RETRYING)
+    decision = sim.send(CancelRun(reason="never mind", now=sim.now))
+    assert kinds(decision) == ["FinishRun CANCELLED"]
+
+
+def test_every_event_on_a_finished_run_is_stale() -> None:
+    sim = Sim(wf({"id": "w", "type": "WAIT", "duration_s": 1}))
+    sim.start()
+    task_id = sim.nodes["w"].task_id
+    sim.fire("w")
+    assert sim.status is RunStatus.SUCCEEDED
+    ref = TaskRef(task_id=task_id, run_id=sim.run_id, node_id="w", attempt=0)
+    for event in (
+        StartRun(now=sim.now),
+        TaskCompleted(ref=ref, output=1, now=sim.now),
+        TaskFailed(ref=ref, error="x", retryable=True, now=sim.now),
+        LeaseExpired(ref=ref, now=sim.now),
+        TimerDue(task_id=task_id, node_id="w", now=sim.now),
+    ):
+        decision = sim.send(event)
+        assert decision.stale and "SUCCEEDED" in str(decision.actions[0])
+    with pytest.raises(Conflict, match="SUCCEEDED; it accepts no signals"):
+        decide(sim.snapshot(), SignalReceived(name="x", payload=None, now=sim.now), sim, sim.new_id)
+
+
+# ---------------------------------------------------------------------------
+# Outputs are loaded only when referenced
+
+
+def test_outputs_loaded_only_for_referenced_nodes() -> None:
+    spec = wf(
+        task("a"),
+        task("b"),
+        task("c", "a", "b", input={"x": "$.nodes.a.output.v", "y": "$.input.y"}),
+        task("d", "b"),
+    )
+    sim = Sim(spec, input={"y": 1})
+    sim.start()
+    sim.complete("a", {"v": "A"})
+    sim.complete("b", {"v": "B"})
+    assert sim.inputs["c"] == {"x": "A", "y": 1}
+    assert sim.inputs["d"] == {}
+    assert sim.loads == [("a",)]
+    sim.complete("c", "C")
+    sim.complete("d", "D")
+    assert sim.loads == [("a",), ("c",)], "the run output loads the sink finished earlier"
+    assert sim.run_output == {"c": "C", "d": "D"}
+
+
+def test_skipped_referenced_node_resolves_to_none_without_a_load() -> None:
+    spec = wf(
+        {"id": "s", "type": "SWITCH", "expression": "$.input.v", "cases": {"x": ["a"]}, "default": ["b"]},
+        task("a", "s"),
+        task("b", "s"),
+        task("c", "a", "b", input={"a": "$.nodes.a.output", "s": "$.nodes.s.output.value"}),
+    )
+    sim = Sim(spec, input={"v": "y"})
+    sim.start()
+    sim.complete("b")
+    assert sim.inputs["c"] == {"a": None, "s": "y"}
+    assert sim.loads == [("s",)]
+
+
+# ---------------------------------------------------------------------------
+# Odds and ends
+
+
+def test_naive_now_is_refused() -> None:
+    sim = Sim(RETRYING)
+    with pytest.raises(ValueError, match="timezone-aware"):
+        decide(sim.snapshot(), StartRun(now=datetime(2026, 1, 1)), sim, sim.new_id)
+
+
+def test_decision_properties() -> None:
+    assert Decision(actions=(Stale(reason="x"),)).stale
+    done = FinishRun(status=RunStatus.SUCCEEDED, output={})
+    assert Decision(actions=(BufferSignal(name="n", payload=None), done)).finish == done
+    assert not Decision(actions=()).stale
+    assert Decision(actions=()).finish is None
+
+
+def test_snapshot_is_not_mutated() -> None:
+    sim = Sim(RETRYING)
+    sim.start()
+    sim.claim("a")
+    snapshot = sim.snapshot()
+    before = dict(snapshot.nodes)
+    decide(snapshot, TaskCompleted(ref=sim.ref("a"), output=1, now=sim.now), sim, sim.new_id)
+    assert dict(snapshot.nodes) == before

@@ -1,0 +1,169 @@
+"""UUIDv7 run IDs: shape, recency against the database clock, partition bounds."""
+
+from __future__ import annotations
+
+import calendar
+import math
+from datetime import UTC, datetime, timedelta, timezone
+from decimal import Decimal
+
+import pytest
+import uuid6
+from hypothesis import given
+from hypothesis import strategies as st
+
+from composer_ops.core.runids import (
+    month_bounds,
+    month_of,
+    month_start,
+    uuid7_bound,
+    uuid7_timestamp,
+    validate_run_id,
+)
+from composer_ops.errors import Invalid
+
+NOW = datetime(2026, 5, 17, 12, 0, 0, tzinfo=UTC)
+
+
+def mint(ts: datetime, tail: str = "7abc-9def-0123456789ab") -> str:
+    """A UUIDv7 with the given timestamp; ``tail`` sets version, variant and randomness."""
+    ms = (calendar.timegm(ts.utctimetuple()) * 1000) + ts.microsecond // 1000
+    h = f"{ms:012x}"
+    return f"{h[:8]}-{h[8:]}-{tail}"
+
+
+def sql_uuid7_bound(ts: datetime) -> str:
+    """The SQL function, transcribed: floor(extract(epoch FROM ts) * 1000), to_hex, lpad."""
+    epoch = Decimal(calendar.timegm(ts.astimezone(UTC).utctimetuple())) + Decimal(ts.microsecond) / 10**6
+    ms = math.floor(epoch * 1000)
+    hex_text = format(ms if ms >= 0 else ms + 2**64, "x")
+    h = hex_text.rjust(12, "0")[:12]
+    return h[0:8] + "-" + h[8:12] + "-0000-0000-000000000000"
+
+
+def test_accepts_a_fresh_uuid7() -> None:
+    run_id = mint(NOW - timedelta(minutes=10))
+    assert validate_run_id(run_id, NOW) == NOW - timedelta(minutes=10)
+
+
+def test_accepts_uuid6_package_output() -> None:
+    run_id = str(uuid6.uuid7())
+    minted = uuid7_timestamp(run_id)
+    assert validate_run_id(run_id, minted + timedelta(seconds=1)) == minted
+
+
+@pytest.mark.parametrize(
+    ("run_id", "fragment"),
+    [
+        ("not-a-uuid", "not a canonical UUID"),
+        ("", "not a canonical UUID"),
+        ("0190b6c85a3e7d2c9f1e3b4a5c6d7e8f", "not a canonical UUID"),
+        ("{0190b6c8-5a3e-7d2c-9f1e-3b4a5c6d7e8f}", "not a canonical UUID"),
+        ("0190b6c8-5a3e-7d2c-9f1e-3b4a5c6d7e8", "not a canonical UUID"),
+        ("0190b6c8-5a3e7-d2c-9f1e-3b4a5c6d7e8f", "not a canonical UUID"),
+        ("0190b6c8-5a3e-7d2c-9f1e-3b4a5c6d7e8g", "not a canonical UUID"),
+        ("0190B6C8-5A3E-7D2C-9F1E-3B4A5C6D7E8F", "lowercase"),
+        ("0190b6c8-5a3e-4d2c-9f1e-3b4a5c6d7e8f", "version 4"),
+        ("0190b6c8-5a3e-7d2c-cf1e-3b4a5c6d7e8f", "variant"),
+        ("0190b6c8-5a3e-7d2c-7f1e-3b4a5c6d7e8f", "variant"),
+    ],
+)
+def test_rejects_malformed(run_id: str, fragment: str) -> None:
+    with pytest.raises(Invalid) as info:
+        validate_run_id(run_id, NOW)
+    assert fragment in str(info.value)
+
+
+def test_rejects_non_string() -> None:
+    with pytest.raises(Invalid, match="string"):
+        validate_run_id(123, NOW)  # type: ignore[arg-type]
+
+
+def test_rejects_old_ids() -> None:
+    run_id = mint(NOW - timedelta(hours=1, seconds=1))
+    with pytest.raises(Invalid) as info:
+        validate_run_id(run_id, NOW)
+    message = str(info.value)
+    assert f"run id {run_id} was minted at 2026-05-17T10:59:59.000Z" in message
+    assert "more than 1h before the database clock 2026-05-17T12:00:00.000Z" in message
+
+
+def test_age_limit_is_inclusive_and_configurable() -> None:
+    assert validate_run_id(mint(NOW - timedelta(hours=1)), NOW) == NOW - timedelta(hours=1)
+    with pytest.raises(Invalid, match="more than 1m30s before"):
+        validate_run_id(mint(NOW - timedelta(minutes=2)), NOW, max_age=timedelta(seconds=90))
+
+
+def test_rejects_ids_from_the_future() -> None:
+    run_id = mint(NOW + timedelta(minutes=6))
+    with pytest.raises(Invalid, match="more than 5m after the database clock"):
+        validate_run_id(run_id, NOW)
+    assert validate_run_id(mint(NOW + timedelta(minutes=4)), NOW) == NOW + timedelta(minutes=4)
+
+
+def test_now_in_another_zone_is_the_same_instant() -> None:
+    plus_two = NOW.astimezone(timezone(timedelta(hours=2)))
+    run_id = mint(NOW - timedelta(minutes=1))
+    assert validate_run_id(run_id, plus_two) == NOW - timedelta(minutes=1)
+
+
+def test_naive_now_is_a_programming_error() -> None:
+    with pytest.raises(ValueError):
+        validate_run_id(mint(NOW), NOW.replace(tzinfo=None))
+
+
+def test_timestamp_and_month() -> None:
+    ts = datetime(2025, 12, 31, 23, 59, 59, 999000, tzinfo=UTC)
+    run_id = mint(ts)
+    assert uuid7_timestamp(run_id) == ts
+    assert month_of(run_id) == "202512"
+    assert month_of(mint(ts + timedelta(milliseconds=1))) == "202601"
+
+
+@pytest.mark.parametrize(
+    ("ts", "expected"),
+    [
+        (datetime(1970, 1, 1, tzinfo=UTC), "00000000-0000-0000-0000-000000000000"),
+        (datetime(2024, 1, 1, tzinfo=UTC), "018cc251-f400-0000-0000-000000000000"),
+        (datetime(2026, 6, 1, tzinfo=UTC), sql_uuid7_bound(datetime(2026, 6, 1, tzinfo=UTC))),
+        (
+            datetime(2026, 6, 1, 2, 0, tzinfo=timezone(timedelta(hours=2))),
+            sql_uuid7_bound(datetime(2026, 6, 1, tzinfo=UTC)),
+        ),
+        (
+            datetime(2024, 2, 29, 12, 34, 56, 789999, tzinfo=UTC),
+            sql_uuid7_bound(datetime(2024, 2, 29, 12, 34, 56, 789999, tzinfo=UTC)),
+        ),
+        (datetime(1969, 12, 31, 23, 59, 59, 999500, tzinfo=UTC), "ffffffff-ffff-0000-0000-000000000000"),
+    ],
+)
+def test_uuid7_bound_matches_sql(ts: datetime, expected: str) -> None:
+    assert uuid7_bound(ts) == expected
+    assert uuid7_bound(ts) == sql_uuid7_bound(ts)
+
+
+@given(st.datetimes(min_value=datetime(1971, 1, 1), max_value=datetime(2200, 1, 1), timezones=st.just(UTC)))
+def test_uuid7_bound_properties(ts: datetime) -> None:
+    bound = uuid7_bound(ts)
+    assert bound == sql_uuid7_bound(ts)
+    floor_ms = ts.replace(microsecond=ts.microsecond // 1000 * 1000)
+    # Every id minted in the bound's millisecond sorts at or after it, every id minted a
+    # millisecond earlier sorts before it: exactly what a partition boundary needs.
+    assert mint(floor_ms, "7000-8000-000000000000") >= bound
+    assert mint(floor_ms - timedelta(milliseconds=1), "7fff-bfff-ffffffffffff") < bound
+    assert uuid7_timestamp(bound[:14] + "7000-8000-000000000000") == floor_ms
+
+
+def test_month_bounds() -> None:
+    assert month_bounds("202512") == (
+        uuid7_bound(datetime(2025, 12, 1, tzinfo=UTC)),
+        uuid7_bound(datetime(2026, 1, 1, tzinfo=UTC)),
+    )
+    low, high = month_bounds("202602")
+    assert low <= mint(datetime(2026, 2, 1, tzinfo=UTC)) < high
+    assert low <= mint(datetime(2026, 2, 28, 23, 59, 59, 999000, tzinfo=UTC)) < high
+    assert not mint(datetime(2026, 3, 1, tzinfo=UTC)) < high
+    assert month_start("202602") == datetime(2026, 2, 1, tzinfo=UTC)
+    for bad in ("2026-02", "202613", "202600", "abcdef", "２０２６０２"):
+        with pytest.raises(Invalid):
+            month_start(bad)
