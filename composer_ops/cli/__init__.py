@@ -14,6 +14,7 @@ from collections.abc import Sequence
 
 import psycopg
 
+import composer_ops.cli.ops_cmds as ops_cmds
 from composer_ops.cli import db_cmds, partition_cmds, run_cmds
 from composer_ops.cli._common import EXIT_BAD_INPUT, EXIT_FAILED, ArgumentParser
 from composer_ops.db.errors import translate
@@ -30,6 +31,7 @@ def build_parser() -> ArgumentParser:
     db_cmds.register(sub)
     run_cmds.register(sub)
     partition_cmds.register(sub)
+    ops_cmds.register(sub)
     return parser
 
 

@@ -1,0 +1,75 @@
+"""``composer-ops report NAME|--all [-p KEY VALUE ...] [--out DIR]``: run the
+operations notebooks with papermill and file them as HTML reports."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+from composer_ops.cli._common import EXIT_FAILED, EXIT_OK, add_database_option, env_option
+from composer_ops.errors import Invalid
+
+
+def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    rep = sub.add_parser(
+        "report", help="execute operations notebooks and write HTML reports",
+        description="Execute notebooks from the notebooks directory with papermill and write "
+                    "OUT/<notebook>/<UTC timestamp>.html (code hidden, plotly embedded) beside the executed "
+                    ".ipynb, then OUT/index.html. Exit 1 if a notebook fails (the failing cell is named), "
+                    "2 for an unknown notebook or parameter.")
+    rep.add_argument("names", nargs="*", metavar="NAME", help="notebook(s) to run, e.g. retention_dry_run")
+    rep.add_argument("--all", action="store_true", help="run every notebook")
+    rep.add_argument("-p", "--parameter", nargs=2, action="append", default=[], metavar=("KEY", "VALUE"),
+                     help="set a notebook parameter (repeatable); with --all, applies to the notebooks declaring it")
+    env_option(rep, "--out", env="COMPOSER_REPORTS_DIR", default="reports", metavar_default="reports",
+               help="directory the reports and index.html are written to")
+    env_option(rep, "--timeout", env="COMPOSER_REPORT_CELL_TIMEOUT", type=int, default=600,
+               metavar_default="600", help="seconds one cell may run before the report fails")
+    env_option(rep, "--progress", env="COMPOSER_REPORT_PROGRESS", default="1", choices=["0", "1"],
+               metavar_default="1", help="show a progress bar per notebook (0: no)")
+    env_option(rep, "--jobs", env="COMPOSER_REPORT_JOBS", type=int, default=1, metavar_default="1",
+               help="notebooks to execute at once, each in its own kernel (progress bars only with 1)")
+    add_database_option(rep)
+    rep.add_argument("--list", action="store_true", help="list the notebooks and their parameters, run nothing")
+    rep.set_defaults(func=cmd_report)
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    from composer_ops import reports
+
+    if args.list:
+        for name in reports.available():
+            declared = reports.declared_parameters(name)
+            print(name)
+            for p in declared.values():
+                print(f"    -p {p.name} (default {p.default})  {p.help}")
+        return EXIT_OK
+    if args.all and args.names:
+        raise Invalid("give report names or --all, not both")
+    if not args.all and not args.names:
+        raise Invalid(f"give a report name or --all; available: {', '.join(reports.available())}")
+    names = reports.available() if args.all else list(dict.fromkeys(args.names))
+    for name in names:
+        reports.notebook_path(name)  # unknown name: NotFound, exit 2, before anything runs
+    if args.timeout < 1 or args.jobs < 1:
+        raise Invalid(f"--timeout and --jobs must be at least 1, got {args.timeout} and {args.jobs}")
+    pairs = [(str(k), str(v)) for k, v in args.parameter]
+    # The database URL goes to the kernels through the environment, never into the report files.
+    url = args.database_url
+    for key, value in pairs:
+        if key == "database_url":
+            url = value
+    params = reports.resolve_parameters(names, [(k, v) for k, v in pairs if k != "database_url"])
+    out = Path(args.out).expanduser()
+    results = reports.run_reports(names, params, out, database_url=url or os.environ.get("COMPOSER_DATABASE_URL"),
+                                  progress=args.progress == "1", cell_timeout_s=args.timeout, jobs=args.jobs)
+    failed = [r for r in results if not r.ok]
+    for r in results:
+        if r.ok:
+            print(f"{r.notebook}: {r.html} ({r.seconds:.1f} s)")
+    print(f"index: {out / 'index.html'}")
+    for r in failed:
+        sys.stderr.write(f"composer-ops: {r.describe_failure()}\n")
+    return EXIT_FAILED if failed else EXIT_OK

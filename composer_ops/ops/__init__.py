@@ -1,0 +1,81 @@
+"""Operations analytics: read-only functions returning polars DataFrames.
+
+The notebooks under ``notebooks/`` call these and draw them with plotly
+(:mod:`composer_ops.ops.charts`). Each function takes ``source``: an open psycopg
+connection, a libpq URL, or None (``COMPOSER_DATABASE_URL``, else the embedded
+server). All time arithmetic uses the database clock. The one writer here is
+:func:`drop_partitions`, which applies the same plan :func:`retention_plan` shows.
+"""
+
+from composer_ops.ops._common import ACTIVE_STATES, COORDINATOR_QUEUE, RUN_TABLES, connection, db_now, snapshot
+from composer_ops.ops.active import (
+    active_by_group,
+    active_run_count,
+    active_tasks,
+    age_histogram,
+    outbox_backlog,
+    top_runs,
+)
+from composer_ops.ops.checks import verify_figures
+from composer_ops.ops.investigation import (
+    RunStory,
+    definition_graph,
+    gantt_rows,
+    latest_run_id,
+    run_story,
+    validate_run_id,
+)
+from composer_ops.ops.leases import (
+    attempt_distribution,
+    expired_running,
+    expiry_buckets,
+    lease_owners,
+    recent_requeues,
+    running_leases,
+)
+from composer_ops.ops.partitions import (
+    decode_uuid7_bound,
+    growth,
+    lookahead,
+    partition_inventory,
+    partition_totals,
+)
+from composer_ops.ops.retention import Cutoff, DropResult, drop_partitions, parse_cutoff, retention_plan
+
+__all__ = [
+    "ACTIVE_STATES",
+    "COORDINATOR_QUEUE",
+    "RUN_TABLES",
+    "Cutoff",
+    "DropResult",
+    "RunStory",
+    "active_by_group",
+    "active_run_count",
+    "active_tasks",
+    "age_histogram",
+    "attempt_distribution",
+    "connection",
+    "db_now",
+    "decode_uuid7_bound",
+    "definition_graph",
+    "drop_partitions",
+    "expired_running",
+    "expiry_buckets",
+    "gantt_rows",
+    "growth",
+    "latest_run_id",
+    "lease_owners",
+    "lookahead",
+    "outbox_backlog",
+    "parse_cutoff",
+    "partition_inventory",
+    "partition_totals",
+    "recent_requeues",
+    "retention_plan",
+    "run_story",
+    "running_leases",
+    "snapshot",
+    "top_runs",
+    "validate_run_id",
+    "verify_figures",
+]

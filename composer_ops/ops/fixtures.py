@@ -1,0 +1,355 @@
+"""A deterministic seeded database for the notebook harness (nbval), the ops tests
+and demos: definitions, runs, tasks, signals, outbox rows and a webhook delivery,
+inserted directly with SQL, with the figures every notebook must reproduce.
+
+History lives in four fixed past months (2025-01..2025-04) with fixed UUIDv7 IDs.
+Live work (active tasks, leases, the outbox) lives in the current UTC month, with
+IDs derived from the month's first instant and timestamps relative to the database
+clock, placed well inside their age and expiry buckets so the figures hold for
+minutes after seeding.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from datetime import UTC, date, datetime, timedelta
+from typing import Any
+
+import psycopg
+from psycopg.types.json import Jsonb
+
+from composer_ops.ops._common import month_label, month_start
+
+HISTORY_MONTHS = ("202501", "202502", "202503", "202504")
+
+ORDER_V1: dict[str, Any] = {
+    "id": "order-fulfilment", "name": "Order fulfilment", "webhook_url": "https://example.invalid/hook",
+    "config": {"region": "eu"},
+    "nodes": [
+        {"id": "charge", "type": "TASK", "task": "payments.charge", "queue": "payments",
+         "retry": {"max_attempts": 3, "initial_backoff_s": 1, "multiplier": 2, "max_backoff_s": 60}, "lease_s": 30},
+        {"id": "route", "type": "SWITCH", "depends_on": ["charge"], "expression": "$.nodes.charge.output.tier",
+         "cases": {"gold": ["express"]}, "default": ["standard"]},
+        {"id": "express", "type": "TASK", "task": "ship.express", "depends_on": ["route"]},
+        {"id": "standard", "type": "TASK", "task": "ship.standard", "depends_on": ["route"]},
+        {"id": "cool_off", "type": "WAIT", "depends_on": ["express", "standard"], "duration_s": 5},
+        {"id": "delivered", "type": "WAIT_FOR_EVENT", "depends_on": ["cool_off"], "event": "delivered"},
+        {"id": "notify", "type": "TASK", "task": "notify", "depends_on": ["delivered"],
+         "retry": {"max_attempts": 3}},
+    ],
+}
+#: v2 adds a timeout to the delivery wait (deployed; the live runs use it).
+ORDER_V2: dict[str, Any] = {**ORDER_V1, "nodes": [
+    {**n, "timeout_s": 86400} if n["id"] == "delivered" else n for n in ORDER_V1["nodes"]]}
+REPORT_V1: dict[str, Any] = {
+    "id": "nightly-report", "name": "Nightly report",
+    "nodes": [
+        {"id": "extract_a", "type": "TASK", "task": "report.extract", "queue": "reports"},
+        {"id": "extract_b", "type": "TASK", "task": "report.extract", "queue": "reports"},
+        {"id": "load", "type": "TASK", "task": "report.load", "queue": "reports",
+         "depends_on": ["extract_a", "extract_b"]},
+    ],
+}
+
+
+def uuid7_text(ts: datetime, seq: int) -> str:
+    """A deterministic UUIDv7: ``ts``'s milliseconds, then bits derived from ``seq``."""
+    ms = int(ts.timestamp() * 1000)
+    rand_a = (seq * 2654435761) & 0xFFF
+    rand_b = (0x2A5F_17C3_9D44_B0E1 ^ (seq * 0x9E37_79B9)) & ((1 << 62) - 1)
+    value = (ms << 80) | (0x7 << 76) | (rand_a << 64) | (0x2 << 62) | rand_b
+    h = f"{value:032x}"
+    return f"{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:]}"
+
+
+@dataclass(frozen=True, kw_only=True)
+class SeedInfo:
+    """What :func:`seed` inserted: the run IDs by label, the current month and the clock it used."""
+
+    runs: dict[str, str]
+    current_month: str
+    now: datetime
+    tasks: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def story_run(self) -> str:
+        """The run the investigation notebook opens by default (the newest FAILED run)."""
+        return self.runs["H9"]
+
+
+class _Seeder:
+    def __init__(self, conn: psycopg.Connection[Any], now: datetime) -> None:
+        self.conn = conn
+        self.now = now
+        self.seq = 0
+        self.runs: dict[str, str] = {}
+        self.tasks: dict[str, str] = {}
+
+    def ago(self, seconds: float) -> datetime:
+        return self.now - timedelta(seconds=seconds)
+
+    def next_id(self, ts: datetime) -> str:
+        self.seq += 1
+        return uuid7_text(ts, self.seq)
+
+    def definition(self, spec: dict[str, Any], version: int, deployed: bool, at: datetime) -> None:
+        self.conn.execute(
+            """INSERT INTO workflow_definitions (id, name, version, spec_json, created_by, webhook_url,
+                                                 deployed, deployed_at, created_at)
+               VALUES (%s, %s, %s, %s, 'seed', %s, %s, %s, %s)""",
+            (spec["id"], spec["name"], version, Jsonb(spec), spec.get("webhook_url"), deployed,
+             at if deployed else None, at))
+
+    def run(self, label: str, wf: str, version: int, status: str, created: datetime, *,
+            id_at: datetime | None = None, completed: datetime | None = None, error: str | None = None,
+            output: Any = None) -> str:
+        run_id = self.next_id(id_at or created)
+        self.conn.execute(
+            """INSERT INTO workflow_runs (id, workflow_definition_id, workflow_version, status, input_json,
+                                          context_json, error_json, output_json, created_at, updated_at,
+                                          completed_at)
+               VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s)""",
+            (run_id, wf, version, status, Jsonb({"order": label}), Jsonb({"input": {"order": label}, "config": {}}),
+             Jsonb({"error": error}) if error else None, Jsonb(output) if output is not None else None,
+             created, completed or created, completed))
+        self.runs[label] = run_id
+        return run_id
+
+    def task(self, run: str, node: str, node_type: str, queue: str | None, state: str, created: datetime, *,
+             attempt: int = 0, started: datetime | None = None, finished: datetime | None = None,
+             updated: datetime | None = None, wake_at: datetime | None = None, event: str | None = None,
+             owner: str | None = None, lease: datetime | None = None, error: str | None = None,
+             branches: list[str] | None = None, output: Any = None) -> str:
+        task_id = self.next_id(created)
+        self.conn.execute(
+            """INSERT INTO task_instances (id, run_id, node_id, node_type, queue, state, attempt, output_json,
+                                           last_error, branches, wake_at, event_name, scheduled_at, started_at,
+                                           finished_at, completed_at, created_at, updated_at, lease_owner,
+                                           lease_expires_at)
+               VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s)""",
+            (task_id, self.runs[run], node, node_type, queue, state, attempt,
+             Jsonb(output) if output is not None else None, Jsonb({"error": error}) if error else None,
+             branches, wake_at, event, created, started, finished,
+             finished if state == "COMPLETED" else None, created, updated or finished or started or created,
+             owner, lease))
+        self.tasks[f"{run}.{node}"] = task_id
+        return task_id
+
+    def signal(self, run: str, name: str, created: datetime, consumed: datetime | None, payload: Any) -> None:
+        self.conn.execute(
+            "INSERT INTO workflow_events (id, run_id, name, payload, created_at, consumed_at) "
+            "VALUES (%s, %s, %s, %s, %s, %s)",
+            (self.next_id(created), self.runs[run], name, Jsonb(payload), created, consumed))
+
+    def outbox(self, run: str, node: str, queue: str, attempt: int, task_name: str, available: datetime) -> None:
+        self.conn.execute(
+            "INSERT INTO task_outbox (queue, run_id, task_id, attempt, task_name, lease_s, available_at, created_at) "
+            "VALUES (%s, %s, %s, %s, %s, 30, %s, %s)",
+            (queue, self.runs[run], self.tasks[f"{run}.{node}"], attempt, task_name, available,
+             min(available, self.now)))
+
+    def report_run(self, label: str, status: str, created: datetime) -> None:
+        """A nightly-report run; SUCCEEDED ones have all three tasks COMPLETED."""
+        done = created + timedelta(minutes=4)
+        self.run(label, "nightly-report", 1, status, created, completed=done)
+        if status == "SUCCEEDED":
+            for i, node in enumerate(("extract_a", "extract_b", "load")):
+                self.task(label, node, "TASK", "reports", "COMPLETED", created + timedelta(seconds=i),
+                          started=created + timedelta(seconds=10 + i * 60),
+                          finished=created + timedelta(seconds=60 + i * 60), output={"rows": 100 * (i + 1)})
+
+
+def seed(conn: psycopg.Connection[Any], *, analyze: bool = True) -> SeedInfo:
+    """Insert the fixture content into a freshly migrated database (does not commit).
+    ``analyze`` runs ANALYZE so the catalog row estimates equal the exact counts."""
+    now: datetime = conn.execute("SELECT now()").fetchone()[0]  # type: ignore[index]
+    now = now.astimezone(UTC)
+    conn.execute("SELECT composer_ensure_partitions_from(%s, 3)", (date(2025, 1, 1),))
+    conn.execute("SELECT composer_ensure_partitions(3)")
+    s = _Seeder(conn, now)
+    s.definition(ORDER_V1, 1, False, datetime(2024, 12, 1, tzinfo=UTC))
+    s.definition(ORDER_V2, 2, True, datetime(2025, 6, 1, tzinfo=UTC))
+    s.definition(REPORT_V1, 1, True, datetime(2024, 12, 1, tzinfo=UTC))
+    _history(s)
+    _live(s)
+    if analyze:
+        for table in ("workflow_runs", "task_instances", "workflow_events", "task_outbox"):
+            conn.execute(f"ANALYZE {table}".encode())
+    return SeedInfo(runs=dict(s.runs), current_month=month_label(now), now=now, tasks=dict(s.tasks))
+
+
+def _at(month: str, day: int, hour: int = 12) -> datetime:
+    return month_start(month).replace(day=day, hour=hour)
+
+
+def _history(s: _Seeder) -> None:
+    for label, day in (("H1", 5), ("H2", 12), ("H3", 19)):
+        s.report_run(label, "SUCCEEDED", _at("202501", day))
+    s.report_run("H4", "SUCCEEDED", _at("202502", 3))
+    s.report_run("H5", "SUCCEEDED", _at("202502", 14))
+    # H6: stuck since February 2025, waiting for a 'delivered' signal with no timeout (v1).
+    t0 = _at("202502", 20)
+    s.run("H6", "order-fulfilment", 1, "RUNNING", t0)
+    s.task("H6", "charge", "TASK", "payments", "COMPLETED", t0, started=t0 + timedelta(seconds=1),
+           finished=t0 + timedelta(seconds=3), output={"tier": "silver"})
+    s.task("H6", "route", "SWITCH", None, "COMPLETED", t0 + timedelta(seconds=3), finished=t0 + timedelta(seconds=3),
+           branches=["standard"])
+    s.task("H6", "express", "TASK", "default", "SKIPPED", t0 + timedelta(seconds=3), finished=t0 + timedelta(seconds=3))
+    s.task("H6", "standard", "TASK", "default", "COMPLETED", t0 + timedelta(seconds=3),
+           started=t0 + timedelta(seconds=4), finished=t0 + timedelta(seconds=9))
+    s.task("H6", "cool_off", "WAIT", None, "COMPLETED", t0 + timedelta(seconds=9), finished=t0 + timedelta(seconds=14),
+           wake_at=t0 + timedelta(seconds=14))
+    s.task("H6", "delivered", "WAIT_FOR_EVENT", None, "WAITING", t0 + timedelta(seconds=14), event="delivered")
+    s.signal("H6", "address-changed", t0 + timedelta(seconds=20), None, {"city": "Lyon"})
+    # March: one failed and one cancelled report, and the story run (H9).
+    t0 = _at("202503", 2)
+    s.run("H7", "nightly-report", 1, "FAILED", t0, completed=t0 + timedelta(minutes=7),
+          error="node extract_a failed: source database unreachable")
+    s.task("H7", "extract_a", "TASK", "reports", "FAILED", t0, attempt=2, started=t0 + timedelta(minutes=6),
+           finished=t0 + timedelta(minutes=7), error="source database unreachable")
+    s.task("H7", "extract_b", "TASK", "reports", "COMPLETED", t0, started=t0 + timedelta(seconds=5),
+           finished=t0 + timedelta(seconds=65))
+    s.task("H7", "load", "TASK", "reports", "SKIPPED", t0 + timedelta(minutes=7), finished=t0 + timedelta(minutes=7))
+    t0 = _at("202503", 9)
+    s.run("H8", "nightly-report", 1, "CANCELLED", t0, completed=t0 + timedelta(minutes=1), error="cancelled: operator")
+    for node in ("extract_a", "extract_b"):
+        s.task("H8", node, "TASK", "reports", "CANCELLED", t0, finished=t0 + timedelta(minutes=1),
+               error="cancelled: operator")
+    _story(s, _at("202503", 16))
+    s.report_run("H10", "SUCCEEDED", _at("202504", 6))
+    s.report_run("H11", "SUCCEEDED", _at("202504", 13))
+    s.run("H12", "order-fulfilment", 1, "PENDING", _at("202504", 27))
+
+
+def _story(s: _Seeder, t0: datetime) -> None:
+    """H9: charge retried once, the gold branch, a wait, a signal that arrived early
+    (buffered, then consumed) plus a duplicate, and notify failing on its last attempt."""
+    def at(sec: float) -> datetime:
+        return t0 + timedelta(seconds=sec)
+
+    s.run("H9", "order-fulfilment", 1, "FAILED", t0, completed=at(120),
+          error="node notify failed: smtp 550 mailbox unavailable")
+    s.task("H9", "charge", "TASK", "payments", "COMPLETED", at(0), attempt=1, started=at(33), finished=at(35),
+           error="card processor timeout", output={"tier": "gold"})
+    s.task("H9", "route", "SWITCH", None, "COMPLETED", at(35), finished=at(35), branches=["express"])
+    s.task("H9", "express", "TASK", "default", "COMPLETED", at(35), started=at(36), finished=at(50))
+    s.task("H9", "standard", "TASK", "default", "SKIPPED", at(35), finished=at(35))
+    s.task("H9", "cool_off", "WAIT", None, "COMPLETED", at(50), finished=at(55), wake_at=at(55))
+    s.signal("H9", "delivered", at(52), at(55), {"proof": "signed-by-recipient"})
+    s.task("H9", "delivered", "WAIT_FOR_EVENT", None, "COMPLETED", at(55), finished=at(55), event="delivered",
+           output={"proof": "signed-by-recipient"})
+    s.signal("H9", "delivered", at(80), None, {"proof": "duplicate scan"})
+    s.task("H9", "notify", "TASK", "default", "FAILED", at(55), attempt=2, started=at(110), finished=at(120),
+           error="smtp 550 mailbox unavailable")
+    s.conn.execute(
+        """INSERT INTO webhook_deliveries (run_id, url, payload, attempts, next_attempt_at, delivered_at,
+                                           last_status, created_at)
+           VALUES (%s, %s, %s, 1, %s, %s, 200, %s)""",
+        (s.runs["H9"], ORDER_V1["webhook_url"], Jsonb({"run_id": s.runs["H9"], "status": "FAILED"}),
+         at(121), at(122), at(120)))
+
+
+def _live(s: _Seeder) -> None:
+    """Runs of the current month with active work (ages and expiries in seconds)."""
+    base = month_start(month_label(s.now))
+
+    def live_run(label: str, wf: str, version: int, age: float, k: int) -> None:
+        s.run(label, wf, version, "RUNNING", s.ago(age), id_at=base + timedelta(seconds=k))
+
+    def done(run: str, node: str, ntype: str, age: float, **kw: Any) -> None:
+        queue = kw.pop("queue", "default" if ntype == "TASK" else None)
+        state = kw.pop("state", "COMPLETED")
+        s.task(run, node, ntype, queue, state, s.ago(age), finished=s.ago(age - 5), **kw)
+
+    live_run("L1", "order-fulfilment", 2, 100, 1)
+    s.task("L1", "charge", "TASK", "payments", "RUNNING", s.ago(100), started=s.ago(90), owner="worker-a",
+           lease=s.ago(-1200))
+    live_run("L2", "order-fulfilment", 2, 1800, 2)
+    s.task("L2", "charge", "TASK", "payments", "RUNNING", s.ago(1800), attempt=2, started=s.ago(1000),
+           owner="worker-b", lease=s.ago(900), error="card processor timeout")
+    live_run("L3", "order-fulfilment", 2, 700, 3)
+    done("L3", "charge", "TASK", 700, queue="payments", output={"tier": "gold"})
+    done("L3", "route", "SWITCH", 650, branches=["express"])
+    done("L3", "standard", "TASK", 650, state="SKIPPED")
+    s.task("L3", "express", "TASK", "default", "RUNNING", s.ago(600), started=s.ago(500), owner="worker-a",
+           lease=s.ago(-7200))
+    live_run("L4", "order-fulfilment", 2, 4 * 3600, 4)
+    done("L4", "charge", "TASK", 4 * 3600, queue="payments", output={"tier": "silver"})
+    done("L4", "route", "SWITCH", 4 * 3600 - 10, branches=["standard"])
+    done("L4", "express", "TASK", 4 * 3600 - 10, state="SKIPPED")
+    done("L4", "standard", "TASK", 4 * 3600 - 10)
+    s.task("L4", "cool_off", "WAIT", None, "WAITING", s.ago(3 * 3600), wake_at=s.ago(-3600))
+    live_run("L5", "order-fulfilment", 2, 13 * 3600, 5)
+    done("L5", "charge", "TASK", 13 * 3600, queue="payments", output={"tier": "gold"})
+    done("L5", "route", "SWITCH", 13 * 3600 - 10, branches=["express"])
+    done("L5", "standard", "TASK", 13 * 3600 - 10, state="SKIPPED")
+    done("L5", "express", "TASK", 13 * 3600 - 10)
+    done("L5", "cool_off", "WAIT", 13 * 3600 - 100)
+    s.task("L5", "delivered", "WAIT_FOR_EVENT", None, "WAITING", s.ago(12 * 3600), event="delivered",
+           wake_at=s.ago(12 * 3600 - 86400))
+    live_run("L6", "nightly-report", 1, 1800, 6)
+    s.task("L6", "extract_a", "TASK", "reports", "PENDING", s.ago(1800), attempt=1, updated=s.ago(120),
+           error="connection reset by peer")
+    s.task("L6", "extract_b", "TASK", "reports", "PENDING", s.ago(1800))
+    s.outbox("L6", "extract_a", "reports", 1, "report.extract", s.ago(-1800))
+    s.outbox("L6", "extract_b", "reports", 0, "report.extract", s.ago(1800))
+    live_run("L7", "nightly-report", 1, 2 * 86400, 7)
+    s.task("L7", "extract_a", "TASK", "reports", "RUNNING", s.ago(2 * 86400), attempt=1, started=s.ago(7300),
+           owner="worker-b", lease=s.ago(7200), error="worker lost its lease")
+    done("L7", "extract_b", "TASK", 2 * 86400, queue="reports")
+    live_run("L8", "order-fulfilment", 2, 700, 8)
+    s.task("L8", "charge", "TASK", "payments", "PENDING", s.ago(700))
+    s.outbox("L8", "charge", "payments", 0, "payments.charge", s.ago(700))
+
+
+def expected_figures(info: SeedInfo) -> dict[str, dict[str, Any]]:
+    """The figures each notebook must show for :func:`seed`'s content (written by hand
+    from the fixture above, not computed by the code under test)."""
+    cur = info.current_month
+    ahead = [_add(cur, i) for i in range(1, 4)]
+    months = [*HISTORY_MONTHS, cur, *ahead]
+    return {
+        "partition_sizes": {
+            "partitions": 24, "months": months, "misaligned": 0,
+            "rows_by_table": {"workflow_runs": 20, "task_instances": 61, "workflow_events": 3},
+            "rows_by_month": {"202501": 12, "202502": 16, "202503": 17, "202504": 9, cur: 30,
+                              ahead[0]: 0, ahead[1]: 0, ahead[2]: 0},
+            "months_ahead": {"workflow_runs": 3, "task_instances": 3, "workflow_events": 3},
+            "lookahead_alerts": 0, "projected_rows_per_month": 14,
+        },
+        "active_tasks": {
+            "active": 10, "by_state": {"PENDING": 3, "RUNNING": 4, "WAITING": 3}, "groups": 7,
+            "histogram": {"< 1 min": 0, "1-5 min": 1, "5-15 min": 2, "15-60 min": 3, "1-6 h": 1, "6-24 h": 1,
+                          "> 1 day": 2},
+            "top_run": info.runs["L6"], "top_run_active": 2, "runs_with_active_tasks": 9,
+            "outbox": {"payments": {"rows": 1, "ready": 1, "delayed": 0},
+                       "reports": {"rows": 2, "ready": 1, "delayed": 1}},
+        },
+        "lease_expiries": {
+            "running": 4, "expired": 2,
+            "owners": {"worker-a": {"running": 2, "expired": 0}, "worker-b": {"running": 2, "expired": 2}},
+            "suspect_dead": ["worker-b"], "most_overdue_run": info.runs["L7"],
+            "buckets": {"expired > 1 h ago": 1, "expired 5-60 min ago": 1, "expired < 5 min ago": 0,
+                        "expires in < 1 min": 0, "expires in 1-5 min": 0, "expires in 5-30 min": 1,
+                        "expires in > 30 min": 1},
+            "attempts": {"0": 7, "1": 2, "2": 1},
+            "requeues": [[info.runs["L6"], "extract_a", "connection reset by peer"],
+                         [info.runs["L2"], "charge", "card processor timeout"]],
+        },
+        "retention_dry_run": {
+            "drop": ["202501", "202503"],
+            "keep_active": {"202502": [info.runs["H6"]], "202504": [info.runs["H12"]]},
+            "too_new": [cur, *ahead], "rows_reclaimed": 29,
+        },
+        "run_investigation": {
+            "run_id": info.story_run, "status": "FAILED", "tasks": 7, "nodes": 7, "edges": 7, "retries": 3,
+            "failed_nodes": ["notify"], "skipped_nodes": ["standard"],
+            "signals": {"consumed": 1, "buffered": 1}, "webhook_delivered": True,
+            "error": "node notify failed: smtp 550 mailbox unavailable",
+        },
+    }
+
+
+def _add(month: str, n: int) -> str:
+    index = int(month[:4]) * 12 + int(month[4:]) - 1 + n
+    return f"{index // 12:04d}{index % 12 + 1:02d}"

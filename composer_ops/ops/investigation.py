@@ -1,0 +1,245 @@
+"""One run's story: its definition graph, every task with its timings (a Gantt
+chart's data), attempts and errors, waits, buffered and consumed signals, the
+current lease of each task, pending dispatches and the webhook delivery.
+
+The run ID is validated as a UUID before any query. Every query filters on the run
+ID, so each touches the single monthly partition that holds the run.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+import polars as pl
+
+from composer_ops.errors import Invalid, NotFound
+from composer_ops.ops._common import ACTIVE_STATES, UTC_TS, Source, connection, frame, rows_frame
+
+# -- run_row -- the run itself, with its definition's spec.
+RUN_SQL = """
+    SELECT r.id, r.workflow_definition_id, r.workflow_version, r.status, r.created_at, r.updated_at,
+           r.completed_at, extract(epoch FROM COALESCE(r.completed_at, now()) - r.created_at)::float8,
+           r.input_json::text, r.output_json::text, COALESCE(r.error_json ->> 'error', r.error_json::text),
+           r.tableoid::regclass::text, d.spec_json
+      FROM workflow_runs r
+      LEFT JOIN workflow_definitions d ON d.id = r.workflow_definition_id AND d.version = r.workflow_version
+     WHERE r.id = %(run)s
+"""
+
+# -- run_tasks -- every task of the run, with timings against the database clock.
+TASKS_SQL = """
+    SELECT id, node_id, node_type, queue, state, attempt, created_at, started_at, finished_at, updated_at,
+           extract(epoch FROM COALESCE(started_at, finished_at, now()) - created_at)::float8 AS queued_s,
+           extract(epoch FROM COALESCE(finished_at, now()) - started_at)::float8 AS ran_s,
+           wake_at, extract(epoch FROM wake_at - now())::float8 AS wakes_in_s, event_name,
+           lease_owner, lease_expires_at, extract(epoch FROM lease_expires_at - now())::float8 AS lease_left_s,
+           COALESCE(last_error ->> 'error', last_error::text) AS last_error, branches, output_json::text
+      FROM task_instances
+     WHERE run_id = %(run)s
+     ORDER BY created_at, node_id
+"""
+
+TASK_SCHEMA = {
+    "task_id": pl.String, "node_id": pl.String, "node_type": pl.String, "queue": pl.String, "state": pl.String,
+    "attempt": pl.Int64, "created_at": UTC_TS, "started_at": UTC_TS, "finished_at": UTC_TS, "updated_at": UTC_TS,
+    "queued_s": pl.Float64, "ran_s": pl.Float64, "wake_at": UTC_TS, "wakes_in_s": pl.Float64,
+    "event_name": pl.String, "lease_owner": pl.String, "lease_expires_at": UTC_TS, "lease_left_s": pl.Float64,
+    "last_error": pl.String, "branches": pl.List(pl.String), "output": pl.String,
+}
+
+# -- run_signals -- signals sent to the run: buffered (waiting for a node) or consumed.
+SIGNALS_SQL = """
+    SELECT id, name, payload::text, created_at, consumed_at,
+           CASE WHEN consumed_at IS NULL THEN 'buffered' ELSE 'consumed' END,
+           extract(epoch FROM COALESCE(consumed_at, now()) - created_at)::float8
+      FROM workflow_events
+     WHERE run_id = %(run)s
+     ORDER BY created_at, id
+"""
+
+# -- run_outbox -- dispatches of the run's tasks not yet claimed by a worker.
+OUTBOX_SQL = """
+    SELECT task_id, queue, attempt, task_name, lease_s, available_at,
+           extract(epoch FROM available_at - now())::float8
+      FROM task_outbox
+     WHERE run_id = %(run)s
+     ORDER BY available_at, id
+"""
+
+# -- run_webhook -- the run's webhook delivery, if its definition has a webhook_url.
+WEBHOOK_SQL = """
+    SELECT url, attempts, next_attempt_at, delivered_at, gave_up_at, last_status, last_error, created_at
+      FROM webhook_deliveries
+     WHERE run_id = %(run)s
+"""
+
+# -- latest_run -- the newest run (with a status, if given), for a report with no run_id.
+LATEST_SQL = """
+    SELECT id FROM workflow_runs
+     WHERE (%(status)s::text IS NULL OR status = %(status)s) AND deleted_at IS NULL
+     ORDER BY id DESC LIMIT 1
+"""
+
+
+def validate_run_id(value: Any) -> str:
+    """The canonical text of a UUIDv7 run ID; :class:`Invalid` for anything else.
+    Called before any query, so a bad notebook parameter never reaches the database."""
+    if not isinstance(value, str):
+        raise Invalid(f"run_id must be a UUID string, got {type(value).__name__} {value!r}")
+    try:
+        parsed = uuid.UUID(value.strip())
+    except ValueError:
+        raise Invalid(f"run_id {value!r} is not a UUID") from None
+    if parsed.version != 7:
+        raise Invalid(f"run_id {value!r} is a version {parsed.version} UUID; run IDs are UUIDv7")
+    return str(parsed)
+
+
+def latest_run_id(source: Source = None, *, status: str | None = "FAILED") -> str | None:
+    """The newest run (run IDs are time-ordered) with ``status`` (any status when
+    None), or None when there is none."""
+    if status is not None and status not in {"PENDING", "RUNNING", "SUCCEEDED", "FAILED", "CANCELLED"}:
+        raise Invalid(f"unknown run status {status!r}")
+    with connection(source) as conn:
+        row = conn.execute(LATEST_SQL, {"status": status}).fetchone()
+    return None if row is None else str(row[0])
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunStory:
+    """Everything the run investigation notebook shows about one run."""
+
+    run: pl.DataFrame
+    nodes: pl.DataFrame
+    edges: pl.DataFrame
+    tasks: pl.DataFrame
+    signals: pl.DataFrame
+    outbox: pl.DataFrame
+    webhook: pl.DataFrame
+
+    @property
+    def run_id(self) -> str:
+        return str(self.run["run_id"][0])
+
+    @property
+    def status(self) -> str:
+        return str(self.run["status"][0])
+
+
+def run_story(source: Source, run_id: str) -> RunStory:
+    """Load one run's story. ``run_id`` is validated first (:class:`Invalid`); a run
+    that does not exist is :class:`NotFound`."""
+    rid = validate_run_id(run_id)
+    with connection(source) as conn:
+        run_rows = conn.execute(RUN_SQL, {"run": rid}).fetchall()
+        if not run_rows:
+            raise NotFound(f"workflow run {rid} does not exist (or its month's partition was dropped)")
+        spec = run_rows[0][-1]
+        run = rows_frame([row[:-1] for row in run_rows], {
+            "run_id": pl.String, "workflow_id": pl.String, "workflow_version": pl.Int64, "status": pl.String,
+            "created_at": UTC_TS, "updated_at": UTC_TS, "completed_at": UTC_TS, "duration_s": pl.Float64,
+            "input": pl.String, "output": pl.String, "error": pl.String, "partition": pl.String,
+        })
+        tasks = frame(conn, TASKS_SQL, {"run": rid}, TASK_SCHEMA)
+        signals = frame(conn, SIGNALS_SQL, {"run": rid}, {
+            "signal_id": pl.String, "name": pl.String, "payload": pl.String, "created_at": UTC_TS,
+            "consumed_at": UTC_TS, "status": pl.String, "buffered_s": pl.Float64,
+        })
+        outbox = frame(conn, OUTBOX_SQL, {"run": rid}, {
+            "task_id": pl.String, "queue": pl.String, "attempt": pl.Int64, "task_name": pl.String,
+            "lease_s": pl.Int64, "available_at": UTC_TS, "available_in_s": pl.Float64,
+        })
+        webhook = frame(conn, WEBHOOK_SQL, {"run": rid}, {
+            "url": pl.String, "attempts": pl.Int64, "next_attempt_at": UTC_TS, "delivered_at": UTC_TS,
+            "gave_up_at": UTC_TS, "last_status": pl.Int64, "last_error": pl.String, "created_at": UTC_TS,
+        })
+    nodes, edges = definition_graph(spec, tasks)
+    return RunStory(run=run, nodes=nodes, edges=edges, tasks=tasks, signals=signals, outbox=outbox,
+                    webhook=webhook)
+
+
+def definition_graph(spec: Any, tasks: pl.DataFrame | None = None) -> tuple[pl.DataFrame, pl.DataFrame]:
+    """Nodes and edges of a stored spec_json. Nodes carry the run's state of each node
+    ('NOT REACHED' when it has no task). Edges run from dependency to dependant; an
+    edge out of a SWITCH is labelled with the cases that select the target."""
+    doc = json.loads(spec) if isinstance(spec, str) else (spec or {})
+    raw_nodes = doc.get("nodes") if isinstance(doc, dict) else None
+    if not isinstance(raw_nodes, list):
+        raw_nodes = []
+    states: dict[str, tuple[str, int]] = {}
+    if tasks is not None:
+        states = {n: (s, a) for n, s, a in tasks.select("node_id", "state", "attempt").iter_rows()}
+    node_rows: list[tuple[Any, ...]] = []
+    edge_rows: list[tuple[str, str, str]] = []
+    switch_cases: dict[str, dict[str, list[str]]] = {}
+    for i, node in enumerate(raw_nodes):
+        if not isinstance(node, dict):
+            continue
+        nid = str(node.get("id", f"#{i}"))
+        ntype = str(node.get("type", "TASK"))
+        if ntype == "SWITCH":
+            labels: dict[str, list[str]] = {}
+            for case, targets in (node.get("cases") or {}).items():
+                for target in targets or []:
+                    labels.setdefault(str(target), []).append(f"case {case}")
+            for target in node.get("default") or []:
+                labels.setdefault(str(target), []).append("default")
+            switch_cases[nid] = labels
+        state, attempt = states.get(nid, ("NOT REACHED", 0))
+        node_rows.append((nid, ntype, node.get("task"), node.get("queue", "default") if ntype == "TASK" else None,
+                          node.get("event"), [str(d) for d in node.get("depends_on") or []], i, state, attempt))
+    for nid, _t, _task, _q, _e, deps, *_rest in node_rows:
+        for dep in deps:
+            label = ", ".join(switch_cases[dep].get(nid, [])) if dep in switch_cases else ""
+            edge_rows.append((dep, nid, label))
+    nodes = pl.DataFrame(node_rows, orient="row", schema={
+        "node_id": pl.String, "type": pl.String, "task": pl.String, "queue": pl.String, "event": pl.String,
+        "depends_on": pl.List(pl.String), "position": pl.Int64, "state": pl.String, "attempt": pl.Int64,
+    })
+    nodes = nodes.with_columns(pl.Series("depth", _depths(nodes), dtype=pl.Int64))
+    edges = pl.DataFrame(edge_rows, orient="row",
+                         schema={"source": pl.String, "target": pl.String, "label": pl.String})
+    return nodes, edges
+
+
+def _depths(nodes: pl.DataFrame) -> list[int]:
+    """Longest path from a root to each node (the graph's layer, for drawing)."""
+    deps = {n: list(d) for n, d in nodes.select("node_id", "depends_on").iter_rows()}
+    memo: dict[str, int] = {}
+
+    def depth(node: str, seen: frozenset[str]) -> int:
+        if node in memo:
+            return memo[node]
+        if node in seen or node not in deps:
+            return 0
+        value = max((depth(d, seen | {node}) + 1 for d in deps[node]), default=0)
+        memo[node] = value
+        return value
+
+    return [depth(n, frozenset()) for n in deps]
+
+
+def gantt_rows(tasks: pl.DataFrame, now: datetime | None = None) -> pl.DataFrame:
+    """Bars for a Gantt chart of :func:`run_story`'s tasks: a 'queued' bar (created
+    until a worker started it) and a main bar: 'ran' (started until finished),
+    'waiting' (WAIT / WAIT_FOR_EVENT nodes), 'queued' (active, never started) or
+    'decided' (SWITCH and skipped nodes). Unfinished bars end at ``now`` (pass the
+    database clock), else at the task's last update."""
+    end_active = pl.lit(now, dtype=UTC_TS) if now is not None else pl.col("updated_at")
+    keep = ["node_id", "node_type", "state", "attempt"]
+    queued = tasks.filter(pl.col("started_at").is_not_null()).select(
+        *keep, pl.col("created_at").alias("start"), pl.col("started_at").alias("end"),
+        pl.lit("queued").alias("phase"))
+    main = tasks.select(
+        *keep,
+        pl.coalesce("started_at", "created_at").alias("start"),
+        pl.coalesce("finished_at", end_active).alias("end"),
+        pl.when(pl.col("started_at").is_not_null()).then(pl.lit("ran"))
+        .when(pl.col("node_type").is_in(["WAIT", "WAIT_FOR_EVENT"])).then(pl.lit("waiting"))
+        .when(pl.col("state").is_in(list(ACTIVE_STATES))).then(pl.lit("queued"))
+        .otherwise(pl.lit("decided")).alias("phase"))
+    return pl.concat([queued, main]).sort("start", "node_id", "phase")

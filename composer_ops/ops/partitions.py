@@ -1,0 +1,173 @@
+"""Partition inventory: every monthly partition of the three run-scoped tables,
+its declared bounds decoded and checked against its name, its rows and bytes, how
+many months ahead exist, and growth per month with a projection.
+
+Everything here reads the catalogs only (pg_inherits, pg_class, the size functions),
+except ``exact=True``, which counts each partition's rows: a full scan of every
+partition, meant for small databases or an explicit request.
+"""
+
+from __future__ import annotations
+
+import re
+from datetime import UTC, datetime
+
+import polars as pl
+from psycopg import sql
+
+from composer_ops.errors import Invalid
+from composer_ops.ops._common import (
+    RUN_TABLES,
+    UTC_TS,
+    Source,
+    add_months,
+    connection,
+    db_now,
+    frame,
+    month_label,
+    month_start,
+)
+
+_HEX = re.compile(r"^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$")
+
+# -- partition_catalog -- every partition of the three tables, with its bound
+# expression and sizes (heap = table size without toast: main fork + fsm + vm).
+_CATALOG_SQL = """
+    SELECT p.relname::text AS parent, c.relname::text AS partition,
+           COALESCE(substring(c.relname FROM '_p(\\d{6})$'), '') AS month,
+           COALESCE(substring(pg_get_expr(c.relpartbound, c.oid) FROM 'FROM \\(''([^'']*)''\\)'), '')
+               AS lower_bound,
+           COALESCE(substring(pg_get_expr(c.relpartbound, c.oid) FROM 'TO \\(''([^'']*)''\\)'), '')
+               AS upper_bound,
+           CASE WHEN c.reltuples >= 0 THEN c.reltuples::bigint
+                ELSE pg_stat_get_live_tuples(c.oid) END AS rows,
+           pg_table_size(c.oid) - COALESCE(pg_total_relation_size(NULLIF(c.reltoastrelid, 0)), 0)
+               AS heap_bytes,
+           pg_indexes_size(c.oid) AS index_bytes,
+           COALESCE(pg_total_relation_size(NULLIF(c.reltoastrelid, 0)), 0) AS toast_bytes,
+           pg_total_relation_size(c.oid) AS total_bytes
+      FROM pg_inherits i
+      JOIN pg_class c ON c.oid = i.inhrelid
+      JOIN pg_class p ON p.oid = i.inhparent
+     WHERE p.oid = ANY(ARRAY['workflow_runs'::regclass, 'task_instances'::regclass, 'workflow_events'::regclass])
+     ORDER BY month, array_position(ARRAY['workflow_runs', 'task_instances', 'workflow_events'], p.relname::text)
+"""
+
+_CATALOG_SCHEMA = {
+    "table": pl.String, "partition": pl.String, "month": pl.String,
+    "lower_bound": pl.String, "upper_bound": pl.String, "rows": pl.Int64,
+    "heap_bytes": pl.Int64, "index_bytes": pl.Int64, "toast_bytes": pl.Int64, "total_bytes": pl.Int64,
+}
+
+
+def decode_uuid7_bound(text: str) -> datetime:
+    """The instant encoded in the first 48 bits (milliseconds since the epoch) of a
+    UUIDv7 text, e.g. a partition bound made by ``composer_uuid7_bound``."""
+    if not _HEX.match(text):
+        raise Invalid(f"partition bound {text!r} is not a lowercase UUID text")
+    ms = int(text.replace("-", "")[:12], 16)
+    return datetime.fromtimestamp(ms / 1000, tz=UTC)
+
+
+def partition_inventory(source: Source = None, *, exact: bool = False) -> pl.DataFrame:
+    """One row per partition: table, partition, month (YYYYMM), the declared bounds
+    and the instants they decode to, whether those match the month in the name,
+    rows (``rows_exact`` says whether counted or estimated from the catalog) and
+    heap / index / toast / total bytes."""
+    with connection(source) as conn:
+        inv = frame(conn, _CATALOG_SQL, None, _CATALOG_SCHEMA)
+        counts: list[int | None] = []
+        if exact:
+            for name in inv["partition"].to_list():
+                row = conn.execute(sql.SQL("SELECT count(*) FROM {}").format(sql.Identifier(name))).fetchone()
+                counts.append(int(row[0]) if row else 0)
+    lower = [_decode_or_none(b) for b in inv["lower_bound"].to_list()]
+    upper = [_decode_or_none(b) for b in inv["upper_bound"].to_list()]
+    expected_lo = [month_start(m) if m else None for m in inv["month"].to_list()]
+    expected_hi = [month_start(add_months(m, 1)) if m else None for m in inv["month"].to_list()]
+    inv = inv.with_columns(
+        pl.Series("lower_at", lower, dtype=UTC_TS),
+        pl.Series("upper_at", upper, dtype=UTC_TS),
+        pl.Series("month_start", expected_lo, dtype=UTC_TS),
+        pl.Series("month_end", expected_hi, dtype=UTC_TS),
+    ).with_columns(
+        ((pl.col("lower_at") == pl.col("month_start")) & (pl.col("upper_at") == pl.col("month_end")))
+        .fill_null(False).alias("bounds_match"),
+        pl.lit(exact).alias("rows_exact"),
+    )
+    if exact:
+        inv = inv.with_columns(pl.Series("rows", counts, dtype=pl.Int64))
+    return inv.select(
+        "table", "partition", "month", "month_start", "month_end", "lower_bound", "upper_bound",
+        "lower_at", "upper_at", "bounds_match", "rows", "rows_exact",
+        "heap_bytes", "index_bytes", "toast_bytes", "total_bytes",
+    )
+
+
+def _decode_or_none(text: str) -> datetime | None:
+    try:
+        return decode_uuid7_bound(text)
+    except Invalid:
+        return None
+
+
+def lookahead(source: Source = None, *, minimum: int = 2) -> pl.DataFrame:
+    """Per table: the current UTC month (database clock), how many consecutive months
+    after it already have partitions, the first month missing, and ``alert`` when
+    fewer than ``minimum`` months ahead exist (new runs would fail once the gap is
+    reached; `composer-ops partitions ensure` or the coordinator's upkeep fixes it)."""
+    if minimum < 0:
+        raise Invalid(f"minimum months ahead must be 0 or more, got {minimum}")
+    with connection(source) as conn:
+        now = db_now(conn)
+        inv = frame(conn, _CATALOG_SQL, None, _CATALOG_SCHEMA)
+    current = month_label(now)
+    rows = []
+    for table in RUN_TABLES:
+        months = set(inv.filter(pl.col("table") == table)["month"].to_list())
+        ahead = 0
+        while add_months(current, ahead + 1) in months:
+            ahead += 1
+        has_current = current in months
+        first_missing = current if not has_current else add_months(current, ahead + 1)
+        rows.append((table, current, has_current, ahead, first_missing, minimum,
+                     (not has_current) or ahead < minimum))
+    return pl.DataFrame(rows, orient="row", schema={
+        "table": pl.String, "current_month": pl.String, "has_current": pl.Boolean,
+        "months_ahead": pl.Int64, "first_missing": pl.String, "minimum": pl.Int64, "alert": pl.Boolean,
+    })
+
+
+def growth(source: Source = None, *, exact: bool = False, window: int = 3, horizon: int = 6,
+           inventory: pl.DataFrame | None = None) -> pl.DataFrame:
+    """Rows and bytes per month (all three tables together) for every month up to the
+    current one, then ``horizon`` projected months: each projected month adds the mean
+    of the last ``window`` months before the current one (the current month is still
+    filling up). ``total_rows`` / ``total_bytes`` are running totals; ``kind`` is
+    'actual' or 'projected'."""
+    if window < 1 or horizon < 0:
+        raise Invalid(f"growth needs window >= 1 and horizon >= 0, got window={window}, horizon={horizon}")
+    with connection(source) as conn:
+        now = db_now(conn)
+        inv = inventory if inventory is not None else partition_inventory(conn, exact=exact)
+    current = month_label(now)
+    per_month = (inv.filter((pl.col("month") != "") & (pl.col("month") <= current))
+                 .group_by("month").agg(pl.col("rows").sum(), pl.col("total_bytes").sum().alias("bytes"))
+                 .sort("month"))
+    past = per_month.filter(pl.col("month") < current).tail(window)
+    mean_rows = int(round(past["rows"].mean())) if past.height else 0  # type: ignore[arg-type]
+    mean_bytes = int(round(past["bytes"].mean())) if past.height else 0  # type: ignore[arg-type]
+    records = [(m, "actual", r, b) for m, r, b in per_month.iter_rows()]
+    records += [(add_months(current, i), "projected", mean_rows, mean_bytes) for i in range(1, horizon + 1)]
+    out = pl.DataFrame(records, orient="row", schema={
+        "month": pl.String, "kind": pl.String, "rows": pl.Int64, "bytes": pl.Int64})
+    return out.with_columns(pl.col("rows").cum_sum().alias("total_rows"),
+                            pl.col("bytes").cum_sum().alias("total_bytes"))
+
+
+def partition_totals(inventory: pl.DataFrame) -> pl.DataFrame:
+    """Rows and bytes per month and table (the partition-size chart's data)."""
+    return (inventory.group_by("month", "table")
+            .agg(pl.col("rows").sum(), pl.col("total_bytes").sum(), pl.col("heap_bytes").sum(),
+                 pl.col("index_bytes").sum(), pl.col("toast_bytes").sum())
+            .sort("month", "table"))

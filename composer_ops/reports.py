@@ -1,0 +1,347 @@
+"""Scheduled reports: execute the notebooks headlessly with papermill and file each
+as a self-contained HTML page.
+
+``reports/<notebook>/<UTC timestamp>.html`` (code hidden, plotly.js embedded) lands
+beside the executed ``.ipynb`` and a small ``.json`` summary; ``reports/index.html``
+links every report found under the output directory, newest first.
+
+The kernel is always this interpreter (``sys.executable`` with ipykernel), whatever
+kernelspecs the user has installed elsewhere, so a fresh venv works. The database
+URL reaches the kernel through ``COMPOSER_DATABASE_URL`` in its environment, never
+as an injected parameter, so no credentials are written into a report.
+"""
+
+from __future__ import annotations
+
+import ast
+import contextlib
+import html
+import json
+import multiprocessing
+import os
+import re
+import sys
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
+from dataclasses import asdict, dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from jupyter_client.kernelspec import KernelSpec, KernelSpecManager
+from jupyter_client.manager import AsyncKernelManager
+from traitlets import default
+
+from composer_ops.db import ENV_URL, resolve_url
+from composer_ops.errors import ComposerError, Invalid, NotFound
+
+#: Where the notebooks are (the source tree's notebooks/, or COMPOSER_NOTEBOOKS_DIR).
+NOTEBOOKS_DIR = Path(__file__).resolve().parents[1] / "notebooks"
+ENV_NOTEBOOKS = "COMPOSER_NOTEBOOKS_DIR"
+KERNEL_NAME = "python3"
+_EXTERNAL_SCRIPT = re.compile(r"<script[^>]*\ssrc=\"https?://[^\"]*\"[^>]*>\s*</script>", re.IGNORECASE)
+
+
+class _ThisPythonKernelSpecManager(KernelSpecManager):
+    """Resolves ``python3`` to ipykernel running on this very interpreter."""
+
+    def get_kernel_spec(self, kernel_name: str) -> KernelSpec:
+        if kernel_name in {KERNEL_NAME, "python"}:
+            from ipykernel.kernelspec import RESOURCES, get_kernel_dict
+
+            spec_dict = get_kernel_dict()
+            # Only errors on the kernel's stderr: its start-up warnings are noise in a cron mail.
+            spec_dict["argv"] = [*spec_dict["argv"], "--IPKernelApp.log_level=ERROR"]
+            spec: KernelSpec = self.kernel_spec_class(resource_dir=RESOURCES, **spec_dict)
+            return spec
+        return super().get_kernel_spec(kernel_name)
+
+
+class ThisPythonKernelManager(AsyncKernelManager):
+    """Kernel manager papermill uses: the kernel is ``sys.executable -m ipykernel_launcher``."""
+
+    @default("kernel_spec_manager")
+    def _this_python_spec_manager(self) -> KernelSpecManager:
+        return _ThisPythonKernelSpecManager(data_dir=self.data_dir)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Parameter:
+    name: str
+    default: str
+    help: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class ReportResult:
+    notebook: str
+    ok: bool
+    html: Path | None
+    ipynb: Path
+    seconds: float
+    parameters: dict[str, Any] = field(default_factory=dict)
+    failed_cell: int | None = None
+    execution_count: int | None = None
+    cell_source: str | None = None
+    error: str | None = None
+
+    def describe_failure(self) -> str:
+        """One line naming the failing cell (index in the executed notebook, its In [n]
+        and first line of code), for the CLI."""
+        if self.failed_cell is None:
+            where = "execution"
+        else:
+            where = f"cell {self.failed_cell}"
+            if self.execution_count:
+                where += f" (In [{self.execution_count}])"
+            if self.cell_source:
+                where += f" `{self.cell_source}`"
+        return f"report {self.notebook} failed at {where}: {self.error}; see {self.html or self.ipynb}"
+
+
+def notebooks_dir() -> Path:
+    return Path(os.environ.get(ENV_NOTEBOOKS) or NOTEBOOKS_DIR).expanduser().resolve()
+
+
+def available(directory: Path | None = None) -> list[str]:
+    """The report names: every notebook in the notebooks directory."""
+    base = directory or notebooks_dir()
+    if not base.is_dir():
+        raise ComposerError(f"notebooks directory {base} does not exist (set {ENV_NOTEBOOKS})")
+    return sorted(p.stem for p in base.glob("*.ipynb") if not p.name.startswith("."))
+
+
+def notebook_path(name: str, directory: Path | None = None) -> Path:
+    names = available(directory)
+    if name not in names:
+        raise NotFound(f"unknown report {name!r}; available: {', '.join(names) or '(none)'}")
+    return (directory or notebooks_dir()) / f"{name}.ipynb"
+
+
+def declared_parameters(name: str, directory: Path | None = None) -> dict[str, Parameter]:
+    """The parameters the notebook's ``parameters`` cell declares, with their defaults."""
+    import papermill
+
+    found = papermill.inspect_notebook(str(notebook_path(name, directory)))
+    return {k: Parameter(name=k, default=str(v.get("default", "None")), help=str(v.get("help", "")))
+            for k, v in found.items()}
+
+
+def convert_value(param: Parameter, text: str, notebook: str) -> Any:
+    """Turn ``-p KEY VALUE`` text into the type of the parameter's default value."""
+    try:
+        default_value = ast.literal_eval(param.default)
+    except (ValueError, SyntaxError):
+        default_value = None
+    if isinstance(default_value, bool):
+        lowered = text.strip().lower()
+        if lowered in {"true", "1", "yes", "on"}:
+            return True
+        if lowered in {"false", "0", "no", "off"}:
+            return False
+        raise Invalid(f"-p {param.name}: {text!r} is not a boolean (true/false) for report {notebook}")
+    if isinstance(default_value, int):
+        try:
+            return int(text)
+        except ValueError:
+            raise Invalid(f"-p {param.name}: {text!r} is not an integer for report {notebook}") from None
+    if isinstance(default_value, float):
+        try:
+            return float(text)
+        except ValueError:
+            raise Invalid(f"-p {param.name}: {text!r} is not a number for report {notebook}") from None
+    if isinstance(default_value, str):
+        return text
+    if text in {"None", "null"}:
+        return None
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return text
+
+
+def resolve_parameters(names: Sequence[str], pairs: Sequence[tuple[str, str]],
+                       directory: Path | None = None) -> dict[str, dict[str, Any]]:
+    """Per notebook, the parameters to inject. A key no selected notebook declares,
+    or a value of the wrong type, is :class:`Invalid` (nothing runs)."""
+    declared = {n: declared_parameters(n, directory) for n in names}
+    out: dict[str, dict[str, Any]] = {n: {} for n in names}
+    for key, text in pairs:
+        targets = [n for n in names if key in declared[n]]
+        if not targets:
+            known = sorted({k for d in declared.values() for k in d})
+            raise Invalid(f"-p {key}: no selected report declares it; parameters: {', '.join(known)}")
+        for n in targets:
+            out[n][key] = convert_value(declared[n][key], text, n)
+    return out
+
+
+def timestamp(now: datetime | None = None) -> str:
+    return (now or datetime.now(UTC)).astimezone(UTC).strftime("%Y%m%dT%H%M%SZ")
+
+
+def _free_stem(folder: Path, stamp: str) -> str:
+    stem, n = stamp, 1
+    while (folder / f"{stem}.ipynb").exists() or (folder / f"{stem}.html").exists():
+        n += 1
+        stem = f"{stamp}-{n}"
+    return stem
+
+
+@contextlib.contextmanager
+def _kernel_env(database_url: str | None) -> Iterator[None]:
+    """Set COMPOSER_DATABASE_URL for the kernels started inside the block, then restore it."""
+    before = os.environ.get(ENV_URL)
+    if database_url:
+        os.environ[ENV_URL] = database_url
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(ENV_URL, None)
+        else:
+            os.environ[ENV_URL] = before
+
+
+def run_reports(names: Sequence[str], parameters: Mapping[str, Mapping[str, Any]], out_dir: Path, *,
+                database_url: str | None = None, progress: bool = True, cell_timeout_s: int = 600,
+                jobs: int = 1, now: datetime | None = None, directory: Path | None = None) -> list[ReportResult]:
+    """Execute each notebook (``jobs`` at a time, each in its own kernel), render its
+    HTML, then rewrite the index. A failing notebook does not stop the others; see
+    each result's ``ok``. With ``jobs`` > 1 the notebooks run in worker processes,
+    without progress bars."""
+    if jobs < 1:
+        raise Invalid(f"jobs must be 1 or more, got {jobs}")
+    # Resolve the database once, here: a kernel would resolve a relative
+    # COMPOSER_HOME against its own working directory and start another server.
+    url = resolve_url(database_url)
+    stamp = timestamp(now)
+
+    def one(name: str) -> ReportResult:
+        return _run_one(name, dict(parameters.get(name, {})), out_dir, stamp, progress=progress,
+                        cell_timeout_s=cell_timeout_s, directory=directory)
+
+    with _kernel_env(url):
+        if jobs == 1 or len(names) == 1:
+            results = [one(name) for name in names]
+        else:
+            # Worker processes, not threads: papermill's event loops and CPython 3.11's
+            # parser are not safe to share between threads.
+            args = [(n, dict(parameters.get(n, {})), out_dir, stamp, cell_timeout_s, directory) for n in names]
+            try:
+                with ProcessPoolExecutor(max_workers=jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
+                    results = list(pool.map(_run_quietly, args))
+            except BrokenProcessPool as exc:
+                raise ComposerError(f"a report worker process died ({exc}); run again with --jobs 1") from exc
+    write_index(out_dir)
+    return results
+
+
+def _run_quietly(args: tuple[str, dict[str, Any], Path, str, int, Path | None]) -> ReportResult:
+    name, params, out_dir, stamp, cell_timeout_s, directory = args
+    return _run_one(name, params, out_dir, stamp, progress=False, cell_timeout_s=cell_timeout_s, directory=directory)
+
+
+def _run_one(name: str, params: dict[str, Any], out_dir: Path, stamp: str, *, progress: bool,
+             cell_timeout_s: int, directory: Path | None) -> ReportResult:
+    import papermill
+    from papermill.exceptions import PapermillExecutionError
+
+    source = notebook_path(name, directory)
+    folder = out_dir / name
+    folder.mkdir(parents=True, exist_ok=True)
+    stem = _free_stem(folder, stamp)
+    ipynb, page = folder / f"{stem}.ipynb", folder / f"{stem}.html"
+    started = time.monotonic()
+    failure: dict[str, Any] = {}
+    try:
+        papermill.execute_notebook(
+            str(source), str(ipynb), parameters=params, kernel_name=KERNEL_NAME, progress_bar=progress,
+            cwd=str(source.parent), execution_timeout=cell_timeout_s, kernel_manager_class=ThisPythonKernelManager,
+        )
+    except PapermillExecutionError as exc:
+        failure = {"failed_cell": exc.cell_index, "execution_count": exc.exec_count,
+                   "cell_source": _first_code_line(exc.source), "error": f"{exc.ename}: {_first_line(exc.evalue)}"}
+    except Exception as exc:  # kernel died, timed out, could not start: still a failed report
+        failure = {"error": f"{type(exc).__name__}: {_first_line(str(exc))}"}
+    seconds = time.monotonic() - started
+    rendered: Path | None = None
+    if ipynb.exists():
+        render_html(ipynb, page, title=f"{name} {stem}")
+        rendered = page
+    result = ReportResult(notebook=name, ok=not failure, html=rendered, ipynb=ipynb, seconds=seconds,
+                          parameters=params, **failure)
+    summary = {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(result).items()}
+    summary["created_at"] = stamp
+    (folder / f"{stem}.json").write_text(json.dumps(summary, indent=2, default=str) + "\n", encoding="utf-8")
+    return result
+
+
+def _first_code_line(source: str) -> str:
+    """The first line of a cell that is not blank, a comment or an import (shortened)."""
+    lines = [ln.strip() for ln in str(source).splitlines()]
+    useful = [ln for ln in lines if ln and not ln.startswith(("#", "import ", "from "))] or [ln for ln in lines if ln]
+    text = useful[0] if useful else ""
+    return text if len(text) <= 72 else text[:69] + "..."
+
+
+def _first_line(text: str) -> str:
+    lines = [ln for ln in str(text).strip().splitlines() if ln.strip()]
+    return lines[0] if lines else ""
+
+
+def render_html(ipynb: Path, page: Path, *, title: str) -> Path:
+    """A self-contained HTML page of an executed notebook: outputs only, no code."""
+    import nbformat
+    from nbconvert import HTMLExporter
+
+    nb = nbformat.read(str(ipynb), as_version=4)  # type: ignore[no-untyped-call]
+    exporter = HTMLExporter(  # type: ignore[no-untyped-call]
+        exclude_input=True, exclude_input_prompt=True, exclude_output_prompt=True)
+    body, _ = exporter.from_notebook_node(nb, resources={"metadata": {"name": title}})
+    # plotly.js is embedded by the notebook renderer; the CDN scripts nbconvert and plotly add
+    # (require.js, MathJax) are not needed and would make the page depend on the network.
+    body = _EXTERNAL_SCRIPT.sub("", body)
+    page.write_text(body, encoding="utf-8")
+    return page
+
+
+def write_index(out_dir: Path) -> Path:
+    """``index.html`` linking every report under ``out_dir``, newest first per notebook."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    sections = []
+    for folder in sorted(p for p in out_dir.iterdir() if p.is_dir()):
+        rows = []
+        for summary_path in sorted(folder.glob("*.json"), reverse=True):
+            try:
+                summary = json.loads(summary_path.read_text(encoding="utf-8"))
+            except (OSError, json.JSONDecodeError):
+                continue
+            stem = summary_path.stem
+            status = "ok" if summary.get("ok") else "FAILED"
+            link = f"{folder.name}/{stem}.html" if (folder / f"{stem}.html").exists() else f"{folder.name}/{stem}.ipynb"
+            detail = "" if summary.get("ok") else html.escape(str(summary.get("error") or ""))
+            params = html.escape(json.dumps(summary.get("parameters") or {}))
+            rows.append(f'<tr class="{status.lower()}"><td><a href="{html.escape(link)}">{html.escape(stem)}</a></td>'
+                        f"<td>{status}</td><td>{float(summary.get('seconds') or 0):.1f} s</td>"
+                        f"<td><code>{params}</code></td><td>{detail}</td></tr>")
+        if rows:
+            sections.append(f"<h2>{html.escape(folder.name)}</h2><table><tr><th>report (UTC)</th><th>status</th>"
+                            f"<th>took</th><th>parameters</th><th>error</th></tr>{''.join(rows)}</table>")
+    page = out_dir / "index.html"
+    page.write_text(
+        "<!doctype html><html><head><meta charset='utf-8'><title>composer-ops reports</title><style>"
+        "body{font-family:sans-serif;margin:2em}table{border-collapse:collapse}td,th{padding:4px 10px;"
+        "border-bottom:1px solid #ddd;text-align:left}tr.failed td{color:#b00}</style></head><body>"
+        f"<h1>composer-ops reports</h1><p>Generated {timestamp()} (UTC).</p>"
+        + ("".join(sections) or "<p>No reports yet: run <code>composer-ops report --all</code>.</p>")
+        + "</body></html>\n", encoding="utf-8")
+    return page
+
+
+def python_kernel_argv() -> list[str]:
+    """The command line the report kernel runs (for tests and ``--debug`` output)."""
+    spec = _ThisPythonKernelSpecManager().get_kernel_spec(KERNEL_NAME)
+    return [sys.executable if a in {"python", "python3"} else a for a in spec.argv]

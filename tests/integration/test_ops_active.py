@@ -1,0 +1,133 @@
+"""composer_ops.ops active tasks and leases on the seeded database: exact figures,
+under the suite's New York session and under Asia/Tokyo."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import polars as pl
+import psycopg
+import pytest
+
+from composer_ops import ops
+from composer_ops.errors import Invalid
+from composer_ops.ops import fixtures
+from tests.integration.helpers import connect_in_tz
+
+
+@pytest.fixture(params=["America/New_York", "Asia/Tokyo"])
+def session(request: pytest.FixtureRequest, db_url: str) -> Iterator[tuple[psycopg.Connection[Any],
+                                                                          fixtures.SeedInfo]]:
+    with connect_in_tz(db_url, request.param) as conn:
+        yield conn, fixtures.seed(conn)
+        conn.rollback()
+
+
+def test_active_tasks_by_state_queue_and_node_type(session: tuple[psycopg.Connection[Any], Any]) -> None:
+    conn, info = session
+    groups = ops.active_by_group(conn)
+    assert groups.select("state", "queue", "node_type", "tasks").rows() == [
+        ("PENDING", "payments", "TASK", 1),
+        ("PENDING", "reports", "TASK", 2),
+        ("RUNNING", "default", "TASK", 1),
+        ("RUNNING", "payments", "TASK", 2),
+        ("RUNNING", "reports", "TASK", 1),
+        ("WAITING", "(coordinator)", "WAIT", 1),
+        ("WAITING", "(coordinator)", "WAIT_FOR_EVENT", 2),
+    ]
+    oldest = {(s, q, t): (r, n, a) for s, q, t, r, n, a in groups.select(
+        "state", "queue", "node_type", "oldest_run_id", "oldest_node_id", "oldest_age_s").iter_rows()}
+    assert oldest[("RUNNING", "payments", "TASK")] == (info.runs["L2"], "charge", 1800.0)
+    assert oldest[("PENDING", "reports", "TASK")][:2] == (info.runs["L6"], "extract_a")
+    assert oldest[("WAITING", "(coordinator)", "WAIT_FOR_EVENT")][:2] == (info.runs["H6"], "delivered")
+    assert oldest[("RUNNING", "reports", "TASK")][2] == 2 * 86400.0
+
+
+def test_age_histogram_has_every_bucket_and_state(session: tuple[psycopg.Connection[Any], Any]) -> None:
+    conn, info = session
+    hist = ops.age_histogram(conn)
+    assert hist.height == 7 * 4
+    per_bucket = dict(hist.group_by("bucket", maintain_order=True).agg(pl.col("tasks").sum()).iter_rows())
+    assert per_bucket == fixtures.expected_figures(info)["active_tasks"]["histogram"]
+    nonzero = hist.filter(pl.col("tasks") > 0).select("bucket", "state", "tasks").rows()
+    assert nonzero == [("1-5 min", "RUNNING", 1), ("5-15 min", "PENDING", 1), ("5-15 min", "RUNNING", 1),
+                       ("15-60 min", "PENDING", 2), ("15-60 min", "RUNNING", 1), ("1-6 h", "WAITING", 1),
+                       ("6-24 h", "WAITING", 1), ("> 1 day", "RUNNING", 1), ("> 1 day", "WAITING", 1)]
+
+
+def test_oldest_tasks_top_runs_and_run_count(session: tuple[psycopg.Connection[Any], Any]) -> None:
+    conn, info = session
+    oldest = ops.active_tasks(conn, limit=3)
+    assert oldest.select("run_id", "node_id").rows() == [
+        (info.runs["H6"], "delivered"), (info.runs["L7"], "extract_a"), (info.runs["L5"], "delivered")]
+    assert ops.active_tasks(conn).height == 10
+    top = ops.top_runs(conn, limit=3)
+    assert top.select("run_id", "active_tasks", "workflow_id", "status").rows() == [
+        (info.runs["L6"], 2, "nightly-report", "RUNNING"), (info.runs["H6"], 1, "order-fulfilment", "RUNNING"),
+        (info.runs["L7"], 1, "nightly-report", "RUNNING")]
+    assert ops.active_run_count(conn) == 9
+    with pytest.raises(Invalid):
+        ops.top_runs(conn, limit=0)
+
+
+def test_outbox_backlog_ready_and_delayed(session: tuple[psycopg.Connection[Any], Any]) -> None:
+    conn, _ = session
+    backlog = ops.outbox_backlog(conn)
+    assert backlog.select("queue", "rows", "ready", "delayed", "max_attempt").rows() == [
+        ("payments", 1, 1, 0, 0), ("reports", 2, 1, 1, 1)]
+    assert backlog["oldest_ready_age_s"].to_list() == [700.0, 1800.0]
+    assert backlog["last_delayed_until"][0] is None
+
+
+def test_running_leases_expiry_buckets_and_owners(session: tuple[psycopg.Connection[Any], Any]) -> None:
+    conn, info = session
+    leases = ops.running_leases(conn)
+    assert leases.select("run_id", "expires_in_s", "expired", "bucket").rows() == [
+        (info.runs["L7"], -7200.0, True, "expired > 1 h ago"),
+        (info.runs["L2"], -900.0, True, "expired 5-60 min ago"),
+        (info.runs["L1"], 1200.0, False, "expires in 5-30 min"),
+        (info.runs["L3"], 7200.0, False, "expires in > 30 min")]
+    buckets = dict(ops.expiry_buckets(leases).select("bucket", "tasks").iter_rows())
+    assert buckets == fixtures.expected_figures(info)["lease_expiries"]["buckets"]
+    expired = ops.expired_running(leases=leases)
+    assert expired.select("run_id", "overdue_s").rows() == [(info.runs["L7"], 7200.0), (info.runs["L2"], 900.0)]
+    owners = ops.lease_owners(conn)
+    assert owners.select("lease_owner", "running", "expired", "max_overdue_s", "suspect_dead").rows() == [
+        ("worker-a", 2, 0, 0.0, False), ("worker-b", 2, 2, 7200.0, True)]
+
+
+def test_attempts_and_recent_requeues(session: tuple[psycopg.Connection[Any], Any]) -> None:
+    conn, info = session
+    assert ops.attempt_distribution(conn).rows() == [
+        (0, "PENDING", 2), (0, "RUNNING", 2), (0, "WAITING", 3), (1, "PENDING", 1), (1, "RUNNING", 1),
+        (2, "RUNNING", 1)]
+    requeues = ops.recent_requeues(conn)
+    assert requeues.select("run_id", "node_id", "attempt", "since_s", "last_error").rows() == [
+        (info.runs["L6"], "extract_a", 1, 120.0, "connection reset by peer"),
+        (info.runs["L2"], "charge", 2, 1000.0, "card processor timeout")]
+    assert ops.recent_requeues(conn, window_s=600).height == 1
+    assert ops.recent_requeues(conn, window_s=8000)["node_id"].to_list() == ["extract_a", "charge", "extract_a"]
+    with pytest.raises(Invalid):
+        ops.recent_requeues(conn, window_s=0)
+
+
+def test_an_empty_database_gives_empty_well_typed_frames(conn: psycopg.Connection[Any]) -> None:
+    assert ops.active_by_group(conn).is_empty()
+    assert ops.age_histogram(conn)["tasks"].sum() == 0
+    assert ops.outbox_backlog(conn).columns[:4] == ["queue", "rows", "ready", "delayed"]
+    leases = ops.running_leases(conn)
+    assert leases.is_empty() and ops.lease_owners(leases=leases).is_empty()
+    assert ops.expiry_buckets(leases)["tasks"].sum() == 0
+    assert ops.active_run_count(conn) == 0
+
+
+def test_a_url_source_opens_and_closes_its_own_read_only_session(db_url: str) -> None:
+    with psycopg.connect(db_url) as owner:
+        fixtures.seed(owner)
+        owner.commit()
+    assert ops.active_by_group(db_url)["tasks"].sum() == 10
+    with ops.snapshot(db_url) as conn:
+        assert conn.execute("SHOW transaction_read_only").fetchone()[0] == "on"
+        with pytest.raises(psycopg.errors.ReadOnlySqlTransaction):
+            conn.execute("DELETE FROM task_outbox")

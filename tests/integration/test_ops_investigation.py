@@ -1,0 +1,99 @@
+"""composer_ops.ops run investigation: one run's story on the seeded database."""
+
+from __future__ import annotations
+
+import uuid
+from datetime import UTC, datetime
+from typing import Any
+
+import polars as pl
+import psycopg
+import pytest
+
+from composer_ops import ops
+from composer_ops.errors import Invalid, NotFound
+from composer_ops.ops import fixtures
+
+NOWHERE = "postgresql://nobody@/nowhere?host=/nonexistent"
+
+
+@pytest.fixture
+def seeded(conn: psycopg.Connection[Any]) -> fixtures.SeedInfo:
+    return fixtures.seed(conn)
+
+
+def test_the_story_of_the_failed_run(conn: psycopg.Connection[Any], seeded: fixtures.SeedInfo) -> None:
+    story = ops.run_story(conn, seeded.story_run)
+    assert (story.run_id, story.status) == (seeded.story_run, "FAILED")
+    run = story.run.row(0, named=True)
+    assert run["error"] == "node notify failed: smtp 550 mailbox unavailable"
+    assert run["duration_s"] == 120.0 and run["partition"] == "workflow_runs_p202503"
+    assert run["created_at"] == datetime(2025, 3, 16, 12, tzinfo=UTC)
+    tasks = story.tasks
+    assert tasks.select("node_id", "state", "attempt").rows() == [
+        ("charge", "COMPLETED", 1), ("express", "COMPLETED", 0), ("route", "COMPLETED", 0),
+        ("standard", "SKIPPED", 0), ("cool_off", "COMPLETED", 0), ("delivered", "COMPLETED", 0),
+        ("notify", "FAILED", 2)]
+    charge = tasks.row(0, named=True)
+    assert (charge["queued_s"], charge["ran_s"], charge["last_error"]) == (33.0, 2.0, "card processor timeout")
+    assert tasks.filter(pl.col("node_id") == "route")["branches"].to_list() == [["express"]]
+    assert story.signals.select("name", "status", "buffered_s").rows() == [
+        ("delivered", "consumed", 3.0), ("delivered", "buffered", story.signals["buffered_s"][1])]
+    assert story.signals["payload"][0] == '{"proof": "signed-by-recipient"}'
+    assert story.outbox.is_empty()
+    assert story.webhook.select("attempts", "last_status").rows() == [(1, 200)]
+
+
+def test_definition_graph_nodes_edges_and_switch_labels(conn: psycopg.Connection[Any],
+                                                        seeded: fixtures.SeedInfo) -> None:
+    story = ops.run_story(conn, seeded.story_run)
+    assert story.nodes.select("node_id", "type", "depth", "state").rows() == [
+        ("charge", "TASK", 0, "COMPLETED"), ("route", "SWITCH", 1, "COMPLETED"),
+        ("express", "TASK", 2, "COMPLETED"), ("standard", "TASK", 2, "SKIPPED"),
+        ("cool_off", "WAIT", 3, "COMPLETED"), ("delivered", "WAIT_FOR_EVENT", 4, "COMPLETED"),
+        ("notify", "TASK", 5, "FAILED")]
+    assert story.edges.rows() == [
+        ("charge", "route", ""), ("route", "express", "case gold"), ("route", "standard", "default"),
+        ("express", "cool_off", ""), ("standard", "cool_off", ""), ("cool_off", "delivered", ""),
+        ("delivered", "notify", "")]
+    partial = ops.run_story(conn, seeded.runs["L2"])
+    assert partial.nodes.filter(pl.col("state") == "NOT REACHED").height == 6
+    assert partial.tasks.select("lease_owner", "lease_left_s").rows() == [("worker-b", -900.0)]
+
+
+def test_gantt_rows_have_a_bar_per_phase(conn: psycopg.Connection[Any], seeded: fixtures.SeedInfo) -> None:
+    story = ops.run_story(conn, seeded.story_run)
+    bars = ops.gantt_rows(story.tasks, now=seeded.now)
+    phases = {(n, p) for n, p in bars.select("node_id", "phase").iter_rows()}
+    assert phases == {("charge", "queued"), ("charge", "ran"), ("express", "queued"), ("express", "ran"),
+                      ("notify", "queued"), ("notify", "ran"), ("route", "decided"), ("standard", "decided"),
+                      ("cool_off", "waiting"), ("delivered", "waiting")}
+    assert bars.filter(pl.col("end") < pl.col("start")).is_empty()
+    live = ops.run_story(conn, seeded.runs["L4"])
+    waiting = ops.gantt_rows(live.tasks, now=seeded.now).filter(pl.col("node_id") == "cool_off")
+    assert waiting.select("phase", "end").rows() == [("waiting", seeded.now)]
+
+
+def test_latest_run_defaults(conn: psycopg.Connection[Any], seeded: fixtures.SeedInfo) -> None:
+    assert ops.latest_run_id(conn) == seeded.story_run
+    assert ops.latest_run_id(conn, status="CANCELLED") == seeded.runs["H8"]
+    assert ops.latest_run_id(conn, status=None) == seeded.runs["L8"]
+    with pytest.raises(Invalid):
+        ops.latest_run_id(conn, status="DONE")
+
+
+@pytest.mark.parametrize("bad", ["not-a-uuid", "", "0195", 42, None, str(uuid.uuid4()),
+                                 "01959ed3-4200-7ce4-aa5f-17d5a289aee5'; DROP TABLE workflow_runs; --"])
+def test_a_bad_run_id_is_refused_before_any_query(bad: Any) -> None:
+    # NOWHERE cannot be connected to: reaching the database would raise Unavailable.
+    with pytest.raises(Invalid, match="run_id"):
+        ops.run_story(NOWHERE, bad)
+
+
+def test_run_id_is_normalised_and_a_missing_run_is_not_found(conn: psycopg.Connection[Any],
+                                                             seeded: fixtures.SeedInfo) -> None:
+    assert ops.validate_run_id(seeded.story_run.upper()) == seeded.story_run
+    assert ops.run_story(conn, "{" + seeded.story_run.upper() + "}").run_id == seeded.story_run
+    missing = fixtures.uuid7_text(datetime(2025, 3, 5, tzinfo=UTC), 999)
+    with pytest.raises(NotFound, match=missing):
+        ops.run_story(conn, missing)

@@ -1,0 +1,124 @@
+"""`composer-ops report`: papermill execution, self-contained HTML, the index, exit
+codes, and the kernel being this interpreter whatever kernelspecs exist elsewhere."""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from pathlib import Path
+
+import nbformat
+import pytest
+
+from composer_ops import reports
+from composer_ops.cli import main
+from tests.notebooks.harness import seed_committed, write_expectations
+
+NOWHERE = "postgresql://nobody@/nowhere?host=/nonexistent"
+NAMES = ["active_tasks", "lease_expiries", "partition_sizes", "retention_dry_run", "run_investigation"]
+
+
+def test_report_all_writes_html_beside_the_executed_notebook_and_an_index(
+        db_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    info = seed_committed(db_url)
+    monkeypatch.setenv("COMPOSER_OPS_EXPECT", str(write_expectations(info, tmp_path / "expected.json")))
+    out = tmp_path / "reports"
+    code = main(["report", "--all", "--out", str(out), "--database-url", db_url, "--progress", "0", "--jobs", "2",
+                 "-p", "cutoff", "2025-05-01"])
+    printed = capsys.readouterr()
+    assert code == 0, printed.err
+    index = (out / "index.html").read_text(encoding="utf-8")
+    for name in NAMES:
+        pages = sorted((out / name).glob("*.html"))
+        assert len(pages) == 1, name
+        page = pages[0]
+        assert re.fullmatch(r"\d{8}T\d{6}Z\.html", page.name)
+        assert page.with_suffix(".ipynb").exists() and page.with_suffix(".json").exists()
+        assert f'href="{name}/{page.name}"' in index
+        html = page.read_text(encoding="utf-8")
+        assert "Plotly.newPlot" in html and "plotly.js v" in html   # the library itself is embedded
+        assert not re.search(r"<script[^>]*\ssrc=\"https?://", html), f"{name}: depends on the network"
+        assert "ops.snapshot(" not in html and "import polars" not in html, f"{name}: code cells are shown"
+        assert db_url not in html and db_url not in page.with_suffix(".ipynb").read_text(encoding="utf-8")
+        summary = json.loads(page.with_suffix(".json").read_text(encoding="utf-8"))
+        assert summary["ok"] is True
+        executed = nbformat.read(str(page.with_suffix(".ipynb")), as_version=4)
+        assert not executed.metadata.papermill.exception
+        assert all(c.outputs is not None for c in executed.cells if c.cell_type == "code")
+    # The plan the retention report shows is the one -p cutoff asked for.
+    plan_page = next((out / "retention_dry_run").glob("*.html")).read_text(encoding="utf-8")
+    assert "2025-05-01 00:00:00 UTC" in plan_page
+    assert f"index: {out / 'index.html'}" in printed.out
+
+
+def test_a_bad_parameter_fails_the_report_naming_the_cell(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # The database is unreachable: the run ID must be refused before any query.
+    out = tmp_path / "reports"
+    code = main(["report", "run_investigation", "-p", "run_id", "not-a-uuid", "--database-url", NOWHERE,
+                 "--out", str(out), "--progress", "0"])
+    err = capsys.readouterr().err
+    assert code == 1
+    line = next(ln for ln in err.splitlines() if ln.startswith("composer-ops: report run_investigation failed"))
+    assert re.search(r"failed at cell \d+ \(In \[\d+\]\) `chosen = ops.validate_run_id\(run_id\)", line), line
+    assert "Invalid: run_id 'not-a-uuid' is not a UUID" in line and "Unavailable" not in err
+    page = next((out / "run_investigation").glob("*.html"))
+    assert "not a UUID" in page.read_text(encoding="utf-8")
+    assert "FAILED" in (out / "index.html").read_text(encoding="utf-8")
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["report", "no_such_report"], "unknown report 'no_such_report'"),
+    (["report", "--all", "-p", "no_such_key", "1"], "-p no_such_key: no selected report declares it"),
+    (["report", "active_tasks", "-p", "top_n", "many"], "-p top_n: 'many' is not an integer"),
+    (["report", "partition_sizes", "-p", "exact_rows", "maybe"], "is not a boolean"),
+    (["report", "active_tasks", "--all"], "not both"),
+    (["report"], "give a report name or --all"),
+    (["report", "active_tasks", "-p", "top_n"], "expected 2 arguments"),
+    (["report", "active_tasks", "--jobs", "0"], "must be at least 1"),
+])
+def test_bad_report_arguments_exit_2_with_one_line(argv: list[str], message: str, tmp_path: Path,
+                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    try:
+        code = main([*argv, "--out", str(tmp_path)])
+    except SystemExit as exc:   # argparse's own errors
+        code = int(exc.code or 0)
+    err = capsys.readouterr().err
+    assert code == 2 and message in err and err.count("\n") == 1, err
+    assert not (tmp_path / "index.html").exists()
+
+
+def test_report_list_shows_notebooks_and_parameters(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["report", "--list"]) == 0
+    out = capsys.readouterr().out
+    for name in NAMES:
+        assert f"\n{name}\n" in f"\n{out}"
+    assert "-p cutoff (default \"6 months\")" in out and "-p run_id (default None)" in out
+
+
+def test_the_kernel_is_this_interpreter_whatever_kernelspecs_say(tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    # A user-level "python3" kernelspec pointing at a broken interpreter comes first on the path.
+    bogus = tmp_path / "jupyter" / "kernels" / "python3"
+    bogus.mkdir(parents=True)
+    (bogus / "kernel.json").write_text(json.dumps({"argv": ["/bin/false", "{connection_file}"],
+                                                   "display_name": "broken", "language": "python"}))
+    monkeypatch.setenv("JUPYTER_PATH", str(tmp_path / "jupyter"))
+    from jupyter_client.kernelspec import KernelSpecManager
+
+    assert KernelSpecManager().get_kernel_spec("python3").argv[0] == "/bin/false"
+    books = tmp_path / "books"
+    books.mkdir()
+    nb = nbformat.v4.new_notebook()
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    params = nbformat.v4.new_code_cell("database_url = None\nanswer = 1")
+    params.metadata["tags"] = ["parameters"]
+    nb.cells = [params, nbformat.v4.new_code_cell("import sys\nprint(sys.executable, answer)")]
+    nbformat.write(nb, str(books / "whoami.ipynb"))
+    monkeypatch.setenv(reports.ENV_NOTEBOOKS, str(books))
+    params_for = reports.resolve_parameters(["whoami"], [("answer", "42")])
+    (result,) = reports.run_reports(["whoami"], params_for, tmp_path / "out", database_url=NOWHERE, progress=False)
+    assert result.ok, result.error
+    executed = nbformat.read(str(result.ipynb), as_version=4)
+    assert executed.cells[-1].outputs[0]["text"].strip() == f"{sys.executable} 42"
+    assert reports.python_kernel_argv()[0] == sys.executable

@@ -1,0 +1,194 @@
+"""Retention: the plan (composer_retention_plan), the real drop that follows it, the
+cut-off syntax, and `composer-ops partitions drop`."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import polars as pl
+import psycopg
+import pytest
+
+from composer_ops import ops
+from composer_ops.cli import main
+from composer_ops.errors import ComposerError, Invalid
+from composer_ops.ops import fixtures
+from composer_ops.ops.retention import Cutoff, parse_cutoff
+from composer_ops.repo import partitions
+from tests.integration.helpers import connect_in_tz
+
+MAY_2025 = datetime(2025, 5, 1, tzinfo=UTC)
+
+
+def _seed_committed(url: str) -> fixtures.SeedInfo:
+    with psycopg.connect(url) as conn:
+        info = fixtures.seed(conn)
+        conn.commit()
+    return info
+
+
+def _months(conn: psycopg.Connection[Any]) -> set[str]:
+    return {p.month for p in partitions.list_partitions(conn)}
+
+
+def test_plan_for_the_seed_drops_old_idle_months_and_says_why_it_keeps_others(conn: psycopg.Connection[Any]) -> None:
+    info = fixtures.seed(conn)
+    plan = ops.retention_plan(conn, MAY_2025, exact_rows=True)
+    cur = info.current_month
+    rows = plan.select("month", "action", "reason", "active_runs", "active_run_ids", "rows").rows()
+    assert rows[:4] == [
+        ("202501", "drop", "past cut-off, no active runs", 0, [], 12),
+        ("202502", "keep", "has active runs", 1, [info.runs["H6"]], 16),
+        ("202503", "drop", "past cut-off, no active runs", 0, [], 17),
+        ("202504", "keep", "has active runs", 1, [info.runs["H12"]], 9),
+    ]
+    assert [r[:3] for r in rows[4:]] == [(m, "keep", "too new") for m in sorted(_months(conn) - set(
+        fixtures.HISTORY_MONTHS))]
+    assert rows[4][0] == cur
+    assert plan["partitions"][0].to_list() == ["workflow_runs_p202501", "task_instances_p202501",
+                                               "workflow_events_p202501"]
+    assert plan["cutoff"].unique().to_list() == [MAY_2025]
+    # A month still in progress at the cut-off is too new: April ends at 2025-05-01 00:00 UTC.
+    april = ops.retention_plan(conn, MAY_2025 - timedelta(microseconds=1)).filter(pl.col("month") == "202504")
+    assert april.select("action", "reason").rows() == [("keep", "too new")]
+
+
+def test_plan_never_drops_the_current_or_a_future_month(conn: psycopg.Connection[Any]) -> None:
+    fixtures.seed(conn)
+    conn.execute("UPDATE workflow_runs SET status = 'SUCCEEDED' WHERE status IN ('RUNNING', 'PENDING')")
+    plan = ops.retention_plan(conn, datetime(2100, 1, 1, tzinfo=UTC))
+    current = conn.execute("SELECT to_char(now() AT TIME ZONE 'UTC', 'YYYYMM')").fetchone()[0]
+    assert plan.filter(pl.col("action") == "drop")["month"].to_list() == list(fixtures.HISTORY_MONTHS)
+    assert plan.filter(pl.col("month") >= current)["reason"].unique().to_list() == ["too new"]
+
+
+def test_drop_partitions_drops_exactly_the_plan_and_commits(db_url: str) -> None:
+    info = _seed_committed(db_url)
+    before = ops.retention_plan(db_url, "2025-05-01")
+    result = ops.drop_partitions(db_url, "2025-05-01")
+    assert result.dropped == ["202501", "202503"] == before.filter(pl.col("action") == "drop")["month"].to_list()
+    assert result.attempts == 1
+    with psycopg.connect(db_url) as conn:
+        left = _months(conn)
+        assert not {"202501", "202503"} & left and {"202502", "202504", info.current_month} <= left
+        ids = {r[0] for r in conn.execute("SELECT id FROM workflow_runs").fetchall()}
+        assert info.runs["H9"] not in ids and info.runs["H6"] in ids
+    assert ops.drop_partitions(db_url, "2025-05-01").dropped == []
+
+
+def test_the_drop_waits_at_most_lock_timeout_and_retries(db_url: str) -> None:
+    _seed_committed(db_url)
+    holder = psycopg.connect(db_url)
+    holder.execute("SELECT count(*) FROM task_instances_p202501")   # ACCESS SHARE until rollback
+    released = threading.Timer(1.2, holder.rollback)
+    released.start()
+    started = time.monotonic()
+    try:
+        result = ops.drop_partitions(db_url, "2025-02-01", lock_timeout_s=0.2, max_attempts=12)
+    finally:
+        released.join()
+        holder.close()
+    assert result.dropped == ["202501"] and result.attempts > 1
+    assert time.monotonic() - started >= 1.0
+
+
+def test_a_lock_held_throughout_fails_cleanly_and_drops_nothing(db_url: str, capsys: pytest.CaptureFixture[str]
+                                                                ) -> None:
+    _seed_committed(db_url)
+    with psycopg.connect(db_url) as holder:
+        holder.execute("SELECT count(*) FROM workflow_events_p202501")
+        with pytest.raises(ComposerError, match="could not lock the partitions"):
+            ops.drop_partitions(db_url, "2025-02-01", lock_timeout_s=0.1, max_attempts=2)
+        code = main(["partitions", "drop", "--older-than", "2025-02-01", "--yes", "--database-url", db_url,
+                     "--lock-timeout", "0.1", "--attempts", "2"])
+        holder.rollback()
+    err = capsys.readouterr().err
+    assert code == 1 and "could not lock the partitions" in err and "Traceback" not in err
+    with psycopg.connect(db_url) as conn:
+        assert "202501" in _months(conn)
+
+
+def test_cli_dry_run_prints_the_plan_and_changes_nothing(db_url: str, capsys: pytest.CaptureFixture[str]) -> None:
+    info = _seed_committed(db_url)
+    assert main(["partitions", "drop", "--older-than", "2025-05-01", "--database-url", db_url]) == 0
+    out = capsys.readouterr().out
+    assert "dry-run" in out and "would drop 2 month(s)" in out and "add --yes" in out
+    assert info.runs["H6"] in out
+    assert main(["partitions", "drop", "--older-than", "2025-05-01", "--json", "--database-url", db_url]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert [(p["month"], p["action"]) for p in plan][:4] == [
+        ("202501", "drop"), ("202502", "keep"), ("202503", "drop"), ("202504", "keep")]
+    assert {p["reason"] for p in plan} == {"past cut-off, no active runs", "has active runs", "too new"}
+    assert plan[1]["active_run_ids"] == [info.runs["H6"]]
+    with psycopg.connect(db_url) as conn:
+        assert set(fixtures.HISTORY_MONTHS) <= _months(conn)
+
+
+def test_cli_yes_drops_and_reports_what_it_dropped(db_url: str, capsys: pytest.CaptureFixture[str]) -> None:
+    _seed_committed(db_url)
+    assert main(["partitions", "drop", "--older-than", "2025-05-01", "--yes", "--json",
+                 "--database-url", db_url]) == 0
+    done = json.loads(capsys.readouterr().out)
+    assert [p["month"] for p in done if p["dropped"]] == ["202501", "202503"]
+    assert all(p["dropped"] == (p["action"] == "drop") for p in done)
+    assert main(["partitions", "drop", "--older-than", "2025-06-01", "--yes", "--database-url", db_url]) == 0
+    out = capsys.readouterr().out
+    assert "dropped 0 month(s)" in out
+    with psycopg.connect(db_url) as conn:
+        conn.execute("UPDATE workflow_runs SET status = 'CANCELLED' WHERE status = 'PENDING'")
+        conn.commit()
+    assert main(["partitions", "drop", "--older-than", "2025-06-01", "--yes", "--database-url", db_url]) == 0
+    out = capsys.readouterr().out
+    assert "dropped 202504: workflow_runs_p202504, task_instances_p202504, workflow_events_p202504" in out
+
+
+@pytest.mark.parametrize("when", ["banana", "5m", "2025-13-01", "", "12 fortnights", "2025-02-30"])
+def test_cli_bad_cutoff_is_exit_2_with_one_line(db_url: str, capsys: pytest.CaptureFixture[str], when: str) -> None:
+    assert main(["partitions", "drop", "--older-than", when, "--database-url", db_url]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "composer-ops:" in err and "Traceback" not in err
+
+
+def test_parse_cutoff_forms() -> None:
+    assert parse_cutoff("2025-01-31").instant == datetime(2025, 1, 31, tzinfo=UTC)
+    assert parse_cutoff("2025-01-31T12:00:00Z").instant == datetime(2025, 1, 31, 12, tzinfo=UTC)
+    assert parse_cutoff("2025-01-31T12:00:00+09:00").instant == datetime(2025, 1, 31, 3, tzinfo=UTC)
+    assert parse_cutoff("2025-01-31 12:00").instant == datetime(2025, 1, 31, 12, tzinfo=UTC)
+    assert (parse_cutoff("90d").amount, parse_cutoff("90d").unit) == (90, "days")
+    assert (parse_cutoff(" 6 months ").amount, parse_cutoff(" 6 months ").unit) == (6, "months")
+    assert [parse_cutoff(w).unit for w in ("1y", "2w", "36h", "3mo")] == ["years", "weeks", "hours", "months"]
+    for bad in ["", "  ", "90", "d90", "-5d", "5 minutes", "next tuesday"]:
+        with pytest.raises(Invalid):
+            parse_cutoff(bad)
+
+
+def _minus_months_utc(now: datetime, months: int) -> datetime:
+    """UTC wall-clock month subtraction, clamping the day like PostgreSQL does."""
+    index = now.year * 12 + now.month - 1 - months
+    year, month = divmod(index, 12)
+    month += 1
+    days = [31, 29 if year % 4 == 0 and (year % 100 or year % 400 == 0) else 28, 31, 30, 31, 30, 31, 31, 30, 31,
+            30, 31][month - 1]
+    return now.replace(year=year, month=month, day=min(now.day, days))
+
+
+@pytest.mark.parametrize("tz", ["UTC", "America/New_York", "Asia/Tokyo", "Pacific/Chatham"])
+def test_relative_cutoffs_use_the_database_clock_in_utc(db_url: str, tz: str) -> None:
+    with connect_in_tz(db_url, tz) as conn:
+        now = conn.execute("SELECT now()").fetchone()[0].astimezone(UTC)
+        assert Cutoff(text="6 months", amount=6, unit="months").resolve(conn) == _minus_months_utc(now, 6)
+        assert parse_cutoff("90d").resolve(conn) == now - timedelta(days=90)
+        assert parse_cutoff("36h").resolve(conn) == now - timedelta(hours=36)
+
+
+def test_plan_equals_drop_under_asia_tokyo(db_url: str) -> None:
+    _seed_committed(db_url)
+    with connect_in_tz(db_url, "Asia/Tokyo") as conn:
+        result = ops.drop_partitions(conn, datetime(2025, 4, 1, tzinfo=UTC))
+        conn.commit()
+        assert result.dropped == ["202501", "202503"]
+        assert result.plan.filter(pl.col("action") == "drop")["month"].to_list() == result.dropped

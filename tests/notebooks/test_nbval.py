@@ -1,0 +1,81 @@
+"""The notebooks under nbval against the seeded database, connected as the
+read-only role, and proof that the harness fails when a query is wrong."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from tests.notebooks.harness import (
+    NOTEBOOKS,
+    as_role,
+    code_cell_index,
+    code_cells,
+    failed_items,
+    inject_after_parameters,
+    passed_count,
+    run_nbval_parallel,
+    seed_committed,
+    write_expectations,
+)
+
+ALL = sorted(NOTEBOOKS.glob("*.ipynb"))
+
+
+def test_the_five_notebooks_are_stored_without_outputs_and_one_parameters_cell() -> None:
+    import json
+
+    assert [p.stem for p in ALL] == ["active_tasks", "lease_expiries", "partition_sizes", "retention_dry_run",
+                                     "run_investigation"]
+    for path in ALL:
+        nb = json.loads(path.read_text(encoding="utf-8"))
+        tagged = [c for c in nb["cells"] if "parameters" in c.get("metadata", {}).get("tags", [])]
+        assert len(tagged) == 1, path.name
+        assert "database_url = None" in "".join(tagged[0]["source"]), path.name
+        for cell in nb["cells"]:
+            if cell["cell_type"] == "code":
+                assert cell["outputs"] == [] and cell["execution_count"] is None, path.name
+        assert nb["metadata"]["kernelspec"]["name"] == "python3"
+
+
+def test_nbval_runs_every_notebook_green_as_the_reader_role(db_url: str, tmp_path: Path) -> None:
+    info = seed_committed(db_url)
+    expect = write_expectations(info, tmp_path / "expected.json")
+    env = {"COMPOSER_DATABASE_URL": as_role(db_url), "COMPOSER_OPS_EXPECT": str(expect)}
+    results = run_nbval_parallel([ALL[0::2], ALL[1::2]], env)
+    output = "\n".join(r.stdout + r.stderr for r in results)
+    assert [r.returncode for r in results] == [0, 0], output[-4000:]
+    # Every code cell of every notebook ran as a test: a harness that collects
+    # nothing (exit 5) or skips cells cannot pass.
+    assert sum(passed_count(r.stdout) for r in results) == sum(code_cells(p) for p in ALL), output[-2000:]
+
+
+# Two deliberate bugs: one that the notebook's own invariants catch (WAITING tasks
+# vanish from the group counts but not from the histogram), one that only the
+# seed's exact figures catch (the busiest runs listed least-busy first).
+BREAKS = {
+    "invariant": ("active_tasks", "import composer_ops.ops.active as _active\n"
+                  "_active.ACTIVE_BY_GROUP_SQL = _active.ACTIVE_BY_GROUP_SQL.replace(\"'WAITING')\", \"'WAIT')\")\n"),
+    "figures": ("active_tasks", "import composer_ops.ops.active as _active\n"
+                "_active.TOP_RUNS_SQL = _active.TOP_RUNS_SQL.replace('count(*) DESC', 'count(*) ASC')"
+                ".replace('a.active_tasks DESC', 'a.active_tasks ASC')\n"),
+}
+
+
+def test_the_harness_fails_when_a_query_is_broken(db_url: str, tmp_path: Path) -> None:
+    info = seed_committed(db_url)
+    expect = write_expectations(info, tmp_path / "expected.json")
+    broken = [inject_after_parameters(NOTEBOOKS / f"{nb}.ipynb", tmp_path / f"broken_{kind}.ipynb", code)
+              for kind, (nb, code) in BREAKS.items()]
+    results = run_nbval_parallel([[p] for p in broken], {"COMPOSER_DATABASE_URL": db_url,
+                                                          "COMPOSER_OPS_EXPECT": str(expect)}, rootdir=tmp_path)
+    output = "\n".join(r.stdout + r.stderr for r in results)
+    assert [r.returncode for r in results] == [1, 1], output[-4000:]
+    failures = {f.rsplit("/", 1)[-1] for f in failed_items(output)}
+    checks = {p.name: (code_cell_index(p, "assert "), code_cell_index(p, "verify_figures(")) for p in broken}
+    invariant_cells, figure_cells = checks["broken_invariant.ipynb"], checks["broken_figures.ipynb"]
+    # The invariant break fails the self-check cell (and so the figures); the subtle
+    # one passes every invariant and is caught by the exact figures alone.
+    assert failures == {f"broken_invariant.ipynb::Cell {invariant_cells[0]}",
+                        f"broken_invariant.ipynb::Cell {invariant_cells[1]}",
+                        f"broken_figures.ipynb::Cell {figure_cells[1]}"}, output[-4000:]
+    assert "top_run: got" in output and "figure(s) differ from the expected ones" in output
