@@ -49,7 +49,7 @@ from composer_ops.engine.ids import uuid7_text
 from composer_ops.errors import Conflict
 from composer_ops.repo import definitions, outbox, runs, signals, tasks, webhooks
 from composer_ops.repo._base import Conn
-from composer_ops.repo.rows import Dispatch, RunRow, TaskRef
+from composer_ops.repo.rows import Dispatch, RunRow, TaskRef, TaskStateRow
 
 log = logging.getLogger(__name__)
 
@@ -121,16 +121,19 @@ class Shell:
     def handle(self, run_id: str, make_event: Callable[[datetime], Event]) -> Outcome:
         """Apply one event to one run in one transaction, under the run's row lock."""
         with self.pool.connection() as conn, conn.transaction():
-            row = runs.lock_run(conn, run_id)
-            snapshot = self.snapshot(conn, row)
+            row, tasks_of_run = runs.lock_and_load(conn, run_id)
+            snapshot = self.snapshot(conn, row, tasks=tasks_of_run)
             event = make_event(row.now)
             decision = decide(snapshot, event, _Store(conn, run_id), uuid7_text)
             return self.apply(conn, snapshot, decision)
 
-    def snapshot(self, conn: Conn, row: RunRow, *, with_tasks: bool = True) -> RunSnapshot:
+    def snapshot(self, conn: Conn, row: RunRow, *, with_tasks: bool = True,
+                 tasks: Mapping[str, TaskStateRow] | None = None) -> RunSnapshot:
+        """The machine's view of a locked run; ``tasks`` when the caller already
+        loaded them (:func:`runs.lock_and_load`)."""
         defn = self.definition(conn, row.workflow_id, row.workflow_version)
         context = row.context or {}
-        nodes = runs.load_tasks(conn, row.id) if with_tasks else {}
+        nodes = tasks if tasks is not None else runs.load_tasks(conn, row.id) if with_tasks else {}
         return RunSnapshot(
             id=row.id, workflow_id=row.workflow_id, workflow_version=row.workflow_version,
             status=RunStatus(row.status),

@@ -26,17 +26,23 @@ def shard_of(run_id: str, shards: int) -> int:
 
 def enqueue(conn: Conn, dispatches: Sequence[Dispatch], *, shards: int = 1) -> None:
     """Write outbox rows and wake idle workers of their queues (NOTIFY is delivered
-    at commit, and only if the transaction commits)."""
+    at commit, and only if the transaction commits). One statement, one round trip,
+    however many rows and queues: the rows come in as arrays, and one notification
+    per distinct queue is raised from the rows actually inserted."""
     if not dispatches:
         return
-    with conn.cursor() as cur:
-        cur.executemany("""
+    conn.execute("""
+        WITH ins AS (
             INSERT INTO task_outbox (queue, shard, run_id, task_id, attempt, task_name, lease_s, available_at)
-            VALUES (%s, %s, %s, %s, %s, %s, %s, COALESCE(%s, NOW()))""",
-            [(d.queue, shard_of(d.run_id, shards), d.run_id, d.task_id, d.attempt, d.task_name,
-              d.lease_s, d.available_at) for d in dispatches])
-    for queue in sorted({d.queue for d in dispatches}):
-        conn.execute("SELECT pg_notify(%s, %s)", (CHANNEL, queue))
+            SELECT q, s, r, t, a, n, l, COALESCE(av, NOW())
+              FROM unnest(%(q)s::text[], %(s)s::int2[], %(r)s::text[], %(t)s::text[], %(a)s::int4[],
+                          %(n)s::text[], %(l)s::int4[], %(av)s::timestamptz[]) AS d(q, s, r, t, a, n, l, av)
+            RETURNING queue)
+        SELECT pg_notify(%(channel)s, q.queue) FROM (SELECT DISTINCT queue FROM ins ORDER BY queue) q""",
+        {"q": [d.queue for d in dispatches], "s": [shard_of(d.run_id, shards) for d in dispatches],
+         "r": [d.run_id for d in dispatches], "t": [d.task_id for d in dispatches],
+         "a": [d.attempt for d in dispatches], "n": [d.task_name for d in dispatches],
+         "l": [d.lease_s for d in dispatches], "av": [d.available_at for d in dispatches], "channel": CHANNEL})
 
 
 def claim(conn: Conn, queues: Sequence[str], owner: str, limit: int,

@@ -5,23 +5,33 @@ from __future__ import annotations
 from typing import Any
 
 import psycopg
+from psycopg.rows import class_row
 
+from composer_ops.core.runids import month_of
 from composer_ops.db.errors import translate
-from composer_ops.errors import Conflict, Invalid, NotFound
+from composer_ops.errors import ComposerError, Conflict, Invalid, NotFound
 from composer_ops.repo._base import Conn, error_json, fetch_all, fetch_one, jsonb
 from composer_ops.repo.rows import RunRow, RunView, TaskStateRow, TaskView
+
+_LOCK_RUN = """
+    SELECT id, workflow_definition_id AS workflow_id, workflow_version, status,
+           context_json AS context, now() AS now
+      FROM workflow_runs
+     WHERE id = %s AND deleted_at IS NULL
+       FOR UPDATE"""
+
+_LOAD_TASKS = """
+    SELECT node_id, id AS task_id, state, attempt, branches,
+           CASE WHEN state = 'WAITING' THEN event_name END AS event_name,
+           lease_owner, lease_expires_at
+      FROM task_instances WHERE run_id = %s"""
 
 
 def lock_run(conn: Conn, run_id: str) -> RunRow:
     """Take the run's row lock for the rest of the transaction and read the database
     clock. Every state transition of a run happens under this lock, which serialises
     concurrent completions so join decisions always see each other's writes."""
-    row = fetch_one(conn, RunRow, """
-        SELECT id, workflow_definition_id AS workflow_id, workflow_version, status,
-               context_json AS context, now() AS now
-          FROM workflow_runs
-         WHERE id = %s AND deleted_at IS NULL
-           FOR UPDATE""", (run_id,))
+    row = fetch_one(conn, RunRow, _LOCK_RUN, (run_id,))
     if row is None:
         raise NotFound(f"workflow run {run_id} does not exist")
     return row
@@ -29,12 +39,28 @@ def lock_run(conn: Conn, run_id: str) -> RunRow:
 
 def load_tasks(conn: Conn, run_id: str) -> dict[str, TaskStateRow]:
     """The state of every task of the run, keyed by node: small columns only."""
-    rows = fetch_all(conn, TaskStateRow, """
-        SELECT node_id, id AS task_id, state, attempt, branches,
-               CASE WHEN state = 'WAITING' THEN event_name END AS event_name,
-               lease_owner, lease_expires_at
-          FROM task_instances WHERE run_id = %s""", (run_id,))
+    rows = fetch_all(conn, TaskStateRow, _LOAD_TASKS, (run_id,))
     return {r.node_id: r for r in rows}
+
+
+def lock_and_load(conn: Conn, run_id: str) -> tuple[RunRow, dict[str, TaskStateRow]]:
+    """:func:`lock_run` then :func:`load_tasks`, sent in one round trip (pipeline mode).
+
+    They stay two statements, in that order. The server executes pipelined statements
+    one after the other and, in READ COMMITTED, gives each a snapshot when it starts,
+    so the tasks are read after the lock is granted and see everything the previous
+    holder of the lock committed. (One statement joining both would read the tasks
+    with a snapshot taken before it waited for the lock, and could miss a sibling's
+    completion: the join race the lock exists to prevent.)"""
+    with conn.cursor(row_factory=class_row(RunRow)) as lock, \
+            conn.cursor(row_factory=class_row(TaskStateRow)) as load:
+        with conn.pipeline():
+            lock.execute(_LOCK_RUN, (run_id,))
+            load.execute(_LOAD_TASKS, (run_id,))
+        row = lock.fetchone()
+        if row is None:
+            raise NotFound(f"workflow run {run_id} does not exist")
+        return row, {r.node_id: r for r in load.fetchall()}
 
 
 def load_outputs(conn: Conn, run_id: str, node_ids: list[str]) -> dict[str, Any]:
@@ -48,10 +74,47 @@ def load_outputs(conn: Conn, run_id: str, node_ids: list[str]) -> dict[str, Any]
     return {node_id: output for node_id, output in cur.fetchall()}
 
 
+_INSERT_RUN = """
+    INSERT INTO workflow_runs (id, workflow_definition_id, workflow_version, status, input_json, context_json)
+    SELECT %(id)s, d.id, d.version, 'RUNNING', %(input)s, %(context)s
+      FROM workflow_definitions d
+     WHERE d.id = %(wf)s AND d.version = %(version)s AND d.deleted_at IS NULL
+       AND to_regclass(%(partition)s) IS NOT NULL
+    ON CONFLICT (id) DO NOTHING"""
+
+
 def insert_run(conn: Conn, *, run_id: str, workflow_id: str, workflow_version: int,
                input: Any, context: Any) -> None:
     """Create a RUNNING run. Fails if the definition is missing or deleted (NotFound /
-    Invalid), if the run ID is taken (Conflict) or has no partition (Invalid)."""
+    Invalid), if the run ID is taken (Conflict) or has no partition (Invalid); a
+    refused insert leaves the caller's transaction usable.
+
+    One statement in the common case: the definition and the partition are checked in
+    the INSERT itself, so nothing is refused with an error (which would abort the
+    transaction, hence the savepoint this used to need); only when no row was inserted
+    do the follow-up queries find out why, in the order of the checks."""
+    try:
+        partition = f"workflow_runs_p{month_of(run_id)}"
+    except ComposerError:  # not a UUIDv7: let the database judge it, as it always did
+        _insert_run_guarded(conn, run_id=run_id, workflow_id=workflow_id, workflow_version=workflow_version,
+                            input=input, context=context)
+        return
+    try:
+        cur = conn.execute(_INSERT_RUN, {"id": run_id, "input": jsonb(input), "context": jsonb(context),
+                                         "wf": workflow_id, "version": workflow_version, "partition": partition})
+    except psycopg.Error as exc:
+        raise translate(exc, f"insert workflow run {run_id}") from exc
+    if cur.rowcount == 1:
+        return
+    _check_definition(conn, workflow_id, workflow_version)
+    found = conn.execute("SELECT to_regclass(%s) IS NOT NULL", (partition,)).fetchone()
+    if not found or not found[0]:
+        raise Invalid(f"insert workflow run {run_id}: no partition holds this run ID's month "
+                      f"({partition} does not exist); run `composer-ops partitions ensure` or use a recent run ID")
+    raise Conflict(f"workflow run {run_id} already exists")
+
+
+def _check_definition(conn: Conn, workflow_id: str, workflow_version: int) -> None:
     found = conn.execute(
         "SELECT deleted_at FROM workflow_definitions WHERE id = %s AND version = %s",
         (workflow_id, workflow_version)).fetchone()
@@ -59,6 +122,12 @@ def insert_run(conn: Conn, *, run_id: str, workflow_id: str, workflow_version: i
         raise NotFound(f"workflow definition {workflow_id} v{workflow_version} does not exist")
     if found[0] is not None:
         raise Invalid(f"workflow {workflow_id} v{workflow_version} has been deleted")
+
+
+def _insert_run_guarded(conn: Conn, *, run_id: str, workflow_id: str, workflow_version: int,
+                        input: Any, context: Any) -> None:
+    """The general path: check the definition, then insert inside a savepoint."""
+    _check_definition(conn, workflow_id, workflow_version)
     try:
         # A savepoint, so a refused insert leaves the caller's transaction usable.
         with conn.transaction():

@@ -1,0 +1,8 @@
+"""The benchmark behind ``make bench`` (SPEC section 10).
+
+Everything here measures side by side in one run on one server: Composer through its
+real worker and coordinator processes, Procrastinate (the peer) on the same server,
+pgbench as the ceiling, HOT updates and index writes on ``task_instances``, and
+retention by partition drop versus DELETE. ``python -m bench.run --help`` lists the
+knobs; results land in ``bench/results/latest.json``.
+"""

@@ -1,0 +1,222 @@
+"""Reports and ops functions on a database of at least 10 million task rows.
+
+``python -m bench.notebooks`` builds (or reuses) a database of 12 months of history
+with the simulator's backfill (``composer-ops simulate --history-months 12
+--runs-per-month N --no-live``: about 7 task rows per run, so N = 125,000 gives
+about 10.4 million), adds a little live traffic so there are RUNNING and WAITING
+tasks to look at, runs ANALYZE as an operator would after a bulk load, then times:
+
+- every function of :mod:`composer_ops.ops` the notebooks call (in this process);
+- every report, ``composer-ops report NAME`` as the scheduled job runs it (its own
+  process and kernel): the whole command, the notebook's own execution (papermill's
+  metadata: without process and kernel start-up and HTML rendering), and the
+  kernel's peak resident memory (polled every 0.1 s).
+
+Building takes 10-15 minutes on 2 cores, so it is not part of ``make bench``; its
+result, ``bench/results/notebooks-latest.json``, is included in ``latest.json`` by
+the next ``make bench``. ``--database-url`` reuses a database already built (with
+``--skip-build``), e.g. the one ``--keep`` left behind.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import psutil
+import psycopg
+
+from bench.procs import ROOT
+from bench.report import notebooks_table
+
+RESULT = ROOT / "bench" / "results" / "notebooks-latest.json"
+
+
+def _cli(url: str, *args: str, timeout: float = 7200) -> tuple[float, str]:
+    env = {**os.environ, "COMPOSER_DATABASE_URL": url, "PYTHONPATH": str(ROOT)}
+    start = time.monotonic()
+    out = subprocess.run([sys.executable, "-m", "composer_ops", *args], cwd=ROOT, env=env, capture_output=True,
+                         text=True, timeout=timeout, check=False)
+    if out.returncode != 0:
+        raise RuntimeError(f"composer-ops {' '.join(args)} failed ({out.returncode}): {out.stderr.strip()[-1500:]}")
+    return time.monotonic() - start, out.stdout
+
+
+def task_rows(url: str) -> int:
+    with psycopg.connect(url) as conn:
+        row = conn.execute("SELECT count(*) FROM task_instances").fetchone()
+    return int(row[0]) if row else 0
+
+
+def build(url: str, *, runs_per_month: int, months: int, live_runs: int, history: bool = True) -> dict[str, Any]:
+    from composer_ops.db.migrate import migrate
+
+    migrate(url)
+    history_s, out = 0.0, ""
+    if history:
+        history_s, out = _cli(url, "simulate", "--history-months", str(months), "--runs-per-month",
+                              str(runs_per_month), "--no-live", "--no-progress")
+    live_s = 0.0
+    if live_runs:
+        live_s, _ = _cli(url, "simulate", "--runs", str(live_runs), "--duration-s", "20", "--kill-workers", "1",
+                         "--no-progress")
+    with psycopg.connect(url, autocommit=True) as conn:
+        start = time.monotonic()
+        conn.execute("ANALYZE")
+        analyze_s = time.monotonic() - start
+    return {"history_s": history_s, "live_s": live_s, "analyze_s": analyze_s,
+            "history_summary": out.strip().splitlines()[-20:]}
+
+
+def _ops_calls() -> list[tuple[str, Callable[[psycopg.Connection[Any]], Any]]]:
+    from composer_ops import ops
+
+    def story(conn: psycopg.Connection[Any]) -> Any:
+        run_id = ops.latest_run_id(conn) or ops.latest_run_id(conn, status=None)
+        return ops.run_story(conn, run_id) if run_id else None
+
+    return [
+        ("partition_inventory", lambda c: ops.partition_inventory(c)),
+        ("partition_inventory(exact=True)", lambda c: ops.partition_inventory(c, exact=True)),
+        ("lookahead", lambda c: ops.lookahead(c)),
+        ("growth", lambda c: ops.growth(c)),
+        ("active_tasks", lambda c: ops.active_tasks(c)),
+        ("active_by_group", lambda c: ops.active_by_group(c)),
+        ("age_histogram", lambda c: ops.age_histogram(c)),
+        ("top_runs", lambda c: ops.top_runs(c)),
+        ("active_run_count", lambda c: ops.active_run_count(c)),
+        ("outbox_backlog", lambda c: ops.outbox_backlog(c)),
+        ("running_leases", lambda c: ops.running_leases(c)),
+        ("attempt_distribution", lambda c: ops.attempt_distribution(c)),
+        ("recent_requeues", lambda c: ops.recent_requeues(c)),
+        ("retention_plan", lambda c: ops.retention_plan(c, "6 months")),
+        ("latest_run_id + run_story", story),
+    ]
+
+
+def time_ops(url: str) -> list[dict[str, Any]]:
+    items = []
+    for name, call in _ops_calls():
+        with psycopg.connect(url, autocommit=True) as conn:
+            start = time.monotonic()
+            value = call(conn)
+            seconds = time.monotonic() - start
+        rows = getattr(value, "height", None)
+        items.append({"name": f"ops.{name}", "seconds": seconds, "rows": rows})
+    return items
+
+
+def _peak_rss(proc: subprocess.Popen[bytes]) -> tuple[float, float]:
+    """Wait for ``proc``; return (peak RSS of its kernel process in MB, seconds)."""
+    start = time.monotonic()
+    peak = 0
+    parent = psutil.Process(proc.pid)
+    while proc.poll() is None:
+        try:
+            for child in parent.children(recursive=True):
+                try:
+                    if "ipykernel" in " ".join(child.cmdline()) or "kernel" in child.name():
+                        peak = max(peak, child.memory_info().rss)
+                except psutil.Error:
+                    pass
+        except psutil.Error:
+            pass
+        time.sleep(0.1)
+    return peak / 2**20, time.monotonic() - start
+
+
+def _executed_seconds(folder: Path) -> float | None:
+    """The notebook's own execution time (papermill's metadata), without the process
+    and kernel start-up and the HTML rendering around it."""
+    found = sorted(folder.glob("*.ipynb"))
+    if not found:
+        return None
+    meta = json.loads(found[-1].read_text()).get("metadata", {}).get("papermill", {})
+    duration = meta.get("duration")
+    return float(duration) if duration is not None else None
+
+
+def time_reports(url: str) -> list[dict[str, Any]]:
+    from composer_ops.reports import available
+
+    items = []
+    with tempfile.TemporaryDirectory(prefix="composer-bench-reports-") as out:
+        for name in available():
+            env = {**os.environ, "COMPOSER_DATABASE_URL": url, "PYTHONPATH": str(ROOT), "COMPOSER_REPORT_PROGRESS": "0"}
+            proc = subprocess.Popen([sys.executable, "-m", "composer_ops", "report", name, "--out", out], cwd=ROOT,
+                                    env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+            peak_mb, seconds = _peak_rss(proc)
+            err = proc.stderr.read().decode(errors="replace") if proc.stderr else ""
+            items.append({"name": f"report {name}", "seconds": seconds, "peak_rss_mb": peak_mb or None,
+                          "notebook_seconds": _executed_seconds(Path(out) / name),
+                          "ok": proc.returncode == 0, "error": err.strip()[-500:] if proc.returncode else None})
+    return items
+
+
+def measure(url: str) -> dict[str, Any]:
+    with psycopg.connect(url) as conn:
+        version = str(conn.execute("SHOW server_version").fetchone()[0])  # type: ignore[index]
+        months = conn.execute("""SELECT count(*) FROM pg_inherits
+                                  WHERE inhparent = 'task_instances'::regclass""").fetchone()[0]  # type: ignore[index]
+        size = conn.execute("SELECT pg_database_size(current_database())").fetchone()[0]  # type: ignore[index]
+    rows = task_rows(url)
+    return {"date": datetime.now(UTC).isoformat(timespec="seconds"), "server_version": version,
+            "task_rows": rows, "task_partitions": int(months), "database_bytes": int(size),
+            "items": time_ops(url) + time_reports(url)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.notebooks", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--database-url", help="use this database (default: a new one on a throwaway server)")
+    parser.add_argument("--skip-build", action="store_true", help="the database is already filled")
+    parser.add_argument("--skip-history", action="store_true",
+                        help="the history is there: only add live traffic and ANALYZE")
+    parser.add_argument("--runs-per-month", type=int, default=125_000)
+    parser.add_argument("--months", type=int, default=12)
+    parser.add_argument("--live-runs", type=int, default=150)
+    parser.add_argument("--keep", action="store_true", help="keep the throwaway server running at the end "
+                                                            "(prints its URL; stop it with kill)")
+    parser.add_argument("--out", type=Path, default=RESULT)
+    args = parser.parse_args(argv)
+    url = args.database_url
+    if url is None:
+        from bench import server as servers
+
+        server = servers.start()
+        url = server.create_database("bench_notebooks")
+    built: dict[str, Any] = {}
+    if not args.skip_build:
+        what = "live traffic" if args.skip_history else f"{args.months} months x {args.runs_per_month:,} runs"
+        sys.stderr.write(f"[notebooks] building: {what}\n")
+        built = build(url, runs_per_month=args.runs_per_month, months=args.months, live_runs=args.live_runs,
+                      history=not args.skip_history)
+    sys.stderr.write("[notebooks] timing ops functions and reports\n")
+    result = {**measure(url), "build": built,
+              "command": "python -m bench.notebooks " + " ".join(argv if argv is not None else sys.argv[1:])}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2, default=str) + "\n")
+    from rich.console import Console
+
+    Console(width=120).print(notebooks_table(result))
+    if args.keep and args.database_url is None:
+        sys.stderr.write(f"[notebooks] database kept at {url}; press Ctrl-C to stop the server\n")
+        try:
+            while True:
+                time.sleep(3600)
+        except KeyboardInterrupt:
+            pass
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

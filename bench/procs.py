@@ -1,0 +1,123 @@
+"""Child processes of the benchmark: workers, coordinators, load producers.
+
+Each child's stderr goes to a temporary file; if a child dies or leaves a traceback
+its tail is printed, so a broken benchmark never reports numbers silently.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import IO, Any
+
+import psycopg
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+class ProcessGroup:
+    """Processes started together and stopped together (SIGTERM, then SIGKILL)."""
+
+    def __init__(self, name: str, root: Path = ROOT) -> None:
+        self.name = name
+        self.root = root        # the source tree the children import (bench.ab compares two)
+        self.procs: list[subprocess.Popen[bytes]] = []
+        self._logs: list[IO[bytes]] = []
+
+    def spawn(self, argv: Sequence[str], env: dict[str, str] | None = None,
+              stdout: int | None = subprocess.DEVNULL) -> subprocess.Popen[bytes]:
+        full_env = {**os.environ, "PYTHONPATH": str(self.root), **(env or {})}
+        log = tempfile.TemporaryFile()
+        self._logs.append(log)
+        proc = subprocess.Popen([sys.executable, *argv], cwd=self.root, env=full_env, stdout=stdout, stderr=log)
+        self.procs.append(proc)
+        return proc
+
+    def check_alive(self) -> None:
+        for proc in self.procs:
+            if proc.poll() not in (None, 0):
+                raise RuntimeError(f"{self.name}: {proc.args!r} exited with {proc.returncode}\n{self.tail()}")
+
+    def tail(self, limit: int = 3000) -> str:
+        out = []
+        for log in self._logs:
+            log.seek(0)
+            text = log.read().decode(errors="replace").strip()
+            if text:
+                out.append(text[-limit:])
+        return "\n---\n".join(out)
+
+    def stop(self, timeout: float = 15.0) -> None:
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + timeout
+        for proc in self.procs:
+            try:
+                proc.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(5)
+        text = self.tail()
+        if "Traceback" in text:
+            sys.stderr.write(f"--- {self.name}: child process log ---\n{text}\n")
+        for log in self._logs:
+            log.close()
+        self.procs.clear()
+        self._logs.clear()
+
+    def __enter__(self) -> ProcessGroup:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def wait_until(predicate: Callable[[], bool], *, timeout: float, what: str, interval: float = 0.1,
+               group: ProcessGroup | None = None) -> float:
+    """Poll ``predicate`` until true; returns the seconds waited, raises on timeout."""
+    start = time.monotonic()
+    while not predicate():
+        if group is not None:
+            group.check_alive()
+        if time.monotonic() - start > timeout:
+            tail = f"\n{group.tail()}" if group is not None else ""
+            raise TimeoutError(f"timed out after {timeout:.0f}s waiting for {what}{tail}")
+        time.sleep(interval)
+    return time.monotonic() - start
+
+
+def scalar(url: str, query: str, params: Any = None) -> Any:
+    with psycopg.connect(url, autocommit=True) as conn:
+        row = conn.execute(query, params).fetchone()
+    return None if row is None else row[0]
+
+
+def db_now(url: str) -> Any:
+    """The database clock: every timestamp the benchmark compares is read from it."""
+    return scalar(url, "SELECT clock_timestamp()")
+
+
+def connections(url: str, application_name: str) -> int:
+    """How many sessions of ``application_name`` are connected to this URL's database."""
+    return int(scalar(url, "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() "
+                           "AND application_name = %s", (application_name,)))
+
+
+def read_json_line(proc: subprocess.Popen[bytes], timeout: float) -> dict[str, Any]:
+    """Wait for a producer child and parse the one JSON line it printed."""
+    out, _ = proc.communicate(timeout=timeout)
+    if proc.returncode != 0:
+        raise RuntimeError(f"producer {proc.args!r} exited with {proc.returncode}")
+    lines = [ln for ln in out.decode().splitlines() if ln.strip().startswith("{")]
+    if not lines:
+        raise RuntimeError(f"producer {proc.args!r} printed no result")
+    result: dict[str, Any] = json.loads(lines[-1])
+    return result

@@ -1,0 +1,182 @@
+"""Load producers: start Composer runs or defer Procrastinate jobs from N threads.
+
+The same loop drives both systems, so the only difference between the two sides is
+the call each thread makes: ``engine.start(workflow)`` (one transaction: run row,
+root task, outbox row, NOTIFY) or ``task.defer()`` (one transaction: job row, event
+row, NOTIFY). Either for ``--count`` items (pre-filling a queue to drain) or for
+``--seconds`` (producing while workers consume), optionally paced at ``--rate``/s
+or held to at most ``--max-backlog`` unfinished items.
+
+Run as ``python -m bench.producer {composer,procrastinate} --url URL ...``; prints one
+JSON line with what it did.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+
+class Backlog:
+    """Keeps the number of unfinished items at most ``limit``: a thread polls the
+    count every 10 ms; producers wait while the last count plus what they submitted
+    since would reach the limit. A bounded backlog makes "sustained" mean what it
+    says: items start no faster than the workers finish them."""
+
+    def __init__(self, url: str, query: str, limit: int) -> None:
+        self.url, self.query, self.limit = url, query, limit
+        self._lock = threading.Lock()
+        self._count = 0
+        self._since = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._poll, daemon=True)
+
+    def __enter__(self) -> Backlog:
+        self._refresh_from(None)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _refresh_from(self, conn: Any) -> None:
+        import psycopg
+
+        if conn is None:
+            with psycopg.connect(self.url, autocommit=True) as c:
+                value = c.execute(self.query).fetchone()
+        else:
+            value = conn.execute(self.query).fetchone()
+        with self._lock:
+            self._count = int(value[0]) if value else 0
+            self._since = 0
+
+    def _poll(self) -> None:
+        import psycopg
+
+        with psycopg.connect(self.url, autocommit=True, application_name="bench-backlog") as conn:
+            while not self._stop.wait(0.01):
+                self._refresh_from(conn)
+
+    def acquire(self, deadline: float) -> bool:
+        """Wait for room; False if the deadline passed first."""
+        while time.monotonic() < deadline:
+            with self._lock:
+                if self._count + self._since < self.limit:
+                    self._since += 1
+                    return True
+            time.sleep(0.002)
+        return False
+
+
+def produce(submit: Callable[[], Any], *, threads: int, count: int | None = None,
+            seconds: float | None = None, rate: float | None = None,
+            backlog: Backlog | None = None) -> dict[str, Any]:
+    """Call ``submit`` from ``threads`` threads until ``count`` calls or ``seconds``
+    elapse; with ``rate``, call number i is not made before ``start + i / rate``;
+    with ``backlog``, never with more than its limit of unfinished items."""
+    if count is None and seconds is None:
+        raise ValueError("give count or seconds")
+    ticket = itertools.count()
+    lock = threading.Lock()
+    done = 0
+    errors: list[str] = []
+    cpu0 = time.process_time()
+    start = time.monotonic()
+    deadline = start + seconds if seconds is not None else float("inf")
+
+    def loop() -> None:
+        nonlocal done
+        while True:
+            with lock:
+                i = next(ticket)
+            if count is not None and i >= count:
+                return
+            if rate:
+                delay = start + i / rate - time.monotonic()
+                if delay > 0:
+                    time.sleep(delay)
+            if backlog is not None and not backlog.acquire(deadline):
+                return
+            if time.monotonic() >= deadline:
+                return
+            try:
+                submit()
+            except Exception as exc:  # a failed start is counted and reported, not fatal
+                with lock:
+                    errors.append(f"{type(exc).__name__}: {exc}")
+                continue
+            with lock:
+                done += 1
+
+    pool = [threading.Thread(target=loop, daemon=True) for _ in range(threads)]
+    for t in pool:
+        t.start()
+    for t in pool:
+        t.join()
+    elapsed = time.monotonic() - start
+    return {"submitted": done, "errors": len(errors), "first_error": errors[0] if errors else None,
+            "elapsed_s": elapsed, "per_s": done / elapsed if elapsed > 0 else 0.0,
+            "cpu_s": time.process_time() - cpu0}
+
+
+UNFINISHED = {
+    "composer": "SELECT count(*) FROM workflow_runs WHERE status IN ('RUNNING', 'PENDING')",
+    "procrastinate": "SELECT count(*) FROM procrastinate_jobs WHERE status IN ('todo', 'doing')",
+}
+
+
+def composer_submitter(url: str, workflow: str, threads: int) -> tuple[Callable[[], Any], Callable[[], None]]:
+    from composer_ops import Engine
+
+    engine = Engine.connect(url, pool_size=threads, application_name="bench-producer")
+    return (lambda: engine.start(workflow)), engine.close
+
+
+def procrastinate_submitter(url: str, threads: int) -> tuple[Callable[[], Any], Callable[[], None]]:
+    from bench.peer_procrastinate import make_app
+
+    app = make_app(url, pool_size=threads)
+    app.open()
+    task = app.tasks["noop"]
+    return (lambda: task.defer()), app.close
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(prog="python -m bench.producer")
+    parser.add_argument("system", choices=["composer", "procrastinate"])
+    parser.add_argument("--url", required=True)
+    parser.add_argument("--workflow", default="one", help="one, fan, or a deployed workflow id")
+    parser.add_argument("--threads", type=int, default=4)
+    parser.add_argument("--count", type=int)
+    parser.add_argument("--seconds", type=float)
+    parser.add_argument("--rate", type=float)
+    parser.add_argument("--max-backlog", type=int, help="never more than this many unfinished items")
+    args = parser.parse_args()
+    if args.system == "composer":
+        from bench.workload import WORKFLOWS
+
+        workflow = WORKFLOWS[args.workflow]["id"] if args.workflow in WORKFLOWS else args.workflow
+        submit, close = composer_submitter(args.url, workflow, args.threads)
+    else:
+        submit, close = procrastinate_submitter(args.url, args.threads)
+    try:
+        if args.max_backlog:
+            with Backlog(args.url, UNFINISHED[args.system], args.max_backlog) as backlog:
+                result = produce(submit, threads=args.threads, count=args.count, seconds=args.seconds,
+                                 rate=args.rate, backlog=backlog)
+        else:
+            result = produce(submit, threads=args.threads, count=args.count, seconds=args.seconds, rate=args.rate)
+    finally:
+        close()
+    print(json.dumps(result), flush=True)
+
+
+if __name__ == "__main__":
+    main()

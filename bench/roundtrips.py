@@ -1,0 +1,106 @@
+"""Round trips, statements and client CPU per event on the hot path, single-threaded.
+
+One Engine with a single pooled connection, traced with libpq's PQtrace: a round
+trip is a ReadyForQuery message from the server (one per synchronous exchange), a
+statement an Execute or simple Query. Measured for the three events of a 1-task run:
+start (Engine.start), claim (Engine.claim, one task per call as a busy worker mostly
+claims) and complete (Engine.complete), with the client's and the server's CPU time
+per event. No concurrency: this isolates what the code asks of the server from how
+busy the machine is.
+
+``python -m bench.roundtrips [--runs N]`` prints a JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import tempfile
+import time
+from collections.abc import Callable
+from typing import Any
+
+from bench.cpu import ServerCPU, per_item_ms
+from bench.server import Server
+
+
+def _count(path: str) -> tuple[int, int, int]:
+    ready = statements = parses = 0
+    with open(path, errors="replace") as f:
+        for line in f:
+            parts = line.split("\t")
+            if len(parts) < 3:
+                continue
+            if parts[0] == "B" and parts[2].startswith("ReadyForQuery"):
+                ready += 1
+            elif parts[0] == "F" and parts[2].strip() in ("Execute", "Query"):
+                statements += 1
+            elif parts[0] == "F" and parts[2].strip() == "Parse":
+                parses += 1
+    return ready, statements, parses
+
+
+def measure(server: Server, template: str, *, runs: int = 500) -> dict[str, Any]:
+    from composer_ops import Engine
+
+    db = "bench_roundtrips"
+    url = server.create_database(db, template=template)
+    try:
+        server_cpu = ServerCPU(url)
+        with Engine.connect(url, pool_size=1, application_name="bench-roundtrips") as engine:
+            # warm up: definitions cached, statements prepared (psycopg prepares after 5 uses)
+            for _ in range(10):
+                engine.start("bench-one")
+            for c in engine.claim(["default"], "rt", 10, task_names=["noop"]):
+                engine.complete(c, None)
+            out: dict[str, Any] = {"runs": runs}
+            claims: list[Any] = []
+            ops: list[tuple[str, Callable[[], None]]] = [
+                ("start", lambda: [engine.start("bench-one") for _ in range(runs)] and None),
+                ("claim", lambda: [claims.extend(engine.claim(["default"], "rt", 1, task_names=["noop"]))
+                                   for _ in range(runs)] and None),
+                ("complete", lambda: [engine.complete(c, None) for c in claims] and None),
+            ]
+            for name, op in ops:
+                fd, path = tempfile.mkstemp(prefix="composer-trace-")
+                try:
+                    with engine.pool.connection() as conn:
+                        conn.pgconn.trace(fd)
+                        conn.pgconn.set_trace_flags(1)   # PQTRACE_SUPPRESS_TIMESTAMPS
+                    srv0 = server_cpu.seconds()
+                    cpu0, wall0 = time.process_time(), time.perf_counter()
+                    op()
+                    cpu1, wall1 = time.process_time(), time.perf_counter()
+                    srv1 = server_cpu.seconds()
+                    with engine.pool.connection() as conn:
+                        conn.pgconn.untrace()
+                    ready, statements, parses = _count(path)
+                finally:
+                    os.close(fd)
+                    os.unlink(path)
+                out[name] = {"round_trips": ready / runs, "statements": statements / runs,
+                             "parses": parses / runs,
+                             "client_cpu_ms": (cpu1 - cpu0) / runs * 1000,
+                             "server_cpu_ms": per_item_ms(None if srv0 is None or srv1 is None else srv1 - srv0, runs),
+                             "wall_ms": (wall1 - wall0) / runs * 1000}
+            if len(claims) != runs:
+                raise RuntimeError(f"claimed {len(claims)} of {runs} tasks")
+        return out
+    finally:
+        server.drop_database(db)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(prog="python -m bench.roundtrips")
+    parser.add_argument("--runs", type=int, default=500)
+    args = parser.parse_args()
+    from bench import server as servers
+    from bench.workload import make_template
+
+    server = servers.start()
+    print(json.dumps(measure(server, make_template(server, "bench_tpl_rt"), runs=args.runs), indent=2))
+
+
+if __name__ == "__main__":
+    main()

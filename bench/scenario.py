@@ -1,0 +1,132 @@
+"""The two measurements, written once for both systems.
+
+- :func:`drain`: N items (Composer runs / Procrastinate jobs) are produced first by a
+  producer process of 4 threads (that rate is reported as the start rate), then W
+  worker processes drain
+  them. Throughput = items / (first claim .. last completion), database timestamps.
+- :func:`sustained`: W workers run while a producer process adds items for
+  ``warmup + duration`` seconds, either held to a bounded backlog (at most
+  ``max_backlog`` unfinished items: the rate the system sustains end to end without
+  its backlog growing) or paced at a fixed rate (for latency at moderate load).
+  Throughput = items completed inside the last ``duration`` seconds.
+
+Each measurement runs in a fresh database cloned from the system's template and
+reports CPU per item (server, and the benchmark's own processes) next to the rates.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from bench.cpu import Meter, ServerCPU, per_item_ms
+from bench.measure import rate, seconds, unit_stats
+from bench.procs import ROOT, ProcessGroup, db_now, read_json_line, wait_until
+from bench.server import Server
+
+PRODUCER_THREADS = 4
+
+
+@dataclass(frozen=True)
+class System:
+    """What the scenarios need to know about one system."""
+
+    name: str                                                 # "composer" | "procrastinate" (bench.producer)
+    concurrency: int
+    units_sql: str                                            # see bench.measure
+    spawn: Callable[[str, int, Path], ProcessGroup]           # (url, workers, root) -> ready workers
+    unfinished: Callable[[str], int]
+    runs_window: Callable[[str, tuple[Any, Any] | None], tuple[int, int, Any]]  # created, completed, last
+    root: Path = ROOT                                         # source tree its processes import
+    label: str = ""                                           # how results name it (default: name)
+
+    @property
+    def tag(self) -> str:
+        return self.label or self.name
+
+
+def _producer(system: System, group: ProcessGroup, url: str, workflow: str, *extra: str) -> Any:
+    argv = ["-m", "bench.producer", system.name, "--url", url, "--workflow", workflow,
+            "--threads", str(PRODUCER_THREADS), *extra]
+    return group.spawn(argv, stdout=subprocess.PIPE)
+
+
+def drain(system: System, server: Server, template: str, *, workers: int, items: int,
+          workflow: str = "one") -> dict[str, Any]:
+    db = f"bench_{system.tag.replace('-', '_')}_drain_{workflow}_w{workers}"
+    url = server.create_database(db, template=template)
+    try:
+        server_cpu = ServerCPU(url)
+        s0 = server_cpu.seconds()
+        with ProcessGroup(f"{system.tag} producer", system.root) as producers:
+            started = read_json_line(_producer(system, producers, url, workflow, "--count", str(items)),
+                                     timeout=max(300.0, items / 5))
+        s1 = server_cpu.seconds()
+        server.checkpoint()
+        with system.spawn(url, workers, system.root) as group:
+            meter = Meter(server_cpu, group)
+            meter.start()
+            wait_until(lambda: system.unfinished(url) == 0, timeout=max(180.0, items / 5), interval=0.25,
+                       what=f"{items} {system.tag} items to finish", group=group)
+            meter.stop()
+        stats = unit_stats(url, system.units_sql)
+        _, completed, last_run = system.runs_window(url, None)
+        elapsed = seconds(stats.first_claim, last_run)
+        return {
+            "system": system.tag, "mode": "drain", "workflow": workflow, "workers": workers,
+            "concurrency": system.concurrency, "runs": completed, "elapsed_s": elapsed,
+            "runs_per_s": rate(completed, elapsed),
+            "transitions_per_s": rate(2 * stats.finished, seconds(stats.first_claim, stats.last_finish)),
+            "start_per_s": started["per_s"], "start_errors": started["errors"],
+            "start_cpu": {"server_ms_per_item": per_item_ms(None if s0 is None or s1 is None else s1 - s0, items),
+                          "processes_ms_per_item": per_item_ms(started["cpu_s"], items)},
+            "cpu": meter.report(completed),
+            "units": stats.as_dict(),
+        }
+    finally:
+        server.drop_database(db)
+
+
+def sustained(system: System, server: Server, template: str, *, workers: int, duration: float,
+              workflow: str = "one", warmup: float = 2.0, max_backlog: int | None = None,
+              pace: float | None = None) -> dict[str, Any]:
+    mode = "paced" if pace else "sustained"
+    db = f"bench_{system.tag.replace('-', '_')}_{mode}_{workflow}_w{workers}"
+    url = server.create_database(db, template=template)
+    try:
+        server.checkpoint()
+        with system.spawn(url, workers, system.root) as group:
+            extra = ["--seconds", str(warmup + duration)]
+            if pace:
+                extra += ["--rate", str(pace)]
+            if max_backlog:
+                extra += ["--max-backlog", str(max_backlog)]
+            producer = _producer(system, group, url, workflow, *extra)
+            meter = Meter(ServerCPU(url), group)
+            time.sleep(warmup)
+            meter.start()
+            w0 = db_now(url)
+            time.sleep(duration)
+            w1 = db_now(url)
+            meter.stop()
+            produced = read_json_line(producer, timeout=120)
+            time.sleep(min(2.0, duration / 4))   # let the window's in-flight items finish
+        stats = unit_stats(url, system.units_sql, (w0, w1))
+        created, completed, _ = system.runs_window(url, (w0, w1))
+        window = seconds(w0, w1)
+        return {
+            "system": system.tag, "mode": mode, "workflow": workflow, "workers": workers,
+            "concurrency": system.concurrency, "window_s": window,
+            "runs_per_s": rate(completed, window),
+            "transitions_per_s": rate(stats.claimed_in_window + stats.finished_in_window, window),
+            "started_per_s": rate(created, window),
+            "backlog_growth_per_s": rate(created - completed, window),
+            "max_backlog": max_backlog, "target_rate": pace, "producer": produced,
+            "cpu": meter.report(completed), "units": stats.as_dict(),
+        }
+    finally:
+        server.drop_database(db)
