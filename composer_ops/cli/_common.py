@@ -9,8 +9,6 @@ import os
 import sys
 from typing import Any
 
-from composer_ops.errors import Invalid
-
 EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT = 0, 1, 2
 
 
@@ -18,7 +16,10 @@ class ArgumentParser(argparse.ArgumentParser):
     """argparse that reports bad arguments as one line and exit code 2."""
 
     def error(self, message: str) -> Any:
-        self.exit(EXIT_BAD_INPUT, f"composer-ops: error: {self.prog}: {message}\n")
+        # argparse quotes the user's text back; keep the error on one line whatever it holds.
+        flat = " ".join(message.split("\n"))
+        flat = "".join(c if c.isprintable() else f"\\x{ord(c):02x}" for c in flat)
+        self.exit(EXIT_BAD_INPUT, f"composer-ops: error: {self.prog}: {flat}\n")
 
 
 def env_option(parser: argparse.ArgumentParser, *flags: str, env: str, help: str, **kw: Any) -> None:
@@ -45,10 +46,9 @@ def json_arg(text: str | None, what: str) -> Any:
     """Parse a JSON command-line argument, naming it and the position of a syntax error."""
     if text is None:
         return None
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise Invalid(f"{what} is not valid JSON: {exc.msg} at line {exc.lineno} column {exc.colno}") from None
+    from composer_ops.engine.jsonvalues import parse_json_text
+
+    return parse_json_text(text, what)
 
 
 def emit_json(value: Any) -> None:

@@ -10,6 +10,7 @@ from typing import Any
 
 from composer_ops.cli._common import EXIT_OK, add_database_option, emit_json, env_option, json_arg
 from composer_ops.engine import Engine, Worker
+from composer_ops.engine.webhooks import RelayPolicy
 from composer_ops.errors import Invalid
 
 
@@ -48,13 +49,22 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     show.add_argument("--json", action="store_true", help="print JSON")
     show.set_defaults(func=cmd_runs_show)
 
-    coord = sub.add_parser("coordinator", help="run the background loops (timers, leases, partitions, webhooks)")
+    coord = sub.add_parser(
+        "coordinator", help="run the background loops (timers, leases, partitions, webhooks)",
+        epilog="Webhooks are signed (X-Composer-Signature, HMAC-SHA256) when COMPOSER_WEBHOOK_SECRET is set; "
+               "the secret is read from the environment only, never from the command line.")
     add_database_option(coord)
     coord.add_argument("--once", action="store_true", help="one pass of every loop, then exit")
     env_option(coord, "--interval", env="COMPOSER_COORDINATOR_INTERVAL", type=float, default=0.5,
                help="seconds between passes when idle")
     env_option(coord, "--months-ahead", env="COMPOSER_MONTHS_AHEAD", type=int, default=3,
                help="partition months kept ahead")
+    env_option(coord, "--webhook-connect-timeout", env="COMPOSER_WEBHOOK_CONNECT_TIMEOUT_S", type=float,
+               default=3.0, help="seconds to connect to a webhook endpoint")
+    env_option(coord, "--webhook-timeout", env="COMPOSER_WEBHOOK_TIMEOUT_S", type=float, default=5.0,
+               help="seconds per read of a webhook response")
+    env_option(coord, "--webhook-deadline", env="COMPOSER_WEBHOOK_DEADLINE_S", type=float, default=10.0,
+               help="seconds for a whole webhook POST")
     coord.set_defaults(func=cmd_coordinator)
 
     work = sub.add_parser("worker", help="run a Worker defined in your code: --app module:attribute")
@@ -80,10 +90,13 @@ def load_definition(path: str) -> Any:
 
         try:
             return yaml.safe_load(text)
+        except RecursionError:
+            raise Invalid(f"{name}: YAML nests too deeply to be a workflow definition") from None
         except yaml.YAMLError as exc:
             mark = getattr(exc, "problem_mark", None)
             where = f" at line {mark.line + 1} column {mark.column + 1}" if mark else ""
-            raise Invalid(f"{name}: not valid YAML{where}: {getattr(exc, 'problem', exc)}") from None
+            problem = " ".join(str(getattr(exc, "problem", None) or exc).split())
+            raise Invalid(f"{name}: not valid YAML{where}: {problem}") from None
     return json_arg(text, name)
 
 
@@ -145,8 +158,10 @@ def cmd_runs_show(args: argparse.Namespace) -> int:
 
 
 def cmd_coordinator(args: argparse.Namespace) -> int:
+    relay = RelayPolicy(connect_timeout_s=args.webhook_connect_timeout, timeout_s=args.webhook_timeout,
+                        deadline_s=args.webhook_deadline)   # bad values are refused before connecting
     with Engine.connect(args.database_url, pool_size=4, application_name="composer-coordinator") as engine:
-        coord = engine.coordinator(interval=args.interval, months_ahead=args.months_ahead)
+        coord = engine.coordinator(interval=args.interval, months_ahead=args.months_ahead, relay=relay)
         if args.once:
             stats = coord.run_once()
             print(f"timers fired {stats.timers_fired}, leases expired {stats.leases_expired}, "

@@ -181,7 +181,15 @@ def _topological_order(nodes: Mapping[str, NodeSpec]) -> tuple[str, ...]:
 
 
 def _q(value: object) -> str:
-    return json.dumps(value) if isinstance(value, str) else repr(value)
+    """A value quoted for a one-line message; never raises (an int of more than
+    4,300 digits cannot be printed, and a message must not fail on bad input)."""
+    if isinstance(value, str):
+        return json.dumps(value)
+    try:
+        text = repr(value)
+    except ValueError:
+        return f"<{type(value).__name__} too large to print>"
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def _check_json(value: Any, where: str) -> None:

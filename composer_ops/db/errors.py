@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+import functools
+from collections.abc import Callable, Iterator
+from typing import ParamSpec, TypeVar
 
 import psycopg
 from psycopg import errors as pgerr
 
 from composer_ops.errors import ComposerError, Conflict, Invalid, NotFound, Unavailable
+
+P = ParamSpec("P")
+T = TypeVar("T")
 
 #: SQLSTATEs a caller may simply retry: serialization failure, deadlock, and the
 #: connection-exception class (08xxx), plus admin shutdown / crash recovery.
@@ -37,7 +42,7 @@ def translate(exc: psycopg.Error, what: str) -> ComposerError:
     if isinstance(exc, (pgerr.DataException, pgerr.IntegrityError)):
         return Invalid(f"{what}: {msg}")
     if isinstance(exc, psycopg.OperationalError):
-        return Unavailable(f"{what}: {msg}")
+        return Unavailable(f"{what}: {msg} (the database is unreachable or overloaded; the request can be retried)")
     return ComposerError(f"{what}: {msg}")
 
 
@@ -48,3 +53,20 @@ def translated(what: str) -> Iterator[None]:
         yield
     except psycopg.Error as exc:
         raise translate(exc, what) from exc
+
+
+def translating(what: str) -> Callable[[Callable[P, T]], Callable[P, T]]:
+    """Decorator form of :func:`translated`, for the public API's boundary: callers
+    see ComposerErrors only (a pool timeout or a lost server is :class:`Unavailable`)."""
+
+    def wrap(fn: Callable[P, T]) -> Callable[P, T]:
+        @functools.wraps(fn)
+        def inner(*args: P.args, **kwargs: P.kwargs) -> T:
+            try:
+                return fn(*args, **kwargs)
+            except psycopg.Error as exc:
+                raise translate(exc, what) from exc
+
+        return inner
+
+    return wrap

@@ -59,7 +59,7 @@ class Coordinator:
         self.upkeep_every_s = upkeep_every_s
         self.webhook_secret = webhook_secret if webhook_secret is not None else os.environ.get(
             "COMPOSER_WEBHOOK_SECRET") or None
-        self.relay = relay or RelayPolicy()
+        self.relay = relay or RelayPolicy.from_env()
         self._stop = threading.Event()
         self._last_upkeep = float("-inf")
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 from collections.abc import Mapping, Sequence
@@ -13,13 +14,15 @@ from psycopg_pool import ConnectionPool
 from composer_ops.core import CancelRun, SignalReceived, TaskCompleted, TaskFailed, parse_spec
 from composer_ops.core.model import TaskRef as CoreRef
 from composer_ops.core.runids import month_of, uuid7_timestamp, validate_run_id
+from composer_ops.core.spec import ID_PATTERN
 from composer_ops.db import make_pool, resolve_url
+from composer_ops.db.errors import translating
 from composer_ops.db.migrate import migrate as run_migrations
 from composer_ops.db.retry import db_retry
 from composer_ops.engine.ids import uuid7_at
 from composer_ops.engine.jsonvalues import check_json
 from composer_ops.engine.shell import Outcome, Shell
-from composer_ops.errors import Invalid
+from composer_ops.errors import Conflict, Invalid
 from composer_ops.repo import definitions, outbox, runs, tasks
 from composer_ops.repo.rows import Claim, RunRow, RunView, TaskRef
 
@@ -68,12 +71,16 @@ class Engine:
         """Apply pending migrations; returns the files applied."""
         return [m.filename for m in run_migrations(self.url)]
 
+    @translating("deploy")
     @db_retry()
     def deploy(self, spec: Mapping[str, Any], *, created_by: str = "composer-ops") -> tuple[str, int]:
         """Validate ``spec``, store it as version last+1, deploy it and un-deploy the
         others, in one transaction. Returns ``(workflow_id, version)``."""
         if not isinstance(spec, Mapping):
             raise Invalid(f"a workflow definition is a JSON object, got {type(spec).__name__}")
+        # The generic JSON checks first (size, depth, text PostgreSQL can store): a YAML
+        # alias bomb or a 100 MB config must not reach the validator or the table.
+        check_json(dict(spec), "workflow definition")
         parsed = parse_spec(spec)
         with self.pool.connection() as conn, conn.transaction():
             version = definitions.insert_version(conn, workflow_id=parsed.id, name=parsed.name,
@@ -83,18 +90,22 @@ class Engine:
         log.info("deployed %s v%d", parsed.id, version, extra={"action": "deploy", "workflow_id": parsed.id})
         return parsed.id, version
 
+    @translating("enable or disable")
     def set_enabled(self, workflow_id: str, enabled: bool) -> None:
+        _check_workflow_id(workflow_id)
         with self.pool.connection() as conn, conn.transaction():
             definitions.set_enabled(conn, workflow_id, enabled)
 
+    @translating("delete definition")
     def delete(self, workflow_id: str) -> None:
         """Soft-delete every version: new runs are refused, started runs finish."""
+        _check_workflow_id(workflow_id)
         with self.pool.connection() as conn, conn.transaction():
             definitions.soft_delete(conn, workflow_id)
 
     # -- runs -----------------------------------------------------------------
 
-    @db_retry()
+    @translating("start run")
     def start(self, workflow_id: str, input: Any = None, version: int | None = None,
               run_id: str | None = None) -> str:
         """Start a run of the deployed (or the given) version; returns the run ID.
@@ -103,18 +114,29 @@ class Engine:
         the last hour (and at most 5 minutes ahead) by the database clock, in a month
         that has a partition. Starting the same run ID twice is a Conflict.
         """
-        if not isinstance(workflow_id, str) or not workflow_id:
-            raise Invalid("workflow id must be a non-empty string")
+        _check_workflow_id(workflow_id)
         if version is not None and (isinstance(version, bool) or not isinstance(version, int) or version < 1):
             raise Invalid(f"version must be a positive integer, got {version!r}")
         check_json(input, "input")
         if run_id is not None:
             uuid7_timestamp(run_id)  # format check before touching the database
+        return self._start(workflow_id, input, version, run_id, [])
+
+    @db_retry()
+    def _start(self, workflow_id: str, input: Any, version: int | None, client_id: str | None,
+               minted: list[str]) -> str:
+        # An ID the engine mints is kept across retries (in ``minted``): if an attempt
+        # committed but its acknowledgement was lost, the retry finds the run instead
+        # of starting a second one. 74 random bits: a conflict can only be our own.
+        retry_of_minted = bool(minted)
         with self.pool.connection() as conn, conn.transaction():
             now: datetime = conn.execute("SELECT now()").fetchone()[0]  # type: ignore[index]
-            if run_id is None:
-                run_id = uuid7_at(now)
+            if client_id is None:
+                if not minted:
+                    minted.append(uuid7_at(now))
+                run_id = minted[0]
             else:
+                run_id = client_id
                 validate_run_id(run_id, now, max_age=RUN_ID_MAX_AGE, max_ahead=RUN_ID_MAX_AHEAD)
                 self._require_partition(conn, run_id)
             row = (definitions.get_deployed(conn, workflow_id) if version is None
@@ -124,8 +146,15 @@ class Engine:
             if not row.enabled:
                 raise Invalid(f"workflow {workflow_id!r} is disabled; it accepts no new runs")
             spec = self.shell.definition(conn, row.id, row.version).spec
-            runs.insert_run(conn, run_id=run_id, workflow_id=row.id, workflow_version=row.version,
-                            input=input, context={"input": input, "config": dict(spec.config)})
+            try:
+                runs.insert_run(conn, run_id=run_id, workflow_id=row.id, workflow_version=row.version,
+                                input=input, context={"input": input, "config": dict(spec.config)})
+            except Conflict:
+                if not retry_of_minted:
+                    raise
+                log.info("run %s was started by an earlier attempt whose commit was not acknowledged", run_id,
+                         extra={"action": "start_run", "run_id": run_id})
+                return run_id
             # The insert holds the new row's lock until commit; no need to lock again.
             self.shell.start_decision(conn, RunRow(
                 id=run_id, workflow_id=row.id, workflow_version=row.version, status="RUNNING",
@@ -142,6 +171,7 @@ class Engine:
             raise Invalid(f"run id {run_id} belongs to month {month}, which has no partition "
                           "(run `composer-ops partitions ensure`)")
 
+    @translating("signal run")
     def signal(self, run_id: str, name: str, payload: Any = None) -> Outcome:
         """Deliver a signal: it resolves the earliest node waiting for ``name``, or is
         buffered. A finished run is a Conflict; an unknown one NotFound."""
@@ -151,11 +181,14 @@ class Engine:
         check_json(payload, "payload")
         return self.shell.handle(run_id, lambda now: SignalReceived(name=name, payload=payload, now=now))
 
+    @translating("cancel run")
     def cancel(self, run_id: str, reason: str = "cancelled") -> Outcome:
         """Cancel a run and its active tasks; late results for them are stale."""
         uuid7_timestamp(run_id)
         return self.shell.handle(run_id, lambda now: CancelRun(reason=reason, now=now))
 
+    @translating("get run")
+    @db_retry()
     def get_run(self, run_id: str) -> RunView:
         """The run, its output or error, and every task (node_id, state, attempt, output, error)."""
         uuid7_timestamp(run_id)
@@ -169,6 +202,7 @@ class Engine:
 
     # -- the worker's side ----------------------------------------------------
 
+    @translating("claim tasks")
     @db_retry()
     def claim(self, queues: Sequence[str], owner: str, limit: int, task_names: Sequence[str] | None = None
               ) -> list[Claim]:
@@ -176,21 +210,33 @@ class Engine:
         with self.pool.connection() as conn, conn.transaction():
             return outbox.claim(conn, queues, owner, limit, task_names=task_names)
 
+    @translating("complete task")
     def complete(self, claim: Claim, output: Any) -> Outcome:
         ref = _core_ref(claim)
         return self.shell.handle(claim.run_id, lambda now: TaskCompleted(ref=ref, output=output, now=now))
 
+    @translating("fail task")
     def fail(self, claim: Claim, error: str, *, retryable: bool = True) -> Outcome:
         ref = _core_ref(claim)
         return self.shell.handle(claim.run_id,
                                  lambda now: TaskFailed(ref=ref, error=error, retryable=retryable, now=now))
 
+    @translating("heartbeat")
     @db_retry(max_attempts=3)
     def heartbeat(self, claim: Claim) -> datetime | None:
         """Extend the claim's lease; None when the lease is lost."""
         ref = TaskRef(task_id=claim.task_id, run_id=claim.run_id, node_id=claim.node_id, attempt=claim.attempt)
         with self.pool.connection() as conn, conn.transaction():
             return tasks.heartbeat(conn, ref, claim.lease_owner, claim.lease_s)
+
+
+def _check_workflow_id(workflow_id: object) -> None:
+    """Every deployed id matches ID_PATTERN (the validator sees to it), so anything else
+    is refused here, before a query, with its text escaped onto one line."""
+    if not isinstance(workflow_id, str) or not ID_PATTERN.fullmatch(workflow_id):
+        shown = json.dumps(workflow_id) if isinstance(workflow_id, str) else type(workflow_id).__name__
+        shown = shown if len(shown) <= 60 else shown[:57] + "..."
+        raise Invalid(f"workflow id {shown} is not a workflow id (1 to 128 of A-Z a-z 0-9 _ . -)")
 
 
 def _core_ref(claim: Claim) -> CoreRef:

@@ -9,9 +9,11 @@ the run lock, so their order is creation order.
 from __future__ import annotations
 
 import secrets
-from datetime import datetime
+from datetime import UTC, datetime, timedelta
 
 import uuid6
+
+_EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 
 
 def uuid7_text() -> str:
@@ -20,7 +22,9 @@ def uuid7_text() -> str:
 
 def uuid7_at(ts: datetime) -> str:
     """A fresh UUIDv7 whose 48-bit timestamp is ``ts`` (random low 74 bits)."""
-    ms = int(ts.timestamp() * 1000)
+    # Exact integer arithmetic: ts.timestamp() * 1000 is a float and can land on the
+    # neighbouring millisecond (and so, at a month's edge, in the neighbouring partition).
+    ms = (ts - _EPOCH) // timedelta(milliseconds=1)
     value = (ms << 80) | secrets.randbits(80)
     value = (value & ~(0xF << 76)) | (0x7 << 76)  # version 7
     value = (value & ~(0x3 << 62)) | (0x2 << 62)  # RFC 4122 variant

@@ -9,17 +9,20 @@ from __future__ import annotations
 
 import json
 import math
+import re
+import sys
 from typing import Any
 
 from composer_ops.errors import Invalid
 
 MAX_DEPTH = 64
 MAX_BYTES = 8 * 1024 * 1024
+_PLAIN_KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,39}")
 
 
 def check_json(value: Any, what: str) -> Any:
     """Return ``value`` if it is a storable JSON document, else raise Invalid."""
-    _walk(value, what, "$", 0)
+    _walk(value, what, "$", 0, [0])
     try:
         size = len(json.dumps(value, allow_nan=False, separators=(",", ":")).encode())
     except (TypeError, ValueError) as exc:
@@ -29,30 +32,63 @@ def check_json(value: Any, what: str) -> Any:
     return value
 
 
-def _walk(value: Any, what: str, path: str, depth: int) -> None:
+def _walk(value: Any, what: str, path: str, depth: int, size: list[int]) -> None:
+    # ``size`` accumulates a lower bound of the serialised length, so a document that
+    # shares one subtree many times (a YAML alias bomb: a few bytes of YAML, gigabytes
+    # of JSON) is refused after MAX_BYTES worth of walking, not after serialising it all.
     if depth > MAX_DEPTH:
         raise Invalid(f"{what} nests deeper than {MAX_DEPTH} levels at {path}")
-    if value is None or isinstance(value, bool | int):
+    size[0] += 4 if isinstance(value, str) else 1
+    if size[0] > MAX_BYTES:
+        raise Invalid(f"{what} is more than {MAX_BYTES} bytes of JSON (at {path}); the limit is {MAX_BYTES}")
+    if value is None or isinstance(value, bool):
+        return
+    if isinstance(value, int):
+        if value.bit_length() > 14_000:      # near Python's limit on printing integers: ask it
+            try:
+                str(value)
+            except ValueError:
+                raise Invalid(f"{what} has an integer of more than {sys.get_int_max_str_digits()} digits "
+                              f"at {path}") from None
         return
     if isinstance(value, float):
         if not math.isfinite(value):
             raise Invalid(f"{what} has a non-finite number at {path}")
         return
     if isinstance(value, str):
+        size[0] += len(value)
         _check_text(value, what, path)
         return
     if isinstance(value, list | tuple):
         for i, item in enumerate(value):
-            _walk(item, what, f"{path}[{i}]", depth + 1)
+            _walk(item, what, f"{path}[{i}]", depth + 1, size)
         return
     if isinstance(value, dict):
         for key, item in value.items():
             if not isinstance(key, str):
-                raise Invalid(f"{what} has a non-string key {key!r} at {path}")
-            _check_text(key, what, f"{path} (key)")
-            _walk(item, what, f"{path}.{key}", depth + 1)
+                raise Invalid(f"{what} has a non-string key {_short(key)} at {path}")
+            size[0] += len(key) + 3
+            _check_text(key, what, f"{path} (key {_short(key)})")
+            _walk(item, what, _child(path, key), depth + 1, size)
         return
     raise Invalid(f"{what} is not JSON: {type(value).__name__} at {path}")
+
+
+def _child(path: str, key: str) -> str:
+    """``$.a`` for plain keys, ``$["a b\\n"]`` (escaped, shortened) for others: an error
+    message stays one line whatever the keys hold."""
+    return f"{path}.{key}" if _PLAIN_KEY.fullmatch(key) else f"{path}[{_short(key)}]"
+
+
+def _short(value: Any) -> str:
+    if isinstance(value, str):
+        text = json.dumps(value)
+    else:
+        try:
+            text = repr(value)
+        except ValueError:               # an integer too long to print
+            text = type(value).__name__
+    return text if len(text) <= 42 else text[:40] + "..."
 
 
 def _check_text(text: str, what: str, path: str) -> None:

@@ -5,6 +5,12 @@ takes due rows (pushing their next attempt ahead as a lease), POSTs outside any
 transaction, then records success or schedules a retry with capped exponential
 backoff. A slow or failing endpoint delays only its own deliveries.
 
+Each POST is bounded: a connect timeout, a read timeout per socket read, a deadline
+for the whole exchange (a server dripping bytes cannot hold the relay), and at most
+``max_response_bytes`` of the response are read. Redirects are not followed. The URL
+is checked again at relay time (the row may predate today's validation): anything
+but http(s) with a host, or a URL carrying credentials, is given up at once.
+
 Signature: with ``COMPOSER_WEBHOOK_SECRET`` set, ``X-Composer-Signature`` is
 ``t=<unix seconds>,v1=<hex HMAC-SHA256 of "<t>.<body>">``; receivers recompute it and
 reject stale timestamps, which stops replays. The secret is never logged.
@@ -14,16 +20,21 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import http.client
 import json
 import logging
+import math
+import os
+import socket
+import threading
 import time
-import urllib.error
-import urllib.request
+from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
+from composer_ops.errors import Invalid
 from composer_ops.repo import webhooks
 from composer_ops.repo._base import Conn
 
@@ -31,16 +42,77 @@ log = logging.getLogger(__name__)
 
 MAX_RESPONSE_BYTES = 64 * 1024
 SIGNATURE_HEADER = "X-Composer-Signature"
+#: POSTs of one batch run in parallel, this many at a time.
+PARALLEL_POSTS = 8
+_ENV = {"connect_timeout_s": "COMPOSER_WEBHOOK_CONNECT_TIMEOUT_S", "timeout_s": "COMPOSER_WEBHOOK_TIMEOUT_S",
+        "deadline_s": "COMPOSER_WEBHOOK_DEADLINE_S"}
 
 
 @dataclass(frozen=True, kw_only=True)
 class RelayPolicy:
+    """Timeouts (seconds), retries and batching of the relay.
+
+    ``timeout_s`` bounds each read of the response, ``deadline_s`` the whole POST.
+    ``lease_s`` (how long a claimed delivery is hidden from other relays) defaults
+    to what one batch can take at most, so a relay that dies mid-batch delays its
+    deliveries by no more than that.
+    """
+
+    connect_timeout_s: float = 3.0
     timeout_s: float = 5.0
+    deadline_s: float = 10.0
+    max_response_bytes: int = MAX_RESPONSE_BYTES
     max_attempts: int = 12
     initial_backoff_s: float = 1.0
     max_backoff_s: float = 300.0
-    lease_s: float = 60.0
+    lease_s: float | None = None
     batch: int = 20
+
+    def __post_init__(self) -> None:
+        for name in ("connect_timeout_s", "timeout_s", "deadline_s"):
+            value = getattr(self, name)
+            if not isinstance(value, int | float) or not math.isfinite(value) or value <= 0:
+                raise Invalid(f"webhook {name} must be a positive number of seconds, got {value!r}")
+        if self.batch < 1 or self.max_attempts < 1 or self.max_response_bytes < 0:
+            raise Invalid("webhook batch and max_attempts must be at least 1, max_response_bytes at least 0")
+
+    @property
+    def lease(self) -> float:
+        if self.lease_s is not None:
+            return self.lease_s
+        rounds = math.ceil(self.batch / PARALLEL_POSTS)
+        return rounds * (self.deadline_s + self.connect_timeout_s) + 2.0
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> RelayPolicy:
+        """Defaults, with the timeouts overridden by ``COMPOSER_WEBHOOK_CONNECT_TIMEOUT_S``,
+        ``COMPOSER_WEBHOOK_TIMEOUT_S`` (read) and ``COMPOSER_WEBHOOK_DEADLINE_S``."""
+        source = os.environ if env is None else env
+        values: dict[str, float] = {}
+        for field_name, var in _ENV.items():
+            text = source.get(var)
+            if text:
+                try:
+                    values[field_name] = float(text)
+                except ValueError:
+                    raise Invalid(f"{var}={text!r} is not a number of seconds") from None
+        defaults = cls()
+        return cls(connect_timeout_s=values.get("connect_timeout_s", defaults.connect_timeout_s),
+                   timeout_s=values.get("timeout_s", defaults.timeout_s),
+                   deadline_s=values.get("deadline_s", defaults.deadline_s))
+
+
+@dataclass(frozen=True)
+class PostResult:
+    """How one POST ended; ``permanent`` when no retry can help (a bad URL)."""
+
+    status: int | None
+    error: str | None = None
+    permanent: bool = False
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
 
 
 def sign(secret: str, body: bytes, timestamp: int) -> str:
@@ -60,53 +132,119 @@ def verify(secret: str, body: bytes, header: str, *, now: float | None = None, t
     return hmac.compare_digest(sign(secret, body, ts), header)
 
 
-def post(url: str, payload: Any, *, secret: str | None, timeout_s: float) -> tuple[int | None, str | None]:
-    """POST once; returns (status, error). Only http(s); the response read is capped."""
-    if urlsplit(url).scheme not in ("http", "https"):
-        return None, f"refusing to POST to a non-http(s) URL {url!r}"
+def url_problem(url: object) -> str | None:
+    """Why ``url`` is not a webhook target, or None. Never echoes credentials."""
+    if not isinstance(url, str) or not url:
+        return "webhook URL is empty or not a string"
+    if any(ord(c) <= 32 or ord(c) == 127 for c in url):
+        return "webhook URL contains whitespace or control characters"
+    try:
+        parts = urlsplit(url)
+        parts.port  # noqa: B018 - raises ValueError on a malformed port
+    except ValueError as exc:
+        return f"webhook URL is malformed ({exc})"
+    if parts.username is not None or parts.password is not None:
+        return "webhook URL carries credentials; they are refused (they would end up in logs and rows)"
+    if parts.scheme not in ("http", "https"):
+        return f"webhook URL scheme {parts.scheme or '(none)'!r} refused: only http and https"
+    if not parts.hostname:
+        return "webhook URL has no host"
+    return None
+
+
+def post(url: str, payload: Any, *, secret: str | None, policy: RelayPolicy = RelayPolicy()) -> PostResult:
+    """POST once, within the policy's timeouts and deadline; never raises."""
+    problem = url_problem(url)
+    if problem is not None:
+        return PostResult(None, problem, permanent=True)
+    parts = urlsplit(url)
     body = json.dumps(payload, separators=(",", ":"), sort_keys=True, default=str).encode()
-    headers = {"Content-Type": "application/json", "User-Agent": "composer-ops webhook"}
+    headers = {"Content-Type": "application/json", "User-Agent": "composer-ops webhook",
+               "Content-Length": str(len(body)), "Connection": "close"}
     if secret:
         headers[SIGNATURE_HEADER] = sign(secret, body, int(time.time()))
-    request = urllib.request.Request(url, data=body, headers=headers, method="POST")
+    target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
+    factory = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
+    conn = factory(parts.hostname or "", parts.port, timeout=policy.connect_timeout_s)
+    expired = threading.Event()
+    sockets: list[socket.socket] = []
+    watchdog = threading.Timer(policy.deadline_s, _abort, (sockets, expired))
+    watchdog.daemon = True
+    watchdog.start()
     try:
-        with urllib.request.urlopen(request, timeout=timeout_s) as response:  # noqa: S310 - scheme checked
-            response.read(MAX_RESPONSE_BYTES)
-            status = int(response.status)
-    except urllib.error.HTTPError as exc:
-        return exc.code, f"HTTP {exc.code}"
-    except (urllib.error.URLError, TimeoutError, OSError) as exc:
-        reason = getattr(exc, "reason", exc)
-        return None, f"{type(exc).__name__}: {reason}"
+        conn.connect()
+        if conn.sock is not None:
+            conn.sock.settimeout(policy.timeout_s)
+            # The response keeps reading from this socket after http.client drops
+            # conn.sock (Connection: close), so the watchdog holds its own reference.
+            sockets.append(conn.sock)
+        conn.request("POST", target, body=body, headers=headers)
+        response = conn.getresponse()
+        status = int(response.status)
+        _read_capped(response, policy.max_response_bytes)
+    except Exception as exc:  # socket, TLS, protocol or encoding errors: all are a failed attempt
+        if expired.is_set():
+            return PostResult(None, f"no complete response within the {policy.deadline_s:g}s deadline")
+        text = str(exc).strip()
+        return PostResult(None, f"{type(exc).__name__}: {text}" if text else type(exc).__name__)
+    finally:
+        watchdog.cancel()
+        conn.close()
     if 200 <= status < 300:
-        return status, None
-    return status, f"HTTP {status}"
+        return PostResult(status)
+    if 300 <= status < 400:
+        return PostResult(status, f"HTTP {status} (redirects are not followed)")
+    return PostResult(status, f"HTTP {status}")
+
+
+def _read_capped(response: http.client.HTTPResponse, limit: int) -> None:
+    """Read at most ``limit`` bytes of the body; the deadline still applies. A body
+    cut short after a status line is not an error: the status is the answer."""
+    left = limit
+    try:
+        while left > 0:
+            chunk = response.read(min(left, 16384))
+            if not chunk:
+                return
+            left -= len(chunk)
+    except (OSError, http.client.HTTPException):
+        return
+
+
+def _abort(sockets: list[socket.socket], expired: threading.Event) -> None:
+    expired.set()
+    for sock in sockets:
+        try:
+            sock.shutdown(socket.SHUT_RDWR)   # wakes a blocked recv in the POSTing thread
+        except OSError:
+            pass
 
 
 def relay_once(pool: Any, *, secret: str | None, policy: RelayPolicy = RelayPolicy()) -> tuple[int, int]:
     """Deliver what is due, the batch's POSTs in parallel so one slow endpoint costs
     the others nothing; returns (delivered, failed attempts)."""
     with pool.connection() as conn, conn.transaction():
-        due = webhooks.claim_due(conn, policy.batch, policy.lease_s)
+        due = webhooks.claim_due(conn, policy.batch, policy.lease)
     if not due:
         return 0, 0
-    with ThreadPoolExecutor(max_workers=min(8, len(due)), thread_name_prefix="composer-webhook") as posts:
-        results = list(posts.map(lambda d: post(d.url, d.payload, secret=secret, timeout_s=policy.timeout_s), due))
+    with ThreadPoolExecutor(max_workers=min(PARALLEL_POSTS, len(due)), thread_name_prefix="composer-webhook") as posts:
+        results = list(posts.map(lambda d: post(d.url, d.payload, secret=secret, policy=policy), due))
     delivered = failed = 0
     with pool.connection() as conn, conn.transaction():
-        for item, (status, error) in zip(due, results, strict=True):
-            if error is None:
-                webhooks.mark_delivered(conn, item.id, status or 200)
+        for item, result in zip(due, results, strict=True):
+            if result.error is None:
+                webhooks.mark_delivered(conn, item.id, result.status or 200)
                 delivered += 1
             else:
                 failed += 1
-                _record_failure(conn, item.id, item.attempts, status, error, policy)
-                log.warning("webhook for run %s failed (attempt %d): %s", item.run_id, item.attempts, error)
+                _record_failure(conn, item.id, item.attempts, result, policy)
+                log.warning("webhook for run %s failed (attempt %d%s): %s", item.run_id, item.attempts,
+                            ", giving up" if result.permanent else "", result.error)
     return delivered, failed
 
 
-def _record_failure(conn: Conn, delivery_id: int, attempts: int, status: int | None, error: str,
-                    policy: RelayPolicy) -> None:
-    retry_in = None if attempts >= policy.max_attempts else min(
+def _record_failure(conn: Conn, delivery_id: int, attempts: int, result: PostResult, policy: RelayPolicy) -> None:
+    retry_in = None if result.permanent or attempts >= policy.max_attempts else min(
         policy.max_backoff_s, policy.initial_backoff_s * 2 ** (attempts - 1))
-    webhooks.mark_failed(conn, delivery_id, status=status, error=error, retry_in_s=retry_in)
+    webhooks.mark_failed(conn, delivery_id, status=result.status, error=result.error or "failed",
+                         retry_in_s=retry_in)

@@ -11,6 +11,7 @@ fallback, which also picks up retries whose backoff has passed.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import signal
 import socket
@@ -40,7 +41,9 @@ Handler = Callable[[Any, "TaskContext"], Any]
 class TaskContext:
     """What a handler knows about the attempt it runs: ``ctx.heartbeat()`` extends
     the lease now (long handlers between natural checkpoints); ``ctx.lease_lost``
-    turns true when the lease is gone and the result will be dropped."""
+    turns true when the lease is gone (cancelled, re-queued, taken over) or can no
+    longer be known to be held (heartbeats failed for a whole lease). Once it is
+    true the result will be dropped, so a long handler should poll it and stop."""
 
     run_id: str
     node_id: str
@@ -49,7 +52,18 @@ class TaskContext:
     task: str
     _worker: Worker = field(repr=False)
     _claim: Claim = field(repr=False)
-    lease_lost: bool = False
+    #: monotonic instant until which the lease is surely held: lease_s after the start
+    #: of the claim or of the last heartbeat that extended it (the database's expiry
+    #: is later, counted from inside those statements).
+    _held_until: float = field(default=math.inf, repr=False)
+    _lost: bool = field(default=False, repr=False)
+    _reporting: bool = field(default=False, repr=False)
+
+    @property
+    def lease_lost(self) -> bool:
+        if not self._lost and time.monotonic() >= self._held_until:
+            self._lost = True
+        return self._lost
 
     def heartbeat(self) -> bool:
         """Extend the lease; False when it is lost (stop working: the result is stale)."""
@@ -130,6 +144,7 @@ class Worker:
                     self._wake.wait(self.poll_interval)
                     self._wake.clear()
                     continue
+                claimed_at = time.monotonic()
                 try:
                     claims = self.engine.claim(self.queues, self.worker_id, free, task_names=list(self._handlers))
                 except ComposerError as exc:
@@ -141,7 +156,7 @@ class Worker:
                 for claim in claims:
                     with self._active_lock:
                         self._inflight += 1
-                    fut: Future[None] = pool.submit(self._execute, claim)
+                    fut: Future[None] = pool.submit(self._execute, claim, claimed_at)
                     fut.add_done_callback(lambda _f: self._release())
                 if len(claims) < free:
                     self._wake.wait(self.poll_interval)
@@ -164,13 +179,19 @@ class Worker:
 
     # -- one attempt ---------------------------------------------------------------
 
-    def _execute(self, claim: Claim) -> None:
+    def _execute(self, claim: Claim, claimed_at: float) -> None:
         ctx = TaskContext(run_id=claim.run_id, node_id=claim.node_id, task_id=claim.task_id,
-                          attempt=claim.attempt, task=claim.task_name, _worker=self, _claim=claim)
+                          attempt=claim.attempt, task=claim.task_name, _worker=self, _claim=claim,
+                          _held_until=claimed_at + claim.lease_s)
         with self._active_lock:
             self._active[claim.task_id] = ctx
         try:
-            self._report(claim, *self._call(claim, ctx))
+            outcome = self._call(claim, ctx)
+            ctx._reporting = True
+            if ctx.lease_lost:   # the handler may have stopped half-way: never apply what it returned
+                self._dropped(claim, "its lease was lost while the handler ran")
+            else:
+                self._report(claim, *outcome)
         except Exception:  # reporting failed beyond retries: the lease sweeper will retry the task
             log.exception("could not report the result of task %s of run %s", claim.task_id, claim.run_id)
         finally:
@@ -204,21 +225,31 @@ class Worker:
         if self.on_result:
             self.on_result(Result(claim, status, outcome.stale or ""))
 
+    def _dropped(self, claim: Claim, reason: str) -> None:
+        log.info("dropped stale result of task %s (run %s, attempt %d): %s", claim.task_id, claim.run_id,
+                 claim.attempt, reason, extra={"action": "stale", "run_id": claim.run_id})
+        if self.on_result:
+            self.on_result(Result(claim, "stale", reason))
+
     # -- leases --------------------------------------------------------------------
 
     def _beat(self, ctx: TaskContext) -> bool:
         if ctx.lease_lost:
             return False
+        began = time.monotonic()
         try:
             extended = self.engine.heartbeat(ctx._claim)
-        except Exception as exc:  # cannot reach the database: the lease may lapse
+        except Exception as exc:  # cannot reach the database: held only until the last lease runs out
             log.warning("heartbeat for task %s failed: %s", ctx.task_id, exc)
-            return True
+            return not ctx.lease_lost
         if extended is None:
-            ctx.lease_lost = True
+            if ctx._reporting:    # the result being reported moved the task off RUNNING: not a loss
+                return True
+            ctx._lost = True
             log.warning("lease lost for task %s of run %s (attempt %d); its result will be dropped",
                         ctx.task_id, ctx.run_id, ctx.attempt)
             return False
+        ctx._held_until = began + ctx._claim.lease_s
         return True
 
     def _heartbeat_loop(self) -> None:

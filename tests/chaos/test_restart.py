@@ -1,0 +1,115 @@
+"""Connection faults: the pool, the LISTEN connection, a worker and a coordinator all
+carry on after PostgreSQL restarts (``pg_ctl restart -m fast``: every session is
+terminated). Skipped on a COMPOSER_DATABASE_URL server, which is not ours to restart."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import psycopg
+import pytest
+
+from composer_ops import Engine, TaskContext, Worker
+from composer_ops.engine.listener import Listener
+from tests import pgcluster
+from tests.integration.processes import wait_for
+
+pytestmark = pytest.mark.skipif(not pgcluster.can_restart(),
+                                reason="the server comes from COMPOSER_DATABASE_URL; it is not ours to restart")
+
+SPEC = {"id": "one", "nodes": [{"id": "a", "type": "TASK", "task": "t"}]}
+
+
+@pytest.fixture
+def engine(db_url: str) -> Iterator[Engine]:
+    with Engine.connect(db_url, pool_size=4) as e:
+        e.deploy(SPEC)
+        yield e
+
+
+def _fill_pool(engine: Engine, n: int = 4) -> None:
+    """Open ``n`` pooled connections at once, so all of them die in the restart."""
+    barrier = threading.Barrier(n)
+
+    def hold() -> None:
+        with engine.pool.connection() as conn:
+            conn.execute("SELECT 1")
+            barrier.wait(10)
+
+    threads = [threading.Thread(target=hold) for _ in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert engine.pool.get_stats()["pool_size"] == n
+
+
+def test_the_pool_hands_out_only_live_connections_after_a_restart(engine: Engine,
+                                                                  caplog: pytest.LogCaptureFixture) -> None:
+    before = engine.start("one")
+    _fill_pool(engine)
+    pgcluster.restart_server()
+    caplog.set_level(logging.WARNING, logger="composer_ops")
+    results: list[Any] = []
+    threads = [threading.Thread(target=lambda: results.append(engine.get_run(before).status)) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    after = engine.start("one")
+    assert results == ["RUNNING"] * 4 and engine.get_run(after).status == "RUNNING"
+    # check_connection discarded the dead connections: no statement failed, nothing was retried
+    assert not [r for r in caplog.records if "transient database error" in r.getMessage()]
+
+
+def test_the_listen_connection_reconnects_after_a_restart(db_url: str) -> None:
+    got: list[str] = []
+    stop = threading.Event()
+    listener = Listener(db_url, "composer_tasks", got.append, stop)
+    listener.start()
+
+    def notify_until_heard(payload: str) -> None:
+        def heard() -> bool:
+            with psycopg.connect(db_url, autocommit=True) as conn:
+                conn.execute("SELECT pg_notify('composer_tasks', %s)", (payload,))
+            time.sleep(0.2)
+            return payload in got
+        wait_for(heard, timeout=20, interval=0.1, what=f"NOTIFY {payload} to be heard")
+
+    try:
+        notify_until_heard("before")
+        pgcluster.restart_server()
+        notify_until_heard("after")
+        assert listener.is_alive()
+    finally:
+        stop.set()
+        listener.join(5)
+
+
+def test_a_worker_and_a_coordinator_carry_on_after_a_restart(engine: Engine) -> None:
+    worker = Worker(engine, concurrency=2, poll_interval=0.2)
+    done: list[str] = []
+
+    @worker.handler("t")
+    def t(input: Any, ctx: TaskContext) -> dict[str, Any]:
+        done.append(ctx.run_id)
+        return {}
+
+    thread = threading.Thread(target=worker.run, daemon=True)
+    thread.start()
+    coordinator = engine.coordinator()
+    try:
+        first = engine.start("one")
+        wait_for(lambda: engine.get_run(first).status == "SUCCEEDED", timeout=15, what="the first run")
+        pgcluster.restart_server()
+        second = engine.start("one")
+        wait_for(lambda: engine.get_run(second).status == "SUCCEEDED", timeout=15, what="the run after the restart")
+        assert coordinator.run_once().errors == []
+    finally:
+        worker.stop()
+        thread.join(15)
+    assert done == [first, second]

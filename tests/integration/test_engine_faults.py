@@ -1,0 +1,81 @@
+"""Faults at the Engine's boundary: a connection lost after COMMIT, and driver errors,
+which reach callers only as ComposerErrors."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import psycopg
+import pytest
+
+from composer_ops import ComposerError, Conflict, Engine, Unavailable
+from composer_ops.db import make_pool
+from tests.integration.helpers import now_utc, uuid7_at
+
+SPEC = {"id": "one", "nodes": [{"id": "a", "type": "TASK", "task": "t"}]}
+
+
+@pytest.fixture
+def engine(db_url: str) -> Iterator[Engine]:
+    with Engine.connect(db_url, pool_size=2) as e:
+        e.deploy(SPEC)
+        yield e
+
+
+class LoseAfterCommit:
+    """Wraps ``pool.connection``: the first ``times`` blocks that commit then see
+    their connection die, as when the server's acknowledgement of COMMIT is lost."""
+
+    def __init__(self, engine: Engine, times: int = 1) -> None:
+        self.real, self.left = engine.pool.connection, times
+
+    @contextlib.contextmanager
+    def __call__(self, *args: Any, **kwargs: Any) -> Iterator[Any]:
+        with self.real(*args, **kwargs) as conn:
+            yield conn
+        if self.left > 0:
+            self.left -= 1
+            raise psycopg.OperationalError("server closed the connection unexpectedly")
+
+
+def _runs(engine: Engine) -> list[str]:
+    with engine.pool.connection() as conn:
+        return [r[0] for r in conn.execute("SELECT id FROM workflow_runs ORDER BY id")]
+
+
+def test_a_lost_commit_acknowledgement_does_not_start_a_second_run(engine: Engine,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(engine.pool, "connection", LoseAfterCommit(engine))
+    run_id = engine.start("one")
+    monkeypatch.undo()
+    assert _runs(engine) == [run_id]
+    assert [t.node_id for t in engine.get_run(run_id).tasks] == ["a"]
+
+
+def test_with_a_client_run_id_the_retry_reports_a_conflict(engine: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The client's own ID is its idempotency key: the retry finds the run and says
+    so, and the client (which cannot tell its retry from someone else's start) owns
+    the decision. Never a second run."""
+    run_id = uuid7_at(now_utc())
+    monkeypatch.setattr(engine.pool, "connection", LoseAfterCommit(engine))
+    with pytest.raises(Conflict, match="already exists"):
+        engine.start("one", run_id=run_id)
+    monkeypatch.undo()
+    assert _runs(engine) == [run_id]
+
+
+def test_driver_errors_reach_callers_as_composer_errors(db_url: str) -> None:
+    engine = Engine(make_pool(db_url, min_size=1, max_size=1, timeout=0.05), db_url)
+    try:
+        engine.deploy(SPEC)
+        run_id = engine.start("one")
+        with engine.pool.connection():            # the only connection is taken
+            for call in (lambda: engine.get_run(run_id), lambda: engine.signal(run_id, "x"),
+                         lambda: engine.start("one"), lambda: engine.set_enabled("one", False)):
+                with pytest.raises(Unavailable) as caught:
+                    call()
+                assert isinstance(caught.value, ComposerError) and "retried" in str(caught.value)
+    finally:
+        engine.close()

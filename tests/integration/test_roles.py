@@ -1,0 +1,178 @@
+"""Least privilege (V004, V006): the engine runs whole workflows as composer_ops_engine,
+including the coordinator's partition upkeep, yet cannot drop, detach or back-fill
+partitions; the reader cannot write or call any partition function. Only the owner
+drops. Sessions switch role at start-up (libpq ``options=-c role=...``), which is
+what a login role that is a member of these roles gets by default."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from datetime import UTC, datetime
+from typing import Any
+from urllib.parse import parse_qsl, quote, urlencode, urlsplit, urlunsplit
+
+import psycopg
+import pytest
+
+from composer_ops import Engine, TaskContext, Worker
+from composer_ops.db.migrate import migrate
+from tests.integration.processes import wait_for
+
+ENGINE_ROLE = "composer_ops_engine"
+READER_ROLE = "composer_ops_reader"
+
+
+def as_role(url: str, role: str) -> str:
+    parts = urlsplit(url)
+    query = [(k, v) for k, v in parse_qsl(parts.query) if k != "options"]
+    query.append(("options", f"-c role={role}"))
+    return urlunsplit(parts._replace(query=urlencode(query, quote_via=quote)))
+
+
+def _month() -> str:
+    return datetime.now(UTC).strftime("%Y%m")
+
+
+def refused(url: str, role: str, statements: list[str]) -> list[str]:
+    """The statements ``role`` was allowed to run (each in its own transaction, rolled back)."""
+    allowed = []
+    with psycopg.connect(as_role(url, role)) as conn:
+        assert conn.execute("SELECT current_user").fetchone() == (role,)
+        for statement in statements:
+            try:
+                conn.execute(statement.encode())
+            except psycopg.errors.InsufficientPrivilege:
+                conn.rollback()
+                continue
+            conn.rollback()
+            allowed.append(statement)
+    return allowed
+
+
+def engine_refusals() -> list[str]:
+    m = _month()
+    return [
+        f"DROP TABLE workflow_events_p{m}",
+        f"DROP TABLE task_instances_p{m}",
+        f"ALTER TABLE workflow_runs DETACH PARTITION workflow_runs_p{m}",
+        f"ALTER TABLE task_instances DETACH PARTITION task_instances_p{m}",
+        "SELECT composer_drop_partitions(now() + interval '10 years')",
+        "SELECT composer_ensure_partitions_from('2001-01-01', 0)",
+        "SELECT composer_repair_partition_bounds()",
+        "CREATE TABLE workflow_runs_p209901 PARTITION OF workflow_runs FOR VALUES FROM ('a') TO ('b')",
+        "CREATE TABLE engine_was_here (x int)",
+        "TRUNCATE task_outbox",
+        "DELETE FROM workflow_runs",
+        "DELETE FROM task_instances",
+        "DELETE FROM workflow_definitions",
+        "INSERT INTO schema_migrations (version, name, checksum) VALUES (999, 'x', 'x')",
+        "ALTER TABLE task_instances ADD COLUMN x int",
+        "DROP FUNCTION composer_drop_partitions(timestamptz)",
+        "CREATE OR REPLACE FUNCTION composer_ensure_partitions(months_ahead INT DEFAULT 3) RETURNS INT "
+        "LANGUAGE sql AS 'SELECT 0'",
+    ]
+
+
+def reader_refusals() -> list[str]:
+    m = _month()
+    return [
+        "SELECT composer_ensure_partitions(3)",
+        "SELECT composer_ensure_partitions_from('2031-01-01', 0)",
+        "SELECT composer_drop_partitions(now() + interval '10 years')",
+        "SELECT composer_repair_partition_bounds()",
+        "INSERT INTO task_outbox (queue, run_id, task_id, attempt, task_name, lease_s) VALUES ('q','r','t',0,'n',1)",
+        "UPDATE task_instances SET lease_expires_at = now()",
+        "DELETE FROM webhook_deliveries",
+        f"DROP TABLE workflow_events_p{m}",
+        f"ALTER TABLE workflow_runs DETACH PARTITION workflow_runs_p{m}",
+    ]
+
+
+def test_the_engine_role_cannot_drop_detach_or_backfill_partitions(db_url: str) -> None:
+    assert refused(db_url, ENGINE_ROLE, engine_refusals()) == []
+
+
+def test_the_reader_cannot_write_or_call_partition_functions(db_url: str) -> None:
+    assert refused(db_url, READER_ROLE, reader_refusals()) == []
+
+
+def test_the_roles_cannot_log_in_and_have_no_special_powers(db_url: str) -> None:
+    with psycopg.connect(db_url) as conn:
+        rows = conn.execute("""SELECT rolname, rolcanlogin, rolsuper, rolcreaterole, rolcreatedb, rolbypassrls
+                                 FROM pg_roles WHERE rolname = ANY(%s) ORDER BY rolname""",
+                            ([ENGINE_ROLE, READER_ROLE],)).fetchall()
+    assert rows == [(ENGINE_ROLE, False, False, False, False, False), (READER_ROLE, False, False, False, False, False)]
+
+
+@pytest.fixture
+def engine_as_role(db_url: str) -> Iterator[Engine]:
+    with Engine.connect(as_role(db_url, ENGINE_ROLE), pool_size=3) as engine:
+        yield engine
+
+
+def test_a_whole_workflow_runs_as_the_engine_role(engine_as_role: Engine, db_url: str) -> None:
+    engine = engine_as_role
+    engine.deploy({"id": "roles", "webhook_url": "http://127.0.0.1:9/unused", "nodes": [
+        {"id": "a", "type": "TASK", "task": "t"},
+        {"id": "ask", "type": "WAIT_FOR_EVENT", "event": "go", "depends_on": ["a"]},
+        {"id": "b", "type": "TASK", "task": "t", "depends_on": ["ask"]}]})
+    run_id = engine.start("roles", input={"x": 1})
+    engine.signal(run_id, "go", {"early": True})                  # buffered: workflow_events
+    cancelled = engine.start("roles")
+    engine.cancel(cancelled, reason="not needed")
+    worker = Worker(engine, concurrency=2, poll_interval=0.1)
+
+    @worker.handler("t")
+    def t(input: Any, ctx: TaskContext) -> dict[str, Any]:
+        return {"node": ctx.node_id}
+
+    thread = threading.Thread(target=worker.run, daemon=True)
+    thread.start()
+    try:
+        wait_for(lambda: engine.get_run(run_id).status == "SUCCEEDED", timeout=15, what="the run")
+    finally:
+        worker.stop()
+        thread.join(15)
+    stats = engine.coordinator(relay=None).run_once()               # upkeep, timers, leases, webhooks
+    assert stats.errors == []
+    with psycopg.connect(db_url) as owner:
+        row: Any = owner.execute("SELECT count(*), count(*) FILTER (WHERE attempts = 1) FROM webhook_deliveries"
+                                 ).fetchone()
+    assert row == (2, 2)                                           # both runs' deliveries were attempted
+
+
+def test_partition_upkeep_as_the_engine_role_creates_owner_owned_partitions(db_url: str) -> None:
+    with psycopg.connect(as_role(db_url, ENGINE_ROLE), autocommit=True) as conn:
+        created = conn.execute("SELECT composer_ensure_partitions(6)").fetchone()
+        assert created == (9,)                                       # months 4..6 ahead, three tables each
+        with pytest.raises(psycopg.errors.InvalidParameterValue, match="between 0 and 120"):
+            conn.execute("SELECT composer_ensure_partitions(100000)")
+        # A temporary table cannot hijack the definer's lookups (pg_temp comes last).
+        conn.execute("CREATE TEMP TABLE workflow_runs (id text)")
+        assert conn.execute("SELECT composer_ensure_partitions(7)").fetchone() == (3,)
+        row: Any = conn.execute("""SELECT max(c.relname::text) FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid
+                                     WHERE i.inhparent = 'public.workflow_runs'::regclass""").fetchone()
+        newest = row[0]
+        with pytest.raises(psycopg.errors.InsufficientPrivilege):
+            conn.execute(f"DROP TABLE {newest}".encode())
+    with psycopg.connect(db_url) as owner:
+        owners = owner.execute("""SELECT DISTINCT pg_get_userbyid(c.relowner) FROM pg_inherits i
+                                    JOIN pg_class c ON c.oid = i.inhrelid""").fetchall()
+        config = owner.execute("""SELECT prosecdef, proconfig FROM pg_proc
+                                   WHERE proname = 'composer_ensure_partitions'""").fetchone()
+    assert owners == [(owner_name(db_url),)]
+    assert config == (True, ["search_path=public, pg_temp"])
+    assert refused(db_url, READER_ROLE, [f"SELECT count(*) FROM {newest}"]) == [f"SELECT count(*) FROM {newest}"]
+
+
+def owner_name(url: str) -> str:
+    with psycopg.connect(url) as conn:
+        return str(conn.execute("SELECT current_user").fetchone()[0])  # type: ignore[index]
+
+
+def test_migrating_another_database_reuses_the_roles(empty_db_url: str) -> None:
+    migrate(empty_db_url)                                 # the roles exist already: no error
+    assert refused(empty_db_url, ENGINE_ROLE, ["SELECT composer_drop_partitions(now())"]) == []
+    with psycopg.connect(as_role(empty_db_url, ENGINE_ROLE)) as conn:
+        assert conn.execute("SELECT composer_ensure_partitions(3)").fetchone() == (0,)

@@ -1,0 +1,207 @@
+"""Webhook relay under hostile endpoints and bad stored URLs: timeouts, response cap,
+no redirects, URL checks at relay time, signature freshness, no secret in logs."""
+
+from __future__ import annotations
+
+import json
+import logging
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+import psycopg
+import pytest
+
+from composer_ops import Engine, Invalid
+from composer_ops.engine.webhooks import SIGNATURE_HEADER, RelayPolicy, post, relay_once, sign, url_problem, verify
+
+SECRET = "hunter2-webhook-secret-do-not-log"
+FAST = RelayPolicy(connect_timeout_s=0.5, timeout_s=0.3, deadline_s=1.0, initial_backoff_s=0.0, max_backoff_s=0.0)
+
+
+class Endpoint:
+    """A local server whose behaviour depends on the path."""
+
+    def __init__(self) -> None:
+        self.requests: list[tuple[str, bytes, dict[str, str]]] = []
+        self.sent_bytes = 0
+        endpoint = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.0"
+
+            def do_POST(self) -> None:  # noqa: N802 - http.server's naming
+                body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                endpoint.requests.append((self.path, body, dict(self.headers)))
+                if self.path == "/silent":            # accept, never answer
+                    time.sleep(3)
+                    return
+                if self.path == "/redirect":
+                    self.send_response(307)
+                    self.send_header("Location", "/ok")
+                    self.end_headers()
+                    return
+                self.send_response(200)
+                self.end_headers()
+                if self.path == "/huge":              # an endless body
+                    chunk = b"x" * 65536
+                    try:
+                        for _ in range(2000):
+                            self.wfile.write(chunk)
+                            endpoint.sent_bytes += len(chunk)
+                    except OSError:
+                        pass
+                elif self.path == "/drip":            # one byte at a time, each within the read timeout
+                    try:
+                        for _ in range(100):
+                            self.wfile.write(b"x")
+                            self.wfile.flush()
+                            time.sleep(0.1)
+                    except OSError:
+                        pass
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def url(self, path: str) -> str:
+        return f"http://127.0.0.1:{self.server.server_address[1]}{path}"
+
+
+@pytest.fixture
+def endpoint() -> Iterator[Endpoint]:
+    e = Endpoint()
+    yield e
+    e.server.shutdown()
+    e.server.server_close()
+
+
+@pytest.mark.parametrize(("url", "reason"), [
+    ("ftp://127.0.0.1/x", "only http and https"),
+    ("file:///etc/passwd", "only http and https"),
+    ("javascript:alert(1)", "only http and https"),
+    ("http:///nohost", "no host"),
+    ("http://127.0.0.1:99999/", "malformed"),
+    ("http://exa mple.com/", "whitespace or control"),
+    ("http://example.com/\r\nX-Injected: 1", "whitespace or control"),
+    ("http://user:pa55w0rd@example.com/", "credentials"),
+])
+def test_url_checked_at_relay_time(url: str, reason: str) -> None:
+    problem = url_problem(url)
+    assert problem is not None and reason in problem
+    assert "pa55w0rd" not in problem
+    result = post(url, {"a": 1}, secret=None, policy=FAST)
+    assert result.permanent and result.status is None and "pa55w0rd" not in (result.error or "")
+
+
+def test_read_timeout_cap_and_deadline(endpoint: Endpoint) -> None:
+    began = time.monotonic()
+    silent = post(endpoint.url("/silent"), {}, secret=None, policy=FAST)
+    assert silent.error and "timed out" in silent.error.lower() and time.monotonic() - began < 1.5
+    began = time.monotonic()
+    huge = post(endpoint.url("/huge"), {}, secret=None, policy=FAST)
+    assert huge.ok and huge.status == 200 and time.monotonic() - began < 1.5
+    assert endpoint.sent_bytes < 2000 * 65536                 # we stopped reading; the server gave up
+    began = time.monotonic()
+    drip = post(endpoint.url("/drip"), {}, secret=None, policy=FAST)
+    assert drip.ok and time.monotonic() - began < FAST.deadline_s + 0.5   # the body is cut at the deadline
+
+
+def test_connect_timeout_is_separate_from_the_read_timeout() -> None:
+    # A listening socket whose backlog is full: the next connect hangs in SYN_SENT.
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(0)
+    fillers = []
+    for _ in range(8):
+        s = socket.socket()
+        s.setblocking(False)
+        s.connect_ex(server.getsockname())
+        fillers.append(s)
+    try:
+        policy = RelayPolicy(connect_timeout_s=0.3, timeout_s=5.0, deadline_s=10.0)
+        began = time.monotonic()
+        result = post(f"http://127.0.0.1:{server.getsockname()[1]}/", {}, secret=None, policy=policy)
+        assert result.error is not None and time.monotonic() - began < 2.0
+    finally:
+        for s in fillers:
+            s.close()
+        server.close()
+
+
+def test_redirects_are_not_followed(endpoint: Endpoint) -> None:
+    result = post(endpoint.url("/redirect"), {}, secret=None, policy=FAST)
+    assert result.status == 307 and result.error and "not followed" in result.error
+    assert [p for p, _, _ in endpoint.requests] == ["/redirect"]
+
+
+def test_signature_carries_a_timestamp_and_refuses_replays_and_tampering(endpoint: Endpoint) -> None:
+    assert post(endpoint.url("/ok"), {"run": 1}, secret=SECRET, policy=FAST).ok
+    _, body, headers = endpoint.requests[-1]
+    header = headers[SIGNATURE_HEADER]
+    ts = int(header.split(",")[0][2:])
+    assert abs(ts - time.time()) < 5 and verify(SECRET, body, header)
+    assert not verify(SECRET, body, header, now=ts + 301)                        # replayed later
+    assert not verify(SECRET, body, header, now=ts - 301)                        # from the future
+    forged = header.replace(f"t={ts}", f"t={ts + 100}")                          # fresh timestamp, old MAC
+    assert not verify(SECRET, body, forged, now=ts + 100)
+    assert verify(SECRET, body, sign(SECRET, body, ts + 100), now=ts + 100)
+    for bad in ("", "t=", "v1=abc", "t=abc,v1=def", "garbage", f"t={ts}"):
+        assert not verify(SECRET, body, bad, now=ts)
+
+
+def _insert_delivery(conn: psycopg.Connection[Any], run_id: str, url: str) -> None:
+    conn.execute("INSERT INTO webhook_deliveries (run_id, url, payload) VALUES (%s, %s, %s)",
+                 (run_id, url, json.dumps({"run_id": run_id})))
+
+
+def test_a_bad_stored_url_gives_up_at_once_and_spoils_nothing_else(db_url: str, endpoint: Endpoint) -> None:
+    with psycopg.connect(db_url, autocommit=True) as conn:
+        _insert_delivery(conn, "bad-scheme", "ftp://127.0.0.1/x")
+        _insert_delivery(conn, "bad-host", "http://exa mple.com/")
+        _insert_delivery(conn, "good", endpoint.url("/ok"))
+    with Engine.connect(db_url, pool_size=2) as engine:
+        delivered, failed = relay_once(engine.pool, secret=None, policy=FAST)
+        with engine.pool.connection() as conn:
+            rows = {r[0]: r[1:] for r in conn.execute(
+                """SELECT run_id, attempts, delivered_at IS NOT NULL, gave_up_at IS NOT NULL, last_error
+                     FROM webhook_deliveries""")}
+    assert (delivered, failed) == (1, 2)
+    assert rows["good"][:3] == (1, True, False)
+    assert rows["bad-scheme"][:3] == (1, False, True) and "only http and https" in rows["bad-scheme"][3]
+    assert rows["bad-host"][:3] == (1, False, True)
+
+
+def test_no_secret_in_logs(db_url: str, endpoint: Endpoint, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.DEBUG)
+    with Engine.connect(db_url, pool_size=2) as engine:
+        for wf, path in (("ok", "/ok"), ("fails", "/redirect"), ("silent", "/silent")):
+            engine.deploy({"id": wf, "webhook_url": endpoint.url(path),
+                           "nodes": [{"id": "w", "type": "WAIT", "duration_s": 0}]})
+            engine.start(wf)
+        coord = engine.coordinator(webhook_secret=SECRET, relay=FAST)
+        stats = [coord.run_once() for _ in range(3)]
+    assert sum(s.webhooks_delivered for s in stats) == 1 and sum(s.webhooks_failed for s in stats) >= 2
+    assert any("webhook" in r.getMessage() for r in caplog.records)
+    text = "\n".join(f"{r.getMessage()} {r.exc_text or ''} {r.args!r}" for r in caplog.records)
+    assert SECRET not in text and SECRET not in caplog.text
+
+
+def test_relay_policy_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("COMPOSER_WEBHOOK_CONNECT_TIMEOUT_S", "0.5")
+    monkeypatch.setenv("COMPOSER_WEBHOOK_TIMEOUT_S", "2")
+    monkeypatch.setenv("COMPOSER_WEBHOOK_DEADLINE_S", "4")
+    policy = RelayPolicy.from_env()
+    assert (policy.connect_timeout_s, policy.timeout_s, policy.deadline_s) == (0.5, 2.0, 4.0)
+    assert policy.lease >= policy.deadline_s           # a relay never holds a delivery past its lease
+    monkeypatch.setenv("COMPOSER_WEBHOOK_TIMEOUT_S", "soon")
+    with pytest.raises(Invalid, match="COMPOSER_WEBHOOK_TIMEOUT_S"):
+        RelayPolicy.from_env()
+    with pytest.raises(Invalid):
+        RelayPolicy(connect_timeout_s=0)

@@ -1,0 +1,124 @@
+"""A worker that cannot heartbeat stops working on its task, and its result is dropped
+as stale; a lease lost to a cancel is noticed the same way; no false alarms."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import psycopg
+import pytest
+
+from composer_ops import Engine, TaskContext, Worker
+from composer_ops.engine.worker import Result
+from tests.integration.processes import wait_for
+
+
+@pytest.fixture
+def engine(db_url: str) -> Iterator[Engine]:
+    with Engine.connect(db_url, pool_size=4) as e:
+        yield e
+
+
+def _deploy(engine: Engine, lease_s: float = 1) -> None:
+    engine.deploy({"id": "long", "nodes": [
+        {"id": "job", "type": "TASK", "task": "job", "lease_s": lease_s,
+         "retry": {"max_attempts": 3, "initial_backoff_s": 0}}]})
+
+
+class Running:
+    """A Worker in a thread, with a handler that works until its lease is lost."""
+
+    def __init__(self, engine: Engine, *, give_up_after: float = 8.0) -> None:
+        self.results: list[Result] = []
+        self.noticed: list[float] = []
+        self.started: list[float] = []
+        self.worker = Worker(engine, concurrency=1, poll_interval=0.1, on_result=self.results.append)
+
+        @self.worker.handler("job")
+        def job(input: Any, ctx: TaskContext) -> dict[str, Any]:
+            self.started.append(time.monotonic())
+            deadline = time.monotonic() + give_up_after
+            while time.monotonic() < deadline:
+                if ctx.lease_lost:
+                    self.noticed.append(time.monotonic())
+                    return {"partial": True}
+                time.sleep(0.02)
+            return {"done": True}
+
+        self.thread = threading.Thread(target=self.worker.run, daemon=True)
+
+    def __enter__(self) -> Running:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.worker.stop()
+        self.thread.join(15)
+
+
+def test_failing_heartbeats_stop_the_handler_and_its_result_is_dropped(
+        engine: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
+    _deploy(engine, lease_s=1)
+    run_id = engine.start("long")
+
+    def unreachable(claim: Any) -> Any:
+        raise psycopg.OperationalError("server closed the connection unexpectedly")
+
+    monkeypatch.setattr(engine, "heartbeat", unreachable)
+    with Running(engine) as w:
+        wait_for(lambda: w.results, timeout=10, what="the attempt to end")
+    assert w.noticed, "the handler was never told that its lease was lost"
+    assert w.noticed[0] - w.started[0] < 1.0 + 0.6          # within the lease, plus one heartbeat period
+    assert [r.status for r in w.results] == ["stale"]
+    task = engine.get_run(run_id).tasks[0]
+    assert (task.state, task.attempt, task.output) == ("RUNNING", 0, None)   # nothing applied
+    assert task.lease_expires_at is not None
+    time.sleep(max(0.0, (task.lease_expires_at.timestamp() - time.time())) + 0.1)
+    assert engine.coordinator().run_once().leases_expired == 1
+    task = engine.get_run(run_id).tasks[0]
+    assert (task.state, task.attempt) == ("PENDING", 1) and "lease" in str(task.error)
+
+
+def test_a_lease_lost_to_a_cancel_stops_the_handler(engine: Engine) -> None:
+    _deploy(engine, lease_s=1)
+    run_id = engine.start("long")
+    with Running(engine) as w:
+        wait_for(lambda: w.started, timeout=10, what="the handler to start")
+        engine.cancel(run_id, reason="stop it")
+        wait_for(lambda: w.results, timeout=10, what="the attempt to end")
+    assert w.noticed and [r.status for r in w.results] == ["stale"]
+    run = engine.get_run(run_id)
+    assert (run.status, run.tasks[0].state, run.tasks[0].output) == ("CANCELLED", "CANCELLED", None)
+
+
+def test_a_finished_task_raises_no_lease_lost_alarm(engine: Engine, caplog: pytest.LogCaptureFixture,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """While a completed task's report is still on its way back, the heartbeat loop
+    must not beat it, find it off RUNNING and cry "lease lost"."""
+    caplog.set_level(logging.WARNING, logger="composer_ops")
+    engine.deploy({"id": "quick", "nodes": [{"id": "n", "type": "TASK", "task": "quick", "lease_s": 0.6}]})
+    run_id = engine.start("quick")
+    complete = engine.complete
+
+    def slow_ack(claim: Any, output: Any) -> Any:
+        outcome = complete(claim, output)
+        time.sleep(0.6)                   # committed; the acknowledgement is slow (heartbeats every 0.2 s)
+        return outcome
+
+    monkeypatch.setattr(engine, "complete", slow_ack)
+    results: list[Result] = []
+    worker = Worker(engine, concurrency=1, poll_interval=0.05, on_result=results.append)
+    worker.handler("quick")(lambda input, ctx: {"ok": True})
+    thread = threading.Thread(target=worker.run, daemon=True)
+    thread.start()
+    try:
+        wait_for(lambda: results, timeout=10, what="the report")
+    finally:
+        worker.stop()
+        thread.join(15)
+    assert engine.get_run(run_id).status == "SUCCEEDED" and [r.status for r in results] == ["completed"]
+    assert not [r for r in caplog.records if "lease lost" in r.getMessage()]
