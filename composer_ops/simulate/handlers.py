@@ -1,0 +1,62 @@
+"""The simulator's worker: ``composer-ops worker --app composer_ops.simulate.handlers:make_worker``.
+
+Every handler draws its attempt from the behaviour model, seeded by the ``sim``
+object the definitions pass in each task's input (the simulation seed and the
+run's key) plus the node and attempt, so one seed replays the same durations,
+failures and outputs whichever worker process picks the task up. The process is
+configured through the environment:
+
+- ``COMPOSER_SIM_TRANSIENT_RATE`` / ``_PERMANENT_RATE`` / ``_TIME_SCALE``: the model;
+- ``COMPOSER_SIM_WORKER_NAME``: the lease owner prefix (``<name>:<pid>``), which is
+  how the lease notebook tells simulated workers apart;
+- ``COMPOSER_WORKER_CONCURRENCY``: handler slots (``composer-ops worker`` applies it).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from typing import Any
+
+from composer_ops.engine import Engine, TaskContext, Worker
+from composer_ops.simulate.definitions import QUEUES
+from composer_ops.simulate.model import PROFILES, Behaviour, attempt_rng, draw_attempt, raise_failure, task_output
+
+__all__ = ["make_handler", "make_worker"]
+
+#: How often a sleeping handler checks whether its lease was lost.
+_TICK_S = 0.25
+
+
+def make_handler(behaviour: Behaviour, task: str) -> Callable[[Any, TaskContext], Any]:
+    """The handler of ``task``: sleep the drawn duration, then fail or return its output."""
+
+    def handle(input: Any, ctx: TaskContext) -> Any:
+        sim = input.get("sim") if isinstance(input, dict) else None
+        sim = sim if isinstance(sim, dict) else {}
+        rng = attempt_rng(int(sim.get("seed", 0)), str(sim.get("run", ctx.run_id)), ctx.node_id, ctx.attempt)
+        draw = draw_attempt(rng, behaviour, task)
+        deadline = time.monotonic() + draw.duration_s
+        while not ctx.lease_lost:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            time.sleep(min(left, _TICK_S))
+        raise_failure(draw)
+        return task_output(task, input, rng)
+
+    handle.__name__ = f"sim_{task.replace('.', '_')}"
+    return handle
+
+
+def make_worker(engine: Engine) -> Worker:
+    """A Worker serving every simulated queue, with a handler per task name."""
+    behaviour = Behaviour.from_env()
+    name = os.environ.get("COMPOSER_SIM_WORKER_NAME", "sim-worker")
+    concurrency = int(os.environ.get("COMPOSER_WORKER_CONCURRENCY", "8"))
+    worker = Worker(engine, queues=list(QUEUES), concurrency=concurrency, poll_interval=0.5,
+                    worker_id=f"{name}:{os.getpid()}")
+    for task in PROFILES:
+        worker.handler(task)(make_handler(behaviour, task))
+    return worker

@@ -1,0 +1,435 @@
+"""Live traffic through real coordinator and worker processes.
+
+The driver spawns ``composer-ops coordinator`` and ``composer-ops worker --app
+composer_ops.simulate.handlers:make_worker`` processes (configured through
+``COMPOSER_*`` variables), then plays a plan drawn from the seed: runs started at
+Poisson arrival instants, signals that arrive early (before the node waits: they are
+buffered), late (after it waits), too late (after its timeout: refused) or never,
+duplicate signals, cancellations. ``kill_workers`` times it SIGKILLs the busiest
+worker mid-task (waiting a few seconds for one that holds several running tasks)
+and starts a replacement, early enough for the dead worker's leases to lapse and
+the coordinator's sweeper to retry its tasks. With two kills or more, the last one
+happens as the simulation stops, right before the coordinators stop, so the
+database is left with a dead worker's lapsing leases for the lease report to find.
+After ``duration_s`` everything stops, with runs in flight: tasks queued or waiting,
+signals not yet sent; those runs are left active.
+
+The plan (which workflow, inputs, signal timings, cancellations, handler behaviour)
+is a function of the seed; what the processes make of it depends on real timing.
+"""
+
+from __future__ import annotations
+
+import heapq
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from composer_ops.errors import ComposerError, Conflict
+from composer_ops.simulate.definitions import (
+    LEASE_S,
+    WORKFLOW_WEIGHTS,
+    SignalPlan,
+    make_input,
+    plan_cancel,
+    plan_signals,
+)
+from composer_ops.simulate.model import Behaviour
+
+if TYPE_CHECKING:
+    from composer_ops.engine import Engine
+
+__all__ = ["HeldTask", "LiveOptions", "LiveResult", "LiveSimulation", "PlannedRun", "plan_live"]
+
+_PACKAGE_ROOT = Path(__file__).resolve().parents[2]
+_APP = "composer_ops.simulate.handlers:make_worker"
+_POLL_S = 0.25
+_MAX_UNEXPECTED_EXITS = 4
+#: A kill waits up to this long for a worker holding at least _KILL_MIN_BUSY running
+#: tasks, then takes any worker holding one.
+_KILL_PATIENCE_S = 5.0
+_KILL_MIN_BUSY = 3
+
+
+@dataclass(frozen=True, kw_only=True)
+class LiveOptions:
+    seed: int
+    runs: int
+    duration_s: float
+    behaviour: Behaviour = field(default_factory=Behaviour)
+    workers: int = 3
+    concurrency: int = 8
+    coordinators: int = 1
+    kill_workers: int = 1
+    cancel_rate: float = 0.03
+
+
+@dataclass(frozen=True, kw_only=True)
+class PlannedRun:
+    """One run of the plan: when it starts (seconds into the simulation) and what it meets."""
+
+    index: int
+    at_s: float
+    workflow_id: str
+    signals: tuple[SignalPlan, ...]
+    cancel: tuple[float, str] | None
+
+
+def plan_live(options: LiveOptions) -> list[PlannedRun]:
+    """The seed's plan: ``runs`` arrivals spread over ``duration_s`` (a Poisson
+    process given its count), each with its workflow, signals and cancellation."""
+    rng = random.Random(f"composer-sim-live:{options.seed}")
+    names, weights = list(WORKFLOW_WEIGHTS), list(WORKFLOW_WEIGHTS.values())
+    arrivals = sorted(rng.uniform(0.0, options.duration_s) for _ in range(options.runs))
+    scale = options.behaviour.time_scale
+    plans: list[PlannedRun] = []
+    for index, at in enumerate(arrivals):
+        wf = rng.choices(names, weights)[0]
+        plans.append(PlannedRun(index=index, at_s=at, workflow_id=wf,
+                                signals=tuple(plan_signals(rng, wf, scale)),
+                                cancel=plan_cancel(rng, options.cancel_rate, scale)))
+    return plans
+
+
+@dataclass(frozen=True, kw_only=True)
+class HeldTask:
+    """A task a worker was running when it was killed."""
+
+    run_id: str
+    task_id: str
+    attempt: int
+
+
+@dataclass
+class LiveResult:
+    """What the driver did and saw; the database tells the rest (see ``summary``)."""
+
+    run_ids: list[str] = field(default_factory=list)
+    start_errors: int = 0
+    signals: Counter[str] = field(default_factory=Counter)
+    cancels: Counter[str] = field(default_factory=Counter)
+    kills: list[tuple[str, list[HeldTask]]] = field(default_factory=list)   # (lease owner, its RUNNING tasks)
+    unexpected_exits: list[str] = field(default_factory=list)
+    seconds: float = 0.0
+    log_dir: str | None = None
+
+
+@dataclass
+class _Proc:
+    name: str
+    kind: str
+    popen: subprocess.Popen[bytes]
+    log: Path
+    killed: bool = False
+
+    @property
+    def owner(self) -> str:
+        """The lease owner this worker writes (``make_worker``'s worker_id)."""
+        return f"{self.name}:{self.popen.pid}"
+
+
+class _Fleet:
+    """The coordinator and worker processes of one simulation."""
+
+    def __init__(self, url: str, options: LiveOptions) -> None:
+        self.url, self.options = url, options
+        self.log_dir = Path(tempfile.mkdtemp(prefix="composer-sim-"))
+        self.procs: list[_Proc] = []
+        self.counts: Counter[str] = Counter()
+
+    def _env(self, name: str) -> dict[str, str]:
+        path = os.environ.get("PYTHONPATH")
+        return {**os.environ, **self.options.behaviour.to_env(),
+                "COMPOSER_DATABASE_URL": self.url, "COMPOSER_SIM_WORKER_NAME": name,
+                "COMPOSER_WORKER_CONCURRENCY": str(self.options.concurrency),
+                "COMPOSER_LOG_LEVEL": "WARNING",
+                "PYTHONPATH": str(_PACKAGE_ROOT) + (os.pathsep + path if path else "")}
+
+    def spawn(self, kind: str) -> _Proc:
+        self.counts[kind] += 1
+        name = f"sim-{'w' if kind == 'worker' else 'c'}{self.counts[kind]}"
+        args = (["worker", "--app", _APP] if kind == "worker"
+                else ["coordinator", "--interval", "0.25"])
+        log = self.log_dir / f"{name}.log"
+        with log.open("wb") as err:
+            popen = subprocess.Popen([sys.executable, "-m", "composer_ops", *args], env=self._env(name),
+                                     stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err)
+        proc = _Proc(name=name, kind=kind, popen=popen, log=log)
+        self.procs.append(proc)
+        return proc
+
+    def alive(self, kind: str) -> list[_Proc]:
+        return [p for p in self.procs if p.kind == kind and p.popen.poll() is None]
+
+    def kill(self, proc: _Proc) -> None:
+        proc.killed = True
+        proc.popen.send_signal(signal.SIGKILL)
+        proc.popen.wait(10)
+
+    def exited(self) -> list[_Proc]:
+        """Processes that died without being asked to (they are replaced by the caller)."""
+        return [p for p in self.procs if not p.killed and p.popen.poll() is not None]
+
+    def stop(self, kind: str, timeout: float) -> None:
+        procs = [p for p in self.procs if p.kind == kind and p.popen.poll() is None]
+        for proc in procs:
+            proc.killed = True
+            proc.popen.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + timeout
+        for proc in procs:
+            try:
+                proc.popen.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.popen.kill()
+                proc.popen.wait(5)
+
+    def close(self, keep_logs: bool) -> str | None:
+        for proc in self.procs:
+            if proc.popen.poll() is None:
+                proc.killed = True
+                proc.popen.kill()
+                proc.popen.wait(5)
+        if keep_logs:
+            return str(self.log_dir)
+        shutil.rmtree(self.log_dir, ignore_errors=True)
+        return None
+
+
+def _tail(path: Path) -> str:
+    try:
+        lines = [ln for ln in path.read_text(errors="replace").splitlines() if ln.strip()]
+    except OSError:
+        return ""
+    return lines[-1].strip() if lines else ""
+
+
+@dataclass
+class _RunState:
+    plan: PlannedRun
+    run_id: str
+    finished: bool = False
+    awaiting: list[SignalPlan] = field(default_factory=list)    # late / too-late plans waiting for the node
+
+
+class LiveSimulation:
+    """Drives one live simulation; ``run()`` blocks until it has stopped."""
+
+    def __init__(self, engine: Engine, options: LiveOptions,
+                 on_progress: Callable[[str, dict[str, Any]], None] | None = None) -> None:
+        self.engine, self.options, self.on_progress = engine, options, on_progress
+        self.result = LiveResult()
+        self.runs: dict[int, _RunState] = {}
+        self._events: list[tuple[float, int, str, Any]] = []
+        self._seq = 0
+        self._clock_offset = 0.0
+
+    # -- scheduling ---------------------------------------------------------------
+
+    def _at(self, when: float, kind: str, payload: Any) -> None:
+        self._seq += 1
+        heapq.heappush(self._events, (when, self._seq, kind, payload))
+
+    def _kill_times(self) -> tuple[list[tuple[float, float]], bool]:
+        """(when, deadline) of the kills during the run, and whether one ends it. A
+        kill waits until ``deadline`` for a worker holding a few running tasks; its
+        leases must still lapse and be swept before the end."""
+        n, duration = self.options.kill_workers, self.options.duration_s
+        during = n - 1 if n >= 2 else n
+        patience = min(_KILL_PATIENCE_S, 0.15 * duration)
+        last = max(0.1 * duration, duration - LEASE_S - 2.0 - patience)
+        first = min(0.1 * duration, last)
+        times = [first + (last - first) * (k + 1) / (during + 1) for k in range(during)]
+        return [(t, t + patience) for t in times], n >= 2
+
+    # -- the run --------------------------------------------------------------------
+
+    def run(self) -> LiveResult:
+        options = self.options
+        with self.engine.pool.connection() as conn:
+            db_now = conn.execute("SELECT extract(epoch FROM now())::float8").fetchone()
+        self._clock_offset = float(db_now[0]) - time.time() if db_now else 0.0
+        fleet = _Fleet(self.engine.url, options)
+        failed = True
+        try:
+            for _ in range(options.coordinators):
+                fleet.spawn("coordinator")
+            for _ in range(options.workers):
+                fleet.spawn("worker")
+            for planned in plan_live(options):
+                self._at(planned.at_s, "start", planned)
+            kill_times, kill_at_end = self._kill_times()
+            for when, deadline in kill_times:
+                self._at(when, "kill", deadline)
+            self._loop(fleet, options.duration_s)
+            if kill_at_end:
+                self._kill(fleet, replace=False, min_busy=1)
+            fleet.stop("coordinator", timeout=10)
+            fleet.stop("worker", timeout=20)
+            failed = bool(self.result.unexpected_exits)
+        finally:
+            self.result.log_dir = fleet.close(keep_logs=failed)
+        return self.result
+
+    def _loop(self, fleet: _Fleet, stop_at: float) -> None:
+        t0 = time.monotonic()
+        last_poll = last_check = -1.0
+        while True:
+            now = time.monotonic() - t0
+            if now >= stop_at:
+                break
+            while self._events and self._events[0][0] <= now:
+                _, _, kind, payload = heapq.heappop(self._events)
+                self._handle(fleet, kind, payload, now)
+            if now - last_poll >= _POLL_S:
+                self._poll(now)
+                last_poll = now
+                self._report("live")
+            if now - last_check >= 1.0:
+                self._check(fleet)
+                last_check = now
+            pause = (self._events[0][0] - now) if self._events else _POLL_S
+            time.sleep(min(max(pause, 0.005), 0.05))
+        self.result.seconds = time.monotonic() - t0
+        self._poll(stop_at)
+        self._report("stopped")
+
+    def _handle(self, fleet: _Fleet, kind: str, payload: Any, now: float) -> None:
+        if kind == "start":
+            self._start(payload, now)
+        elif kind == "signal":
+            index, plan, duplicate = payload
+            self._signal(self.runs[index], plan, duplicate, now)
+        elif kind == "cancel":
+            self._cancel(self.runs[payload], now)
+        elif kind == "kill":
+            # Kill a worker mid-task: until the deadline, one that holds a few tasks.
+            if not self._kill(fleet, replace=True, min_busy=_KILL_MIN_BUSY if now < payload else 1):
+                self._at(now + _POLL_S, "kill", payload)
+
+    def _start(self, planned: PlannedRun, now: float) -> None:
+        rng = random.Random(f"composer-sim-live:{self.options.seed}:run:{planned.index}")
+        sim = {"seed": self.options.seed, "run": f"live-{planned.index}"}
+        run_input = make_input(rng, planned.workflow_id, sim, time.time() + self._clock_offset,
+                               self.options.behaviour.time_scale)
+        try:
+            run_id = self.engine.start(planned.workflow_id, input=run_input)
+        except ComposerError:
+            self.result.start_errors += 1
+            return
+        self.result.run_ids.append(run_id)
+        state = self.runs[planned.index] = _RunState(plan=planned, run_id=run_id)
+        for plan in planned.signals:
+            if plan.timing == "early":
+                self._at(now + plan.delay_s, "signal", (planned.index, plan, False))
+            elif plan.timing in ("late", "too_late"):
+                state.awaiting.append(plan)
+            else:
+                self.result.signals["never sent"] += 1
+        if planned.cancel is not None:
+            self._at(now + planned.cancel[0], "cancel", planned.index)
+
+    def _signal(self, state: _RunState, plan: SignalPlan, duplicate: bool, now: float) -> None:
+        label = "duplicate" if duplicate else plan.timing.replace("_", " ")
+        try:
+            self.engine.signal(state.run_id, plan.event, plan.payload)
+        except Conflict:
+            self.result.signals[f"{label}: refused (run finished)"] += 1
+            return
+        except ComposerError:
+            self.result.signals[f"{label}: error"] += 1
+            return
+        self.result.signals[f"{label}: accepted"] += 1
+        if plan.duplicate_after_s is not None and not duplicate:
+            self._at(now + plan.duplicate_after_s, "signal", (state.plan.index, plan, True))
+
+    def _cancel(self, state: _RunState, now: float) -> None:
+        assert state.plan.cancel is not None
+        try:
+            outcome = self.engine.cancel(state.run_id, reason=state.plan.cancel[1])
+        except Conflict:
+            self.result.cancels["too late (run finished)"] += 1
+            return
+        self.result.cancels["applied" if outcome.applied else "stale"] += 1
+
+    def _kill(self, fleet: _Fleet, *, replace: bool, min_busy: int) -> bool:
+        """SIGKILL the busiest worker (running tasks of the most runs, then the most
+        tasks) if it holds at least ``min_busy`` running tasks; returns whether one was
+        killed. The tasks it held are recorded, to tell later whether they were retried."""
+        workers = fleet.alive("worker")
+        if not workers:
+            return True
+        owners = {w.owner: w for w in workers}
+        with self.engine.pool.connection() as conn:
+            rows = conn.execute("""
+                SELECT lease_owner, run_id, id, attempt FROM task_instances
+                 WHERE state = 'RUNNING' AND lease_owner = ANY(%s)""", (list(owners),)).fetchall()
+        held: dict[str, list[HeldTask]] = {}
+        for owner, run_id, task_id, attempt in rows:
+            held.setdefault(str(owner), []).append(HeldTask(run_id=str(run_id), task_id=str(task_id),
+                                                            attempt=int(attempt)))
+
+        def busy(w: _Proc) -> tuple[int, int, int]:
+            tasks = held.get(w.owner, [])
+            return len({t.run_id for t in tasks}), len(tasks), -workers.index(w)
+
+        victim = max(workers, key=busy)
+        tasks = held.get(victim.owner, [])
+        if len(tasks) < min_busy:
+            return False
+        fleet.kill(victim)
+        self.result.kills.append((victim.owner, tasks))
+        if replace:
+            fleet.spawn("worker")
+        return True
+
+    # -- observing --------------------------------------------------------------------
+
+    def _poll(self, now: float) -> None:
+        """Finished runs, and WAIT_FOR_EVENT nodes that started waiting (for late signals)."""
+        open_runs = [s for s in self.runs.values() if not s.finished]
+        if not open_runs:
+            return
+        by_id = {s.run_id: s for s in open_runs}
+        awaiting = [s.run_id for s in open_runs if s.awaiting]
+        with self.engine.pool.connection() as conn:
+            done = conn.execute("SELECT id FROM workflow_runs WHERE id = ANY(%s) AND status <> 'RUNNING'",
+                                (list(by_id),)).fetchall()
+            waiting = conn.execute("""
+                SELECT run_id, event_name FROM task_instances
+                 WHERE run_id = ANY(%s) AND state = 'WAITING' AND event_name IS NOT NULL""",
+                                   (awaiting,)).fetchall() if awaiting else []
+        for (run_id,) in done:
+            by_id[str(run_id)].finished = True
+        for run_id, event in waiting:
+            state = by_id[str(run_id)]
+            for plan in [p for p in state.awaiting if p.event == event]:
+                state.awaiting.remove(plan)
+                self._at(now + plan.delay_s, "signal", (state.plan.index, plan, False))
+
+    def _check(self, fleet: _Fleet) -> None:
+        for proc in fleet.exited():
+            proc.killed = True          # seen: do not count it twice
+            reason = _tail(proc.log) or f"exit code {proc.popen.returncode}"
+            self.result.unexpected_exits.append(f"{proc.name} ({proc.kind}) exited: {reason}")
+            if len(self.result.unexpected_exits) >= _MAX_UNEXPECTED_EXITS:
+                raise ComposerError(f"simulation stopped: {len(self.result.unexpected_exits)} processes exited "
+                                    f"unexpectedly; last: {self.result.unexpected_exits[-1]} "
+                                    f"(logs under {fleet.log_dir})")
+            fleet.spawn(proc.kind)
+
+    def _report(self, phase: str) -> None:
+        if self.on_progress is None:
+            return
+        finished = sum(1 for s in self.runs.values() if s.finished)
+        self.on_progress(phase, {"started": len(self.result.run_ids), "finished": finished,
+                                 "active": len(self.runs) - finished, "killed": len(self.result.kills)})

@@ -1,0 +1,173 @@
+"""The simulator's end-of-run summary: figures read back from the database, as tables.
+
+Live figures are computed over the run IDs the live phase started (each query filters
+on ``run_id = ANY(...)``, so only the current month's partitions are touched); the
+database overview counts runs per partition month and status.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from rich.console import Console
+from rich.table import Table
+
+if TYPE_CHECKING:
+    from composer_ops.engine import Engine
+    from composer_ops.simulate.history import HistoryResult
+    from composer_ops.simulate.live import HeldTask, LiveResult
+
+__all__ = ["LiveFigures", "database_overview", "live_figures", "render_database", "render_history",
+           "render_live"]
+
+LEASE_ERROR = "lease of % expired at %"
+
+
+@dataclass
+class LiveFigures:
+    """What the live runs left in the database."""
+
+    by_status: Counter[str] = field(default_factory=Counter)
+    tasks_by_type: Counter[str] = field(default_factory=Counter)
+    tasks_by_state: Counter[str] = field(default_factory=Counter)
+    retried_tasks: int = 0
+    retries: int = 0
+    expired_leases: int = 0
+    lease_errors: int = 0
+    running_with_lease: int = 0
+    signals_buffered: int = 0
+    signals_consumed: int = 0
+    outbox: int = 0
+
+
+def live_figures(engine: Engine, run_ids: Sequence[str],
+                 killed: Sequence[tuple[str, Sequence[HeldTask]]] = ()) -> LiveFigures:
+    """Figures of the live runs. ``killed``: the workers SIGKILLed and the tasks they
+    held; a held task counts as an expired lease when its attempt moved on (the
+    sweeper re-queued it), whatever happened to it afterwards."""
+    figures = LiveFigures()
+    if not run_ids:
+        return figures
+    ids = list(run_ids)
+    with engine.pool.connection() as conn:
+        for status, n in conn.execute("SELECT status, count(*) FROM workflow_runs WHERE id = ANY(%s) GROUP BY 1",
+                                      (ids,)).fetchall():
+            figures.by_status[str(status)] = int(n)
+        rows = conn.execute("""
+            SELECT node_type, state, count(*), count(*) FILTER (WHERE attempt > 0), COALESCE(sum(attempt), 0),
+                   count(*) FILTER (WHERE last_error->>'error' LIKE %s),
+                   count(*) FILTER (WHERE state = 'RUNNING' AND lease_expires_at IS NOT NULL)
+              FROM task_instances WHERE run_id = ANY(%s) GROUP BY 1, 2""", (LEASE_ERROR, ids)).fetchall()
+        for node_type, state, n, retried, retries, leases, running in rows:
+            figures.tasks_by_type[str(node_type)] += int(n)
+            figures.tasks_by_state[str(state)] += int(n)
+            figures.retried_tasks += int(retried)
+            figures.retries += int(retries)
+            figures.lease_errors += int(leases)
+            figures.running_with_lease += int(running)
+        events = conn.execute("SELECT count(*), count(consumed_at) FROM workflow_events WHERE run_id = ANY(%s)",
+                              (ids,)).fetchone()
+        held = [t for _, tasks in killed for t in tasks]
+        if held:
+            moved = conn.execute("""
+                SELECT count(*) FROM task_instances t
+                  JOIN unnest(%s::text[], %s::text[], %s::int[]) AS h(run_id, id, attempt)
+                    ON t.run_id = h.run_id AND t.id = h.id
+                 WHERE t.attempt > h.attempt""",
+                                 ([t.run_id for t in held], [t.task_id for t in held],
+                                  [t.attempt for t in held])).fetchone()
+            figures.expired_leases = int(moved[0]) if moved else 0
+        outbox = conn.execute("SELECT count(*) FROM task_outbox WHERE run_id = ANY(%s)", (ids,)).fetchone()
+    if events:
+        figures.signals_buffered, figures.signals_consumed = int(events[0]), int(events[1])
+    figures.outbox = int(outbox[0]) if outbox else 0
+    return figures
+
+
+def database_overview(engine: Engine) -> list[tuple[str, str, int]]:
+    """Runs per partition month and status: ``(YYYYMM, status, runs)``."""
+    with engine.pool.connection() as conn:
+        rows = conn.execute("""
+            SELECT substring(tableoid::regclass::text FROM '_p(\\d{6})$') AS month, status, count(*)
+              FROM workflow_runs GROUP BY 1, 2 ORDER BY 1, 2""").fetchall()
+    return [(str(m), str(s), int(n)) for m, s, n in rows]
+
+
+def _fmt(n: float) -> str:
+    return f"{n:,.0f}"
+
+
+def render_history(console: Console, result: HistoryResult) -> None:
+    table = Table(title="History backfill", title_justify="left")
+    for name in ("month", "runs", "task rows", "signals", "active runs", ""):
+        table.add_column(name, justify="right" if name not in ("month", "") else "left")
+    for m in result.months:
+        if m.skipped:
+            table.add_row(m.month, "", "", "", "", "already backfilled with this seed: skipped")
+        else:
+            table.add_row(m.month, _fmt(m.runs), _fmt(m.tasks), _fmt(m.events), _fmt(m.active_runs), "written")
+    console.print(table)
+    if result.tasks:
+        console.print(f"backfill: {_fmt(result.rows)} rows ({_fmt(result.tasks)} task rows) in "
+                      f"{result.seconds:.1f} s: [bold]{_fmt(result.task_rows_per_s)} task rows/s[/bold] "
+                      f"({_fmt(result.task_rows_per_s * 60)} per minute); foreign keys checked "
+                      + ("per chunk, in bulk" if result.set_based_checks else "per row, by their triggers"))
+
+
+def render_live(console: Console, result: LiveResult, figures: LiveFigures) -> None:
+    table = Table(title="Live traffic", title_justify="left", show_header=False)
+    table.add_column("what")
+    table.add_column("value", justify="right")
+    table.add_column("detail")
+    started = len(result.run_ids)
+    rate = started / result.seconds if result.seconds else 0.0
+    table.add_row("runs started", _fmt(started), f"{rate:.1f}/s over {result.seconds:.0f} s"
+                  + (f", {result.start_errors} refused" if result.start_errors else ""))
+    for status in ("SUCCEEDED", "FAILED", "CANCELLED", "RUNNING"):
+        note = "left active" if status == "RUNNING" else ""
+        table.add_row(f"  {status.lower()}", _fmt(figures.by_status.get(status, 0)), note)
+    tasks = sum(figures.tasks_by_state.values())
+    table.add_row("tasks", _fmt(tasks), _counts(figures.tasks_by_type))
+    table.add_row("  by state", "", _counts(figures.tasks_by_state))
+    table.add_row("retries", _fmt(figures.retries), f"{figures.retried_tasks} tasks needed more than one attempt")
+    held = sum(len(tasks) for _, tasks in result.kills)
+    table.add_row("expired leases", _fmt(figures.expired_leases),
+                  f"of the {held} tasks killed workers held, retried after their lease lapsed; "
+                  f"{figures.lease_errors} tasks' last error is a lapsed lease")
+    killed = ", ".join(f"{owner} ({len(held)} running)" for owner, held in result.kills) or "none"
+    table.add_row("workers killed", _fmt(len(result.kills)), killed)
+    if figures.running_with_lease:
+        table.add_row("  tasks left RUNNING", _fmt(figures.running_with_lease), "leased to a worker that is gone")
+    table.add_row("signals buffered", _fmt(figures.signals_buffered),
+                  f"{figures.signals_consumed} consumed when their node was created, "
+                  f"{figures.signals_buffered - figures.signals_consumed} still pending")
+    table.add_row("signals sent", _fmt(sum(v for k, v in result.signals.items() if k != "never sent")),
+                  _counts(result.signals))
+    table.add_row("cancellations", _fmt(sum(result.cancels.values())), _counts(result.cancels))
+    table.add_row("outbox backlog", _fmt(figures.outbox), "dispatches waiting for a worker")
+    console.print(table)
+    for line in result.unexpected_exits:
+        console.print(f"[yellow]warning:[/yellow] {line}")
+    if result.log_dir:
+        console.print(f"process logs kept under {result.log_dir}")
+
+
+def render_database(console: Console, rows: Sequence[tuple[str, str, int]]) -> None:
+    statuses = sorted({s for _, s, _ in rows})
+    table = Table(title="Runs in the database, by partition month", title_justify="left")
+    table.add_column("month")
+    for status in statuses:
+        table.add_column(status.lower(), justify="right")
+    by_month: dict[str, dict[str, int]] = {}
+    for month, status, n in rows:
+        by_month.setdefault(month, {})[status] = n
+    for month, counts in by_month.items():
+        table.add_row(month, *[_fmt(counts.get(s, 0)) for s in statuses])
+    console.print(table)
+
+
+def _counts(counter: Counter[str] | dict[str, Any]) -> str:
+    return ", ".join(f"{k.lower() if k.isupper() else k} {v}" for k, v in sorted(counter.items()) if v)
