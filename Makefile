@@ -81,7 +81,7 @@ lab: $(STAMP)
 	if [ -z "$$COMPOSER_DATABASE_URL" ]; then COMPOSER_DATABASE_URL="$$($(BIN)/composer-ops db up)"; fi; \
 	export COMPOSER_DATABASE_URL; \
 	$(BIN)/composer-ops migrate; \
-	$(BIN)/jupyter lab --no-browser --notebook-dir=notebooks
+	$(BIN)/jupyter lab --no-browser --notebook-dir=notebooks $$([ "$$(id -u)" = 0 ] && echo --allow-root)
 
 clean-db:
 	-$(BIN)/composer-ops db stop
