@@ -39,7 +39,7 @@ from composer_ops.core.model import (
 from composer_ops.core.spec import parse_spec
 from composer_ops.errors import Conflict
 
-from .test_machine import Sim
+from .machine_sim import Sim
 
 LABELS = ("a", "b", "c")
 EVENT_NAMES = ("e1", "e2")
