@@ -208,22 +208,22 @@ SELECT ins.id || '-' || n, ins.id, 'n' || n, CASE WHEN n = 9 THEN 'WAIT' ELSE 'T
 """
 
 
-class _Capture:
+class StatementCapture:
     """Stands in for a connection and records the statement a repository function runs."""
 
     def __init__(self) -> None:
         self.statements: list[tuple[str, Any]] = []
 
-    def cursor(self, **_: Any) -> _Capture:
+    def cursor(self, **_: Any) -> StatementCapture:
         return self
 
-    def __enter__(self) -> _Capture:
+    def __enter__(self) -> StatementCapture:
         return self
 
     def __exit__(self, *exc: object) -> None:
         return None
 
-    def execute(self, query: str, params: Any = None) -> _Capture:
+    def execute(self, query: str, params: Any = None) -> StatementCapture:
         self.statements.append((query, params))
         return self
 
@@ -249,7 +249,7 @@ def explain(server: Server, label: str, target: int | None, runs: int = 20000) -
             conn.execute("ANALYZE workflow_runs")
             conn.execute("ANALYZE task_instances")
             for name, fn in (("expired_leases", tasks.expired_leases), ("due_waits", signals.due_waits)):
-                capture = _Capture()
+                capture = StatementCapture()
                 fn(capture, 100)  # type: ignore[arg-type]
                 query, params = capture.statements[0]
                 rows = conn.execute("EXPLAIN (ANALYZE, BUFFERS, COSTS OFF, TIMING OFF, SUMMARY OFF) " + query,

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 from psycopg_pool import ConnectionPool
 
 from composer_ops.core import CancelRun, SignalReceived, TaskCompleted, TaskFailed, parse_spec
-from composer_ops.core.model import TaskRef as CoreRef
+from composer_ops.core.model import TaskRef
 from composer_ops.core.runids import month_of, uuid7_timestamp, validate_run_id
 from composer_ops.core.spec import ID_PATTERN
 from composer_ops.db import make_pool, resolve_url
@@ -24,7 +24,7 @@ from composer_ops.engine.jsonvalues import check_json
 from composer_ops.engine.shell import Outcome, Shell
 from composer_ops.errors import Conflict, Invalid
 from composer_ops.repo import definitions, outbox, runs, tasks
-from composer_ops.repo.rows import Claim, RunRow, RunView, TaskRef
+from composer_ops.repo.rows import Claim, RunRow, RunView
 
 if TYPE_CHECKING:
     from composer_ops.engine.coordinator import Coordinator
@@ -212,12 +212,12 @@ class Engine:
 
     @translating("complete task")
     def complete(self, claim: Claim, output: Any) -> Outcome:
-        ref = _core_ref(claim)
+        ref = _task_ref(claim)
         return self.shell.handle(claim.run_id, lambda now: TaskCompleted(ref=ref, output=output, now=now))
 
     @translating("fail task")
     def fail(self, claim: Claim, error: str, *, retryable: bool = True) -> Outcome:
-        ref = _core_ref(claim)
+        ref = _task_ref(claim)
         return self.shell.handle(claim.run_id,
                                  lambda now: TaskFailed(ref=ref, error=error, retryable=retryable, now=now))
 
@@ -225,9 +225,8 @@ class Engine:
     @db_retry(max_attempts=3)
     def heartbeat(self, claim: Claim) -> datetime | None:
         """Extend the claim's lease; None when the lease is lost."""
-        ref = TaskRef(task_id=claim.task_id, run_id=claim.run_id, node_id=claim.node_id, attempt=claim.attempt)
         with self.pool.connection() as conn, conn.transaction():
-            return tasks.heartbeat(conn, ref, claim.lease_owner, claim.lease_s)
+            return tasks.heartbeat(conn, _task_ref(claim), claim.lease_owner, claim.lease_s)
 
 
 def _check_workflow_id(workflow_id: object) -> None:
@@ -239,6 +238,6 @@ def _check_workflow_id(workflow_id: object) -> None:
         raise Invalid(f"workflow id {shown} is not a workflow id (1 to 128 of A-Z a-z 0-9 _ . -)")
 
 
-def _core_ref(claim: Claim) -> CoreRef:
-    return CoreRef(task_id=claim.task_id, run_id=claim.run_id, node_id=claim.node_id, attempt=claim.attempt,
+def _task_ref(claim: Claim) -> TaskRef:
+    return TaskRef(task_id=claim.task_id, run_id=claim.run_id, node_id=claim.node_id, attempt=claim.attempt,
                    lease_owner=claim.lease_owner)

@@ -43,13 +43,12 @@ from composer_ops.core import (
     decide,
     spec_from_json,
 )
-from composer_ops.core.model import TaskRef as CoreRef
 from composer_ops.db.retry import db_retry
 from composer_ops.engine.ids import uuid7_text
 from composer_ops.errors import Conflict
 from composer_ops.repo import definitions, outbox, runs, signals, tasks, webhooks
 from composer_ops.repo._base import Conn
-from composer_ops.repo.rows import Dispatch, RunRow, TaskRef, TaskStateRow
+from composer_ops.repo.rows import Dispatch, RunRow, TaskStateRow
 
 log = logging.getLogger(__name__)
 
@@ -122,18 +121,16 @@ class Shell:
         """Apply one event to one run in one transaction, under the run's row lock."""
         with self.pool.connection() as conn, conn.transaction():
             row, tasks_of_run = runs.lock_and_load(conn, run_id)
-            snapshot = self.snapshot(conn, row, tasks=tasks_of_run)
+            snapshot = self.snapshot(conn, row, tasks_of_run)
             event = make_event(row.now)
             decision = decide(snapshot, event, _Store(conn, run_id), uuid7_text)
             return self.apply(conn, snapshot, decision)
 
-    def snapshot(self, conn: Conn, row: RunRow, *, with_tasks: bool = True,
-                 tasks: Mapping[str, TaskStateRow] | None = None) -> RunSnapshot:
-        """The machine's view of a locked run; ``tasks`` when the caller already
-        loaded them (:func:`runs.lock_and_load`)."""
+    def snapshot(self, conn: Conn, row: RunRow, tasks: Mapping[str, TaskStateRow]) -> RunSnapshot:
+        """The machine's view of a locked run and its tasks (:func:`runs.lock_and_load`)."""
         defn = self.definition(conn, row.workflow_id, row.workflow_version)
         context = row.context or {}
-        nodes = tasks if tasks is not None else runs.load_tasks(conn, row.id) if with_tasks else {}
+        nodes = tasks
         return RunSnapshot(
             id=row.id, workflow_id=row.workflow_id, workflow_version=row.workflow_version,
             status=RunStatus(row.status),
@@ -148,7 +145,7 @@ class Shell:
 
     def start_decision(self, conn: Conn, row: RunRow) -> Outcome:
         """Create a just-inserted run's root tasks (the StartRun event)."""
-        snapshot = self.snapshot(conn, row, with_tasks=False)
+        snapshot = self.snapshot(conn, row, {})   # just inserted: no tasks yet
         decision = decide(snapshot, StartRun(now=row.now), _Store(conn, row.id), uuid7_text)
         return self.apply(conn, snapshot, decision)
 
@@ -166,11 +163,11 @@ class Shell:
             if isinstance(action, CreateTask):
                 self._create(conn, run, action, dispatches)
             elif isinstance(action, CompleteTask):
-                _fenced(tasks.complete_task(conn, _ref(action.ref), action.output), action)
+                _fenced(tasks.complete_task(conn, action.ref, action.output), action)
             elif isinstance(action, FailTask):
-                _fenced(tasks.fail_task(conn, _ref(action.ref), action.reason), action)
+                _fenced(tasks.fail_task(conn, action.ref, action.reason), action)
             elif isinstance(action, RequeueTask):
-                nxt = _fenced(tasks.requeue_task(conn, _ref(action.ref), action.reason), action)
+                nxt = _fenced(tasks.requeue_task(conn, action.ref, action.reason), action)
                 node = run.spec.nodes[nxt.node_id]
                 dispatches.append(Dispatch(run_id=run.id, task_id=nxt.task_id, attempt=nxt.attempt,
                                            queue=node.queue or "default", task_name=node.task or nxt.node_id,
@@ -218,10 +215,6 @@ class Shell:
                 "status": str(a.status), "output": a.output,
                 "error": {"error": a.reason} if a.reason else None,
             })
-
-
-def _ref(ref: CoreRef) -> TaskRef:
-    return TaskRef(task_id=ref.task_id, run_id=ref.run_id, node_id=ref.node_id, attempt=ref.attempt)
 
 
 def _lease(lease_s: float) -> int:

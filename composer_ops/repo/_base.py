@@ -8,7 +8,6 @@ them filters on run_id to touch a single partition.
 
 from __future__ import annotations
 
-import json
 from typing import Any, TypeVar
 
 import psycopg
@@ -40,6 +39,3 @@ def fetch_all(conn: Conn, row: type[R], query: str, params: Any) -> list[R]:
         cur.execute(query, params)
         return cur.fetchall()
 
-
-def dumps(value: Any) -> str:
-    return json.dumps(value, separators=(",", ":"), sort_keys=True)

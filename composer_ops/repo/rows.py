@@ -6,16 +6,11 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
+# One execution attempt of a task: the state machine's TaskRef is also what the
+# repository's fenced updates match on (re-exported here for repository callers).
+from composer_ops.core.model import TaskRef
 
-@dataclass(frozen=True, kw_only=True)
-class TaskRef:
-    """One execution attempt of a task. Results apply only when all fields match,
-    which fences off reports from stale attempts (the seed's ``taskRef``)."""
-
-    task_id: str
-    run_id: str
-    node_id: str
-    attempt: int
+__all__ = ["TaskRef"]
 
 
 @dataclass(frozen=True, kw_only=True)

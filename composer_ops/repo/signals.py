@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from composer_ops.repo._base import Conn, error_json, fetch_all, fetch_one, jsonb
+from composer_ops.repo._base import Conn, error_json, fetch_all, jsonb
 from composer_ops.repo.rows import DueWait, Signal
 
 
@@ -62,7 +62,3 @@ def consume_signal(conn: Conn, run_id: str, signal_id: str) -> bool:
         (run_id, signal_id))
     return cur.rowcount == 1
 
-
-def signal_row(conn: Conn, run_id: str, signal_id: str) -> Signal | None:
-    return fetch_one(conn, Signal, "SELECT id, name, payload FROM workflow_events WHERE run_id = %s AND id = %s",
-                     (run_id, signal_id))

@@ -16,6 +16,7 @@ from typing import Any
 import psycopg
 import pytest
 
+from bench.hot import StatementCapture  # the benchmark EXPLAINs the same captured statements
 from composer_ops import Engine
 from composer_ops.db.migrate import migrate
 from composer_ops.repo import signals, tasks
@@ -119,29 +120,6 @@ def test_v005_applies_to_partitions_that_existed_before_it(empty_db_url: str) ->
 
 # -- the background loops' queries still use the partial indexes ----------------------------
 
-class _Capture:
-    """Stands in for a connection: records the statement a repository function runs."""
-
-    def __init__(self) -> None:
-        self.statements: list[tuple[str, Any]] = []
-
-    def cursor(self, **_: Any) -> _Capture:
-        return self
-
-    def __enter__(self) -> _Capture:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        return None
-
-    def execute(self, query: str, params: Any = None) -> _Capture:
-        self.statements.append((query, params))
-        return self
-
-    def fetchall(self) -> list[Any]:
-        return []
-
-
 SEED = """
 WITH runs AS (
     SELECT g, lpad(to_hex((extract(epoch FROM now()) * 1000)::bigint + g), 12, '0') AS h, md5(g::text) AS m
@@ -203,7 +181,7 @@ def _scans(conn: Any, query: str, params: Any) -> list[tuple[str, str, str | Non
 
 
 def test_lease_sweeper_reads_the_running_partial_index(seeded: Any) -> None:
-    capture = _Capture()
+    capture = StatementCapture()
     tasks.expired_leases(capture, 100)
     (query, params), = capture.statements
     scans = _scans(seeded, query, params)
@@ -218,7 +196,7 @@ def test_lease_sweeper_reads_the_running_partial_index(seeded: Any) -> None:
 
 
 def test_timer_loop_reads_the_wake_partial_index(seeded: Any) -> None:
-    capture = _Capture()
+    capture = StatementCapture()
     signals.due_waits(capture, 100)
     (query, params), = capture.statements
     scans = _scans(seeded, query, params)

@@ -197,8 +197,8 @@ def test_repository_engine_and_analytics_read_the_backfill_as_is(history_db: tup
     with Engine.connect(url, pool_size=2) as engine:
         with engine.pool.connection() as conn, conn.transaction():
             for run_id in ids:                          # the shell's own read path, every run
-                row = run_repo.lock_run(conn, run_id)
-                snapshot = engine.shell.snapshot(conn, row)
+                row, loaded = run_repo.lock_and_load(conn, run_id)
+                snapshot = engine.shell.snapshot(conn, row, loaded)
                 view = run_repo.get_run(conn, run_id)
                 assert set(snapshot.nodes) == {t.node_id for t in view.tasks}
                 assert set(run_repo.load_tasks(conn, run_id)) == set(snapshot.nodes)
