@@ -8,11 +8,12 @@ tasks to look at, runs ANALYZE as an operator would after a bulk load, then time
 
 - every function of :mod:`composer_ops.ops` the notebooks call (in this process);
 - every report, ``composer-ops report NAME`` as the scheduled job runs it (its own
-  process and kernel): the whole command, the notebook's own execution (papermill's
-  metadata: without process and kernel start-up and HTML rendering), and the
-  kernel's peak resident memory (polled every 0.1 s).
+  process and kernel), ``--rounds`` times (default 3, round-robin; the median is the
+  figure): the whole command, the notebook's own execution (papermill's metadata:
+  without process and kernel start-up and HTML rendering), and the kernel's peak
+  resident memory (polled every 0.1 s).
 
-Building takes 10-15 minutes on 2 cores, so it is not part of ``make bench``; its
+Building takes 5-15 minutes on 2 cores (machine load), so it is not part of ``make bench``; its
 result, ``bench/results/notebooks-latest.json``, is included in ``latest.json`` by
 the next ``make bench``. ``--database-url`` reuses a database already built (with
 ``--skip-build``), e.g. the one ``--keep`` left behind.
@@ -23,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -145,24 +147,40 @@ def _executed_seconds(folder: Path) -> float | None:
     return float(duration) if duration is not None else None
 
 
-def time_reports(url: str) -> list[dict[str, Any]]:
+def _one_report(url: str, name: str, out: str) -> dict[str, Any]:
+    env = {**os.environ, "COMPOSER_DATABASE_URL": url, "PYTHONPATH": str(ROOT), "COMPOSER_REPORT_PROGRESS": "0"}
+    proc = subprocess.Popen([sys.executable, "-m", "composer_ops", "report", name, "--out", out], cwd=ROOT,
+                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    peak_mb, seconds = _peak_rss(proc)
+    err = proc.stderr.read().decode(errors="replace") if proc.stderr else ""
+    return {"seconds": seconds, "peak_rss_mb": peak_mb or None, "notebook_seconds": _executed_seconds(Path(out) / name),
+            "ok": proc.returncode == 0, "error": err.strip()[-500:] if proc.returncode else None}
+
+
+def time_reports(url: str, rounds: int = 3) -> list[dict[str, Any]]:
+    """Each report ``rounds`` times (round-robin, so a burst of load on the shared
+    machine hits every report alike); ``seconds`` is the median of the rounds."""
     from composer_ops.reports import available
 
+    names = available()
+    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in names}
+    for _ in range(rounds):
+        for name in names:
+            with tempfile.TemporaryDirectory(prefix="composer-bench-reports-") as out:
+                runs[name].append(_one_report(url, name, out))
     items = []
-    with tempfile.TemporaryDirectory(prefix="composer-bench-reports-") as out:
-        for name in available():
-            env = {**os.environ, "COMPOSER_DATABASE_URL": url, "PYTHONPATH": str(ROOT), "COMPOSER_REPORT_PROGRESS": "0"}
-            proc = subprocess.Popen([sys.executable, "-m", "composer_ops", "report", name, "--out", out], cwd=ROOT,
-                                    env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-            peak_mb, seconds = _peak_rss(proc)
-            err = proc.stderr.read().decode(errors="replace") if proc.stderr else ""
-            items.append({"name": f"report {name}", "seconds": seconds, "peak_rss_mb": peak_mb or None,
-                          "notebook_seconds": _executed_seconds(Path(out) / name),
-                          "ok": proc.returncode == 0, "error": err.strip()[-500:] if proc.returncode else None})
+    for name, got in runs.items():
+        times = [r["seconds"] for r in got]
+        executed = [r["notebook_seconds"] for r in got if r["notebook_seconds"] is not None]
+        failed = [r for r in got if not r["ok"]]
+        items.append({"name": f"report {name}", "seconds": statistics.median(times), "seconds_each": times,
+                      "notebook_seconds": statistics.median(executed) if executed else None,
+                      "peak_rss_mb": max((r["peak_rss_mb"] or 0 for r in got), default=0) or None,
+                      "ok": not failed, "error": failed[0]["error"] if failed else None})
     return items
 
 
-def measure(url: str) -> dict[str, Any]:
+def measure(url: str, rounds: int = 3) -> dict[str, Any]:
     with psycopg.connect(url) as conn:
         version = str(conn.execute("SHOW server_version").fetchone()[0])  # type: ignore[index]
         months = conn.execute("""SELECT count(*) FROM pg_inherits
@@ -171,7 +189,7 @@ def measure(url: str) -> dict[str, Any]:
     rows = task_rows(url)
     return {"date": datetime.now(UTC).isoformat(timespec="seconds"), "server_version": version,
             "task_rows": rows, "task_partitions": int(months), "database_bytes": int(size),
-            "items": time_ops(url) + time_reports(url)}
+            "report_rounds": rounds, "items": time_ops(url) + time_reports(url, rounds)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -186,6 +204,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--live-runs", type=int, default=150)
     parser.add_argument("--keep", action="store_true", help="keep the throwaway server running at the end "
                                                             "(prints its URL; stop it with kill)")
+    parser.add_argument("--rounds", type=int, default=3, help="times each report runs; the median is reported")
     parser.add_argument("--out", type=Path, default=RESULT)
     args = parser.parse_args(argv)
     url = args.database_url
@@ -201,7 +220,7 @@ def main(argv: list[str] | None = None) -> int:
         built = build(url, runs_per_month=args.runs_per_month, months=args.months, live_runs=args.live_runs,
                       history=not args.skip_history)
     sys.stderr.write("[notebooks] timing ops functions and reports\n")
-    result = {**measure(url), "build": built,
+    result = {**measure(url, args.rounds), "build": built,
               "command": "python -m bench.notebooks " + " ".join(argv if argv is not None else sys.argv[1:])}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2, default=str) + "\n")

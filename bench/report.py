@@ -89,12 +89,14 @@ def notebooks_table(nb: dict[str, Any]) -> Table:
     table = Table(title=f"Reports and ops functions on {nb.get('task_rows', 0):,} task rows ({nb.get('date', '')})")
     table.add_column("what")
     table.add_column("seconds", justify="right")
+    table.add_column("each round", justify="right")
     table.add_column("of which notebook", justify="right")
     table.add_column("rows returned", justify="right")
     table.add_column("peak kernel RSS MB", justify="right")
     table.add_column("ok")
     for item in nb.get("items", []):
-        table.add_row(item["name"], _f(item.get("seconds"), 2), _f(item.get("notebook_seconds"), 2),
+        each = " / ".join(f"{t:.2f}" for t in item.get("seconds_each") or [])
+        table.add_row(item["name"], _f(item.get("seconds"), 2), each, _f(item.get("notebook_seconds"), 2),
                       _f(item.get("rows")), _f(item.get("peak_rss_mb"), 0), "" if item.get("ok", True) else "FAILED")
     return table
 

@@ -1,7 +1,7 @@
 """Scheduled reports: execute the notebooks headlessly with papermill and file each
 as a self-contained HTML page.
 
-``reports/<notebook>/<UTC timestamp>.html`` (code hidden, plotly.js embedded) lands
+``reports/<notebook>/<UTC timestamp>.html`` (code hidden, plotly.js embedded once) lands
 beside the executed ``.ipynb`` and a small ``.json`` summary; ``reports/index.html``
 links every report found under the output directory, newest first.
 
@@ -30,12 +30,16 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from jupyter_client.kernelspec import KernelSpec, KernelSpecManager
-from jupyter_client.manager import AsyncKernelManager
-from traitlets import default
+from composer_ops.lazyimport import defer_rfc3987_syntax
 
-from composer_ops.db import ENV_URL, resolve_url
-from composer_ops.errors import ComposerError, Invalid, NotFound
+defer_rfc3987_syntax()  # before papermill/nbformat import jsonschema: -1 s per report command
+
+from jupyter_client.kernelspec import KernelSpec, KernelSpecManager  # noqa: E402
+from jupyter_client.manager import AsyncKernelManager  # noqa: E402
+from traitlets import default  # noqa: E402
+
+from composer_ops.db import ENV_URL, resolve_url  # noqa: E402
+from composer_ops.errors import ComposerError, Invalid, NotFound  # noqa: E402
 
 #: Where the notebooks are (the source tree's notebooks/, or COMPOSER_NOTEBOOKS_DIR).
 NOTEBOOKS_DIR = Path(__file__).resolve().parents[1] / "notebooks"
@@ -296,19 +300,55 @@ def _first_line(text: str) -> str:
 
 
 def render_html(ipynb: Path, page: Path, *, title: str) -> Path:
-    """A self-contained HTML page of an executed notebook: outputs only, no code."""
+    """A self-contained HTML page of an executed notebook: outputs only, no code;
+    plotly figures drawn by plotly.js embedded once in the page."""
     import nbformat
     from nbconvert import HTMLExporter
 
     nb = nbformat.read(str(ipynb), as_version=4)  # type: ignore[no-untyped-call]
+    figures = _plotly_outputs_as_html(nb)
     exporter = HTMLExporter(  # type: ignore[no-untyped-call]
         exclude_input=True, exclude_input_prompt=True, exclude_output_prompt=True)
     body, _ = exporter.from_notebook_node(nb, resources={"metadata": {"name": title}})
-    # plotly.js is embedded by the notebook renderer; the CDN scripts nbconvert and plotly add
-    # (require.js, MathJax) are not needed and would make the page depend on the network.
+    # The CDN scripts nbconvert adds (require.js, MathJax) are not needed and would make
+    # the page depend on the network.
     body = _EXTERNAL_SCRIPT.sub("", body)
+    if figures:
+        body = body.replace("</head>", _plotly_js() + "</head>", 1)
     page.write_text(body, encoding="utf-8")
     return page
+
+
+PLOTLY_MIME = "application/vnd.plotly.v1+json"
+
+
+def _plotly_outputs_as_html(nb: Any) -> int:
+    """Give every plotly JSON output (what ``fig.show()`` emits under
+    :func:`composer_ops.ops.charts.setup`) an HTML form nbconvert can place: a div
+    and the ``Plotly.newPlot`` call that fills it. Returns how many there were."""
+    import plotly.io as pio
+
+    count = 0
+    for cell in nb.cells:
+        for output in cell.get("outputs", []):
+            data = output.get("data") or {}
+            figure = data.get(PLOTLY_MIME)
+            if figure is None or "text/html" in data:
+                continue
+            figure = dict(figure)
+            config = figure.pop("config", None)
+            data["text/html"] = pio.to_html(figure, config=config, include_plotlyjs=False, full_html=False,
+                                            validate=False)
+            count += 1
+    return count
+
+
+def _plotly_js() -> str:
+    """plotly.js itself, inline (what plotly's own ``notebook`` renderer embeds)."""
+    from plotly.offline import get_plotlyjs
+
+    return ('<script type="text/javascript">window.PlotlyConfig = {MathJaxConfig: "local"};</script>\n'
+            f'<script type="text/javascript">{get_plotlyjs()}</script>\n')
 
 
 def write_index(out_dir: Path) -> Path:

@@ -1,19 +1,26 @@
 """Plotly figures for the ops DataFrames, so the notebooks only call, show and explain.
 
-:func:`setup` makes figures render self-contained: plotly.js is embedded once in
-the notebook (the ``notebook`` renderer, not the CDN one), so an HTML export of an
-executed notebook works offline.
+Figures are built with ``plotly.graph_objects`` from polars columns directly (no
+pandas, no ``plotly.express``: together they cost a report's kernel about half a
+second before the first figure). :func:`setup` makes ``fig.show()`` emit only
+plotly's JSON mimetype: JupyterLab and VS Code draw it, the executed notebook stays
+small, and :func:`composer_ops.reports.render_html` turns it into a self-contained
+page with plotly.js embedded once.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from datetime import datetime
 from typing import Any
 
-import plotly.express as px
-import plotly.graph_objects as go
-import plotly.io as pio
-import polars as pl
+from composer_ops.lazyimport import defer_rfc3987_syntax
+
+defer_rfc3987_syntax()  # plotly's mimetype renderer imports nbformat, hence jsonschema: -1 s per kernel
+
+import plotly.graph_objects as go  # noqa: E402
+import plotly.io as pio  # noqa: E402
+import polars as pl  # noqa: E402
 
 STATE_COLORS = {
     "PENDING": "#f2a93b", "QUEUED": "#e3c04b", "RUNNING": "#3b82c4", "WAITING": "#8e6cc4",
@@ -21,12 +28,14 @@ STATE_COLORS = {
     "NOT REACHED": "#e5e7eb",
 }
 ACTION_COLORS = {"drop": "#d64545", "keep": "#3ea66b"}
+EXPIRED_COLORS = {True: "#d64545", False: "#3b82c4"}
+PHASE_COLORS = {"queued": "#f2a93b", "ran": "#3b82c4", "waiting": "#8e6cc4", "decided": "#9aa5b1"}
 
 
 def setup() -> None:
-    """Render figures with plotly.js embedded in the notebook (self-contained HTML reports)."""
+    """``fig.show()`` emits plotly's JSON mimetype only, on a white template."""
     pio.templates.default = "plotly_white"
-    pio.renderers.default = "plotly_mimetype+notebook"
+    pio.renderers.default = "plotly_mimetype"
 
 
 def _empty(title: str, message: str) -> go.Figure:
@@ -36,16 +45,50 @@ def _empty(title: str, message: str) -> go.Figure:
     return fig
 
 
+def _groups(df: pl.DataFrame, by: str, order: Mapping[Any, str] | None) -> list[tuple[Any, pl.DataFrame]]:
+    """``df`` split by the values of ``by``: in ``order``'s key order first (the legend
+    then lists states the same way in every chart), then in order of appearance."""
+    found = {key: part for (key,), part in df.group_by([by], maintain_order=True)}
+    known = [k for k in (order or {}) if k in found]
+    return [(k, found[k]) for k in known + [k for k in found if k not in known]]
+
+
+def _hover(x: str, y: str, extra: Sequence[str]) -> str:
+    lines = [f"{x}=%{{x}}", f"{y}=%{{y}}"] + [f"{name}=%{{customdata[{i}]}}" for i, name in enumerate(extra)]
+    return "<br>".join(lines) + "<extra>%{fullData.name}</extra>"
+
+
+def _bars(df: pl.DataFrame, *, x: str, y: str, color: str, title: str, colors: Mapping[Any, str] | None = None,
+          hover: Sequence[str] = (), barmode: str = "stack", horizontal: bool = False,
+          labels: Mapping[str, str] | None = None, category_order: Sequence[str] | None = None) -> go.Figure:
+    """One bar trace per value of ``color`` (what ``px.bar`` draws), with ``hover``
+    columns in the tooltip."""
+    names = dict(labels or {})
+    fig = go.Figure()
+    for key, part in _groups(df, color, colors):
+        fig.add_bar(x=part[x].to_list(), y=part[y].to_list(), name=str(key),
+                    orientation="h" if horizontal else "v",
+                    marker_color=(colors or {}).get(key),
+                    customdata=part.select(hover).rows() if hover else None,
+                    hovertemplate=_hover(names.get(x, x), names.get(y, y), hover))
+    fig.update_layout(title=title, barmode=barmode, legend_title_text=color,
+                      xaxis_title=names.get(x, x), yaxis_title=names.get(y, y))
+    category_axis = fig.update_yaxes if horizontal else fig.update_xaxes
+    if category_order is not None:
+        category_axis(type="category", categoryorder="array", categoryarray=list(category_order))
+    else:
+        category_axis(type="category")
+    return fig
+
+
 def partition_sizes(inventory: pl.DataFrame) -> go.Figure:
     """Bytes per month, stacked by table; hover shows rows and the heap/index/toast split."""
     if inventory.is_empty():
         return _empty("Partition sizes", "no partitions")
-    fig = px.bar(inventory.to_pandas(), x="month", y="total_bytes", color="table", barmode="stack",
-                 hover_data=["partition", "rows", "heap_bytes", "index_bytes", "toast_bytes"],
+    return _bars(inventory, x="month", y="total_bytes", color="table",
+                 hover=["partition", "rows", "heap_bytes", "index_bytes", "toast_bytes"],
                  title="Partition size per month (heap + indexes + toast)",
                  labels={"total_bytes": "bytes", "month": "partition month (UTC)"})
-    fig.update_xaxes(type="category")
-    return fig
 
 
 def partition_rows(inventory: pl.DataFrame) -> go.Figure:
@@ -53,23 +96,21 @@ def partition_rows(inventory: pl.DataFrame) -> go.Figure:
     if inventory.is_empty():
         return _empty("Rows per partition", "no partitions")
     exact = bool(inventory["rows_exact"].any())
-    fig = px.bar(inventory.to_pandas(), x="month", y="rows", color="table", barmode="group",
+    return _bars(inventory, x="month", y="rows", color="table", barmode="group",
                  title=f"Rows per partition ({'exact counts' if exact else 'catalog estimates'})",
                  labels={"month": "partition month (UTC)"})
-    fig.update_xaxes(type="category")
-    return fig
 
 
 def growth(frame: pl.DataFrame) -> go.Figure:
     """Rows added per month (actual, then projected) and the running total of bytes."""
     if frame.is_empty():
         return _empty("Growth", "no data")
-    pdf = frame.to_pandas()
     fig = go.Figure()
     for kind, color in (("actual", "#3b82c4"), ("projected", "#b8c7dc")):
-        part = pdf[pdf["kind"] == kind]
-        fig.add_bar(x=part["month"], y=part["rows"], name=f"rows ({kind})", marker_color=color)
-    fig.add_scatter(x=pdf["month"], y=pdf["total_bytes"], name="total bytes", yaxis="y2", mode="lines+markers")
+        part = frame.filter(pl.col("kind") == kind)
+        fig.add_bar(x=part["month"].to_list(), y=part["rows"].to_list(), name=f"rows ({kind})", marker_color=color)
+    fig.add_scatter(x=frame["month"].to_list(), y=frame["total_bytes"].to_list(), name="total bytes", yaxis="y2",
+                    mode="lines+markers")
     fig.update_layout(title="Growth per month and projection", xaxis={"type": "category"},
                       yaxis={"title": "rows added"},
                       yaxis2={"title": "total bytes", "overlaying": "y", "side": "right"})
@@ -81,25 +122,23 @@ def active_groups(by_group: pl.DataFrame) -> go.Figure:
     if by_group.is_empty():
         return _empty("Active tasks", "no active tasks")
     df = by_group.with_columns((pl.col("queue") + " / " + pl.col("node_type")).alias("queue / node type"))
-    return px.bar(df.to_pandas(), x="queue / node type", y="tasks", color="state", color_discrete_map=STATE_COLORS,
-                  hover_data=["oldest_age_s", "oldest_run_id", "oldest_node_id"],
-                  title="Active tasks by queue and node type")
+    return _bars(df, x="queue / node type", y="tasks", color="state", colors=STATE_COLORS,
+                 hover=["oldest_age_s", "oldest_run_id", "oldest_node_id"], title="Active tasks by queue and node type")
 
 
 def age_histogram(hist: pl.DataFrame) -> go.Figure:
     """Active tasks per age bucket, stacked by state."""
     order = hist.sort("bucket_order")["bucket"].unique(maintain_order=True).to_list()
-    return px.bar(hist.to_pandas(), x="bucket", y="tasks", color="state", color_discrete_map=STATE_COLORS,
-                  category_orders={"bucket": order}, title="Age of active tasks (since created)",
-                  labels={"bucket": "age"})
+    return _bars(hist, x="bucket", y="tasks", color="state", colors=STATE_COLORS, category_order=order,
+                 title="Age of active tasks (since created)", labels={"bucket": "age"})
 
 
 def top_runs(runs: pl.DataFrame) -> go.Figure:
     """Runs with the most active tasks."""
     if runs.is_empty():
         return _empty("Runs with the most active tasks", "no active tasks")
-    return px.bar(runs.to_pandas(), x="active_tasks", y="run_id", orientation="h", color="workflow_id",
-                  hover_data=["status", "oldest_age_s"], title="Runs with the most active tasks")
+    return _bars(runs, x="active_tasks", y="run_id", color="workflow_id", horizontal=True,
+                 hover=["status", "oldest_age_s"], title="Runs with the most active tasks")
 
 
 def outbox(backlog: pl.DataFrame) -> go.Figure:
@@ -107,29 +146,34 @@ def outbox(backlog: pl.DataFrame) -> go.Figure:
     if backlog.is_empty():
         return _empty("Outbox backlog", "the outbox is empty: every dispatch has been claimed")
     long = backlog.select("queue", "ready", "delayed").unpivot(index="queue", variable_name="kind", value_name="rows")
-    return px.bar(long.to_pandas(), x="queue", y="rows", color="kind", barmode="stack",
-                  color_discrete_map={"ready": "#f2a93b", "delayed": "#b8c7dc"}, title="Outbox backlog per queue")
+    return _bars(long, x="queue", y="rows", color="kind", colors={"ready": "#f2a93b", "delayed": "#b8c7dc"},
+                 title="Outbox backlog per queue")
 
 
 def lease_timeline(leases: pl.DataFrame, now: datetime) -> go.Figure:
     """Each RUNNING task at its lease expiry, one row per owner; left of the line = expired."""
     if leases.is_empty():
         return _empty("Lease expiries", "no RUNNING tasks")
-    fig = px.scatter(leases.to_pandas(), x="lease_expires_at", y="lease_owner", color="expired",
-                     color_discrete_map={True: "#d64545", False: "#3b82c4"},
-                     hover_data=["run_id", "node_id", "attempt", "expires_in_s"],
-                     title="Lease expiry per RUNNING task (red: expired but still RUNNING)")
+    hover = ["run_id", "node_id", "attempt", "expires_in_s"]
+    fig = go.Figure()
+    for expired, part in _groups(leases, "expired", EXPIRED_COLORS):
+        fig.add_scatter(x=part["lease_expires_at"].to_list(), y=part["lease_owner"].to_list(), mode="markers",
+                        name="expired" if expired else "not expired",
+                        marker={"size": 12, "color": EXPIRED_COLORS.get(expired)},
+                        customdata=part.select(hover).rows(), hovertemplate=_hover("lease_expires_at", "lease_owner",
+                                                                                  hover))
+    fig.update_layout(title="Lease expiry per RUNNING task (red: expired but still RUNNING)",
+                      xaxis_title="lease_expires_at", yaxis_title="lease_owner", yaxis_type="category")
     fig.add_vline(x=now.timestamp() * 1000, line_dash="dash", annotation_text="now (database clock)")
-    fig.update_traces(marker={"size": 12})
     return fig
 
 
 def expiry_buckets(buckets: pl.DataFrame) -> go.Figure:
     """RUNNING tasks per time-to-expiry bucket."""
-    df = buckets.with_columns(pl.col("bucket").str.starts_with("expired").alias("expired"))
-    return px.bar(df.to_pandas(), x="bucket", y="tasks", color="expired",
-                  color_discrete_map={True: "#d64545", False: "#3b82c4"},
-                  category_orders={"bucket": buckets["bucket"].to_list()}, title="Time to lease expiry")
+    df = buckets.with_columns(pl.when(pl.col("bucket").str.starts_with("expired")).then(pl.lit("expired"))
+                              .otherwise(pl.lit("not expired")).alias("lease"))
+    return _bars(df, x="bucket", y="tasks", color="lease", colors={"expired": "#d64545", "not expired": "#3b82c4"},
+                 category_order=buckets["bucket"].to_list(), title="Time to lease expiry")
 
 
 def attempts(dist: pl.DataFrame) -> go.Figure:
@@ -137,8 +181,8 @@ def attempts(dist: pl.DataFrame) -> go.Figure:
     if dist.is_empty():
         return _empty("Attempts", "no active tasks")
     df = dist.with_columns(pl.col("attempt").cast(pl.String))
-    return px.bar(df.to_pandas(), x="attempt", y="tasks", color="state", color_discrete_map=STATE_COLORS,
-                  title="Active tasks per attempt (0 = first try)")
+    return _bars(df, x="attempt", y="tasks", color="state", colors=STATE_COLORS,
+                 title="Active tasks per attempt (0 = first try)")
 
 
 def retention(plan: pl.DataFrame) -> go.Figure:
@@ -146,11 +190,9 @@ def retention(plan: pl.DataFrame) -> go.Figure:
     if plan.is_empty():
         return _empty("Retention plan", "no partitions")
     df = plan.with_columns(pl.col("active_run_ids").list.join(", ").alias("blocking runs"))
-    fig = px.bar(df.to_pandas(), x="month", y="bytes", color="action", color_discrete_map=ACTION_COLORS,
-                 hover_data=["reason", "rows", "active_runs", "blocking runs"],
+    return _bars(df, x="month", y="bytes", color="action", colors=ACTION_COLORS,
+                 hover=["reason", "rows", "active_runs", "blocking runs"],
                  title="Retention plan: bytes per month, dropped or kept")
-    fig.update_xaxes(type="category")
-    return fig
 
 
 def run_graph(nodes: pl.DataFrame, edges: pl.DataFrame) -> go.Figure:
@@ -188,18 +230,21 @@ def run_graph(nodes: pl.DataFrame, edges: pl.DataFrame) -> go.Figure:
 
 
 def gantt(rows: pl.DataFrame) -> go.Figure:
-    """Task timeline: queued, ran, waiting and decided phases per node."""
+    """Task timeline: queued, ran, waiting and decided phases per node (horizontal bars
+    from ``start`` to ``end`` on a time axis, what ``px.timeline`` draws)."""
     if rows.is_empty():
         return _empty("Task timeline", "the run has no tasks")
     df = rows.with_columns(pl.col("end").fill_null(pl.col("start")))
-    fig = px.timeline(df.to_pandas(), x_start="start", x_end="end", y="node_id", color="phase",
-                      hover_data=["state", "attempt", "node_type"], title="Task timeline (UTC)",
-                      color_discrete_map={"queued": "#f2a93b", "ran": "#3b82c4", "waiting": "#8e6cc4",
-                                          "decided": "#9aa5b1"})
-    fig.update_yaxes(autorange="reversed")
+    df = df.with_columns(((pl.col("end") - pl.col("start")).dt.total_microseconds() / 1000).alias("ms"))
+    hover = ["state", "attempt", "node_type", "start", "end"]
+    fig = go.Figure()
+    for phase, part in _groups(df, "phase", PHASE_COLORS):
+        fig.add_bar(base=part["start"].to_list(), x=part["ms"].to_list(), y=part["node_id"].to_list(),
+                    orientation="h", name=str(phase), marker_color=PHASE_COLORS.get(phase),
+                    customdata=part.select(hover).rows(),
+                    hovertemplate="node_id=%{y}<br>" + "<br>".join(f"{h}=%{{customdata[{i}]}}"
+                                                                     for i, h in enumerate(hover))
+                    + "<extra>%{fullData.name}</extra>")
+    fig.update_layout(title="Task timeline (UTC)", barmode="overlay", xaxis={"type": "date"},
+                      yaxis={"type": "category", "autorange": "reversed"}, legend_title_text="phase")
     return fig
-
-
-def table(df: pl.DataFrame, max_rows: int = 50) -> Any:
-    """A pandas view of ``df`` for display (notebooks render it as an HTML table)."""
-    return df.head(max_rows).to_pandas()

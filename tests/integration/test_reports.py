@@ -37,7 +37,13 @@ def test_report_all_writes_html_beside_the_executed_notebook_and_an_index(
         assert page.with_suffix(".ipynb").exists() and page.with_suffix(".json").exists()
         assert f'href="{name}/{page.name}"' in index
         html = page.read_text(encoding="utf-8")
-        assert "Plotly.newPlot" in html and "plotly.js v" in html   # the library itself is embedded
+        # plotly.js is embedded once in the page, not in the notebook; one newPlot per figure shown.
+        assert html.count("* plotly.js v") == 1, name
+        executed_text = page.with_suffix(".ipynb").read_text(encoding="utf-8")
+        assert "plotly.js v" not in executed_text and len(executed_text) < 1_000_000, name
+        figures = [o for c in nbformat.reads(executed_text, as_version=4).cells if c.cell_type == "code"
+                   for o in c.outputs if reports.PLOTLY_MIME in o.get("data", {})]
+        assert figures and html.count('class="plotly-graph-div"') == len(figures), name
         assert not re.search(r"<script[^>]*\ssrc=\"https?://", html), f"{name}: depends on the network"
         assert "ops.snapshot(" not in html and "import polars" not in html, f"{name}: code cells are shown"
         assert db_url not in html and db_url not in page.with_suffix(".ipynb").read_text(encoding="utf-8")

@@ -1,0 +1,60 @@
+"""Defer one slow optional import that every report would otherwise pay for twice.
+
+``jsonschema`` (imported by ``nbformat``, which papermill, nbconvert and plotly's
+notebook renderers all import) runs ``from rfc3987_syntax import is_valid_syntax``
+at import time when that package is installed, and ``rfc3987_syntax`` compiles
+about 40 lark grammars as it loads: 1 to 1.5 s on this machine kind, in the
+``report`` process and again in each kernel. It is installed wherever JupyterLab is
+(``jupyter-events`` requires ``jsonschema[format-nongpl]``); upstream:
+python-jsonschema/jsonschema#1428.
+
+:func:`defer_rfc3987_syntax` puts a stand-in module under that name whose
+``is_valid_syntax`` imports the real package on its first call and delegates, and
+whose other attributes do the same. Nothing changes for a caller: ``iri`` formats
+are still checked, by the same code, the first time one is checked. Nothing we run
+checks one, so the grammars are never compiled.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import sys
+import types
+from typing import Any
+
+_NAME = "rfc3987_syntax"
+
+
+class _Deferred(types.ModuleType):
+    """Stand-in for ``rfc3987_syntax`` until something uses it."""
+
+    def __getattr__(self, attr: str) -> Any:
+        if attr.startswith("__"):
+            raise AttributeError(attr)
+        return getattr(_load_real(), attr)
+
+
+def _load_real() -> types.ModuleType:
+    current = sys.modules.get(_NAME)
+    if isinstance(current, _Deferred):
+        del sys.modules[_NAME]
+    return importlib.import_module(_NAME)
+
+
+def _is_valid_syntax(*args: Any, **kwargs: Any) -> Any:
+    return _load_real().is_valid_syntax(*args, **kwargs)
+
+
+def defer_rfc3987_syntax() -> bool:
+    """Install the stand-in if ``rfc3987_syntax`` is installed and not imported yet
+    (and ``jsonschema``, which would have imported it, is not either). Returns whether
+    it did. Idempotent."""
+    if _NAME in sys.modules or "jsonschema" in sys.modules:
+        return False
+    if importlib.util.find_spec(_NAME) is None:
+        return False
+    stub = _Deferred(_NAME, __doc__)
+    stub.is_valid_syntax = _is_valid_syntax  # type: ignore[attr-defined]
+    sys.modules[_NAME] = stub
+    return True
