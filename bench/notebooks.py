@@ -16,7 +16,8 @@ tasks to look at, runs ANALYZE as an operator would after a bulk load, then time
 Building takes 5-15 minutes on 2 cores (machine load), so it is not part of ``make bench``; its
 result, ``bench/results/notebooks-latest.json``, is included in ``latest.json`` by
 the next ``make bench``. ``--database-url`` reuses a database already built (with
-``--skip-build``), e.g. the one ``--keep`` left behind.
+``--skip-build``), e.g. the one ``--keep`` left behind. ``--before DIR`` times the
+reports of another checkout (e.g. ``git worktree add DIR <commit>``) side by side.
 """
 
 from __future__ import annotations
@@ -147,9 +148,10 @@ def _executed_seconds(folder: Path) -> float | None:
     return float(duration) if duration is not None else None
 
 
-def _one_report(url: str, name: str, out: str) -> dict[str, Any]:
-    env = {**os.environ, "COMPOSER_DATABASE_URL": url, "PYTHONPATH": str(ROOT), "COMPOSER_REPORT_PROGRESS": "0"}
-    proc = subprocess.Popen([sys.executable, "-m", "composer_ops", "report", name, "--out", out], cwd=ROOT,
+def _one_report(url: str, name: str, out: str, root: Path = ROOT) -> dict[str, Any]:
+    """``composer-ops report NAME`` of the tree at ``root`` (its package first on the path)."""
+    env = {**os.environ, "COMPOSER_DATABASE_URL": url, "PYTHONPATH": str(root), "COMPOSER_REPORT_PROGRESS": "0"}
+    proc = subprocess.Popen([sys.executable, "-m", "composer_ops", "report", name, "--out", out], cwd=root,
                             env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     peak_mb, seconds = _peak_rss(proc)
     err = proc.stderr.read().decode(errors="replace") if proc.stderr else ""
@@ -157,30 +159,35 @@ def _one_report(url: str, name: str, out: str) -> dict[str, Any]:
             "ok": proc.returncode == 0, "error": err.strip()[-500:] if proc.returncode else None}
 
 
-def time_reports(url: str, rounds: int = 3) -> list[dict[str, Any]]:
+def _summary(label: str, got: list[dict[str, Any]]) -> dict[str, Any]:
+    times = [r["seconds"] for r in got]
+    executed = [r["notebook_seconds"] for r in got if r["notebook_seconds"] is not None]
+    failed = [r for r in got if not r["ok"]]
+    return {"name": label, "seconds": statistics.median(times), "seconds_each": times,
+            "notebook_seconds": statistics.median(executed) if executed else None,
+            "peak_rss_mb": max((r["peak_rss_mb"] or 0 for r in got), default=0) or None,
+            "ok": not failed, "error": failed[0]["error"] if failed else None}
+
+
+def time_reports(url: str, rounds: int = 3, before: Path | None = None) -> list[dict[str, Any]]:
     """Each report ``rounds`` times (round-robin, so a burst of load on the shared
-    machine hits every report alike); ``seconds`` is the median of the rounds."""
+    machine hits every report alike); ``seconds`` is the median of the rounds. With
+    ``before`` (another checkout), that tree's report runs next to this one's in every
+    round, the order flipping each round, and its items are labelled ``before``."""
     from composer_ops.reports import available
 
     names = available()
-    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in names}
-    for _ in range(rounds):
+    trees = [("", ROOT)] + ([(" (before)", before)] if before else [])
+    runs: dict[str, list[dict[str, Any]]] = {}
+    for round_no in range(rounds):
         for name in names:
-            with tempfile.TemporaryDirectory(prefix="composer-bench-reports-") as out:
-                runs[name].append(_one_report(url, name, out))
-    items = []
-    for name, got in runs.items():
-        times = [r["seconds"] for r in got]
-        executed = [r["notebook_seconds"] for r in got if r["notebook_seconds"] is not None]
-        failed = [r for r in got if not r["ok"]]
-        items.append({"name": f"report {name}", "seconds": statistics.median(times), "seconds_each": times,
-                      "notebook_seconds": statistics.median(executed) if executed else None,
-                      "peak_rss_mb": max((r["peak_rss_mb"] or 0 for r in got), default=0) or None,
-                      "ok": not failed, "error": failed[0]["error"] if failed else None})
-    return items
+            for label, root in (trees if round_no % 2 == 0 else trees[::-1]):
+                with tempfile.TemporaryDirectory(prefix="composer-bench-reports-") as out:
+                    runs.setdefault(f"report {name}{label}", []).append(_one_report(url, name, out, root))
+    return [_summary(label, got) for label, got in sorted(runs.items())]
 
 
-def measure(url: str, rounds: int = 3) -> dict[str, Any]:
+def measure(url: str, rounds: int = 3, before: Path | None = None) -> dict[str, Any]:
     with psycopg.connect(url) as conn:
         version = str(conn.execute("SHOW server_version").fetchone()[0])  # type: ignore[index]
         months = conn.execute("""SELECT count(*) FROM pg_inherits
@@ -189,7 +196,8 @@ def measure(url: str, rounds: int = 3) -> dict[str, Any]:
     rows = task_rows(url)
     return {"date": datetime.now(UTC).isoformat(timespec="seconds"), "server_version": version,
             "task_rows": rows, "task_partitions": int(months), "database_bytes": int(size),
-            "report_rounds": rounds, "items": time_ops(url) + time_reports(url, rounds)}
+            "report_rounds": rounds, "before_tree": str(before) if before else None,
+            "items": time_ops(url) + time_reports(url, rounds, before)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -205,6 +213,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--keep", action="store_true", help="keep the throwaway server running at the end "
                                                             "(prints its URL; stop it with kill)")
     parser.add_argument("--rounds", type=int, default=3, help="times each report runs; the median is reported")
+    parser.add_argument("--before", type=Path, metavar="DIR",
+                        help="also time the reports of the checkout in DIR, side by side in every round")
     parser.add_argument("--out", type=Path, default=RESULT)
     args = parser.parse_args(argv)
     url = args.database_url
@@ -220,13 +230,13 @@ def main(argv: list[str] | None = None) -> int:
         built = build(url, runs_per_month=args.runs_per_month, months=args.months, live_runs=args.live_runs,
                       history=not args.skip_history)
     sys.stderr.write("[notebooks] timing ops functions and reports\n")
-    result = {**measure(url, args.rounds), "build": built,
+    result = {**measure(url, args.rounds, args.before), "build": built,
               "command": "python -m bench.notebooks " + " ".join(argv if argv is not None else sys.argv[1:])}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2, default=str) + "\n")
     from rich.console import Console
 
-    Console(width=120).print(notebooks_table(result))
+    Console(width=150).print(notebooks_table(result))
     if args.keep and args.database_url is None:
         sys.stderr.write(f"[notebooks] database kept at {url}; press Ctrl-C to stop the server\n")
         try:

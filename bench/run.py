@@ -261,11 +261,18 @@ def summarize(results: dict[str, Any], server: servers.Server, peer: Any, args: 
         "procrastinate_claim_to_complete_p99_ms": p_lat and p_lat["units"]["claim_to_complete_p99_ms"],
         "latency_pace_per_s": args.pace,
         "retention_delete_over_drop": (results.get("retention") or {}).get("delete_over_drop"),
-        "notebooks_task_rows": (results.get("notebooks") or {}).get("task_rows"),
-        "notebooks_slowest_report_s": max((i["seconds"] for i in (results.get("notebooks") or {}).get("items", [])
-                                           if i["name"].startswith("report ")), default=None),
+        **notebook_keys(results.get("notebooks") or {}),
         "results": results,
     }
+
+
+def notebook_keys(nb: dict[str, Any]) -> dict[str, Any]:
+    """The headline keys of a bench.notebooks result (this tree's reports, not ``--before``'s)."""
+    reports = {i["name"].removeprefix("report "): i["seconds"] for i in nb.get("items", [])
+               if i["name"].startswith("report ") and not i["name"].endswith("(before)")}
+    return {"notebooks_task_rows": nb.get("task_rows"),
+            "notebooks_slowest_report_s": max(reports.values(), default=None),
+            "notebooks_partition_sizes_report_s": reports.get("partition_sizes")}
 
 
 if __name__ == "__main__":
