@@ -50,7 +50,7 @@ demo-small:
 	$(MAKE) demo DEMO_SIZE=small
 
 lint: $(STAMP)
-	$(BIN)/ruff check composer_ops tests
+	$(BIN)/ruff check composer_ops tests bench notebooks/conftest.py
 	$(BIN)/mypy
 
 # The whole suite on the embedded server (PostgreSQL 18), then on Debian's 15, then

@@ -32,7 +32,7 @@ class ServerCPU:
             return None
         try:
             own = self.postmaster.cpu_times()
-            total = own.user + own.system + own.children_user + own.children_system
+            total: float = own.user + own.system + own.children_user + own.children_system
             for child in self.postmaster.children():
                 try:
                     t = child.cpu_times()

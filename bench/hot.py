@@ -25,7 +25,7 @@ from __future__ import annotations
 import re
 import subprocess
 from collections import Counter
-from typing import Any
+from typing import Any, cast
 
 import psycopg
 
@@ -77,7 +77,9 @@ def _wal_index_inserts(server: Server, url: str, start: str, end: str) -> dict[s
     if server.data_dir is None or server.bin_dir is None or not (server.bin_dir / "pg_waldump").exists():
         return None
     with psycopg.connect(url) as conn:
-        db_oid = str(conn.execute("SELECT oid FROM pg_database WHERE datname = current_database()").fetchone()[0])
+        oid_row = conn.execute("SELECT oid FROM pg_database WHERE datname = current_database()").fetchone()
+        assert oid_row is not None
+        db_oid = str(oid_row[0])
         files = {f: (kind, name) for f, kind, name in conn.execute(_RELFILES).fetchall()}
     out = subprocess.run([str(server.bin_dir / "pg_waldump"), "-p", str(server.data_dir / "pg_wal"),
                           "-s", start, "-e", end], capture_output=True, text=True, check=False)
@@ -103,7 +105,9 @@ def _phase(server: Server, url: str, engine: Any, name: str, body: Any) -> dict[
     _flush(engine)
     ins1, upd1, hot1, idx1, lsn1 = _stats(url)
     with psycopg.connect(url) as conn:
-        wal_bytes = int(conn.execute("SELECT pg_wal_lsn_diff(%s, %s)", (lsn1, lsn0)).fetchone()[0])  # type: ignore[index]
+        diff = conn.execute("SELECT pg_wal_lsn_diff(%s, %s)", (lsn1, lsn0)).fetchone()
+        assert diff is not None
+        wal_bytes = int(diff[0])
     writes = (ins1 - ins0) + (upd1 - upd0)
     wal = _wal_index_inserts(server, url, lsn0, lsn1)
     return {
@@ -230,6 +234,14 @@ class StatementCapture:
     def fetchall(self) -> list[Any]:
         return []
 
+    def as_connection(self) -> psycopg.Connection[Any]:
+        """This capture, typed as the connection the repository functions take.
+
+        A duck-typed stand-in: it has only what ``fetch_all`` uses (``cursor(row_factory=...)``
+        as a context manager, ``execute``, ``fetchall``), which is all the captured
+        functions (``tasks.expired_leases``, ``signals.due_waits``) call."""
+        return cast("psycopg.Connection[Any]", self)
+
 
 def explain(server: Server, label: str, target: int | None, runs: int = 20000) -> dict[str, list[str]]:
     """EXPLAIN (ANALYZE) of the sweeper's and the timer's statements on a seeded table."""
@@ -250,7 +262,7 @@ def explain(server: Server, label: str, target: int | None, runs: int = 20000) -
             conn.execute("ANALYZE task_instances")
             for name, fn in (("expired_leases", tasks.expired_leases), ("due_waits", signals.due_waits)):
                 capture = StatementCapture()
-                fn(capture, 100)  # type: ignore[arg-type]
+                fn(capture.as_connection(), 100)
                 query, params = capture.statements[0]
                 rows = conn.execute("EXPLAIN (ANALYZE, BUFFERS, COSTS OFF, TIMING OFF, SUMMARY OFF) " + query,
                                     params).fetchall()

@@ -21,6 +21,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from psycopg.pq import Trace
+
 from bench.cpu import ServerCPU, per_item_ms
 from bench.server import Server
 
@@ -56,18 +58,26 @@ def measure(server: Server, template: str, *, runs: int = 500) -> dict[str, Any]
                 engine.complete(c, None)
             out: dict[str, Any] = {"runs": runs}
             claims: list[Any] = []
-            ops: list[tuple[str, Callable[[], None]]] = [
-                ("start", lambda: [engine.start("bench-one") for _ in range(runs)] and None),
-                ("claim", lambda: [claims.extend(engine.claim(["default"], "rt", 1, task_names=["noop"]))
-                                   for _ in range(runs)] and None),
-                ("complete", lambda: [engine.complete(c, None) for c in claims] and None),
-            ]
+
+            def start() -> None:
+                for _ in range(runs):
+                    engine.start("bench-one")
+
+            def claim() -> None:
+                for _ in range(runs):
+                    claims.extend(engine.claim(["default"], "rt", 1, task_names=["noop"]))
+
+            def complete() -> None:
+                for c in claims:
+                    engine.complete(c, None)
+
+            ops: list[tuple[str, Callable[[], None]]] = [("start", start), ("claim", claim), ("complete", complete)]
             for name, op in ops:
                 fd, path = tempfile.mkstemp(prefix="composer-trace-")
                 try:
                     with engine.pool.connection() as conn:
                         conn.pgconn.trace(fd)
-                        conn.pgconn.set_trace_flags(1)   # PQTRACE_SUPPRESS_TIMESTAMPS
+                        conn.pgconn.set_trace_flags(Trace.SUPPRESS_TIMESTAMPS)
                     srv0 = server_cpu.seconds()
                     cpu0, wall0 = time.process_time(), time.perf_counter()
                     op()

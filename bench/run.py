@@ -26,6 +26,7 @@ from typing import Any
 from bench import hot, pgbench, retention, scenario
 from bench import server as servers
 from bench.report import render, write
+from bench.scenario import System
 from bench.workload import COMPOSER, make_template
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -68,6 +69,7 @@ def _round_steps(args: argparse.Namespace, server: servers.Server, template: str
         COMPOSER, server, template, workers=w, duration=args.duration, max_backlog=args.max_backlog))
     steps: list[tuple[str, Any]]
     if peer:
+        assert peer_template is not None, "main() makes the peer's template whenever there is a peer"
         p_drain = ("procrastinate drain", lambda: scenario.drain(peer.PROCRASTINATE, server, peer_template,
                                                                  workers=w, items=args.runs))
         p_sus = ("procrastinate sustained", lambda: scenario.sustained(
@@ -130,7 +132,10 @@ def main(argv: list[str] | None = None) -> int:
                     results["throughput"].append(result)
 
     if "latency" not in args.skip:
-        systems = [(COMPOSER, template)] + ([(peer.PROCRASTINATE, peer_template)] if peer else [])
+        systems: list[tuple[System, str]] = [(COMPOSER, template)]
+        if peer:
+            assert peer_template is not None, "made above whenever there is a peer"
+            systems.append((peer.PROCRASTINATE, peer_template))
         for system, tpl in systems:
             _log(f"{system.name} paced at {args.pace:.0f}/s, W=1")
             results["latency"].append(scenario.sustained(system, server, tpl, workers=1, duration=args.duration,

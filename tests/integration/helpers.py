@@ -51,5 +51,7 @@ def connect_in_tz(url: str, tz: str) -> Any:
     conn = psycopg.connect(url)
     conn.execute("SELECT set_config('TimeZone', %s, false)", (tz,))
     conn.commit()
-    assert conn.execute("SHOW TimeZone").fetchone()[0] == tz
+    row = conn.execute("SHOW TimeZone").fetchone()
+    assert row is not None
+    assert row[0] == tz
     return conn

@@ -23,7 +23,7 @@ def engine(db_url: str) -> Iterator[Engine]:
 
 
 def order_spec(wait_s: float = 0.5, timeout_s: float = 60) -> dict[str, Any]:
-    spec = json.loads((ROOT / "examples" / "order_fulfilment.json").read_text())
+    spec: dict[str, Any] = json.loads((ROOT / "examples" / "order_fulfilment.json").read_text())
     nodes = {n["id"]: n for n in spec["nodes"]}
     nodes["charge"]["task"] = "tier"
     nodes["charge"]["retry"]["initial_backoff_s"] = 0.1
@@ -111,7 +111,9 @@ def test_cancel_during_a_running_task_makes_its_late_result_stale(db_url: str, e
 
 def _pending_outbox(engine: Engine) -> int:
     with engine.pool.connection() as conn:
-        return int(conn.execute("SELECT count(*) FROM task_outbox").fetchone()[0])  # type: ignore[index]
+        row = conn.execute("SELECT count(*) FROM task_outbox").fetchone()
+        assert row is not None
+        return int(row[0])
 
 
 def test_sigkilled_worker_task_is_retried_after_its_lease(db_url: str, engine: Engine) -> None:
@@ -155,4 +157,6 @@ def test_fan_out_fan_in_200_runs_4_workers_2_coordinators(db_url: str, engine: E
 
 def _count(engine: Engine, query: str) -> int:
     with engine.pool.connection() as conn:
-        return int(conn.execute(query).fetchone()[0])  # type: ignore[index,arg-type]
+        row = conn.execute(query).fetchone()
+        assert row is not None
+        return int(row[0])

@@ -182,7 +182,7 @@ def _scans(conn: Any, query: str, params: Any) -> list[tuple[str, str, str | Non
 
 def test_lease_sweeper_reads_the_running_partial_index(seeded: Any) -> None:
     capture = StatementCapture()
-    tasks.expired_leases(capture, 100)
+    tasks.expired_leases(capture.as_connection(), 100)
     (query, params), = capture.statements
     scans = _scans(seeded, query, params)
     assert scans, "the plan scans no populated partition"
@@ -197,7 +197,7 @@ def test_lease_sweeper_reads_the_running_partial_index(seeded: Any) -> None:
 
 def test_timer_loop_reads_the_wake_partial_index(seeded: Any) -> None:
     capture = StatementCapture()
-    signals.due_waits(capture, 100)
+    signals.due_waits(capture.as_connection(), 100)
     (query, params), = capture.statements
     scans = _scans(seeded, query, params)
     assert scans and all(t != "Seq Scan" for t, _, _ in scans), scans

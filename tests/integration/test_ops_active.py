@@ -128,6 +128,8 @@ def test_a_url_source_opens_and_closes_its_own_read_only_session(db_url: str) ->
         owner.commit()
     assert ops.active_by_group(db_url)["tasks"].sum() == 10
     with ops.snapshot(db_url) as conn:
-        assert conn.execute("SHOW transaction_read_only").fetchone()[0] == "on"
+        row = conn.execute("SHOW transaction_read_only").fetchone()
+        assert row is not None
+        assert row[0] == "on"
         with pytest.raises(psycopg.errors.ReadOnlySqlTransaction):
             conn.execute("DELETE FROM task_outbox")

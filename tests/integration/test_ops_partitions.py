@@ -47,7 +47,9 @@ def test_decoded_bounds_are_the_month_edges(conn: psycopg.Connection[Any], seede
     row = ops.partition_inventory(conn).filter(pl.col("partition") == "task_instances_p202503").row(0, named=True)
     assert row["lower_at"] == datetime(2025, 3, 1, tzinfo=UTC)
     assert row["upper_at"] == datetime(2025, 4, 1, tzinfo=UTC)
-    assert row["lower_bound"] == conn.execute("SELECT composer_uuid7_bound('2025-03-01Z')").fetchone()[0]
+    bound = conn.execute("SELECT composer_uuid7_bound('2025-03-01Z')").fetchone()
+    assert bound is not None
+    assert row["lower_bound"] == bound[0]
 
 
 def test_decode_uuid7_bound() -> None:

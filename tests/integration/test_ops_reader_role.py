@@ -28,7 +28,9 @@ def seeded_url(db_url: str) -> str:
 @pytest.fixture
 def reader(seeded_url: str) -> Iterator[psycopg.Connection[Any]]:
     with psycopg.connect(as_role(seeded_url), autocommit=True) as conn:
-        assert conn.execute("SELECT current_user").fetchone()[0] == READER
+        row = conn.execute("SELECT current_user").fetchone()
+        assert row is not None
+        assert row[0] == READER
         yield conn
 
 

@@ -92,7 +92,9 @@ def test_query_reads_task_instances_only_through_partial_indexes(busy_db: str, n
             SELECT c.relname FROM pg_class c JOIN pg_inherits h ON h.inhrelid = c.oid
              WHERE h.inhparent = 'task_instances'::regclass AND c.relpages > 0""").fetchall()}
         assert len(populated) == 2
-        plan = conn.execute(f"EXPLAIN (FORMAT JSON) {query}".encode(), params).fetchone()[0][0]["Plan"]
+        explained = conn.execute(f"EXPLAIN (FORMAT JSON) {query}".encode(), params).fetchone()
+        assert explained is not None
+        plan = explained[0][0]["Plan"]
     seen: dict[str, str] = {}
     for node, _parent in _scans(plan):
         relation = node.get("Relation Name", "")

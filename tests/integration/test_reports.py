@@ -41,7 +41,7 @@ def test_report_all_writes_html_beside_the_executed_notebook_and_an_index(
         assert html.count("* plotly.js v") == 1, name
         executed_text = page.with_suffix(".ipynb").read_text(encoding="utf-8")
         assert "plotly.js v" not in executed_text and len(executed_text) < 1_000_000, name
-        figures = [o for c in nbformat.reads(executed_text, as_version=4).cells if c.cell_type == "code"
+        figures = [o for c in nbformat.reads(executed_text, as_version=4).cells if c.cell_type == "code"  # type: ignore[no-untyped-call]
                    for o in c.outputs if reports.PLOTLY_MIME in o.get("data", {})]
         assert figures and html.count('class="plotly-graph-div"') == len(figures), name
         assert not re.search(r"<script[^>]*\ssrc=\"https?://", html), f"{name}: depends on the network"
@@ -49,7 +49,7 @@ def test_report_all_writes_html_beside_the_executed_notebook_and_an_index(
         assert db_url not in html and db_url not in page.with_suffix(".ipynb").read_text(encoding="utf-8")
         summary = json.loads(page.with_suffix(".json").read_text(encoding="utf-8"))
         assert summary["ok"] is True
-        executed = nbformat.read(str(page.with_suffix(".ipynb")), as_version=4)
+        executed = nbformat.read(str(page.with_suffix(".ipynb")), as_version=4)  # type: ignore[no-untyped-call]
         assert not executed.metadata.papermill.exception
         assert all(c.outputs is not None for c in executed.cells if c.cell_type == "code")
     # The plan the retention report shows is the one -p cutoff asked for.
@@ -115,16 +115,16 @@ def test_the_kernel_is_this_interpreter_whatever_kernelspecs_say(tmp_path: Path,
     assert KernelSpecManager().get_kernel_spec("python3").argv[0] == "/bin/false"
     books = tmp_path / "books"
     books.mkdir()
-    nb = nbformat.v4.new_notebook()
+    nb = nbformat.v4.new_notebook()  # type: ignore[no-untyped-call]
     nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
-    params = nbformat.v4.new_code_cell("database_url = None\nanswer = 1")
+    params = nbformat.v4.new_code_cell("database_url = None\nanswer = 1")  # type: ignore[no-untyped-call]
     params.metadata["tags"] = ["parameters"]
-    nb.cells = [params, nbformat.v4.new_code_cell("import sys\nprint(sys.executable, answer)")]
-    nbformat.write(nb, str(books / "whoami.ipynb"))
+    nb.cells = [params, nbformat.v4.new_code_cell("import sys\nprint(sys.executable, answer)")]  # type: ignore[no-untyped-call]
+    nbformat.write(nb, str(books / "whoami.ipynb"))  # type: ignore[no-untyped-call]
     monkeypatch.setenv(reports.ENV_NOTEBOOKS, str(books))
     params_for = reports.resolve_parameters(["whoami"], [("answer", "42")])
     (result,) = reports.run_reports(["whoami"], params_for, tmp_path / "out", database_url=NOWHERE, progress=False)
     assert result.ok, result.error
-    executed = nbformat.read(str(result.ipynb), as_version=4)
+    executed = nbformat.read(str(result.ipynb), as_version=4)  # type: ignore[no-untyped-call]
     assert executed.cells[-1].outputs[0]["text"].strip() == f"{sys.executable} 42"
     assert reports.python_kernel_argv()[0] == sys.executable

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
@@ -90,7 +91,7 @@ def test_insert_task_terminal_states_stamp_times(conn: Any, run_id: str) -> None
 @pytest.mark.parametrize("op", ["complete", "fail", "requeue"])
 def test_fenced_updates_refuse_stale_attempt_and_finished_task(conn: Any, run_id: str, op: str) -> None:
     task_id = _task(conn, run_id)
-    apply = {
+    apply: Callable[[TaskRef], object] = {
         "complete": lambda ref: tasks.complete_task(conn, ref, {"ok": 1}),
         "fail": lambda ref: tasks.fail_task(conn, ref, "boom"),
         "requeue": lambda ref: tasks.requeue_task(conn, ref, "retry"),

@@ -61,7 +61,9 @@ def test_plan_never_drops_the_current_or_a_future_month(conn: psycopg.Connection
     fixtures.seed(conn)
     conn.execute("UPDATE workflow_runs SET status = 'SUCCEEDED' WHERE status IN ('RUNNING', 'PENDING')")
     plan = ops.retention_plan(conn, datetime(2100, 1, 1, tzinfo=UTC))
-    current = conn.execute("SELECT to_char(now() AT TIME ZONE 'UTC', 'YYYYMM')").fetchone()[0]
+    row = conn.execute("SELECT to_char(now() AT TIME ZONE 'UTC', 'YYYYMM')").fetchone()
+    assert row is not None
+    current = row[0]
     assert plan.filter(pl.col("action") == "drop")["month"].to_list() == list(fixtures.HISTORY_MONTHS)
     assert plan.filter(pl.col("month") >= current)["reason"].unique().to_list() == ["too new"]
 
