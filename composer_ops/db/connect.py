@@ -6,11 +6,14 @@ started (or reused). Nothing here commits: callers own their transactions.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import select
+from collections.abc import Iterator
 from typing import Any
 
 import psycopg
+from psycopg.pq import TransactionStatus
 from psycopg.rows import dict_row
 from psycopg_pool import ConnectionPool
 
@@ -60,6 +63,21 @@ def check_connection(conn: psycopg.Connection[Any]) -> None:
         pending = True
     if pending or conn.closed:
         ConnectionPool.check_connection(conn)
+
+
+@contextlib.contextmanager
+def autocommit(conn: psycopg.Connection[Any]) -> Iterator[psycopg.Connection[Any]]:
+    """A pooled connection in autocommit for the block: a single statement runs as its
+    own transaction, without the BEGIN and COMMIT round trips ``conn.transaction()``
+    adds. Only for one statement (several would each commit on their own). The
+    connection goes back to the pool as it was lent: not in autocommit, idle (a
+    broken one is left for the pool to discard)."""
+    conn.autocommit = True
+    try:
+        yield conn
+    finally:
+        if not conn.closed and conn.info.transaction_status == TransactionStatus.IDLE:
+            conn.autocommit = False
 
 
 def make_pool(url: str | None = None, *, min_size: int = 1, max_size: int = 8,

@@ -15,7 +15,7 @@ from composer_ops.core import CancelRun, SignalReceived, TaskCompleted, TaskFail
 from composer_ops.core.model import TaskRef
 from composer_ops.core.runids import month_of, uuid7_timestamp, validate_run_id
 from composer_ops.core.spec import ID_PATTERN
-from composer_ops.db import make_pool, resolve_url
+from composer_ops.db import autocommit, make_pool, resolve_url
 from composer_ops.db.errors import translating
 from composer_ops.db.migrate import migrate as run_migrations
 from composer_ops.db.retry import db_retry
@@ -130,7 +130,9 @@ class Engine:
         # of starting a second one. 74 random bits: a conflict can only be our own.
         retry_of_minted = bool(minted)
         with self.pool.connection() as conn, conn.transaction():
-            now: datetime = conn.execute("SELECT now()").fetchone()[0]  # type: ignore[index]
+            # The clock and the definition in one statement; a missing definition is
+            # refused after the run ID checks, in the order they always ran.
+            now, row = definitions.clock_and_start_target(conn, workflow_id, version)
             if client_id is None:
                 if not minted:
                     minted.append(uuid7_at(now))
@@ -139,8 +141,8 @@ class Engine:
                 run_id = client_id
                 validate_run_id(run_id, now, max_age=RUN_ID_MAX_AGE, max_ahead=RUN_ID_MAX_AHEAD)
                 self._require_partition(conn, run_id)
-            row = (definitions.get_deployed(conn, workflow_id) if version is None
-                   else definitions.get_version(conn, workflow_id, version))
+            if row is None:
+                definitions.refuse_missing(conn, workflow_id, version)
             if row.deleted_at is not None:
                 raise Invalid(f"workflow {workflow_id!r} v{row.version} has been deleted; it accepts no new runs")
             if not row.enabled:
@@ -206,8 +208,9 @@ class Engine:
     @db_retry()
     def claim(self, queues: Sequence[str], owner: str, limit: int, task_names: Sequence[str] | None = None
               ) -> list[Claim]:
-        """Claim up to ``limit`` tasks for ``owner`` (one statement, its own transaction)."""
-        with self.pool.connection() as conn, conn.transaction():
+        """Claim up to ``limit`` tasks for ``owner``: one statement, its own transaction
+        (autocommit: no BEGIN/COMMIT round trips around it)."""
+        with self.pool.connection() as conn, autocommit(conn):
             return outbox.claim(conn, queues, owner, limit, task_names=task_names)
 
     @translating("complete task")

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Any
+from datetime import datetime
+from typing import Any, NoReturn
 
 from composer_ops.errors import Invalid, NotFound
 from composer_ops.repo._base import Conn, fetch_all, fetch_one, jsonb
-from composer_ops.repo.rows import DefinitionRow
+from composer_ops.repo.rows import DefinitionRow, StartTarget
 
 _COLUMNS = """id, name, version, spec_json, created_by, enabled, webhook_url, deployed,
               deployed_at, deleted_at, created_at"""
@@ -49,11 +50,7 @@ def get_deployed(conn: Conn, workflow_id: str) -> DefinitionRow:
         SELECT {_COLUMNS} FROM workflow_definitions
          WHERE id = %s AND deployed ORDER BY version DESC LIMIT 1""", (workflow_id,))
     if row is None:
-        any_row = conn.execute("SELECT 1 FROM workflow_definitions WHERE id = %s LIMIT 1",
-                               (workflow_id,)).fetchone()
-        if any_row is None:
-            raise NotFound(f"workflow {workflow_id!r} does not exist (deploy it first)")
-        raise Invalid(f"workflow {workflow_id!r} has no deployed version")
+        refuse_missing(conn, workflow_id, None)
     return row
 
 
@@ -62,8 +59,42 @@ def get_version(conn: Conn, workflow_id: str, version: int) -> DefinitionRow:
                     f"SELECT {_COLUMNS} FROM workflow_definitions WHERE id = %s AND version = %s",
                     (workflow_id, version))
     if row is None:
-        raise NotFound(f"workflow definition {workflow_id} v{version} does not exist")
+        refuse_missing(conn, workflow_id, version)
     return row
+
+
+def refuse_missing(conn: Conn, workflow_id: str, version: int | None) -> NoReturn:
+    """The error for a definition lookup that found nothing: the deployed version
+    (``version`` None) or that version."""
+    if version is not None:
+        raise NotFound(f"workflow definition {workflow_id} v{version} does not exist")
+    any_row = conn.execute("SELECT 1 FROM workflow_definitions WHERE id = %s LIMIT 1", (workflow_id,)).fetchone()
+    if any_row is None:
+        raise NotFound(f"workflow {workflow_id!r} does not exist (deploy it first)")
+    raise Invalid(f"workflow {workflow_id!r} has no deployed version")
+
+
+_START_TARGET = """
+    SELECT now() AS now, d.id, d.version, d.enabled, d.deleted_at
+      FROM (SELECT 1) AS one
+      LEFT JOIN LATERAL (SELECT id, version, enabled, deleted_at FROM workflow_definitions
+                          WHERE id = %(id)s AND {which} ORDER BY version DESC LIMIT 1) AS d ON true"""
+_START_DEPLOYED = _START_TARGET.format(which="deployed")
+_START_VERSION = _START_TARGET.format(which="version = %(version)s")
+
+
+def clock_and_start_target(conn: Conn, workflow_id: str, version: int | None) -> tuple[datetime, StartTarget | None]:
+    """The transaction's ``now()`` and the version a new run would use (the deployed
+    one, or ``version``), in one statement: what a start reads before it mints the
+    run ID. None when there is no such version (see :func:`refuse_missing`). The spec
+    itself is not read: the engine caches parsed specs per (id, version)."""
+    query = _START_DEPLOYED if version is None else _START_VERSION
+    row = conn.execute(query, {"id": workflow_id, "version": version}).fetchone()
+    assert row is not None  # the outer side is one row
+    now, found_id, found_version, enabled, deleted_at = row
+    if found_id is None:
+        return now, None
+    return now, StartTarget(id=found_id, version=found_version, enabled=enabled, deleted_at=deleted_at)
 
 
 def list_definitions(conn: Conn) -> list[DefinitionRow]:

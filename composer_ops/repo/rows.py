@@ -126,6 +126,16 @@ class DefinitionRow:
 
 
 @dataclass(frozen=True, kw_only=True)
+class StartTarget:
+    """The definition version a start uses, without its spec."""
+
+    id: str
+    version: int
+    enabled: bool
+    deleted_at: datetime | None
+
+
+@dataclass(frozen=True, kw_only=True)
 class TaskView:
     """A task as ``Engine.get_run`` shows it."""
 

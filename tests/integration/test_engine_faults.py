@@ -4,11 +4,14 @@ which reach callers only as ComposerErrors."""
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import psycopg
 import pytest
+from psycopg.pq import Trace, TransactionStatus
 
 from composer_ops import ComposerError, Conflict, Engine, Unavailable
 from composer_ops.db import make_pool
@@ -78,4 +81,35 @@ def test_driver_errors_reach_callers_as_composer_errors(db_url: str) -> None:
                     call()
                 assert isinstance(caught.value, ComposerError) and "retried" in str(caught.value)
     finally:
+        engine.close()
+
+
+def test_a_claim_is_one_autocommit_statement_and_its_connection_goes_back_as_lent(db_url: str,
+                                                                                  tmp_path: Path) -> None:
+    """No BEGIN/COMMIT around the claim's single statement; after it, and after a
+    claim the server refuses, the pool's only connection is idle and not in
+    autocommit, so the next transaction on it is a transaction."""
+    engine = Engine(make_pool(db_url, min_size=1, max_size=1), db_url)
+    trace = tmp_path / "libpq.trace"
+    fd = os.open(trace, os.O_WRONLY | os.O_CREAT, 0o600)
+    try:
+        engine.deploy(SPEC)
+        engine.start("one")
+        with engine.pool.connection() as conn:
+            conn.pgconn.trace(fd)
+            conn.pgconn.set_trace_flags(Trace.SUPPRESS_TIMESTAMPS)
+        claims = engine.claim(["default"], "w", 5)
+        with pytest.raises(ComposerError):
+            engine.claim(["default"], "w", -1)           # LIMIT must not be negative
+        with engine.pool.connection() as conn:
+            conn.pgconn.untrace()
+            assert conn.autocommit is False and conn.info.transaction_status == TransactionStatus.IDLE
+        assert [c.node_id for c in claims] == ["a"]
+        sent = [line.split("\t")[2] for line in trace.read_text().splitlines() if line.startswith("F\t")]
+        # Two claims, each one extended-protocol statement ending in one Sync (one round
+        # trip); BEGIN and COMMIT would be simple-protocol Query messages.
+        assert sent.count("Parse") == 2 and sent.count("Sync") == 2, sent
+        assert "Query" not in sent, sent
+    finally:
+        os.close(fd)
         engine.close()

@@ -10,7 +10,7 @@ import pytest
 
 from composer_ops.errors import Conflict, Invalid, NotFound
 from composer_ops.repo import definitions, outbox, runs, signals, tasks, webhooks
-from composer_ops.repo.rows import Dispatch, TaskRef
+from composer_ops.repo.rows import Dispatch, StartTarget, TaskRef
 from tests.integration.helpers import add_definition, add_run, now_utc
 
 
@@ -164,6 +164,30 @@ def test_definitions_versions_deploy_enable_delete(conn: Any) -> None:
     with pytest.raises(Invalid, match="no deployed version"):
         definitions.get_deployed(conn, "flow")
     assert definitions.get_version(conn, "flow", 1).deleted_at is not None
+
+
+def test_a_start_reads_the_clock_and_its_definition_in_one_statement(conn: Any) -> None:
+    add_definition(conn, "flow")
+    add_definition(conn, "flow")
+    definitions.deploy(conn, "flow", 1)
+    now, target = definitions.clock_and_start_target(conn, "flow", None)
+    row = conn.execute("SELECT now()").fetchone()
+    assert row is not None and now == row[0]           # the transaction's clock
+    assert target == StartTarget(id="flow", version=1, enabled=True, deleted_at=None)
+    assert definitions.clock_and_start_target(conn, "flow", 2)[1] == StartTarget(
+        id="flow", version=2, enabled=True, deleted_at=None)
+    assert definitions.clock_and_start_target(conn, "flow", 9)[1] is None
+    assert definitions.clock_and_start_target(conn, "nope", None)[1] is None
+    with pytest.raises(NotFound, match="flow v9 does not exist"):
+        definitions.refuse_missing(conn, "flow", 9)
+    with pytest.raises(NotFound, match="deploy it first"):
+        definitions.refuse_missing(conn, "nope", None)
+    definitions.soft_delete(conn, "flow")
+    assert definitions.clock_and_start_target(conn, "flow", None)[1] is None
+    deleted = definitions.clock_and_start_target(conn, "flow", 1)[1]
+    assert deleted is not None and deleted.deleted_at is not None
+    with pytest.raises(Invalid, match="no deployed version"):
+        definitions.refuse_missing(conn, "flow", None)
 
 
 def test_outbox_claim_moves_task_to_running_with_lease(conn: Any, run_id: str) -> None:
