@@ -188,6 +188,10 @@ def measure_schema(server: Server, label: str, target: int | None, *, runs: int,
         server.drop_database(db)
 
 
+#: ``runs`` runs of 10 tasks of workflow ``workflow`` (deployed first), 1 in 20 still
+#: active (per active run: 1 RUNNING task leased to one of ``owners`` workers, 3 PENDING,
+#: 1 WAITING); the others finished. Used by :func:`explain` and by
+#: tests/integration/test_hot_updates.py, which asserts the same plans.
 SEED = """
 WITH runs AS (
     SELECT g, lpad(to_hex((extract(epoch FROM now()) * 1000)::bigint + g), 12, '0') AS h, md5(g::text) AS m
@@ -195,13 +199,13 @@ WITH runs AS (
 ins AS (
     INSERT INTO workflow_runs (id, workflow_definition_id, workflow_version, status)
     SELECT substr(h, 1, 8) || '-' || substr(h, 9, 4) || '-7' || substr(m, 1, 3) || '-8' || substr(m, 4, 3)
-           || '-' || substr(m, 7, 12), 'bench-hot', 1, CASE WHEN g %% 20 = 0 THEN 'RUNNING' ELSE 'SUCCEEDED' END
+           || '-' || substr(m, 7, 12), %(workflow)s, 1, CASE WHEN g %% 20 = 0 THEN 'RUNNING' ELSE 'SUCCEEDED' END
       FROM runs
     RETURNING id, status)
 INSERT INTO task_instances (id, run_id, node_id, node_type, queue, state, lease_owner, lease_expires_at, wake_at,
                             output_json)
 SELECT ins.id || '-' || n, ins.id, 'n' || n, CASE WHEN n = 9 THEN 'WAIT' ELSE 'TASK' END, 'default', s.state,
-       CASE WHEN s.state = 'RUNNING' THEN 'worker-' || abs(hashtext(ins.id)) %% 8 END,
+       CASE WHEN s.state = 'RUNNING' THEN 'worker-' || abs(hashtext(ins.id)) %% %(owners)s END,
        CASE WHEN s.state = 'RUNNING' THEN now() + make_interval(secs => abs(hashtext(ins.id)) %% 60 - 20) END,
        CASE WHEN s.state = 'WAITING' THEN now() + make_interval(secs => abs(hashtext(ins.id)) %% 120 - 60) END,
        CASE WHEN s.state = 'COMPLETED' THEN '{"ok": true}'::jsonb END
@@ -257,7 +261,7 @@ def explain(server: Server, label: str, target: int | None, runs: int = 20000) -
             engine.deploy(SPEC)
         plans: dict[str, list[str]] = {}
         with psycopg.connect(url, autocommit=True) as conn:
-            conn.execute(SEED, {"runs": runs})
+            conn.execute(SEED, {"runs": runs, "workflow": SPEC["id"], "owners": 8})
             conn.execute("ANALYZE workflow_runs")
             conn.execute("ANALYZE task_instances")
             for name, fn in (("expired_leases", tasks.expired_leases), ("due_waits", signals.due_waits)):

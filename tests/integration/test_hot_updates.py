@@ -16,7 +16,7 @@ from typing import Any
 import psycopg
 import pytest
 
-from bench.hot import StatementCapture  # the benchmark EXPLAINs the same captured statements
+from bench.hot import SEED, StatementCapture  # the benchmark EXPLAINs the same statements on the same seed
 from composer_ops import Engine
 from composer_ops.db.migrate import migrate
 from composer_ops.repo import signals, tasks
@@ -120,28 +120,6 @@ def test_v005_applies_to_partitions_that_existed_before_it(empty_db_url: str) ->
 
 # -- the background loops' queries still use the partial indexes ----------------------------
 
-SEED = """
-WITH runs AS (
-    SELECT g, lpad(to_hex((extract(epoch FROM now()) * 1000)::bigint + g), 12, '0') AS h, md5(g::text) AS m
-      FROM generate_series(1, %(runs)s) g),
-ins AS (
-    INSERT INTO workflow_runs (id, workflow_definition_id, workflow_version, status)
-    SELECT substr(h, 1, 8) || '-' || substr(h, 9, 4) || '-7' || substr(m, 1, 3) || '-8' || substr(m, 4, 3)
-           || '-' || substr(m, 7, 12), 'hb', 1, CASE WHEN g %% 20 = 0 THEN 'RUNNING' ELSE 'SUCCEEDED' END
-      FROM runs
-    RETURNING id, status)
-INSERT INTO task_instances (id, run_id, node_id, node_type, queue, state, lease_owner, lease_expires_at, wake_at)
-SELECT ins.id || '-' || n, ins.id, 'n' || n, CASE WHEN n = 9 THEN 'WAIT' ELSE 'TASK' END, 'default',
-       s.state,
-       CASE WHEN s.state = 'RUNNING' THEN 'w1' END,
-       CASE WHEN s.state = 'RUNNING' THEN now() + make_interval(secs => abs(hashtext(ins.id)) %% 60 - 20) END,
-       CASE WHEN s.state = 'WAITING' THEN now() + make_interval(secs => abs(hashtext(ins.id)) %% 120 - 60) END
-  FROM ins, generate_series(0, 9) n,
-       LATERAL (SELECT CASE WHEN ins.status = 'SUCCEEDED' THEN 'COMPLETED'
-                            WHEN n = 0 THEN 'RUNNING' WHEN n = 9 THEN 'WAITING'
-                            WHEN n < 4 THEN 'PENDING' ELSE 'COMPLETED' END AS state) s
-"""
-
 
 @pytest.fixture
 def seeded(db_url: str) -> Iterator[psycopg.Connection[Any]]:
@@ -150,7 +128,7 @@ def seeded(db_url: str) -> Iterator[psycopg.Connection[Any]]:
     with psycopg.connect(db_url, autocommit=True) as conn:
         with Engine.connect(db_url, pool_size=1) as engine:
             engine.deploy(SPEC)
-        conn.execute(SEED, {"runs": 5000})
+        conn.execute(SEED, {"runs": 5000, "workflow": SPEC["id"], "owners": 1})
         conn.execute("ANALYZE workflow_runs")
         conn.execute("ANALYZE task_instances")
         yield conn
@@ -192,7 +170,7 @@ def test_lease_sweeper_reads_the_running_partial_index(seeded: Any) -> None:
     expected = seeded.execute(
         "SELECT count(*) FROM task_instances WHERE state = 'RUNNING' AND lease_expires_at <= now()").fetchone()[0]
     assert len(expired) == expected > 0
-    assert [e.lease_owner for e in expired] == ["w1"] * expected
+    assert [e.lease_owner for e in expired] == ["worker-0"] * expected
 
 
 def test_timer_loop_reads_the_wake_partial_index(seeded: Any) -> None:
