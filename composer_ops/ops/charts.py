@@ -28,7 +28,7 @@ STATE_COLORS = {
     "NOT REACHED": "#e5e7eb",
 }
 ACTION_COLORS = {"drop": "#d64545", "keep": "#3ea66b"}
-EXPIRED_COLORS = {True: "#d64545", False: "#3b82c4"}
+LEASE_COLORS = {"expired": "#d64545", "not expired": "#3b82c4"}
 PHASE_COLORS = {"queued": "#f2a93b", "ran": "#3b82c4", "waiting": "#8e6cc4", "decided": "#9aa5b1"}
 
 
@@ -53,9 +53,17 @@ def _groups(df: pl.DataFrame, by: str, order: Mapping[Any, str] | None) -> list[
     return [(k, found[k]) for k in known + [k for k in found if k not in known]]
 
 
-def _hover(x: str, y: str, extra: Sequence[str]) -> str:
-    lines = [f"{x}=%{{x}}", f"{y}=%{{y}}"] + [f"{name}=%{{customdata[{i}]}}" for i, name in enumerate(extra)]
+def _hover(extra: Sequence[str], *, x: str | None = None, y: str | None = None) -> str:
+    """A tooltip: the x and y values under the names given, then the ``extra`` columns
+    (passed as ``customdata`` in that order), then the trace's name."""
+    axes = [f"{name}=%{{{axis}}}" for axis, name in (("x", x), ("y", y)) if name is not None]
+    lines = axes + [f"{name}=%{{customdata[{i}]}}" for i, name in enumerate(extra)]
     return "<br>".join(lines) + "<extra>%{fullData.name}</extra>"
+
+
+def _lease_label(expired: pl.Expr) -> pl.Expr:
+    """``lease``: "expired" or "not expired", the legend of both lease charts."""
+    return pl.when(expired).then(pl.lit("expired")).otherwise(pl.lit("not expired")).alias("lease")
 
 
 def _bars(df: pl.DataFrame, *, x: str, y: str, color: str, title: str, colors: Mapping[Any, str] | None = None,
@@ -70,7 +78,7 @@ def _bars(df: pl.DataFrame, *, x: str, y: str, color: str, title: str, colors: M
                     orientation="h" if horizontal else "v",
                     marker_color=(colors or {}).get(key),
                     customdata=part.select(hover).rows() if hover else None,
-                    hovertemplate=_hover(names.get(x, x), names.get(y, y), hover))
+                    hovertemplate=_hover(hover, x=names.get(x, x), y=names.get(y, y)))
     fig.update_layout(title=title, barmode=barmode, legend_title_text=color,
                       xaxis_title=names.get(x, x), yaxis_title=names.get(y, y))
     category_axis = fig.update_yaxes if horizontal else fig.update_xaxes
@@ -155,13 +163,13 @@ def lease_timeline(leases: pl.DataFrame, now: datetime) -> go.Figure:
     if leases.is_empty():
         return _empty("Lease expiries", "no RUNNING tasks")
     hover = ["run_id", "node_id", "attempt", "expires_in_s"]
+    df = leases.with_columns(_lease_label(pl.col("expired")))
     fig = go.Figure()
-    for expired, part in _groups(leases, "expired", EXPIRED_COLORS):
+    for label, part in _groups(df, "lease", LEASE_COLORS):
         fig.add_scatter(x=part["lease_expires_at"].to_list(), y=part["lease_owner"].to_list(), mode="markers",
-                        name="expired" if expired else "not expired",
-                        marker={"size": 12, "color": EXPIRED_COLORS.get(expired)},
-                        customdata=part.select(hover).rows(), hovertemplate=_hover("lease_expires_at", "lease_owner",
-                                                                                  hover))
+                        name=label, marker={"size": 12, "color": LEASE_COLORS[label]},
+                        customdata=part.select(hover).rows(),
+                        hovertemplate=_hover(hover, x="lease_expires_at", y="lease_owner"))
     fig.update_layout(title="Lease expiry per RUNNING task (red: expired but still RUNNING)",
                       xaxis_title="lease_expires_at", yaxis_title="lease_owner", yaxis_type="category")
     fig.add_vline(x=now.timestamp() * 1000, line_dash="dash", annotation_text="now (database clock)")
@@ -170,9 +178,8 @@ def lease_timeline(leases: pl.DataFrame, now: datetime) -> go.Figure:
 
 def expiry_buckets(buckets: pl.DataFrame) -> go.Figure:
     """RUNNING tasks per time-to-expiry bucket."""
-    df = buckets.with_columns(pl.when(pl.col("bucket").str.starts_with("expired")).then(pl.lit("expired"))
-                              .otherwise(pl.lit("not expired")).alias("lease"))
-    return _bars(df, x="bucket", y="tasks", color="lease", colors={"expired": "#d64545", "not expired": "#3b82c4"},
+    df = buckets.with_columns(_lease_label(pl.col("bucket").str.starts_with("expired")))
+    return _bars(df, x="bucket", y="tasks", color="lease", colors=LEASE_COLORS,
                  category_order=buckets["bucket"].to_list(), title="Time to lease expiry")
 
 
@@ -241,10 +248,7 @@ def gantt(rows: pl.DataFrame) -> go.Figure:
     for phase, part in _groups(df, "phase", PHASE_COLORS):
         fig.add_bar(base=part["start"].to_list(), x=part["ms"].to_list(), y=part["node_id"].to_list(),
                     orientation="h", name=str(phase), marker_color=PHASE_COLORS.get(phase),
-                    customdata=part.select(hover).rows(),
-                    hovertemplate="node_id=%{y}<br>" + "<br>".join(f"{h}=%{{customdata[{i}]}}"
-                                                                     for i, h in enumerate(hover))
-                    + "<extra>%{fullData.name}</extra>")
+                    customdata=part.select(hover).rows(), hovertemplate=_hover(hover, y="node_id"))
     fig.update_layout(title="Task timeline (UTC)", barmode="overlay", xaxis={"type": "date"},
                       yaxis={"type": "category", "autorange": "reversed"}, legend_title_text="phase")
     return fig
