@@ -21,7 +21,9 @@ import multiprocessing
 import os
 import re
 import sys
+import tempfile
 import time
+import uuid
 from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
@@ -64,11 +66,49 @@ class _ThisPythonKernelSpecManager(KernelSpecManager):
 
 
 class ThisPythonKernelManager(AsyncKernelManager):
-    """Kernel manager papermill uses: the kernel is ``sys.executable -m ipykernel_launcher``."""
+    """Kernel manager papermill uses: the kernel is ``sys.executable -m ipykernel_launcher``.
+
+    On POSIX the kernel talks over Unix sockets (zmq ``ipc``), not TCP. jupyter_client's
+    TCP transport picks five free ports, closes them and lets the kernel bind them a
+    second later; two reports starting together (``--jobs 2``), or any other process
+    taking an ephemeral port in that window, can leave the kernel with
+    "Address already in use" and the report dead before its first cell. Socket paths
+    are unique per kernel, so nothing can race for them.
+    """
 
     @default("kernel_spec_manager")
     def _this_python_spec_manager(self) -> KernelSpecManager:
         return _ThisPythonKernelSpecManager(data_dir=self.data_dir)
+
+    @default("transport")
+    def _unix_sockets_where_possible(self) -> str:
+        return "ipc" if os.name == "posix" else "tcp"
+
+    @default("ip")
+    def _private_socket_prefix(self) -> str:
+        if self.transport != "ipc":
+            return str(super()._ip_default())
+        return kernel_socket_prefix()
+
+
+#: Longest Unix socket path this module creates (sun_path is 108 bytes on Linux, 104 on macOS).
+_MAX_SOCKET_PATH = 100
+
+
+def kernel_socket_prefix() -> str:
+    """A fresh path prefix for one kernel's five sockets (``PREFIX-1`` .. ``PREFIX-5``):
+    in the Jupyter runtime directory (private to the user), or in the temporary
+    directory when that path would be too long for a Unix socket. Either way only
+    the user can connect (zmq creates the sockets without write access for others)
+    and every message is signed with the kernel's key."""
+    from jupyter_core.paths import jupyter_runtime_dir
+
+    name = f"composer-kernel-{uuid.uuid4().hex[:12]}"
+    runtime = Path(jupyter_runtime_dir())
+    if len(str(runtime / name)) + len("-99") <= _MAX_SOCKET_PATH:
+        runtime.mkdir(mode=0o700, parents=True, exist_ok=True)
+        return str(runtime / name)
+    return str(Path(tempfile.gettempdir()) / name)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import json
 import re
+import socket
 import sys
 from pathlib import Path
 
 import nbformat
 import pytest
+from traitlets import default
 
 from composer_ops import reports
 from composer_ops.cli import main
@@ -113,14 +115,7 @@ def test_the_kernel_is_this_interpreter_whatever_kernelspecs_say(tmp_path: Path,
     from jupyter_client.kernelspec import KernelSpecManager
 
     assert KernelSpecManager().get_kernel_spec("python3").argv[0] == "/bin/false"
-    books = tmp_path / "books"
-    books.mkdir()
-    nb = nbformat.v4.new_notebook()  # type: ignore[no-untyped-call]
-    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
-    params = nbformat.v4.new_code_cell("database_url = None\nanswer = 1")  # type: ignore[no-untyped-call]
-    params.metadata["tags"] = ["parameters"]
-    nb.cells = [params, nbformat.v4.new_code_cell("import sys\nprint(sys.executable, answer)")]  # type: ignore[no-untyped-call]
-    nbformat.write(nb, str(books / "whoami.ipynb"))  # type: ignore[no-untyped-call]
+    books = _write_whoami(tmp_path / "books")
     monkeypatch.setenv(reports.ENV_NOTEBOOKS, str(books))
     params_for = reports.resolve_parameters(["whoami"], [("answer", "42")])
     (result,) = reports.run_reports(["whoami"], params_for, tmp_path / "out", database_url=NOWHERE, progress=False)
@@ -128,3 +123,59 @@ def test_the_kernel_is_this_interpreter_whatever_kernelspecs_say(tmp_path: Path,
     executed = nbformat.read(str(result.ipynb), as_version=4)  # type: ignore[no-untyped-call]
     assert executed.cells[-1].outputs[0]["text"].strip() == f"{sys.executable} 42"
     assert reports.python_kernel_argv()[0] == sys.executable
+
+
+def _write_whoami(books: Path) -> Path:
+    """A one-notebook directory: ``whoami`` prints the kernel's interpreter, its
+    ``answer`` parameter and the transport its channels use."""
+    books.mkdir()
+    nb = nbformat.v4.new_notebook()  # type: ignore[no-untyped-call]
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    params = nbformat.v4.new_code_cell("database_url = None\nanswer = 1")  # type: ignore[no-untyped-call]
+    params.metadata["tags"] = ["parameters"]
+    nb.cells = [params, nbformat.v4.new_code_cell(  # type: ignore[no-untyped-call]
+        "from ipykernel.connect import get_connection_info\n"
+        "print(get_connection_info(unpack=True)['transport'])"),
+        nbformat.v4.new_code_cell("import sys\nprint(sys.executable, answer)")]  # type: ignore[no-untyped-call]
+    nbformat.write(nb, str(books / "whoami.ipynb"))  # type: ignore[no-untyped-call]
+    return books
+
+
+class _TcpKernelManager(reports.ThisPythonKernelManager):
+    """The report kernel manager as it was: TCP ports chosen by jupyter_client."""
+
+    @default("transport")
+    def _tcp(self) -> str:
+        return "tcp"
+
+
+@pytest.mark.parametrize("transport", ["ipc", "tcp"])
+def test_a_port_taken_before_the_kernel_binds_it_cannot_kill_a_report(transport: str, tmp_path: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    # jupyter_client's TCP transport picks free ports, closes them, and the kernel binds
+    # them a second later. Another process taking one in between (CI saw it with
+    # `report --all --jobs 2`) killed the kernel: "Address already in use", then
+    # "Kernel died before replying to kernel_info". The race is forced here: every port
+    # jupyter_client hands out is one this test holds. The tcp case shows the forcing
+    # works (and so that this test can fail); report kernels use Unix sockets instead.
+    from jupyter_client.connect import LocalPortCache
+
+    held = socket.socket()
+    held.bind(("127.0.0.1", 0))
+    held.listen()
+    taken = held.getsockname()[1]
+    monkeypatch.setattr(LocalPortCache, "find_available_port", lambda self, ip: taken)
+    if transport == "tcp":
+        monkeypatch.setattr(reports, "ThisPythonKernelManager", _TcpKernelManager)
+    monkeypatch.setenv(reports.ENV_NOTEBOOKS, str(_write_whoami(tmp_path / "books")))
+    try:
+        (result,) = reports.run_reports(["whoami"], {}, tmp_path / "out", database_url=NOWHERE, progress=False)
+    finally:
+        held.close()
+    if transport == "tcp":
+        assert not result.ok and result.error and "Kernel died" in result.error, result.error
+        return
+    assert result.ok, result.error
+    executed = nbformat.read(str(result.ipynb), as_version=4)  # type: ignore[no-untyped-call]
+    assert executed.cells[1].outputs[0]["text"].strip() == "ipc"
+    assert reports.ThisPythonKernelManager().transport == "ipc"
