@@ -7,7 +7,8 @@ in a temporary directory. Else the embedded server (PostgreSQL 18) is started in
 temporary directory and deleted when the session ends.
 
 The fault tests restart the server: :func:`restart_server` does ``pg_ctl restart
--m fast`` on the data directory of a server this module started, and refuses
+-m fast`` (and :func:`server_down` a stop and a start around a block) on the data
+directory of a server this module started, and refuses
 (:class:`RestartUnsupported`) for a server given by ``COMPOSER_DATABASE_URL``,
 which belongs to someone else.
 """
@@ -17,10 +18,13 @@ from __future__ import annotations
 import atexit
 import os
 import pwd
+import shlex
 import shutil
 import subprocess
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -133,19 +137,39 @@ _restarted_embedded = False
 def restart_server() -> float:
     """``pg_ctl restart -m fast`` (every session is terminated, in-flight transactions
     roll back); returns the seconds the server was unavailable for."""
+    started = time.monotonic()
+    _pg_ctl("restart", "-m", "fast")
+    return time.monotonic() - started
+
+
+@contextmanager
+def server_down() -> Iterator[None]:
+    """The server stopped (``pg_ctl stop -m fast``) for the block, started again after it
+    with the options it had (socket directory, no TCP), as ``pg_ctl restart`` would."""
+    data = server().data
+    assert data is not None
+    # postmaster.opts: the postgres binary, then its arguments, each double-quoted.
+    options = shlex.split((data / "postmaster.opts").read_text(encoding="utf-8"))[1:]
+    _pg_ctl("stop", "-m", "fast")
+    try:
+        yield
+    finally:
+        _pg_ctl("start", "-o", shlex.join(options))
+
+
+def _pg_ctl(*action: str) -> None:
     srv = server()
     if srv.kind == "external":
         raise RestartUnsupported("the server comes from COMPOSER_DATABASE_URL; it is not ours to restart")
     assert srv.log is not None
-    started = time.monotonic()
     # -l: the postmaster must not inherit our pipes, or waiting on them would hang.
-    result = subprocess.run(srv.pg_ctl_cmd("-w", "-t", "60", "-l", str(srv.log), "-m", "fast", "restart"),
+    log = [] if action[0] == "stop" else ["-l", str(srv.log)]
+    result = subprocess.run(srv.pg_ctl_cmd("-w", "-t", "60", *log, *action),
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, check=False)
     if result.returncode != 0:
-        raise RuntimeError(f"pg_ctl restart failed: {result.stderr.decode(errors='replace').strip()}")
-    if srv.kind == "embedded":
+        raise RuntimeError(f"pg_ctl {action[0]} failed: {result.stderr.decode(errors='replace').strip()}")
+    if srv.kind == "embedded" and action[0] != "stop":
         _adopt_restarted_postmaster(srv)
-    return time.monotonic() - started
 
 
 def _adopt_restarted_postmaster(srv: Server) -> None:

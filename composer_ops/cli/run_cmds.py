@@ -65,6 +65,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
                help="seconds per read of a webhook response")
     env_option(coord, "--webhook-deadline", env="COMPOSER_WEBHOOK_DEADLINE_S", type=float, default=10.0,
                help="seconds for a whole webhook POST")
+    add_connect_wait_option(coord)
     coord.set_defaults(func=cmd_coordinator)
 
     work = sub.add_parser("worker", help="run a Worker defined in your code: --app module:attribute")
@@ -73,7 +74,20 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
                help="module:attribute naming a Worker, or a function taking an Engine and returning one")
     env_option(work, "--concurrency", env="COMPOSER_WORKER_CONCURRENCY", type=int,
                help="override the Worker's concurrency")
+    add_connect_wait_option(work)
     work.set_defaults(func=cmd_worker)
+
+
+def add_connect_wait_option(parser: argparse.ArgumentParser) -> None:
+    env_option(parser, "--connect-wait", env="COMPOSER_CONNECT_WAIT_S", type=float, default=60.0,
+               help="seconds to wait at start-up for a database that is down, starting or shutting down "
+                    "(0: exit at once); a bad password or database name exits at once either way")
+
+
+def _connect_wait(args: argparse.Namespace) -> float:
+    if args.connect_wait < 0:
+        raise Invalid(f"--connect-wait must be 0 or more seconds, got {args.connect_wait:g}")
+    return float(args.connect_wait)
 
 
 def load_definition(path: str) -> Any:
@@ -160,7 +174,9 @@ def cmd_runs_show(args: argparse.Namespace) -> int:
 def cmd_coordinator(args: argparse.Namespace) -> int:
     relay = RelayPolicy(connect_timeout_s=args.webhook_connect_timeout, timeout_s=args.webhook_timeout,
                         deadline_s=args.webhook_deadline)   # bad values are refused before connecting
-    with Engine.connect(args.database_url, pool_size=4, application_name="composer-coordinator") as engine:
+    wait = _connect_wait(args)
+    with Engine.connect(args.database_url, pool_size=4, application_name="composer-coordinator",
+                        connect_wait_s=wait) as engine:
         coord = engine.coordinator(interval=args.interval, months_ahead=args.months_ahead, relay=relay)
         if args.once:
             stats = coord.run_once()
@@ -174,8 +190,10 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def load_app(spec: str, engine: Engine) -> Worker:
-    """Resolve ``module:attribute`` to a Worker (or a factory taking the Engine)."""
+def find_app(spec: str) -> object:
+    """Import ``module:attribute`` and return the attribute (a Worker or a factory),
+    before any connection is made: a typo fails at once, not after waiting for the
+    database."""
     if not spec or ":" not in spec:
         raise Invalid(f"--app must look like module:attribute, got {spec!r}")
     module_name, _, attr = spec.partition(":")
@@ -187,6 +205,16 @@ def load_app(spec: str, engine: Engine) -> Worker:
     target = getattr(module, attr, None)
     if target is None:
         raise Invalid(f"--app {spec}: module {module_name!r} has no attribute {attr!r}")
+    if not isinstance(target, Worker) and not callable(target):
+        raise Invalid(f"--app {spec}: expected a Worker or a function returning one, got {type(target).__name__}")
+    return target
+
+
+def load_app(spec: str, engine: Engine, target: object | None = None) -> Worker:
+    """Resolve ``module:attribute`` (or the already found ``target``) to a Worker,
+    calling a factory with the Engine."""
+    if target is None:
+        target = find_app(spec)
     # A factory gets this command's Engine (and so --database-url); a ready-made
     # Worker keeps the Engine it was built with.
     worker = target if isinstance(target, Worker) else target(engine) if callable(target) else None
@@ -198,11 +226,13 @@ def load_app(spec: str, engine: Engine) -> Worker:
 def cmd_worker(args: argparse.Namespace) -> int:
     if not args.app:
         raise Invalid("worker needs --app module:attribute (or COMPOSER_WORKER_APP)")
-    with Engine.connect(args.database_url, application_name="composer-worker") as engine:
-        worker = load_app(args.app, engine)
+    if args.concurrency is not None and args.concurrency < 1:
+        raise Invalid(f"--concurrency must be at least 1, got {args.concurrency}")
+    target = find_app(args.app)
+    wait = _connect_wait(args)
+    with Engine.connect(args.database_url, application_name="composer-worker", connect_wait_s=wait) as engine:
+        worker = load_app(args.app, engine, target)
         if args.concurrency:
-            if args.concurrency < 1:
-                raise Invalid(f"--concurrency must be at least 1, got {args.concurrency}")
             worker.concurrency = args.concurrency
         worker.run()
     return EXIT_OK

@@ -7,8 +7,11 @@ started (or reused). Nothing here commits: callers own their transactions.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
+import random
 import select
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -18,9 +21,11 @@ from psycopg.rows import dict_row
 from psycopg_pool import ConnectionPool
 
 from composer_ops.db import embedded
-from composer_ops.errors import Unavailable
+from composer_ops.db.errors import connect_may_succeed_later
+from composer_ops.errors import Invalid, Unavailable
 
 ENV_URL = "COMPOSER_DATABASE_URL"
+log = logging.getLogger(__name__)
 
 def resolve_url(url: str | None = None) -> str:
     """The database URL: the argument, else ``COMPOSER_DATABASE_URL``, else the embedded server."""
@@ -80,16 +85,46 @@ def autocommit(conn: psycopg.Connection[Any]) -> Iterator[psycopg.Connection[Any
             conn.autocommit = False
 
 
+def wait_until_reachable(url: str, *, wait_s: float = 0.0, application_name: str = "composer-ops") -> None:
+    """Connect once and disconnect. With ``wait_s`` > 0, a failure that may pass (the
+    server down, starting, shutting down or full: :func:`connect_may_succeed_later`)
+    is retried with capped, jittered backoff for up to ``wait_s`` seconds, one warning
+    per attempt; a permanent one (bad password, no such database) raises at once.
+    Raises :class:`Unavailable` with the server's reason."""
+    if wait_s < 0:
+        raise Invalid(f"the time to wait for the database must be 0 or more seconds, got {wait_s}")
+    deadline = time.monotonic() + wait_s
+    attempt = 0
+    while True:
+        try:
+            psycopg.connect(url, connect_timeout=10, application_name=application_name).close()
+        except psycopg.OperationalError as exc:
+            left = deadline - time.monotonic()
+            if left <= 0 or not connect_may_succeed_later(exc):
+                waited = f" (waited {wait_s:g}s)" if wait_s > 0 and left <= 0 else ""
+                raise Unavailable(f"cannot connect to the database{waited}: {_first_line(exc)}") from exc
+            delay = min(left, min(2.0, 0.1 * 2**attempt) * random.uniform(0.5, 1.0))
+            log.warning("cannot connect to the database yet (%s); trying again in %.1fs, for up to %.0fs more",
+                        _reason(exc), delay, left)
+            time.sleep(delay)
+            attempt += 1
+        else:
+            if attempt:
+                log.warning("connected to the database after %d failed attempts", attempt)
+            return
+
+
 def make_pool(url: str | None = None, *, min_size: int = 1, max_size: int = 8,
-              application_name: str = "composer-ops", timeout: float = 30.0) -> ConnectionPool:
-    """A checked psycopg pool (:func:`check_connection` drops connections a server restart killed)."""
+              application_name: str = "composer-ops", timeout: float = 30.0,
+              wait_s: float = 0.0) -> ConnectionPool:
+    """A checked psycopg pool (:func:`check_connection` drops connections a server restart killed).
+
+    ``wait_s``: how long to wait for a server that is not reachable yet (see
+    :func:`wait_until_reachable`); 0 fails at once, as one-shot commands should."""
     target = resolve_url(url)
     # One direct attempt first: an unreachable server is one clear error now, not
     # ``timeout`` seconds of the pool's reconnect warnings.
-    try:
-        psycopg.connect(target, connect_timeout=10, application_name=application_name).close()
-    except psycopg.OperationalError as exc:
-        raise Unavailable(f"cannot connect to the database: {_first_line(exc)}") from exc
+    wait_until_reachable(target, wait_s=wait_s, application_name=application_name)
     pool = ConnectionPool(
         target,
         min_size=min_size,
@@ -106,6 +141,12 @@ def make_pool(url: str | None = None, *, min_size: int = 1, max_size: int = 8,
         pool.close()
         raise Unavailable(f"cannot connect to the database: {_first_line(exc)}") from exc
     return pool
+
+
+def _reason(exc: BaseException) -> str:
+    """libpq's reason without its ``connection failed: connection to server ... failed:`` prefix."""
+    line = _first_line(exc)
+    return line.rsplit(" failed: ", 1)[-1].strip() if " failed: " in line else line
 
 
 def _first_line(exc: BaseException) -> str:

@@ -29,6 +29,34 @@ def is_transient(exc: BaseException) -> bool:
     return state in TRANSIENT_SQLSTATES
 
 
+#: What libpq reports, with no SQLSTATE, when a connection cannot be made *yet*: the
+#: server is down, starting, stopping, recovering or full. Anything else at connect
+#: time (authentication, a missing role or database, pg_hba.conf) needs a person.
+_CONNECT_NOT_YET = (
+    "the database system is starting up",
+    "the database system is shutting down",
+    "the database system is in recovery mode",
+    "the database system is not yet accepting connections",
+    "the database system is not accepting connections",
+    "sorry, too many clients already",
+    "remaining connection slots are reserved",
+)
+
+
+def connect_may_succeed_later(exc: BaseException) -> bool:
+    """True when a failed *connection attempt* is worth repeating: the server was
+    unreachable (no FATAL from it: refused, no socket, timeout, name lookup) or said
+    it cannot take connections now. libpq gives connect errors no SQLSTATE, so this
+    reads its message; a server with non-English ``lc_messages`` makes its own
+    refusals look permanent, which only means failing at once, as without waiting."""
+    if not isinstance(exc, psycopg.OperationalError):
+        return False
+    text = str(exc)
+    if "FATAL:" not in text:
+        return True
+    return any(reason in text for reason in _CONNECT_NOT_YET)
+
+
 def translate(exc: psycopg.Error, what: str) -> ComposerError:
     """Map a driver error raised while doing ``what`` to a ComposerError."""
     msg = (exc.diag.message_primary if getattr(exc, "diag", None) else None) or str(exc).strip()

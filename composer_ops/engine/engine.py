@@ -50,10 +50,15 @@ class Engine:
 
     @classmethod
     def connect(cls, url: str | None = None, *, pool_size: int | None = None,
-                application_name: str = "composer-engine") -> Engine:
+                application_name: str = "composer-engine", connect_wait_s: float = 0.0) -> Engine:
+        """Open the pool. An unreachable server raises :class:`Unavailable` at once,
+        unless ``connect_wait_s`` > 0: then a server that is down, starting or shutting
+        down is waited for that long (what a long-running worker or coordinator wants
+        when it starts before, or during a restart of, the database)."""
         target = resolve_url(url)
         size = pool_size or int(os.environ.get("COMPOSER_POOL_SIZE", "10"))
-        pool = make_pool(target, min_size=1, max_size=size, application_name=application_name)
+        pool = make_pool(target, min_size=1, max_size=size, application_name=application_name,
+                         wait_s=connect_wait_s)
         return cls(pool, target)
 
     def close(self) -> None:

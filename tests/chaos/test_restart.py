@@ -1,6 +1,7 @@
 """Connection faults: the pool, the LISTEN connection, a worker and a coordinator all
 carry on after PostgreSQL restarts (``pg_ctl restart -m fast``: every session is
-terminated). Skipped on a COMPOSER_DATABASE_URL server, which is not ours to restart."""
+terminated), and a worker or coordinator started while the server is down waits for
+it. Skipped on a COMPOSER_DATABASE_URL server, which is not ours to restart."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import pytest
 from composer_ops import Engine, TaskContext, Worker
 from composer_ops.engine.listener import Listener
 from tests import pgcluster
-from tests.integration.processes import wait_for
+from tests.integration.processes import Cluster, wait_for
 
 pytestmark = pytest.mark.skipif(not pgcluster.can_restart(),
                                 reason="the server comes from COMPOSER_DATABASE_URL; it is not ours to restart")
@@ -113,3 +114,30 @@ def test_a_worker_and_a_coordinator_carry_on_after_a_restart(engine: Engine) -> 
         worker.stop()
         thread.join(15)
     assert done == [first, second]
+
+
+def test_a_worker_and_a_coordinator_started_while_the_server_is_down_wait_for_it(db_url: str) -> None:
+    # The chaos run found this: a worker respawned during `pg_ctl restart` met "the
+    # database system is shutting down" and exited 1. Services now wait
+    # (--connect-wait, 60 s by default); --connect-wait 0 keeps the old exit.
+    with Engine.connect(db_url, pool_size=1) as engine:
+        engine.deploy({"id": "later", "nodes": [{"id": "a", "type": "TASK", "task": "work"}]})
+    fleet = Cluster(db_url)
+    try:
+        with pgcluster.server_down():
+            impatient = fleet.worker(1, "--connect-wait", "0")
+            worker = fleet.worker(2)
+            coordinator = fleet.coordinator("--connect-wait", "60")
+            assert impatient.wait(30) == 1
+            refused = fleet.stderr(impatient)
+            time.sleep(1.5)                  # a few attempts each, while the server stays down
+            assert worker.poll() is None and coordinator.poll() is None
+        with Engine.connect(db_url, pool_size=1) as engine:
+            run_id = engine.start("later", {"sleep": 0})
+            wait_for(lambda: engine.get_run(run_id).status == "SUCCEEDED", timeout=30, what="the run")
+        assert worker.poll() is None and coordinator.poll() is None
+        waited = fleet.stderr(worker)
+    finally:
+        fleet.close()
+    assert "composer-ops: unavailable: cannot connect to the database: " in refused, refused
+    assert "cannot connect to the database yet" in waited and "connected to the database after" in waited, waited

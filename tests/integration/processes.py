@@ -35,12 +35,20 @@ class Cluster:
         self.procs.append(proc)
         return proc
 
-    def worker(self, concurrency: int = 4) -> subprocess.Popen[bytes]:
-        return self._spawn("worker", "--app", "tests.e2e_app:make_worker",
+    def worker(self, concurrency: int = 4, *extra: str) -> subprocess.Popen[bytes]:
+        return self._spawn("worker", "--app", "tests.e2e_app:make_worker", *extra,
                            env={"E2E_CONCURRENCY": str(concurrency)})
 
-    def coordinator(self) -> subprocess.Popen[bytes]:
-        return self._spawn("coordinator", "--interval", str(self.interval))
+    def coordinator(self, *extra: str) -> subprocess.Popen[bytes]:
+        return self._spawn("coordinator", "--interval", str(self.interval), *extra)
+
+    def stderr(self, proc: subprocess.Popen[bytes]) -> str:
+        """What ``proc`` wrote to stderr so far."""
+        log = self.logs[self.procs.index(proc)]
+        log.seek(0)
+        text: str = log.read().decode(errors="replace")
+        log.seek(0, os.SEEK_END)
+        return text
 
     def kill(self, proc: subprocess.Popen[bytes]) -> None:
         proc.send_signal(signal.SIGKILL)

@@ -67,6 +67,10 @@ def _bad_spec(tmp_path: Path, text: str, name: str = "bad.json") -> str:
     (["signal", "not-a-uuid", "delivered"], "not a canonical"),
     (["runs", "show", "0190f0c0-0000-7000-8000-000000000000"], "does not exist"),
     (["partitions", "ensure", "--months-ahead", "-1"], "--months-ahead"),
+    (["worker", "--app", "tests.e2e_app:make_worker", "--connect-wait", "-1"], "--connect-wait must be 0 or more"),
+    (["coordinator", "--connect-wait", "-5"], "--connect-wait must be 0 or more"),
+    (["worker", "--app", "tests.e2e_app:make_worker", "--concurrency", "0"], "--concurrency must be at least 1"),
+    (["worker", "--app", "no_such_module_here:w"], "cannot import 'no_such_module_here'"),
     (["start"], "the following arguments are required"),
 ])
 def test_bad_input_is_one_line_exit_2_and_writes_nothing(
