@@ -37,6 +37,7 @@ from composer_ops.lazyimport import defer_rfc3987_syntax
 defer_rfc3987_syntax()  # before papermill/nbformat import jsonschema: -1 s per report command
 
 from jupyter_client.kernelspec import KernelSpec, KernelSpecManager  # noqa: E402
+from jupyter_client.localinterfaces import localhost  # noqa: E402
 from jupyter_client.manager import AsyncKernelManager  # noqa: E402
 from traitlets import default  # noqa: E402
 
@@ -86,9 +87,7 @@ class ThisPythonKernelManager(AsyncKernelManager):
 
     @default("ip")
     def _private_socket_prefix(self) -> str:
-        if self.transport != "ipc":
-            return str(super()._ip_default())
-        return kernel_socket_prefix()
+        return kernel_socket_prefix() if self.transport == "ipc" else localhost()
 
 
 #: Longest Unix socket path this module creates (sun_path is 108 bytes on Linux, 104 on macOS).

@@ -146,7 +146,7 @@ def restart_server() -> float:
 def server_down() -> Iterator[None]:
     """The server stopped (``pg_ctl stop -m fast``) for the block, started again after it
     with the options it had (socket directory, no TCP), as ``pg_ctl restart`` would."""
-    data = server().data
+    data = _owned_server().data
     assert data is not None
     # postmaster.opts: the postgres binary, then its arguments, each double-quoted.
     options = shlex.split((data / "postmaster.opts").read_text(encoding="utf-8"))[1:]
@@ -157,10 +157,15 @@ def server_down() -> Iterator[None]:
         _pg_ctl("start", "-o", shlex.join(options))
 
 
-def _pg_ctl(*action: str) -> None:
+def _owned_server() -> Server:
     srv = server()
     if srv.kind == "external":
         raise RestartUnsupported("the server comes from COMPOSER_DATABASE_URL; it is not ours to restart")
+    return srv
+
+
+def _pg_ctl(*action: str) -> None:
+    srv = _owned_server()
     assert srv.log is not None
     # -l: the postmaster must not inherit our pipes, or waiting on them would hang.
     log = [] if action[0] == "stop" else ["-l", str(srv.log)]

@@ -210,11 +210,8 @@ def find_app(spec: str) -> object:
     return target
 
 
-def load_app(spec: str, engine: Engine, target: object | None = None) -> Worker:
-    """Resolve ``module:attribute`` (or the already found ``target``) to a Worker,
-    calling a factory with the Engine."""
-    if target is None:
-        target = find_app(spec)
+def load_app(spec: str, target: object, engine: Engine) -> Worker:
+    """The Worker ``find_app(spec)`` found, or the one its factory builds with the Engine."""
     # A factory gets this command's Engine (and so --database-url); a ready-made
     # Worker keeps the Engine it was built with.
     worker = target if isinstance(target, Worker) else target(engine) if callable(target) else None
@@ -231,7 +228,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
     target = find_app(args.app)
     wait = _connect_wait(args)
     with Engine.connect(args.database_url, application_name="composer-worker", connect_wait_s=wait) as engine:
-        worker = load_app(args.app, engine, target)
+        worker = load_app(args.app, target, engine)
         if args.concurrency:
             worker.concurrency = args.concurrency
         worker.run()

@@ -9,7 +9,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import random
 import select
 import time
 from collections.abc import Iterator
@@ -22,6 +21,7 @@ from psycopg_pool import ConnectionPool
 
 from composer_ops.db import embedded
 from composer_ops.db.errors import connect_may_succeed_later
+from composer_ops.db.retry import backoff_delay
 from composer_ops.errors import Invalid, Unavailable
 
 ENV_URL = "COMPOSER_DATABASE_URL"
@@ -103,7 +103,7 @@ def wait_until_reachable(url: str, *, wait_s: float = 0.0, application_name: str
             if left <= 0 or not connect_may_succeed_later(exc):
                 waited = f" (waited {wait_s:g}s)" if wait_s > 0 and left <= 0 else ""
                 raise Unavailable(f"cannot connect to the database{waited}: {_first_line(exc)}") from exc
-            delay = min(left, min(2.0, 0.1 * 2**attempt) * random.uniform(0.5, 1.0))
+            delay = min(left, backoff_delay(attempt, base=0.1, cap=2.0))
             log.warning("cannot connect to the database yet (%s); trying again in %.1fs, for up to %.0fs more",
                         _reason(exc), delay, left)
             time.sleep(delay)
