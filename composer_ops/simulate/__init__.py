@@ -8,5 +8,7 @@
   processes (``--app composer_ops.simulate.handlers:make_worker``);
 - :mod:`~composer_ops.simulate.live`: live traffic through real coordinator and
   worker processes;
-- :mod:`~composer_ops.simulate.history`: months of past runs written with COPY.
+- :mod:`~composer_ops.simulate.history`: months of past runs written with COPY;
+- :mod:`~composer_ops.simulate.replay`: a run in memory driven through the state
+  machine (its rows, the machine's store, the shell's apply step), on a simulated clock.
 """

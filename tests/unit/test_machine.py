@@ -67,18 +67,18 @@ def test_example_gold_branch() -> None:
     sim.tick(3)
     joined = sim.complete("express", {"tracking": "X1"})
     assert kinds(joined) == ["CompleteTask express", "Create cool_off WAITING"]
-    assert sim.wake_at["cool_off"] == sim.now + timedelta(seconds=5)
+    assert sim.rows["cool_off"].wake_at == sim.now + timedelta(seconds=5)
 
     sim.tick(5)
     woke = sim.fire("cool_off")
     assert kinds(woke) == ["ResolveWait cool_off COMPLETED", "Create delivered WAITING"]
-    assert sim.wake_at["delivered"] == sim.now + timedelta(days=1)
+    assert sim.rows["delivered"].wake_at == sim.now + timedelta(days=1)
     assert sim.nodes["delivered"].awaited_signal == "delivered"
 
     proof = {"signed_by": "ann"}
     got = sim.signal("delivered", proof)
     assert kinds(got) == ["ResolveWait delivered COMPLETED", "Create notify PENDING"]
-    assert sim.inputs["notify"] == {"proof": proof}
+    assert sim.rows["notify"].input == {"proof": proof}
 
     finished = sim.complete("notify", {"sent": True})
     assert kinds(finished) == ["CompleteTask notify", "FinishRun SUCCEEDED"]
@@ -106,7 +106,7 @@ def test_example_default_branch() -> None:
     sim.complete("standard")
     sim.fire("cool_off")
     sim.signal("delivered", "ok")
-    assert sim.inputs["notify"] == {"proof": "ok"}
+    assert sim.rows["notify"].input == {"proof": "ok"}
     sim.complete("notify")
     assert sim.status is RunStatus.SUCCEEDED
     assert sim.run_output == {"notify": None}
@@ -135,7 +135,7 @@ def test_switch_reads_an_earlier_output_through_the_store() -> None:
     sim.complete("b", "B")
     assert sim.loads == [("a",)], "only the switch's referenced node is loaded"
     assert sim.state("c") is TaskState.PENDING and sim.state("d") is TaskState.SKIPPED
-    assert sim.inputs["c"] == {"from_b": "B"}
+    assert sim.rows["c"].input == {"from_b": "B"}
 
 
 def test_no_matching_case_and_no_default_skips_everything_downstream() -> None:
@@ -230,8 +230,8 @@ def test_signal_before_wait_is_buffered_then_consumed() -> None:
     decision = sim.complete("first")
     assert kinds(decision) == ["CompleteTask first", "Create w COMPLETED", "ConsumeSignal", "Create after PENDING"]
     assert decision.actions[2] == ConsumeSignal(signal_id="s0001")
-    assert sim.outputs["w"] == {"n": 1}
-    assert sim.inputs["after"] == {"got": {"n": 1}}
+    assert sim.rows["w"].output == {"n": 1}
+    assert sim.rows["after"].input == {"got": {"n": 1}}
     assert sim.loads == []
 
 
@@ -241,7 +241,7 @@ def test_oldest_buffered_signal_is_consumed_first() -> None:
     sim.signal("go", "old")
     sim.signal("go", "new")
     sim.complete("first")
-    assert sim.outputs["w"] == "old"
+    assert sim.rows["w"].output == "old"
     assert sim.pending_signals("go") == [Signal(id="s0002", name="go", payload="new")]
 
 
@@ -250,10 +250,10 @@ def test_signal_after_wait_resolves_it() -> None:
     sim.start()
     sim.complete("first")
     assert sim.state("w") is TaskState.WAITING
-    assert sim.wake_at["w"] == T0 + timedelta(seconds=60)
+    assert sim.rows["w"].wake_at == T0 + timedelta(seconds=60)
     decision = sim.signal("go", [1, 2])
     assert kinds(decision) == ["ResolveWait w COMPLETED", "Create after PENDING"]
-    assert sim.inputs["after"] == {"got": [1, 2]}
+    assert sim.rows["after"].input == {"got": [1, 2]}
     # The next signal has no waiter left: it is buffered, not lost.
     assert kinds(sim.signal("go", 3)) == ["BufferSignal"]
 
@@ -269,9 +269,9 @@ def test_one_buffered_signal_resolves_one_node_per_decision() -> None:
     sim.signal("go", "only")
     decision = sim.complete("first")
     assert kinds(decision) == ["CompleteTask first", "Create w1 COMPLETED", "ConsumeSignal", "Create w2 WAITING"]
-    assert sim.wake_at["w2"] is None
+    assert sim.rows["w2"].wake_at is None
     sim.signal("go", "second")
-    assert sim.outputs["w2"] == "second"
+    assert sim.rows["w2"].output == "second"
     assert sim.status is RunStatus.SUCCEEDED
     assert sim.run_output == {"w1": "only", "w2": "second"}
 
@@ -289,7 +289,7 @@ def test_earliest_waiter_gets_the_signal() -> None:
     sim.signal("go", 1)
     assert sim.state("early") is TaskState.COMPLETED and sim.state("late") is TaskState.WAITING
     sim.signal("go", 2)
-    assert sim.outputs == {**sim.outputs, "early": 1, "late": 2}
+    assert (sim.rows["early"].output, sim.rows["late"].output) == (1, 2)
     assert sim.status is RunStatus.SUCCEEDED
 
 
@@ -300,7 +300,7 @@ def test_timeout_fails_the_node_and_the_run() -> None:
     sim.tick(60)
     decision = sim.fire("w")
     assert kinds(decision) == ["ResolveWait w FAILED", "FinishRun FAILED"]
-    assert sim.errors["w"] == 'timed out waiting for event "go" after 60s'
+    assert sim.rows["w"].error == 'timed out waiting for event "go" after 60s'
     assert sim.run_reason == 'node "w" failed: timed out waiting for event "go" after 60s'
     with pytest.raises(Conflict, match="run run-1 is FAILED; it accepts no signals"):
         sim.signal("go")
@@ -322,10 +322,10 @@ def test_timeout_continue_completes_with_null() -> None:
     sim = Sim(doc)
     sim.start()
     sim.complete("first")
-    assert sim.wake_at["w"] == T0 + timedelta(seconds=1.5)
+    assert sim.rows["w"].wake_at == T0 + timedelta(seconds=1.5)
     decision = sim.fire("w")
     assert kinds(decision) == ["ResolveWait w COMPLETED", "Create after PENDING"]
-    assert sim.inputs["after"] == {"got": None}
+    assert sim.rows["after"].input == {"got": None}
 
 
 def test_timer_is_stale_once_the_signal_won() -> None:
@@ -356,8 +356,8 @@ def test_wait_until_literal_and_reference() -> None:
     )
     sim = Sim(spec, input={"at": "2031-02-03T04:05:06Z"})
     sim.start()
-    assert sim.wake_at["lit"] == datetime(2029, 12, 31, 23, 0, tzinfo=UTC)
-    assert sim.wake_at["ref"] == datetime(2031, 2, 3, 4, 5, 6, tzinfo=UTC)
+    assert sim.rows["lit"].wake_at == datetime(2029, 12, 31, 23, 0, tzinfo=UTC)
+    assert sim.rows["ref"].wake_at == datetime(2031, 2, 3, 4, 5, 6, tzinfo=UTC)
     sim.fire("lit")
     decision = sim.fire("ref")
     assert kinds(decision) == ["ResolveWait ref COMPLETED", "FinishRun SUCCEEDED"]
@@ -369,7 +369,7 @@ def test_wait_until_unusable_value_fails_the_node(at: Any) -> None:
     sim = Sim(wf(task("other"), {"id": "w", "type": "WAIT", "until": "$.input.at"}), input={"at": at})
     decision = sim.start()
     assert kinds(decision) == ["Create other PENDING", "Create w FAILED", "CancelTasks", "FinishRun FAILED"]
-    error = sim.errors["w"]
+    error = sim.rows["w"].error
     assert error is not None and "not an ISO-8601 instant with a time zone" in error
     assert sim.run_reason is not None and sim.run_reason.startswith('node "w" failed: until $.input.at resolved to')
     assert sim.state("other") is TaskState.CANCELLED
@@ -513,7 +513,7 @@ def test_duplicate_result_is_stale(running: tuple[Sim, TaskRef]) -> None:
     sim.send(TaskCompleted(ref=ref, output=1, now=sim.now))
     again = sim.send(TaskCompleted(ref=ref, output=2, now=sim.now))
     assert again.stale
-    assert sim.outputs["a"] == 1
+    assert sim.rows["a"].output == 1
     assert sim.send(TaskFailed(ref=ref, error="x", retryable=False, now=sim.now)).stale
 
 
@@ -641,8 +641,8 @@ def test_outputs_loaded_only_for_referenced_nodes() -> None:
     sim.start()
     sim.complete("a", {"v": "A"})
     sim.complete("b", {"v": "B"})
-    assert sim.inputs["c"] == {"x": "A", "y": 1}
-    assert sim.inputs["d"] == {}
+    assert sim.rows["c"].input == {"x": "A", "y": 1}
+    assert sim.rows["d"].input == {}
     assert sim.loads == [("a",)]
     sim.complete("c", "C")
     sim.complete("d", "D")
@@ -660,7 +660,7 @@ def test_skipped_referenced_node_resolves_to_none_without_a_load() -> None:
     sim = Sim(spec, input={"v": "y"})
     sim.start()
     sim.complete("b")
-    assert sim.inputs["c"] == {"a": None, "s": "y"}
+    assert sim.rows["c"].input == {"a": None, "s": "y"}
     assert sim.loads == [("s",)]
 
 

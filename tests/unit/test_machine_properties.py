@@ -1,6 +1,6 @@
 """Property tests: random workflows driven by random, duplicated and stale events.
 
-``Sim`` (from ``test_machine``) already asserts, on every applied action, that a node
+``Sim`` (from ``machine_sim``) already asserts, on every applied action, that a node
 gets at most one task, is created only after all its dependencies are terminal, is
 SKIPPED exactly when it has no live dependency, and that a finished run keeps no
 active task. These tests add an independent oracle for staleness, check that a
@@ -114,7 +114,7 @@ def run_inputs(count: int = 10) -> st.SearchStrategy[dict[str, Any]]:
 
 
 def state_of(sim: Sim) -> tuple[Any, ...]:
-    return (sim.status, dict(sim.nodes), len(sim.signals), frozenset(sim.consumed), sim._tasks)
+    return (sim.status, dict(sim.nodes), len(sim.signals), frozenset(sim.consumed), sim.minted)
 
 
 def expected_current(sim: Sim, event: Event) -> bool:
@@ -215,7 +215,7 @@ def perform(sim: Sim, move: tuple[Any, ...], data: st.DataObject, history: list[
                 event = None
     elif kind == "claim":
         node_id = move[1]
-        available = sim.available_at.get(node_id)
+        available = sim.rows[node_id].available_at
         if available is not None and available > sim.now:
             sim.now = available
         sim.claim(node_id, owner=data.draw(st.sampled_from(["w1", "w2"])))
@@ -240,7 +240,7 @@ def perform(sim: Sim, move: tuple[Any, ...], data: st.DataObject, history: list[
     elif kind == "intruder":
         event = TaskCompleted(ref=sim.ref(move[1], "intruder"), output=None, now=sim.now)
     elif kind in ("fire", "fire_done"):
-        wake_at = sim.wake_at.get(move[1])
+        wake_at = sim.rows[move[1]].wake_at
         if wake_at is not None and wake_at > sim.now:
             sim.now = wake_at
         event = TimerDue(task_id=sim.nodes[move[1]].task_id, node_id=move[1], now=sim.now)
@@ -272,7 +272,7 @@ def drain(sim: Sim) -> None:
                     send_checked(sim, TaskCompleted(ref=sim.ref(node_id, None), output={"v": "a"}, now=sim.now))
                 break
             if state.state in (TaskState.PENDING, TaskState.QUEUED):
-                available = sim.available_at.get(node_id)
+                available = sim.rows[node_id].available_at
                 if available is not None and available > sim.now:
                     sim.now = available
                 sim.claim(node_id)
@@ -283,7 +283,7 @@ def drain(sim: Sim) -> None:
                     assert node.event is not None
                     send_checked(sim, SignalReceived(name=node.event, payload={"v": "b"}, now=sim.now))
                 else:
-                    wake_at = sim.wake_at[node_id]
+                    wake_at = sim.rows[node_id].wake_at
                     assert wake_at is not None
                     sim.now = max(sim.now, wake_at)
                     send_checked(sim, TimerDue(task_id=state.task_id, node_id=node_id, now=sim.now))

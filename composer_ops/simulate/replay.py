@@ -1,0 +1,333 @@
+"""Runs replayed in memory through the pure state machine, on a simulated clock.
+
+A :class:`Replay` holds one run the way the tables hold it once the shell has applied
+each decision: a :class:`TaskRow` per reached node with the columns the repository
+writes, the buffered signals, the run's own row. It serves the machine's ``Store``
+reads, sends every event to :func:`composer_ops.core.machine.decide`, and applies the
+returned actions as the shell does, with the repository's fences: a write the
+database would refuse (a second task for a node, an update of a task no longer at
+that attempt or in that state, a second finish) raises ``Conflict``, where the shell
+would roll the event back.
+
+Nothing here knows a workflow rule. Readiness, skips, SWITCH branches, retries,
+timeouts, failure messages, signal matching: every state change comes out of a
+decision. What happens without a decision is here with the conditions of its SQL
+statement: a worker's claim of a dispatched task and its heartbeat.
+
+``now`` is the replay's clock. Events carry their own ``now`` (the instant the shell
+would read from the database); rows written while applying an event take that
+instant, and IDs are minted for it by ``mint``. The history backfill drives one
+Replay per run with sampled timings; the state machine's unit tests drive it by hand.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Collection, Mapping, Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+from composer_ops.core.machine import decide
+from composer_ops.core.model import (
+    ACTIVE_RUN_STATUSES,
+    ACTIVE_TASK_STATES,
+    BufferSignal,
+    CancelTasks,
+    CompleteTask,
+    ConsumeSignal,
+    CreateTask,
+    Decision,
+    Event,
+    FailTask,
+    FinishRun,
+    NodeState,
+    NodeType,
+    RequeueTask,
+    ResolveWait,
+    RunContext,
+    RunSnapshot,
+    RunStatus,
+    Signal,
+    Stale,
+    TaskRef,
+    TaskState,
+)
+from composer_ops.core.spec import WorkflowSpec
+from composer_ops.errors import Conflict
+
+__all__ = ["Replay", "SignalRow", "TaskRow"]
+
+#: States a fenced task update (complete, fail, requeue) still matches.
+_UPDATABLE = frozenset({TaskState.PENDING, TaskState.QUEUED, TaskState.RUNNING})
+#: States a task is created in that also set ``finished_at``.
+_BORN_FINISHED = frozenset({TaskState.COMPLETED, TaskState.FAILED, TaskState.SKIPPED})
+
+
+@dataclass(slots=True, kw_only=True)
+class TaskRow:
+    """One row of ``task_instances`` as the repository leaves it.
+
+    ``scheduled_at`` is not kept: the engine writes it equal to ``created_at``.
+    ``available_at`` is the task's dispatch (its outbox row): set while it waits to be
+    claimed, ``None`` once claimed or cancelled.
+    """
+
+    task_id: str
+    node_id: str
+    node_type: NodeType
+    queue: str | None
+    state: TaskState
+    created_at: datetime
+    updated_at: datetime
+    attempt: int = 0
+    input: Any = None
+    output: Any = None
+    error: str | None = None
+    branches: tuple[str, ...] | None = None
+    wake_at: datetime | None = None
+    awaited_signal: str | None = None
+    started_at: datetime | None = None
+    finished_at: datetime | None = None
+    completed_at: datetime | None = None
+    lease_owner: str | None = None
+    lease_expires_at: datetime | None = None
+    available_at: datetime | None = None
+
+
+@dataclass(slots=True, kw_only=True)
+class SignalRow:
+    """One row of ``workflow_events``: a buffered signal, consumed or not."""
+
+    id: str
+    name: str
+    payload: Any
+    created_at: datetime
+    consumed_at: datetime | None = None
+
+
+def _counter_ids() -> Callable[[str, datetime], str]:
+    counts = {"t": 0, "s": 0}
+
+    def mint(kind: str, at: datetime) -> str:
+        counts[kind] += 1
+        return f"{kind}{counts[kind]:04d}"
+
+    return mint
+
+
+class Replay:
+    """One run in memory: its rows, the machine's store, the shell's apply step.
+
+    ``mint(kind, at)`` returns a new ID for a task (``kind`` ``"t"``) or a buffered
+    signal (``"s"``) created at ``at``; IDs must sort in creation order, as UUIDv7
+    text does (the earliest waiter of a signal is the one with the smallest task ID).
+    The default mints ``t0001``, ``s0001``, ...
+    """
+
+    def __init__(self, spec: WorkflowSpec, *, run_id: str = "run-1", input: Any = None, now: datetime,
+                 workflow_version: int = 1, mint: Callable[[str, datetime], str] | None = None) -> None:
+        if now.tzinfo is None or now.utcoffset() is None:
+            raise ValueError(f"a replay's clock must be timezone-aware, got {now!r}")
+        self.spec = spec
+        self.run_id = run_id
+        self.workflow_version = workflow_version
+        self.context = RunContext(input=input, config=spec.config)
+        self.now = now
+        self.mint = mint or _counter_ids()
+        # The run's row.
+        self.status = RunStatus.RUNNING
+        self.run_output: Any = None
+        self.run_reason: str | None = None
+        self.created_at = now
+        self.completed_at: datetime | None = None
+        # Its tasks (by node) and buffered signals (in creation order).
+        self.rows: dict[str, TaskRow] = {}
+        self.signals: list[SignalRow] = []
+        self._nodes: dict[str, NodeState] = {}
+        self._changed: set[str] = set()        # nodes whose row changed since ``nodes`` was read
+        self._by_task: dict[str, str] = {}
+        self._event_now = now
+        self._writers: dict[type, Callable[[Any, datetime], bool | None]] = {
+            Stale: self._stale, CreateTask: self._create, CompleteTask: self._complete, FailTask: self._fail,
+            RequeueTask: self._requeue, ResolveWait: self._resolve, BufferSignal: self._buffer,
+            ConsumeSignal: self._consume, CancelTasks: self._cancel, FinishRun: self._finish_run}
+
+    @property
+    def nodes(self) -> dict[str, NodeState]:
+        """The machine's view of ``rows`` (what a snapshot holds), by node."""
+        if self._changed:
+            rows, nodes = self.rows, self._nodes
+            for node_id in self._changed:
+                row = rows[node_id]
+                nodes[node_id] = NodeState(task_id=row.task_id, state=row.state, attempt=row.attempt,
+                                           branches=row.branches, awaited_signal=row.awaited_signal,
+                                           lease_owner=row.lease_owner, lease_expires_at=row.lease_expires_at)
+            self._changed.clear()
+        return self._nodes
+
+    # -- the Store the machine reads through --------------------------------------
+
+    def load_outputs(self, node_ids: Collection[str]) -> Mapping[str, Any]:
+        rows = self.rows
+        return {n: rows[n].output for n in node_ids if n in rows and rows[n].state is TaskState.COMPLETED}
+
+    def pending_signals(self, name: str) -> Sequence[Signal]:
+        return [Signal(id=s.id, name=s.name, payload=s.payload) for s in self.signals
+                if s.name == name and s.consumed_at is None]
+
+    def new_id(self) -> str:
+        """A task ID for the event being decided (the machine's ``new_id``)."""
+        return self.mint("t", self._event_now)
+
+    # -- the shell -------------------------------------------------------------------
+
+    def snapshot(self) -> RunSnapshot:
+        return RunSnapshot(id=self.run_id, workflow_id=self.spec.id, workflow_version=self.workflow_version,
+                           status=self.status, context=self.context, spec=self.spec, nodes=dict(self.nodes))
+
+    def send(self, event: Event) -> Decision:
+        """Decide ``event`` and apply the decision; ``Conflict``/``Invalid`` from the
+        machine (a signal or cancel the run refuses) change nothing."""
+        self._event_now = event.now
+        decision = decide(self.snapshot(), event, self, self.new_id)
+        self.apply(decision, event.now)
+        return decision
+
+    def apply(self, decision: Decision, now: datetime) -> None:
+        """Write a decision's actions in order, as the shell does in one transaction."""
+        writers = self._writers
+        for action in decision.actions:
+            if writers[type(action)](action, now):
+                return
+
+    def _stale(self, a: Stale, now: datetime) -> bool:
+        return True
+
+    def _complete(self, a: CompleteTask, now: datetime) -> None:
+        row = self._fenced(a.ref, a)
+        row.output, row.completed_at = a.output, now
+        self._finish_task(row, TaskState.COMPLETED, now)
+
+    def _fail(self, a: FailTask, now: datetime) -> None:
+        row = self._fenced(a.ref, a)
+        row.error = a.reason
+        self._finish_task(row, TaskState.FAILED, now)
+
+    def _requeue(self, a: RequeueTask, now: datetime) -> None:
+        row = self._fenced(a.ref, a)
+        row.attempt += 1
+        row.error, row.started_at, row.available_at = a.reason, None, a.available_at
+        self._set_state(row, TaskState.PENDING, now)
+
+    def _resolve(self, a: ResolveWait, now: datetime) -> None:
+        row = self.rows[a.node_id]
+        if row.task_id != a.task_id or row.state is not TaskState.WAITING:
+            raise self._refused(a)
+        row.output, row.error = a.output, a.reason
+        row.completed_at = now if a.state is TaskState.COMPLETED else None
+        self._finish_task(row, a.state, now)
+
+    def _buffer(self, a: BufferSignal, now: datetime) -> None:
+        self.signals.append(SignalRow(id=self.mint("s", now), name=a.name, payload=a.payload, created_at=now))
+
+    def _cancel(self, a: CancelTasks, now: datetime) -> None:
+        for task_id in a.task_ids:
+            row = self.rows[self._by_task[task_id]]
+            if row.state in ACTIVE_TASK_STATES:
+                row.error, row.available_at = a.reason, None
+                self._finish_task(row, TaskState.CANCELLED, now)
+
+    def _finish_run(self, a: FinishRun, now: datetime) -> None:
+        if self.status not in ACTIVE_RUN_STATUSES:
+            raise Conflict(f"run {self.run_id} finished concurrently; the decision was rolled back")
+        self.status, self.run_output, self.run_reason = a.status, a.output, a.reason
+        self.completed_at = now
+
+    def _create(self, a: CreateTask, now: datetime) -> None:
+        if a.node_id in self.rows:
+            raise Conflict(f"run {self.run_id}: node {a.node_id} already has a task; "
+                           "the decision was based on a stale snapshot and was rolled back")
+        is_task = a.node_type is NodeType.TASK
+        state = a.state
+        self.rows[a.node_id] = TaskRow(
+            task_id=a.task_id, node_id=a.node_id, node_type=a.node_type,
+            queue=(self.spec.nodes[a.node_id].queue or "default") if is_task else None,
+            state=state, created_at=now, updated_at=now, input=a.input, output=a.output, error=a.error,
+            branches=a.branches, wake_at=a.wake_at, awaited_signal=a.awaited_signal,
+            finished_at=now if state in _BORN_FINISHED else None,
+            completed_at=now if state is TaskState.COMPLETED else None,
+            available_at=a.available_at if is_task and state is TaskState.PENDING else None)
+        self._by_task[a.task_id] = a.node_id
+        self._changed.add(a.node_id)
+
+    def _consume(self, a: ConsumeSignal, now: datetime) -> None:
+        for signal in self.signals:
+            if signal.id == a.signal_id and signal.consumed_at is None:
+                signal.consumed_at = now
+                return
+        raise self._refused(a)
+
+    def _fenced(self, ref: TaskRef, action: object) -> TaskRow:
+        """The row a fenced task update matches (id, node, attempt, an updatable state)."""
+        row = self.rows.get(ref.node_id)
+        if (row is None or ref.run_id != self.run_id or row.task_id != ref.task_id or row.attempt != ref.attempt
+                or row.state not in _UPDATABLE):
+            raise self._refused(action)
+        return row
+
+    @staticmethod
+    def _refused(action: object) -> Conflict:
+        return Conflict(f"fenced write matched no row ({type(action).__name__}); "
+                        "the task changed outside the engine, the event was rolled back")
+
+    def _finish_task(self, row: TaskRow, state: TaskState, now: datetime) -> None:
+        row.finished_at = now
+        self._set_state(row, state, now)
+
+    def _set_state(self, row: TaskRow, state: TaskState, now: datetime) -> None:
+        row.state, row.updated_at = state, now
+        row.lease_owner = row.lease_expires_at = None
+        self._changed.add(row.node_id)
+
+    # -- what workers do without a decision -------------------------------------------
+
+    def claim(self, node_id: str, owner: str = "w1") -> TaskRef:
+        """A worker's claim at ``now``: a dispatched PENDING task whose ``available_at``
+        has come moves to RUNNING, leased to ``owner`` for the node's ``lease_s``."""
+        row = self.rows.get(node_id)
+        if (row is None or row.state not in (TaskState.PENDING, TaskState.QUEUED) or row.available_at is None
+                or row.available_at > self.now):
+            raise Conflict(f"run {self.run_id}: node {node_id} has no task to claim at {self.now.isoformat()}")
+        now = self.now
+        row.state, row.started_at, row.updated_at, row.available_at = TaskState.RUNNING, now, now, None
+        row.lease_owner = owner
+        row.lease_expires_at = now + timedelta(seconds=self.spec.nodes[node_id].lease_s)
+        self._changed.add(node_id)
+        return self.ref(node_id, owner)
+
+    def heartbeat(self, node_id: str, owner: str) -> bool:
+        """Extend ``owner``'s unexpired lease by the node's ``lease_s`` from ``now``;
+        False when the lease is lost."""
+        row = self.rows.get(node_id)
+        if (row is None or row.state is not TaskState.RUNNING or row.lease_owner != owner
+                or row.lease_expires_at is None or row.lease_expires_at <= self.now):
+            return False
+        row.lease_expires_at = self.now + timedelta(seconds=self.spec.nodes[node_id].lease_s)
+        self._changed.add(node_id)
+        return True
+
+    def ref(self, node_id: str, owner: str | None = "w1") -> TaskRef:
+        """The reference of the node's current attempt, as reported by ``owner``."""
+        row = self.rows[node_id]
+        return TaskRef(task_id=row.task_id, run_id=self.run_id, node_id=node_id, attempt=row.attempt,
+                       lease_owner=owner)
+
+    def state(self, node_id: str) -> TaskState | None:
+        """The node's task state, or None when it has no task."""
+        row = self.rows.get(node_id)
+        return None if row is None else row.state
+
+
+def utc(epoch_s: float) -> datetime:
+    """An epoch instant as an aware UTC datetime (the replay's clock type)."""
+    return datetime.fromtimestamp(epoch_s, UTC)
