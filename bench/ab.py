@@ -23,9 +23,9 @@ from pathlib import Path
 from typing import Any
 
 from bench import scenario
-from bench import server as servers
 from bench.procs import ROOT
 from bench.workload import COMPOSER, make_template
+from composer_ops.testing import servers
 
 
 def _roundtrips(root: Path, runs: int) -> dict[str, Any]:
@@ -52,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"{before_root} has no composer_ops package")
     sides = {"after": dataclasses.replace(COMPOSER, label="after"),
              "before": dataclasses.replace(COMPOSER, root=before_root, label="before")}
-    server = servers.start()
+    server = servers.session().primary
     template = make_template(server, "bench_tpl_ab")
     rows: list[dict[str, Any]] = []
     for r in range(args.rounds):

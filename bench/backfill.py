@@ -36,9 +36,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import tempfile
 import time
-from pathlib import Path
 from urllib.parse import urlsplit, urlunsplit
 
 import psycopg
@@ -49,19 +47,9 @@ from composer_ops.core.spec import parse_spec
 from composer_ops.db.migrate import migrate
 from composer_ops.simulate.definitions import definitions, deploy_definitions
 from composer_ops.simulate.history import HistoryOptions, backfill, history_months, month_sizes
+from composer_ops.testing import servers
 
 TARGET_PER_MINUTE = 1_000_000
-
-
-def _server() -> str:
-    """An admin URL (database ``postgres``)."""
-    url = os.environ.get("COMPOSER_DATABASE_URL")
-    if url:
-        return urlunsplit(urlsplit(url)._replace(path="/postgres"))
-    from composer_ops.db import embedded
-
-    base = Path(tempfile.mkdtemp(prefix="composer-bench-backfill-"))
-    return embedded.up(base, detached=False, delete_on_exit=True, database="postgres")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -75,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="check every row's foreign key by its trigger (what a non-superuser gets)")
     args = parser.parse_args(argv)
 
-    admin = _server()
+    admin = servers.session().primary.admin_url
     name = f"bench_backfill_{os.getpid()}"
     with psycopg.connect(admin, autocommit=True) as conn:
         conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))

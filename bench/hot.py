@@ -29,7 +29,7 @@ from typing import Any, cast
 
 import psycopg
 
-from bench.server import Server
+from composer_ops.testing.servers import Server
 
 SPEC = {"id": "bench-hot", "nodes": [{"id": "work", "type": "TASK", "task": "noop", "lease_s": 300}]}
 

@@ -219,9 +219,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     url = args.database_url
     if url is None:
-        from bench import server as servers
+        from composer_ops.testing import servers
 
-        server = servers.start()
+        server = servers.session().primary
         url = server.create_database("bench_notebooks")
     built: dict[str, Any] = {}
     if not args.skip_build:

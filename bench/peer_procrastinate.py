@@ -19,7 +19,7 @@ from typing import Any
 from bench.measure import PROCRASTINATE_UNITS, unit_stats
 from bench.procs import ROOT, ProcessGroup, scalar, wait_until
 from bench.scenario import System
-from bench.server import Server
+from composer_ops.testing.servers import Server
 
 CONCURRENCY = 4
 

@@ -12,7 +12,7 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
-from bench.server import Server
+from composer_ops.testing.servers import Server
 
 _TPS = re.compile(r"tps = ([0-9.]+) \((?:without initial connection time|excluding connections establishing)\)")
 
@@ -27,9 +27,10 @@ def _run(binary: Path, args: list[str], timeout: float) -> str:
 def measure(server: Server, *, clients: tuple[int, ...] = (2, 8), duration: int = 10, scale: int = 5
             ) -> dict[str, Any]:
     """TPS of ``pgbench -N`` for each client count, in a scratch database."""
-    if server.bin_dir is None or not (server.bin_dir / "pgbench").exists():
+    bin_dir = server.client_bin_dir()
+    if bin_dir is None or not (bin_dir / "pgbench").exists():
         return {"skipped": "pgbench not found (install postgresql-client or use the embedded server)"}
-    pgbench = server.bin_dir / "pgbench"
+    pgbench = bin_dir / "pgbench"
     db = "bench_pgbench"
     url = server.create_database(db)
     try:

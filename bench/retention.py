@@ -24,7 +24,7 @@ from typing import Any
 
 import psycopg
 
-from bench.server import Server
+from composer_ops.testing.servers import Server
 
 FILL = """
 WITH runs AS (
@@ -135,10 +135,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(prog="python -m bench.retention")
     parser.add_argument("--rows", type=int, default=1_000_000, help="task rows per month (default 1,000,000)")
     args = parser.parse_args()
-    from bench import server as servers
     from bench.workload import make_template
+    from composer_ops.testing import servers
 
-    server = servers.start()
+    server = servers.session().primary
     template = make_template(server, "bench_tpl_retention")
     print(json.dumps(measure(server, template, rows=args.rows), indent=2))
 

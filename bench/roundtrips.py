@@ -24,7 +24,7 @@ from typing import Any
 from psycopg.pq import Trace
 
 from bench.cpu import ServerCPU, per_item_ms
-from bench.server import Server
+from composer_ops.testing.servers import Server
 
 
 def _count(path: str) -> tuple[int, int, int]:
@@ -105,10 +105,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(prog="python -m bench.roundtrips")
     parser.add_argument("--runs", type=int, default=500)
     args = parser.parse_args()
-    from bench import server as servers
     from bench.workload import make_template
+    from composer_ops.testing import servers
 
-    server = servers.start()
+    server = servers.session().primary
     print(json.dumps(measure(server, make_template(server, "bench_tpl_rt"), runs=args.runs), indent=2))
 
 

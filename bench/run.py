@@ -24,10 +24,10 @@ from pathlib import Path
 from typing import Any
 
 from bench import hot, pgbench, retention, scenario
-from bench import server as servers
 from bench.report import render, write
 from bench.scenario import System
 from bench.workload import COMPOSER, make_template
+from composer_ops.testing import servers
 
 RESULTS = Path(__file__).resolve().parent / "results"
 PARTS = ("pgbench", "throughput", "procrastinate", "fan", "latency", "hot", "retention", "notebooks")
@@ -106,7 +106,7 @@ def _log(message: str) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     began = time.monotonic()
-    server = servers.start()
+    server = servers.session().primary
     _log(f"PostgreSQL {server.version} ({'embedded' if server.embedded else server.admin_url.split('@')[-1]})")
     results: dict[str, Any] = {"throughput": [], "latency": []}
     template = make_template(server, "bench_tpl")

@@ -26,7 +26,7 @@ from typing import Any
 from bench.cpu import Meter, ServerCPU, per_item_ms
 from bench.measure import rate, seconds, unit_stats
 from bench.procs import ROOT, ProcessGroup, db_now, read_json_line, wait_until
-from bench.server import Server
+from composer_ops.testing.servers import Server
 
 PRODUCER_THREADS = 4
 

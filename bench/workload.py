@@ -18,7 +18,7 @@ import psycopg
 from bench.measure import COMPOSER_UNITS
 from bench.procs import ROOT, ProcessGroup, connections, scalar, wait_until
 from bench.scenario import System
-from bench.server import Server
+from composer_ops.testing.servers import Server
 
 if TYPE_CHECKING:
     from composer_ops import Engine, TaskContext, Worker

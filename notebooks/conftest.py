@@ -37,25 +37,21 @@ def pytest_configure(config: pytest.Config) -> None:
     if str(_ROOT) not in sys.path:
         sys.path.insert(0, str(_ROOT))
     import psycopg
-    from psycopg import sql
 
     from composer_ops.db.migrate import migrate
     from composer_ops.ops import fixtures
-    from tests.conftest import with_database
-    from tests.pgcluster import server_url
+    from composer_ops.testing import servers
 
-    admin = with_database(server_url(), "postgres")
+    server = servers.session().primary
     name = f"composer_nbval_{uuid.uuid4().hex[:8]}"
-    with psycopg.connect(admin, autocommit=True) as conn:
-        conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
-    url = with_database(admin, name)
+    url = server.create_database(name)
     migrate(url)
     with psycopg.connect(url) as conn:
         info = fixtures.seed(conn)
         conn.commit()
     expect = Path(tempfile.mkdtemp(prefix="composer-nbval-")) / "expected.json"
     expect.write_text(json.dumps(fixtures.expected_figures(info), indent=1), encoding="utf-8")
-    _state.update(admin=admin, name=name, previous={k: os.environ.get(k) for k in
+    _state.update(server=server, name=name, previous={k: os.environ.get(k) for k in
                                                     ("COMPOSER_DATABASE_URL", "COMPOSER_OPS_EXPECT")})
     os.environ["COMPOSER_DATABASE_URL"] = url
     os.environ["COMPOSER_OPS_EXPECT"] = str(expect)
@@ -64,14 +60,10 @@ def pytest_configure(config: pytest.Config) -> None:
 def pytest_unconfigure(config: pytest.Config) -> None:
     if "name" not in _state:
         return
-    import psycopg
-    from psycopg import sql
-
     for key, value in _state["previous"].items():
         if value is None:
             os.environ.pop(key, None)
         else:
             os.environ[key] = value
-    with psycopg.connect(_state["admin"], autocommit=True) as conn:
-        conn.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(_state["name"])))
+    _state["server"].drop_database(_state["name"])
     _state.clear()

@@ -1,87 +1,80 @@
-"""Fixtures shared by every test.
+"""Fixtures shared by every test, and the checks that a pytest run tested what it should.
 
-A server is found or started once per session (see tests/pgcluster.py); a template
-database is migrated once; each test that asks for ``db_url`` gets a fresh clone of
-it (CREATE DATABASE ... TEMPLATE), so tests are isolated and fast.
-Every connection of the suite, subprocesses included, runs with a non-UTC session
-TimeZone (PGTZ), because all time arithmetic must be UTC-correct regardless.
+The server is :func:`composer_ops.testing.servers.session`'s primary, started on first
+use (``COMPOSER_DATABASE_URL``, else ``COMPOSER_TEST_PGBIN``'s binaries, else the
+embedded server); a template database is migrated once; each test that asks for
+``db_url`` gets a fresh clone of it (CREATE DATABASE ... TEMPLATE), so tests are
+isolated and fast. Every connection of the suite, subprocesses included, runs with a
+non-UTC session TimeZone (PGTZ), because all time arithmetic must be UTC-correct
+regardless.
+
+Markers: every test that uses the server (through these fixtures) is marked ``db``
+here; ``slow`` marks multi-process end-to-end tests. ``make test-fast`` runs
+``-m "not db and not slow"`` with ``COMPOSER_TEST_NO_SERVER=1``, under which asking for
+the server is an error rather than a silent start.
+
+``--require DIR=N`` (repeatable) fails the run unless at least N tests under DIR are
+selected, and unless at least one of them ran rather than being skipped: a leg of
+``make test`` that collects nothing, or whose tests all skip for a missing install
+step, fails instead of passing.
 """
 
 from __future__ import annotations
 
-import itertools
 import os
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
 
 import psycopg
 import pytest
-from psycopg import sql
 
 os.environ.setdefault("PGTZ", "America/New_York")
 
-from tests.pgcluster import server_url  # noqa: E402
+from composer_ops.testing import servers  # noqa: E402
+from composer_ops.testing.servers import Server  # noqa: E402
 
-
-def with_database(url: str, name: str) -> str:
-    """The same server URL pointing at database ``name``."""
-    parts = urlsplit(url)
-    return urlunsplit(parts._replace(path=f"/{name}"))
-
-
-@pytest.fixture(scope="session")
-def admin_url() -> str:
-    return with_database(server_url(), "postgres")
+#: Fixtures that reach the server; a test using any of them (directly or through
+#: another fixture) is marked ``db``.
+SERVER_FIXTURES = frozenset({"server", "admin_url", "template_db", "db_url", "empty_db_url", "conn"})
+NO_SERVER = "COMPOSER_TEST_NO_SERVER"
 
 
 @pytest.fixture(scope="session")
-def template_db(admin_url: str) -> Iterator[str]:
+def server() -> Server:
+    if os.environ.get(NO_SERVER) == "1":
+        raise RuntimeError(f"{NO_SERVER}=1: this run has no database server; mark the test db or use the fixtures")
+    return servers.session().primary
+
+
+@pytest.fixture(scope="session")
+def admin_url(server: Server) -> str:
+    return server.admin_url
+
+
+@pytest.fixture(scope="session")
+def template_db(server: Server) -> Iterator[str]:
     from composer_ops.db.migrate import migrate
 
     name = f"composer_tpl_{uuid.uuid4().hex[:8]}"
-    with psycopg.connect(admin_url, autocommit=True) as conn:
-        conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
-    migrate(with_database(admin_url, name))
+    migrate(server.create_database(name))
     yield name
-    with psycopg.connect(admin_url, autocommit=True) as conn:
-        conn.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name)))
-
-
-_counter = itertools.count()
-
-
-def clone_database(admin_url: str, template: str | None) -> str:
-    name = f"composer_t{os.getpid()}_{next(_counter)}"
-    with psycopg.connect(admin_url, autocommit=True) as conn:
-        if template:
-            conn.execute(sql.SQL("CREATE DATABASE {} TEMPLATE {}").format(
-                sql.Identifier(name), sql.Identifier(template)))
-        else:
-            conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
-    return name
-
-
-def drop_database(admin_url: str, name: str) -> None:
-    with psycopg.connect(admin_url, autocommit=True) as conn:
-        conn.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name)))
+    server.drop_database(name)
 
 
 @pytest.fixture
-def db_url(admin_url: str, template_db: str) -> Iterator[str]:
+def db_url(server: Server, template_db: str) -> Iterator[str]:
     """A freshly migrated database of its own for this test."""
-    name = clone_database(admin_url, template_db)
-    yield with_database(admin_url, name)
-    drop_database(admin_url, name)
+    with server.database(template=template_db) as url:
+        yield url
 
 
 @pytest.fixture
-def empty_db_url(admin_url: str) -> Iterator[str]:
+def empty_db_url(server: Server) -> Iterator[str]:
     """An empty database (no migrations applied) of its own for this test."""
-    name = clone_database(admin_url, None)
-    yield with_database(admin_url, name)
-    drop_database(admin_url, name)
+    with server.database() as url:
+        yield url
 
 
 @pytest.fixture
@@ -90,3 +83,67 @@ def conn(db_url: str) -> Iterator[psycopg.Connection[Any]]:
     with psycopg.connect(db_url) as c:
         yield c
         c.rollback()
+
+
+# -- markers and collection checks ------------------------------------------------------
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--require", action="append", default=[], metavar="DIR=N",
+                     help="fail unless at least N selected tests are under DIR and at least one of them runs")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if SERVER_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.db)
+
+
+def _requirements(config: pytest.Config) -> dict[Path, int]:
+    wanted: dict[Path, int] = {}
+    for spec in config.getoption("--require"):
+        directory, sep, count = spec.rpartition("=")
+        if not sep or not count.isdigit():
+            raise pytest.UsageError(f"--require {spec}: expected DIR=N")
+        wanted[(config.rootpath / directory).resolve()] = int(count)
+    return wanted
+
+
+def _under(item_path: Path, directory: Path) -> bool:
+    return item_path == directory or directory in item_path.parents
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    wanted = _requirements(session.config)
+    short = []
+    for directory, minimum in wanted.items():
+        found = sum(1 for item in session.items if _under(item.path, directory))
+        if found < minimum:
+            short.append(f"{directory.relative_to(session.config.rootpath)}: {found} selected, at least {minimum} "
+                         "expected")
+    if short:
+        raise pytest.UsageError("too few tests collected: " + "; ".join(short))
+    session.config.stash[_RAN] = dict.fromkeys(wanted, 0)
+
+
+_RAN = pytest.StashKey[dict[Path, int]]()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
+    outcome: Any = yield
+    report: pytest.TestReport = outcome.get_result()
+    ran = item.config.stash.get(_RAN, None)
+    if ran is not None and report.when == "call" and report.outcome != "skipped":
+        for directory in ran:
+            if _under(item.path, directory):
+                ran[directory] += 1
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    ran = session.config.stash.get(_RAN, None)
+    if not ran or exitstatus != 0:
+        return
+    idle = [str(d.relative_to(session.config.rootpath)) for d, n in ran.items() if n == 0]
+    if idle:
+        session.config.get_terminal_writer().line(f"no test ran (all skipped) under: {', '.join(idle)}", red=True)
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED

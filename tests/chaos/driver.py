@@ -2,8 +2,8 @@
 coordinators and restart PostgreSQL once, then audit the database.
 
 ``python -m tests.chaos.driver --runs 5000`` (``make chaos``) uses the suite's server
-(tests/pgcluster.py: COMPOSER_DATABASE_URL, else COMPOSER_TEST_PGBIN, else the
-embedded one) and a fresh database on it; it prints the figures and exits 1 if
+(:func:`composer_ops.testing.servers.session`: COMPOSER_DATABASE_URL, else
+COMPOSER_TEST_PGBIN, else the embedded one) and a fresh database on it; it prints the figures and exits 1 if
 anything was lost. With COMPOSER_DATABASE_URL the server restart is skipped (the
 server is not ours to restart), and the report says so.
 """
@@ -16,6 +16,7 @@ import heapq
 import json
 import logging
 import random
+import re
 import sys
 import tempfile
 import threading
@@ -29,12 +30,12 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import psycopg
-from psycopg import sql
 
 from composer_ops import Conflict, Engine
 from composer_ops.engine.ids import uuid7_at
-from tests import pgcluster
-from tests.chaos.fleet import Fleet, Hook
+from composer_ops.testing import servers
+from composer_ops.testing.processes import Fleet
+from tests.chaos.hook import SECRET, Hook
 from tests.chaos.verify import AUDIT_SQL, TERMINAL, Audit, audit, describe_stuck
 from tests.chaos.workload import LEASE_S, Planned, plan, specs
 
@@ -119,8 +120,10 @@ class Chaos:
         self.db_url, self.o = db_url, options
         self.rng = random.Random(options.seed)
         self.hook = Hook()
-        self.fleet = Fleet(db_url, logdir, workers=options.workers, coordinators=options.coordinators,
-                           concurrency=options.concurrency)
+        self.fleet = Fleet(db_url, logdir=logdir, env={
+            "COMPOSER_LOG_LEVEL": "INFO", "COMPOSER_WEBHOOK_SECRET": SECRET,
+            "COMPOSER_WEBHOOK_CONNECT_TIMEOUT_S": "1", "COMPOSER_WEBHOOK_TIMEOUT_S": "1",
+            "COMPOSER_WEBHOOK_DEADLINE_S": "1.5"})
         self.engine = Engine.connect(db_url, pool_size=4, application_name="chaos-driver")
         self.started: dict[str, Planned] = {}
         self.sent: dict[str, list[str]] = {}
@@ -230,11 +233,11 @@ class Chaos:
             else:
                 victims = self.fleet.alive("coordinator")        # every coordinator at once
             for proc in victims:
-                self.fleet.kill(proc)
+                self.fleet.kill(proc, replace=True)
 
     def _restart(self) -> None:
         t0 = time.time()
-        down = pgcluster.restart_server()
+        down = servers.session().primary.restart()
         self.restarts.append((t0, time.time()))
         self.restart_note = f"pg_ctl restart -m fast, down {down:.2f}s"
 
@@ -253,7 +256,7 @@ class Chaos:
 
     def _run(self) -> Report:
         began = time.monotonic()
-        if self.o.restart and not pgcluster.can_restart():
+        if self.o.restart and not servers.session().primary.owned:
             self.restart_note = "skipped: the server comes from COMPOSER_DATABASE_URL"
             self.o.restart = False
         elif not self.o.restart:
@@ -262,7 +265,10 @@ class Chaos:
             conn.execute(AUDIT_SQL.encode())
         for spec in specs(self.hook.base):
             self.engine.deploy(spec)
-        self.fleet.start()
+        for _ in range(self.o.workers):
+            self.fleet.worker(concurrency=self.o.concurrency)
+        for _ in range(self.o.coordinators):
+            self.fleet.coordinator()
         threads = [threading.Thread(target=t, daemon=True, name=t.__name__)
                    for t in (self._starter, self._agenda_loop, self._killer)]
         for t in threads:
@@ -285,7 +291,7 @@ class Chaos:
         for k in self.fleet.kills:
             kills[k.kind] = kills.get(k.kind, 0) + 1
         report = Report(self.o, result, kills, [t1 - t0 for t0, t1 in self.restarts], self.restart_note, crashes,
-                        {**self.retries, **self.error_types}, self.fleet.log_summary(), time.monotonic() - began,
+                        {**self.retries, **self.error_types}, log_summary(self.fleet.logdir), time.monotonic() - began,
                         stuck=stuck_text)
         return report
 
@@ -314,19 +320,14 @@ class Chaos:
         return open_runs
 
 
-def run_chaos(admin_url: str, options: Options, *, template: str | None = None,
+def run_chaos(server: servers.Server, options: Options, *, template: str | None = None,
               keep_logs: Path | None = None) -> Report:
-    """Create a database (from ``template`` when given, else migrated now), run, drop it."""
+    """Create a database on ``server`` (from ``template`` when given, else migrated now),
+    run, drop it."""
     from composer_ops.db.migrate import migrate
 
     name = f"composer_chaos_{uuid.uuid4().hex[:8]}"
-    with psycopg.connect(admin_url, autocommit=True) as conn:
-        if template:
-            conn.execute(sql.SQL("CREATE DATABASE {} TEMPLATE {}").format(sql.Identifier(name),
-                                                                        sql.Identifier(template)))
-        else:
-            conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
-    db_url = _with_database(admin_url, name)
+    db_url = server.create_database(name, template=template)
     try:
         if not template:
             migrate(db_url)
@@ -336,14 +337,30 @@ def run_chaos(admin_url: str, options: Options, *, template: str | None = None,
         with tempfile.TemporaryDirectory(prefix="composer-chaos-") as logdir:
             return Chaos(db_url, options, Path(logdir)).run()
     finally:
-        with psycopg.connect(admin_url, autocommit=True) as conn:
-            conn.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name)))
+        server.drop_database(name)
 
 
-def _with_database(url: str, name: str) -> str:
-    from urllib.parse import urlsplit, urlunsplit
-
-    return urlunsplit(urlsplit(url)._replace(path=f"/{name}"))
+def log_summary(logdir: Path) -> dict[str, Any]:
+    """Counts from the processes' logs: stale results, lost leases, tracebacks by last line."""
+    stale: Counter[str] = Counter()
+    lease_lost = retried = 0
+    tracebacks: Counter[str] = Counter()
+    for log in sorted(logdir.glob("*.log")):
+        lines = log.read_text(errors="replace").splitlines()
+        for i, line in enumerate(lines):
+            if "dropped stale result" in line:
+                reason = line.split("): ", 1)[-1]
+                stale[re.sub(r"[0-9a-f-]{36}|\d[\d:. T+-]*|\S+:\d+:[0-9a-f]{4}", "#", reason)[:100]] += 1
+            elif "lease lost for task" in line:
+                lease_lost += 1
+            elif "transient database error" in line:
+                retried += 1
+            elif line.startswith("Traceback"):
+                end = next((j for j in range(i + 1, len(lines)) if not lines[j].startswith((" ", "Traceback"))),
+                           None)
+                last = lines[end] if end is not None else "?"
+                tracebacks[re.sub(r"[0-9a-f-]{36}|\d+(\.\d+)?", "#", last)[:160]] += 1
+    return {"stale": dict(stale), "lease_lost": lease_lost, "retried": retried, "tracebacks": dict(tracebacks)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -360,8 +377,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     options = Options(runs=args.runs, seed=args.seed, workers=args.workers, coordinators=args.coordinators,
                       start_rate=args.rate, restart=not args.no_restart, timeout_s=max(600.0, args.runs / 5))
-    admin = _with_database(pgcluster.server_url(), "postgres")
-    report = run_chaos(admin, options, keep_logs=args.logs)
+    report = run_chaos(servers.session().primary, options, keep_logs=args.logs)
     print("\n".join(report.lines()), flush=True)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)

@@ -7,6 +7,7 @@ import os
 
 import pytest
 
+from composer_ops.testing.servers import Server
 from tests.chaos.driver import Options, run_chaos
 
 RUNS = int(os.environ.get("COMPOSER_CHAOS_RUNS", "200"))
@@ -14,8 +15,8 @@ RUNS = int(os.environ.get("COMPOSER_CHAOS_RUNS", "200"))
 
 @pytest.mark.slow
 @pytest.mark.timeout(150)
-def test_chaos_run_loses_nothing(admin_url: str, template_db: str, capsys: pytest.CaptureFixture[str]) -> None:
-    report = run_chaos(admin_url, Options(runs=RUNS, seed=int(os.environ.get("COMPOSER_CHAOS_SEED", "7")),
+def test_chaos_run_loses_nothing(server: Server, template_db: str, capsys: pytest.CaptureFixture[str]) -> None:
+    report = run_chaos(server, Options(runs=RUNS, seed=int(os.environ.get("COMPOSER_CHAOS_SEED", "7")),
                                           start_rate=15.0, timeout_s=85.0), template=template_db)
     with capsys.disabled():
         print("\n" + "\n".join(report.lines()))

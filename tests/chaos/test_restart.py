@@ -16,13 +16,17 @@ import pytest
 
 from composer_ops import Engine, TaskContext, Worker
 from composer_ops.engine.listener import Listener
-from tests import pgcluster
-from tests.integration.processes import Cluster, wait_for
-
-pytestmark = pytest.mark.skipif(not pgcluster.can_restart(),
-                                reason="the server comes from COMPOSER_DATABASE_URL; it is not ours to restart")
+from composer_ops.testing.processes import Fleet, wait_for
+from composer_ops.testing.servers import Server
 
 SPEC = {"id": "one", "nodes": [{"id": "a", "type": "TASK", "task": "t"}]}
+
+
+@pytest.fixture
+def restartable(server: Server) -> Server:
+    if not server.owned:
+        pytest.skip("the server comes from COMPOSER_DATABASE_URL; it is not ours to restart")
+    return server
 
 
 @pytest.fixture
@@ -49,11 +53,11 @@ def _fill_pool(engine: Engine, n: int = 4) -> None:
     assert engine.pool.get_stats()["pool_size"] == n
 
 
-def test_the_pool_hands_out_only_live_connections_after_a_restart(engine: Engine,
+def test_the_pool_hands_out_only_live_connections_after_a_restart(engine: Engine, restartable: Server,
                                                                   caplog: pytest.LogCaptureFixture) -> None:
     before = engine.start("one")
     _fill_pool(engine)
-    pgcluster.restart_server()
+    restartable.restart()
     caplog.set_level(logging.WARNING, logger="composer_ops")
     results: list[Any] = []
     threads = [threading.Thread(target=lambda: results.append(engine.get_run(before).status)) for _ in range(4)]
@@ -67,7 +71,7 @@ def test_the_pool_hands_out_only_live_connections_after_a_restart(engine: Engine
     assert not [r for r in caplog.records if "transient database error" in r.getMessage()]
 
 
-def test_the_listen_connection_reconnects_after_a_restart(db_url: str) -> None:
+def test_the_listen_connection_reconnects_after_a_restart(db_url: str, restartable: Server) -> None:
     got: list[str] = []
     stop = threading.Event()
     listener = Listener(db_url, "composer_tasks", got.append, stop)
@@ -83,7 +87,7 @@ def test_the_listen_connection_reconnects_after_a_restart(db_url: str) -> None:
 
     try:
         notify_until_heard("before")
-        pgcluster.restart_server()
+        restartable.restart()
         notify_until_heard("after")
         assert listener.is_alive()
     finally:
@@ -91,7 +95,7 @@ def test_the_listen_connection_reconnects_after_a_restart(db_url: str) -> None:
         listener.join(5)
 
 
-def test_a_worker_and_a_coordinator_carry_on_after_a_restart(engine: Engine) -> None:
+def test_a_worker_and_a_coordinator_carry_on_after_a_restart(engine: Engine, restartable: Server) -> None:
     worker = Worker(engine, concurrency=2, poll_interval=0.2)
     done: list[str] = []
 
@@ -106,7 +110,7 @@ def test_a_worker_and_a_coordinator_carry_on_after_a_restart(engine: Engine) -> 
     try:
         first = engine.start("one")
         wait_for(lambda: engine.get_run(first).status == "SUCCEEDED", timeout=15, what="the first run")
-        pgcluster.restart_server()
+        restartable.restart()
         second = engine.start("one")
         wait_for(lambda: engine.get_run(second).status == "SUCCEEDED", timeout=15, what="the run after the restart")
         assert coordinator.run_once().errors == []
@@ -116,28 +120,29 @@ def test_a_worker_and_a_coordinator_carry_on_after_a_restart(engine: Engine) -> 
     assert done == [first, second]
 
 
-def test_a_worker_and_a_coordinator_started_while_the_server_is_down_wait_for_it(db_url: str) -> None:
-    # The chaos run found this: a worker respawned during `pg_ctl restart` met "the
-    # database system is shutting down" and exited 1. Services now wait
-    # (--connect-wait, 60 s by default); --connect-wait 0 keeps the old exit.
+def test_a_worker_and_a_coordinator_started_while_the_server_is_down_wait_for_it(db_url: str,
+                                                                                  restartable: Server) -> None:
+    # A worker respawned during `pg_ctl restart` meets "the database system is shutting
+    # down": services wait for the server (--connect-wait, 60 s by default), and
+    # --connect-wait 0 exits 1 at once.
     with Engine.connect(db_url, pool_size=1) as engine:
         engine.deploy({"id": "later", "nodes": [{"id": "a", "type": "TASK", "task": "work"}]})
-    fleet = Cluster(db_url)
+    fleet = Fleet(db_url)
     try:
-        with pgcluster.server_down():
-            impatient = fleet.worker(1, "--connect-wait", "0")
-            worker = fleet.worker(2)
+        with restartable.down():
+            impatient = fleet.worker("--connect-wait", "0", concurrency=1)
+            worker = fleet.worker(concurrency=2)
             coordinator = fleet.coordinator("--connect-wait", "60")
-            assert impatient.wait(30) == 1
-            refused = fleet.stderr(impatient)
+            assert impatient.popen.wait(30) == 1
+            refused = impatient.stderr()
             time.sleep(1.5)                  # a few attempts each, while the server stays down
-            assert worker.poll() is None and coordinator.poll() is None
+            assert worker.alive() and coordinator.alive()
         with Engine.connect(db_url, pool_size=1) as engine:
             run_id = engine.start("later", {"sleep": 0})
             wait_for(lambda: engine.get_run(run_id).status == "SUCCEEDED", timeout=30, what="the run")
-        assert worker.poll() is None and coordinator.poll() is None
-        waited = fleet.stderr(worker)
+        assert worker.alive() and coordinator.alive()
+        waited = worker.stderr()
     finally:
-        fleet.close()
+        fleet.stop()
     assert "composer-ops: unavailable: cannot connect to the database: " in refused, refused
     assert "cannot connect to the database yet" in waited and "connected to the database after" in waited, waited

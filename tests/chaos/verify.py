@@ -15,7 +15,8 @@ from typing import Any
 
 import psycopg
 
-from tests.chaos.fleet import Hook, Kill
+from composer_ops.testing.processes import Kill
+from tests.chaos.hook import Hook
 from tests.chaos.workload import LEASE_S, Planned, injected_failures
 
 TERMINAL = ("SUCCEEDED", "FAILED", "CANCELLED")

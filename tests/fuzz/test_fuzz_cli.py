@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 
 from composer_ops import Engine
 from composer_ops.cli import main
-from tests.conftest import clone_database, drop_database, with_database
+from composer_ops.testing.servers import Server
 from tests.fuzz.conftest import examples
 from tests.fuzz.strategies import bad_json, json_values, mutated_specs, nest, run_id_like, texts, tried
 
@@ -71,15 +71,12 @@ class Cli:
 
 
 @pytest.fixture(scope="module")
-def cli(admin_url: str, template_db: str) -> Iterator[Cli]:
-    name = clone_database(admin_url, template_db)
-    url = with_database(admin_url, name)
-    with pytest.MonkeyPatch.context() as mp:
+def cli(server: Server, template_db: str) -> Iterator[Cli]:
+    with server.database(template=template_db) as url, pytest.MonkeyPatch.context() as mp:
         mp.setenv("COMPOSER_DATABASE_URL", url)      # every subcommand's --database-url default
         c = Cli(url)
         yield c
         c.conn.close()
-    drop_database(admin_url, name)
 
 
 def _json_text(value: Any) -> str:

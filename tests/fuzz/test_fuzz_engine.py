@@ -14,7 +14,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from composer_ops import ComposerError, Engine, Invalid
-from tests.conftest import clone_database, drop_database, with_database
+from composer_ops.testing.servers import Server
 from tests.fuzz.conftest import examples
 from tests.fuzz.strategies import BASE_SPEC, bad_json, json_values, mutated_specs, nest, run_id_like, texts, tried
 
@@ -48,13 +48,12 @@ class Fixture:
 
 
 @pytest.fixture(scope="module")
-def fx(admin_url: str, template_db: str) -> Iterator[Fixture]:
-    name = clone_database(admin_url, template_db)
-    f = Fixture(with_database(admin_url, name))
-    yield f
-    f.conn.close()
-    f.engine.close()
-    drop_database(admin_url, name)
+def fx(server: Server, template_db: str) -> Iterator[Fixture]:
+    with server.database(template=template_db) as url:
+        f = Fixture(url)
+        yield f
+        f.conn.close()
+        f.engine.close()
 
 
 @examples(100)

@@ -11,6 +11,7 @@ import psycopg
 import pytest
 
 from composer_ops.cli import main
+from composer_ops.testing.processes import APP
 from tests.integration.helpers import uuid7_at
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -67,9 +68,9 @@ def _bad_spec(tmp_path: Path, text: str, name: str = "bad.json") -> str:
     (["signal", "not-a-uuid", "delivered"], "not a canonical"),
     (["runs", "show", "0190f0c0-0000-7000-8000-000000000000"], "does not exist"),
     (["partitions", "ensure", "--months-ahead", "-1"], "--months-ahead"),
-    (["worker", "--app", "tests.e2e_app:make_worker", "--connect-wait", "-1"], "--connect-wait must be 0 or more"),
+    (["worker", "--app", APP, "--connect-wait", "-1"], "--connect-wait must be 0 or more"),
     (["coordinator", "--connect-wait", "-5"], "--connect-wait must be 0 or more"),
-    (["worker", "--app", "tests.e2e_app:make_worker", "--concurrency", "0"], "--concurrency must be at least 1"),
+    (["worker", "--app", APP, "--concurrency", "0"], "--concurrency must be at least 1"),
     (["worker", "--app", "no_such_module_here:w"], "cannot import 'no_such_module_here'"),
     (["start"], "the following arguments are required"),
 ])

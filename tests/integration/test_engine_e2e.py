@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from composer_ops import Engine
-from tests.integration.processes import TERMINAL, cluster, wait_for
+from composer_ops.testing.processes import TERMINAL, Fleet, wait_for
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]
@@ -32,6 +32,15 @@ def order_spec(wait_s: float = 0.5, timeout_s: float = 60) -> dict[str, Any]:
     return spec
 
 
+def fleet(db_url: str, *, workers: int = 1, coordinators: int = 1) -> Fleet:
+    f = Fleet(db_url)
+    for _ in range(workers):
+        f.worker()
+    for _ in range(coordinators):
+        f.coordinator()
+    return f
+
+
 def finished(engine: Engine, run_id: str, timeout: float = 30) -> Any:
     return wait_for(lambda: (r := engine.get_run(run_id)).status in TERMINAL and r, timeout, what=f"run {run_id}")
 
@@ -45,7 +54,7 @@ def test_order_fulfilment_both_switch_branches_and_signal_before_and_after_wait(
     gold = engine.start("order-fulfilment", input={"amount": 500})
     engine.signal(gold, "delivered", {"proof": "early"})            # before the node waits: buffered
     basic = engine.start("order-fulfilment", input={"amount": 5})
-    with cluster(db_url):
+    with fleet(db_url):
         wait_for(lambda: states(engine.get_run(basic)).get("delivered") == "WAITING", what="basic waiting")
         engine.signal(basic, "delivered", {"proof": "late"})        # after: resolves the waiting node
         g, b = finished(engine, gold), finished(engine, basic)
@@ -65,7 +74,7 @@ def test_wait_for_event_timeout_both_ways(db_url: str, engine: Engine, on_timeou
         {"id": "ask", "type": "WAIT_FOR_EVENT", "event": "approved", "timeout_s": 0.5, "on_timeout": on_timeout},
         {"id": "after", "type": "TASK", "task": "work", "depends_on": ["ask"]}]})
     run_id = engine.start("approval")
-    with cluster(db_url):
+    with fleet(db_url):
         run = finished(engine, run_id)
     assert run.status == status
     assert states(run)["ask"] == node_state
@@ -83,7 +92,7 @@ def test_retries_then_success_and_retries_exhausted_and_non_retryable(db_url: st
     engine.deploy(spec("exhausts", {"fail_until": 5}))
     engine.deploy(spec("fatal", {"fatal": True}))
     ids = {wf: engine.start(wf) for wf in ("recovers", "exhausts", "fatal")}
-    with cluster(db_url):
+    with fleet(db_url):
         runs = {wf: finished(engine, rid) for wf, rid in ids.items()}
     assert runs["recovers"].status == "SUCCEEDED" and runs["recovers"].tasks[0].attempt == 2
     assert runs["exhausts"].status == "FAILED" and runs["exhausts"].tasks[0].attempt == 2
@@ -96,7 +105,7 @@ def test_cancel_during_a_running_task_makes_its_late_result_stale(db_url: str, e
     engine.deploy({"id": "slow", "nodes": [{"id": "s", "type": "TASK", "task": "slow", "input": {"sleep": 1.5}},
                                            {"id": "next", "type": "TASK", "task": "work", "depends_on": ["s"]}]})
     run_id = engine.start("slow")
-    with cluster(db_url):
+    with fleet(db_url):
         wait_for(lambda: states(engine.get_run(run_id)).get("s") == "RUNNING", what="task running")
         engine.cancel(run_id, reason="operator said so")
         run = engine.get_run(run_id)
@@ -121,7 +130,8 @@ def test_sigkilled_worker_task_is_retried_after_its_lease(db_url: str, engine: E
         {"id": "long", "type": "TASK", "task": "slow", "input": {"sleep": 1.0}, "lease_s": 2,
          "retry": {"max_attempts": 3, "initial_backoff_s": 0.1}}]})
     run_id = engine.start("victim")
-    with cluster(db_url, workers=0) as c:
+    with Fleet(db_url) as c:
+        c.coordinator()
         first = c.worker()
         wait_for(lambda: states(engine.get_run(run_id)).get("long") == "RUNNING", what="claimed")
         owner = engine.get_run(run_id).tasks[0].lease_owner
@@ -141,7 +151,7 @@ def test_fan_out_fan_in_200_runs_4_workers_2_coordinators(db_url: str, engine: E
     nodes += [{"id": f"b{i}", "type": "TASK", "task": "work", "depends_on": ["split"]} for i in range(width)]
     nodes += [{"id": "join", "type": "TASK", "task": "work", "depends_on": [f"b{i}" for i in range(width)]}]
     engine.deploy({"id": "fan", "nodes": nodes})
-    with cluster(db_url, workers=4, coordinators=2, concurrency=4):
+    with fleet(db_url, workers=4, coordinators=2):
         ids = [engine.start("fan", input={"n": i}) for i in range(200)]
         wait_for(lambda: _count(engine, "SELECT count(*) FROM workflow_runs WHERE status = 'SUCCEEDED'") == 200
                  or _count(engine, "SELECT count(*) FROM workflow_runs WHERE status IN ('FAILED','CANCELLED')"),

@@ -16,6 +16,7 @@ import psycopg
 import pytest
 
 from composer_ops.ops import active, leases
+from composer_ops.testing.servers import Server
 
 QUERIES = {
     "active_tasks": (active.ACTIVE_TASKS_SQL, {"limit": 200}),
@@ -30,12 +31,8 @@ QUERIES = {
 
 
 @pytest.fixture(scope="module")
-def busy_db(admin_url: str, template_db: str) -> Iterator[str]:
-    from tests.conftest import clone_database, drop_database, with_database
-
-    name = clone_database(admin_url, template_db)
-    url = with_database(admin_url, name)
-    with psycopg.connect(url) as conn:
+def busy_db(server: Server, template_db: str) -> Iterator[str]:
+    with server.database(template=template_db) as url, psycopg.connect(url) as conn:
         conn.execute("SELECT composer_ensure_partitions_from(((now() AT TIME ZONE 'UTC') - interval '1 month')::date,"
                      " 0)")
         conn.execute("""INSERT INTO workflow_definitions (id, name, version, spec_json, created_by)
@@ -71,8 +68,7 @@ def busy_db(admin_url: str, template_db: str) -> Iterator[str]:
         counts = conn.execute("""SELECT count(*), count(*) FILTER (WHERE state IN
                                  ('PENDING', 'RUNNING', 'QUEUED', 'WAITING')) FROM task_instances""").fetchone()
         assert counts == (20000, 50)
-    yield url
-    drop_database(admin_url, name)
+        yield url
 
 
 def _scans(node: dict[str, Any], parent: dict[str, Any] | None = None) -> Iterator[tuple[dict[str, Any], Any]]:

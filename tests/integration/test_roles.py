@@ -17,7 +17,7 @@ import pytest
 
 from composer_ops import Engine, TaskContext, Worker
 from composer_ops.db.migrate import migrate
-from tests.integration.processes import wait_for
+from composer_ops.testing.processes import wait_for
 
 ENGINE_ROLE = "composer_ops_engine"
 READER_ROLE = "composer_ops_reader"

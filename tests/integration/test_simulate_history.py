@@ -23,7 +23,7 @@ from composer_ops.simulate import history
 from composer_ops.simulate.definitions import definitions, deploy_definitions
 from composer_ops.simulate.history import HistoryOptions, backfill, history_months, marker_run_id, month_sizes
 from composer_ops.simulate.model import Behaviour
-from tests.conftest import clone_database, drop_database, with_database
+from composer_ops.testing.servers import Server
 
 SPECS: dict[str, WorkflowSpec] = {doc["id"]: parse_spec(doc) for doc in definitions()}
 # Higher rates than the defaults, so a few hundred runs a month show every behaviour.
@@ -48,27 +48,21 @@ def _dump(url: str) -> dict[str, list[str]]:
 
 
 @pytest.fixture(scope="module")
-def history_db(admin_url: str, template_db: str) -> Iterator[tuple[str, Any]]:
+def history_db(server: Server, template_db: str) -> Iterator[tuple[str, Any]]:
     """One backfilled database shared by the read-only tests of this module."""
-    name = clone_database(admin_url, template_db)
-    url = with_database(admin_url, name)
-    result = _backfill(url)
-    yield url, result
-    drop_database(admin_url, name)
+    with server.database(template=template_db) as url:
+        yield url, _backfill(url)
 
 
-def test_same_seed_same_rows_and_a_second_backfill_adds_nothing(db_url: str, admin_url: str,
+def test_same_seed_same_rows_and_a_second_backfill_adds_nothing(db_url: str, server: Server,
                                                                   template_db: str) -> None:
     now = datetime.now(UTC)
     first = _backfill(db_url, now=now)
-    other = with_database(admin_url, clone_database(admin_url, template_db))
-    try:
+    with server.database(template=template_db) as other:
         # The other database checks every row's foreign key by its trigger: same rows.
         per_row = _backfill(other, replace(OPTIONS, set_based_checks=False), now=now)
         assert (first.set_based_checks, per_row.set_based_checks) == (True, False)
         assert _dump(other) == _dump(db_url)
-    finally:
-        drop_database(admin_url, other.rsplit("/", 1)[1])
     before = _dump(db_url)
     again = _backfill(db_url, now=now)
     assert [m.skipped for m in again.months] == [True, True, True]

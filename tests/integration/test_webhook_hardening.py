@@ -6,10 +6,9 @@ from __future__ import annotations
 import json
 import logging
 import socket
-import threading
 import time
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from typing import Any
 
 import psycopg
@@ -17,69 +16,54 @@ import pytest
 
 from composer_ops import Engine, Invalid
 from composer_ops.engine.webhooks import SIGNATURE_HEADER, RelayPolicy, post, relay_once, sign, url_problem, verify
+from tests.receiver import Receiver
 
 SECRET = "hunter2-webhook-secret-do-not-log"
 FAST = RelayPolicy(connect_timeout_s=0.5, timeout_s=0.3, deadline_s=1.0, initial_backoff_s=0.0, max_backoff_s=0.0)
 
 
-class Endpoint:
+class Endpoint(Receiver):
     """A local server whose behaviour depends on the path."""
 
     def __init__(self) -> None:
-        self.requests: list[tuple[str, bytes, dict[str, str]]] = []
         self.sent_bytes = 0
-        endpoint = self
+        super().__init__(self._respond)
 
-        class Handler(BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.0"
-
-            def do_POST(self) -> None:  # noqa: N802 - http.server's naming
-                body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
-                endpoint.requests.append((self.path, body, dict(self.headers)))
-                if self.path == "/silent":            # accept, never answer
-                    time.sleep(3)
-                    return
-                if self.path == "/redirect":
-                    self.send_response(307)
-                    self.send_header("Location", "/ok")
-                    self.end_headers()
-                    return
-                self.send_response(200)
-                self.end_headers()
-                if self.path == "/huge":              # an endless body
-                    chunk = b"x" * 65536
-                    try:
-                        for _ in range(2000):
-                            self.wfile.write(chunk)
-                            endpoint.sent_bytes += len(chunk)
-                    except OSError:
-                        pass
-                elif self.path == "/drip":            # one byte at a time, each within the read timeout
-                    try:
-                        for _ in range(100):
-                            self.wfile.write(b"x")
-                            self.wfile.flush()
-                            time.sleep(0.1)
-                    except OSError:
-                        pass
-
-            def log_message(self, *args: Any) -> None:
+    def _respond(self, request: BaseHTTPRequestHandler, body: bytes) -> int | None:
+        if request.path == "/silent":            # accept, never answer
+            time.sleep(3)
+            return None
+        if request.path == "/redirect":
+            request.send_response(307)
+            request.send_header("Location", "/ok")
+            request.end_headers()
+            return None
+        request.send_response(200)
+        request.end_headers()
+        if request.path == "/huge":              # an endless body
+            chunk = b"x" * 65536
+            try:
+                for _ in range(2000):
+                    request.wfile.write(chunk)
+                    self.sent_bytes += len(chunk)
+            except OSError:
                 pass
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.server.daemon_threads = True
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-
-    def url(self, path: str) -> str:
-        return f"http://127.0.0.1:{self.server.server_address[1]}{path}"
+        elif request.path == "/drip":            # one byte at a time, each within the read timeout
+            try:
+                for _ in range(100):
+                    request.wfile.write(b"x")
+                    request.wfile.flush()
+                    time.sleep(0.1)
+            except OSError:
+                pass
+        return None
 
 
 @pytest.fixture
 def endpoint() -> Iterator[Endpoint]:
     e = Endpoint()
     yield e
-    e.server.shutdown()
-    e.server.server_close()
+    e.close()
 
 
 @pytest.mark.parametrize(("url", "reason"), [

@@ -3,55 +3,41 @@
 from __future__ import annotations
 
 import json
-import threading
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from typing import Any
 
 import pytest
 
 from composer_ops import Engine
 from composer_ops.engine.webhooks import SIGNATURE_HEADER, RelayPolicy, verify
+from tests.receiver import Receiver
 
 SECRET = "s3cret-for-tests"
 
 
-class Hook:
+class Hook(Receiver):
+    """``/ok`` answers 204, ``/always-fails`` 500, ``/flaky`` 500 for its first ``fail_first`` posts."""
+
     def __init__(self) -> None:
-        self.received: list[tuple[str, bytes, str | None]] = []
         self.fail_first = 0
-        hook = self
+        super().__init__(self._respond)
 
-        class Handler(BaseHTTPRequestHandler):
-            def do_POST(self) -> None:  # noqa: N802 - http.server's naming
-                body = self.rfile.read(int(self.headers["Content-Length"]))
-                hook.received.append((self.path, body, self.headers.get(SIGNATURE_HEADER)))
-                failing = self.path == "/always-fails" or (self.path == "/flaky" and hook.fail_first > 0)
-                if self.path == "/flaky" and hook.fail_first > 0:
-                    hook.fail_first -= 1
-                self.send_response(500 if failing else 204)
-                self.end_headers()
-
-            def log_message(self, *args: Any) -> None:
-                pass
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
-        self.thread.start()
-
-    def url(self, path: str) -> str:
-        return f"http://127.0.0.1:{self.server.server_address[1]}{path}"
+    def _respond(self, request: BaseHTTPRequestHandler, body: bytes) -> int:
+        failing = request.path == "/always-fails" or (request.path == "/flaky" and self.fail_first > 0)
+        if request.path == "/flaky" and self.fail_first > 0:
+            self.fail_first -= 1
+        return 500 if failing else 204
 
     def bodies(self, path: str) -> list[dict[str, Any]]:
-        return [json.loads(b) for p, b, _ in self.received if p == path]
+        return [json.loads(b) for p, b, _ in self.requests if p == path]
 
 
 @pytest.fixture
 def hook() -> Iterator[Hook]:
     h = Hook()
     yield h
-    h.server.shutdown()
-    h.server.server_close()
+    h.close()
 
 
 def _deploy_waiting(engine: Engine, wf: str, url: str) -> None:
@@ -66,7 +52,8 @@ def test_webhook_delivered_once_with_a_valid_signature(db_url: str, hook: Hook) 
         for _ in range(3):
             coord.run_once()
         assert engine.get_run(run_id).status == "SUCCEEDED"
-    [(path, body, signature)] = hook.received
+    [(path, body, headers)] = hook.requests
+    signature = headers.get(SIGNATURE_HEADER)
     payload = json.loads(body)
     assert (path, payload["run_id"], payload["status"]) == ("/ok", run_id, "SUCCEEDED")
     assert signature is not None and verify(SECRET, body, signature)

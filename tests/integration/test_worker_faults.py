@@ -14,7 +14,7 @@ import pytest
 
 from composer_ops import Engine, TaskContext, Worker
 from composer_ops.engine.worker import Result
-from tests.integration.processes import wait_for
+from composer_ops.testing.processes import wait_for
 
 
 @pytest.fixture
