@@ -136,6 +136,7 @@ def _progress(console: Any, enabled: bool) -> Any:
 def _run(args: argparse.Namespace, behaviour: Any, console: Any) -> int:
     from composer_ops.core.spec import parse_spec
     from composer_ops.engine import Engine
+    from composer_ops.repo import simulator
     from composer_ops.simulate import summary
     from composer_ops.simulate.definitions import definitions, deploy_definitions
     from composer_ops.simulate.history import HistoryOptions, backfill
@@ -152,8 +153,7 @@ def _run(args: argparse.Namespace, behaviour: Any, console: Any) -> int:
                                      behaviour=behaviour, growth=args.growth, stuck_months=args.stuck_months,
                                      cancel_rate=args.cancel_rate)
             with engine.pool.connection() as conn:
-                now = conn.execute("SELECT now()").fetchone()
-            assert now is not None
+                now = simulator.clock(conn)
             with _progress(console, args.progress) as progress:
                 bar = progress.add_task("history", total=None, detail="")
                 rows = [0]
@@ -165,7 +165,7 @@ def _run(args: argparse.Namespace, behaviour: Any, console: Any) -> int:
                     rows[0] += tasks
                     progress.update(bar, advance=runs, detail=f"{rows[0]:,} task rows")
 
-                history = backfill(engine.url, specs, versions, options, now=now[0], on_start=started,
+                history = backfill(engine.url, specs, versions, options, now=now, on_start=started,
                                    on_progress=advanced)
             summary.render_history(console, history)
         if args.live and args.runs > 0:

@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from composer_ops.errors import ComposerError, Conflict
+from composer_ops.repo import simulator
 from composer_ops.simulate.definitions import (
     LEASE_S,
     WORKFLOW_WEIGHTS,
@@ -256,8 +257,8 @@ class LiveSimulation:
     def run(self) -> LiveResult:
         options = self.options
         with self.engine.pool.connection() as conn:
-            db_now = conn.execute("SELECT extract(epoch FROM now())::float8").fetchone()
-        self._clock_offset = float(db_now[0]) - time.time() if db_now else 0.0
+            db_now = simulator.clock(conn)
+        self._clock_offset = db_now.timestamp() - time.time()
         fleet = _Fleet(self.engine.url, options)
         failed = True
         try:
@@ -370,13 +371,10 @@ class LiveSimulation:
             return True
         owners = {w.owner: w for w in workers}
         with self.engine.pool.connection() as conn:
-            rows = conn.execute("""
-                SELECT lease_owner, run_id, id, attempt FROM task_instances
-                 WHERE state = 'RUNNING' AND lease_owner = ANY(%s)""", (list(owners),)).fetchall()
+            rows = simulator.running_tasks(conn, list(owners))
         held: dict[str, list[HeldTask]] = {}
         for owner, run_id, task_id, attempt in rows:
-            held.setdefault(str(owner), []).append(HeldTask(run_id=str(run_id), task_id=str(task_id),
-                                                            attempt=int(attempt)))
+            held.setdefault(owner, []).append(HeldTask(run_id=run_id, task_id=task_id, attempt=attempt))
 
         def busy(w: _Proc) -> tuple[int, int, int]:
             tasks = held.get(w.owner, [])
@@ -402,16 +400,12 @@ class LiveSimulation:
         by_id = {s.run_id: s for s in open_runs}
         awaiting = [s.run_id for s in open_runs if s.awaiting]
         with self.engine.pool.connection() as conn:
-            done = conn.execute("SELECT id FROM workflow_runs WHERE id = ANY(%s) AND status <> 'RUNNING'",
-                                (list(by_id),)).fetchall()
-            waiting = conn.execute("""
-                SELECT run_id, event_name FROM task_instances
-                 WHERE run_id = ANY(%s) AND state = 'WAITING' AND event_name IS NOT NULL""",
-                                   (awaiting,)).fetchall() if awaiting else []
-        for (run_id,) in done:
-            by_id[str(run_id)].finished = True
+            done = simulator.finished_runs(conn, list(by_id))
+            waiting = simulator.waiting_signals(conn, awaiting) if awaiting else []
+        for run_id in done:
+            by_id[run_id].finished = True
         for run_id, event in waiting:
-            state = by_id[str(run_id)]
+            state = by_id[run_id]
             for plan in [p for p in state.awaiting if p.event == event]:
                 state.awaiting.remove(plan)
                 self._at(now + plan.delay_s, "signal", (state.plan.index, plan, False))

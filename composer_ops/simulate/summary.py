@@ -15,6 +15,8 @@ from typing import TYPE_CHECKING, Any
 from rich.console import Console
 from rich.table import Table
 
+from composer_ops.repo import simulator
+
 if TYPE_CHECKING:
     from composer_ops.engine import Engine
     from composer_ops.simulate.history import HistoryResult
@@ -51,49 +53,27 @@ def live_figures(engine: Engine, run_ids: Sequence[str],
     figures = LiveFigures()
     if not run_ids:
         return figures
-    ids = list(run_ids)
+    held = [(t.run_id, t.task_id, t.attempt) for _, tasks in killed for t in tasks]
     with engine.pool.connection() as conn:
-        for status, n in conn.execute("SELECT status, count(*) FROM workflow_runs WHERE id = ANY(%s) GROUP BY 1",
-                                      (ids,)).fetchall():
-            figures.by_status[str(status)] = int(n)
-        rows = conn.execute("""
-            SELECT node_type, state, count(*), count(*) FILTER (WHERE attempt > 0), COALESCE(sum(attempt), 0),
-                   count(*) FILTER (WHERE last_error->>'error' LIKE %s),
-                   count(*) FILTER (WHERE state = 'RUNNING' AND lease_expires_at IS NOT NULL)
-              FROM task_instances WHERE run_id = ANY(%s) GROUP BY 1, 2""", (LEASE_ERROR, ids)).fetchall()
-        for node_type, state, n, retried, retries, leases, running in rows:
-            figures.tasks_by_type[str(node_type)] += int(n)
-            figures.tasks_by_state[str(state)] += int(n)
-            figures.retried_tasks += int(retried)
-            figures.retries += int(retries)
-            figures.lease_errors += int(leases)
-            figures.running_with_lease += int(running)
-        events = conn.execute("SELECT count(*), count(consumed_at) FROM workflow_events WHERE run_id = ANY(%s)",
-                              (ids,)).fetchone()
-        held = [t for _, tasks in killed for t in tasks]
-        if held:
-            moved = conn.execute("""
-                SELECT count(*) FROM task_instances t
-                  JOIN unnest(%s::text[], %s::text[], %s::int[]) AS h(run_id, id, attempt)
-                    ON t.run_id = h.run_id AND t.id = h.id
-                 WHERE t.attempt > h.attempt""",
-                                 ([t.run_id for t in held], [t.task_id for t in held],
-                                  [t.attempt for t in held])).fetchone()
-            figures.expired_leases = int(moved[0]) if moved else 0
-        outbox = conn.execute("SELECT count(*) FROM task_outbox WHERE run_id = ANY(%s)", (ids,)).fetchone()
-    if events:
-        figures.signals_buffered, figures.signals_consumed = int(events[0]), int(events[1])
-    figures.outbox = int(outbox[0]) if outbox else 0
+        by_status, tasks = simulator.live_counts(conn, run_ids, LEASE_ERROR)
+        figures.signals_buffered, figures.signals_consumed, figures.outbox = simulator.signal_counts(conn, run_ids)
+        figures.expired_leases = simulator.moved_attempts(conn, held)
+    for status, n in by_status:
+        figures.by_status[status] = n
+    for node_type, state, n, retried, retries, leases, running in tasks:
+        figures.tasks_by_type[node_type] += n
+        figures.tasks_by_state[state] += n
+        figures.retried_tasks += retried
+        figures.retries += retries
+        figures.lease_errors += leases
+        figures.running_with_lease += running
     return figures
 
 
 def database_overview(engine: Engine) -> list[tuple[str, str, int]]:
     """Runs per partition month and status: ``(YYYYMM, status, runs)``."""
     with engine.pool.connection() as conn:
-        rows = conn.execute("""
-            SELECT substring(tableoid::regclass::text FROM '_p(\\d{6})$') AS month, status, count(*)
-              FROM workflow_runs GROUP BY 1, 2 ORDER BY 1, 2""").fetchall()
-    return [(str(m), str(s), int(n)) for m, s, n in rows]
+        return simulator.runs_per_month(conn)
 
 
 def _fmt(n: float) -> str:
