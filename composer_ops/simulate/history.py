@@ -1,15 +1,14 @@
 """Months of generated history, written with COPY.
 
 For each of the N complete UTC months before the current one, ``backfill`` plays
-``runs`` runs of the simulator's workflows through a small discrete-event model of
-the engine and writes what the engine would have left behind: one ``workflow_runs``
-row per run, one ``task_instances`` row per node reached, ``workflow_events`` rows
-for buffered signals. Durations, failures, retries and outputs come from the same
-behaviour model the live workers use (:mod:`composer_ops.simulate.model`), and the
-graph semantics are the state machine's: SWITCH branches chosen from the resolved
-expression and the others SKIPPED, joins once after their last dependency, a failed
-node failing the run and cancelling its active tasks, buffered signals consumed
-when the node is created, WAIT_FOR_EVENT timeouts.
+``runs`` runs of the simulator's workflows and writes what the engine leaves behind:
+one ``workflow_runs`` row per run, one ``task_instances`` row per node reached,
+``workflow_events`` rows for buffered signals. Each run is replayed through the
+state machine itself (:mod:`composer_ops.simulate.past` drives a
+:class:`~composer_ops.simulate.replay.Replay` on a simulated clock), so every state,
+skip, branch, retry, error text and timeout in the rows is the machine's decision;
+durations, failures and outputs come from the behaviour model the live workers use
+(:mod:`composer_ops.simulate.model`).
 
 IDs are UUIDv7 stamped at the instant the row was created (runs within their month),
 so every row lands in its month's partition, which is created first with
@@ -17,60 +16,52 @@ so every row lands in its month's partition, which is created first with
 by (seed, month): the same options give byte-identical rows. A month whose first run
 (``marker_run_id``) already exists is skipped, so backfilling twice adds nothing.
 
-A few orders in the recent months never get their carrier scan and stay RUNNING,
-waiting without a timeout (retention keeps those months); in months older than
-``stuck_months`` an operator has cancelled them since.
+A few orders never get their carrier scan and wait for it without a timeout, each
+month's first run among them (nothing fails in it, nobody cancels it): in the
+``stuck_months`` most recent months they are still RUNNING (retention keeps those
+months); in older months an operator has cancelled them since.
 
-Throughput: one thread generates rows as COPY text in chunks while another streams
-the previous chunk to the server, one transaction per month; every constraint and
-index stays in place. Checking the foreign key of each task row by its trigger (one
-lookup query per row) costs about two thirds of the server's time, so when the
-session may set ``session_replication_role`` (a superuser, as on the embedded
-server, or a role granted SET on it) task and signal rows are copied with row
-triggers off, the way ``pg_restore --disable-triggers`` loads, and their foreign keys
-are checked instead by one query per chunk before the month commits
-(``_check_references``): an orphan rolls the month back. Otherwise, or with
-``set_based_checks=False``, every row is checked by its trigger.
+Throughput: worker processes (one per CPU by default) play chunks of runs ahead,
+in order, while the calling thread streams the finished chunks to the server
+(:func:`composer_ops.repo.simulator.copy_rows`), one transaction per month; every
+constraint and index stays in place. Each chunk draws from its own seeded stream, so
+the rows do not depend on the number of processes. When the session may set
+``session_replication_role`` (a superuser, as on the embedded server, or a role
+granted SET on it) and ``set_based_checks`` is on, the foreign keys of task and
+signal rows are checked per chunk in bulk instead of per row by their triggers (an
+orphan rolls the month back); otherwise every row is checked by its trigger.
 """
 
 from __future__ import annotations
 
 import calendar
-import json
+import itertools
 import math
-import queue
+import multiprocessing
+import os
 import random
-import threading
 import time
+from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Mapping
+from concurrent.futures import Future, ProcessPoolExecutor
 from dataclasses import dataclass, field, replace
 from datetime import UTC, date, datetime
-from typing import Any
 
-import psycopg
-from psycopg import sql
-
-from composer_ops.core import RunContext
-from composer_ops.core.expressions import Ref, is_ref, parse_ref, resolve, resolve_ref
-from composer_ops.core.model import NodeType
-from composer_ops.core.retry import retry_decision
-from composer_ops.core.spec import NodeSpec, WorkflowSpec
-from composer_ops.errors import ComposerError, Invalid
+from composer_ops.core.spec import WorkflowSpec
+from composer_ops.db.connect import autocommit, connect
+from composer_ops.errors import Invalid
+from composer_ops.repo import simulator as repo
+from composer_ops.repo._base import Conn
 from composer_ops.repo.partitions import ensure_from
-from composer_ops.simulate.definitions import WORKFLOW_WEIGHTS, SignalPlan, make_input, plan_cancel, plan_signals
-from composer_ops.simulate.model import Behaviour, draw_attempt, task_output
+from composer_ops.simulate.copytext import EVENT_COLUMNS, RUN_COLUMNS, TASK_COLUMNS, CopyText, json_text
+from composer_ops.simulate.definitions import WORKFLOW_WEIGHTS, make_input, plan_cancel, plan_signals
+from composer_ops.simulate.model import Behaviour
+from composer_ops.simulate.past import Plan, play, stop_stuck
+from composer_ops.simulate.replay import Replay, utc
 
 __all__ = ["HistoryOptions", "HistoryResult", "MonthResult", "backfill", "history_months", "marker_run_id",
            "month_sizes"]
 
-INF = math.inf
-_RUN_COLUMNS = ("id, workflow_definition_id, workflow_version, status, input_json, context_json, error_json, "
-                "output_json, created_at, updated_at, completed_at")
-_TASK_COLUMNS = ("id, run_id, node_id, node_type, queue, state, attempt, input_json, output_json, last_error, "
-                 "branches, wake_at, event_name, scheduled_at, started_at, finished_at, completed_at, created_at, "
-                 "updated_at, lease_owner, lease_expires_at")
-_EVENT_COLUMNS = "id, run_id, name, payload, created_at, consumed_at"
-_N = "\\N"
 #: Relative arrival rate per hour of day (UTC): office hours for people, nights for batches.
 _DAY_HOURS = (0.25, 0.2, 0.15, 0.15, 0.2, 0.3, 0.5, 0.9, 1.3, 1.6, 1.7, 1.6, 1.4, 1.5, 1.6, 1.6, 1.5, 1.3,
               1.1, 1.0, 0.9, 0.7, 0.5, 0.35)
@@ -91,6 +82,8 @@ class HistoryOptions:
     stuck_months: int = 3
     cancel_rate: float = 0.03
     chunk_runs: int = 1000
+    #: Worker processes playing runs (0: one per CPU).
+    processes: int = 0
     #: Check the task and signal rows' foreign keys with one query per month instead
     #: of one trigger call per row, when the session is allowed to (see ``backfill``).
     set_based_checks: bool = True
@@ -98,7 +91,8 @@ class HistoryOptions:
     def __post_init__(self) -> None:
         # stuck_months >= 1: an operator's clean-up of older months happens within
         # the month after theirs, so it is always in the past.
-        for name, low in (("months", 0), ("runs_per_month", 1), ("stuck_months", 1), ("chunk_runs", 1)):
+        for name, low in (("months", 0), ("runs_per_month", 1), ("stuck_months", 1), ("chunk_runs", 1),
+                          ("processes", 0)):
             if getattr(self, name) < low:
                 raise Invalid(f"history {name.replace('_', '-')} must be at least {low}, got {getattr(self, name)}")
 
@@ -187,364 +181,55 @@ def marker_run_id(seed: int, month: str) -> str:
     return _uuid7(int(t0 * 1000), rng)
 
 
-class _Stamps:
-    """Fast COPY text for timestamps: the minute prefix is formatted once."""
-
-    def __init__(self) -> None:
-        self._minutes: dict[int, str] = {}
-
-    def __call__(self, t: float) -> str:
-        sec = int(t)
-        minute, second = divmod(sec, 60)
-        prefix = self._minutes.get(minute)
-        if prefix is None:
-            prefix = time.strftime("%Y-%m-%d %H:%M:", time.gmtime(minute * 60))
-            self._minutes[minute] = prefix
-        return f"{prefix}{second:02d}.{int((t - sec) * 1_000_000):06d}+00"
-
-
-_encode = json.JSONEncoder(separators=(",", ":")).encode
-
-
-def _json(value: Any) -> str:
-    """A jsonb value as COPY text (backslashes doubled); None is NULL."""
-    if value is None:
-        return _N
-    return _encode(value).replace("\\", "\\\\")
-
-
-class _Template:
-    """A TASK input template compiled once. A flat object of references and literals
-    (every template the simulator deploys) resolves in one comprehension, with the
-    same result as :func:`composer_ops.core.expressions.resolve`; anything else falls
-    back to it."""
-
-    __slots__ = ("template", "flat")
-
-    def __init__(self, template: Any) -> None:
-        self.template = template
-        self.flat: list[tuple[str, Ref | None, Any]] | None = None
-        if isinstance(template, dict) and not any(isinstance(v, dict | list) for v in template.values()):
-            self.flat = [(k, parse_ref(v) if is_ref(v) else None, v) for k, v in template.items()]
-
-    def __call__(self, ctx: RunContext, outputs: Mapping[str, Any]) -> Any:
-        if self.flat is None:
-            return resolve(self.template, ctx, outputs)
-        return {k: v if ref is None else resolve_ref(ref, ctx, outputs) for k, ref, v in self.flat}
-
-
-def _seconds(value: float) -> str:
-    return f"{int(value)}s" if float(value).is_integer() else f"{value}s"
-
-
-def _iso(t: float) -> str:
-    return datetime.fromtimestamp(t, UTC).isoformat()
-
-
-
-class _Node:
-    """One node's fate in a simulated run (times are epoch seconds; INF = never)."""
-
-    __slots__ = ("spec", "task_id", "created", "end", "state", "attempts", "output", "error", "input", "wake_at",
-                 "event", "branches")
-
-    def __init__(self, spec: NodeSpec, task_id: str, created: float) -> None:
-        self.spec = spec
-        self.task_id = task_id
-        self.created = created
-        self.end = created
-        self.state = "COMPLETED"
-        self.attempts: list[tuple[float, float, str | None]] = []   # (claimed, ended, error)
-        self.output: Any = None
-        self.error: str | None = None
-        self.input: Any = None
-        self.wake_at: float | None = None
-        self.event: str | None = None
-        self.branches: tuple[str, ...] | None = None
-
-
 @dataclass
 class _Chunk:
+    """Consecutive runs of one month as COPY text; ``last`` ends its month."""
+
     month: str
+    last: bool
     runs: list[str] = field(default_factory=list)
     tasks: list[str] = field(default_factory=list)
     events: list[str] = field(default_factory=list)
     active: int = 0
 
 
-_Signal = tuple[float, str, Any, "str | None"]   # (arrival, name, payload, node that consumes it on creation)
+@dataclass(frozen=True, kw_only=True)
+class _Job:
+    """What one worker process generates: the runs of a month from its ``first``th
+    (0 is the month's marker run), started at ``arrivals``."""
+
+    month: str
+    age: int
+    first: int
+    arrivals: tuple[tuple[float, str], ...]
+    last: bool
 
 
-class _MonthGenerator:
-    """Plays one month's runs; ``chunks()`` yields their rows as COPY text."""
-
-    def __init__(self, *, month: str, age: int, runs: int, options: HistoryOptions,
-                 specs: Mapping[str, WorkflowSpec], versions: Mapping[str, int], stamps: _Stamps) -> None:
-        self.month, self.age, self.runs = month, age, runs
-        self.seed, self.options, self.behaviour = options.seed, options, options.behaviour
-        self.specs, self.versions, self.ts = specs, versions, stamps
-        self.start, self.end, self.days = _month_bounds(month)
-        self.rng = random.Random(f"composer-sim-history:{options.seed}:{month}")
-        self.scale = self.behaviour.time_scale
-        self.configs = {wf: _json(dict(spec.config)) for wf, spec in specs.items()}
-        self.templates = {(wf, n.id): _Template(n.input) for wf, spec in specs.items() for n in spec.nodes.values()
-                          if n.type is NodeType.TASK}
-
-    def _arrivals(self) -> list[tuple[float, str]]:
-        """Start instants and workflows of the month's runs (after the first), in time order."""
-        rng, start = self.rng, self.start
-        names = list(WORKFLOW_WEIGHTS)
-        cum_wf = list(_cumulative(WORKFLOW_WEIGHTS.values()))
-        year, mon = int(self.month[:4]), int(self.month[4:])
-        cum_days = list(_cumulative(0.55 if calendar.weekday(year, mon, d + 1) >= 5 else 1.0
-                                    for d in range(self.days)))
-        cum_day_hours, cum_night_hours = list(_cumulative(_DAY_HOURS)), list(_cumulative(_NIGHT_HOURS))
-        days, hours = range(self.days), range(24)
-        out: list[tuple[float, str]] = []
-        for _ in range(self.runs - 1):
-            wf = rng.choices(names, cum_weights=cum_wf)[0]
-            day = rng.choices(days, cum_weights=cum_days)[0]
-            hour = rng.choices(hours, cum_weights=cum_night_hours if wf == "nightly-batch" else cum_day_hours)[0]
-            out.append((start + day * 86_400 + hour * 3_600 + rng.random() * 3_600, wf))
-        out.sort()
-        return out
-
-    def chunks(self) -> Iterator[_Chunk]:
-        marker = _marker_rng(self.seed, self.month)
-        chunk = _Chunk(self.month)
-        # The month's first run, an order the carrier never scans, is the idempotency marker.
-        self._run(chunk, marker, "order-fulfilment", _marker_start(marker, self.month), f"h{self.month}-0",
-                  stuck=True)
-        for i, (t0, wf) in enumerate(self._arrivals(), start=1):
-            self._run(chunk, self.rng, wf, t0, f"h{self.month}-{i}", stuck=False)
-            if len(chunk.runs) >= self.options.chunk_runs:
-                yield chunk
-                chunk = _Chunk(self.month)
-        if chunk.runs:
-            yield chunk
-
-    # -- one run ----------------------------------------------------------------------
-
-    def _run(self, chunk: _Chunk, rng: random.Random, wf: str, t0: float, key: str, *, stuck: bool) -> None:
-        spec = self.specs[wf]
-        run_id = _uuid7(int(t0 * 1000), rng)
-        run_input = make_input(rng, wf, {"seed": self.seed, "run": key}, t0, self.scale)
-        ctx = RunContext(input=run_input, config=spec.config)
-        plans = {p.event: p for p in plan_signals(rng, wf, self.scale)}
-        if stuck:
-            plans = {name: replace(p, timing="never", duplicate_after_s=None) for name, p in plans.items()}
-        cancel = plan_cancel(rng, self.options.cancel_rate, self.scale)
-        nodes: dict[str, _Node] = {}
-        outputs: dict[str, Any] = {}
-        fails: list[tuple[float, str, str]] = []      # (when, run error, node)
-        signals: list[_Signal] = []
-        for node_id in spec.topological_order():
-            ns = spec.nodes[node_id]
-            created = t0
-            if ns.depends_on:
-                deps = [nodes.get(d) for d in ns.depends_on]
-                if any(d is None or d.end == INF for d in deps):
-                    continue                      # blocked behind a node that never finishes
-                created = max(d.end for d in deps if d is not None)
-                skip = not any(_live(d, node_id) for d in deps if d is not None)
-            else:
-                skip = False
-            node = nodes[node_id] = _Node(ns, _uuid7(int(created * 1000), rng), created)
-            if skip:
-                node.state = "SKIPPED"
-            elif ns.type is NodeType.TASK:
-                self._task(wf, node, rng, ctx, outputs, fails)
-            elif ns.type is NodeType.SWITCH:
-                assert ns.expression is not None
-                value = resolve_ref(parse_ref(ns.expression), ctx, outputs)
-                label = value if isinstance(value, str) else json.dumps(value, sort_keys=True, default=str)
-                node.branches = tuple(ns.cases.get(label, ns.default))
-                node.output = {"value": value, "branches": list(node.branches)}
-            elif ns.type is NodeType.WAIT:
-                wake = created + ns.duration_s if ns.duration_s is not None else _until(ns, ctx, outputs, created)
-                node.wake_at = wake
-                node.end = max(wake, created) + rng.uniform(0.01, 0.5)
-            else:
-                self._wait_for_event(node, rng, t0, plans, fails, signals)
-            if node.state == "COMPLETED":
-                outputs[node_id] = node.output
-
-        t_fail, fail_reason, failing = min(fails) if fails else (INF, "", "")
-        complete = len(nodes) == len(spec.nodes) and all(n.end != INF for n in nodes.values())
-        natural = max(n.end for n in nodes.values()) if complete else INF
-        t_cancel, cancel_reason = (t0 + cancel[0], cancel[1]) if cancel else (INF, "")
-        if natural == INF and t_fail == INF and t_cancel == INF and self.age > self.options.stuck_months:
-            t_cancel, cancel_reason = self.end + rng.uniform(0.5, 9.5) * 86_400, _STUCK_REASON
-        t_end = min(t_fail, t_cancel, natural)
-        reason: str | None = None
-        if t_end == INF:
-            status = "RUNNING"
-        elif t_end == t_fail:
-            status, reason = "FAILED", fail_reason
-        elif t_end == t_cancel:
-            status, reason = "CANCELLED", cancel_reason
-        else:
-            status = "SUCCEEDED"
-
-        finished = status in ("FAILED", "CANCELLED")
-        task_reason = f"run failed: {reason}" if status == "FAILED" else reason
-        for node_id, node in nodes.items():
-            if finished and node.created >= t_end and node_id != failing:
-                continue                          # the run ended before this node was reached
-            if finished and node.end > t_end:
-                chunk.tasks.append(self._cancelled_row(run_id, node, t_end, task_reason))
-            else:
-                chunk.tasks.append(self._task_row(run_id, node))
-        for arrival, name, payload, consumer in signals:
-            if arrival >= t_end:
-                continue                          # the run had finished: the signal was refused
-            target = nodes.get(consumer) if consumer else None
-            consumed = self.ts(target.created) if target is not None and target.created < t_end else _N
-            chunk.events.append("\t".join((_uuid7(int(arrival * 1000), rng), run_id, name, _json(payload),
-                                           self.ts(arrival), consumed)) + "\n")
-
-        output = {sink: outputs.get(sink) for sink in spec.sinks()} if status == "SUCCEEDED" else None
-        ts = self.ts
-        done = ts(t_end) if t_end != INF else _N
-        input_json = _json(run_input)
-        chunk.runs.append("\t".join((
-            run_id, wf, str(self.versions[wf]), status, input_json,
-            f'{{"input":{input_json},"config":{self.configs[wf]}}}',
-            _json({"error": reason}) if reason else _N, _json(output), ts(t0),
-            ts(t0) if t_end == INF else done, done)) + "\n")
-        chunk.active += status == "RUNNING"
-
-    def _task(self, wf: str, node: _Node, rng: random.Random, ctx: RunContext, outputs: Mapping[str, Any],
-              fails: list[tuple[float, str, str]]) -> None:
-        """Attempts of a TASK node: dispatch, run (or die with its worker), retry with backoff."""
-        ns = node.spec
-        task = ns.task or ns.id
-        node.input = self.templates[(wf, ns.id)](ctx, outputs)
-        available, attempt, behaviour = node.created, 0, self.behaviour
-        error: str | None
-        while True:
-            claimed = available + min(rng.lognormvariate(-4.2, 0.8), 2.0)
-            if rng.random() < behaviour.crash_rate:
-                expires = claimed + ns.lease_s
-                ended = expires + rng.uniform(0.05, 0.6)          # the sweeper's lag
-                owner = f"sim-w{rng.randint(1, 4)}:{rng.randint(1000, 60000)}"
-                outcome, error = "transient", f"lease of {owner} expired at {_iso(expires)}"
-            else:
-                draw = draw_attempt(rng, behaviour, task)
-                ended = claimed + draw.duration_s + 0.004
-                outcome, error = draw.outcome, draw.error_text
-            node.attempts.append((claimed, ended, error))
-            node.end = ended
-            if outcome == "ok":
-                node.output = task_output(task, node.input, rng)
-                return
-            delay = retry_decision(ns.retry, attempt, outcome == "transient")
-            if delay is None:
-                node.state, node.error = "FAILED", error
-                if not ns.optional:
-                    tried = f"after {attempt + 1} attempts" if attempt else "after 1 attempt"
-                    fails.append((ended, f"node {json.dumps(ns.id)} failed {tried}: {error}", ns.id))
-                return
-            available, attempt = ended + delay, attempt + 1
-
-    def _wait_for_event(self, node: _Node, rng: random.Random, t0: float, plans: Mapping[str, SignalPlan],
-                        fails: list[tuple[float, str, str]], signals: list[_Signal]) -> None:
-        """A WAIT_FOR_EVENT node: consumes a buffered signal, is resolved by one, or times out."""
-        ns, created = node.spec, node.created
-        assert ns.event is not None
-        node.event = ns.event
-        deadline = created + ns.timeout_s if ns.timeout_s is not None else None
-        fires = deadline + rng.uniform(0.01, 0.5) if deadline is not None else INF
-        plan = plans.get(ns.event)
-        arrival: float | None = None
-        if plan is not None and plan.timing == "early":
-            arrival = t0 + plan.delay_s
-        elif plan is not None and plan.timing in ("late", "too_late"):
-            arrival = created + plan.delay_s
-        if plan is not None and arrival is not None and arrival < fires:
-            node.output = plan.payload
-            if arrival <= created:
-                signals.append((arrival, ns.event, plan.payload, ns.id))
-            else:
-                node.wake_at, node.end = deadline, arrival
-            if plan.duplicate_after_s is not None:
-                signals.append((node.end + plan.duplicate_after_s, ns.event, plan.payload, None))
-            return
-        node.wake_at = deadline
-        if deadline is None:
-            node.state, node.end = "WAITING", INF
-            return
-        node.end = fires
-        if plan is not None and arrival is not None:
-            signals.append((arrival, ns.event, plan.payload, None))
-        if ns.on_timeout == "continue":
-            return
-        node.state = "FAILED"
-        node.error = f"timed out waiting for event {json.dumps(ns.event)} after {_seconds(ns.timeout_s or 0)}"
-        if not ns.optional:
-            fails.append((fires, f"node {json.dumps(ns.id)} failed: {node.error}", ns.id))
-
-    # -- rows ---------------------------------------------------------------------------
-
-    def _task_row(self, run_id: str, node: _Node) -> str:
-        """The row the engine leaves for a node that reached ``node.state`` by itself."""
-        ts, ns, state = self.ts, node.spec, node.state
-        is_task = ns.type is NodeType.TASK
-        if state in ("SKIPPED", "WAITING"):
-            created = ts(node.created)
-            return self._row(run_id, node, state=state, attempt=0, input_=_N, output=_N, error=_N, started=_N,
-                             finished=created if state == "SKIPPED" else _N, completed=_N, updated=created)
-        attempts = node.attempts
-        # A completion keeps the error of the attempt before it; a failure records its own.
-        error = attempts[-2][2] if state == "COMPLETED" and len(attempts) > 1 else node.error
-        end = ts(node.end)
-        return self._row(run_id, node, state=state, attempt=max(len(attempts) - 1, 0),
-                         input_=_json(node.input) if is_task else _N, output=_json(node.output),
-                         error=_json({"error": error}) if error else _N,
-                         started=ts(attempts[-1][0]) if attempts else _N, finished=end,
-                         completed=end if state == "COMPLETED" else _N, updated=end)
-
-    def _cancelled_row(self, run_id: str, node: _Node, at: float, reason: str | None) -> str:
-        """The row of a node still active when the run failed or was cancelled at ``at``."""
-        ts = self.ts
-        attempt, started = 0, _N
-        if node.spec.type is NodeType.TASK:
-            attempt = sum(1 for _, ended, _ in node.attempts if ended <= at)
-            if attempt < len(node.attempts) and node.attempts[attempt][0] <= at:
-                started = ts(node.attempts[attempt][0])
-        stamp = ts(at)
-        return self._row(run_id, node, state="CANCELLED", attempt=attempt,
-                         input_=_json(node.input) if node.spec.type is NodeType.TASK else _N, output=_N,
-                         error=_json({"error": reason}) if reason else _N, started=started, finished=stamp,
-                         completed=_N, updated=stamp)
-
-    def _row(self, run_id: str, node: _Node, *, state: str, attempt: int, input_: str, output: str, error: str,
-             started: str, finished: str, completed: str, updated: str) -> str:
-        ns = node.spec
-        queue_ = (ns.queue or "default") if ns.type is NodeType.TASK else _N
-        created = self.ts(node.created)
-        return "\t".join((
-            node.task_id, run_id, ns.id, str(ns.type), queue_, state, str(attempt), input_, output, error,
-            "{" + ",".join(node.branches) + "}" if node.branches is not None else _N,
-            self.ts(node.wake_at) if node.wake_at is not None else _N, node.event or _N,
-            created, started, finished, completed, created, updated, _N, _N)) + "\n"
+def _arrivals(seed: int, month: str, runs: int) -> list[tuple[float, str]]:
+    """Start instants and workflows of the month's runs after the first, in time order."""
+    rng = random.Random(f"composer-sim-history:{seed}:{month}")
+    start, _, days = _month_bounds(month)
+    names = list(WORKFLOW_WEIGHTS)
+    cum_wf = list(_cumulative(WORKFLOW_WEIGHTS.values()))
+    year, mon = int(month[:4]), int(month[4:])
+    cum_days = list(_cumulative(0.55 if calendar.weekday(year, mon, d + 1) >= 5 else 1.0 for d in range(days)))
+    cum_day_hours, cum_night_hours = list(_cumulative(_DAY_HOURS)), list(_cumulative(_NIGHT_HOURS))
+    out: list[tuple[float, str]] = []
+    for _ in range(runs - 1):
+        wf = rng.choices(names, cum_weights=cum_wf)[0]
+        day = rng.choices(range(days), cum_weights=cum_days)[0]
+        hour = rng.choices(range(24), cum_weights=cum_night_hours if wf == "nightly-batch" else cum_day_hours)[0]
+        out.append((start + day * 86_400 + hour * 3_600 + rng.random() * 3_600, wf))
+    out.sort()
+    return out
 
 
-def _live(dep: _Node, node_id: str) -> bool:
-    """The machine's rule: whether a terminal dependency lets ``node_id`` run rather than be skipped."""
-    if dep.state == "COMPLETED" or (dep.state == "FAILED" and dep.spec.optional):
-        return dep.spec.type is not NodeType.SWITCH or node_id in (dep.branches or ())
-    return False
-
-
-def _until(ns: NodeSpec, ctx: RunContext, outputs: Mapping[str, Any], created: float) -> float:
-    value: Any = ns.until
-    if isinstance(value, str) and value.startswith("$."):
-        value = resolve_ref(parse_ref(value), ctx, outputs)
-    try:
-        return datetime.fromisoformat(str(value)).timestamp()
-    except ValueError:
-        return created
+def _jobs(seed: int, month: str, age: int, runs: int, chunk_runs: int) -> Iterator[_Job]:
+    arrivals = _arrivals(seed, month, runs)
+    for first in range(0, runs, chunk_runs):
+        # arrivals[i - 1] is run i's: run 0, the marker, starts at its own instant.
+        yield _Job(month=month, age=age, first=first, last=first + chunk_runs >= runs,
+                   arrivals=tuple(arrivals[max(first - 1, 0):first + chunk_runs - 1]))
 
 
 def _cumulative(weights: Iterable[float]) -> Iterator[float]:
@@ -554,119 +239,89 @@ def _cumulative(weights: Iterable[float]) -> Iterator[float]:
         yield total
 
 
+class _Generator:
+    """Plays runs through the machine and formats their rows; one per worker process."""
+
+    def __init__(self, specs: Mapping[str, WorkflowSpec], versions: Mapping[str, int],
+                 options: HistoryOptions) -> None:
+        self.specs, self.versions, self.options = specs, versions, options
+        self.behaviour, self.scale = options.behaviour, options.behaviour.time_scale
+        self.flawless = replace(self.behaviour, transient_rate=0.0, permanent_rate=0.0, crash_rate=0.0)
+        self.text = CopyText()
+        self.configs = {wf: json_text(dict(spec.config)) for wf, spec in specs.items()}
+
+    def chunk(self, job: _Job) -> _Chunk:
+        seed, month = self.options.seed, job.month
+        chunk = _Chunk(month=month, last=job.last)
+        end = _month_bounds(month)[1]
+        if job.first == 0:
+            # The month's first run, an order the carrier never scans, is the idempotency marker.
+            marker = _marker_rng(seed, month)
+            self.run(chunk, marker, "order-fulfilment", _marker_start(marker, month), f"h{month}-0", job.age, end,
+                     stuck=True)
+        rng = random.Random(f"composer-sim-history:{seed}:{month}:{job.first}")
+        first = max(job.first, 1)
+        for i, (t0, wf) in enumerate(job.arrivals, start=first):
+            self.run(chunk, rng, wf, t0, f"h{month}-{i}", job.age, end, stuck=False)
+        return chunk
+
+    def run(self, chunk: _Chunk, rng: random.Random, wf: str, t0: float, key: str, age: int, month_end: float,
+            *, stuck: bool) -> None:
+        """Replay one run started at ``t0`` and add its rows to ``chunk``."""
+        spec, scale = self.specs[wf], self.scale
+        run_id = _uuid7(int(t0 * 1000), rng)
+        run_input = make_input(rng, wf, {"seed": self.options.seed, "run": key}, t0, scale)
+        signals = plan_signals(rng, wf, scale)
+        cancel = plan_cancel(rng, self.options.cancel_rate, scale)
+        behaviour = self.behaviour
+        if stuck:
+            # Nothing fails and nobody cancels: the run reaches its wait and stays there.
+            signals = [replace(p, timing="never", duplicate_after_s=None) for p in signals]
+            cancel, behaviour = None, self.flawless
+        plan = Plan(signals=tuple(signals), cancel=cancel)
+
+        def mint(kind: str, at: datetime) -> str:
+            return _uuid7(int(at.timestamp() * 1000), rng)
+
+        replay = Replay(spec, run_id=run_id, input=run_input, now=utc(t0), workflow_version=self.versions[wf],
+                        mint=mint)
+        play(replay, rng, behaviour, plan, t0)
+        if age > self.options.stuck_months:
+            stop_stuck(replay, month_end + rng.uniform(0.5, 9.5) * 86_400, _STUCK_REASON)
+        text = self.text
+        text.next_run()
+        chunk.runs.append(text.run(replay, wf, self.configs[wf]))
+        chunk.tasks.extend(text.task(run_id, row) for row in replay.rows.values())
+        chunk.events.extend(text.event(run_id, signal) for signal in replay.signals)
+        chunk.active += replay.status == "RUNNING"
+
+
+_worker: _Generator | None = None
+
+
+def _start_worker(specs: Mapping[str, WorkflowSpec], versions: Mapping[str, int], options: HistoryOptions) -> None:
+    global _worker
+    _worker = _Generator(specs, versions, options)
+
+
+def _generate(job: _Job) -> _Chunk:
+    assert _worker is not None, "the worker process was not started by _start_worker"
+    return _worker.chunk(job)
+
+
 # -- writing ------------------------------------------------------------------------------
 
 
-class _Copier(threading.Thread):
-    """Streams chunks to the server with COPY while the caller generates the next one."""
-
-    def __init__(self, url: str, results: Mapping[str, MonthResult],
-                 on_progress: Callable[[int, int], None] | None, *, set_based: bool) -> None:
-        super().__init__(name="composer-sim-copy", daemon=True)
-        self.url, self.results, self.on_progress = url, results, on_progress
-        self.items: queue.Queue[_Chunk | str | None] = queue.Queue(maxsize=3)
-        self.error: BaseException | None = None
-        self.set_based = set_based
-
-    def put(self, item: _Chunk | str | None) -> None:
-        while True:
-            self._raise()
-            try:
-                self.items.put(item, timeout=0.2)
-                return
-            except queue.Full:
-                continue
-
-    def finish(self) -> None:
-        if self.is_alive():
-            self.put(None)
-            self.join()
-        self._raise()
-
-    def _raise(self) -> None:
-        if self.error is not None:
-            raise ComposerError(f"history backfill failed: {str(self.error).strip().splitlines()[0]}") \
-                from self.error
-
-    def run(self) -> None:
-        try:
-            with psycopg.connect(self.url, application_name="composer-ops simulate history") as conn:
-                self.set_based = self.set_based and _may_skip_row_triggers(conn)
-                while (item := self.items.get()) is not None:
-                    if isinstance(item, str):
-                        conn.commit()
-                        _analyze(conn, item)
-                    else:
-                        self._copy(conn, item)
-                # Anything after the last month's commit is a month cut short (the
-                # generator failed or was interrupted): never commit half a month,
-                # its marker run would make the next backfill skip it.
-                conn.rollback()
-        except BaseException as exc:  # handed to the generating thread, which raises it
-            self.error = exc
-
-    def _copy(self, conn: psycopg.Connection[Any], chunk: _Chunk) -> None:
-        with conn.cursor() as cur:
-            for table, columns, lines in (("workflow_runs", _RUN_COLUMNS, chunk.runs),
-                                          ("task_instances", _TASK_COLUMNS, chunk.tasks),
-                                          ("workflow_events", _EVENT_COLUMNS, chunk.events)):
-                if not lines:
-                    continue
-                # Runs keep their per-row check (against the definitions); the rows
-                # that reference them are checked per month, see _check_references.
-                if self.set_based and table != "workflow_runs":
-                    cur.execute("SET LOCAL session_replication_role = replica")
-                with cur.copy(sql.SQL("COPY {} ({}) FROM STDIN").format(
-                        sql.Identifier(table), sql.SQL(columns))) as copy:
-                    copy.write("".join(lines))
-                if self.set_based and table != "workflow_runs":
-                    cur.execute("SET LOCAL session_replication_role = origin")
-                    _check_references(cur, table, chunk.month, lines)
-        result = self.results[chunk.month]
-        result.runs += len(chunk.runs)
-        result.tasks += len(chunk.tasks)
-        result.events += len(chunk.events)
-        result.active_runs += chunk.active
-        if self.on_progress:
-            self.on_progress(len(chunk.runs), len(chunk.tasks))
-
-
-def _may_skip_row_triggers(conn: psycopg.Connection[Any]) -> bool:
-    """Whether this session may set ``session_replication_role`` (a superuser, or a
-    role granted SET on it); otherwise every row is checked by its trigger."""
-    try:
-        with conn.transaction():
-            conn.execute("SET LOCAL session_replication_role = replica")
-    except psycopg.errors.InsufficientPrivilege:
-        return False
-    finally:
-        conn.rollback()
-    return True
-
-
-def _check_references(cur: psycopg.Cursor[Any], table: str, month: str, lines: list[str]) -> None:
-    """The foreign key of rows just copied without their triggers, checked in bulk:
-    every run ID they reference (their second column) must be a run of the month.
-    One query probing the runs' primary key once per distinct run, instead of one
-    trigger call per row. The month's partitions are locked by this transaction's
-    inserts, so no run can be dropped between this check and the commit."""
-    referenced = sorted({line.split("\t", 2)[1] for line in lines})
-    row = cur.execute(sql.SQL("SELECT count(*) FROM unnest(%s::text[]) AS c(run_id) "
-                              "WHERE NOT EXISTS (SELECT 1 FROM {} r WHERE r.id = c.run_id)").format(
-                          sql.Identifier(f"workflow_runs_p{month}")), (referenced,)).fetchone()
-    if row is None or row[0]:
-        raise ComposerError(f"{table}: {row[0] if row else '?'} rows of month {month} reference no run; "
-                            "the month was rolled back")
-
-
-def _analyze(conn: psycopg.Connection[Any], month: str) -> None:
-    """Fresh statistics for the month's partitions (row estimates for the notebooks)."""
-    conn.autocommit = True
-    try:
-        for table in ("workflow_runs", "task_instances", "workflow_events"):
-            conn.execute(sql.SQL("ANALYZE {}").format(sql.Identifier(f"{table}_p{month}")))
-    finally:
-        conn.autocommit = False
+def _copy(conn: Conn, chunk: _Chunk, result: MonthResult, *, skip_row_triggers: bool) -> None:
+    for table, columns, lines in (("workflow_runs", RUN_COLUMNS, chunk.runs),
+                                  ("task_instances", TASK_COLUMNS, chunk.tasks),
+                                  ("workflow_events", EVENT_COLUMNS, chunk.events)):
+        if lines:
+            repo.copy_rows(conn, table, columns, lines, month=chunk.month, skip_row_triggers=skip_row_triggers)
+    result.runs += len(chunk.runs)
+    result.tasks += len(chunk.tasks)
+    result.events += len(chunk.events)
+    result.active_runs += chunk.active
 
 
 def backfill(url: str, specs: Mapping[str, WorkflowSpec], versions: Mapping[str, int], options: HistoryOptions,
@@ -675,6 +330,10 @@ def backfill(url: str, specs: Mapping[str, WorkflowSpec], versions: Mapping[str,
     """Backfill the ``options.months`` complete months before ``now`` (the database
     clock); months already backfilled with the same seed are skipped.
 
+    Worker processes (``options.processes``) play chunks of runs ahead while this
+    thread streams the finished ones, in order, one transaction per month. They are
+    started with ``spawn``, which imports the caller's ``__main__`` module again: a
+    script calling this must keep its work under ``if __name__ == "__main__":``.
     ``on_start(runs)`` is told how many runs will be written once that is known;
     ``on_progress(runs, task_rows)`` after each chunk reaches the server."""
     started = time.perf_counter()
@@ -683,28 +342,42 @@ def backfill(url: str, specs: Mapping[str, WorkflowSpec], versions: Mapping[str,
     results = {m: MonthResult(month=m) for m in months}
     if not months:
         return HistoryResult(months=[], seconds=0.0)
-    with psycopg.connect(url, application_name="composer-ops simulate history") as conn:
+    application = "composer-ops simulate history"
+    with connect(url, application_name=application) as conn:
         ensure_from(conn, date(int(months[0][:4]), int(months[0][4:]), 1), len(months) - 1)
         conn.commit()
-        for month in months:
-            found = conn.execute("SELECT 1 FROM workflow_runs WHERE id = %s",
-                                 (marker_run_id(options.seed, month),)).fetchone()
-            results[month].skipped = found is not None
+        markers = {marker_run_id(options.seed, m): m for m in months}
+        for found in repo.existing_runs(conn, list(markers)):
+            results[markers[found]].skipped = True
+    todo = [m for m in months if not results[m].skipped]
     if on_start is not None:
-        on_start(sum(sizes[m] for m in months if not results[m].skipped))
-    copier = _Copier(url, results, on_progress, set_based=options.set_based_checks)
-    copier.start()
-    stamps = _Stamps()
+        on_start(sum(sizes[m] for m in todo))
+    ages = dict(zip(months, range(len(months), 0, -1), strict=True))
+    jobs = (job for m in todo for job in _jobs(options.seed, m, ages[m], sizes[m], options.chunk_runs))
+    processes = options.processes or os.cpu_count() or 1
+    pool = ProcessPoolExecutor(max_workers=processes, mp_context=multiprocessing.get_context("spawn"),
+                               initializer=_start_worker, initargs=(specs, versions, options))
+    set_based = False
     try:
-        for age, month in zip(range(len(months), 0, -1), months, strict=True):
-            if results[month].skipped:
-                continue
-            generator = _MonthGenerator(month=month, age=age, runs=sizes[month], options=options, specs=specs,
-                                        versions=versions, stamps=stamps)
-            for chunk in generator.chunks():
-                copier.put(chunk)
-            copier.put(month)
+        with connect(url, application_name=application) as conn:
+            set_based = options.set_based_checks and repo.may_skip_row_triggers(conn)
+            ahead: deque[Future[_Chunk]] = deque(pool.submit(_generate, job)
+                                                 for job in itertools.islice(jobs, 2 * processes))
+            while ahead:
+                chunk = ahead.popleft().result()
+                if (job := next(jobs, None)) is not None:
+                    ahead.append(pool.submit(_generate, job))
+                _copy(conn, chunk, results[chunk.month], skip_row_triggers=set_based)
+                if chunk.last:
+                    conn.commit()
+                    with autocommit(conn):
+                        repo.analyze_month(conn, chunk.month)
+                if on_progress is not None:
+                    on_progress(len(chunk.runs), len(chunk.tasks))
+            # A month is committed after its last chunk only: one cut short (a worker
+            # failed, or an interrupt) is rolled back, never left half written for its
+            # marker run to make the next backfill skip it.
     finally:
-        copier.finish()
+        pool.shutdown(wait=True, cancel_futures=True)
     return HistoryResult(months=[results[m] for m in months], seconds=time.perf_counter() - started,
-                         set_based_checks=copier.set_based)
+                         set_based_checks=set_based)

@@ -25,6 +25,7 @@ from __future__ import annotations
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
+from types import MappingProxyType
 from typing import Any
 
 from composer_ops.core.machine import decide
@@ -147,10 +148,7 @@ class Replay:
         self._changed: set[str] = set()        # nodes whose row changed since ``nodes`` was read
         self._by_task: dict[str, str] = {}
         self._event_now = now
-        self._writers: dict[type, Callable[[Any, datetime], bool | None]] = {
-            Stale: self._stale, CreateTask: self._create, CompleteTask: self._complete, FailTask: self._fail,
-            RequeueTask: self._requeue, ResolveWait: self._resolve, BufferSignal: self._buffer,
-            ConsumeSignal: self._consume, CancelTasks: self._cancel, FinishRun: self._finish_run}
+        self._current: RunSnapshot | None = None
 
     @property
     def nodes(self) -> dict[str, NodeState]:
@@ -182,6 +180,7 @@ class Replay:
     # -- the shell -------------------------------------------------------------------
 
     def snapshot(self) -> RunSnapshot:
+        """The run as the shell would load it now."""
         return RunSnapshot(id=self.run_id, workflow_id=self.spec.id, workflow_version=self.workflow_version,
                            status=self.status, context=self.context, spec=self.spec, nodes=dict(self.nodes))
 
@@ -189,15 +188,23 @@ class Replay:
         """Decide ``event`` and apply the decision; ``Conflict``/``Invalid`` from the
         machine (a signal or cancel the run refuses) change nothing."""
         self._event_now = event.now
-        decision = decide(self.snapshot(), event, self, self.new_id)
+        nodes = self.nodes
+        current = self._current
+        if current is None or current.status is not self.status:
+            # Between decisions, so a read-only view of the current nodes is the
+            # snapshot for as long as the run's status holds: built once, not per event.
+            current = self._current = RunSnapshot(
+                id=self.run_id, workflow_id=self.spec.id, workflow_version=self.workflow_version,
+                status=self.status, context=self.context, spec=self.spec, nodes=MappingProxyType(nodes))
+        decision = decide(current, event, self, self.new_id)
         self.apply(decision, event.now)
         return decision
 
     def apply(self, decision: Decision, now: datetime) -> None:
         """Write a decision's actions in order, as the shell does in one transaction."""
-        writers = self._writers
+        writers = _WRITERS
         for action in decision.actions:
-            if writers[type(action)](action, now):
+            if writers[type(action)](self, action, now):
                 return
 
     def _stale(self, a: Stale, now: datetime) -> bool:
@@ -326,6 +333,13 @@ class Replay:
         """The node's task state, or None when it has no task."""
         row = self.rows.get(node_id)
         return None if row is None else row.state
+
+
+#: How the shell writes each action, by its type; ``True`` ends the decision (stale).
+_WRITERS: dict[type, Callable[[Replay, Any, datetime], bool | None]] = {
+    Stale: Replay._stale, CreateTask: Replay._create, CompleteTask: Replay._complete, FailTask: Replay._fail,
+    RequeueTask: Replay._requeue, ResolveWait: Replay._resolve, BufferSignal: Replay._buffer,
+    ConsumeSignal: Replay._consume, CancelTasks: Replay._cancel, FinishRun: Replay._finish_run}
 
 
 def utc(epoch_s: float) -> datetime:
