@@ -65,7 +65,7 @@ test: lint test-18 test-15 demo-ci
 # tests/conftest.py): fewer than N selected tests under DIR, or all of them skipped,
 # fails the leg, so a leg that silently collects nothing cannot pass.
 REQUIRE_ALL := --require tests/unit=250 --require tests/fuzz=30 --require tests/integration=200 \
-	--require tests/chaos=5 --require tests/notebooks=7
+	--require tests/chaos=5 --require tests/notebooks=7 --require tests/faults=15
 REQUIRE_FAST := --require tests/unit=250 --require tests/fuzz=10
 
 # Unit and fuzz tests that need no database (no server is started: asking for one is
@@ -119,7 +119,10 @@ bench: $(STAMP)
 # audit; prints the figures and fails if anything was lost. CI runs 200 in `make test`.
 # CHAOS_ARGS e.g. `--runs 1000 --seed 3`; COMPOSER_TEST_PGBIN=$(PG15_BIN) for PostgreSQL 15;
 # with COMPOSER_DATABASE_URL it runs on that server and skips the restart.
+# Then the fault-injection sweep of every write path with server restarts at every
+# request (tests/faults, COMPOSER_FAULTS=full; `make test` restarts at one point a path).
 CHAOS_ARGS ?= --runs 5000
 .PHONY: chaos
 chaos: $(STAMP)
 	$(BIN)/python -m tests.chaos.driver $(CHAOS_ARGS) --json reports/chaos-last.json
+	COMPOSER_FAULTS=full $(BIN)/python -m pytest -q -p no:logging tests/faults

@@ -18,6 +18,7 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from datetime import datetime
 from functools import partial
@@ -26,7 +27,7 @@ from typing import TYPE_CHECKING
 from composer_ops.core import LeaseExpired, TimerDue
 from composer_ops.core.model import TaskRef as CoreRef
 from composer_ops.engine.webhooks import RelayPolicy, relay_once
-from composer_ops.errors import ComposerError
+from composer_ops.errors import ComposerError, Invalid
 from composer_ops.repo import partitions, signals, tasks
 
 if TYPE_CHECKING:
@@ -79,11 +80,17 @@ class Coordinator:
             if not busy:
                 self._stop.wait(self.interval)
 
-    def run_once(self) -> PassStats:
-        """One pass of every loop; a failing loop is logged and the others still run."""
+    def run_once(self, loops: Collection[str] | None = None) -> PassStats:
+        """One pass of every loop (or of the named ones: ``partitions``, ``timers``,
+        ``leases``, ``webhooks``); a failing loop is logged and the others still run."""
         stats = PassStats()
-        for name, loop in (("partitions", self._upkeep), ("timers", self._timers),
-                           ("leases", self._leases), ("webhooks", self._webhooks)):
+        every = (("partitions", self._upkeep), ("timers", self._timers),
+                 ("leases", self._leases), ("webhooks", self._webhooks))
+        if loops is not None and not set(loops) <= {name for name, _ in every}:
+            raise Invalid(f"unknown coordinator loops {sorted(set(loops) - {name for name, _ in every})}")
+        for name, loop in every:
+            if loops is not None and name not in loops:
+                continue
             try:
                 loop(stats)
             except Exception as exc:  # one loop's failure (e.g. a lost connection) must not stop the others

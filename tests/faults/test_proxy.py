@@ -1,0 +1,140 @@
+"""The fault proxy itself: it forwards faithfully, counts requests the way the
+fault suite relies on, and each fault lands exactly where it says."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from typing import Any
+
+import psycopg
+import pytest
+
+from composer_ops.testing import servers
+from composer_ops.testing.faultproxy import Fault, FaultProxy
+
+
+@pytest.fixture
+def proxy(db_url: str) -> Iterator[FaultProxy]:
+    server = servers.session().primary
+    with FaultProxy(db_url, restart=server.restart if server.owned else None) as p:
+        yield p
+
+
+@pytest.fixture
+def table(db_url: str) -> str:
+    with psycopg.connect(db_url, autocommit=True) as conn:
+        conn.execute("CREATE TABLE proxied (id int PRIMARY KEY, note text)")
+    return "proxied"
+
+
+def _ids(db_url: str) -> list[int]:
+    with psycopg.connect(db_url) as conn:
+        return [r[0] for r in conn.execute("SELECT id FROM proxied ORDER BY id")]
+
+
+def _insert_in_transaction(url: str, value: int) -> None:
+    with psycopg.connect(url) as conn, conn.transaction():
+        conn.execute("INSERT INTO proxied VALUES (%s, 'x')", (value,))
+
+
+def test_it_forwards_transactions_pipelines_copy_and_notifications(proxy: FaultProxy, table: str,
+                                                                   db_url: str) -> None:
+    with psycopg.connect(proxy.url()) as conn:
+        proxy.reset()
+        with conn.transaction():
+            conn.execute("INSERT INTO proxied VALUES (1, 'a')")
+        with conn.pipeline():
+            conn.execute("INSERT INTO proxied VALUES (2, 'b')")
+            conn.execute("INSERT INTO proxied VALUES (3, 'c')")
+        conn.commit()
+        with conn.cursor() as cur, cur.copy("COPY proxied FROM STDIN") as copy:
+            copy.write_row((4, "d"))
+        conn.commit()
+        got: list[Any] = [r[0] for r in conn.execute("SELECT note FROM proxied ORDER BY id")]
+        conn.rollback()
+        listener = psycopg.connect(proxy.url(), autocommit=True)
+        listener.execute("LISTEN chan")
+        conn.execute("NOTIFY chan, 'hello'")
+        conn.commit()
+        heard = [n.payload for n in listener.notifies(timeout=5, stop_after=1)]
+        listener.close()
+    assert got == ["a", "b", "c", "d"] and heard == ["hello"]
+    assert _ids(db_url) == [1, 2, 3, 4]
+    texts = [r.text for r in proxy.requests]
+    assert texts[:3] == ["BEGIN", "INSERT INTO proxied VALUES (1, 'a')", "COMMIT"]
+    assert proxy.requests[2].commits and proxy.requests[2].tags == ["COMMIT"]
+    assert not proxy.requests[1].commits and proxy.requests[1].status_after == "T"
+
+
+def test_drop_before_commit_rolls_back(proxy: FaultProxy, table: str, db_url: str) -> None:
+    proxy.arm(Fault.DROP_BEFORE, match=lambda r: r.text == "COMMIT")
+    with pytest.raises(psycopg.OperationalError):
+        _insert_in_transaction(proxy.url(), 1)
+    assert proxy.fired is not None and proxy.fired.text == "COMMIT"
+    assert _ids(db_url) == []
+    _insert_in_transaction(proxy.url(), 2)        # disarmed after firing: a healthy path again
+    assert _ids(db_url) == [2]
+
+
+def test_a_lost_acknowledgement_commits_but_the_client_never_hears(proxy: FaultProxy, table: str,
+                                                                  db_url: str) -> None:
+    proxy.arm(Fault.LOSE_ACK, match=lambda r: r.text == "COMMIT")
+    with pytest.raises(psycopg.OperationalError):
+        _insert_in_transaction(proxy.url(), 1)
+    fired = proxy.fired
+    assert fired is not None and fired.tags == ["COMMIT"] and fired.commits
+    assert _ids(db_url) == [1]
+
+
+def test_a_lost_acknowledgement_of_an_autocommit_statement(proxy: FaultProxy, table: str, db_url: str) -> None:
+    with psycopg.connect(proxy.url(), autocommit=True) as conn:
+        proxy.reset()
+        proxy.arm(Fault.LOSE_ACK, at=1)
+        with pytest.raises(psycopg.OperationalError):
+            conn.execute("INSERT INTO proxied VALUES (%s, 'x')", (7,))
+    assert proxy.fired is not None and proxy.fired.commits and proxy.fired.tags == ["INSERT 0 1"]
+    assert _ids(db_url) == [7]
+
+
+def test_every_request_of_a_transaction_can_be_cut(proxy: FaultProxy, table: str, db_url: str) -> None:
+    """Cut at request k for every k: before the COMMIT nothing is kept, after it
+    (the lost acknowledgement) the row is there; the count stops when k passes the end."""
+    kept: dict[tuple[str, int], bool] = {}
+    for fault in (Fault.DROP_BEFORE, Fault.LOSE_ACK):
+        k = 0
+        while True:
+            k += 1
+            value = 100 * (fault is Fault.LOSE_ACK) + k
+            with psycopg.connect(proxy.url()) as conn:
+                proxy.reset()
+                proxy.arm(fault, at=k)
+                try:
+                    with conn.transaction():
+                        conn.execute("INSERT INTO proxied VALUES (%s, 'x')", (value,))
+                        conn.execute("UPDATE proxied SET note = 'y' WHERE id = %s", (value,))
+                except psycopg.OperationalError:
+                    pass
+            if proxy.fired is None:
+                break
+            kept[(fault.value, k)] = value in _ids(db_url)
+    assert kept == {("drop-before", 1): False, ("drop-before", 2): False, ("drop-before", 3): False,
+                    ("drop-before", 4): False, ("lose-ack", 1): False, ("lose-ack", 2): False,
+                    ("lose-ack", 3): False, ("lose-ack", 4): True}
+
+
+@pytest.mark.skipif("COMPOSER_DATABASE_URL" in os.environ, reason="the server is not ours to restart")
+def test_a_restart_after_the_commit_keeps_it_and_kills_every_session(proxy: FaultProxy, table: str,
+                                                                    db_url: str) -> None:
+    bystander = psycopg.connect(proxy.url(), autocommit=True)
+    bystander.execute("SELECT 1")
+    proxy.arm(Fault.RESTART_AFTER, match=lambda r: r.text == "COMMIT")
+    with pytest.raises(psycopg.OperationalError):
+        _insert_in_transaction(proxy.url(), 1)
+    assert proxy.wait_fired() is not None and proxy.restarts == 1
+    with pytest.raises(psycopg.OperationalError):
+        bystander.execute("SELECT 1")
+    bystander.close()
+    assert _ids(db_url) == [1]
+    _insert_in_transaction(proxy.url(), 2)
+    assert _ids(db_url) == [1, 2]
