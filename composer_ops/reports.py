@@ -16,6 +16,7 @@ from __future__ import annotations
 import ast
 import contextlib
 import html
+import importlib.resources
 import json
 import multiprocessing
 import os
@@ -44,8 +45,8 @@ from traitlets import default  # noqa: E402
 from composer_ops.db import ENV_URL, resolve_url  # noqa: E402
 from composer_ops.errors import ComposerError, Invalid, NotFound  # noqa: E402
 
-#: Where the notebooks are (the source tree's notebooks/, or COMPOSER_NOTEBOOKS_DIR).
-NOTEBOOKS_DIR = Path(__file__).resolve().parents[1] / "notebooks"
+#: The package the notebooks ship in (built from notebooks/); COMPOSER_NOTEBOOKS_DIR overrides it.
+NOTEBOOKS_PACKAGE = "composer_ops.notebooks"
 ENV_NOTEBOOKS = "COMPOSER_NOTEBOOKS_DIR"
 KERNEL_NAME = "python3"
 _EXTERNAL_SCRIPT = re.compile(r"<script[^>]*\ssrc=\"https?://[^\"]*\"[^>]*>\s*</script>", re.IGNORECASE)
@@ -145,7 +146,13 @@ class ReportResult:
 
 
 def notebooks_dir() -> Path:
-    return Path(os.environ.get(ENV_NOTEBOOKS) or NOTEBOOKS_DIR).expanduser().resolve()
+    override = os.environ.get(ENV_NOTEBOOKS)
+    if override:
+        return Path(override).expanduser().resolve()
+    shipped = importlib.resources.files(NOTEBOOKS_PACKAGE)
+    if not isinstance(shipped, Path):      # papermill reads notebooks from files
+        raise ComposerError(f"the shipped notebooks are not files on disk ({shipped}); set {ENV_NOTEBOOKS}")
+    return shipped
 
 
 def available(directory: Path | None = None) -> list[str]:

@@ -1,5 +1,9 @@
 """Apply ``sql/V*.sql`` in order, one transaction per file, under an advisory lock.
 
+The files ship inside the package as ``composer_ops.migrations`` (built from sql/) and
+are read through ``importlib.resources``, so an installed wheel migrates as the source
+tree does.
+
 Applied files are recorded in ``schema_migrations`` with a SHA-256 checksum; a file
 that changed after it was applied is refused (``Invalid``), never silently re-run.
 Two migrators at once: the second waits for the lock, then finds nothing to do.
@@ -8,11 +12,12 @@ Two migrators at once: the second waits for the lock, then finds nothing to do.
 from __future__ import annotations
 
 import hashlib
+import importlib.resources
 import logging
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
+from importlib.resources.abc import Traversable
 from typing import Any
 
 import psycopg
@@ -22,8 +27,8 @@ from composer_ops.errors import ComposerError, Invalid
 
 log = logging.getLogger(__name__)
 
-#: Installed packages and the source tree both find the migrations here.
-SQL_DIR = Path(__file__).resolve().parents[2] / "sql"
+#: The migration files: the ``composer_ops.migrations`` package.
+SQL_DIR: Traversable = importlib.resources.files("composer_ops.migrations")
 _NAME = re.compile(r"^V(\d{3,})__([a-z0-9_]+)\.sql$")
 _LOCK_KEY = "composer_migrations"
 
@@ -32,7 +37,7 @@ _LOCK_KEY = "composer_migrations"
 class Migration:
     version: int
     name: str
-    path: Path
+    path: Traversable
     checksum: str
 
     @property
@@ -40,12 +45,13 @@ class Migration:
         return self.path.name
 
 
-def discover(sql_dir: Path = SQL_DIR) -> list[Migration]:
-    """The migration files, ordered by version; a malformed name is an error."""
+def discover(sql_dir: Traversable = SQL_DIR) -> list[Migration]:
+    """The migration files (``V*.sql``), ordered by version; a malformed name is an error."""
     if not sql_dir.is_dir():
         raise ComposerError(f"migrations directory {sql_dir} does not exist")
     found: list[Migration] = []
-    for path in sorted(sql_dir.glob("V*.sql")):
+    for path in sorted((p for p in sql_dir.iterdir() if p.name.startswith("V") and p.name.endswith(".sql")),
+                       key=lambda p: p.name):
         m = _NAME.match(path.name)
         if not m:
             raise Invalid(f"{path}: migration files are named V<NNN>__<snake_case>.sql")
@@ -63,7 +69,7 @@ def _applied(conn: psycopg.Connection[Any]) -> dict[int, str]:
     return {int(v): str(c) for v, c in rows}
 
 
-def migrate(url: str | None = None, *, sql_dir: Path = SQL_DIR, target: int | None = None,
+def migrate(url: str | None = None, *, sql_dir: Traversable = SQL_DIR, target: int | None = None,
             on_apply: Callable[[Migration], None] | None = None) -> list[Migration]:
     """Apply every pending migration up to ``target``; return the ones applied."""
     files = discover(sql_dir)
@@ -109,7 +115,7 @@ def migrate(url: str | None = None, *, sql_dir: Path = SQL_DIR, target: int | No
     return applied_now
 
 
-def status(url: str | None = None, *, sql_dir: Path = SQL_DIR) -> list[tuple[Migration, bool]]:
+def status(url: str | None = None, *, sql_dir: Traversable = SQL_DIR) -> list[tuple[Migration, bool]]:
     """Each migration file and whether it is applied."""
     files = discover(sql_dir)
     with connect(url, application_name="composer-ops migrate") as conn:

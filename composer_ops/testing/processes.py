@@ -70,7 +70,8 @@ class Kill:
 class Fleet:
     """Worker and coordinator processes against ``db_url``.
 
-    ``env`` adds variables to every process; ``logdir`` keeps the logs (else they live
+    ``env`` is the processes' environment (this process's by default), with
+    ``COMPOSER_DATABASE_URL`` set to ``db_url``; ``logdir`` keeps the logs (else they live
     in a temporary directory removed by :meth:`stop`); ``cwd`` is where the processes
     run (this process's working directory by default).
     """
@@ -79,7 +80,7 @@ class Fleet:
                  env: Mapping[str, str] | None = None, logdir: Path | None = None, cwd: Path | None = None,
                  command: Sequence[str] = (sys.executable, "-m", "composer_ops")) -> None:
         self.db_url, self.app, self.interval = db_url, app, coordinator_interval
-        self.env = {**os.environ, **(env or {}), "COMPOSER_DATABASE_URL": db_url}
+        self.env = {**(os.environ if env is None else env), "COMPOSER_DATABASE_URL": db_url}
         self.command, self.cwd = list(command), cwd
         self._own_logdir = logdir is None
         self.logdir = logdir if logdir is not None else Path(tempfile.mkdtemp(prefix="composer-fleet-"))

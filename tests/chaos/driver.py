@@ -15,6 +15,7 @@ import functools
 import heapq
 import json
 import logging
+import os
 import random
 import re
 import sys
@@ -121,7 +122,7 @@ class Chaos:
         self.rng = random.Random(options.seed)
         self.hook = Hook()
         self.fleet = Fleet(db_url, logdir=logdir, env={
-            "COMPOSER_LOG_LEVEL": "INFO", "COMPOSER_WEBHOOK_SECRET": SECRET,
+            **os.environ, "COMPOSER_LOG_LEVEL": "INFO", "COMPOSER_WEBHOOK_SECRET": SECRET,
             "COMPOSER_WEBHOOK_CONNECT_TIMEOUT_S": "1", "COMPOSER_WEBHOOK_TIMEOUT_S": "1",
             "COMPOSER_WEBHOOK_DEADLINE_S": "1.5"})
         self.engine = Engine.connect(db_url, pool_size=4, application_name="chaos-driver")

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import shutil
 import threading
 from pathlib import Path
 from typing import Any
@@ -10,7 +9,7 @@ from typing import Any
 import psycopg
 import pytest
 
-from composer_ops.db.migrate import SQL_DIR, discover, migrate, status
+from composer_ops.db.migrate import discover, migrate, status
 from composer_ops.errors import ComposerError, Invalid
 
 SCHEMA_QUERY = """
@@ -72,9 +71,15 @@ def test_two_migrators_at_once_one_waits_neither_fails(empty_db_url: str) -> Non
     assert sorted(applied) == [0, len(discover())]
 
 
+def _copy_migrations(target: Path) -> Path:
+    target.mkdir()
+    for mig in discover():
+        (target / mig.filename).write_bytes(mig.path.read_bytes())
+    return target
+
+
 def test_an_edited_applied_file_is_refused(empty_db_url: str, tmp_path: Path) -> None:
-    sql_dir = tmp_path / "sql"
-    shutil.copytree(SQL_DIR, sql_dir)
+    sql_dir = _copy_migrations(tmp_path / "sql")
     migrate(empty_db_url, sql_dir=sql_dir)
     first = sorted(sql_dir.glob("V001__*.sql"))[0]
     first.write_text(first.read_text() + "\n-- an innocent-looking edit\n")
@@ -83,8 +88,7 @@ def test_an_edited_applied_file_is_refused(empty_db_url: str, tmp_path: Path) ->
 
 
 def test_a_failing_migration_rolls_back_and_is_not_recorded(empty_db_url: str, tmp_path: Path) -> None:
-    sql_dir = tmp_path / "sql"
-    shutil.copytree(SQL_DIR, sql_dir)
+    sql_dir = _copy_migrations(tmp_path / "sql")
     (sql_dir / "V999__broken.sql").write_text("CREATE TABLE half_done(x int);\nSELECT 1/0;\n")
     with pytest.raises(ComposerError, match="V999__broken.sql failed: division by zero"):
         migrate(empty_db_url, sql_dir=sql_dir)
