@@ -22,7 +22,8 @@ class BuildPy(build_py):
 setup(
     packages=[*find_packages(include=["composer_ops", "composer_ops.*"]), *DATA_PACKAGES],
     package_dir=DATA_PACKAGES,
-    package_data={"composer_ops": ["py.typed"], "composer_ops.migrations": ["V*.sql"],
+    # "": named SQL kept in .sql files beside the module that loads them, in any package.
+    package_data={"": ["*.sql"], "composer_ops": ["py.typed"], "composer_ops.migrations": ["V*.sql"],
                   "composer_ops.notebooks": ["*.ipynb"]},
     cmdclass={"build_py": BuildPy},
 )

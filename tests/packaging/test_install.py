@@ -90,8 +90,10 @@ def venvs(dists: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> d
 def test_the_wheel_holds_every_module_migration_and_notebook(dists: dict[str, Path]) -> None:
     with zipfile.ZipFile(dists["wheel"]) as whl:
         names = set(whl.namelist())
-    modules = {p.relative_to(ROOT).as_posix() for p in (ROOT / "composer_ops").rglob("*.py")}
-    assert modules <= names, sorted(modules - names)
+    # Every file of the package in the checkout: modules, py.typed, any data beside them.
+    listed = _run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard", "composer_ops"], cwd=ROOT)
+    package = {n for n in listed.split("\0") if n and (ROOT / n).is_file()}
+    assert package <= names, sorted(package - names)
     assert {f"composer_ops/migrations/{m}" for m in MIGRATIONS} <= names
     assert {f"composer_ops/notebooks/{n}.ipynb" for n in NOTEBOOKS} <= names
     assert "composer_ops/py.typed" in names
