@@ -353,6 +353,10 @@ def render_html(ipynb: Path, page: Path, *, title: str) -> Path:
 
     nb = nbformat.read(str(ipynb), as_version=4)  # type: ignore[no-untyped-call]
     figures = _plotly_outputs_as_html(nb)
+    from composer_ops.ops.display import KEY_FIGURES_TAG
+
+    # The key-figures cell is for the notebook harness (and the .ipynb), not for the reader.
+    nb.cells = [c for c in nb.cells if KEY_FIGURES_TAG not in c.get("metadata", {}).get("tags", [])]
     exporter = HTMLExporter(  # type: ignore[no-untyped-call]
         exclude_input=True, exclude_input_prompt=True, exclude_output_prompt=True)
     body, _ = exporter.from_notebook_node(nb, resources={"metadata": {"name": title}})

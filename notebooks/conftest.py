@@ -1,29 +1,32 @@
 """nbval harness for the operations notebooks: ``pytest --nbval-lax notebooks/``.
 
 The notebooks run against a deterministic seeded database
-(:mod:`composer_ops.ops.fixtures`) and end with self-checks: invariants, plus the
-exact figures of the seed read from ``COMPOSER_OPS_EXPECT``.
+(:mod:`composer_ops.testing.fixtures`). Each notebook's last code cell prints its
+key figures; this harness reads every notebook with the figures the seed must
+produce stored as that cell's output, tagged ``nbval-check-output``
+(:func:`composer_ops.testing.checks.expect_figures`), so nbval fails the cell when
+one figure differs, even under ``--nbval-lax``.
 
-When the caller already set ``COMPOSER_OPS_EXPECT`` and ``COMPOSER_DATABASE_URL``
-(tests/notebooks/test_nbval.py does, as the read-only role), they are used as they
-are. Otherwise this file starts a throwaway server the way the test suite does
-(``COMPOSER_DATABASE_URL`` server, else ``COMPOSER_TEST_PGBIN``, else the embedded
-one), creates a seeded database on it, and drops it at the end.
+When the caller already set ``COMPOSER_OPS_EXPECT`` (a JSON file of the expected
+figures) and ``COMPOSER_DATABASE_URL`` (tests/notebooks/test_nbval.py does, as the
+read-only role), they are used as they are. Otherwise this file starts a throwaway
+server the way the test suite does (``COMPOSER_DATABASE_URL`` server, else
+``COMPOSER_TEST_PGBIN``, else the embedded one), creates a seeded database on it,
+and drops it at the end.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import sys
 import tempfile
+import types
 import uuid
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-_ROOT = Path(__file__).resolve().parents[1]
 _state: dict[str, Any] = {}
 
 
@@ -32,15 +35,21 @@ def _active(config: pytest.Config) -> bool:
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    if not _active(config) or os.environ.get("COMPOSER_OPS_EXPECT"):
+    if not _active(config):
         return
-    if str(_ROOT) not in sys.path:
-        sys.path.insert(0, str(_ROOT))
+    from composer_ops.testing.checks import ENV_EXPECT, load_expectations
+
+    if not os.environ.get(ENV_EXPECT):
+        _seed_throwaway_database()
+    _read_notebooks_expecting(load_expectations(os.environ[ENV_EXPECT]))
+
+
+def _seed_throwaway_database() -> None:
     import psycopg
 
     from composer_ops.db.migrate import migrate
-    from composer_ops.ops import fixtures
-    from composer_ops.testing import servers
+    from composer_ops.testing import fixtures, servers
+    from composer_ops.testing.checks import ENV_EXPECT
 
     server = servers.session().primary
     name = f"composer_nbval_{uuid.uuid4().hex[:8]}"
@@ -52,9 +61,31 @@ def pytest_configure(config: pytest.Config) -> None:
     expect = Path(tempfile.mkdtemp(prefix="composer-nbval-")) / "expected.json"
     expect.write_text(json.dumps(fixtures.expected_figures(info), indent=1), encoding="utf-8")
     _state.update(server=server, name=name, previous={k: os.environ.get(k) for k in
-                                                    ("COMPOSER_DATABASE_URL", "COMPOSER_OPS_EXPECT")})
+                                                    ("COMPOSER_DATABASE_URL", ENV_EXPECT)})
     os.environ["COMPOSER_DATABASE_URL"] = url
-    os.environ["COMPOSER_OPS_EXPECT"] = str(expect)
+    os.environ[ENV_EXPECT] = str(expect)
+
+
+def _read_notebooks_expecting(expected: dict[str, dict[str, Any]]) -> None:
+    """nbval reads each notebook with ``nbformat.read``; give it the notebook with
+    its expected key figures as the checked output."""
+    import nbformat
+    import nbval.plugin
+
+    from composer_ops.testing.checks import expect_figures
+
+    class _Reader(types.ModuleType):
+        def __getattr__(self, name: str) -> Any:
+            return getattr(nbformat, name)
+
+        def read(self, path: str, as_version: int) -> Any:
+            nb = nbformat.read(path, as_version=as_version)  # type: ignore[no-untyped-call]
+            figures = expected.get(Path(path).stem)
+            if figures is not None:
+                nb = nbformat.from_dict(expect_figures(nb, figures))  # type: ignore[no-untyped-call]
+            return nb
+
+    nbval.plugin.nbformat = _Reader("nbformat")  # type: ignore[attr-defined]
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:

@@ -3,8 +3,8 @@
 The notebooks under ``notebooks/`` call these and draw them with plotly
 (:mod:`composer_ops.ops.charts`). Each function takes ``source``: an open psycopg
 connection, a libpq URL, or None (``COMPOSER_DATABASE_URL``, else the embedded
-server). All time arithmetic uses the database clock. The one writer here is
-:func:`drop_partitions`, which applies the same plan :func:`retention_plan` shows.
+server). All time arithmetic uses the database clock. The statements themselves
+live in :mod:`composer_ops.repo.analytics` and :mod:`composer_ops.repo.partitions`.
 """
 
 from composer_ops.ops._common import ACTIVE_STATES, COORDINATOR_QUEUE, RUN_TABLES, connection, db_now, snapshot
@@ -16,7 +16,7 @@ from composer_ops.ops.active import (
     outbox_backlog,
     top_runs,
 )
-from composer_ops.ops.checks import verify_figures
+from composer_ops.ops.display import show_key_figures
 from composer_ops.ops.investigation import (
     RunStory,
     definition_graph,
@@ -74,8 +74,8 @@ __all__ = [
     "retention_plan",
     "run_story",
     "running_leases",
+    "show_key_figures",
     "snapshot",
     "top_runs",
     "validate_run_id",
-    "verify_figures",
 ]

@@ -17,19 +17,20 @@ from typing import Any, TypeAlias
 import polars as pl
 import psycopg
 
+from composer_ops.core.model import ACTIVE_TASK_STATES
 from composer_ops.db import connect
+from composer_ops.repo import analytics
+from composer_ops.repo.analytics import COORDINATOR_QUEUE
+from composer_ops.repo.partitions import RUN_TABLES
 
 Source: TypeAlias = "psycopg.Connection[Any] | str | None"
 Schema: TypeAlias = Mapping[str, Any]  # column -> polars dtype
 
-#: Task states that count as active: the partial indexes on task_instances cover these.
-ACTIVE_STATES = ("PENDING", "RUNNING", "QUEUED", "WAITING")
-#: Same list as SQL, in the order of idx_task_instances_run_active's predicate.
-ACTIVE_SQL = "('PENDING', 'RUNNING', 'QUEUED', 'WAITING')"
-#: Tables partitioned by month on the run ID, in foreign-key order.
-RUN_TABLES = ("workflow_runs", "task_instances", "workflow_events")
-#: What queue a non-TASK node (SWITCH, WAIT, WAIT_FOR_EVENT) is listed under.
-COORDINATOR_QUEUE = "(coordinator)"
+#: Task states that count as active (the engine's list), in a stable order for tables and charts.
+ACTIVE_STATES: tuple[str, ...] = tuple(sorted(ACTIVE_TASK_STATES))
+
+__all__ = ["ACTIVE_STATES", "COORDINATOR_QUEUE", "RUN_TABLES", "Schema", "Source", "UTC_TS", "add_months",
+           "connection", "db_now", "month_label", "rows_frame", "snapshot"]
 
 UTC_TS = pl.Datetime("us", "UTC")
 
@@ -57,29 +58,17 @@ def connection(source: Source, *, application_name: str = "composer-ops ops") ->
 snapshot = connection
 
 
-def frame(conn: psycopg.Connection[Any], query: str, params: Any, schema: Schema) -> pl.DataFrame:
-    """Run ``query`` and return its rows as a DataFrame with exactly ``schema``'s
-    columns and types (so an empty result still has the right shape)."""
-    with conn.cursor() as cur:
-        cur.execute(query.encode(), params)
-        rows = cur.fetchall()
-    return rows_frame(rows, schema)
-
-
 def rows_frame(rows: Sequence[Sequence[Any]], schema: Schema) -> pl.DataFrame:
-    """Tuples to a DataFrame; timestamps are normalised to UTC whatever the session TimeZone."""
+    """Tuples to a DataFrame with exactly ``schema``'s columns and types (so an empty
+    result still has the right shape); timestamps are normalised to UTC whatever the
+    session TimeZone."""
     fixed = [tuple(_utc(v) for v in row) for row in rows]
     return pl.DataFrame(fixed, schema=dict(schema), orient="row")
 
 
-def scalar(conn: psycopg.Connection[Any], query: str, params: Any = None) -> Any:
-    row = conn.execute(query.encode(), params).fetchone()
-    return None if row is None else row[0]
-
-
 def db_now(conn: psycopg.Connection[Any]) -> datetime:
     """The database clock (now() of the current transaction), in UTC."""
-    value = scalar(conn, "SELECT now()")
+    value = analytics.db_now(conn)
     assert isinstance(value, datetime)
     return value.astimezone(UTC)
 
@@ -99,8 +88,3 @@ def add_months(month: str, n: int) -> str:
     """``add_months("202612", 2) == "202702"`` (partition suffix arithmetic)."""
     index = int(month[:4]) * 12 + int(month[4:]) - 1 + n
     return f"{index // 12:04d}{index % 12 + 1:02d}"
-
-
-def month_start(month: str) -> datetime:
-    """The first instant (UTC) of the month a partition suffix names."""
-    return datetime(int(month[:4]), int(month[4:]), 1, tzinfo=UTC)

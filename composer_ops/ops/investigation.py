@@ -17,31 +17,8 @@ from typing import Any
 import polars as pl
 
 from composer_ops.errors import Invalid, NotFound
-from composer_ops.ops._common import ACTIVE_STATES, UTC_TS, Source, connection, frame, rows_frame
-
-# -- run_row -- the run itself, with its definition's spec.
-RUN_SQL = """
-    SELECT r.id, r.workflow_definition_id, r.workflow_version, r.status, r.created_at, r.updated_at,
-           r.completed_at, extract(epoch FROM COALESCE(r.completed_at, now()) - r.created_at)::float8,
-           r.input_json::text, r.output_json::text, COALESCE(r.error_json ->> 'error', r.error_json::text),
-           r.tableoid::regclass::text, d.spec_json
-      FROM workflow_runs r
-      LEFT JOIN workflow_definitions d ON d.id = r.workflow_definition_id AND d.version = r.workflow_version
-     WHERE r.id = %(run)s
-"""
-
-# -- run_tasks -- every task of the run, with timings against the database clock.
-TASKS_SQL = """
-    SELECT id, node_id, node_type, queue, state, attempt, created_at, started_at, finished_at, updated_at,
-           extract(epoch FROM COALESCE(started_at, finished_at, now()) - created_at)::float8 AS queued_s,
-           extract(epoch FROM COALESCE(finished_at, now()) - started_at)::float8 AS ran_s,
-           wake_at, extract(epoch FROM wake_at - now())::float8 AS wakes_in_s, event_name,
-           lease_owner, lease_expires_at, extract(epoch FROM lease_expires_at - now())::float8 AS lease_left_s,
-           COALESCE(last_error ->> 'error', last_error::text) AS last_error, branches, output_json::text
-      FROM task_instances
-     WHERE run_id = %(run)s
-     ORDER BY created_at, node_id
-"""
+from composer_ops.ops._common import ACTIVE_STATES, UTC_TS, Source, connection, rows_frame
+from composer_ops.repo import analytics
 
 TASK_SCHEMA = {
     "task_id": pl.String, "node_id": pl.String, "node_type": pl.String, "queue": pl.String, "state": pl.String,
@@ -50,40 +27,6 @@ TASK_SCHEMA = {
     "event_name": pl.String, "lease_owner": pl.String, "lease_expires_at": UTC_TS, "lease_left_s": pl.Float64,
     "last_error": pl.String, "branches": pl.List(pl.String), "output": pl.String,
 }
-
-# -- run_signals -- signals sent to the run: buffered (waiting for a node) or consumed.
-SIGNALS_SQL = """
-    SELECT id, name, payload::text, created_at, consumed_at,
-           CASE WHEN consumed_at IS NULL THEN 'buffered' ELSE 'consumed' END,
-           extract(epoch FROM COALESCE(consumed_at, now()) - created_at)::float8
-      FROM workflow_events
-     WHERE run_id = %(run)s
-     ORDER BY created_at, id
-"""
-
-# -- run_outbox -- dispatches of the run's tasks not yet claimed by a worker.
-OUTBOX_SQL = """
-    SELECT task_id, queue, attempt, task_name, lease_s, available_at,
-           extract(epoch FROM available_at - now())::float8
-      FROM task_outbox
-     WHERE run_id = %(run)s
-     ORDER BY available_at, id
-"""
-
-# -- run_webhook -- the run's webhook delivery, if its definition has a webhook_url.
-WEBHOOK_SQL = """
-    SELECT url, attempts, next_attempt_at, delivered_at, gave_up_at, last_status, last_error, created_at
-      FROM webhook_deliveries
-     WHERE run_id = %(run)s
-"""
-
-# -- latest_run -- the newest run (with a status, if given), for a report with no run_id.
-LATEST_SQL = """
-    SELECT id FROM workflow_runs
-     WHERE (%(status)s::text IS NULL OR status = %(status)s) AND deleted_at IS NULL
-     ORDER BY id DESC LIMIT 1
-"""
-
 
 def validate_run_id(value: Any) -> str:
     """The canonical text of a UUIDv7 run ID; :class:`Invalid` for anything else.
@@ -105,8 +48,7 @@ def latest_run_id(source: Source = None, *, status: str | None = "FAILED") -> st
     if status is not None and status not in {"PENDING", "RUNNING", "SUCCEEDED", "FAILED", "CANCELLED"}:
         raise Invalid(f"unknown run status {status!r}")
     with connection(source) as conn:
-        row = conn.execute(LATEST_SQL, {"status": status}).fetchone()
-    return None if row is None else str(row[0])
+        return analytics.latest_run_id(conn, status)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -135,25 +77,25 @@ def run_story(source: Source, run_id: str) -> RunStory:
     that does not exist is :class:`NotFound`."""
     rid = validate_run_id(run_id)
     with connection(source) as conn:
-        run_rows = conn.execute(RUN_SQL, {"run": rid}).fetchall()
-        if not run_rows:
+        run_row = analytics.run_row(conn, rid)
+        if run_row is None:
             raise NotFound(f"workflow run {rid} does not exist (or its month's partition was dropped)")
-        spec = run_rows[0][-1]
-        run = rows_frame([row[:-1] for row in run_rows], {
+        spec = run_row[-1]
+        run = rows_frame([run_row[:-1]], {
             "run_id": pl.String, "workflow_id": pl.String, "workflow_version": pl.Int64, "status": pl.String,
             "created_at": UTC_TS, "updated_at": UTC_TS, "completed_at": UTC_TS, "duration_s": pl.Float64,
             "input": pl.String, "output": pl.String, "error": pl.String, "partition": pl.String,
         })
-        tasks = frame(conn, TASKS_SQL, {"run": rid}, TASK_SCHEMA)
-        signals = frame(conn, SIGNALS_SQL, {"run": rid}, {
+        tasks = rows_frame(analytics.run_tasks(conn, rid), TASK_SCHEMA)
+        signals = rows_frame(analytics.run_signals(conn, rid), {
             "signal_id": pl.String, "name": pl.String, "payload": pl.String, "created_at": UTC_TS,
             "consumed_at": UTC_TS, "status": pl.String, "buffered_s": pl.Float64,
         })
-        outbox = frame(conn, OUTBOX_SQL, {"run": rid}, {
+        outbox = rows_frame(analytics.run_outbox(conn, rid), {
             "task_id": pl.String, "queue": pl.String, "attempt": pl.Int64, "task_name": pl.String,
             "lease_s": pl.Int64, "available_at": UTC_TS, "available_in_s": pl.Float64,
         })
-        webhook = frame(conn, WEBHOOK_SQL, {"run": rid}, {
+        webhook = rows_frame(analytics.run_webhook(conn, rid), {
             "url": pl.String, "attempts": pl.Int64, "next_attempt_at": UTC_TS, "delivered_at": UTC_TS,
             "gave_up_at": UTC_TS, "last_status": pl.Int64, "last_error": pl.String, "created_at": UTC_TS,
         })

@@ -14,7 +14,8 @@ from __future__ import annotations
 import polars as pl
 
 from composer_ops.errors import Invalid
-from composer_ops.ops._common import ACTIVE_SQL, UTC_TS, Source, connection, frame
+from composer_ops.ops._common import UTC_TS, Source, connection, rows_frame
+from composer_ops.repo import analytics
 
 #: Time-to-expiry buckets: (label, upper bound in seconds; None = unbounded).
 EXPIRY_BUCKETS: tuple[tuple[str, float | None], ...] = (
@@ -23,52 +24,17 @@ EXPIRY_BUCKETS: tuple[tuple[str, float | None], ...] = (
     ("expires in > 30 min", None),
 )
 
-# -- running_leases -- every RUNNING task with its lease, soonest expiry first.
-RUNNING_LEASES_SQL = """
-    SELECT run_id, id, node_id, COALESCE(queue, '') AS queue, lease_owner, attempt, started_at,
-           lease_expires_at,
-           extract(epoch FROM lease_expires_at - now())::float8 AS expires_in_s,
-           extract(epoch FROM now() - started_at)::float8 AS running_s
-      FROM task_instances
-     WHERE state = 'RUNNING'
-     ORDER BY lease_expires_at NULLS FIRST, run_id, id
-"""
-
 _RUNNING_SCHEMA = {
     "run_id": pl.String, "task_id": pl.String, "node_id": pl.String, "queue": pl.String,
     "lease_owner": pl.String, "attempt": pl.Int64, "started_at": UTC_TS, "lease_expires_at": UTC_TS,
     "expires_in_s": pl.Float64, "running_s": pl.Float64,
 }
 
-# -- attempt_distribution -- active tasks per attempt (0 = first try) and state.
-ATTEMPTS_SQL = f"""
-    SELECT attempt, state, count(*) AS tasks
-      FROM task_instances
-     WHERE state IN {ACTIVE_SQL}
-     GROUP BY attempt, state
-     ORDER BY attempt, state
-"""
-
-# -- recent_requeues -- active tasks on a retry (attempt > 0) that changed state
-# within the window, with the error of the previous attempt.
-REQUEUES_SQL = f"""
-    SELECT run_id, id, node_id, node_type, COALESCE(queue, '') AS queue, state, attempt, updated_at,
-           extract(epoch FROM now() - updated_at)::float8 AS since_s,
-           COALESCE(last_error ->> 'error', last_error::text) AS last_error
-      FROM task_instances
-     WHERE state IN {ACTIVE_SQL}
-       AND attempt > 0
-       AND updated_at >= now() - make_interval(secs => %(window_s)s)
-     ORDER BY updated_at DESC, run_id, id
-     LIMIT %(limit)s
-"""
-
-
 def running_leases(source: Source = None) -> pl.DataFrame:
     """Every RUNNING task: owner, attempt, lease expiry, seconds until it expires
     (negative: expired), whether it is expired, and its expiry bucket."""
     with connection(source) as conn:
-        df = frame(conn, RUNNING_LEASES_SQL, None, _RUNNING_SCHEMA)
+        df = rows_frame(analytics.running_leases(conn), _RUNNING_SCHEMA)
     bucket = pl.lit(EXPIRY_BUCKETS[-1][0])
     for label, upper in reversed(EXPIRY_BUCKETS[:-1]):
         assert upper is not None
@@ -121,7 +87,8 @@ def lease_owners(source: Source = None, *, leases: pl.DataFrame | None = None) -
 def attempt_distribution(source: Source = None) -> pl.DataFrame:
     """Active tasks per attempt number (0 is the first try) and state."""
     with connection(source) as conn:
-        return frame(conn, ATTEMPTS_SQL, None, {"attempt": pl.Int64, "state": pl.String, "tasks": pl.Int64})
+        return rows_frame(analytics.attempt_distribution(conn),
+                          {"attempt": pl.Int64, "state": pl.String, "tasks": pl.Int64})
 
 
 def recent_requeues(source: Source = None, *, window_s: float = 3600, limit: int = 50) -> pl.DataFrame:
@@ -132,7 +99,7 @@ def recent_requeues(source: Source = None, *, window_s: float = 3600, limit: int
     if window_s <= 0 or limit < 1:
         raise Invalid(f"recent_requeues needs window_s > 0 and limit >= 1, got {window_s} and {limit}")
     with connection(source) as conn:
-        return frame(conn, REQUEUES_SQL, {"window_s": window_s, "limit": limit}, {
+        return rows_frame(analytics.recent_requeues(conn, window_s, limit), {
             "run_id": pl.String, "task_id": pl.String, "node_id": pl.String, "node_type": pl.String,
             "queue": pl.String, "state": pl.String, "attempt": pl.Int64, "updated_at": UTC_TS,
             "since_s": pl.Float64, "last_error": pl.String,

@@ -13,8 +13,8 @@ import re
 from datetime import UTC, datetime
 
 import polars as pl
-from psycopg import sql
 
+from composer_ops.core.runids import month_start
 from composer_ops.errors import Invalid
 from composer_ops.ops._common import (
     RUN_TABLES,
@@ -23,35 +23,12 @@ from composer_ops.ops._common import (
     add_months,
     connection,
     db_now,
-    frame,
     month_label,
-    month_start,
+    rows_frame,
 )
+from composer_ops.repo import partitions as repo_partitions
 
 _HEX = re.compile(r"^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$")
-
-# -- partition_catalog -- every partition of the three tables, with its bound
-# expression and sizes (heap = table size without toast: main fork + fsm + vm).
-_CATALOG_SQL = """
-    SELECT p.relname::text AS parent, c.relname::text AS partition,
-           COALESCE(substring(c.relname FROM '_p(\\d{6})$'), '') AS month,
-           COALESCE(substring(pg_get_expr(c.relpartbound, c.oid) FROM 'FROM \\(''([^'']*)''\\)'), '')
-               AS lower_bound,
-           COALESCE(substring(pg_get_expr(c.relpartbound, c.oid) FROM 'TO \\(''([^'']*)''\\)'), '')
-               AS upper_bound,
-           CASE WHEN c.reltuples >= 0 THEN c.reltuples::bigint
-                ELSE pg_stat_get_live_tuples(c.oid) END AS rows,
-           pg_table_size(c.oid) - COALESCE(pg_total_relation_size(NULLIF(c.reltoastrelid, 0)), 0)
-               AS heap_bytes,
-           pg_indexes_size(c.oid) AS index_bytes,
-           COALESCE(pg_total_relation_size(NULLIF(c.reltoastrelid, 0)), 0) AS toast_bytes,
-           pg_total_relation_size(c.oid) AS total_bytes
-      FROM pg_inherits i
-      JOIN pg_class c ON c.oid = i.inhrelid
-      JOIN pg_class p ON p.oid = i.inhparent
-     WHERE p.oid = ANY(ARRAY['workflow_runs'::regclass, 'task_instances'::regclass, 'workflow_events'::regclass])
-     ORDER BY month, array_position(ARRAY['workflow_runs', 'task_instances', 'workflow_events'], p.relname::text)
-"""
 
 _CATALOG_SCHEMA = {
     "table": pl.String, "partition": pl.String, "month": pl.String,
@@ -75,12 +52,10 @@ def partition_inventory(source: Source = None, *, exact: bool = False) -> pl.Dat
     rows (``rows_exact`` says whether counted or estimated from the catalog) and
     heap / index / toast / total bytes."""
     with connection(source) as conn:
-        inv = frame(conn, _CATALOG_SQL, None, _CATALOG_SCHEMA)
+        inv = rows_frame(repo_partitions.catalog(conn), _CATALOG_SCHEMA)
         counts: list[int | None] = []
         if exact:
-            for name in inv["partition"].to_list():
-                row = conn.execute(sql.SQL("SELECT count(*) FROM {}").format(sql.Identifier(name))).fetchone()
-                counts.append(int(row[0]) if row else 0)
+            counts = [repo_partitions.count_rows(conn, name) for name in inv["partition"].to_list()]
     lower = [_decode_or_none(b) for b in inv["lower_bound"].to_list()]
     upper = [_decode_or_none(b) for b in inv["upper_bound"].to_list()]
     expected_lo = [month_start(m) if m else None for m in inv["month"].to_list()]
@@ -120,7 +95,7 @@ def lookahead(source: Source = None, *, minimum: int = 2) -> pl.DataFrame:
         raise Invalid(f"minimum months ahead must be 0 or more, got {minimum}")
     with connection(source) as conn:
         now = db_now(conn)
-        inv = frame(conn, _CATALOG_SQL, None, _CATALOG_SCHEMA)
+        inv = rows_frame(repo_partitions.catalog(conn), _CATALOG_SCHEMA)
     current = month_label(now)
     rows = []
     for table in RUN_TABLES:

@@ -25,7 +25,8 @@ import psycopg
 from composer_ops.db import connect
 from composer_ops.db.retry import db_retry
 from composer_ops.errors import ComposerError, Invalid
-from composer_ops.ops._common import UTC_TS, Source, connection, frame
+from composer_ops.ops._common import UTC_TS, Source, connection, rows_frame
+from composer_ops.repo import partitions as repo_partitions
 
 log = logging.getLogger(__name__)
 
@@ -37,13 +38,6 @@ _UNITS = {
     "mo": "months", "mon": "months", "month": "months", "months": "months",
     "y": "years", "year": "years", "years": "years",
 }
-
-# -- retention_plan -- the plan rows, oldest month first.
-PLAN_SQL = """
-    SELECT month, month_start, month_end, action, reason, active_runs, active_run_ids, partitions, rows, bytes
-      FROM composer_retention_plan(%(cutoff)s, %(exact)s)
-     ORDER BY month
-"""
 
 PLAN_SCHEMA = {
     "month": pl.String, "month_start": UTC_TS, "month_end": UTC_TS, "action": pl.String, "reason": pl.String,
@@ -70,16 +64,7 @@ class Cutoff:
         (and its DST changes) cannot shift it."""
         if self.instant is not None:
             return self.instant
-        row = conn.execute(
-            """SELECT ((now() AT TIME ZONE 'UTC')
-                       - make_interval(years => %(y)s, months => %(mo)s, weeks => %(w)s, days => %(d)s,
-                                       hours => %(h)s)) AT TIME ZONE 'UTC'""",
-            {"y": self.amount if self.unit == "years" else 0, "mo": self.amount if self.unit == "months" else 0,
-             "w": self.amount if self.unit == "weeks" else 0, "d": self.amount if self.unit == "days" else 0,
-             "h": self.amount if self.unit == "hours" else 0}).fetchone()
-        assert row is not None
-        value: datetime = row[0]
-        return value.astimezone(UTC)
+        return repo_partitions.age_before_now(conn, **{self.unit: self.amount}).astimezone(UTC)
 
 
 def parse_cutoff(text: str) -> Cutoff:
@@ -124,7 +109,7 @@ def retention_plan(source: Source = None, older_than: datetime | str | Cutoff = 
     ``cutoff`` is the resolved instant, repeated on each row."""
     with connection(source) as conn:
         cutoff = _as_instant(conn, older_than)
-        plan = frame(conn, PLAN_SQL, {"cutoff": cutoff, "exact": exact_rows}, PLAN_SCHEMA)
+        plan = rows_frame(repo_partitions.retention_plan(conn, cutoff, exact_rows=exact_rows), PLAN_SCHEMA)
     return plan.with_columns(pl.lit(cutoff, dtype=UTC_TS).alias("cutoff"))
 
 
@@ -160,7 +145,7 @@ def drop_partitions(source: Source = None, older_than: datetime | str | Cutoff =
             conn.execute("SELECT set_config('lock_timeout', %s, true)", (f"{int(lock_timeout_s * 1000)}ms",))
             cutoff = _as_instant(conn, older_than)
             conn.execute(_PARTITION_LOCK)
-            plan = frame(conn, PLAN_SQL, {"cutoff": cutoff, "exact": False}, PLAN_SCHEMA)
+            plan = rows_frame(repo_partitions.retention_plan(conn, cutoff), PLAN_SCHEMA)
             dropped = [str(r[0]) for r in conn.execute("SELECT composer_drop_partitions(%s)", (cutoff,)).fetchall()]
             planned = plan.filter(pl.col("action") == "drop")["month"].to_list()
             if dropped != planned:

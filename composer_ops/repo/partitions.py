@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 from datetime import date, datetime
+from typing import Any
+
+from psycopg import sql
 
 from composer_ops.repo._base import Conn, fetch_all
 from composer_ops.repo.rows import PartitionRow
@@ -29,17 +32,74 @@ def drop(conn: Conn, older_than: datetime) -> list[str]:
     return [str(r[0]) for r in conn.execute("SELECT composer_drop_partitions(%s)", (older_than,)).fetchall()]
 
 
+# Every partition of the three run-scoped tables, with its bound expression decoded
+# from the catalog and its sizes (heap = table size without toast: main fork + fsm + vm).
+CATALOG_SQL = """
+    SELECT p.relname::text AS table, c.relname::text AS name,
+           COALESCE(substring(c.relname FROM '_p(\\d{6})$'), '') AS month,
+           COALESCE(substring(pg_get_expr(c.relpartbound, c.oid) FROM 'FROM \\(''([^'']*)''\\)'), '')
+               AS lower_bound,
+           COALESCE(substring(pg_get_expr(c.relpartbound, c.oid) FROM 'TO \\(''([^'']*)''\\)'), '')
+               AS upper_bound,
+           CASE WHEN c.reltuples >= 0 THEN c.reltuples::bigint
+                ELSE pg_stat_get_live_tuples(c.oid) END AS rows,
+           pg_table_size(c.oid) - COALESCE(pg_total_relation_size(NULLIF(c.reltoastrelid, 0)), 0)
+               AS heap_bytes,
+           pg_indexes_size(c.oid) AS index_bytes,
+           COALESCE(pg_total_relation_size(NULLIF(c.reltoastrelid, 0)), 0) AS toast_bytes,
+           pg_total_relation_size(c.oid) AS total_bytes
+      FROM pg_inherits i
+      JOIN pg_class c ON c.oid = i.inhrelid
+      JOIN pg_class p ON p.oid = i.inhparent
+     WHERE p.oid = ANY(ARRAY['workflow_runs'::regclass, 'task_instances'::regclass, 'workflow_events'::regclass])
+     ORDER BY month, array_position(ARRAY['workflow_runs', 'task_instances', 'workflow_events'], p.relname::text),
+              c.relname
+"""
+
+
 def list_partitions(conn: Conn) -> list[PartitionRow]:
     """Every partition of the three run-scoped tables with its declared bounds."""
-    return fetch_all(conn, PartitionRow, """
-        SELECT p.relname::text AS table, c.relname::text AS name,
-               COALESCE(substring(c.relname FROM '_p(\\d{6})$'), '') AS month,
-               COALESCE(substring(pg_get_expr(c.relpartbound, c.oid) FROM 'FROM \\(''([^'']*)''\\)'), '')
-                   AS lower_bound,
-               COALESCE(substring(pg_get_expr(c.relpartbound, c.oid) FROM 'TO \\(''([^'']*)''\\)'), '')
-                   AS upper_bound
-          FROM pg_inherits i
-          JOIN pg_class c ON c.oid = i.inhrelid
-          JOIN pg_class p ON p.oid = i.inhparent
-         WHERE p.relname = ANY(%s) AND p.relnamespace = c.relnamespace
-         ORDER BY month, p.relname""", (list(RUN_TABLES),))
+    return fetch_all(conn, PartitionRow, f"""
+        SELECT "table", name, month, lower_bound, upper_bound FROM ({CATALOG_SQL}) c""", None)
+
+
+def catalog(conn: Conn) -> list[tuple[Any, ...]]:
+    """Every partition: table, name, month (YYYYMM, '' when the name has none),
+    lower_bound, upper_bound, rows (catalog estimate), heap_bytes, index_bytes,
+    toast_bytes, total_bytes. Reads catalogs only."""
+    return conn.execute(CATALOG_SQL.encode()).fetchall()
+
+
+def count_rows(conn: Conn, partition: str) -> int:
+    """The exact row count of one partition (a full scan of it)."""
+    row = conn.execute(sql.SQL("SELECT count(*) FROM {}").format(sql.Identifier(partition))).fetchone()
+    return int(row[0]) if row else 0
+
+
+# The retention plan: composer_retention_plan (V004) decides, the drop follows it.
+RETENTION_PLAN_SQL = """
+    SELECT month, month_start, month_end, action, reason, active_runs, active_run_ids, partitions, rows, bytes
+      FROM composer_retention_plan(%(cutoff)s, %(exact)s)
+     ORDER BY month
+"""
+
+
+def retention_plan(conn: Conn, cutoff: datetime, *, exact_rows: bool = False) -> list[tuple[Any, ...]]:
+    """One row per partition month for ``cutoff``: month, month_start, month_end,
+    action ('drop'/'keep'), reason, active_runs, active_run_ids (at most 20),
+    partitions, rows, bytes."""
+    return conn.execute(RETENTION_PLAN_SQL.encode(), {"cutoff": cutoff, "exact": exact_rows}).fetchall()
+
+
+def age_before_now(conn: Conn, *, years: int = 0, months: int = 0, weeks: int = 0, days: int = 0,
+                   hours: int = 0) -> datetime:
+    """The database clock minus an age, in calendar arithmetic on the UTC wall clock,
+    so the session TimeZone (and its DST changes) cannot shift it."""
+    row = conn.execute(
+        """SELECT ((now() AT TIME ZONE 'UTC')
+                   - make_interval(years => %(y)s, months => %(mo)s, weeks => %(w)s, days => %(d)s,
+                                   hours => %(h)s)) AT TIME ZONE 'UTC'""",
+        {"y": years, "mo": months, "w": weeks, "d": days, "h": hours}).fetchone()
+    assert row is not None
+    value: datetime = row[0]
+    return value

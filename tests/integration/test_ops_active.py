@@ -12,7 +12,7 @@ import pytest
 
 from composer_ops import ops
 from composer_ops.errors import Invalid
-from composer_ops.ops import fixtures
+from composer_ops.testing import fixtures
 from tests.integration.helpers import connect_in_tz
 
 

@@ -12,7 +12,7 @@ import pytest
 
 from composer_ops import ops
 from composer_ops.errors import Invalid, NotFound
-from composer_ops.ops import fixtures
+from composer_ops.testing import fixtures
 
 NOWHERE = "postgresql://nobody@/nowhere?host=/nonexistent"
 

@@ -13,7 +13,7 @@ import pytest
 
 from composer_ops import ops
 from composer_ops.db.migrate import migrate
-from composer_ops.ops import fixtures
+from composer_ops.testing import fixtures
 from tests.notebooks.harness import READER, as_role
 
 

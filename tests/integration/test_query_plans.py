@@ -15,18 +15,18 @@ from typing import Any
 import psycopg
 import pytest
 
-from composer_ops.ops import active, leases
+from composer_ops.repo import analytics
 from composer_ops.testing.servers import Server
 
 QUERIES = {
-    "active_tasks": (active.ACTIVE_TASKS_SQL, {"limit": 200}),
-    "active_by_group": (active.ACTIVE_BY_GROUP_SQL, None),
-    "age_histogram": (active.AGE_HISTOGRAM_SQL, {"bounds": [60.0, 300.0, 900.0, 3600.0, 21600.0, 86400.0]}),
-    "top_runs": (active.TOP_RUNS_SQL, {"limit": 10}),
-    "active_run_count": (active.ACTIVE_RUN_COUNT_SQL, None),
-    "running_leases": (leases.RUNNING_LEASES_SQL, None),
-    "attempt_distribution": (leases.ATTEMPTS_SQL, None),
-    "recent_requeues": (leases.REQUEUES_SQL, {"window_s": 3600.0, "limit": 50}),
+    "active_tasks": (analytics.ACTIVE_TASKS_SQL, {"limit": 200}),
+    "active_by_group": (analytics.ACTIVE_BY_GROUP_SQL, None),
+    "age_histogram": (analytics.AGE_HISTOGRAM_SQL, {"bounds": [60.0, 300.0, 900.0, 3600.0, 21600.0, 86400.0]}),
+    "top_runs": (analytics.TOP_RUNS_SQL, {"limit": 10}),
+    "active_run_count": (analytics.ACTIVE_RUN_COUNT_SQL, None),
+    "running_leases": (analytics.RUNNING_LEASES_SQL, None),
+    "attempt_distribution": (analytics.ATTEMPTS_SQL, None),
+    "recent_requeues": (analytics.REQUEUES_SQL, {"window_s": 3600.0, "limit": 50}),
 }
 
 

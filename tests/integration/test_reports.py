@@ -7,6 +7,7 @@ import json
 import re
 import socket
 import sys
+from html import escape
 from pathlib import Path
 
 import nbformat
@@ -15,7 +16,9 @@ from traitlets import default
 
 from composer_ops import reports
 from composer_ops.cli import main
-from tests.notebooks.harness import seed_committed, write_expectations
+from composer_ops.ops.display import figures_text
+from composer_ops.testing import fixtures
+from tests.notebooks.harness import seed_committed
 
 NOWHERE = "postgresql://nobody@/nowhere?host=/nonexistent"
 NAMES = ["active_tasks", "lease_expiries", "partition_sizes", "retention_dry_run", "run_investigation"]
@@ -24,7 +27,7 @@ NAMES = ["active_tasks", "lease_expiries", "partition_sizes", "retention_dry_run
 def test_report_all_writes_html_beside_the_executed_notebook_and_an_index(
         db_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     info = seed_committed(db_url)
-    monkeypatch.setenv("COMPOSER_OPS_EXPECT", str(write_expectations(info, tmp_path / "expected.json")))
+    expected = fixtures.expected_figures(info)
     out = tmp_path / "reports"
     code = main(["report", "--all", "--out", str(out), "--database-url", db_url, "--progress", "0", "--jobs", "2",
                  "-p", "cutoff", "2025-05-01"])
@@ -54,6 +57,11 @@ def test_report_all_writes_html_beside_the_executed_notebook_and_an_index(
         executed = nbformat.read(str(page.with_suffix(".ipynb")), as_version=4)  # type: ignore[no-untyped-call]
         assert not executed.metadata.papermill.exception
         assert all(c.outputs is not None for c in executed.cells if c.cell_type == "code")
+        # The figures the report computed are the seed's (as the retention cut-off asked for).
+        (key,) = [c for c in executed.cells if "key-figures" in c.metadata.get("tags", [])]
+        assert key.outputs[0]["text"] == figures_text(expected[name]) + "\n", name
+        # ... and that cell is left out of the page.
+        assert escape(figures_text(expected[name]).splitlines()[1]) not in html, name
     # The plan the retention report shows is the one -p cutoff asked for.
     plan_page = next((out / "retention_dry_run").glob("*.html")).read_text(encoding="utf-8")
     assert "2025-05-01 00:00:00 UTC" in plan_page

@@ -16,9 +16,9 @@ import pytest
 from composer_ops import ops
 from composer_ops.cli import main
 from composer_ops.errors import ComposerError, Invalid
-from composer_ops.ops import fixtures
 from composer_ops.ops.retention import Cutoff, parse_cutoff
 from composer_ops.repo import partitions
+from composer_ops.testing import fixtures
 from tests.integration.helpers import connect_in_tz
 
 MAY_2025 = datetime(2025, 5, 1, tzinfo=UTC)

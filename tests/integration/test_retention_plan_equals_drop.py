@@ -16,8 +16,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from composer_ops import ops
-from composer_ops.ops import fixtures
 from composer_ops.repo import partitions
+from composer_ops.testing import fixtures
 from tests.integration.helpers import connect_in_tz
 
 MONTHS = [f"{y}{m:02d}" for y in (2024, 2025) for m in range(1, 13)]

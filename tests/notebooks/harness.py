@@ -14,7 +14,7 @@ from urllib.parse import parse_qsl, quote, urlencode, urlsplit, urlunsplit
 
 import psycopg
 
-from composer_ops.ops import fixtures
+from composer_ops.testing import fixtures
 
 ROOT = Path(__file__).resolve().parents[2]
 NOTEBOOKS = ROOT / "notebooks"
@@ -26,11 +26,6 @@ def seed_committed(url: str) -> fixtures.SeedInfo:
         info = fixtures.seed(conn)
         conn.commit()
     return info
-
-
-def write_expectations(info: fixtures.SeedInfo, path: Path) -> Path:
-    path.write_text(json.dumps(fixtures.expected_figures(info), indent=1), encoding="utf-8")
-    return path
 
 
 def as_role(url: str, role: str = READER) -> str:

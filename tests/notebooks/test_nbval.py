@@ -3,8 +3,11 @@ read-only role, and proof that the harness fails when a query is wrong."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
+from composer_ops.testing import fixtures
+from composer_ops.testing.checks import write_expecting
 from tests.notebooks.harness import (
     NOTEBOOKS,
     as_role,
@@ -15,15 +18,12 @@ from tests.notebooks.harness import (
     passed_count,
     run_nbval_parallel,
     seed_committed,
-    write_expectations,
 )
 
 ALL = sorted(NOTEBOOKS.glob("*.ipynb"))
 
 
 def test_the_five_notebooks_are_stored_without_outputs_and_one_parameters_cell() -> None:
-    import json
-
     assert [p.stem for p in ALL] == ["active_tasks", "lease_expiries", "partition_sizes", "retention_dry_run",
                                      "run_investigation"]
     for path in ALL:
@@ -39,7 +39,8 @@ def test_the_five_notebooks_are_stored_without_outputs_and_one_parameters_cell()
 
 def test_nbval_runs_every_notebook_green_as_the_reader_role(db_url: str, tmp_path: Path) -> None:
     info = seed_committed(db_url)
-    expect = write_expectations(info, tmp_path / "expected.json")
+    expect = tmp_path / "expected.json"
+    expect.write_text(json.dumps(fixtures.expected_figures(info)), encoding="utf-8")
     env = {"COMPOSER_DATABASE_URL": as_role(db_url), "COMPOSER_OPS_EXPECT": str(expect)}
     results = run_nbval_parallel([ALL[0::2], ALL[1::2]], env)
     output = "\n".join(r.stdout + r.stderr for r in results)
@@ -53,29 +54,31 @@ def test_nbval_runs_every_notebook_green_as_the_reader_role(db_url: str, tmp_pat
 # vanish from the group counts but not from the histogram), one that only the
 # seed's exact figures catch (the busiest runs listed least-busy first).
 BREAKS = {
-    "invariant": ("active_tasks", "import composer_ops.ops.active as _active\n"
-                  "_active.ACTIVE_BY_GROUP_SQL = _active.ACTIVE_BY_GROUP_SQL.replace(\"'WAITING')\", \"'WAIT')\")\n"),
-    "figures": ("active_tasks", "import composer_ops.ops.active as _active\n"
-                "_active.TOP_RUNS_SQL = _active.TOP_RUNS_SQL.replace('count(*) DESC', 'count(*) ASC')"
+    "invariant": ("active_tasks", "import composer_ops.repo.analytics as _a\n"
+                  "_a.ACTIVE_BY_GROUP_SQL = _a.ACTIVE_BY_GROUP_SQL.replace(\"'WAITING')\", \"'WAIT')\")\n"),
+    "figures": ("active_tasks", "import composer_ops.repo.analytics as _a\n"
+                "_a.TOP_RUNS_SQL = _a.TOP_RUNS_SQL.replace('count(*) DESC', 'count(*) ASC')"
                 ".replace('a.active_tasks DESC', 'a.active_tasks ASC')\n"),
 }
 
 
 def test_the_harness_fails_when_a_query_is_broken(db_url: str, tmp_path: Path) -> None:
     info = seed_committed(db_url)
-    expect = write_expectations(info, tmp_path / "expected.json")
+    expected = fixtures.expected_figures(info)
     broken = [inject_after_parameters(NOTEBOOKS / f"{nb}.ipynb", tmp_path / f"broken_{kind}.ipynb", code)
               for kind, (nb, code) in BREAKS.items()]
-    results = run_nbval_parallel([[p] for p in broken], {"COMPOSER_DATABASE_URL": db_url,
-                                                          "COMPOSER_OPS_EXPECT": str(expect)}, rootdir=tmp_path)
+    for path, (nb, _code) in zip(broken, BREAKS.values(), strict=True):
+        write_expecting(path, path, expected[nb])
+    results = run_nbval_parallel([[p] for p in broken], {"COMPOSER_DATABASE_URL": db_url}, rootdir=tmp_path)
     output = "\n".join(r.stdout + r.stderr for r in results)
     assert [r.returncode for r in results] == [1, 1], output[-4000:]
     failures = {f.rsplit("/", 1)[-1] for f in failed_items(output)}
-    checks = {p.name: (code_cell_index(p, "assert "), code_cell_index(p, "verify_figures(")) for p in broken}
+    checks = {p.name: (code_cell_index(p, "assert "), code_cell_index(p, "show_key_figures(")) for p in broken}
     invariant_cells, figure_cells = checks["broken_invariant.ipynb"], checks["broken_figures.ipynb"]
     # The invariant break fails the self-check cell (and so the figures); the subtle
     # one passes every invariant and is caught by the exact figures alone.
     assert failures == {f"broken_invariant.ipynb::Cell {invariant_cells[0]}",
                         f"broken_invariant.ipynb::Cell {invariant_cells[1]}",
                         f"broken_figures.ipynb::Cell {figure_cells[1]}"}, output[-4000:]
-    assert "top_run: got" in output and "figure(s) differ from the expected ones" in output
+    # nbval's diff shows the figure that differs: the busiest run holds 2 active tasks, not 1.
+    assert "Cell outputs differ" in output and '+  "top_run_active": 2' in output, output[-4000:]

@@ -18,7 +18,8 @@ from typing import Any
 import psycopg
 from psycopg.types.json import Jsonb
 
-from composer_ops.ops._common import month_label, month_start
+from composer_ops.core.runids import month_start
+from composer_ops.ops._common import add_months, month_label
 
 HISTORY_MONTHS = ("202501", "202502", "202503", "202504")
 
@@ -306,7 +307,7 @@ def expected_figures(info: SeedInfo) -> dict[str, dict[str, Any]]:
     """The figures each notebook must show for :func:`seed`'s content (written by hand
     from the fixture above, not computed by the code under test)."""
     cur = info.current_month
-    ahead = [_add(cur, i) for i in range(1, 4)]
+    ahead = [add_months(cur, i) for i in range(1, 4)]
     months = [*HISTORY_MONTHS, cur, *ahead]
     return {
         "partition_sizes": {
@@ -348,8 +349,3 @@ def expected_figures(info: SeedInfo) -> dict[str, dict[str, Any]]:
             "error": "node notify failed: smtp 550 mailbox unavailable",
         },
     }
-
-
-def _add(month: str, n: int) -> str:
-    index = int(month[:4]) * 12 + int(month[4:]) - 1 + n
-    return f"{index // 12:04d}{index % 12 + 1:02d}"

@@ -1,0 +1,285 @@
+"""Read-only statements behind the operations analytics (:mod:`composer_ops.ops`).
+
+Each function takes the connection to run on and returns plain row tuples in the
+column order its docstring names; :mod:`composer_ops.ops` turns them into typed
+DataFrames. Nothing here writes.
+
+Task queries filter on the active states or on ``state = 'RUNNING'``, written out as
+literals because those are the predicates of the partial indexes on
+``task_instances`` (a parameter would hide them from the planner); the cost then
+follows the live work, not the history. Run-scoped queries filter on the run ID,
+so each touches one monthly partition. Ages and expiries are measured with the
+database clock (``now()``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from composer_ops.core.model import ACTIVE_TASK_STATES
+from composer_ops.repo._base import Conn
+
+Row = tuple[Any, ...]
+
+#: The active task states as an SQL list literal: the partial index predicate.
+ACTIVE_SQL = "(" + ", ".join(f"'{s}'" for s in sorted(ACTIVE_TASK_STATES)) + ")"
+#: What queue a non-TASK node (SWITCH, WAIT, WAIT_FOR_EVENT) is listed under.
+COORDINATOR_QUEUE = "(coordinator)"
+
+
+def _rows(conn: Conn, query: str, params: Any = None) -> list[Row]:
+    with conn.cursor() as cur:
+        cur.execute(query.encode(), params)
+        return cur.fetchall()
+
+
+def db_now(conn: Conn) -> Any:
+    """``now()`` of the current transaction (the database clock)."""
+    row = conn.execute("SELECT now()").fetchone()
+    assert row is not None
+    return row[0]
+
+
+# -- active tasks ------------------------------------------------------------------
+
+ACTIVE_TASKS_SQL = f"""
+    SELECT t.run_id, t.id, t.node_id, t.node_type, COALESCE(t.queue, '{COORDINATOR_QUEUE}') AS queue,
+           t.state, t.attempt, t.created_at, t.updated_at, t.wake_at, t.event_name,
+           extract(epoch FROM now() - t.created_at)::float8 AS age_s
+      FROM task_instances t
+     WHERE t.state IN {ACTIVE_SQL}
+     ORDER BY t.created_at, t.run_id, t.node_id
+     LIMIT %(limit)s
+"""
+
+ACTIVE_BY_GROUP_SQL = f"""
+    WITH a AS MATERIALIZED (
+        SELECT state, COALESCE(queue, '{COORDINATOR_QUEUE}') AS queue, node_type, created_at, run_id, node_id
+          FROM task_instances
+         WHERE state IN {ACTIVE_SQL})
+    SELECT g.state, g.queue, g.node_type, g.tasks, o.created_at,
+           extract(epoch FROM now() - o.created_at)::float8, o.run_id, o.node_id
+      FROM (SELECT state, queue, node_type, count(*) AS tasks FROM a GROUP BY state, queue, node_type) g
+      JOIN (SELECT DISTINCT ON (state, queue, node_type) state, queue, node_type, created_at, run_id, node_id
+              FROM a ORDER BY state, queue, node_type, created_at, run_id, node_id) o
+        USING (state, queue, node_type)
+     ORDER BY g.state, g.queue, g.node_type
+"""
+
+AGE_HISTOGRAM_SQL = f"""
+    SELECT width_bucket(extract(epoch FROM now() - created_at)::float8, %(bounds)s::float8[]) AS bucket,
+           state, count(*) AS tasks
+      FROM task_instances
+     WHERE state IN {ACTIVE_SQL}
+     GROUP BY 1, 2
+"""
+
+ACTIVE_RUN_COUNT_SQL = f"""
+    SELECT count(DISTINCT run_id) FROM task_instances WHERE state IN {ACTIVE_SQL}
+"""
+
+TOP_RUNS_SQL = f"""
+    SELECT a.run_id, r.workflow_definition_id, r.workflow_version, r.status, a.active_tasks,
+           a.oldest_created_at, extract(epoch FROM now() - a.oldest_created_at)::float8 AS oldest_age_s
+      FROM (SELECT run_id, count(*) AS active_tasks, min(created_at) AS oldest_created_at
+              FROM task_instances
+             WHERE state IN {ACTIVE_SQL}
+             GROUP BY run_id
+             ORDER BY count(*) DESC, min(created_at), run_id
+             LIMIT %(limit)s) a
+      LEFT JOIN LATERAL (SELECT workflow_definition_id, workflow_version, status
+                           FROM workflow_runs WHERE id = a.run_id) r ON true
+     ORDER BY a.active_tasks DESC, a.oldest_created_at, a.run_id
+"""
+
+# The outbox is a queue (rows are deleted at claim), so it is small and read whole.
+OUTBOX_SQL = """
+    SELECT queue, count(*) AS rows,
+           count(*) FILTER (WHERE available_at <= now()) AS ready,
+           count(*) FILTER (WHERE available_at > now()) AS delayed,
+           min(available_at) AS oldest_available_at,
+           COALESCE(max(extract(epoch FROM now() - available_at)) FILTER (WHERE available_at <= now()), 0)::float8
+               AS oldest_ready_age_s,
+           max(available_at) FILTER (WHERE available_at > now()) AS last_delayed_until,
+           max(attempt) AS max_attempt
+      FROM task_outbox
+     GROUP BY queue
+     ORDER BY queue
+"""
+
+
+def active_tasks(conn: Conn, limit: int) -> list[Row]:
+    """The ``limit`` oldest active tasks: run_id, task_id, node_id, node_type, queue,
+    state, attempt, created_at, updated_at, wake_at, event_name, age_s."""
+    return _rows(conn, ACTIVE_TASKS_SQL, {"limit": limit})
+
+
+def active_by_group(conn: Conn) -> list[Row]:
+    """Per state x queue x node type: state, queue, node_type, tasks, and the oldest
+    task's created_at, age_s, run_id, node_id."""
+    return _rows(conn, ACTIVE_BY_GROUP_SQL)
+
+
+def age_histogram(conn: Conn, bounds: list[float]) -> list[Row]:
+    """Active tasks per age bucket (``width_bucket`` over ``bounds``, 0-based) and state."""
+    return _rows(conn, AGE_HISTOGRAM_SQL, {"bounds": bounds})
+
+
+def active_run_count(conn: Conn) -> int:
+    """How many runs have at least one active task."""
+    row = conn.execute(ACTIVE_RUN_COUNT_SQL.encode()).fetchone()
+    return int(row[0]) if row and row[0] is not None else 0
+
+
+def top_runs(conn: Conn, limit: int) -> list[Row]:
+    """Runs with the most active tasks: run_id, workflow_id, workflow_version, status,
+    active_tasks, oldest_created_at, oldest_age_s."""
+    return _rows(conn, TOP_RUNS_SQL, {"limit": limit})
+
+
+def outbox_backlog(conn: Conn) -> list[Row]:
+    """Per queue: rows, ready, delayed, oldest_available_at, oldest_ready_age_s,
+    last_delayed_until, max_attempt."""
+    return _rows(conn, OUTBOX_SQL)
+
+
+# -- leases ------------------------------------------------------------------------
+
+RUNNING_LEASES_SQL = """
+    SELECT run_id, id, node_id, COALESCE(queue, '') AS queue, lease_owner, attempt, started_at,
+           lease_expires_at,
+           extract(epoch FROM lease_expires_at - now())::float8 AS expires_in_s,
+           extract(epoch FROM now() - started_at)::float8 AS running_s
+      FROM task_instances
+     WHERE state = 'RUNNING'
+     ORDER BY lease_expires_at NULLS FIRST, run_id, id
+"""
+
+ATTEMPTS_SQL = f"""
+    SELECT attempt, state, count(*) AS tasks
+      FROM task_instances
+     WHERE state IN {ACTIVE_SQL}
+     GROUP BY attempt, state
+     ORDER BY attempt, state
+"""
+
+REQUEUES_SQL = f"""
+    SELECT run_id, id, node_id, node_type, COALESCE(queue, '') AS queue, state, attempt, updated_at,
+           extract(epoch FROM now() - updated_at)::float8 AS since_s,
+           COALESCE(last_error ->> 'error', last_error::text) AS last_error
+      FROM task_instances
+     WHERE state IN {ACTIVE_SQL}
+       AND attempt > 0
+       AND updated_at >= now() - make_interval(secs => %(window_s)s)
+     ORDER BY updated_at DESC, run_id, id
+     LIMIT %(limit)s
+"""
+
+
+def running_leases(conn: Conn) -> list[Row]:
+    """Every RUNNING task: run_id, task_id, node_id, queue, lease_owner, attempt,
+    started_at, lease_expires_at, expires_in_s, running_s (no lease first)."""
+    return _rows(conn, RUNNING_LEASES_SQL)
+
+
+def attempt_distribution(conn: Conn) -> list[Row]:
+    """Active tasks per attempt and state: attempt, state, tasks."""
+    return _rows(conn, ATTEMPTS_SQL)
+
+
+def recent_requeues(conn: Conn, window_s: float, limit: int) -> list[Row]:
+    """Active tasks on a retry changed within ``window_s``: run_id, task_id, node_id,
+    node_type, queue, state, attempt, updated_at, since_s, last_error."""
+    return _rows(conn, REQUEUES_SQL, {"window_s": window_s, "limit": limit})
+
+
+# -- one run -----------------------------------------------------------------------
+
+RUN_SQL = """
+    SELECT r.id, r.workflow_definition_id, r.workflow_version, r.status, r.created_at, r.updated_at,
+           r.completed_at, extract(epoch FROM COALESCE(r.completed_at, now()) - r.created_at)::float8,
+           r.input_json::text, r.output_json::text, COALESCE(r.error_json ->> 'error', r.error_json::text),
+           r.tableoid::regclass::text, d.spec_json
+      FROM workflow_runs r
+      LEFT JOIN workflow_definitions d ON d.id = r.workflow_definition_id AND d.version = r.workflow_version
+     WHERE r.id = %(run)s
+"""
+
+RUN_TASKS_SQL = """
+    SELECT id, node_id, node_type, queue, state, attempt, created_at, started_at, finished_at, updated_at,
+           extract(epoch FROM COALESCE(started_at, finished_at, now()) - created_at)::float8 AS queued_s,
+           extract(epoch FROM COALESCE(finished_at, now()) - started_at)::float8 AS ran_s,
+           wake_at, extract(epoch FROM wake_at - now())::float8 AS wakes_in_s, event_name,
+           lease_owner, lease_expires_at, extract(epoch FROM lease_expires_at - now())::float8 AS lease_left_s,
+           COALESCE(last_error ->> 'error', last_error::text) AS last_error, branches, output_json::text
+      FROM task_instances
+     WHERE run_id = %(run)s
+     ORDER BY created_at, node_id
+"""
+
+RUN_SIGNALS_SQL = """
+    SELECT id, name, payload::text, created_at, consumed_at,
+           CASE WHEN consumed_at IS NULL THEN 'buffered' ELSE 'consumed' END,
+           extract(epoch FROM COALESCE(consumed_at, now()) - created_at)::float8
+      FROM workflow_events
+     WHERE run_id = %(run)s
+     ORDER BY created_at, id
+"""
+
+RUN_OUTBOX_SQL = """
+    SELECT task_id, queue, attempt, task_name, lease_s, available_at,
+           extract(epoch FROM available_at - now())::float8
+      FROM task_outbox
+     WHERE run_id = %(run)s
+     ORDER BY available_at, id
+"""
+
+RUN_WEBHOOK_SQL = """
+    SELECT url, attempts, next_attempt_at, delivered_at, gave_up_at, last_status, last_error, created_at
+      FROM webhook_deliveries
+     WHERE run_id = %(run)s
+"""
+
+# Walks the run-ID primary key from the newest end of each partition.
+LATEST_RUN_SQL = """
+    SELECT id FROM workflow_runs
+     WHERE (%(status)s::text IS NULL OR status = %(status)s) AND deleted_at IS NULL
+     ORDER BY id DESC LIMIT 1
+"""
+
+
+def run_row(conn: Conn, run_id: str) -> Row | None:
+    """The run: run_id, workflow_id, workflow_version, status, created_at, updated_at,
+    completed_at, duration_s, input, output, error, partition, and last its
+    definition's spec_json (None when that version is missing)."""
+    rows = _rows(conn, RUN_SQL, {"run": run_id})
+    return rows[0] if rows else None
+
+
+def run_tasks(conn: Conn, run_id: str) -> list[Row]:
+    """Every task of the run with its timings, lease, last error, branches and output."""
+    return _rows(conn, RUN_TASKS_SQL, {"run": run_id})
+
+
+def run_signals(conn: Conn, run_id: str) -> list[Row]:
+    """Signals sent to the run: signal_id, name, payload, created_at, consumed_at,
+    status ('buffered' or 'consumed'), buffered_s."""
+    return _rows(conn, RUN_SIGNALS_SQL, {"run": run_id})
+
+
+def run_outbox(conn: Conn, run_id: str) -> list[Row]:
+    """Dispatches of the run not yet claimed: task_id, queue, attempt, task_name,
+    lease_s, available_at, available_in_s."""
+    return _rows(conn, RUN_OUTBOX_SQL, {"run": run_id})
+
+
+def run_webhook(conn: Conn, run_id: str) -> list[Row]:
+    """The run's webhook delivery: url, attempts, next_attempt_at, delivered_at,
+    gave_up_at, last_status, last_error, created_at."""
+    return _rows(conn, RUN_WEBHOOK_SQL, {"run": run_id})
+
+
+def latest_run_id(conn: Conn, status: str | None) -> str | None:
+    """The newest run not deleted (with ``status``, if given)."""
+    row = conn.execute(LATEST_RUN_SQL.encode(), {"status": status}).fetchone()
+    return None if row is None else str(row[0])
