@@ -66,7 +66,7 @@ test: lint test-18 test-15 test-package demo-ci
 # tests/conftest.py): fewer than N selected tests under DIR, or all of them skipped,
 # fails the leg, so a leg that silently collects nothing cannot pass.
 REQUIRE_ALL := --require tests/unit=250 --require tests/fuzz=30 --require tests/integration=200 \
-	--require tests/chaos=5 --require tests/notebooks=7 --require tests/faults=15
+	--require tests/chaos=5 --require tests/faults=20 --require tests/notebooks=7 --require tests/faults=15
 REQUIRE_FAST := --require tests/unit=250 --require tests/fuzz=10
 
 # Unit and fuzz tests that need no database (no server is started: asking for one is

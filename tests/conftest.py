@@ -133,7 +133,8 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
     outcome: Any = yield
     report: pytest.TestReport = outcome.get_result()
     ran = item.config.stash.get(_RAN, None)
-    if ran is not None and report.when == "call" and report.outcome != "skipped":
+    # An expected failure (xfail) ran; a skip did not.
+    if ran is not None and report.when == "call" and (report.outcome != "skipped" or hasattr(report, "wasxfail")):
         for directory in ran:
             if _under(item.path, directory):
                 ran[directory] += 1
