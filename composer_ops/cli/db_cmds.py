@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from composer_ops.cli._common import EXIT_FAILED, EXIT_OK, add_database_option, env_option
@@ -23,6 +24,10 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     mig = sub.add_parser("migrate", help="apply pending sql/V*.sql migrations in order")
     add_database_option(mig)
     mig.add_argument("--status", action="store_true", help="list migrations and whether each is applied")
+    mig.add_argument("--citus", action="store_true", default=os.environ.get("COMPOSER_CITUS") == "1",
+                     help="require a Citus coordinator and apply its series (sql/citus/ too: the tables are "
+                          "distributed by run ID); without it a database with the citus extension is still "
+                          "detected [env: COMPOSER_CITUS=1]")
     mig.set_defaults(func=cmd_migrate)
 
 
@@ -51,7 +56,8 @@ def cmd_migrate(args: argparse.Namespace) -> int:
         for mig, applied in status(args.database_url):
             print(f"{'applied' if applied else 'pending'}  {mig.filename}")
         return EXIT_OK
-    done = migrate(args.database_url, on_apply=lambda m: print(f"applied {m.filename}", flush=True))
+    done = migrate(args.database_url, on_apply=lambda m: print(f"applied {m.filename}", flush=True),
+                   citus=True if args.citus else None)
     if not done:
         print("schema is up to date")
     return EXIT_OK

@@ -7,6 +7,14 @@ tree does.
 Applied files are recorded in ``schema_migrations`` with a SHA-256 checksum; a file
 that changed after it was applied is refused (``Invalid``), never silently re-run.
 Two migrators at once: the second waits for the lock, then finds nothing to do.
+
+On a Citus database (the ``citus`` extension is installed in it, or ``citus=True``)
+the files of ``sql/citus/`` join the series: a version found only there runs on Citus
+only (the distribution of the tables), and a version found in both directories, under
+the same name, runs the ``sql/citus/`` file instead of the plain one. Versions are one
+sequence across both directories. A single-server database migrated earlier is
+converted by migrating it again once the extension and its worker nodes are set up
+(docs/scaling.md): the Citus-only versions it lacks are applied then.
 """
 
 from __future__ import annotations
@@ -31,6 +39,8 @@ log = logging.getLogger(__name__)
 SQL_DIR: Traversable = importlib.resources.files("composer_ops.migrations")
 _NAME = re.compile(r"^V(\d{3,})__([a-z0-9_]+)\.sql$")
 _LOCK_KEY = "composer_migrations"
+#: Migrations that run on Citus only, or instead of the plain file of their version.
+CITUS_DIR_NAME = "citus"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -39,14 +49,34 @@ class Migration:
     name: str
     path: Traversable
     checksum: str
+    citus: bool = False    # from sql/citus/: applied on a Citus database only
 
     @property
     def filename(self) -> str:
         return self.path.name
 
 
-def discover(sql_dir: Traversable = SQL_DIR) -> list[Migration]:
-    """The migration files (``V*.sql``), ordered by version; a malformed name is an error."""
+def discover(sql_dir: Traversable = SQL_DIR, *, citus: bool = False) -> list[Migration]:
+    """The migration files (``V*.sql``), ordered by version; a malformed name is an
+    error. With ``citus``, the series a Citus database runs (``sql/citus/`` overlaid)."""
+    plain = _scan(sql_dir, citus=False)
+    citus_dir = sql_dir / CITUS_DIR_NAME
+    variants = _scan(citus_dir, citus=True) if citus_dir.is_dir() else []
+    by_version = {m.version: m for m in plain}
+    for mig in variants:
+        same = by_version.get(mig.version)
+        # Checked in both modes, so a single-server run already catches a plain file
+        # given a number a Citus-only file took (it would be replaced on Citus).
+        if same is not None and same.name != mig.name:
+            raise Invalid(f"{mig.path} and {same.path} share version {mig.version}; a file in sql/citus/ "
+                          "replaces the plain file of its version only under the same name")
+    if not citus:
+        return plain
+    by_version.update({m.version: m for m in variants})
+    return sorted(by_version.values(), key=lambda m: m.version)
+
+
+def _scan(sql_dir: Traversable, *, citus: bool) -> list[Migration]:
     if not sql_dir.is_dir():
         raise ComposerError(f"migrations directory {sql_dir} does not exist")
     found: list[Migration] = []
@@ -57,11 +87,26 @@ def discover(sql_dir: Traversable = SQL_DIR) -> list[Migration]:
             raise Invalid(f"{path}: migration files are named V<NNN>__<snake_case>.sql")
         body = path.read_bytes()
         found.append(Migration(version=int(m.group(1)), name=m.group(2), path=path,
-                               checksum=hashlib.sha256(body).hexdigest()))
+                               checksum=hashlib.sha256(body).hexdigest(), citus=citus))
     versions = [m.version for m in found]
     if len(set(versions)) != len(versions):
         raise Invalid(f"{sql_dir}: two migration files share a version number")
     return sorted(found, key=lambda m: m.version)
+
+
+def is_citus(conn: psycopg.Connection[Any]) -> bool:
+    """True when the database has the citus extension (a Citus coordinator)."""
+    row = conn.execute("SELECT EXISTS (SELECT 1 FROM pg_extension WHERE extname = 'citus')").fetchone()
+    return bool(row and row[0])
+
+
+def _accepted_checksums(mig: Migration, sql_dir: Traversable) -> set[str]:
+    """The checksums an applied ``mig.version`` may carry: its own file's, and for a
+    Citus replacement also the plain file's (applied before the database was converted)."""
+    accepted = {mig.checksum}
+    if mig.citus:
+        accepted |= {m.checksum for m in _scan(sql_dir, citus=False) if m.version == mig.version}
+    return accepted
 
 
 def _applied(conn: psycopg.Connection[Any]) -> dict[int, str]:
@@ -70,11 +115,18 @@ def _applied(conn: psycopg.Connection[Any]) -> dict[int, str]:
 
 
 def migrate(url: str | None = None, *, sql_dir: Traversable = SQL_DIR, target: int | None = None,
-            on_apply: Callable[[Migration], None] | None = None) -> list[Migration]:
-    """Apply every pending migration up to ``target``; return the ones applied."""
-    files = discover(sql_dir)
+            on_apply: Callable[[Migration], None] | None = None, citus: bool | None = None) -> list[Migration]:
+    """Apply every pending migration up to ``target``; return the ones applied.
+
+    ``citus``: None detects a Citus database (the extension is installed); True
+    requires one (``composer-ops migrate --citus``); False applies the plain series."""
     applied_now: list[Migration] = []
     with connect(url, application_name="composer-ops migrate", autocommit=True) as conn:
+        on_citus = is_citus(conn)
+        if citus and not on_citus:
+            raise Invalid("--citus: this database has no citus extension; create it (CREATE EXTENSION citus) "
+                          "and add the worker nodes first (docs/scaling.md)")
+        files = discover(sql_dir, citus=on_citus if citus is None else citus)
         # Session-level lock: held across the per-file transactions below.
         conn.execute("SELECT pg_advisory_lock(hashtext(%s))", (_LOCK_KEY,))
         try:
@@ -88,7 +140,7 @@ def migrate(url: str | None = None, *, sql_dir: Traversable = SQL_DIR, target: i
             done = _applied(conn)
             for mig in files:
                 if mig.version in done:
-                    if done[mig.version] != mig.checksum:
+                    if done[mig.version] not in _accepted_checksums(mig, sql_dir):
                         raise Invalid(
                             f"{mig.filename} was changed after it was applied "
                             f"(recorded checksum {done[mig.version][:12]}, file has {mig.checksum[:12]}); "
@@ -116,9 +168,9 @@ def migrate(url: str | None = None, *, sql_dir: Traversable = SQL_DIR, target: i
 
 
 def status(url: str | None = None, *, sql_dir: Traversable = SQL_DIR) -> list[tuple[Migration, bool]]:
-    """Each migration file and whether it is applied."""
-    files = discover(sql_dir)
+    """Each migration file of the database's series (plain or Citus) and whether it is applied."""
     with connect(url, application_name="composer-ops migrate") as conn:
+        files = discover(sql_dir, citus=is_citus(conn))
         exists = conn.execute("SELECT to_regclass('schema_migrations') IS NOT NULL").fetchone()
         done = _applied(conn) if exists and exists[0] else {}
     return [(m, m.version in done) for m in files]

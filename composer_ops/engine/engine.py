@@ -72,9 +72,10 @@ class Engine:
 
     # -- schema and definitions ---------------------------------------------
 
-    def migrate(self) -> list[str]:
-        """Apply pending migrations; returns the files applied."""
-        return [m.filename for m in run_migrations(self.url)]
+    def migrate(self, *, citus: bool | None = None) -> list[str]:
+        """Apply pending migrations; returns the files applied. A Citus database is
+        detected (``citus=True`` requires one): see :func:`composer_ops.db.migrate.migrate`."""
+        return [m.filename for m in run_migrations(self.url, citus=citus)]
 
     @translating("deploy")
     @db_retry()

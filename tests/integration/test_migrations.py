@@ -104,3 +104,56 @@ def test_badly_named_migration_file_is_refused(tmp_path: Path) -> None:
     (tmp_path / "V1_oops.sql").write_text("SELECT 1")
     with pytest.raises(Invalid, match="named V<NNN>__<snake_case>.sql"):
         discover(tmp_path)
+
+
+def _series(tmp_path: Path, citus_files: dict[str, str]) -> Path:
+    sql_dir = tmp_path / "sql"
+    shutil.copytree(SQL_DIR, sql_dir, ignore=shutil.ignore_patterns("citus"))
+    (sql_dir / "citus").mkdir()
+    for name, body in citus_files.items():
+        (sql_dir / "citus" / name).write_text(body)
+    return sql_dir
+
+
+def test_citus_only_migrations_are_skipped_on_a_single_server_and_later_versions_still_apply(
+        empty_db_url: str, tmp_path: Path) -> None:
+    last = max(m.version for m in discover())
+    sql_dir = _series(tmp_path, {f"V{last + 1:03d}__distribute.sql": "SELECT create_distributed_table('x', 'y');\n"})
+    (sql_dir / f"V{last + 2:03d}__after.sql").write_text("CREATE TABLE after_citus(x int);\n")
+    applied = migrate(empty_db_url, sql_dir=sql_dir)
+    assert [m.version for m in applied][-1] == last + 2
+    assert last + 1 not in [m.version for m in applied]
+    assert migrate(empty_db_url, sql_dir=sql_dir) == []
+    assert [m.citus for m in discover(sql_dir, citus=True) if m.version == last + 1] == [True]
+    assert [m.version for m, _ in status(empty_db_url, sql_dir=sql_dir)][-1] == last + 2
+
+
+def test_a_citus_file_replaces_the_plain_file_of_its_version_in_the_citus_series(tmp_path: Path) -> None:
+    sql_dir = _series(tmp_path, {"V002__utc_partition_arithmetic.sql": "SELECT 'citus variant';\n"})
+    plain = {m.version: m for m in discover(sql_dir)}
+    on_citus = {m.version: m for m in discover(sql_dir, citus=True)}
+    assert on_citus.keys() == plain.keys()
+    assert on_citus[2].citus and on_citus[2].path.parent.name == "citus"
+    assert [v for v in plain if on_citus[v].checksum != plain[v].checksum] == [2]
+
+
+def test_migrate_citus_on_a_database_without_the_extension_is_refused_and_changes_nothing(
+        empty_db_url: str, capsys: pytest.CaptureFixture[str]) -> None:
+    from composer_ops.cli import main
+
+    with pytest.raises(Invalid, match="--citus: this database has no citus extension"):
+        migrate(empty_db_url, citus=True)
+    assert main(["migrate", "--citus", "--database-url", empty_db_url]) == 2
+    assert "no citus extension" in capsys.readouterr().err
+    with psycopg.connect(empty_db_url) as conn:
+        row = conn.execute("SELECT to_regclass('workflow_runs')").fetchone()
+        assert row is not None and row[0] is None
+
+
+def test_a_plain_file_numbered_like_a_citus_only_file_is_refused_in_both_modes(tmp_path: Path) -> None:
+    last = max(m.version for m in discover())
+    sql_dir = _series(tmp_path, {f"V{last + 1:03d}__distribute.sql": "SELECT 1;\n"})
+    (sql_dir / f"V{last + 1:03d}__something_else.sql").write_text("SELECT 2;\n")
+    for citus in (False, True):
+        with pytest.raises(Invalid, match=f"share version {last + 1}; a file in sql/citus/ replaces"):
+            discover(sql_dir, citus=citus)
