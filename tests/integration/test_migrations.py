@@ -107,8 +107,7 @@ def test_badly_named_migration_file_is_refused(tmp_path: Path) -> None:
 
 
 def _series(tmp_path: Path, citus_files: dict[str, str]) -> Path:
-    sql_dir = tmp_path / "sql"
-    shutil.copytree(SQL_DIR, sql_dir, ignore=shutil.ignore_patterns("citus"))
+    sql_dir = _copy_migrations(tmp_path / "sql")
     (sql_dir / "citus").mkdir()
     for name, body in citus_files.items():
         (sql_dir / "citus" / name).write_text(body)
@@ -133,7 +132,7 @@ def test_a_citus_file_replaces_the_plain_file_of_its_version_in_the_citus_series
     plain = {m.version: m for m in discover(sql_dir)}
     on_citus = {m.version: m for m in discover(sql_dir, citus=True)}
     assert on_citus.keys() == plain.keys()
-    assert on_citus[2].citus and on_citus[2].path.parent.name == "citus"
+    assert on_citus[2].citus and on_citus[2].path == sql_dir / "citus" / "V002__utc_partition_arithmetic.sql"
     assert [v for v in plain if on_citus[v].checksum != plain[v].checksum] == [2]
 
 

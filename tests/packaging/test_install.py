@@ -33,7 +33,7 @@ from composer_ops.testing.processes import Fleet, wait_for
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(480)]
 
 ROOT = Path(__file__).resolve().parents[2]
-MIGRATIONS = sorted(p.name for p in (ROOT / "sql").glob("V*.sql"))
+MIGRATIONS = sorted(p.relative_to(ROOT / "sql").as_posix() for p in (ROOT / "sql").rglob("V*.sql"))
 NOTEBOOKS = sorted(p.stem for p in (ROOT / "notebooks").glob("*.ipynb"))
 
 SPEC = {
