@@ -199,6 +199,7 @@ class Server:
                               check=False)
 
     def _pg_ctl(self, *action: str) -> None:
+        self._owned_data()
         assert self.log is not None
         # -l: the postmaster must not inherit our pipes, or waiting on them would hang.
         log = [] if action[0] == "stop" else ["-l", str(self.log)]
