@@ -9,7 +9,15 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from composer_ops.errors import ComposerError, Conflict, Invalid, NonRetryableError, NotFound, Unavailable
+from composer_ops.errors import (
+    ComposerError,
+    Conflict,
+    Invalid,
+    NonRetryableError,
+    NotFound,
+    Transient,
+    Unavailable,
+)
 
 if TYPE_CHECKING:
     from composer_ops.engine import Coordinator, Engine, TaskContext, Worker
@@ -25,6 +33,7 @@ __all__ = [
     "NonRetryableError",
     "NotFound",
     "TaskContext",
+    "Transient",
     "Unavailable",
     "Worker",
 ]

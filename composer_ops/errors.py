@@ -1,9 +1,11 @@
 """The one exception tree raised to callers of composer_ops.
 
-``ComposerError`` is the root; ``NotFound``, ``Conflict`` and ``Invalid`` mirror the
-seed's ``ErrNotFound``, ``ErrConflict`` and ``ErrInvalid``. ``NonRetryableError`` is
-raised by worker handlers to skip the remaining attempts of a task. Driver errors
-are translated in one place, :func:`composer_ops.db.errors.translate`.
+``ComposerError`` is the root; ``NotFound``, ``Conflict`` and ``Invalid`` say what
+kind of refusal it is, and each carries the CLI's exit code. ``Unavailable`` (and
+its ``Transient`` subset) means the database could not serve the request now.
+``NonRetryableError`` is raised by worker handlers to skip the remaining attempts of
+a task. Driver errors become these at one boundary, the connection class of
+:mod:`composer_ops.db.errors`, with the driver's error kept as ``__cause__``.
 """
 
 from __future__ import annotations
@@ -35,12 +37,20 @@ class Invalid(ComposerError):
 
 
 class Unavailable(ComposerError):
-    """The database cannot be reached or the embedded server cannot start.
-
-    Retryable: a caller may try the same request again later.
+    """The database cannot serve the request now: it cannot be reached, refuses the
+    connection, is out of connections or shutting down, or the embedded server cannot
+    start. A caller may try the same request again later.
     """
 
     exit_code = 1
+
+
+class Transient(Unavailable):
+    """A database error that re-running the whole transaction can cure: serialization
+    failure, deadlock, lock timeout, a lost connection, a server restarting, no pooled
+    connection free in time. ``db_retry`` retries exactly these; ``__cause__`` is the
+    driver's error.
+    """
 
 
 class NonRetryableError(Exception):

@@ -12,14 +12,11 @@ import os
 import sys
 from collections.abc import Sequence
 
-import psycopg
-
 import composer_ops.cli.ops_cmds as ops_cmds
 import composer_ops.cli.simulate_cmds as simulate_cmds
 from composer_ops.cli import db_cmds, partition_cmds, run_cmds
 from composer_ops.cli._common import EXIT_BAD_INPUT, EXIT_FAILED, ArgumentParser
-from composer_ops.db.errors import translate
-from composer_ops.errors import ComposerError
+from composer_ops.errors import ComposerError, Unavailable
 
 
 def build_parser() -> ArgumentParser:
@@ -49,14 +46,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ComposerError as exc:
         if args.debug:
             raise
-        sys.stderr.write(f"composer-ops: {type(exc).__name__.lower()}: {exc}\n")
+        # A Transient is an Unavailable the engine retried already: people see one kind.
+        kind = "unavailable" if isinstance(exc, Unavailable) else type(exc).__name__.lower()
+        sys.stderr.write(f"composer-ops: {kind}: {exc}\n")
         return exc.exit_code
-    except psycopg.Error as exc:
-        if args.debug:
-            raise
-        err = translate(exc, args.command)
-        sys.stderr.write(f"composer-ops: {type(err).__name__.lower()}: {err}\n")
-        return err.exit_code
     except KeyboardInterrupt:
         sys.stderr.write("composer-ops: interrupted\n")
         return EXIT_FAILED

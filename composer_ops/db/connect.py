@@ -1,7 +1,9 @@
 """Where the database is, and connections and pools to it.
 
 ``COMPOSER_DATABASE_URL`` (a libpq URL) wins; when it is unset the embedded server is
-started (or reused). Nothing here commits: callers own their transactions.
+started (or reused). Every connection made here is a translating
+:class:`~composer_ops.db.errors.Connection`: its driver errors arrive as
+ComposerErrors. Nothing here commits: callers own their transactions.
 """
 
 from __future__ import annotations
@@ -20,9 +22,9 @@ from psycopg.rows import dict_row
 from psycopg_pool import ConnectionPool
 
 from composer_ops.db import embedded
-from composer_ops.db.errors import connect_may_succeed_later
+from composer_ops.db.errors import Connection, Pool, first_line
 from composer_ops.db.retry import backoff_delay
-from composer_ops.errors import Invalid, Unavailable
+from composer_ops.errors import Invalid, Transient, Unavailable
 
 ENV_URL = "COMPOSER_DATABASE_URL"
 log = logging.getLogger(__name__)
@@ -38,16 +40,14 @@ def resolve_url(url: str | None = None) -> str:
 
 
 def connect(url: str | None = None, *, application_name: str = "composer-ops", autocommit: bool = False,
-            row_dicts: bool = False) -> psycopg.Connection[Any]:
-    """One connection; raises :class:`Unavailable` with the server's reason when it cannot connect."""
+            row_dicts: bool = False) -> Connection[Any]:
+    """One translating connection; raises :class:`Unavailable` with the server's reason
+    when it cannot connect."""
     target = resolve_url(url)
-    try:
-        conn: psycopg.Connection[Any] = psycopg.connect(
-            target, autocommit=autocommit, application_name=application_name,
-            row_factory=dict_row if row_dicts else psycopg.rows.tuple_row,
-        )
-    except psycopg.OperationalError as exc:
-        raise Unavailable(f"cannot connect to the database: {_first_line(exc)}") from exc
+    conn: Connection[Any] = Connection.connect(
+        target, autocommit=autocommit, application_name=application_name,
+        row_factory=dict_row if row_dicts else psycopg.rows.tuple_row,
+    )
     return conn
 
 
@@ -97,15 +97,17 @@ def wait_until_reachable(url: str, *, wait_s: float = 0.0, application_name: str
     attempt = 0
     while True:
         try:
-            psycopg.connect(url, connect_timeout=10, application_name=application_name).close()
-        except psycopg.OperationalError as exc:
+            Connection.connect(url, connect_timeout=10, application_name=application_name).close()
+        except Unavailable as exc:
             left = deadline - time.monotonic()
-            if left <= 0 or not connect_may_succeed_later(exc):
-                waited = f" (waited {wait_s:g}s)" if wait_s > 0 and left <= 0 else ""
-                raise Unavailable(f"cannot connect to the database{waited}: {_first_line(exc)}") from exc
+            if left <= 0 or not isinstance(exc, Transient):
+                if wait_s > 0 and left <= 0:
+                    raise type(exc)(f"cannot connect to the database (waited {wait_s:g}s): "
+                                    f"{first_line(exc.__cause__ or exc)}") from exc.__cause__
+                raise
             delay = min(left, backoff_delay(attempt, base=0.1, cap=2.0))
             log.warning("cannot connect to the database yet (%s); trying again in %.1fs, for up to %.0fs more",
-                        _reason(exc), delay, left)
+                        _reason(exc.__cause__ or exc), delay, left)
             time.sleep(delay)
             attempt += 1
         else:
@@ -116,8 +118,9 @@ def wait_until_reachable(url: str, *, wait_s: float = 0.0, application_name: str
 
 def make_pool(url: str | None = None, *, min_size: int = 1, max_size: int = 8,
               application_name: str = "composer-ops", timeout: float = 30.0,
-              wait_s: float = 0.0) -> ConnectionPool:
-    """A checked psycopg pool (:func:`check_connection` drops connections a server restart killed).
+              wait_s: float = 0.0) -> Pool:
+    """A checked pool of translating connections (:func:`check_connection` drops
+    connections a server restart killed).
 
     ``wait_s``: how long to wait for a server that is not reachable yet (see
     :func:`wait_until_reachable`); 0 fails at once, as one-shot commands should."""
@@ -125,8 +128,9 @@ def make_pool(url: str | None = None, *, min_size: int = 1, max_size: int = 8,
     # One direct attempt first: an unreachable server is one clear error now, not
     # ``timeout`` seconds of the pool's reconnect warnings.
     wait_until_reachable(target, wait_s=wait_s, application_name=application_name)
-    pool = ConnectionPool(
+    pool = Pool(
         target,
+        connection_class=Connection,
         min_size=min_size,
         max_size=max_size,
         kwargs={"application_name": application_name},
@@ -139,16 +143,11 @@ def make_pool(url: str | None = None, *, min_size: int = 1, max_size: int = 8,
         pool.open(wait=True, timeout=timeout)
     except Exception as exc:
         pool.close()
-        raise Unavailable(f"cannot connect to the database: {_first_line(exc)}") from exc
+        raise Unavailable(f"cannot connect to the database: {first_line(exc)}") from exc
     return pool
 
 
 def _reason(exc: BaseException) -> str:
     """libpq's reason without its ``connection failed: connection to server ... failed:`` prefix."""
-    line = _first_line(exc)
+    line = first_line(exc)
     return line.rsplit(" failed: ", 1)[-1].strip() if " failed: " in line else line
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else type(exc).__name__

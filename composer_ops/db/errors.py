@@ -1,27 +1,47 @@
-"""Translate driver errors into the :mod:`composer_ops.errors` tree, in one place."""
+"""The one boundary where driver errors become ComposerErrors.
+
+Every connection composer_ops opens is a :class:`Connection` (``db.connect``, and
+the pools of ``db.make_pool`` use it too). psycopg sends every round trip to the
+server through ``Connection.wait``: statements, fetches in pipeline mode, COMMIT and
+ROLLBACK (including the COMMIT at the end of a ``conn.transaction()`` block),
+``notifies()``, session settings such as ``autocommit``. That one method re-raises
+driver errors as ComposerErrors, keeping the driver's error as ``__cause__``. The
+"connection is closed" check psycopg makes before a round trip, connection attempts
+and the pool's own errors (no connection free within the timeout, a closed pool) are
+translated the same way, so code above the ``db`` package never sees a psycopg error
+and never translates one.
+
+:class:`~composer_ops.errors.Transient` marks exactly the errors a retry of the whole
+transaction can cure (:func:`is_transient`); ``db_retry`` retries those and nothing
+else.
+"""
 
 from __future__ import annotations
 
-import contextlib
-import functools
-from collections.abc import Callable, Iterator
-from typing import ParamSpec, TypeVar
+from typing import Any, Self, TypeVar
 
 import psycopg
 from psycopg import errors as pgerr
+from psycopg.abc import PQGen
+from psycopg.rows import Row
+from psycopg_pool import ConnectionPool, PoolClosed
 
-from composer_ops.errors import ComposerError, Conflict, Invalid, NotFound, Unavailable
+from composer_ops.errors import ComposerError, Conflict, Invalid, NotFound, Transient, Unavailable
 
-P = ParamSpec("P")
-T = TypeVar("T")
+RV = TypeVar("RV")
 
-#: SQLSTATEs a caller may simply retry: serialization failure, deadlock, and the
-#: connection-exception class (08xxx), plus admin shutdown / crash recovery.
+#: SQLSTATEs a retry of the whole transaction can cure: serialization failure,
+#: deadlock, admin shutdown / crash shutdown / cannot connect now, lock timeout.
+#: Connection exceptions (class 08) and errors without a SQLSTATE (a lost socket)
+#: are transient too, see :func:`is_transient`.
 TRANSIENT_SQLSTATES = frozenset({"40001", "40P01", "57P01", "57P02", "57P03", "55P03"})
+
+#: Longest server detail appended to a message (a key, not a whole row).
+_DETAIL_MAX = 300
 
 
 def is_transient(exc: BaseException) -> bool:
-    """True for database errors that a retry of the whole transaction can cure."""
+    """True for driver errors that a retry of the whole transaction can cure."""
     if isinstance(exc, psycopg.OperationalError) and not isinstance(exc, pgerr.QueryCanceled):
         state = getattr(exc, "sqlstate", None)
         return state is None or state.startswith("08") or state in TRANSIENT_SQLSTATES
@@ -57,44 +77,72 @@ def connect_may_succeed_later(exc: BaseException) -> bool:
     return any(reason in text for reason in _CONNECT_NOT_YET)
 
 
-def translate(exc: psycopg.Error, what: str) -> ComposerError:
-    """Map a driver error raised while doing ``what`` to a ComposerError."""
-    msg = (exc.diag.message_primary if getattr(exc, "diag", None) else None) or str(exc).strip()
+def first_line(exc: BaseException) -> str:
+    """The first line of an error's text (libpq's messages run over several)."""
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+def translate(exc: psycopg.Error) -> ComposerError:
+    """The ComposerError for a driver error (the caller raises it ``from exc``)."""
+    diag = getattr(exc, "diag", None)
+    msg = " ".join(((diag.message_primary if diag is not None else None) or first_line(exc)).split())
     if isinstance(exc, pgerr.CheckViolation) and "no partition" in msg:
-        return Invalid(f"{what}: no partition holds this run ID's month ({msg}); "
+        return Invalid(f"no partition holds this run ID's month ({msg}); "
                        "run `composer-ops partitions ensure` or use a recent run ID")
-    if isinstance(exc, pgerr.UniqueViolation):
-        return Conflict(f"{what}: {msg}")
-    if isinstance(exc, pgerr.ForeignKeyViolation):
-        return NotFound(f"{what}: {msg}")
-    if isinstance(exc, (pgerr.DataException, pgerr.IntegrityError)):
-        return Invalid(f"{what}: {msg}")
+    if isinstance(exc, (pgerr.UniqueViolation, pgerr.ForeignKeyViolation)):
+        detail = " ".join(((diag.message_detail if diag is not None else None) or "").split())
+        text = f"{msg} ({detail[:_DETAIL_MAX]})" if detail else msg
+        return Conflict(text) if isinstance(exc, pgerr.UniqueViolation) else NotFound(text)
+    if isinstance(exc, (psycopg.DataError, psycopg.IntegrityError)):   # classes 22 and 23: the data
+        return Invalid(msg)
+    if isinstance(exc, PoolClosed):
+        return Unavailable(f"{msg} (the engine or pool was closed)")
+    if is_transient(exc):
+        return Transient(f"{msg} (a transient database error; the request can be retried)")
     if isinstance(exc, psycopg.OperationalError):
-        return Unavailable(f"{what}: {msg} (the database is unreachable or overloaded; the request can be retried)")
-    return ComposerError(f"{what}: {msg}")
+        return Unavailable(f"{msg} (the database is unreachable or overloaded; the request can be retried)")
+    return ComposerError(msg)
 
 
-@contextlib.contextmanager
-def translated(what: str) -> Iterator[None]:
-    """``with translated("insert run"):`` re-raises driver errors as ComposerErrors."""
-    try:
-        yield
-    except psycopg.Error as exc:
-        raise translate(exc, what) from exc
+def connect_error(exc: psycopg.Error) -> Unavailable:
+    """The error for a failed connection attempt: :class:`Transient` when it may
+    succeed later (:func:`connect_may_succeed_later`), else :class:`Unavailable`."""
+    text = f"cannot connect to the database: {first_line(exc)}"
+    return Transient(text) if connect_may_succeed_later(exc) else Unavailable(text)
 
 
-def translating(what: str) -> Callable[[Callable[P, T]], Callable[P, T]]:
-    """Decorator form of :func:`translated`, for the public API's boundary: callers
-    see ComposerErrors only (a pool timeout or a lost server is :class:`Unavailable`)."""
+class Connection(psycopg.Connection[Row]):
+    """A psycopg connection that raises ComposerErrors (see the module's docstring)."""
 
-    def wrap(fn: Callable[P, T]) -> Callable[P, T]:
-        @functools.wraps(fn)
-        def inner(*args: P.args, **kwargs: P.kwargs) -> T:
-            try:
-                return fn(*args, **kwargs)
-            except psycopg.Error as exc:
-                raise translate(exc, what) from exc
+    @classmethod
+    def connect(cls, conninfo: str = "", **kwargs: Any) -> Self:
+        try:
+            return super().connect(conninfo, **kwargs)
+        except psycopg.Error as exc:
+            raise connect_error(exc) from exc
 
-        return inner
+    def wait(self, gen: PQGen[RV], *args: Any, **kwargs: Any) -> RV:
+        try:
+            return super().wait(gen, *args, **kwargs)
+        except pgerr._WaitTimeout:
+            raise   # psycopg's own signal that a wait with a timeout ran out (notifies() catches it)
+        except psycopg.Error as exc:
+            raise translate(exc) from exc
 
-    return wrap
+    def _check_connection_ok(self) -> None:
+        try:
+            super()._check_connection_ok()
+        except psycopg.Error as exc:
+            raise translate(exc) from exc
+
+
+class Pool(ConnectionPool[Connection[Any]]):
+    """A pool of :class:`Connection`; waiting for a free connection in vain (or asking
+    a closed pool) raises :class:`Transient` rather than a driver error."""
+
+    def getconn(self, timeout: float | None = None) -> Connection[Any]:
+        try:
+            return super().getconn(timeout)
+        except psycopg.Error as exc:
+            raise translate(exc) from exc

@@ -152,8 +152,8 @@ def migrate(url: str | None = None, *, sql_dir: Traversable = SQL_DIR, target: i
                 with conn.transaction():
                     try:
                         conn.execute(mig.path.read_text(encoding="utf-8").encode())
-                    except psycopg.Error as exc:
-                        raise ComposerError(f"{mig.filename} failed: {str(exc).strip().splitlines()[0]}") from exc
+                    except ComposerError as exc:
+                        raise ComposerError(f"{mig.filename} failed: {exc}") from exc
                     conn.execute(
                         "INSERT INTO schema_migrations (version, name, checksum) VALUES (%s, %s, %s)",
                         (mig.version, mig.name, mig.checksum),

@@ -1,7 +1,9 @@
-"""Retry a whole transaction on transient database errors (DBOS ``db_retry`` style).
+"""Retry a whole transaction on transient database errors.
 
-Serialization failures, deadlocks, lock timeouts and lost connections are retried
-with jittered, capped exponential backoff; anything else propagates at once.
+:class:`~composer_ops.errors.Transient` errors (serialization failures, deadlocks,
+lock timeouts, lost connections, a server restarting) are retried with jittered,
+capped exponential backoff; anything else propagates at once. The decorated function
+must be the whole transaction: a retry re-runs it from its first statement.
 """
 
 from __future__ import annotations
@@ -13,9 +15,7 @@ import time
 from collections.abc import Callable
 from typing import ParamSpec, TypeVar
 
-import psycopg
-
-from composer_ops.db.errors import is_transient
+from composer_ops.errors import Transient
 
 log = logging.getLogger(__name__)
 
@@ -31,7 +31,8 @@ def backoff_delay(attempt: int, *, base: float = 0.05, cap: float = 2.0, rng: ra
 def db_retry(
     max_attempts: int = 6, *, base: float = 0.05, cap: float = 2.0
 ) -> Callable[[Callable[P, T]], Callable[P, T]]:
-    """Decorator: call again when the function raises a transient psycopg error."""
+    """Decorator: call again when the function raises :class:`Transient`, up to
+    ``max_attempts`` calls in all; the last error propagates."""
 
     def wrap(fn: Callable[P, T]) -> Callable[P, T]:
         @functools.wraps(fn)
@@ -40,12 +41,12 @@ def db_retry(
             while True:
                 try:
                     return fn(*args, **kwargs)
-                except psycopg.Error as exc:
-                    if not is_transient(exc) or attempt + 1 >= max_attempts:
+                except Transient as exc:
+                    if attempt + 1 >= max_attempts:
                         raise
                     delay = backoff_delay(attempt, base=base, cap=cap)
                     log.warning("transient database error in %s (%s); retry %d in %.2fs",
-                                fn.__qualname__, type(exc).__name__, attempt + 1, delay)
+                                fn.__qualname__, type(exc.__cause__ or exc).__name__, attempt + 1, delay)
                     time.sleep(delay)
                     attempt += 1
 

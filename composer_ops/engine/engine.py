@@ -9,14 +9,12 @@ from collections.abc import Mapping, Sequence
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
-from psycopg_pool import ConnectionPool
-
 from composer_ops.core import CancelRun, SignalReceived, TaskCompleted, TaskFailed, parse_spec
 from composer_ops.core.model import TaskRef
 from composer_ops.core.runids import month_of, uuid7_timestamp, validate_run_id
 from composer_ops.core.spec import ID_PATTERN
 from composer_ops.db import autocommit, make_pool, resolve_url
-from composer_ops.db.errors import translating
+from composer_ops.db.errors import Pool
 from composer_ops.db.migrate import migrate as run_migrations
 from composer_ops.db.retry import db_retry
 from composer_ops.engine.ids import uuid7_at
@@ -43,7 +41,7 @@ class Engine:
     ``COMPOSER_DATABASE_URL``, else the embedded server.
     """
 
-    def __init__(self, pool: ConnectionPool, url: str, *, stream_shards: int = 1) -> None:
+    def __init__(self, pool: Pool, url: str, *, stream_shards: int = 1) -> None:
         self.pool = pool
         self.url = url
         self.shell = Shell(pool, stream_shards=stream_shards)
@@ -77,7 +75,6 @@ class Engine:
         detected (``citus=True`` requires one): see :func:`composer_ops.db.migrate.migrate`."""
         return [m.filename for m in run_migrations(self.url, citus=citus)]
 
-    @translating("deploy")
     @db_retry()
     def deploy(self, spec: Mapping[str, Any], *, created_by: str = "composer-ops") -> tuple[str, int]:
         """Validate ``spec``, store it as version last+1, deploy it and un-deploy the
@@ -96,13 +93,11 @@ class Engine:
         log.info("deployed %s v%d", parsed.id, version, extra={"action": "deploy", "workflow_id": parsed.id})
         return parsed.id, version
 
-    @translating("enable or disable")
     def set_enabled(self, workflow_id: str, enabled: bool) -> None:
         _check_workflow_id(workflow_id)
         with self.pool.connection() as conn, conn.transaction():
             definitions.set_enabled(conn, workflow_id, enabled)
 
-    @translating("delete definition")
     def delete(self, workflow_id: str) -> None:
         """Soft-delete every version: new runs are refused, started runs finish."""
         _check_workflow_id(workflow_id)
@@ -111,7 +106,6 @@ class Engine:
 
     # -- runs -----------------------------------------------------------------
 
-    @translating("start run")
     def start(self, workflow_id: str, input: Any = None, version: int | None = None,
               run_id: str | None = None) -> str:
         """Start a run of the deployed (or the given) version; returns the run ID.
@@ -179,7 +173,6 @@ class Engine:
             raise Invalid(f"run id {run_id} belongs to month {month}, which has no partition "
                           "(run `composer-ops partitions ensure`)")
 
-    @translating("signal run")
     def signal(self, run_id: str, name: str, payload: Any = None) -> Outcome:
         """Deliver a signal: it resolves the earliest node waiting for ``name``, or is
         buffered. A finished run is a Conflict; an unknown one NotFound."""
@@ -189,13 +182,11 @@ class Engine:
         check_json(payload, "payload")
         return self.shell.handle(run_id, lambda now: SignalReceived(name=name, payload=payload, now=now))
 
-    @translating("cancel run")
     def cancel(self, run_id: str, reason: str = "cancelled") -> Outcome:
         """Cancel a run and its active tasks; late results for them are stale."""
         uuid7_timestamp(run_id)
         return self.shell.handle(run_id, lambda now: CancelRun(reason=reason, now=now))
 
-    @translating("get run")
     @db_retry()
     def get_run(self, run_id: str) -> RunView:
         """The run, its output or error, and every task (node_id, state, attempt, output, error)."""
@@ -210,7 +201,6 @@ class Engine:
 
     # -- the worker's side ----------------------------------------------------
 
-    @translating("claim tasks")
     @db_retry()
     def claim(self, queues: Sequence[str], owner: str, limit: int, task_names: Sequence[str] | None = None
               ) -> list[Claim]:
@@ -219,18 +209,15 @@ class Engine:
         with self.pool.connection() as conn, autocommit(conn):
             return outbox.claim(conn, queues, owner, limit, task_names=task_names)
 
-    @translating("complete task")
     def complete(self, claim: Claim, output: Any) -> Outcome:
         ref = _task_ref(claim)
         return self.shell.handle(claim.run_id, lambda now: TaskCompleted(ref=ref, output=output, now=now))
 
-    @translating("fail task")
     def fail(self, claim: Claim, error: str, *, retryable: bool = True) -> Outcome:
         ref = _task_ref(claim)
         return self.shell.handle(claim.run_id,
                                  lambda now: TaskFailed(ref=ref, error=error, retryable=retryable, now=now))
 
-    @translating("heartbeat")
     @db_retry(max_attempts=3)
     def heartbeat(self, claim: Claim) -> datetime | None:
         """Extend the claim's lease; None when the lease is lost."""

@@ -11,15 +11,17 @@ import logging
 import threading
 from collections.abc import Callable
 
-import psycopg
-from psycopg import sql
-
+from composer_ops.db.connect import connect
 from composer_ops.db.retry import backoff_delay
+from composer_ops.errors import ComposerError
+from composer_ops.repo import outbox
 
 log = logging.getLogger(__name__)
 
 
 class Listener(threading.Thread):
+    """Calls ``on_notify(payload)`` for each notification on ``channel`` until ``stop`` is set."""
+
     def __init__(self, url: str, channel: str, on_notify: Callable[[str], None], stop: threading.Event) -> None:
         super().__init__(name=f"composer-listen-{channel}", daemon=True)
         self.url, self.channel, self.on_notify, self.stop_event = url, channel, on_notify, stop
@@ -28,13 +30,13 @@ class Listener(threading.Thread):
         attempt = 0
         while not self.stop_event.is_set():
             try:
-                with psycopg.connect(self.url, autocommit=True, application_name="composer-listen") as conn:
-                    conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(self.channel)))
+                with connect(self.url, autocommit=True, application_name="composer-listen") as conn:
+                    outbox.listen(conn, self.channel)
                     attempt = 0
                     while not self.stop_event.is_set():
                         for note in conn.notifies(timeout=0.5):
                             self.on_notify(note.payload)
-            except psycopg.Error as exc:
+            except ComposerError as exc:
                 delay = backoff_delay(attempt, base=0.2, cap=5.0)
                 log.info("LISTEN connection lost (%s); reconnecting in %.1fs", exc, delay)
                 attempt += 1

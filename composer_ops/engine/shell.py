@@ -16,8 +16,6 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from psycopg_pool import ConnectionPool
-
 from composer_ops.core import (
     BufferSignal,
     CancelTasks,
@@ -43,6 +41,7 @@ from composer_ops.core import (
     decide,
     spec_from_json,
 )
+from composer_ops.db.errors import Pool
 from composer_ops.db.retry import db_retry
 from composer_ops.engine.ids import uuid7_text
 from composer_ops.errors import Conflict
@@ -93,7 +92,7 @@ class _Store:
 class Shell:
     """Applies events to runs; shared by the Engine, workers and coordinators."""
 
-    def __init__(self, pool: ConnectionPool, *, stream_shards: int = 1) -> None:
+    def __init__(self, pool: Pool, *, stream_shards: int = 1) -> None:
         self.pool = pool
         self.stream_shards = stream_shards
         self._definitions: dict[tuple[str, int], Definition] = {}

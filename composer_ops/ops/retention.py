@@ -24,7 +24,7 @@ import psycopg
 
 from composer_ops.db import connect
 from composer_ops.db.retry import db_retry
-from composer_ops.errors import ComposerError, Invalid
+from composer_ops.errors import ComposerError, Invalid, Transient
 from composer_ops.ops._common import UTC_TS, Source, connection, rows_frame
 from composer_ops.repo import partitions as repo_partitions
 
@@ -155,7 +155,9 @@ def drop_partitions(source: Source = None, older_than: datetime | str | Cutoff =
 
     try:
         cutoff, plan, dropped = attempt()
-    except psycopg.errors.LockNotAvailable as exc:
+    except Transient as exc:
+        if not isinstance(exc.__cause__, psycopg.errors.LockNotAvailable):
+            raise
         raise ComposerError(
             f"could not lock the partitions to drop within {lock_timeout_s:g}s in {attempts} attempts "
             "(a long transaction holds them); nothing was dropped, try again later") from exc

@@ -1,9 +1,13 @@
 """Shared plumbing of the repository modules.
 
 Every repository function takes the connection to run on and never commits, so the
-caller decides the transaction boundary; functions never log, they return results or
-raise ComposerErrors. Run-scoped tables are partitioned by run ID, so every query on
-them filters on run_id to touch a single partition.
+caller decides the transaction boundary; functions never log. They run on the
+connections of :mod:`composer_ops.db` (``db.connect``, the engine's pool), which
+translate driver errors where they are raised, so a refused statement reaches the
+caller as a ComposerError (``NotFound``, ``Conflict``, ``Invalid``, ``Unavailable``
+or ``Transient``) with the driver's error as ``__cause__``; nothing here catches or
+translates driver errors itself. Run-scoped tables are partitioned by run ID, so
+every query on them filters on run_id to touch a single partition.
 """
 
 from __future__ import annotations

@@ -12,6 +12,8 @@ from __future__ import annotations
 import zlib
 from collections.abc import Sequence
 
+from psycopg import sql
+
 from composer_ops.repo._base import Conn, fetch_all
 from composer_ops.repo.rows import Claim, Dispatch
 
@@ -43,6 +45,11 @@ def enqueue(conn: Conn, dispatches: Sequence[Dispatch], *, shards: int = 1) -> N
          "r": [d.run_id for d in dispatches], "t": [d.task_id for d in dispatches],
          "a": [d.attempt for d in dispatches], "n": [d.task_name for d in dispatches],
          "l": [d.lease_s for d in dispatches], "av": [d.available_at for d in dispatches], "channel": CHANNEL})
+
+
+def listen(conn: Conn, channel: str = CHANNEL) -> None:
+    """Subscribe ``conn`` (an autocommit connection of its own) to ``channel``."""
+    conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(channel)))
 
 
 def claim(conn: Conn, queues: Sequence[str], owner: str, limit: int,

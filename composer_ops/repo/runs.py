@@ -4,11 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
-import psycopg
 from psycopg.rows import class_row
 
 from composer_ops.core.runids import month_of
-from composer_ops.db.errors import translate
 from composer_ops.errors import ComposerError, Conflict, Invalid, NotFound
 from composer_ops.repo._base import Conn, error_json, fetch_all, fetch_one, jsonb
 from composer_ops.repo.rows import RunRow, RunView, TaskStateRow, TaskView
@@ -90,20 +88,17 @@ def insert_run(conn: Conn, *, run_id: str, workflow_id: str, workflow_version: i
     refused insert leaves the caller's transaction usable.
 
     One statement in the common case: the definition and the partition are checked in
-    the INSERT itself, so nothing is refused with an error (which would abort the
-    transaction, hence the savepoint this used to need); only when no row was inserted
-    do the follow-up queries find out why, in the order of the checks."""
+    the INSERT itself, so a refused start raises no database error (which would abort
+    the caller's transaction); only when no row was inserted do follow-up queries find
+    out why, in the order of the checks."""
     try:
         partition = f"workflow_runs_p{month_of(run_id)}"
-    except ComposerError:  # not a UUIDv7: let the database judge it, as it always did
+    except ComposerError:  # not a UUIDv7, so no partition name: the guarded insert lets the database judge it
         _insert_run_guarded(conn, run_id=run_id, workflow_id=workflow_id, workflow_version=workflow_version,
                             input=input, context=context)
         return
-    try:
-        cur = conn.execute(_INSERT_RUN, {"id": run_id, "input": jsonb(input), "context": jsonb(context),
-                                         "wf": workflow_id, "version": workflow_version, "partition": partition})
-    except psycopg.Error as exc:
-        raise translate(exc, f"insert workflow run {run_id}") from exc
+    cur = conn.execute(_INSERT_RUN, {"id": run_id, "input": jsonb(input), "context": jsonb(context),
+                                     "wf": workflow_id, "version": workflow_version, "partition": partition})
     if cur.rowcount == 1:
         return
     _check_definition(conn, workflow_id, workflow_version)
@@ -128,17 +123,14 @@ def _insert_run_guarded(conn: Conn, *, run_id: str, workflow_id: str, workflow_v
                         input: Any, context: Any) -> None:
     """The general path: check the definition, then insert inside a savepoint."""
     _check_definition(conn, workflow_id, workflow_version)
-    try:
-        # A savepoint, so a refused insert leaves the caller's transaction usable.
-        with conn.transaction():
-            cur = conn.execute("""
-                INSERT INTO workflow_runs (id, workflow_definition_id, workflow_version, status,
-                                           input_json, context_json)
-                VALUES (%s, %s, %s, 'RUNNING', %s, %s)
-                ON CONFLICT (id) DO NOTHING""",
-                (run_id, workflow_id, workflow_version, jsonb(input), jsonb(context)))
-    except psycopg.Error as exc:
-        raise translate(exc, f"insert workflow run {run_id}") from exc
+    # A savepoint, so a refused insert leaves the caller's transaction usable.
+    with conn.transaction():
+        cur = conn.execute("""
+            INSERT INTO workflow_runs (id, workflow_definition_id, workflow_version, status,
+                                       input_json, context_json)
+            VALUES (%s, %s, %s, 'RUNNING', %s, %s)
+            ON CONFLICT (id) DO NOTHING""",
+            (run_id, workflow_id, workflow_version, jsonb(input), jsonb(context)))
     if cur.rowcount == 0:
         raise Conflict(f"workflow run {run_id} already exists")
 

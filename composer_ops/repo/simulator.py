@@ -51,7 +51,9 @@ def may_skip_row_triggers(conn: Conn) -> bool:
     try:
         with conn.transaction():
             conn.execute("SET LOCAL session_replication_role = replica")
-    except psycopg.errors.InsufficientPrivilege:
+    except ComposerError as exc:
+        if not isinstance(exc.__cause__, psycopg.errors.InsufficientPrivilege):
+            raise
         return False
     finally:
         conn.rollback()

@@ -99,9 +99,6 @@ def _applied(result: Result) -> list[str]:
 # -- start ------------------------------------------------------------------------------
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "a connection lost during the run INSERT is translated to Unavailable below db_retry, "
-    "so the engine does not retry it (remove this mark with the fix)"))
 def test_start(b: Bench) -> None:
     def setup() -> str:
         return _token()

@@ -28,19 +28,24 @@ def engine(db_url: str) -> Iterator[Engine]:
 
 
 class LoseAfterCommit:
-    """Wraps ``pool.connection``: the first ``times`` blocks that commit then see
-    their connection die, as when the server's acknowledgement of COMMIT is lost."""
+    """Wraps ``pool.connection``: in the first ``times`` blocks, once the block's
+    COMMIT has succeeded, the server ends the session and the next round trip on it
+    fails, so the caller sees the engine's error for a lost connection after the
+    commit, as when the server's acknowledgement of COMMIT is lost."""
 
     def __init__(self, engine: Engine, times: int = 1) -> None:
-        self.real, self.left = engine.pool.connection, times
+        self.real, self.left, self.url = engine.pool.connection, times, engine.url
 
     @contextlib.contextmanager
     def __call__(self, *args: Any, **kwargs: Any) -> Iterator[Any]:
         with self.real(*args, **kwargs) as conn:
             yield conn
-        if self.left > 0:
-            self.left -= 1
-            raise psycopg.OperationalError("server closed the connection unexpectedly")
+            if self.left > 0:
+                self.left -= 1
+                with psycopg.connect(self.url, autocommit=True) as killer:
+                    killer.execute("SELECT pg_terminate_backend(%s)", (conn.info.backend_pid,))
+                conn.execute("SELECT 1")
+                raise AssertionError("a terminated session answered")
 
 
 def _runs(engine: Engine) -> list[str]:

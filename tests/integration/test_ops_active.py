@@ -11,7 +11,7 @@ import psycopg
 import pytest
 
 from composer_ops import ops
-from composer_ops.errors import Invalid
+from composer_ops.errors import ComposerError, Invalid
 from composer_ops.testing import fixtures
 from tests.integration.helpers import connect_in_tz
 
@@ -131,5 +131,6 @@ def test_a_url_source_opens_and_closes_its_own_read_only_session(db_url: str) ->
         row = conn.execute("SHOW transaction_read_only").fetchone()
         assert row is not None
         assert row[0] == "on"
-        with pytest.raises(psycopg.errors.ReadOnlySqlTransaction):
+        with pytest.raises(ComposerError, match="read-only transaction") as refused:
             conn.execute("DELETE FROM task_outbox")
+        assert isinstance(refused.value.__cause__, psycopg.errors.ReadOnlySqlTransaction)

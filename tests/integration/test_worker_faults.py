@@ -9,11 +9,11 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-import psycopg
 import pytest
 
 from composer_ops import Engine, TaskContext, Worker
 from composer_ops.engine.worker import Result
+from composer_ops.errors import Transient
 from composer_ops.testing.processes import wait_for
 
 
@@ -66,7 +66,7 @@ def test_failing_heartbeats_stop_the_handler_and_its_result_is_dropped(
     run_id = engine.start("long")
 
     def unreachable(claim: Any) -> Any:
-        raise psycopg.OperationalError("server closed the connection unexpectedly")
+        raise Transient("server closed the connection unexpectedly")
 
     monkeypatch.setattr(engine, "heartbeat", unreachable)
     with Running(engine) as w:

@@ -1,0 +1,180 @@
+"""The error boundary on a real server: every error a composer_ops connection or pool
+raises, wherever it is raised (a statement, the COMMIT at the end of a transaction
+block, waiting for a pooled connection, connecting, a session the server ended), is a
+ComposerError with the driver's error as ``__cause__``; ``db_retry`` re-runs exactly
+the transient ones."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import psycopg
+import pytest
+from psycopg import errors as pgerr
+from psycopg_pool import PoolTimeout
+
+from composer_ops import ops
+from composer_ops.cli import main
+from composer_ops.db import connect, make_pool
+from composer_ops.db.retry import db_retry
+from composer_ops.errors import ComposerError, Conflict, Invalid, Transient, Unavailable
+
+NOWHERE = "postgresql:///composer?host=/nonexistent-socket-dir&connect_timeout=2"
+
+
+@pytest.fixture
+def table(db_url: str) -> str:
+    """A table whose unique key is checked at COMMIT, and one row to fight over."""
+    with psycopg.connect(db_url, autocommit=True) as conn:
+        conn.execute("CREATE TABLE boundary (k int, v int, "
+                     "CONSTRAINT boundary_k UNIQUE (k) DEFERRABLE INITIALLY DEFERRED)")
+        conn.execute("INSERT INTO boundary VALUES (1, 0), (2, 0)")
+    return db_url
+
+
+def test_a_statement_error_is_a_composer_error_caused_by_the_driver_error(db_url: str) -> None:
+    with connect(db_url) as conn:
+        with pytest.raises(Invalid, match="division by zero") as caught:
+            conn.execute("SELECT 1 / 0")
+    assert isinstance(caught.value.__cause__, pgerr.DivisionByZero)
+
+
+def test_an_error_raised_by_the_commit_of_a_transaction_block_is_translated(table: str) -> None:
+    """Nothing is wrong until COMMIT: the error comes out of ``conn.transaction()``'s
+    exit, not out of an execute."""
+    with make_pool(table, min_size=1, max_size=1) as pool:
+        with pytest.raises(Conflict, match="boundary_k") as caught:
+            with pool.connection() as conn, conn.transaction():
+                conn.execute("INSERT INTO boundary VALUES (1, 1)")       # accepted until COMMIT
+        assert isinstance(caught.value.__cause__, pgerr.UniqueViolation)
+        with pool.connection() as conn:                                   # the pool's connection still works
+            assert conn.execute("SELECT count(*) FROM boundary").fetchone() == (2,)
+
+
+def test_a_pool_timeout_is_transient_and_retried(db_url: str) -> None:
+    calls: list[int] = []
+    with make_pool(db_url, min_size=1, max_size=1, timeout=0.05) as pool:
+
+        @db_retry(max_attempts=3, base=0.001, cap=0.001)
+        def txn() -> None:
+            calls.append(1)
+            with pool.connection():
+                pass
+
+        with pool.connection():                                          # the only connection is taken
+            with pytest.raises(Transient, match="can be retried") as caught:
+                txn()
+    assert isinstance(caught.value.__cause__, PoolTimeout) and len(calls) == 3
+
+
+def test_a_session_the_server_ended_is_transient_and_the_retry_runs_on_a_new_one(table: str) -> None:
+    calls: list[int] = []
+    with make_pool(table, min_size=1, max_size=1) as pool:
+
+        @db_retry(max_attempts=3, base=0.001, cap=0.001)
+        def txn() -> int:
+            calls.append(1)
+            with pool.connection() as conn, conn.transaction():
+                if len(calls) == 1:
+                    with psycopg.connect(table, autocommit=True) as killer:
+                        killer.execute("SELECT pg_terminate_backend(%s)", (conn.info.backend_pid,))
+                row = conn.execute("UPDATE boundary SET v = v + 1 WHERE k = 1 RETURNING v").fetchone()
+                assert row is not None
+                return int(row[0])
+
+        assert txn() == 1 and len(calls) == 2
+
+
+def _two_sessions(url: str, first: str, second: str) -> BaseException | None:
+    """Run ``first`` then ``second`` in two overlapping transactions on connections of
+    the boundary; return what the loser raised (None if neither failed)."""
+    failures: list[BaseException] = []
+    with connect(url) as a, connect(url) as b:
+        a.execute("UPDATE boundary SET v = v + 1 WHERE k = 1")
+        b.execute("UPDATE boundary SET v = v + 1 WHERE k = 2")
+
+        def run(conn: psycopg.Connection[Any], statement: str) -> None:
+            try:
+                conn.execute(statement)
+                conn.commit()
+            except BaseException as exc:   # noqa: BLE001 - handed to the test
+                failures.append(exc)
+                conn.rollback()
+
+        racers = [threading.Thread(target=run, args=(a, first)), threading.Thread(target=run, args=(b, second))]
+        for t in racers:
+            t.start()
+        for t in racers:
+            t.join(30)
+    return failures[0] if failures else None
+
+
+def test_a_deadlock_is_transient(table: str) -> None:
+    loser = _two_sessions(table, "UPDATE boundary SET v = v + 1 WHERE k = 2",
+                          "UPDATE boundary SET v = v + 1 WHERE k = 1")
+    assert isinstance(loser, Transient) and isinstance(loser.__cause__, pgerr.DeadlockDetected)
+
+
+def test_a_lock_timeout_is_transient(table: str) -> None:
+    with connect(table) as holder, connect(table) as waiter:
+        holder.execute("UPDATE boundary SET v = v + 1 WHERE k = 1")
+        waiter.execute("SET lock_timeout = '50ms'")
+        with pytest.raises(Transient) as caught:
+            waiter.execute("UPDATE boundary SET v = v + 1 WHERE k = 1")
+    assert isinstance(caught.value.__cause__, pgerr.LockNotAvailable)
+
+
+def test_a_serialization_failure_is_transient(table: str) -> None:
+    with connect(table) as a, connect(table) as b:
+        for conn in (a, b):
+            conn.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
+            conn.execute("SELECT v FROM boundary WHERE k = 1")
+        a.execute("UPDATE boundary SET v = v + 1 WHERE k = 1")
+        a.commit()
+        with pytest.raises(Transient) as caught:
+            b.execute("UPDATE boundary SET v = v + 1 WHERE k = 1")
+    assert isinstance(caught.value.__cause__, pgerr.SerializationFailure)
+
+
+def test_a_statement_timeout_is_not_transient(db_url: str) -> None:
+    with connect(db_url) as conn:
+        conn.execute("SET statement_timeout = '20ms'")
+        with pytest.raises(Unavailable) as caught:
+            conn.execute("SELECT pg_sleep(1)")
+    assert not isinstance(caught.value, Transient) and isinstance(caught.value.__cause__, pgerr.QueryCanceled)
+
+
+def test_connect_failures_are_unavailable_and_transient_only_when_waiting_may_help(db_url: str) -> None:
+    with pytest.raises(Transient, match=r"^cannot connect to the database: ") as down:
+        connect(NOWHERE)
+    assert isinstance(down.value.__cause__, psycopg.OperationalError)
+    bad_role = psycopg.conninfo.make_conninfo(db_url, user="no_such_role_at_all")
+    with pytest.raises(Unavailable, match="no_such_role_at_all") as refused:
+        connect(bad_role)
+    assert not isinstance(refused.value, Transient)
+
+
+def test_ops_functions_raise_the_same_one_line_errors(db_url: str) -> None:
+    """What a notebook shows: a ComposerError of one line, not a driver traceback."""
+    with pytest.raises(Unavailable) as caught:
+        ops.active_by_group(NOWHERE)
+    assert "\n" not in str(caught.value)
+
+
+def test_the_cli_prints_a_server_refusal_as_one_line(db_url: str, capsys: pytest.CaptureFixture[str]) -> None:
+    code = main(["partitions", "ensure", "--database-url", db_url, "--months-ahead", "100000"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and err.startswith("composer-ops: invalid: ")
+    assert "between 0 and 120" in err
+
+
+def test_every_error_above_the_boundary_is_a_composer_error(db_url: str) -> None:
+    """A statement the server refuses for each reason class, through a pooled
+    connection: none escapes as a driver error."""
+    statements = ["SELECT * FROM no_such_table", "SELEC 1", "SELECT 'x'::int", "SELECT composer_ensure_partitions(-1)"]
+    with make_pool(db_url, min_size=1, max_size=1) as pool:
+        for statement in statements:
+            with pytest.raises(ComposerError) as caught, pool.connection() as conn:
+                conn.execute(statement.encode())
+            assert isinstance(caught.value.__cause__, psycopg.Error), statement
