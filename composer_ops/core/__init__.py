@@ -9,6 +9,7 @@ from composer_ops.core.machine import Store, decide
 from composer_ops.core.model import (
     ACTIVE_RUN_STATUSES,
     ACTIVE_TASK_STATES,
+    IN_FLIGHT_TASK_STATES,
     TERMINAL_RUN_STATUSES,
     TERMINAL_TASK_STATES,
     Action,
@@ -47,6 +48,7 @@ from composer_ops.core.spec import NodeSpec, WorkflowSpec, parse_spec, spec_from
 __all__ = [
     "ACTIVE_RUN_STATUSES",
     "ACTIVE_TASK_STATES",
+    "IN_FLIGHT_TASK_STATES",
     "TERMINAL_RUN_STATUSES",
     "TERMINAL_TASK_STATES",
     "Action",

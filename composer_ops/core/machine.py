@@ -84,7 +84,7 @@ class _Slot:
     state: TaskState
     attempt: int = 0
     branches: tuple[str, ...] | None = None
-    awaited_signal: str | None = None
+    event_name: str | None = None
     lease_owner: str | None = None
     lease_expires_at: datetime | None = None
 
@@ -122,7 +122,7 @@ class _Decider:
                 state=ns.state,
                 attempt=ns.attempt,
                 branches=ns.branches,
-                awaited_signal=ns.awaited_signal,
+                event_name=ns.event_name,
                 lease_owner=ns.lease_owner,
                 lease_expires_at=ns.lease_expires_at,
             )
@@ -177,7 +177,7 @@ class _Decider:
             task_id=task_id,
             state=state,
             branches=fields.get("branches"),
-            awaited_signal=fields.get("awaited_signal"),
+            event_name=fields.get("event_name"),
         )
         if state is TaskState.COMPLETED:
             self.outputs[node.id] = fields.get("output")
@@ -310,14 +310,14 @@ class _Decider:
         self.create(node, TaskState.WAITING, wake_at=wake_at)
 
     def create_wait_for_event(self, node: NodeSpec) -> None:
-        assert node.event is not None
-        signal = self.take_signal(node.event)
+        assert node.event_name is not None
+        signal = self.take_signal(node.event_name)
         if signal is not None:
-            self.create(node, TaskState.COMPLETED, output=signal.payload, awaited_signal=node.event)
+            self.create(node, TaskState.COMPLETED, output=signal.payload, event_name=node.event_name)
             self.actions.append(ConsumeSignal(signal_id=signal.id))
             return
         wake_at = None if node.timeout_s is None else self.now + timedelta(seconds=node.timeout_s)
-        self.create(node, TaskState.WAITING, wake_at=wake_at, awaited_signal=node.event)
+        self.create(node, TaskState.WAITING, wake_at=wake_at, event_name=node.event_name)
 
     # -- events -------------------------------------------------------------
 
@@ -400,7 +400,7 @@ class _Decider:
             self.set_state(node.id, TaskState.COMPLETED, output=None)
         elif node.type is NodeType.WAIT_FOR_EVENT:
             after = f" after {_seconds(node.timeout_s)}" if node.timeout_s is not None else ""
-            error = f"timed out waiting for event {json.dumps(node.event)}{after}"
+            error = f"timed out waiting for event {json.dumps(node.event_name)}{after}"
             self.actions.append(
                 ResolveWait(task_id=slot.task_id, node_id=node.id, state=TaskState.FAILED, reason=error)
             )
@@ -415,7 +415,7 @@ class _Decider:
         run = self.run
         if run.status not in ACTIVE_RUN_STATUSES:
             raise Conflict(f"run {run.id} is {run.status}; it accepts no signals")
-        if not any(n.type is NodeType.WAIT_FOR_EVENT and n.event == event.name for n in self.spec.nodes.values()):
+        if not any(n.type is NodeType.WAIT_FOR_EVENT and n.event_name == event.name for n in self.spec.nodes.values()):
             raise Invalid(
                 f"run {run.id}: workflow {json.dumps(run.workflow_id)} version {run.workflow_version} "
                 f"has no WAIT_FOR_EVENT node for event {json.dumps(event.name)}"
@@ -424,7 +424,7 @@ class _Decider:
             (slot.task_id, node_id)
             for node_id, slot in self.slots.items()
             if slot.state is TaskState.WAITING
-            and slot.awaited_signal == event.name
+            and slot.event_name == event.name
             and node_id in self.spec.nodes
             and self.spec.nodes[node_id].type is NodeType.WAIT_FOR_EVENT
         )

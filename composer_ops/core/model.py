@@ -31,9 +31,16 @@ class TaskState(StrEnum):
     CANCELLED = "CANCELLED"
 
 
+#: A task that has not ended: the states the machine cancels with its run, and the
+#: predicate of the partial index that counts a run's active tasks.
 ACTIVE_TASK_STATES: frozenset[TaskState] = frozenset(
     {TaskState.PENDING, TaskState.QUEUED, TaskState.RUNNING, TaskState.WAITING}
 )
+#: A TASK attempt that has not ended: waiting for a worker (PENDING, QUEUED) or
+#: running under a lease (RUNNING). A worker's result, a retry or a failure applies
+#: only to a task in one of these; WAITING belongs to WAIT and WAIT_FOR_EVENT nodes,
+#: which no worker runs, so it is active but never in flight.
+IN_FLIGHT_TASK_STATES: frozenset[TaskState] = frozenset({TaskState.PENDING, TaskState.QUEUED, TaskState.RUNNING})
 TERMINAL_TASK_STATES: frozenset[TaskState] = frozenset(
     {TaskState.COMPLETED, TaskState.FAILED, TaskState.SKIPPED, TaskState.CANCELLED}
 )
@@ -70,16 +77,17 @@ class NodeType(StrEnum):
 class NodeState:
     """What the machine knows about the task of one reached node.
 
-    ``attempt`` is 0-based: the number of retries so far. ``awaited_signal`` is the
-    event name of a WAIT_FOR_EVENT task. Inputs and outputs are deliberately absent:
-    they are loaded through the store only when a decision needs them.
+    ``attempt`` is 0-based: the number of retries so far. ``event_name`` is the
+    signal a WAIT_FOR_EVENT task waits for (column ``task_instances.event_name``).
+    Inputs and outputs are deliberately absent: they are loaded through the store
+    only when a decision needs them.
     """
 
     task_id: str
     state: TaskState
     attempt: int = 0
     branches: tuple[str, ...] | None = None
-    awaited_signal: str | None = None
+    event_name: str | None = None
     lease_owner: str | None = None
     lease_expires_at: datetime | None = None
 
@@ -224,7 +232,7 @@ class CreateTask:
     error: str | None = None
     branches: tuple[str, ...] | None = None
     wake_at: datetime | None = None
-    awaited_signal: str | None = None
+    event_name: str | None = None
     available_at: datetime | None = None
 
 

@@ -8,11 +8,14 @@ recent, or it would land in a partition that does not exist.
 
 from __future__ import annotations
 
+import uuid
 from datetime import UTC, datetime, timedelta
 
 from composer_ops.errors import Invalid
 
 __all__ = [
+    "RUN_ID_MAX_AGE",
+    "RUN_ID_MAX_AHEAD",
     "month_bounds",
     "month_of",
     "month_start",
@@ -25,6 +28,10 @@ _EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 _HEX = frozenset("0123456789abcdef")
 _HYPHENS = (8, 13, 18, 23)
 _EXAMPLE = "0190b6c8-5a3e-7d2c-9f1e-3b4a5c6d7e8f"
+
+#: How far a client-supplied run ID's timestamp may lag or lead the database clock.
+RUN_ID_MAX_AGE = timedelta(hours=1)
+RUN_ID_MAX_AHEAD = timedelta(minutes=5)
 
 
 def _require_aware(ts: datetime, name: str) -> None:
@@ -51,25 +58,25 @@ def _iso(ts: datetime) -> str:
     return ts.astimezone(UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
 
 
-def _check_uuid7(run_id: object) -> str:
+def _check_uuid7(run_id: object, name: str = "run id") -> str:
     """Return ``run_id`` if it is a canonical lowercase UUIDv7, else raise Invalid."""
     if not isinstance(run_id, str):
-        raise Invalid(f"run id must be a string, got {type(run_id).__name__}")
+        raise Invalid(f"{name} must be a string, got {type(run_id).__name__}")
     shape_ok = len(run_id) == 36 and all(
         (ch == "-") if i in _HYPHENS else (ch in _HEX or ch in "ABCDEF") for i, ch in enumerate(run_id)
     )
     if not shape_ok:
         raise Invalid(
-            f"run id {run_id!r} is not a canonical UUID: expected 36 characters, "
+            f"{name} {run_id!r} is not a canonical UUID: expected 36 characters, "
             f"hex digits with hyphens after the 8th, 12th, 16th and 20th, like {_EXAMPLE}"
         )
     if run_id != run_id.lower():
-        raise Invalid(f"run id {run_id!r} must be lowercase (try {run_id.lower()!r})")
+        raise Invalid(f"{name} {run_id!r} must be lowercase (try {run_id.lower()!r})")
     if run_id[14] != "7":
-        raise Invalid(f"run id {run_id!r} is a version {run_id[14]} UUID, not a UUIDv7")
+        raise Invalid(f"{name} {run_id!r} is a version {run_id[14]} UUID, not a UUIDv7")
     if run_id[19] not in "89ab":
         raise Invalid(
-            f"run id {run_id!r} has variant nibble {run_id[19]!r}; "
+            f"{name} {run_id!r} has variant nibble {run_id[19]!r}; "
             "a UUIDv7 needs the RFC 9562 variant (bits 10xx: 8, 9, a or b)"
         )
     return run_id
@@ -86,31 +93,48 @@ def uuid7_timestamp(run_id: str) -> datetime:
 
 
 def validate_run_id(
-    run_id: str,
-    now: datetime,
+    value: object,
+    now: datetime | None = None,
     *,
-    max_age: timedelta = timedelta(hours=1),
-    max_ahead: timedelta = timedelta(minutes=5),
-) -> datetime:
-    """Check a client-supplied run ID against the database clock ``now``.
+    normalise: bool = False,
+    name: str = "run id",
+    max_age: timedelta = RUN_ID_MAX_AGE,
+    max_ahead: timedelta = RUN_ID_MAX_AHEAD,
+) -> str:
+    """The check of a run ID: its canonical text, or ``Invalid`` naming ``name`` and
+    what is wrong.
 
-    Returns the embedded timestamp. Raises ``Invalid`` with the reason when the ID
-    is not a canonical lowercase UUIDv7, or was minted more than ``max_age`` before
-    ``now`` or more than ``max_ahead`` after it.
+    A run ID is a canonical lowercase UUIDv7 with the RFC 9562 variant; that text is
+    the partition key, so no other spelling names the same run. ``normalise=True``
+    first accepts what a person may paste (any case, surrounding spaces, braces, a
+    ``urn:uuid:`` prefix) and returns the canonical text: for looking a run up, never
+    for naming a new one. With ``now`` (the database clock), an ID minted more than
+    ``max_age`` before it or more than ``max_ahead`` after it is refused too: what a
+    client-supplied ID of a new run must meet.
     """
+    if normalise:
+        if not isinstance(value, str):
+            raise Invalid(f"{name} must be a UUID string, got {type(value).__name__} {value!r}")
+        try:
+            value = str(uuid.UUID(value.strip()))
+        except ValueError:
+            raise Invalid(f"{name} {value!r} is not a UUID") from None
+    run_id = _check_uuid7(value, name)
+    if now is None:
+        return run_id
     _require_aware(now, "now")
     minted = uuid7_timestamp(run_id)
     if minted < now - max_age:
         raise Invalid(
-            f"run id {run_id} was minted at {_iso(minted)}, more than {_format_age(max_age)} "
+            f"{name} {run_id} was minted at {_iso(minted)}, more than {_format_age(max_age)} "
             f"before the database clock {_iso(now)}"
         )
     if minted > now + max_ahead:
         raise Invalid(
-            f"run id {run_id} was minted at {_iso(minted)}, more than {_format_age(max_ahead)} "
+            f"{name} {run_id} was minted at {_iso(minted)}, more than {_format_age(max_ahead)} "
             f"after the database clock {_iso(now)}"
         )
-    return minted
+    return run_id
 
 
 def month_of(run_id: str) -> str:

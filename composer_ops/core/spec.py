@@ -64,8 +64,8 @@ class NodeSpec:
     # WAIT
     duration_s: float | None = None
     until: str | None = None
-    # WAIT_FOR_EVENT
-    event: str | None = None
+    # WAIT_FOR_EVENT (the JSON key is "event")
+    event_name: str | None = None
     timeout_s: float | None = None
     on_timeout: str = "fail"
 
@@ -96,7 +96,7 @@ class NodeSpec:
             else:
                 doc["until"] = self.until
         else:
-            doc["event"] = self.event
+            doc["event"] = self.event_name
             if self.timeout_s is not None:
                 doc["timeout_s"] = self.timeout_s
             doc["on_timeout"] = self.on_timeout
@@ -381,7 +381,7 @@ def _parse_node(raw: Any, index: int, seen: set[str]) -> NodeSpec:
         raise Invalid(f'{where}: on_timeout must be "fail" or "continue", got {_q(on_timeout)}')
     return NodeSpec(
         **common,
-        event=_text(raw["event"], f"{where}: event"),
+        event_name=_text(raw["event"], f"{where}: event"),
         timeout_s=None if timeout is None else _number(timeout, f"{where}: timeout_s"),
         on_timeout=on_timeout,
     )

@@ -25,7 +25,7 @@ from functools import partial
 from typing import TYPE_CHECKING
 
 from composer_ops.core import LeaseExpired, TimerDue
-from composer_ops.core.model import TaskRef as CoreRef
+from composer_ops.core.model import TaskRef
 from composer_ops.engine.webhooks import RelayPolicy, relay_once
 from composer_ops.errors import ComposerError, Invalid
 from composer_ops.repo import partitions, signals, tasks
@@ -117,7 +117,7 @@ class Coordinator:
         with self.engine.pool.connection() as conn:
             expired = tasks.expired_leases(conn, self.batch)
         for lease in expired:
-            ref = CoreRef(task_id=lease.task_id, run_id=lease.run_id, node_id=lease.node_id,
+            ref = TaskRef(task_id=lease.task_id, run_id=lease.run_id, node_id=lease.node_id,
                           attempt=lease.attempt, lease_owner=lease.lease_owner)
             try:
                 outcome = self.engine.shell.handle(lease.run_id, partial(_lease_expired, ref))
@@ -148,5 +148,5 @@ def _timer_due(task_id: str, node_id: str, now: datetime) -> TimerDue:
     return TimerDue(task_id=task_id, node_id=node_id, now=now)
 
 
-def _lease_expired(ref: CoreRef, now: datetime) -> LeaseExpired:
+def _lease_expired(ref: TaskRef, now: datetime) -> LeaseExpired:
     return LeaseExpired(ref=ref, now=now)

@@ -6,12 +6,12 @@ import json
 import logging
 import os
 from collections.abc import Mapping, Sequence
-from datetime import datetime, timedelta
+from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
 from composer_ops.core import CancelRun, SignalReceived, TaskCompleted, TaskFailed, parse_spec
 from composer_ops.core.model import TaskRef
-from composer_ops.core.runids import month_of, uuid7_timestamp, validate_run_id
+from composer_ops.core.runids import month_of, validate_run_id
 from composer_ops.core.spec import ID_PATTERN
 from composer_ops.db import autocommit, make_pool, resolve_url
 from composer_ops.db.errors import Pool
@@ -28,11 +28,6 @@ if TYPE_CHECKING:
     from composer_ops.engine.coordinator import Coordinator
 
 log = logging.getLogger(__name__)
-
-#: How far a client-supplied run ID's timestamp may lag or lead the database clock.
-RUN_ID_MAX_AGE = timedelta(hours=1)
-RUN_ID_MAX_AHEAD = timedelta(minutes=5)
-
 
 class Engine:
     """A connection pool plus the shell: deploy, start, signal, cancel, inspect.
@@ -119,7 +114,7 @@ class Engine:
             raise Invalid(f"version must be a positive integer, got {version!r}")
         check_json(input, "input")
         if run_id is not None:
-            uuid7_timestamp(run_id)  # format check before touching the database
+            validate_run_id(run_id)  # the format, before touching the database
         return self._start(workflow_id, input, version, run_id, [])
 
     @db_retry()
@@ -139,7 +134,7 @@ class Engine:
                 run_id = minted[0]
             else:
                 run_id = client_id
-                validate_run_id(run_id, now, max_age=RUN_ID_MAX_AGE, max_ahead=RUN_ID_MAX_AHEAD)
+                validate_run_id(run_id, now)
                 self._require_partition(conn, run_id)
             if row is None:
                 definitions.refuse_missing(conn, workflow_id, version)
@@ -176,7 +171,7 @@ class Engine:
     def signal(self, run_id: str, name: str, payload: Any = None) -> Outcome:
         """Deliver a signal: it resolves the earliest node waiting for ``name``, or is
         buffered. A finished run is a Conflict; an unknown one NotFound."""
-        uuid7_timestamp(run_id)
+        validate_run_id(run_id)
         if not isinstance(name, str) or not name.strip() or len(name) > 200 or "\x00" in name:
             raise Invalid(f"signal name must be a non-empty string of at most 200 characters, got {name!r}")
         check_json(payload, "payload")
@@ -184,13 +179,13 @@ class Engine:
 
     def cancel(self, run_id: str, reason: str = "cancelled") -> Outcome:
         """Cancel a run and its active tasks; late results for them are stale."""
-        uuid7_timestamp(run_id)
+        validate_run_id(run_id)
         return self.shell.handle(run_id, lambda now: CancelRun(reason=reason, now=now))
 
     @db_retry()
     def get_run(self, run_id: str) -> RunView:
         """The run, its output or error, and every task (node_id, state, attempt, output, error)."""
-        uuid7_timestamp(run_id)
+        validate_run_id(run_id)
         with self.pool.connection() as conn:
             return runs.get_run(conn, run_id)
 

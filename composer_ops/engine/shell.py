@@ -85,8 +85,7 @@ class _Store:
         return runs.load_outputs(self._conn, self._run_id, sorted(node_ids))
 
     def pending_signals(self, name: str) -> Sequence[Signal]:
-        return [Signal(id=s.id, name=s.name, payload=s.payload)
-                for s in signals.pending_signals(self._conn, self._run_id, name)]
+        return signals.pending_signals(self._conn, self._run_id, name)
 
 
 class Shell:
@@ -137,7 +136,7 @@ class Shell:
             spec=defn.spec,
             nodes={node_id: NodeState(task_id=t.task_id, state=TaskState(t.state), attempt=t.attempt,
                                       branches=tuple(t.branches) if t.branches is not None else None,
-                                      awaited_signal=t.event_name, lease_owner=t.lease_owner,
+                                      event_name=t.event_name, lease_owner=t.lease_owner,
                                       lease_expires_at=t.lease_expires_at)
                    for node_id, t in nodes.items()},
         )
@@ -194,7 +193,7 @@ class Shell:
         inserted = tasks.insert_task(
             conn, run.id, task_id=a.task_id, node_id=a.node_id, node_type=str(a.node_type), queue=queue,
             state=str(a.state), input=a.input, output=a.output, error=a.error, branches=a.branches,
-            wake_at=a.wake_at, event_name=a.awaited_signal)
+            wake_at=a.wake_at, event_name=a.event_name)
         if not inserted:
             raise Conflict(f"run {run.id}: node {a.node_id} already has a task; "
                            "the decision was based on a stale snapshot and was rolled back")

@@ -8,14 +8,15 @@ ID, so each touches the single monthly partition that holds the run.
 
 from __future__ import annotations
 
+import functools
 import json
-import uuid
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
 import polars as pl
 
+from composer_ops.core import runids
 from composer_ops.errors import Invalid, NotFound
 from composer_ops.ops._common import ACTIVE_STATES, UTC_TS, Source, connection, rows_frame
 from composer_ops.repo import analytics
@@ -28,18 +29,10 @@ TASK_SCHEMA = {
     "last_error": pl.String, "branches": pl.List(pl.String), "output": pl.String,
 }
 
-def validate_run_id(value: Any) -> str:
-    """The canonical text of a UUIDv7 run ID; :class:`Invalid` for anything else.
-    Called before any query, so a bad notebook parameter never reaches the database."""
-    if not isinstance(value, str):
-        raise Invalid(f"run_id must be a UUID string, got {type(value).__name__} {value!r}")
-    try:
-        parsed = uuid.UUID(value.strip())
-    except ValueError:
-        raise Invalid(f"run_id {value!r} is not a UUID") from None
-    if parsed.version != 7:
-        raise Invalid(f"run_id {value!r} is a version {parsed.version} UUID; run IDs are UUIDv7")
-    return str(parsed)
+#: The notebooks' ``run_id`` parameter: any spelling of a UUIDv7 a person may paste,
+#: returned canonical (core's one run-ID check). Called before any query, so a bad
+#: notebook parameter never reaches the database.
+validate_run_id = functools.partial(runids.validate_run_id, normalise=True, name="run_id")
 
 
 def latest_run_id(source: Source = None, *, status: str | None = "FAILED") -> str | None:

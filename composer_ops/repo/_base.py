@@ -12,6 +12,8 @@ every query on them filters on run_id to touch a single partition.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+from enum import StrEnum
 from typing import Any, TypeVar
 
 import psycopg
@@ -20,6 +22,18 @@ from psycopg.types.json import Jsonb
 
 Conn = psycopg.Connection[Any]
 R = TypeVar("R")
+
+
+def sql_states(states: Iterable[StrEnum]) -> str:
+    """A set of states (``core.model``'s) as an SQL list literal, in declaration order:
+    ``sql_states(ACTIVE_TASK_STATES) == "('PENDING', 'QUEUED', 'RUNNING', 'WAITING')"``.
+    A literal rather than a parameter, so the planner can match the predicate of a
+    partial index even in a generic plan; the values are enum members, never input."""
+    chosen = set(states)
+    if not chosen:
+        raise ValueError("an empty set of states matches nothing")
+    members = [m for m in type(next(iter(chosen))) if m in chosen]
+    return "(" + ", ".join(f"'{m.value}'" for m in members) + ")"
 
 
 def jsonb(value: Any) -> Jsonb | None:

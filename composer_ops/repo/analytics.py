@@ -17,12 +17,12 @@ from __future__ import annotations
 from typing import Any
 
 from composer_ops.core.model import ACTIVE_TASK_STATES
-from composer_ops.repo._base import Conn
+from composer_ops.repo._base import Conn, sql_states
 
 Row = tuple[Any, ...]
 
 #: The active task states as an SQL list literal: the partial index predicate.
-ACTIVE_SQL = "(" + ", ".join(f"'{s}'" for s in sorted(ACTIVE_TASK_STATES)) + ")"
+ACTIVE_SQL = sql_states(ACTIVE_TASK_STATES)
 #: What queue a non-TASK node (SWITCH, WAIT, WAIT_FOR_EVENT) is listed under.
 COORDINATOR_QUEUE = "(coordinator)"
 

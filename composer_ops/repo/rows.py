@@ -6,12 +6,6 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
-# One execution attempt of a task: the state machine's TaskRef is also what the
-# repository's fenced updates match on (re-exported here for repository callers).
-from composer_ops.core.model import TaskRef
-
-__all__ = ["TaskRef"]
-
 
 @dataclass(frozen=True, kw_only=True)
 class RunRow:
@@ -72,13 +66,6 @@ class ExpiredLease:
     node_id: str
     attempt: int
     lease_owner: str | None
-
-
-@dataclass(frozen=True, kw_only=True)
-class Signal:
-    id: str
-    name: str
-    payload: Any
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -6,9 +6,10 @@ from typing import Any
 
 from psycopg.rows import class_row
 
+from composer_ops.core.model import ACTIVE_RUN_STATUSES
 from composer_ops.core.runids import month_of
 from composer_ops.errors import ComposerError, Conflict, Invalid, NotFound
-from composer_ops.repo._base import Conn, error_json, fetch_all, fetch_one, jsonb
+from composer_ops.repo._base import Conn, error_json, fetch_all, fetch_one, jsonb, sql_states
 from composer_ops.repo.rows import RunRow, RunView, TaskStateRow, TaskView
 
 _LOCK_RUN = """
@@ -138,11 +139,11 @@ def _insert_run_guarded(conn: Conn, *, run_id: str, workflow_id: str, workflow_v
 def finish_run(conn: Conn, run_id: str, status: str, *, reason: str | None = None,
                output: Any = None) -> bool:
     """Move a non-terminal run to a terminal status; False when it already was."""
-    cur = conn.execute("""
+    cur = conn.execute(f"""
         UPDATE workflow_runs
            SET status = %s, error_json = %s, output_json = %s,
                completed_at = NOW(), updated_at = NOW()
-         WHERE id = %s AND status IN ('RUNNING', 'PENDING')""",
+         WHERE id = %s AND status IN {sql_states(ACTIVE_RUN_STATUSES)}""",
         (status, error_json(reason), jsonb(output), run_id))
     return cur.rowcount == 1
 

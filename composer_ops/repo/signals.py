@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from composer_ops.core.model import Signal
 from composer_ops.repo._base import Conn, error_json, fetch_all, jsonb
-from composer_ops.repo.rows import DueWait, Signal
+from composer_ops.repo.rows import DueWait
 
 
 def due_waits(conn: Conn, limit: int) -> list[DueWait]:

@@ -1,7 +1,7 @@
 """Task instances: insert, the fenced updates, leases.
 
 Every update repeats the state machine's fencing check in its WHERE clause (id,
-node_id, attempt, an active state). The machine already checked under the run lock;
+node_id, attempt, an in-flight state). The machine already checked under the run lock;
 this is defence in depth: if anything wrote to the task outside the engine, the
 update matches zero rows and the shell rolls the transaction back.
 """
@@ -12,10 +12,12 @@ from collections.abc import Sequence
 from datetime import datetime
 from typing import Any
 
-from composer_ops.repo._base import Conn, error_json, fetch_all, fetch_one, jsonb
-from composer_ops.repo.rows import ExpiredLease, FinishedTask, TaskDispatch, TaskRef
+from composer_ops.core.model import ACTIVE_TASK_STATES, IN_FLIGHT_TASK_STATES, TaskRef
+from composer_ops.repo._base import Conn, error_json, fetch_all, fetch_one, jsonb, sql_states
+from composer_ops.repo.rows import ExpiredLease, FinishedTask, TaskDispatch
 
-_ACTIVE = "('PENDING', 'QUEUED', 'RUNNING')"
+_IN_FLIGHT = sql_states(IN_FLIGHT_TASK_STATES)
+_ACTIVE = sql_states(ACTIVE_TASK_STATES)
 
 
 def insert_task(conn: Conn, run_id: str, *, task_id: str, node_id: str, node_type: str,
@@ -50,7 +52,7 @@ def complete_task(conn: Conn, ref: TaskRef, output: Any) -> FinishedTask | None:
                completed_at = NOW(), finished_at = NOW(), updated_at = NOW(),
                lease_owner = NULL, lease_expires_at = NULL
          WHERE run_id = %s AND id = %s AND node_id = %s AND attempt = %s
-           AND state IN {_ACTIVE}
+           AND state IN {_IN_FLIGHT}
         RETURNING node_type, started_at""",
         (jsonb(output), ref.run_id, ref.task_id, ref.node_id, ref.attempt))
 
@@ -63,7 +65,7 @@ def fail_task(conn: Conn, ref: TaskRef, reason: str) -> FinishedTask | None:
                finished_at = NOW(), updated_at = NOW(),
                lease_owner = NULL, lease_expires_at = NULL
          WHERE run_id = %s AND id = %s AND node_id = %s AND attempt = %s
-           AND state IN {_ACTIVE}
+           AND state IN {_IN_FLIGHT}
         RETURNING node_type, started_at""",
         (error_json(reason), ref.run_id, ref.task_id, ref.node_id, ref.attempt))
 
@@ -77,7 +79,7 @@ def requeue_task(conn: Conn, ref: TaskRef, reason: str) -> TaskDispatch | None:
                started_at = NULL, updated_at = NOW(),
                lease_owner = NULL, lease_expires_at = NULL
          WHERE run_id = %s AND id = %s AND node_id = %s AND attempt = %s
-           AND state IN {_ACTIVE}
+           AND state IN {_IN_FLIGHT}
         RETURNING id AS task_id, run_id, node_id, node_type,
                   COALESCE(queue, lower(node_type)) AS queue, attempt, input_json AS input""",
         (error_json(reason), ref.run_id, ref.task_id, ref.node_id, ref.attempt))
@@ -87,12 +89,12 @@ def cancel_tasks(conn: Conn, run_id: str, task_ids: Sequence[str], reason: str) 
     """Move the given active tasks of a run to CANCELLED; returns how many moved."""
     if not task_ids:
         return 0
-    cur = conn.execute("""
+    cur = conn.execute(f"""
         UPDATE task_instances
            SET state = 'CANCELLED', last_error = %s, finished_at = NOW(), updated_at = NOW(),
                lease_owner = NULL, lease_expires_at = NULL
          WHERE run_id = %s AND id = ANY(%s)
-           AND state IN ('PENDING', 'QUEUED', 'RUNNING', 'WAITING')""",
+           AND state IN {_ACTIVE}""",
         (error_json(reason), run_id, list(task_ids)))
     return cur.rowcount
 

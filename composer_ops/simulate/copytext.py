@@ -97,7 +97,7 @@ class CopyText:
             json_text(row.input) if row.node_type is NodeType.TASK else _N, json_text(row.output),
             json_text({"error": row.error}) if row.error else _N,
             "{" + ",".join(row.branches) + "}" if row.branches is not None else _N,
-            stamp(row.wake_at), row.awaited_signal or _N, created, stamp(row.started_at), stamp(row.finished_at),
+            stamp(row.wake_at), row.event_name or _N, created, stamp(row.started_at), stamp(row.finished_at),
             stamp(row.completed_at), created, stamp(row.updated_at), row.lease_owner or _N,
             stamp(row.lease_expires_at))) + "\n"
 

@@ -141,8 +141,8 @@ class _Player:
                     if action.wake_at is not None:   # an instant already past is due at once
                         clock.at(max(action.wake_at.timestamp(), when) + rng.uniform(0.01, 0.5), "timer",
                                  (action.node_id, action.task_id))
-                    if action.node_type is NodeType.WAIT_FOR_EVENT and action.awaited_signal is not None:
-                        for signal in self.awaiting.pop(action.awaited_signal, ()):
+                    if action.node_type is NodeType.WAIT_FOR_EVENT and action.event_name is not None:
+                        for signal in self.awaiting.pop(action.event_name, ()):
                             clock.at(when + signal.delay_s, "signal", (signal, False))
             elif isinstance(action, RequeueTask):
                 clock.at(action.available_at.timestamp() + self.queueing(), "claim",

@@ -86,7 +86,7 @@ class TaskRow:
     error: str | None = None
     branches: tuple[str, ...] | None = None
     wake_at: datetime | None = None
-    awaited_signal: str | None = None
+    event_name: str | None = None
     started_at: datetime | None = None
     finished_at: datetime | None = None
     completed_at: datetime | None = None
@@ -158,7 +158,7 @@ class Replay:
             for node_id in self._changed:
                 row = rows[node_id]
                 nodes[node_id] = NodeState(task_id=row.task_id, state=row.state, attempt=row.attempt,
-                                           branches=row.branches, awaited_signal=row.awaited_signal,
+                                           branches=row.branches, event_name=row.event_name,
                                            lease_owner=row.lease_owner, lease_expires_at=row.lease_expires_at)
             self._changed.clear()
         return self._nodes
@@ -260,7 +260,7 @@ class Replay:
             task_id=a.task_id, node_id=a.node_id, node_type=a.node_type,
             queue=(self.spec.nodes[a.node_id].queue or "default") if is_task else None,
             state=state, created_at=now, updated_at=now, input=a.input, output=a.output, error=a.error,
-            branches=a.branches, wake_at=a.wake_at, awaited_signal=a.awaited_signal,
+            branches=a.branches, wake_at=a.wake_at, event_name=a.event_name,
             finished_at=now if state in _BORN_FINISHED else None,
             completed_at=now if state is TaskState.COMPLETED else None,
             available_at=a.available_at if is_task and state is TaskState.PENDING else None)

@@ -18,9 +18,10 @@ import pytest
 
 from bench.hot import SEED, StatementCapture  # the benchmark EXPLAINs the same statements on the same seed
 from composer_ops import Engine
+from composer_ops.core.model import TaskRef
 from composer_ops.db.migrate import migrate
 from composer_ops.repo import signals, tasks
-from composer_ops.repo.rows import Claim, TaskRef
+from composer_ops.repo.rows import Claim
 
 SPEC = {"id": "hb", "nodes": [{"id": "work", "type": "TASK", "task": "noop", "lease_s": 300}]}
 TASKS = 120

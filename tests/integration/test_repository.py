@@ -8,9 +8,10 @@ from typing import Any
 
 import pytest
 
+from composer_ops.core.model import TaskRef
 from composer_ops.errors import Conflict, Invalid, NotFound
 from composer_ops.repo import definitions, outbox, runs, signals, tasks, webhooks
-from composer_ops.repo.rows import Dispatch, StartTarget, TaskRef
+from composer_ops.repo.rows import Dispatch, StartTarget
 from tests.integration.helpers import add_definition, add_run, now_utc
 
 

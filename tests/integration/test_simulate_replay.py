@@ -176,7 +176,7 @@ def _replay_side(replay: Replay) -> dict[str, Any]:
                 {"error": replay.run_reason} if replay.run_reason else None),
         "tasks": {r.node_id: (str(r.node_type), r.queue, str(r.state), r.attempt, r.input, r.output,
                               {"error": r.error} if r.error else None,
-                              list(r.branches) if r.branches is not None else None, r.awaited_signal,
+                              list(r.branches) if r.branches is not None else None, r.event_name,
                               r.wake_at if r.node_id == "due" else _set(r.wake_at),
                               _set(r.started_at), _set(r.finished_at), _set(r.completed_at),
                               r.lease_owner, _set(r.lease_expires_at))

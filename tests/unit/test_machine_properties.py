@@ -162,7 +162,7 @@ def send_checked(sim: Sim, event: Event) -> Decision | None:
         waiters = sorted(
             (s.task_id, n)
             for n, s in sim.nodes.items()
-            if isinstance(event, SignalReceived) and s.state is TaskState.WAITING and s.awaited_signal == event.name
+            if isinstance(event, SignalReceived) and s.state is TaskState.WAITING and s.event_name == event.name
         )
         decision = sim.send(event)
         assert not decision.stale and decision.actions
@@ -199,7 +199,7 @@ def moves(sim: Sim) -> list[tuple[Any, ...]]:
             out.append(("fire_done", node_id))
         if state.attempt > 0:
             out.append(("old_attempt", node_id))
-    out += [("signal", name) for name in sorted({n.event for n in sim.spec.nodes.values() if n.event})]
+    out += [("signal", name) for name in sorted({n.event_name for n in sim.spec.nodes.values() if n.event_name})]
     return out
 
 
@@ -280,8 +280,8 @@ def drain(sim: Sim) -> None:
             if state.state is TaskState.WAITING:
                 node = sim.spec.nodes[node_id]
                 if node.type is NodeType.WAIT_FOR_EVENT:
-                    assert node.event is not None
-                    send_checked(sim, SignalReceived(name=node.event, payload={"v": "b"}, now=sim.now))
+                    assert node.event_name is not None
+                    send_checked(sim, SignalReceived(name=node.event_name, payload={"v": "b"}, now=sim.now))
                 else:
                     wake_at = sim.rows[node_id].wake_at
                     assert wake_at is not None

@@ -43,13 +43,14 @@ def sql_uuid7_bound(ts: datetime) -> str:
 
 def test_accepts_a_fresh_uuid7() -> None:
     run_id = mint(NOW - timedelta(minutes=10))
-    assert validate_run_id(run_id, NOW) == NOW - timedelta(minutes=10)
+    assert validate_run_id(run_id, NOW) == run_id
+    assert uuid7_timestamp(run_id) == NOW - timedelta(minutes=10)
 
 
 def test_accepts_uuid6_package_output() -> None:
     run_id = str(uuid6.uuid7())
     minted = uuid7_timestamp(run_id)
-    assert validate_run_id(run_id, minted + timedelta(seconds=1)) == minted
+    assert validate_run_id(run_id, minted + timedelta(seconds=1)) == run_id
 
 
 @pytest.mark.parametrize(
@@ -76,7 +77,30 @@ def test_rejects_malformed(run_id: str, fragment: str) -> None:
 
 def test_rejects_non_string() -> None:
     with pytest.raises(Invalid, match="string"):
-        validate_run_id(123, NOW)  # type: ignore[arg-type]
+        validate_run_id(123, NOW)
+
+
+def test_without_a_clock_only_the_shape_is_checked() -> None:
+    ancient = mint(NOW - timedelta(days=3650))
+    assert validate_run_id(ancient) == ancient
+    with pytest.raises(Invalid, match="lowercase"):
+        validate_run_id(ancient.upper())
+
+
+@pytest.mark.parametrize("spelling", ["{ID}", "  ID ", "urn:uuid:ID", "UPPER", "ID"])
+def test_normalise_accepts_what_a_person_pastes_and_returns_the_canonical_text(spelling: str) -> None:
+    run_id = mint(NOW)
+    text = run_id.upper() if spelling == "UPPER" else spelling.replace("ID", run_id)
+    assert validate_run_id(text, normalise=True) == run_id
+
+
+@pytest.mark.parametrize(("value", "fragment"), [("not-a-uuid", "run_id 'not-a-uuid' is not a UUID"),
+                                                  (42, "run_id must be a UUID string"),
+                                                  ("0190b6c8-5a3e-4d2c-9f1e-3b4a5c6d7e8f", "version 4")])
+def test_normalise_still_refuses_what_is_not_a_uuid7(value: object, fragment: str) -> None:
+    with pytest.raises(Invalid) as info:
+        validate_run_id(value, normalise=True, name="run_id")
+    assert fragment in str(info.value)
 
 
 def test_rejects_old_ids() -> None:
@@ -89,7 +113,8 @@ def test_rejects_old_ids() -> None:
 
 
 def test_age_limit_is_inclusive_and_configurable() -> None:
-    assert validate_run_id(mint(NOW - timedelta(hours=1)), NOW) == NOW - timedelta(hours=1)
+    oldest = mint(NOW - timedelta(hours=1))
+    assert validate_run_id(oldest, NOW) == oldest
     with pytest.raises(Invalid, match="more than 1m30s before"):
         validate_run_id(mint(NOW - timedelta(minutes=2)), NOW, max_age=timedelta(seconds=90))
 
@@ -98,13 +123,16 @@ def test_rejects_ids_from_the_future() -> None:
     run_id = mint(NOW + timedelta(minutes=6))
     with pytest.raises(Invalid, match="more than 5m after the database clock"):
         validate_run_id(run_id, NOW)
-    assert validate_run_id(mint(NOW + timedelta(minutes=4)), NOW) == NOW + timedelta(minutes=4)
+    ahead = mint(NOW + timedelta(minutes=4))
+    assert validate_run_id(ahead, NOW) == ahead
 
 
 def test_now_in_another_zone_is_the_same_instant() -> None:
     plus_two = NOW.astimezone(timezone(timedelta(hours=2)))
     run_id = mint(NOW - timedelta(minutes=1))
-    assert validate_run_id(run_id, plus_two) == NOW - timedelta(minutes=1)
+    assert validate_run_id(run_id, plus_two) == run_id
+    with pytest.raises(Invalid, match="before the database clock"):
+        validate_run_id(run_id, (NOW + timedelta(hours=1)).astimezone(timezone(timedelta(hours=2))))
 
 
 def test_naive_now_is_a_programming_error() -> None:
