@@ -36,10 +36,10 @@ class Engine:
     ``COMPOSER_DATABASE_URL``, else the embedded server.
     """
 
-    def __init__(self, pool: Pool, url: str, *, stream_shards: int = 1) -> None:
+    def __init__(self, pool: Pool, url: str) -> None:
         self.pool = pool
         self.url = url
-        self.shell = Shell(pool, stream_shards=stream_shards)
+        self.shell = Shell(pool)
 
     @classmethod
     def connect(cls, url: str | None = None, *, pool_size: int | None = None,

@@ -91,9 +91,8 @@ class _Store:
 class Shell:
     """Applies events to runs; shared by the Engine, workers and coordinators."""
 
-    def __init__(self, pool: Pool, *, stream_shards: int = 1) -> None:
+    def __init__(self, pool: Pool) -> None:
         self.pool = pool
-        self.stream_shards = stream_shards
         self._definitions: dict[tuple[str, int], Definition] = {}
         self._lock = threading.Lock()
 
@@ -184,7 +183,7 @@ class Shell:
             elif isinstance(action, FinishRun):
                 self._finish(conn, run, action)
                 finished = action.status
-        outbox.enqueue(conn, dispatches, shards=self.stream_shards)
+        outbox.enqueue(conn, dispatches)
         return Outcome(run_id=run.id, finished=finished)
 
     def _create(self, conn: Conn, run: RunSnapshot, a: CreateTask, dispatches: list[Dispatch]) -> None:

@@ -9,7 +9,6 @@ nothing.
 
 from __future__ import annotations
 
-import zlib
 from collections.abc import Sequence
 
 from psycopg import sql
@@ -21,12 +20,7 @@ from composer_ops.repo.rows import Claim, Dispatch
 CHANNEL = "composer_tasks"
 
 
-def shard_of(run_id: str, shards: int) -> int:
-    """The stream shard of a run within its queue (stable across processes)."""
-    return 0 if shards <= 1 else zlib.crc32(run_id.encode()) % shards
-
-
-def enqueue(conn: Conn, dispatches: Sequence[Dispatch], *, shards: int = 1) -> None:
+def enqueue(conn: Conn, dispatches: Sequence[Dispatch]) -> None:
     """Write outbox rows and wake idle workers of their queues (NOTIFY is delivered
     at commit, and only if the transaction commits). One statement, one round trip,
     however many rows and queues: the rows come in as arrays, and one notification
@@ -35,13 +29,13 @@ def enqueue(conn: Conn, dispatches: Sequence[Dispatch], *, shards: int = 1) -> N
         return
     conn.execute("""
         WITH ins AS (
-            INSERT INTO task_outbox (queue, shard, run_id, task_id, attempt, task_name, lease_s, available_at)
-            SELECT q, s, r, t, a, n, l, COALESCE(av, NOW())
-              FROM unnest(%(q)s::text[], %(s)s::int2[], %(r)s::text[], %(t)s::text[], %(a)s::int4[],
-                          %(n)s::text[], %(l)s::int4[], %(av)s::timestamptz[]) AS d(q, s, r, t, a, n, l, av)
+            INSERT INTO task_outbox (queue, run_id, task_id, attempt, task_name, lease_s, available_at)
+            SELECT q, r, t, a, n, l, COALESCE(av, NOW())
+              FROM unnest(%(q)s::text[], %(r)s::text[], %(t)s::text[], %(a)s::int4[],
+                          %(n)s::text[], %(l)s::int4[], %(av)s::timestamptz[]) AS d(q, r, t, a, n, l, av)
             RETURNING queue)
         SELECT pg_notify(%(channel)s, q.queue) FROM (SELECT DISTINCT queue FROM ins ORDER BY queue) q""",
-        {"q": [d.queue for d in dispatches], "s": [shard_of(d.run_id, shards) for d in dispatches],
+        {"q": [d.queue for d in dispatches],
          "r": [d.run_id for d in dispatches], "t": [d.task_id for d in dispatches],
          "a": [d.attempt for d in dispatches], "n": [d.task_name for d in dispatches],
          "l": [d.lease_s for d in dispatches], "av": [d.available_at for d in dispatches], "channel": CHANNEL})

@@ -156,3 +156,22 @@ def test_a_plain_file_numbered_like_a_citus_only_file_is_refused_in_both_modes(t
     for citus in (False, True):
         with pytest.raises(Invalid, match=f"share version {last + 1}; a file in sql/citus/ replaces"):
             discover(sql_dir, citus=citus)
+
+
+def test_the_outbox_has_no_shard_column_and_dispatch_works_without_it(empty_db_url: str) -> None:
+    """V008 drops the column nothing read; an outbox migrated only up to V006 still
+    takes the engine's inserts (the column's default fills it), so code can be
+    deployed before the migration."""
+    migrate(empty_db_url, target=6)
+    insert = """INSERT INTO task_outbox (queue, run_id, task_id, attempt, task_name, lease_s)
+                VALUES ('q', 'r', %s, 0, 'n', 1)"""
+    with psycopg.connect(empty_db_url, autocommit=True) as conn:
+        conn.execute(insert, ("t1",))
+        assert conn.execute("SELECT shard FROM task_outbox").fetchall() == [(0,)]
+    migrate(empty_db_url)
+    with psycopg.connect(empty_db_url, autocommit=True) as conn:
+        columns = [r[0] for r in conn.execute("""SELECT column_name FROM information_schema.columns
+                                                  WHERE table_name = 'task_outbox'""")]
+        assert "shard" not in columns and "queue" in columns
+        conn.execute(insert, ("t2",))
+        assert conn.execute("SELECT task_id FROM task_outbox ORDER BY id").fetchall() == [("t1",), ("t2",)]
