@@ -6,8 +6,8 @@ import argparse
 from typing import Any
 
 from composer_ops.cli._common import EXIT_OK, add_database_option, emit_json, env_option
-from composer_ops.db import connect
-from composer_ops.repo import partitions
+from composer_ops.engine import Engine
+from composer_ops.errors import Invalid
 
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -47,9 +47,13 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     drp.set_defaults(func=cmd_drop)
 
 
+def _engine(args: argparse.Namespace) -> Engine:
+    return Engine.connect(args.database_url, pool_size=1, application_name="composer-ops partitions")
+
+
 def cmd_list(args: argparse.Namespace) -> int:
-    with connect(args.database_url, application_name="composer-ops partitions") as conn:
-        rows = partitions.list_partitions(conn)
+    with _engine(args) as engine:
+        rows = engine.list_partitions()
     if args.json:
         emit_json([{"month": r.month, "table": r.table, "name": r.name,
                     "lower_bound": r.lower_bound, "upper_bound": r.upper_bound} for r in rows])
@@ -62,12 +66,9 @@ def cmd_list(args: argparse.Namespace) -> int:
 
 def cmd_ensure(args: argparse.Namespace) -> int:
     if args.months_ahead < 0:
-        from composer_ops.errors import Invalid
-
         raise Invalid(f"--months-ahead must be 0 or more, got {args.months_ahead}")
-    with connect(args.database_url, application_name="composer-ops partitions") as conn:
-        created = partitions.ensure(conn, args.months_ahead)
-        conn.commit()
+    with _engine(args) as engine:
+        created = engine.ensure_partitions(args.months_ahead)
     print(f"created {created} partitions")
     return EXIT_OK
 
@@ -97,7 +98,6 @@ def _plan_records(plan: Any, dropped: list[str] | None) -> list[dict[str, Any]]:
 
 
 def cmd_drop(args: argparse.Namespace) -> int:
-    from composer_ops.errors import Invalid
     from composer_ops.ops import retention
 
     if not args.older_than:

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from composer_ops.core import CancelRun, SignalReceived, TaskCompleted, TaskFailed, parse_spec
 from composer_ops.core.model import TaskRef
-from composer_ops.core.runids import month_of, validate_run_id
+from composer_ops.core.runids import validate_run_id
 from composer_ops.core.spec import ID_PATTERN
 from composer_ops.db import autocommit, make_pool, resolve_url
 from composer_ops.db.errors import Pool
@@ -21,8 +21,8 @@ from composer_ops.engine.ids import uuid7_at
 from composer_ops.engine.jsonvalues import check_json
 from composer_ops.engine.shell import Outcome, Shell
 from composer_ops.errors import Conflict, Invalid
-from composer_ops.repo import definitions, outbox, runs, tasks
-from composer_ops.repo.rows import Claim, RunRow, RunView
+from composer_ops.repo import definitions, outbox, partitions, runs, tasks
+from composer_ops.repo.rows import Claim, PartitionRow, RunRow, RunView
 
 if TYPE_CHECKING:
     from composer_ops.engine.coordinator import Coordinator
@@ -135,7 +135,7 @@ class Engine:
             else:
                 run_id = client_id
                 validate_run_id(run_id, now)
-                self._require_partition(conn, run_id)
+                partitions.require_run_partition(conn, run_id)
             if row is None:
                 definitions.refuse_missing(conn, workflow_id, version)
             if row.deleted_at is not None:
@@ -160,14 +160,6 @@ class Engine:
                  extra={"action": "start_run", "run_id": run_id})
         return run_id
 
-    @staticmethod
-    def _require_partition(conn: Any, run_id: str) -> None:
-        month = month_of(run_id)
-        found = conn.execute("SELECT to_regclass(%s) IS NOT NULL", (f"workflow_runs_p{month}",)).fetchone()
-        if not found or not found[0]:
-            raise Invalid(f"run id {run_id} belongs to month {month}, which has no partition "
-                          "(run `composer-ops partitions ensure`)")
-
     def signal(self, run_id: str, name: str, payload: Any = None) -> Outcome:
         """Deliver a signal: it resolves the earliest node waiting for ``name``, or is
         buffered. A finished run is a Conflict; an unknown one NotFound."""
@@ -188,6 +180,23 @@ class Engine:
         validate_run_id(run_id)
         with self.pool.connection() as conn:
             return runs.get_run(conn, run_id)
+
+    # -- partitions ---------------------------------------------------------------
+
+    @db_retry()
+    def ensure_partitions(self, months_ahead: int = 3) -> int:
+        """Create this UTC month's partitions of the run-scoped tables and
+        ``months_ahead`` more (idempotent); returns how many were created."""
+        if isinstance(months_ahead, bool) or not isinstance(months_ahead, int) or months_ahead < 0:
+            raise Invalid(f"months ahead must be an integer, 0 or more, got {months_ahead!r}")
+        with self.pool.connection() as conn, conn.transaction():
+            return partitions.ensure(conn, months_ahead)
+
+    @db_retry()
+    def list_partitions(self) -> list[PartitionRow]:
+        """Every partition of the run-scoped tables with its month and declared bounds."""
+        with self.pool.connection() as conn:
+            return partitions.list_partitions(conn)
 
     def coordinator(self, **options: Any) -> Coordinator:
         from composer_ops.engine.coordinator import Coordinator

@@ -7,10 +7,27 @@ from typing import Any
 
 from psycopg import sql
 
+from composer_ops.core.runids import month_of
+from composer_ops.errors import Invalid
 from composer_ops.repo._base import Conn, fetch_all
 from composer_ops.repo.rows import PartitionRow
 
+#: The tables partitioned by month on the run ID, in foreign-key order.
 RUN_TABLES = ("workflow_runs", "task_instances", "workflow_events")
+
+
+def runs_partition(run_id: str) -> str:
+    """The name of the ``workflow_runs`` partition that holds a (canonical UUIDv7) run ID."""
+    return f"workflow_runs_p{month_of(run_id)}"
+
+
+def require_run_partition(conn: Conn, run_id: str) -> None:
+    """``Invalid`` unless a partition holds the month of ``run_id`` (a canonical UUIDv7)."""
+    name = runs_partition(run_id)
+    found = conn.execute("SELECT to_regclass(%s) IS NOT NULL", (name,)).fetchone()
+    if not found or not found[0]:
+        raise Invalid(f"run id {run_id}: no partition holds this run ID's month ({name} does not exist); "
+                      "run `composer-ops partitions ensure` or use a recent run ID")
 
 
 def ensure(conn: Conn, months_ahead: int = 3) -> int:

@@ -7,8 +7,8 @@ from typing import Any
 from psycopg.rows import class_row
 
 from composer_ops.core.model import ACTIVE_RUN_STATUSES
-from composer_ops.core.runids import month_of
 from composer_ops.errors import ComposerError, Conflict, Invalid, NotFound
+from composer_ops.repo import partitions
 from composer_ops.repo._base import Conn, error_json, fetch_all, fetch_one, jsonb, sql_states
 from composer_ops.repo.rows import RunRow, RunView, TaskStateRow, TaskView
 
@@ -26,26 +26,14 @@ _LOAD_TASKS = """
       FROM task_instances WHERE run_id = %s"""
 
 
-def lock_run(conn: Conn, run_id: str) -> RunRow:
-    """Take the run's row lock for the rest of the transaction and read the database
-    clock. Every state transition of a run happens under this lock, which serialises
-    concurrent completions so join decisions always see each other's writes."""
-    row = fetch_one(conn, RunRow, _LOCK_RUN, (run_id,))
-    if row is None:
-        raise NotFound(f"workflow run {run_id} does not exist")
-    return row
-
-
-def load_tasks(conn: Conn, run_id: str) -> dict[str, TaskStateRow]:
-    """The state of every task of the run, keyed by node: small columns only."""
-    rows = fetch_all(conn, TaskStateRow, _LOAD_TASKS, (run_id,))
-    return {r.node_id: r for r in rows}
-
-
 def lock_and_load(conn: Conn, run_id: str) -> tuple[RunRow, dict[str, TaskStateRow]]:
-    """:func:`lock_run` then :func:`load_tasks`, sent in one round trip (pipeline mode).
+    """Take the run's row lock for the rest of the transaction, read the database
+    clock, and load the state of every task of the run keyed by node (small columns
+    only); NotFound when the run does not exist. Every state transition of a run
+    happens under this lock, which serialises concurrent completions so join
+    decisions always see each other's writes.
 
-    They stay two statements, in that order. The server executes pipelined statements
+    Two statements sent in one round trip (pipeline mode), in that order. The server executes pipelined statements
     one after the other and, in READ COMMITTED, gives each a snapshot when it starts,
     so the tasks are read after the lock is granted and see everything the previous
     holder of the lock committed. (One statement joining both would read the tasks
@@ -93,7 +81,7 @@ def insert_run(conn: Conn, *, run_id: str, workflow_id: str, workflow_version: i
     the caller's transaction); only when no row was inserted do follow-up queries find
     out why, in the order of the checks."""
     try:
-        partition = f"workflow_runs_p{month_of(run_id)}"
+        partition = partitions.runs_partition(run_id)
     except ComposerError:  # not a UUIDv7, so no partition name: the guarded insert lets the database judge it
         _insert_run_guarded(conn, run_id=run_id, workflow_id=workflow_id, workflow_version=workflow_version,
                             input=input, context=context)
@@ -103,10 +91,7 @@ def insert_run(conn: Conn, *, run_id: str, workflow_id: str, workflow_version: i
     if cur.rowcount == 1:
         return
     _check_definition(conn, workflow_id, workflow_version)
-    found = conn.execute("SELECT to_regclass(%s) IS NOT NULL", (partition,)).fetchone()
-    if not found or not found[0]:
-        raise Invalid(f"insert workflow run {run_id}: no partition holds this run ID's month "
-                      f"({partition} does not exist); run `composer-ops partitions ensure` or use a recent run ID")
+    partitions.require_run_partition(conn, run_id)
     raise Conflict(f"workflow run {run_id} already exists")
 
 
@@ -165,9 +150,3 @@ def get_run(conn: Conn, run_id: str) -> RunView:
          ORDER BY created_at, id""", (run_id,))
     return RunView(**{**run.__dict__, "tasks": tasks})
 
-
-def run_status(conn: Conn, run_id: str) -> str | None:
-    """The run's status without locking, or None if it does not exist."""
-    row = conn.execute("SELECT status FROM workflow_runs WHERE id = %s AND deleted_at IS NULL",
-                       (run_id,)).fetchone()
-    return None if row is None else str(row[0])

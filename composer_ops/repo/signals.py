@@ -41,12 +41,6 @@ def buffer_signal(conn: Conn, run_id: str, *, signal_id: str, name: str, payload
                  (signal_id, run_id, name, jsonb(payload)))
 
 
-def pending_signal(conn: Conn, run_id: str, name: str) -> Signal | None:
-    """The oldest unconsumed signal of that name, or None."""
-    found = pending_signals(conn, run_id, name, limit=1)
-    return found[0] if found else None
-
-
 def pending_signals(conn: Conn, run_id: str, name: str, *, limit: int = 100) -> list[Signal]:
     """Unconsumed signals of that name, oldest first (the partial pending index)."""
     return fetch_all(conn, Signal, """

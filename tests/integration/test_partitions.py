@@ -166,5 +166,5 @@ def test_runs_in_dropped_months_are_gone_and_others_remain(conn: Any) -> None:
     partitions.drop(conn, datetime(2025, 7, 1, tzinfo=UTC))
     remaining = {r[0] for r in conn.execute("SELECT id FROM workflow_runs").fetchall()}
     assert remaining == {ids["202502"], ids["202503"]}
-    assert runs.run_status(conn, ids["202502"]) == "RUNNING"
+    assert runs.get_run(conn, ids["202502"]).status == "RUNNING"
     assert uuid7_at(datetime(2025, 1, 1, tzinfo=UTC))[:8] == "01941f29"

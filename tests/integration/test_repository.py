@@ -6,6 +6,7 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
+import psycopg
 import pytest
 
 from composer_ops.core.model import TaskRef
@@ -38,13 +39,20 @@ def _state(conn: Any, run_id: str, node: str = "a") -> tuple[str, int]:
     return row[0], row[1]
 
 
-def test_lock_run_reads_row_and_db_clock(conn: Any, run_id: str) -> None:
-    row = runs.lock_run(conn, run_id)
+def test_lock_and_load_reads_the_row_and_the_db_clock_and_holds_the_lock(conn: Any, run_id: str,
+                                                                          db_url: str) -> None:
+    conn.commit()
+    row, loaded = runs.lock_and_load(conn, run_id)
     assert (row.workflow_id, row.workflow_version, row.status) == ("wf", 1, "RUNNING")
     assert row.context == {"input": {"x": 1}, "config": {}}
     assert abs(row.now - now_utc()) < timedelta(seconds=5)
+    assert loaded == {}
+    with psycopg.connect(db_url) as other:                       # the row lock is held until commit
+        with pytest.raises(psycopg.errors.LockNotAvailable):
+            other.execute("SELECT 1 FROM workflow_runs WHERE id = %s FOR UPDATE NOWAIT", (run_id,))
+    conn.rollback()
     with pytest.raises(NotFound, match="does not exist"):
-        runs.lock_run(conn, "0190f0c0-0000-7000-8000-000000000000")
+        runs.lock_and_load(conn, "0190f0c0-0000-7000-8000-000000000000")
 
 
 def test_insert_run_twice_is_conflict(conn: Any, run_id: str) -> None:
@@ -66,7 +74,7 @@ def test_load_tasks_and_outputs(conn: Any, run_id: str) -> None:
     _task(conn, run_id, "a", state="COMPLETED", output={"tier": "gold"})
     _task(conn, run_id, "w", state="WAITING", node_type="WAIT_FOR_EVENT", event_name="go")
     _task(conn, run_id, "s", state="COMPLETED", node_type="SWITCH", branches=["x"])
-    loaded = runs.load_tasks(conn, run_id)
+    _, loaded = runs.lock_and_load(conn, run_id)
     assert set(loaded) == {"a", "w", "s"}
     assert loaded["w"].event_name == "go" and loaded["a"].event_name is None
     assert loaded["s"].branches == ["x"]
@@ -136,12 +144,13 @@ def test_due_waits_and_resolve_wait(conn: Any, run_id: str) -> None:
 
 
 def test_signals_buffer_oldest_first_and_consume_once(conn: Any, run_id: str) -> None:
-    assert signals.pending_signal(conn, run_id, "go") is None
+    assert signals.pending_signals(conn, run_id, "go") == []
     signals.buffer_signal(conn, run_id, signal_id="s1", name="go", payload={"n": 1})
     signals.buffer_signal(conn, run_id, signal_id="s2", name="go", payload={"n": 2})
     signals.buffer_signal(conn, run_id, signal_id="s3", name="other", payload=None)
-    first = signals.pending_signal(conn, run_id, "go")
-    assert first is not None and (first.id, first.payload) == ("s1", {"n": 1})
+    first, second = signals.pending_signals(conn, run_id, "go")
+    assert (first.id, first.payload, second.id) == ("s1", {"n": 1}, "s2")
+    assert signals.pending_signals(conn, run_id, "go", limit=1) == [first]
     assert signals.consume_signal(conn, run_id, "s1") is True
     assert signals.consume_signal(conn, run_id, "s1") is False
     assert [s.id for s in signals.pending_signals(conn, run_id, "go")] == ["s2"]
