@@ -42,7 +42,7 @@ from jupyter_client.localinterfaces import localhost  # noqa: E402
 from jupyter_client.manager import AsyncKernelManager  # noqa: E402
 from traitlets import default  # noqa: E402
 
-from composer_ops.db import ENV_URL, resolve_url  # noqa: E402
+from composer_ops.db import ENV_URL, find_url  # noqa: E402
 from composer_ops.errors import ComposerError, Invalid, NotFound  # noqa: E402
 
 #: The package the notebooks ship in (built from notebooks/); COMPOSER_NOTEBOOKS_DIR overrides it.
@@ -267,9 +267,9 @@ def run_reports(names: Sequence[str], parameters: Mapping[str, Mapping[str, Any]
     without progress bars."""
     if jobs < 1:
         raise Invalid(f"jobs must be 1 or more, got {jobs}")
-    # Resolve the database once, here: a kernel would resolve a relative
-    # COMPOSER_HOME against its own working directory and start another server.
-    url = resolve_url(database_url)
+    # Find the database once, here (a running one: reports only read): a kernel would
+    # resolve a relative COMPOSER_HOME against its own working directory.
+    url = find_url(database_url)
     stamp = timestamp(now)
 
     def one(name: str) -> ReportResult:

@@ -37,9 +37,13 @@ def env_option(parser: argparse.ArgumentParser, *flags: str, env: str, help: str
     parser.add_argument(*flags, default=default, help=help + shown, **kw)
 
 
-def add_database_option(parser: argparse.ArgumentParser) -> None:
+def add_database_option(parser: argparse.ArgumentParser, *, reads_only: bool = False) -> None:
+    """``--database-url``. A command that only reads uses a running server and never
+    starts the embedded one (``composer_ops.db.find_url``)."""
+    unset = ("the embedded server under COMPOSER_HOME, which must be running (composer-ops db up)" if reads_only
+             else "the embedded server under COMPOSER_HOME, started if it is not running")
     env_option(parser, "--database-url", env="COMPOSER_DATABASE_URL",
-               help="libpq URL of the database; unset means the embedded server under COMPOSER_HOME")
+               help=f"libpq URL of the database; unset means {unset}")
 
 
 def json_arg(text: str | None, what: str) -> Any:

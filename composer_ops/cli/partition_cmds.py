@@ -6,6 +6,7 @@ import argparse
 from typing import Any
 
 from composer_ops.cli._common import EXIT_OK, add_database_option, emit_json, env_option
+from composer_ops.db import find_url
 from composer_ops.engine import Engine
 from composer_ops.errors import Invalid
 
@@ -15,7 +16,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     psub = parts.add_subparsers(dest="partitions_command", required=True, metavar="{list,ensure,drop}")
 
     lst = psub.add_parser("list", help="every partition of the three run-scoped tables")
-    add_database_option(lst)
+    add_database_option(lst, reads_only=True)
     lst.add_argument("--json", action="store_true", help="print a JSON list of objects")
     lst.set_defaults(func=cmd_list)
 
@@ -30,7 +31,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         description="Show (default) or apply the retention plan: every partition month ended at or before "
                     "the cut-off with no RUNNING/PENDING run is dropped, for all three run-scoped tables. "
                     "The dry-run and --yes use the same SQL plan (composer_retention_plan).")
-    add_database_option(drp)
+    add_database_option(drp, reads_only=True)
     env_option(drp, "--older-than", env="COMPOSER_RETENTION_OLDER_THAN", metavar="WHEN",
                help="cut-off: ISO date (2025-01-31, midnight UTC), ISO instant, or an age counted back from "
                     "the database clock (90d, 2w, 6 months, 1y, 36h)")
@@ -47,12 +48,14 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     drp.set_defaults(func=cmd_drop)
 
 
-def _engine(args: argparse.Namespace) -> Engine:
-    return Engine.connect(args.database_url, pool_size=1, application_name="composer-ops partitions")
+def _engine(args: argparse.Namespace, *, reads_only: bool = False) -> Engine:
+    """The engine of one command; ``list`` only reads, so it never starts the embedded server."""
+    url = find_url(args.database_url) if reads_only else args.database_url
+    return Engine.connect(url, pool_size=1, application_name="composer-ops partitions")
 
 
 def cmd_list(args: argparse.Namespace) -> int:
-    with _engine(args) as engine:
+    with _engine(args, reads_only=True) as engine:
         rows = engine.list_partitions()
     if args.json:
         emit_json([{"month": r.month, "table": r.table, "name": r.name,

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from composer_ops.cli._common import EXIT_OK, add_database_option, emit_json, env_option, json_arg
+from composer_ops.db import find_url
 from composer_ops.engine import Engine, Worker
 from composer_ops.engine.webhooks import RelayPolicy
 from composer_ops.errors import Invalid
@@ -44,7 +45,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     runs = sub.add_parser("runs", help="inspect runs")
     rsub = runs.add_subparsers(dest="runs_command", required=True, metavar="{show}")
     show = rsub.add_parser("show", help="a run, its output or error, and its tasks")
-    add_database_option(show)
+    add_database_option(show, reads_only=True)
     show.add_argument("run_id")
     show.add_argument("--json", action="store_true", help="print JSON")
     show.set_defaults(func=cmd_runs_show)
@@ -114,8 +115,11 @@ def load_definition(path: str) -> Any:
     return json_arg(text, name)
 
 
-def _engine(args: argparse.Namespace) -> Engine:
-    return Engine.connect(args.database_url, pool_size=2, application_name=f"composer-ops {args.command}")
+def _engine(args: argparse.Namespace, *, reads_only: bool = False) -> Engine:
+    """The engine of one command. A command that only reads never starts the embedded
+    server: with no database to read it says how to name or start one."""
+    url = find_url(args.database_url) if reads_only else args.database_url
+    return Engine.connect(url, pool_size=2, application_name=f"composer-ops {args.command}")
 
 
 def cmd_deploy(args: argparse.Namespace) -> int:
@@ -149,7 +153,7 @@ def cmd_cancel(args: argparse.Namespace) -> int:
 
 
 def cmd_runs_show(args: argparse.Namespace) -> int:
-    with _engine(args) as engine:
+    with _engine(args, reads_only=True) as engine:
         run = engine.get_run(args.run_id)
     if args.json:
         emit_json({**{k: v for k, v in run.__dict__.items() if k != "tasks"},

@@ -1,9 +1,18 @@
 """Where the database is, and connections and pools to it.
 
-``COMPOSER_DATABASE_URL`` (a libpq URL) wins; when it is unset the embedded server is
-started (or reused). Every connection made here is a translating
-:class:`~composer_ops.db.errors.Connection`: its driver errors arrive as
-ComposerErrors. Nothing here commits: callers own their transactions.
+Two ways to find the database, both preferring an explicit URL, then
+``COMPOSER_DATABASE_URL`` (a libpq URL):
+
+- :func:`find_url` only finds a server that is already running (the embedded one
+  under ``COMPOSER_HOME`` if it is up) and never starts one: what reading code uses
+  (notebooks, ``composer_ops.ops``, the CLI's read-only commands, :func:`connect`),
+  so a missing variable is a clear error instead of a new, empty server.
+- :func:`resolve_url` falls back to starting (or reusing) the embedded server: the
+  engine's documented default (``Engine.connect(url=None)``, migrations).
+
+Every connection made here is a translating :class:`~composer_ops.db.errors.Connection`:
+its driver errors arrive as ComposerErrors. Nothing here commits: callers own their
+transactions.
 """
 
 from __future__ import annotations
@@ -29,21 +38,40 @@ from composer_ops.errors import Invalid, Transient, Unavailable
 ENV_URL = "COMPOSER_DATABASE_URL"
 log = logging.getLogger(__name__)
 
-def resolve_url(url: str | None = None) -> str:
-    """The database URL: the argument, else ``COMPOSER_DATABASE_URL``, else the embedded server."""
+
+def find_url(url: str | None = None) -> str:
+    """The URL of a database that is running: ``url``, else ``COMPOSER_DATABASE_URL``,
+    else the embedded server under ``COMPOSER_HOME`` if it is up. Never starts a
+    server; with none of these, raises :class:`Unavailable` saying how to name or
+    start one. Notebooks and other reading code call this (or :func:`connect`,
+    which does)."""
     if url:
         return url
     env = os.environ.get(ENV_URL)
     if env:
         return env
-    return embedded.up()
+    running = embedded.running_url()
+    if running is not None:
+        return running
+    raise Unavailable(f"no database to read: {ENV_URL} is not set and the embedded server under "
+                      f"{embedded.home()} is not running; set {ENV_URL} to a libpq URL, "
+                      "or start the embedded server with `composer-ops db up`")
+
+
+def resolve_url(url: str | None = None) -> str:
+    """The database URL: ``url``, else ``COMPOSER_DATABASE_URL``, else the embedded
+    server, started if it is not running. For the engine and other writers."""
+    if url:
+        return url
+    return os.environ.get(ENV_URL) or embedded.up()
 
 
 def connect(url: str | None = None, *, application_name: str = "composer-ops", autocommit: bool = False,
             row_dicts: bool = False) -> Connection[Any]:
-    """One translating connection; raises :class:`Unavailable` with the server's reason
-    when it cannot connect."""
-    target = resolve_url(url)
+    """One translating connection to the database :func:`find_url` finds (it never
+    starts a server); raises :class:`Unavailable` with the reason when there is none
+    or it cannot connect."""
+    target = find_url(url)
     conn: Connection[Any] = Connection.connect(
         target, autocommit=autocommit, application_name=application_name,
         row_factory=dict_row if row_dicts else psycopg.rows.tuple_row,
@@ -60,8 +88,8 @@ def check_connection(conn: psycopg.Connection[Any]) -> None:
     or terminated the session closes its end of the socket (after an error message),
     which makes the socket readable; an idle pooled session otherwise has nothing to
     read (pool connections never LISTEN). So the full check runs exactly when the
-    socket is readable (or cannot be polled), and a connection it rejects is replaced
-    by the pool as before."""
+    socket is readable (or cannot be polled), and the pool replaces a connection it
+    rejects."""
     try:
         pending = bool(select.select([conn.fileno()], [], [], 0)[0])
     except (OSError, ValueError, psycopg.Error):

@@ -30,7 +30,7 @@ from typing import Any
 
 import psycopg
 
-from composer_ops.db.connect import connect
+from composer_ops.db.connect import connect, resolve_url
 from composer_ops.errors import ComposerError, Invalid
 
 log = logging.getLogger(__name__)
@@ -121,7 +121,7 @@ def migrate(url: str | None = None, *, sql_dir: Traversable = SQL_DIR, target: i
     ``citus``: None detects a Citus database (the extension is installed); True
     requires one (``composer-ops migrate --citus``); False applies the plain series."""
     applied_now: list[Migration] = []
-    with connect(url, application_name="composer-ops migrate", autocommit=True) as conn:
+    with connect(resolve_url(url), application_name="composer-ops migrate", autocommit=True) as conn:
         on_citus = is_citus(conn)
         if citus and not on_citus:
             raise Invalid("--citus: this database has no citus extension; create it (CREATE EXTENSION citus) "
@@ -168,7 +168,8 @@ def migrate(url: str | None = None, *, sql_dir: Traversable = SQL_DIR, target: i
 
 
 def status(url: str | None = None, *, sql_dir: Traversable = SQL_DIR) -> list[tuple[Migration, bool]]:
-    """Each migration file of the database's series (plain or Citus) and whether it is applied."""
+    """Each migration file of the database's series (plain or Citus) and whether it is
+    applied; reads a running server only (it never starts the embedded one)."""
     with connect(url, application_name="composer-ops migrate") as conn:
         files = discover(sql_dir, citus=is_citus(conn))
         exists = conn.execute("SELECT to_regclass('schema_migrations') IS NOT NULL").fetchone()

@@ -1,4 +1,5 @@
-"""``Engine``: the application developer's entry point (SPEC section 7)."""
+"""``Engine``: the application developer's entry point (deploy, start, signal, cancel,
+inspect) and the worker's side of a task (claim, complete, fail, heartbeat)."""
 
 from __future__ import annotations
 
@@ -29,11 +30,11 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+
 class Engine:
     """A connection pool plus the shell: deploy, start, signal, cancel, inspect.
 
-    Thread-safe; one per process is enough. ``Engine.connect()`` uses ``url``, else
-    ``COMPOSER_DATABASE_URL``, else the embedded server.
+    Thread-safe; one per process is enough. Every error it raises is a ComposerError.
     """
 
     def __init__(self, pool: Pool, url: str) -> None:
@@ -44,10 +45,15 @@ class Engine:
     @classmethod
     def connect(cls, url: str | None = None, *, pool_size: int | None = None,
                 application_name: str = "composer-engine", connect_wait_s: float = 0.0) -> Engine:
-        """Open the pool. An unreachable server raises :class:`Unavailable` at once,
-        unless ``connect_wait_s`` > 0: then a server that is down, starting or shutting
-        down is waited for that long (what a long-running worker or coordinator wants
-        when it starts before, or during a restart of, the database)."""
+        """Open the pool on ``url``, else ``COMPOSER_DATABASE_URL``, else the embedded
+        server, which is started if it is not running (:func:`~composer_ops.db.resolve_url`;
+        code that only reads and must never start a server passes
+        :func:`~composer_ops.db.find_url`'s answer instead).
+
+        An unreachable server raises :class:`Unavailable` at once, unless
+        ``connect_wait_s`` > 0: then a server that is down, starting or shutting down is
+        waited for that long (what a long-running worker or coordinator wants when it
+        starts before, or during a restart of, the database)."""
         target = resolve_url(url)
         size = pool_size or int(os.environ.get("COMPOSER_POOL_SIZE", "10"))
         pool = make_pool(target, min_size=1, max_size=size, application_name=application_name,

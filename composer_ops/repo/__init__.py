@@ -1,4 +1,6 @@
-"""The repository: every SQL statement the engine runs, split per aggregate.
+"""The repository: the SQL statements of composer_ops, one module per aggregate
+(definitions, runs, tasks, signals, outbox, webhooks, partitions).
 
-Functions take the connection to run on and never commit or log (the seed's rules).
+Functions take the connection to run on and never commit or log; driver errors reach
+their callers as ComposerErrors (see :mod:`composer_ops.repo._base`).
 """

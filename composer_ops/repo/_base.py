@@ -37,12 +37,12 @@ def sql_states(states: Iterable[StrEnum]) -> str:
 
 
 def jsonb(value: Any) -> Jsonb | None:
-    """A JSON parameter; Python None is SQL NULL (the seed's ``nullJSON``)."""
+    """A JSON parameter; Python None is SQL NULL, not the JSON ``null``."""
     return None if value is None else Jsonb(value)
 
 
 def error_json(reason: str | None) -> Jsonb | None:
-    """The seed's error document: ``{"error": reason}``."""
+    """The error document stored with a failed task or run: ``{"error": reason}``."""
     return None if not reason else Jsonb({"error": reason})
 
 

@@ -44,7 +44,7 @@ def ensure_from(conn: Conn, first_month: date, months_ahead: int) -> int:
 
 
 def drop(conn: Conn, older_than: datetime) -> list[str]:
-    """The seed's retention: drop months entirely before ``older_than`` that have no
+    """Retention: drop months entirely before ``older_than`` that have no
     active run; returns the dropped months (YYYYMM)."""
     return [str(r[0]) for r in conn.execute("SELECT composer_drop_partitions(%s)", (older_than,)).fetchall()]
 

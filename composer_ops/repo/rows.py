@@ -21,7 +21,7 @@ class RunRow:
 
 @dataclass(frozen=True, kw_only=True)
 class TaskStateRow:
-    """What LoadTasks reads per node: small columns only, no inputs or outputs."""
+    """What lock_and_load reads per task: small columns only, no inputs or outputs."""
 
     node_id: str
     task_id: str
