@@ -10,5 +10,12 @@
   worker processes;
 - :mod:`~composer_ops.simulate.history`: months of past runs written with COPY;
 - :mod:`~composer_ops.simulate.replay`: a run in memory driven through the state
-  machine (its rows, the machine's store, the shell's apply step), on a simulated clock.
+  machine (its rows, the machine's store, the shell's apply step);
+- :mod:`~composer_ops.simulate.past`: when things happen to a past run (queueing,
+  attempts, dead workers, timers, signals, cancels) on the replay's simulated clock;
+- :mod:`~composer_ops.simulate.copytext`: replayed rows as COPY text.
+
+The workflow rules live in :mod:`composer_ops.core` only: the backfill's rows are the
+state machine's decisions, applied as the shell applies them. Every statement the
+simulator runs is in :mod:`composer_ops.repo.simulator`.
 """
