@@ -14,9 +14,10 @@ tasks to look at, runs ANALYZE as an operator would after a bulk load, then time
   resident memory (polled every 0.1 s).
 
 Building takes 5-15 minutes on 2 cores (machine load), so it is not part of ``make bench``; its
-result, ``bench/results/notebooks-latest.json``, is included in ``latest.json`` by
-the next ``make bench``. ``--database-url`` reuses a database already built (with
-``--skip-build``), e.g. the one ``--keep`` left behind. ``--before DIR`` times the
+result, ``bench/results/notebooks-<date>-<commit>.json`` with a copy in
+``notebooks-latest.json``, is included in the next ``make bench``'s results.
+``--database-url`` reuses a database already built (with ``--skip-build``), e.g. the
+one ``--keep`` left behind. ``--before DIR`` times the
 reports of another checkout (e.g. ``git worktree add DIR <commit>``) side by side.
 """
 
@@ -25,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -39,7 +41,7 @@ import psutil
 import psycopg
 
 from bench.procs import ROOT
-from bench.report import notebooks_table
+from bench.report import dated_path, notebooks_table
 
 RESULT = ROOT / "bench" / "results" / "notebooks-latest.json"
 
@@ -215,7 +217,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=3, help="times each report runs; the median is reported")
     parser.add_argument("--before", type=Path, metavar="DIR",
                         help="also time the reports of the checkout in DIR, side by side in every round")
-    parser.add_argument("--out", type=Path, default=RESULT)
+    parser.add_argument("--out", type=Path, default=None,
+                        help="results file (default bench/results/notebooks-<date>-<commit>.json; "
+                             "notebooks-latest.json, which make bench reports, is a copy)")
     args = parser.parse_args(argv)
     url = args.database_url
     if url is None:
@@ -232,8 +236,11 @@ def main(argv: list[str] | None = None) -> int:
     sys.stderr.write("[notebooks] timing ops functions and reports\n")
     result = {**measure(url, args.rounds, args.before), "build": built,
               "command": "python -m bench.notebooks " + " ".join(argv if argv is not None else sys.argv[1:])}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2, default=str) + "\n")
+    out = args.out or dated_path(RESULT.parent, "notebooks-")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2, default=str) + "\n")
+    if args.out is None:
+        shutil.copyfile(out, RESULT)
     from rich.console import Console
 
     Console(width=150).print(notebooks_table(result))

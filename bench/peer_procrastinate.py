@@ -24,11 +24,11 @@ from composer_ops.testing.servers import Server
 CONCURRENCY = 4
 
 
-def make_app(url: str, *, pool_size: int = 4) -> Any:
+def make_app(url: str, *, pool_size: int = 4, application_name: str = "bench-procrastinate") -> Any:
     import procrastinate
 
     app = procrastinate.App(connector=procrastinate.PsycopgConnector(
-        conninfo=url, min_size=1, max_size=pool_size, kwargs={"application_name": "bench-procrastinate"}))
+        conninfo=url, min_size=1, max_size=pool_size, kwargs={"application_name": application_name}))
 
     async def noop() -> None:
         return None

@@ -24,7 +24,7 @@ def _run(binary: Path, args: list[str], timeout: float) -> str:
     return result.stdout + result.stderr
 
 
-def measure(server: Server, *, clients: tuple[int, ...] = (2, 8), duration: int = 10, scale: int = 5
+def measure(server: Server, *, clients: tuple[int, ...] = (2, 8), duration: int = 5, scale: int = 5
             ) -> dict[str, Any]:
     """TPS of ``pgbench -N`` for each client count, in a scratch database."""
     bin_dir = server.client_bin_dir()

@@ -30,6 +30,10 @@ class ProcessGroup:
         self.root = root        # the source tree the children import (bench.ab compares two)
         self.procs: list[subprocess.Popen[bytes]] = []
         self._logs: list[IO[bytes]] = []
+        #: where the workers append their claim counts at exit (bench.workload sets it);
+        #: read and removed by stop()
+        self.claim_log: Path | None = None
+        self._claims: dict[str, Any] | None = None
 
     def spawn(self, argv: Sequence[str], env: dict[str, str] | None = None,
               stdout: int | None = subprocess.DEVNULL) -> subprocess.Popen[bytes]:
@@ -65,6 +69,7 @@ class ProcessGroup:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait(5)
+        self._read_claims()
         text = self.tail()
         if "Traceback" in text:
             sys.stderr.write(f"--- {self.name}: child process log ---\n{text}\n")
@@ -72,6 +77,25 @@ class ProcessGroup:
             log.close()
         self.procs.clear()
         self._logs.clear()
+
+    def claim_counts(self) -> dict[str, Any] | None:
+        """Claims the group's workers made and how many came back empty, summed over
+        its worker processes (known once the group has stopped)."""
+        return self._claims
+
+    def _read_claims(self) -> None:
+        if self.claim_log is None or not self.claim_log.exists():
+            return
+        total = {"processes": 0, "claims": 0, "empty": 0, "tasks": 0}
+        for line in self.claim_log.read_text().splitlines():
+            if line.strip():
+                counts = json.loads(line)
+                total["processes"] += 1
+                for key in ("claims", "empty", "tasks"):
+                    total[key] += int(counts[key])
+        share = total["empty"] / total["claims"] if total["claims"] else None
+        self._claims = {**total, "empty_share": share}
+        self.claim_log.unlink()
 
     def __enter__(self) -> ProcessGroup:
         return self

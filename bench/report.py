@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import time
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +24,7 @@ def throughput_table(rows: list[dict[str, Any]]) -> Table:
     table = Table(title="Throughput, same server, same run: Composer runs/s vs Procrastinate jobs/s "
                         "(median of rounds; ratio = median of per-round ratios)")
     for col in ("workload", "W", "rounds", "composer runs/s", "transitions/s", "procrastinate jobs/s", "ratio",
-                "CPU ms/run C srv+procs", "CPU ms/job P srv+procs"):
+                "CPU ms/run C srv+procs", "CPU ms/job P srv+procs", "empty claims"):
         table.add_column(col, justify="left" if col == "workload" else "right")
     for row in rows:
         c, p = row.get("composer"), row.get("procrastinate")
@@ -35,7 +37,8 @@ def throughput_table(rows: list[dict[str, Any]]) -> Table:
 
         table.add_row(label, str(row["workers"]), str((c or p or {}).get("rounds", "")),
                       _f(c and c["runs_per_s"], 0), _f(c and c["transitions_per_s"], 0),
-                      _f(p and p["runs_per_s"], 0), _f(row.get("ratio"), 2), cpu(c), cpu(p))
+                      _f(p and p["runs_per_s"], 0), _f(row.get("ratio"), 2), cpu(c), cpu(p),
+                      _f(c and c.get("empty_claim_share") is not None and c["empty_claim_share"] * 100, 0, "%"))
     return table
 
 
@@ -113,10 +116,68 @@ def render(summary: dict[str, Any], console: Console | None = None) -> None:
     console.print(ceiling_table(summary))
     if res.get("notebooks") and res["notebooks"].get("items"):
         console.print(notebooks_table(res["notebooks"]))
-    keys = ("composer_runs_per_s", "procrastinate_jobs_per_s", "ratio_vs_procrastinate",
-            "ratio_vs_procrastinate_drain", "cpu_ratio_vs_procrastinate", "pgbench_tps", "heartbeat_hot_ratio",
-            "claim_to_complete_p50_ms", "claim_to_complete_p99_ms", "server_version", "date")
-    console.print({k: summary.get(k) for k in keys})
+    if res.get("months"):
+        console.print(months_table(res["months"]))
+    console.print(f"[bold]PostgreSQL {summary['server_version']}[/bold], leg took {summary['elapsed_s']:.0f} s")
+
+
+def months_table(mon: dict[str, Any]) -> Table:
+    table = Table(title=f"Months of history retained ({mon['runs_per_month']:,} runs per month; medians of "
+                        f"{mon['rounds']} rounds; latency per call, one session)")
+    for col in ("months", "partitions/table", "claim p50 ms", "p99", "heartbeat p50", "complete p50",
+                "locks: claim", "heartbeat", "complete", "sweeper", "timer", "1-task runs/s"):
+        table.add_column(col, justify="right")
+    for m, e in mon["by_months"].items():
+        lk = e["locks"]
+        table.add_row(m, str(e["partitions_per_table"]), _f(e["claim_p50_ms"], 2), _f(e["claim_p99_ms"], 2),
+                      _f(e["heartbeat_p50_ms"], 2), _f(e["complete_p50_ms"], 2), str(lk["claim"]),
+                      str(lk["heartbeat"]), str(lk["complete (event transaction)"]), str(lk["sweeper scan"]),
+                      str(lk["timer scan"]), _f(e["runs_per_s"], 0))
+    return table
+
+
+def render_headline(summary: dict[str, Any], console: Console | None = None) -> None:
+    """The issue's figures, one column per server."""
+    console = console or Console(width=160)
+    by = summary.get("by_server") or {}
+    table = Table(title="Headline, per server (bench/results/<date>-<commit>.json)")
+    table.add_column("key")
+    for version in by:
+        table.add_column(f"PostgreSQL {version}", justify="right")
+    keys: list[str] = []
+    for entry in by.values():
+        keys += [k for k in entry if k not in keys and k != "server_version"]
+    for key in keys:
+        table.add_row(key, *(_cell(entry.get(key)) for entry in by.values()))
+    console.print(table)
+
+
+def _cell(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:,.3f}" if abs(value) < 10 else f"{value:,.0f}"
+    if isinstance(value, list):
+        return ", ".join(_cell(v) for v in value)
+    if isinstance(value, dict):
+        return ", ".join(f"{k}: {_cell(v)}" for k, v in value.items())
+    return "-" if value is None else str(value)
+
+
+def commit(root: Path) -> str:
+    """The checkout's short commit, ``-dirty`` when tracked files (bench/results aside)
+    differ from it; ``unknown`` outside a git checkout."""
+    try:
+        head = subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"], capture_output=True,
+                              text=True, check=True).stdout.strip()
+        status = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no", "--",
+                                 ".", ":(exclude)bench/results"], capture_output=True, text=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+    return head + ("-dirty" if status.strip() else "")
+
+
+def dated_path(results: Path, prefix: str = "") -> Path:
+    """``results/<prefix><UTC date>-<commit>.json``: one results file per commit (and day)."""
+    return results / f"{prefix}{time.strftime('%Y-%m-%d', time.gmtime())}-{commit(results.parents[1])}.json"
 
 
 def write(summary: dict[str, Any], path: Path) -> None:

@@ -5,9 +5,22 @@ Procrastinate measurements are interleaved (C drain, P drain, P sustained,
 C sustained), so slow drift of the machine's load hits both sides alike, and every
 ratio compares figures taken minutes apart at most.
 
-    python -m bench.run                    # default size (about 7 minutes on 2 cores)
-    python -m bench.run --quick            # a smoke test of every part (about 1-2 minutes)
-    python -m bench.run --skip retention,hot --workers 1
+It runs once per server ("leg"): the embedded PostgreSQL 18, then a throwaway
+cluster of Debian's PostgreSQL 15 binaries (``--pg15-bin``). Each leg compares
+Composer with Procrastinate at W=1 (drain and sustained, ``--repeat`` rounds) and
+measures pgbench and the paced latency; the parts that do not depend on the version
+run on one leg each, to keep ``make bench`` within 15 minutes: ``--skip-pg18`` (by
+default the months-retained case) and ``--skip-pg15`` (by default the HOT and
+retention measurements, the fan-out workload and the W>1 rounds, "contention").
+With ``COMPOSER_DATABASE_URL`` set there is one leg, on that server, with every part.
+
+Results: ``bench/results/<date>-<commit>.json`` (UTC date, the checkout's short commit,
+``-dirty`` when tracked files outside bench/results differ from it), and
+``bench/results/latest.json``, a copy of the newest.
+
+    python -m bench.run                    # both legs (about 12 minutes on 2 quiet cores)
+    python -m bench.run --quick            # a smoke test of every part (a few minutes)
+    python -m bench.run --servers 18 --skip retention,hot --workers 1
 """
 
 from __future__ import annotations
@@ -16,6 +29,7 @@ import argparse
 import json
 import os
 import platform
+import shutil
 import statistics
 import sys
 import time
@@ -23,62 +37,97 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from bench import hot, pgbench, retention, scenario
-from bench.report import render, write
+from bench import hot, months, pgbench, retention, scenario
+from bench.report import dated_path, render, render_headline, write
 from bench.scenario import System
 from bench.workload import COMPOSER, make_template
 from composer_ops.testing import servers
 
 RESULTS = Path(__file__).resolve().parent / "results"
-PARTS = ("pgbench", "throughput", "procrastinate", "fan", "latency", "hot", "retention", "notebooks")
+PARTS = ("pgbench", "throughput", "contention", "procrastinate", "fan", "latency", "months", "hot", "retention",
+         "notebooks")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m bench.run", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--workers", default="1,2,4", help="worker process counts (default 1,2,4)")
-    p.add_argument("--runs", type=int, default=1500, help="runs (jobs) per drain measurement")
-    p.add_argument("--duration", type=float, default=6.0, help="seconds measured per sustained workload")
+    p.add_argument("--servers", default="18,15",
+                   help="legs: 18 = the embedded server, 15 = a cluster of --pg15-bin (default 18,15)")
+    p.add_argument("--pg15-bin", type=Path, default=scenario.DEBIAN_PG15_BIN, help="PostgreSQL 15 server binaries")
+    p.add_argument("--skip-pg18", default="months", help="parts the PostgreSQL 18 leg leaves out")
+    p.add_argument("--skip-pg15", default="hot,retention,fan,contention",
+                   help="parts the PostgreSQL 15 leg leaves out")
+    p.add_argument("--workers", default="1,4", help="worker process counts (default 1,4)")
+    p.add_argument("--runs", type=int, default=1000, help="runs (jobs) per drain measurement")
+    p.add_argument("--duration", type=float, default=5.0, help="seconds measured per sustained workload")
     p.add_argument("--repeat", type=int, default=4,
                    help="rounds of the W=1 comparison; medians are reported (default 4: each side goes first twice)")
     p.add_argument("--max-backlog", type=int, default=50, help="unfinished runs the sustained producer allows")
     p.add_argument("--pace", type=float, default=100.0, help="runs/s of the paced latency measurement")
-    p.add_argument("--hot-runs", type=int, default=600, help="runs per HOT phase")
-    p.add_argument("--retention-rows", type=int, default=1_000_000, help="task rows per month for retention")
+    p.add_argument("--hot-runs", type=int, default=300, help="runs per HOT phase")
+    p.add_argument("--months", default="1,6,24", help="months of history retained, compared")
+    p.add_argument("--months-runs", type=int, default=2000, help="runs per backfilled month")
+    p.add_argument("--months-claims", type=int, default=300, help="claims timed per database and round")
+    p.add_argument("--retention-rows", type=int, default=250_000, help="task rows per month for retention")
     p.add_argument("--skip", default="", help=f"comma-separated parts to skip: {', '.join(PARTS)}")
     p.add_argument("--quick", action="store_true", help="tiny sizes: checks that every part works")
-    p.add_argument("--out", type=Path, default=RESULTS / "latest.json")
+    p.add_argument("--out", type=Path, default=None,
+                   help="results file (default bench/results/<date>-<commit>.json; latest.json is a copy)")
     args = p.parse_args(argv)
     if args.quick:
-        args.workers, args.runs, args.duration, args.hot_runs, args.retention_rows = "1", 300, 3.0, 100, 50_000
-        args.repeat = 1
-    args.skip = {s.strip() for s in args.skip.split(",") if s.strip()}
-    unknown = args.skip - set(PARTS)
-    if unknown:
-        p.error(f"unknown part(s) to skip: {', '.join(sorted(unknown))}")
+        args.workers, args.runs, args.duration, args.hot_runs, args.retention_rows = "1,4", 300, 3.0, 100, 50_000
+        args.repeat, args.months, args.months_runs, args.months_claims = 1, "1,3", 200, 50
+    args.skip = _parts(p, args.skip)
+    args.skip_pg15 = _parts(p, args.skip_pg15)
+    args.skip_pg18 = _parts(p, args.skip_pg18)
+    args.servers = [x.strip() for x in args.servers.split(",") if x.strip()]
+    if not args.servers or set(args.servers) - {"15", "18"}:
+        p.error(f"--servers takes 18 and/or 15, got {','.join(args.servers) or 'nothing'}")
+    if ("15" in args.servers and not os.environ.get("COMPOSER_DATABASE_URL")
+            and not (args.pg15_bin / "initdb").exists()):
+        p.error(f"no PostgreSQL 15 server binaries in {args.pg15_bin} "
+                "(apt-get install postgresql-15, give --pg15-bin DIR, or --servers 18)")
+    try:
+        args.months = tuple(sorted({int(x) for x in args.months.split(",")}))
+    except ValueError:
+        p.error(f"--months takes month counts like 1,6,24, got {args.months}")
+    if len(args.months) < 2 or args.months[0] < 1:
+        p.error("--months needs at least two counts, each at least 1")
     return args
 
 
+def _parts(p: argparse.ArgumentParser, text: str) -> set[str]:
+    parts = {s.strip() for s in text.split(",") if s.strip()}
+    unknown = parts - set(PARTS)
+    if unknown:
+        p.error(f"unknown part(s) to skip: {', '.join(sorted(unknown))}")
+    return parts
+
+
 def _round_steps(args: argparse.Namespace, server: servers.Server, template: str, peer: Any,
-                 peer_template: str | None, w: int, r: int) -> list[tuple[str, Any]]:
+                 peer_template: str | None, w: int, r: int, skip: set[str]) -> list[tuple[str, Any]]:
     """One round for W workers: Composer and Procrastinate alternate, and the order
     flips every round (C P P C, then P C C P), so drift in the machine's load hits
-    both sides alike. The fan-out workload runs in the first round only."""
+    both sides alike. Drains are compared at W=1 only; above it the sustained
+    workload shows the ratio under contention and the empty claims. The fan-out
+    workload runs in every other round of W=1 (its figure is the median of those)."""
     c_drain = ("composer drain", lambda: scenario.drain(COMPOSER, server, template, workers=w, items=args.runs))
     c_sus = ("composer sustained", lambda: scenario.sustained(
         COMPOSER, server, template, workers=w, duration=args.duration, max_backlog=args.max_backlog))
-    steps: list[tuple[str, Any]]
+    pair: list[tuple[str, Any]] = [c_drain, c_sus] if w == 1 else [c_sus]
     if peer:
-        assert peer_template is not None, "main() makes the peer's template whenever there is a peer"
+        assert peer_template is not None, "run_leg() makes the peer's template whenever there is a peer"
         p_drain = ("procrastinate drain", lambda: scenario.drain(peer.PROCRASTINATE, server, peer_template,
                                                                  workers=w, items=args.runs))
         p_sus = ("procrastinate sustained", lambda: scenario.sustained(
             peer.PROCRASTINATE, server, peer_template, workers=w, duration=args.duration,
             max_backlog=args.max_backlog))
-        steps = [c_drain, p_drain, p_sus, c_sus] if r % 2 == 0 else [p_drain, c_drain, c_sus, p_sus]
-    else:
-        steps = [c_drain, c_sus]
-    if r == 0 and "fan" not in args.skip:
+        if w == 1:
+            pair = [c_drain, p_drain, p_sus, c_sus] if r % 2 == 0 else [p_drain, c_drain, c_sus, p_sus]
+        else:
+            pair = [c_sus, p_sus] if r % 2 == 0 else [p_sus, c_sus]
+    steps = list(pair)
+    if w == 1 and r % 2 == 0 and "fan" not in skip:
         steps.append(("composer fan-out sustained", lambda: scenario.sustained(
             COMPOSER, server, template, workers=w, duration=args.duration, workflow="fan",
             max_backlog=args.max_backlog)))
@@ -106,50 +155,81 @@ def _log(message: str) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     began = time.monotonic()
-    server = servers.session().primary
-    _log(f"PostgreSQL {server.version} ({'embedded' if server.embedded else server.admin_url.split('@')[-1]})")
-    results: dict[str, Any] = {"throughput": [], "latency": []}
-    template = make_template(server, "bench_tpl")
     peer = None if "procrastinate" in args.skip else _procrastinate()
     if peer is None and "procrastinate" not in args.skip:
         _log("procrastinate is not installed (make bench installs it): the peer is skipped")
-    peer_template = peer.make_template(server, "bench_tpl_peer") if peer else None
+    legs: list[dict[str, Any]] = []
+    external = bool(os.environ.get("COMPOSER_DATABASE_URL"))
+    for leg in (["external"] if external else args.servers):
+        server = scenario.start_server(args.pg15_bin if leg == "15" else None)
+        skip = args.skip | {"15": args.skip_pg15, "18": args.skip_pg18}.get(leg, set())
+        legs.append(run_leg(args, server, peer, skip))
+        if not external:
+            server.stop()
+    summary = combine(legs, args, began)
+    out = args.out or dated_path(RESULTS)
+    write(summary, out)
+    if args.out is None:
+        shutil.copyfile(out, RESULTS / "latest.json")
+    for leg_summary in legs:
+        render(leg_summary)
+    render_headline(summary)
+    _log(f"done in {summary['elapsed_s']:.0f}s; wrote {out}" + ("" if args.out else " and latest.json"))
+    return 0
+
+
+def run_leg(args: argparse.Namespace, server: servers.Server, peer: Any, skip: set[str]) -> dict[str, Any]:
+    """Every part not in ``skip`` on one server; returns that leg's summary."""
+    began = time.monotonic()
+    _log(f"PostgreSQL {server.version} ({'embedded' if server.embedded else server.admin_url.split('@')[-1]})")
+    results: dict[str, Any] = {"throughput": [], "latency": []}
+    template = make_template(server, "bench_tpl")
+    leg_peer = None if "procrastinate" in skip else peer
+    peer_template = leg_peer.make_template(server, "bench_tpl_peer") if leg_peer else None
     load_before = os.getloadavg()
 
-    if "pgbench" not in args.skip:
+    if "pgbench" not in skip:
         _log("pgbench -N (the ceiling)")
         results["pgbench"] = pgbench.measure(server)
 
-    if "throughput" not in args.skip:
+    if "throughput" not in skip:
         for w in (int(x) for x in args.workers.split(",")):
+            if w > 1 and "contention" in skip:
+                continue
             rounds = args.repeat if w == 1 else 1
             for r in range(rounds):
-                steps = _round_steps(args, server, template, peer, peer_template, w, r)
+                steps = _round_steps(args, server, template, leg_peer, peer_template, w, r, skip)
                 for name, step in steps:
                     _log(f"{name}, W={w}" + (f", round {r + 1}/{rounds}" if rounds > 1 else ""))
                     result = step()
                     result["round"] = r
                     results["throughput"].append(result)
 
-    if "latency" not in args.skip:
+    if "latency" not in skip:
         systems: list[tuple[System, str]] = [(COMPOSER, template)]
-        if peer:
+        if leg_peer:
             assert peer_template is not None, "made above whenever there is a peer"
-            systems.append((peer.PROCRASTINATE, peer_template))
+            systems.append((leg_peer.PROCRASTINATE, peer_template))
         for system, tpl in systems:
             _log(f"{system.name} paced at {args.pace:.0f}/s, W=1")
             results["latency"].append(scenario.sustained(system, server, tpl, workers=1, duration=args.duration,
                                                          pace=args.pace))
 
-    if "hot" not in args.skip:
+    if "months" not in skip:
+        _log(f"months retained {', '.join(map(str, args.months))}: backfill, then claim cost and throughput")
+        results["months"] = months.measure(server, months=args.months, runs_per_month=args.months_runs,
+                                           claims=args.months_claims, rounds=2, duration=min(args.duration, 4.0),
+                                           max_backlog=args.max_backlog, log=_log)
+
+    if "hot" not in skip:
         _log("HOT updates and index writes, V004 vs latest")
         results["hot"] = hot.measure(server, runs=args.hot_runs, tasks=args.hot_runs)
 
-    if "retention" not in args.skip:
+    if "retention" not in skip:
         _log(f"retention: drop vs DELETE of {args.retention_rows:,} task rows")
         results["retention"] = retention.measure(server, template, rows=args.retention_rows)
 
-    if "notebooks" not in args.skip:
+    if "notebooks" not in skip:
         # Building 10 million task rows takes longer than this whole run: `python -m
         # bench.notebooks` does it separately; its last result is reported here.
         nb_file = RESULTS / "notebooks-latest.json"
@@ -158,11 +238,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             _log("no bench/results/notebooks-latest.json: run `python -m bench.notebooks` for the 10M-row figures")
 
-    summary = summarize(results, server, peer, args, began, load_before)
-    write(summary, args.out)
-    render(summary)
-    _log(f"done in {summary['elapsed_s']:.0f}s; wrote {args.out}")
-    return 0
+    return summarize(results, server, leg_peer, args, began, load_before)
 
 
 def _median(values: list[float]) -> float | None:
@@ -188,6 +264,8 @@ def aggregate(throughput: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 "server_cpu_ms_per_run": _median([r["cpu"]["server_ms_per_item"] for r in mine
                                                   if r["cpu"]["server_ms_per_item"] is not None]),
                 "process_cpu_ms_per_run": _median([r["cpu"]["processes_ms_per_item"] for r in mine]),
+                "empty_claim_share": _median([r["claims"]["empty_share"] for r in mine
+                                              if (r.get("claims") or {}).get("empty_share") is not None]),
             }
         ratios = []
         for rnd in sorted({r.get("round", 0) for r in same}):
@@ -213,6 +291,44 @@ def _cpu_ratio(row: dict[str, Any]) -> float | None:
     return theirs / mine if mine else None
 
 
+def _cpu_total(row: dict[str, Any], system: str) -> float | None:
+    """Server + processes CPU ms per run (job), medians over the rounds."""
+    side = row.get(system)
+    if not side or side["server_cpu_ms_per_run"] is None or side["process_cpu_ms_per_run"] is None:
+        return None
+    total: float = side["server_cpu_ms_per_run"] + side["process_cpu_ms_per_run"]
+    return total
+
+
+#: The keys ``by_server`` repeats for every leg (and the headline prints).
+HEADLINE = ("server_version", "composer_runs_per_s", "procrastinate_jobs_per_s", "ratio_vs_procrastinate",
+            "ratio_vs_procrastinate_rounds", "ratio_vs_procrastinate_drain", "cpu_ms_per_run",
+            "procrastinate_cpu_ms_per_job", "cpu_ms_per_run_drain", "procrastinate_cpu_ms_per_job_drain",
+            "cpu_ratio_vs_procrastinate", "claim_locks_by_months", "empty_claim_share_w1", "empty_claim_share_w4",
+            "fan_out_transitions_per_s", "claim_to_complete_p50_ms", "claim_to_complete_p99_ms",
+            "start_to_claim_p50_ms", "start_to_claim_p99_ms", "pgbench_tps", "heartbeat_hot_ratio",
+            "retention_delete_over_drop")
+
+
+def combine(legs: list[dict[str, Any]], args: argparse.Namespace, began: float) -> dict[str, Any]:
+    """One results document: the first leg's keys at the top (the embedded server's
+    when it ran), a key that leg did not measure taken from the leg that did (named in
+    ``keys_from``), every leg's headline keys under ``by_server`` (by major version),
+    and every leg in full under ``legs``."""
+    top = {k: v for k, v in legs[0].items() if k != "results"}
+    keys_from: dict[str, str] = {}
+    for leg in legs[1:]:
+        for key, value in leg.items():
+            if key != "results" and top.get(key) is None and value is not None:
+                top[key] = value
+                keys_from[key] = leg["server_version"]
+    months_keys = [k for k in top if k.endswith("_months")]
+    by_server = {leg["server_version"].split(".")[0]: {k: leg.get(k) for k in (*HEADLINE, *months_keys)}
+                 for leg in legs}
+    return {**top, "keys_from": keys_from, "elapsed_s": time.monotonic() - began,
+            "command": "python -m bench.run " + " ".join(sys.argv[1:]), "by_server": by_server, "legs": legs}
+
+
 def summarize(results: dict[str, Any], server: servers.Server, peer: Any, args: argparse.Namespace,
               began: float, load_before: tuple[float, float, float]) -> dict[str, Any]:
     rows = aggregate(results["throughput"])
@@ -232,6 +348,9 @@ def summarize(results: dict[str, Any], server: servers.Server, peer: Any, args: 
     tps = (results.get("pgbench") or {}).get("tps_by_clients") or {}
     hot_res = results.get("hot") or {}
     sus = row("sustained")
+    mon = results.get("months") or {}
+    lo, hi = (min(args.months), max(args.months))
+    empty = {str(w): (row("sustained", w).get("composer") or {}).get("empty_claim_share") for w in workers}
     return {
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
         "server_version": server.version,
@@ -248,6 +367,18 @@ def summarize(results: dict[str, Any], server: servers.Server, peer: Any, args: 
         "ratio_vs_procrastinate_drain": row("drain").get("ratio"),
         "cpu_ratio_vs_procrastinate": _cpu_ratio(sus),
         "cpu_ratio_vs_procrastinate_drain": _cpu_ratio(row("drain")),
+        "cpu_ms_per_run": _cpu_total(sus, "composer"),
+        "procrastinate_cpu_ms_per_job": _cpu_total(sus, "procrastinate"),
+        "cpu_ms_per_run_drain": _cpu_total(row("drain"), "composer"),
+        "procrastinate_cpu_ms_per_job_drain": _cpu_total(row("drain"), "procrastinate"),
+        f"claim_p50_ratio_{hi}_vs_{lo}_months": mon.get(f"claim_p50_ratio_{hi}_vs_{lo}_months"),
+        f"claim_p99_ratio_{hi}_vs_{lo}_months": mon.get(f"claim_p99_ratio_{hi}_vs_{lo}_months"),
+        f"runs_per_s_ratio_{hi}_vs_{lo}_months": mon.get(f"runs_per_s_ratio_{hi}_vs_{lo}_months"),
+        "claim_locks_by_months": mon.get("claim_locks_by_months"),
+        "empty_claim_share_w1": empty.get("1"),
+        "empty_claim_share_w4": empty.get("4"),
+        "empty_claim_share_by_workers": empty,
+        "fan_out_transitions_per_s": (row("sustained", 1, "fan").get("composer") or {}).get("transitions_per_s"),
         "ratios_by_workers": {str(w): {"sustained": row("sustained", w).get("ratio"),
                                        "drain": row("drain", w).get("ratio")} for w in workers},
         "composer_runs_per_s_by_workers": {str(w): (row("sustained", w).get("composer") or {}).get("runs_per_s")

@@ -16,6 +16,7 @@ reports CPU per item (server, and the benchmark's own processes) next to the rat
 
 from __future__ import annotations
 
+import os
 import subprocess
 import time
 from collections.abc import Callable
@@ -26,9 +27,28 @@ from typing import Any
 from bench.cpu import Meter, ServerCPU, per_item_ms
 from bench.measure import rate, seconds, unit_stats
 from bench.procs import ROOT, ProcessGroup, db_now, read_json_line, wait_until
+from composer_ops.testing import servers
 from composer_ops.testing.servers import Server
 
 PRODUCER_THREADS = 4
+
+#: Debian's PostgreSQL 15 server binaries: the benchmark's second server.
+DEBIAN_PG15_BIN = Path("/usr/lib/postgresql/15/bin")
+#: A cluster started for the benchmark keeps the package defaults that the shared
+#: server manager changes for the test suite (fsync off, 200 connections).
+PACKAGE_DEFAULTS = {"fsync": "on", "max_connections": "100"}
+
+
+def start_server(pgbin: Path | None = None, settings: dict[str, str] | None = None) -> Server:
+    """The server of one benchmark leg: ``COMPOSER_DATABASE_URL``'s if set, else a
+    throwaway cluster of ``pgbin``'s binaries with the package defaults (and
+    ``settings``), else the throwaway embedded server. Stopped and deleted at exit."""
+    url = os.environ.get(servers.ENV_URL)
+    if url:
+        return servers.external(url)
+    if pgbin is not None:
+        return servers.start_cluster(pgbin, settings={**PACKAGE_DEFAULTS, **(settings or {})})
+    return servers.start_embedded()
 
 
 @dataclass(frozen=True)
@@ -73,6 +93,7 @@ def drain(system: System, server: Server, template: str, *, workers: int, items:
             wait_until(lambda: system.unfinished(url) == 0, timeout=max(180.0, items / 5), interval=0.25,
                        what=f"{items} {system.tag} items to finish", group=group)
             meter.stop()
+        claims = group.claim_counts()
         stats = unit_stats(url, system.units_sql)
         _, completed, last_run = system.runs_window(url, None)
         elapsed = seconds(stats.first_claim, last_run)
@@ -85,7 +106,7 @@ def drain(system: System, server: Server, template: str, *, workers: int, items:
             "start_cpu": {"server_ms_per_item": per_item_ms(None if s0 is None or s1 is None else s1 - s0, items),
                           "processes_ms_per_item": per_item_ms(started["cpu_s"], items)},
             "cpu": meter.report(completed),
-            "units": stats.as_dict(),
+            "units": stats.as_dict(), "claims": claims,
         }
     finally:
         server.drop_database(db)
@@ -99,34 +120,43 @@ def sustained(system: System, server: Server, template: str, *, workers: int, du
     url = server.create_database(db, template=template)
     try:
         server.checkpoint()
-        with system.spawn(url, workers, system.root) as group:
-            extra = ["--seconds", str(warmup + duration)]
-            if pace:
-                extra += ["--rate", str(pace)]
-            if max_backlog:
-                extra += ["--max-backlog", str(max_backlog)]
-            producer = _producer(system, group, url, workflow, *extra)
-            meter = Meter(ServerCPU(url), group)
-            time.sleep(warmup)
-            meter.start()
-            w0 = db_now(url)
-            time.sleep(duration)
-            w1 = db_now(url)
-            meter.stop()
-            produced = read_json_line(producer, timeout=120)
-            time.sleep(min(2.0, duration / 4))   # let the window's in-flight items finish
-        stats = unit_stats(url, system.units_sql, (w0, w1))
-        created, completed, _ = system.runs_window(url, (w0, w1))
-        window = seconds(w0, w1)
-        return {
-            "system": system.tag, "mode": mode, "workflow": workflow, "workers": workers,
-            "concurrency": system.concurrency, "window_s": window,
-            "runs_per_s": rate(completed, window),
-            "transitions_per_s": rate(stats.claimed_in_window + stats.finished_in_window, window),
-            "started_per_s": rate(created, window),
-            "backlog_growth_per_s": rate(created - completed, window),
-            "max_backlog": max_backlog, "target_rate": pace, "producer": produced,
-            "cpu": meter.report(completed), "units": stats.as_dict(),
-        }
+        return sustained_on(system, url, workers=workers, duration=duration, workflow=workflow, warmup=warmup,
+                            max_backlog=max_backlog, pace=pace)
     finally:
         server.drop_database(db)
+
+
+def sustained_on(system: System, url: str, *, workers: int, duration: float, workflow: str = "one",
+                 warmup: float = 2.0, max_backlog: int | None = None, pace: float | None = None) -> dict[str, Any]:
+    """:func:`sustained` on an existing database: only what starts, is claimed and
+    finishes inside the window counts, so rows already there (history) do not."""
+    mode = "paced" if pace else "sustained"
+    with system.spawn(url, workers, system.root) as group:
+        extra = ["--seconds", str(warmup + duration)]
+        if pace:
+            extra += ["--rate", str(pace)]
+        if max_backlog:
+            extra += ["--max-backlog", str(max_backlog)]
+        producer = _producer(system, group, url, workflow, *extra)
+        meter = Meter(ServerCPU(url), group)
+        time.sleep(warmup)
+        meter.start()
+        w0 = db_now(url)
+        time.sleep(duration)
+        w1 = db_now(url)
+        meter.stop()
+        produced = read_json_line(producer, timeout=120)
+        time.sleep(min(2.0, duration / 4))   # let the window's in-flight items finish
+    stats = unit_stats(url, system.units_sql, (w0, w1))
+    created, completed, _ = system.runs_window(url, (w0, w1))
+    window = seconds(w0, w1)
+    return {
+        "system": system.tag, "mode": mode, "workflow": workflow, "workers": workers,
+        "concurrency": system.concurrency, "window_s": window,
+        "runs_per_s": rate(completed, window),
+        "transitions_per_s": rate(stats.claimed_in_window + stats.finished_in_window, window),
+        "started_per_s": rate(created, window),
+        "backlog_growth_per_s": rate(created - completed, window),
+        "max_backlog": max_backlog, "target_rate": pace, "producer": produced,
+        "cpu": meter.report(completed), "units": stats.as_dict(), "claims": group.claim_counts(),
+    }

@@ -10,6 +10,7 @@ no-op handler, as the peer's job, so what is measured is the engine.
 from __future__ import annotations
 
 import os
+import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -17,6 +18,7 @@ import psycopg
 
 from bench.measure import COMPOSER_UNITS
 from bench.procs import ROOT, ProcessGroup, connections, scalar, wait_until
+from bench.producer import UNFINISHED
 from bench.scenario import System
 from composer_ops.testing.servers import Server
 
@@ -102,7 +104,10 @@ def make_template(server: Server, name: str, target: int | None = None) -> str:
 def spawn_cluster(url: str, workers: int, root: Path = ROOT, *, coordinators: int = 1) -> ProcessGroup:
     """W worker processes (concurrency 4 each) and the coordinator, ready to work."""
     group = ProcessGroup(f"composer x{workers}", root)
-    env = {"COMPOSER_DATABASE_URL": url, "BENCH_CONCURRENCY": str(CONCURRENCY)}
+    fd, log = tempfile.mkstemp(prefix="bench-claims-", suffix=".jsonl")
+    os.close(fd)
+    group.claim_log = Path(log)
+    env = {"COMPOSER_DATABASE_URL": url, "BENCH_CONCURRENCY": str(CONCURRENCY), "BENCH_CLAIM_LOG": log}
     for _ in range(workers):
         group.spawn(["-m", "composer_ops", "worker", "--app", "bench.workload:make_worker"], env=env)
     for _ in range(coordinators):
@@ -114,7 +119,7 @@ def spawn_cluster(url: str, workers: int, root: Path = ROOT, *, coordinators: in
 
 
 def _unfinished_runs(url: str) -> int:
-    return int(scalar(url, "SELECT count(*) FROM workflow_runs WHERE status IN ('RUNNING', 'PENDING')"))
+    return int(scalar(url, UNFINISHED["composer"]))
 
 
 def _run_window(url: str, window: tuple[Any, Any] | None) -> tuple[int, int, Any]:
