@@ -45,6 +45,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--duration", type=float, default=6.0)
     parser.add_argument("--runs", type=int, default=1500)
     parser.add_argument("--max-backlog", type=int, default=50)
+    parser.add_argument("--workflow", default="one", choices=["one", "fan"],
+                        help="one: the 1-task workload; fan: the 10-task fan-out/fan-in (sustained only)")
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "ab-latest.json")
     args = parser.parse_args(argv)
     before_root = args.before.resolve()
@@ -55,26 +57,30 @@ def main(argv: list[str] | None = None) -> int:
     server = servers.session().primary
     template = make_template(server, "bench_tpl_ab")
     rows: list[dict[str, Any]] = []
+    modes = ("drain", "sustained") if args.workflow == "one" else ("sustained",)
     for r in range(args.rounds):
         order = ["before", "after"] if r % 2 == 0 else ["after", "before"]
-        for mode in ("drain", "sustained"):
+        for mode in modes:
             for side in order:
                 sys.stderr.write(f"[ab] round {r + 1}/{args.rounds}: {side} {mode}\n")
                 if mode == "drain":
-                    res = scenario.drain(sides[side], server, template, workers=args.workers, items=args.runs)
+                    res = scenario.drain(sides[side], server, template, workers=args.workers, items=args.runs,
+                                         workflow=args.workflow)
                 else:
                     res = scenario.sustained(sides[side], server, template, workers=args.workers,
-                                             duration=args.duration, max_backlog=args.max_backlog)
+                                             duration=args.duration, max_backlog=args.max_backlog,
+                                             workflow=args.workflow)
                 res["round"] = r
                 rows.append(res)
     summary: dict[str, Any] = {"before_tree": str(before_root), "after_tree": str(ROOT), "server": server.version,
-                               "workers": args.workers, "rounds": args.rounds, "modes": {}}
-    for mode in ("drain", "sustained"):
+                               "workers": args.workers, "rounds": args.rounds, "workflow": args.workflow, "modes": {}}
+    for mode in modes:
         per_side = {side: [x for x in rows if x["system"] == side and x["mode"] == mode] for side in sides}
         ratios = [a["runs_per_s"] / b["runs_per_s"]
                   for a, b in zip(per_side["after"], per_side["before"], strict=True) if b["runs_per_s"]]
         summary["modes"][mode] = {
             side: {"runs_per_s": statistics.median(x["runs_per_s"] for x in xs),
+                   "transitions_per_s": statistics.median(x["transitions_per_s"] for x in xs),
                    "runs_per_s_all": [x["runs_per_s"] for x in xs],
                    "server_cpu_ms_per_run": statistics.median(
                        x["cpu"]["server_ms_per_item"] or 0.0 for x in xs),
