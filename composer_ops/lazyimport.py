@@ -58,3 +58,18 @@ def defer_rfc3987_syntax() -> bool:
     stub.is_valid_syntax = _is_valid_syntax  # type: ignore[attr-defined]
     sys.modules[_NAME] = stub
     return True
+
+
+#: itables' sample DataFrames (demo data, never used here); importing them imports pandas.
+_ITABLES_SAMPLES = ("itables.sample_dfs", "itables.sample_pandas_dfs", "itables.sample_polars_dfs")
+
+
+def skip_itables_samples() -> bool:
+    """Put empty stand-ins for itables' sample-data modules before itables is imported:
+    its ``__init__`` imports them, and they import pandas (about 0.6 s per report
+    kernel) only to offer demo tables. Returns whether it did. Idempotent."""
+    if "itables" in sys.modules:
+        return False
+    for name in _ITABLES_SAMPLES:
+        sys.modules.setdefault(name, types.ModuleType(name, "not loaded: itables sample data is never used here"))
+    return True

@@ -231,6 +231,18 @@ def resolve_parameters(names: Sequence[str], pairs: Sequence[tuple[str, str]],
     return out
 
 
+def check_parameters(parameters: Mapping[str, Mapping[str, Any]]) -> None:
+    """Check the values given for each notebook (:class:`Invalid` names the first bad
+    one as ``-p KEY``): the same checks the notebooks run, before any kernel starts."""
+    from composer_ops.ops.params import check_parameters as check
+
+    for name, values in parameters.items():
+        try:
+            check(name, **values)
+        except Invalid as exc:
+            raise Invalid(f"-p {exc} (report {name}); nothing was run") from None
+
+
 def timestamp(now: datetime | None = None) -> str:
     return (now or datetime.now(UTC)).astimezone(UTC).strftime("%Y%m%dT%H%M%SZ")
 
@@ -260,13 +272,19 @@ def _kernel_env(database_url: str | None) -> Iterator[None]:
 
 def run_reports(names: Sequence[str], parameters: Mapping[str, Mapping[str, Any]], out_dir: Path, *,
                 database_url: str | None = None, progress: bool = True, cell_timeout_s: int = 600,
-                jobs: int = 1, now: datetime | None = None, directory: Path | None = None) -> list[ReportResult]:
+                jobs: int = 1, now: datetime | None = None, directory: Path | None = None,
+                keep: int = 0) -> list[ReportResult]:
     """Execute each notebook (``jobs`` at a time, each in its own kernel), render its
-    HTML, then rewrite the index. A failing notebook does not stop the others; see
-    each result's ``ok``. With ``jobs`` > 1 the notebooks run in worker processes,
-    without progress bars."""
+    HTML, prune each notebook's reports to the newest ``keep`` (0: keep all), then
+    rewrite the index. A failing notebook does not stop the others; see each
+    result's ``ok``. With ``jobs`` > 1 the notebooks run in worker processes, without
+    progress bars. Kernels get a private runtime directory (connection files and
+    sockets) and, when the home directory is not writable (a system account), a
+    private IPython directory, both removed at the end."""
     if jobs < 1:
         raise Invalid(f"jobs must be 1 or more, got {jobs}")
+    if keep < 0:
+        raise Invalid(f"keep must be 0 (keep all) or more, got {keep}")
     # Find the database once, here (a running one: reports only read): a kernel would
     # resolve a relative COMPOSER_HOME against its own working directory.
     url = find_url(database_url)
@@ -276,7 +294,7 @@ def run_reports(names: Sequence[str], parameters: Mapping[str, Mapping[str, Any]
         return _run_one(name, dict(parameters.get(name, {})), out_dir, stamp, progress=progress,
                         cell_timeout_s=cell_timeout_s, directory=directory)
 
-    with _kernel_env(url):
+    with _kernel_env(url), _private_jupyter_dirs():
         if jobs == 1 or len(names) == 1:
             results = [one(name) for name in names]
         else:
@@ -288,8 +306,59 @@ def run_reports(names: Sequence[str], parameters: Mapping[str, Mapping[str, Any]
                     results = list(pool.map(_run_quietly, args))
             except BrokenProcessPool as exc:
                 raise ComposerError(f"a report worker process died ({exc}); run again with --jobs 1") from exc
+    if keep:
+        for name in names:
+            prune(out_dir / name, keep)
     write_index(out_dir)
     return results
+
+
+def prune(folder: Path, keep: int) -> list[str]:
+    """Delete all but the newest ``keep`` reports (``.html``, ``.ipynb``, ``.json`` of
+    one stem) in a notebook's report folder; returns the stems removed. Stems are UTC
+    timestamps, so their order is their age."""
+    if keep < 1:
+        raise Invalid(f"keep must be 1 or more, got {keep}")
+    stems = sorted({p.stem for p in folder.glob("*") if p.suffix in {".html", ".ipynb", ".json"}}, reverse=True)
+    removed = stems[keep:]
+    for stem in removed:
+        for suffix in (".html", ".ipynb", ".json"):
+            (folder / f"{stem}{suffix}").unlink(missing_ok=True)
+    return removed
+
+
+@contextlib.contextmanager
+def _private_jupyter_dirs() -> Iterator[None]:
+    """``JUPYTER_RUNTIME_DIR`` (kernel connection files, sockets) in a fresh private
+    temporary directory, and ``IPYTHONDIR`` too when the home directory cannot be
+    written: a report run by a system account (systemd ``User=``) or with a read-only
+    home then works instead of failing in Jupyter's start-up. Variables the caller
+    set are kept."""
+    saved = {k: os.environ.get(k) for k in ("JUPYTER_RUNTIME_DIR", "IPYTHONDIR")}
+    with tempfile.TemporaryDirectory(prefix="composer-report-") as private:
+        os.chmod(private, 0o700)
+        if not saved["JUPYTER_RUNTIME_DIR"]:
+            os.environ["JUPYTER_RUNTIME_DIR"] = os.path.join(private, "runtime")
+        if not saved["IPYTHONDIR"] and not _writable_home():
+            os.environ["IPYTHONDIR"] = os.path.join(private, "ipython")
+        try:
+            yield
+        finally:
+            for key, value in saved.items():
+                if value is None:
+                    os.environ.pop(key, None)
+                else:
+                    os.environ[key] = value
+
+
+def _writable_home() -> bool:
+    home = Path(os.path.expanduser("~"))
+    probe = home / ".ipython"
+    try:
+        probe.mkdir(parents=True, exist_ok=True)
+        return os.access(probe, os.W_OK)
+    except OSError:
+        return False
 
 
 def _run_quietly(args: tuple[str, dict[str, Any], Path, str, int, Path | None]) -> ReportResult:

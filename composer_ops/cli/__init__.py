@@ -15,7 +15,7 @@ from collections.abc import Sequence
 import composer_ops.cli.ops_cmds as ops_cmds
 import composer_ops.cli.simulate_cmds as simulate_cmds
 from composer_ops.cli import db_cmds, partition_cmds, run_cmds
-from composer_ops.cli._common import EXIT_BAD_INPUT, EXIT_FAILED, ArgumentParser
+from composer_ops.cli._common import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_OK, ArgumentParser
 from composer_ops.errors import ComposerError, Unavailable
 
 
@@ -42,6 +42,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.getLogger("composer_ops").setLevel(level)
     try:
         code: int = args.func(args)
+        sys.stdout.flush()
         return code
     except ComposerError as exc:
         if args.debug:
@@ -53,6 +54,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         sys.stderr.write("composer-ops: interrupted\n")
         return EXIT_FAILED
+    except BrokenPipeError:
+        # Whoever read stdout stopped reading (`composer-ops ... | head`): not a failure
+        # of the command. stdout goes to /dev/null so the interpreter's last flush is quiet.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_OK
     except (OSError, ValueError) as exc:
         if args.debug:
             raise

@@ -31,6 +31,8 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
                metavar_default="1", help="show a progress bar per notebook (0: no)")
     env_option(rep, "--jobs", env="COMPOSER_REPORT_JOBS", type=int, default=1, metavar_default="1",
                help="notebooks to execute at once, each in its own kernel (progress bars only with 1)")
+    env_option(rep, "--keep", env="COMPOSER_REPORT_KEEP", type=int, default=0, metavar_default="0",
+               help="after writing, keep only the newest N reports of each notebook run here (0: keep all)")
     add_database_option(rep)
     rep.add_argument("--list", action="store_true", help="list the notebooks and their parameters, run nothing")
     rep.set_defaults(func=cmd_report)
@@ -55,6 +57,8 @@ def cmd_report(args: argparse.Namespace) -> int:
         reports.notebook_path(name)  # unknown name: NotFound, exit 2, before anything runs
     if args.timeout < 1 or args.jobs < 1:
         raise Invalid(f"--timeout and --jobs must be at least 1, got {args.timeout} and {args.jobs}")
+    if args.keep < 0:
+        raise Invalid(f"--keep must be 0 (keep all) or more, got {args.keep}")
     pairs = [(str(k), str(v)) for k, v in args.parameter]
     # The database URL goes to the kernels through the environment, never into the report files.
     url = args.database_url
@@ -62,9 +66,11 @@ def cmd_report(args: argparse.Namespace) -> int:
         if key == "database_url":
             url = value
     params = reports.resolve_parameters(names, [(k, v) for k, v in pairs if k != "database_url"])
+    reports.check_parameters(params)  # a bad value exits 2 here, before a kernel starts or a file is written
     out = Path(args.out).expanduser()
     results = reports.run_reports(names, params, out, database_url=url or os.environ.get("COMPOSER_DATABASE_URL"),
-                                  progress=args.progress == "1", cell_timeout_s=args.timeout, jobs=args.jobs)
+                                  progress=args.progress == "1", cell_timeout_s=args.timeout, jobs=args.jobs,
+                                  keep=args.keep)
     failed = [r for r in results if not r.ok]
     for r in results:
         if r.ok:

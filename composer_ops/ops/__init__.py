@@ -7,16 +7,18 @@ server). All time arithmetic uses the database clock. The statements themselves
 live in :mod:`composer_ops.repo.analytics` and :mod:`composer_ops.repo.partitions`.
 """
 
+from composer_ops.ops import anomalies, display
 from composer_ops.ops._common import ACTIVE_STATES, COORDINATOR_QUEUE, RUN_TABLES, connection, db_now, snapshot
 from composer_ops.ops.active import (
     active_by_group,
     active_run_count,
     active_tasks,
     age_histogram,
+    long_waits,
     outbox_backlog,
     top_runs,
 )
-from composer_ops.ops.display import show_key_figures
+from composer_ops.ops.display import SelfChecks, show_key_figures, table
 from composer_ops.ops.investigation import (
     RunStory,
     definition_graph,
@@ -32,11 +34,14 @@ from composer_ops.ops.leases import (
     lease_owners,
     recent_requeues,
     running_leases,
+    without_lease,
 )
+from composer_ops.ops.params import check_parameters
 from composer_ops.ops.partitions import (
     decode_uuid7_bound,
     growth,
     lookahead,
+    monthly_growth_rate,
     partition_inventory,
     partition_totals,
 )
@@ -49,14 +54,18 @@ __all__ = [
     "Cutoff",
     "DropResult",
     "RunStory",
+    "SelfChecks",
     "active_by_group",
     "active_run_count",
     "active_tasks",
     "age_histogram",
+    "anomalies",
     "attempt_distribution",
+    "check_parameters",
     "connection",
     "db_now",
     "decode_uuid7_bound",
+    "display",
     "definition_graph",
     "drop_partitions",
     "expired_running",
@@ -65,7 +74,9 @@ __all__ = [
     "growth",
     "latest_run_id",
     "lease_owners",
+    "long_waits",
     "lookahead",
+    "monthly_growth_rate",
     "outbox_backlog",
     "parse_cutoff",
     "partition_inventory",
@@ -76,6 +87,8 @@ __all__ = [
     "running_leases",
     "show_key_figures",
     "snapshot",
+    "table",
     "top_runs",
     "validate_run_id",
+    "without_lease",
 ]

@@ -93,3 +93,19 @@ def outbox_backlog(source: Source = None) -> pl.DataFrame:
             "oldest_available_at": UTC_TS, "oldest_ready_age_s": pl.Float64,
             "last_delayed_until": UTC_TS, "max_attempt": pl.Int64,
         })
+
+
+def long_waits(source: Source = None, *, older_than_s: float = 86400, limit: int = 50) -> tuple[pl.DataFrame, int]:
+    """WAIT_FOR_EVENT tasks with no timeout that have waited longer than ``older_than_s``
+    (oldest first, at most ``limit``) and how many there are in all. Such a node waits
+    for ever unless its signal comes: usually the signal was never sent, or was sent
+    under another name or to another run."""
+    if older_than_s < 0 or limit < 1:
+        raise Invalid(f"long_waits needs older_than_s >= 0 and limit >= 1, got {older_than_s} and {limit}")
+    with connection(source) as conn:
+        rows = analytics.long_waits(conn, older_than_s, limit)
+    total = int(rows[0][-1]) if rows else 0
+    return rows_frame([r[:-1] for r in rows], {
+        "run_id": pl.String, "task_id": pl.String, "node_id": pl.String, "event_name": pl.String,
+        "created_at": UTC_TS, "waiting_s": pl.Float64,
+    }), total

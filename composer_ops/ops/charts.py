@@ -1,5 +1,11 @@
 """Plotly figures for the ops DataFrames, so the notebooks only call, show and explain.
 
+Time axes carry UTC wall-clock text ("2025-03-16 12:00:35"), never epoch numbers or
+offsets: plotly.js draws such text as given, so every browser shows the same instant
+whatever its time zone, and every time axis says "(UTC)". Byte axes are scaled to
+one IEC unit (KiB, MiB, GiB) named in the axis title; counts are plain numbers
+("1,200,000", never "1.2M"); tooltips use the tables' units.
+
 Figures are built with ``plotly.graph_objects`` from polars columns directly (no
 pandas, no ``plotly.express``: together they cost a report's kernel about half a
 second before the first figure). :func:`setup` makes ``fig.show()`` emit only
@@ -11,7 +17,7 @@ page with plotly.js embedded once.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Any
 
 from composer_ops.lazyimport import defer_rfc3987_syntax
@@ -22,6 +28,8 @@ import plotly.graph_objects as go  # noqa: E402
 import plotly.io as pio  # noqa: E402
 import polars as pl  # noqa: E402
 
+from composer_ops.ops.display import plain  # noqa: E402
+
 STATE_COLORS = {
     "PENDING": "#f2a93b", "QUEUED": "#e3c04b", "RUNNING": "#3b82c4", "WAITING": "#8e6cc4",
     "COMPLETED": "#3ea66b", "FAILED": "#d64545", "SKIPPED": "#9aa5b1", "CANCELLED": "#6b7280",
@@ -29,7 +37,34 @@ STATE_COLORS = {
 }
 ACTION_COLORS = {"drop": "#d64545", "keep": "#3ea66b"}
 LEASE_COLORS = {"expired": "#d64545", "not expired": "#3b82c4"}
-PHASE_COLORS = {"queued": "#f2a93b", "ran": "#3b82c4", "waiting": "#8e6cc4", "decided": "#9aa5b1"}
+PHASE_COLORS = {"queued": "#f2a93b", "ran": "#3b82c4", "failed": "#d64545", "waiting": "#8e6cc4",
+                "decided": "#9aa5b1", "cancelled": "#6b7280", "unknown node": "#111827"}
+_UTC_FORMAT = "%Y-%m-%d %H:%M:%S%.3f"
+_IEC = (("B", 1), ("KiB", 1024), ("MiB", 1024**2), ("GiB", 1024**3), ("TiB", 1024**4))
+
+
+def utc_axis(values: pl.Series) -> list[str | None]:
+    """Instants as UTC wall-clock text for a plotly date axis (the same in every browser)."""
+    return values.dt.convert_time_zone("UTC").dt.strftime(_UTC_FORMAT).to_list()
+
+
+def byte_unit(largest: float) -> tuple[str, int]:
+    """The IEC unit (name, size) a byte axis whose largest value is ``largest`` is drawn in."""
+    name, size = _IEC[0]
+    for unit, factor in _IEC:
+        if largest >= factor:
+            name, size = unit, factor
+    return name, size
+
+
+def _largest(values: pl.Series) -> float:
+    top = values.max()
+    return float(top) if isinstance(top, int | float) else 0.0
+
+
+def _custom(df: pl.DataFrame, columns: Sequence[str]) -> list[list[str]]:
+    """Tooltip values of ``columns`` as text in the tables' units."""
+    return [[plain(c, v) for c, v in zip(columns, row, strict=True)] for row in df.select(columns).rows()]
 
 
 def setup() -> None:
@@ -77,11 +112,13 @@ def _bars(df: pl.DataFrame, *, x: str, y: str, color: str, title: str, colors: M
         fig.add_bar(x=part[x].to_list(), y=part[y].to_list(), name=str(key),
                     orientation="h" if horizontal else "v",
                     marker_color=(colors or {}).get(key),
-                    customdata=part.select(hover).rows() if hover else None,
+                    customdata=_custom(part, hover) if hover else None,
                     hovertemplate=_hover(hover, x=names.get(x, x), y=names.get(y, y)))
     fig.update_layout(title=title, barmode=barmode, legend_title_text=color,
                       xaxis_title=names.get(x, x), yaxis_title=names.get(y, y))
     category_axis = fig.update_yaxes if horizontal else fig.update_xaxes
+    value_axis = fig.update_xaxes if horizontal else fig.update_yaxes
+    value_axis(tickformat=",~r", rangemode="tozero")
     if category_order is not None:
         category_axis(type="category", categoryorder="array", categoryarray=list(category_order))
     else:
@@ -90,19 +127,21 @@ def _bars(df: pl.DataFrame, *, x: str, y: str, color: str, title: str, colors: M
 
 
 def partition_sizes(inventory: pl.DataFrame) -> go.Figure:
-    """Bytes per month, stacked by table; hover shows rows and the heap/index/toast split."""
+    """Size per month, stacked by table, in one IEC unit; hover shows rows and the heap/index/toast split."""
     if inventory.is_empty():
-        return _empty("Partition sizes", "no partitions")
-    return _bars(inventory, x="month", y="total_bytes", color="table",
-                 hover=["partition", "rows", "heap_bytes", "index_bytes", "toast_bytes"],
+        return _empty("Partition sizes", "none: no partitions")
+    unit, size = byte_unit(_largest(inventory.group_by("month").agg(pl.col("total_bytes").sum())["total_bytes"]))
+    df = inventory.with_columns((pl.col("total_bytes") / size).alias("size"))
+    return _bars(df, x="month", y="size", color="table",
+                 hover=["partition", "rows", "total_bytes", "heap_bytes", "index_bytes", "toast_bytes"],
                  title="Partition size per month (heap + indexes + toast)",
-                 labels={"total_bytes": "bytes", "month": "partition month (UTC)"})
+                 labels={"size": f"size ({unit})", "month": "partition month (UTC)"})
 
 
 def partition_rows(inventory: pl.DataFrame) -> go.Figure:
     """Rows per month and table (estimates unless counted exactly)."""
     if inventory.is_empty():
-        return _empty("Rows per partition", "no partitions")
+        return _empty("Rows per partition", "none: no partitions")
     exact = bool(inventory["rows_exact"].any())
     return _bars(inventory, x="month", y="rows", color="table", barmode="group",
                  title=f"Rows per partition ({'exact counts' if exact else 'catalog estimates'})",
@@ -110,25 +149,32 @@ def partition_rows(inventory: pl.DataFrame) -> go.Figure:
 
 
 def growth(frame: pl.DataFrame) -> go.Figure:
-    """Rows added per month (actual, then projected) and the running total of bytes."""
+    """Rows added per month (actual, then projected by the fitted trend) and the running
+    total size, in one IEC unit."""
     if frame.is_empty():
-        return _empty("Growth", "no data")
+        return _empty("Growth", "none: no partitions")
+    unit, size = byte_unit(_largest(frame["total_bytes"]))
     fig = go.Figure()
     for kind, color in (("actual", "#3b82c4"), ("projected", "#b8c7dc")):
         part = frame.filter(pl.col("kind") == kind)
-        fig.add_bar(x=part["month"].to_list(), y=part["rows"].to_list(), name=f"rows ({kind})", marker_color=color)
-    fig.add_scatter(x=frame["month"].to_list(), y=frame["total_bytes"].to_list(), name="total bytes", yaxis="y2",
-                    mode="lines+markers")
-    fig.update_layout(title="Growth per month and projection", xaxis={"type": "category"},
-                      yaxis={"title": "rows added"},
-                      yaxis2={"title": "total bytes", "overlaying": "y", "side": "right"})
+        fig.add_bar(x=part["month"].to_list(), y=part["rows"].to_list(), name=f"rows added ({kind})",
+                    marker_color=color, customdata=_custom(part, ["rows"]),
+                    hovertemplate="%{x}: %{customdata[0]} rows<extra>%{fullData.name}</extra>")
+    fig.add_scatter(x=frame["month"].to_list(), y=(frame["total_bytes"] / size).to_list(), name="total size",
+                    yaxis="y2", mode="lines+markers", customdata=_custom(frame, ["total_bytes"]),
+                    hovertemplate="%{x}: %{customdata[0]}<extra>total size</extra>")
+    fig.update_layout(title="Growth per month and projection", xaxis={"type": "category",
+                                                                      "title": "month (UTC)"},
+                      yaxis={"title": "rows added", "tickformat": ",~r", "rangemode": "tozero"},
+                      yaxis2={"title": f"total size ({unit})", "overlaying": "y", "side": "right",
+                              "rangemode": "tozero"})
     return fig
 
 
 def active_groups(by_group: pl.DataFrame) -> go.Figure:
     """Active tasks per queue and node type, stacked by state."""
     if by_group.is_empty():
-        return _empty("Active tasks", "no active tasks")
+        return _empty("Active tasks", "none: no active tasks")
     df = by_group.with_columns((pl.col("queue") + " / " + pl.col("node_type")).alias("queue / node type"))
     return _bars(df, x="queue / node type", y="tasks", color="state", colors=STATE_COLORS,
                  hover=["oldest_age_s", "oldest_run_id", "oldest_node_id"], title="Active tasks by queue and node type")
@@ -144,7 +190,7 @@ def age_histogram(hist: pl.DataFrame) -> go.Figure:
 def top_runs(runs: pl.DataFrame) -> go.Figure:
     """Runs with the most active tasks."""
     if runs.is_empty():
-        return _empty("Runs with the most active tasks", "no active tasks")
+        return _empty("Runs with the most active tasks", "none: no active tasks")
     return _bars(runs, x="active_tasks", y="run_id", color="workflow_id", horizontal=True,
                  hover=["status", "oldest_age_s"], title="Runs with the most active tasks")
 
@@ -152,32 +198,40 @@ def top_runs(runs: pl.DataFrame) -> go.Figure:
 def outbox(backlog: pl.DataFrame) -> go.Figure:
     """Outbox rows per queue: ready to claim versus delayed by retry backoff."""
     if backlog.is_empty():
-        return _empty("Outbox backlog", "the outbox is empty: every dispatch has been claimed")
+        return _empty("Outbox backlog", "none: every dispatch has been claimed")
     long = backlog.select("queue", "ready", "delayed").unpivot(index="queue", variable_name="kind", value_name="rows")
     return _bars(long, x="queue", y="rows", color="kind", colors={"ready": "#f2a93b", "delayed": "#b8c7dc"},
                  title="Outbox backlog per queue")
 
 
 def lease_timeline(leases: pl.DataFrame, now: datetime) -> go.Figure:
-    """Each RUNNING task at its lease expiry, one row per owner; left of the line = expired."""
-    if leases.is_empty():
-        return _empty("Lease expiries", "no RUNNING tasks")
+    """Each RUNNING task at its lease expiry (UTC), one row per owner; left of the line = expired.
+    Tasks without a lease are not on this axis (the anomalies table lists them)."""
+    df = leases.filter(pl.col("lease_expires_at").is_not_null())
+    if df.is_empty():
+        return _empty("Lease expiries", "none: no RUNNING task holds a lease")
     hover = ["run_id", "node_id", "attempt", "expires_in_s"]
-    df = leases.with_columns(_lease_label(pl.col("expired")))
+    df = df.with_columns(_lease_label(pl.col("expired")), pl.col("lease_owner").fill_null("(none)"))
     fig = go.Figure()
     for label, part in _groups(df, "lease", LEASE_COLORS):
-        fig.add_scatter(x=part["lease_expires_at"].to_list(), y=part["lease_owner"].to_list(), mode="markers",
+        fig.add_scatter(x=utc_axis(part["lease_expires_at"]), y=part["lease_owner"].to_list(), mode="markers",
                         name=label, marker={"size": 12, "color": LEASE_COLORS[label]},
-                        customdata=part.select(hover).rows(),
-                        hovertemplate=_hover(hover, x="lease_expires_at", y="lease_owner"))
+                        customdata=_custom(part, hover),
+                        hovertemplate=_hover(hover, x="lease expires at (UTC)", y="lease_owner"))
+    now_text = now.astimezone(UTC).strftime("%Y-%m-%d %H:%M:%S")
     fig.update_layout(title="Lease expiry per RUNNING task (red: expired but still RUNNING)",
-                      xaxis_title="lease_expires_at", yaxis_title="lease_owner", yaxis_type="category")
-    fig.add_vline(x=now.timestamp() * 1000, line_dash="dash", annotation_text="now (database clock)")
+                      xaxis={"title": "lease expires at (UTC)", "type": "date"}, yaxis_title="lease_owner",
+                      yaxis_type="category")
+    fig.add_shape(type="line", x0=now_text, x1=now_text, y0=0, y1=1, yref="paper", line={"dash": "dash"})
+    fig.add_annotation(x=now_text, y=1, yref="paper", yanchor="bottom", showarrow=False,
+                       text=f"now (database clock): {now_text} UTC")
     return fig
 
 
 def expiry_buckets(buckets: pl.DataFrame) -> go.Figure:
-    """RUNNING tasks per time-to-expiry bucket."""
+    """RUNNING tasks per time-to-expiry bucket; "none" when no task holds a lease."""
+    if int(buckets["tasks"].sum()) == 0:
+        return _empty("Time to lease expiry", "none: no RUNNING task holds a lease")
     df = buckets.with_columns(_lease_label(pl.col("bucket").str.starts_with("expired")))
     return _bars(df, x="bucket", y="tasks", color="lease", colors=LEASE_COLORS,
                  category_order=buckets["bucket"].to_list(), title="Time to lease expiry")
@@ -186,20 +240,23 @@ def expiry_buckets(buckets: pl.DataFrame) -> go.Figure:
 def attempts(dist: pl.DataFrame) -> go.Figure:
     """Active tasks per attempt number, stacked by state."""
     if dist.is_empty():
-        return _empty("Attempts", "no active tasks")
+        return _empty("Attempts", "none: no active tasks")
     df = dist.with_columns(pl.col("attempt").cast(pl.String))
     return _bars(df, x="attempt", y="tasks", color="state", colors=STATE_COLORS,
                  title="Active tasks per attempt (0 = first try)")
 
 
 def retention(plan: pl.DataFrame) -> go.Figure:
-    """Bytes per partition month, coloured by the plan's action; hover shows the reason."""
+    """Size per partition month (one IEC unit), coloured by the plan's action; hover shows the reason."""
     if plan.is_empty():
-        return _empty("Retention plan", "no partitions")
-    df = plan.with_columns(pl.col("active_run_ids").list.join(", ").alias("blocking runs"))
-    return _bars(df, x="month", y="bytes", color="action", colors=ACTION_COLORS,
-                 hover=["reason", "rows", "active_runs", "blocking runs"],
-                 title="Retention plan: bytes per month, dropped or kept")
+        return _empty("Retention plan", "none: no partitions")
+    unit, size = byte_unit(_largest(plan["bytes"]))
+    df = plan.with_columns(pl.col("active_run_ids").list.join(", ").alias("blocking runs"),
+                           (pl.col("bytes") / size).alias("size"))
+    return _bars(df, x="month", y="size", color="action", colors=ACTION_COLORS,
+                 hover=["reason", "rows", "bytes", "active_runs", "blocking runs"],
+                 title="Retention plan: size per month, dropped or kept",
+                 labels={"size": f"size ({unit})", "month": "partition month (UTC)"})
 
 
 def run_graph(nodes: pl.DataFrame, edges: pl.DataFrame) -> go.Figure:
@@ -223,7 +280,9 @@ def run_graph(nodes: pl.DataFrame, edges: pl.DataFrame) -> go.Figure:
         if label:
             fig.add_annotation(x=(x0 + x1) / 2, y=(y0 + y1) / 2, text=label, showarrow=False,
                                font={"size": 10, "color": "#6b7280"})
-    for state, group in nodes.group_by("state", maintain_order=True):
+    odd = nodes.filter(~pl.col("in_definition")) if "in_definition" in nodes.columns else nodes.clear()
+    for state, group in nodes.join(odd.select("node_id"), on="node_id", how="anti").group_by(
+            "state", maintain_order=True):
         ids = group["node_id"].to_list()
         fig.add_scatter(x=[pos[i][0] for i in ids], y=[pos[i][1] for i in ids], mode="markers+text",
                         text=ids, textposition="top center", name=str(state[0]),
@@ -231,24 +290,40 @@ def run_graph(nodes: pl.DataFrame, edges: pl.DataFrame) -> go.Figure:
                                 "line": {"width": 1, "color": "#333"}},
                         customdata=group.select("type", "attempt").rows(),
                         hovertemplate="%{text}<br>type %{customdata[0]}<br>attempt %{customdata[1]}<extra></extra>")
+    if odd.height:
+        ids = odd["node_id"].to_list()
+        fig.add_scatter(x=[pos[i][0] for i in ids], y=[pos[i][1] for i in ids], mode="markers+text",
+                        text=[f"{i} (not in definition)" for i in ids], textposition="bottom center",
+                        name="ANOMALY: not in definition",
+                        marker={"size": 22, "symbol": "x", "color": PHASE_COLORS["unknown node"]},
+                        customdata=odd.select("state", "attempt").rows(),
+                        hovertemplate="%{text}<br>state %{customdata[0]}<br>attempt %{customdata[1]}<extra></extra>")
     fig.update_layout(title="Definition graph (colour: state in this run)", xaxis={"visible": False},
                       yaxis={"visible": False}, height=320 + 40 * max(rows_per_depth.values()))
     return fig
 
 
 def gantt(rows: pl.DataFrame) -> go.Figure:
-    """Task timeline: queued, ran, waiting and decided phases per node (horizontal bars
-    from ``start`` to ``end`` on a time axis, what ``px.timeline`` draws)."""
+    """Task timeline (UTC): queued, ran (red when the task FAILED), waiting and decided
+    phases per node, as horizontal bars from ``start`` to ``end``. Instant phases (a
+    SWITCH decision, a skip) get a minimum width so they stay visible."""
     if rows.is_empty():
-        return _empty("Task timeline", "the run has no tasks")
+        return _empty("Task timeline", "none: the run has no tasks")
     df = rows.with_columns(pl.col("end").fill_null(pl.col("start")))
+    first: datetime = df["start"].min()  # type: ignore[assignment]
+    last: datetime = df["end"].max()  # type: ignore[assignment]
+    span_ms = max((last - first).total_seconds() * 1000, 1.0)
+    least = span_ms / 150
     df = df.with_columns(((pl.col("end") - pl.col("start")).dt.total_microseconds() / 1000).alias("ms"))
-    hover = ["state", "attempt", "node_type", "start", "end"]
+    df = df.with_columns(pl.max_horizontal(pl.col("ms"), pl.lit(least)).alias("drawn_ms"),
+                         pl.col("ms").map_elements(lambda v: plain("x_s", v / 1000), return_dtype=pl.String)
+                         .alias("lasted"))
+    hover = ["state", "attempt", "node_type", "start", "end", "lasted"]
     fig = go.Figure()
     for phase, part in _groups(df, "phase", PHASE_COLORS):
-        fig.add_bar(base=part["start"].to_list(), x=part["ms"].to_list(), y=part["node_id"].to_list(),
+        fig.add_bar(base=utc_axis(part["start"]), x=part["drawn_ms"].to_list(), y=part["node_id"].to_list(),
                     orientation="h", name=str(phase), marker_color=PHASE_COLORS.get(phase),
-                    customdata=part.select(hover).rows(), hovertemplate=_hover(hover, y="node_id"))
-    fig.update_layout(title="Task timeline (UTC)", barmode="overlay", xaxis={"type": "date"},
+                    customdata=_custom(part, hover), hovertemplate=_hover(hover, y="node_id"))
+    fig.update_layout(title="Task timeline (UTC)", barmode="overlay", xaxis={"type": "date", "title": "time (UTC)"},
                       yaxis={"type": "category", "autorange": "reversed"}, legend_title_text="phase")
     return fig

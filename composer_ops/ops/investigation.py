@@ -55,6 +55,13 @@ class RunStory:
     signals: pl.DataFrame
     outbox: pl.DataFrame
     webhook: pl.DataFrame
+    #: Whether the run's definition version exists (its graph is drawn from it).
+    spec_found: bool = True
+
+    @property
+    def unknown_nodes(self) -> list[str]:
+        """Nodes that have a task in this run but are not in its definition."""
+        return self.nodes.filter(~pl.col("in_definition"))["node_id"].sort().to_list()
 
     @property
     def run_id(self) -> str:
@@ -94,13 +101,15 @@ def run_story(source: Source, run_id: str) -> RunStory:
         })
     nodes, edges = definition_graph(spec, tasks)
     return RunStory(run=run, nodes=nodes, edges=edges, tasks=tasks, signals=signals, outbox=outbox,
-                    webhook=webhook)
+                    webhook=webhook, spec_found=spec is not None)
 
 
 def definition_graph(spec: Any, tasks: pl.DataFrame | None = None) -> tuple[pl.DataFrame, pl.DataFrame]:
     """Nodes and edges of a stored spec_json. Nodes carry the run's state of each node
-    ('NOT REACHED' when it has no task). Edges run from dependency to dependant; an
-    edge out of a SWITCH is labelled with the cases that select the target."""
+    ('NOT REACHED' when it has no task). A task for a node the spec does not have is
+    added as a node with ``in_definition`` false and no edges. Edges run from
+    dependency to dependant; an edge out of a SWITCH is labelled with the cases that
+    select the target."""
     doc = json.loads(spec) if isinstance(spec, str) else (spec or {})
     raw_nodes = doc.get("nodes") if isinstance(doc, dict) else None
     if not isinstance(raw_nodes, list):
@@ -127,6 +136,12 @@ def definition_graph(spec: Any, tasks: pl.DataFrame | None = None) -> tuple[pl.D
         state, attempt = states.get(nid, ("NOT REACHED", 0))
         node_rows.append((nid, ntype, node.get("task"), node.get("queue", "default") if ntype == "TASK" else None,
                           node.get("event"), [str(d) for d in node.get("depends_on") or []], i, state, attempt))
+    known = {row[0] for row in node_rows}
+    if tasks is not None:
+        for nid, ntype in tasks.select("node_id", "node_type").unique(maintain_order=True).iter_rows():
+            if nid not in known:
+                state, attempt = states[nid]
+                node_rows.append((nid, ntype, None, None, None, [], len(node_rows), state, attempt))
     for nid, _t, _task, _q, _e, deps, *_rest in node_rows:
         for dep in deps:
             label = ", ".join(switch_cases[dep].get(nid, [])) if dep in switch_cases else ""
@@ -135,7 +150,8 @@ def definition_graph(spec: Any, tasks: pl.DataFrame | None = None) -> tuple[pl.D
         "node_id": pl.String, "type": pl.String, "task": pl.String, "queue": pl.String, "event": pl.String,
         "depends_on": pl.List(pl.String), "position": pl.Int64, "state": pl.String, "attempt": pl.Int64,
     })
-    nodes = nodes.with_columns(pl.Series("depth", _depths(nodes), dtype=pl.Int64))
+    nodes = nodes.with_columns(pl.Series("depth", _depths(nodes), dtype=pl.Int64),
+                               pl.Series("in_definition", [row[0] in known for row in node_rows], dtype=pl.Boolean))
     edges = pl.DataFrame(edge_rows, orient="row",
                          schema={"source": pl.String, "target": pl.String, "label": pl.String})
     return nodes, edges
@@ -161,9 +177,10 @@ def _depths(nodes: pl.DataFrame) -> list[int]:
 def gantt_rows(tasks: pl.DataFrame, now: datetime | None = None) -> pl.DataFrame:
     """Bars for a Gantt chart of :func:`run_story`'s tasks: a 'queued' bar (created
     until a worker started it) and a main bar: 'ran' (started until finished),
-    'waiting' (WAIT / WAIT_FOR_EVENT nodes), 'queued' (active, never started) or
-    'decided' (SWITCH and skipped nodes). Unfinished bars end at ``now`` (pass the
-    database clock), else at the task's last update."""
+    'failed' (a FAILED task's last attempt), 'cancelled', 'waiting' (WAIT /
+    WAIT_FOR_EVENT nodes), 'queued' (active, never started) or 'decided' (SWITCH and
+    skipped nodes). Unfinished bars end at ``now`` (pass the database clock), else at
+    the task's last update."""
     end_active = pl.lit(now, dtype=UTC_TS) if now is not None else pl.col("updated_at")
     keep = ["node_id", "node_type", "state", "attempt"]
     queued = tasks.filter(pl.col("started_at").is_not_null()).select(
@@ -173,7 +190,9 @@ def gantt_rows(tasks: pl.DataFrame, now: datetime | None = None) -> pl.DataFrame
         *keep,
         pl.coalesce("started_at", "created_at").alias("start"),
         pl.coalesce("finished_at", end_active).alias("end"),
-        pl.when(pl.col("started_at").is_not_null()).then(pl.lit("ran"))
+        pl.when(pl.col("state") == "FAILED").then(pl.lit("failed"))
+        .when(pl.col("state") == "CANCELLED").then(pl.lit("cancelled"))
+        .when(pl.col("started_at").is_not_null()).then(pl.lit("ran"))
         .when(pl.col("node_type").is_in(["WAIT", "WAIT_FOR_EVENT"])).then(pl.lit("waiting"))
         .when(pl.col("state").is_in(list(ACTIVE_STATES))).then(pl.lit("queued"))
         .otherwise(pl.lit("decided")).alias("phase"))

@@ -24,6 +24,9 @@ EXPIRY_BUCKETS: tuple[tuple[str, float | None], ...] = (
     ("expires in > 30 min", None),
 )
 
+#: The bucket of a RUNNING task that holds no lease at all (odd data: see :func:`without_lease`).
+NO_LEASE = "no lease"
+
 _RUNNING_SCHEMA = {
     "run_id": pl.String, "task_id": pl.String, "node_id": pl.String, "queue": pl.String,
     "lease_owner": pl.String, "attempt": pl.Int64, "started_at": UTC_TS, "lease_expires_at": UTC_TS,
@@ -42,20 +45,28 @@ def running_leases(source: Source = None) -> pl.DataFrame:
         below = pl.col("expires_in_s") <= upper if upper <= 0 else pl.col("expires_in_s") < upper
         bucket = pl.when(below).then(pl.lit(label)).otherwise(bucket)
     return df.with_columns(
-        (pl.col("expires_in_s").fill_null(-1.0) <= 0).alias("expired"),
-        pl.when(pl.col("expires_in_s").is_null()).then(pl.lit("no lease")).otherwise(bucket).alias("bucket"),
+        # A RUNNING task without a lease is not expired (the sweeper never sees it): it is an anomaly.
+        (pl.col("expires_in_s").is_not_null() & (pl.col("expires_in_s") <= 0)).alias("expired"),
+        pl.when(pl.col("expires_in_s").is_null()).then(pl.lit(NO_LEASE)).otherwise(bucket).alias("bucket"),
     )
 
 
 def expiry_buckets(leases: pl.DataFrame) -> pl.DataFrame:
     """RUNNING tasks per time-to-expiry bucket (from :func:`running_leases`), every
     bucket present, in time order."""
-    labels = [label for label, _ in EXPIRY_BUCKETS]
+    labels = [label for label, _ in EXPIRY_BUCKETS] + [NO_LEASE]
     counted = leases.group_by("bucket").agg(pl.len().cast(pl.Int64).alias("tasks"))
     grid = pl.DataFrame({"bucket_order": list(range(len(labels))), "bucket": labels},
                         schema={"bucket_order": pl.Int64, "bucket": pl.String})
     return (grid.join(counted, on="bucket", how="left").with_columns(pl.col("tasks").fill_null(0))
             .sort("bucket_order"))
+
+
+def without_lease(leases: pl.DataFrame) -> pl.DataFrame:
+    """RUNNING tasks (from :func:`running_leases`) with no lease owner or no expiry:
+    no worker can heartbeat them and the sweeper never expires them, so they stay
+    RUNNING until someone cancels or retries the run."""
+    return leases.filter(pl.col("lease_expires_at").is_null() | pl.col("lease_owner").is_null())
 
 
 def expired_running(source: Source = None, *, leases: pl.DataFrame | None = None) -> pl.DataFrame:

@@ -9,7 +9,9 @@ partition, meant for small databases or an explicit request.
 
 from __future__ import annotations
 
+import math
 import re
+from collections.abc import Callable, Sequence
 from datetime import UTC, datetime
 
 import polars as pl
@@ -113,15 +115,17 @@ def lookahead(source: Source = None, *, minimum: int = 2) -> pl.DataFrame:
     })
 
 
-def growth(source: Source = None, *, exact: bool = False, window: int = 3, horizon: int = 6,
+def growth(source: Source = None, *, exact: bool = False, window: int = 6, horizon: int = 6,
            inventory: pl.DataFrame | None = None) -> pl.DataFrame:
     """Rows and bytes per month (all three tables together) for every month up to the
-    current one, then ``horizon`` projected months: each projected month adds the mean
-    of the last ``window`` months before the current one (the current month is still
-    filling up). ``total_rows`` / ``total_bytes`` are running totals; ``kind`` is
-    'actual' or 'projected'."""
-    if window < 1 or horizon < 0:
-        raise Invalid(f"growth needs window >= 1 and horizon >= 0, got window={window}, horizon={horizon}")
+    current one, then ``horizon`` projected months. The projection follows the trend
+    of the last ``window`` complete months that hold rows (the current month is still
+    filling up): a least-squares fit of log(rows) and log(bytes) against the month, so
+    steady growth of a few percent a month continues instead of flattening. With fewer
+    than two such months it repeats their mean. ``total_rows`` / ``total_bytes`` are
+    running totals; ``kind`` is 'actual' or 'projected'."""
+    if window < 2 or horizon < 0:
+        raise Invalid(f"growth needs window >= 2 and horizon >= 0, got window={window}, horizon={horizon}")
     with connection(source) as conn:
         now = db_now(conn)
         inv = inventory if inventory is not None else partition_inventory(conn, exact=exact)
@@ -129,15 +133,49 @@ def growth(source: Source = None, *, exact: bool = False, window: int = 3, horiz
     per_month = (inv.filter((pl.col("month") != "") & (pl.col("month") <= current))
                  .group_by("month").agg(pl.col("rows").sum(), pl.col("total_bytes").sum().alias("bytes"))
                  .sort("month"))
-    past = per_month.filter(pl.col("month") < current).tail(window)
-    mean_rows = int(round(past["rows"].mean())) if past.height else 0  # type: ignore[arg-type]
-    mean_bytes = int(round(past["bytes"].mean())) if past.height else 0  # type: ignore[arg-type]
+    past = per_month.filter((pl.col("month") < current) & (pl.col("rows") > 0)).tail(window)
+    months = [_month_index(m) for m in past["month"].to_list()]
+    ahead = [add_months(current, i) for i in range(1, horizon + 1)]
+    rows_at = _trend(months, past["rows"].to_list())
+    bytes_at = _trend(months, past["bytes"].to_list())
     records = [(m, "actual", r, b) for m, r, b in per_month.iter_rows()]
-    records += [(add_months(current, i), "projected", mean_rows, mean_bytes) for i in range(1, horizon + 1)]
+    records += [(m, "projected", rows_at(_month_index(m)), bytes_at(_month_index(m))) for m in ahead]
     out = pl.DataFrame(records, orient="row", schema={
         "month": pl.String, "kind": pl.String, "rows": pl.Int64, "bytes": pl.Int64})
     return out.with_columns(pl.col("rows").cum_sum().alias("total_rows"),
                             pl.col("bytes").cum_sum().alias("total_bytes"))
+
+
+def monthly_growth_rate(months: Sequence[str], values: Sequence[float]) -> float | None:
+    """The fitted growth per month (0.08 = +8 %) of ``values`` over ``months`` (YYYYMM),
+    or None with fewer than two positive values."""
+    points = [(_month_index(m), float(v)) for m, v in zip(months, values, strict=True) if v > 0]
+    if len(points) < 2:
+        return None
+    slope, _ = _fit([x for x, _ in points], [math.log(v) for _, v in points])
+    return math.exp(slope) - 1
+
+
+def _month_index(month: str) -> int:
+    return int(month[:4]) * 12 + int(month[4:]) - 1
+
+
+def _fit(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float]:
+    """Least-squares slope and intercept of ys against xs."""
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    sxx = sum((x - mx) ** 2 for x in xs)
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sxx if sxx else 0.0
+    return slope, my - slope * mx
+
+
+def _trend(xs: Sequence[int], values: Sequence[float]) -> Callable[[int], int]:
+    """The fitted exponential trend of ``values`` as a function of the month index."""
+    points = [(x, float(v)) for x, v in zip(xs, values, strict=True) if v > 0]
+    if len(points) < 2:
+        mean = sum(v for _, v in points) / len(points) if points else 0.0
+        return lambda _x: int(round(mean))
+    slope, intercept = _fit([x for x, _ in points], [math.log(v) for _, v in points])
+    return lambda x: int(round(math.exp(intercept + slope * x)))
 
 
 def partition_totals(inventory: pl.DataFrame) -> pl.DataFrame:

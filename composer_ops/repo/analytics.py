@@ -108,6 +108,19 @@ OUTBOX_SQL = """
 """
 
 
+# WAIT_FOR_EVENT nodes with no timeout (wake_at NULL) waiting longer than a threshold;
+# state = 'WAITING' lies inside the active-state partial index.
+LONG_WAITS_SQL = """
+    SELECT run_id, id, node_id, event_name, created_at,
+           extract(epoch FROM now() - created_at)::float8 AS waiting_s, count(*) OVER () AS total
+      FROM task_instances
+     WHERE state = 'WAITING' AND node_type = 'WAIT_FOR_EVENT' AND wake_at IS NULL
+       AND created_at <= now() - make_interval(secs => %(older_than_s)s)
+     ORDER BY created_at, run_id, node_id
+     LIMIT %(limit)s
+"""
+
+
 def active_tasks(conn: Conn, limit: int) -> list[Row]:
     """The ``limit`` oldest active tasks: run_id, task_id, node_id, node_type, queue,
     state, attempt, created_at, updated_at, wake_at, event_name, age_s."""
@@ -135,6 +148,13 @@ def top_runs(conn: Conn, limit: int) -> list[Row]:
     """Runs with the most active tasks: run_id, workflow_id, workflow_version, status,
     active_tasks, oldest_created_at, oldest_age_s."""
     return _rows(conn, TOP_RUNS_SQL, {"limit": limit})
+
+
+def long_waits(conn: Conn, older_than_s: float, limit: int) -> list[Row]:
+    """WAIT_FOR_EVENT tasks without a timeout waiting longer than ``older_than_s``,
+    oldest first: run_id, task_id, node_id, event_name, created_at, waiting_s, and
+    total (how many there are in all, whatever ``limit``)."""
+    return _rows(conn, LONG_WAITS_SQL, {"older_than_s": older_than_s, "limit": limit})
 
 
 def outbox_backlog(conn: Conn) -> list[Row]:

@@ -16,6 +16,7 @@ from datetime import UTC, date, datetime, timedelta
 from typing import Any
 
 import psycopg
+from psycopg import sql
 from psycopg.types.json import Jsonb
 
 from composer_ops.core.runids import month_start
@@ -171,12 +172,41 @@ def seed(conn: psycopg.Connection[Any], *, analyze: bool = True) -> SeedInfo:
     s.definition(ORDER_V1, 1, False, datetime(2024, 12, 1, tzinfo=UTC))
     s.definition(ORDER_V2, 2, True, datetime(2025, 6, 1, tzinfo=UTC))
     s.definition(REPORT_V1, 1, True, datetime(2024, 12, 1, tzinfo=UTC))
+    _misaligned_month(conn)
     _history(s)
     _live(s)
+    _odd(s)
     if analyze:
         for table in ("workflow_runs", "task_instances", "workflow_events", "task_outbox"):
             conn.execute(f"ANALYZE {table}".encode())
     return SeedInfo(runs=dict(s.runs), current_month=month_label(now), now=now, tasks=dict(s.tasks))
+
+
+def _misaligned_month(conn: psycopg.Connection[Any]) -> None:
+    """December 2024 of all three tables with bounds an hour early, as a partition
+    function doing month arithmetic in a UTC+1 session TimeZone would have made them."""
+    for table in ("workflow_runs", "task_instances", "workflow_events"):
+        conn.execute(sql.SQL("CREATE TABLE {} PARTITION OF {} FOR VALUES FROM (composer_uuid7_bound({})) "
+                             "TO (composer_uuid7_bound({}))").format(
+            sql.Identifier(f"{table}_p202412"), sql.Identifier(table),
+            sql.Literal(datetime(2024, 11, 30, 23, tzinfo=UTC)), sql.Literal(datetime(2024, 12, 31, 23, tzinfo=UTC))))
+
+
+def _odd(s: _Seeder) -> None:
+    """Rows that break what the engine guarantees, for the reports to flag: a RUNNING
+    task without a lease (L9), a task for a node the definition does not have (H9's
+    legacy_audit), and a run whose definition version is missing (H12 names
+    order-fulfilment v3, inserted past the foreign key as a restore without
+    constraints would leave it)."""
+    base = month_start(month_label(s.now))
+    s.run("L9", "order-fulfilment", 2, "RUNNING", s.ago(400), id_at=base + timedelta(seconds=9))
+    s.task("L9", "charge", "TASK", "payments", "RUNNING", s.ago(400), started=s.ago(300))
+    t0 = _at("202503", 16)
+    s.task("H9", "legacy_audit", "TASK", "default", "COMPLETED", t0 + timedelta(seconds=60),
+           started=t0 + timedelta(seconds=61), finished=t0 + timedelta(seconds=62))
+    s.conn.execute("SET LOCAL session_replication_role = replica")
+    s.conn.execute("UPDATE workflow_runs SET workflow_version = 3 WHERE id = %s", (s.runs["H12"],))
+    s.conn.execute("SET LOCAL session_replication_role = DEFAULT")
 
 
 def _at(month: str, day: int, hour: int = 12) -> datetime:
@@ -308,44 +338,58 @@ def expected_figures(info: SeedInfo) -> dict[str, dict[str, Any]]:
     from the fixture above, not computed by the code under test)."""
     cur = info.current_month
     ahead = [add_months(cur, i) for i in range(1, 4)]
-    months = [*HISTORY_MONTHS, cur, *ahead]
+    months = ["202412", *HISTORY_MONTHS, cur, *ahead]
+    runs = info.runs
+    misaligned = [f"partition bounds do not match its name: {t} partition {t}_p202412"
+                  for t in ("task_instances", "workflow_events", "workflow_runs")]
+    no_lease = [f"RUNNING without a lease: run {runs['L9']}, node charge"]
     return {
         "partition_sizes": {
-            "partitions": 24, "months": months, "misaligned": 0,
-            "rows_by_table": {"workflow_runs": 20, "task_instances": 61, "workflow_events": 3},
-            "rows_by_month": {"202501": 12, "202502": 16, "202503": 17, "202504": 9, cur: 30,
+            "partitions": 27, "months": months, "misaligned": 3,
+            "rows_by_table": {"workflow_runs": 21, "task_instances": 63, "workflow_events": 3},
+            "rows_by_month": {"202412": 0, "202501": 12, "202502": 16, "202503": 18, "202504": 9, cur: 32,
                               ahead[0]: 0, ahead[1]: 0, ahead[2]: 0},
             "months_ahead": {"workflow_runs": 3, "task_instances": 3, "workflow_events": 3},
-            "lookahead_alerts": 0, "projected_rows_per_month": 14,
+            "lookahead_alerts": 0,
+            # log-linear fit of 12, 16, 18, 9 rows over four consecutive months: slope -0.0745
+            "growth_pct_per_month": -7.2,
+            "anomalies": misaligned, "self_checks_failed": [],
         },
         "active_tasks": {
-            "active": 10, "by_state": {"PENDING": 3, "RUNNING": 4, "WAITING": 3}, "groups": 7,
-            "histogram": {"< 1 min": 0, "1-5 min": 1, "5-15 min": 2, "15-60 min": 3, "1-6 h": 1, "6-24 h": 1,
+            "active": 11, "by_state": {"PENDING": 3, "RUNNING": 5, "WAITING": 3}, "groups": 7,
+            "histogram": {"< 1 min": 0, "1-5 min": 1, "5-15 min": 3, "15-60 min": 3, "1-6 h": 1, "6-24 h": 1,
                           "> 1 day": 2},
-            "top_run": info.runs["L6"], "top_run_active": 2, "runs_with_active_tasks": 9,
+            "top_run": runs["L6"], "top_run_active": 2, "runs_with_active_tasks": 10,
             "outbox": {"payments": {"rows": 1, "ready": 1, "delayed": 0},
                        "reports": {"rows": 2, "ready": 1, "delayed": 1}},
+            "long_waits": [[runs["H6"], "delivered", "delivered"]], "long_waits_total": 1,
+            "anomalies": no_lease, "self_checks_failed": [],
         },
         "lease_expiries": {
-            "running": 4, "expired": 2,
-            "owners": {"worker-a": {"running": 2, "expired": 0}, "worker-b": {"running": 2, "expired": 2}},
-            "suspect_dead": ["worker-b"], "most_overdue_run": info.runs["L7"],
+            "running": 5, "expired": 2,
+            "owners": {"(none)": {"running": 1, "expired": 0}, "worker-a": {"running": 2, "expired": 0},
+                       "worker-b": {"running": 2, "expired": 2}},
+            "suspect_dead": ["worker-b"], "most_overdue_run": runs["L7"],
             "buckets": {"expired > 1 h ago": 1, "expired 5-60 min ago": 1, "expired < 5 min ago": 0,
                         "expires in < 1 min": 0, "expires in 1-5 min": 0, "expires in 5-30 min": 1,
-                        "expires in > 30 min": 1},
-            "attempts": {"0": 7, "1": 2, "2": 1},
-            "requeues": [[info.runs["L6"], "extract_a", "connection reset by peer"],
-                         [info.runs["L2"], "charge", "card processor timeout"]],
+                        "expires in > 30 min": 1, "no lease": 1},
+            "attempts": {"0": 8, "1": 2, "2": 1},
+            "requeues": [[runs["L6"], "extract_a", "connection reset by peer"],
+                         [runs["L2"], "charge", "card processor timeout"]],
+            "anomalies": no_lease, "self_checks_failed": [],
         },
         "retention_dry_run": {
-            "drop": ["202501", "202503"],
-            "keep_active": {"202502": [info.runs["H6"]], "202504": [info.runs["H12"]]},
-            "too_new": [cur, *ahead], "rows_reclaimed": 29,
+            "drop": ["202412", "202501", "202503"],
+            "keep_active": {"202502": [runs["H6"]], "202504": [runs["H12"]]},
+            "too_new": [cur, *ahead], "rows_reclaimed": 30,
+            "anomalies": misaligned, "self_checks_failed": [],
         },
         "run_investigation": {
-            "run_id": info.story_run, "status": "FAILED", "tasks": 7, "nodes": 7, "edges": 7, "retries": 3,
+            "run_id": info.story_run, "status": "FAILED", "tasks": 8, "nodes": 8, "edges": 7, "retries": 3,
             "failed_nodes": ["notify"], "skipped_nodes": ["standard"],
             "signals": {"consumed": 1, "buffered": 1}, "webhook_delivered": True,
             "error": "node notify failed: smtp 550 mailbox unavailable",
+            "anomalies": [f"task for a node not in its definition: run {info.story_run}, node legacy_audit"],
+            "self_checks_failed": [],
         },
     }

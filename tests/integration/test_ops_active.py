@@ -31,7 +31,7 @@ def test_active_tasks_by_state_queue_and_node_type(session: tuple[psycopg.Connec
         ("PENDING", "payments", "TASK", 1),
         ("PENDING", "reports", "TASK", 2),
         ("RUNNING", "default", "TASK", 1),
-        ("RUNNING", "payments", "TASK", 2),
+        ("RUNNING", "payments", "TASK", 3),
         ("RUNNING", "reports", "TASK", 1),
         ("WAITING", "(coordinator)", "WAIT", 1),
         ("WAITING", "(coordinator)", "WAIT_FOR_EVENT", 2),
@@ -51,7 +51,7 @@ def test_age_histogram_has_every_bucket_and_state(session: tuple[psycopg.Connect
     per_bucket = dict(hist.group_by("bucket", maintain_order=True).agg(pl.col("tasks").sum()).iter_rows())
     assert per_bucket == fixtures.expected_figures(info)["active_tasks"]["histogram"]
     nonzero = hist.filter(pl.col("tasks") > 0).select("bucket", "state", "tasks").rows()
-    assert nonzero == [("1-5 min", "RUNNING", 1), ("5-15 min", "PENDING", 1), ("5-15 min", "RUNNING", 1),
+    assert nonzero == [("1-5 min", "RUNNING", 1), ("5-15 min", "PENDING", 1), ("5-15 min", "RUNNING", 2),
                        ("15-60 min", "PENDING", 2), ("15-60 min", "RUNNING", 1), ("1-6 h", "WAITING", 1),
                        ("6-24 h", "WAITING", 1), ("> 1 day", "RUNNING", 1), ("> 1 day", "WAITING", 1)]
 
@@ -61,12 +61,12 @@ def test_oldest_tasks_top_runs_and_run_count(session: tuple[psycopg.Connection[A
     oldest = ops.active_tasks(conn, limit=3)
     assert oldest.select("run_id", "node_id").rows() == [
         (info.runs["H6"], "delivered"), (info.runs["L7"], "extract_a"), (info.runs["L5"], "delivered")]
-    assert ops.active_tasks(conn).height == 10
+    assert ops.active_tasks(conn).height == 11
     top = ops.top_runs(conn, limit=3)
     assert top.select("run_id", "active_tasks", "workflow_id", "status").rows() == [
         (info.runs["L6"], 2, "nightly-report", "RUNNING"), (info.runs["H6"], 1, "order-fulfilment", "RUNNING"),
         (info.runs["L7"], 1, "nightly-report", "RUNNING")]
-    assert ops.active_run_count(conn) == 9
+    assert ops.active_run_count(conn) == 10
     with pytest.raises(Invalid):
         ops.top_runs(conn, limit=0)
 
@@ -84,6 +84,7 @@ def test_running_leases_expiry_buckets_and_owners(session: tuple[psycopg.Connect
     conn, info = session
     leases = ops.running_leases(conn)
     assert leases.select("run_id", "expires_in_s", "expired", "bucket").rows() == [
+        (info.runs["L9"], None, False, "no lease"),          # odd data: RUNNING without a lease
         (info.runs["L7"], -7200.0, True, "expired > 1 h ago"),
         (info.runs["L2"], -900.0, True, "expired 5-60 min ago"),
         (info.runs["L1"], 1200.0, False, "expires in 5-30 min"),
@@ -94,13 +95,14 @@ def test_running_leases_expiry_buckets_and_owners(session: tuple[psycopg.Connect
     assert expired.select("run_id", "overdue_s").rows() == [(info.runs["L7"], 7200.0), (info.runs["L2"], 900.0)]
     owners = ops.lease_owners(conn)
     assert owners.select("lease_owner", "running", "expired", "max_overdue_s", "suspect_dead").rows() == [
-        ("worker-a", 2, 0, 0.0, False), ("worker-b", 2, 2, 7200.0, True)]
+        ("(none)", 1, 0, None, False), ("worker-a", 2, 0, 0.0, False), ("worker-b", 2, 2, 7200.0, True)]
+    assert ops.without_lease(leases).select("run_id", "node_id").rows() == [(info.runs["L9"], "charge")]
 
 
 def test_attempts_and_recent_requeues(session: tuple[psycopg.Connection[Any], Any]) -> None:
     conn, info = session
     assert ops.attempt_distribution(conn).rows() == [
-        (0, "PENDING", 2), (0, "RUNNING", 2), (0, "WAITING", 3), (1, "PENDING", 1), (1, "RUNNING", 1),
+        (0, "PENDING", 2), (0, "RUNNING", 3), (0, "WAITING", 3), (1, "PENDING", 1), (1, "RUNNING", 1),
         (2, "RUNNING", 1)]
     requeues = ops.recent_requeues(conn)
     assert requeues.select("run_id", "node_id", "attempt", "since_s", "last_error").rows() == [
@@ -110,6 +112,18 @@ def test_attempts_and_recent_requeues(session: tuple[psycopg.Connection[Any], An
     assert ops.recent_requeues(conn, window_s=8000)["node_id"].to_list() == ["extract_a", "charge", "extract_a"]
     with pytest.raises(Invalid):
         ops.recent_requeues(conn, window_s=0)
+
+
+def test_long_waits_are_wait_for_event_nodes_without_a_timeout(session: tuple[psycopg.Connection[Any], Any]) -> None:
+    conn, info = session
+    # H6 waits for 'delivered' since February 2025 with no timeout; L5's wait has one (wake_at), so it is not listed.
+    waits, total = ops.long_waits(conn, older_than_s=86400)
+    assert total == 1 and waits.select("run_id", "node_id", "event_name").rows() == [
+        (info.runs["H6"], "delivered", "delivered")]
+    assert waits["waiting_s"][0] > 365 * 86400
+    assert ops.long_waits(conn, older_than_s=10 * 365 * 86400)[1] == 0
+    with pytest.raises(Invalid):
+        ops.long_waits(conn, older_than_s=-1)
 
 
 def test_an_empty_database_gives_empty_well_typed_frames(conn: psycopg.Connection[Any]) -> None:
@@ -126,7 +140,7 @@ def test_a_url_source_opens_and_closes_its_own_read_only_session(db_url: str) ->
     with psycopg.connect(db_url) as owner:
         fixtures.seed(owner)
         owner.commit()
-    assert ops.active_by_group(db_url)["tasks"].sum() == 10
+    assert ops.active_by_group(db_url)["tasks"].sum() == 11
     with ops.snapshot(db_url) as conn:
         row = conn.execute("SHOW transaction_read_only").fetchone()
         assert row is not None

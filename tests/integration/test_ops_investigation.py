@@ -33,7 +33,7 @@ def test_the_story_of_the_failed_run(conn: psycopg.Connection[Any], seeded: fixt
     assert tasks.select("node_id", "state", "attempt").rows() == [
         ("charge", "COMPLETED", 1), ("express", "COMPLETED", 0), ("route", "COMPLETED", 0),
         ("standard", "SKIPPED", 0), ("cool_off", "COMPLETED", 0), ("delivered", "COMPLETED", 0),
-        ("notify", "FAILED", 2)]
+        ("notify", "FAILED", 2), ("legacy_audit", "COMPLETED", 0)]   # legacy_audit: odd data, not in v1
     charge = tasks.row(0, named=True)
     assert (charge["queued_s"], charge["ran_s"], charge["last_error"]) == (33.0, 2.0, "card processor timeout")
     assert tasks.filter(pl.col("node_id") == "route")["branches"].to_list() == [["express"]]
@@ -51,7 +51,9 @@ def test_definition_graph_nodes_edges_and_switch_labels(conn: psycopg.Connection
         ("charge", "TASK", 0, "COMPLETED"), ("route", "SWITCH", 1, "COMPLETED"),
         ("express", "TASK", 2, "COMPLETED"), ("standard", "TASK", 2, "SKIPPED"),
         ("cool_off", "WAIT", 3, "COMPLETED"), ("delivered", "WAIT_FOR_EVENT", 4, "COMPLETED"),
-        ("notify", "TASK", 5, "FAILED")]
+        ("notify", "TASK", 5, "FAILED"), ("legacy_audit", "TASK", 0, "COMPLETED")]
+    assert story.nodes.filter(~pl.col("in_definition"))["node_id"].to_list() == story.unknown_nodes == ["legacy_audit"]
+    assert story.spec_found
     assert story.edges.rows() == [
         ("charge", "route", ""), ("route", "express", "case gold"), ("route", "standard", "default"),
         ("express", "cool_off", ""), ("standard", "cool_off", ""), ("cool_off", "delivered", ""),
@@ -61,13 +63,24 @@ def test_definition_graph_nodes_edges_and_switch_labels(conn: psycopg.Connection
     assert partial.tasks.select("lease_owner", "lease_left_s").rows() == [("worker-b", -900.0)]
 
 
+def test_a_run_whose_definition_version_is_missing_still_has_a_story(conn: psycopg.Connection[Any],
+                                                                      seeded: fixtures.SeedInfo) -> None:
+    story = ops.run_story(conn, seeded.runs["H12"])     # order-fulfilment v3 does not exist
+    assert not story.spec_found and story.status == "PENDING"
+    assert story.run["workflow_version"].to_list() == [3]
+    assert story.nodes.is_empty() and story.edges.is_empty() and story.unknown_nodes == []
+    found = ops.anomalies.run(story.spec_found, "order-fulfilment", 3, story.unknown_nodes, story.run_id)
+    assert [a.kind for a in found] == ["definition version missing"]
+
+
 def test_gantt_rows_have_a_bar_per_phase(conn: psycopg.Connection[Any], seeded: fixtures.SeedInfo) -> None:
     story = ops.run_story(conn, seeded.story_run)
     bars = ops.gantt_rows(story.tasks, now=seeded.now)
     phases = {(n, p) for n, p in bars.select("node_id", "phase").iter_rows()}
     assert phases == {("charge", "queued"), ("charge", "ran"), ("express", "queued"), ("express", "ran"),
-                      ("notify", "queued"), ("notify", "ran"), ("route", "decided"), ("standard", "decided"),
-                      ("cool_off", "waiting"), ("delivered", "waiting")}
+                      ("notify", "queued"), ("notify", "failed"), ("route", "decided"), ("standard", "decided"),
+                      ("cool_off", "waiting"), ("delivered", "waiting"), ("legacy_audit", "queued"),
+                      ("legacy_audit", "ran")}
     assert bars.filter(pl.col("end") < pl.col("start")).is_empty()
     live = ops.run_story(conn, seeded.runs["L4"])
     waiting = ops.gantt_rows(live.tasks, now=seeded.now).filter(pl.col("node_id") == "cool_off")
@@ -77,7 +90,7 @@ def test_gantt_rows_have_a_bar_per_phase(conn: psycopg.Connection[Any], seeded: 
 def test_latest_run_defaults(conn: psycopg.Connection[Any], seeded: fixtures.SeedInfo) -> None:
     assert ops.latest_run_id(conn) == seeded.story_run
     assert ops.latest_run_id(conn, status="CANCELLED") == seeded.runs["H8"]
-    assert ops.latest_run_id(conn, status=None) == seeded.runs["L8"]
+    assert ops.latest_run_id(conn, status=None) == seeded.runs["L9"]
     with pytest.raises(Invalid):
         ops.latest_run_id(conn, status="DONE")
 

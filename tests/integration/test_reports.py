@@ -4,8 +4,10 @@ codes, and the kernel being this interpreter whatever kernelspecs exist elsewher
 from __future__ import annotations
 
 import json
+import os
 import re
 import socket
+import subprocess
 import sys
 from html import escape
 from pathlib import Path
@@ -18,7 +20,7 @@ from composer_ops import reports
 from composer_ops.cli import main
 from composer_ops.ops.display import figures_text
 from composer_ops.testing import fixtures
-from tests.notebooks.harness import seed_committed
+from tests.notebooks.harness import ROOT, as_role, seed_committed
 
 NOWHERE = "postgresql://nobody@/nowhere?host=/nonexistent"
 NAMES = ["active_tasks", "lease_expiries", "partition_sizes", "retention_dry_run", "run_investigation"]
@@ -62,25 +64,59 @@ def test_report_all_writes_html_beside_the_executed_notebook_and_an_index(
         assert key.outputs[0]["text"] == figures_text(expected[name]) + "\n", name
         # ... and that cell is left out of the page.
         assert escape(figures_text(expected[name]).splitlines()[1]) not in html, name
+    # Each report shows the seed's odd data as anomalies, in its HTML.
+    text = {name: next((out / name).glob("*.html")).read_text(encoding="utf-8") for name in NAMES}
+    for name in ("active_tasks", "lease_expiries"):
+        assert "1 anomaly</b>" in text[name] and "RUNNING without a lease" in text[name], name
+        assert info.runs["L9"] in text[name]
+    for name in ("partition_sizes", "retention_dry_run"):
+        assert "3 anomalies</b>" in text[name] and "workflow_runs_p202412" in text[name], name
+    assert "task for a node not in its definition" in text["run_investigation"]
+    assert "legacy_audit" in text["run_investigation"]
+    for name in NAMES:
+        assert "self-checks passed" in text[name] and "self-checks FAILED" not in text[name], name
+    # A long wait without a timeout is flagged.
+    assert "1 WAIT_FOR_EVENT node(s) without a timeout</b>" in text["active_tasks"]
+    # IEC units and humanised durations, never SI or raw seconds; full run IDs with their command.
+    assert re.search(r"\d\.\d KiB", text["partition_sizes"]) and not re.search(r"\d\.\d [kMG]B\b",
+                                                                             text["partition_sizes"])
+    assert f"composer-ops report run_investigation -p run_id {info.runs['H6']}" in text["active_tasks"]
     # The plan the retention report shows is the one -p cutoff asked for.
     plan_page = next((out / "retention_dry_run").glob("*.html")).read_text(encoding="utf-8")
     assert "2025-05-01 00:00:00 UTC" in plan_page
     assert f"index: {out / 'index.html'}" in printed.out
 
 
-def test_a_bad_parameter_fails_the_report_naming_the_cell(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    # The database is unreachable: the run ID must be refused before any query.
+def test_a_failing_cell_fails_the_report_naming_it(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # The parameters are fine, the database cannot be read: the one way a report fails.
     out = tmp_path / "reports"
-    code = main(["report", "run_investigation", "-p", "run_id", "not-a-uuid", "--database-url", NOWHERE,
-                 "--out", str(out), "--progress", "0"])
+    code = main(["report", "active_tasks", "--database-url", NOWHERE, "--out", str(out), "--progress", "0"])
     err = capsys.readouterr().err
     assert code == 1
-    line = next(ln for ln in err.splitlines() if ln.startswith("composer-ops: report run_investigation failed"))
-    assert re.search(r"failed at cell \d+ \(In \[\d+\]\) `chosen = ops.validate_run_id\(run_id\)", line), line
-    assert "Invalid: run_id 'not-a-uuid' is not a UUID" in line and "Unavailable" not in err
-    page = next((out / "run_investigation").glob("*.html"))
-    assert "not a UUID" in page.read_text(encoding="utf-8")
+    line = next(ln for ln in err.splitlines() if ln.startswith("composer-ops: report active_tasks failed"))
+    assert re.search(r"failed at cell \d+ \(In \[\d+\]\) `", line) and "Unavailable: cannot connect" in line, line
+    page = next((out / "active_tasks").glob("*.html"))
+    assert "cannot connect to the database" in page.read_text(encoding="utf-8")
     assert "FAILED" in (out / "index.html").read_text(encoding="utf-8")
+
+
+@pytest.mark.parametrize(("param", "message"), [
+    (["-p", "run_id", "x"], "-p run_id: run_id 'x' is not a UUID (report run_investigation)"),
+    (["-p", "run_id", "0190b6c8-5a3e-4d2c-9f1e-3b4a5c6d7e8f"], "is a version 4 UUID"),
+    (["-p", "top_n", "0"], "-p top_n: must be an integer from 1 to 1000, got 0 (report active_tasks)"),
+    (["-p", "cutoff", "yesterday"], "-p cutoff: cut-off 'yesterday' is not an ISO date"),
+    (["-p", "requeue_window_s", "-5"], "-p requeue_window_s: must be a number > 0"),
+])
+def test_a_bad_parameter_value_exits_2_before_any_kernel(param: list[str], message: str, tmp_path: Path,
+                                                         monkeypatch: pytest.MonkeyPatch,
+                                                         capsys: pytest.CaptureFixture[str]) -> None:
+    started: list[str] = []
+    monkeypatch.setattr(reports, "_run_one", lambda name, *a, **k: started.append(name))
+    out = tmp_path / "reports"
+    code = main(["report", "--all", *param, "--database-url", NOWHERE, "--out", str(out), "--progress", "0"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and message in err and "nothing was run" in err, err
+    assert started == [] and not out.exists()   # no kernel, no FAILED report, no index
 
 
 @pytest.mark.parametrize(("argv", "message"), [
@@ -102,6 +138,82 @@ def test_bad_report_arguments_exit_2_with_one_line(argv: list[str], message: str
     err = capsys.readouterr().err
     assert code == 2 and message in err and err.count("\n") == 1, err
     assert not (tmp_path / "index.html").exists()
+
+
+def test_a_run_whose_definition_version_is_missing_renders_flagged(
+        db_url: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    info = seed_committed(db_url)
+    out = tmp_path / "reports"
+    code = main(["report", "run_investigation", "-p", "run_id", info.runs["H12"], "--out", str(out),
+                 "--database-url", as_role(db_url), "--progress", "0"])
+    assert code == 0, capsys.readouterr().err
+    page = next((out / "run_investigation").glob("*.html")).read_text(encoding="utf-8")
+    assert "definition version missing" in page and "order-fulfilment v3" in page
+    assert "none: the definition has no nodes" in page or "the definition has no nodes" in page
+
+
+def test_keep_prunes_old_reports_of_the_notebooks_run(db_url: str, tmp_path: Path,
+                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    seed_committed(db_url)
+    out = tmp_path / "reports"
+    (out / "lease_expiries").mkdir(parents=True)
+    for stamp in ("20250101T000000Z", "20250102T000000Z", "20250103T000000Z"):
+        for suffix in (".html", ".ipynb", ".json"):
+            (out / "lease_expiries" / f"{stamp}{suffix}").write_text("{}")
+    other = out / "active_tasks" / "20250101T000000Z.html"
+    other.parent.mkdir()
+    other.write_text("old")
+    code = main(["report", "lease_expiries", "--keep", "2", "--out", str(out), "--database-url", db_url,
+                 "--progress", "0"])
+    assert code == 0, capsys.readouterr().err
+    left = sorted(p.name for p in (out / "lease_expiries").iterdir())
+    assert len(left) == 6 and left[:3] == ["20250103T000000Z.html", "20250103T000000Z.ipynb",
+                                           "20250103T000000Z.json"]
+    assert other.exists()   # only the notebooks run are pruned
+    assert main(["report", "lease_expiries", "--keep", "-1"]) == 2
+
+
+def test_report_works_for_an_account_whose_home_cannot_be_written(db_url: str, tmp_path: Path) -> None:
+    seed_committed(db_url)
+    env = {**os.environ, "HOME": "/proc/composer-no-home", "COMPOSER_DATABASE_URL": as_role(db_url)}
+    env.pop("JUPYTER_RUNTIME_DIR", None)
+    env.pop("IPYTHONDIR", None)
+    done = subprocess.run([sys.executable, "-m", "composer_ops", "report", "partition_sizes", "--progress", "0",
+                           "--out", str(tmp_path / "r")], env=env, capture_output=True, text=True, timeout=240,
+                          check=False)
+    assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr[-3000:]
+    assert next((tmp_path / "r" / "partition_sizes").glob("*.html")).stat().st_size > 0
+
+
+def test_piping_into_head_ends_quietly(tmp_path: Path) -> None:
+    # The reader of stdout is gone before the command prints: a broken pipe is not an error.
+    with subprocess.Popen([sys.executable, "-m", "composer_ops", "report", "--list"], stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, text=True) as proc:
+        assert proc.stdout is not None and proc.stderr is not None
+        proc.stdout.close()
+        err = proc.stderr.read()
+        assert proc.wait(timeout=60) == 0 and err == "", err
+
+
+def test_the_documented_cron_line_works_as_written_on_a_fresh_machine(db_url: str, tmp_path: Path) -> None:
+    # The crontab line of docs/operations.md, run by sh with only the paths and URL swapped:
+    # /srv/composer is a fresh directory with a .venv and nothing else.
+    seed_committed(db_url)
+    doc = (ROOT / "docs" / "operations.md").read_text(encoding="utf-8")
+    cron = next(ln for ln in doc.splitlines() if ln.startswith("0 6 * * 1 "))
+    command = cron.split(None, 5)[5]
+    srv = tmp_path / "srv" / "composer"
+    srv.mkdir(parents=True)
+    (srv / ".venv").symlink_to(Path(sys.prefix))
+    command = command.replace("/srv/composer", str(srv)).replace(
+        "postgresql://ops_reports@db/composer", as_role(db_url))
+    env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path / "home"), "SHELL": "/bin/sh"}
+    done = subprocess.run(["/bin/sh", "-c", command], env=env, capture_output=True, text=True, timeout=300,
+                          check=False)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+    logs = list(srv.rglob("*.log"))
+    assert len(logs) == 1 and "retention_dry_run:" in logs[0].read_text(encoding="utf-8")
+    assert list(srv.rglob("retention_dry_run/*.html"))
 
 
 def test_report_list_shows_notebooks_and_parameters(capsys: pytest.CaptureFixture[str]) -> None:

@@ -1,0 +1,63 @@
+"""Odd data the reports show and flag instead of failing on it.
+
+A report fails only when the database cannot be read. Rows that break what the
+engine guarantees (a RUNNING task without a lease, a task for a node its definition
+does not have, a run whose definition version is gone, a partition whose bounds do
+not match its name) are listed as :class:`~composer_ops.ops.display.Anomaly` with
+what to do about each.
+"""
+
+from __future__ import annotations
+
+import polars as pl
+
+from composer_ops.ops.display import Anomaly
+
+
+def _where(run_id: str | None, node_id: str | None = None) -> str:
+    return f"run {run_id}" + (f", node {node_id}" if node_id else "")
+
+
+def leases(without_lease: pl.DataFrame) -> list[Anomaly]:
+    """RUNNING tasks without a lease (from :func:`composer_ops.ops.leases.without_lease`)."""
+    return [Anomaly(
+        kind="RUNNING without a lease", subject=_where(run, node),
+        detail=f"attempt {attempt}, owner {owner or '(none)'}, lease expiry {'set' if expiry else '(none)'}: "
+               "no worker heartbeats it and the lease sweeper never expires it, so it stays RUNNING",
+        action="open it with run_investigation, then cancel the run (composer-ops cancel RUN)")
+        for run, node, attempt, owner, expiry in without_lease.select(
+            "run_id", "node_id", "attempt", "lease_owner", "lease_expires_at").iter_rows()]
+
+
+def partitions(inventory: pl.DataFrame) -> list[Anomaly]:
+    """Partitions whose declared bounds do not decode to the month in their name."""
+    bad = inventory.filter(~pl.col("bounds_match"))
+    out = []
+    for table, name, month, lower, upper in bad.select("table", "partition", "month", "lower_at",
+                                                       "upper_at").iter_rows():
+        shown = (f"[{lower:%Y-%m-%d %H:%M}, {upper:%Y-%m-%d %H:%M}) UTC"
+                 if lower is not None and upper is not None else "bounds that are not UUIDv7 month edges")
+        out.append(Anomaly(
+            kind="partition bounds do not match its name", subject=f"{table} partition {name}",
+            detail=f"named for month {month or '(none)'} but holds {shown}: runs of that month may be refused "
+                   "or land in the wrong partition, and retention reasons about the wrong month",
+            action="run composer-ops migrate (it repairs misaligned bounds), then re-run this report"))
+    return out
+
+
+def run(spec_found: bool, workflow: str, version: int, unknown_nodes: list[str], run_id: str) -> list[Anomaly]:
+    """A run whose definition version is missing, and tasks for nodes its definition lacks."""
+    out = []
+    if not spec_found:
+        out.append(Anomaly(
+            kind="definition version missing", subject=_where(run_id),
+            detail=f"the run started on {workflow} v{version}, which is not in workflow_definitions: "
+                   "the coordinator cannot load it to decide the next step",
+            action="restore that version's definition row (its spec_json) or cancel the run"))
+    for node in unknown_nodes:
+        out.append(Anomaly(
+            kind="task for a node not in its definition", subject=_where(run_id, node),
+            detail=f"{workflow} v{version} has no node {node!r}: the task was written by other code or "
+                   "the definition row was changed after the run started",
+            action="compare the definition version with the code that deployed it; the graph shows the node apart"))
+    return out

@@ -1,0 +1,88 @@
+"""The report notebooks' parameters, checked in one place.
+
+``composer-ops report`` checks ``-p`` values here before a kernel starts (a bad one
+exits 2 and writes nothing), and each notebook checks its parameters again with
+the same function (a notebook run by hand or by papermill directly gets the same
+one-line error).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from composer_ops.errors import Invalid
+
+Check = Callable[[str, Any], Any]
+
+
+def _int_between(low: int, high: int) -> Check:
+    def check(name: str, value: Any) -> int:
+        if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+            raise Invalid(f"must be an integer from {low} to {high}, got {value!r}")
+        return value
+    return check
+
+
+def _number_above(low: float, *, inclusive: bool) -> Check:
+    def check(name: str, value: Any) -> float:
+        ok = isinstance(value, int | float) and not isinstance(value, bool) and (
+            value >= low if inclusive else value > low)
+        if not ok:
+            raise Invalid(f"must be a number {'>=' if inclusive else '>'} {low:g}, got {value!r}")
+        return float(value)
+    return check
+
+
+def _boolean(name: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise Invalid(f"must be true or false, got {value!r}")
+    return value
+
+
+def _cutoff(name: str, value: Any) -> Any:
+    from composer_ops.ops.retention import parse_cutoff
+
+    return parse_cutoff(value if isinstance(value, str) else "")
+
+
+def _run_id(name: str, value: Any) -> str | None:
+    if value is None:
+        return None
+    from composer_ops.ops.investigation import validate_run_id
+
+    return validate_run_id(value)
+
+
+def _url(name: str, value: Any) -> str | None:
+    if value is not None and not isinstance(value, str):
+        raise Invalid(f"must be a libpq URL or None, got {value!r}")
+    return value
+
+
+#: Per notebook, each parameter's check (the notebooks' parameters cells declare them).
+CHECKS: dict[str, dict[str, Check]] = {
+    "active_tasks": {"top_n": _int_between(1, 1000), "oldest_limit": _int_between(1, 1000),
+                     "long_wait_h": _number_above(0, inclusive=True)},
+    "lease_expiries": {"requeue_window_s": _number_above(0, inclusive=False),
+                       "requeue_limit": _int_between(1, 1000)},
+    "partition_sizes": {"months_ahead_min": _int_between(0, 120), "exact_rows": _boolean,
+                        "projection_months": _int_between(0, 60)},
+    "retention_dry_run": {"cutoff": _cutoff, "exact_rows": _boolean},
+    "run_investigation": {"run_id": _run_id},
+}
+
+
+def check_parameters(notebook: str, /, **values: Any) -> dict[str, Any]:
+    """``values`` checked for ``notebook`` (:class:`Invalid` "name: problem" for the first bad one);
+    returns them, with a cut-off parsed and a run ID in canonical form. Parameters
+    without a check (``database_url``, or a notebook this module does not know) are
+    returned as they are."""
+    checks: Mapping[str, Check] = {"database_url": _url, **CHECKS.get(notebook, {})}
+    out = {}
+    for name, value in values.items():
+        try:
+            out[name] = checks[name](name, value) if name in checks else value
+        except Invalid as exc:
+            raise Invalid(f"{name}: {exc}") from None
+    return out
