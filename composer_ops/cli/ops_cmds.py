@@ -1,5 +1,6 @@
 """``composer-ops report NAME|--all [-p KEY VALUE ...] [--out DIR]``: run the
-operations notebooks with papermill and file them as HTML reports."""
+operations notebooks with papermill and file them as HTML reports; ``composer-ops
+check``: the deployment's health against thresholds, for cron and monitoring."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import os
 import sys
 from pathlib import Path
 
-from composer_ops.cli._common import EXIT_FAILED, EXIT_OK, add_database_option, env_option
+from composer_ops.cli._common import EXIT_FAILED, EXIT_OK, add_database_option, emit_json, env_option
 from composer_ops.errors import Invalid
 
 
@@ -36,6 +37,36 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     add_database_option(rep)
     rep.add_argument("--list", action="store_true", help="list the notebooks and their parameters, run nothing")
     rep.set_defaults(func=cmd_report)
+
+    chk = sub.add_parser(
+        "check", help="deployment health against thresholds (exit 0 healthy, 1 alert, 2 bad input)",
+        description="Read the database once and judge: partition months ahead, sweeper lag, the oldest ready "
+                    "outbox row, retention blocked by active runs, WAIT_FOR_EVENT nodes without a timeout "
+                    "waiting long, failing webhook deliveries. Exit 0 when healthy, 1 when a check alerts (or "
+                    "the database cannot be read), 2 for bad input.")
+    chk.add_argument("--json", action="store_true", help="print the checks as a JSON object")
+    env_option(chk, "--prometheus", env="COMPOSER_CHECK_PROMETHEUS", metavar="FILE",
+               help="also write the figures in the Prometheus text format to FILE (atomically; for "
+                    "node_exporter's textfile collector, e.g. /var/lib/node_exporter/textfile/composer.prom)")
+    env_option(chk, "--months-ahead-min", env="COMPOSER_CHECK_MONTHS_AHEAD_MIN", type=int, default=2, metavar="N",
+               metavar_default="2", help="alert when fewer partition months exist after the current one")
+    env_option(chk, "--sweeper-lag", env="COMPOSER_CHECK_SWEEPER_LAG", type=float, default=60.0,
+               metavar="SECONDS", metavar_default="60",
+               help="alert when a lease expired more than this many seconds ago and its task is still RUNNING")
+    env_option(chk, "--outbox-ready-age", env="COMPOSER_CHECK_OUTBOX_READY_AGE", type=float, default=300.0,
+               metavar="SECONDS", metavar_default="300",
+               help="alert when a claimable dispatch has waited more than this many seconds")
+    env_option(chk, "--retention-older-than", env="COMPOSER_RETENTION_OLDER_THAN", default="6 months",
+               metavar="WHEN", metavar_default="6 months",
+               help="the retention cut-off: alert when months past it are kept for active runs")
+    env_option(chk, "--long-wait-h", env="COMPOSER_CHECK_LONG_WAIT_H", type=float, default=24.0,
+               metavar="HOURS", metavar_default="24",
+               help="alert on WAIT_FOR_EVENT nodes without a timeout waiting longer than this many hours")
+    env_option(chk, "--webhook-attempts", env="COMPOSER_CHECK_WEBHOOK_ATTEMPTS", type=int, default=3,
+               metavar="N", metavar_default="3",
+               help="alert on webhook deliveries still retried after this many attempts")
+    add_database_option(chk)
+    chk.set_defaults(func=cmd_check)
 
 
 def cmd_report(args: argparse.Namespace) -> int:
@@ -79,3 +110,36 @@ def cmd_report(args: argparse.Namespace) -> int:
     for r in failed:
         sys.stderr.write(f"composer-ops: {r.describe_failure()}\n")
     return EXIT_FAILED if failed else EXIT_OK
+
+
+def cmd_check(args: argparse.Namespace) -> int:
+    from composer_ops.ops import health
+
+    thresholds = health.Thresholds(
+        months_ahead_min=args.months_ahead_min, sweeper_lag_s=args.sweeper_lag,
+        outbox_ready_age_s=args.outbox_ready_age, retention_older_than=args.retention_older_than,
+        long_wait_h=args.long_wait_h, webhook_attempts=args.webhook_attempts).checked()
+    if args.prometheus is not None and not args.prometheus.strip():
+        raise Invalid("--prometheus needs a file path")
+    result = health.check_health(args.database_url, thresholds)
+    if args.prometheus:
+        health.write_prometheus(result, args.prometheus)
+    if args.json:
+        emit_json(result.as_json())
+    else:
+        for c in result.checks:
+            print(f"{'ALERT' if c.alert else 'ok':<5}  {c.name}: {_shown(c)}  {c.detail}")
+        print("healthy" if result.healthy else f"{sum(c.alert for c in result.checks)} check(s) alert")
+    return EXIT_OK if result.healthy else EXIT_FAILED
+
+
+def _shown(c: object) -> str:
+    from composer_ops.ops.display import duration
+    from composer_ops.ops.health import Check
+
+    assert isinstance(c, Check)
+    if c.metric.endswith("_seconds"):
+        return f"{duration(c.value) or '0 s'} (alert over {duration(c.threshold)})"
+    if c.metric == "composer_partitions_months_ahead":
+        return f"{c.value:g} (alert below {c.threshold:g})"
+    return f"{c.value:g} (alert over {c.threshold:g})"

@@ -213,6 +213,24 @@ def recent_requeues(conn: Conn, window_s: float, limit: int) -> list[Row]:
     return _rows(conn, REQUEUES_SQL, {"window_s": window_s, "limit": limit})
 
 
+# -- webhooks ----------------------------------------------------------------------
+
+# Deliveries still being retried (the relay's partial index covers this predicate).
+WEBHOOKS_FAILING_SQL = """
+    SELECT count(*), COALESCE(max(attempts), 0), min(created_at)
+      FROM webhook_deliveries
+     WHERE delivered_at IS NULL AND gave_up_at IS NULL AND attempts >= %(attempts)s
+"""
+
+
+def webhooks_failing(conn: Conn, attempts: int) -> Row:
+    """Deliveries not delivered nor given up after at least ``attempts`` tries:
+    count, the most attempts, the oldest created_at."""
+    row = conn.execute(WEBHOOKS_FAILING_SQL.encode(), {"attempts": attempts}).fetchone()
+    assert row is not None
+    return tuple(row)
+
+
 # -- one run -----------------------------------------------------------------------
 
 RUN_SQL = """

@@ -1,0 +1,159 @@
+"""Deployment health in one read: the figures ``composer-ops check`` judges against
+thresholds, for cron and monitoring.
+
+Every figure comes from the same read-only functions the reports use, in one
+snapshot; each check says what it measured, the threshold, and whether it alerts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from datetime import datetime
+from typing import Any
+
+import polars as pl
+
+from composer_ops.errors import Invalid
+from composer_ops.ops import active, leases, partitions, retention
+from composer_ops.ops._common import Source, connection, db_now
+from composer_ops.repo import analytics
+
+
+@dataclass(frozen=True, kw_only=True)
+class Thresholds:
+    """When each check alerts (the CLI's options; defaults suit a deployment whose
+    coordinator sweeps every few seconds and keeps six months)."""
+
+    months_ahead_min: int = 2          # alert below this many partition months after the current one
+    sweeper_lag_s: float = 60          # alert when a lease expired longer ago than this and is still RUNNING
+    outbox_ready_age_s: float = 300    # alert when a claimable dispatch waited longer than this
+    retention_older_than: str = "6 months"  # the cut-off retention is judged at
+    long_wait_h: float = 24            # alert on WAIT_FOR_EVENT nodes without a timeout waiting longer
+    webhook_attempts: int = 3          # a delivery still retried after this many attempts is failing
+
+    def checked(self) -> Thresholds:
+        """Itself, or :class:`Invalid` naming the first threshold out of range."""
+        if self.months_ahead_min < 0:
+            raise Invalid(f"--months-ahead-min must be 0 or more, got {self.months_ahead_min}")
+        for name, value in (("--sweeper-lag", self.sweeper_lag_s), ("--outbox-ready-age", self.outbox_ready_age_s),
+                            ("--long-wait-h", self.long_wait_h)):
+            if not value >= 0:
+                raise Invalid(f"{name} must be 0 or more, got {value}")
+        if self.webhook_attempts < 1:
+            raise Invalid(f"--webhook-attempts must be 1 or more, got {self.webhook_attempts}")
+        retention.parse_cutoff(self.retention_older_than)
+        return self
+
+
+@dataclass(frozen=True, kw_only=True)
+class Check:
+    """One health figure: ``metric`` is its Prometheus name, ``value`` the figure,
+    ``alert`` whether it crossed ``threshold``."""
+
+    name: str
+    metric: str
+    value: float
+    threshold: float
+    alert: bool
+    detail: str
+    help: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class Health:
+    checked_at: datetime
+    checks: list[Check]
+
+    @property
+    def healthy(self) -> bool:
+        return not any(c.alert for c in self.checks)
+
+    def as_json(self) -> dict[str, Any]:
+        return {"healthy": self.healthy, "checked_at": self.checked_at.isoformat().replace("+00:00", "Z"),
+                "checks": [asdict(c) for c in self.checks]}
+
+
+def check_health(source: Source = None, thresholds: Thresholds | None = None) -> Health:
+    """Read every figure in one snapshot and judge it (see :class:`Thresholds`)."""
+    t = (thresholds or Thresholds()).checked()
+    cutoff = retention.parse_cutoff(t.retention_older_than)
+    with connection(source, application_name="composer-ops check") as conn:
+        now = db_now(conn)
+        ahead = partitions.lookahead(conn, minimum=t.months_ahead_min)
+        running = leases.running_leases(conn)
+        backlog = active.outbox_backlog(conn)
+        plan = retention.retention_plan(conn, cutoff)
+        waits, waits_total = active.long_waits(conn, older_than_s=t.long_wait_h * 3600, limit=1)
+        failing, most_attempts, _ = analytics.webhooks_failing(conn, t.webhook_attempts)
+    checks: list[Check] = []
+
+    fewest = min(ahead["months_ahead"].to_list()) if ahead["has_current"].all() else -1
+    short = ahead.filter(pl.col("alert"))["table"].to_list()
+    checks.append(Check(
+        name="partition months ahead", metric="composer_partitions_months_ahead", value=fewest,
+        threshold=t.months_ahead_min, alert=bool(ahead["alert"].any()),
+        detail=(f"{', '.join(short)} short: run composer-ops partitions ensure --months-ahead 3" if short
+                else f"every table has {fewest} months after {ahead['current_month'][0]}"),
+        help="Fewest partition months after the current UTC month over the run tables (-1: current missing)."))
+
+    expired = leases.expired_running(leases=running)
+    lag = max(expired["overdue_s"].to_list(), default=0.0)
+    checks.append(Check(
+        name="sweeper lag", metric="composer_sweeper_lag_seconds", value=lag, threshold=t.sweeper_lag_s,
+        alert=lag > t.sweeper_lag_s,
+        detail=(f"{expired.height} RUNNING task(s) with an expired lease, the oldest {lag:.0f} s ago: "
+                "is a coordinator running?" if expired.height else "no expired lease is still RUNNING"),
+        help="Seconds since the longest-expired lease of a task still RUNNING (0: none)."))
+
+    ready = max(backlog["oldest_ready_age_s"].to_list(), default=0.0)
+    stuck = backlog.filter(pl.col("oldest_ready_age_s") > t.outbox_ready_age_s)["queue"].to_list()
+    checks.append(Check(
+        name="oldest ready outbox row", metric="composer_outbox_oldest_ready_seconds", value=ready,
+        threshold=t.outbox_ready_age_s, alert=ready > t.outbox_ready_age_s,
+        detail=(f"no worker claims queue(s) {', '.join(stuck)}" if stuck
+                else f"{int(backlog['ready'].sum()) if backlog.height else 0} ready dispatch(es), none waiting long"),
+        help="Seconds the oldest claimable dispatch has waited in the outbox (0: none)."))
+
+    blocked = plan.filter(pl.col("reason") == "has active runs")
+    runs = [r for ids in blocked["active_run_ids"].to_list() for r in ids]
+    checks.append(Check(
+        name="retention blocked", metric="composer_retention_blocked_months", value=blocked.height, threshold=0,
+        alert=blocked.height > 0,
+        detail=(f"month(s) {', '.join(blocked['month'].to_list())} past {cutoff.text} kept for active runs, e.g. "
+                f"{', '.join(runs[:3])}" if blocked.height else f"nothing past {cutoff.text} is kept for active runs"),
+        help="Partition months past the retention cut-off kept because they hold RUNNING or PENDING runs."))
+
+    checks.append(Check(
+        name="long waits without timeout", metric="composer_long_waits_without_timeout", value=waits_total,
+        threshold=0, alert=waits_total > 0,
+        detail=(f"{waits_total} WAIT_FOR_EVENT node(s) without a timeout waiting over {t.long_wait_h:g} h, "
+                f"the oldest in run {waits['run_id'][0]}" if waits_total
+                else f"none waiting over {t.long_wait_h:g} h"),
+        help="WAIT_FOR_EVENT nodes without a timeout that have waited longer than the threshold."))
+
+    checks.append(Check(
+        name="failing webhooks", metric="composer_webhook_deliveries_failing", value=int(failing), threshold=0,
+        alert=int(failing) > 0,
+        detail=(f"{failing} delivery(ies) still retried after {t.webhook_attempts}+ attempts (up to "
+                f"{most_attempts}): is the endpoint up?" if failing else "no delivery is failing"),
+        help="Webhook deliveries not delivered after at least the threshold's attempts and still retried."))
+    return Health(checked_at=now, checks=checks)
+
+
+def write_prometheus(health: Health, path: str) -> None:
+    """The checks in the Prometheus text format, written atomically (a temporary file
+    renamed over ``path``), for node_exporter's textfile collector."""
+    from prometheus_client import CollectorRegistry, Gauge, write_to_textfile
+
+    registry = CollectorRegistry()
+    for check in health.checks:
+        Gauge(check.metric, check.help, registry=registry).set(check.value)
+    alert = Gauge("composer_check_alert", "1 when the check crossed its threshold.", ["check"], registry=registry)
+    limit = Gauge("composer_check_threshold", "The threshold the check alerts beyond.", ["check"], registry=registry)
+    for check in health.checks:
+        alert.labels(check=check.metric).set(1 if check.alert else 0)
+        limit.labels(check=check.metric).set(check.threshold)
+    Gauge("composer_check_healthy", "1 when no check alerts.", registry=registry).set(1 if health.healthy else 0)
+    Gauge("composer_check_timestamp_seconds", "When the checks read the database (its clock).",
+          registry=registry).set(health.checked_at.timestamp())
+    write_to_textfile(path, registry)

@@ -1,0 +1,112 @@
+"""`composer-ops check`: exit codes on healthy and unhealthy databases, thresholds,
+JSON, and the Prometheus textfile parsed back with prometheus_client's parser."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import psycopg
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from composer_ops.cli import main
+from tests.notebooks.harness import as_role, seed_committed
+
+METRICS = ["composer_partitions_months_ahead", "composer_sweeper_lag_seconds", "composer_outbox_oldest_ready_seconds",
+           "composer_retention_blocked_months", "composer_long_waits_without_timeout",
+           "composer_webhook_deliveries_failing"]
+
+
+def _samples(path: Path) -> dict[tuple[str, str], float]:
+    out: dict[tuple[str, str], float] = {}
+    for family in text_string_to_metric_families(path.read_text(encoding="utf-8")):
+        for sample in family.samples:
+            out[(sample.name, sample.labels.get("check", ""))] = sample.value
+    return out
+
+
+def test_a_fresh_database_is_healthy(db_url: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    prom = tmp_path / "composer.prom"
+    assert main(["check", "--database-url", as_role(db_url), "--prometheus", str(prom)]) == 0
+    out = capsys.readouterr().out
+    assert out.splitlines()[-1] == "healthy" and "ALERT" not in out and len(out.splitlines()) == 7
+    samples = _samples(prom)
+    assert samples[("composer_check_healthy", "")] == 1.0
+    assert samples[("composer_partitions_months_ahead", "")] == 3.0
+    assert all(samples[("composer_check_alert", m)] == 0.0 for m in METRICS)
+    assert [p.name for p in tmp_path.iterdir()] == ["composer.prom"]   # written atomically, nothing left over
+
+
+def test_the_seeded_database_alerts_and_says_why(db_url: str, tmp_path: Path,
+                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    info = seed_committed(db_url)
+    with psycopg.connect(db_url) as conn:   # a webhook endpoint that keeps failing
+        conn.execute("""INSERT INTO webhook_deliveries (run_id, url, payload, attempts, next_attempt_at, last_status)
+                        VALUES (%s, 'https://example.invalid/hook', '{}', 5, now() + interval '1 minute', 503)""",
+                     (info.runs["H7"],))
+    prom = tmp_path / "composer.prom"
+    assert main(["check", "--json", "--database-url", as_role(db_url), "--prometheus", str(prom),
+                 "--retention-older-than", "2025-05-01"]) == 1
+    doc = json.loads(capsys.readouterr().out)
+    checks = {c["metric"]: c for c in doc["checks"]}
+    assert doc["healthy"] is False and list(checks) == METRICS
+    alerting = {m for m, c in checks.items() if c["alert"]}
+    assert alerting == set(METRICS) - {"composer_partitions_months_ahead"}
+    assert checks["composer_sweeper_lag_seconds"]["value"] == pytest.approx(7200, abs=60)   # L7's lease
+    assert checks["composer_outbox_oldest_ready_seconds"]["value"] == pytest.approx(1800, abs=60)   # L6
+    assert checks["composer_retention_blocked_months"]["value"] == 2
+    assert info.runs["H6"] in checks["composer_retention_blocked_months"]["detail"]
+    assert checks["composer_long_waits_without_timeout"]["value"] == 1
+    assert checks["composer_webhook_deliveries_failing"]["value"] == 1
+    samples = _samples(prom)
+    assert samples[("composer_check_healthy", "")] == 0.0
+    for metric, check in checks.items():
+        assert samples[(metric, "")] == pytest.approx(check["value"])
+        assert samples[("composer_check_alert", metric)] == (1.0 if check["alert"] else 0.0)
+    # Thresholds move the verdict: with generous ones only the structural alerts stay.
+    assert main(["check", "--database-url", db_url, "--retention-older-than", "2025-05-01",
+                 "--sweeper-lag", "86400", "--outbox-ready-age", "86400", "--long-wait-h", "100000",
+                 "--webhook-attempts", "10"]) == 1
+    out = capsys.readouterr().out
+    assert [ln.split(":")[0] for ln in out.splitlines() if ln.startswith("ALERT")] == ["ALERT  retention blocked"]
+
+
+def test_thresholds_come_from_the_environment(db_url: str, monkeypatch: pytest.MonkeyPatch,
+                                              capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setenv("COMPOSER_CHECK_MONTHS_AHEAD_MIN", "5")
+    assert main(["check", "--database-url", db_url]) == 1
+    assert "ALERT  partition months ahead: 3 (alert below 5)" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv", [["--sweeper-lag", "-1"], ["--months-ahead-min", "-2"],
+                                  ["--retention-older-than", "yesterday"], ["--webhook-attempts", "0"],
+                                  ["--long-wait-h", "nan"], ["--outbox-ready-age", "soon"]])
+def test_bad_thresholds_exit_2_with_one_line(argv: list[str], tmp_path: Path,
+                                             capsys: pytest.CaptureFixture[str]) -> None:
+    prom = tmp_path / "x.prom"
+    try:
+        code = main(["check", *argv, "--database-url", "postgresql://nobody@/nowhere?host=/nonexistent",
+                     "--prometheus", str(prom)])
+    except SystemExit as exc:   # argparse's own type errors
+        code = int(exc.code or 0)
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and "Traceback" not in err, err
+    assert not prom.exists()
+
+
+def test_an_unreadable_database_is_exit_1(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    code = main(["check", "--database-url", "postgresql://nobody@/nowhere?host=/nonexistent"])
+    err = capsys.readouterr().err
+    assert code == 1 and "cannot connect" in err and err.count("\n") == 1
+
+
+def test_check_help_shows_every_threshold_with_its_variable(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(["check", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    for env, default in (("COMPOSER_CHECK_MONTHS_AHEAD_MIN", "2"), ("COMPOSER_CHECK_SWEEPER_LAG", "60"),
+                         ("COMPOSER_CHECK_OUTBOX_READY_AGE", "300"), ("COMPOSER_RETENTION_OLDER_THAN", "6 months"),
+                         ("COMPOSER_CHECK_LONG_WAIT_H", "24"), ("COMPOSER_CHECK_WEBHOOK_ATTEMPTS", "3")):
+        assert f"[env: {env}] (default: {default})" in text, env
+    assert "COMPOSER_CHECK_PROMETHEUS" in text
