@@ -102,14 +102,21 @@ test-package: $(STAMP)
 	env -u COMPOSER_DATABASE_URL -u COMPOSER_TEST_PGBIN $(BIN)/python -m pytest -q --require tests/packaging=3 \
 	    tests/packaging
 
-# JupyterLab on the demo's database. Kernels run in notebooks/, so the URL is passed
-# down rather than left to a relative COMPOSER_HOME.
+# JupyterLab on the notebooks. Without COMPOSER_DATABASE_URL it opens the demo's embedded
+# database (started and migrated first); with it, the database as it is, so a read-only
+# role such as composer_ops_reader works (nothing is migrated). Every save strips outputs
+# and execution counts (composer_ops.ops.lab.strip_outputs, the pre-save hook), so opened
+# and autosaved notebooks never carry outputs into git. Kernels run in notebooks/, so the
+# URL is passed down rather than left to a relative COMPOSER_HOME.
 lab: $(STAMP)
 	@set -e; \
-	if [ -z "$$COMPOSER_DATABASE_URL" ]; then COMPOSER_DATABASE_URL="$$($(BIN)/composer-ops db up)"; fi; \
+	if [ -z "$$COMPOSER_DATABASE_URL" ]; then \
+	    COMPOSER_DATABASE_URL="$$($(BIN)/composer-ops db up)"; \
+	    $(BIN)/composer-ops migrate --database-url "$$COMPOSER_DATABASE_URL"; \
+	fi; \
 	export COMPOSER_DATABASE_URL; \
-	$(BIN)/composer-ops migrate; \
-	$(BIN)/jupyter lab --no-browser --notebook-dir=notebooks $$([ "$$(id -u)" = 0 ] && echo --allow-root)
+	$(BIN)/jupyter lab --no-browser --notebook-dir=notebooks \
+	    --ContentsManager.pre_save_hook=composer_ops.ops.lab.strip_outputs $$([ "$$(id -u)" = 0 ] && echo --allow-root)
 
 clean-db:
 	-$(BIN)/composer-ops db stop
