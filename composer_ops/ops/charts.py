@@ -119,6 +119,9 @@ def _bars(df: pl.DataFrame, *, x: str, y: str, color: str, title: str, colors: M
     category_axis = fig.update_yaxes if horizontal else fig.update_xaxes
     value_axis = fig.update_xaxes if horizontal else fig.update_yaxes
     value_axis(tickformat=",~r", rangemode="tozero")
+    values = [v for v in df[y].to_list() if v is not None]
+    if values and all(isinstance(v, int) for v in values) and max(values) <= 10:
+        value_axis(dtick=1)   # a handful of tasks: whole-number ticks, not 0.2 steps
     if category_order is not None:
         category_axis(type="category", categoryorder="array", categoryarray=list(category_order))
     else:
