@@ -119,7 +119,7 @@ def _bars(df: pl.DataFrame, *, x: str, y: str, color: str, title: str, colors: M
     category_axis = fig.update_yaxes if horizontal else fig.update_xaxes
     value_axis = fig.update_xaxes if horizontal else fig.update_yaxes
     value_axis(tickformat=",~r", rangemode="tozero")
-    values = [v for v in df[y].to_list() if v is not None]
+    values = [v for v in df[x if horizontal else y].to_list() if v is not None]
     if values and all(isinstance(v, int) for v in values) and max(values) <= 10:
         value_axis(dtick=1)   # a handful of tasks: whole-number ticks, not 0.2 steps
     if category_order is not None:
@@ -296,7 +296,7 @@ def run_graph(nodes: pl.DataFrame, edges: pl.DataFrame) -> go.Figure:
     if odd.height:
         ids = odd["node_id"].to_list()
         fig.add_scatter(x=[pos[i][0] for i in ids], y=[pos[i][1] for i in ids], mode="markers+text",
-                        text=[f"{i} (not in definition)" for i in ids], textposition="bottom center",
+                        text=[f"{i} (not in definition)" for i in ids], textposition="bottom right",
                         name="ANOMALY: not in definition",
                         marker={"size": 22, "symbol": "x", "color": PHASE_COLORS["unknown node"]},
                         customdata=odd.select("state", "attempt").rows(),

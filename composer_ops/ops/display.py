@@ -248,7 +248,8 @@ def table(df: pl.DataFrame, columns: Sequence[str] | None = None, *, empty: str 
     long = data.height > PAGE
     options: dict[str, Any] = {
         "allow_html": True, "connected": False, "classes": "display compact cell-border",
-        "columnDefs": defs, "order": [], "paging": long, "pageLength": PAGE, "scrollX": True,
+        "columnDefs": defs, "order": [], "paging": long, "pageLength": PAGE,
+        "lengthMenu": [PAGE, 50, 200, 1000], "scrollX": True,
         "autoWidth": False, "showIndex": False, "show_dtypes": False, "display_logo_when_loading": False,
     }
     if not long:
