@@ -9,6 +9,7 @@ from composer_ops.cli._common import EXIT_OK, add_database_option, emit_json, en
 from composer_ops.db import find_url
 from composer_ops.engine import Engine
 from composer_ops.errors import Invalid
+from composer_ops.ops.display import iec_bytes
 
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -76,15 +77,6 @@ def cmd_ensure(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _fmt_bytes(n: int) -> str:
-    value = float(n)
-    for unit in ("B", "kB", "MB", "GB", "TB"):
-        if value < 1024 or unit == "TB":
-            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
-        value /= 1024
-    return f"{n} B"
-
-
 def _plan_records(plan: Any, dropped: list[str] | None) -> list[dict[str, Any]]:
     records = []
     for row in plan.iter_rows(named=True):
@@ -125,9 +117,9 @@ def cmd_drop(args: argparse.Namespace) -> int:
         ids = row["active_run_ids"]
         more = f" (+{row['active_runs'] - len(ids)} more)" if row["active_runs"] > len(ids) else ""
         print(f"{row['month']:<7} {row['action']:<6} {row['reason']:<29} {row['rows']:>10} "
-              f"{_fmt_bytes(row['bytes']):>10}  {', '.join(ids)}{more}")
+              f"{iec_bytes(row['bytes']):>10}  {', '.join(ids)}{more}")
     to_drop = plan.filter(plan["action"] == "drop")
-    rows, size = int(to_drop["rows"].sum()), _fmt_bytes(int(to_drop["bytes"].sum()))
+    rows, size = int(to_drop["rows"].sum()), iec_bytes(int(to_drop["bytes"].sum()))
     if dropped is None:
         print(f"would drop {to_drop.height} month(s), about {rows} rows and {size}; "
               "nothing was changed (add --yes to drop)")

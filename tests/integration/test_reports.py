@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 import socket
 import subprocess
 import sys
@@ -217,6 +218,29 @@ def test_the_documented_cron_line_works_as_written_on_a_fresh_machine(db_url: st
     logs = list(srv.rglob("*.log"))
     assert len(logs) == 1 and "retention_dry_run:" in logs[0].read_text(encoding="utf-8")
     assert list(srv.rglob("retention_dry_run/*.html"))
+
+
+def test_the_documented_systemd_service_runs_as_written(db_url: str, tmp_path: Path) -> None:
+    # systemd itself cannot run here: the unit's ExecStart runs with its Environment=, its
+    # WorkingDirectory and a User= whose home does not exist (HOME unwritable), paths
+    # swapped for a fresh /srv/composer, the EnvironmentFile's URL given directly.
+    seed_committed(db_url)
+    doc = (ROOT / "docs" / "operations.md").read_text(encoding="utf-8")
+    unit = doc[doc.index("[Service]"):].split("```", 1)[0]
+    keys = dict(ln.split("=", 1) for ln in unit.splitlines() if "=" in ln and not ln.startswith("#"))
+    srv = tmp_path / "srv" / "composer"
+    srv.mkdir(parents=True)
+    (srv / ".venv").symlink_to(Path(sys.prefix))
+    env = {"PATH": "/usr/bin:/bin", "HOME": "/proc/composer-home", "COMPOSER_DATABASE_URL": as_role(db_url)}
+    for pair in shlex.split(keys["Environment"].replace("/srv/composer", str(srv))):
+        name, value = pair.split("=", 1)
+        env[name] = value
+    argv = shlex.split(keys["ExecStart"].replace("/srv/composer", str(srv)))
+    cwd = keys["WorkingDirectory"].replace("/srv/composer", str(srv))
+    done = subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode == 0 and "Traceback" not in done.stderr, (done.stdout + done.stderr)[-3000:]
+    assert len(list((srv / "reports" / "retention_dry_run").glob("*.html"))) == 1
+    assert env["COMPOSER_REPORT_KEEP"] == "12"
 
 
 def test_report_list_shows_notebooks_and_parameters(capsys: pytest.CaptureFixture[str]) -> None:
