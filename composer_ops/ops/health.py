@@ -16,6 +16,7 @@ import polars as pl
 from composer_ops.errors import Invalid
 from composer_ops.ops import active, leases, partitions, retention
 from composer_ops.ops._common import Source, connection, db_now
+from composer_ops.ops.display import duration
 from composer_ops.repo import analytics
 
 
@@ -101,7 +102,7 @@ def check_health(source: Source = None, thresholds: Thresholds | None = None) ->
     checks.append(Check(
         name="sweeper lag", metric="composer_sweeper_lag_seconds", value=lag, threshold=t.sweeper_lag_s,
         alert=lag > t.sweeper_lag_s,
-        detail=(f"{expired.height} RUNNING task(s) with an expired lease, the oldest {lag:.0f} s ago: "
+        detail=(f"{expired.height} RUNNING task(s) with an expired lease, the oldest {duration(lag)} ago: "
                 "is a coordinator running?" if expired.height else "no expired lease is still RUNNING"),
         help="Seconds since the longest-expired lease of a task still RUNNING (0: none)."))
 
