@@ -98,7 +98,7 @@ def test_a_failing_cell_fails_the_report_naming_it(tmp_path: Path, capsys: pytes
     err = capsys.readouterr().err
     assert code == 1
     line = next(ln for ln in err.splitlines() if ln.startswith("composer-ops: report active_tasks failed"))
-    assert re.search(r"failed at cell \d+ \(In \[\d+\]\) `", line) and "Unavailable: cannot connect" in line, line
+    assert re.search(r"failed at cell \d+ \(In \[\d+\]\) `", line) and ": cannot connect to the database" in line, line
     page = next((out / "active_tasks").glob("*.html"))
     assert "cannot connect to the database" in page.read_text(encoding="utf-8")
     assert "FAILED" in (out / "index.html").read_text(encoding="utf-8")
