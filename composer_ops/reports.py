@@ -397,6 +397,7 @@ def _run_one(name: str, params: dict[str, Any], out_dir: Path, stamp: str, *, pr
                           parameters=params, **failure)
     summary = {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(result).items()}
     summary["created_at"] = stamp
+    summary["key_figures"] = key_figures(ipynb) if ipynb.exists() else None
     (folder / f"{stem}.json").write_text(json.dumps(summary, indent=2, default=str) + "\n", encoding="utf-8")
     return result
 
@@ -470,6 +471,37 @@ def _plotly_js() -> str:
             f'<script type="text/javascript">{get_plotlyjs()}</script>\n')
 
 
+def key_figures(ipynb: Path) -> dict[str, Any] | None:
+    """The key figures an executed notebook printed (its cell tagged ``key-figures``),
+    or None when it has none or did not get that far."""
+    from composer_ops.ops.display import KEY_FIGURES_TAG
+
+    try:
+        nb = json.loads(ipynb.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError):
+        return None
+    for cell in nb.get("cells", []):
+        if KEY_FIGURES_TAG in cell.get("metadata", {}).get("tags", []):
+            text = "".join("".join(o.get("text", "")) for o in cell.get("outputs", []) if o.get("name") == "stdout")
+            try:
+                figures = json.loads(text)
+            except json.JSONDecodeError:
+                return None
+            return figures if isinstance(figures, dict) else None
+    return None
+
+
+def _flags(summary: Mapping[str, Any]) -> str:
+    """What the index says beside a report that ran: its anomalies and failed self-checks."""
+    figures = summary.get("key_figures") or {}
+    out = []
+    if figures.get("anomalies"):
+        out.append(f"{len(figures['anomalies'])} anomal{'y' if len(figures['anomalies']) == 1 else 'ies'}")
+    if figures.get("self_checks_failed"):
+        out.append(f"{len(figures['self_checks_failed'])} self-check(s) FAILED")
+    return ", ".join(out)
+
+
 def write_index(out_dir: Path) -> Path:
     """``index.html`` linking every report under ``out_dir``, newest first per notebook."""
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -484,19 +516,22 @@ def write_index(out_dir: Path) -> Path:
             stem = summary_path.stem
             status = "ok" if summary.get("ok") else "FAILED"
             link = f"{folder.name}/{stem}.html" if (folder / f"{stem}.html").exists() else f"{folder.name}/{stem}.ipynb"
-            detail = "" if summary.get("ok") else html.escape(str(summary.get("error") or ""))
+            detail = html.escape(_flags(summary) if summary.get("ok") else str(summary.get("error") or ""))
+            if summary.get("ok") and detail:
+                status = "flagged"
             params = html.escape(json.dumps(summary.get("parameters") or {}))
             rows.append(f'<tr class="{status.lower()}"><td><a href="{html.escape(link)}">{html.escape(stem)}</a></td>'
                         f"<td>{status}</td><td>{float(summary.get('seconds') or 0):.1f} s</td>"
                         f"<td><code>{params}</code></td><td>{detail}</td></tr>")
         if rows:
             sections.append(f"<h2>{html.escape(folder.name)}</h2><table><tr><th>report (UTC)</th><th>status</th>"
-                            f"<th>took</th><th>parameters</th><th>error</th></tr>{''.join(rows)}</table>")
+                            f"<th>took</th><th>parameters</th><th>error or flags</th></tr>{''.join(rows)}</table>")
     page = out_dir / "index.html"
     page.write_text(
         "<!doctype html><html><head><meta charset='utf-8'><title>composer-ops reports</title><style>"
         "body{font-family:sans-serif;margin:2em}table{border-collapse:collapse}td,th{padding:4px 10px;"
-        "border-bottom:1px solid #ddd;text-align:left}tr.failed td{color:#b00}</style></head><body>"
+        "border-bottom:1px solid #ddd;text-align:left}tr.failed td{color:#b00}tr.flagged td{color:#a16207}"
+        "</style></head><body>"
         f"<h1>composer-ops reports</h1><p>Generated {timestamp()} (UTC).</p>"
         + ("".join(sections) or "<p>No reports yet: run <code>composer-ops report --all</code>.</p>")
         + "</body></html>\n", encoding="utf-8")

@@ -59,7 +59,7 @@ def test_report_all_writes_html_beside_the_executed_notebook_and_an_index(
         assert "ops.snapshot(" not in html and "import polars" not in html, f"{name}: code cells are shown"
         assert db_url not in html and db_url not in page.with_suffix(".ipynb").read_text(encoding="utf-8")
         summary = json.loads(page.with_suffix(".json").read_text(encoding="utf-8"))
-        assert summary["ok"] is True
+        assert summary["ok"] is True and summary["key_figures"] == json.loads(figures_text(expected[name]))
         executed = nbformat.read(str(page.with_suffix(".ipynb")), as_version=4)  # type: ignore[no-untyped-call]
         assert not executed.metadata.papermill.exception
         assert all(c.outputs is not None for c in executed.cells if c.cell_type == "code")
@@ -85,6 +85,8 @@ def test_report_all_writes_html_beside_the_executed_notebook_and_an_index(
     assert re.search(r"\d\.\d KiB", text["partition_sizes"]) and not re.search(r"\d\.\d [kMG]B\b",
                                                                              text["partition_sizes"])
     assert f"composer-ops report run_investigation -p run_id {info.runs['H6']}" in text["active_tasks"]
+    # The index flags every report whose data held anomalies (each of the seed's does).
+    assert index.count('<tr class="flagged">') == 5 and "3 anomalies" in index and "1 anomaly" in index
     # The plan the retention report shows is the one -p cutoff asked for.
     plan_page = next((out / "retention_dry_run").glob("*.html")).read_text(encoding="utf-8")
     assert "2025-05-01 00:00:00 UTC" in plan_page
