@@ -8,9 +8,11 @@ ahead as partition upkeep keeps them. The 24-month database is backfilled once; 
 (``composer_drop_partitions``), so the recent months are the same rows in all three.
 Then, in rounds that alternate the order of the three databases:
 
-- **latency per call**, one session, no other load: ``claims`` 1-task runs are
-  started, and each task is claimed (``Engine.claim``, limit 1), heartbeated and
-  completed, each call timed on the client: p50 and p99 per operation;
+- **latency and server CPU per call**, one session, no other load: ``claims`` 1-task
+  runs are started, and each task is claimed (``Engine.claim``, limit 1), heartbeated
+  and completed, each call timed on the client (p50, p99) and the session's server
+  process's CPU read from /proc around it (mean per call; a server on this machine
+  only);
 - **relation locks held** by one call of each hot statement, counted in
   ``pg_locks`` inside its transaction (minus what the counting query itself holds),
   after the statement has run often enough on the connection to be prepared: the
@@ -34,6 +36,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+import psutil
 import psycopg
 
 from bench import scenario
@@ -166,19 +169,26 @@ def _ref(claim: Any) -> Any:
 
 
 def latency(url: str, claims: int) -> dict[str, Any]:
-    """Client-side latency of claim, heartbeat and complete, one session, no other load."""
+    """Client-side latency of claim, heartbeat and complete, one session, no other load,
+    and the CPU the session's server process spent on each (from /proc, summed over the
+    calls: unlike the latency, it does not move with what else runs on the machine)."""
     from composer_ops import Engine
 
-    timings: dict[str, list[float]] = {"claim": [], "heartbeat": [], "complete": []}
+    ops = ("claim", "heartbeat", "complete")
+    timings: dict[str, list[float]] = {op: [] for op in ops}
+    cpu = dict.fromkeys(ops, 0.0)
     with Engine.connect(url, pool_size=1, application_name="bench-months") as engine:
+        with engine.pool.connection() as conn:
+            row = conn.execute("SELECT pg_backend_pid()").fetchone()
+        backend = _Backend(int(row[0]) if row else 0)
         for _ in range(claims):
             engine.start(WORKFLOWS["one"]["id"])
         empty = 0
         for _ in range(claims):
             for _attempt in range(50):
-                t0 = time.perf_counter()
+                c0, t0 = backend.seconds(), time.perf_counter()
                 got = engine.claim(["default"], "bench-latency", 1, task_names=["noop"])
-                t1 = time.perf_counter()
+                t1, c1 = time.perf_counter(), backend.seconds()
                 if got:
                     break
                 empty += 1
@@ -186,14 +196,38 @@ def latency(url: str, claims: int) -> dict[str, Any]:
             else:
                 raise RuntimeError(f"no queued task could be claimed: {_outbox(url)}")
             engine.heartbeat(got[0])
-            t2 = time.perf_counter()
+            t2, c2 = time.perf_counter(), backend.seconds()
             engine.complete(got[0], None)
-            t3 = time.perf_counter()
-            timings["claim"].append((t1 - t0) * 1000)
-            timings["heartbeat"].append((t2 - t1) * 1000)
-            timings["complete"].append((t3 - t2) * 1000)
-    return {**{op: {"p50_ms": _percentile(v, 0.5), "p99_ms": _percentile(v, 0.99)} for op, v in timings.items()},
+            t3, c3 = time.perf_counter(), backend.seconds()
+            for op, (start, end), (cpu0, cpu1) in zip(ops, ((t0, t1), (t1, t2), (t2, t3)),
+                                                       ((c0, c1), (c1, c2), (c2, c3)), strict=True):
+                timings[op].append((end - start) * 1000)
+                cpu[op] += cpu1 - cpu0
+    return {**{op: {"p50_ms": _percentile(v, 0.5), "p99_ms": _percentile(v, 0.99),
+                    "server_cpu_ms": cpu[op] / claims * 1000 if backend.readable else None}
+               for op, v in timings.items()},
             "empty_claims": empty}
+
+
+class _Backend:
+    """CPU seconds of one server process (0 when it is not on this machine)."""
+
+    def __init__(self, pid: int) -> None:
+        try:
+            self._proc: psutil.Process | None = psutil.Process(pid)
+            self._proc.cpu_times()
+        except (psutil.Error, ValueError):
+            self._proc = None
+
+    @property
+    def readable(self) -> bool:
+        return self._proc is not None
+
+    def seconds(self) -> float:
+        if self._proc is None:
+            return 0.0
+        t = self._proc.cpu_times()
+        return float(t.user + t.system)
 
 
 def _outbox(url: str) -> list[Any]:
@@ -234,6 +268,8 @@ def measure(server: Server, *, months: tuple[int, ...] = MONTHS, runs_per_month:
         for op in ("claim", "heartbeat", "complete"):
             entry[f"{op}_p50_ms"] = statistics.median(x["latency"][op]["p50_ms"] for x in rs)
             entry[f"{op}_p99_ms"] = statistics.median(x["latency"][op]["p99_ms"] for x in rs)
+            cpu = [x["latency"][op]["server_cpu_ms"] for x in rs if x["latency"][op]["server_cpu_ms"] is not None]
+            entry[f"{op}_server_cpu_ms"] = statistics.median(cpu) if cpu else None
         entry["runs_per_s"] = statistics.median(x["runs_per_s"] for x in rs)
         entry["claim_locks"] = entry["locks"]["claim"]
     lo, hi = min(per), max(per)
@@ -249,6 +285,7 @@ def measure(server: Server, *, months: tuple[int, ...] = MONTHS, runs_per_month:
         f"claim_p50_ratio_{hi}_vs_{lo}_months": ratio("claim_p50_ms"),
         f"claim_p99_ratio_{hi}_vs_{lo}_months": ratio("claim_p99_ms"),
         f"runs_per_s_ratio_{hi}_vs_{lo}_months": ratio("runs_per_s"),
+        f"claim_server_cpu_ratio_{hi}_vs_{lo}_months": ratio("claim_server_cpu_ms"),
     }
 
 
@@ -258,7 +295,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--pgbin", default="", help="server binaries to start a cluster from (default: embedded)")
     parser.add_argument("--months", default=",".join(map(str, MONTHS)))
     parser.add_argument("--months-runs", type=int, default=2000, help="runs per backfilled month")
-    parser.add_argument("--claims", type=int, default=400)
+    parser.add_argument("--claims", type=int, default=500)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--duration", type=float, default=6.0)
     args = parser.parse_args(argv)

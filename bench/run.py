@@ -67,7 +67,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--hot-runs", type=int, default=300, help="runs per HOT phase")
     p.add_argument("--months", default="1,6,24", help="months of history retained, compared")
     p.add_argument("--months-runs", type=int, default=2000, help="runs per backfilled month")
-    p.add_argument("--months-claims", type=int, default=300, help="claims timed per database and round")
+    p.add_argument("--months-claims", type=int, default=500, help="claims timed per database and round")
     p.add_argument("--retention-rows", type=int, default=250_000, help="task rows per month for retention")
     p.add_argument("--skip", default="", help=f"comma-separated parts to skip: {', '.join(PARTS)}")
     p.add_argument("--quick", action="store_true", help="tiny sizes: checks that every part works")
@@ -374,6 +374,7 @@ def summarize(results: dict[str, Any], server: servers.Server, peer: Any, args: 
         f"claim_p50_ratio_{hi}_vs_{lo}_months": mon.get(f"claim_p50_ratio_{hi}_vs_{lo}_months"),
         f"claim_p99_ratio_{hi}_vs_{lo}_months": mon.get(f"claim_p99_ratio_{hi}_vs_{lo}_months"),
         f"runs_per_s_ratio_{hi}_vs_{lo}_months": mon.get(f"runs_per_s_ratio_{hi}_vs_{lo}_months"),
+        f"claim_server_cpu_ratio_{hi}_vs_{lo}_months": mon.get(f"claim_server_cpu_ratio_{hi}_vs_{lo}_months"),
         "claim_locks_by_months": mon.get("claim_locks_by_months"),
         "empty_claim_share_w1": empty.get("1"),
         "empty_claim_share_w4": empty.get("4"),
