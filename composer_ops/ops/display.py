@@ -266,6 +266,29 @@ def setup() -> None:
 
     init_notebook_mode(all_interactive=False, connected=False)
     display(HTML(_STYLE))  # type: ignore[no-untyped-call]
+    _one_line_errors()
+
+
+def _one_line_errors() -> None:
+    """In an IPython kernel, show a :class:`~composer_ops.errors.ComposerError` (bad
+    input, no database, a run that does not exist) as the CLI does: one line, its
+    class and message, without a traceback. The cell still fails, so papermill and
+    ``composer-ops report`` still see the error."""
+    from IPython import get_ipython
+
+    from composer_ops.errors import ComposerError
+
+    shell = get_ipython()
+    if shell is None:
+        return
+
+    def one_line(self: Any, etype: type[BaseException], value: BaseException, tb: Any,
+                 tb_offset: int | None = None) -> list[str]:
+        lines = [f"{etype.__name__}: {value}"]
+        self._showtraceback(etype, value, lines)
+        return lines
+
+    shell.set_custom_exc((ComposerError,), one_line)
 
 
 # -- notices -----------------------------------------------------------------------

@@ -103,6 +103,10 @@ def test_a_failing_cell_fails_the_report_naming_it(tmp_path: Path, capsys: pytes
     assert re.search(r"failed at cell \d+ \(In \[\d+\]\) `", line) and ": cannot connect to the database" in line, line
     page = next((out / "active_tasks").glob("*.html"))
     assert "cannot connect to the database" in page.read_text(encoding="utf-8")
+    # In the notebook, as on the CLI, the error is one line: its class and message, no traceback.
+    executed = nbformat.read(str(page.with_suffix(".ipynb")), as_version=4)  # type: ignore[no-untyped-call]
+    (error,) = [o for c in executed.cells for o in c.get("outputs", []) if o.output_type == "error"]
+    assert len(error.traceback) == 1 and error.traceback[0].startswith(f"{error.ename}: cannot connect"), error
     assert "FAILED" in (out / "index.html").read_text(encoding="utf-8")
 
 
