@@ -52,7 +52,7 @@ class PassStats:
 class Coordinator:
     def __init__(self, engine: Engine, *, interval: float = 0.5, batch: int = 100, months_ahead: int = 3,
                  upkeep_every_s: float = 3600.0, webhook_secret: str | None = None,
-                 relay: RelayPolicy | None = None) -> None:
+                 relay: RelayPolicy | None = None, upkeep_lock_timeout_s: float = 0.5) -> None:
         self.engine = engine
         self.interval = interval
         self.batch = batch
@@ -62,7 +62,9 @@ class Coordinator:
             "COMPOSER_WEBHOOK_SECRET") or None
         self.relay = relay or RelayPolicy.from_env()
         self._stop = threading.Event()
-        self._last_upkeep = float("-inf")
+        self.upkeep_lock_timeout_s = upkeep_lock_timeout_s
+        self._next_upkeep = float("-inf")
+        self._upkeep_failures = 0
 
     def stop(self) -> None:
         self._stop.set()
@@ -132,11 +134,23 @@ class Coordinator:
                          lease.lease_owner, extra={"action": "lease_expired", "run_id": lease.run_id})
 
     def _upkeep(self, stats: PassStats) -> None:
-        if time.monotonic() - self._last_upkeep < self.upkeep_every_s:
+        """Ensure months ahead, at most every ``upkeep_every_s``. Attaching a partition
+        waits for writers of workflow_runs and starts would queue behind that wait, so
+        it gives up after ``upkeep_lock_timeout_s`` and is tried again after a backoff
+        (1 s, 2 s, ... up to a minute): months are created well ahead, so a late
+        attempt costs nothing."""
+        if time.monotonic() < self._next_upkeep:
             return
-        with self.engine.pool.connection() as conn, conn.transaction():
-            stats.partitions_created += partitions.ensure(conn, self.months_ahead)
-        self._last_upkeep = time.monotonic()
+        try:
+            with self.engine.pool.connection() as conn, conn.transaction():
+                stats.partitions_created += partitions.ensure(conn, self.months_ahead,
+                                                              lock_timeout_s=self.upkeep_lock_timeout_s)
+        except Exception:
+            self._upkeep_failures += 1
+            self._next_upkeep = time.monotonic() + min(60.0, 2.0 ** (self._upkeep_failures - 1))
+            raise
+        self._upkeep_failures = 0
+        self._next_upkeep = time.monotonic() + self.upkeep_every_s
 
     def _webhooks(self, stats: PassStats) -> None:
         delivered, failed = relay_once(self.engine.pool, secret=self.webhook_secret, policy=self.relay)

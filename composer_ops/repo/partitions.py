@@ -30,11 +30,25 @@ def require_run_partition(conn: Conn, run_id: str) -> None:
                       "run `composer-ops partitions ensure` or use a recent run ID")
 
 
-def ensure(conn: Conn, months_ahead: int = 3) -> int:
+def ensure(conn: Conn, months_ahead: int = 3, *, lock_timeout_s: float | None = 2.0) -> int:
     """Create this UTC month and ``months_ahead`` more for all three tables; returns
-    how many partitions were created."""
+    how many partitions were created.
+
+    Each partition is created on its own and attached, which never waits for readers;
+    attaching still waits for transactions writing ``workflow_runs`` (the foreign
+    keys), and every start or signal would queue behind that wait, so it is bounded by
+    ``lock_timeout_s`` for the rest of the caller's transaction: past it the statement
+    fails with ``LockNotAvailable`` and the caller tries again later. ``None`` keeps
+    the session's setting."""
+    if lock_timeout_s is not None:
+        set_lock_timeout(conn, lock_timeout_s)
     row = conn.execute("SELECT composer_ensure_partitions(%s)", (months_ahead,)).fetchone()
     return int(row[0]) if row else 0
+
+
+def set_lock_timeout(conn: Conn, seconds: float) -> None:
+    """``SET LOCAL lock_timeout``: until the end of the caller's transaction."""
+    conn.execute("SELECT set_config('lock_timeout', %s, true)", (f"{max(1, round(seconds * 1000))}ms",))
 
 
 def ensure_from(conn: Conn, first_month: date, months_ahead: int) -> int:
