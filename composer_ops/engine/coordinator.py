@@ -18,16 +18,17 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from datetime import datetime
 from functools import partial
 from typing import TYPE_CHECKING
 
-from composer_ops.core import LeaseExpired, TimerDue
+from composer_ops.core import Event, LeaseExpired, TimerDue
 from composer_ops.core.model import TaskRef
+from composer_ops.engine.shell import Outcome
 from composer_ops.engine.webhooks import RelayPolicy, relay_once
-from composer_ops.errors import ComposerError, Invalid
+from composer_ops.errors import ComposerError, Invalid, Transient
 from composer_ops.repo import partitions, signals, tasks
 
 if TYPE_CHECKING:
@@ -63,6 +64,8 @@ class Coordinator:
         self.relay = relay or RelayPolicy.from_env()
         self._stop = threading.Event()
         self.upkeep_lock_timeout_s = upkeep_lock_timeout_s
+        self._timer_backoff = _Backoff()
+        self._lease_backoff = _Backoff()
         self._next_upkeep = float("-inf")
         self._upkeep_failures = 0
 
@@ -102,36 +105,50 @@ class Coordinator:
 
     def _timers(self, stats: PassStats) -> None:
         with self.engine.pool.connection() as conn:
-            due = signals.due_waits(conn, self.batch)
+            due = signals.due_waits(conn, self.batch, skip=self._timer_backoff.skipped())
         for wait in due:
-            try:
-                outcome = self.engine.shell.handle(
-                    wait.run_id, partial(_timer_due, wait.task_id, wait.node_id))
-            except ComposerError as exc:
-                stats.errors.append(f"timer {wait.task_id}: {exc}")
-                continue
-            if outcome.stale:
-                stats.stale += 1
-            else:
+            outcome = self._handle("timer", wait.task_id, wait.task_id, wait.run_id,
+                                   partial(_timer_due, wait.task_id, wait.node_id), self._timer_backoff, stats)
+            if outcome is not None and not outcome.stale:
                 stats.timers_fired += 1
 
     def _leases(self, stats: PassStats) -> None:
         with self.engine.pool.connection() as conn:
-            expired = tasks.expired_leases(conn, self.batch)
+            expired = tasks.expired_leases(conn, self.batch, skip=self._lease_backoff.skipped())
         for lease in expired:
             ref = TaskRef(task_id=lease.task_id, run_id=lease.run_id, node_id=lease.node_id,
                           attempt=lease.attempt, lease_owner=lease.lease_owner)
-            try:
-                outcome = self.engine.shell.handle(lease.run_id, partial(_lease_expired, ref))
-            except ComposerError as exc:
-                stats.errors.append(f"lease {lease.task_id}: {exc}")
-                continue
-            if outcome.stale:
-                stats.stale += 1
-            else:
+            outcome = self._handle("lease", lease.task_id, f"{lease.task_id}:{lease.attempt}", lease.run_id,
+                                   partial(_lease_expired, ref), self._lease_backoff, stats)
+            if outcome is not None and not outcome.stale:
                 stats.leases_expired += 1
                 log.info("lease of task %s (run %s, owner %s) expired", lease.task_id, lease.run_id,
                          lease.lease_owner, extra={"action": "lease_expired", "run_id": lease.run_id})
+
+    def _handle(self, kind: str, task_id: str, key: str, run_id: str, make_event: Callable[[datetime], Event],
+                backoff: _Backoff, stats: PassStats) -> Outcome | None:
+        """One candidate of a loop, under the run lock. A candidate the event did not
+        change (stale: another coordinator got there first, or it can never apply) or
+        that failed is backed off under ``key`` (a timer's task; a lease's task and
+        attempt, so a later attempt starts afresh), so the next pass reaches the rows
+        behind it; a database that stays unreachable after the shell's retries ends the
+        pass."""
+        try:
+            outcome = self.engine.shell.handle(run_id, make_event)
+        except Exception as exc:
+            if isinstance(exc, Transient):
+                raise
+            backoff.failed(key)
+            stats.errors.append(f"{kind} {task_id} of run {run_id}: {exc}")
+            log.warning("coordinator: %s of task %s (run %s) failed, backing off: %s", kind, task_id, run_id, exc,
+                        exc_info=not isinstance(exc, ComposerError))
+            return None
+        if outcome.stale:
+            stats.stale += 1
+            backoff.failed(key)
+        else:
+            backoff.succeeded(key)
+        return outcome
 
     def _upkeep(self, stats: PassStats) -> None:
         """Ensure months ahead, at most every ``upkeep_every_s``. Attaching a partition
@@ -156,6 +173,32 @@ class Coordinator:
         delivered, failed = relay_once(self.engine.pool, secret=self.webhook_secret, policy=self.relay)
         stats.webhooks_delivered += delivered
         stats.webhooks_failed += failed
+
+
+class _Backoff:
+    """Candidates a loop could not change, skipped for 1 s, 2 s, 4 s ... up to 5 min
+    after each miss. Kept in memory: a restarted coordinator simply tries them again.
+    At most ``limit`` are skipped at once (the oldest misses first), which bounds the
+    list the loop's query excludes."""
+
+    def __init__(self, cap_s: float = 300.0, limit: int = 500) -> None:
+        self.cap_s, self.limit = cap_s, limit
+        self._misses: dict[str, tuple[float, int]] = {}   # task id -> (skip until, misses)
+
+    def failed(self, key: str) -> None:
+        misses = self._misses.get(key, (0.0, 0))[1] + 1
+        self._misses[key] = (time.monotonic() + min(self.cap_s, 2.0 ** (misses - 1)), misses)
+
+    def succeeded(self, key: str) -> None:
+        self._misses.pop(key, None)
+
+    def skipped(self) -> list[str]:
+        now = time.monotonic()
+        # forget a row once its skip is long over (it succeeded elsewhere or went away)
+        for key in [k for k, (until, _) in self._misses.items() if until + self.cap_s < now]:
+            del self._misses[key]
+        waiting = sorted((until, key) for key, (until, _) in self._misses.items() if until > now)
+        return [key for _, key in waiting[:self.limit]]
 
 
 def _timer_due(task_id: str, node_id: str, now: datetime) -> TimerDue:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from composer_ops.core.model import Signal
@@ -9,15 +10,18 @@ from composer_ops.repo._base import Conn, error_json, fetch_all, jsonb
 from composer_ops.repo.rows import DueWait
 
 
-def due_waits(conn: Conn, limit: int) -> list[DueWait]:
-    """Up to ``limit`` WAITING tasks whose wake_at has passed, oldest first
-    (served by the partial wake index)."""
+def due_waits(conn: Conn, limit: int, *, skip: Sequence[str] = ()) -> list[DueWait]:
+    """Up to ``limit`` WAITING tasks whose wake_at has passed, oldest first (served by
+    the partial wake index), of runs that are active and not soft-deleted; ``skip``:
+    task ids the caller is backing off, so the rows behind them get their turn."""
     return fetch_all(conn, DueWait, """
-        SELECT run_id, id AS task_id, node_id
-          FROM task_instances
-         WHERE state = 'WAITING' AND wake_at <= NOW()
-         ORDER BY wake_at
-         LIMIT %s""", (limit,))
+        SELECT t.run_id, t.id AS task_id, t.node_id
+          FROM task_instances t
+          JOIN workflow_runs r ON r.id = t.run_id
+         WHERE t.state = 'WAITING' AND t.wake_at <= NOW() AND t.id <> ALL(%s::text[])
+           AND r.deleted_at IS NULL AND r.status IN ('PENDING', 'RUNNING')
+         ORDER BY t.wake_at
+         LIMIT %s""", (list(skip), limit))
 
 
 def resolve_wait(conn: Conn, run_id: str, task_id: str, *, state: str, output: Any = None,

@@ -113,11 +113,16 @@ def heartbeat(conn: Conn, ref: TaskRef, owner: str, lease_s: float) -> datetime 
     return None if row is None else row[0]
 
 
-def expired_leases(conn: Conn, limit: int) -> list[ExpiredLease]:
-    """RUNNING tasks whose lease has lapsed by the database clock, oldest first."""
+def expired_leases(conn: Conn, limit: int, *, skip: Sequence[str] = ()) -> list[ExpiredLease]:
+    """RUNNING tasks whose lease has lapsed by the database clock, oldest first, of runs
+    that are active and not soft-deleted; ``skip``: ``task_id:attempt`` keys of attempts
+    the caller is backing off."""
     return fetch_all(conn, ExpiredLease, """
-        SELECT run_id, id AS task_id, node_id, attempt, lease_owner
-          FROM task_instances
-         WHERE state = 'RUNNING' AND lease_expires_at <= NOW()
-         ORDER BY lease_expires_at
-         LIMIT %s""", (limit,))
+        SELECT t.run_id, t.id AS task_id, t.node_id, t.attempt, t.lease_owner
+          FROM task_instances t
+          JOIN workflow_runs r ON r.id = t.run_id
+         WHERE t.state = 'RUNNING' AND t.lease_expires_at <= NOW()
+           AND t.id || ':' || t.attempt <> ALL(%s::text[])
+           AND r.deleted_at IS NULL AND r.status IN ('PENDING', 'RUNNING')
+         ORDER BY t.lease_expires_at
+         LIMIT %s""", (list(skip), limit))

@@ -1,0 +1,110 @@
+"""The timer loop and the lease sweeper make progress past rows they cannot change:
+soft-deleted runs are not theirs to touch, and a row that fails (stale for ever,
+odd data, an unexpected exception) is backed off instead of blocking the head of the
+queue, and never stops the rest of the batch."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import psycopg
+import pytest
+
+from composer_ops import Engine
+
+TIMER = {"id": "tm", "nodes": [{"id": "z", "type": "WAIT", "duration_s": 3600},
+                               {"id": "b", "type": "TASK", "task": "t", "depends_on": ["z"]}]}
+LEASED = {"id": "ls", "nodes": [{"id": "a", "type": "TASK", "task": "t", "queue": "lq",
+                                 "retry": {"max_attempts": 5, "initial_backoff_s": 0}}]}
+
+
+@pytest.fixture
+def engine(db_url: str) -> Iterator[Engine]:
+    with Engine.connect(db_url, pool_size=3) as e:
+        e.deploy(TIMER)
+        e.deploy(LEASED)
+        yield e
+
+
+def _sql(db_url: str, query: str, params: tuple[object, ...] = ()) -> None:
+    with psycopg.connect(db_url, autocommit=True) as conn:
+        conn.execute(query, params)
+
+
+def _due_timers(engine: Engine, db_url: str, n: int) -> list[str]:
+    """n runs whose WAIT is due, the first one the most overdue."""
+    run_ids = [engine.start("tm") for _ in range(n)]
+    for i, run_id in enumerate(run_ids):
+        _sql(db_url, "UPDATE task_instances SET wake_at = now() - make_interval(mins => %s) "
+                     "WHERE run_id = %s AND state = 'WAITING'", (100 - i, run_id))
+    return run_ids
+
+
+def _expired_leases(engine: Engine, db_url: str, n: int) -> list[str]:
+    run_ids = [engine.start("ls") for _ in range(n)]
+    for claim in engine.claim(["lq"], "w", n):
+        _sql(db_url, "UPDATE task_instances SET lease_expires_at = now() - make_interval(mins => %s) "
+                     "WHERE run_id = %s AND state = 'RUNNING'", (100 - run_ids.index(claim.run_id), claim.run_id))
+    return run_ids
+
+
+def _state(engine: Engine, run_id: str, node: str) -> tuple[str, int]:
+    task = next(t for t in engine.get_run(run_id).tasks if t.node_id == node)
+    return task.state, task.attempt
+
+
+def _soft_delete(db_url: str, run_ids: list[str]) -> None:
+    _sql(db_url, "UPDATE workflow_runs SET deleted_at = now() WHERE id = ANY(%s)", (run_ids,))
+
+
+def test_timers_of_soft_deleted_runs_do_not_block_the_others(engine: Engine, db_url: str) -> None:
+    deleted_a, deleted_b, live = _due_timers(engine, db_url, 3)
+    _soft_delete(db_url, [deleted_a, deleted_b])
+    coordinator = engine.coordinator(batch=2)
+    stats = coordinator.run_once(["timers"])
+    assert stats.errors == [] and stats.timers_fired == 1, stats
+    assert _state(engine, live, "z") == ("COMPLETED", 0)
+    with psycopg.connect(db_url) as conn:
+        left = conn.execute("SELECT count(*) FROM task_instances WHERE run_id = ANY(%s) AND state = 'WAITING'",
+                            ([deleted_a, deleted_b],)).fetchone()
+    assert left == (2,)                          # a deleted run is not the loop's to change
+
+
+def test_leases_of_soft_deleted_runs_do_not_block_the_others(engine: Engine, db_url: str) -> None:
+    deleted_a, deleted_b, live = _expired_leases(engine, db_url, 3)
+    _soft_delete(db_url, [deleted_a, deleted_b])
+    stats = engine.coordinator(batch=2).run_once(["leases"])
+    assert stats.errors == [] and stats.leases_expired == 1, stats
+    assert _state(engine, live, "a") == ("PENDING", 1)
+
+
+def test_a_row_that_fails_for_ever_is_backed_off_and_the_queue_moves(engine: Engine, db_url: str) -> None:
+    """A WAITING task for a node its definition does not have is stale on every try;
+    with a batch of one it used to be selected first on every pass."""
+    ghost, live = _due_timers(engine, db_url, 2)
+    _sql(db_url, "UPDATE task_instances SET node_id = 'ghost' WHERE run_id = %s AND node_id = 'z'", (ghost,))
+    coordinator = engine.coordinator(batch=1)
+    first = coordinator.run_once(["timers"])
+    second = coordinator.run_once(["timers"])
+    assert (first.stale, first.timers_fired, second.timers_fired) == (1, 0, 1), (first, second)
+    assert _state(engine, live, "z") == ("COMPLETED", 0)
+    third = coordinator.run_once(["timers"])         # the ghost is still backing off: nothing to do
+    assert (third.stale, third.timers_fired, third.errors) == (0, 0, []), third
+
+
+def test_an_unexpected_exception_does_not_stop_the_batch(engine: Engine, db_url: str) -> None:
+    """A run whose stored context is not an object makes the shell raise a plain
+    Python error (odd data); the rest of the batch is still handled, and the bad row
+    is reported once, then backed off."""
+    broken, live = _due_timers(engine, db_url, 2)
+    _sql(db_url, "UPDATE workflow_runs SET context_json = '\"not an object\"' WHERE id = %s", (broken,))
+    coordinator = engine.coordinator(batch=10)
+    stats = coordinator.run_once(["timers"])
+    assert stats.timers_fired == 1 and len(stats.errors) == 1 and broken in stats.errors[0], stats
+    assert _state(engine, live, "z") == ("COMPLETED", 0)
+    assert coordinator.run_once(["timers"]).errors == []
+    expired_broken, expired_live = _expired_leases(engine, db_url, 2)
+    _sql(db_url, "UPDATE workflow_runs SET context_json = '\"not an object\"' WHERE id = %s", (expired_broken,))
+    stats = coordinator.run_once(["leases"])
+    assert stats.leases_expired == 1 and len(stats.errors) == 1, stats
+    assert _state(engine, expired_live, "a") == ("PENDING", 1)
