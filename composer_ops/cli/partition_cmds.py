@@ -3,13 +3,20 @@
 from __future__ import annotations
 
 import argparse
+import sys
+from datetime import datetime
 from typing import Any
 
 from composer_ops.cli._common import EXIT_OK, add_database_option, emit_json, env_option
-from composer_ops.db import find_url
+from composer_ops.db import connect, find_url
 from composer_ops.engine import Engine
 from composer_ops.errors import Invalid
 from composer_ops.ops.display import iec_bytes
+from composer_ops.repo.rows import RetentionMonth
+
+#: ``partitions drop`` (dry-run or --yes): months past the cut-off were kept because runs
+#: in them are still active; they are named on stderr. Retention is stuck until they end.
+EXIT_RETENTION_BLOCKED = 3
 
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -30,8 +37,12 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     drp = psub.add_parser(
         "drop", help="retention: drop whole months older than a cut-off (dry-run unless --yes)",
         description="Show (default) or apply the retention plan: every partition month ended at or before "
-                    "the cut-off with no RUNNING/PENDING run is dropped, for all three run-scoped tables. "
-                    "The dry-run and --yes use the same SQL plan (composer_retention_plan).")
+                    "the cut-off (and at least an hour ago) with no RUNNING/PENDING run is dropped, for all three "
+                    "run-scoped tables. The dry-run and --yes use the same SQL plan (composer_retention_plan); "
+                    "--yes judges each month again while holding its partitions' locks.",
+        epilog="Exit codes: 0 ok; 1 failed (nothing dropped in the failing attempt); 2 bad input; "
+               "3 months past the cut-off were kept because they still have active runs (named on stderr; "
+               "the rest of the plan was applied).")
     add_database_option(drp, reads_only=True)
     env_option(drp, "--older-than", env="COMPOSER_RETENTION_OLDER_THAN", metavar="WHEN",
                help="cut-off: ISO date (2025-01-31, midnight UTC), ISO instant, or an age counted back from "
@@ -77,55 +88,69 @@ def cmd_ensure(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _plan_records(plan: Any, dropped: list[str] | None) -> list[dict[str, Any]]:
+def _records(plan: list[RetentionMonth], cutoff: datetime, dropped: list[str] | None) -> list[dict[str, Any]]:
     records = []
-    for row in plan.iter_rows(named=True):
+    for m in plan:
         rec: dict[str, Any] = {
-            "month": row["month"], "action": row["action"], "reason": row["reason"],
-            "active_runs": row["active_runs"], "active_run_ids": row["active_run_ids"],
-            "partitions": row["partitions"], "rows": row["rows"], "bytes": row["bytes"],
-            "cutoff": row["cutoff"].isoformat().replace("+00:00", "Z"),
+            "month": m.month, "action": m.action, "reason": m.reason,
+            "active_runs": m.active_runs, "active_run_ids": m.active_run_ids,
+            "partitions": m.partitions, "rows": m.rows, "bytes": m.bytes,
+            "cutoff": cutoff.isoformat().replace("+00:00", "Z"),
         }
         if dropped is not None:
-            rec["dropped"] = row["month"] in dropped
+            rec["dropped"] = m.month in dropped
         records.append(rec)
     return records
 
 
 def cmd_drop(args: argparse.Namespace) -> int:
-    from composer_ops.ops import retention
+    from composer_ops.core.runids import RUN_ID_MAX_AGE
+    from composer_ops.engine.retention import BLOCKED_REASON, drop_due_months
+    from composer_ops.repo import retention
 
     if not args.older_than:
         raise Invalid("--older-than WHEN is required (an ISO date, an ISO instant, or an age like 90d)")
-    cutoff = retention.parse_cutoff(args.older_than)
+    when = retention.parse_cutoff(args.older_than)
     if args.lock_timeout <= 0 or args.attempts < 1:
         raise Invalid(f"--lock-timeout must be > 0 and --attempts >= 1, got {args.lock_timeout} and {args.attempts}")
+    dropped: list[str] | None = None
     if args.yes:
-        result = retention.drop_partitions(args.database_url, cutoff, lock_timeout_s=args.lock_timeout,
-                                           max_attempts=args.attempts)
-        plan, dropped = result.plan, result.dropped
+        result = drop_due_months(args.database_url, when, lock_timeout_s=args.lock_timeout,
+                                 max_attempts=args.attempts)
+        plan, cutoff, dropped = result.plan, result.cutoff, result.dropped
     else:
-        plan, dropped = retention.retention_plan(args.database_url, cutoff), None
+        with connect(args.database_url, application_name="composer-ops partitions drop") as conn:
+            cutoff = retention.resolve(conn, when)
+            plan = retention.plan(conn, cutoff, min_age=RUN_ID_MAX_AGE)
+            conn.rollback()
+    blocked = [m for m in plan if m.action == "keep" and m.reason == BLOCKED_REASON]
     if args.json:
-        emit_json(_plan_records(plan, dropped))
-        return EXIT_OK
-    instant = plan["cutoff"][0] if plan.height else None
-    shown = instant.strftime("%Y-%m-%dT%H:%M:%SZ") if instant is not None else cutoff.text
-    print(f"retention cut-off {shown} ({cutoff.text}): {'DROPPING' if args.yes else 'dry-run'}")
-    print(f"{'month':<7} {'action':<6} {'reason':<29} {'rows':>10} {'bytes':>10}  blocking runs")
-    for row in plan.iter_rows(named=True):
-        ids = row["active_run_ids"]
-        more = f" (+{row['active_runs'] - len(ids)} more)" if row["active_runs"] > len(ids) else ""
-        print(f"{row['month']:<7} {row['action']:<6} {row['reason']:<29} {row['rows']:>10} "
-              f"{iec_bytes(row['bytes']):>10}  {', '.join(ids)}{more}")
-    to_drop = plan.filter(plan["action"] == "drop")
-    rows, size = int(to_drop["rows"].sum()), iec_bytes(int(to_drop["bytes"].sum()))
-    if dropped is None:
-        print(f"would drop {to_drop.height} month(s), about {rows} rows and {size}; "
-              "nothing was changed (add --yes to drop)")
+        emit_json(_records(plan, cutoff, dropped))
     else:
-        for month in dropped:
-            parts = to_drop.filter(to_drop["month"] == month)["partitions"][0].to_list()
-            print(f"dropped {month}: {', '.join(parts)}")
-        print(f"dropped {len(dropped)} month(s), about {rows} rows and {size}")
-    return EXIT_OK
+        _print_plan(plan, cutoff, when.text, dropped)
+    if not blocked:
+        return EXIT_OK
+    named = "; ".join(f"{m.month} kept for {m.active_runs} active run{'s' * (m.active_runs != 1)} "
+                      f"({', '.join(m.active_run_ids)}{', ...' if m.active_runs > len(m.active_run_ids) else ''})"
+                      for m in blocked)
+    sys.stderr.write(f"composer-ops: retention blocked: {named}\n")
+    return EXIT_RETENTION_BLOCKED
+
+
+def _print_plan(plan: list[RetentionMonth], cutoff: datetime, text: str, dropped: list[str] | None) -> None:
+    print(f"retention cut-off {cutoff:%Y-%m-%dT%H:%M:%SZ} ({text}): {'dry-run' if dropped is None else 'DROPPING'}")
+    print(f"{'month':<7} {'action':<6} {'reason':<29} {'rows':>10} {'bytes':>10}  blocking runs")
+    for m in plan:
+        more = f" (+{m.active_runs - len(m.active_run_ids)} more)" if m.active_runs > len(m.active_run_ids) else ""
+        print(f"{m.month:<7} {m.action:<6} {m.reason:<29} {m.rows:>10} "
+              f"{iec_bytes(m.bytes):>10}  {', '.join(m.active_run_ids)}{more}")
+    to_drop = [m for m in plan if m.action == "drop"]
+    rows, size = sum(m.rows for m in to_drop), iec_bytes(sum(m.bytes for m in to_drop))
+    if dropped is None:
+        print(f"would drop {len(to_drop)} month(s), about {rows} rows and {size}; "
+              "nothing was changed (add --yes to drop)")
+        return
+    for m in to_drop:
+        if m.month in dropped:
+            print(f"dropped {m.month}: {', '.join(m.partitions)}")
+    print(f"dropped {len(dropped)} month(s), about {rows} rows and {size}")

@@ -13,6 +13,7 @@ from composer_ops.db import find_url
 from composer_ops.engine import Engine, Worker
 from composer_ops.engine.webhooks import RelayPolicy
 from composer_ops.errors import Invalid
+from composer_ops.repo.retention import parse_cutoff
 
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -66,6 +67,9 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
                help="seconds per read of a webhook response")
     env_option(coord, "--webhook-deadline", env="COMPOSER_WEBHOOK_DEADLINE_S", type=float, default=10.0,
                help="seconds for a whole webhook POST")
+    env_option(coord, "--retention", env="COMPOSER_COORDINATOR_RETENTION", metavar="WHEN",
+               help="also drop partition months older than WHEN, hourly (as `partitions drop --older-than WHEN "
+                    "--yes`; needs the owner role); unset: no retention")
     add_connect_wait_option(coord)
     coord.set_defaults(func=cmd_coordinator)
 
@@ -178,10 +182,12 @@ def cmd_runs_show(args: argparse.Namespace) -> int:
 def cmd_coordinator(args: argparse.Namespace) -> int:
     relay = RelayPolicy(connect_timeout_s=args.webhook_connect_timeout, timeout_s=args.webhook_timeout,
                         deadline_s=args.webhook_deadline)   # bad values are refused before connecting
+    retention = parse_cutoff(args.retention) if args.retention else None
     wait = _connect_wait(args)
     with Engine.connect(args.database_url, pool_size=4, application_name="composer-coordinator",
                         connect_wait_s=wait) as engine:
-        coord = engine.coordinator(interval=args.interval, months_ahead=args.months_ahead, relay=relay)
+        coord = engine.coordinator(interval=args.interval, months_ahead=args.months_ahead, relay=relay,
+                                   retention=retention)
         if args.once:
             stats = coord.run_once()
             print(f"timers fired {stats.timers_fired}, leases expired {stats.leases_expired}, "

@@ -29,7 +29,8 @@ _HEX = frozenset("0123456789abcdef")
 _HYPHENS = (8, 13, 18, 23)
 _EXAMPLE = "0190b6c8-5a3e-7d2c-9f1e-3b4a5c6d7e8f"
 
-#: How far a client-supplied run ID's timestamp may lag or lead the database clock.
+#: How far a client-supplied run ID's timestamp may lag or lead the database clock. A
+#: month therefore still receives runs for RUN_ID_MAX_AGE after it ends (retention waits).
 RUN_ID_MAX_AGE = timedelta(hours=1)
 RUN_ID_MAX_AHEAD = timedelta(minutes=5)
 

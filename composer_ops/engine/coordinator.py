@@ -26,10 +26,12 @@ from typing import TYPE_CHECKING
 
 from composer_ops.core import Event, LeaseExpired, TimerDue
 from composer_ops.core.model import TaskRef
+from composer_ops.engine.retention import drop_due_months
 from composer_ops.engine.shell import Outcome
 from composer_ops.engine.webhooks import RelayPolicy, relay_once
 from composer_ops.errors import ComposerError, Invalid, Transient
 from composer_ops.repo import partitions, signals, tasks
+from composer_ops.repo.retention import Cutoff, parse_cutoff
 
 if TYPE_CHECKING:
     from composer_ops.engine.engine import Engine
@@ -47,13 +49,16 @@ class PassStats:
     partitions_created: int = 0
     webhooks_delivered: int = 0
     webhooks_failed: int = 0
+    months_dropped: list[str] = field(default_factory=list)
+    months_blocked: list[str] = field(default_factory=list)   # past the cut-off, kept for active runs
     errors: list[str] = field(default_factory=list)
 
 
 class Coordinator:
     def __init__(self, engine: Engine, *, interval: float = 0.5, batch: int = 100, months_ahead: int = 3,
                  upkeep_every_s: float = 3600.0, webhook_secret: str | None = None,
-                 relay: RelayPolicy | None = None, upkeep_lock_timeout_s: float = 0.5) -> None:
+                 relay: RelayPolicy | None = None, upkeep_lock_timeout_s: float = 0.5,
+                 retention: str | Cutoff | None = None, retention_every_s: float = 3600.0) -> None:
         self.engine = engine
         self.interval = interval
         self.batch = batch
@@ -65,6 +70,10 @@ class Coordinator:
         self._stop = threading.Event()
         self.upkeep_lock_timeout_s = upkeep_lock_timeout_s
         self._timer_backoff = _Backoff()
+        self.retention = parse_cutoff(retention) if isinstance(retention, str) else retention
+        self.retention_every_s = retention_every_s
+        self._next_retention = float("-inf")
+        self._retention_failures = 0
         self._lease_backoff = _Backoff()
         self._next_upkeep = float("-inf")
         self._upkeep_failures = 0
@@ -87,10 +96,11 @@ class Coordinator:
 
     def run_once(self, loops: Collection[str] | None = None) -> PassStats:
         """One pass of every loop (or of the named ones: ``partitions``, ``timers``,
-        ``leases``, ``webhooks``); a failing loop is logged and the others still run."""
+        ``leases``, ``webhooks``, ``retention``); a failing loop is logged and the others
+        still run. Retention runs only when the coordinator was given a cut-off."""
         stats = PassStats()
         every = (("partitions", self._upkeep), ("timers", self._timers),
-                 ("leases", self._leases), ("webhooks", self._webhooks))
+                 ("leases", self._leases), ("webhooks", self._webhooks), ("retention", self._retention))
         if loops is not None and not set(loops) <= {name for name, _ in every}:
             raise Invalid(f"unknown coordinator loops {sorted(set(loops) - {name for name, _ in every})}")
         for name, loop in every:
@@ -168,6 +178,31 @@ class Coordinator:
             raise
         self._upkeep_failures = 0
         self._next_upkeep = time.monotonic() + self.upkeep_every_s
+
+    def _retention(self, stats: PassStats) -> None:
+        """The optional retention: drop the months past ``retention`` (the same function
+        as ``composer-ops partitions drop --yes``), at most every ``retention_every_s``,
+        backing off like upkeep when it fails. Needs the owner role (the engine role
+        may not drop partitions)."""
+        if self.retention is None or time.monotonic() < self._next_retention:
+            return
+        try:
+            done = drop_due_months(self.engine.pool, self.retention, lock_timeout_s=self.upkeep_lock_timeout_s,
+                                   max_attempts=3)
+        except Exception:
+            self._retention_failures += 1
+            self._next_retention = time.monotonic() + min(self.retention_every_s,
+                                                          2.0 ** min(self._retention_failures + 3, 16))
+            raise
+        self._retention_failures = 0
+        self._next_retention = time.monotonic() + self.retention_every_s
+        stats.months_dropped += done.dropped
+        if done.dropped:
+            log.info("retention dropped %s (cut-off %s)", ", ".join(done.dropped), done.cutoff.isoformat())
+        for month in done.blocked:
+            stats.months_blocked.append(month.month)
+            log.warning("retention kept %s: %d active run(s), e.g. %s", month.month, month.active_runs,
+                        ", ".join(month.active_run_ids[:5]))
 
     def _webhooks(self, stats: PassStats) -> None:
         delivered, failed = relay_once(self.engine.pool, secret=self.webhook_secret, policy=self.relay)

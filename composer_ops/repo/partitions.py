@@ -107,21 +107,6 @@ def count_rows(conn: Conn, partition: str) -> int:
     return int(row[0]) if row else 0
 
 
-# The retention plan: composer_retention_plan (V004) decides, the drop follows it.
-RETENTION_PLAN_SQL = """
-    SELECT month, month_start, month_end, action, reason, active_runs, active_run_ids, partitions, rows, bytes
-      FROM composer_retention_plan(%(cutoff)s, %(exact)s)
-     ORDER BY month
-"""
-
-
-def retention_plan(conn: Conn, cutoff: datetime, *, exact_rows: bool = False) -> list[tuple[Any, ...]]:
-    """One row per partition month for ``cutoff``: month, month_start, month_end,
-    action ('drop'/'keep'), reason, active_runs, active_run_ids (at most 20),
-    partitions, rows, bytes."""
-    return conn.execute(RETENTION_PLAN_SQL.encode(), {"cutoff": cutoff, "exact": exact_rows}).fetchall()
-
-
 def age_before_now(conn: Conn, *, years: int = 0, months: int = 0, weeks: int = 0, days: int = 0,
                    hours: int = 0) -> datetime:
     """The database clock minus an age, in calendar arithmetic on the UTC wall clock,

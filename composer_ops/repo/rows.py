@@ -178,3 +178,19 @@ class WebhookDelivery:
     url: str
     payload: Any
     attempts: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class RetentionMonth:
+    """One month of the retention plan (``composer_retention_plan``)."""
+
+    month: str                     # YYYYMM
+    month_start: datetime
+    month_end: datetime
+    action: str                    # "drop" | "keep"
+    reason: str                    # "too new" | "has active runs" | "past cut-off, no active runs"
+    active_runs: int
+    active_run_ids: list[str]      # the first 20
+    partitions: list[str]          # workflow_runs, task_instances, workflow_events
+    rows: int
+    bytes: int

@@ -523,9 +523,6 @@ def test_partition_upkeep(b: Bench) -> None:
     sweep(b, "partition upkeep", setup=setup, act=act, check=check).assert_clean()
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "the retention drop retries on its own dead connection and raises a driver error "
-    "(remove this mark with the fix)"))
 def test_retention_drop(b: Bench) -> None:
     """The month is dropped exactly when the plan says so, the report names it even
     when the acknowledgement of the drop was lost, and no other month is touched."""

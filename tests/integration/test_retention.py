@@ -121,11 +121,14 @@ def test_a_lock_held_throughout_fails_cleanly_and_drops_nothing(db_url: str, cap
 
 def test_cli_dry_run_prints_the_plan_and_changes_nothing(db_url: str, capsys: pytest.CaptureFixture[str]) -> None:
     info = _seed_committed(db_url)
-    assert main(["partitions", "drop", "--older-than", "2025-05-01", "--database-url", db_url]) == 0
-    out = capsys.readouterr().out
+    # months past the cut-off kept for active runs: exit 3, the runs named on stderr
+    assert main(["partitions", "drop", "--older-than", "2025-05-01", "--database-url", db_url]) == 3
+    out, err = capsys.readouterr()
     assert "dry-run" in out and "would drop 3 month(s)" in out and "add --yes" in out
     assert info.runs["H6"] in out
-    assert main(["partitions", "drop", "--older-than", "2025-05-01", "--json", "--database-url", db_url]) == 0
+    assert err.count("\n") == 1 and "retention blocked: 202502 kept for 1 active run" in err
+    assert info.runs["H6"] in err and info.runs["H12"] in err
+    assert main(["partitions", "drop", "--older-than", "2025-05-01", "--json", "--database-url", db_url]) == 3
     plan = json.loads(capsys.readouterr().out)
     assert [(p["month"], p["action"]) for p in plan][:5] == [
         ("202412", "drop"), ("202501", "drop"), ("202502", "keep"), ("202503", "drop"), ("202504", "keep")]
@@ -138,19 +141,20 @@ def test_cli_dry_run_prints_the_plan_and_changes_nothing(db_url: str, capsys: py
 def test_cli_yes_drops_and_reports_what_it_dropped(db_url: str, capsys: pytest.CaptureFixture[str]) -> None:
     _seed_committed(db_url)
     assert main(["partitions", "drop", "--older-than", "2025-05-01", "--yes", "--json",
-                 "--database-url", db_url]) == 0
+                 "--database-url", db_url]) == 3                # dropped what it could, blocked by active runs
     done = json.loads(capsys.readouterr().out)
     assert [p["month"] for p in done if p["dropped"]] == ["202412", "202501", "202503"]
     assert all(p["dropped"] == (p["action"] == "drop") for p in done)
-    assert main(["partitions", "drop", "--older-than", "2025-06-01", "--yes", "--database-url", db_url]) == 0
+    assert main(["partitions", "drop", "--older-than", "2025-06-01", "--yes", "--database-url", db_url]) == 3
     out = capsys.readouterr().out
     assert "dropped 0 month(s)" in out
     with psycopg.connect(db_url) as conn:
-        conn.execute("UPDATE workflow_runs SET status = 'CANCELLED' WHERE status = 'PENDING'")
+        conn.execute("UPDATE workflow_runs SET status = 'CANCELLED' WHERE status IN ('PENDING', 'RUNNING')")
         conn.commit()
     assert main(["partitions", "drop", "--older-than", "2025-06-01", "--yes", "--database-url", db_url]) == 0
-    out = capsys.readouterr().out
+    out, err = capsys.readouterr()
     assert "dropped 202504: workflow_runs_p202504, task_instances_p202504, workflow_events_p202504" in out
+    assert err == ""
 
 
 @pytest.mark.parametrize("when", ["banana", "5m", "2025-13-01", "", "12 fortnights", "2025-02-30"])

@@ -1,0 +1,135 @@
+"""The retention drop: the one function ``composer-ops partitions drop --yes``, the
+coordinator's optional retention and ``ops.drop_partitions`` call.
+
+Each attempt is one transaction with ``lock_timeout`` set, so no LOCK, DROP or
+DETACH waits in a lock queue long enough to stall the engine behind it: past the
+timeout the attempt rolls back and is tried again after a jittered backoff. Inside
+the attempt, under the partition advisory lock, every month the plan would drop is
+locked first and the plan is read again under those locks; that plan is the one
+reported, and the drop must agree with it exactly (a month that became droppable in
+between makes the attempt start over). Months that ended less than the run-ID age
+limit ago are never judged: a client may still start a run in them.
+
+A request carries an id written with what it dropped, in the same transaction: an
+attempt whose COMMIT acknowledgement was lost is recognised by the retry, which
+reports what was dropped instead of "nothing to drop".
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+from typing import Any, TypeAlias
+
+import psycopg
+
+from composer_ops.core.runids import RUN_ID_MAX_AGE
+from composer_ops.db import connect
+from composer_ops.db.errors import Pool
+from composer_ops.db.retry import backoff_delay
+from composer_ops.errors import ComposerError, Invalid, Transient, Unavailable
+from composer_ops.repo import partitions, retention
+from composer_ops.repo.retention import Cutoff
+from composer_ops.repo.rows import RetentionMonth
+
+log = logging.getLogger(__name__)
+
+Source: TypeAlias = "psycopg.Connection[Any] | Pool | str | None"
+
+#: ``partitions drop`` exits with this when due months were kept for active runs.
+BLOCKED_REASON = "has active runs"
+
+
+@dataclass(frozen=True, kw_only=True)
+class RetentionResult:
+    """What one retention request did."""
+
+    cutoff: datetime
+    plan: list[RetentionMonth]      # judged under the locks; the dropped months are in it
+    dropped: list[str]              # YYYYMM, oldest first
+    attempts: int
+    request_id: str
+    replayed: bool = False          # an earlier attempt committed; its record was read back
+    warnings: list[str] = field(default_factory=list)
+
+    @property
+    def blocked(self) -> list[RetentionMonth]:
+        """Months past the cut-off kept only because runs in them are still active."""
+        return [m for m in self.plan if m.action == "keep" and m.reason == BLOCKED_REASON]
+
+
+class _Raced(Exception):
+    """The plan changed between reading it and dropping: start the attempt over."""
+
+
+def drop_due_months(source: Source, older_than: datetime | str | Cutoff, *, lock_timeout_s: float = 2.0,
+                    max_attempts: int = 5, min_age: timedelta = RUN_ID_MAX_AGE,
+                    request_id: str | None = None) -> RetentionResult:
+    """Drop every partition month the plan marks 'drop' and commit; see the module.
+
+    ``source``: a connection (used as is; its transaction is committed), a pool or a
+    URL (a fresh connection for each attempt, so a lost connection is retried)."""
+    if lock_timeout_s <= 0 or max_attempts < 1:
+        raise Invalid(f"lock timeout must be > 0 and attempts >= 1, got {lock_timeout_s}s and {max_attempts}")
+    request = request_id or uuid.uuid4().hex
+    attempts = 0
+    while True:
+        attempts += 1
+        try:
+            with _connection(source) as conn:
+                return _attempt(conn, older_than, lock_timeout_s, min_age, request, attempts)
+        except (_Raced, Transient) as exc:
+            if attempts >= max_attempts:
+                if isinstance(exc.__cause__, psycopg.errors.LockNotAvailable):
+                    raise ComposerError(
+                        f"could not lock the partitions to drop within {lock_timeout_s:g}s in {attempts} attempts "
+                        "(a long transaction holds them); nothing was dropped, try again later") from exc
+                if isinstance(exc, _Raced):
+                    raise ComposerError(f"retention aborted: {exc}; nothing was dropped, try again") from exc
+                raise
+            if isinstance(source, psycopg.Connection) and source.closed:
+                raise Unavailable(f"drop partitions: the connection was lost ({exc}); whether the drop "
+                                  "committed is unknown: run it again to see") from exc
+            delay = backoff_delay(attempts - 1, base=0.25, cap=4.0)
+            log.warning("retention attempt %d failed (%s); retrying in %.2fs", attempts, exc, delay)
+            time.sleep(delay)
+
+
+@contextlib.contextmanager
+def _connection(source: Source) -> Iterator[psycopg.Connection[Any]]:
+    if isinstance(source, psycopg.Connection):
+        yield source
+    elif isinstance(source, Pool):
+        with source.connection() as conn:
+            yield conn
+    else:
+        with connect(source, application_name="composer-ops retention") as conn:
+            yield conn
+
+
+def _attempt(conn: psycopg.Connection[Any], older_than: datetime | str | Cutoff, lock_timeout_s: float,
+             min_age: timedelta, request: str, attempts: int) -> RetentionResult:
+    with conn.transaction():
+        earlier = retention.recorded(conn, request)
+        if earlier is not None:
+            cutoff, done = earlier
+            current = retention.plan(conn, cutoff, min_age=min_age)
+            return RetentionResult(cutoff=cutoff, plan=sorted([*done, *current], key=lambda m: m.month),
+                                   dropped=[m.month for m in done], attempts=attempts, request_id=request,
+                                   replayed=True)
+        partitions.set_lock_timeout(conn, lock_timeout_s)
+        cutoff = retention.resolve(conn, older_than)
+        conn.execute(retention.PARTITION_LOCK)
+        retention.lock_months(conn, [m for m in retention.plan(conn, cutoff, min_age=min_age) if m.action == "drop"])
+        judged = retention.plan(conn, cutoff, min_age=min_age)
+        planned = [m for m in judged if m.action == "drop"]
+        dropped = retention.drop(conn, cutoff, min_age=min_age)
+        if dropped != [m.month for m in planned]:
+            raise _Raced(f"the plan said drop {[m.month for m in planned]} but the drop returned {dropped}")
+        retention.record(conn, request, cutoff, planned)
+    return RetentionResult(cutoff=cutoff, plan=judged, dropped=dropped, attempts=attempts, request_id=request)
