@@ -58,7 +58,7 @@ from composer_ops.core.model import (
     TimerDue,
 )
 from composer_ops.core.retry import retry_decision
-from composer_ops.core.spec import NodeSpec
+from composer_ops.core.spec import RANGE_TEXT, NodeSpec, instant_in_range
 from composer_ops.errors import Conflict, Invalid
 
 __all__ = ["Store", "decide"]
@@ -299,11 +299,18 @@ class _Decider:
             outputs = self.outputs_of([ref.node] if ref.node is not None else [])
             value = resolve_ref(ref, self.run.context, outputs)
         wake_at = _instant(value)
+        error = None
         if wake_at is None:
             error = (
                 f"until {node.until} resolved to {json.dumps(value, default=str)}, "
                 "which is not an ISO-8601 instant with a time zone"
             )
+        elif not instant_in_range(wake_at):
+            error = (
+                f"until {node.until} resolved to {json.dumps(value, default=str)}, which is outside the "
+                f"instants the database can store and read back ({RANGE_TEXT})"
+            )
+        if error is not None:
             self.create(node, TaskState.FAILED, error=error)
             self.node_failed(node.id, f"node {json.dumps(node.id)} failed: {error}")
             return

@@ -14,7 +14,7 @@ import math
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -23,7 +23,8 @@ from composer_ops.core.model import NodeType
 from composer_ops.core.retry import DEFAULT_RETRY, RetryPolicy
 from composer_ops.errors import Invalid
 
-__all__ = ["ID_PATTERN", "NodeSpec", "WorkflowSpec", "parse_spec", "spec_from_json"]
+__all__ = ["EARLIEST_INSTANT", "ID_PATTERN", "LATEST_INSTANT", "NodeSpec", "WorkflowSpec", "instant_in_range",
+           "parse_spec", "spec_from_json"]
 
 #: Workflow ids and queue names. Node ids follow ``NODE_ID_PATTERN`` (no dots).
 ID_PATTERN = re.compile(r"[A-Za-z0-9_.-]{1,128}")
@@ -250,6 +251,24 @@ def _check_ref(text: str, where: str) -> None:
         raise Invalid(f"{where}: {exc}") from None
 
 
+#: The instants a WAIT may wake at: what the database stores and every session reads back.
+#: PostgreSQL keeps 4713 BC to 294276 AD, but the driver reads a timestamp into a Python
+#: datetime (years 1 to 9999) shown in the session's TimeZone (up to 16 hours off UTC),
+#: so a day's margin is kept at each end.
+EARLIEST_INSTANT = datetime(1, 1, 2, tzinfo=UTC)
+LATEST_INSTANT = datetime(9999, 12, 30, 23, 59, 59, 999999, tzinfo=UTC)
+RANGE_TEXT = "0001-01-02T00:00:00Z to 9999-12-30T23:59:59Z"
+
+
+def instant_in_range(ts: datetime) -> bool:
+    """Whether an aware instant is one the database stores and reads back (see
+    ``EARLIEST_INSTANT``); an offset that pushes it past year 9999 is out of range."""
+    try:
+        return EARLIEST_INSTANT <= ts.astimezone(UTC) <= LATEST_INSTANT
+    except (OverflowError, ValueError):
+        return False
+
+
 def _parse_instant(text: str) -> datetime | None:
     try:
         ts = datetime.fromisoformat(text)
@@ -276,7 +295,7 @@ def _parse_retry(value: Any, where: str) -> RetryPolicy:
         raise Invalid(f"{where}: {exc}") from None
 
 
-def _parse_node(raw: Any, index: int, seen: set[str]) -> NodeSpec:
+def _parse_node(raw: Any, index: int, seen: set[str], stored: bool = False) -> NodeSpec:
     if not isinstance(raw, dict):
         raise Invalid(f"node #{index + 1}: must be an object, got {_q(raw)}")
     node_id = raw.get("id")
@@ -366,11 +385,15 @@ def _parse_node(raw: Any, index: int, seen: set[str]) -> NodeSpec:
         until = raw["until"]
         if is_ref(until):
             _check_ref(until, f"{where}: until")
-        elif not isinstance(until, str) or _parse_instant(until) is None:
+        elif not isinstance(until, str) or (instant := _parse_instant(until)) is None:
             raise Invalid(
                 f"{where}: until must be an ISO-8601 instant with a time zone "
                 f"(like 2030-01-01T00:00:00Z) or a $. reference, got {_q(until)}"
             )
+        elif not stored and not instant_in_range(instant):
+            # a stored definition keeps loading: its run fails the node (machine.create_wait)
+            raise Invalid(f"{where}: until {_q(until)} is outside the instants the database can store and read "
+                          f"back ({RANGE_TEXT})")
         return NodeSpec(**common, until=until)
 
     if "event" not in raw:
@@ -476,10 +499,13 @@ def _check_graph(nodes: Mapping[str, NodeSpec]) -> None:
                 )
 
 
-def parse_spec(doc: Mapping[str, Any]) -> WorkflowSpec:
+def parse_spec(doc: Mapping[str, Any], *, stored: bool = False) -> WorkflowSpec:
     """Validate a workflow definition document and return the parsed spec.
 
     Raises ``Invalid`` with a one-line message naming the node and the problem.
+    ``stored``: the document is an already deployed version being loaded; a rule that
+    runs decide when they reach the node (an until outside the storable range) is left
+    to them, so runs already started on the version can finish.
     """
     if not isinstance(doc, Mapping):
         raise Invalid(f"workflow definition must be an object, got {_q(doc)}")
@@ -510,7 +536,7 @@ def parse_spec(doc: Mapping[str, Any]) -> WorkflowSpec:
         raise Invalid(f"{where}: nodes must be a non-empty list of node objects")
 
     seen: set[str] = set()
-    parsed = [_parse_node(raw, i, seen) for i, raw in enumerate(raw_nodes)]
+    parsed = [_parse_node(raw, i, seen, stored) for i, raw in enumerate(raw_nodes)]
     nodes = {node.id: node for node in parsed}
     _check_graph(nodes)
     return WorkflowSpec(
@@ -538,13 +564,13 @@ def _check_url(url: Any, where: str) -> None:
 def spec_from_json(doc: Mapping[str, Any] | str | bytes) -> WorkflowSpec:
     """Rebuild a spec from stored ``spec_json`` (a decoded object or JSON text).
 
-    Equivalent to ``parse_spec``; the shell caches the result by
+    ``parse_spec`` of a deployed version (``stored``); the shell caches the result by
     ``(workflow_id, version)`` because a deployed version never changes.
     """
     if not isinstance(doc, str | bytes):
-        return parse_spec(doc)
+        return parse_spec(doc, stored=True)
     try:
         decoded = json.loads(doc)
     except ValueError as exc:
         raise Invalid(f"stored workflow definition is not valid JSON: {exc}") from None
-    return parse_spec(decoded)
+    return parse_spec(decoded, stored=True)
