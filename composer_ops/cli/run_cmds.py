@@ -44,12 +44,22 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     cancel.set_defaults(func=cmd_cancel)
 
     runs = sub.add_parser("runs", help="inspect runs")
-    rsub = runs.add_subparsers(dest="runs_command", required=True, metavar="{show}")
+    rsub = runs.add_subparsers(dest="runs_command", required=True, metavar="{show,delete}")
     show = rsub.add_parser("show", help="a run, its output or error, and its tasks")
     add_database_option(show, reads_only=True)
     show.add_argument("run_id")
     show.add_argument("--json", action="store_true", help="print JSON")
     show.set_defaults(func=cmd_runs_show)
+    delete = rsub.add_parser(
+        "delete", help="soft-delete a finished run (dry-run unless --yes)",
+        description="Hide a finished run from every read, loop and report; its rows leave with its month "
+                    "(partitions drop). An active run is refused: cancel it first. A pending webhook delivery "
+                    "of the run is given up.")
+    add_database_option(delete)
+    delete.add_argument("run_id")
+    delete.add_argument("--yes", action="store_true", help="delete it (without: show what would be deleted)")
+    delete.add_argument("--json", action="store_true", help="print JSON")
+    delete.set_defaults(func=cmd_runs_delete)
 
     coord = sub.add_parser(
         "coordinator", help="run the background loops (timers, leases, partitions, webhooks)",
@@ -67,6 +77,9 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
                help="seconds per read of a webhook response")
     env_option(coord, "--webhook-deadline", env="COMPOSER_WEBHOOK_DEADLINE_S", type=float, default=10.0,
                help="seconds for a whole webhook POST")
+    env_option(coord, "--webhook-keep-days", env="COMPOSER_WEBHOOK_KEEP_DAYS", type=float, default=7.0,
+               metavar_default="7", help="days a delivered (or given up) webhook delivery is kept before the "
+                                         "coordinator deletes it")
     env_option(coord, "--retention", env="COMPOSER_COORDINATOR_RETENTION", metavar="WHEN",
                help="also drop partition months older than WHEN, hourly (as `partitions drop --older-than WHEN "
                     "--yes`; needs the owner role); unset: no retention")
@@ -179,15 +192,43 @@ def cmd_runs_show(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def cmd_runs_delete(args: argparse.Namespace) -> int:
+    from composer_ops.core.model import TERMINAL_RUN_STATUSES
+    from composer_ops.errors import Conflict
+
+    with _engine(args) as engine:
+        if args.yes:
+            done = engine.delete_run(args.run_id)
+            record = {"run_id": done.run_id, "status": done.status, "action": "already deleted" if done.already
+                      else "deleted", "deleted_at": done.deleted_at, "webhooks_given_up": done.webhooks_given_up}
+            text = (f"run {done.run_id} ({done.status}) was already deleted at {done.deleted_at:%Y-%m-%d %H:%M:%S%z}"
+                    if done.already else f"deleted run {done.run_id} ({done.status})"
+                    + (", its pending webhook given up" if done.webhooks_given_up else ""))
+        else:
+            run = engine.get_run(args.run_id)
+            if run.status not in TERMINAL_RUN_STATUSES:
+                raise Conflict(f"run {run.id} is {run.status}: only finished runs can be deleted (cancel it first)")
+            record = {"run_id": run.id, "status": run.status, "action": "would delete", "tasks": len(run.tasks)}
+            text = (f"would delete run {run.id} ({run.workflow_id} v{run.workflow_version}, {run.status}, "
+                    f"{len(run.tasks)} tasks); nothing was changed (add --yes to delete)")
+    if args.json:
+        emit_json(record)
+    else:
+        print(text)
+    return EXIT_OK
+
+
 def cmd_coordinator(args: argparse.Namespace) -> int:
     relay = RelayPolicy(connect_timeout_s=args.webhook_connect_timeout, timeout_s=args.webhook_timeout,
                         deadline_s=args.webhook_deadline)   # bad values are refused before connecting
     retention = parse_cutoff(args.retention) if args.retention else None
+    if not args.webhook_keep_days >= 0:
+        raise Invalid(f"--webhook-keep-days must be 0 or more, got {args.webhook_keep_days}")
     wait = _connect_wait(args)
     with Engine.connect(args.database_url, pool_size=4, application_name="composer-coordinator",
                         connect_wait_s=wait) as engine:
         coord = engine.coordinator(interval=args.interval, months_ahead=args.months_ahead, relay=relay,
-                                   retention=retention)
+                                   retention=retention, webhook_keep_days=args.webhook_keep_days)
         if args.once:
             stats = coord.run_once()
             print(f"timers fired {stats.timers_fired}, leases expired {stats.leases_expired}, "

@@ -3,7 +3,7 @@
 - timers: WAITING tasks whose wake_at passed (WAIT timers, WAIT_FOR_EVENT timeouts);
 - lease sweeper: RUNNING tasks whose lease lapsed -> retry or fail;
 - partition upkeep: ensure months ahead (hourly);
-- webhook relay: POST finished runs;
+- webhook relay: POST finished runs; delete deliveries finished more than N days ago;
 - retention (optional): drop months older than a cut-off, via the same plan as the CLI.
 
 Every decision goes through the shell under the run lock, and every candidate is
@@ -30,7 +30,7 @@ from composer_ops.engine.retention import drop_due_months
 from composer_ops.engine.shell import Outcome
 from composer_ops.engine.webhooks import RelayPolicy, relay_once
 from composer_ops.errors import ComposerError, Invalid, Transient
-from composer_ops.repo import partitions, signals, tasks
+from composer_ops.repo import partitions, signals, tasks, webhooks
 from composer_ops.repo.retention import Cutoff, parse_cutoff
 
 if TYPE_CHECKING:
@@ -49,6 +49,7 @@ class PassStats:
     partitions_created: int = 0
     webhooks_delivered: int = 0
     webhooks_failed: int = 0
+    webhooks_pruned: int = 0
     months_dropped: list[str] = field(default_factory=list)
     months_blocked: list[str] = field(default_factory=list)   # past the cut-off, kept for active runs
     errors: list[str] = field(default_factory=list)
@@ -58,7 +59,8 @@ class Coordinator:
     def __init__(self, engine: Engine, *, interval: float = 0.5, batch: int = 100, months_ahead: int = 3,
                  upkeep_every_s: float = 3600.0, webhook_secret: str | None = None,
                  relay: RelayPolicy | None = None, upkeep_lock_timeout_s: float = 0.5,
-                 retention: str | Cutoff | None = None, retention_every_s: float = 3600.0) -> None:
+                 retention: str | Cutoff | None = None, retention_every_s: float = 3600.0,
+                 webhook_keep_days: float | None = 7.0) -> None:
         self.engine = engine
         self.interval = interval
         self.batch = batch
@@ -72,6 +74,10 @@ class Coordinator:
         self._timer_backoff = _Backoff()
         self.retention = parse_cutoff(retention) if isinstance(retention, str) else retention
         self.retention_every_s = retention_every_s
+        if webhook_keep_days is not None and not webhook_keep_days >= 0:
+            raise Invalid(f"webhook_keep_days must be 0 or more days (or None: keep for ever), got {webhook_keep_days}")
+        self.webhook_keep_days = webhook_keep_days
+        self._next_prune = float("-inf")
         self._next_retention = float("-inf")
         self._retention_failures = 0
         self._lease_backoff = _Backoff()
@@ -208,6 +214,22 @@ class Coordinator:
         delivered, failed = relay_once(self.engine.pool, secret=self.webhook_secret, policy=self.relay)
         stats.webhooks_delivered += delivered
         stats.webhooks_failed += failed
+        self._prune_webhooks(stats)
+
+    def _prune_webhooks(self, stats: PassStats, batch: int = 1000, max_batches: int = 10) -> None:
+        """Delete deliveries finished more than ``webhook_keep_days`` ago, at most every
+        ``upkeep_every_s``: batches of ``batch`` rows, each its own short transaction,
+        at most ``max_batches`` a pass (the rest waits for the next)."""
+        if self.webhook_keep_days is None or time.monotonic() < self._next_prune:
+            return
+        self._next_prune = time.monotonic() + self.upkeep_every_s
+        for _ in range(max_batches):
+            with self.engine.pool.connection() as conn, conn.transaction():
+                gone = webhooks.prune(conn, self.webhook_keep_days * 86400.0, batch)
+            stats.webhooks_pruned += gone
+            if gone < batch:
+                return
+        self._next_prune = time.monotonic()     # more left: continue on the next pass
 
 
 class _Backoff:

@@ -11,7 +11,7 @@ from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
 from composer_ops.core import CancelRun, SignalReceived, TaskCompleted, TaskFailed, parse_spec
-from composer_ops.core.model import TaskRef
+from composer_ops.core.model import TERMINAL_RUN_STATUSES, TaskRef
 from composer_ops.core.runids import validate_run_id
 from composer_ops.core.spec import ID_PATTERN
 from composer_ops.db import autocommit, make_pool, resolve_url
@@ -21,9 +21,9 @@ from composer_ops.db.retry import db_retry
 from composer_ops.engine.ids import uuid7_at
 from composer_ops.engine.jsonvalues import check_json
 from composer_ops.engine.shell import Outcome, Shell
-from composer_ops.errors import Conflict, Invalid
-from composer_ops.repo import definitions, outbox, partitions, runs, tasks
-from composer_ops.repo.rows import Claim, PartitionRow, RunRow, RunView
+from composer_ops.errors import Conflict, Invalid, NotFound
+from composer_ops.repo import definitions, outbox, partitions, runs, tasks, webhooks
+from composer_ops.repo.rows import Claim, DeletedRun, PartitionRow, RunRow, RunView
 
 if TYPE_CHECKING:
     from composer_ops.engine.coordinator import Coordinator
@@ -179,6 +179,30 @@ class Engine:
         """Cancel a run and its active tasks; late results for them are stale."""
         validate_run_id(run_id)
         return self.shell.handle(run_id, lambda now: CancelRun(reason=reason, now=now))
+
+    @db_retry()
+    def delete_run(self, run_id: str) -> DeletedRun:
+        """Soft-delete a finished run: it disappears from ``get_run``, the loops, the
+        claim and the reports, and its rows leave with its month (retention). A run
+        that is still active is a Conflict (cancel it first); deleting a deleted run
+        changes nothing and says so (``already``), so a retried call is harmless. A
+        pending webhook delivery of the run is given up."""
+        validate_run_id(run_id)
+        with self.pool.connection() as conn, conn.transaction():
+            found = runs.lock_for_delete(conn, run_id)
+            if found is None:
+                raise NotFound(f"workflow run {run_id} does not exist")
+            status, deleted_at = found
+            if deleted_at is not None:
+                return DeletedRun(run_id=run_id, status=status, deleted_at=deleted_at, already=True)
+            if status not in TERMINAL_RUN_STATUSES:
+                raise Conflict(f"run {run_id} is {status}: only finished runs can be deleted (cancel it first)")
+            deleted_at = runs.soft_delete(conn, run_id)
+            dropped = outbox.delete_for_run(conn, run_id)
+            given_up = webhooks.give_up_for_run(conn, run_id, "run deleted before its webhook was delivered")
+        log.info("deleted run %s (%s)", run_id, status, extra={"action": "delete_run", "run_id": run_id})
+        return DeletedRun(run_id=run_id, status=status, deleted_at=deleted_at, already=False,
+                          webhooks_given_up=given_up, dispatches_dropped=dropped)
 
     @db_retry()
     def get_run(self, run_id: str) -> RunView:

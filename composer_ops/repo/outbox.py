@@ -3,8 +3,8 @@
 The claim is one statement: it deletes the oldest available outbox rows of the
 worker's queues (FOR UPDATE SKIP LOCKED, so claimers never wait on each other) and
 moves the matching tasks to RUNNING with a lease, fenced on attempt. An outbox row
-whose task is no longer PENDING (cancelled, already finished) is deleted and yields
-nothing.
+whose task is no longer PENDING (cancelled, already finished) or whose run was
+soft-deleted is deleted and yields nothing.
 """
 
 from __future__ import annotations
@@ -69,6 +69,7 @@ def claim(conn: Conn, queues: Sequence[str], owner: str, limit: int,
           FROM picked p
          WHERE t.run_id = p.run_id AND t.id = p.task_id AND t.attempt = p.attempt
            AND t.state IN ('PENDING', 'QUEUED')
+           AND NOT EXISTS (SELECT 1 FROM workflow_runs r WHERE r.id = t.run_id AND r.deleted_at IS NOT NULL)
         RETURNING t.run_id, t.id AS task_id, t.node_id, t.attempt, p.task_name, p.queue,
                   t.input_json AS input, p.lease_s, t.lease_owner, t.lease_expires_at""",
         {"queues": list(queues), "owner": owner, "limit": limit,
@@ -82,3 +83,8 @@ def delete_for_tasks(conn: Conn, run_id: str, task_ids: Sequence[str]) -> int:
     cur = conn.execute("DELETE FROM task_outbox WHERE run_id = %s AND task_id = ANY(%s)",
                        (run_id, list(task_ids)))
     return cur.rowcount
+
+
+def delete_for_run(conn: Conn, run_id: str) -> int:
+    """Drop every pending dispatch of a run (a deleted run has none left to run)."""
+    return conn.execute("DELETE FROM task_outbox WHERE run_id = %s", (run_id,)).rowcount

@@ -194,3 +194,15 @@ class RetentionMonth:
     partitions: list[str]          # workflow_runs, task_instances, workflow_events
     rows: int
     bytes: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class DeletedRun:
+    """What ``Engine.delete_run`` did."""
+
+    run_id: str
+    status: str                   # the finished status the run keeps
+    deleted_at: datetime
+    already: bool                 # it was deleted before this call (nothing changed)
+    webhooks_given_up: int = 0    # its delivery was still pending
+    dispatches_dropped: int = 0

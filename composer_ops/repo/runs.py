@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from datetime import datetime
 from typing import Any
 
 from psycopg.rows import class_row
@@ -150,3 +151,23 @@ def get_run(conn: Conn, run_id: str) -> RunView:
          ORDER BY created_at, id""", (run_id,))
     return RunView(**{**run.__dict__, "tasks": tasks})
 
+
+
+def lock_for_delete(conn: Conn, run_id: str) -> tuple[str, datetime | None] | None:
+    """The run's status and ``deleted_at`` under its row lock, deleted or not; None
+    when there is no such run."""
+    row = conn.execute("SELECT status, deleted_at FROM workflow_runs WHERE id = %s FOR UPDATE",
+                       (run_id,)).fetchone()
+    return None if row is None else (str(row[0]), row[1])
+
+
+def soft_delete(conn: Conn, run_id: str) -> datetime:
+    """Mark the run deleted (``deleted_at``); the caller holds its lock and checked it
+    is finished. Every loop, the claim and the reads skip a deleted run; its rows leave
+    with its month."""
+    row = conn.execute("UPDATE workflow_runs SET deleted_at = NOW(), updated_at = NOW() "
+                       "WHERE id = %s AND deleted_at IS NULL RETURNING deleted_at", (run_id,)).fetchone()
+    if row is None:
+        raise Conflict(f"workflow run {run_id} was deleted concurrently")
+    value: datetime = row[0]
+    return value

@@ -43,3 +43,25 @@ def mark_failed(conn: Conn, delivery_id: int, *, status: int | None, error: str,
                                       ELSE NOW() + make_interval(secs => %s::float8) END,
                gave_up_at = CASE WHEN %s::float8 IS NULL THEN NOW() END
          WHERE id = %s""", (status, error[:2000], retry_in_s, retry_in_s, retry_in_s, delivery_id))
+
+
+def prune(conn: Conn, keep_s: float, limit: int) -> int:
+    """Delete up to ``limit`` deliveries that were delivered or given up more than
+    ``keep_s`` seconds ago, oldest first (the partial index on their finish time);
+    returns how many. Small batches keep each transaction short."""
+    cur = conn.execute("""
+        DELETE FROM webhook_deliveries
+         WHERE id IN (SELECT id FROM webhook_deliveries
+                       WHERE (delivered_at IS NOT NULL OR gave_up_at IS NOT NULL)
+                         AND COALESCE(delivered_at, gave_up_at) < NOW() - make_interval(secs => %s)
+                       ORDER BY COALESCE(delivered_at, gave_up_at)
+                       LIMIT %s)""", (keep_s, limit))
+    return cur.rowcount
+
+
+def give_up_for_run(conn: Conn, run_id: str, reason: str) -> int:
+    """Stop relaying a run's delivery that is still pending (the run was deleted)."""
+    cur = conn.execute("""
+        UPDATE webhook_deliveries SET gave_up_at = NOW(), last_error = %s
+         WHERE run_id = %s AND delivered_at IS NULL AND gave_up_at IS NULL""", (reason, run_id))
+    return cur.rowcount

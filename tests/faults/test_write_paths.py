@@ -551,6 +551,26 @@ def test_retention_drop(b: Bench) -> None:
     sweep(b, "retention drop", setup=setup, act=act, check=check).assert_clean()
 
 
+def test_delete_run(b: Bench) -> None:
+    """A delete retried after a lost acknowledgement finds the run deleted and says so."""
+    def setup() -> str:
+        run_id = b.direct.start("f-one-waiter")
+        b.direct.signal(run_id, "go")
+        return run_id
+
+    def act(run_id: str) -> Any:
+        return b.engine.delete_run(run_id)
+
+    def check(run_id: str, result: Result) -> list[str]:
+        problems = _raised(result)
+        row = b.sql("SELECT status, deleted_at IS NOT NULL FROM workflow_runs WHERE id = %s", (run_id,))
+        if row != [("SUCCEEDED", True)]:
+            problems.append(f"after one delete the run is {row}")
+        return problems
+
+    sweep(b, "delete run", setup=setup, act=act, check=check).assert_clean()
+
+
 def _partitions(b: Bench) -> list[Any]:
     with b.direct.pool.connection() as conn:
         return partitions.list_partitions(conn)
