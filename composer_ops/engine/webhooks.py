@@ -34,9 +34,11 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
+from composer_ops.db.retry import db_retry
 from composer_ops.errors import Invalid
 from composer_ops.repo import webhooks
 from composer_ops.repo._base import Conn
+from composer_ops.repo.rows import WebhookDelivery
 
 log = logging.getLogger(__name__)
 
@@ -222,25 +224,41 @@ def _abort(sockets: list[socket.socket], expired: threading.Event) -> None:
 
 def relay_once(pool: Any, *, secret: str | None, policy: RelayPolicy = RelayPolicy()) -> tuple[int, int]:
     """Deliver what is due, the batch's POSTs in parallel so one slow endpoint costs
-    the others nothing; returns (delivered, failed attempts)."""
-    with pool.connection() as conn, conn.transaction():
-        due = webhooks.claim_due(conn, policy.batch, policy.lease)
+    the others nothing; returns (delivered, failed attempts).
+
+    Taking the batch and recording its results are each one transaction, retried on
+    a lost connection: a claim whose acknowledgement was lost has pushed its rows a
+    lease ahead, so its retry takes none of them again (they are POSTed once, after the
+    lease); recording is idempotent, so a retried record does not send them again. A
+    POST is repeated only when the relay dies between it and its record."""
+    due = _claim(pool, policy)
     if not due:
         return 0, 0
     with ThreadPoolExecutor(max_workers=min(PARALLEL_POSTS, len(due)), thread_name_prefix="composer-webhook") as posts:
         results = list(posts.map(lambda d: post(d.url, d.payload, secret=secret, policy=policy), due))
-    delivered = failed = 0
+    _record(pool, due, results, policy)
+    delivered = sum(1 for r in results if r.error is None)
+    for item, result in zip(due, results, strict=True):
+        if result.error is not None:
+            log.warning("webhook for run %s failed (attempt %d%s): %s", item.run_id, item.attempts,
+                        ", giving up" if result.permanent else "", result.error)
+    return delivered, len(results) - delivered
+
+
+@db_retry()
+def _claim(pool: Any, policy: RelayPolicy) -> list[WebhookDelivery]:
+    with pool.connection() as conn, conn.transaction():
+        return webhooks.claim_due(conn, policy.batch, policy.lease)
+
+
+@db_retry()
+def _record(pool: Any, due: list[WebhookDelivery], results: list[PostResult], policy: RelayPolicy) -> None:
     with pool.connection() as conn, conn.transaction():
         for item, result in zip(due, results, strict=True):
             if result.error is None:
                 webhooks.mark_delivered(conn, item.id, result.status or 200)
-                delivered += 1
             else:
-                failed += 1
                 _record_failure(conn, item.id, item.attempts, result, policy)
-                log.warning("webhook for run %s failed (attempt %d%s): %s", item.run_id, item.attempts,
-                            ", giving up" if result.permanent else "", result.error)
-    return delivered, failed
 
 
 def _record_failure(conn: Conn, delivery_id: int, attempts: int, result: PostResult, policy: RelayPolicy) -> None:

@@ -455,8 +455,7 @@ def test_lease_expiry_does_not_consume_an_attempt(b: Bench) -> None:
 
 
 def test_webhook_relay(b: Bench) -> None:
-    """At least once: whatever the fault, the delivery is POSTed and recorded (a POST
-    whose recording was lost is sent again after the relay's lease)."""
+    """Whatever the connection fault, the delivery is POSTed exactly once and recorded."""
     hook = Hook(fail_share=2**40)
     relay = RelayPolicy(lease_s=0.3)
     b.direct.deploy({"id": "f-hook", "webhook_url": hook.base, "nodes": [ONE_WAITER["nodes"][0]]})
@@ -485,7 +484,9 @@ def test_webhook_relay(b: Bench) -> None:
             problems = _raised(result)
             if not row or not row[0][0]:
                 problems.append(f"the delivery was not recorded as delivered: {row}")
-            if not posts or posts[-1] != "SUCCEEDED":
+            if posts != ["SUCCEEDED"]:
+                # connection faults cost no duplicate: a POST is repeated only when the relay
+                # dies between it and its record (the chaos run counts those)
                 problems.append(f"the receiver got {posts}")
             return problems
 
