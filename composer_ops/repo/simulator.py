@@ -21,9 +21,9 @@ from psycopg import sql
 from composer_ops.errors import ComposerError
 from composer_ops.repo._base import Conn
 
-__all__ = ["analyze_month", "clock", "copy_rows", "existing_runs", "finished_runs", "live_counts",
-           "may_skip_row_triggers", "moved_attempts", "runs_per_month", "running_tasks", "signal_counts",
-           "waiting_signals", "check_references"]
+__all__ = ["analyze_month", "check_references", "clock", "copy_rows", "existing_runs", "finished_runs",
+           "live_counts", "may_skip_row_triggers", "moved_attempts", "running_tasks", "runs_per_month",
+           "signal_counts", "waiting_signals"]
 
 #: Tables whose rows reference a run: copied without their row triggers when allowed.
 _REFERENCING = frozenset({"task_instances", "workflow_events"})
