@@ -55,7 +55,9 @@ def run_nbval(paths: list[Path], env: dict[str, str], *, rootdir: Path = ROOT,
     cmd = [sys.executable, "-m", "pytest", "-c", str(ROOT / "pyproject.toml"), "--rootdir", str(rootdir),
            "--nbval-lax", "--nbval-current-env", "--nbval-cell-timeout=120",
            "-p", "no:cacheprovider", "-q", "-rf", "--no-header", *[str(p) for p in paths]]
-    full_env = {**os.environ, **env}
+    # A nested pytest prints its short summary in full when it believes it runs on CI (the CI and
+    # BUILD_NUMBER variables): its output must read the same here and on CI.
+    full_env = {k: v for k, v in os.environ.items() if k not in ("CI", "BUILD_NUMBER")} | env
     return subprocess.run(cmd, cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=timeout, check=False)
 
 
