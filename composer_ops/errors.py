@@ -55,3 +55,10 @@ class Transient(Unavailable):
 
 class NonRetryableError(Exception):
     """Raised by a task handler: fail the task now, skipping remaining attempts."""
+
+
+class ShutdownTimeout(ComposerError):
+    """A worker stopped with handlers still running after its shutdown deadline; the
+    message names the abandoned attempts (their leases lapse and the tasks are retried)."""
+
+    exit_code = 1

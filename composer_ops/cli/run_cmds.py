@@ -3,8 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
+import signal
 import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -12,7 +17,8 @@ from composer_ops.cli._common import EXIT_OK, add_database_option, emit_json, en
 from composer_ops.db import find_url
 from composer_ops.engine import Engine, Worker
 from composer_ops.engine.webhooks import RelayPolicy
-from composer_ops.errors import Invalid
+from composer_ops.engine.worker import check_shutdown_timeout
+from composer_ops.errors import Invalid, ShutdownTimeout
 from composer_ops.repo.retention import parse_cutoff
 
 
@@ -84,6 +90,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
                help="also drop partition months older than WHEN, hourly (as `partitions drop --older-than WHEN "
                     "--yes`; needs the owner role); unset: no retention")
     add_connect_wait_option(coord)
+    add_shutdown_timeout_option(coord, "for the loop pass in progress (a webhook POST, a sweep) to finish")
     coord.set_defaults(func=cmd_coordinator)
 
     work = sub.add_parser("worker", help="run a Worker defined in your code: --app module:attribute")
@@ -93,6 +100,9 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     env_option(work, "--concurrency", env="COMPOSER_WORKER_CONCURRENCY", type=int,
                help="override the Worker's concurrency")
     add_connect_wait_option(work)
+    add_shutdown_timeout_option(work, "for running handlers to finish; a handler still running then is "
+                                      "abandoned (its lease is no longer extended, the task is retried "
+                                      "elsewhere after the lease) and the worker exits 1 naming it")
     work.set_defaults(func=cmd_worker)
 
 
@@ -100,6 +110,29 @@ def add_connect_wait_option(parser: argparse.ArgumentParser) -> None:
     env_option(parser, "--connect-wait", env="COMPOSER_CONNECT_WAIT_S", type=float, default=60.0, metavar="SECONDS",
                help="seconds to wait at start-up for a database that is down, starting or shutting down "
                     "(0: exit at once); a bad password or database name exits at once either way")
+
+
+def add_shutdown_timeout_option(parser: argparse.ArgumentParser, what: str) -> None:
+    env_option(parser, "--shutdown-timeout", env="COMPOSER_SHUTDOWN_TIMEOUT", type=float, default=30.0,
+               metavar="SECONDS", help=f"on SIGTERM or SIGINT, stop taking work and wait at most SECONDS {what}")
+
+
+def _shutdown_timeout(args: argparse.Namespace) -> float:
+    check_shutdown_timeout(args.shutdown_timeout)
+    return float(args.shutdown_timeout)
+
+
+@contextlib.contextmanager
+def stop_on_signals(stop: Callable[[], None]) -> Iterator[None]:
+    """SIGTERM and SIGINT call ``stop`` while the block runs; the handlers that were
+    installed before are put back afterwards. Only this entry point installs handlers:
+    a Worker or Coordinator used as a library leaves its host's signals alone."""
+    previous = {sig: signal.signal(sig, lambda *_: stop()) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def _connect_wait(args: argparse.Namespace) -> float:
@@ -225,6 +258,7 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
     if not args.webhook_keep_days >= 0:
         raise Invalid(f"--webhook-keep-days must be 0 or more, got {args.webhook_keep_days}")
     wait = _connect_wait(args)
+    shutdown_timeout = _shutdown_timeout(args)
     with Engine.connect(args.database_url, pool_size=4, application_name="composer-coordinator",
                         connect_wait_s=wait) as engine:
         coord = engine.coordinator(interval=args.interval, months_ahead=args.months_ahead, relay=relay,
@@ -237,7 +271,26 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
             for err in stats.errors:
                 sys.stderr.write(f"composer-ops: {err}\n")
             return 1 if stats.errors else EXIT_OK
-        coord.run()
+        # The loops run in a daemon thread so that a pass stuck past the deadline
+        # (a hung endpoint, a lock) cannot keep the process from exiting.
+        loops = threading.Thread(target=coord.run, name="composer-coordinator", daemon=True)
+        stopped = threading.Event()
+
+        def stop() -> None:
+            stopped.set()
+            coord.stop()
+
+        with stop_on_signals(stop):
+            loops.start()
+            while loops.is_alive() and not stopped.is_set():
+                loops.join(0.5)
+            deadline = time.monotonic() + shutdown_timeout
+            while loops.is_alive() and time.monotonic() < deadline:
+                loops.join(min(0.5, max(0.0, deadline - time.monotonic())))
+        if loops.is_alive():
+            raise ShutdownTimeout(f"coordinator: the loop pass in progress did not finish within "
+                                  f"{shutdown_timeout:g}s of the stop signal; exiting without it (whatever it "
+                                  "held, webhook deliveries or a sweep, is picked up again by any coordinator)")
     return EXIT_OK
 
 
@@ -278,9 +331,12 @@ def cmd_worker(args: argparse.Namespace) -> int:
         raise Invalid(f"--concurrency must be at least 1, got {args.concurrency}")
     target = find_app(args.app)
     wait = _connect_wait(args)
+    shutdown_timeout = _shutdown_timeout(args)
     with Engine.connect(args.database_url, application_name="composer-worker", connect_wait_s=wait) as engine:
         worker = load_app(args.app, target, engine)
         if args.concurrency:
             worker.concurrency = args.concurrency
-        worker.run()
+        worker.shutdown_timeout = shutdown_timeout
+        with stop_on_signals(worker.stop):
+            worker.run()
     return EXIT_OK

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import logging
 import os
-import signal
 import threading
 import time
 from collections.abc import Callable, Collection
@@ -88,11 +87,9 @@ class Coordinator:
         self._stop.set()
 
     def run(self) -> None:
-        """Loop until ``stop()`` or SIGTERM/SIGINT."""
+        """Loop until ``stop()``; the pass in progress finishes first. Installs no signal
+        handlers (the CLI entry point does)."""
         self._stop.clear()
-        if threading.current_thread() is threading.main_thread():
-            for sig in (signal.SIGTERM, signal.SIGINT):
-                signal.signal(sig, lambda *_: self.stop())
         log.info("coordinator running (interval %.2fs)", self.interval)
         while not self._stop.is_set():
             stats = self.run_once()

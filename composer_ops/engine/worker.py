@@ -1,11 +1,23 @@
-"""``Worker``: runs task handlers for the queues it serves (SPEC section 6).
+"""``Worker``: runs task handlers for the queues it serves.
 
-The main thread claims tasks (one statement each batch) whenever a slot is free and
-hands them to a thread pool of ``concurrency`` handlers. While a handler runs, a
-heartbeat extends its lease every third of the lease; if the lease is lost the
+The thread that calls ``run()`` claims tasks (one statement each batch) whenever a
+slot is free and hands them to ``concurrency`` handler threads. While a handler runs,
+a heartbeat extends its lease every third of the lease; if the lease is lost the
 handler's result will be dropped as stale (the fenced completion refuses it). Idle
 workers sleep on LISTEN (woken by the NOTIFY of a dispatch) with polling as the
 fallback, which also picks up retries whose backoff has passed.
+
+Everything the worker tracks about a running handler is keyed by its attempt
+(task id and attempt number): one worker can hold a late attempt of a task and the
+current one at once (the late one's lease lapsed and the task came back to it), and
+one finishing must not touch the other.
+
+``run()`` installs no signal handlers: the CLI entry point does (and restores them).
+After ``stop()`` it waits for the handlers in flight, at most ``shutdown_timeout``
+seconds; a handler still running then is abandoned: its lease is no longer extended,
+so another worker takes the task once the lease lapses, and ``run()`` raises
+:class:`~composer_ops.errors.ShutdownTimeout` naming the abandoned attempts. Handler
+threads are daemon threads, so a hung handler cannot keep the process alive.
 """
 
 from __future__ import annotations
@@ -13,19 +25,18 @@ from __future__ import annotations
 import logging
 import math
 import os
-import signal
+import queue
 import socket
 import threading
 import time
 import traceback
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from composer_ops.engine.jsonvalues import check_json
 from composer_ops.engine.listener import Listener
-from composer_ops.errors import ComposerError, Invalid, NonRetryableError
+from composer_ops.errors import ComposerError, Invalid, NonRetryableError, ShutdownTimeout
 from composer_ops.repo.outbox import CHANNEL
 from composer_ops.repo.rows import Claim
 
@@ -35,6 +46,8 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 Handler = Callable[[Any, "TaskContext"], Any]
+#: One execution attempt of a task: (task id, attempt number).
+AttemptKey = tuple[str, int]
 
 
 @dataclass
@@ -58,6 +71,12 @@ class TaskContext:
     _held_until: float = field(default=math.inf, repr=False)
     _lost: bool = field(default=False, repr=False)
     _reporting: bool = field(default=False, repr=False)
+    #: set when a shutdown gave up waiting for the handler: no more heartbeats
+    _abandoned: bool = field(default=False, repr=False)
+
+    @property
+    def key(self) -> AttemptKey:
+        return (self.task_id, self.attempt)
 
     @property
     def lease_lost(self) -> bool:
@@ -84,22 +103,28 @@ class Worker:
 
     def __init__(self, engine: Engine, queues: Sequence[str] = ("default",), concurrency: int = 4, *,
                  poll_interval: float = 1.0, worker_id: str | None = None,
-                 on_result: Callable[[Result], None] | None = None) -> None:
+                 on_result: Callable[[Result], None] | None = None,
+                 shutdown_timeout: float | None = None) -> None:
         if not queues or any(not isinstance(q, str) or not q for q in queues):
             raise Invalid(f"queues must be a non-empty list of queue names, got {queues!r}")
         if concurrency < 1:
             raise Invalid(f"concurrency must be at least 1, got {concurrency}")
+        check_shutdown_timeout(shutdown_timeout)
         self.engine = engine
         self.queues = list(queues)
         self.concurrency = concurrency
         self.poll_interval = poll_interval
         self.worker_id = worker_id or f"{socket.gethostname()}:{os.getpid()}:{id(self) & 0xFFFF:04x}"
         self.on_result = on_result
+        #: seconds ``run()`` waits for handlers in flight after ``stop()``; None: as long as they take
+        self.shutdown_timeout = shutdown_timeout
         self._handlers: dict[str, Handler] = {}
         self._stop = threading.Event()
         self._wake = threading.Event()
-        self._inflight = 0            # submitted and not yet finished; main thread adds, callbacks subtract
-        self._active: dict[str, TaskContext] = {}
+        self._done = threading.Event()          # run() has returned: the heartbeat loop ends
+        self._inflight = 0            # handed to a slot and not yet finished; guarded by _active_lock
+        self._idle = threading.Condition()      # notified whenever an attempt finishes
+        self._active: dict[AttemptKey, TaskContext] = {}
         self._active_lock = threading.Lock()
 
     def handler(self, name: str) -> Callable[[Handler], Handler]:
@@ -114,7 +139,8 @@ class Worker:
         return register
 
     def stop(self) -> None:
-        """Ask ``run()`` to return after the handlers in flight finish (thread-safe)."""
+        """Ask ``run()`` to stop claiming and return once the handlers in flight finish
+        (or ``shutdown_timeout`` passes). Thread-safe, and safe from a signal handler."""
         self._stop.set()
         self._wake.set()
 
@@ -125,44 +151,91 @@ class Worker:
     # -- main loop ---------------------------------------------------------------
 
     def run(self) -> None:
-        """Claim and run tasks until ``stop()`` or SIGTERM/SIGINT."""
+        """Claim and run tasks until ``stop()``; then wait for the handlers in flight
+        (at most ``shutdown_timeout`` seconds). Raises ``ShutdownTimeout`` naming the
+        attempts abandoned at the deadline."""
         if not self._handlers:
             raise Invalid("the worker has no handlers; register one with @worker.handler(name)")
         self._stop.clear()
-        if threading.current_thread() is threading.main_thread():
-            for sig in (signal.SIGTERM, signal.SIGINT):
-                signal.signal(sig, lambda *_: self.stop())
+        self._done.clear()
+        slots: queue.SimpleQueue[tuple[Claim, float] | None] = queue.SimpleQueue()
+        threads = [threading.Thread(target=self._slot, args=(slots,), name=f"composer-task-{i}", daemon=True)
+                   for i in range(self.concurrency)]
+        for thread in threads:
+            thread.start()
         listener = Listener(self.engine.url, CHANNEL, self._on_notify, self._stop)
         listener.start()
         beat = threading.Thread(target=self._heartbeat_loop, name="composer-heartbeat", daemon=True)
         beat.start()
         log.info("worker %s serving %s with %d slots", self.worker_id, self.queues, self.concurrency)
-        with ThreadPoolExecutor(self.concurrency, thread_name_prefix="composer-task") as pool:
-            while not self._stop.is_set():
-                free = self._free_slots()
-                if free == 0:
-                    self._wake.wait(self.poll_interval)
-                    self._wake.clear()
-                    continue
-                claimed_at = time.monotonic()
-                try:
-                    claims = self.engine.claim(self.queues, self.worker_id, free, task_names=list(self._handlers))
-                except ComposerError as exc:
-                    log.warning("claim failed: %s", exc)
-                    claims = []
-                except Exception as exc:  # a connection lost beyond db_retry: keep serving
-                    log.warning("claim failed: %s", exc)
-                    claims = []
-                for claim in claims:
-                    with self._active_lock:
-                        self._inflight += 1
-                    fut: Future[None] = pool.submit(self._execute, claim, claimed_at)
-                    fut.add_done_callback(lambda _f: self._release())
-                if len(claims) < free:
-                    self._wake.wait(self.poll_interval)
-                    self._wake.clear()
-        listener.join(timeout=5)
+        try:
+            self._claim_loop(slots)
+        finally:
+            for _ in threads:
+                slots.put(None)      # each idle slot thread takes one and ends
+            abandoned = self._drain()
+            self._done.set()
+            listener.join(timeout=5)
+        if abandoned:
+            names = ", ".join(f"task {c.task_id} attempt {c.attempt} (run {c.run_id}, node {c.node_id})"
+                              for c in abandoned)
+            raise ShutdownTimeout(
+                f"worker {self.worker_id} stopped with {len(abandoned)} handler(s) still running after "
+                f"{self.shutdown_timeout:g}s; abandoned {names}: their leases are no longer extended, "
+                "so the tasks are retried after their leases lapse")
         log.info("worker %s stopped", self.worker_id)
+
+    def _claim_loop(self, slots: queue.SimpleQueue[tuple[Claim, float] | None]) -> None:
+        while not self._stop.is_set():
+            free = self._free_slots()
+            if free == 0:
+                self._wake.wait(self.poll_interval)
+                self._wake.clear()
+                continue
+            claimed_at = time.monotonic()
+            try:
+                claims = self.engine.claim(self.queues, self.worker_id, free, task_names=list(self._handlers))
+            except ComposerError as exc:
+                log.warning("claim failed: %s", exc)
+                claims = []
+            except Exception as exc:  # a connection lost beyond db_retry: keep serving
+                log.warning("claim failed: %s", exc)
+                claims = []
+            for claim in claims:
+                with self._active_lock:
+                    self._inflight += 1
+                slots.put((claim, claimed_at))
+            if len(claims) < free:
+                self._wake.wait(self.poll_interval)
+                self._wake.clear()
+
+    def _drain(self) -> list[TaskContext]:
+        """Wait for the attempts in flight, up to the shutdown deadline; abandon the rest."""
+        deadline = None if self.shutdown_timeout is None else time.monotonic() + self.shutdown_timeout
+        with self._idle:
+            while self._free_slots() < self.concurrency:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    break
+                self._idle.wait(0.5 if left is None else min(0.5, left))
+        with self._active_lock:
+            if self._inflight == 0:
+                return []
+            abandoned = sorted(self._active.values(), key=lambda c: c.key)
+            for ctx in abandoned:
+                ctx._abandoned = True
+        for ctx in abandoned:
+            log.warning("abandoning task %s attempt %d of run %s at shutdown: its handler is still running; "
+                        "the lease is no longer extended", ctx.task_id, ctx.attempt, ctx.run_id,
+                        extra={"action": "abandon", "run_id": ctx.run_id})
+        return abandoned
+
+    def _slot(self, slots: queue.SimpleQueue[tuple[Claim, float] | None]) -> None:
+        while (item := slots.get()) is not None:
+            try:
+                self._execute(*item)
+            finally:
+                self._release()
 
     def _free_slots(self) -> int:
         with self._active_lock:
@@ -171,6 +244,8 @@ class Worker:
     def _release(self) -> None:
         with self._active_lock:
             self._inflight -= 1
+        with self._idle:
+            self._idle.notify_all()
         self._wake.set()
 
     def _on_notify(self, payload: str) -> None:
@@ -184,7 +259,7 @@ class Worker:
                           attempt=claim.attempt, task=claim.task_name, _worker=self, _claim=claim,
                           _held_until=claimed_at + claim.lease_s)
         with self._active_lock:
-            self._active[claim.task_id] = ctx
+            self._active[ctx.key] = ctx
         try:
             outcome = self._call(claim, ctx)
             ctx._reporting = True
@@ -196,7 +271,8 @@ class Worker:
             log.exception("could not report the result of task %s of run %s", claim.task_id, claim.run_id)
         finally:
             with self._active_lock:
-                self._active.pop(claim.task_id, None)
+                if self._active.get(ctx.key) is ctx:
+                    del self._active[ctx.key]
 
     def _call(self, claim: Claim, ctx: TaskContext) -> tuple[str, Any, bool]:
         fn = self._handlers[claim.task_name]
@@ -236,6 +312,8 @@ class Worker:
     def _beat(self, ctx: TaskContext) -> bool:
         if ctx.lease_lost:
             return False
+        if ctx._abandoned:   # shutdown gave up on it: let the lease lapse
+            return False
         began = time.monotonic()
         try:
             extended = self.engine.heartbeat(ctx._claim)
@@ -253,21 +331,29 @@ class Worker:
         return True
 
     def _heartbeat_loop(self) -> None:
-        last: dict[str, float] = {}
-        while not (self._stop.is_set() and not self._active):
+        last: dict[AttemptKey, float] = {}
+        while not self._done.is_set():
             now = time.monotonic()
             with self._active_lock:
-                running = list(self._active.values())
+                running = [c for c in self._active.values() if not c._abandoned]
             for ctx in running:
-                due = last.get(ctx.task_id, now) + max(0.2, ctx._claim.lease_s / 3)
-                if ctx.task_id not in last:
-                    last[ctx.task_id] = now
+                due = last.get(ctx.key, now) + max(0.2, ctx._claim.lease_s / 3)
+                if ctx.key not in last:
+                    last[ctx.key] = now
                 elif now >= due:
                     self._beat(ctx)
-                    last[ctx.task_id] = now
-            for gone in set(last) - {c.task_id for c in running}:
+                    last[ctx.key] = now
+            for gone in set(last) - {c.key for c in running}:
                 last.pop(gone, None)
-            time.sleep(0.1)
+            self._done.wait(0.1)
+
+
+def check_shutdown_timeout(value: float | None) -> None:
+    """``None`` (wait for handlers as long as they take) or a finite number of seconds >= 0."""
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value < 0:
+        raise Invalid(f"shutdown timeout must be a number of seconds >= 0, got {value!r}")
 
 
 def _describe(exc: BaseException) -> str:

@@ -1,0 +1,207 @@
+"""A worker's attempts are tracked per attempt, not per task; shutdown has a deadline;
+only the CLI entry point installs signal handlers, and puts the old ones back."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import psycopg
+import pytest
+
+from composer_ops import Engine, TaskContext, Worker
+from composer_ops.cli.run_cmds import stop_on_signals
+from composer_ops.errors import Invalid, ShutdownTimeout
+from tests.integration.processes import Cluster, wait_for
+
+
+@pytest.fixture
+def engine(db_url: str) -> Iterator[Engine]:
+    with Engine.connect(db_url, pool_size=4) as e:
+        yield e
+
+
+def _task_row(db_url: str, run_id: str) -> tuple[str, int, Any]:
+    with psycopg.connect(db_url) as conn:
+        row = conn.execute("SELECT state, attempt, lease_expires_at FROM task_instances WHERE run_id = %s",
+                           (run_id,)).fetchone()
+    assert row is not None
+    return row[0], row[1], row[2]
+
+
+def test_a_late_attempt_finishing_leaves_the_current_attempts_heartbeats_alone(db_url: str, engine: Engine) -> None:
+    """Attempt 0 of a task hangs in this worker past its lease; the task comes back as
+    attempt 1 to the same worker. When attempt 0 finally returns, attempt 1 must keep
+    its entry and its heartbeats: its lease never lapses while its handler runs."""
+    engine.deploy({"id": "zombie", "nodes": [
+        {"id": "job", "type": "TASK", "task": "job", "lease_s": 1, "retry": {"max_attempts": 3}}]})
+    run_id = engine.start("zombie")
+    release = {0: threading.Event(), 1: threading.Event()}
+    started: dict[int, TaskContext] = {}
+
+    def job(input: Any, ctx: TaskContext) -> dict[str, Any]:
+        started[ctx.attempt] = ctx
+        release[ctx.attempt].wait(30)
+        return {"attempt": ctx.attempt}
+
+    worker = Worker(engine, concurrency=2, poll_interval=0.05)
+    worker.handler("job")(job)
+    thread = threading.Thread(target=worker.run, daemon=True)
+    thread.start()
+    try:
+        wait_for(lambda: 0 in started, timeout=10, what="attempt 0 to start")
+        # Attempt 0's lease lapses (as after a long pause of its process) and is swept.
+        with psycopg.connect(db_url, autocommit=True) as conn:
+            conn.execute("UPDATE task_instances SET lease_expires_at = now() - interval '1 second' "
+                         "WHERE run_id = %s", (run_id,))
+        assert engine.coordinator().run_once().leases_expired == 1
+        wait_for(lambda: 1 in started, timeout=10, what="attempt 1 to start in the same worker")
+        release[0].set()                                   # the late attempt returns (its result is stale)
+        time.sleep(3.0)                                    # three leases of attempt 1
+        state, attempt, expires = _task_row(db_url, run_id)
+        assert (state, attempt) == ("RUNNING", 1)
+        assert not started[1].lease_lost, "attempt 1 lost its lease on a healthy worker"
+        with psycopg.connect(db_url) as conn:
+            row = conn.execute("SELECT %s > now()", (expires,)).fetchone()
+        assert row is not None and row[0], "attempt 1's lease was not extended"
+        release[1].set()
+        wait_for(lambda: engine.get_run(run_id).status == "SUCCEEDED", timeout=10, what="the run to succeed")
+        assert engine.get_run(run_id).output == {"job": {"attempt": 1}}
+    finally:
+        release[0].set()
+        release[1].set()
+        worker.stop()
+        thread.join(15)
+
+
+def test_shutdown_abandons_a_hung_handler_at_the_deadline_and_stops_its_lease(db_url: str,
+                                                                             engine: Engine) -> None:
+    engine.deploy({"id": "hang", "nodes": [{"id": "job", "type": "TASK", "task": "job", "lease_s": 1}]})
+    run_id = engine.start("hang")
+    entered = threading.Event()
+    never = threading.Event()
+
+    def job(input: Any, ctx: TaskContext) -> None:
+        entered.set()
+        never.wait(60)                                     # ignores ctx.lease_lost: hung
+
+    worker = Worker(engine, concurrency=1, poll_interval=0.05, shutdown_timeout=0.5)
+    worker.handler("job")(job)
+    raised: list[BaseException] = []
+
+    def serve() -> None:
+        try:
+            worker.run()
+        except BaseException as exc:  # noqa: BLE001 - the test inspects it
+            raised.append(exc)
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    try:
+        assert entered.wait(10)
+        time.sleep(1.2)                                    # heartbeats keep the 1 s lease alive meanwhile
+        assert _task_row(db_url, run_id)[0] == "RUNNING"
+        stopped_at = time.monotonic()
+        worker.stop()
+        thread.join(10)
+        assert not thread.is_alive(), "run() did not return at the shutdown deadline"
+        assert time.monotonic() - stopped_at < 0.5 + 1.0
+        assert len(raised) == 1 and isinstance(raised[0], ShutdownTimeout), raised
+        task_id = engine.get_run(run_id).tasks[0].id
+        assert f"task {task_id} attempt 0" in str(raised[0])
+        # No more heartbeats: the lease lapses, the sweeper re-queues the task.
+        time.sleep(1.5)
+        assert engine.coordinator().run_once().leases_expired == 1
+        state, attempt, _ = _task_row(db_url, run_id)
+        assert (state, attempt) == ("PENDING", 1)
+    finally:
+        never.set()
+
+
+def test_shutdown_waits_for_handlers_that_finish_in_time(engine: Engine) -> None:
+    engine.deploy({"id": "quick", "nodes": [{"id": "job", "type": "TASK", "task": "job", "lease_s": 5}]})
+    run_id = engine.start("quick")
+    entered = threading.Event()
+
+    def job(input: Any, ctx: TaskContext) -> dict[str, bool]:
+        entered.set()
+        time.sleep(0.5)
+        return {"done": True}
+
+    worker = Worker(engine, concurrency=1, poll_interval=0.05, shutdown_timeout=5)
+    worker.handler("job")(job)
+    thread = threading.Thread(target=worker.run, daemon=True)
+    thread.start()
+    assert entered.wait(10)
+    worker.stop()
+    thread.join(10)
+    assert not thread.is_alive()
+    assert engine.get_run(run_id).status == "SUCCEEDED"
+
+
+def test_the_library_worker_installs_no_signal_handlers(engine: Engine) -> None:
+    """run() on the main thread leaves SIGTERM and SIGINT to its host."""
+    engine.deploy({"id": "noop", "nodes": [{"id": "job", "type": "TASK", "task": "job"}]})
+    worker = Worker(engine, concurrency=1, poll_interval=0.05)
+    worker.handler("job")(lambda input, ctx: None)
+
+    def host_handler(signum: int, frame: Any) -> None:
+        raise AssertionError("not expected to be called")
+
+    before = {sig: signal.signal(sig, host_handler) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        timer = threading.Timer(0.5, worker.stop)
+        timer.start()
+        worker.run()                                       # on the main thread, as the CLI would
+        timer.join()
+        assert signal.getsignal(signal.SIGTERM) is host_handler
+        assert signal.getsignal(signal.SIGINT) is host_handler
+    finally:
+        for sig, handler in before.items():
+            signal.signal(sig, handler)
+
+
+def test_the_cli_handlers_are_restored_afterwards() -> None:
+    calls: list[str] = []
+    before = signal.getsignal(signal.SIGTERM)
+    with stop_on_signals(lambda: calls.append("stop")):
+        assert signal.getsignal(signal.SIGTERM) is not before
+        signal.raise_signal(signal.SIGTERM)
+    assert calls == ["stop"]
+    assert signal.getsignal(signal.SIGTERM) is before
+
+
+def test_a_bad_shutdown_timeout_is_refused() -> None:
+    for bad in (-1, float("nan"), float("inf"), "3", True):
+        with pytest.raises(Invalid, match="shutdown timeout"):
+            Worker(Engine.__new__(Engine), shutdown_timeout=bad)  # type: ignore[arg-type]
+
+
+def test_the_cli_worker_exits_1_naming_what_it_abandoned(db_url: str, engine: Engine) -> None:
+    """SIGTERM to `composer-ops worker --shutdown-timeout 1` with a handler sleeping
+    60 s: it exits 1 within the deadline (plus start-up slack), naming the task."""
+    engine.deploy({"id": "sleepy", "nodes": [{"id": "job", "type": "TASK", "task": "work",
+                                              "input": {"sleep": 60}}]})
+    run_id = engine.start("sleepy")
+    cluster = Cluster(db_url)
+    try:
+        proc = cluster.worker(1, "--shutdown-timeout", "1")
+        wait_for(lambda: _task_row(db_url, run_id)[0] == "RUNNING", timeout=30, what="the task to be claimed")
+        sent = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        try:
+            code = proc.wait(10)
+        except subprocess.TimeoutExpired:
+            pytest.fail("the worker did not exit within 10 s of SIGTERM with --shutdown-timeout 1")
+        assert time.monotonic() - sent < 1 + 3
+        err = cluster.stderr(proc)
+        task_id = engine.get_run(run_id).tasks[0].id
+        assert code == 1, err
+        assert f"task {task_id} attempt 0" in err and "shutdowntimeout" in err, err
+        assert "Traceback" not in err, err
+    finally:
+        cluster.close()
