@@ -19,10 +19,11 @@ the skip cascade behind it and the join after it are all settled in one event.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 from typing import Any, Protocol
 
 from composer_ops.core.expressions import is_ref, parse_ref, referenced_nodes, resolve, resolve_ref
@@ -87,6 +88,13 @@ class _Slot:
     event_name: str | None = None
     lease_owner: str | None = None
     lease_expires_at: datetime | None = None
+    created_at: datetime | None = None
+    wake_at: datetime | None = None
+    lease_expiries: int = 0
+
+
+#: Sorts a node whose creation time is unknown before every known one.
+_EARLIEST = datetime.min.replace(tzinfo=UTC)
 
 
 def _seconds(value: float) -> str:
@@ -125,10 +133,16 @@ class _Decider:
                 event_name=ns.event_name,
                 lease_owner=ns.lease_owner,
                 lease_expires_at=ns.lease_expires_at,
+                created_at=ns.created_at,
+                wake_at=ns.wake_at,
+                lease_expiries=ns.lease_expiries,
             )
             for node_id, ns in run.nodes.items()
         }
         self.actions: list[Action] = []
+        # Nodes created in this decision -> the index of their CreateTask in actions.
+        self.created: dict[str, int] = {}
+        self.refused: str | None = None
         # Outputs decided in this call (not yet in the database) or already loaded.
         self.outputs: dict[str, Any] = {}
         self.signals: dict[str, list[Signal]] = {}
@@ -136,7 +150,7 @@ class _Decider:
         self.finished = False
 
     def decision(self) -> Decision:
-        return Decision(actions=tuple(self.actions))
+        return Decision(actions=tuple(self.actions), refused=self.refused)
 
     # -- reads --------------------------------------------------------------
 
@@ -150,11 +164,15 @@ class _Decider:
                 self.outputs[node_id] = loaded.get(node_id)
         return {n: self.outputs[n] for n in wanted}
 
-    def take_signal(self, name: str) -> Signal | None:
-        """The oldest buffered signal of that name not yet consumed in this decision."""
+    def buffered(self, name: str) -> list[Signal]:
+        """The buffered signals of that name, oldest first, including any this decision buffered."""
         if name not in self.signals:
             self.signals[name] = list(self.store.pending_signals(name))
-        for signal in self.signals[name]:
+        return self.signals[name]
+
+    def take_signal(self, name: str) -> Signal | None:
+        """The oldest buffered signal of that name not yet consumed in this decision."""
+        for signal in self.buffered(name):
             if signal.id not in self.consumed:
                 self.consumed.add(signal.id)
                 return signal
@@ -172,24 +190,41 @@ class _Decider:
 
     def create(self, node: NodeSpec, state: TaskState, **fields: Any) -> None:
         task_id = self.new_id()
+        self.created[node.id] = len(self.actions)
         self.actions.append(CreateTask(task_id=task_id, node_id=node.id, node_type=node.type, state=state, **fields))
         self.slots[node.id] = _Slot(
             task_id=task_id,
             state=state,
             branches=fields.get("branches"),
             event_name=fields.get("event_name"),
+            created_at=self.now,
+            wake_at=fields.get("wake_at"),
         )
         if state is TaskState.COMPLETED:
             self.outputs[node.id] = fields.get("output")
 
     def fail_run(self, reason: str) -> None:
-        """Cancel every active task and finish the run FAILED."""
-        active = sorted(s.task_id for s in self.slots.values() if s.state in ACTIVE_TASK_STATES)
+        """Cancel every active task and finish the run FAILED.
+
+        A task created earlier in this same decision is created CANCELLED instead: it
+        never existed as active, so it gets no dispatch and no timer.
+        """
+        why = f"run failed: {reason}"
+        active: list[str] = []
+        for node_id, slot in self.slots.items():
+            if slot.state not in ACTIVE_TASK_STATES:
+                continue
+            slot.state = TaskState.CANCELLED
+            index = self.created.get(node_id)
+            if index is None:
+                active.append(slot.task_id)
+                continue
+            born = self.actions[index]
+            assert isinstance(born, CreateTask)
+            self.actions[index] = dataclasses.replace(born, state=TaskState.CANCELLED, error=why, wake_at=None,
+                                                      available_at=None)
         if active:
-            self.actions.append(CancelTasks(task_ids=tuple(active), reason=f"run failed: {reason}"))
-            for slot in self.slots.values():
-                if slot.state in ACTIVE_TASK_STATES:
-                    slot.state = TaskState.CANCELLED
+            self.actions.append(CancelTasks(task_ids=tuple(sorted(active)), reason=why))
         self.actions.append(FinishRun(status=RunStatus.FAILED, output=None, reason=reason))
         self.finished = True
 
@@ -367,23 +402,29 @@ class _Decider:
         return self.decision()
 
     def task_failed(self, ref: TaskRef, error: str, retryable: bool) -> Decision:
+        """A handler raised. The retry policy counts handler failures only: attempts
+        that ended in a lease expiry are not among them."""
         node = self.spec.nodes[ref.node_id]
-        delay = retry_decision(node.retry, ref.attempt, retryable)
+        slot = self.slots[ref.node_id]
+        failures = ref.attempt - slot.lease_expiries      # handler failures before this one
+        delay = retry_decision(node.retry, failures, retryable)
         if delay is not None:
             available_at = self.now + timedelta(seconds=delay)
             self.actions.append(RequeueTask(ref=ref, reason=error, available_at=available_at))
             self.set_state(ref.node_id, TaskState.PENDING)
-            self.slots[ref.node_id].attempt += 1
+            slot.attempt += 1
             return self.decision()
         self.actions.append(FailTask(ref=ref, reason=error))
         self.set_state(ref.node_id, TaskState.FAILED)
-        attempts = ref.attempt + 1
+        attempts = failures + 1
         tried = f"after {attempts} attempts" if attempts > 1 else "after 1 attempt"
         self.node_failed(ref.node_id, f"node {json.dumps(ref.node_id)} failed {tried}: {error}")
         self.advance()
         return self.decision()
 
     def lease_expired(self, event: LeaseExpired) -> Decision:
+        """No handler failed, so the retry policy is not consumed: the task is re-queued
+        as a new attempt, up to the node's ``max_lease_expiries``; one more fails it."""
         ref = event.ref
         reason = self.fence(ref)
         if reason is not None:
@@ -392,8 +433,23 @@ class _Decider:
         expires = slot.lease_expires_at
         if expires is None or expires > self.now:
             return _stale(f"lease of task {ref.task_id} has not expired")
-        error = f"lease of {slot.lease_owner} expired at {expires.isoformat()}"
-        return self.task_failed(ref, error, retryable=True)
+        lapsed = f"lease of {slot.lease_owner} expired at {expires.isoformat()}"
+        node = self.spec.nodes[ref.node_id]
+        expiries = slot.lease_expiries + 1
+        if expiries <= node.max_lease_expiries:
+            self.actions.append(RequeueTask(ref=ref, reason=lapsed, available_at=self.now, lease_expired=True))
+            self.set_state(ref.node_id, TaskState.PENDING)
+            slot.attempt += 1
+            slot.lease_expiries = expiries
+            return self.decision()
+        times = "once" if expiries == 1 else f"{expiries} times"
+        error = (f"lease expired {times} (max_lease_expiries is {node.max_lease_expiries}); "
+                 f"last owner {slot.lease_owner}, whose lease expired at {expires.isoformat()}")
+        self.actions.append(FailTask(ref=ref, reason=error))
+        self.set_state(ref.node_id, TaskState.FAILED)
+        self.node_failed(ref.node_id, f"node {json.dumps(ref.node_id)} failed: {error}")
+        self.advance()
+        return self.decision()
 
     def timer_due(self, event: TimerDue) -> Decision:
         slot = self.slots.get(event.node_id)
@@ -402,23 +458,36 @@ class _Decider:
             return _stale(f"run {self.run.id} has no task {event.task_id} for node {json.dumps(event.node_id)}")
         if slot.state is not TaskState.WAITING:
             return _stale(f"task {event.task_id} is {slot.state}, not WAITING")
-        if node.type is NodeType.WAIT or (node.type is NodeType.WAIT_FOR_EVENT and node.on_timeout == "continue"):
-            self.actions.append(ResolveWait(task_id=slot.task_id, node_id=node.id, state=TaskState.COMPLETED))
-            self.set_state(node.id, TaskState.COMPLETED, output=None)
-        elif node.type is NodeType.WAIT_FOR_EVENT:
-            after = f" after {_seconds(node.timeout_s)}" if node.timeout_s is not None else ""
-            error = f"timed out waiting for event {json.dumps(node.event_name)}{after}"
-            self.actions.append(
-                ResolveWait(task_id=slot.task_id, node_id=node.id, state=TaskState.FAILED, reason=error)
-            )
-            self.set_state(node.id, TaskState.FAILED)
-            self.node_failed(node.id, f"node {json.dumps(node.id)} failed: {error}")
-        else:
+        if node.type is not NodeType.WAIT and node.type is not NodeType.WAIT_FOR_EVENT:
             return _stale(f"node {json.dumps(node.id)} is a {node.type} node and has no timer")
+        self.wake(node)
         self.advance()
         return self.decision()
 
+    def wake(self, node: NodeSpec) -> None:
+        """Resolve a WAITING node as its timer does: a WAIT completes, a WAIT_FOR_EVENT
+        times out (completing with null output or failing, per ``on_timeout``)."""
+        slot = self.slots[node.id]
+        if node.type is NodeType.WAIT or node.on_timeout == "continue":
+            self.actions.append(
+                ResolveWait(task_id=slot.task_id, node_id=node.id, state=TaskState.COMPLETED, timer=True))
+            self.set_state(node.id, TaskState.COMPLETED, output=None)
+            return
+        after = f" after {_seconds(node.timeout_s)}" if node.timeout_s is not None else ""
+        error = f"timed out waiting for event {json.dumps(node.event_name)}{after}"
+        self.actions.append(
+            ResolveWait(task_id=slot.task_id, node_id=node.id, state=TaskState.FAILED, reason=error, timer=True))
+        self.set_state(node.id, TaskState.FAILED)
+        self.node_failed(node.id, f"node {json.dumps(node.id)} failed: {error}")
+
     def signal_received(self, event: SignalReceived) -> Decision:
+        """Resolve the earliest-created node waiting for the signal, else buffer it.
+
+        Timeouts are judged by the database clock now, not by whether the timer loop
+        has run: a waiter whose timeout has passed is resolved as its timer would
+        resolve it, and the signal goes on to the next waiter. A signal that is buffered
+        is available to nodes this decision creates (a waiter behind a timed-out node).
+        """
         run = self.run
         if run.status not in ACTIVE_RUN_STATUSES:
             raise Conflict(f"run {run.id} is {run.status}; it accepts no signals")
@@ -428,21 +497,44 @@ class _Decider:
                 f"has no WAIT_FOR_EVENT node for event {json.dumps(event.name)}"
             )
         waiters = sorted(
-            (slot.task_id, node_id)
-            for node_id, slot in self.slots.items()
-            if slot.state is TaskState.WAITING
-            and slot.event_name == event.name
-            and node_id in self.spec.nodes
-            and self.spec.nodes[node_id].type is NodeType.WAIT_FOR_EVENT
+            (
+                (slot.created_at or _EARLIEST, slot.task_id, node_id)
+                for node_id, slot in self.slots.items()
+                if slot.state is TaskState.WAITING
+                and slot.event_name == event.name
+                and node_id in self.spec.nodes
+                and self.spec.nodes[node_id].type is NodeType.WAIT_FOR_EVENT
+            ),
         )
-        if not waiters:
-            self.actions.append(BufferSignal(name=event.name, payload=event.payload))
+        for _, task_id, node_id in waiters:
+            slot = self.slots[node_id]
+            if slot.wake_at is not None and slot.wake_at <= self.now:
+                self.wake(self.spec.nodes[node_id])
+                if self.finished:
+                    self.refused = (f"run {run.id} failed before the signal {json.dumps(event.name)} arrived: "
+                                    f"node {json.dumps(node_id)} timed out at {slot.wake_at.isoformat()}")
+                    return self.decision()
+                continue
+            self.actions.append(
+                ResolveWait(task_id=task_id, node_id=node_id, state=TaskState.COMPLETED, output=event.payload)
+            )
+            self.set_state(node_id, TaskState.COMPLETED, output=event.payload)
+            break
+        else:
+            signal = Signal(id=self.new_id(), name=event.name, payload=event.payload)
+            buffer_at = len(self.actions)
+            self.actions.append(BufferSignal(signal_id=signal.id, name=signal.name, payload=signal.payload))
+            self.buffered(event.name).append(signal)
+            self.advance()
+            if self.finished and signal.id not in self.consumed:
+                # The timeouts resolved above finished the run: by the database clock it
+                # was over before the signal arrived, so the signal is not kept.
+                del self.actions[buffer_at]
+                finish = self.decision().finish
+                status = finish.status if finish is not None else "finished"
+                self.refused = (f"run {run.id} was {status} before the signal {json.dumps(event.name)} "
+                                "arrived: its waiters had timed out")
             return self.decision()
-        task_id, node_id = waiters[0]
-        self.actions.append(
-            ResolveWait(task_id=task_id, node_id=node_id, state=TaskState.COMPLETED, output=event.payload)
-        )
-        self.set_state(node_id, TaskState.COMPLETED, output=event.payload)
         self.advance()
         return self.decision()
 
@@ -460,8 +552,9 @@ class _Decider:
 def decide(run: RunSnapshot, event: Event, store: Store, new_id: Callable[[], str]) -> Decision:
     """Decide what one event does to a run.
 
-    ``new_id`` mints task ids (the shell passes UUIDv7 text, which sorts by creation;
-    the earliest waiter of a signal is the one with the smallest task id). Raises
+    ``new_id`` mints task and buffered-signal ids. The earliest waiter of a signal is
+    the node created first by the database clock (``NodeState.created_at``; nodes
+    created in one transaction share it and go by task id). Raises
     ``Conflict`` for a signal or cancel on a finished run and ``Invalid`` for a
     signal no node of the workflow waits for; every other event on a finished run,
     and every report from a stale attempt, yields a decision with a single

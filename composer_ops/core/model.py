@@ -77,10 +77,13 @@ class NodeType(StrEnum):
 class NodeState:
     """What the machine knows about the task of one reached node.
 
-    ``attempt`` is 0-based: the number of retries so far. ``event_name`` is the
-    signal a WAIT_FOR_EVENT task waits for (column ``task_instances.event_name``).
-    Inputs and outputs are deliberately absent: they are loaded through the store
-    only when a decision needs them.
+    ``attempt`` is 0-based: the number of re-queues so far, of which
+    ``lease_expiries`` were lease expiries (the rest handler failures, which are what
+    the retry policy counts). ``event_name`` is the signal a WAIT_FOR_EVENT task waits
+    for (column ``task_instances.event_name``). ``created_at`` is when the row was
+    inserted and ``wake_at`` when a WAITING task's timer fires, both by the database
+    clock. Inputs and outputs are deliberately absent: they are loaded through the
+    store only when a decision needs them.
     """
 
     task_id: str
@@ -90,6 +93,9 @@ class NodeState:
     event_name: str | None = None
     lease_owner: str | None = None
     lease_expires_at: datetime | None = None
+    created_at: datetime | None = None
+    wake_at: datetime | None = None
+    lease_expiries: int = 0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -238,11 +244,16 @@ class CreateTask:
 
 @dataclass(frozen=True, kw_only=True)
 class RequeueTask:
-    """Put a failed attempt back to PENDING as attempt+1, dispatchable at ``available_at``."""
+    """Put an attempt back to PENDING as attempt+1, dispatchable at ``available_at``.
+
+    ``lease_expired`` when the attempt's lease lapsed (no handler failed): the task's
+    ``lease_expiries`` count goes up instead of the retry policy being consumed.
+    """
 
     ref: TaskRef
     reason: str
     available_at: datetime
+    lease_expired: bool = False
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -263,19 +274,26 @@ class FailTask:
 
 @dataclass(frozen=True, kw_only=True)
 class ResolveWait:
-    """Move a WAITING task to COMPLETED (with ``output``) or FAILED (with ``reason``)."""
+    """Move a WAITING task to COMPLETED (with ``output``) or FAILED (with ``reason``).
+
+    ``timer`` when its ``wake_at`` resolved it (a WAIT woke up, a WAIT_FOR_EVENT timed
+    out), rather than a signal.
+    """
 
     task_id: str
     node_id: str
     state: TaskState
     output: Any = None
     reason: str | None = None
+    timer: bool = False
 
 
 @dataclass(frozen=True, kw_only=True)
 class BufferSignal:
-    """Store a signal no node is waiting for yet; the shell mints its id."""
+    """Store a signal no node is waiting for yet, as ``signal_id`` (a node created
+    later in the same decision may consume it by that id)."""
 
+    signal_id: str
     name: str
     payload: Any
 
@@ -329,10 +347,14 @@ Action: TypeAlias = (
 class Decision:
     """The machine's answer to one event: actions to apply in order, in one transaction.
 
-    A stale decision holds exactly one ``Stale`` action and nothing else.
+    A stale decision holds exactly one ``Stale`` action and nothing else. ``refused``
+    says why a signal was not delivered although the decision changed the run: by
+    the database clock a timeout had already finished the run when it arrived. The
+    actions are applied and committed, then the caller is told the reason.
     """
 
     actions: tuple[Action, ...]
+    refused: str | None = None
 
     @property
     def stale(self) -> bool:

@@ -32,7 +32,7 @@ ID_PATTERN = re.compile(r"[A-Za-z0-9_.-]{1,128}")
 _TOP_KEYS = frozenset({"id", "name", "description", "webhook_url", "config", "nodes"})
 _COMMON_KEYS = frozenset({"id", "type", "depends_on", "optional", "description"})
 _TYPE_KEYS: Mapping[NodeType, frozenset[str]] = {
-    NodeType.TASK: frozenset({"task", "queue", "input", "retry", "lease_s"}),
+    NodeType.TASK: frozenset({"task", "queue", "input", "retry", "lease_s", "max_lease_expiries"}),
     NodeType.SWITCH: frozenset({"expression", "cases", "default"}),
     NodeType.WAIT: frozenset({"duration_s", "until"}),
     NodeType.WAIT_FOR_EVENT: frozenset({"event", "timeout_s", "on_timeout"}),
@@ -41,6 +41,10 @@ _RETRY_KEYS = ("max_attempts", "initial_backoff_s", "multiplier", "max_backoff_s
 _ON_TIMEOUT = ("fail", "continue")
 #: Longest accepted duration: a century keeps every wake-up inside datetime's range.
 MAX_SECONDS = 100 * 365 * 86_400
+#: Lease expiries a TASK survives by default: each re-queues it without consuming its
+#: retry policy; the next one fails it.
+DEFAULT_MAX_LEASE_EXPIRIES = 3
+MAX_LEASE_EXPIRIES_LIMIT = 1000
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -58,6 +62,7 @@ class NodeSpec:
     input: Any = None
     retry: RetryPolicy = DEFAULT_RETRY
     lease_s: float = 30
+    max_lease_expiries: int = DEFAULT_MAX_LEASE_EXPIRIES
     # SWITCH
     expression: str | None = None
     cases: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
@@ -84,6 +89,7 @@ class NodeSpec:
                 input=self.input,
                 retry={key: getattr(self.retry, key) for key in _RETRY_KEYS},
                 lease_s=self.lease_s,
+                max_lease_expiries=self.max_lease_expiries,
             )
         elif self.type is NodeType.SWITCH:
             doc.update(
@@ -295,6 +301,13 @@ def _parse_retry(value: Any, where: str) -> RetryPolicy:
         raise Invalid(f"{where}: {exc}") from None
 
 
+def _max_lease_expiries(value: Any, where: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_LEASE_EXPIRIES_LIMIT:
+        raise Invalid(f"{where}: max_lease_expiries must be an integer from 0 to {MAX_LEASE_EXPIRIES_LIMIT}, "
+                      f"got {_q(value)}")
+    return value
+
+
 def _parse_node(raw: Any, index: int, seen: set[str], stored: bool = False) -> NodeSpec:
     if not isinstance(raw, dict):
         raise Invalid(f"node #{index + 1}: must be an object, got {_q(raw)}")
@@ -353,6 +366,8 @@ def _parse_node(raw: Any, index: int, seen: set[str], stored: bool = False) -> N
             input=template,
             retry=_parse_retry(raw["retry"], where) if "retry" in raw else DEFAULT_RETRY,
             lease_s=_number(raw.get("lease_s", 30), f"{where}: lease_s", positive=True),
+            max_lease_expiries=_max_lease_expiries(raw.get("max_lease_expiries", DEFAULT_MAX_LEASE_EXPIRIES),
+                                                   where),
         )
 
     if node_type is NodeType.SWITCH:

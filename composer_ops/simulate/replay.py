@@ -61,7 +61,7 @@ __all__ = ["Replay", "SignalRow", "TaskRow"]
 #: States a fenced task update (complete, fail, requeue) still matches.
 _UPDATABLE = frozenset({TaskState.PENDING, TaskState.QUEUED, TaskState.RUNNING})
 #: States a task is created in that also set ``finished_at``.
-_BORN_FINISHED = frozenset({TaskState.COMPLETED, TaskState.FAILED, TaskState.SKIPPED})
+_BORN_FINISHED = frozenset({TaskState.COMPLETED, TaskState.FAILED, TaskState.SKIPPED, TaskState.CANCELLED})
 
 
 @dataclass(slots=True, kw_only=True)
@@ -92,6 +92,7 @@ class TaskRow:
     completed_at: datetime | None = None
     lease_owner: str | None = None
     lease_expires_at: datetime | None = None
+    lease_expiries: int = 0
     available_at: datetime | None = None
 
 
@@ -107,7 +108,7 @@ class SignalRow:
 
 
 def _counter_ids() -> Callable[[str, datetime], str]:
-    counts = {"t": 0, "s": 0}
+    counts = {"t": 0}
 
     def mint(kind: str, at: datetime) -> str:
         counts[kind] += 1
@@ -119,10 +120,10 @@ def _counter_ids() -> Callable[[str, datetime], str]:
 class Replay:
     """One run in memory: its rows, the machine's store, the shell's apply step.
 
-    ``mint(kind, at)`` returns a new ID for a task (``kind`` ``"t"``) or a buffered
-    signal (``"s"``) created at ``at``; IDs must sort in creation order, as UUIDv7
-    text does (the earliest waiter of a signal is the one with the smallest task ID).
-    The default mints ``t0001``, ``s0001``, ...
+    ``mint(kind, at)`` returns a new ID for a task or a buffered signal (``kind``
+    ``"t"``: the machine mints both through ``new_id``) created at ``at``; IDs must
+    sort in creation order, as UUIDv7 text does (waiters created at the same instant
+    go by task ID). The default mints ``t0001``, ``t0002``, ...
     """
 
     def __init__(self, spec: WorkflowSpec, *, run_id: str = "run-1", input: Any = None, now: datetime,
@@ -159,7 +160,9 @@ class Replay:
                 row = rows[node_id]
                 nodes[node_id] = NodeState(task_id=row.task_id, state=row.state, attempt=row.attempt,
                                            branches=row.branches, event_name=row.event_name,
-                                           lease_owner=row.lease_owner, lease_expires_at=row.lease_expires_at)
+                                           lease_owner=row.lease_owner, lease_expires_at=row.lease_expires_at,
+                                           created_at=row.created_at, wake_at=row.wake_at,
+                                           lease_expiries=row.lease_expiries)
             self._changed.clear()
         return self._nodes
 
@@ -223,6 +226,7 @@ class Replay:
     def _requeue(self, a: RequeueTask, now: datetime) -> None:
         row = self._fenced(a.ref, a)
         row.attempt += 1
+        row.lease_expiries += a.lease_expired
         row.error, row.started_at, row.available_at = a.reason, None, a.available_at
         self._set_state(row, TaskState.PENDING, now)
 
@@ -235,7 +239,7 @@ class Replay:
         self._finish_task(row, a.state, now)
 
     def _buffer(self, a: BufferSignal, now: datetime) -> None:
-        self.signals.append(SignalRow(id=self.mint("s", now), name=a.name, payload=a.payload, created_at=now))
+        self.signals.append(SignalRow(id=a.signal_id, name=a.name, payload=a.payload, created_at=now))
 
     def _cancel(self, a: CancelTasks, now: datetime) -> None:
         for task_id in a.task_ids:

@@ -17,6 +17,7 @@ from composer_ops.core.model import (
     ACTIVE_RUN_STATUSES,
     ACTIVE_TASK_STATES,
     TERMINAL_TASK_STATES,
+    BufferSignal,
     CancelTasks,
     CompleteTask,
     ConsumeSignal,
@@ -102,6 +103,8 @@ class Sim(Replay):
             assert self.nodes[action.ref.node_id].state is TaskState.RUNNING, action
         elif isinstance(action, ResolveWait):
             assert action.state in (TaskState.COMPLETED, TaskState.FAILED)
+        elif isinstance(action, BufferSignal):
+            assert action.signal_id not in {s.id for s in self.signals}, "a signal buffered twice"
         elif isinstance(action, ConsumeSignal):
             assert action.signal_id in {s.id for s in self.signals}
             assert action.signal_id not in self.consumed, "a signal consumed twice"
@@ -132,7 +135,8 @@ class Sim(Replay):
                 NodeType.WAIT: {TaskState.WAITING, TaskState.FAILED},
                 NodeType.WAIT_FOR_EVENT: {TaskState.WAITING, TaskState.COMPLETED},
             }[node.type]
-            assert action.state in allowed, action
+            # A node created in the decision that fails the run is created CANCELLED.
+            assert action.state in allowed | {TaskState.CANCELLED}, action
         if action.state is TaskState.PENDING:
             assert action.available_at == now
 

@@ -17,9 +17,14 @@ from composer_ops.core.model import (
     ConsumeSignal,
     CreateTask,
     Decision,
+    FailTask,
     FinishRun,
     LeaseExpired,
+    NodeState,
     RequeueTask,
+    ResolveWait,
+    RunContext,
+    RunSnapshot,
     RunStatus,
     Signal,
     SignalReceived,
@@ -31,6 +36,7 @@ from composer_ops.core.model import (
     TaskState,
     TimerDue,
 )
+from composer_ops.core.spec import parse_spec
 from composer_ops.errors import Conflict, Invalid
 
 from .machine_sim import T0, Sim, kinds, task, wf
@@ -226,10 +232,11 @@ def test_signal_before_wait_is_buffered_then_consumed() -> None:
     sim = Sim(EVENTS)
     sim.start()
     early = sim.signal("go", {"n": 1})
-    assert early.actions == (BufferSignal(name="go", payload={"n": 1}),)
+    [buffered] = early.actions
+    assert isinstance(buffered, BufferSignal) and (buffered.name, buffered.payload) == ("go", {"n": 1})
     decision = sim.complete("first")
     assert kinds(decision) == ["CompleteTask first", "Create w COMPLETED", "ConsumeSignal", "Create after PENDING"]
-    assert decision.actions[2] == ConsumeSignal(signal_id="s0001")
+    assert decision.actions[2] == ConsumeSignal(signal_id=buffered.signal_id)
     assert sim.rows["w"].output == {"n": 1}
     assert sim.rows["after"].input == {"got": {"n": 1}}
     assert sim.loads == []
@@ -239,10 +246,11 @@ def test_oldest_buffered_signal_is_consumed_first() -> None:
     sim = Sim(EVENTS)
     sim.start()
     sim.signal("go", "old")
-    sim.signal("go", "new")
+    newer = sim.signal("go", "new").actions[0]
+    assert isinstance(newer, BufferSignal)
     sim.complete("first")
     assert sim.rows["w"].output == "old"
-    assert sim.pending_signals("go") == [Signal(id="s0002", name="go", payload="new")]
+    assert sim.pending_signals("go") == [Signal(id=newer.signal_id, name="go", payload="new")]
 
 
 def test_signal_after_wait_resolves_it() -> None:
@@ -291,6 +299,108 @@ def test_earliest_waiter_gets_the_signal() -> None:
     sim.signal("go", 2)
     assert (sim.rows["early"].output, sim.rows["late"].output) == (1, 2)
     assert sim.status is RunStatus.SUCCEEDED
+
+
+class _NoReads:
+    def load_outputs(self, node_ids: Any) -> dict[str, Any]:
+        return {}
+
+    def pending_signals(self, name: str) -> list[Signal]:
+        return []
+
+
+def test_the_earliest_waiter_by_database_time_wins_whatever_its_task_id() -> None:
+    """Task ids are minted by whichever process made the decision, on its own clock; the
+    database's created_at orders the waiters."""
+    spec = parse_spec(wf({"id": "one", "type": "WAIT_FOR_EVENT", "event": "go"},
+                         {"id": "two", "type": "WAIT_FOR_EVENT", "event": "go"}))
+    nodes = {
+        # "two" was created a second after "one", by a process whose clock was behind:
+        # its UUIDv7 task id sorts first.
+        "one": NodeState(task_id="01900000-0000-7000-8000-00000000000b", state=TaskState.WAITING,
+                         awaited_signal="go", created_at=T0),
+        "two": NodeState(task_id="01900000-0000-7000-8000-00000000000a", state=TaskState.WAITING,
+                         awaited_signal="go", created_at=T0 + timedelta(seconds=1)),
+    }
+    run = RunSnapshot(id="r", workflow_id="wf", workflow_version=1, status=RunStatus.RUNNING,
+                      context=RunContext(input=None, config={}), spec=spec, nodes=nodes)
+    decision = decide(run, SignalReceived(name="go", payload=1, now=T0 + timedelta(seconds=2)), _NoReads(),
+                      lambda: "new")
+    assert kinds(decision) == ["ResolveWait one COMPLETED"]
+
+
+TIMED = wf(
+    {"id": "w1", "type": "WAIT_FOR_EVENT", "event": "go", "timeout_s": 10, "on_timeout": "continue"},
+    {"id": "w2", "type": "WAIT_FOR_EVENT", "event": "go", "depends_on": ["gate"], "timeout_s": 60},
+    task("gate"),
+    task("after1", "w1", input={"got": "$.nodes.w1.output"}),
+)
+
+
+def test_a_signal_after_the_timeout_resolves_the_waiter_as_its_timer_would_then_goes_on() -> None:
+    """By the clock the signal carries, w1 timed out (the timer loop has not run yet):
+    w1 completes with null as on_timeout says, and the signal goes to w2."""
+    sim = Sim(TIMED)
+    sim.start()
+    sim.tick(1)
+    sim.complete("gate")                     # w2 waits from T0+1s, until T0+61s
+    sim.tick(10)                             # T0+11s: w1 (until T0+10s) is overdue
+    decision = sim.signal("go", "payload")
+    assert kinds(decision) == ["ResolveWait w1 COMPLETED", "ResolveWait w2 COMPLETED", "Create after1 PENDING"]
+    timeout, resolved = decision.actions[0], decision.actions[1]
+    assert isinstance(timeout, ResolveWait) and timeout.timer and timeout.output is None
+    assert isinstance(resolved, ResolveWait) and not resolved.timer and resolved.output == "payload"
+    assert decision.refused is None
+    assert sim.rows["after1"].input == {"got": None}
+
+
+def test_a_signal_after_every_timeout_is_buffered_for_a_waiter_created_in_the_same_decision() -> None:
+    spec = wf(
+        {"id": "w1", "type": "WAIT_FOR_EVENT", "event": "go", "timeout_s": 5, "on_timeout": "continue"},
+        {"id": "w2", "type": "WAIT_FOR_EVENT", "event": "go", "depends_on": ["w1"]},
+    )
+    sim = Sim(spec)
+    sim.start()
+    sim.tick(6)
+    decision = sim.signal("go", "late")
+    assert kinds(decision) == ["ResolveWait w1 COMPLETED", "BufferSignal", "Create w2 COMPLETED",
+                               "ConsumeSignal", "FinishRun SUCCEEDED"]
+    buffered, consumed = decision.actions[1], decision.actions[3]
+    assert isinstance(buffered, BufferSignal) and isinstance(consumed, ConsumeSignal)
+    assert consumed.signal_id == buffered.signal_id
+    assert sim.run_output == {"w2": "late"} and decision.refused is None
+
+
+def test_a_signal_after_a_failing_timeout_is_refused_and_the_timeout_kept() -> None:
+    sim = Sim(EVENTS)
+    sim.start()
+    sim.complete("first")
+    sim.tick(61)
+    decision = sim.signal("go", "too late")
+    assert kinds(decision) == ["ResolveWait w FAILED", "FinishRun FAILED"]
+    assert decision.refused is not None and "failed before the signal \"go\" arrived" in decision.refused
+    assert sim.rows["w"].error == 'timed out waiting for event "go" after 60s'
+    assert sim.status is RunStatus.FAILED
+
+
+def test_a_signal_after_a_timeout_that_finished_the_run_is_not_buffered() -> None:
+    spec = wf({"id": "w", "type": "WAIT_FOR_EVENT", "event": "go", "timeout_s": 1, "on_timeout": "continue"})
+    sim = Sim(spec)
+    sim.start()
+    sim.tick(2)
+    decision = sim.signal("go", "x")
+    assert kinds(decision) == ["ResolveWait w COMPLETED", "FinishRun SUCCEEDED"]
+    assert decision.refused is not None and "SUCCEEDED before the signal" in decision.refused
+    assert sim.signals == []
+
+
+def test_a_signal_exactly_at_the_timeout_instant_is_too_late() -> None:
+    """wake_at <= now is due, as for the timer loop's query."""
+    sim = Sim(EVENTS)
+    sim.start()
+    sim.complete("first")
+    sim.tick(60)
+    assert sim.signal("go").refused is not None
 
 
 def test_timeout_fails_the_node_and_the_run() -> None:
@@ -368,7 +478,12 @@ def test_wait_until_literal_and_reference() -> None:
 def test_wait_until_unusable_value_fails_the_node(at: Any) -> None:
     sim = Sim(wf(task("other"), {"id": "w", "type": "WAIT", "until": "$.input.at"}), input={"at": at})
     decision = sim.start()
-    assert kinds(decision) == ["Create other PENDING", "Create w FAILED", "CancelTasks", "FinishRun FAILED"]
+    # "other" was created in the decision that failed the run: it is born CANCELLED,
+    # so it is never dispatched (no PENDING row, no outbox row, no CancelTasks).
+    assert kinds(decision) == ["Create other CANCELLED", "Create w FAILED", "FinishRun FAILED"]
+    other = decision.actions[0]
+    assert isinstance(other, CreateTask) and other.available_at is None
+    assert other.error is not None and other.error.startswith('run failed: node "w" failed')
     error = sim.rows["w"].error
     assert error is not None and "not an ISO-8601 instant with a time zone" in error
     assert sim.run_reason is not None and sim.run_reason.startswith('node "w" failed: until $.input.at resolved to')
@@ -462,7 +577,14 @@ def test_optional_failure_lets_successors_run() -> None:
     assert sim.run_output == {"join": 1, "only_opt": 2}
 
 
-def test_lease_expiry_retries_like_a_failure() -> None:
+def expire(sim: Sim, node_id: str, owner: str = "w1") -> Decision:
+    """``owner`` claims the node's task and dies; the sweeper finds its lease lapsed."""
+    ref = sim.claim(node_id, owner=owner)
+    sim.tick(sim.spec.nodes[node_id].lease_s)
+    return sim.send(LeaseExpired(ref=ref, now=sim.now))
+
+
+def test_lease_expiry_requeues_at_once_without_consuming_the_retry_policy() -> None:
     sim = Sim(RETRYING)
     sim.start()
     ref = sim.claim("a", owner="dead-worker")
@@ -472,19 +594,60 @@ def test_lease_expiry_retries_like_a_failure() -> None:
     expired = sim.send(LeaseExpired(ref=ref, now=sim.now))
     assert kinds(expired) == ["RequeueTask a"]
     requeue = expired.actions[0]
-    assert isinstance(requeue, RequeueTask) and "dead-worker" in requeue.reason
+    assert isinstance(requeue, RequeueTask) and requeue.lease_expired
+    assert requeue.reason.startswith("lease of dead-worker expired at") and requeue.available_at == sim.now
+    assert (sim.nodes["a"].attempt, sim.nodes["a"].lease_expiries) == (1, 1)
     # The dead worker comes back with its result: too late.
     assert sim.send(TaskCompleted(ref=ref, output=1, now=sim.now)).stale
+    # Three handler failures are still allowed (max_attempts 3), on attempts 1, 2 and 3.
+    assert kinds(sim.fail("a")) == ["RequeueTask a"]
+    sim.tick(5)
+    assert kinds(sim.fail("a")) == ["RequeueTask a"]
+    sim.tick(5)
+    assert kinds(sim.fail("a")) == ["FailTask a", "FinishRun FAILED"]
+    assert sim.nodes["a"].attempt == 3
+    assert sim.run_reason == 'node "a" failed after 3 attempts: boom'
 
 
-def test_lease_expiry_on_the_last_attempt_fails_the_node() -> None:
+def test_with_the_default_policy_a_crashed_workers_task_is_retried() -> None:
+    """max_attempts 1 (no retry of handler failures): a lease expiry still re-queues."""
     sim = Sim(wf(task("a")))
     sim.start()
-    ref = sim.claim("a")
-    sim.tick(31)
-    decision = sim.send(LeaseExpired(ref=ref, now=sim.now))
+    assert kinds(expire(sim, "a")) == ["RequeueTask a"]
+    assert kinds(sim.complete("a", "done")) == ["CompleteTask a", "FinishRun SUCCEEDED"]
+    assert sim.run_output == {"a": "done"}
+
+
+def test_a_handler_failure_after_an_expiry_is_its_first_attempt() -> None:
+    sim = Sim(wf(task("a")))
+    sim.start()
+    expire(sim, "a")
+    assert kinds(sim.fail("a")) == ["FailTask a", "FinishRun FAILED"]
+    assert sim.run_reason == 'node "a" failed after 1 attempt: boom'
+
+
+def test_lease_expiries_past_the_cap_fail_the_task_naming_them_and_the_last_owner() -> None:
+    sim = Sim(wf(task("a", retry={"max_attempts": 5})))
+    sim.start()
+    for owner in ("w1", "w2", "w3"):                      # the default cap: 3 re-queues
+        assert kinds(expire(sim, "a", owner)) == ["RequeueTask a"]
+    assert kinds(sim.fail("a")) == ["RequeueTask a"]       # a handler failure in between changes nothing
+    sim.tick(1)                                            # its backoff
+    decision = expire(sim, "a", "w5")
     assert kinds(decision) == ["FailTask a", "FinishRun FAILED"]
-    assert sim.run_reason is not None and "lease of w1 expired" in sim.run_reason
+    fail = decision.actions[0]
+    assert isinstance(fail, FailTask)
+    assert fail.reason.startswith("lease expired 4 times (max_lease_expiries is 3); last owner w5, "
+                                  "whose lease expired at ")
+    assert sim.run_reason == f'node "a" failed: {fail.reason}'
+
+
+def test_max_lease_expiries_zero_fails_at_the_first_expiry() -> None:
+    sim = Sim(wf(task("a", max_lease_expiries=0, retry={"max_attempts": 3})))
+    sim.start()
+    decision = expire(sim, "a", "gone")
+    assert kinds(decision) == ["FailTask a", "FinishRun FAILED"]
+    assert "lease expired once (max_lease_expiries is 0); last owner gone" in str(sim.run_reason)
 
 
 # ---------------------------------------------------------------------------
@@ -677,7 +840,7 @@ def test_naive_now_is_refused() -> None:
 def test_decision_properties() -> None:
     assert Decision(actions=(Stale(reason="x"),)).stale
     done = FinishRun(status=RunStatus.SUCCEEDED, output={})
-    assert Decision(actions=(BufferSignal(name="n", payload=None), done)).finish == done
+    assert Decision(actions=(BufferSignal(signal_id="s", name="n", payload=None), done)).finish == done
     assert not Decision(actions=()).stale
     assert Decision(actions=()).finish is None
 

@@ -159,19 +159,17 @@ def send_checked(sim: Sim, event: Event) -> Decision | None:
                 assert state_of(sim) == before
                 return None
             raise AssertionError("signal or cancel on a finished run must raise Conflict")
+        # The signal's waiters, earliest-created first (database clock, then task id);
+        # those whose timeout has passed by the event's clock time out first.
         waiters = sorted(
-            (s.task_id, n)
+            (s.created_at, s.task_id, n, s.wake_at)
             for n, s in sim.nodes.items()
             if isinstance(event, SignalReceived) and s.state is TaskState.WAITING and s.event_name == event.name
         )
         decision = sim.send(event)
         assert not decision.stale and decision.actions
         if isinstance(event, SignalReceived):
-            first = decision.actions[0]
-            if waiters:
-                assert isinstance(first, ResolveWait) and (first.task_id, first.node_id) == waiters[0]
-            else:
-                assert decision.actions == (BufferSignal(name=event.name, payload=event.payload),)
+            check_signal(decision, event, [(task_id, node_id, wake) for _, task_id, node_id, wake in waiters])
         return decision
     current = expected_current(sim, event)
     decision = sim.send(event)
@@ -183,6 +181,35 @@ def send_checked(sim: Sim, event: Event) -> Decision | None:
     if finished:
         assert state_of(sim) == before, "a finished run changed"
     return decision
+
+
+def check_signal(decision: Decision, event: SignalReceived, waiters: list[tuple[str, str, Any]]) -> None:
+    """Timed-out waiters are resolved by their timers, in creation order; then the signal
+    resolves exactly one live waiter, or is buffered, or (the timeouts finished the run)
+    is refused. It never resolves more than one node."""
+    timed_out: list[str] = []
+    live: tuple[str, str] | None = None
+    for task_id, node_id, wake in waiters:
+        if wake is not None and wake <= event.now:
+            timed_out.append(node_id)
+            continue
+        live = (task_id, node_id)
+        break
+    existing = {node_id for _, node_id, _ in waiters}
+    resolved = [a for a in decision.actions if isinstance(a, ResolveWait) and a.node_id in existing]
+    timers = [a.node_id for a in resolved if a.timer]
+    assert timers == timed_out[: len(timers)], (timers, timed_out)
+    by_signal = [a for a in resolved if not a.timer]
+    buffers = [a for a in decision.actions if isinstance(a, BufferSignal)]
+    assert len(by_signal) + len(buffers) <= 1, decision
+    if decision.refused is not None:
+        assert not by_signal and not buffers and decision.finish is not None
+        return
+    assert timers == timed_out
+    if live is not None:
+        assert [(a.task_id, a.node_id) for a in by_signal] == [live] and by_signal[0].output == event.payload
+    else:
+        assert not by_signal and [(b.name, b.payload) for b in buffers] == [(event.name, event.payload)]
 
 
 def moves(sim: Sim) -> list[tuple[Any, ...]]:
@@ -361,9 +388,15 @@ def test_happy_path_reaches_a_terminal_status(doc: dict[str, Any], run_input: di
     drain(sim)
     check_final(sim)
     if sim.status is RunStatus.FAILED:
+        # Only a wait can fail here: a WAIT whose `until` is garbage, or a WAIT_FOR_EVENT
+        # whose signal came (by the clock) after its timeout.
         failed = [n for n, s in sim.nodes.items() if s.state is TaskState.FAILED]
-        assert all(sim.spec.nodes[n].type is NodeType.WAIT for n in failed), sim.run_reason
-        assert run_input["at"] == "garbage"
+        for node_id in failed:
+            if sim.spec.nodes[node_id].type is NodeType.WAIT:
+                assert run_input["at"] == "garbage"
+            else:
+                assert sim.spec.nodes[node_id].type is NodeType.WAIT_FOR_EVENT, sim.run_reason
+                assert "timed out" in str(sim.rows[node_id].error), sim.rows[node_id].error
 
 
 def test_stale_events_on_a_sample_run_are_reported() -> None:

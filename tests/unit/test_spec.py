@@ -124,6 +124,8 @@ def test_defaults() -> None:
     assert spec.webhook_url is None
     assert a.queue == "default"
     assert a.lease_s == 30
+    assert a.max_lease_expiries == 3
+    assert a.to_json()["max_lease_expiries"] == 3
     assert a.retry == RetryPolicy(max_attempts=1, initial_backoff_s=1, multiplier=2, max_backoff_s=60)
     assert a.optional is False
     assert a.input == {}
@@ -278,6 +280,12 @@ INVALID: list[tuple[str, Callable[[dict[str, Any]], None], tuple[str, ...]]] = [
     ("zero lease", edit("charge", lease_s=0), ('node "charge"', "lease_s", "greater than 0")),
     ("negative lease", edit("charge", lease_s=-1), ('node "charge"', "lease_s")),
     ("bad on_timeout", edit("delivered", on_timeout="skip"), ('node "delivered"', "on_timeout")),
+    ("negative lease expiries", edit("charge", max_lease_expiries=-1),
+     ('node "charge"', "max_lease_expiries", "from 0 to 1000")),
+    ("float lease expiries", edit("charge", max_lease_expiries=1.5), ('node "charge"', "max_lease_expiries")),
+    ("bool lease expiries", edit("charge", max_lease_expiries=True), ('node "charge"', "max_lease_expiries")),
+    ("huge lease expiries", edit("charge", max_lease_expiries=10**6), ('node "charge"', "max_lease_expiries")),
+    ("lease expiries on a WAIT", edit("cool_off", max_lease_expiries=1), ('node "cool_off"', "TASK")),
     ("retry not an object", edit("charge", retry=3), ('node "charge"', "retry")),
     ("retry unknown key", edit("charge", retry={"max_attempt": 3}), ('node "charge"', '"max_attempt"')),
     ("retry zero attempts", edit("charge", retry={"max_attempts": 0}), ('node "charge"', "max_attempts")),
