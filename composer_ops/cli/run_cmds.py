@@ -20,6 +20,7 @@ from composer_ops.engine.webhooks import RelayPolicy
 from composer_ops.engine.worker import check_shutdown_timeout
 from composer_ops.errors import Invalid, ShutdownTimeout
 from composer_ops.repo.retention import parse_cutoff
+from composer_ops.repo.rows import HistoryRow
 
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -41,6 +42,8 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     sig.add_argument("run_id")
     sig.add_argument("name")
     sig.add_argument("--payload", help="signal payload as JSON")
+    sig.add_argument("--key", help="idempotency key: sending again with the same key (to the same run) "
+                                   "resolves nothing more and prints the first outcome")
     sig.set_defaults(func=cmd_signal)
 
     cancel = sub.add_parser("cancel", help="cancel a run and its active tasks")
@@ -51,7 +54,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
 
     runs = sub.add_parser("runs", help="inspect runs")
     rsub = runs.add_subparsers(dest="runs_command", required=True, metavar="{show,delete}")
-    show = rsub.add_parser("show", help="a run, its output or error, and its tasks")
+    show = rsub.add_parser("show", help="a run, its output or error, its tasks and its history")
     add_database_option(show, reads_only=True)
     show.add_argument("run_id")
     show.add_argument("--json", action="store_true", help="print JSON")
@@ -190,8 +193,8 @@ def cmd_start(args: argparse.Namespace) -> int:
 def cmd_signal(args: argparse.Namespace) -> int:
     payload = json_arg(args.payload, "--payload")
     with _engine(args) as engine:
-        engine.signal(args.run_id, args.name, payload)
-    print("signalled")
+        outcome = engine.signal(args.run_id, args.name, payload, key=args.key)
+    print("already signalled with this key" if outcome.replayed else "signalled")
     return EXIT_OK
 
 
@@ -206,8 +209,9 @@ def cmd_runs_show(args: argparse.Namespace) -> int:
     with _engine(args, reads_only=True) as engine:
         run = engine.get_run(args.run_id)
     if args.json:
-        emit_json({**{k: v for k, v in run.__dict__.items() if k != "tasks"},
-                   "tasks": [t.__dict__ for t in run.tasks]})
+        emit_json({**{k: v for k, v in run.__dict__.items() if k not in ("tasks", "history")},
+                   "tasks": [t.__dict__ for t in run.tasks],
+                   "history": [{k: v for k, v in h.__dict__.items() if k != "request"} for h in run.history]})
         return EXIT_OK
     print(f"run {run.id}  {run.workflow_id} v{run.workflow_version}  {run.status}")
     done = f"{run.completed_at:%Y-%m-%d %H:%M:%S%z}" if run.completed_at else "-"
@@ -222,6 +226,9 @@ def cmd_runs_show(args: argparse.Namespace) -> int:
         if t.state == "WAITING" and t.wake_at:
             detail = f"{detail} until {t.wake_at:%Y-%m-%d %H:%M:%S%z}".strip()
         print(f"{t.node_id:<24} {t.node_type:<15} {t.state:<10} {t.attempt:>7}  {detail}")
+    print("history:" if run.history else "history: none")
+    for h in run.history:
+        print(f"  {h.at:%Y-%m-%d %H:%M:%S.%f%z}  {describe_history(h)}")
     return EXIT_OK
 
 
@@ -249,6 +256,38 @@ def cmd_runs_delete(args: argparse.Namespace) -> int:
     else:
         print(text)
     return EXIT_OK
+
+
+def describe_history(h: HistoryRow) -> str:
+    """One line for a row of a run's history."""
+    d: dict[str, Any] = h.detail if isinstance(h.detail, dict) else {}
+    node = f"{h.node_id}" + (f" attempt {h.attempt}" if h.attempt is not None else "") if h.node_id else ""
+    by = f" by {h.worker}" if h.worker else ""
+    then = f"; run {d['finished']}" if "finished" in d else ""
+    if h.kind in ("failed", "lease_expired"):
+        what = "re-queued" if d.get("requeued") else "gave up"
+        label = "failed" if h.kind == "failed" else "lease expired"
+        return f"{label:<15} {node}{by}: {d.get('error', '')} ({what}){then}"
+    if h.kind == "signal":
+        key = f" (key {d['key']!r})" if "key" in d else ""
+        name = f"signal {d.get('name', '')!r}{key}"
+        if "refused" in d:
+            return f"{'signal':<15} {name} refused: {d['refused']}"
+        if "buffered" in d:
+            return f"{'signal':<15} {name} buffered{then}"
+        return f"{'signal':<15} {name} resolved {h.node_id}{then}"
+    if h.kind == "signal_consumed":
+        return f"{'signal':<15} buffered signal consumed by {h.node_id}{then}"
+    if h.kind == "timer":
+        at_signal = " (overdue when a signal came)" if d.get("judged_at") == "signal" else ""
+        error = f": {d['error']}" if "error" in d else ""
+        return f"{'timer':<15} {h.node_id} {d.get('state', '')}{error}{at_signal}{then}"
+    if h.kind == "cancelled":
+        return f"{'cancelled':<15} {d.get('reason', '')} ({d.get('tasks', 0)} active task(s) cancelled)"
+    if h.kind == "lease_lost":
+        return f"{'lease lost':<15} {node}{by}: {d.get('reason', '')}"
+    extra = ", ".join(f"{k} {v}" for k, v in d.items() if k != "finished")
+    return f"{h.kind:<15} {node}{by}{': ' + extra if extra else ''}{then}".rstrip()
 
 
 def cmd_coordinator(args: argparse.Namespace) -> int:

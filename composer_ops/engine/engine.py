@@ -20,10 +20,11 @@ from composer_ops.db.migrate import migrate as run_migrations
 from composer_ops.db.retry import db_retry
 from composer_ops.engine.ids import uuid7_at
 from composer_ops.engine.jsonvalues import check_json
+from composer_ops.engine.requests import Request, key_request
 from composer_ops.engine.shell import Outcome, Shell
 from composer_ops.errors import Conflict, Invalid, NotFound
-from composer_ops.repo import definitions, outbox, partitions, runs, tasks, webhooks
-from composer_ops.repo.rows import Claim, DeletedRun, PartitionRow, RunRow, RunView
+from composer_ops.repo import definitions, history, outbox, partitions, runs, tasks, webhooks
+from composer_ops.repo.rows import Claim, DeletedRun, HistoryEntry, PartitionRow, RunRow, RunView
 
 if TYPE_CHECKING:
     from composer_ops.engine.coordinator import Coordinator
@@ -121,15 +122,19 @@ class Engine:
         check_json(input, "input")
         if run_id is not None:
             validate_run_id(run_id)  # the format, before touching the database
-        return self._start(workflow_id, input, version, run_id, [])
+        return self._start(workflow_id, input, version, run_id, [], Request())
 
     @db_retry()
     def _start(self, workflow_id: str, input: Any, version: int | None, client_id: str | None,
-               minted: list[str]) -> str:
-        # An ID the engine mints is kept across retries (in ``minted``): if an attempt
-        # committed but its acknowledgement was lost, the retry finds the run instead
-        # of starting a second one. 74 random bits: a conflict can only be our own.
-        retry_of_minted = bool(minted)
+               minted: list[str], request: Request) -> str:
+        # The run ID (minted or the client's) and the request are kept across retries:
+        # a retry whose earlier attempt committed finds the run's 'started' row of this
+        # request and returns the run, never a second run and never a Conflict.
+        look = request.attempt()
+        if look and minted + ([client_id] if client_id else []):
+            started = self._started_by(minted[0] if minted else str(client_id), request)
+            if started is not None:
+                return started
         with self.pool.connection() as conn, conn.transaction():
             # The clock and the definition in one statement; a missing definition is
             # refused after the run ID checks, in the order they always ran.
@@ -151,29 +156,54 @@ class Engine:
             spec = self.shell.definition(conn, row.id, row.version).spec
             try:
                 runs.insert_run(conn, run_id=run_id, workflow_id=row.id, workflow_version=row.version,
-                                input=input, context={"input": input, "config": dict(spec.config)})
+                                input=input, context={"input": input, "config": dict(spec.config)},
+                                request=request.id)
             except Conflict:
-                if not retry_of_minted:
-                    raise
-                log.info("run %s was started by an earlier attempt whose commit was not acknowledged", run_id,
-                         extra={"action": "start_run", "run_id": run_id})
-                return run_id
+                # An earlier attempt still finishing on the server when this one looked
+                # (its connection lost, its COMMIT not yet processed) held the run ID's
+                # insert until it committed: look again now that it has.
+                if look and self._started_by(run_id, request) is not None:
+                    return run_id
+                raise
             # The insert holds the new row's lock until commit; no need to lock again.
             self.shell.start_decision(conn, RunRow(
                 id=run_id, workflow_id=row.id, workflow_version=row.version, status="RUNNING",
-                context={"input": input, "config": dict(spec.config)}, now=now))
+                context={"input": input, "config": dict(spec.config)}, now=now), request)
         log.info("started run %s of %s v%d", run_id, workflow_id, row.version,
                  extra={"action": "start_run", "run_id": run_id})
         return run_id
 
-    def signal(self, run_id: str, name: str, payload: Any = None) -> Outcome:
-        """Deliver a signal: it resolves the earliest node waiting for ``name``, or is
-        buffered. A finished run is a Conflict; an unknown one NotFound."""
+    def _started_by(self, run_id: str, request: Request) -> str | None:
+        """``run_id`` when ``request`` started that run (an attempt whose acknowledgement was lost)."""
+        with self.pool.connection() as conn:
+            found = history.of_request(conn, run_id, request.id)
+        if not found:
+            return None
+        log.info("run %s was started by an earlier attempt whose commit was not acknowledged", run_id,
+                 extra={"action": "start_run", "run_id": run_id})
+        return run_id
+
+    def signal(self, run_id: str, name: str, payload: Any = None, key: str | None = None) -> Outcome:
+        """Deliver a signal: it resolves the earliest-created node waiting for ``name``,
+        or is buffered. A finished run is a Conflict; an unknown one NotFound; a signal
+        that arrives after the waiter's timeout (by the database clock) finds the node
+        timed out, and is a Conflict if that timeout finished the run.
+
+        ``key`` is the caller's idempotency key: every call with the same key (on this
+        run) after the first returns the first call's outcome (``replayed``) and
+        resolves nothing more."""
         validate_run_id(run_id)
         if not isinstance(name, str) or not name.strip() or len(name) > 200 or "\x00" in name:
             raise Invalid(f"signal name must be a non-empty string of at most 200 characters, got {name!r}")
+        if key is not None and (not isinstance(key, str) or not key.strip() or len(key) > 200
+                                or not key.isprintable()):
+            raise Invalid(f"signal key must be a non-empty printable string of at most 200 characters, got {key!r}")
         check_json(payload, "payload")
-        return self.shell.handle(run_id, lambda now: SignalReceived(name=name, payload=payload, now=now))
+        outcome = self.shell.handle(run_id, lambda now: SignalReceived(name=name, payload=payload, now=now),
+                                    request=key_request(key) if key is not None else None)
+        if outcome.refused:
+            raise Conflict(outcome.refused)
+        return outcome
 
     def cancel(self, run_id: str, reason: str = "cancelled") -> Outcome:
         """Cancel a run and its active tasks; late results for them are stale."""
@@ -235,13 +265,26 @@ class Engine:
 
     # -- the worker's side ----------------------------------------------------
 
-    @db_retry()
     def claim(self, queues: Sequence[str], owner: str, limit: int, task_names: Sequence[str] | None = None
               ) -> list[Claim]:
         """Claim up to ``limit`` tasks for ``owner``: one statement, its own transaction
-        (autocommit: no BEGIN/COMMIT round trips around it)."""
+        (autocommit: no BEGIN/COMMIT round trips around it). Each claimed task's history
+        records the claim's ID; a retry after a lost acknowledgement first returns the
+        tasks the lost attempt took, which ``owner`` still holds."""
+        return self._claim(queues, owner, limit, task_names, Request())
+
+    @db_retry()
+    def _claim(self, queues: Sequence[str], owner: str, limit: int, task_names: Sequence[str] | None,
+               request: Request) -> list[Claim]:
+        look = request.attempt()
         with self.pool.connection() as conn, autocommit(conn):
-            return outbox.claim(conn, queues, owner, limit, task_names=task_names)
+            if look:
+                earlier = outbox.claimed_by(conn, owner, request.id)
+                if earlier:
+                    log.info("claim %s by %s was committed before its acknowledgement was lost: %d task(s)",
+                             request.id, owner, len(earlier), extra={"action": "claim"})
+                    return earlier
+            return outbox.claim(conn, queues, owner, limit, task_names=task_names, claim_id=request.id)
 
     def complete(self, claim: Claim, output: Any) -> Outcome:
         ref = _task_ref(claim)
@@ -254,9 +297,26 @@ class Engine:
 
     @db_retry(max_attempts=3)
     def heartbeat(self, claim: Claim) -> datetime | None:
-        """Extend the claim's lease; None when the lease is lost."""
+        """Extend the claim's lease; None when the lease is lost. Idempotent as it is: a
+        retry after a lost acknowledgement finds the lease it extended still held, and
+        extends it again from the database clock."""
         with self.pool.connection() as conn, conn.transaction():
             return tasks.heartbeat(conn, _task_ref(claim), claim.lease_owner, claim.lease_s)
+
+    def lease_lost(self, claim: Claim, reason: str) -> None:
+        """Record in the run's history that ``claim``'s worker found its lease lost (or
+        gave the attempt up, ``reason`` says which) and dropped its result."""
+        self._note(claim.run_id, HistoryEntry(kind="lease_lost", node_id=claim.node_id, task_id=claim.task_id,
+                                              attempt=claim.attempt, worker=claim.lease_owner,
+                                              detail={"reason": reason}), Request())
+
+    @db_retry()
+    def _note(self, run_id: str, entry: HistoryEntry, request: Request) -> None:
+        look = request.attempt()
+        with self.pool.connection() as conn, conn.transaction():
+            if look and history.of_request(conn, run_id, request.id):
+                return
+            history.record(conn, run_id, request.id, [entry])
 
 
 def _check_workflow_id(workflow_id: object) -> None:

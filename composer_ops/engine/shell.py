@@ -5,6 +5,16 @@ clock in the same statement), ask the machine, apply its actions through the
 repository, commit. A fenced update that matches zero rows means something changed
 the task outside the engine: the transaction is rolled back, never committed with a
 decision based on a wrong snapshot. Transient database errors retry the whole event.
+
+Each event is recorded in the run's history in the same transaction, under the
+event's :class:`~composer_ops.engine.requests.Request`. A retry of the event first
+looks, under the run lock, for its request's rows: found, the earlier attempt
+committed and the retry returns its outcome (``Outcome.replayed``) without deciding
+again. The row recording the event carries what the caller needs back: whether the
+event finished the run, whether a signal was refused.
+
+Cancelling tasks deletes their outbox rows before updating the tasks, the order the
+claim takes them in (see ``repo.outbox``).
 """
 
 from __future__ import annotations
@@ -18,6 +28,7 @@ from typing import Any
 
 from composer_ops.core import (
     BufferSignal,
+    CancelRun,
     CancelTasks,
     CompleteTask,
     ConsumeSignal,
@@ -26,6 +37,7 @@ from composer_ops.core import (
     Event,
     FailTask,
     FinishRun,
+    LeaseExpired,
     NodeState,
     NodeType,
     RequeueTask,
@@ -34,8 +46,10 @@ from composer_ops.core import (
     RunSnapshot,
     RunStatus,
     Signal,
+    SignalReceived,
     Stale,
     StartRun,
+    TaskFailed,
     TaskState,
     WorkflowSpec,
     decide,
@@ -44,10 +58,11 @@ from composer_ops.core import (
 from composer_ops.db.errors import Pool
 from composer_ops.db.retry import db_retry
 from composer_ops.engine.ids import uuid7_text
+from composer_ops.engine.requests import KEY_PREFIX, Request
 from composer_ops.errors import Conflict
-from composer_ops.repo import definitions, outbox, runs, signals, tasks, webhooks
+from composer_ops.repo import definitions, history, outbox, runs, signals, tasks, webhooks
 from composer_ops.repo._base import Conn
-from composer_ops.repo.rows import Dispatch, RunRow, TaskStateRow
+from composer_ops.repo.rows import Dispatch, HistoryEntry, HistoryRow, RunRow, TaskStateRow
 
 log = logging.getLogger(__name__)
 
@@ -64,11 +79,20 @@ class Definition:
 
 @dataclass(frozen=True, kw_only=True)
 class Outcome:
-    """What handling one event did."""
+    """What handling one event did.
+
+    ``refused`` is set when a signal was not delivered although the event changed the
+    run (a timeout had finished it first, by the database clock); the caller raises it
+    as ``Conflict``. ``replayed`` when the request had already been applied (an attempt
+    whose acknowledgement was lost, or an earlier call with the same signal key): this
+    is that first outcome, and nothing was changed now.
+    """
 
     run_id: str
     stale: str | None = None            # the reason, when the event changed nothing
     finished: RunStatus | None = None   # set when this event finished the run
+    refused: str | None = None
+    replayed: bool = False
 
     @property
     def applied(self) -> bool:
@@ -113,15 +137,25 @@ class Shell:
 
     # -- events ------------------------------------------------------------
 
+    def handle(self, run_id: str, make_event: Callable[[datetime], Event], *,
+               request: Request | None = None) -> Outcome:
+        """Apply one event to one run in one transaction, under the run's row lock;
+        ``request`` is the API call it belongs to (a new one when None)."""
+        return self._handle(run_id, make_event, request or Request())
+
     @db_retry()
-    def handle(self, run_id: str, make_event: Callable[[datetime], Event]) -> Outcome:
-        """Apply one event to one run in one transaction, under the run's row lock."""
+    def _handle(self, run_id: str, make_event: Callable[[datetime], Event], request: Request) -> Outcome:
+        look = request.attempt()
         with self.pool.connection() as conn, conn.transaction():
             row, tasks_of_run = runs.lock_and_load(conn, run_id)
+            if look:
+                earlier = history.of_request(conn, run_id, request.id)
+                if earlier:
+                    return _replayed(run_id, earlier, make_event(row.now))
             snapshot = self.snapshot(conn, row, tasks_of_run)
             event = make_event(row.now)
             decision = decide(snapshot, event, _Store(conn, run_id), uuid7_text)
-            return self.apply(conn, snapshot, decision)
+            return self.apply(conn, snapshot, decision, event=event, request=request)
 
     def snapshot(self, conn: Conn, row: RunRow, tasks: Mapping[str, TaskStateRow]) -> RunSnapshot:
         """The machine's view of a locked run and its tasks (:func:`runs.lock_and_load`)."""
@@ -136,22 +170,28 @@ class Shell:
             nodes={node_id: NodeState(task_id=t.task_id, state=TaskState(t.state), attempt=t.attempt,
                                       branches=tuple(t.branches) if t.branches is not None else None,
                                       event_name=t.event_name, lease_owner=t.lease_owner,
-                                      lease_expires_at=t.lease_expires_at)
+                                      lease_expires_at=t.lease_expires_at, created_at=t.created_at,
+                                      wake_at=t.wake_at, lease_expiries=t.lease_expiries)
                    for node_id, t in nodes.items()},
         )
 
-    def start_decision(self, conn: Conn, row: RunRow) -> Outcome:
+    def start_decision(self, conn: Conn, row: RunRow, request: Request) -> Outcome:
         """Create a just-inserted run's root tasks (the StartRun event)."""
         snapshot = self.snapshot(conn, row, {})   # just inserted: no tasks yet
-        decision = decide(snapshot, StartRun(now=row.now), _Store(conn, row.id), uuid7_text)
-        return self.apply(conn, snapshot, decision)
+        event = StartRun(now=row.now)
+        decision = decide(snapshot, event, _Store(conn, row.id), uuid7_text)
+        return self.apply(conn, snapshot, decision, event=event, request=request)
 
     # -- applying actions --------------------------------------------------
 
-    def apply(self, conn: Conn, run: RunSnapshot, decision: Decision) -> Outcome:
-        """Write the decision's actions in order; raise (rolling back) on a fence miss."""
+    def apply(self, conn: Conn, run: RunSnapshot, decision: Decision, *, event: Event,
+              request: Request) -> Outcome:
+        """Write the decision's actions in order, and the event's history; raise (rolling
+        back) on a fence miss."""
         dispatches: list[Dispatch] = []
+        notes = _Notes(event, decision, request)
         finished: RunStatus | None = None
+        created: str | None = None            # the node of the last CreateTask (a ConsumeSignal follows it)
         for action in decision.actions:
             if isinstance(action, Stale):
                 log.info("stale event on run %s: %s", run.id, action.reason,
@@ -159,12 +199,18 @@ class Shell:
                 return Outcome(run_id=run.id, stale=action.reason)
             if isinstance(action, CreateTask):
                 self._create(conn, run, action, dispatches)
+                created = action.node_id
             elif isinstance(action, CompleteTask):
-                _fenced(tasks.complete_task(conn, action.ref, action.output), action)
+                _fenced(tasks.complete_task(conn, action.ref, action.output, request=request.id,
+                                            entry=notes.task_entry("completed", action.ref)), action)
             elif isinstance(action, FailTask):
-                _fenced(tasks.fail_task(conn, action.ref, action.reason), action)
+                entry = notes.task_entry(notes.failure_kind, action.ref, error=action.reason, requeued=False)
+                _fenced(tasks.fail_task(conn, action.ref, action.reason, request=request.id, entry=entry), action)
             elif isinstance(action, RequeueTask):
-                nxt = _fenced(tasks.requeue_task(conn, action.ref, action.reason), action)
+                entry = notes.task_entry(notes.failure_kind, action.ref, error=action.reason, requeued=True,
+                                         available_at=action.available_at.isoformat())
+                nxt = _fenced(tasks.requeue_task(conn, action.ref, action.reason, lease_expired=action.lease_expired,
+                                                 request=request.id, entry=entry), action)
                 node = run.spec.nodes[nxt.node_id]
                 dispatches.append(Dispatch(run_id=run.id, task_id=nxt.task_id, attempt=nxt.attempt,
                                            queue=node.queue or "default", task_name=node.task or nxt.node_id,
@@ -172,19 +218,24 @@ class Shell:
             elif isinstance(action, ResolveWait):
                 _fenced(signals.resolve_wait(conn, run.id, action.task_id, state=str(action.state),
                                              output=action.output, reason=action.reason) or None, action)
+                notes.resolved(action)
             elif isinstance(action, BufferSignal):
-                signals.buffer_signal(conn, run.id, signal_id=uuid7_text(), name=action.name,
+                signals.buffer_signal(conn, run.id, signal_id=action.signal_id, name=action.name,
                                       payload=action.payload)
+                notes.buffered(action)
             elif isinstance(action, ConsumeSignal):
                 _fenced(signals.consume_signal(conn, run.id, action.signal_id) or None, action)
+                notes.consumed(action, created)
             elif isinstance(action, CancelTasks):
+                outbox.delete_for_tasks(conn, run.id, action.task_ids)     # outbox rows first: the lock order
                 tasks.cancel_tasks(conn, run.id, action.task_ids, action.reason)
-                outbox.delete_for_tasks(conn, run.id, action.task_ids)
+                notes.cancelled_tasks += len(action.task_ids)
             elif isinstance(action, FinishRun):
                 self._finish(conn, run, action)
                 finished = action.status
+        history.record(conn, run.id, request.id, notes.entries())
         outbox.enqueue(conn, dispatches)
-        return Outcome(run_id=run.id, finished=finished)
+        return Outcome(run_id=run.id, finished=finished, refused=decision.refused)
 
     def _create(self, conn: Conn, run: RunSnapshot, a: CreateTask, dispatches: list[Dispatch]) -> None:
         node = run.spec.nodes[a.node_id]
@@ -212,6 +263,89 @@ class Shell:
                 "status": str(a.status), "output": a.output,
                 "error": {"error": a.reason} if a.reason else None,
             })
+
+
+class _Notes:
+    """The history rows of one event, in the order of its actions: the row that records
+    the event itself (it carries what the caller gets back on a replay: ``finished``,
+    ``refused``) and the rows of what else happened in the same decision (timeouts
+    judged at a signal, buffered signals consumed by new nodes)."""
+
+    def __init__(self, event: Event, decision: Decision, request: Request) -> None:
+        self.event = event
+        finish = decision.finish
+        self.outcome: dict[str, Any] = {}
+        if finish is not None:
+            self.outcome["finished"] = str(finish.status)
+        if decision.refused is not None:
+            self.outcome["refused"] = decision.refused
+        self.key = request.id[len(KEY_PREFIX):] if request.id.startswith(KEY_PREFIX) else None
+        self.failure_kind = "lease_expired" if isinstance(event, LeaseExpired) else "failed"
+        self.cancelled_tasks = 0
+        self.rows: list[HistoryEntry] = []
+        self.recorded = False                  # the event's own row is among ``rows``
+
+    def task_entry(self, kind: str, ref: Any, **detail: Any) -> HistoryEntry:
+        """The event's own row, for a worker's report or a lease expiry (written by the
+        task's fenced update rather than with the other rows)."""
+        if isinstance(self.event, TaskFailed):
+            detail["retryable"] = self.event.retryable
+        return HistoryEntry(kind=kind, node_id=ref.node_id, task_id=ref.task_id, attempt=ref.attempt,
+                            worker=ref.lease_owner, detail={**detail, **self.outcome} or None)
+
+    def _signal(self, **detail: Any) -> dict[str, Any]:
+        assert isinstance(self.event, SignalReceived)
+        signal: dict[str, Any] = {"name": self.event.name}
+        if self.key is not None:
+            signal["key"] = self.key
+        self.recorded = True
+        return {**signal, **detail, **self.outcome}
+
+    def resolved(self, a: ResolveWait) -> None:
+        if not a.timer:
+            self.rows.append(HistoryEntry(kind="signal", node_id=a.node_id, task_id=a.task_id,
+                                          detail=self._signal()))
+            return
+        detail: dict[str, Any] = {"state": str(a.state)}
+        if a.reason:
+            detail["error"] = a.reason
+        if isinstance(self.event, SignalReceived):
+            detail["judged_at"] = "signal"      # overdue when the signal came: resolved as its timer would
+        else:
+            detail |= self.outcome
+            self.recorded = True
+        self.rows.append(HistoryEntry(kind="timer", node_id=a.node_id, task_id=a.task_id, detail=detail))
+
+    def buffered(self, a: BufferSignal) -> None:
+        self.rows.append(HistoryEntry(kind="signal", detail=self._signal(buffered=a.signal_id)))
+
+    def consumed(self, a: ConsumeSignal, node_id: str | None) -> None:
+        self.rows.append(HistoryEntry(kind="signal_consumed", node_id=node_id, detail={"signal": a.signal_id}))
+
+    def entries(self) -> list[HistoryEntry]:
+        """The rows to write once the actions are applied."""
+        if isinstance(self.event, CancelRun):
+            self.rows.append(HistoryEntry(kind="cancelled", detail={
+                "reason": self.event.reason, "tasks": self.cancelled_tasks, **self.outcome}))
+        elif isinstance(self.event, SignalReceived) and not self.recorded:
+            self.rows.append(HistoryEntry(kind="signal", detail=self._signal()))   # refused
+        return self.rows
+
+
+def _replayed(run_id: str, rows: list[HistoryRow], event: Event) -> Outcome:
+    """The outcome of a request that was already applied, from the rows it wrote."""
+    details = [r.detail for r in rows if isinstance(r.detail, dict)]
+    if isinstance(event, SignalReceived):
+        names = [str(d["name"]) for d in details if "name" in d]
+        if names and event.name not in names:
+            raise Conflict(f"run {run_id}: this signal key was used for signal {names[0]!r}, "
+                           f"not {event.name!r}")
+    finished = next((d["finished"] for d in details if "finished" in d), None)
+    refused = next((d["refused"] for d in details if "refused" in d), None)
+    log.info("run %s: request already applied (%s); returning its outcome", run_id, rows[0].request,
+             extra={"action": "replayed", "run_id": run_id})
+    return Outcome(run_id=run_id, finished=RunStatus(finished) if finished else None, refused=refused,
+                   replayed=True)
 
 
 def _lease(lease_s: float) -> int:

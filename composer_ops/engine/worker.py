@@ -70,6 +70,8 @@ class TaskContext:
     #: is later, counted from inside those statements).
     _held_until: float = field(default=math.inf, repr=False)
     _lost: bool = field(default=False, repr=False)
+    #: why the lease is lost, for the run's history
+    _loss: str = field(default="", repr=False)
     _reporting: bool = field(default=False, repr=False)
     #: set when a shutdown gave up waiting for the handler: no more heartbeats
     _abandoned: bool = field(default=False, repr=False)
@@ -82,6 +84,7 @@ class TaskContext:
     def lease_lost(self) -> bool:
         if not self._lost and time.monotonic() >= self._held_until:
             self._lost = True
+            self._loss = "heartbeats failed for a whole lease: the lease can no longer be known to be held"
         return self._lost
 
     def heartbeat(self) -> bool:
@@ -228,7 +231,18 @@ class Worker:
             log.warning("abandoning task %s attempt %d of run %s at shutdown: its handler is still running; "
                         "the lease is no longer extended", ctx.task_id, ctx.attempt, ctx.run_id,
                         extra={"action": "abandon", "run_id": ctx.run_id})
+            self._note_loss(ctx._claim, f"abandoned at shutdown: the handler was still running after "
+                                        f"{self.shutdown_timeout:g}s; the lease is no longer extended")
         return abandoned
+
+    def _note_loss(self, claim: Claim, reason: str) -> None:
+        """Record in the run's history that this worker gave up the attempt (best effort:
+        the database may be what failed)."""
+        try:
+            self.engine.lease_lost(claim, reason)
+        except Exception as exc:
+            log.warning("could not record the lost lease of task %s in run %s's history: %s", claim.task_id,
+                        claim.run_id, exc)
 
     def _slot(self, slots: queue.SimpleQueue[tuple[Claim, float] | None]) -> None:
         while (item := slots.get()) is not None:
@@ -265,6 +279,7 @@ class Worker:
             ctx._reporting = True
             if ctx.lease_lost:   # the handler may have stopped half-way: never apply what it returned
                 self._dropped(claim, "its lease was lost while the handler ran")
+                self._note_loss(claim, f"{ctx._loss}; the result was dropped")
             else:
                 self._report(claim, *outcome)
         except Exception:  # reporting failed beyond retries: the lease sweeper will retry the task
@@ -324,6 +339,7 @@ class Worker:
             if ctx._reporting:    # the result being reported moved the task off RUNNING: not a loss
                 return True
             ctx._lost = True
+            ctx._loss = "a heartbeat found the lease gone (the task was cancelled, re-queued or taken over)"
             log.warning("lease lost for task %s of run %s (attempt %d); its result will be dropped",
                         ctx.task_id, ctx.run_id, ctx.attempt)
             return False

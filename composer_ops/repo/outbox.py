@@ -1,10 +1,17 @@
 """The dispatch outbox: written with the task in one transaction, claimed by workers.
 
 The claim is one statement: it deletes the oldest available outbox rows of the
-worker's queues (FOR UPDATE SKIP LOCKED, so claimers never wait on each other) and
-moves the matching tasks to RUNNING with a lease, fenced on attempt. An outbox row
-whose task is no longer PENDING (cancelled, already finished) or whose run was
-soft-deleted is deleted and yields nothing.
+worker's queues (FOR UPDATE SKIP LOCKED, so claimers never wait on each other),
+moves the matching tasks to RUNNING with a lease, fenced on attempt, and writes a
+'claimed' row to each run's history marked with the claim's ID. An outbox row whose
+task is no longer PENDING (cancelled, already finished) or whose run was soft-deleted
+is deleted and yields nothing.
+
+Lock order: a transaction that touches both a task and its outbox row locks the
+outbox row first. The claim does (its DELETE feeds its UPDATE), and so does the
+shell when it cancels tasks (:func:`delete_for_tasks` before ``tasks.cancel_tasks``),
+so the two can wait for each other but never deadlock. Writing a new outbox row
+locks no existing one (a task gets a new dispatch only when it has none).
 """
 
 from __future__ import annotations
@@ -46,11 +53,7 @@ def listen(conn: Conn, channel: str = CHANNEL) -> None:
     conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(channel)))
 
 
-def claim(conn: Conn, queues: Sequence[str], owner: str, limit: int,
-          task_names: Sequence[str] | None = None) -> list[Claim]:
-    """Claim up to ``limit`` available tasks of ``queues`` for ``owner`` (only tasks
-    named in ``task_names`` when given: a worker never takes work it has no handler for)."""
-    return fetch_all(conn, Claim, """
+_CLAIM = """
         WITH picked AS (
             DELETE FROM task_outbox o
              USING (SELECT id FROM task_outbox
@@ -61,23 +64,53 @@ def claim(conn: Conn, queues: Sequence[str], owner: str, limit: int,
                        FOR UPDATE SKIP LOCKED) s
              WHERE o.id = s.id
             RETURNING o.run_id, o.task_id, o.attempt, o.task_name, o.lease_s, o.queue
-        )
-        UPDATE task_instances t
-           SET state = 'RUNNING', lease_owner = %(owner)s,
-               lease_expires_at = NOW() + make_interval(secs => p.lease_s),
-               started_at = NOW(), updated_at = NOW()
-          FROM picked p
-         WHERE t.run_id = p.run_id AND t.id = p.task_id AND t.attempt = p.attempt
-           AND t.state IN ('PENDING', 'QUEUED')
-           AND NOT EXISTS (SELECT 1 FROM workflow_runs r WHERE r.id = t.run_id AND r.deleted_at IS NOT NULL)
-        RETURNING t.run_id, t.id AS task_id, t.node_id, t.attempt, p.task_name, p.queue,
-                  t.input_json AS input, p.lease_s, t.lease_owner, t.lease_expires_at""",
-        {"queues": list(queues), "owner": owner, "limit": limit,
-         "names": list(task_names) if task_names is not None else None})
+        ), claimed AS (
+            UPDATE task_instances t
+               SET state = 'RUNNING', lease_owner = %(owner)s,
+                   lease_expires_at = NOW() + make_interval(secs => p.lease_s),
+                   started_at = NOW(), updated_at = NOW()
+              FROM picked p
+             WHERE t.run_id = p.run_id AND t.id = p.task_id AND t.attempt = p.attempt
+               AND t.state IN ('PENDING', 'QUEUED')
+               AND NOT EXISTS (SELECT 1 FROM workflow_runs r WHERE r.id = t.run_id AND r.deleted_at IS NOT NULL)
+            RETURNING t.run_id, t.id AS task_id, t.node_id, t.attempt, p.task_name, p.queue,
+                      t.input_json AS input, p.lease_s, t.lease_owner, t.lease_expires_at
+        ), noted AS (
+            INSERT INTO run_history (run_id, kind, node_id, task_id, attempt, worker, request, detail)
+            SELECT run_id, 'claimed', node_id, task_id, attempt, lease_owner, %(claim)s,
+                   jsonb_build_object('task', task_name, 'lease_s', lease_s)
+              FROM claimed)
+        SELECT * FROM claimed"""
+
+
+def claim(conn: Conn, queues: Sequence[str], owner: str, limit: int,
+          task_names: Sequence[str] | None = None, *, claim_id: str) -> list[Claim]:
+    """Claim up to ``limit`` available tasks of ``queues`` for ``owner`` (only tasks
+    named in ``task_names`` when given: a worker never takes work it has no handler for),
+    recording each in its run's history as claimed by ``claim_id``."""
+    return fetch_all(conn, Claim, _CLAIM,
+                     {"queues": list(queues), "owner": owner, "limit": limit, "claim": claim_id,
+                      "names": list(task_names) if task_names is not None else None})
+
+
+def claimed_by(conn: Conn, owner: str, claim_id: str) -> list[Claim]:
+    """The tasks claim ``claim_id`` took for ``owner`` that ``owner`` still holds: what a
+    claim retried after a lost acknowledgement returns instead of claiming again. Reads
+    the RUNNING tasks (few, through their partial index) and each one's history."""
+    return fetch_all(conn, Claim, """
+        SELECT t.run_id, t.id AS task_id, t.node_id, t.attempt, h.detail->>'task' AS task_name,
+               COALESCE(t.queue, 'default') AS queue, t.input_json AS input, (h.detail->>'lease_s')::int AS lease_s,
+               t.lease_owner, t.lease_expires_at
+          FROM task_instances t
+          JOIN run_history h ON h.run_id = t.run_id AND h.task_id = t.id AND h.attempt = t.attempt
+         WHERE t.state = 'RUNNING' AND t.lease_owner = %(owner)s
+           AND h.kind = 'claimed' AND h.request = %(claim)s
+         ORDER BY t.run_id, t.id""", {"owner": owner, "claim": claim_id})
 
 
 def delete_for_tasks(conn: Conn, run_id: str, task_ids: Sequence[str]) -> int:
-    """Drop pending dispatches of the given tasks (cancelled runs)."""
+    """Drop pending dispatches of the given tasks (cancelled tasks); runs before their
+    tasks are updated (the lock order above)."""
     if not task_ids:
         return 0
     cur = conn.execute("DELETE FROM task_outbox WHERE run_id = %s AND task_id = ANY(%s)",

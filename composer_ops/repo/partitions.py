@@ -12,8 +12,9 @@ from composer_ops.errors import Invalid
 from composer_ops.repo._base import Conn, fetch_all
 from composer_ops.repo.rows import PartitionRow
 
-#: The tables partitioned by month on the run ID, in foreign-key order.
-RUN_TABLES = ("workflow_runs", "task_instances", "workflow_events")
+#: The run-scoped tables partitioned by month, in foreign-key order (the SQL
+#: functions' list is composer_run_tables()).
+RUN_TABLES = ("workflow_runs", "task_instances", "workflow_events", "run_history")
 
 
 def runs_partition(run_id: str) -> str:
@@ -31,7 +32,7 @@ def require_run_partition(conn: Conn, run_id: str) -> None:
 
 
 def ensure(conn: Conn, months_ahead: int = 3, *, lock_timeout_s: float | None = 2.0) -> int:
-    """Create this UTC month and ``months_ahead`` more for all three tables; returns
+    """Create this UTC month and ``months_ahead`` more for every run table; returns
     how many partitions were created.
 
     Each partition is created on its own and attached, which never waits for readers;
@@ -63,7 +64,7 @@ def drop(conn: Conn, older_than: datetime) -> list[str]:
     return [str(r[0]) for r in conn.execute("SELECT composer_drop_partitions(%s)", (older_than,)).fetchall()]
 
 
-# Every partition of the three run-scoped tables, with its bound expression decoded
+# Every partition of the run-scoped tables, with its bound expression decoded
 # from the catalog and its sizes (heap = table size without toast: main fork + fsm + vm).
 CATALOG_SQL = """
     SELECT p.relname::text AS table, c.relname::text AS name,
@@ -82,14 +83,13 @@ CATALOG_SQL = """
       FROM pg_inherits i
       JOIN pg_class c ON c.oid = i.inhrelid
       JOIN pg_class p ON p.oid = i.inhparent
-     WHERE p.oid = ANY(ARRAY['workflow_runs'::regclass, 'task_instances'::regclass, 'workflow_events'::regclass])
-     ORDER BY month, array_position(ARRAY['workflow_runs', 'task_instances', 'workflow_events'], p.relname::text),
-              c.relname
+     WHERE p.oid = ANY(composer_run_tables()::regclass[])
+     ORDER BY month, array_position(composer_run_tables(), p.relname::text), c.relname
 """
 
 
 def list_partitions(conn: Conn) -> list[PartitionRow]:
-    """Every partition of the three run-scoped tables with its declared bounds."""
+    """Every partition of the run-scoped tables with its declared bounds."""
     return fetch_all(conn, PartitionRow, f"""
         SELECT "table", name, month, lower_bound, upper_bound FROM ({CATALOG_SQL}) c""", None)
 

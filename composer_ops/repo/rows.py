@@ -31,6 +31,9 @@ class TaskStateRow:
     event_name: str | None
     lease_owner: str | None
     lease_expires_at: datetime | None
+    created_at: datetime
+    wake_at: datetime | None
+    lease_expiries: int
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -146,8 +149,36 @@ class TaskView:
 
 
 @dataclass(frozen=True, kw_only=True)
+class HistoryEntry:
+    """A row to append to a run's history (``run_history``); see ``repo.history``."""
+
+    kind: str
+    node_id: str | None = None
+    task_id: str | None = None
+    attempt: int | None = None
+    worker: str | None = None
+    detail: Any = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class HistoryRow:
+    """A row of a run's history as stored: ``seq`` orders a run's rows, ``at`` is the
+    database clock of the transaction that wrote it, ``request`` the API call."""
+
+    seq: int
+    at: datetime
+    kind: str
+    node_id: str | None
+    task_id: str | None
+    attempt: int | None
+    worker: str | None
+    request: str | None
+    detail: Any
+
+
+@dataclass(frozen=True, kw_only=True)
 class RunView:
-    """A run as ``Engine.get_run`` shows it."""
+    """A run as ``Engine.get_run`` shows it, with its history oldest first."""
 
     id: str
     workflow_id: str
@@ -160,6 +191,7 @@ class RunView:
     updated_at: datetime
     completed_at: datetime | None
     tasks: list[TaskView] = field(default_factory=list)
+    history: list[HistoryRow] = field(default_factory=list)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -9,9 +9,9 @@ from psycopg.rows import class_row
 
 from composer_ops.core.model import ACTIVE_RUN_STATUSES
 from composer_ops.errors import ComposerError, Conflict, Invalid, NotFound
-from composer_ops.repo import partitions
+from composer_ops.repo import history, partitions
 from composer_ops.repo._base import Conn, error_json, fetch_all, fetch_one, jsonb, sql_states
-from composer_ops.repo.rows import RunRow, RunView, TaskStateRow, TaskView
+from composer_ops.repo.rows import HistoryEntry, RunRow, RunView, TaskStateRow, TaskView
 
 _LOCK_RUN = """
     SELECT id, workflow_definition_id AS workflow_id, workflow_version, status,
@@ -23,7 +23,7 @@ _LOCK_RUN = """
 _LOAD_TASKS = """
     SELECT node_id, id AS task_id, state, attempt, branches,
            CASE WHEN state = 'WAITING' THEN event_name END AS event_name,
-           lease_owner, lease_expires_at
+           lease_owner, lease_expires_at, created_at, wake_at, lease_expiries
       FROM task_instances WHERE run_id = %s"""
 
 
@@ -68,14 +68,19 @@ _INSERT_RUN = """
       FROM workflow_definitions d
      WHERE d.id = %(wf)s AND d.version = %(version)s AND d.deleted_at IS NULL
        AND to_regclass(%(partition)s) IS NOT NULL
-    ON CONFLICT (id) DO NOTHING"""
+    ON CONFLICT (id) DO NOTHING
+    RETURNING id"""
+#: The insert and the run's first history row ('started', carrying the request), in one statement.
+_INSERT_RUN_RECORDED = history.recorded(_INSERT_RUN, "id")
 
 
 def insert_run(conn: Conn, *, run_id: str, workflow_id: str, workflow_version: int,
-               input: Any, context: Any) -> None:
-    """Create a RUNNING run. Fails if the definition is missing or deleted (NotFound /
-    Invalid), if the run ID is taken (Conflict) or has no partition (Invalid); a
-    refused insert leaves the caller's transaction usable.
+               input: Any, context: Any, request: str | None = None) -> None:
+    """Create a RUNNING run; with ``request``, its history starts with a 'started' row
+    written by that request (how a retried start recognises its own run). Fails if the
+    definition is missing or deleted (NotFound / Invalid), if the run ID is taken
+    (Conflict) or has no partition (Invalid); a refused insert leaves the caller's
+    transaction usable.
 
     One statement in the common case: the definition and the partition are checked in
     the INSERT itself, so a refused start raises no database error (which would abort
@@ -87,9 +92,12 @@ def insert_run(conn: Conn, *, run_id: str, workflow_id: str, workflow_version: i
         _insert_run_guarded(conn, run_id=run_id, workflow_id=workflow_id, workflow_version=workflow_version,
                             input=input, context=context)
         return
-    cur = conn.execute(_INSERT_RUN, {"id": run_id, "input": jsonb(input), "context": jsonb(context),
-                                     "wf": workflow_id, "version": workflow_version, "partition": partition})
-    if cur.rowcount == 1:
+    params = {"id": run_id, "input": jsonb(input), "context": jsonb(context), "wf": workflow_id,
+              "version": workflow_version, "partition": partition}
+    if request is not None:
+        params |= history.entry_params(run_id, request, HistoryEntry(kind="started"))
+    cur = conn.execute(_INSERT_RUN if request is None else _INSERT_RUN_RECORDED, params)
+    if cur.fetchone() is not None:
         return
     _check_definition(conn, workflow_id, workflow_version)
     partitions.require_run_partition(conn, run_id)
@@ -149,7 +157,7 @@ def get_run(conn: Conn, run_id: str) -> RunView:
                lease_owner, lease_expires_at, created_at, started_at, finished_at
           FROM task_instances WHERE run_id = %s
          ORDER BY created_at, id""", (run_id,))
-    return RunView(**{**run.__dict__, "tasks": tasks})
+    return RunView(**{**run.__dict__, "tasks": tasks, "history": history.run_history(conn, run_id)})
 
 
 

@@ -4,6 +4,9 @@ Every update repeats the state machine's fencing check in its WHERE clause (id,
 node_id, attempt, an in-flight state). The machine already checked under the run lock;
 this is defence in depth: if anything wrote to the task outside the engine, the
 update matches zero rows and the shell rolls the transaction back.
+
+Completion, failure and re-queue write their run-history row in the same statement
+(``history.recorded``), only when the fenced update matched.
 """
 
 from __future__ import annotations
@@ -13,8 +16,9 @@ from datetime import datetime
 from typing import Any
 
 from composer_ops.core.model import ACTIVE_TASK_STATES, IN_FLIGHT_TASK_STATES, TaskRef
+from composer_ops.repo import history
 from composer_ops.repo._base import Conn, error_json, fetch_all, fetch_one, jsonb, sql_states
-from composer_ops.repo.rows import ExpiredLease, FinishedTask, TaskDispatch
+from composer_ops.repo.rows import ExpiredLease, FinishedTask, HistoryEntry, TaskDispatch
 
 _IN_FLIGHT = sql_states(IN_FLIGHT_TASK_STATES)
 _ACTIVE = sql_states(ACTIVE_TASK_STATES)
@@ -33,7 +37,7 @@ def insert_task(conn: Conn, run_id: str, *, task_id: str, node_id: str, node_typ
                 branches, wake_at, event_name, scheduled_at, finished_at, completed_at)
         VALUES (%(id)s, %(run)s, %(node)s, %(type)s, %(queue)s, %(state)s, %(input)s, %(output)s,
                 %(error)s, %(branches)s, %(wake)s, %(event)s, COALESCE(%(sched)s, NOW()),
-                CASE WHEN %(state)s IN ('COMPLETED', 'FAILED', 'SKIPPED') THEN NOW() END,
+                CASE WHEN %(state)s IN ('COMPLETED', 'FAILED', 'SKIPPED', 'CANCELLED') THEN NOW() END,
                 CASE WHEN %(state)s = 'COMPLETED' THEN NOW() END)
         ON CONFLICT (run_id, node_id) DO NOTHING""",
         {"id": task_id, "run": run_id, "node": node_id, "type": node_type, "queue": queue,
@@ -43,46 +47,63 @@ def insert_task(conn: Conn, run_id: str, *, task_id: str, node_id: str, node_typ
     return cur.rowcount == 1
 
 
-def complete_task(conn: Conn, ref: TaskRef, output: Any) -> FinishedTask | None:
-    """Mark the referenced attempt COMPLETED and release its lease; None when the
-    attempt is stale or the task already finished."""
-    return fetch_one(conn, FinishedTask, f"""
+_FENCE = f"""
+         WHERE run_id = %(run)s AND id = %(task)s AND node_id = %(node)s AND attempt = %(attempt)s
+           AND state IN {_IN_FLIGHT}"""
+
+_COMPLETE = history.recorded(f"""
         UPDATE task_instances
-           SET state = 'COMPLETED', output_json = %s,
+           SET state = 'COMPLETED', output_json = %(output)s,
                completed_at = NOW(), finished_at = NOW(), updated_at = NOW(),
                lease_owner = NULL, lease_expires_at = NULL
-         WHERE run_id = %s AND id = %s AND node_id = %s AND attempt = %s
-           AND state IN {_IN_FLIGHT}
-        RETURNING node_type, started_at""",
-        (jsonb(output), ref.run_id, ref.task_id, ref.node_id, ref.attempt))
+        {_FENCE}
+        RETURNING node_type, started_at""", "node_type, started_at")
 
-
-def fail_task(conn: Conn, ref: TaskRef, reason: str) -> FinishedTask | None:
-    """Mark the referenced attempt FAILED and release its lease."""
-    return fetch_one(conn, FinishedTask, f"""
+_FAIL = history.recorded(f"""
         UPDATE task_instances
-           SET state = 'FAILED', last_error = %s,
+           SET state = 'FAILED', last_error = %(error)s,
                finished_at = NOW(), updated_at = NOW(),
                lease_owner = NULL, lease_expires_at = NULL
-         WHERE run_id = %s AND id = %s AND node_id = %s AND attempt = %s
-           AND state IN {_IN_FLIGHT}
-        RETURNING node_type, started_at""",
-        (error_json(reason), ref.run_id, ref.task_id, ref.node_id, ref.attempt))
+        {_FENCE}
+        RETURNING node_type, started_at""", "node_type, started_at")
 
-
-def requeue_task(conn: Conn, ref: TaskRef, reason: str) -> TaskDispatch | None:
-    """Schedule the next attempt of a failed execution: back to PENDING with
-    attempt+1. Returns what the next dispatch needs, including the stored input."""
-    return fetch_one(conn, TaskDispatch, f"""
+_REQUEUE = history.recorded(f"""
         UPDATE task_instances
-           SET state = 'PENDING', attempt = attempt + 1, last_error = %s,
-               started_at = NULL, updated_at = NOW(),
+           SET state = 'PENDING', attempt = attempt + 1, lease_expiries = lease_expiries + %(expired)s,
+               last_error = %(error)s, started_at = NULL, updated_at = NOW(),
                lease_owner = NULL, lease_expires_at = NULL
-         WHERE run_id = %s AND id = %s AND node_id = %s AND attempt = %s
-           AND state IN {_IN_FLIGHT}
+        {_FENCE}
         RETURNING id AS task_id, run_id, node_id, node_type,
                   COALESCE(queue, lower(node_type)) AS queue, attempt, input_json AS input""",
-        (error_json(reason), ref.run_id, ref.task_id, ref.node_id, ref.attempt))
+    "task_id, run_id, node_id, node_type, queue, attempt, input")
+
+
+def _ref(ref: TaskRef) -> dict[str, Any]:
+    return {"run": ref.run_id, "task": ref.task_id, "node": ref.node_id, "attempt": ref.attempt}
+
+
+def complete_task(conn: Conn, ref: TaskRef, output: Any, *, request: str, entry: HistoryEntry
+                  ) -> FinishedTask | None:
+    """Mark the referenced attempt COMPLETED and release its lease, recording ``entry``;
+    None when the attempt is stale or the task already finished."""
+    return fetch_one(conn, FinishedTask, _COMPLETE,
+                     {**_ref(ref), "output": jsonb(output), **history.entry_params(ref.run_id, request, entry)})
+
+
+def fail_task(conn: Conn, ref: TaskRef, reason: str, *, request: str, entry: HistoryEntry) -> FinishedTask | None:
+    """Mark the referenced attempt FAILED and release its lease, recording ``entry``."""
+    return fetch_one(conn, FinishedTask, _FAIL,
+                     {**_ref(ref), "error": error_json(reason), **history.entry_params(ref.run_id, request, entry)})
+
+
+def requeue_task(conn: Conn, ref: TaskRef, reason: str, *, lease_expired: bool, request: str,
+                 entry: HistoryEntry) -> TaskDispatch | None:
+    """Schedule the next attempt: back to PENDING with attempt+1 (and one more lease
+    expiry when ``lease_expired``), recording ``entry``. Returns what the next dispatch
+    needs, including the stored input."""
+    return fetch_one(conn, TaskDispatch, _REQUEUE,
+                     {**_ref(ref), "error": error_json(reason), "expired": int(lease_expired),
+                      **history.entry_params(ref.run_id, request, entry)})
 
 
 def cancel_tasks(conn: Conn, run_id: str, task_ids: Sequence[str], reason: str) -> int:

@@ -62,16 +62,17 @@ def test_a_lost_commit_acknowledgement_does_not_start_a_second_run(engine: Engin
     assert [t.node_id for t in engine.get_run(run_id).tasks] == ["a"]
 
 
-def test_with_a_client_run_id_the_retry_reports_a_conflict(engine: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The client's own ID is its idempotency key: the retry finds the run and says
-    so, and the client (which cannot tell its retry from someone else's start) owns
-    the decision. Never a second run."""
+def test_with_a_client_run_id_the_retry_returns_the_run(engine: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The retry recognises the run its lost attempt started (the run's 'started'
+    history row carries the call's request ID): the run, never a Conflict, never a
+    second run. A new start of that ID is still a Conflict."""
     run_id = uuid7_at(now_utc())
     monkeypatch.setattr(engine.pool, "connection", LoseAfterCommit(engine))
-    with pytest.raises(Conflict, match="already exists"):
-        engine.start("one", run_id=run_id)
+    assert engine.start("one", run_id=run_id) == run_id
     monkeypatch.undo()
     assert _runs(engine) == [run_id]
+    with pytest.raises(Conflict, match="already exists"):
+        engine.start("one", run_id=run_id)
 
 
 def test_driver_errors_reach_callers_as_composer_errors(db_url: str) -> None:

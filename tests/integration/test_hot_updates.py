@@ -20,6 +20,7 @@ from bench.hot import SEED, StatementCapture  # the benchmark EXPLAINs the same 
 from composer_ops import Engine
 from composer_ops.core.model import TaskRef
 from composer_ops.db.migrate import migrate
+from composer_ops.engine.ids import uuid7_text
 from composer_ops.repo import signals, tasks
 from composer_ops.repo.rows import Claim
 
@@ -63,8 +64,36 @@ def _running_tasks(url: str) -> list[Claim]:
     return claims
 
 
-def _heartbeat_hot_ratio(url: str) -> float:
-    claims = _running_tasks(url)
+def _running_tasks_in_an_old_schema(url: str) -> list[Claim]:
+    """The same rows written with plain SQL, for a schema older than the engine (which
+    writes tables later migrations add): TASKS RUNNING tasks with a lease."""
+    with psycopg.connect(url) as conn:
+        conn.execute("SELECT composer_ensure_partitions(0)")
+        conn.execute("INSERT INTO workflow_definitions (id, name, version, spec_json, created_by, deployed) "
+                     "VALUES ('hb', 'hb', 1, %s, 'test', true)", (psycopg.types.json.Jsonb(SPEC),))
+        claims = []
+        for _ in range(TASKS):
+            run_id, task_id = uuid7_text(), uuid7_text()
+            conn.execute("INSERT INTO workflow_runs (id, workflow_definition_id, workflow_version, status) "
+                         "VALUES (%s, 'hb', 1, 'RUNNING')", (run_id,))
+            conn.execute("INSERT INTO task_instances (id, run_id, node_id, node_type, queue, state) "
+                         "VALUES (%s, %s, 'work', 'TASK', 'default', 'PENDING')", (task_id, run_id))
+            row = conn.execute("""
+                UPDATE task_instances SET state = 'RUNNING', lease_owner = 'test-worker',
+                       lease_expires_at = now() + interval '300 s', started_at = now()
+                 WHERE run_id = %s AND id = %s RETURNING lease_expires_at""", (run_id, task_id)).fetchone()
+            assert row is not None
+            claims.append(Claim(run_id=run_id, task_id=task_id, node_id="work", attempt=0, task_name="noop",
+                                queue="default", input=None, lease_s=300, lease_owner="test-worker",
+                                lease_expires_at=row[0]))
+        conn.execute("SELECT pg_stat_force_next_flush()")
+        conn.commit()
+    _wait_stats(url, inserts=TASKS, updates=TASKS)
+    return claims
+
+
+def _heartbeat_hot_ratio(url: str, *, old_schema: bool = False) -> float:
+    claims = _running_tasks_in_an_old_schema(url) if old_schema else _running_tasks(url)
     _, upd0, hot0 = _task_stats(url)
     with psycopg.connect(url) as conn:
         for _ in range(ROUNDS):
@@ -86,7 +115,7 @@ def test_heartbeats_are_hot_after_v005(db_url: str) -> None:
 def test_before_v005_no_heartbeat_was_hot(empty_db_url: str) -> None:
     # The seed's lease index contains lease_expires_at, the column a heartbeat changes.
     migrate(empty_db_url, target=4)
-    assert _heartbeat_hot_ratio(empty_db_url) == 0.0
+    assert _heartbeat_hot_ratio(empty_db_url, old_schema=True) == 0.0
 
 
 def _fillfactors(conn: Any) -> dict[str, str | None]:

@@ -10,10 +10,13 @@ import psycopg
 import pytest
 
 from composer_ops.core.model import TaskRef
+from composer_ops.core.runids import month_of
 from composer_ops.errors import Conflict, Invalid, NotFound
-from composer_ops.repo import definitions, outbox, runs, signals, tasks, webhooks
-from composer_ops.repo.rows import Dispatch, StartTarget
+from composer_ops.repo import definitions, history, outbox, runs, signals, tasks, webhooks
+from composer_ops.repo.rows import Dispatch, HistoryEntry, StartTarget
 from tests.integration.helpers import add_definition, add_run, now_utc
+
+NOTE = HistoryEntry(kind="note")
 
 
 @pytest.fixture
@@ -101,27 +104,34 @@ def test_insert_task_terminal_states_stamp_times(conn: Any, run_id: str) -> None
 def test_fenced_updates_refuse_stale_attempt_and_finished_task(conn: Any, run_id: str, op: str) -> None:
     task_id = _task(conn, run_id)
     apply: Callable[[TaskRef], object] = {
-        "complete": lambda ref: tasks.complete_task(conn, ref, {"ok": 1}),
-        "fail": lambda ref: tasks.fail_task(conn, ref, "boom"),
-        "requeue": lambda ref: tasks.requeue_task(conn, ref, "retry"),
+        "complete": lambda ref: tasks.complete_task(conn, ref, {"ok": 1}, request="r", entry=NOTE),
+        "fail": lambda ref: tasks.fail_task(conn, ref, "boom", request="r", entry=NOTE),
+        "requeue": lambda ref: tasks.requeue_task(conn, ref, "retry", lease_expired=False, request="r", entry=NOTE),
     }[op]
     assert apply(_ref(run_id, task_id, attempt=7)) is None          # stale attempt
     assert apply(_ref(run_id, task_id, node="zzz")) is None         # wrong node
     assert _state(conn, run_id) == ("PENDING", 0)
     assert apply(_ref(run_id, task_id)) is not None
     after = _state(conn, run_id)
-    tasks.complete_task(conn, _ref(run_id, task_id, attempt=after[1]), None)
+    tasks.complete_task(conn, _ref(run_id, task_id, attempt=after[1]), None, request="r", entry=NOTE)
     final = _state(conn, run_id)
     assert apply(_ref(run_id, task_id, attempt=after[1])) is None   # finished task
     assert _state(conn, run_id) == final
+    # A history row for each update that matched, none for those that did not.
+    matched = 2 if op == "requeue" else 1        # after a requeue the completion matches too
+    assert [h.kind for h in history.run_history(conn, run_id)] == ["note"] * matched
 
 
 def test_requeue_bumps_attempt_and_returns_dispatch(conn: Any, run_id: str) -> None:
     task_id = _task(conn, run_id, input={"n": 3})
-    d = tasks.requeue_task(conn, _ref(run_id, task_id), "flaky")
+    d = tasks.requeue_task(conn, _ref(run_id, task_id), "flaky", lease_expired=False, request="r", entry=NOTE)
     assert d is not None and (d.attempt, d.input, d.queue, d.node_type) == (1, {"n": 3}, "default", "TASK")
     err = conn.execute("SELECT last_error FROM task_instances WHERE id = %s", (task_id,)).fetchone()[0]
     assert err == {"error": "flaky"}
+    assert tasks.requeue_task(conn, _ref(run_id, task_id, attempt=1), "lapsed", lease_expired=True, request="r",
+                              entry=NOTE) is not None
+    row = conn.execute("SELECT attempt, lease_expiries FROM task_instances WHERE id = %s", (task_id,)).fetchone()
+    assert row == (2, 1)
 
 
 def test_finish_run_once(conn: Any, run_id: str) -> None:
@@ -208,11 +218,11 @@ def test_outbox_claim_moves_task_to_running_with_lease(conn: Any, run_id: str) -
         Dispatch(run_id=run_id, task_id=later, attempt=0, queue="default", task_name="t", lease_s=30,
                  available_at=now_utc() + timedelta(hours=1)),
     ])
-    assert outbox.claim(conn, ["other"], "w1", 10) == []
-    claims = outbox.claim(conn, ["default"], "w1", 10)
+    assert outbox.claim(conn, ["other"], "w1", 10, claim_id="c") == []
+    claims = outbox.claim(conn, ["default"], "w1", 10, claim_id="c")
     assert [(c.task_id, c.input, c.lease_owner, c.task_name) for c in claims] == [(task_id, {"n": 1}, "w1", "t")]
     assert _state(conn, run_id) == ("RUNNING", 0)
-    assert outbox.claim(conn, ["default"], "w2", 10) == []     # the delayed one is not yet available
+    assert outbox.claim(conn, ["default"], "w2", 10, claim_id="c") == []     # the delayed one is not yet available
     assert conn.execute("SELECT count(*) FROM task_outbox").fetchone()[0] == 1
 
 
@@ -221,7 +231,7 @@ def test_outbox_row_for_a_cancelled_task_claims_nothing(conn: Any, run_id: str) 
     outbox.enqueue(conn, [Dispatch(run_id=run_id, task_id=task_id, attempt=0, queue="q", task_name="t",
                                    lease_s=5)])
     assert tasks.cancel_tasks(conn, run_id, [task_id], "cancelled") == 1
-    assert outbox.claim(conn, ["q"], "w", 5) == []
+    assert outbox.claim(conn, ["q"], "w", 5, claim_id="c") == []
     assert conn.execute("SELECT count(*) FROM task_outbox").fetchone()[0] == 0
 
 
@@ -229,7 +239,7 @@ def test_heartbeat_extends_only_a_live_lease(conn: Any, run_id: str) -> None:
     task_id = _task(conn, run_id)
     outbox.enqueue(conn, [Dispatch(run_id=run_id, task_id=task_id, attempt=0, queue="q", task_name="t",
                                    lease_s=1)])
-    claim = outbox.claim(conn, ["q"], "w1", 1)[0]
+    claim = outbox.claim(conn, ["q"], "w1", 1, claim_id="c")[0]
     ref = _ref(run_id, task_id)
     extended = tasks.heartbeat(conn, ref, "w1", 60)
     assert extended is not None and extended > claim.lease_expires_at
@@ -237,6 +247,36 @@ def test_heartbeat_extends_only_a_live_lease(conn: Any, run_id: str) -> None:
     conn.execute("UPDATE task_instances SET lease_expires_at = now() - interval '1 s' WHERE id = %s", (task_id,))
     assert tasks.heartbeat(conn, ref, "w1", 60) is None
     assert [e.task_id for e in tasks.expired_leases(conn, 10)] == [task_id]
+
+
+def test_a_claim_records_its_id_and_claimed_by_finds_what_it_took(conn: Any, run_id: str) -> None:
+    first, second = _task(conn, run_id, "a"), _task(conn, run_id, "b")
+    outbox.enqueue(conn, [Dispatch(run_id=run_id, task_id=t, attempt=0, queue="default", task_name="job",
+                                   lease_s=9) for t in (first, second)])
+    taken = outbox.claim(conn, ["default"], "w1", 1, claim_id="claim-1")
+    assert len(taken) == 1
+    assert outbox.claimed_by(conn, "w1", "claim-1") == taken
+    assert outbox.claimed_by(conn, "w2", "claim-1") == []          # another worker's
+    assert outbox.claimed_by(conn, "w1", "claim-2") == []          # another claim
+    [row] = history.run_history(conn, run_id)
+    assert (row.kind, row.task_id, row.attempt, row.worker, row.request) == ("claimed", taken[0].task_id, 0, "w1",
+                                                                             "claim-1")
+    assert row.detail == {"task": "job", "lease_s": 9}
+    tasks.complete_task(conn, _ref(run_id, taken[0].task_id, node=taken[0].node_id), None, request="r", entry=NOTE)
+    assert outbox.claimed_by(conn, "w1", "claim-1") == []          # no longer held
+
+
+def test_history_rows_keep_their_order_and_request(conn: Any, run_id: str) -> None:
+    history.record(conn, run_id, "req-1", [HistoryEntry(kind="one"), HistoryEntry(kind="two", detail={"x": 1})])
+    history.record(conn, run_id, "req-2", [HistoryEntry(kind="three", node_id="n", attempt=2, worker="w")])
+    rows = history.run_history(conn, run_id)
+    assert [(r.kind, r.request) for r in rows] == [("one", "req-1"), ("two", "req-1"), ("three", "req-2")]
+    assert [r.kind for r in history.of_request(conn, run_id, "req-1")] == ["one", "two"]
+    assert history.of_request(conn, run_id, "req-3") == []
+    assert rows[1].detail == {"x": 1} and (rows[2].node_id, rows[2].attempt, rows[2].worker) == ("n", 2, "w")
+    part = conn.execute("SELECT DISTINCT tableoid::regclass::text FROM run_history WHERE run_id = %s",
+                        (run_id,)).fetchall()
+    assert part == [(f"run_history_p{month_of(run_id)}",)]       # the run's month
 
 
 def test_delete_outbox_rows_for_tasks(conn: Any, run_id: str) -> None:

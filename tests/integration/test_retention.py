@@ -51,7 +51,7 @@ def test_plan_for_the_seed_drops_old_idle_months_and_says_why_it_keeps_others(co
         fixtures.HISTORY_MONTHS) - {"202412"})]
     assert rows[5][0] == cur
     assert plan["partitions"][1].to_list() == ["workflow_runs_p202501", "task_instances_p202501",
-                                               "workflow_events_p202501"]
+                                               "workflow_events_p202501", "run_history_p202501"]
     assert plan["cutoff"].unique().to_list() == [MAY_2025]
     # A month still in progress at the cut-off is too new: April ends at 2025-05-01 00:00 UTC.
     april = ops.retention_plan(conn, MAY_2025 - timedelta(microseconds=1)).filter(pl.col("month") == "202504")

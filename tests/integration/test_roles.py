@@ -145,12 +145,12 @@ def test_a_whole_workflow_runs_as_the_engine_role(engine_as_role: Engine, db_url
 def test_partition_upkeep_as_the_engine_role_creates_owner_owned_partitions(db_url: str) -> None:
     with psycopg.connect(as_role(db_url, ENGINE_ROLE), autocommit=True) as conn:
         created = conn.execute("SELECT composer_ensure_partitions(6)").fetchone()
-        assert created == (9,)                                       # months 4..6 ahead, three tables each
+        assert created == (12,)                                      # months 4..6 ahead, four tables each
         with pytest.raises(psycopg.errors.InvalidParameterValue, match="between 0 and 120"):
             conn.execute("SELECT composer_ensure_partitions(100000)")
         # A temporary table cannot hijack the definer's lookups (pg_temp comes last).
         conn.execute("CREATE TEMP TABLE workflow_runs (id text)")
-        assert conn.execute("SELECT composer_ensure_partitions(7)").fetchone() == (3,)
+        assert conn.execute("SELECT composer_ensure_partitions(7)").fetchone() == (4,)
         row: Any = conn.execute("""SELECT max(c.relname::text) FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid
                                      WHERE i.inhparent = 'public.workflow_runs'::regclass""").fetchone()
         newest = row[0]

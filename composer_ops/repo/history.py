@@ -1,0 +1,74 @@
+"""The run history (``run_history``): what happened to a run, written with the change.
+
+Rows are appended in the transaction that makes the change they describe. On the
+task hot path (claim, completion, failure, re-queue) the row is written by the same
+statement as the change, through :func:`recorded`; the rarer events write theirs with
+:func:`record`. Nothing updates or deletes a row: a run's history leaves with its
+month.
+
+Every row carries the request (the API call) that wrote it, which is what makes a
+retried write recognise its own earlier commit: :func:`of_request`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from composer_ops.repo._base import Conn, fetch_all, jsonb
+from composer_ops.repo.rows import HistoryEntry, HistoryRow
+
+#: Columns a history row is written with (``seq`` and ``at`` come from their defaults).
+_COLUMNS = "run_id, kind, node_id, task_id, attempt, worker, request, detail"
+_SELECT = "SELECT seq, at, kind, node_id, task_id, attempt, worker, request, detail FROM run_history"
+
+
+def recorded(change: str, returning: str) -> str:
+    """``change`` (an UPDATE/INSERT/DELETE ... RETURNING, with named parameters) as
+    one statement that also writes the history row in the ``h_*`` parameters
+    (:func:`entry_params`) when, and only when, the change touched a row. The
+    statement returns ``returning``, selected from the change's rows."""
+    return f"""
+        WITH changed AS ({change}),
+             noted AS (
+                INSERT INTO run_history ({_COLUMNS})
+                SELECT %(h_run)s, %(h_kind)s, %(h_node)s, %(h_task)s, %(h_attempt)s, %(h_worker)s,
+                       %(h_request)s, %(h_detail)s
+                 WHERE EXISTS (SELECT 1 FROM changed))
+        SELECT {returning} FROM changed"""
+
+
+def entry_params(run_id: str, request: str, entry: HistoryEntry) -> dict[str, Any]:
+    """The ``h_*`` parameters of :func:`recorded` for ``entry``, written by ``request``."""
+    return {"h_run": run_id, "h_kind": entry.kind, "h_node": entry.node_id, "h_task": entry.task_id,
+            "h_attempt": entry.attempt, "h_worker": entry.worker, "h_request": request,
+            "h_detail": jsonb(entry.detail)}
+
+
+def record(conn: Conn, run_id: str, request: str, entries: Sequence[HistoryEntry]) -> None:
+    """Append ``entries`` to the run's history, in order, in one statement."""
+    if not entries:
+        return
+    conn.execute(f"""
+        INSERT INTO run_history ({_COLUMNS})
+        SELECT %(run)s, k, n, t, a, w, %(request)s, d
+          FROM unnest(%(kinds)s::text[], %(nodes)s::text[], %(tasks)s::text[], %(attempts)s::int4[],
+                      %(workers)s::text[], %(details)s::jsonb[]) WITH ORDINALITY AS e(k, n, t, a, w, d, i)
+         ORDER BY i""",
+        {"run": run_id, "request": request, "kinds": [e.kind for e in entries],
+         "nodes": [e.node_id for e in entries], "tasks": [e.task_id for e in entries],
+         "attempts": [e.attempt for e in entries], "workers": [e.worker for e in entries],
+         "details": [jsonb(e.detail) for e in entries]})
+
+
+def run_history(conn: Conn, run_id: str) -> list[HistoryRow]:
+    """A run's history, oldest first (one partition, through the primary key)."""
+    return fetch_all(conn, HistoryRow, f"{_SELECT} WHERE run_id = %s ORDER BY seq", (run_id,))
+
+
+def of_request(conn: Conn, run_id: str, request: str) -> list[HistoryRow]:
+    """The rows ``request`` wrote to the run's history: none unless a transaction of
+    that request committed. Read under the run's lock, this tells a retry whether its
+    lost attempt committed (the run's rows, through the primary key, filtered)."""
+    return fetch_all(conn, HistoryRow, f"{_SELECT} WHERE run_id = %s AND request = %s ORDER BY seq",
+                     (run_id, request))
