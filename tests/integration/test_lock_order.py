@@ -20,7 +20,7 @@ import psycopg
 import pytest
 
 from composer_ops import Engine
-from tests.integration.processes import wait_for
+from composer_ops.testing.processes import wait_for
 
 
 @pytest.fixture

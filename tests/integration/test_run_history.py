@@ -8,11 +8,14 @@ import os
 import subprocess
 import sys
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
 from composer_ops import Engine
-from tests.integration.processes import ROOT, Cluster, wait_for
+from composer_ops.testing.processes import Fleet, wait_for
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture
@@ -34,18 +37,18 @@ def test_the_history_of_a_run_that_lived_through_a_killed_worker(engine: Engine,
     engine.deploy({"id": "killed", "nodes": [{"id": "slow", "type": "TASK", "task": "work", "lease_s": 1,
                                               "input": {"sleep": "$.input.sleep"}}]})
     run_id = engine.start("killed", input={"sleep": 30})
-    cluster = Cluster(db_url)
+    fleet = Fleet(db_url)
     try:
-        doomed = cluster.worker(1)
+        doomed = fleet.worker(concurrency=1)
         wait_for(lambda: engine.get_run(run_id).tasks[0].state == "RUNNING", timeout=30, what="the claim")
-        cluster.kill(doomed)
+        fleet.kill(doomed)
         with engine.pool.connection() as conn:     # the next attempt is quick
             conn.execute("UPDATE task_instances SET input_json = '{\"sleep\": 0}' WHERE run_id = %s", (run_id,))
-        cluster.coordinator()
-        cluster.worker(1)
+        fleet.coordinator()
+        fleet.worker(concurrency=1)
         wait_for(lambda: engine.get_run(run_id).status != "RUNNING", timeout=60, what="the run to finish")
     finally:
-        cluster.close()
+        fleet.stop()
     run = engine.get_run(run_id)
     assert run.status == "SUCCEEDED"
     dead = f":{doomed.pid}:"

@@ -16,7 +16,7 @@ import pytest
 from composer_ops import Engine, TaskContext, Worker
 from composer_ops.cli.run_cmds import stop_on_signals
 from composer_ops.errors import Invalid, ShutdownTimeout
-from tests.integration.processes import Cluster, wait_for
+from composer_ops.testing.processes import Fleet, wait_for
 
 
 @pytest.fixture
@@ -187,21 +187,21 @@ def test_the_cli_worker_exits_1_naming_what_it_abandoned(db_url: str, engine: En
     engine.deploy({"id": "sleepy", "nodes": [{"id": "job", "type": "TASK", "task": "work",
                                               "input": {"sleep": 60}}]})
     run_id = engine.start("sleepy")
-    cluster = Cluster(db_url)
+    fleet = Fleet(db_url)
     try:
-        proc = cluster.worker(1, "--shutdown-timeout", "1")
+        proc = fleet.worker("--shutdown-timeout", "1", concurrency=1)
         wait_for(lambda: _task_row(db_url, run_id)[0] == "RUNNING", timeout=30, what="the task to be claimed")
         sent = time.monotonic()
-        proc.send_signal(signal.SIGTERM)
+        proc.popen.send_signal(signal.SIGTERM)
         try:
-            code = proc.wait(10)
+            code = proc.popen.wait(10)
         except subprocess.TimeoutExpired:
             pytest.fail("the worker did not exit within 10 s of SIGTERM with --shutdown-timeout 1")
         assert time.monotonic() - sent < 1 + 3
-        err = cluster.stderr(proc)
+        err = proc.stderr()
         task_id = engine.get_run(run_id).tasks[0].id
         assert code == 1, err
         assert f"task {task_id} attempt 0" in err and "shutdowntimeout" in err, err
         assert "Traceback" not in err, err
     finally:
-        cluster.close()
+        fleet.stop()
