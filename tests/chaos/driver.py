@@ -84,7 +84,8 @@ class Report:
             f"chaos: {f.get('runs', 0)} runs in {self.elapsed_s:.1f}s {f.get('by_status', {})}",
             f"  kills: {sum(self.kills.values())} {self.kills}; server restarts: {len(self.restarts)} "
             f"({self.restart_note})",
-            f"  retries: {sum(req.values())} {req}",
+            f"  retries: {sum(req.values())} {req}; runs failed by lease expiry alone: "
+            f"{f.get('failed_by_lease_expiry')}; history: {f.get('history')}",
             f"  recovery after a worker kill (lease {LEASE_S}s): task re-queued after {rec.get('requeued_median')}s "
             f"median / {rec.get('requeued_max')}s max, running again after {rec.get('running_again_median')}s / "
             f"{rec.get('running_again_max')}s (includes waiting in the queue)",

@@ -71,6 +71,7 @@ def audit(conn: psycopg.Connection[Any], started: dict[str, Planned], sent: dict
     _check_leftovers(a, conn)
     _check_webhooks(a, conn, started, runs, hook)
     _check_requeues(a, conn, started, kills, restarts)
+    _check_history(a, conn)
     a.figures["runs"] = len(started)
     a.figures["by_status"] = dict(Counter(status for _wf, status in runs.values()))
     return a
@@ -218,6 +219,30 @@ def _check_requeues(a: Audit, conn: psycopg.Connection[Any], started: dict[str, 
         t0, t1 = restarts[0]
         after = [t[9] for t in transitions if t[4] == "COMPLETED" and t[9] > t1]
         a.figures["first_completion_after_restart_s"] = round(min(after) - t1, 2) if after else None
+
+
+def _check_history(a: Audit, conn: psycopg.Connection[Any]) -> None:
+    """No run failed by lease expiries alone, and the history agrees with the tasks:
+    every re-queue left a 'failed' or 'lease_expired' row, every attempt that ran was
+    claimed (a 'claimed' row naming a worker)."""
+    failed_by_expiry = [r[0] for r in conn.execute(
+        "SELECT id FROM workflow_runs WHERE status = 'FAILED' AND error_json->>'error' LIKE '%max_lease_expiries%'")]
+    for run_id in failed_by_expiry[:20]:
+        a.problem(f"run {run_id} failed by lease expiries alone")
+    a.figures["failed_by_lease_expiry"] = len(failed_by_expiry)
+    rows = conn.execute("""
+        SELECT t.run_id, t.node_id, t.state, t.attempt,
+               (SELECT count(*) FROM run_history h WHERE h.run_id = t.run_id AND h.task_id = t.id
+                   AND h.kind IN ('failed', 'lease_expired') AND (h.detail->>'requeued')::boolean),
+               (SELECT count(*) FROM run_history h WHERE h.run_id = t.run_id AND h.task_id = t.id
+                   AND h.kind = 'claimed' AND h.worker IS NOT NULL)
+          FROM task_instances t WHERE t.node_type = 'TASK'""").fetchall()
+    for run_id, node_id, state, attempt, requeues, claims in rows:
+        if requeues != attempt:
+            a.problem(f"run {run_id} node {node_id}: attempt {attempt} but {requeues} re-queues in its history")
+        if state in ("COMPLETED", "FAILED") and claims == 0:
+            a.problem(f"run {run_id} node {node_id} is {state} but its history has no claim")
+    a.figures["history"] = {"tasks": len(rows), "claims": sum(r[5] for r in rows)}
 
 
 def _median(values: list[float]) -> float | None:
