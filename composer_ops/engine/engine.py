@@ -310,7 +310,7 @@ class Engine:
                                               attempt=claim.attempt, worker=claim.lease_owner,
                                               detail={"reason": reason}), Request())
 
-    @db_retry()
+    @db_retry(max_attempts=2)   # a worker records on its way out, often because the database failed
     def _note(self, run_id: str, entry: HistoryEntry, request: Request) -> None:
         look = request.attempt()
         with self.pool.connection() as conn, conn.transaction():
