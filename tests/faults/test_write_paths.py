@@ -120,9 +120,6 @@ def test_start(b: Bench) -> None:
     sweep(b, "start", setup=setup, act=act, check=check).assert_clean()
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "a retried start after a lost acknowledgement reports Conflict for the client's own run, "
-    "and a connection lost during the INSERT is not retried (remove this mark with the fix)"))
 def test_start_with_a_client_run_id(b: Bench) -> None:
     """The client's run ID is its idempotency key: a retry after a lost acknowledgement
     must return the run it started, not Conflict."""
@@ -145,9 +142,6 @@ def test_start_with_a_client_run_id(b: Bench) -> None:
 # -- signal, cancel ---------------------------------------------------------------------------
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "a signal replayed after a lost COMMIT acknowledgement resolves a second waiting node "
-    "(remove this mark with the fix)"))
 def test_signal_resolves_at_most_one_node(b: Bench) -> None:
     def setup() -> tuple[str, str]:
         return b.direct.start("f-two-waiters"), _token()
@@ -169,9 +163,6 @@ def test_signal_resolves_at_most_one_node(b: Bench) -> None:
     sweep(b, "signal (two waiters)", setup=setup, act=act, check=check).assert_clean()
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "not idempotent yet: a retry after a lost COMMIT acknowledgement runs the event again "
-    "and reports Conflict or stale instead of the original outcome (remove this mark with the fix)"))
 def test_a_signal_that_finishes_the_run(b: Bench) -> None:
     def setup() -> str:
         return b.direct.start("f-one-waiter")
@@ -186,9 +177,6 @@ def test_a_signal_that_finishes_the_run(b: Bench) -> None:
     sweep(b, "signal (finishes the run)", setup=setup, act=act, check=check).assert_clean()
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "a signal replayed after a lost COMMIT acknowledgement is buffered twice "
-    "(remove this mark with the fix)"))
 def test_a_buffered_signal(b: Bench) -> None:
     """Two signals resolve both waiters (the run then waits on its TASK, still
     RUNNING); the third finds no waiter and must be buffered exactly once."""
@@ -214,9 +202,6 @@ def test_a_buffered_signal(b: Bench) -> None:
     sweep(b, "signal (buffered)", setup=setup, act=act, check=check).assert_clean()
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "not idempotent yet: a retry after a lost COMMIT acknowledgement runs the event again "
-    "and reports Conflict or stale instead of the original outcome (remove this mark with the fix)"))
 def test_cancel(b: Bench) -> None:
     def setup() -> str:
         return b.direct.start("f-chain")
@@ -241,9 +226,6 @@ class Claimed:
     before: datetime | None = None
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "a claim whose acknowledgement was lost leaves the task leased to nobody, and its lease "
-    "expiry consumes the only attempt: the run fails (remove this mark with the fix)"))
 def test_claim(b: Bench) -> None:
     """Whatever the claim returns, the task must end up run exactly by an attempt
     that holds it, and the run must succeed: a claim whose acknowledgement was lost
@@ -282,9 +264,6 @@ def test_claim(b: Bench) -> None:
     sweep(b, "claim", setup=setup, act=act, check=check).assert_clean()
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "not idempotent yet: a retry after a lost COMMIT acknowledgement runs the event again "
-    "and reports Conflict or stale instead of the original outcome (remove this mark with the fix)"))
 def test_complete(b: Bench) -> None:
     def setup() -> Claimed:
         _quiesce(b)
@@ -304,9 +283,6 @@ def test_complete(b: Bench) -> None:
     sweep(b, "complete", setup=setup, act=act, check=check).assert_clean()
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "not idempotent yet: a retry after a lost COMMIT acknowledgement runs the event again "
-    "and reports Conflict or stale instead of the original outcome (remove this mark with the fix)"))
 def test_fail_retryable(b: Bench) -> None:
     def setup() -> Claimed:
         _quiesce(b)
@@ -326,9 +302,6 @@ def test_fail_retryable(b: Bench) -> None:
     sweep(b, "fail (retried)", setup=setup, act=act, check=check).assert_clean()
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "not idempotent yet: a retry after a lost COMMIT acknowledgement runs the event again "
-    "and reports Conflict or stale instead of the original outcome (remove this mark with the fix)"))
 def test_fail_for_good(b: Bench) -> None:
     def setup() -> Claimed:
         _quiesce(b)
@@ -424,9 +397,6 @@ def test_lease_sweep_requeues_once(b: Bench) -> None:
     sweep(b, "lease sweep", setup=setup, act=act, check=check).assert_clean()
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "lease expiry goes through the retryable-failure path and consumes the only attempt of "
-    "the default policy: the run fails (remove this mark with the fix)"))
 def test_lease_expiry_does_not_consume_an_attempt(b: Bench) -> None:
     """A lease expiry is not a handler failure: under the default policy (one attempt)
     the task is re-queued as attempt 1 and the run goes on."""
