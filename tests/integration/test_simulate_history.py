@@ -128,7 +128,10 @@ def _check_run(run: dict[str, Any], tasks: dict[str, dict[str, Any]], spec: Work
         assert t["created_at"] >= run["created_at"] and t["scheduled_at"] == t["created_at"]
         assert t["lease_owner"] is None and t["lease_expires_at"] is None
         if ns.type is NodeType.TASK and t["state"] != "SKIPPED":
-            assert 0 <= t["attempt"] <= ns.retry.max_attempts - 1
+            # Re-queues: handler failures (within the retry policy) plus lease expiries
+            # (within max_lease_expiries, one more when the last one failed the task).
+            assert 0 <= t["lease_expiries"] <= ns.max_lease_expiries
+            assert 0 <= t["attempt"] - t["lease_expiries"] <= ns.retry.max_attempts - 1
             seen["retried"] += t["attempt"] > 0
             seen["lease expired"] += "lease of " in json.dumps(t["last_error"])
         for dep in ns.depends_on:          # created once every dependency was terminal, not before
