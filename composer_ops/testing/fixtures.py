@@ -345,11 +345,11 @@ def expected_figures(info: SeedInfo) -> dict[str, dict[str, Any]]:
     no_lease = [f"RUNNING without a lease: run {runs['L9']}, node charge"]
     return {
         "partition_sizes": {
-            "partitions": 27, "months": months, "misaligned": 3,
-            "rows_by_table": {"workflow_runs": 21, "task_instances": 63, "workflow_events": 3},
+            "partitions": 35, "months": months, "misaligned": 3,
+            "rows_by_table": {"workflow_runs": 21, "task_instances": 63, "workflow_events": 3, "run_history": 0},
             "rows_by_month": {"202412": 0, "202501": 12, "202502": 16, "202503": 18, "202504": 9, cur: 32,
                               ahead[0]: 0, ahead[1]: 0, ahead[2]: 0},
-            "months_ahead": {"workflow_runs": 3, "task_instances": 3, "workflow_events": 3},
+            "months_ahead": {"workflow_runs": 3, "task_instances": 3, "workflow_events": 3, "run_history": 3},
             "lookahead_alerts": 0,
             # log-linear fit of 12, 16, 18, 9 rows over four consecutive months: slope -0.0745
             "growth_pct_per_month": -7.2,

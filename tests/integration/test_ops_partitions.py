@@ -12,6 +12,7 @@ import pytest
 from composer_ops import ops
 from composer_ops.errors import Invalid
 from composer_ops.ops._common import add_months
+from composer_ops.repo.partitions import RUN_TABLES
 from composer_ops.testing import fixtures
 from tests.integration.helpers import connect_in_tz
 
@@ -31,13 +32,13 @@ def test_inventory_lists_every_partition_with_exact_rows(conn: psycopg.Connectio
     # The seed ran ANALYZE, so the catalog estimates equal the exact counts here.
     inv = ops.partition_inventory(conn, exact=exact)
     want = fixtures.expected_figures(seeded)["partition_sizes"]
-    assert inv.height == 27
+    assert inv.height == 35                 # 9 months of three tables, and run_history in all but 202412
     assert sorted(inv["month"].unique().to_list()) == want["months"]
-    assert _rows(inv, "table") == {"workflow_runs": 21, "task_instances": 63, "workflow_events": 3}
+    assert _rows(inv, "table") == {"workflow_runs": 21, "task_instances": 63, "workflow_events": 3, "run_history": 0}
     assert _rows(inv, "month") == want["rows_by_month"]
-    assert inv["rows_exact"].to_list() == [exact] * 27
+    assert inv["rows_exact"].to_list() == [exact] * 35
     march = {t: r for t, r in inv.filter(pl.col("month") == "202503").select("table", "rows").iter_rows()}
-    assert march == {"workflow_runs": 3, "task_instances": 13, "workflow_events": 2}
+    assert march == {"workflow_runs": 3, "task_instances": 13, "workflow_events": 2, "run_history": 0}
     # The seed's December 2024 was made an hour early (odd data the reports flag).
     assert sorted(inv.filter(~pl.col("bounds_match"))["partition"].to_list()) == [
         "task_instances_p202412", "workflow_events_p202412", "workflow_runs_p202412"]
@@ -79,9 +80,9 @@ def test_lookahead_counts_months_after_the_current_one_and_alerts(conn: psycopg.
                                                                   seeded: fixtures.SeedInfo) -> None:
     cur = seeded.current_month
     ahead = ops.lookahead(conn, minimum=2)
-    assert ahead["months_ahead"].to_list() == [3, 3, 3]
-    assert ahead["current_month"].to_list() == [cur] * 3
-    assert ahead["first_missing"].to_list() == [add_months(cur, 4)] * 3
+    assert ahead["months_ahead"].to_list() == [3, 3, 3, 3]
+    assert ahead["current_month"].to_list() == [cur] * 4
+    assert ahead["first_missing"].to_list() == [add_months(cur, 4)] * 4
     assert not ahead["alert"].any()
     assert ops.lookahead(conn, minimum=4)["alert"].all()
     conn.execute(f"DROP TABLE workflow_events_p{add_months(cur, 2)}".encode())
@@ -132,4 +133,4 @@ def test_the_same_figures_under_another_session_time_zone(db_url: str) -> None:
         assert _rows(inv, "month") == fixtures.expected_figures(info)["partition_sizes"]["rows_by_month"]
         # The current month is the UTC one, not Tokyo's (which differs for 9 hours a month).
         utc_month = tokyo.execute("SELECT to_char(now() AT TIME ZONE 'UTC', 'YYYYMM')").fetchone()[0]
-        assert ops.lookahead(tokyo)["current_month"].to_list() == [utc_month] * 3
+        assert ops.lookahead(tokyo)["current_month"].to_list() == [utc_month] * len(RUN_TABLES)

@@ -318,9 +318,9 @@ def test_the_earliest_waiter_by_database_time_wins_whatever_its_task_id() -> Non
         # "two" was created a second after "one", by a process whose clock was behind:
         # its UUIDv7 task id sorts first.
         "one": NodeState(task_id="01900000-0000-7000-8000-00000000000b", state=TaskState.WAITING,
-                         awaited_signal="go", created_at=T0),
+                         event_name="go", created_at=T0),
         "two": NodeState(task_id="01900000-0000-7000-8000-00000000000a", state=TaskState.WAITING,
-                         awaited_signal="go", created_at=T0 + timedelta(seconds=1)),
+                         event_name="go", created_at=T0 + timedelta(seconds=1)),
     }
     run = RunSnapshot(id="r", workflow_id="wf", workflow_version=1, status=RunStatus.RUNNING,
                       context=RunContext(input=None, config={}), spec=spec, nodes=nodes)

@@ -1,4 +1,4 @@
--- V007: the history of every run, and lease expiries counted apart from handler failures.
+-- V009: the history of every run, and lease expiries counted apart from handler failures.
 --
 -- run_history holds what a run's own rows do not show: every claim of a task (with the
 -- worker), a lease a worker found lost, a lease that expired, a failure and whether it
@@ -36,6 +36,19 @@ CREATE TABLE IF NOT EXISTS run_history(
     detail JSONB,                            -- the error, the signal, what followed (re-queued, run finished)
     PRIMARY KEY (run_id, seq)
 ) PARTITION BY RANGE (run_id);
+
+-- On a Citus coordinator whose run tables are distributed (sql/citus/V007), the history
+-- is distributed with them, co-located by run ID, before it gets partitions (they
+-- follow it). Citus's functions are only looked up when a Citus database reaches them.
+DO $$
+BEGIN
+    IF EXISTS (SELECT 1 FROM pg_extension WHERE extname = 'citus') THEN
+        IF EXISTS (SELECT 1 FROM pg_dist_partition WHERE logicalrelid = 'workflow_runs'::regclass) THEN
+            PERFORM create_distributed_table('run_history', 'run_id', colocate_with => 'workflow_runs');
+        END IF;
+    END IF;
+END;
+$$;
 
 -- How many of a task's attempts ended in an expired lease. attempt counts every
 -- re-queue; the retry policy counts only handler failures (attempt - lease_expiries),
@@ -223,6 +236,18 @@ BEGIN
         repaired := repaired + 1;
     END LOOP;
     RETURN repaired;
+END;
+$$;
+
+-- CREATE OR REPLACE resets a function's SET clauses: on Citus, the partition functions
+-- keep running in sequential mode (sql/citus/V007 says why).
+DO $$
+BEGIN
+    IF EXISTS (SELECT 1 FROM pg_extension WHERE extname = 'citus') THEN
+        ALTER FUNCTION composer_ensure_partitions_from(DATE, INT) SET citus.multi_shard_modify_mode = 'sequential';
+        ALTER FUNCTION composer_drop_partitions(TIMESTAMPTZ) SET citus.multi_shard_modify_mode = 'sequential';
+        ALTER FUNCTION composer_repair_partition_bounds() SET citus.multi_shard_modify_mode = 'sequential';
+    END IF;
 END;
 $$;
 
