@@ -10,17 +10,22 @@ original outcome comes back, and nothing was applied twice.
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import psycopg
 import pytest
+from psycopg.pq import Trace
 
 from composer_ops import Conflict, Engine, Invalid
 from composer_ops.core import RunStatus
+from composer_ops.db import make_pool
 from composer_ops.engine.coordinator import PassStats
 from composer_ops.engine.shell import Outcome
+from composer_ops.repo import history
 from tests.integration.helpers import now_utc, uuid7_at
 
 
@@ -247,3 +252,51 @@ def test_concurrent_calls_with_one_key_resolve_one_node(engine: Engine) -> None:
         t.join(30)
     assert sorted(o.replayed for o in outcomes) == [False, True, True]
     assert sorted(states(engine, run_id).values()) == [("COMPLETED", 0), ("WAITING", 0)]
+
+
+# -- what a first attempt costs ------------------------------------------------------------
+
+
+def _traced(engine: Engine, path: Path, call: Callable[[], Any]) -> list[str]:
+    """The frontend messages (with their SQL) ``call`` sent on the pool's one connection."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        with engine.pool.connection() as conn:
+            conn.pgconn.trace(fd)
+            conn.pgconn.set_trace_flags(Trace.SUPPRESS_TIMESTAMPS)
+        call()
+        with engine.pool.connection() as conn:
+            conn.pgconn.untrace()
+    finally:
+        os.close(fd)
+    return [line for line in path.read_text(errors="replace").splitlines() if line.startswith("F\t")]
+
+
+def test_only_a_retry_looks_for_its_request(db_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A first attempt writes its history in the statements it runs anyway and reads
+    nothing more (the wire shows no lookup); the lookup of the request's rows is made
+    by a retry only, once."""
+    engine = Engine(make_pool(db_url, min_size=1, max_size=1), db_url)
+    try:
+        engine.deploy({"id": "one", "nodes": [{"id": "a", "type": "TASK", "task": "t"}]})
+        first = _traced(engine, tmp_path / "start.trace", lambda: engine.start("one"))
+        [claim] = engine.claim(["default"], "w1", 1)
+        done = _traced(engine, tmp_path / "complete.trace", lambda: engine.complete(claim, None))
+        sent = [m for m in first + done if "Parse" in m]
+        assert sent and not [m for m in sent if "request = " in m], sent
+        run_id = engine.start("one")
+        lookups: list[str] = []
+        real = history.of_request
+
+        def counted(conn: Any, run: str, request: str) -> Any:
+            lookups.append(request)
+            return real(conn, run, request)
+
+        monkeypatch.setattr(history, "of_request", counted)
+        engine.cancel(run_id)
+        assert lookups == []                              # a first attempt that succeeds: no lookup
+        other = engine.start("one")
+        lost_ack(engine, monkeypatch, lambda: engine.cancel(other))
+        assert lookups == [lookups[0]] and len(lookups) == 1   # the retried cancel: one lookup
+    finally:
+        engine.close()
