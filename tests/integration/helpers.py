@@ -1,12 +1,16 @@
-"""Small builders for integration tests: definitions and runs inserted directly."""
+"""Small builders for integration tests: definitions and runs inserted directly, and a
+lost COMMIT acknowledgement."""
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from datetime import UTC, datetime
 from typing import Any
 
 import uuid6
 
+from composer_ops import Engine
 from composer_ops.repo import definitions, runs
 
 
@@ -55,3 +59,25 @@ def connect_in_tz(url: str, tz: str) -> Any:
     assert row is not None
     assert row[0] == tz
     return conn
+
+
+class LoseAck:
+    """Wraps an Engine's ``pool.connection``: after ``skip`` blocks, the next ``times``
+    blocks that end without an error (their transaction committed) have their session
+    killed before they return (``pg_terminate_backend`` of its own backend), so the
+    caller gets the engine's error for a connection lost after its COMMIT, as when the
+    server's acknowledgement of the COMMIT is lost. ``fired`` counts the kills."""
+
+    def __init__(self, engine: Engine, times: int = 1, skip: int = 0) -> None:
+        self.real, self.left, self.skip, self.fired = engine.pool.connection, times, skip, 0
+
+    @contextlib.contextmanager
+    def __call__(self, *args: Any, **kwargs: Any) -> Iterator[Any]:
+        with self.real(*args, **kwargs) as conn:
+            yield conn
+            if self.skip > 0:
+                self.skip -= 1
+            elif self.left > 0:
+                self.left -= 1
+                self.fired += 1
+                conn.execute("SELECT pg_terminate_backend(pg_backend_pid())")

@@ -3,19 +3,16 @@ which reach callers only as ComposerErrors."""
 
 from __future__ import annotations
 
-import contextlib
 import os
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
-import psycopg
 import pytest
 from psycopg.pq import Trace, TransactionStatus
 
 from composer_ops import ComposerError, Conflict, Engine, Unavailable
 from composer_ops.db import make_pool
-from tests.integration.helpers import now_utc, uuid7_at
+from tests.integration.helpers import LoseAck, now_utc, uuid7_at
 
 SPEC = {"id": "one", "nodes": [{"id": "a", "type": "TASK", "task": "t"}]}
 
@@ -27,27 +24,6 @@ def engine(db_url: str) -> Iterator[Engine]:
         yield e
 
 
-class LoseAfterCommit:
-    """Wraps ``pool.connection``: in the first ``times`` blocks, once the block's
-    COMMIT has succeeded, the server ends the session and the next round trip on it
-    fails, so the caller sees the engine's error for a lost connection after the
-    commit, as when the server's acknowledgement of COMMIT is lost."""
-
-    def __init__(self, engine: Engine, times: int = 1) -> None:
-        self.real, self.left, self.url = engine.pool.connection, times, engine.url
-
-    @contextlib.contextmanager
-    def __call__(self, *args: Any, **kwargs: Any) -> Iterator[Any]:
-        with self.real(*args, **kwargs) as conn:
-            yield conn
-            if self.left > 0:
-                self.left -= 1
-                with psycopg.connect(self.url, autocommit=True) as killer:
-                    killer.execute("SELECT pg_terminate_backend(%s)", (conn.info.backend_pid,))
-                conn.execute("SELECT 1")
-                raise AssertionError("a terminated session answered")
-
-
 def _runs(engine: Engine) -> list[str]:
     with engine.pool.connection() as conn:
         return [r[0] for r in conn.execute("SELECT id FROM workflow_runs ORDER BY id")]
@@ -55,7 +31,7 @@ def _runs(engine: Engine) -> list[str]:
 
 def test_a_lost_commit_acknowledgement_does_not_start_a_second_run(engine: Engine,
                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(engine.pool, "connection", LoseAfterCommit(engine))
+    monkeypatch.setattr(engine.pool, "connection", LoseAck(engine))
     run_id = engine.start("one")
     monkeypatch.undo()
     assert _runs(engine) == [run_id]
@@ -67,7 +43,7 @@ def test_with_a_client_run_id_the_retry_returns_the_run(engine: Engine, monkeypa
     history row carries the call's request ID): the run, never a Conflict, never a
     second run. A new start of that ID is still a Conflict."""
     run_id = uuid7_at(now_utc())
-    monkeypatch.setattr(engine.pool, "connection", LoseAfterCommit(engine))
+    monkeypatch.setattr(engine.pool, "connection", LoseAck(engine))
     assert engine.start("one", run_id=run_id) == run_id
     monkeypatch.undo()
     assert _runs(engine) == [run_id]

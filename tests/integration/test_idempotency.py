@@ -9,7 +9,6 @@ original outcome comes back, and nothing was applied twice.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import threading
 from collections.abc import Callable, Iterator
@@ -26,27 +25,7 @@ from composer_ops.db import make_pool
 from composer_ops.engine.coordinator import PassStats
 from composer_ops.engine.shell import Outcome
 from composer_ops.repo import history
-from tests.integration.helpers import now_utc, uuid7_at
-
-
-class LoseAck:
-    """Wraps ``pool.connection``: after ``skip`` blocks, the next ``times`` blocks that
-    end without an error (their transaction committed) have their session killed
-    before they return."""
-
-    def __init__(self, engine: Engine, times: int = 1, skip: int = 0) -> None:
-        self.real, self.left, self.skip, self.fired = engine.pool.connection, times, skip, 0
-
-    @contextlib.contextmanager
-    def __call__(self, *args: Any, **kwargs: Any) -> Iterator[Any]:
-        with self.real(*args, **kwargs) as conn:
-            yield conn
-            if self.skip > 0:
-                self.skip -= 1
-            elif self.left > 0:
-                self.left -= 1
-                self.fired += 1
-                conn.execute("SELECT pg_terminate_backend(pg_backend_pid())")
+from tests.integration.helpers import LoseAck, now_utc, uuid7_at
 
 
 @pytest.fixture
