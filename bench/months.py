@@ -129,7 +129,7 @@ def locks(url: str) -> dict[str, int]:
             engine.start(WORKFLOWS["one"]["id"])
 
         def claim(conn: Any) -> bool:
-            outbox.claim(conn, ["default"], "bench-locks", 1, task_names=["noop"])
+            outbox.claim(conn, ["default"], "bench-locks", 1, task_names=["noop"], claim_id="bench-locks")
             return True          # rolled back: the next repetition claims the same task
 
         out["claim"] = _locks_held(engine, claim)
@@ -146,8 +146,8 @@ def locks(url: str) -> dict[str, int]:
         counted: list[int] = []
         apply = engine.shell.apply
 
-        def apply_and_count(conn: Any, run: Any, decision: Any) -> Any:
-            result = apply(conn, run, decision)
+        def apply_and_count(conn: Any, run: Any, decision: Any, **context: Any) -> Any:
+            result = apply(conn, run, decision, **context)
             counted.append(int(conn.execute(_COUNT_LOCKS).fetchone()[0]))
             return result
 
