@@ -22,10 +22,13 @@
 -- No foreign key to workflow_runs, unlike the other run tables: the claim writes a
 -- history row without taking the run's lock, and a foreign key check would lock the
 -- run row FOR KEY SHARE, which waits behind any event holding the run lock FOR UPDATE.
--- Rows are only ever inserted (by the engine) and dropped with their month.
+-- Rows are only ever inserted (by the engine) and dropped with their month. `seq` is a
+-- plain sequence default (not an identity column), so that a partition created apart
+-- and attached (CREATE TABLE ... LIKE ... INCLUDING DEFAULTS) numbers its rows the same.
+CREATE SEQUENCE IF NOT EXISTS run_history_seq AS BIGINT;
 CREATE TABLE IF NOT EXISTS run_history(
     run_id TEXT COLLATE "C" NOT NULL,
-    seq BIGINT GENERATED ALWAYS AS IDENTITY,
+    seq BIGINT NOT NULL DEFAULT nextval('run_history_seq'),
     at TIMESTAMPTZ NOT NULL DEFAULT NOW(),  -- the database clock of the change's transaction
     kind TEXT NOT NULL,                      -- claimed, completed, failed, lease_expired, lease_lost, ...
     node_id TEXT,
@@ -269,4 +272,5 @@ $$;
 
 -- The engine appends history and reads it; the reader role reads it.
 GRANT SELECT, INSERT ON run_history TO composer_ops_engine;
+GRANT USAGE ON SEQUENCE run_history_seq TO composer_ops_engine;
 GRANT SELECT ON run_history TO composer_ops_reader;
