@@ -113,7 +113,7 @@ def plan(conn: Conn, cutoff: datetime, *, min_age: timedelta, exact_rows: bool =
 
 def lock_months(conn: Conn, months: list[RetentionMonth]) -> None:
     """ACCESS EXCLUSIVE on every partition of ``months`` (in the plan's order:
-    workflow_runs, task_instances, workflow_events), for the rest of the transaction."""
+    composer_run_tables(): workflow_runs first), for the rest of the transaction."""
     for month in months:
         conn.execute(sql.SQL("LOCK TABLE {} IN ACCESS EXCLUSIVE MODE").format(
             sql.SQL(", ").join(sql.Identifier(p) for p in month.partitions)))

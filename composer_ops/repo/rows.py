@@ -223,7 +223,7 @@ class RetentionMonth:
     reason: str                    # "too new" | "has active runs" | "past cut-off, no active runs"
     active_runs: int
     active_run_ids: list[str]      # the first 20
-    partitions: list[str]          # workflow_runs, task_instances, workflow_events
+    partitions: list[str]          # one per table of composer_run_tables(), workflow_runs first
     rows: int
     bytes: int
 

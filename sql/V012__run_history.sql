@@ -1,4 +1,4 @@
--- V009: the history of every run, and lease expiries counted apart from handler failures.
+-- V012: the history of every run, and lease expiries counted apart from handler failures.
 --
 -- run_history holds what a run's own rows do not show: every claim of a task (with the
 -- worker), a lease a worker found lost, a lease that expired, a failure and whether it
@@ -66,7 +66,10 @@ LANGUAGE sql IMMUTABLE AS $$
     SELECT ARRAY['workflow_runs', 'task_instances', 'workflow_events', 'run_history']::TEXT[]
 $$;
 
--- V005's function, same signature and promise, over composer_run_tables().
+-- V009's function (each partition created on its own, then attached), same signature,
+-- promise and locks, over composer_run_tables(): workflow_runs first, the others
+-- reference it or follow it. run_history's partitions take its sequence default
+-- (INCLUDING DEFAULTS) and get its primary key when attached.
 CREATE OR REPLACE FUNCTION composer_ensure_partitions_from(first_month DATE, months_ahead INT DEFAULT 3)
 RETURNS INT
 LANGUAGE plpgsql AS $$
@@ -86,12 +89,15 @@ BEGIN
         FOREACH tbl IN ARRAY composer_run_tables() LOOP
             part := tbl || '_p' || to_char(month_wall, 'YYYYMM');
             IF to_regclass(format('%I', part)) IS NULL THEN
-                EXECUTE format('CREATE TABLE %I PARTITION OF %I FOR VALUES FROM (%L) TO (%L)%s',
+                EXECUTE format('CREATE TABLE %I (LIKE %I INCLUDING DEFAULTS INCLUDING CONSTRAINTS '
+                               'INCLUDING STORAGE INCLUDING COMPRESSION)%s',
                     part, tbl,
-                    composer_uuid7_bound(month_wall AT TIME ZONE 'UTC'),
-                    composer_uuid7_bound((month_wall + INTERVAL '1 month') AT TIME ZONE 'UTC'),
-                    -- task_instances is the table updated in place (room for HOT updates, V005)
+                    -- task_instances is the table that is updated in place (V005)
                     CASE WHEN tbl = 'task_instances' THEN ' WITH (fillfactor = 80)' ELSE '' END);
+                EXECUTE format('ALTER TABLE %I ATTACH PARTITION %I FOR VALUES FROM (%L) TO (%L)',
+                    tbl, part,
+                    composer_uuid7_bound(month_wall AT TIME ZONE 'UTC'),
+                    composer_uuid7_bound((month_wall + INTERVAL '1 month') AT TIME ZONE 'UTC'));
                 created := created + 1;
             END IF;
         END LOOP;
@@ -100,8 +106,9 @@ BEGIN
 END;
 $$;
 
--- V004's plan, same signature and rows, counting every table of composer_run_tables().
-CREATE OR REPLACE FUNCTION composer_retention_plan(older_than TIMESTAMPTZ, exact_rows BOOLEAN DEFAULT false)
+-- V010's plan, same signature and rows, over every table of composer_run_tables() (the
+-- two-argument form calls it unchanged).
+CREATE OR REPLACE FUNCTION composer_retention_plan(older_than TIMESTAMPTZ, exact_rows BOOLEAN, min_age INTERVAL)
 RETURNS TABLE(month TEXT, month_start TIMESTAMPTZ, month_end TIMESTAMPTZ, action TEXT, reason TEXT,
               active_runs BIGINT, active_run_ids TEXT[], partitions TEXT[], rows BIGINT, bytes BIGINT)
 LANGUAGE plpgsql STABLE AS $$
@@ -112,11 +119,12 @@ DECLARE
     runs_part TEXT;
     horizon TIMESTAMPTZ;
 BEGIN
-    IF older_than IS NULL THEN
-        RAISE EXCEPTION 'older_than must not be NULL' USING ERRCODE = 'null_value_not_allowed';
+    IF older_than IS NULL OR min_age IS NULL THEN
+        RAISE EXCEPTION 'older_than and min_age must not be NULL' USING ERRCODE = 'null_value_not_allowed';
     END IF;
-    -- Never the current or a future month, even for a cut-off in the future.
-    horizon := LEAST(older_than, composer_month_start((now() AT TIME ZONE 'UTC')::date));
+    -- Never the current or a future month, nor one that ended less than min_age ago,
+    -- even for a cut-off in the future.
+    horizon := LEAST(older_than, composer_month_start((now() AT TIME ZONE 'UTC')::date), now() - min_age);
     FOR m IN
         SELECT s.suffix,
                array_agg(s.relname ORDER BY s.table_order) AS parts,
@@ -172,18 +180,33 @@ BEGIN
 END;
 $$;
 
--- V004's drop, same signature and promise, over composer_run_tables(): the tables that
--- reference workflow_runs (every other one) are dropped first, then workflow_runs'
--- month is detached and dropped. CREATE OR REPLACE keeps its privileges (owner only).
-CREATE OR REPLACE FUNCTION composer_drop_partitions(older_than TIMESTAMPTZ) RETURNS SETOF TEXT
+-- V010's drop (lock every month the plan would drop, judge again under the locks, drop
+-- what is still due), same signature and promise, over composer_run_tables(): the
+-- plan's partitions (every run table's, workflow_runs first) are locked, the tables
+-- other than workflow_runs are dropped first, then workflow_runs' month is detached
+-- and dropped. The one-argument form calls it unchanged; CREATE OR REPLACE keeps the
+-- privileges (owner only).
+CREATE OR REPLACE FUNCTION composer_drop_partitions(older_than TIMESTAMPTZ, min_age INTERVAL)
+RETURNS SETOF TEXT
 LANGUAGE plpgsql AS $$
 DECLARE
     p RECORD;
+    part TEXT;
     tbl TEXT;
+    locked TEXT[] := ARRAY[]::TEXT[];
 BEGIN
     PERFORM pg_advisory_xact_lock(hashtext('composer_partitions'));
-    FOR p IN SELECT plan.month FROM composer_retention_plan(older_than) plan
+    FOR p IN SELECT plan.month, plan.partitions FROM composer_retention_plan(older_than, false, min_age) plan
               WHERE plan.action = 'drop' ORDER BY plan.month
+    LOOP
+        FOREACH part IN ARRAY p.partitions LOOP      -- in composer_run_tables() order
+            EXECUTE format('LOCK TABLE %I IN ACCESS EXCLUSIVE MODE', part);
+        END LOOP;
+        locked := locked || p.month;
+    END LOOP;
+    -- A new statement, so a new snapshot: it sees every run committed before the locks.
+    FOR p IN SELECT plan.month FROM composer_retention_plan(older_than, false, min_age) plan
+              WHERE plan.action = 'drop' AND plan.month = ANY(locked) ORDER BY plan.month
     LOOP
         FOREACH tbl IN ARRAY composer_run_tables() LOOP
             CONTINUE WHEN tbl = 'workflow_runs';
@@ -248,6 +271,8 @@ DO $$
 BEGIN
     IF EXISTS (SELECT 1 FROM pg_extension WHERE extname = 'citus') THEN
         ALTER FUNCTION composer_ensure_partitions_from(DATE, INT) SET citus.multi_shard_modify_mode = 'sequential';
+        ALTER FUNCTION composer_drop_partitions(TIMESTAMPTZ, INTERVAL)
+            SET citus.multi_shard_modify_mode = 'sequential';
         ALTER FUNCTION composer_drop_partitions(TIMESTAMPTZ) SET citus.multi_shard_modify_mode = 'sequential';
         ALTER FUNCTION composer_repair_partition_bounds() SET citus.multi_shard_modify_mode = 'sequential';
     END IF;
