@@ -44,6 +44,7 @@ from composer_ops.core.model import (
     FinishRun,
     LeaseExpired,
     NodeType,
+    NodeView,
     RequeueTask,
     ResolveWait,
     RunSnapshot,
@@ -124,21 +125,8 @@ class _Decider:
         self.store = store
         self.new_id = new_id
         self.now = now
-        self.slots: dict[str, _Slot] = {
-            node_id: _Slot(
-                task_id=ns.task_id,
-                state=ns.state,
-                attempt=ns.attempt,
-                branches=ns.branches,
-                event_name=ns.event_name,
-                lease_owner=ns.lease_owner,
-                lease_expires_at=ns.lease_expires_at,
-                created_at=ns.created_at,
-                wake_at=ns.wake_at,
-                lease_expiries=ns.lease_expiries,
-            )
-            for node_id, ns in run.nodes.items()
-        }
+        # Copy on write: a node's snapshot view until this decision changes it.
+        self.slots: dict[str, _Slot | NodeView] = dict(run.nodes)
         self.actions: list[Action] = []
         # Nodes created in this decision -> the index of their CreateTask in actions.
         self.created: dict[str, int] = {}
@@ -180,8 +168,27 @@ class _Decider:
 
     # -- writes -------------------------------------------------------------
 
-    def set_state(self, node_id: str, state: TaskState, *, output: Any = None) -> None:
+    def writable(self, node_id: str) -> _Slot:
+        """The node's overlay, copied from its snapshot view on the first write."""
         slot = self.slots[node_id]
+        if isinstance(slot, _Slot):
+            return slot
+        copy = self.slots[node_id] = _Slot(
+            task_id=slot.task_id,
+            state=slot.state,
+            attempt=slot.attempt,
+            branches=slot.branches,
+            event_name=slot.event_name,
+            lease_owner=slot.lease_owner,
+            lease_expires_at=slot.lease_expires_at,
+            created_at=slot.created_at,
+            wake_at=slot.wake_at,
+            lease_expiries=slot.lease_expiries,
+        )
+        return copy
+
+    def set_state(self, node_id: str, state: TaskState, *, output: Any = None) -> None:
+        slot = self.writable(node_id)
         slot.state = state
         slot.lease_owner = None
         slot.lease_expires_at = None
@@ -214,7 +221,7 @@ class _Decider:
         for node_id, slot in self.slots.items():
             if slot.state not in ACTIVE_TASK_STATES:
                 continue
-            slot.state = TaskState.CANCELLED
+            self.writable(node_id).state = TaskState.CANCELLED
             index = self.created.get(node_id)
             if index is None:
                 active.append(slot.task_id)
@@ -412,7 +419,7 @@ class _Decider:
             available_at = self.now + timedelta(seconds=delay)
             self.actions.append(RequeueTask(ref=ref, reason=error, available_at=available_at))
             self.set_state(ref.node_id, TaskState.PENDING)
-            slot.attempt += 1
+            self.writable(ref.node_id).attempt += 1
             return self.decision()
         self.actions.append(FailTask(ref=ref, reason=error))
         self.set_state(ref.node_id, TaskState.FAILED)
@@ -439,8 +446,9 @@ class _Decider:
         if expiries <= node.max_lease_expiries:
             self.actions.append(RequeueTask(ref=ref, reason=lapsed, available_at=self.now, lease_expired=True))
             self.set_state(ref.node_id, TaskState.PENDING)
-            slot.attempt += 1
-            slot.lease_expiries = expiries
+            written = self.writable(ref.node_id)
+            written.attempt += 1
+            written.lease_expiries = expiries
             return self.decision()
         times = "once" if expiries == 1 else f"{expiries} times"
         error = (f"lease expired {times} (max_lease_expiries is {node.max_lease_expiries}); "

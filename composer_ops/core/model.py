@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import datetime
 from enum import StrEnum
-from typing import TYPE_CHECKING, Any, TypeAlias
+from typing import TYPE_CHECKING, Any, Protocol, TypeAlias
 
 if TYPE_CHECKING:
     from composer_ops.core.spec import WorkflowSpec
@@ -98,6 +98,36 @@ class NodeState:
     lease_expiries: int = 0
 
 
+class NodeView(Protocol):
+    """What the machine reads of a reached node: the fields of :class:`NodeState`.
+
+    A snapshot holds NodeStates (the shell builds them from rows it loads); any
+    object that has these fields serves, so an in-memory replay can hand the machine
+    its task rows as they are. The machine only reads them.
+    """
+
+    @property
+    def task_id(self) -> str: ...
+    @property
+    def state(self) -> TaskState: ...
+    @property
+    def attempt(self) -> int: ...
+    @property
+    def branches(self) -> tuple[str, ...] | None: ...
+    @property
+    def event_name(self) -> str | None: ...
+    @property
+    def lease_owner(self) -> str | None: ...
+    @property
+    def lease_expires_at(self) -> datetime | None: ...
+    @property
+    def created_at(self) -> datetime | None: ...
+    @property
+    def wake_at(self) -> datetime | None: ...
+    @property
+    def lease_expiries(self) -> int: ...
+
+
 @dataclass(frozen=True, kw_only=True)
 class Signal:
     """A buffered, not yet consumed signal (one row of ``workflow_events``)."""
@@ -128,7 +158,7 @@ class RunSnapshot:
     status: RunStatus
     context: RunContext
     spec: WorkflowSpec
-    nodes: Mapping[str, NodeState]
+    nodes: Mapping[str, NodeView]
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -145,26 +145,18 @@ class Replay:
         # Its tasks (by node) and buffered signals (in creation order).
         self.rows: dict[str, TaskRow] = {}
         self.signals: list[SignalRow] = []
-        self._nodes: dict[str, NodeState] = {}
-        self._changed: set[str] = set()        # nodes whose row changed since ``nodes`` was read
         self._by_task: dict[str, str] = {}
         self._event_now = now
         self._current: RunSnapshot | None = None
 
     @property
     def nodes(self) -> dict[str, NodeState]:
-        """The machine's view of ``rows`` (what a snapshot holds), by node."""
-        if self._changed:
-            rows, nodes = self.rows, self._nodes
-            for node_id in self._changed:
-                row = rows[node_id]
-                nodes[node_id] = NodeState(task_id=row.task_id, state=row.state, attempt=row.attempt,
-                                           branches=row.branches, event_name=row.event_name,
-                                           lease_owner=row.lease_owner, lease_expires_at=row.lease_expires_at,
-                                           created_at=row.created_at, wake_at=row.wake_at,
-                                           lease_expiries=row.lease_expiries)
-            self._changed.clear()
-        return self._nodes
+        """The rows as the shell would load them for a snapshot, by node."""
+        return {node_id: NodeState(task_id=row.task_id, state=row.state, attempt=row.attempt, branches=row.branches,
+                                   event_name=row.event_name, lease_owner=row.lease_owner,
+                                   lease_expires_at=row.lease_expires_at, created_at=row.created_at,
+                                   wake_at=row.wake_at, lease_expiries=row.lease_expiries)
+                for node_id, row in self.rows.items()}
 
     # -- the Store the machine reads through --------------------------------------
 
@@ -191,14 +183,14 @@ class Replay:
         """Decide ``event`` and apply the decision; ``Conflict``/``Invalid`` from the
         machine (a signal or cancel the run refuses) change nothing."""
         self._event_now = event.now
-        nodes = self.nodes
         current = self._current
         if current is None or current.status is not self.status:
-            # Between decisions, so a read-only view of the current nodes is the
-            # snapshot for as long as the run's status holds: built once, not per event.
+            # The machine reads the rows themselves (they have every NodeView field)
+            # through a read-only view: they change only between decisions, so the
+            # view is the snapshot for as long as the run's status holds.
             current = self._current = RunSnapshot(
                 id=self.run_id, workflow_id=self.spec.id, workflow_version=self.workflow_version,
-                status=self.status, context=self.context, spec=self.spec, nodes=MappingProxyType(nodes))
+                status=self.status, context=self.context, spec=self.spec, nodes=MappingProxyType(self.rows))
         decision = decide(current, event, self, self.new_id)
         self.apply(decision, event.now)
         return decision
@@ -269,7 +261,6 @@ class Replay:
             completed_at=now if state is TaskState.COMPLETED else None,
             available_at=a.available_at if is_task and state is TaskState.PENDING else None)
         self._by_task[a.task_id] = a.node_id
-        self._changed.add(a.node_id)
 
     def _consume(self, a: ConsumeSignal, now: datetime) -> None:
         for signal in self.signals:
@@ -298,7 +289,6 @@ class Replay:
     def _set_state(self, row: TaskRow, state: TaskState, now: datetime) -> None:
         row.state, row.updated_at = state, now
         row.lease_owner = row.lease_expires_at = None
-        self._changed.add(row.node_id)
 
     # -- what workers do without a decision -------------------------------------------
 
@@ -313,7 +303,6 @@ class Replay:
         row.state, row.started_at, row.updated_at, row.available_at = TaskState.RUNNING, now, now, None
         row.lease_owner = owner
         row.lease_expires_at = now + timedelta(seconds=self.spec.nodes[node_id].lease_s)
-        self._changed.add(node_id)
         return self.ref(node_id, owner)
 
     def heartbeat(self, node_id: str, owner: str) -> bool:
@@ -324,7 +313,6 @@ class Replay:
                 or row.lease_expires_at is None or row.lease_expires_at <= self.now):
             return False
         row.lease_expires_at = self.now + timedelta(seconds=self.spec.nodes[node_id].lease_s)
-        self._changed.add(node_id)
         return True
 
     def ref(self, node_id: str, owner: str | None = "w1") -> TaskRef:
