@@ -58,7 +58,9 @@ def test_simulate_at_ci_size_leaves_the_promised_mix(db_url: str) -> None:
         assert len(live) == RUNS
         statuses = dict(_rows(conn, "SELECT status, count(*) FROM workflow_runs WHERE id = ANY(%s) GROUP BY 1",
                               live))
-        assert statuses.get("SUCCEEDED", 0) > 20
+        # How many finish in 14 s depends on the machine's load (13 of 60 on two busy cores): the
+        # mix is the point, not the throughput.
+        assert statuses.get("SUCCEEDED", 0) >= 5
         assert statuses.get("FAILED", 0) >= 1 and statuses.get("CANCELLED", 0) >= 1
         assert statuses.get("RUNNING", 0) >= 1                      # some runs are left active
         types = {r[0] for r in _rows(conn, "SELECT DISTINCT node_type FROM task_instances WHERE run_id = ANY(%s)",
