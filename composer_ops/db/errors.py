@@ -11,6 +11,16 @@ and the pool's own errors (no connection free within the timeout, a closed pool)
 translated the same way, so code above the ``db`` package never sees a psycopg error
 and never translates one.
 
+``wait`` and ``_check_connection_ok`` are psycopg internals, not documented API:
+pyproject.toml pins the minor series they were checked on, importing this module fails
+at once if they (or ``errors._WaitTimeout``) are missing, and
+tests/unit/test_driver_internals.py plus tests/integration/test_error_boundary.py
+check their signatures and every path above.
+
+Errors psycopg raises in Python for misuse of its API, without a round trip (fetching
+from a statement that returned no rows, ``fileno()`` of a closed connection), are bugs
+of the caller and are left as they are.
+
 :class:`~composer_ops.errors.Transient` marks exactly the errors a retry of the whole
 transaction can cure (:func:`is_transient`); ``db_retry`` retries those and nothing
 else.
@@ -38,6 +48,23 @@ TRANSIENT_SQLSTATES = frozenset({"40001", "40P01", "57P01", "57P02", "57P03", "5
 
 #: Longest server detail appended to a message (a key, not a whole row).
 _DETAIL_MAX = 300
+
+
+def _wait_timeout() -> type[psycopg.Error]:
+    """psycopg's internal "a wait with a timeout ran out" error, which ``notifies()``
+    catches inside ``Connection.wait``'s caller and so must pass through the boundary
+    untranslated; ImportError, naming the versions that work, when psycopg lacks it or
+    the methods :class:`Connection` overrides."""
+    found = getattr(pgerr, "_WaitTimeout", None)
+    methods = all(callable(getattr(psycopg.Connection, name, None)) for name in ("wait", "_check_connection_ok"))
+    if not (isinstance(found, type) and issubclass(found, psycopg.Error) and methods):
+        raise ImportError(f"composer_ops needs psycopg >=3.3.6,<3.4 (its error boundary overrides "
+                          f"Connection.wait and Connection._check_connection_ok); this is psycopg "
+                          f"{psycopg.__version__}")
+    return found
+
+
+_WAIT_TIMEOUT = _wait_timeout()
 
 
 def is_transient(exc: BaseException) -> bool:
@@ -125,7 +152,7 @@ class Connection(psycopg.Connection[Row]):
     def wait(self, gen: PQGen[RV], *args: Any, **kwargs: Any) -> RV:
         try:
             return super().wait(gen, *args, **kwargs)
-        except pgerr._WaitTimeout:
+        except _WAIT_TIMEOUT:
             raise   # psycopg's own signal that a wait with a timeout ran out (notifies() catches it)
         except psycopg.Error as exc:
             raise translate(exc) from exc
@@ -134,6 +161,11 @@ class Connection(psycopg.Connection[Row]):
         try:
             super()._check_connection_ok()
         except psycopg.Error as exc:
+            if self.closed and not self.broken:
+                # Closed by this process (close(), a with block): no retry can cure
+                # that, unlike a session the server or the network ended.
+                raise ComposerError("the connection was closed by this process and cannot be used again"
+                                    ) from exc
             raise translate(exc) from exc
 
 

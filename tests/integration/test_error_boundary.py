@@ -178,3 +178,121 @@ def test_every_error_above_the_boundary_is_a_composer_error(db_url: str) -> None
             with pytest.raises(ComposerError) as caught, pool.connection() as conn:
                 conn.execute(statement.encode())
             assert isinstance(caught.value.__cause__, psycopg.Error), statement
+
+
+# -- every path a driver error can take -------------------------------------------------
+
+def _execute(c: Any) -> None:
+    c.execute("SELECT 1 / 0")
+
+
+def _executemany(c: Any) -> None:
+    c.cursor().executemany("INSERT INTO boundary VALUES (%s, %s)", [(3, 0), (1.5, 0), ("x", 0)])
+
+
+def _copy_in(c: Any) -> None:
+    with c.cursor().copy("COPY boundary (k, v) FROM STDIN") as copy:
+        copy.write(b"not a number\t0\n")
+
+
+def _copy_out(c: Any) -> None:
+    with c.cursor().copy("COPY (SELECT 1 / (k - 1) FROM boundary) TO STDOUT") as copy:
+        for _ in copy:
+            pass
+
+
+def _pipeline_sync(c: Any) -> None:
+    with c.pipeline():
+        c.execute("SELECT 1")
+        c.execute("SELECT 1 / 0")
+
+
+def _commit(c: Any) -> None:
+    c.execute("INSERT INTO boundary VALUES (1, 1)")   # the deferred unique key is checked at COMMIT
+    c.commit()
+
+
+def _transaction_exit(c: Any) -> None:
+    with c.transaction():
+        c.execute("INSERT INTO boundary VALUES (1, 1)")
+
+
+def _server_cursor_fetch(c: Any) -> None:
+    with c.cursor(name="boundary_cursor") as cur:
+        cur.execute("SELECT 1 / (k - 1) FROM boundary ORDER BY k DESC")
+        cur.fetchall()
+
+
+def _client_cursor(c: Any) -> None:
+    psycopg.ClientCursor(c).execute("SELECT 1 / %s", (0,))
+
+
+def _stream(c: Any) -> None:
+    for _ in c.cursor().stream("SELECT 1 / (g - 3) FROM generate_series(1, 5) g"):
+        pass
+
+
+def _autocommit_in_a_transaction(c: Any) -> None:
+    c.execute("SELECT 1")
+    c.autocommit = True
+
+
+def _notifies_of_a_session_the_server_ended(c: Any) -> None:
+    c.autocommit = True
+    c.execute("LISTEN boundary")
+    with psycopg.connect(c.info.dsn, autocommit=True) as killer:
+        killer.execute("SELECT pg_terminate_backend(%s)", (c.info.backend_pid,))
+    for _ in c.notifies(timeout=5):
+        pass
+
+
+def _cancelled_statement(c: Any) -> None:
+    threading.Timer(0.2, c.cancel).start()
+    c.execute("SELECT pg_sleep(5)")
+
+
+PATHS = [_execute, _executemany, _copy_in, _copy_out, _pipeline_sync, _commit, _transaction_exit,
+         _server_cursor_fetch, _client_cursor, _stream, _autocommit_in_a_transaction,
+         _notifies_of_a_session_the_server_ended, _cancelled_statement]
+
+
+@pytest.mark.parametrize("path", PATHS, ids=lambda f: f.__name__.strip("_"))
+def test_a_driver_error_on_every_path_arrives_as_a_composer_error(table: str, path: Any) -> None:
+    with connect(table) as conn:
+        with pytest.raises(ComposerError) as caught:
+            path(conn)
+    assert isinstance(caught.value.__cause__, psycopg.Error), path
+    assert "\n" not in str(caught.value)
+
+
+def test_an_idle_listen_returns_at_its_timeout(db_url: str) -> None:
+    """psycopg's internal wait timeout passes through the boundary untranslated, so
+    ``notifies(timeout=...)`` returns instead of raising."""
+    with connect(db_url, autocommit=True) as conn:
+        conn.execute("LISTEN boundary_idle")
+        assert list(conn.notifies(timeout=0.1)) == []
+
+
+def test_a_connection_closed_here_is_an_error_no_retry_can_cure(db_url: str) -> None:
+    calls: list[int] = []
+    conn = connect(db_url)
+    conn.close()
+
+    @db_retry(max_attempts=3, base=0.001, cap=0.001)
+    def txn() -> None:
+        calls.append(1)
+        conn.execute("SELECT 1")
+
+    with pytest.raises(ComposerError, match="closed by this process") as caught:
+        txn()
+    assert not isinstance(caught.value, Transient) and len(calls) == 1
+
+
+def test_a_pooled_connection_the_server_ended_is_replaced_quietly(db_url: str) -> None:
+    with make_pool(db_url, min_size=1, max_size=1) as pool:
+        with pool.connection() as conn:
+            pid = conn.info.backend_pid
+        with psycopg.connect(db_url, autocommit=True) as killer:
+            killer.execute("SELECT pg_terminate_backend(%s, 5000)", (pid,))   # returns once it has exited
+        with pool.connection() as conn:                    # the pool's check drops the dead one
+            assert conn.execute("SELECT pg_backend_pid()").fetchone() != (pid,)
