@@ -79,8 +79,12 @@ def empty_db_url(server: Server) -> Iterator[str]:
 
 @pytest.fixture
 def conn(db_url: str) -> Iterator[psycopg.Connection[Any]]:
-    """A connection to the test's database, in a transaction rolled back at the end."""
-    with psycopg.connect(db_url) as c:
+    """A connection to the test's database, in a transaction rolled back at the end: a
+    connection of the error boundary, as the repository gets in the product, so its
+    driver errors arrive as ComposerErrors here too."""
+    from composer_ops.db.errors import Connection
+
+    with Connection.connect(db_url) as c:
         yield c
         c.rollback()
 
