@@ -23,11 +23,6 @@ from __future__ import annotations
 import heapq
 import os
 import random
-import shutil
-import signal
-import subprocess
-import sys
-import tempfile
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -36,6 +31,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from composer_ops.errors import ComposerError, Conflict
+from composer_ops.processes import Fleet, Kind, Proc
 from composer_ops.repo import simulator
 from composer_ops.simulate.definitions import (
     LEASE_S,
@@ -54,6 +50,7 @@ __all__ = ["HeldTask", "LiveOptions", "LiveResult", "LiveSimulation", "PlannedRu
 
 _PACKAGE_ROOT = Path(__file__).resolve().parents[2]
 _APP = "composer_ops.simulate.handlers:make_worker"
+_COORDINATOR_INTERVAL_S = 0.25
 _POLL_S = 0.25
 _MAX_UNEXPECTED_EXITS = 4
 #: A kill waits up to this long for a worker holding at least _KILL_MIN_BUSY running
@@ -125,85 +122,18 @@ class LiveResult:
     log_dir: str | None = None
 
 
-@dataclass
-class _Proc:
-    name: str
-    kind: str
-    popen: subprocess.Popen[bytes]
-    log: Path
-    killed: bool = False
-
-    @property
-    def owner(self) -> str:
-        """The lease owner this worker writes (``make_worker``'s worker_id)."""
-        return f"{self.name}:{self.popen.pid}"
+def _fleet(url: str, options: LiveOptions) -> Fleet:
+    """The simulation's processes: the behaviour model in their environment, and this
+    package importable even from a source tree that is not installed."""
+    path = os.environ.get("PYTHONPATH")
+    env = {**os.environ, **options.behaviour.to_env(), "COMPOSER_LOG_LEVEL": "WARNING",
+           "PYTHONPATH": str(_PACKAGE_ROOT) + (os.pathsep + path if path else "")}
+    return Fleet(url, app=_APP, coordinator_interval=_COORDINATOR_INTERVAL_S, env=env)
 
 
-class _Fleet:
-    """The coordinator and worker processes of one simulation."""
-
-    def __init__(self, url: str, options: LiveOptions) -> None:
-        self.url, self.options = url, options
-        self.log_dir = Path(tempfile.mkdtemp(prefix="composer-sim-"))
-        self.procs: list[_Proc] = []
-        self.counts: Counter[str] = Counter()
-
-    def _env(self, name: str) -> dict[str, str]:
-        path = os.environ.get("PYTHONPATH")
-        return {**os.environ, **self.options.behaviour.to_env(),
-                "COMPOSER_DATABASE_URL": self.url, "COMPOSER_SIM_WORKER_NAME": name,
-                "COMPOSER_WORKER_CONCURRENCY": str(self.options.concurrency),
-                "COMPOSER_LOG_LEVEL": "WARNING",
-                "PYTHONPATH": str(_PACKAGE_ROOT) + (os.pathsep + path if path else "")}
-
-    def spawn(self, kind: str) -> _Proc:
-        self.counts[kind] += 1
-        name = f"sim-{'w' if kind == 'worker' else 'c'}{self.counts[kind]}"
-        args = (["worker", "--app", _APP] if kind == "worker"
-                else ["coordinator", "--interval", "0.25"])
-        log = self.log_dir / f"{name}.log"
-        with log.open("wb") as err:
-            popen = subprocess.Popen([sys.executable, "-m", "composer_ops", *args], env=self._env(name),
-                                     stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err)
-        proc = _Proc(name=name, kind=kind, popen=popen, log=log)
-        self.procs.append(proc)
-        return proc
-
-    def alive(self, kind: str) -> list[_Proc]:
-        return [p for p in self.procs if p.kind == kind and p.popen.poll() is None]
-
-    def kill(self, proc: _Proc) -> None:
-        proc.killed = True
-        proc.popen.send_signal(signal.SIGKILL)
-        proc.popen.wait(10)
-
-    def exited(self) -> list[_Proc]:
-        """Processes that died without being asked to (they are replaced by the caller)."""
-        return [p for p in self.procs if not p.killed and p.popen.poll() is not None]
-
-    def stop(self, kind: str, timeout: float) -> None:
-        procs = [p for p in self.procs if p.kind == kind and p.popen.poll() is None]
-        for proc in procs:
-            proc.killed = True
-            proc.popen.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + timeout
-        for proc in procs:
-            try:
-                proc.popen.wait(max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                proc.popen.kill()
-                proc.popen.wait(5)
-
-    def close(self, keep_logs: bool) -> str | None:
-        for proc in self.procs:
-            if proc.popen.poll() is None:
-                proc.killed = True
-                proc.popen.kill()
-                proc.popen.wait(5)
-        if keep_logs:
-            return str(self.log_dir)
-        shutil.rmtree(self.log_dir, ignore_errors=True)
-        return None
+def _owner(proc: Proc) -> str:
+    """The lease owner a simulated worker writes."""
+    return f"{proc.name}:{proc.pid}"
 
 
 def _tail(path: Path) -> str:
@@ -233,6 +163,7 @@ class LiveSimulation:
         self._events: list[tuple[float, int, str, Any]] = []
         self._seq = 0
         self._clock_offset = 0.0
+        self._spawned: Counter[str] = Counter()
 
     # -- scheduling ---------------------------------------------------------------
 
@@ -259,13 +190,13 @@ class LiveSimulation:
         with self.engine.pool.connection() as conn:
             db_now = simulator.clock(conn)
         self._clock_offset = db_now.timestamp() - time.time()
-        fleet = _Fleet(self.engine.url, options)
+        fleet = _fleet(self.engine.url, options)
         failed = True
         try:
             for _ in range(options.coordinators):
-                fleet.spawn("coordinator")
+                self._spawn(fleet, "coordinator")
             for _ in range(options.workers):
-                fleet.spawn("worker")
+                self._spawn(fleet, "worker")
             for planned in plan_live(options):
                 self._at(planned.at_s, "start", planned)
             kill_times, kill_at_end = self._kill_times()
@@ -274,14 +205,25 @@ class LiveSimulation:
             self._loop(fleet, options.duration_s)
             if kill_at_end:
                 self._kill(fleet, replace=False, min_busy=1)
-            fleet.stop("coordinator", timeout=10)
-            fleet.stop("worker", timeout=20)
+            fleet.terminate("coordinator", timeout=10)
+            fleet.terminate("worker", timeout=20)
             failed = bool(self.result.unexpected_exits)
         finally:
-            self.result.log_dir = fleet.close(keep_logs=failed)
+            fleet.stop(timeout=5, keep_logs=failed)
+            self.result.log_dir = str(fleet.logdir) if failed else None
         return self.result
 
-    def _loop(self, fleet: _Fleet, stop_at: float) -> None:
+    def _spawn(self, fleet: Fleet, kind: Kind) -> Proc:
+        """A worker or coordinator named ``sim-wN`` / ``sim-cN``; a worker's lease owner is
+        ``<name>:<pid>`` (``make_worker`` reads the name from ``COMPOSER_SIM_WORKER_NAME``)."""
+        self._spawned[kind] += 1
+        name = f"sim-{'w' if kind == 'worker' else 'c'}{self._spawned[kind]}"
+        if kind == "worker":
+            return fleet.worker(concurrency=self.options.concurrency, env={"COMPOSER_SIM_WORKER_NAME": name},
+                                name=name)
+        return fleet.coordinator(env={"COMPOSER_SIM_WORKER_NAME": name}, name=name)
+
+    def _loop(self, fleet: Fleet, stop_at: float) -> None:
         t0 = time.monotonic()
         last_poll = last_check = -1.0
         while True:
@@ -304,7 +246,7 @@ class LiveSimulation:
         self._poll(stop_at)
         self._report("stopped")
 
-    def _handle(self, fleet: _Fleet, kind: str, payload: Any, now: float) -> None:
+    def _handle(self, fleet: Fleet, kind: str, payload: Any, now: float) -> None:
         if kind == "start":
             self._start(payload, now)
         elif kind == "signal":
@@ -362,32 +304,32 @@ class LiveSimulation:
             return
         self.result.cancels["applied" if outcome.applied else "stale"] += 1
 
-    def _kill(self, fleet: _Fleet, *, replace: bool, min_busy: int) -> bool:
+    def _kill(self, fleet: Fleet, *, replace: bool, min_busy: int) -> bool:
         """SIGKILL the busiest worker (running tasks of the most runs, then the most
         tasks) if it holds at least ``min_busy`` running tasks; returns whether one was
         killed. The tasks it held are recorded, to tell later whether they were retried."""
         workers = fleet.alive("worker")
         if not workers:
             return True
-        owners = {w.owner: w for w in workers}
+        owners = {_owner(w): w for w in workers}
         with self.engine.pool.connection() as conn:
             rows = simulator.running_tasks(conn, list(owners))
         held: dict[str, list[HeldTask]] = {}
         for owner, run_id, task_id, attempt in rows:
             held.setdefault(owner, []).append(HeldTask(run_id=run_id, task_id=task_id, attempt=attempt))
 
-        def busy(w: _Proc) -> tuple[int, int, int]:
-            tasks = held.get(w.owner, [])
+        def busy(w: Proc) -> tuple[int, int, int]:
+            tasks = held.get(_owner(w), [])
             return len({t.run_id for t in tasks}), len(tasks), -workers.index(w)
 
         victim = max(workers, key=busy)
-        tasks = held.get(victim.owner, [])
+        tasks = held.get(_owner(victim), [])
         if len(tasks) < min_busy:
             return False
         fleet.kill(victim)
-        self.result.kills.append((victim.owner, tasks))
+        self.result.kills.append((_owner(victim), tasks))
         if replace:
-            fleet.spawn("worker")
+            self._spawn(fleet, "worker")
         return True
 
     # -- observing --------------------------------------------------------------------
@@ -410,16 +352,15 @@ class LiveSimulation:
                 state.awaiting.remove(plan)
                 self._at(now + plan.delay_s, "signal", (state.plan.index, plan, False))
 
-    def _check(self, fleet: _Fleet) -> None:
+    def _check(self, fleet: Fleet) -> None:
         for proc in fleet.exited():
-            proc.killed = True          # seen: do not count it twice
             reason = _tail(proc.log) or f"exit code {proc.popen.returncode}"
             self.result.unexpected_exits.append(f"{proc.name} ({proc.kind}) exited: {reason}")
             if len(self.result.unexpected_exits) >= _MAX_UNEXPECTED_EXITS:
                 raise ComposerError(f"simulation stopped: {len(self.result.unexpected_exits)} processes exited "
                                     f"unexpectedly; last: {self.result.unexpected_exits[-1]} "
-                                    f"(logs under {fleet.log_dir})")
-            fleet.spawn(proc.kind)
+                                    f"(logs under {fleet.logdir})")
+            self._spawn(fleet, proc.kind)
 
     def _report(self, phase: str) -> None:
         if self.on_progress is None:
