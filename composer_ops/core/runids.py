@@ -16,7 +16,9 @@ from composer_ops.errors import Invalid
 __all__ = [
     "RUN_ID_MAX_AGE",
     "RUN_ID_MAX_AHEAD",
+    "add_months",
     "month_bounds",
+    "month_label",
     "month_of",
     "month_start",
     "uuid7_bound",
@@ -168,8 +170,20 @@ def month_start(month: str) -> datetime:
     return datetime(year, mon, 1, tzinfo=UTC)
 
 
+def month_label(value: datetime) -> str:
+    """The ``YYYYMM`` (partition suffix) of the UTC month containing ``value``."""
+    _require_aware(value, "value")
+    return value.astimezone(UTC).strftime("%Y%m")
+
+
+def add_months(month: str, n: int) -> str:
+    """``add_months("202612", 2) == "202702"``; ``n`` may be negative (partition
+    suffix arithmetic)."""
+    start = month_start(month)
+    index = start.year * 12 + start.month - 1 + n
+    return f"{index // 12:04d}{index % 12 + 1:02d}"
+
+
 def month_bounds(month: str) -> tuple[str, str]:
     """The ``(from, to)`` run-ID bounds of a month's partition, as the SQL creates them."""
-    start = month_start(month)
-    end = datetime(start.year + start.month // 12, start.month % 12 + 1, 1, tzinfo=UTC)
-    return uuid7_bound(start), uuid7_bound(end)
+    return uuid7_bound(month_start(month)), uuid7_bound(month_start(add_months(month, 1)))

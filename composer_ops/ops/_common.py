@@ -18,6 +18,7 @@ import polars as pl
 import psycopg
 
 from composer_ops.core.model import ACTIVE_TASK_STATES
+from composer_ops.core.runids import add_months, month_label
 from composer_ops.db import connect
 from composer_ops.repo import analytics
 from composer_ops.repo.analytics import COORDINATOR_QUEUE
@@ -77,14 +78,3 @@ def _utc(value: Any) -> Any:
     if isinstance(value, datetime) and value.tzinfo is not None:
         return value.astimezone(UTC)
     return value
-
-
-def month_label(value: datetime) -> str:
-    """The partition suffix (YYYYMM) of the UTC month containing ``value``."""
-    return value.astimezone(UTC).strftime("%Y%m")
-
-
-def add_months(month: str, n: int) -> str:
-    """``add_months("202612", 2) == "202702"`` (partition suffix arithmetic)."""
-    index = int(month[:4]) * 12 + int(month[4:]) - 1 + n
-    return f"{index // 12:04d}{index % 12 + 1:02d}"

@@ -45,8 +45,9 @@ from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import Future, ProcessPoolExecutor
 from dataclasses import dataclass, field, replace
-from datetime import UTC, date, datetime
+from datetime import date, datetime
 
+from composer_ops.core.runids import add_months, month_label, month_start
 from composer_ops.core.spec import WorkflowSpec
 from composer_ops.db.connect import autocommit, connect
 from composer_ops.errors import Invalid
@@ -134,8 +135,8 @@ class HistoryResult:
 
 def history_months(now: datetime, count: int) -> list[str]:
     """The ``count`` complete UTC months before ``now``'s month, oldest first (YYYYMM)."""
-    index = now.astimezone(UTC).year * 12 + now.astimezone(UTC).month - 1
-    return [f"{(index - k) // 12:04d}{(index - k) % 12 + 1:02d}" for k in range(count, 0, -1)]
+    current = month_label(now)
+    return [add_months(current, -k) for k in range(count, 0, -1)]
 
 
 def month_sizes(months: list[str], runs_per_month: int, growth: float) -> dict[str, int]:
@@ -153,10 +154,8 @@ def month_sizes(months: list[str], runs_per_month: int, growth: float) -> dict[s
 
 
 def _month_bounds(month: str) -> tuple[float, float, int]:
-    year, mon = int(month[:4]), int(month[4:])
-    days = calendar.monthrange(year, mon)[1]
-    start = datetime(year, mon, 1, tzinfo=UTC).timestamp()
-    return start, start + days * 86_400, days
+    start, end = month_start(month), month_start(add_months(month, 1))
+    return start.timestamp(), end.timestamp(), (end - start).days
 
 
 def _uuid7(ms: int, rng: random.Random) -> str:

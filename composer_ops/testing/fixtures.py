@@ -19,8 +19,7 @@ import psycopg
 from psycopg import sql
 from psycopg.types.json import Jsonb
 
-from composer_ops.core.runids import month_start
-from composer_ops.ops._common import add_months, month_label
+from composer_ops.core.runids import add_months, month_label, month_start
 
 HISTORY_MONTHS = ("202501", "202502", "202503", "202504")
 

@@ -10,8 +10,8 @@ import psycopg
 import pytest
 
 from composer_ops import ops
+from composer_ops.core.runids import add_months
 from composer_ops.errors import Invalid
-from composer_ops.ops._common import add_months
 from composer_ops.repo.partitions import RUN_TABLES
 from composer_ops.testing import fixtures
 from tests.integration.helpers import connect_in_tz

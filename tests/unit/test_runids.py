@@ -13,7 +13,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from composer_ops.core.runids import (
+    add_months,
     month_bounds,
+    month_label,
     month_of,
     month_start,
     uuid7_bound,
@@ -195,3 +197,21 @@ def test_month_bounds() -> None:
     for bad in ("2026-02", "202613", "202600", "abcdef", "２０２６０２"):
         with pytest.raises(Invalid):
             month_start(bad)
+
+
+def test_month_arithmetic_crosses_years_both_ways() -> None:
+    assert add_months("202612", 2) == "202702"
+    assert add_months("202601", -1) == "202512"
+    assert add_months("202603", -27) == "202312"
+    assert add_months("202605", 0) == "202605"
+    assert [add_months("202611", k) for k in range(4)] == ["202611", "202612", "202701", "202702"]
+    with pytest.raises(Invalid, match="not YYYYMM"):
+        add_months("2026-1", 1)
+
+
+def test_month_label_is_the_utc_month() -> None:
+    late_in_new_york = datetime(2026, 1, 31, 23, 30, tzinfo=timezone(timedelta(hours=-5)))
+    assert month_label(late_in_new_york) == "202602"
+    assert month_start(month_label(late_in_new_york)) == datetime(2026, 2, 1, tzinfo=UTC)
+    with pytest.raises(ValueError, match="timezone-aware"):
+        month_label(datetime(2026, 1, 1))
