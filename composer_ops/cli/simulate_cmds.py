@@ -9,6 +9,7 @@ import sys
 from typing import Any
 
 from composer_ops.cli._common import EXIT_BAD_INPUT, EXIT_OK, add_database_option, env_option
+from composer_ops.core.model import TERMINAL_RUN_STATUSES
 from composer_ops.errors import ComposerError, Invalid
 
 _DESCRIPTION = """\
@@ -184,7 +185,7 @@ def _run(args: argparse.Namespace, behaviour: Any, console: Any) -> int:
                 result = LiveSimulation(engine, live_options, on_progress=report).run()
             figures = summary.live_figures(engine, result.run_ids, result.kills)
             summary.render_live(console, result, figures)
-            if result.run_ids and sum(figures.by_status[s] for s in ("SUCCEEDED", "FAILED", "CANCELLED")) == 0:
+            if result.run_ids and sum(figures.by_status[s] for s in TERMINAL_RUN_STATUSES) == 0:
                 raise ComposerError("no live run finished: the worker processes did not make progress"
                                     + (f" (logs under {result.log_dir})" if result.log_dir else ""))
         summary.render_database(console, summary.database_overview(engine))

@@ -17,6 +17,7 @@ from typing import Any
 import polars as pl
 
 from composer_ops.core import runids
+from composer_ops.core.model import RunStatus
 from composer_ops.errors import Invalid, NotFound
 from composer_ops.ops._common import ACTIVE_STATES, UTC_TS, Source, connection, rows_frame
 from composer_ops.repo import analytics
@@ -38,7 +39,7 @@ validate_run_id = functools.partial(runids.validate_run_id, normalise=True, name
 def latest_run_id(source: Source = None, *, status: str | None = "FAILED") -> str | None:
     """The newest run (run IDs are time-ordered) with ``status`` (any status when
     None), or None when there is none."""
-    if status is not None and status not in {"PENDING", "RUNNING", "SUCCEEDED", "FAILED", "CANCELLED"}:
+    if status is not None and status not in {s.value for s in RunStatus}:
         raise Invalid(f"unknown run status {status!r}")
     with connection(source) as conn:
         return analytics.latest_run_id(conn, status)

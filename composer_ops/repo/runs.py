@@ -57,7 +57,7 @@ def load_outputs(conn: Conn, run_id: str, node_ids: list[str]) -> dict[str, Any]
         return {}
     cur = conn.execute("""
         SELECT node_id, output_json FROM task_instances
-         WHERE run_id = %s AND node_id = ANY(%s) AND state IN ('COMPLETED', 'SUCCEEDED')""",
+         WHERE run_id = %s AND node_id = ANY(%s) AND state = 'COMPLETED'""",
         (run_id, list(node_ids)))
     return {node_id: output for node_id, output in cur.fetchall()}
 

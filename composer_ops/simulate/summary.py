@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 from rich.console import Console
 from rich.table import Table
 
+from composer_ops.core.model import RunStatus
 from composer_ops.repo import simulator
 
 if TYPE_CHECKING:
@@ -106,8 +107,8 @@ def render_live(console: Console, result: LiveResult, figures: LiveFigures) -> N
     rate = started / result.seconds if result.seconds else 0.0
     table.add_row("runs started", _fmt(started), f"{rate:.1f}/s over {result.seconds:.0f} s"
                   + (f", {result.start_errors} refused" if result.start_errors else ""))
-    for status in ("SUCCEEDED", "FAILED", "CANCELLED", "RUNNING"):
-        note = "left active" if status == "RUNNING" else ""
+    for status in (RunStatus.SUCCEEDED, RunStatus.FAILED, RunStatus.CANCELLED, RunStatus.RUNNING):
+        note = "left active" if status is RunStatus.RUNNING else ""
         table.add_row(f"  {status.lower()}", _fmt(figures.by_status.get(status, 0)), note)
     tasks = sum(figures.tasks_by_state.values())
     table.add_row("tasks", _fmt(tasks), _counts(figures.tasks_by_type))
