@@ -1,17 +1,20 @@
-"""Small builders for integration tests: definitions and runs inserted directly, and a
-lost COMMIT acknowledgement."""
+"""Small builders for integration tests: definitions and runs inserted directly, a
+lost COMMIT acknowledgement, and threads released together."""
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+import threading
+from collections.abc import Callable, Iterator
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, TypeVar
 
 import uuid6
 
 from composer_ops import Engine
 from composer_ops.repo import definitions, runs
+
+T = TypeVar("T")
 
 
 def uuid7_at(ts: datetime) -> str:
@@ -81,3 +84,31 @@ class LoseAck:
                 self.left -= 1
                 self.fired += 1
                 conn.execute("SELECT pg_terminate_backend(pg_backend_pid())")
+
+
+def at_once(fn: Callable[[Callable[[], None]], T], n: int = 2, timeout: float = 60.0) -> list[T]:
+    """Run ``fn`` in ``n`` threads and return their results (in no order). Each thread
+    calls the ``go`` it is given right before the part that must race: they all wait
+    there until every one of them has arrived. The first error of a thread is raised."""
+    barrier = threading.Barrier(n)
+    results: list[T] = []
+    errors: list[BaseException] = []
+
+    def go() -> None:
+        barrier.wait(timeout)
+
+    def run() -> None:
+        try:
+            results.append(fn(go))
+        except BaseException as exc:  # noqa: BLE001 - raised below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run) for _ in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout)
+    if errors:
+        raise errors[0]
+    assert len(results) == n, f"{n - len(results)} of {n} threads did not finish in {timeout}s"
+    return results

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -11,6 +11,7 @@ import pytest
 
 from composer_ops.db.migrate import discover, migrate, status
 from composer_ops.errors import ComposerError, Invalid
+from tests.integration.helpers import at_once
 
 SCHEMA_QUERY = """
 SELECT 'column', table_name || '.' || column_name || ' ' || data_type || ' ' || is_nullable
@@ -51,24 +52,11 @@ def test_migrate_is_idempotent_and_reports_status(db_url: str) -> None:
 
 
 def test_two_migrators_at_once_one_waits_neither_fails(empty_db_url: str) -> None:
-    barrier = threading.Barrier(2)
-    applied: list[int] = []
-    errors: list[BaseException] = []
+    def run(go: Callable[[], None]) -> int:
+        go()
+        return len(migrate(empty_db_url))
 
-    def run() -> None:
-        try:
-            barrier.wait()
-            applied.append(len(migrate(empty_db_url)))
-        except BaseException as exc:  # noqa: BLE001 - asserted below
-            errors.append(exc)
-
-    threads = [threading.Thread(target=run) for _ in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert errors == []
-    assert sorted(applied) == [0, len(discover())]
+    assert sorted(at_once(run)) == [0, len(discover())]
 
 
 def _copy_migrations(target: Path) -> Path:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import threading
+from collections.abc import Callable
 from datetime import UTC, date, datetime, timedelta
 from typing import Any
 
@@ -12,7 +12,7 @@ import pytest
 from composer_ops.db.migrate import migrate
 from composer_ops.errors import Invalid
 from composer_ops.repo import partitions, runs, signals, tasks
-from tests.integration.helpers import add_definition, add_run, connect_in_tz, uuid7_at
+from tests.integration.helpers import add_definition, add_run, at_once, connect_in_tz, uuid7_at
 
 TIMEZONES = ["UTC", "America/New_York", "Asia/Tokyo"]
 
@@ -85,25 +85,12 @@ def _preexisting(conn: Any) -> int:
 
 
 def test_two_sessions_ensuring_at_once_both_succeed(db_url: str) -> None:
-    barrier = threading.Barrier(2)
-    results: list[int] = []
-    errors: list[BaseException] = []
+    def ensure(go: Callable[[], None]) -> int:
+        with psycopg.connect(db_url) as c:
+            go()
+            return partitions.ensure_from(c, date(2024, 1, 1), 11)
 
-    def go() -> None:
-        try:
-            with psycopg.connect(db_url) as c:
-                barrier.wait()
-                results.append(partitions.ensure_from(c, date(2024, 1, 1), 11))
-        except BaseException as exc:  # noqa: BLE001 - reported below
-            errors.append(exc)
-
-    threads = [threading.Thread(target=go) for _ in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert errors == []
-    assert sorted(results) == [0, 12 * len(partitions.RUN_TABLES)]
+    assert sorted(at_once(ensure)) == [0, 12 * len(partitions.RUN_TABLES)]
 
 
 def _layout(conn: Any) -> dict[str, str]:
