@@ -7,6 +7,7 @@ the transient ones."""
 from __future__ import annotations
 
 import threading
+import time
 from typing import Any
 
 import psycopg
@@ -241,14 +242,25 @@ def _notifies_of_a_session_the_server_ended(c: Any) -> None:
     c.autocommit = True
     c.execute("LISTEN boundary")
     with psycopg.connect(c.info.dsn, autocommit=True) as killer:
-        killer.execute("SELECT pg_terminate_backend(%s)", (c.info.backend_pid,))
-    for _ in c.notifies(timeout=5):
+        killer.execute("SELECT pg_terminate_backend(%s, 5000)", (c.info.backend_pid,))   # returns once it exited
+    for _ in c.notifies(timeout=30):
         pass
 
 
 def _cancelled_statement(c: Any) -> None:
-    threading.Timer(0.2, c.cancel).start()
-    c.execute("SELECT pg_sleep(5)")
+    pid, dsn = c.info.backend_pid, c.info.dsn
+
+    def cancel_once_running() -> None:
+        with psycopg.connect(dsn, autocommit=True) as watcher:
+            for _ in range(600):
+                row = watcher.execute("SELECT state FROM pg_stat_activity WHERE pid = %s", (pid,)).fetchone()
+                if row == ("active",):
+                    c.cancel()
+                    return
+                time.sleep(0.05)
+
+    threading.Thread(target=cancel_once_running, daemon=True).start()
+    c.execute("SELECT pg_sleep(30)")
 
 
 PATHS = [_execute, _executemany, _copy_in, _copy_out, _pipeline_sync, _commit, _transaction_exit,
