@@ -124,7 +124,7 @@ def _attempt(conn: psycopg.Connection[Any], older_than: datetime | str | Cutoff,
                                    replayed=True)
         partitions.set_lock_timeout(conn, lock_timeout_s)
         cutoff = retention.resolve(conn, older_than)
-        conn.execute(retention.PARTITION_LOCK)
+        retention.lock_partitions(conn)
         retention.lock_months(conn, [m for m in retention.plan(conn, cutoff, min_age=min_age) if m.action == "drop"])
         judged = retention.plan(conn, cutoff, min_age=min_age)
         planned = [m for m in judged if m.action == "drop"]

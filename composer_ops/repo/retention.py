@@ -46,6 +46,12 @@ PLAN_SQL = """
 PARTITION_LOCK = "SELECT pg_advisory_xact_lock(hashtext('composer_partitions'))"
 
 
+def lock_partitions(conn: Conn) -> None:
+    """Take the partition advisory lock for the rest of the transaction (the one the
+    SQL partition functions take), so no upkeep or other drop runs beside it."""
+    conn.execute(PARTITION_LOCK)
+
+
 @dataclass(frozen=True, kw_only=True)
 class Cutoff:
     """A retention cut-off: an absolute instant, or an age counted back from the database clock."""
