@@ -32,7 +32,7 @@ import json
 import statistics
 import sys
 import time
-from datetime import UTC, datetime
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -58,9 +58,10 @@ def build(server: Server, months: tuple[int, ...], runs_per_month: int, seed: in
     """A database per entry of ``months``: the largest backfilled, the others copies
     of it whose older months retention dropped. Returns months -> database name."""
     from composer_ops import Engine
+    from composer_ops.core.runids import RUN_ID_MAX_AGE, month_start
     from composer_ops.core.spec import parse_spec
     from composer_ops.db.migrate import migrate
-    from composer_ops.repo import partitions
+    from composer_ops.repo import retention
     from composer_ops.simulate.definitions import definitions, deploy_definitions
     from composer_ops.simulate.history import HistoryOptions, backfill, history_months
 
@@ -88,7 +89,7 @@ def build(server: Server, months: tuple[int, ...], runs_per_month: int, seed: in
         copy = server.create_database(name, template=base)
         first = history_months(now, m)[0]
         with psycopg.connect(copy) as conn:
-            partitions.drop(conn, datetime(int(first[:4]), int(first[4:]), 1, tzinfo=UTC))
+            retention.drop(conn, month_start(first), min_age=RUN_ID_MAX_AGE)
             conn.commit()
     return names
 

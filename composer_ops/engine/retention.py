@@ -1,5 +1,5 @@
 """The retention drop: the one function ``composer-ops partitions drop --yes``, the
-coordinator's optional retention and ``ops.drop_partitions`` call.
+coordinator's optional retention call.
 
 Each attempt is one transaction with ``lock_timeout`` set, so no LOCK, DROP or
 DETACH waits in a lock queue long enough to stall the engine behind it: past the

@@ -45,14 +45,13 @@ from composer_ops.ops.partitions import (
     partition_inventory,
     partition_totals,
 )
-from composer_ops.ops.retention import Cutoff, DropResult, drop_partitions, parse_cutoff, retention_plan
+from composer_ops.ops.retention import Cutoff, parse_cutoff, plan_frame, retention_plan
 
 __all__ = [
     "ACTIVE_STATES",
     "COORDINATOR_QUEUE",
     "RUN_TABLES",
     "Cutoff",
-    "DropResult",
     "RunStory",
     "SelfChecks",
     "active_by_group",
@@ -67,7 +66,6 @@ __all__ = [
     "decode_uuid7_bound",
     "display",
     "definition_graph",
-    "drop_partitions",
     "expired_running",
     "expiry_buckets",
     "gantt_rows",
@@ -81,6 +79,7 @@ __all__ = [
     "parse_cutoff",
     "partition_inventory",
     "partition_totals",
+    "plan_frame",
     "recent_requeues",
     "retention_plan",
     "run_story",

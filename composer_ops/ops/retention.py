@@ -1,15 +1,14 @@
-"""Retention for the notebooks: the plan as a DataFrame, and the real drop.
+"""Retention for the notebooks: the plan as a DataFrame.
 
-Both come from the repository's one code path (:mod:`composer_ops.repo.retention`,
+The plan comes from the repository's one code path (:mod:`composer_ops.repo.retention`,
 the SQL function ``composer_retention_plan``): :func:`retention_plan` shows its rows,
-and :func:`drop_partitions` is :func:`composer_ops.engine.retention.drop_due_months`,
-which locks each due month, judges it again under the lock, drops exactly what that
-plan marks 'drop' and reports it. Cut-offs: see :func:`parse_cutoff`.
+and :func:`plan_frame` the plan a drop judged. The drop itself writes, so it is not
+here: it is :func:`composer_ops.engine.retention.drop_due_months` (``composer-ops
+partitions drop --yes``). Cut-offs: see :func:`parse_cutoff`.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
@@ -24,7 +23,7 @@ from composer_ops.repo.rows import RetentionMonth
 if TYPE_CHECKING:
     from composer_ops.engine.retention import RetentionResult
 
-__all__ = ["PLAN_SCHEMA", "Cutoff", "DropResult", "drop_partitions", "parse_cutoff", "plan_frame", "retention_plan"]
+__all__ = ["PLAN_SCHEMA", "Cutoff", "parse_cutoff", "plan_frame", "retention_plan"]
 
 PLAN_SCHEMA: dict[str, Any] = {
     "month": pl.String, "month_start": UTC_TS, "month_end": UTC_TS, "action": pl.String, "reason": pl.String,
@@ -54,21 +53,3 @@ def _frame(months: list[RetentionMonth], cutoff: datetime) -> pl.DataFrame:
     rows = [tuple(getattr(m, column) for column in PLAN_SCHEMA) for m in months]
     return rows_frame(rows, PLAN_SCHEMA).with_columns(pl.lit(cutoff, dtype=UTC_TS).alias("cutoff"))
 
-
-@dataclass(frozen=True, kw_only=True)
-class DropResult:
-    cutoff: datetime
-    plan: pl.DataFrame
-    dropped: list[str]
-    attempts: int
-    result: RetentionResult
-
-
-def drop_partitions(source: Source = None, older_than: datetime | str | Cutoff = "6 months", *,
-                    lock_timeout_s: float = 2.0, max_attempts: int = 5) -> DropResult:
-    """Drop what the plan marks 'drop', for real, and commit (see the module)."""
-    from composer_ops.engine.retention import drop_due_months  # a writer: the reports never load it
-
-    done = drop_due_months(source, older_than, lock_timeout_s=lock_timeout_s, max_attempts=max_attempts)
-    return DropResult(cutoff=done.cutoff, plan=plan_frame(done), dropped=done.dropped, attempts=done.attempts,
-                      result=done)

@@ -58,12 +58,6 @@ def ensure_from(conn: Conn, first_month: date, months_ahead: int) -> int:
     return int(row[0]) if row else 0
 
 
-def drop(conn: Conn, older_than: datetime) -> list[str]:
-    """Retention: drop months entirely before ``older_than`` that have no
-    active run; returns the dropped months (YYYYMM)."""
-    return [str(r[0]) for r in conn.execute("SELECT composer_drop_partitions(%s)", (older_than,)).fetchall()]
-
-
 # Every partition of the run-scoped tables, with its bound expression decoded
 # from the catalog and its sizes (heap = table size without toast: main fork + fsm + vm).
 CATALOG_SQL = """

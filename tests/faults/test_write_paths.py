@@ -17,9 +17,9 @@ from typing import Any
 
 import pytest
 
+from composer_ops.engine.retention import drop_due_months
 from composer_ops.engine.shell import Outcome
 from composer_ops.engine.webhooks import RelayPolicy
-from composer_ops.ops import retention
 from composer_ops.repo import partitions
 from composer_ops.repo.partitions import RUN_TABLES
 from composer_ops.repo.rows import Claim
@@ -506,7 +506,7 @@ def test_retention_drop(b: Bench) -> None:
               "VALUES (%s, 'f-chain', 1, 'SUCCEEDED')", (uuid7_at(datetime(2020, 1, 15, tzinfo=UTC)),))
 
     def act(_: None) -> Any:
-        return retention.drop_partitions(b.proxy.url(), datetime(2021, 1, 1, tzinfo=UTC))
+        return drop_due_months(b.proxy.url(), datetime(2021, 1, 1, tzinfo=UTC))
 
     def check(_: None, result: Result) -> list[str]:
         problems = _raised(result)

@@ -86,6 +86,13 @@ class LoseAck:
                 conn.execute("SELECT pg_terminate_backend(pg_backend_pid())")
 
 
+def drop_months(conn: Any, older_than: datetime) -> list[str]:
+    """``composer_drop_partitions(older_than)``, the one-argument SQL function an
+    operator calls from psql (the engine calls the two-argument one through
+    ``repo.retention.drop``); returns the dropped months (YYYYMM)."""
+    return [str(r[0]) for r in conn.execute("SELECT composer_drop_partitions(%s)", (older_than,)).fetchall()]
+
+
 def at_once(fn: Callable[[Callable[[], None]], T], n: int = 2, timeout: float = 60.0) -> list[T]:
     """Run ``fn`` in ``n`` threads and return their results (in no order). Each thread
     calls the ``go`` it is given right before the part that must race: they all wait

@@ -12,7 +12,7 @@ import pytest
 from composer_ops.db.migrate import migrate
 from composer_ops.errors import Invalid
 from composer_ops.repo import partitions, runs, signals, tasks
-from tests.integration.helpers import add_definition, add_run, at_once, connect_in_tz, uuid7_at
+from tests.integration.helpers import add_definition, add_run, at_once, connect_in_tz, drop_months, uuid7_at
 
 TIMEZONES = ["UTC", "America/New_York", "Asia/Tokyo"]
 
@@ -123,7 +123,7 @@ def test_drop_only_whole_months_before_cutoff_without_active_runs(
     with connect_in_tz(db_url, tz) as conn:
         _layout(conn)
         before = set(_months(conn))
-        assert partitions.drop(conn, cutoff) == dropped
+        assert drop_months(conn, cutoff) == dropped
         after = set(_months(conn))
         assert before - after == set(dropped)
         for table in partitions.RUN_TABLES:          # referencing tables went with their month
@@ -140,18 +140,18 @@ def test_v001_drop_function_was_wrong_outside_utc_and_v002_fixes_it(empty_db_url
         # March 2025 is not over at 2025-03-30 UTC, yet the seed's function drops it.
         cutoff = datetime(2025, 3, 30, tzinfo=UTC)
         conn.execute("SAVEPOINT s")
-        assert partitions.drop(conn, cutoff) == ["202503"]
+        assert drop_months(conn, cutoff) == ["202503"]
         conn.execute("ROLLBACK TO SAVEPOINT s")
         conn.commit()
     migrate(empty_db_url)
     with connect_in_tz(empty_db_url, "Asia/Tokyo") as conn:
-        assert partitions.drop(conn, cutoff) == []
-        assert partitions.drop(conn, datetime(2025, 4, 1, tzinfo=UTC)) == ["202503"]
+        assert drop_months(conn, cutoff) == []
+        assert drop_months(conn, datetime(2025, 4, 1, tzinfo=UTC)) == ["202503"]
 
 
 def test_runs_in_dropped_months_are_gone_and_others_remain(conn: Any) -> None:
     ids = _layout(conn)
-    partitions.drop(conn, datetime(2025, 7, 1, tzinfo=UTC))
+    drop_months(conn, datetime(2025, 7, 1, tzinfo=UTC))
     remaining = {r[0] for r in conn.execute("SELECT id FROM workflow_runs").fetchall()}
     assert remaining == {ids["202502"], ids["202503"]}
     assert runs.get_run(conn, ids["202502"]).status == "RUNNING"

@@ -15,6 +15,7 @@ import pytest
 
 from composer_ops import ops
 from composer_ops.cli import main
+from composer_ops.engine.retention import drop_due_months
 from composer_ops.errors import ComposerError, Invalid
 from composer_ops.ops.retention import Cutoff, parse_cutoff
 from composer_ops.repo import partitions
@@ -72,10 +73,10 @@ def test_plan_never_drops_the_current_or_a_future_month(conn: psycopg.Connection
     assert plan.filter(pl.col("month") >= current)["reason"].unique().to_list() == ["too new"]
 
 
-def test_drop_partitions_drops_exactly_the_plan_and_commits(db_url: str) -> None:
+def test_the_drop_drops_exactly_the_plan_and_commits(db_url: str) -> None:
     info = _seed_committed(db_url)
     before = ops.retention_plan(db_url, "2025-05-01")
-    result = ops.drop_partitions(db_url, "2025-05-01")
+    result = drop_due_months(db_url, "2025-05-01")
     assert result.dropped == ["202412", "202501", "202503"] == \
         before.filter(pl.col("action") == "drop")["month"].to_list()
     assert result.attempts == 1
@@ -84,7 +85,7 @@ def test_drop_partitions_drops_exactly_the_plan_and_commits(db_url: str) -> None
         assert not {"202501", "202503"} & left and {"202502", "202504", info.current_month} <= left
         ids = {r[0] for r in conn.execute("SELECT id FROM workflow_runs").fetchall()}
         assert info.runs["H9"] not in ids and info.runs["H6"] in ids
-    assert ops.drop_partitions(db_url, "2025-05-01").dropped == []
+    assert drop_due_months(db_url, "2025-05-01").dropped == []
 
 
 def test_the_drop_waits_at_most_lock_timeout_and_retries(db_url: str) -> None:
@@ -95,7 +96,7 @@ def test_the_drop_waits_at_most_lock_timeout_and_retries(db_url: str) -> None:
     released.start()
     started = time.monotonic()
     try:
-        result = ops.drop_partitions(db_url, "2025-02-01", lock_timeout_s=0.2, max_attempts=12)
+        result = drop_due_months(db_url, "2025-02-01", lock_timeout_s=0.2, max_attempts=12)
     finally:
         released.join()
         holder.close()
@@ -109,7 +110,7 @@ def test_a_lock_held_throughout_fails_cleanly_and_drops_nothing(db_url: str, cap
     with psycopg.connect(db_url) as holder:
         holder.execute("SELECT count(*) FROM workflow_events_p202501")
         with pytest.raises(ComposerError, match="could not lock the partitions"):
-            ops.drop_partitions(db_url, "2025-02-01", lock_timeout_s=0.1, max_attempts=2)
+            drop_due_months(db_url, "2025-02-01", lock_timeout_s=0.1, max_attempts=2)
         code = main(["partitions", "drop", "--older-than", "2025-02-01", "--yes", "--database-url", db_url,
                      "--lock-timeout", "0.1", "--attempts", "2"])
         holder.rollback()
@@ -199,7 +200,7 @@ def test_relative_cutoffs_use_the_database_clock_in_utc(db_url: str, tz: str) ->
 def test_plan_equals_drop_under_asia_tokyo(db_url: str) -> None:
     _seed_committed(db_url)
     with connect_in_tz(db_url, "Asia/Tokyo") as conn:
-        result = ops.drop_partitions(conn, datetime(2025, 4, 1, tzinfo=UTC))
+        result = drop_due_months(conn, datetime(2025, 4, 1, tzinfo=UTC))
         conn.commit()
         assert result.dropped == ["202412", "202501", "202503"]
-        assert result.plan.filter(pl.col("action") == "drop")["month"].to_list() == result.dropped
+        assert ops.plan_frame(result).filter(pl.col("action") == "drop")["month"].to_list() == result.dropped

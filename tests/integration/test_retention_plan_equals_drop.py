@@ -21,7 +21,7 @@ from composer_ops import ops
 from composer_ops.engine.retention import drop_due_months
 from composer_ops.repo import partitions
 from composer_ops.testing import fixtures
-from tests.integration.helpers import connect_in_tz
+from tests.integration.helpers import connect_in_tz, drop_months
 
 MONTHS = [f"{y}{m:02d}" for y in (2024, 2025) for m in range(1, 13)]
 STATUSES = ["PENDING", "RUNNING", "SUCCEEDED", "FAILED", "CANCELLED"]
@@ -93,7 +93,7 @@ def test_plan_equals_drop_for_random_layouts(db_url: str, layout: dict[str, list
                 _model(layout, cutoff, current, before)
             planned = plan.filter(pl.col("action") == "drop")["month"].to_list()
             if via == "sql":
-                dropped = partitions.drop(conn, cutoff)
+                dropped = drop_months(conn, cutoff)
             else:
                 result = drop_due_months(conn, cutoff)
                 dropped = result.dropped

@@ -13,7 +13,7 @@ from typing import Any
 import psycopg
 import pytest
 
-from composer_ops import Engine, ops
+from composer_ops import Engine
 from composer_ops.engine.retention import drop_due_months
 from composer_ops.repo import partitions, retention
 from tests.integration.helpers import uuid7_at
@@ -54,7 +54,7 @@ def test_a_run_that_commits_while_the_drop_waits_for_its_month_is_kept(db_url: s
 
     def drop() -> None:
         try:
-            done["result"] = ops.drop_partitions(db_url, datetime(2025, 4, 1, tzinfo=UTC), lock_timeout_s=20)
+            done["result"] = drop_due_months(db_url, datetime(2025, 4, 1, tzinfo=UTC), lock_timeout_s=20)
         except Exception as exc:  # reported below
             done["error"] = exc
 
@@ -73,8 +73,8 @@ def test_a_run_that_commits_while_the_drop_waits_for_its_month_is_kept(db_url: s
     assert _run_exists(db_url, late), "the drop dropped a run that committed while it waited"
     result = done["result"]
     assert "202503" not in result.dropped
-    march = result.plan.filter(result.plan["month"] == "202503").row(0, named=True)
-    assert (march["action"], march["reason"], march["active_run_ids"]) == ("keep", "has active runs", [late])
+    march = next(m for m in result.plan if m.month == "202503")
+    assert (march.action, march.reason, march.active_run_ids) == ("keep", "has active runs", [late])
 
 
 def test_a_month_that_ended_less_than_the_run_id_age_limit_ago_is_too_new(db_url: str) -> None:
