@@ -32,6 +32,8 @@ from composer_ops.core.machine import decide
 from composer_ops.core.model import (
     ACTIVE_RUN_STATUSES,
     ACTIVE_TASK_STATES,
+    IN_FLIGHT_TASK_STATES,
+    TERMINAL_TASK_STATES,
     BufferSignal,
     CancelTasks,
     CompleteTask,
@@ -57,11 +59,6 @@ from composer_ops.core.spec import WorkflowSpec
 from composer_ops.errors import Conflict
 
 __all__ = ["Replay", "SignalRow", "TaskRow"]
-
-#: States a fenced task update (complete, fail, requeue) still matches.
-_UPDATABLE = frozenset({TaskState.PENDING, TaskState.QUEUED, TaskState.RUNNING})
-#: States a task is created in that also set ``finished_at``.
-_BORN_FINISHED = frozenset({TaskState.COMPLETED, TaskState.FAILED, TaskState.SKIPPED, TaskState.CANCELLED})
 
 
 @dataclass(slots=True, kw_only=True)
@@ -257,7 +254,7 @@ class Replay:
             queue=(self.spec.nodes[a.node_id].queue or "default") if is_task else None,
             state=state, created_at=now, updated_at=now, input=a.input, output=a.output, error=a.error,
             branches=a.branches, wake_at=a.wake_at, event_name=a.event_name,
-            finished_at=now if state in _BORN_FINISHED else None,
+            finished_at=now if state in TERMINAL_TASK_STATES else None,
             completed_at=now if state is TaskState.COMPLETED else None,
             available_at=a.available_at if is_task and state is TaskState.PENDING else None)
         self._by_task[a.task_id] = a.node_id
@@ -273,7 +270,7 @@ class Replay:
         """The row a fenced task update matches (id, node, attempt, an updatable state)."""
         row = self.rows.get(ref.node_id)
         if (row is None or ref.run_id != self.run_id or row.task_id != ref.task_id or row.attempt != ref.attempt
-                or row.state not in _UPDATABLE):
+                or row.state not in IN_FLIGHT_TASK_STATES):
             raise self._refused(action)
         return row
 
