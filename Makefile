@@ -122,7 +122,7 @@ clean-db:
 	-$(BIN)/composer-ops db stop
 	rm -rf .composer
 
-# SPEC section 10: Composer vs Procrastinate vs pgbench side by side, on the embedded
+# The benchmark: Composer vs Procrastinate vs pgbench side by side, on the embedded
 # PostgreSQL 18 and on PostgreSQL 15 ($(PG15_BIN)), HOT updates, retention, the claim
 # against months retained; docs/performance.md explains every figure. Procrastinate is
 # the peer the benchmark measures, not a dependency: it is installed here only.

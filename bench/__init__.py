@@ -1,4 +1,4 @@
-"""The benchmark behind ``make bench`` (SPEC section 10).
+"""The benchmark behind ``make bench``.
 
 Everything here measures side by side in one run on one server: Composer through its
 real worker and coordinator processes, Procrastinate (the peer) on the same server,

@@ -1,4 +1,4 @@
-"""``make bench``: every measurement of SPEC section 10, side by side, in one run.
+"""``make bench``: every measurement of the benchmark, side by side, in one run.
 
 Order matters on a shared machine: for each worker count W the Composer and
 Procrastinate measurements are interleaved (C drain, P drain, P sustained,

@@ -80,7 +80,7 @@ def test_leases_of_soft_deleted_runs_do_not_block_the_others(engine: Engine, db_
 
 def test_a_row_that_fails_for_ever_is_backed_off_and_the_queue_moves(engine: Engine, db_url: str) -> None:
     """A WAITING task for a node its definition does not have is stale on every try;
-    with a batch of one it used to be selected first on every pass."""
+    with a batch of one, unless it is backed off, it is selected first on every pass."""
     ghost, live = _due_timers(engine, db_url, 2)
     _sql(db_url, "UPDATE task_instances SET node_id = 'ghost' WHERE run_id = %s AND node_id = 'z'", (ghost,))
     coordinator = engine.coordinator(batch=1)

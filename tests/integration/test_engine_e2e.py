@@ -1,4 +1,4 @@
-"""End to end through real worker and coordinator processes (SPEC sections 5-7)."""
+"""End to end through real worker and coordinator processes."""
 
 from __future__ import annotations
 

@@ -137,7 +137,7 @@ def test_v001_drop_function_was_wrong_outside_utc_and_v002_fixes_it(empty_db_url
         for tbl in ("workflow_runs", "task_instances", "workflow_events"):      # V001's tables
             conn.execute(f"""CREATE TABLE {tbl}_p202503 PARTITION OF {tbl} FOR VALUES
                              FROM (composer_uuid7_bound('2025-03-01Z')) TO (composer_uuid7_bound('2025-04-01Z'))""")
-        # March 2025 is not over at 2025-03-30 UTC, yet the seed's function drops it.
+        # March 2025 is not over at 2025-03-30 UTC, yet V001's function drops it.
         cutoff = datetime(2025, 3, 30, tzinfo=UTC)
         conn.execute("SAVEPOINT s")
         assert drop_months(conn, cutoff) == ["202503"]
