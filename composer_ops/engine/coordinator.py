@@ -23,8 +23,7 @@ from datetime import datetime
 from functools import partial
 from typing import TYPE_CHECKING
 
-from composer_ops.core import Event, LeaseExpired, TimerDue
-from composer_ops.core.model import TaskRef
+from composer_ops.core.model import Event, LeaseExpired, TaskRef, TimerDue
 from composer_ops.engine.retention import drop_due_months
 from composer_ops.engine.shell import Outcome
 from composer_ops.engine.webhooks import RelayPolicy, relay_once

@@ -10,10 +10,9 @@ from collections.abc import Mapping, Sequence
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
-from composer_ops.core import CancelRun, SignalReceived, TaskCompleted, TaskFailed, parse_spec
-from composer_ops.core.model import TERMINAL_RUN_STATUSES, TaskRef
+from composer_ops.core.model import TERMINAL_RUN_STATUSES, CancelRun, SignalReceived, TaskCompleted, TaskFailed, TaskRef
 from composer_ops.core.runids import validate_run_id
-from composer_ops.core.spec import ID_PATTERN
+from composer_ops.core.spec import ID_PATTERN, parse_spec
 from composer_ops.db import autocommit, make_pool, resolve_url
 from composer_ops.db.errors import Pool
 from composer_ops.db.migrate import migrate as run_migrations

@@ -26,7 +26,8 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from composer_ops.core import (
+from composer_ops.core.machine import decide
+from composer_ops.core.model import (
     BufferSignal,
     CancelRun,
     CancelTasks,
@@ -51,10 +52,8 @@ from composer_ops.core import (
     StartRun,
     TaskFailed,
     TaskState,
-    WorkflowSpec,
-    decide,
-    spec_from_json,
 )
+from composer_ops.core.spec import WorkflowSpec, spec_from_json
 from composer_ops.db.errors import Pool
 from composer_ops.db.retry import db_retry
 from composer_ops.engine.ids import uuid7_text

@@ -20,7 +20,7 @@ import pytest
 from psycopg.pq import Trace
 
 from composer_ops import Conflict, Engine, Invalid
-from composer_ops.core import RunStatus
+from composer_ops.core.model import RunStatus
 from composer_ops.db import make_pool
 from composer_ops.engine.coordinator import PassStats
 from composer_ops.engine.shell import Outcome
