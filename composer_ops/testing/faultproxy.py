@@ -383,14 +383,10 @@ class FaultProxy:
                 else:
                     pipe.client_startup = False
                 continue
-            if len(buf) < 5:
+            framed = _take_message(buf)
+            if framed is None:
                 return
-            kind = bytes(buf[:1])
-            (length,) = struct.unpack("!i", buf[1:5])
-            if len(buf) < 1 + length:
-                return
-            msg = bytes(buf[:1 + length])
-            del buf[:1 + length]
+            kind, msg = framed
             if not pipe.ready:
                 pipe.to_server += msg        # authentication exchange
                 continue
@@ -463,14 +459,10 @@ class FaultProxy:
                 if answer in (b"S", b"G"):
                     pipe.passthrough = True
                 continue
-            if len(buf) < 5:
+            framed = _take_message(buf)
+            if framed is None:
                 return
-            kind = bytes(buf[:1])
-            (length,) = struct.unpack("!i", buf[1:5])
-            if len(buf) < 1 + length:
-                return
-            msg = bytes(buf[:1 + length])
-            del buf[:1 + length]
+            kind, msg = framed
             head = pipe.inflight[0] if pipe.inflight else None
             if kind == b"C" and head is not None:
                 head.tags.append(msg[5:].split(b"\0", 1)[0].decode("utf-8", "replace"))
@@ -531,6 +523,20 @@ class FaultProxy:
         """The request the armed fault fired on (after a restart: once the server is back)."""
         self.fired_event.wait(timeout)
         return self.fired
+
+
+def _take_message(buf: bytearray) -> tuple[bytes, bytes] | None:
+    """Remove one whole protocol message (type byte, length, body) from the front of
+    ``buf`` and return its type and its bytes; None, leaving ``buf`` as it is, until
+    the message has arrived whole."""
+    if len(buf) < 5:
+        return None
+    (length,) = struct.unpack("!i", buf[1:5])
+    if len(buf) < 1 + length:
+        return None
+    msg = bytes(buf[:1 + length])
+    del buf[:1 + length]
+    return msg[:1], msg
 
 
 def _query_text(kind: bytes, msg: bytes) -> str:
