@@ -6,7 +6,7 @@ from datetime import datetime
 from typing import Any, NoReturn
 
 from composer_ops.errors import Invalid, NotFound
-from composer_ops.repo._base import Conn, fetch_all, fetch_one, jsonb
+from composer_ops.repo._base import Conn, fetch_one, jsonb
 from composer_ops.repo.rows import DefinitionRow, StartTarget
 
 _COLUMNS = """id, name, version, spec_json, created_by, enabled, webhook_url, deployed,
@@ -95,11 +95,6 @@ def clock_and_start_target(conn: Conn, workflow_id: str, version: int | None) ->
     if found_id is None:
         return now, None
     return now, StartTarget(id=found_id, version=found_version, enabled=enabled, deleted_at=deleted_at)
-
-
-def list_definitions(conn: Conn) -> list[DefinitionRow]:
-    return fetch_all(conn, DefinitionRow,
-                     f"SELECT {_COLUMNS} FROM workflow_definitions ORDER BY id, version", ())
 
 
 def set_enabled(conn: Conn, workflow_id: str, enabled: bool) -> int:
