@@ -226,7 +226,7 @@ class SignalPlan:
     signal that long after the first.
     """
 
-    event: str
+    name: str
     timing: str
     delay_s: float
     payload: Any
@@ -241,7 +241,7 @@ def plan_signals(rng: random.Random, workflow_id: str, time_scale: float) -> lis
         delay = 0.05 if timing == "early" else rng.lognormvariate(math.log(1.2), 0.6) * time_scale
         payload = {"scan": f"SCN{rng.getrandbits(32):010d}", "signed_by": rng.choice(("front door", "neighbour"))}
         dup = rng.uniform(0.05, 0.3) if rng.random() < 0.03 else None
-        return [SignalPlan(event="delivered", timing=timing, delay_s=delay, payload=payload, duplicate_after_s=dup)]
+        return [SignalPlan(name="delivered", timing=timing, delay_s=delay, payload=payload, duplicate_after_s=dup)]
     if workflow_id == "expense-approval":
         roll = rng.random()
         timing = "early" if roll < 0.15 else "late" if roll < 0.85 else "never" if roll < 0.95 else "too_late"
@@ -254,7 +254,7 @@ def plan_signals(rng: random.Random, workflow_id: str, time_scale: float) -> lis
             delay = timeout + rng.uniform(1.0, 3.0) * time_scale
         payload = {"decision": "approve" if rng.random() < 0.8 else "reject",
                    "by": f"M-{rng.randint(1, 200):03d}"}
-        return [SignalPlan(event="approved", timing=timing, delay_s=delay, payload=payload)]
+        return [SignalPlan(name="approved", timing=timing, delay_s=delay, payload=payload)]
     return []
 
 

@@ -284,7 +284,7 @@ class LiveSimulation:
     def _signal(self, state: _RunState, plan: SignalPlan, duplicate: bool, now: float) -> None:
         label = "duplicate" if duplicate else plan.timing.replace("_", " ")
         try:
-            self.engine.signal(state.run_id, plan.event, plan.payload)
+            self.engine.signal(state.run_id, plan.name, plan.payload)
         except Conflict:
             self.result.signals[f"{label}: refused (run finished)"] += 1
             return
@@ -346,9 +346,9 @@ class LiveSimulation:
             waiting = simulator.waiting_signals(conn, awaiting) if awaiting else []
         for run_id in done:
             by_id[run_id].finished = True
-        for run_id, event in waiting:
+        for run_id, name in waiting:
             state = by_id[run_id]
-            for plan in [p for p in state.awaiting if p.event == event]:
+            for plan in [p for p in state.awaiting if p.name == name]:
                 state.awaiting.remove(plan)
                 self._at(now + plan.delay_s, "signal", (state.plan.index, plan, False))
 

@@ -110,7 +110,7 @@ class _Player:
             if signal.timing == "early":
                 clock.at(start + signal.delay_s, "signal", (signal, False))
             elif signal.timing in ("late", "too_late"):
-                self.awaiting.setdefault(signal.event, []).append(signal)
+                self.awaiting.setdefault(signal.name, []).append(signal)
         if self.plan.cancel is not None:
             clock.at(start + self.plan.cancel[0], "cancel", self.plan.cancel[1])
         queue, handlers, pop, last = clock.queue, self.handlers, heapq.heappop, start
@@ -210,7 +210,7 @@ class _Player:
 
     def signal(self, when: float, now: datetime, payload: tuple[SignalPlan, bool]) -> Decision | None:
         signal, duplicate = payload
-        decision = self.send(SignalReceived(name=signal.event, payload=signal.payload, now=now))
+        decision = self.send(SignalReceived(name=signal.name, payload=signal.payload, now=now))
         if decision is not None and signal.duplicate_after_s is not None and not duplicate:
             self.clock.at(when + signal.duplicate_after_s, "signal", (signal, True))
         return decision
