@@ -1,11 +1,13 @@
 """The dispatch outbox: written with the task in one transaction, claimed by workers.
 
-The claim is one statement: it deletes the oldest available outbox rows of the
-worker's queues (FOR UPDATE SKIP LOCKED, so claimers never wait on each other),
-moves the matching tasks to RUNNING with a lease, fenced on attempt, and writes a
-'claimed' row to each run's history marked with the claim's ID. An outbox row whose
-task is no longer PENDING (cancelled, already finished) or whose run was soft-deleted
-is deleted and yields nothing.
+The claim is one statement, a call of ``composer_claim`` (sql/V013): it deletes the
+oldest available outbox rows of the worker's queues (FOR UPDATE SKIP LOCKED, so
+claimers never wait on each other), moves the matching tasks to RUNNING with a lease,
+fenced on attempt, and writes a 'claimed' row to each run's history marked with the
+claim's ID. The task update names the claimed run IDs as constants, so it plans and
+locks only their months' partitions, however many months are retained. An outbox row
+whose task is no longer PENDING (cancelled, already finished) or whose run was
+soft-deleted is deleted and yields nothing.
 
 Lock order: a transaction that touches both a task and its outbox row locks the
 outbox row first. The claim does (its DELETE feeds its UPDATE), and so does the
@@ -54,33 +56,8 @@ def listen(conn: Conn, channel: str = CHANNEL) -> None:
 
 
 _CLAIM = """
-        WITH picked AS (
-            DELETE FROM task_outbox o
-             USING (SELECT id FROM task_outbox
-                     WHERE queue = ANY(%(queues)s) AND available_at <= NOW()
-                       AND (%(names)s::text[] IS NULL OR task_name = ANY(%(names)s::text[]))
-                     ORDER BY available_at, id
-                     LIMIT %(limit)s
-                       FOR UPDATE SKIP LOCKED) s
-             WHERE o.id = s.id
-            RETURNING o.run_id, o.task_id, o.attempt, o.task_name, o.lease_s, o.queue
-        ), claimed AS (
-            UPDATE task_instances t
-               SET state = 'RUNNING', lease_owner = %(owner)s,
-                   lease_expires_at = NOW() + make_interval(secs => p.lease_s),
-                   started_at = NOW(), updated_at = NOW()
-              FROM picked p
-             WHERE t.run_id = p.run_id AND t.id = p.task_id AND t.attempt = p.attempt
-               AND t.state IN ('PENDING', 'QUEUED')
-               AND NOT EXISTS (SELECT 1 FROM workflow_runs r WHERE r.id = t.run_id AND r.deleted_at IS NOT NULL)
-            RETURNING t.run_id, t.id AS task_id, t.node_id, t.attempt, p.task_name, p.queue,
-                      t.input_json AS input, p.lease_s, t.lease_owner, t.lease_expires_at
-        ), noted AS (
-            INSERT INTO run_history (run_id, kind, node_id, task_id, attempt, worker, request, detail)
-            SELECT run_id, 'claimed', node_id, task_id, attempt, lease_owner, %(claim)s,
-                   jsonb_build_object('task', task_name, 'lease_s', lease_s)
-              FROM claimed)
-        SELECT * FROM claimed"""
+        SELECT run_id, task_id, node_id, attempt, task_name, queue, input, lease_s, lease_owner, lease_expires_at
+          FROM composer_claim(%(queues)s, %(names)s::text[], %(owner)s, %(limit)s, %(claim)s)"""
 
 
 def claim(conn: Conn, queues: Sequence[str], owner: str, limit: int,

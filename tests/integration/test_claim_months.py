@@ -1,0 +1,80 @@
+"""The claim locks only the months of the tasks it claims, however many are retained.
+
+A claim that updates task_instances without a constant run ID keeps every monthly
+partition in its plan and locks each with its indexes at every call (6 relations per
+month). bench/months.py measures the same on backfilled history; here the months are
+empty partitions, which cost a claim exactly as much.
+"""
+
+from __future__ import annotations
+
+from datetime import date
+from typing import Any
+
+import psycopg
+import pytest
+
+from composer_ops.repo import outbox, partitions, tasks
+from composer_ops.repo.rows import Dispatch
+from tests.integration.helpers import add_definition, add_run, now_utc
+
+_RELATION_LOCKS = "SELECT count(*) FROM pg_locks WHERE pid = pg_backend_pid() AND locktype = 'relation'"
+
+
+def _dispatch(conn: Any, run_id: str) -> None:
+    task_id = f"{run_id[:8]}-a"
+    assert tasks.insert_task(conn, run_id, task_id=task_id, node_id="a", node_type="TASK", queue="default",
+                             state="PENDING")
+    outbox.enqueue(conn, [Dispatch(run_id=run_id, task_id=task_id, attempt=0, queue="default", task_name="t",
+                                   lease_s=30)])
+
+
+def _locks_of_one_claim(conn: Any) -> list[int]:
+    """Relation locks a claim of one task holds at the end of its transaction, for 7
+    calls on one connection (psycopg prepares the statement from the 5th), each
+    rolled back so the next claims the same task."""
+    held = []
+    for _ in range(7):
+        with conn.transaction():
+            before = conn.execute(_RELATION_LOCKS).fetchone()[0]
+            claimed = outbox.claim(conn, ["default"], "w", 1, task_names=["t"], claim_id="c")
+            assert len(claimed) == 1
+            held.append(conn.execute(_RELATION_LOCKS).fetchone()[0] - before)
+            raise psycopg.Rollback()
+    return held
+
+
+def test_a_claim_locks_as_much_with_thirteen_months_retained_as_with_one(db_url: str) -> None:
+    with psycopg.connect(db_url, autocommit=True) as conn:
+        add_definition(conn)
+        _dispatch(conn, add_run(conn))
+        with_current_months = _locks_of_one_claim(conn)
+        today = now_utc().date()
+        created = partitions.ensure_from(conn, date(today.year - 1, today.month, 1), 11)
+        assert created >= 12            # 12 past months of every run table
+        with_past_year = _locks_of_one_claim(conn)
+    assert with_past_year == with_current_months
+
+
+@pytest.mark.parametrize("retained", [0, 12])
+def test_a_claim_of_tasks_in_two_months_locks_those_months_only(db_url: str, retained: int) -> None:
+    with psycopg.connect(db_url, autocommit=True) as conn:
+        add_definition(conn)
+        today = now_utc().date()
+        last_month = date(today.year - (today.month == 1), (today.month - 2) % 12 + 1, 1)
+        partitions.ensure_from(conn, last_month, 0)
+        if retained:
+            partitions.ensure_from(conn, date(today.year - 1, today.month, 1), retained - 1)
+        old_run = add_run(conn, at=now_utc().replace(year=last_month.year, month=last_month.month, day=15))
+        new_run = add_run(conn)
+        _dispatch(conn, old_run)
+        _dispatch(conn, new_run)
+        with conn.transaction():
+            claimed = outbox.claim(conn, ["default"], "w", 2, task_names=["t"], claim_id="c")
+            names = {r[0] for r in conn.execute("""
+                SELECT c.relname FROM pg_locks l JOIN pg_class c ON c.oid = l.relation
+                 WHERE l.pid = pg_backend_pid() AND l.locktype = 'relation'
+                   AND c.relname LIKE 'task_instances_p%%' AND c.relkind = 'r'""").fetchall()}
+            raise psycopg.Rollback()
+    assert {c.run_id for c in claimed} == {old_run, new_run}
+    assert names == {f"task_instances_p{last_month:%Y%m}", f"task_instances_p{today:%Y%m}"}
