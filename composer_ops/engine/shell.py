@@ -61,7 +61,7 @@ from composer_ops.engine.requests import KEY_PREFIX, Request
 from composer_ops.errors import Conflict
 from composer_ops.repo import definitions, history, outbox, runs, signals, tasks, webhooks
 from composer_ops.repo._base import Conn
-from composer_ops.repo.rows import Dispatch, HistoryEntry, HistoryRow, RunRow, TaskStateRow
+from composer_ops.repo.rows import Dispatch, HistoryEntry, HistoryRow, NewTask, RunRow, TaskStateRow
 
 log = logging.getLogger(__name__)
 
@@ -191,15 +191,20 @@ class Shell:
         notes = _Notes(event, decision, request)
         finished: RunStatus | None = None
         created: str | None = None            # the node of the last CreateTask (a ConsumeSignal follows it)
+        creating: list[CreateTask] = []       # consecutive CreateTasks, inserted by one statement
         for action in decision.actions:
             if isinstance(action, Stale):
                 log.info("stale event on run %s: %s", run.id, action.reason,
                          extra={"action": "stale", "run_id": run.id})
                 return Outcome(run_id=run.id, stale=action.reason)
             if isinstance(action, CreateTask):
-                self._create(conn, run, action, dispatches)
+                creating.append(action)
                 created = action.node_id
-            elif isinstance(action, CompleteTask):
+                continue
+            if creating:                      # before any other action, which may touch them
+                self._create(conn, run, creating, dispatches)
+                creating = []
+            if isinstance(action, CompleteTask):
                 _fenced(tasks.complete_task(conn, action.ref, action.output, request=request.id,
                                             entry=notes.task_entry("completed", action.ref)), action)
             elif isinstance(action, FailTask):
@@ -232,24 +237,27 @@ class Shell:
             elif isinstance(action, FinishRun):
                 self._finish(conn, run, action)
                 finished = action.status
+        if creating:
+            self._create(conn, run, creating, dispatches)
         history.record(conn, run.id, request.id, notes.entries())
         outbox.enqueue(conn, dispatches)
         return Outcome(run_id=run.id, finished=finished, refused=decision.refused)
 
-    def _create(self, conn: Conn, run: RunSnapshot, a: CreateTask, dispatches: list[Dispatch]) -> None:
-        node = run.spec.nodes[a.node_id]
-        queue = (node.queue or "default") if a.node_type is NodeType.TASK else None
-        inserted = tasks.insert_task(
-            conn, run.id, task_id=a.task_id, node_id=a.node_id, node_type=str(a.node_type), queue=queue,
-            state=str(a.state), input=a.input, output=a.output, error=a.error, branches=a.branches,
-            wake_at=a.wake_at, event_name=a.event_name)
-        if not inserted:
-            raise Conflict(f"run {run.id}: node {a.node_id} already has a task; "
-                           "the decision was based on a stale snapshot and was rolled back")
-        if a.node_type is NodeType.TASK and a.state is TaskState.PENDING:
-            dispatches.append(Dispatch(run_id=run.id, task_id=a.task_id, attempt=0, queue=queue or "default",
-                                       task_name=node.task or a.node_id, lease_s=_lease(node.lease_s),
-                                       available_at=a.available_at))
+    def _create(self, conn: Conn, run: RunSnapshot, creates: Sequence[CreateTask],
+                dispatches: list[Dispatch]) -> None:
+        rows = [NewTask(task_id=a.task_id, node_id=a.node_id, node_type=str(a.node_type), queue=_queue(run, a),
+                        state=str(a.state), input=a.input, output=a.output, error=a.error, branches=a.branches,
+                        wake_at=a.wake_at, event_name=a.event_name) for a in creates]
+        inserted = tasks.insert_tasks(conn, run.id, rows)
+        for a in creates:
+            if a.node_id not in inserted:
+                raise Conflict(f"run {run.id}: node {a.node_id} already has a task; "
+                               "the decision was based on a stale snapshot and was rolled back")
+            if a.node_type is NodeType.TASK and a.state is TaskState.PENDING:
+                node = run.spec.nodes[a.node_id]
+                dispatches.append(Dispatch(run_id=run.id, task_id=a.task_id, attempt=0,
+                                           queue=node.queue or "default", task_name=node.task or a.node_id,
+                                           lease_s=_lease(node.lease_s), available_at=a.available_at))
 
     def _finish(self, conn: Conn, run: RunSnapshot, a: FinishRun) -> None:
         if not runs.finish_run(conn, run.id, str(a.status), reason=a.reason, output=a.output):
@@ -345,6 +353,11 @@ def _replayed(run_id: str, rows: list[HistoryRow], event: Event) -> Outcome:
              extra={"action": "replayed", "run_id": run_id})
     return Outcome(run_id=run_id, finished=RunStatus(finished) if finished else None, refused=refused,
                    replayed=True)
+
+
+def _queue(run: RunSnapshot, a: CreateTask) -> str | None:
+    """The queue a created task is dispatched on (TASK nodes only)."""
+    return (run.spec.nodes[a.node_id].queue or "default") if a.node_type is NodeType.TASK else None
 
 
 def _lease(lease_s: float) -> int:

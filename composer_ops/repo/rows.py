@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
@@ -69,6 +70,23 @@ class ExpiredLease:
     node_id: str
     attempt: int
     lease_owner: str | None
+
+
+@dataclass(frozen=True, kw_only=True)
+class NewTask:
+    """One task row to insert (what a CreateTask action describes)."""
+
+    task_id: str
+    node_id: str
+    node_type: str
+    queue: str | None
+    state: str
+    input: Any = None
+    output: Any = None
+    error: str | None = None
+    branches: Sequence[str] | None = None
+    wake_at: datetime | None = None
+    event_name: str | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
