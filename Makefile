@@ -139,9 +139,11 @@ bench: $(STAMP)
 # CHAOS_ARGS e.g. `--runs 1000 --seed 3`; COMPOSER_TEST_PGBIN=$(PG15_BIN) for PostgreSQL 15;
 # with COMPOSER_DATABASE_URL it runs on that server and skips the restart.
 # Then the fault-injection sweep of every write path with server restarts at every
-# request (tests/faults, COMPOSER_FAULTS=full; `make test` restarts at one point a path).
+# request (tests/faults, COMPOSER_FAULTS=full; `make test` restarts at one point a path)
+# and the state machine test at 30 examples of 60 steps (`make test`: 12 of 40).
 CHAOS_ARGS ?= --runs 5000
 .PHONY: chaos
 chaos: $(STAMP)
 	$(BIN)/python -m tests.chaos.driver $(CHAOS_ARGS) --json reports/chaos-last.json
-	COMPOSER_FAULTS=full $(BIN)/python -m pytest -q -p no:logging tests/faults
+	COMPOSER_FAULTS=full COMPOSER_STATEFUL_EXAMPLES=30 COMPOSER_STATEFUL_STEPS=60 \
+	    $(BIN)/python -m pytest -q -p no:logging tests/faults
