@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import json
 import os
-import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -255,12 +254,3 @@ def make_due(b: Bench, run_id: str) -> None:
     """Time passes for one run's timers: every wake-up is already due."""
     b.sql("UPDATE task_instances SET wake_at = now() - interval '1 millisecond' "
           "WHERE run_id = %s AND state = 'WAITING' AND wake_at IS NOT NULL", (run_id,))
-
-
-def wait_for(predicate: Callable[[], Any], timeout: float = 10.0) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value or time.monotonic() > deadline:
-            return value
-        time.sleep(0.05)

@@ -10,7 +10,6 @@ import threading
 from collections.abc import Iterator
 from datetime import UTC, datetime
 from typing import Any
-from urllib.parse import parse_qsl, quote, urlencode, urlsplit, urlunsplit
 
 import psycopg
 import pytest
@@ -18,16 +17,10 @@ import pytest
 from composer_ops import Engine, TaskContext, Worker
 from composer_ops.db.migrate import migrate
 from composer_ops.testing.processes import wait_for
+from tests.notebooks.harness import as_role
 
 ENGINE_ROLE = "composer_ops_engine"
 READER_ROLE = "composer_ops_reader"
-
-
-def as_role(url: str, role: str) -> str:
-    parts = urlsplit(url)
-    query = [(k, v) for k, v in parse_qsl(parts.query) if k != "options"]
-    query.append(("options", f"-c role={role}"))
-    return urlunsplit(parts._replace(query=urlencode(query, quote_via=quote)))
 
 
 def _month() -> str:
