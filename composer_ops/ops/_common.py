@@ -3,8 +3,9 @@ query results become typed polars DataFrames.
 
 Every public ops function takes ``source``: an open psycopg connection (used as is,
 never committed or closed), a libpq URL, or None (``COMPOSER_DATABASE_URL``, else
-the embedded server). Connections opened here are read-only sessions: the analytics
-never write, and a reader role would refuse it anyway.
+the embedded server if it is already running: nothing here starts a server, see
+:func:`composer_ops.db.find_url`). Connections opened here are read-only sessions:
+the analytics never write, and a reader role would refuse it anyway.
 """
 
 from __future__ import annotations
