@@ -209,26 +209,38 @@ class Engine:
         validate_run_id(run_id)
         return self.shell.handle(run_id, lambda now: CancelRun(reason=reason, now=now))
 
-    @db_retry()
     def delete_run(self, run_id: str) -> DeletedRun:
         """Soft-delete a finished run: it disappears from ``get_run``, the loops, the
         claim and the reports, and its rows leave with its month (retention). A run
         that is still active is a Conflict (cancel it first); deleting a deleted run
-        changes nothing and says so (``already``), so a retried call is harmless. A
-        pending webhook delivery of the run is given up."""
+        changes nothing and says so (``already``). A pending webhook delivery of the
+        run is given up. The delete is recorded in the run's history under the call's
+        request, so a retry whose lost attempt committed returns what that attempt did."""
         validate_run_id(run_id)
+        return self._delete_run(run_id, Request())
+
+    @db_retry()
+    def _delete_run(self, run_id: str, request: Request) -> DeletedRun:
+        look = request.attempt()
         with self.pool.connection() as conn, conn.transaction():
             found = runs.lock_for_delete(conn, run_id)
             if found is None:
                 raise NotFound(f"workflow run {run_id} does not exist")
             status, deleted_at = found
             if deleted_at is not None:
-                return DeletedRun(run_id=run_id, status=status, deleted_at=deleted_at, already=True)
+                earlier = history.of_request(conn, run_id, request.id) if look else []
+                detail = earlier[0].detail if earlier else {}
+                return DeletedRun(run_id=run_id, status=status, deleted_at=deleted_at, already=not earlier,
+                                  webhooks_given_up=detail.get("webhooks_given_up", 0),
+                                  dispatches_dropped=detail.get("dispatches_dropped", 0))
             if status not in TERMINAL_RUN_STATUSES:
                 raise Conflict(f"run {run_id} is {status}: only finished runs can be deleted (cancel it first)")
             deleted_at = runs.soft_delete(conn, run_id)
             dropped = outbox.delete_for_run(conn, run_id)
             given_up = webhooks.give_up_for_run(conn, run_id, "run deleted before its webhook was delivered")
+            history.record(conn, run_id, request.id, [HistoryEntry(
+                kind="deleted", detail={"status": status, "webhooks_given_up": given_up,
+                                        "dispatches_dropped": dropped})])
         log.info("deleted run %s (%s)", run_id, status, extra={"action": "delete_run", "run_id": run_id})
         return DeletedRun(run_id=run_id, status=status, deleted_at=deleted_at, already=False,
                           webhooks_given_up=given_up, dispatches_dropped=dropped)

@@ -523,7 +523,7 @@ def test_retention_drop(b: Bench) -> None:
 
 
 def test_delete_run(b: Bench) -> None:
-    """A delete retried after a lost acknowledgement finds the run deleted and says so."""
+    """A delete retried after a lost acknowledgement returns what its lost attempt did."""
     def setup() -> str:
         run_id = b.direct.start("f-one-waiter")
         b.direct.signal(run_id, "go")
@@ -537,6 +537,8 @@ def test_delete_run(b: Bench) -> None:
         row = b.sql("SELECT status, deleted_at IS NOT NULL FROM workflow_runs WHERE id = %s", (run_id,))
         if row != [("SUCCEEDED", True)]:
             problems.append(f"after one delete the run is {row}")
+        if result.error is None and result.value.already:
+            problems.append("the delete reported the run as deleted before it: its own lost attempt")
         return problems
 
     sweep(b, "delete run", setup=setup, act=act, check=check).assert_clean()

@@ -160,6 +160,22 @@ def test_a_lease_expiry_whose_acknowledgement_was_lost_is_counted_once(engine: E
     assert states(engine, run_id) == {"a": ("PENDING", 1)}
 
 
+def test_a_delete_whose_acknowledgement_was_lost_returns_what_it_did(engine: Engine,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """The retry finds the run deleted by its own lost attempt: it reports that delete
+    (not an earlier one), with the webhook delivery it gave up, and records it once."""
+    engine.deploy({"id": "hooked", "webhook_url": "http://127.0.0.1:9/never",
+                   "nodes": [{"id": "w", "type": "WAIT_FOR_EVENT", "event": "go"}]})
+    run_id = engine.start("hooked")
+    engine.signal(run_id, "go")
+    done = lost_ack(engine, monkeypatch, lambda: engine.delete_run(run_id))
+    assert (done.already, done.status, done.webhooks_given_up) == (False, "SUCCEEDED", 1)
+    with engine.pool.connection() as conn:
+        assert [h.kind for h in history.run_history(conn, run_id)].count("deleted") == 1
+    again = engine.delete_run(run_id)                 # a second call is a second delete: already done
+    assert (again.already, again.deleted_at, again.webhooks_given_up) == (True, done.deleted_at, 0)
+
+
 # -- the caller's idempotency key --------------------------------------------------------
 
 
