@@ -24,6 +24,8 @@ from functools import partial
 from typing import TYPE_CHECKING
 
 from composer_ops.core.model import Event, LeaseExpired, TaskRef, TimerDue
+from composer_ops.db.errors import Pool
+from composer_ops.db.retry import db_retry
 from composer_ops.engine.retention import drop_due_months
 from composer_ops.engine.shell import Outcome
 from composer_ops.engine.webhooks import RelayPolicy, relay_once
@@ -215,15 +217,16 @@ class Coordinator:
     def _prune_webhooks(self, stats: PassStats, batch: int = 1000, max_batches: int = 10) -> None:
         """Delete deliveries finished more than ``webhook_keep_days`` ago, at most every
         ``upkeep_every_s``: batches of ``batch`` rows, each its own short transaction,
-        at most ``max_batches`` a pass (the rest waits for the next)."""
+        at most ``max_batches`` a pass (the rest waits for the next). A batch is retried
+        on a lost connection (deleting again deletes what is left); a pass that still
+        fails leaves the prune due on the next pass."""
         if self.webhook_keep_days is None or time.monotonic() < self._next_prune:
             return
-        self._next_prune = time.monotonic() + self.upkeep_every_s
         for _ in range(max_batches):
-            with self.engine.pool.connection() as conn, conn.transaction():
-                gone = webhooks.prune(conn, self.webhook_keep_days * 86400.0, batch)
+            gone = _prune_batch(self.engine.pool, self.webhook_keep_days * 86400.0, batch)
             stats.webhooks_pruned += gone
             if gone < batch:
+                self._next_prune = time.monotonic() + self.upkeep_every_s
                 return
         self._next_prune = time.monotonic()     # more left: continue on the next pass
 
@@ -252,6 +255,12 @@ class _Backoff:
             del self._misses[key]
         waiting = sorted((until, key) for key, (until, _) in self._misses.items() if until > now)
         return [key for _, key in waiting[:self.limit]]
+
+
+@db_retry()
+def _prune_batch(pool: Pool, keep_s: float, batch: int) -> int:
+    with pool.connection() as conn, conn.transaction():
+        return webhooks.prune(conn, keep_s, batch)
 
 
 def _timer_due(task_id: str, node_id: str, now: datetime) -> TimerDue:

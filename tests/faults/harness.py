@@ -222,10 +222,13 @@ INVARIANTS: dict[str, str] = {
         SELECT d.run_id, r.status FROM webhook_deliveries d
           LEFT JOIN workflow_runs r ON r.id = d.run_id
          WHERE r.id IS NULL OR r.status NOT IN ('SUCCEEDED', 'FAILED', 'CANCELLED')""",
-    "a finished run of a definition with a webhook has no delivery": """
+    # (the coordinator prunes deliveries days after they finished, so only runs finished
+    # within the last day must still have theirs)
+    "a run finished within a day, of a definition with a webhook, has no delivery": """
         SELECT r.id FROM workflow_runs r
           JOIN workflow_definitions d ON d.id = r.workflow_definition_id AND d.version = r.workflow_version
          WHERE d.webhook_url IS NOT NULL AND r.status IN ('SUCCEEDED', 'FAILED', 'CANCELLED')
+           AND r.completed_at > now() - interval '1 day'
            AND NOT EXISTS (SELECT 1 FROM webhook_deliveries w WHERE w.run_id = r.id)""",
     "a SUCCEEDED run with a task that did not finish well": """
         SELECT r.id, t.node_id, t.state FROM workflow_runs r JOIN task_instances t ON t.run_id = r.id

@@ -465,6 +465,42 @@ def test_webhook_relay(b: Bench) -> None:
         hook.close()
 
 
+def test_webhook_prune(b: Bench) -> None:
+    """Deliveries finished more than the kept days ago go, all of them, whatever the
+    fault (a retried batch deletes what is left); younger and pending ones stay."""
+    b.direct.deploy({"id": "f-pruned", "webhook_url": "http://127.0.0.1:9/never", "nodes": [ONE_WAITER["nodes"][0]]})
+
+    def finished_run(days_ago: int, delivered: bool = True) -> str:
+        run_id = b.direct.start("f-pruned")
+        b.direct.signal(run_id, "go")
+        if delivered:
+            b.sql("UPDATE webhook_deliveries SET delivered_at = now() - make_interval(days => %s) WHERE run_id = %s",
+                  (days_ago, run_id))
+        b.sql("UPDATE workflow_runs SET completed_at = now() - make_interval(days => %s) WHERE id = %s",
+              (days_ago, run_id))
+        return run_id
+
+    def setup() -> tuple[list[str], list[str]]:
+        return [finished_run(9), finished_run(8)], [finished_run(2), finished_run(9, delivered=False)]
+
+    def act(_: tuple[list[str], list[str]]) -> Any:
+        return b.engine.coordinator(webhook_keep_days=7).run_once(["webhooks"])
+
+    def check(state: tuple[list[str], list[str]], result: Result) -> list[str]:
+        old, kept = state
+        left = {r[0] for r in b.sql("SELECT run_id FROM webhook_deliveries")}
+        problems = _raised(result)
+        if result.error is None and result.value.errors:
+            problems.append(f"the pass reported {result.value.errors}")
+        if left & set(old):
+            problems.append(f"deliveries older than 7 days left: {sorted(left & set(old))}")
+        if set(kept) - left:
+            problems.append(f"younger or pending deliveries pruned: {sorted(set(kept) - left)}")
+        return problems
+
+    sweep(b, "webhook prune", setup=setup, act=act, check=check).assert_clean()
+
+
 def test_partition_upkeep(b: Bench) -> None:
     months = [r[0] for r in b.sql(
         "SELECT to_char((date_trunc('month', now() AT TIME ZONE 'UTC') + make_interval(months => i)), 'YYYYMM') "
