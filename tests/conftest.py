@@ -32,6 +32,7 @@ import pytest
 
 os.environ.setdefault("PGTZ", "America/New_York")
 
+from composer_ops import Engine  # noqa: E402
 from composer_ops.testing import servers  # noqa: E402
 from composer_ops.testing.servers import Server  # noqa: E402
 
@@ -87,6 +88,14 @@ def conn(db_url: str) -> Iterator[psycopg.Connection[Any]]:
     with Connection.connect(db_url) as c:
         yield c
         c.rollback()
+
+
+@pytest.fixture
+def engine(db_url: str) -> Iterator[Engine]:
+    """An Engine on the test's database (a pool of 4). A module that needs definitions
+    deployed overrides it with a fixture of the same name that takes this one."""
+    with Engine.connect(db_url, pool_size=4) as e:
+        yield e
 
 
 # -- markers and collection checks ------------------------------------------------------

@@ -8,7 +8,6 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import psycopg
@@ -30,10 +29,9 @@ def restartable(server: Server) -> Server:
 
 
 @pytest.fixture
-def engine(db_url: str) -> Iterator[Engine]:
-    with Engine.connect(db_url, pool_size=4) as e:
-        e.deploy(SPEC)
-        yield e
+def engine(engine: Engine) -> Engine:
+    engine.deploy(SPEC)
+    return engine
 
 
 def _fill_pool(engine: Engine, n: int = 4) -> None:

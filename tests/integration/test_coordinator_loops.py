@@ -5,8 +5,6 @@ queue, and never stops the rest of the batch."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import psycopg
 import pytest
 
@@ -19,11 +17,10 @@ LEASED = {"id": "ls", "nodes": [{"id": "a", "type": "TASK", "task": "t", "queue"
 
 
 @pytest.fixture
-def engine(db_url: str) -> Iterator[Engine]:
-    with Engine.connect(db_url, pool_size=3) as e:
-        e.deploy(TIMER)
-        e.deploy(LEASED)
-        yield e
+def engine(engine: Engine) -> Engine:
+    engine.deploy(TIMER)
+    engine.deploy(LEASED)
+    return engine
 
 
 def _sql(db_url: str, query: str, params: tuple[object, ...] = ()) -> None:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -14,12 +13,6 @@ from composer_ops.testing.processes import TERMINAL, Fleet, wait_for
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]
-
-
-@pytest.fixture
-def engine(db_url: str) -> Iterator[Engine]:
-    with Engine.connect(db_url, pool_size=4) as e:
-        yield e
 
 
 def order_spec(wait_s: float = 0.5, timeout_s: float = 60) -> dict[str, Any]:

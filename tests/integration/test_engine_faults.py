@@ -4,7 +4,6 @@ which reach callers only as ComposerErrors."""
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -18,10 +17,9 @@ SPEC = {"id": "one", "nodes": [{"id": "a", "type": "TASK", "task": "t"}]}
 
 
 @pytest.fixture
-def engine(db_url: str) -> Iterator[Engine]:
-    with Engine.connect(db_url, pool_size=2) as e:
-        e.deploy(SPEC)
-        yield e
+def engine(engine: Engine) -> Engine:
+    engine.deploy(SPEC)
+    return engine
 
 
 def _runs(engine: Engine) -> list[str]:

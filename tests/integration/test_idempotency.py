@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -29,17 +29,16 @@ from tests.integration.helpers import LoseAck, now_utc, uuid7_at
 
 
 @pytest.fixture
-def engine(db_url: str) -> Iterator[Engine]:
-    with Engine.connect(db_url, pool_size=3) as e:
-        e.deploy({"id": "one", "nodes": [{"id": "a", "type": "TASK", "task": "t"}]})
-        e.deploy({"id": "retried", "nodes": [{"id": "a", "type": "TASK", "task": "t",
-                                              "retry": {"max_attempts": 3, "initial_backoff_s": 0}}]})
-        e.deploy({"id": "two_waiters", "nodes": [
-            {"id": "w1", "type": "WAIT_FOR_EVENT", "event": "go"},
-            {"id": "w2", "type": "WAIT_FOR_EVENT", "event": "go"},
-            {"id": "after", "type": "TASK", "task": "t", "depends_on": ["w1", "w2"]}]})
-        e.deploy({"id": "one_waiter", "nodes": [{"id": "w", "type": "WAIT_FOR_EVENT", "event": "go"}]})
-        yield e
+def engine(engine: Engine) -> Engine:
+    engine.deploy({"id": "one", "nodes": [{"id": "a", "type": "TASK", "task": "t"}]})
+    engine.deploy({"id": "retried", "nodes": [{"id": "a", "type": "TASK", "task": "t",
+                                                   "retry": {"max_attempts": 3, "initial_backoff_s": 0}}]})
+    engine.deploy({"id": "two_waiters", "nodes": [
+        {"id": "w1", "type": "WAIT_FOR_EVENT", "event": "go"},
+        {"id": "w2", "type": "WAIT_FOR_EVENT", "event": "go"},
+        {"id": "after", "type": "TASK", "task": "t", "depends_on": ["w1", "w2"]}]})
+    engine.deploy({"id": "one_waiter", "nodes": [{"id": "w", "type": "WAIT_FOR_EVENT", "event": "go"}]})
+    return engine
 
 
 def lost_ack(engine: Engine, monkeypatch: pytest.MonkeyPatch, call: Callable[[], Any], skip: int = 0) -> Any:

@@ -4,20 +4,12 @@ whose lease it was."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import psycopg
-import pytest
 
 from composer_ops import Engine
 from composer_ops.repo.rows import Claim
-
-
-@pytest.fixture
-def engine(db_url: str) -> Iterator[Engine]:
-    with Engine.connect(db_url, pool_size=3) as e:
-        yield e
 
 
 def _lapse(db_url: str, run_id: str) -> None:

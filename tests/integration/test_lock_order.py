@@ -13,7 +13,6 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import psycopg
@@ -21,12 +20,6 @@ import pytest
 
 from composer_ops import Engine
 from composer_ops.testing.processes import wait_for
-
-
-@pytest.fixture
-def engine(db_url: str) -> Iterator[Engine]:
-    with Engine.connect(db_url, pool_size=3) as e:
-        yield e
 
 
 def _blocked_on_a_lock(db_url: str, application_name: str) -> bool:

@@ -6,7 +6,6 @@ N days ago are deleted by the coordinator, pending ones never."""
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 
 import psycopg
 import pytest
@@ -20,10 +19,9 @@ ONE = {"id": "del", "nodes": [{"id": "a", "type": "TASK", "task": "t", "queue": 
 
 
 @pytest.fixture
-def engine(db_url: str) -> Iterator[Engine]:
-    with Engine.connect(db_url, pool_size=2) as e:
-        e.deploy(ONE)
-        yield e
+def engine(engine: Engine) -> Engine:
+    engine.deploy(ONE)
+    return engine
 
 
 def _finished(engine: Engine) -> str:

@@ -7,21 +7,12 @@ import json
 import os
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
-
-import pytest
 
 from composer_ops import Engine
 from composer_ops.testing.processes import Fleet, wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-@pytest.fixture
-def engine(db_url: str) -> Iterator[Engine]:
-    with Engine.connect(db_url, pool_size=3) as e:
-        yield e
 
 
 def cli(db_url: str, *args: str) -> subprocess.CompletedProcess[str]:

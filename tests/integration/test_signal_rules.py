@@ -5,7 +5,6 @@ cancelled in the decision that created it is never dispatched."""
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 from datetime import UTC, datetime
 
 import pytest
@@ -13,12 +12,6 @@ import pytest
 from composer_ops import Conflict, Engine
 from composer_ops.engine import shell
 from tests.integration.helpers import uuid7_at
-
-
-@pytest.fixture
-def engine(db_url: str) -> Iterator[Engine]:
-    with Engine.connect(db_url, pool_size=3) as e:
-        yield e
 
 
 def states(engine: Engine, run_id: str) -> dict[str, str]:

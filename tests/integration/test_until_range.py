@@ -4,8 +4,6 @@ and the extreme instants that are accepted read back under any session TimeZone.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import psycopg
 import pytest
 from psycopg.types.json import Jsonb
@@ -17,10 +15,9 @@ REF = {"id": "until-ref", "nodes": [{"id": "w", "type": "WAIT", "until": "$.inpu
 
 
 @pytest.fixture
-def engine(db_url: str) -> Iterator[Engine]:
-    with Engine.connect(db_url, pool_size=2) as e:
-        e.deploy(REF)
-        yield e
+def engine(engine: Engine) -> Engine:
+    engine.deploy(REF)
+    return engine
 
 
 def test_an_out_of_range_literal_is_refused_by_deploy_and_the_cli(engine: Engine, db_url: str, tmp_path: object,

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import psycopg
@@ -19,10 +18,9 @@ SPEC = {"id": "lk", "nodes": [{"id": "w", "type": "WAIT_FOR_EVENT", "event": "go
 
 
 @pytest.fixture
-def engine(db_url: str) -> Iterator[Engine]:
-    with Engine.connect(db_url, pool_size=4) as e:
-        e.deploy(SPEC)
-        yield e
+def engine(engine: Engine) -> Engine:
+    engine.deploy(SPEC)
+    return engine
 
 
 def _months(conn: psycopg.Connection[Any], first: int, last: int) -> list[str]:

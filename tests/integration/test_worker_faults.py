@@ -6,7 +6,6 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -15,12 +14,6 @@ from composer_ops import Engine, TaskContext, Worker
 from composer_ops.engine.worker import Result
 from composer_ops.errors import Transient
 from composer_ops.testing.processes import wait_for
-
-
-@pytest.fixture
-def engine(db_url: str) -> Iterator[Engine]:
-    with Engine.connect(db_url, pool_size=4) as e:
-        yield e
 
 
 def _deploy(engine: Engine, lease_s: float = 1) -> None:

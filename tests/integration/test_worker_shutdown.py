@@ -7,7 +7,6 @@ import signal
 import subprocess
 import threading
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import psycopg
@@ -17,12 +16,6 @@ from composer_ops import Engine, TaskContext, Worker
 from composer_ops.cli.run_cmds import stop_on_signals
 from composer_ops.errors import Invalid, ShutdownTimeout
 from composer_ops.testing.processes import Fleet, wait_for
-
-
-@pytest.fixture
-def engine(db_url: str) -> Iterator[Engine]:
-    with Engine.connect(db_url, pool_size=4) as e:
-        yield e
 
 
 def _task_row(db_url: str, run_id: str) -> tuple[str, int, Any]:
