@@ -1,8 +1,9 @@
 """The one exception tree raised to callers of composer_ops.
 
-``ComposerError`` is the root; ``NotFound``, ``Conflict`` and ``Invalid`` say what
-kind of refusal it is, and each carries the CLI's exit code. ``Unavailable`` (and
-its ``Transient`` subset) means the database could not serve the request now.
+``ComposerError`` is the root; ``NotFound``, ``Conflict``, ``Invalid`` and
+``PermissionDenied`` say what kind of refusal it is, and each carries the CLI's exit
+code. ``Unavailable`` (and its ``Transient`` subset, of which ``LockTimeout`` is one)
+means the database could not serve the request now.
 ``NonRetryableError`` is raised by worker handlers to skip the remaining attempts of
 a task. Driver errors become these at one boundary, the connection class of
 :mod:`composer_ops.db.errors`, with the driver's error kept as ``__cause__``.
@@ -51,6 +52,18 @@ class Transient(Unavailable):
     connection free in time. ``db_retry`` retries exactly these; ``__cause__`` is the
     driver's error.
     """
+
+
+class LockTimeout(Transient):
+    """A lock was not granted within the session's ``lock_timeout``: its holder (a long
+    reader, another drop) may let go, so the whole transaction can be re-run."""
+
+
+class PermissionDenied(ComposerError):
+    """The database role lacks a privilege the request needs: someone must grant it,
+    no retry helps."""
+
+    exit_code = 1
 
 
 class NonRetryableError(Exception):

@@ -36,7 +36,16 @@ from psycopg.abc import PQGen
 from psycopg.rows import Row
 from psycopg_pool import ConnectionPool, PoolClosed
 
-from composer_ops.errors import ComposerError, Conflict, Invalid, NotFound, Transient, Unavailable
+from composer_ops.errors import (
+    ComposerError,
+    Conflict,
+    Invalid,
+    LockTimeout,
+    NotFound,
+    PermissionDenied,
+    Transient,
+    Unavailable,
+)
 
 RV = TypeVar("RV")
 
@@ -125,6 +134,10 @@ def translate(exc: psycopg.Error) -> ComposerError:
         return Invalid(msg)
     if isinstance(exc, PoolClosed):
         return Unavailable(f"{msg} (the engine or pool was closed)")
+    if isinstance(exc, pgerr.InsufficientPrivilege):
+        return PermissionDenied(msg)
+    if isinstance(exc, pgerr.LockNotAvailable):
+        return LockTimeout(f"{msg} (a transient database error; the request can be retried)")
     if is_transient(exc):
         return Transient(f"{msg} (a transient database error; the request can be retried)")
     if isinstance(exc, psycopg.OperationalError):

@@ -32,7 +32,7 @@ from composer_ops.core.runids import RUN_ID_MAX_AGE
 from composer_ops.db import connect
 from composer_ops.db.errors import Pool
 from composer_ops.db.retry import backoff_delay
-from composer_ops.errors import ComposerError, Invalid, Transient, Unavailable
+from composer_ops.errors import ComposerError, Invalid, LockTimeout, Transient, Unavailable
 from composer_ops.repo import partitions, retention
 from composer_ops.repo.retention import Cutoff
 from composer_ops.repo.rows import RetentionMonth
@@ -85,7 +85,7 @@ def drop_due_months(source: Source, older_than: datetime | str | Cutoff, *, lock
                 return _attempt(conn, older_than, lock_timeout_s, min_age, request, attempts)
         except (_Raced, Transient) as exc:
             if attempts >= max_attempts:
-                if isinstance(exc.__cause__, psycopg.errors.LockNotAvailable):
+                if isinstance(exc, LockTimeout):
                     raise ComposerError(
                         f"could not lock the partitions to drop within {lock_timeout_s:g}s in {attempts} attempts "
                         "(a long transaction holds them); nothing was dropped, try again later") from exc

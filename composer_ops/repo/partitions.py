@@ -39,7 +39,7 @@ def ensure(conn: Conn, months_ahead: int = 3, *, lock_timeout_s: float | None = 
     attaching still waits for transactions writing ``workflow_runs`` (the foreign
     keys), and every start or signal would queue behind that wait, so it is bounded by
     ``lock_timeout_s`` for the rest of the caller's transaction: past it the statement
-    fails with ``LockNotAvailable`` and the caller tries again later. ``None`` keeps
+    fails with ``LockTimeout`` and the caller tries again later. ``None`` keeps
     the session's setting."""
     if lock_timeout_s is not None:
         set_lock_timeout(conn, lock_timeout_s)

@@ -15,10 +15,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from datetime import datetime
 
-import psycopg
 from psycopg import sql
 
-from composer_ops.errors import ComposerError
+from composer_ops.errors import ComposerError, PermissionDenied
 from composer_ops.repo._base import Conn
 
 __all__ = ["analyze_month", "check_references", "clock", "copy_rows", "existing_runs", "finished_runs",
@@ -51,9 +50,7 @@ def may_skip_row_triggers(conn: Conn) -> bool:
     try:
         with conn.transaction():
             conn.execute("SET LOCAL session_replication_role = replica")
-    except ComposerError as exc:
-        if not isinstance(exc.__cause__, psycopg.errors.InsufficientPrivilege):
-            raise
+    except PermissionDenied:
         return False
     finally:
         conn.rollback()

@@ -19,7 +19,7 @@ from composer_ops import ops
 from composer_ops.cli import main
 from composer_ops.db import connect, make_pool
 from composer_ops.db.retry import db_retry
-from composer_ops.errors import ComposerError, Conflict, Invalid, Transient, Unavailable
+from composer_ops.errors import ComposerError, Conflict, Invalid, LockTimeout, Transient, Unavailable
 
 NOWHERE = "postgresql:///composer?host=/nonexistent-socket-dir&connect_timeout=2"
 
@@ -121,9 +121,9 @@ def test_a_lock_timeout_is_transient(table: str) -> None:
     with connect(table) as holder, connect(table) as waiter:
         holder.execute("UPDATE boundary SET v = v + 1 WHERE k = 1")
         waiter.execute("SET lock_timeout = '50ms'")
-        with pytest.raises(Transient) as caught:
+        with pytest.raises(LockTimeout) as caught:
             waiter.execute("UPDATE boundary SET v = v + 1 WHERE k = 1")
-    assert isinstance(caught.value.__cause__, pgerr.LockNotAvailable)
+    assert isinstance(caught.value, Transient) and isinstance(caught.value.__cause__, pgerr.LockNotAvailable)
 
 
 def test_a_serialization_failure_is_transient(table: str) -> None:

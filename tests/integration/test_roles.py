@@ -15,7 +15,10 @@ import psycopg
 import pytest
 
 from composer_ops import Engine, TaskContext, Worker
+from composer_ops.db import connect
 from composer_ops.db.migrate import migrate
+from composer_ops.errors import PermissionDenied
+from composer_ops.repo import simulator
 from composer_ops.testing.processes import wait_for
 from tests.notebooks.harness import as_role
 
@@ -169,3 +172,13 @@ def test_migrating_another_database_reuses_the_roles(empty_db_url: str) -> None:
     assert refused(empty_db_url, ENGINE_ROLE, ["SELECT composer_drop_partitions(now())"]) == []
     with psycopg.connect(as_role(empty_db_url, ENGINE_ROLE)) as conn:
         assert conn.execute("SELECT composer_ensure_partitions(3)").fetchone() == (0,)
+
+
+def test_a_missing_privilege_is_permission_denied_and_the_backfill_checks_rows_one_by_one(db_url: str) -> None:
+    with connect(as_role(db_url, ENGINE_ROLE)) as conn:
+        with pytest.raises(PermissionDenied, match="session_replication_role"):
+            conn.execute("SET session_replication_role = replica")
+        conn.rollback()
+        assert simulator.may_skip_row_triggers(conn) is False
+    with connect(db_url) as conn:
+        assert simulator.may_skip_row_triggers(conn) is True

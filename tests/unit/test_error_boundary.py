@@ -12,7 +12,7 @@ from psycopg_pool import PoolClosed, PoolTimeout
 
 from composer_ops.db.errors import translate
 from composer_ops.db.retry import db_retry
-from composer_ops.errors import ComposerError, Conflict, Invalid, NotFound, Transient, Unavailable
+from composer_ops.errors import ComposerError, Conflict, Invalid, NotFound, PermissionDenied, Transient, Unavailable
 
 TRANSIENT = [
     pgerr.SerializationFailure("could not serialize access due to concurrent update"),
@@ -33,7 +33,7 @@ NOT_TRANSIENT: list[tuple[Exception, type[ComposerError]]] = [
     (pgerr.InvalidTextRepresentation("invalid input syntax for type integer"), Invalid),
     (pgerr.QueryCanceled("canceling statement due to statement timeout"), Unavailable),
     (PoolClosed("the pool 'x' is already closed"), Unavailable),
-    (pgerr.InsufficientPrivilege("permission denied for table workflow_runs"), ComposerError),
+    (pgerr.InsufficientPrivilege("permission denied for table workflow_runs"), PermissionDenied),
     (pgerr.SyntaxError("syntax error at or near \"SELEC\""), ComposerError),
 ]
 
