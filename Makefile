@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PG15_BIN ?= /usr/lib/postgresql/15/bin
 
-.PHONY: demo demo-ci test test-fast test-package lint typecheck test-18 test-15 lab clean-db venv
+.PHONY: demo demo-ci test test-fast test-package test-citus lint typecheck test-18 test-15 lab clean-db venv
 
 venv: $(STAMP)
 
@@ -57,10 +57,10 @@ lint: $(STAMP)
 	$(BIN)/ruff check composer_ops tests bench notebooks/conftest.py setup.py
 	$(BIN)/mypy
 
-# The whole suite on the embedded server (PostgreSQL 18), then on Debian's 15, then the
-# package installed from its wheel and its sdist, then `make demo` at CI size on a
-# throwaway embedded server.
-test: lint test-18 test-15 test-package demo-ci
+# The whole suite on the embedded server (PostgreSQL 18), then on Debian's 15, then on a
+# Citus cluster, then the package installed from its wheel and its sdist, then `make demo`
+# at CI size on a throwaway embedded server.
+test: lint test-18 test-15 test-citus test-package demo-ci
 
 # Each pytest leg names the test directories it must run (--require DIR=N, see
 # tests/conftest.py): fewer than N selected tests under DIR, or all of them skipped,
@@ -87,12 +87,12 @@ demo-ci: $(STAMP)
 	rm -rf .ci-demo; echo "demo-ci: ok"
 
 test-18: $(STAMP)
-	env -u COMPOSER_DATABASE_URL -u COMPOSER_TEST_PGBIN $(BIN)/python -m pytest -q --ignore=tests/packaging $(REQUIRE_ALL)
+	env -u COMPOSER_DATABASE_URL -u COMPOSER_TEST_PGBIN $(BIN)/python -m pytest -q --ignore=tests/packaging --ignore=tests/citus $(REQUIRE_ALL)
 
 test-15: $(STAMP)
 	@test -x $(PG15_BIN)/initdb || { echo "PostgreSQL 15 server binaries not found in $(PG15_BIN) (apt-get install postgresql-15)"; exit 1; }
 	env -u COMPOSER_DATABASE_URL COMPOSER_TEST_PGBIN=$(PG15_BIN) $(BIN)/python -m pytest -q --ignore=tests/packaging \
-	    $(REQUIRE_ALL)
+	    --ignore=tests/citus $(REQUIRE_ALL)
 
 # Build the wheel and the sdist, install each into a fresh venv outside the checkout,
 # then migrate, run a workflow through a worker and a coordinator, and `report --all`
@@ -101,6 +101,16 @@ test-15: $(STAMP)
 test-package: $(STAMP)
 	env -u COMPOSER_DATABASE_URL -u COMPOSER_TEST_PGBIN $(BIN)/python -m pytest -q --require tests/packaging=3 \
 	    tests/packaging
+
+# The Citus leg (tests/citus): a coordinator and two worker nodes of Citus 13 on Debian's
+# PostgreSQL 15, listening on free local ports (composer_ops/testing/citus.py). Citus is
+# installed first when it is missing, by the installer COMPOSER_CITUS_INSTALLER names
+# (else shared/tools/citus/install.sh beside the checkout's directory, else under /work);
+# installing needs root, as `.ci/run` has.
+test-citus: $(STAMP)
+	@test -x $(PG15_BIN)/initdb || { echo "PostgreSQL 15 server binaries not found in $(PG15_BIN) (apt-get install postgresql-15)"; exit 1; }
+	$(BIN)/python -m composer_ops.testing.citus install
+	env -u COMPOSER_DATABASE_URL -u COMPOSER_TEST_PGBIN $(BIN)/python -m pytest -q --require tests/citus=3 tests/citus
 
 # JupyterLab on the notebooks. Without COMPOSER_DATABASE_URL it opens the demo's embedded
 # database (started and migrated first); with it, the database as it is, so a read-only

@@ -164,13 +164,14 @@ class Server:
         return time.monotonic() - started
 
     @contextmanager
-    def down(self) -> Iterator[None]:
-        """The server stopped (``pg_ctl stop -m fast``) for the block, then started again
-        with the options it had (socket directory, port), as ``pg_ctl restart`` would."""
+    def down(self, mode: str = "fast") -> Iterator[None]:
+        """The server stopped (``pg_ctl stop -m fast``; ``immediate`` is a crash: no
+        shutdown checkpoint, recovery at the next start) for the block, then started
+        again with the options it had (socket directory, port), as ``pg_ctl restart`` would."""
         data = self._owned_data()
         # postmaster.opts: the postgres binary, then its arguments, each double-quoted.
         options = shlex.split((data / "postmaster.opts").read_text(encoding="utf-8"))[1:]
-        self._pg_ctl("stop", "-m", "fast")
+        self._pg_ctl("stop", "-m", mode)
         try:
             yield
         finally:
@@ -259,13 +260,18 @@ def free_port() -> int:
 
 
 def start_cluster(bin_dir: str | Path, *, port: int | None = None, settings: Mapping[str, str] | None = None,
-                  keep: bool = False) -> Server:
+                  keep: bool = False, standby_of: Server | None = None) -> Server:
     """``initdb`` and ``pg_ctl start`` a new cluster with the binaries in ``bin_dir``.
 
     It listens on a Unix socket only, or also on ``127.0.0.1:port`` when ``port`` is
     given; ``settings`` are extra ``-c name=value`` server options (for example
     ``shared_preload_libraries``). Unless ``keep``, it is stopped and its directory
     deleted when this process exits.
+
+    ``standby_of``: instead of ``initdb``, the data directory is a ``pg_basebackup``
+    of that server (a running server of the same version that allows replication
+    connections, as ``initdb --auth=trust`` sets up), written with its recovery
+    settings (``-R``), so the new server starts as its streaming hot standby.
     """
     bin_dir = Path(bin_dir)
     base = Path(tempfile.mkdtemp(prefix="composer-pg-"))
@@ -280,8 +286,12 @@ def start_cluster(bin_dir: str | Path, *, port: int | None = None, settings: Map
         os.chown(base, pw.pw_uid, pw.pw_gid)
         os.chown(sock, pw.pw_uid, pw.pw_gid)
     as_user = ["runuser", "-u", run_as, "--"] if run_as else []
-    subprocess.run([*as_user, str(bin_dir / "initdb"), "-D", str(data), "-U", "postgres", "--auth=trust",
-                    "--encoding=UTF8", "--no-sync"], check=True, capture_output=True)
+    if standby_of is None:
+        subprocess.run([*as_user, str(bin_dir / "initdb"), "-D", str(data), "-U", "postgres", "--auth=trust",
+                        "--encoding=UTF8", "--no-sync"], check=True, capture_output=True)
+    else:
+        subprocess.run([*as_user, str(bin_dir / "pg_basebackup"), "-D", str(data), "-R", "-X", "stream",
+                        "--checkpoint=fast", "--no-sync", "-d", standby_of.admin_url], check=True, capture_output=True)
     listen = f"-c listen_addresses=127.0.0.1 -p {port}" if port else "-c listen_addresses=''"
     options = [listen, f"-k {sock}", "-c max_connections=200", "-c fsync=off",
                *(f"-c {shlex.quote(f'{k}={v}')}" for k, v in (settings or {}).items())]

@@ -1,0 +1,114 @@
+"""The Citus deployment mode: what `composer-ops migrate` makes of a Citus database,
+the conversion of a single-server database, and the partition functions on it."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from datetime import UTC, date, datetime
+from typing import Any
+
+import psycopg
+import pytest
+
+from composer_ops import Engine
+from composer_ops.cli import main
+from composer_ops.db.migrate import discover, migrate, status
+from composer_ops.repo import partitions
+from composer_ops.testing.citus import CitusCluster
+
+RUN_TABLES = ("workflow_runs", "task_instances", "workflow_events")
+
+
+def _layout(url: str) -> dict[str, tuple[str, int | None]]:
+    """Each Citus table of the database: its type and colocation group."""
+    with psycopg.connect(url) as conn:
+        rows = conn.execute("""SELECT table_name::text, citus_table_type, colocation_id FROM citus_tables""").fetchall()
+    return {name: (kind, colocation) for name, kind, colocation in rows}
+
+
+def test_migrate_distributes_the_run_tables_by_run_id_colocated_and_keeps_the_queues_local(db_url: str) -> None:
+    layout = _layout(db_url)
+    assert layout["workflow_definitions"][0] == "reference"
+    parents = {t: layout[t] for t in RUN_TABLES}
+    assert {kind for kind, _ in parents.values()} == {"distributed"}
+    assert len({colocation for _, colocation in parents.values()}) == 1
+    with psycopg.connect(db_url) as conn:
+        columns: dict[str, str] = dict(conn.execute("""
+            SELECT logicalrelid::text, column_to_column_name(logicalrelid, partkey)
+              FROM pg_dist_partition WHERE partmethod = 'h'""").fetchall())
+        parts = [r[0] for r in conn.execute("""SELECT c.relname::text FROM pg_inherits i
+                                                  JOIN pg_class c ON c.oid = i.inhrelid
+                                                 WHERE i.inhparent = ANY(%s::regclass[])""",
+                                               (list(RUN_TABLES),)).fetchall()]
+    assert columns["workflow_runs"] == "id"
+    assert columns["task_instances"] == columns["workflow_events"] == "run_id"
+    # Every monthly partition is distributed alongside its parent.
+    assert parts and all(layout[p] == parents["workflow_runs"] for p in parts)
+    # The queues stay plain tables on the coordinator.
+    assert "task_outbox" not in layout and "webhook_deliveries" not in layout
+    assert all(applied for _, applied in status(db_url))
+    assert [m.name for m, _ in status(db_url) if m.citus] == ["distribute_by_run_id"]
+
+
+def test_partitions_created_and_dropped_on_the_coordinator_reach_the_shards(db_url: str,
+                                                                           citus_cluster: CitusCluster) -> None:
+    with psycopg.connect(db_url) as conn:
+        created = partitions.ensure_from(conn, date(2025, 1, 1), 1)
+        conn.commit()
+        assert created == 2 * len(partitions.RUN_TABLES)
+        layout = _layout(db_url)
+        assert layout["task_instances_p202501"][0] == "distributed"
+        shards = conn.execute("""SELECT count(*) FROM citus_shards
+                                  WHERE table_name = 'task_instances_p202502'::regclass""").fetchone()
+        assert shards is not None and shards[0] == citus_cluster.shard_count
+        dropped = partitions.drop(conn, datetime(2025, 3, 1, tzinfo=UTC))
+        conn.commit()
+    assert dropped == ["202501", "202502"]
+    assert not {"workflow_runs_p202501", "task_instances_p202502"} & set(_layout(db_url))
+
+
+PLAIN = "composer_single_to_citus"
+
+
+@pytest.fixture
+def plain_db(citus_cluster: CitusCluster) -> Iterator[str]:
+    """A database on the coordinator's server without the citus extension: a single server."""
+    yield citus_cluster.coordinator.create_database(PLAIN)
+    citus_cluster.drop_database(PLAIN)
+
+
+def test_a_single_server_database_with_runs_converts_to_citus_and_keeps_working(
+        plain_db: str, citus_cluster: CitusCluster, capsys: pytest.CaptureFixture[str]) -> None:
+    migrate(plain_db)
+    assert [m.citus for m, _ in status(plain_db)] == [False] * len(discover())
+    spec = {"id": "one", "nodes": [{"id": "a", "type": "TASK", "task": "t"}]}
+    with Engine.connect(plain_db, pool_size=2) as engine:
+        engine.deploy(spec)
+        done = engine.start("one")
+        engine.complete(engine.claim(["default"], "w", 1)[0], {"x": 1})
+        waiting = engine.start("one")
+    # The documented conversion: the extension on every node, the workers added, then
+    # `composer-ops migrate` (which detects Citus) distributes what is there.
+    name = PLAIN
+    for worker in citus_cluster.workers:
+        worker.create_database(name)
+    for node in citus_cluster.nodes:
+        with psycopg.connect(node.url(name), autocommit=True) as conn:
+            conn.execute("CREATE EXTENSION citus")
+    with psycopg.connect(plain_db, autocommit=True) as conn:
+        conn.execute("SELECT citus_set_coordinator_host('127.0.0.1', %s)", (citus_cluster.coordinator.port,))
+        for worker in citus_cluster.workers:
+            conn.execute("SELECT citus_add_node('127.0.0.1', %s)", (worker.port,))
+    assert main(["migrate", "--database-url", plain_db]) == 0
+    assert "applied V007__distribute_by_run_id.sql" in capsys.readouterr().out
+    assert _layout(plain_db)["workflow_runs"][0] == "distributed"
+    with Engine.connect(plain_db, pool_size=2) as engine:
+        assert engine.get_run(done).status == "SUCCEEDED"
+        assert [t.state for t in engine.get_run(waiting).tasks] == ["PENDING"]
+    with psycopg.connect(plain_db) as conn:
+        placed: Any = conn.execute("""SELECT nodeport, count(*) FROM citus_shards s
+                                       JOIN workflow_runs r ON get_shard_id_for_distribution_column(
+                                            'workflow_runs', r.id) = s.shardid
+                                      GROUP BY 1""").fetchall()
+    assert {port for port, _ in placed} <= {w.port for w in citus_cluster.workers}   # the rows live on the workers
+    assert sum(n for _, n in placed) == 2
