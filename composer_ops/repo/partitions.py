@@ -41,10 +41,23 @@ def ensure(conn: Conn, months_ahead: int = 3, *, lock_timeout_s: float | None = 
     ``lock_timeout_s`` for the rest of the caller's transaction: past it the statement
     fails with ``LockTimeout`` and the caller tries again later. ``None`` keeps
     the session's setting."""
+    one_connection_per_node(conn)
     if lock_timeout_s is not None:
         set_lock_timeout(conn, lock_timeout_s)
     row = conn.execute("SELECT composer_ensure_partitions(%s)", (months_ahead,)).fetchone()
     return int(row[0]) if row else 0
+
+
+def one_connection_per_node(conn: Conn) -> None:
+    """On Citus, run the rest of the caller's transaction over one connection per node
+    (``citus.multi_shard_modify_mode = 'sequential'``). DDL on a distributed table fans
+    out over several connections per node; a transaction that creates, attaches, locks
+    or drops several partitions then has Citus refuse its later statements ("cannot
+    modify table ... because there was a parallel operation on a distributed table").
+    Set by the caller rather than on the partition functions, which every migration
+    that replaces them would reset. On a single server the setting is an inert
+    placeholder."""
+    conn.execute("SELECT set_config('citus.multi_shard_modify_mode', 'sequential', true)")
 
 
 def set_lock_timeout(conn: Conn, seconds: float) -> None:
@@ -54,6 +67,7 @@ def set_lock_timeout(conn: Conn, seconds: float) -> None:
 
 def ensure_from(conn: Conn, first_month: date, months_ahead: int) -> int:
     """Like :func:`ensure`, starting at the month containing ``first_month`` (may be past)."""
+    one_connection_per_node(conn)
     row = conn.execute("SELECT composer_ensure_partitions_from(%s, %s)", (first_month, months_ahead)).fetchone()
     return int(row[0]) if row else 0
 

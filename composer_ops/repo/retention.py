@@ -120,6 +120,7 @@ def plan(conn: Conn, cutoff: datetime, *, min_age: timedelta, exact_rows: bool =
 def lock_months(conn: Conn, months: list[RetentionMonth]) -> None:
     """ACCESS EXCLUSIVE on every partition of ``months`` (in the plan's order:
     composer_run_tables(): workflow_runs first), for the rest of the transaction."""
+    partitions.one_connection_per_node(conn)
     for month in months:
         conn.execute(sql.SQL("LOCK TABLE {} IN ACCESS EXCLUSIVE MODE").format(
             sql.SQL(", ").join(sql.Identifier(p) for p in month.partitions)))
@@ -128,6 +129,7 @@ def lock_months(conn: Conn, months: list[RetentionMonth]) -> None:
 def drop(conn: Conn, cutoff: datetime, *, min_age: timedelta) -> list[str]:
     """``composer_drop_partitions``: lock what the plan would drop, judge it again under
     the locks, drop what is still due; returns the dropped months (YYYYMM)."""
+    partitions.one_connection_per_node(conn)
     return [str(r[0]) for r in conn.execute("SELECT composer_drop_partitions(%s, %s)", (cutoff, min_age))]
 
 
