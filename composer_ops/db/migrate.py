@@ -150,6 +150,13 @@ def migrate(url: str | None = None, *, sql_dir: Traversable = SQL_DIR, target: i
                 if target is not None and mig.version > target:
                     break
                 with conn.transaction():
+                    if on_citus:
+                        # A migration mixes DDL on distributed tables (Citus fans it out over
+                        # several connections per node) with statements Citus then refuses in
+                        # the same transaction ("cannot run function command because there was
+                        # a parallel operation on a distributed table"); one connection per
+                        # node, in order, runs them all.
+                        conn.execute("SET LOCAL citus.multi_shard_modify_mode TO 'sequential'")
                     try:
                         conn.execute(mig.path.read_text(encoding="utf-8").encode())
                     except ComposerError as exc:
