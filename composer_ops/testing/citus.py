@@ -189,8 +189,8 @@ class Baseline:
 
 
 #: Every table of the engine, referencing tables first.
-ENGINE_TABLES = ("workflow_events", "task_instances", "workflow_runs", "workflow_definitions", "task_outbox",
-                 "webhook_deliveries")
+ENGINE_TABLES = ("run_history", "workflow_events", "task_instances", "workflow_runs", "workflow_definitions",
+                 "task_outbox", "webhook_deliveries")
 
 
 def baseline(url: str) -> Baseline:
@@ -200,22 +200,24 @@ def baseline(url: str) -> Baseline:
 
 def _partitions(conn: psycopg.Connection[Any]) -> list[str]:
     rows = conn.execute("""SELECT c.relname::text FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid
-                            WHERE i.inhparent = ANY(ARRAY['workflow_runs'::regclass, 'task_instances'::regclass,
-                                                          'workflow_events'::regclass])""").fetchall()
+                            WHERE i.inhparent = ANY(composer_run_tables()::regclass[])""").fetchall()
     return [r[0] for r in rows]
 
 
 def reset(url: str, to: Baseline) -> None:
     """Delete every row of the engine's tables and drop partitions added since ``to``
     was taken. DELETE, one autocommit statement per table: on a few rows it is two
-    orders of magnitude faster on Citus than TRUNCATE, which takes locks on every shard."""
+    orders of magnitude faster on Citus than TRUNCATE, which takes locks on every shard.
+    Partitions of the tables that reference workflow_runs go first; a workflow_runs
+    partition is detached before it is dropped (its foreign keys depend on it)."""
     with psycopg.connect(url, autocommit=True) as conn:
         for table in ENGINE_TABLES:
             conn.execute(sql.SQL("DELETE FROM {}").format(sql.Identifier(table)))
         extra = sorted(set(_partitions(conn)) - to.partitions,
-                       key=lambda name: (not name.startswith("workflow_events"),
-                                         not name.startswith("task_instances"), name))
+                       key=lambda name: (name.startswith("workflow_runs"), name))
         for name in extra:
+            if name.startswith("workflow_runs"):
+                conn.execute(sql.SQL("ALTER TABLE workflow_runs DETACH PARTITION {}").format(sql.Identifier(name)))
             conn.execute(sql.SQL("DROP TABLE {}").format(sql.Identifier(name)))
 
 

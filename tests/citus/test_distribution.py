@@ -13,6 +13,7 @@ import pytest
 from composer_ops import Engine
 from composer_ops.cli import main
 from composer_ops.db.migrate import discover, migrate, status
+from composer_ops.engine.retention import drop_due_months
 from composer_ops.repo import partitions
 from composer_ops.testing.citus import CitusCluster
 
@@ -61,8 +62,7 @@ def test_partitions_created_and_dropped_on_the_coordinator_reach_the_shards(db_u
         shards = conn.execute("""SELECT count(*) FROM citus_shards
                                   WHERE table_name = 'task_instances_p202502'::regclass""").fetchone()
         assert shards is not None and shards[0] == citus_cluster.shard_count
-        dropped = partitions.drop(conn, datetime(2025, 3, 1, tzinfo=UTC))
-        conn.commit()
+    dropped = drop_due_months(db_url, datetime(2025, 3, 1, tzinfo=UTC)).dropped
     assert dropped == ["202501", "202502"]
     assert not {"workflow_runs_p202501", "task_instances_p202502"} & set(_layout(db_url))
 
