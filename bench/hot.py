@@ -251,7 +251,7 @@ def explain(server: Server, label: str, target: int | None, runs: int = 20000) -
     """EXPLAIN (ANALYZE) of the sweeper's and the timer's statements on a seeded table."""
     from composer_ops import Engine
     from composer_ops.db.migrate import migrate
-    from composer_ops.repo import signals, tasks
+    from composer_ops.repo import clock, signals, tasks
 
     db = f"bench_explain_{label}"
     url = server.create_database(db)
@@ -266,7 +266,7 @@ def explain(server: Server, label: str, target: int | None, runs: int = 20000) -
             conn.execute("ANALYZE task_instances")
             for name, fn in (("expired_leases", tasks.expired_leases), ("due_waits", signals.due_waits)):
                 capture = StatementCapture()
-                fn(capture.as_connection(), 100)
+                fn(capture.as_connection(), 100, now=clock.now(conn))
                 query, params = capture.statements[0]
                 rows = conn.execute("EXPLAIN (ANALYZE, BUFFERS, COSTS OFF, TIMING OFF, SUMMARY OFF) " + query,
                                     params).fetchall()

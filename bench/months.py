@@ -122,7 +122,7 @@ def _locks_held(engine: Any, op: Any, repeat: int = 7) -> int:
 def locks(url: str) -> dict[str, int]:
     """Locks held by one call of each hot-path statement (see the module doc)."""
     from composer_ops import Engine
-    from composer_ops.repo import outbox, signals, tasks
+    from composer_ops.repo import clock, outbox, signals, tasks
 
     out: dict[str, int] = {}
     with Engine.connect(url, pool_size=1, application_name="bench-months") as engine:
@@ -141,8 +141,10 @@ def locks(url: str) -> dict[str, int]:
             return False
 
         out["heartbeat"] = _locks_held(engine, heartbeat)
-        out["sweeper scan"] = _locks_held(engine, lambda conn: bool(tasks.expired_leases(conn, 100)) and False)
-        out["timer scan"] = _locks_held(engine, lambda conn: bool(signals.due_waits(conn, 100)) and False)
+        out["sweeper scan"] = _locks_held(
+            engine, lambda conn: bool(tasks.expired_leases(conn, 100, now=clock.now(conn))) and False)
+        out["timer scan"] = _locks_held(
+            engine, lambda conn: bool(signals.due_waits(conn, 100, now=clock.now(conn))) and False)
         # A completion is the shell's event transaction: count inside it, just before commit.
         counted: list[int] = []
         apply = engine.shell.apply

@@ -53,6 +53,9 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     env_option(chk, "--sweeper-lag", env="COMPOSER_CHECK_SWEEPER_LAG", type=float, default=60.0,
                metavar="SECONDS", metavar_default="60",
                help="alert when a lease expired more than this many seconds ago and its task is still RUNNING")
+    env_option(chk, "--replay-lag", env="COMPOSER_CHECK_REPLAY_LAG", type=float, default=60.0,
+               metavar="SECONDS", metavar_default="60",
+               help="on a hot standby, alert when its replay lags the primary by more than this many seconds")
     env_option(chk, "--outbox-ready-age", env="COMPOSER_CHECK_OUTBOX_READY_AGE", type=float, default=300.0,
                metavar="SECONDS", metavar_default="300",
                help="alert when a claimable dispatch has waited more than this many seconds")
@@ -116,7 +119,7 @@ def cmd_check(args: argparse.Namespace) -> int:
     from composer_ops.ops import health
 
     thresholds = health.Thresholds(
-        months_ahead_min=args.months_ahead_min, sweeper_lag_s=args.sweeper_lag,
+        months_ahead_min=args.months_ahead_min, sweeper_lag_s=args.sweeper_lag, replay_lag_s=args.replay_lag,
         outbox_ready_age_s=args.outbox_ready_age, retention_older_than=args.retention_older_than,
         long_wait_h=args.long_wait_h, webhook_attempts=args.webhook_attempts).checked()
     if args.prometheus is not None and not args.prometheus.strip():

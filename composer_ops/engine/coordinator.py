@@ -30,7 +30,7 @@ from composer_ops.engine.retention import drop_due_months
 from composer_ops.engine.shell import Outcome
 from composer_ops.engine.webhooks import RelayPolicy, relay_once
 from composer_ops.errors import ComposerError, Invalid, Transient
-from composer_ops.repo import partitions, signals, tasks, webhooks
+from composer_ops.repo import clock, partitions, signals, tasks, webhooks
 from composer_ops.repo.retention import Cutoff, parse_cutoff
 
 if TYPE_CHECKING:
@@ -119,7 +119,7 @@ class Coordinator:
 
     def _timers(self, stats: PassStats) -> None:
         with self.engine.pool.connection() as conn:
-            due = signals.due_waits(conn, self.batch, skip=self._timer_backoff.skipped())
+            due = signals.due_waits(conn, self.batch, now=clock.now(conn), skip=self._timer_backoff.skipped())
         for wait in due:
             outcome = self._handle("timer", wait.task_id, wait.task_id, wait.run_id,
                                    partial(_timer_due, wait.task_id, wait.node_id), self._timer_backoff, stats)
@@ -128,7 +128,8 @@ class Coordinator:
 
     def _leases(self, stats: PassStats) -> None:
         with self.engine.pool.connection() as conn:
-            expired = tasks.expired_leases(conn, self.batch, skip=self._lease_backoff.skipped())
+            expired = tasks.expired_leases(conn, self.batch, now=clock.now(conn),
+                                           skip=self._lease_backoff.skipped())
         for lease in expired:
             ref = TaskRef(task_id=lease.task_id, run_id=lease.run_id, node_id=lease.node_id,
                           attempt=lease.attempt, lease_owner=lease.lease_owner)

@@ -22,7 +22,7 @@ from composer_ops.engine.jsonvalues import check_json
 from composer_ops.engine.requests import Request, key_request
 from composer_ops.engine.shell import Outcome, Shell
 from composer_ops.errors import Conflict, Invalid, NotFound
-from composer_ops.repo import definitions, history, outbox, partitions, runs, tasks, webhooks
+from composer_ops.repo import citus, clock, definitions, history, outbox, partitions, runs, tasks, webhooks
 from composer_ops.repo.rows import Claim, DeletedRun, HistoryEntry, PartitionRow, RunRow, RunView
 
 if TYPE_CHECKING:
@@ -41,6 +41,17 @@ class Engine:
         self.pool = pool
         self.url = url
         self.shell = Shell(pool)
+        self._citus: bool | None = None
+
+    @property
+    def citus(self) -> bool:
+        """Whether the database is a Citus coordinator (asked once): the claim is then
+        :func:`composer_ops.repo.citus.claim`. A single-server database converted to
+        Citus needs its engines restarted (docs/scaling.md)."""
+        if self._citus is None:
+            with self.pool.connection() as conn:
+                self._citus = citus.is_citus(conn)
+        return self._citus
 
     @classmethod
     def connect(cls, url: str | None = None, *, pool_size: int | None = None,
@@ -156,7 +167,7 @@ class Engine:
             try:
                 runs.insert_run(conn, run_id=run_id, workflow_id=row.id, workflow_version=row.version,
                                 input=input, context={"input": input, "config": dict(spec.config)},
-                                request=request.id)
+                                now=now, request=request.id)
             except Conflict:
                 # An earlier attempt still finishing on the server when this one looked
                 # (its connection lost, its COMMIT not yet processed) held the run ID's
@@ -279,23 +290,29 @@ class Engine:
     def claim(self, queues: Sequence[str], owner: str, limit: int, task_names: Sequence[str] | None = None
               ) -> list[Claim]:
         """Claim up to ``limit`` tasks for ``owner``: one statement, its own transaction
-        (autocommit: no BEGIN/COMMIT round trips around it). Each claimed task's history
-        records the claim's ID; a retry after a lost acknowledgement first returns the
-        tasks the lost attempt took, which ``owner`` still holds."""
+        (autocommit: no BEGIN/COMMIT round trips around it); on Citus a transaction of
+        three round trips (:func:`composer_ops.repo.citus.claim`). Each claimed task's
+        history records the claim's ID; a retry after a lost acknowledgement first returns
+        the tasks the lost attempt took, which ``owner`` still holds."""
         return self._claim(queues, owner, limit, task_names, Request())
 
     @db_retry()
     def _claim(self, queues: Sequence[str], owner: str, limit: int, task_names: Sequence[str] | None,
                request: Request) -> list[Claim]:
         look = request.attempt()
-        with self.pool.connection() as conn, autocommit(conn):
-            if look:
-                earlier = outbox.claimed_by(conn, owner, request.id)
-                if earlier:
-                    log.info("claim %s by %s was committed before its acknowledgement was lost: %d task(s)",
-                             request.id, owner, len(earlier), extra={"action": "claim"})
-                    return earlier
-            return outbox.claim(conn, queues, owner, limit, task_names=task_names, claim_id=request.id)
+        on_citus = self.citus
+        with self.pool.connection() as conn:
+            with autocommit(conn):
+                if look:
+                    earlier = outbox.claimed_by(conn, owner, request.id)
+                    if earlier:
+                        log.info("claim %s by %s was committed before its acknowledgement was lost: %d task(s)",
+                                 request.id, owner, len(earlier), extra={"action": "claim"})
+                        return earlier
+                if not on_citus:
+                    return outbox.claim(conn, queues, owner, limit, task_names=task_names, claim_id=request.id)
+            with conn.transaction():
+                return citus.claim(conn, queues, owner, limit, task_names=task_names, claim_id=request.id)
 
     def complete(self, claim: Claim, output: Any) -> Outcome:
         ref = _task_ref(claim)
@@ -327,7 +344,7 @@ class Engine:
         with self.pool.connection() as conn, conn.transaction():
             if look and history.of_request(conn, run_id, request.id):
                 return
-            history.record(conn, run_id, request.id, [entry])
+            history.record(conn, run_id, request.id, [entry], now=clock.now(conn))
 
 
 def _check_workflow_id(workflow_id: object) -> None:

@@ -188,6 +188,7 @@ class Shell:
         """Write the decision's actions in order, and the event's history; raise (rolling
         back) on a fence miss."""
         dispatches: list[Dispatch] = []
+        now = event.now            # the event's one instant (repo.clock), for every write below
         notes = _Notes(event, decision, request)
         finished: RunStatus | None = None
         created: str | None = None            # the node of the last CreateTask (a ConsumeSignal follows it)
@@ -202,53 +203,54 @@ class Shell:
                 created = action.node_id
                 continue
             if creating:                      # before any other action, which may touch them
-                self._create(conn, run, creating, dispatches)
+                self._create(conn, run, creating, dispatches, now)
                 creating = []
             if isinstance(action, CompleteTask):
                 _fenced(tasks.complete_task(conn, action.ref, action.output, request=request.id,
-                                            entry=notes.task_entry("completed", action.ref)), action)
+                                            entry=notes.task_entry("completed", action.ref), now=now), action)
             elif isinstance(action, FailTask):
                 entry = notes.task_entry(notes.failure_kind, action.ref, error=action.reason, requeued=False)
-                _fenced(tasks.fail_task(conn, action.ref, action.reason, request=request.id, entry=entry), action)
+                _fenced(tasks.fail_task(conn, action.ref, action.reason, request=request.id, entry=entry, now=now),
+                        action)
             elif isinstance(action, RequeueTask):
                 entry = notes.task_entry(notes.failure_kind, action.ref, error=action.reason, requeued=True,
                                          available_at=action.available_at.isoformat())
                 nxt = _fenced(tasks.requeue_task(conn, action.ref, action.reason, lease_expired=action.lease_expired,
-                                                 request=request.id, entry=entry), action)
+                                                 request=request.id, entry=entry, now=now), action)
                 node = run.spec.nodes[nxt.node_id]
                 dispatches.append(Dispatch(run_id=run.id, task_id=nxt.task_id, attempt=nxt.attempt,
                                            queue=node.queue or "default", task_name=node.task or nxt.node_id,
                                            lease_s=_lease(node.lease_s), available_at=action.available_at))
             elif isinstance(action, ResolveWait):
-                _fenced(signals.resolve_wait(conn, run.id, action.task_id, state=str(action.state),
+                _fenced(signals.resolve_wait(conn, run.id, action.task_id, state=str(action.state), now=now,
                                              output=action.output, reason=action.reason) or None, action)
                 notes.resolved(action)
             elif isinstance(action, BufferSignal):
                 signals.buffer_signal(conn, run.id, signal_id=action.signal_id, name=action.name,
-                                      payload=action.payload)
+                                      payload=action.payload, now=now)
                 notes.buffered(action)
             elif isinstance(action, ConsumeSignal):
-                _fenced(signals.consume_signal(conn, run.id, action.signal_id) or None, action)
+                _fenced(signals.consume_signal(conn, run.id, action.signal_id, now=now) or None, action)
                 notes.consumed(action, created)
             elif isinstance(action, CancelTasks):
                 outbox.delete_for_tasks(conn, run.id, action.task_ids)     # outbox rows first: the lock order
-                tasks.cancel_tasks(conn, run.id, action.task_ids, action.reason)
+                tasks.cancel_tasks(conn, run.id, action.task_ids, action.reason, now=now)
                 notes.cancelled_tasks += len(action.task_ids)
             elif isinstance(action, FinishRun):
-                self._finish(conn, run, action)
+                self._finish(conn, run, action, now)
                 finished = action.status
         if creating:
-            self._create(conn, run, creating, dispatches)
-        history.record(conn, run.id, request.id, notes.entries())
-        outbox.enqueue(conn, dispatches)
+            self._create(conn, run, creating, dispatches, now)
+        history.record(conn, run.id, request.id, notes.entries(), now=now)
+        outbox.enqueue(conn, dispatches, now=now)
         return Outcome(run_id=run.id, finished=finished, refused=decision.refused)
 
     def _create(self, conn: Conn, run: RunSnapshot, creates: Sequence[CreateTask],
-                dispatches: list[Dispatch]) -> None:
+                dispatches: list[Dispatch], now: datetime) -> None:
         rows = [NewTask(task_id=a.task_id, node_id=a.node_id, node_type=str(a.node_type), queue=_queue(run, a),
                         state=str(a.state), input=a.input, output=a.output, error=a.error, branches=a.branches,
                         wake_at=a.wake_at, event_name=a.event_name) for a in creates]
-        inserted = tasks.insert_tasks(conn, run.id, rows)
+        inserted = tasks.insert_tasks(conn, run.id, rows, now=now)
         for a in creates:
             if a.node_id not in inserted:
                 raise Conflict(f"run {run.id}: node {a.node_id} already has a task; "
@@ -259,8 +261,8 @@ class Shell:
                                            queue=node.queue or "default", task_name=node.task or a.node_id,
                                            lease_s=_lease(node.lease_s), available_at=a.available_at))
 
-    def _finish(self, conn: Conn, run: RunSnapshot, a: FinishRun) -> None:
-        if not runs.finish_run(conn, run.id, str(a.status), reason=a.reason, output=a.output):
+    def _finish(self, conn: Conn, run: RunSnapshot, a: FinishRun, now: datetime) -> None:
+        if not runs.finish_run(conn, run.id, str(a.status), now=now, reason=a.reason, output=a.output):
             raise Conflict(f"run {run.id} finished concurrently; the decision was rolled back")
         log.info("run %s %s", run.id, a.status, extra={"action": "finish_run", "run_id": run.id})
         defn = self.definition(conn, run.workflow_id, run.workflow_version)
@@ -269,7 +271,7 @@ class Shell:
                 "run_id": run.id, "workflow_id": run.workflow_id, "workflow_version": run.workflow_version,
                 "status": str(a.status), "output": a.output,
                 "error": {"error": a.reason} if a.reason else None,
-            })
+            }, now=now)
 
 
 class _Notes:

@@ -8,7 +8,16 @@ live in :mod:`composer_ops.repo.analytics` and :mod:`composer_ops.repo.partition
 """
 
 from composer_ops.ops import anomalies, display
-from composer_ops.ops._common import ACTIVE_STATES, COORDINATOR_QUEUE, RUN_TABLES, connection, db_now, snapshot
+from composer_ops.ops._common import (
+    ACTIVE_STATES,
+    COORDINATOR_QUEUE,
+    RUN_TABLES,
+    ReadFrom,
+    connection,
+    db_now,
+    read_from,
+    snapshot,
+)
 from composer_ops.ops.active import (
     active_by_group,
     active_run_count,
@@ -42,7 +51,9 @@ from composer_ops.ops.partitions import (
     growth,
     lookahead,
     monthly_growth_rate,
+    node_totals,
     partition_inventory,
+    partition_nodes,
     partition_totals,
 )
 from composer_ops.ops.retention import Cutoff, parse_cutoff, plan_frame, retention_plan
@@ -52,6 +63,7 @@ __all__ = [
     "COORDINATOR_QUEUE",
     "RUN_TABLES",
     "Cutoff",
+    "ReadFrom",
     "RunStory",
     "SelfChecks",
     "active_by_group",
@@ -77,9 +89,12 @@ __all__ = [
     "monthly_growth_rate",
     "outbox_backlog",
     "parse_cutoff",
+    "node_totals",
     "partition_inventory",
+    "partition_nodes",
     "partition_totals",
     "plan_frame",
+    "read_from",
     "recent_requeues",
     "retention_plan",
     "run_story",

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any, TypeAlias
 
@@ -31,8 +32,8 @@ Schema: TypeAlias = Mapping[str, Any]  # column -> polars dtype
 #: Task states that count as active (the engine's list), in a stable order for tables and charts.
 ACTIVE_STATES: tuple[str, ...] = tuple(sorted(ACTIVE_TASK_STATES))
 
-__all__ = ["ACTIVE_STATES", "COORDINATOR_QUEUE", "RUN_TABLES", "Schema", "Source", "UTC_TS", "add_months",
-           "connection", "db_now", "month_label", "rows_frame", "snapshot"]
+__all__ = ["ACTIVE_STATES", "COORDINATOR_QUEUE", "RUN_TABLES", "ReadFrom", "Schema", "Source", "UTC_TS", "add_months",
+           "connection", "db_now", "month_label", "read_from", "rows_frame", "snapshot"]
 
 UTC_TS = pl.Datetime("us", "UTC")
 
@@ -73,6 +74,22 @@ def db_now(conn: psycopg.Connection[Any]) -> datetime:
     value = analytics.db_now(conn)
     assert isinstance(value, datetime)
     return value.astimezone(UTC)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ReadFrom:
+    """The server a report reads: a primary, or a hot standby and how far behind it is."""
+
+    standby: bool
+    last_replay_at: datetime | None = None   # commit time (on the primary) of the last replayed transaction
+    replay_lag_s: float | None = None        # 0 when it replayed all the WAL it received
+    wal_receiver: str | None = None          # 'streaming' while it follows the primary (see analytics.replication)
+
+
+def read_from(conn: psycopg.Connection[Any]) -> ReadFrom:
+    """Whether ``conn`` reads a hot standby, and its replay lag by its clock."""
+    standby, last, lag, receiver = analytics.replication(conn)
+    return ReadFrom(standby=bool(standby), last_replay_at=_utc(last), replay_lag_s=lag, wal_receiver=receiver)
 
 
 def _utc(value: Any) -> Any:

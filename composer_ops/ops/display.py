@@ -22,11 +22,14 @@ import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import polars as pl
 
 from composer_ops.lazyimport import skip_itables_samples
+
+if TYPE_CHECKING:
+    from composer_ops.ops._common import ReadFrom
 
 #: The tag of the cell that prints the key figures.
 KEY_FIGURES_TAG = "key-figures"
@@ -298,6 +301,37 @@ def notice(text_html: str, *, level: str = "ok") -> HtmlTable:
     if level not in {"ok", "warn", "alert"}:
         raise ValueError(f"unknown notice level {level!r}")
     return HtmlTable(html=f'<div class="composer-{level}">{text_html}</div>', rows=0)
+
+
+#: Replay lag above which a report read from a standby is flagged (yellow): the
+#: coordinator's sweeper runs every 0.5 s, so an older picture already shows leases it
+#: has handled as expired.
+STANDBY_LAG_WARN_S = 5.0
+
+
+def read_from_notice(source: ReadFrom) -> HtmlTable | None:
+    """The header line of a report read from a hot standby (``ops.read_from``): its
+    replay lag and the commit time of the last replayed transaction, which is the
+    instant the figures describe. None on a primary."""
+    if not source.standby:
+        return None
+    lag = source.replay_lag_s
+    last = source.last_replay_at
+    when = f"{last:%Y-%m-%d %H:%M:%S} UTC" if last is not None else "none yet"
+    receiver = source.wal_receiver or "not running"
+    text = (f"<b>Read from a hot standby: replay lag {duration(lag) if lag is not None else 'unknown'}</b> "
+            f"(last replayed transaction committed {when}; WAL receiver {html.escape(receiver)}). The figures "
+            "are as of the last replayed transaction: a lease the primary's sweeper already handled can still "
+            "look expired, and a run started since is not here yet.")
+    late = lag is None or lag > STANDBY_LAG_WARN_S or receiver not in ("streaming", "running")
+    return notice(text, level="warn" if late else "ok")
+
+
+def show_read_from(source: ReadFrom) -> None:
+    """Show :func:`read_from_notice` when the report reads a hot standby."""
+    found = read_from_notice(source)
+    if found is not None:
+        show(found)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -15,7 +15,7 @@ import polars as pl
 
 from composer_ops.errors import Invalid
 from composer_ops.ops import active, leases, partitions, retention
-from composer_ops.ops._common import Source, connection, db_now
+from composer_ops.ops._common import Source, connection, db_now, read_from
 from composer_ops.ops.display import duration
 from composer_ops.repo import analytics
 
@@ -27,6 +27,7 @@ class Thresholds:
 
     months_ahead_min: int = 2          # alert below this many partition months after the current one
     sweeper_lag_s: float = 60          # alert when a lease expired longer ago than this and is still RUNNING
+    replay_lag_s: float = 60           # on a hot standby: alert when its replay lags more than this
     outbox_ready_age_s: float = 300    # alert when a claimable dispatch waited longer than this
     retention_older_than: str = "6 months"  # the cut-off retention is judged at
     long_wait_h: float = 24            # alert on WAIT_FOR_EVENT nodes without a timeout waiting longer
@@ -36,7 +37,8 @@ class Thresholds:
         """Itself, or :class:`Invalid` naming the first threshold out of range."""
         if self.months_ahead_min < 0:
             raise Invalid(f"--months-ahead-min must be 0 or more, got {self.months_ahead_min}")
-        for name, value in (("--sweeper-lag", self.sweeper_lag_s), ("--outbox-ready-age", self.outbox_ready_age_s),
+        for name, value in (("--sweeper-lag", self.sweeper_lag_s), ("--replay-lag", self.replay_lag_s),
+                            ("--outbox-ready-age", self.outbox_ready_age_s),
                             ("--long-wait-h", self.long_wait_h)):
             if not value >= 0:
                 raise Invalid(f"{name} must be 0 or more, got {value}")
@@ -80,6 +82,7 @@ def check_health(source: Source = None, thresholds: Thresholds | None = None) ->
     cutoff = retention.parse_cutoff(t.retention_older_than)
     with connection(source, application_name="composer-ops check") as conn:
         now = db_now(conn)
+        reading = read_from(conn)
         ahead = partitions.lookahead(conn, minimum=t.months_ahead_min)
         running = leases.running_leases(conn)
         backlog = active.outbox_backlog(conn)
@@ -87,6 +90,17 @@ def check_health(source: Source = None, thresholds: Thresholds | None = None) ->
         waits, waits_total = active.long_waits(conn, older_than_s=t.long_wait_h * 3600, limit=1)
         failing, most_attempts, _ = analytics.webhooks_failing(conn, t.webhook_attempts)
     checks: list[Check] = []
+
+    # Read first: every other figure is as old as the replay position of a standby.
+    replay = reading.replay_lag_s if reading.replay_lag_s is not None else 0.0
+    streaming = reading.wal_receiver in ("streaming", "running")
+    checks.append(Check(
+        name="replay lag", metric="composer_replay_lag_seconds", value=replay, threshold=t.replay_lag_s,
+        alert=reading.standby and (replay > t.replay_lag_s or not streaming),
+        detail=("a primary: nothing to replay" if not reading.standby else
+                f"a hot standby, {duration(replay)} behind; WAL receiver {reading.wal_receiver or 'not running'}"
+                + ("" if streaming else ": it does not follow the primary")),
+        help="Seconds a hot standby's replay lags the primary (0 on a primary, or caught up)."))
 
     fewest = min(ahead["months_ahead"].to_list()) if ahead["has_current"].all() else -1
     short = ahead.filter(pl.col("alert"))["table"].to_list()

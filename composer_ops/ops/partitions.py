@@ -178,6 +178,33 @@ def _trend(xs: Sequence[int], values: Sequence[float]) -> Callable[[int], int]:
     return lambda x: int(round(math.exp(intercept + slope * x)))
 
 
+_NODES_SCHEMA = {
+    "partition": pl.String, "node": pl.String, "rows": pl.Int64, "heap_bytes": pl.Int64,
+    "index_bytes": pl.Int64, "toast_bytes": pl.Int64, "total_bytes": pl.Int64,
+}
+
+
+def partition_nodes(source: Source = None) -> pl.DataFrame:
+    """Where each partition's data is: one row per partition and node holding it
+    (``local`` on a single server; ``host:port`` per worker node on Citus, whose
+    partitions are split into shards), with its rows (estimate) and bytes there, and
+    the month of the partition."""
+    with connection(source) as conn:
+        nodes = rows_frame(repo_partitions.node_stats(conn), _NODES_SCHEMA)
+    return nodes.with_columns(
+        pl.col("partition").str.extract(r"_p(\d{6})$", 1).fill_null("").alias("month")
+    ).select("partition", "month", "node", "rows", "heap_bytes", "index_bytes", "toast_bytes", "total_bytes")
+
+
+def node_totals(nodes: pl.DataFrame) -> pl.DataFrame:
+    """Rows and bytes per node, with each node's share of all bytes (the spread of the data)."""
+    per = (nodes.group_by("node").agg(pl.col("rows").sum(), pl.col("total_bytes").sum(),
+                                      pl.col("partition").n_unique().alias("partitions"))
+           .sort("node"))
+    total = int(per["total_bytes"].sum()) if per.height else 0
+    return per.with_columns((pl.col("total_bytes") / total if total else pl.lit(0.0)).alias("share"))
+
+
 def partition_totals(inventory: pl.DataFrame) -> pl.DataFrame:
     """Rows and bytes per month and table (the partition-size chart's data)."""
     return (inventory.group_by("month", "table")

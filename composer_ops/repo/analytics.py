@@ -9,7 +9,9 @@ literals because those are the predicates of the partial indexes on
 ``task_instances`` (a parameter would hide them from the planner); the cost then
 follows the live work, not the history. Run-scoped queries filter on the run ID,
 so each touches one monthly partition. Ages and expiries are measured with the
-database clock (``now()``).
+database clock, read once per query (:mod:`composer_ops.repo.clock`) and passed in as
+``%(now)s``: a query over several Citus shards would otherwise evaluate ``now()`` once
+per shard, and its ages would not agree with each other.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from __future__ import annotations
 from typing import Any
 
 from composer_ops.core.model import ACTIVE_TASK_STATES
+from composer_ops.repo import clock
 from composer_ops.repo._base import Conn, sql_states
 
 Row = tuple[Any, ...]
@@ -27,17 +30,16 @@ ACTIVE_SQL = sql_states(ACTIVE_TASK_STATES)
 COORDINATOR_QUEUE = "(coordinator)"
 
 
-def _rows(conn: Conn, query: str, params: Any = None) -> list[Row]:
+def _rows(conn: Conn, query: str, params: dict[str, Any] | None = None) -> list[Row]:
+    """Run ``query`` with ``params`` and ``now``, the database clock."""
     with conn.cursor() as cur:
-        cur.execute(query.encode(), params)
+        cur.execute(query.encode(), {**(params or {}), "now": clock.now(conn)})
         return cur.fetchall()
 
 
 def db_now(conn: Conn) -> Any:
     """``now()`` of the current transaction (the database clock)."""
-    row = conn.execute("SELECT now()").fetchone()
-    assert row is not None
-    return row[0]
+    return clock.now(conn)
 
 
 # -- active tasks ------------------------------------------------------------------
@@ -45,7 +47,7 @@ def db_now(conn: Conn) -> Any:
 ACTIVE_TASKS_SQL = f"""
     SELECT t.run_id, t.id, t.node_id, t.node_type, COALESCE(t.queue, '{COORDINATOR_QUEUE}') AS queue,
            t.state, t.attempt, t.created_at, t.updated_at, t.wake_at, t.event_name,
-           extract(epoch FROM now() - t.created_at)::float8 AS age_s
+           extract(epoch FROM %(now)s::timestamptz - t.created_at)::float8 AS age_s
       FROM task_instances t
      WHERE t.state IN {ACTIVE_SQL}
      ORDER BY t.created_at, t.run_id, t.node_id
@@ -58,7 +60,7 @@ ACTIVE_BY_GROUP_SQL = f"""
           FROM task_instances
          WHERE state IN {ACTIVE_SQL})
     SELECT g.state, g.queue, g.node_type, g.tasks, o.created_at,
-           extract(epoch FROM now() - o.created_at)::float8, o.run_id, o.node_id
+           extract(epoch FROM %(now)s::timestamptz - o.created_at)::float8, o.run_id, o.node_id
       FROM (SELECT state, queue, node_type, count(*) AS tasks FROM a GROUP BY state, queue, node_type) g
       JOIN (SELECT DISTINCT ON (state, queue, node_type) state, queue, node_type, created_at, run_id, node_id
               FROM a ORDER BY state, queue, node_type, created_at, run_id, node_id) o
@@ -67,7 +69,7 @@ ACTIVE_BY_GROUP_SQL = f"""
 """
 
 AGE_HISTOGRAM_SQL = f"""
-    SELECT width_bucket(extract(epoch FROM now() - created_at)::float8, %(bounds)s::float8[]) AS bucket,
+    SELECT width_bucket(extract(epoch FROM %(now)s::timestamptz - created_at)::float8, %(bounds)s::float8[]) AS bucket,
            state, count(*) AS tasks
       FROM task_instances
      WHERE state IN {ACTIVE_SQL}
@@ -80,27 +82,26 @@ ACTIVE_RUN_COUNT_SQL = f"""
 
 TOP_RUNS_SQL = f"""
     SELECT a.run_id, r.workflow_definition_id, r.workflow_version, r.status, a.active_tasks,
-           a.oldest_created_at, extract(epoch FROM now() - a.oldest_created_at)::float8 AS oldest_age_s
+           a.oldest_created_at, extract(epoch FROM %(now)s::timestamptz - a.oldest_created_at)::float8 AS oldest_age_s
       FROM (SELECT run_id, count(*) AS active_tasks, min(created_at) AS oldest_created_at
               FROM task_instances
              WHERE state IN {ACTIVE_SQL}
              GROUP BY run_id
              ORDER BY count(*) DESC, min(created_at), run_id
              LIMIT %(limit)s) a
-      LEFT JOIN LATERAL (SELECT workflow_definition_id, workflow_version, status
-                           FROM workflow_runs WHERE id = a.run_id) r ON true
+      LEFT JOIN workflow_runs r ON r.id = a.run_id
      ORDER BY a.active_tasks DESC, a.oldest_created_at, a.run_id
 """
 
 # The outbox is a queue (rows are deleted at claim), so it is small and read whole.
 OUTBOX_SQL = """
     SELECT queue, count(*) AS rows,
-           count(*) FILTER (WHERE available_at <= now()) AS ready,
-           count(*) FILTER (WHERE available_at > now()) AS delayed,
+           count(*) FILTER (WHERE available_at <= %(now)s::timestamptz) AS ready,
+           count(*) FILTER (WHERE available_at > %(now)s::timestamptz) AS delayed,
            min(available_at) AS oldest_available_at,
-           COALESCE(max(extract(epoch FROM now() - available_at)) FILTER (WHERE available_at <= now()), 0)::float8
-               AS oldest_ready_age_s,
-           max(available_at) FILTER (WHERE available_at > now()) AS last_delayed_until,
+           COALESCE(max(extract(epoch FROM %(now)s::timestamptz - available_at))
+                        FILTER (WHERE available_at <= %(now)s::timestamptz), 0)::float8 AS oldest_ready_age_s,
+           max(available_at) FILTER (WHERE available_at > %(now)s::timestamptz) AS last_delayed_until,
            max(attempt) AS max_attempt
       FROM task_outbox
      GROUP BY queue
@@ -112,10 +113,10 @@ OUTBOX_SQL = """
 # state = 'WAITING' lies inside the active-state partial index.
 LONG_WAITS_SQL = """
     SELECT run_id, id, node_id, event_name, created_at,
-           extract(epoch FROM now() - created_at)::float8 AS waiting_s, count(*) OVER () AS total
+           extract(epoch FROM %(now)s::timestamptz - created_at)::float8 AS waiting_s, count(*) OVER () AS total
       FROM task_instances
      WHERE state = 'WAITING' AND node_type = 'WAIT_FOR_EVENT' AND wake_at IS NULL
-       AND created_at <= now() - make_interval(secs => %(older_than_s)s)
+       AND created_at <= %(now)s::timestamptz - make_interval(secs => %(older_than_s)s)
      ORDER BY created_at, run_id, node_id
      LIMIT %(limit)s
 """
@@ -168,8 +169,8 @@ def outbox_backlog(conn: Conn) -> list[Row]:
 RUNNING_LEASES_SQL = """
     SELECT run_id, id, node_id, COALESCE(queue, '') AS queue, lease_owner, attempt, started_at,
            lease_expires_at,
-           extract(epoch FROM lease_expires_at - now())::float8 AS expires_in_s,
-           extract(epoch FROM now() - started_at)::float8 AS running_s
+           extract(epoch FROM lease_expires_at - %(now)s::timestamptz)::float8 AS expires_in_s,
+           extract(epoch FROM %(now)s::timestamptz - started_at)::float8 AS running_s
       FROM task_instances
      WHERE state = 'RUNNING'
      ORDER BY lease_expires_at NULLS FIRST, run_id, id
@@ -185,12 +186,12 @@ ATTEMPTS_SQL = f"""
 
 REQUEUES_SQL = f"""
     SELECT run_id, id, node_id, node_type, COALESCE(queue, '') AS queue, state, attempt, updated_at,
-           extract(epoch FROM now() - updated_at)::float8 AS since_s,
+           extract(epoch FROM %(now)s::timestamptz - updated_at)::float8 AS since_s,
            COALESCE(last_error ->> 'error', last_error::text) AS last_error
       FROM task_instances
      WHERE state IN {ACTIVE_SQL}
        AND attempt > 0
-       AND updated_at >= now() - make_interval(secs => %(window_s)s)
+       AND updated_at >= %(now)s::timestamptz - make_interval(secs => %(window_s)s)
      ORDER BY updated_at DESC, run_id, id
      LIMIT %(limit)s
 """
@@ -213,6 +214,29 @@ def recent_requeues(conn: Conn, window_s: float, limit: int) -> list[Row]:
     return _rows(conn, REQUEUES_SQL, {"window_s": window_s, "limit": limit})
 
 
+# -- the server read from ------------------------------------------------------------
+
+# On a hot standby: when the last replayed transaction committed on the primary, and
+# the replay lag. A standby that has replayed all the WAL it received is as current as
+# its stream (lag 0, however long ago the primary last committed); otherwise the lag
+# is how far behind the clock its last replayed commit is.
+REPLICATION_SQL = """
+    SELECT pg_is_in_recovery(), pg_last_xact_replay_timestamp(),
+           CASE WHEN NOT pg_is_in_recovery() THEN NULL
+                WHEN pg_last_wal_receive_lsn() IS NOT NULL
+                     AND pg_last_wal_receive_lsn() = pg_last_wal_replay_lsn() THEN 0
+                ELSE GREATEST(extract(epoch FROM now() - pg_last_xact_replay_timestamp()), 0) END::float8,
+           (SELECT CASE WHEN pid IS NOT NULL THEN COALESCE(status, 'running') END FROM pg_stat_wal_receiver)
+"""
+
+
+def replication(conn: Conn) -> Row:
+    """in_recovery (a standby), last_replay_at, replay_lag_s (None on a primary),
+    wal_receiver: its status ('streaming' while it follows the primary; 'running' for a
+    role not allowed to see it, which needs pg_read_all_stats), None when none runs."""
+    return _rows(conn, REPLICATION_SQL)[0]
+
+
 # -- webhooks ----------------------------------------------------------------------
 
 # Deliveries still being retried (the relay's partial index covers this predicate).
@@ -233,11 +257,13 @@ def webhooks_failing(conn: Conn, attempts: int) -> Row:
 
 # -- one run -----------------------------------------------------------------------
 
+# The partition the row is read from; on Citus that is a shard of it, named after the
+# partition with the shard's number appended ("workflow_runs_p202612_102008").
 RUN_SQL = """
     SELECT r.id, r.workflow_definition_id, r.workflow_version, r.status, r.created_at, r.updated_at,
-           r.completed_at, extract(epoch FROM COALESCE(r.completed_at, now()) - r.created_at)::float8,
+           r.completed_at, extract(epoch FROM COALESCE(r.completed_at, %(now)s::timestamptz) - r.created_at)::float8,
            r.input_json::text, r.output_json::text, COALESCE(r.error_json ->> 'error', r.error_json::text),
-           r.tableoid::regclass::text, d.spec_json
+           regexp_replace(r.tableoid::regclass::text, '_[0-9]+$', ''), d.spec_json
       FROM workflow_runs r
       LEFT JOIN workflow_definitions d ON d.id = r.workflow_definition_id AND d.version = r.workflow_version
      WHERE r.id = %(run)s
@@ -245,10 +271,11 @@ RUN_SQL = """
 
 RUN_TASKS_SQL = """
     SELECT id, node_id, node_type, queue, state, attempt, created_at, started_at, finished_at, updated_at,
-           extract(epoch FROM COALESCE(started_at, finished_at, now()) - created_at)::float8 AS queued_s,
-           extract(epoch FROM COALESCE(finished_at, now()) - started_at)::float8 AS ran_s,
-           wake_at, extract(epoch FROM wake_at - now())::float8 AS wakes_in_s, event_name,
-           lease_owner, lease_expires_at, extract(epoch FROM lease_expires_at - now())::float8 AS lease_left_s,
+           extract(epoch FROM COALESCE(started_at, finished_at, %(now)s::timestamptz) - created_at)::float8 AS queued_s,
+           extract(epoch FROM COALESCE(finished_at, %(now)s::timestamptz) - started_at)::float8 AS ran_s,
+           wake_at, extract(epoch FROM wake_at - %(now)s::timestamptz)::float8 AS wakes_in_s, event_name,
+           lease_owner, lease_expires_at,
+           extract(epoch FROM lease_expires_at - %(now)s::timestamptz)::float8 AS lease_left_s,
            COALESCE(last_error ->> 'error', last_error::text) AS last_error, branches, output_json::text
       FROM task_instances
      WHERE run_id = %(run)s
@@ -258,7 +285,7 @@ RUN_TASKS_SQL = """
 RUN_SIGNALS_SQL = """
     SELECT id, name, payload::text, created_at, consumed_at,
            CASE WHEN consumed_at IS NULL THEN 'buffered' ELSE 'consumed' END,
-           extract(epoch FROM COALESCE(consumed_at, now()) - created_at)::float8
+           extract(epoch FROM COALESCE(consumed_at, %(now)s::timestamptz) - created_at)::float8
       FROM workflow_events
      WHERE run_id = %(run)s
      ORDER BY created_at, id
@@ -266,7 +293,7 @@ RUN_SIGNALS_SQL = """
 
 RUN_OUTBOX_SQL = """
     SELECT task_id, queue, attempt, task_name, lease_s, available_at,
-           extract(epoch FROM available_at - now())::float8
+           extract(epoch FROM available_at - %(now)s::timestamptz)::float8
       FROM task_outbox
      WHERE run_id = %(run)s
      ORDER BY available_at, id

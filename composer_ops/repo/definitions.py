@@ -6,6 +6,7 @@ from datetime import datetime
 from typing import Any, NoReturn
 
 from composer_ops.errors import Invalid, NotFound
+from composer_ops.repo import clock
 from composer_ops.repo._base import Conn, fetch_one, jsonb
 from composer_ops.repo.rows import DefinitionRow, StartTarget
 
@@ -36,12 +37,14 @@ def deploy(conn: Conn, workflow_id: str, version: int) -> None:
                           (workflow_id, version)).fetchone()
     if target is None:
         raise NotFound(f"workflow definition {workflow_id} v{version} does not exist")
+    # The clock as a parameter (repo.clock): Citus refuses now() inside CASE in an
+    # UPDATE of a reference table.
     conn.execute("""
         UPDATE workflow_definitions
            SET deployed = (version = %(v)s),
-               deployed_at = CASE WHEN version = %(v)s THEN NOW() ELSE deployed_at END
+               deployed_at = CASE WHEN version = %(v)s THEN %(now)s::timestamptz ELSE deployed_at END
          WHERE id = %(id)s AND (deployed OR version = %(v)s)""",
-        {"id": workflow_id, "v": version})
+        {"id": workflow_id, "v": version, "now": clock.now(conn)})
 
 
 def get_deployed(conn: Conn, workflow_id: str) -> DefinitionRow:

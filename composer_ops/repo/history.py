@@ -13,13 +13,15 @@ retried write recognise its own earlier commit: :func:`of_request`.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from datetime import datetime
 from typing import Any
 
 from composer_ops.repo._base import Conn, fetch_all, jsonb
 from composer_ops.repo.rows import HistoryEntry, HistoryRow
 
-#: Columns a history row is written with (``seq`` and ``at`` come from their defaults).
-_COLUMNS = "run_id, kind, node_id, task_id, attempt, worker, request, detail"
+#: Columns a history row is written with (``seq`` comes from its sequence; ``at`` is the
+#: clock of the change's transaction, passed in like every time it writes: repo.clock).
+_COLUMNS = "run_id, at, kind, node_id, task_id, attempt, worker, request, detail"
 _SELECT = "SELECT seq, at, kind, node_id, task_id, attempt, worker, request, detail FROM run_history"
 
 
@@ -32,30 +34,30 @@ def recorded(change: str, returning: str) -> str:
         WITH changed AS ({change}),
              noted AS (
                 INSERT INTO run_history ({_COLUMNS})
-                SELECT %(h_run)s, %(h_kind)s, %(h_node)s, %(h_task)s, %(h_attempt)s, %(h_worker)s,
+                SELECT %(h_run)s, %(h_at)s, %(h_kind)s, %(h_node)s, %(h_task)s, %(h_attempt)s, %(h_worker)s,
                        %(h_request)s, %(h_detail)s
                  WHERE EXISTS (SELECT 1 FROM changed))
         SELECT {returning} FROM changed"""
 
 
-def entry_params(run_id: str, request: str, entry: HistoryEntry) -> dict[str, Any]:
-    """The ``h_*`` parameters of :func:`recorded` for ``entry``, written by ``request``."""
-    return {"h_run": run_id, "h_kind": entry.kind, "h_node": entry.node_id, "h_task": entry.task_id,
+def entry_params(run_id: str, request: str, entry: HistoryEntry, *, now: datetime) -> dict[str, Any]:
+    """The ``h_*`` parameters of :func:`recorded` for ``entry``, written by ``request`` at ``now``."""
+    return {"h_run": run_id, "h_at": now, "h_kind": entry.kind, "h_node": entry.node_id, "h_task": entry.task_id,
             "h_attempt": entry.attempt, "h_worker": entry.worker, "h_request": request,
             "h_detail": jsonb(entry.detail)}
 
 
-def record(conn: Conn, run_id: str, request: str, entries: Sequence[HistoryEntry]) -> None:
-    """Append ``entries`` to the run's history, in order, in one statement."""
+def record(conn: Conn, run_id: str, request: str, entries: Sequence[HistoryEntry], *, now: datetime) -> None:
+    """Append ``entries`` to the run's history at ``now``, in order, in one statement."""
     if not entries:
         return
     conn.execute(f"""
         INSERT INTO run_history ({_COLUMNS})
-        SELECT %(run)s, k, n, t, a, w, %(request)s, d
+        SELECT %(run)s, %(at)s, k, n, t, a, w, %(request)s, d
           FROM unnest(%(kinds)s::text[], %(nodes)s::text[], %(tasks)s::text[], %(attempts)s::int4[],
                       %(workers)s::text[], %(details)s::jsonb[]) WITH ORDINALITY AS e(k, n, t, a, w, d, i)
          ORDER BY i""",
-        {"run": run_id, "request": request, "kinds": [e.kind for e in entries],
+        {"run": run_id, "at": now, "request": request, "kinds": [e.kind for e in entries],
          "nodes": [e.node_id for e in entries], "tasks": [e.task_id for e in entries],
          "attempts": [e.attempt for e in entries], "workers": [e.worker for e in entries],
          "details": [jsonb(e.detail) for e in entries]})

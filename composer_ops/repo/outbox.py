@@ -19,6 +19,7 @@ locks no existing one (a task gets a new dispatch only when it has none).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from datetime import datetime
 
 from psycopg import sql
 
@@ -29,17 +30,18 @@ from composer_ops.repo.rows import Claim, Dispatch
 CHANNEL = "composer_tasks"
 
 
-def enqueue(conn: Conn, dispatches: Sequence[Dispatch]) -> None:
-    """Write outbox rows and wake idle workers of their queues (NOTIFY is delivered
-    at commit, and only if the transaction commits). One statement, one round trip,
+def enqueue(conn: Conn, dispatches: Sequence[Dispatch], *, now: datetime) -> None:
+    """Write outbox rows, available from ``now`` unless a retry's backoff says later,
+    and wake idle workers of their queues (NOTIFY is delivered at commit, and only if
+    the transaction commits). One statement, one round trip,
     however many rows and queues: the rows come in as arrays, and one notification
     per distinct queue is raised from the rows actually inserted."""
     if not dispatches:
         return
     conn.execute("""
         WITH ins AS (
-            INSERT INTO task_outbox (queue, run_id, task_id, attempt, task_name, lease_s, available_at)
-            SELECT q, r, t, a, n, l, COALESCE(av, NOW())
+            INSERT INTO task_outbox (queue, run_id, task_id, attempt, task_name, lease_s, available_at, created_at)
+            SELECT q, r, t, a, n, l, COALESCE(av, %(now)s), %(now)s
               FROM unnest(%(q)s::text[], %(r)s::text[], %(t)s::text[], %(a)s::int4[],
                           %(n)s::text[], %(l)s::int4[], %(av)s::timestamptz[]) AS d(q, r, t, a, n, l, av)
             RETURNING queue)
@@ -47,7 +49,8 @@ def enqueue(conn: Conn, dispatches: Sequence[Dispatch]) -> None:
         {"q": [d.queue for d in dispatches],
          "r": [d.run_id for d in dispatches], "t": [d.task_id for d in dispatches],
          "a": [d.attempt for d in dispatches], "n": [d.task_name for d in dispatches],
-         "l": [d.lease_s for d in dispatches], "av": [d.available_at for d in dispatches], "channel": CHANNEL})
+         "l": [d.lease_s for d in dispatches], "av": [d.available_at for d in dispatches], "now": now,
+         "channel": CHANNEL})
 
 
 def listen(conn: Conn, channel: str = CHANNEL) -> None:

@@ -72,8 +72,9 @@ def ensure_from(conn: Conn, first_month: date, months_ahead: int) -> int:
     return int(row[0]) if row else 0
 
 
-# Every partition of the run-scoped tables, with its bound expression decoded
-# from the catalog and its sizes (heap = table size without toast: main fork + fsm + vm).
+# Every partition of the run-scoped tables, with its bound expression decoded from the
+# catalog, and its rows and sizes summed over the nodes that hold its data
+# (composer_partition_stats(), V014; on Citus the shards, V015).
 CATALOG_SQL = """
     SELECT p.relname::text AS table, c.relname::text AS name,
            COALESCE(substring(c.relname FROM '_p(\\d{6})$'), '') AS month,
@@ -81,18 +82,24 @@ CATALOG_SQL = """
                AS lower_bound,
            COALESCE(substring(pg_get_expr(c.relpartbound, c.oid) FROM 'TO \\(''([^'']*)''\\)'), '')
                AS upper_bound,
-           CASE WHEN c.reltuples >= 0 THEN c.reltuples::bigint
-                ELSE pg_stat_get_live_tuples(c.oid) END AS rows,
-           pg_table_size(c.oid) - COALESCE(pg_total_relation_size(NULLIF(c.reltoastrelid, 0)), 0)
-               AS heap_bytes,
-           pg_indexes_size(c.oid) AS index_bytes,
-           COALESCE(pg_total_relation_size(NULLIF(c.reltoastrelid, 0)), 0) AS toast_bytes,
-           pg_total_relation_size(c.oid) AS total_bytes
+           COALESCE(st.rows, 0)::bigint AS rows, COALESCE(st.heap_bytes, 0)::bigint AS heap_bytes,
+           COALESCE(st.index_bytes, 0)::bigint AS index_bytes, COALESCE(st.toast_bytes, 0)::bigint AS toast_bytes,
+           COALESCE(st.total_bytes, 0)::bigint AS total_bytes
       FROM pg_inherits i
       JOIN pg_class c ON c.oid = i.inhrelid
       JOIN pg_class p ON p.oid = i.inhparent
+      LEFT JOIN (SELECT partition, sum(rows) AS rows, sum(heap_bytes) AS heap_bytes, sum(index_bytes) AS index_bytes,
+                        sum(toast_bytes) AS toast_bytes, sum(total_bytes) AS total_bytes
+                   FROM composer_partition_stats() GROUP BY partition) st ON st.partition = c.relname
      WHERE p.oid = ANY(composer_run_tables()::regclass[])
      ORDER BY month, array_position(composer_run_tables(), p.relname::text), c.relname
+"""
+
+# The same per node: where each partition's data is (one node, 'local', on a single server).
+NODES_SQL = """
+    SELECT partition, node, rows, heap_bytes, index_bytes, toast_bytes, total_bytes
+      FROM composer_partition_stats()
+     ORDER BY partition, node
 """
 
 
@@ -107,6 +114,13 @@ def catalog(conn: Conn) -> list[tuple[Any, ...]]:
     lower_bound, upper_bound, rows (catalog estimate), heap_bytes, index_bytes,
     toast_bytes, total_bytes. Reads catalogs only."""
     return conn.execute(CATALOG_SQL.encode()).fetchall()
+
+
+def node_stats(conn: Conn) -> list[tuple[Any, ...]]:
+    """Every partition per node that holds its data: partition, node ('local' on a
+    single server, 'host:port' of a Citus node), rows (estimate), heap_bytes,
+    index_bytes, toast_bytes, total_bytes."""
+    return conn.execute(NODES_SQL.encode()).fetchall()
 
 
 def count_rows(conn: Conn, partition: str) -> int:

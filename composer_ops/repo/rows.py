@@ -10,7 +10,7 @@ from typing import Any
 
 @dataclass(frozen=True, kw_only=True)
 class RunRow:
-    """The locked run row, with the database clock read in the same statement."""
+    """The locked run row, with the database clock its event judges by (``repo.clock``)."""
 
     id: str
     workflow_id: str

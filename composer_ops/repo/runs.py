@@ -5,17 +5,17 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Any
 
-from psycopg.rows import class_row
+from psycopg.rows import class_row, dict_row
 
 from composer_ops.core.model import ACTIVE_RUN_STATUSES
 from composer_ops.errors import ComposerError, Conflict, Invalid, NotFound
-from composer_ops.repo import history, partitions
+from composer_ops.repo import clock, history, partitions
 from composer_ops.repo._base import Conn, error_json, fetch_all, fetch_one, jsonb, sql_states
 from composer_ops.repo.rows import HistoryEntry, RunRow, RunView, TaskStateRow, TaskView
 
 _LOCK_RUN = """
     SELECT id, workflow_definition_id AS workflow_id, workflow_version, status,
-           context_json AS context, now() AS now
+           context_json AS context
       FROM workflow_runs
      WHERE id = %s AND deleted_at IS NULL
        FOR UPDATE"""
@@ -28,27 +28,31 @@ _LOAD_TASKS = """
 
 
 def lock_and_load(conn: Conn, run_id: str) -> tuple[RunRow, dict[str, TaskStateRow]]:
-    """Take the run's row lock for the rest of the transaction, read the database
-    clock, and load the state of every task of the run keyed by node (small columns
-    only); NotFound when the run does not exist. Every state transition of a run
-    happens under this lock, which serialises concurrent completions so join
-    decisions always see each other's writes.
+    """Read the database clock, take the run's row lock for the rest of the
+    transaction, and load the state of every task of the run keyed by node (small
+    columns only); NotFound when the run does not exist. Every state transition of a
+    run happens under this lock, which serialises concurrent completions so join
+    decisions always see each other's writes. The clock (``RunRow.now``) is the event's
+    one instant (:mod:`composer_ops.repo.clock`): the caller passes it to every write.
 
-    Two statements sent in one round trip (pipeline mode), in that order. The server executes pipelined statements
-    one after the other and, in READ COMMITTED, gives each a snapshot when it starts,
-    so the tasks are read after the lock is granted and see everything the previous
-    holder of the lock committed. (One statement joining both would read the tasks
-    with a snapshot taken before it waited for the lock, and could miss a sibling's
-    completion: the join race the lock exists to prevent.)"""
-    with conn.cursor(row_factory=class_row(RunRow)) as lock, \
+    Three statements sent in one round trip (pipeline mode), in that order. The server
+    executes pipelined statements one after the other and, in READ COMMITTED, gives each
+    a snapshot when it starts, so the tasks are read after the lock is granted and see
+    everything the previous holder of the lock committed. (One statement joining both
+    would read the tasks with a snapshot taken before it waited for the lock, and could
+    miss a sibling's completion: the join race the lock exists to prevent.)"""
+    with conn.cursor() as clock_cur, conn.cursor(row_factory=dict_row) as lock, \
             conn.cursor(row_factory=class_row(TaskStateRow)) as load:
         with conn.pipeline():
+            clock_cur.execute(clock.NOW)
             lock.execute(_LOCK_RUN, (run_id,))
             load.execute(_LOAD_TASKS, (run_id,))
+        now = clock_cur.fetchone()
         row = lock.fetchone()
         if row is None:
             raise NotFound(f"workflow run {run_id} does not exist")
-        return row, {r.node_id: r for r in load.fetchall()}
+        assert now is not None
+        return RunRow(**row, now=now[0]), {r.node_id: r for r in load.fetchall()}
 
 
 def load_outputs(conn: Conn, run_id: str, node_ids: list[str]) -> dict[str, Any]:
@@ -63,8 +67,9 @@ def load_outputs(conn: Conn, run_id: str, node_ids: list[str]) -> dict[str, Any]
 
 
 _INSERT_RUN = """
-    INSERT INTO workflow_runs (id, workflow_definition_id, workflow_version, status, input_json, context_json)
-    SELECT %(id)s, d.id, d.version, 'RUNNING', %(input)s, %(context)s
+    INSERT INTO workflow_runs (id, workflow_definition_id, workflow_version, status, input_json, context_json,
+                               created_at, updated_at)
+    SELECT %(id)s, d.id, d.version, 'RUNNING', %(input)s, %(context)s, %(now)s, %(now)s
       FROM workflow_definitions d
      WHERE d.id = %(wf)s AND d.version = %(version)s AND d.deleted_at IS NULL
        AND to_regclass(%(partition)s) IS NOT NULL
@@ -75,7 +80,7 @@ _INSERT_RUN_RECORDED = history.recorded(_INSERT_RUN, "id")
 
 
 def insert_run(conn: Conn, *, run_id: str, workflow_id: str, workflow_version: int,
-               input: Any, context: Any, request: str | None = None) -> None:
+               input: Any, context: Any, now: datetime, request: str | None = None) -> None:
     """Create a RUNNING run; with ``request``, its history starts with a 'started' row
     written by that request (how a retried start recognises its own run). Fails if the
     definition is missing or deleted (NotFound / Invalid), if the run ID is taken
@@ -90,12 +95,12 @@ def insert_run(conn: Conn, *, run_id: str, workflow_id: str, workflow_version: i
         partition = partitions.runs_partition(run_id)
     except ComposerError:  # not a UUIDv7, so no partition name: the guarded insert lets the database judge it
         _insert_run_guarded(conn, run_id=run_id, workflow_id=workflow_id, workflow_version=workflow_version,
-                            input=input, context=context)
+                            input=input, context=context, now=now)
         return
     params = {"id": run_id, "input": jsonb(input), "context": jsonb(context), "wf": workflow_id,
-              "version": workflow_version, "partition": partition}
+              "version": workflow_version, "partition": partition, "now": now}
     if request is not None:
-        params |= history.entry_params(run_id, request, HistoryEntry(kind="started"))
+        params |= history.entry_params(run_id, request, HistoryEntry(kind="started"), now=now)
     cur = conn.execute(_INSERT_RUN if request is None else _INSERT_RUN_RECORDED, params)
     if cur.fetchone() is not None:
         return
@@ -115,30 +120,30 @@ def _check_definition(conn: Conn, workflow_id: str, workflow_version: int) -> No
 
 
 def _insert_run_guarded(conn: Conn, *, run_id: str, workflow_id: str, workflow_version: int,
-                        input: Any, context: Any) -> None:
+                        input: Any, context: Any, now: datetime) -> None:
     """The general path: check the definition, then insert inside a savepoint."""
     _check_definition(conn, workflow_id, workflow_version)
     # A savepoint, so a refused insert leaves the caller's transaction usable.
     with conn.transaction():
         cur = conn.execute("""
             INSERT INTO workflow_runs (id, workflow_definition_id, workflow_version, status,
-                                       input_json, context_json)
-            VALUES (%s, %s, %s, 'RUNNING', %s, %s)
+                                       input_json, context_json, created_at, updated_at)
+            VALUES (%s, %s, %s, 'RUNNING', %s, %s, %s, %s)
             ON CONFLICT (id) DO NOTHING""",
-            (run_id, workflow_id, workflow_version, jsonb(input), jsonb(context)))
+            (run_id, workflow_id, workflow_version, jsonb(input), jsonb(context), now, now))
     if cur.rowcount == 0:
         raise Conflict(f"workflow run {run_id} already exists")
 
 
-def finish_run(conn: Conn, run_id: str, status: str, *, reason: str | None = None,
+def finish_run(conn: Conn, run_id: str, status: str, *, now: datetime, reason: str | None = None,
                output: Any = None) -> bool:
-    """Move a non-terminal run to a terminal status; False when it already was."""
+    """Move a non-terminal run to a terminal status at ``now``; False when it already was."""
     cur = conn.execute(f"""
         UPDATE workflow_runs
            SET status = %s, error_json = %s, output_json = %s,
-               completed_at = NOW(), updated_at = NOW()
+               completed_at = %s, updated_at = %s
          WHERE id = %s AND status IN {sql_states(ACTIVE_RUN_STATUSES)}""",
-        (status, error_json(reason), jsonb(output), run_id))
+        (status, error_json(reason), jsonb(output), now, now, run_id))
     return cur.rowcount == 1
 
 

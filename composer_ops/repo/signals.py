@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from datetime import datetime
 from typing import Any
 
 from composer_ops.core.model import Signal
@@ -10,39 +11,40 @@ from composer_ops.repo._base import Conn, error_json, fetch_all, jsonb
 from composer_ops.repo.rows import DueWait
 
 
-def due_waits(conn: Conn, limit: int, *, skip: Sequence[str] = ()) -> list[DueWait]:
-    """Up to ``limit`` WAITING tasks whose wake_at has passed, oldest first (served by
-    the partial wake index), of runs that are active and not soft-deleted; ``skip``:
-    task ids the caller is backing off, so the rows behind them get their turn."""
+def due_waits(conn: Conn, limit: int, *, now: datetime, skip: Sequence[str] = ()) -> list[DueWait]:
+    """Up to ``limit`` WAITING tasks whose wake_at had passed at ``now`` (the database
+    clock), oldest first (served by the partial wake index), of runs that are active and
+    not soft-deleted; ``skip``: task ids the caller is backing off, so the rows behind
+    them get their turn."""
     return fetch_all(conn, DueWait, """
         SELECT t.run_id, t.id AS task_id, t.node_id
           FROM task_instances t
           JOIN workflow_runs r ON r.id = t.run_id
-         WHERE t.state = 'WAITING' AND t.wake_at <= NOW() AND t.id <> ALL(%s::text[])
+         WHERE t.state = 'WAITING' AND t.wake_at <= %s AND t.id <> ALL(%s::text[])
            AND r.deleted_at IS NULL AND r.status IN ('PENDING', 'RUNNING')
          ORDER BY t.wake_at
-         LIMIT %s""", (list(skip), limit))
+         LIMIT %s""", (now, list(skip), limit))
 
 
-def resolve_wait(conn: Conn, run_id: str, task_id: str, *, state: str, output: Any = None,
+def resolve_wait(conn: Conn, run_id: str, task_id: str, *, state: str, now: datetime, output: Any = None,
                  reason: str | None = None) -> bool:
     """Move a WAITING task to COMPLETED (with output) or FAILED (with reason); False
     when it was no longer waiting."""
     cur = conn.execute("""
         UPDATE task_instances
            SET state = %(state)s, output_json = %(output)s, last_error = %(error)s,
-               finished_at = NOW(), updated_at = NOW(),
-               completed_at = CASE WHEN %(state)s = 'COMPLETED' THEN NOW() END
+               finished_at = %(now)s, updated_at = %(now)s,
+               completed_at = CASE WHEN %(state)s = 'COMPLETED' THEN %(now)s::timestamptz END
          WHERE run_id = %(run)s AND id = %(task)s AND state = 'WAITING'""",
-        {"state": state, "output": jsonb(output), "error": error_json(reason),
+        {"state": state, "output": jsonb(output), "error": error_json(reason), "now": now,
          "run": run_id, "task": task_id})
     return cur.rowcount == 1
 
 
-def buffer_signal(conn: Conn, run_id: str, *, signal_id: str, name: str, payload: Any) -> None:
-    """Store a signal until a WAIT_FOR_EVENT node consumes it."""
-    conn.execute("INSERT INTO workflow_events (id, run_id, name, payload) VALUES (%s, %s, %s, %s)",
-                 (signal_id, run_id, name, jsonb(payload)))
+def buffer_signal(conn: Conn, run_id: str, *, signal_id: str, name: str, payload: Any, now: datetime) -> None:
+    """Store a signal, received at ``now``, until a WAIT_FOR_EVENT node consumes it."""
+    conn.execute("INSERT INTO workflow_events (id, run_id, name, payload, created_at) VALUES (%s, %s, %s, %s, %s)",
+                 (signal_id, run_id, name, jsonb(payload), now))
 
 
 def pending_signals(conn: Conn, run_id: str, name: str, *, limit: int = 100) -> list[Signal]:
@@ -54,10 +56,10 @@ def pending_signals(conn: Conn, run_id: str, name: str, *, limit: int = 100) -> 
          LIMIT %s""", (run_id, name, limit))
 
 
-def consume_signal(conn: Conn, run_id: str, signal_id: str) -> bool:
-    """Mark a buffered signal as used; False if it was already consumed."""
+def consume_signal(conn: Conn, run_id: str, signal_id: str, *, now: datetime) -> bool:
+    """Mark a buffered signal as used at ``now``; False if it was already consumed."""
     cur = conn.execute(
-        "UPDATE workflow_events SET consumed_at = NOW() WHERE run_id = %s AND id = %s AND consumed_at IS NULL",
-        (run_id, signal_id))
+        "UPDATE workflow_events SET consumed_at = %s WHERE run_id = %s AND id = %s AND consumed_at IS NULL",
+        (now, run_id, signal_id))
     return cur.rowcount == 1
 

@@ -18,6 +18,7 @@ from datetime import datetime
 from psycopg import sql
 
 from composer_ops.errors import ComposerError, PermissionDenied
+from composer_ops.repo import partitions
 from composer_ops.repo._base import Conn
 
 __all__ = ["analyze_month", "check_references", "clock", "copy_rows", "existing_runs", "finished_runs",
@@ -88,11 +89,14 @@ def check_references(conn: Conn, table: str, month: str, lines: Sequence[str]) -
     partitions are locked by the caller's inserts, so no run can be dropped between
     this check and the commit."""
     referenced = sorted({line.split("\t", 2)[1] for line in lines})
-    row = conn.execute(sql.SQL("SELECT count(*) FROM unnest(%s::text[]) AS c(run_id) "
-                               "WHERE NOT EXISTS (SELECT 1 FROM {} r WHERE r.id = c.run_id)").format(
-                           sql.Identifier(f"workflow_runs_p{month}")), (referenced,)).fetchone()
-    if row is None or row[0]:
-        raise ComposerError(f"{table}: {row[0] if row else '?'} rows of month {month} reference no run; "
+    # Counting the runs found, rather than the IDs without one (a correlated subquery
+    # over unnest()), is a statement Citus runs as well: on a distributed month it reads
+    # each shard's primary key for the IDs that hash to it.
+    row = conn.execute(sql.SQL("SELECT count(*) FROM {} WHERE id = ANY(%s)").format(
+        sql.Identifier(f"workflow_runs_p{month}")), (referenced,)).fetchone()
+    missing = len(referenced) - (int(row[0]) if row else 0)
+    if missing:
+        raise ComposerError(f"{table}: {missing} rows of month {month} reference no run; "
                             "the month was rolled back")
 
 
@@ -173,9 +177,15 @@ def moved_attempts(conn: Conn, held: Sequence[tuple[str, str, int]]) -> int:
 
 
 def runs_per_month(conn: Conn) -> list[tuple[str, str, int]]:
-    """Runs per partition month and status: ``(YYYYMM, status, runs)``."""
-    rows = conn.execute("""
-        SELECT substring(tableoid::regclass::text FROM '_p(\\d{6})$') AS month, status, count(*)
-          FROM workflow_runs GROUP BY 1, 2 ORDER BY 1, 2""").fetchall()
-    return [(str(m), str(s), int(n)) for m, s, n in rows]
+    """Runs per partition month and status: ``(YYYYMM, status, runs)``, one query per
+    month's partition, named after it. (The partition a row comes from is not read from
+    ``tableoid``: on Citus a query over many shards reports the shards' OIDs, which name
+    nothing on the coordinator.)"""
+    out: list[tuple[str, str, int]] = []
+    for month in sorted({p.month for p in partitions.list_partitions(conn)
+                         if p.table == "workflow_runs" and p.month}):
+        rows = conn.execute(sql.SQL("SELECT status, count(*) FROM {} GROUP BY 1 ORDER BY 1").format(
+            sql.Identifier(f"workflow_runs_p{month}"))).fetchall()
+        out += [(month, str(status), int(n)) for status, n in rows]
+    return out
 

@@ -29,16 +29,16 @@ _ACTIVE = sql_states(ACTIVE_TASK_STATES)
 def insert_task(conn: Conn, run_id: str, *, task_id: str, node_id: str, node_type: str,
                 queue: str | None, state: str, input: Any = None, output: Any = None,
                 error: str | None = None, branches: Sequence[str] | None = None,
-                wake_at: datetime | None = None, event_name: str | None = None) -> bool:
-    """Insert the task a CreateTask action describes; False (no error) when the
-    (run, node) already has a task. :func:`insert_tasks` with one row."""
+                wake_at: datetime | None = None, event_name: str | None = None, now: datetime) -> bool:
+    """Insert the task a CreateTask action describes, created at ``now``; False (no
+    error) when the (run, node) already has a task. :func:`insert_tasks` with one row."""
     return node_id in insert_tasks(conn, run_id, [NewTask(
         task_id=task_id, node_id=node_id, node_type=node_type, queue=queue, state=state, input=input,
-        output=output, error=error, branches=branches, wake_at=wake_at, event_name=event_name)])
+        output=output, error=error, branches=branches, wake_at=wake_at, event_name=event_name)], now=now)
 
 
-def insert_tasks(conn: Conn, run_id: str, rows: Sequence[NewTask]) -> set[str]:
-    """Insert the tasks of several CreateTask actions in one statement (a 10-way
+def insert_tasks(conn: Conn, run_id: str, rows: Sequence[NewTask], *, now: datetime) -> set[str]:
+    """Insert the tasks of several CreateTask actions, created at ``now``, in one statement (a 10-way
     fan-out is one INSERT, not ten); returns the nodes inserted, leaving out those
     whose (run, node) already had a task, as :func:`insert_task` does for one."""
     if not rows:
@@ -46,12 +46,12 @@ def insert_tasks(conn: Conn, run_id: str, rows: Sequence[NewTask]) -> set[str]:
     cur = conn.execute("""
         INSERT INTO task_instances
                (id, run_id, node_id, node_type, queue, state, input_json, output_json, last_error,
-                branches, wake_at, event_name, scheduled_at, finished_at, completed_at)
+                branches, wake_at, event_name, scheduled_at, finished_at, completed_at, created_at, updated_at)
         SELECT r.id, %(run)s, r.node, r.type, r.queue, r.state, r.input, r.output, r.error,
                CASE WHEN r.branches IS NOT NULL THEN ARRAY(SELECT jsonb_array_elements_text(r.branches)) END,
-               r.wake, r.event, NOW(),
-               CASE WHEN r.state IN ('COMPLETED', 'FAILED', 'SKIPPED', 'CANCELLED') THEN NOW() END,
-               CASE WHEN r.state = 'COMPLETED' THEN NOW() END
+               r.wake, r.event, %(now)s::timestamptz,
+               CASE WHEN r.state IN ('COMPLETED', 'FAILED', 'SKIPPED', 'CANCELLED') THEN %(now)s::timestamptz END,
+               CASE WHEN r.state = 'COMPLETED' THEN %(now)s::timestamptz END, %(now)s, %(now)s
           FROM unnest(%(id)s::text[], %(node)s::text[], %(type)s::text[], %(queue)s::text[], %(state)s::text[],
                       %(input)s::jsonb[], %(output)s::jsonb[], %(error)s::jsonb[], %(branches)s::jsonb[],
                       %(wake)s::timestamptz[], %(event)s::text[])
@@ -63,7 +63,7 @@ def insert_tasks(conn: Conn, run_id: str, rows: Sequence[NewTask]) -> set[str]:
          "input": [jsonb(r.input) for r in rows], "output": [jsonb(r.output) for r in rows],
          "error": [error_json(r.error) for r in rows],
          "branches": [None if r.branches is None else Jsonb(list(r.branches)) for r in rows],
-         "wake": [r.wake_at for r in rows], "event": [r.event_name for r in rows]})
+         "wake": [r.wake_at for r in rows], "event": [r.event_name for r in rows], "now": now})
     return {str(row[0]) for row in cur.fetchall()}
 
 
@@ -74,7 +74,7 @@ _FENCE = f"""
 _COMPLETE = history.recorded(f"""
         UPDATE task_instances
            SET state = 'COMPLETED', output_json = %(output)s,
-               completed_at = NOW(), finished_at = NOW(), updated_at = NOW(),
+               completed_at = %(now)s, finished_at = %(now)s, updated_at = %(now)s,
                lease_owner = NULL, lease_expires_at = NULL
         {_FENCE}
         RETURNING node_type, started_at""", "node_type, started_at")
@@ -82,7 +82,7 @@ _COMPLETE = history.recorded(f"""
 _FAIL = history.recorded(f"""
         UPDATE task_instances
            SET state = 'FAILED', last_error = %(error)s,
-               finished_at = NOW(), updated_at = NOW(),
+               finished_at = %(now)s, updated_at = %(now)s,
                lease_owner = NULL, lease_expires_at = NULL
         {_FENCE}
         RETURNING node_type, started_at""", "node_type, started_at")
@@ -90,7 +90,7 @@ _FAIL = history.recorded(f"""
 _REQUEUE = history.recorded(f"""
         UPDATE task_instances
            SET state = 'PENDING', attempt = attempt + 1, lease_expiries = lease_expiries + %(expired)s,
-               last_error = %(error)s, started_at = NULL, updated_at = NOW(),
+               last_error = %(error)s, started_at = NULL, updated_at = %(now)s,
                lease_owner = NULL, lease_expires_at = NULL
         {_FENCE}
         RETURNING id AS task_id, run_id, node_id, node_type,
@@ -102,41 +102,44 @@ def _ref(ref: TaskRef) -> dict[str, Any]:
     return {"run": ref.run_id, "task": ref.task_id, "node": ref.node_id, "attempt": ref.attempt}
 
 
-def complete_task(conn: Conn, ref: TaskRef, output: Any, *, request: str, entry: HistoryEntry
-                  ) -> FinishedTask | None:
+def complete_task(conn: Conn, ref: TaskRef, output: Any, *, request: str, entry: HistoryEntry,
+                  now: datetime) -> FinishedTask | None:
     """Mark the referenced attempt COMPLETED and release its lease, recording ``entry``;
     None when the attempt is stale or the task already finished."""
     return fetch_one(conn, FinishedTask, _COMPLETE,
-                     {**_ref(ref), "output": jsonb(output), **history.entry_params(ref.run_id, request, entry)})
+                     {**_ref(ref), "output": jsonb(output), "now": now,
+                      **history.entry_params(ref.run_id, request, entry, now=now)})
 
 
-def fail_task(conn: Conn, ref: TaskRef, reason: str, *, request: str, entry: HistoryEntry) -> FinishedTask | None:
+def fail_task(conn: Conn, ref: TaskRef, reason: str, *, request: str, entry: HistoryEntry,
+              now: datetime) -> FinishedTask | None:
     """Mark the referenced attempt FAILED and release its lease, recording ``entry``."""
     return fetch_one(conn, FinishedTask, _FAIL,
-                     {**_ref(ref), "error": error_json(reason), **history.entry_params(ref.run_id, request, entry)})
+                     {**_ref(ref), "error": error_json(reason), "now": now,
+                      **history.entry_params(ref.run_id, request, entry, now=now)})
 
 
 def requeue_task(conn: Conn, ref: TaskRef, reason: str, *, lease_expired: bool, request: str,
-                 entry: HistoryEntry) -> TaskDispatch | None:
+                 entry: HistoryEntry, now: datetime) -> TaskDispatch | None:
     """Schedule the next attempt: back to PENDING with attempt+1 (and one more lease
     expiry when ``lease_expired``), recording ``entry``. Returns what the next dispatch
     needs, including the stored input."""
     return fetch_one(conn, TaskDispatch, _REQUEUE,
-                     {**_ref(ref), "error": error_json(reason), "expired": int(lease_expired),
-                      **history.entry_params(ref.run_id, request, entry)})
+                     {**_ref(ref), "error": error_json(reason), "expired": int(lease_expired), "now": now,
+                      **history.entry_params(ref.run_id, request, entry, now=now)})
 
 
-def cancel_tasks(conn: Conn, run_id: str, task_ids: Sequence[str], reason: str) -> int:
-    """Move the given active tasks of a run to CANCELLED; returns how many moved."""
+def cancel_tasks(conn: Conn, run_id: str, task_ids: Sequence[str], reason: str, *, now: datetime) -> int:
+    """Move the given active tasks of a run to CANCELLED at ``now``; returns how many moved."""
     if not task_ids:
         return 0
     cur = conn.execute(f"""
         UPDATE task_instances
-           SET state = 'CANCELLED', last_error = %s, finished_at = NOW(), updated_at = NOW(),
+           SET state = 'CANCELLED', last_error = %s, finished_at = %s, updated_at = %s,
                lease_owner = NULL, lease_expires_at = NULL
          WHERE run_id = %s AND id = ANY(%s)
            AND state IN {_ACTIVE}""",
-        (error_json(reason), run_id, list(task_ids)))
+        (error_json(reason), now, now, run_id, list(task_ids)))
     return cur.rowcount
 
 
@@ -154,16 +157,16 @@ def heartbeat(conn: Conn, ref: TaskRef, owner: str, lease_s: float) -> datetime 
     return None if row is None else row[0]
 
 
-def expired_leases(conn: Conn, limit: int, *, skip: Sequence[str] = ()) -> list[ExpiredLease]:
-    """RUNNING tasks whose lease has lapsed by the database clock, oldest first, of runs
-    that are active and not soft-deleted; ``skip``: ``task_id:attempt`` keys of attempts
-    the caller is backing off."""
+def expired_leases(conn: Conn, limit: int, *, now: datetime, skip: Sequence[str] = ()) -> list[ExpiredLease]:
+    """RUNNING tasks whose lease had lapsed at ``now`` (the database clock), oldest first,
+    of runs that are active and not soft-deleted; ``skip``: ``task_id:attempt`` keys of
+    attempts the caller is backing off."""
     return fetch_all(conn, ExpiredLease, """
         SELECT t.run_id, t.id AS task_id, t.node_id, t.attempt, t.lease_owner
           FROM task_instances t
           JOIN workflow_runs r ON r.id = t.run_id
-         WHERE t.state = 'RUNNING' AND t.lease_expires_at <= NOW()
+         WHERE t.state = 'RUNNING' AND t.lease_expires_at <= %s
            AND t.id || ':' || t.attempt <> ALL(%s::text[])
            AND r.deleted_at IS NULL AND r.status IN ('PENDING', 'RUNNING')
          ORDER BY t.lease_expires_at
-         LIMIT %s""", (list(skip), limit))
+         LIMIT %s""", (now, list(skip), limit))

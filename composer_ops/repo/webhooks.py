@@ -2,17 +2,18 @@
 
 from __future__ import annotations
 
+from datetime import datetime
 from typing import Any
 
 from composer_ops.repo._base import Conn, fetch_all, jsonb
 from composer_ops.repo.rows import WebhookDelivery
 
 
-def enqueue(conn: Conn, run_id: str, url: str, payload: Any) -> None:
-    """Record a delivery in the transaction that finished the run."""
+def enqueue(conn: Conn, run_id: str, url: str, payload: Any, *, now: datetime) -> None:
+    """Record a delivery, due at ``now``, in the transaction that finished the run."""
     conn.execute("""
-        INSERT INTO webhook_deliveries (run_id, url, payload) VALUES (%s, %s, %s)
-        ON CONFLICT (run_id) DO NOTHING""", (run_id, url, jsonb(payload)))
+        INSERT INTO webhook_deliveries (run_id, url, payload, next_attempt_at, created_at) VALUES (%s, %s, %s, %s, %s)
+        ON CONFLICT (run_id) DO NOTHING""", (run_id, url, jsonb(payload), now, now))
 
 
 def claim_due(conn: Conn, limit: int, lease_s: float) -> list[WebhookDelivery]:

@@ -203,6 +203,9 @@ def _odd(s: _Seeder) -> None:
     t0 = _at("202503", 16)
     s.task("H9", "legacy_audit", "TASK", "default", "COMPLETED", t0 + timedelta(seconds=60),
            started=t0 + timedelta(seconds=61), finished=t0 + timedelta(seconds=62))
+    # On Citus the UPDATE runs on a worker node: citus.propagate_set_commands carries the
+    # SET LOCAL there (on a single server the setting is an inert placeholder).
+    s.conn.execute("SET LOCAL citus.propagate_set_commands = 'local'")
     s.conn.execute("SET LOCAL session_replication_role = replica")
     s.conn.execute("UPDATE workflow_runs SET workflow_version = 3 WHERE id = %s", (s.runs["H12"],))
     s.conn.execute("SET LOCAL session_replication_role = DEFAULT")

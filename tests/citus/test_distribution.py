@@ -17,8 +17,6 @@ from composer_ops.engine.retention import drop_due_months
 from composer_ops.repo import partitions
 from composer_ops.testing.citus import CitusCluster
 
-RUN_TABLES = ("workflow_runs", "task_instances", "workflow_events")
-
 
 def _layout(url: str) -> dict[str, tuple[str, int | None]]:
     """Each Citus table of the database: its type and colocation group."""
@@ -30,7 +28,7 @@ def _layout(url: str) -> dict[str, tuple[str, int | None]]:
 def test_migrate_distributes_the_run_tables_by_run_id_colocated_and_keeps_the_queues_local(db_url: str) -> None:
     layout = _layout(db_url)
     assert layout["workflow_definitions"][0] == "reference"
-    parents = {t: layout[t] for t in RUN_TABLES}
+    parents = {t: layout[t] for t in partitions.RUN_TABLES}
     assert {kind for kind, _ in parents.values()} == {"distributed"}
     assert len({colocation for _, colocation in parents.values()}) == 1
     with psycopg.connect(db_url) as conn:
@@ -40,7 +38,7 @@ def test_migrate_distributes_the_run_tables_by_run_id_colocated_and_keeps_the_qu
         parts = [r[0] for r in conn.execute("""SELECT c.relname::text FROM pg_inherits i
                                                   JOIN pg_class c ON c.oid = i.inhrelid
                                                  WHERE i.inhparent = ANY(%s::regclass[])""",
-                                               (list(RUN_TABLES),)).fetchall()]
+                                               (list(partitions.RUN_TABLES),)).fetchall()]
     assert columns["workflow_runs"] == "id"
     assert columns["task_instances"] == columns["workflow_events"] == "run_id"
     # Every monthly partition is distributed alongside its parent.
@@ -48,7 +46,8 @@ def test_migrate_distributes_the_run_tables_by_run_id_colocated_and_keeps_the_qu
     # The queues stay plain tables on the coordinator.
     assert "task_outbox" not in layout and "webhook_deliveries" not in layout
     assert all(applied for _, applied in status(db_url))
-    assert [m.name for m, _ in status(db_url) if m.citus] == ["distribute_by_run_id"]
+    assert [m.name for m, _ in status(db_url) if m.citus] == ["distribute_by_run_id", "distribute_run_history",
+                                                             "partition_statistics_from_shards"]
 
 
 def test_partitions_created_and_dropped_on_the_coordinator_reach_the_shards(db_url: str,
@@ -65,6 +64,36 @@ def test_partitions_created_and_dropped_on_the_coordinator_reach_the_shards(db_u
     dropped = drop_due_months(db_url, datetime(2025, 3, 1, tzinfo=UTC)).dropped
     assert dropped == ["202501", "202502"]
     assert not {"workflow_runs_p202501", "task_instances_p202502"} & set(_layout(db_url))
+
+
+def test_the_engine_runs_only_single_shard_statements_for_a_run(db_url: str) -> None:
+    # Citus itself refuses, with this setting, any statement that would touch more than
+    # one shard: deploy, start, signal, claim, heartbeat, complete, fail and cancel run
+    # through it without an error.
+    strict = db_url + "&options=-c%20citus.multi_task_query_log_level%3Derror"
+    spec = {"id": "two", "nodes": [
+        {"id": "a", "type": "TASK", "task": "t", "retry": {"max_attempts": 2, "initial_backoff_s": 0}},
+        {"id": "b", "type": "WAIT_FOR_EVENT", "event": "go", "depends_on": ["a"]},
+        {"id": "c", "type": "TASK", "task": "t", "depends_on": ["b"]}]}
+    with Engine.connect(strict, pool_size=2) as engine:
+        engine.deploy(spec)
+        run_id = engine.start("two", input={"n": 1})
+        engine.signal(run_id, "go", {"early": True})                 # buffered
+        first = engine.claim(["default"], "w1", 1)
+        assert engine.heartbeat(first[0]) is not None
+        engine.fail(first[0], "once")                                # re-queued
+        again = engine.claim(["default"], "w1", 1)
+        assert again and again[0].attempt == 1
+        engine.complete(again[0], {"ok": 1})                         # b consumes the buffered signal
+        last = engine.claim(["default"], "w1", 1)
+        assert [c.node_id for c in last] == ["c"]
+        other = engine.start("two")
+        engine.cancel(other)
+        engine.complete(last[0], {"ok": 2})
+        run = engine.get_run(run_id)
+    assert run.status == "SUCCEEDED"
+    with psycopg.connect(strict) as conn, pytest.raises(psycopg.Error, match="multi-task query"):
+        conn.execute("SELECT count(*) FROM task_instances")             # the check is live
 
 
 PLAIN = "composer_single_to_citus"
@@ -87,6 +116,7 @@ def test_a_single_server_database_with_runs_converts_to_citus_and_keeps_working(
         done = engine.start("one")
         engine.complete(engine.claim(["default"], "w", 1)[0], {"x": 1})
         waiting = engine.start("one")
+        history_before = [h.kind for h in engine.get_run(done).history]
     # The documented conversion: the extension on every node, the workers added, then
     # `composer-ops migrate` (which detects Citus) distributes what is there.
     name = PLAIN
@@ -100,15 +130,21 @@ def test_a_single_server_database_with_runs_converts_to_citus_and_keeps_working(
         for worker in citus_cluster.workers:
             conn.execute("SELECT citus_add_node('127.0.0.1', %s)", (worker.port,))
     assert main(["migrate", "--database-url", plain_db]) == 0
-    assert "applied V007__distribute_by_run_id.sql" in capsys.readouterr().out
-    assert _layout(plain_db)["workflow_runs"][0] == "distributed"
+    applied = capsys.readouterr().out
+    assert "applied V007__distribute_by_run_id.sql" in applied and "applied V013__distribute_run_history.sql" in applied
+    layout = _layout(plain_db)
+    assert {layout[t] for t in partitions.RUN_TABLES} == {layout["workflow_runs"]}     # one co-location group
+    assert layout["workflow_runs"][0] == "distributed"
     with Engine.connect(plain_db, pool_size=2) as engine:
         assert engine.get_run(done).status == "SUCCEEDED"
-        assert [t.state for t in engine.get_run(waiting).tasks] == ["PENDING"]
+        assert [h.kind for h in engine.get_run(done).history] == history_before    # moved with the runs
+        engine.complete(engine.claim(["default"], "w", 1)[0], {"x": 2})
+        assert engine.get_run(waiting).status == "SUCCEEDED"
+        assert engine.get_run(engine.start("one")).status == "RUNNING"
     with psycopg.connect(plain_db) as conn:
         placed: Any = conn.execute("""SELECT nodeport, count(*) FROM citus_shards s
                                        JOIN workflow_runs r ON get_shard_id_for_distribution_column(
                                             'workflow_runs', r.id) = s.shardid
                                       GROUP BY 1""").fetchall()
     assert {port for port, _ in placed} <= {w.port for w in citus_cluster.workers}   # the rows live on the workers
-    assert sum(n for _, n in placed) == 2
+    assert sum(n for _, n in placed) == 3

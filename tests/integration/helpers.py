@@ -12,7 +12,7 @@ from typing import Any, TypeVar
 import uuid6
 
 from composer_ops import Engine
-from composer_ops.repo import definitions, runs
+from composer_ops.repo import clock, definitions, runs
 
 T = TypeVar("T")
 
@@ -40,7 +40,7 @@ def add_run(conn: Any, workflow_id: str = "wf", *, at: datetime | None = None, v
             status: str | None = None) -> str:
     run_id = uuid7_at(at) if at else str(uuid6.uuid7())
     runs.insert_run(conn, run_id=run_id, workflow_id=workflow_id, workflow_version=version,
-                    input={"x": 1}, context={"input": {"x": 1}, "config": {}})
+                    input={"x": 1}, context={"input": {"x": 1}, "config": {}}, now=clock.now(conn))
     if status and status != "RUNNING":
         conn.execute("UPDATE workflow_runs SET status = %s WHERE id = %s", (status, run_id))
     return run_id

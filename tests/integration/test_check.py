@@ -13,7 +13,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from composer_ops.cli import main
 from tests.notebooks.harness import as_role, seed_committed
 
-METRICS = ["composer_partitions_months_ahead", "composer_sweeper_lag_seconds", "composer_outbox_oldest_ready_seconds",
+METRICS = ["composer_replay_lag_seconds", "composer_partitions_months_ahead", "composer_sweeper_lag_seconds",
+           "composer_outbox_oldest_ready_seconds",
            "composer_retention_blocked_months", "composer_long_waits_without_timeout",
            "composer_webhook_deliveries_failing"]
 
@@ -30,7 +31,7 @@ def test_a_fresh_database_is_healthy(db_url: str, tmp_path: Path, capsys: pytest
     prom = tmp_path / "composer.prom"
     assert main(["check", "--database-url", as_role(db_url), "--prometheus", str(prom)]) == 0
     out = capsys.readouterr().out
-    assert out.splitlines()[-1] == "healthy" and "ALERT" not in out and len(out.splitlines()) == 7
+    assert out.splitlines()[-1] == "healthy" and "ALERT" not in out and len(out.splitlines()) == len(METRICS) + 1
     samples = _samples(prom)
     assert samples[("composer_check_healthy", "")] == 1.0
     assert samples[("composer_partitions_months_ahead", "")] == 3.0
@@ -52,7 +53,7 @@ def test_the_seeded_database_alerts_and_says_why(db_url: str, tmp_path: Path,
     checks = {c["metric"]: c for c in doc["checks"]}
     assert doc["healthy"] is False and list(checks) == METRICS
     alerting = {m for m, c in checks.items() if c["alert"]}
-    assert alerting == set(METRICS) - {"composer_partitions_months_ahead"}
+    assert alerting == set(METRICS) - {"composer_partitions_months_ahead", "composer_replay_lag_seconds"}
     assert checks["composer_sweeper_lag_seconds"]["value"] == pytest.approx(7200, abs=60)   # L7's lease
     assert checks["composer_outbox_oldest_ready_seconds"]["value"] == pytest.approx(1800, abs=60)   # L6
     assert checks["composer_retention_blocked_months"]["value"] == 2

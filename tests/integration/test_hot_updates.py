@@ -21,7 +21,7 @@ from composer_ops import Engine
 from composer_ops.core.model import TaskRef
 from composer_ops.db.migrate import migrate
 from composer_ops.engine.ids import uuid7_text
-from composer_ops.repo import signals, tasks
+from composer_ops.repo import clock, signals, tasks
 from composer_ops.repo.rows import Claim
 
 SPEC = {"id": "hb", "nodes": [{"id": "work", "type": "TASK", "task": "noop", "lease_s": 300}]}
@@ -190,7 +190,7 @@ def _scans(conn: Any, query: str, params: Any) -> list[tuple[str, str, str | Non
 
 def test_lease_sweeper_reads_the_running_partial_index(seeded: Any) -> None:
     capture = StatementCapture()
-    tasks.expired_leases(capture.as_connection(), 100)
+    tasks.expired_leases(capture.as_connection(), 100, now=clock.now(seeded))
     (query, params), = capture.statements
     scans = _scans(seeded, query, params)
     assert scans, "the plan scans no populated partition"
@@ -199,7 +199,7 @@ def test_lease_sweeper_reads_the_running_partial_index(seeded: Any) -> None:
         "idx_task_instances_running", "idx_task_instances_run_active"}, scans
     # the run of each candidate (deleted? still active?) is one primary-key lookup
     assert {p for _, r, p in scans if p and r.startswith("workflow_runs")} <= {"workflow_runs_pkey"}, scans
-    expired = tasks.expired_leases(seeded, 1000)
+    expired = tasks.expired_leases(seeded, 1000, now=clock.now(seeded))
     expected = seeded.execute(
         "SELECT count(*) FROM task_instances WHERE state = 'RUNNING' AND lease_expires_at <= now()").fetchone()[0]
     assert len(expired) == expected > 0
@@ -208,7 +208,7 @@ def test_lease_sweeper_reads_the_running_partial_index(seeded: Any) -> None:
 
 def test_timer_loop_reads_the_wake_partial_index(seeded: Any) -> None:
     capture = StatementCapture()
-    signals.due_waits(capture.as_connection(), 100)
+    signals.due_waits(capture.as_connection(), 100, now=clock.now(seeded))
     (query, params), = capture.statements
     scans = _scans(seeded, query, params)
     assert scans and all(t != "Seq Scan" for t, _, _ in scans), scans

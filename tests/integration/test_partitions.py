@@ -11,7 +11,7 @@ import pytest
 
 from composer_ops.db.migrate import migrate
 from composer_ops.errors import Invalid
-from composer_ops.repo import partitions, runs, signals, tasks
+from composer_ops.repo import clock, partitions, runs, signals, tasks
 from tests.integration.helpers import add_definition, add_run, at_once, connect_in_tz, drop_months, uuid7_at
 
 TIMEZONES = ["UTC", "America/New_York", "Asia/Tokyo"]
@@ -33,8 +33,9 @@ def test_run_tasks_and_events_land_in_the_run_ids_month(conn: Any) -> None:
     add_definition(conn)
     partitions.ensure_from(conn, date(2025, 3, 1), 1)
     run_id = add_run(conn, at=datetime(2025, 3, 31, 23, 59, 59, tzinfo=UTC))
-    tasks.insert_task(conn, run_id, task_id="t1", node_id="a", node_type="TASK", queue="q", state="PENDING")
-    signals.buffer_signal(conn, run_id, signal_id="e1", name="go", payload=None)
+    tasks.insert_task(conn, run_id, task_id="t1", node_id="a", node_type="TASK", queue="q", state="PENDING",
+                      now=clock.now(conn))
+    signals.buffer_signal(conn, run_id, signal_id="e1", name="go", payload=None, now=clock.now(conn))
     where = conn.execute("""
         SELECT (SELECT tableoid::regclass::text FROM workflow_runs WHERE id = %(r)s),
                (SELECT tableoid::regclass::text FROM task_instances WHERE run_id = %(r)s),
@@ -104,8 +105,8 @@ def _layout(conn: Any) -> dict[str, str]:
         ts = datetime(int(month[:4]), int(month[4:]), 28, 12, tzinfo=UTC)
         run_id = add_run(conn, at=ts, status=status)
         tasks.insert_task(conn, run_id, task_id=f"t{month}", node_id="a", node_type="TASK", queue="q",
-                          state="COMPLETED")
-        signals.buffer_signal(conn, run_id, signal_id=f"e{month}", name="go", payload=None)
+                          state="COMPLETED", now=clock.now(conn))
+        signals.buffer_signal(conn, run_id, signal_id=f"e{month}", name="go", payload=None, now=clock.now(conn))
         ids[month] = run_id
     return ids
 

@@ -15,7 +15,7 @@ from typing import Any
 import psycopg
 import pytest
 
-from composer_ops.repo import analytics
+from composer_ops.repo import analytics, clock
 from composer_ops.testing.servers import Server
 
 QUERIES = {
@@ -89,7 +89,8 @@ def test_query_reads_task_instances_only_through_partial_indexes(busy_db: str, n
             SELECT c.relname FROM pg_class c JOIN pg_inherits h ON h.inhrelid = c.oid
              WHERE h.inhparent = 'task_instances'::regclass AND c.relpages > 0""").fetchall()}
         assert len(populated) == 2
-        explained = conn.execute(f"EXPLAIN (FORMAT JSON) {query}".encode(), params).fetchone()
+        explained = conn.execute(f"EXPLAIN (FORMAT JSON) {query}".encode(),
+                                 {**(params or {}), "now": clock.now(conn)}).fetchone()
         assert explained is not None
         plan = explained[0][0]["Plan"]
     seen: dict[str, str] = {}

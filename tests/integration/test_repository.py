@@ -12,7 +12,7 @@ import pytest
 from composer_ops.core.model import TaskRef
 from composer_ops.core.runids import month_of
 from composer_ops.errors import Conflict, Invalid, NotFound
-from composer_ops.repo import definitions, history, outbox, runs, signals, tasks, webhooks
+from composer_ops.repo import clock, definitions, history, outbox, runs, signals, tasks, webhooks
 from composer_ops.repo.rows import Dispatch, HistoryEntry, StartTarget
 from tests.integration.helpers import add_definition, add_run, now_utc
 
@@ -28,7 +28,7 @@ def run_id(conn: Any) -> str:
 def _task(conn: Any, run_id: str, node: str = "a", state: str = "PENDING", **kw: Any) -> str:
     task_id = f"{run_id[:8]}-{node}"
     assert tasks.insert_task(conn, run_id, task_id=task_id, node_id=node, node_type=kw.pop("node_type", "TASK"),
-                             queue="default", state=state, **kw)
+                             queue="default", state=state, now=clock.now(conn), **kw)
     return task_id
 
 
@@ -60,7 +60,8 @@ def test_lock_and_load_reads_the_row_and_the_db_clock_and_holds_the_lock(conn: A
 
 def test_insert_run_twice_is_conflict(conn: Any, run_id: str) -> None:
     with pytest.raises(Conflict, match="already exists"):
-        runs.insert_run(conn, run_id=run_id, workflow_id="wf", workflow_version=1, input=None, context={})
+        runs.insert_run(conn, run_id=run_id, workflow_id="wf", workflow_version=1, input=None, context={},
+                        now=clock.now(conn))
     assert conn.execute("SELECT count(*) FROM workflow_runs").fetchone()[0] == 1
 
 
@@ -88,7 +89,7 @@ def test_load_tasks_and_outputs(conn: Any, run_id: str) -> None:
 def test_insert_task_twice_for_one_node_reports_false(conn: Any, run_id: str) -> None:
     _task(conn, run_id)
     again = tasks.insert_task(conn, run_id, task_id="other", node_id="a", node_type="TASK", queue=None,
-                              state="PENDING")
+                              state="PENDING", now=clock.now(conn))
     assert again is False
     assert conn.execute("SELECT count(*) FROM task_instances WHERE run_id = %s", (run_id,)).fetchone()[0] == 1
 
@@ -104,16 +105,18 @@ def test_insert_task_terminal_states_stamp_times(conn: Any, run_id: str) -> None
 def test_fenced_updates_refuse_stale_attempt_and_finished_task(conn: Any, run_id: str, op: str) -> None:
     task_id = _task(conn, run_id)
     apply: Callable[[TaskRef], object] = {
-        "complete": lambda ref: tasks.complete_task(conn, ref, {"ok": 1}, request="r", entry=NOTE),
-        "fail": lambda ref: tasks.fail_task(conn, ref, "boom", request="r", entry=NOTE),
-        "requeue": lambda ref: tasks.requeue_task(conn, ref, "retry", lease_expired=False, request="r", entry=NOTE),
+        "complete": lambda ref: tasks.complete_task(conn, ref, {"ok": 1}, request="r", entry=NOTE, now=clock.now(conn)),
+        "fail": lambda ref: tasks.fail_task(conn, ref, "boom", request="r", entry=NOTE, now=clock.now(conn)),
+        "requeue": lambda ref: tasks.requeue_task(conn, ref, "retry", lease_expired=False, request="r", entry=NOTE,
+                                                  now=clock.now(conn)),
     }[op]
     assert apply(_ref(run_id, task_id, attempt=7)) is None          # stale attempt
     assert apply(_ref(run_id, task_id, node="zzz")) is None         # wrong node
     assert _state(conn, run_id) == ("PENDING", 0)
     assert apply(_ref(run_id, task_id)) is not None
     after = _state(conn, run_id)
-    tasks.complete_task(conn, _ref(run_id, task_id, attempt=after[1]), None, request="r", entry=NOTE)
+    tasks.complete_task(conn, _ref(run_id, task_id, attempt=after[1]), None, request="r", entry=NOTE,
+                        now=clock.now(conn))
     final = _state(conn, run_id)
     assert apply(_ref(run_id, task_id, attempt=after[1])) is None   # finished task
     assert _state(conn, run_id) == final
@@ -124,19 +127,20 @@ def test_fenced_updates_refuse_stale_attempt_and_finished_task(conn: Any, run_id
 
 def test_requeue_bumps_attempt_and_returns_dispatch(conn: Any, run_id: str) -> None:
     task_id = _task(conn, run_id, input={"n": 3})
-    d = tasks.requeue_task(conn, _ref(run_id, task_id), "flaky", lease_expired=False, request="r", entry=NOTE)
+    d = tasks.requeue_task(conn, _ref(run_id, task_id), "flaky", lease_expired=False, request="r", entry=NOTE,
+                           now=clock.now(conn))
     assert d is not None and (d.attempt, d.input, d.queue, d.node_type) == (1, {"n": 3}, "default", "TASK")
     err = conn.execute("SELECT last_error FROM task_instances WHERE id = %s", (task_id,)).fetchone()[0]
     assert err == {"error": "flaky"}
     assert tasks.requeue_task(conn, _ref(run_id, task_id, attempt=1), "lapsed", lease_expired=True, request="r",
-                              entry=NOTE) is not None
+                              entry=NOTE, now=clock.now(conn)) is not None
     row = conn.execute("SELECT attempt, lease_expiries FROM task_instances WHERE id = %s", (task_id,)).fetchone()
     assert row == (2, 1)
 
 
 def test_finish_run_once(conn: Any, run_id: str) -> None:
-    assert runs.finish_run(conn, run_id, "SUCCEEDED", output={"a": 1}) is True
-    assert runs.finish_run(conn, run_id, "FAILED", reason="late") is False
+    assert runs.finish_run(conn, run_id, "SUCCEEDED", output={"a": 1}, now=clock.now(conn)) is True
+    assert runs.finish_run(conn, run_id, "FAILED", reason="late", now=clock.now(conn)) is False
     view = runs.get_run(conn, run_id)
     assert (view.status, view.output, view.error) == ("SUCCEEDED", {"a": 1}, None)
 
@@ -146,23 +150,23 @@ def test_due_waits_and_resolve_wait(conn: Any, run_id: str) -> None:
     future = now_utc() + timedelta(hours=1)
     due = _task(conn, run_id, "w1", state="WAITING", node_type="WAIT", wake_at=past)
     _task(conn, run_id, "w2", state="WAITING", node_type="WAIT", wake_at=future)
-    assert [w.task_id for w in signals.due_waits(conn, 10)] == [due]
-    assert signals.resolve_wait(conn, run_id, due, state="COMPLETED", output={"ok": True})
-    assert not signals.resolve_wait(conn, run_id, due, state="FAILED", reason="late")
+    assert [w.task_id for w in signals.due_waits(conn, 10, now=clock.now(conn))] == [due]
+    assert signals.resolve_wait(conn, run_id, due, state="COMPLETED", output={"ok": True}, now=clock.now(conn))
+    assert not signals.resolve_wait(conn, run_id, due, state="FAILED", reason="late", now=clock.now(conn))
     assert _state(conn, run_id, "w1") == ("COMPLETED", 0)
-    assert signals.due_waits(conn, 10) == []
+    assert signals.due_waits(conn, 10, now=clock.now(conn)) == []
 
 
 def test_signals_buffer_oldest_first_and_consume_once(conn: Any, run_id: str) -> None:
     assert signals.pending_signals(conn, run_id, "go") == []
-    signals.buffer_signal(conn, run_id, signal_id="s1", name="go", payload={"n": 1})
-    signals.buffer_signal(conn, run_id, signal_id="s2", name="go", payload={"n": 2})
-    signals.buffer_signal(conn, run_id, signal_id="s3", name="other", payload=None)
+    signals.buffer_signal(conn, run_id, signal_id="s1", name="go", payload={"n": 1}, now=clock.now(conn))
+    signals.buffer_signal(conn, run_id, signal_id="s2", name="go", payload={"n": 2}, now=clock.now(conn))
+    signals.buffer_signal(conn, run_id, signal_id="s3", name="other", payload=None, now=clock.now(conn))
     first, second = signals.pending_signals(conn, run_id, "go")
     assert (first.id, first.payload, second.id) == ("s1", {"n": 1}, "s2")
     assert signals.pending_signals(conn, run_id, "go", limit=1) == [first]
-    assert signals.consume_signal(conn, run_id, "s1") is True
-    assert signals.consume_signal(conn, run_id, "s1") is False
+    assert signals.consume_signal(conn, run_id, "s1", now=clock.now(conn)) is True
+    assert signals.consume_signal(conn, run_id, "s1", now=clock.now(conn)) is False
     assert [s.id for s in signals.pending_signals(conn, run_id, "go")] == ["s2"]
 
 
@@ -217,7 +221,7 @@ def test_outbox_claim_moves_task_to_running_with_lease(conn: Any, run_id: str) -
         Dispatch(run_id=run_id, task_id=task_id, attempt=0, queue="default", task_name="t", lease_s=30),
         Dispatch(run_id=run_id, task_id=later, attempt=0, queue="default", task_name="t", lease_s=30,
                  available_at=now_utc() + timedelta(hours=1)),
-    ])
+    ], now=clock.now(conn))
     assert outbox.claim(conn, ["other"], "w1", 10, claim_id="c") == []
     claims = outbox.claim(conn, ["default"], "w1", 10, claim_id="c")
     assert [(c.task_id, c.input, c.lease_owner, c.task_name) for c in claims] == [(task_id, {"n": 1}, "w1", "t")]
@@ -229,8 +233,8 @@ def test_outbox_claim_moves_task_to_running_with_lease(conn: Any, run_id: str) -
 def test_outbox_row_for_a_cancelled_task_claims_nothing(conn: Any, run_id: str) -> None:
     task_id = _task(conn, run_id)
     outbox.enqueue(conn, [Dispatch(run_id=run_id, task_id=task_id, attempt=0, queue="q", task_name="t",
-                                   lease_s=5)])
-    assert tasks.cancel_tasks(conn, run_id, [task_id], "cancelled") == 1
+                                   lease_s=5)], now=clock.now(conn))
+    assert tasks.cancel_tasks(conn, run_id, [task_id], "cancelled", now=clock.now(conn)) == 1
     assert outbox.claim(conn, ["q"], "w", 5, claim_id="c") == []
     assert conn.execute("SELECT count(*) FROM task_outbox").fetchone()[0] == 0
 
@@ -238,7 +242,7 @@ def test_outbox_row_for_a_cancelled_task_claims_nothing(conn: Any, run_id: str) 
 def test_heartbeat_extends_only_a_live_lease(conn: Any, run_id: str) -> None:
     task_id = _task(conn, run_id)
     outbox.enqueue(conn, [Dispatch(run_id=run_id, task_id=task_id, attempt=0, queue="q", task_name="t",
-                                   lease_s=1)])
+                                   lease_s=1)], now=clock.now(conn))
     claim = outbox.claim(conn, ["q"], "w1", 1, claim_id="c")[0]
     ref = _ref(run_id, task_id)
     extended = tasks.heartbeat(conn, ref, "w1", 60)
@@ -246,13 +250,13 @@ def test_heartbeat_extends_only_a_live_lease(conn: Any, run_id: str) -> None:
     assert tasks.heartbeat(conn, ref, "intruder", 60) is None
     conn.execute("UPDATE task_instances SET lease_expires_at = now() - interval '1 s' WHERE id = %s", (task_id,))
     assert tasks.heartbeat(conn, ref, "w1", 60) is None
-    assert [e.task_id for e in tasks.expired_leases(conn, 10)] == [task_id]
+    assert [e.task_id for e in tasks.expired_leases(conn, 10, now=clock.now(conn))] == [task_id]
 
 
 def test_a_claim_records_its_id_and_claimed_by_finds_what_it_took(conn: Any, run_id: str) -> None:
     first, second = _task(conn, run_id, "a"), _task(conn, run_id, "b")
     outbox.enqueue(conn, [Dispatch(run_id=run_id, task_id=t, attempt=0, queue="default", task_name="job",
-                                   lease_s=9) for t in (first, second)])
+                                   lease_s=9) for t in (first, second)], now=clock.now(conn))
     taken = outbox.claim(conn, ["default"], "w1", 1, claim_id="claim-1")
     assert len(taken) == 1
     assert outbox.claimed_by(conn, "w1", "claim-1") == taken
@@ -262,13 +266,16 @@ def test_a_claim_records_its_id_and_claimed_by_finds_what_it_took(conn: Any, run
     assert (row.kind, row.task_id, row.attempt, row.worker, row.request) == ("claimed", taken[0].task_id, 0, "w1",
                                                                              "claim-1")
     assert row.detail == {"task": "job", "lease_s": 9}
-    tasks.complete_task(conn, _ref(run_id, taken[0].task_id, node=taken[0].node_id), None, request="r", entry=NOTE)
+    tasks.complete_task(conn, _ref(run_id, taken[0].task_id, node=taken[0].node_id), None, request="r", entry=NOTE,
+                        now=clock.now(conn))
     assert outbox.claimed_by(conn, "w1", "claim-1") == []          # no longer held
 
 
 def test_history_rows_keep_their_order_and_request(conn: Any, run_id: str) -> None:
-    history.record(conn, run_id, "req-1", [HistoryEntry(kind="one"), HistoryEntry(kind="two", detail={"x": 1})])
-    history.record(conn, run_id, "req-2", [HistoryEntry(kind="three", node_id="n", attempt=2, worker="w")])
+    history.record(conn, run_id, "req-1", [HistoryEntry(kind="one"), HistoryEntry(kind="two", detail={"x": 1})],
+                   now=clock.now(conn))
+    history.record(conn, run_id, "req-2", [HistoryEntry(kind="three", node_id="n", attempt=2, worker="w")],
+                   now=clock.now(conn))
     rows = history.run_history(conn, run_id)
     assert [(r.kind, r.request) for r in rows] == [("one", "req-1"), ("two", "req-1"), ("three", "req-2")]
     assert [r.kind for r in history.of_request(conn, run_id, "req-1")] == ["one", "two"]
@@ -282,13 +289,13 @@ def test_history_rows_keep_their_order_and_request(conn: Any, run_id: str) -> No
 def test_delete_outbox_rows_for_tasks(conn: Any, run_id: str) -> None:
     task_id = _task(conn, run_id)
     outbox.enqueue(conn, [Dispatch(run_id=run_id, task_id=task_id, attempt=0, queue="q", task_name="t",
-                                   lease_s=5)])
+                                   lease_s=5)], now=clock.now(conn))
     assert outbox.delete_for_tasks(conn, run_id, [task_id]) == 1
 
 
 def test_webhook_delivery_claim_and_outcomes(conn: Any, run_id: str) -> None:
-    webhooks.enqueue(conn, run_id, "http://127.0.0.1:9/hook", {"run_id": run_id})
-    webhooks.enqueue(conn, run_id, "http://127.0.0.1:9/hook", {"dup": True})
+    webhooks.enqueue(conn, run_id, "http://127.0.0.1:9/hook", {"run_id": run_id}, now=clock.now(conn))
+    webhooks.enqueue(conn, run_id, "http://127.0.0.1:9/hook", {"dup": True}, now=clock.now(conn))
     first = webhooks.claim_due(conn, 10, lease_s=30)
     assert [(d.run_id, d.attempts) for d in first] == [(run_id, 1)]
     assert webhooks.claim_due(conn, 10, lease_s=30) == []         # leased

@@ -1,0 +1,116 @@
+"""The statements a Citus deployment runs in place of the single-server ones.
+
+On Citus (sql/citus/V007, docs/scaling.md) the run tables are distributed by run ID
+and the outbox stays a plain table on the coordinator. Every other statement of the
+repository runs unchanged on both deployments; this module holds the exceptions, each
+with the reason it differs:
+
+- :func:`claim`: the single-server claim is one statement joining the outbox and the
+  tasks, which Citus cannot run (an UPDATE of a distributed table from a local one, and
+  ``now()`` plus a column in its SET). Here it is one transaction: the outbox rows are
+  locked on the coordinator, then each task is claimed by a statement routed to its
+  shard. It also copes with what two-phase commit makes possible: a transaction that
+  creates a task and its outbox row commits on the coordinator first, so for a moment
+  a claimer can see the outbox row while the task row is not visible yet. Such a row is
+  left in the outbox for a later claim (deleting it, as the single-server claim does
+  with a row whose task is no longer PENDING, would lose the task for ever).
+
+:func:`is_citus` says which deployment a connection is on.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from datetime import timedelta
+from typing import Any
+
+from psycopg.rows import dict_row
+from psycopg.types.json import Jsonb
+
+from composer_ops.repo import clock
+from composer_ops.repo._base import Conn
+from composer_ops.repo.rows import Claim
+
+
+def is_citus(conn: Conn) -> bool:
+    """True when the database has the citus extension (a Citus coordinator)."""
+    row = conn.execute("SELECT EXISTS (SELECT 1 FROM pg_extension WHERE extname = 'citus')").fetchone()
+    return bool(row and row[0])
+
+
+# On the coordinator, in the clock read's transaction: its now() is that clock.
+_PICK = """
+    SELECT id, run_id, task_id, attempt, task_name, lease_s, queue
+      FROM task_outbox
+     WHERE queue = ANY(%(queues)s) AND available_at <= now()
+       AND (%(names)s::text[] IS NULL OR task_name = ANY(%(names)s::text[]))
+     ORDER BY available_at, id
+     LIMIT %(limit)s
+       FOR UPDATE SKIP LOCKED"""
+
+# One task, routed to its shard (every table named is filtered on the run ID): the
+# claim and its history row, and whether the task row is visible at all. The EXISTS
+# reads with the statement's snapshot, as the UPDATE's scan does: a task row that the
+# UPDATE could not see because the transaction creating it has not committed on its
+# node yet is not visible to it either.
+_CLAIM_ONE = """
+    WITH claimed AS (
+        UPDATE task_instances
+           SET state = 'RUNNING', lease_owner = %(owner)s, lease_expires_at = %(expires)s,
+               started_at = %(now)s, updated_at = %(now)s
+         WHERE run_id = %(run)s AND id = %(task)s AND attempt = %(attempt)s AND state IN ('PENDING', 'QUEUED')
+           AND NOT EXISTS (SELECT 1 FROM workflow_runs r WHERE r.id = %(run)s AND r.deleted_at IS NOT NULL)
+        RETURNING node_id, input_json),
+         noted AS (
+        INSERT INTO run_history (run_id, at, kind, node_id, task_id, attempt, worker, request, detail)
+        SELECT %(run)s, %(now)s, 'claimed', node_id, %(task)s, %(attempt)s, %(owner)s, %(claim)s, %(detail)s
+          FROM claimed)
+    SELECT (SELECT node_id FROM claimed) AS node_id, (SELECT input_json FROM claimed) AS input,
+           EXISTS (SELECT 1 FROM task_instances WHERE run_id = %(run)s AND id = %(task)s) AS visible"""
+
+
+def claim(conn: Conn, queues: Sequence[str], owner: str, limit: int,
+          task_names: Sequence[str] | None = None, *, claim_id: str) -> list[Claim]:
+    """:func:`composer_ops.repo.outbox.claim` on Citus, in the caller's transaction:
+    lock up to ``limit`` available outbox rows (FOR UPDATE SKIP LOCKED, on the
+    coordinator), claim each task on its shard (fenced on attempt and state, skipping
+    soft-deleted runs, with its 'claimed' history row marked ``claim_id``), then delete
+    the outbox rows that are settled: claimed, or whose task is no longer claimable. A row whose task is not
+    visible yet is kept. Three round trips; the clock is read once, on the coordinator."""
+    with conn.cursor() as clock_cur, conn.cursor(row_factory=dict_row) as pick:
+        with conn.pipeline():
+            clock_cur.execute(clock.NOW)
+            pick.execute(_PICK, {"queues": list(queues), "limit": limit,
+                                 "names": list(task_names) if task_names is not None else None})
+        now_row = clock_cur.fetchone()
+        picked = pick.fetchall()
+    assert now_row is not None
+    now = now_row[0]
+    if not picked:
+        return []
+    cursors = [conn.cursor(row_factory=dict_row) for _ in picked]
+    try:
+        with conn.pipeline():
+            for cur, row in zip(cursors, picked, strict=True):
+                cur.execute(_CLAIM_ONE, {
+                    "owner": owner, "expires": now + timedelta(seconds=row["lease_s"]), "now": now,
+                    "run": row["run_id"], "task": row["task_id"], "attempt": row["attempt"], "claim": claim_id,
+                    "detail": Jsonb({"task": row["task_name"], "lease_s": row["lease_s"]})})
+        results: list[dict[str, Any]] = [cur.fetchone() or {} for cur in cursors]
+    finally:
+        for cur in cursors:
+            cur.close()
+    claims: list[Claim] = []
+    settled: list[int] = []
+    for row, result in zip(picked, results, strict=True):
+        if result.get("node_id") is not None:
+            settled.append(row["id"])
+            claims.append(Claim(run_id=row["run_id"], task_id=row["task_id"], node_id=result["node_id"],
+                                attempt=row["attempt"], task_name=row["task_name"], queue=row["queue"],
+                                input=result["input"], lease_s=row["lease_s"], lease_owner=owner,
+                                lease_expires_at=now + timedelta(seconds=row["lease_s"])))
+        elif result.get("visible"):
+            settled.append(row["id"])          # cancelled, finished or a stale attempt: nothing to run
+    if settled:
+        conn.execute("DELETE FROM task_outbox WHERE id = ANY(%s)", (settled,))
+    return claims
