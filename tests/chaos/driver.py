@@ -37,7 +37,7 @@ from composer_ops.engine.ids import uuid7_at
 from composer_ops.testing import servers
 from composer_ops.testing.processes import Fleet
 from tests.chaos.hook import SECRET, Hook
-from tests.chaos.verify import AUDIT_SQL, TERMINAL, Audit, audit, describe_stuck
+from tests.chaos.verify import AUDIT_SQL, AUDIT_SQL_CITUS, TERMINAL, Audit, audit, describe_stuck
 from tests.chaos.workload import LEASE_S, Planned, plan, specs
 
 T = TypeVar("T")
@@ -117,9 +117,20 @@ class _Count(logging.Handler):
         self.count += 1
 
 
+Fault = Callable[[], str]
+
+
+def restart_server(server: servers.Server) -> Fault:
+    """The single-server fault: ``pg_ctl restart -m fast``; returns its description."""
+    def fault() -> str:
+        return f"pg_ctl restart -m fast, down {server.restart():.2f}s"
+    return fault
+
+
 class Chaos:
-    def __init__(self, db_url: str, options: Options, logdir: Path) -> None:
+    def __init__(self, db_url: str, options: Options, logdir: Path, *, fault: Fault | None = None) -> None:
         self.db_url, self.o = db_url, options
+        self.fault = fault
         self.rng = random.Random(options.seed)
         self.hook = Hook()
         self.fleet = Fleet(db_url, logdir=logdir, env={
@@ -238,10 +249,10 @@ class Chaos:
                 self.fleet.kill(proc, replace=True)
 
     def _restart(self) -> None:
+        assert self.fault is not None
         t0 = time.time()
-        down = servers.session().primary.restart()
+        self.restart_note = self.fault()
         self.restarts.append((t0, time.time()))
-        self.restart_note = f"pg_ctl restart -m fast, down {down:.2f}s"
 
     # -- the run ---------------------------------------------------------------------
 
@@ -258,13 +269,16 @@ class Chaos:
 
     def _run(self) -> Report:
         began = time.monotonic()
-        if self.o.restart and not servers.session().primary.owned:
+        if self.o.restart and self.fault is None:
             self.restart_note = "skipped: the server comes from COMPOSER_DATABASE_URL"
             self.o.restart = False
         elif not self.o.restart:
             self.restart_note = "skipped by request"
         with psycopg.connect(self.db_url, autocommit=True) as conn:
-            conn.execute(AUDIT_SQL.encode())
+            citus = conn.execute("SELECT EXISTS (SELECT 1 FROM pg_extension WHERE extname = 'citus')").fetchone()
+            with conn.transaction():
+                for statement in AUDIT_SQL_CITUS if citus and citus[0] else [AUDIT_SQL]:
+                    conn.execute(statement.encode())
         for spec in specs(self.hook.base):
             self.engine.deploy(spec)
         for _ in range(self.o.workers):
@@ -333,13 +347,20 @@ def run_chaos(server: servers.Server, options: Options, *, template: str | None 
     try:
         if not template:
             migrate(db_url)
-        if keep_logs is not None:
-            keep_logs.mkdir(parents=True, exist_ok=True)
-            return Chaos(db_url, options, keep_logs).run()
-        with tempfile.TemporaryDirectory(prefix="composer-chaos-") as logdir:
-            return Chaos(db_url, options, Path(logdir)).run()
+        return run_chaos_on(db_url, options, fault=restart_server(server) if server.owned else None,
+                            keep_logs=keep_logs)
     finally:
         server.drop_database(name)
+
+
+def run_chaos_on(db_url: str, options: Options, *, fault: Fault | None, keep_logs: Path | None = None) -> Report:
+    """Run on the migrated database ``db_url``; ``fault`` (once, half-way through the
+    starts) is the database-side fault, None when there is none to cause."""
+    if keep_logs is not None:
+        keep_logs.mkdir(parents=True, exist_ok=True)
+        return Chaos(db_url, options, keep_logs, fault=fault).run()
+    with tempfile.TemporaryDirectory(prefix="composer-chaos-") as logdir:
+        return Chaos(db_url, options, Path(logdir), fault=fault).run()
 
 
 def log_summary(logdir: Path) -> dict[str, Any]:

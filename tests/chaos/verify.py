@@ -40,6 +40,23 @@ CREATE TRIGGER chaos_audit AFTER UPDATE ON task_instances FOR EACH ROW
     EXECUTE FUNCTION chaos_audit();
 """
 
+#: The same on a Citus coordinator, statement by statement (Citus propagates the function
+#: and the trigger to the worker nodes one command at a time): the transitions are kept
+#: beside their tasks (a table distributed and co-located by run ID), so the trigger,
+#: which fires on the worker node holding the task's shard, writes them there. Citus
+#: refuses triggers on distributed tables unless citus.enable_unsafe_triggers is on:
+#: ordering across shards is not guaranteed, which this audit does not need.
+AUDIT_SQL_CITUS = [
+    "SET LOCAL citus.enable_unsafe_triggers TO on",
+    "SET LOCAL citus.multi_shard_modify_mode TO sequential",
+    AUDIT_SQL[:AUDIT_SQL.index("CREATE FUNCTION")].strip().rstrip(";")
+    .replace("id BIGINT GENERATED ALWAYS AS IDENTITY PRIMARY KEY,\n    run_id TEXT,",
+             "id BIGINT GENERATED ALWAYS AS IDENTITY,\n    run_id TEXT COLLATE \"C\" NOT NULL,"),
+    "SELECT create_distributed_table('chaos_transitions', 'run_id', colocate_with => 'workflow_runs')",
+    AUDIT_SQL[AUDIT_SQL.index("CREATE FUNCTION"):AUDIT_SQL.index("CREATE TRIGGER")].strip().rstrip(";"),
+    AUDIT_SQL[AUDIT_SQL.index("CREATE TRIGGER"):].strip().rstrip(";"),
+]
+
 
 @dataclass
 class Audit:
