@@ -118,6 +118,8 @@ def render(summary: dict[str, Any], console: Console | None = None) -> None:
         console.print(notebooks_table(res["notebooks"]))
     if res.get("months"):
         console.print(months_table(res["months"]))
+    if res.get("citus"):
+        console.print(citus_table(res["citus"]))
     console.print(f"[bold]PostgreSQL {summary['server_version']}[/bold], leg took {summary['elapsed_s']:.0f} s")
 
 
@@ -133,6 +135,19 @@ def months_table(mon: dict[str, Any]) -> Table:
                       _f(e.get("claim_server_cpu_ms"), 3), _f(e["heartbeat_p50_ms"], 2), _f(e["complete_p50_ms"], 2),
                       str(lk["claim"]), str(lk["heartbeat"]), str(lk["complete (event transaction)"]),
                       str(lk["sweeper scan"]), str(lk["timer scan"]), _f(e["runs_per_s"], 0))
+    return table
+
+
+def citus_table(case: dict[str, Any]) -> Table:
+    table = Table(title=f"Citus {case['citus_version']}, {case['nodes']} nodes on this machine, {case['shard_count']} "
+                        f"shards, vs one server of the same binaries (W=1, medians of {case['rounds']} rounds)")
+    for col in ("mode", "single runs/s", "Citus runs/s", "Citus / single", "per round",
+                "CPU ms/run single", "CPU ms/run Citus"):
+        table.add_column(col, justify="right")
+    for mode, e in case["summary"].items():
+        table.add_row(mode, _f(e["single_runs_per_s"], 0), _f(e["citus_runs_per_s"], 0), _f(e["ratio"], 2),
+                      ", ".join(_f(r, 2) for r in case["ratios"][mode]), _f(e["single_cpu_ms_per_run"], 1),
+                      _f(e["citus_cpu_ms_per_run"], 1))
     return table
 
 

@@ -10,8 +10,10 @@ cluster of Debian's PostgreSQL 15 binaries (``--pg15-bin``). Each leg compares
 Composer with Procrastinate at W=1 (drain and sustained, ``--repeat`` rounds) and
 measures pgbench and the paced latency; the parts that do not depend on the version
 run on one leg each, to keep ``make bench`` within 15 minutes: ``--skip-pg18`` (by
-default the months-retained case) and ``--skip-pg15`` (by default the HOT and
-retention measurements, the fan-out workload and the W>1 rounds, "contention").
+default the months-retained case and the Citus case) and ``--skip-pg15`` (by default
+the HOT and retention measurements, the fan-out workload and the W>1 rounds,
+"contention"). The Citus case (:mod:`bench.citus`) runs the W=1 workload on a local
+Citus cluster of the 15 leg's binaries and on that leg's server, alternately.
 With ``COMPOSER_DATABASE_URL`` set there is one leg, on that server, with every part.
 
 Results: ``bench/results/<date>-<commit>.json`` (UTC date, the checkout's short commit,
@@ -37,7 +39,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from bench import hot, months, pgbench, retention, scenario
+from bench import citus, hot, months, pgbench, retention, scenario
 from bench.report import dated_path, render, render_headline, write
 from bench.scenario import System
 from bench.workload import COMPOSER, make_template
@@ -45,7 +47,7 @@ from composer_ops.testing import servers
 
 RESULTS = Path(__file__).resolve().parent / "results"
 PARTS = ("pgbench", "throughput", "contention", "procrastinate", "fan", "latency", "months", "hot", "retention",
-         "notebooks")
+         "notebooks", "citus")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -54,7 +56,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--servers", default="18,15",
                    help="legs: 18 = the embedded server, 15 = a cluster of --pg15-bin (default 18,15)")
     p.add_argument("--pg15-bin", type=Path, default=scenario.DEBIAN_PG15_BIN, help="PostgreSQL 15 server binaries")
-    p.add_argument("--skip-pg18", default="months", help="parts the PostgreSQL 18 leg leaves out")
+    p.add_argument("--skip-pg18", default="months,citus", help="parts the PostgreSQL 18 leg leaves out")
     p.add_argument("--skip-pg15", default="hot,retention,fan,contention",
                    help="parts the PostgreSQL 15 leg leaves out")
     p.add_argument("--workers", default="1,4", help="worker process counts (default 1,4)")
@@ -69,6 +71,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--months-runs", type=int, default=2000, help="runs per backfilled month")
     p.add_argument("--months-claims", type=int, default=500, help="claims timed per database and round")
     p.add_argument("--retention-rows", type=int, default=250_000, help="task rows per month for retention")
+    p.add_argument("--citus-shards", type=int, default=32,
+                   help="shards per distributed table in the Citus case (Citus's default, 32)")
     p.add_argument("--skip", default="", help=f"comma-separated parts to skip: {', '.join(PARTS)}")
     p.add_argument("--quick", action="store_true", help="tiny sizes: checks that every part works")
     p.add_argument("--out", type=Path, default=None,
@@ -229,6 +233,12 @@ def run_leg(args: argparse.Namespace, server: servers.Server, peer: Any, skip: s
         _log(f"retention: drop vs DELETE of {args.retention_rows:,} task rows")
         results["retention"] = retention.measure(server, template, rows=args.retention_rows)
 
+    if "citus" not in skip and server.kind == "cluster":
+        _log("the Citus case: the same workload on a coordinator and two worker nodes of this server's binaries")
+        results["citus"] = citus.measure(server, template, runs=args.runs, duration=args.duration,
+                                         max_backlog=args.max_backlog, rounds=max(2, args.repeat // 2),
+                                         shard_count=args.citus_shards, log=_log)
+
     if "notebooks" not in skip:
         # Building 10 million task rows takes longer than this whole run: `python -m
         # bench.notebooks` does it separately; its last result is reported here.
@@ -307,7 +317,8 @@ HEADLINE = ("server_version", "composer_runs_per_s", "procrastinate_jobs_per_s",
             "cpu_ratio_vs_procrastinate", "claim_locks_by_months", "empty_claim_share_w1", "empty_claim_share_w4",
             "fan_out_transitions_per_s", "claim_to_complete_p50_ms", "claim_to_complete_p99_ms",
             "start_to_claim_p50_ms", "start_to_claim_p99_ms", "pgbench_tps", "heartbeat_hot_ratio",
-            "retention_delete_over_drop")
+            "retention_delete_over_drop", "citus_ratio_sustained", "citus_ratio_drain", "citus_runs_per_s",
+            "citus_cpu_ms_per_run")
 
 
 def combine(legs: list[dict[str, Any]], args: argparse.Namespace, began: float) -> dict[str, Any]:
@@ -398,9 +409,19 @@ def summarize(results: dict[str, Any], server: servers.Server, peer: Any, args: 
         "procrastinate_claim_to_complete_p99_ms": p_lat and p_lat["units"]["claim_to_complete_p99_ms"],
         "latency_pace_per_s": args.pace,
         "retention_delete_over_drop": (results.get("retention") or {}).get("delete_over_drop"),
+        **citus_keys(results.get("citus") or {}),
         **notebook_keys(results.get("notebooks") or {}),
         "results": results,
     }
+
+
+def citus_keys(case: dict[str, Any]) -> dict[str, Any]:
+    """The Citus case's headline: Citus over the single server (sustained and drain),
+    Citus's sustained runs/s and its CPU per run (every node, and the processes)."""
+    summary = case.get("summary") or {}
+    sus, drain = summary.get("sustained") or {}, summary.get("drain") or {}
+    return {"citus_ratio_sustained": sus.get("ratio"), "citus_ratio_drain": drain.get("ratio"),
+            "citus_runs_per_s": sus.get("citus_runs_per_s"), "citus_cpu_ms_per_run": sus.get("citus_cpu_ms_per_run")}
 
 
 def notebook_keys(nb: dict[str, Any]) -> dict[str, Any]:

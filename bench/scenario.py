@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bench.cpu import Meter, ServerCPU, per_item_ms
+from bench.cpu import Meter, ServerCPU, per_item_ms, server_cpu
 from bench.measure import rate, seconds, unit_stats
 from bench.procs import ROOT, ProcessGroup, db_now, read_json_line, wait_until
 from composer_ops.testing import servers
@@ -80,15 +80,15 @@ def drain(system: System, server: Server, template: str, *, workers: int, items:
     db = f"bench_{system.tag.replace('-', '_')}_drain_{workflow}_w{workers}"
     url = server.create_database(db, template=template)
     try:
-        server_cpu = ServerCPU(url)
-        s0 = server_cpu.seconds()
+        cpu = server_cpu(server, url)
+        s0 = cpu.seconds()
         with ProcessGroup(f"{system.tag} producer", system.root) as producers:
             started = read_json_line(_producer(system, producers, url, workflow, "--count", str(items)),
                                      timeout=max(300.0, items / 5))
-        s1 = server_cpu.seconds()
+        s1 = cpu.seconds()
         server.checkpoint()
         with system.spawn(url, workers, system.root) as group:
-            meter = Meter(server_cpu, group)
+            meter = Meter(cpu, group)
             meter.start()
             wait_until(lambda: system.unfinished(url) == 0, timeout=max(180.0, items / 5), interval=0.25,
                        what=f"{items} {system.tag} items to finish", group=group)
@@ -121,15 +121,17 @@ def sustained(system: System, server: Server, template: str, *, workers: int, du
     try:
         server.checkpoint()
         return sustained_on(system, url, workers=workers, duration=duration, workflow=workflow, warmup=warmup,
-                            max_backlog=max_backlog, pace=pace)
+                            max_backlog=max_backlog, pace=pace, cpu=server_cpu(server, url))
     finally:
         server.drop_database(db)
 
 
 def sustained_on(system: System, url: str, *, workers: int, duration: float, workflow: str = "one",
-                 warmup: float = 2.0, max_backlog: int | None = None, pace: float | None = None) -> dict[str, Any]:
+                 warmup: float = 2.0, max_backlog: int | None = None, pace: float | None = None,
+                 cpu: ServerCPU | None = None) -> dict[str, Any]:
     """:func:`sustained` on an existing database: only what starts, is claimed and
-    finishes inside the window counts, so rows already there (history) do not."""
+    finishes inside the window counts, so rows already there (history) do not.
+    ``cpu``: the server-side meter (default: the server behind ``url``)."""
     mode = "paced" if pace else "sustained"
     with system.spawn(url, workers, system.root) as group:
         extra = ["--seconds", str(warmup + duration)]
@@ -138,7 +140,7 @@ def sustained_on(system: System, url: str, *, workers: int, duration: float, wor
         if max_backlog:
             extra += ["--max-backlog", str(max_backlog)]
         producer = _producer(system, group, url, workflow, *extra)
-        meter = Meter(ServerCPU(url), group)
+        meter = Meter(cpu or ServerCPU(url), group)
         time.sleep(warmup)
         meter.start()
         w0 = db_now(url)
