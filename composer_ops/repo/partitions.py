@@ -74,7 +74,7 @@ def ensure_from(conn: Conn, first_month: date, months_ahead: int) -> int:
 
 # Every partition of the run-scoped tables, with its bound expression decoded from the
 # catalog, and its rows and sizes summed over the nodes that hold its data
-# (composer_partition_stats(), V014; on Citus the shards, V015).
+# (composer_partition_stats(), V015; on Citus the shards, V016).
 CATALOG_SQL = """
     SELECT p.relname::text AS table, c.relname::text AS name,
            COALESCE(substring(c.relname FROM '_p(\\d{6})$'), '') AS month,

@@ -131,7 +131,7 @@ def test_a_single_server_database_with_runs_converts_to_citus_and_keeps_working(
             conn.execute("SELECT citus_add_node('127.0.0.1', %s)", (worker.port,))
     assert main(["migrate", "--database-url", plain_db]) == 0
     applied = capsys.readouterr().out
-    assert "applied V007__distribute_by_run_id.sql" in applied and "applied V013__distribute_run_history.sql" in applied
+    assert "applied V007__distribute_by_run_id.sql" in applied and "applied V014__distribute_run_history.sql" in applied
     layout = _layout(plain_db)
     assert {layout[t] for t in partitions.RUN_TABLES} == {layout["workflow_runs"]}     # one co-location group
     assert layout["workflow_runs"][0] == "distributed"

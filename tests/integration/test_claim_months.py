@@ -14,7 +14,7 @@ from typing import Any
 import psycopg
 import pytest
 
-from composer_ops.repo import outbox, partitions, tasks
+from composer_ops.repo import clock, outbox, partitions, tasks
 from composer_ops.repo.rows import Dispatch
 from tests.integration.helpers import add_definition, add_run, now_utc
 
@@ -23,10 +23,11 @@ _RELATION_LOCKS = "SELECT count(*) FROM pg_locks WHERE pid = pg_backend_pid() AN
 
 def _dispatch(conn: Any, run_id: str) -> None:
     task_id = f"{run_id[:8]}-a"
+    now = clock.now(conn)
     assert tasks.insert_task(conn, run_id, task_id=task_id, node_id="a", node_type="TASK", queue="default",
-                             state="PENDING")
+                             state="PENDING", now=now)
     outbox.enqueue(conn, [Dispatch(run_id=run_id, task_id=task_id, attempt=0, queue="default", task_name="t",
-                                   lease_s=30)])
+                                   lease_s=30)], now=now)
 
 
 def _locks_of_one_claim(conn: Any) -> list[int]:

@@ -22,9 +22,9 @@ def test_completing_the_split_inserts_its_nine_successors_in_one_statement(
     calls: list[list[str]] = []
     insert = tasks.insert_tasks
 
-    def counted(conn: Any, run_id: str, rows: Any) -> Any:
+    def counted(conn: Any, run_id: str, rows: Any, *, now: Any) -> Any:
         calls.append([r.node_id for r in rows])
-        return insert(conn, run_id, rows)
+        return insert(conn, run_id, rows, now=now)
 
     with Engine.connect(db_url, pool_size=2) as engine:
         engine.deploy(FAN)

@@ -1,4 +1,4 @@
--- V013 (Citus only): every run table distributed, whatever order the database was
+-- V014 (Citus only): every run table distributed, whatever order the database was
 -- migrated in.
 --
 -- On a database that was a Citus coordinator when V012 ran, V012 distributed

@@ -1,4 +1,4 @@
--- V015 (Citus only): composer_partition_stats() (V014) reads the shards.
+-- V016 (Citus only): composer_partition_stats() (V015) reads the shards.
 --
 -- On a Citus coordinator the partitions of the run tables are empty shells; their rows
 -- are in shards on the worker nodes, each a table named after its partition with the

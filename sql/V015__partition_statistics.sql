@@ -1,10 +1,10 @@
--- V014: partition rows and bytes from one function, composer_partition_stats(), which
+-- V015: partition rows and bytes from one function, composer_partition_stats(), which
 -- the retention plan and the partition inventory (composer_ops/repo/partitions.py) read.
 --
 -- One row per partition of the run tables and per node holding its data: on a single
 -- server one node, 'local', read from pg_class and the size functions. A Citus
 -- coordinator holds only empty shells of the partitions, its data being in the shards
--- on the worker nodes, so sql/citus/V015 replaces this function there with one that
+-- on the worker nodes, so sql/citus/V016 replaces this function there with one that
 -- reads the shards (and reports them per node). The plan itself is the same on both.
 --
 -- rows: the planner's estimate (reltuples; the live-tuple counter for a partition
