@@ -48,11 +48,17 @@ _PICK = """
      LIMIT %(limit)s
        FOR UPDATE SKIP LOCKED"""
 
+# Whether a task row is visible, routed to its shard; sent before the claim of the same
+# task. In READ COMMITTED each statement takes its own snapshot, so a row visible here
+# is visible to the claim after it: a claim that then matches nothing found the task no
+# longer claimable. The other way round is not safe: asked after the claim (or in the
+# claim's statement, which Citus may split into several queries), the row could appear
+# in between, when the transaction creating it commits on its node, and a task the
+# claim never saw would be taken for a settled one.
+_VISIBLE = "SELECT EXISTS (SELECT 1 FROM task_instances WHERE run_id = %(run)s AND id = %(task)s)"
+
 # One task, routed to its shard (every table named is filtered on the run ID): the
-# claim and its history row, and whether the task row is visible at all. The EXISTS
-# reads with the statement's snapshot, as the UPDATE's scan does: a task row that the
-# UPDATE could not see because the transaction creating it has not committed on its
-# node yet is not visible to it either.
+# claim and its history row.
 _CLAIM_ONE = """
     WITH claimed AS (
         UPDATE task_instances
@@ -65,8 +71,7 @@ _CLAIM_ONE = """
         INSERT INTO run_history (run_id, at, kind, node_id, task_id, attempt, worker, request, detail)
         SELECT %(run)s, %(now)s, 'claimed', node_id, %(task)s, %(attempt)s, %(owner)s, %(claim)s, %(detail)s
           FROM claimed)
-    SELECT (SELECT node_id FROM claimed) AS node_id, (SELECT input_json FROM claimed) AS input,
-           EXISTS (SELECT 1 FROM task_instances WHERE run_id = %(run)s AND id = %(task)s) AS visible"""
+    SELECT node_id, input_json AS input FROM claimed"""
 
 
 def claim(conn: Conn, queues: Sequence[str], owner: str, limit: int,
@@ -88,28 +93,32 @@ def claim(conn: Conn, queues: Sequence[str], owner: str, limit: int,
     now = now_row[0]
     if not picked:
         return []
+    seen = [conn.cursor() for _ in picked]
     cursors = [conn.cursor(row_factory=dict_row) for _ in picked]
     try:
         with conn.pipeline():
+            for cur, row in zip(seen, picked, strict=True):
+                cur.execute(_VISIBLE, {"run": row["run_id"], "task": row["task_id"]})
             for cur, row in zip(cursors, picked, strict=True):
                 cur.execute(_CLAIM_ONE, {
                     "owner": owner, "expires": now + timedelta(seconds=row["lease_s"]), "now": now,
                     "run": row["run_id"], "task": row["task_id"], "attempt": row["attempt"], "claim": claim_id,
                     "detail": Jsonb({"task": row["task_name"], "lease_s": row["lease_s"]})})
+        visible = [bool((cur.fetchone() or (False,))[0]) for cur in seen]
         results: list[dict[str, Any]] = [cur.fetchone() or {} for cur in cursors]
     finally:
-        for cur in cursors:
+        for cur in (*seen, *cursors):
             cur.close()
     claims: list[Claim] = []
     settled: list[int] = []
-    for row, result in zip(picked, results, strict=True):
+    for row, result, was_visible in zip(picked, results, visible, strict=True):
         if result.get("node_id") is not None:
             settled.append(row["id"])
             claims.append(Claim(run_id=row["run_id"], task_id=row["task_id"], node_id=result["node_id"],
                                 attempt=row["attempt"], task_name=row["task_name"], queue=row["queue"],
                                 input=result["input"], lease_s=row["lease_s"], lease_owner=owner,
                                 lease_expires_at=now + timedelta(seconds=row["lease_s"])))
-        elif result.get("visible"):
+        elif was_visible:
             settled.append(row["id"])          # cancelled, finished or a stale attempt: nothing to run
     if settled:
         conn.execute("DELETE FROM task_outbox WHERE id = ANY(%s)", (settled,))
