@@ -48,7 +48,12 @@ PARTITION_LOCK = "SELECT pg_advisory_xact_lock(hashtext('composer_partitions'))"
 
 def lock_partitions(conn: Conn) -> None:
     """Take the partition advisory lock for the rest of the transaction (the one the
-    SQL partition functions take), so no upkeep or other drop runs beside it."""
+    SQL partition functions take), so no upkeep or other drop runs beside it. First
+    statement of a drop's transaction: on Citus it also puts the transaction in
+    sequential mode, before the plan's reads over the shards, which Citus otherwise runs
+    in parallel and then refuses the drop's DDL after ("cannot modify table ... because
+    there was a parallel operation on a distributed table")."""
+    partitions.one_connection_per_node(conn)
     conn.execute(PARTITION_LOCK)
 
 

@@ -176,7 +176,8 @@ def seed(conn: psycopg.Connection[Any], *, analyze: bool = True) -> SeedInfo:
     _live(s)
     _odd(s)
     if analyze:
-        for table in ("workflow_runs", "task_instances", "workflow_events", "task_outbox"):
+        tables = [r[0] for r in conn.execute("SELECT unnest(composer_run_tables())").fetchall()]
+        for table in (*tables, "task_outbox"):
             conn.execute(f"ANALYZE {table}".encode())
     return SeedInfo(runs=dict(s.runs), current_month=month_label(now), now=now, tasks=dict(s.tasks))
 
