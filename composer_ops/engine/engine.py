@@ -43,14 +43,13 @@ class Engine:
         self.shell = Shell(pool)
         self._citus: bool | None = None
 
-    @property
-    def citus(self) -> bool:
-        """Whether the database is a Citus coordinator (asked once): the claim is then
-        :func:`composer_ops.repo.citus.claim`. A single-server database converted to
+    def _on_citus(self, conn: Any) -> bool:
+        """Whether the database is a Citus coordinator, asked once per engine on the
+        connection at hand (by the first claim: the claim is then
+        :func:`composer_ops.repo.citus.claim`). A single-server database converted to
         Citus needs its engines restarted (docs/scaling.md)."""
         if self._citus is None:
-            with self.pool.connection() as conn:
-                self._citus = citus.is_citus(conn)
+            self._citus = citus.is_citus(conn)
         return self._citus
 
     @classmethod
@@ -300,9 +299,9 @@ class Engine:
     def _claim(self, queues: Sequence[str], owner: str, limit: int, task_names: Sequence[str] | None,
                request: Request) -> list[Claim]:
         look = request.attempt()
-        on_citus = self.citus
         with self.pool.connection() as conn:
             with autocommit(conn):
+                on_citus = self._on_citus(conn)
                 if look:
                     earlier = outbox.claimed_by(conn, owner, request.id)
                     if earlier:

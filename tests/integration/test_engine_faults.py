@@ -75,6 +75,9 @@ def test_a_claim_is_one_autocommit_statement_and_its_connection_goes_back_as_len
     try:
         engine.deploy(SPEC)
         engine.start("one")
+        # An engine's first claim also asks whether the database is a Citus coordinator
+        # (once per engine); traced below are the claims after it.
+        assert engine.claim(["no-such-queue"], "w", 5) == []
         with engine.pool.connection() as conn:
             conn.pgconn.trace(fd)
             conn.pgconn.set_trace_flags(Trace.SUPPRESS_TIMESTAMPS)
