@@ -250,7 +250,7 @@ class Engine:
             given_up = webhooks.give_up_for_run(conn, run_id, "run deleted before its webhook was delivered")
             history.record(conn, run_id, request.id, [HistoryEntry(
                 kind="deleted", detail={"status": status, "webhooks_given_up": given_up,
-                                        "dispatches_dropped": dropped})])
+                                        "dispatches_dropped": dropped})], now=deleted_at)
         log.info("deleted run %s (%s)", run_id, status, extra={"action": "delete_run", "run_id": run_id})
         return DeletedRun(run_id=run_id, status=status, deleted_at=deleted_at, already=False,
                           webhooks_given_up=given_up, dispatches_dropped=dropped)
