@@ -2,7 +2,6 @@
 the same tests as on a single server (tests/integration/test_engine_e2e.py)."""
 
 from tests.integration.test_engine_e2e import (  # noqa: F401
-    engine,
     test_cancel_during_a_running_task_makes_its_late_result_stale,
     test_fan_out_fan_in_200_runs_4_workers_2_coordinators,
     test_order_fulfilment_both_switch_branches_and_signal_before_and_after_wait,
