@@ -107,7 +107,7 @@ test-package: $(STAMP)
 # installed first when it is missing, by the installer COMPOSER_CITUS_INSTALLER names
 # (else shared/tools/citus/install.sh beside the checkout's directory, else under /work);
 # installing needs root, as `.ci/run` has; a machine where it cannot be installed or
-# started fails this leg. 29 tests, about 3 minutes on 2 shared cores (docs/scaling.md).
+# started fails this leg. 29 tests, 3 to 4 minutes on 2 shared cores (docs/scaling.md).
 test-citus: $(STAMP)
 	@test -x $(PG15_BIN)/initdb || { echo "PostgreSQL 15 server binaries not found in $(PG15_BIN) (apt-get install postgresql-15)"; exit 1; }
 	$(BIN)/python -m composer_ops.testing.citus install
