@@ -76,12 +76,29 @@ def _wait_timeout() -> type[psycopg.Error]:
 _WAIT_TIMEOUT = _wait_timeout()
 
 
+#: How a Citus coordinator reports that its connection to a worker node broke inside a
+#: statement: an internal error (XX000) saying so, or carrying libpq's own text from the
+#: worker's connection. The coordinator aborts the distributed transaction (before any
+#: node commits, or it resolves the prepared ones itself), so the whole transaction can
+#: be retried, as for a lost connection of our own.
+_REMOTE_CONNECTION_LOST = (
+    "failure on connection marked as essential",
+    "server closed the connection unexpectedly",
+    "SSL SYSCALL error",
+    "could not receive data from server",
+    "connection not open",
+)
+
+
 def is_transient(exc: BaseException) -> bool:
     """True for driver errors that a retry of the whole transaction can cure."""
-    if isinstance(exc, psycopg.OperationalError) and not isinstance(exc, pgerr.QueryCanceled):
-        state = getattr(exc, "sqlstate", None)
-        return state is None or state.startswith("08") or state in TRANSIENT_SQLSTATES
     state = getattr(exc, "sqlstate", None)
+    if isinstance(exc, psycopg.OperationalError) and not isinstance(exc, pgerr.QueryCanceled):
+        return state is None or state.startswith("08") or state in TRANSIENT_SQLSTATES
+    if state == "XX000":
+        diag = getattr(exc, "diag", None)
+        text = (diag.message_primary if diag is not None else None) or str(exc)
+        return any(marker in text for marker in _REMOTE_CONNECTION_LOST)
     return state in TRANSIENT_SQLSTATES
 
 

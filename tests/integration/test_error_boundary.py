@@ -138,6 +138,22 @@ def test_a_serialization_failure_is_transient(table: str) -> None:
     assert isinstance(caught.value.__cause__, pgerr.SerializationFailure)
 
 
+@pytest.mark.parametrize("message, transient", [
+    ("failure on connection marked as essential: 127.0.0.1:40112", True),
+    ("SSL SYSCALL error: EOF detected", True),
+    ("server closed the connection unexpectedly", True),
+    ("could not find the shard placement", False),
+])
+def test_a_citus_worker_node_lost_mid_statement_is_transient(db_url: str, message: str, transient: bool) -> None:
+    """Citus raises these as internal errors (XX000) on the coordinator; raised here
+    the same way by the server, with the same SQLSTATE and text."""
+    with connect(db_url) as conn:
+        with pytest.raises(ComposerError) as caught:
+            conn.execute(f"DO $$ BEGIN RAISE EXCEPTION USING ERRCODE = 'XX000', MESSAGE = '{message}'; END $$")
+    assert isinstance(caught.value.__cause__, pgerr.InternalError_)
+    assert isinstance(caught.value, Transient) is transient, caught.value
+
+
 def test_a_statement_timeout_is_not_transient(db_url: str) -> None:
     with connect(db_url) as conn:
         conn.execute("SET statement_timeout = '20ms'")
