@@ -286,18 +286,21 @@ class Engine:
 
     # -- the worker's side ----------------------------------------------------
 
-    def claim(self, queues: Sequence[str], owner: str, limit: int, task_names: Sequence[str] | None = None
-              ) -> list[Claim]:
+    def claim(self, queues: Sequence[str], owner: str, limit: int, task_names: Sequence[str] | None = None,
+              *, wake: str | None = None) -> list[Claim]:
         """Claim up to ``limit`` tasks for ``owner``: one statement, its own transaction
         (autocommit: no BEGIN/COMMIT round trips around it); on Citus a transaction of
         three round trips (:func:`composer_ops.repo.citus.claim`). Each claimed task's
         history records the claim's ID; a retry after a lost acknowledgement first returns
-        the tasks the lost attempt took, which ``owner`` still holds."""
-        return self._claim(queues, owner, limit, task_names, Request())
+        the tasks the lost attempt took, which ``owner`` still holds. A worker passes
+        ``wake``, the channel it listens on: on a single server, a claim that gets fewer
+        than ``limit`` registers it to be woken there by the next dispatch (on Citus no
+        claim registers, and every dispatch notifies the shared channel)."""
+        return self._claim(queues, owner, limit, task_names, Request(), wake)
 
     @db_retry()
     def _claim(self, queues: Sequence[str], owner: str, limit: int, task_names: Sequence[str] | None,
-               request: Request) -> list[Claim]:
+               request: Request, wake: str | None = None) -> list[Claim]:
         look = request.attempt()
         with self.pool.connection() as conn:
             with autocommit(conn):
@@ -309,7 +312,8 @@ class Engine:
                                  request.id, owner, len(earlier), extra={"action": "claim"})
                         return earlier
                 if not on_citus:
-                    return outbox.claim(conn, queues, owner, limit, task_names=task_names, claim_id=request.id)
+                    return outbox.claim(conn, queues, owner, limit, task_names=task_names, claim_id=request.id,
+                                        wake=wake)
             with conn.transaction():
                 return citus.claim(conn, queues, owner, limit, task_names=task_names, claim_id=request.id)
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from composer_ops.db.connect import connect
 from composer_ops.db.retry import backoff_delay
@@ -20,18 +20,22 @@ log = logging.getLogger(__name__)
 
 
 class Listener(threading.Thread):
-    """Calls ``on_notify(payload)`` for each notification on ``channel`` until ``stop`` is set."""
+    """Calls ``on_notify(payload)`` for each notification on ``channel`` (and on each of
+    ``also``) until ``stop`` is set."""
 
-    def __init__(self, url: str, channel: str, on_notify: Callable[[str], None], stop: threading.Event) -> None:
+    def __init__(self, url: str, channel: str, on_notify: Callable[[str], None], stop: threading.Event,
+                 also: Sequence[str] = ()) -> None:
         super().__init__(name=f"composer-listen-{channel}", daemon=True)
         self.url, self.channel, self.on_notify, self.stop_event = url, channel, on_notify, stop
+        self.channels = [channel, *also]
 
     def run(self) -> None:
         attempt = 0
         while not self.stop_event.is_set():
             try:
                 with connect(self.url, autocommit=True, application_name="composer-listen") as conn:
-                    outbox.listen(conn, self.channel)
+                    for channel in self.channels:
+                        outbox.listen(conn, channel)
                     attempt = 0
                     while not self.stop_event.is_set():
                         for note in conn.notifies(timeout=0.5):

@@ -3,9 +3,11 @@
 The thread that calls ``run()`` claims tasks (one statement each batch) whenever a
 slot is free and hands them to ``concurrency`` handler threads. While a handler runs,
 a heartbeat extends its lease every third of the lease; if the lease is lost the
-handler's result will be dropped as stale (the fenced completion refuses it). Idle
-workers sleep on LISTEN (woken by the NOTIFY of a dispatch) with polling as the
-fallback, which also picks up retries whose backoff has passed.
+handler's result will be dropped as stale (the fenced completion refuses it). A claim
+that gets less than it asked for registers the worker as idle, and it sleeps on
+LISTEN: a dispatch wakes one registered worker on its own channel (or, with none
+registered, every worker on the shared one; see ``outbox.enqueue``), with polling as
+the fallback, which also picks up retries whose backoff has passed.
 
 Everything the worker tracks about a running handler is keyed by its attempt
 (task id and attempt number): one worker can hold a late attempt of a task and the
@@ -37,7 +39,7 @@ from typing import TYPE_CHECKING, Any
 from composer_ops.engine.jsonvalues import check_json
 from composer_ops.engine.listener import Listener
 from composer_ops.errors import ComposerError, Invalid, NonRetryableError, ShutdownTimeout
-from composer_ops.repo.outbox import CHANNEL
+from composer_ops.repo.outbox import CHANNEL, wake_channel
 from composer_ops.repo.rows import Claim
 
 if TYPE_CHECKING:
@@ -124,6 +126,9 @@ class Worker:
         self._handlers: dict[str, Handler] = {}
         self._stop = threading.Event()
         self._wake = threading.Event()
+        #: the channel only this worker listens on; its idle claims register it there
+        self._wake_channel = wake_channel(self.worker_id)
+        self._notified = False        # a dispatch notified this worker since its last claim
         self._done = threading.Event()          # run() has returned: the heartbeat loop ends
         self._inflight = 0            # handed to a slot and not yet finished; guarded by _active_lock
         self._idle = threading.Condition()      # notified whenever an attempt finishes
@@ -166,7 +171,7 @@ class Worker:
                    for i in range(self.concurrency)]
         for thread in threads:
             thread.start()
-        listener = Listener(self.engine.url, CHANNEL, self._on_notify, self._stop)
+        listener = Listener(self.engine.url, CHANNEL, self._on_notify, self._stop, also=[self._wake_channel])
         listener.start()
         beat = threading.Thread(target=self._heartbeat_loop, name="composer-heartbeat", daemon=True)
         beat.start()
@@ -196,8 +201,10 @@ class Worker:
                 self._wake.clear()
                 continue
             claimed_at = time.monotonic()
+            self._notified = False
             try:
-                claims = self.engine.claim(self.queues, self.worker_id, free, task_names=list(self._handlers))
+                claims = self.engine.claim(self.queues, self.worker_id, free, task_names=list(self._handlers),
+                                           wake=self._wake_channel)
             except ComposerError as exc:
                 log.warning("claim failed: %s", exc)
                 claims = []
@@ -209,8 +216,20 @@ class Worker:
                     self._inflight += 1
                 slots.put((claim, claimed_at))
             if len(claims) < free:
-                self._wake.wait(self.poll_interval)
-                self._wake.clear()
+                self._wait_for_dispatch()
+
+    def _wait_for_dispatch(self) -> None:
+        """After a claim that got less than it asked for (which registered this worker as
+        idle): wait for a notification, a stop or the poll interval. A handler finishing
+        meanwhile does not end the wait: the registration stands for every free slot,
+        and claiming without a dispatch would come back empty."""
+        deadline = time.monotonic() + self.poll_interval
+        while not self._stop.is_set() and not self._notified:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            self._wake.wait(left)
+            self._wake.clear()
 
     def _drain(self) -> list[TaskContext]:
         """Wait for the attempts in flight, up to the shutdown deadline; abandon the rest."""
@@ -264,6 +283,7 @@ class Worker:
 
     def _on_notify(self, payload: str) -> None:
         if payload in self.queues:
+            self._notified = True
             self._wake.set()
 
     # -- one attempt ---------------------------------------------------------------

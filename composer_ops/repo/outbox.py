@@ -1,6 +1,6 @@
 """The dispatch outbox: written with the task in one transaction, claimed by workers.
 
-The claim is one statement, a call of ``composer_claim`` (sql/V013): it deletes the
+The claim is one statement, a call of ``composer_claim`` (sql/V013, V017): it deletes the
 oldest available outbox rows of the worker's queues (FOR UPDATE SKIP LOCKED, so
 claimers never wait on each other), moves the matching tasks to RUNNING with a lease,
 fenced on attempt, and writes a 'claimed' row to each run's history marked with the
@@ -18,6 +18,7 @@ locks no existing one (a task gets a new dispatch only when it has none).
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Sequence
 from datetime import datetime
 
@@ -26,16 +27,29 @@ from psycopg import sql
 from composer_ops.repo._base import Conn, fetch_all
 from composer_ops.repo.rows import Claim, Dispatch
 
-#: LISTEN/NOTIFY channel workers wait on; the payload is the queue name.
+#: LISTEN/NOTIFY channel every worker listens on; the payload is the queue name. A
+#: dispatch notifies it only when no idle worker is registered (see :func:`enqueue`).
 CHANNEL = "composer_tasks"
+
+
+def wake_channel(worker: str) -> str:
+    """The channel only ``worker`` listens on, named after it (an identifier of at most
+    63 bytes, whatever the worker's ID)."""
+    return "composer_wake_" + hashlib.sha1(worker.encode()).hexdigest()[:32]
 
 
 def enqueue(conn: Conn, dispatches: Sequence[Dispatch], *, now: datetime) -> None:
     """Write outbox rows, available from ``now`` unless a retry's backoff says later,
-    and wake idle workers of their queues (NOTIFY is delivered at commit, and only if
-    the transaction commits). One statement, one round trip,
-    however many rows and queues: the rows come in as arrays, and one notification
-    per distinct queue is raised from the rows actually inserted."""
+    and wake one idle worker per row (NOTIFY is delivered at commit, and only if the
+    transaction commits). One statement, one round trip, however many rows and queues:
+    the rows come in as arrays.
+
+    Idle workers are registered in ``task_waiters`` by their own claims (sql/V017). Up
+    to one waiter per row is taken, the most recently idle first, among those serving
+    the row's queue and task name, and notified on its own channel; with none to take,
+    one notification per distinct queue goes to :data:`CHANNEL`, which every worker
+    listens on (a worker between its wake-up and its next claim is not registered, and
+    is woken that way; on Citus no claim registers)."""
     if not dispatches:
         return
     conn.execute("""
@@ -44,8 +58,23 @@ def enqueue(conn: Conn, dispatches: Sequence[Dispatch], *, now: datetime) -> Non
             SELECT q, r, t, a, n, l, COALESCE(av, %(now)s), %(now)s
               FROM unnest(%(q)s::text[], %(r)s::text[], %(t)s::text[], %(a)s::int4[],
                           %(n)s::text[], %(l)s::int4[], %(av)s::timestamptz[]) AS d(q, r, t, a, n, l, av)
-            RETURNING queue)
-        SELECT pg_notify(%(channel)s, q.queue) FROM (SELECT DISTINCT queue FROM ins ORDER BY queue) q""",
+            RETURNING queue, task_name
+        ), woken AS (
+            DELETE FROM task_waiters w
+             USING (SELECT x.worker FROM task_waiters x
+                     WHERE EXISTS (SELECT 1 FROM ins
+                                    WHERE ins.queue = ANY(x.queues)
+                                      AND (x.task_names IS NULL OR ins.task_name = ANY(x.task_names)))
+                     ORDER BY x.since DESC
+                     LIMIT (SELECT count(*) FROM ins)
+                       FOR UPDATE SKIP LOCKED) s
+             WHERE w.worker = s.worker
+            RETURNING w.channel, w.queues[1] AS queue)
+        SELECT pg_notify(channel, queue) FROM woken
+        UNION ALL
+        SELECT pg_notify(%(channel)s, q.queue)
+          FROM (SELECT DISTINCT queue FROM ins ORDER BY queue) q
+         WHERE NOT EXISTS (SELECT 1 FROM woken)""",
         {"q": [d.queue for d in dispatches],
          "r": [d.run_id for d in dispatches], "t": [d.task_id for d in dispatches],
          "a": [d.attempt for d in dispatches], "n": [d.task_name for d in dispatches],
@@ -60,16 +89,19 @@ def listen(conn: Conn, channel: str = CHANNEL) -> None:
 
 _CLAIM = """
         SELECT run_id, task_id, node_id, attempt, task_name, queue, input, lease_s, lease_owner, lease_expires_at
-          FROM composer_claim(%(queues)s, %(names)s::text[], %(owner)s, %(limit)s, %(claim)s)"""
+          FROM composer_claim(%(queues)s, %(names)s::text[], %(owner)s, %(limit)s, %(claim)s, %(channel)s)"""
 
 
 def claim(conn: Conn, queues: Sequence[str], owner: str, limit: int,
-          task_names: Sequence[str] | None = None, *, claim_id: str) -> list[Claim]:
+          task_names: Sequence[str] | None = None, *, claim_id: str, wake: str | None = None) -> list[Claim]:
     """Claim up to ``limit`` available tasks of ``queues`` for ``owner`` (only tasks
     named in ``task_names`` when given: a worker never takes work it has no handler for),
-    recording each in its run's history as claimed by ``claim_id``."""
+    recording each in its run's history as claimed by ``claim_id``. With ``wake`` (the
+    channel ``owner`` listens on), a claim that gets fewer than ``limit`` leaves
+    ``owner`` registered as idle, to be woken there by the next dispatch
+    (:func:`enqueue`); one that gets ``limit`` withdraws it."""
     return fetch_all(conn, Claim, _CLAIM,
-                     {"queues": list(queues), "owner": owner, "limit": limit, "claim": claim_id,
+                     {"queues": list(queues), "owner": owner, "limit": limit, "claim": claim_id, "channel": wake,
                       "names": list(task_names) if task_names is not None else None})
 
 
