@@ -13,7 +13,10 @@ Lock order: a transaction that touches both a task and its outbox row locks the
 outbox row first. The claim does (its DELETE feeds its UPDATE), and so does the
 shell when it cancels tasks (:func:`delete_for_tasks` before ``tasks.cancel_tasks``),
 so the two can wait for each other but never deadlock. Writing a new outbox row
-locks no existing one (a task gets a new dispatch only when it has none).
+locks no existing one (a task gets a new dispatch only when it has none). The idle
+workers' registrations (``task_waiters``) are taken by a dispatch with SKIP LOCKED,
+never waited for; a claim writes its own registration before it locks anything else,
+so when it waits there for a dispatch to commit, it holds nothing that dispatch needs.
 """
 
 from __future__ import annotations
