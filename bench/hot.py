@@ -1,8 +1,10 @@
 """HOT updates and index writes on ``task_instances``, before and after V005.
 
-Two fresh databases, one migrated up to V004 (the seed's lease index, fillfactor
-100) and one to the latest migration, run the same three phases through the Engine
-API (the statements the workers and the shell run), on one session each:
+Two fresh databases, both migrated to the latest migration (the engine's statements
+need all of it), one then given V004's layout of ``task_instances`` back (the lease
+index on ``lease_expires_at``, fillfactor 100: what V005 changed), run the same three
+phases through the Engine API (the statements the workers and the shell run), on one
+session each:
 
 - ``steady``: N 1-task runs started, claimed (4 at a time) and completed: the no-op
   workload of the throughput benchmark;
@@ -165,15 +167,44 @@ def _schema(url: str) -> dict[str, Any]:
             "fillfactor": sorted(str(r[0]) for r in ff)}
 
 
-def measure_schema(server: Server, label: str, target: int | None, *, runs: int, tasks: int,
-                   rounds: int = 3) -> dict[str, Any]:
-    from composer_ops import Engine
+#: V004's layout of task_instances on the latest schema: the lease index V005 replaced
+#: and fillfactor 100 on every partition.
+_V004_LAYOUT = """
+CREATE INDEX IF NOT EXISTS idx_task_instances_running_lease
+    ON task_instances (lease_expires_at) WHERE state = 'RUNNING';
+DROP INDEX IF EXISTS idx_task_instances_running;
+DO $$
+DECLARE
+    part RECORD;
+BEGIN
+    FOR part IN SELECT c.relname FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid
+                 WHERE i.inhparent = 'task_instances'::regclass
+    LOOP
+        EXECUTE format('ALTER TABLE %I SET (fillfactor = 100)', part.relname);
+    END LOOP;
+END;
+$$;
+"""
+
+
+def _create(server: Server, db: str, v004_layout: bool) -> str:
     from composer_ops.db.migrate import migrate
 
-    db = f"bench_hot_{label}"
     url = server.create_database(db)
+    migrate(url)
+    if v004_layout:
+        with psycopg.connect(url, autocommit=True) as conn:
+            conn.execute(_V004_LAYOUT)
+    return url
+
+
+def measure_schema(server: Server, label: str, v004_layout: bool, *, runs: int, tasks: int,
+                   rounds: int = 3) -> dict[str, Any]:
+    from composer_ops import Engine
+
+    db = f"bench_hot_{label}"
+    url = _create(server, db, v004_layout)
     try:
-        migrate(url, target=target)
         with Engine.connect(url, pool_size=1, application_name="bench-hot") as engine:
             engine.deploy(SPEC)
             phases = [_phase(server, url, engine, "steady", lambda: _workload(engine, runs, 0)),
@@ -183,7 +214,7 @@ def measure_schema(server: Server, label: str, target: int | None, *, runs: int,
             for c in claims:
                 engine.complete(c, None)
         return {"label": label, "schema": _schema(url), "phases": {p["phase"]: p for p in phases},
-                "explain": explain(server, label, target)}
+                "explain": explain(server, label, v004_layout)}
     finally:
         server.drop_database(db)
 
@@ -247,16 +278,14 @@ class StatementCapture:
         return cast("psycopg.Connection[Any]", self)
 
 
-def explain(server: Server, label: str, target: int | None, runs: int = 20000) -> dict[str, list[str]]:
+def explain(server: Server, label: str, v004_layout: bool, runs: int = 20000) -> dict[str, list[str]]:
     """EXPLAIN (ANALYZE) of the sweeper's and the timer's statements on a seeded table."""
     from composer_ops import Engine
-    from composer_ops.db.migrate import migrate
     from composer_ops.repo import clock, signals, tasks
 
     db = f"bench_explain_{label}"
-    url = server.create_database(db)
+    url = _create(server, db, v004_layout)
     try:
-        migrate(url, target=target)
         with Engine.connect(url, pool_size=1) as engine:
             engine.deploy(SPEC)
         plans: dict[str, list[str]] = {}
@@ -277,8 +306,8 @@ def explain(server: Server, label: str, target: int | None, runs: int = 20000) -
 
 
 def measure(server: Server, *, runs: int = 1000, tasks: int = 1000) -> dict[str, Any]:
-    before = measure_schema(server, "v004", 4, runs=runs, tasks=tasks)
-    after = measure_schema(server, "latest", None, runs=runs, tasks=tasks)
+    before = measure_schema(server, "v004", True, runs=runs, tasks=tasks)
+    after = measure_schema(server, "latest", False, runs=runs, tasks=tasks)
     return {"before": before, "after": after,
             "heartbeat_hot_ratio_before": before["phases"]["heartbeats"]["hot_ratio"],
             "heartbeat_hot_ratio": after["phases"]["heartbeats"]["hot_ratio"]}
