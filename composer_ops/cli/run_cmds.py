@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from composer_ops.cli import admin_cmds
 from composer_ops.cli._common import EXIT_OK, add_database_option, emit_json, env_option, json_arg
 from composer_ops.db import find_url
 from composer_ops.engine import Engine, Worker
@@ -52,8 +53,8 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     cancel.add_argument("--reason", default="cancelled by operator", help="recorded as the run's error")
     cancel.set_defaults(func=cmd_cancel)
 
-    runs = sub.add_parser("runs", help="inspect runs")
-    rsub = runs.add_subparsers(dest="runs_command", required=True, metavar="{show,delete}")
+    runs = sub.add_parser("runs", help="inspect, find and act on runs")
+    rsub = runs.add_subparsers(dest="runs_command", required=True, metavar="{show,delete,list}")
     show = rsub.add_parser("show", help="a run, its output or error, its tasks and its history")
     add_database_option(show, reads_only=True)
     show.add_argument("run_id")
@@ -69,6 +70,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     delete.add_argument("--yes", action="store_true", help="delete it (without: show what would be deleted)")
     delete.add_argument("--json", action="store_true", help="print JSON")
     delete.set_defaults(func=cmd_runs_delete)
+    admin_cmds.register_runs(rsub)
 
     coord = sub.add_parser(
         "coordinator", help="run the background loops (timers, leases, partitions, webhooks)",
@@ -102,6 +104,9 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
                help="module:attribute naming a Worker, or a function taking an Engine and returning one")
     env_option(work, "--concurrency", env="COMPOSER_WORKER_CONCURRENCY", type=int,
                help="override the Worker's concurrency")
+    env_option(work, "--registry-interval", env="COMPOSER_WORKER_REGISTRY_INTERVAL", type=float, metavar="SECONDS",
+               help="override the seconds between the worker's heartbeats in the workers registry (10); "
+                    "`workers list` calls a worker dead after three intervals without one")
     add_connect_wait_option(work)
     add_shutdown_timeout_option(work, "for running handlers to finish; a handler still running then is "
                                       "abandoned (its lease is no longer extended, the task is retried "
@@ -368,6 +373,9 @@ def cmd_worker(args: argparse.Namespace) -> int:
         raise Invalid("worker needs --app module:attribute (or COMPOSER_WORKER_APP)")
     if args.concurrency is not None and args.concurrency < 1:
         raise Invalid(f"--concurrency must be at least 1, got {args.concurrency}")
+    if args.registry_interval is not None and not 0 < args.registry_interval <= 3600:
+        raise Invalid(f"--registry-interval must be more than 0 and at most 3600 seconds, "
+                      f"got {args.registry_interval:g}")
     target = find_app(args.app)
     wait = _connect_wait(args)
     shutdown_timeout = _shutdown_timeout(args)
@@ -376,6 +384,8 @@ def cmd_worker(args: argparse.Namespace) -> int:
         if args.concurrency:
             worker.concurrency = args.concurrency
         worker.shutdown_timeout = shutdown_timeout
+        if args.registry_interval is not None:
+            worker.registry_interval = args.registry_interval
         with stop_on_signals(worker.stop):
             worker.run()
     return EXIT_OK

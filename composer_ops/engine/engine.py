@@ -17,13 +17,15 @@ from composer_ops.db import autocommit, make_pool, resolve_url
 from composer_ops.db.errors import Pool
 from composer_ops.db.migrate import migrate as run_migrations
 from composer_ops.db.retry import db_retry
+from composer_ops.engine import admin
+from composer_ops.engine.admin import WorkerReport
 from composer_ops.engine.ids import uuid7_at
 from composer_ops.engine.jsonvalues import check_json
 from composer_ops.engine.requests import Request, key_request
 from composer_ops.engine.shell import Outcome, Shell
 from composer_ops.errors import Conflict, Invalid, NotFound
-from composer_ops.repo import citus, clock, definitions, history, outbox, partitions, runs, tasks, webhooks
-from composer_ops.repo.rows import Claim, DeletedRun, HistoryEntry, PartitionRow, RunRow, RunView
+from composer_ops.repo import citus, clock, definitions, history, outbox, partitions, runs, tasks, webhooks, workers
+from composer_ops.repo.rows import Claim, DeletedRun, HistoryEntry, PartitionRow, RunListRow, RunRow, RunView
 
 if TYPE_CHECKING:
     from composer_ops.engine.coordinator import Coordinator
@@ -348,6 +350,44 @@ class Engine:
             if look and history.of_request(conn, run_id, request.id):
                 return
             history.record(conn, run_id, request.id, [entry], now=clock.now(conn))
+
+    # -- the workers registry ---------------------------------------------------
+
+    @db_retry(max_attempts=3)
+    def register_worker(self, worker_id: str, *, host: str, pid: int, queues: Sequence[str], concurrency: int,
+                        heartbeat_s: float) -> None:
+        """Record a worker that starts serving ``queues`` (``composer-ops workers list``)."""
+        with self.pool.connection() as conn, autocommit(conn):
+            workers.register(conn, worker_id, host=host, pid=pid, queues=queues, concurrency=concurrency,
+                             heartbeat_s=heartbeat_s)
+
+    @db_retry(max_attempts=3)
+    def worker_alive(self, worker_id: str) -> bool:
+        """Refresh a registered worker's last sign of life; False if it is not registered."""
+        with self.pool.connection() as conn, autocommit(conn):
+            return workers.beat(conn, worker_id)
+
+    @db_retry(max_attempts=3)
+    def worker_stopped(self, worker_id: str) -> None:
+        """Record that a worker stopped cleanly."""
+        with self.pool.connection() as conn, autocommit(conn):
+            workers.stopped(conn, worker_id)
+
+    def find_runs(self, *, workflow: str | None = None, status: str | Sequence[str] | None = None,
+                  since: datetime | str | None = None, until: datetime | str | None = None,
+                  where: str | Mapping[str, Any] | None = None, limit: int = 50) -> list[RunListRow]:
+        """Runs of ``workflow`` with ``status``, created in ``[since, until)`` (ISO dates,
+        instants, or ages like ``7d`` counted back from the database clock), whose input
+        contains ``where`` (``"input.customer=42"``, or a JSON object); newest first, at
+        most ``limit``. The window prunes the months outside it."""
+        chosen = admin.selection(workflow=workflow, status=status, since=since, until=until, where=where)
+        return admin.find_runs(self.pool, chosen, limit=limit)[1]
+
+    def workers(self, *, window_s: float | None = None) -> WorkerReport:
+        """The workers seen in the last ``window_s`` seconds (all when None) or still holding a
+        lease, live first; the leases the dead and stopped ones hold; lease owners that
+        never registered."""
+        return admin.workers_report(self.pool, window_s=window_s)
 
 
 def _check_workflow_id(workflow_id: object) -> None:

@@ -109,12 +109,14 @@ class Worker:
     def __init__(self, engine: Engine, queues: Sequence[str] = ("default",), concurrency: int = 4, *,
                  poll_interval: float = 1.0, worker_id: str | None = None,
                  on_result: Callable[[Result], None] | None = None,
-                 shutdown_timeout: float | None = None) -> None:
+                 shutdown_timeout: float | None = None, registry_interval: float = 10.0) -> None:
         if not queues or any(not isinstance(q, str) or not q for q in queues):
             raise Invalid(f"queues must be a non-empty list of queue names, got {queues!r}")
         if concurrency < 1:
             raise Invalid(f"concurrency must be at least 1, got {concurrency}")
         check_shutdown_timeout(shutdown_timeout)
+        if not 0 < registry_interval <= 3600:
+            raise Invalid(f"registry interval must be more than 0 and at most 3600 seconds, got {registry_interval}")
         self.engine = engine
         self.queues = list(queues)
         self.concurrency = concurrency
@@ -123,6 +125,9 @@ class Worker:
         self.on_result = on_result
         #: seconds ``run()`` waits for handlers in flight after ``stop()``; None: as long as they take
         self.shutdown_timeout = shutdown_timeout
+        #: Seconds between the worker's heartbeats in the workers registry: one small
+        #: update per interval, however many tasks it runs.
+        self.registry_interval = registry_interval
         self._handlers: dict[str, Handler] = {}
         self._stop = threading.Event()
         self._wake = threading.Event()
@@ -175,6 +180,9 @@ class Worker:
         listener.start()
         beat = threading.Thread(target=self._heartbeat_loop, name="composer-heartbeat", daemon=True)
         beat.start()
+        registry = threading.Thread(target=self._registry_loop, args=(self._done,), name="composer-registry",
+                                    daemon=True)
+        registry.start()
         log.info("worker %s serving %s with %d slots", self.worker_id, self.queues, self.concurrency)
         try:
             self._claim_loop(slots)
@@ -184,6 +192,7 @@ class Worker:
             abandoned = self._drain()
             self._done.set()
             listener.join(timeout=5)
+            registry.join(timeout=5)
         if abandoned:
             names = ", ".join(f"task {c.task_id} attempt {c.attempt} (run {c.run_id}, node {c.node_id})"
                               for c in abandoned)
@@ -365,6 +374,28 @@ class Worker:
             return False
         ctx._held_until = began + ctx._claim.lease_s
         return True
+
+    def _registry_loop(self, done: threading.Event) -> None:
+        """Register, then show a sign of life every ``registry_interval`` until ``run()``
+        is done, then record the clean stop. A failed write is retried next interval
+        (registering again if the row is missing): the registry is for operators, and
+        a worker keeps serving while the database is unreachable."""
+        registered = False
+        while True:
+            try:
+                if not registered or not self.engine.worker_alive(self.worker_id):
+                    self.engine.register_worker(self.worker_id, host=socket.gethostname(), pid=os.getpid(),
+                                                queues=self.queues, concurrency=self.concurrency,
+                                                heartbeat_s=self.registry_interval)
+                registered = True
+            except Exception as exc:  # never let the registry stop the worker
+                log.warning("worker %s: registry heartbeat failed: %s", self.worker_id, exc)
+            if done.wait(self.registry_interval):
+                break
+        try:
+            self.engine.worker_stopped(self.worker_id)
+        except Exception as exc:
+            log.warning("worker %s: could not record the stop in the registry: %s", self.worker_id, exc)
 
     def _heartbeat_loop(self) -> None:
         last: dict[AttemptKey, float] = {}

@@ -256,3 +256,69 @@ class DeletedRun:
     already: bool                 # it was deleted before this call (nothing changed)
     webhooks_given_up: int = 0    # its delivery was still pending
     dispatches_dropped: int = 0
+
+
+@dataclass(frozen=True, kw_only=True)
+class AuditRow:
+    """One operator action (``operator_audit``): when, what, on what, how much, who."""
+
+    id: int
+    at: datetime
+    action: str
+    target: str | None
+    counts: Any
+    detail: Any
+    command: str | None
+    client_host: str | None
+    client_addr: str
+    login_role: str
+    db_role: str
+    request: str | None
+
+
+@dataclass(frozen=True, kw_only=True)
+class WorkerRow:
+    """A registered worker, judged by the database clock: ``state`` is 'live',
+    'dead' (not seen for three heartbeat intervals) or 'stopped'; ``running`` counts
+    the RUNNING tasks it holds leases on, ``expired`` those whose lease has lapsed."""
+
+    id: str
+    host: str
+    pid: int
+    queues: list[str]
+    concurrency: int
+    heartbeat_s: float
+    started_at: datetime
+    last_seen_at: datetime
+    stopped_at: datetime | None
+    state: str
+    silent_s: float
+    running: int
+    expired: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class LeaseRow:
+    """A RUNNING task's lease, as the workers list shows what a worker holds."""
+
+    lease_owner: str
+    run_id: str
+    task_id: str
+    node_id: str
+    attempt: int
+    lease_expires_at: datetime | None
+    expired: bool
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunListRow:
+    """A run as ``runs list`` shows it."""
+
+    id: str
+    workflow_id: str
+    workflow_version: int
+    status: str
+    input: Any
+    error: Any
+    created_at: datetime
+    completed_at: datetime | None

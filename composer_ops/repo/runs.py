@@ -5,13 +5,15 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Any
 
+from psycopg import sql
 from psycopg.rows import class_row, dict_row
 
+from composer_ops.core.filters import RunFilter
 from composer_ops.core.model import ACTIVE_RUN_STATUSES
 from composer_ops.errors import ComposerError, Conflict, Invalid, NotFound
 from composer_ops.repo import clock, history, partitions
 from composer_ops.repo._base import Conn, error_json, fetch_all, fetch_one, jsonb, sql_states
-from composer_ops.repo.rows import HistoryEntry, RunRow, RunView, TaskStateRow, TaskView
+from composer_ops.repo.rows import HistoryEntry, RunListRow, RunRow, RunView, TaskStateRow, TaskView
 
 _LOCK_RUN = """
     SELECT id, workflow_definition_id AS workflow_id, workflow_version, status,
@@ -165,7 +167,6 @@ def get_run(conn: Conn, run_id: str) -> RunView:
     return RunView(**{**run.__dict__, "tasks": tasks, "history": history.run_history(conn, run_id)})
 
 
-
 def lock_for_delete(conn: Conn, run_id: str) -> tuple[str, datetime | None] | None:
     """The run's status and ``deleted_at`` under its row lock, deleted or not; None
     when there is no such run."""
@@ -184,3 +185,49 @@ def soft_delete(conn: Conn, run_id: str) -> datetime:
         raise Conflict(f"workflow run {run_id} was deleted concurrently")
     value: datetime = row[0]
     return value
+
+
+def find_runs_query(selection: RunFilter, *, limit: int, after: str | None = None,
+                    oldest_first: bool = False) -> tuple[sql.Composed, dict[str, Any]]:
+    """The statement :func:`find_runs` runs, and its parameters. Only the conditions
+    that are set are written, so the run-ID bounds of the window reach the planner as
+    plain comparisons on the partition key and it skips the months outside them."""
+    where = [sql.SQL("deleted_at IS NULL")]
+    params: dict[str, Any] = {"limit": limit}
+    if selection.id_from is not None:
+        where.append(sql.SQL("id >= %(id_from)s"))
+        params["id_from"] = selection.id_from
+    if selection.id_to is not None:
+        where.append(sql.SQL("id < %(id_to)s"))
+        params["id_to"] = selection.id_to
+    if after is not None:
+        where.append(sql.SQL("id > %(after)s") if oldest_first else sql.SQL("id < %(after)s"))
+        params["after"] = after
+    if selection.workflow_id is not None:
+        where.append(sql.SQL("workflow_definition_id = %(workflow)s"))
+        params["workflow"] = selection.workflow_id
+    if selection.statuses:
+        where.append(sql.SQL("status = ANY(%(statuses)s)"))
+        params["statuses"] = [str(s) for s in selection.statuses]
+    if selection.contains is not None:
+        where.append(sql.SQL("input_json @> %(contains)s"))
+        params["contains"] = jsonb(selection.contains)
+    query = sql.SQL("""
+        SELECT id, workflow_definition_id AS workflow_id, workflow_version, status, input_json AS input,
+               error_json AS error, created_at, completed_at
+          FROM workflow_runs
+         WHERE {where}
+         ORDER BY id {order}
+         LIMIT %(limit)s""").format(where=sql.SQL(" AND ").join(where),
+                                    order=sql.SQL("ASC" if oldest_first else "DESC"))
+    return query, params
+
+
+def find_runs(conn: Conn, selection: RunFilter, *, limit: int, after: str | None = None,
+              oldest_first: bool = False) -> list[RunListRow]:
+    """Runs matching ``selection``, newest first (oldest first with ``oldest_first``),
+    at most ``limit``, continuing past the run ID ``after`` when given."""
+    query, params = find_runs_query(selection, limit=limit, after=after, oldest_first=oldest_first)
+    with conn.cursor(row_factory=class_row(RunListRow)) as cur:
+        cur.execute(query, params)
+        return cur.fetchall()

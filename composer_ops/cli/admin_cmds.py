@@ -1,0 +1,161 @@
+"""Operator commands: ``workers list`` (and the ``runs`` actions registered under
+``runs`` by :mod:`composer_ops.cli.run_cmds`)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from datetime import UTC, datetime
+from typing import Any
+
+from composer_ops.cli._common import EXIT_OK, add_database_option, emit_json, env_option
+from composer_ops.db import find_url
+from composer_ops.engine import Engine
+from composer_ops.errors import Invalid
+
+
+def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    wk = sub.add_parser("workers", help="the workers registry: live and dead workers and the leases they left")
+    wsub = wk.add_subparsers(dest="workers_command", required=True, metavar="{list}")
+    lst = wsub.add_parser(
+        "list", help="live, dead and stopped workers, and the leases each dead one left behind",
+        description="Every worker registers itself and shows a sign of life once per registry interval. "
+                    "A worker not seen for three intervals, and not stopped cleanly, is dead; the RUNNING "
+                    "tasks it still holds a lease on are listed (the lease sweeper re-queues them once the "
+                    "lease lapses). Exit 0 whatever the workers' state.")
+    add_database_option(lst, reads_only=True)
+    env_option(lst, "--window", env="COMPOSER_WORKERS_WINDOW_H", type=float, default=24.0, metavar="HOURS",
+               metavar_default="24", help="also list workers last seen this many hours ago (0: all)")
+    lst.add_argument("--json", action="store_true", help="print JSON")
+    lst.set_defaults(func=cmd_workers_list)
+
+
+def add_selection_options(parser: argparse.ArgumentParser) -> None:
+    """The options that select runs, shared by ``runs list`` and ``runs cancel``."""
+    parser.add_argument("--workflow", metavar="ID", help="runs of this workflow only")
+    parser.add_argument("--status", metavar="S", action="append",
+                        help="runs in this status (PENDING, RUNNING, SUCCEEDED, FAILED, CANCELLED); repeat or "
+                             "separate with commas for several")
+    parser.add_argument("--since", metavar="WHEN",
+                        help="runs created at or after WHEN: an ISO date (midnight UTC), an ISO instant, or an age "
+                             "counted back from the database clock (36h, 7d, 2w, 3 months)")
+    parser.add_argument("--until", metavar="WHEN", help="runs created before WHEN (same forms as --since)")
+    parser.add_argument("--where", metavar="EXPR",
+                        help="conditions on the run's input, joined by 'and': input.customer=42, "
+                             "input.tier=gold, input.order=\"A-17\" (values are JSON; a bare word is a string); "
+                             "matched by JSON containment")
+
+
+def register_runs(rsub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    """``runs list`` (and the other operator actions on runs) under ``composer-ops runs``."""
+    lst = rsub.add_parser(
+        "list", help="find runs by workflow, status, creation window and input",
+        description="Runs matching every given condition, newest first. The creation window is turned into "
+                    "run-ID bounds, so only the months it covers are read; without one every month is "
+                    "searched, newest first, until LIMIT runs are found.")
+    add_database_option(lst, reads_only=True)
+    add_selection_options(lst)
+    env_option(lst, "--limit", env="COMPOSER_RUNS_LIMIT", type=int, default=50, metavar_default="50",
+               help="at most this many runs")
+    lst.add_argument("--json", action="store_true", help="print a JSON list of objects")
+    lst.set_defaults(func=cmd_runs_list)
+
+
+def _engine(args: argparse.Namespace, *, reads_only: bool = False) -> Engine:
+    url = find_url(args.database_url) if reads_only else args.database_url
+    return Engine.connect(url, pool_size=1, application_name=f"composer-ops {args.command}")
+
+
+def _ts(value: datetime | None) -> str:
+    return value.astimezone(UTC).strftime("%Y-%m-%d %H:%M:%SZ") if value is not None else "-"
+
+
+def _ago(seconds: float) -> str:
+    s = int(max(0.0, seconds))
+    if s < 120:
+        return f"{s}s"
+    if s < 7200:
+        return f"{s // 60}m"
+    if s < 172800:
+        return f"{s // 3600}h"
+    return f"{s // 86400}d"
+
+
+def _short(value: Any, width: int) -> str:
+    if value is None:
+        return ""
+    text = json.dumps(value, separators=(",", ":"), ensure_ascii=False, default=str)
+    text = "".join(c if c.isprintable() else " " for c in text)
+    return text if len(text) <= width else text[: width - 3] + "..."
+
+
+def _selection(args: argparse.Namespace) -> Any:
+    from composer_ops.engine.admin import selection
+
+    return selection(workflow=args.workflow, status=args.status, since=args.since, until=args.until,
+                     where=args.where)
+
+
+def cmd_runs_list(args: argparse.Namespace) -> int:
+    from composer_ops.engine.admin import find_runs
+
+    chosen = _selection(args)     # a bad selection exits 2 before connecting
+    with _engine(args, reads_only=True) as engine:
+        resolved, found = find_runs(engine.pool, chosen, limit=args.limit)
+    if args.json:
+        emit_json([{"run_id": r.id, "workflow_id": r.workflow_id, "workflow_version": r.workflow_version,
+                    "status": r.status, "created_at": r.created_at, "completed_at": r.completed_at,
+                    "input": r.input, "error": r.error} for r in found])
+        return EXIT_OK
+    if not found:
+        print("no run matches")
+        return EXIT_OK
+    print(f"{'run':<36}  {'workflow':<24} {'status':<9} {'created':<20} {'completed':<20} input / error")
+    for r in found:
+        detail = _short(r.input, 40) + (f"  {_short(r.error, 60)}" if r.error else "")
+        print(f"{r.id:<36}  {_short_id(r.workflow_id, r.workflow_version):<24} {r.status:<9} "
+              f"{_ts(r.created_at):<20} {_ts(r.completed_at):<20} {detail}")
+    more = " (the limit: more may match)" if len(found) == args.limit else ""
+    print(f"{len(found)} run(s){more}")
+    return EXIT_OK
+
+
+def _short_id(workflow_id: str, version: int) -> str:
+    text = f"{workflow_id} v{version}"
+    return text if len(text) <= 24 else text[:21] + "..."
+
+
+def cmd_workers_list(args: argparse.Namespace) -> int:
+    if args.window < 0:
+        raise Invalid(f"--window must be 0 or more hours, got {args.window:g}")
+    with _engine(args, reads_only=True) as engine:
+        report = engine.workers(window_s=None if args.window == 0 else args.window * 3600)
+    if args.json:
+        out: dict[str, Any] = {
+            "workers": [{**w.__dict__, "leases": [lease.__dict__ for lease in report.leases
+                                                  if lease.lease_owner == w.id]} for w in report.workers],
+            "unregistered_lease_owners": report.unregistered,
+        }
+        emit_json(out)
+        return EXIT_OK
+    if not report.workers:
+        print("no worker registered" + (f" in the last {args.window:g} h" if args.window else ""))
+    else:
+        print(f"{'state':<8} {'worker':<40} {'queues':<24} {'slots':>5} {'leases':>6} {'expired':>7}  "
+              f"{'last seen':<21} started")
+        for w in report.workers:
+            seen = f"{_ts(w.last_seen_at)} ({_ago(w.silent_s)} ago)" if w.state != "live" else _ts(w.last_seen_at)
+            print(f"{w.state:<8} {w.id:<40} {','.join(w.queues):<24} {w.concurrency:>5} {w.running:>6} "
+                  f"{w.expired:>7}  {seen:<21} {_ts(w.started_at)}")
+    for w in report.workers:
+        held = [lease for lease in report.leases if lease.lease_owner == w.id]
+        if not held:
+            continue
+        print(f"\n{w.state} worker {w.id} left {len(held)} lease(s):")
+        for lease in held:
+            when = "expired" if lease.expired else "expires"
+            print(f"  run {lease.run_id}  node {lease.node_id}  task {lease.task_id}  attempt {lease.attempt}  "
+                  f"{when} {_ts(lease.lease_expires_at)}")
+    if report.unregistered:
+        print(f"\nlease owners that never registered: {', '.join(report.unregistered)}")
+    return EXIT_OK

@@ -1,0 +1,50 @@
+-- V013: who did what to the data (operator_audit), and which workers exist (workers).
+--
+-- operator_audit: one row per operator action (a partition month archived, dropped,
+-- detached or restored; a batch of runs cancelled; a run retried or deleted), written
+-- in the same transaction as the change, so a row exists exactly when the change
+-- committed and a dry run writes none. The database fills in who and from where
+-- (session_user, current_user, the client address it sees); the command fills in the
+-- command line (secrets removed), the host it ran on, what it acted on and counts.
+-- `request` ties the rows of one command together (a bulk cancel writes one row per
+-- chunk) and lets a retried transaction find its own earlier commit. The table is
+-- not partitioned and retention never touches it: it outlives the months it describes.
+CREATE TABLE IF NOT EXISTS operator_audit(
+    id BIGINT GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+    at TIMESTAMPTZ NOT NULL DEFAULT now(),
+    action TEXT NOT NULL,                 -- 'partitions drop', 'runs cancel', ...
+    target TEXT,                          -- the month, the run, or the selection acted on
+    counts JSONB NOT NULL DEFAULT '{}',   -- {"runs": 12}, {"rows": 4096, "months": 1}, ...
+    detail JSONB,                         -- what else the action reports (files, run IDs, errors)
+    command TEXT,                         -- the command line, secrets removed
+    client_host TEXT,                     -- the host the command ran on, as it says
+    client_addr TEXT NOT NULL DEFAULT COALESCE(host(inet_client_addr()), 'local'),  -- as the server sees it
+    login_role TEXT NOT NULL DEFAULT session_user,
+    db_role TEXT NOT NULL DEFAULT current_user,                                       -- whose privileges acted
+    request TEXT
+);
+CREATE INDEX IF NOT EXISTS idx_operator_audit_at ON operator_audit (at);
+CREATE INDEX IF NOT EXISTS idx_operator_audit_request ON operator_audit (request) WHERE request IS NOT NULL;
+
+-- workers: every Worker registers itself when it starts, refreshes last_seen_at once
+-- per heartbeat_s (one small HOT update per interval, whatever its task rate), and
+-- sets stopped_at when it stops cleanly. A worker not seen for three intervals and
+-- not stopped is dead; the leases it held name it (task_instances.lease_owner), so
+-- the tasks a dead worker left behind can be listed.
+CREATE TABLE IF NOT EXISTS workers(
+    id TEXT PRIMARY KEY,                  -- the lease owner its claims write
+    host TEXT NOT NULL,
+    pid INT NOT NULL,
+    queues TEXT[] NOT NULL,
+    concurrency INT NOT NULL,
+    heartbeat_s FLOAT8 NOT NULL,
+    started_at TIMESTAMPTZ NOT NULL DEFAULT now(),
+    last_seen_at TIMESTAMPTZ NOT NULL DEFAULT now(),
+    stopped_at TIMESTAMPTZ
+) WITH (fillfactor = 50);
+
+-- The engine role writes both (bulk cancel, retry and delete run as the engine); the
+-- owner writes the partition actions' rows; the reader role reads them for reports.
+GRANT SELECT, INSERT ON operator_audit TO composer_ops_engine;
+GRANT SELECT, INSERT, UPDATE ON workers TO composer_ops_engine;
+GRANT SELECT ON operator_audit, workers TO composer_ops_reader;
