@@ -38,6 +38,7 @@ def build_parser() -> ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)    # for the audit rows of operator actions
     level = logging.DEBUG if args.debug else getattr(logging, str(args.log_level).upper(), logging.WARNING)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("composer_ops").setLevel(level)

@@ -1,10 +1,17 @@
 """Operator commands: ``workers list`` (and the ``runs`` actions registered under
-``runs`` by :mod:`composer_ops.cli.run_cmds`)."""
+``runs`` by :mod:`composer_ops.cli.run_cmds`), and what every operator action shares:
+the :class:`~composer_ops.repo.audit.Actor` its audit row names, and progress bars."""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import re
+import shlex
+import socket
+import sys
+from collections.abc import Iterator, Sequence
 from datetime import UTC, datetime
 from typing import Any
 
@@ -12,6 +19,50 @@ from composer_ops.cli._common import EXIT_OK, add_database_option, emit_json, en
 from composer_ops.db import find_url
 from composer_ops.engine import Engine
 from composer_ops.errors import Invalid
+from composer_ops.repo.audit import Actor
+
+_URL_PASSWORD = re.compile(r"(?P<head>[a-z][a-z0-9+.-]*://[^/@:\s]*:)\S*@", re.IGNORECASE)
+_KV_PASSWORD = re.compile(r"(?P<head>\bpassword\s*=\s*)('(?:[^'\\]|\\.)*'|\S+)", re.IGNORECASE)
+
+
+def redact(text: str) -> str:
+    """``text`` with passwords in libpq URLs and key=value strings replaced by ``***``."""
+    return _KV_PASSWORD.sub(r"\g<head>***", _URL_PASSWORD.sub(r"\g<head>***@", text))
+
+
+def actor(args: argparse.Namespace) -> Actor:
+    """Who acts, for the audit row: this command line (passwords removed) and host."""
+    words: Sequence[str] = getattr(args, "argv", None) or sys.argv[1:]
+    return Actor(command=redact(shlex.join(["composer-ops", *words])), host=socket.gethostname())
+
+
+class RichProgress:
+    """:class:`composer_ops.engine.archive.Progress` drawn by rich on stderr."""
+
+    def __init__(self, progress: Any) -> None:
+        self._progress = progress
+        self._task: Any = None
+
+    def start(self, label: str, total: int) -> None:
+        if self._task is not None:
+            self._progress.update(self._task, visible=self._progress.tasks[self._task].total != 0)
+        self._task = self._progress.add_task(label, total=total)
+
+    def advance(self, n: int) -> None:
+        if self._task is not None:
+            self._progress.advance(self._task, n)
+
+
+@contextlib.contextmanager
+def progress_bars(enabled: bool = True) -> Iterator[RichProgress]:
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    console = Console(stderr=True, highlight=False)
+    with Progress(TextColumn("{task.description:<40}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  console=console, disable=not enabled or not console.is_terminal) as bars:
+        yield RichProgress(bars)
+
 
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]

@@ -7,6 +7,7 @@ import sys
 from datetime import datetime
 from typing import Any
 
+from composer_ops.cli import archive_cmds
 from composer_ops.cli._common import EXIT_OK, add_database_option, emit_json, env_option
 from composer_ops.db import connect, find_url
 from composer_ops.engine import Engine
@@ -21,7 +22,8 @@ EXIT_RETENTION_BLOCKED = 3
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     parts = sub.add_parser("partitions", help="list, create ahead, or drop monthly partitions")
-    psub = parts.add_subparsers(dest="partitions_command", required=True, metavar="{list,ensure,drop}")
+    psub = parts.add_subparsers(dest="partitions_command", required=True,
+                                metavar="{list,ensure,drop,archive,detach,restore}")
 
     lst = psub.add_parser("list", help="every partition of the three run-scoped tables")
     add_database_option(lst, reads_only=True)
@@ -58,6 +60,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     env_option(drp, "--attempts", env="COMPOSER_RETENTION_ATTEMPTS", type=int, default=5, metavar_default="5",
                help="tries before giving up when the locks stay busy")
     drp.set_defaults(func=cmd_drop)
+    archive_cmds.register(psub)
 
 
 def _engine(args: argparse.Namespace, *, reads_only: bool = False) -> Engine:

@@ -1,0 +1,112 @@
+"""``composer-ops partitions archive|restore|detach``: months of the run tables kept as
+Parquet (or as standalone tables) before retention drops them, and brought back."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+from composer_ops.cli._common import EXIT_OK, add_database_option, emit_json, env_option
+from composer_ops.cli.admin_cmds import actor, progress_bars
+from composer_ops.db import find_url
+
+
+def register(psub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    """The archive subcommands, under ``composer-ops partitions``."""
+    arc = psub.add_parser(
+        "archive", help="write every month retention would drop as Parquet, verified (changes no data)",
+        description="For the months the retention plan would drop for --older-than (the plan `partitions drop` "
+                    "follows), write each run table's partition to DIR/YYYYMM/<table>.parquet (zstd) with a "
+                    "manifest (month, bounds, rows, schema version, SHA-256 of every file and of its content), "
+                    "re-read every file to verify it, and only then move it into place and write an audit row. "
+                    "Nothing in the database changes except the audit rows. Exit 0 archived (or, with --dry-run, "
+                    "listed), 1 a month could not be archived, 2 bad input.")
+    add_database_option(arc, reads_only=True)
+    env_option(arc, "--older-than", env="COMPOSER_RETENTION_OLDER_THAN", metavar="WHEN",
+               help="cut-off: ISO date (midnight UTC), ISO instant, or an age counted back from the database "
+                    "clock (90d, 2w, 6 months, 1y)")
+    env_option(arc, "--to", dest="target", env="COMPOSER_ARCHIVE_DIR", metavar="DIR",
+               help="the archive directory (created if missing; an earlier archive of a month is replaced)")
+    arc.add_argument("--dry-run", action="store_true", help="list the months it would archive, write nothing")
+    arc.add_argument("--json", action="store_true", help="print JSON")
+    arc.set_defaults(func=cmd_archive)
+
+    rst = psub.add_parser(
+        "restore", help="re-import an archived month with COPY (dry-run unless --yes)",
+        description="Verify DIR/MONTH against its manifest (every file re-read), then with --yes create the "
+                    "month's partitions where they are missing and COPY every table back in one transaction, "
+                    "which checks the rows against the manifest and writes an audit row. A month whose "
+                    "partitions hold rows is refused. Exit 0 restored (or would restore), 1 the archive is bad "
+                    "or the restore failed, 2 bad input.")
+    add_database_option(rst)
+    rst.add_argument("month", metavar="MONTH", help="the month to restore, YYYYMM")
+    env_option(rst, "--from", dest="source", env="COMPOSER_ARCHIVE_DIR", metavar="DIR",
+               help="the archive directory (the one `partitions archive --to` wrote)")
+    rst.add_argument("--yes", action="store_true", help="restore for real (without: verify and say what it would do)")
+    rst.add_argument("--json", action="store_true", help="print JSON")
+    env_option(rst, "--lock-timeout", env="COMPOSER_RETENTION_LOCK_TIMEOUT", type=float, default=2.0,
+               metavar_default="2", help="seconds to wait for a lock before backing off and retrying")
+    rst.set_defaults(func=cmd_restore)
+
+
+def cmd_restore(args: argparse.Namespace) -> int:
+    from composer_ops.core.runids import month_start
+    from composer_ops.engine.archive import restore_month
+    from composer_ops.errors import Invalid
+
+    month_start(args.month)                                  # YYYYMM, else exit 2
+    if not args.source:
+        raise Invalid("--from DIR is required (or COMPOSER_ARCHIVE_DIR)")
+    if args.lock_timeout <= 0:
+        raise Invalid(f"--lock-timeout must be more than 0 seconds, got {args.lock_timeout:g}")
+    with progress_bars() as bars:
+        result = restore_month(args.database_url, args.month, Path(args.source), yes=args.yes, actor=actor(args),
+                               lock_timeout_s=args.lock_timeout, progress=bars)
+    if args.json:
+        out: dict[str, Any] = {"month": result.month, "from": result.source, "restored": result.applied,
+                               "rows": result.rows,
+                               "tables": [{"table": t.table, "partition": t.partition, "rows": t.rows,
+                                           "fingerprint_matches": t.fingerprint_matches} for t in result.tables]}
+        emit_json(out)
+        return EXIT_OK
+    verb = "restored" if result.applied else "would restore"
+    for t in result.tables:
+        check = {True: "fingerprint matches", False: "fingerprint differs", None: ""}[t.fingerprint_matches]
+        print(f"{verb} {t.rows:>9} rows into {t.partition:<28} {check}".rstrip())
+    tail = "" if result.applied else "; the archive verified, nothing was changed (add --yes to restore)"
+    print(f"{verb} month {result.month} from {result.source}: {result.rows} rows{tail}")
+    return EXIT_OK
+
+
+def cmd_archive(args: argparse.Namespace) -> int:
+    from composer_ops.engine.archive import archive_due
+    from composer_ops.errors import Invalid
+    from composer_ops.repo.retention import parse_cutoff
+
+    if not args.older_than:
+        raise Invalid("--older-than WHEN is required (an ISO date, an ISO instant, or an age like 90d)")
+    if not args.target:
+        raise Invalid("--to DIR is required (or COMPOSER_ARCHIVE_DIR)")
+    cutoff = parse_cutoff(args.older_than)
+    with progress_bars() as bars:
+        result = archive_due(find_url(args.database_url), cutoff, Path(args.target), dry_run=args.dry_run,
+                             actor=actor(args), progress=bars)
+    if args.json:
+        emit_json({"cutoff": result.cutoff, "dry_run": args.dry_run,
+                   "months": [{"month": m.month, "path": m.path, "rows": m.rows, "archived": m.written,
+                               "partitions": m.partitions} for m in result.months],
+                   "kept": [{"month": month, "reason": reason} for month, reason in result.kept]})
+        return EXIT_OK
+    print(f"retention cut-off {result.cutoff:%Y-%m-%dT%H:%M:%SZ}: "
+          f"{'dry-run' if args.dry_run else 'archiving'} the months it would drop")
+    for m in result.months:
+        if m.written:
+            print(f"archived {m.month}: {m.rows} rows, verified, in {m.path}")
+        else:
+            print(f"would archive {m.month}: about {m.rows} rows to {m.path}")
+    if not result.months:
+        print("no month is due for retention: nothing to archive")
+    elif args.dry_run:
+        print("nothing was written (drop --dry-run to archive)")
+    return EXIT_OK

@@ -1,0 +1,538 @@
+"""Partition archives: a month of the run tables as Parquet files plus a manifest,
+verified by reading them back, and restored with COPY.
+
+Layout of an archive directory::
+
+    DIR/202501/manifest.json            month, bounds, schema version, and per table:
+                                        file, rows, SHA-256 of the file, SHA-256 of the
+                                        content, the database's fingerprint, columns
+    DIR/202501/workflow_runs.parquet    one file per run table (zstd), rows in key order
+    DIR/202501/task_instances.parquet
+    ...
+
+A month is exported in one REPEATABLE READ transaction, so every file and every
+fingerprint describes the same snapshot. Files are written into a hidden directory
+beside the target, verified there (every file re-read: its bytes against the recorded
+SHA-256, its rows against the content hash computed while the rows streamed out of the
+database), and only then moved into place: a crash leaves a ``.YYYYMM.partial-*``
+directory, never a manifest over missing or short files.
+
+Column types: text, integers, booleans, floats, ``timestamptz`` (as UTC microsecond
+timestamps) and ``text[]`` are stored natively; JSON and every other type as the text
+PostgreSQL prints (JSON exactly as stored), which COPY parses back unchanged.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+import uuid
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import asdict, dataclass, field
+from datetime import UTC, datetime
+from functools import partial
+from pathlib import Path
+from typing import Any, Protocol
+
+from composer_ops.core.runids import RUN_ID_MAX_AGE, month_bounds, month_start
+from composer_ops.db import connect
+from composer_ops.db.retry import db_retry
+from composer_ops.errors import ComposerError, Invalid
+from composer_ops.repo import archive as repo
+from composer_ops.repo import audit, partitions, retention
+from composer_ops.repo._base import Conn
+from composer_ops.repo.archive import Column
+from composer_ops.repo.audit import Actor
+from composer_ops.repo.partitions import RUN_TABLES
+from composer_ops.repo.retention import Cutoff
+from composer_ops.repo.rows import RetentionMonth
+
+__all__ = ["FORMAT", "BadArchive", "Manifest", "Progress", "RestoreResult", "Restored", "TableArchive",
+           "export_month", "month_dir", "read_rows", "restore_month", "restore_rows", "verify_month"]
+
+#: The manifest's ``format``: readers refuse any other.
+FORMAT = "composer-archive/1"
+MANIFEST = "manifest.json"
+_BATCH = 5000
+
+
+class BadArchive(ComposerError):
+    """An archive that is missing, partial or does not match its manifest."""
+
+
+class Progress(Protocol):
+    """What long work reports: a step with a known total, then advances."""
+
+    def start(self, label: str, total: int) -> None: ...
+
+    def advance(self, n: int) -> None: ...
+
+
+class _Silent:
+    def start(self, label: str, total: int) -> None:
+        return None
+
+    def advance(self, n: int) -> None:
+        return None
+
+
+@dataclass(frozen=True, kw_only=True)
+class TableArchive:
+    """One table's file in an archive."""
+
+    table: str
+    partition: str
+    file: str
+    rows: int
+    sha256: str                  # of the file's bytes
+    content_sha256: str          # of the rows, in key order (see _row_digest)
+    fingerprint: str             # the database's (repo.archive.fingerprint) at export
+    columns: list[dict[str, str]]
+
+    @property
+    def column_specs(self) -> list[Column]:
+        return [Column(name=c["name"], type=c["type"]) for c in self.columns]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Manifest:
+    """What an archive holds; ``manifest.json``."""
+
+    format: str
+    month: str
+    lower_bound: str
+    upper_bound: str
+    created_at: str
+    schema_version: int
+    tables: list[TableArchive] = field(default_factory=list)
+
+    @property
+    def rows(self) -> int:
+        return sum(t.rows for t in self.tables)
+
+    def table(self, name: str) -> TableArchive | None:
+        return next((t for t in self.tables if t.table == name), None)
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=2, sort_keys=False) + "\n"
+
+    @classmethod
+    def from_json(cls, text: str, where: Path) -> Manifest:
+        try:
+            doc = json.loads(text)
+            if doc.get("format") != FORMAT:
+                raise BadArchive(f"{where}: format {doc.get('format')!r} is not {FORMAT!r}")
+            tables = [TableArchive(**t) for t in doc.pop("tables")]
+            return cls(**doc, tables=tables)
+        except BadArchive:
+            raise
+        except (ValueError, TypeError, KeyError, AttributeError) as exc:
+            raise BadArchive(f"{where}: not a readable archive manifest ({exc})") from None
+
+
+def month_dir(directory: Path, month: str) -> Path:
+    """Where the archive of ``month`` (YYYYMM) lives under ``directory``."""
+    month_start(month)   # Invalid unless YYYYMM
+    return directory / month
+
+
+# -- types -------------------------------------------------------------------------
+
+
+def _arrow_type(col: Column) -> Any:
+    import pyarrow as pa
+
+    native = {
+        "text": pa.string(), "character varying": pa.string(), "smallint": pa.int16(), "integer": pa.int32(),
+        "bigint": pa.int64(), "boolean": pa.bool_(), "real": pa.float64(), "double precision": pa.float64(),
+        "timestamp with time zone": pa.timestamp("us", tz="UTC"), "text[]": pa.list_(pa.string()),
+    }
+    return native.get(col.type, pa.string()) if not col.as_text else pa.string()
+
+
+def _schema(cols: Sequence[Column]) -> Any:
+    import pyarrow as pa
+
+    return pa.schema([pa.field(c.name, _arrow_type(c), nullable=True,
+                               metadata={"pg_type": c.type, "encoding": "text" if c.as_text else "native"})
+                      for c in cols])
+
+
+def _canonical(value: Any) -> Any:
+    if isinstance(value, datetime):
+        return value.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+    return value
+
+
+def _row_digest(digest: Any, row: Sequence[Any]) -> None:
+    """Feed one row into ``digest`` in a form both the database's values and the
+    values read back from Parquet produce identically."""
+    digest.update(json.dumps([_canonical(v) for v in row], separators=(",", ":"), ensure_ascii=False,
+                             default=str).encode())
+    digest.update(b"\n")
+
+
+def _file_sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+# -- export ------------------------------------------------------------------------
+
+
+def export_month(conn: Conn, month: str, directory: Path, *, progress: Progress | None = None,
+                 before_verify: Callable[[Path], None] | None = None,
+                 on_exported: Callable[[Conn, Manifest], None] | None = None) -> Manifest:
+    """Write ``month``'s partitions of every run table to ``directory/month`` and verify
+    them; returns the manifest. One REPEATABLE READ transaction on ``conn`` reads
+    everything; ``on_exported`` runs in it after the files are verified and in place
+    (the caller's audit row), and the transaction commits after it. A month whose
+    partitions do not exist is :class:`Invalid`. ``before_verify`` sees the files before
+    they are verified (tests corrupt them there)."""
+    shown = progress or _Silent()
+    directory = Path(directory)
+    target = month_dir(directory, month)
+    directory.mkdir(parents=True, exist_ok=True)
+    lower, upper = month_bounds(month)
+    with conn.transaction():
+        conn.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
+        repo.pin_text_output(conn)
+        missing = [f"{t}_p{month}" for t in RUN_TABLES if not repo.exists(conn, f"{t}_p{month}")]
+        if missing:
+            raise Invalid(f"month {month} has no partition {', '.join(missing)}: nothing to archive")
+        version = repo.schema_version(conn)
+        work = Path(tempfile.mkdtemp(prefix=f".{month}.partial-", dir=directory))
+        try:
+            tables = [_export_table(conn, table, f"{table}_p{month}", work, shown) for table in RUN_TABLES]
+            manifest = Manifest(format=FORMAT, month=month, lower_bound=lower, upper_bound=upper,
+                                created_at=datetime.now(UTC).isoformat(timespec="seconds").replace("+00:00", "Z"),
+                                schema_version=version, tables=tables)
+            (work / MANIFEST).write_text(manifest.to_json(), encoding="utf-8")
+            if before_verify is not None:
+                before_verify(work)
+            verify_month(work, month=month, progress=shown)
+            _move_into_place(work, target)
+        except BaseException:
+            shutil.rmtree(work, ignore_errors=True)
+            raise
+        if on_exported is not None:
+            on_exported(conn, manifest)
+    return manifest
+
+
+def _export_table(conn: Conn, table: str, partition: str, work: Path, progress: Progress) -> TableArchive:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    cols = repo.columns(conn, partition)
+    key = repo.primary_key(conn, partition) or [c.name for c in cols]
+    count, fingerprint = repo.fingerprint(conn, partition)
+    schema = _schema(cols)
+    digest = hashlib.sha256()
+    path = work / f"{table}.parquet"
+    written = 0
+    progress.start(f"{partition}: export", count)
+    with pq.ParquetWriter(path, schema, compression="zstd") as writer:
+        for rows in repo.stream_rows(conn, partition, cols, key):
+            for row in rows:
+                _row_digest(digest, row)
+            arrays = [pa.array(list(values), type=schema.field(i).type)
+                      for i, values in enumerate(zip(*rows, strict=True))]
+            writer.write_batch(pa.RecordBatch.from_arrays(arrays, schema=schema))
+            written += len(rows)
+            progress.advance(len(rows))
+    if written != count:
+        raise BadArchive(f"{partition}: counted {count} rows but read {written} in the same snapshot")
+    return TableArchive(table=table, partition=partition, file=path.name, rows=written,
+                        sha256=_file_sha256(path), content_sha256=digest.hexdigest(), fingerprint=fingerprint,
+                        columns=[{"name": c.name, "type": c.type} for c in cols])
+
+
+def _move_into_place(work: Path, target: Path) -> None:
+    """Replace ``target`` with the verified ``work`` directory (a rename each way)."""
+    old = None
+    if target.exists():
+        old = target.with_name(f".{target.name}.old-{uuid.uuid4().hex[:8]}")
+        os.replace(target, old)
+    os.replace(work, target)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+# -- verification and reading --------------------------------------------------------
+
+
+def read_manifest(path: Path) -> Manifest:
+    file = Path(path) / MANIFEST
+    try:
+        text = file.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise BadArchive(f"{path}: no {MANIFEST} (not an archive, or a partial one)") from None
+    except OSError as exc:
+        raise BadArchive(f"{file}: cannot read it ({exc})") from None
+    return Manifest.from_json(text, file)
+
+
+def verify_month(path: Path, *, month: str | None = None, progress: Progress | None = None) -> Manifest:
+    """Check an archive directory against its manifest: every run table present, each
+    file's bytes match its SHA-256, and its rows, read back, match the row count and
+    the content hash recorded at export. Returns the manifest; :class:`BadArchive`
+    says what does not match."""
+    shown = progress or _Silent()
+    path = Path(path)
+    manifest = read_manifest(path)
+    if month is not None and manifest.month != month:
+        raise BadArchive(f"{path}: the manifest is for month {manifest.month}, not {month}")
+    missing = [t for t in RUN_TABLES if manifest.table(t) is None]
+    if missing:
+        raise BadArchive(f"{path}: the manifest has no {', '.join(missing)}")
+    for entry in manifest.tables:
+        file = path / entry.file
+        if not file.is_file():
+            raise BadArchive(f"{file}: missing")
+        if _file_sha256(file) != entry.sha256:
+            raise BadArchive(f"{file}: its SHA-256 does not match the manifest (changed or truncated)")
+        digest = hashlib.sha256()
+        n = 0
+        shown.start(f"{entry.partition}: verify", entry.rows)
+        for rows in read_rows(path, entry):
+            for row in rows:
+                _row_digest(digest, row)
+            n += len(rows)
+            shown.advance(len(rows))
+        if n != entry.rows:
+            raise BadArchive(f"{file}: {n} rows read back, the manifest says {entry.rows}")
+        if digest.hexdigest() != entry.content_sha256:
+            raise BadArchive(f"{file}: the rows read back differ from the rows exported")
+    return manifest
+
+
+def read_rows(path: Path, entry: TableArchive, *, batch: int = _BATCH) -> Iterator[list[tuple[Any, ...]]]:
+    """The rows of one archived table, in file (key) order, in the manifest's column
+    order; :class:`BadArchive` when the file cannot be parsed or its columns differ."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    file = Path(path) / entry.file
+    names = [c["name"] for c in entry.columns]
+    try:
+        reader = pq.ParquetFile(file)
+        if reader.schema_arrow.names != names:
+            raise BadArchive(f"{file}: columns {reader.schema_arrow.names} differ from the manifest's {names}")
+        with contextlib.closing(reader):
+            for rb in reader.iter_batches(batch_size=batch):
+                cols = [rb.column(i).to_pylist() for i in range(rb.num_columns)]
+                yield list(zip(*cols, strict=True)) if cols else []
+    except BadArchive:
+        raise
+    except (OSError, pa.ArrowException, ValueError) as exc:
+        raise BadArchive(f"{file}: cannot be read as Parquet ({exc})") from None
+
+
+# -- restore -----------------------------------------------------------------------
+
+
+@dataclass(frozen=True, kw_only=True)
+class Restored:
+    """What restoring one table of a month did: rows copied, and whether the
+    database's fingerprint of them equals the one taken at export (None when the
+    table's columns changed since, so only the count could be compared)."""
+
+    table: str
+    partition: str
+    rows: int
+    fingerprint_matches: bool | None
+
+
+def restore_rows(conn: Conn, path: Path, manifest: Manifest, *, progress: Progress | None = None) -> list[Restored]:
+    """COPY a verified archive's rows into its month's partitions, which must exist and
+    be empty, in the caller's transaction (tables in foreign-key order), then check
+    every table against the manifest: the row count, and the database's fingerprint
+    when the table has the archived columns exactly. A mismatch raises
+    :class:`BadArchive` (the caller's transaction must then roll back)."""
+    shown = progress or _Silent()
+    repo.pin_text_output(conn)
+    done: list[Restored] = []
+    for table in RUN_TABLES:
+        entry = manifest.table(table)
+        assert entry is not None    # verify_month checked
+        partition = f"{table}_p{manifest.month}"
+        current = {c.name: c.type for c in repo.columns(conn, partition)}
+        archived = entry.column_specs
+        for col in archived:
+            if col.name not in current:
+                raise Invalid(f"{partition} has no column {col.name!r}, which the archive holds "
+                              f"(archived at schema version {manifest.schema_version}); restore needs a schema "
+                              "with every archived column")
+            if current[col.name] != col.type:
+                raise Invalid(f"{partition}.{col.name} is {current[col.name]}, the archive's is {col.type}")
+        present = repo.row_count(conn, partition)
+        if present:
+            raise ComposerError(f"{partition} already holds {present} rows; restore fills only a month that was "
+                                "dropped (or is empty)")
+        shown.start(f"{partition}: restore", entry.rows)
+
+        def rows(entry: TableArchive = entry) -> Iterator[tuple[Any, ...]]:
+            for batch in read_rows(path, entry):
+                yield from batch
+                shown.advance(len(batch))
+
+        n = repo.copy_rows(conn, partition, [c.name for c in archived], rows())
+        count, fingerprint = repo.fingerprint(conn, partition)
+        same_columns = list(current) == [c.name for c in archived]
+        if count != entry.rows or n != entry.rows:
+            raise BadArchive(f"{partition}: {count} rows after restore, the archive holds {entry.rows}")
+        if same_columns and fingerprint != entry.fingerprint:
+            raise BadArchive(f"{partition}: the restored rows differ from the rows archived "
+                             "(the database's fingerprints do not match)")
+        done.append(Restored(table=table, partition=partition, rows=n,
+                             fingerprint_matches=(fingerprint == entry.fingerprint) if same_columns else None))
+    return done
+
+
+@dataclass(frozen=True, kw_only=True)
+class RestoreResult:
+    """What ``partitions restore`` did (or, with ``applied`` false, would do)."""
+
+    month: str
+    source: str
+    tables: list[Restored]
+    applied: bool
+    replayed: bool = False        # an earlier attempt of this request committed; its record was read back
+
+    @property
+    def rows(self) -> int:
+        return sum(t.rows for t in self.tables)
+
+
+def restore_month(url: str | None, month: str, directory: Path, *, yes: bool, actor: Actor | None = None,
+                  lock_timeout_s: float = 2.0, progress: Progress | None = None,
+                  request_id: str | None = None) -> RestoreResult:
+    """Restore ``month`` from its archive under ``directory``: verify the archive (every
+    file re-read), then, with ``yes``, create the month's partitions where missing (a
+    short transaction of its own, so nothing queues behind the copy), and COPY every
+    table in one transaction that also checks the rows against the manifest and writes
+    the audit row. Without ``yes`` nothing is written: the result says what would be
+    restored. Partitions holding rows are refused (:class:`ComposerError`)."""
+    if lock_timeout_s <= 0:
+        raise Invalid(f"lock timeout must be more than 0 seconds, got {lock_timeout_s:g}")
+    path = month_dir(Path(directory), month)
+    manifest = verify_month(path, month=month, progress=progress)
+    planned = [Restored(table=t.table, partition=t.partition, rows=t.rows, fingerprint_matches=None)
+               for t in manifest.tables]
+    if not yes:
+        with connect(url, application_name="composer-ops partitions restore") as conn:
+            for t in planned:
+                if repo.exists(conn, t.partition) and (n := repo.row_count(conn, t.partition)):
+                    raise ComposerError(f"{t.partition} already holds {n} rows; restore fills only a month that "
+                                        "was dropped (or is empty)")
+        return RestoreResult(month=month, source=str(path), tables=planned, applied=False)
+    request = request_id or uuid.uuid4().hex
+    with connect(url, application_name="composer-ops partitions restore") as conn:
+        _create_month(conn, month, lock_timeout_s)
+        return _copy_month(conn, path, manifest, actor, lock_timeout_s, progress, request)
+
+
+@db_retry(max_attempts=5, base=0.25, cap=4.0)
+def _create_month(conn: Conn, month: str, lock_timeout_s: float) -> None:
+    with conn.transaction():
+        partitions.set_lock_timeout(conn, lock_timeout_s)
+        partitions.ensure_from(conn, month_start(month).date(), 0)
+
+
+@db_retry(max_attempts=5, base=0.25, cap=4.0)
+def _copy_month(conn: Conn, path: Path, manifest: Manifest, actor: Actor | None, lock_timeout_s: float,
+                progress: Progress | None, request: str) -> RestoreResult:
+    with conn.transaction():
+        earlier = audit.of_request(conn, request)
+        if earlier:
+            counts = earlier[0].counts or {}
+            tables = [Restored(table=t, partition=f"{t}_p{manifest.month}", rows=int(n), fingerprint_matches=None)
+                      for t, n in (counts.get("tables") or {}).items()]
+            return RestoreResult(month=manifest.month, source=str(path), tables=tables, applied=True,
+                                 replayed=True)
+        partitions.set_lock_timeout(conn, lock_timeout_s)
+        done = restore_rows(conn, path, manifest, progress=progress)
+        audit.record(conn, "partitions restore", actor=actor, target=manifest.month, request=request,
+                     counts={"rows": sum(t.rows for t in done), "tables": {t.table: t.rows for t in done}},
+                     detail={"from": str(path), "schema_version": manifest.schema_version,
+                             "fingerprints_match": {t.table: t.fingerprint_matches for t in done}})
+    return RestoreResult(month=manifest.month, source=str(path), tables=done, applied=True)
+
+
+# -- archiving what retention would drop ----------------------------------------------
+
+
+@dataclass(frozen=True, kw_only=True)
+class MonthArchived:
+    """One month ``partitions archive`` wrote (or, on a dry run, would write)."""
+
+    month: str
+    path: str
+    partitions: list[str]
+    rows: int                       # exact when written, the plan's estimate on a dry run
+    written: bool
+
+
+@dataclass(frozen=True, kw_only=True)
+class ArchiveResult:
+    cutoff: datetime
+    months: list[MonthArchived]
+    kept: list[tuple[str, str]]     # (month, reason) the plan keeps
+
+
+def due_months(conn: Conn, cutoff: datetime) -> tuple[list[RetentionMonth], list[tuple[str, str]]]:
+    """What the retention plan (the one ``partitions drop`` follows) says for ``cutoff``:
+    the months it would drop, and the months it keeps with the reason."""
+    plan = retention.plan(conn, cutoff, min_age=RUN_ID_MAX_AGE)
+    return [m for m in plan if m.action == "drop"], [(m.month, m.reason) for m in plan if m.action != "drop"]
+
+
+def archive_due(url: str | None, older_than: datetime | str | Cutoff, directory: Path, *, dry_run: bool = False,
+                actor: Actor | None = None, progress: Progress | None = None) -> ArchiveResult:
+    """Archive every month retention would drop for ``older_than`` (the same plan) into
+    ``directory``, one month at a time, each verified before it is reported, with an
+    audit row per month. ``dry_run`` only lists them."""
+    directory = Path(directory)
+    if not dry_run:
+        check_directory(directory)
+    with connect(url, application_name="composer-ops partitions archive") as conn:
+        with conn.transaction():
+            cutoff = retention.resolve(conn, older_than)
+            due, kept = due_months(conn, cutoff)
+        done: list[MonthArchived] = []
+        for month in due:
+            target = month_dir(directory, month.month)
+            if dry_run:
+                done.append(MonthArchived(month=month.month, path=str(target), partitions=list(month.partitions),
+                                          rows=month.rows, written=False))
+                continue
+            manifest = export_month(conn, month.month, directory, progress=progress,
+                                    on_exported=partial(_audit_archive, actor=actor, target=target))
+            done.append(MonthArchived(month=month.month, path=str(target), partitions=list(month.partitions),
+                                      rows=manifest.rows, written=True))
+    return ArchiveResult(cutoff=cutoff, months=done, kept=kept)
+
+
+def _audit_archive(conn: Conn, manifest: Manifest, *, actor: Actor | None, target: Path) -> None:
+    audit.record(conn, "partitions archive", actor=actor, target=manifest.month,
+                 counts={"rows": manifest.rows, "tables": {t.table: t.rows for t in manifest.tables}},
+                 detail={"to": str(target), "schema_version": manifest.schema_version,
+                         "files": {t.file: t.sha256 for t in manifest.tables}})
+
+
+def check_directory(directory: Path) -> None:
+    """The archive directory can be created and written, before any month is read."""
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=directory, prefix=".write-test-"):
+            pass
+    except OSError as exc:
+        raise Invalid(f"archive directory {directory}: cannot write there ({exc.strerror or exc})") from None

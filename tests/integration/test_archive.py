@@ -1,0 +1,262 @@
+"""Partition archives: archive what retention would drop, drop it, restore it, and get
+back identical rows (hypothesis over months, statuses and odd values, under session
+time zones other than UTC); a corrupt or partial archive is refused; dry runs write
+nothing; every action writes its audit row."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from datetime import UTC, date, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+import psycopg
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from psycopg.types.json import Jsonb
+
+from composer_ops.cli import main
+from composer_ops.engine import archive
+from composer_ops.engine.archive import BadArchive
+from composer_ops.errors import ComposerError
+from composer_ops.repo import partitions
+from composer_ops.testing import fixtures
+
+MONTHS = [f"{y}{m:02d}" for y in (2024, 2025) for m in range(1, 13)]
+TERMINAL = ["SUCCEEDED", "FAILED", "CANCELLED"]
+STATUSES = [*TERMINAL, "RUNNING", "PENDING"]
+TASK_STATES = ["COMPLETED", "FAILED", "SKIPPED", "CANCELLED", "PENDING", "RUNNING", "WAITING"]
+ZONES = ["UTC", "America/New_York", "Asia/Tokyo", "Pacific/Chatham", "America/St_Johns"]
+
+text = st.text(alphabet=st.characters(codec="utf-8", exclude_characters="\x00"), max_size=12)
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers(-2**53, 2**53) | st.floats(allow_nan=False, allow_infinity=False) | text,
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(text, inner, max_size=3), max_leaves=8)
+instants = st.datetimes(min_value=datetime(2023, 1, 1), max_value=datetime(2027, 1, 1), timezones=st.just(UTC))
+tasks_st = st.lists(st.tuples(st.sampled_from(TASK_STATES), json_values, st.one_of(st.none(), text),
+                              st.one_of(st.none(), st.lists(st.one_of(st.none(), text), max_size=3)),
+                              st.one_of(st.none(), instants), st.integers(0, 5)), max_size=3)
+runs_st = st.lists(st.tuples(st.sampled_from(STATUSES), st.integers(1, 28), json_values, tasks_st,
+                             st.lists(st.tuples(text, json_values, st.booleans()), max_size=2), st.booleans()),
+                   min_size=1, max_size=3)
+layouts = st.dictionaries(st.sampled_from(MONTHS), runs_st, min_size=1, max_size=3)
+
+DUMP_TABLES = ("workflow_runs", "task_instances", "workflow_events")
+
+
+def _populate(conn: psycopg.Connection[Any], layout: dict[str, Any]) -> None:
+    seq = 0
+    for month, runs in layout.items():
+        conn.execute("SELECT composer_ensure_partitions_from(%s, 0)", (date(int(month[:4]), int(month[4:]), 1),))
+        for status, day, payload, tasks, events, deleted in runs:
+            at = datetime(int(month[:4]), int(month[4:]), day, 13, 7, 11, 123456, tzinfo=UTC)
+            seq += 1
+            run_id = fixtures.uuid7_text(at, seq)
+            conn.execute("""
+                INSERT INTO workflow_runs (id, workflow_definition_id, workflow_version, status, input_json,
+                                           context_json, error_json, output_json, deleted_at, created_at,
+                                           updated_at, completed_at)
+                VALUES (%s, 'wf', 1, %s, %s, %s, %s, %s, %s, %s, %s, %s)""",
+                (run_id, status, Jsonb(payload), Jsonb({"input": payload, "config": {"k": "é"}}),
+                 Jsonb({"error": "bad\ttab"}) if status == "FAILED" else None, Jsonb([payload]),
+                 at + timedelta(days=1) if deleted else None, at, at + timedelta(seconds=1.5),
+                 at + timedelta(microseconds=7) if status in TERMINAL else None))
+            for i, (state, output, error, branches, wake_at, attempt) in enumerate(tasks):
+                seq += 1
+                conn.execute("""
+                    INSERT INTO task_instances (id, run_id, node_id, node_type, queue, state, attempt, input_json,
+                                                output_json, last_error, branches, wake_at, event_name,
+                                                created_at, updated_at, lease_owner, lease_expires_at)
+                    VALUES (%s, %s, %s, 'TASK', 'q', %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s)""",
+                    (fixtures.uuid7_text(at, seq), run_id, f"n{i}", state, attempt, Jsonb({"i": i}), Jsonb(output),
+                     Jsonb({"error": error}) if error is not None else None, branches, wake_at, error, at, at,
+                     "host:1:ab" if state == "RUNNING" else None, wake_at if state == "RUNNING" else None))
+            for name, body, consumed in events:
+                seq += 1
+                conn.execute("INSERT INTO workflow_events (id, run_id, name, payload, created_at, consumed_at) "
+                             "VALUES (%s, %s, %s, %s, %s, %s)",
+                             (fixtures.uuid7_text(at, seq), run_id, name or "e", Jsonb(body), at,
+                              at + timedelta(hours=1) if consumed else None))
+
+
+def _dump(url: str, month: str) -> dict[str, list[str]]:
+    """Every row of the month, as text, in a UTC session."""
+    with psycopg.connect(url) as conn:
+        conn.execute("SET TimeZone = 'UTC'")
+        return {t: [r[0] for r in conn.execute(f"SELECT x::text FROM {t}_p{month} x ORDER BY 1".encode())]
+                for t in DUMP_TABLES}
+
+
+def _droppable(runs: list[Any]) -> bool:
+    return all(status in TERMINAL for status, *_ in runs)
+
+
+def _audit(url: str) -> list[tuple[Any, ...]]:
+    with psycopg.connect(url) as conn:
+        return conn.execute("SELECT action, target, counts, command, client_host, client_addr, login_role, db_role "
+                            "FROM operator_audit ORDER BY id").fetchall()
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(layout=layouts, archive_tz=st.sampled_from(ZONES), restore_tz=st.sampled_from(ZONES))
+def test_archive_drop_restore_gives_back_identical_rows(db_url: str, tmp_path_factory: pytest.TempPathFactory,
+                                                       monkeypatch: pytest.MonkeyPatch, layout: dict[str, Any],
+                                                       archive_tz: str, restore_tz: str) -> None:
+    directory = tmp_path_factory.mktemp("archive")
+    with psycopg.connect(db_url) as conn:
+        conn.execute("""INSERT INTO workflow_definitions (id, name, version, spec_json, created_by)
+                        VALUES ('wf', 'wf', 1, '{}', 'test') ON CONFLICT DO NOTHING""")
+        _populate(conn, layout)
+    due = sorted(m for m, runs in layout.items() if _droppable(runs))
+    before = {m: _dump(db_url, m) for m in layout}
+    cutoff = datetime(2026, 1, 1, tzinfo=UTC)
+    try:
+        monkeypatch.setenv("PGTZ", archive_tz)
+        result = archive.archive_due(db_url, cutoff, directory)
+        assert [m.month for m in result.months] == due
+        assert sorted(m for m, _ in result.kept if m in layout) == sorted(set(layout) - set(due))
+        with psycopg.connect(db_url, autocommit=True) as conn:
+            assert partitions.drop(conn, cutoff) == due
+        monkeypatch.setenv("PGTZ", restore_tz)
+        for month in due:
+            restored = archive.restore_month(db_url, month, directory, yes=True)
+            assert all(t.fingerprint_matches for t in restored.tables)
+        after = {m: _dump(db_url, m) for m in layout}
+        assert after == before
+        assert [(a, t) for a, t, *_ in _audit(db_url)][-2 * len(due):] == (
+            [("partitions archive", m) for m in due] + [("partitions restore", m) for m in due])
+    finally:
+        monkeypatch.setenv("PGTZ", "America/New_York")
+        with psycopg.connect(db_url, autocommit=True) as conn:   # leave no month for the next example
+            conn.execute("UPDATE workflow_runs SET status = 'SUCCEEDED'")
+            partitions.drop(conn, cutoff)
+            conn.execute("DELETE FROM operator_audit")
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+def _seeded(db_url: str) -> fixtures.SeedInfo:
+    with psycopg.connect(db_url) as conn:
+        info = fixtures.seed(conn)
+        conn.commit()
+    return info
+
+
+def test_archive_cli_dry_run_writes_nothing_then_archives_with_audit_rows(
+        db_url: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    _seeded(db_url)
+    target = tmp_path / "arch"
+    args = ["partitions", "archive", "--older-than", "2025-05-01", "--to", str(target), "--database-url", db_url]
+    assert main([*args, "--dry-run", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert [(m["month"], m["archived"]) for m in out["months"]] == [("202412", False), ("202501", False),
+                                                                    ("202503", False)]
+    assert {"month": "202502", "reason": "has active runs"} in out["kept"]
+    assert not target.exists() and _audit(db_url) == []
+    assert main([*args, "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert [(m["month"], m["archived"]) for m in out["months"]] == [("202412", True), ("202501", True),
+                                                                    ("202503", True)]
+    assert sorted(p.name for p in (target / "202501").iterdir()) == [
+        "manifest.json", "task_instances.parquet", "workflow_events.parquet", "workflow_runs.parquet"]
+    assert not [p for p in target.iterdir() if p.name.startswith(".")]     # no partial directory left
+    manifest = archive.verify_month(target / "202501")
+    assert (manifest.month, manifest.table("workflow_runs").rows, manifest.table("task_instances").rows) == (  # type: ignore[union-attr]
+        "202501", 3, 9)
+    rows = _audit(db_url)
+    assert [(a, t, c["rows"]) for a, t, c, *_ in rows] == [("partitions archive", "202412", 0),
+                                                           ("partitions archive", "202501", 12),
+                                                           ("partitions archive", "202503", 18)]
+    _, _, _, command, host, addr, login, role = rows[1]
+    assert command.startswith("composer-ops partitions archive --older-than 2025-05-01") and host
+    assert (addr, login, role) == ("local", "postgres", "postgres")
+    # The months are still there: archiving changes no data.
+    with psycopg.connect(db_url) as conn:
+        assert {p.month for p in partitions.list_partitions(conn)} >= {"202501", "202503"}
+    assert main([*args[:-2], "--to", "/proc/no-such-dir/x", "--database-url", db_url]) == 2
+    assert "cannot write there" in capsys.readouterr().err
+
+
+def _corruptions() -> dict[str, Any]:
+    def truncate(p: Path) -> None:
+        f = p / "task_instances.parquet"
+        f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+
+    def flip(p: Path) -> None:
+        f = p / "workflow_runs.parquet"
+        data = bytearray(f.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        f.write_bytes(bytes(data))
+
+    def missing(p: Path) -> None:
+        (p / "workflow_events.parquet").unlink()
+
+    def no_manifest(p: Path) -> None:
+        (p / "manifest.json").unlink()
+
+    def wrong_rows(p: Path) -> None:
+        doc = json.loads((p / "manifest.json").read_text())
+        doc["tables"][0]["rows"] += 1
+        (p / "manifest.json").write_text(json.dumps(doc))
+
+    def rewritten(p: Path) -> None:   # a valid Parquet file with other rows, its SHA-256 updated to match
+        import pyarrow.parquet as pq
+
+        f = p / "workflow_runs.parquet"
+        table = pq.read_table(f)
+        pq.write_table(table.slice(0, table.num_rows - 1), f)
+        doc = json.loads((p / "manifest.json").read_text())
+        doc["tables"][0]["sha256"] = archive._file_sha256(f)
+        (p / "manifest.json").write_text(json.dumps(doc))
+
+    return {"truncated": truncate, "flipped byte": flip, "missing file": missing, "no manifest": no_manifest,
+            "wrong row count": wrong_rows, "rows changed, checksum updated": rewritten}
+
+
+@pytest.mark.parametrize("corrupt", list(_corruptions()))
+def test_a_corrupt_or_partial_archive_is_refused(db_url: str, tmp_path: Path, corrupt: str) -> None:
+    _seeded(db_url)
+    damage = _corruptions()[corrupt]
+    # Damaged while being written: the export fails, nothing is moved into place, no audit row.
+    with psycopg.connect(db_url) as conn, pytest.raises(BadArchive):
+        archive.export_month(conn, "202501", tmp_path, before_verify=damage,
+                             on_exported=lambda *_: pytest.fail("a bad archive was accepted"))
+    assert list(tmp_path.iterdir()) == [] and _audit(db_url) == []
+    # Damaged afterwards: verification and restore refuse it before touching the database.
+    with psycopg.connect(db_url) as conn:
+        archive.export_month(conn, "202501", tmp_path)
+    damage(tmp_path / "202501")
+    with pytest.raises(BadArchive):
+        archive.verify_month(tmp_path / "202501")
+    with pytest.raises(BadArchive):
+        archive.restore_month(db_url, "202501", tmp_path, yes=True)
+    assert _audit(db_url) == []
+
+
+def test_restore_dry_run_writes_nothing_and_a_month_with_rows_is_refused(
+        db_url: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    _seeded(db_url)
+    with psycopg.connect(db_url) as conn:
+        archive.export_month(conn, "202501", tmp_path)
+    before = _dump(db_url, "202501")
+    base = ["partitions", "restore", "202501", "--from", str(tmp_path), "--database-url", db_url]
+    assert main(base) == 1                                      # the month still holds its rows
+    assert "already holds 3 rows" in capsys.readouterr().err
+    with psycopg.connect(db_url, autocommit=True) as conn:
+        assert partitions.drop(conn, datetime(2025, 2, 1, tzinfo=UTC)) == ["202412", "202501"]
+        audit_before = conn.execute("SELECT count(*) FROM operator_audit").fetchone()
+    assert main([*base, "--json"]) == 0                         # dry run: verified, nothing written
+    out = json.loads(capsys.readouterr().out)
+    assert (out["restored"], out["rows"]) == (False, 12)
+    with psycopg.connect(db_url) as conn:
+        assert "202501" not in {p.month for p in partitions.list_partitions(conn)}
+        assert conn.execute("SELECT count(*) FROM operator_audit").fetchone() == audit_before
+    assert main([*base, "--yes"]) == 0
+    assert "restored month 202501" in capsys.readouterr().out
+    assert _dump(db_url, "202501") == before
+    assert [(a, t, c["rows"]) for a, t, c, *_ in _audit(db_url)] == [("partitions restore", "202501", 12)]
+    assert main([*base, "--yes"]) == 1                          # a second restore finds the rows there
+    assert main(["partitions", "restore", "2025-01", "--from", str(tmp_path), "--database-url", db_url]) == 2
+    with pytest.raises(ComposerError):
+        archive.restore_month(db_url, "202503", tmp_path, yes=False)   # no archive of that month
