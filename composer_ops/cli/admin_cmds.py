@@ -43,9 +43,7 @@ class RichProgress:
         self._progress = progress
         self._task: Any = None
 
-    def start(self, label: str, total: int) -> None:
-        if self._task is not None:
-            self._progress.update(self._task, visible=self._progress.tasks[self._task].total != 0)
+    def start(self, label: str, total: int | None) -> None:
         self._task = self._progress.add_task(label, total=total)
 
     def advance(self, n: int) -> None:
@@ -111,6 +109,22 @@ def register_runs(rsub: argparse._SubParsersAction) -> None:  # type: ignore[typ
     lst.add_argument("--json", action="store_true", help="print a JSON list of objects")
     lst.set_defaults(func=cmd_runs_list)
 
+    can = rsub.add_parser(
+        "cancel", help="cancel every active run a selection names (dry-run unless --yes)",
+        description="Select runs as `runs list` does (at least one of --where, --workflow, --since, --until), "
+                    "keep the active ones (PENDING, RUNNING), and cancel them through the engine's cancel event: "
+                    "oldest first, CHUNK runs per transaction, each run under its lock, one audit row per chunk. "
+                    "Without --yes it lists what it would cancel. Interrupted, it keeps what it did; run it "
+                    "again to cancel the rest. Exit 0 done, 1 failed, 2 bad input.")
+    add_database_option(can)
+    add_selection_options(can)
+    can.add_argument("--reason", default="cancelled by operator", help="recorded as each run's error")
+    can.add_argument("--yes", action="store_true", help="cancel for real (without: list what would be cancelled)")
+    env_option(can, "--chunk", env="COMPOSER_CANCEL_CHUNK", type=int, default=50, metavar_default="50",
+               help="runs cancelled per transaction")
+    can.add_argument("--json", action="store_true", help="print JSON")
+    can.set_defaults(func=cmd_runs_cancel)
+
 
 def _engine(args: argparse.Namespace, *, reads_only: bool = False) -> Engine:
     url = find_url(args.database_url) if reads_only else args.database_url
@@ -168,6 +182,31 @@ def cmd_runs_list(args: argparse.Namespace) -> int:
               f"{_ts(r.created_at):<20} {_ts(r.completed_at):<20} {detail}")
     more = " (the limit: more may match)" if len(found) == args.limit else ""
     print(f"{len(found)} run(s){more}")
+    return EXIT_OK
+
+
+def cmd_runs_cancel(args: argparse.Namespace) -> int:
+    from composer_ops.engine.admin import cancel_runs
+
+    chosen = _selection(args)
+    with _engine(args) as engine:
+        with progress_bars() as bars:
+            bars.start("cancelling runs", None)
+            result = cancel_runs(engine.shell, chosen, reason=args.reason, yes=args.yes, actor=actor(args),
+                                 chunk=args.chunk, on_chunk=lambda c: bars.advance(len(c.cancelled)))
+    if args.json:
+        emit_json({"applied": result.applied, "cancelled": result.cancelled, "skipped": result.skipped,
+                   "chunks": len(result.chunks), "would_cancel": result.would_cancel, "more": result.more})
+        return EXIT_OK
+    if not result.applied:
+        for run_id in result.would_cancel:
+            print(f"would cancel {run_id}")
+        more = f" (and more: only the first {len(result.would_cancel)} are listed)" if result.more else ""
+        print(f"would cancel {len(result.would_cancel)} active run(s){more}; nothing was changed "
+              "(add --yes to cancel)")
+        return EXIT_OK
+    skipped = f", skipped {len(result.skipped)} that finished meanwhile" if result.skipped else ""
+    print(f"cancelled {len(result.cancelled)} run(s) in {len(result.chunks)} transaction(s){skipped}")
     return EXIT_OK
 
 

@@ -12,26 +12,32 @@ database clock.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Mapping, Sequence
+import json
+import uuid
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import psycopg
 
 from composer_ops.core.filters import RunFilter, parse_statuses, parse_where
-from composer_ops.core.model import RunStatus
+from composer_ops.core.model import ACTIVE_RUN_STATUSES, CancelRun, RunStatus
 from composer_ops.core.spec import ID_PATTERN
 from composer_ops.db.errors import Pool
 from composer_ops.db.retry import db_retry
-from composer_ops.errors import Invalid
-from composer_ops.repo import runs, workers
+from composer_ops.engine.shell import Shell
+from composer_ops.errors import Conflict, Invalid, NotFound
+from composer_ops.repo import audit, runs, workers
+from composer_ops.repo.audit import Actor
 from composer_ops.repo.rows import LeaseRow, RunListRow, WorkerRow
 
 if TYPE_CHECKING:
     from composer_ops.repo.retention import Cutoff
 
-__all__ = ["MAX_LIMIT", "Selection", "WorkerReport", "find_runs", "selection", "workers_report"]
+__all__ = ["CANCEL_CHUNK", "MAX_LIMIT", "CancelChunk", "CancelResult", "Selection", "WorkerReport", "cancel_runs",
+           "find_runs", "selection", "workers_report"]
 
 #: The most runs one ``runs list`` returns.
 MAX_LIMIT = 10_000
@@ -144,3 +150,144 @@ def workers_report(pool: Pool, *, window_s: float | None = None) -> WorkerReport
         gone = [w.id for w in found if w.state != "live" and w.running]
         return WorkerReport(workers=found, leases=workers.leases_of(conn, gone),
                             unregistered=workers.unregistered_owners(conn))
+
+
+# -- bulk cancel ------------------------------------------------------------------------
+
+#: Runs cancelled per transaction by ``runs cancel``.
+CANCEL_CHUNK = 50
+#: Runs a dry run lists at most.
+DRY_RUN_LIST = 1000
+
+
+@dataclass(frozen=True, kw_only=True)
+class CancelChunk:
+    """One committed transaction of a bulk cancel."""
+
+    number: int
+    cancelled: list[str]
+    skipped: list[str]           # finished (or deleted) between being listed and being locked
+    replayed: bool = False       # an earlier attempt committed; its audit row was read back
+
+
+@dataclass(frozen=True, kw_only=True)
+class CancelResult:
+    """What ``runs cancel`` did (``applied``) or would do."""
+
+    selection: RunFilter
+    applied: bool
+    chunks: list[CancelChunk] = field(default_factory=list)
+    would_cancel: list[str] = field(default_factory=list)   # a dry run: the active runs selected (at most
+    more: bool = False                                      # DRY_RUN_LIST; ``more`` when there are others)
+
+    @property
+    def cancelled(self) -> list[str]:
+        return [r for c in self.chunks for r in c.cancelled]
+
+    @property
+    def skipped(self) -> list[str]:
+        return [r for c in self.chunks for r in c.skipped]
+
+
+def _active(chosen: Selection) -> Selection:
+    """``chosen`` narrowed to the runs a cancel applies to: the active ones."""
+    wanted = tuple(s for s in chosen.statuses if s in ACTIVE_RUN_STATUSES) if chosen.statuses else tuple(
+        s for s in RunStatus if s in ACTIVE_RUN_STATUSES)
+    if chosen.statuses and not wanted:
+        raise Invalid(f"--status {','.join(chosen.statuses)}: only PENDING and RUNNING runs can be cancelled")
+    return Selection(workflow_id=chosen.workflow_id, statuses=wanted, since=chosen.since, until=chosen.until,
+                     contains=chosen.contains)
+
+
+def cancel_runs(shell: Shell, chosen: Selection, *, reason: str, yes: bool, actor: Actor | None = None,
+                chunk: int = CANCEL_CHUNK, on_chunk: Callable[[CancelChunk], None] | None = None,
+                request_id: str | None = None) -> CancelResult:
+    """Cancel every active run ``chosen`` selects, through the engine's cancel event.
+
+    The runs are taken oldest first, ``chunk`` per transaction; in each, every run is
+    locked in run-ID order and cancelled by the state machine (its active tasks and
+    their dispatches go with it), and one audit row records the chunk. A run that
+    finished between being listed and being locked is skipped. Each chunk commits on
+    its own, so an interrupted cancel keeps what it did and running it again cancels
+    the rest: every run is cancelled once. A chunk whose COMMIT acknowledgement was
+    lost finds its audit row on retry and reports what it did. Without ``yes`` nothing
+    is written: the result lists the runs it would cancel."""
+    if isinstance(chunk, bool) or not isinstance(chunk, int) or not 1 <= chunk <= 1000:
+        raise Invalid(f"chunk must be an integer from 1 to 1000, got {chunk!r}")
+    if not isinstance(reason, str) or not reason.strip() or len(reason) > 1000:
+        raise Invalid("the reason must be non-empty text of at most 1000 characters")
+    if not chosen.workflow_id and chosen.since is None and chosen.until is None and chosen.contains is None:
+        raise Invalid("say which runs to cancel: give --where, --workflow, --since or --until "
+                      "(--since 100y selects every run)")
+    active = _active(chosen)
+    if not yes:
+        with _snapshot(shell.pool) as conn:
+            resolved = active.resolve(conn)
+            found = runs.find_runs(conn, resolved, limit=DRY_RUN_LIST + 1, oldest_first=True)
+        return CancelResult(selection=resolved, applied=False, would_cancel=[r.id for r in found[:DRY_RUN_LIST]],
+                            more=len(found) > DRY_RUN_LIST)
+    request = request_id or uuid.uuid4().hex
+    with _snapshot(shell.pool) as conn:
+        resolved = active.resolve(conn)     # once: every chunk selects from the same window
+    done: list[CancelChunk] = []
+    after: str | None = None
+    while True:
+        number = len(done) + 1
+        step = _cancel_chunk(shell, resolved, after, chunk, reason, actor, f"{request}:{number}", number, [0])
+        if step is None:
+            break
+        done.append(step)
+        if on_chunk is not None:
+            on_chunk(step)
+        after = max(step.cancelled + step.skipped)
+    return CancelResult(selection=resolved, applied=True, chunks=done)
+
+
+@db_retry()
+def _cancel_chunk(shell: Shell, selection: RunFilter, after: str | None, chunk: int, reason: str,
+                  actor: Actor | None, request: str, number: int, tries: list[int]) -> CancelChunk | None:
+    """One chunk in one transaction; None when no active run is left to select."""
+    tries[0] += 1
+    with shell.pool.connection() as conn, conn.transaction():
+        if tries[0] > 1:
+            earlier = audit.of_request(conn, request)
+            if earlier:
+                detail = earlier[0].detail or {}
+                return CancelChunk(number=number, cancelled=list(detail.get("cancelled", [])),
+                                   skipped=list(detail.get("skipped", [])), replayed=True)
+        listed = [r.id for r in runs.find_runs(conn, selection, limit=chunk, after=after, oldest_first=True)]
+        if not listed:
+            return None
+        cancelled: list[str] = []
+        skipped: list[str] = []
+        for run_id in listed:                       # ascending: the lock order of every bulk action
+            try:
+                outcome = shell.handle_in(conn, run_id, partial(_cancel_event, reason))
+            except (Conflict, NotFound):             # finished or deleted since it was listed
+                skipped.append(run_id)
+                continue
+            (cancelled if outcome.applied else skipped).append(run_id)
+        audit.record(conn, "runs cancel", actor=actor, target=_describe(selection), request=request,
+                     counts={"cancelled": len(cancelled), "skipped": len(skipped), "chunk": number},
+                     detail={"cancelled": cancelled, "skipped": skipped, "reason": reason})
+        return CancelChunk(number=number, cancelled=cancelled, skipped=skipped)
+
+
+def _cancel_event(reason: str, now: datetime) -> CancelRun:
+    return CancelRun(reason=reason, now=now)
+
+
+def _describe(selection: RunFilter) -> str:
+    """A selection in one line, for the audit row's target."""
+    parts = []
+    if selection.workflow_id:
+        parts.append(f"workflow={selection.workflow_id}")
+    if selection.statuses:
+        parts.append("status=" + ",".join(selection.statuses))
+    if selection.since is not None:
+        parts.append(f"since={selection.since.isoformat()}")
+    if selection.until is not None:
+        parts.append(f"until={selection.until.isoformat()}")
+    if selection.contains is not None:
+        parts.append("input@>" + json.dumps(selection.contains, separators=(",", ":"), ensure_ascii=False))
+    return " ".join(parts)

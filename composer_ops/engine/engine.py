@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import logging
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
@@ -25,6 +25,7 @@ from composer_ops.engine.requests import Request, key_request
 from composer_ops.engine.shell import Outcome, Shell
 from composer_ops.errors import Conflict, Invalid, NotFound
 from composer_ops.repo import citus, clock, definitions, history, outbox, partitions, runs, tasks, webhooks, workers
+from composer_ops.repo.audit import Actor
 from composer_ops.repo.rows import Claim, DeletedRun, HistoryEntry, PartitionRow, RunListRow, RunRow, RunView
 
 if TYPE_CHECKING:
@@ -382,6 +383,18 @@ class Engine:
         most ``limit``. The window prunes the months outside it."""
         chosen = admin.selection(workflow=workflow, status=status, since=since, until=until, where=where)
         return admin.find_runs(self.pool, chosen, limit=limit)[1]
+
+    def cancel_runs(self, *, workflow: str | None = None, status: str | Sequence[str] | None = None,
+                    since: datetime | str | None = None, until: datetime | str | None = None,
+                    where: str | Mapping[str, Any] | None = None, reason: str = "cancelled by operator",
+                    yes: bool = False, chunk: int = admin.CANCEL_CHUNK, actor: Actor | None = None,
+                    on_chunk: Callable[[admin.CancelChunk], None] | None = None) -> admin.CancelResult:
+        """Cancel every active run the selection (as :meth:`find_runs`) names, through the
+        cancel event, ``chunk`` runs per transaction with an audit row each; resumable
+        (run it again after an interruption). Without ``yes`` it only lists them."""
+        chosen = admin.selection(workflow=workflow, status=status, since=since, until=until, where=where)
+        return admin.cancel_runs(self.shell, chosen, reason=reason, yes=yes, actor=actor, chunk=chunk,
+                                 on_chunk=on_chunk)
 
     def workers(self, *, window_s: float | None = None) -> WorkerReport:
         """The workers seen in the last ``window_s`` seconds (all when None) or still holding a

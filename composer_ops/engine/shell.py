@@ -146,15 +146,24 @@ class Shell:
     def _handle(self, run_id: str, make_event: Callable[[datetime], Event], request: Request) -> Outcome:
         look = request.attempt()
         with self.pool.connection() as conn, conn.transaction():
-            row, tasks_of_run = runs.lock_and_load(conn, run_id)
-            if look:
-                earlier = history.of_request(conn, run_id, request.id)
-                if earlier:
-                    return _replayed(run_id, earlier, make_event(row.now))
-            snapshot = self.snapshot(conn, row, tasks_of_run)
-            event = make_event(row.now)
-            decision = decide(snapshot, event, _Store(conn, run_id), uuid7_text)
-            return self.apply(conn, snapshot, decision, event=event, request=request)
+            return self.handle_in(conn, run_id, make_event, request=request, look=look)
+
+    def handle_in(self, conn: Conn, run_id: str, make_event: Callable[[datetime], Event], *, request: Request,
+                  look: bool = False) -> Outcome:
+        """Apply one event to one run in the caller's transaction, under the run's row
+        lock, which is held until that transaction ends: what :meth:`handle` does in
+        a transaction of its own, and what operator actions that apply one event to
+        several runs per transaction call (locking them in run-ID order). ``look``:
+        first look for rows ``request`` already wrote (a retry), and replay them."""
+        row, tasks_of_run = runs.lock_and_load(conn, run_id)
+        if look:
+            earlier = history.of_request(conn, run_id, request.id)
+            if earlier:
+                return _replayed(run_id, earlier, make_event(row.now))
+        snapshot = self.snapshot(conn, row, tasks_of_run)
+        event = make_event(row.now)
+        decision = decide(snapshot, event, _Store(conn, run_id), uuid7_text)
+        return self.apply(conn, snapshot, decision, event=event, request=request)
 
     def snapshot(self, conn: Conn, row: RunRow, tasks: Mapping[str, TaskStateRow]) -> RunSnapshot:
         """The machine's view of a locked run and its tasks (:func:`runs.lock_and_load`)."""

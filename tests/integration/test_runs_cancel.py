@@ -1,0 +1,127 @@
+"""``runs cancel``: a dry run lists and writes nothing; --yes cancels the selected active
+runs through the engine's cancel event, in chunks with an audit row each; interrupted
+and run again, every run is cancelled exactly once."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from typing import Any
+
+import psycopg
+import pytest
+
+from composer_ops import Engine
+from composer_ops.cli import main
+from composer_ops.engine.admin import CancelChunk
+from composer_ops.errors import Invalid
+
+SPEC = {"id": "shop", "nodes": [
+    {"id": "pay", "type": "TASK", "task": "pay"},
+    {"id": "wait", "type": "WAIT_FOR_EVENT", "event": "go", "depends_on": ["pay"]}]}
+
+
+@pytest.fixture
+def engine(db_url: str) -> Iterator[Engine]:
+    with Engine.connect(db_url, pool_size=4) as e:
+        e.deploy(SPEC)
+        e.deploy({"id": "other", "nodes": [{"id": "a", "type": "TASK", "task": "pay"}]})
+        yield e
+
+
+def _start(engine: Engine, n: int, customer: int, workflow: str = "shop") -> list[str]:
+    return [engine.start(workflow, input={"customer": customer, "i": i}) for i in range(n)]
+
+
+def _audit(url: str) -> list[tuple[Any, ...]]:
+    with psycopg.connect(url) as conn:
+        return conn.execute("SELECT action, counts, detail, request FROM operator_audit ORDER BY id").fetchall()
+
+
+def _statuses(engine: Engine, run_ids: list[str]) -> set[str]:
+    return {engine.get_run(r).status for r in run_ids}
+
+
+def test_dry_run_lists_and_writes_nothing_then_yes_cancels_in_chunks(db_url: str, engine: Engine) -> None:
+    target = _start(engine, 7, customer=42)
+    spared = _start(engine, 3, customer=7) + _start(engine, 2, customer=42, workflow="other")
+    finished = _start(engine, 1, customer=42)
+    engine.cancel(finished[0])
+    dry = engine.cancel_runs(where="input.customer=42", workflow="shop")
+    assert (dry.applied, dry.would_cancel, dry.more) == (False, sorted(target), False)
+    assert _statuses(engine, target) == {"RUNNING"} and _audit(db_url) == []
+    seen: list[CancelChunk] = []
+    done = engine.cancel_runs(where="input.customer=42", workflow="shop", yes=True, chunk=3, reason="recall",
+                              on_chunk=seen.append)
+    assert sorted(done.cancelled) == sorted(target) and done.skipped == []
+    assert [len(c.cancelled) for c in done.chunks] == [3, 3, 1] and seen == done.chunks
+    assert _statuses(engine, target) == {"CANCELLED"} and _statuses(engine, spared) == {"RUNNING"}
+    run = engine.get_run(target[0])
+    assert run.error == {"error": "recall"} and {t.state for t in run.tasks} == {"CANCELLED"}
+    with psycopg.connect(db_url) as conn:
+        assert conn.execute("SELECT count(*) FROM task_outbox WHERE run_id = ANY(%s)", (target,)).fetchone() == (0,)
+    rows = _audit(db_url)
+    assert [(a, c) for a, c, _, _ in rows] == [
+        ("runs cancel", {"cancelled": 3, "skipped": 0, "chunk": 1}),
+        ("runs cancel", {"cancelled": 3, "skipped": 0, "chunk": 2}),
+        ("runs cancel", {"cancelled": 1, "skipped": 0, "chunk": 3})]
+    assert len({r.split(":")[0] for *_, r in rows}) == 1          # one request, one row per chunk
+    again = engine.cancel_runs(where="input.customer=42", workflow="shop", yes=True)
+    assert again.cancelled == [] and again.chunks == []           # nothing active is left to cancel
+    assert len(_audit(db_url)) == 3
+
+
+def test_interrupted_and_run_again_cancels_each_run_exactly_once(db_url: str, engine: Engine) -> None:
+    target = _start(engine, 10, customer=5)
+
+    def interrupt(chunk: CancelChunk) -> None:
+        if chunk.number == 2:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        engine.cancel_runs(where="input.customer=5", yes=True, chunk=4, on_chunk=interrupt)
+    assert sorted(engine.get_run(r).status for r in target) == ["CANCELLED"] * 8 + ["RUNNING"] * 2
+    rest = engine.cancel_runs(where="input.customer=5", yes=True, chunk=4)
+    assert len(rest.cancelled) == 2 and _statuses(engine, target) == {"CANCELLED"}
+    cancelled = [r for _, _, detail, _ in _audit(db_url) for r in detail["cancelled"]]
+    assert sorted(cancelled) == sorted(target)                   # each run once, across both commands
+
+
+def test_a_run_finished_between_listing_and_locking_is_skipped(db_url: str, engine: Engine,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    target = _start(engine, 3, customer=9)
+    from composer_ops.repo import runs
+
+    real = runs.find_runs
+
+    def listed_then_finished(*args: Any, **kwargs: Any) -> Any:
+        found = real(*args, **kwargs)
+        if found:
+            with psycopg.connect(db_url) as other:     # another session finishes the first one
+                other.execute("UPDATE workflow_runs SET status = 'SUCCEEDED' WHERE id = %s", (found[0].id,))
+        return found
+
+    monkeypatch.setattr(runs, "find_runs", listed_then_finished)
+    done = engine.cancel_runs(where="input.customer=9", yes=True)
+    assert done.skipped == [sorted(target)[0]] and sorted(done.cancelled) == sorted(target)[1:]
+
+
+def test_cli_runs_cancel(db_url: str, engine: Engine, capsys: pytest.CaptureFixture[str]) -> None:
+    target = _start(engine, 2, customer=3)
+    base = ["runs", "cancel", "--database-url", db_url, "--where", "input.customer=3"]
+    assert main(base) == 0
+    out = capsys.readouterr().out
+    assert all(f"would cancel {r}" in out for r in target) and "nothing was changed" in out
+    assert main([*base, "--yes", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert sorted(out["cancelled"]) == sorted(target) and out["applied"] is True
+    (action, counts, _, _), = _audit(db_url)
+    assert (action, counts["cancelled"]) == ("runs cancel", 2)
+    with psycopg.connect(db_url) as conn:
+        command, = conn.execute("SELECT command FROM operator_audit").fetchone()  # type: ignore[misc]
+    assert command.startswith("composer-ops runs cancel --database-url 'postgresql://postgres:***@/")
+    assert main(["runs", "cancel", "--database-url", db_url]) == 2               # no selection: refused
+    assert "say which runs" in capsys.readouterr().err
+    assert main([*base, "--status", "FAILED"]) == 2
+    with pytest.raises(Invalid):
+        engine.cancel_runs(where="input.customer=3", chunk=0)
