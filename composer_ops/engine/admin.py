@@ -37,7 +37,7 @@ if TYPE_CHECKING:
     from composer_ops.repo.retention import Cutoff
 
 __all__ = ["CANCEL_CHUNK", "MAX_LIMIT", "CancelChunk", "CancelResult", "Selection", "WorkerReport", "cancel_runs",
-           "find_runs", "selection", "workers_report"]
+           "check_limit", "find_runs", "selection", "workers_report"]
 
 #: The most runs one ``runs list`` returns.
 MAX_LIMIT = 10_000
@@ -106,7 +106,7 @@ def selection(*, workflow: str | None = None, status: str | Sequence[str] | None
                      until=_when(until, "until"), contains=contains)
 
 
-def _check_limit(limit: int) -> None:
+def check_limit(limit: int) -> None:
     if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= MAX_LIMIT:
         raise Invalid(f"limit must be an integer from 1 to {MAX_LIMIT}, got {limit!r}")
 
@@ -115,7 +115,7 @@ def _check_limit(limit: int) -> None:
 def find_runs(pool: Pool, chosen: Selection, *, limit: int = 50) -> tuple[RunFilter, list[RunListRow]]:
     """The runs ``chosen`` selects, newest first, at most ``limit``; with the filter as
     resolved (the window as instants by the database clock)."""
-    _check_limit(limit)
+    check_limit(limit)
     with _snapshot(pool) as conn:
         resolved = chosen.resolve(conn)
         return resolved, runs.find_runs(conn, resolved, limit=limit)

@@ -45,6 +45,14 @@ from composer_ops.ops.leases import (
     running_leases,
     without_lease,
 )
+from composer_ops.ops.operator import (
+    archived_run_story,
+    audit_log,
+    definition_spec,
+    find_runs,
+    unblock_command,
+    workers_frame,
+)
 from composer_ops.ops.params import check_parameters
 from composer_ops.ops.partitions import (
     decode_uuid7_bound,
@@ -71,15 +79,19 @@ __all__ = [
     "active_tasks",
     "age_histogram",
     "anomalies",
+    "archived_run_story",
     "attempt_distribution",
+    "audit_log",
     "check_parameters",
     "connection",
     "db_now",
     "decode_uuid7_bound",
     "display",
     "definition_graph",
+    "definition_spec",
     "expired_running",
     "expiry_buckets",
+    "find_runs",
     "gantt_rows",
     "growth",
     "latest_run_id",
@@ -103,6 +115,8 @@ __all__ = [
     "snapshot",
     "table",
     "top_runs",
+    "unblock_command",
     "validate_run_id",
     "without_lease",
+    "workers_frame",
 ]

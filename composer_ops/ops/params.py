@@ -54,6 +54,22 @@ def _run_id(name: str, value: Any) -> str | None:
     return validate_run_id(value)
 
 
+def _where(name: str, value: Any) -> Any:
+    if value is None:
+        return None
+    from composer_ops.core.filters import parse_where
+
+    if not isinstance(value, str):
+        raise Invalid(f"must be conditions on the input like input.customer=42, or None, got {value!r}")
+    return parse_where(value, option="value")
+
+
+def _directory(name: str, value: Any) -> str | None:
+    if value is not None and (not isinstance(value, str) or not value.strip()):
+        raise Invalid(f"must be a directory path or None, got {value!r}")
+    return value
+
+
 def _url(name: str, value: Any) -> str | None:
     if value is not None and not isinstance(value, str):
         raise Invalid(f"must be a libpq URL or None, got {value!r}")
@@ -65,11 +81,11 @@ CHECKS: dict[str, dict[str, Check]] = {
     "active_tasks": {"top_n": _int_between(1, 1000), "oldest_limit": _int_between(1, 1000),
                      "long_wait_h": _number_above(0, inclusive=True)},
     "lease_expiries": {"requeue_window_s": _number_above(0, inclusive=False),
-                       "requeue_limit": _int_between(1, 1000)},
+                       "requeue_limit": _int_between(1, 1000), "workers_window_h": _number_above(0, inclusive=True)},
     "partition_sizes": {"months_ahead_min": _int_between(0, 120), "exact_rows": _boolean,
                         "projection_months": _int_between(0, 60)},
     "retention_dry_run": {"cutoff": _cutoff, "exact_rows": _boolean},
-    "run_investigation": {"run_id": _run_id},
+    "run_investigation": {"run_id": _run_id, "where": _where, "archive_dir": _directory},
 }
 
 

@@ -348,3 +348,10 @@ def latest_run_id(conn: Conn, status: str | None) -> str | None:
     """The newest run not deleted (with ``status``, if given)."""
     row = conn.execute(LATEST_RUN_SQL.encode(), {"status": status}).fetchone()
     return None if row is None else str(row[0])
+
+
+def definition_spec(conn: Conn, workflow_id: str, version: int) -> Any:
+    """The spec_json of one definition version, or None when that version is missing."""
+    row = conn.execute("SELECT spec_json FROM workflow_definitions WHERE id = %s AND version = %s",
+                       (workflow_id, version)).fetchone()
+    return None if row is None else row[0]
