@@ -1,4 +1,5 @@
--- V013: who did what to the data (operator_audit), and which workers exist (workers).
+-- V013: who did what to the data (operator_audit), which workers exist (workers), and
+-- the one way the engine removes tasks: those a retry runs again (composer_reset_tasks).
 --
 -- operator_audit: one row per operator action (a partition month archived, dropped,
 -- detached or restored; a batch of runs cancelled; a run retried or deleted), written
@@ -48,3 +49,36 @@ CREATE TABLE IF NOT EXISTS workers(
 GRANT SELECT, INSERT ON operator_audit TO composer_ops_engine;
 GRANT SELECT, INSERT, UPDATE ON workers TO composer_ops_engine;
 GRANT SELECT ON operator_audit, workers TO composer_ops_reader;
+
+-- A retry (Engine.retry, `composer-ops runs retry`) removes the finished tasks of the
+-- nodes that run again, so that the state machine creates them anew. The engine role
+-- may not delete tasks; it may call this function, which runs as its owner and removes
+-- only finished tasks of a run that is itself finished (FAILED or CANCELLED: the retry
+-- removes them before it reopens the run, under the run's lock). Returns how many it
+-- removed; the caller rolls back unless that is every task it named. Like
+-- composer_ensure_partitions (V006), its search_path is fixed.
+CREATE OR REPLACE FUNCTION composer_reset_tasks(run TEXT, task_ids TEXT[]) RETURNS INT
+LANGUAGE plpgsql SECURITY DEFINER AS $$
+DECLARE
+    removed INT;
+BEGIN
+    IF NOT EXISTS (SELECT 1 FROM workflow_runs
+                    WHERE id = run AND status IN ('FAILED', 'CANCELLED') AND deleted_at IS NULL) THEN
+        RETURN 0;
+    END IF;
+    DELETE FROM task_instances
+     WHERE run_id = run AND id = ANY(task_ids) AND state IN ('COMPLETED', 'FAILED', 'SKIPPED', 'CANCELLED');
+    GET DIAGNOSTICS removed = ROW_COUNT;
+    RETURN removed;
+END;
+$$;
+
+DO $$
+BEGIN
+    EXECUTE format('ALTER FUNCTION composer_reset_tasks(TEXT, TEXT[]) SET search_path = %I, pg_temp',
+                   current_schema());
+END;
+$$;
+
+REVOKE ALL ON FUNCTION composer_reset_tasks(TEXT, TEXT[]) FROM PUBLIC;
+GRANT EXECUTE ON FUNCTION composer_reset_tasks(TEXT, TEXT[]) TO composer_ops_engine;

@@ -125,6 +125,22 @@ def register_runs(rsub: argparse._SubParsersAction) -> None:  # type: ignore[typ
     can.add_argument("--json", action="store_true", help="print JSON")
     can.set_defaults(func=cmd_runs_cancel)
 
+    rty = rsub.add_parser(
+        "retry", help="run a FAILED or CANCELLED run again from a node (dry-run unless --yes)",
+        description="The failed node (or NODE) and every node downstream of it run again, and so do the tasks "
+                    "that were cancelled when the run ended; completed upstream outputs are kept. The state "
+                    "machine decides it under the run's lock and the run goes back to RUNNING; an audit row "
+                    "records it. Without --yes the same decision is made and rolled back, and the nodes that "
+                    "would run again are listed. Refused: an active or SUCCEEDED run, an unknown node, a "
+                    "deleted definition version. Exit 0 done, 1 refused or failed, 2 bad input.")
+    add_database_option(rty)
+    rty.add_argument("run_id", metavar="RUN")
+    rty.add_argument("--from", dest="from_nodes", metavar="NODE", action="append", default=[],
+                     help="run again from this node (repeat for several; default: the nodes that failed)")
+    rty.add_argument("--yes", action="store_true", help="retry for real (without: say what would run again)")
+    rty.add_argument("--json", action="store_true", help="print JSON")
+    rty.set_defaults(func=cmd_runs_retry)
+
 
 def _engine(args: argparse.Namespace, *, reads_only: bool = False) -> Engine:
     url = find_url(args.database_url) if reads_only else args.database_url
@@ -207,6 +223,25 @@ def cmd_runs_cancel(args: argparse.Namespace) -> int:
         return EXIT_OK
     skipped = f", skipped {len(result.skipped)} that finished meanwhile" if result.skipped else ""
     print(f"cancelled {len(result.cancelled)} run(s) in {len(result.chunks)} transaction(s){skipped}")
+    return EXIT_OK
+
+
+def cmd_runs_retry(args: argparse.Namespace) -> int:
+    from composer_ops.core.runids import validate_run_id
+
+    run_id = validate_run_id(args.run_id, normalise=True)
+    with _engine(args) as engine:
+        result = engine.retry(run_id, args.from_nodes or None, yes=args.yes, actor=actor(args))
+    if args.json:
+        emit_json({"run_id": result.run_id, "applied": result.applied, "reset": list(result.reset),
+                   "created": list(result.created), "finished": result.finished})
+        return EXIT_OK
+    verb = "retried" if result.applied else "would retry"
+    print(f"{verb} run {result.run_id}: {', '.join(result.reset) or 'no task'} removed to run again; "
+          f"{', '.join(result.created) or 'nothing'} created at once"
+          + (f"; the run {result.finished} at once" if result.finished else ""))
+    if not result.applied:
+        print("nothing was changed (add --yes to retry)")
     return EXIT_OK
 
 

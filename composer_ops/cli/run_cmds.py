@@ -54,7 +54,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     cancel.set_defaults(func=cmd_cancel)
 
     runs = sub.add_parser("runs", help="inspect, find and act on runs")
-    rsub = runs.add_subparsers(dest="runs_command", required=True, metavar="{show,delete,list,cancel}")
+    rsub = runs.add_subparsers(dest="runs_command", required=True, metavar="{show,delete,list,cancel,retry}")
     show = rsub.add_parser("show", help="a run, its output or error, its tasks and its history")
     add_database_option(show, reads_only=True)
     show.add_argument("run_id")

@@ -30,6 +30,7 @@ from composer_ops.core.expressions import is_ref, parse_ref, referenced_nodes, r
 from composer_ops.core.model import (
     ACTIVE_RUN_STATUSES,
     ACTIVE_TASK_STATES,
+    TERMINAL_RUN_STATUSES,
     TERMINAL_TASK_STATES,
     Action,
     BufferSignal,
@@ -45,8 +46,11 @@ from composer_ops.core.model import (
     LeaseExpired,
     NodeType,
     NodeView,
+    ReopenRun,
     RequeueTask,
+    ResetTasks,
     ResolveWait,
+    RetryRun,
     RunSnapshot,
     RunStatus,
     Signal,
@@ -60,7 +64,7 @@ from composer_ops.core.model import (
     TimerDue,
 )
 from composer_ops.core.retry import retry_decision
-from composer_ops.core.spec import RANGE_TEXT, NodeSpec, instant_in_range
+from composer_ops.core.spec import RANGE_TEXT, NodeSpec, WorkflowSpec, instant_in_range
 from composer_ops.errors import Conflict, Invalid
 
 __all__ = ["Store", "decide"]
@@ -556,6 +560,60 @@ class _Decider:
         self.actions.append(FinishRun(status=RunStatus.CANCELLED, output=None, reason=event.reason))
         return self.decision()
 
+    def retry_run(self, event: RetryRun) -> Decision:
+        """Reopen a FAILED or CANCELLED run and run part of it again.
+
+        The nodes that run again are the ``from_nodes`` (default: the nodes that failed,
+        other than optional ones) and every node downstream of them, whatever their
+        state, plus the nodes whose tasks were cancelled when the run ended and every
+        node downstream of those. Their tasks are removed; every other node keeps its
+        task and output. Then the nodes that are ready are created as usual. A node that
+        failed the run and would not run again is refused: the run would go on as if it
+        had not failed.
+        """
+        run, spec = self.run, self.spec
+        if run.status not in TERMINAL_RUN_STATUSES:
+            raise Conflict(f"run {run.id} is {run.status}: only a FAILED or CANCELLED run can be retried "
+                           "(cancel it first)")
+        if run.status is RunStatus.SUCCEEDED:
+            raise Conflict(f"run {run.id} SUCCEEDED: only a FAILED or CANCELLED run can be retried")
+        unknown = [n for n in event.from_nodes if n not in spec.nodes]
+        if unknown:
+            raise Invalid(f"run {run.id}: workflow {json.dumps(run.workflow_id)} version {run.workflow_version} "
+                          f"has no node {json.dumps(unknown[0])} (its nodes: {', '.join(spec.nodes)})")
+        failed = {n for n, s in self.slots.items()
+                  if s.state is TaskState.FAILED and n in spec.nodes and not spec.nodes[n].optional}
+        seeds = set(event.from_nodes) if event.from_nodes else set(failed)
+        seeds |= {n for n, s in self.slots.items() if s.state is TaskState.CANCELLED and n in spec.nodes}
+        if not seeds:
+            raise Conflict(f"run {run.id} is {run.status} with no failed or cancelled node: "
+                           "give the node to run again from")
+        again = _downstream(spec, seeds)
+        left = sorted(failed - again)
+        if left:
+            raise Invalid(f"run {run.id}: node {json.dumps(left[0])} failed the run and does not run again from "
+                          f"{', '.join(json.dumps(n) for n in sorted(event.from_nodes))}: retry from it too "
+                          "(or without a node)")
+        reset = sorted(n for n in again if n in self.slots)
+        if reset:
+            self.actions.append(ResetTasks(task_ids=tuple(self.slots[n].task_id for n in reset),
+                                           node_ids=tuple(reset)))
+        self.actions.append(ReopenRun(status=run.status))
+        for node_id in reset:
+            del self.slots[node_id]
+            self.outputs.pop(node_id, None)
+        self.advance()
+        return self.decision()
+
+
+def _downstream(spec: WorkflowSpec, seeds: Collection[str]) -> set[str]:
+    """``seeds`` and every node that depends on one of them, transitively."""
+    found = set(seeds)
+    for node_id in spec.topological_order():
+        if any(dep in found for dep in spec.nodes[node_id].depends_on):
+            found.add(node_id)
+    return found
+
 
 def decide(run: RunSnapshot, event: Event, store: Store, new_id: Callable[[], str]) -> Decision:
     """Decide what one event does to a run.
@@ -575,6 +633,8 @@ def decide(run: RunSnapshot, event: Event, store: Store, new_id: Callable[[], st
         return decider.signal_received(event)
     if isinstance(event, CancelRun):
         return decider.cancel_run(event)
+    if isinstance(event, RetryRun):
+        return decider.retry_run(event)
     if run.status not in ACTIVE_RUN_STATUSES:
         return _stale(f"run {run.id} is {run.status}")
     if isinstance(event, StartRun):

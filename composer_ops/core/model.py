@@ -240,7 +240,19 @@ class CancelRun:
     now: datetime
 
 
-Event: TypeAlias = StartRun | TaskCompleted | TaskFailed | LeaseExpired | TimerDue | SignalReceived | CancelRun
+@dataclass(frozen=True, kw_only=True)
+class RetryRun:
+    """An operator asked to run a FAILED or CANCELLED run again: from ``from_nodes``
+    (none: from the nodes that failed) and every node downstream of them; tasks that
+    were cancelled when the run ended run again too. Completed upstream outputs are kept."""
+
+    from_nodes: tuple[str, ...] = ()
+    now: datetime
+
+
+Event: TypeAlias = (
+    StartRun | TaskCompleted | TaskFailed | LeaseExpired | TimerDue | SignalReceived | CancelRun | RetryRun
+)
 
 
 # ---------------------------------------------------------------------------
@@ -353,6 +365,24 @@ class FinishRun:
 
 
 @dataclass(frozen=True, kw_only=True)
+class ReopenRun:
+    """Move a finished run (``status``, FAILED or CANCELLED) back to RUNNING, clearing
+    its error, output and completion time: a retry, after its ``ResetTasks``."""
+
+    status: RunStatus
+
+
+@dataclass(frozen=True, kw_only=True)
+class ResetTasks:
+    """Remove the tasks of nodes that run again, while the run is still finished (the
+    first action of a retry); the nodes are then as never reached, and the decision
+    creates those that are ready once the run is reopened."""
+
+    task_ids: tuple[str, ...]
+    node_ids: tuple[str, ...]
+
+
+@dataclass(frozen=True, kw_only=True)
 class Stale:
     """The event changes nothing; a reported result is dropped and reported as stale."""
 
@@ -369,6 +399,8 @@ Action: TypeAlias = (
     | ConsumeSignal
     | CancelTasks
     | FinishRun
+    | ReopenRun
+    | ResetTasks
     | Stale
 )
 

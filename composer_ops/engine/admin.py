@@ -23,21 +23,21 @@ from typing import TYPE_CHECKING, Any
 import psycopg
 
 from composer_ops.core.filters import RunFilter, parse_statuses, parse_where
-from composer_ops.core.model import ACTIVE_RUN_STATUSES, CancelRun, RunStatus
+from composer_ops.core.model import ACTIVE_RUN_STATUSES, CancelRun, RetryRun, RunStatus
 from composer_ops.core.spec import ID_PATTERN
 from composer_ops.db.errors import Pool
 from composer_ops.db.retry import db_retry
 from composer_ops.engine.shell import Shell
 from composer_ops.errors import Conflict, Invalid, NotFound
-from composer_ops.repo import audit, runs, workers
+from composer_ops.repo import audit, definitions, runs, workers
 from composer_ops.repo.audit import Actor
-from composer_ops.repo.rows import LeaseRow, RunListRow, WorkerRow
+from composer_ops.repo.rows import DefinitionRow, LeaseRow, RunListRow, WorkerRow
 
 if TYPE_CHECKING:
     from composer_ops.repo.retention import Cutoff
 
-__all__ = ["CANCEL_CHUNK", "MAX_LIMIT", "CancelChunk", "CancelResult", "Selection", "WorkerReport", "cancel_runs",
-           "check_limit", "find_runs", "selection", "workers_report"]
+__all__ = ["CANCEL_CHUNK", "MAX_LIMIT", "CancelChunk", "CancelResult", "RetryResult", "Selection", "WorkerReport",
+           "cancel_runs", "check_limit", "find_runs", "retry_run", "selection", "workers_report"]
 
 #: The most runs one ``runs list`` returns.
 MAX_LIMIT = 10_000
@@ -291,3 +291,72 @@ def _describe(selection: RunFilter) -> str:
     if selection.contains is not None:
         parts.append("input@>" + json.dumps(selection.contains, separators=(",", ":"), ensure_ascii=False))
     return " ".join(parts)
+
+
+# -- retry ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, kw_only=True)
+class RetryResult:
+    """What ``runs retry`` did (``applied``) or would do: the nodes whose tasks were
+    removed to run again and the nodes created at once (the rest follow as usual)."""
+
+    run_id: str
+    applied: bool
+    reset: tuple[str, ...]
+    created: tuple[str, ...]
+    finished: str | None = None       # the retry finished the run at once (every node was skipped)
+    replayed: bool = False
+
+
+def retry_run(shell: Shell, run_id: str, from_nodes: Sequence[str] = (), *, yes: bool,
+              actor: Actor | None = None, request_id: str | None = None) -> RetryResult:
+    """Run a FAILED or CANCELLED run again from ``from_nodes`` (none: from the nodes that
+    failed), decided by the state machine (the RetryRun event) under the run's lock,
+    with an audit row in the same transaction. Without ``yes`` the same decision is
+    made and applied in a transaction that is rolled back: the result says what would
+    run again. Refused: a run that is active or SUCCEEDED (:class:`Conflict`), a node
+    the definition does not have, a definition version that was deleted
+    (:class:`Invalid`), a run that does not exist (:class:`NotFound`)."""
+    nodes = tuple(dict.fromkeys(from_nodes))
+    if any(not isinstance(n, str) or not n for n in nodes):
+        raise Invalid(f"nodes to retry from must be node ids, got {list(from_nodes)!r}")
+    return _retry(shell, run_id, nodes, yes, actor, request_id or uuid.uuid4().hex, [0])
+
+
+@db_retry()
+def _retry(shell: Shell, run_id: str, nodes: tuple[str, ...], yes: bool, actor: Actor | None, request: str,
+           tries: list[int]) -> RetryResult:
+    tries[0] += 1
+    with shell.pool.connection() as conn, conn.transaction(force_rollback=not yes):
+        if yes and tries[0] > 1:
+            earlier = audit.of_request(conn, request)
+            if earlier:
+                detail = earlier[0].detail or {}
+                return RetryResult(run_id=run_id, applied=True, reset=tuple(detail.get("reset", ())),
+                                   created=tuple(detail.get("created", ())), finished=detail.get("finished"),
+                                   replayed=True)
+        started_on = runs.workflow_of(conn, run_id)
+        if started_on is None:
+            raise NotFound(f"workflow run {run_id} does not exist")
+        try:
+            found: DefinitionRow | None = definitions.get_version(conn, *started_on)
+        except NotFound:
+            found = None
+        if found is None or found.deleted_at is not None:
+            raise Invalid(f"run {run_id}: its definition {started_on[0]} v{started_on[1]} "
+                          f"{'does not exist' if found is None else 'was deleted'}; a retry runs the version the "
+                          "run started on, so it cannot be retried")
+        outcome = shell.handle_in(conn, run_id, partial(_retry_event, nodes))
+        finished = str(outcome.finished) if outcome.finished is not None else None
+        if yes:
+            audit.record(conn, "runs retry", actor=actor, target=run_id, request=request,
+                         counts={"reset": len(outcome.reset), "created": len(outcome.created)},
+                         detail={"from": list(nodes), "reset": list(outcome.reset),
+                                 "created": list(outcome.created), "finished": finished})
+        return RetryResult(run_id=run_id, applied=yes, reset=outcome.reset, created=outcome.created,
+                           finished=finished)
+
+
+def _retry_event(nodes: tuple[str, ...], now: datetime) -> RetryRun:
+    return RetryRun(from_nodes=nodes, now=now)

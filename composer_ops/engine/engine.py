@@ -396,6 +396,19 @@ class Engine:
         return admin.cancel_runs(self.shell, chosen, reason=reason, yes=yes, actor=actor, chunk=chunk,
                                  on_chunk=on_chunk)
 
+    def retry(self, run_id: str, from_node: str | Sequence[str] | None = None, *, yes: bool = True,
+              actor: Actor | None = None) -> admin.RetryResult:
+        """Run a FAILED or CANCELLED run again: ``from_node`` (or several; None: the nodes
+        that failed) and every node downstream of it run again, tasks cancelled when the
+        run ended run again too, and completed upstream outputs are kept. Decided by the
+        state machine under the run's lock, recorded with an audit row. ``yes=False``
+        decides in a transaction that is rolled back and says what would run again.
+        Refused with a clear error for a run that is active or SUCCEEDED, a node that
+        does not exist, or a definition version that was deleted."""
+        validate_run_id(run_id)
+        nodes = () if from_node is None else (from_node,) if isinstance(from_node, str) else tuple(from_node)
+        return admin.retry_run(self.shell, run_id, nodes, yes=yes, actor=actor)
+
     def workers(self, *, window_s: float | None = None) -> WorkerReport:
         """The workers seen in the last ``window_s`` seconds (all when None) or still holding a
         lease, live first; the leases the dead and stopped ones hold; lease owners that

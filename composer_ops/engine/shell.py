@@ -41,8 +41,11 @@ from composer_ops.core.model import (
     LeaseExpired,
     NodeState,
     NodeType,
+    ReopenRun,
     RequeueTask,
+    ResetTasks,
     ResolveWait,
+    RetryRun,
     RunContext,
     RunSnapshot,
     RunStatus,
@@ -92,6 +95,8 @@ class Outcome:
     finished: RunStatus | None = None   # set when this event finished the run
     refused: str | None = None
     replayed: bool = False
+    reset: tuple[str, ...] = ()         # nodes whose tasks a retry removed, to run again
+    created: tuple[str, ...] = ()       # nodes whose tasks this event created
 
     @property
     def applied(self) -> bool:
@@ -202,6 +207,7 @@ class Shell:
         finished: RunStatus | None = None
         created: str | None = None            # the node of the last CreateTask (a ConsumeSignal follows it)
         creating: list[CreateTask] = []       # consecutive CreateTasks, inserted by one statement
+        made: list[str] = []                  # every node created
         for action in decision.actions:
             if isinstance(action, Stale):
                 log.info("stale event on run %s: %s", run.id, action.reason,
@@ -210,6 +216,7 @@ class Shell:
             if isinstance(action, CreateTask):
                 creating.append(action)
                 created = action.node_id
+                made.append(action.node_id)
                 continue
             if creating:                      # before any other action, which may touch them
                 self._create(conn, run, creating, dispatches, now)
@@ -248,11 +255,18 @@ class Shell:
             elif isinstance(action, FinishRun):
                 self._finish(conn, run, action, now)
                 finished = action.status
+            elif isinstance(action, ReopenRun):
+                _fenced(runs.reopen_run(conn, run.id, str(action.status), now=now) or None, action)
+            elif isinstance(action, ResetTasks):
+                outbox.delete_for_tasks(conn, run.id, action.task_ids)
+                _fenced(tasks.reset_tasks(conn, run.id, action.task_ids) == len(action.task_ids) or None, action)
+                notes.reset = action.node_ids
         if creating:
             self._create(conn, run, creating, dispatches, now)
         history.record(conn, run.id, request.id, notes.entries(), now=now)
         outbox.enqueue(conn, dispatches, now=now)
-        return Outcome(run_id=run.id, finished=finished, refused=decision.refused)
+        return Outcome(run_id=run.id, finished=finished, refused=decision.refused, reset=notes.reset,
+                       created=tuple(made))
 
     def _create(self, conn: Conn, run: RunSnapshot, creates: Sequence[CreateTask],
                 dispatches: list[Dispatch], now: datetime) -> None:
@@ -300,6 +314,7 @@ class _Notes:
         self.key = request.id[len(KEY_PREFIX):] if request.id.startswith(KEY_PREFIX) else None
         self.failure_kind = "lease_expired" if isinstance(event, LeaseExpired) else "failed"
         self.cancelled_tasks = 0
+        self.reset: tuple[str, ...] = ()       # the nodes a retry removed, to run again
         self.rows: list[HistoryEntry] = []
         self.recorded = False                  # the event's own row is among ``rows``
 
@@ -347,6 +362,9 @@ class _Notes:
                 "reason": self.event.reason, "tasks": self.cancelled_tasks, **self.outcome}))
         elif isinstance(self.event, SignalReceived) and not self.recorded:
             self.rows.append(HistoryEntry(kind="signal", detail=self._signal()))   # refused
+        elif isinstance(self.event, RetryRun):
+            self.rows.append(HistoryEntry(kind="retried", detail={
+                "from": list(self.event.from_nodes), "reset": list(self.reset), **self.outcome}))
         return self.rows
 
 

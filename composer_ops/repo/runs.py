@@ -149,6 +149,24 @@ def finish_run(conn: Conn, run_id: str, status: str, *, now: datetime, reason: s
     return cur.rowcount == 1
 
 
+def reopen_run(conn: Conn, run_id: str, status: str, *, now: datetime) -> bool:
+    """Move a run that is ``status`` (FAILED or CANCELLED) back to RUNNING for a retry at
+    ``now`` (the event's clock), clearing its error, output and completion time; False
+    when it is not ``status``."""
+    cur = conn.execute("""
+        UPDATE workflow_runs
+           SET status = 'RUNNING', error_json = NULL, output_json = NULL, completed_at = NULL, updated_at = %s
+         WHERE id = %s AND status = %s AND deleted_at IS NULL""", (now, run_id, status))
+    return cur.rowcount == 1
+
+
+def workflow_of(conn: Conn, run_id: str) -> tuple[str, int] | None:
+    """The workflow id and version a run started on (None: no such run, or deleted)."""
+    row = conn.execute("""SELECT workflow_definition_id, workflow_version FROM workflow_runs
+                           WHERE id = %s AND deleted_at IS NULL""", (run_id,)).fetchone()
+    return None if row is None else (str(row[0]), int(row[1]))
+
+
 def get_run(conn: Conn, run_id: str) -> RunView:
     """The run and all its tasks, for display (not for decisions)."""
     run = fetch_one(conn, RunView, """

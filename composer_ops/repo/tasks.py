@@ -143,6 +143,16 @@ def cancel_tasks(conn: Conn, run_id: str, task_ids: Sequence[str], reason: str, 
     return cur.rowcount
 
 
+def reset_tasks(conn: Conn, run_id: str, task_ids: Sequence[str]) -> int:
+    """Remove finished tasks of a finished run that a retry runs again
+    (``composer_reset_tasks``, which the engine role may call but whose DELETE it may
+    not run itself); returns how many were removed."""
+    if not task_ids:
+        return 0
+    row = conn.execute("SELECT composer_reset_tasks(%s, %s)", (run_id, list(task_ids))).fetchone()
+    return int(row[0]) if row else 0
+
+
 def heartbeat(conn: Conn, ref: TaskRef, owner: str, lease_s: float) -> datetime | None:
     """Extend a live lease by ``lease_s`` from the database clock. None when the lease
     is lost (expired, re-queued, cancelled or owned by someone else). Touches only

@@ -45,7 +45,9 @@ from composer_ops.core.model import (
     FinishRun,
     NodeState,
     NodeType,
+    ReopenRun,
     RequeueTask,
+    ResetTasks,
     ResolveWait,
     RunContext,
     RunSnapshot,
@@ -243,6 +245,20 @@ class Replay:
         self.status, self.run_output, self.run_reason = a.status, a.output, a.reason
         self.completed_at = now
 
+    def _reopen(self, a: ReopenRun, now: datetime) -> None:
+        if self.status is not a.status:
+            raise Conflict(f"run {self.run_id} is {self.status}, not {a.status}; the retry was rolled back")
+        self.status, self.run_output, self.run_reason, self.completed_at = RunStatus.RUNNING, None, None, None
+
+    def _reset(self, a: ResetTasks, now: datetime) -> None:
+        for task_id, node_id in zip(a.task_ids, a.node_ids, strict=True):
+            row = self.rows.get(node_id)
+            if row is None or row.task_id != task_id:
+                raise self._refused(a)
+            del self.rows[node_id], self._by_task[task_id]
+            self._nodes.pop(node_id, None)
+            self._changed.discard(node_id)
+
     def _create(self, a: CreateTask, now: datetime) -> None:
         if a.node_id in self.rows:
             raise Conflict(f"run {self.run_id}: node {a.node_id} already has a task; "
@@ -328,7 +344,8 @@ class Replay:
 _WRITERS: dict[type, Callable[[Replay, Any, datetime], bool | None]] = {
     Stale: Replay._stale, CreateTask: Replay._create, CompleteTask: Replay._complete, FailTask: Replay._fail,
     RequeueTask: Replay._requeue, ResolveWait: Replay._resolve, BufferSignal: Replay._buffer,
-    ConsumeSignal: Replay._consume, CancelTasks: Replay._cancel, FinishRun: Replay._finish_run}
+    ConsumeSignal: Replay._consume, CancelTasks: Replay._cancel, FinishRun: Replay._finish_run,
+    ReopenRun: Replay._reopen, ResetTasks: Replay._reset}
 
 
 def utc(epoch_s: float) -> datetime:

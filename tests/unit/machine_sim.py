@@ -27,8 +27,11 @@ from composer_ops.core.model import (
     FailTask,
     FinishRun,
     NodeType,
+    ReopenRun,
     RequeueTask,
+    ResetTasks,
     ResolveWait,
+    RetryRun,
     RunStatus,
     SignalReceived,
     StartRun,
@@ -78,7 +81,8 @@ class Sim(Replay):
         if decision.stale:
             assert len(decision.actions) == 1, decision
             return
-        assert self.status in ACTIVE_RUN_STATUSES, "a decision changed a finished run"
+        reopens = any(isinstance(a, ReopenRun) for a in decision.actions)
+        assert self.status in ACTIVE_RUN_STATUSES or reopens, "a decision changed a finished run"
         for action in decision.actions:
             self._check(action, now)
             super().apply(Decision(actions=(action,)), now)
@@ -112,6 +116,13 @@ class Sim(Replay):
             assert action.task_ids, "empty CancelTasks"
             by_task = {s.task_id: n for n, s in self.nodes.items()}
             assert all(self.nodes[by_task[t]].state in ACTIVE_TASK_STATES for t in action.task_ids)
+        elif isinstance(action, ReopenRun):
+            assert self.status is action.status and self.status in (RunStatus.FAILED, RunStatus.CANCELLED)
+        elif isinstance(action, ResetTasks):
+            assert action.node_ids and len(action.task_ids) == len(action.node_ids)
+            assert self.status in (RunStatus.FAILED, RunStatus.CANCELLED), "reset the tasks of an open run"
+            assert all(self.nodes[n].task_id == t and self.nodes[n].state in TERMINAL_TASK_STATES
+                       for t, n in zip(action.task_ids, action.node_ids, strict=True)), "reset an active task"
         elif isinstance(action, FinishRun):
             assert self.status in ACTIVE_RUN_STATUSES, "run finished twice"
             if action.status is RunStatus.SUCCEEDED:
@@ -158,6 +169,9 @@ class Sim(Replay):
 
     def start(self) -> Decision:
         return self.send(StartRun(now=self.now))
+
+    def retry(self, *from_nodes: str) -> Decision:
+        return self.send(RetryRun(from_nodes=from_nodes, now=self.now))
 
     def tick(self, seconds: float) -> None:
         self.now += timedelta(seconds=seconds)
