@@ -132,11 +132,16 @@ def register_runs(rsub: argparse._SubParsersAction) -> None:  # type: ignore[typ
                     "machine decides it under the run's lock and the run goes back to RUNNING; an audit row "
                     "records it. Without --yes the same decision is made and rolled back, and the nodes that "
                     "would run again are listed. Refused: an active or SUCCEEDED run, an unknown node, a "
-                    "deleted definition version. Exit 0 done, 1 refused or failed, 2 bad input.")
+                    "deleted definition version. Instead of RUN, a selection (as for `runs list`, FAILED runs "
+                    "unless --status says CANCELLED) retries up to --limit runs, oldest first, each in its own "
+                    "transaction. Exit 0 done, 1 refused or failed, 2 bad input.")
     add_database_option(rty)
-    rty.add_argument("run_id", metavar="RUN")
+    rty.add_argument("run_id", metavar="RUN", nargs="?", help="the run to retry (or give a selection)")
     rty.add_argument("--from", dest="from_nodes", metavar="NODE", action="append", default=[],
                      help="run again from this node (repeat for several; default: the nodes that failed)")
+    add_selection_options(rty)
+    env_option(rty, "--limit", env="COMPOSER_RETRY_LIMIT", type=int, default=100, metavar_default="100",
+               help="with a selection: retry at most this many runs")
     rty.add_argument("--yes", action="store_true", help="retry for real (without: say what would run again)")
     rty.add_argument("--json", action="store_true", help="print JSON")
     rty.set_defaults(func=cmd_runs_retry)
@@ -226,20 +231,49 @@ def cmd_runs_cancel(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _retry_record(result: Any) -> dict[str, Any]:
+    return {"run_id": result.run_id, "applied": result.applied, "reset": list(result.reset),
+            "created": list(result.created), "finished": result.finished}
+
+
+def _retry_line(result: Any) -> str:
+    verb = "retried" if result.applied else "would retry"
+    return (f"{verb} run {result.run_id}: {', '.join(result.reset) or 'no task'} removed to run again; "
+            f"{', '.join(result.created) or 'nothing'} created at once"
+            + (f"; the run {result.finished} at once" if result.finished else ""))
+
+
 def cmd_runs_retry(args: argparse.Namespace) -> int:
     from composer_ops.core.runids import validate_run_id
+    from composer_ops.engine.admin import retry_runs
 
+    selecting = any(v is not None for v in (args.workflow, args.status, args.since, args.until, args.where))
+    if args.run_id is not None and selecting:
+        raise Invalid("give RUN or a selection (--where, --workflow, --status, --since, --until), not both")
+    if args.run_id is None:
+        chosen = _selection(args)
+        with _engine(args) as engine:
+            bulk = retry_runs(engine.shell, chosen, args.from_nodes, yes=args.yes, actor=actor(args),
+                              limit=args.limit)
+        if args.json:
+            emit_json({"retried": [_retry_record(r) for r in bulk.retried],
+                       "refused": [{"run_id": r, "error": e} for r, e in bulk.refused]})
+            return EXIT_OK
+        for result in bulk.retried:
+            print(_retry_line(result))
+        for run_id, why in bulk.refused:
+            print(f"refused run {run_id}: {why}")
+        verb = "retried" if args.yes else "would retry"
+        print(f"{verb} {len(bulk.retried)} run(s), {len(bulk.refused)} refused"
+              + ("" if args.yes else "; nothing was changed (add --yes to retry)"))
+        return EXIT_OK
     run_id = validate_run_id(args.run_id, normalise=True)
     with _engine(args) as engine:
         result = engine.retry(run_id, args.from_nodes or None, yes=args.yes, actor=actor(args))
     if args.json:
-        emit_json({"run_id": result.run_id, "applied": result.applied, "reset": list(result.reset),
-                   "created": list(result.created), "finished": result.finished})
+        emit_json(_retry_record(result))
         return EXIT_OK
-    verb = "retried" if result.applied else "would retry"
-    print(f"{verb} run {result.run_id}: {', '.join(result.reset) or 'no task'} removed to run again; "
-          f"{', '.join(result.created) or 'nothing'} created at once"
-          + (f"; the run {result.finished} at once" if result.finished else ""))
+    print(_retry_line(result))
     if not result.applied:
         print("nothing was changed (add --yes to retry)")
     return EXIT_OK

@@ -36,8 +36,9 @@ from composer_ops.repo.rows import DefinitionRow, LeaseRow, RunListRow, WorkerRo
 if TYPE_CHECKING:
     from composer_ops.repo.retention import Cutoff
 
-__all__ = ["CANCEL_CHUNK", "MAX_LIMIT", "CancelChunk", "CancelResult", "RetryResult", "Selection", "WorkerReport",
-           "cancel_runs", "check_limit", "find_runs", "retry_run", "selection", "workers_report"]
+__all__ = ["CANCEL_CHUNK", "MAX_LIMIT", "RETRY_LIMIT", "BulkRetry", "CancelChunk", "CancelResult", "RetryResult",
+           "Selection", "WorkerReport", "cancel_runs", "check_limit", "find_runs", "retry_run", "retry_runs",
+           "selection", "workers_report"]
 
 #: The most runs one ``runs list`` returns.
 MAX_LIMIT = 10_000
@@ -360,3 +361,42 @@ def _retry(shell: Shell, run_id: str, nodes: tuple[str, ...], yes: bool, actor: 
 
 def _retry_event(nodes: tuple[str, ...], now: datetime) -> RetryRun:
     return RetryRun(from_nodes=nodes, now=now)
+
+
+#: The most runs one bulk retry takes.
+RETRY_LIMIT = 1000
+
+
+@dataclass(frozen=True, kw_only=True)
+class BulkRetry:
+    """What ``runs retry`` with a selection did (or would do) to each selected run."""
+
+    retried: list[RetryResult] = field(default_factory=list)
+    refused: list[tuple[str, str]] = field(default_factory=list)   # (run ID, why), e.g. a deleted definition
+
+
+def retry_runs(shell: Shell, chosen: Selection, from_nodes: Sequence[str] = (), *, yes: bool,
+               actor: Actor | None = None, limit: int = 100) -> BulkRetry:
+    """Retry every FAILED (or, when asked, CANCELLED) run ``chosen`` selects, oldest
+    first, at most ``limit``: each run as :func:`retry_run` does, in a transaction of
+    its own with its audit row. A run the machine refuses (a node it does not have, a
+    deleted definition, a run that changed meanwhile) is reported and the others go on."""
+    if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= RETRY_LIMIT:
+        raise Invalid(f"limit must be an integer from 1 to {RETRY_LIMIT}, got {limit!r}")
+    if not chosen.workflow_id and chosen.since is None and chosen.until is None and chosen.contains is None:
+        raise Invalid("say which runs to retry: give RUN, or --where, --workflow, --since or --until")
+    retryable = (RunStatus.FAILED, RunStatus.CANCELLED)
+    wanted = tuple(s for s in chosen.statuses if s in retryable) if chosen.statuses else (RunStatus.FAILED,)
+    if chosen.statuses and len(wanted) != len(chosen.statuses):
+        raise Invalid(f"--status {','.join(chosen.statuses)}: only FAILED and CANCELLED runs can be retried")
+    with _snapshot(shell.pool) as conn:
+        resolved = Selection(workflow_id=chosen.workflow_id, statuses=wanted, since=chosen.since,
+                               until=chosen.until, contains=chosen.contains).resolve(conn)
+        listed = [r.id for r in runs.find_runs(conn, resolved, limit=limit, oldest_first=True)]
+    out = BulkRetry()
+    for run_id in listed:
+        try:
+            out.retried.append(retry_run(shell, run_id, from_nodes, yes=yes, actor=actor))
+        except (Conflict, Invalid, NotFound) as exc:
+            out.refused.append((run_id, str(exc)))
+    return out

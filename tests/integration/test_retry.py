@@ -243,3 +243,38 @@ def test_the_engine_role_retries_through_the_bounded_function_only(db_url: str) 
     with psycopg.connect(db_url) as conn:
         rows = conn.execute("SELECT action, db_role FROM operator_audit ORDER BY id").fetchall()
     assert rows == [("runs retry", ENGINE_ROLE), ("runs cancel", ENGINE_ROLE)]
+
+
+def test_bulk_retry_of_a_selection(db_url: str, engine: Engine, capsys: pytest.CaptureFixture[str]) -> None:
+    engine.deploy({"id": "bulk", "nodes": [t("a")]})
+    engine.deploy({"id": "gone", "nodes": [t("a")]})
+
+    def failed(workflow: str) -> str:
+        run_id = engine.start(workflow, input={"batch": 1})
+        claim = engine.claim(["default"], "w", 1, task_names=["do.a"])[0]
+        assert claim.run_id == run_id
+        engine.fail(claim, "x", retryable=False)
+        return run_id
+
+    runs = [failed("bulk") for _ in range(3)]
+    stale = failed("gone")
+    cancelled = engine.start("bulk", input={"batch": 1})
+    engine.cancel(cancelled)
+    engine.delete("gone")
+    base = ["runs", "retry", "--database-url", db_url, "--where", "input.batch=1"]
+    assert main([*base, "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert sorted(r["run_id"] for r in out["retried"]) == sorted(runs)
+    assert [r["run_id"] for r in out["refused"]] == [stale] and "was deleted" in out["refused"][0]["error"]
+    assert {engine.get_run(r).status for r in runs} == {"FAILED"}                 # a dry run
+    assert main([*base, "--yes"]) == 0
+    assert "retried 3 run(s), 1 refused" in capsys.readouterr().out
+    assert {engine.get_run(r).status for r in runs} == {"RUNNING"}
+    assert engine.get_run(cancelled).status == "CANCELLED"
+    assert main([*base, "--status", "CANCELLED", "--yes", "--json"]) == 0
+    assert [r["run_id"] for r in json.loads(capsys.readouterr().out)["retried"]] == [cancelled]
+    with psycopg.connect(db_url) as conn:
+        assert conn.execute("SELECT count(*) FROM operator_audit WHERE action = 'runs retry'").fetchone() == (4,)
+    assert main([*base, "--status", "SUCCEEDED"]) == 2
+    assert main(["runs", "retry", runs[0], "--where", "input.batch=1", "--database-url", db_url]) == 2
+    assert main(["runs", "retry", "--database-url", db_url]) == 2
