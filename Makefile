@@ -38,6 +38,13 @@ DEMO_REPORT_full := -p cutoff "3 months"
 DEMO_SIM_small := --history-months 3 --runs-per-month 500 --stuck-months 2 --runs 40 --duration-s 15 \
 	--workers 2 --concurrency 6 --kill-workers 2 --time-scale 0.5
 DEMO_REPORT_small := -p cutoff "1 month"
+# Then the operator actions: the oldest history month (it holds no stuck run) is archived and
+# dropped, the runs that failed or were cancelled in the live traffic are retried, and a
+# short second round of live traffic runs them (the reports show the audit rows and the runs).
+DEMO_DROP_full := 5 months
+DEMO_DROP_small := 2 months
+DEMO_AGAIN_full := --runs 60 --duration-s 20 --workers 2 --concurrency 8 --kill-workers 0
+DEMO_AGAIN_small := --runs 10 --duration-s 10 --workers 1 --concurrency 4 --kill-workers 0 --time-scale 0.5
 .PHONY: demo-small
 
 demo: $(STAMP)
@@ -47,6 +54,11 @@ demo: $(STAMP)
 	export COMPOSER_DATABASE_URL; \
 	$(BIN)/composer-ops migrate; \
 	$(BIN)/composer-ops simulate $(DEMO_SIM_$(DEMO_SIZE)); \
+	archive="$${COMPOSER_ARCHIVE_DIR:-$${COMPOSER_HOME:-.composer}/archive}"; \
+	$(BIN)/composer-ops partitions archive --older-than "$(DEMO_DROP_$(DEMO_SIZE))" --to "$$archive"; \
+	$(BIN)/composer-ops partitions drop --older-than "$(DEMO_DROP_$(DEMO_SIZE))" --yes; \
+	$(BIN)/composer-ops runs retry --status FAILED,CANCELLED --since 1h --limit 20 --yes; \
+	$(BIN)/composer-ops simulate $(DEMO_AGAIN_$(DEMO_SIZE)); \
 	$(BIN)/composer-ops report --all $(DEMO_REPORT_$(DEMO_SIZE))
 	@echo "reports: $$(cd "$${COMPOSER_REPORTS_DIR:-reports}" && pwd)/index.html"
 

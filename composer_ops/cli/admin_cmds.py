@@ -304,7 +304,9 @@ def cmd_workers_list(args: argparse.Namespace) -> int:
               f"{'last seen':<21} started")
         for w in report.workers:
             seen = f"{_ts(w.last_seen_at)} ({_ago(w.silent_s)} ago)" if w.state != "live" else _ts(w.last_seen_at)
-            print(f"{w.state:<8} {w.id:<40} {','.join(w.queues):<24} {w.concurrency:>5} {w.running:>6} "
+            queues = ",".join(w.queues)
+            queues = queues if len(queues) <= 24 else queues[:21] + "..."
+            print(f"{w.state:<8} {w.id:<40} {queues:<24} {w.concurrency:>5} {w.running:>6} "
                   f"{w.expired:>7}  {seen:<21} {_ts(w.started_at)}")
     for w in report.workers:
         held = [lease for lease in report.leases if lease.lease_owner == w.id]
