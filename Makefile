@@ -55,8 +55,7 @@ demo: $(STAMP)
 	$(BIN)/composer-ops migrate; \
 	$(BIN)/composer-ops simulate $(DEMO_SIM_$(DEMO_SIZE)); \
 	archive="$${COMPOSER_ARCHIVE_DIR:-$${COMPOSER_HOME:-.composer}/archive}"; \
-	$(BIN)/composer-ops partitions archive --older-than "$(DEMO_DROP_$(DEMO_SIZE))" --to "$$archive"; \
-	$(BIN)/composer-ops partitions drop --older-than "$(DEMO_DROP_$(DEMO_SIZE))" --yes; \
+	$(BIN)/composer-ops partitions drop --older-than "$(DEMO_DROP_$(DEMO_SIZE))" --archive "$$archive" --yes; \
 	$(BIN)/composer-ops runs retry --status FAILED,CANCELLED --since 1h --limit 20 --yes; \
 	$(BIN)/composer-ops simulate $(DEMO_AGAIN_$(DEMO_SIZE)); \
 	$(BIN)/composer-ops report --all $(DEMO_REPORT_$(DEMO_SIZE))

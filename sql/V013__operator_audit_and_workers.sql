@@ -1,5 +1,6 @@
--- V013: who did what to the data (operator_audit), which workers exist (workers), and
--- the one way the engine removes tasks: those a retry runs again (composer_reset_tasks).
+-- V013: who did what to the data (operator_audit), which workers exist (workers), where
+-- detached months are kept (composer_detached), and the one way the engine removes tasks:
+-- those a retry runs again (composer_reset_tasks).
 --
 -- operator_audit: one row per operator action (a partition month archived, dropped,
 -- detached or restored; a batch of runs cancelled; a run retried or deleted), written
@@ -49,6 +50,12 @@ CREATE TABLE IF NOT EXISTS workers(
 GRANT SELECT, INSERT ON operator_audit TO composer_ops_engine;
 GRANT SELECT, INSERT, UPDATE ON workers TO composer_ops_engine;
 GRANT SELECT ON operator_audit, workers TO composer_ops_reader;
+
+-- `composer-ops partitions detach` keeps a month it takes out of the run tables as
+-- standalone tables under their own names in this schema (pg_partman's retention_keep_table
+-- with a retention schema), out of the way of the partitions the engine creates.
+CREATE SCHEMA IF NOT EXISTS composer_detached;
+GRANT USAGE ON SCHEMA composer_detached TO composer_ops_reader;
 
 -- A retry (Engine.retry, `composer-ops runs retry`) removes the finished tasks of the
 -- nodes that run again, so that the state machine creates them anew. The engine role

@@ -4,10 +4,11 @@ Parquet (or as standalone tables) before retention drops them, and brought back.
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 from typing import Any
 
-from composer_ops.cli._common import EXIT_OK, add_database_option, emit_json, env_option
+from composer_ops.cli._common import EXIT_FAILED, EXIT_OK, add_database_option, emit_json, env_option
 from composer_ops.cli.admin_cmds import actor, progress_bars
 from composer_ops.db import find_url
 
@@ -31,6 +32,26 @@ def register(psub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg
     arc.add_argument("--dry-run", action="store_true", help="list the months it would archive, write nothing")
     arc.add_argument("--json", action="store_true", help="print JSON")
     arc.set_defaults(func=cmd_archive)
+
+    det = psub.add_parser(
+        "detach", help="retention that keeps the months: detach them as standalone tables (dry-run unless --yes)",
+        description="For the months the retention plan would drop for --older-than (the plan `partitions drop` "
+                    "follows), detach each month's partitions from the run tables instead of dropping them, and "
+                    "move them, under the same names, to the schema composer_detached (pg_partman's "
+                    "retention_keep_table): the engine and the reports no longer see them, the data stays. Month "
+                    "by month, each judged again under its locks, with an audit row. Exit codes as `partitions "
+                    "drop`: 3 when months past the cut-off were kept for active runs.")
+    add_database_option(det, reads_only=True)
+    env_option(det, "--older-than", env="COMPOSER_RETENTION_OLDER_THAN", metavar="WHEN",
+               help="cut-off: ISO date (midnight UTC), ISO instant, or an age counted back from the database "
+                    "clock (90d, 2w, 6 months, 1y)")
+    det.add_argument("--yes", action="store_true", help="detach for real (without: print the plan)")
+    det.add_argument("--json", action="store_true", help="print JSON")
+    env_option(det, "--lock-timeout", env="COMPOSER_RETENTION_LOCK_TIMEOUT", type=float, default=2.0,
+               metavar_default="2", help="seconds to wait for a partition lock before backing off and retrying")
+    env_option(det, "--attempts", env="COMPOSER_RETENTION_ATTEMPTS", type=int, default=5, metavar_default="5",
+               help="tries per month before giving up when the locks stay busy")
+    det.set_defaults(func=cmd_detach)
 
     rst = psub.add_parser(
         "restore", help="re-import an archived month with COPY (dry-run unless --yes)",
@@ -110,3 +131,61 @@ def cmd_archive(args: argparse.Namespace) -> int:
     elif args.dry_run:
         print("nothing was written (drop --dry-run to archive)")
     return EXIT_OK
+
+
+def cmd_detach(args: argparse.Namespace) -> int:
+    from composer_ops.errors import Invalid
+    from composer_ops.repo.retention import parse_cutoff
+
+    if not args.older_than:
+        raise Invalid("--older-than WHEN is required (an ISO date, an ISO instant, or an age like 90d)")
+    return _retire(args, parse_cutoff(args.older_than), archive_dir=None, keep_table=True)
+
+
+def drop_archived(args: argparse.Namespace, when: Any) -> int:
+    """``partitions drop --archive DIR``: archive each month, drop it once verified."""
+    return _retire(args, when, archive_dir=Path(args.archive), keep_table=False)
+
+
+def _retire(args: argparse.Namespace, when: Any, *, archive_dir: Path | None, keep_table: bool) -> int:
+    from composer_ops.cli.partition_cmds import blocked_exit
+    from composer_ops.engine.archive import BadArchive
+    from composer_ops.engine.retire import retire_months
+    from composer_ops.errors import Invalid
+
+    if args.lock_timeout <= 0 or args.attempts < 1:
+        raise Invalid(f"--lock-timeout must be > 0 and --attempts >= 1, got {args.lock_timeout} and {args.attempts}")
+    if archive_dir is not None and args.yes:
+        from composer_ops.engine.archive import check_directory
+
+        check_directory(archive_dir)
+    try:
+        with progress_bars() as bars:
+            result = retire_months(find_url(args.database_url), when, archive_dir=archive_dir, keep_table=keep_table,
+                                   yes=args.yes, actor=actor(args), lock_timeout_s=args.lock_timeout,
+                                   max_attempts=args.attempts, progress=bars)
+    except BadArchive as exc:
+        sys.stderr.write(f"composer-ops: archive not verified: {exc}\n")
+        return EXIT_FAILED
+    if args.json:
+        emit_json({"cutoff": result.cutoff, "applied": result.applied,
+                   "months": [{"month": m.month, "outcome": m.outcome, "reason": m.reason, "rows": m.rows,
+                               "partitions": m.partitions, "archive": m.archive} for m in result.months],
+                   "kept": [{"month": m.month, "reason": m.reason, "active_runs": m.active_runs}
+                            for m in result.plan if m.action == "keep"]})
+    else:
+        what = "detach" if keep_table else "archive and drop"
+        print(f"retention cut-off {result.cutoff:%Y-%m-%dT%H:%M:%SZ}: "
+              f"{what} {'for real' if result.applied else '(dry-run)'}")
+        for m in result.months:
+            where = f", archived in {m.archive}" if m.archive and m.outcome == "dropped" else ""
+            why = f" ({m.reason})" if m.reason else ""
+            print(f"{m.outcome} {m.month}: {m.rows} rows{where}{why}")
+        for planned in result.plan:
+            if planned.action == "keep" and planned.reason != "too new":
+                print(f"kept {planned.month}: {planned.reason} ({planned.active_runs} active runs)")
+        if not result.months:
+            print("no month is due for retention")
+        elif not result.applied:
+            print("nothing was changed (add --yes)")
+    return blocked_exit(result.blocked)

@@ -9,6 +9,7 @@ from typing import Any
 
 from composer_ops.cli import archive_cmds
 from composer_ops.cli._common import EXIT_OK, add_database_option, emit_json, env_option
+from composer_ops.cli.admin_cmds import actor
 from composer_ops.db import connect, find_url
 from composer_ops.engine import Engine
 from composer_ops.errors import Invalid
@@ -59,6 +60,9 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
                metavar_default="2", help="seconds to wait for a partition lock before backing off and retrying")
     env_option(drp, "--attempts", env="COMPOSER_RETENTION_ATTEMPTS", type=int, default=5, metavar_default="5",
                help="tries before giving up when the locks stay busy")
+    env_option(drp, "--archive", env="COMPOSER_ARCHIVE_DIR", metavar="DIR",
+               help="archive each month first (as `partitions archive` does) and drop it only once its archive "
+                    "verified and its rows are unchanged, month by month")
     drp.set_defaults(func=cmd_drop)
     archive_cmds.register(psub)
 
@@ -117,9 +121,11 @@ def cmd_drop(args: argparse.Namespace) -> int:
     if args.lock_timeout <= 0 or args.attempts < 1:
         raise Invalid(f"--lock-timeout must be > 0 and --attempts >= 1, got {args.lock_timeout} and {args.attempts}")
     dropped: list[str] | None = None
+    if args.archive:
+        return archive_cmds.drop_archived(args, when)
     if args.yes:
         result = drop_due_months(args.database_url, when, lock_timeout_s=args.lock_timeout,
-                                 max_attempts=args.attempts)
+                                 max_attempts=args.attempts, actor=actor(args))
         plan, cutoff, dropped = result.plan, result.cutoff, result.dropped
     else:
         with connect(args.database_url, application_name="composer-ops partitions drop") as conn:
@@ -131,6 +137,11 @@ def cmd_drop(args: argparse.Namespace) -> int:
         emit_json(_records(plan, cutoff, dropped))
     else:
         _print_plan(plan, cutoff, when.text, dropped)
+    return blocked_exit(blocked)
+
+
+def blocked_exit(blocked: list[RetentionMonth]) -> int:
+    """0, or :data:`EXIT_RETENTION_BLOCKED` naming the blocked months on stderr."""
     if not blocked:
         return EXIT_OK
     named = "; ".join(f"{m.month} kept for {m.active_runs} active run{'s' * (m.active_runs != 1)} "

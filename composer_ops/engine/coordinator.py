@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 import threading
 import time
 from collections.abc import Callable, Collection
@@ -31,6 +32,7 @@ from composer_ops.engine.shell import Outcome
 from composer_ops.engine.webhooks import RelayPolicy, relay_once
 from composer_ops.errors import ComposerError, Invalid, Transient
 from composer_ops.repo import clock, partitions, signals, tasks, webhooks
+from composer_ops.repo.audit import Actor
 from composer_ops.repo.retention import Cutoff, parse_cutoff
 
 if TYPE_CHECKING:
@@ -193,7 +195,8 @@ class Coordinator:
             return
         try:
             done = drop_due_months(self.engine.pool, self.retention, lock_timeout_s=self.upkeep_lock_timeout_s,
-                                   max_attempts=3)
+                                   max_attempts=3, actor=Actor(command=f"coordinator retention {self.retention.text}",
+                                                               host=socket.gethostname()))
         except Exception:
             self._retention_failures += 1
             self._next_retention = time.monotonic() + min(self.retention_every_s,

@@ -33,7 +33,8 @@ from composer_ops.db import connect
 from composer_ops.db.errors import Pool
 from composer_ops.db.retry import backoff_delay
 from composer_ops.errors import ComposerError, Invalid, LockTimeout, Transient, Unavailable
-from composer_ops.repo import partitions, retention
+from composer_ops.repo import audit, partitions, retention
+from composer_ops.repo.audit import Actor
 from composer_ops.repo.retention import Cutoff
 from composer_ops.repo.rows import RetentionMonth
 
@@ -69,8 +70,10 @@ class _Raced(Exception):
 
 def drop_due_months(source: Source, older_than: datetime | str | Cutoff, *, lock_timeout_s: float = 2.0,
                     max_attempts: int = 5, min_age: timedelta = RUN_ID_MAX_AGE,
-                    request_id: str | None = None) -> RetentionResult:
+                    request_id: str | None = None, actor: Actor | None = None) -> RetentionResult:
     """Drop every partition month the plan marks 'drop' and commit; see the module.
+    A drop that dropped something writes one ``operator_audit`` row (``actor``: who
+    asked) in its transaction.
 
     ``source``: a connection (used as is; its transaction is committed), a pool or a
     URL (a fresh connection for each attempt, so a lost connection is retried)."""
@@ -82,7 +85,7 @@ def drop_due_months(source: Source, older_than: datetime | str | Cutoff, *, lock
         attempts += 1
         try:
             with _connection(source) as conn:
-                return _attempt(conn, older_than, lock_timeout_s, min_age, request, attempts)
+                return _attempt(conn, older_than, lock_timeout_s, min_age, request, attempts, actor)
         except (_Raced, Transient) as exc:
             if attempts >= max_attempts:
                 if isinstance(exc, LockTimeout):
@@ -113,7 +116,7 @@ def _connection(source: Source) -> Iterator[psycopg.Connection[Any]]:
 
 
 def _attempt(conn: psycopg.Connection[Any], older_than: datetime | str | Cutoff, lock_timeout_s: float,
-             min_age: timedelta, request: str, attempts: int) -> RetentionResult:
+             min_age: timedelta, request: str, attempts: int, actor: Actor | None) -> RetentionResult:
     with conn.transaction():
         earlier = retention.recorded(conn, request)
         if earlier is not None:
@@ -132,4 +135,10 @@ def _attempt(conn: psycopg.Connection[Any], older_than: datetime | str | Cutoff,
         if dropped != [m.month for m in planned]:
             raise _Raced(f"the plan said drop {[m.month for m in planned]} but the drop returned {dropped}")
         retention.record(conn, request, cutoff, planned)
+        if planned:
+            audit.record(conn, "partitions drop", actor=actor, target=",".join(dropped), request=request,
+                         counts={"months": len(planned), "rows": sum(m.rows for m in planned),
+                                 "bytes": sum(m.bytes for m in planned)},
+                         detail={"cutoff": cutoff.isoformat(),
+                                 "partitions": [p for m in planned for p in m.partitions]})
     return RetentionResult(cutoff=cutoff, plan=judged, dropped=dropped, attempts=attempts, request_id=request)

@@ -133,3 +133,44 @@ def schema_version(conn: Conn) -> int:
 def exists(conn: Conn, table: str) -> bool:
     row = conn.execute("SELECT to_regclass(%s) IS NOT NULL", (sql.Identifier(table).as_string(conn),)).fetchone()
     return bool(row and row[0])
+
+
+#: Where ``partitions detach`` keeps the months it takes out of the run tables.
+DETACHED_SCHEMA = "composer_detached"
+
+
+def remove_month(conn: Conn, month: str, tables: Sequence[str], *, keep_table: bool) -> list[str]:
+    """Take ``month``'s partitions out of ``tables`` (the run tables, referenced table
+    first): referencing tables first, ``workflow_runs`` last, as the retention drop
+    does. Dropped, or with ``keep_table`` detached, stripped of their foreign keys
+    (they would point into a month the run tables no longer hold) and moved to
+    :data:`DETACHED_SCHEMA` under the same names. The caller holds the month's locks
+    and has judged it. Returns the partitions handled."""
+    done = []
+    for table in [*tables[1:], tables[0]]:
+        part = f"{table}_p{month}"
+        if not exists(conn, part):
+            continue
+        ident, parent = sql.Identifier(part), sql.Identifier(table)
+        if keep_table:
+            conn.execute(sql.SQL("ALTER TABLE {} DETACH PARTITION {}").format(parent, ident))
+            # The table's own foreign keys (dropping one drops the constraints PostgreSQL
+            # made under it for each partition of the referenced table).
+            for (name,) in conn.execute("""SELECT conname::text FROM pg_constraint
+                                            WHERE conrelid = to_regclass(%s) AND contype = 'f' AND conparentid = 0""",
+                                        (ident.as_string(conn),)).fetchall():
+                conn.execute(sql.SQL("ALTER TABLE {} DROP CONSTRAINT {}").format(ident, sql.Identifier(name)))
+            conn.execute(sql.SQL("ALTER TABLE {} SET SCHEMA {}").format(ident, sql.Identifier(DETACHED_SCHEMA)))
+        elif table == tables[0]:
+            conn.execute(sql.SQL("ALTER TABLE {} DETACH PARTITION {}").format(parent, ident))
+            conn.execute(sql.SQL("DROP TABLE {}").format(ident))
+        else:
+            conn.execute(sql.SQL("DROP TABLE {}").format(ident))
+        done.append(part)
+    return done
+
+
+def detached(conn: Conn) -> list[str]:
+    """The tables ``partitions detach`` kept, by name."""
+    return [str(r[0]) for r in conn.execute(
+        "SELECT tablename::text FROM pg_tables WHERE schemaname = %s ORDER BY 1", (DETACHED_SCHEMA,)).fetchall()]

@@ -1,0 +1,201 @@
+"""Retention one month at a time, keeping the month: ``partitions drop --archive DIR``
+(archive each month, drop it only once its archive verified) and ``partitions
+detach`` (keep the month as standalone tables instead of dropping it).
+
+The months are the retention plan's (``composer_retention_plan``, the one
+``partitions drop`` follows), oldest first. For each: the archive is written and
+verified (:func:`composer_ops.engine.archive.export_month`) without any lock beyond
+a reader's; then one transaction, with ``lock_timeout`` set, takes the partition
+advisory lock and the month's partitions (ACCESS EXCLUSIVE, as the drop does), judges
+the month again under those locks, checks that its rows are still the ones archived
+(the database's fingerprint of every table against the manifest: one scan of each
+partition while the locks are held), then drops or detaches it and writes the audit
+row. A month whose archive did not verify, or whose rows changed after it was
+archived, is not dropped and stops the command: the months before it stay dropped,
+the ones after it are left for the next run. Each month's transaction carries a
+request ID: retried after a lost COMMIT acknowledgement, it finds its own audit row
+and reports what it did.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import psycopg
+
+from composer_ops.core.runids import RUN_ID_MAX_AGE
+from composer_ops.db import connect
+from composer_ops.db.retry import backoff_delay
+from composer_ops.engine.archive import BadArchive, Manifest, Progress, export_month, month_dir
+from composer_ops.engine.retention import BLOCKED_REASON
+from composer_ops.errors import ComposerError, Invalid, Transient
+from composer_ops.repo import archive as repo
+from composer_ops.repo import audit, partitions, retention
+from composer_ops.repo.audit import Actor
+from composer_ops.repo.partitions import RUN_TABLES
+from composer_ops.repo.retention import Cutoff
+from composer_ops.repo.rows import RetentionMonth
+
+__all__ = ["MonthRetired", "RetireResult", "retire_months"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, kw_only=True)
+class MonthRetired:
+    """What happened to one month the plan would drop."""
+
+    month: str
+    outcome: str                     # "dropped" | "detached" | "kept" (judged again under its locks)
+    reason: str = ""                 # why it was kept
+    partitions: list[str] = field(default_factory=list)
+    rows: int = 0                    # exact when archived, else the plan's estimate
+    archive: str | None = None
+    replayed: bool = False
+
+
+@dataclass(frozen=True, kw_only=True)
+class RetireResult:
+    cutoff: datetime
+    plan: list[RetentionMonth]
+    months: list[MonthRetired]
+    applied: bool
+
+    @property
+    def blocked(self) -> list[RetentionMonth]:
+        """Months past the cut-off kept because runs in them are still active."""
+        return [m for m in self.plan if m.action == "keep" and m.reason == BLOCKED_REASON]
+
+
+def retire_months(url: str | None, older_than: datetime | str | Cutoff, *, archive_dir: Path | None = None,
+                  keep_table: bool = False, yes: bool = False, actor: Actor | None = None,
+                  lock_timeout_s: float = 2.0, max_attempts: int = 5, progress: Progress | None = None,
+                  request_id: str | None = None) -> RetireResult:
+    """Drop (after archiving into ``archive_dir``, when given) or, with ``keep_table``,
+    detach every month the retention plan marks 'drop'; see the module. Without
+    ``yes`` nothing is written: the result holds the plan."""
+    if lock_timeout_s <= 0 or max_attempts < 1:
+        raise Invalid(f"lock timeout must be > 0 and attempts >= 1, got {lock_timeout_s}s and {max_attempts}")
+    if archive_dir is None and not keep_table:
+        raise Invalid("give an archive directory, or keep the months as tables (detach)")
+    request = request_id or uuid.uuid4().hex
+    with connect(url, application_name="composer-ops partitions retire") as conn:
+        with conn.transaction():
+            cutoff = retention.resolve(conn, older_than)
+            plan = retention.plan(conn, cutoff, min_age=RUN_ID_MAX_AGE)
+        due = [m for m in plan if m.action == "drop"]
+        if not yes:
+            return RetireResult(cutoff=cutoff, plan=plan, applied=False, months=[
+                MonthRetired(month=m.month, outcome="would detach" if keep_table else "would drop",
+                             partitions=list(m.partitions), rows=m.rows,
+                             archive=str(month_dir(archive_dir, m.month)) if archive_dir else None) for m in due])
+        done: list[MonthRetired] = []
+        for month in due:
+            manifest = None
+            if archive_dir is not None:
+                try:
+                    manifest = export_month(conn, month.month, archive_dir, progress=progress,
+                                            on_exported=lambda c, m: _audit_archived(c, m, actor, archive_dir))
+                except BadArchive as exc:
+                    raise BadArchive(f"month {month.month} was not dropped: its archive did not verify ({exc})"
+                                     + _so_far(done)) from exc
+            try:
+                done.append(_retire(url, month.month, cutoff, manifest, archive_dir, keep_table, actor,
+                                    f"{request}:{month.month}", lock_timeout_s, max_attempts))
+            except BadArchive as exc:
+                raise BadArchive(f"{exc}{_so_far(done)}") from exc
+    return RetireResult(cutoff=cutoff, plan=plan, months=done, applied=True)
+
+
+def _so_far(done: list[MonthRetired]) -> str:
+    gone = [m.month for m in done if m.outcome in ("dropped", "detached")]
+    return f"; done before it: {', '.join(gone)}" if gone else "; no month was dropped"
+
+
+def _audit_archived(conn: psycopg.Connection[Any], manifest: Manifest, actor: Actor | None, directory: Path) -> None:
+    audit.record(conn, "partitions archive", actor=actor, target=manifest.month,
+                 counts={"rows": manifest.rows, "tables": {t.table: t.rows for t in manifest.tables}},
+                 detail={"to": str(month_dir(directory, manifest.month)), "schema_version": manifest.schema_version,
+                         "files": {t.file: t.sha256 for t in manifest.tables}})
+
+
+def _retire(url: str | None, month: str, cutoff: datetime, manifest: Manifest | None, archive_dir: Path | None,
+            keep_table: bool, actor: Actor | None, request: str, lock_timeout_s: float,
+            max_attempts: int) -> MonthRetired:
+    """One month's transaction, tried again with backoff when its locks stay busy or
+    its connection is lost."""
+    attempts = 0
+    while True:
+        attempts += 1
+        try:
+            with _fresh(url) as conn:
+                return _retire_once(conn, month, cutoff, manifest, archive_dir, keep_table, actor, request,
+                                    lock_timeout_s)
+        except Transient as exc:
+            if attempts >= max_attempts:
+                if isinstance(exc.__cause__, psycopg.errors.LockNotAvailable):
+                    raise ComposerError(
+                        f"month {month}: could not lock its partitions within {lock_timeout_s:g}s in {attempts} "
+                        "attempts (a long transaction holds them); it was not dropped, try again later") from exc
+                raise
+            delay = backoff_delay(attempts - 1, base=0.25, cap=4.0)
+            log.warning("month %s: attempt %d failed (%s); retrying in %.2fs", month, attempts, exc, delay)
+            time.sleep(delay)
+
+
+@contextlib.contextmanager
+def _fresh(url: str | None) -> Iterator[psycopg.Connection[Any]]:
+    with connect(url, application_name="composer-ops partitions retire") as conn:
+        yield conn
+
+
+def _retire_once(conn: psycopg.Connection[Any], month: str, cutoff: datetime, manifest: Manifest | None,
+                 archive_dir: Path | None, keep_table: bool, actor: Actor | None, request: str,
+                 lock_timeout_s: float) -> MonthRetired:
+    action = "partitions detach" if keep_table else "partitions drop"
+    outcome = "detached" if keep_table else "dropped"
+    archive = str(month_dir(archive_dir, month)) if archive_dir is not None else None
+    with conn.transaction():
+        earlier = audit.of_request(conn, request)
+        if earlier:
+            detail = earlier[0].detail or {}
+            return MonthRetired(month=month, outcome=outcome, partitions=list(detail.get("partitions", [])),
+                                rows=int((earlier[0].counts or {}).get("rows", 0)), archive=archive, replayed=True)
+        partitions.set_lock_timeout(conn, lock_timeout_s)
+        conn.execute(retention.PARTITION_LOCK)
+        first = _judged(conn, cutoff, month)
+        if first is None or first.action != "drop":
+            return MonthRetired(month=month, outcome="kept", reason=first.reason if first else "no longer exists")
+        retention.lock_months(conn, [first])
+        judged = _judged(conn, cutoff, month)     # a new snapshot, taken under the month's locks
+        if judged is None or judged.action != "drop":
+            return MonthRetired(month=month, outcome="kept", reason=judged.reason if judged else "no longer exists")
+        rows = judged.rows
+        if manifest is not None:
+            repo.pin_text_output(conn)
+            for entry in manifest.tables:
+                count, fingerprint = repo.fingerprint(conn, entry.partition)
+                if (count, fingerprint) != (entry.rows, entry.fingerprint):
+                    raise BadArchive(f"month {month} was not dropped: {entry.partition} changed after it was "
+                                     f"archived ({count} rows now, {entry.rows} archived); archive it again")
+            rows = manifest.rows
+        handled = repo.remove_month(conn, month, RUN_TABLES, keep_table=keep_table)
+        if not keep_table:
+            retention.record(conn, request, cutoff, [judged])
+        audit.record(conn, action, actor=actor, target=month, request=request,
+                     counts={"rows": rows, "bytes": judged.bytes, "partitions": len(handled)},
+                     detail={"cutoff": cutoff.isoformat(), "partitions": handled, "archive": archive,
+                             "schema": repo.DETACHED_SCHEMA if keep_table else None})
+    return MonthRetired(month=month, outcome=outcome, partitions=handled, rows=rows, archive=archive)
+
+
+def _judged(conn: psycopg.Connection[Any], cutoff: datetime, month: str) -> RetentionMonth | None:
+    return next((m for m in retention.plan(conn, cutoff, min_age=RUN_ID_MAX_AGE) if m.month == month), None)

@@ -1,0 +1,138 @@
+"""``partitions drop --archive DIR`` (archive each month, drop it only once its archive
+verified and its rows are unchanged) and ``partitions detach`` (keep the months as
+standalone tables): month by month, audited, nothing written on a dry run."""
+
+from __future__ import annotations
+
+import json
+from datetime import date
+from pathlib import Path
+from typing import Any
+
+import psycopg
+import pytest
+
+from composer_ops.cli import main
+from composer_ops.engine import archive, retire
+from composer_ops.repo import partitions
+from composer_ops.testing import fixtures
+
+DUE = ["202412", "202501", "202503"]          # the seed's months the plan drops at 2025-05-01
+
+
+def _seeded(db_url: str) -> fixtures.SeedInfo:
+    with psycopg.connect(db_url) as conn:
+        info = fixtures.seed(conn)
+        conn.commit()
+    return info
+
+
+def _months(db_url: str) -> set[str]:
+    with psycopg.connect(db_url) as conn:
+        return {p.month for p in partitions.list_partitions(conn)}
+
+
+def _audit(db_url: str) -> list[tuple[str, str]]:
+    with psycopg.connect(db_url) as conn:
+        return [(a, t) for a, t in conn.execute("SELECT action, target FROM operator_audit ORDER BY id")]
+
+
+def _drop(db_url: str, target: Path, *extra: str) -> int:
+    return main(["partitions", "drop", "--older-than", "2025-05-01", "--archive", str(target), "--database-url",
+                 db_url, *extra])
+
+
+def test_drop_with_archive_month_by_month(db_url: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    _seeded(db_url)
+    assert _drop(db_url, tmp_path / "a", "--json") == 3               # months kept for active runs: exit 3
+    out = json.loads(capsys.readouterr().out)
+    assert [(m["month"], m["outcome"]) for m in out["months"]] == [(m, "would drop") for m in DUE]
+    assert not (tmp_path / "a").exists() and _audit(db_url) == [] and set(DUE) <= _months(db_url)
+    assert _drop(db_url, tmp_path / "a", "--yes") == 3
+    captured = capsys.readouterr()
+    assert "retention blocked: 202502 kept for 1 active run" in captured.err
+    assert all(f"dropped {m}" in captured.out for m in DUE)
+    assert not set(DUE) & _months(db_url) and {"202502", "202504"} <= _months(db_url)
+    for month in DUE:
+        assert archive.verify_month(tmp_path / "a" / month).month == month
+    assert _audit(db_url) == [x for m in DUE for x in (("partitions archive", m), ("partitions drop", m))]
+    with psycopg.connect(db_url) as conn:
+        recorded = conn.execute("SELECT month FROM retention_drops ORDER BY month").fetchall()
+    assert [r[0] for r in recorded] == DUE
+
+
+def _export_then(damage: Any) -> Any:
+    """``export_month`` that does ``damage(conn, month, path)`` to month 202501 once it is exported."""
+    real = archive.export_month
+
+    def export(conn: Any, month: str, directory: Path, **kw: Any) -> Any:
+        manifest = real(conn, month, directory, **kw)
+        if month == "202501":
+            damage(conn, month, directory / month)
+        return manifest
+
+    return export
+
+
+def test_a_corrupt_archive_stops_the_drop(db_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                         capsys: pytest.CaptureFixture[str]) -> None:
+    _seeded(db_url)
+    real = archive.export_month
+
+    def export(conn: Any, month: str, directory: Path, **kw: Any) -> Any:
+        if month == "202501":       # the file is cut short between writing and verifying
+            def truncate(p: Path) -> None:
+                f = p / "task_instances.parquet"
+                f.write_bytes(f.read_bytes()[:100])
+            kw["before_verify"] = truncate
+        return real(conn, month, directory, **kw)
+
+    monkeypatch.setattr(retire, "export_month", export)
+    assert _drop(db_url, tmp_path, "--yes") == 1
+    err = capsys.readouterr().err
+    assert "month 202501 was not dropped: its archive did not verify" in err and "done before it: 202412" in err
+    assert {"202501", "202503"} <= _months(db_url) and "202412" not in _months(db_url)
+    assert _audit(db_url) == [("partitions archive", "202412"), ("partitions drop", "202412")]
+    assert not (tmp_path / "202501").exists()
+
+
+def test_rows_changed_after_archiving_stop_the_drop(db_url: str, tmp_path: Path,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    info = _seeded(db_url)
+
+    def soft_delete(conn: Any, month: str, path: Path) -> None:
+        with psycopg.connect(db_url, autocommit=True) as other:      # a run deleted after the export
+            other.execute("UPDATE workflow_runs SET deleted_at = now() WHERE id = %s", (info.runs["H1"],))
+
+    monkeypatch.setattr(retire, "export_month", _export_then(soft_delete))
+    with pytest.raises(archive.BadArchive, match="workflow_runs_p202501 changed after it was archived"):
+        retire.retire_months(db_url, "2025-05-01", archive_dir=tmp_path, yes=True)
+    assert {"202501", "202503"} <= _months(db_url)
+
+
+def test_detach_keeps_the_months_as_tables(db_url: str, capsys: pytest.CaptureFixture[str]) -> None:
+    info = _seeded(db_url)
+    base = ["partitions", "detach", "--older-than", "2025-05-01", "--database-url", db_url]
+    with psycopg.connect(db_url) as conn:
+        before = conn.execute("SELECT count(*) FROM task_instances_p202501").fetchone()
+    assert main(base) == 3 and _audit(db_url) == []                    # dry run
+    assert "would detach 202501" in capsys.readouterr().out
+    assert main([*base, "--yes", "--json"]) == 3
+    out = json.loads(capsys.readouterr().out)
+    assert [(m["month"], m["outcome"]) for m in out["months"]] == [(m, "detached") for m in DUE]
+    assert not set(DUE) & _months(db_url)
+    assert _audit(db_url) == [("partitions detach", m) for m in DUE]
+    with psycopg.connect(db_url) as conn:
+        assert conn.execute("SELECT count(*) FROM composer_detached.task_instances_p202501").fetchone() == before
+        kept = conn.execute("SELECT id FROM composer_detached.workflow_runs_p202501 WHERE id = %s",
+                            (info.runs["H1"],)).fetchone()
+        assert kept == (info.runs["H1"],)
+        fks = conn.execute("""SELECT count(*) FROM pg_constraint WHERE contype = 'f'
+                               AND conrelid = 'composer_detached.task_instances_p202501'::regclass""").fetchone()
+        assert fks == (0,)
+        # The month can be created again (a restore, or a client run ID): no name is taken.
+        partitions.ensure_from(conn, date(2025, 1, 1), 0)
+        assert conn.execute("SELECT count(*) FROM workflow_runs_p202501").fetchone() == (0,)
+        conn.rollback()
+    assert main([*base, "--yes"]) == 3                                  # nothing left to detach
+    assert "no month is due for retention" in capsys.readouterr().out
