@@ -129,7 +129,7 @@ def cmd_archive(args: argparse.Namespace) -> int:
     if not result.months:
         print("no month is due for retention: nothing to archive")
     elif args.dry_run:
-        print("nothing was written (drop --dry-run to archive)")
+        print("nothing was written (run it without --dry-run to archive)")
     return EXIT_OK
 
 

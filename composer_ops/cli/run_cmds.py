@@ -243,7 +243,7 @@ def cmd_runs_delete(args: argparse.Namespace) -> int:
 
     with _engine(args) as engine:
         if args.yes:
-            done = engine.delete_run(args.run_id)
+            done = engine.delete_run(args.run_id, actor=admin_cmds.actor(args))
             record = {"run_id": done.run_id, "status": done.status, "action": "already deleted" if done.already
                       else "deleted", "deleted_at": done.deleted_at, "webhooks_given_up": done.webhooks_given_up}
             text = (f"run {done.run_id} ({done.status}) was already deleted at {done.deleted_at:%Y-%m-%d %H:%M:%S%z}"

@@ -24,7 +24,19 @@ from composer_ops.engine.jsonvalues import check_json
 from composer_ops.engine.requests import Request, key_request
 from composer_ops.engine.shell import Outcome, Shell
 from composer_ops.errors import Conflict, Invalid, NotFound
-from composer_ops.repo import citus, clock, definitions, history, outbox, partitions, runs, tasks, webhooks, workers
+from composer_ops.repo import (
+    audit,
+    citus,
+    clock,
+    definitions,
+    history,
+    outbox,
+    partitions,
+    runs,
+    tasks,
+    webhooks,
+    workers,
+)
 from composer_ops.repo.audit import Actor
 from composer_ops.repo.rows import Claim, DeletedRun, HistoryEntry, PartitionRow, RunListRow, RunRow, RunView
 
@@ -222,18 +234,19 @@ class Engine:
         validate_run_id(run_id)
         return self.shell.handle(run_id, lambda now: CancelRun(reason=reason, now=now))
 
-    def delete_run(self, run_id: str) -> DeletedRun:
+    def delete_run(self, run_id: str, *, actor: Actor | None = None) -> DeletedRun:
         """Soft-delete a finished run: it disappears from ``get_run``, the loops, the
         claim and the reports, and its rows leave with its month (retention). A run
         that is still active is a Conflict (cancel it first); deleting a deleted run
         changes nothing and says so (``already``). A pending webhook delivery of the
         run is given up. The delete is recorded in the run's history under the call's
-        request, so a retry whose lost attempt committed returns what that attempt did."""
+        request, so a retry whose lost attempt committed returns what that attempt did,
+        and in an ``operator_audit`` row (``actor``: who asked) with the same request."""
         validate_run_id(run_id)
-        return self._delete_run(run_id, Request())
+        return self._delete_run(run_id, Request(), actor)
 
     @db_retry()
-    def _delete_run(self, run_id: str, request: Request) -> DeletedRun:
+    def _delete_run(self, run_id: str, request: Request, actor: Actor | None) -> DeletedRun:
         look = request.attempt()
         with self.pool.connection() as conn, conn.transaction():
             found = runs.lock_for_delete(conn, run_id)
@@ -254,6 +267,9 @@ class Engine:
             history.record(conn, run_id, request.id, [HistoryEntry(
                 kind="deleted", detail={"status": status, "webhooks_given_up": given_up,
                                         "dispatches_dropped": dropped})], now=deleted_at)
+            audit.record(conn, "runs delete", actor=actor, target=run_id, request=request.id,
+                         counts={"runs": 1, "webhooks_given_up": given_up, "dispatches_dropped": dropped},
+                         detail={"status": status})
         log.info("deleted run %s (%s)", run_id, status, extra={"action": "delete_run", "run_id": run_id})
         return DeletedRun(run_id=run_id, status=status, deleted_at=deleted_at, already=False,
                           webhooks_given_up=given_up, dispatches_dropped=dropped)

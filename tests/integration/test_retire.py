@@ -136,3 +136,4 @@ def test_detach_keeps_the_months_as_tables(db_url: str, capsys: pytest.CaptureFi
         conn.rollback()
     assert main([*base, "--yes"]) == 3                                  # nothing left to detach
     assert "no month is due for retention" in capsys.readouterr().out
+

@@ -1,0 +1,79 @@
+"""Every operator action writes one audit row in its own transaction, naming the
+database roles, the client address and host, the command line (no password) and the
+counts; the same command without --yes writes none."""
+
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+from typing import Any
+
+import psycopg
+import pytest
+
+from composer_ops import Engine
+from composer_ops.cli import main
+from composer_ops.testing import fixtures
+
+
+def _rows(db_url: str) -> list[dict[str, Any]]:
+    with psycopg.connect(db_url, row_factory=psycopg.rows.dict_row) as conn:
+        return conn.execute("SELECT * FROM operator_audit ORDER BY id").fetchall()
+
+
+def test_each_action_writes_one_row_and_its_dry_run_none(db_url: str, tmp_path: Path) -> None:
+    with psycopg.connect(db_url) as conn:
+        info = fixtures.seed(conn)
+        conn.commit()
+    secret_url = db_url.replace("postgres:@", "postgres:hunter2@")       # the server ignores it (trust)
+    with Engine.connect(db_url, pool_size=2) as engine:
+        engine.deploy({"id": "audited", "nodes": [{"id": "a", "type": "TASK", "task": "t"}]})
+        for _ in range(2):
+            engine.start("audited", input={"audit": 1})
+        failed = engine.start("audited", input={"audit": 2})
+        for claim in engine.claim(["default"], "w", 10):
+            if claim.run_id == failed:
+                engine.fail(claim, "x", retryable=False)
+    archive = str(tmp_path / "archive")
+    steps: list[tuple[list[str], list[str], str, str]] = [
+        # (dry run, real command, action, target)
+        (["partitions", "archive", "--older-than", "2025-02-01", "--to", archive, "--dry-run"],
+         ["partitions", "archive", "--older-than", "2025-02-01", "--to", archive], "partitions archive", "202412"),
+        (["partitions", "drop", "--older-than", "2025-02-01", "--archive", archive],
+         ["partitions", "drop", "--older-than", "2025-02-01", "--archive", archive, "--yes"], "partitions drop",
+         "202412"),
+        (["partitions", "restore", "202501", "--from", archive],
+         ["partitions", "restore", "202501", "--from", archive, "--yes"], "partitions restore", "202501"),
+        (["partitions", "detach", "--older-than", "2025-02-01"],
+         ["partitions", "detach", "--older-than", "2025-02-01", "--yes"], "partitions detach", "202501"),
+        (["runs", "cancel", "--where", "input.audit=1"],
+         ["runs", "cancel", "--where", "input.audit=1", "--yes"], "runs cancel", "input@>{\"audit\":1}"),
+        (["runs", "retry", failed], ["runs", "retry", failed, "--yes"], "runs retry", failed),
+        (["runs", "delete", info.runs["H4"]], ["runs", "delete", info.runs["H4"], "--yes"], "runs delete",
+         info.runs["H4"]),
+    ]
+    for dry, real, action, target in steps:
+        before = len(_rows(db_url))
+        assert main([*dry, "--database-url", secret_url]) in (0, 3), dry
+        assert len(_rows(db_url)) == before, f"{dry}: a dry run wrote an audit row"
+        assert main([*real, "--database-url", secret_url]) in (0, 3), real
+        new = [r for r in _rows(db_url)[before:] if r["action"] == action and target in r["target"]]
+        assert new, f"{real}: no {action} row for {target}"
+        row = new[0]
+        assert (row["login_role"], row["db_role"], row["client_addr"]) == ("postgres", "postgres", "local")
+        assert row["client_host"] == socket.gethostname() and row["counts"]
+        assert row["command"].startswith(f"composer-ops {' '.join(real[:2])}")
+        assert "hunter2" not in row["command"] and "***" in row["command"]
+    actions = [r["action"] for r in _rows(db_url)]
+    assert actions.count("runs cancel") == 1 and actions.count("runs retry") == 1
+    assert set(actions) == {a for _, _, a, _ in steps}
+
+
+@pytest.mark.parametrize("action", ["runs delete"])
+def test_an_action_that_changes_nothing_writes_no_row(db_url: str, action: str) -> None:
+    with psycopg.connect(db_url) as conn:
+        info = fixtures.seed(conn)
+        conn.commit()
+    base = ["runs", "delete", info.runs["H1"], "--database-url", db_url, "--yes"]
+    assert main(base) == 0 and main(base) == 0         # the second finds it deleted already
+    assert [r["action"] for r in _rows(db_url)] == [action]
