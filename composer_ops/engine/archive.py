@@ -52,7 +52,8 @@ from composer_ops.repo.retention import Cutoff
 from composer_ops.repo.rows import RetentionMonth
 
 __all__ = ["FORMAT", "BadArchive", "Manifest", "Progress", "RestoreResult", "Restored", "TableArchive",
-           "export_month", "month_dir", "read_rows", "restore_month", "restore_rows", "verify_month"]
+           "content_fingerprint", "export_month", "month_dir", "read_rows", "restore_month", "restore_rows",
+           "verify_month"]
 
 #: The manifest's ``format``: readers refuse any other.
 FORMAT = "composer-archive/1"
@@ -204,9 +205,8 @@ def export_month(conn: Conn, month: str, directory: Path, *, progress: Progress 
     with conn.transaction():
         conn.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
         repo.pin_text_output(conn)
-        missing = [f"{t}_p{month}" for t in RUN_TABLES if not repo.exists(conn, f"{t}_p{month}")]
-        if missing:
-            raise Invalid(f"month {month} has no partition {', '.join(missing)}: nothing to archive")
+        if not repo.exists(conn, f"{RUN_TABLES[0]}_p{month}"):
+            raise Invalid(f"month {month} has no partition {RUN_TABLES[0]}_p{month}: nothing to archive")
         version = repo.schema_version(conn)
         work = Path(tempfile.mkdtemp(prefix=f".{month}.partial-", dir=directory))
         try:
@@ -231,16 +231,19 @@ def _export_table(conn: Conn, table: str, partition: str, work: Path, progress: 
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    cols = repo.columns(conn, partition)
-    key = repo.primary_key(conn, partition) or [c.name for c in cols]
-    count, fingerprint = repo.fingerprint(conn, partition)
+    # A run table without a partition for the month has no rows in it: archived empty,
+    # with its parent's columns (the restore creates the partition).
+    present = repo.exists(conn, partition)
+    cols = repo.columns(conn, partition if present else table)
+    key = repo.primary_key(conn, partition if present else table) or [c.name for c in cols]
+    count, fingerprint = content_fingerprint(conn, partition)
     schema = _schema(cols)
     digest = hashlib.sha256()
     path = work / f"{table}.parquet"
     written = 0
     progress.start(f"{partition}: export", count)
     with pq.ParquetWriter(path, schema, compression="zstd") as writer:
-        for rows in repo.stream_rows(conn, partition, cols, key):
+        for rows in repo.stream_rows(conn, partition, cols, key) if present else ():
             for row in rows:
                 _row_digest(digest, row)
             arrays = [pa.array(list(values), type=schema.field(i).type)
@@ -253,6 +256,12 @@ def _export_table(conn: Conn, table: str, partition: str, work: Path, progress: 
     return TableArchive(table=table, partition=partition, file=path.name, rows=written,
                         sha256=_file_sha256(path), content_sha256=digest.hexdigest(), fingerprint=fingerprint,
                         columns=[{"name": c.name, "type": c.type} for c in cols])
+
+
+def content_fingerprint(conn: Conn, partition: str) -> tuple[int, str]:
+    """:func:`repo.archive.fingerprint` of a partition; ``(0, "0")``, what an empty one
+    gives, when it does not exist."""
+    return repo.fingerprint(conn, partition) if repo.exists(conn, partition) else (0, "0")
 
 
 def _move_into_place(work: Path, target: Path) -> None:

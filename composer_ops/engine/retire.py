@@ -34,7 +34,7 @@ import psycopg
 from composer_ops.core.runids import RUN_ID_MAX_AGE
 from composer_ops.db import connect
 from composer_ops.db.retry import backoff_delay
-from composer_ops.engine.archive import BadArchive, Manifest, Progress, export_month, month_dir
+from composer_ops.engine.archive import BadArchive, Manifest, Progress, content_fingerprint, export_month, month_dir
 from composer_ops.engine.retention import BLOCKED_REASON
 from composer_ops.errors import ComposerError, Invalid, Transient
 from composer_ops.repo import archive as repo
@@ -182,7 +182,7 @@ def _retire_once(conn: psycopg.Connection[Any], month: str, cutoff: datetime, ma
         if manifest is not None:
             repo.pin_text_output(conn)
             for entry in manifest.tables:
-                count, fingerprint = repo.fingerprint(conn, entry.partition)
+                count, fingerprint = content_fingerprint(conn, entry.partition)
                 if (count, fingerprint) != (entry.rows, entry.fingerprint):
                     raise BadArchive(f"month {month} was not dropped: {entry.partition} changed after it was "
                                      f"archived ({count} rows now, {entry.rows} archived); archive it again")

@@ -260,3 +260,18 @@ def test_restore_dry_run_writes_nothing_and_a_month_with_rows_is_refused(
     assert main(["partitions", "restore", "2025-01", "--from", str(tmp_path), "--database-url", db_url]) == 2
     with pytest.raises(ComposerError):
         archive.restore_month(db_url, "202503", tmp_path, yes=False)   # no archive of that month
+
+
+def test_a_run_table_without_the_months_partition_is_archived_empty(db_url: str, tmp_path: Path) -> None:
+    _seeded(db_url)
+    with psycopg.connect(db_url) as conn:
+        conn.execute("DROP TABLE workflow_events_p202501")
+        conn.commit()
+        manifest = archive.export_month(conn, "202501", tmp_path)
+    events = manifest.table("workflow_events")
+    assert events is not None and (events.rows, events.fingerprint) == (0, "0") and events.columns
+    with psycopg.connect(db_url, autocommit=True) as conn:
+        assert "202501" in partitions.drop(conn, datetime(2025, 2, 1, tzinfo=UTC))
+    restored = archive.restore_month(db_url, "202501", tmp_path, yes=True)
+    assert [(t.table, t.rows) for t in restored.tables][:3] == [("workflow_runs", 3), ("task_instances", 9),
+                                                               ("workflow_events", 0)]
