@@ -43,7 +43,7 @@ runs_st = st.lists(st.tuples(st.sampled_from(STATUSES), st.integers(1, 28), json
                    min_size=1, max_size=3)
 layouts = st.dictionaries(st.sampled_from(MONTHS), runs_st, min_size=1, max_size=3)
 
-DUMP_TABLES = ("workflow_runs", "task_instances", "workflow_events")
+DUMP_TABLES = partitions.RUN_TABLES
 
 
 def _populate(conn: psycopg.Connection[Any], layout: dict[str, Any]) -> None:
@@ -158,8 +158,8 @@ def test_archive_cli_dry_run_writes_nothing_then_archives_with_audit_rows(
     out = json.loads(capsys.readouterr().out)
     assert [(m["month"], m["archived"]) for m in out["months"]] == [("202412", True), ("202501", True),
                                                                     ("202503", True)]
-    assert sorted(p.name for p in (target / "202501").iterdir()) == [
-        "manifest.json", "task_instances.parquet", "workflow_events.parquet", "workflow_runs.parquet"]
+    assert sorted(p.name for p in (target / "202501").iterdir()) == sorted(
+        ["manifest.json", *(f"{t}.parquet" for t in partitions.RUN_TABLES)])
     assert not [p for p in target.iterdir() if p.name.startswith(".")]     # no partial directory left
     manifest = archive.verify_month(target / "202501")
     assert (manifest.month, manifest.table("workflow_runs").rows, manifest.table("task_instances").rows) == (  # type: ignore[union-attr]
