@@ -125,7 +125,7 @@ def archived_run_story(directory: str | Path, run_id: str, source: Source = None
         spec = analytics.definition_spec(conn, run_rows["workflow_definition_id"][0],
                                          int(run_rows["workflow_version"][0]))
         if now is None:
-            now = analytics.db_now(conn)
+            now = analytics.db_now(conn).astimezone(UTC)
     clock = pl.lit(now, dtype=UTC_TS)
     run = run_rows.select(
         pl.col("id").alias("run_id"), pl.col("workflow_definition_id").alias("workflow_id"),

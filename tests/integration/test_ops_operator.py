@@ -59,6 +59,7 @@ def test_an_archived_run_reads_back_as_it_was(db_url: str, tmp_path: Path) -> No
     with pytest.raises(NotFound):
         ops.run_story(db_url, run_id)
     story = ops.archived_run_story(tmp_path, run_id, db_url, now=now)
+    assert ops.archived_run_story(tmp_path, run_id, db_url).run_id == run_id      # the database's clock, in UTC
     same = ["run_id", "workflow_id", "workflow_version", "status", "created_at", "updated_at", "completed_at",
             "duration_s", "error"]
     assert story.run.select(same).rows() == live.run.select(same).rows()
