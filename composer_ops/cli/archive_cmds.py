@@ -13,6 +13,23 @@ from composer_ops.cli.admin_cmds import actor, progress_bars
 from composer_ops.db import find_url
 
 
+def add_cutoff_option(parser: argparse.ArgumentParser) -> None:
+    """``--older-than WHEN``: the retention cut-off every plan-driven command takes."""
+    env_option(parser, "--older-than", env="COMPOSER_RETENTION_OLDER_THAN", metavar="WHEN",
+               help="cut-off: ISO date (2025-01-31, midnight UTC), ISO instant, or an age counted back from "
+                    "the database clock (90d, 2w, 6 months, 1y, 36h)")
+
+
+def add_lock_options(parser: argparse.ArgumentParser, *, attempts: bool = True) -> None:
+    """``--lock-timeout`` (and ``--attempts``): how long DDL waits for a lock, how often it tries."""
+    env_option(parser, "--lock-timeout", env="COMPOSER_RETENTION_LOCK_TIMEOUT", type=float, default=2.0,
+               metavar_default="2", help="seconds to wait for a partition lock before backing off and retrying")
+    if attempts:
+        env_option(parser, "--attempts", env="COMPOSER_RETENTION_ATTEMPTS", type=int, default=5,
+                   metavar_default="5", help="tries (per month, month by month) before giving up when the locks "
+                                             "stay busy")
+
+
 def register(psub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     """The archive subcommands, under ``composer-ops partitions``."""
     arc = psub.add_parser(
@@ -24,9 +41,7 @@ def register(psub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg
                     "Nothing in the database changes except the audit rows. Exit 0 archived (or, with --dry-run, "
                     "listed), 1 a month could not be archived, 2 bad input.")
     add_database_option(arc, reads_only=True)
-    env_option(arc, "--older-than", env="COMPOSER_RETENTION_OLDER_THAN", metavar="WHEN",
-               help="cut-off: ISO date (midnight UTC), ISO instant, or an age counted back from the database "
-                    "clock (90d, 2w, 6 months, 1y)")
+    add_cutoff_option(arc)
     env_option(arc, "--to", dest="target", env="COMPOSER_ARCHIVE_DIR", metavar="DIR",
                help="the archive directory (created if missing; an earlier archive of a month is replaced)")
     arc.add_argument("--dry-run", action="store_true", help="list the months it would archive, write nothing")
@@ -42,15 +57,10 @@ def register(psub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg
                     "by month, each judged again under its locks, with an audit row. Exit codes as `partitions "
                     "drop`: 3 when months past the cut-off were kept for active runs.")
     add_database_option(det, reads_only=True)
-    env_option(det, "--older-than", env="COMPOSER_RETENTION_OLDER_THAN", metavar="WHEN",
-               help="cut-off: ISO date (midnight UTC), ISO instant, or an age counted back from the database "
-                    "clock (90d, 2w, 6 months, 1y)")
+    add_cutoff_option(det)
     det.add_argument("--yes", action="store_true", help="detach for real (without: print the plan)")
     det.add_argument("--json", action="store_true", help="print JSON")
-    env_option(det, "--lock-timeout", env="COMPOSER_RETENTION_LOCK_TIMEOUT", type=float, default=2.0,
-               metavar_default="2", help="seconds to wait for a partition lock before backing off and retrying")
-    env_option(det, "--attempts", env="COMPOSER_RETENTION_ATTEMPTS", type=int, default=5, metavar_default="5",
-               help="tries per month before giving up when the locks stay busy")
+    add_lock_options(det)
     det.set_defaults(func=cmd_detach)
 
     rst = psub.add_parser(
@@ -66,8 +76,7 @@ def register(psub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg
                help="the archive directory (the one `partitions archive --to` wrote)")
     rst.add_argument("--yes", action="store_true", help="restore for real (without: verify and say what it would do)")
     rst.add_argument("--json", action="store_true", help="print JSON")
-    env_option(rst, "--lock-timeout", env="COMPOSER_RETENTION_LOCK_TIMEOUT", type=float, default=2.0,
-               metavar_default="2", help="seconds to wait for a lock before backing off and retrying")
+    add_lock_options(rst, attempts=False)
     rst.set_defaults(func=cmd_restore)
 
 

@@ -47,19 +47,14 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
                "3 months past the cut-off were kept because they still have active runs (named on stderr; "
                "the rest of the plan was applied).")
     add_database_option(drp, reads_only=True)
-    env_option(drp, "--older-than", env="COMPOSER_RETENTION_OLDER_THAN", metavar="WHEN",
-               help="cut-off: ISO date (2025-01-31, midnight UTC), ISO instant, or an age counted back from "
-                    "the database clock (90d, 2w, 6 months, 1y, 36h)")
+    archive_cmds.add_cutoff_option(drp)
     mode = drp.add_mutually_exclusive_group()
     mode.add_argument("--dry-run", dest="yes", action="store_false", default=False,
                       help="print the plan, drop nothing (the default)")
     mode.add_argument("--yes", dest="yes", action="store_true", help="drop the planned months for real")
     drp.add_argument("--json", action="store_true",
                      help="print a JSON list of objects (month, action, reason, ...; with --yes also dropped)")
-    env_option(drp, "--lock-timeout", env="COMPOSER_RETENTION_LOCK_TIMEOUT", type=float, default=2.0,
-               metavar_default="2", help="seconds to wait for a partition lock before backing off and retrying")
-    env_option(drp, "--attempts", env="COMPOSER_RETENTION_ATTEMPTS", type=int, default=5, metavar_default="5",
-               help="tries before giving up when the locks stay busy")
+    archive_cmds.add_lock_options(drp)
     env_option(drp, "--archive", env="COMPOSER_ARCHIVE_DIR", metavar="DIR",
                help="archive each month first (as `partitions archive` does) and drop it only once its archive "
                     "verified and its rows are unchanged, month by month")
