@@ -27,6 +27,7 @@ from composer_ops.core.model import ACTIVE_RUN_STATUSES, CancelRun, RetryRun, Ru
 from composer_ops.core.spec import ID_PATTERN
 from composer_ops.db.errors import Pool
 from composer_ops.db.retry import db_retry
+from composer_ops.engine.requests import Request
 from composer_ops.engine.shell import Shell
 from composer_ops.errors import Conflict, Invalid, NotFound
 from composer_ops.repo import audit, definitions, runs, workers
@@ -261,9 +262,10 @@ def _cancel_chunk(shell: Shell, selection: RunFilter, after: str | None, chunk: 
             return None
         cancelled: list[str] = []
         skipped: list[str] = []
+        noted = Request(id=request)                 # the chunk's request, in each run's history
         for run_id in listed:                       # ascending: the lock order of every bulk action
             try:
-                outcome = shell.handle_in(conn, run_id, partial(_cancel_event, reason))
+                outcome = shell.handle_in(conn, run_id, partial(_cancel_event, reason), request=noted)
             except (Conflict, NotFound):             # finished or deleted since it was listed
                 skipped.append(run_id)
                 continue
@@ -348,7 +350,7 @@ def _retry(shell: Shell, run_id: str, nodes: tuple[str, ...], yes: bool, actor: 
             raise Invalid(f"run {run_id}: its definition {started_on[0]} v{started_on[1]} "
                           f"{'does not exist' if found is None else 'was deleted'}; a retry runs the version the "
                           "run started on, so it cannot be retried")
-        outcome = shell.handle_in(conn, run_id, partial(_retry_event, nodes))
+        outcome = shell.handle_in(conn, run_id, partial(_retry_event, nodes), request=Request(id=request))
         finished = str(outcome.finished) if outcome.finished is not None else None
         if yes:
             audit.record(conn, "runs retry", actor=actor, target=run_id, request=request,
