@@ -15,6 +15,7 @@ from typing import Any
 
 from composer_ops.cli import admin_cmds
 from composer_ops.cli._common import EXIT_OK, add_database_option, emit_json, env_option, json_arg
+from composer_ops.core.attempts import Attempt, attempts
 from composer_ops.db import find_url
 from composer_ops.engine import Engine, Worker
 from composer_ops.engine.webhooks import RelayPolicy
@@ -55,7 +56,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
 
     runs = sub.add_parser("runs", help="inspect, find and act on runs")
     rsub = runs.add_subparsers(dest="runs_command", required=True, metavar="{show,delete,list,cancel,retry}")
-    show = rsub.add_parser("show", help="a run, its output or error, its tasks and its history")
+    show = rsub.add_parser("show", help="a run, its output or error, its tasks, every attempt and its history")
     add_database_option(show, reads_only=True)
     show.add_argument("run_id")
     show.add_argument("--json", action="store_true", help="print JSON")
@@ -216,6 +217,7 @@ def cmd_runs_show(args: argparse.Namespace) -> int:
     if args.json:
         emit_json({**{k: v for k, v in run.__dict__.items() if k not in ("tasks", "history")},
                    "tasks": [t.__dict__ for t in run.tasks],
+                   "attempts": [a.as_dict() for a in attempts(run.history)],
                    "history": [{k: v for k, v in h.__dict__.items() if k != "request"} for h in run.history]})
         return EXIT_OK
     print(f"run {run.id}  {run.workflow_id} v{run.workflow_version}  {run.status}")
@@ -231,6 +233,10 @@ def cmd_runs_show(args: argparse.Namespace) -> int:
         if t.state == "WAITING" and t.wake_at:
             detail = f"{detail} until {t.wake_at:%Y-%m-%d %H:%M:%S%z}".strip()
         print(f"{t.node_id:<24} {t.node_type:<15} {t.state:<10} {t.attempt:>7}  {detail}")
+    tried = attempts(run.history)
+    print("attempts:" if tried else "attempts: none")
+    for a in tried:
+        print(f"  {describe_attempt(a)}")
     print("history:" if run.history else "history: none")
     for h in run.history:
         print(f"  {h.at:%Y-%m-%d %H:%M:%S.%f%z}  {describe_history(h)}")
@@ -263,6 +269,25 @@ def cmd_runs_delete(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def describe_attempt(a: Attempt) -> str:
+    """One line for an attempt of a task (:func:`composer_ops.core.attempts.attempts`)."""
+    began = f"{a.claimed_at:%Y-%m-%d %H:%M:%S%z}" if a.claimed_at else "-"
+    ended = f"{a.ended_at:%Y-%m-%d %H:%M:%S%z}" if a.ended_at else "-"
+    then = "" if a.requeued is None else (" (re-queued)" if a.requeued else " (gave up)")
+    error = f": {a.error}" if a.error else ""
+    lost = f"; the worker noted: {a.lost}" if a.lost else ""
+    return (f"{a.node_id or '-':<24} {a.attempt:>3}  {a.worker or '-':<36} {began}  {ended}  "
+            f"{a.outcome}{then}{error}{lost}")
+
+
+def _by_operator(d: dict[str, Any]) -> str:
+    op = d.get("operator")
+    if not isinstance(op, dict):
+        return ""
+    where = f" on {op['host']}" if op.get("host") else ""
+    return f" [operator: {op.get('command') or op.get('action')}{where}]"
+
+
 def describe_history(h: HistoryRow) -> str:
     """One line for a row of a run's history."""
     d: dict[str, Any] = h.detail if isinstance(h.detail, dict) else {}
@@ -288,10 +313,17 @@ def describe_history(h: HistoryRow) -> str:
         error = f": {d['error']}" if "error" in d else ""
         return f"{'timer':<15} {h.node_id} {d.get('state', '')}{error}{at_signal}{then}"
     if h.kind == "cancelled":
-        return f"{'cancelled':<15} {d.get('reason', '')} ({d.get('tasks', 0)} active task(s) cancelled)"
+        return (f"{'cancelled':<15} {d.get('reason', '')} ({d.get('tasks', 0)} active task(s) cancelled)"
+                f"{_by_operator(d)}")
+    if h.kind == "retried":
+        start = ", ".join(d.get("from") or []) or "the failed nodes"
+        reset = ", ".join(d.get("reset") or []) or "none"
+        return f"{'retried':<15} from {start}; run again: {reset}{then}{_by_operator(d)}"
+    if h.kind == "deleted":
+        return f"{'deleted':<15} the run ({d.get('status', '')}){_by_operator(d)}"
     if h.kind == "lease_lost":
         return f"{'lease lost':<15} {node}{by}: {d.get('reason', '')}"
-    extra = ", ".join(f"{k} {v}" for k, v in d.items() if k != "finished")
+    extra = ", ".join(f"{k} {v}" for k, v in d.items() if k not in ("finished", "operator"))
     return f"{h.kind:<15} {node}{by}{': ' + extra if extra else ''}{then}".rstrip()
 
 

@@ -262,7 +262,7 @@ def _cancel_chunk(shell: Shell, selection: RunFilter, after: str | None, chunk: 
             return None
         cancelled: list[str] = []
         skipped: list[str] = []
-        noted = Request(id=request)                 # the chunk's request, in each run's history
+        noted = Request(id=request, operator=audit.operator_note("runs cancel", actor))   # in each run's history
         for run_id in listed:                       # ascending: the lock order of every bulk action
             try:
                 outcome = shell.handle_in(conn, run_id, partial(_cancel_event, reason), request=noted)
@@ -350,7 +350,8 @@ def _retry(shell: Shell, run_id: str, nodes: tuple[str, ...], yes: bool, actor: 
             raise Invalid(f"run {run_id}: its definition {started_on[0]} v{started_on[1]} "
                           f"{'does not exist' if found is None else 'was deleted'}; a retry runs the version the "
                           "run started on, so it cannot be retried")
-        outcome = shell.handle_in(conn, run_id, partial(_retry_event, nodes), request=Request(id=request))
+        noted = Request(id=request, operator=audit.operator_note("runs retry", actor))
+        outcome = shell.handle_in(conn, run_id, partial(_retry_event, nodes), request=noted)
         finished = str(outcome.finished) if outcome.finished is not None else None
         if yes:
             audit.record(conn, "runs retry", actor=actor, target=run_id, request=request,

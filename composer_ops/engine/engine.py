@@ -240,8 +240,9 @@ class Engine:
         that is still active is a Conflict (cancel it first); deleting a deleted run
         changes nothing and says so (``already``). A pending webhook delivery of the
         run is given up. The delete is recorded in the run's history under the call's
-        request, so a retry whose lost attempt committed returns what that attempt did,
-        and in an ``operator_audit`` row (``actor``: who asked) with the same request."""
+        request (naming the action and ``actor``), so a retry whose lost attempt
+        committed returns what that attempt did, and in an ``operator_audit`` row
+        (``actor``: who asked) with the same request."""
         validate_run_id(run_id)
         return self._delete_run(run_id, Request(), actor)
 
@@ -266,7 +267,8 @@ class Engine:
             given_up = webhooks.give_up_for_run(conn, run_id, "run deleted before its webhook was delivered")
             history.record(conn, run_id, request.id, [HistoryEntry(
                 kind="deleted", detail={"status": status, "webhooks_given_up": given_up,
-                                        "dispatches_dropped": dropped})], now=deleted_at)
+                                        "dispatches_dropped": dropped,
+                                        "operator": audit.operator_note("runs delete", actor)})], now=deleted_at)
             audit.record(conn, "runs delete", actor=actor, target=run_id, request=request.id,
                          counts={"runs": 1, "webhooks_given_up": given_up, "dispatches_dropped": dropped},
                          detail={"status": status})

@@ -14,6 +14,7 @@ that two calls with one key resolve at most one node.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from composer_ops.engine.ids import uuid7_text
 
@@ -24,11 +25,15 @@ KEY_PREFIX = "key:"
 
 @dataclass
 class Request:
-    """One API call; ``look_first`` also on its first attempt (a caller's key)."""
+    """One API call; ``look_first`` also on its first attempt (a caller's key).
+    ``operator``: set on an operator action (the audit row's action, command line and
+    host), copied into the history row of the event it applies, whose ``request`` is
+    also the audit row's."""
 
     id: str = field(default_factory=uuid7_text)
     look_first: bool = False
     tries: int = 0
+    operator: dict[str, Any] | None = None
 
     def attempt(self) -> bool:
         """Begin an attempt of the call's transaction. True when it must first look

@@ -314,6 +314,7 @@ class _Notes:
         self.key = request.id[len(KEY_PREFIX):] if request.id.startswith(KEY_PREFIX) else None
         self.failure_kind = "lease_expired" if isinstance(event, LeaseExpired) else "failed"
         self.cancelled_tasks = 0
+        self.operator: dict[str, Any] = {"operator": request.operator} if request.operator else {}
         self.reset: tuple[str, ...] = ()       # the nodes a retry removed, to run again
         self.rows: list[HistoryEntry] = []
         self.recorded = False                  # the event's own row is among ``rows``
@@ -359,12 +360,12 @@ class _Notes:
         """The rows to write once the actions are applied."""
         if isinstance(self.event, CancelRun):
             self.rows.append(HistoryEntry(kind="cancelled", detail={
-                "reason": self.event.reason, "tasks": self.cancelled_tasks, **self.outcome}))
+                "reason": self.event.reason, "tasks": self.cancelled_tasks, **self.operator, **self.outcome}))
         elif isinstance(self.event, SignalReceived) and not self.recorded:
             self.rows.append(HistoryEntry(kind="signal", detail=self._signal()))   # refused
         elif isinstance(self.event, RetryRun):
             self.rows.append(HistoryEntry(kind="retried", detail={
-                "from": list(self.event.from_nodes), "reset": list(self.reset), **self.outcome}))
+                "from": list(self.event.from_nodes), "reset": list(self.reset), **self.operator, **self.outcome}))
         return self.rows
 
 

@@ -1,6 +1,8 @@
 """One run's story: its definition graph, every task with its timings (a Gantt
 chart's data), attempts and errors, waits, buffered and consumed signals, the
-current lease of each task, pending dispatches and the webhook delivery.
+current lease of each task, pending dispatches and the webhook delivery; and its
+history (``run_history``), from which every attempt of every task is read, with the
+worker that ran it and how it ended (:mod:`composer_ops.core.attempts`).
 
 The run ID is validated as a UUID before any query. Every query filters on the run
 ID, so each touches the single monthly partition that holds the run.
@@ -10,13 +12,14 @@ from __future__ import annotations
 
 import functools
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
 import polars as pl
 
 from composer_ops.core import runids
+from composer_ops.core.attempts import attempts as attempts_of
 from composer_ops.core.model import RunStatus
 from composer_ops.errors import Invalid, NotFound
 from composer_ops.ops._common import ACTIVE_STATES, UTC_TS, Source, connection, rows_frame
@@ -29,6 +32,50 @@ TASK_SCHEMA = {
     "event_name": pl.String, "lease_owner": pl.String, "lease_expires_at": UTC_TS, "lease_left_s": pl.Float64,
     "last_error": pl.String, "branches": pl.List(pl.String), "output": pl.String,
 }
+
+HISTORY_SCHEMA = {
+    "seq": pl.Int64, "at": UTC_TS, "kind": pl.String, "node_id": pl.String, "task_id": pl.String,
+    "attempt": pl.Int64, "worker": pl.String, "request": pl.String, "detail": pl.String,
+}
+
+ATTEMPTS_SCHEMA = {
+    "node_id": pl.String, "task_id": pl.String, "attempt": pl.Int64, "worker": pl.String, "claimed_at": UTC_TS,
+    "ended_at": UTC_TS, "ran_s": pl.Float64, "outcome": pl.String, "requeued": pl.Boolean, "error": pl.String,
+    "lost": pl.String,
+}
+
+
+def _history_frame(rows: list[Any]) -> pl.DataFrame:
+    return rows_frame(rows, HISTORY_SCHEMA)
+
+
+@dataclass(frozen=True)
+class _Row:
+    """A history row as :func:`composer_ops.core.attempts.attempts` reads it."""
+
+    at: datetime
+    kind: str
+    node_id: str | None
+    task_id: str | None
+    attempt: int | None
+    worker: str | None
+    detail: Any
+
+
+def attempts_frame(history: pl.DataFrame) -> pl.DataFrame:
+    """Every attempt of every task that ``history`` (a run's :data:`HISTORY_SCHEMA`
+    frame) records, in the order they began: the worker, when it claimed and when the
+    attempt ended, how (completed, failed, lease expired, cancelled, or still
+    running), whether the task was re-queued, the error, and the worker's own note of
+    a lost lease."""
+    rows = [_Row(r["at"], r["kind"], r["node_id"], r["task_id"], r["attempt"], r["worker"],
+                 json.loads(r["detail"]) if r["detail"] is not None else None)
+            for r in history.sort("seq").iter_rows(named=True)]
+    found = attempts_of(rows)
+    return rows_frame([(a.node_id, a.task_id, a.attempt, a.worker, a.claimed_at, a.ended_at,
+                        (a.ended_at - a.claimed_at).total_seconds() if a.ended_at and a.claimed_at else None,
+                        a.outcome, a.requeued, a.error, a.lost) for a in found], ATTEMPTS_SCHEMA)
+
 
 #: The notebooks' ``run_id`` parameter: any spelling of a UUIDv7 a person may paste,
 #: returned canonical (core's one run-ID check). Called before any query, so a bad
@@ -58,6 +105,13 @@ class RunStory:
     webhook: pl.DataFrame
     #: Whether the run's definition version exists (its graph is drawn from it).
     spec_found: bool = True
+    #: The run's history, oldest first (:data:`HISTORY_SCHEMA`).
+    history: pl.DataFrame = field(default_factory=lambda: _history_frame([]))
+
+    @property
+    def attempts(self) -> pl.DataFrame:
+        """Every attempt of every task (:func:`attempts_frame`)."""
+        return attempts_frame(self.history)
 
     @property
     def unknown_nodes(self) -> list[str]:
@@ -100,9 +154,10 @@ def run_story(source: Source, run_id: str) -> RunStory:
             "url": pl.String, "attempts": pl.Int64, "next_attempt_at": UTC_TS, "delivered_at": UTC_TS,
             "gave_up_at": UTC_TS, "last_status": pl.Int64, "last_error": pl.String, "created_at": UTC_TS,
         })
+        history = _history_frame(analytics.run_history(conn, rid))
     nodes, edges = definition_graph(spec, tasks)
     return RunStory(run=run, nodes=nodes, edges=edges, tasks=tasks, signals=signals, outbox=outbox,
-                    webhook=webhook, spec_found=spec is not None)
+                    webhook=webhook, spec_found=spec is not None, history=history)
 
 
 def definition_graph(spec: Any, tasks: pl.DataFrame | None = None) -> tuple[pl.DataFrame, pl.DataFrame]:

@@ -20,7 +20,7 @@ import polars as pl
 from composer_ops.core.runids import month_of, month_start
 from composer_ops.errors import NotFound
 from composer_ops.ops._common import UTC_TS, Source, connection, rows_frame
-from composer_ops.ops.investigation import TASK_SCHEMA, RunStory, definition_graph, validate_run_id
+from composer_ops.ops.investigation import HISTORY_SCHEMA, TASK_SCHEMA, RunStory, definition_graph, validate_run_id
 from composer_ops.repo import analytics, audit, runs, workers
 
 __all__ = ["RUNS_SCHEMA", "archived_run_story", "audit_log", "definition_spec", "find_runs", "unblock_command",
@@ -161,8 +161,12 @@ def archived_run_story(directory: str | Path, run_id: str, source: Source = None
     empty_webhook = rows_frame([], {"url": pl.String, "attempts": pl.Int64, "next_attempt_at": UTC_TS,
                                     "delivered_at": UTC_TS, "gave_up_at": UTC_TS, "last_status": pl.Int64,
                                     "last_error": pl.String, "created_at": UTC_TS})
+    logged = rows("run_history", "run_id")
+    history = rows_frame([], HISTORY_SCHEMA) if logged.is_empty() else logged.sort("seq").select(
+        pl.col("seq").cast(pl.Int64), "at", "kind", "node_id", "task_id", pl.col("attempt").cast(pl.Int64),
+        "worker", "request", "detail").cast(dict(HISTORY_SCHEMA))  # type: ignore[arg-type]
     return RunStory(run=run, nodes=nodes, edges=edges, tasks=tasks, signals=signals, outbox=empty_outbox,
-                    webhook=empty_webhook, spec_found=spec is not None)
+                    webhook=empty_webhook, spec_found=spec is not None, history=history)
 
 
 def definition_spec(source: Source, workflow_id: str, version: int) -> Any:

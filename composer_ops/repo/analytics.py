@@ -291,6 +291,13 @@ RUN_SIGNALS_SQL = """
      ORDER BY created_at, id
 """
 
+RUN_HISTORY_SQL = """
+    SELECT seq, at, kind, node_id, task_id, attempt, worker, request, detail::text
+      FROM run_history
+     WHERE run_id = %(run)s
+     ORDER BY seq
+"""
+
 RUN_OUTBOX_SQL = """
     SELECT task_id, queue, attempt, task_name, lease_s, available_at,
            extract(epoch FROM available_at - %(now)s::timestamptz)::float8
@@ -330,6 +337,12 @@ def run_signals(conn: Conn, run_id: str) -> list[Row]:
     """Signals sent to the run: signal_id, name, payload, created_at, consumed_at,
     status ('buffered' or 'consumed'), buffered_s."""
     return _rows(conn, RUN_SIGNALS_SQL, {"run": run_id})
+
+
+def run_history(conn: Conn, run_id: str) -> list[Row]:
+    """The run's history, oldest first: seq, at, kind, node_id, task_id, attempt,
+    worker, request, detail (JSON text)."""
+    return _rows(conn, RUN_HISTORY_SQL, {"run": run_id})
 
 
 def run_outbox(conn: Conn, run_id: str) -> list[Row]:

@@ -24,6 +24,18 @@ class Actor:
     command: str | None = None
     host: str | None = None
 
+
+def operator_note(action: str, actor: Actor | None) -> dict[str, Any]:
+    """What a run's history says of the operator action ``action`` that changed it
+    (the audit row, whose ``request`` the history row shares, has the rest)."""
+    note: dict[str, Any] = {"action": action}
+    if actor is not None and actor.command:
+        note["command"] = actor.command
+    if actor is not None and actor.host:
+        note["host"] = actor.host
+    return note
+
+
 _COLUMNS = """id, at, action, target, counts, detail, command, client_host, client_addr, login_role, db_role,
               request"""
 

@@ -391,6 +391,9 @@ def expected_figures(info: SeedInfo) -> dict[str, dict[str, Any]]:
             "run_id": info.story_run, "status": "FAILED", "tasks": 8, "nodes": 8, "edges": 7, "retries": 3,
             "failed_nodes": ["notify"], "skipped_nodes": ["standard"],
             "signals": {"consumed": 1, "buffered": 1}, "webhook_delivered": True,
+            # The seed writes no run history: no attempt is recorded (tests/integration/test_run_history.py
+            # checks these figures on a run that lived through a killed worker).
+            "attempts": 0, "lost_leases": [], "history": {},
             "error": "node notify failed: smtp 550 mailbox unavailable",
             "anomalies": [f"task for a node not in its definition: run {info.story_run}, node legacy_audit"],
             "self_checks_failed": [],

@@ -1,0 +1,95 @@
+"""Every attempt of a run's tasks, read from its history.
+
+A task row keeps only its current attempt (a retry from a node even replaces the
+task), so the attempts before it exist only in the run's history: a ``claimed`` row
+opens an attempt (with the worker that took it), and the row that ends it says how:
+``completed``, ``failed`` or ``lease_expired`` (the lease of the worker that held it
+ran out; its row names that worker), each saying whether the task was re-queued. A
+worker that found its lease lost, or gave the attempt up at shutdown, writes
+``lease_lost``; it is kept as the attempt's note, since the sweeper's expiry (or the
+worker's own late report) is what ends it. A run cancelled while an attempt runs ends
+that attempt as ``cancelled``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, replace
+from datetime import datetime
+from typing import Any, Protocol
+
+__all__ = ["Attempt", "HistoryLike", "attempts", "lost_leases"]
+
+
+class HistoryLike(Protocol):
+    """What :func:`attempts` reads of a history row."""
+
+    @property
+    def at(self) -> datetime: ...
+    @property
+    def kind(self) -> str: ...
+    @property
+    def node_id(self) -> str | None: ...
+    @property
+    def task_id(self) -> str | None: ...
+    @property
+    def attempt(self) -> int | None: ...
+    @property
+    def worker(self) -> str | None: ...
+    @property
+    def detail(self) -> Any: ...
+
+
+@dataclass(frozen=True, kw_only=True)
+class Attempt:
+    """One attempt of one task: who ran it, when, and how it ended."""
+
+    node_id: str | None
+    task_id: str
+    attempt: int
+    worker: str | None = None          # the worker that claimed it (or whose lease expired)
+    claimed_at: datetime | None = None
+    ended_at: datetime | None = None
+    outcome: str = "running"           # running, completed, failed, lease expired, cancelled
+    error: str | None = None
+    requeued: bool | None = None       # after a failure or an expiry: whether the task runs again
+    lost: str | None = None            # the worker's own note that it lost (or gave up) the lease
+
+    def as_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+_ENDS = {"completed": "completed", "failed": "failed", "lease_expired": "lease expired"}
+
+
+def attempts(history: Iterable[HistoryLike]) -> list[Attempt]:
+    """The attempts ``history`` (one run's rows, oldest first) records, in the order
+    they began."""
+    found: dict[tuple[str, int], Attempt] = {}
+    for row in history:
+        detail: dict[str, Any] = row.detail if isinstance(row.detail, dict) else {}
+        if row.kind == "cancelled":
+            for key, a in found.items():
+                if a.outcome == "running":
+                    found[key] = replace(a, outcome="cancelled", ended_at=row.at)
+            continue
+        if row.task_id is None or row.attempt is None or row.kind not in (*_ENDS, "claimed", "lease_lost"):
+            continue
+        key = (row.task_id, row.attempt)
+        a = found.get(key) or Attempt(node_id=row.node_id, task_id=row.task_id, attempt=row.attempt)
+        if row.kind == "claimed":
+            a = replace(a, worker=row.worker, claimed_at=row.at)
+        elif row.kind == "lease_lost":
+            a = replace(a, lost=str(detail.get("reason") or "lease lost"), worker=a.worker or row.worker)
+        else:
+            error = detail.get("error")
+            a = replace(a, outcome=_ENDS[row.kind], ended_at=row.at, worker=a.worker or row.worker,
+                        error=None if error is None else str(error),
+                        requeued=bool(detail["requeued"]) if "requeued" in detail else None)
+        found[key] = a
+    return list(found.values())
+
+
+def lost_leases(history: Iterable[HistoryLike]) -> list[Attempt]:
+    """The attempts that ended in an expired lease, each naming the worker that held it."""
+    return [a for a in attempts(history) if a.outcome == "lease expired"]

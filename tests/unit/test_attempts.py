@@ -1,0 +1,59 @@
+"""Attempts read from a run's history (composer_ops.core.attempts), without a database."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+from composer_ops.core.attempts import attempts, lost_leases
+
+T0 = datetime(2026, 1, 1, tzinfo=UTC)
+
+
+@dataclass(frozen=True)
+class Row:
+    at: datetime
+    kind: str
+    node_id: str | None = None
+    task_id: str | None = None
+    attempt: int | None = None
+    worker: str | None = None
+    detail: Any = None
+
+
+def at(s: int) -> datetime:
+    return T0 + timedelta(seconds=s)
+
+
+def test_each_attempt_is_opened_by_its_claim_and_ended_by_what_ended_it() -> None:
+    rows = [
+        Row(at(0), "started"),
+        Row(at(1), "claimed", "a", "t1", 0, "w1"),
+        Row(at(5), "lease_expired", "a", "t1", 0, "w1", {"error": "lease of w1 expired", "requeued": True}),
+        Row(at(6), "lease_lost", "a", "t1", 0, "w1", {"reason": "heartbeat found the lease lost"}),
+        Row(at(7), "claimed", "a", "t1", 1, "w2"),
+        Row(at(8), "failed", "a", "t1", 1, "w2", {"error": "boom", "requeued": False, "finished": "FAILED"}),
+        Row(at(9), "retried", detail={"from": [], "reset": ["a"]}),
+        Row(at(10), "claimed", "a", "t2", 0, "w3"),
+        Row(at(11), "claimed", "b", "t3", 0, "w3"),
+        Row(at(12), "completed", "b", "t3", 0, "w3"),
+        Row(at(13), "cancelled", detail={"reason": "enough"}),
+    ]
+    found = attempts(rows)
+    assert [(a.node_id, a.task_id, a.attempt, a.worker, a.outcome, a.requeued) for a in found] == [
+        ("a", "t1", 0, "w1", "lease expired", True),
+        ("a", "t1", 1, "w2", "failed", False),
+        ("a", "t2", 0, "w3", "cancelled", None),
+        ("b", "t3", 0, "w3", "completed", None),
+    ]
+    assert found[0].lost == "heartbeat found the lease lost" and found[0].ended_at == at(5)
+    assert found[1].error == "boom" and (found[1].claimed_at, found[1].ended_at) == (at(7), at(8))
+    assert found[2].ended_at == at(13) and found[3].ended_at == at(12)
+    assert [(a.task_id, a.worker) for a in lost_leases(rows)] == [("t1", "w1")]
+
+
+def test_an_attempt_without_its_claim_row_still_names_the_worker_that_ended_it() -> None:
+    [only] = attempts([Row(at(3), "lease_expired", "a", "t1", 0, "w9", {"requeued": True, "error": "x"})])
+    assert (only.worker, only.claimed_at, only.outcome) == ("w9", None, "lease expired")
+    assert attempts([Row(at(1), "signal", "w", "t5", None, None, {"name": "go"})]) == []
