@@ -79,6 +79,15 @@ def _populate(conn: psycopg.Connection[Any], layout: dict[str, Any]) -> None:
                              "VALUES (%s, %s, %s, %s, %s, %s)",
                              (fixtures.uuid7_text(at, seq), run_id, name or "e", Jsonb(body), at,
                               at + timedelta(hours=1) if consumed else None))
+            # The run's history: its start, then a claim per task with the task's odd values as detail.
+            history = [("started", None, None, None, None, Jsonb(payload))] + [
+                ("claimed", f"n{i}", fixtures.uuid7_text(at, seq), attempt, error, Jsonb(output))
+                for i, (_state, output, error, _b, _w, attempt) in enumerate(tasks)]
+            for kind, node, task, attempt, worker, detail in history:
+                conn.execute("INSERT INTO run_history (run_id, at, kind, node_id, task_id, attempt, worker, request, "
+                             "detail) VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s)",
+                             (run_id, at + timedelta(microseconds=3), kind, node, task, attempt, worker,
+                              f"req-{seq}", detail))
 
 
 def _dump(url: str, month: str) -> dict[str, list[str]]:
@@ -111,6 +120,7 @@ def test_archive_drop_restore_gives_back_identical_rows(db_url: str, tmp_path_fa
         _populate(conn, layout)
     due = sorted(m for m, runs in layout.items() if _droppable(runs))
     before = {m: _dump(db_url, m) for m in layout}
+    assert all(before[m]["run_history"] for m in layout)          # every run table of the month has rows
     cutoff = datetime(2026, 1, 1, tzinfo=UTC)
     try:
         monkeypatch.setenv("PGTZ", archive_tz)

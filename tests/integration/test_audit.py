@@ -10,6 +10,7 @@ from typing import Any
 
 import psycopg
 import pytest
+from psycopg.conninfo import make_conninfo
 
 from composer_ops import Engine
 from composer_ops.cli import main
@@ -25,7 +26,7 @@ def test_each_action_writes_one_row_and_its_dry_run_none(db_url: str, tmp_path: 
     with psycopg.connect(db_url) as conn:
         info = fixtures.seed(conn)
         conn.commit()
-    secret_url = db_url.replace("postgres:@", "postgres:hunter2@")       # the server ignores it (trust)
+    secret_url = make_conninfo(db_url, password="hunter2")     # the test servers ignore it (trust)
     with Engine.connect(db_url, pool_size=2) as engine:
         engine.deploy({"id": "audited", "nodes": [{"id": "a", "type": "TASK", "task": "t"}]})
         for _ in range(2):
