@@ -31,6 +31,7 @@ from composer_ops.engine.requests import Request
 from composer_ops.engine.shell import Shell
 from composer_ops.errors import Conflict, Invalid, NotFound
 from composer_ops.repo import audit, definitions, runs, workers
+from composer_ops.repo._base import repeatable_read
 from composer_ops.repo.audit import Actor
 from composer_ops.repo.rows import DefinitionRow, LeaseRow, RunListRow, WorkerRow
 
@@ -139,7 +140,7 @@ class WorkerReport:
 @contextlib.contextmanager
 def _snapshot(pool: Pool) -> Iterator[psycopg.Connection[Any]]:
     with pool.connection() as conn, conn.transaction():
-        conn.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ, READ ONLY")
+        repeatable_read(conn, read_only=True)
         yield conn
 
 

@@ -44,7 +44,7 @@ from composer_ops.db.retry import db_retry
 from composer_ops.errors import ComposerError, Invalid
 from composer_ops.repo import archive as repo
 from composer_ops.repo import audit, partitions, retention
-from composer_ops.repo._base import Conn
+from composer_ops.repo._base import Conn, repeatable_read
 from composer_ops.repo.archive import Column
 from composer_ops.repo.audit import Actor
 from composer_ops.repo.partitions import RUN_TABLES
@@ -203,7 +203,7 @@ def export_month(conn: Conn, month: str, directory: Path, *, progress: Progress 
     directory.mkdir(parents=True, exist_ok=True)
     lower, upper = month_bounds(month)
     with conn.transaction():
-        conn.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
+        repeatable_read(conn)
         repo.pin_text_output(conn)
         if not repo.exists(conn, f"{RUN_TABLES[0]}_p{month}"):
             raise Invalid(f"month {month} has no partition {RUN_TABLES[0]}_p{month}: nothing to archive")

@@ -170,7 +170,7 @@ def _retire_once(conn: psycopg.Connection[Any], month: str, cutoff: datetime, ma
             return MonthRetired(month=month, outcome=outcome, partitions=list(detail.get("partitions", [])),
                                 rows=int((earlier[0].counts or {}).get("rows", 0)), archive=archive, replayed=True)
         partitions.set_lock_timeout(conn, lock_timeout_s)
-        conn.execute(retention.PARTITION_LOCK)
+        retention.lock_partitions(conn)
         first = _judged(conn, cutoff, month)
         if first is None or first.action != "drop":
             return MonthRetired(month=month, outcome="kept", reason=first.reason if first else "no longer exists")

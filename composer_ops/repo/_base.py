@@ -57,3 +57,10 @@ def fetch_all(conn: Conn, row: type[R], query: str, params: Any) -> list[R]:
         cur.execute(query, params)
         return cur.fetchall()
 
+
+
+def repeatable_read(conn: Conn, *, read_only: bool = False) -> None:
+    """Make the transaction just begun on ``conn`` one REPEATABLE READ snapshot (and
+    read-only when asked): every statement of it sees the same rows and ``now()``."""
+    conn.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ, READ ONLY" if read_only
+                  else "SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")

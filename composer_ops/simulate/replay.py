@@ -256,8 +256,6 @@ class Replay:
             if row is None or row.task_id != task_id:
                 raise self._refused(a)
             del self.rows[node_id], self._by_task[task_id]
-            self._nodes.pop(node_id, None)
-            self._changed.discard(node_id)
 
     def _create(self, a: CreateTask, now: datetime) -> None:
         if a.node_id in self.rows:

@@ -23,6 +23,7 @@ from composer_ops.engine.archive import BadArchive
 from composer_ops.errors import ComposerError
 from composer_ops.repo import partitions
 from composer_ops.testing import fixtures
+from tests.integration.helpers import drop_months
 
 MONTHS = [f"{y}{m:02d}" for y in (2024, 2025) for m in range(1, 13)]
 TERMINAL = ["SUCCEEDED", "FAILED", "CANCELLED"]
@@ -128,7 +129,7 @@ def test_archive_drop_restore_gives_back_identical_rows(db_url: str, tmp_path_fa
         assert [m.month for m in result.months] == due
         assert sorted(m for m, _ in result.kept if m in layout) == sorted(set(layout) - set(due))
         with psycopg.connect(db_url, autocommit=True) as conn:
-            assert partitions.drop(conn, cutoff) == due
+            assert drop_months(conn, cutoff) == due
         monkeypatch.setenv("PGTZ", restore_tz)
         for month in due:
             restored = archive.restore_month(db_url, month, directory, yes=True)
@@ -141,7 +142,7 @@ def test_archive_drop_restore_gives_back_identical_rows(db_url: str, tmp_path_fa
         monkeypatch.setenv("PGTZ", "America/New_York")
         with psycopg.connect(db_url, autocommit=True) as conn:   # leave no month for the next example
             conn.execute("UPDATE workflow_runs SET status = 'SUCCEEDED'")
-            partitions.drop(conn, cutoff)
+            drop_months(conn, cutoff)
             conn.execute("DELETE FROM operator_audit")
         shutil.rmtree(directory, ignore_errors=True)
 
@@ -254,7 +255,7 @@ def test_restore_dry_run_writes_nothing_and_a_month_with_rows_is_refused(
     assert main(base) == 1                                      # the month still holds its rows
     assert "already holds 3 rows" in capsys.readouterr().err
     with psycopg.connect(db_url, autocommit=True) as conn:
-        assert partitions.drop(conn, datetime(2025, 2, 1, tzinfo=UTC)) == ["202412", "202501"]
+        assert drop_months(conn, datetime(2025, 2, 1, tzinfo=UTC)) == ["202412", "202501"]
         audit_before = conn.execute("SELECT count(*) FROM operator_audit").fetchone()
     assert main([*base, "--json"]) == 0                         # dry run: verified, nothing written
     out = json.loads(capsys.readouterr().out)
@@ -281,7 +282,7 @@ def test_a_run_table_without_the_months_partition_is_archived_empty(db_url: str,
     events = manifest.table("workflow_events")
     assert events is not None and (events.rows, events.fingerprint) == (0, "0") and events.columns
     with psycopg.connect(db_url, autocommit=True) as conn:
-        assert "202501" in partitions.drop(conn, datetime(2025, 2, 1, tzinfo=UTC))
+        assert "202501" in drop_months(conn, datetime(2025, 2, 1, tzinfo=UTC))
     restored = archive.restore_month(db_url, "202501", tmp_path, yes=True)
     assert [(t.table, t.rows) for t in restored.tables][:3] == [("workflow_runs", 3), ("task_instances", 9),
                                                                ("workflow_events", 0)]

@@ -17,8 +17,8 @@ from composer_ops import Engine, ops
 from composer_ops.cli import main
 from composer_ops.engine import archive
 from composer_ops.errors import Invalid, NotFound
-from composer_ops.repo import partitions
 from composer_ops.testing import fixtures
+from tests.integration.helpers import drop_months
 
 
 def _seeded(db_url: str) -> fixtures.SeedInfo:
@@ -55,7 +55,7 @@ def test_an_archived_run_reads_back_as_it_was(db_url: str, tmp_path: Path) -> No
         conn.rollback()
         archive.export_month(conn, "202501", tmp_path)
     with psycopg.connect(db_url, autocommit=True) as conn:
-        assert partitions.drop(conn, datetime(2025, 2, 1, tzinfo=UTC)) == ["202412", "202501"]
+        assert drop_months(conn, datetime(2025, 2, 1, tzinfo=UTC)) == ["202412", "202501"]
     with pytest.raises(NotFound):
         ops.run_story(db_url, run_id)
     story = ops.archived_run_story(tmp_path, run_id, db_url, now=now)
@@ -78,7 +78,7 @@ def test_run_investigation_report_by_input_and_from_an_archive(db_url: str, tmp_
     with psycopg.connect(db_url) as conn:
         archive.export_month(conn, "202501", tmp_path / "archive")
     with psycopg.connect(db_url, autocommit=True) as conn:
-        partitions.drop(conn, datetime(2025, 2, 1, tzinfo=UTC))
+        drop_months(conn, datetime(2025, 2, 1, tzinfo=UTC))
     out = tmp_path / "reports"
     base = ["report", "run_investigation", "--out", str(out), "--database-url", db_url, "--progress", "0"]
     assert main([*base, "-p", "where", "input.order=H6"]) == 0, capsys.readouterr().err
