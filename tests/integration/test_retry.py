@@ -222,7 +222,8 @@ def test_the_engine_role_retries_through_the_bounded_function_only(db_url: str) 
     """The engine role cannot DELETE tasks; composer_reset_tasks removes only finished
     tasks of a finished run, which is what a retry needs, and the whole retry, cancel
     and audit work as that role."""
-    from tests.integration.test_roles import ENGINE_ROLE, as_role
+    from tests.integration.test_roles import ENGINE_ROLE
+    from tests.notebooks.harness import as_role
 
     with Engine.connect(as_role(db_url, ENGINE_ROLE), pool_size=2) as engine:
         engine.deploy({"id": "roles", "nodes": [t("a"), t("b", "a")]})
