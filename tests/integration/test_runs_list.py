@@ -36,7 +36,7 @@ def _runs_of(conn: psycopg.Connection[Any]) -> dict[str, str]:
     for label, wf, at, status, payload in rows:
         run_id = uuid7_at(at)
         runs.insert_run(conn, run_id=run_id, workflow_id=wf, workflow_version=1, input=payload,
-                        context={"input": payload, "config": {}})
+                        context={"input": payload, "config": {}}, now=at)
         conn.execute("UPDATE workflow_runs SET status = %s WHERE id = %s", (status, run_id))
         made[label] = run_id
     return made
