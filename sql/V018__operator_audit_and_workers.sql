@@ -1,4 +1,4 @@
--- V017: who did what to the data (operator_audit), which workers exist (workers), where
+-- V018: who did what to the data (operator_audit), which workers exist (workers), where
 -- detached months are kept (composer_detached), and the one way the engine removes tasks:
 -- those a retry runs again (composer_reset_tasks).
 --
