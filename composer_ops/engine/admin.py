@@ -114,14 +114,22 @@ def check_limit(limit: int) -> None:
         raise Invalid(f"limit must be an integer from 1 to {MAX_LIMIT}, got {limit!r}")
 
 
-@db_retry()
 def find_runs(pool: Pool, chosen: Selection, *, limit: int = 50) -> tuple[RunFilter, list[RunListRow]]:
     """The runs ``chosen`` selects, newest first, at most ``limit``; with the filter as
     resolved (the window as instants by the database clock)."""
     check_limit(limit)
+    return _selected(pool, chosen, limit=limit, oldest_first=False)
+
+
+@db_retry()
+def _selected(pool: Pool, chosen: Selection, *, limit: int,
+              oldest_first: bool) -> tuple[RunFilter, list[RunListRow]]:
+    """The filter as resolved in one snapshot and, unless ``limit`` is 0, the first
+    ``limit`` runs it selects; a read, so retried as a whole on a transient error."""
     with _snapshot(pool) as conn:
         resolved = chosen.resolve(conn)
-        return resolved, runs.find_runs(conn, resolved, limit=limit)
+        found = runs.find_runs(conn, resolved, limit=limit, oldest_first=oldest_first) if limit else []
+        return resolved, found
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -224,14 +232,11 @@ def cancel_runs(shell: Shell, chosen: Selection, *, reason: str, yes: bool, acto
                       "(--since 100y selects every run)")
     active = _active(chosen)
     if not yes:
-        with _snapshot(shell.pool) as conn:
-            resolved = active.resolve(conn)
-            found = runs.find_runs(conn, resolved, limit=DRY_RUN_LIST + 1, oldest_first=True)
+        resolved, found = _selected(shell.pool, active, limit=DRY_RUN_LIST + 1, oldest_first=True)
         return CancelResult(selection=resolved, applied=False, would_cancel=[r.id for r in found[:DRY_RUN_LIST]],
                             more=len(found) > DRY_RUN_LIST)
     request = request_id or uuid.uuid4().hex
-    with _snapshot(shell.pool) as conn:
-        resolved = active.resolve(conn)     # once: every chunk selects from the same window
+    resolved, _ = _selected(shell.pool, active, limit=0, oldest_first=True)   # once: every chunk, one window
     done: list[CancelChunk] = []
     after: str | None = None
     while True:
@@ -393,10 +398,10 @@ def retry_runs(shell: Shell, chosen: Selection, from_nodes: Sequence[str] = (), 
     wanted = tuple(s for s in chosen.statuses if s in retryable) if chosen.statuses else (RunStatus.FAILED,)
     if chosen.statuses and len(wanted) != len(chosen.statuses):
         raise Invalid(f"--status {','.join(chosen.statuses)}: only FAILED and CANCELLED runs can be retried")
-    with _snapshot(shell.pool) as conn:
-        resolved = Selection(workflow_id=chosen.workflow_id, statuses=wanted, since=chosen.since,
-                               until=chosen.until, contains=chosen.contains).resolve(conn)
-        listed = [r.id for r in runs.find_runs(conn, resolved, limit=limit, oldest_first=True)]
+    _, found = _selected(shell.pool, Selection(workflow_id=chosen.workflow_id, statuses=wanted, since=chosen.since,
+                                               until=chosen.until, contains=chosen.contains),
+                         limit=limit, oldest_first=True)
+    listed = [r.id for r in found]
     out = BulkRetry()
     for run_id in listed:
         try:

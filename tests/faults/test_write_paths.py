@@ -580,6 +580,62 @@ def test_delete_run(b: Bench) -> None:
     sweep(b, "delete run", setup=setup, act=act, check=check).assert_clean()
 
 
+def test_retry_run(b: Bench) -> None:
+    """A retry from a node retried after a lost acknowledgement returns what its lost
+    attempt did, and the run is reopened once: one new task, one dispatch, one audit row."""
+    def setup() -> str:
+        _quiesce(b)
+        run_id = b.direct.start("f-chain")
+        b.direct.fail(_claim_one(b), "fatal", retryable=False)
+        return run_id
+
+    def act(run_id: str) -> Any:
+        return b.engine.retry(run_id)
+
+    def check(run_id: str, result: Result) -> list[str]:
+        problems = _raised(result)
+        if result.error is None and not (result.value.applied and result.value.reset == ("a",)):
+            problems.append(f"the retry returned {result.value}")
+        status, nodes = b.direct.get_run(run_id).status, _nodes(b, run_id)
+        if status != "RUNNING" or nodes != {"a": ("PENDING", 0)}:
+            problems.append(f"after one retry: run {status}, tasks {nodes}")
+        if (dispatches := _outbox(b, run_id)) != [("a", 0)]:
+            problems.append(f"dispatches {dispatches}")
+        audits = b.sql("SELECT count(*) FROM operator_audit WHERE action = 'runs retry' AND target = %s", (run_id,))
+        if audits != [(1,)]:
+            problems.append(f"audit rows {audits}")
+        return problems
+
+    sweep(b, "retry run", setup=setup, act=act, check=check).assert_clean()
+
+
+def test_bulk_cancel(b: Bench) -> None:
+    """A bulk cancel whose chunk loses its acknowledgement finds the chunk's audit row on
+    retry: every selected run is cancelled once and reported once, one audit row a chunk."""
+    def setup() -> tuple[str, list[str]]:
+        token = _token()
+        return token, sorted(b.direct.start("f-chain", input={"token": token}) for _ in range(3))
+
+    def act(s: tuple[str, list[str]]) -> Any:
+        return b.engine.cancel_runs(where={"token": s[0]}, yes=True, chunk=2)
+
+    def check(s: tuple[str, list[str]], result: Result) -> list[str]:
+        token, started = s
+        problems = _raised(result)
+        if result.error is None and sorted(result.value.cancelled) != started:
+            problems.append(f"reported cancelled {result.value.cancelled}, started {started}")
+        statuses = [b.direct.get_run(r).status for r in started]
+        if statuses != ["CANCELLED"] * 3:
+            problems.append(f"runs {statuses}")
+        chunks = b.sql("SELECT detail->'cancelled' FROM operator_audit WHERE action = 'runs cancel' "
+                       "AND detail->'cancelled' ?| %s", (started,))
+        if sorted(r for (rows,) in chunks for r in rows) != started or len(chunks) != 2:
+            problems.append(f"audit rows {chunks}")
+        return problems
+
+    sweep(b, "bulk cancel", setup=setup, act=act, check=check).assert_clean()
+
+
 def _partitions(b: Bench) -> list[Any]:
     with b.direct.pool.connection() as conn:
         return partitions.list_partitions(conn)
