@@ -5,8 +5,10 @@ in one :class:`Invalid` line; nothing else may escape."""
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
-from typing import Any
+from typing import Any, TypeVar
 
 import pytest
 from hypothesis import given
@@ -22,6 +24,8 @@ from composer_ops.errors import Invalid
 from tests.fuzz.conftest import examples
 from tests.fuzz.strategies import BASE_SPEC, bad_json, json_values, mutated_specs, run_id_like, texts, tried
 
+T = TypeVar("T")
+
 
 def one_line(exc: Exception) -> str:
     text = str(exc)
@@ -29,14 +33,28 @@ def one_line(exc: Exception) -> str:
     return text
 
 
+@dataclass(frozen=True)
+class Refused:
+    """A call ended in :class:`Invalid`, with this one line."""
+
+    line: str
+
+
+def outcome(call: Callable[[], T]) -> T | Refused:
+    """What ``call`` returns, or :class:`Refused` when it raises Invalid in one line;
+    anything else it raises (or an Invalid of several lines) fails the test."""
+    try:
+        return call()
+    except Invalid as exc:
+        return Refused(one_line(exc))
+
+
 @examples(300)
 @given(mutated_specs(huge_ints=False))
 def test_spec_validator(doc: Any) -> None:
     tried("spec validator (parse_spec)")
-    try:
-        spec = parse_spec(doc)
-    except Invalid as exc:
-        one_line(exc)
+    spec = outcome(lambda: parse_spec(doc))
+    if isinstance(spec, Refused):
         return
     assert parse_spec(spec.to_json()) == spec                       # the stored form means the same
     assert spec_from_json(json.dumps(spec.to_json())) == spec
@@ -55,10 +73,8 @@ SEGMENTS = st.sampled_from(["input", "config", "nodes", "output", "a", "0", "", 
                  st.lists(SEGMENTS, max_size=6).map(lambda p: "$." + ".".join(p))))
 def test_reference_parser(text: str) -> None:
     tried("expression references (parse_ref)")
-    try:
-        ref = parse_ref(text)
-    except Invalid as exc:
-        one_line(exc)
+    ref = outcome(lambda: parse_ref(text))
+    if isinstance(ref, Refused):
         return
     assert text.startswith("$.") and ref.root in ROOTS and ref.text == text
     assert ".".join((ref.root, *([ref.node, "output"] if ref.node else []), *ref.path)) == text[2:]
@@ -95,21 +111,17 @@ def test_resolver(found: tuple[Any, list[str], Any], outputs: dict[str, Any], ju
     assert resolve({"v": ref, "lit": "x$.y", "n": [1, None]}, context, outputs) == {"v": value, "lit": "x$.y",
                                                                                    "n": [1, None]}
     assert resolve("$.config.k" + "".join(f".{p}" for p in path), context, outputs) == value
-    try:
-        resolve({"junk": junk}, context, outputs)                 # any reference resolves, to None if need be
-    except Invalid as exc:
-        one_line(exc)
+    outcome(lambda: resolve({"junk": junk}, context, outputs))    # any reference resolves, to None if need be
 
 
 @examples(200)
 @given(run_id_like, st.datetimes(datetime(2000, 1, 1), datetime(2100, 1, 1), timezones=st.just(UTC)))
 def test_run_id_validation(run_id: str, now: datetime) -> None:
     tried("run ID validation")
-    try:
-        assert validate_run_id(run_id, now) == run_id
-    except Invalid as exc:
-        one_line(exc)
+    valid = outcome(lambda: validate_run_id(run_id, now))
+    if isinstance(valid, Refused):
         return
+    assert valid == run_id
     assert now - timedelta(hours=1) <= uuid7_timestamp(run_id) <= now + timedelta(minutes=5)
 
 
@@ -128,23 +140,20 @@ def test_minted_run_ids_round_trip(at: datetime) -> None:
 @given(bad_json)
 def test_bad_json_is_refused(value: Any) -> None:
     tried("JSON check: hostile values")
-    try:
-        check_json(value, "input")
-    except Invalid as exc:
-        assert one_line(exc).startswith("input ")
-        return
-    raise AssertionError(f"accepted {value!r:.200}")
+    checked = outcome(lambda: check_json(value, "input"))
+    assert isinstance(checked, Refused), f"accepted {value!r:.200}"
+    assert checked.line.startswith("input ")
 
 
 @examples(150)
 @given(json_values)
 def test_good_json_is_accepted(value: Any) -> None:
     tried("JSON check: good values")
-    try:
-        assert check_json(value, "input") is value
-    except Invalid as exc:                                # only NUL characters may be refused
-        assert "NUL" in one_line(exc)
+    checked = outcome(lambda: check_json(value, "input"))
+    if isinstance(checked, Refused):        # only NUL characters may be refused
+        assert "NUL" in checked.line
         return
+    assert checked is value
     json.dumps(value, allow_nan=False)
 
 
@@ -153,10 +162,8 @@ def test_good_json_is_accepted(value: Any) -> None:
                  st.integers(1, 5000).map(lambda n: '{"a":' * n + "1" + "}" * n)))
 def test_json_text_is_parsed_or_refused(text: bytes | str) -> None:
     tried("JSON text (parse_json_text)")
-    try:
-        value = parse_json_text(text, "--payload")
-    except Invalid as exc:
-        one_line(exc)
+    value = outcome(lambda: parse_json_text(text, "--payload"))
+    if isinstance(value, Refused):
         return
     check_json(value, "--payload")
     assert not isinstance(value, dict | list) or _depth(value) <= MAX_DEPTH + 1
