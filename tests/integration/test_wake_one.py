@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterator
+from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
@@ -22,107 +23,93 @@ from composer_ops.testing.processes import TERMINAL, wait_for
 from tests.integration.helpers import add_definition, add_run
 
 
-def _dispatch(conn: Any, run_id: str, task_name: str = "t", queue: str = "default") -> None:
-    task_id = f"{run_id[:8]}-{task_name}"
-    now = clock.now(conn)
-    assert tasks.insert_task(conn, run_id, task_id=task_id, node_id=task_name, node_type="TASK", queue=queue,
-                             state="PENDING", now=now)
-    outbox.enqueue(conn, [Dispatch(run_id=run_id, task_id=task_id, attempt=0, queue=queue, task_name=task_name,
-                                   lease_s=30)], now=now)
+@dataclass
+class Wakes:
+    """The definition ``wf`` on an autocommit connection, and a second connection
+    listening on the shared channel and on the wake channels of workers a, b and c."""
 
+    conn: psycopg.Connection[Any]
+    listen: psycopg.Connection[Any]
+    channels: dict[str, str]          # channel name -> "shared" or the worker
 
-def _idle(conn: Any, worker: str, names: list[str] | None = None) -> None:
-    """An empty claim of ``worker`` with its wake channel: registers it as idle."""
-    assert outbox.claim(conn, ["default"], worker, 2, task_names=names, claim_id=f"idle-{worker}",
-                        wake=outbox.wake_channel(worker)) == []
+    def idle(self, worker: str, names: list[str] | None = None) -> None:
+        """An empty claim of ``worker`` with its wake channel: registers it as idle."""
+        assert outbox.claim(self.conn, ["default"], worker, 2, task_names=names, claim_id=f"idle-{worker}",
+                            wake=outbox.wake_channel(worker)) == []
+
+    def dispatch(self, run_id: str | None = None, nodes: tuple[str, ...] = ("t",), task_name: str = "t") -> None:
+        """A PENDING task of ``task_name`` for each node of ``run_id`` (a new run by
+        default), their dispatches enqueued in one call."""
+        run_id = run_id or add_run(self.conn)
+        now = clock.now(self.conn)
+        for node in nodes:
+            assert tasks.insert_task(self.conn, run_id, task_id=f"{run_id[:8]}-{node}", node_id=node,
+                                     node_type="TASK", queue="default", state="PENDING", now=now)
+        outbox.enqueue(self.conn, [Dispatch(run_id=run_id, task_id=f"{run_id[:8]}-{node}", attempt=0,
+                                            queue="default", task_name=task_name, lease_s=30) for node in nodes],
+                       now=now)
+
+    def notified(self) -> list[str]:
+        """Who was told since the last call (a wake channel's worker, or "shared")."""
+        return sorted(self.channels[n.channel] for n in self.listen.notifies(timeout=0.5))
 
 
 @pytest.fixture
-def heard(db_url: str) -> Iterator[tuple[psycopg.Connection[Any], dict[str, str]]]:
-    """A connection listening on the shared channel and on the wake channels of
-    workers a, b and c (by channel name -> worker)."""
+def wakes(db_url: str) -> Iterator[Wakes]:
     channels = {outbox.CHANNEL: "shared", **{outbox.wake_channel(w): w for w in "abc"}}
-    with psycopg.connect(db_url, autocommit=True) as listen:
+    with psycopg.connect(db_url, autocommit=True) as listen, psycopg.connect(db_url, autocommit=True) as conn:
         for channel in channels:
             outbox.listen(listen, channel)
-        yield listen, channels
-
-
-def _notified(listen: psycopg.Connection[Any], channels: dict[str, str]) -> list[str]:
-    return sorted(channels[n.channel] for n in listen.notifies(timeout=0.5))
-
-
-def test_one_dispatch_wakes_the_most_recently_idle_worker_only(
-        db_url: str, heard: tuple[psycopg.Connection[Any], dict[str, str]]) -> None:
-    listen, channels = heard
-    with psycopg.connect(db_url, autocommit=True) as conn:
         add_definition(conn)
-        _idle(conn, "a")
-        _idle(conn, "b")
-        _dispatch(conn, add_run(conn))
-        assert _notified(listen, channels) == ["b"]
-        _dispatch(conn, add_run(conn))                  # b's registration was used: a is next
-        assert _notified(listen, channels) == ["a"]
-        _dispatch(conn, add_run(conn))                  # nobody registered: every worker is told
-        assert _notified(listen, channels) == ["shared"]
+        yield Wakes(conn, listen, channels)
 
 
-def test_a_dispatch_of_several_tasks_wakes_as_many_workers(
-        db_url: str, heard: tuple[psycopg.Connection[Any], dict[str, str]]) -> None:
-    listen, channels = heard
-    with psycopg.connect(db_url, autocommit=True) as conn:
-        add_definition(conn)
-        for w in "abc":
-            _idle(conn, w)
-        run_id = add_run(conn)
-        now = clock.now(conn)
-        for node in ("x", "y"):
-            assert tasks.insert_task(conn, run_id, task_id=f"{run_id[:8]}-{node}", node_id=node,
-                                     node_type="TASK", queue="default", state="PENDING", now=now)
-        outbox.enqueue(conn, [Dispatch(run_id=run_id, task_id=f"{run_id[:8]}-{node}", attempt=0, queue="default",
-                                       task_name="t", lease_s=30) for node in ("x", "y")], now=now)
-        assert _notified(listen, channels) == ["b", "c"]
+def test_one_dispatch_wakes_the_most_recently_idle_worker_only(wakes: Wakes) -> None:
+    wakes.idle("a")
+    wakes.idle("b")
+    wakes.dispatch()
+    assert wakes.notified() == ["b"]
+    wakes.dispatch()                                # b's registration was used: a is next
+    assert wakes.notified() == ["a"]
+    wakes.dispatch()                                # nobody registered: every worker is told
+    assert wakes.notified() == ["shared"]
 
 
-def test_a_worker_without_a_handler_for_the_task_is_not_woken(
-        db_url: str, heard: tuple[psycopg.Connection[Any], dict[str, str]]) -> None:
-    listen, channels = heard
-    with psycopg.connect(db_url, autocommit=True) as conn:
-        add_definition(conn)
-        _idle(conn, "a", names=["t"])
-        _idle(conn, "b", names=["other"])
-        _dispatch(conn, add_run(conn), task_name="t")
-        assert _notified(listen, channels) == ["a"]
+def test_a_dispatch_of_several_tasks_wakes_as_many_workers(wakes: Wakes) -> None:
+    for w in "abc":
+        wakes.idle(w)
+    wakes.dispatch(nodes=("x", "y"))
+    assert wakes.notified() == ["b", "c"]
 
 
-def test_a_claim_that_gets_all_it_asked_for_withdraws_the_registration(
-        db_url: str, heard: tuple[psycopg.Connection[Any], dict[str, str]]) -> None:
-    listen, channels = heard
-    with psycopg.connect(db_url, autocommit=True) as conn:
-        add_definition(conn)
-        _idle(conn, "a")
-        conn.execute("DELETE FROM task_waiters WHERE worker = 'a'")   # as a dispatch that woke it
-        _dispatch(conn, add_run(conn))
-        _dispatch(conn, add_run(conn))
-        assert _notified(listen, channels) == ["shared", "shared"]
-        got = outbox.claim(conn, ["default"], "a", 2, claim_id="full", wake=outbox.wake_channel("a"))
-        assert len(got) == 2
-        _dispatch(conn, add_run(conn))                  # a is busy: not registered
-        assert _notified(listen, channels) == ["shared"]
-        assert conn.execute("SELECT count(*) FROM task_waiters").fetchone() == (0,)
+def test_a_worker_without_a_handler_for_the_task_is_not_woken(wakes: Wakes) -> None:
+    wakes.idle("a", names=["t"])
+    wakes.idle("b", names=["other"])
+    wakes.dispatch(task_name="t")
+    assert wakes.notified() == ["a"]
 
 
-def test_a_rolled_back_dispatch_wakes_nobody_and_keeps_the_registration(
-        db_url: str, heard: tuple[psycopg.Connection[Any], dict[str, str]]) -> None:
-    listen, channels = heard
-    with psycopg.connect(db_url, autocommit=True) as conn:
-        add_definition(conn)
-        _idle(conn, "a")
-        run_id = add_run(conn)
-        with conn.transaction():
-            _dispatch(conn, run_id)
-            raise psycopg.Rollback()
-    assert _notified(listen, channels) == []
+def test_a_claim_that_gets_all_it_asked_for_withdraws_the_registration(wakes: Wakes) -> None:
+    conn = wakes.conn
+    wakes.idle("a")
+    conn.execute("DELETE FROM task_waiters WHERE worker = 'a'")   # as a dispatch that woke it
+    wakes.dispatch()
+    wakes.dispatch()
+    assert wakes.notified() == ["shared", "shared"]
+    got = outbox.claim(conn, ["default"], "a", 2, claim_id="full", wake=outbox.wake_channel("a"))
+    assert len(got) == 2
+    wakes.dispatch()                                # a is busy: not registered
+    assert wakes.notified() == ["shared"]
+    assert conn.execute("SELECT count(*) FROM task_waiters").fetchone() == (0,)
+
+
+def test_a_rolled_back_dispatch_wakes_nobody_and_keeps_the_registration(db_url: str, wakes: Wakes) -> None:
+    wakes.idle("a")
+    run_id = add_run(wakes.conn)
+    with wakes.conn.transaction():
+        wakes.dispatch(run_id)
+        raise psycopg.Rollback()
+    assert wakes.notified() == []
     with psycopg.connect(db_url, autocommit=True) as conn:
         assert conn.execute("SELECT worker FROM task_waiters").fetchall() == [("a",)]
 
