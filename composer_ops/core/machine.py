@@ -22,46 +22,25 @@ from __future__ import annotations
 import dataclasses
 import json
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
-from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any, Protocol
 
+from composer_ops.core import model
 from composer_ops.core.expressions import is_ref, parse_ref, referenced_nodes, resolve, resolve_ref
 from composer_ops.core.model import (
     ACTIVE_RUN_STATUSES,
     ACTIVE_TASK_STATES,
     TERMINAL_RUN_STATUSES,
     TERMINAL_TASK_STATES,
-    Action,
-    BufferSignal,
-    CancelRun,
-    CancelTasks,
-    CompleteTask,
-    ConsumeSignal,
-    CreateTask,
     Decision,
-    Event,
-    FailTask,
-    FinishRun,
-    LeaseExpired,
+    NodeState,
     NodeType,
     NodeView,
-    ReopenRun,
-    RequeueTask,
-    ResetTasks,
-    ResolveWait,
-    RetryRun,
     RunSnapshot,
     RunStatus,
     Signal,
-    SignalReceived,
-    Stale,
-    StartRun,
-    TaskCompleted,
-    TaskFailed,
     TaskRef,
     TaskState,
-    TimerDue,
 )
 from composer_ops.core.retry import retry_decision
 from composer_ops.core.spec import RANGE_TEXT, NodeSpec, WorkflowSpec, instant_in_range
@@ -82,20 +61,8 @@ class Store(Protocol):
         ...
 
 
-@dataclass
-class _Slot:
-    """Mutable overlay of one node's ``NodeState`` during a decision."""
-
-    task_id: str
-    state: TaskState
-    attempt: int = 0
-    branches: tuple[str, ...] | None = None
-    event_name: str | None = None
-    lease_owner: str | None = None
-    lease_expires_at: datetime | None = None
-    created_at: datetime | None = None
-    wake_at: datetime | None = None
-    lease_expiries: int = 0
+#: The fields of a node's task the machine reads (every ``NodeView`` property).
+_NODE_FIELDS = tuple(f.name for f in dataclasses.fields(NodeState))
 
 
 #: Sorts a node whose creation time is unknown before every known one.
@@ -117,7 +84,7 @@ def _instant(value: Any) -> datetime | None:
 
 
 def _stale(reason: str) -> Decision:
-    return Decision(actions=(Stale(reason=reason),))
+    return Decision(actions=(model.Stale(reason=reason),))
 
 
 class _Decider:
@@ -129,9 +96,10 @@ class _Decider:
         self.store = store
         self.new_id = new_id
         self.now = now
-        # Copy on write: a node's snapshot view until this decision changes it.
-        self.slots: dict[str, _Slot | NodeView] = dict(run.nodes)
-        self.actions: list[Action] = []
+        # Copy on write: a node's snapshot view until this decision changes it, then
+        # the NodeState this decision gave it.
+        self.slots: dict[str, NodeView] = dict(run.nodes)
+        self.actions: list[model.Action] = []
         # Nodes created in this decision -> the index of their CreateTask in actions.
         self.created: dict[str, int] = {}
         self.refused: str | None = None
@@ -172,38 +140,25 @@ class _Decider:
 
     # -- writes -------------------------------------------------------------
 
-    def writable(self, node_id: str) -> _Slot:
-        """The node's overlay, copied from its snapshot view on the first write."""
-        slot = self.slots[node_id]
-        if isinstance(slot, _Slot):
-            return slot
-        copy = self.slots[node_id] = _Slot(
-            task_id=slot.task_id,
-            state=slot.state,
-            attempt=slot.attempt,
-            branches=slot.branches,
-            event_name=slot.event_name,
-            lease_owner=slot.lease_owner,
-            lease_expires_at=slot.lease_expires_at,
-            created_at=slot.created_at,
-            wake_at=slot.wake_at,
-            lease_expiries=slot.lease_expiries,
-        )
-        return copy
+    def update(self, node_id: str, **fields: Any) -> None:
+        """Give the node's task these field values in the overlay (the snapshot is left as it is)."""
+        view = self.slots[node_id]
+        values = {name: getattr(view, name) for name in _NODE_FIELDS}
+        values.update(fields)
+        self.slots[node_id] = NodeState(**values)
 
-    def set_state(self, node_id: str, state: TaskState, *, output: Any = None) -> None:
-        slot = self.writable(node_id)
-        slot.state = state
-        slot.lease_owner = None
-        slot.lease_expires_at = None
+    def set_state(self, node_id: str, state: TaskState, *, output: Any = None, **fields: Any) -> None:
+        """Move the node's task to ``state``, its lease released, with ``fields`` changed too."""
+        self.update(node_id, state=state, lease_owner=None, lease_expires_at=None, **fields)
         if state is TaskState.COMPLETED:
             self.outputs[node_id] = output
 
     def create(self, node: NodeSpec, state: TaskState, **fields: Any) -> None:
         task_id = self.new_id()
         self.created[node.id] = len(self.actions)
-        self.actions.append(CreateTask(task_id=task_id, node_id=node.id, node_type=node.type, state=state, **fields))
-        self.slots[node.id] = _Slot(
+        self.actions.append(model.CreateTask(task_id=task_id, node_id=node.id, node_type=node.type, state=state,
+                                             **fields))
+        self.slots[node.id] = NodeState(
             task_id=task_id,
             state=state,
             branches=fields.get("branches"),
@@ -225,18 +180,18 @@ class _Decider:
         for node_id, slot in self.slots.items():
             if slot.state not in ACTIVE_TASK_STATES:
                 continue
-            self.writable(node_id).state = TaskState.CANCELLED
+            self.update(node_id, state=TaskState.CANCELLED)
             index = self.created.get(node_id)
             if index is None:
                 active.append(slot.task_id)
                 continue
             born = self.actions[index]
-            assert isinstance(born, CreateTask)
+            assert isinstance(born, model.CreateTask)
             self.actions[index] = dataclasses.replace(born, state=TaskState.CANCELLED, error=why, wake_at=None,
                                                       available_at=None)
         if active:
-            self.actions.append(CancelTasks(task_ids=tuple(sorted(active)), reason=why))
-        self.actions.append(FinishRun(status=RunStatus.FAILED, output=None, reason=reason))
+            self.actions.append(model.CancelTasks(task_ids=tuple(sorted(active)), reason=why))
+        self.actions.append(model.FinishRun(status=RunStatus.FAILED, output=None, reason=reason))
         self.finished = True
 
     def node_failed(self, node_id: str, reason: str) -> None:
@@ -298,7 +253,7 @@ class _Decider:
         sinks = self.spec.sinks()
         outputs = self.outputs_of(sinks)
         self.actions.append(
-            FinishRun(
+            model.FinishRun(
                 status=RunStatus.SUCCEEDED,
                 output={sink: outputs.get(sink) for sink in sinks},
                 reason=None,
@@ -367,7 +322,7 @@ class _Decider:
         signal = self.take_signal(node.event_name)
         if signal is not None:
             self.create(node, TaskState.COMPLETED, output=signal.payload, event_name=node.event_name)
-            self.actions.append(ConsumeSignal(signal_id=signal.id))
+            self.actions.append(model.ConsumeSignal(signal_id=signal.id))
             return
         wake_at = None if node.timeout_s is None else self.now + timedelta(seconds=node.timeout_s)
         self.create(node, TaskState.WAITING, wake_at=wake_at, event_name=node.event_name)
@@ -403,11 +358,11 @@ class _Decider:
             )
         return None
 
-    def task_completed(self, event: TaskCompleted) -> Decision:
+    def task_completed(self, event: model.TaskCompleted) -> Decision:
         reason = self.on_result(event.ref)
         if reason is not None:
             return _stale(reason)
-        self.actions.append(CompleteTask(ref=event.ref, output=event.output))
+        self.actions.append(model.CompleteTask(ref=event.ref, output=event.output))
         self.set_state(event.ref.node_id, TaskState.COMPLETED, output=event.output)
         self.advance()
         return self.decision()
@@ -421,11 +376,10 @@ class _Decider:
         delay = retry_decision(node.retry, failures, retryable)
         if delay is not None:
             available_at = self.now + timedelta(seconds=delay)
-            self.actions.append(RequeueTask(ref=ref, reason=error, available_at=available_at))
-            self.set_state(ref.node_id, TaskState.PENDING)
-            self.writable(ref.node_id).attempt += 1
+            self.actions.append(model.RequeueTask(ref=ref, reason=error, available_at=available_at))
+            self.set_state(ref.node_id, TaskState.PENDING, attempt=slot.attempt + 1)
             return self.decision()
-        self.actions.append(FailTask(ref=ref, reason=error))
+        self.actions.append(model.FailTask(ref=ref, reason=error))
         self.set_state(ref.node_id, TaskState.FAILED)
         attempts = failures + 1
         tried = f"after {attempts} attempts" if attempts > 1 else "after 1 attempt"
@@ -433,7 +387,7 @@ class _Decider:
         self.advance()
         return self.decision()
 
-    def lease_expired(self, event: LeaseExpired) -> Decision:
+    def lease_expired(self, event: model.LeaseExpired) -> Decision:
         """No handler failed, so the retry policy is not consumed: the task is re-queued
         as a new attempt, up to the node's ``max_lease_expiries``; one more fails it."""
         ref = event.ref
@@ -448,22 +402,19 @@ class _Decider:
         node = self.spec.nodes[ref.node_id]
         expiries = slot.lease_expiries + 1
         if expiries <= node.max_lease_expiries:
-            self.actions.append(RequeueTask(ref=ref, reason=lapsed, available_at=self.now, lease_expired=True))
-            self.set_state(ref.node_id, TaskState.PENDING)
-            written = self.writable(ref.node_id)
-            written.attempt += 1
-            written.lease_expiries = expiries
+            self.actions.append(model.RequeueTask(ref=ref, reason=lapsed, available_at=self.now, lease_expired=True))
+            self.set_state(ref.node_id, TaskState.PENDING, attempt=slot.attempt + 1, lease_expiries=expiries)
             return self.decision()
         times = "once" if expiries == 1 else f"{expiries} times"
         error = (f"lease expired {times} (max_lease_expiries is {node.max_lease_expiries}); "
                  f"last owner {slot.lease_owner}, whose lease expired at {expires.isoformat()}")
-        self.actions.append(FailTask(ref=ref, reason=error))
+        self.actions.append(model.FailTask(ref=ref, reason=error))
         self.set_state(ref.node_id, TaskState.FAILED)
         self.node_failed(ref.node_id, f"node {json.dumps(ref.node_id)} failed: {error}")
         self.advance()
         return self.decision()
 
-    def timer_due(self, event: TimerDue) -> Decision:
+    def timer_due(self, event: model.TimerDue) -> Decision:
         slot = self.slots.get(event.node_id)
         node = self.spec.nodes.get(event.node_id)
         if node is None or slot is None or slot.task_id != event.task_id:
@@ -482,17 +433,17 @@ class _Decider:
         slot = self.slots[node.id]
         if node.type is NodeType.WAIT or node.on_timeout == "continue":
             self.actions.append(
-                ResolveWait(task_id=slot.task_id, node_id=node.id, state=TaskState.COMPLETED, timer=True))
+                model.ResolveWait(task_id=slot.task_id, node_id=node.id, state=TaskState.COMPLETED, timer=True))
             self.set_state(node.id, TaskState.COMPLETED, output=None)
             return
         after = f" after {_seconds(node.timeout_s)}" if node.timeout_s is not None else ""
         error = f"timed out waiting for event {json.dumps(node.event_name)}{after}"
         self.actions.append(
-            ResolveWait(task_id=slot.task_id, node_id=node.id, state=TaskState.FAILED, reason=error, timer=True))
+            model.ResolveWait(task_id=slot.task_id, node_id=node.id, state=TaskState.FAILED, reason=error, timer=True))
         self.set_state(node.id, TaskState.FAILED)
         self.node_failed(node.id, f"node {json.dumps(node.id)} failed: {error}")
 
-    def signal_received(self, event: SignalReceived) -> Decision:
+    def signal_received(self, event: model.SignalReceived) -> Decision:
         """Resolve the earliest-created node waiting for the signal, else buffer it.
 
         Timeouts are judged by the database clock now, not by whether the timer loop
@@ -528,14 +479,14 @@ class _Decider:
                     return self.decision()
                 continue
             self.actions.append(
-                ResolveWait(task_id=task_id, node_id=node_id, state=TaskState.COMPLETED, output=event.payload)
+                model.ResolveWait(task_id=task_id, node_id=node_id, state=TaskState.COMPLETED, output=event.payload)
             )
             self.set_state(node_id, TaskState.COMPLETED, output=event.payload)
             break
         else:
             signal = Signal(id=self.new_id(), name=event.name, payload=event.payload)
             buffer_at = len(self.actions)
-            self.actions.append(BufferSignal(signal_id=signal.id, name=signal.name, payload=signal.payload))
+            self.actions.append(model.BufferSignal(signal_id=signal.id, name=signal.name, payload=signal.payload))
             self.buffered(event.name).append(signal)
             self.advance()
             if self.finished and signal.id not in self.consumed:
@@ -550,17 +501,17 @@ class _Decider:
         self.advance()
         return self.decision()
 
-    def cancel_run(self, event: CancelRun) -> Decision:
+    def cancel_run(self, event: model.CancelRun) -> Decision:
         run = self.run
         if run.status not in ACTIVE_RUN_STATUSES:
             raise Conflict(f"run {run.id} is {run.status}; it cannot be cancelled")
         active = sorted(s.task_id for s in self.slots.values() if s.state in ACTIVE_TASK_STATES)
         if active:
-            self.actions.append(CancelTasks(task_ids=tuple(active), reason=event.reason))
-        self.actions.append(FinishRun(status=RunStatus.CANCELLED, output=None, reason=event.reason))
+            self.actions.append(model.CancelTasks(task_ids=tuple(active), reason=event.reason))
+        self.actions.append(model.FinishRun(status=RunStatus.CANCELLED, output=None, reason=event.reason))
         return self.decision()
 
-    def retry_run(self, event: RetryRun) -> Decision:
+    def retry_run(self, event: model.RetryRun) -> Decision:
         """Reopen a FAILED or CANCELLED run and run part of it again.
 
         The nodes that run again are the ``from_nodes`` (default: the nodes that failed,
@@ -596,9 +547,9 @@ class _Decider:
                           "(or without a node)")
         reset = sorted(n for n in again if n in self.slots)
         if reset:
-            self.actions.append(ResetTasks(task_ids=tuple(self.slots[n].task_id for n in reset),
+            self.actions.append(model.ResetTasks(task_ids=tuple(self.slots[n].task_id for n in reset),
                                            node_ids=tuple(reset)))
-        self.actions.append(ReopenRun(status=run.status))
+        self.actions.append(model.ReopenRun(status=run.status))
         for node_id in reset:
             del self.slots[node_id]
             self.outputs.pop(node_id, None)
@@ -615,7 +566,7 @@ def _downstream(spec: WorkflowSpec, seeds: Collection[str]) -> set[str]:
     return found
 
 
-def decide(run: RunSnapshot, event: Event, store: Store, new_id: Callable[[], str]) -> Decision:
+def decide(run: RunSnapshot, event: model.Event, store: Store, new_id: Callable[[], str]) -> Decision:
     """Decide what one event does to a run.
 
     ``new_id`` mints task and buffered-signal ids. The earliest waiter of a signal is
@@ -629,26 +580,26 @@ def decide(run: RunSnapshot, event: Event, store: Store, new_id: Callable[[], st
     if event.now.tzinfo is None or event.now.utcoffset() is None:
         raise ValueError(f"event.now must be timezone-aware, got {event.now!r}")
     decider = _Decider(run, store, new_id, event.now)
-    if isinstance(event, SignalReceived):
+    if isinstance(event, model.SignalReceived):
         return decider.signal_received(event)
-    if isinstance(event, CancelRun):
+    if isinstance(event, model.CancelRun):
         return decider.cancel_run(event)
-    if isinstance(event, RetryRun):
+    if isinstance(event, model.RetryRun):
         return decider.retry_run(event)
     if run.status not in ACTIVE_RUN_STATUSES:
         return _stale(f"run {run.id} is {run.status}")
-    if isinstance(event, StartRun):
+    if isinstance(event, model.StartRun):
         if run.nodes:
             return _stale(f"run {run.id} has already started")
         decider.advance()
         return decider.decision()
-    if isinstance(event, TaskCompleted):
+    if isinstance(event, model.TaskCompleted):
         return decider.task_completed(event)
-    if isinstance(event, TaskFailed):
+    if isinstance(event, model.TaskFailed):
         reason = decider.on_result(event.ref)
         if reason is not None:
             return _stale(reason)
         return decider.task_failed(event.ref, event.error, event.retryable)
-    if isinstance(event, LeaseExpired):
+    if isinstance(event, model.LeaseExpired):
         return decider.lease_expired(event)
     return decider.timer_due(event)

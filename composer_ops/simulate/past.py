@@ -30,23 +30,8 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
-from composer_ops.core.model import (
-    CancelRun,
-    CreateTask,
-    Decision,
-    Event,
-    LeaseExpired,
-    NodeType,
-    RequeueTask,
-    RunStatus,
-    SignalReceived,
-    StartRun,
-    TaskCompleted,
-    TaskFailed,
-    TaskRef,
-    TaskState,
-    TimerDue,
-)
+from composer_ops.core import model
+from composer_ops.core.model import Decision, NodeType, RunStatus, TaskRef, TaskState
 from composer_ops.errors import Conflict
 from composer_ops.simulate.definitions import SignalPlan
 from composer_ops.simulate.model import AttemptDraw, Behaviour, draw_attempt, task_output
@@ -123,7 +108,7 @@ class _Player:
             if decision is not None:
                 self.follow(when, decision)
 
-    def send(self, event: Event) -> Decision | None:
+    def send(self, event: model.Event) -> Decision | None:
         """Send a client's event; None when the run refuses it (finished)."""
         try:
             return self.replay.send(event)
@@ -134,7 +119,7 @@ class _Player:
         """Schedule what the decision sets in motion: dispatches, timers, awaited signals."""
         clock, rng = self.clock, self.rng
         for action in decision.actions:
-            if isinstance(action, CreateTask):
+            if isinstance(action, model.CreateTask):
                 if action.state is TaskState.PENDING and action.available_at is not None:
                     clock.at(action.available_at.timestamp() + self.queueing(), "claim", (action.node_id, 0))
                 elif action.state is TaskState.WAITING:
@@ -144,7 +129,7 @@ class _Player:
                     if action.node_type is NodeType.WAIT_FOR_EVENT and action.event_name is not None:
                         for signal in self.awaiting.pop(action.event_name, ()):
                             clock.at(when + signal.delay_s, "signal", (signal, False))
-            elif isinstance(action, RequeueTask):
+            elif isinstance(action, model.RequeueTask):
                 clock.at(action.available_at.timestamp() + self.queueing(), "claim",
                          (action.ref.node_id, action.ref.attempt + 1))
 
@@ -154,7 +139,7 @@ class _Player:
     # -- events, by kind ------------------------------------------------------------
 
     def start(self, when: float, now: datetime, payload: None) -> Decision | None:
-        return self.replay.send(StartRun(now=now))
+        return self.replay.send(model.StartRun(now=now))
 
     def claim(self, when: float, now: datetime, payload: tuple[str, int]) -> None:
         """A worker claims the dispatch, unless the task moved on (cancelled)."""
@@ -188,9 +173,9 @@ class _Player:
         if draw.outcome == "ok":
             node = replay.spec.nodes[ref.node_id]
             output = task_output(node.task or node.id, replay.rows[ref.node_id].input, self.rng)
-            return replay.send(TaskCompleted(ref=ref, output=output, now=now))
+            return replay.send(model.TaskCompleted(ref=ref, output=output, now=now))
         assert draw.error_text is not None
-        return replay.send(TaskFailed(ref=ref, error=draw.error_text, retryable=draw.outcome == "transient",
+        return replay.send(model.TaskFailed(ref=ref, error=draw.error_text, retryable=draw.outcome == "transient",
                                       now=now))
 
     def expire(self, when: float, now: datetime, ref: TaskRef) -> Decision | None:
@@ -198,7 +183,7 @@ class _Player:
         row = self.replay.rows[ref.node_id]
         if row.state is not TaskState.RUNNING or row.attempt != ref.attempt:
             return None
-        return self.replay.send(LeaseExpired(ref=ref, now=now))
+        return self.replay.send(model.LeaseExpired(ref=ref, now=now))
 
     def timer(self, when: float, now: datetime, payload: tuple[str, str]) -> Decision | None:
         """The timer loop: a WAITING task whose ``wake_at`` has come."""
@@ -206,22 +191,22 @@ class _Player:
         row = self.replay.rows[node_id]
         if row.state is not TaskState.WAITING or row.task_id != task_id:
             return None
-        return self.replay.send(TimerDue(task_id=task_id, node_id=node_id, now=now))
+        return self.replay.send(model.TimerDue(task_id=task_id, node_id=node_id, now=now))
 
     def signal(self, when: float, now: datetime, payload: tuple[SignalPlan, bool]) -> Decision | None:
         signal, duplicate = payload
-        decision = self.send(SignalReceived(name=signal.name, payload=signal.payload, now=now))
+        decision = self.send(model.SignalReceived(name=signal.name, payload=signal.payload, now=now))
         if decision is not None and signal.duplicate_after_s is not None and not duplicate:
             self.clock.at(when + signal.duplicate_after_s, "signal", (signal, True))
         return decision
 
     def cancel(self, when: float, now: datetime, reason: str) -> Decision | None:
-        return self.send(CancelRun(reason=reason, now=now))
+        return self.send(model.CancelRun(reason=reason, now=now))
 
 
 def stop_stuck(replay: Replay, at: float, reason: str) -> None:
     """An operator cancels a run still active at ``at`` (epoch seconds)."""
     if replay.status is RunStatus.RUNNING:
         replay.now = utc(at)
-        replay.send(CancelRun(reason=reason, now=replay.now))
+        replay.send(model.CancelRun(reason=reason, now=replay.now))
 

@@ -28,32 +28,20 @@ from datetime import UTC, datetime, timedelta
 from types import MappingProxyType
 from typing import Any
 
+from composer_ops.core import model
 from composer_ops.core.machine import decide
 from composer_ops.core.model import (
     ACTIVE_RUN_STATUSES,
     ACTIVE_TASK_STATES,
     IN_FLIGHT_TASK_STATES,
     TERMINAL_TASK_STATES,
-    BufferSignal,
-    CancelTasks,
-    CompleteTask,
-    ConsumeSignal,
-    CreateTask,
     Decision,
-    Event,
-    FailTask,
-    FinishRun,
     NodeState,
     NodeType,
-    ReopenRun,
-    RequeueTask,
-    ResetTasks,
-    ResolveWait,
     RunContext,
     RunSnapshot,
     RunStatus,
     Signal,
-    Stale,
     TaskRef,
     TaskState,
 )
@@ -178,7 +166,7 @@ class Replay:
         return RunSnapshot(id=self.run_id, workflow_id=self.spec.id, workflow_version=self.workflow_version,
                            status=self.status, context=self.context, spec=self.spec, nodes=dict(self.nodes))
 
-    def send(self, event: Event) -> Decision:
+    def send(self, event: model.Event) -> Decision:
         """Decide ``event`` and apply the decision; ``Conflict``/``Invalid`` from the
         machine (a signal or cancel the run refuses) change nothing."""
         self._event_now = event.now
@@ -201,27 +189,27 @@ class Replay:
             if writers[type(action)](self, action, now):
                 return
 
-    def _stale(self, a: Stale, now: datetime) -> bool:
+    def _stale(self, a: model.Stale, now: datetime) -> bool:
         return True
 
-    def _complete(self, a: CompleteTask, now: datetime) -> None:
+    def _complete(self, a: model.CompleteTask, now: datetime) -> None:
         row = self._fenced(a.ref, a)
         row.output, row.completed_at = a.output, now
         self._finish_task(row, TaskState.COMPLETED, now)
 
-    def _fail(self, a: FailTask, now: datetime) -> None:
+    def _fail(self, a: model.FailTask, now: datetime) -> None:
         row = self._fenced(a.ref, a)
         row.error = a.reason
         self._finish_task(row, TaskState.FAILED, now)
 
-    def _requeue(self, a: RequeueTask, now: datetime) -> None:
+    def _requeue(self, a: model.RequeueTask, now: datetime) -> None:
         row = self._fenced(a.ref, a)
         row.attempt += 1
         row.lease_expiries += a.lease_expired
         row.error, row.started_at, row.available_at = a.reason, None, a.available_at
         self._set_state(row, TaskState.PENDING, now)
 
-    def _resolve(self, a: ResolveWait, now: datetime) -> None:
+    def _resolve(self, a: model.ResolveWait, now: datetime) -> None:
         row = self.rows[a.node_id]
         if row.task_id != a.task_id or row.state is not TaskState.WAITING:
             raise self._refused(a)
@@ -229,35 +217,35 @@ class Replay:
         row.completed_at = now if a.state is TaskState.COMPLETED else None
         self._finish_task(row, a.state, now)
 
-    def _buffer(self, a: BufferSignal, now: datetime) -> None:
+    def _buffer(self, a: model.BufferSignal, now: datetime) -> None:
         self.signals.append(SignalRow(id=a.signal_id, name=a.name, payload=a.payload, created_at=now))
 
-    def _cancel(self, a: CancelTasks, now: datetime) -> None:
+    def _cancel(self, a: model.CancelTasks, now: datetime) -> None:
         for task_id in a.task_ids:
             row = self.rows[self._by_task[task_id]]
             if row.state in ACTIVE_TASK_STATES:
                 row.error, row.available_at = a.reason, None
                 self._finish_task(row, TaskState.CANCELLED, now)
 
-    def _finish_run(self, a: FinishRun, now: datetime) -> None:
+    def _finish_run(self, a: model.FinishRun, now: datetime) -> None:
         if self.status not in ACTIVE_RUN_STATUSES:
             raise Conflict(f"run {self.run_id} finished concurrently; the decision was rolled back")
         self.status, self.run_output, self.run_reason = a.status, a.output, a.reason
         self.completed_at = now
 
-    def _reopen(self, a: ReopenRun, now: datetime) -> None:
+    def _reopen(self, a: model.ReopenRun, now: datetime) -> None:
         if self.status is not a.status:
             raise Conflict(f"run {self.run_id} is {self.status}, not {a.status}; the retry was rolled back")
         self.status, self.run_output, self.run_reason, self.completed_at = RunStatus.RUNNING, None, None, None
 
-    def _reset(self, a: ResetTasks, now: datetime) -> None:
+    def _reset(self, a: model.ResetTasks, now: datetime) -> None:
         for task_id, node_id in zip(a.task_ids, a.node_ids, strict=True):
             row = self.rows.get(node_id)
             if row is None or row.task_id != task_id:
                 raise self._refused(a)
             del self.rows[node_id], self._by_task[task_id]
 
-    def _create(self, a: CreateTask, now: datetime) -> None:
+    def _create(self, a: model.CreateTask, now: datetime) -> None:
         if a.node_id in self.rows:
             raise Conflict(f"run {self.run_id}: node {a.node_id} already has a task; "
                            "the decision was based on a stale snapshot and was rolled back")
@@ -273,7 +261,7 @@ class Replay:
             available_at=a.available_at if is_task and state is TaskState.PENDING else None)
         self._by_task[a.task_id] = a.node_id
 
-    def _consume(self, a: ConsumeSignal, now: datetime) -> None:
+    def _consume(self, a: model.ConsumeSignal, now: datetime) -> None:
         for signal in self.signals:
             if signal.id == a.signal_id and signal.consumed_at is None:
                 signal.consumed_at = now
@@ -340,10 +328,10 @@ class Replay:
 
 #: How the shell writes each action, by its type; ``True`` ends the decision (stale).
 _WRITERS: dict[type, Callable[[Replay, Any, datetime], bool | None]] = {
-    Stale: Replay._stale, CreateTask: Replay._create, CompleteTask: Replay._complete, FailTask: Replay._fail,
-    RequeueTask: Replay._requeue, ResolveWait: Replay._resolve, BufferSignal: Replay._buffer,
-    ConsumeSignal: Replay._consume, CancelTasks: Replay._cancel, FinishRun: Replay._finish_run,
-    ReopenRun: Replay._reopen, ResetTasks: Replay._reset}
+    model.Stale: Replay._stale, model.CreateTask: Replay._create, model.CompleteTask: Replay._complete,
+    model.FailTask: Replay._fail, model.RequeueTask: Replay._requeue, model.ResolveWait: Replay._resolve,
+    model.BufferSignal: Replay._buffer, model.ConsumeSignal: Replay._consume, model.CancelTasks: Replay._cancel,
+    model.FinishRun: Replay._finish_run, model.ReopenRun: Replay._reopen, model.ResetTasks: Replay._reset}
 
 
 def utc(epoch_s: float) -> datetime:

@@ -13,33 +13,8 @@ from collections.abc import Collection, Mapping
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from composer_ops.core.model import (
-    ACTIVE_RUN_STATUSES,
-    ACTIVE_TASK_STATES,
-    TERMINAL_TASK_STATES,
-    BufferSignal,
-    CancelTasks,
-    CompleteTask,
-    ConsumeSignal,
-    CreateTask,
-    Decision,
-    Event,
-    FailTask,
-    FinishRun,
-    NodeType,
-    ReopenRun,
-    RequeueTask,
-    ResetTasks,
-    ResolveWait,
-    RetryRun,
-    RunStatus,
-    SignalReceived,
-    StartRun,
-    TaskCompleted,
-    TaskFailed,
-    TaskState,
-    TimerDue,
-)
+from composer_ops.core import model
+from composer_ops.core.model import NodeType, RunStatus, TaskState
 from composer_ops.core.spec import WorkflowSpec, parse_spec
 from composer_ops.simulate.replay import Replay
 
@@ -53,7 +28,7 @@ class Sim(Replay):
         super().__init__(spec if isinstance(spec, WorkflowSpec) else parse_spec(spec), run_id=run_id, input=input,
                          now=T0)
         self.loads: list[tuple[str, ...]] = []
-        self.decisions: list[Decision] = []
+        self.decisions: list[model.Decision] = []
         self.minted = 0
         counter = self.mint
 
@@ -72,22 +47,22 @@ class Sim(Replay):
         assert len(set(node_ids)) == len(node_ids), "load_outputs asked twice for a node"
         return super().load_outputs(node_ids)
 
-    def send(self, event: Event) -> Decision:
+    def send(self, event: model.Event) -> model.Decision:
         decision = super().send(event)
         self.decisions.append(decision)
         return decision
 
-    def apply(self, decision: Decision, now: datetime) -> None:
+    def apply(self, decision: model.Decision, now: datetime) -> None:
         if decision.stale:
             assert len(decision.actions) == 1, decision
             return
-        reopens = any(isinstance(a, ReopenRun) for a in decision.actions)
-        assert self.status in ACTIVE_RUN_STATUSES or reopens, "a decision changed a finished run"
+        reopens = any(isinstance(a, model.ReopenRun) for a in decision.actions)
+        assert self.status in model.ACTIVE_RUN_STATUSES or reopens, "a decision changed a finished run"
         for action in decision.actions:
             self._check(action, now)
-            super().apply(Decision(actions=(action,)), now)
-        if self.status not in ACTIVE_RUN_STATUSES:
-            active = [n for n, s in self.nodes.items() if s.state in ACTIVE_TASK_STATES]
+            super().apply(model.Decision(actions=(action,)), now)
+        if self.status not in model.ACTIVE_RUN_STATUSES:
+            active = [n for n, s in self.nodes.items() if s.state in model.ACTIVE_TASK_STATES]
             assert not active, f"run {self.status} with active tasks {active}"
 
     def live(self, dep: str, node_id: str) -> bool:
@@ -101,40 +76,40 @@ class Sim(Replay):
 
     def _check(self, action: object, now: datetime) -> None:
         """What must hold before ``action`` is applied (the repository's fences are Replay's)."""
-        if isinstance(action, CreateTask):
+        if isinstance(action, model.CreateTask):
             self._check_create(action, now)
-        elif isinstance(action, RequeueTask | CompleteTask | FailTask):
+        elif isinstance(action, model.RequeueTask | model.CompleteTask | model.FailTask):
             assert self.nodes[action.ref.node_id].state is TaskState.RUNNING, action
-        elif isinstance(action, ResolveWait):
+        elif isinstance(action, model.ResolveWait):
             assert action.state in (TaskState.COMPLETED, TaskState.FAILED)
-        elif isinstance(action, BufferSignal):
+        elif isinstance(action, model.BufferSignal):
             assert action.signal_id not in {s.id for s in self.signals}, "a signal buffered twice"
-        elif isinstance(action, ConsumeSignal):
+        elif isinstance(action, model.ConsumeSignal):
             assert action.signal_id in {s.id for s in self.signals}
             assert action.signal_id not in self.consumed, "a signal consumed twice"
-        elif isinstance(action, CancelTasks):
+        elif isinstance(action, model.CancelTasks):
             assert action.task_ids, "empty CancelTasks"
             by_task = {s.task_id: n for n, s in self.nodes.items()}
-            assert all(self.nodes[by_task[t]].state in ACTIVE_TASK_STATES for t in action.task_ids)
-        elif isinstance(action, ReopenRun):
+            assert all(self.nodes[by_task[t]].state in model.ACTIVE_TASK_STATES for t in action.task_ids)
+        elif isinstance(action, model.ReopenRun):
             assert self.status is action.status and self.status in (RunStatus.FAILED, RunStatus.CANCELLED)
-        elif isinstance(action, ResetTasks):
+        elif isinstance(action, model.ResetTasks):
             assert action.node_ids and len(action.task_ids) == len(action.node_ids)
             assert self.status in (RunStatus.FAILED, RunStatus.CANCELLED), "reset the tasks of an open run"
-            assert all(self.nodes[n].task_id == t and self.nodes[n].state in TERMINAL_TASK_STATES
+            assert all(self.nodes[n].task_id == t and self.nodes[n].state in model.TERMINAL_TASK_STATES
                        for t, n in zip(action.task_ids, action.node_ids, strict=True)), "reset an active task"
-        elif isinstance(action, FinishRun):
-            assert self.status in ACTIVE_RUN_STATUSES, "run finished twice"
+        elif isinstance(action, model.FinishRun):
+            assert self.status in model.ACTIVE_RUN_STATUSES, "run finished twice"
             if action.status is RunStatus.SUCCEEDED:
                 assert set(self.nodes) == set(self.spec.nodes)
-                assert all(s.state in TERMINAL_TASK_STATES for s in self.nodes.values())
+                assert all(s.state in model.TERMINAL_TASK_STATES for s in self.nodes.values())
 
-    def _check_create(self, action: CreateTask, now: datetime) -> None:
+    def _check_create(self, action: model.CreateTask, now: datetime) -> None:
         node = self.spec.nodes[action.node_id]
         assert action.node_id not in self.nodes, f"second task for node {action.node_id}"
         assert action.node_type is node.type
         for dep in node.depends_on:
-            assert dep in self.nodes and self.nodes[dep].state in TERMINAL_TASK_STATES, (
+            assert dep in self.nodes and self.nodes[dep].state in model.TERMINAL_TASK_STATES, (
                 f"{action.node_id} created before its dependency {dep} finished"
             )
         skipped = bool(node.depends_on) and not any(self.live(d, node.id) for d in node.depends_on)
@@ -153,41 +128,41 @@ class Sim(Replay):
 
     # -- what workers, timers and clients do -----------------------------------
 
-    def complete(self, node_id: str, output: Any = None, owner: str = "w1") -> Decision:
+    def complete(self, node_id: str, output: Any = None, owner: str = "w1") -> model.Decision:
         ref = self.claim(node_id, owner)
-        return self.send(TaskCompleted(ref=ref, output=output, now=self.now))
+        return self.send(model.TaskCompleted(ref=ref, output=output, now=self.now))
 
-    def fail(self, node_id: str, error: str = "boom", retryable: bool = True) -> Decision:
+    def fail(self, node_id: str, error: str = "boom", retryable: bool = True) -> model.Decision:
         ref = self.claim(node_id)
-        return self.send(TaskFailed(ref=ref, error=error, retryable=retryable, now=self.now))
+        return self.send(model.TaskFailed(ref=ref, error=error, retryable=retryable, now=self.now))
 
-    def fire(self, node_id: str) -> Decision:
-        return self.send(TimerDue(task_id=self.nodes[node_id].task_id, node_id=node_id, now=self.now))
+    def fire(self, node_id: str) -> model.Decision:
+        return self.send(model.TimerDue(task_id=self.nodes[node_id].task_id, node_id=node_id, now=self.now))
 
-    def signal(self, name: str, payload: Any = None) -> Decision:
-        return self.send(SignalReceived(name=name, payload=payload, now=self.now))
+    def signal(self, name: str, payload: Any = None) -> model.Decision:
+        return self.send(model.SignalReceived(name=name, payload=payload, now=self.now))
 
-    def start(self) -> Decision:
-        return self.send(StartRun(now=self.now))
+    def start(self) -> model.Decision:
+        return self.send(model.StartRun(now=self.now))
 
-    def retry(self, *from_nodes: str) -> Decision:
-        return self.send(RetryRun(from_nodes=from_nodes, now=self.now))
+    def retry(self, *from_nodes: str) -> model.Decision:
+        return self.send(model.RetryRun(from_nodes=from_nodes, now=self.now))
 
     def tick(self, seconds: float) -> None:
         self.now += timedelta(seconds=seconds)
 
 
-def kinds(decision: Decision) -> list[str]:
+def kinds(decision: model.Decision) -> list[str]:
     """A compact view of a decision: action class, with the node for task actions."""
     out: list[str] = []
     for a in decision.actions:
-        if isinstance(a, CreateTask):
+        if isinstance(a, model.CreateTask):
             out.append(f"Create {a.node_id} {a.state}")
-        elif isinstance(a, CompleteTask | FailTask | RequeueTask):
+        elif isinstance(a, model.CompleteTask | model.FailTask | model.RequeueTask):
             out.append(f"{type(a).__name__} {a.ref.node_id}")
-        elif isinstance(a, ResolveWait):
+        elif isinstance(a, model.ResolveWait):
             out.append(f"ResolveWait {a.node_id} {a.state}")
-        elif isinstance(a, FinishRun):
+        elif isinstance(a, model.FinishRun):
             out.append(f"FinishRun {a.status}")
         else:
             out.append(type(a).__name__)

@@ -9,27 +9,9 @@ from typing import Any
 
 import pytest
 
+from composer_ops.core import model
 from composer_ops.core.machine import decide
-from composer_ops.core.model import (
-    BufferSignal,
-    CancelRun,
-    CancelTasks,
-    CreateTask,
-    Decision,
-    FailTask,
-    FinishRun,
-    LeaseExpired,
-    RequeueTask,
-    RunStatus,
-    SignalReceived,
-    Stale,
-    StartRun,
-    TaskCompleted,
-    TaskFailed,
-    TaskRef,
-    TaskState,
-    TimerDue,
-)
+from composer_ops.core.model import RunStatus, TaskState
 from composer_ops.errors import Conflict
 
 from .machine_sim import T0, Sim, kinds, task, wf
@@ -49,7 +31,7 @@ def test_example_gold_branch() -> None:
     start = sim.start()
     assert kinds(start) == ["Create charge PENDING"]
     create = start.actions[0]
-    assert isinstance(create, CreateTask)
+    assert isinstance(create, model.CreateTask)
     assert create.input == {"amount": 12, "region": "eu"}
     assert create.queue == "payments"
     assert create.available_at == T0
@@ -58,7 +40,7 @@ def test_example_gold_branch() -> None:
     done = sim.complete("charge", {"tier": "gold"})
     assert kinds(done) == [*CHARGE_ROUTED, "Create express PENDING", "Create standard SKIPPED"]
     route = done.actions[1]
-    assert isinstance(route, CreateTask)
+    assert isinstance(route, model.CreateTask)
     assert route.branches == ("express",)
     assert route.output == {"value": "gold", "branches": ["express"]}
     assert sim.loads == [], "charge's output was decided in this call; nothing to load"
@@ -230,7 +212,7 @@ def test_wait_until_unusable_value_fails_the_node(at: Any) -> None:
     # so it is never dispatched (no PENDING row, no outbox row, no CancelTasks).
     assert kinds(decision) == ["Create other CANCELLED", "Create w FAILED", "FinishRun FAILED"]
     other = decision.actions[0]
-    assert isinstance(other, CreateTask) and other.available_at is None
+    assert isinstance(other, model.CreateTask) and other.available_at is None
     assert other.error is not None and other.error.startswith('run failed: node "w" failed')
     error = sim.rows["w"].error
     assert error is not None and "not an ISO-8601 instant with a time zone" in error
@@ -259,11 +241,11 @@ def test_retries_then_success() -> None:
     sim.start()
     ref0 = sim.ref("a")
     first = sim.fail("a", "flaky")
-    assert first.actions == (RequeueTask(ref=ref0, reason="flaky", available_at=T0 + timedelta(seconds=2)),)
+    assert first.actions == (model.RequeueTask(ref=ref0, reason="flaky", available_at=T0 + timedelta(seconds=2)),)
     assert sim.nodes["a"].state is TaskState.PENDING and sim.nodes["a"].attempt == 1
     sim.tick(2)
     second = sim.fail("a", "flaky")
-    assert isinstance(second.actions[0], RequeueTask)
+    assert isinstance(second.actions[0], model.RequeueTask)
     assert second.actions[0].available_at == sim.now + timedelta(seconds=5)
     sim.tick(5)
     assert kinds(sim.complete("a", "ok")) == ["CompleteTask a", "Create b PENDING"]
@@ -298,7 +280,7 @@ def test_failure_cancels_the_other_active_tasks() -> None:
     sim.claim("b")
     decision = sim.fail("a")
     cancel = decision.actions[1]
-    assert isinstance(cancel, CancelTasks)
+    assert isinstance(cancel, model.CancelTasks)
     assert cancel.task_ids == (sim.nodes["b"].task_id, sim.nodes["w"].task_id)
     assert 'node "a"' in cancel.reason
     assert [sim.state(n) for n in ("a", "b", "w", "c")] == [
@@ -307,7 +289,7 @@ def test_failure_cancels_the_other_active_tasks() -> None:
         TaskState.CANCELLED,
         None,
     ]
-    late = sim.send(TaskCompleted(ref=sim.ref("b"), output=1, now=sim.now))
+    late = sim.send(model.TaskCompleted(ref=sim.ref("b"), output=1, now=sim.now))
     assert late.stale
 
 
@@ -325,28 +307,28 @@ def test_optional_failure_lets_successors_run() -> None:
     assert sim.run_output == {"join": 1, "only_opt": 2}
 
 
-def expire(sim: Sim, node_id: str, owner: str = "w1") -> Decision:
+def expire(sim: Sim, node_id: str, owner: str = "w1") -> model.Decision:
     """``owner`` claims the node's task and dies; the sweeper finds its lease lapsed."""
     ref = sim.claim(node_id, owner=owner)
     sim.tick(sim.spec.nodes[node_id].lease_s)
-    return sim.send(LeaseExpired(ref=ref, now=sim.now))
+    return sim.send(model.LeaseExpired(ref=ref, now=sim.now))
 
 
 def test_lease_expiry_requeues_at_once_without_consuming_the_retry_policy() -> None:
     sim = Sim(RETRYING)
     sim.start()
     ref = sim.claim("a", owner="dead-worker")
-    early = sim.send(LeaseExpired(ref=ref, now=sim.now + timedelta(seconds=29)))
+    early = sim.send(model.LeaseExpired(ref=ref, now=sim.now + timedelta(seconds=29)))
     assert early.stale and "has not expired" in str(early.actions[0])
     sim.tick(30)
-    expired = sim.send(LeaseExpired(ref=ref, now=sim.now))
+    expired = sim.send(model.LeaseExpired(ref=ref, now=sim.now))
     assert kinds(expired) == ["RequeueTask a"]
     requeue = expired.actions[0]
-    assert isinstance(requeue, RequeueTask) and requeue.lease_expired
+    assert isinstance(requeue, model.RequeueTask) and requeue.lease_expired
     assert requeue.reason.startswith("lease of dead-worker expired at") and requeue.available_at == sim.now
     assert (sim.nodes["a"].attempt, sim.nodes["a"].lease_expiries) == (1, 1)
     # The dead worker comes back with its result: too late.
-    assert sim.send(TaskCompleted(ref=ref, output=1, now=sim.now)).stale
+    assert sim.send(model.TaskCompleted(ref=ref, output=1, now=sim.now)).stale
     # Three handler failures are still allowed (max_attempts 3), on attempts 1, 2 and 3.
     assert kinds(sim.fail("a")) == ["RequeueTask a"]
     sim.tick(5)
@@ -384,7 +366,7 @@ def test_lease_expiries_past_the_cap_fail_the_task_naming_them_and_the_last_owne
     decision = expire(sim, "a", "w5")
     assert kinds(decision) == ["FailTask a", "FinishRun FAILED"]
     fail = decision.actions[0]
-    assert isinstance(fail, FailTask)
+    assert isinstance(fail, model.FailTask)
     assert fail.reason.startswith("lease expired 4 times (max_lease_expiries is 3); last owner w5, "
                                   "whose lease expired at ")
     assert sim.run_reason == f'node "a" failed: {fail.reason}'
@@ -403,38 +385,38 @@ def test_max_lease_expiries_zero_fails_at_the_first_expiry() -> None:
 
 
 @pytest.fixture
-def running() -> tuple[Sim, TaskRef]:
+def running() -> tuple[Sim, model.TaskRef]:
     sim = Sim(RETRYING)
     sim.start()
     return sim, sim.claim("a")
 
 
-def test_result_from_a_previous_attempt_is_stale(running: tuple[Sim, TaskRef]) -> None:
+def test_result_from_a_previous_attempt_is_stale(running: tuple[Sim, model.TaskRef]) -> None:
     sim, ref = running
-    sim.send(TaskFailed(ref=ref, error="x", retryable=True, now=sim.now))
+    sim.send(model.TaskFailed(ref=ref, error="x", retryable=True, now=sim.now))
     sim.tick(2)
     sim.claim("a")
-    old = sim.send(TaskCompleted(ref=ref, output=1, now=sim.now))
+    old = sim.send(model.TaskCompleted(ref=ref, output=1, now=sim.now))
     assert old.stale and "attempt 0" in str(old.actions[0])
     assert sim.state("a") is TaskState.RUNNING
 
 
-def test_duplicate_result_is_stale(running: tuple[Sim, TaskRef]) -> None:
+def test_duplicate_result_is_stale(running: tuple[Sim, model.TaskRef]) -> None:
     sim, ref = running
-    sim.send(TaskCompleted(ref=ref, output=1, now=sim.now))
-    again = sim.send(TaskCompleted(ref=ref, output=2, now=sim.now))
+    sim.send(model.TaskCompleted(ref=ref, output=1, now=sim.now))
+    again = sim.send(model.TaskCompleted(ref=ref, output=2, now=sim.now))
     assert again.stale
     assert sim.rows["a"].output == 1
-    assert sim.send(TaskFailed(ref=ref, error="x", retryable=False, now=sim.now)).stale
+    assert sim.send(model.TaskFailed(ref=ref, error="x", retryable=False, now=sim.now)).stale
 
 
-def test_result_after_the_lease_lapsed_is_stale(running: tuple[Sim, TaskRef]) -> None:
+def test_result_after_the_lease_lapsed_is_stale(running: tuple[Sim, model.TaskRef]) -> None:
     sim, ref = running
-    lapsed = sim.send(TaskCompleted(ref=ref, output=1, now=sim.now + timedelta(seconds=30)))
+    lapsed = sim.send(model.TaskCompleted(ref=ref, output=1, now=sim.now + timedelta(seconds=30)))
     assert lapsed.stale and "lapsed" in str(lapsed.actions[0])
-    failed = sim.send(TaskFailed(ref=ref, error="x", retryable=True, now=sim.now + timedelta(seconds=31)))
+    failed = sim.send(model.TaskFailed(ref=ref, error="x", retryable=True, now=sim.now + timedelta(seconds=31)))
     assert failed.stale
-    assert sim.send(TaskCompleted(ref=ref, output=1, now=sim.now + timedelta(seconds=29))).finish is None
+    assert sim.send(model.TaskCompleted(ref=ref, output=1, now=sim.now + timedelta(seconds=29))).finish is None
     assert sim.state("a") is TaskState.COMPLETED
 
 
@@ -449,30 +431,30 @@ def test_result_after_the_lease_lapsed_is_stale(running: tuple[Sim, TaskRef]) ->
         ({"attempt": 1}, "attempt 1"),
     ],
 )
-def test_mismatched_refs_are_stale(running: tuple[Sim, TaskRef], change: dict[str, Any], fragment: str) -> None:
+def test_mismatched_refs_are_stale(running: tuple[Sim, model.TaskRef], change: dict[str, Any], fragment: str) -> None:
     sim, ref = running
     bad = dataclasses.replace(ref, **change)
     for event in (
-        TaskCompleted(ref=bad, output=1, now=sim.now),
-        TaskFailed(ref=bad, error="x", retryable=True, now=sim.now),
-        LeaseExpired(ref=bad, now=sim.now + timedelta(hours=1)),
+        model.TaskCompleted(ref=bad, output=1, now=sim.now),
+        model.TaskFailed(ref=bad, error="x", retryable=True, now=sim.now),
+        model.LeaseExpired(ref=bad, now=sim.now + timedelta(hours=1)),
     ):
         decision = sim.send(event)
         assert decision.stale, event
         stale = decision.actions[0]
-        assert isinstance(stale, Stale) and fragment in stale.reason
+        assert isinstance(stale, model.Stale) and fragment in stale.reason
 
 
-def test_owner_check_is_skipped_when_the_ref_has_none(running: tuple[Sim, TaskRef]) -> None:
+def test_owner_check_is_skipped_when_the_ref_has_none(running: tuple[Sim, model.TaskRef]) -> None:
     sim, ref = running
-    decision = sim.send(TaskCompleted(ref=dataclasses.replace(ref, lease_owner=None), output=1, now=sim.now))
+    decision = sim.send(model.TaskCompleted(ref=dataclasses.replace(ref, lease_owner=None), output=1, now=sim.now))
     assert not decision.stale
 
 
 def test_result_for_a_task_not_yet_claimed_is_stale() -> None:
     sim = Sim(RETRYING)
     sim.start()
-    decision = sim.send(TaskCompleted(ref=sim.ref("a"), output=1, now=sim.now))
+    decision = sim.send(model.TaskCompleted(ref=sim.ref("a"), output=1, now=sim.now))
     assert decision.stale and "PENDING, not RUNNING" in str(decision.actions[0])
 
 
@@ -480,8 +462,8 @@ def test_timer_for_a_task_node_or_wrong_task_is_stale() -> None:
     sim = Sim(wf(task("a"), {"id": "w", "type": "WAIT", "duration_s": 1}))
     sim.start()
     assert sim.fire("a").stale
-    assert sim.send(TimerDue(task_id="t9999", node_id="w", now=sim.now)).stale
-    assert sim.send(TimerDue(task_id="t9999", node_id="ghost", now=sim.now)).stale
+    assert sim.send(model.TimerDue(task_id="t9999", node_id="w", now=sim.now)).stale
+    assert sim.send(model.TimerDue(task_id="t9999", node_id="ghost", now=sim.now)).stale
 
 
 def test_start_twice_is_stale() -> None:
@@ -498,22 +480,22 @@ def test_cancel_cancels_active_tasks_and_refuses_later_signals() -> None:
     sim = Sim(EVENTS)
     sim.start()
     ref = sim.claim("first")
-    decision = sim.send(CancelRun(reason="operator said so", now=sim.now))
+    decision = sim.send(model.CancelRun(reason="operator said so", now=sim.now))
     assert decision.actions == (
-        CancelTasks(task_ids=(ref.task_id,), reason="operator said so"),
-        FinishRun(status=RunStatus.CANCELLED, output=None, reason="operator said so"),
+        model.CancelTasks(task_ids=(ref.task_id,), reason="operator said so"),
+        model.FinishRun(status=RunStatus.CANCELLED, output=None, reason="operator said so"),
     )
     assert sim.status is RunStatus.CANCELLED
-    assert sim.send(TaskCompleted(ref=ref, output=1, now=sim.now)).stale
+    assert sim.send(model.TaskCompleted(ref=ref, output=1, now=sim.now)).stale
     with pytest.raises(Conflict, match="is CANCELLED; it accepts no signals"):
         sim.signal("go")
     with pytest.raises(Conflict, match="is CANCELLED; it cannot be cancelled"):
-        sim.send(CancelRun(reason="again", now=sim.now))
+        sim.send(model.CancelRun(reason="again", now=sim.now))
 
 
 def test_cancel_with_nothing_active_just_finishes() -> None:
     sim = Sim(RETRYING)
-    decision = sim.send(CancelRun(reason="never mind", now=sim.now))
+    decision = sim.send(model.CancelRun(reason="never mind", now=sim.now))
     assert kinds(decision) == ["FinishRun CANCELLED"]
 
 
@@ -523,18 +505,18 @@ def test_every_event_on_a_finished_run_is_stale() -> None:
     task_id = sim.nodes["w"].task_id
     sim.fire("w")
     assert sim.status is RunStatus.SUCCEEDED
-    ref = TaskRef(task_id=task_id, run_id=sim.run_id, node_id="w", attempt=0)
+    ref = model.TaskRef(task_id=task_id, run_id=sim.run_id, node_id="w", attempt=0)
     for event in (
-        StartRun(now=sim.now),
-        TaskCompleted(ref=ref, output=1, now=sim.now),
-        TaskFailed(ref=ref, error="x", retryable=True, now=sim.now),
-        LeaseExpired(ref=ref, now=sim.now),
-        TimerDue(task_id=task_id, node_id="w", now=sim.now),
+        model.StartRun(now=sim.now),
+        model.TaskCompleted(ref=ref, output=1, now=sim.now),
+        model.TaskFailed(ref=ref, error="x", retryable=True, now=sim.now),
+        model.LeaseExpired(ref=ref, now=sim.now),
+        model.TimerDue(task_id=task_id, node_id="w", now=sim.now),
     ):
         decision = sim.send(event)
         assert decision.stale and "SUCCEEDED" in str(decision.actions[0])
     with pytest.raises(Conflict, match="SUCCEEDED; it accepts no signals"):
-        decide(sim.snapshot(), SignalReceived(name="x", payload=None, now=sim.now), sim, sim.new_id)
+        decide(sim.snapshot(), model.SignalReceived(name="x", payload=None, now=sim.now), sim, sim.new_id)
 
 
 # ---------------------------------------------------------------------------
@@ -582,15 +564,15 @@ def test_skipped_referenced_node_resolves_to_none_without_a_load() -> None:
 def test_naive_now_is_refused() -> None:
     sim = Sim(RETRYING)
     with pytest.raises(ValueError, match="timezone-aware"):
-        decide(sim.snapshot(), StartRun(now=datetime(2026, 1, 1)), sim, sim.new_id)
+        decide(sim.snapshot(), model.StartRun(now=datetime(2026, 1, 1)), sim, sim.new_id)
 
 
 def test_decision_properties() -> None:
-    assert Decision(actions=(Stale(reason="x"),)).stale
-    done = FinishRun(status=RunStatus.SUCCEEDED, output={})
-    assert Decision(actions=(BufferSignal(signal_id="s", name="n", payload=None), done)).finish == done
-    assert not Decision(actions=()).stale
-    assert Decision(actions=()).finish is None
+    assert model.Decision(actions=(model.Stale(reason="x"),)).stale
+    done = model.FinishRun(status=RunStatus.SUCCEEDED, output={})
+    assert model.Decision(actions=(model.BufferSignal(signal_id="s", name="n", payload=None), done)).finish == done
+    assert not model.Decision(actions=()).stale
+    assert model.Decision(actions=()).finish is None
 
 
 def test_snapshot_is_not_mutated() -> None:
@@ -599,5 +581,5 @@ def test_snapshot_is_not_mutated() -> None:
     sim.claim("a")
     snapshot = sim.snapshot()
     before = dict(snapshot.nodes)
-    decide(snapshot, TaskCompleted(ref=sim.ref("a"), output=1, now=sim.now), sim, sim.new_id)
+    decide(snapshot, model.TaskCompleted(ref=sim.ref("a"), output=1, now=sim.now), sim, sim.new_id)
     assert dict(snapshot.nodes) == before

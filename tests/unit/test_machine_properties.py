@@ -16,26 +16,8 @@ from typing import Any
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from composer_ops.core.model import (
-    ACTIVE_RUN_STATUSES,
-    ACTIVE_TASK_STATES,
-    TERMINAL_TASK_STATES,
-    BufferSignal,
-    CancelRun,
-    Decision,
-    Event,
-    LeaseExpired,
-    NodeType,
-    ResolveWait,
-    RunStatus,
-    SignalReceived,
-    StartRun,
-    TaskCompleted,
-    TaskFailed,
-    TaskRef,
-    TaskState,
-    TimerDue,
-)
+from composer_ops.core import model
+from composer_ops.core.model import NodeType, RunStatus, TaskState
 from composer_ops.core.spec import parse_spec
 from composer_ops.errors import Conflict
 
@@ -117,13 +99,13 @@ def state_of(sim: Sim) -> tuple[Any, ...]:
     return (sim.status, dict(sim.nodes), len(sim.signals), frozenset(sim.consumed), sim.minted)
 
 
-def expected_current(sim: Sim, event: Event) -> bool:
+def expected_current(sim: Sim, event: model.Event) -> bool:
     """Independent oracle: does this event change the run (i.e. is it not stale)?"""
-    if sim.status not in ACTIVE_RUN_STATUSES:
+    if sim.status not in model.ACTIVE_RUN_STATUSES:
         return False
-    if isinstance(event, StartRun):
+    if isinstance(event, model.StartRun):
         return not sim.nodes
-    if isinstance(event, TimerDue):
+    if isinstance(event, model.TimerDue):
         state = sim.nodes.get(event.node_id)
         return (
             state is not None
@@ -131,7 +113,7 @@ def expected_current(sim: Sim, event: Event) -> bool:
             and state.state is TaskState.WAITING
             and sim.spec.nodes[event.node_id].type in (NodeType.WAIT, NodeType.WAIT_FOR_EVENT)
         )
-    assert isinstance(event, TaskCompleted | TaskFailed | LeaseExpired)
+    assert isinstance(event, model.TaskCompleted | model.TaskFailed | model.LeaseExpired)
     ref = event.ref
     state = sim.nodes.get(ref.node_id)
     if (
@@ -144,14 +126,14 @@ def expected_current(sim: Sim, event: Event) -> bool:
     ):
         return False
     lapsed = state.lease_expires_at is not None and state.lease_expires_at <= event.now
-    return lapsed if isinstance(event, LeaseExpired) else not lapsed
+    return lapsed if isinstance(event, model.LeaseExpired) else not lapsed
 
 
-def send_checked(sim: Sim, event: Event) -> Decision | None:
+def send_checked(sim: Sim, event: model.Event) -> model.Decision | None:
     """Send an event and check it against the oracle; ``None`` when it raised Conflict."""
     before = state_of(sim)
-    finished = sim.status not in ACTIVE_RUN_STATUSES
-    if isinstance(event, SignalReceived | CancelRun):
+    finished = sim.status not in model.ACTIVE_RUN_STATUSES
+    if isinstance(event, model.SignalReceived | model.CancelRun):
         if finished:
             try:
                 sim.send(event)
@@ -164,11 +146,11 @@ def send_checked(sim: Sim, event: Event) -> Decision | None:
         waiters = sorted(
             (s.created_at, s.task_id, n, s.wake_at)
             for n, s in sim.nodes.items()
-            if isinstance(event, SignalReceived) and s.state is TaskState.WAITING and s.event_name == event.name
+            if isinstance(event, model.SignalReceived) and s.state is TaskState.WAITING and s.event_name == event.name
         )
         decision = sim.send(event)
         assert not decision.stale and decision.actions
-        if isinstance(event, SignalReceived):
+        if isinstance(event, model.SignalReceived):
             check_signal(decision, event, [(task_id, node_id, wake) for _, task_id, node_id, wake in waiters])
         return decision
     current = expected_current(sim, event)
@@ -183,7 +165,7 @@ def send_checked(sim: Sim, event: Event) -> Decision | None:
     return decision
 
 
-def check_signal(decision: Decision, event: SignalReceived, waiters: list[tuple[str, str, Any]]) -> None:
+def check_signal(decision: model.Decision, event: model.SignalReceived, waiters: list[tuple[str, str, Any]]) -> None:
     """Timed-out waiters are resolved by their timers, in creation order; then the signal
     resolves exactly one live waiter, or is buffered, or (the timeouts finished the run)
     is refused. It never resolves more than one node."""
@@ -196,11 +178,11 @@ def check_signal(decision: Decision, event: SignalReceived, waiters: list[tuple[
         live = (task_id, node_id)
         break
     existing = {node_id for _, node_id, _ in waiters}
-    resolved = [a for a in decision.actions if isinstance(a, ResolveWait) and a.node_id in existing]
+    resolved = [a for a in decision.actions if isinstance(a, model.ResolveWait) and a.node_id in existing]
     timers = [a.node_id for a in resolved if a.timer]
     assert timers == timed_out[: len(timers)], (timers, timed_out)
     by_signal = [a for a in resolved if not a.timer]
-    buffers = [a for a in decision.actions if isinstance(a, BufferSignal)]
+    buffers = [a for a in decision.actions if isinstance(a, model.BufferSignal)]
     assert len(by_signal) + len(buffers) <= 1, decision
     if decision.refused is not None:
         assert not by_signal and not buffers and decision.finish is not None
@@ -230,15 +212,15 @@ def moves(sim: Sim) -> list[tuple[Any, ...]]:
     return out
 
 
-def perform(sim: Sim, move: tuple[Any, ...], data: st.DataObject, history: list[Event]) -> None:
+def perform(sim: Sim, move: tuple[Any, ...], data: st.DataObject, history: list[model.Event]) -> None:
     kind = move[0]
-    event: Event | None = None
+    event: model.Event | None = None
     if kind == "start":
-        event = StartRun(now=sim.now)
+        event = model.StartRun(now=sim.now)
     elif kind == "replay":
         if history:
             event = data.draw(st.sampled_from(history))
-            if isinstance(event, SignalReceived):
+            if isinstance(event, model.SignalReceived):
                 event = None
     elif kind == "claim":
         node_id = move[1]
@@ -247,12 +229,12 @@ def perform(sim: Sim, move: tuple[Any, ...], data: st.DataObject, history: list[
             sim.now = available
         sim.claim(node_id, owner=data.draw(st.sampled_from(["w1", "w2"])))
     elif kind == "unclaimed_result":
-        event = TaskCompleted(ref=sim.ref(move[1]), output=None, now=sim.now)
+        event = model.TaskCompleted(ref=sim.ref(move[1]), output=None, now=sim.now)
     elif kind == "complete":
         output = {"v": data.draw(st.sampled_from(LABELS))}
-        event = TaskCompleted(ref=sim.ref(move[1], sim.nodes[move[1]].lease_owner), output=output, now=sim.now)
+        event = model.TaskCompleted(ref=sim.ref(move[1], sim.nodes[move[1]].lease_owner), output=output, now=sim.now)
     elif kind == "fail":
-        event = TaskFailed(
+        event = model.TaskFailed(
             ref=sim.ref(move[1], sim.nodes[move[1]].lease_owner),
             error="boom",
             retryable=data.draw(st.booleans()),
@@ -263,22 +245,22 @@ def perform(sim: Sim, move: tuple[Any, ...], data: st.DataObject, history: list[
         assert expires is not None
         if data.draw(st.booleans()):
             sim.now = max(sim.now, expires)
-        event = LeaseExpired(ref=sim.ref(move[1], None), now=sim.now)
+        event = model.LeaseExpired(ref=sim.ref(move[1], None), now=sim.now)
     elif kind == "intruder":
-        event = TaskCompleted(ref=sim.ref(move[1], "intruder"), output=None, now=sim.now)
+        event = model.TaskCompleted(ref=sim.ref(move[1], "intruder"), output=None, now=sim.now)
     elif kind in ("fire", "fire_done"):
         wake_at = sim.rows[move[1]].wake_at
         if wake_at is not None and wake_at > sim.now:
             sim.now = wake_at
-        event = TimerDue(task_id=sim.nodes[move[1]].task_id, node_id=move[1], now=sim.now)
+        event = model.TimerDue(task_id=sim.nodes[move[1]].task_id, node_id=move[1], now=sim.now)
     elif kind == "old_attempt":
         state = sim.nodes[move[1]]
-        ref = TaskRef(task_id=state.task_id, run_id=sim.run_id, node_id=move[1], attempt=state.attempt - 1)
-        event = TaskCompleted(ref=ref, output=None, now=sim.now)
+        ref = model.TaskRef(task_id=state.task_id, run_id=sim.run_id, node_id=move[1], attempt=state.attempt - 1)
+        event = model.TaskCompleted(ref=ref, output=None, now=sim.now)
     elif kind == "signal":
-        event = SignalReceived(name=move[1], payload={"v": data.draw(st.sampled_from(LABELS))}, now=sim.now)
+        event = model.SignalReceived(name=move[1], payload={"v": data.draw(st.sampled_from(LABELS))}, now=sim.now)
     elif kind == "cancel":
-        event = CancelRun(reason="random cancel", now=sim.now)
+        event = model.CancelRun(reason="random cancel", now=sim.now)
     if event is not None:
         history.append(event)
         send_checked(sim, event)
@@ -288,15 +270,15 @@ def perform(sim: Sim, move: tuple[Any, ...], data: st.DataObject, history: list[
 def drain(sim: Sim) -> None:
     """Report every outstanding task until the run finishes; it must not get stuck."""
     for _ in range(300):
-        if sim.status not in ACTIVE_RUN_STATUSES:
+        if sim.status not in model.ACTIVE_RUN_STATUSES:
             return
         for node_id, state in sorted(sim.nodes.items()):
             if state.state is TaskState.RUNNING:
                 assert state.lease_expires_at is not None
                 if state.lease_expires_at <= sim.now:
-                    send_checked(sim, LeaseExpired(ref=sim.ref(node_id, None), now=sim.now))
+                    send_checked(sim, model.LeaseExpired(ref=sim.ref(node_id, None), now=sim.now))
                 else:
-                    send_checked(sim, TaskCompleted(ref=sim.ref(node_id, None), output={"v": "a"}, now=sim.now))
+                    send_checked(sim, model.TaskCompleted(ref=sim.ref(node_id, None), output={"v": "a"}, now=sim.now))
                 break
             if state.state in (TaskState.PENDING, TaskState.QUEUED):
                 available = sim.rows[node_id].available_at
@@ -308,12 +290,12 @@ def drain(sim: Sim) -> None:
                 node = sim.spec.nodes[node_id]
                 if node.type is NodeType.WAIT_FOR_EVENT:
                     assert node.event_name is not None
-                    send_checked(sim, SignalReceived(name=node.event_name, payload={"v": "b"}, now=sim.now))
+                    send_checked(sim, model.SignalReceived(name=node.event_name, payload={"v": "b"}, now=sim.now))
                 else:
                     wake_at = sim.rows[node_id].wake_at
                     assert wake_at is not None
                     sim.now = max(sim.now, wake_at)
-                    send_checked(sim, TimerDue(task_id=state.task_id, node_id=node_id, now=sim.now))
+                    send_checked(sim, model.TimerDue(task_id=state.task_id, node_id=node_id, now=sim.now))
                 break
         else:
             raise AssertionError(f"run is {sim.status} but no task can make progress: {sim.nodes}")
@@ -321,8 +303,8 @@ def drain(sim: Sim) -> None:
 
 
 def check_final(sim: Sim) -> None:
-    assert sim.status not in ACTIVE_RUN_STATUSES
-    assert not [n for n, s in sim.nodes.items() if s.state in ACTIVE_TASK_STATES]
+    assert sim.status not in model.ACTIVE_RUN_STATUSES
+    assert not [n for n, s in sim.nodes.items() if s.state in model.ACTIVE_TASK_STATES]
     task_ids = [s.task_id for s in sim.nodes.values()]
     assert len(task_ids) == len(set(task_ids))
     if sim.status is RunStatus.SUCCEEDED:
@@ -338,15 +320,15 @@ def check_final(sim: Sim) -> None:
         assert len(failed) == 1
         assert sim.run_reason is not None and f'node "{failed[0]}"' in sim.run_reason
     for state in sim.nodes.values():
-        assert state.state in TERMINAL_TASK_STATES
+        assert state.state in model.TERMINAL_TASK_STATES
 
 
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(doc=workflows(), run_input=run_inputs(), data=st.data())
 def test_random_event_orders_keep_the_invariants(doc: dict[str, Any], run_input: dict[str, Any], data: Any) -> None:
     sim = Sim(doc, input=run_input)
-    history: list[Event] = []
-    start = StartRun(now=sim.now)
+    history: list[model.Event] = []
+    start = model.StartRun(now=sim.now)
     history.append(start)
     send_checked(sim, start)
     for _ in range(data.draw(st.integers(0, 40), label="steps")):
@@ -360,7 +342,8 @@ def test_random_event_orders_keep_the_invariants(doc: dict[str, Any], run_input:
     frozen = state_of(sim)
     for event in history[-15:]:
         send_checked(sim, event)
-    for event in (CancelRun(reason="late", now=sim.now), SignalReceived(name="e1", payload=None, now=sim.now)):
+    for event in (model.CancelRun(reason="late", now=sim.now),
+                  model.SignalReceived(name="e1", payload=None, now=sim.now)):
         send_checked(sim, event)
     assert state_of(sim) == frozen
 
@@ -384,7 +367,7 @@ def test_random_specs_round_trip(doc: dict[str, Any]) -> None:
 def test_happy_path_reaches_a_terminal_status(doc: dict[str, Any], run_input: dict[str, Any]) -> None:
     """With no failures injected, a run never fails unless a wait cannot resolve."""
     sim = Sim(doc, input=run_input)
-    send_checked(sim, StartRun(now=sim.now))
+    send_checked(sim, model.StartRun(now=sim.now))
     drain(sim)
     check_final(sim)
     if sim.status is RunStatus.FAILED:
@@ -402,9 +385,10 @@ def test_happy_path_reaches_a_terminal_status(doc: dict[str, Any], run_input: di
 def test_stale_events_on_a_sample_run_are_reported() -> None:
     """A deterministic smoke test of the oracle itself, so a broken oracle cannot pass silently."""
     sim = Sim({"id": "w", "nodes": [{"id": "a", "type": "TASK", "task": "t"}]})
-    send_checked(sim, StartRun(now=sim.now))
+    send_checked(sim, model.StartRun(now=sim.now))
     ref = sim.claim("a")
-    assert expected_current(sim, TaskCompleted(ref=ref, output=1, now=sim.now))
-    assert not expected_current(sim, TaskCompleted(ref=dataclasses.replace(ref, attempt=1), output=1, now=sim.now))
-    assert not expected_current(sim, LeaseExpired(ref=ref, now=sim.now))
-    assert expected_current(sim, LeaseExpired(ref=ref, now=sim.now + timedelta(seconds=30)))
+    assert expected_current(sim, model.TaskCompleted(ref=ref, output=1, now=sim.now))
+    late = dataclasses.replace(ref, attempt=1)
+    assert not expected_current(sim, model.TaskCompleted(ref=late, output=1, now=sim.now))
+    assert not expected_current(sim, model.LeaseExpired(ref=ref, now=sim.now))
+    assert expected_current(sim, model.LeaseExpired(ref=ref, now=sim.now + timedelta(seconds=30)))
