@@ -24,6 +24,7 @@ from composer_ops.core.model import RunStatus
 from composer_ops.errors import Invalid, NotFound
 from composer_ops.ops._common import ACTIVE_STATES, UTC_TS, Source, connection, rows_frame
 from composer_ops.repo import analytics
+from composer_ops.repo.rows import HistoryRow
 
 TASK_SCHEMA = {
     "task_id": pl.String, "node_id": pl.String, "node_type": pl.String, "queue": pl.String, "state": pl.String,
@@ -49,27 +50,13 @@ def _history_frame(rows: list[Any]) -> pl.DataFrame:
     return rows_frame(rows, HISTORY_SCHEMA)
 
 
-@dataclass(frozen=True)
-class _Row:
-    """A history row as :func:`composer_ops.core.attempts.attempts` reads it."""
-
-    at: datetime
-    kind: str
-    node_id: str | None
-    task_id: str | None
-    attempt: int | None
-    worker: str | None
-    detail: Any
-
-
 def attempts_frame(history: pl.DataFrame) -> pl.DataFrame:
     """Every attempt of every task that ``history`` (a run's :data:`HISTORY_SCHEMA`
     frame) records, in the order they began: the worker, when it claimed and when the
     attempt ended, how (completed, failed, lease expired, cancelled, or still
     running), whether the task was re-queued, the error, and the worker's own note of
     a lost lease."""
-    rows = [_Row(r["at"], r["kind"], r["node_id"], r["task_id"], r["attempt"], r["worker"],
-                 json.loads(r["detail"]) if r["detail"] is not None else None)
+    rows = [HistoryRow(**{**r, "detail": json.loads(r["detail"]) if r["detail"] is not None else None})
             for r in history.sort("seq").iter_rows(named=True)]
     found = attempts_of(rows)
     return rows_frame([(a.node_id, a.task_id, a.attempt, a.worker, a.claimed_at, a.ended_at,

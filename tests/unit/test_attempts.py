@@ -2,43 +2,39 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from composer_ops.core.attempts import attempts, lost_leases
+from composer_ops.repo.rows import HistoryRow
 
 T0 = datetime(2026, 1, 1, tzinfo=UTC)
-
-
-@dataclass(frozen=True)
-class Row:
-    at: datetime
-    kind: str
-    node_id: str | None = None
-    task_id: str | None = None
-    attempt: int | None = None
-    worker: str | None = None
-    detail: Any = None
 
 
 def at(s: int) -> datetime:
     return T0 + timedelta(seconds=s)
 
 
+def row(s: int, kind: str, node_id: str | None = None, task_id: str | None = None, attempt: int | None = None,
+        worker: str | None = None, detail: Any = None) -> HistoryRow:
+    """The run's ``s``-th history row, written ``s`` seconds after T0."""
+    return HistoryRow(seq=s, at=at(s), kind=kind, node_id=node_id, task_id=task_id, attempt=attempt, worker=worker,
+                      request=None, detail=detail)
+
+
 def test_each_attempt_is_opened_by_its_claim_and_ended_by_what_ended_it() -> None:
     rows = [
-        Row(at(0), "started"),
-        Row(at(1), "claimed", "a", "t1", 0, "w1"),
-        Row(at(5), "lease_expired", "a", "t1", 0, "w1", {"error": "lease of w1 expired", "requeued": True}),
-        Row(at(6), "lease_lost", "a", "t1", 0, "w1", {"reason": "heartbeat found the lease lost"}),
-        Row(at(7), "claimed", "a", "t1", 1, "w2"),
-        Row(at(8), "failed", "a", "t1", 1, "w2", {"error": "boom", "requeued": False, "finished": "FAILED"}),
-        Row(at(9), "retried", detail={"from": [], "reset": ["a"]}),
-        Row(at(10), "claimed", "a", "t2", 0, "w3"),
-        Row(at(11), "claimed", "b", "t3", 0, "w3"),
-        Row(at(12), "completed", "b", "t3", 0, "w3"),
-        Row(at(13), "cancelled", detail={"reason": "enough"}),
+        row(0, "started"),
+        row(1, "claimed", "a", "t1", 0, "w1"),
+        row(5, "lease_expired", "a", "t1", 0, "w1", {"error": "lease of w1 expired", "requeued": True}),
+        row(6, "lease_lost", "a", "t1", 0, "w1", {"reason": "heartbeat found the lease lost"}),
+        row(7, "claimed", "a", "t1", 1, "w2"),
+        row(8, "failed", "a", "t1", 1, "w2", {"error": "boom", "requeued": False, "finished": "FAILED"}),
+        row(9, "retried", detail={"from": [], "reset": ["a"]}),
+        row(10, "claimed", "a", "t2", 0, "w3"),
+        row(11, "claimed", "b", "t3", 0, "w3"),
+        row(12, "completed", "b", "t3", 0, "w3"),
+        row(13, "cancelled", detail={"reason": "enough"}),
     ]
     found = attempts(rows)
     assert [(a.node_id, a.task_id, a.attempt, a.worker, a.outcome, a.requeued) for a in found] == [
@@ -54,6 +50,6 @@ def test_each_attempt_is_opened_by_its_claim_and_ended_by_what_ended_it() -> Non
 
 
 def test_an_attempt_without_its_claim_row_still_names_the_worker_that_ended_it() -> None:
-    [only] = attempts([Row(at(3), "lease_expired", "a", "t1", 0, "w9", {"requeued": True, "error": "x"})])
+    [only] = attempts([row(3, "lease_expired", "a", "t1", 0, "w9", {"requeued": True, "error": "x"})])
     assert (only.worker, only.claimed_at, only.outcome) == ("w9", None, "lease expired")
-    assert attempts([Row(at(1), "signal", "w", "t5", None, None, {"name": "go"})]) == []
+    assert attempts([row(1, "signal", "w", "t5", None, None, {"name": "go"})]) == []
