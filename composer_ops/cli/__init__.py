@@ -15,7 +15,7 @@ from collections.abc import Sequence
 import composer_ops.cli.ops_cmds as ops_cmds
 import composer_ops.cli.simulate_cmds as simulate_cmds
 from composer_ops.cli import admin_cmds, db_cmds, partition_cmds, run_cmds
-from composer_ops.cli._common import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_OK, ArgumentParser
+from composer_ops.cli._common import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_OK, ArgumentParser, check_options
 from composer_ops.errors import ComposerError, Unavailable
 
 
@@ -43,6 +43,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("composer_ops").setLevel(level)
     try:
+        check_options(args)
         code: int = args.func(args)
         sys.stdout.flush()
         return code

@@ -1,5 +1,7 @@
-"""CLI plumbing: options that fall back to COMPOSER_* variables, JSON arguments,
-one-line errors and exit codes (0 ok, 1 operation failed, 2 bad input)."""
+"""CLI plumbing: how a command is registered, the options several commands share
+(each defined here once, with its name, help, type and check), options that fall back
+to COMPOSER_* variables, JSON arguments, one-line errors and exit codes (0 ok,
+1 operation failed, 2 bad input)."""
 
 from __future__ import annotations
 
@@ -7,7 +9,14 @@ import argparse
 import json
 import os
 import sys
-from typing import Any
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Literal
+
+from composer_ops.errors import Invalid
+
+if TYPE_CHECKING:
+    from composer_ops.engine import Engine
 
 EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT = 0, 1, 2
 
@@ -22,8 +31,42 @@ class ArgumentParser(argparse.ArgumentParser):
         self.exit(EXIT_BAD_INPUT, f"composer-ops: error: {self.prog}: {flat}\n")
 
 
-def env_option(parser: argparse.ArgumentParser, *flags: str, env: str, help: str, **kw: Any) -> None:
-    """An option whose default comes from environment variable ``env`` (shown in --help)."""
+@dataclass(frozen=True)
+class Accepts:
+    """The values a number option accepts, and how its error says so."""
+
+    test: Callable[[Any], bool]
+    text: str
+
+    def check(self, flag: str, value: Any) -> None:
+        if value is not None and not self.test(value):
+            raise Invalid(f"{flag} must be {self.text}, got {value}")
+
+
+def number_text(value: float) -> str:
+    return f"{value:g}" if isinstance(value, float) else str(value)
+
+
+def at_least(low: float) -> Accepts:
+    return Accepts(lambda v: v >= low, f"{number_text(low)} or more")
+
+
+def between(low: float, high: float) -> Accepts:
+    return Accepts(lambda v: low <= v <= high, f"between {number_text(low)} and {number_text(high)}")
+
+
+def above_up_to(low: float, high: float) -> Accepts:
+    return Accepts(lambda v: low < v <= high, f"more than {number_text(low)} and at most {number_text(high)}")
+
+
+#: A share of something: 0 up to, not including, 1.
+FRACTION = Accepts(lambda v: 0 <= v < 1, "a fraction in [0, 1)")
+
+
+def env_option(parser: argparse._ActionsContainer, *flags: str, env: str, help: str,
+               accepts: Accepts | None = None, **kw: Any) -> None:
+    """An option whose default comes from environment variable ``env`` (shown in --help).
+    With ``accepts``, :func:`check_options` refuses a value outside it (one line, exit 2)."""
     default = os.environ.get(env, kw.pop("default", None))
     conv = kw.get("type")
     if default is not None and conv is not None and isinstance(default, str):
@@ -34,7 +77,33 @@ def env_option(parser: argparse.ArgumentParser, *flags: str, env: str, help: str
             raise SystemExit(EXIT_BAD_INPUT) from None
     shown = f" [env: {env}]" + (f" (default: {kw['metavar_default']})" if "metavar_default" in kw else "")
     kw.pop("metavar_default", None)
-    parser.add_argument(*flags, default=default, help=help + shown, **kw)
+    action = parser.add_argument(*flags, default=default, help=help + shown, **kw)
+    if accepts is not None:
+        checks = parser.get_default("option_checks") or ()
+        parser.set_defaults(option_checks=(*checks, (action.dest, flags[0], accepts)))
+
+
+def check_options(args: argparse.Namespace) -> None:
+    """Refuse (:class:`Invalid`) the first option value outside what its ``accepts`` says,
+    before the command does anything."""
+    for dest, flag, accepts in getattr(args, "option_checks", None) or ():
+        accepts.check(flag, getattr(args, dest))
+
+
+Database = Literal["reads", "writes"]
+
+
+def add_command(sub: argparse._SubParsersAction, name: str,  # type: ignore[type-arg]
+                func: Callable[[argparse.Namespace], int], *, help: str, database: Database | None = "writes",
+                **kw: Any) -> argparse.ArgumentParser:
+    """Subcommand ``name`` running ``func(args)``. With ``database``, its first option is
+    ``--database-url``: a command that ``"reads"`` only uses a running server and never
+    starts the embedded one (:func:`database_url`, :func:`open_engine`)."""
+    parser: argparse.ArgumentParser = sub.add_parser(name, help=help, **kw)
+    if database is not None:
+        add_database_option(parser, reads_only=database == "reads")
+    parser.set_defaults(func=func, reads_only=database == "reads")
+    return parser
 
 
 def add_database_option(parser: argparse.ArgumentParser, *, reads_only: bool = False) -> None:
@@ -44,6 +113,31 @@ def add_database_option(parser: argparse.ArgumentParser, *, reads_only: bool = F
              else "the embedded server under COMPOSER_HOME, started if it is not running")
     env_option(parser, "--database-url", env="COMPOSER_DATABASE_URL",
                help=f"libpq URL of the database; unset means {unset}")
+
+
+def database_url(args: argparse.Namespace) -> str | None:
+    """The command's database: for a command that only reads, the running server
+    :func:`composer_ops.db.find_url` finds (else :class:`Unavailable`); for others the
+    --database-url given, if any (the engine starts the embedded server without one)."""
+    from composer_ops.db import find_url
+
+    return find_url(args.database_url) if args.reads_only else args.database_url
+
+
+def open_engine(args: argparse.Namespace, *, pool_size: int = 1) -> Engine:
+    """The engine of one command, on :func:`database_url`, named after the command."""
+    from composer_ops.engine import Engine
+
+    return Engine.connect(database_url(args), pool_size=pool_size, application_name=f"composer-ops {args.command}")
+
+
+def add_json_option(parser: argparse.ArgumentParser, help: str = "print JSON") -> None:
+    parser.add_argument("--json", action="store_true", help=help)
+
+
+def add_yes_option(parser: argparse._ActionsContainer, help: str) -> None:
+    """``--yes``: act for real; without it the command says what it would do and changes nothing."""
+    parser.add_argument("--yes", action="store_true", help=help)
 
 
 def json_arg(text: str | None, what: str) -> Any:

@@ -15,9 +15,15 @@ from collections.abc import Iterator, Sequence
 from datetime import UTC, datetime
 from typing import Any
 
-from composer_ops.cli._common import EXIT_OK, add_database_option, emit_json, env_option
-from composer_ops.db import find_url
-from composer_ops.engine import Engine
+from composer_ops.cli._common import (
+    EXIT_OK,
+    add_command,
+    add_json_option,
+    add_yes_option,
+    emit_json,
+    env_option,
+    open_engine,
+)
 from composer_ops.errors import Invalid
 from composer_ops.repo.audit import Actor
 
@@ -66,17 +72,16 @@ def progress_bars(enabled: bool = True) -> Iterator[RichProgress]:
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     wk = sub.add_parser("workers", help="the workers registry: live and dead workers and the leases they left")
     wsub = wk.add_subparsers(dest="workers_command", required=True, metavar="{list}")
-    lst = wsub.add_parser(
-        "list", help="live, dead and stopped workers, and the leases each dead one left behind",
+    lst = add_command(
+        wsub, "list", cmd_workers_list, database="reads",
+        help="live, dead and stopped workers, and the leases each dead one left behind",
         description="Every worker registers itself and shows a sign of life once per registry interval. "
                     "A worker not seen for three intervals, and not stopped cleanly, is dead; the RUNNING "
                     "tasks it still holds a lease on are listed (the lease sweeper re-queues them once the "
                     "lease lapses). Exit 0 whatever the workers' state.")
-    add_database_option(lst, reads_only=True)
     env_option(lst, "--window", env="COMPOSER_WORKERS_WINDOW_H", type=float, default=24.0, metavar="HOURS",
                metavar_default="24", help="also list workers last seen this many hours ago (0: all)")
-    lst.add_argument("--json", action="store_true", help="print JSON")
-    lst.set_defaults(func=cmd_workers_list)
+    add_json_option(lst)
 
 
 def add_selection_options(parser: argparse.ArgumentParser) -> None:
@@ -97,36 +102,32 @@ def add_selection_options(parser: argparse.ArgumentParser) -> None:
 
 def register_runs(rsub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     """``runs list`` (and the other operator actions on runs) under ``composer-ops runs``."""
-    lst = rsub.add_parser(
-        "list", help="find runs by workflow, status, creation window and input",
+    lst = add_command(
+        rsub, "list", cmd_runs_list, database="reads", help="find runs by workflow, status, creation window and input",
         description="Runs matching every given condition, newest first. The creation window is turned into "
                     "run-ID bounds, so only the months it covers are read; without one every month is "
                     "searched, newest first, until LIMIT runs are found.")
-    add_database_option(lst, reads_only=True)
     add_selection_options(lst)
     env_option(lst, "--limit", env="COMPOSER_RUNS_LIMIT", type=int, default=50, metavar_default="50",
                help="at most this many runs")
-    lst.add_argument("--json", action="store_true", help="print a JSON list of objects")
-    lst.set_defaults(func=cmd_runs_list)
+    add_json_option(lst, "print a JSON list of objects")
 
-    can = rsub.add_parser(
-        "cancel", help="cancel every active run a selection names (dry-run unless --yes)",
+    can = add_command(
+        rsub, "cancel", cmd_runs_cancel, help="cancel every active run a selection names (dry-run unless --yes)",
         description="Select runs as `runs list` does (at least one of --where, --workflow, --since, --until), "
                     "keep the active ones (PENDING, RUNNING), and cancel them through the engine's cancel event: "
                     "oldest first, CHUNK runs per transaction, each run under its lock, one audit row per chunk. "
                     "Without --yes it lists what it would cancel. Interrupted, it keeps what it did; run it "
                     "again to cancel the rest. Exit 0 done, 1 failed, 2 bad input.")
-    add_database_option(can)
     add_selection_options(can)
     can.add_argument("--reason", default="cancelled by operator", help="recorded as each run's error")
-    can.add_argument("--yes", action="store_true", help="cancel for real (without: list what would be cancelled)")
+    add_yes_option(can, "cancel for real (without: list what would be cancelled)")
     env_option(can, "--chunk", env="COMPOSER_CANCEL_CHUNK", type=int, default=50, metavar_default="50",
                help="runs cancelled per transaction")
-    can.add_argument("--json", action="store_true", help="print JSON")
-    can.set_defaults(func=cmd_runs_cancel)
+    add_json_option(can)
 
-    rty = rsub.add_parser(
-        "retry", help="run a FAILED or CANCELLED run again from a node (dry-run unless --yes)",
+    rty = add_command(
+        rsub, "retry", cmd_runs_retry, help="run a FAILED or CANCELLED run again from a node (dry-run unless --yes)",
         description="The failed node (or NODE) and every node downstream of it run again, and so do the tasks "
                     "that were cancelled when the run ended; completed upstream outputs are kept. The state "
                     "machine decides it under the run's lock and the run goes back to RUNNING; an audit row "
@@ -135,21 +136,14 @@ def register_runs(rsub: argparse._SubParsersAction) -> None:  # type: ignore[typ
                     "deleted definition version. Instead of RUN, a selection (as for `runs list`, FAILED runs "
                     "unless --status says CANCELLED) retries up to --limit runs, oldest first, each in its own "
                     "transaction. Exit 0 done, 1 refused or failed, 2 bad input.")
-    add_database_option(rty)
     rty.add_argument("run_id", metavar="RUN", nargs="?", help="the run to retry (or give a selection)")
     rty.add_argument("--from", dest="from_nodes", metavar="NODE", action="append", default=[],
                      help="run again from this node (repeat for several; default: the nodes that failed)")
     add_selection_options(rty)
     env_option(rty, "--limit", env="COMPOSER_RETRY_LIMIT", type=int, default=100, metavar_default="100",
                help="with a selection: retry at most this many runs")
-    rty.add_argument("--yes", action="store_true", help="retry for real (without: say what would run again)")
-    rty.add_argument("--json", action="store_true", help="print JSON")
-    rty.set_defaults(func=cmd_runs_retry)
-
-
-def _engine(args: argparse.Namespace, *, reads_only: bool = False) -> Engine:
-    url = find_url(args.database_url) if reads_only else args.database_url
-    return Engine.connect(url, pool_size=1, application_name=f"composer-ops {args.command}")
+    add_yes_option(rty, "retry for real (without: say what would run again)")
+    add_json_option(rty)
 
 
 def _ts(value: datetime | None) -> str:
@@ -186,7 +180,7 @@ def cmd_runs_list(args: argparse.Namespace) -> int:
     from composer_ops.engine.admin import find_runs
 
     chosen = _selection(args)     # a bad selection exits 2 before connecting
-    with _engine(args, reads_only=True) as engine:
+    with open_engine(args) as engine:
         resolved, found = find_runs(engine.pool, chosen, limit=args.limit)
     if args.json:
         emit_json([{"run_id": r.id, "workflow_id": r.workflow_id, "workflow_version": r.workflow_version,
@@ -210,7 +204,7 @@ def cmd_runs_cancel(args: argparse.Namespace) -> int:
     from composer_ops.engine.admin import cancel_runs
 
     chosen = _selection(args)
-    with _engine(args) as engine:
+    with open_engine(args) as engine:
         with progress_bars() as bars:
             bars.start("cancelling runs", None)
             result = cancel_runs(engine.shell, chosen, reason=args.reason, yes=args.yes, actor=actor(args),
@@ -252,7 +246,7 @@ def cmd_runs_retry(args: argparse.Namespace) -> int:
         raise Invalid("give RUN or a selection (--where, --workflow, --status, --since, --until), not both")
     if args.run_id is None:
         chosen = _selection(args)
-        with _engine(args) as engine:
+        with open_engine(args) as engine:
             bulk = retry_runs(engine.shell, chosen, args.from_nodes, yes=args.yes, actor=actor(args),
                               limit=args.limit)
         if args.json:
@@ -268,7 +262,7 @@ def cmd_runs_retry(args: argparse.Namespace) -> int:
               + ("" if args.yes else "; nothing was changed (add --yes to retry)"))
         return EXIT_OK
     run_id = validate_run_id(args.run_id, normalise=True)
-    with _engine(args) as engine:
+    with open_engine(args) as engine:
         result = engine.retry(run_id, args.from_nodes or None, yes=args.yes, actor=actor(args))
     if args.json:
         emit_json(_retry_record(result))
@@ -287,7 +281,7 @@ def _short_id(workflow_id: str, version: int) -> str:
 def cmd_workers_list(args: argparse.Namespace) -> int:
     if args.window < 0:
         raise Invalid(f"--window must be 0 or more hours, got {args.window:g}")
-    with _engine(args, reads_only=True) as engine:
+    with open_engine(args) as engine:
         report = engine.workers(window_s=None if args.window == 0 else args.window * 3600)
     if args.json:
         out: dict[str, Any] = {

@@ -8,9 +8,17 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from composer_ops.cli._common import EXIT_FAILED, EXIT_OK, add_database_option, emit_json, env_option
+from composer_ops.cli._common import (
+    EXIT_FAILED,
+    EXIT_OK,
+    add_command,
+    add_json_option,
+    add_yes_option,
+    database_url,
+    emit_json,
+    env_option,
+)
 from composer_ops.cli.admin_cmds import actor, progress_bars
-from composer_ops.db import find_url
 
 
 def add_cutoff_option(parser: argparse.ArgumentParser) -> None:
@@ -32,52 +40,48 @@ def add_lock_options(parser: argparse.ArgumentParser, *, attempts: bool = True) 
 
 def register(psub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     """The archive subcommands, under ``composer-ops partitions``."""
-    arc = psub.add_parser(
-        "archive", help="write every month retention would drop as Parquet, verified (changes no data)",
+    arc = add_command(
+        psub, "archive", cmd_archive, database="reads",
+        help="write every month retention would drop as Parquet, verified (changes no data)",
         description="For the months the retention plan would drop for --older-than (the plan `partitions drop` "
                     "follows), write each run table's partition to DIR/YYYYMM/<table>.parquet (zstd) with a "
                     "manifest (month, bounds, rows, schema version, SHA-256 of every file and of its content), "
                     "re-read every file to verify it, and only then move it into place and write an audit row. "
                     "Nothing in the database changes except the audit rows. Exit 0 archived (or, with --dry-run, "
                     "listed), 1 a month could not be archived, 2 bad input.")
-    add_database_option(arc, reads_only=True)
     add_cutoff_option(arc)
     env_option(arc, "--to", dest="target", env="COMPOSER_ARCHIVE_DIR", metavar="DIR",
                help="the archive directory (created if missing; an earlier archive of a month is replaced)")
     arc.add_argument("--dry-run", action="store_true", help="list the months it would archive, write nothing")
-    arc.add_argument("--json", action="store_true", help="print JSON")
-    arc.set_defaults(func=cmd_archive)
+    add_json_option(arc)
 
-    det = psub.add_parser(
-        "detach", help="retention that keeps the months: detach them as standalone tables (dry-run unless --yes)",
+    det = add_command(
+        psub, "detach", cmd_detach, database="reads",
+        help="retention that keeps the months: detach them as standalone tables (dry-run unless --yes)",
         description="For the months the retention plan would drop for --older-than (the plan `partitions drop` "
                     "follows), detach each month's partitions from the run tables instead of dropping them, and "
                     "move them, under the same names, to the schema composer_detached (pg_partman's "
                     "retention_keep_table): the engine and the reports no longer see them, the data stays. Month "
                     "by month, each judged again under its locks, with an audit row. Exit codes as `partitions "
                     "drop`: 3 when months past the cut-off were kept for active runs.")
-    add_database_option(det, reads_only=True)
     add_cutoff_option(det)
-    det.add_argument("--yes", action="store_true", help="detach for real (without: print the plan)")
-    det.add_argument("--json", action="store_true", help="print JSON")
+    add_yes_option(det, "detach for real (without: print the plan)")
+    add_json_option(det)
     add_lock_options(det)
-    det.set_defaults(func=cmd_detach)
 
-    rst = psub.add_parser(
-        "restore", help="re-import an archived month with COPY (dry-run unless --yes)",
+    rst = add_command(
+        psub, "restore", cmd_restore, help="re-import an archived month with COPY (dry-run unless --yes)",
         description="Verify DIR/MONTH against its manifest (every file re-read), then with --yes create the "
                     "month's partitions where they are missing and COPY every table back in one transaction, "
                     "which checks the rows against the manifest and writes an audit row. A month whose "
                     "partitions hold rows is refused. Exit 0 restored (or would restore), 1 the archive is bad "
                     "or the restore failed, 2 bad input.")
-    add_database_option(rst)
     rst.add_argument("month", metavar="MONTH", help="the month to restore, YYYYMM")
     env_option(rst, "--from", dest="source", env="COMPOSER_ARCHIVE_DIR", metavar="DIR",
                help="the archive directory (the one `partitions archive --to` wrote)")
-    rst.add_argument("--yes", action="store_true", help="restore for real (without: verify and say what it would do)")
-    rst.add_argument("--json", action="store_true", help="print JSON")
+    add_yes_option(rst, "restore for real (without: verify and say what it would do)")
+    add_json_option(rst)
     add_lock_options(rst, attempts=False)
-    rst.set_defaults(func=cmd_restore)
 
 
 def cmd_restore(args: argparse.Namespace) -> int:
@@ -120,7 +124,7 @@ def cmd_archive(args: argparse.Namespace) -> int:
         raise Invalid("--to DIR is required (or COMPOSER_ARCHIVE_DIR)")
     cutoff = parse_cutoff(args.older_than)
     with progress_bars() as bars:
-        result = archive_due(find_url(args.database_url), cutoff, Path(args.target), dry_run=args.dry_run,
+        result = archive_due(database_url(args), cutoff, Path(args.target), dry_run=args.dry_run,
                              actor=actor(args), progress=bars)
     if args.json:
         emit_json({"cutoff": result.cutoff, "dry_run": args.dry_run,
@@ -170,7 +174,7 @@ def _retire(args: argparse.Namespace, when: Any, *, archive_dir: Path | None, ke
         check_directory(archive_dir)
     try:
         with progress_bars() as bars:
-            result = retire_months(find_url(args.database_url), when, archive_dir=archive_dir, keep_table=keep_table,
+            result = retire_months(database_url(args), when, archive_dir=archive_dir, keep_table=keep_table,
                                    yes=args.yes, actor=actor(args), lock_timeout_s=args.lock_timeout,
                                    max_attempts=args.attempts, progress=bars)
     except BadArchive as exc:

@@ -6,29 +6,26 @@ import argparse
 import os
 import sys
 
-from composer_ops.cli._common import EXIT_FAILED, EXIT_OK, add_database_option, env_option
+from composer_ops.cli._common import EXIT_FAILED, EXIT_OK, add_command, env_option
 from composer_ops.db import embedded
 from composer_ops.db.migrate import migrate, status
 
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    db = sub.add_parser("db", help="the embedded PostgreSQL server (data under COMPOSER_HOME)")
+    db = add_command(sub, "db", cmd_db, help="the embedded PostgreSQL server (data under COMPOSER_HOME)", database=None)
     env_option(db, "--home", env="COMPOSER_HOME", help="directory holding the embedded server's data",
                default=".composer")
     dsub = db.add_subparsers(dest="db_command", required=True, metavar="{up,url,stop}")
     dsub.add_parser("up", help="start the embedded server (it keeps running) and print its URL")
     dsub.add_parser("url", help="print the embedded server's URL (exit 1 if it is not running)")
     dsub.add_parser("stop", help="stop the embedded server")
-    db.set_defaults(func=cmd_db)
 
-    mig = sub.add_parser("migrate", help="apply pending sql/V*.sql migrations in order")
-    add_database_option(mig)
+    mig = add_command(sub, "migrate", cmd_migrate, help="apply pending sql/V*.sql migrations in order")
     mig.add_argument("--status", action="store_true", help="list migrations and whether each is applied")
     mig.add_argument("--citus", action="store_true", default=os.environ.get("COMPOSER_CITUS") == "1",
                      help="require a Citus coordinator and apply its series (sql/citus/ too: the tables are "
                           "distributed by run ID); without it a database with the citus extension is still "
                           "detected [env: COMPOSER_CITUS=1]")
-    mig.set_defaults(func=cmd_migrate)
 
 
 def cmd_db(args: argparse.Namespace) -> int:

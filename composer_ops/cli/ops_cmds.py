@@ -7,15 +7,37 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import typing
 from pathlib import Path
 
-from composer_ops.cli._common import EXIT_FAILED, EXIT_OK, add_database_option, emit_json, env_option
+from composer_ops.cli._common import EXIT_FAILED, EXIT_OK, add_command, add_json_option, emit_json, env_option
 from composer_ops.errors import Invalid
+from composer_ops.ops import health
+
+#: ``check``'s thresholds: the :class:`~composer_ops.ops.health.Thresholds` field each
+#: option sets (its type and default come from there), option, environment variable,
+#: metavar, help.
+_THRESHOLDS = (
+    ("months_ahead_min", "--months-ahead-min", "COMPOSER_CHECK_MONTHS_AHEAD_MIN", "N",
+     "alert when fewer partition months exist after the current one"),
+    ("sweeper_lag_s", "--sweeper-lag", "COMPOSER_CHECK_SWEEPER_LAG", "SECONDS",
+     "alert when a lease expired more than this many seconds ago and its task is still RUNNING"),
+    ("replay_lag_s", "--replay-lag", "COMPOSER_CHECK_REPLAY_LAG", "SECONDS",
+     "on a hot standby, alert when its replay lags the primary by more than this many seconds"),
+    ("outbox_ready_age_s", "--outbox-ready-age", "COMPOSER_CHECK_OUTBOX_READY_AGE", "SECONDS",
+     "alert when a claimable dispatch has waited more than this many seconds"),
+    ("retention_older_than", "--retention-older-than", "COMPOSER_RETENTION_OLDER_THAN", "WHEN",
+     "the retention cut-off: alert when months past it are kept for active runs"),
+    ("long_wait_h", "--long-wait-h", "COMPOSER_CHECK_LONG_WAIT_H", "HOURS",
+     "alert on WAIT_FOR_EVENT nodes without a timeout waiting longer than this many hours"),
+    ("webhook_attempts", "--webhook-attempts", "COMPOSER_CHECK_WEBHOOK_ATTEMPTS", "N",
+     "alert on webhook deliveries still retried after this many attempts"),
+)
 
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    rep = sub.add_parser(
-        "report", help="execute operations notebooks and write HTML reports",
+    rep = add_command(
+        sub, "report", cmd_report, help="execute operations notebooks and write HTML reports",
         description="Execute notebooks from the notebooks directory with papermill and write "
                     "OUT/<notebook>/<UTC timestamp>.html (code hidden, plotly embedded) beside the executed "
                     ".ipynb, then OUT/index.html. Exit 1 if a notebook fails (the failing cell is named), "
@@ -34,42 +56,23 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
                help="notebooks to execute at once, each in its own kernel (progress bars only with 1)")
     env_option(rep, "--keep", env="COMPOSER_REPORT_KEEP", type=int, default=0, metavar_default="0",
                help="after writing, keep only the newest N reports of each notebook run here (0: keep all)")
-    add_database_option(rep)
     rep.add_argument("--list", action="store_true", help="list the notebooks and their parameters, run nothing")
-    rep.set_defaults(func=cmd_report)
 
-    chk = sub.add_parser(
-        "check", help="deployment health against thresholds (exit 0 healthy, 1 alert, 2 bad input)",
+    chk = add_command(
+        sub, "check", cmd_check, help="deployment health against thresholds (exit 0 healthy, 1 alert, 2 bad input)",
         description="Read the database once and judge: partition months ahead, sweeper lag, the oldest ready "
                     "outbox row, retention blocked by active runs, WAIT_FOR_EVENT nodes without a timeout "
                     "waiting long, failing webhook deliveries. Exit 0 when healthy, 1 when a check alerts (or "
                     "the database cannot be read), 2 for bad input.")
-    chk.add_argument("--json", action="store_true", help="print the checks as a JSON object")
+    add_json_option(chk, "print the checks as a JSON object")
     env_option(chk, "--prometheus", env="COMPOSER_CHECK_PROMETHEUS", metavar="FILE",
                help="also write the figures in the Prometheus text format to FILE (atomically; for "
                     "node_exporter's textfile collector, e.g. /var/lib/node_exporter/textfile/composer.prom)")
-    env_option(chk, "--months-ahead-min", env="COMPOSER_CHECK_MONTHS_AHEAD_MIN", type=int, default=2, metavar="N",
-               metavar_default="2", help="alert when fewer partition months exist after the current one")
-    env_option(chk, "--sweeper-lag", env="COMPOSER_CHECK_SWEEPER_LAG", type=float, default=60.0,
-               metavar="SECONDS", metavar_default="60",
-               help="alert when a lease expired more than this many seconds ago and its task is still RUNNING")
-    env_option(chk, "--replay-lag", env="COMPOSER_CHECK_REPLAY_LAG", type=float, default=60.0,
-               metavar="SECONDS", metavar_default="60",
-               help="on a hot standby, alert when its replay lags the primary by more than this many seconds")
-    env_option(chk, "--outbox-ready-age", env="COMPOSER_CHECK_OUTBOX_READY_AGE", type=float, default=300.0,
-               metavar="SECONDS", metavar_default="300",
-               help="alert when a claimable dispatch has waited more than this many seconds")
-    env_option(chk, "--retention-older-than", env="COMPOSER_RETENTION_OLDER_THAN", default="6 months",
-               metavar="WHEN", metavar_default="6 months",
-               help="the retention cut-off: alert when months past it are kept for active runs")
-    env_option(chk, "--long-wait-h", env="COMPOSER_CHECK_LONG_WAIT_H", type=float, default=24.0,
-               metavar="HOURS", metavar_default="24",
-               help="alert on WAIT_FOR_EVENT nodes without a timeout waiting longer than this many hours")
-    env_option(chk, "--webhook-attempts", env="COMPOSER_CHECK_WEBHOOK_ATTEMPTS", type=int, default=3,
-               metavar="N", metavar_default="3",
-               help="alert on webhook deliveries still retried after this many attempts")
-    add_database_option(chk)
-    chk.set_defaults(func=cmd_check)
+    kinds = typing.get_type_hints(health.Thresholds)
+    for field, flag, env, metavar, text in _THRESHOLDS:
+        default = kinds[field](getattr(health.Thresholds, field))
+        env_option(chk, flag, dest=field, env=env, type=kinds[field], default=default, metavar=metavar,
+                   metavar_default=default if isinstance(default, str) else f"{default:g}", help=text)
 
 
 def cmd_report(args: argparse.Namespace) -> int:
@@ -116,12 +119,7 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 
 def cmd_check(args: argparse.Namespace) -> int:
-    from composer_ops.ops import health
-
-    thresholds = health.Thresholds(
-        months_ahead_min=args.months_ahead_min, sweeper_lag_s=args.sweeper_lag, replay_lag_s=args.replay_lag,
-        outbox_ready_age_s=args.outbox_ready_age, retention_older_than=args.retention_older_than,
-        long_wait_h=args.long_wait_h, webhook_attempts=args.webhook_attempts).checked()
+    thresholds = health.Thresholds(**{field: getattr(args, field) for field, *_ in _THRESHOLDS}).checked()
     if args.prometheus is not None and not args.prometheus.strip():
         raise Invalid("--prometheus needs a file path")
     result = health.check_health(args.database_url, thresholds)

@@ -8,10 +8,9 @@ from datetime import datetime
 from typing import Any
 
 from composer_ops.cli import archive_cmds
-from composer_ops.cli._common import EXIT_OK, add_database_option, emit_json, env_option
+from composer_ops.cli._common import EXIT_OK, add_command, add_json_option, at_least, emit_json, env_option, open_engine
 from composer_ops.cli.admin_cmds import actor
-from composer_ops.db import connect, find_url
-from composer_ops.engine import Engine
+from composer_ops.db import connect
 from composer_ops.errors import Invalid
 from composer_ops.ops.display import iec_bytes
 from composer_ops.repo.rows import RetentionMonth
@@ -26,19 +25,15 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     psub = parts.add_subparsers(dest="partitions_command", required=True,
                                 metavar="{list,ensure,drop,archive,detach,restore}")
 
-    lst = psub.add_parser("list", help="every partition of the three run-scoped tables")
-    add_database_option(lst, reads_only=True)
-    lst.add_argument("--json", action="store_true", help="print a JSON list of objects")
-    lst.set_defaults(func=cmd_list)
+    lst = add_command(psub, "list", cmd_list, database="reads", help="every partition of the three run-scoped tables")
+    add_json_option(lst, "print a JSON list of objects")
 
-    ens = psub.add_parser("ensure", help="create this UTC month and N months ahead (idempotent)")
-    add_database_option(ens)
-    env_option(ens, "--months-ahead", env="COMPOSER_MONTHS_AHEAD", type=int, default=3,
-               help="months to create beyond the current one")
-    ens.set_defaults(func=cmd_ensure)
+    ens = add_command(psub, "ensure", cmd_ensure, help="create this UTC month and N months ahead (idempotent)")
+    add_months_ahead_option(ens, "months to create beyond the current one")
 
-    drp = psub.add_parser(
-        "drop", help="retention: drop whole months older than a cut-off (dry-run unless --yes)",
+    drp = add_command(
+        psub, "drop", cmd_drop, database="reads",
+        help="retention: drop whole months older than a cut-off (dry-run unless --yes)",
         description="Show (default) or apply the retention plan: every partition month ended at or before "
                     "the cut-off (and at least an hour ago) with no RUNNING/PENDING run is dropped, for all three "
                     "run-scoped tables. The dry-run and --yes use the same SQL plan (composer_retention_plan); "
@@ -46,30 +41,27 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         epilog="Exit codes: 0 ok; 1 failed (nothing dropped in the failing attempt); 2 bad input; "
                "3 months past the cut-off were kept because they still have active runs (named on stderr; "
                "the rest of the plan was applied).")
-    add_database_option(drp, reads_only=True)
     archive_cmds.add_cutoff_option(drp)
     mode = drp.add_mutually_exclusive_group()
     mode.add_argument("--dry-run", dest="yes", action="store_false", default=False,
                       help="print the plan, drop nothing (the default)")
     mode.add_argument("--yes", dest="yes", action="store_true", help="drop the planned months for real")
-    drp.add_argument("--json", action="store_true",
-                     help="print a JSON list of objects (month, action, reason, ...; with --yes also dropped)")
+    add_json_option(drp, "print a JSON list of objects (month, action, reason, ...; with --yes also dropped)")
     archive_cmds.add_lock_options(drp)
     env_option(drp, "--archive", env="COMPOSER_ARCHIVE_DIR", metavar="DIR",
                help="archive each month first (as `partitions archive` does) and drop it only once its archive "
                     "verified and its rows are unchanged, month by month")
-    drp.set_defaults(func=cmd_drop)
     archive_cmds.register(psub)
 
 
-def _engine(args: argparse.Namespace, *, reads_only: bool = False) -> Engine:
-    """The engine of one command; ``list`` only reads, so it never starts the embedded server."""
-    url = find_url(args.database_url) if reads_only else args.database_url
-    return Engine.connect(url, pool_size=1, application_name="composer-ops partitions")
+def add_months_ahead_option(parser: argparse.ArgumentParser, help: str) -> None:
+    """``--months-ahead``: how many partition months are kept beyond the current one."""
+    env_option(parser, "--months-ahead", env="COMPOSER_MONTHS_AHEAD", type=int, default=3, accepts=at_least(0),
+               help=help)
 
 
 def cmd_list(args: argparse.Namespace) -> int:
-    with _engine(args, reads_only=True) as engine:
+    with open_engine(args) as engine:
         rows = engine.list_partitions()
     if args.json:
         emit_json([{"month": r.month, "table": r.table, "name": r.name,
@@ -82,9 +74,7 @@ def cmd_list(args: argparse.Namespace) -> int:
 
 
 def cmd_ensure(args: argparse.Namespace) -> int:
-    if args.months_ahead < 0:
-        raise Invalid(f"--months-ahead must be 0 or more, got {args.months_ahead}")
-    with _engine(args) as engine:
+    with open_engine(args) as engine:
         created = engine.ensure_partitions(args.months_ahead)
     print(f"created {created} partitions")
     return EXIT_OK

@@ -14,9 +14,19 @@ from pathlib import Path
 from typing import Any
 
 from composer_ops.cli import admin_cmds
-from composer_ops.cli._common import EXIT_OK, add_database_option, emit_json, env_option, json_arg
+from composer_ops.cli._common import (
+    EXIT_OK,
+    add_command,
+    add_json_option,
+    add_yes_option,
+    at_least,
+    emit_json,
+    env_option,
+    json_arg,
+    open_engine,
+)
+from composer_ops.cli.partition_cmds import add_months_ahead_option
 from composer_ops.core.attempts import Attempt, attempts
-from composer_ops.db import find_url
 from composer_ops.engine import Engine, Worker
 from composer_ops.engine.webhooks import RelayPolicy
 from composer_ops.engine.worker import check_shutdown_timeout
@@ -26,63 +36,51 @@ from composer_ops.repo.rows import HistoryRow
 
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    dep = sub.add_parser("deploy", help="validate a definition (JSON or YAML file) and deploy it as a new version")
-    add_database_option(dep)
+    dep = add_command(sub, "deploy", cmd_deploy,
+                      help="validate a definition (JSON or YAML file) and deploy it as a new version")
     dep.add_argument("file", help="path of the definition, or - for standard input")
-    dep.set_defaults(func=cmd_deploy)
 
-    start = sub.add_parser("start", help="start a run of a deployed workflow; prints the run ID")
-    add_database_option(start)
+    start = add_command(sub, "start", cmd_start, help="start a run of a deployed workflow; prints the run ID")
     start.add_argument("workflow", help="workflow id")
     start.add_argument("--input", help="run input as JSON")
     start.add_argument("--version", type=int, help="definition version (default: the deployed one)")
     start.add_argument("--run-id", help="client-supplied run ID: a recent lowercase UUIDv7 (idempotency key)")
-    start.set_defaults(func=cmd_start)
 
-    sig = sub.add_parser("signal", help="send a signal to a run (buffered if no node waits for it yet)")
-    add_database_option(sig)
+    sig = add_command(sub, "signal", cmd_signal, help="send a signal to a run (buffered if no node waits for it yet)")
     sig.add_argument("run_id")
     sig.add_argument("name")
     sig.add_argument("--payload", help="signal payload as JSON")
     sig.add_argument("--key", help="idempotency key: sending again with the same key (to the same run) "
                                    "resolves nothing more and prints the first outcome")
-    sig.set_defaults(func=cmd_signal)
 
-    cancel = sub.add_parser("cancel", help="cancel a run and its active tasks")
-    add_database_option(cancel)
+    cancel = add_command(sub, "cancel", cmd_cancel, help="cancel a run and its active tasks")
     cancel.add_argument("run_id")
     cancel.add_argument("--reason", default="cancelled by operator", help="recorded as the run's error")
-    cancel.set_defaults(func=cmd_cancel)
 
     runs = sub.add_parser("runs", help="inspect, find and act on runs")
     rsub = runs.add_subparsers(dest="runs_command", required=True, metavar="{show,delete,list,cancel,retry}")
-    show = rsub.add_parser("show", help="a run, its output or error, its tasks, every attempt and its history")
-    add_database_option(show, reads_only=True)
+    show = add_command(rsub, "show", cmd_runs_show, database="reads",
+                       help="a run, its output or error, its tasks, every attempt and its history")
     show.add_argument("run_id")
-    show.add_argument("--json", action="store_true", help="print JSON")
-    show.set_defaults(func=cmd_runs_show)
-    delete = rsub.add_parser(
-        "delete", help="soft-delete a finished run (dry-run unless --yes)",
+    add_json_option(show)
+    delete = add_command(
+        rsub, "delete", cmd_runs_delete, help="soft-delete a finished run (dry-run unless --yes)",
         description="Hide a finished run from every read, loop and report; its rows leave with its month "
                     "(partitions drop). An active run is refused: cancel it first. A pending webhook delivery "
                     "of the run is given up.")
-    add_database_option(delete)
     delete.add_argument("run_id")
-    delete.add_argument("--yes", action="store_true", help="delete it (without: show what would be deleted)")
-    delete.add_argument("--json", action="store_true", help="print JSON")
-    delete.set_defaults(func=cmd_runs_delete)
+    add_yes_option(delete, "delete it (without: show what would be deleted)")
+    add_json_option(delete)
     admin_cmds.register_runs(rsub)
 
-    coord = sub.add_parser(
-        "coordinator", help="run the background loops (timers, leases, partitions, webhooks)",
+    coord = add_command(
+        sub, "coordinator", cmd_coordinator, help="run the background loops (timers, leases, partitions, webhooks)",
         epilog="Webhooks are signed (X-Composer-Signature, HMAC-SHA256) when COMPOSER_WEBHOOK_SECRET is set; "
                "the secret is read from the environment only, never from the command line.")
-    add_database_option(coord)
     coord.add_argument("--once", action="store_true", help="one pass of every loop, then exit")
     env_option(coord, "--interval", env="COMPOSER_COORDINATOR_INTERVAL", type=float, default=0.5,
                help="seconds between passes when idle")
-    env_option(coord, "--months-ahead", env="COMPOSER_MONTHS_AHEAD", type=int, default=3,
-               help="partition months kept ahead")
+    add_months_ahead_option(coord, "partition months kept ahead")
     env_option(coord, "--webhook-connect-timeout", env="COMPOSER_WEBHOOK_CONNECT_TIMEOUT_S", type=float,
                default=3.0, help="seconds to connect to a webhook endpoint")
     env_option(coord, "--webhook-timeout", env="COMPOSER_WEBHOOK_TIMEOUT_S", type=float, default=5.0,
@@ -90,17 +88,15 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     env_option(coord, "--webhook-deadline", env="COMPOSER_WEBHOOK_DEADLINE_S", type=float, default=10.0,
                help="seconds for a whole webhook POST")
     env_option(coord, "--webhook-keep-days", env="COMPOSER_WEBHOOK_KEEP_DAYS", type=float, default=7.0,
-               metavar_default="7", help="days a delivered (or given up) webhook delivery is kept before the "
-                                         "coordinator deletes it")
+               accepts=at_least(0), metavar_default="7",
+               help="days a delivered (or given up) webhook delivery is kept before the coordinator deletes it")
     env_option(coord, "--retention", env="COMPOSER_COORDINATOR_RETENTION", metavar="WHEN",
                help="also drop partition months older than WHEN, hourly (as `partitions drop --older-than WHEN "
                     "--yes`; needs the owner role); unset: no retention")
     add_connect_wait_option(coord)
     add_shutdown_timeout_option(coord, "for the loop pass in progress (a webhook POST, a sweep) to finish")
-    coord.set_defaults(func=cmd_coordinator)
 
-    work = sub.add_parser("worker", help="run a Worker defined in your code: --app module:attribute")
-    add_database_option(work)
+    work = add_command(sub, "worker", cmd_worker, help="run a Worker defined in your code: --app module:attribute")
     env_option(work, "--app", env="COMPOSER_WORKER_APP", required=False,
                help="module:attribute naming a Worker, or a function taking an Engine and returning one")
     env_option(work, "--concurrency", env="COMPOSER_WORKER_CONCURRENCY", type=int,
@@ -112,7 +108,6 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     add_shutdown_timeout_option(work, "for running handlers to finish; a handler still running then is "
                                       "abandoned (its lease is no longer extended, the task is retried "
                                       "elsewhere after the lease) and the worker exits 1 naming it")
-    work.set_defaults(func=cmd_worker)
 
 
 def add_connect_wait_option(parser: argparse.ArgumentParser) -> None:
@@ -174,16 +169,9 @@ def load_definition(path: str) -> Any:
     return json_arg(text, name)
 
 
-def _engine(args: argparse.Namespace, *, reads_only: bool = False) -> Engine:
-    """The engine of one command. A command that only reads never starts the embedded
-    server: with no database to read it says how to name or start one."""
-    url = find_url(args.database_url) if reads_only else args.database_url
-    return Engine.connect(url, pool_size=2, application_name=f"composer-ops {args.command}")
-
-
 def cmd_deploy(args: argparse.Namespace) -> int:
     spec = load_definition(args.file)
-    with _engine(args) as engine:
+    with open_engine(args, pool_size=2) as engine:
         workflow_id, version = engine.deploy(spec)
     print(f"deployed {workflow_id} v{version}")
     return EXIT_OK
@@ -191,28 +179,28 @@ def cmd_deploy(args: argparse.Namespace) -> int:
 
 def cmd_start(args: argparse.Namespace) -> int:
     payload = json_arg(args.input, "--input")
-    with _engine(args) as engine:
+    with open_engine(args, pool_size=2) as engine:
         print(engine.start(args.workflow, input=payload, version=args.version, run_id=args.run_id))
     return EXIT_OK
 
 
 def cmd_signal(args: argparse.Namespace) -> int:
     payload = json_arg(args.payload, "--payload")
-    with _engine(args) as engine:
+    with open_engine(args, pool_size=2) as engine:
         outcome = engine.signal(args.run_id, args.name, payload, key=args.key)
     print("already signalled with this key" if outcome.replayed else "signalled")
     return EXIT_OK
 
 
 def cmd_cancel(args: argparse.Namespace) -> int:
-    with _engine(args) as engine:
+    with open_engine(args, pool_size=2) as engine:
         outcome = engine.cancel(args.run_id, reason=args.reason)
     print("cancelled" if outcome.applied else f"unchanged: {outcome.stale}")
     return EXIT_OK
 
 
 def cmd_runs_show(args: argparse.Namespace) -> int:
-    with _engine(args, reads_only=True) as engine:
+    with open_engine(args, pool_size=2) as engine:
         run = engine.get_run(args.run_id)
     if args.json:
         emit_json({**{k: v for k, v in run.__dict__.items() if k not in ("tasks", "history")},
@@ -247,7 +235,7 @@ def cmd_runs_delete(args: argparse.Namespace) -> int:
     from composer_ops.core.model import TERMINAL_RUN_STATUSES
     from composer_ops.errors import Conflict
 
-    with _engine(args) as engine:
+    with open_engine(args, pool_size=2) as engine:
         if args.yes:
             done = engine.delete_run(args.run_id, actor=admin_cmds.actor(args))
             record = {"run_id": done.run_id, "status": done.status, "action": "already deleted" if done.already
@@ -331,8 +319,6 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
     relay = RelayPolicy(connect_timeout_s=args.webhook_connect_timeout, timeout_s=args.webhook_timeout,
                         deadline_s=args.webhook_deadline)   # bad values are refused before connecting
     retention = parse_cutoff(args.retention) if args.retention else None
-    if not args.webhook_keep_days >= 0:
-        raise Invalid(f"--webhook-keep-days must be 0 or more, got {args.webhook_keep_days}")
     wait = _connect_wait(args)
     shutdown_timeout = _shutdown_timeout(args)
     with Engine.connect(args.database_url, pool_size=4, application_name="composer-coordinator",

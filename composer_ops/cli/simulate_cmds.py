@@ -8,7 +8,18 @@ import os
 import sys
 from typing import Any
 
-from composer_ops.cli._common import EXIT_BAD_INPUT, EXIT_OK, add_database_option, env_option
+from composer_ops.cli._common import (
+    EXIT_BAD_INPUT,
+    EXIT_OK,
+    FRACTION,
+    Accepts,
+    above_up_to,
+    add_command,
+    at_least,
+    between,
+    env_option,
+    number_text,
+)
 from composer_ops.core.model import TERMINAL_RUN_STATUSES
 from composer_ops.errors import ComposerError, Invalid
 
@@ -42,76 +53,60 @@ def _env_bool(env: str, default: bool) -> bool:
     raise SystemExit(EXIT_BAD_INPUT)
 
 
+#: The simulator's number options, by argument group: option, type, default, the values it
+#: accepts (None: :class:`~composer_ops.simulate.model.Behaviour` checks them) and help.
+#: Each reads COMPOSER_SIM_<OPTION> and shows its default in --help.
+_NUMBERS: tuple[tuple[str, str, type, float, Accepts | None, str], ...] = (
+    ("", "--seed", int, 7, at_least(0), "seed of everything random"),
+    ("live traffic", "--runs", int, 300, between(0, 1_000_000), "live runs to start"),
+    ("live traffic", "--duration-s", float, 60.0, above_up_to(0, 86_400), "seconds over which they start"),
+    ("live traffic", "--workers", int, 3, between(1, 32), "worker processes"),
+    ("live traffic", "--concurrency", int, 8, between(1, 64), "handler slots per worker"),
+    ("live traffic", "--coordinators", int, 1, between(1, 4), "coordinator processes"),
+    ("live traffic", "--kill-workers", int, 2, between(0, 100),
+     "workers SIGKILLed mid-task and replaced; with 2 or more the last dies as the simulation stops, leaving "
+     "its leases to lapse"),
+    ("live traffic", "--cancel-rate", float, 0.03, FRACTION, "share of runs cancelled"),
+    ("history", "--history-months", int, 0, between(0, 120),
+     "complete months before the current one to backfill, 0 for none"),
+    ("history", "--runs-per-month", int, 5000, between(1, 10_000_000), "mean runs per backfilled month"),
+    ("history", "--growth", float, 0.08, between(-0.5, 1.0), "month-over-month growth of the backfilled traffic"),
+    ("history", "--stuck-months", int, 3, at_least(1),
+     "the most recent N backfilled months keep a few stuck runs RUNNING; older ones were cancelled by an "
+     "operator"),
+    ("history", "--crash-rate", float, 0.003, None, "share of backfilled attempts whose worker died"),
+    ("behaviour (live and history)", "--transient-rate", float, 0.05, None,
+     "share of attempts failing with a retryable error"),
+    ("behaviour (live and history)", "--permanent-rate", float, 0.01, None,
+     "share of attempts failing with NonRetryableError"),
+    ("behaviour (live and history)", "--time-scale", float, 1.0, None, "multiplies task durations, waits and timeouts"),
+)
+
+
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    p = sub.add_parser("simulate", help="realistic workload: months of history plus live traffic through "
-                       "real workers", description=_DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_database_option(p)
-    env_option(p, "--seed", env="COMPOSER_SIM_SEED", type=int, default=7,
-               help="seed of everything random (default 7)")
-    live = p.add_argument_group("live traffic")
-    live.add_argument("--live", action=argparse.BooleanOptionalAction, default=_env_bool("COMPOSER_SIM_LIVE", True),
-                      help="drive live traffic after the backfill [env: COMPOSER_SIM_LIVE=1|0] (default: on)")
-    env_option(live, "--runs", env="COMPOSER_SIM_RUNS", type=int, default=300, help="live runs to start (default 300)")
-    env_option(live, "--duration-s", env="COMPOSER_SIM_DURATION_S", type=float, default=60.0,
-               help="seconds over which they start (default 60)")
-    env_option(live, "--workers", env="COMPOSER_SIM_WORKERS", type=int, default=3,
-               help="worker processes (default 3)")
-    env_option(live, "--concurrency", env="COMPOSER_SIM_CONCURRENCY", type=int, default=8,
-               help="handler slots per worker (default 8)")
-    env_option(live, "--coordinators", env="COMPOSER_SIM_COORDINATORS", type=int, default=1,
-               help="coordinator processes (default 1)")
-    env_option(live, "--kill-workers", env="COMPOSER_SIM_KILL_WORKERS", type=int, default=2,
-               help="workers SIGKILLed mid-task and replaced; with 2 or more the last dies as the simulation "
-                    "stops, leaving its leases to lapse (default 2)")
-    env_option(live, "--cancel-rate", env="COMPOSER_SIM_CANCEL_RATE", type=float, default=0.03,
-               help="share of runs cancelled (default 0.03)")
-    hist = p.add_argument_group("history")
-    env_option(hist, "--history-months", env="COMPOSER_SIM_HISTORY_MONTHS", type=int, default=0,
-               help="complete months before the current one to backfill (default 0: none)")
-    env_option(hist, "--runs-per-month", env="COMPOSER_SIM_RUNS_PER_MONTH", type=int, default=5000,
-               help="mean runs per backfilled month (default 5000)")
-    env_option(hist, "--growth", env="COMPOSER_SIM_GROWTH", type=float, default=0.08,
-               help="month-over-month growth of the backfilled traffic (default 0.08)")
-    env_option(hist, "--stuck-months", env="COMPOSER_SIM_STUCK_MONTHS", type=int, default=3,
-               help="the most recent N backfilled months keep a few stuck runs RUNNING; older ones were "
-                    "cancelled by an operator (default 3)")
-    env_option(hist, "--crash-rate", env="COMPOSER_SIM_CRASH_RATE", type=float, default=0.003,
-               help="share of backfilled attempts whose worker died (default 0.003)")
-    model = p.add_argument_group("behaviour (live and history)")
-    env_option(model, "--transient-rate", env="COMPOSER_SIM_TRANSIENT_RATE", type=float, default=0.05,
-               help="share of attempts failing with a retryable error (default 0.05)")
-    env_option(model, "--permanent-rate", env="COMPOSER_SIM_PERMANENT_RATE", type=float, default=0.01,
-               help="share of attempts failing with NonRetryableError (default 0.01)")
-    env_option(model, "--time-scale", env="COMPOSER_SIM_TIME_SCALE", type=float, default=1.0,
-               help="multiplies task durations, waits and timeouts (default 1)")
+    p = add_command(sub, "simulate", cmd_simulate,
+                    help="realistic workload: months of history plus live traffic through real workers",
+                    description=_DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
+    groups: dict[str, argparse._ActionsContainer] = {"": p}
+    for group, flag, kind, default, accepts, text in _NUMBERS:
+        if group not in groups:
+            groups[group] = p.add_argument_group(group)
+            if group == "live traffic":
+                groups[group].add_argument(
+                    "--live", action=argparse.BooleanOptionalAction, default=_env_bool("COMPOSER_SIM_LIVE", True),
+                    help="drive live traffic after the backfill [env: COMPOSER_SIM_LIVE=1|0] (default: on)")
+        env_option(groups[group], flag, env="COMPOSER_SIM_" + flag[2:].upper().replace("-", "_"), type=kind,
+                   default=default, accepts=accepts, help=f"{text} (default {number_text(default)})")
     p.add_argument("--progress", action=argparse.BooleanOptionalAction,
                    default=_env_bool("COMPOSER_SIM_PROGRESS", True),
                    help="show progress bars [env: COMPOSER_SIM_PROGRESS=1|0] (default: on)")
-    p.set_defaults(func=cmd_simulate)
-
-
-def _check(ok: bool, message: str) -> None:
-    if not ok:
-        raise Invalid(message)
 
 
 def validate(args: argparse.Namespace) -> None:
-    """One clear line (exit 2) for an option out of range."""
-    _check(args.seed >= 0, f"--seed must be 0 or more, got {args.seed}")
-    _check(0 <= args.history_months <= 120, f"--history-months must be between 0 and 120, got {args.history_months}")
-    _check(1 <= args.runs_per_month <= 10_000_000,
-           f"--runs-per-month must be between 1 and 10000000, got {args.runs_per_month}")
-    _check(-0.5 <= args.growth <= 1.0, f"--growth must be between -0.5 and 1, got {args.growth}")
-    _check(args.stuck_months >= 1, f"--stuck-months must be 1 or more, got {args.stuck_months}")
-    _check(0 <= args.runs <= 1_000_000, f"--runs must be between 0 and 1000000, got {args.runs}")
-    _check(0 < args.duration_s <= 86_400, f"--duration-s must be more than 0 and at most 86400, got {args.duration_s}")
-    _check(1 <= args.workers <= 32, f"--workers must be between 1 and 32, got {args.workers}")
-    _check(1 <= args.concurrency <= 64, f"--concurrency must be between 1 and 64, got {args.concurrency}")
-    _check(1 <= args.coordinators <= 4, f"--coordinators must be between 1 and 4, got {args.coordinators}")
-    _check(0 <= args.kill_workers <= 100, f"--kill-workers must be between 0 and 100, got {args.kill_workers}")
-    _check(0 <= args.cancel_rate < 1, f"--cancel-rate must be a fraction in [0, 1), got {args.cancel_rate}")
-    _check(args.history_months > 0 or (args.live and args.runs > 0),
-           "nothing to simulate: give --history-months N, or --live with --runs N")
+    """One clear line (exit 2) when there is nothing to do (each option's own range is
+    checked with the options, :data:`_NUMBERS`)."""
+    if not (args.history_months > 0 or (args.live and args.runs > 0)):
+        raise Invalid("nothing to simulate: give --history-months N, or --live with --runs N")
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
