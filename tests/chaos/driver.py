@@ -336,6 +336,24 @@ class Chaos:
         return open_runs
 
 
+def ci_options(*, start_rate: float, timeout_s: float) -> Options:
+    """The CI-size run of the test suites: COMPOSER_CHAOS_RUNS runs (200) from seed
+    COMPOSER_CHAOS_SEED (7)."""
+    return Options(runs=int(os.environ.get("COMPOSER_CHAOS_RUNS", "200")),
+                   seed=int(os.environ.get("COMPOSER_CHAOS_SEED", "7")), start_rate=start_rate, timeout_s=timeout_s)
+
+
+def assert_nothing_lost(report: Report, *, restarts: int) -> None:
+    """The verdict of a CI-size run: the audit found nothing lost or stuck, every run
+    was started, the kills (at least 5) hit running tasks, and the database-side
+    fault happened ``restarts`` times."""
+    assert report.ok, "\n".join(report.lines())
+    figures = report.audit.figures
+    assert figures["runs"] == report.options.runs and sum(report.kills.values()) >= 5
+    assert len(report.restarts) == restarts
+    assert figures["requeues"].get("lease expired: worker killed", 0) > 0      # the kills did hit running tasks
+
+
 def run_chaos(server: servers.Server, options: Options, *, template: str | None = None,
               keep_logs: Path | None = None) -> Report:
     """Create a database on ``server`` (from ``template`` when given, else migrated now),
