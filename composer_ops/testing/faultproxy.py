@@ -349,71 +349,81 @@ class FaultProxy:
             return
         if sock is pipe.client:
             pipe.from_client += data
-            self._client_messages(pipe)
+            self._drain(pipe, pipe.from_client, pipe.to_server, self._client_message)
         else:
             pipe.from_server += data
-            self._server_messages(pipe)
+            self._drain(pipe, pipe.from_server, pipe.to_client, self._server_message)
         if not pipe.closed:
             self._flush(pipe)
 
-    # -- frontend -> server --------------------------------------------------------
-
-    def _client_messages(self, pipe: _Pipe) -> None:
-        buf = pipe.from_client
+    @staticmethod
+    def _drain(pipe: _Pipe, buf: bytearray, out: bytearray, message: Callable[[_Pipe, bytearray], bool]) -> None:
+        """Handle ``buf`` a message at a time until ``message`` says to wait or the pipe
+        closes; once the pipe passes bytes through (an encrypted stream or a cancel
+        request), what is left goes to ``out`` unparsed."""
         while not pipe.closed and buf:
             if pipe.passthrough:
-                pipe.to_server += buf
+                out.extend(buf)
                 buf.clear()
                 return
-            if pipe.hold_client:
-                return            # the target's reply is pending: the server gets nothing more
-            if pipe.client_startup:
-                if len(buf) < 8:
-                    return
-                length, code = struct.unpack("!ii", buf[:8])
-                if len(buf) < length:
-                    return
-                msg = bytes(buf[:length])
-                del buf[:length]
-                pipe.to_server += msg
-                if code in (_SSL_REQUEST, _GSSENC_REQUEST):
-                    pipe.server_byte_reply += 1
-                elif code == _CANCEL_REQUEST:
-                    pipe.passthrough = True
-                else:
-                    pipe.client_startup = False
-                continue
-            framed = _take_message(buf)
-            if framed is None:
+            if not message(pipe, buf):
                 return
-            kind, msg = framed
-            if not pipe.ready:
-                pipe.to_server += msg        # authentication exchange
-                continue
-            if kind == b"X":
-                pipe.to_server += msg
-                continue
-            if pipe.current is None and not (pipe.copy_in and kind in _COPY_FROM_CLIENT):
-                if not self._begin_request(pipe, kind, msg):
-                    return
-            req = pipe.current
-            if req is None:               # a copy message outside a request
-                pipe.to_server += msg
-                continue
-            req.kinds += kind.decode("latin-1")
-            if kind in (b"Q", b"P"):
-                req.sql.append(_query_text(kind, msg))
-            if kind in _COPY_FROM_CLIENT:
-                if kind in (b"c", b"f"):
-                    pipe.copy_in = False
+
+    # -- frontend -> server --------------------------------------------------------
+
+    def _client_message(self, pipe: _Pipe, buf: bytearray) -> bool:
+        """Handle the next message from the client in ``buf``; False when it needs more bytes
+        or must wait (the target's reply is pending), True to go on."""
+        if pipe.hold_client:
+            return False            # the target's reply is pending: the server gets nothing more
+        if pipe.client_startup:
+            if len(buf) < 8:
+                return False
+            length, code = struct.unpack("!ii", buf[:8])
+            if len(buf) < length:
+                return False
+            msg = bytes(buf[:length])
+            del buf[:length]
             pipe.to_server += msg
-            if kind in _REQUEST_ENDS:
-                pipe.inflight.append(req)
-                pipe.current = None
-                arm = self._arm
-                if arm is not None and arm.target is req:
-                    pipe.hold_client = True
-                    pipe.withhold = req
+            if code in (_SSL_REQUEST, _GSSENC_REQUEST):
+                pipe.server_byte_reply += 1
+            elif code == _CANCEL_REQUEST:
+                pipe.passthrough = True
+            else:
+                pipe.client_startup = False
+            return True
+        framed = _take_message(buf)
+        if framed is None:
+            return False
+        kind, msg = framed
+        if not pipe.ready:
+            pipe.to_server += msg        # authentication exchange
+            return True
+        if kind == b"X":
+            pipe.to_server += msg
+            return True
+        if pipe.current is None and not (pipe.copy_in and kind in _COPY_FROM_CLIENT):
+            if not self._begin_request(pipe, kind, msg):
+                return False
+        req = pipe.current
+        if req is None:               # a copy message outside a request
+            pipe.to_server += msg
+            return True
+        req.kinds += kind.decode("latin-1")
+        if kind in (b"Q", b"P"):
+            req.sql.append(_query_text(kind, msg))
+        if kind in _COPY_FROM_CLIENT:
+            if kind in (b"c", b"f"):
+                pipe.copy_in = False
+        pipe.to_server += msg
+        if kind in _REQUEST_ENDS:
+            pipe.inflight.append(req)
+            pipe.current = None
+            arm = self._arm
+            if arm is not None and arm.target is req:
+                pipe.hold_client = True
+                pipe.withhold = req
+        return True
 
     def _begin_request(self, pipe: _Pipe, kind: bytes, msg: bytes) -> bool:
         """Open a new request with ``msg`` as its first message; False when a
@@ -444,47 +454,44 @@ class FaultProxy:
 
     # -- server -> frontend --------------------------------------------------------
 
-    def _server_messages(self, pipe: _Pipe) -> None:
-        buf = pipe.from_server
-        while not pipe.closed and buf:
-            if pipe.passthrough:
-                pipe.to_client += buf
-                buf.clear()
-                return
-            if pipe.server_byte_reply:
-                answer = bytes(buf[:1])
-                del buf[:1]
-                pipe.server_byte_reply -= 1
-                pipe.to_client += answer
-                if answer in (b"S", b"G"):
-                    pipe.passthrough = True
-                continue
-            framed = _take_message(buf)
-            if framed is None:
-                return
-            kind, msg = framed
-            head = pipe.inflight[0] if pipe.inflight else None
-            if kind == b"C" and head is not None:
-                head.tags.append(msg[5:].split(b"\0", 1)[0].decode("utf-8", "replace"))
-            elif kind == b"E" and head is not None:
-                head.errors.append(_error_code(msg))
-            elif kind == b"G":
-                pipe.copy_in = True
-            withheld = head is not None and head is pipe.withhold
-            if kind == b"Z":
-                pipe.status = chr(msg[5])
-                if not pipe.ready:
-                    pipe.ready = True
-                elif head is not None:
-                    pipe.inflight.popleft()
-                    head.status_after = pipe.status
-            if withheld and head is not None and (kind == b"Z" or (kind == b"C" and head.tags[-1:] == ["COMMIT"])):
-                if not head.status_after and kind == b"C":
-                    head.status_after = "I"
-                self._fire(pipe, head)
-                return
-            if not withheld:
-                pipe.to_client += msg
+    def _server_message(self, pipe: _Pipe, buf: bytearray) -> bool:
+        """Handle the next message from the server in ``buf``; False when it needs more bytes
+        or the withheld reply's fault fired, True to go on."""
+        if pipe.server_byte_reply:
+            answer = bytes(buf[:1])
+            del buf[:1]
+            pipe.server_byte_reply -= 1
+            pipe.to_client += answer
+            if answer in (b"S", b"G"):
+                pipe.passthrough = True
+            return True
+        framed = _take_message(buf)
+        if framed is None:
+            return False
+        kind, msg = framed
+        head = pipe.inflight[0] if pipe.inflight else None
+        if kind == b"C" and head is not None:
+            head.tags.append(msg[5:].split(b"\0", 1)[0].decode("utf-8", "replace"))
+        elif kind == b"E" and head is not None:
+            head.errors.append(_error_code(msg))
+        elif kind == b"G":
+            pipe.copy_in = True
+        withheld = head is not None and head is pipe.withhold
+        if kind == b"Z":
+            pipe.status = chr(msg[5])
+            if not pipe.ready:
+                pipe.ready = True
+            elif head is not None:
+                pipe.inflight.popleft()
+                head.status_after = pipe.status
+        if withheld and head is not None and (kind == b"Z" or (kind == b"C" and head.tags[-1:] == ["COMMIT"])):
+            if not head.status_after and kind == b"C":
+                head.status_after = "I"
+            self._fire(pipe, head)
+            return False
+        if not withheld:
+            pipe.to_client += msg
+        return True
 
     # -- faults ----------------------------------------------------------------------
 
