@@ -30,6 +30,7 @@ from collections import Counter
 from typing import Any, cast
 
 import psycopg
+from psycopg import sql
 
 from composer_ops.testing.servers import Server
 
@@ -167,24 +168,23 @@ def _schema(url: str) -> dict[str, Any]:
             "fillfactor": sorted(str(r[0]) for r in ff)}
 
 
-#: V004's layout of task_instances on the latest schema: the lease index V005 replaced
-#: and fillfactor 100 on every partition.
-_V004_LAYOUT = """
+#: V004's lease index on the latest schema, in place of the one V005 made.
+_V004_INDEXES = """
 CREATE INDEX IF NOT EXISTS idx_task_instances_running_lease
     ON task_instances (lease_expires_at) WHERE state = 'RUNNING';
 DROP INDEX IF EXISTS idx_task_instances_running;
-DO $$
-DECLARE
-    part RECORD;
-BEGIN
-    FOR part IN SELECT c.relname FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid
-                 WHERE i.inhparent = 'task_instances'::regclass
-    LOOP
-        EXECUTE format('ALTER TABLE %I SET (fillfactor = 100)', part.relname);
-    END LOOP;
-END;
-$$;
 """
+
+
+def _v004_layout(conn: psycopg.Connection[Any]) -> None:
+    """V004's layout of task_instances on the latest schema: the lease index V005
+    replaced, and fillfactor 100 on every partition (the repository lists them)."""
+    from composer_ops.repo import partitions
+
+    conn.execute(_V004_INDEXES)
+    for part in partitions.list_partitions(conn):
+        if part.table == "task_instances":
+            conn.execute(sql.SQL("ALTER TABLE {} SET (fillfactor = 100)").format(sql.Identifier(part.name)))
 
 
 def _create(server: Server, db: str, v004_layout: bool) -> str:
@@ -194,7 +194,7 @@ def _create(server: Server, db: str, v004_layout: bool) -> str:
     migrate(url)
     if v004_layout:
         with psycopg.connect(url, autocommit=True) as conn:
-            conn.execute(_V004_LAYOUT)
+            _v004_layout(conn)
     return url
 
 
