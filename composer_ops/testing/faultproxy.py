@@ -377,21 +377,7 @@ class FaultProxy:
         if pipe.hold_client:
             return False            # the target's reply is pending: the server gets nothing more
         if pipe.client_startup:
-            if len(buf) < 8:
-                return False
-            length, code = struct.unpack("!ii", buf[:8])
-            if len(buf) < length:
-                return False
-            msg = bytes(buf[:length])
-            del buf[:length]
-            pipe.to_server += msg
-            if code in (_SSL_REQUEST, _GSSENC_REQUEST):
-                pipe.server_byte_reply += 1
-            elif code == _CANCEL_REQUEST:
-                pipe.passthrough = True
-            else:
-                pipe.client_startup = False
-            return True
+            return self._startup_packet(pipe, buf)
         framed = _take_message(buf)
         if framed is None:
             return False
@@ -423,6 +409,28 @@ class FaultProxy:
             if arm is not None and arm.target is req:
                 pipe.hold_client = True
                 pipe.withhold = req
+        return True
+
+    @staticmethod
+    def _startup_packet(pipe: _Pipe, buf: bytearray) -> bool:
+        """Forward the next untyped startup packet (length, then code): an SSL or GSS
+        request (the server answers one byte), a cancel request (the rest passes through
+        unparsed), or the startup message, after which every message is typed. False
+        when ``buf`` does not hold the whole packet yet."""
+        if len(buf) < 8:
+            return False
+        length, code = struct.unpack("!ii", buf[:8])
+        if len(buf) < length:
+            return False
+        msg = bytes(buf[:length])
+        del buf[:length]
+        pipe.to_server += msg
+        if code in (_SSL_REQUEST, _GSSENC_REQUEST):
+            pipe.server_byte_reply += 1
+        elif code == _CANCEL_REQUEST:
+            pipe.passthrough = True
+        else:
+            pipe.client_startup = False
         return True
 
     def _begin_request(self, pipe: _Pipe, kind: bytes, msg: bytes) -> bool:
