@@ -9,6 +9,9 @@ worker that found its lease lost, or gave the attempt up at shutdown, writes
 ``lease_lost``; it is kept as the attempt's note, since the sweeper's expiry (or the
 worker's own late report) is what ends it. A run cancelled while an attempt runs ends
 that attempt as ``cancelled``.
+
+:class:`HistoryRow`, one row of that history, is declared here, in the pure core, so
+that the rule is typed on the row the repository returns (``repo.history`` builds it).
 """
 
 from __future__ import annotations
@@ -16,28 +19,26 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from datetime import datetime
-from typing import Any, Protocol
+from typing import Any
 
-__all__ = ["Attempt", "HistoryLike", "attempts", "lost_leases"]
+__all__ = ["Attempt", "HistoryRow", "attempts", "lost_leases"]
 
 
-class HistoryLike(Protocol):
-    """What :func:`attempts` reads of a history row."""
+@dataclass(frozen=True, kw_only=True)
+class HistoryRow:
+    """A row of a run's history (``run_history``) as the repository returns it: ``seq``
+    orders a run's rows, ``at`` is the database clock of the transaction that wrote it,
+    ``request`` the API call. What :func:`attempts` reads."""
 
-    @property
-    def at(self) -> datetime: ...
-    @property
-    def kind(self) -> str: ...
-    @property
-    def node_id(self) -> str | None: ...
-    @property
-    def task_id(self) -> str | None: ...
-    @property
-    def attempt(self) -> int | None: ...
-    @property
-    def worker(self) -> str | None: ...
-    @property
-    def detail(self) -> Any: ...
+    seq: int
+    at: datetime
+    kind: str
+    node_id: str | None
+    task_id: str | None
+    attempt: int | None
+    worker: str | None
+    request: str | None
+    detail: Any
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -62,7 +63,7 @@ class Attempt:
 _ENDS = {"completed": "completed", "failed": "failed", "lease_expired": "lease expired"}
 
 
-def attempts(history: Iterable[HistoryLike]) -> list[Attempt]:
+def attempts(history: Iterable[HistoryRow]) -> list[Attempt]:
     """The attempts ``history`` (one run's rows, oldest first) records, in the order
     they began."""
     found: dict[tuple[str, int], Attempt] = {}
@@ -90,6 +91,6 @@ def attempts(history: Iterable[HistoryLike]) -> list[Attempt]:
     return list(found.values())
 
 
-def lost_leases(history: Iterable[HistoryLike]) -> list[Attempt]:
+def lost_leases(history: Iterable[HistoryRow]) -> list[Attempt]:
     """The attempts that ended in an expired lease, each naming the worker that held it."""
     return [a for a in attempts(history) if a.outcome == "lease expired"]

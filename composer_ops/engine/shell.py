@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
+from composer_ops.core.attempts import HistoryRow
 from composer_ops.core.machine import decide
 from composer_ops.core.model import (
     BufferSignal,
@@ -64,7 +65,7 @@ from composer_ops.engine.requests import KEY_PREFIX, Request
 from composer_ops.errors import Conflict
 from composer_ops.repo import definitions, history, outbox, runs, signals, tasks, webhooks
 from composer_ops.repo._base import Conn
-from composer_ops.repo.rows import Dispatch, HistoryEntry, HistoryRow, NewTask, RunRow, TaskStateRow
+from composer_ops.repo.rows import Dispatch, HistoryEntry, NewTask, RunRow, TaskStateRow
 
 log = logging.getLogger(__name__)
 

@@ -19,12 +19,12 @@ from typing import Any
 import polars as pl
 
 from composer_ops.core import runids
+from composer_ops.core.attempts import HistoryRow
 from composer_ops.core.attempts import attempts as attempts_of
 from composer_ops.core.model import RunStatus
 from composer_ops.errors import Invalid, NotFound
 from composer_ops.ops._common import ACTIVE_STATES, UTC_TS, Source, connection, rows_frame
 from composer_ops.repo import analytics
-from composer_ops.repo.rows import HistoryRow
 
 TASK_SCHEMA = {
     "task_id": pl.String, "node_id": pl.String, "node_type": pl.String, "queue": pl.String, "state": pl.String,

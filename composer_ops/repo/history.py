@@ -16,8 +16,9 @@ from collections.abc import Sequence
 from datetime import datetime
 from typing import Any
 
+from composer_ops.core.attempts import HistoryRow
 from composer_ops.repo._base import Conn, fetch_all, jsonb
-from composer_ops.repo.rows import HistoryEntry, HistoryRow
+from composer_ops.repo.rows import HistoryEntry
 
 #: Columns a history row is written with (``seq`` comes from its sequence; ``at`` is the
 #: clock of the change's transaction, passed in like every time it writes: repo.clock).

@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
+from composer_ops.core.attempts import HistoryRow
+
 
 @dataclass(frozen=True, kw_only=True)
 class RunRow:
@@ -176,22 +178,6 @@ class HistoryEntry:
     attempt: int | None = None
     worker: str | None = None
     detail: Any = None
-
-
-@dataclass(frozen=True, kw_only=True)
-class HistoryRow:
-    """A row of a run's history as stored: ``seq`` orders a run's rows, ``at`` is the
-    database clock of the transaction that wrote it, ``request`` the API call."""
-
-    seq: int
-    at: datetime
-    kind: str
-    node_id: str | None
-    task_id: str | None
-    attempt: int | None
-    worker: str | None
-    request: str | None
-    detail: Any
 
 
 @dataclass(frozen=True, kw_only=True)

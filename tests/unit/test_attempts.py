@@ -5,8 +5,7 @@ from __future__ import annotations
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from composer_ops.core.attempts import attempts, lost_leases
-from composer_ops.repo.rows import HistoryRow
+from composer_ops.core.attempts import HistoryRow, attempts, lost_leases
 
 T0 = datetime(2026, 1, 1, tzinfo=UTC)
 
