@@ -308,20 +308,21 @@ class Engine:
     # -- the worker's side ----------------------------------------------------
 
     def claim(self, queues: Sequence[str], owner: str, limit: int, task_names: Sequence[str] | None = None,
-              *, wake: str | None = None) -> list[Claim]:
+              *, wake: str | None = None, room: int | None = None) -> list[Claim]:
         """Claim up to ``limit`` tasks for ``owner``: one statement, its own transaction
         (autocommit: no BEGIN/COMMIT round trips around it); on Citus a transaction of
         three round trips (:func:`composer_ops.repo.citus.claim`). Each claimed task's
         history records the claim's ID; a retry after a lost acknowledgement first returns
         the tasks the lost attempt took, which ``owner`` still holds. A worker passes
-        ``wake``, the channel it listens on: on a single server, a claim that gets fewer
-        than ``limit`` registers it to be woken there by the next dispatch (on Citus no
-        claim registers, and every dispatch notifies the shared channel)."""
-        return self._claim(queues, owner, limit, task_names, Request(), wake)
+        ``wake``, the channel it listens on, and ``room``, the tasks it has room for
+        (default ``limit``): on a single server, a claim that gets fewer than ``room``
+        registers it to be woken there by the next dispatch (on Citus no claim
+        registers, and every dispatch notifies the shared channel)."""
+        return self._claim(queues, owner, limit, task_names, Request(), wake, room)
 
     @db_retry()
     def _claim(self, queues: Sequence[str], owner: str, limit: int, task_names: Sequence[str] | None,
-               request: Request, wake: str | None = None) -> list[Claim]:
+               request: Request, wake: str | None = None, room: int | None = None) -> list[Claim]:
         look = request.attempt()
         with self.pool.connection() as conn:
             with autocommit(conn):
@@ -334,7 +335,7 @@ class Engine:
                         return earlier
                 if not on_citus:
                     return outbox.claim(conn, queues, owner, limit, task_names=task_names, claim_id=request.id,
-                                        wake=wake)
+                                        wake=wake, room=room)
             with conn.transaction():
                 return citus.claim(conn, queues, owner, limit, task_names=task_names, claim_id=request.id)
 

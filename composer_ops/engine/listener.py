@@ -20,10 +20,10 @@ log = logging.getLogger(__name__)
 
 
 class Listener(threading.Thread):
-    """Calls ``on_notify(payload)`` for each notification on ``channel`` (and on each of
-    ``also``) until ``stop`` is set."""
+    """Calls ``on_notify(channel, payload)`` for each notification on ``channel`` (and on
+    each of ``also``) until ``stop`` is set."""
 
-    def __init__(self, url: str, channel: str, on_notify: Callable[[str], None], stop: threading.Event,
+    def __init__(self, url: str, channel: str, on_notify: Callable[[str, str], None], stop: threading.Event,
                  also: Sequence[str] = ()) -> None:
         super().__init__(name=f"composer-listen-{channel}", daemon=True)
         self.url, self.channel, self.on_notify, self.stop_event = url, channel, on_notify, stop
@@ -39,7 +39,7 @@ class Listener(threading.Thread):
                     attempt = 0
                     while not self.stop_event.is_set():
                         for note in conn.notifies(timeout=0.5):
-                            self.on_notify(note.payload)
+                            self.on_notify(note.channel, note.payload)
             except ComposerError as exc:
                 delay = backoff_delay(attempt, base=0.2, cap=5.0)
                 log.info("LISTEN connection lost (%s); reconnecting in %.1fs", exc, delay)

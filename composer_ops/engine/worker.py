@@ -4,10 +4,14 @@ The thread that calls ``run()`` claims tasks (one statement each batch) whenever
 slot is free and hands them to ``concurrency`` handler threads. While a handler runs,
 a heartbeat extends its lease every third of the lease; if the lease is lost the
 handler's result will be dropped as stale (the fenced completion refuses it). A claim
-that gets less than it asked for registers the worker as idle, and it sleeps on
-LISTEN: a dispatch wakes one registered worker on its own channel (or, with none
-registered, every worker on the shared one; see ``outbox.enqueue``), with polling as
-the fallback, which also picks up retries whose backoff has passed.
+that gets less than it has room for registers the worker as idle, and it sleeps on
+LISTEN: a dispatch wakes one registered worker per task on its own channel (and, with
+too few registered, every worker on the shared one; see ``outbox.enqueue``), with
+polling as the fallback, which also picks up retries whose backoff has passed. A
+worker woken only on its own channel claims one task per wake-up, so it does not take
+the tasks another woken worker is about to claim; told on the shared channel, after a
+poll interval, or when a slot frees after a claim that filled its slots, it claims as
+many as it has room for.
 
 Everything the worker tracks about a running handler is keyed by its attempt
 (task id and attempt number): one worker can hold a late attempt of a task and the
@@ -133,7 +137,11 @@ class Worker:
         self._wake = threading.Event()
         #: the channel only this worker listens on; its idle claims register it there
         self._wake_channel = wake_channel(self.worker_id)
-        self._notified = False        # a dispatch notified this worker since its last claim
+        #: dispatches that woke this worker since its last claim began: how many on its
+        #: own channel, and whether one was told on the shared channel; guarded by _wake_lock
+        self._own_wakes = 0
+        self._told_all = False
+        self._wake_lock = threading.Lock()
         self._done = threading.Event()          # run() has returned: the heartbeat loop ends
         self._inflight = 0            # handed to a slot and not yet finished; guarded by _active_lock
         self._idle = threading.Condition()      # notified whenever an attempt finishes
@@ -210,10 +218,13 @@ class Worker:
                 self._wake.clear()
                 continue
             claimed_at = time.monotonic()
-            self._notified = False
+            with self._wake_lock:
+                own, told_all = self._own_wakes, self._told_all
+                self._own_wakes, self._told_all = 0, False
+            limit = min(free, own) if own and not told_all else free
             try:
-                claims = self.engine.claim(self.queues, self.worker_id, free, task_names=list(self._handlers),
-                                           wake=self._wake_channel)
+                claims = self.engine.claim(self.queues, self.worker_id, limit, task_names=list(self._handlers),
+                                           wake=self._wake_channel, room=free)
             except ComposerError as exc:
                 log.warning("claim failed: %s", exc)
                 claims = []
@@ -228,12 +239,12 @@ class Worker:
                 self._wait_for_dispatch()
 
     def _wait_for_dispatch(self) -> None:
-        """After a claim that got less than it asked for (which registered this worker as
+        """After a claim that got less than it had room for (which registered this worker as
         idle): wait for a notification, a stop or the poll interval. A handler finishing
         meanwhile does not end the wait: the registration stands for every free slot,
         and claiming without a dispatch would come back empty."""
         deadline = time.monotonic() + self.poll_interval
-        while not self._stop.is_set() and not self._notified:
+        while not self._stop.is_set() and not self._woken():
             left = deadline - time.monotonic()
             if left <= 0:
                 break
@@ -290,10 +301,19 @@ class Worker:
             self._idle.notify_all()
         self._wake.set()
 
-    def _on_notify(self, payload: str) -> None:
-        if payload in self.queues:
-            self._notified = True
-            self._wake.set()
+    def _on_notify(self, channel: str, payload: str) -> None:
+        if payload not in self.queues:
+            return
+        with self._wake_lock:
+            if channel == self._wake_channel:
+                self._own_wakes += 1
+            else:
+                self._told_all = True
+        self._wake.set()
+
+    def _woken(self) -> bool:
+        with self._wake_lock:
+            return self._told_all or self._own_wakes > 0
 
     # -- one attempt ---------------------------------------------------------------
 

@@ -1,6 +1,6 @@
 """The dispatch outbox: written with the task in one transaction, claimed by workers.
 
-The claim is one statement, a call of ``composer_claim`` (sql/V013, V017): it deletes the
+The claim is one statement, a call of ``composer_claim`` (sql/V013, V017, V019): it deletes the
 oldest available outbox rows of the worker's queues (FOR UPDATE SKIP LOCKED, so
 claimers never wait on each other), moves the matching tasks to RUNNING with a lease,
 fenced on attempt, and writes a 'claimed' row to each run's history marked with the
@@ -47,12 +47,14 @@ def enqueue(conn: Conn, dispatches: Sequence[Dispatch], *, now: datetime) -> Non
     transaction commits). One statement, one round trip, however many rows and queues:
     the rows come in as arrays.
 
-    Idle workers are registered in ``task_waiters`` by their own claims (sql/V017). Up
-    to one waiter per row is taken, the most recently idle first, among those serving
-    the row's queue and task name, and notified on its own channel; with none to take,
-    one notification per distinct queue goes to :data:`CHANNEL`, which every worker
-    listens on (a worker between its wake-up and its next claim is not registered, and
-    is woken that way; on Citus no claim registers)."""
+    Idle workers are registered in ``task_waiters`` by their own claims (sql/V017,
+    V019). Up to one waiter per row is taken, the most recently idle first, among those
+    serving the row's queue and task name, and notified on its own channel; a worker so
+    woken claims one task per wake-up. When fewer waiters are taken than rows written,
+    one notification per distinct queue also goes to :data:`CHANNEL`, which every worker
+    listens on and which makes a worker claim all it has room for (a worker between its
+    wake-up and its next claim is not registered, and is woken that way; on Citus no
+    claim registers)."""
     if not dispatches:
         return
     conn.execute("""
@@ -77,7 +79,7 @@ def enqueue(conn: Conn, dispatches: Sequence[Dispatch], *, now: datetime) -> Non
         UNION ALL
         SELECT pg_notify(%(channel)s, q.queue)
           FROM (SELECT DISTINCT queue FROM ins ORDER BY queue) q
-         WHERE NOT EXISTS (SELECT 1 FROM woken)""",
+         WHERE (SELECT count(*) FROM woken) < (SELECT count(*) FROM ins)""",
         {"q": [d.queue for d in dispatches],
          "r": [d.run_id for d in dispatches], "t": [d.task_id for d in dispatches],
          "a": [d.attempt for d in dispatches], "n": [d.task_name for d in dispatches],
@@ -92,19 +94,22 @@ def listen(conn: Conn, channel: str = CHANNEL) -> None:
 
 _CLAIM = """
         SELECT run_id, task_id, node_id, attempt, task_name, queue, input, lease_s, lease_owner, lease_expires_at
-          FROM composer_claim(%(queues)s, %(names)s::text[], %(owner)s, %(limit)s, %(claim)s, %(channel)s)"""
+          FROM composer_claim(%(queues)s, %(names)s::text[], %(owner)s, %(limit)s, %(claim)s, %(channel)s,
+                              %(room)s)"""
 
 
 def claim(conn: Conn, queues: Sequence[str], owner: str, limit: int,
-          task_names: Sequence[str] | None = None, *, claim_id: str, wake: str | None = None) -> list[Claim]:
+          task_names: Sequence[str] | None = None, *, claim_id: str, wake: str | None = None,
+          room: int | None = None) -> list[Claim]:
     """Claim up to ``limit`` available tasks of ``queues`` for ``owner`` (only tasks
     named in ``task_names`` when given: a worker never takes work it has no handler for),
     recording each in its run's history as claimed by ``claim_id``. With ``wake`` (the
-    channel ``owner`` listens on), a claim that gets fewer than ``limit`` leaves
-    ``owner`` registered as idle, to be woken there by the next dispatch
-    (:func:`enqueue`); one that gets ``limit`` withdraws it."""
+    channel ``owner`` listens on), a claim that gets fewer than ``room`` (the tasks
+    ``owner`` has room for; default ``limit``) leaves ``owner`` registered as idle, to be
+    woken there by the next dispatch (:func:`enqueue`); one that gets ``room`` withdraws it."""
     return fetch_all(conn, Claim, _CLAIM,
                      {"queues": list(queues), "owner": owner, "limit": limit, "claim": claim_id, "channel": wake,
+                      "room": limit if room is None else max(room, limit),
                       "names": list(task_names) if task_names is not None else None})
 
 

@@ -72,7 +72,7 @@ def test_the_pool_hands_out_only_live_connections_after_a_restart(engine: Engine
 def test_the_listen_connection_reconnects_after_a_restart(db_url: str, restartable: Server) -> None:
     got: list[str] = []
     stop = threading.Event()
-    listener = Listener(db_url, "composer_tasks", got.append, stop)
+    listener = Listener(db_url, "composer_tasks", lambda _channel, payload: got.append(payload), stop)
     listener.start()
 
     def notify_until_heard(payload: str) -> None:
