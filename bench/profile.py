@@ -3,6 +3,7 @@
     python -m bench.profile                          # PostgreSQL 15 (Debian's binaries), both systems
     python -m bench.profile --pgbin ''               # the embedded PostgreSQL 18 (no pg_stat_statements)
     python -m bench.profile --systems composer --seconds 20 --out /tmp/profile.json
+    python -m bench.profile --systems composer --workflow fan   # the 10-task fan-out/fan-in, per run
 
 For each system (Composer, then Procrastinate) it runs the sustained 1-task workload
 of ``make bench`` (W=1 worker process of concurrency 4, Composer's coordinator, a
@@ -23,8 +24,9 @@ Every figure is divided by the runs (jobs) completed inside its window. The two
 windows are separate because py-spy pauses the process it samples. The
 ``bench-backlog`` session is the producer's measuring device (a count every 10 ms),
 the same for both systems. Writes ``bench/results/profile-pg<major>-<date>-<commit>.json``
-(or ``--out``) and prints tables. py-spy is not a dependency: ``pip install py-spy``
-into the environment first, or the function profile is left out.
+(``profile-fan-pg...`` with ``--workflow fan``; or ``--out``) and prints tables. py-spy
+is not a dependency: ``pip install py-spy`` into the environment first, or the
+function profile is left out.
 """
 
 from __future__ import annotations
@@ -134,14 +136,15 @@ def _collapse(path: Path) -> tuple[int, Counter[str], Counter[str]]:
 
 
 def profile(system: System, server: Server, template: str, *, seconds: float, spy: str | None,
-            statements: bool) -> dict[str, Any]:
+            statements: bool, workflow: str = "one") -> dict[str, Any]:
     db = f"bench_profile_{system.tag}"
     url = server.create_database(db, template=template)
-    result: dict[str, Any] = {"system": system.tag, "window_s": seconds}
+    result: dict[str, Any] = {"system": system.tag, "window_s": seconds, "workflow": workflow}
     try:
         server.checkpoint()
         with system.spawn(url, 1, system.root) as group:
-            producer = group.spawn(["-m", "bench.producer", system.name, "--url", url, "--threads",
+            producer = group.spawn(["-m", "bench.producer", system.name, "--url", url, "--workflow", workflow,
+                                    "--threads",
                                     str(PRODUCER_THREADS), "--max-backlog", "50", "--seconds",
                                     str(2 + 2 * seconds + 2)], stdout=subprocess.PIPE)
             time.sleep(2)
@@ -251,6 +254,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="server binaries to start a cluster from ('' = the embedded server)")
     parser.add_argument("--seconds", type=float, default=15.0, help="length of each window")
     parser.add_argument("--systems", default="composer,procrastinate")
+    parser.add_argument("--workflow", default="one", choices=["one", "fan"],
+                        help="Composer's workflow: one (1 task, the default) or fan (10 tasks); "
+                             "Procrastinate always runs 1-task jobs")
     parser.add_argument("--no-py-spy", action="store_true")
     parser.add_argument("--out", type=Path, default=None,
                         help="default bench/results/profile-pg<major>-<date>-<commit>.json")
@@ -283,10 +289,12 @@ def main(argv: list[str] | None = None) -> int:
     for system, tpl in systems:
         sys.stderr.write(f"[profile] {system.tag} on PostgreSQL {server.version}\n")
         results.append(profile(system, server, tpl, seconds=args.seconds,
-                               spy=spy if system.name == "composer" else None, statements=statements))
+                               spy=spy if system.name == "composer" else None, statements=statements,
+                               workflow=args.workflow if system.name == "composer" else "one"))
     out = {"server_version": server.version, "py_spy": spy is not None, "pg_stat_statements": statements,
            "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "results": results}
-    path = args.out or dated_path(RESULTS, f"profile-pg{server.version_num // 10000}-")
+    kind = "" if args.workflow == "one" else f"{args.workflow}-"
+    path = args.out or dated_path(RESULTS, f"profile-{kind}pg{server.version_num // 10000}-")
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(out, indent=2, default=str) + "\n")
     render(results, Console(width=200))
