@@ -1,14 +1,15 @@
 """A dispatch wakes one idle worker, not every worker listening.
 
-An idle worker is registered by its own claim (one that got less than it asked for)
-and woken on its own channel; only a dispatch that finds no registered worker
-notifies the shared channel.
+An idle worker is registered by its own claim (one that got less than it had room for)
+and woken on its own channel, where each wake-up stands for one task; only a dispatch
+that finds fewer registered workers than it has tasks notifies the shared channel.
 """
 
 from __future__ import annotations
 
 import threading
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -82,6 +83,33 @@ def test_a_dispatch_of_several_tasks_wakes_as_many_workers(wakes: Wakes) -> None
     assert wakes.notified() == ["b", "c"]
 
 
+def test_more_tasks_than_registered_workers_also_tell_the_shared_channel(wakes: Wakes) -> None:
+    """A woken worker claims one task per wake-up, so the tasks beyond the registered
+    workers are announced on the shared channel, where every worker claims all it has
+    room for: none is left for a poll."""
+    wakes.idle("a")
+    wakes.dispatch(nodes=("x", "y"))
+    assert wakes.notified() == ["a", "shared"]
+
+
+def test_a_claim_of_its_wake_ups_keeps_a_worker_with_room_registered(wakes: Wakes) -> None:
+    """Woken once with 3 free slots, a worker claims 1 task and stays registered for the
+    other 2 (sql/V019); a claim that fills its room withdraws the registration."""
+    conn = wakes.conn
+    wakes.idle("a")
+    wakes.dispatch()
+    wakes.dispatch()
+    assert wakes.notified() == ["a", "shared"]
+    got = outbox.claim(conn, ["default"], "a", 1, claim_id="woken", wake=outbox.wake_channel("a"), room=3)
+    assert len(got) == 1
+    assert conn.execute("SELECT worker FROM task_waiters").fetchall() == [("a",)]
+    wakes.dispatch()                                # a is registered: woken alone
+    assert wakes.notified() == ["a"]
+    got = outbox.claim(conn, ["default"], "a", 2, claim_id="full", wake=outbox.wake_channel("a"), room=2)
+    assert len(got) == 2
+    assert conn.execute("SELECT count(*) FROM task_waiters").fetchone() == (0,)
+
+
 def test_a_worker_without_a_handler_for_the_task_is_not_woken(wakes: Wakes) -> None:
     wakes.idle("a", names=["t"])
     wakes.idle("b", names=["other"])
@@ -117,53 +145,71 @@ def test_a_rolled_back_dispatch_wakes_nobody_and_keeps_the_registration(db_url: 
 ONE = {"id": "one", "nodes": [{"id": "a", "type": "TASK", "task": "noop"}]}
 
 
-def test_four_idle_workers_one_run_at_a_time_few_empty_claims(db_url: str) -> None:
-    """Four idle workers of 4 slots, one run at a time: each dispatch wakes one worker,
-    so a claim comes back empty only when a wake-up races a poll (with every worker
-    woken by each dispatch, three claims in four would be empty). A worker whose claim
-    filled its last slot claims again when a slot frees, since more may be waiting:
-    with 1 slot that claim is empty whenever nothing is queued, so the slots here are 4."""
-    with Engine.connect(db_url, pool_size=2) as engine:
-        engine.deploy(ONE)
-        counts = {"claims": 0, "empty": 0}
-        lock = threading.Lock()
-        workers = []
-        for i in range(4):
-            w_engine = Engine.connect(db_url, pool_size=2)
-            claim = w_engine.claim
+@contextmanager
+def _idle_workers(db_url: str, engine: Engine, n: int = 4) -> Iterator[dict[str, int]]:
+    """``n`` workers of 4 slots, each counting its claims and the empty ones, started,
+    registered and idle; the counts start at zero then."""
+    counts = {"claims": 0, "empty": 0}
+    lock = threading.Lock()
+    workers = []
+    for i in range(n):
+        w_engine = Engine.connect(db_url, pool_size=2)
+        claim = w_engine.claim
 
-            def counted(*args: Any, _claim: Any = claim, **kwargs: Any) -> Any:
-                got = _claim(*args, **kwargs)
-                with lock:
-                    counts["claims"] += 1
-                    counts["empty"] += not got
-                return got
-
-            w_engine.claim = counted  # type: ignore[method-assign]
-            worker = Worker(w_engine, concurrency=4, poll_interval=5.0, worker_id=f"w{i}")
-            worker.handler("noop")(lambda _input, _ctx: None)
-            workers.append(worker)
-        threads = [threading.Thread(target=w.run, daemon=True) for w in workers]
-        for t in threads:
-            t.start()
-        try:
-            wait_for(lambda: counts["claims"] >= 4, what="every worker's first claim")
-            wait_for(lambda: _waiting(engine) == 4, what="every worker registered")
+        def counted(*args: Any, _claim: Any = claim, **kwargs: Any) -> Any:
+            got = _claim(*args, **kwargs)
             with lock:
-                counts.update(claims=0, empty=0)
-            for _ in range(20):
-                run_id = engine.start("one")
+                counts["claims"] += 1
+                counts["empty"] += not got
+            return got
+
+        w_engine.claim = counted  # type: ignore[method-assign]
+        worker = Worker(w_engine, concurrency=4, poll_interval=5.0, worker_id=f"w{i}")
+        worker.handler("noop")(lambda _input, _ctx: None)
+        workers.append(worker)
+    threads = [threading.Thread(target=w.run, daemon=True) for w in workers]
+    for t in threads:
+        t.start()
+    try:
+        wait_for(lambda: counts["claims"] >= n, what="every worker's first claim")
+        wait_for(lambda: _waiting(engine) == n, what="every worker registered")
+        with lock:
+            counts.update(claims=0, empty=0)
+        yield counts
+    finally:
+        for w in workers:
+            w.stop()
+        for t in threads:
+            t.join(10)
+        for w in workers:
+            w.engine.close()
+
+
+FOUR = {"id": "four", "nodes": [{"id": n, "type": "TASK", "task": "noop"} for n in "abcd"]}
+
+
+@pytest.mark.parametrize(("spec", "runs", "min_claims", "max_empty"), [(ONE, 20, 20, 2), (FOUR, 10, 40, 4)],
+                         ids=["one-task-runs", "four-task-runs"])
+def test_four_idle_workers_few_empty_claims(db_url: str, spec: dict[str, Any], runs: int, min_claims: int,
+                                            max_empty: int) -> None:
+    """Four idle workers of 4 slots, one run at a time. Runs of one task: each dispatch
+    wakes one worker, so a claim comes back empty only when a wake-up races a poll (with
+    every worker woken by each dispatch, three claims in four would be). Runs of four
+    tasks, dispatched by one statement: the dispatch wakes the four workers, each of
+    which claims one task for its one wake-up; were a woken worker to claim all it has
+    room for, the first would take the tasks the others were woken for, and their
+    claims would come back empty. A worker whose claim filled its last slot claims
+    again when a slot frees, since more may be waiting: with 1 slot that claim is empty
+    whenever nothing is queued, so the slots here are 4."""
+    with Engine.connect(db_url, pool_size=2) as engine:
+        engine.deploy(spec)
+        with _idle_workers(db_url, engine) as counts:
+            for _ in range(runs):
+                run_id = engine.start(spec["id"])
                 wait_for(partial(_finished, engine, run_id), what=f"run {run_id}")
                 wait_for(lambda: _waiting(engine) == 4, what="every worker idle again")
-        finally:
-            for w in workers:
-                w.stop()
-            for t in threads:
-                t.join(10)
-            for w in workers:
-                w.engine.close()
-    assert counts["claims"] >= 20
-    assert counts["empty"] <= 2, counts
+    assert counts["claims"] >= min_claims
+    assert counts["empty"] <= max_empty, counts
 
 
 def _finished(engine: Engine, run_id: str) -> bool:
