@@ -9,10 +9,12 @@
 -- fewer than p_room leaves the worker registered (the six-argument claim withdraws it once
 -- it takes p_limit, so it is written again here, in the same transaction), and the worker
 -- is woken by the next dispatch. A dispatch that makes more tasks available than it wakes
--- registered workers also notifies the shared channel (repo/outbox.py, enqueue), and a
--- worker told there claims as many as it has room for, so no task is left for a poll. The
--- six-argument function stays, with its own meaning (p_room = p_limit), for engines that
--- call it.
+-- registered workers, or wakes one that does not serve every task, also notifies the
+-- shared channel (repo/outbox.py, enqueue), and a worker told there claims as many as it
+-- has room for, so no task is left for a poll. The six-argument function stays, with its
+-- own meaning (p_room = p_limit), for engines that call it; during a rolling deploy a
+-- dispatch by an engine of the previous version tells the shared channel only when it
+-- wakes nobody, so a new worker woken once for several tasks leaves the rest for its poll.
 CREATE FUNCTION composer_claim(p_queues TEXT[], p_names TEXT[], p_owner TEXT, p_limit INT,
                                p_claim TEXT, p_channel TEXT, p_room INT)
 RETURNS TABLE(run_id TEXT, task_id TEXT, node_id TEXT, attempt INT, task_name TEXT, queue TEXT,
@@ -24,9 +26,13 @@ DECLARE
 BEGIN
     RETURN QUERY SELECT * FROM composer_claim(p_queues, p_names, p_owner, p_limit, p_claim, p_channel);
     GET DIAGNOSTICS claimed = ROW_COUNT;
+    -- A row still visible here is being deleted by a dispatch that has not committed: it
+    -- wakes this worker when it does. Inserting then would wait for that dispatch while
+    -- this claim holds outbox and task rows; the NOT EXISTS keeps the claim from waiting.
     IF p_channel IS NOT NULL AND claimed >= p_limit AND claimed < p_room THEN
         INSERT INTO task_waiters (worker, channel, queues, task_names)
-        VALUES (p_owner, p_channel, p_queues, p_names)
+        SELECT p_owner, p_channel, p_queues, p_names
+         WHERE NOT EXISTS (SELECT 1 FROM task_waiters x WHERE x.worker = p_owner)
         ON CONFLICT (worker) DO NOTHING;
     END IF;
 END;

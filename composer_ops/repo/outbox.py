@@ -50,11 +50,13 @@ def enqueue(conn: Conn, dispatches: Sequence[Dispatch], *, now: datetime) -> Non
     Idle workers are registered in ``task_waiters`` by their own claims (sql/V017,
     V019). Up to one waiter per row is taken, the most recently idle first, among those
     serving the row's queue and task name, and notified on its own channel; a worker so
-    woken claims one task per wake-up. When fewer waiters are taken than rows written,
-    one notification per distinct queue also goes to :data:`CHANNEL`, which every worker
-    listens on and which makes a worker claim all it has room for (a worker between its
-    wake-up and its next claim is not registered, and is woken that way; on Citus no
-    claim registers)."""
+    woken claims one task per wake-up, the oldest it serves. When fewer waiters are taken
+    than rows written, or a waiter taken does not serve every row (so its one claim may
+    take a row another was woken for), one notification per distinct queue also goes to
+    :data:`CHANNEL`, which every worker listens on and which makes a worker claim all it
+    has room for (a worker between its wake-up and its next claim is not registered, and
+    is woken that way; on Citus no claim registers). A waiter row outliving its worker
+    (killed: a clean stop deletes it) costs the task it is woken for a poll interval."""
     if not dispatches:
         return
     conn.execute("""
@@ -74,12 +76,15 @@ def enqueue(conn: Conn, dispatches: Sequence[Dispatch], *, now: datetime) -> Non
                      LIMIT (SELECT count(*) FROM ins)
                        FOR UPDATE SKIP LOCKED) s
              WHERE w.worker = s.worker
-            RETURNING w.channel, w.queues[1] AS queue)
-        SELECT pg_notify(channel, queue) FROM woken
+            RETURNING w.channel, w.queues, w.task_names)
+        SELECT pg_notify(channel, queues[1]) FROM woken
         UNION ALL
         SELECT pg_notify(%(channel)s, q.queue)
           FROM (SELECT DISTINCT queue FROM ins ORDER BY queue) q
-         WHERE (SELECT count(*) FROM woken) < (SELECT count(*) FROM ins)""",
+         WHERE (SELECT count(*) FROM woken) < (SELECT count(*) FROM ins)
+            OR EXISTS (SELECT 1 FROM woken w, ins i
+                        WHERE NOT (i.queue = ANY(w.queues)
+                                   AND (w.task_names IS NULL OR i.task_name = ANY(w.task_names))))""",
         {"q": [d.queue for d in dispatches],
          "r": [d.run_id for d in dispatches], "t": [d.task_id for d in dispatches],
          "a": [d.attempt for d in dispatches], "n": [d.task_name for d in dispatches],

@@ -8,6 +8,7 @@ that finds fewer registered workers than it has tasks notifies the shared channe
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -38,17 +39,17 @@ class Wakes:
         assert outbox.claim(self.conn, ["default"], worker, 2, task_names=names, claim_id=f"idle-{worker}",
                             wake=outbox.wake_channel(worker)) == []
 
-    def dispatch(self, run_id: str | None = None, nodes: tuple[str, ...] = ("t",), task_name: str = "t") -> None:
-        """A PENDING task of ``task_name`` for each node of ``run_id`` (a new run by
-        default), their dispatches enqueued in one call."""
+    def dispatch(self, run_id: str | None = None, nodes: tuple[str, ...] = ("t",), task_name: str | None = "t") -> None:
+        """A PENDING task of ``task_name`` (None: named after its node) for each node of
+        ``run_id`` (a new run by default), their dispatches enqueued in one call."""
         run_id = run_id or add_run(self.conn)
         now = clock.now(self.conn)
         for node in nodes:
             assert tasks.insert_task(self.conn, run_id, task_id=f"{run_id[:8]}-{node}", node_id=node,
                                      node_type="TASK", queue="default", state="PENDING", now=now)
         outbox.enqueue(self.conn, [Dispatch(run_id=run_id, task_id=f"{run_id[:8]}-{node}", attempt=0,
-                                            queue="default", task_name=task_name, lease_s=30) for node in nodes],
-                       now=now)
+                                            queue="default", task_name=task_name or node, lease_s=30)
+                                   for node in nodes], now=now)
 
     def notified(self) -> list[str]:
         """Who was told since the last call (a wake channel's worker, or "shared")."""
@@ -108,6 +109,48 @@ def test_a_claim_of_its_wake_ups_keeps_a_worker_with_room_registered(wakes: Wake
     got = outbox.claim(conn, ["default"], "a", 2, claim_id="full", wake=outbox.wake_channel("a"), room=2)
     assert len(got) == 2
     assert conn.execute("SELECT count(*) FROM task_waiters").fetchone() == (0,)
+
+
+def test_a_woken_worker_that_does_not_serve_every_task_also_tells_the_shared_channel(wakes: Wakes) -> None:
+    """Workers a (tasks x and y) and b (x only), one dispatch of x and y: both are woken,
+    but b's one claim cannot take y, and a's may take x; so every worker is told too."""
+    wakes.idle("a", names=["x", "y"])
+    wakes.idle("b", names=["x"])
+    wakes.dispatch(nodes=("x", "y"), task_name=None)
+    assert wakes.notified() == ["a", "b", "shared"]
+
+
+def test_a_claim_that_registers_again_never_waits_for_a_dispatch(db_url: str, wakes: Wakes) -> None:
+    """A claim of one task with room for two writes the worker's registration again after
+    it has locked its task. A dispatch that took (deleted) that registration meanwhile and
+    has not committed must not make it wait there, holding its task while the dispatch
+    may come to need it: the dispatch wakes the worker when it commits."""
+    wakes.dispatch(nodes=("x",))                    # queued while nobody is registered
+    wakes.conn.execute("INSERT INTO task_waiters (worker, channel, queues) VALUES ('a', %s, '{default}')",
+                       (outbox.wake_channel("a"),))
+    run_id = add_run(wakes.conn)
+    got: list[Any] = []
+    with psycopg.connect(db_url, autocommit=True) as claimer, psycopg.connect(db_url) as blocker, \
+            psycopg.connect(db_url) as dispatcher:
+        claim = threading.Thread(target=lambda: got.append(outbox.claim(
+            claimer, ["default"], "a", 1, claim_id="c", wake=outbox.wake_channel("a"), room=2)))
+        with blocker.transaction():                 # holds the claim at its task update
+            blocker.execute("SELECT 1 FROM task_instances WHERE node_id = 'x' FOR UPDATE")
+            claim.start()
+            wait_for(partial(_lock_waits, wakes.conn, 1), what="the claim waiting at its task")
+            Wakes(dispatcher, wakes.listen, wakes.channels).dispatch(run_id, nodes=("y",))  # takes a's row
+        claim.join(5)
+        waited = claim.is_alive()
+        dispatcher.commit()
+        claim.join(5)
+        assert not waited, "the claim waited for the uncommitted dispatch, holding its task"
+    assert [len(g) for g in got] == [1]
+    assert wakes.notified() == ["a", "shared"]      # the first dispatch's, then the second's wake-up
+
+
+def _lock_waits(conn: psycopg.Connection[Any], n: int) -> bool:
+    row = conn.execute("SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock'").fetchone()
+    return row is not None and row[0] >= n
 
 
 def test_a_worker_without_a_handler_for_the_task_is_not_woken(wakes: Wakes) -> None:
@@ -212,11 +255,75 @@ def test_four_idle_workers_few_empty_claims(db_url: str, spec: dict[str, Any], r
     assert counts["empty"] <= max_empty, counts
 
 
+XY = {"id": "xy", "nodes": [{"id": "nx", "type": "TASK", "task": "x"}, {"id": "ny", "type": "TASK", "task": "y"}]}
+
+
+def test_workers_serving_different_tasks_each_claim_theirs_at_once(db_url: str) -> None:
+    """Idle workers A (tasks x and y) and B (x only, its claims 0.3 s slower), a run of x
+    and y: each task is claimed well within the poll interval (5 s). Were A to claim
+    one task for its one wake-up with nobody else told, it would take x and leave y for
+    its next poll."""
+    claimed: dict[str, float] = {}
+
+    def slowly(claim: Any, delay: float) -> Any:
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            time.sleep(delay)
+            got = claim(*args, **kwargs)
+            claimed.update((c.node_id, time.monotonic()) for c in got)
+            return got
+        return timed
+
+    with Engine.connect(db_url, pool_size=2) as engine:
+        engine.deploy(XY)
+        running = []
+        for worker_id, names, delay in (("B", ["x"], 0.3), ("A", ["x", "y"], 0.0)):
+            w_engine = Engine.connect(db_url, pool_size=2)
+            w_engine.claim = slowly(w_engine.claim, delay)  # type: ignore[method-assign]
+            worker = Worker(w_engine, concurrency=4, poll_interval=5.0, worker_id=worker_id)
+            for name in names:
+                worker.handler(name)(lambda _input, _ctx: None)
+            thread = threading.Thread(target=worker.run, daemon=True)
+            thread.start()
+            running.append((worker, thread))
+            wait_for(partial(_registered, engine, worker_id), what=f"{worker_id} idle")
+        try:
+            began = time.monotonic()
+            run_id = engine.start("xy")
+            wait_for(partial(_finished, engine, run_id), what=f"run {run_id}")
+        finally:
+            for worker, thread in running:
+                worker.stop()
+                thread.join(10)
+                worker.engine.close()
+    assert {node: round(at - began, 2) for node, at in claimed.items() if at - began > 1.0} == {}
+
+
+def test_a_stopped_worker_is_no_longer_registered(db_url: str) -> None:
+    """A worker's registration goes with its clean stop: a dispatch would otherwise wake
+    a worker that can no longer claim."""
+    with Engine.connect(db_url, pool_size=2) as engine:
+        worker = Worker(engine, concurrency=2, poll_interval=5.0, worker_id="leaving")
+        worker.handler("noop")(lambda _input, _ctx: None)
+        thread = threading.Thread(target=worker.run, daemon=True)
+        thread.start()
+        wait_for(lambda: _waiters(engine) == ["leaving"], what="the worker registered")
+        worker.stop()
+        thread.join(10)
+        assert _waiters(engine) == []
+
+
 def _finished(engine: Engine, run_id: str) -> bool:
     return engine.get_run(run_id).status in TERMINAL
 
 
-def _waiting(engine: Engine) -> int:
+def _waiters(engine: Engine) -> list[str]:
     with engine.pool.connection() as conn:
-        row = conn.execute("SELECT count(*) FROM task_waiters").fetchone()
-        return int(row[0]) if row else 0
+        return [r[0] for r in conn.execute("SELECT worker FROM task_waiters ORDER BY worker").fetchall()]
+
+
+def _registered(engine: Engine, worker_id: str) -> bool:
+    return worker_id in _waiters(engine)
+
+
+def _waiting(engine: Engine) -> int:
+    return len(_waiters(engine))
