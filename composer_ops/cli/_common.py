@@ -47,6 +47,10 @@ def number_text(value: float) -> str:
     return f"{value:g}" if isinstance(value, float) else str(value)
 
 
+def above(low: float) -> Accepts:
+    return Accepts(lambda v: v > low, f"more than {number_text(low)}")
+
+
 def at_least(low: float) -> Accepts:
     return Accepts(lambda v: v >= low, f"{number_text(low)} or more")
 

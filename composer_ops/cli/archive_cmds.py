@@ -11,14 +11,18 @@ from typing import Any
 from composer_ops.cli._common import (
     EXIT_FAILED,
     EXIT_OK,
+    above,
     add_command,
     add_json_option,
     add_yes_option,
+    at_least,
     database_url,
     emit_json,
     env_option,
 )
 from composer_ops.cli.admin_cmds import actor, progress_bars
+from composer_ops.errors import Invalid
+from composer_ops.repo.retention import Cutoff, parse_cutoff
 
 
 def add_cutoff_option(parser: argparse.ArgumentParser) -> None:
@@ -28,14 +32,22 @@ def add_cutoff_option(parser: argparse.ArgumentParser) -> None:
                     "the database clock (90d, 2w, 6 months, 1y, 36h)")
 
 
+def cutoff(args: argparse.Namespace) -> Cutoff:
+    """The parsed ``--older-than`` (:class:`Invalid` when it is missing or not a cut-off)."""
+    if not args.older_than:
+        raise Invalid("--older-than WHEN is required (an ISO date, an ISO instant, or an age like 90d)")
+    return parse_cutoff(args.older_than)
+
+
 def add_lock_options(parser: argparse.ArgumentParser, *, attempts: bool = True) -> None:
     """``--lock-timeout`` (and ``--attempts``): how long DDL waits for a lock, how often it tries."""
     env_option(parser, "--lock-timeout", env="COMPOSER_RETENTION_LOCK_TIMEOUT", type=float, default=2.0,
-               metavar_default="2", help="seconds to wait for a partition lock before backing off and retrying")
+               accepts=above(0), metavar_default="2",
+               help="seconds to wait for a partition lock before backing off and retrying")
     if attempts:
         env_option(parser, "--attempts", env="COMPOSER_RETENTION_ATTEMPTS", type=int, default=5,
-                   metavar_default="5", help="tries (per month, month by month) before giving up when the locks "
-                                             "stay busy")
+                   accepts=at_least(1), metavar_default="5",
+                   help="tries (per month, month by month) before giving up when the locks stay busy")
 
 
 def register(psub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -87,13 +99,10 @@ def register(psub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg
 def cmd_restore(args: argparse.Namespace) -> int:
     from composer_ops.core.runids import month_start
     from composer_ops.engine.archive import restore_month
-    from composer_ops.errors import Invalid
 
     month_start(args.month)                                  # YYYYMM, else exit 2
     if not args.source:
         raise Invalid("--from DIR is required (or COMPOSER_ARCHIVE_DIR)")
-    if args.lock_timeout <= 0:
-        raise Invalid(f"--lock-timeout must be more than 0 seconds, got {args.lock_timeout:g}")
     with progress_bars() as bars:
         result = restore_month(args.database_url, args.month, Path(args.source), yes=args.yes, actor=actor(args),
                                lock_timeout_s=args.lock_timeout, progress=bars)
@@ -115,16 +124,12 @@ def cmd_restore(args: argparse.Namespace) -> int:
 
 def cmd_archive(args: argparse.Namespace) -> int:
     from composer_ops.engine.archive import archive_due
-    from composer_ops.errors import Invalid
-    from composer_ops.repo.retention import parse_cutoff
 
-    if not args.older_than:
-        raise Invalid("--older-than WHEN is required (an ISO date, an ISO instant, or an age like 90d)")
+    when = cutoff(args)
     if not args.target:
         raise Invalid("--to DIR is required (or COMPOSER_ARCHIVE_DIR)")
-    cutoff = parse_cutoff(args.older_than)
     with progress_bars() as bars:
-        result = archive_due(database_url(args), cutoff, Path(args.target), dry_run=args.dry_run,
+        result = archive_due(database_url(args), when, Path(args.target), dry_run=args.dry_run,
                              actor=actor(args), progress=bars)
     if args.json:
         emit_json({"cutoff": result.cutoff, "dry_run": args.dry_run,
@@ -147,27 +152,19 @@ def cmd_archive(args: argparse.Namespace) -> int:
 
 
 def cmd_detach(args: argparse.Namespace) -> int:
-    from composer_ops.errors import Invalid
-    from composer_ops.repo.retention import parse_cutoff
-
-    if not args.older_than:
-        raise Invalid("--older-than WHEN is required (an ISO date, an ISO instant, or an age like 90d)")
-    return _retire(args, parse_cutoff(args.older_than), archive_dir=None, keep_table=True)
+    return _retire(args, cutoff(args), archive_dir=None, keep_table=True)
 
 
-def drop_archived(args: argparse.Namespace, when: Any) -> int:
+def drop_archived(args: argparse.Namespace, when: Cutoff) -> int:
     """``partitions drop --archive DIR``: archive each month, drop it once verified."""
     return _retire(args, when, archive_dir=Path(args.archive), keep_table=False)
 
 
-def _retire(args: argparse.Namespace, when: Any, *, archive_dir: Path | None, keep_table: bool) -> int:
+def _retire(args: argparse.Namespace, when: Cutoff, *, archive_dir: Path | None, keep_table: bool) -> int:
     from composer_ops.cli.partition_cmds import blocked_exit
     from composer_ops.engine.archive import BadArchive
     from composer_ops.engine.retire import retire_months
-    from composer_ops.errors import Invalid
 
-    if args.lock_timeout <= 0 or args.attempts < 1:
-        raise Invalid(f"--lock-timeout must be > 0 and --attempts >= 1, got {args.lock_timeout} and {args.attempts}")
     if archive_dir is not None and args.yes:
         from composer_ops.engine.archive import check_directory
 

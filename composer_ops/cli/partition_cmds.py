@@ -11,7 +11,6 @@ from composer_ops.cli import archive_cmds
 from composer_ops.cli._common import EXIT_OK, add_command, add_json_option, at_least, emit_json, env_option, open_engine
 from composer_ops.cli.admin_cmds import actor
 from composer_ops.db import connect
-from composer_ops.errors import Invalid
 from composer_ops.ops.display import iec_bytes
 from composer_ops.repo.rows import RetentionMonth
 
@@ -100,11 +99,7 @@ def cmd_drop(args: argparse.Namespace) -> int:
     from composer_ops.engine.retention import BLOCKED_REASON, drop_due_months
     from composer_ops.repo import retention
 
-    if not args.older_than:
-        raise Invalid("--older-than WHEN is required (an ISO date, an ISO instant, or an age like 90d)")
-    when = retention.parse_cutoff(args.older_than)
-    if args.lock_timeout <= 0 or args.attempts < 1:
-        raise Invalid(f"--lock-timeout must be > 0 and --attempts >= 1, got {args.lock_timeout} and {args.attempts}")
+    when = archive_cmds.cutoff(args)
     dropped: list[str] | None = None
     if args.archive:
         return archive_cmds.drop_archived(args, when)

@@ -21,6 +21,11 @@ NOWHERE = "postgresql:///nodb?host=/nonexistent-composer-test"
     (["simulate", "--growth", "-0.75"], "--growth must be between -0.5 and 1, got -0.75"),
     (["simulate", "--cancel-rate", "1"], "--cancel-rate must be a fraction in [0, 1), got 1.0"),
     (["simulate", "--runs-per-month", "0"], "--runs-per-month must be between 1 and 10000000, got 0"),
+    (["partitions", "drop", "--older-than", "90d", "--attempts", "0"], "--attempts must be 1 or more, got 0"),
+    (["partitions", "detach", "--older-than", "90d", "--lock-timeout", "nan"],
+     "--lock-timeout must be more than 0, got nan"),
+    (["partitions", "restore", "202501", "--from", "/tmp", "--lock-timeout", "0"],
+     "--lock-timeout must be more than 0, got 0.0"),
 ])
 def test_a_value_out_of_range_is_one_line_and_exit_2_before_connecting(
         args: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
