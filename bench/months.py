@@ -17,7 +17,8 @@ Then, in rounds that alternate the order of the three databases:
   ``pg_locks`` inside its transaction (minus what the counting query itself holds),
   after the statement has run often enough on the connection to be prepared: the
   claim, a heartbeat, a completion (the shell's whole event transaction), the lease
-  sweeper's and the timer loop's scans;
+  sweeper's and the timer loop's scans (from the coordinator's active floor on, as it
+  runs them), and the read of that floor (once every ``floor_every_s``, 30 s);
 - **1-task throughput**: the sustained workload of ``make bench`` (W=1 worker process,
   the coordinator, the producer at a bounded backlog) on that database; only runs
   started inside the window count, so the history does not.
@@ -141,10 +142,14 @@ def locks(url: str) -> dict[str, int]:
             return False
 
         out["heartbeat"] = _locks_held(engine, heartbeat)
+        # The scans as the coordinator runs them: from its active floor on.
+        with engine.pool.connection() as conn:
+            floor = engine.coordinator().active_floor(conn)
         out["sweeper scan"] = _locks_held(
-            engine, lambda conn: bool(tasks.expired_leases(conn, 100, now=clock.now(conn))) and False)
+            engine, lambda conn: bool(tasks.expired_leases(conn, 100, now=clock.now(conn), floor=floor)) and False)
         out["timer scan"] = _locks_held(
-            engine, lambda conn: bool(signals.due_waits(conn, 100, now=clock.now(conn))) and False)
+            engine, lambda conn: bool(signals.due_waits(conn, 100, now=clock.now(conn), floor=floor)) and False)
+        out["active floor read"] = _locks_held(engine, lambda conn: bool(tasks.active_floor(conn)) and False)
         # A completion is the shell's event transaction: count inside it, just before commit.
         counted: list[int] = []
         apply = engine.shell.apply

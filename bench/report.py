@@ -127,14 +127,16 @@ def months_table(mon: dict[str, Any]) -> Table:
     table = Table(title=f"Months of history retained ({mon['runs_per_month']:,} runs per month; medians of "
                         f"{mon['rounds']} rounds; latency per call, one session)")
     for col in ("months", "partitions/table", "claim p50 ms", "p99", "server CPU ms", "heartbeat p50",
-                "complete p50", "locks: claim", "heartbeat", "complete", "sweeper", "timer", "1-task runs/s"):
+                "complete p50", "locks: claim", "heartbeat", "complete", "sweeper", "timer", "floor read",
+                "1-task runs/s"):
         table.add_column(col, justify="right")
     for m, e in mon["by_months"].items():
         lk = e["locks"]
         table.add_row(m, str(e["partitions_per_table"]), _f(e["claim_p50_ms"], 2), _f(e["claim_p99_ms"], 2),
                       _f(e.get("claim_server_cpu_ms"), 3), _f(e["heartbeat_p50_ms"], 2), _f(e["complete_p50_ms"], 2),
                       str(lk["claim"]), str(lk["heartbeat"]), str(lk["complete (event transaction)"]),
-                      str(lk["sweeper scan"]), str(lk["timer scan"]), _f(e["runs_per_s"], 0))
+                      str(lk["sweeper scan"]), str(lk["timer scan"]), str(lk.get("active floor read", "-")),
+                      _f(e["runs_per_s"], 0))
     return table
 
 

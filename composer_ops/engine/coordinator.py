@@ -2,6 +2,9 @@
 
 - timers: WAITING tasks whose wake_at passed (WAIT timers, WAIT_FOR_EVENT timeouts);
 - lease sweeper: RUNNING tasks whose lease lapsed -> retry or fail;
+  both look only at the months from the active floor on (the month of the oldest run
+  with an active task, read again every ``floor_every_s``), so their cost does not grow
+  with the months of finished history retained;
 - partition upkeep: ensure months ahead (hourly);
 - webhook relay: POST finished runs; delete deliveries finished more than N days ago;
 - retention (optional): drop months older than a cut-off, via the same plan as the CLI.
@@ -20,10 +23,11 @@ import threading
 import time
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
-from datetime import datetime
+from datetime import datetime, timedelta
 from functools import partial
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
+from composer_ops.core import runids
 from composer_ops.core.model import Event, LeaseExpired, TaskRef, TimerDue
 from composer_ops.db.errors import Pool
 from composer_ops.db.retry import db_retry
@@ -62,7 +66,7 @@ class Coordinator:
                  upkeep_every_s: float = 3600.0, webhook_secret: str | None = None,
                  relay: RelayPolicy | None = None, upkeep_lock_timeout_s: float = 0.5,
                  retention: str | Cutoff | None = None, retention_every_s: float = 3600.0,
-                 webhook_keep_days: float | None = 7.0) -> None:
+                 webhook_keep_days: float | None = 7.0, floor_every_s: float = 30.0) -> None:
         self.engine = engine
         self.interval = interval
         self.batch = batch
@@ -79,6 +83,11 @@ class Coordinator:
         if webhook_keep_days is not None and not webhook_keep_days >= 0:
             raise Invalid(f"webhook_keep_days must be 0 or more days (or None: keep for ever), got {webhook_keep_days}")
         self.webhook_keep_days = webhook_keep_days
+        if not floor_every_s >= 0:
+            raise Invalid(f"floor_every_s must be 0 or more seconds, got {floor_every_s}")
+        self.floor_every_s = floor_every_s
+        self._floor = ""
+        self._next_floor = float("-inf")
         self._next_prune = float("-inf")
         self._next_retention = float("-inf")
         self._retention_failures = 0
@@ -119,9 +128,32 @@ class Coordinator:
                 stats.errors.append(f"{name}: {exc}")
         return stats
 
+    def active_floor(self, conn: Any) -> str:
+        """The run ID below which the timers and the lease sweeper do not look: the first
+        of the month of the oldest run with an active task, or, when no task is active,
+        of the month the database's clock was in a day ago (an engine whose clock lags
+        the database's may still name a new run in the previous month). Read again
+        every ``floor_every_s``: the read itself plans every month, the scans it bounds
+        only the months from the floor on. A run below the floor that gets an active
+        task again (an operator's retry of an old run) is seen from the next read, at
+        most ``floor_every_s`` later; any run that had an active task at the last read
+        is above it."""
+        if time.monotonic() >= self._next_floor:
+            oldest = tasks.active_floor(conn)
+            if oldest is None:
+                self._floor = runids.month_bounds(runids.month_label(clock.now(conn) - timedelta(days=1)))[0]
+            else:
+                try:
+                    self._floor = runids.month_bounds(runids.month_of(oldest))[0]
+                except Invalid:      # not a UUIDv7: bound by the ID itself
+                    self._floor = oldest
+            self._next_floor = time.monotonic() + self.floor_every_s
+        return self._floor
+
     def _timers(self, stats: PassStats) -> None:
         with self.engine.pool.connection() as conn:
-            due = signals.due_waits(conn, self.batch, now=clock.now(conn), skip=self._timer_backoff.skipped())
+            due = signals.due_waits(conn, self.batch, now=clock.now(conn), skip=self._timer_backoff.skipped(),
+                                    floor=self.active_floor(conn))
         for wait in due:
             outcome = self._handle("timer", wait.task_id, wait.task_id, wait.run_id,
                                    partial(_timer_due, wait.task_id, wait.node_id), self._timer_backoff, stats)
@@ -131,7 +163,7 @@ class Coordinator:
     def _leases(self, stats: PassStats) -> None:
         with self.engine.pool.connection() as conn:
             expired = tasks.expired_leases(conn, self.batch, now=clock.now(conn),
-                                           skip=self._lease_backoff.skipped())
+                                           skip=self._lease_backoff.skipped(), floor=self.active_floor(conn))
         for lease in expired:
             ref = TaskRef(task_id=lease.task_id, run_id=lease.run_id, node_id=lease.node_id,
                           attempt=lease.attempt, lease_owner=lease.lease_owner)

@@ -11,19 +11,22 @@ from composer_ops.repo._base import Conn, error_json, fetch_all, jsonb
 from composer_ops.repo.rows import DueWait
 
 
-def due_waits(conn: Conn, limit: int, *, now: datetime, skip: Sequence[str] = ()) -> list[DueWait]:
+def due_waits(conn: Conn, limit: int, *, now: datetime, skip: Sequence[str] = (),
+              floor: str = "") -> list[DueWait]:
     """Up to ``limit`` WAITING tasks whose wake_at had passed at ``now`` (the database
     clock), oldest first (served by the partial wake index), of runs that are active and
     not soft-deleted; ``skip``: task ids the caller is backing off, so the rows behind
-    them get their turn."""
+    them get their turn. Only runs whose ID is ``floor`` or above, which keeps the
+    months below it out of the plan (``tasks.expired_leases`` says why)."""
     return fetch_all(conn, DueWait, """
         SELECT t.run_id, t.id AS task_id, t.node_id
           FROM task_instances t
           JOIN workflow_runs r ON r.id = t.run_id
-         WHERE t.state = 'WAITING' AND t.wake_at <= %s AND t.id <> ALL(%s::text[])
+         WHERE t.state = 'WAITING' AND t.wake_at <= %(now)s AND t.id <> ALL(%(skip)s::text[])
+           AND t.run_id >= %(floor)s AND r.id >= %(floor)s
            AND r.deleted_at IS NULL AND r.status IN ('PENDING', 'RUNNING')
          ORDER BY t.wake_at
-         LIMIT %s""", (now, list(skip), limit))
+         LIMIT %(limit)s""", {"now": now, "skip": list(skip), "limit": limit, "floor": floor})
 
 
 def resolve_wait(conn: Conn, run_id: str, task_id: str, *, state: str, now: datetime, output: Any = None,

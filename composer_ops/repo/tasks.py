@@ -167,16 +167,30 @@ def heartbeat(conn: Conn, ref: TaskRef, owner: str, lease_s: float) -> datetime 
     return None if row is None else row[0]
 
 
-def expired_leases(conn: Conn, limit: int, *, now: datetime, skip: Sequence[str] = ()) -> list[ExpiredLease]:
+def active_floor(conn: Conn) -> str | None:
+    """The smallest run ID that has a task in an active state (PENDING, QUEUED, RUNNING,
+    WAITING), None when no task is active. Read through the partial index of active
+    tasks, partition by partition in run-ID order, it stops at the first month that has
+    one; like every statement without a run ID, it plans and locks every month."""
+    row = conn.execute(f"SELECT min(run_id) FROM task_instances WHERE state IN {_ACTIVE}").fetchone()
+    return None if row is None else row[0]
+
+
+def expired_leases(conn: Conn, limit: int, *, now: datetime, skip: Sequence[str] = (),
+                   floor: str = "") -> list[ExpiredLease]:
     """RUNNING tasks whose lease had lapsed at ``now`` (the database clock), oldest first,
     of runs that are active and not soft-deleted; ``skip``: ``task_id:attempt`` keys of
-    attempts the caller is backing off."""
+    attempts the caller is backing off. Only runs whose ID is ``floor`` or above: the
+    planner keeps only the months from ``floor``'s on, so a floor below which no task is
+    active (:func:`active_floor`) makes the scan's cost independent of the months of
+    finished history retained; the default scans every month."""
     return fetch_all(conn, ExpiredLease, """
         SELECT t.run_id, t.id AS task_id, t.node_id, t.attempt, t.lease_owner
           FROM task_instances t
           JOIN workflow_runs r ON r.id = t.run_id
-         WHERE t.state = 'RUNNING' AND t.lease_expires_at <= %s
-           AND t.id || ':' || t.attempt <> ALL(%s::text[])
+         WHERE t.state = 'RUNNING' AND t.lease_expires_at <= %(now)s
+           AND t.id || ':' || t.attempt <> ALL(%(skip)s::text[])
+           AND t.run_id >= %(floor)s AND r.id >= %(floor)s
            AND r.deleted_at IS NULL AND r.status IN ('PENDING', 'RUNNING')
          ORDER BY t.lease_expires_at
-         LIMIT %s""", (now, list(skip), limit))
+         LIMIT %(limit)s""", {"now": now, "skip": list(skip), "limit": limit, "floor": floor})

@@ -19,6 +19,10 @@ from composer_ops.repo.rows import Dispatch
 from tests.integration.helpers import add_definition, add_run, now_utc
 
 _RELATION_LOCKS = "SELECT count(*) FROM pg_locks WHERE pid = pg_backend_pid() AND locktype = 'relation'"
+_TASK_PARTITIONS_LOCKED = """
+    SELECT c.relname FROM pg_locks l JOIN pg_class c ON c.oid = l.relation
+     WHERE l.pid = pg_backend_pid() AND l.locktype = 'relation'
+       AND c.relname LIKE 'task_instances_p%%' AND c.relkind = 'r'"""
 
 
 def _dispatch(conn: Any, run_id: str) -> None:
@@ -30,31 +34,41 @@ def _dispatch(conn: Any, run_id: str) -> None:
                                    lease_s=30)], now=now)
 
 
-def _locks_of_one_claim(conn: Any) -> list[int]:
+def _locks_of_one_claim(conn: Any) -> tuple[list[int], set[str]]:
     """Relation locks a claim of one task holds at the end of its transaction, for 7
-    calls on one connection (psycopg prepares the statement from the 5th), each
-    rolled back so the next claims the same task."""
+    calls on one connection (psycopg prepares the statement from the 5th; the claim
+    function's own statements switch to cached plans after 5 calls), each rolled back
+    so the next claims the same task; and every task_instances partition any of them
+    locked."""
     held = []
+    partitions_locked: set[str] = set()
     for _ in range(7):
         with conn.transaction():
             before = conn.execute(_RELATION_LOCKS).fetchone()[0]
             claimed = outbox.claim(conn, ["default"], "w", 1, task_names=["t"], claim_id="c")
             assert len(claimed) == 1
             held.append(conn.execute(_RELATION_LOCKS).fetchone()[0] - before)
+            partitions_locked |= {r[0] for r in conn.execute(_TASK_PARTITIONS_LOCKED).fetchall()}
             raise psycopg.Rollback()
-    return held
+    return held, partitions_locked
 
 
 def test_a_claim_locks_as_much_with_thirteen_months_retained_as_with_one(db_url: str) -> None:
+    """At every call, cached plans or not, the claim locks its task's month only; once
+    the plans are cached (the last call) it holds as many locks with 13 months as with 1."""
+    this_month = f"task_instances_p{now_utc():%Y%m}"
     with psycopg.connect(db_url, autocommit=True) as conn:
         add_definition(conn)
         _dispatch(conn, add_run(conn))
-        with_current_months = _locks_of_one_claim(conn)
+        with_current_months, locked = _locks_of_one_claim(conn)
+        assert locked == {this_month}
         today = now_utc().date()
         created = partitions.ensure_from(conn, date(today.year - 1, today.month, 1), 11)
         assert created >= 12            # 12 past months of every run table
-        with_past_year = _locks_of_one_claim(conn)
-    assert with_past_year == with_current_months
+        with_past_year, locked = _locks_of_one_claim(conn)
+        assert locked == {this_month}
+    assert with_past_year[-1] == with_current_months[-1]
+    assert max(with_past_year) <= max(with_current_months)
 
 
 @pytest.mark.parametrize("retained", [0, 12])
@@ -72,10 +86,7 @@ def test_a_claim_of_tasks_in_two_months_locks_those_months_only(db_url: str, ret
         _dispatch(conn, new_run)
         with conn.transaction():
             claimed = outbox.claim(conn, ["default"], "w", 2, task_names=["t"], claim_id="c")
-            names = {r[0] for r in conn.execute("""
-                SELECT c.relname FROM pg_locks l JOIN pg_class c ON c.oid = l.relation
-                 WHERE l.pid = pg_backend_pid() AND l.locktype = 'relation'
-                   AND c.relname LIKE 'task_instances_p%%' AND c.relkind = 'r'""").fetchall()}
+            names = {r[0] for r in conn.execute(_TASK_PARTITIONS_LOCKED).fetchall()}
             raise psycopg.Rollback()
     assert {c.run_id for c in claimed} == {old_run, new_run}
     assert names == {f"task_instances_p{last_month:%Y%m}", f"task_instances_p{today:%Y%m}"}

@@ -1,0 +1,138 @@
+"""The timers and the lease sweeper look only at the months from the active floor on.
+
+The floor is the first of the month of the oldest run with an active task, read by the
+coordinator every ``floor_every_s``. The scans name it as a constant, so the planner
+keeps (and locks) only the months from it on: months of finished history retained
+below it cost the scans nothing. These tests check the floor, that the scans' locks no
+longer grow with the months retained (and did without the floor), that an old run's
+expired lease and due timer are still found, and the one delay the floor allows: a run
+below it that gets an active task again is seen from the next read of the floor.
+"""
+
+from __future__ import annotations
+
+import time
+from datetime import UTC, date, datetime, timedelta
+from typing import Any
+
+import psycopg
+
+from composer_ops import Engine
+from composer_ops.core import runids
+from composer_ops.repo import clock, partitions, signals, tasks
+from tests.integration.helpers import add_definition, add_run, now_utc
+
+_RELATION_LOCKS = "SELECT count(*) FROM pg_locks WHERE pid = pg_backend_pid() AND locktype = 'relation'"
+
+
+def _months_ago(n: int) -> datetime:
+    today = now_utc().date()
+    index = today.year * 12 + today.month - 1 - n
+    return datetime(index // 12, index % 12 + 1, 15, tzinfo=UTC)
+
+
+def _month_floor(ts: datetime) -> str:
+    return runids.month_bounds(runids.month_label(ts))[0]
+
+
+_SPEC = {"id": "wf", "nodes": [{"id": "a", "type": "TASK", "task": "t"},
+                               {"id": "z", "type": "WAIT", "duration_s": 60}]}
+
+
+def _task(conn: Any, run_id: str, state: str, *, lease_expired: bool = False, wake_due: bool = False) -> str:
+    """A task of ``run_id`` in ``state``: of the TASK node ``a``, with a lease that
+    lapsed a minute ago when ``lease_expired``; of the WAIT node ``z`` with a wake-up due
+    a minute ago when ``wake_due``."""
+    node, node_type = ("z", "WAIT") if wake_due else ("a", "TASK")
+    task_id = f"{run_id[:13]}-{node}"
+    assert tasks.insert_task(conn, run_id, task_id=task_id, node_id=node, node_type=node_type, queue="default",
+                             state=state, now=clock.now(conn))
+    if lease_expired:
+        conn.execute("UPDATE task_instances SET lease_owner = 'gone', lease_expires_at = now() - interval '1 minute'"
+                     " WHERE id = %s", (task_id,))
+    if wake_due:
+        conn.execute("UPDATE task_instances SET wake_at = now() - interval '1 minute' WHERE id = %s", (task_id,))
+    return task_id
+
+
+def _ensure_months_back(conn: Any, n: int) -> None:
+    start = _months_ago(n)
+    partitions.ensure_from(conn, date(start.year, start.month, 1), n)
+
+
+def test_the_floor_is_the_month_of_the_oldest_run_with_an_active_task(engine: Engine, db_url: str) -> None:
+    coordinator = engine.coordinator(floor_every_s=0)
+    with psycopg.connect(db_url, autocommit=True) as conn:
+        _ensure_months_back(conn, 3)
+        add_definition(conn, spec=_SPEC)
+        day_ago = clock.now(conn) - timedelta(days=1)
+        assert coordinator.active_floor(conn) == _month_floor(day_ago)      # nothing active
+        finished = add_run(conn, at=_months_ago(3))
+        _task(conn, finished, "COMPLETED")
+        assert coordinator.active_floor(conn) == _month_floor(day_ago)      # finished tasks do not count
+        old = add_run(conn, at=_months_ago(2))
+        old_task = _task(conn, old, "WAITING")
+        _task(conn, add_run(conn), "PENDING")
+        assert coordinator.active_floor(conn) == _month_floor(_months_ago(2))
+        conn.execute("UPDATE task_instances SET state = 'COMPLETED' WHERE id = %s", (old_task,))
+        assert coordinator.active_floor(conn) == _month_floor(now_utc())
+
+
+def _locks_of_scans(conn: Any, floor: str) -> tuple[int, int]:
+    """Relation locks of one sweeper scan and one timer scan, each in its own
+    transaction, on a connection where both ran 6 times before (prepared after 5)."""
+    held = (0, 0)
+    for _ in range(7):
+        counts = []
+        for scan in (tasks.expired_leases, signals.due_waits):
+            with conn.transaction():
+                before = conn.execute(_RELATION_LOCKS).fetchone()[0]
+                scan(conn, 100, now=clock.now(conn), floor=floor)
+                counts.append(conn.execute(_RELATION_LOCKS).fetchone()[0] - before)
+        held = (counts[0], counts[1])
+    return held
+
+
+def test_the_scans_lock_as_much_with_thirteen_months_retained_as_with_one(engine: Engine, db_url: str) -> None:
+    coordinator = engine.coordinator(floor_every_s=0)
+    with psycopg.connect(db_url, autocommit=True) as conn:
+        add_definition(conn, spec=_SPEC)
+        _task(conn, add_run(conn), "RUNNING", lease_expired=True)
+        with_current = _locks_of_scans(conn, coordinator.active_floor(conn))
+        unbounded_current = _locks_of_scans(conn, "")
+        _ensure_months_back(conn, 12)
+        with_past_year = _locks_of_scans(conn, coordinator.active_floor(conn))
+        unbounded_past_year = _locks_of_scans(conn, "")
+    assert with_past_year == with_current
+    # without the floor the same scans lock every month: what this test would catch
+    assert unbounded_past_year[0] > unbounded_current[0] and unbounded_past_year[1] > unbounded_current[1]
+
+
+def test_an_old_runs_expired_lease_and_due_timer_are_handled(engine: Engine, db_url: str) -> None:
+    with psycopg.connect(db_url, autocommit=True) as conn:
+        _ensure_months_back(conn, 5)
+        add_definition(conn, spec=_SPEC)
+        leased = _task(conn, add_run(conn, at=_months_ago(5)), "RUNNING", lease_expired=True)
+        waiting = _task(conn, add_run(conn, at=_months_ago(4)), "WAITING", wake_due=True)
+        _task(conn, add_run(conn), "PENDING")
+    stats = engine.coordinator().run_once(["timers", "leases"])
+    assert stats.errors == [] and stats.leases_expired == 1 and stats.timers_fired == 1
+    with psycopg.connect(db_url, autocommit=True) as conn:
+        rows: dict[str, str] = dict(conn.execute("SELECT id, state FROM task_instances WHERE id = ANY(%s)",
+                                                 ([leased, waiting],)).fetchall())
+    assert rows[leased] == "PENDING" and rows[waiting] != "WAITING"
+
+
+def test_a_run_below_the_floor_is_swept_from_the_next_read_of_the_floor(engine: Engine, db_url: str) -> None:
+    coordinator = engine.coordinator(floor_every_s=1.0)
+    with psycopg.connect(db_url, autocommit=True) as conn:
+        _ensure_months_back(conn, 2)
+        add_definition(conn, spec=_SPEC)
+        _task(conn, add_run(conn), "PENDING")
+        assert coordinator.run_once(["leases"]).leases_expired == 0          # the floor: this month
+        # an old run gets an active task after the read (as an operator's retry does)
+        _task(conn, add_run(conn, at=_months_ago(2)), "RUNNING", lease_expired=True)
+    read_at = time.monotonic()
+    assert coordinator.run_once(["leases"]).leases_expired == 0          # below the floor, not seen yet
+    time.sleep(max(0.0, read_at + 1.05 - time.monotonic()))
+    assert coordinator.run_once(["leases"]).leases_expired == 1
