@@ -23,7 +23,7 @@ import threading
 import time
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
-from datetime import datetime, timedelta
+from datetime import datetime
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
@@ -131,8 +131,8 @@ class Coordinator:
     def active_floor(self, conn: Any) -> str:
         """The run ID below which the timers and the lease sweeper do not look: the first
         of the month of the oldest run with an active task, or, when no task is active,
-        of the month the database's clock was in a day ago (an engine whose clock lags
-        the database's may still name a new run in the previous month). Read again
+        of the month the database's clock was in ``RUN_ID_MAX_AGE`` ago (a client may
+        start a run with an ID up to that old, so in the previous month). Read again
         every ``floor_every_s``: the read itself plans every month, the scans it bounds
         only the months from the floor on. A run below the floor that gets an active
         task again (an operator's retry of an old run) is seen from the next read, at
@@ -141,7 +141,7 @@ class Coordinator:
         if time.monotonic() >= self._next_floor:
             oldest = tasks.active_floor(conn)
             if oldest is None:
-                self._floor = runids.month_bounds(runids.month_label(clock.now(conn) - timedelta(days=1)))[0]
+                self._floor = runids.month_bounds(runids.month_label(clock.now(conn) - runids.RUN_ID_MAX_AGE))[0]
             else:
                 try:
                     self._floor = runids.month_bounds(runids.month_of(oldest))[0]

@@ -12,7 +12,7 @@ below it that gets an active task again is seen from the next read of the floor.
 from __future__ import annotations
 
 import time
-from datetime import UTC, date, datetime, timedelta
+from datetime import UTC, date, datetime
 from typing import Any
 
 import psycopg
@@ -65,11 +65,11 @@ def test_the_floor_is_the_month_of_the_oldest_run_with_an_active_task(engine: En
     with psycopg.connect(db_url, autocommit=True) as conn:
         _ensure_months_back(conn, 3)
         add_definition(conn, spec=_SPEC)
-        day_ago = clock.now(conn) - timedelta(days=1)
-        assert coordinator.active_floor(conn) == _month_floor(day_ago)      # nothing active
+        max_age_ago = clock.now(conn) - runids.RUN_ID_MAX_AGE
+        assert coordinator.active_floor(conn) == _month_floor(max_age_ago)      # nothing active
         finished = add_run(conn, at=_months_ago(3))
         _task(conn, finished, "COMPLETED")
-        assert coordinator.active_floor(conn) == _month_floor(day_ago)      # finished tasks do not count
+        assert coordinator.active_floor(conn) == _month_floor(max_age_ago)      # finished tasks do not count
         old = add_run(conn, at=_months_ago(2))
         old_task = _task(conn, old, "WAITING")
         _task(conn, add_run(conn), "PENDING")
