@@ -87,14 +87,23 @@ class ProcessGroup:
         if self.claim_log is None or not self.claim_log.exists():
             return
         total = {"processes": 0, "claims": 0, "empty": 0, "tasks": 0}
+        by_reason: dict[str, dict[str, int]] = {}
         for line in self.claim_log.read_text().splitlines():
             if line.strip():
                 counts = json.loads(line)
                 total["processes"] += 1
                 for key in ("claims", "empty", "tasks"):
                     total[key] += int(counts[key])
+                for reason, n in (counts.get("by_reason") or {}).items():
+                    into = by_reason.setdefault(reason, {"claims": 0, "empty": 0})
+                    into["claims"] += int(n["claims"])
+                    into["empty"] += int(n["empty"])
         share = total["empty"] / total["claims"] if total["claims"] else None
-        self._claims = {**total, "empty_share": share}
+        # each reason's empty claims as a share of all claims: the shares add up to empty_share
+        empty_share_by_reason = {reason: n["empty"] / total["claims"] for reason, n in by_reason.items()
+                                 if total["claims"]}
+        self._claims = {**total, "empty_share": share, "by_reason": by_reason,
+                        "empty_share_by_reason": empty_share_by_reason}
         self.claim_log.unlink()
 
     def __enter__(self) -> ProcessGroup:

@@ -255,6 +255,12 @@ def _median(values: list[float]) -> float | None:
     return statistics.median(values) if values else None
 
 
+def _median_by_key(dicts: list[dict[str, float]]) -> dict[str, float | None]:
+    """Per key, the median of the values the dicts have for it."""
+    keys = sorted({k for d in dicts for k in d})
+    return {k: _median([d[k] for d in dicts if k in d]) for k in keys}
+
+
 def aggregate(throughput: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """One row per (workload, mode, W): median rates over the rounds, and the median
     of the per-round Composer / Procrastinate ratios (each round's pair ran back to back)."""
@@ -276,6 +282,8 @@ def aggregate(throughput: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 "process_cpu_ms_per_run": _median([r["cpu"]["processes_ms_per_item"] for r in mine]),
                 "empty_claim_share": _median([r["claims"]["empty_share"] for r in mine
                                               if (r.get("claims") or {}).get("empty_share") is not None]),
+                "empty_claim_share_by_reason": _median_by_key(
+                    [(r.get("claims") or {}).get("empty_share_by_reason") or {} for r in mine]),
             }
         ratios = []
         for rnd in sorted({r.get("round", 0) for r in same}):
@@ -315,6 +323,7 @@ HEADLINE = ("server_version", "composer_runs_per_s", "procrastinate_jobs_per_s",
             "ratio_vs_procrastinate_rounds", "ratio_vs_procrastinate_drain", "cpu_ms_per_run",
             "procrastinate_cpu_ms_per_job", "cpu_ms_per_run_drain", "procrastinate_cpu_ms_per_job_drain",
             "cpu_ratio_vs_procrastinate", "claim_locks_by_months", "empty_claim_share_w1", "empty_claim_share_w4",
+            "empty_claim_share_w4_by_reason",
             "fan_out_transitions_per_s", "claim_to_complete_p50_ms", "claim_to_complete_p99_ms",
             "start_to_claim_p50_ms", "start_to_claim_p99_ms", "pgbench_tps", "heartbeat_hot_ratio",
             "retention_delete_over_drop", "citus_ratio_sustained", "citus_ratio_drain", "citus_runs_per_s",
@@ -362,6 +371,8 @@ def summarize(results: dict[str, Any], server: servers.Server, peer: Any, args: 
     mon = results.get("months") or {}
     lo, hi = (min(args.months), max(args.months))
     empty = {str(w): (row("sustained", w).get("composer") or {}).get("empty_claim_share") for w in workers}
+    empty_by_reason = {str(w): (row("sustained", w).get("composer") or {}).get("empty_claim_share_by_reason")
+                       for w in workers}
     return {
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
         "server_version": server.version,
@@ -390,6 +401,8 @@ def summarize(results: dict[str, Any], server: servers.Server, peer: Any, args: 
         "empty_claim_share_w1": empty.get("1"),
         "empty_claim_share_w4": empty.get("4"),
         "empty_claim_share_by_workers": empty,
+        # what started the empty claims (Worker.claim_counts): own channel, shared channel, room
+        "empty_claim_share_w4_by_reason": empty_by_reason.get("4"),
         "fan_out_transitions_per_s": (row("sustained", 1, "fan").get("composer") or {}).get("transitions_per_s"),
         "ratios_by_workers": {str(w): {"sustained": row("sustained", w).get("ratio"),
                                        "drain": row("drain", w).get("ratio")} for w in workers},

@@ -82,7 +82,9 @@ def _count_claims(worker: Worker, path: str) -> None:
 
     def dump() -> None:
         with open(path, "a") as f:
-            f.write(json.dumps(counts) + "\n")
+            # a worker of an older tree (bench.ab's before side) does not count by reason
+            by_reason = worker.claim_counts() if hasattr(worker, "claim_counts") else None
+            f.write(json.dumps({**counts, "by_reason": by_reason}) + "\n")
 
     atexit.register(dump)
 

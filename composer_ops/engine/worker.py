@@ -52,6 +52,9 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 Handler = Callable[[Any, "TaskContext"], Any]
+#: What started a worker's claim, the keys of :meth:`Worker.claim_counts`.
+CLAIM_REASONS = ("own", "shared", "room")
+
 #: One execution attempt of a task: (task id, attempt number).
 AttemptKey = tuple[str, int]
 
@@ -142,6 +145,8 @@ class Worker:
         self._own_wakes = 0
         self._told_all = False
         self._wake_lock = threading.Lock()
+        #: claims made and how many came back empty, by what started them (see claim_counts)
+        self._claims: dict[str, list[int]] = {reason: [0, 0] for reason in CLAIM_REASONS}
         self._done = threading.Event()          # run() has returned: the heartbeat loop ends
         self._inflight = 0            # handed to a slot and not yet finished; guarded by _active_lock
         self._idle = threading.Condition()      # notified whenever an attempt finishes
@@ -222,6 +227,7 @@ class Worker:
                 own, told_all = self._own_wakes, self._told_all
                 self._own_wakes, self._told_all = 0, False
             limit = min(free, own) if own and not told_all else free
+            reason = "shared" if told_all else "own" if own else "room"
             try:
                 claims = self.engine.claim(self.queues, self.worker_id, limit, task_names=list(self._handlers),
                                            wake=self._wake_channel, room=free)
@@ -231,12 +237,23 @@ class Worker:
             except Exception as exc:  # a connection lost beyond db_retry: keep serving
                 log.warning("claim failed: %s", exc)
                 claims = []
+            counts = self._claims[reason]
+            counts[0] += 1
+            counts[1] += not claims
             for claim in claims:
                 with self._active_lock:
                     self._inflight += 1
                 slots.put((claim, claimed_at))
             if len(claims) < free:
                 self._wait_for_dispatch()
+
+    def claim_counts(self) -> dict[str, dict[str, int]]:
+        """Claims this worker made and how many came back empty, by what started each
+        (:data:`CLAIM_REASONS`): ``own``, woken on its own channel only (one task per
+        wake-up); ``shared``, told on the shared channel (all it has room for); ``room``,
+        neither: its first claim, a slot freed while it was full, or the poll interval
+        passed. Read by the benchmark to say where empty claims come from."""
+        return {reason: {"claims": n, "empty": empty} for reason, (n, empty) in self._claims.items()}
 
     def _wait_for_dispatch(self) -> None:
         """After a claim that got less than it had room for (which registered this worker as

@@ -327,3 +327,30 @@ def _registered(engine: Engine, worker_id: str) -> bool:
 
 def _waiting(engine: Engine) -> int:
     return len(_waiters(engine))
+
+
+def test_a_worker_counts_its_claims_by_what_started_them(db_url: str) -> None:
+    """Worker.claim_counts, which the benchmark reads to say where empty claims come
+    from: the first claim (``room``) finds nothing; a dispatch wakes the worker on its
+    own channel (``own``) and its claim gets the task; a notification on the shared
+    channel with nothing queued (``shared``) makes a claim that comes back empty."""
+    with Engine.connect(db_url, pool_size=2) as engine:
+        engine.deploy(ONE)
+        w_engine = Engine.connect(db_url, pool_size=2)
+        worker = Worker(w_engine, concurrency=4, poll_interval=30.0, worker_id="counting")
+        worker.handler("noop")(lambda _input, _ctx: None)
+        thread = threading.Thread(target=worker.run, daemon=True)
+        thread.start()
+        try:
+            wait_for(partial(_registered, engine, "counting"), what="the worker idle")
+            run_id = engine.start("one")
+            wait_for(partial(_finished, engine, run_id), what=f"run {run_id}")
+            with engine.pool.connection() as conn:
+                conn.execute("SELECT pg_notify(%s, 'default')", (outbox.CHANNEL,))
+            wait_for(lambda: worker.claim_counts()["shared"]["claims"] == 1, what="the shared wake-up's claim")
+        finally:
+            worker.stop()
+            thread.join(10)
+            w_engine.close()
+    assert worker.claim_counts() == {"own": {"claims": 1, "empty": 0}, "shared": {"claims": 1, "empty": 1},
+                                     "room": {"claims": 1, "empty": 1}}
