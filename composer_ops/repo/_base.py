@@ -52,9 +52,12 @@ def fetch_one(conn: Conn, row: type[R], query: str, params: Any) -> R | None:
         return cur.fetchone()
 
 
-def fetch_all(conn: Conn, row: type[R], query: str, params: Any) -> list[R]:
+def fetch_all(conn: Conn, row: type[R], query: str, params: Any, *, prepare: bool | None = None) -> list[R]:
+    """Every row of ``query``; ``prepare=False`` sends it unprepared every time, so the
+    server plans it for its values at every call (psycopg otherwise prepares a query
+    from its fifth execution on, and the server may then settle on a generic plan)."""
     with conn.cursor(row_factory=class_row(row)) as cur:
-        cur.execute(query, params)
+        cur.execute(query, params, prepare=prepare)
         return cur.fetchall()
 
 

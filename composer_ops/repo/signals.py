@@ -17,7 +17,8 @@ def due_waits(conn: Conn, limit: int, *, now: datetime, skip: Sequence[str] = ()
     clock), oldest first (served by the partial wake index), of runs that are active and
     not soft-deleted; ``skip``: task ids the caller is backing off, so the rows behind
     them get their turn. Only runs whose ID is ``floor`` or above, which keeps the
-    months below it out of the plan (``tasks.expired_leases`` says why)."""
+    months below it out of the plan; sent unprepared for that (``tasks.expired_leases``
+    says why)."""
     return fetch_all(conn, DueWait, """
         SELECT t.run_id, t.id AS task_id, t.node_id
           FROM task_instances t
@@ -26,7 +27,7 @@ def due_waits(conn: Conn, limit: int, *, now: datetime, skip: Sequence[str] = ()
            AND t.run_id >= %(floor)s AND r.id >= %(floor)s
            AND r.deleted_at IS NULL AND r.status IN ('PENDING', 'RUNNING')
          ORDER BY t.wake_at
-         LIMIT %(limit)s""", {"now": now, "skip": list(skip), "limit": limit, "floor": floor})
+         LIMIT %(limit)s""", {"now": now, "skip": list(skip), "limit": limit, "floor": floor}, prepare=False)
 
 
 def resolve_wait(conn: Conn, run_id: str, task_id: str, *, state: str, now: datetime, output: Any = None,

@@ -183,7 +183,11 @@ def expired_leases(conn: Conn, limit: int, *, now: datetime, skip: Sequence[str]
     attempts the caller is backing off. Only runs whose ID is ``floor`` or above: the
     planner keeps only the months from ``floor``'s on, so a floor below which no task is
     active (:func:`active_floor`) makes the scan's cost independent of the months of
-    finished history retained; the default scans every month."""
+    finished history retained; the default scans every month. Sent unprepared, so it is
+    planned with the floor's value at every call: a cached generic plan keeps every
+    month and locks them all before it prunes (PostgreSQL 15 to 18), and the plan cache
+    may settle on one while the partitions are few and empty (a test on PostgreSQL 15
+    saw it)."""
     return fetch_all(conn, ExpiredLease, """
         SELECT t.run_id, t.id AS task_id, t.node_id, t.attempt, t.lease_owner
           FROM task_instances t
@@ -193,4 +197,4 @@ def expired_leases(conn: Conn, limit: int, *, now: datetime, skip: Sequence[str]
            AND t.run_id >= %(floor)s AND r.id >= %(floor)s
            AND r.deleted_at IS NULL AND r.status IN ('PENDING', 'RUNNING')
          ORDER BY t.lease_expires_at
-         LIMIT %(limit)s""", {"now": now, "skip": list(skip), "limit": limit, "floor": floor})
+         LIMIT %(limit)s""", {"now": now, "skip": list(skip), "limit": limit, "floor": floor}, prepare=False)

@@ -3,8 +3,8 @@
 The floor is the first of the month of the oldest run with an active task, read by the
 coordinator every ``floor_every_s``. The scans name it as a constant, so the planner
 keeps (and locks) only the months from it on: months of finished history retained
-below it cost the scans nothing. These tests check the floor, that the scans' locks no
-longer grow with the months retained (and did without the floor), that an old run's
+below it cost the scans nothing. These tests check the floor, that the scans lock no
+month below it (and did without the floor), that an old run's
 expired lease and due timer are still found, and the one delay the floor allows: a run
 below it that gets an active task again is seen from the next read of the floor.
 """
@@ -21,8 +21,6 @@ from composer_ops import Engine
 from composer_ops.core import runids
 from composer_ops.repo import clock, partitions, signals, tasks
 from tests.integration.helpers import add_definition, add_run, now_utc
-
-_RELATION_LOCKS = "SELECT count(*) FROM pg_locks WHERE pid = pg_backend_pid() AND locktype = 'relation'"
 
 
 def _months_ago(n: int) -> datetime:
@@ -78,34 +76,44 @@ def test_the_floor_is_the_month_of_the_oldest_run_with_an_active_task(engine: En
         assert coordinator.active_floor(conn) == _month_floor(now_utc())
 
 
-def _locks_of_scans(conn: Any, floor: str) -> tuple[int, int]:
-    """Relation locks of one sweeper scan and one timer scan, each in its own
-    transaction, on a connection where both ran 6 times before (prepared after 5)."""
-    held = (0, 0)
+_LOCKED_MONTHS = r"""
+    SELECT DISTINCT substring(c.relname from '_p([0-9]{6})')
+      FROM pg_locks l JOIN pg_class c ON c.oid = l.relation
+     WHERE l.pid = pg_backend_pid() AND l.locktype = 'relation'
+       AND c.relname ~ '^(task_instances|workflow_runs)_p[0-9]{6}'"""
+
+
+def _months_locked_by_scans(conn: Any, floor: str) -> set[str]:
+    """The months (YYYYMM) whose partitions of task_instances or workflow_runs, or
+    their indexes, one sweeper scan or one timer scan locks, on a connection where
+    both ran 6 times before (prepared after 5)."""
+    months: set[str] = set()
     for _ in range(7):
-        counts = []
+        months = set()
         for scan in (tasks.expired_leases, signals.due_waits):
             with conn.transaction():
-                before = conn.execute(_RELATION_LOCKS).fetchone()[0]
                 scan(conn, 100, now=clock.now(conn), floor=floor)
-                counts.append(conn.execute(_RELATION_LOCKS).fetchone()[0] - before)
-        held = (counts[0], counts[1])
-    return held
+                months |= {r[0] for r in conn.execute(_LOCKED_MONTHS).fetchall()}
+    return months
 
 
-def test_the_scans_lock_as_much_with_thirteen_months_retained_as_with_one(engine: Engine, db_url: str) -> None:
+def test_the_scans_lock_no_month_below_the_floor(engine: Engine, db_url: str) -> None:
+    """With 12 past months retained and active tasks only in this month, the scans lock
+    this month and the months ahead, as with no past month; without the floor they
+    lock every past month too (what this test would catch)."""
     coordinator = engine.coordinator(floor_every_s=0)
+    this_month = runids.month_label(now_utc())
     with psycopg.connect(db_url, autocommit=True) as conn:
         add_definition(conn, spec=_SPEC)
         _task(conn, add_run(conn), "RUNNING", lease_expired=True)
-        with_current = _locks_of_scans(conn, coordinator.active_floor(conn))
-        unbounded_current = _locks_of_scans(conn, "")
+        with_current = _months_locked_by_scans(conn, coordinator.active_floor(conn))
         _ensure_months_back(conn, 12)
-        with_past_year = _locks_of_scans(conn, coordinator.active_floor(conn))
-        unbounded_past_year = _locks_of_scans(conn, "")
-    assert with_past_year == with_current
-    # without the floor the same scans lock every month: what this test would catch
-    assert unbounded_past_year[0] > unbounded_current[0] and unbounded_past_year[1] > unbounded_current[1]
+        floor = coordinator.active_floor(conn)
+        with_past_year = _months_locked_by_scans(conn, floor)
+        unbounded = _months_locked_by_scans(conn, "")
+    assert floor == _month_floor(now_utc())
+    assert min(with_past_year) == this_month and with_past_year == with_current
+    assert min(unbounded) == runids.month_label(_months_ago(12)) and len(unbounded) == len(with_past_year) + 12
 
 
 def test_an_old_runs_expired_lease_and_due_timer_are_handled(engine: Engine, db_url: str) -> None:
