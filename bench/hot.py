@@ -262,7 +262,7 @@ class StatementCapture:
     def __exit__(self, *exc: object) -> None:
         return None
 
-    def execute(self, query: str, params: Any = None) -> StatementCapture:
+    def execute(self, query: str, params: Any = None, **_options: Any) -> StatementCapture:
         self.statements.append((query, params))
         return self
 
