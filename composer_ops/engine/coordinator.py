@@ -130,23 +130,23 @@ class Coordinator:
 
     def active_floor(self, conn: Any) -> str:
         """The run ID below which the timers and the lease sweeper do not look: the first
-        of the month of the oldest run with an active task, or, when no task is active,
-        of the month the database's clock was in ``RUN_ID_MAX_AGE`` ago (a client may
-        start a run with an ID up to that old, so in the previous month). Read again
-        every ``floor_every_s``: the read itself plans every month, the scans it bounds
-        only the months from the floor on. A run below the floor that gets an active
-        task again (an operator's retry of an old run) is seen from the next read, at
-        most ``floor_every_s`` later; any run that had an active task at the last read
-        is above it."""
+        of the earlier of two months, that of the oldest run with an active task and
+        that the database's clock was in ``RUN_ID_MAX_AGE`` ago (a run started now may
+        carry an ID that old, so in the previous month during a month's first hour).
+        Read again every ``floor_every_s``: the read itself plans every month, the
+        scans it bounds only the months from the floor on. Any run that had an active
+        task at the last read, or that can be started since, is above it; a run below
+        it that gets an active task again (an operator's retry of an old run) is seen
+        from the next read, at most ``floor_every_s`` later."""
         if time.monotonic() >= self._next_floor:
             oldest = tasks.active_floor(conn)
-            if oldest is None:
-                self._floor = runids.month_bounds(runids.month_label(clock.now(conn) - runids.RUN_ID_MAX_AGE))[0]
-            else:
+            floor = runids.month_bounds(runids.month_label(clock.now(conn) - runids.RUN_ID_MAX_AGE))[0]
+            if oldest is not None:
                 try:
-                    self._floor = runids.month_bounds(runids.month_of(oldest))[0]
+                    floor = min(floor, runids.month_bounds(runids.month_of(oldest))[0])
                 except Invalid:      # not a UUIDv7: bound by the ID itself
-                    self._floor = oldest
+                    floor = min(floor, oldest)
+            self._floor = floor
             self._next_floor = time.monotonic() + self.floor_every_s
         return self._floor
 

@@ -73,7 +73,8 @@ def test_the_floor_is_the_month_of_the_oldest_run_with_an_active_task(engine: En
         _task(conn, add_run(conn), "PENDING")
         assert coordinator.active_floor(conn) == _month_floor(_months_ago(2))
         conn.execute("UPDATE task_instances SET state = 'COMPLETED' WHERE id = %s", (old_task,))
-        assert coordinator.active_floor(conn) == _month_floor(now_utc())
+        # this month's run: the floor is the month RUN_ID_MAX_AGE ago (this one but in its first hour)
+        assert coordinator.active_floor(conn) == _month_floor(max_age_ago)
 
 
 _LOCKED_MONTHS = r"""
@@ -97,23 +98,32 @@ def _months_locked_by_scans(conn: Any, floor: str) -> set[str]:
     return months
 
 
+def _partition_months(conn: Any) -> set[str]:
+    return {r[0][-6:] for r in conn.execute(
+        "SELECT c.relname FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid"
+        " WHERE i.inhparent = 'task_instances'::regclass").fetchall()}
+
+
 def test_the_scans_lock_no_month_below_the_floor(engine: Engine, db_url: str) -> None:
     """With 12 past months retained and active tasks only in this month, the scans lock
-    this month and the months ahead, as with no past month; without the floor they
-    lock every past month too (what this test would catch)."""
+    exactly the months from the floor on, as with no past month; without the floor they
+    lock every month (what this test would catch)."""
     coordinator = engine.coordinator(floor_every_s=0)
-    this_month = runids.month_label(now_utc())
     with psycopg.connect(db_url, autocommit=True) as conn:
         add_definition(conn, spec=_SPEC)
         _task(conn, add_run(conn), "RUNNING", lease_expired=True)
-        with_current = _months_locked_by_scans(conn, coordinator.active_floor(conn))
-        _ensure_months_back(conn, 12)
         floor = coordinator.active_floor(conn)
+        floor_month = runids.month_label(clock.now(conn) - runids.RUN_ID_MAX_AGE)
+        with_current = _months_locked_by_scans(conn, floor)
+        current_months = _partition_months(conn)
+        _ensure_months_back(conn, 12)
+        assert coordinator.active_floor(conn) == floor == runids.month_bounds(floor_month)[0]
         with_past_year = _months_locked_by_scans(conn, floor)
         unbounded = _months_locked_by_scans(conn, "")
-    assert floor == _month_floor(now_utc())
-    assert min(with_past_year) == this_month and with_past_year == with_current
-    assert min(unbounded) == runids.month_label(_months_ago(12)) and len(unbounded) == len(with_past_year) + 12
+        every_month = _partition_months(conn)
+    assert with_current == {m for m in current_months if m >= floor_month}
+    assert with_past_year == {m for m in every_month if m >= floor_month}
+    assert unbounded == every_month and len(every_month) >= len(with_past_year) + 11
 
 
 def test_an_old_runs_expired_lease_and_due_timer_are_handled(engine: Engine, db_url: str) -> None:
