@@ -16,7 +16,9 @@ from composer_ops.errors import Invalid
 __all__ = [
     "RUN_ID_MAX_AGE",
     "RUN_ID_MAX_AHEAD",
+    "RUN_START_SLACK",
     "add_months",
+    "active_floor",
     "month_bounds",
     "month_label",
     "month_of",
@@ -35,6 +37,9 @@ _EXAMPLE = "0190b6c8-5a3e-7d2c-9f1e-3b4a5c6d7e8f"
 #: month therefore still receives runs for RUN_ID_MAX_AGE after it ends (retention waits).
 RUN_ID_MAX_AGE = timedelta(hours=1)
 RUN_ID_MAX_AHEAD = timedelta(minutes=5)
+#: How long a run's start transaction may have been open when the active floor is read
+#: and still have its run above that floor (see :func:`active_floor`).
+RUN_START_SLACK = timedelta(hours=1)
 
 
 def _require_aware(ts: datetime, name: str) -> None:
@@ -187,3 +192,26 @@ def add_months(month: str, n: int) -> str:
 def month_bounds(month: str) -> tuple[str, str]:
     """The ``(from, to)`` run-ID bounds of a month's partition, as the SQL creates them."""
     return uuid7_bound(month_start(month)), uuid7_bound(month_start(add_months(month, 1)))
+
+
+def active_floor(now: datetime, oldest_active: str | None) -> str:
+    """The run ID below which no run needs the coordinator's timers or lease sweeper,
+    as read at the database clock ``now`` with ``oldest_active`` the least run ID that
+    has an active task (None: none has): the first of the earlier of two months, that
+    of ``oldest_active`` and that of ``now - RUN_ID_MAX_AGE - RUN_START_SLACK``.
+
+    The second term covers runs whose start has not committed yet: a start checks its
+    client-supplied ID against the clock of its own transaction, which may have begun
+    before ``now``, so an ID up to ``RUN_ID_MAX_AGE`` older than that start is accepted.
+    A start transaction open for less than ``RUN_START_SLACK`` when the floor is read
+    therefore names a run above it; one open longer is seen from the next read (its
+    task is active by then). An ``oldest_active`` that is not a UUIDv7 (written by hand)
+    bounds the floor itself."""
+    _require_aware(now, "now")
+    floor = month_bounds(month_label(now - RUN_ID_MAX_AGE - RUN_START_SLACK))[0]
+    if oldest_active is None:
+        return floor
+    try:
+        return min(floor, month_bounds(month_of(oldest_active))[0])
+    except Invalid:
+        return min(floor, oldest_active)

@@ -44,6 +44,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+#: The longest ``floor_every_s``: how late, at most, a run below the active floor that
+#: gets an active task again is seen by the timers and the lease sweeper.
+MAX_FLOOR_EVERY_S = 3600.0
+
 
 @dataclass
 class PassStats:
@@ -83,8 +87,8 @@ class Coordinator:
         if webhook_keep_days is not None and not webhook_keep_days >= 0:
             raise Invalid(f"webhook_keep_days must be 0 or more days (or None: keep for ever), got {webhook_keep_days}")
         self.webhook_keep_days = webhook_keep_days
-        if not floor_every_s >= 0:
-            raise Invalid(f"floor_every_s must be 0 or more seconds, got {floor_every_s}")
+        if not 0 <= floor_every_s <= MAX_FLOOR_EVERY_S:
+            raise Invalid(f"floor_every_s must be 0 to {MAX_FLOOR_EVERY_S:g} seconds, got {floor_every_s}")
         self.floor_every_s = floor_every_s
         self._floor = ""
         self._next_floor = float("-inf")
@@ -129,23 +133,18 @@ class Coordinator:
         return stats
 
     def active_floor(self, conn: Any) -> str:
-        """The run ID below which the timers and the lease sweeper do not look: the first
-        of the earlier of two months, that of the oldest run with an active task and
-        that the database's clock was in ``RUN_ID_MAX_AGE`` ago (a run started now may
-        carry an ID that old, so in the previous month during a month's first hour).
-        Read again every ``floor_every_s``: the read itself plans every month, the
-        scans it bounds only the months from the floor on. Any run that had an active
-        task at the last read, or that can be started since, is above it; a run below
-        it that gets an active task again (an operator's retry of an old run) is seen
-        from the next read, at most ``floor_every_s`` later."""
+        """The run ID below which the timers and the lease sweeper do not look
+        (:func:`~composer_ops.core.runids.active_floor` of the database clock and the
+        oldest run with an active task), read again every ``floor_every_s``: the read
+        itself plans every month, the scans it bounds only the months from the floor on.
+        Any run that had an active task at the last read, or whose start began less than
+        ``RUN_START_SLACK`` before it, is above the floor; a run below it that gets an
+        active task again (an operator's retry of an old run, a start held open longer)
+        is seen from the next read, at most ``floor_every_s`` later."""
         if time.monotonic() >= self._next_floor:
-            oldest = tasks.active_floor(conn)
-            floor = runids.month_bounds(runids.month_label(clock.now(conn) - runids.RUN_ID_MAX_AGE))[0]
-            if oldest is not None:
-                try:
-                    floor = min(floor, runids.month_bounds(runids.month_of(oldest))[0])
-                except Invalid:      # not a UUIDv7: bound by the ID itself
-                    floor = min(floor, oldest)
+            floor = runids.active_floor(clock.now(conn), tasks.active_floor(conn))
+            if floor != self._floor:
+                log.info("the timers and the lease sweeper now read run IDs from %s on (the active floor)", floor)
             self._floor = floor
             self._next_floor = time.monotonic() + self.floor_every_s
         return self._floor

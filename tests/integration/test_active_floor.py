@@ -16,9 +16,11 @@ from datetime import UTC, date, datetime
 from typing import Any
 
 import psycopg
+import pytest
 
-from composer_ops import Engine
+from composer_ops import Engine, Invalid
 from composer_ops.core import runids
+from composer_ops.engine.coordinator import MAX_FLOOR_EVERY_S
 from composer_ops.repo import clock, partitions, signals, tasks
 from tests.integration.helpers import add_definition, add_run, now_utc
 
@@ -63,7 +65,7 @@ def test_the_floor_is_the_month_of_the_oldest_run_with_an_active_task(engine: En
     with psycopg.connect(db_url, autocommit=True) as conn:
         _ensure_months_back(conn, 3)
         add_definition(conn, spec=_SPEC)
-        max_age_ago = clock.now(conn) - runids.RUN_ID_MAX_AGE
+        max_age_ago = clock.now(conn) - runids.RUN_ID_MAX_AGE - runids.RUN_START_SLACK
         assert coordinator.active_floor(conn) == _month_floor(max_age_ago)      # nothing active
         finished = add_run(conn, at=_months_ago(3))
         _task(conn, finished, "COMPLETED")
@@ -73,7 +75,8 @@ def test_the_floor_is_the_month_of_the_oldest_run_with_an_active_task(engine: En
         _task(conn, add_run(conn), "PENDING")
         assert coordinator.active_floor(conn) == _month_floor(_months_ago(2))
         conn.execute("UPDATE task_instances SET state = 'COMPLETED' WHERE id = %s", (old_task,))
-        # this month's run: the floor is the month RUN_ID_MAX_AGE ago (this one but in its first hour)
+        # this month's run: the floor is the month RUN_ID_MAX_AGE + RUN_START_SLACK ago (this one, but the
+        # previous one in this month's first two hours)
         assert coordinator.active_floor(conn) == _month_floor(max_age_ago)
 
 
@@ -113,7 +116,7 @@ def test_the_scans_lock_no_month_below_the_floor(engine: Engine, db_url: str) ->
         add_definition(conn, spec=_SPEC)
         _task(conn, add_run(conn), "RUNNING", lease_expired=True)
         floor = coordinator.active_floor(conn)
-        floor_month = runids.month_label(clock.now(conn) - runids.RUN_ID_MAX_AGE)
+        floor_month = runids.month_label(clock.now(conn) - runids.RUN_ID_MAX_AGE - runids.RUN_START_SLACK)
         with_current = _months_locked_by_scans(conn, floor)
         current_months = _partition_months(conn)
         _ensure_months_back(conn, 12)
@@ -154,3 +157,12 @@ def test_a_run_below_the_floor_is_swept_from_the_next_read_of_the_floor(engine: 
     assert coordinator.run_once(["leases"]).leases_expired == 0          # below the floor, not seen yet
     time.sleep(max(0.0, read_at + 1.05 - time.monotonic()))
     assert coordinator.run_once(["leases"]).leases_expired == 1
+
+
+def test_a_floor_that_is_never_read_again_is_refused(engine: Engine) -> None:
+    """An infinite (or NaN, or negative) interval would keep the first floor for ever, so
+    a run below it that gets an active task again would never be swept."""
+    for bad in (float("inf"), float("nan"), -1.0, MAX_FLOOR_EVERY_S + 1):
+        with pytest.raises(Invalid, match="floor_every_s must be 0 to 3600 seconds"):
+            engine.coordinator(floor_every_s=bad)
+    assert engine.coordinator(floor_every_s=MAX_FLOOR_EVERY_S).floor_every_s == MAX_FLOOR_EVERY_S

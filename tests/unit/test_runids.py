@@ -13,6 +13,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from composer_ops.core.runids import (
+    RUN_ID_MAX_AGE,
+    RUN_ID_MAX_AHEAD,
+    RUN_START_SLACK,
+    active_floor,
     add_months,
     month_bounds,
     month_label,
@@ -211,3 +215,43 @@ def test_month_label_is_the_utc_month() -> None:
     assert month_start(month_label(late_in_new_york)) == datetime(2026, 2, 1, tzinfo=UTC)
     with pytest.raises(ValueError, match="timezone-aware"):
         month_label(datetime(2026, 1, 1))
+
+
+def test_the_active_floor_covers_a_start_begun_before_a_month_boundary() -> None:
+    """A start whose transaction began at 00:59:59.9 on the 1st accepts an ID minted an
+    hour before, in the previous month; a floor read 0.2 s later, before that start
+    commits, must not be above it (it was, with the floor taken an hour before the read)."""
+    began = datetime(2026, 12, 1, 0, 59, 59, 900000, tzinfo=UTC)
+    run_id = mint(began - RUN_ID_MAX_AGE)
+    validate_run_id(run_id, began)
+    read_at = began + timedelta(milliseconds=200)
+    assert run_id >= active_floor(read_at, None)
+    assert month_bounds(month_label(read_at - RUN_ID_MAX_AGE))[0] > run_id   # the previous rule
+    assert active_floor(read_at, None) == month_bounds("202611")[0]
+
+
+@given(st.datetimes(min_value=datetime(2000, 1, 1), max_value=datetime(2199, 1, 1), timezones=st.just(UTC)),
+       st.timedeltas(min_value=-RUN_ID_MAX_AGE, max_value=RUN_ID_MAX_AHEAD),
+       st.timedeltas(min_value=timedelta(0), max_value=RUN_START_SLACK))
+def test_the_active_floor_is_below_every_run_a_pending_start_can_create(began: datetime, minted_at: timedelta,
+                                                                       open_for: timedelta) -> None:
+    run_id = mint(began + minted_at, "7000-8000-000000000000")    # the least ID of that millisecond
+    if minted_at >= -RUN_ID_MAX_AGE + timedelta(milliseconds=1):
+        validate_run_id(run_id, began)
+    assert run_id >= active_floor(began + open_for, None)
+
+
+@given(st.datetimes(min_value=datetime(2000, 1, 1), max_value=datetime(2199, 1, 1), timezones=st.just(UTC)),
+       st.datetimes(min_value=datetime(1990, 1, 1), max_value=datetime(2199, 1, 1), timezones=st.just(UTC)))
+def test_the_active_floor_is_a_month_bound_at_or_below_the_oldest_active_run(now: datetime, oldest: datetime) -> None:
+    run_id = mint(oldest)
+    floor = active_floor(now, run_id)
+    assert floor <= run_id
+    assert floor in (month_bounds(month_of(run_id))[0], active_floor(now, None))
+
+
+def test_an_active_floor_from_an_id_that_is_not_a_uuidv7_is_that_id() -> None:
+    assert active_floor(NOW, "00000000-0000-4000-8000-000000000000") == "00000000-0000-4000-8000-000000000000"
+    assert active_floor(NOW, "zzz") == active_floor(NOW, None)
+    with pytest.raises(ValueError, match="timezone-aware"):
+        active_floor(datetime(2026, 5, 17), None)
