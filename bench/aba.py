@@ -1,0 +1,110 @@
+"""Side by side with a control: is a before/after difference larger than the noise?
+
+``bench.ab`` compares two trees; on this shared 2-core machine its rounds spread by
+±20%, so a median 5 to 8% apart says little by itself. Here the same workload runs
+from three or more trees in rotation, one of them a second checkout of another's
+commit (the control): the ratio between the two identical trees is the noise of this
+very run, and a change is within noise when its ratio to *each* copy lies inside it.
+
+Run as a file, so that ``bench`` (the harness: scenarios, server, schema) comes from
+the tree on ``PYTHONPATH``, which may be an older one (use the oldest when a later
+tree dropped a column its predecessor writes)::
+
+    PYTHONPATH=OLD python bench/aba.py --rounds 10 old=OLD control=OLD_COPY new=NEW
+
+Each round runs every side once (the order rotates and alternates direction), the
+1-task workload at W=1, sustained (``--mode drain`` for the drain); it prints the
+median ratio of runs/s and the median difference of CPU per run (server plus
+processes) for every pair, and writes them with the raw rounds to ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib
+import importlib.util
+import json
+import statistics
+import sys
+from pathlib import Path
+from typing import Any
+
+
+def _server() -> Any:
+    """The harness's PostgreSQL server: ``bench.server`` in trees older than
+    ``composer_ops.testing.servers``, which replaced it."""
+    if importlib.util.find_spec("bench.server") is not None:
+        return importlib.import_module("bench.server").start()
+    return importlib.import_module("composer_ops.testing.servers").session().primary
+
+
+def _side(arg: str) -> tuple[str, Path]:
+    name, sep, path = arg.partition("=")
+    root = Path(path).resolve()
+    if not sep or not name or not (root / "composer_ops").is_dir():
+        raise argparse.ArgumentTypeError(f"expected NAME=DIR with DIR a source tree holding composer_ops/, got {arg!r}")
+    return name, root
+
+
+def pairs(rows: list[dict[str, Any]], names: list[str]) -> dict[str, dict[str, Any]]:
+    """For each pair of sides (a before b in ``names``), the per-round ratios of a's
+    runs/s to b's, their median, and the median per-round difference of CPU per run."""
+    out: dict[str, dict[str, Any]] = {}
+    by = {(r["side"], r["round"]): r for r in rows}
+    rounds = sorted({r["round"] for r in rows})
+    for i, a in enumerate(names):
+        for b in names[i + 1:]:
+            both = [(by[a, n], by[b, n]) for n in rounds if (a, n) in by and (b, n) in by and by[b, n]["runs_per_s"]]
+            ratios = [x["runs_per_s"] / y["runs_per_s"] for x, y in both]
+            cpu = [x["cpu_ms_per_run"] - y["cpu_ms_per_run"] for x, y in both]
+            out[f"{a}/{b}"] = {"median": statistics.median(ratios) if ratios else None, "ratios": ratios,
+                               "cpu_ms_per_run_diff_median": statistics.median(cpu) if cpu else None}
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="bench/aba.py", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("sides", nargs="+", type=_side, metavar="NAME=DIR")
+    parser.add_argument("--rounds", type=int, default=10)
+    parser.add_argument("--mode", choices=["sustained", "drain"], default="sustained")
+    parser.add_argument("--duration", type=float, default=6.0, help="sustained window, seconds")
+    parser.add_argument("--runs", type=int, default=1500, help="drain: runs started before the workers")
+    parser.add_argument("--out", type=Path, default=Path("aba-latest.json"))
+    args = parser.parse_args(argv)
+    names = [name for name, _ in args.sides]
+    if len(set(names)) != len(names) or len(names) < 2:
+        parser.error("give at least two sides with distinct names")
+    scenario = importlib.import_module("bench.scenario")
+    workload = importlib.import_module("bench.workload")
+    sides = {name: dataclasses.replace(workload.COMPOSER, root=root, label=name) for name, root in args.sides}
+    server = _server()
+    template = workload.make_template(server, "bench_tpl_aba")
+    rows: list[dict[str, Any]] = []
+    for r in range(args.rounds):
+        order = names[r % len(names):] + names[:r % len(names)]
+        if r % 2:
+            order.reverse()
+        for side in order:
+            if args.mode == "drain":
+                res = scenario.drain(sides[side], server, template, workers=1, items=args.runs)
+            else:
+                res = scenario.sustained(sides[side], server, template, workers=1, duration=args.duration,
+                                         max_backlog=50)
+            cpu = res["cpu"]["processes_ms_per_item"] + res["cpu"]["server_ms_per_item"]
+            rows.append({"round": r, "side": side, "runs_per_s": res["runs_per_s"], "cpu_ms_per_run": cpu})
+            sys.stderr.write(f"[aba] round {r + 1}/{args.rounds} {side}: {res['runs_per_s']:.0f} runs/s, "
+                             f"{cpu:.2f} ms CPU per run\n")
+    summary = pairs(rows, names)
+    for pair, figures in summary.items():
+        print(f"{pair}: median {figures['median']:.3f}, rounds {[round(x, 2) for x in figures['ratios']]}, "
+              f"CPU per run {figures['cpu_ms_per_run_diff_median']:+.2f} ms")
+    result = {"server": server.version, "mode": args.mode, "rounds": args.rounds,
+              "trees": {name: str(root) for name, root in args.sides}, "pairs": summary, "raw": rows}
+    args.out.write_text(json.dumps(result, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
