@@ -43,8 +43,8 @@ def busy_db(server: Server, template_db: str) -> Iterator[str]:
             INSERT INTO workflow_runs (id, workflow_definition_id, workflow_version, status, created_at)
             SELECT substr(composer_uuid7_bound(ts), 1, 24) || lpad(to_hex(i), 12, '0'), 'wf', 1,
                    CASE WHEN i <= 50 THEN 'RUNNING' ELSE 'SUCCEEDED' END, ts
-              FROM (SELECT i, date_trunc('month', now()) - make_interval(days => 20)
-                                  + make_interval(mins => i * 20) AS ts
+              FROM (SELECT i, (date_trunc('month', now() AT TIME ZONE 'UTC') AT TIME ZONE 'UTC')
+                                  - make_interval(days => 20) + make_interval(mins => i * 20) AS ts
                       FROM generate_series(1, 2000) i) s""")
         conn.execute("""
             INSERT INTO task_instances (id, run_id, node_id, node_type, queue, state, attempt, created_at, updated_at,
