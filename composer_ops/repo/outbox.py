@@ -63,8 +63,9 @@ def enqueue(conn: Conn, dispatches: Sequence[Dispatch], *, now: datetime) -> Non
         WITH ins AS (
             INSERT INTO task_outbox (queue, run_id, task_id, attempt, task_name, lease_s, available_at, created_at)
             SELECT q, r, t, a, n, l, COALESCE(av, %(now)s), %(now)s
-              FROM unnest(%(q)s::text[], %(r)s::text[], %(t)s::text[], %(a)s::int4[],
-                          %(n)s::text[], %(l)s::int4[], %(av)s::timestamptz[]) AS d(q, r, t, a, n, l, av)
+              FROM unnest((SELECT %(q)s::text[]), (SELECT %(r)s::text[]), (SELECT %(t)s::text[]),
+                          (SELECT %(a)s::int4[]), (SELECT %(n)s::text[]), (SELECT %(l)s::int4[]),
+                          (SELECT %(av)s::timestamptz[])) AS d(q, r, t, a, n, l, av)
             RETURNING queue, task_name
         ), woken AS (
             DELETE FROM task_waiters w

@@ -6,6 +6,7 @@ from datetime import datetime
 from typing import Any
 
 from psycopg import sql
+from psycopg.errors import UndefinedTable
 from psycopg.rows import class_row, dict_row
 
 from composer_ops.core.filters import RunFilter
@@ -18,7 +19,7 @@ from composer_ops.repo.rows import HistoryEntry, RunListRow, RunRow, RunView, Ta
 _LOCK_RUN = """
     SELECT id, workflow_definition_id AS workflow_id, workflow_version, status,
            context_json AS context
-      FROM workflow_runs
+      FROM {runs}
      WHERE id = %s AND deleted_at IS NULL
        FOR UPDATE"""
 
@@ -26,7 +27,7 @@ _LOAD_TASKS = """
     SELECT node_id, id AS task_id, state, attempt, branches,
            CASE WHEN state = 'WAITING' THEN event_name END AS event_name,
            lease_owner, lease_expires_at, created_at, wake_at, lease_expiries
-      FROM task_instances WHERE run_id = %s"""
+      FROM {tasks} WHERE run_id = %s"""
 
 
 def lock_and_load(conn: Conn, run_id: str) -> tuple[RunRow, dict[str, TaskStateRow]]:
@@ -42,29 +43,45 @@ def lock_and_load(conn: Conn, run_id: str) -> tuple[RunRow, dict[str, TaskStateR
     a snapshot when it starts, so the tasks are read after the lock is granted and see
     everything the previous holder of the lock committed. (One statement joining both
     would read the tasks with a snapshot taken before it waited for the lock, and could
-    miss a sibling's completion: the join race the lock exists to prevent.)"""
-    with conn.cursor() as clock_cur, conn.cursor(row_factory=dict_row) as lock, \
-            conn.cursor(row_factory=class_row(TaskStateRow)) as load:
-        with conn.pipeline():
-            clock_cur.execute(clock.NOW)
-            lock.execute(_LOCK_RUN, (run_id,))
-            load.execute(_LOAD_TASKS, (run_id,))
-        now = clock_cur.fetchone()
-        row = lock.fetchone()
-        if row is None:
-            raise NotFound(f"workflow run {run_id} does not exist")
-        assert now is not None
-        return RunRow(**row, now=now[0]), {r.node_id: r for r in load.fetchall()}
+    miss a sibling's completion: the join race the lock exists to prevent.)
+
+    Both name the run's month partitions (:func:`partitions.run_tables`), which the
+    lock then holds until the transaction ends, so the rest of the event's statements
+    on them cannot find them gone."""
+    runs, tasks = partitions.run_tables(conn, run_id)
+    try:
+        with conn.cursor() as clock_cur, conn.cursor(row_factory=dict_row) as lock, \
+                conn.cursor(row_factory=class_row(TaskStateRow)) as load:
+            with conn.pipeline():
+                clock_cur.execute(clock.NOW)
+                lock.execute(partitions.on_tables(_LOCK_RUN, runs, tasks), (run_id,))
+                load.execute(partitions.on_tables(_LOAD_TASKS, runs, tasks), (run_id,))
+            now = clock_cur.fetchone()
+            row = lock.fetchone()
+            loaded = load.fetchall()
+    except ComposerError as exc:
+        if not isinstance(exc.__cause__, UndefinedTable) or runs == "workflow_runs":
+            raise
+        partitions.forget_month(conn, run_id)   # dropped or detached since this connection checked it
+        raise NotFound(f"workflow run {run_id} does not exist (its month's partition is gone)") from exc
+    if row is None:
+        raise NotFound(f"workflow run {run_id} does not exist")
+    assert now is not None
+    return RunRow(**row, now=now[0]), {r.node_id: r for r in loaded}
+
+
+_LOAD_OUTPUTS = """
+    SELECT node_id, output_json FROM {tasks}
+     WHERE run_id = %s AND node_id = ANY(%s) AND state = 'COMPLETED'"""
 
 
 def load_outputs(conn: Conn, run_id: str, node_ids: list[str]) -> dict[str, Any]:
-    """The outputs of the given completed nodes of a run (and nothing else)."""
+    """The outputs of the given completed nodes of a run (and nothing else); read under
+    the run's lock (:func:`lock_and_load`), on the same tables."""
     if not node_ids:
         return {}
-    cur = conn.execute("""
-        SELECT node_id, output_json FROM task_instances
-         WHERE run_id = %s AND node_id = ANY(%s) AND state = 'COMPLETED'""",
-        (run_id, list(node_ids)))
+    cur = conn.execute(partitions.on_tables(_LOAD_OUTPUTS, *partitions.run_tables(conn, run_id)),
+                       (run_id, list(node_ids)))
     return {node_id: output for node_id, output in cur.fetchall()}
 
 
@@ -137,15 +154,20 @@ def _insert_run_guarded(conn: Conn, *, run_id: str, workflow_id: str, workflow_v
         raise Conflict(f"workflow run {run_id} already exists")
 
 
-def finish_run(conn: Conn, run_id: str, status: str, *, now: datetime, reason: str | None = None,
-               output: Any = None) -> bool:
-    """Move a non-terminal run to a terminal status at ``now``; False when it already was."""
-    cur = conn.execute(f"""
-        UPDATE workflow_runs
+_FINISH_RUN = f"""
+        UPDATE {{runs}}
            SET status = %s, error_json = %s, output_json = %s,
                completed_at = %s, updated_at = %s
-         WHERE id = %s AND status IN {sql_states(ACTIVE_RUN_STATUSES)}""",
-        (status, error_json(reason), jsonb(output), now, now, run_id))
+         WHERE id = %s AND status IN {sql_states(ACTIVE_RUN_STATUSES)}"""
+
+
+def finish_run(conn: Conn, run_id: str, status: str, *, now: datetime, reason: str | None = None,
+               output: Any = None) -> bool:
+    """Move a non-terminal run to a terminal status at ``now``; False when it already
+    was. Called under the run's lock (:func:`lock_and_load`), so on the same tables."""
+    runs, tasks = partitions.run_tables(conn, run_id)
+    cur = conn.execute(partitions.on_tables(_FINISH_RUN, runs, tasks),
+                       (status, error_json(reason), jsonb(output), now, now, run_id))
     return cur.rowcount == 1
 
 

@@ -15,10 +15,12 @@ from collections.abc import Sequence
 from datetime import datetime
 from typing import Any
 
+from psycopg.errors import UndefinedTable
 from psycopg.types.json import Jsonb
 
 from composer_ops.core.model import ACTIVE_TASK_STATES, IN_FLIGHT_TASK_STATES, TaskRef
-from composer_ops.repo import history
+from composer_ops.errors import ComposerError
+from composer_ops.repo import history, partitions
 from composer_ops.repo._base import Conn, error_json, fetch_all, fetch_one, jsonb, sql_states
 from composer_ops.repo.rows import ExpiredLease, FinishedTask, HistoryEntry, NewTask, TaskDispatch
 
@@ -72,7 +74,7 @@ _FENCE = f"""
            AND state IN {_IN_FLIGHT}"""
 
 _COMPLETE = history.recorded(f"""
-        UPDATE task_instances
+        UPDATE {{tasks}}
            SET state = 'COMPLETED', output_json = %(output)s,
                completed_at = %(now)s, finished_at = %(now)s, updated_at = %(now)s,
                lease_owner = NULL, lease_expires_at = NULL
@@ -80,7 +82,7 @@ _COMPLETE = history.recorded(f"""
         RETURNING node_type, started_at""", "node_type, started_at")
 
 _FAIL = history.recorded(f"""
-        UPDATE task_instances
+        UPDATE {{tasks}}
            SET state = 'FAILED', last_error = %(error)s,
                finished_at = %(now)s, updated_at = %(now)s,
                lease_owner = NULL, lease_expires_at = NULL
@@ -88,7 +90,7 @@ _FAIL = history.recorded(f"""
         RETURNING node_type, started_at""", "node_type, started_at")
 
 _REQUEUE = history.recorded(f"""
-        UPDATE task_instances
+        UPDATE {{tasks}}
            SET state = 'PENDING', attempt = attempt + 1, lease_expiries = lease_expiries + %(expired)s,
                last_error = %(error)s, started_at = NULL, updated_at = %(now)s,
                lease_owner = NULL, lease_expires_at = NULL
@@ -102,11 +104,17 @@ def _ref(ref: TaskRef) -> dict[str, Any]:
     return {"run": ref.run_id, "task": ref.task_id, "node": ref.node_id, "attempt": ref.attempt}
 
 
+def _on_run(conn: Conn, statement: str, run_id: str) -> str:
+    """``statement`` on the run's month partitions (:func:`partitions.run_tables`). The
+    fenced updates run under the run's lock, which holds those partitions."""
+    return partitions.on_tables(statement, *partitions.run_tables(conn, run_id))
+
+
 def complete_task(conn: Conn, ref: TaskRef, output: Any, *, request: str, entry: HistoryEntry,
                   now: datetime) -> FinishedTask | None:
     """Mark the referenced attempt COMPLETED and release its lease, recording ``entry``;
     None when the attempt is stale or the task already finished."""
-    return fetch_one(conn, FinishedTask, _COMPLETE,
+    return fetch_one(conn, FinishedTask, _on_run(conn, _COMPLETE, ref.run_id),
                      {**_ref(ref), "output": jsonb(output), "now": now,
                       **history.entry_params(ref.run_id, request, entry, now=now)})
 
@@ -114,7 +122,7 @@ def complete_task(conn: Conn, ref: TaskRef, output: Any, *, request: str, entry:
 def fail_task(conn: Conn, ref: TaskRef, reason: str, *, request: str, entry: HistoryEntry,
               now: datetime) -> FinishedTask | None:
     """Mark the referenced attempt FAILED and release its lease, recording ``entry``."""
-    return fetch_one(conn, FinishedTask, _FAIL,
+    return fetch_one(conn, FinishedTask, _on_run(conn, _FAIL, ref.run_id),
                      {**_ref(ref), "error": error_json(reason), "now": now,
                       **history.entry_params(ref.run_id, request, entry, now=now)})
 
@@ -124,7 +132,7 @@ def requeue_task(conn: Conn, ref: TaskRef, reason: str, *, lease_expired: bool, 
     """Schedule the next attempt: back to PENDING with attempt+1 (and one more lease
     expiry when ``lease_expired``), recording ``entry``. Returns what the next dispatch
     needs, including the stored input."""
-    return fetch_one(conn, TaskDispatch, _REQUEUE,
+    return fetch_one(conn, TaskDispatch, _on_run(conn, _REQUEUE, ref.run_id),
                      {**_ref(ref), "error": error_json(reason), "expired": int(lease_expired), "now": now,
                       **history.entry_params(ref.run_id, request, entry, now=now)})
 
@@ -153,17 +161,29 @@ def reset_tasks(conn: Conn, run_id: str, task_ids: Sequence[str]) -> int:
     return int(row[0]) if row else 0
 
 
-def heartbeat(conn: Conn, ref: TaskRef, owner: str, lease_s: float) -> datetime | None:
-    """Extend a live lease by ``lease_s`` from the database clock. None when the lease
-    is lost (expired, re-queued, cancelled or owned by someone else). Touches only
-    lease_expires_at, so the update can stay HOT."""
-    row = conn.execute("""
-        UPDATE task_instances
+_HEARTBEAT = """
+        UPDATE {tasks}
            SET lease_expires_at = NOW() + make_interval(secs => %s)
          WHERE run_id = %s AND id = %s AND attempt = %s AND state = 'RUNNING'
            AND lease_owner = %s AND lease_expires_at > NOW()
-        RETURNING lease_expires_at""",
-        (lease_s, ref.run_id, ref.task_id, ref.attempt, owner)).fetchone()
+        RETURNING lease_expires_at"""
+
+
+def heartbeat(conn: Conn, ref: TaskRef, owner: str, lease_s: float) -> datetime | None:
+    """Extend a live lease by ``lease_s`` from the database clock. None when the lease
+    is lost (expired, re-queued, cancelled or owned by someone else, or its month's
+    partition is gone). Touches only lease_expires_at, so the update can stay HOT.
+    On the run's month partition (:func:`partitions.run_tables`), in a transaction of
+    its own: a partition dropped since it was checked fails it, and nothing else."""
+    runs, tasks = partitions.run_tables(conn, ref.run_id)
+    try:
+        row = conn.execute(partitions.on_tables(_HEARTBEAT, runs, tasks),
+                           (lease_s, ref.run_id, ref.task_id, ref.attempt, owner)).fetchone()
+    except ComposerError as exc:
+        if not isinstance(exc.__cause__, UndefinedTable) or tasks == "task_instances":
+            raise
+        partitions.forget_month(conn, ref.run_id)
+        return None
     return None if row is None else row[0]
 
 

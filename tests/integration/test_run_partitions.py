@@ -1,0 +1,140 @@
+"""An event's statements address the run's month partitions by name (repo.partitions.run_tables).
+
+On a partitioned table, a statement that names a run is planned at every call: the plan
+cache keeps custom plans, since a generic one would lock every month before pruning.
+On the month's partition the statement is an ordinary table's, cached after five
+calls. These tests hold that, and the cases where the name cannot be trusted: a month
+whose partitions have other bounds, and one dropped or detached after a connection
+checked it.
+"""
+
+from __future__ import annotations
+
+from datetime import UTC, date, datetime
+from typing import Any
+
+import psycopg
+import pytest
+
+from composer_ops import Engine
+from composer_ops.core.model import TaskRef
+from composer_ops.db.errors import Connection
+from composer_ops.errors import NotFound
+from composer_ops.repo import archive, partitions, runs, tasks
+from composer_ops.testing.fixtures import _misaligned_month
+from tests.integration.helpers import add_definition, add_run, now_utc, uuid7_at
+
+_PLANS = """SELECT statement, generic_plans, custom_plans FROM pg_prepared_statements
+             WHERE statement LIKE %s"""
+
+
+def _plans(conn: Any, pattern: str) -> list[tuple[str, int, int]]:
+    return [(str(r[0]), int(r[1]), int(r[2])) for r in conn.execute(_PLANS, (pattern,)).fetchall()]
+
+
+def test_the_events_of_a_run_reuse_cached_plans_on_its_month(db_url: str) -> None:
+    """Fifteen 1-task runs started, claimed and completed over one session: the run lock,
+    the task load, the fenced completion, the run's finish and the dispatch are each
+    planned at most five times (psycopg prepares from the fifth call; the server tries
+    five custom plans before it compares), then run on the cached generic plan."""
+    with psycopg.connect(db_url, autocommit=True) as conn:
+        add_definition(conn)
+    with Engine.connect(db_url, pool_size=1, application_name="test-plans") as engine:
+        for _ in range(15):
+            engine.start("wf")
+            (claim,) = engine.claim(["default"], "w", 1, task_names=["t"])
+            engine.complete(claim, {"ok": True})
+        with engine.pool.connection() as conn:
+            month = f"{now_utc():%Y%m}"
+            found = {
+                "lock": _plans(conn, f'%FROM "workflow_runs_p{month}"%FOR UPDATE%'),
+                "load": _plans(conn, f'%FROM "task_instances_p{month}" WHERE run_id%'),
+                "complete": _plans(conn, f"%UPDATE \"task_instances_p{month}\"%SET state = 'COMPLETED'%"),
+                "finish": _plans(conn, f'%UPDATE "workflow_runs_p{month}"%SET status%'),
+                "dispatch": _plans(conn, "%INSERT INTO task_outbox%"),
+            }
+    for name, plans in found.items():
+        assert len(plans) == 1, f"{name}: {plans}"
+        (_, generic, custom), = plans
+        assert generic >= 5 and custom <= 5, f"{name}: {generic} generic and {custom} custom plans"
+
+
+def test_a_month_whose_partitions_have_other_bounds_is_read_through_the_partitioned_tables(
+        conn: Connection[Any]) -> None:
+    """December 2024 made an hour early (as a UTC+1 session once made it): a run of
+    2024-11-30 23:30 UTC is in ``workflow_runs_p202412``, not in the month its ID names,
+    and one of 2024-12-15 is in a partition whose bounds are not December's; both are
+    found, through the partitioned tables. An aligned month is addressed by name."""
+    add_definition(conn)
+    _misaligned_month(conn)
+    early = uuid7_at(datetime(2024, 11, 30, 23, 30, tzinfo=UTC))   # no p202411: inserted as a restore would
+    conn.execute("""INSERT INTO workflow_runs (id, workflow_definition_id, workflow_version, status, created_at,
+                                               updated_at)
+                    VALUES (%s, 'wf', 1, 'RUNNING', now(), now())""", (early,))
+    mid = add_run(conn, at=datetime(2024, 12, 15, tzinfo=UTC))
+    current = add_run(conn)
+    for run_id in (early, mid):
+        assert partitions.run_tables(conn, run_id) == ("workflow_runs", "task_instances")
+        row, _ = runs.lock_and_load(conn, run_id)
+        assert row.id == run_id
+    month = f"{now_utc():%Y%m}"
+    assert partitions.run_tables(conn, current) == (f"workflow_runs_p{month}", f"task_instances_p{month}")
+    assert runs.lock_and_load(conn, current)[0].id == current
+    assert partitions.run_tables(conn, "not-a-uuid") == ("workflow_runs", "task_instances")
+
+
+def _last_year(conn: Any) -> tuple[str, str, str]:
+    """A run and its task in a month of last year (its partitions made for it)."""
+    today = now_utc().date()
+    first = date(today.year - 1, today.month, 1)
+    partitions.ensure_from(conn, first, 0)
+    run_id = add_run(conn, at=datetime(first.year, first.month, 10, tzinfo=UTC))
+    now = conn.execute("SELECT now()").fetchone()[0]
+    task_id = f"{run_id[:8]}-a"
+    tasks.insert_task(conn, run_id, task_id=task_id, node_id="a", node_type="TASK", queue="default",
+                      state="RUNNING", now=now)
+    conn.execute("UPDATE task_instances SET lease_owner = 'w', lease_expires_at = now() + interval '1 minute' "
+                 "WHERE run_id = %s", (run_id,))
+    return run_id, task_id, f"{first:%Y%m}"
+
+
+@pytest.mark.parametrize("how", ["dropped", "detached"])
+def test_a_month_gone_after_a_connection_checked_it_is_a_missing_run(db_url: str, how: str) -> None:
+    """One connection locks a run of last year's month (the month is checked and
+    remembered); another drops that month (or detaches it into composer_detached). The
+    first then finds the run missing (NotFound, as through the partitioned table), its
+    heartbeat finds the lease lost, and once the month is made again its new runs are
+    found: the connection checks the month again rather than trusting what it saw."""
+    with Connection.connect(db_url, autocommit=True) as other, Connection.connect(db_url) as conn:
+        add_definition(other)
+        run_id, task_id, month = _last_year(other)
+        row, loaded = runs.lock_and_load(conn, run_id)
+        assert row.id == run_id and set(loaded) == {"a"}
+        assert partitions.run_tables(conn, run_id) == (f"workflow_runs_p{month}", f"task_instances_p{month}")
+        ref = TaskRef(run_id=run_id, task_id=task_id, node_id="a", attempt=0)
+        assert tasks.heartbeat(conn, ref, "w", 30) is not None
+        conn.commit()
+        with other.transaction():
+            archive.remove_month(other, month, partitions.RUN_TABLES, keep_table=how == "detached")
+        with pytest.raises(NotFound, match=run_id):
+            runs.lock_and_load(conn, run_id)
+        conn.rollback()
+        assert tasks.heartbeat(conn, ref, "w", 30) is None
+        conn.rollback()
+        again, _, _ = _last_year(other)
+        assert runs.lock_and_load(conn, again)[0].id == again
+        conn.rollback()
+        assert partitions.run_tables(conn, again) == (f"workflow_runs_p{month}", f"task_instances_p{month}")
+
+
+def test_the_month_check_is_per_connection(db_url: str) -> None:
+    """What one connection found is not taken for another's (each checks once)."""
+    with Connection.connect(db_url, autocommit=True) as a, Connection.connect(db_url, autocommit=True) as b:
+        add_definition(a)
+        run_id = add_run(a)
+        runs.lock_and_load(a, run_id)
+        assert partitions._ALIGNED.get(a) == {f"{now_utc():%Y%m}"}
+        assert partitions._ALIGNED.get(b) is None
+        assert runs.lock_and_load(b, run_id)[0].id == run_id
+        assert partitions._ALIGNED.get(b) == {f"{now_utc():%Y%m}"}
+
