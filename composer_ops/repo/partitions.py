@@ -24,15 +24,20 @@ def runs_partition(run_id: str) -> str:
     return f"workflow_runs_p{month_of(run_id)}"
 
 
-#: Per connection, the months whose ``workflow_runs`` and ``task_instances``
-#: partitions were found attached with the month's own bounds (:func:`run_tables`).
-_ALIGNED: WeakKeyDictionary[Conn, set[str]] = WeakKeyDictionary()
+#: Per connection, what :func:`run_tables` found for each month: True when the month's
+#: ``workflow_runs`` and ``task_instances`` partitions are attached with the month's own
+#: bounds and this role may read and update them, False otherwise.
+_ALIGNED: WeakKeyDictionary[Conn, dict[str, bool]] = WeakKeyDictionary()
 
 _ALIGNED_SQL = """
-    SELECT count(*) = 2 FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid
+    SELECT count(*) FILTER (
+               WHERE pg_get_expr(c.relpartbound, c.oid)
+                         = format('FOR VALUES FROM (%%L) TO (%%L)', %(lo)s::text, %(hi)s::text)
+                 AND has_table_privilege(c.oid, 'SELECT') AND has_table_privilege(c.oid, 'UPDATE')) = 2,
+           count(*) = 2
+      FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid
      WHERE (c.oid, i.inhparent) IN ((to_regclass(%(runs)s), 'workflow_runs'::regclass),
-                                    (to_regclass(%(tasks)s), 'task_instances'::regclass))
-       AND pg_get_expr(c.relpartbound, c.oid) = format('FOR VALUES FROM (%%L) TO (%%L)', %(lo)s::text, %(hi)s::text)"""
+                                    (to_regclass(%(tasks)s), 'task_instances'::regclass))"""
 
 
 def run_tables(conn: Conn, run_id: str) -> tuple[str, str]:
@@ -47,9 +52,11 @@ def run_tables(conn: Conn, run_id: str) -> tuple[str, str]:
     cached, and it locks that month only.
 
     The name is the run ID's UTC month; it is used only after this connection has seen
-    both partitions attached with exactly that month's bounds (one catalog query per
-    month per connection), so a partition made with other bounds (``_misaligned`` data,
-    or a run ID that is not a canonical UUIDv7) falls back to the partitioned tables.
+    both partitions attached with exactly that month's bounds and found it may read and
+    update them (one catalog query per month per connection: PostgreSQL checks a named
+    partition's own privileges, which sql/V020 grants the engine role). A partition
+    made with other bounds (``_misaligned`` data), one the role has no privileges on, or
+    a run ID that is not a canonical UUIDv7 falls back to the partitioned tables.
     A partition dropped or detached after that check makes the statement fail with
     ``UndefinedTable`` (a detached month is also moved out of the schema), which the
     caller reports as the run not existing, as the partitioned table would, after
@@ -58,14 +65,17 @@ def run_tables(conn: Conn, run_id: str) -> tuple[str, str]:
         month = month_of(run_id)
     except ComposerError:
         return "workflow_runs", "task_instances"
-    seen = _ALIGNED.setdefault(conn, set())
-    if month not in seen:
+    seen = _ALIGNED.setdefault(conn, {})
+    aligned = seen.get(month)
+    if aligned is None:
         lo, hi = month_bounds(month)
         row = conn.execute(_ALIGNED_SQL, {"runs": f"workflow_runs_p{month}", "tasks": f"task_instances_p{month}",
                                           "lo": lo, "hi": hi}).fetchone()
-        if not (row and row[0]):
-            return "workflow_runs", "task_instances"
-        seen.add(month)
+        aligned = bool(row and row[0])
+        if aligned or (row and row[1]):   # a month not made yet is checked again next time
+            seen[month] = aligned
+    if not aligned:
+        return "workflow_runs", "task_instances"
     return f"workflow_runs_p{month}", f"task_instances_p{month}"
 
 
@@ -78,9 +88,9 @@ def on_tables(statement: str, runs: str, tasks: str) -> str:
 
 def forget_month(conn: Conn, run_id: str) -> None:
     """Check the month of ``run_id`` again at its next use on ``conn`` (its partition
-    was not there)."""
+    was not there, or did not hold the run)."""
     try:
-        _ALIGNED.get(conn, set()).discard(month_of(run_id))
+        _ALIGNED.get(conn, {}).pop(month_of(run_id), None)
     except ComposerError:
         pass
 

@@ -49,6 +49,19 @@ def lock_and_load(conn: Conn, run_id: str) -> tuple[RunRow, dict[str, TaskStateR
     lock then holds until the transaction ends, so the rest of the event's statements
     on them cannot find them gone."""
     runs, tasks = partitions.run_tables(conn, run_id)
+    found = _lock_and_load(conn, run_id, runs, tasks)
+    if found is None and runs != "workflow_runs":
+        partitions.forget_month(conn, run_id)   # the month may have been made again since it was checked
+        again = partitions.run_tables(conn, run_id)
+        if again != (runs, tasks):
+            found = _lock_and_load(conn, run_id, *again)
+    if found is None:
+        raise NotFound(f"workflow run {run_id} does not exist")
+    return found
+
+
+def _lock_and_load(conn: Conn, run_id: str, runs: str, tasks: str
+                   ) -> tuple[RunRow, dict[str, TaskStateRow]] | None:
     try:
         with conn.cursor() as clock_cur, conn.cursor(row_factory=dict_row) as lock, \
                 conn.cursor(row_factory=class_row(TaskStateRow)) as load:
@@ -65,7 +78,7 @@ def lock_and_load(conn: Conn, run_id: str) -> tuple[RunRow, dict[str, TaskStateR
         partitions.forget_month(conn, run_id)   # dropped or detached since this connection checked it
         raise NotFound(f"workflow run {run_id} does not exist (its month's partition is gone)") from exc
     if row is None:
-        raise NotFound(f"workflow run {run_id} does not exist")
+        return None
     assert now is not None
     return RunRow(**row, now=now[0]), {r.node_id: r for r in loaded}
 

@@ -10,11 +10,12 @@ checked it.
 
 from __future__ import annotations
 
-from datetime import UTC, date, datetime
+from datetime import UTC, date, datetime, timedelta
 from typing import Any
 
 import psycopg
 import pytest
+from psycopg import sql
 
 from composer_ops import Engine
 from composer_ops.core.model import TaskRef
@@ -77,6 +78,7 @@ def test_a_month_whose_partitions_have_other_bounds_is_read_through_the_partitio
         assert partitions.run_tables(conn, run_id) == ("workflow_runs", "task_instances")
         row, _ = runs.lock_and_load(conn, run_id)
         assert row.id == run_id
+    assert partitions._ALIGNED[conn]["202412"] is False          # kept: not checked again at every event
     month = f"{now_utc():%Y%m}"
     assert partitions.run_tables(conn, current) == (f"workflow_runs_p{month}", f"task_instances_p{month}")
     assert runs.lock_and_load(conn, current)[0].id == current
@@ -133,8 +135,77 @@ def test_the_month_check_is_per_connection(db_url: str) -> None:
         add_definition(a)
         run_id = add_run(a)
         runs.lock_and_load(a, run_id)
-        assert partitions._ALIGNED.get(a) == {f"{now_utc():%Y%m}"}
+        assert partitions._ALIGNED.get(a) == {f"{now_utc():%Y%m}": True}
         assert partitions._ALIGNED.get(b) is None
         assert runs.lock_and_load(b, run_id)[0].id == run_id
-        assert partitions._ALIGNED.get(b) == {f"{now_utc():%Y%m}"}
+        assert partitions._ALIGNED.get(b) == {f"{now_utc():%Y%m}": True}
 
+
+
+def test_the_engine_role_names_the_partitions_it_was_granted_and_falls_back_without(db_url: str) -> None:
+    """As composer_ops_engine: the partitions there were at migration (V020) and those
+    its own upkeep creates (composer_ensure_partitions) may be named; one whose grant
+    was revoked is reached through the partitioned tables, and the run is still found."""
+    from tests.notebooks.harness import as_role
+
+    engine_url = as_role(db_url, "composer_ops_engine")
+    month = f"{now_utc():%Y%m}"
+    with Connection.connect(db_url, autocommit=True) as owner:
+        add_definition(owner)
+        run_id = add_run(owner)
+    with Connection.connect(engine_url) as conn:
+        assert conn.execute("SELECT current_user").fetchone() == ("composer_ops_engine",)
+        assert partitions.run_tables(conn, run_id) == (f"workflow_runs_p{month}", f"task_instances_p{month}")
+        assert runs.lock_and_load(conn, run_id)[0].id == run_id
+        conn.rollback()
+        created: Any = conn.execute("SELECT composer_ensure_partitions(7)").fetchone()
+        assert created[0] >= 4                                       # at least the 7th month ahead, four tables
+        conn.commit()
+        row: Any = conn.execute("""SELECT max(c.relname::text) FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid
+                                     WHERE i.inhparent = 'task_instances'::regclass""").fetchone()
+        newest = row[0]
+        assert conn.execute("SELECT has_table_privilege(%s, 'SELECT') AND has_table_privilege(%s, 'UPDATE')",
+                            (newest, newest)).fetchone() == (True,)
+        conn.rollback()
+    with Connection.connect(db_url, autocommit=True) as owner:
+        owner.execute(f'REVOKE SELECT, UPDATE ON "task_instances_p{month}" FROM composer_ops_engine'.encode())
+    with Connection.connect(engine_url) as conn:
+        assert partitions.run_tables(conn, run_id) == ("workflow_runs", "task_instances")
+        locked, loaded = runs.lock_and_load(conn, run_id)
+        assert locked.id == run_id and loaded == {}
+        conn.rollback()
+
+
+def _early_month(conn: Any, month: str, start: datetime, end: datetime) -> None:
+    """``month``'s partitions of the run tables but run_history, bounded [start, end)."""
+    for table in ("workflow_runs", "task_instances", "workflow_events"):
+        conn.execute(sql.SQL("CREATE TABLE {} PARTITION OF {} FOR VALUES FROM (composer_uuid7_bound({})) "
+                             "TO (composer_uuid7_bound({}))").format(
+            sql.Identifier(f"{table}_p{month}"), sql.Identifier(table), sql.Literal(start), sql.Literal(end)))
+
+
+def test_a_month_made_again_with_other_bounds_is_checked_again_when_a_run_is_not_in_it(db_url: str) -> None:
+    """A connection found December 2024 aligned; the month is then dropped and made
+    again an hour early, with January after it, so a run of 2024-12-31 23:30 UTC lives
+    in January's partition. The connection does not find it by December's name, checks
+    the month again, and finds it through the partitioned tables."""
+    with Connection.connect(db_url, autocommit=True) as other, Connection.connect(db_url) as conn:
+        add_definition(other)
+        partitions.ensure_from(other, date(2024, 12, 1), 0)
+        first = add_run(other, at=datetime(2024, 12, 10, tzinfo=UTC))
+        assert runs.lock_and_load(conn, first)[0].id == first
+        assert partitions.run_tables(conn, first) == ("workflow_runs_p202412", "task_instances_p202412")
+        conn.commit()
+        with other.transaction():
+            archive.remove_month(other, "202412", partitions.RUN_TABLES, keep_table=False)
+            hour_early = [datetime(2024, m, 1, tzinfo=UTC) - timedelta(hours=1) for m in (12,)]
+            hour_early += [datetime(2025, m, 1, tzinfo=UTC) - timedelta(hours=1) for m in (1, 2)]
+            _early_month(other, "202412", hour_early[0], hour_early[1])
+            _early_month(other, "202501", hour_early[1], hour_early[2])
+        late = uuid7_at(datetime(2024, 12, 31, 23, 30, tzinfo=UTC))
+        other.execute("""INSERT INTO workflow_runs (id, workflow_definition_id, workflow_version, status, created_at,
+                                                    updated_at)
+                         VALUES (%s, 'wf', 1, 'RUNNING', now(), now())""", (late,))
+        assert runs.lock_and_load(conn, late)[0].id == late
+        assert partitions.run_tables(conn, late) == ("workflow_runs", "task_instances")
+        conn.rollback()
