@@ -8,6 +8,7 @@ from typing import Any
 from weakref import WeakKeyDictionary
 
 from psycopg import sql
+from psycopg.errors import UndefinedTable
 
 from composer_ops.core.runids import month_bounds, month_of
 from composer_ops.errors import ComposerError, Invalid
@@ -60,7 +61,7 @@ def run_tables(conn: Conn, run_id: str) -> tuple[str, str]:
     A partition dropped or detached after that check makes the statement fail with
     ``UndefinedTable`` (a detached month is also moved out of the schema), which the
     caller reports as the run not existing, as the partitioned table would, after
-    :func:`forget_month`."""
+    :func:`gone_since_checked`."""
     try:
         month = month_of(run_id)
     except ComposerError:
@@ -93,6 +94,17 @@ def forget_month(conn: Conn, run_id: str) -> None:
         _ALIGNED.get(conn, {}).pop(month_of(run_id), None)
     except ComposerError:
         pass
+
+
+def gone_since_checked(conn: Conn, run_id: str, table: str, exc: ComposerError) -> bool:
+    """True when ``exc`` says ``table``, a month partition :func:`run_tables` named for
+    ``run_id``, was dropped or detached since this connection checked it; the month is
+    then checked again at its next use. False for the partitioned tables and for any
+    other error, which the caller raises again."""
+    if table in ("workflow_runs", "task_instances") or not isinstance(exc.__cause__, UndefinedTable):
+        return False
+    forget_month(conn, run_id)
+    return True
 
 
 def require_run_partition(conn: Conn, run_id: str) -> None:

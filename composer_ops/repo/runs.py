@@ -6,7 +6,6 @@ from datetime import datetime
 from typing import Any
 
 from psycopg import sql
-from psycopg.errors import UndefinedTable
 from psycopg.rows import class_row, dict_row
 
 from composer_ops.core.filters import RunFilter
@@ -73,9 +72,8 @@ def _lock_and_load(conn: Conn, run_id: str, runs: str, tasks: str
             row = lock.fetchone()
             loaded = load.fetchall()
     except ComposerError as exc:
-        if not isinstance(exc.__cause__, UndefinedTable) or runs == "workflow_runs":
+        if not partitions.gone_since_checked(conn, run_id, runs, exc):
             raise
-        partitions.forget_month(conn, run_id)   # dropped or detached since this connection checked it
         raise NotFound(f"workflow run {run_id} does not exist (its month's partition is gone)") from exc
     if row is None:
         return None

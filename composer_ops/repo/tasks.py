@@ -15,7 +15,6 @@ from collections.abc import Sequence
 from datetime import datetime
 from typing import Any
 
-from psycopg.errors import UndefinedTable
 from psycopg.types.json import Jsonb
 
 from composer_ops.core.model import ACTIVE_TASK_STATES, IN_FLIGHT_TASK_STATES, TaskRef
@@ -180,9 +179,8 @@ def heartbeat(conn: Conn, ref: TaskRef, owner: str, lease_s: float) -> datetime 
         row = conn.execute(partitions.on_tables(_HEARTBEAT, runs, tasks),
                            (lease_s, ref.run_id, ref.task_id, ref.attempt, owner)).fetchone()
     except ComposerError as exc:
-        if not isinstance(exc.__cause__, UndefinedTable) or tasks == "task_instances":
+        if not partitions.gone_since_checked(conn, ref.run_id, tasks, exc):
             raise
-        partitions.forget_month(conn, ref.run_id)
         return None
     return None if row is None else row[0]
 
