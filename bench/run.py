@@ -44,6 +44,7 @@ from bench.report import dated_path, render, render_headline, write
 from bench.scenario import System
 from bench.workload import COMPOSER, make_template
 from composer_ops.testing import servers
+from composer_ops.testing.citus import ensure_installed
 
 RESULTS = Path(__file__).resolve().parent / "results"
 PARTS = ("pgbench", "throughput", "contention", "procrastinate", "fan", "latency", "months", "hot", "retention",
@@ -164,6 +165,13 @@ def main(argv: list[str] | None = None) -> int:
         _log("procrastinate is not installed (make bench installs it): the peer is skipped")
     legs: list[dict[str, Any]] = []
     external = bool(os.environ.get("COMPOSER_DATABASE_URL"))
+    if "15" in args.servers and not external and "citus" not in args.skip | args.skip_pg15:
+        # Installing Citus installs its build packages, which can upgrade Debian's
+        # PostgreSQL 15 to the newest minor release: a postmaster already running would
+        # then load that release's libraries (plpgsql.so: "undefined symbol"). So it is
+        # installed, when missing, before any server of this run starts.
+        _log("the Citus case: Citus installed into the PostgreSQL 15 tree first, if missing")
+        ensure_installed(args.pg15_bin)
     for leg in (["external"] if external else args.servers):
         server = scenario.start_server(args.pg15_bin if leg == "15" else None)
         skip = args.skip | {"15": args.skip_pg15, "18": args.skip_pg18}.get(leg, set())
