@@ -82,8 +82,8 @@ def measure(server: Server, template: str, *, runs: int, duration: float, max_ba
     try:
         target = ClusterTarget.of(cluster)
         with psycopg.connect(cluster.coordinator.admin_url) as conn:
-            citus_version = str(conn.execute("SELECT extversion FROM pg_extension WHERE extname = 'citus'")
-                                .fetchone() or ["?"])[0]
+            row = conn.execute("SELECT default_version FROM pg_available_extensions WHERE name = 'citus'").fetchone()
+            citus_version = str(row[0]) if row else "?"
         results: list[dict[str, Any]] = []
         for r in range(rounds):
             sides: list[tuple[str, Any, Any, str]] = [("single", COMPOSER, server, template),
