@@ -12,7 +12,8 @@ every query on them filters on run_id to touch a single partition.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping, Sequence
+from datetime import datetime
 from enum import StrEnum
 from typing import Any, TypeVar
 
@@ -39,6 +40,19 @@ def sql_states(states: Iterable[StrEnum]) -> str:
 def jsonb(value: Any) -> Jsonb | None:
     """A JSON parameter; Python None is SQL NULL, not the JSON ``null``."""
     return None if value is None else Jsonb(value)
+
+
+def recordset(rows: Sequence[Mapping[str, Any]]) -> Jsonb:
+    """Rows for ``jsonb_to_recordset(%s::jsonb) AS r(...)``: one JSON array of objects,
+    a key left out where its value is None, so that the column is SQL NULL whatever its
+    type. A timestamp goes in as :func:`iso` text, which a ``timestamptz`` column reads
+    back exactly."""
+    return Jsonb([{k: v for k, v in row.items() if v is not None} for row in rows])
+
+
+def iso(value: datetime | None) -> str | None:
+    """``value`` as ISO 8601 text for :func:`recordset` (an aware datetime keeps its offset)."""
+    return None if value is None else value.isoformat()
 
 
 def error_json(reason: str | None) -> Jsonb | None:

@@ -27,7 +27,7 @@ from datetime import datetime
 
 from psycopg import sql
 
-from composer_ops.repo._base import Conn, fetch_all
+from composer_ops.repo._base import Conn, fetch_all, iso, recordset
 from composer_ops.repo.rows import Claim, Dispatch
 
 #: LISTEN/NOTIFY channel every worker listens on; the payload is the queue name. A
@@ -45,7 +45,7 @@ def enqueue(conn: Conn, dispatches: Sequence[Dispatch], *, now: datetime) -> Non
     """Write outbox rows, available from ``now`` unless a retry's backoff says later,
     and wake one idle worker per row (NOTIFY is delivered at commit, and only if the
     transaction commits). One statement, one round trip, however many rows and queues:
-    the rows come in as arrays.
+    the rows come in as one JSON document (:func:`~composer_ops.repo._base.recordset`).
 
     Idle workers are registered in ``task_waiters`` by their own claims (sql/V017,
     V019). Up to one waiter per row is taken, the most recently idle first, among those
@@ -63,9 +63,8 @@ def enqueue(conn: Conn, dispatches: Sequence[Dispatch], *, now: datetime) -> Non
         WITH ins AS (
             INSERT INTO task_outbox (queue, run_id, task_id, attempt, task_name, lease_s, available_at, created_at)
             SELECT q, r, t, a, n, l, COALESCE(av, %(now)s), %(now)s
-              FROM unnest((SELECT %(q)s::text[]), (SELECT %(r)s::text[]), (SELECT %(t)s::text[]),
-                          (SELECT %(a)s::int4[]), (SELECT %(n)s::text[]), (SELECT %(l)s::int4[]),
-                          (SELECT %(av)s::timestamptz[])) AS d(q, r, t, a, n, l, av)
+              FROM jsonb_to_recordset(%(rows)s::jsonb) AS d(q text, r text, t text, a int4, n text, l int4,
+                                                           av timestamptz)
             RETURNING queue, task_name
         ), woken AS (
             DELETE FROM task_waiters w
@@ -86,11 +85,9 @@ def enqueue(conn: Conn, dispatches: Sequence[Dispatch], *, now: datetime) -> Non
             OR EXISTS (SELECT 1 FROM woken w, ins i
                         WHERE NOT (i.queue = ANY(w.queues)
                                    AND (w.task_names IS NULL OR i.task_name = ANY(w.task_names))))""",
-        {"q": [d.queue for d in dispatches],
-         "r": [d.run_id for d in dispatches], "t": [d.task_id for d in dispatches],
-         "a": [d.attempt for d in dispatches], "n": [d.task_name for d in dispatches],
-         "l": [d.lease_s for d in dispatches], "av": [d.available_at for d in dispatches], "now": now,
-         "channel": CHANNEL})
+        {"rows": recordset([{"q": d.queue, "r": d.run_id, "t": d.task_id, "a": d.attempt, "n": d.task_name,
+                             "l": d.lease_s, "av": iso(d.available_at)} for d in dispatches]),
+         "now": now, "channel": CHANNEL})
 
 
 def listen(conn: Conn, channel: str = CHANNEL) -> None:

@@ -15,12 +15,10 @@ from collections.abc import Sequence
 from datetime import datetime
 from typing import Any
 
-from psycopg.types.json import Jsonb
-
 from composer_ops.core.model import ACTIVE_TASK_STATES, IN_FLIGHT_TASK_STATES, TaskRef
 from composer_ops.errors import ComposerError
 from composer_ops.repo import history, partitions
-from composer_ops.repo._base import Conn, error_json, fetch_all, fetch_one, jsonb, sql_states
+from composer_ops.repo._base import Conn, error_json, fetch_all, fetch_one, iso, jsonb, recordset, sql_states
 from composer_ops.repo.rows import ExpiredLease, FinishedTask, HistoryEntry, NewTask, TaskDispatch
 
 _IN_FLIGHT = sql_states(IN_FLIGHT_TASK_STATES)
@@ -41,7 +39,11 @@ def insert_task(conn: Conn, run_id: str, *, task_id: str, node_id: str, node_typ
 def insert_tasks(conn: Conn, run_id: str, rows: Sequence[NewTask], *, now: datetime) -> set[str]:
     """Insert the tasks of several CreateTask actions, created at ``now``, in one statement (a 10-way
     fan-out is one INSERT, not ten); returns the nodes inserted, leaving out those
-    whose (run, node) already had a task, as :func:`insert_task` does for one."""
+    whose (run, node) already had a task, as :func:`insert_task` does for one.
+
+    The rows travel as one JSON document (:func:`recordset`), read back by
+    ``jsonb_to_recordset``: one parameter to adapt instead of one array per column,
+    whose element types psycopg would work out again at every call."""
     if not rows:
         return set()
     cur = conn.execute("""
@@ -53,18 +55,16 @@ def insert_tasks(conn: Conn, run_id: str, rows: Sequence[NewTask], *, now: datet
                r.wake, r.event, %(now)s::timestamptz,
                CASE WHEN r.state IN ('COMPLETED', 'FAILED', 'SKIPPED', 'CANCELLED') THEN %(now)s::timestamptz END,
                CASE WHEN r.state = 'COMPLETED' THEN %(now)s::timestamptz END, %(now)s, %(now)s
-          FROM unnest(%(id)s::text[], %(node)s::text[], %(type)s::text[], %(queue)s::text[], %(state)s::text[],
-                      %(input)s::jsonb[], %(output)s::jsonb[], %(error)s::jsonb[], %(branches)s::jsonb[],
-                      %(wake)s::timestamptz[], %(event)s::text[])
-               AS r(id, node, type, queue, state, input, output, error, branches, wake, event)
+          FROM jsonb_to_recordset(%(rows)s::jsonb)
+               AS r(id text, node text, type text, queue text, state text, input jsonb, output jsonb,
+                    error jsonb, branches jsonb, wake timestamptz, event text)
         ON CONFLICT (run_id, node_id) DO NOTHING
         RETURNING node_id""",
-        {"run": run_id, "id": [r.task_id for r in rows], "node": [r.node_id for r in rows],
-         "type": [r.node_type for r in rows], "queue": [r.queue for r in rows], "state": [r.state for r in rows],
-         "input": [jsonb(r.input) for r in rows], "output": [jsonb(r.output) for r in rows],
-         "error": [error_json(r.error) for r in rows],
-         "branches": [None if r.branches is None else Jsonb(list(r.branches)) for r in rows],
-         "wake": [r.wake_at for r in rows], "event": [r.event_name for r in rows], "now": now})
+        {"run": run_id, "now": now, "rows": recordset([
+            {"id": r.task_id, "node": r.node_id, "type": r.node_type, "queue": r.queue, "state": r.state,
+             "input": r.input, "output": r.output, "error": None if not r.error else {"error": r.error},
+             "branches": None if r.branches is None else list(r.branches), "wake": iso(r.wake_at),
+             "event": r.event_name} for r in rows])})
     return {str(row[0]) for row in cur.fetchall()}
 
 

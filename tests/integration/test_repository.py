@@ -86,6 +86,42 @@ def test_load_tasks_and_outputs(conn: Any, run_id: str) -> None:
     assert runs.load_outputs(conn, run_id, []) == {}
 
 
+def test_insert_tasks_and_enqueue_write_every_column_as_given(conn: Any, run_id: str) -> None:
+    """The rows travel as one JSON document (``_base.recordset``): falsy JSON stays
+    itself, None is SQL NULL, a timestamp with an offset is the same instant to the
+    microsecond, text needing escapes arrives intact."""
+    from datetime import timezone
+
+    from composer_ops.repo.rows import NewTask
+
+    now = clock.now(conn)
+    wake = (now + timedelta(hours=1)).astimezone(timezone(timedelta(hours=5, minutes=30)))
+    rows = [NewTask(task_id=f"{run_id[:8]}-{i}", node_id=node, node_type="TASK", queue=queue, state="PENDING",
+                    input=value) for i, (node, queue, value) in enumerate(
+                        [("zero", "default", 0), ("empty", "default", ""), ("list", None, []),
+                         ("false", "default", False), ("none", "default", None),
+                         ('q"uo\\te', "default", {"k": ['é', None, 1.5]})])]
+    rows.append(NewTask(task_id=f"{run_id[:8]}-w", node_id="w", node_type="WAIT", queue=None, state="WAITING",
+                        wake_at=wake, event_name="go", branches=["x", "y"], error="boom", output={"o": 1}))
+    assert tasks.insert_tasks(conn, run_id, rows, now=now) == {r.node_id for r in rows}
+    got = {r[0]: r[1:] for r in conn.execute(
+        "SELECT node_id, input_json, input_json IS NULL, queue, wake_at, event_name, branches, last_error,"
+        " output_json, scheduled_at FROM task_instances WHERE run_id = %s", (run_id,))}
+    assert got["zero"][:3] == (0, False, "default") and got["empty"][:2] == ("", False)
+    assert got["list"][:3] == ([], False, None) and got["false"][:2] == (False, False)
+    assert got["none"][:2] == (None, True)
+    assert got['q"uo\\te'][0] == {"k": ['é', None, 1.5]}
+    assert got["w"][3:] == (wake, "go", ["x", "y"], {"error": "boom"}, {"o": 1}, now)
+    later = now + timedelta(seconds=90)
+    outbox.enqueue(conn, [Dispatch(run_id=run_id, task_id=rows[0].task_id, attempt=3, queue="q1", task_name="t1",
+                                   lease_s=17, available_at=later.astimezone(wake.tzinfo)),
+                          Dispatch(run_id=run_id, task_id=rows[1].task_id, attempt=0, queue="q2", task_name="t2",
+                                   lease_s=30)], now=now)
+    assert conn.execute("SELECT task_id, attempt, queue, task_name, lease_s, available_at, created_at"
+                        " FROM task_outbox ORDER BY task_id").fetchall() == [
+        (rows[0].task_id, 3, "q1", "t1", 17, later, now), (rows[1].task_id, 0, "q2", "t2", 30, now, now)]
+
+
 def test_insert_task_twice_for_one_node_reports_false(conn: Any, run_id: str) -> None:
     _task(conn, run_id)
     again = tasks.insert_task(conn, run_id, task_id="other", node_id="a", node_type="TASK", queue=None,
