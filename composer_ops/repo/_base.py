@@ -55,9 +55,16 @@ def iso(value: datetime | None) -> str | None:
     return None if value is None else value.isoformat()
 
 
+def error_doc(reason: str | None) -> dict[str, str] | None:
+    """The error document stored with a failed task or run: ``{"error": reason}``, None
+    when there is no reason."""
+    return None if not reason else {"error": reason}
+
+
 def error_json(reason: str | None) -> Jsonb | None:
-    """The error document stored with a failed task or run: ``{"error": reason}``."""
-    return None if not reason else Jsonb({"error": reason})
+    """:func:`error_doc` as a JSON parameter."""
+    doc = error_doc(reason)
+    return None if doc is None else Jsonb(doc)
 
 
 def fetch_one(conn: Conn, row: type[R], query: str, params: Any) -> R | None:

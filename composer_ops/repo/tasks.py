@@ -18,7 +18,7 @@ from typing import Any
 from composer_ops.core.model import ACTIVE_TASK_STATES, IN_FLIGHT_TASK_STATES, TaskRef
 from composer_ops.errors import ComposerError
 from composer_ops.repo import history, partitions
-from composer_ops.repo._base import Conn, error_json, fetch_all, fetch_one, iso, jsonb, recordset, sql_states
+from composer_ops.repo._base import Conn, error_doc, error_json, fetch_all, fetch_one, iso, jsonb, recordset, sql_states
 from composer_ops.repo.rows import ExpiredLease, FinishedTask, HistoryEntry, NewTask, TaskDispatch
 
 _IN_FLIGHT = sql_states(IN_FLIGHT_TASK_STATES)
@@ -62,7 +62,7 @@ def insert_tasks(conn: Conn, run_id: str, rows: Sequence[NewTask], *, now: datet
         RETURNING node_id""",
         {"run": run_id, "now": now, "rows": recordset([
             {"id": r.task_id, "node": r.node_id, "type": r.node_type, "queue": r.queue, "state": r.state,
-             "input": r.input, "output": r.output, "error": None if not r.error else {"error": r.error},
+             "input": r.input, "output": r.output, "error": error_doc(r.error),
              "branches": None if r.branches is None else list(r.branches), "wake": iso(r.wake_at),
              "event": r.event_name} for r in rows])})
     return {str(row[0]) for row in cur.fetchall()}
