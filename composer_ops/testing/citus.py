@@ -164,7 +164,22 @@ class CitusCluster:
         return self.url(name)
 
     def drop_database(self, name: str) -> None:
+        """Drop ``name`` on every node. A node killed between a two-phase commit's PREPARE
+        and its COMMIT PREPARED comes back holding that transaction prepared until Citus's
+        recovery resolves it (``citus.recover_2pc_interval``, a minute by default), and
+        DROP DATABASE refuses a database with a prepared transaction; the database is
+        being thrown away, so what it holds prepared is rolled back first."""
         for node in self.nodes:
+            with psycopg.connect(node.admin_url, autocommit=True) as conn:
+                gids = [str(r[0]) for r in conn.execute(
+                    "SELECT gid FROM pg_prepared_xacts WHERE database = %s", (name,)).fetchall()]
+            if gids:
+                with psycopg.connect(node.url(name), autocommit=True) as conn:
+                    for gid in gids:
+                        try:
+                            conn.execute(sql.SQL("ROLLBACK PREPARED {}").format(sql.Literal(gid)))
+                        except psycopg.errors.UndefinedObject:
+                            pass   # resolved by Citus's recovery meanwhile
             node.drop_database(name)
 
     @contextmanager

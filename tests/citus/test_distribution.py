@@ -148,3 +148,21 @@ def test_a_single_server_database_with_runs_converts_to_citus_and_keeps_working(
                                       GROUP BY 1""").fetchall()
     assert {port for port, _ in placed} <= {w.port for w in citus_cluster.workers}   # the rows live on the workers
     assert sum(n for _, n in placed) == 3
+
+
+def test_a_database_a_node_holds_a_prepared_transaction_in_is_still_dropped(citus_cluster: CitusCluster) -> None:
+    """A worker node killed between PREPARE and COMMIT PREPARED comes back holding the
+    transaction prepared until Citus's recovery resolves it; the harness's DROP DATABASE
+    would then fail (a chaos test's teardown did, once). Forced here with a PREPARE
+    TRANSACTION on a worker node."""
+    node = citus_cluster.workers[0]
+    with citus_cluster.database(prefix="composer_2pc") as url:
+        name = psycopg.conninfo.conninfo_to_dict(url)["dbname"]
+        with psycopg.connect(node.url(str(name)), autocommit=True) as conn:
+            conn.execute("BEGIN")
+            conn.execute("CREATE TABLE left_prepared (x int)")
+            conn.execute("PREPARE TRANSACTION 'composer_test_left_prepared'")
+    with psycopg.connect(node.admin_url) as conn:
+        assert conn.execute("SELECT count(*) FROM pg_prepared_xacts WHERE gid = 'composer_test_left_prepared'"
+                            ).fetchone() == (0,)
+        assert conn.execute("SELECT count(*) FROM pg_database WHERE datname = %s", (name,)).fetchone() == (0,)
