@@ -29,7 +29,7 @@ import socket
 import threading
 import time
 from collections.abc import Mapping
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
@@ -226,23 +226,32 @@ def relay_once(pool: Any, *, secret: str | None, policy: RelayPolicy = RelayPoli
     """Deliver what is due, the batch's POSTs in parallel so one slow endpoint costs
     the others nothing; returns (delivered, failed attempts).
 
-    Taking the batch and recording its results are each one transaction, retried on
-    a lost connection: a claim whose acknowledgement was lost has pushed its rows a
-    lease ahead, so its retry takes none of them again (they are POSTed once, after the
-    lease); recording is idempotent, so a retried record does not send them again. A
-    POST is repeated only when the relay dies between it and its record."""
+    Taking the batch is one transaction, and so is recording each group of POSTs that
+    ended together (the relay records as POSTs end, not once the whole batch has), each
+    retried on a lost connection: a claim whose acknowledgement was lost has pushed its
+    rows a lease ahead, so its retry takes none of them again (they are POSTed once,
+    after the lease); recording is idempotent, so a retried record does not send them
+    again. A POST is repeated only when the relay dies between it and its record, so a
+    relay killed mid-batch repeats at most the POSTs in flight or just ended, not every
+    POST of the batch that ended before the slowest one."""
     due = _claim(pool, policy)
     if not due:
         return 0, 0
+    delivered = failed = 0
     with ThreadPoolExecutor(max_workers=min(PARALLEL_POSTS, len(due)), thread_name_prefix="composer-webhook") as posts:
-        results = list(posts.map(lambda d: post(d.url, d.payload, secret=secret, policy=policy), due))
-    _record(pool, due, results, policy)
-    delivered = sum(1 for r in results if r.error is None)
-    for item, result in zip(due, results, strict=True):
-        if result.error is not None:
-            log.warning("webhook for run %s failed (attempt %d%s): %s", item.run_id, item.attempts,
-                        ", giving up" if result.permanent else "", result.error)
-    return delivered, len(results) - delivered
+        pending = {posts.submit(post, d.url, d.payload, secret=secret, policy=policy): d for d in due}
+        while pending:
+            done, _ = wait(pending, return_when=FIRST_COMPLETED)
+            ended = [(pending.pop(f), f.result()) for f in done]
+            _record(pool, ended, policy)
+            for item, result in ended:
+                if result.error is None:
+                    delivered += 1
+                    continue
+                failed += 1
+                log.warning("webhook for run %s failed (attempt %d%s): %s", item.run_id, item.attempts,
+                            ", giving up" if result.permanent else "", result.error)
+    return delivered, failed
 
 
 @db_retry()
@@ -252,9 +261,9 @@ def _claim(pool: Any, policy: RelayPolicy) -> list[WebhookDelivery]:
 
 
 @db_retry()
-def _record(pool: Any, due: list[WebhookDelivery], results: list[PostResult], policy: RelayPolicy) -> None:
+def _record(pool: Any, ended: list[tuple[WebhookDelivery, PostResult]], policy: RelayPolicy) -> None:
     with pool.connection() as conn, conn.transaction():
-        for item, result in zip(due, results, strict=True):
+        for item, result in ended:
             if result.error is None:
                 webhooks.mark_delivered(conn, item.id, result.status or 200)
             else:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 import socket
+import threading
 import time
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler
@@ -27,9 +28,13 @@ class Endpoint(Receiver):
 
     def __init__(self) -> None:
         self.sent_bytes = 0
+        self.release = threading.Event()
         super().__init__(self._respond)
 
     def _respond(self, request: BaseHTTPRequestHandler, body: bytes) -> int | None:
+        if request.path == "/held":              # answers once the test releases it
+            self.release.wait(30)
+            return 200
         if request.path == "/silent":            # accept, never answer
             time.sleep(3)
             return None
@@ -160,6 +165,38 @@ def test_a_bad_stored_url_gives_up_at_once_and_spoils_nothing_else(db_url: str, 
     assert rows["good"][:3] == (1, True, False)
     assert rows["bad-scheme"][:3] == (1, False, True) and "only http and https" in rows["bad-scheme"][3]
     assert rows["bad-host"][:3] == (1, False, True)
+
+
+def test_a_post_is_recorded_when_it_ends_not_when_the_batch_does(db_url: str, endpoint: Endpoint) -> None:
+    """A relay killed mid-batch POSTs again only what it had not recorded: a delivery whose
+    POST ended is recorded while a slower POST of the same batch is still waiting."""
+    with psycopg.connect(db_url, autocommit=True) as conn:
+        _insert_delivery(conn, "fast", endpoint.url("/ok"))
+        _insert_delivery(conn, "slow", endpoint.url("/held"))
+    policy = RelayPolicy(connect_timeout_s=1.0, timeout_s=30.0, deadline_s=30.0)
+    with Engine.connect(db_url, pool_size=2) as engine:
+        outcome: list[tuple[int, int]] = []
+        relay = threading.Thread(target=lambda: outcome.append(relay_once(engine.pool, secret=None, policy=policy)))
+        relay.start()
+        try:
+            recorded: dict[str, bool] = {}
+            give_up = time.monotonic() + 10
+            while time.monotonic() < give_up:
+                with psycopg.connect(db_url, autocommit=True) as conn:
+                    recorded = dict(conn.execute(
+                        "SELECT run_id, delivered_at IS NOT NULL FROM webhook_deliveries").fetchall())
+                if recorded.get("fast"):
+                    break
+                time.sleep(0.05)
+            held = {p for p, _, _ in endpoint.requests}
+        finally:
+            endpoint.release.set()
+            relay.join(30)
+    assert held == {"/ok", "/held"}                       # both POSTs were sent in the one batch
+    assert recorded == {"fast": True, "slow": False}      # the ended one recorded, the held one not yet
+    assert outcome == [(2, 0)]
+    with psycopg.connect(db_url, autocommit=True) as conn:
+        assert conn.execute("SELECT count(*) FROM webhook_deliveries WHERE delivered_at IS NULL").fetchone() == (0,)
 
 
 def test_no_secret_in_logs(db_url: str, endpoint: Endpoint, caplog: pytest.LogCaptureFixture) -> None:
