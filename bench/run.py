@@ -72,6 +72,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--months-runs", type=int, default=2000, help="runs per backfilled month")
     p.add_argument("--months-claims", type=int, default=500, help="claims timed per database and round")
     p.add_argument("--retention-rows", type=int, default=250_000, help="task rows per month for retention")
+    p.add_argument("--citus-runs", type=int, default=400,
+                   help="runs per drain in the Citus case (default 400: at its rate a drain of --runs took 40 s)")
     p.add_argument("--citus-shards", type=int, default=32,
                    help="shards per distributed table in the Citus case (Citus's default, 32)")
     p.add_argument("--skip", default="", help=f"comma-separated parts to skip: {', '.join(PARTS)}")
@@ -82,6 +84,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if args.quick:
         args.workers, args.runs, args.duration, args.hot_runs, args.retention_rows = "1,4", 300, 3.0, 100, 50_000
         args.repeat, args.months, args.months_runs, args.months_claims = 1, "1,3", 200, 50
+        args.citus_runs = 100
     args.skip = _parts(p, args.skip)
     args.skip_pg15 = _parts(p, args.skip_pg15)
     args.skip_pg18 = _parts(p, args.skip_pg18)
@@ -243,7 +246,7 @@ def run_leg(args: argparse.Namespace, server: servers.Server, peer: Any, skip: s
 
     if "citus" not in skip and server.kind == "cluster":
         _log("the Citus case: the same workload on a coordinator and two worker nodes of this server's binaries")
-        results["citus"] = citus.measure(server, template, runs=args.runs, duration=args.duration,
+        results["citus"] = citus.measure(server, template, runs=args.citus_runs, duration=args.duration,
                                          max_backlog=args.max_backlog, rounds=max(2, args.repeat // 2),
                                          shard_count=args.citus_shards, log=_log)
 
