@@ -67,9 +67,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="rounds of the W=1 comparison; medians are reported (default 4: each side goes first twice)")
     p.add_argument("--max-backlog", type=int, default=50, help="unfinished runs the sustained producer allows")
     p.add_argument("--pace", type=float, default=100.0, help="runs/s of the paced latency measurement")
-    p.add_argument("--hot-runs", type=int, default=300, help="runs per HOT phase")
+    p.add_argument("--hot-runs", type=int, default=200, help="runs per HOT phase")
     p.add_argument("--months", default="1,6,24", help="months of history retained, compared")
-    p.add_argument("--months-runs", type=int, default=2000, help="runs per backfilled month")
+    p.add_argument("--months-runs", type=int, default=1000, help="runs per backfilled month")
     p.add_argument("--months-claims", type=int, default=500, help="claims timed per database and round")
     p.add_argument("--retention-rows", type=int, default=250_000, help="task rows per month for retention")
     p.add_argument("--citus-runs", type=int, default=400,
