@@ -75,7 +75,8 @@ def register(psub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg
                     "move them, under the same names, to the schema composer_detached (pg_partman's "
                     "retention_keep_table): the engine and the reports no longer see them, the data stays. Month "
                     "by month, each judged again under its locks, with an audit row. Exit codes as `partitions "
-                    "drop`: 3 when months past the cut-off were kept for active runs.")
+                    "drop`: 3 when months past the cut-off were kept for active runs. Refused on Citus (exit 2, "
+                    "nothing changed): use `partitions drop --archive DIR` there.")
     add_cutoff_option(det)
     add_yes_option(det, "detach for real (without: print the plan)")
     add_json_option(det)

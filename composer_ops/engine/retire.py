@@ -38,7 +38,7 @@ from composer_ops.engine.archive import BadArchive, Manifest, Progress, content_
 from composer_ops.engine.retention import BLOCKED_REASON
 from composer_ops.errors import ComposerError, Invalid, Transient
 from composer_ops.repo import archive as repo
-from composer_ops.repo import audit, partitions, retention
+from composer_ops.repo import audit, citus, partitions, retention
 from composer_ops.repo.audit import Actor
 from composer_ops.repo.partitions import RUN_TABLES
 from composer_ops.repo.retention import Cutoff
@@ -75,6 +75,17 @@ class RetireResult:
         return [m for m in self.plan if m.action == "keep" and m.reason == BLOCKED_REASON]
 
 
+#: Why ``partitions detach`` refuses a Citus database (before it plans or changes anything).
+#: Citus names the foreign key of each shard of a month's partition after the shard of
+#: the parent it was cloned from, and propagates a DROP CONSTRAINT under the partition's
+#: own shard names, so the detached month's key cannot be dropped ("constraint
+#: task_instances_run_id_fkey_<n> ... does not exist", Citus 13.2); with the key kept, the
+#: month of workflow_runs cannot be detached after it. tests/citus/test_retire.py.
+CITUS_DETACH_REFUSED = ("partitions detach is not supported on Citus: Citus cannot drop the detached month's "
+                        "foreign keys on its shards; use `partitions drop --archive DIR` (restore with "
+                        "`partitions restore`)")
+
+
 def retire_months(url: str | None, older_than: datetime | str | Cutoff, *, archive_dir: Path | None = None,
                   keep_table: bool = False, yes: bool = False, actor: Actor | None = None,
                   lock_timeout_s: float = 2.0, max_attempts: int = 5, progress: Progress | None = None,
@@ -89,6 +100,8 @@ def retire_months(url: str | None, older_than: datetime | str | Cutoff, *, archi
     request = request_id or uuid.uuid4().hex
     with connect(url, application_name="composer-ops partitions retire") as conn:
         with conn.transaction():
+            if keep_table and citus.is_citus(conn):
+                raise Invalid(CITUS_DETACH_REFUSED)
             cutoff = retention.resolve(conn, older_than)
             plan = retention.plan(conn, cutoff, min_age=RUN_ID_MAX_AGE)
         due = [m for m in plan if m.action == "drop"]
