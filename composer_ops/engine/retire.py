@@ -14,7 +14,7 @@ row. A month whose archive did not verify, or whose rows changed after it was
 archived, is not dropped and stops the command: the months before it stay dropped,
 the ones after it are left for the next run. Each month's transaction carries a
 request ID: retried after a lost COMMIT acknowledgement, it finds its own audit row
-and reports what it did.
+and reports what it did. Detach is refused on Citus (:data:`CITUS_DETACH_REFUSED`).
 """
 
 from __future__ import annotations

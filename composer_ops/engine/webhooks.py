@@ -29,7 +29,7 @@ import socket
 import threading
 import time
 from collections.abc import Mapping
-from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
@@ -240,18 +240,33 @@ def relay_once(pool: Any, *, secret: str | None, policy: RelayPolicy = RelayPoli
     delivered = failed = 0
     with ThreadPoolExecutor(max_workers=min(PARALLEL_POSTS, len(due)), thread_name_prefix="composer-webhook") as posts:
         pending = {posts.submit(post, d.url, d.payload, secret=secret, policy=policy): d for d in due}
-        while pending:
-            done, _ = wait(pending, return_when=FIRST_COMPLETED)
-            ended = [(pending.pop(f), f.result()) for f in done]
-            _record(pool, ended, policy)
-            for item, result in ended:
-                if result.error is None:
-                    delivered += 1
-                    continue
-                failed += 1
-                log.warning("webhook for run %s failed (attempt %d%s): %s", item.run_id, item.attempts,
-                            ", giving up" if result.permanent else "", result.error)
+        try:
+            while pending:
+                done, _ = wait(pending, return_when=FIRST_COMPLETED)
+                ended = [(pending.pop(f), _outcome(f)) for f in done]
+                _record(pool, ended, policy)
+                for item, result in ended:
+                    if result.error is None:
+                        delivered += 1
+                        continue
+                    failed += 1
+                    log.warning("webhook for run %s failed (attempt %d%s): %s", item.run_id, item.attempts,
+                                ", giving up" if result.permanent else "", result.error)
+        except BaseException:
+            # Recording failed (the database stayed away past the retries): the POSTs not
+            # started yet are not sent now, only after the lease, with the rest.
+            posts.shutdown(wait=False, cancel_futures=True)
+            raise
     return delivered, failed
+
+
+def _outcome(future: Future[PostResult]) -> PostResult:
+    """The POST's result; a POST whose thread failed (``post`` itself never raises) is a
+    failed attempt, so the rest of its group is still recorded."""
+    try:
+        return future.result()
+    except Exception as exc:
+        return PostResult(None, f"{type(exc).__name__}: {exc}")
 
 
 @db_retry()

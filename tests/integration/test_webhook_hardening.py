@@ -16,7 +16,18 @@ import psycopg
 import pytest
 
 from composer_ops import Engine, Invalid
-from composer_ops.engine.webhooks import SIGNATURE_HEADER, RelayPolicy, post, relay_once, sign, url_problem, verify
+from composer_ops.engine import webhooks
+from composer_ops.engine.webhooks import (
+    PARALLEL_POSTS,
+    SIGNATURE_HEADER,
+    RelayPolicy,
+    post,
+    relay_once,
+    sign,
+    url_problem,
+    verify,
+)
+from composer_ops.errors import Unavailable
 from tests.receiver import Receiver
 
 SECRET = "hunter2-webhook-secret-do-not-log"
@@ -180,15 +191,16 @@ def test_a_post_is_recorded_when_it_ends_not_when_the_batch_does(db_url: str, en
         relay.start()
         try:
             recorded: dict[str, bool] = {}
+            held: set[str] = set()
             give_up = time.monotonic() + 10
             while time.monotonic() < give_up:
                 with psycopg.connect(db_url, autocommit=True) as conn:
                     recorded = dict(conn.execute(
                         "SELECT run_id, delivered_at IS NOT NULL FROM webhook_deliveries").fetchall())
-                if recorded.get("fast"):
+                held = {p for p, _, _ in endpoint.requests}
+                if recorded.get("fast") and len(held) == 2:
                     break
                 time.sleep(0.05)
-            held = {p for p, _, _ in endpoint.requests}
         finally:
             endpoint.release.set()
             relay.join(30)
@@ -197,6 +209,34 @@ def test_a_post_is_recorded_when_it_ends_not_when_the_batch_does(db_url: str, en
     assert outcome == [(2, 0)]
     with psycopg.connect(db_url, autocommit=True) as conn:
         assert conn.execute("SELECT count(*) FROM webhook_deliveries WHERE delivered_at IS NULL").fetchone() == (0,)
+
+
+def test_posts_not_started_when_recording_fails_are_not_sent(db_url: str, endpoint: Endpoint,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """A relay whose record fails (the database stayed away) sends none of the batch's
+    POSTs that had not started: they go out once, after the lease, not twice."""
+    with psycopg.connect(db_url, autocommit=True) as conn:      # one by one: the claim takes them in this order
+        _insert_delivery(conn, "fast", endpoint.url("/ok"))
+        for i in range(PARALLEL_POSTS + 3):
+            _insert_delivery(conn, f"held-{i}", endpoint.url("/held"))
+
+    def record_fails(*_: Any) -> None:
+        raise Unavailable("the database stayed away")
+
+    monkeypatch.setattr(webhooks, "_record", record_fails)
+    releaser = threading.Timer(1.0, endpoint.release.set)
+    releaser.start()
+    policy = RelayPolicy(connect_timeout_s=1.0, timeout_s=30.0, deadline_s=30.0)
+    try:
+        with Engine.connect(db_url, pool_size=2) as engine, pytest.raises(Unavailable):
+            relay_once(engine.pool, secret=None, policy=policy)
+    finally:
+        releaser.cancel()
+        endpoint.release.set()
+    # PARALLEL_POSTS at once: the fast one and 7 held; the fast one's thread took the next
+    # at once; the record failed on the fast one, and the 3 still queued were never sent.
+    sent = sorted(p for p, _, _ in endpoint.requests)
+    assert sent == ["/held"] * PARALLEL_POSTS + ["/ok"]
 
 
 def test_no_secret_in_logs(db_url: str, endpoint: Endpoint, caplog: pytest.LogCaptureFixture) -> None:
