@@ -24,7 +24,7 @@ from tests.integration.test_retire import (  # noqa: F401
 def test_detach_is_refused_before_anything_changes(db_url: str, capsys: pytest.CaptureFixture[str],
                                                    extra: list[str]) -> None:
     _seeded(db_url)
-    months, audited = _months(db_url), _audit(db_url)     # the leg's database keeps earlier tests' audit rows
+    months, audited = _months(db_url), _audit(db_url)     # the refusal writes no audit row: the same after
     assert set(DUE) <= months
     code = main(["partitions", "detach", "--older-than", "2025-05-01", "--database-url", db_url, *extra])
     err = capsys.readouterr().err
