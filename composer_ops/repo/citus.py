@@ -11,9 +11,10 @@ with the reason it differs:
   locked on the coordinator, then each task is claimed by a statement routed to its
   shard. It also copes with what two-phase commit makes possible: a transaction that
   creates a task and its outbox row commits on the coordinator first, so for a moment
-  a claimer can see the outbox row while the task row is not visible yet. Such a row is
-  left in the outbox for a later claim (deleting it, as the single-server claim does
-  with a row whose task is no longer PENDING, would lose the task for ever).
+  a claimer can see the outbox row while the task row is not visible yet, or (a
+  re-queue moves the same row to its next attempt) still visible at the attempt before.
+  Such a row is left in the outbox for a later claim (deleting it, as the single-server
+  claim does with a row whose task is no longer PENDING, would lose the task for ever).
 
 :func:`is_citus` says which deployment a connection is on.
 """
@@ -48,14 +49,18 @@ _PICK = """
      LIMIT %(limit)s
        FOR UPDATE SKIP LOCKED"""
 
-# Whether a task row is visible, routed to its shard; sent before the claim of the same
-# task. In READ COMMITTED each statement takes its own snapshot, so a row visible here
-# is visible to the claim after it: a claim that then matches nothing found the task no
-# longer claimable. The other way round is not safe: asked after the claim (or in the
-# claim's statement, which Citus may split into several queries), the row could appear
-# in between, when the transaction creating it commits on its node, and a task the
-# claim never saw would be taken for a settled one.
-_VISIBLE = "SELECT EXISTS (SELECT 1 FROM task_instances WHERE run_id = %(run)s AND id = %(task)s)"
+# The attempt of a task row as this statement sees it (no row: not visible yet), routed
+# to its shard; sent before the claim of the same task. In READ COMMITTED each statement
+# takes its own snapshot, and a task's attempt only grows, so a row seen here at the
+# outbox row's attempt or later is seen by the claim after it at that attempt or later:
+# a claim that then matches nothing found that attempt no longer claimable. A row seen at
+# an earlier attempt is a re-queue whose worker part has not committed yet (its outbox
+# row, on the coordinator, committed first), not a settled task. The other way round is
+# not safe: asked after the claim (or in the claim's statement, which Citus may split
+# into several queries), the row could move in between, when the transaction creating
+# or re-queueing it commits on its node, and a task the claim never saw would be taken
+# for a settled one.
+_SEEN_ATTEMPT = "SELECT attempt FROM task_instances WHERE run_id = %(run)s AND id = %(task)s"
 
 # One task, routed to its shard (every table named is filtered on the run ID): the
 # claim and its history row.
@@ -80,8 +85,10 @@ def claim(conn: Conn, queues: Sequence[str], owner: str, limit: int,
     lock up to ``limit`` available outbox rows (FOR UPDATE SKIP LOCKED, on the
     coordinator), claim each task on its shard (fenced on attempt and state, skipping
     soft-deleted runs, with its 'claimed' history row marked ``claim_id``), then delete
-    the outbox rows that are settled: claimed, or whose task is no longer claimable. A row whose task is not
-    visible yet is kept. Three round trips; the clock is read once, on the coordinator."""
+    the outbox rows that are settled: claimed, or whose task was seen at the row's
+    attempt or later and is not claimable at it. A row whose task is not visible yet,
+    or is seen at an earlier attempt, is kept. Three round trips; the clock is read
+    once, on the coordinator."""
     with conn.cursor() as clock_cur, conn.cursor(row_factory=dict_row) as pick:
         with conn.pipeline():
             clock_cur.execute(clock.NOW)
@@ -98,27 +105,27 @@ def claim(conn: Conn, queues: Sequence[str], owner: str, limit: int,
     try:
         with conn.pipeline():
             for cur, row in zip(seen, picked, strict=True):
-                cur.execute(_VISIBLE, {"run": row["run_id"], "task": row["task_id"]})
+                cur.execute(_SEEN_ATTEMPT, {"run": row["run_id"], "task": row["task_id"]})
             for cur, row in zip(cursors, picked, strict=True):
                 cur.execute(_CLAIM_ONE, {
                     "owner": owner, "expires": now + timedelta(seconds=row["lease_s"]), "now": now,
                     "run": row["run_id"], "task": row["task_id"], "attempt": row["attempt"], "claim": claim_id,
                     "detail": Jsonb({"task": row["task_name"], "lease_s": row["lease_s"]})})
-        visible = [bool((cur.fetchone() or (False,))[0]) for cur in seen]
+        seen_attempts: list[int | None] = [(cur.fetchone() or (None,))[0] for cur in seen]
         results: list[dict[str, Any]] = [cur.fetchone() or {} for cur in cursors]
     finally:
         for cur in (*seen, *cursors):
             cur.close()
     claims: list[Claim] = []
     settled: list[int] = []
-    for row, result, was_visible in zip(picked, results, visible, strict=True):
+    for row, result, seen_attempt in zip(picked, results, seen_attempts, strict=True):
         if result.get("node_id") is not None:
             settled.append(row["id"])
             claims.append(Claim(run_id=row["run_id"], task_id=row["task_id"], node_id=result["node_id"],
                                 attempt=row["attempt"], task_name=row["task_name"], queue=row["queue"],
                                 input=result["input"], lease_s=row["lease_s"], lease_owner=owner,
                                 lease_expires_at=now + timedelta(seconds=row["lease_s"])))
-        elif was_visible:
+        elif seen_attempt is not None and seen_attempt >= row["attempt"]:
             settled.append(row["id"])          # cancelled, finished or a stale attempt: nothing to run
     if settled:
         conn.execute("DELETE FROM task_outbox WHERE id = ANY(%s)", (settled,))

@@ -111,3 +111,35 @@ def test_two_phase_commit_starts_against_concurrent_claimers_lose_no_task(db_url
     assert len(started) == starts
     assert states == {"RUNNING": starts}          # none left PENDING without its dispatch
     assert len(claimed) == starts and set(claimed.values()) == {1}
+
+
+def test_an_outbox_row_of_a_next_attempt_not_visible_yet_is_kept_and_claimed_later(db_url: str,
+                                                                                   engine: Engine) -> None:
+    # A re-queue (lease expired, or a retry) moves the same task row to attempt + 1 and
+    # adds that attempt's outbox row in one two-phase transaction. Held open here: the
+    # coordinator's part (the outbox row for attempt 1) committed, the worker's part (the
+    # row's move from attempt 0 to 1) not yet, so the claimer still sees attempt 0
+    # RUNNING. That is not a settled task: it was lost when the claim dropped the row
+    # (the CI run of ecc547c, with a worker node killed between PREPARE and COMMIT
+    # PREPARED, left a run's task PENDING at attempt 1 for good).
+    run_id = engine.start("one")
+    [first] = engine.claim(["default"], "w0", 10)
+    assert first.attempt == 0
+    with psycopg.connect(db_url) as requeuer:
+        requeuer.execute("""UPDATE task_instances SET state = 'PENDING', attempt = 1,
+                                   lease_owner = NULL, lease_expires_at = NULL
+                             WHERE run_id = %s AND id = %s""", (run_id, first.task_id))
+        with psycopg.connect(db_url, autocommit=True) as coordinator_part:
+            coordinator_part.execute("""INSERT INTO task_outbox (queue, run_id, task_id, attempt, task_name, lease_s)
+                                        VALUES ('default', %s, %s, 1, 't', 30)""", (run_id, first.task_id))
+        assert engine.claim(["default"], "w1", 10) == []
+        assert _outbox(db_url) == [(run_id, first.task_id, 1)]       # kept, not lost
+        requeuer.commit()
+    deadline = time.monotonic() + 5
+    claims = engine.claim(["default"], "w1", 10)
+    while not claims and time.monotonic() < deadline:
+        time.sleep(0.05)
+        claims = engine.claim(["default"], "w1", 10)
+    assert [(c.run_id, c.task_id, c.attempt) for c in claims] == [(run_id, first.task_id, 1)]
+    assert _outbox(db_url) == []
+    assert engine.get_run(run_id).tasks[0].state == "RUNNING"
