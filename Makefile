@@ -122,7 +122,7 @@ test-package: $(STAMP)
 test-citus: $(STAMP)
 	@test -x $(PG15_BIN)/initdb || { echo "PostgreSQL 15 server binaries not found in $(PG15_BIN) (apt-get install postgresql-15)"; exit 1; }
 	$(BIN)/python -m composer_ops.testing.citus install
-	env -u COMPOSER_DATABASE_URL -u COMPOSER_TEST_PGBIN $(BIN)/python -m pytest -q --require tests/citus=36 --durations=12 tests/citus
+	env -u COMPOSER_DATABASE_URL -u COMPOSER_TEST_PGBIN $(BIN)/python -m pytest -q --require tests/citus=37 --durations=12 tests/citus
 
 # JupyterLab on the notebooks. Without COMPOSER_DATABASE_URL it opens the demo's embedded
 # database (started and migrated first); with it, the database as it is, so a read-only

@@ -29,10 +29,12 @@ def backoff_delay(attempt: int, *, base: float = 0.05, cap: float = 2.0, rng: ra
 
 
 def db_retry(
-    max_attempts: int = 6, *, base: float = 0.05, cap: float = 2.0
+    max_attempts: int = 6, *, base: float = 0.05, cap: float = 2.0, give_up: tuple[type[Transient], ...] = ()
 ) -> Callable[[Callable[P, T]], Callable[P, T]]:
     """Decorator: call again when the function raises :class:`Transient`, up to
-    ``max_attempts`` calls in all; the last error propagates."""
+    ``max_attempts`` calls in all; the last error propagates. The kinds of Transient in
+    ``give_up`` propagate at once: their caller has something better to do than wait
+    again (a coordinator whose event found its run's lock held moves on to the next)."""
 
     def wrap(fn: Callable[P, T]) -> Callable[P, T]:
         @functools.wraps(fn)
@@ -42,7 +44,7 @@ def db_retry(
                 try:
                     return fn(*args, **kwargs)
                 except Transient as exc:
-                    if attempt + 1 >= max_attempts:
+                    if attempt + 1 >= max_attempts or isinstance(exc, give_up):
                         raise
                     delay = backoff_delay(attempt, base=base, cap=cap)
                     log.warning("transient database error in %s (%s); retry %d in %.2fs",

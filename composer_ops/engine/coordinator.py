@@ -34,7 +34,7 @@ from composer_ops.db.retry import db_retry
 from composer_ops.engine.retention import drop_due_months
 from composer_ops.engine.shell import Outcome
 from composer_ops.engine.webhooks import RelayPolicy, relay_once
-from composer_ops.errors import ComposerError, Invalid, Transient
+from composer_ops.errors import ComposerError, Invalid, LockTimeout, Transient
 from composer_ops.repo import clock, partitions, signals, tasks, webhooks
 from composer_ops.repo.audit import Actor
 from composer_ops.repo.retention import Cutoff, parse_cutoff
@@ -62,6 +62,7 @@ class PassStats:
     webhooks_pruned: int = 0
     months_dropped: list[str] = field(default_factory=list)
     months_blocked: list[str] = field(default_factory=list)   # past the cut-off, kept for active runs
+    busy: int = 0                  # timers and leases whose run's lock was held elsewhere: backed off
     errors: list[str] = field(default_factory=list)
 
 
@@ -70,7 +71,8 @@ class Coordinator:
                  upkeep_every_s: float = 3600.0, webhook_secret: str | None = None,
                  relay: RelayPolicy | None = None, upkeep_lock_timeout_s: float = 0.5,
                  retention: str | Cutoff | None = None, retention_every_s: float = 3600.0,
-                 webhook_keep_days: float | None = 7.0, floor_every_s: float = 30.0) -> None:
+                 webhook_keep_days: float | None = 7.0, floor_every_s: float = 30.0,
+                 event_lock_wait_s: float = 1.0) -> None:
         self.engine = engine
         self.interval = interval
         self.batch = batch
@@ -90,6 +92,9 @@ class Coordinator:
         if not 0 <= floor_every_s <= MAX_FLOOR_EVERY_S:
             raise Invalid(f"floor_every_s must be 0 to {MAX_FLOOR_EVERY_S:g} seconds, got {floor_every_s}")
         self.floor_every_s = floor_every_s
+        if not event_lock_wait_s > 0:
+            raise Invalid(f"event_lock_wait_s must be more than 0 seconds, got {event_lock_wait_s}")
+        self.event_lock_wait_s = event_lock_wait_s
         self._floor = ""
         self._next_floor = float("-inf")
         self._next_prune = float("-inf")
@@ -180,9 +185,18 @@ class Coordinator:
         that failed is backed off under ``key`` (a timer's task; a lease's task and
         attempt, so a later attempt starts afresh), so the next pass reaches the rows
         behind it; a database that stays unreachable after the shell's retries ends the
-        pass."""
+        pass. So is one whose run's lock (or a row of it) is held elsewhere past
+        ``event_lock_wait_s`` (an operator's transaction left open; on Citus, a
+        transaction left prepared on a worker node that crashed, until Citus's recovery
+        resolves it): waiting for it held up every candidate behind it."""
         try:
-            outcome = self.engine.shell.handle(run_id, make_event)
+            outcome = self.engine.shell.handle(run_id, make_event, lock_wait_s=self.event_lock_wait_s)
+        except LockTimeout:
+            backoff.failed(key)
+            stats.busy += 1
+            log.info("coordinator: %s of task %s (run %s) waited %.1fs for a lock of its run; backing off",
+                     kind, task_id, run_id, self.event_lock_wait_s)
+            return None
         except Exception as exc:
             if isinstance(exc, Transient):
                 raise

@@ -56,16 +56,11 @@ class Engine:
         self.pool = pool
         self.url = url
         self.shell = Shell(pool)
-        self._citus: bool | None = None
 
     def _on_citus(self, conn: Any) -> bool:
-        """Whether the database is a Citus coordinator, asked once per engine on the
-        connection at hand (by the first claim: the claim is then
-        :func:`composer_ops.repo.citus.claim`). A single-server database converted to
-        Citus needs its engines restarted (docs/scaling.md)."""
-        if self._citus is None:
-            self._citus = citus.is_citus(conn)
-        return self._citus
+        """Whether the database is a Citus coordinator (:meth:`Shell.on_citus`, asked
+        once; on Citus the claim is :func:`composer_ops.repo.citus.claim`)."""
+        return self.shell.on_citus(conn)
 
     @classmethod
     def connect(cls, url: str | None = None, *, pool_size: int | None = None,

@@ -62,8 +62,8 @@ from composer_ops.db.errors import Pool
 from composer_ops.db.retry import db_retry
 from composer_ops.engine.ids import uuid7_text
 from composer_ops.engine.requests import KEY_PREFIX, Request
-from composer_ops.errors import Conflict
-from composer_ops.repo import definitions, history, outbox, runs, signals, tasks, webhooks
+from composer_ops.errors import Conflict, LockTimeout
+from composer_ops.repo import citus, definitions, history, outbox, runs, signals, tasks, webhooks
 from composer_ops.repo._base import Conn
 from composer_ops.repo.rows import Dispatch, HistoryEntry, NewTask, RunRow, TaskStateRow
 
@@ -124,6 +124,7 @@ class Shell:
         self.pool = pool
         self._definitions: dict[tuple[str, int], Definition] = {}
         self._lock = threading.Lock()
+        self._citus: bool | None = None
 
     # -- definitions -------------------------------------------------------
 
@@ -143,16 +144,35 @@ class Shell:
     # -- events ------------------------------------------------------------
 
     def handle(self, run_id: str, make_event: Callable[[datetime], Event], *,
-               request: Request | None = None) -> Outcome:
+               request: Request | None = None, lock_wait_s: float | None = None) -> Outcome:
         """Apply one event to one run in one transaction, under the run's row lock;
-        ``request`` is the API call it belongs to (a new one when None)."""
-        return self._handle(run_id, make_event, request or Request())
+        ``request`` is the API call it belongs to (a new one when None).
+        ``lock_wait_s``: give up when a lock the event needs (its run's first) is not
+        granted within that many seconds, raising
+        :class:`~composer_ops.errors.LockTimeout` at once, without the retries other
+        transient errors get; None waits as long as it takes."""
+        if lock_wait_s is None:
+            return self._handle(run_id, make_event, request or Request(), None)
+        return self._handle_or_give_up(run_id, make_event, request or Request(), lock_wait_s)
 
-    @db_retry()
-    def _handle(self, run_id: str, make_event: Callable[[datetime], Event], request: Request) -> Outcome:
+    def _handle_once(self, run_id: str, make_event: Callable[[datetime], Event], request: Request,
+                     lock_wait_s: float | None) -> Outcome:
         look = request.attempt()
         with self.pool.connection() as conn, conn.transaction():
+            if lock_wait_s is not None:
+                runs.limit_lock_waits(conn, lock_wait_s, citus=self.on_citus(conn))
             return self.handle_in(conn, run_id, make_event, request=request, look=look)
+
+    _handle = db_retry()(_handle_once)
+    _handle_or_give_up = db_retry(give_up=(LockTimeout,))(_handle_once)
+
+    def on_citus(self, conn: Conn) -> bool:
+        """Whether the database is a Citus coordinator, asked once per shell on the
+        connection at hand. A single-server database converted to Citus needs its
+        engines restarted (docs/scaling.md)."""
+        if self._citus is None:
+            self._citus = citus.is_citus(conn)
+        return self._citus
 
     def handle_in(self, conn: Conn, run_id: str, make_event: Callable[[datetime], Event], *, request: Request,
                   look: bool = False) -> Outcome:

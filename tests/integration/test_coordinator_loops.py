@@ -5,6 +5,8 @@ queue, and never stops the rest of the batch."""
 
 from __future__ import annotations
 
+import time
+
 import psycopg
 import pytest
 
@@ -105,3 +107,32 @@ def test_an_unexpected_exception_does_not_stop_the_batch(engine: Engine, db_url:
     stats = coordinator.run_once(["leases"])
     assert stats.leases_expired == 1 and len(stats.errors) == 1, stats
     assert _state(engine, expired_live, "a") == ("PENDING", 1)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("loop", ["leases", "timers"])
+def test_a_run_whose_lock_is_held_elsewhere_does_not_stall_the_pass(engine: Engine, db_url: str,
+                                                                    loop: str) -> None:
+    """Another transaction holds one run's row lock (an operator's FOR UPDATE left open;
+    on Citus, a transaction left prepared on a worker node that crashed, until Citus's
+    recovery resolves it, up to a minute). The pass gives up on that run after the
+    coordinator's ``event_lock_wait_s``, backs it off, and handles the rest: it used to
+    wait for the lock, and every expired lease and due timer behind it waited too."""
+    held, live = (_expired_leases if loop == "leases" else _due_timers)(engine, db_url, 2)   # held is first
+    node, done = ("a", ("PENDING", 1)) if loop == "leases" else ("z", ("COMPLETED", 0))
+    before = _state(engine, held, node)
+    coordinator = engine.coordinator(batch=10, event_lock_wait_s=0.5)
+    with psycopg.connect(db_url) as holder:
+        holder.execute("SELECT 1 FROM workflow_runs WHERE id = %s FOR UPDATE", (held,))
+        began = time.monotonic()
+        stats = coordinator.run_once([loop])
+        took = time.monotonic() - began
+        assert _state(engine, live, node) == done
+        assert _state(engine, held, node) == before
+        assert (stats.busy, stats.errors) == (1, []), stats
+        assert took < 10, took
+        assert coordinator.run_once([loop]).busy == 0          # backed off: not waited for again at once
+    time.sleep(1.1)                                              # the first backoff is 1 s
+    again = coordinator.run_once([loop])
+    assert (again.busy, again.errors) == (0, []), again
+    assert _state(engine, held, node) == done
