@@ -36,8 +36,7 @@ def limit_lock_waits(conn: Conn, seconds: float, *, citus: bool) -> None:
     statements, not ``set_config``: on Citus the run's statements wait on its worker
     node, and Citus sends a transaction's SET LOCAL to the nodes it uses only as
     statements and with ``citus.propagate_set_commands = 'local'``, set here for the
-    transaction too. Sent in one round trip with what follows when the caller
-    pipelines."""
+    transaction too. One round trip (two on Citus) at the start of the transaction."""
     if citus:
         conn.execute("SET LOCAL citus.propagate_set_commands = 'local'")
     conn.execute(sql.SQL("SET LOCAL lock_timeout = {}").format(sql.Literal(f"{max(1, round(seconds * 1000))}ms")))
