@@ -16,6 +16,7 @@ from typing import Any
 from composer_ops.cli import admin_cmds
 from composer_ops.cli._common import (
     EXIT_OK,
+    above,
     add_command,
     add_json_option,
     add_yes_option,
@@ -89,6 +90,11 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     env_option(coord, "--webhook-keep-days", env="COMPOSER_WEBHOOK_KEEP_DAYS", type=float, default=7.0,
                accepts=at_least(0), metavar_default="7",
                help="days a delivered (or given up) webhook delivery is kept before the coordinator deletes it")
+    env_option(coord, "--event-lock-wait", env="COMPOSER_COORDINATOR_EVENT_LOCK_WAIT_S", type=float, default=1.0,
+               accepts=above(0), metavar="SECONDS",
+               help="seconds a timer or lease event waits for a lock of its run before it is backed off and the "
+                    "pass goes on (a run locked by a transaction left open or, on Citus, left prepared by a "
+                    "crashed node)")
     env_option(coord, "--retention", env="COMPOSER_COORDINATOR_RETENTION", metavar="WHEN",
                help="also drop partition months older than WHEN, hourly (as `partitions drop --older-than WHEN "
                     "--yes`; needs the owner role); unset: no retention")
@@ -323,12 +329,14 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
     with Engine.connect(args.database_url, pool_size=4, application_name="composer-coordinator",
                         connect_wait_s=wait) as engine:
         coord = engine.coordinator(interval=args.interval, months_ahead=args.months_ahead, relay=relay,
-                                   retention=retention, webhook_keep_days=args.webhook_keep_days)
+                                   retention=retention, webhook_keep_days=args.webhook_keep_days,
+                                   event_lock_wait_s=args.event_lock_wait)
         if args.once:
             stats = coord.run_once()
             print(f"timers fired {stats.timers_fired}, leases expired {stats.leases_expired}, "
                   f"stale {stats.stale}, partitions created {stats.partitions_created}, "
-                  f"webhooks delivered {stats.webhooks_delivered} (failed {stats.webhooks_failed})")
+                  f"webhooks delivered {stats.webhooks_delivered} (failed {stats.webhooks_failed})"
+                  + (f", backed off behind a locked run {stats.busy}" if stats.busy else ""))
             for err in stats.errors:
                 sys.stderr.write(f"composer-ops: {err}\n")
             return 1 if stats.errors else EXIT_OK

@@ -114,8 +114,8 @@ class Coordinator:
         log.info("coordinator running (interval %.2fs)", self.interval)
         while not self._stop.is_set():
             stats = self.run_once()
-            busy = stats.timers_fired + stats.leases_expired >= self.batch
-            if not busy:
+            full = stats.timers_fired + stats.leases_expired >= self.batch
+            if not full:
                 self._stop.wait(self.interval)
 
     def run_once(self, loops: Collection[str] | None = None) -> PassStats:
@@ -158,9 +158,10 @@ class Coordinator:
         with self.engine.pool.connection() as conn:
             due = signals.due_waits(conn, self.batch, now=clock.now(conn), skip=self._timer_backoff.skipped(),
                                     floor=self.active_floor(conn))
+        locked: set[str] = set()
         for wait in due:
             outcome = self._handle("timer", wait.task_id, wait.task_id, wait.run_id,
-                                   partial(_timer_due, wait.task_id, wait.node_id), self._timer_backoff, stats)
+                                   partial(_timer_due, wait.task_id, wait.node_id), self._timer_backoff, stats, locked)
             if outcome is not None and not outcome.stale:
                 stats.timers_fired += 1
 
@@ -168,31 +169,39 @@ class Coordinator:
         with self.engine.pool.connection() as conn:
             expired = tasks.expired_leases(conn, self.batch, now=clock.now(conn),
                                            skip=self._lease_backoff.skipped(), floor=self.active_floor(conn))
+        locked: set[str] = set()
         for lease in expired:
             ref = TaskRef(task_id=lease.task_id, run_id=lease.run_id, node_id=lease.node_id,
                           attempt=lease.attempt, lease_owner=lease.lease_owner)
             outcome = self._handle("lease", lease.task_id, f"{lease.task_id}:{lease.attempt}", lease.run_id,
-                                   partial(_lease_expired, ref), self._lease_backoff, stats)
+                                   partial(_lease_expired, ref), self._lease_backoff, stats, locked)
             if outcome is not None and not outcome.stale:
                 stats.leases_expired += 1
                 log.info("lease of task %s (run %s, owner %s) expired", lease.task_id, lease.run_id,
                          lease.lease_owner, extra={"action": "lease_expired", "run_id": lease.run_id})
 
     def _handle(self, kind: str, task_id: str, key: str, run_id: str, make_event: Callable[[datetime], Event],
-                backoff: _Backoff, stats: PassStats) -> Outcome | None:
+                backoff: _Backoff, stats: PassStats, locked: set[str]) -> Outcome | None:
         """One candidate of a loop, under the run lock. A candidate the event did not
         change (stale: another coordinator got there first, or it can never apply) or
         that failed is backed off under ``key`` (a timer's task; a lease's task and
         attempt, so a later attempt starts afresh), so the next pass reaches the rows
         behind it; a database that stays unreachable after the shell's retries ends the
-        pass. So is one whose run's lock (or a row of it) is held elsewhere past
-        ``event_lock_wait_s`` (an operator's transaction left open; on Citus, a
-        transaction left prepared on a worker node that crashed, until Citus's recovery
-        resolves it): waiting for it held up every candidate behind it."""
+        pass. So is one whose event waited more than ``event_lock_wait_s`` for a lock
+        (its run's, or a row of the run; an operator's transaction left open; on Citus,
+        a transaction left prepared on a worker node that crashed, until Citus's
+        recovery resolves it): waiting for it held up every candidate behind it. Its run
+        joins ``locked``, the loop's runs found locked in this pass, whose other
+        candidates are backed off without waiting again."""
+        if run_id in locked:
+            backoff.failed(key)
+            stats.busy += 1
+            return None
         try:
             outcome = self.engine.shell.handle(run_id, make_event, lock_wait_s=self.event_lock_wait_s)
         except LockTimeout:
             backoff.failed(key)
+            locked.add(run_id)
             stats.busy += 1
             log.info("coordinator: %s of task %s (run %s) waited %.1fs for a lock of its run; backing off",
                      kind, task_id, run_id, self.event_lock_wait_s)

@@ -62,6 +62,15 @@ _PICK = """
 # for a settled one.
 _SEEN_ATTEMPT = "SELECT attempt FROM task_instances WHERE run_id = %(run)s AND id = %(task)s"
 
+#: How far a kept outbox row is put back (its ``available_at``, from the claim's clock):
+#: the oldest row, it would otherwise be picked first by every claim until its task's
+#: transaction commits on its node, which after a worker node's crash is Citus's
+#: recovery, up to ``citus.recover_2pc_interval`` (a minute) after the node is back, and
+#: a worker claiming one task at a time would get nothing all that while.
+KEPT_DELAY = timedelta(seconds=0.25)
+
+_PUT_BACK = "UPDATE task_outbox SET available_at = %(at)s WHERE id = ANY(%(ids)s)"
+
 # One task, routed to its shard (every table named is filtered on the run ID): the
 # claim and its history row.
 _CLAIM_ONE = """
@@ -87,8 +96,9 @@ def claim(conn: Conn, queues: Sequence[str], owner: str, limit: int,
     soft-deleted runs, with its 'claimed' history row marked ``claim_id``), then delete
     the outbox rows that are settled: claimed, or whose task was seen at the row's
     attempt or later and is not claimable at it. A row whose task is not visible yet,
-    or is seen at an earlier attempt, is kept. Three round trips; the clock is read
-    once, on the coordinator."""
+    or is seen at an earlier attempt, is kept and put back by :data:`KEPT_DELAY`, so
+    the rows behind it are picked meanwhile. Three round trips; the clock is read once,
+    on the coordinator."""
     with conn.cursor() as clock_cur, conn.cursor(row_factory=dict_row) as pick:
         with conn.pipeline():
             clock_cur.execute(clock.NOW)
@@ -127,6 +137,10 @@ def claim(conn: Conn, queues: Sequence[str], owner: str, limit: int,
                                 lease_expires_at=now + timedelta(seconds=row["lease_s"])))
         elif seen_attempt is not None and seen_attempt >= row["attempt"]:
             settled.append(row["id"])          # cancelled, finished or a stale attempt: nothing to run
-    if settled:
-        conn.execute("DELETE FROM task_outbox WHERE id = ANY(%s)", (settled,))
+    kept = [row["id"] for row in picked if row["id"] not in settled]
+    with conn.pipeline():
+        if settled:
+            conn.execute("DELETE FROM task_outbox WHERE id = ANY(%s)", (settled,))
+        if kept:
+            conn.execute(_PUT_BACK, {"ids": kept, "at": now + KEPT_DELAY})
     return claims

@@ -134,6 +134,9 @@ def test_an_outbox_row_of_a_next_attempt_not_visible_yet_is_kept_and_claimed_lat
                                         VALUES ('default', %s, %s, 1, 't', 30)""", (run_id, first.task_id))
         assert engine.claim(["default"], "w1", 10) == []
         assert _outbox(db_url) == [(run_id, first.task_id, 1)]       # kept, not lost
+        # Kept, it is put back: a claim of one task takes the row behind it, not it again.
+        other = engine.start("one")
+        assert [c.run_id for c in engine.claim(["default"], "w2", 1)] == [other]
         requeuer.commit()
     deadline = time.monotonic() + 5
     claims = engine.claim(["default"], "w1", 10)

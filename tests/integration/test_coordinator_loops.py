@@ -11,6 +11,7 @@ import psycopg
 import pytest
 
 from composer_ops import Engine
+from composer_ops.cli import main
 
 TIMER = {"id": "tm", "nodes": [{"id": "z", "type": "WAIT", "duration_s": 3600},
                                {"id": "b", "type": "TASK", "task": "t", "depends_on": ["z"]}]}
@@ -136,3 +137,34 @@ def test_a_run_whose_lock_is_held_elsewhere_does_not_stall_the_pass(engine: Engi
     again = coordinator.run_once([loop])
     assert (again.busy, again.errors) == (0, []), again
     assert _state(engine, held, node) == done
+
+
+def test_a_locked_run_is_waited_for_once_a_pass_not_once_per_candidate(engine: Engine, db_url: str) -> None:
+    """A fan-out whose worker died has several expired leases in one run; with its lock
+    held elsewhere, the pass waits for it once, then backs the run's other candidates
+    off without waiting (each waiting in turn made a pass of a batch of 100 last up to
+    100 times the wait)."""
+    engine.deploy({"id": "two", "nodes": [{"id": "a", "type": "TASK", "task": "t", "queue": "lq"},
+                                          {"id": "b", "type": "TASK", "task": "t", "queue": "lq"}]})
+    run_id = engine.start("two")
+    assert len(engine.claim(["lq"], "w", 2)) == 2
+    _sql(db_url, "UPDATE task_instances SET lease_expires_at = now() - interval '1 minute' WHERE run_id = %s",
+         (run_id,))
+    coordinator = engine.coordinator(batch=10, event_lock_wait_s=1.0)
+    with psycopg.connect(db_url) as holder:
+        holder.execute("SELECT 1 FROM workflow_runs WHERE id = %s FOR UPDATE", (run_id,))
+        began = time.monotonic()
+        stats = coordinator.run_once(["leases"])
+        took = time.monotonic() - began
+    assert (stats.busy, stats.leases_expired, stats.errors) == (2, 0, []), stats
+    assert 1.0 <= took < 1.8, took
+
+
+def test_coordinator_once_says_how_many_it_backed_off_behind_a_locked_run(
+        engine: Engine, db_url: str, capsys: pytest.CaptureFixture[str]) -> None:
+    [held] = _expired_leases(engine, db_url, 1)
+    with psycopg.connect(db_url) as holder:
+        holder.execute("SELECT 1 FROM workflow_runs WHERE id = %s FOR UPDATE", (held,))
+        code = main(["coordinator", "--once", "--event-lock-wait", "0.3", "--database-url", db_url])
+    out = capsys.readouterr().out
+    assert code == 0 and "leases expired 0" in out and out.rstrip().endswith("backed off behind a locked run 1"), out
