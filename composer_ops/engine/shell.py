@@ -63,7 +63,7 @@ from composer_ops.db.retry import db_retry
 from composer_ops.engine.ids import uuid7_text
 from composer_ops.engine.requests import KEY_PREFIX, Request
 from composer_ops.errors import Conflict, LockTimeout
-from composer_ops.repo import citus, definitions, history, outbox, runs, signals, tasks, webhooks
+from composer_ops.repo import citus, definitions, history, outbox, partitions, runs, signals, tasks, webhooks
 from composer_ops.repo._base import Conn
 from composer_ops.repo.rows import Dispatch, HistoryEntry, NewTask, RunRow, TaskStateRow
 
@@ -160,7 +160,7 @@ class Shell:
         look = request.attempt()
         with self.pool.connection() as conn, conn.transaction():
             if lock_wait_s is not None:
-                runs.limit_lock_waits(conn, lock_wait_s, citus=self.on_citus(conn))
+                partitions.set_lock_timeout(conn, lock_wait_s, citus=self.on_citus(conn))
             return self.handle_in(conn, run_id, make_event, request=request, look=look)
 
     _handle = db_retry()(_handle_once)

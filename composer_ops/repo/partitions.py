@@ -145,9 +145,17 @@ def one_connection_per_node(conn: Conn) -> None:
     conn.execute("SELECT set_config('citus.multi_shard_modify_mode', 'sequential', true)")
 
 
-def set_lock_timeout(conn: Conn, seconds: float) -> None:
-    """``SET LOCAL lock_timeout``: until the end of the caller's transaction."""
-    conn.execute("SELECT set_config('lock_timeout', %s, true)", (f"{max(1, round(seconds * 1000))}ms",))
+def set_lock_timeout(conn: Conn, seconds: float, *, citus: bool = False) -> None:
+    """``SET LOCAL lock_timeout``: until the end of the caller's transaction, a lock
+    wait longer than ``seconds`` fails its statement with lock_not_available
+    (:class:`~composer_ops.errors.LockTimeout`). ``citus``: also on the worker nodes the
+    transaction uses, where a run's statements wait: Citus sends a transaction's SET
+    LOCAL statements (not ``set_config``) to them with ``citus.propagate_set_commands =
+    'local'``, set here for the transaction too (without it a wait there never times
+    out: tests/citus/test_coordinator.py hangs). One round trip, two with ``citus``."""
+    if citus:
+        conn.execute("SET LOCAL citus.propagate_set_commands = 'local'")
+    conn.execute(sql.SQL("SET LOCAL lock_timeout = {}").format(sql.Literal(f"{max(1, round(seconds * 1000))}ms")))
 
 
 def ensure_from(conn: Conn, first_month: date, months_ahead: int) -> int:

@@ -29,19 +29,6 @@ _LOAD_TASKS = """
       FROM {tasks} WHERE run_id = %s"""
 
 
-def limit_lock_waits(conn: Conn, seconds: float, *, citus: bool) -> None:
-    """Make every lock wait of the rest of the caller's transaction (the run's row lock,
-    its rows, its partitions) give up after ``seconds``: the statement then fails with
-    lock_not_available (:class:`~composer_ops.errors.LockTimeout`). ``SET LOCAL``
-    statements, not ``set_config``: on Citus the run's statements wait on its worker
-    node, and Citus sends a transaction's SET LOCAL to the nodes it uses only as
-    statements and with ``citus.propagate_set_commands = 'local'``, set here for the
-    transaction too. One round trip (two on Citus) at the start of the transaction."""
-    if citus:
-        conn.execute("SET LOCAL citus.propagate_set_commands = 'local'")
-    conn.execute(sql.SQL("SET LOCAL lock_timeout = {}").format(sql.Literal(f"{max(1, round(seconds * 1000))}ms")))
-
-
 def lock_and_load(conn: Conn, run_id: str) -> tuple[RunRow, dict[str, TaskStateRow]]:
     """Read the database clock, take the run's row lock for the rest of the
     transaction, and load the state of every task of the run keyed by node (small
