@@ -13,6 +13,13 @@ from typing import Any
 Respond = Callable[[BaseHTTPRequestHandler, bytes], "int | None"]
 
 
+class _Server(ThreadingHTTPServer):
+    # The listen backlog: socketserver's 5 overflows when a relay opens its 8 parallel
+    # POSTs at once on a loaded machine, and a connection whose SYN is dropped waits a
+    # second for its retransmission, past a short connect timeout.
+    request_queue_size = 64
+
+
 class Receiver:
     """Listens on 127.0.0.1 at a free port until :meth:`close`."""
 
@@ -36,7 +43,7 @@ class Receiver:
             def log_message(self, *args: Any) -> None:
                 pass
 
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server = _Server(("127.0.0.1", 0), Handler)
         self.server.daemon_threads = True
         self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
         self.thread.start()

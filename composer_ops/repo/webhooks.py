@@ -26,15 +26,19 @@ def enqueue(conn: Conn, run_id: str, url: str, payload: Any, *, now: datetime) -
 def claim_due(conn: Conn, limit: int, lease_s: float) -> list[WebhookDelivery]:
     """Take up to ``limit`` due deliveries and push their next attempt ``lease_s``
     ahead, so another relay does not send them while this one is; if this relay
-    dies the delivery is simply tried again after the lease (at least once)."""
+    dies the delivery is simply tried again after the lease (at least once). In the
+    order they were made (by ID): an UPDATE returns its rows in no defined order, and
+    the relay starts its POSTs in the order given."""
     return fetch_all(conn, WebhookDelivery, """
-        UPDATE webhook_deliveries d
-           SET next_attempt_at = NOW() + make_interval(secs => %s), attempts = d.attempts + 1
-          FROM (SELECT id FROM webhook_deliveries
-                 WHERE delivered_at IS NULL AND gave_up_at IS NULL AND next_attempt_at <= NOW()
-                 ORDER BY next_attempt_at LIMIT %s FOR UPDATE SKIP LOCKED) due
-         WHERE d.id = due.id
-        RETURNING d.id, d.run_id, d.url, d.payload, d.attempts""", (lease_s, limit))
+        WITH taken AS (
+            UPDATE webhook_deliveries d
+               SET next_attempt_at = NOW() + make_interval(secs => %s), attempts = d.attempts + 1
+              FROM (SELECT id FROM webhook_deliveries
+                     WHERE delivered_at IS NULL AND gave_up_at IS NULL AND next_attempt_at <= NOW()
+                     ORDER BY next_attempt_at LIMIT %s FOR UPDATE SKIP LOCKED) due
+             WHERE d.id = due.id
+            RETURNING d.id, d.run_id, d.url, d.payload, d.attempts)
+        SELECT id, run_id, url, payload, attempts FROM taken ORDER BY id""", (lease_s, limit))
 
 
 def mark_delivered(conn: Conn, delivery_id: int, status: int) -> None:
