@@ -114,18 +114,22 @@ test-package: $(STAMP)
 	env -u COMPOSER_DATABASE_URL -u COMPOSER_TEST_PGBIN $(BIN)/python -m pytest -q --require tests/packaging=3 \
 	    tests/packaging
 
-# pyproject.toml accepts psycopg >=3.2.1,<4: `.venv` gets the newest release (every
-# leg above runs on it; tests/unit/test_driver_api.py fails if the package touches a
-# private psycopg name, which a next minor release may move). This leg runs the error
-# boundary, retries, connecting and the end-to-end tests on the oldest, in a venv of
-# its own (.venv-psycopg-oldest, created once, about 2 minutes).
+# pyproject.toml accepts psycopg >=3.2.1,<4 and psycopg-pool >=3.2,<4: `.venv` gets the
+# newest releases (every leg above runs on them; tests/unit/test_driver_api.py fails if
+# the package touches a private psycopg name, which a next minor release may move).
+# This leg runs the error boundary, retries, connecting and the end-to-end tests on the
+# oldest of both, in a venv of its own (.venv-psycopg-oldest, created once, about
+# 2 minutes; the tests about 3).
 PSYCOPG_OLDEST := 3.2.1
+PSYCOPG_POOL_OLDEST := 3.2.0
 OLDEST := .venv-psycopg-oldest
 test-psycopg-oldest: $(STAMP)
 	test -x $(OLDEST)/bin/python || $(PYTHON) -m venv $(OLDEST)
-	$(OLDEST)/bin/python -m pip install --quiet -e '.[dev]' 'psycopg[binary,pool]==$(PSYCOPG_OLDEST)'
-	$(OLDEST)/bin/python -c 'import psycopg, sys; sys.exit(None if psycopg.__version__ == "$(PSYCOPG_OLDEST)" \
-	    else f"$(OLDEST) has psycopg {psycopg.__version__}, not $(PSYCOPG_OLDEST)")'
+	$(OLDEST)/bin/python -m pip install --quiet -e '.[dev]' 'psycopg[binary,pool]==$(PSYCOPG_OLDEST)' \
+	    'psycopg-pool==$(PSYCOPG_POOL_OLDEST)'
+	$(OLDEST)/bin/python -c 'import psycopg, psycopg_pool, sys; \
+	    found = (psycopg.__version__, psycopg_pool.__version__); \
+	    sys.exit(None if found == ("$(PSYCOPG_OLDEST)", "$(PSYCOPG_POOL_OLDEST)") else f"$(OLDEST) has {found}")'
 	env -u COMPOSER_DATABASE_URL -u COMPOSER_TEST_PGBIN $(OLDEST)/bin/python -m pytest -q -p no:cacheprovider \
 	    --require tests/unit=80 --require tests/integration=60 tests/unit/test_driver_api.py \
 	    tests/unit/test_error_boundary.py tests/unit/test_connect_errors.py tests/unit/test_retry.py \
