@@ -14,6 +14,7 @@ from collections.abc import Sequence
 
 import composer_ops.cli.ops_cmds as ops_cmds
 import composer_ops.cli.simulate_cmds as simulate_cmds
+from composer_ops import __version__
 from composer_ops.cli import admin_cmds, db_cmds, partition_cmds, run_cmds
 from composer_ops.cli._common import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_OK, ArgumentParser, check_options
 from composer_ops.errors import ComposerError, Unavailable
@@ -21,6 +22,7 @@ from composer_ops.errors import ComposerError, Unavailable
 
 def build_parser() -> ArgumentParser:
     parser = ArgumentParser(prog="composer-ops", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"composer-ops {__version__}")
     parser.add_argument("--debug", action="store_true", default=os.environ.get("COMPOSER_DEBUG") == "1",
                         help="show tracebacks and debug logs [env: COMPOSER_DEBUG=1]")
     parser.add_argument("--log-level", default=os.environ.get("COMPOSER_LOG_LEVEL", "WARNING"),

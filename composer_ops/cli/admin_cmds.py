@@ -1,6 +1,6 @@
 """Operator commands: ``workers list`` (and the ``runs`` actions registered under
 ``runs`` by :mod:`composer_ops.cli.run_cmds`), and what every operator action shares:
-the :class:`~composer_ops.repo.audit.Actor` its audit row names, and progress bars."""
+the :class:`~composer_ops.core.actor.Actor` its audit row names, and progress bars."""
 
 from __future__ import annotations
 
@@ -24,8 +24,8 @@ from composer_ops.cli._common import (
     env_option,
     open_engine,
 )
+from composer_ops.core.actor import Actor
 from composer_ops.errors import Invalid
-from composer_ops.repo.audit import Actor
 
 _URL_PASSWORD = re.compile(r"(?P<head>[a-z][a-z0-9+.-]*://[^/@:\s]*:)\S*@", re.IGNORECASE)
 _KV_PASSWORD = re.compile(r"(?P<head>\bpassword\s*=\s*)('(?:[^'\\]|\\.)*'|\S+)", re.IGNORECASE)

@@ -1,25 +1,20 @@
 """The one boundary where driver errors become ComposerErrors.
 
 Every connection composer_ops opens is a :class:`Connection` (``db.connect``, and
-the pools of ``db.make_pool`` use it too). psycopg sends every round trip to the
-server through ``Connection.wait``: statements, fetches in pipeline mode, COMMIT and
-ROLLBACK (including the COMMIT at the end of a ``conn.transaction()`` block),
-``notifies()``, session settings such as ``autocommit``. That one method re-raises
-driver errors as ComposerErrors, keeping the driver's error as ``__cause__``. The
-"connection is closed" check psycopg makes before a round trip, connection attempts
-and the pool's own errors (no connection free within the timeout, a closed pool) are
-translated the same way, so code above the ``db`` package never sees a psycopg error
-and never translates one.
+the pools of ``db.make_pool`` use it too). It overrides psycopg's public API only:
+``connect``, ``cursor``, ``commit``, ``rollback``, ``transaction`` (its BEGIN and the
+COMMIT at the end of the block), ``pipeline``, ``notifies`` and the session settings
+(``autocommit`` and the others, attribute or method); the cursors it makes
+(:class:`Cursor`, :class:`ServerCursor`) override ``execute``, ``executemany``,
+``stream``, ``copy`` (with the writes and reads of its block), the fetches and
+iteration. Each re-raises a driver error as a ComposerError, keeping the driver's error
+as ``__cause__``; the pool's own errors (no connection free within the timeout, a
+closed pool) are translated the same way, so code above the ``db`` package never sees
+a psycopg error and never translates one. A cursor class built around the connection
+by hand (``psycopg.Cursor(conn)``) is outside the boundary.
 
-``wait`` and ``_check_connection_ok`` are psycopg internals, not documented API:
-pyproject.toml pins the minor series they were checked on, importing this module fails
-at once if they (or ``errors._WaitTimeout``) are missing, and
-tests/unit/test_driver_internals.py plus tests/integration/test_error_boundary.py
-check their signatures and every path above.
-
-Errors psycopg raises in Python for misuse of its API, without a round trip (fetching
-from a statement that returned no rows, ``fileno()`` of a closed connection), are bugs
-of the caller and are left as they are.
+Reading rows already received raises psycopg's own error for a misuse (fetching from
+a statement that returned no rows, a closed cursor): a bug of the caller, left as it is.
 
 :class:`~composer_ops.errors.Transient` marks exactly the errors a retry of the whole
 transaction can cure (:func:`is_transient`); ``db_retry`` retries those and nothing
@@ -28,11 +23,12 @@ else.
 
 from __future__ import annotations
 
-from typing import Any, Self, TypeVar
+import contextlib
+from collections.abc import Generator, Iterator
+from typing import Any, Self
 
 import psycopg
 from psycopg import errors as pgerr
-from psycopg.abc import PQGen
 from psycopg.rows import Row
 from psycopg_pool import ConnectionPool, PoolClosed
 
@@ -47,8 +43,6 @@ from composer_ops.errors import (
     Unavailable,
 )
 
-RV = TypeVar("RV")
-
 #: SQLSTATEs a retry of the whole transaction can cure: serialization failure,
 #: deadlock, admin shutdown / crash shutdown / cannot connect now, lock timeout.
 #: Connection exceptions (class 08) and errors without a SQLSTATE (a lost socket)
@@ -57,23 +51,6 @@ TRANSIENT_SQLSTATES = frozenset({"40001", "40P01", "57P01", "57P02", "57P03", "5
 
 #: Longest server detail appended to a message (a key, not a whole row).
 _DETAIL_MAX = 300
-
-
-def _wait_timeout() -> type[psycopg.Error]:
-    """psycopg's internal "a wait with a timeout ran out" error, which ``notifies()``
-    catches inside ``Connection.wait``'s caller and so must pass through the boundary
-    untranslated; ImportError, naming the versions that work, when psycopg lacks it or
-    the methods :class:`Connection` overrides."""
-    found = getattr(pgerr, "_WaitTimeout", None)
-    methods = all(callable(getattr(psycopg.Connection, name, None)) for name in ("wait", "_check_connection_ok"))
-    if not (isinstance(found, type) and issubclass(found, psycopg.Error) and methods):
-        raise ImportError(f"composer_ops needs psycopg >=3.3.6,<3.4 (its error boundary overrides "
-                          f"Connection.wait and Connection._check_connection_ok); this is psycopg "
-                          f"{psycopg.__version__}")
-    return found
-
-
-_WAIT_TIMEOUT = _wait_timeout()
 
 
 #: How a Citus coordinator reports that its connection to a worker node broke inside a
@@ -169,8 +146,121 @@ def connect_error(exc: psycopg.Error) -> Unavailable:
     return Transient(text) if connect_may_succeed_later(exc) else Unavailable(text)
 
 
+def boundary_error(conn: psycopg.Connection[Any], exc: psycopg.Error) -> ComposerError:
+    """The ComposerError for ``exc``, raised by an operation on ``conn``: a connection
+    closed by this process (``close()``, a ``with`` block) is a plain ComposerError,
+    since no retry can cure it, unlike a session the server or the network ended."""
+    if conn.closed and not conn.broken:
+        return ComposerError("the connection was closed by this process and cannot be used again")
+    return translate(exc)
+
+
+def _misuse(exc: psycopg.Error) -> bool:
+    """True for an error psycopg raises itself, with no SQLSTATE, when a caller reads
+    rows it cannot read (no result, a closed cursor): a bug to surface as it is."""
+    return exc.sqlstate is None and isinstance(exc, (psycopg.ProgrammingError, psycopg.InterfaceError))
+
+
+class Cursor(psycopg.Cursor[Row]):
+    """A cursor whose statements, COPY and fetches raise ComposerErrors. Reading rows
+    already received raises psycopg's own error for a misuse (:func:`_misuse`)."""
+
+    def execute(self, *args: Any, **kwargs: Any) -> Self:
+        try:
+            return super().execute(*args, **kwargs)
+        except psycopg.Error as exc:
+            raise boundary_error(self.connection, exc) from exc
+
+    def executemany(self, *args: Any, **kwargs: Any) -> None:
+        try:
+            super().executemany(*args, **kwargs)
+        except psycopg.Error as exc:
+            raise boundary_error(self.connection, exc) from exc
+
+    def stream(self, *args: Any, **kwargs: Any) -> Iterator[Row]:
+        try:
+            yield from super().stream(*args, **kwargs)
+        except psycopg.Error as exc:
+            raise boundary_error(self.connection, exc) from exc
+
+    @contextlib.contextmanager
+    def copy(self, *args: Any, **kwargs: Any) -> Iterator[psycopg.Copy]:
+        # The block's writes and reads flush to the server: their errors come out here too.
+        try:
+            with super().copy(*args, **kwargs) as copy:
+                yield copy
+        except psycopg.Error as exc:
+            raise boundary_error(self.connection, exc) from exc
+
+    def fetchone(self) -> Row | None:
+        try:
+            return super().fetchone()
+        except psycopg.Error as exc:
+            if _misuse(exc):
+                raise
+            raise boundary_error(self.connection, exc) from exc
+
+    def fetchmany(self, size: int = 0) -> list[Row]:
+        try:
+            return super().fetchmany(size)
+        except psycopg.Error as exc:
+            if _misuse(exc):
+                raise
+            raise boundary_error(self.connection, exc) from exc
+
+    def fetchall(self) -> list[Row]:
+        try:
+            return super().fetchall()
+        except psycopg.Error as exc:
+            if _misuse(exc):
+                raise
+            raise boundary_error(self.connection, exc) from exc
+
+    # A generator whichever psycopg.Cursor.__iter__ is (a generator, or the cursor as
+    # its own iterator): server-side cursors fetch ``itersize`` rows per round trip.
+    def __iter__(self) -> Iterator[Row]:  # type: ignore[override]
+        rows = super().__iter__()
+        while True:
+            try:
+                row = next(rows)
+            except StopIteration:
+                return
+            except psycopg.Error as exc:
+                if _misuse(exc):
+                    raise
+                raise boundary_error(self.connection, exc) from exc
+            yield row
+
+    def scroll(self, value: int, mode: str = "relative") -> None:
+        try:
+            super().scroll(value, mode)
+        except psycopg.Error as exc:
+            if _misuse(exc):
+                raise
+            raise boundary_error(self.connection, exc) from exc
+
+    def close(self) -> None:
+        try:
+            super().close()
+        except psycopg.Error as exc:
+            raise boundary_error(self.connection, exc) from exc
+
+
+class ClientCursor(Cursor[Row], psycopg.ClientCursor[Row]):
+    """psycopg's client-side binding cursor (``conn.cursor_factory = ClientCursor``), translating."""
+
+
+class ServerCursor(Cursor[Row], psycopg.ServerCursor[Row]):  # type: ignore[misc]  # __iter__, as above
+    """A named (server-side) cursor, translating: ``conn.cursor(name=...)``."""
+
+
 class Connection(psycopg.Connection[Row]):
     """A psycopg connection that raises ComposerErrors (see the module's docstring)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.cursor_factory = Cursor
+        self.server_cursor_factory = ServerCursor
 
     @classmethod
     def connect(cls, conninfo: str = "", **kwargs: Any) -> Self:
@@ -179,24 +269,106 @@ class Connection(psycopg.Connection[Row]):
         except psycopg.Error as exc:
             raise connect_error(exc) from exc
 
-    def wait(self, gen: PQGen[RV], *args: Any, **kwargs: Any) -> RV:
+    def cursor(self, *args: Any, **kwargs: Any) -> Any:
         try:
-            return super().wait(gen, *args, **kwargs)
-        except _WAIT_TIMEOUT:
-            raise   # psycopg's own signal that a wait with a timeout ran out (notifies() catches it)
+            return super().cursor(*args, **kwargs)
         except psycopg.Error as exc:
-            raise translate(exc) from exc
+            raise boundary_error(self, exc) from exc
 
-    def _check_connection_ok(self) -> None:
+    def commit(self) -> None:
         try:
-            super()._check_connection_ok()
+            super().commit()
         except psycopg.Error as exc:
-            if self.closed and not self.broken:
-                # Closed by this process (close(), a with block): no retry can cure
-                # that, unlike a session the server or the network ended.
-                raise ComposerError("the connection was closed by this process and cannot be used again"
-                                    ) from exc
-            raise translate(exc) from exc
+            raise boundary_error(self, exc) from exc
+
+    def rollback(self) -> None:
+        try:
+            super().rollback()
+        except psycopg.Error as exc:
+            raise boundary_error(self, exc) from exc
+
+    @contextlib.contextmanager
+    def transaction(self, savepoint_name: str | None = None,
+                    force_rollback: bool = False) -> Iterator[psycopg.Transaction]:
+        # Entering sends BEGIN (or SAVEPOINT), leaving COMMIT: both raise here.
+        try:
+            with super().transaction(savepoint_name, force_rollback) as tx:
+                yield tx
+        except psycopg.Error as exc:
+            raise boundary_error(self, exc) from exc
+
+    @contextlib.contextmanager
+    def pipeline(self) -> Iterator[psycopg.Pipeline]:
+        # Statements in a pipeline report their errors at a sync: the block's end or sync().
+        try:
+            with super().pipeline() as pipeline:
+                yield pipeline
+        except psycopg.Error as exc:
+            raise boundary_error(self, exc) from exc
+
+    def notifies(self, *, timeout: float | None = None,
+                 stop_after: int | None = None) -> Generator[psycopg.Notify, None, None]:
+        try:
+            yield from super().notifies(timeout=timeout, stop_after=stop_after)
+        except psycopg.Error as exc:
+            raise boundary_error(self, exc) from exc
+
+    def set_autocommit(self, value: bool) -> None:
+        try:
+            super().set_autocommit(value)
+        except psycopg.Error as exc:
+            raise boundary_error(self, exc) from exc
+
+    def set_isolation_level(self, value: psycopg.IsolationLevel | None) -> None:
+        try:
+            super().set_isolation_level(value)
+        except psycopg.Error as exc:
+            raise boundary_error(self, exc) from exc
+
+    def set_read_only(self, value: bool | None) -> None:
+        try:
+            super().set_read_only(value)
+        except psycopg.Error as exc:
+            raise boundary_error(self, exc) from exc
+
+    def set_deferrable(self, value: bool | None) -> None:
+        try:
+            super().set_deferrable(value)
+        except psycopg.Error as exc:
+            raise boundary_error(self, exc) from exc
+
+    # The attribute forms of the four settings go through the methods above.
+    @property
+    def autocommit(self) -> bool:
+        return super().autocommit
+
+    @autocommit.setter
+    def autocommit(self, value: bool) -> None:
+        self.set_autocommit(value)
+
+    @property
+    def isolation_level(self) -> psycopg.IsolationLevel | None:
+        return super().isolation_level
+
+    @isolation_level.setter
+    def isolation_level(self, value: psycopg.IsolationLevel | None) -> None:
+        self.set_isolation_level(value)
+
+    @property
+    def read_only(self) -> bool | None:
+        return super().read_only
+
+    @read_only.setter
+    def read_only(self, value: bool | None) -> None:
+        self.set_read_only(value)
+
+    @property
+    def deferrable(self) -> bool | None:
+        return super().deferrable
+
+    @deferrable.setter
+    def deferrable(self, value: bool | None) -> None:
+        self.set_deferrable(value)
 
 
 class Pool(ConnectionPool[Connection[Any]]):

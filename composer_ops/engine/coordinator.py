@@ -28,6 +28,7 @@ from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from composer_ops.core import runids
+from composer_ops.core.actor import Actor
 from composer_ops.core.model import Event, LeaseExpired, TaskRef, TimerDue
 from composer_ops.db.errors import Pool
 from composer_ops.db.retry import db_retry
@@ -36,7 +37,6 @@ from composer_ops.engine.shell import Outcome
 from composer_ops.engine.webhooks import RelayPolicy, relay_once
 from composer_ops.errors import ComposerError, Invalid, LockTimeout, Transient
 from composer_ops.repo import clock, partitions, signals, tasks, webhooks
-from composer_ops.repo.audit import Actor
 from composer_ops.repo.retention import Cutoff, parse_cutoff
 
 if TYPE_CHECKING:

@@ -10,6 +10,7 @@ from collections.abc import Callable, Mapping, Sequence
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
+from composer_ops.core.actor import Actor
 from composer_ops.core.model import TERMINAL_RUN_STATUSES, CancelRun, SignalReceived, TaskCompleted, TaskFailed, TaskRef
 from composer_ops.core.runids import validate_run_id
 from composer_ops.core.spec import ID_PATTERN, parse_spec
@@ -37,7 +38,6 @@ from composer_ops.repo import (
     webhooks,
     workers,
 )
-from composer_ops.repo.audit import Actor
 from composer_ops.repo.rows import Claim, DeletedRun, HistoryEntry, PartitionRow, RunListRow, RunRow, RunView
 
 if TYPE_CHECKING:

@@ -2,27 +2,22 @@
 action's own transaction.
 
 The database supplies who and from where (``session_user``, ``current_user``, the
-client address it sees) and the time; the caller supplies the :class:`Actor` (command
-line, host), what was acted on and the counts.
+client address it sees) and the time; the caller supplies the
+:class:`~composer_ops.core.actor.Actor` (command line, host), what was acted on and
+the counts.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
+from composer_ops.core.actor import Actor
 from composer_ops.repo._base import Conn, fetch_all, jsonb
 from composer_ops.repo.rows import AuditRow
 
-
-@dataclass(frozen=True, kw_only=True)
-class Actor:
-    """Who acts, as the client knows it: the command line (secrets removed) and the
-    host it runs on. The database adds the roles and the address it sees."""
-
-    command: str | None = None
-    host: str | None = None
+# Actor is also imported from here by engine modules (admin, archive, retention, retire).
+__all__ = ["Actor", "of_request", "operator_note", "recent", "record"]
 
 
 def operator_note(action: str, actor: Actor | None) -> dict[str, Any]:

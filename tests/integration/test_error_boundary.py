@@ -18,6 +18,7 @@ from psycopg_pool import PoolTimeout
 from composer_ops import ops
 from composer_ops.cli import main
 from composer_ops.db import connect, make_pool
+from composer_ops.db.errors import ClientCursor, Cursor, ServerCursor
 from composer_ops.db.retry import db_retry
 from composer_ops.errors import ComposerError, Conflict, Invalid, LockTimeout, Transient, Unavailable
 
@@ -240,8 +241,34 @@ def _server_cursor_fetch(c: Any) -> None:
         cur.fetchall()
 
 
+def _server_cursor_iteration(c: Any) -> None:
+    with c.cursor(name="boundary_iter") as cur:
+        cur.itersize = 2                                       # the second FETCH reaches g = 3
+        cur.execute("SELECT 1 / (g - 3) FROM generate_series(1, 5) g")
+        for _ in cur:
+            pass
+
+
+def _fetch_in_a_pipeline(c: Any) -> None:
+    with c.pipeline():
+        cur = c.execute("SELECT 1 / 0")
+        cur.fetchone()                                         # fetching syncs the pipeline
+
+
+def _nested_transaction(c: Any) -> None:
+    with c.transaction(), c.transaction():                     # the inner one is a savepoint
+        c.execute("INSERT INTO boundary VALUES (1, 1)")
+        c.execute("SET CONSTRAINTS boundary_k IMMEDIATE")
+
+
+def _read_only_in_a_transaction(c: Any) -> None:
+    c.execute("SELECT 1")
+    c.read_only = True
+
+
 def _client_cursor(c: Any) -> None:
-    psycopg.ClientCursor(c).execute("SELECT 1 / %s", (0,))
+    c.cursor_factory = ClientCursor
+    c.cursor().execute("SELECT 1 / %s", (0,))
 
 
 def _stream(c: Any) -> None:
@@ -280,7 +307,8 @@ def _cancelled_statement(c: Any) -> None:
 
 
 PATHS = [_execute, _executemany, _copy_in, _copy_out, _pipeline_sync, _commit, _transaction_exit,
-         _server_cursor_fetch, _client_cursor, _stream, _autocommit_in_a_transaction,
+         _server_cursor_fetch, _server_cursor_iteration, _fetch_in_a_pipeline, _nested_transaction,
+         _read_only_in_a_transaction, _client_cursor, _stream, _autocommit_in_a_transaction,
          _notifies_of_a_session_the_server_ended, _cancelled_statement]
 
 
@@ -291,6 +319,21 @@ def test_a_driver_error_on_every_path_arrives_as_a_composer_error(table: str, pa
             path(conn)
     assert isinstance(caught.value.__cause__, psycopg.Error), path
     assert "\n" not in str(caught.value)
+
+
+def test_a_misuse_psycopg_finds_reading_rows_is_left_as_a_bug(db_url: str) -> None:
+    """No round trip, nothing the database did: fetching from a statement with no rows."""
+    with connect(db_url) as conn:
+        cur = conn.execute("SET search_path = public")
+        with pytest.raises(psycopg.ProgrammingError) as caught:
+            cur.fetchone()
+        assert not isinstance(caught.value, ComposerError)
+
+
+def test_a_connection_opens_cursors_of_the_boundary(db_url: str) -> None:
+    with connect(db_url) as conn, conn.cursor() as cur, conn.cursor(name="c") as named:
+        assert type(cur) is Cursor and type(named) is ServerCursor
+        assert type(conn.execute("SELECT 1")) is Cursor
 
 
 def test_an_idle_listen_returns_at_its_timeout(db_url: str) -> None:

@@ -16,7 +16,7 @@ import pytest
 
 from composer_ops import Engine
 from composer_ops.cli import main
-from composer_ops.repo.audit import Actor
+from composer_ops.core.actor import Actor
 from composer_ops.testing.processes import Fleet, wait_for
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -18,6 +18,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tarfile
 import zipfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -26,6 +27,7 @@ from typing import Any
 import psycopg
 import pytest
 
+from composer_ops import __version__
 from composer_ops.testing.processes import Fleet, wait_for
 
 # The first test pays for building both artifacts and installing both venvs (module
@@ -102,6 +104,11 @@ def test_the_wheel_holds_every_module_migration_and_notebook(dists: dict[str, Pa
     assert {f"composer_ops/migrations/{m}" for m in MIGRATIONS} <= names
     assert {f"composer_ops/notebooks/{n}.ipynb" for n in NOTEBOOKS} <= names
     assert "composer_ops/py.typed" in names
+    with zipfile.ZipFile(dists["wheel"]) as whl:
+        meta = whl.read(f"composer_ops-{__version__}.dist-info/METADATA").decode()
+    assert f"\nVersion: {__version__}\n" in meta
+    with tarfile.open(dists["sdist"]) as sdist:
+        assert f"composer_ops-{__version__}/CHANGELOG.md" in sdist.getnames()
     # The data packages carry data only: the notebooks' test conftest stays in the tree.
     assert not [n for n in names if n.startswith(("composer_ops/notebooks/", "composer_ops/migrations/"))
                 and n.endswith(".py") and not n.endswith("/__init__.py")]
@@ -123,6 +130,7 @@ def test_installed_package_migrates_runs_a_workflow_and_renders_every_report(
     where = _run([str(venv / "bin" / "python"), "-c", "import composer_ops; print(composer_ops.__file__)"],
                  cwd=work).strip()
     assert Path(where).is_relative_to(venv), where
+    assert cli("--version") == f"composer-ops {__version__}\n"
 
     cli("migrate")
     with psycopg.connect(empty_db_url) as conn:
