@@ -38,7 +38,7 @@ class Twin:
     run_id: str
 
     def _claim(self, node: str) -> Claim:
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
             claims = self.engine.claim(["default"], "w1", 1, task_names=[f"do.{node}"])
             if claims:
