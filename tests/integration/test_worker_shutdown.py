@@ -31,7 +31,7 @@ def test_a_late_attempt_finishing_leaves_the_current_attempts_heartbeats_alone(d
     attempt 1 to the same worker. When attempt 0 finally returns, attempt 1 must keep
     its entry and its heartbeats: its lease never lapses while its handler runs."""
     engine.deploy({"id": "zombie", "nodes": [
-        {"id": "job", "type": "TASK", "task": "job", "lease_s": 1, "retry": {"max_attempts": 3}}]})
+        {"id": "job", "type": "TASK", "task": "job", "lease_s": 3, "retry": {"max_attempts": 3}}]})
     run_id = engine.start("zombie")
     release = {0: threading.Event(), 1: threading.Event()}
     started: dict[int, TaskContext] = {}
@@ -54,7 +54,9 @@ def test_a_late_attempt_finishing_leaves_the_current_attempts_heartbeats_alone(d
         assert engine.coordinator().run_once().leases_expired == 1
         wait_for(lambda: 1 in started, timeout=60, what="attempt 1 to start in the same worker")
         release[0].set()                                   # the late attempt returns (its result is stale)
-        time.sleep(3.0)                                    # three leases of attempt 1
+        # Two leases and more of attempt 1: heartbeats (every second) must have extended it.
+        # A lease of 3 s leaves a loaded machine two missed beats before it would lapse.
+        time.sleep(7.0)
         state, attempt, expires = _task_row(db_url, run_id)
         assert (state, attempt) == ("RUNNING", 1)
         assert not started[1].lease_lost, "attempt 1 lost its lease on a healthy worker"
