@@ -51,7 +51,8 @@ from composer_ops.simulate.model import Behaviour
 if TYPE_CHECKING:
     from composer_ops.engine import Engine
 
-__all__ = ["HeldTask", "LiveOptions", "LiveResult", "LiveSimulation", "PlannedRun", "StartFailure", "plan_live"]
+__all__ = ["HeldTask", "LiveOptions", "LiveResult", "LiveSimulation", "PlannedRun", "StartFailure", "plan_live",
+           "simulation_fleet"]
 
 _PACKAGE_ROOT = Path(__file__).resolve().parents[2]
 _APP = "composer_ops.simulate.handlers:make_worker"
@@ -140,11 +141,11 @@ class LiveResult:
     log_dir: str | None = None
 
 
-def _fleet(url: str, options: LiveOptions) -> Fleet:
+def simulation_fleet(url: str, behaviour: Behaviour) -> Fleet:
     """The simulation's processes: the behaviour model in their environment, and this
     package importable even from a source tree that is not installed."""
     path = os.environ.get("PYTHONPATH")
-    env = {**os.environ, **options.behaviour.to_env(), "COMPOSER_LOG_LEVEL": "WARNING",
+    env = {**os.environ, **behaviour.to_env(), "COMPOSER_LOG_LEVEL": "WARNING",
            "PYTHONPATH": str(_PACKAGE_ROOT) + (os.pathsep + path if path else "")}
     return Fleet(url, app=_APP, coordinator_interval=_COORDINATOR_INTERVAL_S, env=env)
 
@@ -208,7 +209,7 @@ class LiveSimulation:
         with self.engine.pool.connection() as conn:
             db_now = simulator.clock(conn)
         self._clock_offset = db_now.timestamp() - time.time()
-        fleet = _fleet(self.engine.url, options)
+        fleet = simulation_fleet(self.engine.url, options.behaviour)
         failed = True
         try:
             for _ in range(options.coordinators):
