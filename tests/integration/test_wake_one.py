@@ -207,7 +207,10 @@ def _idle_workers(db_url: str, engine: Engine, n: int = 4) -> Iterator[dict[str,
             return got
 
         w_engine.claim = counted  # type: ignore[method-assign]
-        worker = Worker(w_engine, concurrency=4, poll_interval=5.0, worker_id=f"w{i}")
+        # No poll within the test, however long a loaded machine makes it: every claim
+        # counted is one a dispatch's wake-up started (a poll while nothing is queued is
+        # an empty claim, and the number of polls grows with the test's duration).
+        worker = Worker(w_engine, concurrency=4, poll_interval=3600.0, worker_id=f"w{i}")
         worker.handler("noop")(lambda _input, _ctx: None)
         workers.append(worker)
     threads = [threading.Thread(target=w.run, daemon=True) for w in workers]
