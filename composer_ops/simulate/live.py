@@ -141,13 +141,14 @@ class LiveResult:
     log_dir: str | None = None
 
 
-def simulation_fleet(url: str, behaviour: Behaviour) -> Fleet:
+def simulation_fleet(url: str, behaviour: Behaviour, logdir: Path | None = None) -> Fleet:
     """The simulation's processes: the behaviour model in their environment, and this
-    package importable even from a source tree that is not installed."""
+    package importable even from a source tree that is not installed; their logs in
+    ``logdir`` (else a temporary directory of the fleet's own)."""
     path = os.environ.get("PYTHONPATH")
     env = {**os.environ, **behaviour.to_env(), "COMPOSER_LOG_LEVEL": "WARNING",
            "PYTHONPATH": str(_PACKAGE_ROOT) + (os.pathsep + path if path else "")}
-    return Fleet(url, app=_APP, coordinator_interval=_COORDINATOR_INTERVAL_S, env=env)
+    return Fleet(url, app=_APP, coordinator_interval=_COORDINATOR_INTERVAL_S, env=env, logdir=logdir)
 
 
 def _owner(proc: Proc) -> str:

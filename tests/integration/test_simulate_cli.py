@@ -69,7 +69,7 @@ def _missing(db_url: str, live: list[str]) -> list[str]:
 
 @pytest.mark.slow
 @pytest.mark.timeout(1200)          # two simulate processes of up to 300 s each, and the finish
-def test_simulate_at_ci_size_leaves_the_promised_mix(db_url: str) -> None:
+def test_simulate_at_ci_size_leaves_the_promised_mix(db_url: str, tmp_path: Path) -> None:
     # The plan is a pure function of the seed: it has early signals and cancellations to send.
     plan = plan_live(LiveOptions(seed=SEED, runs=RUNS, duration_s=14, cancel_rate=0.1,
                                  behaviour=Behaviour(time_scale=0.5)))
@@ -102,7 +102,8 @@ def test_simulate_at_ci_size_leaves_the_promised_mix(db_url: str) -> None:
     # stops, a worker and a coordinator of the same behaviour finish, within a generous
     # deadline; they stop as soon as the mix is there, so runs are still left active.
     if _missing(db_url, live):
-        with simulation_fleet(db_url, Behaviour(time_scale=0.5, transient_rate=0.06, permanent_rate=0.03)) as fleet:
+        behaviour = Behaviour(time_scale=0.5, transient_rate=0.06, permanent_rate=0.03)
+        with simulation_fleet(db_url, behaviour, logdir=tmp_path / "finish") as fleet:
             fleet.coordinator()
             fleet.worker(concurrency=6)
             wait_for(lambda: not _missing(db_url, live), timeout=400, interval=1.0,
