@@ -75,7 +75,10 @@ def test_a_killed_worker_is_dead_with_the_leases_it_left(db_url: str, engine: En
         task = wait_for(lambda: next((t for t in engine.get_run(run_id).tasks if t.state == "RUNNING"), None),
                         what="the task to run")
         owner = task.lease_owner
-        assert _by_id(engine, owner).state == "live"
+        # The registry row is written by its own thread, which a loaded machine can let
+        # the first claim overtake: wait for it rather than read it once.
+        wait_for(lambda: (w := _by_id(engine, owner)) is not None and w.state == "live",
+                 what="the worker's registration")
         fleet.kill(doomed)
         dead = wait_for(lambda: (w := _by_id(engine, owner)) is not None and w.state == "dead" and w,
                         timeout=60, what="the worker to be judged dead")
