@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PG15_BIN ?= /usr/lib/postgresql/15/bin
 
-.PHONY: demo demo-ci test test-fast test-package test-psycopg-oldest test-citus lint typecheck test-18 test-15 lab clean-db venv
+.PHONY: demo demo-ci test test-fast test-package test-psycopg-oldest test-citus test-flaky lint typecheck test-18 test-15 lab clean-db venv
 
 venv: $(STAMP)
 
@@ -146,6 +146,15 @@ test-citus: $(STAMP)
 	@test -x $(PG15_BIN)/initdb || { echo "PostgreSQL 15 server binaries not found in $(PG15_BIN) (apt-get install postgresql-15)"; exit 1; }
 	$(BIN)/python -m composer_ops.testing.citus install
 	env -u COMPOSER_DATABASE_URL -u COMPOSER_TEST_PGBIN $(BIN)/python -m pytest -q --require tests/citus=37 --durations=12 tests/citus
+
+# The flaky-test finder (tests/flaky.py): FLAKY_ARGS' selection (default: the test-18 one)
+# run --runs times on each --leg (18, 15), beside --hogs busy-looping processes (always
+# killed at the end), with --random-order a shuffled order and a new seed each run. Every
+# failure (test, leg, run, seed, first line) goes to reports/flaky/flaky.{json,md}; the
+# target fails if any run failed. E.g. FLAKY_ARGS="--runs 3 --hogs 2 --leg 15 tests/integration".
+FLAKY_ARGS ?= --runs 3 --hogs 2
+test-flaky: $(STAMP)
+	env -u COMPOSER_DATABASE_URL $(BIN)/python -m tests.flaky $(FLAKY_ARGS)
 
 # JupyterLab on the notebooks. Without COMPOSER_DATABASE_URL it opens the demo's embedded
 # database (started and migrated first); with it, the database as it is, so a read-only

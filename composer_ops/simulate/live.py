@@ -12,7 +12,9 @@ the coordinator's sweeper to retry its tasks. With two kills or more, the last o
 happens as the simulation stops, right before the coordinators stop, so the
 database is left with a dead worker's lapsing leases for the lease report to find.
 After ``duration_s`` everything stops, with runs in flight: tasks queued or waiting,
-signals not yet sent; those runs are left active.
+signals not yet sent; those runs are left active. Every planned start is made, even one
+whose instant the driver reached late (a loaded machine); a start the database refused
+is retried when the error is transient and reported with its error otherwise.
 
 The plan (which workflow, inputs, signal timings, cancellations, handler behaviour)
 is a function of the seed; what the processes make of it depends on real timing.
@@ -27,9 +29,12 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from composer_ops.db.retry import db_retry
+from composer_ops.engine.ids import uuid7_at
 from composer_ops.errors import ComposerError, Conflict
 from composer_ops.processes import Fleet, Kind, Proc
 from composer_ops.repo import simulator
@@ -46,7 +51,8 @@ from composer_ops.simulate.model import Behaviour
 if TYPE_CHECKING:
     from composer_ops.engine import Engine
 
-__all__ = ["HeldTask", "LiveOptions", "LiveResult", "LiveSimulation", "PlannedRun", "plan_live"]
+__all__ = ["HeldTask", "LiveOptions", "LiveResult", "LiveSimulation", "PlannedRun", "StartFailure", "plan_live",
+           "simulation_fleet"]
 
 _PACKAGE_ROOT = Path(__file__).resolve().parents[2]
 _APP = "composer_ops.simulate.handlers:make_worker"
@@ -57,6 +63,9 @@ _MAX_UNEXPECTED_EXITS = 4
 #: tasks, then takes any worker holding one.
 _KILL_PATIENCE_S = 5.0
 _KILL_MIN_BUSY = 3
+#: Calls of Engine.start per planned run when it raises Transient (each call already
+#: retries its own transaction): a server restarting or a pool exhausted for a while.
+_START_ATTEMPTS = 4
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -108,12 +117,22 @@ class HeldTask:
     attempt: int
 
 
+@dataclass(frozen=True, kw_only=True)
+class StartFailure:
+    """A planned start the database refused, after the retries of a transient error."""
+
+    index: int
+    workflow_id: str
+    error: str
+
+
 @dataclass
 class LiveResult:
     """What the driver did and saw; the database tells the rest (see ``summary``)."""
 
     run_ids: list[str] = field(default_factory=list)
-    start_errors: int = 0
+    start_failures: list[StartFailure] = field(default_factory=list)
+    start_retries: int = 0                      # Engine.start calls repeated after a transient error
     signals: Counter[str] = field(default_factory=Counter)
     cancels: Counter[str] = field(default_factory=Counter)
     kills: list[tuple[str, list[HeldTask]]] = field(default_factory=list)   # (lease owner, its RUNNING tasks)
@@ -122,13 +141,14 @@ class LiveResult:
     log_dir: str | None = None
 
 
-def _fleet(url: str, options: LiveOptions) -> Fleet:
+def simulation_fleet(url: str, behaviour: Behaviour, logdir: Path | None = None) -> Fleet:
     """The simulation's processes: the behaviour model in their environment, and this
-    package importable even from a source tree that is not installed."""
+    package importable even from a source tree that is not installed; their logs in
+    ``logdir`` (else a temporary directory of the fleet's own)."""
     path = os.environ.get("PYTHONPATH")
-    env = {**os.environ, **options.behaviour.to_env(), "COMPOSER_LOG_LEVEL": "WARNING",
+    env = {**os.environ, **behaviour.to_env(), "COMPOSER_LOG_LEVEL": "WARNING",
            "PYTHONPATH": str(_PACKAGE_ROOT) + (os.pathsep + path if path else "")}
-    return Fleet(url, app=_APP, coordinator_interval=_COORDINATOR_INTERVAL_S, env=env)
+    return Fleet(url, app=_APP, coordinator_interval=_COORDINATOR_INTERVAL_S, env=env, logdir=logdir)
 
 
 def _owner(proc: Proc) -> str:
@@ -190,7 +210,7 @@ class LiveSimulation:
         with self.engine.pool.connection() as conn:
             db_now = simulator.clock(conn)
         self._clock_offset = db_now.timestamp() - time.time()
-        fleet = _fleet(self.engine.url, options)
+        fleet = simulation_fleet(self.engine.url, options.behaviour)
         failed = True
         try:
             for _ in range(options.coordinators):
@@ -229,6 +249,9 @@ class LiveSimulation:
         while True:
             now = time.monotonic() - t0
             if now >= stop_at:
+                # Starts fall behind their instants when the machine is loaded (each one
+                # is a transaction); the plan's last ones are still due: make them.
+                self._start_overdue(now)
                 break
             while self._events and self._events[0][0] <= now:
                 _, _, kind, payload = heapq.heappop(self._events)
@@ -259,16 +282,32 @@ class LiveSimulation:
             if not self._kill(fleet, replace=True, min_busy=_KILL_MIN_BUSY if now < payload else 1):
                 self._at(now + _POLL_S, "kill", payload)
 
+    def _start_overdue(self, now: float) -> None:
+        """Make the planned starts still queued; the other events due after the end
+        (signals, cancellations, kills) are dropped with the runs left active."""
+        overdue = sorted((e for e in self._events if e[2] == "start"), key=lambda e: (e[0], e[1]))
+        self._events = [e for e in self._events if e[2] != "start"]
+        heapq.heapify(self._events)
+        for _, _, _, planned in overdue:
+            self._start(planned, now)
+
     def _start(self, planned: PlannedRun, now: float) -> None:
         rng = random.Random(f"composer-sim-live:{self.options.seed}:run:{planned.index}")
         sim = {"seed": self.options.seed, "run": f"live-{planned.index}"}
-        run_input = make_input(rng, planned.workflow_id, sim, time.time() + self._clock_offset,
-                               self.options.behaviour.time_scale)
+        db_now = time.time() + self._clock_offset
+        run_input = make_input(rng, planned.workflow_id, sim, db_now, self.options.behaviour.time_scale)
+        # The run ID is chosen here, so a retry whose earlier call committed finds its run
+        # instead of starting a second one; minted now, it is fresh by the database clock.
+        run_id = uuid7_at(datetime.fromtimestamp(db_now, UTC))
+        calls: list[int] = []
         try:
-            run_id = self.engine.start(planned.workflow_id, input=run_input)
-        except ComposerError:
-            self.result.start_errors += 1
+            self._start_run(planned.workflow_id, run_input, run_id, calls)
+        except ComposerError as exc:
+            self.result.start_failures.append(StartFailure(index=planned.index, workflow_id=planned.workflow_id,
+                                                           error=f"{type(exc).__name__}: {exc}"))
             return
+        finally:
+            self.result.start_retries += max(0, len(calls) - 1)
         self.result.run_ids.append(run_id)
         state = self.runs[planned.index] = _RunState(plan=planned, run_id=run_id)
         for plan in planned.signals:
@@ -280,6 +319,19 @@ class LiveSimulation:
                 self.result.signals["never sent"] += 1
         if planned.cancel is not None:
             self._at(now + planned.cancel[0], "cancel", planned.index)
+
+    @db_retry(_START_ATTEMPTS, base=0.25)
+    def _start_run(self, workflow_id: str, run_input: Any, run_id: str, calls: list[int]) -> None:
+        calls.append(1)
+        try:
+            self.engine.start(workflow_id, input=run_input, run_id=run_id)
+        except Conflict:
+            # A call whose acknowledgement was lost committed the run: it is started.
+            if len(calls) > 1:
+                with self.engine.pool.connection() as conn:
+                    if simulator.existing_runs(conn, [run_id]):
+                        return
+            raise
 
     def _signal(self, state: _RunState, plan: SignalPlan, duplicate: bool, now: float) -> None:
         label = "duplicate" if duplicate else plan.timing.replace("_", " ")

@@ -105,8 +105,11 @@ def render_live(console: Console, result: LiveResult, figures: LiveFigures) -> N
     table.add_column("detail")
     started = len(result.run_ids)
     rate = started / result.seconds if result.seconds else 0.0
-    table.add_row("runs started", _fmt(started), f"{rate:.1f}/s over {result.seconds:.0f} s"
-                  + (f", {result.start_errors} refused" if result.start_errors else ""))
+    planned = started + len(result.start_failures)
+    table.add_row("runs started", _fmt(started), f"of {planned} planned, {rate:.1f}/s over {result.seconds:.0f} s"
+                  + (f", {result.start_retries} retried after a transient error" if result.start_retries else ""))
+    if result.start_failures:
+        table.add_row("  not started", _fmt(len(result.start_failures)), "the database refused them (below)")
     for status in (RunStatus.SUCCEEDED, RunStatus.FAILED, RunStatus.CANCELLED, RunStatus.RUNNING):
         note = "left active" if status is RunStatus.RUNNING else ""
         table.add_row(f"  {status.lower()}", _fmt(figures.by_status.get(status, 0)), note)
@@ -130,6 +133,9 @@ def render_live(console: Console, result: LiveResult, figures: LiveFigures) -> N
     table.add_row("cancellations", _fmt(sum(result.cancels.values())), _counts(result.cancels))
     table.add_row("outbox backlog", _fmt(figures.outbox), "dispatches waiting for a worker")
     console.print(table)
+    for failure in result.start_failures:
+        console.print(f"[yellow]warning:[/yellow] planned run live-{failure.index} ({failure.workflow_id}) "
+                      f"not started: {failure.error}")
     for line in result.unexpected_exits:
         console.print(f"[yellow]warning:[/yellow] {line}")
     if result.log_dir:

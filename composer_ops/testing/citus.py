@@ -32,7 +32,7 @@ from typing import Any
 import psycopg
 from psycopg import sql
 
-from composer_ops.testing.servers import Server, ServerGroup, free_port, start_cluster
+from composer_ops.testing.servers import Server, ServerGroup, start_cluster_on_free_port
 
 PG15_BIN = Path("/usr/lib/postgresql/15/bin")
 ENV_INSTALLER = "COMPOSER_CITUS_INSTALLER"
@@ -101,17 +101,6 @@ def ensure_installed(bindir: Path = PG15_BIN) -> None:
         raise CitusUnavailable(f"{script} ran but Citus is still not installed in {bindir.parent}")
 
 
-def _start_node(bindir: Path, settings: Mapping[str, str], attempts: int = 5) -> Server:
-    """A node on a free port; another port if that one was taken between the choice and the start."""
-    for attempt in range(attempts):
-        try:
-            return start_cluster(bindir, port=free_port(), settings=settings)
-        except RuntimeError as exc:
-            if "could not bind" not in str(exc) and "already in use" not in str(exc) or attempt == attempts - 1:
-                raise
-    raise AssertionError("unreachable")
-
-
 @dataclass
 class CitusCluster:
     """A coordinator and workers on this machine, started by :meth:`start`."""
@@ -128,9 +117,9 @@ class CitusCluster:
         ensure_installed(bindir)
         node_settings = {**NODE_SETTINGS, "citus.shard_count": str(shard_count), **(settings or {})}
         group = ServerGroup()
-        group.add(ServerGroup.PRIMARY, _start_node(bindir, node_settings))
+        group.add(ServerGroup.PRIMARY, start_cluster_on_free_port(bindir, settings=node_settings))
         for i in range(workers):
-            group.add(f"worker{i + 1}", _start_node(bindir, node_settings))
+            group.add(f"worker{i + 1}", start_cluster_on_free_port(bindir, settings=node_settings))
         return cls(group=group, shard_count=shard_count)
 
     @property

@@ -259,6 +259,19 @@ def free_port() -> int:
         return port
 
 
+def start_cluster_on_free_port(bin_dir: str | Path, *, settings: Mapping[str, str] | None = None,
+                               attempts: int = 5) -> Server:
+    """:func:`start_cluster` on a free TCP port; another port if that one was taken
+    between the choice and the start (another process on the machine may bind it)."""
+    for attempt in range(attempts):
+        try:
+            return start_cluster(bin_dir, port=free_port(), settings=settings)
+        except RuntimeError as exc:
+            if "could not bind" not in str(exc) and "already in use" not in str(exc) or attempt == attempts - 1:
+                raise
+    raise AssertionError("unreachable")
+
+
 def start_cluster(bin_dir: str | Path, *, port: int | None = None, settings: Mapping[str, str] | None = None,
                   keep: bool = False, standby_of: Server | None = None) -> Server:
     """``initdb`` and ``pg_ctl start`` a new cluster with the binaries in ``bin_dir``.

@@ -81,7 +81,7 @@ def test_the_listen_connection_reconnects_after_a_restart(db_url: str, restartab
                 conn.execute("SELECT pg_notify('composer_tasks', %s)", (payload,))
             time.sleep(0.2)
             return payload in got
-        wait_for(heard, timeout=20, interval=0.1, what=f"NOTIFY {payload} to be heard")
+        wait_for(heard, timeout=60, interval=0.1, what=f"NOTIFY {payload} to be heard")
 
     try:
         notify_until_heard("before")
@@ -107,14 +107,14 @@ def test_a_worker_and_a_coordinator_carry_on_after_a_restart(engine: Engine, res
     coordinator = engine.coordinator()
     try:
         first = engine.start("one")
-        wait_for(lambda: engine.get_run(first).status == "SUCCEEDED", timeout=15, what="the first run")
+        wait_for(lambda: engine.get_run(first).status == "SUCCEEDED", timeout=60, what="the first run")
         restartable.restart()
         second = engine.start("one")
-        wait_for(lambda: engine.get_run(second).status == "SUCCEEDED", timeout=15, what="the run after the restart")
+        wait_for(lambda: engine.get_run(second).status == "SUCCEEDED", timeout=60, what="the run after the restart")
         assert coordinator.run_once().errors == []
     finally:
         worker.stop()
-        thread.join(15)
+        thread.join(60)
     assert done == [first, second]
 
 

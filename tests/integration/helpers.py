@@ -119,3 +119,24 @@ def at_once(fn: Callable[[Callable[[], None]], T], n: int = 2, timeout: float = 
         raise errors[0]
     assert len(results) == n, f"{n - len(results)} of {n} threads did not finish in {timeout}s"
     return results
+
+
+class CoordinatorClock:
+    """The coordinator's schedule clock (``time.monotonic`` in engine/coordinator.py: its
+    backoffs, floor reads, upkeep), stopped: it moves only by :meth:`advance`, so "still
+    backing off" and "the backoff is over" do not depend on how long the machine took
+    between two passes."""
+
+    def __init__(self, monkeypatch: Any) -> None:
+        import time
+
+        from composer_ops.engine import coordinator
+
+        self.now = time.monotonic()
+        monkeypatch.setattr(coordinator, "time", self)
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds

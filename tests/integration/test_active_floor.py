@@ -11,7 +11,6 @@ below it that gets an active task again is seen from the next read of the floor.
 
 from __future__ import annotations
 
-import time
 from datetime import UTC, date, datetime
 from typing import Any
 
@@ -22,7 +21,7 @@ from composer_ops import Engine, Invalid
 from composer_ops.core import runids
 from composer_ops.engine.coordinator import MAX_FLOOR_EVERY_S
 from composer_ops.repo import clock, partitions, signals, tasks
-from tests.integration.helpers import add_definition, add_run, now_utc
+from tests.integration.helpers import CoordinatorClock, add_definition, add_run, now_utc
 
 
 def _months_ago(n: int) -> datetime:
@@ -144,7 +143,9 @@ def test_an_old_runs_expired_lease_and_due_timer_are_handled(engine: Engine, db_
     assert rows[leased] == "PENDING" and rows[waiting] != "WAITING"
 
 
-def test_a_run_below_the_floor_is_swept_from_the_next_read_of_the_floor(engine: Engine, db_url: str) -> None:
+def test_a_run_below_the_floor_is_swept_from_the_next_read_of_the_floor(engine: Engine, db_url: str,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    clock = CoordinatorClock(monkeypatch)
     coordinator = engine.coordinator(floor_every_s=1.0)
     with psycopg.connect(db_url, autocommit=True) as conn:
         _ensure_months_back(conn, 2)
@@ -153,9 +154,8 @@ def test_a_run_below_the_floor_is_swept_from_the_next_read_of_the_floor(engine: 
         assert coordinator.run_once(["leases"]).leases_expired == 0          # the floor: this month
         # an old run gets an active task after the read (as an operator's retry does)
         _task(conn, add_run(conn, at=_months_ago(2)), "RUNNING", lease_expired=True)
-    read_at = time.monotonic()
     assert coordinator.run_once(["leases"]).leases_expired == 0          # below the floor, not seen yet
-    time.sleep(max(0.0, read_at + 1.05 - time.monotonic()))
+    clock.advance(1.05)
     assert coordinator.run_once(["leases"]).leases_expired == 1
 
 

@@ -50,7 +50,8 @@ def test_with_a_client_run_id_the_retry_returns_the_run(engine: Engine, monkeypa
 
 
 def test_driver_errors_reach_callers_as_composer_errors(db_url: str) -> None:
-    engine = Engine(make_pool(db_url, min_size=1, max_size=1, timeout=0.05), db_url)
+    engine = Engine(make_pool(db_url, min_size=1, max_size=1), db_url)
+    engine.pool.timeout = 0.05          # once open: opening on a loaded machine may take longer
     try:
         engine.deploy(SPEC)
         run_id = engine.start("one")

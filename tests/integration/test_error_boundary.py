@@ -56,7 +56,8 @@ def test_an_error_raised_by_the_commit_of_a_transaction_block_is_translated(tabl
 
 def test_a_pool_timeout_is_transient_and_retried(db_url: str) -> None:
     calls: list[int] = []
-    with make_pool(db_url, min_size=1, max_size=1, timeout=0.05) as pool:
+    with make_pool(db_url, min_size=1, max_size=1) as pool:
+        pool.timeout = 0.05             # once open: opening on a loaded machine may take longer
 
         @db_retry(max_attempts=3, base=0.001, cap=0.001)
         def txn() -> None:

@@ -26,6 +26,10 @@ from tests.notebooks.harness import ROOT, as_role, seed_committed
 NOWHERE = "postgresql://nobody@/nowhere?host=/nonexistent"
 NAMES = ["active_tasks", "lease_expiries", "partition_sizes", "retention_dry_run", "run_investigation"]
 
+# Reports run notebooks in kernels and subprocesses, each bounded by its own timeout (up to
+# 300 s); the test's timeout is above them, so on a loaded machine they, not it, decide.
+pytestmark = pytest.mark.timeout(600)
+
 
 def test_report_all_writes_html_beside_the_executed_notebook_and_an_index(
         db_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:

@@ -21,6 +21,7 @@ from composer_ops.repo.rows import Claim
 from tests.unit.machine_sim import Sim
 
 WAIT_S = 0.3
+EVENT_WAIT_S = 5.0
 
 
 @pytest.fixture
@@ -38,7 +39,7 @@ class Twin:
     run_id: str
 
     def _claim(self, node: str) -> Claim:
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
             claims = self.engine.claim(["default"], "w1", 1, task_names=[f"do.{node}"])
             if claims:
@@ -57,11 +58,11 @@ class Twin:
         self.sim.fail(node, "broken", retryable=False)
         self.check()
 
-    def timer(self, node: str) -> None:
-        time.sleep(WAIT_S + 0.1)
+    def timer(self, node: str, wait_s: float = WAIT_S) -> None:
+        time.sleep(wait_s + 0.1)
         stats = self.engine.coordinator().run_once(["timers"])
         assert stats.timers_fired == 1, stats
-        self.sim.tick(WAIT_S + 0.1)
+        self.sim.tick(wait_s + 0.1)
         self.sim.fire(node)
         self.check()
 
@@ -144,9 +145,11 @@ def test_retry_a_cancelled_wait(engine: Engine) -> None:
 
 
 def test_retry_a_timed_out_wait_for_event(engine: Engine) -> None:
+    # The retried node waits again with the same timeout, and the signal must beat it by
+    # the database clock: 0.3 s was lost on a loaded machine between the retry and the signal.
     run = twin(engine, {"id": "approvals", "nodes": [
-        {"id": "ask", "type": "WAIT_FOR_EVENT", "event": "approved", "timeout_s": WAIT_S}, t("go", "ask")]})
-    run.timer("ask")
+        {"id": "ask", "type": "WAIT_FOR_EVENT", "event": "approved", "timeout_s": EVENT_WAIT_S}, t("go", "ask")]})
+    run.timer("ask", EVENT_WAIT_S)
     assert run.sim.status is RunStatus.FAILED
     run.retry()
     run.signal("approved", {"by": "ops"})

@@ -126,10 +126,10 @@ def test_a_whole_workflow_runs_as_the_engine_role(engine_as_role: Engine, db_url
     thread = threading.Thread(target=worker.run, daemon=True)
     thread.start()
     try:
-        wait_for(lambda: engine.get_run(run_id).status == "SUCCEEDED", timeout=15, what="the run")
+        wait_for(lambda: engine.get_run(run_id).status == "SUCCEEDED", timeout=60, what="the run")
     finally:
         worker.stop()
-        thread.join(15)
+        thread.join(60)
     stats = engine.coordinator(relay=None).run_once()               # upkeep, timers, leases, webhooks
     assert stats.errors == []
     with psycopg.connect(db_url) as owner:

@@ -19,9 +19,9 @@ needs_binaries = pytest.mark.skipif(not (BIN / "initdb").exists(), reason=f"no P
 
 @needs_binaries
 def test_a_group_of_two_clusters_one_on_tcp_with_settings() -> None:
-    port = servers.free_port()
     group = ServerGroup({ServerGroup.PRIMARY: servers.start_cluster(BIN)})
-    other = group.add("replica", servers.start_cluster(BIN, port=port, settings={"application_name": "grouped"}))
+    other = group.add("replica", servers.start_cluster_on_free_port(BIN, settings={"application_name": "grouped"}))
+    port = other.port
     try:
         with psycopg.connect(f"postgresql://postgres@127.0.0.1:{port}/postgres") as conn:   # TCP
             assert conn.execute("SHOW application_name").fetchone() == ("grouped",)

@@ -139,10 +139,10 @@ def test_a_claim_that_registers_again_never_waits_for_a_dispatch(db_url: str, wa
             claim.start()
             wait_for(partial(_lock_waits, wakes.conn, 1), what="the claim waiting at its task")
             Wakes(dispatcher, wakes.listen, wakes.channels).dispatch(run_id, nodes=("y",))  # takes a's row
-        claim.join(5)
+        claim.join(30)
         waited = claim.is_alive()
         dispatcher.commit()
-        claim.join(5)
+        claim.join(30)
         assert not waited, "the claim waited for the uncommitted dispatch, holding its task"
     assert [len(g) for g in got] == [1]
     assert wakes.notified() == ["a", "shared"]      # the first dispatch's, then the second's wake-up
@@ -207,7 +207,10 @@ def _idle_workers(db_url: str, engine: Engine, n: int = 4) -> Iterator[dict[str,
             return got
 
         w_engine.claim = counted  # type: ignore[method-assign]
-        worker = Worker(w_engine, concurrency=4, poll_interval=5.0, worker_id=f"w{i}")
+        # No poll within the test, however long a loaded machine makes it: every claim
+        # counted is one a dispatch's wake-up started (a poll while nothing is queued is
+        # an empty claim, and the number of polls grows with the test's duration).
+        worker = Worker(w_engine, concurrency=4, poll_interval=3600.0, worker_id=f"w{i}")
         worker.handler("noop")(lambda _input, _ctx: None)
         workers.append(worker)
     threads = [threading.Thread(target=w.run, daemon=True) for w in workers]
@@ -223,7 +226,7 @@ def _idle_workers(db_url: str, engine: Engine, n: int = 4) -> Iterator[dict[str,
         for w in workers:
             w.stop()
         for t in threads:
-            t.join(10)
+            t.join(60)
         for w in workers:
             w.engine.close()
 
@@ -293,7 +296,7 @@ def test_workers_serving_different_tasks_each_claim_theirs_at_once(db_url: str) 
         finally:
             for worker, thread in running:
                 worker.stop()
-                thread.join(10)
+                thread.join(60)
                 worker.engine.close()
     assert {node: round(at - began, 2) for node, at in claimed.items() if at - began > 1.0} == {}
 
@@ -308,7 +311,7 @@ def test_a_stopped_worker_is_no_longer_registered(db_url: str) -> None:
         thread.start()
         wait_for(lambda: _waiters(engine) == ["leaving"], what="the worker registered")
         worker.stop()
-        thread.join(10)
+        thread.join(60)
         assert _waiters(engine) == []
 
 
@@ -350,7 +353,7 @@ def test_a_worker_counts_its_claims_by_what_started_them(db_url: str) -> None:
             wait_for(lambda: worker.claim_counts()["shared"]["claims"] == 1, what="the shared wake-up's claim")
         finally:
             worker.stop()
-            thread.join(10)
+            thread.join(60)
             w_engine.close()
     assert worker.claim_counts() == {"own": {"claims": 1, "empty": 0}, "shared": {"claims": 1, "empty": 1},
                                      "room": {"claims": 1, "empty": 1}}

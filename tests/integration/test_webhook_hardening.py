@@ -9,6 +9,7 @@ import socket
 import threading
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from http.server import BaseHTTPRequestHandler
 from typing import Any
 
@@ -184,7 +185,7 @@ def test_a_post_is_recorded_when_it_ends_not_when_the_batch_does(db_url: str, en
     with psycopg.connect(db_url, autocommit=True) as conn:
         _insert_delivery(conn, "fast", endpoint.url("/ok"))
         _insert_delivery(conn, "slow", endpoint.url("/held"))
-    policy = RelayPolicy(connect_timeout_s=1.0, timeout_s=30.0, deadline_s=30.0)
+    policy = RelayPolicy(connect_timeout_s=10.0, timeout_s=60.0, deadline_s=60.0)
     with Engine.connect(db_url, pool_size=2) as engine:
         outcome: list[tuple[int, int]] = []
         relay = threading.Thread(target=lambda: outcome.append(relay_once(engine.pool, secret=None, policy=policy)))
@@ -192,7 +193,7 @@ def test_a_post_is_recorded_when_it_ends_not_when_the_batch_does(db_url: str, en
         try:
             recorded: dict[str, bool] = {}
             held: set[str] = set()
-            give_up = time.monotonic() + 10
+            give_up = time.monotonic() + 60
             while time.monotonic() < give_up:
                 with psycopg.connect(db_url, autocommit=True) as conn:
                     recorded = dict(conn.execute(
@@ -220,21 +221,37 @@ def test_posts_not_started_when_recording_fails_are_not_sent(db_url: str, endpoi
         for i in range(PARALLEL_POSTS + 3):
             _insert_delivery(conn, f"held-{i}", endpoint.url("/held"))
 
+    def held_received() -> int:
+        with endpoint.lock:
+            return sum(p == "/held" for p, _, _ in endpoint.requests)
+
     def record_fails(*_: Any) -> None:
+        # The fast POST ended first; its thread takes the next queued one. Fail once that
+        # one reached the endpoint too, so every thread holds a started POST and the
+        # queue's order, not the threads' timing, decides what is sent.
+        deadline = time.monotonic() + 60
+        while held_received() < PARALLEL_POSTS and time.monotonic() < deadline:
+            time.sleep(0.02)
         raise Unavailable("the database stayed away")
 
+    class ReleasingPool(ThreadPoolExecutor):
+        """Answers the held POSTs once the relay has cancelled what it had not started."""
+
+        def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
+            super().shutdown(wait=False, cancel_futures=cancel_futures)
+            endpoint.release.set()
+            super().shutdown(wait=wait)
+
     monkeypatch.setattr(webhooks, "_record", record_fails)
-    releaser = threading.Timer(1.0, endpoint.release.set)
-    releaser.start()
-    policy = RelayPolicy(connect_timeout_s=1.0, timeout_s=30.0, deadline_s=30.0)
+    monkeypatch.setattr(webhooks, "ThreadPoolExecutor", ReleasingPool)
+    policy = RelayPolicy(connect_timeout_s=10.0, timeout_s=60.0, deadline_s=60.0)
     try:
         with Engine.connect(db_url, pool_size=2) as engine, pytest.raises(Unavailable):
             relay_once(engine.pool, secret=None, policy=policy)
     finally:
-        releaser.cancel()
         endpoint.release.set()
-    # PARALLEL_POSTS at once: the fast one and 7 held; the fast one's thread took the next
-    # at once; the record failed on the fast one, and the 3 still queued were never sent.
+    # PARALLEL_POSTS at once: the fast one and 7 held; the fast one's thread took the next;
+    # the record failed, and the 3 still queued were never sent.
     sent = sorted(p for p, _, _ in endpoint.requests)
     assert sent == ["/held"] * PARALLEL_POSTS + ["/ok"]
 

@@ -54,7 +54,15 @@ def run_nbval(paths: list[Path], env: dict[str, str], *, rootdir: Path = ROOT,
     and the project's pytest configuration."""
     cmd = [sys.executable, "-m", "pytest", "-c", str(ROOT / "pyproject.toml"), "--rootdir", str(rootdir),
            "--nbval-lax", "--nbval-current-env", "--nbval-cell-timeout=120",
-           "-p", "no:cacheprovider", "-q", "-rf", "--no-header", *[str(p) for p in paths]]
+           "-p", "no:cacheprovider", "-q", "-rf", "--no-header",
+           # nbval starts each kernel with stderr=open(os.devnull, "w") and never closes it;
+           # the file is finalized whenever the garbage collector gets to it, anywhere in the
+           # run (an import under assertion rewriting), and `filterwarnings = error` would
+           # fail whatever runs then. Only that file's warnings (the wrapper's, and the raw
+           # file's when the collector finalizes it first) are ignored, only here.
+           "-W", f"ignore:unclosed file <_io.TextIOWrapper name='{os.devnull}' mode='w':ResourceWarning",
+           "-W", f"ignore:unclosed file <_io.FileIO name='{os.devnull}' mode='wb':ResourceWarning",
+           *[str(p) for p in paths]]
     # A nested pytest prints its short summary in full when it believes it runs on CI (the CI and
     # BUILD_NUMBER variables): its output must read the same here and on CI.
     full_env = {k: v for k, v in os.environ.items() if k not in ("CI", "BUILD_NUMBER")} | env

@@ -8,6 +8,8 @@ import re
 import shutil
 from pathlib import Path
 
+import pytest
+
 from composer_ops import reports
 from composer_ops.testing import fixtures
 from composer_ops.testing.checks import write_expecting
@@ -24,6 +26,10 @@ from tests.notebooks.harness import (
 )
 
 ALL = sorted(NOTEBOOKS.glob("*.ipynb"))
+
+# Each nested nbval run is bounded by its own 240 s (and 120 s a cell); the test's
+# timeout leaves room for both groups on a loaded machine.
+pytestmark = pytest.mark.timeout(600)
 
 
 def test_the_five_notebooks_are_stored_without_outputs_and_one_parameters_cell() -> None:

@@ -1,0 +1,54 @@
+"""tests/flaky.py: JUnit test cases back to pytest node ids, and every failure kept."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from tests import flaky
+
+JUNIT = """<?xml version="1.0" encoding="utf-8"?>
+<testsuites><testsuite name="pytest" errors="1" failures="1" tests="4">
+<testcase classname="tests.unit.test_flaky_finder" name="test_ok" time="0.1"/>
+<testcase classname="tests.integration.test_webhook_hardening" name="test_posts[7]" time="2">
+  <failure message="AssertionError: assert ['/held', '/ok'] == ['/held', '/held']&#10;  At index 1 diff">trace</failure>
+</testcase>
+<testcase classname="tests.unit.test_flaky_finder.TestGroup" name="test_in_class" time="0.1">
+  <error message="">ResourceWarning: unclosed file&#10;more</error>
+</testcase>
+<testcase classname="tests.unit.test_flaky_finder" name="test_skipped" time="0"><skipped message="no"/></testcase>
+</testsuite></testsuites>
+"""
+
+
+def test_junit_failures_become_node_ids_with_their_first_line(tmp_path: Path) -> None:
+    report = tmp_path / "run.xml"
+    report.write_text(JUNIT, encoding="utf-8")
+    count, failures = flaky.read_junit(report, "15", 2)
+    assert count == 4
+    assert [(f.test, f.kind, f.message, f.leg, f.run) for f in failures] == [
+        ("tests/integration/test_webhook_hardening.py::test_posts[7]", "failed",
+         "AssertionError: assert ['/held', '/ok'] == ['/held', '/held']", "15", 2),
+        ("tests/unit/test_flaky_finder.py::TestGroup::test_in_class", "error", "ResourceWarning: unclosed file",
+         "15", 2),
+    ]
+
+
+def test_classnames_of_notebooks_and_of_no_file() -> None:
+    assert flaky.nodeid("notebooks.active_tasks.ipynb", "Cell 3") == "notebooks/active_tasks.ipynb::Cell 3"
+    assert flaky.nodeid("no.such.module", "test_x") == "no::such::module::test_x"
+    assert flaky.nodeid("", "test_x") == "test_x"
+
+
+def test_without_a_selection_it_runs_the_18_legs_selection() -> None:
+    args, selection = flaky.parse(["--runs", "2", "--hogs", "1"])
+    assert (args.runs, args.hogs, args.leg, selection) == (2, 1, None, flaky.DEFAULT_SELECTION)
+    args, selection = flaky.parse(["--leg", "15", "-k", "webhook", "tests/integration"])
+    assert (args.leg, selection) == (["15"], ["-k", "webhook", "tests/integration"])
+
+
+def test_the_summary_lists_every_failure() -> None:
+    failure = flaky.Failure(test="tests/a.py::t", leg="18", run=3, kind="failed", message="boom")
+    runs = [flaky.RunResult(leg="18", run=3, seed=7, exit_code=1, seconds=12.0, tests=5, failures=[failure])]
+    text = flaky.markdown(runs, 2, ["tests/a.py"])
+    assert "| 3 | 18 | 7 | 5 | 1 | 12 | 1 |" in text
+    assert "- `tests/a.py::t` (PostgreSQL 18, run 3, failed): boom" in text
