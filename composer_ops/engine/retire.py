@@ -13,8 +13,9 @@ partition while the locks are held), then drops or detaches it and writes the au
 row. A month whose archive did not verify, or whose rows changed after it was
 archived, is not dropped and stops the command: the months before it stay dropped,
 the ones after it are left for the next run. Each month's transaction carries a
-request ID: retried after a lost COMMIT acknowledgement, it finds its own audit row
-and reports what it did. Detach is refused on Citus (:data:`CITUS_DETACH_REFUSED`).
+request ID: retried after its connection was lost, it takes the partition advisory
+lock first and then finds its own audit row if the earlier attempt committed, and
+reports what that attempt did. Detach is refused on Citus (:data:`CITUS_DETACH_REFUSED`).
 """
 
 from __future__ import annotations
@@ -177,13 +178,13 @@ def _retire_once(conn: psycopg.Connection[Any], month: str, cutoff: datetime, ma
     outcome = "detached" if keep_table else "dropped"
     archive = str(month_dir(archive_dir, month)) if archive_dir is not None else None
     with conn.transaction():
+        partitions.set_lock_timeout(conn, lock_timeout_s)
+        retention.lock_partitions(conn)     # first: an earlier attempt still committing holds it
         earlier = audit.of_request(conn, request)
         if earlier:
             detail = earlier[0].detail or {}
             return MonthRetired(month=month, outcome=outcome, partitions=list(detail.get("partitions", [])),
                                 rows=int((earlier[0].counts or {}).get("rows", 0)), archive=archive, replayed=True)
-        partitions.set_lock_timeout(conn, lock_timeout_s)
-        retention.lock_partitions(conn)
         first = _judged(conn, cutoff, month)
         if first is None or first.action != "drop":
             return MonthRetired(month=month, outcome="kept", reason=first.reason if first else "no longer exists")
