@@ -29,7 +29,8 @@ at the first request whose SQL matches a predicate:
   drained before that connection is closed too: as soon as a request on another
   connection has waited ``hold_blocked_s`` for its answer (the retry is blocked on
   the held transaction's locks), or when another connection is about to commit (its
-  request waits until the held one is answered), or on :meth:`FaultProxy.release`,
+  request waits until the held one is answered, or has waited ``hold_blocked_s`` for
+  a lock the waiting one holds), or on :meth:`FaultProxy.release`,
   or ``hold_max_s`` after the cut. :meth:`FaultProxy.wait_released` waits for the
   held request's answer.
 
@@ -312,6 +313,7 @@ class FaultProxy:
             pipe.from_client += data
             self._drain(pipe, pipe.from_client, pipe.to_server, self._client_message)
         else:
+            pipe.last_heard = time.monotonic()
             pipe.from_server += data
             self._drain(pipe, pipe.from_server, pipe.to_client, self._server_message)
         if not pipe.closed:
@@ -372,8 +374,8 @@ class FaultProxy:
                 return False
             return True
         pipe.to_server += msg
+        pipe.last_heard = time.monotonic()
         if kind in wire.REQUEST_ENDS:
-            req.sent_at = time.monotonic()
             pipe.inflight.append(req)
             pipe.current = None
             arm = self._arm
@@ -513,7 +515,6 @@ class FaultProxy:
             return
         pipe = hold.pipe
         hold.released_at = time.monotonic()
-        hold.request.sent_at = hold.released_at
         pipe.inflight.append(hold.request)
         pipe.to_server += pipe.held
         pipe.held.clear()
@@ -539,7 +540,9 @@ class FaultProxy:
         HOLD_COMMIT's request is still held: the held one is released first, and this
         one goes on once it is answered (or has been running ``hold_blocked_s``)."""
         hold = self._hold
-        if hold is None or hold.pipe is pipe or hold.answered.is_set() or not self._commits(pipe, buf):
+        if hold is None or hold.pipe is pipe or hold.answered.is_set() or hold.given_up:
+            return False
+        if not self._commits(pipe, buf):
             return False
         pipe.parked = True
         self._release()
@@ -560,12 +563,13 @@ class FaultProxy:
             return
         now = time.monotonic()
         if hold.released_at is None:
-            blocked = any(r.sent_at and now - r.sent_at >= self.hold_blocked_s
-                          for p in self._pipes.values() if p is not hold.pipe for r in p.inflight)
+            blocked = any((p.inflight or p.current is not None) and now - p.last_heard >= self.hold_blocked_s
+                          for p in self._pipes.values() if p is not hold.pipe and not p.parked)
             if blocked or now - hold.cut_at >= self.hold_max_s:
                 self._release()
-        elif now - hold.released_at >= self.hold_blocked_s:
-            self._unpark()          # the held request itself waits (on a lock the retry holds)
+        elif now - hold.released_at >= self.hold_blocked_s and not hold.given_up:
+            hold.given_up = True    # the held request itself waits (on a lock a parked one holds)
+            self._unpark()
 
     def _done(self, req: Request) -> None:
         with self._lock:

@@ -50,7 +50,6 @@ class Request:
     status_before: str = "I"   # transaction status when it was sent: I, T or E
     status_after: str = ""     # from its ReadyForQuery; "" if never answered
     fault: Fault | None = None  # the fault injected at this request
-    sent_at: float = 0.0       # time.monotonic() when its last message was forwarded
 
     @property
     def text(self) -> str:
@@ -94,6 +93,9 @@ class Pipe:
         self.holding = False                      # its messages are still arriving
         self.client_gone = False                  # HOLD_COMMIT cut the client's side
         self.parked = False                       # its commit waits for the held request's answer
+        # the last message either way: a request still open (sent, or in a pipeline not
+        # yet synced) and silent for a while is waiting on the server (on a lock)
+        self.last_heard = 0.0
 
 
 @dataclass
@@ -104,6 +106,7 @@ class Hold:
     request: Request
     cut_at: float
     released_at: float | None = None
+    given_up: bool = False              # released, unanswered for a while: park nothing more
     answered: threading.Event = field(default_factory=threading.Event)
 
 

@@ -170,9 +170,13 @@ def test_a_held_commit_keeps_its_locks_until_the_retry_waits_for_them(holding: F
         held = conn.execute("SELECT count(*) FROM pg_locks l JOIN pg_class c ON c.oid = l.relation "
                             "WHERE c.relname = 'proxied' AND l.mode = 'RowExclusiveLock' AND l.granted").fetchone()
     assert held == (1,)                               # the first attempt's transaction still holds its lock
-    # the retry waits for the row lock; the proxy sees it wait and lets the COMMIT through
+    # the retry waits for the row lock (in a pipeline, as the engine's lock_and_load sends
+    # it); the proxy sees it wait and lets the COMMIT through
     with psycopg.connect(holding.url()) as retry:
-        seen = retry.execute("SELECT note FROM proxied WHERE id = 1 FOR UPDATE").fetchone()
+        with retry.pipeline():
+            retry.execute("SELECT 1")
+            locked = retry.execute("SELECT note FROM proxied WHERE id = 1 FOR UPDATE")
+        seen = locked.fetchone()
         retry.commit()
     assert holding.wait_released()
     assert seen == ("first",) and fired.tags == ["COMMIT"] and fired.commits
