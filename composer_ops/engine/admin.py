@@ -220,8 +220,10 @@ def cancel_runs(shell: Shell, chosen: Selection, *, reason: str, yes: bool, acto
     their dispatches go with it), and one audit row records the chunk. A run that
     finished between being listed and being locked is skipped. Each chunk commits on
     its own, so an interrupted cancel keeps what it did and running it again cancels
-    the rest: every run is cancelled once. A chunk whose COMMIT acknowledgement was
-    lost finds its audit row on retry and reports what it did. Without ``yes`` nothing
+    the rest: every run is cancelled once. A chunk retried after its connection was
+    lost (its COMMIT acknowledged or not, or still under way) first locks the runs it
+    lists, then finds its audit row when the earlier attempt committed, and reports
+    what that attempt did. Without ``yes`` nothing
     is written: the result lists the runs it would cancel."""
     if isinstance(chunk, bool) or not isinstance(chunk, int) or not 1 <= chunk <= 1000:
         raise Invalid(f"chunk must be an integer from 1 to 1000, got {chunk!r}")
@@ -257,13 +259,17 @@ def _cancel_chunk(shell: Shell, selection: RunFilter, after: str | None, chunk: 
     """One chunk in one transaction; None when no active run is left to select."""
     tries[0] += 1
     with shell.pool.connection() as conn, conn.transaction():
+        listed = [r.id for r in runs.find_runs(conn, selection, limit=chunk, after=after, oldest_first=True)]
         if tries[0] > 1:
+            # An earlier attempt may still be committing: it holds the locks of the runs
+            # listed here (the same ones, as long as it has not committed), so take them
+            # before looking for its audit row, which a new snapshot then sees.
+            runs.lock_runs(conn, listed)
             earlier = audit.of_request(conn, request)
             if earlier:
                 detail = earlier[0].detail or {}
                 return CancelChunk(number=number, cancelled=list(detail.get("cancelled", [])),
                                    skipped=list(detail.get("skipped", [])), replayed=True)
-        listed = [r.id for r in runs.find_runs(conn, selection, limit=chunk, after=after, oldest_first=True)]
         if not listed:
             return None
         cancelled: list[str] = []
@@ -339,6 +345,7 @@ def _retry(shell: Shell, run_id: str, nodes: tuple[str, ...], yes: bool, actor: 
     tries[0] += 1
     with shell.pool.connection() as conn, conn.transaction(force_rollback=not yes):
         if yes and tries[0] > 1:
+            runs.lock_runs(conn, [run_id])    # an earlier attempt still committing holds it: wait, then look
             earlier = audit.of_request(conn, request)
             if earlier:
                 detail = earlier[0].detail or {}

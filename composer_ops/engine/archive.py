@@ -444,30 +444,36 @@ def restore_month(url: str | None, month: str, directory: Path, *, yes: bool, ac
                                         "was dropped (or is empty)")
         return RestoreResult(month=month, source=str(path), tables=planned, applied=False)
     request = request_id or uuid.uuid4().hex
-    with connect(url, application_name="composer-ops partitions restore") as conn:
-        _create_month(conn, month, lock_timeout_s)
-        return _copy_month(conn, path, manifest, actor, lock_timeout_s, progress, request)
+    _create_month(url, month, lock_timeout_s)
+    return _copy_month(url, path, manifest, actor, lock_timeout_s, progress, request)
 
+
+# Each attempt of these two opens a connection of its own: a retry after a lost
+# connection must not run on the dead one.
 
 @db_retry(max_attempts=5, base=0.25, cap=4.0)
-def _create_month(conn: Conn, month: str, lock_timeout_s: float) -> None:
-    with conn.transaction():
+def _create_month(url: str | None, month: str, lock_timeout_s: float) -> None:
+    with connect(url, application_name="composer-ops partitions restore") as conn, conn.transaction():
         partitions.set_lock_timeout(conn, lock_timeout_s)
         partitions.ensure_from(conn, month_start(month).date(), 0)
 
 
 @db_retry(max_attempts=5, base=0.25, cap=4.0)
-def _copy_month(conn: Conn, path: Path, manifest: Manifest, actor: Actor | None, lock_timeout_s: float,
+def _copy_month(url: str | None, path: Path, manifest: Manifest, actor: Actor | None, lock_timeout_s: float,
                 progress: Progress | None, request: str) -> RestoreResult:
-    with conn.transaction():
+    """The COPY and its audit row, under the partition advisory lock, taken before
+    looking for the request's audit row: an earlier attempt still committing holds it."""
+    with connect(url, application_name="composer-ops partitions restore") as conn, conn.transaction():
+        partitions.set_lock_timeout(conn, lock_timeout_s)
+        retention.lock_partitions(conn)
         earlier = audit.of_request(conn, request)
         if earlier:
-            counts = earlier[0].counts or {}
-            tables = [Restored(table=t, partition=f"{t}_p{manifest.month}", rows=int(n), fingerprint_matches=None)
-                      for t, n in (counts.get("tables") or {}).items()]
+            rows = (earlier[0].counts or {}).get("tables") or {}
+            matches = (earlier[0].detail or {}).get("fingerprints_match") or {}
+            tables = [Restored(table=t, partition=f"{t}_p{manifest.month}", rows=int(rows[t]),
+                               fingerprint_matches=matches.get(t)) for t in RUN_TABLES if t in rows]
             return RestoreResult(month=manifest.month, source=str(path), tables=tables, applied=True,
                                  replayed=True)
-        partitions.set_lock_timeout(conn, lock_timeout_s)
         done = restore_rows(conn, path, manifest, progress=progress)
         audit.record(conn, "partitions restore", actor=actor, target=manifest.month, request=request,
                      counts={"rows": sum(t.rows for t in done), "tables": {t.table: t.rows for t in done}},

@@ -11,8 +11,9 @@ between makes the attempt start over). Months that ended less than the run-ID ag
 limit ago are never judged: a client may still start a run in them.
 
 A request carries an id written with what it dropped, in the same transaction: an
-attempt whose COMMIT acknowledgement was lost is recognised by the retry, which
-reports what was dropped instead of "nothing to drop".
+attempt whose COMMIT acknowledgement was lost (or whose COMMIT is still under way) is
+recognised by the retry, which takes the partition advisory lock before it looks for
+that record, and reports what was dropped instead of "nothing to drop".
 """
 
 from __future__ import annotations
@@ -118,6 +119,10 @@ def _connection(source: Source) -> Iterator[psycopg.Connection[Any]]:
 def _attempt(conn: psycopg.Connection[Any], older_than: datetime | str | Cutoff, lock_timeout_s: float,
              min_age: timedelta, request: str, attempts: int, actor: Actor | None) -> RetentionResult:
     with conn.transaction():
+        partitions.set_lock_timeout(conn, lock_timeout_s)
+        # The advisory lock first: an earlier attempt still committing holds it, and its
+        # record is visible to the statement after the lock is granted.
+        retention.lock_partitions(conn)
         earlier = retention.recorded(conn, request)
         if earlier is not None:
             cutoff, done = earlier
@@ -125,9 +130,7 @@ def _attempt(conn: psycopg.Connection[Any], older_than: datetime | str | Cutoff,
             return RetentionResult(cutoff=cutoff, plan=sorted([*done, *current], key=lambda m: m.month),
                                    dropped=[m.month for m in done], attempts=attempts, request_id=request,
                                    replayed=True)
-        partitions.set_lock_timeout(conn, lock_timeout_s)
         cutoff = retention.resolve(conn, older_than)
-        retention.lock_partitions(conn)
         retention.lock_months(conn, [m for m in retention.plan(conn, cutoff, min_age=min_age) if m.action == "drop"])
         judged = retention.plan(conn, cutoff, min_age=min_age)
         planned = [m for m in judged if m.action == "drop"]

@@ -6,15 +6,18 @@ The months are the retention plan's (``composer_retention_plan``, the one
 ``partitions drop`` follows), oldest first. For each: the archive is written and
 verified (:func:`composer_ops.engine.archive.export_month`) without any lock beyond
 a reader's; then one transaction, with ``lock_timeout`` set, takes the partition
-advisory lock and the month's partitions (ACCESS EXCLUSIVE, as the drop does), judges
+advisory lock and the month's partitions (SHARE: no writer, readers go on), judges
 the month again under those locks, checks that its rows are still the ones archived
 (the database's fingerprint of every table against the manifest: one scan of each
-partition while the locks are held), then drops or detaches it and writes the audit
-row. A month whose archive did not verify, or whose rows changed after it was
-archived, is not dropped and stops the command: the months before it stay dropped,
-the ones after it are left for the next run. Each month's transaction carries a
-request ID: retried after a lost COMMIT acknowledgement, it finds its own audit row
-and reports what it did. Detach is refused on Citus (:data:`CITUS_DETACH_REFUSED`).
+partition while the locks are held), then takes the run tables and the month's
+partitions in ACCESS EXCLUSIVE mode, in that order (the order every reader of a run
+table takes them in), drops or detaches it and writes the audit row. A month whose
+archive did not verify, or whose rows changed after it was archived, is not dropped
+and stops the command: the months before it stay dropped, the ones after it are left
+for the next run. Each month's transaction carries a request ID: retried after its
+connection was lost, it takes the partition advisory lock first and then finds its
+own audit row if the earlier attempt committed, and reports what that attempt did.
+Detach is refused on Citus (:data:`CITUS_DETACH_REFUSED`).
 """
 
 from __future__ import annotations
@@ -177,17 +180,20 @@ def _retire_once(conn: psycopg.Connection[Any], month: str, cutoff: datetime, ma
     outcome = "detached" if keep_table else "dropped"
     archive = str(month_dir(archive_dir, month)) if archive_dir is not None else None
     with conn.transaction():
+        partitions.set_lock_timeout(conn, lock_timeout_s)
+        retention.lock_partitions(conn)     # first: an earlier attempt still committing holds it
         earlier = audit.of_request(conn, request)
         if earlier:
             detail = earlier[0].detail or {}
             return MonthRetired(month=month, outcome=outcome, partitions=list(detail.get("partitions", [])),
                                 rows=int((earlier[0].counts or {}).get("rows", 0)), archive=archive, replayed=True)
-        partitions.set_lock_timeout(conn, lock_timeout_s)
-        retention.lock_partitions(conn)
         first = _judged(conn, cutoff, month)
         if first is None or first.action != "drop":
             return MonthRetired(month=month, outcome="kept", reason=first.reason if first else "no longer exists")
-        retention.lock_months(conn, [first])
+        # SHARE while the month is judged and its rows compared: no writer gets in, and
+        # readers (the coordinator's scans) go on, so none of them holds the run tables
+        # while waiting for the month when the drop asks for the tables below.
+        retention.lock_months(conn, [first], exclusive=False)
         judged = _judged(conn, cutoff, month)     # a new snapshot, taken under the month's locks
         if judged is None or judged.action != "drop":
             return MonthRetired(month=month, outcome="kept", reason=judged.reason if judged else "no longer exists")
@@ -200,6 +206,7 @@ def _retire_once(conn: psycopg.Connection[Any], month: str, cutoff: datetime, ma
                     raise BadArchive(f"month {month} was not dropped: {entry.partition} changed after it was "
                                      f"archived ({count} rows now, {entry.rows} archived); archive it again")
             rows = manifest.rows
+        retention.lock_months(conn, [judged])    # the run tables, then the month: ACCESS EXCLUSIVE
         handled = repo.remove_month(conn, month, RUN_TABLES, keep_table=keep_table)
         if not keep_table:
             retention.record(conn, request, cutoff, [judged])

@@ -122,13 +122,32 @@ def plan(conn: Conn, cutoff: datetime, *, min_age: timedelta, exact_rows: bool =
     return fetch_all(conn, RetentionMonth, PLAN_SQL, plan_params(cutoff, min_age, exact_rows))
 
 
-def lock_months(conn: Conn, months: list[RetentionMonth]) -> None:
-    """ACCESS EXCLUSIVE on every partition of ``months`` (in the plan's order:
-    composer_run_tables(): workflow_runs first), for the rest of the transaction."""
+def lock_months(conn: Conn, months: list[RetentionMonth], *, exclusive: bool = True) -> None:
+    """Lock every partition of ``months`` (in the plan's order: composer_run_tables():
+    workflow_runs first) for the rest of the transaction: ACCESS EXCLUSIVE, after their
+    parents' (:func:`lock_parents`); or, with ``exclusive`` false, SHARE, which keeps
+    writers out while readers of the month go on, to judge and read it before dropping
+    it. Holding a month's ACCESS EXCLUSIVE lock while waiting for a parent's would
+    deadlock with any reader of the parent (the coordinator's scans lock the parent,
+    then each month)."""
+    if not months:
+        return
     partitions.one_connection_per_node(conn)
+    if exclusive:
+        lock_parents(conn)
+    mode = sql.SQL("ACCESS EXCLUSIVE" if exclusive else "SHARE")
     for month in months:
-        conn.execute(sql.SQL("LOCK TABLE {} IN ACCESS EXCLUSIVE MODE").format(
-            sql.SQL(", ").join(sql.Identifier(p) for p in month.partitions)))
+        conn.execute(sql.SQL("LOCK TABLE {} IN {} MODE").format(
+            sql.SQL(", ").join(sql.Identifier(p) for p in month.partitions), mode))
+
+
+def lock_parents(conn: Conn) -> None:
+    """ACCESS EXCLUSIVE on the run tables themselves (not their partitions), in
+    composer_run_tables() order, as dropping or detaching a partition needs: taken
+    before any month's ACCESS EXCLUSIVE lock, the order PostgreSQL locks a partitioned
+    table and its partitions in."""
+    conn.execute(sql.SQL("LOCK TABLE {} IN ACCESS EXCLUSIVE MODE").format(
+        sql.SQL(", ").join(sql.SQL("ONLY {}").format(sql.Identifier(t)) for t in partitions.RUN_TABLES)))
 
 
 def drop(conn: Conn, cutoff: datetime, *, min_age: timedelta) -> list[str]:

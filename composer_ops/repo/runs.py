@@ -226,6 +226,13 @@ def lock_for_delete(conn: Conn, run_id: str) -> tuple[str, datetime | None] | No
     return None if row is None else (str(row[0]), row[1])
 
 
+def lock_runs(conn: Conn, run_ids: list[str]) -> None:
+    """Take the row locks of ``run_ids`` (deleted or not), in run-ID order, the lock order
+    of every bulk action, for the rest of the transaction."""
+    if run_ids:
+        conn.execute("SELECT id FROM workflow_runs WHERE id = ANY(%s) ORDER BY id FOR UPDATE", (sorted(run_ids),))
+
+
 def soft_delete(conn: Conn, run_id: str) -> datetime:
     """Mark the run deleted (``deleted_at``); the caller holds its lock and checked it
     is finished. Every loop, the claim and the reads skip a deleted run; its rows leave

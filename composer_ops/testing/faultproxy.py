@@ -21,6 +21,19 @@ at the first request whose SQL matches a predicate:
   server is restarted (every session terminated, in-flight transactions rolled back)
   before the client's connection is closed. Needs a ``restart`` callable.
 
+- ``Fault.HOLD_COMMIT``: the first attempt is still committing when its retry starts.
+  The request (a COMMIT, or an autocommit statement, or any other request) is held
+  back from the server and the client's side of the connection is cut, while the
+  server's side stays open: its transaction keeps every lock it holds. The held
+  request is sent to the server only once the retry is under way, and its reply is
+  drained before that connection is closed too: as soon as a request on another
+  connection has waited ``hold_blocked_s`` for its answer (the retry is blocked on
+  the held transaction's locks), or when another connection is about to commit (its
+  request waits until the held one is answered, or has waited ``hold_blocked_s`` for
+  a lock the waiting one holds), or on :meth:`FaultProxy.release`,
+  or ``hold_max_s`` after the cut. :meth:`FaultProxy.wait_released` waits for the
+  held request's answer.
+
 After firing, the proxy forwards everything again, so the client's retry runs on a
 healthy path. :attr:`FaultProxy.requests` records each request: its connection, the
 frontend message types, the SQL it carried, the server's command tags and the
@@ -38,71 +51,19 @@ import os
 import selectors
 import shutil
 import socket
-import struct
 import tempfile
 import threading
-from collections import deque
+import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
-from enum import StrEnum
+from dataclasses import dataclass
 from typing import Any
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
+from composer_ops.testing import wire
+from composer_ops.testing.wire import Fault, Hold, Pipe, Request
+
 __all__ = ["Fault", "FaultProxy", "Request"]
 
-_SSL_REQUEST = 80877103
-_GSSENC_REQUEST = 80877104
-_CANCEL_REQUEST = 80877102
-#: frontend messages that end a request (each is answered by one ReadyForQuery)
-_REQUEST_ENDS = {b"S", b"Q"}
-_COPY_FROM_CLIENT = {b"d", b"c", b"f"}
-
-
-class Fault(StrEnum):
-    DROP_BEFORE = "drop-before"
-    LOSE_ACK = "lose-ack"
-    RESTART_BEFORE = "restart-before"
-    RESTART_AFTER = "restart-after"
-
-    @property
-    def after(self) -> bool:
-        """Whether the server completes the request before the fault."""
-        return self in (Fault.LOSE_ACK, Fault.RESTART_AFTER)
-
-    @property
-    def restarts(self) -> bool:
-        return self in (Fault.RESTART_BEFORE, Fault.RESTART_AFTER)
-
-
-@dataclass
-class Request:
-    """One request a client sent through the proxy, and what the server answered."""
-
-    index: int                 # 1-based, counted from the last reset()
-    conn: int                  # serial number of the client connection
-    kinds: str = ""            # frontend message types, e.g. "PBDES" or "Q"
-    sql: list[str] = field(default_factory=list)
-    tags: list[str] = field(default_factory=list)      # CommandComplete tags
-    errors: list[str] = field(default_factory=list)    # ErrorResponse SQLSTATEs
-    status_before: str = "I"   # transaction status when it was sent: I, T or E
-    status_after: str = ""     # from its ReadyForQuery; "" if never answered
-    fault: Fault | None = None  # the fault injected at this request
-
-    @property
-    def text(self) -> str:
-        return "; ".join(" ".join(s.split()) for s in self.sql)
-
-    @property
-    def commits(self) -> bool:
-        """Whether the server committed work when it completed this request: an
-        explicit COMMIT, or a statement run outside a transaction block."""
-        if "COMMIT" in self.tags:
-            return True
-        return (self.status_before == "I" and self.status_after == "I"
-                and any(t.split()[0] not in ("BEGIN", "ROLLBACK") for t in self.tags if t))
-
-    def __str__(self) -> str:
-        return f"#{self.index} [conn {self.conn}] {self.kinds} {self.text[:120]!r} -> {self.tags}"
 
 
 @dataclass
@@ -114,35 +75,15 @@ class _Arm:
     target: Request | None = None
 
 
-class _Pipe:
-    """One client connection and its server connection."""
-
-    def __init__(self, serial: int, client: socket.socket, server: socket.socket) -> None:
-        self.serial = serial
-        self.client, self.server = client, server
-        self.from_client = bytearray()
-        self.from_server = bytearray()
-        self.to_client = bytearray()
-        self.to_server = bytearray()
-        self.client_startup = True      # the next client message has no type byte
-        self.server_byte_reply = 0      # single-byte answers to SSL/GSS requests still due
-        self.passthrough = False        # encrypted or cancel: no parsing
-        self.ready = False              # startup done (first ReadyForQuery seen)
-        self.copy_in = False
-        self.status = "I"
-        self.current: Request | None = None       # being sent by the client
-        self.inflight: deque[Request] = deque()   # sent, ReadyForQuery not yet seen
-        self.hold_client = False                  # after a LOSE_ACK target was sent
-        self.withhold: Request | None = None      # the target whose reply is withheld
-        self.closed = False
-
-
 class FaultProxy:
     """See the module docstring. ``restart`` restarts the real server (blocking)."""
 
-    def __init__(self, server_url: str, *, restart: Callable[[], Any] | None = None) -> None:
+    def __init__(self, server_url: str, *, restart: Callable[[], Any] | None = None,
+                 hold_blocked_s: float = 0.2, hold_max_s: float = 10.0) -> None:
         self.server_url = server_url
-        self._target = _socket_address(server_url)
+        self.hold_blocked_s, self.hold_max_s = hold_blocked_s, hold_max_s
+        self._hold: Hold | None = None
+        self._target = wire.socket_address(server_url)
         self._restart = restart
         self._dir = tempfile.mkdtemp(prefix="composer-proxy-")
         self._path = os.path.join(self._dir, ".s.PGSQL.5432")
@@ -153,7 +94,7 @@ class FaultProxy:
         self._sel = selectors.DefaultSelector()
         self._sel.register(self._listener, selectors.EVENT_READ, None)
         self._lock = threading.Lock()
-        self._pipes: dict[int, _Pipe] = {}
+        self._pipes: dict[int, Pipe] = {}
         self._serial = 0
         self._count = 0
         self._arm: _Arm | None = None
@@ -209,6 +150,16 @@ class FaultProxy:
     def disarm(self) -> None:
         with self._lock:
             self._arm = None
+
+    def release(self) -> None:
+        """Send a HOLD_COMMIT's held request to the server now, if it is still held."""
+        self._call_in_loop(self._release)
+
+    def wait_released(self, timeout: float = 30.0) -> bool:
+        """Wait until the held request of the last HOLD_COMMIT (if any) was answered by
+        the server (or its connection died); False if that took longer than ``timeout``."""
+        hold = self._hold
+        return hold is None or hold.answered.wait(timeout)
 
     @property
     def count(self) -> int:
@@ -269,7 +220,9 @@ class FaultProxy:
 
     def _loop(self) -> None:
         while not self._stop:
-            for key, events in self._sel.select(timeout=0.5):
+            self._tick()
+            holding = self._hold is not None and not self._hold.answered.is_set()
+            for key, events in self._sel.select(timeout=0.02 if holding else 0.5):
                 sock = key.fileobj
                 if sock is self._wake_r:
                     with contextlib.suppress(BlockingIOError):
@@ -282,7 +235,7 @@ class FaultProxy:
                 if sock is self._listener:
                     self._accept()
                     continue
-                pipe: _Pipe = key.data
+                pipe: Pipe = key.data
                 if pipe.closed:
                     continue
                 try:
@@ -309,12 +262,12 @@ class FaultProxy:
         client.setblocking(False)
         server.setblocking(False)
         self._serial += 1
-        pipe = _Pipe(self._serial, client, server)
+        pipe = Pipe(self._serial, client, server)
         self._pipes[pipe.serial] = pipe
         self._sel.register(client, selectors.EVENT_READ, pipe)
         self._sel.register(server, selectors.EVENT_READ, pipe)
 
-    def _close(self, pipe: _Pipe) -> None:
+    def _close(self, pipe: Pipe) -> None:
         if pipe.closed:
             return
         pipe.closed = True
@@ -325,21 +278,30 @@ class FaultProxy:
                 sock.shutdown(socket.SHUT_RDWR)
             sock.close()
         self._pipes.pop(pipe.serial, None)
+        hold = self._hold
+        if hold is not None and hold.pipe is pipe and not hold.answered.is_set():
+            hold.answered.set()         # the server went away: nothing is held any more
+            self._unpark()
 
-    def _watch(self, pipe: _Pipe) -> None:
+    @staticmethod
+    def _ends(pipe: Pipe) -> list[tuple[socket.socket, bytearray]]:
+        ends = [(pipe.server, pipe.to_server)]
+        return ends if pipe.client_gone else [(pipe.client, pipe.to_client), *ends]
+
+    def _watch(self, pipe: Pipe) -> None:
         if pipe.closed:
             return
-        for sock, buf in ((pipe.client, pipe.to_client), (pipe.server, pipe.to_server)):
+        for sock, buf in self._ends(pipe):
             self._sel.modify(sock, selectors.EVENT_READ | (selectors.EVENT_WRITE if buf else 0), pipe)
 
-    def _flush(self, pipe: _Pipe) -> None:
-        for sock, buf in ((pipe.client, pipe.to_client), (pipe.server, pipe.to_server)):
+    def _flush(self, pipe: Pipe) -> None:
+        for sock, buf in self._ends(pipe):
             if buf:
                 sent = sock.send(buf)
                 del buf[:sent]
         self._watch(pipe)
 
-    def _read(self, pipe: _Pipe, sock: socket.socket) -> None:
+    def _read(self, pipe: Pipe, sock: socket.socket) -> None:
         try:
             data = sock.recv(65536)
         except BlockingIOError:
@@ -351,13 +313,14 @@ class FaultProxy:
             pipe.from_client += data
             self._drain(pipe, pipe.from_client, pipe.to_server, self._client_message)
         else:
+            pipe.last_heard = time.monotonic()
             pipe.from_server += data
             self._drain(pipe, pipe.from_server, pipe.to_client, self._server_message)
         if not pipe.closed:
             self._flush(pipe)
 
     @staticmethod
-    def _drain(pipe: _Pipe, buf: bytearray, out: bytearray, message: Callable[[_Pipe, bytearray], bool]) -> None:
+    def _drain(pipe: Pipe, buf: bytearray, out: bytearray, message: Callable[[Pipe, bytearray], bool]) -> None:
         """Handle ``buf`` a message at a time until ``message`` says to wait or the pipe
         closes; once the pipe passes bytes through (an encrypted stream or a cancel
         request), what is left goes to ``out`` unparsed."""
@@ -371,14 +334,16 @@ class FaultProxy:
 
     # -- frontend -> server --------------------------------------------------------
 
-    def _client_message(self, pipe: _Pipe, buf: bytearray) -> bool:
+    def _client_message(self, pipe: Pipe, buf: bytearray) -> bool:
         """Handle the next message from the client in ``buf``; False when it needs more bytes
         or must wait (the target's reply is pending), True to go on."""
-        if pipe.hold_client:
+        if pipe.hold_client or pipe.parked:
             return False            # the target's reply is pending: the server gets nothing more
         if pipe.client_startup:
-            return self._startup_packet(pipe, buf)
-        framed = _take_message(buf)
+            return wire.startup_packet(pipe, buf)
+        if pipe.ready and pipe.current is None and self._park(pipe, buf):
+            return False
+        framed = wire.take_message(buf)
         if framed is None:
             return False
         kind, msg = framed
@@ -388,7 +353,7 @@ class FaultProxy:
         if kind == b"X":
             pipe.to_server += msg
             return True
-        if pipe.current is None and not (pipe.copy_in and kind in _COPY_FROM_CLIENT):
+        if pipe.current is None and not (pipe.copy_in and kind in wire.COPY_FROM_CLIENT):
             if not self._begin_request(pipe, kind, msg):
                 return False
         req = pipe.current
@@ -397,12 +362,20 @@ class FaultProxy:
             return True
         req.kinds += kind.decode("latin-1")
         if kind in (b"Q", b"P"):
-            req.sql.append(_query_text(kind, msg))
-        if kind in _COPY_FROM_CLIENT:
+            req.sql.append(wire.query_text(kind, msg))
+        if kind in wire.COPY_FROM_CLIENT:
             if kind in (b"c", b"f"):
                 pipe.copy_in = False
+        if pipe.holding:
+            pipe.held += msg
+            if kind in wire.REQUEST_ENDS:
+                pipe.current = None
+                self._cut_client(pipe, req)
+                return False
+            return True
         pipe.to_server += msg
-        if kind in _REQUEST_ENDS:
+        pipe.last_heard = time.monotonic()
+        if kind in wire.REQUEST_ENDS:
             pipe.inflight.append(req)
             pipe.current = None
             arm = self._arm
@@ -411,29 +384,7 @@ class FaultProxy:
                 pipe.withhold = req
         return True
 
-    @staticmethod
-    def _startup_packet(pipe: _Pipe, buf: bytearray) -> bool:
-        """Forward the next untyped startup packet (length, then code): an SSL or GSS
-        request (the server answers one byte), a cancel request (the rest passes through
-        unparsed), or the startup message, after which every message is typed. False
-        when ``buf`` does not hold the whole packet yet."""
-        if len(buf) < 8:
-            return False
-        length, code = struct.unpack("!ii", buf[:8])
-        if len(buf) < length:
-            return False
-        msg = bytes(buf[:length])
-        del buf[:length]
-        pipe.to_server += msg
-        if code in (_SSL_REQUEST, _GSSENC_REQUEST):
-            pipe.server_byte_reply += 1
-        elif code == _CANCEL_REQUEST:
-            pipe.passthrough = True
-        else:
-            pipe.client_startup = False
-        return True
-
-    def _begin_request(self, pipe: _Pipe, kind: bytes, msg: bytes) -> bool:
+    def _begin_request(self, pipe: Pipe, kind: bytes, msg: bytes) -> bool:
         """Open a new request with ``msg`` as its first message; False when a
         *before* fault fires on it (the message is not forwarded)."""
         with self._lock:
@@ -444,7 +395,7 @@ class FaultProxy:
         pipe.current = req
         if arm is None or arm.target is not None:
             return True
-        first_sql = [_query_text(kind, msg)] if kind in (b"Q", b"P") else []
+        first_sql = [wire.query_text(kind, msg)] if kind in (b"Q", b"P") else []
         probe = Request(index=req.index, conn=req.conn, kinds=kind.decode("latin-1"), sql=first_sql,
                         status_before=req.status_before)
         hit = arm.at == req.index if arm.at is not None else bool(arm.match and arm.match(probe))
@@ -455,6 +406,9 @@ class FaultProxy:
         req.fault = arm.fault
         if arm.fault.after:
             return True
+        if arm.fault is Fault.HOLD_COMMIT:
+            pipe.holding = True       # the request's messages go to pipe.held (_client_message)
+            return True
         req.kinds += kind.decode("latin-1")
         req.sql += first_sql
         self._fire(pipe, req)
@@ -462,7 +416,7 @@ class FaultProxy:
 
     # -- server -> frontend --------------------------------------------------------
 
-    def _server_message(self, pipe: _Pipe, buf: bytearray) -> bool:
+    def _server_message(self, pipe: Pipe, buf: bytearray) -> bool:
         """Handle the next message from the server in ``buf``; False when it needs more bytes
         or the withheld reply's fault fired, True to go on."""
         if pipe.server_byte_reply:
@@ -473,7 +427,7 @@ class FaultProxy:
             if answer in (b"S", b"G"):
                 pipe.passthrough = True
             return True
-        framed = _take_message(buf)
+        framed = wire.take_message(buf)
         if framed is None:
             return False
         kind, msg = framed
@@ -481,7 +435,7 @@ class FaultProxy:
         if kind == b"C" and head is not None:
             head.tags.append(msg[5:].split(b"\0", 1)[0].decode("utf-8", "replace"))
         elif kind == b"E" and head is not None:
-            head.errors.append(_error_code(msg))
+            head.errors.append(wire.error_code(msg))
         elif kind == b"G":
             pipe.copy_in = True
         withheld = head is not None and head is pipe.withhold
@@ -497,13 +451,21 @@ class FaultProxy:
                 head.status_after = "I"
             self._fire(pipe, head)
             return False
+        hold = self._hold
+        if hold is not None and hold.pipe is pipe:
+            if kind == b"Z" and head is hold.request and hold.released_at is not None:
+                hold.answered.set()       # the held request's answer is drained: the attempt is over
+                self._close(pipe)
+                self._unpark()
+                return False
+            return True                   # its client is gone: nothing to forward
         if not withheld:
             pipe.to_client += msg
         return True
 
     # -- faults ----------------------------------------------------------------------
 
-    def _fire(self, pipe: _Pipe, req: Request) -> None:
+    def _fire(self, pipe: Pipe, req: Request) -> None:
         with self._lock:
             arm, self._arm = self._arm, None
         assert arm is not None
@@ -529,6 +491,86 @@ class FaultProxy:
             self._done(req)          # before the client can see the cut
             self._close(pipe)
 
+    # -- HOLD_COMMIT ---------------------------------------------------------------------
+
+    def _cut_client(self, pipe: Pipe, req: Request) -> None:
+        """The held request has arrived whole: cut the client's side only."""
+        with self._lock:
+            self._arm = None
+        pipe.holding = False
+        pipe.client_gone = True
+        with contextlib.suppress(KeyError, ValueError):
+            self._sel.unregister(pipe.client)
+        with contextlib.suppress(OSError):
+            pipe.client.shutdown(socket.SHUT_RDWR)
+        pipe.client.close()
+        pipe.to_client.clear()
+        self._hold = Hold(pipe=pipe, request=req, cut_at=time.monotonic())
+        self._done(req)
+
+    def _release(self) -> None:
+        """Send the held request to the server, once."""
+        hold = self._hold
+        if hold is None or hold.released_at is not None or hold.pipe.closed:
+            return
+        pipe = hold.pipe
+        hold.released_at = time.monotonic()
+        pipe.inflight.append(hold.request)
+        pipe.to_server += pipe.held
+        pipe.held.clear()
+        try:
+            self._flush(pipe)
+        except OSError:
+            self._close(pipe)
+
+    def _commits(self, pipe: Pipe, buf: bytearray) -> bool:
+        """Whether the request starting at the front of ``buf`` would commit: a COMMIT,
+        or a statement outside a transaction block (not a BEGIN, not the empty query a
+        pool checks a connection with). Judged on its first message."""
+        framed = wire.peek_message(buf)
+        if framed is None or framed[0] not in (b"Q", b"P"):
+            return False
+        text = wire.query_text(*framed).strip().upper()
+        if text.startswith(("COMMIT", "END")):
+            return True
+        return pipe.status == "I" and bool(text) and not text.startswith(("BEGIN", "START TRANSACTION"))
+
+    def _park(self, pipe: Pipe, buf: bytearray) -> bool:
+        """Hold back a request of another connection that would commit while a
+        HOLD_COMMIT's request is still held: the held one is released first, and this
+        one goes on once it is answered (or has been running ``hold_blocked_s``)."""
+        hold = self._hold
+        if hold is None or hold.pipe is pipe or hold.answered.is_set() or hold.given_up:
+            return False
+        if not self._commits(pipe, buf):
+            return False
+        pipe.parked = True
+        self._release()
+        return True
+
+    def _unpark(self) -> None:
+        for pipe in list(self._pipes.values()):
+            if pipe.parked:
+                pipe.parked = False
+                self._drain(pipe, pipe.from_client, pipe.to_server, self._client_message)
+                if not pipe.closed:
+                    self._flush(pipe)
+
+    def _tick(self) -> None:
+        """Time-driven steps of a HOLD_COMMIT (the event loop wakes often while one is on)."""
+        hold = self._hold
+        if hold is None or hold.answered.is_set():
+            return
+        now = time.monotonic()
+        if hold.released_at is None:
+            blocked = any((p.inflight or p.current is not None) and now - p.last_heard >= self.hold_blocked_s
+                          for p in self._pipes.values() if p is not hold.pipe and not p.parked)
+            if blocked or now - hold.cut_at >= self.hold_max_s:
+                self._release()
+        elif now - hold.released_at >= self.hold_blocked_s and not hold.given_up:
+            hold.given_up = True    # the held request itself waits (on a lock a parked one holds)
+            self._unpark()
+
     def _done(self, req: Request) -> None:
         with self._lock:
             self.fired = req
@@ -538,43 +580,3 @@ class FaultProxy:
         """The request the armed fault fired on (after a restart: once the server is back)."""
         self.fired_event.wait(timeout)
         return self.fired
-
-
-def _take_message(buf: bytearray) -> tuple[bytes, bytes] | None:
-    """Remove one whole protocol message (type byte, length, body) from the front of
-    ``buf`` and return its type and its bytes; None, leaving ``buf`` as it is, until
-    the message has arrived whole."""
-    if len(buf) < 5:
-        return None
-    (length,) = struct.unpack("!i", buf[1:5])
-    if len(buf) < 1 + length:
-        return None
-    msg = bytes(buf[:1 + length])
-    del buf[:1 + length]
-    return msg[:1], msg
-
-
-def _query_text(kind: bytes, msg: bytes) -> str:
-    body = msg[5:]
-    if kind == b"P":                      # Parse: statement name \0 query \0 ...
-        body = body.split(b"\0", 1)[1] if b"\0" in body else b""
-    return body.split(b"\0", 1)[0].decode("utf-8", "replace")
-
-
-def _error_code(msg: bytes) -> str:
-    for field_ in msg[5:].split(b"\0"):
-        if field_[:1] == b"C":
-            return field_[1:].decode("ascii", "replace")
-    return ""
-
-
-def _socket_address(url: str) -> tuple[socket.AddressFamily, Any]:
-    """Where the server of ``url`` listens: its Unix socket file, or host and port."""
-    from psycopg.conninfo import conninfo_to_dict
-
-    info = conninfo_to_dict(url)
-    host = str(info.get("host") or os.environ.get("PGHOST") or "/var/run/postgresql").split(",")[0]
-    port = int(str(info.get("port") or os.environ.get("PGPORT") or 5432).split(",")[0])
-    if host.startswith("/"):
-        return socket.AF_UNIX, os.path.join(host, f".s.PGSQL.{port}")
-    return socket.AF_INET, (host, port)

@@ -8,13 +8,16 @@ through an engine whose only connection goes through the :class:`FaultProxy`, an
 for each fault and each request number ``k`` runs it again on fresh state with the
 fault armed at request ``k``: a connection dropped before the request, the request
 completed and its acknowledgement lost (a COMMIT that committed), or the server
-restarted at either point. After each case the path's check and the engine-wide
-invariants (:func:`invariant_problems`) must find nothing.
+restarted at either point, or the request held back while the client's retry starts
+(the first attempt still committing: its COMMIT reaches the server only once the
+retry waits for its locks or commits itself). After each case the path's check and
+the engine-wide invariants (:func:`invariant_problems`) must find nothing.
 
 Restarts cost about a second each, so by default one is injected per path: after
 the request that makes the operation durable (its last COMMIT), before the client
-hears of it. ``COMPOSER_FAULTS=full`` (``make chaos``) injects restarts before and
-after every request too.
+hears of it. A held request costs a retry's wait (0.2 s or more), so by default it is held
+at that last COMMIT only. ``COMPOSER_FAULTS=full`` (``make chaos``) injects
+restarts before and after every request and holds every request too.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ S = TypeVar("S")
 FULL = os.environ.get("COMPOSER_FAULTS", "") == "full"
 DROPS = (Fault.DROP_BEFORE, Fault.LOSE_ACK)
 RESTARTS = (Fault.RESTART_BEFORE, Fault.RESTART_AFTER)
+HOLDS = (Fault.HOLD_COMMIT,)
 #: where each sweep's tally is appended (docs/reliability.md quotes it)
 TALLY = Path(__file__).resolve().parents[2] / ".pytest_cache" / "composer-faults.jsonl"
 
@@ -134,10 +138,12 @@ class Sweep(Generic[S]):
 
 
 def sweep(b: Bench, name: str, *, setup: Callable[[], S], act: Callable[[S], Any],
-          check: Callable[[S, Result], list[str]], faults: Sequence[Fault] = DROPS + RESTARTS,
-          settle: Callable[[S], None] | None = None) -> Sweep[S]:
+          check: Callable[[S, Result], list[str]], faults: Sequence[Fault] = DROPS + RESTARTS + HOLDS,
+          settle: Callable[[S], None] | None = None, every_request: bool = True) -> Sweep[S]:
     """Run the path without a fault, then with each fault at every request number.
 
+    ``every_request`` false: a path whose every case costs seconds (an archive written
+    and read back) is cut at its COMMITs only, unless ``COMPOSER_FAULTS=full``.
     ``settle(state)`` runs after ``act`` and before the checks, without faults (for
     paths whose effect completes later, such as a webhook retried after its lease)."""
     out: Sweep[S] = Sweep(name)
@@ -151,14 +157,17 @@ def sweep(b: Bench, name: str, *, setup: Callable[[], S], act: Callable[[S], Any
     if n == 0:
         raise AssertionError(f"{name}: the operation sent no request through the proxy")
     commits = [r.index for r in out.recorded if r.commits]
-    # the commit that makes the operation's effect durable (its last), or all of them
-    restart_points = commits if FULL else commits[-1:]
+    # the commit that makes the operation's effect durable (its last)
+    last_commit = commits[-1:]
     for fault in faults:
         if fault.restarts and not can_restart():
             continue
         if fault is Fault.RESTART_BEFORE and not FULL:
             continue           # a drop before the request covers the rollback; restarts cost a second
-        ks = range(1, n + 1) if (not fault.restarts or FULL) else restart_points
+        if FULL or (every_request and not (fault.restarts or fault is Fault.HOLD_COMMIT)):
+            ks: Sequence[int] = range(1, n + 1)
+        else:
+            ks = last_commit if fault.restarts or fault is Fault.HOLD_COMMIT else commits
         for k in ks:
             state = setup()
             b.proxy.reset()
@@ -166,6 +175,9 @@ def sweep(b: Bench, name: str, *, setup: Callable[[], S], act: Callable[[S], Any
             result = _run(act, state)
             fired = b.proxy.wait_fired(60) if fault.restarts else b.proxy.fired
             b.proxy.disarm()
+            b.proxy.release()           # a held request the operation's retry never waited for
+            if not b.proxy.wait_released(60):
+                raise AssertionError(f"{name}: the request held at {fault}@{k} was never answered")
             if fired is None:      # this time the path sent fewer requests (nothing was due, say)
                 out.skipped.append(f"{fault}@{k}/{b.proxy.count}")
                 continue

@@ -17,7 +17,7 @@ from typing import Any
 from tests.faults.harness import TALLY
 
 #: the tally's fault names, in the table's column order
-FAULTS = ("drop-before", "lose-ack", "restart-before", "restart-after")
+FAULTS = ("drop-before", "lose-ack", "restart-before", "restart-after", "commit-held")
 
 
 def rows(lines: list[str]) -> dict[str, dict[str, Any]]:

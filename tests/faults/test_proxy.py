@@ -138,3 +138,85 @@ def test_a_restart_after_the_commit_keeps_it_and_kills_every_session(proxy: Faul
     assert _ids(db_url) == [1]
     _insert_in_transaction(proxy.url(), 2)
     assert _ids(db_url) == [1, 2]
+
+
+# -- the first attempt still committing when its retry starts ------------------------------
+
+
+@pytest.fixture
+def holding(db_url: str) -> Iterator[FaultProxy]:
+    """A proxy that releases a held request only when something makes it (never on its
+    own within a test)."""
+    with FaultProxy(db_url, hold_max_s=120) as p:
+        yield p
+
+
+def _notes(db_url: str) -> dict[int, str]:
+    with psycopg.connect(db_url) as conn:
+        return {r[0]: r[1] for r in conn.execute("SELECT id, note FROM proxied ORDER BY id")}
+
+
+def test_a_held_commit_keeps_its_locks_until_the_retry_waits_for_them(holding: FaultProxy, table: str,
+                                                                     db_url: str) -> None:
+    with psycopg.connect(db_url, autocommit=True) as conn:
+        conn.execute("INSERT INTO proxied VALUES (1, 'before')")
+    holding.arm(Fault.HOLD_COMMIT, match=lambda r: r.text == "COMMIT")
+    with pytest.raises(psycopg.OperationalError), psycopg.connect(holding.url()) as first, first.transaction():
+        first.execute("UPDATE proxied SET note = 'first' WHERE id = 1")
+    fired = holding.fired
+    assert fired is not None and fired.fault is Fault.HOLD_COMMIT and fired.tags == []
+    assert _notes(db_url) == {1: "before"}            # not committed: the server never got the COMMIT
+    with psycopg.connect(db_url, autocommit=True) as conn:
+        held = conn.execute("SELECT count(*) FROM pg_locks l JOIN pg_class c ON c.oid = l.relation "
+                            "WHERE c.relname = 'proxied' AND l.mode = 'RowExclusiveLock' AND l.granted").fetchone()
+    assert held == (1,)                               # the first attempt's transaction still holds its lock
+    # the retry waits for the row lock (in a pipeline, as the engine's lock_and_load sends
+    # it); the proxy sees it wait and lets the COMMIT through
+    with psycopg.connect(holding.url()) as retry:
+        with retry.pipeline():
+            retry.execute("SELECT 1")
+            locked = retry.execute("SELECT note FROM proxied WHERE id = 1 FOR UPDATE")
+        seen = locked.fetchone()
+        retry.commit()
+    assert holding.wait_released()
+    assert seen == ("first",) and fired.tags == ["COMMIT"] and fired.commits
+    assert _notes(db_url) == {1: "first"}
+
+
+def test_a_retry_that_commits_without_waiting_lets_the_held_commit_land_first(holding: FaultProxy, table: str,
+                                                                              db_url: str) -> None:
+    holding.arm(Fault.HOLD_COMMIT, match=lambda r: r.text == "COMMIT")
+    with pytest.raises(psycopg.OperationalError):
+        _insert_in_transaction(holding.url(), 1)
+    assert _notes(db_url) == {}
+    with psycopg.connect(holding.url(), autocommit=True) as retry:
+        # an autocommit statement commits: it waits until the held COMMIT is answered
+        retry.execute("INSERT INTO proxied SELECT 2, (SELECT count(*) FROM proxied)::text")
+    assert holding.wait_released()
+    assert _notes(db_url) == {1: "x", 2: "1"}
+
+
+def test_a_held_autocommit_statement_runs_only_when_released(holding: FaultProxy, table: str, db_url: str) -> None:
+    with psycopg.connect(holding.url(), autocommit=True) as conn:
+        holding.reset()
+        holding.arm(Fault.HOLD_COMMIT, at=1)
+        with pytest.raises(psycopg.OperationalError):
+            conn.execute("INSERT INTO proxied VALUES (%s, 'x')", (7,))
+    assert _notes(db_url) == {}
+    holding.release()
+    assert holding.wait_released()
+    assert holding.fired is not None and holding.fired.commits and holding.fired.tags == ["INSERT 0 1"]
+    assert _notes(db_url) == {7: "x"}
+
+
+def test_a_held_statement_mid_transaction_is_run_then_rolled_back(holding: FaultProxy, table: str,
+                                                                  db_url: str) -> None:
+    holding.arm(Fault.HOLD_COMMIT, match=lambda r: r.text.startswith("UPDATE"))
+    with pytest.raises(psycopg.OperationalError), psycopg.connect(holding.url()) as first, first.transaction():
+        first.execute("INSERT INTO proxied VALUES (3, 'x')")
+        first.execute("UPDATE proxied SET note = 'y' WHERE id = 3")
+    # the retry waits on the held transaction's row; the statement is released, then
+    # its connection closed: the transaction rolls back and the retry goes on
+    _insert_in_transaction(holding.url(), 3)
+    assert holding.wait_released()
+    assert _notes(db_url) == {3: "x"}

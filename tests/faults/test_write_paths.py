@@ -12,20 +12,25 @@ up, the operation, and its check. ``test_write_path`` sweeps every row.
 from __future__ import annotations
 
 import re
+import tempfile
 import time
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import UTC, date, datetime
 from functools import partial
+from pathlib import Path
 from typing import Any
 
 import pytest
 
+from composer_ops.engine import archive, retire
 from composer_ops.engine.retention import drop_due_months
 from composer_ops.engine.shell import Outcome
 from composer_ops.engine.webhooks import RelayPolicy
+from composer_ops.errors import Unavailable
 from composer_ops.repo import partitions
+from composer_ops.repo.archive import DETACHED_SCHEMA
 from composer_ops.repo.partitions import RUN_TABLES
 from composer_ops.repo.rows import Claim
 from composer_ops.testing.servers import Server
@@ -98,6 +103,7 @@ class WritePath:
     act: Callable[[Rig, Any], Any]
     check: Callable[[Rig, Any, Result], list[str]]
     settle: Callable[[Rig, Any], None] | None = None
+    every_request: bool = True      # False: cut at its COMMITs only (harness.sweep)
 
     @property
     def id(self) -> str:
@@ -214,6 +220,117 @@ def _a_month_to_drop(b: Rig) -> str:
     b.sql("INSERT INTO workflow_runs (id, workflow_definition_id, workflow_version, status) "
           "VALUES (%s, 'f-chain', 1, 'SUCCEEDED')", (uuid7_at(datetime(2020, 1, 15, tzinfo=UTC)),))
     return b.direct.start("f-chain")
+
+
+CUTOFF = datetime(2021, 1, 1, tzinfo=UTC)
+
+
+@dataclass
+class Month:
+    """January 2020 with a finished run in it, an archive directory of the case's own,
+    and the last audit row before the case."""
+
+    directory: str
+    audit_mark: int
+    keep: str          # a running run of this month, which nothing may touch
+
+
+def _month_2020(b: Rig) -> Month:
+    for table in RUN_TABLES:       # what an earlier case detached
+        b.sql(f"DROP TABLE IF EXISTS {DETACHED_SCHEMA}.{table}_p202001")
+    keep = _a_month_to_drop(b)
+    mark = b.sql("SELECT coalesce(max(id), 0) FROM operator_audit")[0][0]
+    return Month(directory=tempfile.mkdtemp(prefix="composer-faults-"), audit_mark=mark, keep=keep)
+
+
+def _archived_and_dropped(b: Rig) -> Month:
+    m = _month_2020(b)
+    archive.archive_due(b.db_url, CUTOFF, Path(m.directory))
+    drop_due_months(b.db_url, CUTOFF)
+    m.audit_mark = b.sql("SELECT coalesce(max(id), 0) FROM operator_audit")[0][0]
+    return m
+
+
+def _audits(b: Rig, m: Month, action: str) -> int:
+    return int(b.sql("SELECT count(*) FROM operator_audit WHERE id > %s AND action = %s AND target = '202001'",
+                     (m.audit_mark, action))[0][0])
+
+
+def _month_rows(b: Rig) -> int | None:
+    if not b.sql("SELECT to_regclass('workflow_runs_p202001') IS NOT NULL")[0][0]:
+        return None
+    return int(b.sql("SELECT count(*) FROM workflow_runs_p202001")[0][0])
+
+
+def _again_if_lost(again: Callable[[Rig, Any], Any]) -> Callable[[Rig, Any, Result], Result]:
+    """An operator command that reads the month outside a retried transaction (the
+    archive's export) fails on a lost connection, saying so, with nothing half done:
+    the operator runs it again (here without faults), and that run must finish it."""
+    def rerun(b: Rig, m: Any, result: Result) -> Result:
+        if isinstance(result.error, Unavailable):
+            try:
+                return Result(value=again(b, m))
+            except Exception as exc:  # judged by the check
+                return Result(error=exc)
+        return result
+    return rerun
+
+
+def _archive(url: str, m: Month) -> Any:
+    return archive.archive_due(url, CUTOFF, Path(m.directory))
+
+
+def _retire(url: str, m: Month, *, keep_table: bool = False) -> Any:
+    return retire.retire_months(url, CUTOFF, archive_dir=None if keep_table else Path(m.directory),
+                                keep_table=keep_table, yes=True)
+
+
+def _archived_once(b: Rig, m: Month, result: Result) -> list[str]:
+    """The month's archive is in place and holds the month's rows; each command that
+    finished wrote one audit row, and the month is still there."""
+    result = _again_if_lost(lambda b, m: _archive(b.db_url, m))(b, m, result)
+    problems = _raised(result)
+    if result.error is None and [x.month for x in result.value.months] != ["202001"]:
+        problems.append(f"the archive reported {result.value.months}")
+    manifest = archive.verify_month(Path(m.directory) / "202001")
+    if manifest.table("workflow_runs").rows != _month_rows(b):     # type: ignore[union-attr]
+        problems.append(f"the archive holds {manifest.rows} rows, the month {_month_rows(b)}")
+    if not 1 <= _audits(b, m, "partitions archive") <= 2:
+        problems.append(f"{_audits(b, m, 'partitions archive')} archive audit rows")
+    return problems
+
+
+def _retired_once(outcome: str, action: str) -> Callable[[Rig, Month, Result], list[str]]:
+    """The month dropped (after its archive verified) or detached, reported so even when
+    the acknowledgement was lost or the retry started while it committed, one audit row."""
+    def check(b: Rig, m: Month, result: Result) -> list[str]:
+        keep_table = outcome == "detached"
+        result = _again_if_lost(lambda b, m: _retire(b.db_url, m, keep_table=keep_table))(b, m, result)
+        problems = _raised(result)
+        if result.error is None and [(x.month, x.outcome) for x in result.value.months] != [("202001", outcome)]:
+            problems.append(f"reported {[(x.month, x.outcome, x.reason) for x in result.value.months]}")
+        if _month_rows(b) is not None:
+            problems.append("the month is still there")
+        if _audits(b, m, action) != 1:
+            problems.append(f"{_audits(b, m, action)} '{action}' audit rows")
+        if keep_table and not b.sql(f"SELECT to_regclass('{DETACHED_SCHEMA}.workflow_runs_p202001') IS NOT NULL")[0][0]:
+            problems.append("the detached month is not kept")
+        if b.direct.get_run(m.keep).status != "RUNNING":
+            problems.append("a run of another month changed")
+        return problems
+    return check
+
+
+def _restored_once(b: Rig, m: Month, result: Result) -> list[str]:
+    problems = _raised(result)
+    want = archive.read_manifest(Path(m.directory) / "202001").table("workflow_runs").rows  # type: ignore[union-attr]
+    if result.error is None and not result.value.applied:
+        problems.append(f"the restore returned {result.value}")
+    if _month_rows(b) != want:
+        problems.append(f"the month holds {_month_rows(b)} runs, the archive {want}")
+    if _audits(b, m, "partitions restore") != 1:
+        problems.append(f"{_audits(b, m, 'partitions restore')} restore audit rows")
+    return problems
 
 
 def _failed_run(b: Rig) -> str:
@@ -515,10 +632,20 @@ PATHS = [
     WritePath("retry run", _failed_run, lambda b, run_id: b.engine.retry(run_id), _reopened_once),
     WritePath("bulk cancel", _three_tokened_runs,
               lambda b, s: b.engine.cancel_runs(where={"token": s[0]}, yes=True, chunk=2), _cancelled_once_each),
+    WritePath("partitions archive", _month_2020, lambda b, m: _archive(b.proxy.url(), m), _archived_once,
+              every_request=False),
+    WritePath("partitions drop --archive", _month_2020, lambda b, m: _retire(b.proxy.url(), m),
+              _retired_once("dropped", "partitions drop"), every_request=False),
+    WritePath("partitions detach", _month_2020, lambda b, m: _retire(b.proxy.url(), m, keep_table=True),
+              _retired_once("detached", "partitions detach"), every_request=False),
+    WritePath("partitions restore", _archived_and_dropped,
+              lambda b, m: archive.restore_month(b.proxy.url(), "202001", Path(m.directory), yes=True),
+              _restored_once, every_request=False),
 ]
 
 
 @pytest.mark.parametrize("path", PATHS, ids=[p.id for p in PATHS])
 def test_write_path(b: Rig, path: WritePath) -> None:
     sweep(b, path.name, setup=partial(path.setup, b), act=partial(path.act, b), check=partial(path.check, b),
+          every_request=path.every_request,
           settle=partial(path.settle, b) if path.settle is not None else None).assert_clean()

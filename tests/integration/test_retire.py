@@ -5,6 +5,7 @@ standalone tables): month by month, audited, nothing written on a dry run."""
 from __future__ import annotations
 
 import json
+import threading
 from datetime import date
 from pathlib import Path
 from typing import Any
@@ -12,6 +13,7 @@ from typing import Any
 import psycopg
 import pytest
 
+from composer_ops import Engine
 from composer_ops.cli import main
 from composer_ops.engine import archive, retire
 from composer_ops.repo import partitions
@@ -137,3 +139,44 @@ def test_detach_keeps_the_months_as_tables(db_url: str, capsys: pytest.CaptureFi
     assert main([*base, "--yes"]) == 3                                  # nothing left to detach
     assert "no month is due for retention" in capsys.readouterr().out
 
+
+
+def test_the_coordinators_scans_go_on_while_a_month_is_compared_with_its_archive(
+        db_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The drop compares the month's rows with its archive while holding the month's
+    partitions; the coordinator's timer and lease passes meanwhile lock each run table,
+    then every month of it (the active floor's read plans them all). Were the month held
+    in ACCESS EXCLUSIVE mode, the pass would wait for it while holding the table, and the
+    drop then wait for the table: a deadlock, which PostgreSQL ends by aborting one of
+    them ("deadlock detected" in the coordinator's timer loop)."""
+    _seeded(db_url)
+    comparing, go_on = threading.Event(), threading.Event()
+    real = archive.content_fingerprint
+
+    def held_while_comparing(conn: Any, partition: str) -> Any:
+        comparing.set()
+        go_on.wait(120)
+        return real(conn, partition)
+
+    monkeypatch.setattr(retire, "content_fingerprint", held_while_comparing)
+    results: list[Any] = []
+    dropping = threading.Thread(target=lambda: results.append(
+        retire.retire_months(db_url, "2025-05-01", archive_dir=tmp_path, yes=True, max_attempts=1)))
+    dropping.start()
+    try:
+        assert comparing.wait(60)
+        with Engine.connect(db_url, pool_size=1) as engine:
+            coordinator = engine.coordinator(floor_every_s=0)
+            passes: list[Any] = []
+            scanning = threading.Thread(target=lambda: passes.append(coordinator.run_once(["timers", "leases"])))
+            scanning.start()
+            scanning.join(30)                  # a pass takes milliseconds unless it waits for the month
+            finished_while_held = not scanning.is_alive()
+            go_on.set()
+            scanning.join(60)
+    finally:
+        go_on.set()
+        dropping.join(120)
+    assert finished_while_held, "the coordinator's pass waited for the month being compared"
+    assert passes and passes[0].errors == []
+    assert [(m.month, m.outcome) for m in results[0].months] == [(m, "dropped") for m in DUE]
