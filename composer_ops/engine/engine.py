@@ -312,7 +312,11 @@ class Engine:
         ``wake``, the channel it listens on, and ``room``, the tasks it has room for
         (default ``limit``): on a single server, a claim that gets fewer than ``room``
         registers it to be woken there by the next dispatch (on Citus no claim
-        registers, and every dispatch notifies the shared channel)."""
+        registers, and every dispatch notifies the shared channel). A ``limit`` or
+        ``room`` below 1 is :class:`Invalid`, refused before any round trip."""
+        for name, value in (("limit", limit), ("room", room)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise Invalid(f"claim {name} must be an integer of at least 1, got {value!r}")
         return self._claim(queues, owner, limit, task_names, Request(), wake, room)
 
     @db_retry()
