@@ -22,7 +22,8 @@ def engine(db_url: str) -> Iterator[Engine]:
         yield e
 
 
-@pytest.mark.parametrize("since", ["100y", "57y", "1969-12-31", "1900-01-01T00:00:00Z", "0001-01-01"])
+@pytest.mark.parametrize("since", ["100y", "57y", "1969-12-31", "1900-01-01T00:00:00Z", "0001-01-01", "3000y",
+                                   "999999y", "999999w", "999999h"])
 def test_runs_list_since_before_1970_lists_every_run(db_url: str, engine: Engine, since: str,
                                                      capsys: pytest.CaptureFixture[str]) -> None:
     started = sorted(engine.start("shop", input={"i": i}) for i in range(3))
@@ -30,7 +31,7 @@ def test_runs_list_since_before_1970_lists_every_run(db_url: str, engine: Engine
     assert sorted(r["run_id"] for r in json.loads(capsys.readouterr().out)) == started
 
 
-@pytest.mark.parametrize("until", ["1969-12-31", "100y", "1970-01-01"])
+@pytest.mark.parametrize("until", ["1969-12-31", "100y", "1970-01-01", "999999mo"])
 def test_runs_cancel_until_before_1970_selects_none(db_url: str, engine: Engine, until: str,
                                                     capsys: pytest.CaptureFixture[str]) -> None:
     started = [engine.start("shop", input={"i": i}) for i in range(3)]
