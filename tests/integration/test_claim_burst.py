@@ -79,14 +79,13 @@ def test_more_attempts_than_slots_wait_for_room_through_a_burst(
         burst: Burst, engine: Engine, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.WARNING, logger="composer_ops.engine.worker")
     real = engine.claim
-    surplus = threading.Event()
-
-    queued = threading.Event()
+    surplus = threading.Event()          # a claim got more than it asked for
+    queued = threading.Event()           # both slow tasks are in the outbox
 
     def claim(queues: Any, owner: str, limit: int, *args: Any, **kwargs: Any) -> Any:
         ask = limit
         if limit >= 1 and not surplus.is_set() and burst.slow_started:
-            queued.wait(60)          # both slow tasks are there to be taken at once
+            queued.wait(60)
             ask = limit + 1
         got = real(queues, owner, ask, *args, **kwargs)
         if len(got) > limit:
