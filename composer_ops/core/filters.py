@@ -27,7 +27,7 @@ from datetime import datetime
 from typing import Any
 
 from composer_ops.core.model import RunStatus
-from composer_ops.core.runids import uuid7_bound
+from composer_ops.core.runids import run_id_bound
 from composer_ops.errors import Invalid
 
 __all__ = ["RunFilter", "parse_statuses", "parse_where"]
@@ -69,13 +69,15 @@ class RunFilter:
 
     @property
     def id_from(self) -> str | None:
-        """The smallest run ID created at ``since`` (inclusive bound), or None."""
-        return uuid7_bound(self.since) if self.since is not None else None
+        """The smallest run ID created at ``since`` (inclusive bound), or None. Clamped:
+        a ``since`` before 1970 selects every run (:func:`~composer_ops.core.runids.run_id_bound`)."""
+        return run_id_bound(self.since) if self.since is not None else None
 
     @property
     def id_to(self) -> str | None:
-        """The smallest run ID created at ``until`` (exclusive bound), or None."""
-        return uuid7_bound(self.until) if self.until is not None else None
+        """The smallest run ID created at ``until`` (exclusive bound), or None. Clamped:
+        an ``until`` before 1970 selects no run."""
+        return run_id_bound(self.until) if self.until is not None else None
 
     @property
     def selective(self) -> bool:

@@ -23,6 +23,8 @@ __all__ = [
     "month_label",
     "month_of",
     "month_start",
+    "run_id_bound",
+    "run_id_bound_ms",
     "uuid7_bound",
     "uuid7_timestamp",
     "validate_run_id",
@@ -163,6 +165,35 @@ def uuid7_bound(ts: datetime) -> str:
     h = format(ms & 0xFFFF_FFFF_FFFF_FFFF, "x") if ms < 0 else format(ms, "x")
     h = h.rjust(12, "0")[:12]
     return f"{h[:8]}-{h[8:12]}-0000-0000-000000000000"
+
+
+#: The first millisecond a UUIDv7's 48-bit timestamp cannot hold (10889-08-02 UTC).
+UUID7_MS_LIMIT = 1 << 48
+#: Text at or below every UUIDv7 (the bound of the epoch), and text above every UUIDv7
+#: (whose 15th character is the version, 7): run IDs compare as bytes (COLLATE "C").
+_BELOW_ALL = "00000000-0000-0000-0000-000000000000"
+_ABOVE_ALL = "ffffffff-ffff-ffff-ffff-ffffffffffff"
+
+
+def run_id_bound_ms(ms: int) -> str:
+    """The run-ID bound of millisecond ``ms`` of the Unix epoch, for selecting runs: a
+    run ID is at or above it exactly when the run was created at or after ``ms``. An
+    instant before the epoch gives text below every run ID (``id >= b`` selects every
+    run, ``id < b`` none); one past the 48-bit limit, text above every run ID (the
+    other way round). :func:`uuid7_bound` instead mirrors SQL, whose bound of such an
+    instant wraps around and would select the opposite runs."""
+    if ms < 0:
+        return _BELOW_ALL
+    if ms >= UUID7_MS_LIMIT:
+        return _ABOVE_ALL
+    h = format(ms, "012x")
+    return f"{h[:8]}-{h[8:12]}-0000-0000-000000000000"
+
+
+def run_id_bound(ts: datetime) -> str:
+    """:func:`run_id_bound_ms` of the instant ``ts`` (aware)."""
+    _require_aware(ts, "ts")
+    return run_id_bound_ms(_epoch_ms(ts))
 
 
 def month_start(month: str) -> datetime:

@@ -307,12 +307,17 @@ class Engine:
         """Claim up to ``limit`` tasks for ``owner``: one statement, its own transaction
         (autocommit: no BEGIN/COMMIT round trips around it); on Citus a transaction of
         three round trips (:func:`composer_ops.repo.citus.claim`). Each claimed task's
-        history records the claim's ID; a retry after a lost acknowledgement first returns
-        the tasks the lost attempt took, which ``owner`` still holds. A worker passes
+        history records the claim's ID; a retry after a lost acknowledgement first waits
+        for the lost attempt to finish on the server (the claim's advisory lock), then
+        returns the tasks it took, which ``owner`` still holds. A worker passes
         ``wake``, the channel it listens on, and ``room``, the tasks it has room for
         (default ``limit``): on a single server, a claim that gets fewer than ``room``
         registers it to be woken there by the next dispatch (on Citus no claim
-        registers, and every dispatch notifies the shared channel)."""
+        registers, and every dispatch notifies the shared channel). A ``limit`` or
+        ``room`` below 1 is :class:`Invalid`, refused before any round trip."""
+        for name, value in (("limit", limit), ("room", room)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise Invalid(f"claim {name} must be an integer of at least 1, got {value!r}")
         return self._claim(queues, owner, limit, task_names, Request(), wake, room)
 
     @db_retry()
@@ -322,17 +327,23 @@ class Engine:
         with self.pool.connection() as conn:
             with autocommit(conn):
                 on_citus = self._on_citus(conn)
+                if not look and not on_citus:
+                    return outbox.claim(conn, queues, owner, limit, task_names=task_names, claim_id=request.id,
+                                        wake=wake, room=room)
+            with conn.transaction():
                 if look:
+                    # Lock, then look: the attempt retried may still be executing or
+                    # committing on the server; it holds this lock until it is done.
+                    outbox.lock_claim(conn, request.id)
                     earlier = outbox.claimed_by(conn, owner, request.id)
                     if earlier:
                         log.info("claim %s by %s was committed before its acknowledgement was lost: %d task(s)",
                                  request.id, owner, len(earlier), extra={"action": "claim"})
                         return earlier
-                if not on_citus:
-                    return outbox.claim(conn, queues, owner, limit, task_names=task_names, claim_id=request.id,
-                                        wake=wake, room=room)
-            with conn.transaction():
-                return citus.claim(conn, queues, owner, limit, task_names=task_names, claim_id=request.id)
+                if on_citus:
+                    return citus.claim(conn, queues, owner, limit, task_names=task_names, claim_id=request.id)
+                return outbox.claim(conn, queues, owner, limit, task_names=task_names, claim_id=request.id,
+                                    wake=wake, room=room)
 
     def complete(self, claim: Claim, output: Any) -> Outcome:
         ref = _task_ref(claim)

@@ -40,9 +40,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from composer_ops.db.retry import backoff_delay
 from composer_ops.engine.jsonvalues import check_json
 from composer_ops.engine.listener import Listener
-from composer_ops.errors import ComposerError, Invalid, NonRetryableError, ShutdownTimeout
+from composer_ops.errors import Invalid, NonRetryableError, ShutdownTimeout
 from composer_ops.repo.outbox import CHANNEL, wake_channel
 from composer_ops.repo.rows import Claim
 
@@ -216,9 +217,12 @@ class Worker:
         log.info("worker %s stopped", self.worker_id)
 
     def _claim_loop(self, slots: queue.SimpleQueue[tuple[Claim, float] | None]) -> None:
+        failures = 0          # claims failed in a row
         while not self._stop.is_set():
+            # Attempts in flight can exceed the slots (a claim that got more than it asked
+            # for): no room then, as with every slot taken, until enough of them finish.
             free = self._free_slots()
-            if free == 0:
+            if free <= 0:
                 self._wake.wait(self.poll_interval)
                 self._wake.clear()
                 continue
@@ -231,12 +235,17 @@ class Worker:
             try:
                 claims = self.engine.claim(self.queues, self.worker_id, limit, task_names=list(self._handlers),
                                            wake=self._wake_channel, room=free)
-            except ComposerError as exc:
-                log.warning("claim failed: %s", exc)
-                claims = []
-            except Exception as exc:  # a connection lost beyond db_retry: keep serving
-                log.warning("claim failed: %s", exc)
-                claims = []
+            except Exception as exc:  # a connection lost beyond db_retry included: keep serving, after a pause
+                delay = self.claim_backoff(failures)
+                failures += 1
+                log.warning("claim failed (%d in a row; next claim in %.2fs): %s", failures, delay, exc)
+                self._claims[reason][0] += 1
+                self._claims[reason][1] += 1
+                # Not woken by a dispatch or a slot freeing: each would make the next
+                # failure come at once. Only stop() ends the pause early.
+                self._stop.wait(delay)
+                continue
+            failures = 0
             counts = self._claims[reason]
             counts[0] += 1
             counts[1] += not claims
@@ -246,6 +255,13 @@ class Worker:
                 slots.put((claim, claimed_at))
             if len(claims) < free:
                 self._wait_for_dispatch()
+
+    def claim_backoff(self, failures: int) -> float:
+        """Seconds to pause after a claim failed, ``failures`` claims having failed in a
+        row before it: jittered, doubling from 0.05 s, capped at the poll interval (at
+        least 1 s), so a database that refuses every claim sees about one claim per
+        poll interval from each worker, not one per round trip."""
+        return backoff_delay(failures, base=0.05, cap=max(1.0, self.poll_interval))
 
     def claim_counts(self) -> dict[str, dict[str, int]]:
         """Claims this worker made and how many came back empty, by what started each

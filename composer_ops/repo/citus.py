@@ -30,6 +30,7 @@ from psycopg.types.json import Jsonb
 
 from composer_ops.repo import clock
 from composer_ops.repo._base import Conn
+from composer_ops.repo.outbox import lock_claim
 from composer_ops.repo.rows import Claim
 
 
@@ -97,10 +98,13 @@ def claim(conn: Conn, queues: Sequence[str], owner: str, limit: int,
     the outbox rows that are settled: claimed, or whose task was seen at the row's
     attempt or later and is not claimable at it. A row whose task is not visible yet,
     or is seen at an earlier attempt, is kept and put back by :data:`KEPT_DELAY`, so
-    the rows behind it are picked meanwhile. Three round trips; the clock is read once,
-    on the coordinator."""
+    the rows behind it are picked meanwhile. Its first statement takes the claim's
+    advisory lock (:func:`~composer_ops.repo.outbox.lock_claim`, on the coordinator), so
+    a retry of the claim waits for it. Three round trips; the clock is read once, on the
+    coordinator."""
     with conn.cursor() as clock_cur, conn.cursor(row_factory=dict_row) as pick:
         with conn.pipeline():
+            lock_claim(conn, claim_id)          # first, as the single-server claim (sql/V021)
             clock_cur.execute(clock.NOW)
             pick.execute(_PICK, {"queues": list(queues), "limit": limit,
                                  "names": list(task_names) if task_names is not None else None})

@@ -1,6 +1,8 @@
 """The dispatch outbox: written with the task in one transaction, claimed by workers.
 
-The claim is one statement, a call of ``composer_claim`` (sql/V013, V017, V019): it deletes the
+The claim is one statement, a call of ``composer_claim`` (sql/V013, V017, V019, V021): it first
+takes an advisory lock on its claim ID, which a retry of the same claim waits for
+(:func:`lock_claim`), then deletes the
 oldest available outbox rows of the worker's queues (FOR UPDATE SKIP LOCKED, so
 claimers never wait on each other), moves the matching tasks to RUNNING with a lease,
 fenced on attempt, and writes a 'claimed' row to each run's history marked with the
@@ -114,6 +116,19 @@ def claim(conn: Conn, queues: Sequence[str], owner: str, limit: int,
                      {"queues": list(queues), "owner": owner, "limit": limit, "claim": claim_id, "channel": wake,
                       "room": limit if room is None else max(room, limit),
                       "names": list(task_names) if task_names is not None else None})
+
+
+#: The lock a claim takes as its first step (sql/V021, and :func:`composer_ops.repo.citus.claim`),
+#: until it commits or rolls back: two int4 keys, a space apart from the one-bigint keys.
+_LOCK_CLAIM = "SELECT pg_advisory_xact_lock(hashtext('composer_claim'), hashtext(%(claim)s))"
+
+
+def lock_claim(conn: Conn, claim_id: str) -> None:
+    """Wait for any other transaction of claim ``claim_id`` to commit or roll back, and
+    hold its lock for the rest of the caller's transaction. What a retried claim does
+    before :func:`claimed_by`: an attempt still executing or committing on the server
+    when its client gave up holds the lock, so the retry's look sees what it committed."""
+    conn.execute(_LOCK_CLAIM, {"claim": claim_id})
 
 
 def claimed_by(conn: Conn, owner: str, claim_id: str) -> list[Claim]:

@@ -225,11 +225,15 @@ def count_rows(conn: Conn, partition: str) -> int:
 def age_before_now(conn: Conn, *, years: int = 0, months: int = 0, weeks: int = 0, days: int = 0,
                    hours: int = 0) -> datetime:
     """The database clock minus an age, in calendar arithmetic on the UTC wall clock,
-    so the session TimeZone (and its DST changes) cannot shift it."""
+    so the session TimeZone (and its DST changes) cannot shift it. An age reaching back
+    past the year 2 gives 0002-01-01 UTC: long before any run or partition, and an
+    instant Python and PostgreSQL can both hold in any time zone (the age is first
+    capped at 5000 years, which PostgreSQL can subtract from any date of ours)."""
     row = conn.execute(
-        """SELECT ((now() AT TIME ZONE 'UTC')
-                   - make_interval(years => %(y)s, months => %(mo)s, weeks => %(w)s, days => %(d)s,
-                                   hours => %(h)s)) AT TIME ZONE 'UTC'""",
+        """SELECT GREATEST((now() AT TIME ZONE 'UTC')
+                           - LEAST(make_interval(years => %(y)s, months => %(mo)s, weeks => %(w)s, days => %(d)s,
+                                                 hours => %(h)s), INTERVAL '5000 years'),
+                           TIMESTAMP '0002-01-01 00:00:00') AT TIME ZONE 'UTC'""",
         {"y": years, "mo": months, "w": weeks, "d": days, "h": hours}).fetchone()
     assert row is not None
     value: datetime = row[0]

@@ -84,7 +84,7 @@ def test_a_claim_is_one_autocommit_statement_and_its_connection_goes_back_as_len
             conn.pgconn.set_trace_flags(Trace.SUPPRESS_TIMESTAMPS)
         claims = engine.claim(["default"], "w", 5)
         with pytest.raises(ComposerError):
-            engine.claim(["default"], "w", -1)           # LIMIT must not be negative
+            engine.claim(["default"], "w", 2**31)        # not an INT: the server finds no such function
         with engine.pool.connection() as conn:
             conn.pgconn.untrace()
             assert conn.autocommit is False and conn.info.transaction_status == TransactionStatus.IDLE
