@@ -1,6 +1,6 @@
 """The statements a Citus deployment runs in place of the single-server ones.
 
-On Citus (sql/citus/V007, docs/scaling.md) the run tables are distributed by run ID
+On Citus (sql/citus/V002, docs/scaling.md) the run tables are distributed by run ID
 and the outbox stays a plain table on the coordinator. Every other statement of the
 repository runs unchanged on both deployments; this module holds the exceptions, each
 with the reason it differs:

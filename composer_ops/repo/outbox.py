@@ -1,6 +1,6 @@
 """The dispatch outbox: written with the task in one transaction, claimed by workers.
 
-The claim is one statement, a call of ``composer_claim`` (sql/V013, V017, V019): it deletes the
+The claim is one statement, a call of ``composer_claim`` (sql/R__claim.sql): it deletes the
 oldest available outbox rows of the worker's queues (FOR UPDATE SKIP LOCKED, so
 claimers never wait on each other), moves the matching tasks to RUNNING with a lease,
 fenced on attempt, and writes a 'claimed' row to each run's history marked with the
@@ -47,8 +47,8 @@ def enqueue(conn: Conn, dispatches: Sequence[Dispatch], *, now: datetime) -> Non
     transaction commits). One statement, one round trip, however many rows and queues:
     the rows come in as one JSON document (:func:`~composer_ops.repo._base.recordset`).
 
-    Idle workers are registered in ``task_waiters`` by their own claims (sql/V017,
-    V019). Up to one waiter per row is taken, the most recently idle first, among those
+    Idle workers are registered in ``task_waiters`` by their own claims (sql/R__claim.sql).
+    Up to one waiter per row is taken, the most recently idle first, among those
     serving the row's queue and task name, and notified on its own channel; a worker so
     woken claims one task per wake-up, the oldest it serves. When fewer waiters are taken
     than rows written, or a waiter taken does not serve every row (so its one claim may
