@@ -46,8 +46,8 @@ def test_migrate_distributes_the_run_tables_by_run_id_colocated_and_keeps_the_qu
     # The queues stay plain tables on the coordinator.
     assert "task_outbox" not in layout and "webhook_deliveries" not in layout
     assert all(applied for _, applied in status(db_url))
-    assert [m.name for m, _ in status(db_url) if m.citus] == ["distribute_by_run_id", "distribute_run_history",
-                                                             "partition_statistics_from_shards"]
+    assert [m.filename for m, _ in status(db_url) if m.citus] == ["V002__distribute_by_run_id.sql",
+                                                                  "R__partition_stats.sql"]
 
 
 def test_partitions_created_and_dropped_on_the_coordinator_reach_the_shards(db_url: str,
@@ -150,8 +150,9 @@ def test_a_single_server_database_with_runs_converts_to_citus_and_keeps_working(
                                        JOIN workflow_runs r ON get_shard_id_for_distribution_column(
                                             'workflow_runs', r.id) = s.shardid
                                       GROUP BY 1""").fetchall()
-        settings = dict(conn.execute("""SELECT p.oid::regprocedure::text, array_to_string(p.proconfig, ',')
-                                           FROM pg_proc p WHERE p.proname LIKE 'composer\\_%%'""").fetchall())
+        settings: dict[str, str | None] = dict(conn.execute(
+            """SELECT p.oid::regprocedure::text, array_to_string(p.proconfig, ',')
+                 FROM pg_proc p WHERE p.proname LIKE 'composer\\_%%'""").fetchall())
         stats_body = conn.execute("SELECT prosrc FROM pg_proc WHERE proname = 'composer_partition_stats'").fetchone()
     assert {port for port, _ in placed} <= {w.port for w in citus_cluster.workers}   # the rows live on the workers
     assert sum(n for _, n in placed) == 3
