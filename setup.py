@@ -23,7 +23,8 @@ setup(
     packages=[*find_packages(include=["composer_ops", "composer_ops.*"]), *DATA_PACKAGES],
     package_dir=DATA_PACKAGES,
     # "": named SQL kept in .sql files beside the module that loads them, in any package.
-    package_data={"": ["*.sql"], "composer_ops": ["py.typed"], "composer_ops.migrations": ["V*.sql", "citus/V*.sql"],
+    package_data={"": ["*.sql"], "composer_ops": ["py.typed"],
+                  "composer_ops.migrations": ["V*.sql", "R__*.sql", "citus/V*.sql", "citus/R__*.sql"],
                   "composer_ops.notebooks": ["*.ipynb"]},
     cmdclass={"build_py": BuildPy},
 )

@@ -1,20 +1,31 @@
-"""Apply ``sql/V*.sql`` in order, one transaction per file, under an advisory lock.
+"""Apply the migrations of ``sql/``: the ``V*.sql`` files in order, then the ``R__*.sql`` files.
 
 The files ship inside the package as ``composer_ops.migrations`` (built from sql/) and
 are read through ``importlib.resources``, so an installed wheel migrates as the source
-tree does.
+tree does. Everything runs under one advisory lock: two migrators at once, the second
+waits for the lock, then finds nothing to do.
 
-Applied files are recorded in ``schema_migrations`` with a SHA-256 checksum; a file
-that changed after it was applied is refused (``Invalid``), never silently re-run.
-Two migrators at once: the second waits for the lock, then finds nothing to do.
+``V<NNN>__<name>.sql`` (tables, columns, indexes, roles, grants): each applied once, in
+version order, in its own transaction, and recorded in ``schema_migrations`` with a
+SHA-256 checksum; a file that changed after it was applied is refused (``Invalid``),
+never silently re-run. ``R__<name>.sql`` (repeatable: the current body of every SQL
+function): applied after the V files, all of them in name order in one transaction,
+whenever one of them is new or changed since it was recorded or a V file was applied
+in this run (a V file may drop or alter what a function relies on; on a database
+converted to Citus, the functions' Citus settings are applied then). Each is written to
+be run again (CREATE OR REPLACE, its grants repeated).
 
-On a Citus database (the ``citus`` extension is installed in it, or ``citus=True``)
-the files of ``sql/citus/`` join the series: a version found only there runs on Citus
-only (the distribution of the tables), and a version found in both directories, under
-the same name, runs the ``sql/citus/`` file instead of the plain one. Versions are one
-sequence across both directories. A single-server database migrated earlier is
-converted by migrating it again once the extension and its worker nodes are set up
+On a Citus database (the ``citus`` extension is installed in it, or ``citus=True``) the
+files of ``sql/citus/`` join the series: a V version found only there runs on Citus only
+(the distribution of the tables), and a file found in both directories under the same
+name runs the ``sql/citus/`` one instead of the plain one. Versions are one sequence
+across both directories. Citus-only R files run after the plain ones, so they may
+replace a function's body there. A single-server database migrated earlier is converted
+by migrating it again once the extension and its worker nodes are set up
 (docs/scaling.md): the Citus-only versions it lacks are applied then.
+
+A database built by the pre-release migrations (before the squash into the V001
+baseline of 0.1.0) is refused with one line saying it must be re-created.
 """
 
 from __future__ import annotations
@@ -23,7 +34,7 @@ import hashlib
 import importlib.resources
 import logging
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from importlib.resources.abc import Traversable
 from typing import Any
@@ -38,22 +49,45 @@ log = logging.getLogger(__name__)
 #: The migration files: the ``composer_ops.migrations`` package.
 SQL_DIR: Traversable = importlib.resources.files("composer_ops.migrations")
 _NAME = re.compile(r"^V(\d{3,})__([a-z0-9_]+)\.sql$")
+_REPEATABLE = re.compile(r"^R__([a-z0-9_]+)\.sql$")
 _LOCK_KEY = "composer_migrations"
-#: Migrations that run on Citus only, or instead of the plain file of their version.
+#: Migrations that run on Citus only, or instead of the plain file of their name.
 CITUS_DIR_NAME = "citus"
+#: The one line a database of the pre-release migrations gets.
+PRE_RELEASE = ("this database was created by a pre-release schema of composer_ops (its schema_migrations "
+               "records the migrations squashed into the 0.1.0 baseline); it must be re-created: drop it, "
+               "create it empty and run `composer-ops migrate`")
 
 
 @dataclass(frozen=True, kw_only=True)
-class Migration:
-    version: int
+class Script:
+    """One file of ``sql/`` (or ``sql/citus/``)."""
+
     name: str
     path: Traversable
     checksum: str
-    citus: bool = False    # from sql/citus/: applied on a Citus database only
+    citus: bool = False    # from sql/citus/
 
     @property
     def filename(self) -> str:
         return self.path.name
+
+    @property
+    def key(self) -> str:
+        """How ``schema_migrations`` names it: ``citus/`` and the file name for a Citus file."""
+        return f"{CITUS_DIR_NAME}/{self.filename}" if self.citus else self.filename
+
+
+@dataclass(frozen=True, kw_only=True)
+class Migration(Script):
+    """A versioned file, ``V<NNN>__<name>.sql``: applied once."""
+
+    version: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class Repeatable(Script):
+    """A repeatable file, ``R__<name>.sql``: applied again whenever the series changes."""
 
 
 def discover(sql_dir: Traversable = SQL_DIR, *, citus: bool = False) -> list[Migration]:
@@ -76,22 +110,52 @@ def discover(sql_dir: Traversable = SQL_DIR, *, citus: bool = False) -> list[Mig
     return sorted(by_version.values(), key=lambda m: m.version)
 
 
-def _scan(sql_dir: Traversable, *, citus: bool) -> list[Migration]:
+def discover_repeatable(sql_dir: Traversable = SQL_DIR, *, citus: bool = False) -> list[Repeatable]:
+    """The repeatable files (``R__*.sql``) in the order they run: the plain ones by name
+    (with ``citus``, a ``sql/citus/`` file of the same name instead), then with
+    ``citus`` the Citus-only ones by name."""
+    plain = _scan_repeatable(sql_dir, citus=False)
+    citus_dir = sql_dir / CITUS_DIR_NAME
+    if not citus or not citus_dir.is_dir():
+        return plain
+    variants = {r.name: r for r in _scan_repeatable(citus_dir, citus=True)}
+    replaced = [variants.pop(r.name, r) for r in plain]
+    return replaced + sorted(variants.values(), key=lambda r: r.name)
+
+
+def _files(sql_dir: Traversable, prefix: str) -> list[Traversable]:
     if not sql_dir.is_dir():
         raise ComposerError(f"migrations directory {sql_dir} does not exist")
+    return sorted((p for p in sql_dir.iterdir() if p.name.startswith(prefix) and p.name.endswith(".sql")),
+                  key=lambda p: p.name)
+
+
+def _checksum(path: Traversable) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _scan(sql_dir: Traversable, *, citus: bool) -> list[Migration]:
     found: list[Migration] = []
-    for path in sorted((p for p in sql_dir.iterdir() if p.name.startswith("V") and p.name.endswith(".sql")),
-                       key=lambda p: p.name):
+    for path in _files(sql_dir, "V"):
         m = _NAME.match(path.name)
         if not m:
             raise Invalid(f"{path}: migration files are named V<NNN>__<snake_case>.sql")
-        body = path.read_bytes()
-        found.append(Migration(version=int(m.group(1)), name=m.group(2), path=path,
-                               checksum=hashlib.sha256(body).hexdigest(), citus=citus))
+        found.append(Migration(version=int(m.group(1)), name=m.group(2), path=path, checksum=_checksum(path),
+                               citus=citus))
     versions = [m.version for m in found]
     if len(set(versions)) != len(versions):
         raise Invalid(f"{sql_dir}: two migration files share a version number")
     return sorted(found, key=lambda m: m.version)
+
+
+def _scan_repeatable(sql_dir: Traversable, *, citus: bool) -> list[Repeatable]:
+    found: list[Repeatable] = []
+    for path in _files(sql_dir, "R"):
+        m = _REPEATABLE.match(path.name)
+        if not m:
+            raise Invalid(f"{path}: repeatable files are named R__<snake_case>.sql")
+        found.append(Repeatable(name=m.group(1), path=path, checksum=_checksum(path), citus=citus))
+    return sorted(found, key=lambda r: r.name)
 
 
 def is_citus(conn: psycopg.Connection[Any]) -> bool:
@@ -109,35 +173,70 @@ def _accepted_checksums(mig: Migration, sql_dir: Traversable) -> set[str]:
     return accepted
 
 
-def _applied(conn: psycopg.Connection[Any]) -> dict[int, str]:
-    rows = conn.execute("SELECT version, checksum FROM schema_migrations").fetchall()
-    return {int(v): str(c) for v, c in rows}
+_TABLE = """CREATE TABLE IF NOT EXISTS schema_migrations(
+                 script TEXT PRIMARY KEY,     -- the file: V001__init.sql, R__claim.sql, citus/...
+                 version INT UNIQUE,          -- a V file's version; NULL for a repeatable file
+                 name TEXT NOT NULL,
+                 checksum TEXT NOT NULL,
+                 applied_at TIMESTAMPTZ NOT NULL DEFAULT now())"""
+
+
+def _recorded(conn: psycopg.Connection[Any]) -> tuple[dict[int, str], dict[str, str]] | None:
+    """The applied versions' checksums and the repeatable files' (by key); None when the
+    database has no ``schema_migrations`` yet. A table without the ``script`` column is
+    the pre-release runner's: refused."""
+    columns = {r[0] for r in conn.execute(
+        """SELECT a.attname FROM pg_attribute a
+            WHERE a.attrelid = to_regclass('schema_migrations') AND a.attnum > 0 AND NOT a.attisdropped""")}
+    if not columns:
+        return None
+    if "script" not in columns:
+        raise Invalid(PRE_RELEASE)
+    rows = conn.execute("SELECT script, version, checksum FROM schema_migrations").fetchall()
+    versions = {int(v): str(c) for _, v, c in rows if v is not None}
+    repeatable = {str(k): str(c) for k, v, c in rows if v is None}
+    return versions, repeatable
+
+
+def _run(conn: psycopg.Connection[Any], script: Script, *, on_citus: bool) -> None:
+    if on_citus:
+        # A migration mixes DDL on distributed tables (Citus fans it out over several
+        # connections per node) with statements Citus then refuses in the same
+        # transaction ("cannot run function command because there was a parallel
+        # operation on a distributed table"); one connection per node, in order, runs them all.
+        conn.execute("SET LOCAL citus.multi_shard_modify_mode TO 'sequential'")
+    try:
+        conn.execute(script.path.read_text(encoding="utf-8").encode())
+    except ComposerError as exc:
+        raise ComposerError(f"{script.filename} failed: {exc}") from exc
 
 
 def migrate(url: str | None = None, *, sql_dir: Traversable = SQL_DIR, target: int | None = None,
-            on_apply: Callable[[Migration], None] | None = None, citus: bool | None = None) -> list[Migration]:
-    """Apply every pending migration up to ``target``; return the ones applied.
+            on_apply: Callable[[Script], None] | None = None, citus: bool | None = None) -> list[Script]:
+    """Apply every pending migration up to ``target``, then the repeatable files if
+    anything changed; return the files applied.
 
     ``citus``: None detects a Citus database (the extension is installed); True
-    requires one (``composer-ops migrate --citus``); False applies the plain series."""
-    applied_now: list[Migration] = []
+    requires one (``composer-ops migrate --citus``); False applies the plain series.
+    ``target`` (tests) stops after that version: the schema of that version with the
+    current functions."""
+    applied_now: list[Script] = []
     with connect(resolve_url(url), application_name="composer-ops migrate", autocommit=True) as conn:
         on_citus = is_citus(conn)
         if citus and not on_citus:
             raise Invalid("--citus: this database has no citus extension; create it (CREATE EXTENSION citus) "
                           "and add the worker nodes first (docs/scaling.md)")
-        files = discover(sql_dir, citus=on_citus if citus is None else citus)
+        series = on_citus if citus is None else citus
+        files = discover(sql_dir, citus=series)
+        repeatable = discover_repeatable(sql_dir, citus=series)
         # Session-level lock: held across the per-file transactions below.
         conn.execute("SELECT pg_advisory_lock(hashtext(%s))", (_LOCK_KEY,))
         try:
-            conn.execute(
-                """CREATE TABLE IF NOT EXISTS schema_migrations(
-                       version INT PRIMARY KEY,
-                       name TEXT NOT NULL,
-                       checksum TEXT NOT NULL,
-                       applied_at TIMESTAMPTZ NOT NULL DEFAULT now())"""
-            )
-            done = _applied(conn)
+            recorded = _recorded(conn)
+            if recorded is None:
+                conn.execute(_TABLE)
+                recorded = {}, {}
+            done, done_repeatable = recorded
             for mig in files:
                 if mig.version in done:
                     if done[mig.version] not in _accepted_checksums(mig, sql_dir):
@@ -150,35 +249,48 @@ def migrate(url: str | None = None, *, sql_dir: Traversable = SQL_DIR, target: i
                 if target is not None and mig.version > target:
                     break
                 with conn.transaction():
-                    if on_citus:
-                        # A migration mixes DDL on distributed tables (Citus fans it out over
-                        # several connections per node) with statements Citus then refuses in
-                        # the same transaction ("cannot run function command because there was
-                        # a parallel operation on a distributed table"); one connection per
-                        # node, in order, runs them all.
-                        conn.execute("SET LOCAL citus.multi_shard_modify_mode TO 'sequential'")
-                    try:
-                        conn.execute(mig.path.read_text(encoding="utf-8").encode())
-                    except ComposerError as exc:
-                        raise ComposerError(f"{mig.filename} failed: {exc}") from exc
+                    _run(conn, mig, on_citus=on_citus)
                     conn.execute(
-                        "INSERT INTO schema_migrations (version, name, checksum) VALUES (%s, %s, %s)",
-                        (mig.version, mig.name, mig.checksum),
+                        "INSERT INTO schema_migrations (script, version, name, checksum) VALUES (%s, %s, %s, %s)",
+                        (mig.key, mig.version, mig.name, mig.checksum),
                     )
                 log.info("applied %s", mig.filename)
                 applied_now.append(mig)
                 if on_apply:
                     on_apply(mig)
+            if applied_now or done_repeatable != {r.key: r.checksum for r in repeatable}:
+                applied_now += _apply_repeatable(conn, repeatable, on_citus=on_citus, on_apply=on_apply)
         finally:
             conn.execute("SELECT pg_advisory_unlock(hashtext(%s))", (_LOCK_KEY,))
     return applied_now
 
 
-def status(url: str | None = None, *, sql_dir: Traversable = SQL_DIR) -> list[tuple[Migration, bool]]:
-    """Each migration file of the database's series (plain or Citus) and whether it is
-    applied; reads a running server only (it never starts the embedded one)."""
+def _apply_repeatable(conn: psycopg.Connection[Any], repeatable: Sequence[Repeatable], *, on_citus: bool,
+                      on_apply: Callable[[Script], None] | None) -> list[Script]:
+    """Run every repeatable file, in order, in one transaction, and record them (the
+    rows of files that are gone go with it)."""
+    with conn.transaction():
+        for rep in repeatable:
+            _run(conn, rep, on_citus=on_citus)
+        conn.execute("DELETE FROM schema_migrations WHERE version IS NULL")
+        for rep in repeatable:
+            conn.execute("INSERT INTO schema_migrations (script, name, checksum) VALUES (%s, %s, %s)",
+                         (rep.key, rep.name, rep.checksum))
+    for rep in repeatable:
+        log.info("applied %s", rep.filename)
+        if on_apply:
+            on_apply(rep)
+    return list(repeatable)
+
+
+def status(url: str | None = None, *, sql_dir: Traversable = SQL_DIR) -> list[tuple[Script, bool]]:
+    """Each file of the database's series (plain or Citus) and whether it is applied (a
+    repeatable file: applied as it is now); reads a running server only (it never
+    starts the embedded one)."""
     with connect(url, application_name="composer-ops migrate") as conn:
-        files = discover(sql_dir, citus=is_citus(conn))
-        exists = conn.execute("SELECT to_regclass('schema_migrations') IS NOT NULL").fetchone()
-        done = _applied(conn) if exists and exists[0] else {}
-    return [(m, m.version in done) for m in files]
+        series = is_citus(conn)
+        files = discover(sql_dir, citus=series)
+        repeatable = discover_repeatable(sql_dir, citus=series)
+        done, done_repeatable = _recorded(conn) or ({}, {})
+    return ([(m, m.version in done) for m in files]
+            + [(r, done_repeatable.get(r.key) == r.checksum) for r in repeatable])

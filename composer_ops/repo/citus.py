@@ -1,6 +1,6 @@
 """The statements a Citus deployment runs in place of the single-server ones.
 
-On Citus (sql/citus/V007, docs/scaling.md) the run tables are distributed by run ID
+On Citus (sql/citus/V002, docs/scaling.md) the run tables are distributed by run ID
 and the outbox stays a plain table on the coordinator. Every other statement of the
 repository runs unchanged on both deployments; this module holds the exceptions, each
 with the reason it differs:
@@ -104,7 +104,7 @@ def claim(conn: Conn, queues: Sequence[str], owner: str, limit: int,
     coordinator."""
     with conn.cursor() as clock_cur, conn.cursor(row_factory=dict_row) as pick:
         with conn.pipeline():
-            lock_claim(conn, claim_id)          # first, as the single-server claim (sql/V021)
+            lock_claim(conn, claim_id)          # first, as the single-server claim (sql/R__claim.sql)
             clock_cur.execute(clock.NOW)
             pick.execute(_PICK, {"queues": list(queues), "limit": limit,
                                  "names": list(task_names) if task_names is not None else None})

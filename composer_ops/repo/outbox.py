@@ -1,6 +1,6 @@
 """The dispatch outbox: written with the task in one transaction, claimed by workers.
 
-The claim is one statement, a call of ``composer_claim`` (sql/V013, V017, V019, V021): it first
+The claim is one statement, a call of ``composer_claim`` (sql/R__claim.sql): it first
 takes an advisory lock on its claim ID, which a retry of the same claim waits for
 (:func:`lock_claim`), then deletes the
 oldest available outbox rows of the worker's queues (FOR UPDATE SKIP LOCKED, so
@@ -49,8 +49,8 @@ def enqueue(conn: Conn, dispatches: Sequence[Dispatch], *, now: datetime) -> Non
     transaction commits). One statement, one round trip, however many rows and queues:
     the rows come in as one JSON document (:func:`~composer_ops.repo._base.recordset`).
 
-    Idle workers are registered in ``task_waiters`` by their own claims (sql/V017,
-    V019). Up to one waiter per row is taken, the most recently idle first, among those
+    Idle workers are registered in ``task_waiters`` by their own claims (sql/R__claim.sql).
+    Up to one waiter per row is taken, the most recently idle first, among those
     serving the row's queue and task name, and notified on its own channel; a worker so
     woken claims one task per wake-up, the oldest it serves. When fewer waiters are taken
     than rows written, or a waiter taken does not serve every row (so its one claim may
@@ -118,7 +118,7 @@ def claim(conn: Conn, queues: Sequence[str], owner: str, limit: int,
                       "names": list(task_names) if task_names is not None else None})
 
 
-#: The lock a claim takes as its first step (sql/V021, and :func:`composer_ops.repo.citus.claim`),
+#: The lock a claim takes as its first step (sql/R__claim.sql, and :func:`composer_ops.repo.citus.claim`),
 #: until it commits or rolls back: two int4 keys, a space apart from the one-bigint keys.
 _LOCK_CLAIM = "SELECT pg_advisory_xact_lock(hashtext('composer_claim'), hashtext(%(claim)s))"
 

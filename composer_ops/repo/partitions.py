@@ -55,7 +55,7 @@ def run_tables(conn: Conn, run_id: str) -> tuple[str, str]:
     The name is the run ID's UTC month; it is used only after this connection has seen
     both partitions attached with exactly that month's bounds and found it may read and
     update them (one catalog query per month per connection: PostgreSQL checks a named
-    partition's own privileges, which sql/V020 grants the engine role). A partition
+    partition's own privileges, which sql/R__partitions.sql grants the engine role). A partition
     made with other bounds (``_misaligned`` data), one the role has no privileges on, or
     a run ID that is not a canonical UUIDv7 falls back to the partitioned tables.
     A partition dropped or detached after that check makes the statement fail with
@@ -167,7 +167,8 @@ def ensure_from(conn: Conn, first_month: date, months_ahead: int) -> int:
 
 # Every partition of the run-scoped tables, with its bound expression decoded from the
 # catalog, and its rows and sizes summed over the nodes that hold its data
-# (composer_partition_stats(), V015; on Citus the shards, V016).
+# (composer_partition_stats(), sql/R__partitions.sql; on Citus the shards,
+# sql/citus/R__partition_stats.sql).
 CATALOG_SQL = """
     SELECT p.relname::text AS table, c.relname::text AS name,
            COALESCE(substring(c.relname FROM '_p(\\d{6})$'), '') AS month,

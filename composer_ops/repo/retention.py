@@ -1,6 +1,6 @@
 """Retention: the cut-off, the plan of every partition month, and the drop.
 
-The plan is one SQL function, ``composer_retention_plan`` (V004, V010): the dry-run,
+The plan is one SQL function, ``composer_retention_plan`` (sql/R__retention.sql): the dry-run,
 the retention report and the real drop all read it through :func:`plan`. The drop
 (``composer_drop_partitions``) locks each month the plan would drop before judging
 it again, so a run that commits into a month while the drop waits is kept, never

@@ -12,7 +12,7 @@ import pytest
 
 from composer_ops import Engine
 from composer_ops.cli import main
-from composer_ops.db.migrate import discover, migrate, status
+from composer_ops.db.migrate import discover, discover_repeatable, migrate, status
 from composer_ops.engine.retention import drop_due_months
 from composer_ops.repo import partitions
 from composer_ops.testing.citus import CitusCluster
@@ -46,8 +46,8 @@ def test_migrate_distributes_the_run_tables_by_run_id_colocated_and_keeps_the_qu
     # The queues stay plain tables on the coordinator.
     assert "task_outbox" not in layout and "webhook_deliveries" not in layout
     assert all(applied for _, applied in status(db_url))
-    assert [m.name for m, _ in status(db_url) if m.citus] == ["distribute_by_run_id", "distribute_run_history",
-                                                             "partition_statistics_from_shards"]
+    assert [m.filename for m, _ in status(db_url) if m.citus] == ["V002__distribute_by_run_id.sql",
+                                                                  "R__partition_stats.sql"]
 
 
 def test_partitions_created_and_dropped_on_the_coordinator_reach_the_shards(db_url: str,
@@ -109,7 +109,7 @@ def plain_db(citus_cluster: CitusCluster) -> Iterator[str]:
 def test_a_single_server_database_with_runs_converts_to_citus_and_keeps_working(
         plain_db: str, citus_cluster: CitusCluster, capsys: pytest.CaptureFixture[str]) -> None:
     migrate(plain_db)
-    assert [m.citus for m, _ in status(plain_db)] == [False] * len(discover())
+    assert [m.citus for m, _ in status(plain_db)] == [False] * (len(discover()) + len(discover_repeatable()))
     spec = {"id": "one", "nodes": [{"id": "a", "type": "TASK", "task": "t"}]}
     with Engine.connect(plain_db, pool_size=2) as engine:
         engine.deploy(spec)
@@ -131,7 +131,11 @@ def test_a_single_server_database_with_runs_converts_to_citus_and_keeps_working(
             conn.execute("SELECT citus_add_node('127.0.0.1', %s)", (worker.port,))
     assert main(["migrate", "--database-url", plain_db]) == 0
     applied = capsys.readouterr().out
-    assert "applied V007__distribute_by_run_id.sql" in applied and "applied V014__distribute_run_history.sql" in applied
+    # The distribution, then every repeatable file again (the functions' Citus settings),
+    # the Citus body of composer_partition_stats last.
+    assert applied.splitlines() == ["applied V002__distribute_by_run_id.sql"] + [
+        f"applied {r.filename}" for r in discover_repeatable(citus=True)]
+    assert applied.splitlines()[-1] == "applied R__partition_stats.sql"
     layout = _layout(plain_db)
     assert {layout[t] for t in partitions.RUN_TABLES} == {layout["workflow_runs"]}     # one co-location group
     assert layout["workflow_runs"][0] == "distributed"
@@ -146,8 +150,16 @@ def test_a_single_server_database_with_runs_converts_to_citus_and_keeps_working(
                                        JOIN workflow_runs r ON get_shard_id_for_distribution_column(
                                             'workflow_runs', r.id) = s.shardid
                                       GROUP BY 1""").fetchall()
+        settings: dict[str, str | None] = dict(conn.execute(
+            """SELECT p.oid::regprocedure::text, array_to_string(p.proconfig, ',')
+                 FROM pg_proc p WHERE p.proname LIKE 'composer\\_%%'""").fetchall())
+        stats_body = conn.execute("SELECT prosrc FROM pg_proc WHERE proname = 'composer_partition_stats'").fetchone()
     assert {port for port, _ in placed} <= {w.port for w in citus_cluster.workers}   # the rows live on the workers
     assert sum(n for _, n in placed) == 3
+    for function in ("composer_ensure_partitions_from(date,integer)", "composer_drop_partitions(timestamp with time "
+                     "zone,interval)", "composer_repair_partition_bounds()"):
+        assert "citus.multi_shard_modify_mode=sequential" in (settings[function] or ""), function
+    assert stats_body is not None and "run_command_on_all_nodes" in stats_body[0]
 
 
 def test_a_database_a_node_holds_a_prepared_transaction_in_is_still_dropped(citus_cluster: CitusCluster) -> None:

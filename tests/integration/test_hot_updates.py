@@ -1,4 +1,4 @@
-"""V005: heartbeats are HOT updates, and the background loops still read partial indexes.
+"""Heartbeats are HOT updates, and the background loops still read partial indexes.
 
 HOT ratios come from pg_stat_user_tables on the task_instances partitions. The
 session that made the updates calls pg_stat_force_next_flush() (PostgreSQL 15+), so
@@ -16,11 +16,11 @@ from typing import Any
 import psycopg
 import pytest
 
-from bench.hot import SEED, StatementCapture  # the benchmark EXPLAINs the same statements on the same seed
+# The benchmark EXPLAINs the same statements on the same seed, and puts back the seed's
+# layout of task_instances (its lease index, fillfactor 100) on the current schema.
+from bench.hot import SEED, StatementCapture, _v004_layout
 from composer_ops import Engine
 from composer_ops.core.model import TaskRef
-from composer_ops.db.migrate import migrate
-from composer_ops.engine.ids import uuid7_text
 from composer_ops.repo import clock, signals, tasks
 from composer_ops.repo.rows import Claim
 
@@ -64,36 +64,8 @@ def _running_tasks(url: str) -> list[Claim]:
     return claims
 
 
-def _running_tasks_in_an_old_schema(url: str) -> list[Claim]:
-    """The same rows written with plain SQL, for a schema older than the engine (which
-    writes tables later migrations add): TASKS RUNNING tasks with a lease."""
-    with psycopg.connect(url) as conn:
-        conn.execute("SELECT composer_ensure_partitions(0)")
-        conn.execute("INSERT INTO workflow_definitions (id, name, version, spec_json, created_by, deployed) "
-                     "VALUES ('hb', 'hb', 1, %s, 'test', true)", (psycopg.types.json.Jsonb(SPEC),))
-        claims = []
-        for _ in range(TASKS):
-            run_id, task_id = uuid7_text(), uuid7_text()
-            conn.execute("INSERT INTO workflow_runs (id, workflow_definition_id, workflow_version, status) "
-                         "VALUES (%s, 'hb', 1, 'RUNNING')", (run_id,))
-            conn.execute("INSERT INTO task_instances (id, run_id, node_id, node_type, queue, state) "
-                         "VALUES (%s, %s, 'work', 'TASK', 'default', 'PENDING')", (task_id, run_id))
-            row = conn.execute("""
-                UPDATE task_instances SET state = 'RUNNING', lease_owner = 'test-worker',
-                       lease_expires_at = now() + interval '300 s', started_at = now()
-                 WHERE run_id = %s AND id = %s RETURNING lease_expires_at""", (run_id, task_id)).fetchone()
-            assert row is not None
-            claims.append(Claim(run_id=run_id, task_id=task_id, node_id="work", attempt=0, task_name="noop",
-                                queue="default", input=None, lease_s=300, lease_owner="test-worker",
-                                lease_expires_at=row[0]))
-        conn.execute("SELECT pg_stat_force_next_flush()")
-        conn.commit()
-    _wait_stats(url, inserts=TASKS, updates=TASKS)
-    return claims
-
-
-def _heartbeat_hot_ratio(url: str, *, old_schema: bool = False) -> float:
-    claims = _running_tasks_in_an_old_schema(url) if old_schema else _running_tasks(url)
+def _heartbeat_hot_ratio(url: str) -> float:
+    claims = _running_tasks(url)
     _, upd0, hot0 = _task_stats(url)
     with psycopg.connect(url) as conn:
         for _ in range(ROUNDS):
@@ -108,14 +80,15 @@ def _heartbeat_hot_ratio(url: str, *, old_schema: bool = False) -> float:
     return (hot1 - hot0) / (upd1 - upd0)
 
 
-def test_heartbeats_are_hot_after_v005(db_url: str) -> None:
+def test_heartbeats_are_hot(db_url: str) -> None:
     assert _heartbeat_hot_ratio(db_url) >= 0.9
 
 
-def test_before_v005_no_heartbeat_was_hot(empty_db_url: str) -> None:
+def test_with_the_seeds_lease_index_no_heartbeat_was_hot(db_url: str) -> None:
     # The seed's lease index contains lease_expires_at, the column a heartbeat changes.
-    migrate(empty_db_url, target=4)
-    assert _heartbeat_hot_ratio(empty_db_url, old_schema=True) == 0.0
+    with psycopg.connect(db_url, autocommit=True) as conn:
+        _v004_layout(conn)
+    assert _heartbeat_hot_ratio(db_url) == 0.0
 
 
 def _fillfactors(conn: Any) -> dict[str, str | None]:
@@ -133,19 +106,6 @@ def test_task_partitions_old_and_new_leave_room_for_hot_updates(conn: Any) -> No
     assert {"task_instances_p203105", "task_instances_p203106", "workflow_runs_p203105"} <= set(found)
     for name, fillfactor in found.items():
         assert fillfactor == ("80" if name.startswith("task_instances_") else None), name
-
-
-def test_v005_applies_to_partitions_that_existed_before_it(empty_db_url: str) -> None:
-    migrate(empty_db_url, target=4)
-    with psycopg.connect(empty_db_url, autocommit=True) as conn:
-        conn.execute("SELECT composer_ensure_partitions_from('2024-01-01', 0)")
-        migrate(empty_db_url)
-        found = _fillfactors(conn)
-        assert found["task_instances_p202401"] == "80"
-        indexes = {r[0] for r in conn.execute(
-            "SELECT indexname FROM pg_indexes WHERE tablename = 'task_instances'").fetchall()}
-    assert "idx_task_instances_running" in indexes
-    assert "idx_task_instances_running_lease" not in indexes
 
 
 # -- the background loops' queries still use the partial indexes ----------------------------

@@ -1,54 +1,63 @@
-"""The migration runner: canonical schema, concurrency, checksums."""
+"""The migration runner and the schema it builds: a fresh install equals every release in
+turn, repeatable files are applied again when they change, applied V files never are,
+a pre-release database is refused, concurrency, checksums, the Citus series."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import psycopg
 import pytest
 
-from composer_ops.db.migrate import discover, migrate, status
+from composer_ops.db.migrate import PRE_RELEASE, Migration, discover, discover_repeatable, migrate, status
 from composer_ops.errors import ComposerError, Invalid
+from composer_ops.testing.servers import Server
+from tests.integration.catalog import differences, snapshot
 from tests.integration.helpers import at_once
 
-SCHEMA_QUERY = """
-SELECT 'column', table_name || '.' || column_name || ' ' || data_type || ' ' || is_nullable
-       || ' ' || COALESCE(column_default, '') || ' ' || COALESCE(collation_name, '')
-  FROM information_schema.columns WHERE table_schema = 'public'
-UNION ALL
-SELECT 'index', indexname || ' ' || indexdef FROM pg_indexes WHERE schemaname = 'public'
-UNION ALL
-SELECT 'function', p.proname || ' ' || md5(pg_get_functiondef(p.oid))
-  FROM pg_proc p JOIN pg_namespace n ON n.oid = p.pronamespace WHERE n.nspname = 'public'
-UNION ALL
-SELECT 'partition', c.relname || ' ' || pg_get_expr(c.relpartbound, c.oid)
-  FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace
- WHERE n.nspname = 'public' AND c.relispartition AND c.relkind IN ('r', 'p')
-UNION ALL
-SELECT 'constraint', conrelid::regclass::text || ' ' || pg_get_constraintdef(oid)
-  FROM pg_constraint WHERE connamespace = 'public'::regnamespace AND conrelid <> 0
-ORDER BY 1, 2
-"""
+
+@pytest.fixture
+def fresh_url(server: Server) -> Iterator[str]:
+    """A database migrated in one go, as a fresh install is (not a clone of the
+    template: CREATE DATABASE ... TEMPLATE does not copy the database's own grants)."""
+    with server.database() as url:
+        migrate(url)
+        yield url
 
 
-def schema(url: str) -> list[tuple[str, str]]:
-    with psycopg.connect(url) as conn:
-        return [(k, v) for k, v in conn.execute(SCHEMA_QUERY).fetchall() if "schema_migrations" not in v]
+def _forget_repeatable(url: str) -> None:
+    """As if every repeatable file had changed since it was applied (a release that
+    edits only functions): the next migrate applies them all again."""
+    with psycopg.connect(url, autocommit=True) as conn:
+        conn.execute("DELETE FROM schema_migrations WHERE version IS NULL")
 
 
-def test_migrate_from_empty_equals_applying_the_files_by_hand(empty_db_url: str, db_url: str) -> None:
+def test_a_fresh_install_equals_every_release_applied_in_turn(empty_db_url: str, fresh_url: str) -> None:
+    """fresh_url was migrated in one go. Here each V file is applied on its
+    own with the repeatable files after it, then the repeatable files once more, as a
+    later release that changes only functions would: the catalogs must be equal."""
+    for mig in discover():
+        applied = migrate(empty_db_url, target=mig.version)
+        assert [a.filename for a in applied] == [mig.filename] + [r.filename for r in discover_repeatable()]
+        _forget_repeatable(empty_db_url)
+        assert [a.filename for a in migrate(empty_db_url)] == [r.filename for r in discover_repeatable()]
+    assert differences(snapshot(empty_db_url), snapshot(fresh_url)) == {}
+
+
+def test_migrate_from_empty_equals_applying_the_files_by_hand(empty_db_url: str, fresh_url: str) -> None:
     with psycopg.connect(empty_db_url, autocommit=True) as conn:
-        for mig in discover():
+        for script in [*discover(), *discover_repeatable()]:
             with conn.transaction():
-                conn.execute(mig.path.read_text())
-    assert schema(empty_db_url) == schema(db_url)
+                conn.execute(script.path.read_text())
+    assert differences(snapshot(empty_db_url), snapshot(fresh_url)) == {}
 
 
 def test_migrate_is_idempotent_and_reports_status(db_url: str) -> None:
     assert migrate(db_url) == []
     assert all(applied for _, applied in status(db_url))
+    assert [s.filename for s, _ in status(db_url)] == [s.filename for s in [*discover(), *discover_repeatable()]]
 
 
 def test_two_migrators_at_once_one_waits_neither_fails(empty_db_url: str) -> None:
@@ -56,13 +65,14 @@ def test_two_migrators_at_once_one_waits_neither_fails(empty_db_url: str) -> Non
         go()
         return len(migrate(empty_db_url))
 
-    assert sorted(at_once(run)) == [0, len(discover())]
+    assert sorted(at_once(run)) == [0, len(discover()) + len(discover_repeatable())]
 
 
 def _copy_migrations(target: Path) -> Path:
+    """The plain series (V and R files) in a directory of its own."""
     target.mkdir()
-    for mig in discover():
-        (target / mig.filename).write_bytes(mig.path.read_bytes())
+    for script in [*discover(), *discover_repeatable()]:
+        (target / script.filename).write_bytes(script.path.read_bytes())
     return target
 
 
@@ -73,6 +83,55 @@ def test_an_edited_applied_file_is_refused(empty_db_url: str, tmp_path: Path) ->
     first.write_text(first.read_text() + "\n-- an innocent-looking edit\n")
     with pytest.raises(Invalid, match="V001__init.sql was changed after it was applied"):
         migrate(empty_db_url, sql_dir=sql_dir)
+
+
+def _body(url: str, function: str) -> str:
+    with psycopg.connect(url) as conn:
+        row = conn.execute("SELECT prosrc FROM pg_proc WHERE proname = %s", (function,)).fetchone()
+    assert row is not None
+    return str(row[0])
+
+
+def test_an_edited_repeatable_file_is_applied_again_and_the_catalogs_tell(
+        empty_db_url: str, fresh_url: str, tmp_path: Path) -> None:
+    sql_dir = _copy_migrations(tmp_path / "sql")
+    migrate(empty_db_url, sql_dir=sql_dir)
+    assert differences(snapshot(empty_db_url), snapshot(fresh_url)) == {}
+    retry = sql_dir / "R__retry.sql"
+    retry.write_text(retry.read_text().replace("RETURN removed;", "RETURN removed;  -- edited"))
+    assert [s.filename for s in migrate(empty_db_url, sql_dir=sql_dir)] == [
+        r.filename for r in discover_repeatable(sql_dir)]
+    assert "RETURN removed;  -- edited" in _body(empty_db_url, "composer_reset_tasks")
+    assert migrate(empty_db_url, sql_dir=sql_dir) == []
+    assert all(applied for _, applied in status(empty_db_url, sql_dir=sql_dir))
+    # The snapshot compares whole function definitions: one edited line is a difference.
+    diff = differences(snapshot(empty_db_url), snapshot(fresh_url))
+    assert list(diff) == ["function"]
+    assert ["-- edited" in f for f in diff["function"]["only in the first"]] == [True]
+
+
+def test_a_database_of_the_pre_release_migrations_is_refused_and_left_alone(
+        empty_db_url: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """The runner before the squash recorded V001..V020 in a table without `script`."""
+    from composer_ops.cli import main
+
+    with psycopg.connect(empty_db_url, autocommit=True) as conn:
+        conn.execute("""CREATE TABLE schema_migrations(version INT PRIMARY KEY, name TEXT NOT NULL,
+                          checksum TEXT NOT NULL, applied_at TIMESTAMPTZ NOT NULL DEFAULT now())""")
+        conn.execute("""INSERT INTO schema_migrations (version, name, checksum)
+                        SELECT v, 'pre_release_' || v, md5(v::text) FROM generate_series(1, 20) v
+                         WHERE v NOT IN (7, 14, 16)""")
+    before = snapshot(empty_db_url)
+    with pytest.raises(Invalid, match="created by a pre-release schema"):
+        migrate(empty_db_url)
+    assert main(["migrate", "--database-url", empty_db_url]) == 2
+    err = capsys.readouterr().err
+    assert PRE_RELEASE in err and len(err.strip().splitlines()) == 1
+    with pytest.raises(Invalid, match="created by a pre-release schema"):
+        status(empty_db_url)
+    assert differences(snapshot(empty_db_url), before) == {}
+    with psycopg.connect(empty_db_url) as conn:
+        assert conn.execute("SELECT count(*) FROM schema_migrations").fetchone() == (17,)
 
 
 def test_a_failing_migration_rolls_back_and_is_not_recorded(empty_db_url: str, tmp_path: Path) -> None:
@@ -107,21 +166,32 @@ def test_citus_only_migrations_are_skipped_on_a_single_server_and_later_versions
     last = max(m.version for m in discover())
     sql_dir = _series(tmp_path, {f"V{last + 1:03d}__distribute.sql": "SELECT create_distributed_table('x', 'y');\n"})
     (sql_dir / f"V{last + 2:03d}__after.sql").write_text("CREATE TABLE after_citus(x int);\n")
-    applied = migrate(empty_db_url, sql_dir=sql_dir)
-    assert [m.version for m in applied][-1] == last + 2
-    assert last + 1 not in [m.version for m in applied]
+    applied = [m.version for m in migrate(empty_db_url, sql_dir=sql_dir) if isinstance(m, Migration)]
+    assert applied[-1] == last + 2
+    assert last + 1 not in applied
     assert migrate(empty_db_url, sql_dir=sql_dir) == []
     assert [m.citus for m in discover(sql_dir, citus=True) if m.version == last + 1] == [True]
-    assert [m.version for m, _ in status(empty_db_url, sql_dir=sql_dir)][-1] == last + 2
+    assert [m.version for m, _ in status(empty_db_url, sql_dir=sql_dir) if isinstance(m, Migration)][-1] == last + 2
 
 
 def test_a_citus_file_replaces_the_plain_file_of_its_version_in_the_citus_series(tmp_path: Path) -> None:
-    sql_dir = _series(tmp_path, {"V002__utc_partition_arithmetic.sql": "SELECT 'citus variant';\n"})
+    sql_dir = _series(tmp_path, {"V001__init.sql": "SELECT 'citus variant';\n"})
     plain = {m.version: m for m in discover(sql_dir)}
     on_citus = {m.version: m for m in discover(sql_dir, citus=True)}
     assert on_citus.keys() == plain.keys()
-    assert on_citus[2].citus and on_citus[2].path == sql_dir / "citus" / "V002__utc_partition_arithmetic.sql"
-    assert [v for v in plain if on_citus[v].checksum != plain[v].checksum] == [2]
+    assert on_citus[1].citus and on_citus[1].path == sql_dir / "citus" / "V001__init.sql"
+    assert [v for v in plain if on_citus[v].checksum != plain[v].checksum] == [1]
+
+
+def test_citus_repeatable_files_replace_theirs_by_name_and_the_citus_only_ones_run_last(tmp_path: Path) -> None:
+    sql_dir = _series(tmp_path, {"R__claim.sql": "SELECT 'citus claim';\n", "R__aaa.sql": "SELECT 'last';\n"})
+    plain = discover_repeatable(sql_dir)
+    on_citus = discover_repeatable(sql_dir, citus=True)
+    assert [r.name for r in on_citus] == [r.name for r in plain] + ["aaa"]
+    assert [(r.name, r.key) for r in on_citus if r.citus] == [("claim", "citus/R__claim.sql"),
+                                                              ("aaa", "citus/R__aaa.sql")]
+    assert [r.key for r in discover_repeatable()] == [r.filename for r in discover_repeatable()]
+    assert {r.key for r in discover_repeatable(citus=True) if r.citus} == {"citus/R__partition_stats.sql"}
 
 
 def test_migrate_citus_on_a_database_without_the_extension_is_refused_and_changes_nothing(
@@ -144,22 +214,3 @@ def test_a_plain_file_numbered_like_a_citus_only_file_is_refused_in_both_modes(t
     for citus in (False, True):
         with pytest.raises(Invalid, match=f"share version {last + 1}; a file in sql/citus/ replaces"):
             discover(sql_dir, citus=citus)
-
-
-def test_the_outbox_has_no_shard_column_and_dispatch_works_without_it(empty_db_url: str) -> None:
-    """V008 drops the column nothing read; an outbox migrated only up to V006 still
-    takes the engine's inserts (the column's default fills it), so code can be
-    deployed before the migration."""
-    migrate(empty_db_url, target=6)
-    insert = """INSERT INTO task_outbox (queue, run_id, task_id, attempt, task_name, lease_s)
-                VALUES ('q', 'r', %s, 0, 'n', 1)"""
-    with psycopg.connect(empty_db_url, autocommit=True) as conn:
-        conn.execute(insert, ("t1",))
-        assert conn.execute("SELECT shard FROM task_outbox").fetchall() == [(0,)]
-    migrate(empty_db_url)
-    with psycopg.connect(empty_db_url, autocommit=True) as conn:
-        columns = [r[0] for r in conn.execute("""SELECT column_name FROM information_schema.columns
-                                                  WHERE table_name = 'task_outbox'""")]
-        assert "shard" not in columns and "queue" in columns
-        conn.execute(insert, ("t2",))
-        assert conn.execute("SELECT task_id FROM task_outbox ORDER BY id").fetchall() == [("t1",), ("t2",)]

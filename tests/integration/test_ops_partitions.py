@@ -66,7 +66,7 @@ def test_decode_uuid7_bound() -> None:
 
 
 def test_a_partition_whose_bounds_do_not_match_its_name_is_flagged(conn: psycopg.Connection[Any]) -> None:
-    # What V001 did under America/New_York: the month starts at 05:00 UTC, not midnight.
+    # What the seed's arithmetic did under America/New_York: the month starts at 05:00 UTC, not midnight.
     conn.execute("""CREATE TABLE workflow_runs_p203001 PARTITION OF workflow_runs FOR VALUES
                     FROM (composer_uuid7_bound('2030-01-01 05:00Z')) TO (composer_uuid7_bound('2030-02-01Z'))""")
     inv = ops.partition_inventory(conn)

@@ -1,4 +1,4 @@
-"""The read-only role composer_ops_reader (V004): it can read everything the
+"""The read-only role composer_ops_reader (sql/V001): it can read everything the
 notebooks read, including partitions created later, and every write or partition
 function is refused."""
 
@@ -100,7 +100,7 @@ def test_writes_and_partition_functions_are_refused(reader: psycopg.Connection[A
 
 
 def test_migrating_another_database_of_the_cluster_reuses_the_role(empty_db_url: str) -> None:
-    # The role already exists (the template database created it): V004 must not fail.
+    # The role already exists (the template database created it): V001 must not fail.
     migrate(empty_db_url)
     with psycopg.connect(as_role(empty_db_url)) as conn:
         assert conn.execute("SELECT count(*) FROM workflow_runs").fetchone() == (0,)

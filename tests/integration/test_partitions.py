@@ -9,7 +9,6 @@ from typing import Any
 import psycopg
 import pytest
 
-from composer_ops.db.migrate import migrate
 from composer_ops.errors import Invalid
 from composer_ops.repo import clock, partitions, runs, signals, tasks
 from tests.integration.helpers import add_definition, add_run, at_once, connect_in_tz, drop_months, uuid7_at
@@ -63,7 +62,7 @@ def test_ensure_creates_this_month_and_n_ahead_idempotently(conn: Any) -> None:
 @pytest.mark.parametrize("tz", TIMEZONES)
 def test_ensure_from_bounds_match_names_in_any_timezone(db_url: str, tz: str) -> None:
     with connect_in_tz(db_url, tz) as conn:
-        # 2026-12 is where V001 skipped February under America/New_York.
+        # 2026-12 is where the seed's arithmetic skipped February under America/New_York.
         before = _preexisting(conn)
         tables = len(partitions.RUN_TABLES)
         assert partitions.ensure_from(conn, date(2026, 12, 15), 3) == tables * 4 - before
@@ -132,21 +131,13 @@ def test_drop_only_whole_months_before_cutoff_without_active_runs(
         assert {"202502", "202503"} <= after          # active runs keep their month
 
 
-def test_v001_drop_function_was_wrong_outside_utc_and_v002_fixes_it(empty_db_url: str) -> None:
-    migrate(empty_db_url, target=1)
-    with connect_in_tz(empty_db_url, "Asia/Tokyo") as conn:
-        for tbl in ("workflow_runs", "task_instances", "workflow_events"):      # V001's tables
-            conn.execute(f"""CREATE TABLE {tbl}_p202503 PARTITION OF {tbl} FOR VALUES
-                             FROM (composer_uuid7_bound('2025-03-01Z')) TO (composer_uuid7_bound('2025-04-01Z'))""")
-        # March 2025 is not over at 2025-03-30 UTC, yet V001's function drops it.
-        cutoff = datetime(2025, 3, 30, tzinfo=UTC)
-        conn.execute("SAVEPOINT s")
-        assert drop_months(conn, cutoff) == ["202503"]
-        conn.execute("ROLLBACK TO SAVEPOINT s")
+def test_drop_judges_a_month_over_in_utc_whatever_the_session_timezone(db_url: str) -> None:
+    """The seed's drop read the month in the session's zone: under Asia/Tokyo it dropped
+    March 2025 at 2025-03-30 UTC, before the month was over."""
+    with connect_in_tz(db_url, "Asia/Tokyo") as conn:
+        conn.execute("SELECT composer_ensure_partitions_from('2025-03-01', 0)")
         conn.commit()
-    migrate(empty_db_url)
-    with connect_in_tz(empty_db_url, "Asia/Tokyo") as conn:
-        assert drop_months(conn, cutoff) == []
+        assert drop_months(conn, datetime(2025, 3, 30, tzinfo=UTC)) == []
         assert drop_months(conn, datetime(2025, 4, 1, tzinfo=UTC)) == ["202503"]
 
 

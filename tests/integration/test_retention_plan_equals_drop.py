@@ -76,7 +76,7 @@ def _populate(conn: psycopg.Connection[Any], layout: dict[str, list[tuple[str, i
        via=st.sampled_from(["sql", "engine"]))
 def test_plan_equals_drop_for_random_layouts(db_url: str, layout: dict[str, list[tuple[str, int, int]]],
                                              cutoff: datetime, tz: str, nudge: timedelta | None, via: str) -> None:
-    """``via``: the one-argument SQL function (V001's entry point), or the function `partitions drop --yes` and
+    """``via``: the one-argument SQL function (the seed's entry point), or the function `partitions drop --yes` and
     the coordinator call (locks, judges again under the locks, records the drop)."""
     # Cut-offs on and around month boundaries are where time-zone bugs live.
     if nudge is not None:

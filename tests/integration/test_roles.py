@@ -1,4 +1,4 @@
-"""Least privilege (V004, V006): the engine runs whole workflows as composer_ops_engine,
+"""Least privilege (sql/V001, the grants of sql/R__*.sql): the engine runs whole workflows as composer_ops_engine,
 including the coordinator's partition upkeep, yet cannot drop, detach or back-fill
 partitions; the reader cannot write or call any partition function. Only the owner
 drops. Sessions switch role at start-up (libpq ``options=-c role=...``), which is

@@ -143,7 +143,7 @@ def test_the_month_check_is_per_connection(db_url: str) -> None:
 
 
 def test_the_engine_role_names_the_partitions_it_was_granted_and_falls_back_without(db_url: str) -> None:
-    """As composer_ops_engine: the partitions there were at migration (V020) and those
+    """As composer_ops_engine: the partitions there were at migration and those
     its own upkeep creates (composer_ensure_partitions) may be named; one whose grant
     was revoked is reached through the partitioned tables, and the run is still found."""
     from tests.notebooks.harness import as_role

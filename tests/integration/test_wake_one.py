@@ -95,7 +95,7 @@ def test_more_tasks_than_registered_workers_also_tell_the_shared_channel(wakes: 
 
 def test_a_claim_of_its_wake_ups_keeps_a_worker_with_room_registered(wakes: Wakes) -> None:
     """Woken once with 3 free slots, a worker claims 1 task and stays registered for the
-    other 2 (sql/V019); a claim that fills its room withdraws the registration."""
+    other 2 (sql/R__claim.sql); a claim that fills its room withdraws the registration."""
     conn = wakes.conn
     wakes.idle("a")
     wakes.dispatch()

@@ -35,10 +35,11 @@ from composer_ops.testing.processes import Fleet, wait_for
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(480)]
 
 ROOT = Path(__file__).resolve().parents[2]
-#: Every migration file of sql/: the plain series and the Citus one (sql/citus/).
-MIGRATIONS = sorted(p.relative_to(ROOT / "sql").as_posix() for p in (ROOT / "sql").rglob("V*.sql"))
-#: The versions ``composer-ops migrate`` applies to plain PostgreSQL.
+#: Every migration file of sql/ (V and repeatable R files): the plain series and the Citus one (sql/citus/).
+MIGRATIONS = sorted(p.relative_to(ROOT / "sql").as_posix() for p in (ROOT / "sql").rglob("*.sql"))
+#: The versions ``composer-ops migrate`` applies to plain PostgreSQL, and its repeatable files.
 PLAIN_VERSIONS = sorted(int(p.name[1:].split("__")[0]) for p in (ROOT / "sql").glob("V*.sql"))
+PLAIN_REPEATABLE = sorted(p.name for p in (ROOT / "sql").glob("R__*.sql"))
 NOTEBOOKS = sorted(p.stem for p in (ROOT / "notebooks").glob("*.ipynb"))
 
 SPEC = {
@@ -134,8 +135,12 @@ def test_installed_package_migrates_runs_a_workflow_and_renders_every_report(
 
     cli("migrate")
     with psycopg.connect(empty_db_url) as conn:
-        applied = [r[0] for r in conn.execute("SELECT version FROM schema_migrations ORDER BY version")]
+        applied = [r[0] for r in conn.execute(
+            "SELECT version FROM schema_migrations WHERE version IS NOT NULL ORDER BY version")]
+        repeatable = [r[0] for r in conn.execute(
+            "SELECT script FROM schema_migrations WHERE version IS NULL ORDER BY script")]
     assert applied == PLAIN_VERSIONS
+    assert repeatable == PLAIN_REPEATABLE and "R__claim.sql" in repeatable
 
     (work / "packaged.json").write_text(json.dumps(SPEC), encoding="utf-8")
     assert "deployed packaged v1" in cli("deploy", "packaged.json")

@@ -1,10 +1,10 @@
--- V007 (Citus only): distribute the run-scoped tables by run ID.
+-- Citus only: distribute the run tables by run ID (the baseline's Citus half).
 --
 -- Applied by `composer-ops migrate` on a Citus coordinator (a database with the citus
 -- extension and its worker nodes added), skipped on a single PostgreSQL server. After it:
 --   workflow_definitions                a reference table (copied to every node: every
 --                                       start reads it, deploys are rare);
---   workflow_runs (id), task_instances (run_id), workflow_events (run_id)
+--   workflow_runs (id), task_instances, workflow_events, run_history (run_id)
 --                                       hash-distributed and co-located: every row of a
 --                                       run is on one shard, so an event (run lock, tasks,
 --                                       signals) is a single-shard transaction, and the
@@ -18,7 +18,8 @@
 --                                       an outbox row before its task row is visible.
 -- Their partitions follow: a distributed partitioned table's partitions are distributed
 -- tables co-located with it, and partitions created or dropped later on the coordinator
--- (composer_ensure_partitions_from, composer_drop_partitions) are propagated.
+-- (composer_ensure_partitions_from, composer_drop_partitions) are propagated. The
+-- repeatable files, applied after this, put those functions in sequential mode on Citus.
 --
 -- Order matters. A reference table referenced by foreign keys from plain tables turns
 -- those tables (runs, then tasks and events through their keys) into Citus local tables,
@@ -48,14 +49,4 @@ RESET citus.enable_local_reference_table_foreign_keys;
 SELECT create_distributed_table('workflow_runs', 'id');
 SELECT create_distributed_table('task_instances', 'run_id', colocate_with => 'workflow_runs');
 SELECT create_distributed_table('workflow_events', 'run_id', colocate_with => 'workflow_runs');
-
--- DDL on a distributed table fans out to its shards over several connections per node
--- ("parallel" mode); once a transaction has done that, Citus refuses a later statement
--- of the same transaction that must see those changes over one connection ("cannot
--- modify table ... because there was a parallel operation on a distributed table") and
--- parallel DDL after DDL on a reference table. The partition functions create or drop
--- several partitions (and so several tables' shards) in one transaction, so they run in
--- sequential mode: one connection per node, in order.
-ALTER FUNCTION composer_ensure_partitions_from(DATE, INT) SET citus.multi_shard_modify_mode = 'sequential';
-ALTER FUNCTION composer_drop_partitions(TIMESTAMPTZ) SET citus.multi_shard_modify_mode = 'sequential';
-ALTER FUNCTION composer_repair_partition_bounds() SET citus.multi_shard_modify_mode = 'sequential';
+SELECT create_distributed_table('run_history', 'run_id', colocate_with => 'workflow_runs');

@@ -1,27 +1,21 @@
--- V010: retention judges a month only while holding its partitions, and keeps the
--- months that can still receive runs; dropped months are recorded.
+-- Retention: the plan (which months may go, and why) and the drop that follows it. A
+-- repeatable file (docs/architecture.md, "where new code goes").
 --
--- composer_drop_partitions (V004) read the plan, which looks for active runs in each
--- month, and only then asked for the locks its DROP and DETACH need. A start that was
--- inserting into such a month (a client-supplied run ID may be up to an hour old, so
--- the previous month still receives runs for the first hour of a new one) held the
--- partition's lock; the DETACH waited for it, the start committed, and the month was
--- dropped with the new run (tests/integration/test_retention_races.py shows it).
--- Now every month the plan would drop is locked first (ACCESS EXCLUSIVE on its three
--- partitions, in foreign-key order, as the engine writes them), then the plan is read
--- again under those locks, and only what it still marks 'drop' is dropped: a start
--- that committed while the lock was awaited is seen, one that comes later waits for
--- the lock and then finds no partition (refused, never lost).
---
--- The plan gains min_age: a month is 'too new' until it ended at least min_age ago
--- (the engine passes its run-ID age limit, one hour), so no run can still be started
--- into a month retention judges. The two- and one-argument forms keep the seed's and
--- V004's signatures and promise with min_age = 1 hour.
---
--- retention_drops records each dropped month with the request that dropped it, in
--- the drop's transaction: a drop retried after its COMMIT acknowledgement was lost
--- finds its own record and reports what it dropped (composer_ops/repo/retention.py).
+-- composer_retention_plan is the single source of truth: `composer-ops partitions
+-- drop` (dry run) shows it, and composer_drop_partitions drops exactly the months it
+-- marks 'drop', so the two cannot disagree.
 
+-- One row per partition month (YYYYMM suffix), oldest first:
+--   action 'drop' | 'keep'; reason 'too new' | 'has active runs' | 'past cut-off, no active runs';
+--   active_runs / active_run_ids: RUNNING or PENDING runs of the month (first 20 ids);
+--   rows: estimates (exact counts when exact_rows), bytes: heap + indexes + toast, both
+--   summed over the month's partitions of the run tables (composer_partition_stats()).
+-- A month is 'too new' while it is the current or a future month, or ended less than
+-- min_age ago (the engine passes its run-ID age limit, one hour: a client-supplied run
+-- ID may be that old, so the previous month still receives runs for the first hour of
+-- a new one), whatever the cut-off. Reads catalogs, plus one query per month old
+-- enough to drop on that month's workflow_runs partition (its status is not indexed;
+-- old months are small and cold).
 CREATE OR REPLACE FUNCTION composer_retention_plan(older_than TIMESTAMPTZ, exact_rows BOOLEAN, min_age INTERVAL)
 RETURNS TABLE(month TEXT, month_start TIMESTAMPTZ, month_end TIMESTAMPTZ, action TEXT, reason TEXT,
               active_runs BIGINT, active_run_ids TEXT[], partitions TEXT[], rows BIGINT, bytes BIGINT)
@@ -42,18 +36,17 @@ BEGIN
     FOR m IN
         SELECT s.suffix,
                array_agg(s.relname ORDER BY s.table_order) AS parts,
-               sum(pg_total_relation_size(s.oid))::bigint AS total_bytes,
-               sum(CASE WHEN s.reltuples >= 0 THEN s.reltuples
-                        ELSE pg_stat_get_live_tuples(s.oid) END)::bigint AS est_rows
-          FROM (SELECT c.oid, c.relname::text AS relname, c.reltuples,
-                       array_position(ARRAY['workflow_runs', 'task_instances', 'workflow_events'],
-                                      p.relname::text) AS table_order,
+               COALESCE(sum(st.total_bytes), 0)::bigint AS total_bytes,
+               COALESCE(sum(st.rows), 0)::bigint AS est_rows
+          FROM (SELECT c.relname::text AS relname,
+                       array_position(composer_run_tables(), p.relname::text) AS table_order,
                        substring(c.relname FROM '_p(\d{6})$') AS suffix
                   FROM pg_inherits i
                   JOIN pg_class c ON c.oid = i.inhrelid
                   JOIN pg_class p ON p.oid = i.inhparent
-                 WHERE p.oid IN ('workflow_runs'::regclass, 'task_instances'::regclass,
-                                 'workflow_events'::regclass)) s
+                 WHERE p.oid = ANY(composer_run_tables()::regclass[])) s
+          LEFT JOIN (SELECT ps.partition, sum(ps.rows) AS rows, sum(ps.total_bytes) AS total_bytes
+                       FROM composer_partition_stats() ps GROUP BY ps.partition) st ON st.partition = s.relname
          WHERE composer_suffix_month(s.suffix) IS NOT NULL
          GROUP BY s.suffix
          ORDER BY s.suffix
@@ -96,7 +89,7 @@ BEGIN
 END;
 $$;
 
--- V004's signature, same promise, with the run-ID age limit of one hour.
+-- The two-argument form, with the run-ID age limit of one hour.
 CREATE OR REPLACE FUNCTION composer_retention_plan(older_than TIMESTAMPTZ, exact_rows BOOLEAN DEFAULT false)
 RETURNS TABLE(month TEXT, month_start TIMESTAMPTZ, month_end TIMESTAMPTZ, action TEXT, reason TEXT,
               active_runs BIGINT, active_run_ids TEXT[], partitions TEXT[], rows BIGINT, bytes BIGINT)
@@ -104,22 +97,29 @@ LANGUAGE sql STABLE AS $$
     SELECT * FROM composer_retention_plan(older_than, exact_rows, INTERVAL '1 hour')
 $$;
 
--- Lock every month the plan would drop, judge again under the locks, drop what is
--- still due; returns the dropped months (YYYYMM). The caller sets lock_timeout: each
--- LOCK, DROP and DETACH then waits at most that long, and the caller retries later.
+-- Lock every month the plan would drop (ACCESS EXCLUSIVE on its partitions, in
+-- composer_run_tables() order, as the engine writes them), judge again under those
+-- locks, and drop only what is still due: a start that committed into such a month
+-- while the lock was awaited is seen; one that comes later waits for the lock and then
+-- finds no partition (refused, never lost; tests/integration/test_retention_races.py).
+-- The tables other than workflow_runs are dropped first, then workflow_runs' month is
+-- detached and dropped, so foreign keys never see orphans. Returns the dropped months
+-- (YYYYMM). The caller sets lock_timeout: each LOCK, DROP and DETACH then waits at most
+-- that long, and the caller retries later.
 CREATE OR REPLACE FUNCTION composer_drop_partitions(older_than TIMESTAMPTZ, min_age INTERVAL)
 RETURNS SETOF TEXT
 LANGUAGE plpgsql AS $$
 DECLARE
     p RECORD;
     part TEXT;
+    tbl TEXT;
     locked TEXT[] := ARRAY[]::TEXT[];
 BEGIN
     PERFORM pg_advisory_xact_lock(hashtext('composer_partitions'));
     FOR p IN SELECT plan.month, plan.partitions FROM composer_retention_plan(older_than, false, min_age) plan
               WHERE plan.action = 'drop' ORDER BY plan.month
     LOOP
-        FOREACH part IN ARRAY p.partitions LOOP      -- workflow_runs, task_instances, workflow_events
+        FOREACH part IN ARRAY p.partitions LOOP      -- in composer_run_tables() order
             EXECUTE format('LOCK TABLE %I IN ACCESS EXCLUSIVE MODE', part);
         END LOOP;
         locked := locked || p.month;
@@ -128,9 +128,10 @@ BEGIN
     FOR p IN SELECT plan.month FROM composer_retention_plan(older_than, false, min_age) plan
               WHERE plan.action = 'drop' AND plan.month = ANY(locked) ORDER BY plan.month
     LOOP
-        -- Referencing tables first, so their foreign keys never see orphans.
-        EXECUTE format('DROP TABLE IF EXISTS %I', 'workflow_events_p' || p.month);
-        EXECUTE format('DROP TABLE IF EXISTS %I', 'task_instances_p' || p.month);
+        FOREACH tbl IN ARRAY composer_run_tables() LOOP
+            CONTINUE WHEN tbl = 'workflow_runs';
+            EXECUTE format('DROP TABLE IF EXISTS %I', tbl || '_p' || p.month);
+        END LOOP;
         IF to_regclass(format('%I', 'workflow_runs_p' || p.month)) IS NOT NULL THEN
             EXECUTE format('ALTER TABLE workflow_runs DETACH PARTITION %I', 'workflow_runs_p' || p.month);
             EXECUTE format('DROP TABLE %I', 'workflow_runs_p' || p.month);
@@ -140,24 +141,25 @@ BEGIN
 END;
 $$;
 
--- The seed's signature and promise, with the run-ID age limit of one hour.
+-- The seed's entry point, same signature and promise (drop whole UTC months that
+-- ended at or before older_than and have no active run; return their YYYYMM), with the
+-- run-ID age limit of one hour.
 CREATE OR REPLACE FUNCTION composer_drop_partitions(older_than TIMESTAMPTZ) RETURNS SETOF TEXT
 LANGUAGE sql AS $$
     SELECT composer_drop_partitions(older_than, INTERVAL '1 hour')
 $$;
 
--- Only the owner drops partitions (V004, V006).
+-- Only the owner drops partitions.
 REVOKE EXECUTE ON FUNCTION composer_drop_partitions(TIMESTAMPTZ) FROM PUBLIC;
 REVOKE EXECUTE ON FUNCTION composer_drop_partitions(TIMESTAMPTZ, INTERVAL) FROM PUBLIC;
 
-CREATE TABLE IF NOT EXISTS retention_drops(
-    month TEXT NOT NULL,                 -- YYYYMM
-    partitions TEXT[] NOT NULL,
-    rows BIGINT NOT NULL,                -- the plan's figures when it was dropped
-    bytes BIGINT NOT NULL,
-    cutoff TIMESTAMPTZ NOT NULL,
-    request_id TEXT NOT NULL,            -- the drop call (retries of one call share it)
-    dropped_at TIMESTAMPTZ NOT NULL DEFAULT now(),
-    PRIMARY KEY (month, dropped_at)
-);
-CREATE INDEX IF NOT EXISTS idx_retention_drops_request ON retention_drops (request_id);
+-- On Citus the drops run in sequential mode (R__partitions.sql says why).
+DO $$
+BEGIN
+    IF EXISTS (SELECT 1 FROM pg_extension WHERE extname = 'citus') THEN
+        ALTER FUNCTION composer_drop_partitions(TIMESTAMPTZ, INTERVAL)
+            SET citus.multi_shard_modify_mode = 'sequential';
+        ALTER FUNCTION composer_drop_partitions(TIMESTAMPTZ) SET citus.multi_shard_modify_mode = 'sequential';
+    END IF;
+END;
+$$;

@@ -1,9 +1,11 @@
--- V016 (Citus only): composer_partition_stats() (V015) reads the shards.
+-- Citus only: composer_partition_stats() reads the shards. Applied on a Citus
+-- coordinator after the plain repeatable files, so this body replaces the one of
+-- sql/R__partitions.sql there (same signature and rows).
 --
 -- On a Citus coordinator the partitions of the run tables are empty shells; their rows
 -- are in shards on the worker nodes, each a table named after its partition with the
--- shard's number appended (task_instances_p202612_102008). This version asks every node
--- once (run_command_on_all_nodes: one query per node, in parallel) for the estimate and
+-- shard's number appended (task_instances_p202612_102008). This asks every node once
+-- (run_command_on_all_nodes: one query per node, in parallel) for the estimate and
 -- sizes of the shards it holds, and returns them per partition and per node
 -- ('host:port'), so the retention plan and the partition inventory count the data where
 -- it is, and the partition_sizes report can show how it is spread. The coordinator's
