@@ -3,7 +3,9 @@
 Every handler draws its attempt from the behaviour model, seeded by the ``sim``
 object the definitions pass in each task's input (the simulation seed and the
 run's key) plus the node and attempt, so one seed replays the same durations,
-failures and outputs whichever worker process picks the task up. The process is
+failures and outputs whichever worker process picks the task up; an operator's retry
+of the run (``composer-ops runs retry``) adds the run's retry count, so the nodes it
+runs again draw afresh instead of failing the same way. The process is
 configured through the environment:
 
 - ``COMPOSER_SIM_TRANSIENT_RATE`` / ``_PERMANENT_RATE`` / ``_TIME_SCALE``: the model;
@@ -20,6 +22,7 @@ from collections.abc import Callable
 from typing import Any
 
 from composer_ops.engine import Engine, TaskContext, Worker
+from composer_ops.repo import history
 from composer_ops.simulate.definitions import QUEUES
 from composer_ops.simulate.model import PROFILES, Behaviour, attempt_rng, draw_attempt, raise_failure, task_output
 
@@ -29,13 +32,16 @@ __all__ = ["make_handler", "make_worker"]
 _TICK_S = 0.25
 
 
-def make_handler(behaviour: Behaviour, task: str) -> Callable[[Any, TaskContext], Any]:
-    """The handler of ``task``: sleep the drawn duration, then fail or return its output."""
+def make_handler(behaviour: Behaviour, task: str,
+                 retries: Callable[[str], int] | None = None) -> Callable[[Any, TaskContext], Any]:
+    """The handler of ``task``: sleep the drawn duration, then fail or return its output.
+    ``retries(run_id)``: how many times the run was retried (none when not given)."""
 
     def handle(input: Any, ctx: TaskContext) -> Any:
         sim = input.get("sim") if isinstance(input, dict) else None
         sim = sim if isinstance(sim, dict) else {}
-        rng = attempt_rng(int(sim.get("seed", 0)), str(sim.get("run", ctx.run_id)), ctx.node_id, ctx.attempt)
+        rng = attempt_rng(int(sim.get("seed", 0)), str(sim.get("run", ctx.run_id)), ctx.node_id, ctx.attempt,
+                          retries(ctx.run_id) if retries is not None else 0)
         draw = draw_attempt(rng, behaviour, task)
         deadline = time.monotonic() + draw.duration_s
         while not ctx.lease_lost:
@@ -57,6 +63,11 @@ def make_worker(engine: Engine) -> Worker:
     concurrency = int(os.environ.get("COMPOSER_WORKER_CONCURRENCY", "8"))
     worker = Worker(engine, queues=list(QUEUES), concurrency=concurrency, poll_interval=0.5,
                     worker_id=f"{name}:{os.getpid()}")
+
+    def retries(run_id: str) -> int:
+        with engine.pool.connection() as conn:
+            return history.retries(conn, run_id)
+
     for task in PROFILES:
-        worker.handler(task)(make_handler(behaviour, task))
+        worker.handler(task)(make_handler(behaviour, task, retries))
     return worker
