@@ -3,9 +3,10 @@
 Every handler draws its attempt from the behaviour model, seeded by the ``sim``
 object the definitions pass in each task's input (the simulation seed and the
 run's key) plus the node and attempt, so one seed replays the same durations,
-failures and outputs whichever worker process picks the task up; an operator's retry
-of the run (``composer-ops runs retry``) adds the run's retry count, so the nodes it
-runs again draw afresh instead of failing the same way. The process is
+failures and outputs whichever worker process picks the task up. An attempt drawn to
+fail in a run an operator retried (``composer-ops runs retry``) draws again with the
+run's retry count in the seed, so a retried run can succeed instead of failing the same
+way. The process is
 configured through the environment:
 
 - ``COMPOSER_SIM_TRANSIENT_RATE`` / ``_PERMANENT_RATE`` / ``_TIME_SCALE``: the model;
@@ -40,9 +41,15 @@ def make_handler(behaviour: Behaviour, task: str,
     def handle(input: Any, ctx: TaskContext) -> Any:
         sim = input.get("sim") if isinstance(input, dict) else None
         sim = sim if isinstance(sim, dict) else {}
-        rng = attempt_rng(int(sim.get("seed", 0)), str(sim.get("run", ctx.run_id)), ctx.node_id, ctx.attempt,
-                          retries(ctx.run_id) if retries is not None else 0)
+        key = (int(sim.get("seed", 0)), str(sim.get("run", ctx.run_id)), ctx.node_id, ctx.attempt)
+        rng = attempt_rng(*key)
         draw = draw_attempt(rng, behaviour, task)
+        # Only a failure can differ after a retry: the run's retry count is read (one query)
+        # for the few attempts drawn to fail, not for every attempt.
+        again = retries(ctx.run_id) if retries is not None and draw.outcome != "ok" else 0
+        if again:
+            rng = attempt_rng(*key, again)
+            draw = draw_attempt(rng, behaviour, task)
         deadline = time.monotonic() + draw.duration_s
         while not ctx.lease_lost:
             left = deadline - time.monotonic()
