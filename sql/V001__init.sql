@@ -266,7 +266,8 @@ CREATE TABLE IF NOT EXISTS operator_audit(
     client_addr TEXT NOT NULL DEFAULT COALESCE(host(inet_client_addr()), 'local'),  -- as the server sees it
     login_role TEXT NOT NULL DEFAULT session_user,
     db_role TEXT NOT NULL DEFAULT current_user,                                       -- whose privileges acted
-    request TEXT
+    request TEXT,
+    command_id TEXT                       -- shared by every row one command wrote (audit list: one line)
 );
 CREATE INDEX IF NOT EXISTS idx_operator_audit_at ON operator_audit (at);
 CREATE INDEX IF NOT EXISTS idx_operator_audit_request ON operator_audit (request) WHERE request IS NOT NULL;

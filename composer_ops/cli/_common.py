@@ -11,6 +11,7 @@ import os
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
+from datetime import UTC, date, datetime
 from typing import TYPE_CHECKING, Any, Literal
 
 from composer_ops.errors import Invalid
@@ -153,5 +154,21 @@ def json_arg(text: str | None, what: str) -> Any:
     return parse_json_text(text, what)
 
 
+def json_default(value: Any) -> Any:
+    """What the CLI's JSON says for a value JSON has no type for: an instant in ISO 8601
+    with the ``T`` and its UTC offset, in UTC (``2025-01-31T12:00:00.123456+00:00``),
+    whatever the session's time zone; a date as ``2025-01-31``; anything else as text."""
+    if isinstance(value, datetime):
+        return (value.astimezone(UTC) if value.utcoffset() is not None else value).isoformat()
+    if isinstance(value, date):
+        return value.isoformat()
+    return str(value)
+
+
+def json_text(value: Any, **kw: Any) -> str:
+    """``value`` as JSON through :func:`json_default`: the one serializer of the CLI's JSON."""
+    return json.dumps(value, default=json_default, **kw)
+
+
 def emit_json(value: Any) -> None:
-    sys.stdout.write(json.dumps(value, indent=2, default=str, sort_keys=False) + "\n")
+    sys.stdout.write(json_text(value, indent=2, sort_keys=False) + "\n")

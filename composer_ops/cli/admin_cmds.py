@@ -6,22 +6,26 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
+import logging
 import re
 import shlex
+import signal
 import socket
 import sys
+import threading
 from collections.abc import Iterator, Sequence
 from datetime import UTC, datetime
 from typing import Any
 
 from composer_ops.cli._common import (
+    EXIT_FAILED,
     EXIT_OK,
     add_command,
     add_json_option,
     add_yes_option,
     emit_json,
     env_option,
+    json_text,
     open_engine,
 )
 from composer_ops.core.actor import Actor
@@ -37,9 +41,14 @@ def redact(text: str) -> str:
 
 
 def actor(args: argparse.Namespace) -> Actor:
-    """Who acts, for the audit row: this command line (passwords removed) and host."""
-    words: Sequence[str] = getattr(args, "argv", None) or sys.argv[1:]
-    return Actor(command=redact(shlex.join(["composer-ops", *words])), host=socket.gethostname())
+    """Who acts, for the audit rows: this command line (passwords removed) and host; one
+    per command, so every row the command writes shares its ``command_id``."""
+    known: Actor | None = getattr(args, "actor", None)
+    if known is None:
+        words: Sequence[str] = getattr(args, "argv", None) or sys.argv[1:]
+        known = Actor(command=redact(shlex.join(["composer-ops", *words])), host=socket.gethostname())
+        args.actor = known
+    return known
 
 
 class RichProgress:
@@ -51,6 +60,11 @@ class RichProgress:
 
     def start(self, label: str, total: int | None) -> None:
         self._task = self._progress.add_task(label, total=total)
+
+    def total(self, n: int) -> None:
+        """The total, once it is known (after the bar started)."""
+        if self._task is not None:
+            self._progress.update(self._task, total=n)
 
     def advance(self, n: int) -> None:
         if self._task is not None:
@@ -161,12 +175,13 @@ def _ago(seconds: float) -> str:
     return f"{s // 86400}d"
 
 
-def _short(value: Any, width: int) -> str:
+def _short(value: Any, width: int | None) -> str:
+    """``value`` as one line of JSON, cut to ``width`` characters (None: whole)."""
     if value is None:
         return ""
-    text = json.dumps(value, separators=(",", ":"), ensure_ascii=False, default=str)
+    text = json_text(value, separators=(",", ":"), ensure_ascii=False)
     text = "".join(c if c.isprintable() else " " for c in text)
-    return text if len(text) <= width else text[: width - 3] + "..."
+    return text if width is None or len(text) <= width else text[: width - 3] + "..."
 
 
 def _selection(args: argparse.Namespace) -> Any:
@@ -190,25 +205,83 @@ def cmd_runs_list(args: argparse.Namespace) -> int:
     if not found:
         print("no run matches")
         return EXIT_OK
-    print(f"{'run':<36}  {'workflow':<24} {'status':<9} {'created':<20} {'completed':<20} input / error")
-    for r in found:
-        detail = _short(r.input, 40) + (f"  {_short(r.error, 60)}" if r.error else "")
-        print(f"{r.id:<36}  {_short_id(r.workflow_id, r.workflow_version):<24} {r.status:<9} "
+    # Nothing a selection matched on is cut (the workflow, the input --where searched),
+    # nor anything when stdout is not a terminal (a file or a pipe keeps every character).
+    whole = not sys.stdout.isatty()
+    cut_input = None if whole or args.where else 40
+    cut_error = None if whole else 60
+    flows = [f"{r.workflow_id} v{r.workflow_version}" for r in found]
+    width = max(24, *map(len, flows))
+    print(f"{'run':<36}  {'workflow':<{width}} {'status':<9} {'created':<20} {'completed':<20} input / error")
+    for r, flow in zip(found, flows, strict=True):
+        detail = _short(r.input, cut_input) + (f"  {_short(r.error, cut_error)}" if r.error else "")
+        print(f"{r.id:<36}  {flow:<{width}} {r.status:<9} "
               f"{_ts(r.created_at):<20} {_ts(r.completed_at):<20} {detail}")
     more = " (the limit: more may match)" if len(found) == args.limit else ""
     print(f"{len(found)} run(s){more}")
     return EXIT_OK
 
 
+class _Stopped(Exception):
+    """Ctrl-C was pressed: stop after the chunk that just committed."""
+
+
+@contextlib.contextmanager
+def _stop_between_chunks() -> Iterator[threading.Event]:
+    """The first SIGINT sets the event (the cancel stops once its current transaction
+    ends, so nothing is cut off inside the driver); a second one interrupts at once."""
+    pressed = threading.Event()
+
+    def first(signum: int, frame: Any) -> None:
+        pressed.set()
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        sys.stderr.write("composer-ops: stopping after the current transaction (Ctrl-C again to stop now)\n")
+
+    previous = signal.signal(signal.SIGINT, first)
+    try:
+        yield pressed
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
 def cmd_runs_cancel(args: argparse.Namespace) -> int:
-    from composer_ops.engine.admin import cancel_runs
+    from composer_ops.engine.admin import CancelChunk, cancel_runs
 
     chosen = _selection(args)
+    cancelled: list[str] = []
+    total: list[int] = []
+
+    def so_far() -> str:
+        return f"{len(cancelled)} done of {total[0] if total else 'the selected runs'}; run it again to finish"
+
     with open_engine(args) as engine:
-        with progress_bars() as bars:
-            bars.start("cancelling runs", None)
-            result = cancel_runs(engine.shell, chosen, reason=args.reason, yes=args.yes, actor=actor(args),
-                                 chunk=args.chunk, on_chunk=lambda c: bars.advance(len(c.cancelled)))
+        try:
+            with progress_bars(enabled=args.yes) as bars, _stop_between_chunks() as pressed:
+                bars.start("cancelling runs", None)
+
+                def counted(n: int) -> None:
+                    total.append(n)
+                    bars.total(n)
+
+                def chunk_done(c: CancelChunk) -> None:
+                    cancelled.extend(c.cancelled)
+                    bars.advance(len(c.cancelled) + len(c.skipped))
+                    if pressed.is_set():
+                        raise _Stopped
+
+                result = cancel_runs(engine.shell, chosen, reason=args.reason, yes=args.yes, actor=actor(args),
+                                     chunk=args.chunk, on_chunk=chunk_done, on_total=counted)
+        except _Stopped:
+            if args.json:
+                emit_json({"applied": True, "interrupted": True, "cancelled": cancelled,
+                           "total": total[0] if total else None})
+            sys.stderr.write(f"composer-ops: interrupted: {so_far()}\n")
+            return EXIT_FAILED
+        except KeyboardInterrupt:
+            # Interrupted inside a statement: its transaction rolls back. The driver and
+            # the pool would log what they clean up as they close; that is not news here.
+            logging.getLogger("psycopg").setLevel(logging.CRITICAL)
+            raise KeyboardInterrupt(f"at least {so_far()}") from None
     if args.json:
         emit_json({"applied": result.applied, "cancelled": result.cancelled, "skipped": result.skipped,
                    "chunks": len(result.chunks), "would_cancel": result.would_cancel, "more": result.more})
@@ -273,11 +346,6 @@ def cmd_runs_retry(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _short_id(workflow_id: str, version: int) -> str:
-    text = f"{workflow_id} v{version}"
-    return text if len(text) <= 24 else text[:21] + "..."
-
-
 def cmd_workers_list(args: argparse.Namespace) -> int:
     if args.window < 0:
         raise Invalid(f"--window must be 0 or more hours, got {args.window:g}")
@@ -294,13 +362,15 @@ def cmd_workers_list(args: argparse.Namespace) -> int:
     if not report.workers:
         print("no worker registered" + (f" in the last {args.window:g} h" if args.window else ""))
     else:
-        print(f"{'state':<8} {'worker':<40} {'queues':<24} {'slots':>5} {'leases':>6} {'expired':>7}  "
+        # Columns as wide as their widest value: a worker ID or queue list is never cut.
+        queues = [",".join(w.queues) for w in report.workers]
+        iw = max(40, *(len(w.id) for w in report.workers))
+        qw = max(24, *map(len, queues))
+        print(f"{'state':<8} {'worker':<{iw}} {'queues':<{qw}} {'slots':>5} {'leases':>6} {'expired':>7}  "
               f"{'last seen':<21} started")
-        for w in report.workers:
+        for w, queue_list in zip(report.workers, queues, strict=True):
             seen = f"{_ts(w.last_seen_at)} ({_ago(w.silent_s)} ago)" if w.state != "live" else _ts(w.last_seen_at)
-            queues = ",".join(w.queues)
-            queues = queues if len(queues) <= 24 else queues[:21] + "..."
-            print(f"{w.state:<8} {w.id:<40} {queues:<24} {w.concurrency:>5} {w.running:>6} "
+            print(f"{w.state:<8} {w.id:<{iw}} {queue_list:<{qw}} {w.concurrency:>5} {w.running:>6} "
                   f"{w.expired:>7}  {seen:<21} {_ts(w.started_at)}")
     for w in report.workers:
         held = [lease for lease in report.leases if lease.lease_owner == w.id]

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from composer_ops.cli._common import EXIT_FAILED, EXIT_OK, add_command, add_json_option, emit_json, env_option
 from composer_ops.errors import Invalid
+from composer_ops.files import check_directory
 from composer_ops.ops import health
 
 #: ``check``'s thresholds: the :class:`~composer_ops.ops.health.Thresholds` field each
@@ -105,6 +106,7 @@ def cmd_report(args: argparse.Namespace) -> int:
     params = reports.resolve_parameters(names, [(k, v) for k, v in pairs if k != "database_url"])
     reports.check_parameters(params)  # a bad value exits 2 here, before a kernel starts or a file is written
     out = Path(args.out).expanduser()
+    check_directory(out, "--out")     # one line, exit 2, before a kernel starts
     results = reports.run_reports(names, params, out, database_url=url or os.environ.get("COMPOSER_DATABASE_URL"),
                                   progress=args.progress == "1", cell_timeout_s=args.timeout, jobs=args.jobs,
                                   keep=args.keep)

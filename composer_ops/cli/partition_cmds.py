@@ -12,6 +12,7 @@ from composer_ops.cli._common import EXIT_OK, add_command, add_json_option, at_l
 from composer_ops.cli.admin_cmds import actor
 from composer_ops.db import connect
 from composer_ops.ops.display import iec_bytes
+from composer_ops.repo.partitions import RUN_TABLES
 from composer_ops.repo.rows import RetentionMonth
 
 #: ``partitions drop`` (dry-run or --yes): months past the cut-off were kept because runs
@@ -24,7 +25,9 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     psub = parts.add_subparsers(dest="partitions_command", required=True,
                                 metavar="{list,ensure,drop,archive,detach,restore}")
 
-    lst = add_command(psub, "list", cmd_list, database="reads", help="every partition of the three run-scoped tables")
+    tables = ", ".join(RUN_TABLES)
+    lst = add_command(psub, "list", cmd_list, database="reads",
+                      help=f"every partition of the run-scoped tables ({tables})")
     add_json_option(lst, "print a JSON list of objects")
 
     ens = add_command(psub, "ensure", cmd_ensure, help="create this UTC month and N months ahead (idempotent)")
@@ -34,9 +37,9 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         psub, "drop", cmd_drop, database="reads",
         help="retention: drop whole months older than a cut-off (dry-run unless --yes)",
         description="Show (default) or apply the retention plan: every partition month ended at or before "
-                    "the cut-off (and at least an hour ago) with no RUNNING/PENDING run is dropped, for all three "
-                    "run-scoped tables. The dry-run and --yes use the same SQL plan (composer_retention_plan); "
-                    "--yes judges each month again while holding its partitions' locks.",
+                    "the cut-off (and at least an hour ago) with no RUNNING/PENDING run is dropped, for every "
+                    f"run-scoped table ({tables}). The dry-run and --yes use the same SQL plan "
+                    "(composer_retention_plan); --yes judges each month again while holding its partitions' locks.",
         epilog="Exit codes: 0 ok; 1 failed (nothing dropped in the failing attempt); 2 bad input; "
                "3 months past the cut-off were kept because they still have active runs (named on stderr; "
                "the rest of the plan was applied).")

@@ -24,6 +24,7 @@ from composer_ops.cli._common import (
     emit_json,
     env_option,
     json_arg,
+    json_text,
     open_engine,
 )
 from composer_ops.cli.partition_cmds import add_months_ahead_option
@@ -205,12 +206,18 @@ def cmd_cancel(args: argparse.Namespace) -> int:
 
 
 def cmd_runs_show(args: argparse.Namespace) -> int:
+    from composer_ops.errors import NotFound
+
     with open_engine(args, pool_size=2) as engine:
-        run = engine.get_run(args.run_id)
+        try:
+            run = engine.get_run(args.run_id)
+        except NotFound as exc:
+            raise NotFound(f"{exc}{_maybe_archived(engine, args.run_id)}") from exc
+    tried = attempts(run.history)
     if args.json:
         emit_json({**{k: v for k, v in run.__dict__.items() if k not in ("tasks", "history")},
                    "tasks": [t.__dict__ for t in run.tasks],
-                   "attempts": [a.as_dict() for a in attempts(run.history)],
+                   "attempts": [a.as_dict() for a in tried],
                    "history": [{k: v for k, v in h.__dict__.items() if k != "request"} for h in run.history]})
         return EXIT_OK
     print(f"run {run.id}  {run.workflow_id} v{run.workflow_version}  {run.status}")
@@ -219,21 +226,38 @@ def cmd_runs_show(args: argparse.Namespace) -> int:
     if run.error:
         print(f"error: {run.error}")
     if run.output is not None:
-        print(f"output: {run.output}")
+        print(f"output: {json_text(run.output, ensure_ascii=False)}")
+    retried = sum(h.kind == "retried" for h in run.history)
     print(f"{'node':<24} {'type':<15} {'state':<10} {'attempt':>7}  detail")
     for t in run.tasks:
         detail = t.error or (f"waits for {t.event_name!r}" if t.state == "WAITING" and t.event_name else "")
         if t.state == "WAITING" and t.wake_at:
             detail = f"{detail} until {t.wake_at:%Y-%m-%d %H:%M:%S%z}".strip()
         print(f"{t.node_id:<24} {t.node_type:<15} {t.state:<10} {t.attempt:>7}  {detail}")
-    tried = attempts(run.history)
+    if retried:
+        print(f"(the run was retried {retried} time(s): a retried node's attempts count from 0 again, "
+              "shown as 'N (retry R)' below)")
     print("attempts:" if tried else "attempts: none")
     for a in tried:
         print(f"  {describe_attempt(a)}")
     print("history:" if run.history else "history: none")
+    generation = 0
     for h in run.history:
-        print(f"  {h.at:%Y-%m-%d %H:%M:%S.%f%z}  {describe_history(h)}")
+        generation += h.kind == "retried"
+        print(f"  {h.at:%Y-%m-%d %H:%M:%S.%f%z}  {describe_history(h, retry=generation)}")
     return EXIT_OK
+
+
+def _maybe_archived(engine: Engine, run_id: str) -> str:
+    """For a run whose month has no partition (retention dropped it): where it may be now."""
+    from composer_ops.core.runids import month_of, validate_run_id
+
+    month = month_of(validate_run_id(run_id, normalise=True))
+    if month in {p.month for p in engine.list_partitions()}:
+        return ""
+    return (f"; its month {month} has no partition (retention dropped it?): if it was archived, restore the "
+            f"month with `composer-ops partitions restore {month} --from DIR` (DIR: the archive directory, "
+            "e.g. COMPOSER_ARCHIVE_DIR; without --yes it only checks the archive), then run `runs show` again")
 
 
 def cmd_runs_delete(args: argparse.Namespace) -> int:
@@ -269,7 +293,7 @@ def describe_attempt(a: Attempt) -> str:
     then = "" if a.requeued is None else (" (re-queued)" if a.requeued else " (gave up)")
     error = f": {a.error}" if a.error else ""
     lost = f"; the worker noted: {a.lost}" if a.lost else ""
-    return (f"{a.node_id or '-':<24} {a.attempt:>3}  {a.worker or '-':<36} {began}  {ended}  "
+    return (f"{a.node_id or '-':<24} {a.label:>11}  {a.worker or '-':<36} {began}  {ended}  "
             f"{a.outcome}{then}{error}{lost}")
 
 
@@ -281,10 +305,11 @@ def _by_operator(d: dict[str, Any]) -> str:
     return f" [operator: {op.get('command') or op.get('action')}{where}]"
 
 
-def describe_history(h: HistoryRow) -> str:
-    """One line for a row of a run's history."""
+def describe_history(h: HistoryRow, *, retry: int = 0) -> str:
+    """One line for a row of a run's history; ``retry``: the run's retries before it."""
     d: dict[str, Any] = h.detail if isinstance(h.detail, dict) else {}
-    node = f"{h.node_id}" + (f" attempt {h.attempt}" if h.attempt is not None else "") if h.node_id else ""
+    generation = f" (retry {retry})" if retry and h.kind != "retried" else ""
+    node = f"{h.node_id}" + (f" attempt {h.attempt}{generation}" if h.attempt is not None else "") if h.node_id else ""
     by = f" by {h.worker}" if h.worker else ""
     then = f"; run {d['finished']}" if "finished" in d else ""
     if h.kind in ("failed", "lease_expired"):

@@ -10,6 +10,10 @@ worker that found its lease lost, or gave the attempt up at shutdown, writes
 worker's own late report) is what ends it. A run cancelled while an attempt runs ends
 that attempt as ``cancelled``.
 
+An operator's retry (``retried``) runs nodes again as new tasks whose attempts count
+from 0 again; each attempt carries the run's retry generation it began in (0 before
+any retry, 1 after the first ...), so two attempts numbered alike are told apart.
+
 :class:`HistoryRow`, one row of that history, is declared here, in the pure core, so
 that the rule is typed on the row the repository returns (``repo.history`` builds it).
 """
@@ -55,9 +59,15 @@ class Attempt:
     error: str | None = None
     requeued: bool | None = None       # after a failure or an expiry: whether the task runs again
     lost: str | None = None            # the worker's own note that it lost (or gave up) the lease
+    retry: int = 0                     # how many operator retries of the run came before it began
 
     def as_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
+
+    @property
+    def label(self) -> str:
+        """``2``, or ``2 (retry 1)`` for an attempt begun after the run's first retry."""
+        return str(self.attempt) if not self.retry else f"{self.attempt} (retry {self.retry})"
 
 
 _ENDS = {"completed": "completed", "failed": "failed", "lease_expired": "lease expired"}
@@ -67,8 +77,12 @@ def attempts(history: Iterable[HistoryRow]) -> list[Attempt]:
     """The attempts ``history`` (one run's rows, oldest first) records, in the order
     they began."""
     found: dict[tuple[str, int], Attempt] = {}
+    generation = 0
     for row in history:
         detail: dict[str, Any] = row.detail if isinstance(row.detail, dict) else {}
+        if row.kind == "retried":
+            generation += 1
+            continue
         if row.kind == "cancelled":
             for key, a in found.items():
                 if a.outcome == "running":
@@ -77,7 +91,8 @@ def attempts(history: Iterable[HistoryRow]) -> list[Attempt]:
         if row.task_id is None or row.attempt is None or row.kind not in (*_ENDS, "claimed", "lease_lost"):
             continue
         key = (row.task_id, row.attempt)
-        a = found.get(key) or Attempt(node_id=row.node_id, task_id=row.task_id, attempt=row.attempt)
+        a = found.get(key) or Attempt(node_id=row.node_id, task_id=row.task_id, attempt=row.attempt,
+                                      retry=generation)
         if row.kind == "claimed":
             a = replace(a, worker=row.worker, claimed_at=row.at)
         elif row.kind == "lease_lost":

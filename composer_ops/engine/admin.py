@@ -212,7 +212,7 @@ def _active(chosen: Selection) -> Selection:
 
 def cancel_runs(shell: Shell, chosen: Selection, *, reason: str, yes: bool, actor: Actor | None = None,
                 chunk: int = CANCEL_CHUNK, on_chunk: Callable[[CancelChunk], None] | None = None,
-                request_id: str | None = None) -> CancelResult:
+                request_id: str | None = None, on_total: Callable[[int], None] | None = None) -> CancelResult:
     """Cancel every active run ``chosen`` selects, through the engine's cancel event.
 
     The runs are taken oldest first, ``chunk`` per transaction; in each, every run is
@@ -223,8 +223,9 @@ def cancel_runs(shell: Shell, chosen: Selection, *, reason: str, yes: bool, acto
     the rest: every run is cancelled once. A chunk retried after its connection was
     lost (its COMMIT acknowledged or not, or still under way) first locks the runs it
     lists, then finds its audit row when the earlier attempt committed, and reports
-    what that attempt did. Without ``yes`` nothing
-    is written: the result lists the runs it would cancel."""
+    what that attempt did. Without ``yes`` nothing is written: the result lists the runs
+    it would cancel. ``on_total`` is told, before the first chunk, how many runs the
+    selection holds (what a progress bar counts to)."""
     if isinstance(chunk, bool) or not isinstance(chunk, int) or not 1 <= chunk <= 1000:
         raise Invalid(f"chunk must be an integer from 1 to 1000, got {chunk!r}")
     if not isinstance(reason, str) or not reason.strip() or len(reason) > 1000:
@@ -239,6 +240,8 @@ def cancel_runs(shell: Shell, chosen: Selection, *, reason: str, yes: bool, acto
                             more=len(found) > DRY_RUN_LIST)
     request = request_id or uuid.uuid4().hex
     resolved, _ = _selected(shell.pool, active, limit=0, oldest_first=True)   # once: every chunk, one window
+    if on_total is not None:
+        on_total(_count(shell.pool, resolved))
     done: list[CancelChunk] = []
     after: str | None = None
     while True:
@@ -251,6 +254,12 @@ def cancel_runs(shell: Shell, chosen: Selection, *, reason: str, yes: bool, acto
             on_chunk(step)
         after = max(step.cancelled + step.skipped)
     return CancelResult(selection=resolved, applied=True, chunks=done)
+
+
+@db_retry()
+def _count(pool: Pool, selection: RunFilter) -> int:
+    with _snapshot(pool) as conn:
+        return runs.count_runs(conn, selection)
 
 
 @db_retry()

@@ -38,6 +38,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any, Protocol
 
+from composer_ops import files
 from composer_ops.core.runids import RUN_ID_MAX_AGE, month_bounds, month_start
 from composer_ops.db import connect
 from composer_ops.db.retry import db_retry
@@ -516,12 +517,14 @@ def archive_due(url: str | None, older_than: datetime | str | Cutoff, directory:
     ``directory``, one month at a time, each verified before it is reported, with an
     audit row per month. ``dry_run`` only lists them."""
     directory = Path(directory)
-    if not dry_run:
-        check_directory(directory)
     with connect(url, application_name="composer-ops partitions archive") as conn:
         with conn.transaction():
+            if not dry_run:
+                audit.require_record(conn, "partitions archive")    # before any file or directory is written
             cutoff = retention.resolve(conn, older_than)
             due, kept = due_months(conn, cutoff)
+        if not dry_run:
+            check_directory(directory)
         done: list[MonthArchived] = []
         for month in due:
             target = month_dir(directory, month.month)
@@ -545,9 +548,4 @@ def _audit_archive(conn: Conn, manifest: Manifest, *, actor: Actor | None, targe
 
 def check_directory(directory: Path) -> None:
     """The archive directory can be created and written, before any month is read."""
-    try:
-        directory.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=directory, prefix=".write-test-"):
-            pass
-    except OSError as exc:
-        raise Invalid(f"archive directory {directory}: cannot write there ({exc.strerror or exc})") from None
+    files.check_directory(directory, "archive directory")

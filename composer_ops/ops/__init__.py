@@ -47,6 +47,7 @@ from composer_ops.ops.leases import (
 )
 from composer_ops.ops.operator import (
     archived_run_story,
+    audit_commands,
     audit_log,
     definition_spec,
     find_runs,
@@ -81,6 +82,7 @@ __all__ = [
     "anomalies",
     "archived_run_story",
     "attempt_distribution",
+    "audit_commands",
     "audit_log",
     "check_parameters",
     "connection",

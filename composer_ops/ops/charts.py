@@ -301,8 +301,12 @@ def run_graph(nodes: pl.DataFrame, edges: pl.DataFrame) -> go.Figure:
                         marker={"size": 22, "symbol": "x", "color": PHASE_COLORS["unknown node"]},
                         customdata=odd.select("state", "attempt").rows(),
                         hovertemplate="%{text}<br>state %{customdata[0]}<br>attempt %{customdata[1]}<extra></extra>")
-    fig.update_layout(title="Definition graph (colour: state in this run)", xaxis={"visible": False},
-                      yaxis={"visible": False}, height=320 + 40 * max(rows_per_depth.values()))
+    # Fixed ranges with room around the outer nodes: autorange fits the markers only, so the
+    # labels above the top row (and long ones at either end) would be cut off.
+    depths, rows = max(rows_per_depth), max(rows_per_depth.values())
+    fig.update_layout(title="Definition graph (colour: state in this run)",
+                      xaxis={"visible": False, "range": [-0.6, depths + 0.6]},
+                      yaxis={"visible": False, "range": [-(rows - 1) - 0.6, 0.7]}, height=320 + 40 * rows)
     return fig
 
 

@@ -40,7 +40,8 @@ HISTORY_SCHEMA = {
 }
 
 ATTEMPTS_SCHEMA = {
-    "node_id": pl.String, "task_id": pl.String, "attempt": pl.Int64, "worker": pl.String, "claimed_at": UTC_TS,
+    "node_id": pl.String, "task_id": pl.String, "retry": pl.Int64, "attempt": pl.Int64, "worker": pl.String,
+    "claimed_at": UTC_TS,
     "ended_at": UTC_TS, "ran_s": pl.Float64, "outcome": pl.String, "requeued": pl.Boolean, "error": pl.String,
     "lost": pl.String,
 }
@@ -55,11 +56,12 @@ def attempts_frame(history: pl.DataFrame) -> pl.DataFrame:
     frame) records, in the order they began: the worker, when it claimed and when the
     attempt ended, how (completed, failed, lease expired, cancelled, or still
     running), whether the task was re-queued, the error, and the worker's own note of
-    a lost lease."""
+    a lost lease. ``retry`` is the run's retry generation the attempt began in (0
+    before any ``runs retry``): a retried node's attempts count from 0 again."""
     rows = [HistoryRow(**{**r, "detail": json.loads(r["detail"]) if r["detail"] is not None else None})
             for r in history.sort("seq").iter_rows(named=True)]
     found = attempts_of(rows)
-    return rows_frame([(a.node_id, a.task_id, a.attempt, a.worker, a.claimed_at, a.ended_at,
+    return rows_frame([(a.node_id, a.task_id, a.retry, a.attempt, a.worker, a.claimed_at, a.ended_at,
                         (a.ended_at - a.claimed_at).total_seconds() if a.ended_at and a.claimed_at else None,
                         a.outcome, a.requeued, a.error, a.lost) for a in found], ATTEMPTS_SCHEMA)
 

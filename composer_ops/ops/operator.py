@@ -18,13 +18,18 @@ from typing import Any
 import polars as pl
 
 from composer_ops.core.runids import month_of, month_start
-from composer_ops.errors import NotFound
+from composer_ops.errors import Invalid, NotFound
 from composer_ops.ops._common import UTC_TS, Source, connection, rows_frame
 from composer_ops.ops.investigation import HISTORY_SCHEMA, TASK_SCHEMA, RunStory, definition_graph, validate_run_id
 from composer_ops.repo import analytics, audit, runs, workers
+from composer_ops.repo.audit import AuditCommand
+from composer_ops.repo.retention import Cutoff
 
-__all__ = ["RUNS_SCHEMA", "archived_run_story", "audit_log", "definition_spec", "find_runs", "unblock_command",
-           "workers_frame"]
+__all__ = ["AUDIT_LIMIT", "RUNS_SCHEMA", "archived_run_story", "audit_commands", "audit_log", "definition_spec",
+           "find_runs", "unblock_command", "workers_frame"]
+
+#: The most commands one ``audit list`` shows.
+AUDIT_LIMIT = 10_000
 
 RUNS_SCHEMA = {
     "run_id": pl.String, "workflow_id": pl.String, "workflow_version": pl.Int64, "status": pl.String,
@@ -71,16 +76,33 @@ def workers_frame(source: Source = None, *, window_h: float = 24.0) -> tuple[pl.
     return registry, leases
 
 
-def audit_log(source: Source = None, *, limit: int = 100) -> pl.DataFrame:
-    """The newest operator actions first: when, what, on what, the counts, who (the
-    database roles and the client's address and host) and the command line."""
+def audit_commands(source: Source = None, *, since: datetime | Cutoff | None = None,
+                   actions: list[str] | None = None, limit: int = 50) -> list[AuditCommand]:
+    """The newest ``limit`` operator commands first, each with every audit row it wrote
+    (a bulk cancel writes one per chunk): from ``since`` (an instant, or a cut-off such
+    as ``7d`` counted back from the database clock) on, of the given ``actions``."""
+    if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= AUDIT_LIMIT:
+        raise Invalid(f"limit must be an integer from 1 to {AUDIT_LIMIT}, got {limit!r}")
+    unknown = sorted(set(actions or ()) - set(audit.ACTIONS))
+    if unknown:
+        raise Invalid(f"unknown action {', '.join(map(repr, unknown))}: the actions are {', '.join(audit.ACTIONS)}")
     with connection(source) as conn:
-        rows = audit.recent(conn, limit=limit)
-    return rows_frame([(r.at, r.action, r.target, _json(r.counts), r.login_role, r.db_role, r.client_addr,
-                        r.client_host, r.command, r.request) for r in rows], {
-        "at": UTC_TS, "action": pl.String, "target": pl.String, "counts": pl.String, "login_role": pl.String,
-        "db_role": pl.String, "client_addr": pl.String, "client_host": pl.String, "command": pl.String,
-        "request": pl.String})
+        instant = since if since is None or isinstance(since, datetime) else since.resolve(conn)
+        return audit.commands(conn, since=instant, actions=actions or None, limit=limit)
+
+
+def audit_log(source: Source = None, *, limit: int = 100) -> pl.DataFrame:
+    """The newest operator commands first, one row each however many transactions it
+    took (a bulk cancel in 100 chunks is one row): when it last wrote, its action(s),
+    on what, the counts added up, how many transactions (audit rows), who (the database
+    roles and the client's address and host) and the command line."""
+    found = audit_commands(source, limit=limit)
+    return rows_frame([(c.last.at, c.first.at, ", ".join(c.actions), ", ".join(c.targets) or None,
+                        _json(c.counts), len(c.rows), c.last.login_role, c.last.db_role, c.last.client_addr,
+                        c.last.client_host, c.last.command, c.last.command_id or c.last.request) for c in found], {
+        "at": UTC_TS, "first_at": UTC_TS, "action": pl.String, "target": pl.String, "counts": pl.String,
+        "transactions": pl.Int64, "login_role": pl.String, "db_role": pl.String, "client_addr": pl.String,
+        "client_host": pl.String, "command": pl.String, "request": pl.String})
 
 
 def unblock_command(month: str) -> str:

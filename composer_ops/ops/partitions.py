@@ -1,4 +1,4 @@
-"""Partition inventory: every monthly partition of the three run-scoped tables,
+"""Partition inventory: every monthly partition of the four run-scoped tables,
 its declared bounds decoded and checked against its name, its rows and bytes, how
 many months ahead exist, and growth per month with a projection.
 
@@ -117,7 +117,7 @@ def lookahead(source: Source = None, *, minimum: int = 2) -> pl.DataFrame:
 
 def growth(source: Source = None, *, exact: bool = False, window: int = 6, horizon: int = 6,
            inventory: pl.DataFrame | None = None) -> pl.DataFrame:
-    """Rows and bytes per month (all three tables together) for every month up to the
+    """Rows and bytes per month (all four run-scoped tables together) for every month up to the
     current one, then ``horizon`` projected months. The projection follows the trend
     of the last ``window`` complete months that hold rows (the current month is still
     filling up): a least-squares fit of log(rows) and log(bytes) against the month, so

@@ -75,3 +75,10 @@ def of_request(conn: Conn, run_id: str, request: str) -> list[HistoryRow]:
     lost attempt committed (the run's rows, through the primary key, filtered)."""
     return fetch_all(conn, HistoryRow, f"{_SELECT} WHERE run_id = %s AND request = %s ORDER BY seq",
                      (run_id, request))
+
+
+def retries(conn: Conn, run_id: str) -> int:
+    """How many times the run was retried by an operator (its ``retried`` rows)."""
+    row = conn.execute("SELECT count(*) FROM run_history WHERE run_id = %s AND kind = 'retried'",
+                       (run_id,)).fetchone()
+    return int(row[0]) if row else 0

@@ -245,11 +245,12 @@ def soft_delete(conn: Conn, run_id: str) -> datetime:
     return value
 
 
-def find_runs_query(selection: RunFilter, *, limit: int, after: str | None = None,
+def find_runs_query(selection: RunFilter, *, limit: int | None, after: str | None = None,
                     oldest_first: bool = False) -> tuple[sql.Composed, dict[str, Any]]:
     """The statement :func:`find_runs` runs, and its parameters. Only the conditions
     that are set are written, so the run-ID bounds of the window reach the planner as
-    plain comparisons on the partition key and it skips the months outside them."""
+    plain comparisons on the partition key and it skips the months outside them.
+    ``limit`` None: every run it selects."""
     where = [sql.SQL("deleted_at IS NULL")]
     params: dict[str, Any] = {"limit": limit}
     if selection.id_from is not None:
@@ -289,3 +290,10 @@ def find_runs(conn: Conn, selection: RunFilter, *, limit: int, after: str | None
     with conn.cursor(row_factory=class_row(RunListRow)) as cur:
         cur.execute(query, params)
         return cur.fetchall()
+
+
+def count_runs(conn: Conn, selection: RunFilter) -> int:
+    """How many runs :func:`find_runs` would return for ``selection`` without a limit."""
+    query, params = find_runs_query(selection, limit=None, oldest_first=True)
+    row = conn.execute(sql.SQL("SELECT count(*) FROM ({}) AS selected").format(query), params).fetchone()
+    return int(row[0]) if row else 0

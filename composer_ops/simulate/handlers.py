@@ -3,7 +3,10 @@
 Every handler draws its attempt from the behaviour model, seeded by the ``sim``
 object the definitions pass in each task's input (the simulation seed and the
 run's key) plus the node and attempt, so one seed replays the same durations,
-failures and outputs whichever worker process picks the task up. The process is
+failures and outputs whichever worker process picks the task up. An attempt drawn to
+fail in a run an operator retried (``composer-ops runs retry``) draws again with the
+run's retry count in the seed, so a retried run can succeed instead of failing the same
+way. The process is
 configured through the environment:
 
 - ``COMPOSER_SIM_TRANSIENT_RATE`` / ``_PERMANENT_RATE`` / ``_TIME_SCALE``: the model;
@@ -20,6 +23,7 @@ from collections.abc import Callable
 from typing import Any
 
 from composer_ops.engine import Engine, TaskContext, Worker
+from composer_ops.repo import history
 from composer_ops.simulate.definitions import QUEUES
 from composer_ops.simulate.model import PROFILES, Behaviour, attempt_rng, draw_attempt, raise_failure, task_output
 
@@ -29,14 +33,23 @@ __all__ = ["make_handler", "make_worker"]
 _TICK_S = 0.25
 
 
-def make_handler(behaviour: Behaviour, task: str) -> Callable[[Any, TaskContext], Any]:
-    """The handler of ``task``: sleep the drawn duration, then fail or return its output."""
+def make_handler(behaviour: Behaviour, task: str,
+                 retries: Callable[[str], int] | None = None) -> Callable[[Any, TaskContext], Any]:
+    """The handler of ``task``: sleep the drawn duration, then fail or return its output.
+    ``retries(run_id)``: how many times the run was retried (none when not given)."""
 
     def handle(input: Any, ctx: TaskContext) -> Any:
         sim = input.get("sim") if isinstance(input, dict) else None
         sim = sim if isinstance(sim, dict) else {}
-        rng = attempt_rng(int(sim.get("seed", 0)), str(sim.get("run", ctx.run_id)), ctx.node_id, ctx.attempt)
+        key = (int(sim.get("seed", 0)), str(sim.get("run", ctx.run_id)), ctx.node_id, ctx.attempt)
+        rng = attempt_rng(*key)
         draw = draw_attempt(rng, behaviour, task)
+        # Only a failure can differ after a retry: the run's retry count is read (one query)
+        # for the few attempts drawn to fail, not for every attempt.
+        again = retries(ctx.run_id) if retries is not None and draw.outcome != "ok" else 0
+        if again:
+            rng = attempt_rng(*key, again)
+            draw = draw_attempt(rng, behaviour, task)
         deadline = time.monotonic() + draw.duration_s
         while not ctx.lease_lost:
             left = deadline - time.monotonic()
@@ -57,6 +70,11 @@ def make_worker(engine: Engine) -> Worker:
     concurrency = int(os.environ.get("COMPOSER_WORKER_CONCURRENCY", "8"))
     worker = Worker(engine, queues=list(QUEUES), concurrency=concurrency, poll_interval=0.5,
                     worker_id=f"{name}:{os.getpid()}")
+
+    def retries(run_id: str) -> int:
+        with engine.pool.connection() as conn:
+            return history.retries(conn, run_id)
+
     for task in PROFILES:
-        worker.handler(task)(make_handler(behaviour, task))
+        worker.handler(task)(make_handler(behaviour, task, retries))
     return worker

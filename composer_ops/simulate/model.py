@@ -160,9 +160,12 @@ class AttemptDraw:
         return None if self.error_type is None else f"{self.error_type}: {self.message}"
 
 
-def attempt_rng(seed: int, run_key: str, node_id: str, attempt: int) -> random.Random:
-    """The random stream of one attempt: the same seed replays the same behaviour."""
-    return random.Random(f"composer-sim:{seed}:{run_key}:{node_id}:{attempt}")
+def attempt_rng(seed: int, run_key: str, node_id: str, attempt: int, retry: int = 0) -> random.Random:
+    """The random stream of one attempt: the same seed replays the same behaviour. An
+    operator's retry runs a node again from attempt 0, so ``retry`` (the run's retries
+    so far) is part of the seed: a retried run draws afresh and may succeed."""
+    again = f":retry{retry}" if retry else ""
+    return random.Random(f"composer-sim:{seed}:{run_key}:{node_id}:{attempt}{again}")
 
 
 def draw_attempt(rng: random.Random, behaviour: Behaviour, task: str) -> AttemptDraw:

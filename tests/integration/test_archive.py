@@ -286,3 +286,19 @@ def test_a_run_table_without_the_months_partition_is_archived_empty(db_url: str,
     restored = archive.restore_month(db_url, "202501", tmp_path, yes=True)
     assert [(t.table, t.rows) for t in restored.tables][:3] == [("workflow_runs", 3), ("task_instances", 9),
                                                                ("workflow_events", 0)]
+
+
+def test_archive_as_the_read_only_role_is_refused_before_anything_is_written(
+        db_url: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from tests.notebooks.harness import as_role
+
+    _seeded(db_url)
+    target = tmp_path / "arch"
+    reader = as_role(db_url)
+    args = ["partitions", "archive", "--older-than", "2025-05-01", "--to", str(target), "--database-url", reader]
+    assert main([*args, "--dry-run"]) == 0             # the reader may look at the plan
+    capsys.readouterr()
+    assert main(args) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "composer_ops_reader may not write the operator audit" in err[0], err
+    assert not target.exists() and _audit(db_url) == []

@@ -78,3 +78,50 @@ def test_an_action_that_changes_nothing_writes_no_row(db_url: str, action: str) 
     base = ["runs", "delete", info.runs["H1"], "--database-url", db_url, "--yes"]
     assert main(base) == 0 and main(base) == 0         # the second finds it deleted already
     assert [r["action"] for r in _rows(db_url)] == [action]
+
+
+def test_audit_list_shows_one_line_per_command_and_the_report_keeps_older_commands(
+        db_url: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A bulk cancel of 120 runs in chunks of 2 writes 60 rows but is one command: one
+    line in ``audit list``, one row of the report's newest 50, which still shows the
+    archive command before it (one line for its three months)."""
+    import json
+
+    from composer_ops import ops
+
+    with psycopg.connect(db_url) as conn:
+        fixtures.seed(conn)
+        conn.commit()
+    archive = ["partitions", "archive", "--older-than", "2025-05-01", "--to", str(tmp_path / "a"),
+               "--database-url", db_url]
+    assert main(archive) == 0
+    with Engine.connect(db_url, pool_size=2) as engine:
+        engine.deploy({"id": "bulk", "nodes": [{"id": "a", "type": "TASK", "task": "t"}]})
+        for i in range(120):
+            engine.start("bulk", input={"k": "bulk", "i": i})
+    assert main(["runs", "cancel", "--where", "input.k=bulk", "--chunk", "2", "--yes", "--database-url", db_url]) == 0
+    capsys.readouterr()
+    assert len([r for r in _rows(db_url) if r["action"] == "runs cancel"]) == 60
+    assert main(["audit", "list", "--database-url", db_url]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert len(lines) == 2, lines
+    assert "runs cancel" in lines[0] and "cancelled 120" in lines[0] and "60 transaction(s)" in lines[0]
+    assert "partitions archive" in lines[1] and "3 transaction(s)" in lines[1]
+    assert main(["audit", "list", "--json", "--action", "partitions archive", "--database-url", db_url]) == 0
+    [command] = json.loads(capsys.readouterr().out)
+    assert command["actions"] == ["partitions archive"] and len(command["rows"]) == 3
+    assert command["targets"] == ["202412", "202501", "202503"] and "T" in command["at"]
+    assert main(["audit", "list", "--since", "1h", "--action", "runs cancel", "--database-url", db_url]) == 0
+    assert len(capsys.readouterr().out.strip().splitlines()) == 1
+    newest = ops.audit_log(db_url, limit=50)
+    assert newest["action"].to_list() == ["runs cancel", "partitions archive"]
+    assert newest["transactions"].to_list() == [60, 3]
+
+
+@pytest.mark.parametrize(("option", "value"), [("--since", "yesterday"), ("--action", "runs kill"),
+                                               ("--limit", "0")])
+def test_audit_list_refuses_bad_input_with_exit_2(db_url: str, capsys: pytest.CaptureFixture[str], option: str,
+                                                  value: str) -> None:
+    assert main(["audit", "list", option, value, "--database-url", db_url]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and (option in err or value in err), err

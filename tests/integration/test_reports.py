@@ -336,3 +336,16 @@ def test_a_port_taken_before_the_kernel_binds_it_cannot_kill_a_report(transport:
     executed = nbformat.read(str(result.ipynb), as_version=4)  # type: ignore[no-untyped-call]
     assert executed.cells[1].outputs[0]["text"].strip() == "ipc"
     assert reports.ThisPythonKernelManager().transport == "ipc"
+
+
+def test_one_node_shows_its_table_under_where_the_data_is_and_no_blocked_month_says_none_once(
+        db_url: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "reports"
+    assert main(["report", "partition_sizes", "retention_dry_run", "--out", str(out), "--database-url", db_url,
+                 "--progress", "0"]) == 0, capsys.readouterr().err
+    sizes = next((out / "partition_sizes").glob("*.html")).read_text(encoding="utf-8")
+    where = sizes[sizes.index("Where the data is"):]
+    where = where[:where.index("<h2")] if "<h2" in where else where
+    assert 'id="itables_' in where and "local" in where          # the one node's table, under its heading
+    plan = next((out / "retention_dry_run").glob("*.html")).read_text(encoding="utf-8")
+    assert plan.count("none: no month past the cut-off is kept for active runs") == 1

@@ -61,3 +61,30 @@ def test_make_lab_without_a_url_starts_and_migrates_the_embedded_server(tmp_path
     calls = _make_lab(tmp_path, None)
     assert calls[0] == "composer-ops db up" and calls[1].startswith("composer-ops migrate")
     assert calls[2].startswith("jupyter lab ") and "pre_save_hook" in calls[2]
+
+
+def _as_a_session_leaves_it(model: dict[str, object]) -> None:
+    """What a JupyterLab session does to an opened notebook before autosave: the kernel's
+    language_info, every code cell run (outputs, execution counts, timings)."""
+    content = model["content"]
+    assert isinstance(content, dict)
+    content["metadata"]["language_info"] = {
+        "codemirror_mode": {"name": "ipython", "version": 3}, "file_extension": ".py", "mimetype": "text/x-python",
+        "name": "python", "nbconvert_exporter": "python", "pygments_lexer": "ipython3", "version": "3.11.7"}
+    for n, cell in enumerate(content["cells"], start=1):
+        if cell["cell_type"] == "code":
+            cell["execution_count"] = n
+            cell["outputs"] = [nbformat.v4.new_output("stream", text="ran\n")]  # type: ignore[no-untyped-call]
+            cell["metadata"]["execution"] = {"iopub.status.busy": "2025-01-01T00:00:00.000Z"}
+
+
+def test_saving_an_unchanged_notebook_through_jupyter_leaves_it_byte_identical(tmp_path: Path) -> None:
+    manager = FileContentsManager(root_dir=str(tmp_path), pre_save_hook="composer_ops.ops.lab.strip_outputs")
+    stored = sorted((ROOT / "notebooks").glob("*.ipynb"))
+    assert stored
+    for path in stored:
+        (tmp_path / path.name).write_bytes(path.read_bytes())
+        model = manager.get(path.name, content=True)  # type: ignore[no-untyped-call]
+        _as_a_session_leaves_it(model)
+        manager.save(model, path.name)  # type: ignore[no-untyped-call]
+        assert (tmp_path / path.name).read_bytes() == path.read_bytes(), f"{path.name} changed when saved"

@@ -52,3 +52,17 @@ def test_an_attempt_without_its_claim_row_still_names_the_worker_that_ended_it()
     [only] = attempts([row(3, "lease_expired", "a", "t1", 0, "w9", {"requeued": True, "error": "x"})])
     assert (only.worker, only.claimed_at, only.outcome) == ("w9", None, "lease expired")
     assert attempts([row(1, "signal", "w", "t5", None, None, {"name": "go"})]) == []
+
+
+def test_attempts_after_a_retry_carry_the_retry_generation() -> None:
+    at = datetime(2025, 1, 1, tzinfo=UTC)
+
+    def row(seq: int, kind: str, task: str | None = None, attempt: int | None = None) -> HistoryRow:
+        return HistoryRow(seq=seq, at=at, kind=kind, node_id="a" if task else None, task_id=task, attempt=attempt,
+                          worker="w", request=None, detail={"requeued": False} if kind == "failed" else {})
+
+    found = attempts([row(1, "claimed", "t1", 0), row(2, "failed", "t1", 0), row(3, "retried"),
+                      row(4, "claimed", "t2", 0), row(5, "failed", "t2", 0), row(6, "retried"),
+                      row(7, "claimed", "t3", 0)])
+    assert [(a.task_id, a.attempt, a.retry, a.label) for a in found] == [
+        ("t1", 0, 0, "0"), ("t2", 0, 1, "0 (retry 1)"), ("t3", 0, 2, "0 (retry 2)")]

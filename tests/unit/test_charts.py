@@ -66,3 +66,19 @@ def test_the_gantt_draws_failed_attempts_red_and_instant_phases_visibly() -> Non
     assert by_phase["failed"].marker.color == charts.PHASE_COLORS["failed"] != charts.PHASE_COLORS["ran"]
     assert by_phase["decided"].x[0] > 0                               # a SWITCH decision has a visible width
     assert by_phase["failed"].base[0] == "2025-03-16 12:00:00.000"
+
+
+def test_the_definition_graph_leaves_room_for_the_labels_above_its_top_row() -> None:
+    from composer_ops.ops.investigation import definition_graph
+
+    spec = {"id": "w", "nodes": [{"id": "charge-the-customer", "type": "TASK", "task": "t"},
+                                 {"id": "ship", "type": "TASK", "task": "t", "depends_on": ["charge-the-customer"]},
+                                 {"id": "notify", "type": "TASK", "task": "t", "depends_on": ["charge-the-customer"]}]}
+    nodes, edges = definition_graph(spec)
+    fig = charts.run_graph(nodes, edges)
+    ys = [y for trace in fig.data for y in trace.y]
+    xs = [x for trace in fig.data for x in trace.x]
+    low, high = fig.layout.yaxis.range
+    assert high - max(ys) >= 0.5 and min(ys) - low >= 0.5        # a label's height above the top row
+    left, right = fig.layout.xaxis.range
+    assert min(xs) - left >= 0.5 and right - max(xs) >= 0.5
