@@ -24,6 +24,6 @@ setup(
     package_dir=DATA_PACKAGES,
     # "": named SQL kept in .sql files beside the module that loads them, in any package.
     package_data={"": ["*.sql"], "composer_ops": ["py.typed"], "composer_ops.migrations": ["V*.sql", "citus/V*.sql"],
-                  "composer_ops.notebooks": ["*.ipynb"]},
+                  "composer_ops.notebooks": ["*.ipynb", "runbooks/*.ipynb"]},
     cmdclass={"build_py": BuildPy},
 )

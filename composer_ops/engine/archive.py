@@ -537,11 +537,12 @@ def _audit_archive(conn: Conn, manifest: Manifest, *, actor: Actor | None, targe
                          "files": {t.file: t.sha256 for t in manifest.tables}})
 
 
-def check_directory(directory: Path) -> None:
-    """The archive directory can be created and written, before any month is read."""
+def check_directory(directory: Path, what: str = "archive directory") -> None:
+    """``directory`` can be created and written, before anything is read or written
+    (:class:`Invalid` naming ``what`` and the directory, one line)."""
     try:
         directory.mkdir(parents=True, exist_ok=True)
         with tempfile.NamedTemporaryFile(dir=directory, prefix=".write-test-"):
             pass
     except OSError as exc:
-        raise Invalid(f"archive directory {directory}: cannot write there ({exc.strerror or exc})") from None
+        raise Invalid(f"{what} {directory}: cannot write there ({exc.strerror or exc})") from None

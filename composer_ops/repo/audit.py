@@ -25,6 +25,14 @@ class Actor:
     host: str | None = None
 
 
+def can_record(conn: Conn) -> tuple[bool, str]:
+    """Whether the session's role may write audit rows (every operator action writes
+    one, so a role that cannot is read-only for operator actions), and its name."""
+    row = conn.execute("SELECT has_table_privilege('operator_audit', 'INSERT'), current_user::text").fetchone()
+    assert row is not None
+    return bool(row[0]), str(row[1])
+
+
 def operator_note(action: str, actor: Actor | None) -> dict[str, Any]:
     """What a run's history says of the operator action ``action`` that changed it
     (the audit row, whose ``request`` the history row shares, has the rest)."""

@@ -38,6 +38,7 @@ MIGRATIONS = sorted(p.relative_to(ROOT / "sql").as_posix() for p in (ROOT / "sql
 #: The versions ``composer-ops migrate`` applies to plain PostgreSQL.
 PLAIN_VERSIONS = sorted(int(p.name[1:].split("__")[0]) for p in (ROOT / "sql").glob("V*.sql"))
 NOTEBOOKS = sorted(p.stem for p in (ROOT / "notebooks").glob("*.ipynb"))
+RUNBOOKS = sorted(p.stem for p in (ROOT / "notebooks" / "runbooks").glob("*.ipynb"))
 
 SPEC = {
     "id": "packaged", "name": "Installed from the package",
@@ -101,6 +102,7 @@ def test_the_wheel_holds_every_module_migration_and_notebook(dists: dict[str, Pa
     assert package <= names, sorted(package - names)
     assert {f"composer_ops/migrations/{m}" for m in MIGRATIONS} <= names
     assert {f"composer_ops/notebooks/{n}.ipynb" for n in NOTEBOOKS} <= names
+    assert RUNBOOKS and {f"composer_ops/notebooks/runbooks/{n}.ipynb" for n in RUNBOOKS} <= names
     assert "composer_ops/py.typed" in names
     # The data packages carry data only: the notebooks' test conftest stays in the tree.
     assert not [n for n in names if n.startswith(("composer_ops/notebooks/", "composer_ops/migrations/"))
