@@ -215,7 +215,7 @@ def convert_value(param: Parameter, text: str, notebook: str) -> Any:
 
 
 def resolve_parameters(names: Sequence[str], pairs: Sequence[tuple[str, str]],
-                       directory: Path | None = None) -> dict[str, dict[str, Any]]:
+                       directory: Path | None = None, kind: str = "report") -> dict[str, dict[str, Any]]:
     """Per notebook, the parameters to inject. A key no selected notebook declares,
     or a value of the wrong type, is :class:`Invalid` (nothing runs)."""
     declared = {n: declared_parameters(n, directory) for n in names}
@@ -225,7 +225,7 @@ def resolve_parameters(names: Sequence[str], pairs: Sequence[tuple[str, str]],
         if not targets:
             known = sorted({k for d in declared.values() for k in d})
             shown = key if key.isidentifier() else json.dumps(key)   # odd keys escaped onto one line
-            raise Invalid(f"-p {shown}: no selected report declares it; parameters: {', '.join(known)}")
+            raise Invalid(f"-p {shown}: no selected {kind} declares it; parameters: {', '.join(known)}")
         for n in targets:
             out[n][key] = convert_value(declared[n][key], text, n)
     return out
@@ -283,8 +283,9 @@ def run_reports(names: Sequence[str], parameters: Mapping[str, Mapping[str, Any]
     progress bars. ``kernel_env`` is added to the kernels' environment, and the
     variable ``record_env`` names the executed notebook's path there (a runbook's
     audit rows name it); the index is written in ``index_dir`` (default ``out_dir``).
-    Kernels get a private runtime directory (connection files and sockets) and, when the home directory is not writable (a system account), a
-    private IPython directory, both removed at the end."""
+    Kernels get a private runtime directory (connection files and sockets) and, when
+    the home directory is not writable (a system account), a private IPython
+    directory, both removed at the end."""
     if jobs < 1:
         raise Invalid(f"jobs must be 1 or more, got {jobs}")
     if keep < 0:

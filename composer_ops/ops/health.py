@@ -198,9 +198,13 @@ def write_prometheus_down(path: str) -> None:
 
 
 def down_json(error: Exception) -> dict[str, Any]:
-    """``check --json`` when the database could not be read."""
+    """``check --json`` when the database could not be read; ``kind`` as the CLI's
+    one-line error names it (``unavailable``, ``permissiondenied``, ...)."""
+    from composer_ops.errors import Unavailable
+
+    kind = "unavailable" if isinstance(error, Unavailable) else type(error).__name__.lower()
     return {"healthy": False, "up": False, "checked_at": None, "checks": [],
-            "error": {"kind": type(error).__name__, "message": str(error)}}
+            "error": {"kind": kind, "message": str(error)}}
 
 
 def _up(registry: Any, value: int) -> None:

@@ -38,7 +38,7 @@ def run(name: str, pairs: Sequence[tuple[str, str]], out_dir: Path, *, database_
 
     catalogue.get(name)
     directory = catalogue.notebooks_dir()
-    params = reports.resolve_parameters([name], list(pairs), directory)
+    params = reports.resolve_parameters([name], list(pairs), directory, kind="runbook")
     reports.check_parameters(params, kind="runbook")
     (result,) = reports.run_reports([name], params, out_dir / catalogue.FOLDER, database_url=database_url,
                                     progress=progress, cell_timeout_s=cell_timeout_s, directory=directory,

@@ -156,7 +156,7 @@ def test_an_unreachable_database_says_so_in_the_textfile_and_the_json(
     assert code == 1 and captured.err.count("\n") == 1 and "cannot connect" in captured.err
     doc = json.loads(captured.out)
     assert doc["healthy"] is False and doc["up"] is False and doc["checks"] == []
-    assert doc["error"]["kind"] == "Unavailable" and "cannot connect" in doc["error"]["message"]
+    assert doc["error"]["kind"] == "unavailable" and "cannot connect" in doc["error"]["message"]
     samples = _samples(prom)
     # The last good run's figures are gone: only "down" is left to alert on.
     assert samples == {("composer_check_up", ""): 0.0, ("composer_check_healthy", ""): 0.0}
