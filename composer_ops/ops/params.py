@@ -87,7 +87,7 @@ def _run_ids(name: str, value: Any) -> list[str]:
 
     if not isinstance(value, list) or len(value) > 100:
         raise Invalid(f"must be a JSON list of at most 100 run IDs, got {value!r}")
-    return [validate_run_id(v) if isinstance(v, str) else validate_run_id(str(v)) for v in value]
+    return [validate_run_id(str(v)) for v in value]
 
 
 def _selection(name: str, value: Any) -> Any:

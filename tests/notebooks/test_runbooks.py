@@ -219,3 +219,25 @@ def test_bad_input_is_refused_before_a_kernel_starts(argv: list[str], message: s
                                "--out", str(tmp_path / "reports")], capsys)
     assert code == 2 and err.count("\n") == 1 and message in err, err
     assert not (tmp_path / "reports").exists()
+
+
+def test_the_reader_plans_a_retry_without_the_locks_its_dry_run_takes(db_url: str, tmp_path: Path,
+                                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    info = seed_committed(db_url)
+    out = tmp_path / "reports"
+    code, printed, err = _run(["replay_failed", "-p", "since", "2025-03-01", "-p", "workflow", "nightly-report",
+                               "--database-url", as_role(db_url), "--out", str(out)], capsys)
+    assert code == 0 and "dry run: nothing was changed" in printed, err
+    text = _record(out, "replay_failed").read_text(encoding="utf-8")
+    assert "the read-only role cannot take the run locks this dry run takes" in text
+    assert info.runs["H7"] in text and "Traceback" not in text
+    assert _status(db_url, info.runs["H7"]) == "FAILED" and _audit(db_url) == []
+
+
+def test_an_unwritable_out_directory_is_one_line_and_exit_2(tmp_path: Path,
+                                                            capsys: pytest.CaptureFixture[str]) -> None:
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory\n")
+    code, printed, err = _run(["sweeper_lag", "--database-url", "postgresql://nobody@/nowhere?host=/nonexistent",
+                               "--out", str(blocker / "reports")], capsys)
+    assert code == 2 and err.count("\n") == 1 and "--out: directory" in err and "cannot write there" in err, err
