@@ -180,12 +180,14 @@ def test_each_acting_runbook_acts_through_the_engine_with_its_audit_row(
     assert "month 202502: cancelled 1 run(s), skipped 0" in printed
     assert "month 202504: cancelled 0 run(s), skipped 1" in printed
     assert _status(db_url, info.runs["H6"]) == "CANCELLED" and _status(db_url, info.runs["H12"]) == "PENDING"
-    printed = act("sweeper_lag")
+    printed = act("dead_worker")      # worker-b's two expired leases
     assert "lease sweep: 2 expired lease(s) handled" in printed
     with psycopg.connect(db_url) as conn:
         lapsed = conn.execute("SELECT count(*) FROM task_instances WHERE state = 'RUNNING' "
                               "AND lease_expires_at < now()").fetchone()
     assert lapsed == (0,)
+    printed = act("sweeper_lag")      # the same sweep: nothing left to take back
+    assert "lease sweep: 0 expired lease(s) handled" in printed
     printed = act("partitions_ahead", "-p", "months_ahead", "4")
     assert "partitions ensure: created 4 partition(s) up to 4 month(s) ahead" in printed   # one month, four tables
     printed = act("replay_failed", "-p", "since", "2025-03-01", "-p", "workflow", "nightly-report")  # H7
@@ -196,6 +198,7 @@ def test_each_acting_runbook_acts_through_the_engine_with_its_audit_row(
         ("runs cancel", {"chunk": 1, "skipped": 0, "cancelled": 1}),
         ("runs cancel", {"chunk": 1, "skipped": 1, "cancelled": 0}),
         ("lease sweep", {"busy": 0, "leases_expired": 2}),
+        ("lease sweep", {"busy": 0, "leases_expired": 0}),
         ("partitions ensure", {"created": 4}),
         ("runs retry", {"reset": 2, "created": 1}),     # extract_a and load reset; extract_a runs at once
     ]
