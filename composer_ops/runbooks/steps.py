@@ -17,11 +17,10 @@ from typing import TYPE_CHECKING, Any
 
 import polars as pl
 
-from composer_ops.core.runids import add_months, month_start
+from composer_ops.core.runids import add_months, month_label, month_start
 from composer_ops.db import find_url
 from composer_ops.errors import PermissionDenied
-from composer_ops.ops import _common
-from composer_ops.ops._common import UTC_TS, Schema, Source, connection, db_now, rows_frame
+from composer_ops.ops._common import RUN_TABLES, UTC_TS, Schema, Source, connection, db_now, rows_frame
 from composer_ops.repo import analytics
 from composer_ops.runbooks.acting import Act, actor
 
@@ -53,10 +52,10 @@ def partitions_plan(source: Source, months_ahead: int) -> pl.DataFrame:
     from composer_ops.ops.partitions import partition_inventory
 
     with connection(source) as conn:
-        current = db_now(conn).strftime("%Y%m")
+        current = month_label(db_now(conn))
         inventory = partition_inventory(conn)
     have = set(inventory.select("table", "month").iter_rows())
-    wanted = [(table, add_months(current, i)) for table in _common.RUN_TABLES for i in range(months_ahead + 1)]
+    wanted = [(table, add_months(current, i)) for table in RUN_TABLES for i in range(months_ahead + 1)]
     return pl.DataFrame([(t, m, f"{t}_p{m}") for t, m in wanted if (t, m) not in have], orient="row",
                         schema={"table": pl.String, "month": pl.String, "partition": pl.String})
 
