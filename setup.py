@@ -25,6 +25,6 @@ setup(
     # "": named SQL kept in .sql files beside the module that loads them, in any package.
     package_data={"": ["*.sql"], "composer_ops": ["py.typed"],
                   "composer_ops.migrations": ["V*.sql", "R__*.sql", "citus/V*.sql", "citus/R__*.sql"],
-                  "composer_ops.notebooks": ["*.ipynb"]},
+                  "composer_ops.notebooks": ["*.ipynb", "runbooks/*.ipynb"]},
     cmdclass={"build_py": BuildPy},
 )

@@ -215,7 +215,7 @@ def convert_value(param: Parameter, text: str, notebook: str) -> Any:
 
 
 def resolve_parameters(names: Sequence[str], pairs: Sequence[tuple[str, str]],
-                       directory: Path | None = None) -> dict[str, dict[str, Any]]:
+                       directory: Path | None = None, kind: str = "report") -> dict[str, dict[str, Any]]:
     """Per notebook, the parameters to inject. A key no selected notebook declares,
     or a value of the wrong type, is :class:`Invalid` (nothing runs)."""
     declared = {n: declared_parameters(n, directory) for n in names}
@@ -225,13 +225,13 @@ def resolve_parameters(names: Sequence[str], pairs: Sequence[tuple[str, str]],
         if not targets:
             known = sorted({k for d in declared.values() for k in d})
             shown = key if key.isidentifier() else json.dumps(key)   # odd keys escaped onto one line
-            raise Invalid(f"-p {shown}: no selected report declares it; parameters: {', '.join(known)}")
+            raise Invalid(f"-p {shown}: no selected {kind} declares it; parameters: {', '.join(known)}")
         for n in targets:
             out[n][key] = convert_value(declared[n][key], text, n)
     return out
 
 
-def check_parameters(parameters: Mapping[str, Mapping[str, Any]]) -> None:
+def check_parameters(parameters: Mapping[str, Mapping[str, Any]], kind: str = "report") -> None:
     """Check the values given for each notebook (:class:`Invalid` names the first bad
     one as ``-p KEY``): the same checks the notebooks run, before any kernel starts."""
     from composer_ops.ops.params import check_parameters as check
@@ -240,7 +240,7 @@ def check_parameters(parameters: Mapping[str, Mapping[str, Any]]) -> None:
         try:
             check(name, **values)
         except Invalid as exc:
-            raise Invalid(f"-p {exc} (report {name}); nothing was run") from None
+            raise Invalid(f"-p {exc} ({kind} {name}); nothing was run") from None
 
 
 def timestamp(now: datetime | None = None) -> str:
@@ -256,31 +256,36 @@ def _free_stem(folder: Path, stamp: str) -> str:
 
 
 @contextlib.contextmanager
-def _kernel_env(database_url: str | None) -> Iterator[None]:
-    """Set COMPOSER_DATABASE_URL for the kernels started inside the block, then restore it."""
-    before = os.environ.get(ENV_URL)
-    if database_url:
-        os.environ[ENV_URL] = database_url
+def _kernel_env(database_url: str | None, more: Mapping[str, str] | None = None) -> Iterator[None]:
+    """Set COMPOSER_DATABASE_URL (and ``more``) for the kernels started inside the block, then restore them."""
+    values = {**({ENV_URL: database_url} if database_url else {}), **(more or {})}
+    before = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
     try:
         yield
     finally:
-        if before is None:
-            os.environ.pop(ENV_URL, None)
-        else:
-            os.environ[ENV_URL] = before
+        for key, value in before.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
 
 
 def run_reports(names: Sequence[str], parameters: Mapping[str, Mapping[str, Any]], out_dir: Path, *,
                 database_url: str | None = None, progress: bool = True, cell_timeout_s: int = 600,
                 jobs: int = 1, now: datetime | None = None, directory: Path | None = None,
-                keep: int = 0) -> list[ReportResult]:
+                keep: int = 0, kernel_env: Mapping[str, str] | None = None, record_env: str | None = None,
+                index_dir: Path | None = None) -> list[ReportResult]:
     """Execute each notebook (``jobs`` at a time, each in its own kernel), render its
     HTML, prune each notebook's reports to the newest ``keep`` (0: keep all), then
     rewrite the index. A failing notebook does not stop the others; see each
     result's ``ok``. With ``jobs`` > 1 the notebooks run in worker processes, without
-    progress bars. Kernels get a private runtime directory (connection files and
-    sockets) and, when the home directory is not writable (a system account), a
-    private IPython directory, both removed at the end."""
+    progress bars. ``kernel_env`` is added to the kernels' environment, and the
+    variable ``record_env`` names the executed notebook's path there (a runbook's
+    audit rows name it); the index is written in ``index_dir`` (default ``out_dir``).
+    Kernels get a private runtime directory (connection files and sockets) and, when
+    the home directory is not writable (a system account), a private IPython
+    directory, both removed at the end."""
     if jobs < 1:
         raise Invalid(f"jobs must be 1 or more, got {jobs}")
     if keep < 0:
@@ -292,15 +297,16 @@ def run_reports(names: Sequence[str], parameters: Mapping[str, Mapping[str, Any]
 
     def one(name: str) -> ReportResult:
         return _run_one(name, dict(parameters.get(name, {})), out_dir, stamp, progress=progress,
-                        cell_timeout_s=cell_timeout_s, directory=directory)
+                        cell_timeout_s=cell_timeout_s, directory=directory, record_env=record_env)
 
-    with _kernel_env(url), _private_jupyter_dirs():
+    with _kernel_env(url, kernel_env), _private_jupyter_dirs():
         if jobs == 1 or len(names) == 1:
             results = [one(name) for name in names]
         else:
             # Worker processes, not threads: papermill's event loops and CPython 3.11's
             # parser are not safe to share between threads.
-            args = [(n, dict(parameters.get(n, {})), out_dir, stamp, cell_timeout_s, directory) for n in names]
+            args = [(n, dict(parameters.get(n, {})), out_dir, stamp, cell_timeout_s, directory, record_env)
+                    for n in names]
             try:
                 with ProcessPoolExecutor(max_workers=jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
                     results = list(pool.map(_run_quietly, args))
@@ -309,7 +315,7 @@ def run_reports(names: Sequence[str], parameters: Mapping[str, Mapping[str, Any]
     if keep:
         for name in names:
             prune(out_dir / name, keep)
-    write_index(out_dir)
+    write_index(index_dir or out_dir)
     return results
 
 
@@ -361,13 +367,14 @@ def _writable_home() -> bool:
         return False
 
 
-def _run_quietly(args: tuple[str, dict[str, Any], Path, str, int, Path | None]) -> ReportResult:
-    name, params, out_dir, stamp, cell_timeout_s, directory = args
-    return _run_one(name, params, out_dir, stamp, progress=False, cell_timeout_s=cell_timeout_s, directory=directory)
+def _run_quietly(args: tuple[str, dict[str, Any], Path, str, int, Path | None, str | None]) -> ReportResult:
+    name, params, out_dir, stamp, cell_timeout_s, directory, record_env = args
+    return _run_one(name, params, out_dir, stamp, progress=False, cell_timeout_s=cell_timeout_s, directory=directory,
+                    record_env=record_env)
 
 
 def _run_one(name: str, params: dict[str, Any], out_dir: Path, stamp: str, *, progress: bool,
-             cell_timeout_s: int, directory: Path | None) -> ReportResult:
+             cell_timeout_s: int, directory: Path | None, record_env: str | None = None) -> ReportResult:
     import papermill
     from papermill.exceptions import PapermillExecutionError
 
@@ -379,10 +386,12 @@ def _run_one(name: str, params: dict[str, Any], out_dir: Path, stamp: str, *, pr
     started = time.monotonic()
     failure: dict[str, Any] = {}
     try:
-        papermill.execute_notebook(
-            str(source), str(ipynb), parameters=params, kernel_name=KERNEL_NAME, progress_bar=progress,
-            cwd=str(source.parent), execution_timeout=cell_timeout_s, kernel_manager_class=ThisPythonKernelManager,
-        )
+        with _kernel_env(None, {record_env: str(ipynb)} if record_env else None):
+            papermill.execute_notebook(
+                str(source), str(ipynb), parameters=params, kernel_name=KERNEL_NAME, progress_bar=progress,
+                cwd=str(source.parent), execution_timeout=cell_timeout_s,
+                kernel_manager_class=ThisPythonKernelManager,
+            )
     except PapermillExecutionError as exc:
         failure = {"failed_cell": exc.cell_index, "execution_count": exc.exec_count,
                    "cell_source": _first_code_line(exc.source), "error": f"{exc.ename}: {_first_line(exc.evalue)}"}
@@ -502,11 +511,31 @@ def _flags(summary: Mapping[str, Any]) -> str:
     return ", ".join(out)
 
 
+#: The folder under the reports directory where runbook records are kept (``runbooks/<name>/``).
+RUNBOOKS_FOLDER = "runbooks"
+
+
+def _did(summary: Mapping[str, Any]) -> str:
+    """What the index says beside a runbook record: what it did, or why it did not act."""
+    figures = summary.get("key_figures") or {}
+    act = figures.get("act") or {}
+    if act.get("refused"):
+        return "not acted: " + str(act["refused"])
+    if act.get("did"):
+        return "did: " + "; ".join(str(d) for d in act["did"])
+    return "diagnosed and planned (confirm=False)" if summary.get("ok") else ""
+
+
 def write_index(out_dir: Path) -> Path:
-    """``index.html`` linking every report under ``out_dir``, newest first per notebook."""
+    """``index.html`` linking every report under ``out_dir``, newest first per notebook,
+    then every runbook record under ``out_dir/runbooks`` with what it did."""
     out_dir.mkdir(parents=True, exist_ok=True)
     sections = []
-    for folder in sorted(p for p in out_dir.iterdir() if p.is_dir()):
+    books = out_dir / RUNBOOKS_FOLDER
+    folders = [(p, p.name, False) for p in sorted(out_dir.iterdir()) if p.is_dir() and p.name != RUNBOOKS_FOLDER]
+    if books.is_dir():
+        folders += [(p, f"runbook {p.name}", True) for p in sorted(books.iterdir()) if p.is_dir()]
+    for folder, heading, runbook in folders:
         rows = []
         for summary_path in sorted(folder.glob("*.json"), reverse=True):
             try:
@@ -515,17 +544,21 @@ def write_index(out_dir: Path) -> Path:
                 continue
             stem = summary_path.stem
             status = "ok" if summary.get("ok") else "FAILED"
-            link = f"{folder.name}/{stem}.html" if (folder / f"{stem}.html").exists() else f"{folder.name}/{stem}.ipynb"
-            detail = html.escape(_flags(summary) if summary.get("ok") else str(summary.get("error") or ""))
-            if summary.get("ok") and detail:
+            where = folder.relative_to(out_dir).as_posix()
+            link = f"{where}/{stem}.html" if (folder / f"{stem}.html").exists() else f"{where}/{stem}.ipynb"
+            flags = (_did(summary) if runbook else _flags(summary)) if summary.get("ok") else ""
+            detail = html.escape(flags or str(summary.get("error") or ""))
+            if summary.get("ok") and detail and not runbook:
                 status = "flagged"
             params = html.escape(json.dumps(summary.get("parameters") or {}))
             rows.append(f'<tr class="{status.lower()}"><td><a href="{html.escape(link)}">{html.escape(stem)}</a></td>'
                         f"<td>{status}</td><td>{float(summary.get('seconds') or 0):.1f} s</td>"
                         f"<td><code>{params}</code></td><td>{detail}</td></tr>")
         if rows:
-            sections.append(f"<h2>{html.escape(folder.name)}</h2><table><tr><th>report (UTC)</th><th>status</th>"
-                            f"<th>took</th><th>parameters</th><th>error or flags</th></tr>{''.join(rows)}</table>")
+            what = "what it did, or error" if runbook else "error or flags"
+            sections.append(f"<h2>{html.escape(heading)}</h2><table><tr><th>{'record' if runbook else 'report'} "
+                            f"(UTC)</th><th>status</th><th>took</th><th>parameters</th><th>{what}</th></tr>"
+                            f"{''.join(rows)}</table>")
     page = out_dir / "index.html"
     page.write_text(
         "<!doctype html><html><head><meta charset='utf-8'><title>composer-ops reports</title><style>"

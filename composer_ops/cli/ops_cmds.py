@@ -11,7 +11,7 @@ import typing
 from pathlib import Path
 
 from composer_ops.cli._common import EXIT_FAILED, EXIT_OK, add_command, add_json_option, emit_json, env_option
-from composer_ops.errors import Invalid
+from composer_ops.errors import ComposerError, Invalid
 from composer_ops.files import check_directory
 from composer_ops.ops import health
 
@@ -60,11 +60,13 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     rep.add_argument("--list", action="store_true", help="list the notebooks and their parameters, run nothing")
 
     chk = add_command(
-        sub, "check", cmd_check, help="deployment health against thresholds (exit 0 healthy, 1 alert, 2 bad input)",
+        sub, "check", cmd_check, database="reads",
+        help="deployment health against thresholds (exit 0 healthy, 1 alert, 2 bad input)",
         description="Read the database once and judge: partition months ahead, sweeper lag, the oldest ready "
                     "outbox row, retention blocked by active runs, WAIT_FOR_EVENT nodes without a timeout "
-                    "waiting long, failing webhook deliveries. Exit 0 when healthy, 1 when a check alerts (or "
-                    "the database cannot be read), 2 for bad input.")
+                    "waiting long, failing webhook deliveries; each alert names its runbook (composer-ops "
+                    "runbook NAME). Exit 0 when healthy, 1 when a check alerts (or the database cannot be read: "
+                    "then --prometheus writes composer_check_up 0 and --json an error object), 2 for bad input.")
     add_json_option(chk, "print the checks as a JSON object")
     env_option(chk, "--prometheus", env="COMPOSER_CHECK_PROMETHEUS", metavar="FILE",
                help="also write the figures in the Prometheus text format to FILE (atomically; for "
@@ -122,9 +124,22 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 def cmd_check(args: argparse.Namespace) -> int:
     thresholds = health.Thresholds(**{field: getattr(args, field) for field, *_ in _THRESHOLDS}).checked()
-    if args.prometheus is not None and not args.prometheus.strip():
-        raise Invalid("--prometheus needs a file path")
-    result = health.check_health(args.database_url, thresholds)
+    if args.prometheus is not None:
+        if not args.prometheus.strip() or args.prometheus.endswith(os.sep):
+            raise Invalid(f"--prometheus needs a file path, got {args.prometheus!r}")
+        # The textfile is renamed into place from a temporary file beside it: the directory must be writable.
+        check_directory(Path(args.prometheus).expanduser().absolute().parent, "--prometheus: directory")
+    try:
+        result = health.check_health(args.database_url, thresholds)
+    except Invalid:
+        raise
+    except ComposerError as exc:
+        # Monitoring must see that the check could not read the database, not the last good figures.
+        if args.prometheus:
+            health.write_prometheus_down(args.prometheus)
+        if args.json:
+            emit_json(health.down_json(exc))
+        raise
     if args.prometheus:
         health.write_prometheus(result, args.prometheus)
     if args.json:
@@ -132,6 +147,8 @@ def cmd_check(args: argparse.Namespace) -> int:
     else:
         for c in result.checks:
             print(f"{'ALERT' if c.alert else 'ok':<5}  {c.name}: {_shown(c)}  {c.detail}")
+            if c.alert:
+                print(f"       runbook: composer-ops runbook {c.runbook}")
         print("healthy" if result.healthy else f"{sum(c.alert for c in result.checks)} check(s) alert")
     return EXIT_OK if result.healthy else EXIT_FAILED
 

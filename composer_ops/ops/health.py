@@ -60,6 +60,7 @@ class Check:
     alert: bool
     detail: str
     help: str
+    runbook: str                       # the runbook notebook for this alert (``composer-ops runbook NAME``)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -72,7 +73,7 @@ class Health:
         return not any(c.alert for c in self.checks)
 
     def as_json(self) -> dict[str, Any]:
-        return {"healthy": self.healthy, "checked_at": self.checked_at.isoformat().replace("+00:00", "Z"),
+        return {"healthy": self.healthy, "up": True, "checked_at": self.checked_at.isoformat().replace("+00:00", "Z"),
                 "checks": [asdict(c) for c in self.checks]}
 
 
@@ -95,7 +96,8 @@ def check_health(source: Source = None, thresholds: Thresholds | None = None) ->
     replay = reading.replay_lag_s if reading.replay_lag_s is not None else 0.0
     streaming = reading.wal_receiver in ("streaming", "running")
     checks.append(Check(
-        name="replay lag", metric="composer_replay_lag_seconds", value=replay, threshold=t.replay_lag_s,
+        name="replay lag", runbook="replay_lag",
+        metric="composer_replay_lag_seconds", value=replay, threshold=t.replay_lag_s,
         alert=reading.standby and (replay > t.replay_lag_s or not streaming),
         detail=("a primary: nothing to replay" if not reading.standby else
                 f"a hot standby, {duration(replay)} behind; WAL receiver {reading.wal_receiver or 'not running'}"
@@ -105,7 +107,8 @@ def check_health(source: Source = None, thresholds: Thresholds | None = None) ->
     fewest = min(ahead["months_ahead"].to_list()) if ahead["has_current"].all() else -1
     short = ahead.filter(pl.col("alert"))["table"].to_list()
     checks.append(Check(
-        name="partition months ahead", metric="composer_partitions_months_ahead", value=fewest,
+        name="partition months ahead", runbook="partitions_ahead",
+        metric="composer_partitions_months_ahead", value=fewest,
         threshold=t.months_ahead_min, alert=bool(ahead["alert"].any()),
         detail=(f"{', '.join(short)} short: run composer-ops partitions ensure --months-ahead 3" if short
                 else f"every table has {fewest} months after {ahead['current_month'][0]}"),
@@ -114,7 +117,8 @@ def check_health(source: Source = None, thresholds: Thresholds | None = None) ->
     expired = leases.expired_running(leases=running)
     lag = max(expired["overdue_s"].to_list(), default=0.0)
     checks.append(Check(
-        name="sweeper lag", metric="composer_sweeper_lag_seconds", value=lag, threshold=t.sweeper_lag_s,
+        name="sweeper lag", runbook="sweeper_lag",
+        metric="composer_sweeper_lag_seconds", value=lag, threshold=t.sweeper_lag_s,
         alert=lag > t.sweeper_lag_s,
         detail=(f"{expired.height} RUNNING task(s) with an expired lease, the oldest {duration(lag)} ago: "
                 "is a coordinator running?" if expired.height else "no expired lease is still RUNNING"),
@@ -123,7 +127,8 @@ def check_health(source: Source = None, thresholds: Thresholds | None = None) ->
     ready = max(backlog["oldest_ready_age_s"].to_list(), default=0.0)
     stuck = backlog.filter(pl.col("oldest_ready_age_s") > t.outbox_ready_age_s)["queue"].to_list()
     checks.append(Check(
-        name="oldest ready outbox row", metric="composer_outbox_oldest_ready_seconds", value=ready,
+        name="oldest ready outbox row", runbook="outbox_ready",
+        metric="composer_outbox_oldest_ready_seconds", value=ready,
         threshold=t.outbox_ready_age_s, alert=ready > t.outbox_ready_age_s,
         detail=(f"no worker claims queue(s) {', '.join(stuck)}" if stuck
                 else f"{int(backlog['ready'].sum()) if backlog.height else 0} ready dispatch(es), none waiting long"),
@@ -132,14 +137,16 @@ def check_health(source: Source = None, thresholds: Thresholds | None = None) ->
     blocked = plan.filter(pl.col("reason") == "has active runs")
     runs = [r for ids in blocked["active_run_ids"].to_list() for r in ids]
     checks.append(Check(
-        name="retention blocked", metric="composer_retention_blocked_months", value=blocked.height, threshold=0,
+        name="retention blocked", runbook="retention_blocked",
+        metric="composer_retention_blocked_months", value=blocked.height, threshold=0,
         alert=blocked.height > 0,
         detail=(f"month(s) {', '.join(blocked['month'].to_list())} past {cutoff.text} kept for active runs, e.g. "
                 f"{', '.join(runs[:3])}" if blocked.height else f"nothing past {cutoff.text} is kept for active runs"),
         help="Partition months past the retention cut-off kept because they hold RUNNING or PENDING runs."))
 
     checks.append(Check(
-        name="long waits without timeout", metric="composer_long_waits_without_timeout", value=waits_total,
+        name="long waits without timeout", runbook="long_waits",
+        metric="composer_long_waits_without_timeout", value=waits_total,
         threshold=0, alert=waits_total > 0,
         detail=(f"{waits_total} WAIT_FOR_EVENT node(s) without a timeout waiting over {t.long_wait_h:g} h, "
                 f"the oldest in run {waits['run_id'][0]}" if waits_total
@@ -147,7 +154,8 @@ def check_health(source: Source = None, thresholds: Thresholds | None = None) ->
         help="WAIT_FOR_EVENT nodes without a timeout that have waited longer than the threshold."))
 
     checks.append(Check(
-        name="failing webhooks", metric="composer_webhook_deliveries_failing", value=int(failing), threshold=0,
+        name="failing webhooks", runbook="failing_webhooks",
+        metric="composer_webhook_deliveries_failing", value=int(failing), threshold=0,
         alert=int(failing) > 0,
         detail=(f"{failing} delivery(ies) still retried after {t.webhook_attempts}+ attempts (up to "
                 f"{most_attempts}): is the endpoint up?" if failing else "no delivery is failing"),
@@ -157,18 +165,59 @@ def check_health(source: Source = None, thresholds: Thresholds | None = None) ->
 
 def write_prometheus(health: Health, path: str) -> None:
     """The checks in the Prometheus text format, written atomically (a temporary file
-    renamed over ``path``), for node_exporter's textfile collector."""
-    from prometheus_client import CollectorRegistry, Gauge, write_to_textfile
+    renamed over ``path``), for node_exporter's textfile collector. Each check's alert
+    gauge names its runbook (the ``runbook`` label)."""
+    from prometheus_client import CollectorRegistry, Gauge
 
     registry = CollectorRegistry()
     for check in health.checks:
         Gauge(check.metric, check.help, registry=registry).set(check.value)
-    alert = Gauge("composer_check_alert", "1 when the check crossed its threshold.", ["check"], registry=registry)
+    alert = Gauge("composer_check_alert", "1 when the check crossed its threshold; runbook: composer-ops runbook "
+                  "NAME.", ["check", "runbook"], registry=registry)
     limit = Gauge("composer_check_threshold", "The threshold the check alerts beyond.", ["check"], registry=registry)
     for check in health.checks:
-        alert.labels(check=check.metric).set(1 if check.alert else 0)
+        alert.labels(check=check.metric, runbook=check.runbook).set(1 if check.alert else 0)
         limit.labels(check=check.metric).set(check.threshold)
+    _up(registry, 1)
     Gauge("composer_check_healthy", "1 when no check alerts.", registry=registry).set(1 if health.healthy else 0)
     Gauge("composer_check_timestamp_seconds", "When the checks read the database (its clock).",
           registry=registry).set(health.checked_at.timestamp())
-    write_to_textfile(path, registry)
+    _write(registry, path)
+
+
+def write_prometheus_down(path: str) -> None:
+    """What the textfile says when the database could not be read: ``composer_check_up``
+    0 and ``composer_check_healthy`` 0, so the figures of the last good run are not
+    taken for current ones."""
+    from prometheus_client import CollectorRegistry, Gauge
+
+    registry = CollectorRegistry()
+    _up(registry, 0)
+    Gauge("composer_check_healthy", "1 when no check alerts.", registry=registry).set(0)
+    _write(registry, path)
+
+
+def down_json(error: Exception) -> dict[str, Any]:
+    """``check --json`` when the database could not be read; ``kind`` as the CLI's
+    one-line error names it (``unavailable``, ``permissiondenied``, ...)."""
+    from composer_ops.errors import Unavailable
+
+    kind = "unavailable" if isinstance(error, Unavailable) else type(error).__name__.lower()
+    return {"healthy": False, "up": False, "checked_at": None, "checks": [],
+            "error": {"kind": kind, "message": str(error)}}
+
+
+def _up(registry: Any, value: int) -> None:
+    from prometheus_client import Gauge
+
+    Gauge("composer_check_up", "1 when check could read the database, 0 when it could not (then every other "
+          "figure is absent).", registry=registry).set(value)
+
+
+def _write(registry: Any, path: str) -> None:
+    from prometheus_client import write_to_textfile
+
+    try:
+        write_to_textfile(path, registry)
+    except OSError as exc:
+        raise Invalid(f"--prometheus {path}: cannot write there ({exc.strerror or exc})") from None

@@ -76,6 +76,54 @@ def _url(name: str, value: Any) -> str | None:
     return value
 
 
+def _text(name: str, value: Any) -> str:
+    if not isinstance(value, str) or not value.strip() or len(value) > 1000:
+        raise Invalid(f"must be non-empty text of at most 1000 characters, got {value!r}")
+    return value
+
+
+def _run_ids(name: str, value: Any) -> list[str]:
+    from composer_ops.ops.investigation import validate_run_id
+
+    if not isinstance(value, list) or len(value) > 100:
+        raise Invalid(f"must be a JSON list of at most 100 run IDs, got {value!r}")
+    return [validate_run_id(str(v)) for v in value]
+
+
+def _selection(name: str, value: Any) -> Any:
+    """``workflow``, ``since`` or ``where`` of a selection of runs, as ``runs list`` checks it."""
+    if value is None:
+        return None
+    from composer_ops.engine.admin import selection
+
+    selection(**{name: value})
+    return value
+
+
+def _node(name: str, value: Any) -> str | None:
+    if value is not None and (not isinstance(value, str) or not value.strip()):
+        raise Invalid(f"must be a node id or None, got {value!r}")
+    return value
+
+
+#: The runbooks' parameters (notebooks/runbooks/), checked like the reports'.
+RUNBOOK_CHECKS: dict[str, dict[str, Check]] = {
+    "replay_lag": {"replay_lag_s": _number_above(0, inclusive=True)},
+    "partitions_ahead": {"months_ahead_min": _int_between(0, 120), "months_ahead": _int_between(0, 120)},
+    "sweeper_lag": {"sweeper_lag_s": _number_above(0, inclusive=True)},
+    "outbox_ready": {"outbox_ready_age_s": _number_above(0, inclusive=True),
+                     "workers_window_h": _number_above(0, inclusive=True)},
+    "retention_blocked": {"cutoff": _cutoff, "reason": _text},
+    "long_waits": {"long_wait_h": _number_above(0, inclusive=True), "cancel_runs": _run_ids, "reason": _text},
+    "failing_webhooks": {"webhook_attempts": _int_between(1, 1000), "limit": _int_between(1, 1000)},
+    "dead_worker": {"workers_window_h": _number_above(0, inclusive=True)},
+    "replay_failed": {"workflow": _selection, "since": _selection, "where": _selection, "from_node": _node,
+                      "limit": _int_between(1, 1000)},
+    "find_run": {"workflow": _selection, "since": _selection, "where": _selection, "limit": _int_between(1, 1000)},
+}
+for _checks in RUNBOOK_CHECKS.values():
+    _checks["confirm"] = _boolean
+
 #: Per notebook, each parameter's check (the notebooks' parameters cells declare them).
 CHECKS: dict[str, dict[str, Check]] = {
     "active_tasks": {"top_n": _int_between(1, 1000), "oldest_limit": _int_between(1, 1000),
@@ -86,6 +134,7 @@ CHECKS: dict[str, dict[str, Check]] = {
                         "projection_months": _int_between(0, 60)},
     "retention_dry_run": {"cutoff": _cutoff, "exact_rows": _boolean},
     "run_investigation": {"run_id": _run_id, "where": _where, "archive_dir": _directory},
+    **RUNBOOK_CHECKS,
 }
 
 

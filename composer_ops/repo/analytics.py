@@ -255,6 +255,21 @@ def webhooks_failing(conn: Conn, attempts: int) -> Row:
     return tuple(row)
 
 
+FAILING_DELIVERIES_SQL = """
+    SELECT id, run_id::text, url, attempts, last_status, last_error, next_attempt_at, created_at
+      FROM webhook_deliveries
+     WHERE delivered_at IS NULL AND gave_up_at IS NULL AND attempts >= %(attempts)s
+     ORDER BY created_at, id
+     LIMIT %(limit)s
+"""
+
+
+def failing_deliveries(conn: Conn, attempts: int, limit: int) -> list[Row]:
+    """The deliveries :func:`webhooks_failing` counts, oldest first, at most ``limit``:
+    id, run, url, attempts, last status, last error, next attempt, created."""
+    return [tuple(r) for r in conn.execute(FAILING_DELIVERIES_SQL.encode(), {"attempts": attempts, "limit": limit})]
+
+
 # -- one run -----------------------------------------------------------------------
 
 # The partition the row is read from; on Citus that is a shard of it, named after the

@@ -25,6 +25,14 @@ ACTIONS = ("partitions archive", "partitions drop", "partitions detach", "partit
 __all__ = ["ACTIONS", "Actor", "commands", "of_request", "operator_note", "recent", "record", "require_record"]
 
 
+def can_record(conn: Conn) -> tuple[bool, str]:
+    """Whether the session's role may write audit rows (every operator action writes
+    one, so a role that cannot is read-only for operator actions), and its name."""
+    row = conn.execute("SELECT has_table_privilege('operator_audit', 'INSERT'), current_user::text").fetchone()
+    assert row is not None
+    return bool(row[0]), str(row[1])
+
+
 def operator_note(action: str, actor: Actor | None) -> dict[str, Any]:
     """What a run's history says of the operator action ``action`` that changed it
     (the audit row, whose ``request`` the history row shares, has the rest)."""
@@ -80,7 +88,7 @@ def recent(conn: Conn, *, since: datetime | None = None, limit: int = 200,
          LIMIT %(limit)s""", {"since": since, "actions": actions, "limit": limit})
 
 
-#: What a row's command is: the id the command wrote (V022), else its request without
+#: What a row's command is: the id the command wrote (sql/V001), else its request without
 #: the ``:chunk``/``:month`` suffix the engine adds per transaction, else the row alone.
 _COMMAND_KEY = "COALESCE(command_id, split_part(request, ':', 1), 'row ' || id)"
 

@@ -260,7 +260,7 @@ class AuditRow:
     login_role: str
     db_role: str
     request: str | None
-    command_id: str | None = None      # shared by every row one command wrote (V022)
+    command_id: str | None = None      # shared by every row one command wrote (sql/V001)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -398,4 +398,31 @@ def expected_figures(info: SeedInfo) -> dict[str, dict[str, Any]]:
             "anomalies": [f"task for a node not in its definition: run {info.story_run}, node legacy_audit"],
             "self_checks_failed": [],
         },
+        **runbook_figures(info),
+    }
+
+
+def runbook_figures(info: SeedInfo) -> dict[str, dict[str, Any]]:
+    """The figures each runbook (notebooks/runbooks/) must show for :func:`seed`'s content
+    with its default parameters, diagnosing and planning only (``confirm=False``)."""
+    runs = info.runs
+    dry: dict[str, Any] = {"confirm": False, "acted": False, "refused": None, "did": []}
+    lost = sorted([runs["L2"], runs["L7"]])          # worker-b's leases, both expired
+    tables = ("workflow_runs", "task_instances", "workflow_events", "run_history")
+    return {
+        "sweeper_lag": {"alert": True, "expired": lost, "suspect_dead": ["worker-b"], "plan": lost, "act": dry},
+        "dead_worker": {"dead": [], "suspect_dead": ["worker-b"], "plan": lost, "act": dry},
+        "partitions_ahead": {"alert": False, "months_ahead": dict.fromkeys(tables, 3), "plan": [], "act": dry},
+        # L8's charge (payments) and L6's extract_b (reports) are ready; the seed registers no worker.
+        "outbox_ready": {"alert": True, "plan": {"payments": 0, "reports": 0}, "act": dry},
+        "retention_blocked": {"alert": True, "blocked": {"202502": [runs["H6"]], "202504": [runs["H12"]]},
+                              "plan": sorted([runs["H6"], runs["H12"]]), "act": dry},
+        "long_waits": {"alert": True, "waits": [[runs["H6"], "delivered", "delivered"]], "total": 1, "plan": [],
+                       "act": dry},
+        "failing_webhooks": {"alert": False, "failing": [], "plan": [], "act": dry},
+        "replay_lag": {"alert": False, "standby": False, "plan": [], "act": dry},
+        # The seed's FAILED runs (H7, H9) are from 2025: none in the default window of 7 days.
+        "replay_failed": {"failed": [], "plan": [], "act": dry},
+        # 21 runs, the newest by run ID is L9 (the current month's IDs are its first instant + k s).
+        "find_run": {"found": 20, "newest": runs["L9"], "act": dry},
     }

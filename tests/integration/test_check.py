@@ -111,3 +111,71 @@ def test_check_help_shows_every_threshold_with_its_variable(capsys: pytest.Captu
                          ("COMPOSER_CHECK_LONG_WAIT_H", "24"), ("COMPOSER_CHECK_WEBHOOK_ATTEMPTS", "3")):
         assert f"[env: {env}] (default: {default})" in text, env
     assert "COMPOSER_CHECK_PROMETHEUS" in text
+
+
+RUNBOOKS = {"composer_replay_lag_seconds": "replay_lag", "composer_partitions_months_ahead": "partitions_ahead",
+            "composer_sweeper_lag_seconds": "sweeper_lag", "composer_outbox_oldest_ready_seconds": "outbox_ready",
+            "composer_retention_blocked_months": "retention_blocked",
+            "composer_long_waits_without_timeout": "long_waits",
+            "composer_webhook_deliveries_failing": "failing_webhooks"}
+
+
+def test_every_check_names_its_runbook(db_url: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from composer_ops.runbooks import catalogue
+
+    seed_committed(db_url)
+    prom = tmp_path / "composer.prom"
+    assert main(["check", "--json", "--database-url", db_url, "--prometheus", str(prom)]) == 1
+    doc = json.loads(capsys.readouterr().out)
+    assert {c["metric"]: c["runbook"] for c in doc["checks"]} == RUNBOOKS
+    assert set(RUNBOOKS.values()) <= set(catalogue.names())     # each is a runbook that exists
+    labels = {}
+    for family in text_string_to_metric_families(prom.read_text(encoding="utf-8")):
+        for sample in family.samples:
+            if sample.name == "composer_check_alert":
+                labels[sample.labels["check"]] = sample.labels["runbook"]
+    assert labels == RUNBOOKS
+    assert main(["check", "--database-url", db_url]) == 1
+    lines = capsys.readouterr().out.splitlines()
+    for i, line in enumerate(lines):
+        if line.startswith("ALERT"):
+            name = line.split(":")[0].removeprefix("ALERT").strip()
+            metric = next(c["metric"] for c in doc["checks"] if c["name"] == name)
+            assert lines[i + 1].strip() == f"runbook: composer-ops runbook {RUNBOOKS[metric]}"
+
+
+def test_an_unreachable_database_says_so_in_the_textfile_and_the_json(
+        db_url: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    prom = tmp_path / "composer.prom"
+    assert main(["check", "--database-url", db_url, "--prometheus", str(prom)]) == 0
+    assert _samples(prom)[("composer_check_healthy", "")] == 1.0
+    capsys.readouterr()
+    code = main(["check", "--json", "--database-url", "postgresql://nobody@/nowhere?host=/nonexistent",
+                 "--prometheus", str(prom)])
+    captured = capsys.readouterr()
+    assert code == 1 and captured.err.count("\n") == 1 and "cannot connect" in captured.err
+    doc = json.loads(captured.out)
+    assert doc["healthy"] is False and doc["up"] is False and doc["checks"] == []
+    assert doc["error"]["kind"] == "unavailable" and "cannot connect" in doc["error"]["message"]
+    samples = _samples(prom)
+    # The last good run's figures are gone: only "down" is left to alert on.
+    assert samples == {("composer_check_up", ""): 0.0, ("composer_check_healthy", ""): 0.0}
+
+
+def test_an_unwritable_prometheus_path_is_one_line_and_exit_2(db_url: str, tmp_path: Path,
+                                                              capsys: pytest.CaptureFixture[str]) -> None:
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory\n")
+    code = main(["check", "--database-url", db_url, "--prometheus", str(blocker / "composer.prom")])
+    captured = capsys.readouterr()
+    assert code == 2 and captured.err.count("\n") == 1 and captured.out == "", captured
+    assert f"--prometheus: directory {blocker}: cannot write there" in captured.err
+    assert ".tmp" not in captured.err and "Traceback" not in captured.err
+
+
+def test_check_help_says_it_never_starts_the_server(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(["check", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "started if it is not running" not in text
+    assert "which must be running (composer-ops db up)" in text

@@ -41,6 +41,7 @@ MIGRATIONS = sorted(p.relative_to(ROOT / "sql").as_posix() for p in (ROOT / "sql
 PLAIN_VERSIONS = sorted(int(p.name[1:].split("__")[0]) for p in (ROOT / "sql").glob("V*.sql"))
 PLAIN_REPEATABLE = sorted(p.name for p in (ROOT / "sql").glob("R__*.sql"))
 NOTEBOOKS = sorted(p.stem for p in (ROOT / "notebooks").glob("*.ipynb"))
+RUNBOOKS = sorted(p.stem for p in (ROOT / "notebooks" / "runbooks").glob("*.ipynb"))
 
 SPEC = {
     "id": "packaged", "name": "Installed from the package",
@@ -104,6 +105,7 @@ def test_the_wheel_holds_every_module_migration_and_notebook(dists: dict[str, Pa
     assert package <= names, sorted(package - names)
     assert {f"composer_ops/migrations/{m}" for m in MIGRATIONS} <= names
     assert {f"composer_ops/notebooks/{n}.ipynb" for n in NOTEBOOKS} <= names
+    assert RUNBOOKS and {f"composer_ops/notebooks/runbooks/{n}.ipynb" for n in RUNBOOKS} <= names
     assert "composer_ops/py.typed" in names
     with zipfile.ZipFile(dists["wheel"]) as whl:
         meta = whl.read(f"composer_ops-{__version__}.dist-info/METADATA").decode()
