@@ -40,7 +40,7 @@ def run(name: str, pairs: Sequence[tuple[str, str]], out_dir: Path, *, database_
     directory = catalogue.notebooks_dir()
     params = reports.resolve_parameters([name], list(pairs), directory, kind="runbook")
     reports.check_parameters(params, kind="runbook")
-    from composer_ops.engine.archive import check_directory
+    from composer_ops.files import check_directory
 
     check_directory(out_dir / catalogue.FOLDER / name, "--out: directory")   # one line, exit 2, before a kernel
     (result,) = reports.run_reports([name], params, out_dir / catalogue.FOLDER, database_url=database_url,
