@@ -109,8 +109,11 @@ COUNTS: Counter[str] = Counter()
 STEP_FAULTS = [Fault.DROP_BEFORE, Fault.LOSE_ACK, Fault.HOLD_COMMIT]
 faults = st.one_of(st.just(None), st.tuples(st.sampled_from(STEP_FAULTS), st.integers(1, 8))) \
     if FAULTS else st.just(None)
-#: a claim retried while its first attempt still runs returns nothing and leaves the task
-#: leased to no one (issue 31 item 5, branch h2-claim-select): held requests are not drawn for it
+#: A held claim is not drawn: the proxy holds an autocommit statement before the server
+#: sees it, so the first attempt runs only after its retry has committed, and may then
+#: lease a task no worker is told of (the residual case of docs/reliability.md, "claims";
+#: its lease expiry re-queues it). A claim still executing while its retry looks is
+#: waited for (tests/integration/test_claim_retry_waits.py).
 claim_faults = st.one_of(st.just(None), st.tuples(st.sampled_from(STEP_FAULTS[:2]), st.integers(1, 8))) \
     if FAULTS else st.just(None)
 

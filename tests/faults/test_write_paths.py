@@ -448,6 +448,14 @@ def _claimed_by_its_holder(b: Rig, run_id: str, result: Result) -> list[str]:
             problems.append(f"the claim returned attempt {c.attempt} but the task is {row}: "
                             "a handler would run an attempt it does not hold")
     if not claims:
+        if result.error is None:
+            # A claim that says it took nothing must not have taken it: a retry that looked
+            # while its first attempt was still committing, then returned [], left the task
+            # leased to a worker that was never told (issue 31, item 5).
+            row = b.sql("SELECT state, lease_owner FROM task_instances WHERE run_id = %s AND node_id = 'a'",
+                        (run_id,))[0]
+            if row == ("RUNNING", "w-proxied"):
+                problems.append("the claim returned nothing, but the task is RUNNING leased to its caller")
         # the lease lapses, a coordinator sweeps, a worker claims again
         expire_leases(b, run_id)
         b.direct.coordinator().run_once(TIMERS_AND_LEASES)
