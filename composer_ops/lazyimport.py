@@ -1,18 +1,10 @@
 """Defer one slow optional import that every report would otherwise pay for twice.
 
-``jsonschema`` (imported by ``nbformat``, which papermill, nbconvert and plotly's
-notebook renderers all import) runs ``from rfc3987_syntax import is_valid_syntax``
-at import time when that package is installed, and ``rfc3987_syntax`` compiles
-about 40 lark grammars as it loads: 1 to 1.5 s on this machine kind, in the
-``report`` process and again in each kernel. It is installed wherever JupyterLab is
-(``jupyter-events`` requires ``jsonschema[format-nongpl]``); upstream:
-python-jsonschema/jsonschema#1428.
-
-:func:`defer_rfc3987_syntax` puts a stand-in module under that name whose
-``is_valid_syntax`` imports the real package on its first call and delegates, and
-whose other attributes do the same. Nothing changes for a caller: ``iri`` formats
-are still checked, by the same code, the first time one is checked. Nothing we run
-checks one, so the grammars are never compiled.
+``jsonschema`` (imported through ``nbformat``) imports ``rfc3987_syntax`` when it is
+installed, which compiles about 40 lark grammars: 1 to 1.5 s in the ``report`` process
+and again in each kernel (python-jsonschema/jsonschema#1428).
+:func:`defer_rfc3987_syntax` installs a stand-in module that imports the real one on
+first use, so ``iri`` formats are still checked, by the same code, if anything checks one.
 """
 
 from __future__ import annotations

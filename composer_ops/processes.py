@@ -1,19 +1,15 @@
 """Real ``composer-ops worker`` and ``coordinator`` processes against one database.
 
-A :class:`Fleet` spawns them (each with its stderr in a log file of its own), SIGKILLs
-and replaces them, notices the ones that exit on their own, and stops them all
-(SIGTERM, then SIGKILL) at the end, printing the tail of any log that holds a
-traceback. ::
+A :class:`Fleet` spawns them (each logging to its own file), SIGKILLs and replaces them,
+notices the ones that exit on their own, and stops them all at the end, printing the
+tail of any log holding a traceback::
 
     with Fleet(db_url, app="myapp.workers:worker") as fleet:
         fleet.worker(concurrency=2)
         fleet.coordinator()
 
-The simulator's live traffic (:mod:`composer_ops.simulate.live`) and the test suite
-(:mod:`composer_ops.testing.processes`, whose fleet serves the test worker app) both
-run their processes through it. ``command`` chooses how ``composer-ops`` is started
-(this interpreter's ``-m composer_ops`` by default, or an installed ``composer-ops``
-script), so the same fleet drives a source tree and an installed package alike.
+The simulator's live traffic and the test suite use it; ``command`` runs either this
+interpreter's ``-m composer_ops`` or an installed ``composer-ops``.
 """
 
 from __future__ import annotations

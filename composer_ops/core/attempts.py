@@ -1,21 +1,11 @@
 """Every attempt of a run's tasks, read from its history.
 
-A task row keeps only its current attempt (a retry from a node even replaces the
-task), so the attempts before it exist only in the run's history: a ``claimed`` row
-opens an attempt (with the worker that took it), and the row that ends it says how:
-``completed``, ``failed`` or ``lease_expired`` (the lease of the worker that held it
-ran out; its row names that worker), each saying whether the task was re-queued. A
-worker that found its lease lost, or gave the attempt up at shutdown, writes
-``lease_lost``; it is kept as the attempt's note, since the sweeper's expiry (or the
-worker's own late report) is what ends it. A run cancelled while an attempt runs ends
-that attempt as ``cancelled``.
-
-An operator's retry (``retried``) runs nodes again as new tasks whose attempts count
-from 0 again; each attempt carries the run's retry generation it began in (0 before
-any retry, 1 after the first ...), so two attempts numbered alike are told apart.
-
-:class:`HistoryRow`, one row of that history, is declared here, in the pure core, so
-that the rule is typed on the row the repository returns (``repo.history`` builds it).
+A task row keeps only its current attempt, so earlier attempts exist only in the run's
+history: a ``claimed`` row opens an attempt and ``completed``, ``failed``,
+``lease_expired`` or ``cancelled`` ends it (``lease_lost`` is a note, not an end). An
+operator's retry (``retried``) numbers attempts from 0 again, so each attempt carries
+the retry generation it began in. :class:`HistoryRow` is declared here, in the pure
+core, so the rule is typed on the row ``repo.history`` returns.
 """
 
 from __future__ import annotations

@@ -1,18 +1,10 @@
 """``$.`` references in workflow definitions: parsing, walking templates, resolving.
 
-A *template* is any JSON value. Inside it, a string that starts with ``$.`` is a
-reference; every other string (including one that merely contains ``$`` later on)
-is a literal. References have three roots:
-
-- ``$.input`` and ``$.input.a.b``: the run's input;
-- ``$.config`` and ``$.config.x``: the definition's config;
-- ``$.nodes.<id>.output`` and ``$.nodes.<id>.output.a.b``: a completed node's output.
-
-Path segments are separated by ``.``; a segment made of digits indexes a list
-(``$.input.items.0.sku``). Resolution is total: a path that leads nowhere (missing
-key, index out of range, descending into a scalar, a node that did not complete)
-resolves to ``None`` rather than failing the node, because a TASK handler can
-judge a missing optional field far better than the engine can.
+Inside a template (any JSON value), a string starting with ``$.`` is a reference to
+``$.input...``, ``$.config...`` or ``$.nodes.<id>.output...``; every other string is a
+literal. Segments are separated by ``.``; a digits-only segment indexes a list.
+Resolution is total: a path that leads nowhere resolves to ``None`` rather than failing
+the node, because a TASK handler judges a missing optional field better than the engine.
 """
 
 from __future__ import annotations

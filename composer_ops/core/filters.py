@@ -1,20 +1,10 @@
-"""Which runs an operator means: the selector of ``runs list`` and ``runs cancel``.
+"""Which runs an operator means: the selector of ``runs list``, ``runs cancel`` and ``runs retry``.
 
-A :class:`RunFilter` names a workflow, statuses, a creation window and conditions on
-the run's input. The window is turned into run-ID bounds (a UUIDv7 sorts by its
-creation instant), which is what lets PostgreSQL skip the months outside it; the
-input conditions become one JSON document the input must contain (``@>``).
-
-The ``--where`` language, parsed by :func:`parse_where`::
-
-    input.customer=42                       the input has "customer": 42
-    input.customer.tier=gold                a bare word is a string: "gold"
-    input.order="A-17" and input.paid=true  conditions joined by "and"
-    input."shipping address".city="Lyon"    a quoted key holds any character
-
-A value is JSON (a number, a string in double quotes, true, false, null, an object or
-an array); anything else up to the next space is a string. Containment is JSON's:
-``input.tags=["a"]`` matches an input whose ``tags`` array holds ``"a"`` among others.
+A :class:`RunFilter` names a workflow, statuses, a creation window and conditions on the
+run's input. The window becomes run-ID bounds (a UUIDv7 sorts by its creation instant),
+so PostgreSQL skips the months outside it; the ``--where`` conditions
+(:func:`parse_where`: ``input.customer=42 and input.tier=gold``, values as JSON, a bare
+word a string) become one JSON document the input must contain (``@>``).
 """
 
 from __future__ import annotations

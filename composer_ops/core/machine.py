@@ -1,20 +1,11 @@
 """The pure state machine: given a run snapshot and one event, decide the actions.
 
-``decide`` performs no I/O of its own and never reads a clock: ``event.now`` is the
-database clock read in the event's transaction, and the only reads it makes go
-through the ``Store`` the shell passes in (task outputs, buffered signals), in the
-same transaction, under the run's row lock. The shell applies the returned actions
-in order and commits; every state change of a run therefore happens under its lock.
-
-Task claim is deliberately *not* an event here. A worker claims with one fenced SQL
-statement (delete the outbox row, move the task PENDING/QUEUED -> RUNNING with
-``lease_owner`` and ``lease_expires_at``, fenced on ``attempt``) that needs no
-decision and must not take the run lock on the hot path. The machine sees its
-effect in the next snapshot: a RUNNING task with a lease.
-
-Within one decision the machine works on an overlay of the snapshot, so readiness
-sees the states it decided earlier in the same call: a SWITCH created COMPLETED,
-the skip cascade behind it and the join after it are all settled in one event.
+``decide`` performs no I/O and never reads a clock: ``event.now`` is the database clock
+of the event's transaction, and its only reads go through the ``Store`` the shell
+passes in, under the run's row lock. The claim is not an event: it needs no decision
+and must not take the run lock (docs/architecture.md). Within one decision the machine
+works on an overlay of the snapshot, so a SWITCH, the skips behind it and the join
+after it settle in one event.
 """
 
 from __future__ import annotations

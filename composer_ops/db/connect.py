@@ -1,18 +1,11 @@
 """Where the database is, and connections and pools to it.
 
-Two ways to find the database, both preferring an explicit URL, then
-``COMPOSER_DATABASE_URL`` (a libpq URL):
-
-- :func:`find_url` only finds a server that is already running (the embedded one
-  under ``COMPOSER_HOME`` if it is up) and never starts one: what reading code uses
-  (notebooks, ``composer_ops.ops``, the CLI's read-only commands, :func:`connect`),
-  so a missing variable is a clear error instead of a new, empty server.
-- :func:`resolve_url` falls back to starting (or reusing) the embedded server: the
-  engine's documented default (``Engine.connect(url=None)``, migrations).
-
-Every connection made here is a translating :class:`~composer_ops.db.errors.Connection`:
-its driver errors arrive as ComposerErrors. Nothing here commits: callers own their
-transactions.
+Both lookups prefer an explicit URL, then ``COMPOSER_DATABASE_URL``. :func:`find_url`
+only finds a running server and never starts one (what reading code uses, so a missing
+variable is an error rather than a new, empty server); :func:`resolve_url` falls back
+to starting or reusing the embedded server (``Engine.connect(url=None)``, migrations).
+Every connection made here translates driver errors into ComposerErrors
+(:class:`~composer_ops.db.errors.Connection`); nothing here commits.
 """
 
 from __future__ import annotations

@@ -1,24 +1,12 @@
 """The one boundary where driver errors become ComposerErrors.
 
-Every connection composer_ops opens is a :class:`Connection` (``db.connect``, and
-the pools of ``db.make_pool`` use it too). It overrides psycopg's public API only:
-``connect``, ``cursor``, ``commit``, ``rollback``, ``transaction`` (its BEGIN and the
-COMMIT at the end of the block), ``pipeline``, ``notifies`` and the session settings
-(``autocommit`` and the others, attribute or method); the cursors it makes
-(:class:`Cursor`, :class:`ServerCursor`) override ``execute``, ``executemany``,
-``stream``, ``copy`` (with the writes and reads of its block), the fetches and
-iteration. Each re-raises a driver error as a ComposerError, keeping the driver's error
-as ``__cause__``; the pool's own errors (no connection free within the timeout, a
-closed pool) are translated the same way, so code above the ``db`` package never sees
-a psycopg error and never translates one. A cursor class built around the connection
-by hand (``psycopg.Cursor(conn)``) is outside the boundary.
-
-Reading rows already received raises psycopg's own error for a misuse (fetching from
-a statement that returned no rows, a closed cursor): a bug of the caller, left as it is.
-
+Every connection composer_ops opens, pooled or not, is a :class:`Connection`, which
+overrides psycopg's public API only (connect, cursors, transactions, pipelines, notifies,
+session settings, and its cursors' execute, copy, stream and fetches) and re-raises each
+driver error as a ComposerError with the driver's error as ``__cause__``; the pool's own
+errors are translated too, so no code above ``db`` sees or translates a psycopg error.
 :class:`~composer_ops.errors.Transient` marks exactly the errors a retry of the whole
-transaction can cure (:func:`is_transient`); ``db_retry`` retries those and nothing
-else.
+transaction can cure (:func:`is_transient`); ``db_retry`` retries those only.
 """
 
 from __future__ import annotations

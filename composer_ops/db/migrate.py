@@ -1,31 +1,12 @@
 """Apply the migrations of ``sql/``: the ``V*.sql`` files in order, then the ``R__*.sql`` files.
 
-The files ship inside the package as ``composer_ops.migrations`` (built from sql/) and
-are read through ``importlib.resources``, so an installed wheel migrates as the source
-tree does. Everything runs under one advisory lock: two migrators at once, the second
-waits for the lock, then finds nothing to do.
-
-``V<NNN>__<name>.sql`` (tables, columns, indexes, roles, grants): each applied once, in
-version order, in its own transaction, and recorded in ``schema_migrations`` with a
-SHA-256 checksum; a file that changed after it was applied is refused (``Invalid``),
-never silently re-run. ``R__<name>.sql`` (repeatable: the current body of every SQL
-function): applied after the V files, all of them in name order in one transaction,
-whenever one of them is new or changed since it was recorded or a V file was applied
-in this run (a V file may drop or alter what a function relies on; on a database
-converted to Citus, the functions' Citus settings are applied then). Each is written to
-be run again (CREATE OR REPLACE, its grants repeated).
-
-On a Citus database (the ``citus`` extension is installed in it, or ``citus=True``) the
-files of ``sql/citus/`` join the series: a V version found only there runs on Citus only
-(the distribution of the tables), and a file found in both directories under the same
-name runs the ``sql/citus/`` one instead of the plain one. Versions are one sequence
-across both directories. Citus-only R files run after the plain ones, so they may
-replace a function's body there. A single-server database migrated earlier is converted
-by migrating it again once the extension and its worker nodes are set up
-(docs/scaling.md): the Citus-only versions it lacks are applied then.
-
-A database built by the pre-release migrations (before the squash into the V001
-baseline of 0.1.0) is refused with one line saying it must be re-created.
+Under one advisory lock: each pending ``V<NNN>__<name>.sql`` (tables, indexes, roles,
+grants) once, in its own transaction, recorded in ``schema_migrations`` with a checksum
+(a changed applied file is refused, never re-run); then, when a V file was applied or an
+R file is new or changed, every ``R__<name>.sql`` (the current body of every SQL
+function) in name order in one transaction. On Citus, ``sql/citus/`` joins the series
+(its R files run after the plain ones). Files ship as ``composer_ops.migrations``. A
+database built by the pre-release migrations is refused with one line: re-create it.
 """
 
 from __future__ import annotations

@@ -1,25 +1,12 @@
 """Partition archives: a month of the run tables as Parquet files plus a manifest,
 verified by reading them back, and restored with COPY.
 
-Layout of an archive directory::
-
-    DIR/202501/manifest.json            month, bounds, schema version, and per table:
-                                        file, rows, SHA-256 of the file, SHA-256 of the
-                                        content, the database's fingerprint, columns
-    DIR/202501/workflow_runs.parquet    one file per run table (zstd), rows in key order
-    DIR/202501/task_instances.parquet
-    ...
-
-A month is exported in one REPEATABLE READ transaction, so every file and every
-fingerprint describes the same snapshot. Files are written into a hidden directory
-beside the target, verified there (every file re-read: its bytes against the recorded
-SHA-256, its rows against the content hash computed while the rows streamed out of the
-database), and only then moved into place: a crash leaves a ``.YYYYMM.partial-*``
-directory, never a manifest over missing or short files.
-
-Column types: text, integers, booleans, floats, ``timestamptz`` (as UTC microsecond
-timestamps) and ``text[]`` are stored natively; JSON and every other type as the text
-PostgreSQL prints (JSON exactly as stored), which COPY parses back unchanged.
+``DIR/YYYYMM/`` holds one Parquet file per run table and ``manifest.json`` (bounds,
+schema version, and per table rows, file and content SHA-256 and the database's
+fingerprint). A month is exported in one REPEATABLE READ snapshot into a hidden
+directory, every file re-read and checked there, and only then moved into place, so a
+crash never leaves a manifest over short files. JSON and other non-native types are
+stored as the text PostgreSQL prints, which COPY parses back unchanged.
 """
 
 from __future__ import annotations

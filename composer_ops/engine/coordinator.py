@@ -1,17 +1,11 @@
 """The coordinator's background loops (``composer-ops coordinator``).
 
-- timers: WAITING tasks whose wake_at passed (WAIT timers, WAIT_FOR_EVENT timeouts);
-- lease sweeper: RUNNING tasks whose lease lapsed -> retry or fail;
-  both look only at the months from the active floor on (the month of the oldest run
-  with an active task, read again every ``floor_every_s``), so their cost does not grow
-  with the months of finished history retained;
-- partition upkeep: ensure months ahead (hourly);
-- webhook relay: POST finished runs; delete deliveries finished more than N days ago;
-- retention (optional): drop months older than a cut-off, via the same plan as the CLI.
-
-Every decision goes through the shell under the run lock, and every candidate is
-re-checked there, so any number of coordinators can run at once: a wait or lease
-found by two of them is applied by one and is stale for the other.
+Timers (due WAIT and WAIT_FOR_EVENT tasks) and the lease sweeper read only the months
+from the active floor on (the oldest run with an active task); partition upkeep ensures
+months ahead hourly; the webhook relay POSTs and prunes deliveries; retention
+(optional) follows the CLI's plan. Every decision goes through the shell under the run
+lock and re-checks its candidate there, so any number of coordinators can run at once:
+what two of them find is applied by one and stale for the other.
 """
 
 from __future__ import annotations

@@ -1,19 +1,12 @@
-"""The retention drop: the one function ``composer-ops partitions drop --yes``, the
-coordinator's optional retention call.
+"""The retention drop: ``composer-ops partitions drop --yes`` and the coordinator's
+optional retention.
 
-Each attempt is one transaction with ``lock_timeout`` set, so no LOCK, DROP or
-DETACH waits in a lock queue long enough to stall the engine behind it: past the
-timeout the attempt rolls back and is tried again after a jittered backoff. Inside
-the attempt, under the partition advisory lock, every month the plan would drop is
-locked first and the plan is read again under those locks; that plan is the one
-reported, and the drop must agree with it exactly (a month that became droppable in
-between makes the attempt start over). Months that ended less than the run-ID age
-limit ago are never judged: a client may still start a run in them.
-
-A request carries an id written with what it dropped, in the same transaction: an
-attempt whose COMMIT acknowledgement was lost (or whose COMMIT is still under way) is
-recognised by the retry, which takes the partition advisory lock before it looks for
-that record, and reports what was dropped instead of "nothing to drop".
+Each attempt is one transaction with ``lock_timeout`` set, retried after a jittered
+backoff, so no DROP waits long enough to stall the engine. Under the partition advisory
+lock it locks every month the plan would drop, then reads the plan again under those
+locks and drops exactly that. Each drop is recorded with its request ID in the same
+transaction; a retry takes the advisory lock before it looks for that record, so a
+first attempt still committing is waited for and reported, not dropped twice.
 """
 
 from __future__ import annotations

@@ -1,23 +1,12 @@
 """Retention one month at a time, keeping the month: ``partitions drop --archive DIR``
-(archive each month, drop it only once its archive verified) and ``partitions
-detach`` (keep the month as standalone tables instead of dropping it).
+(drop a month only once its archive verified) and ``partitions detach``.
 
-The months are the retention plan's (``composer_retention_plan``, the one
-``partitions drop`` follows), oldest first. For each: the archive is written and
-verified (:func:`composer_ops.engine.archive.export_month`) without any lock beyond
-a reader's; then one transaction, with ``lock_timeout`` set, takes the partition
-advisory lock and the month's partitions (SHARE: no writer, readers go on), judges
-the month again under those locks, checks that its rows are still the ones archived
-(the database's fingerprint of every table against the manifest: one scan of each
-partition while the locks are held), then takes the run tables and the month's
-partitions in ACCESS EXCLUSIVE mode, in that order (the order every reader of a run
-table takes them in), drops or detaches it and writes the audit row. A month whose
-archive did not verify, or whose rows changed after it was archived, is not dropped
-and stops the command: the months before it stay dropped, the ones after it are left
-for the next run. Each month's transaction carries a request ID: retried after its
-connection was lost, it takes the partition advisory lock first and then finds its
-own audit row if the earlier attempt committed, and reports what that attempt did.
-Detach is refused on Citus (:data:`CITUS_DETACH_REFUSED`).
+Months are the retention plan's, oldest first. Each is archived and verified without a
+writer's lock; then one transaction with ``lock_timeout`` takes the partition advisory
+lock and the month's partitions, judges the month again, checks its rows against the
+archive's fingerprints, drops or detaches it and writes the audit row. A month that
+fails a check stops the command. A retry takes the advisory lock first, then finds its
+own audit row. Detach is refused on Citus (:data:`CITUS_DETACH_REFUSED`).
 """
 
 from __future__ import annotations

@@ -1,20 +1,12 @@
 """The shell around the pure state machine: one transaction per event.
 
-For each event: open a transaction, LoadRun (the run's row lock, and the database
-clock in the same statement), ask the machine, apply its actions through the
-repository, commit. A fenced update that matches zero rows means something changed
-the task outside the engine: the transaction is rolled back, never committed with a
-decision based on a wrong snapshot. Transient database errors retry the whole event.
-
-Each event is recorded in the run's history in the same transaction, under the
-event's :class:`~composer_ops.engine.requests.Request`. A retry of the event first
-looks, under the run lock, for its request's rows: found, the earlier attempt
-committed and the retry returns its outcome (``Outcome.replayed``) without deciding
-again. The row recording the event carries what the caller needs back: whether the
-event finished the run, whether a signal was refused.
-
-Cancelling tasks deletes their outbox rows before updating the tasks, the order the
-claim takes them in (see ``repo.outbox``).
+For each event: lock and load the run (with the database clock), ask the machine, apply
+its actions through the repository, commit. A fenced update that matches no row rolls
+the event back; transient errors retry it whole. Each event is recorded in the run's
+history under its :class:`~composer_ops.engine.requests.Request`; a retry first looks,
+under the run lock, for its request's rows and, when the earlier attempt committed,
+returns its outcome (``Outcome.replayed``). Cancelling tasks deletes their outbox rows
+before updating the tasks, the claim's lock order.
 """
 
 from __future__ import annotations

@@ -1,19 +1,11 @@
 """Webhook relay: POST the finished run as JSON, at least once.
 
-Deliveries are rows written in the transaction that finished the run. The relay
-takes due rows (pushing their next attempt ahead as a lease), POSTs outside any
-transaction, then records success or schedules a retry with capped exponential
-backoff. A slow or failing endpoint delays only its own deliveries.
-
-Each POST is bounded: a connect timeout, a read timeout per socket read, a deadline
-for the whole exchange (a server dripping bytes cannot hold the relay), and at most
-``max_response_bytes`` of the response are read. Redirects are not followed. The URL
-is checked again at relay time (the row may predate today's validation): anything
-but http(s) with a host, or a URL carrying credentials, is given up at once.
-
-Signature: with ``COMPOSER_WEBHOOK_SECRET`` set, ``X-Composer-Signature`` is
-``t=<unix seconds>,v1=<hex HMAC-SHA256 of "<t>.<body>">``; receivers recompute it and
-reject stale timestamps, which stops replays. The secret is never logged.
+Deliveries are rows written in the transaction that finished the run. The relay leases
+due rows, POSTs outside any transaction and records each POST as it ends, retrying with
+capped backoff, so a slow endpoint delays only its own deliveries. Each POST is bounded
+(connect and read timeouts, a deadline, a response size cap, no redirects) and its URL
+checked again. With ``COMPOSER_WEBHOOK_SECRET``, ``X-Composer-Signature`` is
+``t=<unix seconds>,v1=<hex HMAC-SHA256 of "<t>.<body>">`` (docs/security.md).
 """
 
 from __future__ import annotations

@@ -1,29 +1,13 @@
 """``Worker``: runs task handlers for the queues it serves.
 
-The thread that calls ``run()`` claims tasks (one statement each batch) whenever a
-slot is free and hands them to ``concurrency`` handler threads. While a handler runs,
-a heartbeat extends its lease every third of the lease; if the lease is lost the
-handler's result will be dropped as stale (the fenced completion refuses it). A claim
-that gets less than it has room for registers the worker as idle, and it sleeps on
-LISTEN: a dispatch wakes one registered worker per task on its own channel (and, with
-too few registered, every worker on the shared one; see ``outbox.enqueue``), with
-polling as the fallback, which also picks up retries whose backoff has passed. A
-worker woken only on its own channel claims one task per wake-up, so it does not take
-the tasks another woken worker is about to claim; told on the shared channel, after a
-poll interval, or when a slot frees after a claim that filled its slots, it claims as
-many as it has room for.
-
-Everything the worker tracks about a running handler is keyed by its attempt
-(task id and attempt number): one worker can hold a late attempt of a task and the
-current one at once (the late one's lease lapsed and the task came back to it), and
-one finishing must not touch the other.
-
-``run()`` installs no signal handlers: the CLI entry point does (and restores them).
-After ``stop()`` it waits for the handlers in flight, at most ``shutdown_timeout``
-seconds; a handler still running then is abandoned: its lease is no longer extended,
-so another worker takes the task once the lease lapses, and ``run()`` raises
-:class:`~composer_ops.errors.ShutdownTimeout` naming the abandoned attempts. Handler
-threads are daemon threads, so a hung handler cannot keep the process alive.
+The ``run()`` thread claims tasks whenever a slot is free and hands them to
+``concurrency`` handler threads, each lease extended by heartbeats; a handler whose
+lease is lost has its result dropped as stale. An idle worker registers and sleeps on
+LISTEN (woken on its own channel it claims one task; otherwise as many as it has room
+for), polling as the fallback. Everything about a running handler is keyed by its
+attempt, so a late attempt finishing cannot touch the current one. ``run()`` installs
+no signal handlers; after ``stop()`` it waits at most ``shutdown_timeout`` seconds,
+then abandons what still runs and raises :class:`~composer_ops.errors.ShutdownTimeout`.
 """
 
 from __future__ import annotations

@@ -1,17 +1,11 @@
 """Plotly figures for the ops DataFrames, so the notebooks only call, show and explain.
 
-Time axes carry UTC wall-clock text ("2025-03-16 12:00:35"), never epoch numbers or
-offsets: plotly.js draws such text as given, so every browser shows the same instant
-whatever its time zone, and every time axis says "(UTC)". Byte axes are scaled to
-one IEC unit (KiB, MiB, GiB) named in the axis title; counts are plain numbers
-("1,200,000", never "1.2M"); tooltips use the tables' units.
-
-Figures are built with ``plotly.graph_objects`` from polars columns directly (no
-pandas, no ``plotly.express``: together they cost a report's kernel about half a
-second before the first figure). :func:`setup` makes ``fig.show()`` emit only
-plotly's JSON mimetype: JupyterLab and VS Code draw it, the executed notebook stays
-small, and :func:`composer_ops.reports.render_html` turns it into a self-contained
-page with plotly.js embedded once.
+Time axes carry UTC wall-clock text, so every browser shows the same instant, and say
+"(UTC)"; byte axes use one IEC unit named in the title; counts are plain numbers.
+Figures are built with ``plotly.graph_objects`` from polars columns (no pandas, no
+``plotly.express``: half a second of a kernel's start). :func:`setup` makes
+``fig.show()`` emit plotly's JSON mimetype only, which
+:func:`composer_ops.reports.render_html` embeds in a self-contained page.
 """
 
 from __future__ import annotations

@@ -1,16 +1,10 @@
 """What the notebooks show besides charts: tables, units, anomalies, self-checks, key figures.
 
-Tables are interactive HTML (itables, offline: DataTables is embedded once in the
-notebook by :func:`setup`, so a report needs no network): sortable, searchable and
-paged when long, with full copyable run IDs, IEC byte units, humanised durations,
-UTC timestamps, and a plain "none" when empty. A column's kind follows from its
-name: ``*bytes`` are bytes, ``*_s`` seconds, ``*_at`` and datetime columns instants,
-``*run_id*`` run IDs; sorting uses the underlying numbers, not the text shown.
-
-Every notebook ends with a cell tagged ``key-figures`` that prints its key figures
-(counts, months, run IDs) as canonical JSON through :func:`show_key_figures`. A
-report leaves that cell out of its HTML page; the notebook harness compares its
-output with the figures the seeded test database must produce
+Tables are interactive offline HTML (itables, DataTables embedded once by :func:`setup`)
+with units chosen by column name (``*bytes``, ``*_s``, ``*_at``, ``*run_id*``) and
+sorting on the underlying numbers. Every notebook ends with a ``key-figures`` cell
+(:func:`show_key_figures`, canonical JSON), left out of the HTML report and compared by
+the notebook harness with what the seeded test database must produce
 (:mod:`composer_ops.testing.checks`).
 """
 

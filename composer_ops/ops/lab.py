@@ -1,17 +1,10 @@
 """JupyterLab on the operations notebooks without their outputs ever reaching git.
 
-``make lab`` starts JupyterLab with :func:`strip_outputs` as the contents manager's
-pre-save hook: opening a notebook marks it modified and autosave writes it, so every
-save (manual or automatic) writes the notebook without outputs and execution
-counts. The stored notebooks stay templates; run one as a report
-(``composer-ops report NAME``) to keep what it showed.
-
-The stored notebooks are in the form such a save writes (nbformat's JSON: keys
-sorted, one space of indent), and the hook drops what a kernel session adds (the
-kernel's full ``language_info``, cells' execution timing), so saving a notebook that
-was opened, run and not edited leaves its file byte for byte as it was.
-:func:`normalise` (``python -m composer_ops.ops.lab FILE...``) writes a notebook in
-that form.
+``make lab`` installs :func:`strip_outputs` as the contents manager's pre-save hook, so
+every save (manual or autosave) writes the notebook without outputs, execution counts or
+kernel session details, in the form the stored notebooks are in: saving a notebook that
+was run but not edited leaves its file byte for byte as it was. :func:`normalise`
+(``python -m composer_ops.ops.lab FILE...``) writes a notebook in that form.
 """
 
 from __future__ import annotations

@@ -1,17 +1,11 @@
 """Read-only statements behind the operations analytics (:mod:`composer_ops.ops`).
 
-Each function takes the connection to run on and returns plain row tuples in the
-column order its docstring names; :mod:`composer_ops.ops` turns them into typed
-DataFrames. Nothing here writes.
-
-Task queries filter on the active states or on ``state = 'RUNNING'``, written out as
-literals because those are the predicates of the partial indexes on
-``task_instances`` (a parameter would hide them from the planner); the cost then
-follows the live work, not the history. Run-scoped queries filter on the run ID,
-so each touches one monthly partition. Ages and expiries are measured with the
-database clock, read once per query (:mod:`composer_ops.repo.clock`) and passed in as
-``%(now)s``: a query over several Citus shards would otherwise evaluate ``now()`` once
-per shard, and its ages would not agree with each other.
+Each function returns plain row tuples in the column order its docstring names. Task
+queries write the active states or ``state = 'RUNNING'`` as literals, the predicates of
+the partial indexes on ``task_instances``, so their cost follows the live work, not the
+history; run-scoped queries filter on the run ID (one partition). Ages use the database
+clock read once per query (:mod:`composer_ops.repo.clock`), so they agree across Citus
+shards.
 """
 
 from __future__ import annotations

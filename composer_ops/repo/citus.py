@@ -1,22 +1,11 @@
 """The statements a Citus deployment runs in place of the single-server ones.
 
-On Citus (sql/citus/V002, docs/scaling.md) the run tables are distributed by run ID
-and the outbox stays a plain table on the coordinator. Every other statement of the
-repository runs unchanged on both deployments; this module holds the exceptions, each
-with the reason it differs:
-
-- :func:`claim`: the single-server claim is one statement joining the outbox and the
-  tasks, which Citus cannot run (an UPDATE of a distributed table from a local one, and
-  ``now()`` plus a column in its SET). Here it is one transaction: the outbox rows are
-  locked on the coordinator, then each task is claimed by a statement routed to its
-  shard. It also copes with what two-phase commit makes possible: a transaction that
-  creates a task and its outbox row commits on the coordinator first, so for a moment
-  a claimer can see the outbox row while the task row is not visible yet, or (a
-  re-queue moves the same row to its next attempt) still visible at the attempt before.
-  Such a row is left in the outbox for a later claim (deleting it, as the single-server
-  claim does with a row whose task is no longer PENDING, would lose the task for ever).
-
-:func:`is_citus` says which deployment a connection is on.
+On Citus (sql/citus/V002, docs/scaling.md) the run tables are distributed by run ID and
+the outbox stays on the coordinator. :func:`claim` is one transaction, not one
+statement: the outbox rows are locked on the coordinator, then each task is claimed on
+its shard. Because two-phase commit commits the coordinator first, an outbox row whose
+task is not visible yet (or still at its earlier attempt) is left for a later claim,
+never deleted. :func:`is_citus` says which deployment a connection is on.
 """
 
 from __future__ import annotations

@@ -1,24 +1,12 @@
 """The dispatch outbox: written with the task in one transaction, claimed by workers.
 
-The claim is one statement, a call of ``composer_claim`` (sql/R__claim.sql): it first
-takes an advisory lock on its claim ID, which a retry of the same claim waits for
-(:func:`lock_claim`), then deletes the
-oldest available outbox rows of the worker's queues (FOR UPDATE SKIP LOCKED, so
-claimers never wait on each other), moves the matching tasks to RUNNING with a lease,
-fenced on attempt, and writes a 'claimed' row to each run's history marked with the
-claim's ID. The task update names the claimed run IDs as constants, so it plans and
-locks only their months' partitions, however many months are retained. An outbox row
-whose task is no longer PENDING (cancelled, already finished) or whose run was
-soft-deleted is deleted and yields nothing.
-
-Lock order: a transaction that touches both a task and its outbox row locks the
-outbox row first. The claim does (its DELETE feeds its UPDATE), and so does the
-shell when it cancels tasks (:func:`delete_for_tasks` before ``tasks.cancel_tasks``),
-so the two can wait for each other but never deadlock. Writing a new outbox row
-locks no existing one (a task gets a new dispatch only when it has none). The idle
-workers' registrations (``task_waiters``) are taken by a dispatch with SKIP LOCKED,
-never waited for; a claim writes its own registration before it locks anything else,
-so when it waits there for a dispatch to commit, it holds nothing that dispatch needs.
+The claim is one call of ``composer_claim`` (sql/R__claim.sql): an advisory lock on its
+claim ID (which a retry waits for, :func:`lock_claim`), then the oldest available rows of
+its queues deleted FOR UPDATE SKIP LOCKED, their tasks moved to RUNNING with a lease,
+fenced on attempt, and a 'claimed' history row each. Lock order: a transaction touching
+a task and its outbox row locks the outbox row first (the claim, and the shell when it
+cancels tasks), so the two never deadlock. Idle workers' registrations are taken by a
+dispatch with SKIP LOCKED and written by a claim before it locks anything else.
 """
 
 from __future__ import annotations

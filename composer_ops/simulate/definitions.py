@@ -1,21 +1,11 @@
 """The four workflows the simulator deploys, their inputs and their signal plans.
 
-- ``order-fulfilment``: charge and an optional fraud check in parallel, a join, a
-  SWITCH on the customer tier (express or standard shipping; the other branch is
-  SKIPPED), a WAIT after the shipping join, a WAIT_FOR_EVENT for the carrier's
-  ``delivered`` scan (no timeout: a parcel the carrier never scans leaves the run
-  waiting for ever, which is what an on-call engineer gets asked about), a notify;
-- ``nightly-batch``: extract, fan out to six shard transforms, fan in to a merge,
-  publish;
-- ``expense-approval``: submit, WAIT_FOR_EVENT ``approved`` with a timeout (the run
-  fails when no manager answers), a SWITCH on the decision, payout or rejection
-  notice, a join that archives;
-- ``payment-reminder``: send an invoice, WAIT ``until`` the instant in the run's input,
-  check whether it was paid, SWITCH to close it or send a reminder.
-
-Every TASK node passes ``$.input.sim`` on to its handler: the seed and run key from
-which the handler draws its behaviour (see :mod:`composer_ops.simulate.model`).
-Durations in the definitions are multiplied by ``time_scale``.
+``order-fulfilment`` (parallel charge and fraud check, a SWITCH on the tier, a carrier
+scan awaited without a timeout), ``nightly-batch`` (a fan-out of six shards and a merge),
+``expense-approval`` (an approval with a timeout, then a SWITCH) and
+``payment-reminder`` (a WAIT ``until`` an instant of the input). Every TASK passes
+``$.input.sim`` (the seed and run key) to its handler, which draws its behaviour from it
+(:mod:`composer_ops.simulate.model`); durations are multiplied by ``time_scale``.
 """
 
 from __future__ import annotations

@@ -1,18 +1,10 @@
 """The simulator's worker: ``composer-ops worker --app composer_ops.simulate.handlers:make_worker``.
 
-Every handler draws its attempt from the behaviour model, seeded by the ``sim``
-object the definitions pass in each task's input (the simulation seed and the
-run's key) plus the node and attempt, so one seed replays the same durations,
-failures and outputs whichever worker process picks the task up. An attempt drawn to
-fail in a run an operator retried (``composer-ops runs retry``) draws again with the
-run's retry count in the seed, so a retried run can succeed instead of failing the same
-way. The process is
-configured through the environment:
-
-- ``COMPOSER_SIM_TRANSIENT_RATE`` / ``_PERMANENT_RATE`` / ``_TIME_SCALE``: the model;
-- ``COMPOSER_SIM_WORKER_NAME``: the lease owner prefix (``<name>:<pid>``), which is
-  how the lease notebook tells simulated workers apart;
-- ``COMPOSER_WORKER_CONCURRENCY``: handler slots (``composer-ops worker`` applies it).
+Each handler draws its attempt from the behaviour model, seeded by the task input's
+``sim`` object, the node and the attempt (and, in a run an operator retried, the retry
+count), so one seed replays the same behaviour on any worker. Configured through the
+environment: ``COMPOSER_SIM_TRANSIENT_RATE`` / ``_PERMANENT_RATE`` / ``_TIME_SCALE``,
+``COMPOSER_SIM_WORKER_NAME`` (the lease owner prefix), ``COMPOSER_WORKER_CONCURRENCY``.
 """
 
 from __future__ import annotations

@@ -1,35 +1,14 @@
 """Months of generated history, written with COPY.
 
-For each of the N complete UTC months before the current one, ``backfill`` plays
-``runs`` runs of the simulator's workflows and writes what the engine leaves behind:
-one ``workflow_runs`` row per run, one ``task_instances`` row per node reached,
-``workflow_events`` rows for buffered signals. Each run is replayed through the
-state machine itself (:mod:`composer_ops.simulate.past` drives a
-:class:`~composer_ops.simulate.replay.Replay` on a simulated clock), so every state,
-skip, branch, retry, error text and timeout in the rows is the machine's decision;
-durations, failures and outputs come from the behaviour model the live workers use
-(:mod:`composer_ops.simulate.model`).
-
-IDs are UUIDv7 stamped at the instant the row was created (runs within their month),
-so every row lands in its month's partition, which is created first with
-``composer_ensure_partitions_from``. Everything is drawn from ``random.Random`` seeded
-by (seed, month): the same options give byte-identical rows. A month whose first run
-(``marker_run_id``) already exists is skipped, so backfilling twice adds nothing.
-
-A few orders never get their carrier scan and wait for it without a timeout, each
-month's first run among them (nothing fails in it, nobody cancels it): in the
-``stuck_months`` most recent months they are still RUNNING (retention keeps those
-months); in older months an operator has cancelled them since.
-
-Throughput: worker processes (one per CPU by default) play chunks of runs ahead,
-in order, while the calling thread streams the finished chunks to the server
-(:func:`composer_ops.repo.simulator.copy_rows`), one transaction per month; every
-constraint and index stays in place. Each chunk draws from its own seeded stream, so
-the rows do not depend on the number of processes. When the session may set
-``session_replication_role`` (a superuser, as on the embedded server, or a role
-granted SET on it) and ``set_based_checks`` is on, the foreign keys of task and
-signal rows are checked per chunk in bulk instead of per row by their triggers (an
-orphan rolls the month back); otherwise every row is checked by its trigger.
+For each of the N complete UTC months before the current one, ``backfill`` replays
+``runs`` runs through the state machine (:mod:`composer_ops.simulate.past`), so every
+row is the machine's decision, with UUIDv7 IDs stamped in their month. Everything is
+drawn from ``random.Random`` seeded by (seed, month), chunk by chunk, so the same options
+give byte-identical rows whatever the number of worker processes; a month whose first
+run exists is skipped. A few runs wait for ever, still RUNNING in the ``stuck_months``
+latest months. Each month is one COPY transaction with every constraint in place; with
+``set_based_checks`` and a role that may set ``session_replication_role``, foreign keys
+are checked per chunk in bulk (an orphan rolls the month back).
 """
 
 from __future__ import annotations

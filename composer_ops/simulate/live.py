@@ -1,23 +1,11 @@
 """Live traffic through real coordinator and worker processes.
 
-The driver spawns ``composer-ops coordinator`` and ``composer-ops worker --app
-composer_ops.simulate.handlers:make_worker`` processes (configured through
-``COMPOSER_*`` variables), then plays a plan drawn from the seed: runs started at
-Poisson arrival instants, signals that arrive early (before the node waits: they are
-buffered), late (after it waits), too late (after its timeout: refused) or never,
-duplicate signals, cancellations. ``kill_workers`` times it SIGKILLs the busiest
-worker mid-task (waiting a few seconds for one that holds several running tasks)
-and starts a replacement, early enough for the dead worker's leases to lapse and
-the coordinator's sweeper to retry its tasks. With two kills or more, the last one
-happens as the simulation stops, right before the coordinators stop, so the
-database is left with a dead worker's lapsing leases for the lease report to find.
-After ``duration_s`` everything stops, with runs in flight: tasks queued or waiting,
-signals not yet sent; those runs are left active. Every planned start is made, even one
-whose instant the driver reached late (a loaded machine); a start the database refused
-is retried when the error is transient and reported with its error otherwise.
-
-The plan (which workflow, inputs, signal timings, cancellations, handler behaviour)
-is a function of the seed; what the processes make of it depends on real timing.
+The driver spawns ``composer-ops coordinator`` and simulator worker processes, then plays
+a plan drawn from the seed: Poisson-timed starts, signals early (buffered), late, too
+late (refused) or never, duplicates, cancellations, and ``kill_workers`` SIGKILLs of the
+busiest worker (the last one as the simulation stops, leaving lapsing leases for the
+lease report). After ``duration_s`` everything stops with runs in flight. The plan is a
+function of the seed; what the processes make of it depends on real timing.
 """
 
 from __future__ import annotations

@@ -1,17 +1,10 @@
 """The behaviour model shared by live traffic and the history backfill.
 
-One set of distributions drives both: a live worker's handler draws its duration,
-its failure and its output from here (seeded per run, node and attempt, so a seed
-replays the same behaviour), and the backfill draws the same quantities from the
-same functions to write task rows as if the engine had run them.
-
-- durations: lognormal per task name (a median and a spread: most tasks are quick,
-  a few take many times longer), multiplied by ``time_scale``;
-- failures per attempt: transient (retried by the node's retry policy) at
-  ``transient_rate``, permanent (``NonRetryableError``) at ``permanent_rate``, each
-  weighted per task (payment gateways fail more often than e-mail);
-- ``crash_rate``: the share of attempts whose worker dies mid-task, used by the
-  backfill; live traffic kills real worker processes instead.
+A live handler and the backfill draw the same quantities from the same functions,
+seeded per run, node and attempt: lognormal durations per task name (times
+``time_scale``), transient and permanent failures per attempt at ``transient_rate`` and
+``permanent_rate`` weighted per task, and, for the backfill only, ``crash_rate``, the
+share of attempts whose worker dies (live traffic kills real processes instead).
 """
 
 from __future__ import annotations

@@ -1,24 +1,11 @@
 """One run of the past, replayed through the state machine on a simulated clock.
 
-:func:`play` drives a :class:`~composer_ops.simulate.replay.Replay` with the events
-the real processes would have sent, at instants drawn from the seed: the machine
-decides every state change, this module only says *when* things happen and *how*
-attempts end. Its own model, beside the behaviour model of
-:mod:`composer_ops.simulate.model` (attempt durations, failures, outputs):
-
-- a dispatched task is claimed after a short queueing delay (lognormal, under 2 s),
-  by a worker that heartbeats every third of the lease while its handler runs and
-  reports 4 ms after the handler returns;
-- at ``crash_rate`` the worker dies instead: no report, no heartbeat; the lease
-  sweeper finds the lapsed lease 0.05 to 0.6 s after it expires;
-- the timer loop fires a due wait 0.01 to 0.5 s after its ``wake_at`` (or after its
-  creation, when ``wake_at`` had already passed);
-- signals arrive by the run's :class:`~composer_ops.simulate.definitions.SignalPlan`
-  (early ones are buffered; a late one is sent once its node waits; a refused one,
-  on a finished run, leaves nothing); a duplicate follows the first when planned;
-- a planned cancellation is a client's cancel at its instant (refused once finished).
-
-Events at the same instant keep the order they were scheduled in.
+:func:`play` drives a :class:`~composer_ops.simulate.replay.Replay` with the events the
+real processes would have sent, at instants drawn from the seed: the machine decides
+every state change; this module says only when things happen (queueing, heartbeats,
+worker crashes at ``crash_rate`` and the sweeper finding them, timer delays, signals by
+the run's plan, cancellations) and how attempts end. Events at one instant keep the
+order they were scheduled in.
 """
 
 from __future__ import annotations

@@ -1,23 +1,11 @@
 """Runs replayed in memory through the pure state machine, on a simulated clock.
 
-A :class:`Replay` holds one run the way the tables hold it once the shell has applied
-each decision: a :class:`TaskRow` per reached node with the columns the repository
-writes, the buffered signals, the run's own row. It serves the machine's ``Store``
-reads, sends every event to :func:`composer_ops.core.machine.decide`, and applies the
-returned actions as the shell does, with the repository's fences: a write the
-database would refuse (a second task for a node, an update of a task no longer at
-that attempt or in that state, a second finish) raises ``Conflict``, where the shell
-would roll the event back.
-
-Nothing here knows a workflow rule. Readiness, skips, SWITCH branches, retries,
-timeouts, failure messages, signal matching: every state change comes out of a
-decision. What happens without a decision is here with the conditions of its SQL
-statement: a worker's claim of a dispatched task and its heartbeat.
-
-``now`` is the replay's clock. Events carry their own ``now`` (the instant the shell
-would read from the database); rows written while applying an event take that
-instant, and IDs are minted for it by ``mint``. The history backfill drives one
-Replay per run with sampled timings; the state machine's unit tests drive it by hand.
+A :class:`Replay` holds one run as the tables hold it after the shell applied each
+decision, serves the machine's ``Store`` reads, and applies its actions with the
+repository's fences: a write the database would refuse raises ``Conflict``. It knows no
+workflow rule; only what happens without a decision (a claim, a heartbeat) is here,
+with its SQL's conditions. Events carry their own ``now``; rows and IDs take it. The
+history backfill and the state machine's tests drive it.
 """
 
 from __future__ import annotations

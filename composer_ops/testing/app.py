@@ -1,17 +1,12 @@
-"""A worker app whose behaviour comes from each task's input, for end-to-end tests
-and smoke tests of a deployment: ``composer-ops worker --app composer_ops.testing.app:make_worker``.
+"""A worker app whose behaviour comes from each task's input, for end-to-end and smoke
+tests: ``composer-ops worker --app composer_ops.testing.app:make_worker``.
 
-Every handler reads the same keys of its input (absent or null means 0 / false):
-``fatal`` raises :class:`NonRetryableError`; ``fail_until: n`` fails attempts below
-``n`` with a retryable error; ``sleep: s`` works that long, stopping early when the
-lease is lost (its result would be dropped as stale anyway). The output echoes what
-happened: node, attempt, the worker's pid and the input. So the expected outcome of a
-run follows from its definition and input alone.
-
-Tasks served: ``work``, ``slow``, ``payments.charge``, ``ship.express``,
-``ship.standard`` and ``notify`` behave as above; ``tier`` returns
-``{"tier": "gold"}`` for an ``amount`` of 100 or more, else ``"basic"`` (the example
-order workflow's SWITCH reads it). Queues: ``default``, ``payments``, ``slow``.
+Every handler reads ``fatal`` (raise :class:`NonRetryableError`), ``fail_until: n``
+(fail attempts below n, retryably) and ``sleep: s`` (stopping early on a lost lease),
+and echoes node, attempt, pid and input, so a run's outcome follows from its definition
+and input. Tasks: ``work``, ``slow``, ``payments.charge``, ``ship.express``,
+``ship.standard``, ``notify``, and ``tier`` (``gold`` for an ``amount`` of 100 or more).
+Queues: ``default``, ``payments``, ``slow``.
 """
 
 from __future__ import annotations

@@ -1,21 +1,12 @@
 """A throwaway Citus cluster on this machine: a coordinator and N worker nodes.
 
 Every node is a :func:`servers.start_cluster` server of Debian's PostgreSQL 15 with
-``shared_preload_libraries = 'citus'``, listening on a Unix socket and on a TCP port
-of 127.0.0.1 chosen free at start (the nodes reach each other over TCP, by host and
-port, and other clusters may run beside this one). The nodes form a
-:class:`servers.ServerGroup`: the coordinator is its ``primary`` (the one connection
-point of every client), the workers are ``worker1``, ``worker2``, ...
-
-:meth:`CitusCluster.create_database` makes a Citus database: the database and the
-extension on every node, the coordinator registered with its own address and the
-workers added to it. ``composer-ops migrate`` then detects Citus and distributes the
-tables (``sql/citus/``).
-
-Citus is not part of this project (it is AGPL-licensed and built from its source
-tarball): :func:`ensure_installed` runs the installer named by
-``COMPOSER_CITUS_INSTALLER`` (or found beside the checkout) when the extension is
-missing from the PostgreSQL 15 tree.
+Citus preloaded, on a Unix socket and a free TCP port of 127.0.0.1; together they form
+a :class:`servers.ServerGroup` (``primary``, ``worker1``, ...).
+:meth:`CitusCluster.create_database` creates the database and extension on every node
+and registers the nodes; ``composer-ops migrate`` then distributes the tables. Citus
+(AGPL) is not part of this project: :func:`ensure_installed` runs the installer named
+by ``COMPOSER_CITUS_INSTALLER`` (or found beside the checkout) when it is missing.
 """
 
 from __future__ import annotations

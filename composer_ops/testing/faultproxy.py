@@ -1,47 +1,14 @@
 """A PostgreSQL wire-protocol proxy that injects connection faults at exact points.
 
-``FaultProxy(server_url)`` listens on a Unix socket of its own and forwards every
-connection to the server. It parses enough of the protocol (version 3) to count
-*requests*: everything a client sends up to and including a ``Sync`` or a simple
-``Query``, each of which the server answers with exactly one ``ReadyForQuery``. A
-transaction as psycopg runs it is a handful of requests (``BEGIN``, each statement
-or pipeline, ``COMMIT``); an autocommit statement is one request that commits when
-the server processes its ``Sync``.
-
-One fault can be armed at a time, at the Nth request counted from :meth:`reset`, or
-at the first request whose SQL matches a predicate:
-
-- ``Fault.DROP_BEFORE``: the request never reaches the server; both ends of the
-  connection are closed (a COMMIT that is never sent: the server rolls back);
-- ``Fault.LOSE_ACK``: the request is forwarded and the server completes it, but its
-  reply is withheld and the connection is closed right when the server reports the
-  result: at the ``CommandComplete`` whose tag is ``COMMIT``, else at the request's
-  ``ReadyForQuery``. A COMMIT has committed; the client never hears it;
-- ``Fault.RESTART_BEFORE`` / ``Fault.RESTART_AFTER``: the same two points, but the
-  server is restarted (every session terminated, in-flight transactions rolled back)
-  before the client's connection is closed. Needs a ``restart`` callable.
-
-- ``Fault.HOLD_COMMIT``: the first attempt is still committing when its retry starts.
-  The request (a COMMIT, or an autocommit statement, or any other request) is held
-  back from the server and the client's side of the connection is cut, while the
-  server's side stays open: its transaction keeps every lock it holds. The held
-  request is sent to the server only once the retry is under way, and its reply is
-  drained before that connection is closed too: as soon as a request on another
-  connection has waited ``hold_blocked_s`` for its answer (the retry is blocked on
-  the held transaction's locks), or when another connection is about to commit (its
-  request waits until the held one is answered, or has waited ``hold_blocked_s`` for
-  a lock the waiting one holds), or on :meth:`FaultProxy.release`,
-  or ``hold_max_s`` after the cut. :meth:`FaultProxy.wait_released` waits for the
-  held request's answer.
-
-After firing, the proxy forwards everything again, so the client's retry runs on a
-healthy path. :attr:`FaultProxy.requests` records each request: its connection, the
-frontend message types, the SQL it carried, the server's command tags and the
-transaction status after it, so a test can first record an operation and then cut it
-at every one of its requests in turn.
-
-Only for tests: no TLS (the proxy's socket is a Unix socket, where libpq never asks
-for it; a server answering 'S' to an SSLRequest is passed through unparsed).
+``FaultProxy(server_url)`` forwards every connection from its own Unix socket and counts
+*requests* (everything up to a ``Sync`` or a simple ``Query``), recording each in
+:attr:`FaultProxy.requests`. One fault is armed at a time, at the Nth request or the
+first whose SQL matches: ``DROP_BEFORE``; ``LOSE_ACK`` (the server completes it, the
+connection is cut as it reports the result); ``RESTART_BEFORE`` / ``RESTART_AFTER`` (the
+same, with the server restarted); ``HOLD_COMMIT`` (held back while the client is cut and
+the server's transaction keeps its locks; sent once another connection has waited
+``hold_blocked_s`` or is about to commit, on :meth:`FaultProxy.release`, or after
+``hold_max_s``). Then it forwards again. For tests only: no TLS.
 """
 
 from __future__ import annotations

