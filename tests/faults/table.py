@@ -1,4 +1,4 @@
-"""The fault table of docs/reliability.md, from the sweep's tally.
+"""A Markdown table of the fault sweep's tally (docs/reliability.md, "The fault sweep").
 
 Each write path's sweep appends one line to ``.pytest_cache/composer-faults.jsonl``
 (tests/faults/harness.py): the path, how many requests and commits it sends without

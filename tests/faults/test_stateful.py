@@ -111,7 +111,7 @@ faults = st.one_of(st.just(None), st.tuples(st.sampled_from(STEP_FAULTS), st.int
     if FAULTS else st.just(None)
 #: A held claim is not drawn: the proxy holds an autocommit statement before the server
 #: sees it, so the first attempt runs only after its retry has committed, and may then
-#: lease a task no worker is told of (the residual case of docs/reliability.md, "claims";
+#: lease a task no worker is told of (the residual case in docs/reliability.md, "Known limits";
 #: its lease expiry re-queues it). A claim still executing while its retry looks is
 #: waited for (tests/integration/test_claim_retry_waits.py).
 claim_faults = st.one_of(st.just(None), st.tuples(st.sampled_from(STEP_FAULTS[:2]), st.integers(1, 8))) \
