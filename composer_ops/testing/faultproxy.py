@@ -466,14 +466,14 @@ class FaultProxy:
             self._arm = None
         pipe.holding = False
         pipe.client_gone = True
+        self._hold = Hold(pipe=pipe, request=req, cut_at=time.monotonic())
+        self._done(req)              # before the client can see the cut
         with contextlib.suppress(KeyError, ValueError):
             self._sel.unregister(pipe.client)
         with contextlib.suppress(OSError):
             pipe.client.shutdown(socket.SHUT_RDWR)
         pipe.client.close()
         pipe.to_client.clear()
-        self._hold = Hold(pipe=pipe, request=req, cut_at=time.monotonic())
-        self._done(req)
 
     def _release(self) -> None:
         """Send the held request to the server, once."""
