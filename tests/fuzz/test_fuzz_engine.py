@@ -72,11 +72,13 @@ def test_huge_and_bomb_documents_are_refused_quickly(fx: Fixture) -> None:
     layer: Any = ["x"] * 10
     for _ in range(7):
         layer = [layer] * 10
+    # Measured in this process's CPU time, which other load on the machine does not
+    # inflate: walked to the end, the bomb's 10^8 leaves would take minutes of it.
     for label, value in (("huge", "x" * (8 * 1024 * 1024 + 1)), ("bomb", layer), ("deep", nest(10_000))):
-        began = time.monotonic()
+        began = time.process_time()
         fx.refused(lambda v=value: fx.engine.start("fz", input=v))
         fx.refused(lambda v=value: fx.engine.deploy({**BASE_SPEC, "config": {"v": v}}))
-        assert time.monotonic() - began < 5, label
+        assert time.process_time() - began < 20, label
         tried("engine: huge, bomb and deep documents", 2)
 
 
