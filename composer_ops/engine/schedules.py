@@ -318,9 +318,7 @@ class Schedules:
         """Decide the slots of at most ``limit`` due schedules, each in its own
         transaction (:meth:`fire_one`)."""
         result = PassResult()
-        with self.engine.pool.connection() as conn:
-            due = repo.due(conn, clock.now(conn), limit)
-        for schedule_id in due:
+        for schedule_id in self._due(limit):
             try:
                 self.fire_one(schedule_id, result, grace=timedelta(seconds=grace_s), max_starts=max_starts,
                               buffer_poll=timedelta(seconds=buffer_poll_s))
@@ -328,6 +326,11 @@ class Schedules:
                 result.errors.append(f"schedule {schedule_id}: {exc}")
                 log.warning("coordinator: schedule %s failed: %s", schedule_id, exc)
         return result
+
+    @db_retry()
+    def _due(self, limit: int) -> list[str]:
+        with self.engine.pool.connection() as conn:
+            return repo.due(conn, clock.now(conn), limit)
 
     @db_retry()
     def fire_one(self, schedule_id: str, result: PassResult, *, grace: timedelta, max_starts: int,

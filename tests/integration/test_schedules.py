@@ -213,3 +213,34 @@ def test_a_disabled_workflow_misses_its_slot_and_the_schedule_goes_on(engine: En
     assert (done.started, done.missed, done.errors) == (0, 1, [])
     [row] = [s for s in engine.schedules.list() if s.name == "d"]
     assert "disabled" in (row.last_not_started_reason or "") and row.next_slot_at == START + timedelta(hours=2)
+
+
+def test_two_coordinators_racing_start_each_slot_once(engine: Engine, frozen: FrozenClock) -> None:
+    """Two coordinators (engines of their own) released together on the same due slots:
+    one run per slot, and between them they report each start once."""
+    import threading
+
+    for i in range(12):
+        engine.schedules.create(f"r{i}", workflow="nightly", cron="*/10 * * * *", timezone="UTC", catchup="all",
+                                overlap="allow")
+    frozen.set(START + timedelta(hours=1))                       # 12:10 ... 13:00 due: 6 slots each
+    gate = threading.Barrier(2)
+    started: list[int] = []
+
+    def coordinator() -> None:
+        with Engine.connect(frozen.url, pool_size=2) as mine:
+            gate.wait(timeout=60)
+            for _ in range(20):
+                stats = mine.coordinator(batch=5).run_once(["schedules"])
+                assert not stats.errors, stats.errors
+                started.append(stats.schedule_runs_started)
+
+    threads = [threading.Thread(target=coordinator) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    assert not any(t.is_alive() for t in threads)
+    fired = [(d["schedule"], d["slot"]) for _, d in _runs(frozen.db_url)]
+    assert len(fired) == len(set(fired)) == 12 * 6 and sum(started) == 12 * 6
+    assert _rows(frozen.db_url, "SELECT count(*) FROM schedule_events WHERE kind = 'started'") == [(72,)]
