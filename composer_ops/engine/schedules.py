@@ -13,6 +13,7 @@ a slot names a run ID that exists and starts nothing.
 
 from __future__ import annotations
 
+import builtins
 import logging
 import uuid
 from dataclasses import dataclass, field
@@ -328,7 +329,7 @@ class Schedules:
         return result
 
     @db_retry()
-    def _due(self, limit: int) -> list[str]:
+    def _due(self, limit: int) -> builtins.list[str]:
         with self.engine.pool.connection() as conn:
             return repo.due(conn, clock.now(conn), limit)
 
