@@ -36,7 +36,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-__all__ = ["MAX_BACKFILL", "Backfill", "PassResult", "Schedules"]
+__all__ = ["MAX_BACKFILL", "Backfill", "PassResult", "Schedules", "parse_when", "slot_input"]
 
 #: The most slots one backfill starts (a wider window is refused: split it).
 MAX_BACKFILL = 1000
@@ -241,7 +241,7 @@ class Schedules:
         Without ``yes`` nothing is written. Refused: an empty or future window, more
         than MAX_BACKFILL slots, a slot in a month without a partition."""
         rules.check_name(name)
-        return self._backfill(name, _when(start, "--from"), _when(end, "--to"), yes, actor, Request())
+        return self._backfill(name, parse_when(start, "--from"), parse_when(end, "--to"), yes, actor, Request())
 
     @db_retry()
     def _backfill(self, name: str, start: Any, end: Any, yes: bool, actor: Actor | None,
@@ -416,7 +416,7 @@ class Schedules:
         return run_id, None
 
 
-def _when(value: datetime | str, option: str) -> Any:
+def parse_when(value: datetime | str, option: str) -> Any:
     """A backfill bound: an aware datetime, or text :func:`parse_cutoff` reads (an ISO
     date or instant, or an age counted back from the database clock)."""
     from composer_ops.repo.retention import parse_cutoff
