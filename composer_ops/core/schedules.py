@@ -35,6 +35,7 @@ __all__ = [
     "check_policy",
     "check_zone",
     "iter_slots",
+    "late_reason",
     "next_slot",
     "plan_pass",
     "slot_run_id",
@@ -256,6 +257,24 @@ def plan_pass(schedule: Schedule, due: Sequence[datetime], following: datetime |
         poll = now + buffer_poll
         plan.wake_at = poll if cursor is None else min(cursor, poll)
     return plan
+
+
+def late_reason(*, paused: bool, next_slot_at: datetime | None, last_slot_at: datetime | None,
+                last_missed_slot_at: datetime | None, last_not_started_reason: str | None, now: datetime,
+                threshold: timedelta) -> str | None:
+    """Why a schedule's last due slot did not start (None: it did, or none is due): its
+    cursor is more than ``threshold`` behind the clock (no coordinator decided the slot),
+    or the newest slot decided was missed and none started after it. A paused schedule
+    is never late; an overlap skip is the policy working, not a miss."""
+    if paused:
+        return None
+    if next_slot_at is not None and now - next_slot_at > threshold:
+        return (f"slot {next_slot_at.astimezone(UTC):%Y-%m-%dT%H:%M:%SZ} is {_seconds(now - next_slot_at)} "
+                "overdue: is a coordinator running the schedules loop?")
+    if last_missed_slot_at is not None and (last_slot_at is None or last_missed_slot_at > last_slot_at):
+        return (f"slot {last_missed_slot_at.astimezone(UTC):%Y-%m-%dT%H:%M:%SZ} was missed: "
+                f"{last_not_started_reason or 'no reason recorded'}")
+    return None
 
 
 def _seconds(delta: timedelta) -> str:

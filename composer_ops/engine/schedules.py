@@ -360,32 +360,40 @@ class Schedules:
                 buffer_poll=buffer_poll)
             events: list[ScheduleEvent] = []
             request = Request()
+            started, buffered, missed, skipped, last_missed, reason = 0, 0, 0, 0, None, None
             for slot in plan.start:
                 run_id, refused = self._start_slot(conn, now, row, slot, "cron", "cron", request)
                 if refused is not None:
                     events.append(ScheduleEvent(kind="missed", source="cron", first_slot_at=slot, last_slot_at=slot,
                                                 run_id=run_id, reason=refused))
-                    result.missed += 1
+                    missed, last_missed, reason = missed + 1, max(slot, last_missed or slot), refused
                     continue
                 repo.set_last_run(conn, row.id, slot=slot, run_id=run_id, now=now)
                 events.append(ScheduleEvent(kind="started", source="cron", first_slot_at=slot, last_slot_at=slot,
                                             run_id=run_id))
-                result.started += 1
+                started += 1
             if plan.buffered is not None and plan.buffered != row.buffered_slot_at:
                 events.append(ScheduleEvent(kind="buffered", source="cron", first_slot_at=plan.buffered,
                                             last_slot_at=plan.buffered,
                                             reason="overlap buffer_one: the previous run was still active"))
-                result.buffered += 1
+                buffered += 1
             for out in plan.not_started:
                 events.append(ScheduleEvent(kind=out.kind, source="cron", first_slot_at=out.first,
                                             last_slot_at=out.last, slots=out.count, reason=out.reason))
                 if out.kind == "missed":
-                    result.missed += out.count
+                    missed, last_missed = missed + out.count, max(out.last, last_missed or out.last)
                 else:
-                    result.skipped += out.count
+                    skipped += out.count
+                reason = out.reason
             repo.record(conn, row.id, events, now)
             repo.advance(conn, row.id, next_slot_at=plan.next_slot_at, wake_at=plan.wake_at,
-                         buffered_slot_at=plan.buffered, now=now)
+                         buffered_slot_at=plan.buffered, missed=missed, skipped=skipped, last_missed=last_missed,
+                         reason=reason, now=now)
+        # Counted once committed: a pass retried after a lost acknowledgement finds nothing due.
+        result.started += started
+        result.buffered += buffered
+        result.missed += missed
+        result.skipped += skipped
 
     def _start_slot(self, conn: Any, now: datetime, row: ScheduleRow, slot: datetime, kind: str, source: str,
                     request: Request) -> tuple[str, str | None]:

@@ -37,6 +37,10 @@ class ScheduleRow:
     last_slot_at: datetime | None
     last_run_id: str | None
     last_started_at: datetime | None
+    missed_slots: int
+    skipped_slots: int
+    last_missed_slot_at: datetime | None
+    last_not_started_reason: str | None
     created_at: datetime
     updated_at: datetime
 
@@ -63,17 +67,15 @@ class ScheduleEventRow(ScheduleEvent):
 
 @dataclass(frozen=True, kw_only=True)
 class ScheduleSummary(ScheduleRow):
-    """A schedule with its last run's status and the slots it did not start."""
+    """A schedule with its last run's status, as the database clock ``now`` reads it."""
 
     last_run_status: str | None
-    missed_slots: int
-    skipped_slots: int
-    last_not_started_at: datetime | None
-    last_not_started_reason: str | None
+    now: datetime
 
 
 _COLUMNS = """id, name, workflow_id, cron, timezone, input_json AS input, overlap, catchup, paused, next_slot_at,
-              wake_at, buffered_slot_at, last_slot_at, last_run_id, last_started_at, created_at, updated_at"""
+              wake_at, buffered_slot_at, last_slot_at, last_run_id, last_started_at, missed_slots, skipped_slots,
+              last_missed_slot_at, last_not_started_reason, created_at, updated_at"""
 
 
 def insert(conn: Conn, *, schedule_id: str, name: str, workflow_id: str, cron: str, timezone: str, input: Any,
@@ -121,11 +123,18 @@ def lock_due(conn: Conn, schedule_id: str, now: datetime) -> ScheduleRow | None:
 
 
 def advance(conn: Conn, schedule_id: str, *, next_slot_at: datetime | None, wake_at: datetime | None,
-            buffered_slot_at: datetime | None, now: datetime) -> None:
-    """Move the slot cursor after a pass decided the slots before it."""
+            buffered_slot_at: datetime | None, missed: int, skipped: int, last_missed: datetime | None,
+            reason: str | None, now: datetime) -> None:
+    """Move the slot cursor after a pass decided the slots before it; count the slots it
+    did not start, and keep the newest missed one and the reason of the last not started."""
     conn.execute("""
-        UPDATE schedules SET next_slot_at = %s, wake_at = %s, buffered_slot_at = %s, updated_at = %s
-         WHERE id = %s""", (next_slot_at, wake_at, buffered_slot_at, now, schedule_id))
+        UPDATE schedules SET next_slot_at = %(next)s, wake_at = %(wake)s, buffered_slot_at = %(buffered)s,
+               missed_slots = missed_slots + %(missed)s, skipped_slots = skipped_slots + %(skipped)s,
+               last_missed_slot_at = GREATEST(last_missed_slot_at, %(last_missed)s),
+               last_not_started_reason = COALESCE(%(reason)s, last_not_started_reason), updated_at = %(now)s
+         WHERE id = %(id)s""",
+        {"next": next_slot_at, "wake": wake_at, "buffered": buffered_slot_at, "missed": missed, "skipped": skipped,
+         "last_missed": last_missed, "reason": reason, "now": now, "id": schedule_id})
 
 
 def set_last_run(conn: Conn, schedule_id: str, *, slot: datetime, run_id: str, now: datetime) -> None:
@@ -186,28 +195,16 @@ def existing_runs(conn: Conn, run_ids: Sequence[str]) -> set[str]:
     return {r[0] for r in rows}
 
 
-def summaries(conn: Conn, *, include_paused: bool = True) -> list[ScheduleSummary]:
-    """Every schedule (not deleted) by name, with its last run's status and the slots
-    it did not start (missed and skipped, in all, and the latest such event)."""
-    return fetch_all(conn, ScheduleSummary, """
-        SELECT s.id, s.name, s.workflow_id, s.cron, s.timezone, s.input_json AS input, s.overlap, s.catchup,
-               s.paused, s.next_slot_at, s.wake_at, s.buffered_slot_at, s.last_slot_at, s.last_run_id,
-               s.last_started_at, s.created_at, s.updated_at,
-               r.status AS last_run_status,
-               COALESCE(ev.missed, 0)::int AS missed_slots, COALESCE(ev.skipped, 0)::int AS skipped_slots,
-               lastev.at AS last_not_started_at, lastev.reason AS last_not_started_reason
+def summaries(conn: Conn) -> list[ScheduleSummary]:
+    """Every schedule (not deleted) by name, with its last run's status (one row each:
+    the counters live on the schedule's row) and the database clock."""
+    return fetch_all(conn, ScheduleSummary, f"""
+        SELECT {", ".join("s." + c.strip() for c in _COLUMNS.split(","))}, r.status AS last_run_status,
+               now() AS now
           FROM schedules s
           LEFT JOIN workflow_runs r ON r.id = s.last_run_id
-          LEFT JOIN LATERAL (
-                SELECT sum(slots) FILTER (WHERE kind = 'missed') AS missed,
-                       sum(slots) FILTER (WHERE kind = 'skipped') AS skipped
-                  FROM schedule_events e WHERE e.schedule_id = s.id) ev ON true
-          LEFT JOIN LATERAL (
-                SELECT at, reason FROM schedule_events e
-                 WHERE e.schedule_id = s.id AND kind IN ('missed', 'skipped')
-                 ORDER BY id DESC LIMIT 1) lastev ON true
-         WHERE s.deleted_at IS NULL AND (%(paused)s OR NOT s.paused)
-         ORDER BY s.name""", {"paused": include_paused})
+         WHERE s.deleted_at IS NULL
+         ORDER BY s.name""", ())
 
 
 def events(conn: Conn, schedule_id: str | None = None, *, limit: int = 100) -> list[ScheduleEventRow]:

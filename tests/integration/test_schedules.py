@@ -244,3 +244,31 @@ def test_two_coordinators_racing_start_each_slot_once(engine: Engine, frozen: Fr
     fired = [(d["schedule"], d["slot"]) for _, d in _runs(frozen.db_url)]
     assert len(fired) == len(set(fired)) == 12 * 6 and sum(started) == 12 * 6
     assert _rows(frozen.db_url, "SELECT count(*) FROM schedule_events WHERE kind = 'started'") == [(72,)]
+
+
+def test_check_alerts_on_a_schedule_whose_due_slot_did_not_start(engine: Engine, frozen: FrozenClock) -> None:
+    from composer_ops.ops.health import Thresholds, check_health
+
+    def late() -> tuple[bool, str]:
+        [found] = [c for c in check_health(frozen.url, Thresholds(schedule_late_s=300)).checks
+                   if c.metric == "composer_schedules_late"]
+        assert found.runbook == "schedule_late"
+        return found.alert, found.detail
+
+    engine.schedules.create("h", workflow="nightly", cron="0 * * * *", timezone="UTC", overlap="allow")
+    frozen.set(START + timedelta(hours=1, minutes=4))          # 13:00 due 4 minutes ago: within the threshold
+    assert late()[0] is False
+    frozen.set(START + timedelta(hours=1, minutes=6))          # no coordinator: 6 minutes overdue
+    alert, detail = late()
+    assert alert and "slot 2026-03-28T13:00:00Z is 360s overdue" in detail
+    _pass(engine)                                             # catch-up latest starts it, late as it is
+    assert late()[0] is False
+    engine.set_enabled("nightly", False)
+    frozen.set(START + timedelta(hours=2))
+    _pass(engine)
+    alert, detail = late()
+    assert alert and "slot 2026-03-28T14:00:00Z was missed: workflow 'nightly' is disabled" in detail
+    engine.set_enabled("nightly", True)
+    frozen.set(START + timedelta(hours=3))
+    _pass(engine)
+    assert late()[0] is False
