@@ -8,7 +8,10 @@
 -- buffered behind an active run); the coordinator reads only rows whose wake_at has
 -- come, through the partial index, so a pass costs the due schedules, not all of them.
 --
--- schedule_events: what happened to the slots, for reports and `check`: a run started
+-- The counters and the last missed slot are kept on the row so that `schedules list` and
+-- `check` read one row per schedule, however long its history.
+--
+-- schedule_events: what happened to the slots, for reports: a run started
 -- (a slot on time or caught up, a trigger, a backfill), a slot buffered, and runs of
 -- consecutive slots missed (catch-up policy) or skipped (overlap policy), folded into
 -- one row with their count, first and last slot.
@@ -33,6 +36,10 @@ CREATE TABLE IF NOT EXISTS schedules(
     last_slot_at TIMESTAMPTZ,
     last_run_id TEXT,
     last_started_at TIMESTAMPTZ,
+    missed_slots BIGINT NOT NULL DEFAULT 0,      -- slots not started by the catch-up policy, or unstartable
+    skipped_slots BIGINT NOT NULL DEFAULT 0,     -- slots not started by the overlap policy
+    last_missed_slot_at TIMESTAMPTZ,
+    last_not_started_reason TEXT,
     created_at TIMESTAMPTZ NOT NULL,
     updated_at TIMESTAMPTZ NOT NULL,
     deleted_at TIMESTAMPTZ
