@@ -3,9 +3,12 @@
 Timers (due WAIT and WAIT_FOR_EVENT tasks) and the lease sweeper read only the months
 from the active floor on (the oldest run with an active task); partition upkeep ensures
 months ahead hourly; the webhook relay POSTs and prunes deliveries; retention
-(optional) follows the CLI's plan. Every decision goes through the shell under the run
-lock and re-checks its candidate there, so any number of coordinators can run at once:
-what two of them find is applied by one and stale for the other.
+(optional) follows the CLI's plan; the schedules loop starts the due slots of the
+schedules whose wake-up has come (:mod:`composer_ops.engine.schedules`). Every timer
+and lease decision goes through the shell under the run lock and re-checks its
+candidate there, and a schedule is decided under its row lock, so any number of
+coordinators can run at once: what two of them find is applied by one and stale for
+the other.
 """
 
 from __future__ import annotations

@@ -119,3 +119,20 @@ def test_max_starts_leaves_the_cursor_on_the_first_slot_not_started() -> None:
     plan = plan_pass(_schedule(), HOUR, FOLLOWING, now=NOW, previous_active=False, grace=timedelta(seconds=60),
                      max_starts=2, buffer_poll=timedelta(seconds=5))
     assert plan.start == HOUR[:2] and plan.next_slot_at == HOUR[2] and not plan.not_started
+
+
+def test_late_means_overdue_past_the_threshold_or_the_newest_slot_missed() -> None:
+    from composer_ops.core.schedules import late_reason
+
+    def late(**kw: object) -> str | None:
+        base: dict[str, object] = {"paused": False, "next_slot_at": T0, "last_slot_at": None,
+                                   "last_missed_slot_at": None, "last_not_started_reason": None,
+                                   "now": T0 + timedelta(seconds=200), "threshold": timedelta(seconds=300)}
+        return late_reason(**{**base, **kw})  # type: ignore[arg-type]
+
+    assert late() is None
+    assert "is 301s overdue" in (late(now=T0 + timedelta(seconds=301)) or "")
+    assert late(now=T0 + timedelta(days=1), paused=True) is None
+    missed = T0 - timedelta(hours=1)
+    assert "was missed: disabled" in (late(last_missed_slot_at=missed, last_not_started_reason="disabled") or "")
+    assert late(last_missed_slot_at=missed, last_slot_at=T0 - timedelta(minutes=1)) is None
