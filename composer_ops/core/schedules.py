@@ -34,6 +34,7 @@ __all__ = [
     "check_name",
     "check_policy",
     "check_zone",
+    "due_slots",
     "iter_slots",
     "late_reason",
     "next_slot",
@@ -138,6 +139,17 @@ def slots_between(cron: str, zone: ZoneInfo, after: datetime, until: datetime, l
             break
         out.append(slot)
     return out
+
+
+def due_slots(cron: str, zone: ZoneInfo, cursor: datetime | None, now: datetime,
+              limit: int) -> tuple[list[datetime], datetime | None]:
+    """The slots a pass at ``now`` looks at, from the cursor (the first slot not decided
+    yet) on, at most ``limit`` of them, and the slot after them (the next cursor when
+    the pass decides them all; None when the cron has no later slot)."""
+    if cursor is None or cursor > now:
+        return [], cursor
+    due = [cursor, *slots_between(cron, zone, cursor, now, limit - 1)]
+    return due, next_slot(cron, zone, due[-1])
 
 
 def slot_run_id(schedule_id: str, kind: str, slot: datetime) -> str:

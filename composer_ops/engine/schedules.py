@@ -346,11 +346,7 @@ class Schedules:
                 result.contended += 1
                 return
             zone = rules.check_zone(row.timezone)
-            due: list[datetime] = []
-            if row.next_slot_at is not None and row.next_slot_at <= now:
-                due = [row.next_slot_at, *rules.slots_between(row.cron, zone, row.next_slot_at, now,
-                                                              SLOTS_PER_PASS - 1)]
-            following = rules.next_slot(row.cron, zone, due[-1]) if due else row.next_slot_at
+            due, following = rules.due_slots(row.cron, zone, row.next_slot_at, now, SLOTS_PER_PASS)
             previous_active = row.last_run_id is not None and repo.run_active(conn, row.last_run_id)
             plan = rules.plan_pass(
                 rules.Schedule(id=row.id, name=row.name, cron=row.cron, timezone=row.timezone, overlap=row.overlap,

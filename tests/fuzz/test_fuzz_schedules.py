@@ -7,10 +7,19 @@ from __future__ import annotations
 from datetime import UTC, date, datetime, time, timedelta
 from zoneinfo import ZoneInfo
 
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 
-from composer_ops.core.schedules import check_cron, check_zone, slot_run_id, slots_between
+from composer_ops.core.schedules import (
+    Schedule,
+    check_cron,
+    check_zone,
+    due_slots,
+    next_slot,
+    plan_pass,
+    slot_run_id,
+    slots_between,
+)
 from tests.fuzz.conftest import examples
 
 MINUTES = ["0", "30", "15,45", "*/15", "*/20", "*", "5-10", "59"]
@@ -128,3 +137,37 @@ def test_a_pass_stopping_in_the_repeated_hour_names_no_slot_again() -> None:
     after = datetime(2026, 10, 25, 1, 40, tzinfo=UTC)
     assert slots_between("45 2 * * *", paris, after, after + timedelta(days=1, hours=1), 10) == [
         datetime(2026, 10, 26, 1, 45, tzinfo=UTC)]
+
+
+@examples(100)
+@given(st.sampled_from(["*/5 * * * *", "30 2 * * *", "0,30 1-3 * * *", "*/20 2 * * *"]),
+       st.sampled_from(ZONES), st.sampled_from(CENTRES),
+       st.lists(st.one_of(st.integers(1, 600), st.integers(1800, 4 * 3600)), min_size=1, max_size=12),
+       st.integers(1, 4), st.sampled_from(["all", "latest", "none"]))
+@example("*/5 * * * *", "Europe/Paris", CENTRES[0], [3600], 1, "all")      # a pass capped at one start
+def test_passes_decide_every_slot_once(cron: str, zone_name: str, centre: datetime, gaps: list[int],
+                                       max_starts: int, catchup: str) -> None:
+    """Passes at random instants (a coordinator late by up to hours, starts capped per
+    pass), moving the cursor as the coordinator does: every slot up to the last pass is
+    started or not started exactly once, in order, and catch-up ``all`` starts them all."""
+    zone = check_zone(zone_name)
+    created = centre - timedelta(hours=3)
+    cursor = next_slot(cron, zone, created)
+    schedule = Schedule(id="s", name="s", cron=cron, timezone=zone_name, overlap="allow", catchup=catchup,
+                        next_slot_at=cursor)
+    decided: list[datetime] = []
+    now = created
+    for gap in gaps:
+        now += timedelta(seconds=gap)
+        due, following = due_slots(cron, zone, cursor, now, 50)
+        plan = plan_pass(schedule, due, following, now=now, previous_active=False, grace=timedelta(seconds=60),
+                         max_starts=max_starts, buffer_poll=timedelta(seconds=5))
+        missed = [s for o in plan.not_started for s in due if o.first <= s <= o.last]
+        assert catchup != "all" or not missed
+        decided += sorted(plan.start + missed)
+        assert plan.next_slot_at is None or plan.next_slot_at > max(plan.start + missed, default=created)
+        cursor = plan.next_slot_at
+        schedule = Schedule(id="s", name="s", cron=cron, timezone=zone_name, overlap="allow", catchup=catchup,
+                            next_slot_at=cursor)
+    assert decided == sorted(set(decided))                          # none twice, in order
+    assert decided == slots_between(cron, zone, created, (cursor or now) - timedelta(microseconds=1), NO_LIMIT)
