@@ -25,7 +25,7 @@ from composer_ops.core.runids import month_of
 from composer_ops.db.retry import db_retry
 from composer_ops.engine.jsonvalues import check_json
 from composer_ops.engine.requests import Request
-from composer_ops.errors import ComposerError, Conflict, Invalid, NotFound
+from composer_ops.errors import ComposerError, Conflict, Invalid, NotFound, Transient
 from composer_ops.repo import audit, clock, definitions, partitions
 from composer_ops.repo import schedules as repo
 from composer_ops.repo.audit import Actor
@@ -323,9 +323,12 @@ class Schedules:
             try:
                 self.fire_one(schedule_id, result, grace=timedelta(seconds=grace_s), max_starts=max_starts,
                               buffer_poll=timedelta(seconds=buffer_poll_s))
-            except ComposerError as exc:
+            except Transient:
+                raise                   # the database is away: the pass ends, as the other loops' do
+            except Exception as exc:    # one schedule's failure (a row edited by hand) must not stop the others
                 result.errors.append(f"schedule {schedule_id}: {exc}")
-                log.warning("coordinator: schedule %s failed: %s", schedule_id, exc)
+                log.warning("coordinator: schedule %s failed: %s", schedule_id, exc,
+                            exc_info=not isinstance(exc, ComposerError))
         return result
 
     @db_retry()

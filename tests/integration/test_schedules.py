@@ -272,3 +272,17 @@ def test_check_alerts_on_a_schedule_whose_due_slot_did_not_start(engine: Engine,
     frozen.set(START + timedelta(hours=3))
     _pass(engine)
     assert late()[0] is False
+
+
+def test_a_schedule_edited_into_nonsense_by_hand_does_not_stop_the_others(engine: Engine,
+                                                                          frozen: FrozenClock) -> None:
+    engine.schedules.create("bad", workflow="nightly", cron="0 * * * *", timezone="UTC")
+    engine.schedules.create("good", workflow="nightly", cron="0 * * * *", timezone="UTC")
+    with psycopg.connect(frozen.db_url) as conn:
+        # First in the pass: its wake-up is the oldest.
+        conn.execute("UPDATE schedules SET cron = '0 99 * * *', wake_at = wake_at - interval '1 minute' "
+                     "WHERE name = 'bad'")
+    frozen.set(START + timedelta(hours=1))
+    stats = engine.coordinator().run_once(["schedules"])
+    assert stats.schedule_runs_started == 1 and len(stats.errors) == 1 and "schedule " in stats.errors[0]
+    assert [d["schedule"] for _, d in _runs(frozen.db_url)] == ["good"]
