@@ -41,6 +41,9 @@ DEMO_REPORT_small := -p cutoff "1 month"
 # Then the operator actions: the oldest history month (it holds no stuck run) is archived and
 # dropped, the runs that failed or were cancelled in the live traffic are retried, and a
 # short second round of live traffic runs them (the reports show the audit rows and the runs).
+# Last, a schedule (demo-nightly-batch, every 15 minutes in Europe/Paris) is made afresh,
+# backfilled over the last hour and triggered once, so active_tasks shows it with its runs
+# (queued: the live traffic's workers have stopped by then).
 DEMO_DROP_full := 5 months
 DEMO_DROP_small := 2 months
 DEMO_AGAIN_full := --runs 60 --duration-s 20 --workers 2 --concurrency 8 --kill-workers 0
@@ -58,6 +61,11 @@ demo: $(STAMP)
 	$(BIN)/composer-ops partitions drop --older-than "$(DEMO_DROP_$(DEMO_SIZE))" --archive "$$archive" --yes; \
 	$(BIN)/composer-ops runs retry --status FAILED,CANCELLED --since 1h --limit 20 --yes; \
 	$(BIN)/composer-ops simulate $(DEMO_AGAIN_$(DEMO_SIZE)); \
+	$(BIN)/composer-ops schedules delete demo-nightly-batch --yes >/dev/null 2>&1 || true; \
+	$(BIN)/composer-ops schedules create demo-nightly-batch --workflow nightly-batch --cron "*/15 * * * *" \
+	    --timezone Europe/Paris --input '{"date": "scheduled"}' --catchup all; \
+	$(BIN)/composer-ops schedules backfill demo-nightly-batch --from 1h --to 0h --yes; \
+	$(BIN)/composer-ops schedules trigger demo-nightly-batch; \
 	$(BIN)/composer-ops report --all $(DEMO_REPORT_$(DEMO_SIZE))
 	@echo "reports: $$(cd "$${COMPOSER_REPORTS_DIR:-reports}" && pwd)/index.html"
 

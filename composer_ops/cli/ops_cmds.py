@@ -33,6 +33,8 @@ _THRESHOLDS = (
      "alert on WAIT_FOR_EVENT nodes without a timeout waiting longer than this many hours"),
     ("webhook_attempts", "--webhook-attempts", "COMPOSER_CHECK_WEBHOOK_ATTEMPTS", "N",
      "alert on webhook deliveries still retried after this many attempts"),
+    ("schedule_late_s", "--schedule-late", "COMPOSER_CHECK_SCHEDULE_LATE", "SECONDS",
+     "alert on a schedule whose last due slot did not start within this many seconds (or was missed)"),
 )
 
 

@@ -3,9 +3,12 @@
 Timers (due WAIT and WAIT_FOR_EVENT tasks) and the lease sweeper read only the months
 from the active floor on (the oldest run with an active task); partition upkeep ensures
 months ahead hourly; the webhook relay POSTs and prunes deliveries; retention
-(optional) follows the CLI's plan. Every decision goes through the shell under the run
-lock and re-checks its candidate there, so any number of coordinators can run at once:
-what two of them find is applied by one and stale for the other.
+(optional) follows the CLI's plan; the schedules loop starts the due slots of the
+schedules whose wake-up has come (:mod:`composer_ops.engine.schedules`). Every timer
+and lease decision goes through the shell under the run lock and re-checks its
+candidate there, and a schedule is decided under its row lock, so any number of
+coordinators can run at once: what two of them find is applied by one and stale for
+the other.
 """
 
 from __future__ import annotations
@@ -56,6 +59,9 @@ class PassStats:
     webhooks_pruned: int = 0
     months_dropped: list[str] = field(default_factory=list)
     months_blocked: list[str] = field(default_factory=list)   # past the cut-off, kept for active runs
+    schedule_runs_started: int = 0
+    schedule_slots_missed: int = 0
+    schedule_slots_skipped: int = 0
     busy: int = 0                  # timers and leases whose run's lock was held elsewhere: backed off
     errors: list[str] = field(default_factory=list)
 
@@ -66,7 +72,7 @@ class Coordinator:
                  relay: RelayPolicy | None = None, upkeep_lock_timeout_s: float = 0.5,
                  retention: str | Cutoff | None = None, retention_every_s: float = 3600.0,
                  webhook_keep_days: float | None = 7.0, floor_every_s: float = 30.0,
-                 event_lock_wait_s: float = 1.0) -> None:
+                 event_lock_wait_s: float = 1.0, schedule_grace_s: float = 60.0) -> None:
         self.engine = engine
         self.interval = interval
         self.batch = batch
@@ -89,6 +95,9 @@ class Coordinator:
         if not event_lock_wait_s > 0:
             raise Invalid(f"event_lock_wait_s must be more than 0 seconds, got {event_lock_wait_s}")
         self.event_lock_wait_s = event_lock_wait_s
+        if not schedule_grace_s >= 0:
+            raise Invalid(f"schedule_grace_s must be 0 or more seconds, got {schedule_grace_s}")
+        self.schedule_grace_s = schedule_grace_s
         self._floor = ""
         self._next_floor = float("-inf")
         self._next_prune = float("-inf")
@@ -108,16 +117,16 @@ class Coordinator:
         log.info("coordinator running (interval %.2fs)", self.interval)
         while not self._stop.is_set():
             stats = self.run_once()
-            full = stats.timers_fired + stats.leases_expired >= self.batch
+            full = stats.timers_fired + stats.leases_expired >= self.batch or stats.schedule_runs_started >= self.batch
             if not full:
                 self._stop.wait(self.interval)
 
     def run_once(self, loops: Collection[str] | None = None) -> PassStats:
-        """One pass of every loop (or of the named ones: ``partitions``, ``timers``,
-        ``leases``, ``webhooks``, ``retention``); a failing loop is logged and the others
-        still run. Retention runs only when the coordinator was given a cut-off."""
+        """One pass of every loop (or of the named ones: ``partitions``, ``schedules``,
+        ``timers``, ``leases``, ``webhooks``, ``retention``); a failing loop is logged and
+        the others still run. Retention runs only when the coordinator was given a cut-off."""
         stats = PassStats()
-        every = (("partitions", self._upkeep), ("timers", self._timers),
+        every = (("partitions", self._upkeep), ("schedules", self._schedules), ("timers", self._timers),
                  ("leases", self._leases), ("webhooks", self._webhooks), ("retention", self._retention))
         if loops is not None and not set(loops) <= {name for name, _ in every}:
             raise Invalid(f"unknown coordinator loops {sorted(set(loops) - {name for name, _ in every})}")
@@ -147,6 +156,17 @@ class Coordinator:
             self._floor = floor
             self._next_floor = time.monotonic() + self.floor_every_s
         return self._floor
+
+    def _schedules(self, stats: PassStats) -> None:
+        """Start the due slots of at most ``batch`` schedules (:meth:`Schedules.fire_due`):
+        a slot due more than ``schedule_grace_s`` ago is late, which a schedule whose
+        catch-up is ``none`` does not start."""
+        done = self.engine.schedules.fire_due(limit=self.batch, grace_s=self.schedule_grace_s,
+                                              max_starts=self.batch)
+        stats.schedule_runs_started += done.started
+        stats.schedule_slots_missed += done.missed
+        stats.schedule_slots_skipped += done.skipped
+        stats.errors.extend(done.errors)
 
     def _timers(self, stats: PassStats) -> None:
         with self.engine.pool.connection() as conn:

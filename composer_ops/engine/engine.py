@@ -23,6 +23,7 @@ from composer_ops.engine.admin import WorkerReport
 from composer_ops.engine.ids import uuid7_at
 from composer_ops.engine.jsonvalues import check_json
 from composer_ops.engine.requests import Request, key_request
+from composer_ops.engine.schedules import Schedules
 from composer_ops.engine.shell import Outcome, Shell
 from composer_ops.errors import Conflict, Invalid, NotFound
 from composer_ops.repo import (
@@ -38,7 +39,16 @@ from composer_ops.repo import (
     webhooks,
     workers,
 )
-from composer_ops.repo.rows import Claim, DeletedRun, HistoryEntry, PartitionRow, RunListRow, RunRow, RunView
+from composer_ops.repo.rows import (
+    Claim,
+    DeletedRun,
+    HistoryEntry,
+    PartitionRow,
+    RunListRow,
+    RunRow,
+    RunView,
+    StartTarget,
+)
 
 if TYPE_CHECKING:
     from composer_ops.engine.coordinator import Coordinator
@@ -56,6 +66,7 @@ class Engine:
         self.pool = pool
         self.url = url
         self.shell = Shell(pool)
+        self.schedules = Schedules(self)
 
     def _on_citus(self, conn: Any) -> bool:
         """Whether the database is a Citus coordinator (:meth:`Shell.on_citus`, asked
@@ -166,17 +177,9 @@ class Engine:
                 run_id = client_id
                 validate_run_id(run_id, now)
                 partitions.require_run_partition(conn, run_id)
-            if row is None:
-                definitions.refuse_missing(conn, workflow_id, version)
-            if row.deleted_at is not None:
-                raise Invalid(f"workflow {workflow_id!r} v{row.version} has been deleted; it accepts no new runs")
-            if not row.enabled:
-                raise Invalid(f"workflow {workflow_id!r} is disabled; it accepts no new runs")
-            spec = self.shell.definition(conn, row.id, row.version).spec
+            target = startable(conn, workflow_id, version, row)
             try:
-                runs.insert_run(conn, run_id=run_id, workflow_id=row.id, workflow_version=row.version,
-                                input=input, context={"input": input, "config": dict(spec.config)},
-                                now=now, request=request.id)
+                self.start_in(conn, now=now, target=target, run_id=run_id, input=input, request=request)
             except Conflict:
                 # An earlier attempt still finishing on the server when this one looked
                 # (its connection lost, its COMMIT not yet processed) held the run ID's
@@ -184,13 +187,25 @@ class Engine:
                 if look and self._started_by(run_id, request) is not None:
                     return run_id
                 raise
-            # The insert holds the new row's lock until commit; no need to lock again.
-            self.shell.start_decision(conn, RunRow(
-                id=run_id, workflow_id=row.id, workflow_version=row.version, status="RUNNING",
-                context={"input": input, "config": dict(spec.config)}, now=now), request)
-        log.info("started run %s of %s v%d", run_id, workflow_id, row.version,
+        log.info("started run %s of %s v%d", run_id, workflow_id, target.version,
                  extra={"action": "start_run", "run_id": run_id})
         return run_id
+
+    def start_in(self, conn: Any, *, now: datetime, target: StartTarget, run_id: str, input: Any,
+                 request: Request, started_detail: Any = None) -> None:
+        """Insert the run ``run_id`` of ``target`` and apply the start's decision, in the
+        caller's transaction at its clock ``now``: the one start of the engine, which
+        :meth:`start` and a schedule's slots share. :class:`Conflict` when the run ID is
+        taken (the transaction stays usable); ``started_detail`` goes into the run's
+        'started' history row."""
+        spec = self.shell.definition(conn, target.id, target.version).spec
+        context = {"input": input, "config": dict(spec.config)}
+        runs.insert_run(conn, run_id=run_id, workflow_id=target.id, workflow_version=target.version,
+                        input=input, context=context, now=now, request=request.id, started_detail=started_detail)
+        # The insert holds the new row's lock until commit; no need to lock again.
+        self.shell.start_decision(conn, RunRow(
+            id=run_id, workflow_id=target.id, workflow_version=target.version, status="RUNNING",
+            context=context, now=now), request)
 
     def _started_by(self, run_id: str, request: Request) -> str | None:
         """``run_id`` when ``request`` started that run (an attempt whose acknowledgement was lost)."""
@@ -439,6 +454,18 @@ class Engine:
         lease, live first; the leases the dead and stopped ones hold; lease owners that
         never registered."""
         return admin.workers_report(self.pool, window_s=window_s)
+
+
+def startable(conn: Any, workflow_id: str, version: int | None, row: StartTarget | None) -> StartTarget:
+    """``row`` (what :func:`definitions.clock_and_start_target` found) if a new run may
+    start on it; else NotFound or Invalid saying why not."""
+    if row is None:
+        definitions.refuse_missing(conn, workflow_id, version)
+    if row.deleted_at is not None:
+        raise Invalid(f"workflow {workflow_id!r} v{row.version} has been deleted; it accepts no new runs")
+    if not row.enabled:
+        raise Invalid(f"workflow {workflow_id!r} is disabled; it accepts no new runs")
+    return row
 
 
 def _check_workflow_id(workflow_id: object) -> None:

@@ -66,6 +66,7 @@ from composer_ops.ops.partitions import (
     partition_totals,
 )
 from composer_ops.ops.retention import Cutoff, parse_cutoff, plan_frame, retention_plan
+from composer_ops.ops.schedules import schedule_events, schedules_overview
 
 __all__ = [
     "ACTIVE_STATES",
@@ -113,6 +114,8 @@ __all__ = [
     "retention_plan",
     "run_story",
     "running_leases",
+    "schedule_events",
+    "schedules_overview",
     "show_key_figures",
     "snapshot",
     "table",

@@ -14,7 +14,7 @@ from typing import Any
 import polars as pl
 
 from composer_ops.errors import Invalid
-from composer_ops.ops import active, leases, partitions, retention
+from composer_ops.ops import active, leases, partitions, retention, schedules
 from composer_ops.ops._common import Source, connection, db_now, read_from
 from composer_ops.ops.display import duration
 from composer_ops.repo import analytics
@@ -32,6 +32,7 @@ class Thresholds:
     retention_older_than: str = "6 months"  # the cut-off retention is judged at
     long_wait_h: float = 24            # alert on WAIT_FOR_EVENT nodes without a timeout waiting longer
     webhook_attempts: int = 3          # a delivery still retried after this many attempts is failing
+    schedule_late_s: float = 300       # alert on a schedule whose last due slot did not start this long after it
 
     def checked(self) -> Thresholds:
         """Itself, or :class:`Invalid` naming the first threshold out of range."""
@@ -39,7 +40,7 @@ class Thresholds:
             raise Invalid(f"--months-ahead-min must be 0 or more, got {self.months_ahead_min}")
         for name, value in (("--sweeper-lag", self.sweeper_lag_s), ("--replay-lag", self.replay_lag_s),
                             ("--outbox-ready-age", self.outbox_ready_age_s),
-                            ("--long-wait-h", self.long_wait_h)):
+                            ("--long-wait-h", self.long_wait_h), ("--schedule-late", self.schedule_late_s)):
             if not value >= 0:
                 raise Invalid(f"{name} must be 0 or more, got {value}")
         if self.webhook_attempts < 1:
@@ -90,6 +91,7 @@ def check_health(source: Source = None, thresholds: Thresholds | None = None) ->
         plan = retention.retention_plan(conn, cutoff)
         waits, waits_total = active.long_waits(conn, older_than_s=t.long_wait_h * 3600, limit=1)
         failing, most_attempts, _ = analytics.webhooks_failing(conn, t.webhook_attempts)
+        timetable = schedules.schedules_overview(conn, late_after_s=t.schedule_late_s)
     checks: list[Check] = []
 
     # Read first: every other figure is as old as the replay position of a standby.
@@ -160,6 +162,15 @@ def check_health(source: Source = None, thresholds: Thresholds | None = None) ->
         detail=(f"{failing} delivery(ies) still retried after {t.webhook_attempts}+ attempts (up to "
                 f"{most_attempts}): is the endpoint up?" if failing else "no delivery is failing"),
         help="Webhook deliveries not delivered after at least the threshold's attempts and still retried."))
+
+    late = timetable.filter(pl.col("late"))
+    checks.append(Check(
+        name="late schedules", runbook="schedule_late",
+        metric="composer_schedules_late", value=late.height, threshold=0, alert=late.height > 0,
+        detail=(f"{late.height} schedule(s) whose last due slot did not start, e.g. {late['name'][0]}: "
+                f"{late['late_reason'][0]}" if late.height
+                else f"every due slot of {timetable.height} schedule(s) started or was skipped by its policy"),
+        help="Schedules whose last due slot did not start: overdue past the threshold, or missed."))
     return Health(checked_at=now, checks=checks)
 
 

@@ -90,6 +90,14 @@ def _run_ids(name: str, value: Any) -> list[str]:
     return [validate_run_id(str(v)) for v in value]
 
 
+def _schedule_names(name: str, value: Any) -> list[str]:
+    from composer_ops.core.schedules import check_name
+
+    if not isinstance(value, list) or len(value) > 100:
+        raise Invalid(f"must be a JSON list of at most 100 schedule names, got {value!r}")
+    return [check_name(v) for v in value]
+
+
 def _selection(name: str, value: Any) -> Any:
     """``workflow``, ``since`` or ``where`` of a selection of runs, as ``runs list`` checks it."""
     if value is None:
@@ -116,6 +124,7 @@ RUNBOOK_CHECKS: dict[str, dict[str, Check]] = {
     "retention_blocked": {"cutoff": _cutoff, "reason": _text},
     "long_waits": {"long_wait_h": _number_above(0, inclusive=True), "cancel_runs": _run_ids, "reason": _text},
     "failing_webhooks": {"webhook_attempts": _int_between(1, 1000), "limit": _int_between(1, 1000)},
+    "schedule_late": {"schedule_late_s": _number_above(0, inclusive=True), "trigger": _schedule_names},
     "dead_worker": {"workers_window_h": _number_above(0, inclusive=True)},
     "replay_failed": {"workflow": _selection, "since": _selection, "where": _selection, "from_node": _node,
                       "limit": _int_between(1, 1000)},

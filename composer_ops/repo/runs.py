@@ -110,9 +110,11 @@ _INSERT_RUN_RECORDED = history.recorded(_INSERT_RUN, "id")
 
 
 def insert_run(conn: Conn, *, run_id: str, workflow_id: str, workflow_version: int,
-               input: Any, context: Any, now: datetime, request: str | None = None) -> None:
+               input: Any, context: Any, now: datetime, request: str | None = None,
+               started_detail: Any = None) -> None:
     """Create a RUNNING run; with ``request``, its history starts with a 'started' row
-    written by that request (how a retried start recognises its own run). Fails if the
+    written by that request (how a retried start recognises its own run), with
+    ``started_detail`` (a schedule's slot). Fails if the
     definition is missing or deleted (NotFound / Invalid), if the run ID is taken
     (Conflict) or has no partition (Invalid); a refused insert leaves the caller's
     transaction usable.
@@ -130,7 +132,8 @@ def insert_run(conn: Conn, *, run_id: str, workflow_id: str, workflow_version: i
     params = {"id": run_id, "input": jsonb(input), "context": jsonb(context), "wf": workflow_id,
               "version": workflow_version, "partition": partition, "now": now}
     if request is not None:
-        params |= history.entry_params(run_id, request, HistoryEntry(kind="started"), now=now)
+        params |= history.entry_params(run_id, request, HistoryEntry(kind="started", detail=started_detail),
+                                        now=now)
     cur = conn.execute(_INSERT_RUN if request is None else _INSERT_RUN_RECORDED, params)
     if cur.fetchone() is not None:
         return

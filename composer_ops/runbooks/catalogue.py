@@ -56,6 +56,11 @@ RUNBOOKS: tuple[Runbook, ...] = (
     Runbook(name="failing_webhooks", alert="failing webhooks", incident=None,
             means="webhook deliveries are still retried after many attempts: the endpoint refuses or is down",
             acts="nothing: the relay retries by itself once the endpoint answers; the runbook names them"),
+    Runbook(name="schedule_late", alert="late schedules", incident="a schedule did not fire",
+            means="a schedule's last due slot did not start: no coordinator runs the schedules loop, or its run "
+                  "could not start (workflow disabled or deleted, no partition for the slot's month)",
+            acts="triggers the schedules named in `trigger` (none by default), one run each, audited as "
+                 "`schedules trigger`"),
     Runbook(name="dead_worker", alert=None, incident="a dead worker",
             means="a worker stopped without a clean stop and may hold leases of RUNNING tasks",
             acts="runs one pass of the lease sweeper for the leases that expired, one audit row"),

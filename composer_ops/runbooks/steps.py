@@ -182,6 +182,33 @@ def cancel_act(act: Act, database_url: str | None, run_ids: Sequence[str], reaso
                        lambda r: f"cancelled {len(r.cancelled)} run(s), skipped {len(r.skipped)}")
 
 
+# -- late schedules ------------------------------------------------------------------------
+
+
+def late_plan(overview: pl.DataFrame) -> pl.DataFrame:
+    """The late schedules, each with what would make its next slot start."""
+    late = overview.filter(pl.col("late"))
+    todo = [("start `composer-ops coordinator` (its schedules loop starts the overdue slots by the catch-up "
+             f"policy, {catchup})" if "overdue" in (why or "") else
+             "enable or redeploy the workflow" if "disabled" in (why or "") or "deleted" in (why or "") else
+             "run `composer-ops partitions ensure`" if "partition" in (why or "") else
+             "read the reason; `trigger` starts one run now")
+            for why, catchup in late.select("late_reason", "catchup").iter_rows()]
+    return late.select("name", "workflow_id", "late_reason").with_columns(pl.Series("to_do", todo, pl.String))
+
+
+def trigger_act(act: Act, database_url: str | None, names: Sequence[str]) -> list[str] | None:
+    """Trigger each schedule in ``names`` once (as ``schedules trigger``, audited)."""
+    if not names:
+        if act.allowed:
+            act.did.append("schedules trigger: no schedule named in trigger, nothing to start")
+        return None
+    with engine(database_url, act.runbook) as e:
+        return act.run("schedules trigger",
+                       lambda: [e.schedules.trigger(n, actor=actor(act.runbook)) for n in names],
+                       lambda started: f"started run(s) {', '.join(started)}")
+
+
 # -- failing webhooks ----------------------------------------------------------------------
 
 

@@ -425,4 +425,6 @@ def runbook_figures(info: SeedInfo) -> dict[str, dict[str, Any]]:
         "replay_failed": {"failed": [], "plan": [], "act": dry},
         # 21 runs, the newest by run ID is L9 (the current month's IDs are its first instant + k s).
         "find_run": {"found": 20, "newest": runs["L9"], "act": dry},
+        # The seed has no schedule.
+        "schedule_late": {"alert": False, "plan": {}, "act": dry},
     }

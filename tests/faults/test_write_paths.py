@@ -17,13 +17,14 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from datetime import UTC, date, datetime
+from datetime import UTC, date, datetime, timedelta
 from functools import partial
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from composer_ops.core.schedules import slot_run_id
 from composer_ops.engine import archive, retire
 from composer_ops.engine.retention import drop_due_months
 from composer_ops.engine.shell import Outcome
@@ -357,6 +358,92 @@ def _relayed(b: Rig, run_id: str) -> None:
         b.direct.coordinator(relay=RELAY).run_once(["webhooks"])
 
 
+def _schedule(b: Rig, cron: str = "0 * * * *", *, due_hours: int = 0) -> str:
+    """A schedule of its own (earlier cases' deleted, so a pass sees this one only);
+    with ``due_hours``, its cursor moved back so that the slots of the last
+    ``due_hours`` hours and this hour's are due (catch-up all, overlap allow)."""
+    b.sql("UPDATE schedules SET deleted_at = now(), wake_at = NULL WHERE deleted_at IS NULL")
+    name = f"s-{_token()[:12]}"
+    b.direct.schedules.create(name, workflow="f-chain", cron=cron, timezone="Europe/Paris", catchup="all",
+                              overlap="allow")
+    if due_hours:
+        b.sql("UPDATE schedules SET next_slot_at = date_trunc('hour', now()) - make_interval(hours => %s), "
+              "wake_at = date_trunc('hour', now()) - make_interval(hours => %s) WHERE name = %s",
+              (due_hours, due_hours, name))
+    return name
+
+
+def _schedule_runs(b: Rig, name: str) -> list[tuple[str, str, str]]:
+    """(run ID, source, slot) of every run the schedule started, from their 'started' history."""
+    return [(r[0], r[1], r[2]) for r in b.sql("""
+        SELECT h.run_id, h.detail->>'source', h.detail->>'slot' FROM run_history h
+         WHERE h.kind = 'started' AND h.detail->>'schedule' = %s ORDER BY 3""", (name,))]
+
+
+def _audited(b: Rig, action: str, name: str) -> list[str]:
+    n = b.sql("SELECT count(*) FROM operator_audit WHERE action = %s AND target = %s", (action, name))[0][0]
+    return [] if n == 1 else [f"{n} {action!r} audit rows for one call"]
+
+
+def _slots_fired_once(b: Rig, name: str, result: Result) -> list[str]:
+    """A pass cut by a fault leaves the schedule for the next pass: run one. Then every
+    slot from the cursor's old place to its new one has exactly one run, the slot's."""
+    if b.sql("SELECT wake_at <= now() FROM schedules WHERE name = %s", (name,))[0][0]:
+        b.direct.coordinator().run_once(["schedules"])
+    sid, cursor = b.sql("SELECT id, next_slot_at FROM schedules WHERE name = %s", (name,))[0]
+    fired = _schedule_runs(b, name)
+    slots = [datetime.fromisoformat(slot) for _, _, slot in fired]
+    problems = _raised(result)
+    if len(fired) != 3 or len(set(slots)) != len(slots) or any(s >= cursor for s in slots):
+        problems.append(f"runs {fired} for 3 slots, cursor now {cursor}")
+    if any(run_id != slot_run_id(sid, "cron", slot) for (run_id, _, _), slot in zip(fired, slots, strict=True)):
+        problems.append(f"a run ID is not its slot's: {fired}")
+    started = b.sql("SELECT count(*) FROM schedule_events WHERE schedule_id = %s AND kind = 'started'", (sid,))
+    if started != [(len(fired),)]:
+        problems.append(f"{started[0][0]} 'started' events for {len(fired)} runs")
+    return problems
+
+
+def _triggered_once(b: Rig, name: str, result: Result) -> list[str]:
+    fired = _schedule_runs(b, name)
+    problems = _raised(result) + _audited(b, "schedules trigger", name)
+    if len(fired) != 1 or (result.error is None and result.value != fired[0][0]):
+        problems.append(f"trigger returned {result.value!r}; the schedule's runs are {fired}")
+    return problems
+
+
+def _backfilled_once(b: Rig, name: str, result: Result) -> list[str]:
+    fired = _schedule_runs(b, name)
+    problems = _raised(result) + _audited(b, "schedules backfill", name)
+    if len(fired) != 3 or {source for _, source, _ in fired} != {"backfill"}:
+        problems.append(f"runs {fired} for 3 backfilled slots")
+    if result.error is None and (result.value.started, [s.action for s in result.value.slots]) != (3, ["start"] * 3):
+        problems.append(f"backfill reported {result.value.started} started, not its lost attempt's 3")
+    return problems
+
+
+def _created_once(b: Rig, name: str, result: Result) -> list[str]:
+    n = b.sql("SELECT count(*) FROM schedules WHERE name = %s", (name,))[0][0]
+    problems = _raised(result) + _audited(b, "schedules create", name)
+    if n != 1:
+        problems.append(f"{n} schedules named {name}")
+    return problems
+
+
+def _paused_once(b: Rig, name: str, result: Result) -> list[str]:
+    paused = b.sql("SELECT paused FROM schedules WHERE name = %s AND deleted_at IS NULL", (name,))
+    problems = _raised(result) + _audited(b, "schedules pause", name)
+    if paused != [(True,)] or (result.error is None and result.value is not True):
+        problems.append(f"schedule paused {paused}; pause returned {result.value!r} (True: it paused it)")
+    return problems
+
+
+def _backfill(b: Rig, name: str) -> Any:
+    top = datetime.now(UTC).replace(minute=0, second=0, microsecond=0)
+    return b.engine.schedules.backfill(name, start=top - timedelta(hours=4), end=top - timedelta(hours=1),
+                                       yes=True)
+
+
 # -- checks: what every case must leave -------------------------------------------------------
 
 
@@ -634,6 +721,8 @@ PATHS = [
               lambda b, _: b.engine.coordinator(webhook_keep_days=7).run_once(["webhooks"]), _old_deliveries_pruned),
     WritePath("partition upkeep", _months_ahead_missing,
               lambda b, _: b.engine.coordinator(months_ahead=5).run_once(["partitions"]), _months_created),
+    WritePath("schedules pass", partial(_schedule, due_hours=2),
+              lambda b, _: b.engine.coordinator().run_once(["schedules"]), _slots_fired_once),
     WritePath("retention drop", _a_month_to_drop,
               lambda b, _: drop_due_months(b.proxy.url(), datetime(2021, 1, 1, tzinfo=UTC)), _only_that_month_dropped),
     # operators
@@ -642,6 +731,12 @@ PATHS = [
     WritePath("retry run", _failed_run, lambda b, run_id: b.engine.retry(run_id), _reopened_once),
     WritePath("bulk cancel", _three_tokened_runs,
               lambda b, s: b.engine.cancel_runs(where={"token": s[0]}, yes=True, chunk=2), _cancelled_once_each),
+    WritePath("schedules create", lambda b: f"c-{_token()[:12]}",
+              lambda b, name: b.engine.schedules.create(name, workflow="f-chain", cron="0 2 * * *",
+                                                        timezone="UTC"), _created_once),
+    WritePath("schedules pause", _schedule, lambda b, name: b.engine.schedules.pause(name), _paused_once),
+    WritePath("schedules trigger", _schedule, lambda b, name: b.engine.schedules.trigger(name), _triggered_once),
+    WritePath("schedules backfill", _schedule, _backfill, _backfilled_once),
     WritePath("partitions archive", _month_2020, lambda b, m: _archive(b.proxy.url(), m), _archived_once,
               every_request=False),
     WritePath("partitions drop --archive", _month_2020, lambda b, m: _retire(b.proxy.url(), m),

@@ -208,6 +208,28 @@ def test_each_acting_runbook_acts_through_the_engine_with_its_audit_row(
         assert db_role == role and command.endswith(f"[record {record}]"), (action, command)
 
 
+def test_schedule_late_triggers_the_schedules_it_names(db_url: str, operator: str, tmp_path: Path,
+                                                        capsys: pytest.CaptureFixture[str]) -> None:
+    from composer_ops import Engine
+
+    with Engine.connect(db_url, pool_size=1) as engine:
+        engine.deploy({"id": "nightly", "nodes": [{"id": "a", "type": "TASK", "task": "t"}]})
+        engine.schedules.create("nightly-eu", workflow="nightly", cron="0 2 * * *", timezone="Europe/Paris")
+    out = tmp_path / "reports"
+    code, printed, err = _run(["schedule_late", "-p", "trigger", '["nightly-eu"]', "--database-url",
+                               as_role(db_url, operator), "--out", str(out)], capsys)
+    assert code == 0 and [r[0] for r in _audit(db_url)] == ["schedules create"], err     # a dry run
+    code, printed, err = _run(["schedule_late", "-p", "confirm", "true", "-p", "trigger", '["nightly-eu"]',
+                               "--database-url", as_role(db_url, operator), "--out", str(out)], capsys)
+    assert code == 0, err
+    actions = [(a, t, c) for a, t, c, _cmd, _r in _audit(db_url)]
+    assert actions[1:] == [("schedules trigger", "nightly-eu", {"runs": 1})]
+    command = _audit(db_url)[1][3]
+    record = sorted((out / "runbooks" / "schedule_late").glob("*.ipynb"))[-1]
+    assert command.startswith("composer-ops runbook schedule_late -p confirm true") and f"[record {record}]" in command
+    assert "schedules trigger: started run(s) " in printed
+
+
 @pytest.mark.parametrize("argv, message", [
     (["nosuch"], "unknown runbook 'nosuch'"),
     (["sweeper_lag", "-p", "confirm", "maybe"], "-p confirm: 'maybe' is not a boolean"),
@@ -215,6 +237,7 @@ def test_each_acting_runbook_acts_through_the_engine_with_its_audit_row(
     (["sweeper_lag", "-p", "cutoff", "6 months"], "-p cutoff: no selected runbook declares it"),
     (["long_waits", "-p", "cancel_runs", '["not-a-run"]'], "-p cancel_runs:"),
     (["replay_failed", "-p", "since", "yesterday"], "-p since:"),
+    (["schedule_late", "-p", "trigger", '["no spaces"]'], "-p trigger: schedule name"),
 ])
 def test_bad_input_is_refused_before_a_kernel_starts(argv: list[str], message: str, tmp_path: Path,
                                                      capsys: pytest.CaptureFixture[str]) -> None:
