@@ -15,7 +15,7 @@ from collections.abc import Sequence
 import composer_ops.cli.ops_cmds as ops_cmds
 import composer_ops.cli.simulate_cmds as simulate_cmds
 from composer_ops import __version__
-from composer_ops.cli import admin_cmds, audit_cmds, db_cmds, partition_cmds, run_cmds, runbook_cmds
+from composer_ops.cli import admin_cmds, audit_cmds, db_cmds, partition_cmds, queue_cmds, run_cmds, runbook_cmds
 from composer_ops.cli._common import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_OK, ArgumentParser, check_options
 from composer_ops.errors import ComposerError, Unavailable
 
@@ -32,6 +32,7 @@ def build_parser() -> ArgumentParser:
     run_cmds.register(sub)
     partition_cmds.register(sub)
     admin_cmds.register(sub)
+    queue_cmds.register(sub)
     audit_cmds.register(sub)
     ops_cmds.register(sub)
     runbook_cmds.register(sub)

@@ -33,6 +33,8 @@ _THRESHOLDS = (
      "alert on WAIT_FOR_EVENT nodes without a timeout waiting longer than this many hours"),
     ("webhook_attempts", "--webhook-attempts", "COMPOSER_CHECK_WEBHOOK_ATTEMPTS", "N",
      "alert on webhook deliveries still retried after this many attempts"),
+    ("queue_paused_h", "--queue-paused-h", "COMPOSER_CHECK_QUEUE_PAUSED_H", "HOURS",
+     "alert on a queue paused (composer-ops queues pause) longer than this many hours"),
 )
 
 

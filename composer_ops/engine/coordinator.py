@@ -30,7 +30,7 @@ from composer_ops.engine.retention import drop_due_months
 from composer_ops.engine.shell import Outcome
 from composer_ops.engine.webhooks import RelayPolicy, relay_once
 from composer_ops.errors import ComposerError, Invalid, LockTimeout, Transient
-from composer_ops.repo import clock, partitions, signals, tasks, webhooks
+from composer_ops.repo import clock, partitions, queues, signals, tasks, webhooks
 from composer_ops.repo.retention import Cutoff, parse_cutoff
 
 if TYPE_CHECKING:
@@ -57,6 +57,7 @@ class PassStats:
     months_dropped: list[str] = field(default_factory=list)
     months_blocked: list[str] = field(default_factory=list)   # past the cut-off, kept for active runs
     busy: int = 0                  # timers and leases whose run's lock was held elsewhere: backed off
+    slots_freed: int = 0           # flow_slots of attempts no longer RUNNING (sql/V003), healed
     errors: list[str] = field(default_factory=list)
 
 
@@ -173,6 +174,17 @@ class Coordinator:
                 stats.leases_expired += 1
                 log.info("lease of task %s (run %s, owner %s) expired", lease.task_id, lease.run_id,
                          lease.lease_owner, extra={"action": "lease_expired", "run_id": lease.run_id})
+        self._heal_slots(stats)
+
+    def _heal_slots(self, stats: PassStats) -> None:
+        """Free the places under a queue's limit that an attempt no longer RUNNING still
+        holds: the trigger of sql/R__claim.sql frees them as attempts end, this catches
+        what bypassed it. Not on Citus, whose claim takes no places."""
+        with self.engine.pool.connection() as conn:
+            if self.engine.shell.on_citus(conn):
+                return
+            with conn.transaction():
+                stats.slots_freed += queues.free_stale_slots(conn)
 
     def _handle(self, kind: str, task_id: str, key: str, run_id: str, make_event: Callable[[datetime], Event],
                 backoff: _Backoff, stats: PassStats, locked: set[str]) -> Outcome | None:

@@ -249,7 +249,8 @@ class Shell:
                 node = run.spec.nodes[nxt.node_id]
                 dispatches.append(Dispatch(run_id=run.id, task_id=nxt.task_id, attempt=nxt.attempt,
                                            queue=node.queue or "default", task_name=node.task or nxt.node_id,
-                                           lease_s=_lease(node.lease_s), available_at=action.available_at))
+                                           lease_s=_lease(node.lease_s), available_at=action.available_at,
+                                           priority=node.flow.priority))
             elif isinstance(action, ResolveWait):
                 _fenced(signals.resolve_wait(conn, run.id, action.task_id, state=str(action.state), now=now,
                                              output=action.output, reason=action.reason) or None, action)
@@ -295,7 +296,8 @@ class Shell:
                 node = run.spec.nodes[a.node_id]
                 dispatches.append(Dispatch(run_id=run.id, task_id=a.task_id, attempt=0,
                                            queue=node.queue or "default", task_name=node.task or a.node_id,
-                                           lease_s=_lease(node.lease_s), available_at=a.available_at))
+                                           lease_s=_lease(node.lease_s), available_at=a.available_at,
+                                           priority=node.flow.priority))
 
     def _finish(self, conn: Conn, run: RunSnapshot, a: FinishRun, now: datetime) -> None:
         if not runs.finish_run(conn, run.id, str(a.status), now=now, reason=a.reason, output=a.output):

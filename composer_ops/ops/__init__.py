@@ -25,6 +25,7 @@ from composer_ops.ops.active import (
     age_histogram,
     long_waits,
     outbox_backlog,
+    queue_overview,
     top_runs,
 )
 from composer_ops.ops.display import SelfChecks, show_key_figures, table
@@ -102,6 +103,7 @@ __all__ = [
     "lookahead",
     "monthly_growth_rate",
     "outbox_backlog",
+    "queue_overview",
     "parse_cutoff",
     "node_totals",
     "partition_inventory",

@@ -13,8 +13,8 @@ from __future__ import annotations
 import polars as pl
 
 from composer_ops.errors import Invalid
-from composer_ops.ops._common import ACTIVE_STATES, UTC_TS, Source, connection, rows_frame
-from composer_ops.repo import analytics
+from composer_ops.ops._common import ACTIVE_STATES, UTC_TS, Source, connection, db_now, rows_frame
+from composer_ops.repo import analytics, queues
 
 #: Age buckets of the histogram: (label, upper bound in seconds; None = unbounded).
 AGE_BUCKETS: tuple[tuple[str, float | None], ...] = (
@@ -109,3 +109,19 @@ def long_waits(source: Source = None, *, older_than_s: float = 86400, limit: int
         "run_id": pl.String, "task_id": pl.String, "node_id": pl.String, "event_name": pl.String,
         "created_at": UTC_TS, "waiting_s": pl.Float64,
     }), total
+
+
+def queue_overview(source: Source = None) -> pl.DataFrame:
+    """Every queue with a setting, a dispatch or a RUNNING task: paused (why, since when,
+    for how long), its limit (``max_running``, 0: none) and whether it is at it, the
+    dispatches waiting (``depth``, ``ready`` now, the oldest ready one's age) and the
+    RUNNING tasks; ages by the database clock. A queue at its limit with ready
+    dispatches is held back on purpose, not stuck."""
+    with connection(source) as conn:
+        found = queues.overview(conn, db_now(conn))
+    frame = rows_frame([tuple(r.__dict__.values()) for r in found], {
+        "queue": pl.String, "paused": pl.Boolean, "reason": pl.String, "paused_at": UTC_TS,
+        "paused_s": pl.Float64, "max_running": pl.Int64, "depth": pl.Int64, "ready": pl.Int64,
+        "oldest_ready_s": pl.Float64, "running": pl.Int64, "slots": pl.Int64})
+    return frame.with_columns(
+        at_limit=(pl.col("max_running") > 0) & (pl.col("slots") >= pl.col("max_running")))

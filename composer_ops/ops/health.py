@@ -7,7 +7,7 @@ snapshot; each check says what it measured, the threshold, and whether it alerts
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from datetime import datetime
 from typing import Any
 
@@ -32,6 +32,7 @@ class Thresholds:
     retention_older_than: str = "6 months"  # the cut-off retention is judged at
     long_wait_h: float = 24            # alert on WAIT_FOR_EVENT nodes without a timeout waiting longer
     webhook_attempts: int = 3          # a delivery still retried after this many attempts is failing
+    queue_paused_h: float = 1          # alert on a queue paused longer than this (an incident's pause forgotten)
 
     def checked(self) -> Thresholds:
         """Itself, or :class:`Invalid` naming the first threshold out of range."""
@@ -39,7 +40,7 @@ class Thresholds:
             raise Invalid(f"--months-ahead-min must be 0 or more, got {self.months_ahead_min}")
         for name, value in (("--sweeper-lag", self.sweeper_lag_s), ("--replay-lag", self.replay_lag_s),
                             ("--outbox-ready-age", self.outbox_ready_age_s),
-                            ("--long-wait-h", self.long_wait_h)):
+                            ("--long-wait-h", self.long_wait_h), ("--queue-paused-h", self.queue_paused_h)):
             if not value >= 0:
                 raise Invalid(f"{name} must be 0 or more, got {value}")
         if self.webhook_attempts < 1:
@@ -67,6 +68,7 @@ class Check:
 class Health:
     checked_at: datetime
     checks: list[Check]
+    queues: list[dict[str, Any]] = field(default_factory=list)   # per queue: active.queue_overview's rows
 
     @property
     def healthy(self) -> bool:
@@ -74,7 +76,7 @@ class Health:
 
     def as_json(self) -> dict[str, Any]:
         return {"healthy": self.healthy, "up": True, "checked_at": self.checked_at.isoformat().replace("+00:00", "Z"),
-                "checks": [asdict(c) for c in self.checks]}
+                "checks": [asdict(c) for c in self.checks], "queues": self.queues}
 
 
 def check_health(source: Source = None, thresholds: Thresholds | None = None) -> Health:
@@ -90,6 +92,7 @@ def check_health(source: Source = None, thresholds: Thresholds | None = None) ->
         plan = retention.retention_plan(conn, cutoff)
         waits, waits_total = active.long_waits(conn, older_than_s=t.long_wait_h * 3600, limit=1)
         failing, most_attempts, _ = analytics.webhooks_failing(conn, t.webhook_attempts)
+        queue_rows = active.queue_overview(conn)
     checks: list[Check] = []
 
     # Read first: every other figure is as old as the replay position of a standby.
@@ -160,7 +163,21 @@ def check_health(source: Source = None, thresholds: Thresholds | None = None) ->
         detail=(f"{failing} delivery(ies) still retried after {t.webhook_attempts}+ attempts (up to "
                 f"{most_attempts}): is the endpoint up?" if failing else "no delivery is failing"),
         help="Webhook deliveries not delivered after at least the threshold's attempts and still retried."))
-    return Health(checked_at=now, checks=checks)
+
+    paused = queue_rows.filter(pl.col("paused"))
+    longest = max((s for s in paused["paused_s"].to_list() if s is not None), default=0.0)
+    long_paused = paused.filter(pl.col("paused_s") > t.queue_paused_h * 3600)
+    checks.append(Check(
+        name="queue paused long", runbook="downstream_overloaded",
+        metric="composer_queue_paused_longest_seconds", value=longest, threshold=t.queue_paused_h * 3600,
+        alert=long_paused.height > 0,
+        detail=(f"queue(s) {', '.join(long_paused['queue'].to_list())} paused over {t.queue_paused_h:g} h "
+                "(composer-ops queues resume NAME --yes once the downstream service is back)" if long_paused.height
+                else f"{paused.height} queue(s) paused, none over {t.queue_paused_h:g} h"),
+        help="Seconds the longest-paused queue has been paused (0: none paused)."))
+    return Health(checked_at=now, checks=checks, queues=[
+        {k: (v.isoformat().replace("+00:00", "Z") if isinstance(v, datetime) else v) for k, v in row.items()}
+        for row in queue_rows.to_dicts()])
 
 
 def write_prometheus(health: Health, path: str) -> None:
@@ -180,9 +197,32 @@ def write_prometheus(health: Health, path: str) -> None:
         limit.labels(check=check.metric).set(check.threshold)
     _up(registry, 1)
     Gauge("composer_check_healthy", "1 when no check alerts.", registry=registry).set(1 if health.healthy else 0)
+    _queue_gauges(registry, health.queues)
     Gauge("composer_check_timestamp_seconds", "When the checks read the database (its clock).",
           registry=registry).set(health.checked_at.timestamp())
     _write(registry, path)
+
+
+#: Per-queue figures of ``check --prometheus``: (metric, help, the queue row's field).
+_QUEUE_GAUGES = (
+    ("composer_queue_depth", "Dispatches of the queue waiting in the outbox, ready or delayed.", "depth"),
+    ("composer_queue_ready", "Dispatches of the queue a worker could claim now.", "ready"),
+    ("composer_queue_oldest_ready_seconds", "Seconds the queue's oldest claimable dispatch has waited (0: none).",
+     "oldest_ready_s"),
+    ("composer_queue_running", "Tasks of the queue RUNNING.", "running"),
+    ("composer_queue_paused", "1 when an operator paused the queue (composer-ops queues pause).", "paused"),
+    ("composer_queue_max_running", "The queue's limit of RUNNING tasks (0: none).", "max_running"),
+    ("composer_queue_at_limit", "1 when the queue has as many RUNNING tasks as its limit allows.", "at_limit"),
+)
+
+
+def _queue_gauges(registry: Any, rows: list[dict[str, Any]]) -> None:
+    from prometheus_client import Gauge
+
+    for metric, text, key in _QUEUE_GAUGES:
+        gauge = Gauge(metric, text, ["queue"], registry=registry)
+        for row in rows:
+            gauge.labels(queue=row["queue"]).set(float(row[key] or 0))
 
 
 def write_prometheus_down(path: str) -> None:

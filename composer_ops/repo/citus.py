@@ -35,7 +35,8 @@ _PICK = """
       FROM task_outbox
      WHERE queue = ANY(%(queues)s) AND available_at <= now()
        AND (%(names)s::text[] IS NULL OR task_name = ANY(%(names)s::text[]))
-     ORDER BY available_at, id
+       AND NOT EXISTS (SELECT 1 FROM queue_settings s WHERE s.queue = task_outbox.queue AND s.paused)
+     ORDER BY priority DESC, available_at, id
      LIMIT %(limit)s
        FOR UPDATE SKIP LOCKED"""
 

@@ -51,10 +51,11 @@ def enqueue(conn: Conn, dispatches: Sequence[Dispatch], *, now: datetime) -> Non
         return
     conn.execute("""
         WITH ins AS (
-            INSERT INTO task_outbox (queue, run_id, task_id, attempt, task_name, lease_s, available_at, created_at)
-            SELECT q, r, t, a, n, l, COALESCE(av, %(now)s), %(now)s
+            INSERT INTO task_outbox (queue, run_id, task_id, attempt, task_name, lease_s, available_at, created_at,
+                                     priority)
+            SELECT q, r, t, a, n, l, COALESCE(av, %(now)s), %(now)s, COALESCE(p, 0)
               FROM jsonb_to_recordset(%(rows)s::jsonb) AS d(q text, r text, t text, a int4, n text, l int4,
-                                                           av timestamptz)
+                                                           av timestamptz, p int2)
             RETURNING queue, task_name
         ), woken AS (
             DELETE FROM task_waiters w
@@ -76,7 +77,8 @@ def enqueue(conn: Conn, dispatches: Sequence[Dispatch], *, now: datetime) -> Non
                         WHERE NOT (i.queue = ANY(w.queues)
                                    AND (w.task_names IS NULL OR i.task_name = ANY(w.task_names))))""",
         {"rows": recordset([{"q": d.queue, "r": d.run_id, "t": d.task_id, "a": d.attempt, "n": d.task_name,
-                             "l": d.lease_s, "av": iso(d.available_at)} for d in dispatches]),
+                             "l": d.lease_s, "av": iso(d.available_at), **({"p": d.priority} if d.priority else {})}
+                            for d in dispatches]),
          "now": now, "channel": CHANNEL})
 
 

@@ -102,6 +102,7 @@ class Dispatch:
     task_name: str
     lease_s: int
     available_at: datetime | None = None
+    priority: int = 0            # the node's flow-control priority: higher is claimed first in its queue
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -309,3 +310,32 @@ class RunListRow:
     error: Any
     created_at: datetime
     completed_at: datetime | None
+
+
+@dataclass(frozen=True, kw_only=True)
+class QueueSetting:
+    """A queue's row in ``queue_settings`` (sql/V003)."""
+
+    queue: str
+    paused: bool
+    reason: str | None
+    paused_at: datetime | None
+    max_running: int             # 0: no limit
+    updated_at: datetime
+
+
+@dataclass(frozen=True, kw_only=True)
+class QueueRow:
+    """A queue as ``composer-ops queues list`` and ``check`` show it."""
+
+    queue: str
+    paused: bool
+    reason: str | None
+    paused_at: datetime | None
+    paused_s: float | None       # how long it has been paused, by the database clock
+    max_running: int
+    depth: int                   # dispatches in the outbox, ready or delayed
+    ready: int
+    oldest_ready_s: float
+    running: int
+    slots: int                   # RUNNING attempts counted against max_running

@@ -1,0 +1,44 @@
+-- V003: flow control (issue 26, SPEC.md sections 5 and 8): the operators' queue settings,
+-- the slots that count running attempts against a limit, and the outbox's priority.
+
+-- One row per queue an operator has touched (`composer-ops queues pause|resume|set-limit`);
+-- a queue without a row is open and unlimited. Every claim reads the rows of its queues
+-- (sql/R__claim.sql): a paused queue gives nothing (its tasks stay in the outbox), a
+-- queue with max_running > 0 gives at most that many RUNNING attempts at once.
+CREATE TABLE IF NOT EXISTS queue_settings(
+    queue TEXT PRIMARY KEY,
+    paused BOOLEAN NOT NULL DEFAULT false,
+    reason TEXT,                          -- the operator's --reason of the pause
+    paused_at TIMESTAMPTZ,                -- database clock; check alerts on a long pause
+    max_running INT NOT NULL DEFAULT 0 CHECK (max_running >= 0),   -- 0: no limit
+    updated_at TIMESTAMPTZ NOT NULL DEFAULT now()
+);
+
+-- A running attempt holding a place under a limit ('queue:<name>'): inserted by the
+-- claim that starts it, in the same statement, and deleted when the attempt leaves
+-- RUNNING (the trigger in sql/R__claim.sql) or, after anything that bypassed it, by
+-- the lease sweeper. A claim counts a key's rows under that key's advisory lock, so
+-- racing claims never exceed the limit. Few rows: at most the running attempts.
+CREATE TABLE IF NOT EXISTS flow_slots(
+    key TEXT NOT NULL,
+    run_id TEXT COLLATE "C" NOT NULL,
+    task_id TEXT COLLATE "C" NOT NULL,
+    attempt INT NOT NULL,
+    taken_at TIMESTAMPTZ NOT NULL DEFAULT now(),
+    PRIMARY KEY (key, run_id, task_id)
+);
+CREATE INDEX IF NOT EXISTS idx_flow_slots_task ON flow_slots (run_id, task_id);
+
+-- Set by the claim on a task whose attempt took a slot, so that only those tasks run
+-- the trigger that frees it (NULL otherwise: a task without limits pays nothing).
+ALTER TABLE task_instances ADD COLUMN IF NOT EXISTS flow_slot BOOLEAN;
+
+-- Priority: higher first within a queue. The claim's scan becomes (queue, priority
+-- DESC, available_at, id); with every priority 0 it reads the same rows in the same
+-- order as the index it replaces.
+ALTER TABLE task_outbox ADD COLUMN IF NOT EXISTS priority SMALLINT NOT NULL DEFAULT 0;
+DROP INDEX IF EXISTS idx_task_outbox_ready;
+CREATE INDEX IF NOT EXISTS idx_task_outbox_ready ON task_outbox (queue, priority DESC, available_at, id);
+
+GRANT SELECT, INSERT, UPDATE ON queue_settings TO composer_ops_engine;
+GRANT SELECT, INSERT, UPDATE, DELETE ON flow_slots TO composer_ops_engine;

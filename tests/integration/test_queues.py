@@ -1,0 +1,173 @@
+"""Queue levers (engine/queues.py, repo/queues.py, the claim of sql/R__claim.sql): a
+paused queue gives no task and keeps them, resume gives them again; max_running bounds
+the RUNNING attempts of a queue and frees a place when an attempt ends; priorities order
+the claim within a queue; each change is audited, a dry run changes nothing, and a
+change retried with its request ID is not applied twice."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from typing import Any
+
+import psycopg
+import pytest
+
+from composer_ops import Engine
+from composer_ops.cli import main
+from composer_ops.errors import Invalid
+
+
+@pytest.fixture
+def engine(db_url: str) -> Iterator[Engine]:
+    with Engine.connect(db_url, pool_size=4) as e:
+        for name, priority in (("low", 0), ("high", 5), ("mid", 2)):
+            e.deploy({"id": name, "nodes": [{"id": "t", "type": "TASK", "task": "work", "queue": "q",
+                                             **({"priority": priority} if priority else {})}]})
+        e.deploy({"id": "other", "nodes": [{"id": "t", "type": "TASK", "task": "work", "queue": "r"}]})
+        yield e
+
+
+def _sql(url: str, query: str, params: Any = None) -> list[tuple[Any, ...]]:
+    with psycopg.connect(url) as conn:
+        return conn.execute(query, params).fetchall()
+
+
+def test_a_paused_queue_claims_nothing_keeps_its_tasks_and_resumes(db_url: str, engine: Engine) -> None:
+    runs = [engine.start("low") for _ in range(3)]
+    other = engine.start("other")
+    dry = engine.queues.pause("q", reason="provider down", yes=False)
+    assert (dry.applied, dry.changed, dry.after["paused"]) == (False, True, True)
+    assert _sql(db_url, "SELECT count(*) FROM queue_settings") == [(0,)]
+    paused = engine.queues.pause("q", reason="provider down")
+    assert (paused.applied, paused.changed) == (True, True)
+    assert engine.claim(["q"], "w1", 10) == []
+    taken = engine.claim(["q", "r"], "w1", 10)
+    assert [c.run_id for c in taken] == [other]                  # the other queue is not held up
+    listed = {r.queue: r for r in engine.queues.list()}
+    assert listed["q"].paused and listed["q"].reason == "provider down" and listed["q"].depth == 3
+    assert listed["q"].paused_s is not None and listed["q"].paused_s >= 0
+    assert not listed["r"].paused and listed["r"].running == 1
+    engine.queues.resume("q")
+    assert sorted(c.run_id for c in engine.claim(["q"], "w1", 10)) == sorted(runs)
+    actions = _sql(db_url, "SELECT action, target, counts FROM operator_audit ORDER BY id")
+    assert actions == [("queues pause", "q", {"changed": 1}), ("queues resume", "q", {"changed": 1})]
+
+
+def test_max_running_bounds_the_queue_and_frees_a_place_when_an_attempt_ends(db_url: str,
+                                                                            engine: Engine) -> None:
+    for _ in range(5):
+        engine.start("low")
+    engine.queues.set_limit("q", 2)
+    first = engine.claim(["q"], "w1", 10)
+    assert len(first) == 2
+    assert engine.claim(["q"], "w2", 10) == []
+    assert _sql(db_url, "SELECT count(*) FROM flow_slots") == [(2,)]
+    engine.complete(first[0], {"ok": True})                    # the trigger frees its place
+    assert _sql(db_url, "SELECT count(*) FROM flow_slots") == [(1,)]
+    second = engine.claim(["q"], "w2", 10)
+    assert len(second) == 1
+    engine.fail(first[1], "boom", retryable=False)
+    assert len(engine.claim(["q"], "w2", 10)) == 1
+    engine.queues.set_limit("q", 0)                            # no limit: the rest at once
+    assert len(engine.claim(["q"], "w3", 10)) == 1
+    running = _sql(db_url, "SELECT count(*) FROM task_instances WHERE state = 'RUNNING'")
+    assert running == [(3,)]
+
+
+def test_priority_orders_the_claim_within_a_queue(engine: Engine) -> None:
+    low = engine.start("low")
+    high = engine.start("high")
+    mid = engine.start("mid")
+    assert [engine.claim(["q"], "w", 1)[0].run_id for _ in range(3)] == [high, mid, low]
+
+
+def test_a_change_retried_with_its_request_is_applied_once(db_url: str, engine: Engine) -> None:
+    first = engine.queues.set_limit("q", 3, request_id="req-1")
+    engine.queues.set_limit("q", 7)                             # someone else changes it meanwhile
+    again = engine.queues.set_limit("q", 3, request_id="req-1")
+    assert again.replayed and again.after == first.after
+    assert _sql(db_url, "SELECT max_running FROM queue_settings") == [(7,)]
+    assert _sql(db_url, "SELECT count(*) FROM operator_audit WHERE request = 'req-1'") == [(1,)]
+
+
+def test_pausing_again_keeps_the_first_instant(db_url: str, engine: Engine) -> None:
+    engine.queues.pause("q", reason="one")
+    at = _sql(db_url, "SELECT paused_at FROM queue_settings")
+    again = engine.queues.pause("q", reason="two")
+    assert again.changed and _sql(db_url, "SELECT paused_at, reason FROM queue_settings") == [(at[0][0], "two")]
+
+
+@pytest.mark.parametrize(("call", "message"), [
+    (lambda e: e.queues.pause("bad name"), "queue 'bad name' is not a queue name"),
+    (lambda e: e.queues.set_limit("q", -1), "--max-running must be an integer from 0"),
+    (lambda e: e.queues.set_limit("q", True), "--max-running must be an integer from 0"),
+    (lambda e: e.queues.pause("q", reason="x" * 1001), "the reason must be text"),
+])
+def test_bad_input_is_refused_and_changes_nothing(db_url: str, engine: Engine, call: Any, message: str) -> None:
+    with pytest.raises(Invalid, match=message):
+        call(engine)
+    assert _sql(db_url, "SELECT count(*) FROM queue_settings") == [(0,)]
+
+
+def test_cli(db_url: str, engine: Engine, capsys: pytest.CaptureFixture[str]) -> None:
+    engine.start("low")
+    url = ["--database-url", db_url]
+    assert main(["queues", "pause", "q", "--reason", "incident 42", *url]) == 0
+    assert "dry run" in capsys.readouterr().out
+    assert _sql(db_url, "SELECT count(*) FROM queue_settings") == [(0,)]
+    assert main(["queues", "pause", "q", "--reason", "incident 42", "--yes", "--json", *url]) == 0
+    done = json.loads(capsys.readouterr().out)
+    assert done["applied"] and done["after"] == {"paused": True, "reason": "incident 42", "max_running": 0}
+    assert main(["queues", "set-limit", "q", "--max-running", "4", "--yes", *url]) == 0
+    assert "max running 4" in capsys.readouterr().out
+    assert main(["queues", "list", "--json", *url]) == 0
+    (row,) = json.loads(capsys.readouterr().out)
+    assert (row["queue"], row["paused"], row["max_running"], row["depth"]) == ("q", True, 4, 1)
+    assert main(["queues", "list", *url]) == 0
+    assert "incident 42" in capsys.readouterr().out
+    assert main(["queues", "resume", "q", "--yes", *url]) == 0
+    assert "open" in capsys.readouterr().out
+    assert main(["queues", "set-limit", "q", "--max-running", "-2", "--yes", *url]) == 2
+    assert "--max-running must be an integer" in capsys.readouterr().err
+    assert main(["queues", "pause", "no way", "--yes", *url]) == 2
+    command = _sql(db_url, "SELECT command FROM operator_audit ORDER BY id LIMIT 1")[0][0]
+    assert command.startswith("composer-ops queues pause q --reason")
+
+
+def test_the_lease_sweeper_frees_a_place_the_trigger_missed(db_url: str, engine: Engine) -> None:
+    engine.start("low")
+    engine.start("low")
+    engine.queues.set_limit("q", 1)
+    (held,) = engine.claim(["q"], "w1", 10)
+    with psycopg.connect(db_url) as conn:                      # an edit by hand that bypasses the trigger
+        conn.execute("UPDATE task_instances SET flow_slot = NULL WHERE id = %s", (held.task_id,))
+    engine.complete(held, None)
+    assert engine.claim(["q"], "w2", 10) == []                 # the place is still taken
+    stats = engine.coordinator().run_once(["leases"])
+    assert stats.slots_freed == 1
+    assert len(engine.claim(["q"], "w2", 10)) == 1
+
+
+def test_check_alerts_on_a_long_pause_and_exports_the_queues(db_url: str, engine: Engine, tmp_path: Any) -> None:
+    from composer_ops.ops.health import Thresholds, check_health, write_prometheus
+
+    engine.start("low")
+    engine.start("low")
+    engine.queues.set_limit("q", 1)
+    engine.claim(["q"], "w", 10)
+    engine.queues.pause("q", reason="incident")
+    calm = check_health(db_url)
+    assert next(c for c in calm.checks if c.name == "queue paused long").alert is False
+    health = check_health(db_url, Thresholds(queue_paused_h=0))
+    paused = next(c for c in health.checks if c.name == "queue paused long")
+    assert paused.alert and paused.value > 0 and "queue(s) q paused" in paused.detail
+    (row,) = health.queues
+    assert (row["queue"], row["paused"], row["max_running"], row["running"], row["depth"], row["at_limit"]) == \
+        ("q", True, 1, 1, 1, True)
+    prom = tmp_path / "composer.prom"
+    write_prometheus(health, str(prom))
+    text = prom.read_text()
+    for line in ('composer_queue_paused{queue="q"} 1.0', 'composer_queue_depth{queue="q"} 1.0',
+                 'composer_queue_at_limit{queue="q"} 1.0', 'composer_queue_running{queue="q"} 1.0'):
+        assert line in text
