@@ -13,7 +13,8 @@
 --      first, then oldest, FOR UPDATE SKIP LOCKED; a paused queue gives none, and a
 --      queue with max_running gives at most its room (queue_settings, flow_slots:
 --      sql/V003), counted under the queue's advisory lock;
---   3. it moves their tasks to RUNNING with a lease, fenced on the attempt and on the
+--   3. it moves their tasks to RUNNING with a lease (never past the attempt's
+--      start_to_close deadline, run_deadline_at, when its node has one), fenced on the attempt and on the
 --      task still being PENDING or QUEUED, and writes each claimed task's run-history
 --      row (marked with the claim's ID, which a retried claim looks up) in the same
 --      statement. A task of a soft-deleted run is not claimed (its outbox row is
@@ -50,6 +51,7 @@ DECLARE
     names TEXT[];
     leases INT[];
     queues TEXT[];
+    maxruns INT[];
     claimed INT := 0;
     open_queues TEXT[];
     limited TEXT[];
@@ -99,11 +101,12 @@ BEGIN
                      LIMIT room
                        FOR UPDATE SKIP LOCKED) s
              WHERE o.id = s.id
-            RETURNING o.run_id, o.task_id, o.attempt, o.task_name, o.lease_s, o.queue)
+            RETURNING o.run_id, o.task_id, o.attempt, o.task_name, o.lease_s, o.queue, o.max_run_s)
         SELECT runs || array_agg(picked.run_id), ids || array_agg(picked.task_id),
                attempts || array_agg(picked.attempt), names || array_agg(picked.task_name),
-               leases || array_agg(picked.lease_s), queues || array_agg(picked.queue)
-          INTO runs, ids, attempts, names, leases, queues
+               leases || array_agg(picked.lease_s), queues || array_agg(picked.queue),
+               maxruns || array_agg(picked.max_run_s)
+          INTO runs, ids, attempts, names, leases, queues, maxruns
           FROM picked;
     END LOOP;
     IF runs IS NOT NULL THEN
@@ -111,18 +114,20 @@ BEGIN
             WITH claimed AS (
                 UPDATE task_instances t
                    SET state = 'RUNNING', lease_owner = p_owner,
-                       lease_expires_at = NOW() + make_interval(secs => p.lease_s),
+                       lease_expires_at = NOW() + make_interval(secs => LEAST(p.lease_s, p.max_run_s)),
+                       run_deadline_at = NOW() + make_interval(secs => p.max_run_s),
                        started_at = NOW(), updated_at = NOW(),
                        flow_slot = CASE WHEN p.queue = ANY(limited) THEN true END
-                  FROM unnest(runs, ids, attempts, names, leases, queues)
-                       AS p(run_id, task_id, attempt, task_name, lease_s, queue)
+                  FROM unnest(runs, ids, attempts, names, leases, queues, maxruns)
+                       AS p(run_id, task_id, attempt, task_name, lease_s, queue, max_run_s)
                  WHERE t.run_id = ANY(runs)
                    AND t.run_id = p.run_id AND t.id = p.task_id AND t.attempt = p.attempt
                    AND t.state IN ('PENDING', 'QUEUED')
                    AND NOT EXISTS (SELECT 1 FROM workflow_runs r
                                     WHERE r.id = ANY(runs) AND r.id = t.run_id AND r.deleted_at IS NOT NULL)
                 RETURNING t.run_id, t.id AS task_id, t.node_id, t.attempt, p.task_name, p.queue,
-                          t.input_json AS input, p.lease_s, t.lease_owner, t.lease_expires_at
+                          t.input_json AS input, LEAST(p.lease_s, p.max_run_s) AS lease_s, t.lease_owner,
+                          t.lease_expires_at
             ), slotted AS (
                 INSERT INTO flow_slots (key, run_id, task_id, attempt)
                 SELECT 'queue:' || c.queue, c.run_id, c.task_id, c.attempt FROM claimed c WHERE c.queue = ANY(limited)

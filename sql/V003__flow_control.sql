@@ -40,5 +40,11 @@ ALTER TABLE task_outbox ADD COLUMN IF NOT EXISTS priority SMALLINT NOT NULL DEFA
 DROP INDEX IF EXISTS idx_task_outbox_ready;
 CREATE INDEX IF NOT EXISTS idx_task_outbox_ready ON task_outbox (queue, priority DESC, available_at, id);
 
+-- start_to_close (timeouts.start_to_close_s): the outbox row carries the seconds, the claim
+-- sets the attempt's deadline, and neither the claim's lease nor a heartbeat passes it. NULL:
+-- no deadline. Not indexed: a heartbeat changing lease_expires_at stays a HOT update.
+ALTER TABLE task_outbox ADD COLUMN IF NOT EXISTS max_run_s INT;
+ALTER TABLE task_instances ADD COLUMN IF NOT EXISTS run_deadline_at TIMESTAMPTZ;
+
 GRANT SELECT, INSERT, UPDATE ON queue_settings TO composer_ops_engine;
 GRANT SELECT, INSERT, UPDATE, DELETE ON flow_slots TO composer_ops_engine;

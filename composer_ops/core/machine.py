@@ -389,8 +389,11 @@ class _Decider:
         expires = slot.lease_expires_at
         if expires is None or expires > self.now:
             return _stale(f"lease of task {ref.task_id} has not expired")
-        lapsed = f"lease of {slot.lease_owner} expired at {expires.isoformat()}"
         node = self.spec.nodes[ref.node_id]
+        if event.timed_out:     # the handler outran start_to_close_s: a failure, per the retry policy
+            return self.task_failed(ref, f"start_to_close timeout: attempt {ref.attempt} still running after "
+                                         f"{node.flow.timeouts.start_to_close_s} s", retryable=True)
+        lapsed = f"lease of {slot.lease_owner} expired at {expires.isoformat()}"
         expiries = slot.lease_expiries + 1
         if expiries <= node.max_lease_expiries:
             self.actions.append(model.RequeueTask(ref=ref, reason=lapsed, available_at=self.now, lease_expired=True))

@@ -208,10 +208,12 @@ class TaskFailed:
 
 @dataclass(frozen=True, kw_only=True)
 class LeaseExpired:
-    """The lease sweeper found the attempt RUNNING past its lease."""
+    """The lease sweeper found the attempt RUNNING past its lease; ``timed_out`` when the
+    lease ended at the attempt's start_to_close deadline (a handler that ran too long)."""
 
     ref: TaskRef
     now: datetime
+    timed_out: bool = False
 
 
 @dataclass(frozen=True, kw_only=True)

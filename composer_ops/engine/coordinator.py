@@ -30,13 +30,17 @@ from composer_ops.engine.retention import drop_due_months
 from composer_ops.engine.shell import Outcome
 from composer_ops.engine.webhooks import RelayPolicy, relay_once
 from composer_ops.errors import ComposerError, Invalid, LockTimeout, Transient
-from composer_ops.repo import clock, partitions, queues, signals, tasks, webhooks
+from composer_ops.repo import clock, outbox, partitions, queues, signals, tasks, webhooks
 from composer_ops.repo.retention import Cutoff, parse_cutoff
 
 if TYPE_CHECKING:
     from composer_ops.engine.engine import Engine
 
 log = logging.getLogger(__name__)
+
+#: How long a ready dispatch waits behind higher priorities of its queue before the timer
+#: loop raises it to its queue's highest priority (see :meth:`Coordinator._age_priorities`).
+PRIORITY_AGING_S = 60.0
 
 #: The longest ``floor_every_s``: how late, at most, a run below the active floor that
 #: gets an active task again is seen by the timers and the lease sweeper.
@@ -57,6 +61,7 @@ class PassStats:
     months_dropped: list[str] = field(default_factory=list)
     months_blocked: list[str] = field(default_factory=list)   # past the cut-off, kept for active runs
     busy: int = 0                  # timers and leases whose run's lock was held elsewhere: backed off
+    priorities_raised: int = 0     # dispatches raised to their queue's top priority (the aging rule)
     slots_freed: int = 0           # flow_slots of attempts no longer RUNNING (sql/V003), healed
     errors: list[str] = field(default_factory=list)
 
@@ -67,7 +72,7 @@ class Coordinator:
                  relay: RelayPolicy | None = None, upkeep_lock_timeout_s: float = 0.5,
                  retention: str | Cutoff | None = None, retention_every_s: float = 3600.0,
                  webhook_keep_days: float | None = 7.0, floor_every_s: float = 30.0,
-                 event_lock_wait_s: float = 1.0) -> None:
+                 event_lock_wait_s: float = 1.0, priority_aging_s: float = PRIORITY_AGING_S) -> None:
         self.engine = engine
         self.interval = interval
         self.batch = batch
@@ -90,6 +95,10 @@ class Coordinator:
         if not event_lock_wait_s > 0:
             raise Invalid(f"event_lock_wait_s must be more than 0 seconds, got {event_lock_wait_s}")
         self.event_lock_wait_s = event_lock_wait_s
+        if not priority_aging_s > 0:
+            raise Invalid(f"priority_aging_s must be more than 0 seconds, got {priority_aging_s}")
+        self.priority_aging_s = priority_aging_s
+        self._next_aging = float("-inf")
         self._floor = ""
         self._next_floor = float("-inf")
         self._next_prune = float("-inf")
@@ -159,6 +168,20 @@ class Coordinator:
                                    partial(_timer_due, wait.task_id, wait.node_id), self._timer_backoff, stats, locked)
             if outcome is not None and not outcome.stale:
                 stats.timers_fired += 1
+        self._age_priorities(stats)
+
+    def _age_priorities(self, stats: PassStats) -> None:
+        """The no-starvation rule of priorities: a dispatch ready for ``priority_aging_s``
+        is raised to the highest priority of its queue's dispatches, where the oldest is
+        claimed first; so while higher priorities keep a queue's workers busy, a lower
+        one waits about ``priority_aging_s`` plus the older top-priority backlog, never
+        for ever. Every quarter of ``priority_aging_s`` at most: the statement reads the
+        whole outbox (a queue: small), and changes nothing when no priority is set."""
+        if time.monotonic() < self._next_aging:
+            return
+        self._next_aging = time.monotonic() + self.priority_aging_s / 4
+        with self.engine.pool.connection() as conn, conn.transaction():
+            stats.priorities_raised += outbox.raise_waiting(conn, self.priority_aging_s)
 
     def _leases(self, stats: PassStats) -> None:
         with self.engine.pool.connection() as conn:
@@ -169,7 +192,8 @@ class Coordinator:
             ref = TaskRef(task_id=lease.task_id, run_id=lease.run_id, node_id=lease.node_id,
                           attempt=lease.attempt, lease_owner=lease.lease_owner)
             outcome = self._handle("lease", lease.task_id, f"{lease.task_id}:{lease.attempt}", lease.run_id,
-                                   partial(_lease_expired, ref), self._lease_backoff, stats, locked)
+                                   partial(_lease_expired, ref, lease.timed_out), self._lease_backoff, stats,
+                                   locked)
             if outcome is not None and not outcome.stale:
                 stats.leases_expired += 1
                 log.info("lease of task %s (run %s, owner %s) expired", lease.task_id, lease.run_id,
@@ -331,5 +355,5 @@ def _timer_due(task_id: str, node_id: str, now: datetime) -> TimerDue:
     return TimerDue(task_id=task_id, node_id=node_id, now=now)
 
 
-def _lease_expired(ref: TaskRef, now: datetime) -> LeaseExpired:
-    return LeaseExpired(ref=ref, now=now)
+def _lease_expired(ref: TaskRef, timed_out: bool, now: datetime) -> LeaseExpired:
+    return LeaseExpired(ref=ref, now=now, timed_out=timed_out)

@@ -49,7 +49,7 @@ from composer_ops.core.model import (
     TaskFailed,
     TaskState,
 )
-from composer_ops.core.spec import WorkflowSpec, spec_from_json
+from composer_ops.core.spec import NodeSpec, WorkflowSpec, spec_from_json
 from composer_ops.db.errors import Pool
 from composer_ops.db.retry import db_retry
 from composer_ops.engine.ids import uuid7_text
@@ -250,7 +250,7 @@ class Shell:
                 dispatches.append(Dispatch(run_id=run.id, task_id=nxt.task_id, attempt=nxt.attempt,
                                            queue=node.queue or "default", task_name=node.task or nxt.node_id,
                                            lease_s=_lease(node.lease_s), available_at=action.available_at,
-                                           priority=node.flow.priority))
+                                           priority=node.flow.priority, max_run_s=_max_run(node)))
             elif isinstance(action, ResolveWait):
                 _fenced(signals.resolve_wait(conn, run.id, action.task_id, state=str(action.state), now=now,
                                              output=action.output, reason=action.reason) or None, action)
@@ -297,7 +297,7 @@ class Shell:
                 dispatches.append(Dispatch(run_id=run.id, task_id=a.task_id, attempt=0,
                                            queue=node.queue or "default", task_name=node.task or a.node_id,
                                            lease_s=_lease(node.lease_s), available_at=a.available_at,
-                                           priority=node.flow.priority))
+                                           priority=node.flow.priority, max_run_s=_max_run(node)))
 
     def _finish(self, conn: Conn, run: RunSnapshot, a: FinishRun, now: datetime) -> None:
         if not runs.finish_run(conn, run.id, str(a.status), now=now, reason=a.reason, output=a.output):
@@ -407,6 +407,12 @@ def _queue(run: RunSnapshot, a: CreateTask) -> str | None:
 
 def _lease(lease_s: float) -> int:
     return max(1, int(round(lease_s)))
+
+
+def _max_run(node: NodeSpec) -> int | None:
+    """The node's start_to_close_s in whole seconds (at least 1), None without one."""
+    limit = node.flow.timeouts.start_to_close_s
+    return None if limit is None else max(1, int(round(limit)))
 
 
 def _fenced(result: Any, action: object) -> Any:

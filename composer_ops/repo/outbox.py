@@ -52,10 +52,10 @@ def enqueue(conn: Conn, dispatches: Sequence[Dispatch], *, now: datetime) -> Non
     conn.execute("""
         WITH ins AS (
             INSERT INTO task_outbox (queue, run_id, task_id, attempt, task_name, lease_s, available_at, created_at,
-                                     priority)
-            SELECT q, r, t, a, n, l, COALESCE(av, %(now)s), %(now)s, COALESCE(p, 0)
+                                     priority, max_run_s)
+            SELECT q, r, t, a, n, l, COALESCE(av, %(now)s), %(now)s, COALESCE(p, 0), m
               FROM jsonb_to_recordset(%(rows)s::jsonb) AS d(q text, r text, t text, a int4, n text, l int4,
-                                                           av timestamptz, p int2)
+                                                           av timestamptz, p int2, m int4)
             RETURNING queue, task_name
         ), woken AS (
             DELETE FROM task_waiters w
@@ -77,7 +77,8 @@ def enqueue(conn: Conn, dispatches: Sequence[Dispatch], *, now: datetime) -> Non
                         WHERE NOT (i.queue = ANY(w.queues)
                                    AND (w.task_names IS NULL OR i.task_name = ANY(w.task_names))))""",
         {"rows": recordset([{"q": d.queue, "r": d.run_id, "t": d.task_id, "a": d.attempt, "n": d.task_name,
-                             "l": d.lease_s, "av": iso(d.available_at), **({"p": d.priority} if d.priority else {})}
+                             "l": d.lease_s, "av": iso(d.available_at), "p": d.priority or None,
+                             "m": d.max_run_s}
                             for d in dispatches]),
          "now": now, "channel": CHANNEL})
 
@@ -134,6 +135,20 @@ def claimed_by(conn: Conn, owner: str, claim_id: str) -> list[Claim]:
          WHERE t.state = 'RUNNING' AND t.lease_owner = %(owner)s
            AND h.kind = 'claimed' AND h.request = %(claim)s
          ORDER BY t.run_id, t.id""", {"owner": owner, "claim": claim_id})
+
+
+def raise_waiting(conn: Conn, older_than_s: float) -> int:
+    """Raise every dispatch ready for more than ``older_than_s`` (the database clock) and
+    below its queue's highest priority to that priority; rows a claim holds are skipped
+    (it is taking them). The priority aging of the coordinator's timer loop."""
+    return conn.execute("""
+        WITH top AS (SELECT queue, max(priority) AS priority FROM task_outbox GROUP BY queue),
+             aged AS (SELECT o.id, top.priority FROM task_outbox o JOIN top ON top.queue = o.queue
+                       WHERE o.priority < top.priority
+                         AND o.available_at <= now() - make_interval(secs => %s)
+                         FOR UPDATE OF o SKIP LOCKED)
+        UPDATE task_outbox o SET priority = aged.priority FROM aged WHERE o.id = aged.id""",
+        (older_than_s,)).rowcount
 
 
 def delete_for_tasks(conn: Conn, run_id: str, task_ids: Sequence[str]) -> int:

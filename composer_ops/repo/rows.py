@@ -72,6 +72,7 @@ class ExpiredLease:
     node_id: str
     attempt: int
     lease_owner: str | None
+    timed_out: bool = False      # the lease ended at the attempt's start_to_close deadline
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -103,6 +104,7 @@ class Dispatch:
     lease_s: int
     available_at: datetime | None = None
     priority: int = 0            # the node's flow-control priority: higher is claimed first in its queue
+    max_run_s: int | None = None  # the node's start_to_close_s: no lease of an attempt passes it
 
 
 @dataclass(frozen=True, kw_only=True)

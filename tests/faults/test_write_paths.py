@@ -57,6 +57,10 @@ ONE_WAITER = {"id": "f-one-waiter", "nodes": [{"id": "w", "type": "WAIT_FOR_EVEN
 TIMER = {"id": "f-timer", "nodes": [
     {"id": "z", "type": "WAIT", "duration_s": 3600},
     {"id": "b", "type": "TASK", "task": "t", "queue": "fq", "depends_on": ["z"]}]}
+#: Two tasks at once on a queue the sweep limits to one RUNNING (queue_settings, flow_slots).
+LIMITED = {"id": "f-limited", "nodes": [
+    {"id": "a", "type": "TASK", "task": "t", "queue": "fl"},
+    {"id": "b", "type": "TASK", "task": "t", "queue": "fl"}]}
 #: f-pruned's webhook goes nowhere: its deliveries stay pending unless a case marks them delivered
 NOWHERE = "http://127.0.0.1:9/never"
 RELAY = RelayPolicy(lease_s=0.3)
@@ -77,7 +81,7 @@ def b(server: Server, template_db: str) -> Iterator[Rig]:
     try:
         with server.database(template=template_db) as url, bench(url) as fb:
             rig = Rig(db_url=fb.db_url, proxy=fb.proxy, direct=fb.direct, engine=fb.engine, hook=hook)
-            for spec in (CHAIN, RETRIED, TWO_WAITERS, ONE_WAITER, TIMER):
+            for spec in (CHAIN, RETRIED, TWO_WAITERS, ONE_WAITER, TIMER, LIMITED):
                 rig.direct.deploy(spec)
             for definition, hook_url in (("f-hook", hook.base), ("f-pruned", NOWHERE)):
                 rig.direct.deploy({"id": definition, "webhook_url": hook_url, "nodes": ONE_WAITER["nodes"]})
@@ -357,6 +361,15 @@ def _relayed(b: Rig, run_id: str) -> None:
         b.direct.coordinator(relay=RELAY).run_once(["webhooks"])
 
 
+def _limited_run(b: Rig) -> str:
+    b.direct.queues.set_limit("fl", 1)
+    return _fresh_run(b, "f-limited")
+
+
+def _queue_name(b: Rig) -> str:
+    return "fq-" + _token()[:12]
+
+
 # -- checks: what every case must leave -------------------------------------------------------
 
 
@@ -470,6 +483,51 @@ def _claimed_by_its_holder(b: Rig, run_id: str, result: Result) -> list[str]:
     if nodes.get("a", ("", 0))[0] != "COMPLETED" or b.direct.get_run(run_id).status != "RUNNING":
         problems.append(f"after completing the claimed task: {nodes}, run {b.direct.get_run(run_id).status}")
     return problems
+
+
+def _limit_kept(b: Rig, run_id: str, result: Result) -> list[str]:
+    """A claim on a queue limited to one RUNNING task: whatever was cut, one place at
+    most is taken, by exactly the task RUNNING; once that task completes (claimed again
+    after its lease when the claim's answer was lost) the place is free and the other
+    task can be claimed."""
+    problems = _raised(result)
+
+    def counts() -> tuple[int, int]:
+        slots = b.sql("SELECT count(*) FROM flow_slots WHERE key = 'queue:fl'")[0][0]
+        running = b.sql("SELECT count(*) FROM task_instances WHERE run_id = %s AND state = 'RUNNING'", (run_id,))[0][0]
+        return int(slots), int(running)
+
+    slots, running = counts()
+    if running > 1 or slots != running:
+        problems.append(f"{running} task(s) RUNNING and {slots} place(s) taken under a limit of 1")
+    claims = result.value or []
+    if not claims:
+        expire_leases(b, run_id)
+        b.direct.coordinator().run_once(TIMERS_AND_LEASES)
+        claims = b.direct.claim(["fl"], "w-direct", 2)
+    if len(claims) != 1:
+        return problems + [f"expected one task claimable under the limit, got {len(claims)}"]
+    b.direct.complete(claims[0], {"ok": True})
+    if counts() != (0, 0):
+        problems.append(f"after completing the task: places and RUNNING {counts()}")
+    if len(b.direct.claim(["fl"], "w-direct", 2)) != 1:
+        problems.append("the other task was not claimable once the place was free")
+    return problems
+
+
+def _queue_changed_once(action: str, expected: tuple[bool, int]) -> Callable[[Rig, str, Result], list[str]]:
+    """The queue's settings are as asked and one audit row says so, however often the
+    change was retried."""
+    def check(b: Rig, queue: str, result: Result) -> list[str]:
+        problems = _raised(result)
+        row = b.sql("SELECT paused, max_running FROM queue_settings WHERE queue = %s", (queue,))
+        if row != [expected]:
+            problems.append(f"queue {queue} settings {row}, expected {expected}")
+        audits = b.sql("SELECT count(*) FROM operator_audit WHERE action = %s AND target = %s", (action, queue))
+        if audits != [(1,)]:
+            problems.append(f"{audits[0][0]} audit rows for one {action}")
+        return problems
+    return check
 
 
 def _lease_still_held(b: Rig, s: Claimed, result: Result) -> list[str]:
@@ -614,6 +672,8 @@ PATHS = [
     # the worker's writes
     WritePath("claim", lambda b: _fresh_run(b, "f-chain"), lambda b, _: b.engine.claim(["fq"], "w-proxied", 1),
               _claimed_by_its_holder),
+    WritePath("claim (limited queue)", _limited_run, lambda b, _: b.engine.claim(["fl"], "w-proxied", 2),
+              _limit_kept),
     WritePath("complete", _claimed("f-chain"), lambda b, s: b.engine.complete(s.claim, {"done": True}),
               _leaves(tasks={"a": ("COMPLETED", 0), "b": ("PENDING", 0)}, outbox=[("b", 0)])),
     WritePath("fail (retried)", _claimed("f-retried"), lambda b, s: b.engine.fail(s.claim, "boom", retryable=True),
@@ -642,6 +702,10 @@ PATHS = [
     WritePath("retry run", _failed_run, lambda b, run_id: b.engine.retry(run_id), _reopened_once),
     WritePath("bulk cancel", _three_tokened_runs,
               lambda b, s: b.engine.cancel_runs(where={"token": s[0]}, yes=True, chunk=2), _cancelled_once_each),
+    WritePath("queues pause", _queue_name, lambda b, q: b.engine.queues.pause(q, reason="incident"),
+              _queue_changed_once("queues pause", (True, 0))),
+    WritePath("queues set-limit", _queue_name, lambda b, q: b.engine.queues.set_limit(q, 3),
+              _queue_changed_once("queues set-limit", (False, 3))),
     WritePath("partitions archive", _month_2020, lambda b, m: _archive(b.proxy.url(), m), _archived_once,
               every_request=False),
     WritePath("partitions drop --archive", _month_2020, lambda b, m: _retire(b.proxy.url(), m),

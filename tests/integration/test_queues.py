@@ -171,3 +171,63 @@ def test_check_alerts_on_a_long_pause_and_exports_the_queues(db_url: str, engine
     for line in ('composer_queue_paused{queue="q"} 1.0', 'composer_queue_depth{queue="q"} 1.0',
                  'composer_queue_at_limit{queue="q"} 1.0', 'composer_queue_running{queue="q"} 1.0'):
         assert line in text
+
+
+def test_start_to_close_caps_the_lease_and_its_heartbeats_then_fails_the_attempt_per_its_retry_policy(
+        db_url: str, engine: Engine) -> None:
+    engine.deploy({"id": "slow", "nodes": [{"id": "t", "type": "TASK", "task": "work", "queue": "s", "lease_s": 60,
+                                            "retry": {"max_attempts": 2, "initial_backoff_s": 0},
+                                            "timeouts": {"start_to_close_s": 5}}]})
+    run_id = engine.start("slow")
+    (claim,) = engine.claim(["s"], "w", 1)
+    assert claim.lease_s == 5
+    held = _sql(db_url, "SELECT extract(epoch FROM lease_expires_at - started_at)::int, "
+                        "extract(epoch FROM run_deadline_at - started_at)::int FROM task_instances WHERE id = %s",
+                (claim.task_id,))
+    assert held == [(5, 5)]
+    # Time passes (the stored instants move back, the database clock is not ours): a heartbeat
+    # 4 s in may not extend the lease past the deadline, 1 s away.
+    with psycopg.connect(db_url) as conn:
+        conn.execute("UPDATE task_instances SET run_deadline_at = now() + interval '1 second', "
+                     "lease_expires_at = now() + interval '1 second' WHERE id = %s", (claim.task_id,))
+    extended = engine.heartbeat(claim)
+    deadline = _sql(db_url, "SELECT run_deadline_at FROM task_instances WHERE id = %s", (claim.task_id,))[0][0]
+    assert extended == deadline
+    with psycopg.connect(db_url) as conn:               # the deadline passes, the handler still running
+        conn.execute("UPDATE task_instances SET run_deadline_at = now() - interval '1 millisecond', "
+                     "lease_expires_at = now() - interval '1 millisecond' WHERE id = %s", (claim.task_id,))
+    assert engine.heartbeat(claim) is None
+    engine.coordinator().run_once(["leases"])
+    task = engine.get_run(run_id).tasks[0]
+    assert (task.state, task.attempt) in {("PENDING", 1), ("QUEUED", 1)}
+    assert "start_to_close timeout" in str(task.error)
+    (again,) = engine.claim(["s"], "w", 1)                # the second and last attempt also runs too long
+    with psycopg.connect(db_url) as conn:
+        conn.execute("UPDATE task_instances SET run_deadline_at = now() - interval '1 millisecond', "
+                     "lease_expires_at = now() - interval '1 millisecond' WHERE id = %s", (again.task_id,))
+    engine.coordinator().run_once(["leases"])
+    run = engine.get_run(run_id)
+    assert run.status == "FAILED" and "failed after 2 attempts: start_to_close timeout" in str(run.error)
+
+
+def test_without_start_to_close_a_lapsed_lease_is_a_lease_expiry(db_url: str, engine: Engine) -> None:
+    run_id = engine.start("low")
+    (claim,) = engine.claim(["q"], "w", 1)
+    assert _sql(db_url, "SELECT run_deadline_at FROM task_instances WHERE id = %s", (claim.task_id,)) == [(None,)]
+    with psycopg.connect(db_url) as conn:
+        conn.execute("UPDATE task_instances SET lease_expires_at = now() - interval '1 millisecond' WHERE id = %s",
+                     (claim.task_id,))
+    engine.coordinator().run_once(["leases"])
+    assert _sql(db_url, "SELECT lease_expiries, attempt FROM task_instances WHERE run_id = %s", (run_id,)) == [(1, 1)]
+
+
+def test_a_low_priority_waiting_past_the_aging_time_is_claimed_before_newer_high_ones(db_url: str,
+                                                                                     engine: Engine) -> None:
+    low = engine.start("low")
+    highs = [engine.start("high") for _ in range(2)]
+    with psycopg.connect(db_url) as conn:       # low has been ready for 61 s (the instant moves, not the clock)
+        conn.execute("UPDATE task_outbox SET available_at = now() - interval '61 seconds' WHERE run_id = %s", (low,))
+    assert engine.coordinator(priority_aging_s=120).run_once(["timers"]).priorities_raised == 0
+    assert engine.coordinator(priority_aging_s=60).run_once(["timers"]).priorities_raised == 1
+    assert _sql(db_url, "SELECT priority FROM task_outbox WHERE run_id = %s", (low,)) == [(5,)]
+    assert [engine.claim(["q"], "w", 1)[0].run_id for _ in range(3)] == [low, *highs]
