@@ -46,5 +46,11 @@ CREATE INDEX IF NOT EXISTS idx_task_outbox_ready ON task_outbox (queue, priority
 ALTER TABLE task_outbox ADD COLUMN IF NOT EXISTS max_run_s INT;
 ALTER TABLE task_instances ADD COLUMN IF NOT EXISTS run_deadline_at TIMESTAMPTZ;
 
+-- schedule_to_start (timeouts.schedule_to_start_s): the instant by which a dispatch must be
+-- claimed; the coordinator's timer loop reads the rows past it through this partial index
+-- (only dispatches with a deadline) and fails their tasks.
+ALTER TABLE task_outbox ADD COLUMN IF NOT EXISTS start_by TIMESTAMPTZ;
+CREATE INDEX IF NOT EXISTS idx_task_outbox_start_by ON task_outbox (start_by) WHERE start_by IS NOT NULL;
+
 GRANT SELECT, INSERT, UPDATE ON queue_settings TO composer_ops_engine;
 GRANT SELECT, INSERT, UPDATE, DELETE ON flow_slots TO composer_ops_engine;

@@ -408,6 +408,21 @@ class _Decider:
         self.advance()
         return self.decision()
 
+    def start_timed_out(self, ref: TaskRef) -> Decision:
+        """Not claimed by its schedule_to_start deadline: the task fails (no retry: its
+        retry policy is for handlers that ran), and the node's failure decides the run."""
+        slot = self.slots.get(ref.node_id)
+        if slot is None or slot.task_id != ref.task_id or slot.attempt != ref.attempt \
+                or slot.state not in (TaskState.PENDING, TaskState.QUEUED):
+            return _stale(f"task {ref.task_id} attempt {ref.attempt} is no longer waiting to start")
+        error = (f"schedule_to_start timeout: attempt {ref.attempt} not claimed within "
+                 f"{self.spec.nodes[ref.node_id].flow.timeouts.schedule_to_start_s} s")
+        self.actions.append(model.FailTask(ref=ref, reason=error, unclaimed=True))
+        self.set_state(ref.node_id, TaskState.FAILED)
+        self.node_failed(ref.node_id, f"node {json.dumps(ref.node_id)} failed: {error}")
+        self.advance()
+        return self.decision()
+
     def timer_due(self, event: model.TimerDue) -> Decision:
         slot = self.slots.get(event.node_id)
         node = self.spec.nodes.get(event.node_id)
@@ -596,4 +611,6 @@ def decide(run: RunSnapshot, event: model.Event, store: Store, new_id: Callable[
         return decider.task_failed(event.ref, event.error, event.retryable)
     if isinstance(event, model.LeaseExpired):
         return decider.lease_expired(event)
+    if isinstance(event, model.StartTimedOut):
+        return decider.start_timed_out(event.ref)
     return decider.timer_due(event)

@@ -252,8 +252,18 @@ class RetryRun:
     now: datetime
 
 
+@dataclass(frozen=True, kw_only=True)
+class StartTimedOut:
+    """The timer loop found the attempt's dispatch unclaimed past its schedule_to_start
+    deadline (by the database clock)."""
+
+    ref: TaskRef
+    now: datetime
+
+
 Event: TypeAlias = (
     StartRun | TaskCompleted | TaskFailed | LeaseExpired | TimerDue | SignalReceived | CancelRun | RetryRun
+    | StartTimedOut
 )
 
 
@@ -314,6 +324,7 @@ class FailTask:
 
     ref: TaskRef
     reason: str
+    unclaimed: bool = False      # a dispatched attempt no worker claimed: its dispatch goes first
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 from composer_ops.core import runids
 from composer_ops.core.actor import Actor
-from composer_ops.core.model import Event, LeaseExpired, TaskRef, TimerDue
+from composer_ops.core.model import Event, LeaseExpired, StartTimedOut, TaskRef, TimerDue
 from composer_ops.db.errors import Pool
 from composer_ops.db.retry import db_retry
 from composer_ops.engine.retention import drop_due_months
@@ -61,6 +61,7 @@ class PassStats:
     months_dropped: list[str] = field(default_factory=list)
     months_blocked: list[str] = field(default_factory=list)   # past the cut-off, kept for active runs
     busy: int = 0                  # timers and leases whose run's lock was held elsewhere: backed off
+    start_timeouts: int = 0        # tasks failed unclaimed past their schedule_to_start deadline
     priorities_raised: int = 0     # dispatches raised to their queue's top priority (the aging rule)
     slots_freed: int = 0           # flow_slots of attempts no longer RUNNING (sql/V003), healed
     errors: list[str] = field(default_factory=list)
@@ -99,6 +100,7 @@ class Coordinator:
             raise Invalid(f"priority_aging_s must be more than 0 seconds, got {priority_aging_s}")
         self.priority_aging_s = priority_aging_s
         self._next_aging = float("-inf")
+        self._start_backoff = _Backoff()
         self._floor = ""
         self._next_floor = float("-inf")
         self._next_prune = float("-inf")
@@ -168,7 +170,22 @@ class Coordinator:
                                    partial(_timer_due, wait.task_id, wait.node_id), self._timer_backoff, stats, locked)
             if outcome is not None and not outcome.stale:
                 stats.timers_fired += 1
+        self._start_timeouts(stats)
         self._age_priorities(stats)
+
+    def _start_timeouts(self, stats: PassStats) -> None:
+        """Fail the tasks whose dispatch no worker claimed by its schedule_to_start
+        deadline (judged in SQL by the database clock, through the outbox's partial index);
+        under the run lock the dispatch is deleted first, so a claim that took it in time wins."""
+        with self.engine.pool.connection() as conn:
+            late = outbox.unstarted(conn, self.batch, now=clock.now(conn), skip=self._start_backoff.skipped())
+        locked: set[str] = set()
+        for row in late:
+            ref = TaskRef(task_id=row.task_id, run_id=row.run_id, node_id=row.node_id, attempt=row.attempt)
+            outcome = self._handle("start timeout", row.task_id, f"{row.task_id}:{row.attempt}", row.run_id,
+                                   partial(_start_timed_out, ref), self._start_backoff, stats, locked)
+            if outcome is not None and not outcome.stale:
+                stats.start_timeouts += 1
 
     def _age_priorities(self, stats: PassStats) -> None:
         """The no-starvation rule of priorities: a dispatch ready for ``priority_aging_s``
@@ -353,6 +370,10 @@ def _prune_batch(pool: Pool, keep_s: float, batch: int) -> int:
 
 def _timer_due(task_id: str, node_id: str, now: datetime) -> TimerDue:
     return TimerDue(task_id=task_id, node_id=node_id, now=now)
+
+
+def _start_timed_out(ref: TaskRef, now: datetime) -> StartTimedOut:
+    return StartTimedOut(ref=ref, now=now)
 
 
 def _lease_expired(ref: TaskRef, timed_out: bool, now: datetime) -> LeaseExpired:

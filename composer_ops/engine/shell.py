@@ -238,6 +238,9 @@ class Shell:
                 _fenced(tasks.complete_task(conn, action.ref, action.output, request=request.id,
                                             entry=notes.task_entry("completed", action.ref), now=now), action)
             elif isinstance(action, FailTask):
+                if action.unclaimed and not outbox.take_unstarted(conn, run.id, action.ref.task_id,
+                                                                  action.ref.attempt):
+                    return Outcome(run_id=run.id, stale=f"task {action.ref.task_id} was claimed in time")
                 entry = notes.task_entry(notes.failure_kind, action.ref, error=action.reason, requeued=False)
                 _fenced(tasks.fail_task(conn, action.ref, action.reason, request=request.id, entry=entry, now=now),
                         action)
@@ -250,7 +253,8 @@ class Shell:
                 dispatches.append(Dispatch(run_id=run.id, task_id=nxt.task_id, attempt=nxt.attempt,
                                            queue=node.queue or "default", task_name=node.task or nxt.node_id,
                                            lease_s=_lease(node.lease_s), available_at=action.available_at,
-                                           priority=node.flow.priority, max_run_s=_max_run(node)))
+                                           priority=node.flow.priority, max_run_s=_max_run(node),
+                                           start_within_s=node.flow.timeouts.schedule_to_start_s))
             elif isinstance(action, ResolveWait):
                 _fenced(signals.resolve_wait(conn, run.id, action.task_id, state=str(action.state), now=now,
                                              output=action.output, reason=action.reason) or None, action)
@@ -297,7 +301,8 @@ class Shell:
                 dispatches.append(Dispatch(run_id=run.id, task_id=a.task_id, attempt=0,
                                            queue=node.queue or "default", task_name=node.task or a.node_id,
                                            lease_s=_lease(node.lease_s), available_at=a.available_at,
-                                           priority=node.flow.priority, max_run_s=_max_run(node)))
+                                           priority=node.flow.priority, max_run_s=_max_run(node),
+                                           start_within_s=node.flow.timeouts.schedule_to_start_s))
 
     def _finish(self, conn: Conn, run: RunSnapshot, a: FinishRun, now: datetime) -> None:
         if not runs.finish_run(conn, run.id, str(a.status), now=now, reason=a.reason, output=a.output):

@@ -18,7 +18,7 @@ from datetime import datetime
 from psycopg import sql
 
 from composer_ops.repo._base import Conn, fetch_all, iso, recordset
-from composer_ops.repo.rows import Claim, Dispatch
+from composer_ops.repo.rows import Claim, Dispatch, Unstarted
 
 #: LISTEN/NOTIFY channel every worker listens on; the payload is the queue name. A
 #: dispatch notifies it only when no idle worker is registered (see :func:`enqueue`).
@@ -52,10 +52,11 @@ def enqueue(conn: Conn, dispatches: Sequence[Dispatch], *, now: datetime) -> Non
     conn.execute("""
         WITH ins AS (
             INSERT INTO task_outbox (queue, run_id, task_id, attempt, task_name, lease_s, available_at, created_at,
-                                     priority, max_run_s)
-            SELECT q, r, t, a, n, l, COALESCE(av, %(now)s), %(now)s, COALESCE(p, 0), m
+                                     priority, max_run_s, start_by)
+            SELECT q, r, t, a, n, l, COALESCE(av, %(now)s), %(now)s, COALESCE(p, 0), m,
+                   COALESCE(av, %(now)s) + make_interval(secs => w)
               FROM jsonb_to_recordset(%(rows)s::jsonb) AS d(q text, r text, t text, a int4, n text, l int4,
-                                                           av timestamptz, p int2, m int4)
+                                                           av timestamptz, p int2, m int4, w float8)
             RETURNING queue, task_name
         ), woken AS (
             DELETE FROM task_waiters w
@@ -78,7 +79,7 @@ def enqueue(conn: Conn, dispatches: Sequence[Dispatch], *, now: datetime) -> Non
                                    AND (w.task_names IS NULL OR i.task_name = ANY(w.task_names))))""",
         {"rows": recordset([{"q": d.queue, "r": d.run_id, "t": d.task_id, "a": d.attempt, "n": d.task_name,
                              "l": d.lease_s, "av": iso(d.available_at), "p": d.priority or None,
-                             "m": d.max_run_s}
+                             "m": d.max_run_s, "w": d.start_within_s}
                             for d in dispatches]),
          "now": now, "channel": CHANNEL})
 
@@ -135,6 +136,27 @@ def claimed_by(conn: Conn, owner: str, claim_id: str) -> list[Claim]:
          WHERE t.state = 'RUNNING' AND t.lease_owner = %(owner)s
            AND h.kind = 'claimed' AND h.request = %(claim)s
          ORDER BY t.run_id, t.id""", {"owner": owner, "claim": claim_id})
+
+
+def unstarted(conn: Conn, limit: int, *, now: datetime, skip: Sequence[str] = ()) -> list[Unstarted]:
+    """Dispatches whose schedule_to_start deadline (``start_by``) had passed at ``now``
+    (the database clock), the most overdue first, through their partial index; ``skip``:
+    ``task_id:attempt`` keys the caller is backing off."""
+    return fetch_all(conn, Unstarted, """
+        SELECT o.run_id, o.task_id, t.node_id, o.attempt
+          FROM (SELECT run_id, task_id, attempt, start_by FROM task_outbox
+                 WHERE start_by <= %(now)s AND task_id || ':' || attempt <> ALL(%(skip)s::text[])
+                 ORDER BY start_by LIMIT %(limit)s) o
+          JOIN task_instances t ON t.run_id = o.run_id AND t.id = o.task_id
+         ORDER BY o.start_by""", {"now": now, "skip": list(skip), "limit": limit})
+
+
+def take_unstarted(conn: Conn, run_id: str, task_id: str, attempt: int) -> int:
+    """Delete the dispatch of a task's attempt if its schedule_to_start deadline has passed
+    by the database clock; 0 when a claim took it first (the task is RUNNING then). Runs
+    under the run's lock, before the task is failed (the lock order: outbox row first)."""
+    return conn.execute("DELETE FROM task_outbox WHERE run_id = %s AND task_id = %s AND attempt = %s "
+                        "AND start_by <= now()", (run_id, task_id, attempt)).rowcount
 
 
 def raise_waiting(conn: Conn, older_than_s: float) -> int:

@@ -105,6 +105,17 @@ class Dispatch:
     available_at: datetime | None = None
     priority: int = 0            # the node's flow-control priority: higher is claimed first in its queue
     max_run_s: int | None = None  # the node's start_to_close_s: no lease of an attempt passes it
+    start_within_s: float | None = None   # the node's schedule_to_start_s, from available_at
+
+
+@dataclass(frozen=True, kw_only=True)
+class Unstarted:
+    """A dispatch not claimed by its schedule_to_start deadline (``task_outbox.start_by``)."""
+
+    run_id: str
+    task_id: str
+    node_id: str
+    attempt: int
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -7,6 +7,7 @@ change retried with its request ID is not applied twice."""
 from __future__ import annotations
 
 import json
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -16,6 +17,7 @@ import pytest
 from composer_ops import Engine
 from composer_ops.cli import main
 from composer_ops.errors import Invalid
+from composer_ops.testing.processes import wait_for
 
 
 @pytest.fixture
@@ -231,3 +233,50 @@ def test_a_low_priority_waiting_past_the_aging_time_is_claimed_before_newer_high
     assert engine.coordinator(priority_aging_s=60).run_once(["timers"]).priorities_raised == 1
     assert _sql(db_url, "SELECT priority FROM task_outbox WHERE run_id = %s", (low,)) == [(5,)]
     assert [engine.claim(["q"], "w", 1)[0].run_id for _ in range(3)] == [low, *highs]
+
+
+def _late(db_url: str, run_id: str) -> None:
+    """The dispatch's schedule_to_start deadline has passed (the instant moves, not the clock)."""
+    with psycopg.connect(db_url) as conn:
+        conn.execute("UPDATE task_outbox SET start_by = now() - interval '1 millisecond' WHERE run_id = %s", (run_id,))
+
+
+def test_a_task_not_claimed_by_its_schedule_to_start_deadline_fails_its_run(db_url: str, engine: Engine) -> None:
+    engine.deploy({"id": "prompt", "nodes": [{"id": "t", "type": "TASK", "task": "work", "queue": "p",
+                                              "retry": {"max_attempts": 3},
+                                              "timeouts": {"schedule_to_start_s": 30}}]})
+    run_id = engine.start("prompt")
+    started_by = _sql(db_url, "SELECT extract(epoch FROM start_by - available_at)::int FROM task_outbox")
+    assert started_by == [(30,)]
+    assert engine.coordinator().run_once(["timers"]).start_timeouts == 0       # not yet due
+    _late(db_url, run_id)
+    assert engine.coordinator().run_once(["timers"]).start_timeouts == 1
+    run = engine.get_run(run_id)
+    assert run.status == "FAILED" and "schedule_to_start timeout: attempt 0 not claimed within 30 s" in str(run.error)
+    assert _sql(db_url, "SELECT count(*) FROM task_outbox") == [(0,)]
+    assert engine.claim(["p"], "w", 1) == []
+
+
+def test_a_claim_racing_the_start_timeout_wins_when_it_commits_first(db_url: str, engine: Engine) -> None:
+    from composer_ops.db import connect
+    from composer_ops.repo import outbox
+
+    engine.deploy({"id": "prompt", "nodes": [{"id": "t", "type": "TASK", "task": "work", "queue": "p",
+                                              "timeouts": {"schedule_to_start_s": 30}}]})
+    run_id = engine.start("prompt")
+    _late(db_url, run_id)
+    outcome: list[Any] = []
+    with connect(db_url) as claimer:
+        with claimer.transaction():
+            (claimed,) = outbox.claim(claimer, ["p"], "w", 1, claim_id="race")    # holds the dispatch's row
+            coordinator = engine.coordinator()
+            racer = threading.Thread(target=lambda: outcome.append(coordinator.run_once(["timers"])))
+            racer.start()
+            wait_for(lambda: _sql(db_url, "SELECT count(*) FROM pg_locks WHERE NOT granted")[0][0] > 0,
+                     what="the timeout's DELETE to wait for the claim's row lock")
+        racer.join(60)
+    assert outcome and outcome[0].start_timeouts == 0 and outcome[0].stale == 1
+    task = engine.get_run(run_id).tasks[0]
+    assert (task.state, engine.get_run(run_id).status) == ("RUNNING", "RUNNING")
+    engine.complete(claimed, {"ok": True})
+    assert engine.get_run(run_id).status == "SUCCEEDED"
