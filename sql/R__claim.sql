@@ -32,6 +32,75 @@
 -- row of a dead worker costs one dispatch at most one poll interval. task_waiters is
 -- UNLOGGED: after a crash it is empty and every worker registers again at its next claim.
 
+-- A dispatch with a concurrency key or a rate limit (task_outbox.ckey, rkey: sql/V003) is
+-- taken only when composer_flow_ok says so; the claim's scan calls it on such rows only, in
+-- its order, so a key at its limit (or a bucket out of tokens) skips that key's rows and the
+-- scan goes on to the rows behind them. Per key:
+--   concurrency: the key's advisory lock, tried (a claim taking the same key now holds it:
+--     the row is skipped, as FOR UPDATE SKIP LOCKED skips a row), then held to the claim's
+--     end; under it the key's running attempts (flow_slots 'c:<key>') plus what this claim
+--     took already must stay below the row's limit. What this claim counted and took is
+--     kept in a transaction-local setting, so each key is counted once per claim;
+--   rate limit: the key's bucket row, locked SKIP LOCKED, refilled from the database
+--     clock (per_s since updated_at, up to burst); a token is taken for the row.
+-- Rows the scan then skips (a LIMIT reached, a row locked by another claim) may have
+-- counted or taken a token for nothing: conservative, never over a limit.
+CREATE OR REPLACE FUNCTION composer_flow_ok(p_ckey TEXT, p_climit INT, p_rkey TEXT, p_rate FLOAT8, p_burst INT)
+RETURNS BOOLEAN
+LANGUAGE plpgsql
+VOLATILE
+AS $$
+DECLARE
+    csetting TEXT := 'composer_flow.c' || md5(COALESCE(p_ckey, ''));
+    rsetting TEXT := 'composer_flow.r' || md5(COALESCE(p_rkey, ''));
+    held TEXT;
+    occupied INT;
+    v_tokens FLOAT8;
+    since TIMESTAMPTZ;
+BEGIN
+    IF p_ckey IS NOT NULL THEN
+        held := NULLIF(current_setting(csetting, true), '');
+        IF held IS NULL THEN
+            IF NOT pg_try_advisory_xact_lock(hashtext('composer_flow'), hashtext('c:' || p_ckey)) THEN
+                RETURN false;
+            END IF;
+            SELECT count(*) INTO occupied FROM flow_slots f WHERE f.key = 'c:' || p_ckey;
+            PERFORM set_config(csetting, occupied::text, true);
+        ELSE
+            occupied := held::int;
+        END IF;
+        IF occupied >= p_climit THEN
+            RETURN false;
+        END IF;
+    END IF;
+    IF p_rkey IS NOT NULL THEN
+        IF current_setting(rsetting, true) = 'empty' THEN
+            RETURN false;
+        END IF;
+        INSERT INTO rate_buckets (key, tokens, updated_at) VALUES (p_rkey, p_burst, now())
+        ON CONFLICT (key) DO NOTHING;
+        SELECT b.tokens, b.updated_at INTO v_tokens, since FROM rate_buckets b WHERE b.key = p_rkey
+           FOR UPDATE SKIP LOCKED;
+        IF NOT FOUND THEN
+            RETURN false;
+        END IF;
+        v_tokens := LEAST(p_burst, v_tokens + p_rate * GREATEST(0, extract(epoch FROM now() - since)));
+        IF v_tokens < 1 THEN
+            UPDATE rate_buckets b SET tokens = v_tokens, updated_at = GREATEST(since, now())
+             WHERE b.key = p_rkey;
+            PERFORM set_config(rsetting, 'empty', true);
+            RETURN false;
+        END IF;
+        UPDATE rate_buckets b SET tokens = v_tokens - 1, updated_at = GREATEST(since, now())
+         WHERE b.key = p_rkey;
+    END IF;
+    IF p_ckey IS NOT NULL THEN
+        PERFORM set_config(csetting, (occupied + 1)::text, true);
+    END IF;
+    RETURN true;
+END;
+$$;
+
 -- The six-argument claim: p_limit tasks at most; a claim that takes all it asked for
 -- has no room left and withdraws its registration with SKIP LOCKED (a row an enqueuer
 -- is deleting is already going). p_channel NULL: a caller that is not a listening
@@ -52,6 +121,7 @@ DECLARE
     leases INT[];
     queues TEXT[];
     maxruns INT[];
+    ckeys TEXT[];
     claimed INT := 0;
     open_queues TEXT[];
     limited TEXT[];
@@ -97,16 +167,18 @@ BEGIN
              USING (SELECT id FROM task_outbox
                      WHERE queue = ANY(pick_queues) AND available_at <= NOW()
                        AND (p_names IS NULL OR task_name = ANY(p_names))
+                       AND CASE WHEN ckey IS NULL AND rkey IS NULL THEN true
+                                ELSE composer_flow_ok(ckey, climit, rkey, rate_per_s, rate_burst) END
                      ORDER BY priority DESC, available_at, id
                      LIMIT room
                        FOR UPDATE SKIP LOCKED) s
              WHERE o.id = s.id
-            RETURNING o.run_id, o.task_id, o.attempt, o.task_name, o.lease_s, o.queue, o.max_run_s)
+            RETURNING o.run_id, o.task_id, o.attempt, o.task_name, o.lease_s, o.queue, o.max_run_s, o.ckey)
         SELECT runs || array_agg(picked.run_id), ids || array_agg(picked.task_id),
                attempts || array_agg(picked.attempt), names || array_agg(picked.task_name),
                leases || array_agg(picked.lease_s), queues || array_agg(picked.queue),
-               maxruns || array_agg(picked.max_run_s)
-          INTO runs, ids, attempts, names, leases, queues, maxruns
+               maxruns || array_agg(picked.max_run_s), ckeys || array_agg(picked.ckey)
+          INTO runs, ids, attempts, names, leases, queues, maxruns, ckeys
           FROM picked;
     END LOOP;
     IF runs IS NOT NULL THEN
@@ -117,9 +189,9 @@ BEGIN
                        lease_expires_at = NOW() + make_interval(secs => LEAST(p.lease_s, p.max_run_s)),
                        run_deadline_at = NOW() + make_interval(secs => p.max_run_s),
                        started_at = NOW(), updated_at = NOW(),
-                       flow_slot = CASE WHEN p.queue = ANY(limited) THEN true END
-                  FROM unnest(runs, ids, attempts, names, leases, queues, maxruns)
-                       AS p(run_id, task_id, attempt, task_name, lease_s, queue, max_run_s)
+                       flow_slot = CASE WHEN p.queue = ANY(limited) OR p.ckey IS NOT NULL THEN true END
+                  FROM unnest(runs, ids, attempts, names, leases, queues, maxruns, ckeys)
+                       AS p(run_id, task_id, attempt, task_name, lease_s, queue, max_run_s, ckey)
                  WHERE t.run_id = ANY(runs)
                    AND t.run_id = p.run_id AND t.id = p.task_id AND t.attempt = p.attempt
                    AND t.state IN ('PENDING', 'QUEUED')
@@ -127,10 +199,12 @@ BEGIN
                                     WHERE r.id = ANY(runs) AND r.id = t.run_id AND r.deleted_at IS NOT NULL)
                 RETURNING t.run_id, t.id AS task_id, t.node_id, t.attempt, p.task_name, p.queue,
                           t.input_json AS input, LEAST(p.lease_s, p.max_run_s) AS lease_s, t.lease_owner,
-                          t.lease_expires_at
+                          t.lease_expires_at, p.ckey
             ), slotted AS (
                 INSERT INTO flow_slots (key, run_id, task_id, attempt)
                 SELECT 'queue:' || c.queue, c.run_id, c.task_id, c.attempt FROM claimed c WHERE c.queue = ANY(limited)
+                UNION ALL
+                SELECT 'c:' || c.ckey, c.run_id, c.task_id, c.attempt FROM claimed c WHERE c.ckey IS NOT NULL
                 ON CONFLICT (key, run_id, task_id) DO UPDATE SET attempt = EXCLUDED.attempt, taken_at = now()
             ), noted AS (
                 INSERT INTO run_history (run_id, kind, node_id, task_id, attempt, worker, request, detail)
@@ -211,3 +285,6 @@ BEGIN
     END IF;
 END;
 $$;
+
+REVOKE ALL ON FUNCTION composer_flow_ok(TEXT, INT, TEXT, FLOAT8, INT) FROM PUBLIC;
+GRANT EXECUTE ON FUNCTION composer_flow_ok(TEXT, INT, TEXT, FLOAT8, INT) TO composer_ops_engine;

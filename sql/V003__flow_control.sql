@@ -52,5 +52,22 @@ ALTER TABLE task_instances ADD COLUMN IF NOT EXISTS run_deadline_at TIMESTAMPTZ;
 ALTER TABLE task_outbox ADD COLUMN IF NOT EXISTS start_by TIMESTAMPTZ;
 CREATE INDEX IF NOT EXISTS idx_task_outbox_start_by ON task_outbox (start_by) WHERE start_by IS NOT NULL;
 
+-- concurrency {key, limit} and rate_limit {key, per_s, burst}: the keys resolved when the
+-- task is dispatched, and the node's numbers. NULL: none (the claim then pays nothing).
+ALTER TABLE task_outbox ADD COLUMN IF NOT EXISTS ckey TEXT;
+ALTER TABLE task_outbox ADD COLUMN IF NOT EXISTS climit INT;
+ALTER TABLE task_outbox ADD COLUMN IF NOT EXISTS rkey TEXT;
+ALTER TABLE task_outbox ADD COLUMN IF NOT EXISTS rate_per_s FLOAT8;
+ALTER TABLE task_outbox ADD COLUMN IF NOT EXISTS rate_burst INT;
+
+-- One token bucket per rate_limit key, shared by every worker: refilled by the claim from
+-- the database clock (per_s since updated_at, up to burst), one token per task claimed.
+CREATE TABLE IF NOT EXISTS rate_buckets(
+    key TEXT PRIMARY KEY,
+    tokens FLOAT8 NOT NULL,
+    updated_at TIMESTAMPTZ NOT NULL
+);
+
+GRANT SELECT, INSERT, UPDATE ON rate_buckets TO composer_ops_engine;
 GRANT SELECT, INSERT, UPDATE ON queue_settings TO composer_ops_engine;
 GRANT SELECT, INSERT, UPDATE, DELETE ON flow_slots TO composer_ops_engine;

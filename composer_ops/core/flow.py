@@ -20,7 +20,7 @@ from typing import Any
 from composer_ops.core.expressions import is_ref, parse_ref
 from composer_ops.errors import Invalid
 
-__all__ = ["FLOW_KEYS", "NO_FLOW", "Concurrency", "FlowControl", "RateLimit", "Timeouts", "flow_refs",
+__all__ = ["FLOW_KEYS", "NO_FLOW", "Concurrency", "FlowControl", "RateLimit", "Timeouts", "flow_refs", "key_text",
            "parse_flow"]
 
 #: The node keys this module owns.
@@ -172,6 +172,13 @@ def parse_flow(raw: Mapping[str, Any], where: str) -> FlowControl:
             else max(1, math.ceil(per_s))
         rate = RateLimit(key=_rate_key(doc["key"], f"{where}: rate_limit.key"), per_s=per_s, burst=burst)
     return FlowControl(priority=priority, timeouts=timeouts, concurrency=concurrency, rate_limit=rate)
+
+
+def key_text(value: Any) -> str:
+    """A resolved key as the text tasks are grouped by: a string as it is, anything else
+    (a number, null when the path leads nowhere, an object) as canonical JSON, so 42 and
+    "42" are different keys and every task whose key resolves to nothing shares "null"."""
+    return value if isinstance(value, str) else json.dumps(value, sort_keys=True, separators=(",", ":"))
 
 
 def flow_refs(flow: FlowControl) -> Iterator[tuple[str, str]]:

@@ -408,13 +408,15 @@ class _Decider:
         self.advance()
         return self.decision()
 
-    def start_timed_out(self, ref: TaskRef) -> Decision:
+    def start_timed_out(self, task_id: str, attempt: int) -> Decision:
         """Not claimed by its schedule_to_start deadline: the task fails (no retry: its
         retry policy is for handlers that ran), and the node's failure decides the run."""
-        slot = self.slots.get(ref.node_id)
-        if slot is None or slot.task_id != ref.task_id or slot.attempt != ref.attempt \
+        node_id = next((n for n, s in self.slots.items() if s.task_id == task_id), None)
+        slot = None if node_id is None else self.slots[node_id]
+        if node_id is None or slot is None or slot.attempt != attempt \
                 or slot.state not in (TaskState.PENDING, TaskState.QUEUED):
-            return _stale(f"task {ref.task_id} attempt {ref.attempt} is no longer waiting to start")
+            return _stale(f"task {task_id} attempt {attempt} is no longer waiting to start")
+        ref = TaskRef(task_id=task_id, run_id=self.run.id, node_id=node_id, attempt=attempt)
         error = (f"schedule_to_start timeout: attempt {ref.attempt} not claimed within "
                  f"{self.spec.nodes[ref.node_id].flow.timeouts.schedule_to_start_s} s")
         self.actions.append(model.FailTask(ref=ref, reason=error, unclaimed=True))
@@ -612,5 +614,5 @@ def decide(run: RunSnapshot, event: model.Event, store: Store, new_id: Callable[
     if isinstance(event, model.LeaseExpired):
         return decider.lease_expired(event)
     if isinstance(event, model.StartTimedOut):
-        return decider.start_timed_out(event.ref)
+        return decider.start_timed_out(event.task_id, event.attempt)
     return decider.timer_due(event)

@@ -257,7 +257,8 @@ class StartTimedOut:
     """The timer loop found the attempt's dispatch unclaimed past its schedule_to_start
     deadline (by the database clock)."""
 
-    ref: TaskRef
+    task_id: str
+    attempt: int
     now: datetime
 
 

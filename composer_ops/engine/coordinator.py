@@ -181,9 +181,9 @@ class Coordinator:
             late = outbox.unstarted(conn, self.batch, now=clock.now(conn), skip=self._start_backoff.skipped())
         locked: set[str] = set()
         for row in late:
-            ref = TaskRef(task_id=row.task_id, run_id=row.run_id, node_id=row.node_id, attempt=row.attempt)
             outcome = self._handle("start timeout", row.task_id, f"{row.task_id}:{row.attempt}", row.run_id,
-                                   partial(_start_timed_out, ref), self._start_backoff, stats, locked)
+                                   partial(_start_timed_out, row.task_id, row.attempt), self._start_backoff, stats,
+                                   locked)
             if outcome is not None and not outcome.stale:
                 stats.start_timeouts += 1
 
@@ -372,8 +372,8 @@ def _timer_due(task_id: str, node_id: str, now: datetime) -> TimerDue:
     return TimerDue(task_id=task_id, node_id=node_id, now=now)
 
 
-def _start_timed_out(ref: TaskRef, now: datetime) -> StartTimedOut:
-    return StartTimedOut(ref=ref, now=now)
+def _start_timed_out(task_id: str, attempt: int, now: datetime) -> StartTimedOut:
+    return StartTimedOut(task_id=task_id, attempt=attempt, now=now)
 
 
 def _lease_expired(ref: TaskRef, timed_out: bool, now: datetime) -> LeaseExpired:

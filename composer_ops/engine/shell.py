@@ -19,6 +19,8 @@ from datetime import datetime
 from typing import Any
 
 from composer_ops.core.attempts import HistoryRow
+from composer_ops.core.expressions import parse_ref, resolve_ref
+from composer_ops.core.flow import flow_refs, key_text
 from composer_ops.core.machine import decide
 from composer_ops.core.model import (
     BufferSignal,
@@ -254,7 +256,8 @@ class Shell:
                                            queue=node.queue or "default", task_name=node.task or nxt.node_id,
                                            lease_s=_lease(node.lease_s), available_at=action.available_at,
                                            priority=node.flow.priority, max_run_s=_max_run(node),
-                                           start_within_s=node.flow.timeouts.schedule_to_start_s))
+                                           start_within_s=node.flow.timeouts.schedule_to_start_s,
+                                           **_flow_keys(conn, run, node)))
             elif isinstance(action, ResolveWait):
                 _fenced(signals.resolve_wait(conn, run.id, action.task_id, state=str(action.state), now=now,
                                              output=action.output, reason=action.reason) or None, action)
@@ -302,7 +305,8 @@ class Shell:
                                            queue=node.queue or "default", task_name=node.task or a.node_id,
                                            lease_s=_lease(node.lease_s), available_at=a.available_at,
                                            priority=node.flow.priority, max_run_s=_max_run(node),
-                                           start_within_s=node.flow.timeouts.schedule_to_start_s))
+                                           start_within_s=node.flow.timeouts.schedule_to_start_s,
+                                           **_flow_keys(conn, run, node)))
 
     def _finish(self, conn: Conn, run: RunSnapshot, a: FinishRun, now: datetime) -> None:
         if not runs.finish_run(conn, run.id, str(a.status), now=now, reason=a.reason, output=a.output):
@@ -412,6 +416,30 @@ def _queue(run: RunSnapshot, a: CreateTask) -> str | None:
 
 def _lease(lease_s: float) -> int:
     return max(1, int(round(lease_s)))
+
+
+def _flow_keys(conn: Conn, run: RunSnapshot, node: NodeSpec) -> dict[str, Any]:
+    """The dispatch's concurrency key and rate limit, their $. references resolved against
+    the run's input, config and the referenced upstream outputs (loaded only then); empty
+    for a node without them."""
+    flow = node.flow
+    if flow.concurrency is None and flow.rate_limit is None:
+        return {}
+    refs = [text for _, text in flow_refs(flow)]
+    upstream = {r.node for r in map(parse_ref, refs) if r.node is not None}
+    outputs = runs.load_outputs(conn, run.id, sorted(upstream)) if upstream else {}
+
+    def value(text: str) -> str:
+        return key_text(resolve_ref(parse_ref(text), run.context, outputs))
+
+    keys: dict[str, Any] = {}
+    if flow.concurrency is not None:
+        keys.update(ckey=value(flow.concurrency.key), climit=flow.concurrency.limit)
+    if flow.rate_limit is not None:
+        rate = flow.rate_limit
+        keys.update(rkey=value(rate.key) if rate.key_is_ref else rate.key, rate_per_s=rate.per_s,
+                    rate_burst=rate.burst)
+    return keys
 
 
 def _max_run(node: NodeSpec) -> int | None:

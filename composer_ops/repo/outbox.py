@@ -52,11 +52,12 @@ def enqueue(conn: Conn, dispatches: Sequence[Dispatch], *, now: datetime) -> Non
     conn.execute("""
         WITH ins AS (
             INSERT INTO task_outbox (queue, run_id, task_id, attempt, task_name, lease_s, available_at, created_at,
-                                     priority, max_run_s, start_by)
+                                     priority, max_run_s, start_by, ckey, climit, rkey, rate_per_s, rate_burst)
             SELECT q, r, t, a, n, l, COALESCE(av, %(now)s), %(now)s, COALESCE(p, 0), m,
-                   COALESCE(av, %(now)s) + make_interval(secs => w)
+                   COALESCE(av, %(now)s) + make_interval(secs => w), ck, cl, rk, rp, rb
               FROM jsonb_to_recordset(%(rows)s::jsonb) AS d(q text, r text, t text, a int4, n text, l int4,
-                                                           av timestamptz, p int2, m int4, w float8)
+                                                           av timestamptz, p int2, m int4, w float8, ck text,
+                                                           cl int4, rk text, rp float8, rb int4)
             RETURNING queue, task_name
         ), woken AS (
             DELETE FROM task_waiters w
@@ -79,7 +80,8 @@ def enqueue(conn: Conn, dispatches: Sequence[Dispatch], *, now: datetime) -> Non
                                    AND (w.task_names IS NULL OR i.task_name = ANY(w.task_names))))""",
         {"rows": recordset([{"q": d.queue, "r": d.run_id, "t": d.task_id, "a": d.attempt, "n": d.task_name,
                              "l": d.lease_s, "av": iso(d.available_at), "p": d.priority or None,
-                             "m": d.max_run_s, "w": d.start_within_s}
+                             "m": d.max_run_s, "w": d.start_within_s, "ck": d.ckey, "cl": d.climit,
+                             "rk": d.rkey, "rp": d.rate_per_s, "rb": d.rate_burst}
                             for d in dispatches]),
          "now": now, "channel": CHANNEL})
 
@@ -143,12 +145,9 @@ def unstarted(conn: Conn, limit: int, *, now: datetime, skip: Sequence[str] = ()
     (the database clock), the most overdue first, through their partial index; ``skip``:
     ``task_id:attempt`` keys the caller is backing off."""
     return fetch_all(conn, Unstarted, """
-        SELECT o.run_id, o.task_id, t.node_id, o.attempt
-          FROM (SELECT run_id, task_id, attempt, start_by FROM task_outbox
-                 WHERE start_by <= %(now)s AND task_id || ':' || attempt <> ALL(%(skip)s::text[])
-                 ORDER BY start_by LIMIT %(limit)s) o
-          JOIN task_instances t ON t.run_id = o.run_id AND t.id = o.task_id
-         ORDER BY o.start_by""", {"now": now, "skip": list(skip), "limit": limit})
+        SELECT run_id, task_id, attempt FROM task_outbox
+         WHERE start_by <= %(now)s AND task_id || ':' || attempt <> ALL(%(skip)s::text[])
+         ORDER BY start_by LIMIT %(limit)s""", {"now": now, "skip": list(skip), "limit": limit})
 
 
 def take_unstarted(conn: Conn, run_id: str, task_id: str, attempt: int) -> int:

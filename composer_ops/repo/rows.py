@@ -106,6 +106,11 @@ class Dispatch:
     priority: int = 0            # the node's flow-control priority: higher is claimed first in its queue
     max_run_s: int | None = None  # the node's start_to_close_s: no lease of an attempt passes it
     start_within_s: float | None = None   # the node's schedule_to_start_s, from available_at
+    ckey: str | None = None      # the concurrency key's value (core.flow.key_text), and its limit
+    climit: int | None = None
+    rkey: str | None = None      # the rate limit's key, per_s and burst
+    rate_per_s: float | None = None
+    rate_burst: int | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -114,7 +119,6 @@ class Unstarted:
 
     run_id: str
     task_id: str
-    node_id: str
     attempt: int
 
 

@@ -280,3 +280,33 @@ def test_a_claim_racing_the_start_timeout_wins_when_it_commits_first(db_url: str
     assert (task.state, engine.get_run(run_id).status) == ("RUNNING", "RUNNING")
     engine.complete(claimed, {"ok": True})
     assert engine.get_run(run_id).status == "SUCCEEDED"
+
+
+def test_a_concurrency_key_at_its_limit_does_not_hold_up_other_keys(db_url: str, engine: Engine) -> None:
+    engine.deploy({"id": "percust", "nodes": [{"id": "t", "type": "TASK", "task": "work", "queue": "k",
+                                               "concurrency": {"key": "$.input.customer", "limit": 1}}]})
+    first = [engine.start("percust", input={"customer": "A"}) for _ in range(3)]
+    b = engine.start("percust", input={"customer": "B"})
+    seven = engine.start("percust", input={"customer": 7})
+    taken = engine.claim(["k"], "w", 10)
+    assert sorted(c.run_id for c in taken) == sorted([first[0], b, seven])   # A's others wait; B and 7 do not
+    assert engine.claim(["k"], "w", 10) == []
+    assert _sql(db_url, "SELECT key, count(*) FROM flow_slots GROUP BY key ORDER BY key") == [
+        ("c:7", 1), ("c:A", 1), ("c:B", 1)]
+    engine.complete(next(c for c in taken if c.run_id == first[0]), None)
+    (second,) = engine.claim(["k"], "w", 10)
+    assert second.run_id == first[1]
+
+
+def test_a_rate_limit_gives_its_burst_then_refills_by_the_database_clock(db_url: str, engine: Engine) -> None:
+    engine.deploy({"id": "metered", "nodes": [{"id": "t", "type": "TASK", "task": "work", "queue": "r2",
+                                               "rate_limit": {"key": "api", "per_s": 1, "burst": 2}}]})
+    for _ in range(5):
+        engine.start("metered")
+    assert len(engine.claim(["r2"], "w", 10)) == 2              # the burst
+    assert engine.claim(["r2"], "w", 10) == []
+    with psycopg.connect(db_url) as conn:                       # 1.5 s pass for the bucket
+        conn.execute("UPDATE rate_buckets SET updated_at = updated_at - interval '1.5 seconds'")
+    assert len(engine.claim(["r2"], "w", 10)) == 1
+    tokens = _sql(db_url, "SELECT tokens FROM rate_buckets WHERE key = 'api'")[0][0]
+    assert 0 <= tokens < 1

@@ -86,3 +86,12 @@ def test_flow_keys_belong_to_task_nodes_only() -> None:
     doc = {"id": "wf", "nodes": [{"id": "w", "type": "WAIT", "duration_s": 1, "priority": 3}]}
     with pytest.raises(Invalid, match='node "w": unknown key "priority" for a WAIT node'):
         parse_spec(doc)
+
+
+@pytest.mark.parametrize(("value", "text"), [
+    ("A", "A"), (42, "42"), ("x y", "x y"), (None, "null"), ({"b": 1, "a": [2]}, '{"a":[2],"b":1}'), (True, "true"),
+])
+def test_a_resolved_key_is_its_string_or_canonical_json(value: Any, text: str) -> None:
+    from composer_ops.core.flow import key_text
+
+    assert key_text(value) == text
