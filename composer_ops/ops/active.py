@@ -125,3 +125,21 @@ def queue_overview(source: Source = None) -> pl.DataFrame:
         "oldest_ready_s": pl.Float64, "running": pl.Int64, "slots": pl.Int64})
     return frame.with_columns(
         at_limit=(pl.col("max_running") > 0) & (pl.col("slots") >= pl.col("max_running")))
+
+
+def keys_at_limit(source: Source = None) -> pl.DataFrame:
+    """Concurrency keys at their limit with tasks ready behind them (per queue): those
+    tasks wait on purpose until an attempt of their key ends."""
+    with connection(source) as conn:
+        return rows_frame([tuple(r.__dict__.values()) for r in queues.keys_at_limit(conn, db_now(conn))], {
+            "queue": pl.String, "key": pl.String, "key_limit": pl.Int64, "waiting": pl.Int64,
+            "oldest_waiting_s": pl.Float64, "running": pl.Int64})
+
+
+def rate_limited(source: Source = None) -> pl.DataFrame:
+    """Rate limit keys with tasks ready: how many wait, the oldest's age, the rate and the
+    bucket's tokens when a claim last looked."""
+    with connection(source) as conn:
+        return rows_frame([tuple(r.__dict__.values()) for r in queues.rate_limited(conn, db_now(conn))], {
+            "key": pl.String, "waiting": pl.Int64, "oldest_waiting_s": pl.Float64, "per_s": pl.Float64,
+            "tokens": pl.Float64})

@@ -69,6 +69,7 @@ class Health:
     checked_at: datetime
     checks: list[Check]
     queues: list[dict[str, Any]] = field(default_factory=list)   # per queue: active.queue_overview's rows
+    keys_at_limit: int = 0             # concurrency keys at their limit with tasks ready behind them
 
     @property
     def healthy(self) -> bool:
@@ -76,7 +77,8 @@ class Health:
 
     def as_json(self) -> dict[str, Any]:
         return {"healthy": self.healthy, "up": True, "checked_at": self.checked_at.isoformat().replace("+00:00", "Z"),
-                "checks": [asdict(c) for c in self.checks], "queues": self.queues}
+                "checks": [asdict(c) for c in self.checks], "queues": self.queues,
+                "keys_at_limit": self.keys_at_limit}
 
 
 def check_health(source: Source = None, thresholds: Thresholds | None = None) -> Health:
@@ -93,6 +95,7 @@ def check_health(source: Source = None, thresholds: Thresholds | None = None) ->
         waits, waits_total = active.long_waits(conn, older_than_s=t.long_wait_h * 3600, limit=1)
         failing, most_attempts, _ = analytics.webhooks_failing(conn, t.webhook_attempts)
         queue_rows = active.queue_overview(conn)
+        at_limit = active.keys_at_limit(conn)
     checks: list[Check] = []
 
     # Read first: every other figure is as old as the replay position of a standby.
@@ -175,7 +178,7 @@ def check_health(source: Source = None, thresholds: Thresholds | None = None) ->
                 "(composer-ops queues resume NAME --yes once the downstream service is back)" if long_paused.height
                 else f"{paused.height} queue(s) paused, none over {t.queue_paused_h:g} h"),
         help="Seconds the longest-paused queue has been paused (0: none paused)."))
-    return Health(checked_at=now, checks=checks, queues=[
+    return Health(checked_at=now, checks=checks, keys_at_limit=at_limit.height, queues=[
         {k: (v.isoformat().replace("+00:00", "Z") if isinstance(v, datetime) else v) for k, v in row.items()}
         for row in queue_rows.to_dicts()])
 
@@ -198,6 +201,8 @@ def write_prometheus(health: Health, path: str) -> None:
     _up(registry, 1)
     Gauge("composer_check_healthy", "1 when no check alerts.", registry=registry).set(1 if health.healthy else 0)
     _queue_gauges(registry, health.queues)
+    Gauge("composer_concurrency_keys_at_limit", "Concurrency keys with as many attempts RUNNING as their limit "
+          "and tasks ready behind them.", registry=registry).set(health.keys_at_limit)
     Gauge("composer_check_timestamp_seconds", "When the checks read the database (its clock).",
           registry=registry).set(health.checked_at.timestamp())
     _write(registry, path)

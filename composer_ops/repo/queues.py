@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from datetime import datetime
 
 from composer_ops.repo._base import Conn, fetch_all
-from composer_ops.repo.rows import QueueRow, QueueSetting
+from composer_ops.repo.rows import KeyAtLimit, QueueRow, QueueSetting, RateWait
 
 _SETTING = "queue, paused, reason, paused_at, max_running, updated_at"
 
@@ -89,3 +89,30 @@ def free_stale_slots(conn: Conn) -> int:
          WHERE NOT EXISTS (SELECT 1 FROM task_instances t
                             WHERE t.run_id = f.run_id AND t.id = f.task_id AND t.attempt = f.attempt
                               AND t.state = 'RUNNING')""").rowcount
+
+
+def keys_at_limit(conn: Conn, now: datetime) -> list[KeyAtLimit]:
+    """Concurrency keys with as many attempts RUNNING as their limit and dispatches ready
+    behind them (waiting on purpose), per queue; the outbox read whole, the slots by key."""
+    return fetch_all(conn, KeyAtLimit, """
+        SELECT w.queue, w.key, w.key_limit, w.waiting, w.oldest_waiting_s, s.running
+          FROM (SELECT queue, ckey AS key, max(climit) AS key_limit, count(*) AS waiting,
+                       max(extract(epoch FROM %(now)s::timestamptz - available_at))::float8 AS oldest_waiting_s
+                  FROM task_outbox WHERE ckey IS NOT NULL AND available_at <= %(now)s::timestamptz
+                 GROUP BY queue, ckey) w
+          CROSS JOIN LATERAL (SELECT count(*) AS running FROM flow_slots f WHERE f.key = 'c:' || w.key) s
+         WHERE s.running >= w.key_limit
+         ORDER BY w.waiting DESC, w.queue, w.key""", {"now": now})
+
+
+def rate_limited(conn: Conn, now: datetime) -> list[RateWait]:
+    """Rate limit keys with dispatches ready: how many wait, the oldest's age, the rate,
+    and the tokens the bucket held when a claim last looked."""
+    return fetch_all(conn, RateWait, """
+        SELECT o.rkey AS key, count(*) AS waiting,
+               max(extract(epoch FROM %(now)s::timestamptz - o.available_at))::float8 AS oldest_waiting_s,
+               max(o.rate_per_s) AS per_s, max(b.tokens) AS tokens
+          FROM task_outbox o LEFT JOIN rate_buckets b ON b.key = o.rkey
+         WHERE o.rkey IS NOT NULL AND o.available_at <= %(now)s::timestamptz
+         GROUP BY o.rkey
+         ORDER BY count(*) DESC, o.rkey""", {"now": now})

@@ -356,3 +356,26 @@ class QueueRow:
     oldest_ready_s: float
     running: int
     slots: int                   # RUNNING attempts counted against max_running
+
+
+@dataclass(frozen=True, kw_only=True)
+class KeyAtLimit:
+    """A concurrency key with as many attempts RUNNING as its limit, and tasks ready behind it."""
+
+    queue: str
+    key: str
+    key_limit: int
+    waiting: int
+    oldest_waiting_s: float
+    running: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class RateWait:
+    """A rate limit key with tasks ready: they wait for the bucket's tokens."""
+
+    key: str
+    waiting: int
+    oldest_waiting_s: float
+    per_s: float
+    tokens: float | None         # None: no claim has used the bucket yet

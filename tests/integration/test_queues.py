@@ -310,3 +310,27 @@ def test_a_rate_limit_gives_its_burst_then_refills_by_the_database_clock(db_url:
     assert len(engine.claim(["r2"], "w", 10)) == 1
     tokens = _sql(db_url, "SELECT tokens FROM rate_buckets WHERE key = 'api'")[0][0]
     assert 0 <= tokens < 1
+
+
+def test_keys_at_their_limit_and_rate_limited_waits_are_reported(db_url: str, engine: Engine, tmp_path: Any) -> None:
+    from composer_ops import ops
+    from composer_ops.ops.health import check_health, write_prometheus
+
+    engine.deploy({"id": "percust", "nodes": [{"id": "t", "type": "TASK", "task": "work", "queue": "k",
+                                               "concurrency": {"key": "$.input.customer", "limit": 1}}]})
+    engine.deploy({"id": "metered", "nodes": [{"id": "t", "type": "TASK", "task": "work", "queue": "r2",
+                                               "rate_limit": {"key": "api", "per_s": 0.01, "burst": 1}}]})
+    for _ in range(3):
+        engine.start("percust", input={"customer": "A"})
+        engine.start("metered")
+    engine.start("percust", input={"customer": "B"})
+    assert len(engine.claim(["k", "r2"], "w", 10)) == 3        # A's first, B's, one token of api
+    full = ops.keys_at_limit(db_url)
+    assert full.select("queue", "key", "key_limit", "running", "waiting").rows() == [("k", "A", 1, 1, 2)]
+    waits = ops.rate_limited(db_url)
+    assert waits.select("key", "waiting").rows() == [("api", 2)] and waits["tokens"][0] < 1
+    health = check_health(db_url)
+    assert health.keys_at_limit == 1
+    prom = tmp_path / "composer.prom"
+    write_prometheus(health, str(prom))
+    assert "composer_concurrency_keys_at_limit 1.0" in prom.read_text()
