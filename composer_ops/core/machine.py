@@ -411,10 +411,8 @@ class _Decider:
     def start_timed_out(self, task_id: str, attempt: int) -> Decision:
         """Not claimed by its schedule_to_start deadline: the task fails (no retry: its
         retry policy is for handlers that ran), and the node's failure decides the run."""
-        node_id = next((n for n, s in self.slots.items() if s.task_id == task_id), None)
-        slot = None if node_id is None else self.slots[node_id]
-        if node_id is None or slot is None or slot.attempt != attempt \
-                or slot.state not in (TaskState.PENDING, TaskState.QUEUED):
+        node_id, slot = next(((n, s) for n, s in self.slots.items() if s.task_id == task_id), ("", None))
+        if slot is None or slot.attempt != attempt or slot.state not in (TaskState.PENDING, TaskState.QUEUED):
             return _stale(f"task {task_id} attempt {attempt} is no longer waiting to start")
         ref = TaskRef(task_id=task_id, run_id=self.run.id, node_id=node_id, attempt=attempt)
         error = (f"schedule_to_start timeout: attempt {ref.attempt} not claimed within "
