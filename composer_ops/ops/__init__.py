@@ -28,6 +28,7 @@ from composer_ops.ops.active import (
     outbox_backlog,
     queue_overview,
     rate_limited,
+    start_latency,
     top_runs,
 )
 from composer_ops.ops.display import SelfChecks, show_key_figures, table
@@ -108,6 +109,7 @@ __all__ = [
     "keys_at_limit",
     "queue_overview",
     "rate_limited",
+    "start_latency",
     "parse_cutoff",
     "node_totals",
     "partition_inventory",

@@ -10,8 +10,11 @@ session TimeZone or the client's clock.
 
 from __future__ import annotations
 
+from datetime import timedelta
+
 import polars as pl
 
+from composer_ops.core.runids import run_id_bound
 from composer_ops.errors import Invalid
 from composer_ops.ops._common import ACTIVE_STATES, UTC_TS, Source, connection, db_now, rows_frame
 from composer_ops.repo import analytics, queues
@@ -143,3 +146,16 @@ def rate_limited(source: Source = None) -> pl.DataFrame:
         return rows_frame([tuple(r.__dict__.values()) for r in queues.rate_limited(conn, db_now(conn))], {
             "key": pl.String, "waiting": pl.Int64, "oldest_waiting_s": pl.Float64, "per_s": pl.Float64,
             "tokens": pl.Float64})
+
+
+def start_latency(source: Source = None, *, window_s: float = 3600) -> pl.DataFrame:
+    """Per queue, how long tasks waited from creation to their first claim (p50, p95)
+    over the last ``window_s`` seconds, for runs started in that window (their months
+    only are read)."""
+    if not window_s > 0:
+        raise Invalid(f"window_s must be more than 0 seconds, got {window_s}")
+    with connection(source) as conn:
+        since = db_now(conn) - timedelta(seconds=window_s)
+        found = queues.start_latency(conn, since=since, floor=run_id_bound(since))
+    return rows_frame([tuple(r.__dict__.values()) for r in found], {
+        "queue": pl.String, "claims": pl.Int64, "p50_s": pl.Float64, "p95_s": pl.Float64})

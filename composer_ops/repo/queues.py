@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from datetime import datetime
 
 from composer_ops.repo._base import Conn, fetch_all
-from composer_ops.repo.rows import KeyAtLimit, QueueRow, QueueSetting, RateWait
+from composer_ops.repo.rows import KeyAtLimit, QueueRow, QueueSetting, RateWait, StartLatency
 
 _SETTING = "queue, paused, reason, paused_at, max_running, updated_at"
 
@@ -116,3 +116,20 @@ def rate_limited(conn: Conn, now: datetime) -> list[RateWait]:
          WHERE o.rkey IS NOT NULL AND o.available_at <= %(now)s::timestamptz
          GROUP BY o.rkey
          ORDER BY count(*) DESC, o.rkey""", {"now": now})
+
+
+def start_latency(conn: Conn, *, since: datetime, floor: str) -> list[StartLatency]:
+    """Schedule-to-start latency per queue: from a task's creation to its first claim
+    (attempt 0, whose dispatch is written with the task), for claims at or after
+    ``since``, of runs whose ID is ``floor`` or above (the run-ID bound of ``since``:
+    only those months are read, and tasks of older runs are left out)."""
+    return fetch_all(conn, StartLatency, """
+        SELECT COALESCE(t.queue, 'default') AS queue, count(*) AS claims,
+               percentile_cont(0.5) WITHIN GROUP (ORDER BY extract(epoch FROM h.at - t.created_at))::float8 AS p50_s,
+               percentile_cont(0.95) WITHIN GROUP (ORDER BY extract(epoch FROM h.at - t.created_at))::float8 AS p95_s
+          FROM run_history h
+          JOIN task_instances t ON t.run_id = h.run_id AND t.id = h.task_id
+         WHERE h.kind = 'claimed' AND h.attempt = 0 AND h.at >= %(since)s
+           AND h.run_id >= %(floor)s AND t.run_id >= %(floor)s
+         GROUP BY 1
+         ORDER BY 1""", {"since": since, "floor": floor}, prepare=False)

@@ -379,3 +379,13 @@ class RateWait:
     oldest_waiting_s: float
     per_s: float
     tokens: float | None         # None: no claim has used the bucket yet
+
+
+@dataclass(frozen=True, kw_only=True)
+class StartLatency:
+    """A queue's schedule-to-start latency (task created to first claimed), in seconds."""
+
+    queue: str
+    claims: int
+    p50_s: float
+    p95_s: float

@@ -334,3 +334,17 @@ def test_keys_at_their_limit_and_rate_limited_waits_are_reported(db_url: str, en
     prom = tmp_path / "composer.prom"
     write_prometheus(health, str(prom))
     assert "composer_concurrency_keys_at_limit 1.0" in prom.read_text()
+
+
+def test_schedule_to_start_latency_per_queue(db_url: str, engine: Engine) -> None:
+    from composer_ops import ops
+
+    waited = {engine.start("low"): 10, engine.start("low"): 2}
+    with psycopg.connect(db_url) as conn:             # they were created that many seconds before the claim
+        for run_id, seconds in waited.items():
+            conn.execute("UPDATE task_instances SET created_at = now() - make_interval(secs => %s) "
+                         "WHERE run_id = %s", (seconds, run_id))
+    assert len(engine.claim(["q"], "w", 10)) == 2
+    (row,) = ops.start_latency(db_url).rows(named=True)
+    assert (row["queue"], row["claims"]) == ("q", 2)
+    assert row["p50_s"] == pytest.approx(6, abs=1.5) and row["p95_s"] == pytest.approx(9.6, abs=1.5)
