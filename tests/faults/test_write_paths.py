@@ -389,6 +389,12 @@ def _queue_name(b: Rig) -> str:
     return "fq-" + _token()[:12]
 
 
+def _paused_queue(b: Rig) -> str:
+    queue = _queue_name(b)
+    b.direct.queues.pause(queue)
+    return queue
+
+
 # -- checks: what every case must leave -------------------------------------------------------
 
 
@@ -766,6 +772,8 @@ PATHS = [
               lambda b, s: b.engine.cancel_runs(where={"token": s[0]}, yes=True, chunk=2), _cancelled_once_each),
     WritePath("queues pause", _queue_name, lambda b, q: b.engine.queues.pause(q, reason="incident"),
               _queue_changed_once("queues pause", (True, 0))),
+    WritePath("queues resume", _paused_queue, lambda b, q: b.engine.queues.resume(q),
+              _queue_changed_once("queues resume", (False, 0))),
     WritePath("queues set-limit", _queue_name, lambda b, q: b.engine.queues.set_limit(q, 3),
               _queue_changed_once("queues set-limit", (False, 3))),
     WritePath("partitions archive", _month_2020, lambda b, m: _archive(b.proxy.url(), m), _archived_once,
