@@ -9,9 +9,12 @@
 --   1. a listening worker registers itself in task_waiters (its queues, task names and
 --      wake channel) before it takes any outbox row, so a claim that waits there (an
 --      enqueuer is deleting the same row and has not committed) holds nothing yet;
---   2. it deletes up to p_limit available outbox rows of its queues, oldest first,
---      FOR UPDATE SKIP LOCKED;
---   3. it moves their tasks to RUNNING with a lease, fenced on the attempt and on the
+--   2. it deletes up to p_limit available outbox rows of its queues, highest priority
+--      first, then oldest, FOR UPDATE SKIP LOCKED; a paused queue gives none, and a
+--      queue with max_running gives at most its room (queue_settings, flow_slots:
+--      sql/V003), counted under the queue's advisory lock;
+--   3. it moves their tasks to RUNNING with a lease (never past the attempt's
+--      start_to_close deadline, run_deadline_at, when its node has one), fenced on the attempt and on the
 --      task still being PENDING or QUEUED, and writes each claimed task's run-history
 --      row (marked with the claim's ID, which a retried claim looks up) in the same
 --      statement. A task of a soft-deleted run is not claimed (its outbox row is
@@ -28,6 +31,75 @@
 -- notifies the shared channel. Wake-ups are an optimisation: workers poll, so a waiter
 -- row of a dead worker costs one dispatch at most one poll interval. task_waiters is
 -- UNLOGGED: after a crash it is empty and every worker registers again at its next claim.
+
+-- A dispatch with a concurrency key or a rate limit (task_outbox.ckey, rkey: sql/V003) is
+-- taken only when composer_flow_ok says so; the claim's scan calls it on such rows only, in
+-- its order, so a key at its limit (or a bucket out of tokens) skips that key's rows and the
+-- scan goes on to the rows behind them. Per key:
+--   concurrency: the key's advisory lock, tried (a claim taking the same key now holds it:
+--     the row is skipped, as FOR UPDATE SKIP LOCKED skips a row), then held to the claim's
+--     end; under it the key's running attempts (flow_slots 'c:<key>') plus what this claim
+--     took already must stay below the row's limit. What this claim counted and took is
+--     kept in a transaction-local setting, so each key is counted once per claim;
+--   rate limit: the key's bucket row, locked SKIP LOCKED, refilled from the database
+--     clock (per_s since updated_at, up to burst); a token is taken for the row.
+-- Rows the scan then skips (a LIMIT reached, a row locked by another claim) may have
+-- counted or taken a token for nothing: conservative, never over a limit.
+CREATE OR REPLACE FUNCTION composer_flow_ok(p_ckey TEXT, p_climit INT, p_rkey TEXT, p_rate FLOAT8, p_burst INT)
+RETURNS BOOLEAN
+LANGUAGE plpgsql
+VOLATILE
+AS $$
+DECLARE
+    csetting TEXT := 'composer_flow.c' || md5(COALESCE(p_ckey, ''));
+    rsetting TEXT := 'composer_flow.r' || md5(COALESCE(p_rkey, ''));
+    held TEXT;
+    occupied INT;
+    v_tokens FLOAT8;
+    since TIMESTAMPTZ;
+BEGIN
+    IF p_ckey IS NOT NULL THEN
+        held := NULLIF(current_setting(csetting, true), '');
+        IF held IS NULL THEN
+            IF NOT pg_try_advisory_xact_lock(hashtext('composer_flow'), hashtext('c:' || p_ckey)) THEN
+                RETURN false;
+            END IF;
+            SELECT count(*) INTO occupied FROM flow_slots f WHERE f.key = 'c:' || p_ckey;
+            PERFORM set_config(csetting, occupied::text, true);
+        ELSE
+            occupied := held::int;
+        END IF;
+        IF occupied >= p_climit THEN
+            RETURN false;
+        END IF;
+    END IF;
+    IF p_rkey IS NOT NULL THEN
+        IF current_setting(rsetting, true) = 'empty' THEN
+            RETURN false;
+        END IF;
+        INSERT INTO rate_buckets (key, tokens, updated_at) VALUES (p_rkey, p_burst, now())
+        ON CONFLICT (key) DO NOTHING;
+        SELECT b.tokens, b.updated_at INTO v_tokens, since FROM rate_buckets b WHERE b.key = p_rkey
+           FOR UPDATE SKIP LOCKED;
+        IF NOT FOUND THEN
+            RETURN false;
+        END IF;
+        v_tokens := LEAST(p_burst, v_tokens + p_rate * GREATEST(0, extract(epoch FROM now() - since)));
+        IF v_tokens < 1 THEN
+            UPDATE rate_buckets b SET tokens = v_tokens, updated_at = GREATEST(since, now())
+             WHERE b.key = p_rkey;
+            PERFORM set_config(rsetting, 'empty', true);
+            RETURN false;
+        END IF;
+        UPDATE rate_buckets b SET tokens = v_tokens - 1, updated_at = GREATEST(since, now())
+         WHERE b.key = p_rkey;
+    END IF;
+    IF p_ckey IS NOT NULL THEN
+        PERFORM set_config(csetting, (occupied + 1)::text, true);
+    END IF;
+    RETURN true;
+END;
+$$;
 
 -- The six-argument claim: p_limit tasks at most; a claim that takes all it asked for
 -- has no room left and withdraws its registration with SKIP LOCKED (a row an enqueuer
@@ -48,7 +120,14 @@ DECLARE
     names TEXT[];
     leases INT[];
     queues TEXT[];
+    maxruns INT[];
+    ckeys TEXT[];
     claimed INT := 0;
+    open_queues TEXT[];
+    limited TEXT[];
+    limits INT[];
+    pick_queues TEXT[];
+    room INT;
 BEGIN
     -- First, before anything else: held until this claim commits or rolls back, so a
     -- retry of the same claim, which takes it before it looks (repo/outbox.py,
@@ -60,36 +139,73 @@ BEGIN
         VALUES (p_owner, p_channel, p_queues, p_names)
         ON CONFLICT (worker) DO NOTHING;
     END IF;
-    WITH picked AS (
-        DELETE FROM task_outbox o
-         USING (SELECT id FROM task_outbox
-                 WHERE queue = ANY(p_queues) AND available_at <= NOW()
-                   AND (p_names IS NULL OR task_name = ANY(p_names))
-                 ORDER BY available_at, id
-                 LIMIT p_limit
-                   FOR UPDATE SKIP LOCKED) s
-         WHERE o.id = s.id
-        RETURNING o.run_id, o.task_id, o.attempt, o.task_name, o.lease_s, o.queue)
-    SELECT array_agg(picked.run_id), array_agg(picked.task_id), array_agg(picked.attempt),
-           array_agg(picked.task_name), array_agg(picked.lease_s), array_agg(picked.queue)
-      INTO runs, ids, attempts, names, leases, queues
-      FROM picked;
+    -- The queue settings of p_queues (sql/V003; a queue without a row is open and
+    -- unlimited): a paused queue is skipped, its tasks stay in the outbox; the open
+    -- unlimited queues are taken together, then each limited one on its own, up to its
+    -- room. One index probe of a small table when no queue has a row.
+    SELECT array_agg(w.q) FILTER (WHERE s.queue IS NULL OR (NOT s.paused AND s.max_running = 0)),
+           array_agg(w.q ORDER BY w.q) FILTER (WHERE NOT s.paused AND s.max_running > 0),
+           array_agg(s.max_running ORDER BY w.q) FILTER (WHERE NOT s.paused AND s.max_running > 0)
+      INTO open_queues, limited, limits
+      FROM unnest(p_queues) AS w(q) LEFT JOIN queue_settings s ON s.queue = w.q;
+    FOR i IN 0 .. COALESCE(array_length(limited, 1), 0) LOOP
+        IF i = 0 THEN
+            pick_queues := open_queues;
+            room := p_limit;
+        ELSE
+            EXIT WHEN COALESCE(array_length(runs, 1), 0) >= p_limit;
+            pick_queues := ARRAY[limited[i]];
+            -- Held to this claim's end: a racing claim of the queue counts after this
+            -- one's slots are committed (each statement here takes a new snapshot).
+            PERFORM pg_advisory_xact_lock(hashtext('composer_flow'), hashtext('queue:' || limited[i]));
+            SELECT limits[i] - count(*) INTO room FROM flow_slots f WHERE f.key = 'queue:' || limited[i];
+            room := LEAST(room, p_limit - COALESCE(array_length(runs, 1), 0));
+        END IF;
+        CONTINUE WHEN pick_queues IS NULL OR room <= 0;
+        WITH picked AS (
+            DELETE FROM task_outbox o
+             USING (SELECT id FROM task_outbox
+                     WHERE queue = ANY(pick_queues) AND available_at <= NOW()
+                       AND (p_names IS NULL OR task_name = ANY(p_names))
+                       AND CASE WHEN ckey IS NULL AND rkey IS NULL THEN true
+                                ELSE composer_flow_ok(ckey, climit, rkey, rate_per_s, rate_burst) END
+                     ORDER BY priority DESC, available_at, id
+                     LIMIT room
+                       FOR UPDATE SKIP LOCKED) s
+             WHERE o.id = s.id
+            RETURNING o.run_id, o.task_id, o.attempt, o.task_name, o.lease_s, o.queue, o.max_run_s, o.ckey)
+        SELECT runs || array_agg(picked.run_id), ids || array_agg(picked.task_id),
+               attempts || array_agg(picked.attempt), names || array_agg(picked.task_name),
+               leases || array_agg(picked.lease_s), queues || array_agg(picked.queue),
+               maxruns || array_agg(picked.max_run_s), ckeys || array_agg(picked.ckey)
+          INTO runs, ids, attempts, names, leases, queues, maxruns, ckeys
+          FROM picked;
+    END LOOP;
     IF runs IS NOT NULL THEN
         RETURN QUERY
             WITH claimed AS (
                 UPDATE task_instances t
                    SET state = 'RUNNING', lease_owner = p_owner,
-                       lease_expires_at = NOW() + make_interval(secs => p.lease_s),
-                       started_at = NOW(), updated_at = NOW()
-                  FROM unnest(runs, ids, attempts, names, leases, queues)
-                       AS p(run_id, task_id, attempt, task_name, lease_s, queue)
+                       lease_expires_at = NOW() + make_interval(secs => LEAST(p.lease_s, p.max_run_s)),
+                       run_deadline_at = NOW() + make_interval(secs => p.max_run_s),
+                       started_at = NOW(), updated_at = NOW(),
+                       flow_slot = CASE WHEN p.queue = ANY(limited) OR p.ckey IS NOT NULL THEN true END
+                  FROM unnest(runs, ids, attempts, names, leases, queues, maxruns, ckeys)
+                       AS p(run_id, task_id, attempt, task_name, lease_s, queue, max_run_s, ckey)
                  WHERE t.run_id = ANY(runs)
                    AND t.run_id = p.run_id AND t.id = p.task_id AND t.attempt = p.attempt
                    AND t.state IN ('PENDING', 'QUEUED')
                    AND NOT EXISTS (SELECT 1 FROM workflow_runs r
                                     WHERE r.id = ANY(runs) AND r.id = t.run_id AND r.deleted_at IS NOT NULL)
                 RETURNING t.run_id, t.id AS task_id, t.node_id, t.attempt, p.task_name, p.queue,
-                          t.input_json AS input, p.lease_s, t.lease_owner, t.lease_expires_at
+                          t.input_json AS input, LEAST(p.lease_s, p.max_run_s) AS lease_s, t.lease_owner,
+                          t.lease_expires_at, p.ckey
+            ), slotted AS (
+                INSERT INTO flow_slots (key, run_id, task_id, attempt)
+                SELECT 'queue:' || c.queue, c.run_id, c.task_id, c.attempt FROM claimed c WHERE c.queue = ANY(limited)
+                UNION ALL
+                SELECT 'c:' || c.ckey, c.run_id, c.task_id, c.attempt FROM claimed c WHERE c.ckey IS NOT NULL
+                ON CONFLICT (key, run_id, task_id) DO UPDATE SET attempt = EXCLUDED.attempt, taken_at = now()
             ), noted AS (
                 INSERT INTO run_history (run_id, kind, node_id, task_id, attempt, worker, request, detail)
                 SELECT c.run_id, 'claimed', c.node_id, c.task_id, c.attempt, c.lease_owner, p_claim,
@@ -139,3 +255,36 @@ REVOKE ALL ON FUNCTION composer_claim(TEXT[], TEXT[], TEXT, INT, TEXT, TEXT) FRO
 GRANT EXECUTE ON FUNCTION composer_claim(TEXT[], TEXT[], TEXT, INT, TEXT, TEXT) TO composer_ops_engine;
 REVOKE ALL ON FUNCTION composer_claim(TEXT[], TEXT[], TEXT, INT, TEXT, TEXT, INT) FROM PUBLIC;
 GRANT EXECUTE ON FUNCTION composer_claim(TEXT[], TEXT[], TEXT, INT, TEXT, TEXT, INT) TO composer_ops_engine;
+
+-- A running attempt that took a slot (task_instances.flow_slot, set by the claim) frees
+-- it when it leaves RUNNING, whatever moves it (completion, failure, re-queue after a
+-- lost lease, cancel), in that transaction. Only tasks with flow_slot fire it. Not on
+-- Citus: there the tasks live on the worker nodes and flow_slots on the coordinator,
+-- and the Citus claim takes no slots.
+CREATE OR REPLACE FUNCTION composer_free_flow_slot() RETURNS trigger
+LANGUAGE plpgsql
+AS $$
+BEGIN
+    DELETE FROM flow_slots f WHERE f.run_id = OLD.run_id AND f.task_id = OLD.id;
+    RETURN NULL;
+END;
+$$;
+
+-- Created once sql/V003 has added the column (the R files also run after each earlier V
+-- file alone, tests/integration/test_migrations.py).
+DO $$
+BEGIN
+    IF NOT EXISTS (SELECT 1 FROM pg_extension WHERE extname = 'citus')
+       AND EXISTS (SELECT 1 FROM pg_attribute
+                    WHERE attrelid = 'task_instances'::regclass AND attname = 'flow_slot' AND NOT attisdropped) THEN
+        CREATE OR REPLACE TRIGGER composer_free_flow_slot
+            AFTER UPDATE OF state ON task_instances
+            FOR EACH ROW
+            WHEN (OLD.flow_slot AND OLD.state = 'RUNNING' AND NEW.state IS DISTINCT FROM 'RUNNING')
+            EXECUTE FUNCTION composer_free_flow_slot();
+    END IF;
+END;
+$$;
+
+REVOKE ALL ON FUNCTION composer_flow_ok(TEXT, INT, TEXT, FLOAT8, INT) FROM PUBLIC;
+GRANT EXECUTE ON FUNCTION composer_flow_ok(TEXT, INT, TEXT, FLOAT8, INT) TO composer_ops_engine;

@@ -20,6 +20,7 @@ from composer_ops.cli import (
     audit_cmds,
     db_cmds,
     partition_cmds,
+    queue_cmds,
     run_cmds,
     runbook_cmds,
     schedule_cmds,
@@ -40,6 +41,7 @@ def build_parser() -> ArgumentParser:
     run_cmds.register(sub)
     partition_cmds.register(sub)
     admin_cmds.register(sub)
+    queue_cmds.register(sub)
     audit_cmds.register(sub)
     schedule_cmds.register(sub)
     ops_cmds.register(sub)

@@ -35,6 +35,8 @@ _THRESHOLDS = (
      "alert on webhook deliveries still retried after this many attempts"),
     ("schedule_late_s", "--schedule-late", "COMPOSER_CHECK_SCHEDULE_LATE", "SECONDS",
      "alert on a schedule whose last due slot did not start within this many seconds (or was missed)"),
+    ("queue_paused_h", "--queue-paused-h", "COMPOSER_CHECK_QUEUE_PAUSED_H", "HOURS",
+     "alert on a queue paused (composer-ops queues pause) longer than this many hours"),
 )
 
 

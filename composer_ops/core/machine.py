@@ -389,8 +389,11 @@ class _Decider:
         expires = slot.lease_expires_at
         if expires is None or expires > self.now:
             return _stale(f"lease of task {ref.task_id} has not expired")
-        lapsed = f"lease of {slot.lease_owner} expired at {expires.isoformat()}"
         node = self.spec.nodes[ref.node_id]
+        if event.timed_out:     # the handler outran start_to_close_s: a failure, per the retry policy
+            return self.task_failed(ref, f"start_to_close timeout: attempt {ref.attempt} still running after "
+                                         f"{node.flow.timeouts.start_to_close_s} s", retryable=True)
+        lapsed = f"lease of {slot.lease_owner} expired at {expires.isoformat()}"
         expiries = slot.lease_expiries + 1
         if expiries <= node.max_lease_expiries:
             self.actions.append(model.RequeueTask(ref=ref, reason=lapsed, available_at=self.now, lease_expired=True))
@@ -400,6 +403,21 @@ class _Decider:
         error = (f"lease expired {times} (max_lease_expiries is {node.max_lease_expiries}); "
                  f"last owner {slot.lease_owner}, whose lease expired at {expires.isoformat()}")
         self.actions.append(model.FailTask(ref=ref, reason=error))
+        self.set_state(ref.node_id, TaskState.FAILED)
+        self.node_failed(ref.node_id, f"node {json.dumps(ref.node_id)} failed: {error}")
+        self.advance()
+        return self.decision()
+
+    def start_timed_out(self, task_id: str, attempt: int) -> Decision:
+        """Not claimed by its schedule_to_start deadline: the task fails (no retry: its
+        retry policy is for handlers that ran), and the node's failure decides the run."""
+        node_id, slot = next(((n, s) for n, s in self.slots.items() if s.task_id == task_id), ("", None))
+        if slot is None or slot.attempt != attempt or slot.state not in (TaskState.PENDING, TaskState.QUEUED):
+            return _stale(f"task {task_id} attempt {attempt} is no longer waiting to start")
+        ref = TaskRef(task_id=task_id, run_id=self.run.id, node_id=node_id, attempt=attempt)
+        error = (f"schedule_to_start timeout: attempt {ref.attempt} not claimed within "
+                 f"{self.spec.nodes[ref.node_id].flow.timeouts.schedule_to_start_s} s")
+        self.actions.append(model.FailTask(ref=ref, reason=error, unclaimed=True))
         self.set_state(ref.node_id, TaskState.FAILED)
         self.node_failed(ref.node_id, f"node {json.dumps(ref.node_id)} failed: {error}")
         self.advance()
@@ -593,4 +611,6 @@ def decide(run: RunSnapshot, event: model.Event, store: Store, new_id: Callable[
         return decider.task_failed(event.ref, event.error, event.retryable)
     if isinstance(event, model.LeaseExpired):
         return decider.lease_expired(event)
+    if isinstance(event, model.StartTimedOut):
+        return decider.start_timed_out(event.task_id, event.attempt)
     return decider.timer_due(event)

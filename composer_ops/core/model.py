@@ -208,10 +208,12 @@ class TaskFailed:
 
 @dataclass(frozen=True, kw_only=True)
 class LeaseExpired:
-    """The lease sweeper found the attempt RUNNING past its lease."""
+    """The lease sweeper found the attempt RUNNING past its lease; ``timed_out`` when the
+    lease ended at the attempt's start_to_close deadline (a handler that ran too long)."""
 
     ref: TaskRef
     now: datetime
+    timed_out: bool = False
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -250,8 +252,19 @@ class RetryRun:
     now: datetime
 
 
+@dataclass(frozen=True, kw_only=True)
+class StartTimedOut:
+    """The timer loop found the attempt's dispatch unclaimed past its schedule_to_start
+    deadline (by the database clock)."""
+
+    task_id: str
+    attempt: int
+    now: datetime
+
+
 Event: TypeAlias = (
     StartRun | TaskCompleted | TaskFailed | LeaseExpired | TimerDue | SignalReceived | CancelRun | RetryRun
+    | StartTimedOut
 )
 
 
@@ -312,6 +325,7 @@ class FailTask:
 
     ref: TaskRef
     reason: str
+    unclaimed: bool = False      # a dispatched attempt no worker claimed: its dispatch goes first
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -19,6 +19,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from composer_ops.core.expressions import NODE_ID_PATTERN, is_ref, iter_refs, parse_ref
+from composer_ops.core.flow import FLOW_KEYS, NO_FLOW, FlowControl, flow_refs, parse_flow
 from composer_ops.core.model import NodeType
 from composer_ops.core.retry import DEFAULT_RETRY, RetryPolicy
 from composer_ops.errors import Invalid
@@ -32,7 +33,7 @@ ID_PATTERN = re.compile(r"[A-Za-z0-9_.-]{1,128}")
 _TOP_KEYS = frozenset({"id", "name", "description", "webhook_url", "config", "nodes"})
 _COMMON_KEYS = frozenset({"id", "type", "depends_on", "optional", "description"})
 _TYPE_KEYS: Mapping[NodeType, frozenset[str]] = {
-    NodeType.TASK: frozenset({"task", "queue", "input", "retry", "lease_s", "max_lease_expiries"}),
+    NodeType.TASK: frozenset({"task", "queue", "input", "retry", "lease_s", "max_lease_expiries"}) | FLOW_KEYS,
     NodeType.SWITCH: frozenset({"expression", "cases", "default"}),
     NodeType.WAIT: frozenset({"duration_s", "until"}),
     NodeType.WAIT_FOR_EVENT: frozenset({"event", "timeout_s", "on_timeout"}),
@@ -63,6 +64,7 @@ class NodeSpec:
     retry: RetryPolicy = DEFAULT_RETRY
     lease_s: float = 30
     max_lease_expiries: int = DEFAULT_MAX_LEASE_EXPIRIES
+    flow: FlowControl = NO_FLOW      # priority, timeouts, concurrency, rate_limit (core/flow.py)
     # SWITCH
     expression: str | None = None
     cases: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
@@ -90,6 +92,7 @@ class NodeSpec:
                 retry={key: getattr(self.retry, key) for key in _RETRY_KEYS},
                 lease_s=self.lease_s,
                 max_lease_expiries=self.max_lease_expiries,
+                **self.flow.to_json(),
             )
         elif self.type is NodeType.SWITCH:
             doc.update(
@@ -368,6 +371,7 @@ def _parse_node(raw: Any, index: int, seen: set[str], stored: bool = False) -> N
             lease_s=_number(raw.get("lease_s", 30), f"{where}: lease_s", positive=True),
             max_lease_expiries=_max_lease_expiries(raw.get("max_lease_expiries", DEFAULT_MAX_LEASE_EXPIRIES),
                                                    where),
+            flow=parse_flow(raw, where),
         )
 
     if node_type is NodeType.SWITCH:
@@ -467,7 +471,7 @@ def _ancestors(nodes: Mapping[str, NodeSpec], order: tuple[str, ...]) -> dict[st
 
 def _node_refs(node: NodeSpec) -> list[tuple[str, str]]:
     if node.type is NodeType.TASK:
-        return list(iter_refs(node.input, "input"))
+        return [*iter_refs(node.input, "input"), *flow_refs(node.flow)]
     if node.type is NodeType.SWITCH and node.expression is not None:
         return [("expression", node.expression)]
     if node.type is NodeType.WAIT and node.until is not None and is_ref(node.until):

@@ -26,20 +26,24 @@ from typing import TYPE_CHECKING, Any
 
 from composer_ops.core import runids
 from composer_ops.core.actor import Actor
-from composer_ops.core.model import Event, LeaseExpired, TaskRef, TimerDue
+from composer_ops.core.model import Event, LeaseExpired, StartTimedOut, TaskRef, TimerDue
 from composer_ops.db.errors import Pool
 from composer_ops.db.retry import db_retry
 from composer_ops.engine.retention import drop_due_months
 from composer_ops.engine.shell import Outcome
 from composer_ops.engine.webhooks import RelayPolicy, relay_once
 from composer_ops.errors import ComposerError, Invalid, LockTimeout, Transient
-from composer_ops.repo import clock, partitions, signals, tasks, webhooks
+from composer_ops.repo import clock, outbox, partitions, queues, signals, tasks, webhooks
 from composer_ops.repo.retention import Cutoff, parse_cutoff
 
 if TYPE_CHECKING:
     from composer_ops.engine.engine import Engine
 
 log = logging.getLogger(__name__)
+
+#: How long a ready dispatch waits behind higher priorities of its queue before the timer
+#: loop raises it to its queue's highest priority (see :meth:`Coordinator._age_priorities`).
+PRIORITY_AGING_S = 60.0
 
 #: The longest ``floor_every_s``: how late, at most, a run below the active floor that
 #: gets an active task again is seen by the timers and the lease sweeper.
@@ -63,6 +67,9 @@ class PassStats:
     schedule_slots_missed: int = 0
     schedule_slots_skipped: int = 0
     busy: int = 0                  # timers and leases whose run's lock was held elsewhere: backed off
+    start_timeouts: int = 0        # tasks failed unclaimed past their schedule_to_start deadline
+    priorities_raised: int = 0     # dispatches raised to their queue's top priority (the aging rule)
+    slots_freed: int = 0           # flow_slots of attempts no longer RUNNING (sql/V003), healed
     errors: list[str] = field(default_factory=list)
 
 
@@ -72,7 +79,8 @@ class Coordinator:
                  relay: RelayPolicy | None = None, upkeep_lock_timeout_s: float = 0.5,
                  retention: str | Cutoff | None = None, retention_every_s: float = 3600.0,
                  webhook_keep_days: float | None = 7.0, floor_every_s: float = 30.0,
-                 event_lock_wait_s: float = 1.0, schedule_grace_s: float = 60.0) -> None:
+                 event_lock_wait_s: float = 1.0, schedule_grace_s: float = 60.0,
+                 priority_aging_s: float = PRIORITY_AGING_S) -> None:
         self.engine = engine
         self.interval = interval
         self.batch = batch
@@ -98,6 +106,11 @@ class Coordinator:
         if not schedule_grace_s >= 0:
             raise Invalid(f"schedule_grace_s must be 0 or more seconds, got {schedule_grace_s}")
         self.schedule_grace_s = schedule_grace_s
+        if not priority_aging_s > 0:
+            raise Invalid(f"priority_aging_s must be more than 0 seconds, got {priority_aging_s}")
+        self.priority_aging_s = priority_aging_s
+        self._next_aging = float("-inf")
+        self._start_backoff = _Backoff()
         self._floor = ""
         self._next_floor = float("-inf")
         self._next_prune = float("-inf")
@@ -178,6 +191,35 @@ class Coordinator:
                                    partial(_timer_due, wait.task_id, wait.node_id), self._timer_backoff, stats, locked)
             if outcome is not None and not outcome.stale:
                 stats.timers_fired += 1
+        self._start_timeouts(stats)
+        self._age_priorities(stats)
+
+    def _start_timeouts(self, stats: PassStats) -> None:
+        """Fail the tasks whose dispatch no worker claimed by its schedule_to_start
+        deadline (judged in SQL by the database clock, through the outbox's partial index);
+        under the run lock the dispatch is deleted first, so a claim that took it in time wins."""
+        with self.engine.pool.connection() as conn:
+            late = outbox.unstarted(conn, self.batch, now=clock.now(conn), skip=self._start_backoff.skipped())
+        locked: set[str] = set()
+        for row in late:
+            outcome = self._handle("start timeout", row.task_id, f"{row.task_id}:{row.attempt}", row.run_id,
+                                   partial(_start_timed_out, row.task_id, row.attempt), self._start_backoff, stats,
+                                   locked)
+            if outcome is not None and not outcome.stale:
+                stats.start_timeouts += 1
+
+    def _age_priorities(self, stats: PassStats) -> None:
+        """The no-starvation rule of priorities: a dispatch ready for ``priority_aging_s``
+        is raised to the highest priority of its queue's dispatches, where the oldest is
+        claimed first; so while higher priorities keep a queue's workers busy, a lower
+        one waits about ``priority_aging_s`` plus the older top-priority backlog, never
+        for ever. Every quarter of ``priority_aging_s`` at most: the statement reads the
+        whole outbox (a queue: small), and changes nothing when no priority is set."""
+        if time.monotonic() < self._next_aging:
+            return
+        self._next_aging = time.monotonic() + self.priority_aging_s / 4
+        with self.engine.pool.connection() as conn, conn.transaction():
+            stats.priorities_raised += outbox.raise_waiting(conn, self.priority_aging_s)
 
     def _leases(self, stats: PassStats) -> None:
         with self.engine.pool.connection() as conn:
@@ -188,11 +230,23 @@ class Coordinator:
             ref = TaskRef(task_id=lease.task_id, run_id=lease.run_id, node_id=lease.node_id,
                           attempt=lease.attempt, lease_owner=lease.lease_owner)
             outcome = self._handle("lease", lease.task_id, f"{lease.task_id}:{lease.attempt}", lease.run_id,
-                                   partial(_lease_expired, ref), self._lease_backoff, stats, locked)
+                                   partial(_lease_expired, ref, lease.timed_out), self._lease_backoff, stats,
+                                   locked)
             if outcome is not None and not outcome.stale:
                 stats.leases_expired += 1
                 log.info("lease of task %s (run %s, owner %s) expired", lease.task_id, lease.run_id,
                          lease.lease_owner, extra={"action": "lease_expired", "run_id": lease.run_id})
+        self._heal_slots(stats)
+
+    def _heal_slots(self, stats: PassStats) -> None:
+        """Free the places under a queue's limit that an attempt no longer RUNNING still
+        holds: the trigger of sql/R__claim.sql frees them as attempts end, this catches
+        what bypassed it. Not on Citus, whose claim takes no places."""
+        with self.engine.pool.connection() as conn:
+            if self.engine.shell.on_citus(conn):
+                return
+            with conn.transaction():
+                stats.slots_freed += queues.free_stale_slots(conn)
 
     def _handle(self, kind: str, task_id: str, key: str, run_id: str, make_event: Callable[[datetime], Event],
                 backoff: _Backoff, stats: PassStats, locked: set[str]) -> Outcome | None:
@@ -339,5 +393,9 @@ def _timer_due(task_id: str, node_id: str, now: datetime) -> TimerDue:
     return TimerDue(task_id=task_id, node_id=node_id, now=now)
 
 
-def _lease_expired(ref: TaskRef, now: datetime) -> LeaseExpired:
-    return LeaseExpired(ref=ref, now=now)
+def _start_timed_out(task_id: str, attempt: int, now: datetime) -> StartTimedOut:
+    return StartTimedOut(task_id=task_id, attempt=attempt, now=now)
+
+
+def _lease_expired(ref: TaskRef, timed_out: bool, now: datetime) -> LeaseExpired:
+    return LeaseExpired(ref=ref, now=now, timed_out=timed_out)

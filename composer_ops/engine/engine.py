@@ -22,6 +22,7 @@ from composer_ops.engine import admin
 from composer_ops.engine.admin import WorkerReport
 from composer_ops.engine.ids import uuid7_at
 from composer_ops.engine.jsonvalues import check_json
+from composer_ops.engine.queues import Queues
 from composer_ops.engine.requests import Request, key_request
 from composer_ops.engine.schedules import Schedules
 from composer_ops.engine.shell import Outcome, Shell
@@ -448,6 +449,11 @@ class Engine:
         validate_run_id(run_id)
         nodes = () if from_node is None else (from_node,) if isinstance(from_node, str) else tuple(from_node)
         return admin.retry_run(self.shell, run_id, nodes, yes=yes, actor=actor)
+
+    @property
+    def queues(self) -> Queues:
+        """The queues: ``list()``, ``pause()``, ``resume()``, ``set_limit()`` (engine/queues.py)."""
+        return Queues(self.pool)
 
     def workers(self, *, window_s: float | None = None) -> WorkerReport:
         """The workers seen in the last ``window_s`` seconds (all when None) or still holding a

@@ -19,6 +19,8 @@ from datetime import datetime
 from typing import Any
 
 from composer_ops.core.attempts import HistoryRow
+from composer_ops.core.expressions import parse_ref, resolve_ref
+from composer_ops.core.flow import flow_refs, key_text
 from composer_ops.core.machine import decide
 from composer_ops.core.model import (
     BufferSignal,
@@ -49,7 +51,7 @@ from composer_ops.core.model import (
     TaskFailed,
     TaskState,
 )
-from composer_ops.core.spec import WorkflowSpec, spec_from_json
+from composer_ops.core.spec import NodeSpec, WorkflowSpec, spec_from_json
 from composer_ops.db.errors import Pool
 from composer_ops.db.retry import db_retry
 from composer_ops.engine.ids import uuid7_text
@@ -238,6 +240,9 @@ class Shell:
                 _fenced(tasks.complete_task(conn, action.ref, action.output, request=request.id,
                                             entry=notes.task_entry("completed", action.ref), now=now), action)
             elif isinstance(action, FailTask):
+                if action.unclaimed and not outbox.take_unstarted(conn, run.id, action.ref.task_id,
+                                                                  action.ref.attempt):
+                    return Outcome(run_id=run.id, stale=f"task {action.ref.task_id} was claimed in time")
                 entry = notes.task_entry(notes.failure_kind, action.ref, error=action.reason, requeued=False)
                 _fenced(tasks.fail_task(conn, action.ref, action.reason, request=request.id, entry=entry, now=now),
                         action)
@@ -249,7 +254,10 @@ class Shell:
                 node = run.spec.nodes[nxt.node_id]
                 dispatches.append(Dispatch(run_id=run.id, task_id=nxt.task_id, attempt=nxt.attempt,
                                            queue=node.queue or "default", task_name=node.task or nxt.node_id,
-                                           lease_s=_lease(node.lease_s), available_at=action.available_at))
+                                           lease_s=_lease(node.lease_s), available_at=action.available_at,
+                                           priority=node.flow.priority, max_run_s=_max_run(node),
+                                           start_within_s=node.flow.timeouts.schedule_to_start_s,
+                                           **_flow_keys(conn, run, node)))
             elif isinstance(action, ResolveWait):
                 _fenced(signals.resolve_wait(conn, run.id, action.task_id, state=str(action.state), now=now,
                                              output=action.output, reason=action.reason) or None, action)
@@ -295,7 +303,10 @@ class Shell:
                 node = run.spec.nodes[a.node_id]
                 dispatches.append(Dispatch(run_id=run.id, task_id=a.task_id, attempt=0,
                                            queue=node.queue or "default", task_name=node.task or a.node_id,
-                                           lease_s=_lease(node.lease_s), available_at=a.available_at))
+                                           lease_s=_lease(node.lease_s), available_at=a.available_at,
+                                           priority=node.flow.priority, max_run_s=_max_run(node),
+                                           start_within_s=node.flow.timeouts.schedule_to_start_s,
+                                           **_flow_keys(conn, run, node)))
 
     def _finish(self, conn: Conn, run: RunSnapshot, a: FinishRun, now: datetime) -> None:
         if not runs.finish_run(conn, run.id, str(a.status), now=now, reason=a.reason, output=a.output):
@@ -405,6 +416,36 @@ def _queue(run: RunSnapshot, a: CreateTask) -> str | None:
 
 def _lease(lease_s: float) -> int:
     return max(1, int(round(lease_s)))
+
+
+def _flow_keys(conn: Conn, run: RunSnapshot, node: NodeSpec) -> dict[str, Any]:
+    """The dispatch's concurrency key and rate limit, their $. references resolved against
+    the run's input, config and the referenced upstream outputs (loaded only then); empty
+    for a node without them."""
+    flow = node.flow
+    if flow.concurrency is None and flow.rate_limit is None:
+        return {}
+    refs = [text for _, text in flow_refs(flow)]
+    upstream = {r.node for r in map(parse_ref, refs) if r.node is not None}
+    outputs = runs.load_outputs(conn, run.id, sorted(upstream)) if upstream else {}
+
+    def value(text: str) -> str:
+        return key_text(resolve_ref(parse_ref(text), run.context, outputs))
+
+    keys: dict[str, Any] = {}
+    if flow.concurrency is not None:
+        keys.update(ckey=value(flow.concurrency.key), climit=flow.concurrency.limit)
+    if flow.rate_limit is not None:
+        rate = flow.rate_limit
+        keys.update(rkey=value(rate.key) if rate.key_is_ref else rate.key, rate_per_s=rate.per_s,
+                    rate_burst=rate.burst)
+    return keys
+
+
+def _max_run(node: NodeSpec) -> int | None:
+    """The node's start_to_close_s in whole seconds (at least 1), None without one."""
+    limit = node.flow.timeouts.start_to_close_s
+    return None if limit is None else max(1, int(round(limit)))
 
 
 def _fenced(result: Any, action: object) -> Any:

@@ -23,8 +23,12 @@ from composer_ops.ops.active import (
     active_run_count,
     active_tasks,
     age_histogram,
+    keys_at_limit,
     long_waits,
     outbox_backlog,
+    queue_overview,
+    rate_limited,
+    start_latency,
     top_runs,
 )
 from composer_ops.ops.display import SelfChecks, show_key_figures, table
@@ -103,6 +107,10 @@ __all__ = [
     "lookahead",
     "monthly_growth_rate",
     "outbox_backlog",
+    "keys_at_limit",
+    "queue_overview",
+    "rate_limited",
+    "start_latency",
     "parse_cutoff",
     "node_totals",
     "partition_inventory",

@@ -10,11 +10,14 @@ session TimeZone or the client's clock.
 
 from __future__ import annotations
 
+from datetime import timedelta
+
 import polars as pl
 
+from composer_ops.core.runids import run_id_bound
 from composer_ops.errors import Invalid
-from composer_ops.ops._common import ACTIVE_STATES, UTC_TS, Source, connection, rows_frame
-from composer_ops.repo import analytics
+from composer_ops.ops._common import ACTIVE_STATES, UTC_TS, Source, connection, db_now, rows_frame
+from composer_ops.repo import analytics, queues
 
 #: Age buckets of the histogram: (label, upper bound in seconds; None = unbounded).
 AGE_BUCKETS: tuple[tuple[str, float | None], ...] = (
@@ -109,3 +112,50 @@ def long_waits(source: Source = None, *, older_than_s: float = 86400, limit: int
         "run_id": pl.String, "task_id": pl.String, "node_id": pl.String, "event_name": pl.String,
         "created_at": UTC_TS, "waiting_s": pl.Float64,
     }), total
+
+
+def queue_overview(source: Source = None) -> pl.DataFrame:
+    """Every queue with a setting, a dispatch or a RUNNING task: paused (why, since when,
+    for how long), its limit (``max_running``, 0: none) and whether it is at it, the
+    dispatches waiting (``depth``, ``ready`` now, the oldest ready one's age) and the
+    RUNNING tasks; ages by the database clock. A queue at its limit with ready
+    dispatches is held back on purpose, not stuck."""
+    with connection(source) as conn:
+        found = queues.overview(conn, db_now(conn))
+    frame = rows_frame([tuple(r.__dict__.values()) for r in found], {
+        "queue": pl.String, "paused": pl.Boolean, "reason": pl.String, "paused_at": UTC_TS,
+        "paused_s": pl.Float64, "max_running": pl.Int64, "depth": pl.Int64, "ready": pl.Int64,
+        "oldest_ready_s": pl.Float64, "running": pl.Int64, "slots": pl.Int64})
+    return frame.with_columns(
+        at_limit=(pl.col("max_running") > 0) & (pl.col("slots") >= pl.col("max_running")))
+
+
+def keys_at_limit(source: Source = None) -> pl.DataFrame:
+    """Concurrency keys at their limit with tasks ready behind them (per queue): those
+    tasks wait on purpose until an attempt of their key ends."""
+    with connection(source) as conn:
+        return rows_frame([tuple(r.__dict__.values()) for r in queues.keys_at_limit(conn, db_now(conn))], {
+            "queue": pl.String, "key": pl.String, "key_limit": pl.Int64, "waiting": pl.Int64,
+            "oldest_waiting_s": pl.Float64, "running": pl.Int64})
+
+
+def rate_limited(source: Source = None) -> pl.DataFrame:
+    """Rate limit keys with tasks ready: how many wait, the oldest's age, the rate and the
+    bucket's tokens when a claim last looked."""
+    with connection(source) as conn:
+        return rows_frame([tuple(r.__dict__.values()) for r in queues.rate_limited(conn, db_now(conn))], {
+            "key": pl.String, "waiting": pl.Int64, "oldest_waiting_s": pl.Float64, "per_s": pl.Float64,
+            "tokens": pl.Float64})
+
+
+def start_latency(source: Source = None, *, window_s: float = 3600) -> pl.DataFrame:
+    """Per queue, how long tasks waited from creation to their first claim (p50, p95)
+    over the last ``window_s`` seconds, for runs started in that window (their months
+    only are read)."""
+    if not window_s > 0:
+        raise Invalid(f"window_s must be more than 0 seconds, got {window_s}")
+    with connection(source) as conn:
+        since = db_now(conn) - timedelta(seconds=window_s)
+        found = queues.start_latency(conn, since=since, floor=run_id_bound(since))
+    return rows_frame([tuple(r.__dict__.values()) for r in found], {
+        "queue": pl.String, "claims": pl.Int64, "p50_s": pl.Float64, "p95_s": pl.Float64})

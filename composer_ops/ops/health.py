@@ -7,7 +7,7 @@ snapshot; each check says what it measured, the threshold, and whether it alerts
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from datetime import datetime
 from typing import Any
 
@@ -33,6 +33,7 @@ class Thresholds:
     long_wait_h: float = 24            # alert on WAIT_FOR_EVENT nodes without a timeout waiting longer
     webhook_attempts: int = 3          # a delivery still retried after this many attempts is failing
     schedule_late_s: float = 300       # alert on a schedule whose last due slot did not start this long after it
+    queue_paused_h: float = 1          # alert on a queue paused longer than this (an incident's pause forgotten)
 
     def checked(self) -> Thresholds:
         """Itself, or :class:`Invalid` naming the first threshold out of range."""
@@ -40,7 +41,8 @@ class Thresholds:
             raise Invalid(f"--months-ahead-min must be 0 or more, got {self.months_ahead_min}")
         for name, value in (("--sweeper-lag", self.sweeper_lag_s), ("--replay-lag", self.replay_lag_s),
                             ("--outbox-ready-age", self.outbox_ready_age_s),
-                            ("--long-wait-h", self.long_wait_h), ("--schedule-late", self.schedule_late_s)):
+                            ("--long-wait-h", self.long_wait_h), ("--schedule-late", self.schedule_late_s),
+                            ("--queue-paused-h", self.queue_paused_h)):
             if not value >= 0:
                 raise Invalid(f"{name} must be 0 or more, got {value}")
         if self.webhook_attempts < 1:
@@ -68,6 +70,8 @@ class Check:
 class Health:
     checked_at: datetime
     checks: list[Check]
+    queues: list[dict[str, Any]] = field(default_factory=list)   # per queue: active.queue_overview's rows
+    keys_at_limit: int = 0             # concurrency keys at their limit with tasks ready behind them
 
     @property
     def healthy(self) -> bool:
@@ -75,7 +79,8 @@ class Health:
 
     def as_json(self) -> dict[str, Any]:
         return {"healthy": self.healthy, "up": True, "checked_at": self.checked_at.isoformat().replace("+00:00", "Z"),
-                "checks": [asdict(c) for c in self.checks]}
+                "checks": [asdict(c) for c in self.checks], "queues": self.queues,
+                "keys_at_limit": self.keys_at_limit}
 
 
 def check_health(source: Source = None, thresholds: Thresholds | None = None) -> Health:
@@ -92,6 +97,8 @@ def check_health(source: Source = None, thresholds: Thresholds | None = None) ->
         waits, waits_total = active.long_waits(conn, older_than_s=t.long_wait_h * 3600, limit=1)
         failing, most_attempts, _ = analytics.webhooks_failing(conn, t.webhook_attempts)
         timetable = schedules.schedules_overview(conn, late_after_s=t.schedule_late_s)
+        queue_rows = active.queue_overview(conn)
+        at_limit = active.keys_at_limit(conn)
     checks: list[Check] = []
 
     # Read first: every other figure is as old as the replay position of a standby.
@@ -171,7 +178,20 @@ def check_health(source: Source = None, thresholds: Thresholds | None = None) ->
                 f"{late['late_reason'][0]}" if late.height
                 else f"every due slot of {timetable.height} schedule(s) started or was skipped by its policy"),
         help="Schedules whose last due slot did not start: overdue past the threshold, or missed."))
-    return Health(checked_at=now, checks=checks)
+    paused = queue_rows.filter(pl.col("paused"))
+    longest = max((s for s in paused["paused_s"].to_list() if s is not None), default=0.0)
+    long_paused = paused.filter(pl.col("paused_s") > t.queue_paused_h * 3600)
+    checks.append(Check(
+        name="queue paused long", runbook="downstream_overloaded",
+        metric="composer_queue_paused_longest_seconds", value=longest, threshold=t.queue_paused_h * 3600,
+        alert=long_paused.height > 0,
+        detail=(f"queue(s) {', '.join(long_paused['queue'].to_list())} paused over {t.queue_paused_h:g} h "
+                "(composer-ops queues resume NAME --yes once the downstream service is back)" if long_paused.height
+                else f"{paused.height} queue(s) paused, none over {t.queue_paused_h:g} h"),
+        help="Seconds the longest-paused queue has been paused (0: none paused)."))
+    return Health(checked_at=now, checks=checks, keys_at_limit=at_limit.height, queues=[
+        {k: (v.isoformat().replace("+00:00", "Z") if isinstance(v, datetime) else v) for k, v in row.items()}
+        for row in queue_rows.to_dicts()])
 
 
 def write_prometheus(health: Health, path: str) -> None:
@@ -191,9 +211,34 @@ def write_prometheus(health: Health, path: str) -> None:
         limit.labels(check=check.metric).set(check.threshold)
     _up(registry, 1)
     Gauge("composer_check_healthy", "1 when no check alerts.", registry=registry).set(1 if health.healthy else 0)
+    _queue_gauges(registry, health.queues)
+    Gauge("composer_concurrency_keys_at_limit", "Concurrency keys with as many attempts RUNNING as their limit "
+          "and tasks ready behind them.", registry=registry).set(health.keys_at_limit)
     Gauge("composer_check_timestamp_seconds", "When the checks read the database (its clock).",
           registry=registry).set(health.checked_at.timestamp())
     _write(registry, path)
+
+
+#: Per-queue figures of ``check --prometheus``: (metric, help, the queue row's field).
+_QUEUE_GAUGES = (
+    ("composer_queue_depth", "Dispatches of the queue waiting in the outbox, ready or delayed.", "depth"),
+    ("composer_queue_ready", "Dispatches of the queue a worker could claim now.", "ready"),
+    ("composer_queue_oldest_ready_seconds", "Seconds the queue's oldest claimable dispatch has waited (0: none).",
+     "oldest_ready_s"),
+    ("composer_queue_running", "Tasks of the queue RUNNING.", "running"),
+    ("composer_queue_paused", "1 when an operator paused the queue (composer-ops queues pause).", "paused"),
+    ("composer_queue_max_running", "The queue's limit of RUNNING tasks (0: none).", "max_running"),
+    ("composer_queue_at_limit", "1 when the queue has as many RUNNING tasks as its limit allows.", "at_limit"),
+)
+
+
+def _queue_gauges(registry: Any, rows: list[dict[str, Any]]) -> None:
+    from prometheus_client import Gauge
+
+    for metric, text, key in _QUEUE_GAUGES:
+        gauge = Gauge(metric, text, ["queue"], registry=registry)
+        for row in rows:
+            gauge.labels(queue=row["queue"]).set(float(row[key] or 0))
 
 
 def write_prometheus_down(path: str) -> None:

@@ -108,6 +108,26 @@ def _selection(name: str, value: Any) -> Any:
     return value
 
 
+def _queue(name: str, value: Any) -> str | None:
+    if value is None:
+        return None
+    from composer_ops.engine.queues import check_queue
+
+    return check_queue(value)
+
+
+def _queue_action(name: str, value: Any) -> str:
+    if value not in ("pause", "resume", "set-limit"):
+        raise Invalid(f"must be pause, resume or set-limit, got {value!r}")
+    return str(value)
+
+
+def _reason(name: str, value: Any) -> str:
+    if not isinstance(value, str) or len(value) > 1000:
+        raise Invalid(f"must be text of at most 1000 characters, got {value!r}")
+    return value
+
+
 def _node(name: str, value: Any) -> str | None:
     if value is not None and (not isinstance(value, str) or not value.strip()):
         raise Invalid(f"must be a node id or None, got {value!r}")
@@ -128,6 +148,9 @@ RUNBOOK_CHECKS: dict[str, dict[str, Check]] = {
     "dead_worker": {"workers_window_h": _number_above(0, inclusive=True)},
     "replay_failed": {"workflow": _selection, "since": _selection, "where": _selection, "from_node": _node,
                       "limit": _int_between(1, 1000)},
+    "downstream_overloaded": {"queue": _queue, "action": _queue_action, "reason": _reason,
+                              "max_running": _int_between(0, 1_000_000),
+                              "queue_paused_h": _number_above(0, inclusive=True)},
     "find_run": {"workflow": _selection, "since": _selection, "where": _selection, "limit": _int_between(1, 1000)},
 }
 for _checks in RUNBOOK_CHECKS.values():

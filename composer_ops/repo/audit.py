@@ -21,7 +21,8 @@ from composer_ops.repo.rows import AuditRow
 #: Every action an audit row names (``composer-ops audit list --action``).
 ACTIONS = ("partitions archive", "partitions drop", "partitions detach", "partitions restore", "runs cancel",
            "runs retry", "runs delete", "schedules create", "schedules pause", "schedules resume",
-           "schedules delete", "schedules trigger", "schedules backfill")
+           "schedules delete", "schedules trigger", "schedules backfill", "queues pause", "queues resume",
+           "queues set-limit")
 
 # Actor is also imported from here by engine modules (admin, archive, retention, retire).
 __all__ = ["ACTIONS", "Actor", "commands", "of_request", "operator_note", "recent", "record", "require_record"]

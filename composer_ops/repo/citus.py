@@ -31,11 +31,13 @@ def is_citus(conn: Conn) -> bool:
 
 # On the coordinator, in the clock read's transaction: its now() is that clock.
 _PICK = """
-    SELECT id, run_id, task_id, attempt, task_name, lease_s, queue
+    SELECT id, run_id, task_id, attempt, task_name, LEAST(lease_s, max_run_s) AS lease_s, queue, max_run_s
       FROM task_outbox
      WHERE queue = ANY(%(queues)s) AND available_at <= now()
        AND (%(names)s::text[] IS NULL OR task_name = ANY(%(names)s::text[]))
-     ORDER BY available_at, id
+       AND NOT EXISTS (SELECT 1 FROM queue_settings s WHERE s.queue = task_outbox.queue AND s.paused)   -- paused
+       -- lease_s: never past start_to_close (max_run_s); queue limits (max_running) are not applied here
+     ORDER BY priority DESC, available_at, id
      LIMIT %(limit)s
        FOR UPDATE SKIP LOCKED"""
 
@@ -67,7 +69,7 @@ _CLAIM_ONE = """
     WITH claimed AS (
         UPDATE task_instances
            SET state = 'RUNNING', lease_owner = %(owner)s, lease_expires_at = %(expires)s,
-               started_at = %(now)s, updated_at = %(now)s
+               run_deadline_at = %(deadline)s, started_at = %(now)s, updated_at = %(now)s
          WHERE run_id = %(run)s AND id = %(task)s AND attempt = %(attempt)s AND state IN ('PENDING', 'QUEUED')
            AND NOT EXISTS (SELECT 1 FROM workflow_runs r WHERE r.id = %(run)s AND r.deleted_at IS NOT NULL)
         RETURNING node_id, input_json),
@@ -112,6 +114,7 @@ def claim(conn: Conn, queues: Sequence[str], owner: str, limit: int,
             for cur, row in zip(cursors, picked, strict=True):
                 cur.execute(_CLAIM_ONE, {
                     "owner": owner, "expires": now + timedelta(seconds=row["lease_s"]), "now": now,
+                    "deadline": None if row["max_run_s"] is None else now + timedelta(seconds=row["max_run_s"]),
                     "run": row["run_id"], "task": row["task_id"], "attempt": row["attempt"], "claim": claim_id,
                     "detail": Jsonb({"task": row["task_name"], "lease_s": row["lease_s"]})})
         seen_attempts: list[int | None] = [(cur.fetchone() or (None,))[0] for cur in seen]

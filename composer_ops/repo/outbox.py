@@ -18,7 +18,7 @@ from datetime import datetime
 from psycopg import sql
 
 from composer_ops.repo._base import Conn, fetch_all, iso, recordset
-from composer_ops.repo.rows import Claim, Dispatch
+from composer_ops.repo.rows import Claim, Dispatch, Unstarted
 
 #: LISTEN/NOTIFY channel every worker listens on; the payload is the queue name. A
 #: dispatch notifies it only when no idle worker is registered (see :func:`enqueue`).
@@ -51,10 +51,13 @@ def enqueue(conn: Conn, dispatches: Sequence[Dispatch], *, now: datetime) -> Non
         return
     conn.execute("""
         WITH ins AS (
-            INSERT INTO task_outbox (queue, run_id, task_id, attempt, task_name, lease_s, available_at, created_at)
-            SELECT q, r, t, a, n, l, COALESCE(av, %(now)s), %(now)s
+            INSERT INTO task_outbox (queue, run_id, task_id, attempt, task_name, lease_s, available_at, created_at,
+                                     priority, max_run_s, start_by, ckey, climit, rkey, rate_per_s, rate_burst)
+            SELECT q, r, t, a, n, l, COALESCE(av, %(now)s), %(now)s, COALESCE(p, 0), m,
+                   COALESCE(av, %(now)s) + make_interval(secs => w), ck, cl, rk, rp, rb
               FROM jsonb_to_recordset(%(rows)s::jsonb) AS d(q text, r text, t text, a int4, n text, l int4,
-                                                           av timestamptz)
+                                                           av timestamptz, p int2, m int4, w float8, ck text,
+                                                           cl int4, rk text, rp float8, rb int4)
             RETURNING queue, task_name
         ), woken AS (
             DELETE FROM task_waiters w
@@ -76,7 +79,10 @@ def enqueue(conn: Conn, dispatches: Sequence[Dispatch], *, now: datetime) -> Non
                         WHERE NOT (i.queue = ANY(w.queues)
                                    AND (w.task_names IS NULL OR i.task_name = ANY(w.task_names))))""",
         {"rows": recordset([{"q": d.queue, "r": d.run_id, "t": d.task_id, "a": d.attempt, "n": d.task_name,
-                             "l": d.lease_s, "av": iso(d.available_at)} for d in dispatches]),
+                             "l": d.lease_s, "av": iso(d.available_at), "p": d.priority or None,
+                             "m": d.max_run_s, "w": d.start_within_s, "ck": d.ckey, "cl": d.climit,
+                             "rk": d.rkey, "rp": d.rate_per_s, "rb": d.rate_burst}
+                            for d in dispatches]),
          "now": now, "channel": CHANNEL})
 
 
@@ -132,6 +138,38 @@ def claimed_by(conn: Conn, owner: str, claim_id: str) -> list[Claim]:
          WHERE t.state = 'RUNNING' AND t.lease_owner = %(owner)s
            AND h.kind = 'claimed' AND h.request = %(claim)s
          ORDER BY t.run_id, t.id""", {"owner": owner, "claim": claim_id})
+
+
+def unstarted(conn: Conn, limit: int, *, now: datetime, skip: Sequence[str] = ()) -> list[Unstarted]:
+    """Dispatches whose schedule_to_start deadline (``start_by``) had passed at ``now``
+    (the database clock), the most overdue first, through their partial index; ``skip``:
+    ``task_id:attempt`` keys the caller is backing off."""
+    return fetch_all(conn, Unstarted, """
+        SELECT run_id, task_id, attempt FROM task_outbox
+         WHERE start_by <= %(now)s AND task_id || ':' || attempt <> ALL(%(skip)s::text[])
+         ORDER BY start_by LIMIT %(limit)s""", {"now": now, "skip": list(skip), "limit": limit})
+
+
+def take_unstarted(conn: Conn, run_id: str, task_id: str, attempt: int) -> int:
+    """Delete the dispatch of a task's attempt if its schedule_to_start deadline has passed
+    by the database clock; 0 when a claim took it first (the task is RUNNING then). Runs
+    under the run's lock, before the task is failed (the lock order: outbox row first)."""
+    return conn.execute("DELETE FROM task_outbox WHERE run_id = %s AND task_id = %s AND attempt = %s "
+                        "AND start_by <= now()", (run_id, task_id, attempt)).rowcount
+
+
+def raise_waiting(conn: Conn, older_than_s: float) -> int:
+    """Raise every dispatch ready for more than ``older_than_s`` (the database clock) and
+    below its queue's highest priority to that priority; rows a claim holds are skipped
+    (it is taking them). The priority aging of the coordinator's timer loop."""
+    return conn.execute("""
+        WITH top AS (SELECT queue, max(priority) AS priority FROM task_outbox GROUP BY queue),
+             aged AS (SELECT o.id, top.priority FROM task_outbox o JOIN top ON top.queue = o.queue
+                       WHERE o.priority < top.priority
+                         AND o.available_at <= now() - make_interval(secs => %s)
+                         FOR UPDATE OF o SKIP LOCKED)
+        UPDATE task_outbox o SET priority = aged.priority FROM aged WHERE o.id = aged.id""",
+        (older_than_s,)).rowcount
 
 
 def delete_for_tasks(conn: Conn, run_id: str, task_ids: Sequence[str]) -> int:

@@ -72,6 +72,7 @@ class ExpiredLease:
     node_id: str
     attempt: int
     lease_owner: str | None
+    timed_out: bool = False      # the lease ended at the attempt's start_to_close deadline
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -102,6 +103,23 @@ class Dispatch:
     task_name: str
     lease_s: int
     available_at: datetime | None = None
+    priority: int = 0            # the node's flow-control priority: higher is claimed first in its queue
+    max_run_s: int | None = None  # the node's start_to_close_s: no lease of an attempt passes it
+    start_within_s: float | None = None   # the node's schedule_to_start_s, from available_at
+    ckey: str | None = None      # the concurrency key's value (core.flow.key_text), and its limit
+    climit: int | None = None
+    rkey: str | None = None      # the rate limit's key, per_s and burst
+    rate_per_s: float | None = None
+    rate_burst: int | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class Unstarted:
+    """A dispatch not claimed by its schedule_to_start deadline (``task_outbox.start_by``)."""
+
+    run_id: str
+    task_id: str
+    attempt: int
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -309,3 +327,65 @@ class RunListRow:
     error: Any
     created_at: datetime
     completed_at: datetime | None
+
+
+@dataclass(frozen=True, kw_only=True)
+class QueueSetting:
+    """A queue's row in ``queue_settings`` (sql/V003)."""
+
+    queue: str
+    paused: bool
+    reason: str | None
+    paused_at: datetime | None
+    max_running: int             # 0: no limit
+    updated_at: datetime
+
+
+@dataclass(frozen=True, kw_only=True)
+class QueueRow:
+    """A queue as ``composer-ops queues list`` and ``check`` show it."""
+
+    queue: str
+    paused: bool
+    reason: str | None
+    paused_at: datetime | None
+    paused_s: float | None       # how long it has been paused, by the database clock
+    max_running: int
+    depth: int                   # dispatches in the outbox, ready or delayed
+    ready: int
+    oldest_ready_s: float
+    running: int
+    slots: int                   # RUNNING attempts counted against max_running
+
+
+@dataclass(frozen=True, kw_only=True)
+class KeyAtLimit:
+    """A concurrency key with as many attempts RUNNING as its limit, and tasks ready behind it."""
+
+    queue: str
+    key: str
+    key_limit: int
+    waiting: int
+    oldest_waiting_s: float
+    running: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class RateWait:
+    """A rate limit key with tasks ready: they wait for the bucket's tokens."""
+
+    key: str
+    waiting: int
+    oldest_waiting_s: float
+    per_s: float
+    tokens: float | None         # None: no claim has used the bucket yet
+
+
+@dataclass(frozen=True, kw_only=True)
+class StartLatency:
+    """A queue's schedule-to-start latency (task created to first claimed), in seconds."""
+
+    queue: str
+    claims: int
+    p50_s: float
+    p95_s: float

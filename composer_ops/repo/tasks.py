@@ -162,14 +162,15 @@ def reset_tasks(conn: Conn, run_id: str, task_ids: Sequence[str]) -> int:
 
 _HEARTBEAT = """
         UPDATE {tasks}
-           SET lease_expires_at = NOW() + make_interval(secs => %s)
+           SET lease_expires_at = LEAST(NOW() + make_interval(secs => %s), run_deadline_at)
          WHERE run_id = %s AND id = %s AND attempt = %s AND state = 'RUNNING'
            AND lease_owner = %s AND lease_expires_at > NOW()
         RETURNING lease_expires_at"""
 
 
 def heartbeat(conn: Conn, ref: TaskRef, owner: str, lease_s: float) -> datetime | None:
-    """Extend a live lease by ``lease_s`` from the database clock. None when the lease
+    """Extend a live lease by ``lease_s`` from the database clock, never past the
+    attempt's start_to_close deadline (``run_deadline_at``, set by the claim). None when the lease
     is lost (expired, re-queued, cancelled or owned by someone else, or its month's
     partition is gone). Touches only lease_expires_at, so the update can stay HOT.
     On the run's month partition (:func:`partitions.run_tables`), in a transaction of
@@ -207,7 +208,8 @@ def expired_leases(conn: Conn, limit: int, *, now: datetime, skip: Sequence[str]
     may settle on one while the partitions are few and empty (a test on PostgreSQL 15
     saw it)."""
     return fetch_all(conn, ExpiredLease, """
-        SELECT t.run_id, t.id AS task_id, t.node_id, t.attempt, t.lease_owner
+        SELECT t.run_id, t.id AS task_id, t.node_id, t.attempt, t.lease_owner,
+               COALESCE(t.lease_expires_at >= t.run_deadline_at, false) AS timed_out
           FROM task_instances t
           JOIN workflow_runs r ON r.id = t.run_id
          WHERE t.state = 'RUNNING' AND t.lease_expires_at <= %(now)s

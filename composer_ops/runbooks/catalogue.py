@@ -67,6 +67,11 @@ RUNBOOKS: tuple[Runbook, ...] = (
     Runbook(name="replay_failed", alert=None, incident="failed runs to replay",
             means="runs FAILED (a downstream outage) and should run again from the node that failed",
             acts="retries the selected runs (as `runs retry --yes`), one audit row per run"),
+    Runbook(name="downstream_overloaded", alert="queue paused long", incident="a downstream service is overloaded",
+            means="a service the tasks of a queue call is overloaded: pause the queue or limit its running tasks; "
+                  "the alert says a queue has stayed paused past the threshold",
+            acts="pauses, resumes or limits the queue named (as `queues pause|resume|set-limit --yes`), "
+                 "one audit row"),
     Runbook(name="find_run", alert=None, incident="a run to find by its input",
             means="someone asks about an order or a customer: find the runs by their input and show one",
             acts="nothing: it only reads"),

@@ -11,6 +11,7 @@ read-only role; its plan then lists what the selection holds and says so.
 from __future__ import annotations
 
 import contextlib
+import json
 from collections.abc import Iterator, Sequence
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
@@ -19,7 +20,7 @@ import polars as pl
 
 from composer_ops.core.runids import add_months, month_label, month_start
 from composer_ops.db import find_url
-from composer_ops.errors import PermissionDenied
+from composer_ops.errors import Invalid, PermissionDenied
 from composer_ops.ops._common import RUN_TABLES, UTC_TS, Schema, Source, connection, db_now, rows_frame
 from composer_ops.repo import analytics
 from composer_ops.runbooks.acting import Act, actor
@@ -293,3 +294,46 @@ def check_notice(check: Any) -> Any:
     verdict = "ALERT" if check.alert else "ok"
     return notice(f"<b>check {html.escape(check.name)}: {verdict}</b> ({check.value:g}, threshold "
                   f"{check.threshold:g}): {html.escape(check.detail)}", level="alert" if check.alert else "ok")
+
+
+# -- a downstream service is overloaded: queue levers ----------------------------------------
+
+#: The queue levers a runbook may pull, and what each takes.
+QUEUE_ACTIONS = ("pause", "resume", "set-limit")
+
+
+def _queue_change(e: Engine, queue: str, action: str, *, reason: str, max_running: int, yes: bool) -> Any:
+    if action == "pause":
+        return e.queues.pause(queue, reason=reason or None, yes=yes, actor=actor("downstream_overloaded"))
+    if action == "resume":
+        return e.queues.resume(queue, yes=yes, actor=actor("downstream_overloaded"))
+    if action == "set-limit":
+        return e.queues.set_limit(queue, max_running, yes=yes, actor=actor("downstream_overloaded"))
+    raise Invalid(f"action must be one of {', '.join(QUEUE_ACTIONS)}, got {action!r}")
+
+
+def _change_frame(changes: Sequence[Any]) -> pl.DataFrame:
+    return pl.DataFrame([(c.queue, c.action, c.changed, json.dumps(c.before), json.dumps(c.after)) for c in changes],
+                        schema={"queue": pl.String, "action": pl.String, "changes": pl.Boolean,
+                                "before": pl.String, "after": pl.String}, orient="row")
+
+
+def queue_plan(database_url: str | None, queue: str | None, action: str, *, reason: str = "",
+               max_running: int = 0) -> pl.DataFrame:
+    """What ``composer-ops queues ACTION QUEUE`` would change (its dry run); empty when
+    no queue is named."""
+    if not queue:
+        return _change_frame([])
+    with engine(database_url, "downstream_overloaded") as e:
+        return _change_frame([_queue_change(e, queue, action, reason=reason, max_running=max_running, yes=False)])
+
+
+def queue_act(act: Act, database_url: str | None, queue: str | None, action: str, *, reason: str = "",
+              max_running: int = 0) -> pl.DataFrame | None:
+    if not queue:
+        return None
+    with engine(database_url, act.runbook) as e:
+        change = act.run(f"queues {action}", lambda: _queue_change(e, queue, action, reason=reason,
+                                                                   max_running=max_running, yes=True),
+                         lambda c: f"queue {c.queue} {json.dumps(c.before)} -> {json.dumps(c.after)}")
+    return None if change is None else _change_frame([change])

@@ -187,7 +187,7 @@ class Baseline:
 #: empties them, as a fresh database would be (the single-server legs clone one per test).
 ENGINE_TABLES = ("run_history", "workflow_events", "task_instances", "workflow_runs", "workflow_definitions",
                  "task_outbox", "webhook_deliveries", "task_waiters", "workers", "operator_audit", "retention_drops",
-                 "schedule_events", "schedules")
+                 "schedule_events", "schedules", "queue_settings", "flow_slots", "rate_buckets")
 
 
 def baseline(url: str) -> Baseline:

@@ -423,6 +423,8 @@ def runbook_figures(info: SeedInfo) -> dict[str, dict[str, Any]]:
         "replay_lag": {"alert": False, "standby": False, "plan": [], "act": dry},
         # The seed's FAILED runs (H7, H9) are from 2025: none in the default window of 7 days.
         "replay_failed": {"failed": [], "plan": [], "act": dry},
+        # The seed sets no queue: none is paused, and with no queue named nothing is planned.
+        "downstream_overloaded": {"alert": False, "paused": [], "plan": [], "act": dry},
         # 21 runs, the newest by run ID is L9 (the current month's IDs are its first instant + k s).
         "find_run": {"found": 20, "newest": runs["L9"], "act": dry},
         # The seed has no schedule.

@@ -58,6 +58,15 @@ ONE_WAITER = {"id": "f-one-waiter", "nodes": [{"id": "w", "type": "WAIT_FOR_EVEN
 TIMER = {"id": "f-timer", "nodes": [
     {"id": "z", "type": "WAIT", "duration_s": 3600},
     {"id": "b", "type": "TASK", "task": "t", "queue": "fq", "depends_on": ["z"]}]}
+#: Two tasks at once on a queue the sweep limits to one RUNNING (queue_settings, flow_slots).
+LIMITED = {"id": "f-limited", "nodes": [
+    {"id": "a", "type": "TASK", "task": "t", "queue": "fl"},
+    {"id": "b", "type": "TASK", "task": "t", "queue": "fl"}]}
+#: A task that must be claimed within 60 s, and tasks of one customer at most one at a time.
+PROMPT = {"id": "f-prompt", "nodes": [{"id": "a", "type": "TASK", "task": "t", "queue": "fs",
+                                       "timeouts": {"schedule_to_start_s": 60}}]}
+KEYED = {"id": "f-keyed", "nodes": [{"id": "a", "type": "TASK", "task": "t", "queue": "fk",
+                                     "concurrency": {"key": "$.input.customer", "limit": 1}}]}
 #: f-pruned's webhook goes nowhere: its deliveries stay pending unless a case marks them delivered
 NOWHERE = "http://127.0.0.1:9/never"
 RELAY = RelayPolicy(lease_s=0.3)
@@ -78,7 +87,7 @@ def b(server: Server, template_db: str) -> Iterator[Rig]:
     try:
         with server.database(template=template_db) as url, bench(url) as fb:
             rig = Rig(db_url=fb.db_url, proxy=fb.proxy, direct=fb.direct, engine=fb.engine, hook=hook)
-            for spec in (CHAIN, RETRIED, TWO_WAITERS, ONE_WAITER, TIMER):
+            for spec in (CHAIN, RETRIED, TWO_WAITERS, ONE_WAITER, TIMER, LIMITED, PROMPT, KEYED):
                 rig.direct.deploy(spec)
             for definition, hook_url in (("f-hook", hook.base), ("f-pruned", NOWHERE)):
                 rig.direct.deploy({"id": definition, "webhook_url": hook_url, "nodes": ONE_WAITER["nodes"]})
@@ -442,6 +451,33 @@ def _backfill(b: Rig, name: str) -> Any:
     top = datetime.now(UTC).replace(minute=0, second=0, microsecond=0)
     return b.engine.schedules.backfill(name, start=top - timedelta(hours=4), end=top - timedelta(hours=1),
                                        yes=True)
+def _limited_run(b: Rig) -> str:
+    b.direct.queues.set_limit("fl", 1)
+    return _fresh_run(b, "f-limited")
+
+
+def _late_start(b: Rig) -> str:
+    """A fresh run of f-prompt whose dispatch is past its schedule_to_start deadline."""
+    run_id = _fresh_run(b, "f-prompt")
+    b.sql("UPDATE task_outbox SET start_by = now() - interval '1 millisecond' WHERE run_id = %s", (run_id,))
+    return run_id
+
+
+def _two_of_one_customer(b: Rig) -> list[str]:
+    for (run_id,) in b.sql("SELECT id FROM workflow_runs WHERE status = 'RUNNING'"):
+        b.direct.cancel(run_id, reason="next case")
+    customer = _token()
+    return [b.direct.start("f-keyed", input={"customer": customer}) for _ in range(2)]
+
+
+def _queue_name(b: Rig) -> str:
+    return "fq-" + _token()[:12]
+
+
+def _paused_queue(b: Rig) -> str:
+    queue = _queue_name(b)
+    b.direct.queues.pause(queue)
+    return queue
 
 
 # -- checks: what every case must leave -------------------------------------------------------
@@ -557,6 +593,90 @@ def _claimed_by_its_holder(b: Rig, run_id: str, result: Result) -> list[str]:
     if nodes.get("a", ("", 0))[0] != "COMPLETED" or b.direct.get_run(run_id).status != "RUNNING":
         problems.append(f"after completing the claimed task: {nodes}, run {b.direct.get_run(run_id).status}")
     return problems
+
+
+def _limit_kept(b: Rig, run_id: str, result: Result) -> list[str]:
+    """A claim on a queue limited to one RUNNING task: whatever was cut, one place at
+    most is taken, by exactly the task RUNNING; once that task completes (claimed again
+    after its lease when the claim's answer was lost) the place is free and the other
+    task can be claimed."""
+    problems = _raised(result)
+
+    def counts() -> tuple[int, int]:
+        slots = b.sql("SELECT count(*) FROM flow_slots WHERE key = 'queue:fl'")[0][0]
+        running = b.sql("SELECT count(*) FROM task_instances WHERE run_id = %s AND state = 'RUNNING'", (run_id,))[0][0]
+        return int(slots), int(running)
+
+    slots, running = counts()
+    if running > 1 or slots != running:
+        problems.append(f"{running} task(s) RUNNING and {slots} place(s) taken under a limit of 1")
+    claims = result.value or []
+    if not claims:
+        expire_leases(b, run_id)
+        b.direct.coordinator().run_once(TIMERS_AND_LEASES)
+        claims = b.direct.claim(["fl"], "w-direct", 2)
+    if len(claims) != 1:
+        return problems + [f"expected one task claimable under the limit, got {len(claims)}"]
+    b.direct.complete(claims[0], {"ok": True})
+    if counts() != (0, 0):
+        problems.append(f"after completing the task: places and RUNNING {counts()}")
+    if len(b.direct.claim(["fl"], "w-direct", 2)) != 1:
+        problems.append("the other task was not claimable once the place was free")
+    return problems
+
+
+def _one_per_key(b: Rig, runs: list[str], result: Result) -> list[str]:
+    """A claim of two tasks sharing a key limited to 1: one RUNNING at most and its place
+    taken, whatever was cut; once it completes, the other is claimable."""
+    problems = _raised(result)
+    running = b.sql("SELECT count(*) FROM task_instances WHERE run_id = ANY(%s) AND state = 'RUNNING'", (runs,))
+    slots = b.sql("SELECT count(*) FROM flow_slots WHERE run_id = ANY(%s)", (runs,))
+    if running[0][0] > 1 or running != slots:
+        problems.append(f"{running[0][0]} RUNNING and {slots[0][0]} place(s) for a key limited to 1")
+    claims = result.value or []
+    if not claims:
+        for run_id in runs:
+            expire_leases(b, run_id)
+        b.direct.coordinator().run_once(TIMERS_AND_LEASES)
+        claims = b.direct.claim(["fk"], "w-direct", 2)
+    if len(claims) != 1:
+        return problems + [f"expected one task of the key claimable, got {len(claims)}"]
+    b.direct.complete(claims[0], None)
+    if len(b.direct.claim(["fk"], "w-direct", 2)) != 1:
+        problems.append("the key's other task was not claimable once the first completed")
+    return problems
+
+
+def _failed_unstarted_once(b: Rig, run_id: str, result: Result) -> list[str]:
+    """The task not claimed in time FAILED once, naming the timeout, and its run with it.
+    A pass cut before it handled the dispatch leaves it to the next pass: run one."""
+    problems = _raised(result)
+    if _nodes(b, run_id)["a"][0] == "PENDING":
+        b.direct.coordinator().run_once(TIMERS_AND_LEASES)
+    rows = b.sql("SELECT state, attempt, last_error->>'error' FROM task_instances WHERE run_id = %s", (run_id,))
+    if len(rows) != 1 or rows[0][:2] != ("FAILED", 0) or "schedule_to_start timeout" not in str(rows[0][2]):
+        problems.append(f"task {rows}")
+    failed = b.sql("SELECT count(*) FROM run_history WHERE run_id = %s AND kind = 'failed'", (run_id,))
+    if failed != [(1,)]:
+        problems.append(f"{failed[0][0]} 'failed' history rows")
+    if b.direct.get_run(run_id).status != "FAILED" or _outbox(b, run_id):
+        problems.append(f"run {b.direct.get_run(run_id).status}, outbox {_outbox(b, run_id)}")
+    return problems
+
+
+def _queue_changed_once(action: str, expected: tuple[bool, int]) -> Callable[[Rig, str, Result], list[str]]:
+    """The queue's settings are as asked and one audit row says so, however often the
+    change was retried."""
+    def check(b: Rig, queue: str, result: Result) -> list[str]:
+        problems = _raised(result)
+        row = b.sql("SELECT paused, max_running FROM queue_settings WHERE queue = %s", (queue,))
+        if row != [expected]:
+            problems.append(f"queue {queue} settings {row}, expected {expected}")
+        audits = b.sql("SELECT count(*) FROM operator_audit WHERE action = %s AND target = %s", (action, queue))
+        if audits != [(1,)]:
+            problems.append(f"{audits[0][0]} audit rows for one {action}")
+        return problems
+    return check
 
 
 def _lease_still_held(b: Rig, s: Claimed, result: Result) -> list[str]:
@@ -701,6 +821,10 @@ PATHS = [
     # the worker's writes
     WritePath("claim", lambda b: _fresh_run(b, "f-chain"), lambda b, _: b.engine.claim(["fq"], "w-proxied", 1),
               _claimed_by_its_holder),
+    WritePath("claim (limited queue)", _limited_run, lambda b, _: b.engine.claim(["fl"], "w-proxied", 2),
+              _limit_kept),
+    WritePath("claim (concurrency key)", _two_of_one_customer, lambda b, _: b.engine.claim(["fk"], "w-proxied", 2),
+              _one_per_key),
     WritePath("complete", _claimed("f-chain"), lambda b, s: b.engine.complete(s.claim, {"done": True}),
               _leaves(tasks={"a": ("COMPLETED", 0), "b": ("PENDING", 0)}, outbox=[("b", 0)])),
     WritePath("fail (retried)", _claimed("f-retried"), lambda b, s: b.engine.fail(s.claim, "boom", retryable=True),
@@ -710,6 +834,8 @@ PATHS = [
     WritePath("heartbeat", _claimed("f-chain"), lambda b, s: b.engine.heartbeat(s.claim), _lease_still_held),
     # the coordinator's writes
     WritePath("timer", _due_timer, lambda b, _: b.engine.coordinator().run_once(["timers"]), _timer_fired),
+    WritePath("start timeout", _late_start, lambda b, _: b.engine.coordinator().run_once(["timers"]),
+              _failed_unstarted_once),
     WritePath("lease sweep", _claimed("f-retried", lease_over=True),
               lambda b, _: b.engine.coordinator().run_once(["leases"]), _requeued_once),
     # under the default policy (one attempt) the expiry must not fail the run
@@ -737,6 +863,12 @@ PATHS = [
     WritePath("schedules pause", _schedule, lambda b, name: b.engine.schedules.pause(name), _paused_once),
     WritePath("schedules trigger", _schedule, lambda b, name: b.engine.schedules.trigger(name), _triggered_once),
     WritePath("schedules backfill", _schedule, _backfill, _backfilled_once),
+    WritePath("queues pause", _queue_name, lambda b, q: b.engine.queues.pause(q, reason="incident"),
+              _queue_changed_once("queues pause", (True, 0))),
+    WritePath("queues resume", _paused_queue, lambda b, q: b.engine.queues.resume(q),
+              _queue_changed_once("queues resume", (False, 0))),
+    WritePath("queues set-limit", _queue_name, lambda b, q: b.engine.queues.set_limit(q, 3),
+              _queue_changed_once("queues set-limit", (False, 3))),
     WritePath("partitions archive", _month_2020, lambda b, m: _archive(b.proxy.url(), m), _archived_once,
               every_request=False),
     WritePath("partitions drop --archive", _month_2020, lambda b, m: _retire(b.proxy.url(), m),

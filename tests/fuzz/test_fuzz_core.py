@@ -175,3 +175,39 @@ def _depth(value: Any) -> int:
         value = next(iter(value.values())) if isinstance(value, dict) else value[0]
         depth += 1
     return depth
+
+
+_flow_numbers = st.one_of(st.integers(-10, 10**7), st.floats(allow_nan=True, allow_infinity=True), st.booleans(),
+                          st.none(), texts)
+_flow_keys = st.one_of(st.sampled_from(["api", "$.input.c", "$.nodes.up.output.k", "$.nodes.down.output",
+                                        "$.nope", "$.", "a b", ""]), texts)
+_flow_docs = st.fixed_dictionaries({}, optional={
+    "priority": _flow_numbers,
+    "timeouts": st.one_of(_flow_numbers, st.dictionaries(
+        st.sampled_from(["schedule_to_start_s", "start_to_close_s", "other"]), _flow_numbers, max_size=3)),
+    "concurrency": st.one_of(_flow_numbers, st.dictionaries(
+        st.sampled_from(["key", "limit", "strategy"]), st.one_of(_flow_keys, _flow_numbers), max_size=3)),
+    "rate_limit": st.one_of(_flow_numbers, st.dictionaries(
+        st.sampled_from(["key", "per_s", "burst", "x"]), st.one_of(_flow_keys, _flow_numbers), max_size=4)),
+})
+
+
+@examples(300)
+@given(_flow_docs)
+def test_flow_control_is_refused_in_one_line_or_round_trips(flow: dict[str, Any]) -> None:
+    tried("flow control (parse_spec)")
+    doc = {"id": "wf", "nodes": [{"id": "up", "type": "TASK", "task": "t"},
+                                 {"id": "down", "type": "TASK", "task": "t", "depends_on": ["up"], **flow}]}
+    spec = outcome(lambda: parse_spec(doc))
+    if isinstance(spec, Refused):
+        assert spec.line.startswith(('node "down": ', 'node "up": ')), spec.line
+        return
+    parsed = spec.nodes["down"].flow
+    assert -32768 <= parsed.priority <= 32767
+    if parsed.concurrency is not None:
+        assert parsed.concurrency.limit >= 1 and parsed.concurrency.key.startswith("$.")
+    if parsed.rate_limit is not None:
+        assert parsed.rate_limit.per_s > 0 and parsed.rate_limit.burst >= 1
+    for value in (parsed.timeouts.schedule_to_start_s, parsed.timeouts.start_to_close_s):
+        assert value is None or value > 0
+    assert parse_spec(spec.to_json()) == spec

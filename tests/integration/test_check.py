@@ -16,7 +16,7 @@ from tests.notebooks.harness import as_role, seed_committed
 METRICS = ["composer_replay_lag_seconds", "composer_partitions_months_ahead", "composer_sweeper_lag_seconds",
            "composer_outbox_oldest_ready_seconds",
            "composer_retention_blocked_months", "composer_long_waits_without_timeout",
-           "composer_webhook_deliveries_failing", "composer_schedules_late"]
+           "composer_webhook_deliveries_failing", "composer_schedules_late", "composer_queue_paused_longest_seconds"]
 
 
 def _samples(path: Path) -> dict[tuple[str, str], float]:
@@ -54,7 +54,8 @@ def test_the_seeded_database_alerts_and_says_why(db_url: str, tmp_path: Path,
     assert doc["healthy"] is False and list(checks) == METRICS
     alerting = {m for m, c in checks.items() if c["alert"]}
     assert alerting == set(METRICS) - {"composer_partitions_months_ahead", "composer_replay_lag_seconds",
-                                       "composer_schedules_late"}          # the seed has no schedule
+                                       "composer_schedules_late",          # the seed has no schedule
+                                       "composer_queue_paused_longest_seconds"}
     assert checks["composer_sweeper_lag_seconds"]["value"] == pytest.approx(7200, abs=60)   # L7's lease
     assert checks["composer_outbox_oldest_ready_seconds"]["value"] == pytest.approx(1800, abs=60)   # L6
     assert checks["composer_retention_blocked_months"]["value"] == 2
@@ -119,7 +120,8 @@ RUNBOOKS = {"composer_replay_lag_seconds": "replay_lag", "composer_partitions_mo
             "composer_sweeper_lag_seconds": "sweeper_lag", "composer_outbox_oldest_ready_seconds": "outbox_ready",
             "composer_retention_blocked_months": "retention_blocked",
             "composer_long_waits_without_timeout": "long_waits",
-            "composer_webhook_deliveries_failing": "failing_webhooks", "composer_schedules_late": "schedule_late"}
+            "composer_webhook_deliveries_failing": "failing_webhooks", "composer_schedules_late": "schedule_late",
+            "composer_queue_paused_longest_seconds": "downstream_overloaded"}
 
 
 def test_every_check_names_its_runbook(db_url: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -267,3 +267,24 @@ def test_an_unwritable_out_directory_is_one_line_and_exit_2(tmp_path: Path,
     code, printed, err = _run(["sweeper_lag", "--database-url", "postgresql://nobody@/nowhere?host=/nonexistent",
                                "--out", str(blocker / "reports")], capsys)
     assert code == 2 and err.count("\n") == 1 and "--out: directory" in err and "cannot write there" in err, err
+
+
+def test_downstream_overloaded_plans_then_pauses_the_queue_with_its_audit_row(
+        db_url: str, operator: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    seed_committed(db_url)
+    out = tmp_path / "reports"
+    role, operator = operator, as_role(db_url, operator)
+    params = ["-p", "queue", "payments", "-p", "action", "pause", "-p", "reason", "provider 503s"]
+    code, printed, err = _run(["downstream_overloaded", *params, "--database-url", operator, "--out", str(out)],
+                              capsys)
+    assert code == 0 and "dry run: nothing was changed" in printed, err
+    assert _audit(db_url) == []
+    code, printed, err = _run(["downstream_overloaded", *params, "-p", "confirm", "true", "--database-url", operator,
+                               "--out", str(out)], capsys)
+    assert code == 0, err
+    assert 'did: queues pause: queue payments' in printed
+    ((action, target, counts, command, db_role),) = _audit(db_url)
+    assert (action, target, counts, db_role) == ("queues pause", "payments", {"changed": 1}, role)
+    assert command.startswith("composer-ops runbook downstream_overloaded")
+    with psycopg.connect(db_url) as conn:
+        assert conn.execute("SELECT paused, reason FROM queue_settings").fetchall() == [(True, "provider 503s")]

@@ -1,0 +1,135 @@
+"""Queue settings an operator sets (``queue_settings``, sql/V003) and what each queue
+holds: ``composer-ops queues``, ``check`` and the active_tasks report read them.
+
+Every claim reads the settings of its queues (sql/R__claim.sql): a paused queue gives
+no task, a queue with ``max_running`` gives at most that many RUNNING attempts, counted
+in ``flow_slots``. A change locks the queue's row first (:func:`lock`), creating it when
+the queue has none, so two changes of one queue, or a retried change and its earlier
+attempt still committing, serialise on it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from datetime import datetime
+
+from composer_ops.repo._base import Conn, fetch_all
+from composer_ops.repo.rows import KeyAtLimit, QueueRow, QueueSetting, RateWait, StartLatency
+
+_SETTING = "queue, paused, reason, paused_at, max_running, updated_at"
+
+
+def settings(conn: Conn, queues: Sequence[str]) -> list[QueueSetting]:
+    """The settings rows of ``queues`` that exist, by name."""
+    return fetch_all(conn, QueueSetting, f"SELECT {_SETTING} FROM queue_settings WHERE queue = ANY(%s) ORDER BY queue",
+                     (list(queues),))
+
+
+def lock(conn: Conn, queue: str) -> QueueSetting:
+    """Lock ``queue``'s settings row for the rest of the transaction (creating an open,
+    unlimited one when there is none) and return it as the lock found it."""
+    conn.execute("INSERT INTO queue_settings (queue) VALUES (%s) ON CONFLICT (queue) DO NOTHING", (queue,))
+    return fetch_all(conn, QueueSetting, f"SELECT {_SETTING} FROM queue_settings WHERE queue = %s FOR UPDATE",
+                     (queue,))[0]
+
+
+def update(conn: Conn, queue: str, *, paused: bool, reason: str | None, paused_at: datetime | None,
+           max_running: int, now: datetime) -> QueueSetting:
+    """Write ``queue``'s settings (its row locked by :func:`lock`)."""
+    return fetch_all(conn, QueueSetting, f"""
+        UPDATE queue_settings SET paused = %s, reason = %s, paused_at = %s, max_running = %s, updated_at = %s
+         WHERE queue = %s
+        RETURNING {_SETTING}""", (paused, reason, paused_at, max_running, now, queue))[0]
+
+
+# Every queue that has a setting, a dispatch or a RUNNING task. The outbox is a queue
+# (small, read whole); RUNNING tasks are read through their partial index
+# (idx_task_instances_running), bounded by the workers' concurrency.
+_OVERVIEW = """
+    WITH outbox AS (
+        SELECT queue, count(*) AS depth,
+               count(*) FILTER (WHERE available_at <= %(now)s::timestamptz) AS ready,
+               COALESCE(max(extract(epoch FROM %(now)s::timestamptz - available_at))
+                            FILTER (WHERE available_at <= %(now)s::timestamptz), 0)::float8 AS oldest_ready_s
+          FROM task_outbox GROUP BY queue
+    ), running AS (
+        SELECT COALESCE(queue, 'default') AS queue, count(*) AS running
+          FROM task_instances WHERE state = 'RUNNING' AND node_type = 'TASK' GROUP BY 1
+    ), slots AS (
+        SELECT substr(key, 7) AS queue, count(*) AS slots FROM flow_slots WHERE key LIKE 'queue:%%' GROUP BY 1
+    ), names AS (
+        SELECT queue FROM queue_settings UNION SELECT queue FROM outbox UNION SELECT queue FROM running
+    )
+    SELECT n.queue, COALESCE(s.paused, false) AS paused, s.reason, s.paused_at,
+           CASE WHEN s.paused THEN extract(epoch FROM %(now)s::timestamptz - s.paused_at)::float8 END AS paused_s,
+           COALESCE(s.max_running, 0) AS max_running,
+           COALESCE(o.depth, 0) AS depth, COALESCE(o.ready, 0) AS ready,
+           COALESCE(o.oldest_ready_s, 0) AS oldest_ready_s,
+           COALESCE(r.running, 0) AS running, COALESCE(sl.slots, 0) AS slots
+      FROM names n
+      LEFT JOIN queue_settings s ON s.queue = n.queue
+      LEFT JOIN outbox o ON o.queue = n.queue
+      LEFT JOIN running r ON r.queue = n.queue
+      LEFT JOIN slots sl ON sl.queue = n.queue
+     ORDER BY n.queue"""
+
+
+def overview(conn: Conn, now: datetime) -> list[QueueRow]:
+    """Every queue with its settings, its dispatches (depth, ready now, the oldest ready
+    one's age) and its RUNNING tasks, ages from ``now`` (the database clock)."""
+    return fetch_all(conn, QueueRow, _OVERVIEW, {"now": now})
+
+
+def free_stale_slots(conn: Conn) -> int:
+    """Delete the slots whose attempt is no longer RUNNING (a change that bypassed the
+    trigger of sql/R__claim.sql, such as a row edited by hand); the lease sweeper's
+    self-healing. Few rows: at most the running attempts with a limit."""
+    return conn.execute("""
+        DELETE FROM flow_slots f
+         WHERE NOT EXISTS (SELECT 1 FROM task_instances t
+                            WHERE t.run_id = f.run_id AND t.id = f.task_id AND t.attempt = f.attempt
+                              AND t.state = 'RUNNING')""").rowcount
+
+
+def keys_at_limit(conn: Conn, now: datetime) -> list[KeyAtLimit]:
+    """Concurrency keys with as many attempts RUNNING as their limit and dispatches ready
+    behind them (waiting on purpose), per queue; the outbox read whole, the slots by key."""
+    return fetch_all(conn, KeyAtLimit, """
+        SELECT w.queue, w.key, w.key_limit, w.waiting, w.oldest_waiting_s, s.running
+          FROM (SELECT queue, ckey AS key, max(climit) AS key_limit, count(*) AS waiting,
+                       max(extract(epoch FROM %(now)s::timestamptz - available_at))::float8 AS oldest_waiting_s
+                  FROM task_outbox WHERE ckey IS NOT NULL AND available_at <= %(now)s::timestamptz
+                 GROUP BY queue, ckey) w
+          CROSS JOIN LATERAL (SELECT count(*) AS running FROM flow_slots f WHERE f.key = 'c:' || w.key) s
+         WHERE s.running >= w.key_limit
+         ORDER BY w.waiting DESC, w.queue, w.key""", {"now": now})
+
+
+def rate_limited(conn: Conn, now: datetime) -> list[RateWait]:
+    """Rate limit keys with dispatches ready: how many wait, the oldest's age, the rate,
+    and the tokens the bucket held when a claim last looked."""
+    return fetch_all(conn, RateWait, """
+        SELECT o.rkey AS key, count(*) AS waiting,
+               max(extract(epoch FROM %(now)s::timestamptz - o.available_at))::float8 AS oldest_waiting_s,
+               max(o.rate_per_s) AS per_s, max(b.tokens) AS tokens
+          FROM task_outbox o LEFT JOIN rate_buckets b ON b.key = o.rkey
+         WHERE o.rkey IS NOT NULL AND o.available_at <= %(now)s::timestamptz
+         GROUP BY o.rkey
+         ORDER BY count(*) DESC, o.rkey""", {"now": now})
+
+
+def start_latency(conn: Conn, *, since: datetime, floor: str) -> list[StartLatency]:
+    """Schedule-to-start latency per queue: from a task's creation to its first claim
+    (attempt 0, whose dispatch is written with the task), for claims at or after
+    ``since``, of runs whose ID is ``floor`` or above (the run-ID bound of ``since``:
+    only those months are read, and tasks of older runs are left out)."""
+    return fetch_all(conn, StartLatency, """
+        SELECT COALESCE(t.queue, 'default') AS queue, count(*) AS claims,
+               percentile_cont(0.5) WITHIN GROUP (ORDER BY extract(epoch FROM h.at - t.created_at))::float8 AS p50_s,
+               percentile_cont(0.95) WITHIN GROUP (ORDER BY extract(epoch FROM h.at - t.created_at))::float8 AS p95_s
+          FROM run_history h
+          JOIN task_instances t ON t.run_id = h.run_id AND t.id = h.task_id
+         WHERE h.kind = 'claimed' AND h.attempt = 0 AND h.at >= %(since)s
+           AND h.run_id >= %(floor)s AND t.run_id >= %(floor)s
+         GROUP BY 1
+         ORDER BY 1""", {"since": since, "floor": floor}, prepare=False)

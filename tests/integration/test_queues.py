@@ -1,0 +1,350 @@
+"""Queue levers (engine/queues.py, repo/queues.py, the claim of sql/R__claim.sql): a
+paused queue gives no task and keeps them, resume gives them again; max_running bounds
+the RUNNING attempts of a queue and frees a place when an attempt ends; priorities order
+the claim within a queue; each change is audited, a dry run changes nothing, and a
+change retried with its request ID is not applied twice."""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import psycopg
+import pytest
+
+from composer_ops import Engine
+from composer_ops.cli import main
+from composer_ops.errors import Invalid
+from composer_ops.testing.processes import wait_for
+
+
+@pytest.fixture
+def engine(db_url: str) -> Iterator[Engine]:
+    with Engine.connect(db_url, pool_size=4) as e:
+        for name, priority in (("low", 0), ("high", 5), ("mid", 2)):
+            e.deploy({"id": name, "nodes": [{"id": "t", "type": "TASK", "task": "work", "queue": "q",
+                                             **({"priority": priority} if priority else {})}]})
+        e.deploy({"id": "other", "nodes": [{"id": "t", "type": "TASK", "task": "work", "queue": "r"}]})
+        yield e
+
+
+def _sql(url: str, query: str, params: Any = None) -> list[tuple[Any, ...]]:
+    with psycopg.connect(url) as conn:
+        return conn.execute(query, params).fetchall()
+
+
+def test_a_paused_queue_claims_nothing_keeps_its_tasks_and_resumes(db_url: str, engine: Engine) -> None:
+    runs = [engine.start("low") for _ in range(3)]
+    other = engine.start("other")
+    dry = engine.queues.pause("q", reason="provider down", yes=False)
+    assert (dry.applied, dry.changed, dry.after["paused"]) == (False, True, True)
+    assert _sql(db_url, "SELECT count(*) FROM queue_settings") == [(0,)]
+    paused = engine.queues.pause("q", reason="provider down")
+    assert (paused.applied, paused.changed) == (True, True)
+    assert engine.claim(["q"], "w1", 10) == []
+    taken = engine.claim(["q", "r"], "w1", 10)
+    assert [c.run_id for c in taken] == [other]                  # the other queue is not held up
+    listed = {r.queue: r for r in engine.queues.list()}
+    assert listed["q"].paused and listed["q"].reason == "provider down" and listed["q"].depth == 3
+    assert listed["q"].paused_s is not None and listed["q"].paused_s >= 0
+    assert not listed["r"].paused and listed["r"].running == 1
+    engine.queues.resume("q")
+    assert sorted(c.run_id for c in engine.claim(["q"], "w1", 10)) == sorted(runs)
+    actions = _sql(db_url, "SELECT action, target, counts FROM operator_audit ORDER BY id")
+    assert actions == [("queues pause", "q", {"changed": 1}), ("queues resume", "q", {"changed": 1})]
+
+
+def test_max_running_bounds_the_queue_and_frees_a_place_when_an_attempt_ends(db_url: str,
+                                                                            engine: Engine) -> None:
+    for _ in range(5):
+        engine.start("low")
+    engine.queues.set_limit("q", 2)
+    first = engine.claim(["q"], "w1", 10)
+    assert len(first) == 2
+    assert engine.claim(["q"], "w2", 10) == []
+    assert _sql(db_url, "SELECT count(*) FROM flow_slots") == [(2,)]
+    engine.complete(first[0], {"ok": True})                    # the trigger frees its place
+    assert _sql(db_url, "SELECT count(*) FROM flow_slots") == [(1,)]
+    second = engine.claim(["q"], "w2", 10)
+    assert len(second) == 1
+    engine.fail(first[1], "boom", retryable=False)
+    assert len(engine.claim(["q"], "w2", 10)) == 1
+    engine.queues.set_limit("q", 0)                            # no limit: the rest at once
+    assert len(engine.claim(["q"], "w3", 10)) == 1
+    running = _sql(db_url, "SELECT count(*) FROM task_instances WHERE state = 'RUNNING'")
+    assert running == [(3,)]
+
+
+def test_priority_orders_the_claim_within_a_queue(engine: Engine) -> None:
+    low = engine.start("low")
+    high = engine.start("high")
+    mid = engine.start("mid")
+    assert [engine.claim(["q"], "w", 1)[0].run_id for _ in range(3)] == [high, mid, low]
+
+
+def test_a_change_retried_with_its_request_is_applied_once(db_url: str, engine: Engine) -> None:
+    first = engine.queues.set_limit("q", 3, request_id="req-1")
+    engine.queues.set_limit("q", 7)                             # someone else changes it meanwhile
+    again = engine.queues.set_limit("q", 3, request_id="req-1")
+    assert again.replayed and again.after == first.after
+    assert _sql(db_url, "SELECT max_running FROM queue_settings") == [(7,)]
+    assert _sql(db_url, "SELECT count(*) FROM operator_audit WHERE request = 'req-1'") == [(1,)]
+
+
+def test_pausing_again_keeps_the_first_instant(db_url: str, engine: Engine) -> None:
+    engine.queues.pause("q", reason="one")
+    at = _sql(db_url, "SELECT paused_at FROM queue_settings")
+    again = engine.queues.pause("q", reason="two")
+    assert again.changed and _sql(db_url, "SELECT paused_at, reason FROM queue_settings") == [(at[0][0], "two")]
+
+
+@pytest.mark.parametrize(("call", "message"), [
+    (lambda e: e.queues.pause("bad name"), "queue 'bad name' is not a queue name"),
+    (lambda e: e.queues.set_limit("q", -1), "--max-running must be an integer from 0"),
+    (lambda e: e.queues.set_limit("q", True), "--max-running must be an integer from 0"),
+    (lambda e: e.queues.pause("q", reason="x" * 1001), "the reason must be text"),
+])
+def test_bad_input_is_refused_and_changes_nothing(db_url: str, engine: Engine, call: Any, message: str) -> None:
+    with pytest.raises(Invalid, match=message):
+        call(engine)
+    assert _sql(db_url, "SELECT count(*) FROM queue_settings") == [(0,)]
+
+
+def test_cli(db_url: str, engine: Engine, capsys: pytest.CaptureFixture[str]) -> None:
+    engine.start("low")
+    url = ["--database-url", db_url]
+    assert main(["queues", "pause", "q", "--reason", "incident 42", *url]) == 0
+    assert "dry run" in capsys.readouterr().out
+    assert _sql(db_url, "SELECT count(*) FROM queue_settings") == [(0,)]
+    assert main(["queues", "pause", "q", "--reason", "incident 42", "--yes", "--json", *url]) == 0
+    done = json.loads(capsys.readouterr().out)
+    assert done["applied"] and done["after"] == {"paused": True, "reason": "incident 42", "max_running": 0}
+    assert main(["queues", "set-limit", "q", "--max-running", "4", "--yes", *url]) == 0
+    assert "max running 4" in capsys.readouterr().out
+    assert main(["queues", "list", "--json", *url]) == 0
+    (row,) = json.loads(capsys.readouterr().out)
+    assert (row["queue"], row["paused"], row["max_running"], row["depth"]) == ("q", True, 4, 1)
+    assert main(["queues", "list", *url]) == 0
+    assert "incident 42" in capsys.readouterr().out
+    assert main(["queues", "resume", "q", "--yes", *url]) == 0
+    assert "open" in capsys.readouterr().out
+    assert main(["queues", "set-limit", "q", "--max-running", "-2", "--yes", *url]) == 2
+    assert "--max-running must be an integer" in capsys.readouterr().err
+    assert main(["queues", "pause", "no way", "--yes", *url]) == 2
+    command = _sql(db_url, "SELECT command FROM operator_audit ORDER BY id LIMIT 1")[0][0]
+    assert command.startswith("composer-ops queues pause q --reason")
+
+
+def test_the_lease_sweeper_frees_a_place_the_trigger_missed(db_url: str, engine: Engine) -> None:
+    engine.start("low")
+    engine.start("low")
+    engine.queues.set_limit("q", 1)
+    (held,) = engine.claim(["q"], "w1", 10)
+    with psycopg.connect(db_url) as conn:                      # an edit by hand that bypasses the trigger
+        conn.execute("UPDATE task_instances SET flow_slot = NULL WHERE id = %s", (held.task_id,))
+    engine.complete(held, None)
+    assert engine.claim(["q"], "w2", 10) == []                 # the place is still taken
+    stats = engine.coordinator().run_once(["leases"])
+    assert stats.slots_freed == 1
+    assert len(engine.claim(["q"], "w2", 10)) == 1
+
+
+def test_check_alerts_on_a_long_pause_and_exports_the_queues(db_url: str, engine: Engine, tmp_path: Any) -> None:
+    from composer_ops.ops.health import Thresholds, check_health, write_prometheus
+
+    engine.start("low")
+    engine.start("low")
+    engine.queues.set_limit("q", 1)
+    engine.claim(["q"], "w", 10)
+    engine.queues.pause("q", reason="incident")
+    calm = check_health(db_url)
+    assert next(c for c in calm.checks if c.name == "queue paused long").alert is False
+    health = check_health(db_url, Thresholds(queue_paused_h=0))
+    paused = next(c for c in health.checks if c.name == "queue paused long")
+    assert paused.alert and paused.value > 0 and "queue(s) q paused" in paused.detail
+    (row,) = health.queues
+    assert (row["queue"], row["paused"], row["max_running"], row["running"], row["depth"], row["at_limit"]) == \
+        ("q", True, 1, 1, 1, True)
+    prom = tmp_path / "composer.prom"
+    write_prometheus(health, str(prom))
+    text = prom.read_text()
+    for line in ('composer_queue_paused{queue="q"} 1.0', 'composer_queue_depth{queue="q"} 1.0',
+                 'composer_queue_at_limit{queue="q"} 1.0', 'composer_queue_running{queue="q"} 1.0'):
+        assert line in text
+
+
+def test_start_to_close_caps_the_lease_and_its_heartbeats_then_fails_the_attempt_per_its_retry_policy(
+        db_url: str, engine: Engine) -> None:
+    engine.deploy({"id": "slow", "nodes": [{"id": "t", "type": "TASK", "task": "work", "queue": "s", "lease_s": 60,
+                                            "retry": {"max_attempts": 2, "initial_backoff_s": 0},
+                                            "timeouts": {"start_to_close_s": 5}}]})
+    run_id = engine.start("slow")
+    (claim,) = engine.claim(["s"], "w", 1)
+    assert claim.lease_s == 5
+    held = _sql(db_url, "SELECT extract(epoch FROM lease_expires_at - started_at)::int, "
+                        "extract(epoch FROM run_deadline_at - started_at)::int FROM task_instances WHERE id = %s",
+                (claim.task_id,))
+    assert held == [(5, 5)]
+    # Time passes (the stored instants move back, the database clock is not ours): a heartbeat
+    # 4 s in may not extend the lease past the deadline, 1 s away.
+    with psycopg.connect(db_url) as conn:
+        conn.execute("UPDATE task_instances SET run_deadline_at = now() + interval '1 second', "
+                     "lease_expires_at = now() + interval '1 second' WHERE id = %s", (claim.task_id,))
+    extended = engine.heartbeat(claim)
+    deadline = _sql(db_url, "SELECT run_deadline_at FROM task_instances WHERE id = %s", (claim.task_id,))[0][0]
+    assert extended == deadline
+    with psycopg.connect(db_url) as conn:               # the deadline passes, the handler still running
+        conn.execute("UPDATE task_instances SET run_deadline_at = now() - interval '1 millisecond', "
+                     "lease_expires_at = now() - interval '1 millisecond' WHERE id = %s", (claim.task_id,))
+    assert engine.heartbeat(claim) is None
+    engine.coordinator().run_once(["leases"])
+    task = engine.get_run(run_id).tasks[0]
+    assert (task.state, task.attempt) in {("PENDING", 1), ("QUEUED", 1)}
+    assert "start_to_close timeout" in str(task.error)
+    (again,) = engine.claim(["s"], "w", 1)                # the second and last attempt also runs too long
+    with psycopg.connect(db_url) as conn:
+        conn.execute("UPDATE task_instances SET run_deadline_at = now() - interval '1 millisecond', "
+                     "lease_expires_at = now() - interval '1 millisecond' WHERE id = %s", (again.task_id,))
+    engine.coordinator().run_once(["leases"])
+    run = engine.get_run(run_id)
+    assert run.status == "FAILED" and "failed after 2 attempts: start_to_close timeout" in str(run.error)
+
+
+def test_without_start_to_close_a_lapsed_lease_is_a_lease_expiry(db_url: str, engine: Engine) -> None:
+    run_id = engine.start("low")
+    (claim,) = engine.claim(["q"], "w", 1)
+    assert _sql(db_url, "SELECT run_deadline_at FROM task_instances WHERE id = %s", (claim.task_id,)) == [(None,)]
+    with psycopg.connect(db_url) as conn:
+        conn.execute("UPDATE task_instances SET lease_expires_at = now() - interval '1 millisecond' WHERE id = %s",
+                     (claim.task_id,))
+    engine.coordinator().run_once(["leases"])
+    assert _sql(db_url, "SELECT lease_expiries, attempt FROM task_instances WHERE run_id = %s", (run_id,)) == [(1, 1)]
+
+
+def test_a_low_priority_waiting_past_the_aging_time_is_claimed_before_newer_high_ones(db_url: str,
+                                                                                     engine: Engine) -> None:
+    low = engine.start("low")
+    highs = [engine.start("high") for _ in range(2)]
+    with psycopg.connect(db_url) as conn:       # low has been ready for 61 s (the instant moves, not the clock)
+        conn.execute("UPDATE task_outbox SET available_at = now() - interval '61 seconds' WHERE run_id = %s", (low,))
+    assert engine.coordinator(priority_aging_s=120).run_once(["timers"]).priorities_raised == 0
+    assert engine.coordinator(priority_aging_s=60).run_once(["timers"]).priorities_raised == 1
+    assert _sql(db_url, "SELECT priority FROM task_outbox WHERE run_id = %s", (low,)) == [(5,)]
+    assert [engine.claim(["q"], "w", 1)[0].run_id for _ in range(3)] == [low, *highs]
+
+
+def _late(db_url: str, run_id: str) -> None:
+    """The dispatch's schedule_to_start deadline has passed (the instant moves, not the clock)."""
+    with psycopg.connect(db_url) as conn:
+        conn.execute("UPDATE task_outbox SET start_by = now() - interval '1 millisecond' WHERE run_id = %s", (run_id,))
+
+
+def test_a_task_not_claimed_by_its_schedule_to_start_deadline_fails_its_run(db_url: str, engine: Engine) -> None:
+    engine.deploy({"id": "prompt", "nodes": [{"id": "t", "type": "TASK", "task": "work", "queue": "p",
+                                              "retry": {"max_attempts": 3},
+                                              "timeouts": {"schedule_to_start_s": 30}}]})
+    run_id = engine.start("prompt")
+    started_by = _sql(db_url, "SELECT extract(epoch FROM start_by - available_at)::int FROM task_outbox")
+    assert started_by == [(30,)]
+    assert engine.coordinator().run_once(["timers"]).start_timeouts == 0       # not yet due
+    _late(db_url, run_id)
+    assert engine.coordinator().run_once(["timers"]).start_timeouts == 1
+    run = engine.get_run(run_id)
+    assert run.status == "FAILED" and "schedule_to_start timeout: attempt 0 not claimed within 30 s" in str(run.error)
+    assert _sql(db_url, "SELECT count(*) FROM task_outbox") == [(0,)]
+    assert engine.claim(["p"], "w", 1) == []
+
+
+def test_a_claim_racing_the_start_timeout_wins_when_it_commits_first(db_url: str, engine: Engine) -> None:
+    from composer_ops.db import connect
+    from composer_ops.repo import outbox
+
+    engine.deploy({"id": "prompt", "nodes": [{"id": "t", "type": "TASK", "task": "work", "queue": "p",
+                                              "timeouts": {"schedule_to_start_s": 30}}]})
+    run_id = engine.start("prompt")
+    _late(db_url, run_id)
+    outcome: list[Any] = []
+    with connect(db_url) as claimer:
+        with claimer.transaction():
+            (claimed,) = outbox.claim(claimer, ["p"], "w", 1, claim_id="race")    # holds the dispatch's row
+            coordinator = engine.coordinator()
+            racer = threading.Thread(target=lambda: outcome.append(coordinator.run_once(["timers"])))
+            racer.start()
+            wait_for(lambda: _sql(db_url, "SELECT count(*) FROM pg_locks WHERE NOT granted")[0][0] > 0,
+                     what="the timeout's DELETE to wait for the claim's row lock")
+        racer.join(60)
+    assert outcome and outcome[0].start_timeouts == 0 and outcome[0].stale == 1
+    task = engine.get_run(run_id).tasks[0]
+    assert (task.state, engine.get_run(run_id).status) == ("RUNNING", "RUNNING")
+    engine.complete(claimed, {"ok": True})
+    assert engine.get_run(run_id).status == "SUCCEEDED"
+
+
+def test_a_concurrency_key_at_its_limit_does_not_hold_up_other_keys(db_url: str, engine: Engine) -> None:
+    engine.deploy({"id": "percust", "nodes": [{"id": "t", "type": "TASK", "task": "work", "queue": "k",
+                                               "concurrency": {"key": "$.input.customer", "limit": 1}}]})
+    first = [engine.start("percust", input={"customer": "A"}) for _ in range(3)]
+    b = engine.start("percust", input={"customer": "B"})
+    seven = engine.start("percust", input={"customer": 7})
+    taken = engine.claim(["k"], "w", 10)
+    assert sorted(c.run_id for c in taken) == sorted([first[0], b, seven])   # A's others wait; B and 7 do not
+    assert engine.claim(["k"], "w", 10) == []
+    assert _sql(db_url, "SELECT key, count(*) FROM flow_slots GROUP BY key ORDER BY key") == [
+        ("c:7", 1), ("c:A", 1), ("c:B", 1)]
+    engine.complete(next(c for c in taken if c.run_id == first[0]), None)
+    (second,) = engine.claim(["k"], "w", 10)
+    assert second.run_id == first[1]
+
+
+def test_a_rate_limit_gives_its_burst_then_refills_by_the_database_clock(db_url: str, engine: Engine) -> None:
+    engine.deploy({"id": "metered", "nodes": [{"id": "t", "type": "TASK", "task": "work", "queue": "r2",
+                                               "rate_limit": {"key": "api", "per_s": 1, "burst": 2}}]})
+    for _ in range(5):
+        engine.start("metered")
+    assert len(engine.claim(["r2"], "w", 10)) == 2              # the burst
+    assert engine.claim(["r2"], "w", 10) == []
+    with psycopg.connect(db_url) as conn:                       # 1.5 s pass for the bucket
+        conn.execute("UPDATE rate_buckets SET updated_at = updated_at - interval '1.5 seconds'")
+    assert len(engine.claim(["r2"], "w", 10)) == 1
+    tokens = _sql(db_url, "SELECT tokens FROM rate_buckets WHERE key = 'api'")[0][0]
+    assert 0 <= tokens < 1
+
+
+def test_keys_at_their_limit_and_rate_limited_waits_are_reported(db_url: str, engine: Engine, tmp_path: Any) -> None:
+    from composer_ops import ops
+    from composer_ops.ops.health import check_health, write_prometheus
+
+    engine.deploy({"id": "percust", "nodes": [{"id": "t", "type": "TASK", "task": "work", "queue": "k",
+                                               "concurrency": {"key": "$.input.customer", "limit": 1}}]})
+    engine.deploy({"id": "metered", "nodes": [{"id": "t", "type": "TASK", "task": "work", "queue": "r2",
+                                               "rate_limit": {"key": "api", "per_s": 0.01, "burst": 1}}]})
+    for _ in range(3):
+        engine.start("percust", input={"customer": "A"})
+        engine.start("metered")
+    engine.start("percust", input={"customer": "B"})
+    assert len(engine.claim(["k", "r2"], "w", 10)) == 3        # A's first, B's, one token of api
+    full = ops.keys_at_limit(db_url)
+    assert full.select("queue", "key", "key_limit", "running", "waiting").rows() == [("k", "A", 1, 1, 2)]
+    waits = ops.rate_limited(db_url)
+    assert waits.select("key", "waiting").rows() == [("api", 2)] and waits["tokens"][0] < 1
+    health = check_health(db_url)
+    assert health.keys_at_limit == 1
+    prom = tmp_path / "composer.prom"
+    write_prometheus(health, str(prom))
+    assert "composer_concurrency_keys_at_limit 1.0" in prom.read_text()
+
+
+def test_schedule_to_start_latency_per_queue(db_url: str, engine: Engine) -> None:
+    from composer_ops import ops
+
+    waited = {engine.start("low"): 10, engine.start("low"): 2}
+    with psycopg.connect(db_url) as conn:             # they were created that many seconds before the claim
+        for run_id, seconds in waited.items():
+            conn.execute("UPDATE task_instances SET created_at = now() - make_interval(secs => %s) "
+                         "WHERE run_id = %s", (seconds, run_id))
+    assert len(engine.claim(["q"], "w", 10)) == 2
+    (row,) = ops.start_latency(db_url).rows(named=True)
+    assert (row["queue"], row["claims"]) == ("q", 2)
+    assert row["p50_s"] == pytest.approx(6, abs=1.5) and row["p95_s"] == pytest.approx(9.6, abs=1.5)
