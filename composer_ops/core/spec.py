@@ -19,6 +19,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from composer_ops.core.expressions import NODE_ID_PATTERN, is_ref, iter_refs, parse_ref
+from composer_ops.core.graph import ancestors, find_cycle, topological_order
 from composer_ops.core.model import NodeType
 from composer_ops.core.retry import DEFAULT_RETRY, RetryPolicy
 from composer_ops.errors import Invalid
@@ -36,9 +37,15 @@ _TYPE_KEYS: Mapping[NodeType, frozenset[str]] = {
     NodeType.SWITCH: frozenset({"expression", "cases", "default"}),
     NodeType.WAIT: frozenset({"duration_s", "until"}),
     NodeType.WAIT_FOR_EVENT: frozenset({"event", "timeout_s", "on_timeout"}),
+    NodeType.MAP: frozenset({"items", "task", "queue", "input", "retry", "lease_s", "max_lease_expiries",
+                             "max_parallel", "on_item_failure"}),
 }
 _RETRY_KEYS = ("max_attempts", "initial_backoff_s", "multiplier", "max_backoff_s")
 _ON_TIMEOUT = ("fail", "continue")
+_ON_ITEM_FAILURE = ("fail", "continue")
+#: Items of a MAP node in flight at once unless ``max_parallel`` says otherwise.
+DEFAULT_MAX_PARALLEL = 10
+MAX_PARALLEL_LIMIT = 10_000
 #: Longest accepted duration: a century keeps every wake-up inside datetime's range.
 MAX_SECONDS = 100 * 365 * 86_400
 #: Lease expiries a TASK survives by default: each re-queues it without consuming its
@@ -74,6 +81,10 @@ class NodeSpec:
     event_name: str | None = None
     timeout_s: float | None = None
     on_timeout: str = "fail"
+    # MAP (with task, queue, input, retry, lease_s, max_lease_expiries, applied per item)
+    items: str | None = None
+    max_parallel: int = DEFAULT_MAX_PARALLEL
+    on_item_failure: str = "fail"
 
     def to_json(self) -> dict[str, Any]:
         """The canonical document of this node: every applicable default spelled out."""
@@ -82,7 +93,9 @@ class NodeSpec:
             doc["description"] = self.description
         doc["depends_on"] = list(self.depends_on)
         doc["optional"] = self.optional
-        if self.type is NodeType.TASK:
+        if self.type is NodeType.TASK or self.type is NodeType.MAP:
+            if self.type is NodeType.MAP:
+                doc.update(items=self.items, max_parallel=self.max_parallel, on_item_failure=self.on_item_failure)
             doc.update(
                 task=self.task,
                 queue=self.queue,
@@ -129,7 +142,7 @@ class WorkflowSpec:
             for dep in node.depends_on:
                 dependents[dep].append(node.id)
         object.__setattr__(self, "_dependents", {k: tuple(v) for k, v in dependents.items()})
-        object.__setattr__(self, "_order", _topological_order(self.nodes))
+        object.__setattr__(self, "_order", topological_order(self.nodes))
 
     def dependents(self, node_id: str) -> tuple[str, ...]:
         """The nodes that list ``node_id`` in ``depends_on``, in declaration order."""
@@ -157,30 +170,6 @@ class WorkflowSpec:
         doc["config"] = dict(self.config)
         doc["nodes"] = [node.to_json() for node in self.nodes.values()]
         return doc
-
-
-def _topological_order(nodes: Mapping[str, NodeSpec]) -> tuple[str, ...]:
-    # Kahn's algorithm, always taking the earliest-declared ready node, so the order
-    # (and with it the order of CreateTask actions) is stable across processes.
-    remaining = {node_id: len(node.depends_on) for node_id, node in nodes.items()}
-    dependents: dict[str, list[str]] = {node_id: [] for node_id in nodes}
-    for node in nodes.values():
-        for dep in node.depends_on:
-            dependents[dep].append(node.id)
-    position = {node_id: i for i, node_id in enumerate(nodes)}
-    ready = sorted((n for n, count in remaining.items() if count == 0), key=position.__getitem__)
-    order: list[str] = []
-    while ready:
-        node_id = ready.pop(0)
-        order.append(node_id)
-        for dependent in dependents[node_id]:
-            remaining[dependent] -= 1
-            if remaining[dependent] == 0:
-                ready.append(dependent)
-                ready.sort(key=position.__getitem__)
-    if len(order) != len(nodes):
-        raise Invalid("workflow: dependency cycle")
-    return tuple(order)
 
 
 # ---------------------------------------------------------------------------
@@ -349,9 +338,9 @@ def _parse_node(raw: Any, index: int, seen: set[str], stored: bool = False) -> N
         id=node_id, type=node_type, depends_on=depends_on, optional=optional, description=description
     )
 
-    if node_type is NodeType.TASK:
+    if node_type is NodeType.TASK or node_type is NodeType.MAP:
         if "task" not in raw:
-            raise Invalid(f'{where}: TASK node needs "task" (the handler name)')
+            raise Invalid(f'{where}: {node_type} node needs "task" (the handler name)')
         queue = raw.get("queue", "default")
         if not isinstance(queue, str) or not ID_PATTERN.fullmatch(queue):
             raise Invalid(f"{where}: queue {_q(queue)} must match [A-Za-z0-9_.-]{{1,128}}")
@@ -359,6 +348,8 @@ def _parse_node(raw: Any, index: int, seen: set[str], stored: bool = False) -> N
         _check_json(template, f"{where}: input")
         for loc, text in iter_refs(template, "input"):
             _check_ref(text, f"{where}: {loc}")
+        if node_type is NodeType.MAP:
+            common.update(_map_fields(raw, where))
         return NodeSpec(
             **common,
             task=_text(raw["task"], f"{where}: task"),
@@ -425,47 +416,28 @@ def _parse_node(raw: Any, index: int, seen: set[str], stored: bool = False) -> N
     )
 
 
-def _find_cycle(nodes: Mapping[str, NodeSpec]) -> list[str] | None:
-    # Iterative DFS with colours; the grey stack is the path, so the cycle is the
-    # stretch of it from the node we meet again.
-    colour: dict[str, int] = {}
-    for start in nodes:
-        if colour.get(start):
-            continue
-        path: list[str] = []
-        stack: list[tuple[str, int]] = [(start, 0)]
-        while stack:
-            node_id, i = stack.pop()
-            if i == 0:
-                colour[node_id] = 1
-                path.append(node_id)
-            deps = nodes[node_id].depends_on
-            if i < len(deps):
-                stack.append((node_id, i + 1))
-                dep = deps[i]
-                if colour.get(dep) == 1:
-                    cycle = path[path.index(dep) :]
-                    return [*cycle, dep]
-                if not colour.get(dep):
-                    stack.append((dep, 0))
-            else:
-                colour[node_id] = 2
-                path.pop()
-    return None
-
-
-def _ancestors(nodes: Mapping[str, NodeSpec], order: tuple[str, ...]) -> dict[str, set[str]]:
-    ancestors: dict[str, set[str]] = {}
-    for node_id in order:
-        found: set[str] = set()
-        for dep in nodes[node_id].depends_on:
-            found.add(dep)
-            found |= ancestors[dep]
-        ancestors[node_id] = found
-    return ancestors
+def _map_fields(raw: Mapping[str, Any], where: str) -> dict[str, Any]:
+    """The MAP-only fields of a node (its TASK-like fields are parsed as a TASK's)."""
+    if "items" not in raw:
+        raise Invalid(f'{where}: MAP node needs "items" (a $. reference to a list)')
+    items = raw["items"]
+    if not is_ref(items):
+        raise Invalid(f"{where}: items must be a $. reference to a list, got {_q(items)}")
+    _check_ref(items, f"{where}: items")
+    max_parallel = raw.get("max_parallel", DEFAULT_MAX_PARALLEL)
+    if isinstance(max_parallel, bool) or not isinstance(max_parallel, int) or not (
+            1 <= max_parallel <= MAX_PARALLEL_LIMIT):
+        raise Invalid(f"{where}: max_parallel must be an integer from 1 to {MAX_PARALLEL_LIMIT}, "
+                      f"got {_q(max_parallel)}")
+    on_item_failure = raw.get("on_item_failure", "fail")
+    if on_item_failure not in _ON_ITEM_FAILURE:
+        raise Invalid(f'{where}: on_item_failure must be "fail" or "continue", got {_q(on_item_failure)}')
+    return {"items": items, "max_parallel": max_parallel, "on_item_failure": on_item_failure}
 
 
 def _node_refs(node: NodeSpec) -> list[tuple[str, str]]:
+    if node.type is NodeType.MAP and node.items is not None:
+        return [("items", node.items), *iter_refs(node.input, "input")]
     if node.type is NodeType.TASK:
         return list(iter_refs(node.input, "input"))
     if node.type is NodeType.SWITCH and node.expression is not None:
@@ -482,7 +454,7 @@ def _check_graph(nodes: Mapping[str, NodeSpec]) -> None:
                 raise Invalid(f"node {_q(node.id)}: depends on itself")
             if dep not in nodes:
                 raise Invalid(f"node {_q(node.id)}: depends on unknown node {_q(dep)}")
-    cycle = _find_cycle(nodes)
+    cycle = find_cycle(nodes)
     if cycle is not None:
         # Found along depends_on edges; shown in run order, each node before its dependent.
         chain = " -> ".join(_q(n) for n in reversed(cycle))
@@ -499,7 +471,7 @@ def _check_graph(nodes: Mapping[str, NodeSpec]) -> None:
                     raise Invalid(
                         f"node {_q(node.id)}: {label} names {_q(target)}, which does not depend on {_q(node.id)}"
                     )
-    ancestors = _ancestors(nodes, _topological_order(nodes))
+    above = ancestors(nodes, topological_order(nodes))
     for node in nodes.values():
         for loc, text in _node_refs(node):
             upstream = parse_ref(text).node
@@ -507,7 +479,7 @@ def _check_graph(nodes: Mapping[str, NodeSpec]) -> None:
                 continue
             if upstream not in nodes:
                 raise Invalid(f"node {_q(node.id)}: {loc} references unknown node {_q(upstream)}")
-            if upstream not in ancestors[node.id]:
+            if upstream not in above[node.id]:
                 raise Invalid(
                     f"node {_q(node.id)}: {loc} references {_q(upstream)}, which is not upstream of "
                     f"{_q(node.id)} (add it to depends_on, directly or transitively)"

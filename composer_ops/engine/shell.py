@@ -22,15 +22,22 @@ from composer_ops.core.attempts import HistoryRow
 from composer_ops.core.machine import decide
 from composer_ops.core.model import (
     BufferSignal,
+    CancelItems,
     CancelRun,
     CancelTasks,
     CompleteTask,
     ConsumeSignal,
+    CountItems,
+    CreateItems,
     CreateTask,
     Decision,
+    DispatchItems,
     Event,
     FailTask,
+    FinishMap,
     FinishRun,
+    ItemCounts,
+    ItemState,
     LeaseExpired,
     NodeState,
     NodeType,
@@ -55,7 +62,7 @@ from composer_ops.db.retry import db_retry
 from composer_ops.engine.ids import uuid7_text
 from composer_ops.engine.requests import KEY_PREFIX, Request
 from composer_ops.errors import Conflict, LockTimeout
-from composer_ops.repo import citus, definitions, history, outbox, partitions, runs, signals, tasks, webhooks
+from composer_ops.repo import citus, definitions, history, items, outbox, partitions, runs, signals, tasks, webhooks
 from composer_ops.repo._base import Conn
 from composer_ops.repo.rows import Dispatch, HistoryEntry, NewTask, RunRow, TaskStateRow
 
@@ -107,6 +114,12 @@ class _Store:
 
     def pending_signals(self, name: str) -> Sequence[Signal]:
         return signals.pending_signals(self._conn, self._run_id, name)
+
+    def load_item(self, node_id: str, task_id: str) -> ItemState | None:
+        return items.item_state(self._conn, self._run_id, node_id, task_id)
+
+    def item_outputs(self, node_id: str) -> Sequence[Any]:
+        return items.item_outputs(self._conn, self._run_id, node_id)
 
 
 class Shell:
@@ -197,7 +210,7 @@ class Shell:
                                       branches=tuple(t.branches) if t.branches is not None else None,
                                       event_name=t.event_name, lease_owner=t.lease_owner,
                                       lease_expires_at=t.lease_expires_at, created_at=t.created_at,
-                                      wake_at=t.wake_at, lease_expiries=t.lease_expiries)
+                                      wake_at=t.wake_at, lease_expiries=t.lease_expiries, items=_counts(t))
                    for node_id, t in nodes.items()},
         )
 
@@ -271,9 +284,12 @@ class Shell:
             elif isinstance(action, ReopenRun):
                 _fenced(runs.reopen_run(conn, run.id, str(action.status), now=now) or None, action)
             elif isinstance(action, ResetTasks):
-                outbox.delete_for_tasks(conn, run.id, action.task_ids)
-                _fenced(tasks.reset_tasks(conn, run.id, action.task_ids) == len(action.task_ids) or None, action)
+                removed = [*action.task_ids, *items.items_of(conn, run.id, _maps(run, action.node_ids))]
+                outbox.delete_for_tasks(conn, run.id, removed)
+                _fenced(tasks.reset_tasks(conn, run.id, removed) == len(removed) or None, action)
                 notes.reset = action.node_ids
+            elif isinstance(action, CreateItems | DispatchItems | CountItems | FinishMap | CancelItems):
+                self._map_action(conn, run, action, dispatches, now)
         if creating:
             self._create(conn, run, creating, dispatches, now)
         history.record(conn, run.id, request.id, notes.entries(), now=now)
@@ -285,7 +301,9 @@ class Shell:
                 dispatches: list[Dispatch], now: datetime) -> None:
         rows = [NewTask(task_id=a.task_id, node_id=a.node_id, node_type=str(a.node_type), queue=_queue(run, a),
                         state=str(a.state), input=a.input, output=a.output, error=a.error, branches=a.branches,
-                        wake_at=a.wake_at, event_name=a.event_name) for a in creates]
+                        wake_at=a.wake_at, event_name=a.event_name,
+                        items_total=a.items.total if a.items else None,
+                        items_started=a.items.started if a.items else None) for a in creates]
         inserted = tasks.insert_tasks(conn, run.id, rows, now=now)
         for a in creates:
             if a.node_id not in inserted:
@@ -296,6 +314,34 @@ class Shell:
                 dispatches.append(Dispatch(run_id=run.id, task_id=a.task_id, attempt=0,
                                            queue=node.queue or "default", task_name=node.task or a.node_id,
                                            lease_s=_lease(node.lease_s), available_at=a.available_at))
+
+    def _map_action(self, conn: Conn, run: RunSnapshot,
+                    a: CreateItems | DispatchItems | CountItems | FinishMap | CancelItems,
+                    dispatches: list[Dispatch], now: datetime) -> None:
+        """Apply one action on a MAP node's items or counters (core/mapnode.py)."""
+        node = run.spec.nodes[a.node_id]
+        queue, name, lease = node.queue or "default", node.task or a.node_id, _lease(node.lease_s)
+        if isinstance(a, CreateItems):
+            cancelled = a.state is TaskState.CANCELLED
+            items.insert_items(conn, run.id, a.node_id, queue=queue, task_ids=a.task_ids, inputs=a.inputs,
+                               state=str(a.state), reason="run failed" if cancelled else None, now=now)
+            dispatches.extend(Dispatch(run_id=run.id, task_id=task_id, attempt=0, queue=queue, task_name=name,
+                                       lease_s=lease, available_at=a.available_at)
+                              for task_id in a.task_ids[:a.dispatch])
+        elif isinstance(a, DispatchItems):
+            found = items.undispatched(conn, run.id, a.node_id, a.indexes)
+            _fenced(len(found) == len(a.indexes) or None, a)
+            dispatches.extend(Dispatch(run_id=run.id, task_id=task_id, attempt=attempt, queue=queue, task_name=name,
+                                       lease_s=lease, available_at=a.available_at) for _, task_id, attempt in found)
+        elif isinstance(a, CountItems):
+            _fenced(items.count_items(conn, run.id, a.node_id, a.parent, a.items, now=now) or None, a)
+        elif isinstance(a, FinishMap):
+            _fenced(signals.resolve_wait(conn, run.id, a.parent, state=str(a.state), now=now, output=a.output,
+                                         reason=a.reason) or None, a)
+        else:
+            active = items.active_items(conn, run.id, [a.node_id])
+            outbox.delete_for_tasks(conn, run.id, active)     # outbox rows first: the lock order
+            tasks.cancel_tasks(conn, run.id, active, a.reason, now=now)
 
     def _finish(self, conn: Conn, run: RunSnapshot, a: FinishRun, now: datetime) -> None:
         if not runs.finish_run(conn, run.id, str(a.status), now=now, reason=a.reason, output=a.output):
@@ -400,7 +446,22 @@ def _replayed(run_id: str, rows: list[HistoryRow], event: Event) -> Outcome:
 
 def _queue(run: RunSnapshot, a: CreateTask) -> str | None:
     """The queue a created task is dispatched on (TASK nodes only)."""
-    return (run.spec.nodes[a.node_id].queue or "default") if a.node_type is NodeType.TASK else None
+    if a.node_type is NodeType.TASK or a.node_type is NodeType.MAP:
+        return run.spec.nodes[a.node_id].queue or "default"
+    return None
+
+
+def _counts(t: TaskStateRow) -> ItemCounts | None:
+    """A MAP node's counters, from its row."""
+    if t.items_total is None:
+        return None
+    return ItemCounts(total=t.items_total, started=t.items_started or 0, done=t.items_done or 0,
+                      failed=t.items_failed or 0)
+
+
+def _maps(run: RunSnapshot, node_ids: Sequence[str]) -> list[str]:
+    """The MAP nodes among ``node_ids``."""
+    return [n for n in node_ids if n in run.spec.nodes and run.spec.nodes[n].type is NodeType.MAP]
 
 
 def _lease(lease_s: float) -> int:

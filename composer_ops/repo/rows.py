@@ -37,6 +37,10 @@ class TaskStateRow:
     created_at: datetime
     wake_at: datetime | None
     lease_expiries: int
+    items_total: int | None = None       # a MAP node's counters (ItemCounts)
+    items_started: int | None = None
+    items_done: int | None = None
+    items_failed: int | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -89,6 +93,8 @@ class NewTask:
     branches: Sequence[str] | None = None
     wake_at: datetime | None = None
     event_name: str | None = None
+    items_total: int | None = None        # a MAP node: its counters (ItemCounts)
+    items_started: int | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -166,6 +172,7 @@ class TaskView:
     created_at: datetime
     started_at: datetime | None
     finished_at: datetime | None
+    item_index: int | None = None        # a MAP item: its position in the node's items
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -25,8 +25,9 @@ _LOCK_RUN = """
 _LOAD_TASKS = """
     SELECT node_id, id AS task_id, state, attempt, branches,
            CASE WHEN state = 'WAITING' THEN event_name END AS event_name,
-           lease_owner, lease_expires_at, created_at, wake_at, lease_expiries
-      FROM {tasks} WHERE run_id = %s"""
+           lease_owner, lease_expires_at, created_at, wake_at, lease_expiries,
+           items_total, items_started, items_done, items_failed
+      FROM {tasks} WHERE run_id = %s AND item_index IS NULL"""
 
 
 def lock_and_load(conn: Conn, run_id: str) -> tuple[RunRow, dict[str, TaskStateRow]]:
@@ -83,7 +84,7 @@ def _lock_and_load(conn: Conn, run_id: str, runs: str, tasks: str
 
 _LOAD_OUTPUTS = """
     SELECT node_id, output_json FROM {tasks}
-     WHERE run_id = %s AND node_id = ANY(%s) AND state = 'COMPLETED'"""
+     WHERE run_id = %s AND node_id = ANY(%s) AND state = 'COMPLETED' AND item_index IS NULL"""
 
 
 def load_outputs(conn: Conn, run_id: str, node_ids: list[str]) -> dict[str, Any]:
@@ -212,9 +213,9 @@ def get_run(conn: Conn, run_id: str) -> RunView:
     tasks = fetch_all(conn, TaskView, """
         SELECT id, node_id, node_type, queue, state, attempt, input_json AS input,
                output_json AS output, last_error AS error, branches, wake_at, event_name,
-               lease_owner, lease_expires_at, created_at, started_at, finished_at
+               lease_owner, lease_expires_at, created_at, started_at, finished_at, item_index
           FROM task_instances WHERE run_id = %s
-         ORDER BY created_at, id""", (run_id,))
+         ORDER BY created_at, item_index NULLS FIRST, id""", (run_id,))
     return RunView(**{**run.__dict__, "tasks": tasks, "history": history.run_history(conn, run_id)})
 
 
