@@ -22,3 +22,12 @@ CREATE UNIQUE INDEX IF NOT EXISTS idx_task_instances_run_node
     ON task_instances (run_id, node_id) WHERE item_index IS NULL;
 CREATE UNIQUE INDEX IF NOT EXISTS idx_task_instances_run_node_item
     ON task_instances (run_id, node_id, item_index) WHERE item_index IS NOT NULL;
+
+-- SUB_WORKFLOW nodes: a child run names the run and node that started it. It lives in
+-- the month of its own run ID; the index finds a parent's children (runs show, cancel
+-- and retention) without scanning the runs.
+ALTER TABLE workflow_runs
+    ADD COLUMN IF NOT EXISTS parent_run_id TEXT COLLATE "C",
+    ADD COLUMN IF NOT EXISTS parent_node_id TEXT;
+CREATE INDEX IF NOT EXISTS idx_workflow_runs_parent
+    ON workflow_runs (parent_run_id) WHERE parent_run_id IS NOT NULL;

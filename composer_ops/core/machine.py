@@ -16,7 +16,7 @@ from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from datetime import UTC, datetime, timedelta
 from typing import Any, Protocol
 
-from composer_ops.core import mapnode, model, rerun
+from composer_ops.core import children, mapnode, model, rerun
 from composer_ops.core.expressions import is_ref, parse_ref, referenced_nodes, resolve, resolve_ref
 from composer_ops.core.model import (
     ACTIVE_RUN_STATUSES,
@@ -182,8 +182,11 @@ class Decider:
         for node_id, slot in self.slots.items():
             if slot.state not in ACTIVE_TASK_STATES:
                 continue
-            if self.spec.nodes.get(node_id) is not None and self.spec.nodes[node_id].type is NodeType.MAP:
+            kind = self.spec.nodes[node_id].type if node_id in self.spec.nodes else None
+            if kind is NodeType.MAP:
                 mapnode.cancel_items(self, node_id, why)
+            elif kind is NodeType.SUB_WORKFLOW:
+                children.cancel_child(self, node_id, why)
             self.update(node_id, state=TaskState.CANCELLED)
             index = self.created.get(node_id)
             if index is None:
@@ -245,6 +248,8 @@ class Decider:
                 self.create_wait(node)
             elif node.type is NodeType.MAP:
                 mapnode.create_map(self, node)
+            elif node.type is NodeType.SUB_WORKFLOW:
+                children.create_child(self, node)
             else:
                 self.create_wait_for_event(node)
         self.finish_if_done()
@@ -539,6 +544,8 @@ class Decider:
             node = self.spec.nodes.get(node_id)
             if node is not None and node.type is NodeType.MAP and slot.state in ACTIVE_TASK_STATES:
                 self.actions.append(model.CancelItems(node_id=node_id, reason=event.reason))
+            elif node is not None and node.type is NodeType.SUB_WORKFLOW and slot.state in ACTIVE_TASK_STATES:
+                children.cancel_child(self, node_id, event.reason)
         if active:
             self.actions.append(model.CancelTasks(task_ids=tuple(active), reason=event.reason))
         self.actions.append(model.FinishRun(status=RunStatus.CANCELLED, output=None, reason=event.reason))
@@ -581,4 +588,6 @@ def decide(run: RunSnapshot, event: model.Event, store: Store, new_id: Callable[
         return decider.task_failed(event.ref, event.error, event.retryable)
     if isinstance(event, model.LeaseExpired):
         return decider.lease_expired(event)
+    if isinstance(event, model.ChildFinished):
+        return children.child_finished(decider, event)
     return decider.timer_due(event)

@@ -68,6 +68,7 @@ class NodeType(StrEnum):
     WAIT = "WAIT"
     WAIT_FOR_EVENT = "WAIT_FOR_EVENT"
     MAP = "MAP"
+    SUB_WORKFLOW = "SUB_WORKFLOW"
 
 
 # ---------------------------------------------------------------------------
@@ -195,6 +196,8 @@ class RunSnapshot:
     context: RunContext
     spec: WorkflowSpec
     nodes: Mapping[str, NodeView]
+    parent_run_id: str | None = None     # a child run: the run whose SUB_WORKFLOW node started it
+    parent_node_id: str | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -286,8 +289,22 @@ class RetryRun:
     now: datetime
 
 
+@dataclass(frozen=True, kw_only=True)
+class ChildFinished:
+    """The child run a SUB_WORKFLOW node started finished (``status``, with its
+    ``output`` or ``error``); delivered to the parent under the parent's run lock."""
+
+    node_id: str
+    child_run_id: str
+    status: RunStatus
+    output: Any = None
+    error: str | None = None
+    now: datetime
+
+
 Event: TypeAlias = (
     StartRun | TaskCompleted | TaskFailed | LeaseExpired | TimerDue | SignalReceived | CancelRun | RetryRun
+    | ChildFinished
 )
 
 
@@ -476,6 +493,40 @@ class CancelItems:
 
 
 @dataclass(frozen=True, kw_only=True)
+class StartChild:
+    """Start the child run of a SUB_WORKFLOW node just created WAITING, as
+    ``child_run_id`` (deterministic from the run, the node and the instant it was
+    created), in the same transaction, through the engine's start path."""
+
+    node_id: str
+    child_run_id: str
+    workflow: str
+    version: int | None
+    input: Any
+
+
+@dataclass(frozen=True, kw_only=True)
+class CancelChild:
+    """Cancel the child run of a SUB_WORKFLOW node (its parent is ending)."""
+
+    node_id: str
+    child_run_id: str
+    reason: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class FinishChild:
+    """Move a WAITING SUB_WORKFLOW node to COMPLETED (``output``: the child's) or
+    FAILED (``reason``)."""
+
+    node_id: str
+    parent: str
+    state: TaskState
+    output: Any = None
+    reason: str | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
 class Stale:
     """The event changes nothing; a reported result is dropped and reported as stale."""
 
@@ -499,6 +550,9 @@ Action: TypeAlias = (
     | CountItems
     | FinishMap
     | CancelItems
+    | StartChild
+    | CancelChild
+    | FinishChild
     | Stale
 )
 

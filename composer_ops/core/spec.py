@@ -37,6 +37,7 @@ _TYPE_KEYS: Mapping[NodeType, frozenset[str]] = {
     NodeType.SWITCH: frozenset({"expression", "cases", "default"}),
     NodeType.WAIT: frozenset({"duration_s", "until"}),
     NodeType.WAIT_FOR_EVENT: frozenset({"event", "timeout_s", "on_timeout"}),
+    NodeType.SUB_WORKFLOW: frozenset({"workflow", "version", "input"}),
     NodeType.MAP: frozenset({"items", "task", "queue", "input", "retry", "lease_s", "max_lease_expiries",
                              "max_parallel", "on_item_failure"}),
 }
@@ -85,6 +86,9 @@ class NodeSpec:
     items: str | None = None
     max_parallel: int = DEFAULT_MAX_PARALLEL
     on_item_failure: str = "fail"
+    # SUB_WORKFLOW (with input): the child's workflow id and version (None: the deployed one)
+    workflow: str | None = None
+    version: int | None = None
 
     def to_json(self) -> dict[str, Any]:
         """The canonical document of this node: every applicable default spelled out."""
@@ -110,6 +114,11 @@ class NodeSpec:
                 cases={key: list(value) for key, value in self.cases.items()},
                 default=list(self.default),
             )
+        elif self.type is NodeType.SUB_WORKFLOW:
+            doc["workflow"] = self.workflow
+            if self.version is not None:
+                doc["version"] = self.version
+            doc["input"] = self.input
         elif self.type is NodeType.WAIT:
             if self.duration_s is not None:
                 doc["duration_s"] = self.duration_s
@@ -361,6 +370,9 @@ def _parse_node(raw: Any, index: int, seen: set[str], stored: bool = False) -> N
                                                    where),
         )
 
+    if node_type is NodeType.SUB_WORKFLOW:
+        return NodeSpec(**common, **_sub_workflow_fields(raw, where))
+
     if node_type is NodeType.SWITCH:
         if "expression" not in raw:
             raise Invalid(f'{where}: SWITCH node needs "expression" (a $. reference)')
@@ -435,10 +447,26 @@ def _map_fields(raw: Mapping[str, Any], where: str) -> dict[str, Any]:
     return {"items": items, "max_parallel": max_parallel, "on_item_failure": on_item_failure}
 
 
+def _sub_workflow_fields(raw: Mapping[str, Any], where: str) -> dict[str, Any]:
+    if "workflow" not in raw:
+        raise Invalid(f'{where}: SUB_WORKFLOW node needs "workflow" (the child workflow\'s id)')
+    workflow = raw["workflow"]
+    if not isinstance(workflow, str) or not ID_PATTERN.fullmatch(workflow):
+        raise Invalid(f"{where}: workflow {_q(workflow)} must match [A-Za-z0-9_.-]{{1,128}}")
+    version = raw.get("version")
+    if version is not None and (isinstance(version, bool) or not isinstance(version, int) or version < 1):
+        raise Invalid(f"{where}: version must be a positive integer, got {_q(version)}")
+    template = raw.get("input", {})
+    _check_json(template, f"{where}: input")
+    for loc, text in iter_refs(template, "input"):
+        _check_ref(text, f"{where}: {loc}")
+    return {"workflow": workflow, "version": version, "input": template}
+
+
 def _node_refs(node: NodeSpec) -> list[tuple[str, str]]:
     if node.type is NodeType.MAP and node.items is not None:
         return [("items", node.items), *iter_refs(node.input, "input")]
-    if node.type is NodeType.TASK:
+    if node.type is NodeType.TASK or node.type is NodeType.SUB_WORKFLOW:
         return list(iter_refs(node.input, "input"))
     if node.type is NodeType.SWITCH and node.expression is not None:
         return [("expression", node.expression)]

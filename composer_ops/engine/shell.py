@@ -22,9 +22,11 @@ from composer_ops.core.attempts import HistoryRow
 from composer_ops.core.machine import decide
 from composer_ops.core.model import (
     BufferSignal,
+    CancelChild,
     CancelItems,
     CancelRun,
     CancelTasks,
+    ChildFinished,
     CompleteTask,
     ConsumeSignal,
     CountItems,
@@ -34,6 +36,7 @@ from composer_ops.core.model import (
     DispatchItems,
     Event,
     FailTask,
+    FinishChild,
     FinishMap,
     FinishRun,
     ItemCounts,
@@ -52,6 +55,7 @@ from composer_ops.core.model import (
     Signal,
     SignalReceived,
     Stale,
+    StartChild,
     StartRun,
     TaskFailed,
     TaskState,
@@ -61,7 +65,8 @@ from composer_ops.db.errors import Pool
 from composer_ops.db.retry import db_retry
 from composer_ops.engine.ids import uuid7_text
 from composer_ops.engine.requests import KEY_PREFIX, Request
-from composer_ops.errors import Conflict, LockTimeout
+from composer_ops.engine.starts import start_in
+from composer_ops.errors import Conflict, Invalid, LockTimeout, NotFound
 from composer_ops.repo import citus, definitions, history, items, outbox, partitions, runs, signals, tasks, webhooks
 from composer_ops.repo._base import Conn
 from composer_ops.repo.rows import Dispatch, HistoryEntry, NewTask, RunRow, TaskStateRow
@@ -205,7 +210,7 @@ class Shell:
             id=row.id, workflow_id=row.workflow_id, workflow_version=row.workflow_version,
             status=RunStatus(row.status),
             context=RunContext(input=context.get("input"), config=context.get("config") or {}),
-            spec=defn.spec,
+            spec=defn.spec, parent_run_id=row.parent_run_id, parent_node_id=row.parent_node_id,
             nodes={node_id: NodeState(task_id=t.task_id, state=TaskState(t.state), attempt=t.attempt,
                                       branches=tuple(t.branches) if t.branches is not None else None,
                                       event_name=t.event_name, lease_owner=t.lease_owner,
@@ -234,6 +239,7 @@ class Shell:
         created: str | None = None            # the node of the last CreateTask (a ConsumeSignal follows it)
         creating: list[CreateTask] = []       # consecutive CreateTasks, inserted by one statement
         made: list[str] = []                  # every node created
+        later: list[StartChild | CancelChild] = []   # other runs' events: once this run's rows are written
         for action in decision.actions:
             if isinstance(action, Stale):
                 log.info("stale event on run %s: %s", run.id, action.reason,
@@ -290,10 +296,21 @@ class Shell:
                 notes.reset = action.node_ids
             elif isinstance(action, CreateItems | DispatchItems | CountItems | FinishMap | CancelItems):
                 self._map_action(conn, run, action, dispatches, now)
+            elif isinstance(action, FinishChild):
+                _fenced(signals.resolve_wait(conn, run.id, action.parent, state=str(action.state), now=now,
+                                             output=action.output, reason=action.reason) or None, action)
+            elif isinstance(action, StartChild | CancelChild):
+                later.append(action)
+                notes.child(action)
         if creating:
             self._create(conn, run, creating, dispatches, now)
         history.record(conn, run.id, request.id, notes.entries(), now=now)
         outbox.enqueue(conn, dispatches, now=now)
+        for child in later:
+            self._child_action(conn, run, child)
+        finish = decision.finish
+        if finish is not None and run.parent_run_id is not None and run.parent_node_id is not None:
+            self._tell_parent(conn, run.id, run.parent_run_id, run.parent_node_id, finish)
         return Outcome(run_id=run.id, finished=finished, refused=decision.refused, reset=notes.reset,
                        created=tuple(made))
 
@@ -314,6 +331,31 @@ class Shell:
                 dispatches.append(Dispatch(run_id=run.id, task_id=a.task_id, attempt=0,
                                            queue=node.queue or "default", task_name=node.task or a.node_id,
                                            lease_s=_lease(node.lease_s), available_at=a.available_at))
+
+    def _child_action(self, conn: Conn, run: RunSnapshot, a: StartChild | CancelChild) -> None:
+        """Start or cancel a SUB_WORKFLOW node's child, in this transaction: after this
+        run's own rows are written, since the child's first decision may finish it and
+        tell this run at once (under this run's lock, which this transaction holds)."""
+        if isinstance(a, StartChild):
+            try:
+                start_in(conn, self, workflow_id=a.workflow, version=a.version, input=a.input,
+                         run_id=a.child_run_id, minted=[], request=Request(), parent=(run.id, a.node_id))
+            except (Invalid, NotFound) as exc:
+                # Its workflow was deleted or disabled since this one was deployed.
+                self._tell_parent(conn, a.child_run_id, run.id, a.node_id,
+                                  FinishRun(status=RunStatus.FAILED, reason=f"did not start: {exc}"))
+            return
+        try:
+            self.handle_in(conn, a.child_run_id, lambda now: CancelRun(reason=a.reason, now=now), request=Request())
+        except Conflict:
+            log.info("child run %s of run %s had already finished", a.child_run_id, run.id,
+                     extra={"action": "cancel_child", "run_id": run.id})
+
+    def _tell_parent(self, conn: Conn, child: str, parent: str, node_id: str, finish: FinishRun) -> None:
+        """Deliver a child's finish to its parent run, under the parent's lock."""
+        self.handle_in(conn, parent, lambda now: ChildFinished(
+            node_id=node_id, child_run_id=child, status=finish.status, output=finish.output, error=finish.reason,
+            now=now), request=Request())
 
     def _map_action(self, conn: Conn, run: RunSnapshot,
                     a: CreateItems | DispatchItems | CountItems | FinishMap | CancelItems,
@@ -412,6 +454,10 @@ class _Notes:
     def buffered(self, a: BufferSignal) -> None:
         self.rows.append(HistoryEntry(kind="signal", detail=self._signal(buffered=a.signal_id)))
 
+    def child(self, a: StartChild | CancelChild) -> None:
+        kind = "child_started" if isinstance(a, StartChild) else "child_cancelled"
+        self.rows.append(HistoryEntry(kind=kind, node_id=a.node_id, detail={"child": a.child_run_id}))
+
     def consumed(self, a: ConsumeSignal, node_id: str | None) -> None:
         self.rows.append(HistoryEntry(kind="signal_consumed", node_id=node_id, detail={"signal": a.signal_id}))
 
@@ -422,6 +468,9 @@ class _Notes:
                 "reason": self.event.reason, "tasks": self.cancelled_tasks, **self.operator, **self.outcome}))
         elif isinstance(self.event, SignalReceived) and not self.recorded:
             self.rows.append(HistoryEntry(kind="signal", detail=self._signal()))   # refused
+        elif isinstance(self.event, ChildFinished):
+            self.rows.append(HistoryEntry(kind="child_finished", node_id=self.event.node_id, detail={
+                "child": self.event.child_run_id, "status": str(self.event.status), **self.outcome}))
         elif isinstance(self.event, RetryRun):
             self.rows.append(HistoryEntry(kind="retried", detail={
                 "from": list(self.event.from_nodes), "reset": list(self.reset), **self.operator, **self.outcome}))

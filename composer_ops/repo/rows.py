@@ -20,6 +20,8 @@ class RunRow:
     status: str
     context: Any
     now: datetime
+    parent_run_id: str | None = None     # a child run: its parent and the parent's SUB_WORKFLOW node
+    parent_node_id: str | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -203,6 +205,19 @@ class RunView:
     completed_at: datetime | None
     tasks: list[TaskView] = field(default_factory=list)
     history: list[HistoryRow] = field(default_factory=list)
+    parent_run_id: str | None = None     # a child run: the run whose SUB_WORKFLOW node started it
+    parent_node_id: str | None = None
+    children: list[ChildRun] = field(default_factory=list)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ChildRun:
+    """A run a SUB_WORKFLOW node of another run started."""
+
+    id: str
+    node_id: str
+    workflow_id: str
+    status: str
 
 
 @dataclass(frozen=True, kw_only=True)

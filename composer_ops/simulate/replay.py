@@ -127,6 +127,9 @@ class Replay:
         # The MAP items of each node, in item order, and each item's row by task id.
         self.items: dict[str, list[TaskRow]] = {}
         self._items_by_task: dict[str, TaskRow] = {}
+        # The child runs SUB_WORKFLOW nodes started and cancelled: (node, child run ID).
+        self.children: list[model.StartChild] = []
+        self.cancelled_children: list[tuple[str, str]] = []
         self._event_now = now
         self._current: RunSnapshot | None = None
 
@@ -282,7 +285,15 @@ class Replay:
         row = self._waiting_map(a.node_id, a.parent, a)
         row.items, row.updated_at = a.items, now
 
-    def _finish_map(self, a: model.FinishMap, now: datetime) -> None:
+    def _start_child(self, a: model.StartChild, now: datetime) -> None:
+        if any(c.child_run_id == a.child_run_id for c in self.children):
+            raise Conflict(f"workflow run {a.child_run_id} already exists")
+        self.children.append(a)
+
+    def _cancel_child(self, a: model.CancelChild, now: datetime) -> None:
+        self.cancelled_children.append((a.node_id, a.child_run_id))
+
+    def _finish_map(self, a: model.FinishMap | model.FinishChild, now: datetime) -> None:
         row = self._waiting_map(a.node_id, a.parent, a)
         row.output, row.error = a.output, a.reason
         row.completed_at = now if a.state is TaskState.COMPLETED else None
@@ -391,7 +402,8 @@ _WRITERS: dict[type, Callable[[Replay, Any, datetime], bool | None]] = {
     model.FinishRun: Replay._finish_run, model.ReopenRun: Replay._reopen, model.ResetTasks: Replay._reset,
     model.CreateItems: Replay._create_items, model.DispatchItems: Replay._dispatch_items,
     model.CountItems: Replay._count_items, model.FinishMap: Replay._finish_map,
-    model.CancelItems: Replay._cancel_items}
+    model.CancelItems: Replay._cancel_items, model.StartChild: Replay._start_child,
+    model.CancelChild: Replay._cancel_child, model.FinishChild: Replay._finish_map}
 
 
 def utc(epoch_s: float) -> datetime:

@@ -128,6 +128,7 @@ class Sim(Replay):
                 NodeType.WAIT: {TaskState.WAITING, TaskState.FAILED},
                 NodeType.WAIT_FOR_EVENT: {TaskState.WAITING, TaskState.COMPLETED},
                 NodeType.MAP: {TaskState.WAITING, TaskState.COMPLETED, TaskState.FAILED},
+                NodeType.SUB_WORKFLOW: {TaskState.WAITING},
             }[node.type]
             # A node created in the decision that fails the run is created CANCELLED.
             assert action.state in allowed | {TaskState.CANCELLED}, action

@@ -26,9 +26,9 @@ from .machine_sim import Sim
 LABELS = ("a", "b", "c")
 EVENT_NAMES = ("e1", "e2")
 VALID_AT = "2030-01-01T00:00:00Z"
-#: The node types these random graphs use; MAP items have properties of their own
-#: (test_machine_map), which drive a node's items rather than the node's one task.
-GRAPH_TYPES = [t for t in NodeType if t is not NodeType.MAP]
+#: The node types these random graphs use; MAP items and SUB_WORKFLOW children have
+#: tests of their own (test_machine_map, test_machine_children).
+GRAPH_TYPES = [t for t in NodeType if t not in (NodeType.MAP, NodeType.SUB_WORKFLOW)]
 
 
 @st.composite
