@@ -246,7 +246,7 @@ class RetentionMonth:
     month_start: datetime
     month_end: datetime
     action: str                    # "drop" | "keep"
-    reason: str                    # "too new" | "has active runs" | "past cut-off, no active runs"
+    reason: str                    # "too new" | "has active runs" | "has live children" | "past cut-off, ..."
     active_runs: int
     active_run_ids: list[str]      # the first 20
     partitions: list[str]          # one per table of composer_run_tables(), workflow_runs first
