@@ -8,6 +8,8 @@ import json
 import os
 import subprocess
 import sys
+import threading
+from pathlib import Path
 from typing import Any
 
 import psycopg
@@ -17,6 +19,8 @@ from composer_ops import Engine
 from composer_ops.core.children import child_run_id
 from composer_ops.errors import Invalid
 from composer_ops.repo.rows import Claim
+from composer_ops.testing.processes import wait_for
+from examples.fanout_worker import make_worker
 
 REFUND = {"id": "refund", "nodes": [
     {"id": "pay_back", "type": "TASK", "task": "refund.pay", "queue": "kids", "input": {"amount": "$.input.amount"}}]}
@@ -144,3 +148,25 @@ def test_runs_show_links_parent_and_child_both_ways(engine: Engine, db_url: str)
     shown = json.loads(show(parent, "--json"))
     assert shown["children"] == [{"id": child.id, "node_id": "refund", "workflow_id": "refund", "status": "RUNNING"}]
     assert json.loads(show(child.id, "--json"))["parent_run_id"] == parent
+
+
+def test_the_examples_run_to_completion(engine: Engine) -> None:
+    """examples/charge_all.json (MAP) and examples/returns.json calling examples/refund.json
+    (SUB_WORKFLOW), served by examples/fanout_worker.py."""
+    root = Path(__file__).resolve().parents[2] / "examples"
+    for name in ("charge_all", "refund", "returns"):
+        engine.deploy(json.loads((root / f"{name}.json").read_text()))
+    charged = engine.start("charge-all", input={"day": "2026-12-01"})
+    returned = engine.start("returns", input={"order": "o-1"})
+    worker = make_worker(engine)
+    thread = threading.Thread(target=worker.run, daemon=True)
+    thread.start()
+    try:
+        for run_id in (charged, returned):
+            wait_for(lambda r=run_id: engine.get_run(r).status != "RUNNING", timeout=120, what=run_id)
+    finally:
+        worker.stop()
+        thread.join(60)
+    assert engine.get_run(charged).output == {"summary": {"charged": sum(10 + i for i in range(20)), "failed": 0}}
+    assert engine.get_run(returned).output == {"notify": {"notified": True,
+                                                          "proof": {"pay_back": {"order": "o-1", "refunded": 25}}}}
