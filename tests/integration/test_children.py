@@ -162,8 +162,8 @@ def test_the_examples_run_to_completion(engine: Engine) -> None:
     thread = threading.Thread(target=worker.run, daemon=True)
     thread.start()
     try:
-        for run_id in (charged, returned):
-            wait_for(lambda r=run_id: engine.get_run(r).status != "RUNNING", timeout=120, what=run_id)
+        wait_for(lambda: all(engine.get_run(r).status != "RUNNING" for r in (charged, returned)),
+                 timeout=120, what="both example runs")
     finally:
         worker.stop()
         thread.join(60)
