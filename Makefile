@@ -58,6 +58,7 @@ demo: $(STAMP)
 	$(BIN)/composer-ops partitions drop --older-than "$(DEMO_DROP_$(DEMO_SIZE))" --archive "$$archive" --yes; \
 	$(BIN)/composer-ops runs retry --status FAILED,CANCELLED --since 1h --limit 20 --yes; \
 	$(BIN)/composer-ops simulate $(DEMO_AGAIN_$(DEMO_SIZE)); \
+	$(BIN)/python -m examples.fanout_demo; \
 	$(BIN)/composer-ops report --all $(DEMO_REPORT_$(DEMO_SIZE))
 	@echo "reports: $$(cd "$${COMPOSER_REPORTS_DIR:-reports}" && pwd)/index.html"
 

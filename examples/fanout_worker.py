@@ -16,7 +16,10 @@ def make_worker(engine: Engine) -> Worker:
 
     @worker.handler("invoices.list_due")
     def list_due(input: dict[str, Any], ctx: TaskContext) -> dict[str, Any]:
-        return {"invoices": [{"id": f"inv-{i}", "amount": 10 + i} for i in range(20)]}
+        invoices = [{"id": f"inv-{i}", "amount": 10 + i} for i in range(20)]
+        if input.get("bad"):
+            invoices[3]["amount"] = 0           # cannot be charged: that item fails, the MAP goes on
+        return {"invoices": invoices}
 
     @worker.handler("invoices.charge")
     def charge(input: dict[str, Any], ctx: TaskContext) -> dict[str, Any]:

@@ -170,3 +170,15 @@ def test_the_examples_run_to_completion(engine: Engine) -> None:
     assert engine.get_run(charged).output == {"summary": {"charged": sum(10 + i for i in range(20)), "failed": 0}}
     assert engine.get_run(returned).output == {"notify": {"notified": True,
                                                           "proof": {"pay_back": {"order": "o-1", "refunded": 25}}}}
+
+
+def test_the_demo_runs_finish_and_leave_one_map_in_flight(db_url: str) -> None:
+    from examples import fanout_demo
+
+    runs = fanout_demo.run(db_url)
+    with Engine.connect(db_url) as engine:
+        status = {label: engine.get_run(r).status for label, r in runs.items()}
+        bad = engine.get_run(runs["charge-all (a bad invoice)"])
+    assert status == {"charge-all": "SUCCEEDED", "charge-all (a bad invoice)": "SUCCEEDED", "returns 1": "SUCCEEDED",
+                      "returns 2": "SUCCEEDED", "charge-all (in flight)": "RUNNING"}
+    assert bad.output == {"summary": {"charged": sum(10 + i for i in range(20)) - 13, "failed": 1}}
