@@ -367,6 +367,8 @@ class Shell:
             cancelled = a.state is TaskState.CANCELLED
             items.insert_items(conn, run.id, a.node_id, queue=queue, task_ids=a.task_ids, inputs=a.inputs,
                                state=str(a.state), reason="run failed" if cancelled else None, now=now)
+            if len(a.task_ids) >= items.ANALYZE_AT and not cancelled:
+                items.analyze_new_month(conn, run.id)
             dispatches.extend(Dispatch(run_id=run.id, task_id=task_id, attempt=0, queue=queue, task_name=name,
                                        lease_s=lease, available_at=a.available_at)
                               for task_id in a.task_ids[:a.dispatch])

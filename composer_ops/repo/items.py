@@ -20,8 +20,11 @@ from composer_ops.core.model import ACTIVE_TASK_STATES, ItemCounts, ItemState, T
 from composer_ops.repo import partitions
 from composer_ops.repo._base import Conn, error_json, jsonb, sql_states
 
-__all__ = ["active_items", "count_items", "insert_items", "item_outputs", "item_state", "items_of",
-           "undispatched"]
+__all__ = ["ANALYZE_AT", "active_items", "analyze_new_month", "count_items", "insert_items", "item_outputs",
+           "item_state", "items_of", "undispatched"]
+
+#: Items from which a MAP node's insert gives a month without statistics its first ones.
+ANALYZE_AT = 500
 
 _ACTIVE = sql_states(ACTIVE_TASK_STATES)
 
@@ -46,6 +49,16 @@ def insert_items(conn: Conn, run_id: str, node_id: str, *, queue: str, task_ids:
         {"run": run_id, "node": node_id, "queue": queue, "state": state, "error": error_json(reason),
          "ids": list(task_ids), "inputs": jsonb(list(inputs)), "now": now, "finished": now if finished else None})
     return cur.rowcount
+
+
+def analyze_new_month(conn: Conn, run_id: str) -> bool:
+    """Give the run's month of ``task_instances`` its first statistics, in the caller's
+    transaction, if it has none (sql/R__items.sql says why); whether it did."""
+    tasks = partitions.run_tables(conn, run_id)[1]
+    if tasks == "task_instances":
+        return False
+    row = conn.execute("SELECT composer_analyze_new_tasks(%s)", (tasks,)).fetchone()
+    return bool(row and row[0])
 
 
 _ITEM = """

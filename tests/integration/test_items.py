@@ -10,9 +10,11 @@ import psycopg
 import pytest
 
 from composer_ops import Engine, TaskContext, Worker
-from composer_ops.repo import runs
+from composer_ops.repo import partitions, runs
+from composer_ops.repo.items import ANALYZE_AT
 from composer_ops.repo.rows import Claim
 from composer_ops.testing.processes import wait_for
+from tests.notebooks.harness import as_role
 
 
 def map_spec(wf: str = "fan", **extra: Any) -> dict[str, Any]:
@@ -167,3 +169,23 @@ def test_a_worker_runs_a_map_with_its_handler_getting_item_and_index(engine: Eng
     assert run.status == "SUCCEEDED"
     assert run.output == {"after": sum(i * 2 for i in range(30))}
     assert sorted(seen) == [(i, i, "eu") for i in range(30)]
+
+
+def test_a_large_map_gives_a_month_without_statistics_its_first_and_lookups_use_the_key(db_url: str) -> None:
+    """Without statistics the planner reads every item of the run for one item's lookup
+    (sql/R__items.sql); the engine role's MAP insert analyzes such a month once."""
+    with Engine.connect(as_role(db_url, "composer_ops_engine"), pool_size=2) as engine:
+        engine.deploy(map_spec(max_parallel=2))
+        run_id = engine.start("fan", input={"ids": list(range(ANALYZE_AT))})
+        (claim, _) = engine.claim(["items"], "w1", 10)
+    with psycopg.connect(db_url) as conn:
+        tasks = partitions.run_tables(conn, run_id)[1]
+        stats = conn.execute("SELECT count(*) FROM pg_stats WHERE tablename = %s AND attname = 'run_id'",
+                             (tasks,)).fetchone()
+        plan = "\n".join(r[0] for r in conn.execute(
+            f"EXPLAIN SELECT id FROM {tasks} WHERE run_id = %s AND id = %s AND node_id = 'each'".encode(),
+            (run_id, claim.task_id)).fetchall())
+        again = conn.execute("SELECT composer_analyze_new_tasks(%s)", (tasks,)).fetchone()
+    assert stats == (1,)
+    assert "pkey" in plan, plan
+    assert again == (False,)                  # it has statistics now: nothing is analyzed again
