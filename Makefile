@@ -61,6 +61,7 @@ demo: $(STAMP)
 	$(BIN)/composer-ops partitions drop --older-than "$(DEMO_DROP_$(DEMO_SIZE))" --archive "$$archive" --yes; \
 	$(BIN)/composer-ops runs retry --status FAILED,CANCELLED --since 1h --limit 20 --yes; \
 	$(BIN)/composer-ops simulate $(DEMO_AGAIN_$(DEMO_SIZE)); \
+	$(BIN)/python -m examples.fanout_demo; \
 	$(BIN)/composer-ops schedules delete demo-nightly-batch --yes >/dev/null 2>&1 || true; \
 	$(BIN)/composer-ops schedules create demo-nightly-batch --workflow nightly-batch --cron "*/15 * * * *" \
 	    --timezone Europe/Paris --input '{"date": "scheduled"}' --catchup all; \
@@ -153,7 +154,7 @@ test-psycopg-oldest: $(STAMP)
 test-citus: $(STAMP)
 	@test -x $(PG15_BIN)/initdb || { echo "PostgreSQL 15 server binaries not found in $(PG15_BIN) (apt-get install postgresql-15)"; exit 1; }
 	$(BIN)/python -m composer_ops.testing.citus install
-	env -u COMPOSER_DATABASE_URL -u COMPOSER_TEST_PGBIN $(BIN)/python -m pytest -q --require tests/citus=37 --durations=12 tests/citus
+	env -u COMPOSER_DATABASE_URL -u COMPOSER_TEST_PGBIN $(BIN)/python -m pytest -q --require tests/citus=56 --durations=12 tests/citus
 
 # The flaky-test finder (tests/flaky.py): FLAKY_ARGS' selection (default: the test-18 one)
 # run --runs times on each --leg (18, 15), beside --hogs busy-looping processes (always

@@ -39,7 +39,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from bench import citus, hot, months, pgbench, retention, scenario
+from bench import citus, hot, mapitems, months, pgbench, retention, scenario
 from bench.report import dated_path, render, render_headline, write
 from bench.scenario import System
 from bench.workload import COMPOSER, make_template
@@ -48,7 +48,7 @@ from composer_ops.testing.citus import ensure_installed
 
 RESULTS = Path(__file__).resolve().parent / "results"
 PARTS = ("pgbench", "throughput", "contention", "procrastinate", "fan", "latency", "months", "hot", "retention",
-         "notebooks", "citus")
+         "notebooks", "citus", "map")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -58,7 +58,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="legs: 18 = the embedded server, 15 = a cluster of --pg15-bin (default 18,15)")
     p.add_argument("--pg15-bin", type=Path, default=scenario.DEBIAN_PG15_BIN, help="PostgreSQL 15 server binaries")
     p.add_argument("--skip-pg18", default="months,citus", help="parts the PostgreSQL 18 leg leaves out")
-    p.add_argument("--skip-pg15", default="hot,retention,fan,contention",
+    p.add_argument("--skip-pg15", default="hot,retention,fan,contention,map",
                    help="parts the PostgreSQL 15 leg leaves out")
     p.add_argument("--workers", default="1,4", help="worker process counts (default 1,4)")
     p.add_argument("--runs", type=int, default=1000, help="runs (jobs) per drain measurement")
@@ -243,6 +243,10 @@ def run_leg(args: argparse.Namespace, server: servers.Server, peer: Any, skip: s
     if "retention" not in skip:
         _log(f"retention: drop vs DELETE of {args.retention_rows:,} task rows")
         results["retention"] = retention.measure(server, template, rows=args.retention_rows)
+
+    if "map" not in skip:
+        _log("MAP nodes: an item's event at 10, 1,000 and 10,000 items")
+        results["map"] = mapitems.measure(server, rounds=1 if args.quick else 2, log=_log)
 
     if "citus" not in skip and server.kind == "cluster":
         _log("the Citus case: the same workload on a coordinator and two worker nodes of this server's binaries")
@@ -433,6 +437,7 @@ def summarize(results: dict[str, Any], server: servers.Server, peer: Any, args: 
         "procrastinate_claim_to_complete_p99_ms": p_lat and p_lat["units"]["claim_to_complete_p99_ms"],
         "latency_pace_per_s": args.pace,
         "retention_delete_over_drop": (results.get("retention") or {}).get("delete_over_drop"),
+        "map_event_ratio_by_items": (results.get("map") or {}).get("event_ratio_by_size"),
         **citus_keys(results.get("citus") or {}),
         **notebook_keys(results.get("notebooks") or {}),
         "results": results,

@@ -6,8 +6,11 @@
 -- marks 'drop', so the two cannot disagree.
 
 -- One row per partition month (YYYYMM suffix), oldest first:
---   action 'drop' | 'keep'; reason 'too new' | 'has active runs' | 'past cut-off, no active runs';
---   active_runs / active_run_ids: RUNNING or PENDING runs of the month (first 20 ids);
+--   action 'drop' | 'keep'; reason 'too new' | 'has active runs' | 'has live children' |
+--   'past cut-off, no active runs';
+--   active_runs / active_run_ids: RUNNING or PENDING runs of the month (first 20 ids), or for
+--   'has live children' the finished runs of the month whose SUB_WORKFLOW child runs (in
+--   their own, later months) are still RUNNING or PENDING, found through the parent index;
 --   rows: estimates (exact counts when exact_rows), bytes: heap + indexes + toast, both
 --   summed over the month's partitions of the run tables (composer_partition_stats()).
 -- A month is 'too new' while it is the current or a future month, or ended less than
@@ -75,6 +78,21 @@ BEGIN
                 EXECUTE format('SELECT count(*), COALESCE((array_agg(id ORDER BY id))[1:20], ARRAY[]::TEXT[])
                                   FROM %I WHERE status IN (''RUNNING'', ''PENDING'')', runs_part)
                    INTO active_runs, active_run_ids;
+            END IF;
+            IF active_runs = 0 THEN
+                SELECT count(DISTINCT c.parent_run_id),
+                       COALESCE((array_agg(DISTINCT c.parent_run_id ORDER BY c.parent_run_id))[1:20], ARRAY[]::TEXT[])
+                  INTO active_runs, active_run_ids
+                  FROM workflow_runs c
+                 WHERE c.parent_run_id >= composer_uuid7_bound(month_start) COLLATE "C"
+                   AND c.parent_run_id < composer_uuid7_bound(month_end) COLLATE "C"
+                   AND c.status IN ('RUNNING', 'PENDING');
+                IF active_runs > 0 THEN
+                    action := 'keep';
+                    reason := 'has live children';
+                    RETURN NEXT;
+                    CONTINUE;
+                END IF;
             END IF;
             IF active_runs > 0 THEN
                 action := 'keep';

@@ -99,7 +99,7 @@ def _records(plan: list[RetentionMonth], cutoff: datetime, dropped: list[str] | 
 
 def cmd_drop(args: argparse.Namespace) -> int:
     from composer_ops.core.runids import RUN_ID_MAX_AGE
-    from composer_ops.engine.retention import BLOCKED_REASON, drop_due_months
+    from composer_ops.engine.retention import BLOCKED_REASONS, drop_due_months
     from composer_ops.repo import retention
 
     when = archive_cmds.cutoff(args)
@@ -115,7 +115,7 @@ def cmd_drop(args: argparse.Namespace) -> int:
             cutoff = retention.resolve(conn, when)
             plan = retention.plan(conn, cutoff, min_age=RUN_ID_MAX_AGE)
             conn.rollback()
-    blocked = [m for m in plan if m.action == "keep" and m.reason == BLOCKED_REASON]
+    blocked = [m for m in plan if m.action == "keep" and m.reason in BLOCKED_REASONS]
     if args.json:
         emit_json(_records(plan, cutoff, dropped))
     else:
@@ -127,11 +127,16 @@ def blocked_exit(blocked: list[RetentionMonth]) -> int:
     """0, or :data:`EXIT_RETENTION_BLOCKED` naming the blocked months on stderr."""
     if not blocked:
         return EXIT_OK
-    named = "; ".join(f"{m.month} kept for {m.active_runs} active run{'s' * (m.active_runs != 1)} "
+    named = "; ".join(f"{m.month} kept for {m.active_runs} {_why(m)} "
                       f"({', '.join(m.active_run_ids)}{', ...' if m.active_runs > len(m.active_run_ids) else ''})"
                       for m in blocked)
     sys.stderr.write(f"composer-ops: retention blocked: {named}\n")
     return EXIT_RETENTION_BLOCKED
+
+
+def _why(m: RetentionMonth) -> str:
+    runs = "run" if m.active_runs == 1 else "runs"
+    return f"active {runs}" if m.reason == "has active runs" else f"finished {runs} with live child runs"
 
 
 def _print_plan(plan: list[RetentionMonth], cutoff: datetime, text: str, dropped: list[str] | None) -> None:

@@ -9,6 +9,7 @@ import signal
 import sys
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -216,7 +217,8 @@ def cmd_runs_show(args: argparse.Namespace) -> int:
             raise NotFound(f"{exc}{_maybe_archived(engine, args.run_id)}") from exc
     tried = attempts(run.history)
     if args.json:
-        emit_json({**{k: v for k, v in run.__dict__.items() if k not in ("tasks", "history")},
+        emit_json({**{k: v for k, v in run.__dict__.items() if k not in ("tasks", "history", "children")},
+                   "children": [c.__dict__ for c in run.children],
                    "tasks": [t.__dict__ for t in run.tasks],
                    "attempts": [a.as_dict() for a in tried],
                    "history": [{k: v for k, v in h.__dict__.items() if k != "request"} for h in run.history]})
@@ -228,13 +230,24 @@ def cmd_runs_show(args: argparse.Namespace) -> int:
         print(f"error: {run.error}")
     if run.output is not None:
         print(f"output: {json_text(run.output, ensure_ascii=False)}")
+    if run.parent_run_id:
+        print(f"parent: run {run.parent_run_id} (node {run.parent_node_id})")
+    for child in run.children:
+        print(f"child: run {child.id} of {child.workflow_id} (node {child.node_id})  {child.status}")
     retried = sum(h.kind == "retried" for h in run.history)
     print(f"{'node':<24} {'type':<15} {'state':<10} {'attempt':>7}  detail")
+    items: dict[str, Counter[str]] = {}
     for t in run.tasks:
+        if t.item_index is not None:          # a MAP item: counted per node below, not listed
+            items.setdefault(t.node_id, Counter())[t.state] += 1
+            continue
         detail = t.error or (f"waits for {t.event_name!r}" if t.state == "WAITING" and t.event_name else "")
         if t.state == "WAITING" and t.wake_at:
             detail = f"{detail} until {t.wake_at:%Y-%m-%d %H:%M:%S%z}".strip()
         print(f"{t.node_id:<24} {t.node_type:<15} {t.state:<10} {t.attempt:>7}  {detail}")
+    for node_id, counts in items.items():
+        print(f"{node_id + '[items]':<24} {'MAP':<15} {sum(counts.values())} items: "
+              + ", ".join(f"{n} {state}" for state, n in sorted(counts.items())))
     if retried:
         print(f"(the run was retried {retried} time(s): a retried node's attempts count from 0 again, "
               "shown as 'N (retry R)' below)")

@@ -16,14 +16,14 @@ from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from datetime import UTC, datetime, timedelta
 from typing import Any, Protocol
 
-from composer_ops.core import model
+from composer_ops.core import children, mapnode, model, rerun
 from composer_ops.core.expressions import is_ref, parse_ref, referenced_nodes, resolve, resolve_ref
 from composer_ops.core.model import (
     ACTIVE_RUN_STATUSES,
     ACTIVE_TASK_STATES,
-    TERMINAL_RUN_STATUSES,
     TERMINAL_TASK_STATES,
     Decision,
+    ItemState,
     NodeState,
     NodeType,
     NodeView,
@@ -34,7 +34,7 @@ from composer_ops.core.model import (
     TaskState,
 )
 from composer_ops.core.retry import retry_decision
-from composer_ops.core.spec import RANGE_TEXT, NodeSpec, WorkflowSpec, instant_in_range
+from composer_ops.core.spec import RANGE_TEXT, NodeSpec, instant_in_range
 from composer_ops.errors import Conflict, Invalid
 
 __all__ = ["Store", "decide"]
@@ -49,6 +49,14 @@ class Store(Protocol):
 
     def pending_signals(self, name: str) -> Sequence[Signal]:
         """Unconsumed buffered signals of that name, oldest first."""
+        ...
+
+    def load_item(self, node_id: str, task_id: str) -> ItemState | None:
+        """The item task ``task_id`` of MAP node ``node_id``; None when there is none."""
+        ...
+
+    def item_outputs(self, node_id: str) -> Sequence[Any]:
+        """The outputs of a MAP node's items in item order (None for an item without one)."""
         ...
 
 
@@ -78,7 +86,7 @@ def _stale(reason: str) -> Decision:
     return Decision(actions=(model.Stale(reason=reason),))
 
 
-class _Decider:
+class Decider:
     """One decision in progress: the snapshot, the overlay and the actions so far."""
 
     def __init__(self, run: RunSnapshot, store: Store, new_id: Callable[[], str], now: datetime) -> None:
@@ -99,6 +107,8 @@ class _Decider:
         self.signals: dict[str, list[Signal]] = {}
         self.consumed: set[str] = set()
         self.finished = False
+        # MAP items loaded in this decision, by task id.
+        self.items: dict[str, ItemState] = {}
 
     def decision(self) -> Decision:
         return Decision(actions=tuple(self.actions), refused=self.refused)
@@ -156,6 +166,7 @@ class _Decider:
             event_name=fields.get("event_name"),
             created_at=self.now,
             wake_at=fields.get("wake_at"),
+            items=fields.get("items"),
         )
         if state is TaskState.COMPLETED:
             self.outputs[node.id] = fields.get("output")
@@ -171,6 +182,11 @@ class _Decider:
         for node_id, slot in self.slots.items():
             if slot.state not in ACTIVE_TASK_STATES:
                 continue
+            kind = self.spec.nodes[node_id].type if node_id in self.spec.nodes else None
+            if kind is NodeType.MAP:
+                mapnode.cancel_items(self, node_id, why)
+            elif kind is NodeType.SUB_WORKFLOW:
+                children.cancel_child(self, node_id, why)
             self.update(node_id, state=TaskState.CANCELLED)
             index = self.created.get(node_id)
             if index is None:
@@ -222,7 +238,7 @@ class _Decider:
             if any(d not in self.slots or self.slots[d].state not in TERMINAL_TASK_STATES for d in deps):
                 continue
             if deps and not any(self.live(d, node_id) for d in deps):
-                queue = node.queue if node.type is NodeType.TASK else None
+                queue = node.queue if node.type is NodeType.TASK or node.type is NodeType.MAP else None
                 self.create(node, TaskState.SKIPPED, queue=queue)
             elif node.type is NodeType.TASK:
                 self.create_task(node)
@@ -230,6 +246,10 @@ class _Decider:
                 self.create_switch(node)
             elif node.type is NodeType.WAIT:
                 self.create_wait(node)
+            elif node.type is NodeType.MAP:
+                mapnode.create_map(self, node)
+            elif node.type is NodeType.SUB_WORKFLOW:
+                children.create_child(self, node)
             else:
                 self.create_wait_for_event(node)
         self.finish_if_done()
@@ -320,13 +340,20 @@ class _Decider:
 
     # -- events -------------------------------------------------------------
 
+    def task_of(self, ref: TaskRef) -> NodeView | None:
+        """The task ``ref`` names: a node's own, or an item of a MAP node."""
+        slot = self.slots.get(ref.node_id)
+        if ref.node_id not in self.spec.nodes or slot is None:
+            return None
+        return slot if slot.task_id == ref.task_id else mapnode.item_of(self, ref)
+
     def fence(self, ref: TaskRef) -> str | None:
         """Why a worker's report for ``ref`` is stale, or None if it is current."""
         run = self.run
         if ref.run_id != run.id:
             return f"task {ref.task_id} belongs to run {ref.run_id}, not {run.id}"
-        slot = self.slots.get(ref.node_id)
-        if ref.node_id not in self.spec.nodes or slot is None or slot.task_id != ref.task_id:
+        slot = self.task_of(ref)
+        if slot is None:
             return f"run {run.id} has no task {ref.task_id} for node {json.dumps(ref.node_id)}"
         if slot.attempt != ref.attempt:
             return f"attempt {ref.attempt} of task {ref.task_id} is stale: the task is at attempt {slot.attempt}"
@@ -341,7 +368,9 @@ class _Decider:
         reason = self.fence(ref)
         if reason is not None:
             return reason
-        expires = self.slots[ref.node_id].lease_expires_at
+        task = self.task_of(ref)
+        assert task is not None
+        expires = task.lease_expires_at
         if expires is not None and expires <= self.now:
             return (
                 f"lease of task {ref.task_id} attempt {ref.attempt} lapsed at {expires.isoformat()}; "
@@ -354,7 +383,11 @@ class _Decider:
         if reason is not None:
             return _stale(reason)
         self.actions.append(model.CompleteTask(ref=event.ref, output=event.output))
-        self.set_state(event.ref.node_id, TaskState.COMPLETED, output=event.output)
+        item = self.task_of(event.ref)
+        if isinstance(item, ItemState):
+            mapnode.item_finished(self, item, event.ref.node_id, output=event.output)
+        else:
+            self.set_state(event.ref.node_id, TaskState.COMPLETED, output=event.output)
         self.advance()
         return self.decision()
 
@@ -362,19 +395,24 @@ class _Decider:
         """A handler raised. The retry policy counts handler failures only: attempts
         that ended in a lease expiry are not among them."""
         node = self.spec.nodes[ref.node_id]
-        slot = self.slots[ref.node_id]
+        slot = self.task_of(ref)
+        assert slot is not None
         failures = ref.attempt - slot.lease_expiries      # handler failures before this one
         delay = retry_decision(node.retry, failures, retryable)
         if delay is not None:
             available_at = self.now + timedelta(seconds=delay)
             self.actions.append(model.RequeueTask(ref=ref, reason=error, available_at=available_at))
-            self.set_state(ref.node_id, TaskState.PENDING, attempt=slot.attempt + 1)
+            if not isinstance(slot, ItemState):
+                self.set_state(ref.node_id, TaskState.PENDING, attempt=slot.attempt + 1)
             return self.decision()
         self.actions.append(model.FailTask(ref=ref, reason=error))
-        self.set_state(ref.node_id, TaskState.FAILED)
         attempts = failures + 1
         tried = f"after {attempts} attempts" if attempts > 1 else "after 1 attempt"
-        self.node_failed(ref.node_id, f"node {json.dumps(ref.node_id)} failed {tried}: {error}")
+        if isinstance(slot, ItemState):
+            mapnode.item_finished(self, slot, ref.node_id, error=f"{tried}: {error}")
+        else:
+            self.set_state(ref.node_id, TaskState.FAILED)
+            self.node_failed(ref.node_id, f"node {json.dumps(ref.node_id)} failed {tried}: {error}")
         self.advance()
         return self.decision()
 
@@ -385,7 +423,8 @@ class _Decider:
         reason = self.fence(ref)
         if reason is not None:
             return _stale(reason)
-        slot = self.slots[ref.node_id]
+        slot = self.task_of(ref)
+        assert slot is not None
         expires = slot.lease_expires_at
         if expires is None or expires > self.now:
             return _stale(f"lease of task {ref.task_id} has not expired")
@@ -397,14 +436,18 @@ class _Decider:
         expiries = slot.lease_expiries + 1
         if expiries <= node.max_lease_expiries:
             self.actions.append(model.RequeueTask(ref=ref, reason=lapsed, available_at=self.now, lease_expired=True))
-            self.set_state(ref.node_id, TaskState.PENDING, attempt=slot.attempt + 1, lease_expiries=expiries)
+            if not isinstance(slot, ItemState):
+                self.set_state(ref.node_id, TaskState.PENDING, attempt=slot.attempt + 1, lease_expiries=expiries)
             return self.decision()
         times = "once" if expiries == 1 else f"{expiries} times"
         error = (f"lease expired {times} (max_lease_expiries is {node.max_lease_expiries}); "
                  f"last owner {slot.lease_owner}, whose lease expired at {expires.isoformat()}")
         self.actions.append(model.FailTask(ref=ref, reason=error))
-        self.set_state(ref.node_id, TaskState.FAILED)
-        self.node_failed(ref.node_id, f"node {json.dumps(ref.node_id)} failed: {error}")
+        if isinstance(slot, ItemState):
+            mapnode.item_finished(self, slot, ref.node_id, error=error)
+        else:
+            self.set_state(ref.node_id, TaskState.FAILED)
+            self.node_failed(ref.node_id, f"node {json.dumps(ref.node_id)} failed: {error}")
         self.advance()
         return self.decision()
 
@@ -515,64 +558,16 @@ class _Decider:
         if run.status not in ACTIVE_RUN_STATUSES:
             raise Conflict(f"run {run.id} is {run.status}; it cannot be cancelled")
         active = sorted(s.task_id for s in self.slots.values() if s.state in ACTIVE_TASK_STATES)
+        for node_id, slot in self.slots.items():
+            node = self.spec.nodes.get(node_id)
+            if node is not None and node.type is NodeType.MAP and slot.state in ACTIVE_TASK_STATES:
+                self.actions.append(model.CancelItems(node_id=node_id, reason=event.reason))
+            elif node is not None and node.type is NodeType.SUB_WORKFLOW and slot.state in ACTIVE_TASK_STATES:
+                children.cancel_child(self, node_id, event.reason)
         if active:
             self.actions.append(model.CancelTasks(task_ids=tuple(active), reason=event.reason))
         self.actions.append(model.FinishRun(status=RunStatus.CANCELLED, output=None, reason=event.reason))
         return self.decision()
-
-    def retry_run(self, event: model.RetryRun) -> Decision:
-        """Reopen a FAILED or CANCELLED run and run part of it again.
-
-        The nodes that run again are the ``from_nodes`` (default: the nodes that failed,
-        other than optional ones) and every node downstream of them, whatever their
-        state, plus the nodes whose tasks were cancelled when the run ended and every
-        node downstream of those. Their tasks are removed; every other node keeps its
-        task and output. Then the nodes that are ready are created as usual. A node that
-        failed the run and would not run again is refused: the run would go on as if it
-        had not failed.
-        """
-        run, spec = self.run, self.spec
-        if run.status not in TERMINAL_RUN_STATUSES:
-            raise Conflict(f"run {run.id} is {run.status}: only a FAILED or CANCELLED run can be retried "
-                           "(cancel it first)")
-        if run.status is RunStatus.SUCCEEDED:
-            raise Conflict(f"run {run.id} SUCCEEDED: only a FAILED or CANCELLED run can be retried")
-        unknown = [n for n in event.from_nodes if n not in spec.nodes]
-        if unknown:
-            raise Invalid(f"run {run.id}: workflow {json.dumps(run.workflow_id)} version {run.workflow_version} "
-                          f"has no node {json.dumps(unknown[0])} (its nodes: {', '.join(spec.nodes)})")
-        failed = {n for n, s in self.slots.items()
-                  if s.state is TaskState.FAILED and n in spec.nodes and not spec.nodes[n].optional}
-        seeds = set(event.from_nodes) if event.from_nodes else set(failed)
-        seeds |= {n for n, s in self.slots.items() if s.state is TaskState.CANCELLED and n in spec.nodes}
-        if not seeds:
-            raise Conflict(f"run {run.id} is {run.status} with no failed or cancelled node: "
-                           "give the node to run again from")
-        again = _downstream(spec, seeds)
-        left = sorted(failed - again)
-        if left:
-            raise Invalid(f"run {run.id}: node {json.dumps(left[0])} failed the run and does not run again from "
-                          f"{', '.join(json.dumps(n) for n in sorted(event.from_nodes))}: retry from it too "
-                          "(or without a node)")
-        reset = sorted(n for n in again if n in self.slots)
-        if reset:
-            self.actions.append(model.ResetTasks(task_ids=tuple(self.slots[n].task_id for n in reset),
-                                           node_ids=tuple(reset)))
-        self.actions.append(model.ReopenRun(status=run.status))
-        for node_id in reset:
-            del self.slots[node_id]
-            self.outputs.pop(node_id, None)
-        self.advance()
-        return self.decision()
-
-
-def _downstream(spec: WorkflowSpec, seeds: Collection[str]) -> set[str]:
-    """``seeds`` and every node that depends on one of them, transitively."""
-    found = set(seeds)
-    for node_id in spec.topological_order():
-        if any(dep in found for dep in spec.nodes[node_id].depends_on):
-            found.add(node_id)
-    return found
 
 
 def decide(run: RunSnapshot, event: model.Event, store: Store, new_id: Callable[[], str]) -> Decision:
@@ -588,13 +583,13 @@ def decide(run: RunSnapshot, event: model.Event, store: Store, new_id: Callable[
     """
     if event.now.tzinfo is None or event.now.utcoffset() is None:
         raise ValueError(f"event.now must be timezone-aware, got {event.now!r}")
-    decider = _Decider(run, store, new_id, event.now)
+    decider = Decider(run, store, new_id, event.now)
     if isinstance(event, model.SignalReceived):
         return decider.signal_received(event)
     if isinstance(event, model.CancelRun):
         return decider.cancel_run(event)
     if isinstance(event, model.RetryRun):
-        return decider.retry_run(event)
+        return rerun.retry_run(decider, event)
     if run.status not in ACTIVE_RUN_STATUSES:
         return _stale(f"run {run.id} is {run.status}")
     if isinstance(event, model.StartRun):
@@ -613,4 +608,6 @@ def decide(run: RunSnapshot, event: model.Event, store: Store, new_id: Callable[
         return decider.lease_expired(event)
     if isinstance(event, model.StartTimedOut):
         return decider.start_timed_out(event.task_id, event.attempt)
+    if isinstance(event, model.ChildFinished):
+        return children.child_finished(decider, event)
     return decider.timer_due(event)

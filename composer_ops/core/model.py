@@ -67,10 +67,36 @@ class NodeType(StrEnum):
     SWITCH = "SWITCH"
     WAIT = "WAIT"
     WAIT_FOR_EVENT = "WAIT_FOR_EVENT"
+    MAP = "MAP"
+    SUB_WORKFLOW = "SUB_WORKFLOW"
 
 
 # ---------------------------------------------------------------------------
 # The snapshot
+
+
+@dataclass(frozen=True, kw_only=True)
+class ItemCounts:
+    """A MAP node's counters, kept on its own task row so that an item's event reads
+    these four numbers and its own item, never the other items.
+
+    Items ``0 .. started - 1`` have been dispatched, in item order; ``done`` of them
+    completed and ``failed`` failed for good. The rest of the dispatched ones are in
+    flight, at most the node's ``max_parallel``.
+    """
+
+    total: int
+    started: int = 0
+    done: int = 0
+    failed: int = 0
+
+    @property
+    def finished(self) -> int:
+        return self.done + self.failed
+
+    @property
+    def in_flight(self) -> int:
+        return self.started - self.finished
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -96,6 +122,15 @@ class NodeState:
     created_at: datetime | None = None
     wake_at: datetime | None = None
     lease_expiries: int = 0
+    items: ItemCounts | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class ItemState(NodeState):
+    """One item's task of a MAP node (its ``index`` in the items list), as the store
+    loads it for an event on that item; ``items`` is always None."""
+
+    index: int
 
 
 class NodeView(Protocol):
@@ -126,6 +161,8 @@ class NodeView(Protocol):
     def wake_at(self) -> datetime | None: ...
     @property
     def lease_expiries(self) -> int: ...
+    @property
+    def items(self) -> ItemCounts | None: ...
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -159,6 +196,8 @@ class RunSnapshot:
     context: RunContext
     spec: WorkflowSpec
     nodes: Mapping[str, NodeView]
+    parent_run_id: str | None = None     # a child run: the run whose SUB_WORKFLOW node started it
+    parent_node_id: str | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -262,9 +301,23 @@ class StartTimedOut:
     now: datetime
 
 
+@dataclass(frozen=True, kw_only=True)
+class ChildFinished:
+    """The child run a SUB_WORKFLOW node started finished (``status``, with its
+    ``output`` or ``error``); delivered to the parent under the parent's run lock."""
+
+    node_id: str
+    child_run_id: str
+    status: RunStatus
+    output: Any = None
+    error: str | None = None
+    now: datetime
+
+
 Event: TypeAlias = (
     StartRun | TaskCompleted | TaskFailed | LeaseExpired | TimerDue | SignalReceived | CancelRun | RetryRun
     | StartTimedOut
+    | ChildFinished
 )
 
 
@@ -280,7 +333,9 @@ class CreateTask:
     row); SWITCH nodes and WAIT_FOR_EVENT nodes that consume a buffered signal are
     born COMPLETED; WAIT and waiting WAIT_FOR_EVENT nodes are born WAITING with
     ``wake_at``; skipped nodes are born SKIPPED; a WAIT whose ``until`` reference
-    does not resolve to an instant is born FAILED with ``error``.
+    does not resolve to an instant is born FAILED with ``error``. A MAP node is born
+    WAITING with its ``items`` counters (a ``CreateItems`` follows), COMPLETED with
+    output ``[]`` for an empty list, or FAILED when its items are not a list.
     """
 
     task_id: str
@@ -295,6 +350,7 @@ class CreateTask:
     wake_at: datetime | None = None
     event_name: str | None = None
     available_at: datetime | None = None
+    items: ItemCounts | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -397,6 +453,94 @@ class ResetTasks:
 
 
 @dataclass(frozen=True, kw_only=True)
+class CreateItems:
+    """Insert the item tasks of a MAP node just created WAITING (``parent``): item
+    ``i`` gets ``task_ids[i]`` and handler input ``inputs[i]``, in ``state`` (PENDING,
+    or CANCELLED when the same decision failed the run); the first ``dispatch`` items
+    get their outbox rows now."""
+
+    node_id: str
+    parent: str
+    task_ids: tuple[str, ...]
+    inputs: tuple[Any, ...]
+    state: TaskState
+    dispatch: int
+    available_at: datetime | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class DispatchItems:
+    """Write the outbox rows of these never dispatched items of a MAP node (by index)."""
+
+    node_id: str
+    indexes: tuple[int, ...]
+    available_at: datetime
+
+
+@dataclass(frozen=True, kw_only=True)
+class CountItems:
+    """Set a WAITING MAP node's counters (on its own task row, ``parent``)."""
+
+    node_id: str
+    parent: str
+    items: ItemCounts
+
+
+@dataclass(frozen=True, kw_only=True)
+class FinishMap:
+    """Move a WAITING MAP node to COMPLETED (``output``: the item outputs in item
+    order) or FAILED (``reason``)."""
+
+    node_id: str
+    parent: str
+    state: TaskState
+    output: Any = None
+    reason: str | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class CancelItems:
+    """Move the active items of a MAP node to CANCELLED (and drop their outbox rows)."""
+
+    node_id: str
+    reason: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class StartChild:
+    """Start the child run of a SUB_WORKFLOW node just created WAITING, as
+    ``child_run_id`` (deterministic from the run, the node and the instant it was
+    created), in the same transaction, through the engine's start path."""
+
+    node_id: str
+    child_run_id: str
+    workflow: str
+    version: int | None
+    input: Any
+
+
+@dataclass(frozen=True, kw_only=True)
+class CancelChild:
+    """Cancel the child run of a SUB_WORKFLOW node (its parent is ending)."""
+
+    node_id: str
+    child_run_id: str
+    reason: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class FinishChild:
+    """Move a WAITING SUB_WORKFLOW node to COMPLETED (``output``: the child's) or
+    FAILED (``reason``)."""
+
+    node_id: str
+    parent: str
+    state: TaskState
+    output: Any = None
+    reason: str | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
 class Stale:
     """The event changes nothing; a reported result is dropped and reported as stale."""
 
@@ -415,6 +559,14 @@ Action: TypeAlias = (
     | FinishRun
     | ReopenRun
     | ResetTasks
+    | CreateItems
+    | DispatchItems
+    | CountItems
+    | FinishMap
+    | CancelItems
+    | StartChild
+    | CancelChild
+    | FinishChild
     | Stale
 )
 

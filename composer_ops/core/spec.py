@@ -20,6 +20,7 @@ from urllib.parse import urlsplit
 
 from composer_ops.core.expressions import NODE_ID_PATTERN, is_ref, iter_refs, parse_ref
 from composer_ops.core.flow import FLOW_KEYS, NO_FLOW, FlowControl, flow_refs, parse_flow
+from composer_ops.core.graph import ancestors, find_cycle, topological_order
 from composer_ops.core.model import NodeType
 from composer_ops.core.retry import DEFAULT_RETRY, RetryPolicy
 from composer_ops.errors import Invalid
@@ -37,9 +38,16 @@ _TYPE_KEYS: Mapping[NodeType, frozenset[str]] = {
     NodeType.SWITCH: frozenset({"expression", "cases", "default"}),
     NodeType.WAIT: frozenset({"duration_s", "until"}),
     NodeType.WAIT_FOR_EVENT: frozenset({"event", "timeout_s", "on_timeout"}),
+    NodeType.SUB_WORKFLOW: frozenset({"workflow", "version", "input"}),
+    NodeType.MAP: frozenset({"items", "task", "queue", "input", "retry", "lease_s", "max_lease_expiries",
+                             "max_parallel", "on_item_failure"}),
 }
 _RETRY_KEYS = ("max_attempts", "initial_backoff_s", "multiplier", "max_backoff_s")
 _ON_TIMEOUT = ("fail", "continue")
+_ON_ITEM_FAILURE = ("fail", "continue")
+#: Items of a MAP node in flight at once unless ``max_parallel`` says otherwise.
+DEFAULT_MAX_PARALLEL = 10
+MAX_PARALLEL_LIMIT = 10_000
 #: Longest accepted duration: a century keeps every wake-up inside datetime's range.
 MAX_SECONDS = 100 * 365 * 86_400
 #: Lease expiries a TASK survives by default: each re-queues it without consuming its
@@ -76,6 +84,13 @@ class NodeSpec:
     event_name: str | None = None
     timeout_s: float | None = None
     on_timeout: str = "fail"
+    # MAP (with task, queue, input, retry, lease_s, max_lease_expiries, applied per item)
+    items: str | None = None
+    max_parallel: int = DEFAULT_MAX_PARALLEL
+    on_item_failure: str = "fail"
+    # SUB_WORKFLOW (with input): the child's workflow id and version (None: the deployed one)
+    workflow: str | None = None
+    version: int | None = None
 
     def to_json(self) -> dict[str, Any]:
         """The canonical document of this node: every applicable default spelled out."""
@@ -84,7 +99,9 @@ class NodeSpec:
             doc["description"] = self.description
         doc["depends_on"] = list(self.depends_on)
         doc["optional"] = self.optional
-        if self.type is NodeType.TASK:
+        if self.type is NodeType.TASK or self.type is NodeType.MAP:
+            if self.type is NodeType.MAP:
+                doc.update(items=self.items, max_parallel=self.max_parallel, on_item_failure=self.on_item_failure)
             doc.update(
                 task=self.task,
                 queue=self.queue,
@@ -100,6 +117,11 @@ class NodeSpec:
                 cases={key: list(value) for key, value in self.cases.items()},
                 default=list(self.default),
             )
+        elif self.type is NodeType.SUB_WORKFLOW:
+            doc["workflow"] = self.workflow
+            if self.version is not None:
+                doc["version"] = self.version
+            doc["input"] = self.input
         elif self.type is NodeType.WAIT:
             if self.duration_s is not None:
                 doc["duration_s"] = self.duration_s
@@ -132,7 +154,7 @@ class WorkflowSpec:
             for dep in node.depends_on:
                 dependents[dep].append(node.id)
         object.__setattr__(self, "_dependents", {k: tuple(v) for k, v in dependents.items()})
-        object.__setattr__(self, "_order", _topological_order(self.nodes))
+        object.__setattr__(self, "_order", topological_order(self.nodes))
 
     def dependents(self, node_id: str) -> tuple[str, ...]:
         """The nodes that list ``node_id`` in ``depends_on``, in declaration order."""
@@ -160,30 +182,6 @@ class WorkflowSpec:
         doc["config"] = dict(self.config)
         doc["nodes"] = [node.to_json() for node in self.nodes.values()]
         return doc
-
-
-def _topological_order(nodes: Mapping[str, NodeSpec]) -> tuple[str, ...]:
-    # Kahn's algorithm, always taking the earliest-declared ready node, so the order
-    # (and with it the order of CreateTask actions) is stable across processes.
-    remaining = {node_id: len(node.depends_on) for node_id, node in nodes.items()}
-    dependents: dict[str, list[str]] = {node_id: [] for node_id in nodes}
-    for node in nodes.values():
-        for dep in node.depends_on:
-            dependents[dep].append(node.id)
-    position = {node_id: i for i, node_id in enumerate(nodes)}
-    ready = sorted((n for n, count in remaining.items() if count == 0), key=position.__getitem__)
-    order: list[str] = []
-    while ready:
-        node_id = ready.pop(0)
-        order.append(node_id)
-        for dependent in dependents[node_id]:
-            remaining[dependent] -= 1
-            if remaining[dependent] == 0:
-                ready.append(dependent)
-                ready.sort(key=position.__getitem__)
-    if len(order) != len(nodes):
-        raise Invalid("workflow: dependency cycle")
-    return tuple(order)
 
 
 # ---------------------------------------------------------------------------
@@ -352,9 +350,9 @@ def _parse_node(raw: Any, index: int, seen: set[str], stored: bool = False) -> N
         id=node_id, type=node_type, depends_on=depends_on, optional=optional, description=description
     )
 
-    if node_type is NodeType.TASK:
+    if node_type is NodeType.TASK or node_type is NodeType.MAP:
         if "task" not in raw:
-            raise Invalid(f'{where}: TASK node needs "task" (the handler name)')
+            raise Invalid(f'{where}: {node_type} node needs "task" (the handler name)')
         queue = raw.get("queue", "default")
         if not isinstance(queue, str) or not ID_PATTERN.fullmatch(queue):
             raise Invalid(f"{where}: queue {_q(queue)} must match [A-Za-z0-9_.-]{{1,128}}")
@@ -362,6 +360,8 @@ def _parse_node(raw: Any, index: int, seen: set[str], stored: bool = False) -> N
         _check_json(template, f"{where}: input")
         for loc, text in iter_refs(template, "input"):
             _check_ref(text, f"{where}: {loc}")
+        if node_type is NodeType.MAP:
+            common.update(_map_fields(raw, where))
         return NodeSpec(
             **common,
             task=_text(raw["task"], f"{where}: task"),
@@ -373,6 +373,9 @@ def _parse_node(raw: Any, index: int, seen: set[str], stored: bool = False) -> N
                                                    where),
             flow=parse_flow(raw, where),
         )
+
+    if node_type is NodeType.SUB_WORKFLOW:
+        return NodeSpec(**common, **_sub_workflow_fields(raw, where))
 
     if node_type is NodeType.SWITCH:
         if "expression" not in raw:
@@ -429,49 +432,48 @@ def _parse_node(raw: Any, index: int, seen: set[str], stored: bool = False) -> N
     )
 
 
-def _find_cycle(nodes: Mapping[str, NodeSpec]) -> list[str] | None:
-    # Iterative DFS with colours; the grey stack is the path, so the cycle is the
-    # stretch of it from the node we meet again.
-    colour: dict[str, int] = {}
-    for start in nodes:
-        if colour.get(start):
-            continue
-        path: list[str] = []
-        stack: list[tuple[str, int]] = [(start, 0)]
-        while stack:
-            node_id, i = stack.pop()
-            if i == 0:
-                colour[node_id] = 1
-                path.append(node_id)
-            deps = nodes[node_id].depends_on
-            if i < len(deps):
-                stack.append((node_id, i + 1))
-                dep = deps[i]
-                if colour.get(dep) == 1:
-                    cycle = path[path.index(dep) :]
-                    return [*cycle, dep]
-                if not colour.get(dep):
-                    stack.append((dep, 0))
-            else:
-                colour[node_id] = 2
-                path.pop()
-    return None
+def _map_fields(raw: Mapping[str, Any], where: str) -> dict[str, Any]:
+    """The MAP-only fields of a node (its TASK-like fields are parsed as a TASK's)."""
+    if "items" not in raw:
+        raise Invalid(f'{where}: MAP node needs "items" (a $. reference to a list)')
+    items = raw["items"]
+    if not is_ref(items):
+        raise Invalid(f"{where}: items must be a $. reference to a list, got {_q(items)}")
+    _check_ref(items, f"{where}: items")
+    max_parallel = raw.get("max_parallel", DEFAULT_MAX_PARALLEL)
+    if isinstance(max_parallel, bool) or not isinstance(max_parallel, int) or not (
+            1 <= max_parallel <= MAX_PARALLEL_LIMIT):
+        raise Invalid(f"{where}: max_parallel must be an integer from 1 to {MAX_PARALLEL_LIMIT}, "
+                      f"got {_q(max_parallel)}")
+    on_item_failure = raw.get("on_item_failure", "fail")
+    if on_item_failure not in _ON_ITEM_FAILURE:
+        raise Invalid(f'{where}: on_item_failure must be "fail" or "continue", got {_q(on_item_failure)}')
+    return {"items": items, "max_parallel": max_parallel, "on_item_failure": on_item_failure}
 
 
-def _ancestors(nodes: Mapping[str, NodeSpec], order: tuple[str, ...]) -> dict[str, set[str]]:
-    ancestors: dict[str, set[str]] = {}
-    for node_id in order:
-        found: set[str] = set()
-        for dep in nodes[node_id].depends_on:
-            found.add(dep)
-            found |= ancestors[dep]
-        ancestors[node_id] = found
-    return ancestors
+def _sub_workflow_fields(raw: Mapping[str, Any], where: str) -> dict[str, Any]:
+    if "workflow" not in raw:
+        raise Invalid(f'{where}: SUB_WORKFLOW node needs "workflow" (the child workflow\'s id)')
+    workflow = raw["workflow"]
+    if not isinstance(workflow, str) or not ID_PATTERN.fullmatch(workflow):
+        raise Invalid(f"{where}: workflow {_q(workflow)} must match [A-Za-z0-9_.-]{{1,128}}")
+    version = raw.get("version")
+    if version is not None and (isinstance(version, bool) or not isinstance(version, int) or version < 1):
+        raise Invalid(f"{where}: version must be a positive integer, got {_q(version)}")
+    template = raw.get("input", {})
+    _check_json(template, f"{where}: input")
+    for loc, text in iter_refs(template, "input"):
+        _check_ref(text, f"{where}: {loc}")
+    return {"workflow": workflow, "version": version, "input": template}
 
 
 def _node_refs(node: NodeSpec) -> list[tuple[str, str]]:
+    if node.type is NodeType.MAP and node.items is not None:
+        return [("items", node.items), *iter_refs(node.input, "input")]
     if node.type is NodeType.TASK:
         return [*iter_refs(node.input, "input"), *flow_refs(node.flow)]
+    if node.type is NodeType.SUB_WORKFLOW:
+        return list(iter_refs(node.input, "input"))
     if node.type is NodeType.SWITCH and node.expression is not None:
         return [("expression", node.expression)]
     if node.type is NodeType.WAIT and node.until is not None and is_ref(node.until):
@@ -486,7 +488,7 @@ def _check_graph(nodes: Mapping[str, NodeSpec]) -> None:
                 raise Invalid(f"node {_q(node.id)}: depends on itself")
             if dep not in nodes:
                 raise Invalid(f"node {_q(node.id)}: depends on unknown node {_q(dep)}")
-    cycle = _find_cycle(nodes)
+    cycle = find_cycle(nodes)
     if cycle is not None:
         # Found along depends_on edges; shown in run order, each node before its dependent.
         chain = " -> ".join(_q(n) for n in reversed(cycle))
@@ -503,7 +505,7 @@ def _check_graph(nodes: Mapping[str, NodeSpec]) -> None:
                     raise Invalid(
                         f"node {_q(node.id)}: {label} names {_q(target)}, which does not depend on {_q(node.id)}"
                     )
-    ancestors = _ancestors(nodes, _topological_order(nodes))
+    above = ancestors(nodes, topological_order(nodes))
     for node in nodes.values():
         for loc, text in _node_refs(node):
             upstream = parse_ref(text).node
@@ -511,7 +513,7 @@ def _check_graph(nodes: Mapping[str, NodeSpec]) -> None:
                 continue
             if upstream not in nodes:
                 raise Invalid(f"node {_q(node.id)}: {loc} references unknown node {_q(upstream)}")
-            if upstream not in ancestors[node.id]:
+            if upstream not in above[node.id]:
                 raise Invalid(
                     f"node {_q(node.id)}: {loc} references {_q(upstream)}, which is not upstream of "
                     f"{_q(node.id)} (add it to depends_on, directly or transitively)"

@@ -11,21 +11,22 @@ from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
 from composer_ops.core.actor import Actor
+from composer_ops.core.children import child_cycle, children_of
 from composer_ops.core.model import TERMINAL_RUN_STATUSES, CancelRun, SignalReceived, TaskCompleted, TaskFailed, TaskRef
 from composer_ops.core.runids import validate_run_id
-from composer_ops.core.spec import ID_PATTERN, parse_spec
+from composer_ops.core.spec import ID_PATTERN, WorkflowSpec, parse_spec
 from composer_ops.db import autocommit, make_pool, resolve_url
 from composer_ops.db.errors import Pool
 from composer_ops.db.migrate import migrate as run_migrations
 from composer_ops.db.retry import db_retry
 from composer_ops.engine import admin
 from composer_ops.engine.admin import WorkerReport
-from composer_ops.engine.ids import uuid7_at
 from composer_ops.engine.jsonvalues import check_json
 from composer_ops.engine.queues import Queues
 from composer_ops.engine.requests import Request, key_request
 from composer_ops.engine.schedules import Schedules
 from composer_ops.engine.shell import Outcome, Shell
+from composer_ops.engine.starts import start_in
 from composer_ops.errors import Conflict, Invalid, NotFound
 from composer_ops.repo import (
     audit,
@@ -40,16 +41,8 @@ from composer_ops.repo import (
     webhooks,
     workers,
 )
-from composer_ops.repo.rows import (
-    Claim,
-    DeletedRun,
-    HistoryEntry,
-    PartitionRow,
-    RunListRow,
-    RunRow,
-    RunView,
-    StartTarget,
-)
+from composer_ops.repo._base import Conn
+from composer_ops.repo.rows import Claim, DeletedRun, HistoryEntry, PartitionRow, RunListRow, RunView
 
 if TYPE_CHECKING:
     from composer_ops.engine.coordinator import Coordinator
@@ -119,12 +112,32 @@ class Engine:
         check_json(dict(spec), "workflow definition")
         parsed = parse_spec(spec)
         with self.pool.connection() as conn, conn.transaction():
+            self._check_children(conn, parsed)
             version = definitions.insert_version(conn, workflow_id=parsed.id, name=parsed.name,
                                                  spec=parsed.to_json(), created_by=created_by,
                                                  webhook_url=parsed.webhook_url)
             definitions.deploy(conn, parsed.id, version)
         log.info("deployed %s v%d", parsed.id, version, extra={"action": "deploy", "workflow_id": parsed.id})
         return parsed.id, version
+
+    def _check_children(self, conn: Conn, parsed: WorkflowSpec) -> None:
+        """Refuse a definition whose SUB_WORKFLOW nodes name a workflow (or version) that
+        does not exist, or whose children lead back to it: one line naming the node."""
+        for node_id, workflow, version in children_of(parsed):
+            if workflow == parsed.id:
+                raise Invalid(f'node "{node_id}": SUB_WORKFLOW cycle "{parsed.id}" -> "{workflow}"')
+            try:
+                self._child_spec(conn, workflow, version)
+            except NotFound as exc:
+                raise Invalid(f'node "{node_id}": unknown child workflow: {exc}') from None
+        cycle = child_cycle(parsed, lambda wf, v: self._child_spec(conn, wf, v))
+        if cycle is not None:
+            raise Invalid(cycle)
+
+    def _child_spec(self, conn: Conn, workflow: str, version: int | None) -> WorkflowSpec:
+        row = (definitions.get_deployed(conn, workflow) if version is None
+               else definitions.get_version(conn, workflow, version))
+        return self.shell.definition(conn, row.id, row.version).spec
 
     def set_enabled(self, workflow_id: str, enabled: bool) -> None:
         _check_workflow_id(workflow_id)
@@ -167,46 +180,20 @@ class Engine:
             if started is not None:
                 return started
         with self.pool.connection() as conn, conn.transaction():
-            # The clock and the definition in one statement; a missing definition is
-            # refused after the run ID checks, in the order they always ran.
-            now, row = definitions.clock_and_start_target(conn, workflow_id, version)
-            if client_id is None:
-                if not minted:
-                    minted.append(uuid7_at(now))
-                run_id = minted[0]
-            else:
-                run_id = client_id
-                validate_run_id(run_id, now)
-                partitions.require_run_partition(conn, run_id)
-            target = startable(conn, workflow_id, version, row)
             try:
-                self.start_in(conn, now=now, target=target, run_id=run_id, input=input, request=request)
+                run_id, used = start_in(conn, self.shell, workflow_id=workflow_id, version=version, input=input,
+                                           run_id=client_id, minted=minted, request=request)
             except Conflict:
                 # An earlier attempt still finishing on the server when this one looked
                 # (its connection lost, its COMMIT not yet processed) held the run ID's
                 # insert until it committed: look again now that it has.
-                if look and self._started_by(run_id, request) is not None:
-                    return run_id
+                again = minted[0] if minted else client_id
+                if look and again is not None and self._started_by(again, request) is not None:
+                    return again
                 raise
-        log.info("started run %s of %s v%d", run_id, workflow_id, target.version,
+        log.info("started run %s of %s v%d", run_id, workflow_id, used,
                  extra={"action": "start_run", "run_id": run_id})
         return run_id
-
-    def start_in(self, conn: Any, *, now: datetime, target: StartTarget, run_id: str, input: Any,
-                 request: Request, started_detail: Any = None) -> None:
-        """Insert the run ``run_id`` of ``target`` and apply the start's decision, in the
-        caller's transaction at its clock ``now``: the one start of the engine, which
-        :meth:`start` and a schedule's slots share. :class:`Conflict` when the run ID is
-        taken (the transaction stays usable); ``started_detail`` goes into the run's
-        'started' history row."""
-        spec = self.shell.definition(conn, target.id, target.version).spec
-        context = {"input": input, "config": dict(spec.config)}
-        runs.insert_run(conn, run_id=run_id, workflow_id=target.id, workflow_version=target.version,
-                        input=input, context=context, now=now, request=request.id, started_detail=started_detail)
-        # The insert holds the new row's lock until commit; no need to lock again.
-        self.shell.start_decision(conn, RunRow(
-            id=run_id, workflow_id=target.id, workflow_version=target.version, status="RUNNING",
-            context=context, now=now), request)
 
     def _started_by(self, run_id: str, request: Request) -> str | None:
         """``run_id`` when ``request`` started that run (an attempt whose acknowledgement was lost)."""
@@ -460,18 +447,6 @@ class Engine:
         lease, live first; the leases the dead and stopped ones hold; lease owners that
         never registered."""
         return admin.workers_report(self.pool, window_s=window_s)
-
-
-def startable(conn: Any, workflow_id: str, version: int | None, row: StartTarget | None) -> StartTarget:
-    """``row`` (what :func:`definitions.clock_and_start_target` found) if a new run may
-    start on it; else NotFound or Invalid saying why not."""
-    if row is None:
-        definitions.refuse_missing(conn, workflow_id, version)
-    if row.deleted_at is not None:
-        raise Invalid(f"workflow {workflow_id!r} v{row.version} has been deleted; it accepts no new runs")
-    if not row.enabled:
-        raise Invalid(f"workflow {workflow_id!r} is disabled; it accepts no new runs")
-    return row
 
 
 def _check_workflow_id(workflow_id: object) -> None:

@@ -38,6 +38,9 @@ Source: TypeAlias = "psycopg.Connection[Any] | Pool | str | None"
 
 #: ``partitions drop`` exits with this when due months were kept for active runs.
 BLOCKED_REASON = "has active runs"
+#: ... or for finished runs whose SUB_WORKFLOW children are still active.
+CHILDREN_REASON = "has live children"
+BLOCKED_REASONS = (BLOCKED_REASON, CHILDREN_REASON)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -54,8 +57,9 @@ class RetentionResult:
 
     @property
     def blocked(self) -> list[RetentionMonth]:
-        """Months past the cut-off kept only because runs in them are still active."""
-        return [m for m in self.plan if m.action == "keep" and m.reason == BLOCKED_REASON]
+        """Months past the cut-off kept only because runs in them (or their children) are
+        still active."""
+        return [m for m in self.plan if m.action == "keep" and m.reason in BLOCKED_REASONS]
 
 
 class _Raced(Exception):

@@ -27,7 +27,7 @@ from composer_ops.core.runids import RUN_ID_MAX_AGE
 from composer_ops.db import connect
 from composer_ops.db.retry import backoff_delay
 from composer_ops.engine.archive import BadArchive, Manifest, Progress, content_fingerprint, export_month, month_dir
-from composer_ops.engine.retention import BLOCKED_REASON
+from composer_ops.engine.retention import BLOCKED_REASONS
 from composer_ops.errors import ComposerError, Invalid, Transient
 from composer_ops.repo import archive as repo
 from composer_ops.repo import audit, citus, partitions, retention
@@ -64,7 +64,7 @@ class RetireResult:
     @property
     def blocked(self) -> list[RetentionMonth]:
         """Months past the cut-off kept because runs in them are still active."""
-        return [m for m in self.plan if m.action == "keep" and m.reason == BLOCKED_REASON]
+        return [m for m in self.plan if m.action == "keep" and m.reason in BLOCKED_REASONS]
 
 
 #: Why ``partitions detach`` refuses a Citus database (before it plans or changes anything).

@@ -4,8 +4,8 @@ transaction; and the coordinator's pass that starts due slots.
 
 A slot's run ID is derived from the schedule and the slot
 (:func:`composer_ops.core.schedules.slot_run_id`), and its run starts through the
-engine's one start (:meth:`Engine.start_in`), in the transaction that holds the
-schedule's row lock and moves its slot cursor. Two coordinators never decide one
+engine's one start (:func:`composer_ops.engine.starts.start_in`), in the transaction
+that holds the schedule's row lock and moves its slot cursor. Two coordinators never decide one
 schedule at once (``FOR UPDATE SKIP LOCKED``), a pass retried after a lost COMMIT
 acknowledgement finds the cursor moved, and, whatever else happens, a second start of
 a slot names a run ID that exists and starts nothing.
@@ -25,6 +25,7 @@ from composer_ops.core.runids import month_of
 from composer_ops.db.retry import db_retry
 from composer_ops.engine.jsonvalues import check_json
 from composer_ops.engine.requests import Request
+from composer_ops.engine.starts import start_in
 from composer_ops.errors import ComposerError, Conflict, Invalid, NotFound, Transient
 from composer_ops.repo import audit, clock, definitions, partitions
 from composer_ops.repo import schedules as repo
@@ -400,26 +401,22 @@ class Schedules:
         slot) through the engine's start; ``(run_id, None)`` when it started or had
         started already, ``(run_id, why)`` when it cannot start (the workflow is
         disabled or deleted, the slot's month has no partition)."""
-        from composer_ops.engine.engine import startable
-
         run_id = rules.slot_run_id(row.id, kind, slot)
         try:
             partitions.require_run_partition(conn, run_id)
         except Invalid:
             return run_id, f"slot {_iso(slot)} falls in month {month_of(run_id)}, which has no partition"
-        _, found = definitions.clock_and_start_target(conn, row.workflow_id, None)
-        try:
-            target = startable(conn, row.workflow_id, None, found)
-        except (Invalid, NotFound) as exc:
-            return run_id, str(exc)
         detail = {"schedule": row.name, "schedule_id": row.id, "slot": _iso(slot), "source": source}
         try:
-            self.engine.start_in(conn, now=now, target=target, run_id=run_id,
-                                 input=slot_input(row.input, row.name, slot, source), request=request,
-                                 started_detail=detail)
+            start_in(conn, self.engine.shell, workflow_id=row.workflow_id, version=None,
+                     input=slot_input(row.input, row.name, slot, source), run_id=run_id, minted=[],
+                     request=request, started_detail=detail, derived=True)
         except Conflict:
             # The slot's run exists: another coordinator, an earlier attempt, or a backfill started it.
             log.info("schedule %s slot %s: run %s had started already", row.name, _iso(slot), run_id)
+        except (Invalid, NotFound) as exc:
+            # The workflow is disabled, deleted or gone: refused before anything was written.
+            return run_id, str(exc)
         return run_id, None
 
 

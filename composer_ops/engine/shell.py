@@ -24,15 +24,25 @@ from composer_ops.core.flow import flow_refs, key_text
 from composer_ops.core.machine import decide
 from composer_ops.core.model import (
     BufferSignal,
+    CancelChild,
+    CancelItems,
     CancelRun,
     CancelTasks,
+    ChildFinished,
     CompleteTask,
     ConsumeSignal,
+    CountItems,
+    CreateItems,
     CreateTask,
     Decision,
+    DispatchItems,
     Event,
     FailTask,
+    FinishChild,
+    FinishMap,
     FinishRun,
+    ItemCounts,
+    ItemState,
     LeaseExpired,
     NodeState,
     NodeType,
@@ -47,6 +57,7 @@ from composer_ops.core.model import (
     Signal,
     SignalReceived,
     Stale,
+    StartChild,
     StartRun,
     TaskFailed,
     TaskState,
@@ -56,8 +67,9 @@ from composer_ops.db.errors import Pool
 from composer_ops.db.retry import db_retry
 from composer_ops.engine.ids import uuid7_text
 from composer_ops.engine.requests import KEY_PREFIX, Request
-from composer_ops.errors import Conflict, LockTimeout
-from composer_ops.repo import citus, definitions, history, outbox, partitions, runs, signals, tasks, webhooks
+from composer_ops.engine.starts import start_in
+from composer_ops.errors import Conflict, Invalid, LockTimeout, NotFound
+from composer_ops.repo import citus, definitions, history, items, outbox, partitions, runs, signals, tasks, webhooks
 from composer_ops.repo._base import Conn
 from composer_ops.repo.rows import Dispatch, HistoryEntry, NewTask, RunRow, TaskStateRow
 
@@ -109,6 +121,12 @@ class _Store:
 
     def pending_signals(self, name: str) -> Sequence[Signal]:
         return signals.pending_signals(self._conn, self._run_id, name)
+
+    def load_item(self, node_id: str, task_id: str) -> ItemState | None:
+        return items.item_state(self._conn, self._run_id, node_id, task_id)
+
+    def item_outputs(self, node_id: str) -> Sequence[Any]:
+        return items.item_outputs(self._conn, self._run_id, node_id)
 
 
 class Shell:
@@ -194,12 +212,12 @@ class Shell:
             id=row.id, workflow_id=row.workflow_id, workflow_version=row.workflow_version,
             status=RunStatus(row.status),
             context=RunContext(input=context.get("input"), config=context.get("config") or {}),
-            spec=defn.spec,
+            spec=defn.spec, parent_run_id=row.parent_run_id, parent_node_id=row.parent_node_id,
             nodes={node_id: NodeState(task_id=t.task_id, state=TaskState(t.state), attempt=t.attempt,
                                       branches=tuple(t.branches) if t.branches is not None else None,
                                       event_name=t.event_name, lease_owner=t.lease_owner,
                                       lease_expires_at=t.lease_expires_at, created_at=t.created_at,
-                                      wake_at=t.wake_at, lease_expiries=t.lease_expiries)
+                                      wake_at=t.wake_at, lease_expiries=t.lease_expiries, items=_counts(t))
                    for node_id, t in nodes.items()},
         )
 
@@ -223,6 +241,7 @@ class Shell:
         created: str | None = None            # the node of the last CreateTask (a ConsumeSignal follows it)
         creating: list[CreateTask] = []       # consecutive CreateTasks, inserted by one statement
         made: list[str] = []                  # every node created
+        later: list[StartChild | CancelChild] = []   # other runs' events: once this run's rows are written
         for action in decision.actions:
             if isinstance(action, Stale):
                 log.info("stale event on run %s: %s", run.id, action.reason,
@@ -279,13 +298,27 @@ class Shell:
             elif isinstance(action, ReopenRun):
                 _fenced(runs.reopen_run(conn, run.id, str(action.status), now=now) or None, action)
             elif isinstance(action, ResetTasks):
-                outbox.delete_for_tasks(conn, run.id, action.task_ids)
-                _fenced(tasks.reset_tasks(conn, run.id, action.task_ids) == len(action.task_ids) or None, action)
+                removed = [*action.task_ids, *items.items_of(conn, run.id, _maps(run, action.node_ids))]
+                outbox.delete_for_tasks(conn, run.id, removed)
+                _fenced(tasks.reset_tasks(conn, run.id, removed) == len(removed) or None, action)
                 notes.reset = action.node_ids
+            elif isinstance(action, CreateItems | DispatchItems | CountItems | FinishMap | CancelItems):
+                self._map_action(conn, run, action, dispatches, now)
+            elif isinstance(action, FinishChild):
+                _fenced(signals.resolve_wait(conn, run.id, action.parent, state=str(action.state), now=now,
+                                             output=action.output, reason=action.reason) or None, action)
+            elif isinstance(action, StartChild | CancelChild):
+                later.append(action)
+                notes.child(action)
         if creating:
             self._create(conn, run, creating, dispatches, now)
         history.record(conn, run.id, request.id, notes.entries(), now=now)
         outbox.enqueue(conn, dispatches, now=now)
+        for child in later:
+            self._child_action(conn, run, child)
+        finish = decision.finish
+        if finish is not None and run.parent_run_id is not None and run.parent_node_id is not None:
+            self._tell_parent(conn, run.id, run.parent_run_id, run.parent_node_id, finish)
         return Outcome(run_id=run.id, finished=finished, refused=decision.refused, reset=notes.reset,
                        created=tuple(made))
 
@@ -293,7 +326,9 @@ class Shell:
                 dispatches: list[Dispatch], now: datetime) -> None:
         rows = [NewTask(task_id=a.task_id, node_id=a.node_id, node_type=str(a.node_type), queue=_queue(run, a),
                         state=str(a.state), input=a.input, output=a.output, error=a.error, branches=a.branches,
-                        wake_at=a.wake_at, event_name=a.event_name) for a in creates]
+                        wake_at=a.wake_at, event_name=a.event_name,
+                        items_total=a.items.total if a.items else None,
+                        items_started=a.items.started if a.items else None) for a in creates]
         inserted = tasks.insert_tasks(conn, run.id, rows, now=now)
         for a in creates:
             if a.node_id not in inserted:
@@ -307,6 +342,61 @@ class Shell:
                                            priority=node.flow.priority, max_run_s=_max_run(node),
                                            start_within_s=node.flow.timeouts.schedule_to_start_s,
                                            **_flow_keys(conn, run, node)))
+
+    def _child_action(self, conn: Conn, run: RunSnapshot, a: StartChild | CancelChild) -> None:
+        """Start or cancel a SUB_WORKFLOW node's child, in this transaction: after this
+        run's own rows are written, since the child's first decision may finish it and
+        tell this run at once (under this run's lock, which this transaction holds)."""
+        if isinstance(a, StartChild):
+            try:
+                start_in(conn, self, workflow_id=a.workflow, version=a.version, input=a.input,
+                         run_id=a.child_run_id, minted=[], request=Request(), parent=(run.id, a.node_id))
+            except (Invalid, NotFound) as exc:
+                # Its workflow was deleted or disabled since this one was deployed.
+                self._tell_parent(conn, a.child_run_id, run.id, a.node_id,
+                                  FinishRun(status=RunStatus.FAILED, reason=f"did not start: {exc}"))
+            return
+        try:
+            self.handle_in(conn, a.child_run_id, lambda now: CancelRun(reason=a.reason, now=now), request=Request())
+        except Conflict:
+            log.info("child run %s of run %s had already finished", a.child_run_id, run.id,
+                     extra={"action": "cancel_child", "run_id": run.id})
+
+    def _tell_parent(self, conn: Conn, child: str, parent: str, node_id: str, finish: FinishRun) -> None:
+        """Deliver a child's finish to its parent run, under the parent's lock."""
+        self.handle_in(conn, parent, lambda now: ChildFinished(
+            node_id=node_id, child_run_id=child, status=finish.status, output=finish.output, error=finish.reason,
+            now=now), request=Request())
+
+    def _map_action(self, conn: Conn, run: RunSnapshot,
+                    a: CreateItems | DispatchItems | CountItems | FinishMap | CancelItems,
+                    dispatches: list[Dispatch], now: datetime) -> None:
+        """Apply one action on a MAP node's items or counters (core/mapnode.py)."""
+        node = run.spec.nodes[a.node_id]
+        queue, name, lease = node.queue or "default", node.task or a.node_id, _lease(node.lease_s)
+        if isinstance(a, CreateItems):
+            cancelled = a.state is TaskState.CANCELLED
+            items.insert_items(conn, run.id, a.node_id, queue=queue, task_ids=a.task_ids, inputs=a.inputs,
+                               state=str(a.state), reason="run failed" if cancelled else None, now=now)
+            if len(a.task_ids) >= items.ANALYZE_AT and not cancelled:
+                items.analyze_new_month(conn, run.id)
+            dispatches.extend(Dispatch(run_id=run.id, task_id=task_id, attempt=0, queue=queue, task_name=name,
+                                       lease_s=lease, available_at=a.available_at)
+                              for task_id in a.task_ids[:a.dispatch])
+        elif isinstance(a, DispatchItems):
+            found = items.undispatched(conn, run.id, a.node_id, a.indexes)
+            _fenced(len(found) == len(a.indexes) or None, a)
+            dispatches.extend(Dispatch(run_id=run.id, task_id=task_id, attempt=attempt, queue=queue, task_name=name,
+                                       lease_s=lease, available_at=a.available_at) for _, task_id, attempt in found)
+        elif isinstance(a, CountItems):
+            _fenced(items.count_items(conn, run.id, a.node_id, a.parent, a.items, now=now) or None, a)
+        elif isinstance(a, FinishMap):
+            _fenced(signals.resolve_wait(conn, run.id, a.parent, state=str(a.state), now=now, output=a.output,
+                                         reason=a.reason) or None, a)
+        else:
+            active = items.active_items(conn, run.id, [a.node_id])
+            outbox.delete_for_tasks(conn, run.id, active)     # outbox rows first: the lock order
+            tasks.cancel_tasks(conn, run.id, active, a.reason, now=now)
 
     def _finish(self, conn: Conn, run: RunSnapshot, a: FinishRun, now: datetime) -> None:
         if not runs.finish_run(conn, run.id, str(a.status), now=now, reason=a.reason, output=a.output):
@@ -377,6 +467,10 @@ class _Notes:
     def buffered(self, a: BufferSignal) -> None:
         self.rows.append(HistoryEntry(kind="signal", detail=self._signal(buffered=a.signal_id)))
 
+    def child(self, a: StartChild | CancelChild) -> None:
+        kind = "child_started" if isinstance(a, StartChild) else "child_cancelled"
+        self.rows.append(HistoryEntry(kind=kind, node_id=a.node_id, detail={"child": a.child_run_id}))
+
     def consumed(self, a: ConsumeSignal, node_id: str | None) -> None:
         self.rows.append(HistoryEntry(kind="signal_consumed", node_id=node_id, detail={"signal": a.signal_id}))
 
@@ -387,6 +481,9 @@ class _Notes:
                 "reason": self.event.reason, "tasks": self.cancelled_tasks, **self.operator, **self.outcome}))
         elif isinstance(self.event, SignalReceived) and not self.recorded:
             self.rows.append(HistoryEntry(kind="signal", detail=self._signal()))   # refused
+        elif isinstance(self.event, ChildFinished):
+            self.rows.append(HistoryEntry(kind="child_finished", node_id=self.event.node_id, detail={
+                "child": self.event.child_run_id, "status": str(self.event.status), **self.outcome}))
         elif isinstance(self.event, RetryRun):
             self.rows.append(HistoryEntry(kind="retried", detail={
                 "from": list(self.event.from_nodes), "reset": list(self.reset), **self.operator, **self.outcome}))
@@ -411,7 +508,22 @@ def _replayed(run_id: str, rows: list[HistoryRow], event: Event) -> Outcome:
 
 def _queue(run: RunSnapshot, a: CreateTask) -> str | None:
     """The queue a created task is dispatched on (TASK nodes only)."""
-    return (run.spec.nodes[a.node_id].queue or "default") if a.node_type is NodeType.TASK else None
+    if a.node_type is NodeType.TASK or a.node_type is NodeType.MAP:
+        return run.spec.nodes[a.node_id].queue or "default"
+    return None
+
+
+def _counts(t: TaskStateRow) -> ItemCounts | None:
+    """A MAP node's counters, from its row."""
+    if t.items_total is None:
+        return None
+    return ItemCounts(total=t.items_total, started=t.items_started or 0, done=t.items_done or 0,
+                      failed=t.items_failed or 0)
+
+
+def _maps(run: RunSnapshot, node_ids: Sequence[str]) -> list[str]:
+    """The MAP nodes among ``node_ids``."""
+    return [n for n in node_ids if n in run.spec.nodes and run.spec.nodes[n].type is NodeType.MAP]
 
 
 def _lease(lease_s: float) -> int:

@@ -177,6 +177,15 @@ def active_groups(by_group: pl.DataFrame) -> go.Figure:
                  hover=["oldest_age_s", "oldest_run_id", "oldest_node_id"], title="Active tasks by queue and node type")
 
 
+def item_states(states: pl.DataFrame) -> go.Figure:
+    """A run's MAP nodes, each one bar of its items stacked by state (the nodes are drawn
+    collapsed: one bar, not one per item)."""
+    if states.is_empty():
+        return _empty("MAP items", "none: this run has no MAP node with items")
+    return _bars(states, x="node_id", y="items", color="state", colors=STATE_COLORS, title="MAP items by state",
+                 labels={"node_id": "MAP node"})
+
+
 def age_histogram(hist: pl.DataFrame) -> go.Figure:
     """Active tasks per age bucket, stacked by state."""
     order = hist.sort("bucket_order")["bucket"].unique(maintain_order=True).to_list()

@@ -143,7 +143,7 @@ def check_health(source: Source = None, thresholds: Thresholds | None = None) ->
                 else f"{int(backlog['ready'].sum()) if backlog.height else 0} ready dispatch(es), none waiting long"),
         help="Seconds the oldest claimable dispatch has waited in the outbox (0: none)."))
 
-    blocked = plan.filter(pl.col("reason") == "has active runs")
+    blocked = plan.filter(pl.col("reason").is_in(["has active runs", "has live children"]))
     runs = [r for ids in blocked["active_run_ids"].to_list() for r in ids]
     checks.append(Check(
         name="retention blocked", runbook="retention_blocked",

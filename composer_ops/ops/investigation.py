@@ -34,6 +34,14 @@ TASK_SCHEMA = {
     "last_error": pl.String, "branches": pl.List(pl.String), "output": pl.String,
 }
 
+ITEM_STATES_SCHEMA = {"node_id": pl.String, "state": pl.String, "items": pl.Int64}
+SLOWEST_SCHEMA = {
+    "node_id": pl.String, "item_index": pl.Int64, "state": pl.String, "attempt": pl.Int64, "started_at": UTC_TS,
+    "finished_at": UTC_TS, "ran_s": pl.Float64,
+}
+LINKS_SCHEMA = {"link": pl.String, "node_id": pl.String, "run_id": pl.String, "workflow_id": pl.String,
+                "status": pl.String}
+
 HISTORY_SCHEMA = {
     "seq": pl.Int64, "at": UTC_TS, "kind": pl.String, "node_id": pl.String, "task_id": pl.String,
     "attempt": pl.Int64, "worker": pl.String, "request": pl.String, "detail": pl.String,
@@ -96,6 +104,12 @@ class RunStory:
     spec_found: bool = True
     #: The run's history, oldest first (:data:`HISTORY_SCHEMA`).
     history: pl.DataFrame = field(default_factory=lambda: _history_frame([]))
+    #: MAP items, collapsed: how many of each node's items are in each state
+    #: (:data:`ITEM_STATES_SCHEMA`), and each node's slowest items (:data:`SLOWEST_SCHEMA`).
+    item_states: pl.DataFrame = field(default_factory=lambda: rows_frame([], ITEM_STATES_SCHEMA))
+    slowest_items: pl.DataFrame = field(default_factory=lambda: rows_frame([], SLOWEST_SCHEMA))
+    #: The run's parent and children (SUB_WORKFLOW), :data:`LINKS_SCHEMA`.
+    links: pl.DataFrame = field(default_factory=lambda: rows_frame([], LINKS_SCHEMA))
 
     @property
     def attempts(self) -> pl.DataFrame:
@@ -144,9 +158,13 @@ def run_story(source: Source, run_id: str) -> RunStory:
             "gave_up_at": UTC_TS, "last_status": pl.Int64, "last_error": pl.String, "created_at": UTC_TS,
         })
         history = _history_frame(analytics.run_history(conn, rid))
+        item_states = rows_frame(analytics.run_item_states(conn, rid), ITEM_STATES_SCHEMA)
+        slowest = rows_frame(analytics.run_slowest_items(conn, rid), SLOWEST_SCHEMA)
+        links = rows_frame(analytics.run_links(conn, rid), LINKS_SCHEMA)
     nodes, edges = definition_graph(spec, tasks)
     return RunStory(run=run, nodes=nodes, edges=edges, tasks=tasks, signals=signals, outbox=outbox,
-                    webhook=webhook, spec_found=spec is not None, history=history)
+                    webhook=webhook, spec_found=spec is not None, history=history, item_states=item_states,
+                    slowest_items=slowest, links=links)
 
 
 def definition_graph(spec: Any, tasks: pl.DataFrame | None = None) -> tuple[pl.DataFrame, pl.DataFrame]:

@@ -287,8 +287,41 @@ RUN_TASKS_SQL = """
            extract(epoch FROM lease_expires_at - %(now)s::timestamptz)::float8 AS lease_left_s,
            COALESCE(last_error ->> 'error', last_error::text) AS last_error, branches, output_json::text
       FROM task_instances
-     WHERE run_id = %(run)s
+     WHERE run_id = %(run)s AND item_index IS NULL
      ORDER BY created_at, node_id
+"""
+
+RUN_ITEM_STATES_SQL = """
+    SELECT node_id, state, count(*) FROM task_instances
+     WHERE run_id = %(run)s AND item_index IS NOT NULL
+     GROUP BY node_id, state
+     ORDER BY node_id, state
+"""
+
+RUN_SLOWEST_ITEMS_SQL = """
+    SELECT node_id, item_index, state, attempt, started_at, finished_at, ran_s FROM (
+        SELECT node_id, item_index, state, attempt, started_at, finished_at,
+               extract(epoch FROM COALESCE(finished_at, %(now)s::timestamptz) - started_at)::float8 AS ran_s,
+               row_number() OVER (PARTITION BY node_id
+                                  ORDER BY COALESCE(finished_at, %(now)s::timestamptz) - started_at DESC,
+                                           item_index) AS rank
+          FROM task_instances
+         WHERE run_id = %(run)s AND item_index IS NOT NULL AND started_at IS NOT NULL) ranked
+     WHERE rank <= %(limit)s
+     ORDER BY node_id, rank
+"""
+
+RUN_PARENT_SQL = """
+    SELECT parent_node_id, parent_run_id FROM workflow_runs WHERE id = %(run)s AND parent_run_id IS NOT NULL
+"""
+
+RUN_CHILDREN_SQL = """
+    SELECT DISTINCT node_id, detail->>'child' FROM run_history
+     WHERE run_id = %(run)s AND kind = 'child_started'
+"""
+
+LINKED_RUN_SQL = """
+    SELECT workflow_definition_id, status FROM workflow_runs WHERE id = %(run)s
 """
 
 RUN_SIGNALS_SQL = """
@@ -340,6 +373,34 @@ def run_row(conn: Conn, run_id: str) -> Row | None:
 def run_tasks(conn: Conn, run_id: str) -> list[Row]:
     """Every task of the run with its timings, lease, last error, branches and output."""
     return _rows(conn, RUN_TASKS_SQL, {"run": run_id})
+
+
+def run_item_states(conn: Conn, run_id: str) -> list[Row]:
+    """How many items of each MAP node of the run are in each state: node_id, state, items."""
+    return _rows(conn, RUN_ITEM_STATES_SQL, {"run": run_id})
+
+
+def run_slowest_items(conn: Conn, run_id: str, limit: int = 5) -> list[Row]:
+    """The ``limit`` longest-running items of each MAP node of the run (still running
+    ones by their time so far): node_id, item_index, state, attempt, started_at,
+    finished_at, ran_s."""
+    return _rows(conn, RUN_SLOWEST_ITEMS_SQL, {"run": run_id, "limit": limit})
+
+
+def run_links(conn: Conn, run_id: str) -> list[Row]:
+    """The run's parent (when a SUB_WORKFLOW node started it) and its children: link
+    ('parent' or 'child'), node_id (the SUB_WORKFLOW node), run_id, workflow_id, status
+    (None for a linked run that is gone). The children are named by the run's own
+    history; each linked run is then read by its ID: on Citus, one shard per statement."""
+    found: list[tuple[str, str, str]] = [("parent", str(n), str(p)) for n, p in _rows(conn, RUN_PARENT_SQL,
+                                                                                     {"run": run_id})]
+    found += sorted(("child", str(n), str(c)) for n, c in _rows(conn, RUN_CHILDREN_SQL, {"run": run_id}))
+    rows: list[Row] = []
+    for link, node_id, other in found:
+        row = _rows(conn, LINKED_RUN_SQL, {"run": other})
+        workflow, status = row[0] if row else (None, None)
+        rows.append((link, node_id, other, workflow, status))
+    return rows
 
 
 def run_signals(conn: Conn, run_id: str) -> list[Row]:

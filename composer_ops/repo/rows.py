@@ -20,6 +20,8 @@ class RunRow:
     status: str
     context: Any
     now: datetime
+    parent_run_id: str | None = None     # a child run: its parent and the parent's SUB_WORKFLOW node
+    parent_node_id: str | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -37,6 +39,10 @@ class TaskStateRow:
     created_at: datetime
     wake_at: datetime | None
     lease_expiries: int
+    items_total: int | None = None       # a MAP node's counters (ItemCounts)
+    items_started: int | None = None
+    items_done: int | None = None
+    items_failed: int | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -90,6 +96,8 @@ class NewTask:
     branches: Sequence[str] | None = None
     wake_at: datetime | None = None
     event_name: str | None = None
+    items_total: int | None = None        # a MAP node: its counters (ItemCounts)
+    items_started: int | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -184,6 +192,7 @@ class TaskView:
     created_at: datetime
     started_at: datetime | None
     finished_at: datetime | None
+    item_index: int | None = None        # a MAP item: its position in the node's items
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -214,6 +223,19 @@ class RunView:
     completed_at: datetime | None
     tasks: list[TaskView] = field(default_factory=list)
     history: list[HistoryRow] = field(default_factory=list)
+    parent_run_id: str | None = None     # a child run: the run whose SUB_WORKFLOW node started it
+    parent_node_id: str | None = None
+    children: list[ChildRun] = field(default_factory=list)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ChildRun:
+    """A run a SUB_WORKFLOW node of another run started."""
+
+    id: str
+    node_id: str
+    workflow_id: str
+    status: str
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -242,7 +264,7 @@ class RetentionMonth:
     month_start: datetime
     month_end: datetime
     action: str                    # "drop" | "keep"
-    reason: str                    # "too new" | "has active runs" | "past cut-off, no active runs"
+    reason: str                    # "too new" | "has active runs" | "has live children" | "past cut-off, ..."
     active_runs: int
     active_run_ids: list[str]      # the first 20
     partitions: list[str]          # one per table of composer_run_tables(), workflow_runs first

@@ -13,11 +13,11 @@ from composer_ops.core.model import ACTIVE_RUN_STATUSES
 from composer_ops.errors import ComposerError, Conflict, Invalid, NotFound
 from composer_ops.repo import clock, history, partitions
 from composer_ops.repo._base import Conn, error_json, fetch_all, fetch_one, jsonb, sql_states
-from composer_ops.repo.rows import HistoryEntry, RunListRow, RunRow, RunView, TaskStateRow, TaskView
+from composer_ops.repo.rows import ChildRun, HistoryEntry, RunListRow, RunRow, RunView, TaskStateRow, TaskView
 
 _LOCK_RUN = """
     SELECT id, workflow_definition_id AS workflow_id, workflow_version, status,
-           context_json AS context
+           context_json AS context, parent_run_id, parent_node_id
       FROM {runs}
      WHERE id = %s AND deleted_at IS NULL
        FOR UPDATE"""
@@ -25,8 +25,9 @@ _LOCK_RUN = """
 _LOAD_TASKS = """
     SELECT node_id, id AS task_id, state, attempt, branches,
            CASE WHEN state = 'WAITING' THEN event_name END AS event_name,
-           lease_owner, lease_expires_at, created_at, wake_at, lease_expiries
-      FROM {tasks} WHERE run_id = %s"""
+           lease_owner, lease_expires_at, created_at, wake_at, lease_expiries,
+           items_total, items_started, items_done, items_failed
+      FROM {tasks} WHERE run_id = %s AND item_index IS NULL"""
 
 
 def lock_and_load(conn: Conn, run_id: str) -> tuple[RunRow, dict[str, TaskStateRow]]:
@@ -83,7 +84,7 @@ def _lock_and_load(conn: Conn, run_id: str, runs: str, tasks: str
 
 _LOAD_OUTPUTS = """
     SELECT node_id, output_json FROM {tasks}
-     WHERE run_id = %s AND node_id = ANY(%s) AND state = 'COMPLETED'"""
+     WHERE run_id = %s AND node_id = ANY(%s) AND state = 'COMPLETED' AND item_index IS NULL"""
 
 
 def load_outputs(conn: Conn, run_id: str, node_ids: list[str]) -> dict[str, Any]:
@@ -98,8 +99,9 @@ def load_outputs(conn: Conn, run_id: str, node_ids: list[str]) -> dict[str, Any]
 
 _INSERT_RUN = """
     INSERT INTO workflow_runs (id, workflow_definition_id, workflow_version, status, input_json, context_json,
-                               created_at, updated_at)
-    SELECT %(id)s, d.id, d.version, 'RUNNING', %(input)s, %(context)s, %(now)s, %(now)s
+                               parent_run_id, parent_node_id, created_at, updated_at)
+    SELECT %(id)s, d.id, d.version, 'RUNNING', %(input)s, %(context)s, %(parent)s, %(parent_node)s,
+           %(now)s, %(now)s
       FROM workflow_definitions d
      WHERE d.id = %(wf)s AND d.version = %(version)s AND d.deleted_at IS NULL
        AND to_regclass(%(partition)s) IS NOT NULL
@@ -111,13 +113,13 @@ _INSERT_RUN_RECORDED = history.recorded(_INSERT_RUN, "id")
 
 def insert_run(conn: Conn, *, run_id: str, workflow_id: str, workflow_version: int,
                input: Any, context: Any, now: datetime, request: str | None = None,
-               started_detail: Any = None) -> None:
+               started_detail: Any = None, parent: tuple[str, str] | None = None) -> None:
     """Create a RUNNING run; with ``request``, its history starts with a 'started' row
     written by that request (how a retried start recognises its own run), with
     ``started_detail`` (a schedule's slot). Fails if the
     definition is missing or deleted (NotFound / Invalid), if the run ID is taken
     (Conflict) or has no partition (Invalid); a refused insert leaves the caller's
-    transaction usable.
+    transaction usable. ``parent``: the run and SUB_WORKFLOW node that start this one.
 
     One statement in the common case: the definition and the partition are checked in
     the INSERT itself, so a refused start raises no database error (which would abort
@@ -130,7 +132,8 @@ def insert_run(conn: Conn, *, run_id: str, workflow_id: str, workflow_version: i
                             input=input, context=context, now=now)
         return
     params = {"id": run_id, "input": jsonb(input), "context": jsonb(context), "wf": workflow_id,
-              "version": workflow_version, "partition": partition, "now": now}
+              "version": workflow_version, "partition": partition, "now": now,
+              "parent": parent[0] if parent else None, "parent_node": parent[1] if parent else None}
     if request is not None:
         params |= history.entry_params(run_id, request, HistoryEntry(kind="started", detail=started_detail),
                                         now=now)
@@ -208,17 +211,35 @@ def get_run(conn: Conn, run_id: str) -> RunView:
     run = fetch_one(conn, RunView, """
         SELECT id, workflow_definition_id AS workflow_id, workflow_version, status,
                input_json AS input, output_json AS output, error_json AS error,
-               created_at, updated_at, completed_at
+               created_at, updated_at, completed_at, parent_run_id, parent_node_id
           FROM workflow_runs WHERE id = %s AND deleted_at IS NULL""", (run_id,))
     if run is None:
         raise NotFound(f"workflow run {run_id} does not exist")
     tasks = fetch_all(conn, TaskView, """
         SELECT id, node_id, node_type, queue, state, attempt, input_json AS input,
                output_json AS output, last_error AS error, branches, wake_at, event_name,
-               lease_owner, lease_expires_at, created_at, started_at, finished_at
+               lease_owner, lease_expires_at, created_at, started_at, finished_at, item_index
           FROM task_instances WHERE run_id = %s
-         ORDER BY created_at, id""", (run_id,))
-    return RunView(**{**run.__dict__, "tasks": tasks, "history": history.run_history(conn, run_id)})
+         ORDER BY created_at, item_index NULLS FIRST, id""", (run_id,))
+    return RunView(**{**run.__dict__, "tasks": tasks, "history": history.run_history(conn, run_id),
+                      "children": children_of(conn, run_id)})
+
+
+def children_of(conn: Conn, run_id: str) -> list[ChildRun]:
+    """The runs the SUB_WORKFLOW nodes of ``run_id`` started, oldest first, whatever
+    their month: named by the run's own history ('child_started' rows), then each read
+    by its ID, so on Citus every statement is a single-shard one."""
+    started = conn.execute("""
+        SELECT DISTINCT detail->>'child' FROM run_history
+         WHERE run_id = %s AND kind = 'child_started'""", (run_id,)).fetchall()
+    found: list[ChildRun] = []
+    for (child,) in sorted(started):
+        row = fetch_one(conn, ChildRun, """
+            SELECT id, parent_node_id AS node_id, workflow_definition_id AS workflow_id, status
+              FROM workflow_runs WHERE id = %s AND deleted_at IS NULL""", (child,))
+        if row is not None:
+            found.append(row)
+    return found
 
 
 def lock_for_delete(conn: Conn, run_id: str) -> tuple[str, datetime | None] | None:

@@ -24,6 +24,7 @@ from composer_ops.core.model import (
     IN_FLIGHT_TASK_STATES,
     TERMINAL_TASK_STATES,
     Decision,
+    ItemState,
     NodeState,
     NodeType,
     RunContext,
@@ -69,6 +70,8 @@ class TaskRow:
     lease_expires_at: datetime | None = None
     lease_expiries: int = 0
     available_at: datetime | None = None
+    items: model.ItemCounts | None = None    # a MAP node's counters
+    index: int | None = None                 # a MAP item's position in its list
 
 
 @dataclass(slots=True, kw_only=True)
@@ -121,6 +124,12 @@ class Replay:
         self.rows: dict[str, TaskRow] = {}
         self.signals: list[SignalRow] = []
         self._by_task: dict[str, str] = {}
+        # The MAP items of each node, in item order, and each item's row by task id.
+        self.items: dict[str, list[TaskRow]] = {}
+        self._items_by_task: dict[str, TaskRow] = {}
+        # The child runs SUB_WORKFLOW nodes started and cancelled: (node, child run ID).
+        self.children: list[model.StartChild] = []
+        self.cancelled_children: list[tuple[str, str]] = []
         self._event_now = now
         self._current: RunSnapshot | None = None
 
@@ -130,7 +139,7 @@ class Replay:
         return {node_id: NodeState(task_id=row.task_id, state=row.state, attempt=row.attempt, branches=row.branches,
                                    event_name=row.event_name, lease_owner=row.lease_owner,
                                    lease_expires_at=row.lease_expires_at, created_at=row.created_at,
-                                   wake_at=row.wake_at, lease_expiries=row.lease_expiries)
+                                   wake_at=row.wake_at, lease_expiries=row.lease_expiries, items=row.items)
                 for node_id, row in self.rows.items()}
 
     # -- the Store the machine reads through --------------------------------------
@@ -142,6 +151,17 @@ class Replay:
     def pending_signals(self, name: str) -> Sequence[Signal]:
         return [Signal(id=s.id, name=s.name, payload=s.payload) for s in self.signals
                 if s.name == name and s.consumed_at is None]
+
+    def load_item(self, node_id: str, task_id: str) -> ItemState | None:
+        row = self._items_by_task.get(task_id)
+        if row is None or row.node_id != node_id or row.index is None:
+            return None
+        return ItemState(task_id=row.task_id, state=row.state, attempt=row.attempt, lease_owner=row.lease_owner,
+                         lease_expires_at=row.lease_expires_at, created_at=row.created_at,
+                         lease_expiries=row.lease_expiries, index=row.index)
+
+    def item_outputs(self, node_id: str) -> Sequence[Any]:
+        return [row.output for row in self.items.get(node_id, [])]
 
     def new_id(self) -> str:
         """A task ID for the event being decided (the machine's ``new_id``)."""
@@ -232,6 +252,58 @@ class Replay:
             if row is None or row.task_id != task_id:
                 raise self._refused(a)
             del self.rows[node_id], self._by_task[task_id]
+            for item in self.items.pop(node_id, []):
+                del self._items_by_task[item.task_id]
+
+    def _create_items(self, a: model.CreateItems, now: datetime) -> None:
+        parent = self.rows.get(a.node_id)
+        if parent is None or parent.task_id != a.parent or a.node_id in self.items:
+            raise self._refused(a)
+        queue = self.spec.nodes[a.node_id].queue or "default"
+        done = now if a.state in TERMINAL_TASK_STATES else None
+        rows = [TaskRow(task_id=task_id, node_id=a.node_id, node_type=NodeType.MAP, queue=queue, state=a.state,
+                        created_at=now, updated_at=now, input=item, index=i, finished_at=done,
+                        available_at=a.available_at if i < a.dispatch else None)
+                for i, (task_id, item) in enumerate(zip(a.task_ids, a.inputs, strict=True))]
+        self.items[a.node_id] = rows
+        self._items_by_task.update((row.task_id, row) for row in rows)
+
+    def _dispatch_items(self, a: model.DispatchItems, now: datetime) -> None:
+        rows = self.items.get(a.node_id, [])
+        for i in a.indexes:
+            if not 0 <= i < len(rows) or rows[i].state is not TaskState.PENDING or rows[i].available_at is not None:
+                raise self._refused(a)
+            rows[i].available_at = a.available_at
+
+    def _waiting_map(self, node_id: str, parent: str, action: object) -> TaskRow:
+        row = self.rows.get(node_id)
+        if row is None or row.task_id != parent or row.state is not TaskState.WAITING:
+            raise self._refused(action)
+        return row
+
+    def _count_items(self, a: model.CountItems, now: datetime) -> None:
+        row = self._waiting_map(a.node_id, a.parent, a)
+        row.items, row.updated_at = a.items, now
+
+    def _start_child(self, a: model.StartChild, now: datetime) -> None:
+        if any(c.child_run_id == a.child_run_id for c in self.children):
+            raise Conflict(f"workflow run {a.child_run_id} already exists")
+        self.children.append(a)
+
+    def _cancel_child(self, a: model.CancelChild, now: datetime) -> None:
+        self.cancelled_children.append((a.node_id, a.child_run_id))
+
+    def _finish_map(self, a: model.FinishMap | model.FinishChild, now: datetime) -> None:
+        row = self._waiting_map(a.node_id, a.parent, a)
+        row.output, row.error = a.output, a.reason
+        row.completed_at = now if a.state is TaskState.COMPLETED else None
+        self._finish_task(row, a.state, now)
+
+    def _cancel_items(self, a: model.CancelItems, now: datetime) -> None:
+        for row in self.items.get(a.node_id, []):
+            if row.state in ACTIVE_TASK_STATES:
+                row.error, row.available_at = a.reason, None
+                self._finish_task(row, TaskState.CANCELLED, now)
 
     def _create(self, a: model.CreateTask, now: datetime) -> None:
         if a.node_id in self.rows:
@@ -246,7 +318,7 @@ class Replay:
             branches=a.branches, wake_at=a.wake_at, event_name=a.event_name,
             finished_at=now if state in TERMINAL_TASK_STATES else None,
             completed_at=now if state is TaskState.COMPLETED else None,
-            available_at=a.available_at if is_task and state is TaskState.PENDING else None)
+            available_at=a.available_at if is_task and state is TaskState.PENDING else None, items=a.items)
         self._by_task[a.task_id] = a.node_id
 
     def _consume(self, a: model.ConsumeSignal, now: datetime) -> None:
@@ -259,8 +331,10 @@ class Replay:
     def _fenced(self, ref: TaskRef, action: object) -> TaskRow:
         """The row a fenced task update matches (id, node, attempt, an updatable state)."""
         row = self.rows.get(ref.node_id)
-        if (row is None or ref.run_id != self.run_id or row.task_id != ref.task_id or row.attempt != ref.attempt
-                or row.state not in IN_FLIGHT_TASK_STATES):
+        if row is not None and row.task_id != ref.task_id:
+            row = self._items_by_task.get(ref.task_id)
+        if (row is None or ref.run_id != self.run_id or row.task_id != ref.task_id or row.node_id != ref.node_id
+                or row.attempt != ref.attempt or row.state not in IN_FLIGHT_TASK_STATES):
             raise self._refused(action)
         return row
 
@@ -279,10 +353,11 @@ class Replay:
 
     # -- what workers do without a decision -------------------------------------------
 
-    def claim(self, node_id: str, owner: str = "w1") -> TaskRef:
+    def claim(self, node_id: str, owner: str = "w1", *, item: int | None = None) -> TaskRef:
         """A worker's claim at ``now``: a dispatched PENDING task whose ``available_at``
-        has come moves to RUNNING, leased to ``owner`` for the node's ``lease_s``."""
-        row = self.rows.get(node_id)
+        has come moves to RUNNING, leased to ``owner`` for the node's ``lease_s``;
+        ``item``: that item of a MAP node."""
+        row = self.rows.get(node_id) if item is None else self._item(node_id, item)
         if (row is None or row.state not in (TaskState.PENDING, TaskState.QUEUED) or row.available_at is None
                 or row.available_at > self.now):
             raise Conflict(f"run {self.run_id}: node {node_id} has no task to claim at {self.now.isoformat()}")
@@ -290,7 +365,11 @@ class Replay:
         row.state, row.started_at, row.updated_at, row.available_at = TaskState.RUNNING, now, now, None
         row.lease_owner = owner
         row.lease_expires_at = now + timedelta(seconds=self.spec.nodes[node_id].lease_s)
-        return self.ref(node_id, owner)
+        return self.ref(node_id, owner, item=item)
+
+    def _item(self, node_id: str, index: int) -> TaskRow | None:
+        rows = self.items.get(node_id, [])
+        return rows[index] if 0 <= index < len(rows) else None
 
     def heartbeat(self, node_id: str, owner: str) -> bool:
         """Extend ``owner``'s unexpired lease by the node's ``lease_s`` from ``now``;
@@ -302,9 +381,10 @@ class Replay:
         row.lease_expires_at = self.now + timedelta(seconds=self.spec.nodes[node_id].lease_s)
         return True
 
-    def ref(self, node_id: str, owner: str | None = "w1") -> TaskRef:
-        """The reference of the node's current attempt, as reported by ``owner``."""
-        row = self.rows[node_id]
+    def ref(self, node_id: str, owner: str | None = "w1", *, item: int | None = None) -> TaskRef:
+        """The reference of the node's current attempt (or of its item ``item``'s), as
+        reported by ``owner``."""
+        row = self.rows[node_id] if item is None else self.items[node_id][item]
         return TaskRef(task_id=row.task_id, run_id=self.run_id, node_id=node_id, attempt=row.attempt,
                        lease_owner=owner)
 
@@ -319,7 +399,11 @@ _WRITERS: dict[type, Callable[[Replay, Any, datetime], bool | None]] = {
     model.Stale: Replay._stale, model.CreateTask: Replay._create, model.CompleteTask: Replay._complete,
     model.FailTask: Replay._fail, model.RequeueTask: Replay._requeue, model.ResolveWait: Replay._resolve,
     model.BufferSignal: Replay._buffer, model.ConsumeSignal: Replay._consume, model.CancelTasks: Replay._cancel,
-    model.FinishRun: Replay._finish_run, model.ReopenRun: Replay._reopen, model.ResetTasks: Replay._reset}
+    model.FinishRun: Replay._finish_run, model.ReopenRun: Replay._reopen, model.ResetTasks: Replay._reset,
+    model.CreateItems: Replay._create_items, model.DispatchItems: Replay._dispatch_items,
+    model.CountItems: Replay._count_items, model.FinishMap: Replay._finish_map,
+    model.CancelItems: Replay._cancel_items, model.StartChild: Replay._start_child,
+    model.CancelChild: Replay._cancel_child, model.FinishChild: Replay._finish_map}
 
 
 def utc(epoch_s: float) -> datetime:

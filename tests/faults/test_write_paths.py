@@ -67,6 +67,11 @@ PROMPT = {"id": "f-prompt", "nodes": [{"id": "a", "type": "TASK", "task": "t", "
                                        "timeouts": {"schedule_to_start_s": 60}}]}
 KEYED = {"id": "f-keyed", "nodes": [{"id": "a", "type": "TASK", "task": "t", "queue": "fk",
                                      "concurrency": {"key": "$.input.customer", "limit": 1}}]}
+MAP = {"id": "f-map", "nodes": [
+    {"id": "each", "type": "MAP", "items": "$.input.ids", "task": "t", "queue": "fq", "max_parallel": 2}]}
+KID = {"id": "f-kid", "nodes": [{"id": "k", "type": "TASK", "task": "t", "queue": "fq"}]}
+PARENT = {"id": "f-parent", "nodes": [{"id": "call", "type": "SUB_WORKFLOW", "workflow": "f-kid",
+                                       "input": {"token": "$.input.token"}}]}
 #: f-pruned's webhook goes nowhere: its deliveries stay pending unless a case marks them delivered
 NOWHERE = "http://127.0.0.1:9/never"
 RELAY = RelayPolicy(lease_s=0.3)
@@ -87,7 +92,7 @@ def b(server: Server, template_db: str) -> Iterator[Rig]:
     try:
         with server.database(template=template_db) as url, bench(url) as fb:
             rig = Rig(db_url=fb.db_url, proxy=fb.proxy, direct=fb.direct, engine=fb.engine, hook=hook)
-            for spec in (CHAIN, RETRIED, TWO_WAITERS, ONE_WAITER, TIMER, LIMITED, PROMPT, KEYED):
+            for spec in (CHAIN, RETRIED, TWO_WAITERS, ONE_WAITER, TIMER, LIMITED, PROMPT, KEYED, MAP, KID, PARENT):
                 rig.direct.deploy(spec)
             for definition, hook_url in (("f-hook", hook.base), ("f-pruned", NOWHERE)):
                 rig.direct.deploy({"id": definition, "webhook_url": hook_url, "nodes": ONE_WAITER["nodes"]})
@@ -145,11 +150,16 @@ def _partitions(b: Rig) -> set[tuple[str, str]]:
         return {(p.table, p.month) for p in partitions.list_partitions(conn)}
 
 
+def _cancel_active(b: Rig) -> None:
+    """Cancel what earlier cases left active; a child run goes with its parent."""
+    for (run_id,) in b.sql("SELECT id FROM workflow_runs WHERE status = 'RUNNING' AND parent_run_id IS NULL"):
+        b.direct.cancel(run_id, reason="next case")
+
+
 def _fresh_run(b: Rig, definition: str) -> str:
     """A run of ``definition`` once what earlier cases left active is cancelled, so a
     claim or a coordinator pass finds only this case's tasks."""
-    for (run_id,) in b.sql("SELECT id FROM workflow_runs WHERE status = 'RUNNING'"):
-        b.direct.cancel(run_id, reason="next case")
+    _cancel_active(b)
     return b.direct.start(definition)
 
 
@@ -529,6 +539,86 @@ def _one_run_started(b: Rig, token: str, result: Result) -> list[str]:
     return problems + _unexpected(b, runs[0], tasks={"a": ("PENDING", 0)}, outbox=[("a", 0)])
 
 
+def _items(b: Rig, run_id: str) -> tuple[list[tuple[int, str]], list[int], tuple[Any, ...]]:
+    """A MAP run's items (index, state), the dispatched ones (index), and the node's counters."""
+    items = [(int(i), str(st)) for i, st in b.sql(
+        "SELECT item_index, state FROM task_instances WHERE run_id = %s AND item_index IS NOT NULL "
+        "ORDER BY item_index", (run_id,))]
+    sent = [int(r[0]) for r in b.sql(
+        "SELECT t.item_index FROM task_outbox o JOIN task_instances t ON t.run_id = o.run_id AND t.id = o.task_id "
+        "WHERE o.run_id = %s ORDER BY 1", (run_id,))]
+    counters = tuple(b.sql("SELECT items_total, items_started, items_done, items_failed FROM task_instances "
+                           "WHERE run_id = %s AND node_id = 'each' AND item_index IS NULL", (run_id,))[0])
+    return items, sent, counters
+
+
+def _one_map_run_started(b: Rig, token: str, result: Result) -> list[str]:
+    runs = [r[0] for r in b.sql("SELECT id FROM workflow_runs WHERE input_json->>'token' = %s", (token,))]
+    if len(runs) != 1:
+        return [f"{len(runs)} runs for one start"] + _raised(result)
+    got = _items(b, runs[0])
+    want = ([(0, "PENDING"), (1, "PENDING"), (2, "PENDING")], [0, 1], (3, 2, 0, 0))
+    return _raised(result) + ([] if got == want else [f"items, dispatches, counters {got}, not {want}"])
+
+
+def _map_item_claimed(b: Rig) -> Claimed:
+    _cancel_active(b)
+    run_id = b.direct.start("f-map", input={"ids": ["x", "y", "z"]})
+    claims = b.direct.claim(["fq"], "w-direct", 1)
+    assert len(claims) == 1 and claims[0].input["index"] == 0, claims
+    return Claimed(run_id, claims[0])
+
+
+def _item_completed_once(b: Rig, state: Claimed, result: Result) -> list[str]:
+    """One item completed, counted once, and the third item dispatched once."""
+    got = _items(b, state.run_id)
+    want = ([(0, "COMPLETED"), (1, "PENDING"), (2, "PENDING")], [1, 2], (3, 3, 1, 0))
+    return _applied(result) + ([] if got == want else [f"items, dispatches, counters {got}, not {want}"])
+
+
+def _children(b: Rig, parent: str) -> list[tuple[str, str]]:
+    return [(str(r[0]), str(r[1])) for r in b.sql(
+        "SELECT id, status FROM workflow_runs WHERE parent_run_id = %s ORDER BY id", (parent,))]
+
+
+def _one_parent_one_child(b: Rig, token: str, result: Result) -> list[str]:
+    runs = [r[0] for r in b.sql("SELECT id FROM workflow_runs WHERE input_json->>'token' = %s "
+                                "AND parent_run_id IS NULL", (token,))]
+    if len(runs) != 1:
+        return [f"{len(runs)} parent runs for one start"] + _raised(result)
+    kids = _children(b, runs[0])
+    return _raised(result) + ([] if [st for _, st in kids] == ["RUNNING"] else [f"children {kids}"])
+
+
+def _parent_started(b: Rig) -> str:
+    _cancel_active(b)
+    return b.direct.start("f-parent", input={"token": _token()})
+
+
+def _parent_and_child_cancelled(b: Rig, parent: str, result: Result) -> list[str]:
+    problems = _applied(result)
+    if b.direct.get_run(parent).status != "CANCELLED":
+        problems.append(f"the parent is {b.direct.get_run(parent).status}")
+    kids = _children(b, parent)
+    if [st for _, st in kids] != ["CANCELLED"]:
+        problems.append(f"children {kids}")
+    return problems
+
+
+def _child_task_claimed(b: Rig) -> Claimed:
+    parent = _parent_started(b)
+    return Claimed(parent, _claim_one(b))
+
+
+def _parent_completed_by_child(b: Rig, state: Claimed, result: Result) -> list[str]:
+    problems = _applied(result)
+    if [st for _, st in _children(b, state.run_id)] != ["SUCCEEDED"]:
+        problems.append(f"children {_children(b, state.run_id)}")
+    if b.direct.get_run(state.run_id).status != "SUCCEEDED":
+        problems.append(f"the parent is {b.direct.get_run(state.run_id).status}")
+    return problems
+
+
 def _the_client_run_id_returned(b: Rig, run_id: str, result: Result) -> list[str]:
     """The client's run ID is its idempotency key: a retry after a lost acknowledgement
     must return the run it started, not Conflict."""
@@ -818,6 +908,18 @@ PATHS = [
     WritePath("signal (buffered)", _both_waiters_resolved, _signal_token, _buffered_once),
     WritePath("cancel", lambda b: b.direct.start("f-chain"),
               lambda b, run_id: b.engine.cancel(run_id, reason="by test"), _leaves(status="CANCELLED")),
+    # MAP and SUB_WORKFLOW nodes
+    WritePath("start (MAP)", lambda b: _token(),
+              lambda b, token: b.engine.start("f-map", input={"token": token, "ids": [1, 2, 3]}),
+              _one_map_run_started),
+    WritePath("complete (MAP item)", _map_item_claimed, lambda b, s: b.engine.complete(s.claim, "done"),
+              _item_completed_once),
+    WritePath("start (SUB_WORKFLOW)", lambda b: _token(),
+              lambda b, token: b.engine.start("f-parent", input={"token": token}), _one_parent_one_child),
+    WritePath("cancel (SUB_WORKFLOW parent)", _parent_started,
+              lambda b, run_id: b.engine.cancel(run_id, reason="by test"), _parent_and_child_cancelled),
+    WritePath("complete (child's last task)", _child_task_claimed, lambda b, s: b.engine.complete(s.claim, "ok"),
+              _parent_completed_by_child),
     # the worker's writes
     WritePath("claim", lambda b: _fresh_run(b, "f-chain"), lambda b, _: b.engine.claim(["fq"], "w-proxied", 1),
               _claimed_by_its_holder),

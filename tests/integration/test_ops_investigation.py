@@ -110,3 +110,31 @@ def test_run_id_is_normalised_and_a_missing_run_is_not_found(conn: psycopg.Conne
     missing = fixtures.uuid7_text(datetime(2025, 3, 5, tzinfo=UTC), 999)
     with pytest.raises(NotFound, match=missing):
         ops.run_story(conn, missing)
+
+
+def test_a_map_node_is_collapsed_and_children_are_linked_both_ways(engine: Any, db_url: str) -> None:
+    """MAP items are not tasks of the story (the graph has one node): they are counted by
+    state, with the slowest first; a SUB_WORKFLOW's child and parent link to each other;
+    active_tasks counts the items."""
+    engine.deploy({"id": "kid", "nodes": [{"id": "k", "type": "TASK", "task": "kid.t", "queue": "story"}]})
+    engine.deploy({"id": "fan", "nodes": [
+        {"id": "each", "type": "MAP", "items": "$.input.ids", "task": "fan.t", "queue": "story", "max_parallel": 3,
+         "on_item_failure": "continue", "retry": {"max_attempts": 1}},
+        {"id": "call", "type": "SUB_WORKFLOW", "workflow": "kid"}]})
+    run_id = engine.start("fan", input={"ids": [1, 2, 3, 4, 5]})
+    claims = {(c.node_id, c.input.get("index")): c for c in engine.claim(["story"], "w1", 10)}
+    engine.complete(claims[("each", 0)], "a")
+    engine.fail(claims[("each", 1)], "no", retryable=False)
+    story = ops.run_story(db_url, run_id)
+    assert sorted(story.tasks["node_id"].to_list()) == ["call", "each"]
+    assert story.nodes.filter(pl.col("node_id") == "each")["state"].to_list() == ["WAITING"]
+    assert story.item_states.rows() == [("each", "COMPLETED", 1), ("each", "FAILED", 1), ("each", "PENDING", 2),
+                                        ("each", "RUNNING", 1)]
+    assert story.slowest_items["item_index"].to_list()[:1] == [2]          # still running: the longest so far
+    assert sorted(story.slowest_items["item_index"].to_list()) == [0, 1, 2]             # 3 and 4 never started
+    (child,) = engine.get_run(run_id).children
+    assert story.links.rows() == [("child", "call", child.id, "kid", "RUNNING")]
+    kid = ops.run_story(db_url, child.id)
+    assert kid.links.rows() == [("parent", "call", run_id, "fan", "RUNNING")]
+    active = ops.active_tasks(db_url)
+    assert active.filter((pl.col("run_id") == run_id) & (pl.col("node_id") == "each")).height == 3 + 1  # items + node

@@ -15,6 +15,7 @@ import pytest
 
 from composer_ops import ops
 from composer_ops.cli import main
+from composer_ops.core.runids import month_bounds
 from composer_ops.engine.retention import drop_due_months
 from composer_ops.errors import ComposerError, Invalid
 from composer_ops.ops.retention import Cutoff, parse_cutoff
@@ -204,3 +205,22 @@ def test_plan_equals_drop_under_asia_tokyo(db_url: str) -> None:
         conn.commit()
         assert result.dropped == ["202412", "202501", "202503"]
         assert ops.plan_frame(result).filter(pl.col("action") == "drop")["month"].to_list() == result.dropped
+
+
+def test_a_month_whose_finished_runs_have_live_children_is_kept_and_says_so(conn: psycopg.Connection[Any]) -> None:
+    """A SUB_WORKFLOW child lives in the month of its own run ID; while it is active, the
+    month of its (finished) parent is kept, naming the parent."""
+    info = fixtures.seed(conn)
+    parent = conn.execute("SELECT min(id) FROM workflow_runs_p202501").fetchone()
+    child = conn.execute("SELECT min(id) FROM workflow_runs WHERE status = 'RUNNING' AND id >= %s",
+                         (month_bounds(info.current_month)[0],)).fetchone()
+    assert parent is not None and child is not None and child[0] is not None
+    conn.execute("SET LOCAL session_replication_role = replica")     # the seed's odd rows, as above
+    conn.execute("UPDATE workflow_runs SET parent_run_id = %s, parent_node_id = 'call' WHERE id = %s",
+                 (parent[0], child[0]))
+    plan = ops.retention_plan(conn, MAY_2025)
+    row = plan.filter(pl.col("month") == "202501").select("action", "reason", "active_runs", "active_run_ids").rows()
+    assert row == [("keep", "has live children", 1, [parent[0]])]
+    conn.execute("UPDATE workflow_runs SET status = 'SUCCEEDED' WHERE id = %s", (child[0],))
+    again = ops.retention_plan(conn, MAY_2025).filter(pl.col("month") == "202501")
+    assert again.select("action").rows() == [("drop",)]

@@ -63,6 +63,8 @@ class Sim(Replay):
             super().apply(model.Decision(actions=(action,)), now)
         if self.status not in model.ACTIVE_RUN_STATUSES:
             active = [n for n, s in self.nodes.items() if s.state in model.ACTIVE_TASK_STATES]
+            active += [f"{r.node_id}[{r.index}]" for rows in self.items.values() for r in rows
+                       if r.state in model.ACTIVE_TASK_STATES]
             assert not active, f"run {self.status} with active tasks {active}"
 
     def live(self, dep: str, node_id: str) -> bool:
@@ -79,7 +81,12 @@ class Sim(Replay):
         if isinstance(action, model.CreateTask):
             self._check_create(action, now)
         elif isinstance(action, model.RequeueTask | model.CompleteTask | model.FailTask):
-            assert self.nodes[action.ref.node_id].state is TaskState.RUNNING, action
+            row = self._items_by_task.get(action.ref.task_id) or self.rows[action.ref.node_id]
+            assert row.state is TaskState.RUNNING, action
+        elif isinstance(action, model.CountItems):
+            counts = action.items
+            assert 0 <= counts.finished <= counts.started <= counts.total, counts
+            assert counts.in_flight <= self.spec.nodes[action.node_id].max_parallel, counts
         elif isinstance(action, model.ResolveWait):
             assert action.state in (TaskState.COMPLETED, TaskState.FAILED)
         elif isinstance(action, model.BufferSignal):
@@ -120,6 +127,8 @@ class Sim(Replay):
                 NodeType.SWITCH: {TaskState.COMPLETED},
                 NodeType.WAIT: {TaskState.WAITING, TaskState.FAILED},
                 NodeType.WAIT_FOR_EVENT: {TaskState.WAITING, TaskState.COMPLETED},
+                NodeType.MAP: {TaskState.WAITING, TaskState.COMPLETED, TaskState.FAILED},
+                NodeType.SUB_WORKFLOW: {TaskState.WAITING},
             }[node.type]
             # A node created in the decision that fails the run is created CANCELLED.
             assert action.state in allowed | {TaskState.CANCELLED}, action

@@ -116,6 +116,12 @@ class _NoReads:
     def pending_signals(self, name: str) -> list[Signal]:
         return []
 
+    def load_item(self, node_id: str, task_id: str) -> None:
+        return None
+
+    def item_outputs(self, node_id: str) -> list[Any]:
+        return []
+
 
 def test_the_earliest_waiter_by_database_time_wins_whatever_its_task_id() -> None:
     """Task ids are minted by whichever process made the decision, on its own clock; the

@@ -1,0 +1,184 @@
+"""SUB_WORKFLOW nodes end to end on a real server: the child started in the parent's
+decision, its finish reaching the parent, cancel cascades, deploy-time refusals
+(core/children.py, engine/starts.py and the shell's child actions)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+from pathlib import Path
+from typing import Any
+
+import psycopg
+import pytest
+
+from composer_ops import Engine
+from composer_ops.core.children import child_run_id
+from composer_ops.errors import Invalid
+from composer_ops.repo.rows import Claim
+from composer_ops.testing.processes import wait_for
+from examples.fanout_worker import make_worker
+
+REFUND = {"id": "refund", "nodes": [
+    {"id": "pay_back", "type": "TASK", "task": "refund.pay", "queue": "kids", "input": {"amount": "$.input.amount"}}]}
+
+
+def parent_spec(**extra: Any) -> dict[str, Any]:
+    return {"id": "order", "nodes": [
+        {"id": "refund", "type": "SUB_WORKFLOW", "workflow": "refund", "input": {"amount": "$.input.amount"},
+         **extra},
+        {"id": "after", "type": "TASK", "task": "order.after", "queue": "kids", "depends_on": ["refund"],
+         "input": {"refund": "$.nodes.refund.output"}}]}
+
+
+def claim(engine: Engine) -> list[Claim]:
+    return engine.claim(["kids"], "w1", 10)
+
+
+def test_the_child_runs_and_its_output_completes_the_parents_node(engine: Engine, db_url: str) -> None:
+    engine.deploy(REFUND)
+    engine.deploy(parent_spec())
+    parent = engine.start("order", input={"amount": 7})
+    run = engine.get_run(parent)
+    (node,) = [t for t in run.tasks if t.node_id == "refund"]
+    assert node.state == "WAITING"
+    (child,) = run.children
+    assert child.id == child_run_id(parent, "refund", node.created_at)
+    assert (child.node_id, child.workflow_id, child.status) == ("refund", "refund", "RUNNING")
+    kid = engine.get_run(child.id)
+    assert (kid.parent_run_id, kid.parent_node_id, kid.input) == (parent, "refund", {"amount": 7})
+    (task,) = claim(engine)
+    assert (task.run_id, task.input) == (child.id, {"amount": 7})
+    engine.complete(task, {"refunded": 7})
+    assert engine.get_run(child.id).status == "SUCCEEDED"
+    (after,) = claim(engine)
+    assert (after.run_id, after.input) == (parent, {"refund": {"pay_back": {"refunded": 7}}})
+    engine.complete(after, "done")
+    run = engine.get_run(parent)
+    assert run.status == "SUCCEEDED"
+    assert [h.kind for h in run.history if h.kind.startswith("child")] == ["child_started", "child_finished"]
+
+
+def test_a_failed_child_fails_the_parent(engine: Engine) -> None:
+    engine.deploy(REFUND)
+    engine.deploy(parent_spec())
+    parent = engine.start("order", input={"amount": 7})
+    (task,) = claim(engine)
+    engine.fail(task, "bank says no", retryable=False)
+    run = engine.get_run(parent)
+    assert run.status == "FAILED"
+    assert run.error == {"error": f'node "refund" failed: child run {task.run_id} FAILED: node "pay_back" failed '
+                                  'after 1 attempt: bank says no'}
+
+
+def test_cancelling_the_parent_cancels_the_child_and_its_tasks(engine: Engine, db_url: str) -> None:
+    engine.deploy(REFUND)
+    engine.deploy(parent_spec())
+    parent = engine.start("order", input={"amount": 7})
+    (task,) = claim(engine)
+    engine.cancel(parent, reason="customer changed their mind")
+    kid = engine.get_run(task.run_id)
+    assert kid.status == "CANCELLED"
+    assert [t.state for t in kid.tasks] == ["CANCELLED"]
+    assert engine.complete(task, "late").stale is not None
+    assert engine.get_run(parent).status == "CANCELLED"
+
+
+def test_a_child_that_finishes_at_its_start_completes_the_node_in_the_same_transaction(engine: Engine) -> None:
+    engine.deploy({"id": "instant", "nodes": [
+        {"id": "none", "type": "MAP", "items": "$.input.ids", "task": "x"}]})
+    engine.deploy({"id": "outer", "nodes": [
+        {"id": "call", "type": "SUB_WORKFLOW", "workflow": "instant", "input": {"ids": []}}]})
+    parent = engine.start("outer")
+    run = engine.get_run(parent)
+    assert run.status == "SUCCEEDED"
+    assert run.output == {"call": {"none": []}}
+
+
+def test_a_child_whose_workflow_was_disabled_fails_the_node(engine: Engine) -> None:
+    engine.deploy(REFUND)
+    engine.deploy(parent_spec())
+    engine.set_enabled("refund", False)
+    parent = engine.start("order", input={"amount": 7})
+    run = engine.get_run(parent)
+    assert run.status == "FAILED"
+    assert "did not start: workflow 'refund' is disabled; it accepts no new runs" in run.error["error"]
+
+
+@pytest.mark.parametrize(("specs", "message"), [
+    ([parent_spec()], 'node "refund": unknown child workflow: workflow \'refund\' does not exist (deploy it first)'),
+    ([REFUND, parent_spec(version=9)],
+     'node "refund": unknown child workflow: workflow definition refund v9 does not exist'),
+    ([{"id": "order", "nodes": [{"id": "me", "type": "SUB_WORKFLOW", "workflow": "order"}]}],
+     'node "me": SUB_WORKFLOW cycle "order" -> "order"'),
+    ([{"id": "a", "nodes": [{"id": "x", "type": "TASK", "task": "t"}]},
+      {"id": "b", "nodes": [{"id": "call_a", "type": "SUB_WORKFLOW", "workflow": "a"}]},
+      {"id": "a", "nodes": [{"id": "call_b", "type": "SUB_WORKFLOW", "workflow": "b"}]}],
+     'node "call_b": SUB_WORKFLOW cycle "a" -> "b" -> "a"'),
+])
+def test_deploy_refuses_unknown_children_and_cycles(engine: Engine, db_url: str, specs: list[dict[str, Any]],
+                                                   message: str) -> None:
+    *fine, refused = specs
+    for spec in fine:
+        engine.deploy(spec)
+    with pytest.raises(Invalid) as err:
+        engine.deploy(refused)
+    assert str(err.value) == message
+    with psycopg.connect(db_url) as conn:
+        row = conn.execute("SELECT count(*) FROM workflow_definitions WHERE id = %s", (refused["id"],)).fetchone()
+    assert row == (sum(s["id"] == refused["id"] for s in fine),)     # nothing stored
+
+
+def test_runs_show_links_parent_and_child_both_ways(engine: Engine, db_url: str) -> None:
+    engine.deploy(REFUND)
+    engine.deploy(parent_spec())
+    parent = engine.start("order", input={"amount": 7})
+    (child,) = engine.get_run(parent).children
+
+    def show(run_id: str, *extra: str) -> str:
+        env = {**os.environ, "COMPOSER_DATABASE_URL": db_url}
+        return subprocess.run([sys.executable, "-m", "composer_ops", "runs", "show", run_id, *extra],
+                              env=env, capture_output=True, text=True, check=True, timeout=60).stdout
+
+    assert f"child: run {child.id} of refund (node refund)  RUNNING" in show(parent)
+    assert f"parent: run {parent} (node refund)" in show(child.id)
+    shown = json.loads(show(parent, "--json"))
+    assert shown["children"] == [{"id": child.id, "node_id": "refund", "workflow_id": "refund", "status": "RUNNING"}]
+    assert json.loads(show(child.id, "--json"))["parent_run_id"] == parent
+
+
+def test_the_examples_run_to_completion(engine: Engine) -> None:
+    """examples/charge_all.json (MAP) and examples/returns.json calling examples/refund.json
+    (SUB_WORKFLOW), served by examples/fanout_worker.py."""
+    root = Path(__file__).resolve().parents[2] / "examples"
+    for name in ("charge_all", "refund", "returns"):
+        engine.deploy(json.loads((root / f"{name}.json").read_text()))
+    charged = engine.start("charge-all", input={"day": "2026-12-01"})
+    returned = engine.start("returns", input={"order": "o-1"})
+    worker = make_worker(engine)
+    thread = threading.Thread(target=worker.run, daemon=True)
+    thread.start()
+    try:
+        wait_for(lambda: all(engine.get_run(r).status != "RUNNING" for r in (charged, returned)),
+                 timeout=120, what="both example runs")
+    finally:
+        worker.stop()
+        thread.join(60)
+    assert engine.get_run(charged).output == {"summary": {"charged": sum(10 + i for i in range(20)), "failed": 0}}
+    assert engine.get_run(returned).output == {"notify": {"notified": True,
+                                                          "proof": {"pay_back": {"order": "o-1", "refunded": 25}}}}
+
+
+def test_the_demo_runs_finish_and_leave_one_map_in_flight(db_url: str) -> None:
+    from examples import fanout_demo
+
+    runs = fanout_demo.run(db_url)
+    with Engine.connect(db_url) as engine:
+        status = {label: engine.get_run(r).status for label, r in runs.items()}
+        bad = engine.get_run(runs["charge-all (a bad invoice)"])
+    assert status == {"charge-all": "SUCCEEDED", "charge-all (a bad invoice)": "SUCCEEDED", "returns 1": "SUCCEEDED",
+                      "returns 2": "SUCCEEDED", "charge-all (in flight)": "RUNNING"}
+    assert bad.output == {"summary": {"charged": sum(10 + i for i in range(20)) - 13, "failed": 1}}
