@@ -1,6 +1,6 @@
 """Operator actions on runs and workers: find runs, see workers.
 
-A selection of runs is checked whole before anything is read (:func:`selection`: a
+A selection of runs is checked whole before anything is read (``core.selection``: a
 bad status, window or ``--where`` is :class:`Invalid`); ages in the window are then
 counted back from the database clock in the transaction that reads the runs.
 
@@ -14,104 +14,29 @@ from __future__ import annotations
 import contextlib
 import json
 import uuid
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
+from datetime import datetime
 from functools import partial
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import psycopg
 
-from composer_ops.core.filters import RunFilter, parse_statuses, parse_where
+from composer_ops.core.filters import RunFilter
 from composer_ops.core.model import ACTIVE_RUN_STATUSES, CancelRun, RetryRun, RunStatus
-from composer_ops.core.spec import ID_PATTERN
+from composer_ops.core.selection import Selection, check_limit
 from composer_ops.db.errors import Pool
 from composer_ops.db.retry import db_retry
 from composer_ops.engine.requests import Request
 from composer_ops.engine.shell import Shell
 from composer_ops.errors import Conflict, Invalid, NotFound
-from composer_ops.repo import audit, definitions, runs, workers
+from composer_ops.repo import audit, definitions, retention, runs, workers
 from composer_ops.repo._base import repeatable_read
 from composer_ops.repo.audit import Actor
 from composer_ops.repo.rows import DefinitionRow, LeaseRow, RunListRow, WorkerRow
 
-if TYPE_CHECKING:
-    from composer_ops.repo.retention import Cutoff
-
-__all__ = ["CANCEL_CHUNK", "MAX_LIMIT", "RETRY_LIMIT", "BulkRetry", "CancelChunk", "CancelResult", "RetryResult",
-           "Selection", "WorkerReport", "cancel_runs", "check_limit", "find_runs", "retry_run", "retry_runs",
-           "selection", "workers_report"]
-
-#: The most runs one ``runs list`` returns.
-MAX_LIMIT = 10_000
-
-When = datetime | str | None
-
-
-@dataclass(frozen=True, kw_only=True)
-class Selection:
-    """A checked selection whose window may still hold ages to count back from the
-    database clock (:meth:`resolve`)."""
-
-    workflow_id: str | None
-    statuses: tuple[RunStatus, ...]
-    since: datetime | Cutoff | None
-    until: datetime | Cutoff | None
-    contains: dict[str, Any] | None
-
-    def resolve(self, conn: psycopg.Connection[Any]) -> RunFilter:
-        return RunFilter(workflow_id=self.workflow_id, statuses=self.statuses, since=_instant(conn, self.since),
-                         until=_instant(conn, self.until), contains=self.contains)
-
-
-def _instant(conn: psycopg.Connection[Any], value: datetime | Cutoff | None) -> datetime | None:
-    if value is None or isinstance(value, datetime):
-        return value
-    return value.resolve(conn)
-
-
-def _when(value: When, option: str) -> datetime | Cutoff | None:
-    if value is None or value == "":
-        return None
-    if isinstance(value, datetime):
-        if value.tzinfo is None or value.utcoffset() is None:
-            raise Invalid(f"{option} {value.isoformat()} has no time zone; pass an aware datetime (UTC)")
-        return value.astimezone(UTC)
-    if not isinstance(value, str):
-        raise Invalid(f"{option} must be a date, an instant or an age like 7d, got {type(value).__name__}")
-    from composer_ops.repo.retention import parse_cutoff
-
-    try:
-        return parse_cutoff(value)
-    except Invalid:
-        raise Invalid(f"{option} {value!r} is not an ISO date (2025-01-31), an ISO instant "
-                      "(2025-01-31T12:00:00Z) or an age (36h, 7d, 2w, 3 months, 1y)") from None
-
-
-def selection(*, workflow: str | None = None, status: str | Sequence[str] | None = None, since: When = None,
-              until: When = None, where: str | Mapping[str, Any] | None = None) -> Selection:
-    """Check a selection of runs: a workflow id, statuses (``FAILED`` or
-    ``failed,cancelled``), a window (``since`` inclusive, ``until`` exclusive: each an
-    ISO date, an ISO instant or an age like ``7d`` counted back from the database
-    clock), and ``where`` (the ``--where`` language of :mod:`composer_ops.core.filters`,
-    or the JSON object the input must contain). :class:`Invalid` names what is wrong."""
-    if workflow is not None and (not isinstance(workflow, str) or not ID_PATTERN.fullmatch(workflow)):
-        raise Invalid(f"workflow id {workflow!r} is not a workflow id (1 to 128 of A-Z a-z 0-9 _ . -)")
-    if where is None or where == "":
-        contains = None
-    elif isinstance(where, str):
-        contains = parse_where(where)
-    elif isinstance(where, Mapping):
-        contains = dict(where)
-    else:
-        raise Invalid(f"where must be text like input.customer=42 or a JSON object, got {type(where).__name__}")
-    return Selection(workflow_id=workflow, statuses=parse_statuses(status), since=_when(since, "since"),
-                     until=_when(until, "until"), contains=contains)
-
-
-def check_limit(limit: int) -> None:
-    if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= MAX_LIMIT:
-        raise Invalid(f"limit must be an integer from 1 to {MAX_LIMIT}, got {limit!r}")
+__all__ = ["CANCEL_CHUNK", "RETRY_LIMIT", "BulkRetry", "CancelChunk", "CancelResult", "RetryResult",
+           "WorkerReport", "cancel_runs", "find_runs", "retry_run", "retry_runs", "workers_report"]
 
 
 def find_runs(pool: Pool, chosen: Selection, *, limit: int = 50) -> tuple[RunFilter, list[RunListRow]]:
@@ -127,7 +52,7 @@ def _selected(pool: Pool, chosen: Selection, *, limit: int,
     """The filter as resolved in one snapshot and, unless ``limit`` is 0, the first
     ``limit`` runs it selects; a read, so retried as a whole on a transient error."""
     with _snapshot(pool) as conn:
-        resolved = chosen.resolve(conn)
+        resolved = chosen.resolve(partial(retention.resolve, conn))
         found = runs.find_runs(conn, resolved, limit=limit, oldest_first=oldest_first) if limit else []
         return resolved, found
 

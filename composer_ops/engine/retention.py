@@ -119,14 +119,14 @@ def _attempt(conn: psycopg.Connection[Any], older_than: datetime | str | Cutoff,
         earlier = retention.recorded(conn, request)
         if earlier is not None:
             cutoff, done = earlier
-            current = retention.plan(conn, cutoff, min_age=min_age)
+            current = retention.plan(conn, cutoff, min_age=min_age).months
             return RetentionResult(cutoff=cutoff, plan=sorted([*done, *current], key=lambda m: m.month),
                                    dropped=[m.month for m in done], attempts=attempts, request_id=request,
                                    replayed=True)
         cutoff = retention.resolve(conn, older_than)
-        retention.lock_months(conn, [m for m in retention.plan(conn, cutoff, min_age=min_age) if m.action == "drop"])
+        retention.lock_months(conn, retention.plan(conn, cutoff, min_age=min_age).due)
         judged = retention.plan(conn, cutoff, min_age=min_age)
-        planned = [m for m in judged if m.action == "drop"]
+        planned = judged.due
         dropped = retention.drop(conn, cutoff, min_age=min_age)
         if dropped != [m.month for m in planned]:
             raise _Raced(f"the plan said drop {[m.month for m in planned]} but the drop returned {dropped}")
@@ -137,4 +137,4 @@ def _attempt(conn: psycopg.Connection[Any], older_than: datetime | str | Cutoff,
                                  "bytes": sum(m.bytes for m in planned)},
                          detail={"cutoff": cutoff.isoformat(),
                                  "partitions": [p for m in planned for p in m.partitions]})
-    return RetentionResult(cutoff=cutoff, plan=judged, dropped=dropped, attempts=attempts, request_id=request)
+    return RetentionResult(cutoff=cutoff, plan=judged.months, dropped=dropped, attempts=attempts, request_id=request)

@@ -23,7 +23,6 @@ from typing import Any
 
 import psycopg
 
-from composer_ops.core.runids import RUN_ID_MAX_AGE
 from composer_ops.db import connect
 from composer_ops.db.retry import backoff_delay
 from composer_ops.engine.archive import BadArchive, Manifest, Progress, content_fingerprint, export_month, month_dir
@@ -94,9 +93,8 @@ def retire_months(url: str | None, older_than: datetime | str | Cutoff, *, archi
         with conn.transaction():
             if keep_table and citus.is_citus(conn):
                 raise Invalid(CITUS_DETACH_REFUSED)
-            cutoff = retention.resolve(conn, older_than)
-            plan = retention.plan(conn, cutoff, min_age=RUN_ID_MAX_AGE)
-        due = [m for m in plan if m.action == "drop"]
+            judged = retention.plan(conn, older_than)
+        plan, cutoff, due = judged.months, judged.cutoff, judged.due
         if not yes:
             return RetireResult(cutoff=cutoff, plan=plan, applied=False, months=[
                 MonthRetired(month=m.month, outcome="would detach" if keep_table else "would drop",
@@ -207,4 +205,4 @@ def _retire_once(conn: psycopg.Connection[Any], month: str, cutoff: datetime, ma
 
 
 def _judged(conn: psycopg.Connection[Any], cutoff: datetime, month: str) -> RetentionMonth | None:
-    return next((m for m in retention.plan(conn, cutoff, min_age=RUN_ID_MAX_AGE) if m.month == month), None)
+    return next((m for m in retention.plan(conn, cutoff).months if m.month == month), None)

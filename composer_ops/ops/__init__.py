@@ -65,7 +65,7 @@ from composer_ops.ops.partitions import (
     partition_nodes,
     partition_totals,
 )
-from composer_ops.ops.retention import Cutoff, parse_cutoff, plan_frame, retention_plan
+from composer_ops.ops.retention import Cutoff, parse_cutoff, plan_frame, resolve_cutoff, retention_plan
 
 __all__ = [
     "ACTIVE_STATES",
@@ -110,6 +110,7 @@ __all__ = [
     "plan_frame",
     "read_from",
     "recent_requeues",
+    "resolve_cutoff",
     "retention_plan",
     "run_story",
     "running_leases",

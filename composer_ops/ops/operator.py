@@ -12,6 +12,7 @@ import json
 import shlex
 from collections.abc import Mapping, Sequence
 from datetime import UTC, datetime
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +22,7 @@ from composer_ops.core.runids import month_of, month_start
 from composer_ops.errors import Invalid, NotFound
 from composer_ops.ops._common import UTC_TS, Source, connection, rows_frame
 from composer_ops.ops.investigation import HISTORY_SCHEMA, TASK_SCHEMA, RunStory, definition_graph, validate_run_id
-from composer_ops.repo import analytics, audit, runs, workers
+from composer_ops.repo import analytics, audit, retention, runs, workers
 from composer_ops.repo.audit import AuditCommand
 from composer_ops.repo.retention import Cutoff
 
@@ -51,7 +52,7 @@ def find_runs(source: Source = None, *, workflow: str | None = None, status: str
     chosen = selection(workflow=workflow, status=status, since=since, until=until, where=where)
     check_limit(limit)
     with connection(source) as conn:
-        found = runs.find_runs(conn, chosen.resolve(conn), limit=limit)
+        found = runs.find_runs(conn, chosen.resolve(partial(retention.resolve, conn)), limit=limit)
     return rows_frame([(r.id, r.workflow_id, r.workflow_version, r.status, r.created_at, r.completed_at,
                         _json(r.input), _json(r.error)) for r in found], RUNS_SCHEMA)
 
@@ -87,7 +88,7 @@ def audit_commands(source: Source = None, *, since: datetime | Cutoff | None = N
     if unknown:
         raise Invalid(f"unknown action {', '.join(map(repr, unknown))}: the actions are {', '.join(audit.ACTIONS)}")
     with connection(source) as conn:
-        instant = since if since is None or isinstance(since, datetime) else since.resolve(conn)
+        instant = since if since is None or isinstance(since, datetime) else retention.resolve(conn, since)
         return audit.commands(conn, since=instant, actions=actions or None, limit=limit)
 
 

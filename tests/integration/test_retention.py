@@ -192,9 +192,9 @@ def _minus_months_utc(now: datetime, months: int) -> datetime:
 def test_relative_cutoffs_use_the_database_clock_in_utc(db_url: str, tz: str) -> None:
     with connect_in_tz(db_url, tz) as conn:
         now = conn.execute("SELECT now()").fetchone()[0].astimezone(UTC)
-        assert Cutoff(text="6 months", amount=6, unit="months").resolve(conn) == _minus_months_utc(now, 6)
-        assert parse_cutoff("90d").resolve(conn) == now - timedelta(days=90)
-        assert parse_cutoff("36h").resolve(conn) == now - timedelta(hours=36)
+        assert ops.resolve_cutoff(conn, Cutoff(text="6 months", amount=6, unit="months")) == _minus_months_utc(now, 6)
+        assert ops.resolve_cutoff(conn, parse_cutoff("90d")) == now - timedelta(days=90)
+        assert ops.resolve_cutoff(conn, "36h") == now - timedelta(hours=36)
 
 
 def test_plan_equals_drop_under_asia_tokyo(db_url: str) -> None:

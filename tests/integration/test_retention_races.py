@@ -86,8 +86,9 @@ def test_a_month_that_ended_less_than_the_run_id_age_limit_ago_is_too_new(db_url
         row = conn.execute("SELECT now()").fetchone()
         assert row is not None
         now = row[0]
-        far = retention.plan(conn, datetime(2100, 1, 1, tzinfo=UTC), min_age=timedelta(hours=1))
-        near = retention.plan(conn, datetime(2100, 1, 1, tzinfo=UTC), min_age=now - datetime(2025, 3, 15, tzinfo=UTC))
+        far = retention.plan(conn, datetime(2100, 1, 1, tzinfo=UTC), min_age=timedelta(hours=1)).months
+        near = retention.plan(conn, datetime(2100, 1, 1, tzinfo=UTC),
+                              min_age=now - datetime(2025, 3, 15, tzinfo=UTC)).months
     assert {m.month: m.action for m in far}["202503"] == "drop"
     assert [(m.action, m.reason) for m in near if m.month == "202503"] == [("keep", "too new")]
 

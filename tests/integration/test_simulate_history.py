@@ -20,7 +20,7 @@ from composer_ops.core.spec import WorkflowSpec, parse_spec
 from composer_ops.errors import ComposerError
 from composer_ops.repo import runs as run_repo
 from composer_ops.repo import simulator
-from composer_ops.simulate import history
+from composer_ops.simulate import history as generated
 from composer_ops.simulate.definitions import definitions, deploy_definitions
 from composer_ops.simulate.history import HistoryOptions, backfill, history_months, marker_run_id, month_sizes
 from composer_ops.simulate.model import Behaviour
@@ -216,7 +216,7 @@ def test_repository_engine_and_analytics_read_the_backfill_as_is(history_db: tup
 def test_a_backfill_cut_short_never_leaves_half_a_month(db_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
     options = HistoryOptions(seed=3, months=2, runs_per_month=200, growth=0.0, chunk_runs=50, processes=2)
     second = history_months(datetime.now(UTC), 2)[1]
-    arrivals = history._arrivals
+    arrivals = generated._arrivals
 
     def a_run_fails_in_the_second_month(seed: int, month: str, runs: int) -> list[tuple[float, str]]:
         planned = arrivals(seed, month, runs)
