@@ -135,7 +135,7 @@ def _run(args: argparse.Namespace, behaviour: Any, console: Any) -> int:
     from composer_ops.repo import simulator
     from composer_ops.simulate import summary
     from composer_ops.simulate.definitions import definitions, deploy_definitions
-    from composer_ops.simulate.history import HistoryOptions, backfill
+    from composer_ops.simulate.months import MonthsOptions, backfill
     from composer_ops.simulate.live import LiveOptions, LiveSimulation
 
     with Engine.connect(args.database_url, pool_size=4, application_name="composer-ops simulate") as engine:
@@ -145,7 +145,7 @@ def _run(args: argparse.Namespace, behaviour: Any, console: Any) -> int:
         versions = {wf: version for wf, (version, _) in deployed.items()}
         if args.history_months:
             specs = {doc["id"]: parse_spec(doc) for doc in definitions(args.time_scale)}
-            options = HistoryOptions(seed=args.seed, months=args.history_months, runs_per_month=args.runs_per_month,
+            options = MonthsOptions(seed=args.seed, months=args.history_months, runs_per_month=args.runs_per_month,
                                      behaviour=behaviour, growth=args.growth, stuck_months=args.stuck_months,
                                      cancel_rate=args.cancel_rate)
             with engine.pool.connection() as conn:
@@ -163,7 +163,7 @@ def _run(args: argparse.Namespace, behaviour: Any, console: Any) -> int:
 
                 history = backfill(engine.url, specs, versions, options, now=now, on_start=started,
                                    on_progress=advanced)
-            summary.render_history(console, history)
+            summary.render_months(console, history)
         if args.live and args.runs > 0:
             live_options = LiveOptions(seed=args.seed, runs=args.runs, duration_s=args.duration_s,
                                        behaviour=behaviour, workers=args.workers, concurrency=args.concurrency,

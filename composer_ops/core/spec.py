@@ -35,7 +35,7 @@ _TYPE_KEYS: Mapping[NodeType, frozenset[str]] = {
     NodeType.TASK: frozenset({"task", "queue", "input", "retry", "lease_s", "max_lease_expiries"}),
     NodeType.SWITCH: frozenset({"expression", "cases", "default"}),
     NodeType.WAIT: frozenset({"duration_s", "until"}),
-    NodeType.WAIT_FOR_EVENT: frozenset({"event", "timeout_s", "on_timeout"}),
+    NodeType.WAIT_FOR_SIGNAL: frozenset({"event", "timeout_s", "on_timeout"}),
 }
 _RETRY_KEYS = ("max_attempts", "initial_backoff_s", "multiplier", "max_backoff_s")
 _ON_TIMEOUT = ("fail", "continue")
@@ -70,8 +70,8 @@ class NodeSpec:
     # WAIT
     duration_s: float | None = None
     until: str | None = None
-    # WAIT_FOR_EVENT (the JSON key is "event")
-    event_name: str | None = None
+    # WAIT_FOR_SIGNAL (the JSON key is "event")
+    signal_name: str | None = None
     timeout_s: float | None = None
     on_timeout: str = "fail"
 
@@ -103,7 +103,7 @@ class NodeSpec:
             else:
                 doc["until"] = self.until
         else:
-            doc["event"] = self.event_name
+            doc["event"] = self.signal_name
             if self.timeout_s is not None:
                 doc["timeout_s"] = self.timeout_s
             doc["on_timeout"] = self.on_timeout
@@ -412,14 +412,14 @@ def _parse_node(raw: Any, index: int, seen: set[str], stored: bool = False) -> N
         return NodeSpec(**common, until=until)
 
     if "event" not in raw:
-        raise Invalid(f'{where}: WAIT_FOR_EVENT node needs "event" (the signal name)')
+        raise Invalid(f'{where}: WAIT_FOR_SIGNAL node needs "event" (the signal name)')
     timeout = raw.get("timeout_s")
     on_timeout = raw.get("on_timeout", "fail")
     if on_timeout not in _ON_TIMEOUT:
         raise Invalid(f'{where}: on_timeout must be "fail" or "continue", got {_q(on_timeout)}')
     return NodeSpec(
         **common,
-        event_name=_text(raw["event"], f"{where}: event"),
+        signal_name=_text(raw["event"], f"{where}: event"),
         timeout_s=None if timeout is None else _number(timeout, f"{where}: timeout_s"),
         on_timeout=on_timeout,
     )

@@ -25,7 +25,7 @@ import psycopg
 from composer_ops.core.filters import RunFilter
 from composer_ops.core.model import ACTIVE_RUN_STATUSES, CancelRun, RetryRun, RunStatus
 from composer_ops.core.selection import Selection, check_limit
-from composer_ops.db.errors import Pool
+from composer_ops.db.errors import TranslatingPool
 from composer_ops.db.retry import db_retry
 from composer_ops.engine.requests import Request
 from composer_ops.engine.shell import Shell
@@ -39,7 +39,7 @@ __all__ = ["CANCEL_CHUNK", "RETRY_LIMIT", "BulkRetry", "CancelChunk", "CancelRes
            "WorkerReport", "cancel_runs", "find_runs", "retry_run", "retry_runs", "workers_report"]
 
 
-def find_runs(pool: Pool, chosen: Selection, *, limit: int = 50) -> tuple[RunFilter, list[RunListRow]]:
+def find_runs(pool: TranslatingPool, chosen: Selection, *, limit: int = 50) -> tuple[RunFilter, list[RunListRow]]:
     """The runs ``chosen`` selects, newest first, at most ``limit``; with the filter as
     resolved (the window as instants by the database clock)."""
     check_limit(limit)
@@ -47,7 +47,7 @@ def find_runs(pool: Pool, chosen: Selection, *, limit: int = 50) -> tuple[RunFil
 
 
 @db_retry()
-def _selected(pool: Pool, chosen: Selection, *, limit: int,
+def _selected(pool: TranslatingPool, chosen: Selection, *, limit: int,
               oldest_first: bool) -> tuple[RunFilter, list[RunListRow]]:
     """The filter as resolved in one snapshot and, unless ``limit`` is 0, the first
     ``limit`` runs it selects; a read, so retried as a whole on a transient error."""
@@ -71,14 +71,14 @@ class WorkerReport:
 
 
 @contextlib.contextmanager
-def _snapshot(pool: Pool) -> Iterator[psycopg.Connection[Any]]:
+def _snapshot(pool: TranslatingPool) -> Iterator[psycopg.Connection[Any]]:
     with pool.connection() as conn, conn.transaction():
         repeatable_read(conn, read_only=True)
         yield conn
 
 
 @db_retry()
-def workers_report(pool: Pool, *, window_s: float | None = None) -> WorkerReport:
+def workers_report(pool: TranslatingPool, *, window_s: float | None = None) -> WorkerReport:
     """The registry judged by the database clock (:func:`repo.workers.list_workers`),
     the leases of the workers that are not live, and unregistered lease owners."""
     with _snapshot(pool) as conn:
@@ -103,7 +103,7 @@ class CancelChunk:
     number: int
     cancelled: list[str]
     skipped: list[str]           # finished (or deleted) between being listed and being locked
-    replayed: bool = False       # an earlier attempt committed; its audit row was read back
+    duplicate: bool = False       # an earlier attempt committed; its audit row was read back
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -182,7 +182,7 @@ def cancel_runs(shell: Shell, chosen: Selection, *, reason: str, yes: bool, acto
 
 
 @db_retry()
-def _count(pool: Pool, selection: RunFilter) -> int:
+def _count(pool: TranslatingPool, selection: RunFilter) -> int:
     with _snapshot(pool) as conn:
         return runs.count_runs(conn, selection)
 
@@ -203,7 +203,7 @@ def _cancel_chunk(shell: Shell, selection: RunFilter, after: str | None, chunk: 
             if earlier:
                 detail = earlier[0].detail or {}
                 return CancelChunk(number=number, cancelled=list(detail.get("cancelled", [])),
-                                   skipped=list(detail.get("skipped", [])), replayed=True)
+                                   skipped=list(detail.get("skipped", [])), duplicate=True)
         if not listed:
             return None
         cancelled: list[str] = []
@@ -255,7 +255,7 @@ class RetryResult:
     reset: tuple[str, ...]
     created: tuple[str, ...]
     finished: str | None = None       # the retry finished the run at once (every node was skipped)
-    replayed: bool = False
+    duplicate: bool = False
 
 
 def retry_run(shell: Shell, run_id: str, from_nodes: Sequence[str] = (), *, yes: bool,
@@ -285,7 +285,7 @@ def _retry(shell: Shell, run_id: str, nodes: tuple[str, ...], yes: bool, actor: 
                 detail = earlier[0].detail or {}
                 return RetryResult(run_id=run_id, applied=True, reset=tuple(detail.get("reset", ())),
                                    created=tuple(detail.get("created", ())), finished=detail.get("finished"),
-                                   replayed=True)
+                                   duplicate=True)
         started_on = runs.workflow_of(conn, run_id)
         if started_on is None:
             raise NotFound(f"workflow run {run_id} does not exist")

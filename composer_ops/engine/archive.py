@@ -37,7 +37,7 @@ from composer_ops.repo._base import Conn, repeatable_read
 from composer_ops.repo.archive import Column
 from composer_ops.repo.audit import Actor
 from composer_ops.repo.partitions import RUN_TABLES
-from composer_ops.repo.retention import Cutoff
+from composer_ops.core.cutoff import Cutoff
 
 __all__ = ["Progress", "RestoreResult", "Restored", "column_specs", "content_fingerprint", "export_month",
            "read_rows", "restore_month", "restore_rows", "verify_month"]
@@ -328,7 +328,7 @@ class RestoreResult:
     source: str
     tables: list[Restored]
     applied: bool
-    replayed: bool = False        # an earlier attempt of this request committed; its record was read back
+    duplicate: bool = False        # an earlier attempt of this request committed; its record was read back
 
     @property
     def rows(self) -> int:
@@ -387,7 +387,7 @@ def _copy_month(url: str | None, path: Path, manifest: Manifest, actor: Actor | 
             tables = [Restored(table=t, partition=f"{t}_p{manifest.month}", rows=int(rows[t]),
                                fingerprint_matches=matches.get(t)) for t in RUN_TABLES if t in rows]
             return RestoreResult(month=manifest.month, source=str(path), tables=tables, applied=True,
-                                 replayed=True)
+                                 duplicate=True)
         done = restore_rows(conn, path, manifest, progress=progress)
         audit.record(conn, "partitions restore", actor=actor, target=manifest.month, request=request,
                      counts={"rows": sum(t.rows for t in done), "tables": {t.table: t.rows for t in done}},

@@ -15,7 +15,7 @@ from composer_ops.core.model import TERMINAL_RUN_STATUSES, CancelRun, SignalRece
 from composer_ops.core.runids import validate_run_id
 from composer_ops.core.spec import ID_PATTERN, parse_spec
 from composer_ops.db import autocommit, make_pool, resolve_url
-from composer_ops.db.errors import Pool
+from composer_ops.db.errors import TranslatingPool
 from composer_ops.db.migrate import migrate as run_migrations
 from composer_ops.db.retry import db_retry
 from composer_ops.engine import admin
@@ -52,7 +52,7 @@ class Engine:
     Thread-safe; one per process is enough. Every error it raises is a ComposerError.
     """
 
-    def __init__(self, pool: Pool, url: str) -> None:
+    def __init__(self, pool: TranslatingPool, url: str) -> None:
         self.pool = pool
         self.url = url
         self.shell = Shell(pool)
@@ -209,7 +209,7 @@ class Engine:
         timed out, and is a Conflict if that timeout finished the run.
 
         ``key`` is the caller's idempotency key: every call with the same key (on this
-        run) after the first returns the first call's outcome (``replayed``) and
+        run) after the first returns the first call's outcome (``duplicate``) and
         resolves nothing more."""
         validate_run_id(run_id)
         if not isinstance(name, str) or not name.strip() or len(name) > 200 or "\x00" in name:

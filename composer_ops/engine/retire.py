@@ -25,14 +25,15 @@ import psycopg
 
 from composer_ops.db import connect
 from composer_ops.db.retry import backoff_delay
-from composer_ops.engine.archive import BadArchive, Manifest, Progress, content_fingerprint, export_month, month_dir
+from composer_ops.engine.archive import Progress, content_fingerprint, export_month
+from composer_ops.core.manifest import BadArchive, Manifest, month_dir
 from composer_ops.engine.retention import BLOCKED_REASON
 from composer_ops.errors import ComposerError, Invalid, Transient
 from composer_ops.repo import archive as repo
 from composer_ops.repo import audit, citus, partitions, retention
 from composer_ops.repo.audit import Actor
 from composer_ops.repo.partitions import RUN_TABLES
-from composer_ops.repo.retention import Cutoff
+from composer_ops.core.cutoff import Cutoff
 from composer_ops.repo.rows import RetentionMonth
 
 __all__ = ["MonthRetired", "RetireResult", "retire_months"]
@@ -50,7 +51,7 @@ class MonthRetired:
     partitions: list[str] = field(default_factory=list)
     rows: int = 0                    # exact when archived, else the plan's estimate
     archive: str | None = None
-    replayed: bool = False
+    duplicate: bool = False
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -173,7 +174,7 @@ def _retire_once(conn: psycopg.Connection[Any], month: str, cutoff: datetime, ma
         if earlier:
             detail = earlier[0].detail or {}
             return MonthRetired(month=month, outcome=outcome, partitions=list(detail.get("partitions", [])),
-                                rows=int((earlier[0].counts or {}).get("rows", 0)), archive=archive, replayed=True)
+                                rows=int((earlier[0].counts or {}).get("rows", 0)), archive=archive, duplicate=True)
         first = _judged(conn, cutoff, month)
         if first is None or first.action != "drop":
             return MonthRetired(month=month, outcome="kept", reason=first.reason if first else "no longer exists")

@@ -65,7 +65,8 @@ from composer_ops.ops.partitions import (
     partition_nodes,
     partition_totals,
 )
-from composer_ops.ops.retention import Cutoff, parse_cutoff, plan_frame, resolve_cutoff, retention_plan
+from composer_ops.ops.retention import plan_frame, resolve_cutoff, retention_plan
+from composer_ops.core.cutoff import Cutoff, parse_cutoff
 
 __all__ = [
     "ACTIVE_STATES",

@@ -30,7 +30,7 @@ TASK_SCHEMA = {
     "task_id": pl.String, "node_id": pl.String, "node_type": pl.String, "queue": pl.String, "state": pl.String,
     "attempt": pl.Int64, "created_at": UTC_TS, "started_at": UTC_TS, "finished_at": UTC_TS, "updated_at": UTC_TS,
     "queued_s": pl.Float64, "ran_s": pl.Float64, "wake_at": UTC_TS, "wakes_in_s": pl.Float64,
-    "event_name": pl.String, "lease_owner": pl.String, "lease_expires_at": UTC_TS, "lease_left_s": pl.Float64,
+    "signal_name": pl.String, "lease_owner": pl.String, "lease_expires_at": UTC_TS, "lease_left_s": pl.Float64,
     "last_error": pl.String, "branches": pl.List(pl.String), "output": pl.String,
 }
 
@@ -223,7 +223,7 @@ def gantt_rows(tasks: pl.DataFrame, now: datetime | None = None) -> pl.DataFrame
     """Bars for a Gantt chart of :func:`run_story`'s tasks: a 'queued' bar (created
     until a worker started it) and a main bar: 'ran' (started until finished),
     'failed' (a FAILED task's last attempt), 'cancelled', 'waiting' (WAIT /
-    WAIT_FOR_EVENT nodes), 'queued' (active, never started) or 'decided' (SWITCH and
+    WAIT_FOR_SIGNAL nodes), 'queued' (active, never started) or 'decided' (SWITCH and
     skipped nodes). Unfinished bars end at ``now`` (pass the database clock), else at
     the task's last update."""
     end_active = pl.lit(now, dtype=UTC_TS) if now is not None else pl.col("updated_at")
@@ -238,7 +238,7 @@ def gantt_rows(tasks: pl.DataFrame, now: datetime | None = None) -> pl.DataFrame
         pl.when(pl.col("state") == "FAILED").then(pl.lit("failed"))
         .when(pl.col("state") == "CANCELLED").then(pl.lit("cancelled"))
         .when(pl.col("started_at").is_not_null()).then(pl.lit("ran"))
-        .when(pl.col("node_type").is_in(["WAIT", "WAIT_FOR_EVENT"])).then(pl.lit("waiting"))
+        .when(pl.col("node_type").is_in(["WAIT", "WAIT_FOR_SIGNAL"])).then(pl.lit("waiting"))
         .when(pl.col("state").is_in(list(ACTIVE_STATES))).then(pl.lit("queued"))
         .otherwise(pl.lit("decided")).alias("phase"))
     return pl.concat([queued, main]).sort("start", "node_id", "phase")

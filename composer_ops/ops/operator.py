@@ -24,7 +24,7 @@ from composer_ops.ops._common import UTC_TS, Source, connection, rows_frame
 from composer_ops.ops.investigation import HISTORY_SCHEMA, TASK_SCHEMA, RunStory, definition_graph, validate_run_id
 from composer_ops.repo import analytics, audit, retention, runs, workers
 from composer_ops.repo.audit import AuditCommand
-from composer_ops.repo.retention import Cutoff
+from composer_ops.core.cutoff import Cutoff
 
 __all__ = ["AUDIT_LIMIT", "RUNS_SCHEMA", "archived_run_story", "audit_commands", "audit_log", "definition_spec",
            "find_runs", "unblock_command", "workers_frame"]
@@ -47,7 +47,7 @@ def find_runs(source: Source = None, *, workflow: str | None = None, status: str
               where: str | Mapping[str, Any] | None = None, limit: int = 50) -> pl.DataFrame:
     """Runs as ``composer-ops runs list`` finds them (the same selection, checked before
     any query): newest first, at most ``limit``."""
-    from composer_ops.engine.admin import check_limit, selection
+    from composer_ops.core.selection import check_limit, selection
 
     chosen = selection(workflow=workflow, status=status, since=since, until=until, where=where)
     check_limit(limit)
@@ -123,7 +123,7 @@ def archived_run_story(directory: str | Path, run_id: str, source: Source = None
     as does ``now``, the clock for intervals still open, unless given. The outbox and
     webhook tables are empty: they are not archived. :class:`NotFound` when the
     archive has no such run."""
-    from composer_ops.engine.archive import MANIFEST, month_dir, read_manifest
+    from composer_ops.core.manifest import MANIFEST, month_dir, read_manifest
 
     rid = validate_run_id(run_id)
     path = month_dir(Path(directory), month_of(rid))

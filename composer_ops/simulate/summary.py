@@ -20,10 +20,10 @@ from composer_ops.repo import simulator
 
 if TYPE_CHECKING:
     from composer_ops.engine import Engine
-    from composer_ops.simulate.history import HistoryResult
+    from composer_ops.simulate.months import MonthsResult
     from composer_ops.simulate.live import HeldTask, LiveResult
 
-__all__ = ["LiveFigures", "database_overview", "live_figures", "render_database", "render_history",
+__all__ = ["LiveFigures", "database_overview", "live_figures", "render_database", "render_months",
            "render_live"]
 
 LEASE_ERROR = "lease of % expired at %"
@@ -81,7 +81,7 @@ def _fmt(n: float) -> str:
     return f"{n:,.0f}"
 
 
-def render_history(console: Console, result: HistoryResult) -> None:
+def render_months(console: Console, result: MonthsResult) -> None:
     table = Table(title="History backfill", title_justify="left")
     for name in ("month", "runs", "task rows", "signals", "active runs", ""):
         table.add_column(name, justify="right" if name not in ("month", "") else "left")

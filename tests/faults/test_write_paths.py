@@ -50,10 +50,10 @@ RETRIED = {"id": "f-retried", "nodes": [
      "retry": {"max_attempts": 3, "initial_backoff_s": 0, "multiplier": 1, "max_backoff_s": 0}}]}
 TIMERS_AND_LEASES = ("timers", "leases")
 TWO_WAITERS = {"id": "f-two-waiters", "nodes": [
-    {"id": "w1", "type": "WAIT_FOR_EVENT", "event": "go"},
-    {"id": "w2", "type": "WAIT_FOR_EVENT", "event": "go"},
+    {"id": "w1", "type": "WAIT_FOR_SIGNAL", "signal": "go"},
+    {"id": "w2", "type": "WAIT_FOR_SIGNAL", "signal": "go"},
     {"id": "after", "type": "TASK", "task": "t", "queue": "fq", "depends_on": ["w1", "w2"]}]}
-ONE_WAITER = {"id": "f-one-waiter", "nodes": [{"id": "w", "type": "WAIT_FOR_EVENT", "event": "go"}]}
+ONE_WAITER = {"id": "f-one-waiter", "nodes": [{"id": "w", "type": "WAIT_FOR_SIGNAL", "signal": "go"}]}
 TIMER = {"id": "f-timer", "nodes": [
     {"id": "z", "type": "WAIT", "duration_s": 3600},
     {"id": "b", "type": "TASK", "task": "t", "queue": "fq", "depends_on": ["z"]}]}

@@ -87,7 +87,7 @@ BASE_SPEC: dict[str, Any] = {
          "cases": {"x": ["b"]}, "default": ["w"]},
         {"id": "b", "type": "TASK", "task": "t", "depends_on": ["s"]},
         {"id": "w", "type": "WAIT", "depends_on": ["s"], "duration_s": 1},
-        {"id": "e", "type": "WAIT_FOR_EVENT", "depends_on": ["b", "w"], "event": "go", "timeout_s": 5,
+        {"id": "e", "type": "WAIT_FOR_SIGNAL", "depends_on": ["b", "w"], "signal": "go", "timeout_s": 5,
          "on_timeout": "continue"},
     ],
 }
@@ -95,7 +95,7 @@ SPEC_KEYS = ["id", "name", "webhook_url", "config", "nodes", "description", "typ
              "lease_s", "depends_on", "optional", "expression", "cases", "default", "duration_s", "until", "event",
              "timeout_s", "on_timeout", "max_attempts", "initial_backoff_s", "multiplier", "max_backoff_s"]
 _SPECIAL = st.sampled_from(
-    ["$.", "$.nodes", "$.nodes.zz.output", "$.input..x", "$.nope", "TASK", "SWITCH", "WAIT", "WAIT_FOR_EVENT",
+    ["$.", "$.nodes", "$.nodes.zz.output", "$.input..x", "$.nope", "TASK", "SWITCH", "WAIT", "WAIT_FOR_SIGNAL",
      "a", "s", "ftp://x/", "http://", "http://h:99999/", -1, 0, 1e308, 10**30, [], {}, ["a", "a"], ["zz"]])
 mutant_values = st.one_of(json_values, nasty_scalars, _SPECIAL)
 #: Without integers too long to print: core/spec.py's messages cannot show them yet

@@ -19,7 +19,7 @@ from psycopg.types.json import Jsonb
 
 from composer_ops.cli import main
 from composer_ops.engine import archive
-from composer_ops.engine.archive import BadArchive
+from composer_ops.core.manifest import BadArchive
 from composer_ops.errors import ComposerError
 from composer_ops.repo import partitions
 from composer_ops.testing import fixtures
@@ -68,7 +68,7 @@ def _populate(conn: psycopg.Connection[Any], layout: dict[str, Any]) -> None:
                 seq += 1
                 conn.execute("""
                     INSERT INTO task_instances (id, run_id, node_id, node_type, queue, state, attempt, input_json,
-                                                output_json, last_error, branches, wake_at, event_name,
+                                                output_json, last_error, branches, wake_at, signal_name,
                                                 created_at, updated_at, lease_owner, lease_expires_at)
                     VALUES (%s, %s, %s, 'TASK', 'q', %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s)""",
                     (fixtures.uuid7_text(at, seq), run_id, f"n{i}", state, attempt, Jsonb({"i": i}), Jsonb(output),

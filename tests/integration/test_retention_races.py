@@ -98,9 +98,9 @@ def test_a_retried_request_reports_what_its_first_attempt_dropped(db_url: str) -
     first = drop_due_months(db_url, "2025-04-01", request_id="req-1")
     again = drop_due_months(db_url, "2025-04-01", request_id="req-1")     # as a retry after a lost COMMIT ack
     other = drop_due_months(db_url, "2025-04-01")
-    assert first.dropped == again.dropped == ["202503"] and again.replayed and not first.replayed
+    assert first.dropped == again.dropped == ["202503"] and again.duplicate and not first.duplicate
     assert [m.action for m in again.plan if m.month == "202503"] == ["drop"]
-    assert other.dropped == [] and not other.replayed
+    assert other.dropped == [] and not other.duplicate
     with psycopg.connect(db_url) as conn:
         assert conn.execute("SELECT month, request_id FROM retention_drops").fetchall() == [("202503", "req-1")]
 

@@ -119,7 +119,7 @@ class Sim(Replay):
                 NodeType.TASK: {TaskState.PENDING},
                 NodeType.SWITCH: {TaskState.COMPLETED},
                 NodeType.WAIT: {TaskState.WAITING, TaskState.FAILED},
-                NodeType.WAIT_FOR_EVENT: {TaskState.WAITING, TaskState.COMPLETED},
+                NodeType.WAIT_FOR_SIGNAL: {TaskState.WAITING, TaskState.COMPLETED},
             }[node.type]
             # A node created in the decision that fails the run is created CANCELLED.
             assert action.state in allowed | {TaskState.CANCELLED}, action

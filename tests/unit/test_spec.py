@@ -44,7 +44,7 @@ EXAMPLE: dict[str, Any] = {
         {"id": "cool_off", "type": "WAIT", "depends_on": ["express", "standard"], "duration_s": 5},
         {
             "id": "delivered",
-            "type": "WAIT_FOR_EVENT",
+            "type": "WAIT_FOR_SIGNAL",
             "depends_on": ["cool_off"],
             "event": "delivered",
             "timeout_s": 86400,

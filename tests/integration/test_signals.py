@@ -24,9 +24,9 @@ def test_the_waiter_created_first_by_the_database_clock_gets_the_signal(engine: 
     clock is years behind: its UUIDv7 task id sorts first. The signal still goes to
     ``early``."""
     engine.deploy({"id": "order", "nodes": [
-        {"id": "early", "type": "WAIT_FOR_EVENT", "event": "go"},
+        {"id": "early", "type": "WAIT_FOR_SIGNAL", "signal": "go"},
         {"id": "gate", "type": "TASK", "task": "t"},
-        {"id": "late", "type": "WAIT_FOR_EVENT", "event": "go", "depends_on": ["gate"]}]})
+        {"id": "late", "type": "WAIT_FOR_SIGNAL", "signal": "go", "depends_on": ["gate"]}]})
     run_id = engine.start("order")
     [claim] = engine.claim(["default"], "w", 1)
     monkeypatch.setattr(shell, "uuid7_text", lambda: uuid7_at(datetime(2001, 1, 1, tzinfo=UTC)))
@@ -42,7 +42,7 @@ def test_a_signal_after_the_timeout_fails_the_node_as_the_timer_would(engine: En
     """No coordinator runs: by the database clock the wait timed out before the signal
     came, so the node fails (on_timeout fail), the run fails, and the caller is told."""
     engine.deploy({"id": "deadline", "nodes": [
-        {"id": "w", "type": "WAIT_FOR_EVENT", "event": "go", "timeout_s": 0.5}]})
+        {"id": "w", "type": "WAIT_FOR_SIGNAL", "signal": "go", "timeout_s": 0.5}]})
     run_id = engine.start("deadline")
     time.sleep(0.8)
     with pytest.raises(Conflict, match='failed before the signal "go" arrived'):
@@ -58,8 +58,8 @@ def test_a_signal_after_the_timeout_fails_the_node_as_the_timer_would(engine: En
 
 def test_a_signal_after_a_continue_timeout_goes_to_the_next_waiter(engine: Engine) -> None:
     engine.deploy({"id": "relay", "nodes": [
-        {"id": "w1", "type": "WAIT_FOR_EVENT", "event": "go", "timeout_s": 0.5, "on_timeout": "continue"},
-        {"id": "w2", "type": "WAIT_FOR_EVENT", "event": "go"}]})
+        {"id": "w1", "type": "WAIT_FOR_SIGNAL", "signal": "go", "timeout_s": 0.5, "on_timeout": "continue"},
+        {"id": "w2", "type": "WAIT_FOR_SIGNAL", "signal": "go"}]})
     run_id = engine.start("relay")
     time.sleep(0.8)
     outcome = engine.signal(run_id, "go", "payload")
@@ -70,7 +70,7 @@ def test_a_signal_after_a_continue_timeout_goes_to_the_next_waiter(engine: Engin
 
 
 def test_a_signal_before_the_timeout_resolves_the_node(engine: Engine) -> None:
-    engine.deploy({"id": "in_time", "nodes": [{"id": "w", "type": "WAIT_FOR_EVENT", "event": "go",
+    engine.deploy({"id": "in_time", "nodes": [{"id": "w", "type": "WAIT_FOR_SIGNAL", "signal": "go",
                                                "timeout_s": 60}]})
     run_id = engine.start("in_time")
     assert engine.signal(run_id, "go", 1).finished == "SUCCEEDED"
