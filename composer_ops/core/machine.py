@@ -428,7 +428,7 @@ class _Decider:
             self.set_state(node.id, TaskState.COMPLETED, output=None)
             return
         after = f" after {_seconds(node.timeout_s)}" if node.timeout_s is not None else ""
-        error = f"timed out waiting for event {json.dumps(node.signal_name)}{after}"
+        error = f"timed out waiting for signal {json.dumps(node.signal_name)}{after}"
         self.actions.append(
             model.ResolveWait(task_id=slot.task_id, node_id=node.id, state=TaskState.FAILED, reason=error, timer=True))
         self.set_state(node.id, TaskState.FAILED)
@@ -448,7 +448,7 @@ class _Decider:
         if not any(n.type is NodeType.WAIT_FOR_SIGNAL and n.signal_name == event.name for n in self.spec.nodes.values()):
             raise Invalid(
                 f"run {run.id}: workflow {json.dumps(run.workflow_id)} version {run.workflow_version} "
-                f"has no WAIT_FOR_SIGNAL node for event {json.dumps(event.name)}"
+                f"has no WAIT_FOR_SIGNAL node for signal {json.dumps(event.name)}"
             )
         waiters = sorted(
             (

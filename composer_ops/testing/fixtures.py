@@ -130,7 +130,7 @@ class _Seeder:
                VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s)""",
             (task_id, self.runs[run], node, node_type, queue, state, attempt,
              Jsonb(output) if output is not None else None, Jsonb({"error": error}) if error else None,
-             branches, wake_at, event, created, started, finished,
+             branches, wake_at, signal, created, started, finished,
              finished if state == "COMPLETED" else None, created, updated or finished or started or created,
              owner, lease))
         self.tasks[f"{run}.{node}"] = task_id

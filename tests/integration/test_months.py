@@ -224,7 +224,7 @@ def test_a_backfill_cut_short_never_leaves_half_a_month(db_url: str, monkeypatch
             planned[120] = (planned[120][0], "no-such-workflow")
         return planned
 
-    monkeypatch.setattr(history, "_arrivals", a_run_fails_in_the_second_month)
+    monkeypatch.setattr(generated, "_arrivals", a_run_fails_in_the_second_month)
     with pytest.raises(KeyError, match="no-such-workflow"):
         _backfill(db_url, options)
     monkeypatch.undo()

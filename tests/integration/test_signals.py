@@ -49,7 +49,7 @@ def test_a_signal_after_the_timeout_fails_the_node_as_the_timer_would(engine: En
         engine.signal(run_id, "go", "too late")
     run = engine.get_run(run_id)
     assert (run.status, run.tasks[0].state, run.tasks[0].output) == ("FAILED", "FAILED", None)
-    assert run.error == {"error": 'node "w" failed: timed out waiting for event "go" after 0.5s'}
+    assert run.error == {"error": 'node "w" failed: timed out waiting for signal "go" after 0.5s'}
     kinds = [(h.kind, h.node_id) for h in run.history]
     assert kinds == [("started", None), ("timer", "w"), ("signal", None)]
     assert "refused" in run.history[-1].detail

@@ -187,7 +187,7 @@ def test_a_signal_after_a_failing_timeout_is_refused_and_the_timeout_kept() -> N
     decision = sim.signal("go", "too late")
     assert kinds(decision) == ["ResolveWait w FAILED", "FinishRun FAILED"]
     assert decision.refused is not None and "failed before the signal \"go\" arrived" in decision.refused
-    assert sim.rows["w"].error == 'timed out waiting for event "go" after 60s'
+    assert sim.rows["w"].error == 'timed out waiting for signal "go" after 60s'
     assert sim.status is RunStatus.FAILED
 
 
@@ -218,8 +218,8 @@ def test_timeout_fails_the_node_and_the_run() -> None:
     sim.tick(60)
     decision = sim.fire("w")
     assert kinds(decision) == ["ResolveWait w FAILED", "FinishRun FAILED"]
-    assert sim.rows["w"].error == 'timed out waiting for event "go" after 60s'
-    assert sim.run_reason == 'node "w" failed: timed out waiting for event "go" after 60s'
+    assert sim.rows["w"].error == 'timed out waiting for signal "go" after 60s'
+    assert sim.run_reason == 'node "w" failed: timed out waiting for signal "go" after 60s'
     with pytest.raises(Conflict, match="run run-1 is FAILED; it accepts no signals"):
         sim.signal("go")
 
@@ -259,5 +259,5 @@ def test_timer_is_stale_once_the_signal_won() -> None:
 def test_signal_for_an_event_no_node_awaits_is_invalid() -> None:
     sim = Sim(EVENTS)
     sim.start()
-    with pytest.raises(Invalid, match='no WAIT_FOR_SIGNAL node for event "og"'):
+    with pytest.raises(Invalid, match='no WAIT_FOR_SIGNAL node for signal "og"'):
         sim.signal("og")
