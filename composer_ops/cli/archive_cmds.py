@@ -21,8 +21,8 @@ from composer_ops.cli._common import (
     env_option,
 )
 from composer_ops.cli.admin_cmds import actor, progress_bars
-from composer_ops.errors import Invalid
 from composer_ops.core.cutoff import Cutoff, parse_cutoff
+from composer_ops.errors import Invalid
 
 
 def add_cutoff_option(parser: argparse.ArgumentParser) -> None:

@@ -29,11 +29,11 @@ from composer_ops.cli._common import (
 )
 from composer_ops.cli.partition_cmds import add_months_ahead_option
 from composer_ops.core.attempts import Attempt, HistoryRow, attempts
+from composer_ops.core.cutoff import parse_cutoff
 from composer_ops.engine import Engine, Worker
 from composer_ops.engine.webhooks import RelayPolicy
 from composer_ops.engine.worker import check_shutdown_timeout
 from composer_ops.errors import Invalid, ShutdownTimeout
-from composer_ops.core.cutoff import parse_cutoff
 
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]

@@ -135,8 +135,8 @@ def _run(args: argparse.Namespace, behaviour: Any, console: Any) -> int:
     from composer_ops.repo import simulator
     from composer_ops.simulate import summary
     from composer_ops.simulate.definitions import definitions, deploy_definitions
-    from composer_ops.simulate.months import MonthsOptions, backfill
     from composer_ops.simulate.live import LiveOptions, LiveSimulation
+    from composer_ops.simulate.months import MonthsOptions, backfill
 
     with Engine.connect(args.database_url, pool_size=4, application_name="composer-ops simulate") as engine:
         deployed = deploy_definitions(engine, args.time_scale)

@@ -445,7 +445,8 @@ class _Decider:
         run = self.run
         if run.status not in ACTIVE_RUN_STATUSES:
             raise Conflict(f"run {run.id} is {run.status}; it accepts no signals")
-        if not any(n.type is NodeType.WAIT_FOR_SIGNAL and n.signal_name == event.name for n in self.spec.nodes.values()):
+        nodes = self.spec.nodes.values()
+        if not any(n.type is NodeType.WAIT_FOR_SIGNAL and n.signal_name == event.name for n in nodes):
             raise Invalid(
                 f"run {run.id}: workflow {json.dumps(run.workflow_id)} version {run.workflow_version} "
                 f"has no WAIT_FOR_SIGNAL node for signal {json.dumps(event.name)}"

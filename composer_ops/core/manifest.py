@@ -7,13 +7,15 @@ archive is ``engine.archive``.
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from composer_ops.core.runids import month_start
 from composer_ops.errors import ComposerError
 
-__all__ = ["FORMAT", "MANIFEST", "BadArchive", "Manifest", "TableArchive", "month_dir", "read_manifest"]
+__all__ = ["FORMAT", "MANIFEST", "RENAMED_COLUMNS", "BadArchive", "Manifest", "TableArchive", "current_column",
+           "month_dir", "read_manifest"]
 
 #: The manifest's ``format``: readers refuse any other.
 FORMAT = "composer-archive/1"
@@ -91,3 +93,13 @@ def read_manifest(path: Path) -> Manifest:
     except OSError as exc:
         raise BadArchive(f"{file}: cannot read it ({exc})") from None
     return Manifest.from_json(text, file)
+
+
+#: Columns renamed since an archive may have been written (V006): table -> {old spelling:
+#: current name}. Restore and the archived run story read old archives by current names.
+RENAMED_COLUMNS: Mapping[str, Mapping[str, str]] = {"task_instances": {"event_name": "signal_name"}}  # old spelling
+
+
+def current_column(table: str, column: str) -> str:
+    """The name ``column`` of ``table`` in an archive has in the current schema."""
+    return RENAMED_COLUMNS.get(table, {}).get(column, column)

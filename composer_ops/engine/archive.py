@@ -26,7 +26,17 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from composer_ops import files
-from composer_ops.core.manifest import FORMAT, MANIFEST, BadArchive, Manifest, TableArchive, month_dir, read_manifest
+from composer_ops.core.cutoff import Cutoff
+from composer_ops.core.manifest import (
+    FORMAT,
+    MANIFEST,
+    BadArchive,
+    Manifest,
+    TableArchive,
+    current_column,
+    month_dir,
+    read_manifest,
+)
 from composer_ops.core.runids import month_bounds, month_start
 from composer_ops.db import connect
 from composer_ops.db.retry import db_retry
@@ -37,7 +47,6 @@ from composer_ops.repo._base import Conn, repeatable_read
 from composer_ops.repo.archive import Column
 from composer_ops.repo.audit import Actor
 from composer_ops.repo.partitions import RUN_TABLES
-from composer_ops.core.cutoff import Cutoff
 
 __all__ = ["Progress", "RestoreResult", "Restored", "column_specs", "content_fingerprint", "export_month",
            "read_rows", "restore_month", "restore_rows", "verify_month"]
@@ -63,7 +72,7 @@ class _Silent:
 
 def column_specs(entry: TableArchive) -> list[Column]:
     """The archived columns of ``entry`` as the repository describes columns."""
-    return [Column(name=c["name"], type=c["type"]) for c in entry.columns]
+    return [Column(name=current_column(entry.table, c["name"]), type=c["type"]) for c in entry.columns]
 
 
 # -- types -------------------------------------------------------------------------

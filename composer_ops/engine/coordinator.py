@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 from composer_ops.core import runids
 from composer_ops.core.actor import Actor
+from composer_ops.core.cutoff import Cutoff, parse_cutoff
 from composer_ops.core.model import Event, LeaseExpired, TaskRef, TimerDue
 from composer_ops.db.errors import TranslatingPool
 from composer_ops.db.retry import db_retry
@@ -31,7 +32,6 @@ from composer_ops.engine.shell import Outcome
 from composer_ops.engine.webhooks import RelayPolicy, relay_once
 from composer_ops.errors import ComposerError, Invalid, LockTimeout, Transient
 from composer_ops.repo import clock, partitions, signals, tasks, webhooks
-from composer_ops.core.cutoff import Cutoff, parse_cutoff
 
 if TYPE_CHECKING:
     from composer_ops.engine.engine import Engine

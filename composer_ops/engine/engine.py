@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 from composer_ops.core.actor import Actor
 from composer_ops.core.model import TERMINAL_RUN_STATUSES, CancelRun, SignalReceived, TaskCompleted, TaskFailed, TaskRef
 from composer_ops.core.runids import validate_run_id
+from composer_ops.core.selection import selection
 from composer_ops.core.spec import ID_PATTERN, parse_spec
 from composer_ops.db import autocommit, make_pool, resolve_url
 from composer_ops.db.errors import TranslatingPool
@@ -406,7 +407,7 @@ class Engine:
         instants, or ages like ``7d`` counted back from the database clock), whose input
         contains ``where`` (``"input.customer=42"``, or a JSON object); newest first, at
         most ``limit``. The window prunes the months outside it."""
-        chosen = admin.selection(workflow=workflow, status=status, since=since, until=until, where=where)
+        chosen = selection(workflow=workflow, status=status, since=since, until=until, where=where)
         return admin.find_runs(self.pool, chosen, limit=limit)[1]
 
     def cancel_runs(self, *, workflow: str | None = None, status: str | Sequence[str] | None = None,
@@ -417,7 +418,7 @@ class Engine:
         """Cancel every active run the selection (as :meth:`find_runs`) names, through the
         cancel event, ``chunk`` runs per transaction with an audit row each; resumable
         (run it again after an interruption). Without ``yes`` it only lists them."""
-        chosen = admin.selection(workflow=workflow, status=status, since=since, until=until, where=where)
+        chosen = selection(workflow=workflow, status=status, since=since, until=until, where=where)
         return admin.cancel_runs(self.shell, chosen, reason=reason, yes=yes, actor=actor, chunk=chunk,
                                  on_chunk=on_chunk)
 

@@ -23,17 +23,17 @@ from typing import Any
 
 import psycopg
 
+from composer_ops.core.cutoff import Cutoff
+from composer_ops.core.manifest import BadArchive, Manifest, month_dir
 from composer_ops.db import connect
 from composer_ops.db.retry import backoff_delay
 from composer_ops.engine.archive import Progress, content_fingerprint, export_month
-from composer_ops.core.manifest import BadArchive, Manifest, month_dir
 from composer_ops.engine.retention import BLOCKED_REASON
 from composer_ops.errors import ComposerError, Invalid, Transient
 from composer_ops.repo import archive as repo
 from composer_ops.repo import audit, citus, partitions, retention
 from composer_ops.repo.audit import Actor
 from composer_ops.repo.partitions import RUN_TABLES
-from composer_ops.core.cutoff import Cutoff
 from composer_ops.repo.rows import RetentionMonth
 
 __all__ = ["MonthRetired", "RetireResult", "retire_months"]

@@ -7,6 +7,7 @@ server). All time arithmetic uses the database clock. The statements themselves
 live in :mod:`composer_ops.repo.analytics` and :mod:`composer_ops.repo.partitions`.
 """
 
+from composer_ops.core.cutoff import Cutoff, parse_cutoff
 from composer_ops.ops import anomalies, display
 from composer_ops.ops._common import (
     ACTIVE_STATES,
@@ -66,7 +67,6 @@ from composer_ops.ops.partitions import (
     partition_totals,
 )
 from composer_ops.ops.retention import plan_frame, resolve_cutoff, retention_plan
-from composer_ops.core.cutoff import Cutoff, parse_cutoff
 
 __all__ = [
     "ACTIVE_STATES",

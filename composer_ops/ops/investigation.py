@@ -170,6 +170,7 @@ def definition_graph(spec: Any, tasks: pl.DataFrame | None = None) -> tuple[pl.D
             continue
         nid = str(node.get("id", f"#{i}"))
         ntype = str(node.get("type", "TASK"))
+        ntype = "WAIT_FOR_SIGNAL" if ntype == "WAIT_FOR_EVENT" else ntype     # the alias 0.1.0 stored
         if ntype == "SWITCH":
             labels: dict[str, list[str]] = {}
             for case, targets in (node.get("cases") or {}).items():
@@ -179,8 +180,9 @@ def definition_graph(spec: Any, tasks: pl.DataFrame | None = None) -> tuple[pl.D
                 labels.setdefault(str(target), []).append("default")
             switch_cases[nid] = labels
         state, attempt = states.get(nid, ("NOT REACHED", 0))
+        signal = node.get("signal", node.get("event"))      # "event": the key's alias in 0.1.0
         node_rows.append((nid, ntype, node.get("task"), node.get("queue", "default") if ntype == "TASK" else None,
-                          node.get("event"), [str(d) for d in node.get("depends_on") or []], i, state, attempt))
+                          signal, [str(d) for d in node.get("depends_on") or []], i, state, attempt))
     known = {row[0] for row in node_rows}
     if tasks is not None:
         for nid, ntype in tasks.select("node_id", "node_type").unique(maintain_order=True).iter_rows():
@@ -192,7 +194,7 @@ def definition_graph(spec: Any, tasks: pl.DataFrame | None = None) -> tuple[pl.D
             label = ", ".join(switch_cases[dep].get(nid, [])) if dep in switch_cases else ""
             edge_rows.append((dep, nid, label))
     nodes = pl.DataFrame(node_rows, orient="row", schema={
-        "node_id": pl.String, "type": pl.String, "task": pl.String, "queue": pl.String, "event": pl.String,
+        "node_id": pl.String, "type": pl.String, "task": pl.String, "queue": pl.String, "signal": pl.String,
         "depends_on": pl.List(pl.String), "position": pl.Int64, "state": pl.String, "attempt": pl.Int64,
     })
     nodes = nodes.with_columns(pl.Series("depth", _depths(nodes), dtype=pl.Int64),

@@ -18,13 +18,13 @@ from typing import Any
 
 import polars as pl
 
+from composer_ops.core.cutoff import Cutoff
 from composer_ops.core.runids import month_of, month_start
 from composer_ops.errors import Invalid, NotFound
 from composer_ops.ops._common import UTC_TS, Source, connection, rows_frame
 from composer_ops.ops.investigation import HISTORY_SCHEMA, TASK_SCHEMA, RunStory, definition_graph, validate_run_id
 from composer_ops.repo import analytics, audit, retention, runs, workers
 from composer_ops.repo.audit import AuditCommand
-from composer_ops.core.cutoff import Cutoff
 
 __all__ = ["AUDIT_LIMIT", "RUNS_SCHEMA", "archived_run_story", "audit_commands", "audit_log", "definition_spec",
            "find_runs", "unblock_command", "workers_frame"]
@@ -123,7 +123,7 @@ def archived_run_story(directory: str | Path, run_id: str, source: Source = None
     as does ``now``, the clock for intervals still open, unless given. The outbox and
     webhook tables are empty: they are not archived. :class:`NotFound` when the
     archive has no such run."""
-    from composer_ops.core.manifest import MANIFEST, month_dir, read_manifest
+    from composer_ops.core.manifest import MANIFEST, current_column, month_dir, read_manifest
 
     rid = validate_run_id(run_id)
     path = month_dir(Path(directory), month_of(rid))
@@ -135,7 +135,8 @@ def archived_run_story(directory: str | Path, run_id: str, source: Source = None
         entry = manifest.table(table)
         if entry is None:
             return pl.DataFrame()
-        return pl.scan_parquet(path / entry.file).filter(pl.col(key) == rid).collect()
+        found = pl.scan_parquet(path / entry.file).filter(pl.col(key) == rid).collect()
+        return found.rename({c: current_column(table, c) for c in found.columns})
 
     def err(column: str) -> pl.Expr:
         # The error document is {"error": text}; anything else is shown as its JSON.

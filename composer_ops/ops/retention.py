@@ -14,9 +14,9 @@ from typing import TYPE_CHECKING, Any
 
 import polars as pl
 
+from composer_ops.core.cutoff import Cutoff, parse_cutoff
 from composer_ops.ops._common import UTC_TS, Source, connection, rows_frame
 from composer_ops.repo import retention as repo
-from composer_ops.core.cutoff import Cutoff, parse_cutoff
 from composer_ops.repo.rows import RetentionMonth
 
 if TYPE_CHECKING:

@@ -52,19 +52,19 @@ def insert_tasks(conn: Conn, run_id: str, rows: Sequence[NewTask], *, now: datet
                 branches, wake_at, signal_name, scheduled_at, finished_at, completed_at, created_at, updated_at)
         SELECT r.id, %(run)s, r.node, r.type, r.queue, r.state, r.input, r.output, r.error,
                CASE WHEN r.branches IS NOT NULL THEN ARRAY(SELECT jsonb_array_elements_text(r.branches)) END,
-               r.wake, r.event, %(now)s::timestamptz,
+               r.wake, r.signal, %(now)s::timestamptz,
                CASE WHEN r.state IN ('COMPLETED', 'FAILED', 'SKIPPED', 'CANCELLED') THEN %(now)s::timestamptz END,
                CASE WHEN r.state = 'COMPLETED' THEN %(now)s::timestamptz END, %(now)s, %(now)s
           FROM jsonb_to_recordset(%(rows)s::jsonb)
                AS r(id text, node text, type text, queue text, state text, input jsonb, output jsonb,
-                    error jsonb, branches jsonb, wake timestamptz, event text)
+                    error jsonb, branches jsonb, wake timestamptz, signal text)
         ON CONFLICT (run_id, node_id) DO NOTHING
         RETURNING node_id""",
         {"run": run_id, "now": now, "rows": recordset([
             {"id": r.task_id, "node": r.node_id, "type": r.node_type, "queue": r.queue, "state": r.state,
              "input": r.input, "output": r.output, "error": error_doc(r.error),
              "branches": None if r.branches is None else list(r.branches), "wake": iso(r.wake_at),
-             "event": r.signal_name} for r in rows])})
+             "signal": r.signal_name} for r in rows])})
     return {str(row[0]) for row in cur.fetchall()}
 
 

@@ -201,8 +201,8 @@ def replay_plan(database_url: str | None, *, workflow: str | None, since: str | 
                 from_node: str | None, limit: int) -> tuple[pl.DataFrame, str | None]:
     """What ``runs retry --since ... [--where ...] [--from NODE]`` would do (its dry
     run), run by run; with the note when the role cannot take the run locks."""
-    from composer_ops.engine.admin import retry_runs
     from composer_ops.core.selection import selection
+    from composer_ops.engine.admin import retry_runs
 
     chosen = selection(workflow=workflow, status="FAILED", since=since, where=where)
     nodes = [from_node] if from_node else []
@@ -232,8 +232,8 @@ def _replay_frame(bulk: Any) -> pl.DataFrame:
 
 def replay_act(act: Act, database_url: str | None, *, workflow: str | None, since: str | None,
                where: str | None, from_node: str | None, limit: int) -> pl.DataFrame | None:
-    from composer_ops.engine.admin import retry_runs
     from composer_ops.core.selection import selection
+    from composer_ops.engine.admin import retry_runs
 
     chosen = selection(workflow=workflow, status="FAILED", since=since, where=where)
     nodes = [from_node] if from_node else []

@@ -20,8 +20,8 @@ from composer_ops.repo import simulator
 
 if TYPE_CHECKING:
     from composer_ops.engine import Engine
-    from composer_ops.simulate.months import MonthsResult
     from composer_ops.simulate.live import HeldTask, LiveResult
+    from composer_ops.simulate.months import MonthsResult
 
 __all__ = ["LiveFigures", "database_overview", "live_figures", "render_database", "render_months",
            "render_live"]

@@ -24,6 +24,7 @@ from typing import Any
 
 import pytest
 
+from composer_ops.core.manifest import read_manifest
 from composer_ops.engine import archive, retire
 from composer_ops.engine.retention import drop_due_months
 from composer_ops.engine.shell import Outcome
@@ -325,7 +326,7 @@ def _retired_once(outcome: str, action: str) -> Callable[[Rig, Month, Result], l
 
 def _restored_once(b: Rig, m: Month, result: Result) -> list[str]:
     problems = _raised(result)
-    want = archive.read_manifest(Path(m.directory) / "202001").table("workflow_runs").rows  # type: ignore[union-attr]
+    want = read_manifest(Path(m.directory) / "202001").table("workflow_runs").rows  # type: ignore[union-attr]
     if result.error is None and not result.value.applied:
         problems.append(f"the restore returned {result.value}")
     if _month_rows(b) != want:

@@ -18,8 +18,8 @@ from hypothesis import strategies as st
 from psycopg.types.json import Jsonb
 
 from composer_ops.cli import main
-from composer_ops.engine import archive
 from composer_ops.core.manifest import BadArchive
+from composer_ops.engine import archive
 from composer_ops.errors import ComposerError
 from composer_ops.repo import partitions
 from composer_ops.testing import fixtures

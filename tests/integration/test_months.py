@@ -22,8 +22,8 @@ from composer_ops.repo import runs as run_repo
 from composer_ops.repo import simulator
 from composer_ops.simulate import months as generated
 from composer_ops.simulate.definitions import definitions, deploy_definitions
-from composer_ops.simulate.months import MonthsOptions, backfill, generated_months, marker_run_id, month_sizes
 from composer_ops.simulate.model import Behaviour
+from composer_ops.simulate.months import MonthsOptions, backfill, generated_months, marker_run_id, month_sizes
 from composer_ops.testing.servers import Server
 
 SPECS: dict[str, WorkflowSpec] = {doc["id"]: parse_spec(doc) for doc in definitions()}

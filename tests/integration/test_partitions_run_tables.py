@@ -131,7 +131,8 @@ def test_a_month_gone_after_a_connection_checked_it_is_a_missing_run(db_url: str
 
 def test_the_month_check_is_per_connection(db_url: str) -> None:
     """What one connection found is not taken for another's (each checks once)."""
-    with TranslatingConnection.connect(db_url, autocommit=True) as a, TranslatingConnection.connect(db_url, autocommit=True) as b:
+    with (TranslatingConnection.connect(db_url, autocommit=True) as a,
+          TranslatingConnection.connect(db_url, autocommit=True) as b):
         add_definition(a)
         run_id = add_run(a)
         runs.lock_and_load(a, run_id)

@@ -15,9 +15,9 @@ import pytest
 
 from composer_ops import ops
 from composer_ops.cli import main
+from composer_ops.core.cutoff import Cutoff, parse_cutoff
 from composer_ops.engine.retention import drop_due_months
 from composer_ops.errors import ComposerError, Invalid
-from composer_ops.core.cutoff import Cutoff, parse_cutoff
 from composer_ops.repo import partitions
 from composer_ops.testing import fixtures
 from tests.integration.helpers import connect_in_tz

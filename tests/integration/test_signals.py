@@ -11,6 +11,7 @@ import pytest
 
 from composer_ops import Conflict, Engine
 from composer_ops.engine import shell
+from composer_ops.repo import definitions
 from tests.integration.helpers import uuid7_at
 
 
@@ -91,3 +92,18 @@ def test_a_task_cancelled_in_the_decision_that_created_it_is_never_dispatched(en
     with engine.pool.connection() as conn:
         row = conn.execute("SELECT count(*) FROM task_outbox WHERE run_id = %s", (run_id,)).fetchone()
     assert row == (0,)
+
+
+def test_a_spec_in_the_old_spelling_deploys_runs_and_shows_the_new_one(engine: Engine) -> None:
+    """WAIT_FOR_EVENT with "event" (the old spelling, SPEC's examples) is a WAIT_FOR_SIGNAL
+    node: stored, waited on, resolved and shown under the new names."""
+    old = {"id": "w", "type": "WAIT_FOR_EVENT", "event": "go"}   # the old spelling
+    engine.deploy({"id": "old_spelling", "nodes": [old]})
+    with engine.pool.connection() as conn:
+        stored = definitions.get_deployed(conn, "old_spelling").spec_json["nodes"][0]
+    assert (stored["type"], stored["signal"], "event" in stored) == ("WAIT_FOR_SIGNAL", "go", False)
+    run_id = engine.start("old_spelling")
+    [waiting] = engine.get_run(run_id).tasks
+    assert (waiting.node_type, waiting.state, waiting.signal_name) == ("WAIT_FOR_SIGNAL", "WAITING", "go")
+    assert engine.signal(run_id, "go", {"ok": 1}).finished is not None
+    assert states(engine, run_id) == {"w": "COMPLETED"}

@@ -15,9 +15,9 @@ import pytest
 
 from composer_ops.cli import build_parser, main
 from composer_ops.repo import simulator
-from composer_ops.simulate.months import generated_months, month_sizes
 from composer_ops.simulate.live import LiveOptions, plan_live, simulation_fleet
 from composer_ops.simulate.model import Behaviour
+from composer_ops.simulate.months import generated_months, month_sizes
 from composer_ops.testing.processes import wait_for
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -136,7 +136,8 @@ def _driver_base(cls: type) -> type:
     return next(b for b in cls.__mro__[1:] if b.__module__.split(".")[0] in DRIVERS)
 
 
-@pytest.mark.parametrize("name", ["TranslatingConnection", "TranslatingCursor", "TranslatingClientCursor", "TranslatingServerCursor", "TranslatingPool"])
+@pytest.mark.parametrize("name", ["TranslatingConnection", "TranslatingCursor", "TranslatingClientCursor",
+                                  "TranslatingServerCursor", "TranslatingPool"])
 def test_the_boundary_overrides_public_methods_that_psycopg_still_has(name: str) -> None:
     """An override of a method psycopg renamed or dropped would never run: the
     translation would silently stop there."""

@@ -79,7 +79,7 @@ def workflows(draw: st.DrawFn) -> dict[str, Any]:
             else:
                 node["duration_s"] = draw(st.sampled_from([0, 1, 5]))
         else:
-            node["event"] = nodes[i - 1]["event"] if twins[i] else draw(st.sampled_from(EVENT_NAMES))
+            node["signal"] = nodes[i - 1]["signal"] if twins[i] else draw(st.sampled_from(EVENT_NAMES))
             timeout = draw(st.sampled_from([None, 2, 10]))
             if timeout is not None:
                 node["timeout_s"] = timeout

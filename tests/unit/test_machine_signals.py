@@ -231,7 +231,7 @@ def test_timeout_continue_completes_with_null() -> None:
             "id": "w",
             "type": "WAIT_FOR_SIGNAL",
             "depends_on": ["first"],
-            "event": "go",
+            "signal": "go",
             "timeout_s": 1.5,
             "on_timeout": "continue",
         },
