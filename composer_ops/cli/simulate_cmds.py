@@ -1,5 +1,5 @@
-"""``composer-ops simulate``: deploy the simulator's workflows, backfill months of
-history with COPY, and drive live traffic through real coordinator and worker processes."""
+"""``composer-ops simulate``: deploy the simulator's workflows, backfill generated months
+of past runs with COPY, and drive live traffic through real coordinator and worker processes."""
 
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ Fill a Composer database with a realistic workload. Four workflows are deployed
 expense approval waiting for a signal with a timeout, a payment reminder with a
 WAIT); an identical deployed version is reused. Then, in this order:
 
-  history  --history-months N past months of runs written with COPY (N x about
+  months   --history-months N generated months of past runs written with COPY (N x about
            --runs-per-month runs); months already backfilled with the same seed
            are skipped, so running it twice adds nothing;
   live     --runs runs started over --duration-s seconds through real
@@ -85,7 +85,7 @@ _NUMBERS: tuple[tuple[str, str, type, float, Accepts | None, str], ...] = (
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p = add_command(sub, "simulate", cmd_simulate,
-                    help="realistic workload: months of history plus live traffic through real workers",
+                    help="realistic workload: generated months of past runs plus live traffic through real workers",
                     description=_DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
     groups: dict[str, argparse._ActionsContainer] = {"": p}
     for group, flag, kind, default, accepts, text in _NUMBERS:

@@ -172,7 +172,7 @@ class Shell:
         lock, which is held until that transaction ends: what :meth:`handle` does in
         a transaction of its own, and what operator actions that apply one event to
         several runs per transaction call (locking them in run-ID order). ``look``:
-        first look for rows ``request`` already wrote (a retry), and replay them."""
+        first look for rows ``request`` already wrote (a retry): a duplicate returns their outcome."""
         row, tasks_of_run = runs.lock_and_load(conn, run_id)
         if look:
             earlier = history.of_request(conn, run_id, request.id)
@@ -312,7 +312,7 @@ class Shell:
 
 class _Notes:
     """The history rows of one event, in the order of its actions: the row that records
-    the event itself (it carries what the caller gets back on a replay: ``finished``,
+    the event itself (it carries what the caller gets back on a duplicate: ``finished``,
     ``refused``) and the rows of what else happened in the same decision (timeouts
     judged at a signal, buffered signals consumed by new nodes)."""
 

@@ -39,7 +39,7 @@ __all__ = [
 LEASE_S = 4
 #: Every queue the definitions dispatch on; simulated workers serve them all.
 QUEUES = ("payments", "risk", "shipping", "default", "batch", "approvals", "billing")
-#: Share of runs per workflow (live arrivals and history alike).
+#: Share of runs per workflow (live arrivals and generated months alike).
 WORKFLOW_WEIGHTS: Mapping[str, float] = {
     "order-fulfilment": 0.50,
     "expense-approval": 0.20,

@@ -1,4 +1,4 @@
-"""Months of generated history, written with COPY.
+"""Generated months: past runs written with COPY.
 
 For each of the N complete UTC months before the current one, ``backfill`` replays
 ``runs`` runs through the state machine (:mod:`composer_ops.simulate.past`), so every

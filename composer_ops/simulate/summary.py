@@ -82,7 +82,7 @@ def _fmt(n: float) -> str:
 
 
 def render_months(console: Console, result: MonthsResult) -> None:
-    table = Table(title="History backfill", title_justify="left")
+    table = Table(title="Generated months", title_justify="left")
     for name in ("month", "runs", "task rows", "signals", "active runs", ""):
         table.add_column(name, justify="right" if name not in ("month", "") else "left")
     for m in result.months:
