@@ -168,7 +168,7 @@ def archived_run_story(directory: str | Path, run_id: str, source: Source = None
         "created_at", "started_at", "finished_at", "updated_at",
         secs(pl.coalesce("started_at", "finished_at", clock), pl.col("created_at")).alias("queued_s"),
         secs(pl.coalesce("finished_at", clock), pl.col("started_at")).alias("ran_s"),
-        "wake_at", secs(pl.col("wake_at"), clock).alias("wakes_in_s"), "event_name", "lease_owner",
+        "wake_at", secs(pl.col("wake_at"), clock).alias("wakes_in_s"), "signal_name", "lease_owner",
         "lease_expires_at", secs(pl.col("lease_expires_at"), clock).alias("lease_left_s"),
         err("last_error").alias("last_error"), "branches", pl.col("output_json").alias("output"),
     ).cast(dict(TASK_SCHEMA))  # type: ignore[arg-type]
