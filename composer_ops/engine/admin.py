@@ -22,6 +22,7 @@ from typing import Any
 
 import psycopg
 
+from composer_ops.core.actor import Actor
 from composer_ops.core.filters import RunFilter
 from composer_ops.core.model import ACTIVE_RUN_STATUSES, CancelRun, RetryRun, RunStatus
 from composer_ops.core.selection import Selection, check_limit
@@ -32,7 +33,6 @@ from composer_ops.engine.shell import Shell
 from composer_ops.errors import Conflict, Invalid, NotFound
 from composer_ops.repo import audit, definitions, retention, runs, workers
 from composer_ops.repo._base import repeatable_read
-from composer_ops.repo.audit import Actor
 from composer_ops.repo.rows import DefinitionRow, LeaseRow, RunListRow, WorkerRow
 
 __all__ = ["CANCEL_CHUNK", "RETRY_LIMIT", "BulkRetry", "CancelChunk", "CancelResult", "RetryResult",

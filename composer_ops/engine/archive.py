@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from composer_ops import files
+from composer_ops.core.actor import Actor
 from composer_ops.core.cutoff import Cutoff
 from composer_ops.core.manifest import (
     FORMAT,
@@ -45,7 +46,6 @@ from composer_ops.repo import archive as repo
 from composer_ops.repo import audit, partitions, retention
 from composer_ops.repo._base import Conn, repeatable_read
 from composer_ops.repo.archive import Column
-from composer_ops.repo.audit import Actor
 from composer_ops.repo.partitions import RUN_TABLES
 
 __all__ = ["Progress", "RestoreResult", "Restored", "column_specs", "content_fingerprint", "export_month",

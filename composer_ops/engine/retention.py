@@ -22,6 +22,7 @@ from typing import Any, TypeAlias
 
 import psycopg
 
+from composer_ops.core.actor import Actor
 from composer_ops.core.cutoff import Cutoff
 from composer_ops.core.runids import RUN_ID_MAX_AGE
 from composer_ops.db import connect
@@ -29,7 +30,6 @@ from composer_ops.db.errors import TranslatingPool
 from composer_ops.db.retry import backoff_delay
 from composer_ops.errors import ComposerError, Invalid, LockTimeout, Transient, Unavailable
 from composer_ops.repo import audit, partitions, retention
-from composer_ops.repo.audit import Actor
 from composer_ops.repo.rows import RetentionMonth
 
 log = logging.getLogger(__name__)

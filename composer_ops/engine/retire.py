@@ -23,6 +23,7 @@ from typing import Any
 
 import psycopg
 
+from composer_ops.core.actor import Actor
 from composer_ops.core.cutoff import Cutoff
 from composer_ops.core.manifest import BadArchive, Manifest, month_dir
 from composer_ops.db import connect
@@ -32,7 +33,6 @@ from composer_ops.engine.retention import BLOCKED_REASON
 from composer_ops.errors import ComposerError, Invalid, Transient
 from composer_ops.repo import archive as repo
 from composer_ops.repo import audit, citus, partitions, retention
-from composer_ops.repo.audit import Actor
 from composer_ops.repo.partitions import RUN_TABLES
 from composer_ops.repo.rows import RetentionMonth
 
