@@ -172,8 +172,8 @@ def archived_run_story(directory: str | Path, run_id: str, source: Source = None
         "lease_expires_at", secs(pl.col("lease_expires_at"), clock).alias("lease_left_s"),
         err("last_error").alias("last_error"), "branches", pl.col("output_json").alias("output"),
     ).cast(dict(TASK_SCHEMA))  # type: ignore[arg-type]
-    events = rows("workflow_events", "run_id")
-    signals = events.sort("created_at", "id").select(
+    signal_rows = rows("workflow_events", "run_id")
+    signals = signal_rows.sort("created_at", "id").select(
         pl.col("id").alias("signal_id"), "name", "payload", "created_at", "consumed_at",
         pl.when(pl.col("consumed_at").is_null()).then(pl.lit("buffered")).otherwise(pl.lit("consumed"))
         .alias("status"),

@@ -33,7 +33,7 @@ from composer_ops.errors import Invalid
 from composer_ops.repo import simulator as repo
 from composer_ops.repo._base import Conn
 from composer_ops.repo.partitions import ensure_from
-from composer_ops.simulate.copytext import EVENT_COLUMNS, RUN_COLUMNS, TASK_COLUMNS, CopyText, json_text
+from composer_ops.simulate.copytext import RUN_COLUMNS, SIGNAL_COLUMNS, TASK_COLUMNS, CopyText, json_text
 from composer_ops.simulate.definitions import WORKFLOW_WEIGHTS, make_input, plan_cancel, plan_signals
 from composer_ops.simulate.model import Behaviour
 from composer_ops.simulate.past import Plan, play, stop_stuck
@@ -82,7 +82,7 @@ class MonthResult:
     month: str
     runs: int = 0
     tasks: int = 0
-    events: int = 0
+    signals: int = 0
     active_runs: int = 0
     skipped: bool = False
 
@@ -105,7 +105,7 @@ class MonthsResult:
 
     @property
     def rows(self) -> int:
-        return sum(m.runs + m.tasks + m.events for m in self.months)
+        return sum(m.runs + m.tasks + m.signals for m in self.months)
 
     @property
     def task_rows_per_s(self) -> float:
@@ -167,7 +167,7 @@ class _Chunk:
     last: bool
     runs: list[str] = field(default_factory=list)
     tasks: list[str] = field(default_factory=list)
-    events: list[str] = field(default_factory=list)
+    signals: list[str] = field(default_factory=list)
     active: int = 0
 
 
@@ -270,7 +270,7 @@ class _Generator:
         text.next_run()
         chunk.runs.append(text.run(replay, wf, self.configs[wf]))
         chunk.tasks.extend(text.task(run_id, row) for row in replay.rows.values())
-        chunk.events.extend(text.event(run_id, signal) for signal in replay.signals)
+        chunk.signals.extend(text.signal(run_id, signal) for signal in replay.signals)
         chunk.active += replay.status == "RUNNING"
 
 
@@ -293,12 +293,12 @@ def _generate(job: _Job) -> _Chunk:
 def _copy(conn: Conn, chunk: _Chunk, result: MonthResult, *, skip_row_triggers: bool) -> None:
     for table, columns, lines in (("workflow_runs", RUN_COLUMNS, chunk.runs),
                                   ("task_instances", TASK_COLUMNS, chunk.tasks),
-                                  ("workflow_events", EVENT_COLUMNS, chunk.events)):
+                                  ("workflow_events", SIGNAL_COLUMNS, chunk.signals)):
         if lines:
             repo.copy_rows(conn, table, columns, lines, month=chunk.month, skip_row_triggers=skip_row_triggers)
     result.runs += len(chunk.runs)
     result.tasks += len(chunk.tasks)
-    result.events += len(chunk.events)
+    result.signals += len(chunk.signals)
     result.active_runs += chunk.active
 
 

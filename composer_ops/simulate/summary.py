@@ -89,7 +89,7 @@ def render_months(console: Console, result: MonthsResult) -> None:
         if m.skipped:
             table.add_row(m.month, "", "", "", "", "already backfilled with this seed: skipped")
         else:
-            table.add_row(m.month, _fmt(m.runs), _fmt(m.tasks), _fmt(m.events), _fmt(m.active_runs), "written")
+            table.add_row(m.month, _fmt(m.runs), _fmt(m.tasks), _fmt(m.signals), _fmt(m.active_runs), "written")
     console.print(table)
     if result.tasks:
         console.print(f"backfill: {_fmt(result.rows)} rows ({_fmt(result.tasks)} task rows) in "
