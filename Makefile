@@ -142,8 +142,8 @@ test-psycopg-oldest: $(STAMP)
 	env -u COMPOSER_DATABASE_URL -u COMPOSER_TEST_PGBIN $(OLDEST)/bin/python -m pytest -q -p no:cacheprovider \
 	    --require tests/unit=80 --require tests/integration=60 tests/unit/test_driver_api.py \
 	    tests/unit/test_error_boundary.py tests/unit/test_connect_errors.py tests/unit/test_retry.py \
-	    tests/integration/test_error_boundary.py tests/integration/test_connect_wait.py \
-	    tests/integration/test_retry.py tests/integration/test_engine_faults.py tests/integration/test_engine_e2e.py
+	    tests/integration/test_errors.py tests/integration/test_connect_wait.py \
+	    tests/integration/test_admin_retry.py tests/integration/test_engine_faults.py tests/integration/test_engine_e2e.py
 
 # The Citus leg (tests/citus): a coordinator and two worker nodes of Citus 13 on Debian's
 # PostgreSQL 15, listening on free local ports (composer_ops/testing/citus.py). Citus is

@@ -4,7 +4,7 @@
     .venv/bin/python -m bench.backfill --months 3 --runs-per-month 100000 --keep
     .venv/bin/python -m bench.backfill --per-row-checks   # every foreign key checked by its trigger
 
-What it measures: the whole backfill path of :func:`composer_ops.simulate.history.backfill`
+What it measures: the whole backfill path of :func:`composer_ops.simulate.months.backfill`
 on a freshly migrated database of its own (``bench_backfill_<pid>``, dropped at the
 end unless ``--keep``): past partitions created with ``composer_ensure_partitions_from``,
 each run replayed through the state machine on a simulated clock in worker processes
@@ -50,7 +50,7 @@ from composer_ops import Engine
 from composer_ops.core.spec import parse_spec
 from composer_ops.db.migrate import migrate
 from composer_ops.simulate.definitions import definitions, deploy_definitions
-from composer_ops.simulate.history import HistoryOptions, backfill, history_months, month_sizes
+from composer_ops.simulate.months import MonthsOptions, backfill, generated_months, month_sizes
 from composer_ops.testing import servers
 
 TARGET_PER_MINUTE = 1_000_000
@@ -80,9 +80,9 @@ def main(argv: list[str] | None = None) -> int:
             with engine.pool.connection() as conn:
                 now = conn.execute("SELECT now()").fetchone()
         assert now is not None
-        options = HistoryOptions(seed=args.seed, months=args.months, runs_per_month=args.runs_per_month,
+        options = MonthsOptions(seed=args.seed, months=args.months, runs_per_month=args.runs_per_month,
                                  set_based_checks=not args.per_row_checks)
-        planned = sum(month_sizes(history_months(now[0], args.months), args.runs_per_month, 0.08).values())
+        planned = sum(month_sizes(generated_months(now[0], args.months), args.runs_per_month, 0.08).values())
         print(f"server PostgreSQL {version[0] if version else '?'}; backfilling {args.months} months, "
               f"{planned:,} runs into {name}", flush=True)
         done = [0, 0, time.perf_counter()]

@@ -1,7 +1,7 @@
 """Does the hot path's cost grow with the months retained?
 
 Three databases on one server hold 1, 6 and 24 complete months of history before the
-current one (written by the simulator's backfill, ``composer_ops.simulate.history``,
+current one (written by the simulator's backfill, ``composer_ops.simulate.months``,
 ``--months-runs`` runs per month on average), each with the current month and three
 ahead as partition upkeep keeps them. The 24-month database is backfilled once; the
 6- and 1-month ones are copies of it with the older months dropped by retention
@@ -64,7 +64,7 @@ def build(server: Server, months: tuple[int, ...], runs_per_month: int, seed: in
     from composer_ops.db.migrate import migrate
     from composer_ops.repo import retention
     from composer_ops.simulate.definitions import definitions, deploy_definitions
-    from composer_ops.simulate.history import HistoryOptions, backfill, history_months
+    from composer_ops.simulate.months import MonthsOptions, backfill, generated_months
 
     most = max(months)
     base = f"bench_months_{most}"
@@ -80,7 +80,7 @@ def build(server: Server, months: tuple[int, ...], runs_per_month: int, seed: in
     now: datetime = row[0]
     specs = {doc["id"]: parse_spec(doc) for doc in definitions()}
     backfill(url, specs, {wf: v for wf, (v, _) in deployed.items()},
-             HistoryOptions(seed=seed, months=most, runs_per_month=runs_per_month, stuck_months=1), now=now)
+             MonthsOptions(seed=seed, months=most, runs_per_month=runs_per_month, stuck_months=1), now=now)
     with psycopg.connect(url, autocommit=True) as conn:
         conn.execute("VACUUM ANALYZE")
     names = {most: base}
@@ -88,7 +88,7 @@ def build(server: Server, months: tuple[int, ...], runs_per_month: int, seed: in
         name = f"bench_months_{m}"
         names[m] = name
         copy = server.create_database(name, template=base)
-        first = history_months(now, m)[0]
+        first = generated_months(now, m)[0]
         with psycopg.connect(copy) as conn:
             retention.drop(conn, month_start(first), min_age=RUN_ID_MAX_AGE)
             conn.commit()

@@ -23,7 +23,7 @@
 -- force_custom_plan makes it planned with the array's value: the planner keeps only the
 -- partitions the run IDs fall in and locks only those months (a generic, cached plan
 -- would lock every month's partitions and indexes before pruning, PostgreSQL 15 to 18;
--- tests/integration/test_claim_months.py). The check on workflow_runs prunes the same way.
+-- tests/integration/test_outbox_claim_months.py). The check on workflow_runs prunes the same way.
 --
 -- A dispatch (repo/outbox.py, enqueue) deletes up to one waiter per task it makes
 -- available, the most recently idle first, and notifies each on its own channel; when
@@ -271,7 +271,7 @@ END;
 $$;
 
 -- Created once sql/V003 has added the column (the R files also run after each earlier V
--- file alone, tests/integration/test_migrations.py).
+-- file alone, tests/integration/test_migrate.py).
 DO $$
 BEGIN
     IF NOT EXISTS (SELECT 1 FROM pg_extension WHERE extname = 'citus')

@@ -47,7 +47,7 @@ $$;
 -- EXCLUSIVE on the parent (plus SHARE ROW EXCLUSIVE on workflow_runs for the foreign
 -- keys, bounded by the caller's lock_timeout, composer_ops/repo/partitions.py). The
 -- new tables are empty, so ATTACH's validation and index builds cost nothing;
--- tests/integration/test_upkeep_locks.py compares the result with PARTITION OF.
+-- tests/integration/test_partitions_upkeep.py compares the result with PARTITION OF.
 -- task_instances partitions get fillfactor 80: heartbeats change only
 -- lease_expires_at, which no index contains, and the free fifth of each page lets
 -- them be HOT updates (partitioned tables take no storage parameters, so each

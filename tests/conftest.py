@@ -83,9 +83,9 @@ def conn(db_url: str) -> Iterator[psycopg.Connection[Any]]:
     """A connection to the test's database, in a transaction rolled back at the end: a
     connection of the error boundary, as the repository gets in the product, so its
     driver errors arrive as ComposerErrors here too."""
-    from composer_ops.db.errors import Connection
+    from composer_ops.db.errors import TranslatingConnection
 
-    with Connection.connect(db_url) as c:
+    with TranslatingConnection.connect(db_url) as c:
         yield c
         c.rollback()
 

@@ -185,7 +185,7 @@ def _short(value: Any, width: int | None) -> str:
 
 
 def _selection(args: argparse.Namespace) -> Any:
-    from composer_ops.engine.admin import selection
+    from composer_ops.core.selection import selection
 
     return selection(workflow=args.workflow, status=args.status, since=args.since, until=args.until,
                      where=args.where)

@@ -21,8 +21,8 @@ from composer_ops.cli._common import (
     env_option,
 )
 from composer_ops.cli.admin_cmds import actor, progress_bars
+from composer_ops.core.cutoff import Cutoff, parse_cutoff
 from composer_ops.errors import Invalid
-from composer_ops.repo.retention import Cutoff, parse_cutoff
 
 
 def add_cutoff_option(parser: argparse.ArgumentParser) -> None:
@@ -163,7 +163,7 @@ def drop_archived(args: argparse.Namespace, when: Cutoff) -> int:
 
 def _retire(args: argparse.Namespace, when: Cutoff, *, archive_dir: Path | None, keep_table: bool) -> int:
     from composer_ops.cli.partition_cmds import blocked_exit
-    from composer_ops.engine.archive import BadArchive
+    from composer_ops.core.manifest import BadArchive
     from composer_ops.engine.retire import retire_months
 
     if archive_dir is not None and args.yes:

@@ -34,8 +34,8 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
 
 
 def cmd_audit_list(args: argparse.Namespace) -> int:
+    from composer_ops.core.cutoff import parse_cutoff
     from composer_ops.ops.operator import audit_commands
-    from composer_ops.repo.retention import parse_cutoff
 
     try:
         since = parse_cutoff(args.since) if args.since else None      # a bad WHEN exits 2 before connecting

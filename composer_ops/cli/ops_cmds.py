@@ -30,7 +30,7 @@ _THRESHOLDS = (
     ("retention_older_than", "--retention-older-than", "COMPOSER_RETENTION_OLDER_THAN", "WHEN",
      "the retention cut-off: alert when months past it are kept for active runs"),
     ("long_wait_h", "--long-wait-h", "COMPOSER_CHECK_LONG_WAIT_H", "HOURS",
-     "alert on WAIT_FOR_EVENT nodes without a timeout waiting longer than this many hours"),
+     "alert on WAIT_FOR_SIGNAL nodes without a timeout waiting longer than this many hours"),
     ("webhook_attempts", "--webhook-attempts", "COMPOSER_CHECK_WEBHOOK_ATTEMPTS", "N",
      "alert on webhook deliveries still retried after this many attempts"),
     ("schedule_late_s", "--schedule-late", "COMPOSER_CHECK_SCHEDULE_LATE", "SECONDS",
@@ -67,7 +67,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         sub, "check", cmd_check, database="reads",
         help="deployment health against thresholds (exit 0 healthy, 1 alert, 2 bad input)",
         description="Read the database once and judge: partition months ahead, sweeper lag, the oldest ready "
-                    "outbox row, retention blocked by active runs, WAIT_FOR_EVENT nodes without a timeout "
+                    "outbox row, retention blocked by active runs, WAIT_FOR_SIGNAL nodes without a timeout "
                     "waiting long, failing webhook deliveries; each alert names its runbook (composer-ops "
                     "runbook NAME). Exit 0 when healthy, 1 when a check alerts (or the database cannot be read: "
                     "then --prometheus writes composer_check_up 0 and --json an error object), 2 for bad input.")

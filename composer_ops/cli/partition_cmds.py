@@ -98,7 +98,6 @@ def _records(plan: list[RetentionMonth], cutoff: datetime, dropped: list[str] | 
 
 
 def cmd_drop(args: argparse.Namespace) -> int:
-    from composer_ops.core.runids import RUN_ID_MAX_AGE
     from composer_ops.engine.retention import BLOCKED_REASONS, drop_due_months
     from composer_ops.repo import retention
 
@@ -112,8 +111,8 @@ def cmd_drop(args: argparse.Namespace) -> int:
         plan, cutoff, dropped = result.plan, result.cutoff, result.dropped
     else:
         with connect(args.database_url, application_name="composer-ops partitions drop") as conn:
-            cutoff = retention.resolve(conn, when)
-            plan = retention.plan(conn, cutoff, min_age=RUN_ID_MAX_AGE)
+            judged = retention.plan(conn, when)
+            plan, cutoff = judged.months, judged.cutoff
             conn.rollback()
     blocked = [m for m in plan if m.action == "keep" and m.reason in BLOCKED_REASONS]
     if args.json:

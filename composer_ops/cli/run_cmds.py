@@ -30,11 +30,11 @@ from composer_ops.cli._common import (
 )
 from composer_ops.cli.partition_cmds import add_months_ahead_option
 from composer_ops.core.attempts import Attempt, HistoryRow, attempts
+from composer_ops.core.cutoff import parse_cutoff
 from composer_ops.engine import Engine, Worker
 from composer_ops.engine.webhooks import RelayPolicy
 from composer_ops.engine.worker import check_shutdown_timeout
 from composer_ops.errors import Invalid, ShutdownTimeout
-from composer_ops.repo.retention import parse_cutoff
 
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -196,7 +196,7 @@ def cmd_signal(args: argparse.Namespace) -> int:
     payload = json_arg(args.payload, "--payload")
     with open_engine(args, pool_size=2) as engine:
         outcome = engine.signal(args.run_id, args.name, payload, key=args.key)
-    print("already signalled with this key" if outcome.replayed else "signalled")
+    print("already signalled with this key" if outcome.duplicate else "signalled")
     return EXIT_OK
 
 
@@ -241,7 +241,7 @@ def cmd_runs_show(args: argparse.Namespace) -> int:
         if t.item_index is not None:          # a MAP item: counted per node below, not listed
             items.setdefault(t.node_id, Counter())[t.state] += 1
             continue
-        detail = t.error or (f"waits for {t.event_name!r}" if t.state == "WAITING" and t.event_name else "")
+        detail = t.error or (f"waits for {t.signal_name!r}" if t.state == "WAITING" and t.signal_name else "")
         if t.state == "WAITING" and t.wake_at:
             detail = f"{detail} until {t.wake_at:%Y-%m-%d %H:%M:%S%z}".strip()
         print(f"{t.node_id:<24} {t.node_type:<15} {t.state:<10} {t.attempt:>7}  {detail}")

@@ -1,5 +1,5 @@
-"""``composer-ops simulate``: deploy the simulator's workflows, backfill months of
-history with COPY, and drive live traffic through real coordinator and worker processes."""
+"""``composer-ops simulate``: deploy the simulator's workflows, backfill generated months
+of past runs with COPY, and drive live traffic through real coordinator and worker processes."""
 
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ Fill a Composer database with a realistic workload. Four workflows are deployed
 expense approval waiting for a signal with a timeout, a payment reminder with a
 WAIT); an identical deployed version is reused. Then, in this order:
 
-  history  --history-months N past months of runs written with COPY (N x about
+  months   --history-months N generated months of past runs written with COPY (N x about
            --runs-per-month runs); months already backfilled with the same seed
            are skipped, so running it twice adds nothing;
   live     --runs runs started over --duration-s seconds through real
@@ -85,7 +85,7 @@ _NUMBERS: tuple[tuple[str, str, type, float, Accepts | None, str], ...] = (
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p = add_command(sub, "simulate", cmd_simulate,
-                    help="realistic workload: months of history plus live traffic through real workers",
+                    help="realistic workload: generated months of past runs plus live traffic through real workers",
                     description=_DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
     groups: dict[str, argparse._ActionsContainer] = {"": p}
     for group, flag, kind, default, accepts, text in _NUMBERS:
@@ -135,8 +135,8 @@ def _run(args: argparse.Namespace, behaviour: Any, console: Any) -> int:
     from composer_ops.repo import simulator
     from composer_ops.simulate import summary
     from composer_ops.simulate.definitions import definitions, deploy_definitions
-    from composer_ops.simulate.history import HistoryOptions, backfill
     from composer_ops.simulate.live import LiveOptions, LiveSimulation
+    from composer_ops.simulate.months import MonthsOptions, backfill
 
     with Engine.connect(args.database_url, pool_size=4, application_name="composer-ops simulate") as engine:
         deployed = deploy_definitions(engine, args.time_scale)
@@ -145,7 +145,7 @@ def _run(args: argparse.Namespace, behaviour: Any, console: Any) -> int:
         versions = {wf: version for wf, (version, _) in deployed.items()}
         if args.history_months:
             specs = {doc["id"]: parse_spec(doc) for doc in definitions(args.time_scale)}
-            options = HistoryOptions(seed=args.seed, months=args.history_months, runs_per_month=args.runs_per_month,
+            options = MonthsOptions(seed=args.seed, months=args.history_months, runs_per_month=args.runs_per_month,
                                      behaviour=behaviour, growth=args.growth, stuck_months=args.stuck_months,
                                      cancel_rate=args.cancel_rate)
             with engine.pool.connection() as conn:
@@ -163,7 +163,7 @@ def _run(args: argparse.Namespace, behaviour: Any, console: Any) -> int:
 
                 history = backfill(engine.url, specs, versions, options, now=now, on_start=started,
                                    on_progress=advanced)
-            summary.render_history(console, history)
+            summary.render_months(console, history)
         if args.live and args.runs > 0:
             live_options = LiveOptions(seed=args.seed, runs=args.runs, duration_s=args.duration_s,
                                        behaviour=behaviour, workers=args.workers, concurrency=args.concurrency,

@@ -163,7 +163,7 @@ class Decider:
             task_id=task_id,
             state=state,
             branches=fields.get("branches"),
-            event_name=fields.get("event_name"),
+            signal_name=fields.get("signal_name"),
             created_at=self.now,
             wake_at=fields.get("wake_at"),
             items=fields.get("items"),
@@ -329,14 +329,14 @@ class Decider:
         self.create(node, TaskState.WAITING, wake_at=wake_at)
 
     def create_wait_for_event(self, node: NodeSpec) -> None:
-        assert node.event_name is not None
-        signal = self.take_signal(node.event_name)
+        assert node.signal_name is not None
+        signal = self.take_signal(node.signal_name)
         if signal is not None:
-            self.create(node, TaskState.COMPLETED, output=signal.payload, event_name=node.event_name)
+            self.create(node, TaskState.COMPLETED, output=signal.payload, signal_name=node.signal_name)
             self.actions.append(model.ConsumeSignal(signal_id=signal.id))
             return
         wake_at = None if node.timeout_s is None else self.now + timedelta(seconds=node.timeout_s)
-        self.create(node, TaskState.WAITING, wake_at=wake_at, event_name=node.event_name)
+        self.create(node, TaskState.WAITING, wake_at=wake_at, signal_name=node.signal_name)
 
     # -- events -------------------------------------------------------------
 
@@ -473,14 +473,14 @@ class Decider:
             return _stale(f"run {self.run.id} has no task {event.task_id} for node {json.dumps(event.node_id)}")
         if slot.state is not TaskState.WAITING:
             return _stale(f"task {event.task_id} is {slot.state}, not WAITING")
-        if node.type is not NodeType.WAIT and node.type is not NodeType.WAIT_FOR_EVENT:
+        if node.type is not NodeType.WAIT and node.type is not NodeType.WAIT_FOR_SIGNAL:
             return _stale(f"node {json.dumps(node.id)} is a {node.type} node and has no timer")
         self.wake(node)
         self.advance()
         return self.decision()
 
     def wake(self, node: NodeSpec) -> None:
-        """Resolve a WAITING node as its timer does: a WAIT completes, a WAIT_FOR_EVENT
+        """Resolve a WAITING node as its timer does: a WAIT completes, a WAIT_FOR_SIGNAL
         times out (completing with null output or failing, per ``on_timeout``)."""
         slot = self.slots[node.id]
         if node.type is NodeType.WAIT or node.on_timeout == "continue":
@@ -489,7 +489,7 @@ class Decider:
             self.set_state(node.id, TaskState.COMPLETED, output=None)
             return
         after = f" after {_seconds(node.timeout_s)}" if node.timeout_s is not None else ""
-        error = f"timed out waiting for event {json.dumps(node.event_name)}{after}"
+        error = f"timed out waiting for signal {json.dumps(node.signal_name)}{after}"
         self.actions.append(
             model.ResolveWait(task_id=slot.task_id, node_id=node.id, state=TaskState.FAILED, reason=error, timer=True))
         self.set_state(node.id, TaskState.FAILED)
@@ -506,19 +506,20 @@ class Decider:
         run = self.run
         if run.status not in ACTIVE_RUN_STATUSES:
             raise Conflict(f"run {run.id} is {run.status}; it accepts no signals")
-        if not any(n.type is NodeType.WAIT_FOR_EVENT and n.event_name == event.name for n in self.spec.nodes.values()):
+        nodes = self.spec.nodes.values()
+        if not any(n.type is NodeType.WAIT_FOR_SIGNAL and n.signal_name == event.name for n in nodes):
             raise Invalid(
                 f"run {run.id}: workflow {json.dumps(run.workflow_id)} version {run.workflow_version} "
-                f"has no WAIT_FOR_EVENT node for event {json.dumps(event.name)}"
+                f"has no WAIT_FOR_SIGNAL node for signal {json.dumps(event.name)}"
             )
         waiters = sorted(
             (
                 (slot.created_at or _EARLIEST, slot.task_id, node_id)
                 for node_id, slot in self.slots.items()
                 if slot.state is TaskState.WAITING
-                and slot.event_name == event.name
+                and slot.signal_name == event.name
                 and node_id in self.spec.nodes
-                and self.spec.nodes[node_id].type is NodeType.WAIT_FOR_EVENT
+                and self.spec.nodes[node_id].type is NodeType.WAIT_FOR_SIGNAL
             ),
         )
         for _, task_id, node_id in waiters:

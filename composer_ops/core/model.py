@@ -38,7 +38,7 @@ ACTIVE_TASK_STATES: frozenset[TaskState] = frozenset(
 )
 #: A TASK attempt that has not ended: waiting for a worker (PENDING, QUEUED) or
 #: running under a lease (RUNNING). A worker's result, a retry or a failure applies
-#: only to a task in one of these; WAITING belongs to WAIT and WAIT_FOR_EVENT nodes,
+#: only to a task in one of these; WAITING belongs to WAIT and WAIT_FOR_SIGNAL nodes,
 #: which no worker runs, so it is active but never in flight.
 IN_FLIGHT_TASK_STATES: frozenset[TaskState] = frozenset({TaskState.PENDING, TaskState.QUEUED, TaskState.RUNNING})
 TERMINAL_TASK_STATES: frozenset[TaskState] = frozenset(
@@ -66,7 +66,7 @@ class NodeType(StrEnum):
     TASK = "TASK"
     SWITCH = "SWITCH"
     WAIT = "WAIT"
-    WAIT_FOR_EVENT = "WAIT_FOR_EVENT"
+    WAIT_FOR_SIGNAL = "WAIT_FOR_SIGNAL"
     MAP = "MAP"
     SUB_WORKFLOW = "SUB_WORKFLOW"
 
@@ -105,8 +105,8 @@ class NodeState:
 
     ``attempt`` is 0-based: the number of re-queues so far, of which
     ``lease_expiries`` were lease expiries (the rest handler failures, which are what
-    the retry policy counts). ``event_name`` is the signal a WAIT_FOR_EVENT task waits
-    for (column ``task_instances.event_name``). ``created_at`` is when the row was
+    the retry policy counts). ``signal_name`` is the signal a WAIT_FOR_SIGNAL task waits
+    for (column ``task_instances.signal_name``). ``created_at`` is when the row was
     inserted and ``wake_at`` when a WAITING task's timer fires, both by the database
     clock. Inputs and outputs are deliberately absent: they are loaded through the
     store only when a decision needs them.
@@ -116,7 +116,7 @@ class NodeState:
     state: TaskState
     attempt: int = 0
     branches: tuple[str, ...] | None = None
-    event_name: str | None = None
+    signal_name: str | None = None
     lease_owner: str | None = None
     lease_expires_at: datetime | None = None
     created_at: datetime | None = None
@@ -150,7 +150,7 @@ class NodeView(Protocol):
     @property
     def branches(self) -> tuple[str, ...] | None: ...
     @property
-    def event_name(self) -> str | None: ...
+    def signal_name(self) -> str | None: ...
     @property
     def lease_owner(self) -> str | None: ...
     @property
@@ -330,8 +330,8 @@ class CreateTask:
     """Insert the task of a node that just became ready.
 
     TASK nodes start PENDING with ``available_at`` set (the shell writes the outbox
-    row); SWITCH nodes and WAIT_FOR_EVENT nodes that consume a buffered signal are
-    born COMPLETED; WAIT and waiting WAIT_FOR_EVENT nodes are born WAITING with
+    row); SWITCH nodes and WAIT_FOR_SIGNAL nodes that consume a buffered signal are
+    born COMPLETED; WAIT and waiting WAIT_FOR_SIGNAL nodes are born WAITING with
     ``wake_at``; skipped nodes are born SKIPPED; a WAIT whose ``until`` reference
     does not resolve to an instant is born FAILED with ``error``. A MAP node is born
     WAITING with its ``items`` counters (a ``CreateItems`` follows), COMPLETED with
@@ -348,7 +348,7 @@ class CreateTask:
     error: str | None = None
     branches: tuple[str, ...] | None = None
     wake_at: datetime | None = None
-    event_name: str | None = None
+    signal_name: str | None = None
     available_at: datetime | None = None
     items: ItemCounts | None = None
 
@@ -388,7 +388,7 @@ class FailTask:
 class ResolveWait:
     """Move a WAITING task to COMPLETED (with ``output``) or FAILED (with ``reason``).
 
-    ``timer`` when its ``wake_at`` resolved it (a WAIT woke up, a WAIT_FOR_EVENT timed
+    ``timer`` when its ``wake_at`` resolved it (a WAIT woke up, a WAIT_FOR_SIGNAL timed
     out), rather than a signal.
     """
 

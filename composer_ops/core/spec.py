@@ -37,11 +37,16 @@ _TYPE_KEYS: Mapping[NodeType, frozenset[str]] = {
     NodeType.TASK: frozenset({"task", "queue", "input", "retry", "lease_s", "max_lease_expiries"}) | FLOW_KEYS,
     NodeType.SWITCH: frozenset({"expression", "cases", "default"}),
     NodeType.WAIT: frozenset({"duration_s", "until"}),
-    NodeType.WAIT_FOR_EVENT: frozenset({"event", "timeout_s", "on_timeout"}),
+    NodeType.WAIT_FOR_SIGNAL: frozenset({"signal", "timeout_s", "on_timeout"}),
     NodeType.SUB_WORKFLOW: frozenset({"workflow", "version", "input"}),
     NodeType.MAP: frozenset({"items", "task", "queue", "input", "retry", "lease_s", "max_lease_expiries",
                              "max_parallel", "on_item_failure"}),
 }
+#: Spellings of 0.1.0 that specs keep using (SPEC's examples): an alias type, and an
+#: alias key of that type's node. Parsing turns them into the current names, so a
+#: stored definition holds these only if it was deployed by 0.1.0.
+_TYPE_ALIASES: Mapping[str, NodeType] = {"WAIT_FOR_EVENT": NodeType.WAIT_FOR_SIGNAL}
+_KEY_ALIASES: Mapping[NodeType, Mapping[str, str]] = {NodeType.WAIT_FOR_SIGNAL: {"event": "signal"}}
 _RETRY_KEYS = ("max_attempts", "initial_backoff_s", "multiplier", "max_backoff_s")
 _ON_TIMEOUT = ("fail", "continue")
 _ON_ITEM_FAILURE = ("fail", "continue")
@@ -80,8 +85,8 @@ class NodeSpec:
     # WAIT
     duration_s: float | None = None
     until: str | None = None
-    # WAIT_FOR_EVENT (the JSON key is "event")
-    event_name: str | None = None
+    # WAIT_FOR_SIGNAL (the JSON key is "signal")
+    signal_name: str | None = None
     timeout_s: float | None = None
     on_timeout: str = "fail"
     # MAP (with task, queue, input, retry, lease_s, max_lease_expiries, applied per item)
@@ -128,7 +133,7 @@ class NodeSpec:
             else:
                 doc["until"] = self.until
         else:
-            doc["event"] = self.event_name
+            doc["signal"] = self.signal_name
             if self.timeout_s is not None:
                 doc["timeout_s"] = self.timeout_s
             doc["on_timeout"] = self.on_timeout
@@ -328,9 +333,17 @@ def _parse_node(raw: Any, index: int, seen: set[str], stored: bool = False) -> N
     raw_type = raw.get("type")
     if raw_type is None:
         raise Invalid(f'{where}: "type" is required (one of {", ".join(NodeType)})')
-    if not isinstance(raw_type, str) or raw_type not in NodeType.__members__:
+    if isinstance(raw_type, str) and raw_type in _TYPE_ALIASES:
+        node_type = _TYPE_ALIASES[raw_type]
+    elif isinstance(raw_type, str) and raw_type in NodeType.__members__:
+        node_type = NodeType(raw_type)
+    else:
         raise Invalid(f"{where}: unknown type {_q(raw_type)} (expected one of {', '.join(NodeType)})")
-    node_type = NodeType(raw_type)
+    for alias, key in _KEY_ALIASES.get(node_type, {}).items():
+        if alias in raw:
+            if key in raw:
+                raise Invalid(f"{where}: give {_q(key)} or its alias {_q(alias)}, not both")
+            raw = {(key if k == alias else k): v for k, v in raw.items()}
 
     allowed = _COMMON_KEYS | _TYPE_KEYS[node_type]
     for key in raw:
@@ -418,15 +431,15 @@ def _parse_node(raw: Any, index: int, seen: set[str], stored: bool = False) -> N
                           f"back ({RANGE_TEXT})")
         return NodeSpec(**common, until=until)
 
-    if "event" not in raw:
-        raise Invalid(f'{where}: WAIT_FOR_EVENT node needs "event" (the signal name)')
+    if "signal" not in raw:
+        raise Invalid(f'{where}: WAIT_FOR_SIGNAL node needs "signal" (the signal name)')
     timeout = raw.get("timeout_s")
     on_timeout = raw.get("on_timeout", "fail")
     if on_timeout not in _ON_TIMEOUT:
         raise Invalid(f'{where}: on_timeout must be "fail" or "continue", got {_q(on_timeout)}')
     return NodeSpec(
         **common,
-        event_name=_text(raw["event"], f"{where}: event"),
+        signal_name=_text(raw["signal"], f"{where}: signal"),
         timeout_s=None if timeout is None else _number(timeout, f"{where}: timeout_s"),
         on_timeout=on_timeout,
     )

@@ -5,7 +5,7 @@ only finds a running server and never starts one (what reading code uses, so a m
 variable is an error rather than a new, empty server); :func:`resolve_url` falls back
 to starting or reusing the embedded server (``Engine.connect(url=None)``, migrations).
 Every connection made here translates driver errors into ComposerErrors
-(:class:`~composer_ops.db.errors.Connection`); nothing here commits.
+(:class:`~composer_ops.db.errors.TranslatingConnection`); nothing here commits.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from psycopg.rows import dict_row
 from psycopg_pool import ConnectionPool
 
 from composer_ops.db import embedded
-from composer_ops.db.errors import Connection, Pool, first_line
+from composer_ops.db.errors import TranslatingConnection, TranslatingPool, first_line
 from composer_ops.db.retry import backoff_delay
 from composer_ops.errors import Invalid, Transient, Unavailable
 
@@ -60,12 +60,12 @@ def resolve_url(url: str | None = None) -> str:
 
 
 def connect(url: str | None = None, *, application_name: str = "composer-ops", autocommit: bool = False,
-            row_dicts: bool = False) -> Connection[Any]:
+            row_dicts: bool = False) -> TranslatingConnection[Any]:
     """One translating connection to the database :func:`find_url` finds (it never
     starts a server); raises :class:`Unavailable` with the reason when there is none
     or it cannot connect."""
     target = find_url(url)
-    conn: Connection[Any] = Connection.connect(
+    conn: TranslatingConnection[Any] = TranslatingConnection.connect(
         target, autocommit=autocommit, application_name=application_name,
         row_factory=dict_row if row_dicts else psycopg.rows.tuple_row,
     )
@@ -118,7 +118,7 @@ def wait_until_reachable(url: str, *, wait_s: float = 0.0, application_name: str
     attempt = 0
     while True:
         try:
-            Connection.connect(url, connect_timeout=10, application_name=application_name).close()
+            TranslatingConnection.connect(url, connect_timeout=10, application_name=application_name).close()
         except Unavailable as exc:
             left = deadline - time.monotonic()
             if left <= 0 or not isinstance(exc, Transient):
@@ -139,7 +139,7 @@ def wait_until_reachable(url: str, *, wait_s: float = 0.0, application_name: str
 
 def make_pool(url: str | None = None, *, min_size: int = 1, max_size: int = 8,
               application_name: str = "composer-ops", timeout: float = 30.0,
-              wait_s: float = 0.0) -> Pool:
+              wait_s: float = 0.0) -> TranslatingPool:
     """A checked pool of translating connections (:func:`check_connection` drops
     connections a server restart killed).
 
@@ -149,9 +149,9 @@ def make_pool(url: str | None = None, *, min_size: int = 1, max_size: int = 8,
     # One direct attempt first: an unreachable server is one clear error now, not
     # ``timeout`` seconds of the pool's reconnect warnings.
     wait_until_reachable(target, wait_s=wait_s, application_name=application_name)
-    pool = Pool(
+    pool = TranslatingPool(
         target,
-        connection_class=Connection,
+        connection_class=TranslatingConnection,
         min_size=min_size,
         max_size=max_size,
         kwargs={"application_name": application_name},

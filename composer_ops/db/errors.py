@@ -1,6 +1,6 @@
 """The one boundary where driver errors become ComposerErrors.
 
-Every connection composer_ops opens, pooled or not, is a :class:`Connection`, which
+Every connection composer_ops opens, pooled or not, is a :class:`TranslatingConnection`, which
 overrides psycopg's public API only (connect, cursors, transactions, pipelines, notifies,
 session settings, and its cursors' execute, copy, stream and fetches) and re-raises each
 driver error as a ComposerError with the driver's error as ``__cause__``; the pool's own
@@ -149,7 +149,7 @@ def _misuse(exc: psycopg.Error) -> bool:
     return exc.sqlstate is None and isinstance(exc, (psycopg.ProgrammingError, psycopg.InterfaceError))
 
 
-class Cursor(psycopg.Cursor[Row]):
+class TranslatingCursor(psycopg.Cursor[Row]):
     """A cursor whose statements, COPY and fetches raise ComposerErrors. Reading rows
     already received raises psycopg's own error for a misuse (:func:`_misuse`)."""
 
@@ -234,21 +234,21 @@ class Cursor(psycopg.Cursor[Row]):
             raise boundary_error(self.connection, exc) from exc
 
 
-class ClientCursor(Cursor[Row], psycopg.ClientCursor[Row]):
-    """psycopg's client-side binding cursor (``conn.cursor_factory = ClientCursor``), translating."""
+class TranslatingClientCursor(TranslatingCursor[Row], psycopg.ClientCursor[Row]):
+    """psycopg's client-side binding cursor (``conn.cursor_factory = TranslatingClientCursor``), translating."""
 
 
-class ServerCursor(Cursor[Row], psycopg.ServerCursor[Row]):  # type: ignore[misc]  # __iter__, as above
+class TranslatingServerCursor(TranslatingCursor[Row], psycopg.ServerCursor[Row]):  # type: ignore[misc]  # __iter__, as above
     """A named (server-side) cursor, translating: ``conn.cursor(name=...)``."""
 
 
-class Connection(psycopg.Connection[Row]):
+class TranslatingConnection(psycopg.Connection[Row]):
     """A psycopg connection that raises ComposerErrors (see the module's docstring)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.cursor_factory = Cursor
-        self.server_cursor_factory = ServerCursor
+        self.cursor_factory = TranslatingCursor
+        self.server_cursor_factory = TranslatingServerCursor
 
     @classmethod
     def connect(cls, conninfo: str = "", **kwargs: Any) -> Self:
@@ -359,11 +359,11 @@ class Connection(psycopg.Connection[Row]):
         self.set_deferrable(value)
 
 
-class Pool(ConnectionPool[Connection[Any]]):
-    """A pool of :class:`Connection`; waiting for a free connection in vain (or asking
+class TranslatingPool(ConnectionPool[TranslatingConnection[Any]]):
+    """A pool of :class:`TranslatingConnection`; waiting for a free connection in vain (or asking
     a closed pool) raises :class:`Transient` rather than a driver error."""
 
-    def getconn(self, timeout: float | None = None) -> Connection[Any]:
+    def getconn(self, timeout: float | None = None) -> TranslatingConnection[Any]:
         try:
             return super().getconn(timeout)
         except psycopg.Error as exc:

@@ -1,6 +1,6 @@
 """Operator actions on runs and workers: find runs, see workers.
 
-A selection of runs is checked whole before anything is read (:func:`selection`: a
+A selection of runs is checked whole before anything is read (``core.selection``: a
 bad status, window or ``--where`` is :class:`Invalid`); ages in the window are then
 counted back from the database clock in the transaction that reads the runs.
 
@@ -14,107 +14,32 @@ from __future__ import annotations
 import contextlib
 import json
 import uuid
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
+from datetime import datetime
 from functools import partial
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import psycopg
 
-from composer_ops.core.filters import RunFilter, parse_statuses, parse_where
+from composer_ops.core.actor import Actor
+from composer_ops.core.filters import RunFilter
 from composer_ops.core.model import ACTIVE_RUN_STATUSES, CancelRun, RetryRun, RunStatus
-from composer_ops.core.spec import ID_PATTERN
-from composer_ops.db.errors import Pool
+from composer_ops.core.selection import Selection, check_limit
+from composer_ops.db.errors import TranslatingPool
 from composer_ops.db.retry import db_retry
 from composer_ops.engine.requests import Request
 from composer_ops.engine.shell import Shell
 from composer_ops.errors import Conflict, Invalid, NotFound
-from composer_ops.repo import audit, definitions, runs, workers
+from composer_ops.repo import audit, definitions, retention, runs, workers
 from composer_ops.repo._base import repeatable_read
-from composer_ops.repo.audit import Actor
 from composer_ops.repo.rows import DefinitionRow, LeaseRow, RunListRow, WorkerRow
 
-if TYPE_CHECKING:
-    from composer_ops.repo.retention import Cutoff
-
-__all__ = ["CANCEL_CHUNK", "MAX_LIMIT", "RETRY_LIMIT", "BulkRetry", "CancelChunk", "CancelResult", "RetryResult",
-           "Selection", "WorkerReport", "cancel_runs", "check_limit", "find_runs", "retry_run", "retry_runs",
-           "selection", "workers_report"]
-
-#: The most runs one ``runs list`` returns.
-MAX_LIMIT = 10_000
-
-When = datetime | str | None
+__all__ = ["CANCEL_CHUNK", "RETRY_LIMIT", "BulkRetry", "CancelChunk", "CancelResult", "RetryResult",
+           "WorkerReport", "cancel_runs", "find_runs", "retry_run", "retry_runs", "workers_report"]
 
 
-@dataclass(frozen=True, kw_only=True)
-class Selection:
-    """A checked selection whose window may still hold ages to count back from the
-    database clock (:meth:`resolve`)."""
-
-    workflow_id: str | None
-    statuses: tuple[RunStatus, ...]
-    since: datetime | Cutoff | None
-    until: datetime | Cutoff | None
-    contains: dict[str, Any] | None
-
-    def resolve(self, conn: psycopg.Connection[Any]) -> RunFilter:
-        return RunFilter(workflow_id=self.workflow_id, statuses=self.statuses, since=_instant(conn, self.since),
-                         until=_instant(conn, self.until), contains=self.contains)
-
-
-def _instant(conn: psycopg.Connection[Any], value: datetime | Cutoff | None) -> datetime | None:
-    if value is None or isinstance(value, datetime):
-        return value
-    return value.resolve(conn)
-
-
-def _when(value: When, option: str) -> datetime | Cutoff | None:
-    if value is None or value == "":
-        return None
-    if isinstance(value, datetime):
-        if value.tzinfo is None or value.utcoffset() is None:
-            raise Invalid(f"{option} {value.isoformat()} has no time zone; pass an aware datetime (UTC)")
-        return value.astimezone(UTC)
-    if not isinstance(value, str):
-        raise Invalid(f"{option} must be a date, an instant or an age like 7d, got {type(value).__name__}")
-    from composer_ops.repo.retention import parse_cutoff
-
-    try:
-        return parse_cutoff(value)
-    except Invalid:
-        raise Invalid(f"{option} {value!r} is not an ISO date (2025-01-31), an ISO instant "
-                      "(2025-01-31T12:00:00Z) or an age (36h, 7d, 2w, 3 months, 1y)") from None
-
-
-def selection(*, workflow: str | None = None, status: str | Sequence[str] | None = None, since: When = None,
-              until: When = None, where: str | Mapping[str, Any] | None = None) -> Selection:
-    """Check a selection of runs: a workflow id, statuses (``FAILED`` or
-    ``failed,cancelled``), a window (``since`` inclusive, ``until`` exclusive: each an
-    ISO date, an ISO instant or an age like ``7d`` counted back from the database
-    clock), and ``where`` (the ``--where`` language of :mod:`composer_ops.core.filters`,
-    or the JSON object the input must contain). :class:`Invalid` names what is wrong."""
-    if workflow is not None and (not isinstance(workflow, str) or not ID_PATTERN.fullmatch(workflow)):
-        raise Invalid(f"workflow id {workflow!r} is not a workflow id (1 to 128 of A-Z a-z 0-9 _ . -)")
-    if where is None or where == "":
-        contains = None
-    elif isinstance(where, str):
-        contains = parse_where(where)
-    elif isinstance(where, Mapping):
-        contains = dict(where)
-    else:
-        raise Invalid(f"where must be text like input.customer=42 or a JSON object, got {type(where).__name__}")
-    return Selection(workflow_id=workflow, statuses=parse_statuses(status), since=_when(since, "since"),
-                     until=_when(until, "until"), contains=contains)
-
-
-def check_limit(limit: int) -> None:
-    if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= MAX_LIMIT:
-        raise Invalid(f"limit must be an integer from 1 to {MAX_LIMIT}, got {limit!r}")
-
-
-def find_runs(pool: Pool, chosen: Selection, *, limit: int = 50) -> tuple[RunFilter, list[RunListRow]]:
+def find_runs(pool: TranslatingPool, chosen: Selection, *, limit: int = 50) -> tuple[RunFilter, list[RunListRow]]:
     """The runs ``chosen`` selects, newest first, at most ``limit``; with the filter as
     resolved (the window as instants by the database clock)."""
     check_limit(limit)
@@ -122,12 +47,12 @@ def find_runs(pool: Pool, chosen: Selection, *, limit: int = 50) -> tuple[RunFil
 
 
 @db_retry()
-def _selected(pool: Pool, chosen: Selection, *, limit: int,
+def _selected(pool: TranslatingPool, chosen: Selection, *, limit: int,
               oldest_first: bool) -> tuple[RunFilter, list[RunListRow]]:
     """The filter as resolved in one snapshot and, unless ``limit`` is 0, the first
     ``limit`` runs it selects; a read, so retried as a whole on a transient error."""
     with _snapshot(pool) as conn:
-        resolved = chosen.resolve(conn)
+        resolved = chosen.resolve(partial(retention.resolve, conn))
         found = runs.find_runs(conn, resolved, limit=limit, oldest_first=oldest_first) if limit else []
         return resolved, found
 
@@ -146,14 +71,14 @@ class WorkerReport:
 
 
 @contextlib.contextmanager
-def _snapshot(pool: Pool) -> Iterator[psycopg.Connection[Any]]:
+def _snapshot(pool: TranslatingPool) -> Iterator[psycopg.Connection[Any]]:
     with pool.connection() as conn, conn.transaction():
         repeatable_read(conn, read_only=True)
         yield conn
 
 
 @db_retry()
-def workers_report(pool: Pool, *, window_s: float | None = None) -> WorkerReport:
+def workers_report(pool: TranslatingPool, *, window_s: float | None = None) -> WorkerReport:
     """The registry judged by the database clock (:func:`repo.workers.list_workers`),
     the leases of the workers that are not live, and unregistered lease owners."""
     with _snapshot(pool) as conn:
@@ -178,7 +103,7 @@ class CancelChunk:
     number: int
     cancelled: list[str]
     skipped: list[str]           # finished (or deleted) between being listed and being locked
-    replayed: bool = False       # an earlier attempt committed; its audit row was read back
+    duplicate: bool = False       # an earlier attempt committed; its audit row was read back
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -257,7 +182,7 @@ def cancel_runs(shell: Shell, chosen: Selection, *, reason: str, yes: bool, acto
 
 
 @db_retry()
-def _count(pool: Pool, selection: RunFilter) -> int:
+def _count(pool: TranslatingPool, selection: RunFilter) -> int:
     with _snapshot(pool) as conn:
         return runs.count_runs(conn, selection)
 
@@ -278,7 +203,7 @@ def _cancel_chunk(shell: Shell, selection: RunFilter, after: str | None, chunk: 
             if earlier:
                 detail = earlier[0].detail or {}
                 return CancelChunk(number=number, cancelled=list(detail.get("cancelled", [])),
-                                   skipped=list(detail.get("skipped", [])), replayed=True)
+                                   skipped=list(detail.get("skipped", [])), duplicate=True)
         if not listed:
             return None
         cancelled: list[str] = []
@@ -330,7 +255,7 @@ class RetryResult:
     reset: tuple[str, ...]
     created: tuple[str, ...]
     finished: str | None = None       # the retry finished the run at once (every node was skipped)
-    replayed: bool = False
+    duplicate: bool = False
 
 
 def retry_run(shell: Shell, run_id: str, from_nodes: Sequence[str] = (), *, yes: bool,
@@ -360,7 +285,7 @@ def _retry(shell: Shell, run_id: str, nodes: tuple[str, ...], yes: bool, actor: 
                 detail = earlier[0].detail or {}
                 return RetryResult(run_id=run_id, applied=True, reset=tuple(detail.get("reset", ())),
                                    created=tuple(detail.get("created", ())), finished=detail.get("finished"),
-                                   replayed=True)
+                                   duplicate=True)
         started_on = runs.workflow_of(conn, run_id)
         if started_on is None:
             raise NotFound(f"workflow run {run_id} does not exist")

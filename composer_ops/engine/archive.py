@@ -19,14 +19,26 @@ import shutil
 import tempfile
 import uuid
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from functools import partial
 from pathlib import Path
 from typing import Any, Protocol
 
 from composer_ops import files
-from composer_ops.core.runids import RUN_ID_MAX_AGE, month_bounds, month_start
+from composer_ops.core.actor import Actor
+from composer_ops.core.cutoff import Cutoff
+from composer_ops.core.manifest import (
+    FORMAT,
+    MANIFEST,
+    BadArchive,
+    Manifest,
+    TableArchive,
+    current_column,
+    month_dir,
+    read_manifest,
+)
+from composer_ops.core.runids import month_bounds, month_start
 from composer_ops.db import connect
 from composer_ops.db.retry import db_retry
 from composer_ops.errors import ComposerError, Invalid
@@ -34,23 +46,12 @@ from composer_ops.repo import archive as repo
 from composer_ops.repo import audit, partitions, retention
 from composer_ops.repo._base import Conn, repeatable_read
 from composer_ops.repo.archive import Column
-from composer_ops.repo.audit import Actor
 from composer_ops.repo.partitions import RUN_TABLES
-from composer_ops.repo.retention import Cutoff
-from composer_ops.repo.rows import RetentionMonth
 
-__all__ = ["FORMAT", "BadArchive", "Manifest", "Progress", "RestoreResult", "Restored", "TableArchive",
-           "content_fingerprint", "export_month", "month_dir", "read_rows", "restore_month", "restore_rows",
-           "verify_month"]
+__all__ = ["Progress", "RestoreResult", "Restored", "column_specs", "content_fingerprint", "export_month",
+           "read_rows", "restore_month", "restore_rows", "verify_month"]
 
-#: The manifest's ``format``: readers refuse any other.
-FORMAT = "composer-archive/1"
-MANIFEST = "manifest.json"
 _BATCH = 5000
-
-
-class BadArchive(ComposerError):
-    """An archive that is missing, partial or does not match its manifest."""
 
 
 class Progress(Protocol):
@@ -69,64 +70,9 @@ class _Silent:
         return None
 
 
-@dataclass(frozen=True, kw_only=True)
-class TableArchive:
-    """One table's file in an archive."""
-
-    table: str
-    partition: str
-    file: str
-    rows: int
-    sha256: str                  # of the file's bytes
-    content_sha256: str          # of the rows, in key order (see _row_digest)
-    fingerprint: str             # the database's (repo.archive.fingerprint) at export
-    columns: list[dict[str, str]]
-
-    @property
-    def column_specs(self) -> list[Column]:
-        return [Column(name=c["name"], type=c["type"]) for c in self.columns]
-
-
-@dataclass(frozen=True, kw_only=True)
-class Manifest:
-    """What an archive holds; ``manifest.json``."""
-
-    format: str
-    month: str
-    lower_bound: str
-    upper_bound: str
-    created_at: str
-    schema_version: int
-    tables: list[TableArchive] = field(default_factory=list)
-
-    @property
-    def rows(self) -> int:
-        return sum(t.rows for t in self.tables)
-
-    def table(self, name: str) -> TableArchive | None:
-        return next((t for t in self.tables if t.table == name), None)
-
-    def to_json(self) -> str:
-        return json.dumps(asdict(self), indent=2, sort_keys=False) + "\n"
-
-    @classmethod
-    def from_json(cls, text: str, where: Path) -> Manifest:
-        try:
-            doc = json.loads(text)
-            if doc.get("format") != FORMAT:
-                raise BadArchive(f"{where}: format {doc.get('format')!r} is not {FORMAT!r}")
-            tables = [TableArchive(**t) for t in doc.pop("tables")]
-            return cls(**doc, tables=tables)
-        except BadArchive:
-            raise
-        except (ValueError, TypeError, KeyError, AttributeError) as exc:
-            raise BadArchive(f"{where}: not a readable archive manifest ({exc})") from None
-
-
-def month_dir(directory: Path, month: str) -> Path:
-    """Where the archive of ``month`` (YYYYMM) lives under ``directory``."""
-    month_start(month)   # Invalid unless YYYYMM
-    return directory / month
+def column_specs(entry: TableArchive) -> list[Column]:
+    """The archived columns of ``entry`` as the repository describes columns."""
+    return [Column(name=current_column(entry.table, c["name"]), type=c["type"]) for c in entry.columns]
 
 
 # -- types -------------------------------------------------------------------------
@@ -266,17 +212,6 @@ def _move_into_place(work: Path, target: Path) -> None:
 # -- verification and reading --------------------------------------------------------
 
 
-def read_manifest(path: Path) -> Manifest:
-    file = Path(path) / MANIFEST
-    try:
-        text = file.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise BadArchive(f"{path}: no {MANIFEST} (not an archive, or a partial one)") from None
-    except OSError as exc:
-        raise BadArchive(f"{file}: cannot read it ({exc})") from None
-    return Manifest.from_json(text, file)
-
-
 def verify_month(path: Path, *, month: str | None = None, progress: Progress | None = None) -> Manifest:
     """Check an archive directory against its manifest: every run table present, each
     file's bytes match its SHA-256, and its rows, read back, match the row count and
@@ -362,7 +297,7 @@ def restore_rows(conn: Conn, path: Path, manifest: Manifest, *, progress: Progre
         assert entry is not None    # verify_month checked
         partition = f"{table}_p{manifest.month}"
         current = {c.name: c.type for c in repo.columns(conn, partition)}
-        archived = entry.column_specs
+        archived = column_specs(entry)
         for col in archived:
             if col.name not in current:
                 raise Invalid(f"{partition} has no column {col.name!r}, which the archive holds "
@@ -402,7 +337,7 @@ class RestoreResult:
     source: str
     tables: list[Restored]
     applied: bool
-    replayed: bool = False        # an earlier attempt of this request committed; its record was read back
+    duplicate: bool = False        # an earlier attempt of this request committed; its record was read back
 
     @property
     def rows(self) -> int:
@@ -461,7 +396,7 @@ def _copy_month(url: str | None, path: Path, manifest: Manifest, actor: Actor | 
             tables = [Restored(table=t, partition=f"{t}_p{manifest.month}", rows=int(rows[t]),
                                fingerprint_matches=matches.get(t)) for t in RUN_TABLES if t in rows]
             return RestoreResult(month=manifest.month, source=str(path), tables=tables, applied=True,
-                                 replayed=True)
+                                 duplicate=True)
         done = restore_rows(conn, path, manifest, progress=progress)
         audit.record(conn, "partitions restore", actor=actor, target=manifest.month, request=request,
                      counts={"rows": sum(t.rows for t in done), "tables": {t.table: t.rows for t in done}},
@@ -491,13 +426,6 @@ class ArchiveResult:
     kept: list[tuple[str, str]]     # (month, reason) the plan keeps
 
 
-def due_months(conn: Conn, cutoff: datetime) -> tuple[list[RetentionMonth], list[tuple[str, str]]]:
-    """What the retention plan (the one ``partitions drop`` follows) says for ``cutoff``:
-    the months it would drop, and the months it keeps with the reason."""
-    plan = retention.plan(conn, cutoff, min_age=RUN_ID_MAX_AGE)
-    return [m for m in plan if m.action == "drop"], [(m.month, m.reason) for m in plan if m.action != "drop"]
-
-
 def archive_due(url: str | None, older_than: datetime | str | Cutoff, directory: Path, *, dry_run: bool = False,
                 actor: Actor | None = None, progress: Progress | None = None) -> ArchiveResult:
     """Archive every month retention would drop for ``older_than`` (the same plan) into
@@ -508,8 +436,8 @@ def archive_due(url: str | None, older_than: datetime | str | Cutoff, directory:
         with conn.transaction():
             if not dry_run:
                 audit.require_record(conn, "partitions archive")    # before any file or directory is written
-            cutoff = retention.resolve(conn, older_than)
-            due, kept = due_months(conn, cutoff)
+            plan = retention.plan(conn, older_than)      # the one `partitions drop` follows
+            cutoff, due, kept = plan.cutoff, plan.due, plan.kept
         if not dry_run:
             check_directory(directory)
         done: list[MonthArchived] = []

@@ -1,6 +1,6 @@
 """The coordinator's background loops (``composer-ops coordinator``).
 
-Timers (due WAIT and WAIT_FOR_EVENT tasks) and the lease sweeper read only the months
+Timers (due WAIT and WAIT_FOR_SIGNAL tasks) and the lease sweeper read only the months
 from the active floor on (the oldest run with an active task); partition upkeep ensures
 months ahead hourly; the webhook relay POSTs and prunes deliveries; retention
 (optional) follows the CLI's plan; the schedules loop starts the due slots of the
@@ -26,15 +26,15 @@ from typing import TYPE_CHECKING, Any
 
 from composer_ops.core import runids
 from composer_ops.core.actor import Actor
+from composer_ops.core.cutoff import Cutoff, parse_cutoff
 from composer_ops.core.model import Event, LeaseExpired, StartTimedOut, TaskRef, TimerDue
-from composer_ops.db.errors import Pool
+from composer_ops.db.errors import TranslatingPool
 from composer_ops.db.retry import db_retry
 from composer_ops.engine.retention import drop_due_months
 from composer_ops.engine.shell import Outcome
 from composer_ops.engine.webhooks import RelayPolicy, relay_once
 from composer_ops.errors import ComposerError, Invalid, LockTimeout, Transient
 from composer_ops.repo import clock, outbox, partitions, queues, signals, tasks, webhooks
-from composer_ops.repo.retention import Cutoff, parse_cutoff
 
 if TYPE_CHECKING:
     from composer_ops.engine.engine import Engine
@@ -384,7 +384,7 @@ class _Backoff:
 
 
 @db_retry()
-def _prune_batch(pool: Pool, keep_s: float, batch: int) -> int:
+def _prune_batch(pool: TranslatingPool, keep_s: float, batch: int) -> int:
     with pool.connection() as conn, conn.transaction():
         return webhooks.prune(conn, keep_s, batch)
 

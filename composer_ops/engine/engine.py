@@ -14,9 +14,10 @@ from composer_ops.core.actor import Actor
 from composer_ops.core.children import child_cycle, children_of
 from composer_ops.core.model import TERMINAL_RUN_STATUSES, CancelRun, SignalReceived, TaskCompleted, TaskFailed, TaskRef
 from composer_ops.core.runids import validate_run_id
+from composer_ops.core.selection import selection
 from composer_ops.core.spec import ID_PATTERN, WorkflowSpec, parse_spec
 from composer_ops.db import autocommit, make_pool, resolve_url
-from composer_ops.db.errors import Pool
+from composer_ops.db.errors import TranslatingPool
 from composer_ops.db.migrate import migrate as run_migrations
 from composer_ops.db.retry import db_retry
 from composer_ops.engine import admin
@@ -56,7 +57,7 @@ class Engine:
     Thread-safe; one per process is enough. Every error it raises is a ComposerError.
     """
 
-    def __init__(self, pool: Pool, url: str) -> None:
+    def __init__(self, pool: TranslatingPool, url: str) -> None:
         self.pool = pool
         self.url = url
         self.shell = Shell(pool)
@@ -212,7 +213,7 @@ class Engine:
         timed out, and is a Conflict if that timeout finished the run.
 
         ``key`` is the caller's idempotency key: every call with the same key (on this
-        run) after the first returns the first call's outcome (``replayed``) and
+        run) after the first returns the first call's outcome (``duplicate``) and
         resolves nothing more."""
         validate_run_id(run_id)
         if not isinstance(name, str) or not name.strip() or len(name) > 200 or "\x00" in name:
@@ -409,7 +410,7 @@ class Engine:
         instants, or ages like ``7d`` counted back from the database clock), whose input
         contains ``where`` (``"input.customer=42"``, or a JSON object); newest first, at
         most ``limit``. The window prunes the months outside it."""
-        chosen = admin.selection(workflow=workflow, status=status, since=since, until=until, where=where)
+        chosen = selection(workflow=workflow, status=status, since=since, until=until, where=where)
         return admin.find_runs(self.pool, chosen, limit=limit)[1]
 
     def cancel_runs(self, *, workflow: str | None = None, status: str | Sequence[str] | None = None,
@@ -420,7 +421,7 @@ class Engine:
         """Cancel every active run the selection (as :meth:`find_runs`) names, through the
         cancel event, ``chunk`` runs per transaction with an audit row each; resumable
         (run it again after an interruption). Without ``yes`` it only lists them."""
-        chosen = admin.selection(workflow=workflow, status=status, since=since, until=until, where=where)
+        chosen = selection(workflow=workflow, status=status, since=since, until=until, where=where)
         return admin.cancel_runs(self.shell, chosen, reason=reason, yes=yes, actor=actor, chunk=chunk,
                                  on_chunk=on_chunk)
 

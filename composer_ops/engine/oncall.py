@@ -16,13 +16,13 @@ from datetime import datetime
 from functools import partial
 from typing import TYPE_CHECKING
 
+from composer_ops.core.actor import Actor
 from composer_ops.core.model import CancelRun
 from composer_ops.core.runids import validate_run_id
 from composer_ops.db.retry import db_retry
 from composer_ops.engine.requests import Request
 from composer_ops.errors import Conflict, Invalid, NotFound
 from composer_ops.repo import audit, partitions
-from composer_ops.repo.audit import Actor
 
 if TYPE_CHECKING:
     from composer_ops.engine.engine import Engine

@@ -18,13 +18,13 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
+from composer_ops.core.actor import Actor
 from composer_ops.core.spec import ID_PATTERN
-from composer_ops.db.errors import Pool
+from composer_ops.db.errors import TranslatingPool
 from composer_ops.db.retry import db_retry
 from composer_ops.errors import Invalid
 from composer_ops.repo import audit, clock, queues
 from composer_ops.repo._base import repeatable_read
-from composer_ops.repo.audit import Actor
 from composer_ops.repo.rows import QueueRow, QueueSetting
 
 __all__ = ["MAX_RUNNING_LIMIT", "QueueChange", "Queues", "check_queue"]
@@ -43,11 +43,11 @@ class QueueChange:
     changed: bool                    # the settings differ from before
     before: dict[str, Any]           # paused, reason, max_running
     after: dict[str, Any]
-    replayed: bool = False           # an earlier attempt committed; read back from its audit row
+    duplicate: bool = False           # an earlier attempt committed; read back from its audit row
 
     def to_json(self) -> dict[str, Any]:
         return {"queue": self.queue, "action": self.action, "applied": self.applied, "changed": self.changed,
-                "before": self.before, "after": self.after, "replayed": self.replayed}
+                "before": self.before, "after": self.after, "replayed": self.duplicate}
 
 
 def check_queue(name: object) -> str:
@@ -65,7 +65,7 @@ def _state(setting: QueueSetting | None) -> dict[str, Any]:
 class Queues:
     """``engine.queues``: the queues' state and the operator's levers on them."""
 
-    def __init__(self, pool: Pool) -> None:
+    def __init__(self, pool: TranslatingPool) -> None:
         self._pool = pool
 
     @db_retry()
@@ -125,7 +125,7 @@ class Queues:
                 detail = earlier[0].detail or {}
                 return QueueChange(queue=queue, action=action, applied=True, changed=bool(detail.get("changed")),
                                    before=dict(detail.get("before") or {}), after=dict(detail.get("after") or {}),
-                                   replayed=True)
+                                   duplicate=True)
             now = clock.now(conn)
             before = _state(locked)
             after = {**before, **wanted}

@@ -22,19 +22,19 @@ from typing import Any, TypeAlias
 
 import psycopg
 
+from composer_ops.core.actor import Actor
+from composer_ops.core.cutoff import Cutoff
 from composer_ops.core.runids import RUN_ID_MAX_AGE
 from composer_ops.db import connect
-from composer_ops.db.errors import Pool
+from composer_ops.db.errors import TranslatingPool
 from composer_ops.db.retry import backoff_delay
 from composer_ops.errors import ComposerError, Invalid, LockTimeout, Transient, Unavailable
 from composer_ops.repo import audit, partitions, retention
-from composer_ops.repo.audit import Actor
-from composer_ops.repo.retention import Cutoff
 from composer_ops.repo.rows import RetentionMonth
 
 log = logging.getLogger(__name__)
 
-Source: TypeAlias = "psycopg.Connection[Any] | Pool | str | None"
+Source: TypeAlias = "psycopg.Connection[Any] | TranslatingPool | str | None"
 
 #: ``partitions drop`` exits with this when due months were kept for active runs.
 BLOCKED_REASON = "has active runs"
@@ -52,7 +52,7 @@ class RetentionResult:
     dropped: list[str]              # YYYYMM, oldest first
     attempts: int
     request_id: str
-    replayed: bool = False          # an earlier attempt committed; its record was read back
+    duplicate: bool = False          # an earlier attempt committed; its record was read back
     warnings: list[str] = field(default_factory=list)
 
     @property
@@ -105,7 +105,7 @@ def drop_due_months(source: Source, older_than: datetime | str | Cutoff, *, lock
 def _connection(source: Source) -> Iterator[psycopg.Connection[Any]]:
     if isinstance(source, psycopg.Connection):
         yield source
-    elif isinstance(source, Pool):
+    elif isinstance(source, TranslatingPool):
         with source.connection() as conn:
             yield conn
     else:
@@ -123,14 +123,14 @@ def _attempt(conn: psycopg.Connection[Any], older_than: datetime | str | Cutoff,
         earlier = retention.recorded(conn, request)
         if earlier is not None:
             cutoff, done = earlier
-            current = retention.plan(conn, cutoff, min_age=min_age)
+            current = retention.plan(conn, cutoff, min_age=min_age).months
             return RetentionResult(cutoff=cutoff, plan=sorted([*done, *current], key=lambda m: m.month),
                                    dropped=[m.month for m in done], attempts=attempts, request_id=request,
-                                   replayed=True)
+                                   duplicate=True)
         cutoff = retention.resolve(conn, older_than)
-        retention.lock_months(conn, [m for m in retention.plan(conn, cutoff, min_age=min_age) if m.action == "drop"])
+        retention.lock_months(conn, retention.plan(conn, cutoff, min_age=min_age).due)
         judged = retention.plan(conn, cutoff, min_age=min_age)
-        planned = [m for m in judged if m.action == "drop"]
+        planned = judged.due
         dropped = retention.drop(conn, cutoff, min_age=min_age)
         if dropped != [m.month for m in planned]:
             raise _Raced(f"the plan said drop {[m.month for m in planned]} but the drop returned {dropped}")
@@ -141,4 +141,4 @@ def _attempt(conn: psycopg.Connection[Any], older_than: datetime | str | Cutoff,
                                  "bytes": sum(m.bytes for m in planned)},
                          detail={"cutoff": cutoff.isoformat(),
                                  "partitions": [p for m in planned for p in m.partitions]})
-    return RetentionResult(cutoff=cutoff, plan=judged, dropped=dropped, attempts=attempts, request_id=request)
+    return RetentionResult(cutoff=cutoff, plan=judged.months, dropped=dropped, attempts=attempts, request_id=request)

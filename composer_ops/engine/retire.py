@@ -23,17 +23,17 @@ from typing import Any
 
 import psycopg
 
-from composer_ops.core.runids import RUN_ID_MAX_AGE
+from composer_ops.core.actor import Actor
+from composer_ops.core.cutoff import Cutoff
+from composer_ops.core.manifest import BadArchive, Manifest, month_dir
 from composer_ops.db import connect
 from composer_ops.db.retry import backoff_delay
-from composer_ops.engine.archive import BadArchive, Manifest, Progress, content_fingerprint, export_month, month_dir
+from composer_ops.engine.archive import Progress, content_fingerprint, export_month
 from composer_ops.engine.retention import BLOCKED_REASONS
 from composer_ops.errors import ComposerError, Invalid, Transient
 from composer_ops.repo import archive as repo
 from composer_ops.repo import audit, citus, partitions, retention
-from composer_ops.repo.audit import Actor
 from composer_ops.repo.partitions import RUN_TABLES
-from composer_ops.repo.retention import Cutoff
 from composer_ops.repo.rows import RetentionMonth
 
 __all__ = ["MonthRetired", "RetireResult", "retire_months"]
@@ -51,7 +51,7 @@ class MonthRetired:
     partitions: list[str] = field(default_factory=list)
     rows: int = 0                    # exact when archived, else the plan's estimate
     archive: str | None = None
-    replayed: bool = False
+    duplicate: bool = False
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -94,9 +94,8 @@ def retire_months(url: str | None, older_than: datetime | str | Cutoff, *, archi
         with conn.transaction():
             if keep_table and citus.is_citus(conn):
                 raise Invalid(CITUS_DETACH_REFUSED)
-            cutoff = retention.resolve(conn, older_than)
-            plan = retention.plan(conn, cutoff, min_age=RUN_ID_MAX_AGE)
-        due = [m for m in plan if m.action == "drop"]
+            judged = retention.plan(conn, older_than)
+        plan, cutoff, due = judged.months, judged.cutoff, judged.due
         if not yes:
             return RetireResult(cutoff=cutoff, plan=plan, applied=False, months=[
                 MonthRetired(month=m.month, outcome="would detach" if keep_table else "would drop",
@@ -175,7 +174,7 @@ def _retire_once(conn: psycopg.Connection[Any], month: str, cutoff: datetime, ma
         if earlier:
             detail = earlier[0].detail or {}
             return MonthRetired(month=month, outcome=outcome, partitions=list(detail.get("partitions", [])),
-                                rows=int((earlier[0].counts or {}).get("rows", 0)), archive=archive, replayed=True)
+                                rows=int((earlier[0].counts or {}).get("rows", 0)), archive=archive, duplicate=True)
         first = _judged(conn, cutoff, month)
         if first is None or first.action != "drop":
             return MonthRetired(month=month, outcome="kept", reason=first.reason if first else "no longer exists")
@@ -207,4 +206,4 @@ def _retire_once(conn: psycopg.Connection[Any], month: str, cutoff: datetime, ma
 
 
 def _judged(conn: psycopg.Connection[Any], cutoff: datetime, month: str) -> RetentionMonth | None:
-    return next((m for m in retention.plan(conn, cutoff, min_age=RUN_ID_MAX_AGE) if m.month == month), None)
+    return next((m for m in retention.plan(conn, cutoff).months if m.month == month), None)

@@ -21,6 +21,7 @@ from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
 from composer_ops.core import schedules as rules
+from composer_ops.core.actor import Actor
 from composer_ops.core.runids import month_of
 from composer_ops.db.retry import db_retry
 from composer_ops.engine.jsonvalues import check_json
@@ -29,7 +30,6 @@ from composer_ops.engine.starts import start_in
 from composer_ops.errors import ComposerError, Conflict, Invalid, NotFound, Transient
 from composer_ops.repo import audit, clock, definitions, partitions
 from composer_ops.repo import schedules as repo
-from composer_ops.repo.audit import Actor
 from composer_ops.repo.schedules import ScheduleEvent, ScheduleRow, ScheduleSummary
 
 if TYPE_CHECKING:
@@ -423,7 +423,7 @@ class Schedules:
 def parse_when(value: datetime | str, option: str) -> Any:
     """A backfill bound: an aware datetime, or text :func:`parse_cutoff` reads (an ISO
     date or instant, or an age counted back from the database clock)."""
-    from composer_ops.repo.retention import parse_cutoff
+    from composer_ops.core.cutoff import parse_cutoff
 
     if isinstance(value, datetime):
         if value.utcoffset() is None:

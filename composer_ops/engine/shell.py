@@ -5,7 +5,7 @@ its actions through the repository, commit. A fenced update that matches no row 
 the event back; transient errors retry it whole. Each event is recorded in the run's
 history under its :class:`~composer_ops.engine.requests.Request`; a retry first looks,
 under the run lock, for its request's rows and, when the earlier attempt committed,
-returns its outcome (``Outcome.replayed``). Cancelling tasks deletes their outbox rows
+returns its outcome (``Outcome.duplicate``). Cancelling tasks deletes their outbox rows
 before updating the tasks, the claim's lock order.
 """
 
@@ -63,7 +63,7 @@ from composer_ops.core.model import (
     TaskState,
 )
 from composer_ops.core.spec import NodeSpec, WorkflowSpec, spec_from_json
-from composer_ops.db.errors import Pool
+from composer_ops.db.errors import TranslatingPool
 from composer_ops.db.retry import db_retry
 from composer_ops.engine.ids import uuid7_text
 from composer_ops.engine.requests import KEY_PREFIX, Request
@@ -92,7 +92,7 @@ class Outcome:
 
     ``refused`` is set when a signal was not delivered although the event changed the
     run (a timeout had finished it first, by the database clock); the caller raises it
-    as ``Conflict``. ``replayed`` when the request had already been applied (an attempt
+    as ``Conflict``. ``duplicate`` when the request had already been applied (an attempt
     whose acknowledgement was lost, or an earlier call with the same signal key): this
     is that first outcome, and nothing was changed now.
     """
@@ -101,7 +101,7 @@ class Outcome:
     stale: str | None = None            # the reason, when the event changed nothing
     finished: RunStatus | None = None   # set when this event finished the run
     refused: str | None = None
-    replayed: bool = False
+    duplicate: bool = False
     reset: tuple[str, ...] = ()         # nodes whose tasks a retry removed, to run again
     created: tuple[str, ...] = ()       # nodes whose tasks this event created
 
@@ -132,7 +132,7 @@ class _Store:
 class Shell:
     """Applies events to runs; shared by the Engine, workers and coordinators."""
 
-    def __init__(self, pool: Pool) -> None:
+    def __init__(self, pool: TranslatingPool) -> None:
         self.pool = pool
         self._definitions: dict[tuple[str, int], Definition] = {}
         self._lock = threading.Lock()
@@ -192,7 +192,7 @@ class Shell:
         lock, which is held until that transaction ends: what :meth:`handle` does in
         a transaction of its own, and what operator actions that apply one event to
         several runs per transaction call (locking them in run-ID order). ``look``:
-        first look for rows ``request`` already wrote (a retry), and replay them."""
+        first look for rows ``request`` already wrote (a retry): a duplicate returns their outcome."""
         row, tasks_of_run = runs.lock_and_load(conn, run_id)
         if look:
             earlier = history.of_request(conn, run_id, request.id)
@@ -215,7 +215,7 @@ class Shell:
             spec=defn.spec, parent_run_id=row.parent_run_id, parent_node_id=row.parent_node_id,
             nodes={node_id: NodeState(task_id=t.task_id, state=TaskState(t.state), attempt=t.attempt,
                                       branches=tuple(t.branches) if t.branches is not None else None,
-                                      event_name=t.event_name, lease_owner=t.lease_owner,
+                                      signal_name=t.signal_name, lease_owner=t.lease_owner,
                                       lease_expires_at=t.lease_expires_at, created_at=t.created_at,
                                       wake_at=t.wake_at, lease_expiries=t.lease_expiries, items=_counts(t))
                    for node_id, t in nodes.items()},
@@ -326,7 +326,7 @@ class Shell:
                 dispatches: list[Dispatch], now: datetime) -> None:
         rows = [NewTask(task_id=a.task_id, node_id=a.node_id, node_type=str(a.node_type), queue=_queue(run, a),
                         state=str(a.state), input=a.input, output=a.output, error=a.error, branches=a.branches,
-                        wake_at=a.wake_at, event_name=a.event_name,
+                        wake_at=a.wake_at, signal_name=a.signal_name,
                         items_total=a.items.total if a.items else None,
                         items_started=a.items.started if a.items else None) for a in creates]
         inserted = tasks.insert_tasks(conn, run.id, rows, now=now)
@@ -413,7 +413,7 @@ class Shell:
 
 class _Notes:
     """The history rows of one event, in the order of its actions: the row that records
-    the event itself (it carries what the caller gets back on a replay: ``finished``,
+    the event itself (it carries what the caller gets back on a duplicate: ``finished``,
     ``refused``) and the rows of what else happened in the same decision (timeouts
     judged at a signal, buffered signals consumed by new nodes)."""
 
@@ -501,9 +501,9 @@ def _replayed(run_id: str, rows: list[HistoryRow], event: Event) -> Outcome:
     finished = next((d["finished"] for d in details if "finished" in d), None)
     refused = next((d["refused"] for d in details if "refused" in d), None)
     log.info("run %s: request already applied (%s); returning its outcome", run_id, rows[0].request,
-             extra={"action": "replayed", "run_id": run_id})
+             extra={"action": "duplicate", "run_id": run_id})
     return Outcome(run_id=run_id, finished=RunStatus(finished) if finished else None, refused=refused,
-                   replayed=True)
+                   duplicate=True)
 
 
 def _queue(run: RunSnapshot, a: CreateTask) -> str | None:

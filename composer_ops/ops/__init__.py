@@ -7,6 +7,7 @@ server). All time arithmetic uses the database clock. The statements themselves
 live in :mod:`composer_ops.repo.analytics` and :mod:`composer_ops.repo.partitions`.
 """
 
+from composer_ops.core.cutoff import Cutoff, parse_cutoff
 from composer_ops.ops import anomalies, display
 from composer_ops.ops._common import (
     ACTIVE_STATES,
@@ -69,7 +70,7 @@ from composer_ops.ops.partitions import (
     partition_nodes,
     partition_totals,
 )
-from composer_ops.ops.retention import Cutoff, parse_cutoff, plan_frame, retention_plan
+from composer_ops.ops.retention import plan_frame, resolve_cutoff, retention_plan
 from composer_ops.ops.schedules import schedule_events, schedules_overview
 
 __all__ = [
@@ -119,6 +120,7 @@ __all__ = [
     "plan_frame",
     "read_from",
     "recent_requeues",
+    "resolve_cutoff",
     "retention_plan",
     "run_story",
     "running_leases",

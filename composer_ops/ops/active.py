@@ -28,7 +28,7 @@ AGE_BUCKETS: tuple[tuple[str, float | None], ...] = (
 _ACTIVE_SCHEMA = {
     "run_id": pl.String, "task_id": pl.String, "node_id": pl.String, "node_type": pl.String,
     "queue": pl.String, "state": pl.String, "attempt": pl.Int64, "created_at": UTC_TS,
-    "updated_at": UTC_TS, "wake_at": UTC_TS, "event_name": pl.String, "age_s": pl.Float64,
+    "updated_at": UTC_TS, "wake_at": UTC_TS, "signal_name": pl.String, "age_s": pl.Float64,
 }
 
 def active_tasks(source: Source = None, *, limit: int = 200) -> pl.DataFrame:
@@ -99,7 +99,7 @@ def outbox_backlog(source: Source = None) -> pl.DataFrame:
 
 
 def long_waits(source: Source = None, *, older_than_s: float = 86400, limit: int = 50) -> tuple[pl.DataFrame, int]:
-    """WAIT_FOR_EVENT tasks with no timeout that have waited longer than ``older_than_s``
+    """WAIT_FOR_SIGNAL tasks with no timeout that have waited longer than ``older_than_s``
     (oldest first, at most ``limit``) and how many there are in all. Such a node waits
     for ever unless its signal comes: usually the signal was never sent, or was sent
     under another name or to another run."""
@@ -109,7 +109,7 @@ def long_waits(source: Source = None, *, older_than_s: float = 86400, limit: int
         rows = analytics.long_waits(conn, older_than_s, limit)
     total = int(rows[0][-1]) if rows else 0
     return rows_frame([r[:-1] for r in rows], {
-        "run_id": pl.String, "task_id": pl.String, "node_id": pl.String, "event_name": pl.String,
+        "run_id": pl.String, "task_id": pl.String, "node_id": pl.String, "signal_name": pl.String,
         "created_at": UTC_TS, "waiting_s": pl.Float64,
     }), total
 

@@ -30,7 +30,7 @@ class Thresholds:
     replay_lag_s: float = 60           # on a hot standby: alert when its replay lags more than this
     outbox_ready_age_s: float = 300    # alert when a claimable dispatch waited longer than this
     retention_older_than: str = "6 months"  # the cut-off retention is judged at
-    long_wait_h: float = 24            # alert on WAIT_FOR_EVENT nodes without a timeout waiting longer
+    long_wait_h: float = 24            # alert on WAIT_FOR_SIGNAL nodes without a timeout waiting longer
     webhook_attempts: int = 3          # a delivery still retried after this many attempts is failing
     schedule_late_s: float = 300       # alert on a schedule whose last due slot did not start this long after it
     queue_paused_h: float = 1          # alert on a queue paused longer than this (an incident's pause forgotten)
@@ -157,10 +157,10 @@ def check_health(source: Source = None, thresholds: Thresholds | None = None) ->
         name="long waits without timeout", runbook="long_waits",
         metric="composer_long_waits_without_timeout", value=waits_total,
         threshold=0, alert=waits_total > 0,
-        detail=(f"{waits_total} WAIT_FOR_EVENT node(s) without a timeout waiting over {t.long_wait_h:g} h, "
+        detail=(f"{waits_total} WAIT_FOR_SIGNAL node(s) without a timeout waiting over {t.long_wait_h:g} h, "
                 f"the oldest in run {waits['run_id'][0]}" if waits_total
                 else f"none waiting over {t.long_wait_h:g} h"),
-        help="WAIT_FOR_EVENT nodes without a timeout that have waited longer than the threshold."))
+        help="WAIT_FOR_SIGNAL nodes without a timeout that have waited longer than the threshold."))
 
     checks.append(Check(
         name="failing webhooks", runbook="failing_webhooks",

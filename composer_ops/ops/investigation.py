@@ -30,7 +30,7 @@ TASK_SCHEMA = {
     "task_id": pl.String, "node_id": pl.String, "node_type": pl.String, "queue": pl.String, "state": pl.String,
     "attempt": pl.Int64, "created_at": UTC_TS, "started_at": UTC_TS, "finished_at": UTC_TS, "updated_at": UTC_TS,
     "queued_s": pl.Float64, "ran_s": pl.Float64, "wake_at": UTC_TS, "wakes_in_s": pl.Float64,
-    "event_name": pl.String, "lease_owner": pl.String, "lease_expires_at": UTC_TS, "lease_left_s": pl.Float64,
+    "signal_name": pl.String, "lease_owner": pl.String, "lease_expires_at": UTC_TS, "lease_left_s": pl.Float64,
     "last_error": pl.String, "branches": pl.List(pl.String), "output": pl.String,
 }
 
@@ -188,6 +188,7 @@ def definition_graph(spec: Any, tasks: pl.DataFrame | None = None) -> tuple[pl.D
             continue
         nid = str(node.get("id", f"#{i}"))
         ntype = str(node.get("type", "TASK"))
+        ntype = "WAIT_FOR_SIGNAL" if ntype == "WAIT_FOR_EVENT" else ntype     # the alias 0.1.0 stored
         if ntype == "SWITCH":
             labels: dict[str, list[str]] = {}
             for case, targets in (node.get("cases") or {}).items():
@@ -197,8 +198,9 @@ def definition_graph(spec: Any, tasks: pl.DataFrame | None = None) -> tuple[pl.D
                 labels.setdefault(str(target), []).append("default")
             switch_cases[nid] = labels
         state, attempt = states.get(nid, ("NOT REACHED", 0))
+        signal = node.get("signal", node.get("event"))      # "event": the key's alias in 0.1.0
         node_rows.append((nid, ntype, node.get("task"), node.get("queue", "default") if ntype == "TASK" else None,
-                          node.get("event"), [str(d) for d in node.get("depends_on") or []], i, state, attempt))
+                          signal, [str(d) for d in node.get("depends_on") or []], i, state, attempt))
     known = {row[0] for row in node_rows}
     if tasks is not None:
         for nid, ntype in tasks.select("node_id", "node_type").unique(maintain_order=True).iter_rows():
@@ -210,7 +212,7 @@ def definition_graph(spec: Any, tasks: pl.DataFrame | None = None) -> tuple[pl.D
             label = ", ".join(switch_cases[dep].get(nid, [])) if dep in switch_cases else ""
             edge_rows.append((dep, nid, label))
     nodes = pl.DataFrame(node_rows, orient="row", schema={
-        "node_id": pl.String, "type": pl.String, "task": pl.String, "queue": pl.String, "event": pl.String,
+        "node_id": pl.String, "type": pl.String, "task": pl.String, "queue": pl.String, "signal": pl.String,
         "depends_on": pl.List(pl.String), "position": pl.Int64, "state": pl.String, "attempt": pl.Int64,
     })
     nodes = nodes.with_columns(pl.Series("depth", _depths(nodes), dtype=pl.Int64),
@@ -241,7 +243,7 @@ def gantt_rows(tasks: pl.DataFrame, now: datetime | None = None) -> pl.DataFrame
     """Bars for a Gantt chart of :func:`run_story`'s tasks: a 'queued' bar (created
     until a worker started it) and a main bar: 'ran' (started until finished),
     'failed' (a FAILED task's last attempt), 'cancelled', 'waiting' (WAIT /
-    WAIT_FOR_EVENT nodes), 'queued' (active, never started) or 'decided' (SWITCH and
+    WAIT_FOR_SIGNAL nodes), 'queued' (active, never started) or 'decided' (SWITCH and
     skipped nodes). Unfinished bars end at ``now`` (pass the database clock), else at
     the task's last update."""
     end_active = pl.lit(now, dtype=UTC_TS) if now is not None else pl.col("updated_at")
@@ -256,7 +258,7 @@ def gantt_rows(tasks: pl.DataFrame, now: datetime | None = None) -> pl.DataFrame
         pl.when(pl.col("state") == "FAILED").then(pl.lit("failed"))
         .when(pl.col("state") == "CANCELLED").then(pl.lit("cancelled"))
         .when(pl.col("started_at").is_not_null()).then(pl.lit("ran"))
-        .when(pl.col("node_type").is_in(["WAIT", "WAIT_FOR_EVENT"])).then(pl.lit("waiting"))
+        .when(pl.col("node_type").is_in(["WAIT", "WAIT_FOR_SIGNAL"])).then(pl.lit("waiting"))
         .when(pl.col("state").is_in(list(ACTIVE_STATES))).then(pl.lit("queued"))
         .otherwise(pl.lit("decided")).alias("phase"))
     return pl.concat([queued, main]).sort("start", "node_id", "phase")

@@ -12,18 +12,19 @@ import json
 import shlex
 from collections.abc import Mapping, Sequence
 from datetime import UTC, datetime
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import polars as pl
 
+from composer_ops.core.cutoff import Cutoff
 from composer_ops.core.runids import month_of, month_start
 from composer_ops.errors import Invalid, NotFound
 from composer_ops.ops._common import UTC_TS, Source, connection, rows_frame
 from composer_ops.ops.investigation import HISTORY_SCHEMA, TASK_SCHEMA, RunStory, definition_graph, validate_run_id
-from composer_ops.repo import analytics, audit, runs, workers
+from composer_ops.repo import analytics, audit, retention, runs, workers
 from composer_ops.repo.audit import AuditCommand
-from composer_ops.repo.retention import Cutoff
 
 __all__ = ["AUDIT_LIMIT", "RUNS_SCHEMA", "archived_run_story", "audit_commands", "audit_log", "definition_spec",
            "find_runs", "unblock_command", "workers_frame"]
@@ -46,12 +47,12 @@ def find_runs(source: Source = None, *, workflow: str | None = None, status: str
               where: str | Mapping[str, Any] | None = None, limit: int = 50) -> pl.DataFrame:
     """Runs as ``composer-ops runs list`` finds them (the same selection, checked before
     any query): newest first, at most ``limit``."""
-    from composer_ops.engine.admin import check_limit, selection
+    from composer_ops.core.selection import check_limit, selection
 
     chosen = selection(workflow=workflow, status=status, since=since, until=until, where=where)
     check_limit(limit)
     with connection(source) as conn:
-        found = runs.find_runs(conn, chosen.resolve(conn), limit=limit)
+        found = runs.find_runs(conn, chosen.resolve(partial(retention.resolve, conn)), limit=limit)
     return rows_frame([(r.id, r.workflow_id, r.workflow_version, r.status, r.created_at, r.completed_at,
                         _json(r.input), _json(r.error)) for r in found], RUNS_SCHEMA)
 
@@ -87,7 +88,7 @@ def audit_commands(source: Source = None, *, since: datetime | Cutoff | None = N
     if unknown:
         raise Invalid(f"unknown action {', '.join(map(repr, unknown))}: the actions are {', '.join(audit.ACTIONS)}")
     with connection(source) as conn:
-        instant = since if since is None or isinstance(since, datetime) else since.resolve(conn)
+        instant = since if since is None or isinstance(since, datetime) else retention.resolve(conn, since)
         return audit.commands(conn, since=instant, actions=actions or None, limit=limit)
 
 
@@ -122,7 +123,7 @@ def archived_run_story(directory: str | Path, run_id: str, source: Source = None
     as does ``now``, the clock for intervals still open, unless given. The outbox and
     webhook tables are empty: they are not archived. :class:`NotFound` when the
     archive has no such run."""
-    from composer_ops.engine.archive import MANIFEST, month_dir, read_manifest
+    from composer_ops.core.manifest import MANIFEST, current_column, month_dir, read_manifest
 
     rid = validate_run_id(run_id)
     path = month_dir(Path(directory), month_of(rid))
@@ -134,7 +135,8 @@ def archived_run_story(directory: str | Path, run_id: str, source: Source = None
         entry = manifest.table(table)
         if entry is None:
             return pl.DataFrame()
-        return pl.scan_parquet(path / entry.file).filter(pl.col(key) == rid).collect()
+        found = pl.scan_parquet(path / entry.file).filter(pl.col(key) == rid).collect()
+        return found.rename({c: current_column(table, c) for c in found.columns})
 
     def err(column: str) -> pl.Expr:
         # The error document is {"error": text}; anything else is shown as its JSON.
@@ -166,12 +168,12 @@ def archived_run_story(directory: str | Path, run_id: str, source: Source = None
         "created_at", "started_at", "finished_at", "updated_at",
         secs(pl.coalesce("started_at", "finished_at", clock), pl.col("created_at")).alias("queued_s"),
         secs(pl.coalesce("finished_at", clock), pl.col("started_at")).alias("ran_s"),
-        "wake_at", secs(pl.col("wake_at"), clock).alias("wakes_in_s"), "event_name", "lease_owner",
+        "wake_at", secs(pl.col("wake_at"), clock).alias("wakes_in_s"), "signal_name", "lease_owner",
         "lease_expires_at", secs(pl.col("lease_expires_at"), clock).alias("lease_left_s"),
         err("last_error").alias("last_error"), "branches", pl.col("output_json").alias("output"),
     ).cast(dict(TASK_SCHEMA))  # type: ignore[arg-type]
-    events = rows("workflow_events", "run_id")
-    signals = events.sort("created_at", "id").select(
+    signal_rows = rows("workflow_events", "run_id")
+    signals = signal_rows.sort("created_at", "id").select(
         pl.col("id").alias("signal_id"), "name", "payload", "created_at", "consumed_at",
         pl.when(pl.col("consumed_at").is_null()).then(pl.lit("buffered")).otherwise(pl.lit("consumed"))
         .alias("status"),

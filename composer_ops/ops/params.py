@@ -41,7 +41,7 @@ def _boolean(name: str, value: Any) -> bool:
 
 
 def _cutoff(name: str, value: Any) -> Any:
-    from composer_ops.ops.retention import parse_cutoff
+    from composer_ops.core.cutoff import parse_cutoff
 
     return parse_cutoff(value if isinstance(value, str) else "")
 
@@ -102,7 +102,7 @@ def _selection(name: str, value: Any) -> Any:
     """``workflow``, ``since`` or ``where`` of a selection of runs, as ``runs list`` checks it."""
     if value is None:
         return None
-    from composer_ops.engine.admin import selection
+    from composer_ops.core.selection import selection
 
     selection(**{name: value})
     return value

@@ -14,16 +14,15 @@ from typing import TYPE_CHECKING, Any
 
 import polars as pl
 
-from composer_ops.core.runids import RUN_ID_MAX_AGE
+from composer_ops.core.cutoff import Cutoff, parse_cutoff
 from composer_ops.ops._common import UTC_TS, Source, connection, rows_frame
 from composer_ops.repo import retention as repo
-from composer_ops.repo.retention import Cutoff, parse_cutoff
 from composer_ops.repo.rows import RetentionMonth
 
 if TYPE_CHECKING:
     from composer_ops.engine.retention import RetentionResult
 
-__all__ = ["PLAN_SCHEMA", "Cutoff", "parse_cutoff", "plan_frame", "retention_plan"]
+__all__ = ["PLAN_SCHEMA", "Cutoff", "parse_cutoff", "plan_frame", "resolve_cutoff", "retention_plan"]
 
 PLAN_SCHEMA: dict[str, Any] = {
     "month": pl.String, "month_start": UTC_TS, "month_end": UTC_TS, "action": pl.String, "reason": pl.String,
@@ -39,9 +38,14 @@ def retention_plan(source: Source = None, older_than: datetime | str | Cutoff = 
     its partitions hold (rows are catalog estimates unless ``exact_rows``).
     ``cutoff`` is the resolved instant, repeated on each row."""
     with connection(source) as conn:
-        cutoff = repo.resolve(conn, older_than)
-        months = repo.plan(conn, cutoff, min_age=RUN_ID_MAX_AGE, exact_rows=exact_rows)
-    return _frame(months, cutoff)
+        plan = repo.plan(conn, older_than, exact_rows=exact_rows)
+    return _frame(plan.months, plan.cutoff)
+
+
+def resolve_cutoff(source: Source = None, older_than: datetime | str | Cutoff = "6 months") -> datetime:
+    """The instant (UTC) a cut-off stands for, an age counted back from the database clock."""
+    with connection(source) as conn:
+        return repo.resolve(conn, older_than)
 
 
 def plan_frame(result: RetentionResult) -> pl.DataFrame:

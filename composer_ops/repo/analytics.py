@@ -20,7 +20,7 @@ Row = tuple[Any, ...]
 
 #: The active task states as an SQL list literal: the partial index predicate.
 ACTIVE_SQL = sql_states(ACTIVE_TASK_STATES)
-#: What queue a non-TASK node (SWITCH, WAIT, WAIT_FOR_EVENT) is listed under.
+#: What queue a non-TASK node (SWITCH, WAIT, WAIT_FOR_SIGNAL) is listed under.
 COORDINATOR_QUEUE = "(coordinator)"
 
 
@@ -40,7 +40,7 @@ def db_now(conn: Conn) -> Any:
 
 ACTIVE_TASKS_SQL = f"""
     SELECT t.run_id, t.id, t.node_id, t.node_type, COALESCE(t.queue, '{COORDINATOR_QUEUE}') AS queue,
-           t.state, t.attempt, t.created_at, t.updated_at, t.wake_at, t.event_name,
+           t.state, t.attempt, t.created_at, t.updated_at, t.wake_at, t.signal_name,
            extract(epoch FROM %(now)s::timestamptz - t.created_at)::float8 AS age_s
       FROM task_instances t
      WHERE t.state IN {ACTIVE_SQL}
@@ -103,13 +103,13 @@ OUTBOX_SQL = """
 """
 
 
-# WAIT_FOR_EVENT nodes with no timeout (wake_at NULL) waiting longer than a threshold;
+# WAIT_FOR_SIGNAL nodes with no timeout (wake_at NULL) waiting longer than a threshold;
 # state = 'WAITING' lies inside the active-state partial index.
 LONG_WAITS_SQL = """
-    SELECT run_id, id, node_id, event_name, created_at,
+    SELECT run_id, id, node_id, signal_name, created_at,
            extract(epoch FROM %(now)s::timestamptz - created_at)::float8 AS waiting_s, count(*) OVER () AS total
       FROM task_instances
-     WHERE state = 'WAITING' AND node_type = 'WAIT_FOR_EVENT' AND wake_at IS NULL
+     WHERE state = 'WAITING' AND node_type = 'WAIT_FOR_SIGNAL' AND wake_at IS NULL
        AND created_at <= %(now)s::timestamptz - make_interval(secs => %(older_than_s)s)
      ORDER BY created_at, run_id, node_id
      LIMIT %(limit)s
@@ -118,7 +118,7 @@ LONG_WAITS_SQL = """
 
 def active_tasks(conn: Conn, limit: int) -> list[Row]:
     """The ``limit`` oldest active tasks: run_id, task_id, node_id, node_type, queue,
-    state, attempt, created_at, updated_at, wake_at, event_name, age_s."""
+    state, attempt, created_at, updated_at, wake_at, signal_name, age_s."""
     return _rows(conn, ACTIVE_TASKS_SQL, {"limit": limit})
 
 
@@ -146,8 +146,8 @@ def top_runs(conn: Conn, limit: int) -> list[Row]:
 
 
 def long_waits(conn: Conn, older_than_s: float, limit: int) -> list[Row]:
-    """WAIT_FOR_EVENT tasks without a timeout waiting longer than ``older_than_s``,
-    oldest first: run_id, task_id, node_id, event_name, created_at, waiting_s, and
+    """WAIT_FOR_SIGNAL tasks without a timeout waiting longer than ``older_than_s``,
+    oldest first: run_id, task_id, node_id, signal_name, created_at, waiting_s, and
     total (how many there are in all, whatever ``limit``)."""
     return _rows(conn, LONG_WAITS_SQL, {"older_than_s": older_than_s, "limit": limit})
 
@@ -282,7 +282,7 @@ RUN_TASKS_SQL = """
     SELECT id, node_id, node_type, queue, state, attempt, created_at, started_at, finished_at, updated_at,
            extract(epoch FROM COALESCE(started_at, finished_at, %(now)s::timestamptz) - created_at)::float8 AS queued_s,
            extract(epoch FROM COALESCE(finished_at, %(now)s::timestamptz) - started_at)::float8 AS ran_s,
-           wake_at, extract(epoch FROM wake_at - %(now)s::timestamptz)::float8 AS wakes_in_s, event_name,
+           wake_at, extract(epoch FROM wake_at - %(now)s::timestamptz)::float8 AS wakes_in_s, signal_name,
            lease_owner, lease_expires_at,
            extract(epoch FROM lease_expires_at - %(now)s::timestamptz)::float8 AS lease_left_s,
            COALESCE(last_error ->> 'error', last_error::text) AS last_error, branches, output_json::text

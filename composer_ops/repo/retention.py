@@ -7,33 +7,24 @@ it again, so a run that commits into a month while the drop waits is kept, never
 dropped. Dropped months are recorded in ``retention_drops`` with the request that
 dropped them, in the same transaction, so a retried request finds what it did.
 
-Cut-offs: an ISO date (midnight UTC), an ISO instant (UTC when it has no offset), or
-an age like ``90d``, ``2w``, ``6 months``, ``1y``, ``36h`` counted back from the
-database clock in UTC calendar arithmetic.
+Cut-offs are parsed in ``core.cutoff``; :func:`resolve` counts an age back from the
+database clock.
 """
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
-from datetime import UTC, date, datetime, timedelta
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from psycopg import sql
 
+from composer_ops.core.cutoff import Cutoff, parse_cutoff
+from composer_ops.core.runids import RUN_ID_MAX_AGE
 from composer_ops.errors import Invalid
 from composer_ops.repo import partitions
 from composer_ops.repo._base import Conn, fetch_all
 from composer_ops.repo.rows import RetentionMonth
-
-_RELATIVE = re.compile(r"^\s*(\d{1,6})\s*([a-z]+)\s*$")
-_UNITS = {
-    "h": "hours", "hour": "hours", "hours": "hours",
-    "d": "days", "day": "days", "days": "days",
-    "w": "weeks", "week": "weeks", "weeks": "weeks",
-    "mo": "months", "mon": "months", "month": "months", "months": "months",
-    "y": "years", "year": "years", "years": "years",
-}
 
 # -- retention_plan -- the plan rows, oldest month first.
 PLAN_SQL = """
@@ -57,54 +48,15 @@ def lock_partitions(conn: Conn) -> None:
     conn.execute(PARTITION_LOCK)
 
 
-@dataclass(frozen=True, kw_only=True)
-class Cutoff:
-    """A retention cut-off: an absolute instant, or an age counted back from the database clock."""
-
-    text: str
-    instant: datetime | None = None
-    amount: int = 0
-    unit: str = ""
-
-    def resolve(self, conn: Conn) -> datetime:
-        """The cut-off instant (UTC). Relative ages use the database's now(), with the
-        calendar arithmetic done on the UTC wall clock so the session TimeZone
-        (and its DST changes) cannot shift it."""
-        if self.instant is not None:
-            return self.instant
-        return partitions.age_before_now(conn, **{self.unit: self.amount}).astimezone(UTC)
-
-
-def parse_cutoff(text: str) -> Cutoff:
-    """Parse a --older-than / cutoff value; :class:`Invalid` says what is accepted."""
-    if not isinstance(text, str) or not text.strip():
-        raise Invalid(f"cut-off {text!r} is empty: give an ISO date (2025-01-31), an ISO instant "
-                      "(2025-01-31T12:00:00Z) or an age (90d, 2w, 6 months, 1y, 36h)")
-    raw = text.strip()
-    rel = _RELATIVE.match(raw.lower())
-    if rel:
-        unit = _UNITS.get(rel.group(2))
-        if unit is None:
-            raise Invalid(f"cut-off {text!r}: unknown unit {rel.group(2)!r} (use h, d, w, mo/months or y)")
-        return Cutoff(text=raw, amount=int(rel.group(1)), unit=unit)
-    try:
-        if re.fullmatch(r"\d{4}-\d{2}-\d{2}", raw):
-            day = date.fromisoformat(raw)
-            return Cutoff(text=raw, instant=datetime(day.year, day.month, day.day, tzinfo=UTC))
-        instant = datetime.fromisoformat(raw.replace("z", "Z"))
-    except ValueError as exc:
-        raise Invalid(f"cut-off {text!r} is not an ISO date/instant or an age like 90d or 6 months ({exc})") from None
-    if instant.tzinfo is None:
-        instant = instant.replace(tzinfo=UTC)
-    return Cutoff(text=raw, instant=instant.astimezone(UTC))
-
-
 def resolve(conn: Conn, older_than: datetime | str | Cutoff) -> datetime:
     """Any accepted form of cut-off as an instant (UTC)."""
-    if isinstance(older_than, Cutoff):
-        return older_than.resolve(conn)
     if isinstance(older_than, str):
-        return parse_cutoff(older_than).resolve(conn)
+        older_than = parse_cutoff(older_than)
+    if isinstance(older_than, Cutoff):
+        if older_than.instant is not None:
+            return older_than.instant
+        # calendar arithmetic on the UTC wall clock: the session TimeZone cannot shift it
+        return partitions.age_before_now(conn, **{older_than.unit: older_than.amount}).astimezone(UTC)
     if older_than.tzinfo is None:
         raise Invalid(f"cut-off {older_than.isoformat()} has no time zone; pass an aware datetime (UTC)")
     return older_than.astimezone(UTC)
@@ -114,12 +66,36 @@ def plan_params(cutoff: datetime, min_age: timedelta, exact_rows: bool = False) 
     return {"cutoff": cutoff, "exact": exact_rows, "min_age": min_age}
 
 
-def plan(conn: Conn, cutoff: datetime, *, min_age: timedelta, exact_rows: bool = False) -> list[RetentionMonth]:
-    """For every partition month: drop or keep, why ('too new', 'has active runs' with
-    the first 20 blocking run IDs, or 'past cut-off, no active runs'), and the rows
-    (catalog estimates unless ``exact_rows``) and bytes of its partitions. A month is
-    'too new' until it ended at or before the cut-off and at least ``min_age`` ago."""
-    return fetch_all(conn, RetentionMonth, PLAN_SQL, plan_params(cutoff, min_age, exact_rows))
+@dataclass(frozen=True, kw_only=True)
+class Plan:
+    """The retention plan for one cut-off (an instant, UTC): every partition month,
+    oldest first."""
+
+    cutoff: datetime
+    months: list[RetentionMonth]
+
+    @property
+    def due(self) -> list[RetentionMonth]:
+        """The months the plan drops."""
+        return [m for m in self.months if m.action == "drop"]
+
+    @property
+    def kept(self) -> list[tuple[str, str]]:
+        """``(month, reason)`` of the months the plan keeps."""
+        return [(m.month, m.reason) for m in self.months if m.action != "drop"]
+
+
+def plan(conn: Conn, older_than: datetime | str | Cutoff, *, min_age: timedelta = RUN_ID_MAX_AGE,
+         exact_rows: bool = False) -> Plan:
+    """The plan for any form of cut-off (:func:`resolve`), for every partition month:
+    drop or keep, why ('too new', 'has active runs' with the first 20 blocking run IDs,
+    or 'past cut-off, no active runs'), and the rows (catalog estimates unless
+    ``exact_rows``) and bytes of its partitions. A month is 'too new' until it ended at
+    or before the cut-off and at least ``min_age`` ago (by default the oldest a run ID
+    the engine accepts may be, so no start can still land in a dropped month)."""
+    cutoff = resolve(conn, older_than)
+    months = fetch_all(conn, RetentionMonth, PLAN_SQL, plan_params(cutoff, min_age, exact_rows))
+    return Plan(cutoff=cutoff, months=months)
 
 
 def lock_months(conn: Conn, months: list[RetentionMonth], *, exclusive: bool = True) -> None:

@@ -33,7 +33,7 @@ class TaskStateRow:
     state: str
     attempt: int
     branches: list[str] | None
-    event_name: str | None
+    signal_name: str | None
     lease_owner: str | None
     lease_expires_at: datetime | None
     created_at: datetime
@@ -95,7 +95,7 @@ class NewTask:
     error: str | None = None
     branches: Sequence[str] | None = None
     wake_at: datetime | None = None
-    event_name: str | None = None
+    signal_name: str | None = None
     items_total: int | None = None        # a MAP node: its counters (ItemCounts)
     items_started: int | None = None
 
@@ -186,7 +186,7 @@ class TaskView:
     error: Any
     branches: list[str] | None
     wake_at: datetime | None
-    event_name: str | None
+    signal_name: str | None
     lease_owner: str | None
     lease_expires_at: datetime | None
     created_at: datetime

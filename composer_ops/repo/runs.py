@@ -24,7 +24,7 @@ _LOCK_RUN = """
 
 _LOAD_TASKS = """
     SELECT node_id, id AS task_id, state, attempt, branches,
-           CASE WHEN state = 'WAITING' THEN event_name END AS event_name,
+           CASE WHEN state = 'WAITING' THEN signal_name END AS signal_name,
            lease_owner, lease_expires_at, created_at, wake_at, lease_expiries,
            items_total, items_started, items_done, items_failed
       FROM {tasks} WHERE run_id = %s AND item_index IS NULL"""
@@ -217,7 +217,7 @@ def get_run(conn: Conn, run_id: str) -> RunView:
         raise NotFound(f"workflow run {run_id} does not exist")
     tasks = fetch_all(conn, TaskView, """
         SELECT id, node_id, node_type, queue, state, attempt, input_json AS input,
-               output_json AS output, last_error AS error, branches, wake_at, event_name,
+               output_json AS output, last_error AS error, branches, wake_at, signal_name,
                lease_owner, lease_expires_at, created_at, started_at, finished_at, item_index
           FROM task_instances WHERE run_id = %s
          ORDER BY created_at, item_index NULLS FIRST, id""", (run_id,))

@@ -46,7 +46,7 @@ def resolve_wait(conn: Conn, run_id: str, task_id: str, *, state: str, now: date
 
 
 def buffer_signal(conn: Conn, run_id: str, *, signal_id: str, name: str, payload: Any, now: datetime) -> None:
-    """Store a signal, received at ``now``, until a WAIT_FOR_EVENT node consumes it."""
+    """Store a signal, received at ``now``, until a WAIT_FOR_SIGNAL node consumes it."""
     conn.execute("INSERT INTO workflow_events (id, run_id, name, payload, created_at) VALUES (%s, %s, %s, %s, %s)",
                  (signal_id, run_id, name, jsonb(payload), now))
 

@@ -125,10 +125,10 @@ def finished_runs(conn: Conn, run_ids: Sequence[str]) -> list[str]:
 
 
 def waiting_signals(conn: Conn, run_ids: Sequence[str]) -> list[tuple[str, str]]:
-    """``(run_id, signal name)`` of the WAIT_FOR_EVENT tasks of ``run_ids`` now waiting."""
+    """``(run_id, signal name)`` of the WAIT_FOR_SIGNAL tasks of ``run_ids`` now waiting."""
     rows = conn.execute("""
-        SELECT run_id, event_name FROM task_instances
-         WHERE run_id = ANY(%s) AND state = 'WAITING' AND event_name IS NOT NULL""",
+        SELECT run_id, signal_name FROM task_instances
+         WHERE run_id = ANY(%s) AND state = 'WAITING' AND signal_name IS NOT NULL""",
                         (list(run_ids),)).fetchall()
     return [(str(r), str(e)) for r, e in rows]
 

@@ -28,12 +28,12 @@ _ACTIVE = sql_states(ACTIVE_TASK_STATES)
 def insert_task(conn: Conn, run_id: str, *, task_id: str, node_id: str, node_type: str,
                 queue: str | None, state: str, input: Any = None, output: Any = None,
                 error: str | None = None, branches: Sequence[str] | None = None,
-                wake_at: datetime | None = None, event_name: str | None = None, now: datetime) -> bool:
+                wake_at: datetime | None = None, signal_name: str | None = None, now: datetime) -> bool:
     """Insert the task a CreateTask action describes, created at ``now``; False (no
     error) when the (run, node) already has a task. :func:`insert_tasks` with one row."""
     return node_id in insert_tasks(conn, run_id, [NewTask(
         task_id=task_id, node_id=node_id, node_type=node_type, queue=queue, state=state, input=input,
-        output=output, error=error, branches=branches, wake_at=wake_at, event_name=event_name)], now=now)
+        output=output, error=error, branches=branches, wake_at=wake_at, signal_name=signal_name)], now=now)
 
 
 def insert_tasks(conn: Conn, run_id: str, rows: Sequence[NewTask], *, now: datetime) -> set[str]:
@@ -49,24 +49,24 @@ def insert_tasks(conn: Conn, run_id: str, rows: Sequence[NewTask], *, now: datet
     cur = conn.execute("""
         INSERT INTO task_instances
                (id, run_id, node_id, node_type, queue, state, input_json, output_json, last_error,
-                branches, wake_at, event_name, items_total, items_started, items_done, items_failed,
+                branches, wake_at, signal_name, items_total, items_started, items_done, items_failed,
                 scheduled_at, finished_at, completed_at, created_at, updated_at)
         SELECT r.id, %(run)s, r.node, r.type, r.queue, r.state, r.input, r.output, r.error,
                CASE WHEN r.branches IS NOT NULL THEN ARRAY(SELECT jsonb_array_elements_text(r.branches)) END,
-               r.wake, r.event, r.total, r.started, CASE WHEN r.total IS NOT NULL THEN 0 END,
+               r.wake, r.signal, r.total, r.started, CASE WHEN r.total IS NOT NULL THEN 0 END,
                CASE WHEN r.total IS NOT NULL THEN 0 END, %(now)s::timestamptz,
                CASE WHEN r.state IN ('COMPLETED', 'FAILED', 'SKIPPED', 'CANCELLED') THEN %(now)s::timestamptz END,
                CASE WHEN r.state = 'COMPLETED' THEN %(now)s::timestamptz END, %(now)s, %(now)s
           FROM jsonb_to_recordset(%(rows)s::jsonb)
                AS r(id text, node text, type text, queue text, state text, input jsonb, output jsonb,
-                    error jsonb, branches jsonb, wake timestamptz, event text, total int, started int)
+                    error jsonb, branches jsonb, wake timestamptz, signal text, total int, started int)
         ON CONFLICT (run_id, node_id) WHERE item_index IS NULL DO NOTHING
         RETURNING node_id""",
         {"run": run_id, "now": now, "rows": recordset([
             {"id": r.task_id, "node": r.node_id, "type": r.node_type, "queue": r.queue, "state": r.state,
              "input": r.input, "output": r.output, "error": error_doc(r.error),
              "branches": None if r.branches is None else list(r.branches), "wake": iso(r.wake_at),
-             "event": r.event_name, "total": r.items_total, "started": r.items_started} for r in rows])})
+             "signal": r.signal_name, "total": r.items_total, "started": r.items_started} for r in rows])})
     return {str(row[0]) for row in cur.fetchall()}
 
 

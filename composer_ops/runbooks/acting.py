@@ -15,8 +15,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+from composer_ops.core.actor import Actor
 from composer_ops.db import find_url
-from composer_ops.repo.audit import Actor
 
 ENV_RECORD = "COMPOSER_RUNBOOK_RECORD"
 ENV_COMMAND = "COMPOSER_RUNBOOK_COMMAND"

@@ -51,7 +51,7 @@ RUNBOOKS: tuple[Runbook, ...] = (
             means="partition months past the retention cut-off are kept because runs in them are still active",
             acts="cancels the active runs of the blocked months (as `runs cancel --yes`), audited per chunk"),
     Runbook(name="long_waits", alert="long waits without timeout", incident=None,
-            means="WAIT_FOR_EVENT nodes without a timeout have waited longer than the threshold",
+            means="WAIT_FOR_SIGNAL nodes without a timeout have waited longer than the threshold",
             acts="cancels the runs named in `cancel_runs` (none by default), one audit row"),
     Runbook(name="failing_webhooks", alert="failing webhooks", incident=None,
             means="webhook deliveries are still retried after many attempts: the endpoint refuses or is down",

@@ -104,7 +104,7 @@ def stuck_queues(backlog: pl.DataFrame, registry: pl.DataFrame, ready_age_s: flo
 
 
 def _month_selection(month: str) -> Any:
-    from composer_ops.engine.admin import selection
+    from composer_ops.core.selection import selection
 
     start = month_start(month)
     end = month_start(add_months(month, 1))
@@ -229,7 +229,8 @@ def replay_plan(database_url: str | None, *, workflow: str | None, since: str | 
                 from_node: str | None, limit: int) -> tuple[pl.DataFrame, str | None]:
     """What ``runs retry --since ... [--where ...] [--from NODE]`` would do (its dry
     run), run by run; with the note when the role cannot take the run locks."""
-    from composer_ops.engine.admin import retry_runs, selection
+    from composer_ops.core.selection import selection
+    from composer_ops.engine.admin import retry_runs
 
     chosen = selection(workflow=workflow, status="FAILED", since=since, where=where)
     nodes = [from_node] if from_node else []
@@ -259,7 +260,8 @@ def _replay_frame(bulk: Any) -> pl.DataFrame:
 
 def replay_act(act: Act, database_url: str | None, *, workflow: str | None, since: str | None,
                where: str | None, from_node: str | None, limit: int) -> pl.DataFrame | None:
-    from composer_ops.engine.admin import retry_runs, selection
+    from composer_ops.core.selection import selection
+    from composer_ops.engine.admin import retry_runs
 
     chosen = selection(workflow=workflow, status="FAILED", since=since, where=where)
     nodes = [from_node] if from_node else []

@@ -2,7 +2,7 @@
 
 One line per row in PostgreSQL's text format (tab-separated, ``\\N`` for NULL,
 backslashes doubled), columns in the order of :data:`RUN_COLUMNS`,
-:data:`TASK_COLUMNS` and :data:`EVENT_COLUMNS`. Timestamps are written in UTC with
+:data:`TASK_COLUMNS` and :data:`SIGNAL_COLUMNS`. Timestamps are written in UTC with
 microseconds; JSON values compactly.
 """
 
@@ -17,14 +17,14 @@ from typing import Any
 from composer_ops.core.model import NodeType
 from composer_ops.simulate.replay import Replay, SignalRow, TaskRow
 
-__all__ = ["EVENT_COLUMNS", "RUN_COLUMNS", "TASK_COLUMNS", "CopyText"]
+__all__ = ["SIGNAL_COLUMNS", "RUN_COLUMNS", "TASK_COLUMNS", "CopyText"]
 
 RUN_COLUMNS = ("id", "workflow_definition_id", "workflow_version", "status", "input_json", "context_json",
                "error_json", "output_json", "created_at", "updated_at", "completed_at")
 TASK_COLUMNS = ("id", "run_id", "node_id", "node_type", "queue", "state", "attempt", "input_json", "output_json",
-                "last_error", "branches", "wake_at", "event_name", "scheduled_at", "started_at", "finished_at",
+                "last_error", "branches", "wake_at", "signal_name", "scheduled_at", "started_at", "finished_at",
                 "completed_at", "created_at", "updated_at", "lease_owner", "lease_expires_at", "lease_expiries")
-EVENT_COLUMNS = ("id", "run_id", "name", "payload", "created_at", "consumed_at")
+SIGNAL_COLUMNS = ("id", "run_id", "name", "payload", "created_at", "consumed_at")
 
 _N = "\\N"
 _encode: Callable[[Any], str] = json.JSONEncoder(separators=(",", ":")).encode
@@ -97,11 +97,11 @@ class CopyText:
             json_text(row.input) if row.node_type is NodeType.TASK else _N, json_text(row.output),
             json_text({"error": row.error}) if row.error else _N,
             "{" + ",".join(row.branches) + "}" if row.branches is not None else _N,
-            stamp(row.wake_at), row.event_name or _N, created, stamp(row.started_at), stamp(row.finished_at),
+            stamp(row.wake_at), row.signal_name or _N, created, stamp(row.started_at), stamp(row.finished_at),
             stamp(row.completed_at), created, stamp(row.updated_at), row.lease_owner or _N,
             stamp(row.lease_expires_at), str(row.lease_expiries))) + "\n"
 
-    def event(self, run_id: str, signal: SignalRow) -> str:
+    def signal(self, run_id: str, signal: SignalRow) -> str:
         """A ``workflow_events`` line."""
         return "\t".join((signal.id, run_id, signal.name, json_text(signal.payload), self.stamp(signal.created_at),
                           self.stamp(signal.consumed_at))) + "\n"

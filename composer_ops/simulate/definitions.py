@@ -39,7 +39,7 @@ __all__ = [
 LEASE_S = 4
 #: Every queue the definitions dispatch on; simulated workers serve them all.
 QUEUES = ("payments", "risk", "shipping", "default", "batch", "approvals", "billing")
-#: Share of runs per workflow (live arrivals and history alike).
+#: Share of runs per workflow (live arrivals and generated months alike).
 WORKFLOW_WEIGHTS: Mapping[str, float] = {
     "order-fulfilment": 0.50,
     "expense-approval": 0.20,
@@ -85,7 +85,7 @@ def _order(scale: float) -> dict[str, Any]:
                   {"order_id": "$.input.order_id", "region": "$.config.region"}, depends_on=["route"]),
             {"id": "cool_off", "type": "WAIT", "depends_on": ["express", "standard"],
              "duration_s": round(2.0 * scale, 3)},
-            {"id": "delivered", "type": "WAIT_FOR_EVENT", "depends_on": ["cool_off"], "event": "delivered"},
+            {"id": "delivered", "type": "WAIT_FOR_SIGNAL", "depends_on": ["cool_off"], "signal": "delivered"},
             _task("notify", "notify.email", "default",
                   {"template": "order-delivered", "proof": "$.nodes.delivered.output", **customer},
                   depends_on=["delivered"], retry=_retry(5)),
@@ -119,7 +119,7 @@ def _approval(scale: float) -> dict[str, Any]:
         "nodes": [
             _task("submit", "approvals.submit", "approvals",
                   {"amount": "$.input.amount", "category": "$.input.category", **employee}),
-            {"id": "manager_approval", "type": "WAIT_FOR_EVENT", "depends_on": ["submit"], "event": "approved",
+            {"id": "manager_approval", "type": "WAIT_FOR_SIGNAL", "depends_on": ["submit"], "signal": "approved",
              "timeout_s": round(APPROVAL_TIMEOUT_S * scale, 3)},
             {"id": "decide", "type": "SWITCH", "depends_on": ["manager_approval"],
              "expression": "$.nodes.manager_approval.output.decision",

@@ -375,7 +375,7 @@ class LiveSimulation:
     # -- observing --------------------------------------------------------------------
 
     def _poll(self, now: float) -> None:
-        """Finished runs, and WAIT_FOR_EVENT nodes that started waiting (for late signals)."""
+        """Finished runs, and WAIT_FOR_SIGNAL nodes that started waiting (for late signals)."""
         open_runs = [s for s in self.runs.values() if not s.finished]
         if not open_runs:
             return

@@ -1,4 +1,4 @@
-"""The behaviour model shared by live traffic and the history backfill.
+"""The behaviour model shared by live traffic and the generated months.
 
 A live handler and the backfill draw the same quantities from the same functions,
 seeded per run, node and attempt: lognormal durations per task name (times

@@ -113,8 +113,8 @@ class _Player:
                     if action.wake_at is not None:   # an instant already past is due at once
                         clock.at(max(action.wake_at.timestamp(), when) + rng.uniform(0.01, 0.5), "timer",
                                  (action.node_id, action.task_id))
-                    if action.node_type is NodeType.WAIT_FOR_EVENT and action.event_name is not None:
-                        for signal in self.awaiting.pop(action.event_name, ()):
+                    if action.node_type is NodeType.WAIT_FOR_SIGNAL and action.signal_name is not None:
+                        for signal in self.awaiting.pop(action.signal_name, ()):
                             clock.at(when + signal.delay_s, "signal", (signal, False))
             elif isinstance(action, model.RequeueTask):
                 clock.at(action.available_at.timestamp() + self.queueing(), "claim",

@@ -62,7 +62,7 @@ class TaskRow:
     error: str | None = None
     branches: tuple[str, ...] | None = None
     wake_at: datetime | None = None
-    event_name: str | None = None
+    signal_name: str | None = None
     started_at: datetime | None = None
     finished_at: datetime | None = None
     completed_at: datetime | None = None
@@ -137,7 +137,7 @@ class Replay:
     def nodes(self) -> dict[str, NodeState]:
         """The rows as the shell would load them for a snapshot, by node."""
         return {node_id: NodeState(task_id=row.task_id, state=row.state, attempt=row.attempt, branches=row.branches,
-                                   event_name=row.event_name, lease_owner=row.lease_owner,
+                                   signal_name=row.signal_name, lease_owner=row.lease_owner,
                                    lease_expires_at=row.lease_expires_at, created_at=row.created_at,
                                    wake_at=row.wake_at, lease_expiries=row.lease_expiries, items=row.items)
                 for node_id, row in self.rows.items()}
@@ -315,7 +315,7 @@ class Replay:
             task_id=a.task_id, node_id=a.node_id, node_type=a.node_type,
             queue=(self.spec.nodes[a.node_id].queue or "default") if is_task else None,
             state=state, created_at=now, updated_at=now, input=a.input, output=a.output, error=a.error,
-            branches=a.branches, wake_at=a.wake_at, event_name=a.event_name,
+            branches=a.branches, wake_at=a.wake_at, signal_name=a.signal_name,
             finished_at=now if state in TERMINAL_TASK_STATES else None,
             completed_at=now if state is TaskState.COMPLETED else None,
             available_at=a.available_at if is_task and state is TaskState.PENDING else None, items=a.items)

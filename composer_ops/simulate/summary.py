@@ -20,10 +20,10 @@ from composer_ops.repo import simulator
 
 if TYPE_CHECKING:
     from composer_ops.engine import Engine
-    from composer_ops.simulate.history import HistoryResult
     from composer_ops.simulate.live import HeldTask, LiveResult
+    from composer_ops.simulate.months import MonthsResult
 
-__all__ = ["LiveFigures", "database_overview", "live_figures", "render_database", "render_history",
+__all__ = ["LiveFigures", "database_overview", "live_figures", "render_database", "render_months",
            "render_live"]
 
 LEASE_ERROR = "lease of % expired at %"
@@ -81,15 +81,15 @@ def _fmt(n: float) -> str:
     return f"{n:,.0f}"
 
 
-def render_history(console: Console, result: HistoryResult) -> None:
-    table = Table(title="History backfill", title_justify="left")
+def render_months(console: Console, result: MonthsResult) -> None:
+    table = Table(title="Generated months", title_justify="left")
     for name in ("month", "runs", "task rows", "signals", "active runs", ""):
         table.add_column(name, justify="right" if name not in ("month", "") else "left")
     for m in result.months:
         if m.skipped:
             table.add_row(m.month, "", "", "", "", "already backfilled with this seed: skipped")
         else:
-            table.add_row(m.month, _fmt(m.runs), _fmt(m.tasks), _fmt(m.events), _fmt(m.active_runs), "written")
+            table.add_row(m.month, _fmt(m.runs), _fmt(m.tasks), _fmt(m.signals), _fmt(m.active_runs), "written")
     console.print(table)
     if result.tasks:
         console.print(f"backfill: {_fmt(result.rows)} rows ({_fmt(result.tasks)} task rows) in "

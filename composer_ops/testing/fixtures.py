@@ -34,7 +34,7 @@ ORDER_V1: dict[str, Any] = {
         {"id": "express", "type": "TASK", "task": "ship.express", "depends_on": ["route"]},
         {"id": "standard", "type": "TASK", "task": "ship.standard", "depends_on": ["route"]},
         {"id": "cool_off", "type": "WAIT", "depends_on": ["express", "standard"], "duration_s": 5},
-        {"id": "delivered", "type": "WAIT_FOR_EVENT", "depends_on": ["cool_off"], "event": "delivered"},
+        {"id": "delivered", "type": "WAIT_FOR_SIGNAL", "depends_on": ["cool_off"], "signal": "delivered"},
         {"id": "notify", "type": "TASK", "task": "notify", "depends_on": ["delivered"],
          "retry": {"max_attempts": 3}},
     ],
@@ -118,19 +118,19 @@ class _Seeder:
 
     def task(self, run: str, node: str, node_type: str, queue: str | None, state: str, created: datetime, *,
              attempt: int = 0, started: datetime | None = None, finished: datetime | None = None,
-             updated: datetime | None = None, wake_at: datetime | None = None, event: str | None = None,
+             updated: datetime | None = None, wake_at: datetime | None = None, signal: str | None = None,
              owner: str | None = None, lease: datetime | None = None, error: str | None = None,
              branches: list[str] | None = None, output: Any = None) -> str:
         task_id = self.next_id(created)
         self.conn.execute(
             """INSERT INTO task_instances (id, run_id, node_id, node_type, queue, state, attempt, output_json,
-                                           last_error, branches, wake_at, event_name, scheduled_at, started_at,
+                                           last_error, branches, wake_at, signal_name, scheduled_at, started_at,
                                            finished_at, completed_at, created_at, updated_at, lease_owner,
                                            lease_expires_at)
                VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s)""",
             (task_id, self.runs[run], node, node_type, queue, state, attempt,
              Jsonb(output) if output is not None else None, Jsonb({"error": error}) if error else None,
-             branches, wake_at, event, created, started, finished,
+             branches, wake_at, signal, created, started, finished,
              finished if state == "COMPLETED" else None, created, updated or finished or started or created,
              owner, lease))
         self.tasks[f"{run}.{node}"] = task_id
@@ -233,7 +233,7 @@ def _history(s: _Seeder) -> None:
            started=t0 + timedelta(seconds=4), finished=t0 + timedelta(seconds=9))
     s.task("H6", "cool_off", "WAIT", None, "COMPLETED", t0 + timedelta(seconds=9), finished=t0 + timedelta(seconds=14),
            wake_at=t0 + timedelta(seconds=14))
-    s.task("H6", "delivered", "WAIT_FOR_EVENT", None, "WAITING", t0 + timedelta(seconds=14), event="delivered")
+    s.task("H6", "delivered", "WAIT_FOR_SIGNAL", None, "WAITING", t0 + timedelta(seconds=14), signal="delivered")
     s.signal("H6", "address-changed", t0 + timedelta(seconds=20), None, {"city": "Lyon"})
     # March: one failed and one cancelled report, and the story run (H9).
     t0 = _at("202503", 2)
@@ -270,7 +270,7 @@ def _story(s: _Seeder, t0: datetime) -> None:
     s.task("H9", "standard", "TASK", "default", "SKIPPED", at(35), finished=at(35))
     s.task("H9", "cool_off", "WAIT", None, "COMPLETED", at(50), finished=at(55), wake_at=at(55))
     s.signal("H9", "delivered", at(52), at(55), {"proof": "signed-by-recipient"})
-    s.task("H9", "delivered", "WAIT_FOR_EVENT", None, "COMPLETED", at(55), finished=at(55), event="delivered",
+    s.task("H9", "delivered", "WAIT_FOR_SIGNAL", None, "COMPLETED", at(55), finished=at(55), signal="delivered",
            output={"proof": "signed-by-recipient"})
     s.signal("H9", "delivered", at(80), None, {"proof": "duplicate scan"})
     s.task("H9", "notify", "TASK", "default", "FAILED", at(55), attempt=2, started=at(110), finished=at(120),
@@ -319,7 +319,7 @@ def _live(s: _Seeder) -> None:
     done("L5", "standard", "TASK", 13 * 3600 - 10, state="SKIPPED")
     done("L5", "express", "TASK", 13 * 3600 - 10)
     done("L5", "cool_off", "WAIT", 13 * 3600 - 100)
-    s.task("L5", "delivered", "WAIT_FOR_EVENT", None, "WAITING", s.ago(12 * 3600), event="delivered",
+    s.task("L5", "delivered", "WAIT_FOR_SIGNAL", None, "WAITING", s.ago(12 * 3600), signal="delivered",
            wake_at=s.ago(12 * 3600 - 86400))
     live_run("L6", "nightly-report", 1, 1800, 6)
     s.task("L6", "extract_a", "TASK", "reports", "PENDING", s.ago(1800), attempt=1, updated=s.ago(120),
@@ -391,7 +391,7 @@ def expected_figures(info: SeedInfo) -> dict[str, dict[str, Any]]:
             "run_id": info.story_run, "status": "FAILED", "tasks": 8, "nodes": 8, "edges": 7, "retries": 3,
             "failed_nodes": ["notify"], "skipped_nodes": ["standard"],
             "signals": {"consumed": 1, "buffered": 1}, "webhook_delivered": True,
-            # The seed writes no run history: no attempt is recorded (tests/integration/test_run_history.py
+            # The seed writes no run history: no attempt is recorded (tests/integration/test_history.py
             # checks these figures on a run that lived through a killed worker).
             "attempts": 0, "lost_leases": [], "history": {},
             "error": "node notify failed: smtp 550 mailbox unavailable",

@@ -33,7 +33,7 @@ def _task(node_id: str, *, task: str = "work", deps: tuple[str, ...] = (), input
 
 def _wait_event(node_id: str, event: str, *, deps: tuple[str, ...] = (), timeout_s: float = 600,
                 on_timeout: str = "fail") -> dict[str, Any]:
-    return {"id": node_id, "type": "WAIT_FOR_EVENT", "event": event, "depends_on": list(deps),
+    return {"id": node_id, "type": "WAIT_FOR_SIGNAL", "signal": event, "depends_on": list(deps),
             "timeout_s": timeout_s, "on_timeout": on_timeout}
 
 

@@ -73,7 +73,7 @@ def test_the_engine_runs_only_single_shard_statements_for_a_run(db_url: str) -> 
     strict = db_url + "&options=-c%20citus.multi_task_query_log_level%3Derror"
     spec = {"id": "two", "nodes": [
         {"id": "a", "type": "TASK", "task": "t", "retry": {"max_attempts": 2, "initial_backoff_s": 0}},
-        {"id": "b", "type": "WAIT_FOR_EVENT", "event": "go", "depends_on": ["a"]},
+        {"id": "b", "type": "WAIT_FOR_SIGNAL", "signal": "go", "depends_on": ["a"]},
         {"id": "c", "type": "TASK", "task": "t", "depends_on": ["b"]}]}
     with Engine.connect(strict, pool_size=2) as engine:
         engine.deploy(spec)

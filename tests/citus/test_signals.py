@@ -2,7 +2,7 @@
 as on a single server): which waiter gets a signal, a signal before and after a
 timeout, a task cancelled in the decision that created it."""
 
-from tests.integration.test_signal_rules import (  # noqa: F401
+from tests.integration.test_signals import (  # noqa: F401
     test_a_signal_after_a_continue_timeout_goes_to_the_next_waiter,
     test_a_signal_after_the_timeout_fails_the_node_as_the_timer_would,
     test_a_signal_before_the_timeout_resolves_the_node,

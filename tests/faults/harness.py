@@ -228,7 +228,7 @@ INVARIANTS: dict[str, str] = {
          WHERE state = 'RUNNING' AND (lease_owner IS NULL OR lease_expires_at IS NULL)""",
     "a buffered signal left unconsumed while a node waits for it": """
         SELECT e.run_id, e.name, t.node_id FROM workflow_events e
-          JOIN task_instances t ON t.run_id = e.run_id AND t.state = 'WAITING' AND t.event_name = e.name
+          JOIN task_instances t ON t.run_id = e.run_id AND t.state = 'WAITING' AND t.signal_name = e.name
          WHERE e.consumed_at IS NULL""",
     "a webhook delivery for a run that has not finished": """
         SELECT d.run_id, r.status FROM webhook_deliveries d

@@ -94,7 +94,7 @@ def test_a_bulk_cancel_chunk_retried_while_it_commits_reports_its_runs(db_url: s
         _held(proxy)
         statuses = {direct.get_run(r).status for r in started}
     assert (sorted(result.cancelled), result.skipped) == (started, [])
-    assert [c.replayed for c in result.chunks] == [True]
+    assert [c.duplicate for c in result.chunks] == [True]
     assert len(_audit(db_url, "runs cancel")) == 1 and statuses == {"CANCELLED"}
 
 
@@ -111,7 +111,7 @@ def test_a_run_retry_retried_while_it_commits_returns_what_it_did(db_url: str, p
             proxy.release()
         _held(proxy)
         run = direct.get_run(run_id)
-    assert (result.applied, result.replayed, result.reset) == (True, True, ("a",))
+    assert (result.applied, result.duplicate, result.reset) == (True, True, ("a",))
     assert run.status == "RUNNING" and [(t.node_id, t.state) for t in run.tasks] == [("a", "PENDING")]
     assert _audit(db_url, "runs retry") == [(run_id, _audit(db_url, "runs retry")[0][1])]
 
@@ -124,7 +124,7 @@ def test_a_partitions_drop_retried_while_it_commits_reports_the_months(db_url: s
     finally:
         proxy.release()
     _held(proxy)
-    assert (result.dropped, result.replayed, result.attempts) == (DUE, True, 2)
+    assert (result.dropped, result.duplicate, result.attempts) == (DUE, True, 2)
     assert not set(DUE) & _months(db_url)
 
 
@@ -137,7 +137,7 @@ def test_a_drop_with_archive_retried_while_it_commits_reports_the_month_dropped(
     finally:
         proxy.release()
     _held(proxy)
-    assert [(m.month, m.outcome, m.replayed) for m in result.months] == [
+    assert [(m.month, m.outcome, m.duplicate) for m in result.months] == [
         ("202412", "dropped", True), ("202501", "dropped", False), ("202503", "dropped", False)]
     assert [t for t, _ in _audit(db_url, "partitions drop")] == DUE
     assert not set(DUE) & _months(db_url)
@@ -156,7 +156,7 @@ def test_a_restore_retried_while_it_commits_replays_its_audit_row(db_url: str, p
     finally:
         proxy.release()
     _held(proxy)
-    assert (result.applied, result.replayed) == (True, True)
+    assert (result.applied, result.duplicate) == (True, True)
     assert [(t.table, t.rows) for t in result.tables][:2] == [("workflow_runs", 3), ("task_instances", 9)]
     assert [t for t, _ in _audit(db_url, "partitions restore")] == ["202501"]
     assert "202501" in _months(db_url)

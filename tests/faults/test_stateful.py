@@ -89,12 +89,12 @@ SPECS = {
         {"id": "c", "type": "TASK", "task": "t", "queue": QUEUE, "depends_on": ["s"], "retry": RETRY},
         {"id": "j", "type": "TASK", "task": "t", "queue": QUEUE, "depends_on": ["b", "c"]}]},
     "st-signals": {"id": "st-signals", "nodes": [
-        {"id": "w1", "type": "WAIT_FOR_EVENT", "event": "go", "timeout_s": 3600, "on_timeout": "continue"},
-        {"id": "w2", "type": "WAIT_FOR_EVENT", "event": "go", "timeout_s": 3600},
+        {"id": "w1", "type": "WAIT_FOR_SIGNAL", "signal": "go", "timeout_s": 3600, "on_timeout": "continue"},
+        {"id": "w2", "type": "WAIT_FOR_SIGNAL", "signal": "go", "timeout_s": 3600},
         {"id": "j", "type": "TASK", "task": "t", "queue": QUEUE, "depends_on": ["w1", "w2"]}]},
     "st-late": {"id": "st-late", "nodes": [
         {"id": "a", "type": "TASK", "task": "t", "queue": QUEUE},
-        {"id": "w", "type": "WAIT_FOR_EVENT", "event": "go", "depends_on": ["a"]},
+        {"id": "w", "type": "WAIT_FOR_SIGNAL", "signal": "go", "depends_on": ["a"]},
         {"id": "z", "type": "WAIT", "duration_s": 3600, "depends_on": ["w"]}]},
 }
 PARSED: dict[str, WorkflowSpec] = {k: parse_spec(v) for k, v in SPECS.items()}
@@ -113,7 +113,7 @@ faults = st.one_of(st.just(None), st.tuples(st.sampled_from(STEP_FAULTS), st.int
 #: sees it, so the first attempt runs only after its retry has committed, and may then
 #: lease a task no worker is told of (the residual case in docs/reliability.md, "Known limits";
 #: its lease expiry re-queues it). A claim still executing while its retry looks is
-#: waited for (tests/integration/test_claim_retry_waits.py).
+#: waited for (tests/integration/test_outbox_claim_retry.py).
 claim_faults = st.one_of(st.just(None), st.tuples(st.sampled_from(STEP_FAULTS[:2]), st.integers(1, 8))) \
     if FAULTS else st.just(None)
 

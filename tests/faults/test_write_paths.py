@@ -24,6 +24,7 @@ from typing import Any
 
 import pytest
 
+from composer_ops.core.manifest import read_manifest
 from composer_ops.core.schedules import slot_run_id
 from composer_ops.engine import archive, retire
 from composer_ops.engine.retention import drop_due_months
@@ -51,10 +52,10 @@ RETRIED = {"id": "f-retried", "nodes": [
      "retry": {"max_attempts": 3, "initial_backoff_s": 0, "multiplier": 1, "max_backoff_s": 0}}]}
 TIMERS_AND_LEASES = ("timers", "leases")
 TWO_WAITERS = {"id": "f-two-waiters", "nodes": [
-    {"id": "w1", "type": "WAIT_FOR_EVENT", "event": "go"},
-    {"id": "w2", "type": "WAIT_FOR_EVENT", "event": "go"},
+    {"id": "w1", "type": "WAIT_FOR_SIGNAL", "signal": "go"},
+    {"id": "w2", "type": "WAIT_FOR_SIGNAL", "signal": "go"},
     {"id": "after", "type": "TASK", "task": "t", "queue": "fq", "depends_on": ["w1", "w2"]}]}
-ONE_WAITER = {"id": "f-one-waiter", "nodes": [{"id": "w", "type": "WAIT_FOR_EVENT", "event": "go"}]}
+ONE_WAITER = {"id": "f-one-waiter", "nodes": [{"id": "w", "type": "WAIT_FOR_SIGNAL", "signal": "go"}]}
 TIMER = {"id": "f-timer", "nodes": [
     {"id": "z", "type": "WAIT", "duration_s": 3600},
     {"id": "b", "type": "TASK", "task": "t", "queue": "fq", "depends_on": ["z"]}]}
@@ -345,7 +346,7 @@ def _retired_once(outcome: str, action: str) -> Callable[[Rig, Month, Result], l
 
 def _restored_once(b: Rig, m: Month, result: Result) -> list[str]:
     problems = _raised(result)
-    want = archive.read_manifest(Path(m.directory) / "202001").table("workflow_runs").rows  # type: ignore[union-attr]
+    want = read_manifest(Path(m.directory) / "202001").table("workflow_runs").rows  # type: ignore[union-attr]
     if result.error is None and not result.value.applied:
         problems.append(f"the restore returned {result.value}")
     if _month_rows(b) != want:

@@ -87,15 +87,16 @@ BASE_SPEC: dict[str, Any] = {
          "cases": {"x": ["b"]}, "default": ["w"]},
         {"id": "b", "type": "TASK", "task": "t", "depends_on": ["s"]},
         {"id": "w", "type": "WAIT", "depends_on": ["s"], "duration_s": 1},
-        {"id": "e", "type": "WAIT_FOR_EVENT", "depends_on": ["b", "w"], "event": "go", "timeout_s": 5,
+        {"id": "e", "type": "WAIT_FOR_SIGNAL", "depends_on": ["b", "w"], "signal": "go", "timeout_s": 5,
          "on_timeout": "continue"},
     ],
 }
 SPEC_KEYS = ["id", "name", "webhook_url", "config", "nodes", "description", "type", "task", "queue", "input", "retry",
-             "lease_s", "depends_on", "optional", "expression", "cases", "default", "duration_s", "until", "event",
-             "timeout_s", "on_timeout", "max_attempts", "initial_backoff_s", "multiplier", "max_backoff_s"]
+             "lease_s", "depends_on", "optional", "expression", "cases", "default", "duration_s", "until", "signal",
+             "timeout_s", "on_timeout", "max_attempts", "initial_backoff_s", "multiplier", "max_backoff_s",
+             "event", "WAIT_FOR_EVENT"]   # the aliases of "signal" and WAIT_FOR_SIGNAL
 _SPECIAL = st.sampled_from(
-    ["$.", "$.nodes", "$.nodes.zz.output", "$.input..x", "$.nope", "TASK", "SWITCH", "WAIT", "WAIT_FOR_EVENT",
+    ["$.", "$.nodes", "$.nodes.zz.output", "$.input..x", "$.nope", "TASK", "SWITCH", "WAIT", "WAIT_FOR_SIGNAL",
      "a", "s", "ftp://x/", "http://", "http://h:99999/", -1, 0, 1e308, 10**30, [], {}, ["a", "a"], ["zz"]])
 mutant_values = st.one_of(json_values, nasty_scalars, _SPECIAL)
 #: Without integers too long to print: core/spec.py's messages cannot show them yet
@@ -129,13 +130,14 @@ def mutated_specs(draw: st.DrawFn, *, huge_ints: bool = True) -> Any:
             if action == "delete" and target:
                 target.pop(draw(st.sampled_from(sorted(target, key=str))), None)
             else:
-                target[key] = draw(values)
+                # a copy: a later edit must not change the strategy's own constants (_SPECIAL's lists)
+                target[key] = copy.deepcopy(draw(values))
         elif isinstance(target, list) and target:
             index = draw(st.integers(0, len(target) - 1))
             if action == "delete":
                 target.pop(index)
             else:
-                target[index] = draw(values)
+                target[index] = copy.deepcopy(draw(values))
     if draw(st.booleans()) and draw(st.integers(0, 9)) == 0:
         spec = draw(values)                                   # not even an object
     return spec

@@ -27,7 +27,7 @@ from tests.fuzz.strategies import bad_json, json_values, mutated_specs, nest, ru
 
 ROOT = Path(__file__).resolve().parents[2]
 TABLES = ("workflow_definitions", "workflow_runs", "task_instances", "workflow_events", "task_outbox")
-SPEC = {"id": "fz", "nodes": [{"id": "ask", "type": "WAIT_FOR_EVENT", "event": "go"}]}
+SPEC = {"id": "fz", "nodes": [{"id": "ask", "type": "WAIT_FOR_SIGNAL", "signal": "go"}]}
 #: Commands that neither block (coordinator, worker, db) nor run for long (report, simulate, migrate).
 COMMANDS = ["start", "signal", "cancel", "runs", "partitions", "deploy"]
 

@@ -20,8 +20,8 @@ from tests.fuzz.strategies import BASE_SPEC, bad_json, json_values, mutated_spec
 
 TABLES = ("workflow_definitions", "workflow_runs", "task_instances", "workflow_events", "task_outbox",
           "webhook_deliveries")
-WAITING = {"id": "fz", "nodes": [{"id": "ask", "type": "WAIT_FOR_EVENT", "event": "go"},
-                                 {"id": "ask2", "type": "WAIT_FOR_EVENT", "event": "go", "depends_on": ["ask"]}]}
+WAITING = {"id": "fz", "nodes": [{"id": "ask", "type": "WAIT_FOR_SIGNAL", "signal": "go"},
+                                 {"id": "ask2", "type": "WAIT_FOR_SIGNAL", "signal": "go", "depends_on": ["ask"]}]}
 
 
 class Fixture:

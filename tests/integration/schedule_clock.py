@@ -39,8 +39,8 @@ class FrozenClock:
 
     def months(self, first: date, count: int) -> None:
         """Partitions for ``count`` months from ``first``'s (the frozen days are not this month)."""
-        from composer_ops.db.errors import Connection
+        from composer_ops.db.errors import TranslatingConnection
 
-        with Connection.connect(self.db_url) as conn:
+        with TranslatingConnection.connect(self.db_url) as conn:
             partitions.ensure_from(conn, first, count)
             conn.commit()

@@ -16,6 +16,7 @@ import pytest
 
 from composer_ops import Engine
 from composer_ops.cli import main
+from composer_ops.core.selection import selection
 from composer_ops.engine import admin
 from composer_ops.testing.processes import wait_for
 
@@ -35,7 +36,7 @@ def test_ctrl_c_in_a_bulk_cancel_says_how_many_of_how_many_and_a_rerun_finishes(
         for i in range(1000):
             engine.start("bulk", input={"k": "bulk", "i": i})
         totals: list[int] = []
-        admin.cancel_runs(engine.shell, admin.selection(where="input.k=bulk"), reason="r", yes=False,
+        admin.cancel_runs(engine.shell, selection(where="input.k=bulk"), reason="r", yes=False,
                           on_total=totals.append)
         assert totals == []                    # a dry run counts nothing more than it lists
     env = {**os.environ, "COMPOSER_DATABASE_URL": db_url, "PYTHONPATH": str(ROOT)}
@@ -69,7 +70,7 @@ def test_a_bulk_cancel_is_told_its_total_before_the_first_chunk(db_url: str) -> 
         for i in range(7):
             engine.start("bulk", input={"k": "bulk" if i < 5 else "other"})
         seen: list[tuple[str, int]] = []
-        admin.cancel_runs(engine.shell, admin.selection(where="input.k=bulk"), reason="r", yes=True, chunk=2,
+        admin.cancel_runs(engine.shell, selection(where="input.k=bulk"), reason="r", yes=True, chunk=2,
                           on_total=lambda n: seen.append(("total", n)),
                           on_chunk=lambda c: seen.append(("chunk", len(c.cancelled))))
     assert seen == [("total", 5), ("chunk", 2), ("chunk", 2), ("chunk", 1)]

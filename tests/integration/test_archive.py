@@ -5,6 +5,7 @@ nothing; every action writes its audit row."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
 from datetime import UTC, date, datetime, timedelta
@@ -18,8 +19,8 @@ from hypothesis import strategies as st
 from psycopg.types.json import Jsonb
 
 from composer_ops.cli import main
+from composer_ops.core.manifest import BadArchive
 from composer_ops.engine import archive
-from composer_ops.engine.archive import BadArchive
 from composer_ops.errors import ComposerError
 from composer_ops.repo import partitions
 from composer_ops.testing import fixtures
@@ -68,7 +69,7 @@ def _populate(conn: psycopg.Connection[Any], layout: dict[str, Any]) -> None:
                 seq += 1
                 conn.execute("""
                     INSERT INTO task_instances (id, run_id, node_id, node_type, queue, state, attempt, input_json,
-                                                output_json, last_error, branches, wake_at, event_name,
+                                                output_json, last_error, branches, wake_at, signal_name,
                                                 created_at, updated_at, lease_owner, lease_expires_at)
                     VALUES (%s, %s, %s, 'TASK', 'q', %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s)""",
                     (fixtures.uuid7_text(at, seq), run_id, f"n{i}", state, attempt, Jsonb({"i": i}), Jsonb(output),
@@ -302,3 +303,36 @@ def test_archive_as_the_read_only_role_is_refused_before_anything_is_written(
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "composer_ops_reader may not write the operator audit" in err[0], err
     assert not target.exists() and _audit(db_url) == []
+
+
+def test_an_archive_written_before_v006_restores_its_signal_names(db_url: str, tmp_path: Path) -> None:
+    """An archive of 0.1.0 holds task_instances' column by its old name; it restores
+    into signal_name (core.manifest.RENAMED_COLUMNS)."""
+    import pyarrow.parquet as pq
+
+    from composer_ops.core.manifest import MANIFEST, read_manifest
+
+    old_column = "event_name"   # the old spelling, as 0.1.0 archived it
+    _seeded(db_url)
+    with psycopg.connect(db_url) as conn:
+        before = conn.execute("SELECT id, signal_name FROM task_instances_p202503 ORDER BY id").fetchall()
+        conn.rollback()
+        archive.export_month(conn, "202503", tmp_path)
+    assert any(name for _, name in before)
+    folder = tmp_path / "202503"
+    manifest = json.loads((folder / MANIFEST).read_text())
+    entry = next(t for t in manifest["tables"] if t["table"] == "task_instances")
+    file = folder / entry["file"]
+    table = pq.read_table(file)
+    pq.write_table(table.rename_columns([old_column if n == "signal_name" else n for n in table.column_names]), file)
+    entry["columns"] = [{**c, "name": old_column if c["name"] == "signal_name" else c["name"]}
+                        for c in entry["columns"]]
+    entry["sha256"] = hashlib.sha256(file.read_bytes()).hexdigest()
+    (folder / MANIFEST).write_text(json.dumps(manifest))
+    assert old_column in [c["name"] for c in read_manifest(folder).table("task_instances").columns]  # type: ignore[union-attr]
+    with psycopg.connect(db_url, autocommit=True) as conn:
+        assert "202503" in drop_months(conn, datetime(2025, 4, 1, tzinfo=UTC))
+    restored = archive.restore_month(db_url, "202503", tmp_path, yes=True)
+    assert all(t.fingerprint_matches for t in restored.tables)
+    with psycopg.connect(db_url) as conn:
+        assert conn.execute("SELECT id, signal_name FROM task_instances_p202503 ORDER BY id").fetchall() == before

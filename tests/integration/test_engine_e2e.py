@@ -64,7 +64,7 @@ def test_order_fulfilment_both_switch_branches_and_signal_before_and_after_wait(
 def test_wait_for_event_timeout_both_ways(db_url: str, engine: Engine, on_timeout: str, status: str,
                                           node_state: str) -> None:
     engine.deploy({"id": "approval", "nodes": [
-        {"id": "ask", "type": "WAIT_FOR_EVENT", "event": "approved", "timeout_s": 0.5, "on_timeout": on_timeout},
+        {"id": "ask", "type": "WAIT_FOR_SIGNAL", "signal": "approved", "timeout_s": 0.5, "on_timeout": on_timeout},
         {"id": "after", "type": "TASK", "task": "work", "depends_on": ["ask"]}]})
     run_id = engine.start("approval")
     with fleet(db_url):

@@ -34,13 +34,13 @@ def test_active_tasks_by_state_queue_and_node_type(session: tuple[psycopg.Connec
         ("RUNNING", "payments", "TASK", 3),
         ("RUNNING", "reports", "TASK", 1),
         ("WAITING", "(coordinator)", "WAIT", 1),
-        ("WAITING", "(coordinator)", "WAIT_FOR_EVENT", 2),
+        ("WAITING", "(coordinator)", "WAIT_FOR_SIGNAL", 2),
     ]
     oldest = {(s, q, t): (r, n, a) for s, q, t, r, n, a in groups.select(
         "state", "queue", "node_type", "oldest_run_id", "oldest_node_id", "oldest_age_s").iter_rows()}
     assert oldest[("RUNNING", "payments", "TASK")] == (info.runs["L2"], "charge", 1800.0)
     assert oldest[("PENDING", "reports", "TASK")][:2] == (info.runs["L6"], "extract_a")
-    assert oldest[("WAITING", "(coordinator)", "WAIT_FOR_EVENT")][:2] == (info.runs["H6"], "delivered")
+    assert oldest[("WAITING", "(coordinator)", "WAIT_FOR_SIGNAL")][:2] == (info.runs["H6"], "delivered")
     assert oldest[("RUNNING", "reports", "TASK")][2] == 2 * 86400.0
 
 
@@ -118,7 +118,7 @@ def test_long_waits_are_wait_for_event_nodes_without_a_timeout(session: tuple[ps
     conn, info = session
     # H6 waits for 'delivered' since February 2025 with no timeout; L5's wait has one (wake_at), so it is not listed.
     waits, total = ops.long_waits(conn, older_than_s=86400)
-    assert total == 1 and waits.select("run_id", "node_id", "event_name").rows() == [
+    assert total == 1 and waits.select("run_id", "node_id", "signal_name").rows() == [
         (info.runs["H6"], "delivered", "delivered")]
     assert waits["waiting_s"][0] > 365 * 86400
     assert ops.long_waits(conn, older_than_s=10 * 365 * 86400)[1] == 0

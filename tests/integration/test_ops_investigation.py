@@ -50,7 +50,7 @@ def test_definition_graph_nodes_edges_and_switch_labels(conn: psycopg.Connection
     assert story.nodes.select("node_id", "type", "depth", "state").rows() == [
         ("charge", "TASK", 0, "COMPLETED"), ("route", "SWITCH", 1, "COMPLETED"),
         ("express", "TASK", 2, "COMPLETED"), ("standard", "TASK", 2, "SKIPPED"),
-        ("cool_off", "WAIT", 3, "COMPLETED"), ("delivered", "WAIT_FOR_EVENT", 4, "COMPLETED"),
+        ("cool_off", "WAIT", 3, "COMPLETED"), ("delivered", "WAIT_FOR_SIGNAL", 4, "COMPLETED"),
         ("notify", "TASK", 5, "FAILED"), ("legacy_audit", "TASK", 0, "COMPLETED")]
     assert story.nodes.filter(~pl.col("in_definition"))["node_id"].to_list() == story.unknown_nodes == ["legacy_audit"]
     assert story.spec_found

@@ -88,7 +88,7 @@ def test_a_change_retried_with_its_request_is_applied_once(db_url: str, engine: 
     first = engine.queues.set_limit("q", 3, request_id="req-1")
     engine.queues.set_limit("q", 7)                             # someone else changes it meanwhile
     again = engine.queues.set_limit("q", 3, request_id="req-1")
-    assert again.replayed and again.after == first.after
+    assert again.duplicate and again.after == first.after
     assert _sql(db_url, "SELECT max_running FROM queue_settings") == [(7,)]
     assert _sql(db_url, "SELECT count(*) FROM operator_audit WHERE request = 'req-1'") == [(1,)]
 

@@ -15,10 +15,10 @@ import pytest
 
 from composer_ops import ops
 from composer_ops.cli import main
+from composer_ops.core.cutoff import Cutoff, parse_cutoff
 from composer_ops.core.runids import month_bounds
 from composer_ops.engine.retention import drop_due_months
 from composer_ops.errors import ComposerError, Invalid
-from composer_ops.ops.retention import Cutoff, parse_cutoff
 from composer_ops.repo import partitions
 from composer_ops.testing import fixtures
 from tests.integration.helpers import connect_in_tz
@@ -193,9 +193,9 @@ def _minus_months_utc(now: datetime, months: int) -> datetime:
 def test_relative_cutoffs_use_the_database_clock_in_utc(db_url: str, tz: str) -> None:
     with connect_in_tz(db_url, tz) as conn:
         now = conn.execute("SELECT now()").fetchone()[0].astimezone(UTC)
-        assert Cutoff(text="6 months", amount=6, unit="months").resolve(conn) == _minus_months_utc(now, 6)
-        assert parse_cutoff("90d").resolve(conn) == now - timedelta(days=90)
-        assert parse_cutoff("36h").resolve(conn) == now - timedelta(hours=36)
+        assert ops.resolve_cutoff(conn, Cutoff(text="6 months", amount=6, unit="months")) == _minus_months_utc(now, 6)
+        assert ops.resolve_cutoff(conn, parse_cutoff("90d")) == now - timedelta(days=90)
+        assert ops.resolve_cutoff(conn, "36h") == now - timedelta(hours=36)
 
 
 def test_plan_equals_drop_under_asia_tokyo(db_url: str) -> None:

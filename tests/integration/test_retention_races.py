@@ -86,8 +86,9 @@ def test_a_month_that_ended_less_than_the_run_id_age_limit_ago_is_too_new(db_url
         row = conn.execute("SELECT now()").fetchone()
         assert row is not None
         now = row[0]
-        far = retention.plan(conn, datetime(2100, 1, 1, tzinfo=UTC), min_age=timedelta(hours=1))
-        near = retention.plan(conn, datetime(2100, 1, 1, tzinfo=UTC), min_age=now - datetime(2025, 3, 15, tzinfo=UTC))
+        far = retention.plan(conn, datetime(2100, 1, 1, tzinfo=UTC), min_age=timedelta(hours=1)).months
+        near = retention.plan(conn, datetime(2100, 1, 1, tzinfo=UTC),
+                              min_age=now - datetime(2025, 3, 15, tzinfo=UTC)).months
     assert {m.month: m.action for m in far}["202503"] == "drop"
     assert [(m.action, m.reason) for m in near if m.month == "202503"] == [("keep", "too new")]
 
@@ -97,9 +98,9 @@ def test_a_retried_request_reports_what_its_first_attempt_dropped(db_url: str) -
     first = drop_due_months(db_url, "2025-04-01", request_id="req-1")
     again = drop_due_months(db_url, "2025-04-01", request_id="req-1")     # as a retry after a lost COMMIT ack
     other = drop_due_months(db_url, "2025-04-01")
-    assert first.dropped == again.dropped == ["202503"] and again.replayed and not first.replayed
+    assert first.dropped == again.dropped == ["202503"] and again.duplicate and not first.duplicate
     assert [m.action for m in again.plan if m.month == "202503"] == ["drop"]
-    assert other.dropped == [] and not other.replayed
+    assert other.dropped == [] and not other.duplicate
     with psycopg.connect(db_url) as conn:
         assert conn.execute("SELECT month, request_id FROM retention_drops").fetchall() == [("202503", "req-1")]
 

@@ -15,6 +15,7 @@ import pytest
 
 from composer_ops import Engine
 from composer_ops.cli import main
+from composer_ops.core.manifest import BadArchive
 from composer_ops.engine import archive, retire
 from composer_ops.repo import partitions
 from composer_ops.testing import fixtures
@@ -107,7 +108,7 @@ def test_rows_changed_after_archiving_stop_the_drop(db_url: str, tmp_path: Path,
             other.execute("UPDATE workflow_runs SET deleted_at = now() WHERE id = %s", (info.runs["H1"],))
 
     monkeypatch.setattr(retire, "export_month", _export_then(soft_delete))
-    with pytest.raises(archive.BadArchive, match="workflow_runs_p202501 changed after it was archived"):
+    with pytest.raises(BadArchive, match="workflow_runs_p202501 changed after it was archived"):
         retire.retire_months(db_url, "2025-05-01", archive_dir=tmp_path, yes=True)
     assert {"202501", "202503"} <= _months(db_url)
 

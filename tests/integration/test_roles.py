@@ -111,7 +111,7 @@ def test_a_whole_workflow_runs_as_the_engine_role(engine_as_role: Engine, db_url
     engine = engine_as_role
     engine.deploy({"id": "roles", "webhook_url": "http://127.0.0.1:9/unused", "nodes": [
         {"id": "a", "type": "TASK", "task": "t"},
-        {"id": "ask", "type": "WAIT_FOR_EVENT", "event": "go", "depends_on": ["a"]},
+        {"id": "ask", "type": "WAIT_FOR_SIGNAL", "signal": "go", "depends_on": ["a"]},
         {"id": "b", "type": "TASK", "task": "t", "depends_on": ["ask"]}]})
     run_id = engine.start("roles", input={"x": 1})
     engine.signal(run_id, "go", {"early": True})                  # buffered: workflow_events

@@ -12,8 +12,8 @@ import pytest
 
 from composer_ops import Engine
 from composer_ops.cli import main
+from composer_ops.core.actor import Actor
 from composer_ops.core.runids import month_of
-from composer_ops.repo.audit import Actor
 from composer_ops.testing import fixtures
 
 #: An instant as the CLI's JSON writes it.

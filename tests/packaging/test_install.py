@@ -5,7 +5,7 @@ is installed into a fresh venv under a temporary directory, and every command ru
 there, with that directory as its working directory and no PYTHONPATH, so nothing
 can be imported from the checkout. Against an empty database of the suite's server:
 ``composer-ops migrate`` applies every migration of sql/, a workflow (TASK, SWITCH,
-WAIT, WAIT_FOR_EVENT) is deployed with ``composer-ops deploy``, started, signalled and
+WAIT, WAIT_FOR_SIGNAL) is deployed with ``composer-ops deploy``, started, signalled and
 run to SUCCEEDED by a real ``composer-ops worker`` (the shipped test app) and a
 ``composer-ops coordinator``, and ``composer-ops report --all`` renders every shipped
 notebook.
@@ -53,7 +53,7 @@ SPEC = {
          "retry": {"max_attempts": 3, "initial_backoff_s": 0.1}},
         {"id": "standard", "type": "TASK", "task": "work", "depends_on": ["route"]},
         {"id": "pause", "type": "WAIT", "depends_on": ["express", "standard"], "duration_s": 0.2},
-        {"id": "delivered", "type": "WAIT_FOR_EVENT", "depends_on": ["pause"], "event": "delivered",
+        {"id": "delivered", "type": "WAIT_FOR_SIGNAL", "depends_on": ["pause"], "signal": "delivered",
          "timeout_s": 600},
         {"id": "notify", "type": "TASK", "task": "notify", "depends_on": ["delivered"],
          "input": {"proof": "$.nodes.delivered.output"}},

@@ -126,7 +126,7 @@ class Sim(Replay):
                 NodeType.TASK: {TaskState.PENDING},
                 NodeType.SWITCH: {TaskState.COMPLETED},
                 NodeType.WAIT: {TaskState.WAITING, TaskState.FAILED},
-                NodeType.WAIT_FOR_EVENT: {TaskState.WAITING, TaskState.COMPLETED},
+                NodeType.WAIT_FOR_SIGNAL: {TaskState.WAITING, TaskState.COMPLETED},
                 NodeType.MAP: {TaskState.WAITING, TaskState.COMPLETED, TaskState.FAILED},
                 NodeType.SUB_WORKFLOW: {TaskState.WAITING},
             }[node.type]

@@ -6,7 +6,7 @@ cursors and the pool; these tests fail when the package reaches for anything pri
 psycopg or psycopg_pool (a ``_`` name imported, read from a module, overridden or read
 on one of their objects), when an override no longer names a public method of the class
 it overrides, or when the installed psycopg is outside the range pyproject.toml declares.
-The integration tests (tests/integration/test_error_boundary.py) check what the
+The integration tests (tests/integration/test_errors.py) check what the
 boundary does on a server, against whichever psycopg is installed.
 """
 
@@ -136,7 +136,8 @@ def _driver_base(cls: type) -> type:
     return next(b for b in cls.__mro__[1:] if b.__module__.split(".")[0] in DRIVERS)
 
 
-@pytest.mark.parametrize("name", ["Connection", "Cursor", "ClientCursor", "ServerCursor", "Pool"])
+@pytest.mark.parametrize("name", ["TranslatingConnection", "TranslatingCursor", "TranslatingClientCursor",
+                                  "TranslatingServerCursor", "TranslatingPool"])
 def test_the_boundary_overrides_public_methods_that_psycopg_still_has(name: str) -> None:
     """An override of a method psycopg renamed or dropped would never run: the
     translation would silently stop there."""

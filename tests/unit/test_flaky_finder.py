@@ -9,7 +9,7 @@ from tests import flaky
 JUNIT = """<?xml version="1.0" encoding="utf-8"?>
 <testsuites><testsuite name="pytest" errors="1" failures="1" tests="4">
 <testcase classname="tests.unit.test_flaky_finder" name="test_ok" time="0.1"/>
-<testcase classname="tests.integration.test_webhook_hardening" name="test_posts[7]" time="2">
+<testcase classname="tests.integration.test_webhooks_hardening" name="test_posts[7]" time="2">
   <failure message="AssertionError: assert ['/held', '/ok'] == ['/held', '/held']&#10;  At index 1 diff">trace</failure>
 </testcase>
 <testcase classname="tests.unit.test_flaky_finder.TestGroup" name="test_in_class" time="0.1">
@@ -26,7 +26,7 @@ def test_junit_failures_become_node_ids_with_their_first_line(tmp_path: Path) ->
     count, failures = flaky.read_junit(report, "15", 2)
     assert count == 4
     assert [(f.test, f.kind, f.message, f.leg, f.run) for f in failures] == [
-        ("tests/integration/test_webhook_hardening.py::test_posts[7]", "failed",
+        ("tests/integration/test_webhooks_hardening.py::test_posts[7]", "failed",
          "AssertionError: assert ['/held', '/ok'] == ['/held', '/held']", "15", 2),
         ("tests/unit/test_flaky_finder.py::TestGroup::test_in_class", "error", "ResourceWarning: unclosed file",
          "15", 2),

@@ -54,7 +54,7 @@ def test_example_gold_branch() -> None:
     woke = sim.fire("cool_off")
     assert kinds(woke) == ["ResolveWait cool_off COMPLETED", "Create delivered WAITING"]
     assert sim.rows["delivered"].wake_at == sim.now + timedelta(days=1)
-    assert sim.nodes["delivered"].event_name == "delivered"
+    assert sim.nodes["delivered"].signal_name == "delivered"
 
     proof = {"signed_by": "ann"}
     got = sim.signal("delivered", proof)

@@ -181,7 +181,7 @@ def test_retry_of_a_failed_map_runs_every_item_again() -> None:
     ({"task": "t", "items": "$.nodes.later.output"},
      'node "each": items references unknown node "later"'),
     ({"task": "t", "items": "$.input.ids", "event": "e"},
-     'node "each": unknown key "event" for a MAP node (it belongs to WAIT_FOR_EVENT nodes)'),
+     'node "each": unknown key "event" for a MAP node (it belongs to WAIT_FOR_SIGNAL nodes)'),
 ])
 def test_bad_map_specs_are_refused_naming_the_node(node: dict[str, Any], message: str) -> None:
     with pytest.raises(Invalid) as err:

@@ -82,7 +82,7 @@ def workflows(draw: st.DrawFn) -> dict[str, Any]:
             else:
                 node["duration_s"] = draw(st.sampled_from([0, 1, 5]))
         else:
-            node["event"] = nodes[i - 1]["event"] if twins[i] else draw(st.sampled_from(EVENT_NAMES))
+            node["signal"] = nodes[i - 1]["signal"] if twins[i] else draw(st.sampled_from(EVENT_NAMES))
             timeout = draw(st.sampled_from([None, 2, 10]))
             if timeout is not None:
                 node["timeout_s"] = timeout
@@ -114,7 +114,7 @@ def expected_current(sim: Sim, event: model.Event) -> bool:
             state is not None
             and state.task_id == event.task_id
             and state.state is TaskState.WAITING
-            and sim.spec.nodes[event.node_id].type in (NodeType.WAIT, NodeType.WAIT_FOR_EVENT)
+            and sim.spec.nodes[event.node_id].type in (NodeType.WAIT, NodeType.WAIT_FOR_SIGNAL)
         )
     assert isinstance(event, model.TaskCompleted | model.TaskFailed | model.LeaseExpired)
     ref = event.ref
@@ -149,7 +149,7 @@ def send_checked(sim: Sim, event: model.Event) -> model.Decision | None:
         waiters = sorted(
             (s.created_at, s.task_id, n, s.wake_at)
             for n, s in sim.nodes.items()
-            if isinstance(event, model.SignalReceived) and s.state is TaskState.WAITING and s.event_name == event.name
+            if isinstance(event, model.SignalReceived) and s.state is TaskState.WAITING and s.signal_name == event.name
         )
         decision = sim.send(event)
         assert not decision.stale and decision.actions
@@ -211,7 +211,7 @@ def moves(sim: Sim) -> list[tuple[Any, ...]]:
             out.append(("fire_done", node_id))
         if state.attempt > 0:
             out.append(("old_attempt", node_id))
-    out += [("signal", name) for name in sorted({n.event_name for n in sim.spec.nodes.values() if n.event_name})]
+    out += [("signal", name) for name in sorted({n.signal_name for n in sim.spec.nodes.values() if n.signal_name})]
     return out
 
 
@@ -291,9 +291,9 @@ def drain(sim: Sim) -> None:
                 break
             if state.state is TaskState.WAITING:
                 node = sim.spec.nodes[node_id]
-                if node.type is NodeType.WAIT_FOR_EVENT:
-                    assert node.event_name is not None
-                    send_checked(sim, model.SignalReceived(name=node.event_name, payload={"v": "b"}, now=sim.now))
+                if node.type is NodeType.WAIT_FOR_SIGNAL:
+                    assert node.signal_name is not None
+                    send_checked(sim, model.SignalReceived(name=node.signal_name, payload={"v": "b"}, now=sim.now))
                 else:
                     wake_at = sim.rows[node_id].wake_at
                     assert wake_at is not None
@@ -374,14 +374,14 @@ def test_happy_path_reaches_a_terminal_status(doc: dict[str, Any], run_input: di
     drain(sim)
     check_final(sim)
     if sim.status is RunStatus.FAILED:
-        # Only a wait can fail here: a WAIT whose `until` is garbage, or a WAIT_FOR_EVENT
+        # Only a wait can fail here: a WAIT whose `until` is garbage, or a WAIT_FOR_SIGNAL
         # whose signal came (by the clock) after its timeout.
         failed = [n for n, s in sim.nodes.items() if s.state is TaskState.FAILED]
         for node_id in failed:
             if sim.spec.nodes[node_id].type is NodeType.WAIT:
                 assert run_input["at"] == "garbage"
             else:
-                assert sim.spec.nodes[node_id].type is NodeType.WAIT_FOR_EVENT, sim.run_reason
+                assert sim.spec.nodes[node_id].type is NodeType.WAIT_FOR_SIGNAL, sim.run_reason
                 assert "timed out" in str(sim.rows[node_id].error), sim.rows[node_id].error
 
 

@@ -119,7 +119,7 @@ def test_retry_of_a_cancelled_wait_waits_again_from_now() -> None:
 
 
 def test_retry_of_a_timed_out_wait_for_event_waits_for_a_new_signal() -> None:
-    sim = Sim(wf({"id": "ok", "type": "WAIT_FOR_EVENT", "event": "approved", "timeout_s": 10}, task("go", "ok")))
+    sim = Sim(wf({"id": "ok", "type": "WAIT_FOR_SIGNAL", "signal": "approved", "timeout_s": 10}, task("go", "ok")))
     sim.start()
     sim.tick(10)
     sim.fire("ok")
@@ -132,7 +132,7 @@ def test_retry_of_a_timed_out_wait_for_event_waits_for_a_new_signal() -> None:
 
 
 def test_retry_takes_a_buffered_signal_for_the_node_that_waits_again() -> None:
-    sim = Sim(wf(task("a"), {"id": "ok", "type": "WAIT_FOR_EVENT", "event": "approved", "depends_on": ["a"]}))
+    sim = Sim(wf(task("a"), {"id": "ok", "type": "WAIT_FOR_SIGNAL", "signal": "approved", "depends_on": ["a"]}))
     sim.start()
     sim.fail("a", retryable=False)
     sim.retry()

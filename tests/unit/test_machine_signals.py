@@ -1,4 +1,4 @@
-"""State machine scenarios of signals and WAIT_FOR_EVENT timeouts, driven through
+"""State machine scenarios of signals and WAIT_FOR_SIGNAL timeouts, driven through
 ``machine_sim.Sim`` like the other scenarios in ``test_machine.py``."""
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ from .machine_sim import T0, Sim, kinds, task, wf
 
 EVENTS = wf(
     task("first"),
-    {"id": "w", "type": "WAIT_FOR_EVENT", "depends_on": ["first"], "event": "go", "timeout_s": 60},
+    {"id": "w", "type": "WAIT_FOR_SIGNAL", "depends_on": ["first"], "signal": "go", "timeout_s": 60},
     task("after", "w", input={"got": "$.nodes.w.output"}),
 )
 
@@ -77,8 +77,8 @@ def test_signal_after_wait_resolves_it() -> None:
 def test_one_buffered_signal_resolves_one_node_per_decision() -> None:
     spec = wf(
         task("first"),
-        {"id": "w1", "type": "WAIT_FOR_EVENT", "depends_on": ["first"], "event": "go"},
-        {"id": "w2", "type": "WAIT_FOR_EVENT", "depends_on": ["first"], "event": "go"},
+        {"id": "w1", "type": "WAIT_FOR_SIGNAL", "depends_on": ["first"], "signal": "go"},
+        {"id": "w2", "type": "WAIT_FOR_SIGNAL", "depends_on": ["first"], "signal": "go"},
     )
     sim = Sim(spec)
     sim.start()
@@ -94,8 +94,8 @@ def test_one_buffered_signal_resolves_one_node_per_decision() -> None:
 
 def test_earliest_waiter_gets_the_signal() -> None:
     spec = wf(
-        {"id": "late", "type": "WAIT_FOR_EVENT", "depends_on": ["gate"], "event": "go"},
-        {"id": "early", "type": "WAIT_FOR_EVENT", "event": "go"},
+        {"id": "late", "type": "WAIT_FOR_SIGNAL", "depends_on": ["gate"], "signal": "go"},
+        {"id": "early", "type": "WAIT_FOR_SIGNAL", "signal": "go"},
         task("gate"),
     )
     sim = Sim(spec)
@@ -126,15 +126,15 @@ class _NoReads:
 def test_the_earliest_waiter_by_database_time_wins_whatever_its_task_id() -> None:
     """Task ids are minted by whichever process made the decision, on its own clock; the
     database's created_at orders the waiters."""
-    spec = parse_spec(wf({"id": "one", "type": "WAIT_FOR_EVENT", "event": "go"},
-                         {"id": "two", "type": "WAIT_FOR_EVENT", "event": "go"}))
+    spec = parse_spec(wf({"id": "one", "type": "WAIT_FOR_SIGNAL", "signal": "go"},
+                         {"id": "two", "type": "WAIT_FOR_SIGNAL", "signal": "go"}))
     nodes = {
         # "two" was created a second after "one", by a process whose clock was behind:
         # its UUIDv7 task id sorts first.
         "one": NodeState(task_id="01900000-0000-7000-8000-00000000000b", state=TaskState.WAITING,
-                         event_name="go", created_at=T0),
+                         signal_name="go", created_at=T0),
         "two": NodeState(task_id="01900000-0000-7000-8000-00000000000a", state=TaskState.WAITING,
-                         event_name="go", created_at=T0 + timedelta(seconds=1)),
+                         signal_name="go", created_at=T0 + timedelta(seconds=1)),
     }
     run = RunSnapshot(id="r", workflow_id="wf", workflow_version=1, status=RunStatus.RUNNING,
                       context=RunContext(input=None, config={}), spec=spec, nodes=nodes)
@@ -144,8 +144,8 @@ def test_the_earliest_waiter_by_database_time_wins_whatever_its_task_id() -> Non
 
 
 TIMED = wf(
-    {"id": "w1", "type": "WAIT_FOR_EVENT", "event": "go", "timeout_s": 10, "on_timeout": "continue"},
-    {"id": "w2", "type": "WAIT_FOR_EVENT", "event": "go", "depends_on": ["gate"], "timeout_s": 60},
+    {"id": "w1", "type": "WAIT_FOR_SIGNAL", "signal": "go", "timeout_s": 10, "on_timeout": "continue"},
+    {"id": "w2", "type": "WAIT_FOR_SIGNAL", "signal": "go", "depends_on": ["gate"], "timeout_s": 60},
     task("gate"),
     task("after1", "w1", input={"got": "$.nodes.w1.output"}),
 )
@@ -170,8 +170,8 @@ def test_a_signal_after_the_timeout_resolves_the_waiter_as_its_timer_would_then_
 
 def test_a_signal_after_every_timeout_is_buffered_for_a_waiter_created_in_the_same_decision() -> None:
     spec = wf(
-        {"id": "w1", "type": "WAIT_FOR_EVENT", "event": "go", "timeout_s": 5, "on_timeout": "continue"},
-        {"id": "w2", "type": "WAIT_FOR_EVENT", "event": "go", "depends_on": ["w1"]},
+        {"id": "w1", "type": "WAIT_FOR_SIGNAL", "signal": "go", "timeout_s": 5, "on_timeout": "continue"},
+        {"id": "w2", "type": "WAIT_FOR_SIGNAL", "signal": "go", "depends_on": ["w1"]},
     )
     sim = Sim(spec)
     sim.start()
@@ -193,12 +193,12 @@ def test_a_signal_after_a_failing_timeout_is_refused_and_the_timeout_kept() -> N
     decision = sim.signal("go", "too late")
     assert kinds(decision) == ["ResolveWait w FAILED", "FinishRun FAILED"]
     assert decision.refused is not None and "failed before the signal \"go\" arrived" in decision.refused
-    assert sim.rows["w"].error == 'timed out waiting for event "go" after 60s'
+    assert sim.rows["w"].error == 'timed out waiting for signal "go" after 60s'
     assert sim.status is RunStatus.FAILED
 
 
 def test_a_signal_after_a_timeout_that_finished_the_run_is_not_buffered() -> None:
-    spec = wf({"id": "w", "type": "WAIT_FOR_EVENT", "event": "go", "timeout_s": 1, "on_timeout": "continue"})
+    spec = wf({"id": "w", "type": "WAIT_FOR_SIGNAL", "signal": "go", "timeout_s": 1, "on_timeout": "continue"})
     sim = Sim(spec)
     sim.start()
     sim.tick(2)
@@ -224,8 +224,8 @@ def test_timeout_fails_the_node_and_the_run() -> None:
     sim.tick(60)
     decision = sim.fire("w")
     assert kinds(decision) == ["ResolveWait w FAILED", "FinishRun FAILED"]
-    assert sim.rows["w"].error == 'timed out waiting for event "go" after 60s'
-    assert sim.run_reason == 'node "w" failed: timed out waiting for event "go" after 60s'
+    assert sim.rows["w"].error == 'timed out waiting for signal "go" after 60s'
+    assert sim.run_reason == 'node "w" failed: timed out waiting for signal "go" after 60s'
     with pytest.raises(Conflict, match="run run-1 is FAILED; it accepts no signals"):
         sim.signal("go")
 
@@ -235,9 +235,9 @@ def test_timeout_continue_completes_with_null() -> None:
         task("first"),
         {
             "id": "w",
-            "type": "WAIT_FOR_EVENT",
+            "type": "WAIT_FOR_SIGNAL",
             "depends_on": ["first"],
-            "event": "go",
+            "signal": "go",
             "timeout_s": 1.5,
             "on_timeout": "continue",
         },
@@ -265,5 +265,5 @@ def test_timer_is_stale_once_the_signal_won() -> None:
 def test_signal_for_an_event_no_node_awaits_is_invalid() -> None:
     sim = Sim(EVENTS)
     sim.start()
-    with pytest.raises(Invalid, match='no WAIT_FOR_EVENT node for event "og"'):
+    with pytest.raises(Invalid, match='no WAIT_FOR_SIGNAL node for signal "og"'):
         sim.signal("og")

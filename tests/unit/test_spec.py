@@ -44,9 +44,9 @@ EXAMPLE: dict[str, Any] = {
         {"id": "cool_off", "type": "WAIT", "depends_on": ["express", "standard"], "duration_s": 5},
         {
             "id": "delivered",
-            "type": "WAIT_FOR_EVENT",
+            "type": "WAIT_FOR_SIGNAL",
             "depends_on": ["cool_off"],
-            "event": "delivered",
+            "signal": "delivered",
             "timeout_s": 86400,
         },
         {
@@ -213,7 +213,7 @@ INVALID: list[tuple[str, Callable[[dict[str, Any]], None], tuple[str, ...]]] = [
     ("duplicate id", add({"id": "charge", "type": "TASK", "task": "t"}), ('node "charge"', "duplicate")),
     ("missing task", edit("express", task=...), ('node "express"', '"task"')),
     ("empty task", edit("express", task=""), ('node "express"', "task")),
-    ("missing event", edit("delivered", event=...), ('node "delivered"', '"event"')),
+    ("missing signal", edit("delivered", signal=...), ('node "delivered"', '"signal"')),
     ("missing expression", edit("route", expression=...), ('node "route"', '"expression"')),
     ("expression literal", edit("route", expression="tier"), ('node "route"', "expression", "$.")),
     ("unknown dependency", edit("express", depends_on=["route", "nope"]), ('node "express"', '"nope"')),

@@ -1,4 +1,4 @@
-"""Months of generated history, written with COPY.
+"""Generated months: past runs written with COPY.
 
 For each of the N complete UTC months before the current one, ``backfill`` replays
 ``runs`` runs through the state machine (:mod:`composer_ops.simulate.past`), so every
@@ -33,13 +33,13 @@ from composer_ops.errors import Invalid
 from composer_ops.repo import simulator as repo
 from composer_ops.repo._base import Conn
 from composer_ops.repo.partitions import ensure_from
-from composer_ops.simulate.copytext import EVENT_COLUMNS, RUN_COLUMNS, TASK_COLUMNS, CopyText, json_text
+from composer_ops.simulate.copytext import RUN_COLUMNS, SIGNAL_COLUMNS, TASK_COLUMNS, CopyText, json_text
 from composer_ops.simulate.definitions import WORKFLOW_WEIGHTS, make_input, plan_cancel, plan_signals
 from composer_ops.simulate.model import Behaviour
 from composer_ops.simulate.past import Plan, play, stop_stuck
 from composer_ops.simulate.replay import Replay, utc
 
-__all__ = ["HistoryOptions", "HistoryResult", "MonthResult", "backfill", "history_months", "marker_run_id",
+__all__ = ["MonthsOptions", "MonthsResult", "MonthResult", "backfill", "generated_months", "marker_run_id",
            "month_sizes"]
 
 #: Relative arrival rate per hour of day (UTC): office hours for people, nights for batches.
@@ -50,7 +50,7 @@ _STUCK_REASON = "stuck for weeks: the carrier never scanned the parcel; cancelle
 
 
 @dataclass(frozen=True, kw_only=True)
-class HistoryOptions:
+class MonthsOptions:
     """What to backfill. ``runs_per_month`` is the mean over the months; with
     ``growth`` g each month has (1+g) times the runs of the month before."""
 
@@ -82,13 +82,13 @@ class MonthResult:
     month: str
     runs: int = 0
     tasks: int = 0
-    events: int = 0
+    signals: int = 0
     active_runs: int = 0
     skipped: bool = False
 
 
 @dataclass
-class HistoryResult:
+class MonthsResult:
     months: list[MonthResult]
     seconds: float
     #: True when the foreign keys of task and signal rows were checked per month
@@ -105,14 +105,14 @@ class HistoryResult:
 
     @property
     def rows(self) -> int:
-        return sum(m.runs + m.tasks + m.events for m in self.months)
+        return sum(m.runs + m.tasks + m.signals for m in self.months)
 
     @property
     def task_rows_per_s(self) -> float:
         return self.tasks / self.seconds if self.seconds > 0 else 0.0
 
 
-def history_months(now: datetime, count: int) -> list[str]:
+def generated_months(now: datetime, count: int) -> list[str]:
     """The ``count`` complete UTC months before ``now``'s month, oldest first (YYYYMM)."""
     current = month_label(now)
     return [add_months(current, -k) for k in range(count, 0, -1)]
@@ -167,7 +167,7 @@ class _Chunk:
     last: bool
     runs: list[str] = field(default_factory=list)
     tasks: list[str] = field(default_factory=list)
-    events: list[str] = field(default_factory=list)
+    signals: list[str] = field(default_factory=list)
     active: int = 0
 
 
@@ -221,7 +221,7 @@ class _Generator:
     """Plays runs through the machine and formats their rows; one per worker process."""
 
     def __init__(self, specs: Mapping[str, WorkflowSpec], versions: Mapping[str, int],
-                 options: HistoryOptions) -> None:
+                 options: MonthsOptions) -> None:
         self.specs, self.versions, self.options = specs, versions, options
         self.behaviour, self.scale = options.behaviour, options.behaviour.time_scale
         self.flawless = replace(self.behaviour, transient_rate=0.0, permanent_rate=0.0, crash_rate=0.0)
@@ -270,14 +270,14 @@ class _Generator:
         text.next_run()
         chunk.runs.append(text.run(replay, wf, self.configs[wf]))
         chunk.tasks.extend(text.task(run_id, row) for row in replay.rows.values())
-        chunk.events.extend(text.event(run_id, signal) for signal in replay.signals)
+        chunk.signals.extend(text.signal(run_id, signal) for signal in replay.signals)
         chunk.active += replay.status == "RUNNING"
 
 
 _worker: _Generator | None = None
 
 
-def _start_worker(specs: Mapping[str, WorkflowSpec], versions: Mapping[str, int], options: HistoryOptions) -> None:
+def _start_worker(specs: Mapping[str, WorkflowSpec], versions: Mapping[str, int], options: MonthsOptions) -> None:
     global _worker
     _worker = _Generator(specs, versions, options)
 
@@ -293,18 +293,18 @@ def _generate(job: _Job) -> _Chunk:
 def _copy(conn: Conn, chunk: _Chunk, result: MonthResult, *, skip_row_triggers: bool) -> None:
     for table, columns, lines in (("workflow_runs", RUN_COLUMNS, chunk.runs),
                                   ("task_instances", TASK_COLUMNS, chunk.tasks),
-                                  ("workflow_events", EVENT_COLUMNS, chunk.events)):
+                                  ("workflow_events", SIGNAL_COLUMNS, chunk.signals)):
         if lines:
             repo.copy_rows(conn, table, columns, lines, month=chunk.month, skip_row_triggers=skip_row_triggers)
     result.runs += len(chunk.runs)
     result.tasks += len(chunk.tasks)
-    result.events += len(chunk.events)
+    result.signals += len(chunk.signals)
     result.active_runs += chunk.active
 
 
-def backfill(url: str, specs: Mapping[str, WorkflowSpec], versions: Mapping[str, int], options: HistoryOptions,
+def backfill(url: str, specs: Mapping[str, WorkflowSpec], versions: Mapping[str, int], options: MonthsOptions,
              *, now: datetime, on_start: Callable[[int], None] | None = None,
-             on_progress: Callable[[int, int], None] | None = None) -> HistoryResult:
+             on_progress: Callable[[int, int], None] | None = None) -> MonthsResult:
     """Backfill the ``options.months`` complete months before ``now`` (the database
     clock); months already backfilled with the same seed are skipped.
 
@@ -315,11 +315,11 @@ def backfill(url: str, specs: Mapping[str, WorkflowSpec], versions: Mapping[str,
     ``on_start(runs)`` is told how many runs will be written once that is known;
     ``on_progress(runs, task_rows)`` after each chunk reaches the server."""
     started = time.perf_counter()
-    months = history_months(now, options.months)
+    months = generated_months(now, options.months)
     sizes = month_sizes(months, options.runs_per_month, options.growth)
     results = {m: MonthResult(month=m) for m in months}
     if not months:
-        return HistoryResult(months=[], seconds=0.0)
+        return MonthsResult(months=[], seconds=0.0)
     application = "composer-ops simulate history"
     with connect(url, application_name=application) as conn:
         ensure_from(conn, date(int(months[0][:4]), int(months[0][4:]), 1), len(months) - 1)
@@ -357,5 +357,5 @@ def backfill(url: str, specs: Mapping[str, WorkflowSpec], versions: Mapping[str,
             # marker run to make the next backfill skip it.
     finally:
         pool.shutdown(wait=True, cancel_futures=True)
-    return HistoryResult(months=[results[m] for m in months], seconds=time.perf_counter() - started,
+    return MonthsResult(months=[results[m] for m in months], seconds=time.perf_counter() - started,
                          set_based_checks=set_based)

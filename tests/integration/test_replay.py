@@ -35,7 +35,7 @@ SPEC: dict[str, Any] = {
         {"id": "after_c", "type": "TASK", "task": "t.after_c", "depends_on": ["c"]},
         {"id": "pause", "type": "WAIT", "depends_on": ["b", "after_c"], "duration_s": 0},
         {"id": "due", "type": "WAIT", "depends_on": ["pause"], "until": "$.input.due"},
-        {"id": "go", "type": "WAIT_FOR_EVENT", "depends_on": ["pause"], "event": "go", "timeout_s": 3600},
+        {"id": "go", "type": "WAIT_FOR_SIGNAL", "depends_on": ["pause"], "signal": "go", "timeout_s": 3600},
         {"id": "last", "type": "TASK", "task": "t.last", "depends_on": ["go", "due"],
          "input": {"proof": "$.nodes.go.output"}},
     ],
@@ -161,7 +161,7 @@ def _database_side(url: str, run_id: str) -> dict[str, Any]:
     return {
         "run": (run["status"], run["output_json"], run["error_json"]),
         "tasks": {t["node_id"]: (t["node_type"], t["queue"], t["state"], t["attempt"], t["input_json"],
-                                 t["output_json"], t["last_error"], t["branches"], t["event_name"],
+                                 t["output_json"], t["last_error"], t["branches"], t["signal_name"],
                                  t["wake_at"] if t["node_id"] == "due" else _set(t["wake_at"]),
                                  _set(t["started_at"]), _set(t["finished_at"]), _set(t["completed_at"]),
                                  t["lease_owner"], _set(t["lease_expires_at"]))
@@ -176,7 +176,7 @@ def _replay_side(replay: Replay) -> dict[str, Any]:
                 {"error": replay.run_reason} if replay.run_reason else None),
         "tasks": {r.node_id: (str(r.node_type), r.queue, str(r.state), r.attempt, r.input, r.output,
                               {"error": r.error} if r.error else None,
-                              list(r.branches) if r.branches is not None else None, r.event_name,
+                              list(r.branches) if r.branches is not None else None, r.signal_name,
                               r.wake_at if r.node_id == "due" else _set(r.wake_at),
                               _set(r.started_at), _set(r.finished_at), _set(r.completed_at),
                               r.lease_owner, _set(r.lease_expires_at))

@@ -20,19 +20,19 @@ from composer_ops.core.spec import WorkflowSpec, parse_spec
 from composer_ops.errors import ComposerError
 from composer_ops.repo import runs as run_repo
 from composer_ops.repo import simulator
-from composer_ops.simulate import history
+from composer_ops.simulate import months as generated
 from composer_ops.simulate.definitions import definitions, deploy_definitions
-from composer_ops.simulate.history import HistoryOptions, backfill, history_months, marker_run_id, month_sizes
 from composer_ops.simulate.model import Behaviour
+from composer_ops.simulate.months import MonthsOptions, backfill, generated_months, marker_run_id, month_sizes
 from composer_ops.testing.servers import Server
 
 SPECS: dict[str, WorkflowSpec] = {doc["id"]: parse_spec(doc) for doc in definitions()}
 # Higher rates than the defaults, so a few hundred runs a month show every behaviour.
-OPTIONS = HistoryOptions(seed=11, months=3, runs_per_month=300, stuck_months=1, cancel_rate=0.05,
+OPTIONS = MonthsOptions(seed=11, months=3, runs_per_month=300, stuck_months=1, cancel_rate=0.05,
                          behaviour=Behaviour(transient_rate=0.1, permanent_rate=0.02, crash_rate=0.02))
 
 
-def _backfill(url: str, options: HistoryOptions = OPTIONS, now: datetime | None = None) -> Any:
+def _backfill(url: str, options: MonthsOptions = OPTIONS, now: datetime | None = None) -> Any:
     with Engine.connect(url, pool_size=2) as engine:
         versions = {wf: v for wf, (v, _) in deploy_definitions(engine).items()}
         with engine.pool.connection() as conn:
@@ -70,7 +70,7 @@ def test_same_seed_same_rows_and_a_second_backfill_adds_nothing(db_url: str, ser
     assert again.rows == 0 and _dump(db_url) == before
     assert first.rows == sum(len(v) for v in before.values())
     # Another seed adds its own runs beside them, never the same IDs.
-    _backfill(db_url, HistoryOptions(seed=12, months=3, runs_per_month=50), now=now)
+    _backfill(db_url, MonthsOptions(seed=12, months=3, runs_per_month=50), now=now)
     after = _dump(db_url)
     assert len(after["workflow_runs"]) == len(before["workflow_runs"]) + 150
     assert set(before["workflow_runs"]) <= set(after["workflow_runs"])
@@ -81,7 +81,7 @@ def test_months_sizes_ids_and_the_marker(history_db: tuple[str, Any]) -> None:
     months = [m.month for m in result.months]
     with psycopg.connect(url) as conn:
         now = conn.execute("SELECT now()").fetchone()[0]  # type: ignore[index]
-        assert months == history_months(now, 3)
+        assert months == generated_months(now, 3)
         assert month_sizes(months, 300, OPTIONS.growth) == {m.month: m.runs for m in result.months}
         assert sum(m.runs for m in result.months) == 900   # the mean is runs_per_month
         for month in months:
@@ -146,7 +146,7 @@ def _check_run(run: dict[str, Any], tasks: dict[str, dict[str, Any]], spec: Work
         if ns.type is NodeType.SWITCH and t["state"] == "COMPLETED":
             assert t["branches"] == t["output_json"]["branches"]
             assert set(t["branches"]) <= set(spec.dependents(node_id))
-        if ns.type is NodeType.WAIT_FOR_EVENT:
+        if ns.type is NodeType.WAIT_FOR_SIGNAL:
             seen["timed out"] += t["state"] == "FAILED"
             seen["signal consumed at creation"] += t["state"] == "COMPLETED" and t["finished_at"] == t["created_at"]
     active = [n for n, t in tasks.items() if t["state"] not in TERMINAL_TASK_STATES]
@@ -167,7 +167,7 @@ def _check_run(run: dict[str, Any], tasks: dict[str, dict[str, Any]], spec: Work
         assert status == "RUNNING" and run["completed_at"] is None
         assert [tasks[n]["state"] for n in active] == ["WAITING"]
         waiting = tasks[active[0]]
-        assert waiting["event_name"] == "delivered" and waiting["wake_at"] is None
+        assert waiting["signal_name"] == "delivered" and waiting["wake_at"] is None
 
 
 def test_repository_engine_and_analytics_read_the_backfill_as_is(history_db: tuple[str, Any]) -> None:
@@ -216,9 +216,9 @@ def test_repository_engine_and_analytics_read_the_backfill_as_is(history_db: tup
 
 
 def test_a_backfill_cut_short_never_leaves_half_a_month(db_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    options = HistoryOptions(seed=3, months=2, runs_per_month=200, growth=0.0, chunk_runs=50, processes=2)
-    second = history_months(datetime.now(UTC), 2)[1]
-    arrivals = history._arrivals
+    options = MonthsOptions(seed=3, months=2, runs_per_month=200, growth=0.0, chunk_runs=50, processes=2)
+    second = generated_months(datetime.now(UTC), 2)[1]
+    arrivals = generated._arrivals
 
     def a_run_fails_in_the_second_month(seed: int, month: str, runs: int) -> list[tuple[float, str]]:
         planned = arrivals(seed, month, runs)
@@ -226,7 +226,7 @@ def test_a_backfill_cut_short_never_leaves_half_a_month(db_url: str, monkeypatch
             planned[120] = (planned[120][0], "no-such-workflow")
         return planned
 
-    monkeypatch.setattr(history, "_arrivals", a_run_fails_in_the_second_month)
+    monkeypatch.setattr(generated, "_arrivals", a_run_fails_in_the_second_month)
     with pytest.raises(KeyError, match="no-such-workflow"):
         _backfill(db_url, options)
     monkeypatch.undo()
@@ -234,9 +234,9 @@ def test_a_backfill_cut_short_never_leaves_half_a_month(db_url: str, monkeypatch
     def per_month() -> dict[str, int]:
         with psycopg.connect(db_url) as conn:
             return {m: conn.execute(f"SELECT count(*) FROM workflow_runs_p{m}").fetchone()[0]  # type: ignore[index]
-                    for m in history_months(datetime.now(UTC), 2)}
+                    for m in generated_months(datetime.now(UTC), 2)}
 
-    first = history_months(datetime.now(UTC), 2)[0]
+    first = generated_months(datetime.now(UTC), 2)[0]
     assert per_month() == {first: 200, second: 0}     # chunks of the second month had reached the server
     result = _backfill(db_url, options)
     assert [m.skipped for m in result.months] == [True, False]

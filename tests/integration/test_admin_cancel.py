@@ -19,7 +19,7 @@ from composer_ops.errors import Invalid
 
 SPEC = {"id": "shop", "nodes": [
     {"id": "pay", "type": "TASK", "task": "pay"},
-    {"id": "wait", "type": "WAIT_FOR_EVENT", "event": "go", "depends_on": ["pay"]}]}
+    {"id": "wait", "type": "WAIT_FOR_SIGNAL", "signal": "go", "depends_on": ["pay"]}]}
 
 
 @pytest.fixture

@@ -1,5 +1,5 @@
 """Retry from a node on the real engine, for each node type (TASK, a SWITCH branch, WAIT,
-WAIT_FOR_EVENT, a join), step by step against the pure machine driven in memory with
+WAIT_FOR_SIGNAL, a join), step by step against the pure machine driven in memory with
 the same events; refusals; the dry run writes nothing; the audit row and the webhook."""
 
 from __future__ import annotations
@@ -148,7 +148,7 @@ def test_retry_a_timed_out_wait_for_event(engine: Engine) -> None:
     # The retried node waits again with the same timeout, and the signal must beat it by
     # the database clock: 0.3 s was lost on a loaded machine between the retry and the signal.
     run = twin(engine, {"id": "approvals", "nodes": [
-        {"id": "ask", "type": "WAIT_FOR_EVENT", "event": "approved", "timeout_s": EVENT_WAIT_S}, t("go", "ask")]})
+        {"id": "ask", "type": "WAIT_FOR_SIGNAL", "signal": "approved", "timeout_s": EVENT_WAIT_S}, t("go", "ask")]})
     run.timer("ask", EVENT_WAIT_S)
     assert run.sim.status is RunStatus.FAILED
     run.retry()

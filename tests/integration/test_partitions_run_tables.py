@@ -19,7 +19,7 @@ from psycopg import sql
 
 from composer_ops import Engine
 from composer_ops.core.model import TaskRef
-from composer_ops.db.errors import Connection
+from composer_ops.db.errors import TranslatingConnection
 from composer_ops.errors import NotFound
 from composer_ops.repo import archive, partitions, runs, tasks
 from composer_ops.testing.fixtures import _misaligned_month
@@ -61,7 +61,7 @@ def test_the_events_of_a_run_reuse_cached_plans_on_its_month(db_url: str) -> Non
 
 
 def test_a_month_whose_partitions_have_other_bounds_is_read_through_the_partitioned_tables(
-        conn: Connection[Any]) -> None:
+        conn: TranslatingConnection[Any]) -> None:
     """December 2024 made an hour early (as a UTC+1 session once made it): a run of
     2024-11-30 23:30 UTC is in ``workflow_runs_p202412``, not in the month its ID names,
     and one of 2024-12-15 is in a partition whose bounds are not December's; both are
@@ -107,7 +107,7 @@ def test_a_month_gone_after_a_connection_checked_it_is_a_missing_run(db_url: str
     first then finds the run missing (NotFound, as through the partitioned table), its
     heartbeat finds the lease lost, and once the month is made again its new runs are
     found: the connection checks the month again rather than trusting what it saw."""
-    with Connection.connect(db_url, autocommit=True) as other, Connection.connect(db_url) as conn:
+    with TranslatingConnection.connect(db_url, autocommit=True) as other, TranslatingConnection.connect(db_url) as conn:
         add_definition(other)
         run_id, task_id, month = _last_year(other)
         row, loaded = runs.lock_and_load(conn, run_id)
@@ -131,7 +131,8 @@ def test_a_month_gone_after_a_connection_checked_it_is_a_missing_run(db_url: str
 
 def test_the_month_check_is_per_connection(db_url: str) -> None:
     """What one connection found is not taken for another's (each checks once)."""
-    with Connection.connect(db_url, autocommit=True) as a, Connection.connect(db_url, autocommit=True) as b:
+    with (TranslatingConnection.connect(db_url, autocommit=True) as a,
+          TranslatingConnection.connect(db_url, autocommit=True) as b):
         add_definition(a)
         run_id = add_run(a)
         runs.lock_and_load(a, run_id)
@@ -150,10 +151,10 @@ def test_the_engine_role_names_the_partitions_it_was_granted_and_falls_back_with
 
     engine_url = as_role(db_url, "composer_ops_engine")
     month = f"{now_utc():%Y%m}"
-    with Connection.connect(db_url, autocommit=True) as owner:
+    with TranslatingConnection.connect(db_url, autocommit=True) as owner:
         add_definition(owner)
         run_id = add_run(owner)
-    with Connection.connect(engine_url) as conn:
+    with TranslatingConnection.connect(engine_url) as conn:
         assert conn.execute("SELECT current_user").fetchone() == ("composer_ops_engine",)
         assert partitions.run_tables(conn, run_id) == (f"workflow_runs_p{month}", f"task_instances_p{month}")
         assert runs.lock_and_load(conn, run_id)[0].id == run_id
@@ -167,9 +168,9 @@ def test_the_engine_role_names_the_partitions_it_was_granted_and_falls_back_with
         assert conn.execute("SELECT has_table_privilege(%s, 'SELECT') AND has_table_privilege(%s, 'UPDATE')",
                             (newest, newest)).fetchone() == (True,)
         conn.rollback()
-    with Connection.connect(db_url, autocommit=True) as owner:
+    with TranslatingConnection.connect(db_url, autocommit=True) as owner:
         owner.execute(f'REVOKE SELECT, UPDATE ON "task_instances_p{month}" FROM composer_ops_engine'.encode())
-    with Connection.connect(engine_url) as conn:
+    with TranslatingConnection.connect(engine_url) as conn:
         assert partitions.run_tables(conn, run_id) == ("workflow_runs", "task_instances")
         locked, loaded = runs.lock_and_load(conn, run_id)
         assert locked.id == run_id and loaded == {}
@@ -189,7 +190,7 @@ def test_a_month_made_again_with_other_bounds_is_checked_again_when_a_run_is_not
     again an hour early, with January after it, so a run of 2024-12-31 23:30 UTC lives
     in January's partition. The connection does not find it by December's name, checks
     the month again, and finds it through the partitioned tables."""
-    with Connection.connect(db_url, autocommit=True) as other, Connection.connect(db_url) as conn:
+    with TranslatingConnection.connect(db_url, autocommit=True) as other, TranslatingConnection.connect(db_url) as conn:
         add_definition(other)
         partitions.ensure_from(other, date(2024, 12, 1), 0)
         first = add_run(other, at=datetime(2024, 12, 10, tzinfo=UTC))

@@ -15,9 +15,9 @@ import pytest
 
 from composer_ops.cli import build_parser, main
 from composer_ops.repo import simulator
-from composer_ops.simulate.history import history_months, month_sizes
 from composer_ops.simulate.live import LiveOptions, plan_live, simulation_fleet
 from composer_ops.simulate.model import Behaviour
+from composer_ops.simulate.months import generated_months, month_sizes
 from composer_ops.testing.processes import wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -58,7 +58,7 @@ def _missing(db_url: str, live: list[str]) -> list[str]:
         "5 succeeded runs": statuses.get("SUCCEEDED", 0) >= 5,
         "a failed run": statuses.get("FAILED", 0) >= 1,
         "a cancelled run": statuses.get("CANCELLED", 0) >= 1,
-        "every node type": types == {"TASK", "SWITCH", "WAIT", "WAIT_FOR_EVENT"},
+        "every node type": types == {"TASK", "SWITCH", "WAIT", "WAIT_FOR_SIGNAL"},
         "a retried task": retried >= 1,
         "a failed task": failed >= 1,
         "a SIGKILLed worker's task retried after its lease lapsed": lapsed >= 1,
@@ -92,7 +92,7 @@ def test_simulate_at_ci_size_leaves_the_promised_mix(db_url: str, tmp_path: Path
                    sum(n for mm, st, n in per_status if mm == m and st == "RUNNING"))
                   for m in sorted({m for m, _, _ in per_status})]
         db_now = _rows(conn, "SELECT now()")[0][0]
-        expected = month_sizes(history_months(db_now, 2), 150, 0.08)
+        expected = month_sizes(generated_months(db_now, 2), 150, 0.08)
         assert {m: n for m, n, _ in months if m != month} == expected
         assert months[1][2] >= 1 and months[0][2] == 0
 

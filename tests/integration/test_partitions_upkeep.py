@@ -14,7 +14,7 @@ from composer_ops import Engine
 from composer_ops.repo import partitions
 from tests.integration.helpers import CoordinatorClock
 
-SPEC = {"id": "lk", "nodes": [{"id": "w", "type": "WAIT_FOR_EVENT", "event": "go"},
+SPEC = {"id": "lk", "nodes": [{"id": "w", "type": "WAIT_FOR_SIGNAL", "signal": "go"},
                               {"id": "a", "type": "TASK", "task": "t", "depends_on": ["w"]}]}
 
 

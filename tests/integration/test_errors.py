@@ -18,7 +18,7 @@ from psycopg_pool import PoolTimeout
 from composer_ops import ops
 from composer_ops.cli import main
 from composer_ops.db import connect, make_pool
-from composer_ops.db.errors import ClientCursor, Cursor, ServerCursor
+from composer_ops.db.errors import TranslatingClientCursor, TranslatingCursor, TranslatingServerCursor
 from composer_ops.db.retry import db_retry
 from composer_ops.errors import ComposerError, Conflict, Invalid, LockTimeout, Transient, Unavailable
 
@@ -268,7 +268,7 @@ def _read_only_in_a_transaction(c: Any) -> None:
 
 
 def _client_cursor(c: Any) -> None:
-    c.cursor_factory = ClientCursor
+    c.cursor_factory = TranslatingClientCursor
     c.cursor().execute("SELECT 1 / %s", (0,))
 
 
@@ -333,8 +333,8 @@ def test_a_misuse_psycopg_finds_reading_rows_is_left_as_a_bug(db_url: str) -> No
 
 def test_a_connection_opens_cursors_of_the_boundary(db_url: str) -> None:
     with connect(db_url) as conn, conn.cursor() as cur, conn.cursor(name="c") as named:
-        assert type(cur) is Cursor and type(named) is ServerCursor
-        assert type(conn.execute("SELECT 1")) is Cursor
+        assert type(cur) is TranslatingCursor and type(named) is TranslatingServerCursor
+        assert type(conn.execute("SELECT 1")) is TranslatingCursor
 
 
 def test_an_idle_listen_returns_at_its_timeout(db_url: str) -> None:

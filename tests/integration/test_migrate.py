@@ -5,17 +5,19 @@ a pre-release database is refused, concurrency, checksums, the Citus series."""
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 import psycopg
 import pytest
+from psycopg import sql
 
 from composer_ops.db.migrate import PRE_RELEASE, Migration, discover, discover_repeatable, migrate, status
 from composer_ops.errors import ComposerError, Invalid
 from composer_ops.testing.servers import Server
 from tests.integration.catalog import differences, snapshot
-from tests.integration.helpers import at_once
+from tests.integration.helpers import at_once, uuid7_at
 
 
 @pytest.fixture
@@ -45,6 +47,27 @@ def test_a_fresh_install_equals_every_release_applied_in_turn(empty_db_url: str,
         again = migrate(empty_db_url, target=mig.version)
         assert [a.filename for a in again] == [r.filename for r in discover_repeatable()]
     assert differences(snapshot(empty_db_url), snapshot(fresh_url)) == {}
+
+
+def test_v006_gives_the_waits_of_0_1_0_the_signal_names(empty_db_url: str) -> None:
+    """A waiting task as 0.1.0 wrote it (the old spellings of its node type and column)
+    reads as a WAIT_FOR_SIGNAL task with its signal_name after V006."""
+    old_type, old_column = "WAIT_FOR_EVENT", "event_name"   # the old spelling
+    migrate(empty_db_url, target=1)
+    run_id = uuid7_at(datetime.now(UTC))
+    with psycopg.connect(empty_db_url, autocommit=True) as conn:
+        conn.execute("""INSERT INTO workflow_definitions (id, name, version, spec_json, created_by)
+                        VALUES ('old', 'old', 1, '{}', 'test')""")
+        conn.execute("INSERT INTO workflow_runs (id, workflow_definition_id, workflow_version) VALUES (%s, 'old', 1)",
+                     (run_id,))
+        conn.execute(sql.SQL("""INSERT INTO task_instances (id, run_id, node_id, node_type, state, {})
+                                VALUES (%s, %s, 'w', %s, 'WAITING', 'go'), (%s, %s, 'a', 'TASK', 'PENDING', NULL)
+                             """).format(sql.Identifier(old_column)),
+                     (uuid7_at(datetime.now(UTC)), run_id, old_type, uuid7_at(datetime.now(UTC)), run_id))
+    assert "V006__signal_names.sql" in [a.filename for a in migrate(empty_db_url)]
+    with psycopg.connect(empty_db_url) as conn:
+        rows = conn.execute("SELECT node_id, node_type, signal_name FROM task_instances ORDER BY node_id").fetchall()
+    assert rows == [("a", "TASK", None), ("w", "WAIT_FOR_SIGNAL", "go")]
 
 
 def test_migrate_from_empty_equals_applying_the_files_by_hand(empty_db_url: str, fresh_url: str) -> None:

@@ -107,7 +107,7 @@ def test_the_history_of_a_run_that_lived_through_a_killed_worker(engine: Engine,
 def test_signals_timers_and_cancels_are_in_the_history(engine: Engine) -> None:
     engine.deploy({"id": "mixed", "nodes": [
         {"id": "nap", "type": "WAIT", "duration_s": 0},
-        {"id": "w", "type": "WAIT_FOR_EVENT", "event": "go", "depends_on": ["nap"]},
+        {"id": "w", "type": "WAIT_FOR_SIGNAL", "signal": "go", "depends_on": ["nap"]},
         {"id": "t", "type": "TASK", "task": "t", "depends_on": ["w"]}]})
     run_id = engine.start("mixed")
     engine.signal(run_id, "go", {"early": True}, key="k1")          # buffered: nobody waits yet
@@ -122,8 +122,8 @@ def test_signals_timers_and_cancels_are_in_the_history(engine: Engine) -> None:
 
 
 def test_the_cli_signal_key_resolves_at_most_one_node(engine: Engine, db_url: str) -> None:
-    engine.deploy({"id": "twice", "nodes": [{"id": "w1", "type": "WAIT_FOR_EVENT", "event": "go"},
-                                            {"id": "w2", "type": "WAIT_FOR_EVENT", "event": "go"}]})
+    engine.deploy({"id": "twice", "nodes": [{"id": "w1", "type": "WAIT_FOR_SIGNAL", "signal": "go"},
+                                            {"id": "w2", "type": "WAIT_FOR_SIGNAL", "signal": "go"}]})
     run_id = engine.start("twice")
     first = cli(db_url, "signal", run_id, "go", "--payload", "1", "--key", "order-7")
     again = cli(db_url, "signal", run_id, "go", "--payload", "1", "--key", "order-7")

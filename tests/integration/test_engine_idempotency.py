@@ -34,10 +34,10 @@ def engine(engine: Engine) -> Engine:
     engine.deploy({"id": "retried", "nodes": [{"id": "a", "type": "TASK", "task": "t",
                                                    "retry": {"max_attempts": 3, "initial_backoff_s": 0}}]})
     engine.deploy({"id": "two_waiters", "nodes": [
-        {"id": "w1", "type": "WAIT_FOR_EVENT", "event": "go"},
-        {"id": "w2", "type": "WAIT_FOR_EVENT", "event": "go"},
+        {"id": "w1", "type": "WAIT_FOR_SIGNAL", "signal": "go"},
+        {"id": "w2", "type": "WAIT_FOR_SIGNAL", "signal": "go"},
         {"id": "after", "type": "TASK", "task": "t", "depends_on": ["w1", "w2"]}]})
-    engine.deploy({"id": "one_waiter", "nodes": [{"id": "w", "type": "WAIT_FOR_EVENT", "event": "go"}]})
+    engine.deploy({"id": "one_waiter", "nodes": [{"id": "w", "type": "WAIT_FOR_SIGNAL", "signal": "go"}]})
     return engine
 
 
@@ -65,7 +65,7 @@ def test_a_signal_whose_acknowledgement_was_lost_resolves_one_node(engine: Engin
     run_id = engine.start("two_waiters")
     outcome = lost_ack(engine, monkeypatch, lambda: engine.signal(run_id, "go", {"n": 1}))
     assert sorted(states(engine, run_id).values()) == [("COMPLETED", 0), ("WAITING", 0)]
-    assert outcome.applied and outcome.replayed and outcome.finished is None
+    assert outcome.applied and outcome.duplicate and outcome.finished is None
     assert kinds(engine, run_id) == ["started", "signal"]
     engine.signal(run_id, "go", {"n": 2})                 # the second waiter still gets its own signal
     assert states(engine, run_id)["after"] == ("PENDING", 0)
@@ -74,7 +74,7 @@ def test_a_signal_whose_acknowledgement_was_lost_resolves_one_node(engine: Engin
 def test_a_replayed_cancel_returns_its_outcome(engine: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
     run_id = engine.start("one")
     outcome = lost_ack(engine, monkeypatch, lambda: engine.cancel(run_id, reason="stop"))
-    assert outcome == Outcome(run_id=run_id, finished=RunStatus.CANCELLED, replayed=True)
+    assert outcome == Outcome(run_id=run_id, finished=RunStatus.CANCELLED, duplicate=True)
     assert engine.get_run(run_id).status == "CANCELLED"
     with pytest.raises(Conflict, match="is CANCELLED"):   # a new cancel is still refused
         engine.cancel(run_id)
@@ -84,7 +84,7 @@ def test_a_replayed_signal_that_finished_the_run_returns_its_outcome(engine: Eng
                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     run_id = engine.start("one_waiter")
     outcome = lost_ack(engine, monkeypatch, lambda: engine.signal(run_id, "go", "done"))
-    assert outcome == Outcome(run_id=run_id, finished=RunStatus.SUCCEEDED, replayed=True)
+    assert outcome == Outcome(run_id=run_id, finished=RunStatus.SUCCEEDED, duplicate=True)
     assert engine.get_run(run_id).output == {"w": "done"}
 
 
@@ -164,7 +164,7 @@ def test_a_delete_whose_acknowledgement_was_lost_returns_what_it_did(engine: Eng
     """The retry finds the run deleted by its own lost attempt: it reports that delete
     (not an earlier one), with the webhook delivery it gave up, and records it once."""
     engine.deploy({"id": "hooked", "webhook_url": "http://127.0.0.1:9/never",
-                   "nodes": [{"id": "w", "type": "WAIT_FOR_EVENT", "event": "go"}]})
+                   "nodes": [{"id": "w", "type": "WAIT_FOR_SIGNAL", "signal": "go"}]})
     run_id = engine.start("hooked")
     engine.signal(run_id, "go")
     done = lost_ack(engine, monkeypatch, lambda: engine.delete_run(run_id))
@@ -182,11 +182,11 @@ def test_two_signals_with_one_key_resolve_at_most_one_node(engine: Engine) -> No
     run_id = engine.start("two_waiters")
     first = engine.signal(run_id, "go", {"n": 1}, key="delivery-42")
     again = engine.signal(run_id, "go", {"n": 2}, key="delivery-42")
-    assert first.applied and not first.replayed
-    assert again.replayed and again.finished is None
+    assert first.applied and not first.duplicate
+    assert again.duplicate and again.finished is None
     assert sorted(states(engine, run_id).values()) == [("COMPLETED", 0), ("WAITING", 0)]
     other = engine.signal(run_id, "go", {"n": 3}, key="delivery-43")
-    assert not other.replayed and states(engine, run_id)["after"] == ("PENDING", 0)
+    assert not other.duplicate and states(engine, run_id)["after"] == ("PENDING", 0)
     signals = [h.detail for h in engine.get_run(run_id).history if h.kind == "signal"]
     assert [d["key"] for d in signals] == ["delivery-42", "delivery-43"]
 
@@ -194,11 +194,11 @@ def test_two_signals_with_one_key_resolve_at_most_one_node(engine: Engine) -> No
 def test_a_keyed_signal_buffered_then_repeated_is_not_buffered_again(engine: Engine) -> None:
     engine.deploy({"id": "late_waiter", "nodes": [
         {"id": "a", "type": "TASK", "task": "t"},
-        {"id": "w1", "type": "WAIT_FOR_EVENT", "event": "go", "depends_on": ["a"]},
-        {"id": "w2", "type": "WAIT_FOR_EVENT", "event": "go", "depends_on": ["a"]}]})
+        {"id": "w1", "type": "WAIT_FOR_SIGNAL", "signal": "go", "depends_on": ["a"]},
+        {"id": "w2", "type": "WAIT_FOR_SIGNAL", "signal": "go", "depends_on": ["a"]}]})
     run_id = engine.start("late_waiter")
     engine.signal(run_id, "go", 1, key="k")
-    assert engine.signal(run_id, "go", 1, key="k").replayed
+    assert engine.signal(run_id, "go", 1, key="k").duplicate
     with engine.pool.connection() as conn:
         row = conn.execute("SELECT count(*) FROM workflow_events WHERE run_id = %s", (run_id,)).fetchone()
     assert row == (1,)
@@ -208,14 +208,14 @@ def test_a_key_repeated_after_the_run_finished_returns_the_first_outcome(engine:
     run_id = engine.start("one_waiter")
     assert engine.signal(run_id, "go", key="k").finished == RunStatus.SUCCEEDED
     again = engine.signal(run_id, "go", key="k")
-    assert again.replayed and again.finished == RunStatus.SUCCEEDED
+    assert again.duplicate and again.finished == RunStatus.SUCCEEDED
     with pytest.raises(Conflict, match="accepts no signals"):    # without the key: a new signal, refused
         engine.signal(run_id, "go")
 
 
 def test_a_key_used_for_another_signal_name_is_a_conflict(engine: Engine) -> None:
-    engine.deploy({"id": "two_names", "nodes": [{"id": "x", "type": "WAIT_FOR_EVENT", "event": "x"},
-                                                {"id": "y", "type": "WAIT_FOR_EVENT", "event": "y"}]})
+    engine.deploy({"id": "two_names", "nodes": [{"id": "x", "type": "WAIT_FOR_SIGNAL", "signal": "x"},
+                                                {"id": "y", "type": "WAIT_FOR_SIGNAL", "signal": "y"}]})
     run_id = engine.start("two_names")
     engine.signal(run_id, "x", key="k")
     with pytest.raises(Conflict, match="this signal key was used for signal 'x', not 'y'"):
@@ -244,7 +244,7 @@ def test_concurrent_calls_with_one_key_resolve_one_node(engine: Engine) -> None:
         t.start()
     for t in threads:
         t.join(30)
-    assert sorted(o.replayed for o in outcomes) == [False, True, True]
+    assert sorted(o.duplicate for o in outcomes) == [False, True, True]
     assert sorted(states(engine, run_id).values()) == [("COMPLETED", 0), ("WAITING", 0)]
 
 

@@ -76,11 +76,11 @@ def test_insert_run_needs_a_live_definition(conn: Any) -> None:
 
 def test_load_tasks_and_outputs(conn: Any, run_id: str) -> None:
     _task(conn, run_id, "a", state="COMPLETED", output={"tier": "gold"})
-    _task(conn, run_id, "w", state="WAITING", node_type="WAIT_FOR_EVENT", event_name="go")
+    _task(conn, run_id, "w", state="WAITING", node_type="WAIT_FOR_SIGNAL", signal_name="go")
     _task(conn, run_id, "s", state="COMPLETED", node_type="SWITCH", branches=["x"])
     _, loaded = runs.lock_and_load(conn, run_id)
     assert set(loaded) == {"a", "w", "s"}
-    assert loaded["w"].event_name == "go" and loaded["a"].event_name is None
+    assert loaded["w"].signal_name == "go" and loaded["a"].signal_name is None
     assert loaded["s"].branches == ["x"]
     assert runs.load_outputs(conn, run_id, ["a", "w"]) == {"a": {"tier": "gold"}}
     assert runs.load_outputs(conn, run_id, []) == {}
@@ -102,10 +102,10 @@ def test_insert_tasks_and_enqueue_write_every_column_as_given(conn: Any, run_id:
                          ("false", "default", False), ("none", "default", None),
                          ('q"uo\\te', "default", {"k": ['é', None, 1.5]})])]
     rows.append(NewTask(task_id=f"{run_id[:8]}-w", node_id="w", node_type="WAIT", queue=None, state="WAITING",
-                        wake_at=wake, event_name="go", branches=["x", "y"], error="boom", output={"o": 1}))
+                        wake_at=wake, signal_name="go", branches=["x", "y"], error="boom", output={"o": 1}))
     assert tasks.insert_tasks(conn, run_id, rows, now=now) == {r.node_id for r in rows}
     got = {r[0]: r[1:] for r in conn.execute(
-        "SELECT node_id, input_json, input_json IS NULL, queue, wake_at, event_name, branches, last_error,"
+        "SELECT node_id, input_json, input_json IS NULL, queue, wake_at, signal_name, branches, last_error,"
         " output_json, scheduled_at FROM task_instances WHERE run_id = %s", (run_id,))}
     assert got["zero"][:3] == (0, False, "default") and got["empty"][:2] == ("", False)
     assert got["list"][:3] == ([], False, None) and got["false"][:2] == (False, False)

@@ -1,0 +1,105 @@
+"""The archive manifest: what a month's archive holds (``DIR/YYYYMM/manifest.json``).
+
+Value types and the reader of that one file; no database. Writing and verifying an
+archive is ``engine.archive``.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from composer_ops.core.runids import month_start
+from composer_ops.errors import ComposerError
+
+__all__ = ["FORMAT", "MANIFEST", "RENAMED_COLUMNS", "BadArchive", "Manifest", "TableArchive", "current_column",
+           "month_dir", "read_manifest"]
+
+#: The manifest's ``format``: readers refuse any other.
+FORMAT = "composer-archive/1"
+MANIFEST = "manifest.json"
+
+
+class BadArchive(ComposerError):
+    """An archive that is missing, partial or does not match its manifest."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class TableArchive:
+    """One table's file in an archive."""
+
+    table: str
+    partition: str
+    file: str
+    rows: int
+    sha256: str                  # of the file's bytes
+    content_sha256: str          # of the rows, in key order (engine.archive)
+    fingerprint: str             # the database's (repo.archive.fingerprint) at export
+    columns: list[dict[str, str]]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Manifest:
+    """What an archive holds; ``manifest.json``."""
+
+    format: str
+    month: str
+    lower_bound: str
+    upper_bound: str
+    created_at: str
+    schema_version: int
+    tables: list[TableArchive] = field(default_factory=list)
+
+    @property
+    def rows(self) -> int:
+        return sum(t.rows for t in self.tables)
+
+    def table(self, name: str) -> TableArchive | None:
+        return next((t for t in self.tables if t.table == name), None)
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=2, sort_keys=False) + "\n"
+
+    @classmethod
+    def from_json(cls, text: str, where: Path) -> Manifest:
+        try:
+            doc = json.loads(text)
+            if doc.get("format") != FORMAT:
+                raise BadArchive(f"{where}: format {doc.get('format')!r} is not {FORMAT!r}")
+            tables = [TableArchive(**t) for t in doc.pop("tables")]
+            return cls(**doc, tables=tables)
+        except BadArchive:
+            raise
+        except (ValueError, TypeError, KeyError, AttributeError) as exc:
+            raise BadArchive(f"{where}: not a readable archive manifest ({exc})") from None
+
+
+def month_dir(directory: Path, month: str) -> Path:
+    """Where the archive of ``month`` (YYYYMM) lives under ``directory``."""
+    month_start(month)   # Invalid unless YYYYMM
+    return directory / month
+
+
+def read_manifest(path: Path) -> Manifest:
+    """The manifest of the archive directory ``path``; :class:`BadArchive` if there is
+    none or it cannot be read."""
+    file = Path(path) / MANIFEST
+    try:
+        text = file.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise BadArchive(f"{path}: no {MANIFEST} (not an archive, or a partial one)") from None
+    except OSError as exc:
+        raise BadArchive(f"{file}: cannot read it ({exc})") from None
+    return Manifest.from_json(text, file)
+
+
+#: Columns renamed since an archive may have been written (V006): table -> {old spelling:
+#: current name}. Restore and the archived run story read old archives by current names.
+RENAMED_COLUMNS: Mapping[str, Mapping[str, str]] = {"task_instances": {"event_name": "signal_name"}}  # old spelling
+
+
+def current_column(table: str, column: str) -> str:
+    """The name ``column`` of ``table`` in an archive has in the current schema."""
+    return RENAMED_COLUMNS.get(table, {}).get(column, column)
