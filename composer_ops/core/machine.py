@@ -13,11 +13,12 @@ from __future__ import annotations
 import dataclasses
 import json
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
-from datetime import UTC, datetime, timedelta
+from datetime import datetime, timedelta
 from typing import Any, Protocol
 
-from composer_ops.core import children, mapnode, model, rerun
+from composer_ops.core import children, mapnode, model, rerun, signals
 from composer_ops.core.expressions import is_ref, parse_ref, referenced_nodes, resolve, resolve_ref
+from composer_ops.core.instants import RANGE_TEXT, instant_in_range
 from composer_ops.core.model import (
     ACTIVE_RUN_STATUSES,
     ACTIVE_TASK_STATES,
@@ -34,8 +35,8 @@ from composer_ops.core.model import (
     TaskState,
 )
 from composer_ops.core.retry import retry_decision
-from composer_ops.core.spec import RANGE_TEXT, NodeSpec, instant_in_range
-from composer_ops.errors import Conflict, Invalid
+from composer_ops.core.spec import NodeSpec
+from composer_ops.errors import Conflict
 
 __all__ = ["Store", "decide"]
 
@@ -65,7 +66,6 @@ _NODE_FIELDS = tuple(f.name for f in dataclasses.fields(NodeState))
 
 
 #: Sorts a node whose creation time is unknown before every known one.
-_EARLIEST = datetime.min.replace(tzinfo=UTC)
 
 
 def _seconds(value: float) -> str:
@@ -251,7 +251,7 @@ class Decider:
             elif node.type is NodeType.SUB_WORKFLOW:
                 children.create_child(self, node)
             else:
-                self.create_wait_for_event(node)
+                signals.create_waiter(self, node)
         self.finish_if_done()
 
     def finish_if_done(self) -> None:
@@ -327,16 +327,6 @@ class Decider:
             self.node_failed(node.id, f"node {json.dumps(node.id)} failed: {error}")
             return
         self.create(node, TaskState.WAITING, wake_at=wake_at)
-
-    def create_wait_for_event(self, node: NodeSpec) -> None:
-        assert node.signal_name is not None
-        signal = self.take_signal(node.signal_name)
-        if signal is not None:
-            self.create(node, TaskState.COMPLETED, output=signal.payload, signal_name=node.signal_name)
-            self.actions.append(model.ConsumeSignal(signal_id=signal.id))
-            return
-        wake_at = None if node.timeout_s is None else self.now + timedelta(seconds=node.timeout_s)
-        self.create(node, TaskState.WAITING, wake_at=wake_at, signal_name=node.signal_name)
 
     # -- events -------------------------------------------------------------
 
@@ -495,65 +485,6 @@ class Decider:
         self.set_state(node.id, TaskState.FAILED)
         self.node_failed(node.id, f"node {json.dumps(node.id)} failed: {error}")
 
-    def signal_received(self, event: model.SignalReceived) -> Decision:
-        """Resolve the earliest-created node waiting for the signal, else buffer it.
-
-        Timeouts are judged by the database clock now, not by whether the timer loop
-        has run: a waiter whose timeout has passed is resolved as its timer would
-        resolve it, and the signal goes on to the next waiter. A signal that is buffered
-        is available to nodes this decision creates (a waiter behind a timed-out node).
-        """
-        run = self.run
-        if run.status not in ACTIVE_RUN_STATUSES:
-            raise Conflict(f"run {run.id} is {run.status}; it accepts no signals")
-        nodes = self.spec.nodes.values()
-        if not any(n.type is NodeType.WAIT_FOR_SIGNAL and n.signal_name == event.name for n in nodes):
-            raise Invalid(
-                f"run {run.id}: workflow {json.dumps(run.workflow_id)} version {run.workflow_version} "
-                f"has no WAIT_FOR_SIGNAL node for signal {json.dumps(event.name)}"
-            )
-        waiters = sorted(
-            (
-                (slot.created_at or _EARLIEST, slot.task_id, node_id)
-                for node_id, slot in self.slots.items()
-                if slot.state is TaskState.WAITING
-                and slot.signal_name == event.name
-                and node_id in self.spec.nodes
-                and self.spec.nodes[node_id].type is NodeType.WAIT_FOR_SIGNAL
-            ),
-        )
-        for _, task_id, node_id in waiters:
-            slot = self.slots[node_id]
-            if slot.wake_at is not None and slot.wake_at <= self.now:
-                self.wake(self.spec.nodes[node_id])
-                if self.finished:
-                    self.refused = (f"run {run.id} failed before the signal {json.dumps(event.name)} arrived: "
-                                    f"node {json.dumps(node_id)} timed out at {slot.wake_at.isoformat()}")
-                    return self.decision()
-                continue
-            self.actions.append(
-                model.ResolveWait(task_id=task_id, node_id=node_id, state=TaskState.COMPLETED, output=event.payload)
-            )
-            self.set_state(node_id, TaskState.COMPLETED, output=event.payload)
-            break
-        else:
-            signal = Signal(id=self.new_id(), name=event.name, payload=event.payload)
-            buffer_at = len(self.actions)
-            self.actions.append(model.BufferSignal(signal_id=signal.id, name=signal.name, payload=signal.payload))
-            self.buffered(event.name).append(signal)
-            self.advance()
-            if self.finished and signal.id not in self.consumed:
-                # The timeouts resolved above finished the run: by the database clock it
-                # was over before the signal arrived, so the signal is not kept.
-                del self.actions[buffer_at]
-                finish = self.decision().finish
-                status = finish.status if finish is not None else "finished"
-                self.refused = (f"run {run.id} was {status} before the signal {json.dumps(event.name)} "
-                                "arrived: its waiters had timed out")
-            return self.decision()
-        self.advance()
-        return self.decision()
-
     def cancel_run(self, event: model.CancelRun) -> Decision:
         run = self.run
         if run.status not in ACTIVE_RUN_STATUSES:
@@ -586,7 +517,7 @@ def decide(run: RunSnapshot, event: model.Event, store: Store, new_id: Callable[
         raise ValueError(f"event.now must be timezone-aware, got {event.now!r}")
     decider = Decider(run, store, new_id, event.now)
     if isinstance(event, model.SignalReceived):
-        return decider.signal_received(event)
+        return signals.signal_received(decider, event)
     if isinstance(event, model.CancelRun):
         return decider.cancel_run(event)
     if isinstance(event, model.RetryRun):

@@ -14,19 +14,18 @@ import math
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
 from typing import Any
 from urllib.parse import urlsplit
 
 from composer_ops.core.expressions import NODE_ID_PATTERN, is_ref, iter_refs, parse_ref
 from composer_ops.core.flow import FLOW_KEYS, NO_FLOW, FlowControl, flow_refs, parse_flow
 from composer_ops.core.graph import ancestors, find_cycle, topological_order
+from composer_ops.core.instants import RANGE_TEXT, instant_in_range, parse_instant
 from composer_ops.core.model import NodeType
 from composer_ops.core.retry import DEFAULT_RETRY, RetryPolicy
 from composer_ops.errors import Invalid
 
-__all__ = ["EARLIEST_INSTANT", "ID_PATTERN", "LATEST_INSTANT", "NodeSpec", "WorkflowSpec", "instant_in_range",
-           "parse_spec", "spec_from_json"]
+__all__ = ["ID_PATTERN", "NodeSpec", "WorkflowSpec", "parse_spec", "spec_from_json"]
 
 #: Workflow ids and queue names. Node ids follow ``NODE_ID_PATTERN`` (no dots).
 ID_PATTERN = re.compile(r"[A-Za-z0-9_.-]{1,128}")
@@ -263,32 +262,6 @@ def _check_ref(text: str, where: str) -> None:
         raise Invalid(f"{where}: {exc}") from None
 
 
-#: The instants a WAIT may wake at: what the database stores and every session reads back.
-#: PostgreSQL keeps 4713 BC to 294276 AD, but the driver reads a timestamp into a Python
-#: datetime (years 1 to 9999) shown in the session's TimeZone (up to 16 hours off UTC),
-#: so a day's margin is kept at each end.
-EARLIEST_INSTANT = datetime(1, 1, 2, tzinfo=UTC)
-LATEST_INSTANT = datetime(9999, 12, 30, 23, 59, 59, 999999, tzinfo=UTC)
-RANGE_TEXT = "0001-01-02T00:00:00Z to 9999-12-30T23:59:59Z"
-
-
-def instant_in_range(ts: datetime) -> bool:
-    """Whether an aware instant is one the database stores and reads back (see
-    ``EARLIEST_INSTANT``); an offset that pushes it past year 9999 is out of range."""
-    try:
-        return EARLIEST_INSTANT <= ts.astimezone(UTC) <= LATEST_INSTANT
-    except (OverflowError, ValueError):
-        return False
-
-
-def _parse_instant(text: str) -> datetime | None:
-    try:
-        ts = datetime.fromisoformat(text)
-    except ValueError:
-        return None
-    return ts if ts.tzinfo is not None and ts.utcoffset() is not None else None
-
-
 def _parse_retry(value: Any, where: str) -> RetryPolicy:
     if not isinstance(value, dict):
         raise Invalid(f"{where}: retry must be an object, got {_q(value)}")
@@ -348,7 +321,8 @@ def _parse_node(raw: Any, index: int, seen: set[str], stored: bool = False) -> N
     allowed = _COMMON_KEYS | _TYPE_KEYS[node_type]
     for key in raw:
         if key not in allowed:
-            other = [str(t) for t, keys in _TYPE_KEYS.items() if key in keys]
+            other = [str(t) for t, keys in _TYPE_KEYS.items()
+                     if key in keys or key in _KEY_ALIASES.get(t, {})]
             hint = f" (it belongs to {' / '.join(other)} nodes)" if other else ""
             raise Invalid(f"{where}: unknown key {_q(key)} for a {node_type} node{hint}")
 
@@ -420,7 +394,7 @@ def _parse_node(raw: Any, index: int, seen: set[str], stored: bool = False) -> N
         until = raw["until"]
         if is_ref(until):
             _check_ref(until, f"{where}: until")
-        elif not isinstance(until, str) or (instant := _parse_instant(until)) is None:
+        elif not isinstance(until, str) or (instant := parse_instant(until)) is None:
             raise Invalid(
                 f"{where}: until must be an ISO-8601 instant with a time zone "
                 f"(like 2030-01-01T00:00:00Z) or a $. reference, got {_q(until)}"

@@ -9,8 +9,9 @@ from datetime import UTC, datetime
 
 import pytest
 
+from composer_ops.core.instants import EARLIEST_INSTANT, LATEST_INSTANT, instant_in_range
 from composer_ops.core.model import TaskState
-from composer_ops.core.spec import EARLIEST_INSTANT, LATEST_INSTANT, instant_in_range, parse_spec
+from composer_ops.core.spec import parse_spec
 from composer_ops.errors import Invalid
 from tests.unit.machine_sim import Sim, kinds, task, wf
 
