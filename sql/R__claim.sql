@@ -5,7 +5,9 @@
 --   0. it takes a transaction-scoped advisory lock on its claim ID: a claim retried after
 --      a lost acknowledgement takes the same lock before it looks for its 'claimed'
 --      history rows, so it waits for a first attempt still executing or committing and
---      then finds what that attempt claimed (docs/reliability.md);
+--      then finds what that attempt claimed (docs/reliability.md); the retry also fences
+--      the claim ID (claim_fences), and an attempt that gets the lock after a fence
+--      committed (its statement reached the server late) claims nothing;
 --   1. a listening worker registers itself in task_waiters (its queues, task names and
 --      wake channel) before it takes any outbox row, so a claim that waits there (an
 --      enqueuer is deleting the same row and has not committed) holds nothing yet;
@@ -55,6 +57,11 @@ BEGIN
     -- lock_claim), waits for this attempt and then sees what it did. Two int4 keys: a
     -- space of their own, apart from one-bigint keys such as hashtext('composer_partitions').
     PERFORM pg_advisory_xact_lock(hashtext('composer_claim'), hashtext(p_claim));
+    -- A new statement, so a new snapshot: it sees a fence its retry committed while
+    -- this attempt waited for the lock, or before this attempt reached the server.
+    IF EXISTS (SELECT 1 FROM claim_fences f WHERE f.claim = p_claim) THEN
+        RETURN;
+    END IF;
     IF p_channel IS NOT NULL THEN
         INSERT INTO task_waiters (worker, channel, queues, task_names)
         VALUES (p_owner, p_channel, p_queues, p_names)

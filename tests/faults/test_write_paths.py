@@ -436,13 +436,29 @@ def _buffered_once(b: Rig, state: tuple[str, str], result: Result) -> list[str]:
     return _applied(result) + ([] if rows == 1 else [f"the signal was buffered {rows} times"])
 
 
-def _claimed_by_its_holder(b: Rig, run_id: str, result: Result) -> list[str]:
+def _two_ready(b: Rig) -> tuple[str, str]:
+    """A fresh run whose first task a claim takes, and a second run whose task is ready
+    behind it: the claim asks for one, so a first attempt that reaches the server after
+    its retry committed has a task to take, which no caller would hear of."""
+    run_id = _fresh_run(b, "f-chain")
+    return run_id, b.direct.start("f-chain")
+
+
+def _claimed_by_its_holder(b: Rig, state: tuple[str, str], result: Result) -> list[str]:
     """Whatever the claim returns, the task must end up run exactly by an attempt
     that holds it, and the run must go on: a claim whose acknowledgement was lost
     leaves the task leased to nobody, which the lease sweeper must re-queue without
-    counting it as a failed attempt (the default policy allows one attempt)."""
+    counting it as a failed attempt (the default policy allows one attempt). No task is
+    leased to the caller but those the claim returned (a held first attempt that
+    reached the server after its retry committed must take nothing)."""
+    run_id, other = state
     problems = _raised(result)
     claims = result.value or []
+    leased = set(b.sql("SELECT run_id, id FROM task_instances WHERE state = 'RUNNING' AND lease_owner = 'w-proxied'"))
+    if leased - {(c.run_id, c.task_id) for c in claims}:
+        problems.append(f"tasks leased to the caller that the claim did not return: "
+                        f"{sorted(leased - {(c.run_id, c.task_id) for c in claims})}")
+    b.direct.cancel(other, reason="case done")
     for c in claims:
         row = b.sql("SELECT state, attempt, lease_owner FROM task_instances WHERE run_id = %s AND id = %s",
                     (c.run_id, c.task_id))[0]
@@ -612,8 +628,7 @@ PATHS = [
     WritePath("cancel", lambda b: b.direct.start("f-chain"),
               lambda b, run_id: b.engine.cancel(run_id, reason="by test"), _leaves(status="CANCELLED")),
     # the worker's writes
-    WritePath("claim", lambda b: _fresh_run(b, "f-chain"), lambda b, _: b.engine.claim(["fq"], "w-proxied", 1),
-              _claimed_by_its_holder),
+    WritePath("claim", _two_ready, lambda b, _: b.engine.claim(["fq"], "w-proxied", 1), _claimed_by_its_holder),
     WritePath("complete", _claimed("f-chain"), lambda b, s: b.engine.complete(s.claim, {"done": True}),
               _leaves(tasks={"a": ("COMPLETED", 0), "b": ("PENDING", 0)}, outbox=[("b", 0)])),
     WritePath("fail (retried)", _claimed("f-retried"), lambda b, s: b.engine.fail(s.claim, "boom", retryable=True),

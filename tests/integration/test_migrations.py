@@ -42,7 +42,8 @@ def test_a_fresh_install_equals_every_release_applied_in_turn(empty_db_url: str,
         applied = migrate(empty_db_url, target=mig.version)
         assert [a.filename for a in applied] == [mig.filename] + [r.filename for r in discover_repeatable()]
         _forget_repeatable(empty_db_url)
-        assert [a.filename for a in migrate(empty_db_url)] == [r.filename for r in discover_repeatable()]
+        again = migrate(empty_db_url, target=mig.version)
+        assert [a.filename for a in again] == [r.filename for r in discover_repeatable()]
     assert differences(snapshot(empty_db_url), snapshot(fresh_url)) == {}
 
 
