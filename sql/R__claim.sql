@@ -67,14 +67,19 @@ BEGIN
         VALUES (p_owner, p_channel, p_queues, p_names)
         ON CONFLICT (worker) DO NOTHING;
     END IF;
-    WITH picked AS (
+    -- The pick runs once (MATERIALIZED): as a subquery the planner could rescan it on
+    -- the inner side of a nested loop (statistics of a drained outbox: one page, no rows),
+    -- each run skipping the rows this statement had deleted, and take every ready row.
+    WITH s AS MATERIALIZED (
+        SELECT id FROM task_outbox
+         WHERE queue = ANY(p_queues) AND available_at <= NOW()
+           AND (p_names IS NULL OR task_name = ANY(p_names))
+         ORDER BY available_at, id
+         LIMIT p_limit
+           FOR UPDATE SKIP LOCKED
+    ), picked AS (
         DELETE FROM task_outbox o
-         USING (SELECT id FROM task_outbox
-                 WHERE queue = ANY(p_queues) AND available_at <= NOW()
-                   AND (p_names IS NULL OR task_name = ANY(p_names))
-                 ORDER BY available_at, id
-                 LIMIT p_limit
-                   FOR UPDATE SKIP LOCKED) s
+         USING s
          WHERE o.id = s.id
         RETURNING o.run_id, o.task_id, o.attempt, o.task_name, o.lease_s, o.queue)
     SELECT array_agg(picked.run_id), array_agg(picked.task_id), array_agg(picked.attempt),
