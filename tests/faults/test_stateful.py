@@ -276,8 +276,12 @@ def test_the_engine_under_faults_does_what_the_machine_decides(b: Bench) -> None
                   ([r for r, _ in ready], [n for _, n in ready]))
             got = self.faulted(fault, lambda: b.engine.claim([QUEUE], owner, 1), f"claim {owner}")
             assert isinstance(got, list), f"claim failed: {got!r}"
-            assert [(c.run_id, c.node_id) for c in got] in ([], ready[:1]), (
-                f"the claim took {got}, the model's next task is {ready[0]}\n" + "\n".join(self.steps[-15:]))
+            if [(c.run_id, c.node_id) for c in got] not in ([], ready[:1]):
+                claims = b.sql("SELECT run_id, task_id, attempt, worker, request, at FROM run_history "
+                               "WHERE kind = 'claimed' AND run_id = ANY(%s) ORDER BY at",
+                               ([c.run_id for c in got],))
+                raise AssertionError(f"the claim took {got}, the model's next task is {ready[0]}; "
+                                     f"their claims: {claims}\n" + "\n".join(self.steps[-15:]))
             for c in got:
                 model = self.models[c.run_id]
                 row = model.rows[c.node_id]
