@@ -5,7 +5,9 @@
 --   0. it takes a transaction-scoped advisory lock on its claim ID: a claim retried after
 --      a lost acknowledgement takes the same lock before it looks for its 'claimed'
 --      history rows, so it waits for a first attempt still executing or committing and
---      then finds what that attempt claimed (docs/reliability.md);
+--      then finds what that attempt claimed (docs/reliability.md); the retry also fences
+--      the claim ID (claim_fences), and an attempt that gets the lock after a fence
+--      committed (its statement reached the server late) claims nothing;
 --   1. a listening worker registers itself in task_waiters (its queues, task names and
 --      wake channel) before it takes any outbox row, so a claim that waits there (an
 --      enqueuer is deleting the same row and has not committed) holds nothing yet;
@@ -134,6 +136,11 @@ BEGIN
     -- lock_claim), waits for this attempt and then sees what it did. Two int4 keys: a
     -- space of their own, apart from one-bigint keys such as hashtext('composer_partitions').
     PERFORM pg_advisory_xact_lock(hashtext('composer_claim'), hashtext(p_claim));
+    -- A new statement, so a new snapshot: it sees a fence its retry committed while
+    -- this attempt waited for the lock, or before this attempt reached the server.
+    IF EXISTS (SELECT 1 FROM claim_fences f WHERE f.claim = p_claim) THEN
+        RETURN;
+    END IF;
     IF p_channel IS NOT NULL THEN
         INSERT INTO task_waiters (worker, channel, queues, task_names)
         VALUES (p_owner, p_channel, p_queues, p_names)
@@ -162,16 +169,22 @@ BEGIN
             room := LEAST(room, p_limit - COALESCE(array_length(runs, 1), 0));
         END IF;
         CONTINUE WHEN pick_queues IS NULL OR room <= 0;
-        WITH picked AS (
+        -- The pick runs once (MATERIALIZED): as a subquery the planner could rescan it on
+        -- the inner side of a nested loop (statistics of a drained outbox: one page, no
+        -- rows), each run skipping the rows this statement had deleted, and take every
+        -- ready row (and call composer_flow_ok again for rows it had counted).
+        WITH s AS MATERIALIZED (
+            SELECT id FROM task_outbox
+             WHERE queue = ANY(pick_queues) AND available_at <= NOW()
+               AND (p_names IS NULL OR task_name = ANY(p_names))
+               AND CASE WHEN ckey IS NULL AND rkey IS NULL THEN true
+                        ELSE composer_flow_ok(ckey, climit, rkey, rate_per_s, rate_burst) END
+             ORDER BY priority DESC, available_at, id
+             LIMIT room
+               FOR UPDATE SKIP LOCKED
+        ), picked AS (
             DELETE FROM task_outbox o
-             USING (SELECT id FROM task_outbox
-                     WHERE queue = ANY(pick_queues) AND available_at <= NOW()
-                       AND (p_names IS NULL OR task_name = ANY(p_names))
-                       AND CASE WHEN ckey IS NULL AND rkey IS NULL THEN true
-                                ELSE composer_flow_ok(ckey, climit, rkey, rate_per_s, rate_burst) END
-                     ORDER BY priority DESC, available_at, id
-                     LIMIT room
-                       FOR UPDATE SKIP LOCKED) s
+             USING s
              WHERE o.id = s.id
             RETURNING o.run_id, o.task_id, o.attempt, o.task_name, o.lease_s, o.queue, o.max_run_s, o.ckey)
         SELECT runs || array_agg(picked.run_id), ids || array_agg(picked.task_id),

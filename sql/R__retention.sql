@@ -115,9 +115,12 @@ LANGUAGE sql STABLE AS $$
     SELECT * FROM composer_retention_plan(older_than, exact_rows, INTERVAL '1 hour')
 $$;
 
--- Lock every month the plan would drop (ACCESS EXCLUSIVE on its partitions, in
--- composer_run_tables() order, as the engine writes them), judge again under those
--- locks, and drop only what is still due: a start that committed into such a month
+-- Lock every month the plan would drop (ACCESS EXCLUSIVE on the run tables themselves,
+-- then on the month's partitions, each in composer_run_tables() order, as the engine
+-- writes them), judge again under those locks, and drop only what is still due. Parents
+-- first, as repo/retention.py lock_months and PostgreSQL's own DROP and DETACH take
+-- them: a drop holding a month while it waits for a parent would deadlock with a reader
+-- holding the parent on its way to the month. A start that committed into such a month
 -- while the lock was awaited is seen; one that comes later waits for the lock and then
 -- finds no partition (refused, never lost; tests/integration/test_retention_races.py).
 -- The tables other than workflow_runs are dropped first, then workflow_runs' month is
@@ -137,6 +140,11 @@ BEGIN
     FOR p IN SELECT plan.month, plan.partitions FROM composer_retention_plan(older_than, false, min_age) plan
               WHERE plan.action = 'drop' ORDER BY plan.month
     LOOP
+        IF locked = ARRAY[]::TEXT[] THEN             -- the parents once, before any month
+            FOREACH tbl IN ARRAY composer_run_tables() LOOP
+                EXECUTE format('LOCK TABLE ONLY %I IN ACCESS EXCLUSIVE MODE', tbl);
+            END LOOP;
+        END IF;
         FOREACH part IN ARRAY p.partitions LOOP      -- in composer_run_tables() order
             EXECUTE format('LOCK TABLE %I IN ACCESS EXCLUSIVE MODE', part);
         END LOOP;

@@ -340,14 +340,23 @@ class Engine:
                     # committing on the server; it holds this lock until it is done.
                     outbox.lock_claim(conn, request.id)
                     earlier = outbox.claimed_by(conn, owner, request.id)
+                    # An earlier attempt whose statement has not reached the server yet
+                    # holds no lock: the fence, committed with this attempt, makes it
+                    # claim nothing when it does (after this attempt's own claim below,
+                    # which the fence must not stop).
                     if earlier:
+                        outbox.fence_claim(conn, request.id)
                         log.info("claim %s by %s was committed before its acknowledgement was lost: %d task(s)",
                                  request.id, owner, len(earlier), extra={"action": "claim"})
                         return earlier
                 if on_citus:
-                    return citus.claim(conn, queues, owner, limit, task_names=task_names, claim_id=request.id)
-                return outbox.claim(conn, queues, owner, limit, task_names=task_names, claim_id=request.id,
-                                    wake=wake, room=room)
+                    claims = citus.claim(conn, queues, owner, limit, task_names=task_names, claim_id=request.id)
+                else:
+                    claims = outbox.claim(conn, queues, owner, limit, task_names=task_names, claim_id=request.id,
+                                          wake=wake, room=room)
+                if look:
+                    outbox.fence_claim(conn, request.id)
+                return claims
 
     def complete(self, claim: Claim, output: Any) -> Outcome:
         ref = _task_ref(claim)

@@ -36,6 +36,7 @@ _PICK = """
      WHERE queue = ANY(%(queues)s) AND available_at <= now()
        AND (%(names)s::text[] IS NULL OR task_name = ANY(%(names)s::text[]))
        AND NOT EXISTS (SELECT 1 FROM queue_settings s WHERE s.queue = task_outbox.queue AND s.paused)   -- paused
+       AND NOT EXISTS (SELECT 1 FROM claim_fences f WHERE f.claim = %(claim)s)
        -- lease_s: never past start_to_close (max_run_s); queue limits (max_running) are not applied here
      ORDER BY priority DESC, available_at, id
      LIMIT %(limit)s
@@ -91,13 +92,14 @@ def claim(conn: Conn, queues: Sequence[str], owner: str, limit: int,
     or is seen at an earlier attempt, is kept and put back by :data:`KEPT_DELAY`, so
     the rows behind it are picked meanwhile. Its first statement takes the claim's
     advisory lock (:func:`~composer_ops.repo.outbox.lock_claim`, on the coordinator), so
-    a retry of the claim waits for it. Three round trips; the clock is read once, on the
-    coordinator."""
+    a retry of the claim waits for it; a claim ID its retry fenced off picks nothing
+    (:func:`~composer_ops.repo.outbox.fence_claim`). Three round trips; the clock is
+    read once, on the coordinator."""
     with conn.cursor() as clock_cur, conn.cursor(row_factory=dict_row) as pick:
         with conn.pipeline():
             lock_claim(conn, claim_id)          # first, as the single-server claim (sql/R__claim.sql)
             clock_cur.execute(clock.NOW)
-            pick.execute(_PICK, {"queues": list(queues), "limit": limit,
+            pick.execute(_PICK, {"queues": list(queues), "limit": limit, "claim": claim_id,
                                  "names": list(task_names) if task_names is not None else None})
         now_row = clock_cur.fetchone()
         picked = pick.fetchall()

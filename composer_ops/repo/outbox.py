@@ -125,6 +125,17 @@ def lock_claim(conn: Conn, claim_id: str) -> None:
     conn.execute(_LOCK_CLAIM, {"claim": claim_id})
 
 
+def fence_claim(conn: Conn, claim_id: str) -> None:
+    """Fence claim ``claim_id`` off, in the caller's transaction: an attempt of it that
+    reaches the server once this commits claims nothing (``claim_fences``, checked by
+    the claim after its advisory lock). What a retried claim writes after it looked and
+    claimed, under :func:`lock_claim`. Fences older than a day go in the same statement."""
+    conn.execute("""
+        WITH old AS (DELETE FROM claim_fences WHERE at < now() - interval '1 day')
+        INSERT INTO claim_fences (claim) VALUES (%(claim)s) ON CONFLICT (claim) DO NOTHING""",
+                 {"claim": claim_id})
+
+
 def claimed_by(conn: Conn, owner: str, claim_id: str) -> list[Claim]:
     """The tasks claim ``claim_id`` took for ``owner`` that ``owner`` still holds: what a
     claim retried after a lost acknowledgement returns instead of claiming again. Reads

@@ -4,7 +4,9 @@
 *requests* (everything up to a ``Sync`` or a simple ``Query``), recording each in
 :attr:`FaultProxy.requests`. One fault is armed at a time, at the Nth request or the
 first whose SQL matches: ``DROP_BEFORE``; ``LOSE_ACK`` (the server completes it, the
-connection is cut as it reports the result); ``RESTART_BEFORE`` / ``RESTART_AFTER`` (the
+connection is cut as it reports the result; a ``COPY ... FROM STDIN``, which completes
+only once the client sent the rows, as the server asks for them); ``RESTART_BEFORE`` /
+``RESTART_AFTER`` (the
 same, with the server restarted); ``HOLD_COMMIT`` (held back while the client is cut and
 the server's transaction keeps its locks; sent once another connection has waited
 ``hold_blocked_s`` or is about to commit, on :meth:`FaultProxy.release`, or after
@@ -406,6 +408,11 @@ class FaultProxy:
         elif kind == b"G":
             pipe.copy_in = True
         withheld = head is not None and head is pipe.withhold
+        # A COPY FROM STDIN is answered with CopyInResponse ('G'), and the server completes
+        # it only once the rows came: for a request cut after it reached the server (its
+        # reply withheld, or held with its client gone), that answer is the last the server
+        # gives before it waits on the client, so the connection is closed there.
+        copy_in = kind == b"G"
         if kind == b"Z":
             pipe.status = chr(msg[5])
             if not pipe.ready:
@@ -413,13 +420,17 @@ class FaultProxy:
             elif head is not None:
                 pipe.inflight.popleft()
                 head.status_after = pipe.status
-        if withheld and head is not None and (kind == b"Z" or (kind == b"C" and head.tags[-1:] == ["COMMIT"])):
+        if withheld and head is not None and (kind == b"Z" or copy_in
+                                              or (kind == b"C" and head.tags[-1:] == ["COMMIT"])):
             if not head.status_after and kind == b"C":
                 head.status_after = "I"
             self._fire(pipe, head)
             return False
         hold = self._hold
         if hold is not None and hold.pipe is pipe:
+            if copy_in and head is hold.request:
+                self._close(pipe)         # no client to send the rows: answered (see _close)
+                return False
             if kind == b"Z" and head is hold.request and hold.released_at is not None:
                 hold.answered.set()       # the held request's answer is drained: the attempt is over
                 self._close(pipe)

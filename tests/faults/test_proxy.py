@@ -4,6 +4,7 @@ fault suite relies on, and each fault lands exactly where it says."""
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -220,3 +221,54 @@ def test_a_held_statement_mid_transaction_is_run_then_rolled_back(holding: Fault
     _insert_in_transaction(holding.url(), 3)
     assert holding.wait_released()
     assert _notes(db_url) == {3: "x"}
+
+
+def _copy_rows_in_a_thread(url: str) -> tuple[threading.Thread, dict[str, Any]]:
+    """``COPY proxied FROM STDIN`` of one row, in a thread (a hang must fail the test,
+    never hang it); ``out`` gets the error it raised, or ``done``."""
+    out: dict[str, Any] = {}
+
+    def copy() -> None:
+        try:
+            with psycopg.connect(url) as conn, conn.cursor() as cur, cur.copy("COPY proxied FROM STDIN") as rows:
+                rows.write_row((1, "a"))
+            out["done"] = True
+        except psycopg.Error as exc:
+            out["error"] = exc
+
+    thread = threading.Thread(target=copy, daemon=True)
+    thread.start()
+    return thread, out
+
+
+def _is_copy(request: Any) -> bool:
+    return str(request.text).startswith("COPY")
+
+
+def test_a_lost_acknowledgement_of_a_copy_from_the_client_cuts_it_when_the_server_asks_for_the_rows(
+        proxy: FaultProxy, table: str, db_url: str) -> None:
+    """The server answers ``COPY ... FROM STDIN`` by asking for the rows
+    (CopyInResponse) and completes it only once they came: the fault cuts the
+    connection at that answer (the server rolls the COPY back). Withholding it
+    left the server waiting for rows and the client for the answer, for ever."""
+    proxy.arm(Fault.LOSE_ACK, match=_is_copy)
+    thread, out = _copy_rows_in_a_thread(proxy.url())
+    thread.join(30)
+    assert not thread.is_alive(), "the COPY hung: the server waits for rows, the client for its answer"
+    assert isinstance(out.get("error"), psycopg.OperationalError), out
+    assert proxy.fired is not None and _is_copy(proxy.fired)
+    assert _ids(db_url) == []
+
+
+def test_a_held_copy_from_the_client_is_answered_once_the_server_asks_for_the_rows(
+        proxy: FaultProxy, table: str, db_url: str) -> None:
+    """A held ``COPY ... FROM STDIN`` reaches the server after its client was cut: no
+    one is left to send the rows, so the connection closes when the server asks for
+    them, and the held request counts as answered (the sweep waits for that)."""
+    proxy.arm(Fault.HOLD_COMMIT, match=_is_copy)
+    thread, out = _copy_rows_in_a_thread(proxy.url())
+    thread.join(30)
+    assert not thread.is_alive() and isinstance(out.get("error"), psycopg.OperationalError), out
+    proxy.release()
+    assert proxy.wait_released(30), "the held COPY was never answered"
+    assert _ids(db_url) == []

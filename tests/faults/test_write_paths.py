@@ -650,13 +650,29 @@ def _buffered_once(b: Rig, state: tuple[str, str], result: Result) -> list[str]:
     return _applied(result) + ([] if rows == 1 else [f"the signal was buffered {rows} times"])
 
 
-def _claimed_by_its_holder(b: Rig, run_id: str, result: Result) -> list[str]:
+def _two_ready(b: Rig) -> tuple[str, str]:
+    """A fresh run whose first task a claim takes, and a second run whose task is ready
+    behind it: the claim asks for one, so a first attempt that reaches the server after
+    its retry committed has a task to take, which no caller would hear of."""
+    run_id = _fresh_run(b, "f-chain")
+    return run_id, b.direct.start("f-chain")
+
+
+def _claimed_by_its_holder(b: Rig, state: tuple[str, str], result: Result) -> list[str]:
     """Whatever the claim returns, the task must end up run exactly by an attempt
     that holds it, and the run must go on: a claim whose acknowledgement was lost
     leaves the task leased to nobody, which the lease sweeper must re-queue without
-    counting it as a failed attempt (the default policy allows one attempt)."""
+    counting it as a failed attempt (the default policy allows one attempt). No task is
+    leased to the caller but those the claim returned (a held first attempt that
+    reached the server after its retry committed must take nothing)."""
+    run_id, other = state
     problems = _raised(result)
     claims = result.value or []
+    leased = set(b.sql("SELECT run_id, id FROM task_instances WHERE state = 'RUNNING' AND lease_owner = 'w-proxied'"))
+    if leased - {(c.run_id, c.task_id) for c in claims}:
+        problems.append(f"tasks leased to the caller that the claim did not return: "
+                        f"{sorted(leased - {(c.run_id, c.task_id) for c in claims})}")
+    b.direct.cancel(other, reason="case done")
     for c in claims:
         row = b.sql("SELECT state, attempt, lease_owner FROM task_instances WHERE run_id = %s AND id = %s",
                     (c.run_id, c.task_id))[0]
@@ -922,8 +938,7 @@ PATHS = [
     WritePath("complete (child's last task)", _child_task_claimed, lambda b, s: b.engine.complete(s.claim, "ok"),
               _parent_completed_by_child),
     # the worker's writes
-    WritePath("claim", lambda b: _fresh_run(b, "f-chain"), lambda b, _: b.engine.claim(["fq"], "w-proxied", 1),
-              _claimed_by_its_holder),
+    WritePath("claim", _two_ready, lambda b, _: b.engine.claim(["fq"], "w-proxied", 1), _claimed_by_its_holder),
     WritePath("claim (limited queue)", _limited_run, lambda b, _: b.engine.claim(["fl"], "w-proxied", 2),
               _limit_kept),
     WritePath("claim (concurrency key)", _two_of_one_customer, lambda b, _: b.engine.claim(["fk"], "w-proxied", 2),

@@ -1,6 +1,8 @@
 """A claim retried while its first attempt is still executing or committing on the
 server (its client gave up on the connection) waits for that attempt, then returns the
-tasks it took: none is left RUNNING under a lease its worker never learnt of.
+tasks it took: none is left RUNNING under a lease its worker never learnt of. A first
+attempt that reaches the server only after its retry committed finds the claim fenced
+off and takes nothing.
 
 The first attempt is the claim's statement run by hand on a connection of its own,
 with claim ID ``C``, its transaction left open (a COMMIT held up by fsync or a
@@ -120,3 +122,22 @@ def test_with_no_lease_expiry_allowed_the_run_is_not_failed_by_a_claim_its_worke
     run = engine.get_run(run_id)
     assert run.status == RunStatus.SUCCEEDED, (run.status, [t.error for t in run.tasks])
     assert run.tasks[0].output == {"ran": True}
+
+
+def test_a_first_attempt_that_reaches_the_server_after_its_retry_committed_claims_nothing(
+        engine: Engine, db_url: str, first: psycopg.Connection[Any]) -> None:
+    """The first attempt's statement was held in flight (its client gave up before the
+    server saw it) while the retry looked, claimed and committed; another task became
+    ready since. The late statement must not lease that task to a worker that was told
+    nothing: it claims nothing, and the task stays for the next claim."""
+    run_id = engine.start("once")
+    retry = Retry(engine, "claim-C")
+    retry.thread.join(30)
+    assert retry.error is None and retry.result is not None
+    assert [c.run_id for c in retry.result] == [run_id]
+    later = engine.start("once")
+    late = outbox.claim(first, ["default"], "w1", 1, task_names=["t"], claim_id="claim-C")
+    first.commit()
+    assert late == [], f"the late first attempt claimed {late}"
+    assert engine.get_run(later).tasks[0].state == "PENDING"
+    assert [c.run_id for c in engine.claim(["default"], "w2", 1, ["t"])] == [later]

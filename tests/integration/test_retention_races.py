@@ -1,7 +1,9 @@
 """Retention against the engine's own writes: a run that commits into a month while
 the drop waits for that month is kept; a month that may still receive runs (a client
 run ID can be an hour old) is not judged; a retried drop reports what it dropped;
-the coordinator's optional retention is the same drop."""
+the coordinator's optional retention is the same drop; the drop takes the run tables
+before their months, so a reader on its way from a run table to a month cannot deadlock
+with it."""
 
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ import pytest
 from composer_ops import Engine
 from composer_ops.engine.retention import drop_due_months
 from composer_ops.repo import partitions, retention
-from tests.integration.helpers import uuid7_at
+from tests.integration.helpers import now_utc, uuid7_at
 
 
 def _old_month(db_url: str, month: str = "2025-03-01", *, status: str = "SUCCEEDED") -> str:
@@ -119,3 +121,46 @@ def test_the_coordinator_retention_drops_due_months_and_reports_blocked_ones(db_
     with psycopg.connect(db_url) as conn:
         months = {p.month for p in partitions.list_partitions(conn)}
     assert "202502" not in months and "202503" in months
+
+
+def test_the_drop_function_locks_the_run_tables_before_the_month(db_url: str) -> None:
+    """``composer_drop_partitions`` (the seed's entry point) takes the run tables'
+    locks before the month's, as the engine's drop and PostgreSQL's DROP and DETACH
+    do. A reader that holds ``workflow_runs`` (it read this month) and then reads the
+    month being dropped waits for nothing: the drop waits for the reader, holding no
+    lock on the month. Taken the other way round (the month's partitions, then the
+    parent at DETACH) the two wait for each other and PostgreSQL fails one of them."""
+    old_run = _old_month(db_url)
+    reader = psycopg.connect(db_url)
+    reader.execute("SET lock_timeout = '20s'")           # a wait that never ends fails the test, never hangs it
+    reader.execute("SELECT count(*) FROM workflow_runs WHERE id = %s", (uuid7_at(now_utc()),))
+    done: dict[str, Any] = {}
+
+    def drop() -> None:
+        try:
+            with psycopg.connect(db_url, autocommit=True) as conn:
+                conn.execute("SET lock_timeout = '20s'")
+                done["dropped"] = [r[0] for r in conn.execute("SELECT composer_drop_partitions(%s)",
+                                                               (datetime(2025, 4, 1, tzinfo=UTC),))]
+        except Exception as exc:  # reported below
+            done["error"] = exc
+
+    thread = threading.Thread(target=drop)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 30
+        while not _waiting_for_a_lock(db_url, reader.info.backend_pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert thread.is_alive(), done
+        read: Any
+        try:            # the reader goes on to the month the drop is after
+            read = reader.execute("SELECT count(*) FROM workflow_runs WHERE id = %s", (old_run,)).fetchone()
+            reader.commit()
+        except psycopg.Error as exc:
+            read = exc
+            reader.rollback()
+    finally:
+        reader.close()
+        thread.join(60)
+    assert read == (1,), f"the reader could not read the month while the drop waited: {read!r}"
+    assert done == {"dropped": ["202503"]}, done
