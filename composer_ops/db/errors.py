@@ -231,6 +231,9 @@ class TranslatingCursor(psycopg.Cursor[Row]):
         try:
             super().close()
         except psycopg.Error as exc:
+            # A named cursor's CLOSE failed (its session is gone): the server dropped the
+            # cursor with the session, so it is closed here too, or collecting it warns.
+            psycopg.Cursor.close(self)
             raise boundary_error(self.connection, exc) from exc
 
 
