@@ -189,7 +189,7 @@ def cmd_trigger(args: argparse.Namespace) -> int:
 
 def cmd_backfill(args: argparse.Namespace) -> int:
     from composer_ops.core.schedules import check_name
-    from composer_ops.engine.schedules import parse_when
+    from composer_ops.core.selection import parse_when
 
     check_name(args.name)                                   # bad input: exit 2 before connecting
     parse_when(args.start, "--from")

@@ -19,7 +19,7 @@ from composer_ops.core.model import RunStatus
 from composer_ops.core.spec import ID_PATTERN
 from composer_ops.errors import Invalid
 
-__all__ = ["MAX_LIMIT", "Selection", "When", "check_limit", "selection"]
+__all__ = ["MAX_LIMIT", "Selection", "When", "check_limit", "parse_when", "selection"]
 
 #: The most runs one ``runs list`` returns.
 MAX_LIMIT = 10_000
@@ -49,8 +49,13 @@ class Selection:
 
 
 def _when(value: When, option: str) -> datetime | Cutoff | None:
-    if value is None or value == "":
-        return None
+    return None if value is None or value == "" else parse_when(value, option)
+
+
+def parse_when(value: datetime | str, option: str) -> datetime | Cutoff:
+    """An instant a selection (or a backfill) is bounded by: an aware datetime, or text
+    :func:`parse_cutoff` reads (an ISO date or instant, or an age counted back from the
+    database clock); anything else is Invalid naming ``option``."""
     if isinstance(value, datetime):
         if value.tzinfo is None or value.utcoffset() is None:
             raise Invalid(f"{option} {value.isoformat()} has no time zone; pass an aware datetime (UTC)")

@@ -22,13 +22,15 @@ from typing import TYPE_CHECKING, Any
 
 from composer_ops.core import schedules as rules
 from composer_ops.core.actor import Actor
+from composer_ops.core.cutoff import Cutoff
 from composer_ops.core.runids import month_of
+from composer_ops.core.selection import parse_when
 from composer_ops.db.retry import db_retry
 from composer_ops.engine.jsonvalues import check_json
 from composer_ops.engine.requests import Request
 from composer_ops.engine.starts import start_in
 from composer_ops.errors import ComposerError, Conflict, Invalid, NotFound, Transient
-from composer_ops.repo import audit, clock, definitions, partitions
+from composer_ops.repo import audit, clock, definitions, partitions, retention
 from composer_ops.repo import schedules as repo
 from composer_ops.repo.schedules import ScheduleEvent, ScheduleRow, ScheduleSummary
 
@@ -37,7 +39,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-__all__ = ["MAX_BACKFILL", "Backfill", "PassResult", "Schedules", "parse_when", "slot_input"]
+__all__ = ["MAX_BACKFILL", "Backfill", "PassResult", "Schedules", "slot_input"]
 
 #: The most slots one backfill starts (a wider window is refused: split it).
 MAX_BACKFILL = 1000
@@ -245,7 +247,7 @@ class Schedules:
         return self._backfill(name, parse_when(start, "--from"), parse_when(end, "--to"), yes, actor, Request())
 
     @db_retry()
-    def _backfill(self, name: str, start: Any, end: Any, yes: bool, actor: Actor | None,
+    def _backfill(self, name: str, start: datetime | Cutoff, end: datetime | Cutoff, yes: bool, actor: Actor | None,
                   request: Request) -> Backfill:
         look = request.attempt()
         with self.engine.pool.connection() as conn, conn.transaction():
@@ -256,8 +258,7 @@ class Schedules:
                                                       for s in earlier[0].detail["slots"]],
                                 applied=True, started=int(earlier[0].counts["runs"]))
             now = clock.now(conn)
-            first = start.resolve(conn) if hasattr(start, "resolve") else start
-            last = end.resolve(conn) if hasattr(end, "resolve") else end
+            first, last = retention.resolve(conn, start), retention.resolve(conn, end)
             if not first < last:
                 raise Invalid(f"backfill window is empty: --from {_iso(first)} is not before --to {_iso(last)}")
             if last > now:
@@ -418,21 +419,3 @@ class Schedules:
             # The workflow is disabled, deleted or gone: refused before anything was written.
             return run_id, str(exc)
         return run_id, None
-
-
-def parse_when(value: datetime | str, option: str) -> Any:
-    """A backfill bound: an aware datetime, or text :func:`parse_cutoff` reads (an ISO
-    date or instant, or an age counted back from the database clock)."""
-    from composer_ops.core.cutoff import parse_cutoff
-
-    if isinstance(value, datetime):
-        if value.utcoffset() is None:
-            raise Invalid(f"{option} {value.isoformat()} has no time zone; pass an aware datetime")
-        return value.astimezone(UTC)
-    if not isinstance(value, str):
-        raise Invalid(f"{option} must be an ISO date, an ISO instant or an age, got {type(value).__name__}")
-    try:
-        return parse_cutoff(value)
-    except Invalid:
-        raise Invalid(f"{option} {value!r} is not an ISO date (2026-01-31), an ISO instant "
-                      "(2026-01-31T02:00:00Z) or an age (36h, 7d)") from None
