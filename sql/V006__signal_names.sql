@@ -7,6 +7,13 @@
 -- RENAME COLUMN on the partitioned table renames it in every partition (and, on Citus,
 -- in every shard); it takes ACCESS EXCLUSIVE on task_instances for the catalog change
 -- only. The UPDATE rewrites the WAIT_FOR_EVENT rows, a small share of any month.
-ALTER TABLE task_instances RENAME COLUMN event_name TO signal_name;
-
-UPDATE task_instances SET node_type = 'WAIT_FOR_SIGNAL' WHERE node_type = 'WAIT_FOR_EVENT';
+--
+-- Each statement goes through EXECUTE: on Citus, DDL on a distributed table is sent to
+-- the shards with the text of the statement it came in, which must then be that one
+-- statement, not this whole file (as in V005).
+DO $$
+BEGIN
+    EXECUTE 'ALTER TABLE task_instances RENAME COLUMN event_name TO signal_name';
+    EXECUTE 'UPDATE task_instances SET node_type = ''WAIT_FOR_SIGNAL'' WHERE node_type = ''WAIT_FOR_EVENT''';
+END;
+$$;
