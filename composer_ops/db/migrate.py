@@ -21,6 +21,7 @@ from importlib.resources.abc import Traversable
 from typing import Any
 
 import psycopg
+from psycopg import sql
 
 from composer_ops.db.connect import connect, resolve_url
 from composer_ops.errors import ComposerError, Invalid
@@ -218,6 +219,8 @@ def migrate(url: str | None = None, *, sql_dir: Traversable = SQL_DIR, target: i
                 conn.execute(_TABLE)
                 recorded = {}, {}
             done, done_repeatable = recorded
+            if on_citus and any(m.version not in done for m in files):
+                _drop_repeatable_triggers(conn)
             for mig in files:
                 if mig.version in done:
                     if done[mig.version] not in _accepted_checksums(mig, sql_dir):
@@ -244,6 +247,20 @@ def migrate(url: str | None = None, *, sql_dir: Traversable = SQL_DIR, target: i
         finally:
             conn.execute("SELECT pg_advisory_unlock(hashtext(%s))", (_LOCK_KEY,))
     return applied_now
+
+
+#: Triggers an R file creates on a single server only (sql/R__claim.sql frees a task's
+#: flow slot): Citus refuses to distribute a table that has one, so a single-server
+#: database converted to Citus loses them before its V files run; the R files, which
+#: run after the V files, re-create what the database supports.
+_REPEATABLE_TRIGGERS = (("composer_free_flow_slot", "task_instances"),)
+
+
+def _drop_repeatable_triggers(conn: psycopg.Connection[Any]) -> None:
+    for trigger, table in _REPEATABLE_TRIGGERS:
+        if conn.execute("SELECT to_regclass(%s) IS NOT NULL", (table,)).fetchone() == (True,):
+            conn.execute(sql.SQL("DROP TRIGGER IF EXISTS {} ON {}").format(sql.Identifier(trigger),
+                                                                         sql.Identifier(table)))
 
 
 def _apply_repeatable(conn: psycopg.Connection[Any], repeatable: Sequence[Repeatable], *, on_citus: bool,
