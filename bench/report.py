@@ -120,6 +120,10 @@ def render(summary: dict[str, Any], console: Console | None = None) -> None:
         console.print(months_table(res["months"]))
     if res.get("citus"):
         console.print(citus_table(res["citus"]))
+    if res.get("flow"):
+        from bench.flowcost import table as flow_table
+
+        console.print(flow_table(res["flow"]))
     console.print(f"[bold]PostgreSQL {summary['server_version']}[/bold], leg took {summary['elapsed_s']:.0f} s")
 
 

@@ -11,9 +11,10 @@ Composer with Procrastinate at W=1 (drain and sustained, ``--repeat`` rounds) an
 measures pgbench and the paced latency; the parts that do not depend on the version
 run on one leg each, to keep ``make bench`` within 15 minutes: ``--skip-pg18`` (by
 default the months-retained case and the Citus case) and ``--skip-pg15`` (by default
-the HOT and retention measurements, the fan-out workload and the W>1 rounds,
-"contention"). The Citus case (:mod:`bench.citus`) runs the W=1 workload on a local
-Citus cluster of the 15 leg's binaries and on that leg's server, alternately.
+the HOT and retention measurements, the fan-out workload, the W>1 rounds,
+"contention", the MAP sizes and flow control's cost in the claim, :mod:`bench.flowcost`).
+The Citus case (:mod:`bench.citus`) runs the W=1 workload on a local Citus cluster of
+the 15 leg's binaries and on that leg's server, alternately.
 With ``COMPOSER_DATABASE_URL`` set there is one leg, on that server, with every part.
 
 Results: ``bench/results/<date>-<commit>.json`` (UTC date, the checkout's short commit,
@@ -39,7 +40,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from bench import citus, hot, mapitems, months, pgbench, retention, scenario
+from bench import citus, flowcost, hot, mapitems, months, pgbench, retention, scenario
 from bench.report import dated_path, render, render_headline, write
 from bench.scenario import System
 from bench.workload import COMPOSER, make_template
@@ -48,7 +49,7 @@ from composer_ops.testing.citus import ensure_installed
 
 RESULTS = Path(__file__).resolve().parent / "results"
 PARTS = ("pgbench", "throughput", "contention", "procrastinate", "fan", "latency", "months", "hot", "retention",
-         "notebooks", "citus", "map")
+         "notebooks", "citus", "map", "flow")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -58,7 +59,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="legs: 18 = the embedded server, 15 = a cluster of --pg15-bin (default 18,15)")
     p.add_argument("--pg15-bin", type=Path, default=scenario.DEBIAN_PG15_BIN, help="PostgreSQL 15 server binaries")
     p.add_argument("--skip-pg18", default="months,citus", help="parts the PostgreSQL 18 leg leaves out")
-    p.add_argument("--skip-pg15", default="hot,retention,fan,contention,map",
+    p.add_argument("--skip-pg15", default="hot,retention,fan,contention,map,flow",
                    help="parts the PostgreSQL 15 leg leaves out")
     p.add_argument("--workers", default="1,4", help="worker process counts (default 1,4)")
     p.add_argument("--runs", type=int, default=1000, help="runs (jobs) per drain measurement")
@@ -76,6 +77,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="runs per drain in the Citus case (default 400: at its rate a drain of --runs took 40 s)")
     p.add_argument("--citus-shards", type=int, default=32,
                    help="shards per distributed table in the Citus case (Citus's default, 32)")
+    p.add_argument("--flow-runs", type=int, default=80,
+                   help="claims per configuration, mode and round of flow control's cost (bench.flowcost)")
     p.add_argument("--skip", default="", help=f"comma-separated parts to skip: {', '.join(PARTS)}")
     p.add_argument("--quick", action="store_true", help="tiny sizes: checks that every part works")
     p.add_argument("--out", type=Path, default=None,
@@ -84,7 +87,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if args.quick:
         args.workers, args.runs, args.duration, args.hot_runs, args.retention_rows = "1,4", 300, 3.0, 100, 50_000
         args.repeat, args.months, args.months_runs, args.months_claims = 1, "1,3", 200, 50
-        args.citus_runs = 100
+        args.citus_runs, args.flow_runs = 100, 20
     args.skip = _parts(p, args.skip)
     args.skip_pg15 = _parts(p, args.skip_pg15)
     args.skip_pg18 = _parts(p, args.skip_pg18)
@@ -248,6 +251,10 @@ def run_leg(args: argparse.Namespace, server: servers.Server, peer: Any, skip: s
         _log("MAP nodes: an item's event at 10, 1,000 and 10,000 items")
         results["map"] = mapitems.measure(server, rounds=1 if args.quick else 2, log=_log)
 
+    if "flow" not in skip:
+        _log("flow control's cost in the claim: five configurations side by side")
+        results["flow"] = flowcost.measure(server, runs=args.flow_runs, rounds=2 if args.quick else 4, log=_log)
+
     if "citus" not in skip and server.kind == "cluster":
         _log("the Citus case: the same workload on a coordinator and two worker nodes of this server's binaries")
         results["citus"] = citus.measure(server, template, runs=args.citus_runs, duration=args.duration,
@@ -341,8 +348,8 @@ HEADLINE = ("server_version", "composer_runs_per_s", "procrastinate_jobs_per_s",
             "empty_claim_share_w4_by_reason",
             "fan_out_transitions_per_s", "claim_to_complete_p50_ms", "claim_to_complete_p99_ms",
             "start_to_claim_p50_ms", "start_to_claim_p99_ms", "pgbench_tps", "heartbeat_hot_ratio",
-            "retention_delete_over_drop", "citus_ratio_sustained", "citus_ratio_drain", "citus_runs_per_s",
-            "citus_cpu_ms_per_run")
+            "retention_delete_over_drop", "flow_claim_cpu_ratios", "citus_ratio_sustained", "citus_ratio_drain",
+            "citus_runs_per_s", "citus_cpu_ms_per_run")
 
 
 def combine(legs: list[dict[str, Any]], args: argparse.Namespace, began: float) -> dict[str, Any]:
@@ -438,6 +445,8 @@ def summarize(results: dict[str, Any], server: servers.Server, peer: Any, args: 
         "latency_pace_per_s": args.pace,
         "retention_delete_over_drop": (results.get("retention") or {}).get("delete_over_drop"),
         "map_event_ratio_by_items": (results.get("map") or {}).get("event_ratio_by_size"),
+        # server CPU per claim of each flow configuration over none's (bench.flowcost)
+        "flow_claim_cpu_ratios": flowcost.headline(results["flow"]) if results.get("flow") else None,
         **citus_keys(results.get("citus") or {}),
         **notebook_keys(results.get("notebooks") or {}),
         "results": results,
