@@ -35,7 +35,7 @@ the flow slots held are one per claimed task where a limit applies and none else
     python -m bench.flowcost                   # the embedded PostgreSQL 18 (server CPU only)
     python -m bench.flowcost --pgbin DIR       # a cluster of DIR's binaries, with pg_stat_statements
 
-Writes ``bench/results/flowcost-<date>-<commit>.json`` (or ``--out``) and prints a table.
+Writes ``bench/results/flowcost-pg<major>-<date>-<commit>.json`` (or ``--out``) and prints a table.
 """
 
 from __future__ import annotations
@@ -355,7 +355,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=4, help="rounds (default 4)")
     p.add_argument("--other-queues", type=int, default=50, help="other queues' settings rows in e (default 50)")
     p.add_argument("--held", type=int, default=50, help="tasks queued in e's paused queue (default 50)")
-    p.add_argument("--out", type=Path, default=None, help="default bench/results/flowcost-<date>-<commit>.json")
+    p.add_argument("--out", type=Path, default=None,
+                   help="default bench/results/flowcost-pg<major>-<date>-<commit>.json")
     args = p.parse_args(argv)
     if args.runs < 1 or args.rounds < 1 or args.other_queues < 0 or args.held < 0:
         p.error("--runs and --rounds must be at least 1, --other-queues and --held at least 0")
@@ -373,7 +374,7 @@ def main(argv: list[str] | None = None) -> int:
            **measure(server, runs=args.runs, rounds=args.rounds, other_queues=args.other_queues, held=args.held,
                      log=log),
            "load_average_after": os.getloadavg()}
-    path = args.out or dated_path(RESULTS, "flowcost-")
+    path = args.out or dated_path(RESULTS, f"flowcost-pg{server.version_num // 10000}-")
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(out, indent=2, default=str) + "\n")
     Console(width=200).print(table(out))
