@@ -6,6 +6,7 @@ citus_flow lists them)."""
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterator
 from typing import Any
 
 import psycopg
@@ -21,7 +22,6 @@ from tests.integration.test_flow_races import (  # noqa: F401
     test_a_rate_limit_holds_within_ten_percent_over_twenty_seconds,
 )
 from tests.integration.test_queues import (  # noqa: F401
-    engine,
     test_a_concurrency_key_at_its_limit_does_not_hold_up_other_keys,
     test_a_paused_queue_claims_nothing_keeps_its_tasks_and_resumes,
     test_a_rate_limit_gives_its_burst_then_refills_by_the_database_clock,
@@ -29,9 +29,20 @@ from tests.integration.test_queues import (  # noqa: F401
     test_priority_orders_the_claim_within_a_queue,
 )
 
-PERCUST = {"id": "percust", "nodes": [{"id": "t", "type": "TASK", "task": "work", "queue": "k",
+PERCUST: dict[str, Any] = {"id": "percust", "nodes": [{"id": "t", "type": "TASK", "task": "work", "queue": "k",
                                        "input": {"customer": "$.input.customer"},
                                        "concurrency": {"key": "$.input.customer", "limit": 1}}]}
+
+
+@pytest.fixture
+def engine(db_url: str) -> Iterator[Engine]:
+    """tests/integration/test_queues.py's definitions: queue q at three priorities, queue r."""
+    with Engine.connect(db_url, pool_size=4) as e:
+        for name, priority in (("low", 0), ("high", 5), ("mid", 2)):
+            e.deploy({"id": name, "nodes": [{"id": "t", "type": "TASK", "task": "work", "queue": "q",
+                                             **({"priority": priority} if priority else {})}]})
+        e.deploy({"id": "other", "nodes": [{"id": "t", "type": "TASK", "task": "work", "queue": "r"}]})
+        yield e
 
 
 def _sql(url: str, query: str, params: Any = None) -> list[tuple[Any, ...]]:
