@@ -189,31 +189,23 @@ def flow_refs(flow: FlowControl) -> Iterator[tuple[str, str]]:
         yield "rate_limit.key", flow.rate_limit.key
 
 
-def slot_is_free(slot_attempt: int, seen: tuple[int, str] | None, dispatched: bool) -> bool:
+def slot_is_free(slot_attempt: int, seen: tuple[int, str] | None) -> bool:
     """Whether a flow slot no longer holds a place under its limit, on Citus, where no
     trigger frees it (composer_ops/repo/citus_flow.py): ``slot_attempt`` is the attempt
     the slot was taken for, ``seen`` the task's (attempt, state) as its node shows it
-    (None: no such task), ``dispatched`` whether the outbox holds a dispatch of the task
-    at ``slot_attempt``, read after the task. Free only on proof the attempt is over,
-    which stays true (an attempt only grows, and only a claim, which takes the slot
-    again, makes one RUNNING):
+    (None: no such task). Free only on proof the attempt is over, which stays true (an
+    attempt only grows, only a claim makes one RUNNING and takes its slot again, and a
+    task made again, by a run's retry, is a new task with a new ID):
 
     - RUNNING at the slot's attempt: held;
-    - PENDING or QUEUED at the slot's attempt with no dispatch: held. The claim that
-      took the slot committed on the coordinator (its slot and the dispatch's deletion)
-      before its task's move to RUNNING commits on the node (two-phase commit order);
-    - PENDING or QUEUED at the slot's attempt with a dispatch: free. A claim deletes the
-      dispatch it takes in the transaction that takes the slot, so this is a later
-      dispatch of a task made anew (a run retried: its tasks start again at attempt 0);
-    - another attempt (a re-queue after a failure or a lost lease is the next attempt;
-      a task made anew starts at 0), a finished state, or no task: free."""
+    - PENDING or QUEUED at the slot's attempt: held. The claim that took the slot
+      committed on the coordinator before its task's move to RUNNING commits on the
+      node (two-phase commit order);
+    - another attempt (a re-queue after a failure or a lost lease is the next
+      attempt), a finished state, or no task (a run retried or deleted): free."""
     if seen is None:
         return True
     attempt, state = seen
     if attempt != slot_attempt:
         return True
-    if state == "RUNNING":
-        return False
-    if state in ("PENDING", "QUEUED"):
-        return dispatched
-    return True
+    return state not in ("RUNNING", "PENDING", "QUEUED")

@@ -17,17 +17,16 @@ The interleavings (each has a test in tests/citus/test_flow.py):
   limit for this claim, and the next claim frees it. Never over the limit;
 - a slot committed on the coordinator before its task's claim commits on the node (the
   two-phase commit commits the coordinator first): the task is still PENDING or QUEUED
-  at the slot's attempt, with its dispatch gone (deleted with the slot), so the slot is
-  held;
+  at the slot's attempt, so the slot is held;
 - a re-queue after a lost lease: the task is at the next attempt, so the slot of the
   attempt whose lease was lost is free; the next attempt's claim takes a slot anew;
-- a run retried: its tasks are made anew at attempt 0 with a dispatch, so an older
-  slot of the same task (at attempt 0 too) is free; the delete matches the slot's
-  ``taken_at``, so a claim that took the slot again meanwhile keeps it.
+- a run retried: its tasks are made anew, with new IDs, so the slot of the failed
+  task finds no task and is free.
 
 Deleting a slot is safe without the key's lock (:func:`free_stale`, the lease sweeper's
-pass, takes none): a slot found free stays free, and a slot taken again is a new row
-version with a new ``taken_at``.
+pass, takes none): a slot found free stays free, and the delete matches the slot's
+``taken_at``, so a slot a claim took again meanwhile (a row taken over by the task's
+next attempt) stays.
 """
 
 from __future__ import annotations
@@ -62,11 +61,6 @@ _AT_LIMIT = """
      WHERE (SELECT count(*) FROM flow_slots f WHERE f.key = 'c:' || w.key) >= w.key_limit"""
 # Routed to the task's shard (filtered on the run ID).
 _TASK = "SELECT attempt, state FROM task_instances WHERE run_id = %(run)s AND id = %(task)s"
-# On the coordinator, after the tasks were read (slot_is_free).
-_DISPATCHED = """
-    SELECT o.run_id, o.task_id FROM task_outbox o
-      JOIN unnest(%(runs)s::text[], %(tasks)s::text[], %(attempts)s::int[]) AS s(run_id, task_id, attempt)
-        ON o.run_id = s.run_id AND o.task_id = s.task_id AND o.attempt = s.attempt"""
 _FREE = """
     DELETE FROM flow_slots f
      USING unnest(%(keys)s::text[], %(runs)s::text[], %(tasks)s::text[], %(attempts)s::int[],
@@ -102,7 +96,7 @@ def lock_and_count(conn: Conn, queue: str) -> int:
 def held(conn: Conn, keys: Sequence[str]) -> dict[str, int]:
     """Check the slots of ``keys`` (``queue:<name>``, ``c:<key>``) against their tasks,
     delete those that are free, and return how many each key still holds. Three round
-    trips: the slots, their tasks with the dispatches after them, the delete."""
+    trips: the slots, their tasks (pipelined), the delete."""
     return _check(conn, keys)[0]
 
 
@@ -126,22 +120,18 @@ def _check(conn: Conn, keys: Sequence[str]) -> tuple[dict[str, int], int]:
     if not slots:
         return counts, 0
     seen = [conn.cursor() for _ in slots]
-    with conn.cursor() as dispatched:
-        try:
-            with conn.pipeline():
-                for cur, (_, run, task, _, _) in zip(seen, slots, strict=True):
-                    cur.execute(_TASK, {"run": run, "task": task})
-                dispatched.execute(_DISPATCHED, {"runs": [s[1] for s in slots], "tasks": [s[2] for s in slots],
-                                                 "attempts": [s[3] for s in slots]})
-            tasks = [cur.fetchone() for cur in seen]
-            waiting = {(run, task) for run, task in dispatched.fetchall()}
-        finally:
-            for cur in seen:
-                cur.close()
+    try:
+        with conn.pipeline():
+            for cur, (_, run, task, _, _) in zip(seen, slots, strict=True):
+                cur.execute(_TASK, {"run": run, "task": task})
+        tasks = [cur.fetchone() for cur in seen]
+    finally:
+        for cur in seen:
+            cur.close()
     free: list[tuple[Any, ...]] = []
     for slot, task in zip(slots, tasks, strict=True):
-        key, run, task_id, attempt, _ = slot
-        if slot_is_free(attempt, None if task is None else (int(task[0]), str(task[1])), (run, task_id) in waiting):
+        key, _, _, attempt, _ = slot
+        if slot_is_free(attempt, None if task is None else (int(task[0]), str(task[1]))):
             free.append(slot)
         else:
             counts[key] = counts.get(key, 0) + 1

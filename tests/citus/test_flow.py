@@ -172,9 +172,8 @@ def test_a_lease_lost_and_requeued_frees_the_place_of_the_lost_attempt(db_url: s
 
 
 def test_a_retried_run_takes_its_place_again(db_url: str, engine: Engine) -> None:
-    """A run retried makes its tasks anew at attempt 0, the attempt of the slot its
-    failed task left: the new dispatch shows that slot is over, so the key is not held
-    by the task waiting for it."""
+    """A run retried makes its tasks anew (new IDs): the slot its failed task left finds
+    no task and is free, so the key is not held by the slot of an attempt that ended."""
     engine.deploy(PERCUST)
     run_id = engine.start("percust", input={"customer": "A"})
     (held,) = engine.claim(["k"], "w", 10)
