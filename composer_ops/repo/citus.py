@@ -167,8 +167,8 @@ def claim(conn: Conn, queues: Sequence[str], owner: str, limit: int,
     the clock is read once, on the coordinator.
 
     Flow control as on a single server (sql/R__claim.sql): a paused queue gives nothing;
-    a queue with ``max_running`` gives at most its room, counted under its lock (one
-    more round trip per such queue); concurrency keys and rate limits are
+    a queue with ``max_running`` gives at most its room, counted under its lock (two
+    more round trips per such queue: the count, its pick); concurrency keys and rate limits are
     composer_flow_ok's, on the coordinator tables. Each claimed task takes its slots
     (``flow_slots``) in the last round trip. Slots are freed lazily
     (:mod:`composer_ops.repo.citus_flow`): a queue at its limit has its slots checked
