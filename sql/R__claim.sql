@@ -273,7 +273,7 @@ GRANT EXECUTE ON FUNCTION composer_claim(TEXT[], TEXT[], TEXT, INT, TEXT, TEXT, 
 -- it when it leaves RUNNING, whatever moves it (completion, failure, re-queue after a
 -- lost lease, cancel), in that transaction. Only tasks with flow_slot fire it. Not on
 -- Citus: there the tasks live on the worker nodes and flow_slots on the coordinator,
--- and the Citus claim takes no slots.
+-- and the Citus claim frees slots lazily instead (composer_ops/repo/citus_flow.py).
 CREATE OR REPLACE FUNCTION composer_free_flow_slot() RETURNS trigger
 LANGUAGE plpgsql
 AS $$

@@ -21,7 +21,7 @@ from composer_ops.core.expressions import is_ref, parse_ref
 from composer_ops.errors import Invalid
 
 __all__ = ["FLOW_KEYS", "NO_FLOW", "Concurrency", "FlowControl", "RateLimit", "Timeouts", "flow_refs", "key_text",
-           "parse_flow"]
+           "parse_flow", "slot_is_free"]
 
 #: The node keys this module owns.
 FLOW_KEYS = frozenset({"priority", "timeouts", "concurrency", "rate_limit"})
@@ -187,3 +187,25 @@ def flow_refs(flow: FlowControl) -> Iterator[tuple[str, str]]:
         yield "concurrency.key", flow.concurrency.key
     if flow.rate_limit is not None and flow.rate_limit.key_is_ref:
         yield "rate_limit.key", flow.rate_limit.key
+
+
+def slot_is_free(slot_attempt: int, seen: tuple[int, str] | None) -> bool:
+    """Whether a flow slot no longer holds a place under its limit, on Citus, where no
+    trigger frees it (composer_ops/repo/citus_flow.py): ``slot_attempt`` is the attempt
+    the slot was taken for, ``seen`` the task's (attempt, state) as its node shows it
+    (None: no such task). Free only on proof the attempt is over, which stays true (an
+    attempt only grows, only a claim makes one RUNNING and takes its slot again, and a
+    task made again, by a run's retry, is a new task with a new ID):
+
+    - RUNNING at the slot's attempt: held;
+    - PENDING or QUEUED at the slot's attempt: held. The claim that took the slot
+      committed on the coordinator before its task's move to RUNNING commits on the
+      node (two-phase commit order);
+    - another attempt (a re-queue after a failure or a lost lease is the next
+      attempt), a finished state, or no task (a run retried or deleted): free."""
+    if seen is None:
+        return True
+    attempt, state = seen
+    if attempt != slot_attempt:
+        return True
+    return state not in ("RUNNING", "PENDING", "QUEUED")

@@ -34,7 +34,7 @@ from composer_ops.engine.retention import drop_due_months
 from composer_ops.engine.shell import Outcome
 from composer_ops.engine.webhooks import RelayPolicy, relay_once
 from composer_ops.errors import ComposerError, Invalid, LockTimeout, Transient
-from composer_ops.repo import clock, outbox, partitions, queues, signals, tasks, webhooks
+from composer_ops.repo import citus_flow, clock, outbox, partitions, queues, signals, tasks, webhooks
 
 if TYPE_CHECKING:
     from composer_ops.engine.engine import Engine
@@ -241,12 +241,13 @@ class Coordinator:
     def _heal_slots(self, stats: PassStats) -> None:
         """Free the places under a queue's limit that an attempt no longer RUNNING still
         holds: the trigger of sql/R__claim.sql frees them as attempts end, this catches
-        what bypassed it. Not on Citus, whose claim takes no places."""
+        what bypassed it. On Citus, where no trigger frees them and claims free the places
+        of a key only when it is at its limit, this frees the rest, so the reports' counts
+        of places and keys at their limit stay true (:func:`citus_flow.free_stale`)."""
         with self.engine.pool.connection() as conn:
-            if self.engine.shell.on_citus(conn):
-                return
+            on_citus = self.engine.shell.on_citus(conn)
             with conn.transaction():
-                stats.slots_freed += queues.free_stale_slots(conn)
+                stats.slots_freed += citus_flow.free_stale(conn) if on_citus else queues.free_stale_slots(conn)
 
     def _handle(self, kind: str, task_id: str, key: str, run_id: str, make_event: Callable[[datetime], Event],
                 backoff: _Backoff, stats: PassStats, locked: set[str]) -> Outcome | None:

@@ -10,6 +10,7 @@ never deleted. :func:`is_citus` says which deployment a connection is on.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any
@@ -17,7 +18,7 @@ from typing import Any
 from psycopg.rows import dict_row
 from psycopg.types.json import Jsonb
 
-from composer_ops.repo import clock
+from composer_ops.repo import citus_flow, clock
 from composer_ops.repo._base import Conn
 from composer_ops.repo.outbox import lock_claim
 from composer_ops.repo.rows import Claim
@@ -29,18 +30,41 @@ def is_citus(conn: Conn) -> bool:
     return bool(row and row[0])
 
 
-# On the coordinator, in the clock read's transaction: its now() is that clock.
+# On the coordinator, in the clock read's transaction: its now() is that clock. The
+# queues picked from: those of the claim that are not paused and, with %(limited)s
+# false, have no limit (taken together), or, true, have one (each on its own, up to its
+# room). Rows with a concurrency key or a rate limit are taken only when
+# composer_flow_ok (sql/R__claim.sql) says so, in the scan's order, as on a single
+# server: a key at its limit skips its rows and the scan goes on behind them; the
+# queue condition comes first (an array computed once), so it is never called for a
+# paused queue's rows. When the pick comes short, its second part names the keys the
+# function counted at their limit in this transaction, to be checked (citus_flow.held);
+# a full pick does not pay for that scan.
 _PICK = """
-    SELECT id, run_id, task_id, attempt, task_name, LEAST(lease_s, max_run_s) AS lease_s, queue, max_run_s
+    WITH open AS (
+        SELECT ARRAY(SELECT w.q FROM unnest(%(queues)s::text[]) AS w(q) LEFT JOIN queue_settings s ON s.queue = w.q
+                      WHERE NOT COALESCE(s.paused, false)
+                        AND (COALESCE(s.max_running, 0) > 0) = %(limited)s) AS queues
+    ), picked AS MATERIALIZED (
+        SELECT id, run_id, task_id, attempt, task_name, LEAST(lease_s, max_run_s) AS lease_s, queue, max_run_s, ckey
+          FROM task_outbox
+         WHERE queue = ANY((SELECT queues FROM open)::text[]) AND available_at <= now()
+           AND (%(names)s::text[] IS NULL OR task_name = ANY(%(names)s::text[]))
+           AND id <> ALL(%(taken)s::bigint[])
+           AND NOT EXISTS (SELECT 1 FROM claim_fences f WHERE f.claim = %(claim)s)
+           AND CASE WHEN ckey IS NULL AND rkey IS NULL THEN true
+                    ELSE composer_flow_ok(ckey, climit, rkey, rate_per_s, rate_burst) END
+         ORDER BY priority DESC, available_at, id
+         LIMIT %(limit)s
+           FOR UPDATE SKIP LOCKED)
+    SELECT id, run_id, task_id, attempt, task_name, lease_s, queue, max_run_s, ckey FROM picked
+    UNION ALL
+    SELECT DISTINCT NULL::bigint, NULL, NULL, NULL::int, NULL, NULL::int, NULL, NULL::int, ckey
       FROM task_outbox
-     WHERE queue = ANY(%(queues)s) AND available_at <= now()
+     WHERE (SELECT count(*) FROM picked) < %(limit)s
+       AND queue = ANY((SELECT queues FROM open)::text[]) AND available_at <= now() AND ckey IS NOT NULL
        AND (%(names)s::text[] IS NULL OR task_name = ANY(%(names)s::text[]))
-       AND NOT EXISTS (SELECT 1 FROM queue_settings s WHERE s.queue = task_outbox.queue AND s.paused)   -- paused
-       AND NOT EXISTS (SELECT 1 FROM claim_fences f WHERE f.claim = %(claim)s)
-       -- lease_s: never past start_to_close (max_run_s); queue limits (max_running) are not applied here
-     ORDER BY priority DESC, available_at, id
-     LIMIT %(limit)s
-       FOR UPDATE SKIP LOCKED"""
+       AND NULLIF(current_setting('composer_flow.c' || md5(ckey), true), '')::int >= climit"""
 
 # The attempt of a task row as this statement sees it (no row: not visible yet), routed
 # to its shard; sent before the claim of the same task. In READ COMMITTED each statement
@@ -81,6 +105,52 @@ _CLAIM_ONE = """
     SELECT node_id, input_json AS input FROM claimed"""
 
 
+class _Picks:
+    """The outbox rows a claim locked so far, and the keys its picks found at their limit."""
+
+    def __init__(self, conn: Conn, queues: Sequence[str], names: Sequence[str] | None, claim_id: str) -> None:
+        self.conn = conn
+        self.params: dict[str, Any] = {"queues": list(queues), "claim": claim_id,
+                                       "names": list(names) if names is not None else None}
+        self.rows: list[dict[str, Any]] = []
+        self.limited: set[int] = set()          # IDs of the rows taken under a queue limit
+        self.full: set[str] = set()
+
+    def statement(self, queues: Sequence[str], limit: int, *, limited: bool) -> dict[str, Any]:
+        return {**self.params, "queues": list(queues), "limit": limit, "limited": limited,
+                "taken": [r["id"] for r in self.rows]}
+
+    def add(self, rows: Sequence[dict[str, Any]], *, limited: bool) -> int:
+        taken = [r for r in rows if r["id"] is not None]
+        self.rows += taken
+        self.full |= {r["ckey"] for r in rows if r["id"] is None}
+        if limited:
+            self.limited |= {r["id"] for r in taken}
+        return len(taken)
+
+    def pick(self, queues: Sequence[str], limit: int, *, limited: bool) -> int:
+        with self.conn.cursor(row_factory=dict_row) as cur:
+            return self.add(cur.execute(_PICK, self.statement(queues, limit, limited=limited)).fetchall(),
+                            limited=limited)
+
+
+def _pick_limited(picks: _Picks, limited: Sequence[tuple[str, int]], rooms: dict[str, int], limit: int) -> None:
+    """Pick from each queue with a limit, up to its room (and the claim's), counting its
+    slots under its lock first; a queue at its limit has its slots checked first."""
+    for queue, max_running in limited:
+        want = limit - len(picks.rows)
+        if want <= 0:
+            return
+        if queue not in rooms:
+            held = citus_flow.lock_and_count(picks.conn, queue)
+            if held >= max_running:
+                held = citus_flow.held(picks.conn, ["queue:" + queue])["queue:" + queue]
+            rooms[queue] = max_running - held
+        room = min(rooms[queue], want)
+        if room > 0:
+            rooms[queue] -= picks.pick([queue], room, limited=True)
+
+
 def claim(conn: Conn, queues: Sequence[str], owner: str, limit: int,
           task_names: Sequence[str] | None = None, *, claim_id: str) -> list[Claim]:
     """:func:`composer_ops.repo.outbox.claim` on Citus, in the caller's transaction:
@@ -93,18 +163,39 @@ def claim(conn: Conn, queues: Sequence[str], owner: str, limit: int,
     the rows behind it are picked meanwhile. Its first statement takes the claim's
     advisory lock (:func:`~composer_ops.repo.outbox.lock_claim`, on the coordinator), so
     a retry of the claim waits for it; a claim ID its retry fenced off picks nothing
-    (:func:`~composer_ops.repo.outbox.fence_claim`). Three round trips; the clock is
-    read once, on the coordinator."""
-    with conn.cursor() as clock_cur, conn.cursor(row_factory=dict_row) as pick:
+    (:func:`~composer_ops.repo.outbox.fence_claim`). Three round trips without limits;
+    the clock is read once, on the coordinator.
+
+    Flow control as on a single server (sql/R__claim.sql): a paused queue gives nothing;
+    a queue with ``max_running`` gives at most its room, counted under its lock (two
+    more round trips per such queue: the count, its pick); concurrency keys and rate limits are
+    composer_flow_ok's, on the coordinator tables. Each claimed task takes its slots
+    (``flow_slots``) in the last round trip. Slots are freed lazily
+    (:mod:`composer_ops.repo.citus_flow`): a queue at its limit has its slots checked
+    before its pick, and when keys were at their limit and the claim came short, their
+    slots are checked and the queues picked once more (a few round trips, only then)."""
+    picks = _Picks(conn, queues, task_names, claim_id)
+    with conn.cursor() as clock_cur, conn.cursor() as limited_cur, conn.cursor(row_factory=dict_row) as pick:
         with conn.pipeline():
             lock_claim(conn, claim_id)          # first, as the single-server claim (sql/R__claim.sql)
             clock_cur.execute(clock.NOW)
-            pick.execute(_PICK, {"queues": list(queues), "limit": limit, "claim": claim_id,
-                                 "names": list(task_names) if task_names is not None else None})
+            limited_cur.execute(citus_flow.LIMITED, {"queues": list(queues), "claim": claim_id})
+            pick.execute(_PICK, picks.statement(queues, limit, limited=False))
         now_row = clock_cur.fetchone()
-        picked = pick.fetchall()
+        limited = [(str(q), int(n)) for q, n in limited_cur.fetchall()]
+        picks.add(pick.fetchall(), limited=False)
     assert now_row is not None
     now = now_row[0]
+    rooms: dict[str, int] = {}
+    _pick_limited(picks, limited, rooms, limit)
+    if picks.full and len(picks.rows) < limit:
+        full = sorted(picks.full)
+        held = citus_flow.held(conn, ["c:" + key for key in full])
+        ours = Counter(r["ckey"] for r in picks.rows if r["ckey"] is not None)
+        citus_flow.recount(conn, {key: held["c:" + key] + ours[key] for key in full})
+        picks.pick(queues, limit - len(picks.rows), limited=False)
+        _pick_limited(picks, limited, rooms, limit)
+    picked = picks.rows
     if not picked:
         return []
     seen = [conn.cursor() for _ in picked]
@@ -126,6 +217,7 @@ def claim(conn: Conn, queues: Sequence[str], owner: str, limit: int,
             cur.close()
     claims: list[Claim] = []
     settled: list[int] = []
+    slots: list[tuple[str, str, str, int]] = []
     for row, result, seen_attempt in zip(picked, results, seen_attempts, strict=True):
         if result.get("node_id") is not None:
             settled.append(row["id"])
@@ -133,6 +225,10 @@ def claim(conn: Conn, queues: Sequence[str], owner: str, limit: int,
                                 attempt=row["attempt"], task_name=row["task_name"], queue=row["queue"],
                                 input=result["input"], lease_s=row["lease_s"], lease_owner=owner,
                                 lease_expires_at=now + timedelta(seconds=row["lease_s"])))
+            if row["id"] in picks.limited:
+                slots.append(("queue:" + row["queue"], row["run_id"], row["task_id"], row["attempt"]))
+            if row["ckey"] is not None:
+                slots.append(("c:" + row["ckey"], row["run_id"], row["task_id"], row["attempt"]))
         elif seen_attempt is not None and seen_attempt >= row["attempt"]:
             settled.append(row["id"])          # cancelled, finished or a stale attempt: nothing to run
     kept = [row["id"] for row in picked if row["id"] not in settled]
@@ -141,4 +237,6 @@ def claim(conn: Conn, queues: Sequence[str], owner: str, limit: int,
             conn.execute("DELETE FROM task_outbox WHERE id = ANY(%s)", (settled,))
         if kept:
             conn.execute(_PUT_BACK, {"ids": kept, "at": now + KEPT_DELAY})
+        if slots:
+            conn.execute(*citus_flow.take_statement(slots))
     return claims

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from composer_ops.core.flow import NO_FLOW, Concurrency, FlowControl, RateLimit, Timeouts
+from composer_ops.core.flow import NO_FLOW, Concurrency, FlowControl, RateLimit, Timeouts, slot_is_free
 from composer_ops.core.spec import parse_spec
 from composer_ops.errors import Invalid
 
@@ -95,3 +95,18 @@ def test_a_resolved_key_is_its_string_or_canonical_json(value: Any, text: str) -
     from composer_ops.core.flow import key_text
 
     assert key_text(value) == text
+
+
+@pytest.mark.parametrize(("seen", "free"), [
+    ((3, "RUNNING"), False),                  # the attempt runs
+    ((3, "QUEUED"), False),                   # its claim committed on the coordinator, not yet on the node
+    ((3, "PENDING"), False),
+    ((4, "PENDING"), True),                   # re-queued after a failure or a lost lease
+    ((4, "RUNNING"), True),                   # the next attempt runs: it takes its own slot
+    ((3, "COMPLETED"), True),
+    ((3, "FAILED"), True),
+    ((3, "CANCELLED"), True),
+    (None, True),                             # the task is gone (its run retried or deleted)
+])
+def test_a_slot_is_free_only_once_its_attempt_is_over(seen: tuple[int, str] | None, free: bool) -> None:
+    assert slot_is_free(3, seen) is free
