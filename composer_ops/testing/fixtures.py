@@ -1,6 +1,7 @@
 """A deterministic seeded database for the notebook harness (nbval), the ops tests
 and demos: definitions, runs, tasks, signals, outbox rows and a webhook delivery,
-inserted directly with SQL, with the figures every notebook must reproduce.
+a MAP node with its items and a SUB_WORKFLOW parent with its child run, inserted
+directly with SQL, with the figures every notebook must reproduce.
 
 History lives in four fixed past months (2025-01..2025-04) with fixed UUIDv7 IDs.
 Live work (active tasks, leases, the outbox) lives in the current UTC month, with
