@@ -81,6 +81,17 @@ def top_runs(source: Source = None, *, limit: int = 10) -> pl.DataFrame:
         })
 
 
+def map_items(source: Source = None) -> pl.DataFrame:
+    """Active MAP items per queue: ``running``; ``dispatched`` (in the outbox, waiting for
+    a worker, or for a retry's backoff); ``held`` (not dispatched yet: their MAP node
+    already has ``max_parallel`` items in flight); and how many ``runs`` they belong to.
+    The items are also counted in :func:`active_by_group` (node type MAP)."""
+    with connection(source) as conn:
+        found = rows_frame(analytics.map_items(conn), {
+            "queue": pl.String, "running": pl.Int64, "pending": pl.Int64, "held": pl.Int64, "runs": pl.Int64})
+    return found.select("queue", "running", (pl.col("pending") - pl.col("held")).alias("dispatched"), "held", "runs")
+
+
 def active_run_count(source: Source = None) -> int:
     """How many runs have at least one active task."""
     with connection(source) as conn:

@@ -61,3 +61,15 @@ def run(spec_found: bool, workflow: str, version: int, unknown_nodes: list[str],
                    "the definition row was changed after the run started",
             action="compare the definition version with the code that deployed it; the graph shows the node apart"))
     return out
+
+
+def map_items(run_id: str, disagreements: list[tuple[str, str]]) -> list[Anomaly]:
+    """MAP nodes whose counters disagree with their item rows
+    (:func:`composer_ops.ops.investigation.map_disagreements`)."""
+    return [Anomaly(
+        kind="MAP counters disagree with its items", subject=_where(run_id, node),
+        detail=f"{what}: the engine decides when the node ends from its counters, so it may end early, "
+               "or never",
+        action="compare the items with the node's counters (the MAP items section); cancel the run, or retry it "
+               "from this node (composer-ops runs retry RUN --from NODE)")
+        for node, what in disagreements]

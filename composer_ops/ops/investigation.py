@@ -35,6 +35,8 @@ TASK_SCHEMA = {
 }
 
 ITEM_STATES_SCHEMA = {"node_id": pl.String, "state": pl.String, "items": pl.Int64}
+MAP_NODES_SCHEMA = {"node_id": pl.String, "state": pl.String, "items_total": pl.Int64, "items_started": pl.Int64,
+                    "items_done": pl.Int64, "items_failed": pl.Int64}
 SLOWEST_SCHEMA = {
     "node_id": pl.String, "item_index": pl.Int64, "state": pl.String, "attempt": pl.Int64, "started_at": UTC_TS,
     "finished_at": UTC_TS, "ran_s": pl.Float64,
@@ -110,6 +112,14 @@ class RunStory:
     slowest_items: pl.DataFrame = field(default_factory=lambda: rows_frame([], SLOWEST_SCHEMA))
     #: The run's parent and children (SUB_WORKFLOW), :data:`LINKS_SCHEMA`.
     links: pl.DataFrame = field(default_factory=lambda: rows_frame([], LINKS_SCHEMA))
+    #: Each MAP node's own row with its counters (:data:`MAP_NODES_SCHEMA`).
+    map_nodes: pl.DataFrame = field(default_factory=lambda: rows_frame([], MAP_NODES_SCHEMA))
+
+    @property
+    def map_disagreements(self) -> list[tuple[str, str]]:
+        """(node, what differs) for each MAP node whose counters do not match its item
+        rows (:func:`map_disagreements`)."""
+        return map_disagreements(self.map_nodes, self.item_states)
 
     @property
     def attempts(self) -> pl.DataFrame:
@@ -161,10 +171,40 @@ def run_story(source: Source, run_id: str) -> RunStory:
         item_states = rows_frame(analytics.run_item_states(conn, rid), ITEM_STATES_SCHEMA)
         slowest = rows_frame(analytics.run_slowest_items(conn, rid), SLOWEST_SCHEMA)
         links = rows_frame(analytics.run_links(conn, rid), LINKS_SCHEMA)
+        map_nodes = rows_frame(analytics.run_map_nodes(conn, rid), MAP_NODES_SCHEMA)
     nodes, edges = definition_graph(spec, tasks)
     return RunStory(run=run, nodes=nodes, edges=edges, tasks=tasks, signals=signals, outbox=outbox,
                     webhook=webhook, spec_found=spec is not None, history=history, item_states=item_states,
-                    slowest_items=slowest, links=links)
+                    slowest_items=slowest, links=links, map_nodes=map_nodes)
+
+
+def map_disagreements(map_nodes: pl.DataFrame, item_states: pl.DataFrame) -> list[tuple[str, str]]:
+    """(node, what differs) for each MAP node whose counters (``map_nodes``,
+    :data:`MAP_NODES_SCHEMA`) disagree with its item rows (``item_states``,
+    :data:`ITEM_STATES_SCHEMA`). The engine writes every item with its node and counts
+    each item that completes or fails for good in the same transaction, so the
+    counters' total, done and failed equal the rows' count, COMPLETED and FAILED
+    items; items of a node with no MAP row count as a disagreement too."""
+    rows: dict[str, dict[str, int]] = {}
+    for node, state, n in item_states.select("node_id", "state", "items").iter_rows():
+        rows.setdefault(str(node), {})[str(state)] = int(n)
+    found: list[tuple[str, str]] = []
+    counted = set()
+    for node, _state, total, _started, done, failed in map_nodes.iter_rows():
+        counted.add(node)
+        have = rows.get(node, {})
+        seen = (sum(have.values()), have.get("COMPLETED", 0), have.get("FAILED", 0))
+        if total is None:
+            if seen[0]:
+                found.append((node, f"no counters, {seen[0]} item rows"))
+            continue
+        said = (total, done or 0, failed or 0)
+        if said != seen:
+            found.append((node, "counters say {} items, {} done, {} failed; its item rows: {} items, {} COMPLETED, "
+                                "{} FAILED".format(*said, *seen)))
+    found += [(node, f"{sum(have.values())} item rows and no MAP node row") for node, have in sorted(rows.items())
+              if node not in counted]
+    return found
 
 
 def definition_graph(spec: Any, tasks: pl.DataFrame | None = None) -> tuple[pl.DataFrame, pl.DataFrame]:

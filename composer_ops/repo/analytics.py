@@ -87,6 +87,22 @@ TOP_RUNS_SQL = f"""
      ORDER BY a.active_tasks DESC, a.oldest_created_at, a.run_id
 """
 
+# MAP items per queue, from the active rows only (the partial index): a MAP node's own
+# row is WAITING while its items run and carries the queue of its items and its
+# counters, so the items not dispatched yet (items_total - items_started) are read
+# from the node rows, never counted item by item, and no join with the outbox is needed.
+MAP_ITEMS_SQL = f"""
+    SELECT queue,
+           count(*) FILTER (WHERE item_index IS NOT NULL AND state = 'RUNNING') AS running,
+           count(*) FILTER (WHERE item_index IS NOT NULL AND state IN ('PENDING', 'QUEUED')) AS pending,
+           COALESCE(sum(items_total - items_started) FILTER (WHERE item_index IS NULL), 0)::bigint AS held,
+           count(DISTINCT run_id) AS runs
+      FROM task_instances
+     WHERE state IN {ACTIVE_SQL} AND node_type = 'MAP'
+     GROUP BY queue
+     ORDER BY queue
+"""
+
 # The outbox is a queue (rows are deleted at claim), so it is small and read whole.
 OUTBOX_SQL = """
     SELECT queue, count(*) AS rows,
@@ -150,6 +166,12 @@ def long_waits(conn: Conn, older_than_s: float, limit: int) -> list[Row]:
     oldest first: run_id, task_id, node_id, signal_name, created_at, waiting_s, and
     total (how many there are in all, whatever ``limit``)."""
     return _rows(conn, LONG_WAITS_SQL, {"older_than_s": older_than_s, "limit": limit})
+
+
+def map_items(conn: Conn) -> list[Row]:
+    """Active MAP items per queue: queue, running, pending (dispatched or not), held
+    (not dispatched yet, by the WAITING MAP nodes' counters), runs."""
+    return _rows(conn, MAP_ITEMS_SQL)
 
 
 def outbox_backlog(conn: Conn) -> list[Row]:
@@ -298,6 +320,12 @@ RUN_ITEM_STATES_SQL = """
      ORDER BY node_id, state
 """
 
+RUN_MAP_NODES_SQL = """
+    SELECT node_id, state, items_total, items_started, items_done, items_failed FROM task_instances
+     WHERE run_id = %(run)s AND item_index IS NULL AND node_type = 'MAP'
+     ORDER BY node_id
+"""
+
 RUN_SLOWEST_ITEMS_SQL = """
     SELECT node_id, item_index, state, attempt, started_at, finished_at, ran_s FROM (
         SELECT node_id, item_index, state, attempt, started_at, finished_at,
@@ -378,6 +406,12 @@ def run_tasks(conn: Conn, run_id: str) -> list[Row]:
 def run_item_states(conn: Conn, run_id: str) -> list[Row]:
     """How many items of each MAP node of the run are in each state: node_id, state, items."""
     return _rows(conn, RUN_ITEM_STATES_SQL, {"run": run_id})
+
+
+def run_map_nodes(conn: Conn, run_id: str) -> list[Row]:
+    """The run's MAP nodes with their counters: node_id, state, items_total,
+    items_started, items_done, items_failed."""
+    return _rows(conn, RUN_MAP_NODES_SQL, {"run": run_id})
 
 
 def run_slowest_items(conn: Conn, run_id: str, limit: int = 5) -> list[Row]:

@@ -1,6 +1,7 @@
 """A deterministic seeded database for the notebook harness (nbval), the ops tests
 and demos: definitions, runs, tasks, signals, outbox rows and a webhook delivery,
-inserted directly with SQL, with the figures every notebook must reproduce.
+a MAP node with its items and a SUB_WORKFLOW parent with its child run, inserted
+directly with SQL, with the figures every notebook must reproduce.
 
 History lives in four fixed past months (2025-01..2025-04) with fixed UUIDv7 IDs.
 Live work (active tasks, leases, the outbox) lives in the current UTC month, with
@@ -19,6 +20,7 @@ import psycopg
 from psycopg import sql
 from psycopg.types.json import Jsonb
 
+from composer_ops.core.children import child_run_id
 from composer_ops.core.runids import add_months, month_label, month_start
 
 HISTORY_MONTHS = ("202501", "202502", "202503", "202504")
@@ -49,6 +51,32 @@ REPORT_V1: dict[str, Any] = {
         {"id": "extract_b", "type": "TASK", "task": "report.extract", "queue": "reports"},
         {"id": "load", "type": "TASK", "task": "report.load", "queue": "reports",
          "depends_on": ["extract_a", "extract_b"]},
+    ],
+}
+#: A MAP over a listed batch of invoices (as examples/charge_all.json, two at a time).
+CHARGE_ALL_V1: dict[str, Any] = {
+    "id": "charge-all", "name": "Charge every due invoice",
+    "nodes": [
+        {"id": "list", "type": "TASK", "task": "invoices.list_due", "queue": "payments"},
+        {"id": "charge_all", "type": "MAP", "depends_on": ["list"], "items": "$.nodes.list.output.invoices",
+         "task": "invoices.charge", "queue": "payments", "max_parallel": 2, "on_item_failure": "continue",
+         "retry": {"max_attempts": 3}},
+        {"id": "summary", "type": "TASK", "task": "invoices.summarise", "depends_on": ["charge_all"],
+         "input": {"charges": "$.nodes.charge_all.output"}},
+    ],
+}
+#: A parent whose SUB_WORKFLOW node starts a refund run (examples/returns.json, refund.json).
+REFUND_V1: dict[str, Any] = {
+    "id": "refund", "name": "Refund an order",
+    "nodes": [{"id": "pay_back", "type": "TASK", "task": "refunds.pay", "queue": "payments"}],
+}
+RETURNS_V1: dict[str, Any] = {
+    "id": "returns", "name": "Handle a returned parcel",
+    "nodes": [
+        {"id": "inspect", "type": "TASK", "task": "returns.inspect"},
+        {"id": "refund", "type": "SUB_WORKFLOW", "depends_on": ["inspect"], "workflow": "refund",
+         "input": {"amount": "$.nodes.inspect.output.refundable"}},
+        {"id": "notify", "type": "TASK", "task": "notify", "depends_on": ["refund"]},
     ],
 }
 
@@ -103,16 +131,19 @@ class _Seeder:
 
     def run(self, label: str, wf: str, version: int, status: str, created: datetime, *,
             id_at: datetime | None = None, completed: datetime | None = None, error: str | None = None,
-            output: Any = None) -> str:
-        run_id = self.next_id(id_at or created)
+            output: Any = None, run_id: str | None = None, parent: tuple[str, str] | None = None) -> str:
+        """A run; ``run_id`` given (a child's, derived from its parent) or made from
+        ``id_at``; ``parent`` the (run label, node) of the SUB_WORKFLOW node that started it."""
+        run_id = run_id or self.next_id(id_at or created)
         self.conn.execute(
             """INSERT INTO workflow_runs (id, workflow_definition_id, workflow_version, status, input_json,
                                           context_json, error_json, output_json, created_at, updated_at,
-                                          completed_at)
-               VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s)""",
+                                          completed_at, parent_run_id, parent_node_id)
+               VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s)""",
             (run_id, wf, version, status, Jsonb({"order": label}), Jsonb({"input": {"order": label}, "config": {}}),
              Jsonb({"error": error}) if error else None, Jsonb(output) if output is not None else None,
-             created, completed or created, completed))
+             created, completed or created, completed, self.runs[parent[0]] if parent else None,
+             parent[1] if parent else None))
         self.runs[label] = run_id
         return run_id
 
@@ -120,20 +151,26 @@ class _Seeder:
              attempt: int = 0, started: datetime | None = None, finished: datetime | None = None,
              updated: datetime | None = None, wake_at: datetime | None = None, signal: str | None = None,
              owner: str | None = None, lease: datetime | None = None, error: str | None = None,
-             branches: list[str] | None = None, output: Any = None) -> str:
+             branches: list[str] | None = None, output: Any = None, item: int | None = None,
+             counters: tuple[int, int, int, int] | None = None) -> str:
+        """A task; ``item`` the index of a MAP item, ``counters`` a MAP node's own
+        (total, started, done, failed)."""
         task_id = self.next_id(created)
+        total, started_items, done, failed = counters if counters is not None else (None, None, None, None)
         self.conn.execute(
             """INSERT INTO task_instances (id, run_id, node_id, node_type, queue, state, attempt, output_json,
                                            last_error, branches, wake_at, signal_name, scheduled_at, started_at,
                                            finished_at, completed_at, created_at, updated_at, lease_owner,
-                                           lease_expires_at)
-               VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s)""",
+                                           lease_expires_at, item_index, items_total, items_started, items_done,
+                                           items_failed)
+               VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s,
+                       %s, %s, %s, %s, %s)""",
             (task_id, self.runs[run], node, node_type, queue, state, attempt,
              Jsonb(output) if output is not None else None, Jsonb({"error": error}) if error else None,
              branches, wake_at, signal, created, started, finished,
              finished if state == "COMPLETED" else None, created, updated or finished or started or created,
-             owner, lease))
-        self.tasks[f"{run}.{node}"] = task_id
+             owner, lease, item, total, started_items, done, failed))
+        self.tasks[f"{run}.{node}" if item is None else f"{run}.{node}[{item}]"] = task_id
         return task_id
 
     def signal(self, run: str, name: str, created: datetime, consumed: datetime | None, payload: Any) -> None:
@@ -141,6 +178,11 @@ class _Seeder:
             "INSERT INTO workflow_events (id, run_id, name, payload, created_at, consumed_at) "
             "VALUES (%s, %s, %s, %s, %s, %s)",
             (self.next_id(created), self.runs[run], name, Jsonb(payload), created, consumed))
+
+    def history(self, run: str, kind: str, at: datetime, node: str, detail: Any) -> None:
+        self.conn.execute(
+            "INSERT INTO run_history (run_id, at, kind, node_id, request, detail) VALUES (%s, %s, %s, %s, %s, %s)",
+            (self.runs[run], at, kind, node, "seed", Jsonb(detail)))
 
     def outbox(self, run: str, node: str, queue: str, attempt: int, task_name: str, available: datetime) -> None:
         self.conn.execute(
@@ -171,9 +213,12 @@ def seed(conn: psycopg.Connection[Any], *, analyze: bool = True) -> SeedInfo:
     s.definition(ORDER_V1, 1, False, datetime(2024, 12, 1, tzinfo=UTC))
     s.definition(ORDER_V2, 2, True, datetime(2025, 6, 1, tzinfo=UTC))
     s.definition(REPORT_V1, 1, True, datetime(2024, 12, 1, tzinfo=UTC))
+    for spec in (CHARGE_ALL_V1, REFUND_V1, RETURNS_V1):
+        s.definition(spec, 1, True, datetime(2025, 6, 1, tzinfo=UTC))
     _misaligned_month(conn)
     _history(s)
     _live(s)
+    _fanout(s)
     _odd(s)
     if analyze:
         tables = [r[0] for r in conn.execute("SELECT unnest(composer_run_tables())").fetchall()]
@@ -336,6 +381,58 @@ def _live(s: _Seeder) -> None:
     s.outbox("L8", "charge", "payments", 0, "payments.charge", s.ago(700))
 
 
+def _fanout(s: _Seeder) -> None:
+    """MAP and SUB_WORKFLOW runs of the current month, between L8 and L9 by run ID.
+
+    M1 (charge-all, RUNNING): its MAP node charge_all over 6 invoices, 2 at a time, has
+    dispatched items 0-4: 0 and 2 COMPLETED (2 took 900 s, the slowest), 1 FAILED on its
+    third attempt, 3 RUNNING (leased by worker-a), 4 PENDING in the outbox;
+    item 5 waits for a free slot (PENDING, not dispatched). The node's counters say so.
+    P1 (returns, RUNNING) waits in its SUB_WORKFLOW node refund for C1 (refund, RUNNING,
+    its pay_back PENDING in the outbox), whose ID is derived from P1 and the node as the
+    engine derives it; P1's history names the child. M9 (charge-all, SUCCEEDED) is odd
+    data: its MAP node counts 3 completed items and has rows for 2."""
+    base = month_start(month_label(s.now))
+    s.run("M1", "charge-all", 1, "RUNNING", s.ago(1200), id_at=base + timedelta(seconds=8.1))
+    invoices = [f"inv-{i}" for i in range(1, 7)]
+    s.task("M1", "list", "TASK", "payments", "COMPLETED", s.ago(1200), started=s.ago(1199), finished=s.ago(1190),
+           output={"invoices": invoices})
+    s.task("M1", "charge_all", "MAP", "payments", "WAITING", s.ago(1190), updated=s.ago(228),
+           counters=(6, 5, 2, 1))
+
+    def item(i: int, state: str, **kw: Any) -> None:
+        s.task("M1", "charge_all", "MAP", "payments", state, s.ago(1190), item=i, **kw)
+
+    item(0, "COMPLETED", started=s.ago(1189), finished=s.ago(1129), output={"charged": invoices[0]})
+    item(1, "FAILED", attempt=2, started=s.ago(1100), finished=s.ago(1090), error="card declined")
+    item(2, "COMPLETED", started=s.ago(1128), finished=s.ago(228), output={"charged": invoices[2]})
+    item(3, "RUNNING", started=s.ago(120), owner="worker-a", lease=s.ago(-1500))
+    item(4, "PENDING", updated=s.ago(228))
+    item(5, "PENDING")
+    s.outbox("M1", "charge_all[4]", "payments", 0, "invoices.charge", s.ago(228))
+
+    parent = s.run("P1", "returns", 1, "RUNNING", s.ago(600), id_at=base + timedelta(seconds=8.2))
+    s.task("P1", "inspect", "TASK", "default", "COMPLETED", s.ago(600), started=s.ago(599), finished=s.ago(590),
+           output={"refundable": 42})
+    s.task("P1", "refund", "SUB_WORKFLOW", None, "WAITING", s.ago(590))
+    child = child_run_id(parent, "refund", base + timedelta(seconds=8.3))
+    s.run("C1", "refund", 1, "RUNNING", s.ago(590), run_id=child, parent=("P1", "refund"))
+    s.history("P1", "child_started", s.ago(590), "refund", {"child": child})
+    s.task("C1", "pay_back", "TASK", "payments", "PENDING", s.ago(590))
+    s.outbox("C1", "pay_back", "payments", 0, "refunds.pay", s.ago(590))
+
+    s.run("M9", "charge-all", 1, "SUCCEEDED", s.ago(5000), id_at=base + timedelta(seconds=8.4),
+          completed=s.ago(4000))
+    s.task("M9", "list", "TASK", "payments", "COMPLETED", s.ago(5000), started=s.ago(4999), finished=s.ago(4990),
+           output={"invoices": invoices[:3]})
+    s.task("M9", "charge_all", "MAP", "payments", "COMPLETED", s.ago(4990), finished=s.ago(4100),
+           counters=(3, 3, 3, 0), output=[{"charged": v} for v in invoices[:3]])
+    for i in (0, 1):
+        s.task("M9", "charge_all", "MAP", "payments", "COMPLETED", s.ago(4990), item=i, started=s.ago(4989 - i),
+               finished=s.ago(4500 - i), output={"charged": invoices[i]})
+    s.task("M9", "summary", "TASK", "default", "COMPLETED", s.ago(4100), started=s.ago(4099), finished=s.ago(4000))
+
+
 def expected_figures(info: SeedInfo) -> dict[str, dict[str, Any]]:
     """The figures each notebook must show for :func:`seed`'s content (written by hand
     from the fixture above, not computed by the code under test)."""
@@ -349,8 +446,10 @@ def expected_figures(info: SeedInfo) -> dict[str, dict[str, Any]]:
     return {
         "partition_sizes": {
             "partitions": 35, "months": months, "misaligned": 3,
-            "rows_by_table": {"workflow_runs": 21, "task_instances": 63, "workflow_events": 3, "run_history": 0},
-            "rows_by_month": {"202412": 0, "202501": 12, "202502": 16, "202503": 18, "202504": 9, cur: 32,
+            # The current month: 32 rows of L1-L9, then M1 (1 run, 8 tasks), P1 (1 run, 2 tasks,
+            # 1 history row), C1 (1 run, 1 task) and M9 (1 run, 5 tasks).
+            "rows_by_table": {"workflow_runs": 25, "task_instances": 79, "workflow_events": 3, "run_history": 1},
+            "rows_by_month": {"202412": 0, "202501": 12, "202502": 16, "202503": 18, "202504": 9, cur: 53,
                               ahead[0]: 0, ahead[1]: 0, ahead[2]: 0},
             "months_ahead": {"workflow_runs": 3, "task_instances": 3, "workflow_events": 3, "run_history": 3},
             "lookahead_alerts": 0,
@@ -359,24 +458,30 @@ def expected_figures(info: SeedInfo) -> dict[str, dict[str, Any]]:
             "anomalies": misaligned, "self_checks_failed": [],
         },
         "active_tasks": {
-            "active": 11, "by_state": {"PENDING": 3, "RUNNING": 5, "WAITING": 3}, "groups": 7,
-            "histogram": {"< 1 min": 0, "1-5 min": 1, "5-15 min": 3, "15-60 min": 3, "1-6 h": 1, "6-24 h": 1,
+            # L1-L9 and H6 hold 11; M1 adds its MAP node (WAITING, created 1190 s ago) and items
+            # 3 (RUNNING), 4 and 5 (PENDING), P1 its SUB_WORKFLOW node (WAITING, 590 s), C1 its
+            # pay_back (PENDING, 590 s): 4 new groups (MAP x 3 states, SUB_WORKFLOW).
+            "active": 17, "by_state": {"PENDING": 6, "RUNNING": 6, "WAITING": 5}, "groups": 11,
+            "histogram": {"< 1 min": 0, "1-5 min": 1, "5-15 min": 5, "15-60 min": 7, "1-6 h": 1, "6-24 h": 1,
                           "> 1 day": 2},
-            "top_run": runs["L6"], "top_run_active": 2, "runs_with_active_tasks": 10,
-            "outbox": {"payments": {"rows": 1, "ready": 1, "delayed": 0},
+            "top_run": runs["M1"], "top_run_active": 4, "runs_with_active_tasks": 13,
+            # M1's item 4 is dispatched, item 5 held back by max_parallel 2 (6 items, 5 started).
+            "map_items": {"payments": {"running": 1, "dispatched": 1, "held": 1}},
+            "outbox": {"payments": {"rows": 3, "ready": 3, "delayed": 0},
                        "reports": {"rows": 2, "ready": 1, "delayed": 1}},
             "long_waits": [[runs["H6"], "delivered", "delivered"]], "long_waits_total": 1,
             "anomalies": no_lease, "self_checks_failed": [],
         },
         "lease_expiries": {
-            "running": 5, "expired": 2,
-            "owners": {"(none)": {"running": 1, "expired": 0}, "worker-a": {"running": 2, "expired": 0},
+            # M1's item 3 is the sixth RUNNING task: worker-a's, expiring in 25 min.
+            "running": 6, "expired": 2,
+            "owners": {"(none)": {"running": 1, "expired": 0}, "worker-a": {"running": 3, "expired": 0},
                        "worker-b": {"running": 2, "expired": 2}},
             "suspect_dead": ["worker-b"], "most_overdue_run": runs["L7"],
             "buckets": {"expired > 1 h ago": 1, "expired 5-60 min ago": 1, "expired < 5 min ago": 0,
-                        "expires in < 1 min": 0, "expires in 1-5 min": 0, "expires in 5-30 min": 1,
+                        "expires in < 1 min": 0, "expires in 1-5 min": 0, "expires in 5-30 min": 2,
                         "expires in > 30 min": 1, "no lease": 1},
-            "attempts": {"0": 8, "1": 2, "2": 1},
+            "attempts": {"0": 14, "1": 2, "2": 1},
             "requeues": [[runs["L6"], "extract_a", "connection reset by peer"],
                          [runs["L2"], "charge", "card processor timeout"]],
             "anomalies": no_lease, "self_checks_failed": [],
@@ -391,6 +496,7 @@ def expected_figures(info: SeedInfo) -> dict[str, dict[str, Any]]:
             "run_id": info.story_run, "status": "FAILED", "tasks": 8, "nodes": 8, "edges": 7, "retries": 3,
             "failed_nodes": ["notify"], "skipped_nodes": ["standard"],
             "signals": {"consumed": 1, "buffered": 1}, "webhook_delivered": True,
+            "map_items": {}, "slowest_items": {}, "links": [],
             # The seed writes no run history: no attempt is recorded (tests/integration/test_history.py
             # checks these figures on a run that lived through a killed worker).
             "attempts": 0, "lost_leases": [], "history": {},
@@ -399,6 +505,32 @@ def expected_figures(info: SeedInfo) -> dict[str, dict[str, Any]]:
             "self_checks_failed": [],
         },
         **runbook_figures(info),
+    }
+
+
+def investigation_figures(info: SeedInfo) -> dict[str, dict[str, Any]]:
+    """The figures run_investigation must show for the MAP and SUB_WORKFLOW runs of
+    :func:`_fanout`, by run label (the notebook's ``run_id`` parameter)."""
+    runs = info.runs
+
+    def story(label: str, status: str, tasks: int, nodes: int, edges: int, **figures: Any) -> dict[str, Any]:
+        return {"run_id": runs[label], "status": status, "tasks": tasks, "nodes": nodes, "edges": edges,
+                "retries": 0, "failed_nodes": [], "skipped_nodes": [], "signals": {}, "webhook_delivered": False,
+                "attempts": 0, "lost_leases": [], "history": {}, "error": None, "anomalies": [],
+                "self_checks_failed": [], "map_items": {}, "slowest_items": {}, "links": [], **figures}
+
+    return {
+        # The MAP node is one task of the story (items are not): list and charge_all reached.
+        "M1": story("M1", "RUNNING", 2, 3, 2,
+                    map_items={"charge_all": {"COMPLETED": 2, "FAILED": 1, "RUNNING": 1, "PENDING": 2}},
+                    slowest_items={"charge_all": [2, 900.0]}),
+        "P1": story("P1", "RUNNING", 2, 3, 2, history={"child_started": 1},
+                    links=[["child", "refund", runs["C1"], "RUNNING"]]),
+        "C1": story("C1", "RUNNING", 1, 1, 0, links=[["parent", "refund", runs["P1"], "RUNNING"]]),
+        # Counters of 3 done items over 2 item rows: flagged, the report still renders.
+        "M9": story("M9", "SUCCEEDED", 3, 3, 2, map_items={"charge_all": {"COMPLETED": 2}},
+                    slowest_items={"charge_all": [0, 489.0]},
+                    anomalies=[f"MAP counters disagree with its items: run {runs['M9']}, node charge_all"]),
     }
 
 
@@ -425,7 +557,8 @@ def runbook_figures(info: SeedInfo) -> dict[str, dict[str, Any]]:
         "replay_failed": {"failed": [], "plan": [], "act": dry},
         # The seed sets no queue: none is paused, and with no queue named nothing is planned.
         "downstream_overloaded": {"alert": False, "paused": [], "plan": [], "act": dry},
-        # 21 runs, the newest by run ID is L9 (the current month's IDs are its first instant + k s).
+        # 25 runs, the newest by run ID is L9 (the current month's IDs are its first instant + k s; M1, P1,
+        # C1 and M9 sit between L8 and L9).
         "find_run": {"found": 20, "newest": runs["L9"], "act": dry},
         # The seed has no schedule.
         "schedule_late": {"alert": False, "plan": {}, "act": dry},

@@ -28,13 +28,17 @@ def test_active_tasks_by_state_queue_and_node_type(session: tuple[psycopg.Connec
     conn, info = session
     groups = ops.active_by_group(conn)
     assert groups.select("state", "queue", "node_type", "tasks").rows() == [
-        ("PENDING", "payments", "TASK", 1),
+        ("PENDING", "payments", "MAP", 2),                  # M1's items 4 and 5
+        ("PENDING", "payments", "TASK", 2),
         ("PENDING", "reports", "TASK", 2),
         ("RUNNING", "default", "TASK", 1),
+        ("RUNNING", "payments", "MAP", 1),                  # M1's item 3
         ("RUNNING", "payments", "TASK", 3),
         ("RUNNING", "reports", "TASK", 1),
+        ("WAITING", "(coordinator)", "SUB_WORKFLOW", 1),    # P1 waits for its child C1
         ("WAITING", "(coordinator)", "WAIT", 1),
         ("WAITING", "(coordinator)", "WAIT_FOR_SIGNAL", 2),
+        ("WAITING", "payments", "MAP", 1),                  # M1's MAP node, while its items run
     ]
     oldest = {(s, q, t): (r, n, a) for s, q, t, r, n, a in groups.select(
         "state", "queue", "node_type", "oldest_run_id", "oldest_node_id", "oldest_age_s").iter_rows()}
@@ -51,8 +55,9 @@ def test_age_histogram_has_every_bucket_and_state(session: tuple[psycopg.Connect
     per_bucket = dict(hist.group_by("bucket", maintain_order=True).agg(pl.col("tasks").sum()).iter_rows())
     assert per_bucket == fixtures.expected_figures(info)["active_tasks"]["histogram"]
     nonzero = hist.filter(pl.col("tasks") > 0).select("bucket", "state", "tasks").rows()
-    assert nonzero == [("1-5 min", "RUNNING", 1), ("5-15 min", "PENDING", 1), ("5-15 min", "RUNNING", 2),
-                       ("15-60 min", "PENDING", 2), ("15-60 min", "RUNNING", 1), ("1-6 h", "WAITING", 1),
+    assert nonzero == [("1-5 min", "RUNNING", 1), ("5-15 min", "PENDING", 2), ("5-15 min", "RUNNING", 2),
+                       ("5-15 min", "WAITING", 1), ("15-60 min", "PENDING", 4), ("15-60 min", "RUNNING", 2),
+                       ("15-60 min", "WAITING", 1), ("1-6 h", "WAITING", 1),
                        ("6-24 h", "WAITING", 1), ("> 1 day", "RUNNING", 1), ("> 1 day", "WAITING", 1)]
 
 
@@ -61,12 +66,12 @@ def test_oldest_tasks_top_runs_and_run_count(session: tuple[psycopg.Connection[A
     oldest = ops.active_tasks(conn, limit=3)
     assert oldest.select("run_id", "node_id").rows() == [
         (info.runs["H6"], "delivered"), (info.runs["L7"], "extract_a"), (info.runs["L5"], "delivered")]
-    assert ops.active_tasks(conn).height == 11
+    assert ops.active_tasks(conn).height == 17
     top = ops.top_runs(conn, limit=3)
     assert top.select("run_id", "active_tasks", "workflow_id", "status").rows() == [
-        (info.runs["L6"], 2, "nightly-report", "RUNNING"), (info.runs["H6"], 1, "order-fulfilment", "RUNNING"),
-        (info.runs["L7"], 1, "nightly-report", "RUNNING")]
-    assert ops.active_run_count(conn) == 10
+        (info.runs["M1"], 4, "charge-all", "RUNNING"), (info.runs["L6"], 2, "nightly-report", "RUNNING"),
+        (info.runs["H6"], 1, "order-fulfilment", "RUNNING")]
+    assert ops.active_run_count(conn) == 13
     with pytest.raises(Invalid):
         ops.top_runs(conn, limit=0)
 
@@ -75,9 +80,19 @@ def test_outbox_backlog_ready_and_delayed(session: tuple[psycopg.Connection[Any]
     conn, _ = session
     backlog = ops.outbox_backlog(conn)
     assert backlog.select("queue", "rows", "ready", "delayed", "max_attempt").rows() == [
-        ("payments", 1, 1, 0, 0), ("reports", 2, 1, 1, 1)]
+        ("payments", 3, 3, 0, 0), ("reports", 2, 1, 1, 1)]
     assert backlog["oldest_ready_age_s"].to_list() == [700.0, 1800.0]
     assert backlog["last_delayed_until"][0] is None
+
+
+def test_map_items_per_queue(session: tuple[psycopg.Connection[Any], Any]) -> None:
+    """M1's MAP node (6 items, max_parallel 2, 5 dispatched, 3 finished): item 3 running,
+    item 4 in the outbox, item 5 held back; the finished M9 has none active."""
+    conn, info = session
+    assert ops.map_items(conn).rows() == [("payments", 1, 1, 1, 1)]
+    assert ops.map_items(conn).columns == ["queue", "running", "dispatched", "held", "runs"]
+    assert fixtures.expected_figures(info)["active_tasks"]["map_items"] == {
+        "payments": {"running": 1, "dispatched": 1, "held": 1}}
 
 
 def test_running_leases_expiry_buckets_and_owners(session: tuple[psycopg.Connection[Any], Any]) -> None:
@@ -88,6 +103,7 @@ def test_running_leases_expiry_buckets_and_owners(session: tuple[psycopg.Connect
         (info.runs["L7"], -7200.0, True, "expired > 1 h ago"),
         (info.runs["L2"], -900.0, True, "expired 5-60 min ago"),
         (info.runs["L1"], 1200.0, False, "expires in 5-30 min"),
+        (info.runs["M1"], 1500.0, False, "expires in 5-30 min"),     # a MAP item holds a lease like any task
         (info.runs["L3"], 7200.0, False, "expires in > 30 min")]
     buckets = dict(ops.expiry_buckets(leases).select("bucket", "tasks").iter_rows())
     assert buckets == fixtures.expected_figures(info)["lease_expiries"]["buckets"]
@@ -95,14 +111,14 @@ def test_running_leases_expiry_buckets_and_owners(session: tuple[psycopg.Connect
     assert expired.select("run_id", "overdue_s").rows() == [(info.runs["L7"], 7200.0), (info.runs["L2"], 900.0)]
     owners = ops.lease_owners(conn)
     assert owners.select("lease_owner", "running", "expired", "max_overdue_s", "suspect_dead").rows() == [
-        ("(none)", 1, 0, None, False), ("worker-a", 2, 0, 0.0, False), ("worker-b", 2, 2, 7200.0, True)]
+        ("(none)", 1, 0, None, False), ("worker-a", 3, 0, 0.0, False), ("worker-b", 2, 2, 7200.0, True)]
     assert ops.without_lease(leases).select("run_id", "node_id").rows() == [(info.runs["L9"], "charge")]
 
 
 def test_attempts_and_recent_requeues(session: tuple[psycopg.Connection[Any], Any]) -> None:
     conn, info = session
     assert ops.attempt_distribution(conn).rows() == [
-        (0, "PENDING", 2), (0, "RUNNING", 3), (0, "WAITING", 3), (1, "PENDING", 1), (1, "RUNNING", 1),
+        (0, "PENDING", 5), (0, "RUNNING", 4), (0, "WAITING", 5), (1, "PENDING", 1), (1, "RUNNING", 1),
         (2, "RUNNING", 1)]
     requeues = ops.recent_requeues(conn)
     assert requeues.select("run_id", "node_id", "attempt", "since_s", "last_error").rows() == [
@@ -127,7 +143,7 @@ def test_long_waits_are_wait_for_event_nodes_without_a_timeout(session: tuple[ps
 
 
 def test_an_empty_database_gives_empty_well_typed_frames(conn: psycopg.Connection[Any]) -> None:
-    assert ops.active_by_group(conn).is_empty()
+    assert ops.active_by_group(conn).is_empty() and ops.map_items(conn).is_empty()
     assert ops.age_histogram(conn)["tasks"].sum() == 0
     assert ops.outbox_backlog(conn).columns[:4] == ["queue", "rows", "ready", "delayed"]
     leases = ops.running_leases(conn)
@@ -140,7 +156,7 @@ def test_a_url_source_opens_and_closes_its_own_read_only_session(db_url: str) ->
     with psycopg.connect(db_url) as owner:
         fixtures.seed(owner)
         owner.commit()
-    assert ops.active_by_group(db_url)["tasks"].sum() == 11
+    assert ops.active_by_group(db_url)["tasks"].sum() == 17
     with ops.snapshot(db_url) as conn:
         row = conn.execute("SHOW transaction_read_only").fetchone()
         assert row is not None

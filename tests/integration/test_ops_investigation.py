@@ -136,5 +136,20 @@ def test_a_map_node_is_collapsed_and_children_are_linked_both_ways(engine: Any, 
     assert story.links.rows() == [("child", "call", child.id, "kid", "RUNNING")]
     kid = ops.run_story(db_url, child.id)
     assert kid.links.rows() == [("parent", "call", run_id, "fan", "RUNNING")]
+    # The engine's counters agree with its item rows: nothing is flagged.
+    assert story.map_nodes.rows() == [("each", "WAITING", 5, 5, 1, 1)] and story.map_disagreements == []
     active = ops.active_tasks(db_url)
     assert active.filter((pl.col("run_id") == run_id) & (pl.col("node_id") == "each")).height == 3 + 1  # items + node
+
+
+def test_a_map_node_whose_counters_disagree_with_its_items_is_flagged(conn: psycopg.Connection[Any],
+                                                                     seeded: fixtures.SeedInfo) -> None:
+    """The seed's M9 counts 3 done items and has rows for 2: the story still loads, and
+    says what differs; M1's counters match its 6 items in 4 states."""
+    odd = ops.run_story(conn, seeded.runs["M9"])
+    assert odd.map_disagreements == [("charge_all", "counters say 3 items, 3 done, 0 failed; its item rows: "
+                                                    "2 items, 2 COMPLETED, 0 FAILED")]
+    (flag,) = ops.anomalies.map_items(odd.run_id, odd.map_disagreements)
+    assert flag.subject == f"run {seeded.runs['M9']}, node charge_all" and "3 done" in flag.detail
+    assert ops.run_story(conn, seeded.runs["M1"]).map_disagreements == []
+

@@ -34,7 +34,7 @@ def test_inventory_lists_every_partition_with_exact_rows(conn: psycopg.Connectio
     want = fixtures.expected_figures(seeded)["partition_sizes"]
     assert inv.height == 35                 # 9 months of three tables, and run_history in all but 202412
     assert sorted(inv["month"].unique().to_list()) == want["months"]
-    assert _rows(inv, "table") == {"workflow_runs": 21, "task_instances": 63, "workflow_events": 3, "run_history": 0}
+    assert _rows(inv, "table") == {"workflow_runs": 25, "task_instances": 79, "workflow_events": 3, "run_history": 1}
     assert _rows(inv, "month") == want["rows_by_month"]
     assert inv["rows_exact"].to_list() == [exact] * 35
     march = {t: r for t, r in inv.filter(pl.col("month") == "202503").select("table", "rows").iter_rows()}
@@ -98,7 +98,7 @@ def test_growth_per_month_and_projection(conn: psycopg.Connection[Any], seeded: 
     g = ops.growth(conn, horizon=3)
     cur = seeded.current_month
     assert g.filter(pl.col("kind") == "actual").select("month", "rows").rows() == [
-        ("202412", 0), ("202501", 12), ("202502", 16), ("202503", 18), ("202504", 9), (cur, 32)]
+        ("202412", 0), ("202501", 12), ("202502", 16), ("202503", 18), ("202504", 9), (cur, 53)]
     projected = g.filter(pl.col("kind") == "projected")
     assert projected["month"].to_list() == [add_months(cur, i) for i in (1, 2, 3)]
     # The trend of 12, 16, 18, 9 over four consecutive months (log-linear fit): -7.2 % a month.

@@ -41,16 +41,17 @@ def test_the_role_cannot_log_in_and_has_no_special_powers(reader: psycopg.Connec
 
 
 def test_every_ops_function_works_as_the_reader(reader: psycopg.Connection[Any], seeded_url: str) -> None:
-    assert ops.partition_inventory(reader, exact=True)["rows"].sum() == 87
+    assert ops.partition_inventory(reader, exact=True)["rows"].sum() == 108
     assert ops.lookahead(reader)["months_ahead"].to_list() == [3, 3, 3, 3]
     assert ops.growth(reader).height > 0
-    assert ops.active_by_group(reader)["tasks"].sum() == 11
-    assert ops.age_histogram(reader)["tasks"].sum() == 11
-    assert ops.active_tasks(reader).height == 11
-    assert ops.top_runs(reader).height == 10 and ops.active_run_count(reader) == 10
-    assert ops.outbox_backlog(reader)["rows"].sum() == 3
-    assert ops.running_leases(reader).height == 5
-    assert ops.attempt_distribution(reader)["tasks"].sum() == 11
+    assert ops.active_by_group(reader)["tasks"].sum() == 17
+    assert ops.age_histogram(reader)["tasks"].sum() == 17
+    assert ops.active_tasks(reader).height == 17
+    assert ops.top_runs(reader).height == 10 and ops.active_run_count(reader) == 13
+    assert ops.outbox_backlog(reader)["rows"].sum() == 5
+    assert ops.running_leases(reader).height == 6
+    assert ops.attempt_distribution(reader)["tasks"].sum() == 17
+    assert ops.map_items(reader).rows() == [("payments", 1, 1, 1, 1)]
     assert ops.long_waits(reader)[1] == 1
     assert ops.recent_requeues(reader).height == 2
     plan = ops.retention_plan(reader, datetime(2025, 5, 1, tzinfo=UTC), exact_rows=True)
@@ -58,7 +59,7 @@ def test_every_ops_function_works_as_the_reader(reader: psycopg.Connection[Any],
     story = ops.run_story(reader, ops.latest_run_id(reader) or "")
     assert story.status == "FAILED" and story.tasks.height == 8 and story.webhook.height == 1
     # A URL with the role in its options goes through ops' own read-only session.
-    assert ops.active_by_group(as_role(seeded_url))["tasks"].sum() == 11
+    assert ops.active_by_group(as_role(seeded_url))["tasks"].sum() == 17
 
 
 def test_partitions_created_later_are_readable(seeded_url: str, reader: psycopg.Connection[Any]) -> None:
@@ -96,7 +97,7 @@ def test_writes_and_partition_functions_are_refused(reader: psycopg.Connection[A
             continue
         allowed.append(statement)
     assert allowed == []
-    assert reader.execute("SELECT count(*) FROM workflow_runs").fetchone() == (21,)
+    assert reader.execute("SELECT count(*) FROM workflow_runs").fetchone() == (25,)
 
 
 def test_migrating_another_database_of_the_cluster_reuses_the_role(empty_db_url: str) -> None:

@@ -59,6 +59,24 @@ def test_nbval_runs_every_notebook_green_as_the_reader_role(db_url: str, tmp_pat
     assert sum(passed_count(r.stdout) for r in results) == sum(code_cells(p) for p in ALL), output[-2000:]
 
 
+def test_nbval_checks_run_investigation_on_the_map_and_sub_workflow_runs(db_url: str, tmp_path: Path) -> None:
+    """run_investigation with ``run_id`` set as papermill would set it, on the seed's MAP
+    run (items by state, the slowest item), the parent and the child of its SUB_WORKFLOW
+    node (linked both ways), and the MAP run whose counters disagree with its items
+    (flagged, rendered): each checked through its key figures."""
+    info = seed_committed(db_url)
+    books = []
+    for label, figures in fixtures.investigation_figures(info).items():
+        copy = tmp_path / f"run_investigation_{label}.ipynb"
+        path = inject_after_parameters(NOTEBOOKS / "run_investigation.ipynb", copy, f"run_id = {info.runs[label]!r}\n")
+        books.append(write_expecting(path, path, figures))
+    results = run_nbval_parallel([books[0::2], books[1::2]], {"COMPOSER_DATABASE_URL": as_role(db_url)},
+                                 rootdir=tmp_path)
+    output = "\n".join(r.stdout + r.stderr for r in results)
+    assert [r.returncode for r in results] == [0, 0], output[-4000:]
+    assert sum(passed_count(r.stdout) for r in results) == sum(code_cells(p) for p in books), output[-2000:]
+
+
 # Two deliberate bugs: one that the notebook's own invariants catch (WAITING tasks
 # vanish from the group counts but not from the histogram), one that only the
 # seed's exact figures catch (the busiest runs listed least-busy first).
@@ -96,7 +114,7 @@ def test_the_harness_fails_when_a_query_is_broken(db_url: str, tmp_path: Path) -
     assert result.ok and result.html is not None, result.error
     page = result.html.read_text(encoding="utf-8")
     assert "self-checks FAILED" in page and "the age histogram counts every active task" in page
-    assert re.search(r"histogram 11, groups 8", page), "the failing figure is shown"
+    assert re.search(r"histogram 17, groups 12", page), "the failing figure is shown"
     # Each notebook failed on a wrong figure, not on an exception in a cell.
     for r in results:
         assert "Cell outputs differ" in r.stdout and "caused an exception" not in r.stdout, r.stdout[-4000:]
