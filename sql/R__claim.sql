@@ -224,12 +224,13 @@ END;
 $$;
 REVOKE ALL ON FUNCTION composer_claim_month(TEXT, BOOLEAN) FROM PUBLIC;
 
--- The six-argument claim: p_limit tasks at most; a claim that takes all it asked for
--- has no room left and withdraws its registration with SKIP LOCKED (a row an enqueuer
--- is deleting is already going). p_channel NULL: a caller that is not a listening
--- worker (no registration).
+-- The claim workers make: p_limit tasks at most (the wake-ups the worker had on its own
+-- channel), while p_room, its free slots, decides its registration: a claim that takes
+-- fewer than p_room leaves the worker registered, to be woken by the next dispatch, and
+-- one that takes p_room withdraws it with SKIP LOCKED (a row an enqueuer is deleting is
+-- already going). p_channel NULL: a caller that is not a listening worker (no registration).
 CREATE OR REPLACE FUNCTION composer_claim(p_queues TEXT[], p_names TEXT[], p_owner TEXT, p_limit INT,
-                               p_claim TEXT, p_channel TEXT)
+                               p_claim TEXT, p_channel TEXT, p_room INT)
 RETURNS TABLE(run_id TEXT, task_id TEXT, node_id TEXT, attempt INT, task_name TEXT, queue TEXT,
               input JSONB, lease_s INT, lease_owner TEXT, lease_expires_at TIMESTAMPTZ)
 LANGUAGE plpgsql
@@ -361,39 +362,33 @@ BEGIN
             claimed := claimed + got;
         END LOOP;
     END IF;
+    -- Registered at step 1; a claim that took p_limit writes the registration again (as
+    -- the most recently idle) or, with no room left, withdraws it. A row locked here is
+    -- being deleted by a dispatch that has not committed, which wakes this worker when it
+    -- does; waiting for it would hold this claim's outbox and task rows, so it is skipped,
+    -- and the NOT EXISTS keeps the insert from waiting for it.
     IF p_channel IS NOT NULL AND claimed >= p_limit THEN
         DELETE FROM task_waiters w
          WHERE w.worker = (SELECT x.worker FROM task_waiters x WHERE x.worker = p_owner FOR UPDATE SKIP LOCKED);
+        IF claimed < p_room THEN
+            INSERT INTO task_waiters (worker, channel, queues, task_names)
+            SELECT p_owner, p_channel, p_queues, p_names
+             WHERE NOT EXISTS (SELECT 1 FROM task_waiters x WHERE x.worker = p_owner)
+            ON CONFLICT (worker) DO NOTHING;
+        END IF;
     END IF;
 END;
 $$;
 
--- The claim workers make: p_limit tasks (the wake-ups the worker had on its own
--- channel), while p_room, its free slots, decides its registration: a claim that takes
--- fewer than p_room leaves the worker registered (the six-argument claim withdraws it
--- once it takes p_limit, so it is written again here, in the same transaction), and the
--- worker is woken by the next dispatch. The six-argument form is this with p_room = p_limit.
+-- The six-argument claim, of callers without free slots of their own to count: the
+-- claim above with p_room = p_limit.
 CREATE OR REPLACE FUNCTION composer_claim(p_queues TEXT[], p_names TEXT[], p_owner TEXT, p_limit INT,
-                               p_claim TEXT, p_channel TEXT, p_room INT)
+                               p_claim TEXT, p_channel TEXT)
 RETURNS TABLE(run_id TEXT, task_id TEXT, node_id TEXT, attempt INT, task_name TEXT, queue TEXT,
               input JSONB, lease_s INT, lease_owner TEXT, lease_expires_at TIMESTAMPTZ)
-LANGUAGE plpgsql
+LANGUAGE sql
 AS $$
-DECLARE
-    claimed INT;
-BEGIN
-    RETURN QUERY SELECT * FROM composer_claim(p_queues, p_names, p_owner, p_limit, p_claim, p_channel);
-    GET DIAGNOSTICS claimed = ROW_COUNT;
-    -- A row still visible here is being deleted by a dispatch that has not committed: it
-    -- wakes this worker when it does. Inserting then would wait for that dispatch while
-    -- this claim holds outbox and task rows; the NOT EXISTS keeps the claim from waiting.
-    IF p_channel IS NOT NULL AND claimed >= p_limit AND claimed < p_room THEN
-        INSERT INTO task_waiters (worker, channel, queues, task_names)
-        SELECT p_owner, p_channel, p_queues, p_names
-         WHERE NOT EXISTS (SELECT 1 FROM task_waiters x WHERE x.worker = p_owner)
-        ON CONFLICT (worker) DO NOTHING;
-    END IF;
-END;
+    SELECT * FROM composer_claim(p_queues, p_names, p_owner, p_limit, p_claim, p_channel, p_limit)
 $$;
 
 REVOKE ALL ON FUNCTION composer_claim(TEXT[], TEXT[], TEXT, INT, TEXT, TEXT) FROM PUBLIC;
