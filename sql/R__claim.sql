@@ -24,9 +24,11 @@
 -- Step 3 runs per month, in a function of the month's own (composer_claim_tasks_source):
 -- it names the month's task_instances and workflow_runs partitions, so its statements
 -- are an ordinary table's, planned once per session and cached, and lock that month
--- only. The claim's other statements keep cached plans too: none reads a partitioned
--- table (the history rows are routed to their partition as they are inserted, which
--- locks that partition only; tests/integration/test_outbox_claim_months.py counts the locks).
+-- only. Every statement of the claim runs on a generic plan (force_generic_plan: the
+-- custom plan of the queue-settings read, say, would look cheaper at every call, and be
+-- made at every call), which is safe as none reads a partitioned table (the history rows
+-- are routed to their partition as they are inserted, which locks that partition only;
+-- tests/integration/test_outbox_claim_months.py counts the locks).
 
 -- A dispatch (repo/outbox.py, enqueue) deletes up to one waiter per task it makes
 -- available, the most recently idle first, and notifies each on its own channel; when
@@ -234,6 +236,7 @@ CREATE OR REPLACE FUNCTION composer_claim(p_queues TEXT[], p_names TEXT[], p_own
 RETURNS TABLE(run_id TEXT, task_id TEXT, node_id TEXT, attempt INT, task_name TEXT, queue TEXT,
               input JSONB, lease_s INT, lease_owner TEXT, lease_expires_at TIMESTAMPTZ)
 LANGUAGE plpgsql
+SET plan_cache_mode = force_generic_plan
 AS $$
 #variable_conflict use_column
 DECLARE
@@ -322,14 +325,17 @@ BEGIN
         SELECT runs || array_agg(picked.run_id), ids || array_agg(picked.task_id),
                attempts || array_agg(picked.attempt), names || array_agg(picked.task_name),
                leases || array_agg(picked.lease_s), queues || array_agg(picked.queue),
-               maxruns || array_agg(picked.max_run_s), ckeys || array_agg(picked.ckey)
-          INTO runs, ids, attempts, names, leases, queues, maxruns, ckeys
+               maxruns || array_agg(picked.max_run_s), ckeys || array_agg(picked.ckey),
+               m_months || array_agg(DISTINCT composer_run_month(picked.run_id))
+          INTO runs, ids, attempts, names, leases, queues, maxruns, ckeys, m_months
           FROM picked;
     END LOOP;
     -- Step 3, one month at a time (composer_claim_tasks_source says why); the one month
     -- of almost every claim takes the arrays as they are.
     IF runs IS NOT NULL THEN
-        SELECT array_agg(DISTINCT composer_run_month(r)) INTO m_months FROM unnest(runs) AS u(r);
+        IF cardinality(m_months) > 1 THEN     -- months of several passes of the loop
+            SELECT array_agg(DISTINCT u.m) INTO m_months FROM unnest(m_months) AS u(m);
+        END IF;
         FOREACH m_month IN ARRAY m_months LOOP
             IF cardinality(m_months) = 1 THEN
                 m_runs := runs; m_ids := ids; m_attempts := attempts; m_names := names; m_leases := leases;
