@@ -28,7 +28,10 @@
 -- custom plan of the queue-settings read, say, would look cheaper at every call, and be
 -- made at every call), which is safe as none reads a partitioned table (the history rows
 -- are routed to their partition as they are inserted, which locks that partition only;
--- tests/integration/test_outbox_claim_months.py counts the locks).
+-- tests/integration/test_outbox_claim_months.py counts the locks). A generic plan
+-- estimates an array parameter at 10 elements, and one made while a table is small
+-- would scan it whole: with enable_seqscan off the claim's plans go through the indexes
+-- (task update by run_id, outbox delete by id) whatever the tables held when planned.
 
 -- A dispatch (repo/outbox.py, enqueue) deletes up to one waiter per task it makes
 -- available, the most recently idle first, and notifies each on its own channel; when
@@ -237,6 +240,7 @@ RETURNS TABLE(run_id TEXT, task_id TEXT, node_id TEXT, attempt INT, task_name TE
               input JSONB, lease_s INT, lease_owner TEXT, lease_expires_at TIMESTAMPTZ)
 LANGUAGE plpgsql
 SET plan_cache_mode = force_generic_plan
+SET enable_seqscan = off
 AS $$
 #variable_conflict use_column
 DECLARE
@@ -319,8 +323,7 @@ BEGIN
                FOR UPDATE SKIP LOCKED
         ), picked AS (
             DELETE FROM task_outbox o
-             USING s
-             WHERE o.id = s.id
+             WHERE o.id = ANY (ARRAY(SELECT s.id FROM s))
             RETURNING o.run_id, o.task_id, o.attempt, o.task_name, o.lease_s, o.queue, o.max_run_s, o.ckey)
         SELECT runs || array_agg(picked.run_id), ids || array_agg(picked.task_id),
                attempts || array_agg(picked.attempt), names || array_agg(picked.task_name),
