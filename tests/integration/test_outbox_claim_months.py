@@ -14,6 +14,7 @@ from typing import Any
 import psycopg
 import pytest
 
+from composer_ops.core import runids
 from composer_ops.repo import clock, outbox, partitions, tasks
 from composer_ops.repo.rows import Dispatch
 from tests.integration.helpers import add_definition, add_run, now_utc
@@ -164,3 +165,23 @@ def test_a_month_dropped_while_the_claim_is_cached_leaves_other_months_claimable
         assert f"{old:%Y%m}" in dropped
         held, locked = _locks_of_one_claim(conn)
         assert locked == {f"task_instances_p{today:%Y%m}"}
+
+
+def _uuid7(ms: int) -> str:
+    h = format(ms, "012x")
+    return f"{h[:8]}-{h[8:12]}-7abc-8def-0123456789ab"
+
+
+def test_the_claims_month_of_a_run_id_is_the_one_its_partition_holds(db_url: str) -> None:
+    """composer_run_month, which picks the month's function, agrees with month_of (the
+    partition's name) on each side of a month's first millisecond, and gives NULL (the
+    partitioned tables) for text that is not a canonical UUIDv7."""
+    starts = [runids.month_start(m) for m in ("197001", "202601", "202612", "203002")]
+    ids = [_uuid7(int(s.timestamp() * 1000) + d) for s in starts for d in (0, 1) if s.timestamp() * 1000 + d >= 0]
+    ids += [_uuid7(int(s.timestamp() * 1000) - 1) for s in starts[1:]]
+    with psycopg.connect(db_url, autocommit=True) as conn:
+        for run_id in ids:
+            row = conn.execute("SELECT composer_run_month(%s)", (run_id,)).fetchone()
+            assert row == (runids.month_of(run_id),), run_id
+        for text in ("not-a-uuid", ids[2].upper(), ids[2].replace("-7abc-", "-4abc-"), ""):
+            assert conn.execute("SELECT composer_run_month(%s)", (text,)).fetchone() == (None,)
