@@ -21,12 +21,18 @@
 --      row (marked with the claim's ID, which a retried claim looks up) in the same
 --      statement. A task of a soft-deleted run is not claimed (its outbox row is
 --      consumed all the same).
--- The task update names the run IDs as a constant array, and plan_cache_mode =
--- force_custom_plan makes it planned with the array's value: the planner keeps only the
--- partitions the run IDs fall in and locks only those months (a generic, cached plan
--- would lock every month's partitions and indexes before pruning, PostgreSQL 15 to 18;
--- tests/integration/test_outbox_claim_months.py). The check on workflow_runs prunes the same way.
---
+-- Step 3 runs per month, in a function of the month's own (composer_claim_tasks_source):
+-- it names the month's task_instances and workflow_runs partitions, so its statements
+-- are an ordinary table's, planned once per session and cached, and lock that month
+-- only. Every statement of the claim runs on a generic plan (force_generic_plan: the
+-- custom plan of the queue-settings read, say, would look cheaper at every call, and be
+-- made at every call), which is safe as none reads a partitioned table (the history rows
+-- are routed to their partition as they are inserted, which locks that partition only;
+-- tests/integration/test_outbox_claim_months.py counts the locks). A generic plan
+-- estimates an array parameter at 10 elements, and one made while a table is small
+-- would scan it whole: with enable_seqscan off the claim's plans go through the indexes
+-- (task update by run_id, outbox delete by id) whatever the tables held when planned.
+
 -- A dispatch (repo/outbox.py, enqueue) deletes up to one waiter per task it makes
 -- available, the most recently idle first, and notifies each on its own channel; when
 -- it wakes fewer workers than tasks, or one that does not serve every task, it also
@@ -103,16 +109,138 @@ BEGIN
 END;
 $$;
 
--- The six-argument claim: p_limit tasks at most; a claim that takes all it asked for
--- has no room left and withdraws its registration with SKIP LOCKED (a row an enqueuer
--- is deleting is already going). p_channel NULL: a caller that is not a listening
--- worker (no registration).
-CREATE OR REPLACE FUNCTION composer_claim(p_queues TEXT[], p_names TEXT[], p_owner TEXT, p_limit INT,
-                               p_claim TEXT, p_channel TEXT)
+-- The UTC month (YYYYMM) of a canonical UUIDv7 run ID, the suffix of the partitions
+-- holding the run (R__partitions.sql bounds them with composer_uuid7_bound); NULL for
+-- any other text. The same as composer_ops/core/runids.py month_of.
+CREATE OR REPLACE FUNCTION composer_run_month(p_run TEXT) RETURNS TEXT
+LANGUAGE sql STABLE AS $$
+    SELECT CASE WHEN p_run ~ '^[0-9a-f]{8}-[0-9a-f]{4}-7[0-9a-f]{3}-[89ab][0-9a-f]{3}-[0-9a-f]{12}$'
+                THEN to_char(to_timestamp(('x' || substr(p_run, 1, 8) || substr(p_run, 10, 4))::bit(48)::bigint
+                                          / 1000.0) AT TIME ZONE 'UTC', 'YYYYMM') END
+$$;
+
+-- The claim's step 3 (the header above) for the tasks of one month, as the text of a
+-- CREATE FUNCTION: p_fn updates p_tasks and checks p_runs. One text, two uses:
+--   composer_claim_tasks_pYYYYMM on the month's own partitions (composer_claim_month,
+--   made with the partitions by composer_ensure_partitions_from): an ordinary table's
+--   statements, so PL/pgSQL caches their plans, generic after five calls, and they lock
+--   that month's partitions and indexes only;
+--   composer_claim_tasks on the partitioned tables, for a run ID that is not a UUIDv7 or
+--   a month without its function: a cached generic plan would lock every month before
+--   pruning (PostgreSQL 15 to 18), so it is planned at every call with the run IDs'
+--   values (force_custom_plan), and the planner keeps only their months.
+-- The run IDs also stand as a constant array (t.run_id = ANY(...)) for that pruning.
+CREATE OR REPLACE FUNCTION composer_claim_tasks_source(p_fn TEXT, p_tasks TEXT, p_runs TEXT, p_options TEXT)
+RETURNS TEXT
+LANGUAGE sql IMMUTABLE AS $src$
+    SELECT format($fn$
+CREATE OR REPLACE FUNCTION %1$I(p_owner TEXT, p_claim TEXT, p_limited TEXT[], p_runs TEXT[], p_ids TEXT[],
+                               p_attempts INT[], p_names TEXT[], p_leases INT[], p_queues TEXT[],
+                               p_maxruns INT[], p_ckeys TEXT[])
 RETURNS TABLE(run_id TEXT, task_id TEXT, node_id TEXT, attempt INT, task_name TEXT, queue TEXT,
               input JSONB, lease_s INT, lease_owner TEXT, lease_expires_at TIMESTAMPTZ)
 LANGUAGE plpgsql
-SET plan_cache_mode = force_custom_plan
+%4$s
+AS $body$
+#variable_conflict use_column
+BEGIN
+    RETURN QUERY
+        WITH claimed AS (
+            UPDATE %2$I t
+               SET state = 'RUNNING', lease_owner = p_owner,
+                   lease_expires_at = NOW() + make_interval(secs => LEAST(p.lease_s, p.max_run_s)),
+                   run_deadline_at = NOW() + make_interval(secs => p.max_run_s),
+                   started_at = NOW(), updated_at = NOW(),
+                   flow_slot = CASE WHEN p.queue = ANY(p_limited) OR p.ckey IS NOT NULL THEN true END
+              FROM unnest(p_runs, p_ids, p_attempts, p_names, p_leases, p_queues, p_maxruns, p_ckeys)
+                   AS p(run_id, task_id, attempt, task_name, lease_s, queue, max_run_s, ckey)
+             WHERE t.run_id = ANY(p_runs)
+               AND t.run_id = p.run_id AND t.id = p.task_id AND t.attempt = p.attempt
+               AND t.state IN ('PENDING', 'QUEUED')
+               AND NOT EXISTS (SELECT 1 FROM %3$I r
+                                WHERE r.id = ANY(p_runs) AND r.id = t.run_id AND r.deleted_at IS NOT NULL)
+            RETURNING t.run_id, t.id AS task_id, t.node_id, t.attempt, p.task_name, p.queue,
+                      t.input_json AS input, LEAST(p.lease_s, p.max_run_s) AS lease_s, t.lease_owner,
+                      t.lease_expires_at, p.ckey
+        ), slotted AS (
+            INSERT INTO flow_slots (key, run_id, task_id, attempt)
+            SELECT 'queue:' || c.queue, c.run_id, c.task_id, c.attempt FROM claimed c WHERE c.queue = ANY(p_limited)
+            UNION ALL
+            SELECT 'c:' || c.ckey, c.run_id, c.task_id, c.attempt FROM claimed c WHERE c.ckey IS NOT NULL
+            ON CONFLICT (key, run_id, task_id) DO UPDATE SET attempt = EXCLUDED.attempt, taken_at = now()
+        ), noted AS (
+            INSERT INTO run_history (run_id, kind, node_id, task_id, attempt, worker, request, detail)
+            SELECT c.run_id, 'claimed', c.node_id, c.task_id, c.attempt, c.lease_owner, p_claim,
+                   jsonb_build_object('task', c.task_name, 'lease_s', c.lease_s)
+              FROM claimed c)
+        SELECT c.run_id, c.task_id, c.node_id, c.attempt, c.task_name, c.queue, c.input, c.lease_s,
+               c.lease_owner, c.lease_expires_at
+          FROM claimed c;
+END;
+$body$;
+REVOKE ALL ON FUNCTION %1$I(TEXT, TEXT, TEXT[], TEXT[], TEXT[], INT[], TEXT[], INT[], TEXT[], INT[], TEXT[]) FROM PUBLIC;
+GRANT EXECUTE ON FUNCTION %1$I(TEXT, TEXT, TEXT[], TEXT[], TEXT[], INT[], TEXT[], INT[], TEXT[], INT[], TEXT[])
+    TO composer_ops_engine;
+$fn$, p_fn, p_tasks, p_runs, p_options)
+$src$;
+
+DO $$
+BEGIN
+    EXECUTE composer_claim_tasks_source('composer_claim_tasks', 'task_instances', 'workflow_runs',
+                                        'SET plan_cache_mode = force_custom_plan');
+END;
+$$;
+
+-- Make (p_replace: or make again) the claim's function of month p_month (YYYYMM) when
+-- both its workflow_runs and task_instances partitions are attached with exactly that
+-- month's bounds (only then does a run ID's month name the partition holding it), and
+-- drop it otherwise; true when it exists afterwards. Called with the partitions
+-- (R__partitions.sql); the claim takes the partitioned tables for a month without one.
+-- Not on Citus, whose claim is its own (repo/citus.py).
+CREATE OR REPLACE FUNCTION composer_claim_month(p_month TEXT, p_replace BOOLEAN DEFAULT false)
+RETURNS BOOLEAN
+LANGUAGE plpgsql AS $$
+DECLARE
+    fn TEXT := 'composer_claim_tasks_p' || p_month;
+    lo TEXT;
+    hi TEXT;
+    aligned BOOLEAN;
+BEGIN
+    IF p_month IS NULL OR p_month !~ '^\d{6}$' OR EXISTS (SELECT 1 FROM pg_extension WHERE extname = 'citus') THEN
+        RETURN false;
+    END IF;
+    lo := composer_uuid7_bound(to_date(p_month, 'YYYYMM')::timestamp AT TIME ZONE 'UTC');
+    hi := composer_uuid7_bound((to_date(p_month, 'YYYYMM') + INTERVAL '1 month') AT TIME ZONE 'UTC');
+    SELECT count(*) = 2 INTO aligned
+      FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid
+     WHERE (c.oid, i.inhparent) IN ((to_regclass(format('%I', 'workflow_runs_p' || p_month)), 'workflow_runs'::regclass),
+                                    (to_regclass(format('%I', 'task_instances_p' || p_month)), 'task_instances'::regclass))
+       AND pg_get_expr(c.relpartbound, c.oid) = format('FOR VALUES FROM (%L) TO (%L)', lo, hi);
+    IF NOT aligned THEN
+        EXECUTE format('DROP FUNCTION IF EXISTS %I(TEXT, TEXT, TEXT[], TEXT[], TEXT[], INT[], TEXT[], INT[], TEXT[], '
+                       'INT[], TEXT[])', fn);
+        RETURN false;
+    END IF;
+    IF p_replace OR to_regproc(format('%I', fn)) IS NULL THEN
+        EXECUTE composer_claim_tasks_source(fn, 'task_instances_p' || p_month, 'workflow_runs_p' || p_month, '');
+    END IF;
+    RETURN true;
+END;
+$$;
+REVOKE ALL ON FUNCTION composer_claim_month(TEXT, BOOLEAN) FROM PUBLIC;
+
+-- The claim workers make: p_limit tasks at most (the wake-ups the worker had on its own
+-- channel), while p_room, its free slots, decides its registration: a claim that takes
+-- fewer than p_room leaves the worker registered, to be woken by the next dispatch, and
+-- one that takes p_room withdraws it with SKIP LOCKED (a row an enqueuer is deleting is
+-- already going). p_channel NULL: a caller that is not a listening worker (no registration).
+CREATE OR REPLACE FUNCTION composer_claim(p_queues TEXT[], p_names TEXT[], p_owner TEXT, p_limit INT,
+                               p_claim TEXT, p_channel TEXT, p_room INT)
+RETURNS TABLE(run_id TEXT, task_id TEXT, node_id TEXT, attempt INT, task_name TEXT, queue TEXT,
+              input JSONB, lease_s INT, lease_owner TEXT, lease_expires_at TIMESTAMPTZ)
+LANGUAGE plpgsql
+SET plan_cache_mode = force_generic_plan
+SET enable_seqscan = off
 AS $$
 #variable_conflict use_column
 DECLARE
@@ -130,6 +258,17 @@ DECLARE
     limits INT[];
     pick_queues TEXT[];
     room INT;
+    m_months TEXT[];
+    m_month TEXT;
+    got INT;
+    m_runs TEXT[];
+    m_ids TEXT[];
+    m_attempts INT[];
+    m_names TEXT[];
+    m_leases INT[];
+    m_queues TEXT[];
+    m_maxruns INT[];
+    m_ckeys TEXT[];
 BEGIN
     -- First, before anything else: held until this claim commits or rolls back, so a
     -- retry of the same claim, which takes it before it looks (repo/outbox.py,
@@ -184,84 +323,81 @@ BEGIN
                FOR UPDATE SKIP LOCKED
         ), picked AS (
             DELETE FROM task_outbox o
-             USING s
-             WHERE o.id = s.id
+             WHERE o.id = ANY (ARRAY(SELECT s.id FROM s))
             RETURNING o.run_id, o.task_id, o.attempt, o.task_name, o.lease_s, o.queue, o.max_run_s, o.ckey)
         SELECT runs || array_agg(picked.run_id), ids || array_agg(picked.task_id),
                attempts || array_agg(picked.attempt), names || array_agg(picked.task_name),
                leases || array_agg(picked.lease_s), queues || array_agg(picked.queue),
-               maxruns || array_agg(picked.max_run_s), ckeys || array_agg(picked.ckey)
-          INTO runs, ids, attempts, names, leases, queues, maxruns, ckeys
+               maxruns || array_agg(picked.max_run_s), ckeys || array_agg(picked.ckey),
+               m_months || array_agg(DISTINCT composer_run_month(picked.run_id))
+          INTO runs, ids, attempts, names, leases, queues, maxruns, ckeys, m_months
           FROM picked;
     END LOOP;
+    -- Step 3, one month at a time (composer_claim_tasks_source says why); the one month
+    -- of almost every claim takes the arrays as they are.
     IF runs IS NOT NULL THEN
-        RETURN QUERY
-            WITH claimed AS (
-                UPDATE task_instances t
-                   SET state = 'RUNNING', lease_owner = p_owner,
-                       lease_expires_at = NOW() + make_interval(secs => LEAST(p.lease_s, p.max_run_s)),
-                       run_deadline_at = NOW() + make_interval(secs => p.max_run_s),
-                       started_at = NOW(), updated_at = NOW(),
-                       flow_slot = CASE WHEN p.queue = ANY(limited) OR p.ckey IS NOT NULL THEN true END
+        IF cardinality(m_months) > 1 THEN     -- months of several passes of the loop
+            SELECT array_agg(DISTINCT u.m) INTO m_months FROM unnest(m_months) AS u(m);
+        END IF;
+        FOREACH m_month IN ARRAY m_months LOOP
+            IF cardinality(m_months) = 1 THEN
+                m_runs := runs; m_ids := ids; m_attempts := attempts; m_names := names; m_leases := leases;
+                m_queues := queues; m_maxruns := maxruns; m_ckeys := ckeys;
+            ELSE
+                SELECT array_agg(u.r ORDER BY u.n), array_agg(u.i ORDER BY u.n), array_agg(u.a ORDER BY u.n),
+                       array_agg(u.t ORDER BY u.n), array_agg(u.l ORDER BY u.n), array_agg(u.q ORDER BY u.n),
+                       array_agg(u.m ORDER BY u.n), array_agg(u.k ORDER BY u.n)
+                  INTO m_runs, m_ids, m_attempts, m_names, m_leases, m_queues, m_maxruns, m_ckeys
                   FROM unnest(runs, ids, attempts, names, leases, queues, maxruns, ckeys)
-                       AS p(run_id, task_id, attempt, task_name, lease_s, queue, max_run_s, ckey)
-                 WHERE t.run_id = ANY(runs)
-                   AND t.run_id = p.run_id AND t.id = p.task_id AND t.attempt = p.attempt
-                   AND t.state IN ('PENDING', 'QUEUED')
-                   AND NOT EXISTS (SELECT 1 FROM workflow_runs r
-                                    WHERE r.id = ANY(runs) AND r.id = t.run_id AND r.deleted_at IS NOT NULL)
-                RETURNING t.run_id, t.id AS task_id, t.node_id, t.attempt, p.task_name, p.queue,
-                          t.input_json AS input, LEAST(p.lease_s, p.max_run_s) AS lease_s, t.lease_owner,
-                          t.lease_expires_at, p.ckey
-            ), slotted AS (
-                INSERT INTO flow_slots (key, run_id, task_id, attempt)
-                SELECT 'queue:' || c.queue, c.run_id, c.task_id, c.attempt FROM claimed c WHERE c.queue = ANY(limited)
-                UNION ALL
-                SELECT 'c:' || c.ckey, c.run_id, c.task_id, c.attempt FROM claimed c WHERE c.ckey IS NOT NULL
-                ON CONFLICT (key, run_id, task_id) DO UPDATE SET attempt = EXCLUDED.attempt, taken_at = now()
-            ), noted AS (
-                INSERT INTO run_history (run_id, kind, node_id, task_id, attempt, worker, request, detail)
-                SELECT c.run_id, 'claimed', c.node_id, c.task_id, c.attempt, c.lease_owner, p_claim,
-                       jsonb_build_object('task', c.task_name, 'lease_s', c.lease_s)
-                  FROM claimed c)
-            SELECT c.run_id, c.task_id, c.node_id, c.attempt, c.task_name, c.queue, c.input, c.lease_s,
-                   c.lease_owner, c.lease_expires_at
-              FROM claimed c;
-        GET DIAGNOSTICS claimed = ROW_COUNT;
+                       WITH ORDINALITY AS u(r, i, a, t, l, q, m, k, n)
+                 WHERE composer_run_month(u.r) IS NOT DISTINCT FROM m_month;
+            END IF;
+            -- The month's own function while both its partitions are there under their
+            -- names (a month dropped or detached has neither: retention and detach take
+            -- only months without active runs, and a run whose task has an outbox row is
+            -- active, so no claim is waiting for one); the partitioned tables otherwise.
+            IF m_month IS NOT NULL AND to_regproc('composer_claim_tasks_p' || m_month) IS NOT NULL
+               AND to_regclass('task_instances_p' || m_month) IS NOT NULL
+               AND to_regclass('workflow_runs_p' || m_month) IS NOT NULL THEN
+                RETURN QUERY EXECUTE format('SELECT * FROM %I($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11)',
+                                            'composer_claim_tasks_p' || m_month)
+                    USING p_owner, p_claim, limited, m_runs, m_ids, m_attempts, m_names, m_leases, m_queues,
+                          m_maxruns, m_ckeys;
+            ELSE
+                RETURN QUERY SELECT * FROM composer_claim_tasks(p_owner, p_claim, limited, m_runs, m_ids, m_attempts,
+                                                                m_names, m_leases, m_queues, m_maxruns, m_ckeys);
+            END IF;
+            GET DIAGNOSTICS got = ROW_COUNT;
+            claimed := claimed + got;
+        END LOOP;
     END IF;
+    -- Registered at step 1; a claim that took p_limit writes the registration again (as
+    -- the most recently idle) or, with no room left, withdraws it. A row locked here is
+    -- being deleted by a dispatch that has not committed, which wakes this worker when it
+    -- does; waiting for it would hold this claim's outbox and task rows, so it is skipped,
+    -- and the NOT EXISTS keeps the insert from waiting for it.
     IF p_channel IS NOT NULL AND claimed >= p_limit THEN
         DELETE FROM task_waiters w
          WHERE w.worker = (SELECT x.worker FROM task_waiters x WHERE x.worker = p_owner FOR UPDATE SKIP LOCKED);
+        IF claimed < p_room THEN
+            INSERT INTO task_waiters (worker, channel, queues, task_names)
+            SELECT p_owner, p_channel, p_queues, p_names
+             WHERE NOT EXISTS (SELECT 1 FROM task_waiters x WHERE x.worker = p_owner)
+            ON CONFLICT (worker) DO NOTHING;
+        END IF;
     END IF;
 END;
 $$;
 
--- The claim workers make: p_limit tasks (the wake-ups the worker had on its own
--- channel), while p_room, its free slots, decides its registration: a claim that takes
--- fewer than p_room leaves the worker registered (the six-argument claim withdraws it
--- once it takes p_limit, so it is written again here, in the same transaction), and the
--- worker is woken by the next dispatch. The six-argument form is this with p_room = p_limit.
+-- The six-argument claim, of callers without free slots of their own to count: the
+-- claim above with p_room = p_limit.
 CREATE OR REPLACE FUNCTION composer_claim(p_queues TEXT[], p_names TEXT[], p_owner TEXT, p_limit INT,
-                               p_claim TEXT, p_channel TEXT, p_room INT)
+                               p_claim TEXT, p_channel TEXT)
 RETURNS TABLE(run_id TEXT, task_id TEXT, node_id TEXT, attempt INT, task_name TEXT, queue TEXT,
               input JSONB, lease_s INT, lease_owner TEXT, lease_expires_at TIMESTAMPTZ)
-LANGUAGE plpgsql
+LANGUAGE sql
 AS $$
-DECLARE
-    claimed INT;
-BEGIN
-    RETURN QUERY SELECT * FROM composer_claim(p_queues, p_names, p_owner, p_limit, p_claim, p_channel);
-    GET DIAGNOSTICS claimed = ROW_COUNT;
-    -- A row still visible here is being deleted by a dispatch that has not committed: it
-    -- wakes this worker when it does. Inserting then would wait for that dispatch while
-    -- this claim holds outbox and task rows; the NOT EXISTS keeps the claim from waiting.
-    IF p_channel IS NOT NULL AND claimed >= p_limit AND claimed < p_room THEN
-        INSERT INTO task_waiters (worker, channel, queues, task_names)
-        SELECT p_owner, p_channel, p_queues, p_names
-         WHERE NOT EXISTS (SELECT 1 FROM task_waiters x WHERE x.worker = p_owner)
-        ON CONFLICT (worker) DO NOTHING;
-    END IF;
-END;
+    SELECT * FROM composer_claim(p_queues, p_names, p_owner, p_limit, p_claim, p_channel, p_limit)
 $$;
 
 REVOKE ALL ON FUNCTION composer_claim(TEXT[], TEXT[], TEXT, INT, TEXT, TEXT) FROM PUBLIC;

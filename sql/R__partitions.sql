@@ -51,7 +51,8 @@ $$;
 -- task_instances partitions get fillfactor 80: heartbeats change only
 -- lease_expires_at, which no index contains, and the free fifth of each page lets
 -- them be HOT updates (partitioned tables take no storage parameters, so each
--- partition gets it). The engine role gets SELECT and UPDATE on the new workflow_runs
+-- partition gets it). Each month gets the claim's function of its own
+-- (composer_claim_month, sql/R__claim.sql). The engine role gets SELECT and UPDATE on the new workflow_runs
 -- and task_instances partitions: it names a run's month partition in its per-run
 -- statements (repo/partitions.py, run_tables), and PostgreSQL checks a named
 -- partition's own privileges. On Citus a GRANT on a distributed table reaches its shards.
@@ -89,6 +90,7 @@ BEGIN
                 created := created + 1;
             END IF;
         END LOOP;
+        PERFORM composer_claim_month(to_char(month_wall, 'YYYYMM'));
     END LOOP;
     RETURN created;
 END;
@@ -200,6 +202,24 @@ BEGIN
         ALTER FUNCTION composer_ensure_partitions_from(DATE, INT) SET citus.multi_shard_modify_mode = 'sequential';
         ALTER FUNCTION composer_repair_partition_bounds() SET citus.multi_shard_modify_mode = 'sequential';
     END IF;
+END;
+$$;
+
+-- The claim's function of every month there is, made again from the current text, and
+-- none for a month that is gone (sql/R__claim.sql, composer_claim_month).
+DO $$
+DECLARE
+    m TEXT;
+BEGIN
+    FOR m IN SELECT substring(c.relname FROM '_p(\d{6})$')
+               FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid
+              WHERE i.inhparent = 'task_instances'::regclass
+             UNION
+             SELECT substring(f.proname FROM '^composer_claim_tasks_p(\d{6})$')
+               FROM pg_proc f
+              WHERE f.proname ~ '^composer_claim_tasks_p\d{6}$' AND f.pronamespace = current_schema()::regnamespace LOOP
+        PERFORM composer_claim_month(m, true);
+    END LOOP;
 END;
 $$;
 

@@ -14,6 +14,7 @@ from typing import Any
 import psycopg
 import pytest
 
+from composer_ops.core import runids
 from composer_ops.repo import clock, outbox, partitions, tasks
 from composer_ops.repo.rows import Dispatch
 from tests.integration.helpers import add_definition, add_run, now_utc
@@ -90,3 +91,97 @@ def test_a_claim_of_tasks_in_two_months_locks_those_months_only(db_url: str, ret
             raise psycopg.Rollback()
     assert {c.run_id for c in claimed} == {old_run, new_run}
     assert names == {f"task_instances_p{last_month:%Y%m}", f"task_instances_p{today:%Y%m}"}
+
+
+_CALLS = "SELECT COALESCE(pg_stat_get_xact_function_calls(to_regproc(%s)), 0)"
+
+
+def _claim_calls(conn: Any, month: str) -> tuple[int, int]:
+    """One claim of one task, rolled back: how often it called the month's own task
+    function and the one on the partitioned tables (track_functions; the session's
+    counts not yet reported, so the difference over the claim)."""
+    names = (f"composer_claim_tasks_p{month}", "composer_claim_tasks")
+    with conn.transaction():
+        before = [conn.execute(_CALLS, (name,)).fetchone()[0] for name in names]
+        assert len(outbox.claim(conn, ["default"], "w", 1, task_names=["t"], claim_id="c")) == 1
+        after = [conn.execute(_CALLS, (name,)).fetchone()[0] for name in names]
+        raise psycopg.Rollback()
+    return after[0] - before[0], after[1] - before[1]
+
+
+def test_a_claim_updates_its_month_through_the_months_own_function(db_url: str) -> None:
+    """The task update runs on the month's partitions by name, so its plan is cached:
+    the function exists for every month made, and the claim calls it."""
+    month = f"{now_utc():%Y%m}"
+    with psycopg.connect(db_url, autocommit=True) as conn:
+        conn.execute("SET track_functions = 'pl'")
+        add_definition(conn)
+        _dispatch(conn, add_run(conn))
+        assert _claim_calls(conn, month) == (1, 0)
+        today = now_utc().date()
+        partitions.ensure_from(conn, date(today.year - 1, today.month, 1), 0)
+        made = conn.execute("SELECT to_regproc(%s) IS NOT NULL",
+                            (f"composer_claim_tasks_p{today.year - 1}{today.month:02d}",)).fetchone()
+        assert made and made[0]
+
+
+def test_a_month_without_its_function_is_claimed_on_the_partitioned_tables(db_url: str) -> None:
+    """A month whose function is missing (made by hand, or misaligned) is claimed all
+    the same, planned per call so it still locks its own month only; remade, the
+    month's function takes over again."""
+    month = f"{now_utc():%Y%m}"
+    with psycopg.connect(db_url, autocommit=True) as conn:
+        conn.execute("SET track_functions = 'pl'")
+        add_definition(conn)
+        _dispatch(conn, add_run(conn))
+        conn.execute(f"DROP FUNCTION composer_claim_tasks_p{month}")
+        assert _claim_calls(conn, month) == (0, 1)
+        held, locked = _locks_of_one_claim(conn)
+        assert locked == {f"task_instances_p{month}"}
+        today = now_utc().date()
+        partitions.ensure_from(conn, date(today.year - 1, today.month, 1), 11)
+        held_past_year, locked = _locks_of_one_claim(conn)
+        assert locked == {f"task_instances_p{month}"}
+        assert held_past_year[-1] == held[-1]
+        remade = conn.execute("SELECT composer_claim_month(%s)", (month,)).fetchone()
+        assert remade and remade[0]
+        assert _claim_calls(conn, month) == (1, 0)
+
+
+def test_a_month_dropped_while_the_claim_is_cached_leaves_other_months_claimable(db_url: str) -> None:
+    """Retention drops a past month after this connection's claims cached their plans:
+    the next claims, of this month's tasks, go on (the dropped month's function is
+    never called: its runs had no tasks to claim)."""
+    with psycopg.connect(db_url, autocommit=True) as conn:
+        add_definition(conn)
+        today = now_utc().date()
+        old = date(today.year - 2, today.month, 1)
+        partitions.ensure_from(conn, old, 0)
+        _dispatch(conn, add_run(conn))
+        _locks_of_one_claim(conn)
+        with psycopg.connect(db_url, autocommit=True) as other:
+            dropped = [r[0] for r in other.execute(
+                "SELECT composer_drop_partitions(now() - interval '400 days', interval '1 hour')").fetchall()]
+        assert f"{old:%Y%m}" in dropped
+        held, locked = _locks_of_one_claim(conn)
+        assert locked == {f"task_instances_p{today:%Y%m}"}
+
+
+def _uuid7(ms: int) -> str:
+    h = format(ms, "012x")
+    return f"{h[:8]}-{h[8:12]}-7abc-8def-0123456789ab"
+
+
+def test_the_claims_month_of_a_run_id_is_the_one_its_partition_holds(db_url: str) -> None:
+    """composer_run_month, which picks the month's function, agrees with month_of (the
+    partition's name) on each side of a month's first millisecond, and gives NULL (the
+    partitioned tables) for text that is not a canonical UUIDv7."""
+    starts = [runids.month_start(m) for m in ("197001", "202601", "202612", "203002")]
+    ids = [_uuid7(int(s.timestamp() * 1000) + d) for s in starts for d in (0, 1) if s.timestamp() * 1000 + d >= 0]
+    ids += [_uuid7(int(s.timestamp() * 1000) - 1) for s in starts[1:]]
+    with psycopg.connect(db_url, autocommit=True) as conn:
+        for run_id in ids:
+            row = conn.execute("SELECT composer_run_month(%s)", (run_id,)).fetchone()
+            assert row == (runids.month_of(run_id),), run_id
+        for text in ("not-a-uuid", ids[2].upper(), ids[2].replace("-7abc-", "-4abc-"), ""):
+            assert conn.execute("SELECT composer_run_month(%s)", (text,)).fetchone() == (None,)
