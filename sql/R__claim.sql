@@ -41,17 +41,20 @@
 -- UNLOGGED: after a crash it is empty and every worker registers again at its next claim.
 
 -- A dispatch with a concurrency key or a rate limit (task_outbox.ckey, rkey: sql/V003) is
--- taken only when composer_flow_ok says so; the claim's scan calls it on such rows only, in
--- its order, so a key at its limit (or a bucket out of tokens) skips that key's rows and the
--- scan goes on to the rows behind them. Per key:
+-- taken only when composer_flow_ok says so; the pick (composer_pick) asks it about such
+-- rows only, in its order, for a row it holds, and stops once it has the rows it wants, so
+-- a key at its limit (or a bucket out of tokens) skips that key's rows, the walk goes on to
+-- the rows behind them, and rows after the last one taken are never asked about. Per key:
 --   concurrency: the key's advisory lock, tried (a claim taking the same key now holds it:
---     the row is skipped, as FOR UPDATE SKIP LOCKED skips a row), then held to the claim's
---     end; under it the key's running attempts (flow_slots 'c:<key>') plus what this claim
---     took already must stay below the row's limit. What this claim counted and took is
---     kept in a transaction-local setting, so each key is counted once per claim;
---   rate limit: the key's bucket row, locked SKIP LOCKED, refilled from the database
---     clock (per_s since updated_at, up to burst); a token is taken for the row.
--- Rows the scan then skips (a LIMIT reached, a row locked by another claim) may have
+--     the key's rows are skipped for the rest of this claim, as FOR UPDATE SKIP LOCKED
+--     skips a row), then held to the claim's end; under it the key's running attempts
+--     (flow_slots 'c:<key>') plus what this claim took already must stay below the row's
+--     limit. What this claim counted and took is kept in a transaction-local setting, so
+--     each key is counted once per claim;
+--   rate limit: the key's bucket row, locked SKIP LOCKED (locked by another claim: the
+--     key is skipped for the rest of this claim), refilled from the database clock
+--     (per_s since updated_at, up to burst); a token is taken for the row.
+-- A row taken whose task the claim then finds not claimable (cancelled meanwhile) has
 -- counted or taken a token for nothing: conservative, never over a limit.
 CREATE OR REPLACE FUNCTION composer_flow_ok(p_ckey TEXT, p_climit INT, p_rkey TEXT, p_rate FLOAT8, p_burst INT)
 RETURNS BOOLEAN
@@ -70,6 +73,7 @@ BEGIN
         held := NULLIF(current_setting(csetting, true), '');
         IF held IS NULL THEN
             IF NOT pg_try_advisory_xact_lock(hashtext('composer_flow'), hashtext('c:' || p_ckey)) THEN
+                PERFORM set_config('composer_flow.b' || md5(p_ckey), 'busy', true);
                 RETURN false;
             END IF;
             SELECT count(*) INTO occupied FROM flow_slots f WHERE f.key = 'c:' || p_ckey;
@@ -82,7 +86,7 @@ BEGIN
         END IF;
     END IF;
     IF p_rkey IS NOT NULL THEN
-        IF current_setting(rsetting, true) = 'empty' THEN
+        IF current_setting(rsetting, true) IN ('empty', 'busy') THEN
             RETURN false;
         END IF;
         INSERT INTO rate_buckets (key, tokens, updated_at) VALUES (p_rkey, p_burst, now())
@@ -90,6 +94,7 @@ BEGIN
         SELECT b.tokens, b.updated_at INTO v_tokens, since FROM rate_buckets b WHERE b.key = p_rkey
            FOR UPDATE SKIP LOCKED;
         IF NOT FOUND THEN
+            PERFORM set_config(rsetting, 'busy', true);
             RETURN false;
         END IF;
         v_tokens := LEAST(p_burst, v_tokens + p_rate * GREATEST(0, extract(epoch FROM now() - since)));
@@ -106,6 +111,61 @@ BEGIN
         PERFORM set_config(csetting, (occupied + 1)::text, true);
     END IF;
     RETURN true;
+END;
+$$;
+
+-- The claim's pick, on a single server (composer_claim) and on Citus (repo/citus.py):
+-- up to p_limit ready outbox rows of p_queues (p_names NULL: of any task; p_skip: IDs
+-- passed over), highest priority first, then oldest, each locked FOR UPDATE SKIP LOCKED
+-- and returned in that order. It walks the ready rows in that order and stops once it
+-- has p_limit, so composer_flow_ok is asked only about rows the walk reaches, and only
+-- for a row this claim holds. (One statement with the call in its WHERE evaluates it on
+-- every ready row of the queues before sorting them: a token taken and a key's lock held
+-- for each, with one task claimed.) The walk reads without locking (a cursor FOR UPDATE
+-- would lock every row it passed, the skipped ones too, to the claim's end); each row it
+-- would take is locked by its ID, SKIP LOCKED, in a statement of its own whose snapshot
+-- sees what racing claims committed, and still ready. A key this claim found at its
+-- limit, or held by another claim, and a bucket found empty or locked, are skipped
+-- without locking their rows: at most one row of each is held for nothing.
+CREATE OR REPLACE FUNCTION composer_pick(p_queues TEXT[], p_names TEXT[], p_limit INT, p_skip BIGINT[] DEFAULT NULL)
+RETURNS SETOF BIGINT
+LANGUAGE plpgsql
+AS $$
+DECLARE
+    ready CURSOR FOR
+        SELECT o.id, o.ckey, o.climit, o.rkey, o.rate_per_s, o.rate_burst
+          FROM task_outbox o
+         WHERE o.queue = ANY(p_queues) AND o.available_at <= now()
+           AND (p_names IS NULL OR o.task_name = ANY(p_names))
+           AND (p_skip IS NULL OR o.id <> ALL(p_skip))
+         ORDER BY o.priority DESC, o.available_at, o.id;
+    r RECORD;
+    taken INT := 0;
+BEGIN
+    IF p_queues IS NULL OR p_limit IS NULL OR p_limit <= 0 THEN
+        RETURN;
+    END IF;
+    OPEN ready;
+    LOOP
+        FETCH ready INTO r;
+        EXIT WHEN NOT FOUND;
+        IF r.ckey IS NOT NULL THEN
+            CONTINUE WHEN current_setting('composer_flow.b' || md5(r.ckey), true) = 'busy'
+                       OR NULLIF(current_setting('composer_flow.c' || md5(r.ckey), true), '')::int >= r.climit;
+        END IF;
+        IF r.rkey IS NOT NULL THEN
+            CONTINUE WHEN current_setting('composer_flow.r' || md5(r.rkey), true) IN ('empty', 'busy');
+        END IF;
+        PERFORM 1 FROM task_outbox o WHERE o.id = r.id AND o.available_at <= now() FOR UPDATE SKIP LOCKED;
+        CONTINUE WHEN NOT FOUND;
+        IF (r.ckey IS NULL AND r.rkey IS NULL)
+           OR composer_flow_ok(r.ckey, r.climit, r.rkey, r.rate_per_s, r.rate_burst) THEN
+            RETURN NEXT r.id;
+            taken := taken + 1;
+            EXIT WHEN taken >= p_limit;
+        END IF;
+    END LOOP;
+    CLOSE ready;
 END;
 $$;
 
@@ -309,18 +369,9 @@ BEGIN
         END IF;
         CONTINUE WHEN pick_queues IS NULL OR room <= 0;
         -- The pick runs once (MATERIALIZED): as a subquery the planner could rescan it on
-        -- the inner side of a nested loop (statistics of a drained outbox: one page, no
-        -- rows), each run skipping the rows this statement had deleted, and take every
-        -- ready row (and call composer_flow_ok again for rows it had counted).
+        -- the inner side of a nested loop, and pick again.
         WITH s AS MATERIALIZED (
-            SELECT id FROM task_outbox
-             WHERE queue = ANY(pick_queues) AND available_at <= NOW()
-               AND (p_names IS NULL OR task_name = ANY(p_names))
-               AND CASE WHEN ckey IS NULL AND rkey IS NULL THEN true
-                        ELSE composer_flow_ok(ckey, climit, rkey, rate_per_s, rate_burst) END
-             ORDER BY priority DESC, available_at, id
-             LIMIT room
-               FOR UPDATE SKIP LOCKED
+            SELECT p.id FROM composer_pick(pick_queues, p_names, room) AS p(id)
         ), picked AS (
             DELETE FROM task_outbox o
              WHERE o.id = ANY (ARRAY(SELECT s.id FROM s))
@@ -435,5 +486,7 @@ BEGIN
 END;
 $$;
 
+REVOKE ALL ON FUNCTION composer_pick(TEXT[], TEXT[], INT, BIGINT[]) FROM PUBLIC;
+GRANT EXECUTE ON FUNCTION composer_pick(TEXT[], TEXT[], INT, BIGINT[]) TO composer_ops_engine;
 REVOKE ALL ON FUNCTION composer_flow_ok(TEXT, INT, TEXT, FLOAT8, INT) FROM PUBLIC;
 GRANT EXECUTE ON FUNCTION composer_flow_ok(TEXT, INT, TEXT, FLOAT8, INT) TO composer_ops_engine;

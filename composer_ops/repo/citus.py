@@ -33,11 +33,11 @@ def is_citus(conn: Conn) -> bool:
 # On the coordinator, in the clock read's transaction: its now() is that clock. The
 # queues picked from: those of the claim that are not paused and, with %(limited)s
 # false, have no limit (taken together), or, true, have one (each on its own, up to its
-# room). Rows with a concurrency key or a rate limit are taken only when
-# composer_flow_ok (sql/R__claim.sql) says so, in the scan's order, as on a single
-# server: a key at its limit skips its rows and the scan goes on behind them; the
-# queue condition comes first (an array computed once), so it is never called for a
-# paused queue's rows. When the pick comes short, its second part names the keys the
+# room). The pick is the single server's, composer_pick (sql/R__claim.sql): rows in the
+# claim's order, locked, those with a concurrency key or a rate limit taken only when
+# composer_flow_ok says so; a key at its limit skips its rows and the walk goes on behind
+# them; a paused queue is not in the array it walks. A claim ID fenced by its retry picks
+# nothing (a limit of 0). When the pick comes short, its second part names the keys the
 # function counted at their limit in this transaction, to be checked (citus_flow.held);
 # a full pick does not pay for that scan.
 _PICK = """
@@ -45,18 +45,17 @@ _PICK = """
         SELECT ARRAY(SELECT w.q FROM unnest(%(queues)s::text[]) AS w(q) LEFT JOIN queue_settings s ON s.queue = w.q
                       WHERE NOT COALESCE(s.paused, false)
                         AND (COALESCE(s.max_running, 0) > 0) = %(limited)s) AS queues
+    ), chosen AS MATERIALIZED (
+        SELECT p.id, p.n
+          FROM composer_pick((SELECT queues FROM open)::text[], %(names)s::text[],
+                             CASE WHEN EXISTS (SELECT 1 FROM claim_fences f WHERE f.claim = %(claim)s) THEN 0
+                                  ELSE %(limit)s END,
+                             %(taken)s::bigint[]) WITH ORDINALITY AS p(id, n)
     ), picked AS MATERIALIZED (
-        SELECT id, run_id, task_id, attempt, task_name, LEAST(lease_s, max_run_s) AS lease_s, queue, max_run_s, ckey
-          FROM task_outbox
-         WHERE queue = ANY((SELECT queues FROM open)::text[]) AND available_at <= now()
-           AND (%(names)s::text[] IS NULL OR task_name = ANY(%(names)s::text[]))
-           AND id <> ALL(%(taken)s::bigint[])
-           AND NOT EXISTS (SELECT 1 FROM claim_fences f WHERE f.claim = %(claim)s)
-           AND CASE WHEN ckey IS NULL AND rkey IS NULL THEN true
-                    ELSE composer_flow_ok(ckey, climit, rkey, rate_per_s, rate_burst) END
-         ORDER BY priority DESC, available_at, id
-         LIMIT %(limit)s
-           FOR UPDATE SKIP LOCKED)
+        SELECT o.id, o.run_id, o.task_id, o.attempt, o.task_name, LEAST(o.lease_s, o.max_run_s) AS lease_s, o.queue,
+               o.max_run_s, o.ckey
+          FROM task_outbox o JOIN chosen c ON c.id = o.id
+         ORDER BY c.n)
     SELECT id, run_id, task_id, attempt, task_name, lease_s, queue, max_run_s, ckey FROM picked
     UNION ALL
     SELECT DISTINCT NULL::bigint, NULL, NULL, NULL::int, NULL, NULL::int, NULL, NULL::int, ckey

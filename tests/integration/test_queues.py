@@ -348,3 +348,31 @@ def test_schedule_to_start_latency_per_queue(db_url: str, engine: Engine) -> Non
     (row,) = ops.start_latency(db_url).rows(named=True)
     assert (row["queue"], row["claims"]) == ("q", 2)
     assert row["p50_s"] == pytest.approx(6, abs=1.5) and row["p95_s"] == pytest.approx(9.6, abs=1.5)
+
+
+def test_a_claim_takes_tokens_and_key_locks_only_for_the_rows_it_takes(db_url: str, engine: Engine) -> None:
+    """With many keyed dispatches ready, a claim of one task takes one token and holds one
+    key: a racing claim in another transaction takes a task of another key meanwhile (a
+    pick that asked composer_flow_ok about every ready row before sorting them took a
+    token and a key's lock for each)."""
+    from composer_ops.db import connect
+    from composer_ops.repo import outbox
+
+    engine.deploy({"id": "metered_many", "nodes": [{"id": "t", "type": "TASK", "task": "work", "queue": "m",
+                                                    "rate_limit": {"key": "api", "per_s": 0.001, "burst": 1000}}]})
+    engine.deploy({"id": "keyed_many", "nodes": [{"id": "t", "type": "TASK", "task": "work", "queue": "c",
+                                                  "concurrency": {"key": "$.input.customer", "limit": 1}}]})
+    for _ in range(40):
+        engine.start("metered_many")
+    for customer in range(20):
+        engine.start("keyed_many", input={"customer": customer})
+    assert len(engine.claim(["m"], "w", 1)) == 1
+    (tokens,) = _sql(db_url, "SELECT tokens FROM rate_buckets WHERE key = 'api'")[0]
+    assert 998.5 < tokens <= 999.01                         # one token, whatever the refill since
+    with connect(db_url) as first, connect(db_url) as second:
+        with first.transaction():
+            (held,) = outbox.claim(first, ["c"], "w1", 1, claim_id="first")
+            with second.transaction():                      # while the first holds what it took
+                (other,) = outbox.claim(second, ["c"], "w2", 1, claim_id="second")
+    assert held.run_id != other.run_id
+    assert _sql(db_url, "SELECT count(*) FROM flow_slots WHERE key LIKE 'c:%'")[0][0] == 2
