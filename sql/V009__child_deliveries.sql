@@ -14,7 +14,8 @@
 --                  the start is pending replaces it and keeps its start payload;
 --   request        the request ID the apply records in the target's history (a start's
 --                  'started' row, a cancel's 'cancelled', a finish's 'child_finished'),
---                  new at each write: a delivery repeated after its apply committed is
+--                  new at each write (a cancel records it with "/cancel" appended): a
+--                  delivery repeated after its apply committed is
 --                  recognised there, and the delete matches the version it applied.
 --
 -- No foreign key to workflow_runs: a row outlives the month of the run that wrote it

@@ -118,8 +118,12 @@ def apply(conn: Conn, shell: Shell, row: Delivery) -> str | None:
     or why a start could not start the child."""
     request = Request(id=row.request, look_first=True)
     if row.kind == "finish":
-        tell_parent(conn, shell, child=row.run_id, parent=row.target_run_id, node_id=row.node_id,
-                    status=RunStatus(str(row.status)), output=row.output, error=row.reason, request=request)
+        try:
+            tell_parent(conn, shell, child=row.run_id, parent=row.target_run_id, node_id=row.node_id,
+                        status=RunStatus(str(row.status)), output=row.output, error=row.reason, request=request)
+        except NotFound as exc:     # the parent was cancelled and its month dropped since
+            log.info("finish of child run %s not delivered: %s", row.run_id, exc,
+                     extra={"action": "tell_parent", "run_id": row.target_run_id})
         return None
     if row.workflow_id is not None:   # a start, or a cancel that replaced a start not yet applied
         why = start_child(conn, shell, parent=row.run_id, node_id=row.node_id, child=row.target_run_id,
@@ -128,8 +132,9 @@ def apply(conn: Conn, shell: Shell, row: Delivery) -> str | None:
             return why
         if why is not None:
             return None               # a cancelled child that cannot start: nothing to cancel
+    # Its own request: the start this row may have applied recorded the row's in the child's history.
     cancel_child(conn, shell, parent=row.run_id, child=row.target_run_id, reason=row.reason or "cancelled",
-                 request=request)
+                 request=Request(id=f"{row.request}/cancel", look_first=True))
     return None
 
 
