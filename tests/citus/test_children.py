@@ -81,7 +81,7 @@ def runs_locked_on(cluster: CitusCluster, db_url: str, port: int) -> Iterator[No
             "WHERE s.logicalrelid = 'workflow_runs'::regclass AND p.nodeport = %s", (port,)).fetchall()]
     assert shards
     (worker,) = [w for w in cluster.workers if w.port == port]
-    with psycopg.connect(worker.url(conninfo_to_dict(db_url)["dbname"])) as conn:
+    with psycopg.connect(worker.url(str(conninfo_to_dict(db_url)["dbname"]))) as conn:
         conn.execute("SET citus.enable_manual_changes_to_shards = on")    # a lock, not a change
         conn.execute(sql.SQL("LOCK TABLE {} IN EXCLUSIVE MODE").format(
             sql.SQL(", ").join(sql.Identifier(f"workflow_runs_{s}") for s in shards)))
@@ -116,7 +116,7 @@ def test_a_parent_and_its_child_on_two_nodes_each_commit_on_their_own_node(
     writes the other run's node. The row is applied once the lock is gone."""
     engine.deploy(REFUND)
     engine.deploy(parent_spec())
-    ports = {w.port for w in citus_cluster.workers}
+    ports = {w.port for w in citus_cluster.workers if w.port is not None}
     with psycopg.connect(db_url, autocommit=True) as look:
         for _ in range(40):      # until a child lands on the other node than its parent (each time 1 in 2)
             parent = uuid7_text()
