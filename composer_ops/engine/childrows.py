@@ -13,12 +13,14 @@ in a transaction of the target's own and deletes it.
 Delivery is at least once, and each apply is idempotent: a start finds the
 deterministic child ID taken and does nothing; a cancel and a finish carry the row's
 request ID, which the target's history records, so a repeated delivery is recognised
-(:meth:`Shell.handle_in` with ``look``) and changes nothing. The row is locked (on the
-deciding run's node) while its apply commits (on the target's), then deleted; a
-delivery that dies in between leaves the row, and the next one applies it again as a
-no-op. A cancel written while the start is pending replaces it and keeps the start's
-payload: its apply starts the child if it is not there yet, then cancels it, so a start
-still committing elsewhere meets a child that exists and is cancelled.
+(:meth:`Shell.handle_in` with ``look``) and changes nothing. The row is read, applied
+(on the target's node) and deleted (on the deciding run's, if still the version
+applied), each in a transaction of its own; a delivery that dies in between leaves the
+row, and the next one applies it again as a no-op. A cancel written while the start is
+pending replaces it and keeps the start's payload: its apply starts the child if it is
+not there yet, then cancels it, so a start still committing elsewhere (its insert of
+the child ID waits for it, or it waits for this one) meets a child that exists and is
+cancelled.
 
 Who delivers: the engine whose transaction wrote the rows, right after it commits
 (:func:`drain`: a parent's ``start`` returns with its child started), and the
@@ -63,6 +65,8 @@ def start_child(conn: Conn, shell: Shell, *, parent: str, node_id: str, child: s
         # derived: the ID is stamped with the decision's instant, which a delivery may follow by far
         start_in(conn, shell, workflow_id=workflow, version=version, input=input, run_id=child, minted=[],
                  request=request, parent=(parent, node_id), derived=True)
+    except Conflict:
+        return None                     # a delivery of the same row at the same time inserted it
     except (Invalid, NotFound) as exc:
         return f"did not start: {exc}"
     return None
@@ -139,27 +143,38 @@ def apply(conn: Conn, shell: Shell, row: Delivery) -> str | None:
 
 
 def deliver(shell: Shell, key: tuple[str, str]) -> bool:
-    """Apply the row ``key`` (run, target) and delete it; False when it is gone or
-    another delivery holds it. The row stays locked, on the deciding run's node, until
-    its apply has committed on the target's; a start that could not start the child
-    fails the parent's node in the parent's transaction, which deletes the row."""
-    with shell.pool.connection() as conn, conn.transaction():
-        row = deliveries.lock(conn, *key)
-        if row is None:
-            return False
-        why = _apply(shell, row)
-        if why is None:
-            deliveries.delete(conn, row.run_id, row.target_run_id, row.request)
-            return True
-    # Outside the row's lock: the parent's lock first, then the row, the order of a decision.
-    _refused(shell, row, why)
+    """Apply the row ``key`` (run, target) and delete it, each in a transaction of its
+    own, one connection at a time; False when the row is gone. A start that could not
+    start the child fails the parent's node in the parent's transaction, which deletes
+    the row. Two deliveries of one row at once both apply it, and the second changes
+    nothing; a row written again meanwhile (a cancel over a start) is not deleted."""
+    row = _read(shell, key)
+    if row is None:
+        return False
+    why = _apply(shell, row)
+    if why is None:
+        _delete(shell, row)
+    else:
+        _refused(shell, row, why)
     return True
+
+
+@db_retry()
+def _read(shell: Shell, key: tuple[str, str]) -> Delivery | None:
+    with shell.pool.connection() as conn:
+        return deliveries.get(conn, *key)
 
 
 @db_retry()
 def _apply(shell: Shell, row: Delivery) -> str | None:
     with shell.pool.connection() as conn, conn.transaction():
         return apply(conn, shell, row)
+
+
+@db_retry()
+def _delete(shell: Shell, row: Delivery) -> None:
+    with shell.pool.connection() as conn, conn.transaction():
+        deliveries.delete(conn, row.run_id, row.target_run_id, row.request)
 
 
 @db_retry()

@@ -3,9 +3,8 @@ as a row by the deciding run's transaction on Citus and applied to its target ru
 (:mod:`composer_ops.engine.childrows`).
 
 Every statement but :func:`pending` names the row's ``run_id``, so on Citus it is routed
-to the one shard holding the deciding run. Lock order: a decision locks its run, then
-writes its row; the delivery locks the row (:func:`lock`), then the target run, never
-the deciding run while it holds the row.
+to the one shard holding the deciding run. A delivery holds no lock on its row: each
+statement here is a transaction of its own or part of the deciding run's.
 """
 
 from __future__ import annotations
@@ -17,7 +16,7 @@ from typing import Any
 
 from composer_ops.repo._base import Conn, fetch_all, fetch_one, jsonb
 
-__all__ = ["Delivery", "delete", "key_text", "lock", "of_run", "pending", "write"]
+__all__ = ["Delivery", "delete", "get", "key_text", "of_run", "pending", "write"]
 
 _COLUMNS = ("run_id, target_run_id, kind, node_id, request, workflow_id, workflow_version, input, reason, status, "
             "output, written_at")
@@ -68,8 +67,8 @@ def write(conn: Conn, d: Delivery, *, now: datetime) -> None:
 
 def pending(conn: Conn, limit: int, *, skip: Sequence[str] = ()) -> list[tuple[str, str]]:
     """The keys (run, target) of up to ``limit`` rows, the oldest written first, but
-    those whose :func:`key_text` is in ``skip`` (backed off). No lock: on Citus this
-    reads every shard, and a row is locked by :func:`lock` one at a time, on its node."""
+    those whose :func:`key_text` is in ``skip`` (backed off). On Citus this reads every
+    shard (a multi-shard query cannot lock rows, FOR UPDATE, which a delivery does not need)."""
     rows = conn.execute(
         "SELECT run_id, target_run_id FROM child_deliveries WHERE run_id || ' ' || target_run_id <> ALL(%s::text[]) "
         "ORDER BY written_at LIMIT %s", (list(skip), limit)).fetchall()
@@ -81,12 +80,10 @@ def key_text(key: tuple[str, str]) -> str:
     return f"{key[0]} {key[1]}"
 
 
-def lock(conn: Conn, run_id: str, target_run_id: str) -> Delivery | None:
-    """The row, locked until the transaction ends; None when it is gone or another
-    delivery holds it (SKIP LOCKED)."""
+def get(conn: Conn, run_id: str, target_run_id: str) -> Delivery | None:
+    """The row as it is now, or None when it is gone."""
     return fetch_one(conn, Delivery, f"SELECT {_COLUMNS} FROM child_deliveries "
-                                     "WHERE run_id = %s AND target_run_id = %s FOR UPDATE SKIP LOCKED",
-                     (run_id, target_run_id))
+                                     "WHERE run_id = %s AND target_run_id = %s", (run_id, target_run_id))
 
 
 def of_run(conn: Conn, run_id: str) -> list[Delivery]:
