@@ -4,7 +4,9 @@ Timers (due WAIT and WAIT_FOR_SIGNAL tasks) and the lease sweeper read only the 
 from the active floor on (the oldest run with an active task); partition upkeep ensures
 months ahead hourly; the webhook relay POSTs and prunes deliveries; retention
 (optional) follows the CLI's plan; the schedules loop starts the due slots of the
-schedules whose wake-up has come (:mod:`composer_ops.engine.schedules`). Every timer
+schedules whose wake-up has come (:mod:`composer_ops.engine.schedules`); the children
+loop delivers, on Citus, the SUB_WORKFLOW rows no engine delivered
+(:mod:`composer_ops.engine.childrows`). Every timer
 and lease decision goes through the shell under the run lock and re-checks its
 candidate there, and a schedule is decided under its row lock, so any number of
 coordinators can run at once: what two of them find is applied by one and stale for
