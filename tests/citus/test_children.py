@@ -279,3 +279,26 @@ def test_a_round_trip_through_a_running_coordinator(engine: Engine, db_url: str,
         coordinator.stop()
         thread.join(60)
     assert engine.get_run(parent).status == "SUCCEEDED"
+
+
+def test_a_childs_finish_outlives_the_childs_month(engine: Engine, db_url: str, no_eager: None) -> None:
+    """Retention with a pending row: the row's parent waits (an active run, whose month
+    retention keeps), the finished child's month may be dropped first (its rows are
+    deleted here, as the drop would); the row references no run and still completes
+    the parent."""
+    engine.deploy(REFUND)
+    engine.deploy(parent_spec())
+    parent = engine.start("order", input={"amount": 7})
+    assert deliver(engine) == 1
+    (task,) = claim(engine)
+    child = task.run_id
+    engine.complete(task, {"refunded": 7})
+    assert rows(db_url) == [(child, parent, "finish")]
+    with psycopg.connect(db_url) as conn:
+        for table, column in (("run_history", "run_id"), ("task_instances", "run_id"), ("workflow_runs", "id")):
+            conn.execute(sql.SQL("DELETE FROM {} WHERE {} = %s").format(sql.Identifier(table), sql.Identifier(column)),
+                         (child,))
+    assert deliver(engine) == 1
+    assert rows(db_url) == []
+    (after,) = claim(engine)
+    assert (after.run_id, after.input) == (parent, {"refund": {"pay_back": {"refunded": 7}}})
