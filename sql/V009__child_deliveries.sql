@@ -35,6 +35,6 @@ CREATE TABLE IF NOT EXISTS child_deliveries (
     written_at       TIMESTAMPTZ NOT NULL,
     PRIMARY KEY (run_id, target_run_id)
 );
--- A queue, as task_outbox: the delivery locks a row (FOR UPDATE needs UPDATE) and deletes it.
+-- A queue: a decision writes a row (a cancel over a pending start updates it), a delivery deletes it.
 GRANT SELECT, INSERT, UPDATE, DELETE ON child_deliveries TO composer_ops_engine;
 GRANT SELECT ON child_deliveries TO composer_ops_reader;

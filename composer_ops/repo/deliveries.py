@@ -14,9 +14,9 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from composer_ops.repo._base import Conn, fetch_all, fetch_one, jsonb
+from composer_ops.repo._base import Conn, fetch_one, jsonb
 
-__all__ = ["Delivery", "delete", "get", "key_text", "of_run", "pending", "write"]
+__all__ = ["Delivery", "delete", "get", "key_text", "pending", "write"]
 
 _COLUMNS = ("run_id, target_run_id, kind, node_id, request, workflow_id, workflow_version, input, reason, status, "
             "output, written_at")
@@ -84,12 +84,6 @@ def get(conn: Conn, run_id: str, target_run_id: str) -> Delivery | None:
     """The row as it is now, or None when it is gone."""
     return fetch_one(conn, Delivery, f"SELECT {_COLUMNS} FROM child_deliveries "
                                      "WHERE run_id = %s AND target_run_id = %s", (run_id, target_run_id))
-
-
-def of_run(conn: Conn, run_id: str) -> list[Delivery]:
-    """The rows ``run_id``'s decisions wrote that are not applied yet."""
-    return fetch_all(conn, Delivery, f"SELECT {_COLUMNS} FROM child_deliveries WHERE run_id = %s "
-                                     "ORDER BY written_at", (run_id,))
 
 
 def delete(conn: Conn, run_id: str, target_run_id: str, request: str) -> bool:
