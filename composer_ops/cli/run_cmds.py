@@ -77,7 +77,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
 
     coord = add_command(
         sub, "coordinator", cmd_coordinator,
-        help="run the background loops (timers, leases, partitions, webhooks, schedules)",
+        help="run the background loops (timers, leases, partitions, webhooks, schedules, children)",
         epilog="Webhooks are signed (X-Composer-Signature, HMAC-SHA256) when COMPOSER_WEBHOOK_SECRET is set; "
                "the secret is read from the environment only, never from the command line.")
     coord.add_argument("--once", action="store_true", help="one pass of every loop, then exit")

@@ -4,7 +4,9 @@ Timers (due WAIT and WAIT_FOR_SIGNAL tasks) and the lease sweeper read only the 
 from the active floor on (the oldest run with an active task); partition upkeep ensures
 months ahead hourly; the webhook relay POSTs and prunes deliveries; retention
 (optional) follows the CLI's plan; the schedules loop starts the due slots of the
-schedules whose wake-up has come (:mod:`composer_ops.engine.schedules`). Every timer
+schedules whose wake-up has come (:mod:`composer_ops.engine.schedules`); the children
+loop delivers, on Citus, the SUB_WORKFLOW rows no engine delivered
+(:mod:`composer_ops.engine.childrows`). Every timer
 and lease decision goes through the shell under the run lock and re-checks its
 candidate there, and a schedule is decided under its row lock, so any number of
 coordinators can run at once: what two of them find is applied by one and stale for
@@ -30,11 +32,12 @@ from composer_ops.core.cutoff import Cutoff, parse_cutoff
 from composer_ops.core.model import Event, LeaseExpired, StartTimedOut, TaskRef, TimerDue
 from composer_ops.db.errors import TranslatingPool
 from composer_ops.db.retry import db_retry
+from composer_ops.engine import childrows
 from composer_ops.engine.retention import drop_due_months
 from composer_ops.engine.shell import Outcome
 from composer_ops.engine.webhooks import RelayPolicy, relay_once
 from composer_ops.errors import ComposerError, Invalid, LockTimeout, Transient
-from composer_ops.repo import citus_flow, clock, outbox, partitions, queues, signals, tasks, webhooks
+from composer_ops.repo import citus_flow, clock, deliveries, outbox, partitions, queues, signals, tasks, webhooks
 
 if TYPE_CHECKING:
     from composer_ops.engine.engine import Engine
@@ -70,6 +73,7 @@ class PassStats:
     start_timeouts: int = 0        # tasks failed unclaimed past their schedule_to_start deadline
     priorities_raised: int = 0     # dispatches raised to their queue's top priority (the aging rule)
     slots_freed: int = 0           # flow_slots of attempts no longer RUNNING (sql/V003), healed
+    children_delivered: int = 0    # child starts, cancels and finishes applied from their rows (Citus)
     errors: list[str] = field(default_factory=list)
 
 
@@ -117,6 +121,7 @@ class Coordinator:
         self._next_retention = float("-inf")
         self._retention_failures = 0
         self._lease_backoff = _Backoff()
+        self._child_backoff = _Backoff()
         self._next_upkeep = float("-inf")
         self._upkeep_failures = 0
 
@@ -130,17 +135,20 @@ class Coordinator:
         log.info("coordinator running (interval %.2fs)", self.interval)
         while not self._stop.is_set():
             stats = self.run_once()
-            full = stats.timers_fired + stats.leases_expired >= self.batch or stats.schedule_runs_started >= self.batch
+            full = (stats.timers_fired + stats.leases_expired >= self.batch or stats.schedule_runs_started >= self.batch
+                    or stats.children_delivered >= self.batch)
             if not full:
                 self._stop.wait(self.interval)
 
     def run_once(self, loops: Collection[str] | None = None) -> PassStats:
         """One pass of every loop (or of the named ones: ``partitions``, ``schedules``,
-        ``timers``, ``leases``, ``webhooks``, ``retention``); a failing loop is logged and
-        the others still run. Retention runs only when the coordinator was given a cut-off."""
+        ``children``, ``timers``, ``leases``, ``webhooks``, ``retention``); a failing loop is
+        logged and the others still run. Retention runs only when the coordinator was given
+        a cut-off."""
         stats = PassStats()
-        every = (("partitions", self._upkeep), ("schedules", self._schedules), ("timers", self._timers),
-                 ("leases", self._leases), ("webhooks", self._webhooks), ("retention", self._retention))
+        every = (("partitions", self._upkeep), ("schedules", self._schedules), ("children", self._children),
+                 ("timers", self._timers), ("leases", self._leases), ("webhooks", self._webhooks),
+                 ("retention", self._retention))
         if loops is not None and not set(loops) <= {name for name, _ in every}:
             raise Invalid(f"unknown coordinator loops {sorted(set(loops) - {name for name, _ in every})}")
         for name, loop in every:
@@ -180,6 +188,30 @@ class Coordinator:
         stats.schedule_slots_missed += done.missed
         stats.schedule_slots_skipped += done.skipped
         stats.errors.extend(done.errors)
+
+    def _children(self, stats: PassStats) -> None:
+        """Deliver up to ``batch`` child rows (Citus: a SUB_WORKFLOW child's start, cancel
+        or finish, engine/childrows.py), the oldest first: the ones this thread's own
+        events wrote, then those the engine that wrote them did not deliver (it died, or
+        the delivery failed). Each is applied idempotently, so a row another coordinator
+        or engine is applying meanwhile is skipped (its lock) or applied as a no-op; a
+        row whose delivery fails is backed off. A single server writes no rows."""
+        stats.children_delivered += childrows.drain(self.engine.shell)
+        with self.engine.pool.connection() as conn:
+            keys = deliveries.pending(conn, self.batch, skip=self._child_backoff.skipped())
+        for key in keys:
+            try:
+                stats.children_delivered += childrows.deliver(self.engine.shell, key)
+            except Exception as exc:
+                if isinstance(exc, Transient):
+                    raise
+                self._child_backoff.failed(deliveries.key_text(key))
+                stats.errors.append(f"child delivery {key[0]} -> {key[1]}: {exc}")
+                log.warning("coordinator: child delivery %s -> %s failed, backing off: %s", *key, exc,
+                            exc_info=not isinstance(exc, ComposerError))
+                continue
+            self._child_backoff.succeeded(deliveries.key_text(key))
+            stats.children_delivered += childrows.drain(self.engine.shell)
 
     def _timers(self, stats: PassStats) -> None:
         with self.engine.pool.connection() as conn:

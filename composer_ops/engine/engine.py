@@ -20,7 +20,7 @@ from composer_ops.db import autocommit, make_pool, resolve_url
 from composer_ops.db.errors import TranslatingPool
 from composer_ops.db.migrate import migrate as run_migrations
 from composer_ops.db.retry import db_retry
-from composer_ops.engine import admin
+from composer_ops.engine import admin, childrows
 from composer_ops.engine.admin import WorkerReport
 from composer_ops.engine.jsonvalues import check_json
 from composer_ops.engine.queues import Queues
@@ -167,7 +167,13 @@ class Engine:
         check_json(input, "input")
         if run_id is not None:
             validate_run_id(run_id)  # the format, before touching the database
-        return self._start(workflow_id, input, version, run_id, [], Request())
+        try:
+            started = self._start(workflow_id, input, version, run_id, [], Request())
+        except BaseException:
+            self.shell.take_deliveries()     # whatever committed of them, the coordinator's loop delivers
+            raise
+        childrows.drain(self.shell)
+        return started
 
     @db_retry()
     def _start(self, workflow_id: str, input: Any, version: int | None, client_id: str | None,

@@ -65,10 +65,10 @@ from composer_ops.core.model import (
 from composer_ops.core.spec import NodeSpec, WorkflowSpec, spec_from_json
 from composer_ops.db.errors import TranslatingPool
 from composer_ops.db.retry import db_retry
+from composer_ops.engine import childrows
 from composer_ops.engine.ids import uuid7_text
 from composer_ops.engine.requests import KEY_PREFIX, Request
-from composer_ops.engine.starts import start_in
-from composer_ops.errors import Conflict, Invalid, LockTimeout, NotFound
+from composer_ops.errors import Conflict, LockTimeout
 from composer_ops.repo import citus, definitions, history, items, outbox, partitions, runs, signals, tasks, webhooks
 from composer_ops.repo._base import Conn
 from composer_ops.repo.rows import Dispatch, HistoryEntry, NewTask, RunRow, TaskStateRow
@@ -137,6 +137,7 @@ class Shell:
         self._definitions: dict[tuple[str, int], Definition] = {}
         self._lock = threading.Lock()
         self._citus: bool | None = None
+        self._local = threading.local()   # .deliveries: child rows this thread's transactions wrote
 
     # -- definitions -------------------------------------------------------
 
@@ -163,9 +164,16 @@ class Shell:
         granted within that many seconds, raising
         :class:`~composer_ops.errors.LockTimeout` at once, without the retries other
         transient errors get; None waits as long as it takes."""
-        if lock_wait_s is None:
-            return self._handle(run_id, make_event, request or Request(), None)
-        return self._handle_or_give_up(run_id, make_event, request or Request(), lock_wait_s)
+        try:
+            if lock_wait_s is None:
+                outcome = self._handle(run_id, make_event, request or Request(), None)
+            else:
+                outcome = self._handle_or_give_up(run_id, make_event, request or Request(), lock_wait_s)
+        except BaseException:
+            self.take_deliveries()     # whatever committed of them, the coordinator's loop delivers
+            raise
+        childrows.drain(self)
+        return outcome
 
     def _handle_once(self, run_id: str, make_event: Callable[[datetime], Event], request: Request,
                      lock_wait_s: float | None) -> Outcome:
@@ -177,6 +185,23 @@ class Shell:
 
     _handle = db_retry()(_handle_once)
     _handle_or_give_up = db_retry(give_up=(LockTimeout,))(_handle_once)
+
+    #: At most this many child rows are kept to deliver after commit, per thread; the
+    #: coordinator's loop delivers any others.
+    MAX_NOTED_DELIVERIES = 1000
+
+    def note_delivery(self, key: tuple[str, str]) -> None:
+        """A child row (run, target) this thread's transaction wrote: :func:`childrows.drain`
+        delivers it once the transaction has committed."""
+        noted: list[tuple[str, str]] = self._local.__dict__.setdefault("deliveries", [])
+        if len(noted) < self.MAX_NOTED_DELIVERIES:
+            noted.append(key)
+
+    def take_deliveries(self) -> list[tuple[str, str]]:
+        """The rows noted since the last call, forgotten here."""
+        noted: list[tuple[str, str]] = self._local.__dict__.get("deliveries", [])
+        self._local.deliveries = []
+        return noted
 
     def on_citus(self, conn: Conn) -> bool:
         """Whether the database is a Citus coordinator, asked once per shell on the
@@ -315,10 +340,10 @@ class Shell:
         history.record(conn, run.id, request.id, notes.entries(), now=now)
         outbox.enqueue(conn, dispatches, now=now)
         for child in later:
-            self._child_action(conn, run, child)
+            self._child_action(conn, run, child, now)
         finish = decision.finish
         if finish is not None and run.parent_run_id is not None and run.parent_node_id is not None:
-            self._tell_parent(conn, run.id, run.parent_run_id, run.parent_node_id, finish)
+            self._tell_parent(conn, run, finish, now)
         return Outcome(run_id=run.id, finished=finished, refused=decision.refused, reset=notes.reset,
                        created=tuple(made))
 
@@ -343,30 +368,39 @@ class Shell:
                                            start_within_s=node.flow.timeouts.schedule_to_start_s,
                                            **_flow_keys(conn, run, node)))
 
-    def _child_action(self, conn: Conn, run: RunSnapshot, a: StartChild | CancelChild) -> None:
-        """Start or cancel a SUB_WORKFLOW node's child, in this transaction: after this
-        run's own rows are written, since the child's first decision may finish it and
-        tell this run at once (under this run's lock, which this transaction holds)."""
+    def _child_action(self, conn: Conn, run: RunSnapshot, a: StartChild | CancelChild, now: datetime) -> None:
+        """Start or cancel a SUB_WORKFLOW node's child, after this run's own rows are
+        written, since the child's first decision may finish it and tell this run at
+        once. On a single server in this transaction (under this run's lock, which it
+        holds); on Citus through a row on this run's node (engine/childrows.py)."""
+        rows = self.on_citus(conn)
         if isinstance(a, StartChild):
-            try:
-                start_in(conn, self, workflow_id=a.workflow, version=a.version, input=a.input,
-                         run_id=a.child_run_id, minted=[], request=Request(), parent=(run.id, a.node_id))
-            except (Invalid, NotFound) as exc:
-                # Its workflow was deleted or disabled since this one was deployed.
-                self._tell_parent(conn, a.child_run_id, run.id, a.node_id,
-                                  FinishRun(status=RunStatus.FAILED, reason=f"did not start: {exc}"))
-            return
-        try:
-            self.handle_in(conn, a.child_run_id, lambda now: CancelRun(reason=a.reason, now=now), request=Request())
-        except Conflict:
-            log.info("child run %s of run %s had already finished", a.child_run_id, run.id,
-                     extra={"action": "cancel_child", "run_id": run.id})
+            if rows:
+                childrows.write_start(conn, self, parent=run.id, node_id=a.node_id, child=a.child_run_id,
+                                      workflow=a.workflow, version=a.version, input=a.input, now=now)
+                return
+            why = childrows.start_child(conn, self, parent=run.id, node_id=a.node_id, child=a.child_run_id,
+                                        workflow=a.workflow, version=a.version, input=a.input, request=Request())
+            if why is not None:
+                childrows.tell_parent(conn, self, child=a.child_run_id, parent=run.id, node_id=a.node_id,
+                                      status=RunStatus.FAILED, output=None, error=why, request=Request())
+        elif rows:
+            childrows.write_cancel(conn, self, parent=run.id, node_id=a.node_id, child=a.child_run_id,
+                                   reason=a.reason, now=now)
+        else:
+            childrows.cancel_child(conn, self, parent=run.id, child=a.child_run_id, reason=a.reason,
+                                   request=Request())
 
-    def _tell_parent(self, conn: Conn, child: str, parent: str, node_id: str, finish: FinishRun) -> None:
-        """Deliver a child's finish to its parent run, under the parent's lock."""
-        self.handle_in(conn, parent, lambda now: ChildFinished(
-            node_id=node_id, child_run_id=child, status=finish.status, output=finish.output, error=finish.reason,
-            now=now), request=Request())
+    def _tell_parent(self, conn: Conn, run: RunSnapshot, finish: FinishRun, now: datetime) -> None:
+        """Deliver this run's finish to its parent: on a single server under the
+        parent's lock, in this transaction; on Citus through a row on this run's node."""
+        assert run.parent_run_id is not None and run.parent_node_id is not None
+        if self.on_citus(conn):
+            childrows.write_finish(conn, self, child=run.id, parent=run.parent_run_id, node_id=run.parent_node_id,
+                                   status=finish.status, output=finish.output, error=finish.reason, now=now)
+            return
+        childrows.tell_parent(conn, self, child=run.id, parent=run.parent_run_id, node_id=run.parent_node_id,
+                              status=finish.status, output=finish.output, error=finish.reason, request=Request())
 
     def _map_action(self, conn: Conn, run: RunSnapshot,
                     a: CreateItems | DispatchItems | CountItems | FinishMap | CancelItems,

@@ -186,7 +186,8 @@ class Baseline:
 #: Every table whose rows a test can leave behind, referencing tables first: :func:`reset`
 #: empties them, as a fresh database would be (the single-server legs clone one per test).
 ENGINE_TABLES = ("run_history", "workflow_events", "task_instances", "workflow_runs", "workflow_definitions",
-                 "task_outbox", "webhook_deliveries", "task_waiters", "workers", "operator_audit", "retention_drops",
+                 "task_outbox", "webhook_deliveries", "child_deliveries", "task_waiters", "workers", "operator_audit",
+                 "retention_drops",
                  "schedule_events", "schedules", "queue_settings", "flow_slots", "rate_buckets")
 
 

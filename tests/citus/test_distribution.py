@@ -40,14 +40,15 @@ def test_migrate_distributes_the_run_tables_by_run_id_colocated_and_keeps_the_qu
                                                  WHERE i.inhparent = ANY(%s::regclass[])""",
                                                (list(partitions.RUN_TABLES),)).fetchall()]
     assert columns["workflow_runs"] == "id"
-    assert columns["task_instances"] == columns["workflow_events"] == "run_id"
+    assert columns["task_instances"] == columns["workflow_events"] == columns["child_deliveries"] == "run_id"
+    assert layout["child_deliveries"] == parents["workflow_runs"]    # a child row on its deciding run's node
     # Every monthly partition is distributed alongside its parent.
     assert parts and all(layout[p] == parents["workflow_runs"] for p in parts)
     # The queues stay plain tables on the coordinator.
     assert "task_outbox" not in layout and "webhook_deliveries" not in layout
     assert all(applied for _, applied in status(db_url))
     assert [m.filename for m, _ in status(db_url) if m.citus] == ["V002__distribute_by_run_id.sql",
-                                                                  "R__partition_stats.sql"]
+                                                                  "R__child_deliveries.sql", "R__partition_stats.sql"]
 
 
 def test_partitions_created_and_dropped_on_the_coordinator_reach_the_shards(db_url: str,
@@ -137,7 +138,7 @@ def test_a_single_server_database_with_runs_converts_to_citus_and_keeps_working(
         f"applied {r.filename}" for r in discover_repeatable(citus=True)]
     assert applied.splitlines()[-1] == "applied R__partition_stats.sql"
     layout = _layout(plain_db)
-    assert {layout[t] for t in partitions.RUN_TABLES} == {layout["workflow_runs"]}     # one co-location group
+    assert {layout[t] for t in (*partitions.RUN_TABLES, "child_deliveries")} == {layout["workflow_runs"]}
     assert layout["workflow_runs"][0] == "distributed"
     with Engine.connect(plain_db, pool_size=2) as engine:
         assert engine.get_run(done).status == "SUCCEEDED"

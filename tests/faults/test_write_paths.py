@@ -27,6 +27,7 @@ import pytest
 from composer_ops.core.manifest import read_manifest
 from composer_ops.core.schedules import slot_run_id
 from composer_ops.engine import archive, retire
+from composer_ops.engine.requests import Request
 from composer_ops.engine.retention import drop_due_months
 from composer_ops.engine.shell import Outcome
 from composer_ops.engine.webhooks import RelayPolicy
@@ -606,6 +607,38 @@ def _parent_and_child_cancelled(b: Rig, parent: str, result: Result) -> list[str
     return problems
 
 
+def _child_start_row(b: Rig) -> str:
+    """A parent whose decision wrote its child's start as a row (what it does on Citus,
+    engine/childrows.py), not delivered: the coordinator's children loop is to start it."""
+    _cancel_active(b)
+    shell = b.direct.shell
+    shell._citus = True          # the row path, on this single server
+    try:
+        return b.direct._start("f-parent", {"token": _token()}, None, None, [], Request())
+    finally:
+        shell._citus = None
+        shell.take_deliveries()
+
+
+def _children_delivered(b: Rig, _: str) -> None:
+    b.direct.coordinator().run_once(["children"])
+
+
+def _child_started_once(b: Rig, parent: str, result: Result) -> list[str]:
+    problems = _raised(result)
+    kids = _children(b, parent)
+    if [st for _, st in kids] != ["RUNNING"]:
+        problems.append(f"children {kids}")
+    else:
+        started = b.sql("SELECT count(*) FROM run_history WHERE run_id = %s AND kind = 'started'", (kids[0][0],))
+        if started[0][0] != 1:
+            problems.append(f"the child was started {started[0][0]} times")
+    left = b.sql("SELECT kind FROM child_deliveries WHERE run_id = %s", (parent,))
+    if left:
+        problems.append(f"rows left {left}")
+    return problems
+
+
 def _child_task_claimed(b: Rig) -> Claimed:
     parent = _parent_started(b)
     return Claimed(parent, _claim_one(b))
@@ -959,6 +992,9 @@ PATHS = [
     # under the default policy (one attempt) the expiry must not fail the run
     WritePath("lease expiry (default policy)", _claimed("f-chain", lease_over=True),
               lambda b, _: b.engine.coordinator().run_once(["leases"]), _requeued_once),
+    # a row left by a delivery cut short is delivered again by the next pass (settle)
+    WritePath("children pass", _child_start_row, lambda b, _: b.engine.coordinator().run_once(["children"]),
+              _child_started_once, settle=_children_delivered),
     WritePath("webhook relay", lambda b: _succeeded(b, "f-hook"),
               lambda b, _: b.engine.coordinator(relay=RELAY).run_once(["webhooks"]), _posted_once, settle=_relayed),
     WritePath("webhook prune", _finished_deliveries,
