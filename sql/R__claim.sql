@@ -41,29 +41,31 @@
 -- UNLOGGED: after a crash it is empty and every worker registers again at its next claim.
 
 -- A dispatch with a concurrency key or a rate limit (task_outbox.ckey, rkey: sql/V003) is
--- taken only when composer_flow_ok says so; the pick (composer_pick) asks it about such
--- rows only, in its order, for a row it holds, and stops once it has the rows it wants, so
--- a key at its limit (or a bucket out of tokens) skips that key's rows, the walk goes on to
--- the rows behind them, and rows after the last one taken are never asked about. Per key:
+-- taken only when composer_flow_admit says so; the pick (composer_pick) asks it about such
+-- rows only, in its order, before it locks the row, and stops once it has the rows it
+-- wants, so a key at its limit (or a bucket out of tokens) skips that key's rows, the walk
+-- goes on to the rows behind them, and rows after the last one taken are never asked
+-- about. Admitting consumes nothing; composer_flow_take, once the pick holds the row,
+-- counts it against its key and takes its token. Per key:
 --   concurrency: the key's advisory lock, tried (a claim taking the same key now holds it:
---     the key's rows are skipped for the rest of this claim, as FOR UPDATE SKIP LOCKED
---     skips a row), then held to the claim's end; under it the key's running attempts
---     (flow_slots 'c:<key>') plus what this claim took already must stay below the row's
---     limit. What this claim counted and took is kept in a transaction-local setting, so
---     each key is counted once per claim;
+--     the row is skipped, as FOR UPDATE SKIP LOCKED skips a row), then held to the claim's
+--     end; under it the key's running attempts (flow_slots 'c:<key>') plus what this claim
+--     took already must stay below the row's limit. What this claim counted and took is
+--     kept in a transaction-local setting, so each key is counted once per claim;
 --   rate limit: the key's bucket row, locked SKIP LOCKED (locked by another claim: the
---     key is skipped for the rest of this claim), refilled from the database clock
---     (per_s since updated_at, up to burst); a token is taken for the row.
+--     row is skipped) and held to the claim's end, refilled from the database clock
+--     (per_s since updated_at, up to burst); admitted with a whole token in it.
 -- A row taken whose task the claim then finds not claimable (cancelled meanwhile) has
 -- counted or taken a token for nothing: conservative, never over a limit.
-CREATE OR REPLACE FUNCTION composer_flow_ok(p_ckey TEXT, p_climit INT, p_rkey TEXT, p_rate FLOAT8, p_burst INT)
+DROP FUNCTION IF EXISTS composer_flow_ok(TEXT, INT, TEXT, FLOAT8, INT);
+
+CREATE OR REPLACE FUNCTION composer_flow_admit(p_ckey TEXT, p_climit INT, p_rkey TEXT, p_rate FLOAT8, p_burst INT)
 RETURNS BOOLEAN
 LANGUAGE plpgsql
 VOLATILE
 AS $$
 DECLARE
     csetting TEXT := 'composer_flow.c' || md5(COALESCE(p_ckey, ''));
-    rsetting TEXT := 'composer_flow.r' || md5(COALESCE(p_rkey, ''));
     held TEXT;
     occupied INT;
     v_tokens FLOAT8;
@@ -73,7 +75,6 @@ BEGIN
         held := NULLIF(current_setting(csetting, true), '');
         IF held IS NULL THEN
             IF NOT pg_try_advisory_xact_lock(hashtext('composer_flow'), hashtext('c:' || p_ckey)) THEN
-                PERFORM set_config('composer_flow.b' || md5(p_ckey), 'busy', true);
                 RETURN false;
             END IF;
             SELECT count(*) INTO occupied FROM flow_slots f WHERE f.key = 'c:' || p_ckey;
@@ -86,7 +87,7 @@ BEGIN
         END IF;
     END IF;
     IF p_rkey IS NOT NULL THEN
-        IF current_setting(rsetting, true) IN ('empty', 'busy') THEN
+        IF current_setting('composer_flow.r' || md5(p_rkey), true) = 'empty' THEN
             RETURN false;
         END IF;
         INSERT INTO rate_buckets (key, tokens, updated_at) VALUES (p_rkey, p_burst, now())
@@ -94,23 +95,39 @@ BEGIN
         SELECT b.tokens, b.updated_at INTO v_tokens, since FROM rate_buckets b WHERE b.key = p_rkey
            FOR UPDATE SKIP LOCKED;
         IF NOT FOUND THEN
-            PERFORM set_config(rsetting, 'busy', true);
             RETURN false;
         END IF;
         v_tokens := LEAST(p_burst, v_tokens + p_rate * GREATEST(0, extract(epoch FROM now() - since)));
         IF v_tokens < 1 THEN
             UPDATE rate_buckets b SET tokens = v_tokens, updated_at = GREATEST(since, now())
              WHERE b.key = p_rkey;
-            PERFORM set_config(rsetting, 'empty', true);
+            PERFORM set_config('composer_flow.r' || md5(p_rkey), 'empty', true);
             RETURN false;
         END IF;
-        UPDATE rate_buckets b SET tokens = v_tokens - 1, updated_at = GREATEST(since, now())
-         WHERE b.key = p_rkey;
-    END IF;
-    IF p_ckey IS NOT NULL THEN
-        PERFORM set_config(csetting, (occupied + 1)::text, true);
     END IF;
     RETURN true;
+END;
+$$;
+
+-- Count a row composer_flow_admit admitted and the pick now holds: one more place of its
+-- key taken by this claim, one token out of its bucket (whose row lock admitting took).
+CREATE OR REPLACE FUNCTION composer_flow_take(p_ckey TEXT, p_rkey TEXT, p_rate FLOAT8, p_burst INT)
+RETURNS VOID
+LANGUAGE plpgsql
+VOLATILE
+AS $$
+DECLARE
+    csetting TEXT := 'composer_flow.c' || md5(COALESCE(p_ckey, ''));
+BEGIN
+    IF p_ckey IS NOT NULL THEN
+        PERFORM set_config(csetting, (current_setting(csetting)::int + 1)::text, true);
+    END IF;
+    IF p_rkey IS NOT NULL THEN
+        UPDATE rate_buckets b
+           SET tokens = LEAST(p_burst, b.tokens + p_rate * GREATEST(0, extract(epoch FROM now() - b.updated_at))) - 1,
+               updated_at = GREATEST(b.updated_at, now())
+         WHERE b.key = p_rkey;
+    END IF;
 END;
 $$;
 
@@ -118,15 +135,14 @@ $$;
 -- up to p_limit ready outbox rows of p_queues (p_names NULL: of any task; p_skip: IDs
 -- passed over), highest priority first, then oldest, each locked FOR UPDATE SKIP LOCKED
 -- and returned in that order. It walks the ready rows in that order and stops once it
--- has p_limit, so composer_flow_ok is asked only about rows the walk reaches, and only
--- for a row this claim holds. (One statement with the call in its WHERE evaluates it on
--- every ready row of the queues before sorting them: a token taken and a key's lock held
--- for each, with one task claimed.) The walk reads without locking (a cursor FOR UPDATE
--- would lock every row it passed, the skipped ones too, to the claim's end); each row it
--- would take is locked by its ID, SKIP LOCKED, in a statement of its own whose snapshot
--- sees what racing claims committed, and still ready. A key this claim found at its
--- limit, or held by another claim, and a bucket found empty or locked, are skipped
--- without locking their rows: at most one row of each is held for nothing.
+-- has p_limit, so flow control is asked only about rows the walk reaches, and a row's
+-- place and token are taken only once the pick holds the row. (One statement with the
+-- check in its WHERE evaluates it on every ready row of the queues before sorting them:
+-- a token taken and a key's lock held for each, with one task claimed.) The walk reads
+-- without locking (a cursor FOR UPDATE would lock every row it passed, the skipped ones
+-- too, to the claim's end, and keep them from the claims that could take them); each row
+-- it would take is admitted, then locked by its ID, SKIP LOCKED, in a statement of its own
+-- whose snapshot sees what racing claims committed, and still ready.
 CREATE OR REPLACE FUNCTION composer_pick(p_queues TEXT[], p_names TEXT[], p_limit INT, p_skip BIGINT[] DEFAULT NULL)
 RETURNS SETOF BIGINT
 LANGUAGE plpgsql
@@ -149,21 +165,17 @@ BEGIN
     LOOP
         FETCH ready INTO r;
         EXIT WHEN NOT FOUND;
-        IF r.ckey IS NOT NULL THEN
-            CONTINUE WHEN current_setting('composer_flow.b' || md5(r.ckey), true) = 'busy'
-                       OR NULLIF(current_setting('composer_flow.c' || md5(r.ckey), true), '')::int >= r.climit;
-        END IF;
-        IF r.rkey IS NOT NULL THEN
-            CONTINUE WHEN current_setting('composer_flow.r' || md5(r.rkey), true) IN ('empty', 'busy');
+        IF r.ckey IS NOT NULL OR r.rkey IS NOT NULL THEN
+            CONTINUE WHEN NOT composer_flow_admit(r.ckey, r.climit, r.rkey, r.rate_per_s, r.rate_burst);
         END IF;
         PERFORM 1 FROM task_outbox o WHERE o.id = r.id AND o.available_at <= now() FOR UPDATE SKIP LOCKED;
         CONTINUE WHEN NOT FOUND;
-        IF (r.ckey IS NULL AND r.rkey IS NULL)
-           OR composer_flow_ok(r.ckey, r.climit, r.rkey, r.rate_per_s, r.rate_burst) THEN
-            RETURN NEXT r.id;
-            taken := taken + 1;
-            EXIT WHEN taken >= p_limit;
+        IF r.ckey IS NOT NULL OR r.rkey IS NOT NULL THEN
+            PERFORM composer_flow_take(r.ckey, r.rkey, r.rate_per_s, r.rate_burst);
         END IF;
+        RETURN NEXT r.id;
+        taken := taken + 1;
+        EXIT WHEN taken >= p_limit;
     END LOOP;
     CLOSE ready;
 END;
@@ -488,5 +500,7 @@ $$;
 
 REVOKE ALL ON FUNCTION composer_pick(TEXT[], TEXT[], INT, BIGINT[]) FROM PUBLIC;
 GRANT EXECUTE ON FUNCTION composer_pick(TEXT[], TEXT[], INT, BIGINT[]) TO composer_ops_engine;
-REVOKE ALL ON FUNCTION composer_flow_ok(TEXT, INT, TEXT, FLOAT8, INT) FROM PUBLIC;
-GRANT EXECUTE ON FUNCTION composer_flow_ok(TEXT, INT, TEXT, FLOAT8, INT) TO composer_ops_engine;
+REVOKE ALL ON FUNCTION composer_flow_admit(TEXT, INT, TEXT, FLOAT8, INT) FROM PUBLIC;
+GRANT EXECUTE ON FUNCTION composer_flow_admit(TEXT, INT, TEXT, FLOAT8, INT) TO composer_ops_engine;
+REVOKE ALL ON FUNCTION composer_flow_take(TEXT, TEXT, FLOAT8, INT) FROM PUBLIC;
+GRANT EXECUTE ON FUNCTION composer_flow_take(TEXT, TEXT, FLOAT8, INT) TO composer_ops_engine;

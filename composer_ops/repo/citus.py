@@ -35,7 +35,7 @@ def is_citus(conn: Conn) -> bool:
 # false, have no limit (taken together), or, true, have one (each on its own, up to its
 # room). The pick is the single server's, composer_pick (sql/R__claim.sql): rows in the
 # claim's order, locked, those with a concurrency key or a rate limit taken only when
-# composer_flow_ok says so; a key at its limit skips its rows and the walk goes on behind
+# composer_flow_admit says so; a key at its limit skips its rows and the walk goes on behind
 # them; a paused queue is not in the array it walks. A claim ID fenced by its retry picks
 # nothing (a limit of 0). When the pick comes short, its second part names the keys the
 # function counted at their limit in this transaction, to be checked (citus_flow.held);
@@ -168,7 +168,7 @@ def claim(conn: Conn, queues: Sequence[str], owner: str, limit: int,
     Flow control as on a single server (sql/R__claim.sql): a paused queue gives nothing;
     a queue with ``max_running`` gives at most its room, counted under its lock (two
     more round trips per such queue: the count, its pick); concurrency keys and rate limits are
-    composer_flow_ok's, on the coordinator tables. Each claimed task takes its slots
+    composer_pick's (sql/R__claim.sql), on the coordinator tables. Each claimed task takes its slots
     (``flow_slots``) in the last round trip. Slots are freed lazily
     (:mod:`composer_ops.repo.citus_flow`): a queue at its limit has its slots checked
     before its pick, and when keys were at their limit and the claim came short, their

@@ -68,7 +68,7 @@ _FREE = """
      WHERE f.key = s.key AND f.run_id = s.run_id AND f.task_id = s.task_id AND f.attempt = s.attempt
        AND f.taken_at = s.taken_at"""
 
-# What composer_flow_ok (sql/R__claim.sql) keeps per key for the rest of the claim: the
+# What composer_flow_admit (sql/R__claim.sql) keeps per key for the rest of the claim: the
 # key's running attempts plus what this claim took. Written after a check freed slots.
 _RECOUNT = """
     SELECT set_config('composer_flow.c' || md5(k), n::text, true)
@@ -143,7 +143,7 @@ def _check(conn: Conn, keys: Sequence[str]) -> tuple[dict[str, int], int]:
 
 
 def recount(conn: Conn, counts: Mapping[str, int]) -> None:
-    """Tell composer_flow_ok, for the rest of the transaction, how many places each
+    """Tell composer_flow_admit, for the rest of the transaction, how many places each
     concurrency key (its name, without ``c:``) holds, this claim's included."""
     if counts:
         conn.execute(_RECOUNT, {"keys": list(counts), "counts": list(counts.values())})

@@ -353,7 +353,7 @@ def test_schedule_to_start_latency_per_queue(db_url: str, engine: Engine) -> Non
 def test_a_claim_takes_tokens_and_key_locks_only_for_the_rows_it_takes(db_url: str, engine: Engine) -> None:
     """With many keyed dispatches ready, a claim of one task takes one token and holds one
     key: a racing claim in another transaction takes a task of another key meanwhile (a
-    pick that asked composer_flow_ok about every ready row before sorting them took a
+    pick that asked flow control about every ready row before sorting them took a
     token and a key's lock for each)."""
     from composer_ops.db import connect
     from composer_ops.repo import outbox
