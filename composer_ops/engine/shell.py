@@ -231,12 +231,12 @@ class Shell:
     def snapshot(self, conn: Conn, row: RunRow, tasks: Mapping[str, TaskStateRow]) -> RunSnapshot:
         """The machine's view of a locked run and its tasks (:func:`runs.lock_and_load`)."""
         defn = self.definition(conn, row.workflow_id, row.workflow_version)
-        context = row.context or {}
         nodes = tasks
         return RunSnapshot(
             id=row.id, workflow_id=row.workflow_id, workflow_version=row.workflow_version,
             status=RunStatus(row.status),
-            context=RunContext(input=context.get("input"), config=context.get("config") or {}),
+            context=_context(row.context) if row.context is not None
+            else _LazyContext(lambda: _context(runs.load_context(conn, row.id))),
             spec=defn.spec, parent_run_id=row.parent_run_id, parent_node_id=row.parent_node_id,
             nodes={node_id: NodeState(task_id=t.task_id, state=TaskState(t.state), attempt=t.attempt,
                                       branches=tuple(t.branches) if t.branches is not None else None,
@@ -538,6 +538,38 @@ def _replayed(run_id: str, rows: list[HistoryRow], event: Event) -> Outcome:
              extra={"action": "duplicate", "run_id": run_id})
     return Outcome(run_id=run_id, finished=RunStatus(finished) if finished else None, refused=refused,
                    duplicate=True)
+
+
+def _context(stored: Any) -> RunContext:
+    """The machine's context from the run's stored ``context_json``."""
+    context = stored or {}
+    return RunContext(input=context.get("input"), config=context.get("config") or {})
+
+
+class _LazyContext(RunContext):
+    """A run's context read on first use, in the event's transaction under the run's
+    lock: most events (a task's or a MAP item's completion) never read it, and a run's
+    input can be large (a MAP over a list in the input: 34 KB at 10,000 IDs, which every
+    event loaded and parsed when the lock read it)."""
+
+    def __init__(self, load: Callable[[], RunContext]) -> None:
+        object.__setattr__(self, "_load", load)
+        object.__setattr__(self, "_loaded", None)
+
+    def _value(self) -> RunContext:
+        loaded: RunContext | None = object.__getattribute__(self, "_loaded")
+        if loaded is None:
+            loaded = object.__getattribute__(self, "_load")()
+            object.__setattr__(self, "_loaded", loaded)
+        return loaded
+
+    @property
+    def input(self) -> Any:
+        return self._value().input
+
+    @property
+    def config(self) -> Mapping[str, Any]:
+        return self._value().config
 
 
 def _queue(run: RunSnapshot, a: CreateTask) -> str | None:

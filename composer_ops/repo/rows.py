@@ -12,14 +12,16 @@ from composer_ops.core.attempts import HistoryRow
 
 @dataclass(frozen=True, kw_only=True)
 class RunRow:
-    """The locked run row, with the database clock its event judges by (``repo.clock``)."""
+    """The locked run row, with the database clock its event judges by (``repo.clock``).
+    ``context`` is None when it was not read with the lock (:func:`repo.runs.load_context`
+    reads it on first use)."""
 
     id: str
     workflow_id: str
     workflow_version: int
     status: str
-    context: Any
     now: datetime
+    context: Any = None
     parent_run_id: str | None = None     # a child run: its parent and the parent's SUB_WORKFLOW node
     parent_node_id: str | None = None
 

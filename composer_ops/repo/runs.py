@@ -15,9 +15,11 @@ from composer_ops.repo import clock, history, partitions
 from composer_ops.repo._base import Conn, error_json, fetch_all, fetch_one, jsonb, sql_states
 from composer_ops.repo.rows import ChildRun, HistoryEntry, RunListRow, RunRow, RunView, TaskStateRow, TaskView
 
+# Without the run's context: its input can be large (a MAP's list of items), and most
+# events never read it; load_context does, under this lock, when the machine asks.
 _LOCK_RUN = """
     SELECT id, workflow_definition_id AS workflow_id, workflow_version, status,
-           context_json AS context, parent_run_id, parent_node_id
+           parent_run_id, parent_node_id
       FROM {runs}
      WHERE id = %s AND deleted_at IS NULL
        FOR UPDATE"""
@@ -80,6 +82,17 @@ def _lock_and_load(conn: Conn, run_id: str, runs: str, tasks: str
         return None
     assert now is not None
     return RunRow(**row, now=now[0]), {r.node_id: r for r in loaded}
+
+
+_LOAD_CONTEXT = "SELECT context_json FROM {runs} WHERE id = %s"
+
+
+def load_context(conn: Conn, run_id: str) -> Any:
+    """The run's context (its input and its definition's config), read under the run's
+    lock (:func:`lock_and_load`), on the same tables; None for a run that has none."""
+    row = conn.execute(partitions.on_tables(_LOAD_CONTEXT, *partitions.run_tables(conn, run_id)),
+                       (run_id,)).fetchone()
+    return row[0] if row is not None else None
 
 
 _LOAD_OUTPUTS = """

@@ -86,6 +86,33 @@ def test_an_item_event_loads_the_node_rows_only(engine: Engine, db_url: str) -> 
     assert loaded["each"].items_total == 50 and loaded["each"].items_started == 2
 
 
+def test_an_item_event_does_not_read_the_runs_input(engine: Engine, db_url: str,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """The run's context (here its input, the list of items) is read only when a decision
+    needs it: an item's completion that dispatches the next item does not; the one that
+    creates a node whose input refers to the run's input does, under the same lock."""
+    spec = map_spec(max_parallel=2)
+    spec["nodes"][1]["input"] = {"all": "$.nodes.each.output", "region": "$.input.region"}
+    engine.deploy(spec)
+    run_id = engine.start("fan", input={"ids": list(range(6)), "region": "eu"})
+    with psycopg.connect(db_url) as conn, conn.transaction():
+        row, _ = runs.lock_and_load(conn, run_id)
+    assert row.context is None                       # not read with the lock
+    reads: list[str] = []
+    load = runs.load_context
+    monkeypatch.setattr(runs, "load_context", lambda conn, rid: reads.append(rid) or load(conn, rid))
+    done = 0
+    while done < 6:
+        for claim in claim_all(engine):
+            engine.complete(claim, claim.input["item"])
+            done += 1
+            if done == 5:
+                assert reads == []                   # five item events, four of them dispatching
+    assert reads == [run_id]                         # the last item's: it creates 'after'
+    (after,) = claim_all(engine)
+    assert after.input == {"all": list(range(6)), "region": "eu"}
+
+
 @pytest.mark.parametrize(("ids", "kind"), [({"a": 1}, "an object"), ("abc", "a string"), (None, "null")])
 def test_items_not_a_list_fail_the_run_clearly(engine: Engine, ids: Any, kind: str) -> None:
     engine.deploy(map_spec())
