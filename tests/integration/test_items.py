@@ -100,7 +100,12 @@ def test_an_item_event_does_not_read_the_runs_input(engine: Engine, db_url: str,
     assert row.context is None                       # not read with the lock
     reads: list[str] = []
     load = runs.load_context
-    monkeypatch.setattr(runs, "load_context", lambda conn, rid: reads.append(rid) or load(conn, rid))
+
+    def counted(conn: Any, rid: str) -> Any:
+        reads.append(rid)
+        return load(conn, rid)
+
+    monkeypatch.setattr(runs, "load_context", counted)
     done = 0
     while done < 6:
         for claim in claim_all(engine):
