@@ -6,6 +6,7 @@ queue, and never stops the rest of the batch."""
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import psycopg
 import pytest
@@ -32,18 +33,19 @@ def _sql(db_url: str, query: str, params: tuple[object, ...] = ()) -> None:
         conn.execute(query, params)
 
 
-def _due_timers(engine: Engine, db_url: str, n: int) -> list[str]:
+def _due_timers(engine: Engine, db_url: str, n: int, workflow: str = "tm", input: Any = None) -> list[str]:
     """n runs whose WAIT is due, the first one the most overdue."""
-    run_ids = [engine.start("tm") for _ in range(n)]
+    run_ids = [engine.start(workflow, input=input) for _ in range(n)]
     for i, run_id in enumerate(run_ids):
         _sql(db_url, "UPDATE task_instances SET wake_at = now() - make_interval(mins => %s) "
                      "WHERE run_id = %s AND state = 'WAITING'", (100 - i, run_id))
     return run_ids
 
 
-def _expired_leases(engine: Engine, db_url: str, n: int) -> list[str]:
-    run_ids = [engine.start("ls") for _ in range(n)]
-    for claim in engine.claim(["lq"], "w", n):
+def _expired_leases(engine: Engine, db_url: str, n: int, workflow: str = "ls", queue: str = "lq",
+                    input: Any = None) -> list[str]:
+    run_ids = [engine.start(workflow, input=input) for _ in range(n)]
+    for claim in engine.claim([queue], "w", n):
         _sql(db_url, "UPDATE task_instances SET lease_expires_at = now() - make_interval(mins => %s) "
                      "WHERE run_id = %s AND state = 'RUNNING'", (100 - run_ids.index(claim.run_id), claim.run_id))
     return run_ids
@@ -95,16 +97,23 @@ def test_a_row_that_fails_for_ever_is_backed_off_and_the_queue_moves(engine: Eng
 
 def test_an_unexpected_exception_does_not_stop_the_batch(engine: Engine, db_url: str) -> None:
     """A run whose stored context is not an object makes the shell raise a plain
-    Python error (odd data); the rest of the batch is still handled, and the bad row
+    Python error (odd data) when a decision reads it (a node input from the run's input,
+    a concurrency key from it); the rest of the batch is still handled, and the bad row
     is reported once, then backed off."""
-    broken, live = _due_timers(engine, db_url, 2)
+    engine.deploy({"id": "tm_in", "nodes": [{"id": "z", "type": "WAIT", "duration_s": 3600},
+                                            {"id": "b", "type": "TASK", "task": "t", "depends_on": ["z"],
+                                             "input": {"x": "$.input.x"}}]})
+    engine.deploy({"id": "ls_key", "nodes": [{"id": "a", "type": "TASK", "task": "t", "queue": "lk",
+                                              "retry": {"max_attempts": 5, "initial_backoff_s": 0},
+                                              "concurrency": {"key": "$.input.x", "limit": 100}}]})
+    broken, live = _due_timers(engine, db_url, 2, "tm_in", {"x": 1})
     _sql(db_url, "UPDATE workflow_runs SET context_json = '\"not an object\"' WHERE id = %s", (broken,))
     coordinator = engine.coordinator(batch=10)
     stats = coordinator.run_once(["timers"])
     assert stats.timers_fired == 1 and len(stats.errors) == 1 and broken in stats.errors[0], stats
     assert _state(engine, live, "z") == ("COMPLETED", 0)
     assert coordinator.run_once(["timers"]).errors == []
-    expired_broken, expired_live = _expired_leases(engine, db_url, 2)
+    expired_broken, expired_live = _expired_leases(engine, db_url, 2, "ls_key", "lk", {"x": 1})
     _sql(db_url, "UPDATE workflow_runs SET context_json = '\"not an object\"' WHERE id = %s", (expired_broken,))
     stats = coordinator.run_once(["leases"])
     assert stats.leases_expired == 1 and len(stats.errors) == 1, stats

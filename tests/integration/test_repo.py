@@ -47,7 +47,8 @@ def test_lock_and_load_reads_the_row_and_the_db_clock_and_holds_the_lock(conn: A
     conn.commit()
     row, loaded = runs.lock_and_load(conn, run_id)
     assert (row.workflow_id, row.workflow_version, row.status) == ("wf", 1, "RUNNING")
-    assert row.context == {"input": {"x": 1}, "config": {}}
+    assert row.context is None                                   # read on first use, under the lock:
+    assert runs.load_context(conn, run_id) == {"input": {"x": 1}, "config": {}}
     assert abs(row.now - now_utc()) < timedelta(seconds=5)
     assert loaded == {}
     with psycopg.connect(db_url) as other:                       # the row lock is held until commit
