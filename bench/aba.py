@@ -6,9 +6,9 @@ from three or more trees in rotation, one of them a second checkout of another's
 commit (the control): the ratio between the two identical trees is the noise of this
 very run, and a change is within noise when its ratio to *each* copy lies inside it.
 
-Run as a file, so that ``bench`` (the harness: scenarios, server, schema) comes from
-the tree on ``PYTHONPATH``, which may be an older one (use the oldest when a later
-tree dropped a column its predecessor writes)::
+Run as a file, so that ``bench`` (the harness: scenarios, server, the measuring
+queries) comes from the tree on ``PYTHONPATH``, which may be an older one (use the
+oldest when a later tree dropped a column the measuring queries read)::
 
     PYTHONPATH=OLD python bench/aba.py --rounds 10 old=OLD control=OLD_COPY new=NEW
 
@@ -16,6 +16,12 @@ Each round runs every side once (the order rotates and alternates direction), th
 1-task workload at W=1, sustained (``--mode drain`` for the drain); it prints the
 median ratio of runs/s and the median difference of CPU per run (server plus
 processes) for every pair, and writes them with the raw rounds to ``--out``.
+
+Each side runs on databases cloned from a template migrated by its own tree
+(``bench/sides.py``, loaded from beside this file whatever ``PYTHONPATH`` says); the
+results name each side's migrations and the paths its processes imported (its
+template's migrate and deploy, and with a harness that records them, every
+measurement's processes).
 """
 
 from __future__ import annotations
@@ -37,6 +43,15 @@ def _server() -> Any:
     if importlib.util.find_spec("bench.server") is not None:
         return importlib.import_module("bench.server").start()
     return importlib.import_module("composer_ops.testing.servers").session().primary
+
+
+def _sides_module() -> Any:
+    """``bench/sides.py`` beside this file (the harness on PYTHONPATH may predate it)."""
+    spec = importlib.util.spec_from_file_location("bench_sides", Path(__file__).with_name("sides.py"))
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def _side(arg: str) -> tuple[str, Path]:
@@ -80,7 +95,11 @@ def main(argv: list[str] | None = None) -> int:
     workload = importlib.import_module("bench.workload")
     sides = {name: dataclasses.replace(workload.COMPOSER, root=root, label=name) for name, root in args.sides}
     server = _server()
-    template = workload.make_template(server, "bench_tpl_aba")
+    workflows = list(getattr(workload, "WORKFLOWS", {"one": workload.ONE_TASK}).values())
+    side_tool = _sides_module()
+    templates = {name: side_tool.make_template(server, root, f"bench_tpl_aba_{name}", workflows)
+                 for name, root in args.sides}
+    imports: dict[str, list[dict[str, list[str]]]] = {name: [] for name in names}
     rows: list[dict[str, Any]] = []
     for r in range(args.rounds):
         order = names[r % len(names):] + names[:r % len(names)]
@@ -88,10 +107,12 @@ def main(argv: list[str] | None = None) -> int:
             order.reverse()
         for side in order:
             if args.mode == "drain":
-                res = scenario.drain(sides[side], server, template, workers=1, items=args.runs)
+                res = scenario.drain(sides[side], server, templates[side]["template"], workers=1, items=args.runs)
             else:
-                res = scenario.sustained(sides[side], server, template, workers=1, duration=args.duration,
-                                         max_backlog=50)
+                res = scenario.sustained(sides[side], server, templates[side]["template"], workers=1,
+                                         duration=args.duration, max_backlog=50)
+            if "imports" in res:
+                imports[side].append(res["imports"])
             cpu = res["cpu"]["processes_ms_per_item"] + res["cpu"]["server_ms_per_item"]
             rows.append({"round": r, "side": side, "runs_per_s": res["runs_per_s"], "cpu_ms_per_run": cpu})
             sys.stderr.write(f"[aba] round {r + 1}/{args.rounds} {side}: {res['runs_per_s']:.0f} runs/s, "
@@ -100,8 +121,14 @@ def main(argv: list[str] | None = None) -> int:
     for pair, figures in summary.items():
         print(f"{pair}: median {figures['median']:.3f}, rounds {[round(x, 2) for x in figures['ratios']]}, "
               f"CPU per run {figures['cpu_ms_per_run_diff_median']:+.2f} ms")
+    for tpl in templates.values():
+        server.drop_database(tpl["template"])
     result = {"server": server.version, "mode": args.mode, "rounds": args.rounds,
-              "trees": {name: str(root) for name, root in args.sides}, "pairs": summary, "raw": rows}
+              "trees": {name: str(root) for name, root in args.sides},
+              "sides": {name: {**tpl, "processes_imported": {
+                  key: sorted({p for got in imports[name] for p in got[key]}) for key in ("composer_ops", "migrations")}
+                  if imports[name] else None} for name, tpl in templates.items()},
+              "pairs": summary, "raw": rows}
     args.out.write_text(json.dumps(result, indent=1) + "\n")
     return 0
 

@@ -19,6 +19,8 @@ from typing import IO, Any
 
 import psycopg
 
+from bench import sides
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -34,13 +36,19 @@ class ProcessGroup:
         #: read and removed by stop()
         self.claim_log: Path | None = None
         self._claims: dict[str, Any] | None = None
+        fd, log = tempfile.mkstemp(prefix="bench-imports-", suffix=".jsonl")
+        os.close(fd)
+        self._import_log = Path(log)
+        self._imports: list[dict[str, Any]] = []
 
     def spawn(self, argv: Sequence[str], env: dict[str, str] | None = None,
               stdout: int | None = subprocess.DEVNULL) -> subprocess.Popen[bytes]:
-        full_env = {**os.environ, "PYTHONPATH": str(self.root), **(env or {})}
+        """Start ``python -m MODULE ...`` (``argv``) from the group's tree, through
+        :data:`bench.sides.BOOT`: it imports that tree's code and ``sql/``."""
+        full_env = sides.env(self.root, {**(env or {}), "BENCH_IMPORT_LOG": str(self._import_log)})
         log = tempfile.TemporaryFile()
         self._logs.append(log)
-        proc = subprocess.Popen([sys.executable, *argv], cwd=self.root, env=full_env, stdout=stdout, stderr=log)
+        proc = subprocess.Popen(sides.argv(*argv), cwd=self.root, env=full_env, stdout=stdout, stderr=log)
         self.procs.append(proc)
         return proc
 
@@ -70,6 +78,7 @@ class ProcessGroup:
                 proc.kill()
                 proc.wait(5)
         self._read_claims()
+        self._imports += sides.read_imports(self._import_log)
         text = self.tail()
         if "Traceback" in text:
             sys.stderr.write(f"--- {self.name}: child process log ---\n{text}\n")
@@ -77,6 +86,11 @@ class ProcessGroup:
             log.close()
         self.procs.clear()
         self._logs.clear()
+
+    def imports(self) -> dict[str, list[str]]:
+        """Which ``composer_ops`` and ``sql/`` the group's processes imported (known
+        once the group has stopped)."""
+        return sides.imported(self._imports)
 
     def claim_counts(self) -> dict[str, Any] | None:
         """Claims the group's workers made and how many came back empty, summed over

@@ -106,7 +106,7 @@ def drain(system: System, server: Server, template: str, *, workers: int, items:
             "start_cpu": {"server_ms_per_item": per_item_ms(None if s0 is None or s1 is None else s1 - s0, items),
                           "processes_ms_per_item": per_item_ms(started["cpu_s"], items)},
             "cpu": meter.report(completed),
-            "units": stats.as_dict(), "claims": claims,
+            "units": stats.as_dict(), "claims": claims, "imports": _imports(producers, group),
         }
     finally:
         server.drop_database(db)
@@ -161,4 +161,10 @@ def sustained_on(system: System, url: str, *, workers: int, duration: float, wor
         "backlog_growth_per_s": rate(created - completed, window),
         "max_backlog": max_backlog, "target_rate": pace, "producer": produced,
         "cpu": meter.report(completed), "units": stats.as_dict(), "claims": group.claim_counts(),
+        "imports": group.imports(),
     }
+
+
+def _imports(*groups: ProcessGroup) -> dict[str, list[str]]:
+    """Which ``composer_ops`` and ``sql/`` the groups' processes imported."""
+    return {key: sorted({path for g in groups for path in g.imports()[key]}) for key in ("composer_ops", "migrations")}
