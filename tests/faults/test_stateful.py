@@ -168,7 +168,7 @@ def test_the_engine_under_faults_does_what_the_machine_decides(b: Bench) -> None
 
         @initialize()
         def empty(self) -> None:
-            b.sql("TRUNCATE workflow_runs, task_outbox, webhook_deliveries CASCADE")
+            b.sql("TRUNCATE workflow_runs, task_instances, task_outbox, webhook_deliveries CASCADE")
 
         def faulted(self, fault: tuple[Fault, int] | None, call: Callable[[], Any], what: str) -> Any:
             """Run a step through the proxy, with its fault armed; returns its result or the

@@ -70,6 +70,38 @@ def test_v006_gives_the_waits_of_0_1_0_the_signal_names(empty_db_url: str) -> No
     assert rows == [("a", "TASK", None), ("w", "WAIT_FOR_SIGNAL", "go")]
 
 
+_RUN_KEYS = """SELECT c.conrelid::regclass::text, c.confrelid::regclass::text
+                 FROM pg_constraint c JOIN pg_class r ON r.oid = c.conrelid
+                WHERE c.contype = 'f' AND c.confrelid::regclass::text LIKE 'workflow_runs%%'
+                  AND (r.relname LIKE 'task_instances%%' OR r.relname LIKE 'workflow_events%%')"""
+
+
+def test_v011_drops_the_task_to_run_key_on_every_month_and_new_months_have_none(empty_db_url: str) -> None:
+    """The tasks' key to their run goes from the parent and every month partition, the
+    rows stay; a month made afterwards has none either; workflow_events keeps its key."""
+    migrate(empty_db_url, target=9)
+    run_id = uuid7_at(datetime.now(UTC))
+    with psycopg.connect(empty_db_url, autocommit=True) as conn:
+        before = conn.execute(_RUN_KEYS).fetchall()
+        assert any(t.startswith("task_instances") for t, _ in before)
+        conn.execute("""INSERT INTO workflow_definitions (id, name, version, spec_json, created_by)
+                        VALUES ('d', 'd', 1, '{}', 'test')""")
+        conn.execute("INSERT INTO workflow_runs (id, workflow_definition_id, workflow_version) VALUES (%s, 'd', 1)",
+                     (run_id,))
+        conn.execute("INSERT INTO task_instances (id, run_id, node_id, node_type) VALUES (%s, %s, 'a', 'TASK')",
+                     (uuid7_at(datetime.now(UTC)), run_id))
+    assert "V011__tasks_without_run_fk.sql" in [a.filename for a in migrate(empty_db_url)]
+    with psycopg.connect(empty_db_url, autocommit=True) as conn:
+        after = conn.execute(_RUN_KEYS).fetchall()
+        assert after and all(t.startswith("workflow_events") for t, _ in after)
+        assert {t for t, _ in after} == {t.replace("task_instances", "workflow_events") for t, _ in before
+                                         if t.startswith("task_instances")}
+        assert conn.execute("SELECT count(*) FROM task_instances WHERE run_id = %s", (run_id,)).fetchone() == (1,)
+        conn.execute("SELECT composer_ensure_partitions_from('2031-01-01', 0)")
+        assert conn.execute(_RUN_KEYS + " AND r.relname LIKE '%%_p203101'").fetchall() == [
+            ("workflow_events_p203101", "workflow_runs")]
+
+
 def test_migrate_from_empty_equals_applying_the_files_by_hand(empty_db_url: str, fresh_url: str) -> None:
     with psycopg.connect(empty_db_url, autocommit=True) as conn:
         for script in [*discover(), *discover_repeatable()]:

@@ -1,0 +1,24 @@
+-- task_instances loses its foreign key to workflow_runs.
+--
+-- Every task row is inserted in a transaction that holds its run's row: with the run
+-- (a start inserts the run, then its root tasks, in one transaction) or under the run's
+-- lock (every later decision locks and loads the run first, composer_ops/engine/shell.py,
+-- the only caller of repo/tasks.py insert_tasks and repo/items.py insert_items). So
+-- the key's check, a trigger per inserted row that locks the run row FOR KEY SHARE,
+-- never found a missing run and cost about 0.11 ms per task insert, most of it
+-- planning (docs/performance.md). What it also carried, made explicit:
+--   - ON DELETE CASCADE: nothing deletes runs; their rows leave with their month, and
+--     composer_drop_partitions (sql/R__retention.sql), `partitions detach` and
+--     `partitions drop --archive` (repo/archive.py) take each month's partitions out,
+--     workflow_runs' last, table by table, as they did;
+--   - test harnesses that emptied the tasks by TRUNCATE workflow_runs ... CASCADE name
+--     task_instances themselves;
+--   - co-location on Citus is declared (create_distributed_table ... colocate_with,
+--     sql/citus/V002__distribute_by_run_id.sql), not derived from the key.
+-- workflow_events keeps its key (a signal is buffered under the run's lock too, but
+-- signals are rare; the key costs nothing on the hot path), so the partition
+-- functions' order (workflow_runs first, composer_run_tables()) and the lock an ATTACH
+-- takes on workflow_runs stay. Dropped on the parent, the key leaves every partition
+-- (each partition's copy is a child of it); partitions created later
+-- (composer_ensure_partitions_from: CREATE TABLE ... LIKE, then ATTACH) inherit none.
+ALTER TABLE task_instances DROP CONSTRAINT task_instances_run_id_fkey;
