@@ -72,7 +72,8 @@ def pairs(rows: list[dict[str, Any]], names: list[str]) -> dict[str, dict[str, A
         for b in names[i + 1:]:
             both = [(by[a, n], by[b, n]) for n in rounds if (a, n) in by and (b, n) in by and by[b, n]["runs_per_s"]]
             ratios = [x["runs_per_s"] / y["runs_per_s"] for x, y in both]
-            cpu = [x["cpu_ms_per_run"] - y["cpu_ms_per_run"] for x, y in both]
+            cpu = [x["cpu_ms_per_run"] - y["cpu_ms_per_run"] for x, y in both
+                   if x["cpu_ms_per_run"] is not None and y["cpu_ms_per_run"] is not None]
             out[f"{a}/{b}"] = {"median": statistics.median(ratios) if ratios else None, "ratios": ratios,
                                "cpu_ms_per_run_diff_median": statistics.median(cpu) if cpu else None}
     return out
@@ -113,14 +114,17 @@ def main(argv: list[str] | None = None) -> int:
                                          duration=args.duration, max_backlog=50)
             if "imports" in res:
                 imports[side].append(res["imports"])
-            cpu = res["cpu"]["processes_ms_per_item"] + res["cpu"]["server_ms_per_item"]
+            # None when no run completed inside the window (CPU per run is then undefined)
+            parts = (res["cpu"]["processes_ms_per_item"], res["cpu"]["server_ms_per_item"])
+            cpu = None if None in parts else sum(parts)
             rows.append({"round": r, "side": side, "runs_per_s": res["runs_per_s"], "cpu_ms_per_run": cpu})
             sys.stderr.write(f"[aba] round {r + 1}/{args.rounds} {side}: {res['runs_per_s']:.0f} runs/s, "
-                             f"{cpu:.2f} ms CPU per run\n")
+                             f"{'-' if cpu is None else f'{cpu:.2f}'} ms CPU per run\n")
     summary = pairs(rows, names)
     for pair, figures in summary.items():
-        print(f"{pair}: median {figures['median']:.3f}, rounds {[round(x, 2) for x in figures['ratios']]}, "
-              f"CPU per run {figures['cpu_ms_per_run_diff_median']:+.2f} ms")
+        cpu_diff = figures["cpu_ms_per_run_diff_median"]
+        print(f"{pair}: median {figures['median']}, rounds {[round(x, 2) for x in figures['ratios']]}, "
+              f"CPU per run {'-' if cpu_diff is None else f'{cpu_diff:+.2f}'} ms")
     for tpl in templates.values():
         server.drop_database(tpl["template"])
     result = {"server": server.version, "mode": args.mode, "rounds": args.rounds,

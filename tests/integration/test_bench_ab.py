@@ -14,7 +14,7 @@ from pathlib import Path
 import psycopg
 import pytest
 
-from bench import ab, sides
+from bench import ab, aba, sides
 from bench.procs import ROOT, ProcessGroup
 from bench.workload import WORKFLOWS
 from composer_ops.testing.servers import Server
@@ -81,3 +81,26 @@ def test_ab_runs_each_side_on_its_own_schema(server: Server, before_tree: Path, 
         left = conn.execute("SELECT datname FROM pg_database "
                             "WHERE datname ~ '^bench_(tpl_ab_|after_|before_)'").fetchall()
     assert left == []
+
+
+@pytest.mark.timeout(900)
+def test_aba_runs_each_side_on_its_own_schema(before_tree: Path, tmp_path: Path) -> None:
+    out = tmp_path / "aba.json"
+    assert aba.main(["--rounds", "1", "--duration", "1", "--out", str(out),
+                     f"before={before_tree}", f"after={ROOT}"]) == 0
+    got = json.loads(out.read_text())["sides"]
+    assert MARKER in got["before"]["migrations"] and MARKER not in got["after"]["migrations"]
+    for side, root in (("after", ROOT), ("before", before_tree)):
+        want = {"composer_ops": [str(root / "composer_ops")], "migrations": [str(root / "sql")]}
+        assert got[side]["imports"] == want and got[side]["processes_imported"] == want, side
+
+
+def test_aba_pairs_leave_out_a_round_without_cpu_per_run() -> None:
+    """A window in which no run completed has no CPU per run (None): its ratio counts, its
+    CPU difference does not."""
+    rows = [{"round": 0, "side": "a", "runs_per_s": 10.0, "cpu_ms_per_run": 5.0},
+            {"round": 0, "side": "b", "runs_per_s": 5.0, "cpu_ms_per_run": 4.0},
+            {"round": 1, "side": "a", "runs_per_s": 0.0, "cpu_ms_per_run": None},
+            {"round": 1, "side": "b", "runs_per_s": 5.0, "cpu_ms_per_run": 4.0}]
+    assert aba.pairs(rows, ["a", "b"]) == {"a/b": {"median": 1.0, "ratios": [2.0, 0.0],
+                                                   "cpu_ms_per_run_diff_median": 1.0}}
