@@ -9,7 +9,6 @@ server of several nodes (a Citus cluster, :mod:`bench.citus`) it is every node's
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import psutil
@@ -21,8 +20,8 @@ from composer_ops.testing.servers import Server
 
 class DbCounters:
     """Counters of one database over a measurement, on every node of its server:
-    sessions opened (``pg_stat_database.sessions``: a backend's count reaches it within
-    about a second while it works, at its exit otherwise) and, on Citus, two-phase
+    sessions opened (``pg_stat_database.sessions``: a backend reports its own at the
+    end of its first transaction) and, on Citus, two-phase
     commits (``pg_dist_transaction``: one row per worker group a transaction prepared
     on, kept while ``citus.recover_2pc_interval = -1``; the distributed transactions
     are counted by the transaction number in the row's name). Its connections are
@@ -140,7 +139,6 @@ class Meter:
         self.server_s = s1 - self._s0 if s1 is not None and self._s0 is not None else None
         self.group_s = group_seconds(self.group) - self._g0
         if self.server.counters:
-            time.sleep(1.2)    # let working backends report their sessions
             c1 = self.server.counters.read()
             self.counts = {k: c1[k] - v for k, v in self._c0.items()}
             self.server.counters.close()
