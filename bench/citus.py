@@ -10,7 +10,10 @@ the single server, per round, and its median. Every node of the cluster runs on 
 same two cores as the processes: what this measures is the cost of the distributed
 commit path on one machine, not what more machines would add (docs/scaling.md).
 
-Server CPU per run counts every node of the cluster.
+Server CPU per run counts every node of the cluster, without the benchmark's own
+polling (its count of unfinished runs, :class:`bench.cpu.SessionPoll`), which is
+reported apart; two-phase commits and sessions opened per run are counted over the
+same window (:class:`bench.cpu.DbCounters`).
 """
 
 from __future__ import annotations
@@ -78,7 +81,10 @@ def measure(server: Server, template: str, *, runs: int, duration: float, max_ba
     """Drain and sustained, W=1, ``rounds`` rounds on each side; returns every result,
     the per-round ratios (Citus / single server) and their medians."""
     settings = {**scenario.PACKAGE_DEFAULTS, "max_connections": "200"}
-    cluster = CitusCluster.start(workers=2, shard_count=shard_count, settings=settings)
+    # Citus's recovery deletes pg_dist_transaction's rows of committed transactions: off,
+    # they are the count of two-phase commits (nothing fails here for it to recover).
+    cluster = CitusCluster.start(workers=2, shard_count=shard_count,
+                                 settings={**settings, "citus.recover_2pc_interval": "-1"})
     try:
         target = ClusterTarget.of(cluster)
         with psycopg.connect(cluster.coordinator.admin_url) as conn:
@@ -119,6 +125,11 @@ def measure(server: Server, template: str, *, runs: int, duration: float, max_ba
                   if x["side"] == side and x["mode"] == mode and x["cpu"]["server_ms_per_item"] is not None]
         return statistics.median(values) if values else None
 
+    def per_run(side: str, mode: str, key: str) -> float | None:
+        values = [x["cpu"][key] for x in results
+                  if x["side"] == side and x["mode"] == mode and x["cpu"].get(key) is not None]
+        return statistics.median(values) if values else None
+
     return {
         "citus_version": citus_version, "nodes": 1 + len(cluster.workers), "shard_count": shard_count,
         "settings": settings, "rounds": rounds, "results": results, "ratios": ratios,
@@ -126,6 +137,11 @@ def measure(server: Server, template: str, *, runs: int, duration: float, max_ba
                            "citus_runs_per_s": median("citus", mode, "runs_per_s"),
                            "ratio": statistics.median(ratios[mode]) if ratios[mode] else None,
                            "single_cpu_ms_per_run": cpu("single", mode),
-                           "citus_cpu_ms_per_run": cpu("citus", mode)}
+                           "citus_cpu_ms_per_run": cpu("citus", mode),
+                           "citus_two_phase_commits_per_run": per_run("citus", mode, "two_phase_commits_per_item"),
+                           "citus_sessions_per_run": per_run("citus", mode, "sessions_per_item"),
+                           "single_sessions_per_run": per_run("single", mode, "sessions_per_item"),
+                           "citus_bench_poll_ms_per_run": per_run("citus", mode, "bench_poll_server_ms_per_item"),
+                           "single_bench_poll_ms_per_run": per_run("single", mode, "bench_poll_server_ms_per_item")}
                     for mode in ratios},
     }

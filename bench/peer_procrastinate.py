@@ -18,6 +18,7 @@ from typing import Any
 
 from bench.measure import PROCRASTINATE_UNITS, unit_stats
 from bench.procs import ROOT, ProcessGroup, scalar, wait_until
+from bench.producer import UNFINISHED
 from bench.scenario import System
 from composer_ops.testing.servers import Server
 
@@ -63,10 +64,6 @@ def spawn_workers(url: str, workers: int, root: Path = ROOT) -> ProcessGroup:
     return group
 
 
-def _unfinished(url: str) -> int:
-    return int(scalar(url, "SELECT count(*) FROM procrastinate_jobs WHERE status IN ('todo', 'doing')"))
-
-
 def _jobs_window(url: str, window: tuple[Any, Any] | None) -> tuple[int, int, Any]:
     """A job is a run: deferred and succeeded inside the window, and the last success."""
     stats = unit_stats(url, PROCRASTINATE_UNITS, window)
@@ -74,7 +71,7 @@ def _jobs_window(url: str, window: tuple[Any, Any] | None) -> tuple[int, int, An
 
 
 PROCRASTINATE = System(name="procrastinate", concurrency=CONCURRENCY, units_sql=PROCRASTINATE_UNITS,
-                       spawn=spawn_workers, unfinished=_unfinished, runs_window=_jobs_window)
+                       spawn=spawn_workers, unfinished_sql=UNFINISHED["procrastinate"], runs_window=_jobs_window)
 
 
 def main() -> None:

@@ -21,12 +21,22 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+#: The sustained producer reads its backlog about this many times while the workers
+#: finish a backlog's worth of items, between ``BACKLOG_POLL_S``: often enough that
+#: the workers never run dry (a fifth of the backlog at most is finished between two
+#: reads), and no oftener. The count reads every shard of a Citus cluster: read every
+#: 10 ms whatever the rate, it alone took most of a core there.
+BACKLOG_READS_PER_TURNOVER = 5
+BACKLOG_POLL_S = (0.01, 0.1)
+
 
 class Backlog:
-    """Keeps the number of unfinished items at most ``limit``: a thread polls the
-    count every 10 ms; producers wait while the last count plus what they submitted
-    since would reach the limit. A bounded backlog makes "sustained" mean what it
-    says: items start no faster than the workers finish them."""
+    """Keeps the number of unfinished items at most ``limit``: a thread counts them on
+    one connection (:class:`bench.cpu.SessionPoll`, whose server CPU is reported
+    apart), :data:`BACKLOG_READS_PER_TURNOVER` times per ``limit`` finished;
+    producers wait while the last count plus what they submitted since would reach the
+    limit. A bounded backlog makes "sustained" mean what it says: items start no
+    faster than the workers finish them."""
 
     def __init__(self, url: str, query: str, limit: int) -> None:
         self.url, self.query, self.limit = url, query, limit
@@ -35,37 +45,42 @@ class Backlog:
         self._since = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._poll, daemon=True)
+        self.polls = 0
+        self.server_cpu_s = 0.0
 
     def __enter__(self) -> Backlog:
-        self._refresh_from(None)
+        from bench.cpu import SessionPoll
+
+        self._session = SessionPoll(self.url, self.query, application_name="bench-backlog")
+        self._refresh()
         self._thread.start()
         return self
 
     def __exit__(self, *exc: object) -> None:
         self._stop.set()
         self._thread.join()
+        self.polls, self.server_cpu_s = self._session.polls, self._session.server_seconds()
+        self._session.close()
 
-    def _refresh_from(self, conn: Any) -> None:
-        import psycopg
-
-        if conn is None:
-            with psycopg.connect(self.url, autocommit=True) as c:
-                value = c.execute(self.query).fetchone()
-        else:
-            value = conn.execute(self.query).fetchone()
+    def _refresh(self) -> int:
+        """Read the count; returns the items finished since the last read."""
+        value = self._session.count()
         with self._lock:
-            self._count = int(value[0]) if value else 0
+            finished = self._count + self._since - value
+            self._count = value
             self._since = 0
+        return max(0, finished)
 
     def _poll(self) -> None:
-        import psycopg
-
-        with psycopg.connect(self.url, autocommit=True, application_name="bench-backlog") as conn:
-            # A fresh database has no statistics yet: without this the planner reads
-            # the whole table instead of the index the count is written for.
-            conn.execute("SET enable_seqscan = off")
-            while not self._stop.wait(0.01):
-                self._refresh_from(conn)
+        shortest, longest = BACKLOG_POLL_S
+        interval, last = shortest, time.monotonic()
+        while not self._stop.wait(interval):
+            finished = self._refresh()
+            now = time.monotonic()
+            rate = finished / max(now - last, 1e-3)
+            last = now
+            turnover = self.limit / rate if rate > 0 else longest * BACKLOG_READS_PER_TURNOVER
+            interval = min(longest, max(shortest, turnover / BACKLOG_READS_PER_TURNOVER))
 
     def acquire(self, deadline: float) -> bool:
         """Wait for room; False if the deadline passed first."""
@@ -180,6 +195,7 @@ def main() -> None:
             with Backlog(args.url, UNFINISHED[args.system], args.max_backlog) as backlog:
                 result = produce(submit, threads=args.threads, count=args.count, seconds=args.seconds,
                                  rate=args.rate, backlog=backlog)
+            result.update(backlog_polls=backlog.polls, backlog_server_cpu_s=backlog.server_cpu_s)
         else:
             result = produce(submit, threads=args.threads, count=args.count, seconds=args.seconds, rate=args.rate)
     finally:

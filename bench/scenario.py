@@ -24,13 +24,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bench.cpu import Meter, ServerCPU, per_item_ms, server_cpu
+from bench.cpu import Meter, ServerCPU, SessionPoll, per_item_ms, server_cpu
 from bench.measure import rate, seconds, unit_stats
 from bench.procs import ROOT, ProcessGroup, db_now, read_json_line, wait_until
 from composer_ops.testing import servers
 from composer_ops.testing.servers import Server
 
 PRODUCER_THREADS = 4
+#: How often the drain checks whether every item finished, on one connection
+#: (:class:`bench.cpu.SessionPoll`); its server CPU is reported apart.
+DRAIN_POLL_S = 0.25
 
 #: Debian's PostgreSQL 15 server binaries: the benchmark's second server.
 DEBIAN_PG15_BIN = Path("/usr/lib/postgresql/15/bin")
@@ -59,7 +62,7 @@ class System:
     concurrency: int
     units_sql: str                                            # see bench.measure
     spawn: Callable[[str, int, Path], ProcessGroup]           # (url, workers, root) -> ready workers
-    unfinished: Callable[[str], int]
+    unfinished_sql: str                                       # unfinished items (bench.producer.UNFINISHED)
     runs_window: Callable[[str, tuple[Any, Any] | None], tuple[int, int, Any]]  # created, completed, last
     root: Path = ROOT                                         # source tree its processes import
     label: str = ""                                           # how results name it (default: name)
@@ -87,12 +90,18 @@ def drain(system: System, server: Server, template: str, *, workers: int, items:
                                      timeout=max(300.0, items / 5))
         s1 = cpu.seconds()
         server.checkpoint()
-        with system.spawn(url, workers, system.root) as group:
-            meter = Meter(cpu, group)
-            meter.start()
-            wait_until(lambda: system.unfinished(url) == 0, timeout=max(180.0, items / 5), interval=0.25,
-                       what=f"{items} {system.tag} items to finish", group=group)
-            meter.stop()
+        poll = SessionPoll(url, system.unfinished_sql)
+        try:
+            with system.spawn(url, workers, system.root) as group:
+                meter = Meter(cpu, group)
+                meter.start()
+                poll_s0 = poll.server_seconds()
+                wait_until(lambda: poll.count() == 0, timeout=max(180.0, items / 5), interval=DRAIN_POLL_S,
+                           what=f"{items} {system.tag} items to finish", group=group)
+                meter.stop()
+                poll_s = poll.server_seconds() - poll_s0
+        finally:
+            poll.close()
         claims = group.claim_counts()
         stats = unit_stats(url, system.units_sql)
         _, completed, last_run = system.runs_window(url, None)
@@ -105,7 +114,7 @@ def drain(system: System, server: Server, template: str, *, workers: int, items:
             "start_per_s": started["per_s"], "start_errors": started["errors"],
             "start_cpu": {"server_ms_per_item": per_item_ms(None if s0 is None or s1 is None else s1 - s0, items),
                           "processes_ms_per_item": per_item_ms(started["cpu_s"], items)},
-            "cpu": meter.report(completed),
+            "cpu": meter.report(completed, bench_server_s=poll_s), "bench_polls": poll.polls,
             "units": stats.as_dict(), "claims": claims, "imports": _imports(producers, group),
         }
     finally:
@@ -160,11 +169,18 @@ def sustained_on(system: System, url: str, *, workers: int, duration: float, wor
         "started_per_s": rate(created, window),
         "backlog_growth_per_s": rate(created - completed, window),
         "max_backlog": max_backlog, "target_rate": pace, "producer": produced,
-        "cpu": meter.report(completed), "units": stats.as_dict(), "claims": group.claim_counts(),
-        "imports": group.imports(),
+        "cpu": meter.report(completed, bench_server_s=_window_share(produced, window)),
+        "units": stats.as_dict(), "claims": group.claim_counts(), "imports": group.imports(),
     }
 
 
 def _imports(*groups: ProcessGroup) -> dict[str, list[str]]:
     """Which ``composer_ops`` and ``sql/`` the groups' processes imported."""
     return {key: sorted({path for g in groups for path in g.imports()[key]}) for key in ("composer_ops", "migrations")}
+
+
+def _window_share(produced: dict[str, Any], window: float) -> float:
+    """The server CPU of the producer's backlog polls that fell in the measured window
+    (it polls at an even rate through its whole run)."""
+    cpu_s, elapsed = produced.get("backlog_server_cpu_s"), produced.get("elapsed_s")
+    return cpu_s * min(1.0, window / elapsed) if cpu_s and elapsed else 0.0

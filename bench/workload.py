@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 import psycopg
 
 from bench.measure import COMPOSER_UNITS
-from bench.procs import ROOT, ProcessGroup, connections, scalar, wait_until
+from bench.procs import ROOT, ProcessGroup, connections, wait_until
 from bench.producer import UNFINISHED
 from bench.scenario import System
 from composer_ops.testing.servers import Server
@@ -120,10 +120,6 @@ def spawn_cluster(url: str, workers: int, root: Path = ROOT, *, coordinators: in
     return group
 
 
-def _unfinished_runs(url: str) -> int:
-    return int(scalar(url, UNFINISHED["composer"]))
-
-
 def _run_window(url: str, window: tuple[Any, Any] | None) -> tuple[int, int, Any]:
     """Runs created and completed inside the window, and the last completion."""
     w0, w1 = window if window else (None, None)
@@ -139,4 +135,4 @@ def _run_window(url: str, window: tuple[Any, Any] | None) -> tuple[int, int, Any
 
 
 COMPOSER = System(name="composer", concurrency=CONCURRENCY, units_sql=COMPOSER_UNITS, spawn=spawn_cluster,
-                  unfinished=_unfinished_runs, runs_window=_run_window)
+                  unfinished_sql=UNFINISHED["composer"], runs_window=_run_window)

@@ -30,6 +30,7 @@ from composer_ops.core import runids
 from composer_ops.core.actor import Actor
 from composer_ops.core.cutoff import Cutoff, parse_cutoff
 from composer_ops.core.model import Event, LeaseExpired, StartTimedOut, TaskRef, TimerDue
+from composer_ops.db import autocommit
 from composer_ops.db.errors import TranslatingPool
 from composer_ops.db.retry import db_retry
 from composer_ops.engine import childrows
@@ -197,7 +198,7 @@ class Coordinator:
         or engine is applying meanwhile is skipped (its lock) or applied as a no-op; a
         row whose delivery fails is backed off. A single server writes no rows."""
         stats.children_delivered += childrows.drain(self.engine.shell)
-        with self.engine.pool.connection() as conn:
+        with self.engine.pool.connection() as conn, autocommit(conn):
             keys = deliveries.pending(conn, self.batch, skip=self._child_backoff.skipped())
         for key in keys:
             try:
@@ -214,7 +215,10 @@ class Coordinator:
             stats.children_delivered += childrows.drain(self.engine.shell)
 
     def _timers(self, stats: PassStats) -> None:
-        with self.engine.pool.connection() as conn:
+        # The scans are plain reads, each its own statement: in autocommit, a scan over
+        # every shard of a Citus cluster opens no distributed transaction on each worker
+        # connection (a BEGIN and a transaction ID per connection, per pass).
+        with self.engine.pool.connection() as conn, autocommit(conn):
             due = signals.due_waits(conn, self.batch, now=clock.now(conn), skip=self._timer_backoff.skipped(),
                                     floor=self.active_floor(conn))
         locked: set[str] = set()
@@ -230,7 +234,7 @@ class Coordinator:
         """Fail the tasks whose dispatch no worker claimed by its schedule_to_start
         deadline (judged in SQL by the database clock, through the outbox's partial index);
         under the run lock the dispatch is deleted first, so a claim that took it in time wins."""
-        with self.engine.pool.connection() as conn:
+        with self.engine.pool.connection() as conn, autocommit(conn):
             late = outbox.unstarted(conn, self.batch, now=clock.now(conn), skip=self._start_backoff.skipped())
         locked: set[str] = set()
         for row in late:
@@ -254,7 +258,7 @@ class Coordinator:
             stats.priorities_raised += outbox.raise_waiting(conn, self.priority_aging_s)
 
     def _leases(self, stats: PassStats) -> None:
-        with self.engine.pool.connection() as conn:
+        with self.engine.pool.connection() as conn, autocommit(conn):
             expired = tasks.expired_leases(conn, self.batch, now=clock.now(conn),
                                            skip=self._lease_backoff.skipped(), floor=self.active_floor(conn))
         locked: set[str] = set()

@@ -48,6 +48,7 @@ def test_migrate_distributes_the_run_tables_by_run_id_colocated_and_keeps_the_qu
     assert "task_outbox" not in layout and "webhook_deliveries" not in layout
     assert all(applied for _, applied in status(db_url))
     assert [m.filename for m, _ in status(db_url) if m.citus] == ["V002__distribute_by_run_id.sql",
+                                                                  "V013__cached_worker_connections.sql",
                                                                   "R__child_deliveries.sql", "R__partition_stats.sql"]
 
 
@@ -132,9 +133,10 @@ def test_a_single_server_database_with_runs_converts_to_citus_and_keeps_working(
             conn.execute("SELECT citus_add_node('127.0.0.1', %s)", (worker.port,))
     assert main(["migrate", "--database-url", plain_db]) == 0
     applied = capsys.readouterr().out
-    # The distribution, then every repeatable file again (the functions' Citus settings),
+    # The distribution and the connection settings, then every repeatable file again (the functions' Citus settings),
     # the Citus body of composer_partition_stats last.
-    assert applied.splitlines() == ["applied V002__distribute_by_run_id.sql"] + [
+    assert applied.splitlines() == ["applied V002__distribute_by_run_id.sql",
+                                    "applied V013__cached_worker_connections.sql"] + [
         f"applied {r.filename}" for r in discover_repeatable(citus=True)]
     assert applied.splitlines()[-1] == "applied R__partition_stats.sql"
     layout = _layout(plain_db)
