@@ -15,7 +15,7 @@ import logging
 import threading
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Any
 
 from composer_ops.core.attempts import HistoryRow
@@ -68,8 +68,22 @@ from composer_ops.db.retry import db_retry
 from composer_ops.engine import childrows
 from composer_ops.engine.ids import uuid7_text
 from composer_ops.engine.requests import KEY_PREFIX, Request
+from composer_ops.engine.starts import creates_only
 from composer_ops.errors import Conflict, LockTimeout
-from composer_ops.repo import citus, definitions, history, items, outbox, partitions, runs, signals, tasks, webhooks
+from composer_ops.repo import (
+    citus,
+    clock,
+    definitions,
+    history,
+    items,
+    outbox,
+    partitions,
+    runs,
+    signals,
+    tasks,
+    webhooks,
+    writes,
+)
 from composer_ops.repo._base import Conn
 from composer_ops.repo.rows import Dispatch, HistoryEntry, NewTask, RunRow, TaskStateRow
 
@@ -129,12 +143,40 @@ class _Store:
         return items.item_outputs(self._conn, self._run_id, node_id)
 
 
+class _NothingYet:
+    """The machine's reads for a run not inserted yet (its start): nothing to read."""
+
+    def load_outputs(self, node_ids: Collection[str]) -> Mapping[str, Any]:
+        return {}
+
+    def pending_signals(self, name: str) -> Sequence[Signal]:
+        return []
+
+    def load_item(self, node_id: str, task_id: str) -> ItemState | None:
+        return None
+
+    def item_outputs(self, node_id: str) -> Sequence[Any]:
+        return []
+
+
+_NOTHING_YET = _NothingYet()
+
+#: Actions that never touch the run's task rows: tasks created before them need not be
+#: written first.
+_LEAVES_ROWS = (ConsumeSignal, BufferSignal, StartChild, CancelChild)
+
+
 class Shell:
     """Applies events to runs; shared by the Engine, workers and coordinators."""
 
     def __init__(self, pool: TranslatingPool) -> None:
         self.pool = pool
         self._definitions: dict[tuple[str, int], Definition] = {}
+        #: What a start uses (engine/starts.py): the version of (workflow, asked version),
+        #: which the server checks is still current, and this host's clock's offset
+        #: from the database's, seen in the last answer that carried it.
+        self.start_versions: dict[tuple[str, int | None], int] = {}
+        self.clock_offset = timedelta(0)
         self._lock = threading.Lock()
         self._citus: bool | None = None
         self._local = threading.local()   # .deliveries: child rows this thread's transactions wrote
@@ -246,12 +288,26 @@ class Shell:
                    for node_id, t in nodes.items()},
         )
 
-    def start_decision(self, conn: Conn, row: RunRow, request: Request) -> Outcome:
-        """Create a just-inserted run's root tasks (the StartRun event)."""
-        snapshot = self.snapshot(conn, row, {})   # just inserted: no tasks yet
+    def start_decision(self, conn: Conn, row: RunRow) -> tuple[RunSnapshot, StartRun, Decision]:
+        """A run's first decision (the StartRun event at ``row.now``), made before the run
+        exists: nothing of it is read. Pure but for the cached definition."""
+        snapshot = self.snapshot(conn, row, {})
         event = StartRun(now=row.now)
-        decision = decide(snapshot, event, _Store(conn, row.id), uuid7_text)
-        return self.apply(conn, snapshot, decision, event=event, request=request)
+        return snapshot, event, decide(snapshot, event, _NOTHING_YET, uuid7_text)
+
+    def start_sending(self, conn: Conn, request: Request, start: writes.NewRun,
+                      decided: tuple[RunSnapshot, StartRun, Decision]) -> writes.Pending | None:
+        """Insert a run and apply its first decision (:meth:`start_decision`), returning
+        its one write unread (:meth:`apply_sending`). A decision that does more than
+        create tasks (:func:`creates_only`: a MAP's items, a child run, which is named
+        after its node's creation instant, a run finished at once) is made again with
+        the transaction's own clock, read first: those writes are not moved to it
+        (sql/R__apply.sql)."""
+        snapshot, event, decision = decided
+        if not creates_only(decision):
+            event = StartRun(now=clock.now(conn))
+            decision = decide(snapshot, event, _NOTHING_YET, uuid7_text)
+        return self.apply_sending(conn, snapshot, decision, event=event, request=request, start=start)[1]
 
     # -- applying actions --------------------------------------------------
 
@@ -259,7 +315,20 @@ class Shell:
               request: Request) -> Outcome:
         """Write the decision's actions in order, and the event's history; raise (rolling
         back) on a fence miss."""
+        return self.apply_sending(conn, run, decision, event=event, request=request)[0]
+
+    def apply_sending(self, conn: Conn, run: RunSnapshot, decision: Decision, *, event: Event,
+                      request: Request, start: writes.NewRun | None = None
+                      ) -> tuple[Outcome, writes.Pending | None]:
+        """:meth:`apply`, also inserting the run (``start``), and returning the event's
+        one write (``composer_apply``, :mod:`composer_ops.repo.writes`) unread: a start
+        reads it after its COMMIT, pipelined with it. The created tasks, the history and
+        the dispatches are written by that one statement, after the other actions; the
+        run and the tasks created so far go first, by the same function, before an
+        action that may touch them (rare: a start whose first decision does more than
+        create tasks, or a decision that creates tasks before another action)."""
         dispatches: list[Dispatch] = []
+        new_rows: list[NewTask] = []
         now = event.now            # the event's one instant (repo.clock), for every write below
         notes = _Notes(event, decision, request)
         finished: RunStatus | None = None
@@ -271,22 +340,28 @@ class Shell:
             if isinstance(action, Stale):
                 log.info("stale event on run %s: %s", run.id, action.reason,
                          extra={"action": "stale", "run_id": run.id})
-                return Outcome(run_id=run.id, stale=action.reason)
+                return Outcome(run_id=run.id, stale=action.reason), None
             if isinstance(action, CreateTask):
                 creating.append(action)
                 created = action.node_id
                 made.append(action.node_id)
                 continue
-            if creating:                      # before any other action, which may touch them
-                self._create(conn, run, creating, dispatches, now)
+            if creating:
+                new_rows.extend(self._create(conn, run, creating, dispatches))
                 creating = []
+            if (new_rows or start is not None) and not isinstance(action, _LEAVES_ROWS) \
+                    and (start is not None or not isinstance(action, FinishRun)):
+                # the run and the tasks so far first: this action may touch them
+                writes.send(conn, writes.document(at=now, run_id=run.id, request=request.id, start=start,
+                                                  tasks=new_rows)).result()
+                start, new_rows = None, []
             if isinstance(action, CompleteTask):
                 _fenced(tasks.complete_task(conn, action.ref, action.output, request=request.id,
                                             entry=notes.task_entry("completed", action.ref), now=now), action)
             elif isinstance(action, FailTask):
                 if action.unclaimed and not outbox.take_unstarted(conn, run.id, action.ref.task_id,
                                                                   action.ref.attempt):
-                    return Outcome(run_id=run.id, stale=f"task {action.ref.task_id} was claimed in time")
+                    return Outcome(run_id=run.id, stale=f"task {action.ref.task_id} was claimed in time"), None
                 entry = notes.task_entry(notes.failure_kind, action.ref, error=action.reason, requeued=False)
                 _fenced(tasks.fail_task(conn, action.ref, action.reason, request=request.id, entry=entry, now=now),
                         action)
@@ -336,29 +411,32 @@ class Shell:
                 later.append(action)
                 notes.child(action)
         if creating:
-            self._create(conn, run, creating, dispatches, now)
-        history.record(conn, run.id, request.id, notes.entries(), now=now)
-        outbox.enqueue(conn, dispatches, now=now)
+            new_rows.extend(self._create(conn, run, creating, dispatches))
+        entries = notes.entries()
+        sent: writes.Pending | None = None
+        if start is not None or new_rows or entries or dispatches:
+            sent = writes.send(conn, writes.document(at=now, run_id=run.id, request=request.id, start=start,
+                                                     tasks=new_rows, history=entries, outbox=dispatches))
+            if start is not None and (later or decision.finish is not None):
+                sent.result()         # refused: before the children or the parent hear of this run
         for child in later:
             self._child_action(conn, run, child, now)
         finish = decision.finish
         if finish is not None and run.parent_run_id is not None and run.parent_node_id is not None:
             self._tell_parent(conn, run, finish, now)
         return Outcome(run_id=run.id, finished=finished, refused=decision.refused, reset=notes.reset,
-                       created=tuple(made))
+                       created=tuple(made)), sent
 
     def _create(self, conn: Conn, run: RunSnapshot, creates: Sequence[CreateTask],
-                dispatches: list[Dispatch], now: datetime) -> None:
+                dispatches: list[Dispatch]) -> list[NewTask]:
+        """The rows of ``creates``, their dispatches appended to ``dispatches``; written
+        by ``composer_apply``, which rolls the event back when a node already has a task."""
         rows = [NewTask(task_id=a.task_id, node_id=a.node_id, node_type=str(a.node_type), queue=_queue(run, a),
                         state=str(a.state), input=a.input, output=a.output, error=a.error, branches=a.branches,
                         wake_at=a.wake_at, signal_name=a.signal_name,
                         items_total=a.items.total if a.items else None,
                         items_started=a.items.started if a.items else None) for a in creates]
-        inserted = tasks.insert_tasks(conn, run.id, rows, now=now)
         for a in creates:
-            if a.node_id not in inserted:
-                raise Conflict(f"run {run.id}: node {a.node_id} already has a task; "
-                               "the decision was based on a stale snapshot and was rolled back")
             if a.node_type is NodeType.TASK and a.state is TaskState.PENDING:
                 node = run.spec.nodes[a.node_id]
                 dispatches.append(Dispatch(run_id=run.id, task_id=a.task_id, attempt=0,
@@ -367,6 +445,7 @@ class Shell:
                                            priority=node.flow.priority, max_run_s=_max_run(node),
                                            start_within_s=node.flow.timeouts.schedule_to_start_s,
                                            **_flow_keys(conn, run, node)))
+        return rows
 
     def _child_action(self, conn: Conn, run: RunSnapshot, a: StartChild | CancelChild, now: datetime) -> None:
         """Start or cancel a SUB_WORKFLOW node's child, after this run's own rows are
