@@ -6,12 +6,17 @@
 -- BEGIN and COMMIT pipelined a start is one round trip (composer_ops/engine/starts.py).
 -- The document (built by composer_ops/repo/writes.py):
 --   at       the instant the decision was made with (the event's clock);
---   run_id, request
+--   run_id, request (the API call: every history row carries it; a start without one, a
+--            seed's, writes no 'started' row)
 --   start    (a start only) the run to insert: wf, version, deployed (the caller asked
 --            for the deployed version), input, context, parent, parent_node, started
 --            (the detail of its 'started' history row), max_age_s and max_ahead_s (the
 --            run ID's recency window; absent for a derived ID: a child's, a schedule
 --            slot's);
+--   done     CompleteTask actions: t task, n node, a attempt, output, and the history row's
+--            w worker and d detail; fenced (a miss raises CO409, a Conflict);
+--   finish   FinishRun: status, error, output and, for a definition with a webhook, webhook
+--            {url, payload}; only from an active status (else CO409);
 --   tasks    the rows of CreateTask actions (repo/writes.py names the keys);
 --   history  the event's history rows, in order;
 --   outbox   the dispatches, exactly as composer_enqueue (sql/R__dispatch.sql) reads them.
@@ -43,6 +48,7 @@ DECLARE
     v_rows INT;
     v_missing TEXT;
     v_outbox JSONB := doc->'outbox';
+    v_done JSONB;
 BEGIN
     IF v_start IS NOT NULL THEN
         v_month := composer_run_month(v_run);
@@ -76,8 +82,52 @@ BEGIN
         IF v_rows = 0 THEN
             RETURN jsonb_build_object('status', 'conflict', 'now', at_now);
         END IF;
-        INSERT INTO run_history (run_id, at, kind, request, detail)
-        VALUES (v_run, at_now, 'started', doc->>'request', v_start->'started');
+        IF doc ? 'request' THEN        -- how a retried start recognises its own run
+            INSERT INTO run_history (run_id, at, kind, request, detail)
+            VALUES (v_run, at_now, 'started', doc->>'request', v_start->'started');
+        END IF;
+    END IF;
+
+    -- Completions, fenced by attempt and in-flight state, each with its history row: a
+    -- miss rolls the event back. EXECUTE: planned with the run ID's value, so only its
+    -- month is locked (a cached generic plan locks every month before pruning).
+    FOR v_done IN SELECT x.o FROM jsonb_array_elements(doc->'done') WITH ORDINALITY AS x(o, i) ORDER BY x.i LOOP
+        EXECUTE $q$
+            UPDATE task_instances
+               SET state = 'COMPLETED', output_json = $5, completed_at = $6, finished_at = $6, updated_at = $6,
+                   lease_owner = NULL, lease_expires_at = NULL
+             WHERE run_id = $1 AND id = $2 AND node_id = $3 AND attempt = $4
+               AND state IN ('PENDING', 'QUEUED', 'RUNNING')$q$
+            USING v_run, v_done->>'t', v_done->>'n', (v_done->>'a')::int, v_done->'output', at_now;
+        GET DIAGNOSTICS v_rows = ROW_COUNT;
+        IF v_rows = 0 THEN
+            RAISE EXCEPTION 'fenced write matched no row (CompleteTask); the task changed outside the engine, the event was rolled back'
+                USING ERRCODE = 'CO409';
+        END IF;
+        INSERT INTO run_history (run_id, at, kind, node_id, task_id, attempt, worker, request, detail)
+        VALUES (v_run, at_now, 'completed', v_done->>'n', v_done->>'t', (v_done->>'a')::int, v_done->>'w',
+                doc->>'request', v_done->'d');
+    END LOOP;
+
+    -- The run finished: only from an active status, else the event is rolled back.
+    IF doc ? 'finish' THEN
+        EXECUTE $q$
+            UPDATE workflow_runs
+               SET status = $2, error_json = $3, output_json = $4, completed_at = $5, updated_at = $5
+             WHERE id = $1 AND status IN ('PENDING', 'RUNNING')$q$
+            USING v_run, doc->'finish'->>'status', doc->'finish'->'error', doc->'finish'->'output', at_now;
+        GET DIAGNOSTICS v_rows = ROW_COUNT;
+        IF v_rows = 0 THEN
+            RAISE EXCEPTION 'run % finished concurrently; the decision was rolled back', v_run USING ERRCODE = 'CO409';
+        END IF;
+        IF doc->'finish' ? 'webhook' THEN
+            INSERT INTO webhook_deliveries (run_id, url, payload, next_attempt_at, created_at)
+            VALUES (v_run, doc->'finish'->'webhook'->>'url', doc->'finish'->'webhook'->'payload', at_now, at_now)
+            ON CONFLICT (run_id) DO UPDATE
+               SET id = DEFAULT, url = EXCLUDED.url, payload = EXCLUDED.payload, attempts = 0,
+                   next_attempt_at = EXCLUDED.next_attempt_at, delivered_at = NULL, gave_up_at = NULL,
+                   last_status = NULL, last_error = NULL, created_at = EXCLUDED.created_at;
+        END IF;
     END IF;
 
     IF jsonb_array_length(COALESCE(doc->'tasks', '[]')) > 0 THEN

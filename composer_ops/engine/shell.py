@@ -18,6 +18,8 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
+from psycopg.pq import TransactionStatus
+
 from composer_ops.core.attempts import HistoryRow
 from composer_ops.core.expressions import parse_ref, resolve_ref
 from composer_ops.core.flow import flow_refs, key_text
@@ -63,6 +65,7 @@ from composer_ops.core.model import (
     TaskState,
 )
 from composer_ops.core.spec import NodeSpec, WorkflowSpec, spec_from_json
+from composer_ops.db.connect import autocommit
 from composer_ops.db.errors import TranslatingPool
 from composer_ops.db.retry import db_retry
 from composer_ops.engine import childrows
@@ -81,7 +84,6 @@ from composer_ops.repo import (
     runs,
     signals,
     tasks,
-    webhooks,
     writes,
 )
 from composer_ops.repo._base import Conn
@@ -164,6 +166,8 @@ _NOTHING_YET = _NothingYet()
 #: Actions that never touch the run's task rows: tasks created before them need not be
 #: written first.
 _LEAVES_ROWS = (ConsumeSignal, BufferSignal, StartChild, CancelChild)
+#: Actions written by the event's one statement (composer_apply) rather than on their own.
+_IN_ONE_WRITE = (CompleteTask, FinishRun)
 
 
 class Shell:
@@ -220,10 +224,22 @@ class Shell:
     def _handle_once(self, run_id: str, make_event: Callable[[datetime], Event], request: Request,
                      lock_wait_s: float | None) -> Outcome:
         look = request.attempt()
-        with self.pool.connection() as conn, conn.transaction():
+        with self.pool.connection() as conn:
             if lock_wait_s is not None:
-                partitions.set_lock_timeout(conn, lock_wait_s, citus=self.on_citus(conn))
-            return self.handle_in(conn, run_id, make_event, request=request, look=look)
+                with conn.transaction():
+                    partitions.set_lock_timeout(conn, lock_wait_s, citus=self.on_citus(conn))
+                    return self.handle_in(conn, run_id, make_event, request=request, look=look)
+            # Two round trips: BEGIN with the lock and load, the one write with COMMIT.
+            with autocommit(conn):
+                try:
+                    outcome = self.handle_in(conn, run_id, make_event, request=request, look=look, begin=True)
+                    if conn.info.transaction_status != TransactionStatus.IDLE:
+                        conn.execute("COMMIT")
+                except BaseException:
+                    if not conn.closed and conn.info.transaction_status != TransactionStatus.IDLE:
+                        conn.execute("ROLLBACK")
+                    raise
+                return outcome
 
     _handle = db_retry()(_handle_once)
     _handle_or_give_up = db_retry(give_up=(LockTimeout,))(_handle_once)
@@ -254,13 +270,16 @@ class Shell:
         return self._citus
 
     def handle_in(self, conn: Conn, run_id: str, make_event: Callable[[datetime], Event], *, request: Request,
-                  look: bool = False) -> Outcome:
+                  look: bool = False, begin: bool = False) -> Outcome:
         """Apply one event to one run in the caller's transaction, under the run's row
         lock, which is held until that transaction ends: what :meth:`handle` does in
         a transaction of its own, and what operator actions that apply one event to
         several runs per transaction call (locking them in run-ID order). ``look``:
-        first look for rows ``request`` already wrote (a retry): a duplicate returns their outcome."""
-        row, tasks_of_run = runs.lock_and_load(conn, run_id)
+        first look for rows ``request`` already wrote (a retry): a duplicate returns their outcome.
+        ``begin``: the connection is in autocommit: BEGIN goes with the lock, COMMIT with
+        the event's one write when it can (:meth:`apply_sending`); the caller commits
+        whatever is left open."""
+        row, tasks_of_run = runs.lock_and_load(conn, run_id, begin=begin)
         if look:
             earlier = history.of_request(conn, run_id, request.id)
             if earlier:
@@ -268,7 +287,7 @@ class Shell:
         snapshot = self.snapshot(conn, row, tasks_of_run)
         event = make_event(row.now)
         decision = decide(snapshot, event, _Store(conn, run_id), uuid7_text)
-        return self.apply(conn, snapshot, decision, event=event, request=request)
+        return self.apply_sending(conn, snapshot, decision, event=event, request=request, commit=begin)[0]
 
     def snapshot(self, conn: Conn, row: RunRow, tasks: Mapping[str, TaskStateRow]) -> RunSnapshot:
         """The machine's view of a locked run and its tasks (:func:`runs.lock_and_load`)."""
@@ -318,7 +337,7 @@ class Shell:
         return self.apply_sending(conn, run, decision, event=event, request=request)[0]
 
     def apply_sending(self, conn: Conn, run: RunSnapshot, decision: Decision, *, event: Event,
-                      request: Request, start: writes.NewRun | None = None
+                      request: Request, start: writes.NewRun | None = None, commit: bool = False
                       ) -> tuple[Outcome, writes.Pending | None]:
         """:meth:`apply`, also inserting the run (``start``), and returning the event's
         one write (``composer_apply``, :mod:`composer_ops.repo.writes`) unread: a start
@@ -326,9 +345,14 @@ class Shell:
         the dispatches are written by that one statement, after the other actions; the
         run and the tasks created so far go first, by the same function, before an
         action that may touch them (rare: a start whose first decision does more than
-        create tasks, or a decision that creates tasks before another action)."""
+        create tasks, or a decision that creates tasks before another action).
+        ``commit``: the caller's transaction began with an explicit BEGIN (the connection
+        in autocommit, :meth:`handle`); when nothing follows the one statement, COMMIT is
+        sent with it, in one pipeline (else the caller commits)."""
         dispatches: list[Dispatch] = []
         new_rows: list[NewTask] = []
+        done: list[writes.Done] = []          # completions, written by the one statement
+        finish: writes.Finish | None = None
         now = event.now            # the event's one instant (repo.clock), for every write below
         notes = _Notes(event, decision, request)
         finished: RunStatus | None = None
@@ -349,15 +373,15 @@ class Shell:
             if creating:
                 new_rows.extend(self._create(conn, run, creating, dispatches))
                 creating = []
-            if (new_rows or start is not None) and not isinstance(action, _LEAVES_ROWS) \
-                    and (start is not None or not isinstance(action, FinishRun)):
-                # the run and the tasks so far first: this action may touch them
+            if (new_rows or start is not None or done or finish is not None) \
+                    and not isinstance(action, _LEAVES_ROWS + _IN_ONE_WRITE):
+                # what the one statement would write goes first: this action may touch it
                 writes.send(conn, writes.document(at=now, run_id=run.id, request=request.id, start=start,
-                                                  tasks=new_rows)).result()
-                start, new_rows = None, []
+                                                  done=done, finish=finish, tasks=new_rows)).result()
+                start, new_rows, done, finish = None, [], [], None
             if isinstance(action, CompleteTask):
-                _fenced(tasks.complete_task(conn, action.ref, action.output, request=request.id,
-                                            entry=notes.task_entry("completed", action.ref), now=now), action)
+                done.append(writes.Done(ref=action.ref, output=action.output,
+                                        entry=notes.task_entry("completed", action.ref)))
             elif isinstance(action, FailTask):
                 if action.unclaimed and not outbox.take_unstarted(conn, run.id, action.ref.task_id,
                                                                   action.ref.attempt):
@@ -393,7 +417,7 @@ class Shell:
                 tasks.cancel_tasks(conn, run.id, action.task_ids, action.reason, now=now)
                 notes.cancelled_tasks += len(action.task_ids)
             elif isinstance(action, FinishRun):
-                self._finish(conn, run, action, now)
+                finish = self._finish(conn, run, action)
                 finished = action.status
             elif isinstance(action, ReopenRun):
                 _fenced(runs.reopen_run(conn, run.id, str(action.status), now=now) or None, action)
@@ -414,16 +438,25 @@ class Shell:
             new_rows.extend(self._create(conn, run, creating, dispatches))
         entries = notes.entries()
         sent: writes.Pending | None = None
-        if start is not None or new_rows or entries or dispatches:
-            sent = writes.send(conn, writes.document(at=now, run_id=run.id, request=request.id, start=start,
-                                                     tasks=new_rows, history=entries, outbox=dispatches))
-            if start is not None and (later or decision.finish is not None):
-                sent.result()         # refused: before the children or the parent hear of this run
+        tell = decision.finish is not None and run.parent_run_id is not None
+        if start is not None or new_rows or entries or dispatches or done or finish is not None:
+            doc = writes.document(at=now, run_id=run.id, request=request.id, start=start, done=done, finish=finish,
+                                  tasks=new_rows, history=entries, outbox=dispatches)
+            if commit and not later and not tell:
+                with conn.pipeline():        # the one statement and COMMIT in one round trip
+                    sent = writes.send(conn, doc)
+                    conn.execute("COMMIT")
+            else:
+                sent = writes.send(conn, doc)
+                if start is not None and (later or tell):
+                    sent.result()         # refused: before the children or the parent hear of this run
+        if finished is not None:
+            log.info("run %s %s", run.id, finished, extra={"action": "finish_run", "run_id": run.id})
         for child in later:
             self._child_action(conn, run, child, now)
-        finish = decision.finish
-        if finish is not None and run.parent_run_id is not None and run.parent_node_id is not None:
-            self._tell_parent(conn, run, finish, now)
+        ended = decision.finish
+        if ended is not None and run.parent_run_id is not None and run.parent_node_id is not None:
+            self._tell_parent(conn, run, ended, now)
         return Outcome(run_id=run.id, finished=finished, refused=decision.refused, reset=notes.reset,
                        created=tuple(made)), sent
 
@@ -511,17 +544,18 @@ class Shell:
             outbox.delete_for_tasks(conn, run.id, active)     # outbox rows first: the lock order
             tasks.cancel_tasks(conn, run.id, active, a.reason, now=now)
 
-    def _finish(self, conn: Conn, run: RunSnapshot, a: FinishRun, now: datetime) -> None:
-        if not runs.finish_run(conn, run.id, str(a.status), now=now, reason=a.reason, output=a.output):
-            raise Conflict(f"run {run.id} finished concurrently; the decision was rolled back")
-        log.info("run %s %s", run.id, a.status, extra={"action": "finish_run", "run_id": run.id})
+    def _finish(self, conn: Conn, run: RunSnapshot, a: FinishRun) -> writes.Finish:
+        """The run's finish as the one statement writes it, with its webhook delivery
+        when the definition has one."""
         defn = self.definition(conn, run.workflow_id, run.workflow_version)
+        webhook = None
         if defn.webhook_url:
-            webhooks.enqueue(conn, run.id, defn.webhook_url, {
+            webhook = (defn.webhook_url, {
                 "run_id": run.id, "workflow_id": run.workflow_id, "workflow_version": run.workflow_version,
                 "status": str(a.status), "output": a.output,
                 "error": {"error": a.reason} if a.reason else None,
-            }, now=now)
+            })
+        return writes.Finish(status=str(a.status), reason=a.reason, output=a.output, webhook=webhook)
 
 
 class _Notes:

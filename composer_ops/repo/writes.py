@@ -17,11 +17,12 @@ from typing import Any
 from psycopg import Cursor
 from psycopg.types.json import Jsonb
 
+from composer_ops.core.model import TaskRef
 from composer_ops.repo._base import Conn, error_doc, iso
 from composer_ops.repo.outbox import dispatch_rows
 from composer_ops.repo.rows import Dispatch, HistoryEntry, NewTask
 
-__all__ = ["NewRun", "Pending", "Refused", "document", "send"]
+__all__ = ["Done", "Finish", "NewRun", "Pending", "Refused", "document", "send"]
 
 
 class Refused(Exception):
@@ -48,12 +49,33 @@ class NewRun:
     window: tuple[float, float] | None = None   # the run ID's recency window (max age, max ahead), seconds
 
 
-def document(*, at: datetime, run_id: str, request: str, start: NewRun | None = None,
-             tasks: Sequence[NewTask] = (), history: Sequence[HistoryEntry] = (),
+@dataclass(frozen=True, kw_only=True)
+class Done:
+    """A CompleteTask (``done``): the attempt to complete, fenced, and its history row."""
+
+    ref: TaskRef
+    output: Any
+    entry: HistoryEntry
+
+
+@dataclass(frozen=True, kw_only=True)
+class Finish:
+    """A FinishRun (``finish``), with the webhook delivery (url, payload) of a definition
+    that has one."""
+
+    status: str
+    reason: str | None
+    output: Any
+    webhook: tuple[str, Any] | None = None
+
+
+def document(*, at: datetime, run_id: str, request: str | None, start: NewRun | None = None,
+             done: Sequence[Done] = (), finish: Finish | None = None, tasks: Sequence[NewTask] = (),
+             history: Sequence[HistoryEntry] = (),
              outbox: Sequence[Dispatch] = ()) -> dict[str, Any]:
     """The document of one event's writes, decided at ``at``; keys whose value is None
     are left out (SQL NULL)."""
-    doc: dict[str, Any] = {"at": iso(at), "run_id": run_id, "request": request}
+    doc: dict[str, Any] = _compact({"at": iso(at), "run_id": run_id, "request": request})
     if start is not None:
         run: dict[str, Any] = {"wf": start.workflow_id, "version": start.version, "deployed": start.deployed,
                                "input": start.input, "context": start.context, "started": start.started}
@@ -62,6 +84,13 @@ def document(*, at: datetime, run_id: str, request: str, start: NewRun | None = 
         if start.window is not None:
             run["max_age_s"], run["max_ahead_s"] = start.window
         doc["start"] = _compact(run)
+    if done:
+        doc["done"] = [_compact({"t": d.ref.task_id, "n": d.ref.node_id, "a": d.ref.attempt, "output": d.output,
+                                 "w": d.entry.worker, "d": d.entry.detail}) for d in done]
+    if finish is not None:
+        doc["finish"] = _compact({"status": finish.status, "error": error_doc(finish.reason), "output": finish.output,
+                                  "webhook": None if finish.webhook is None
+                                  else {"url": finish.webhook[0], "payload": finish.webhook[1]}})
     if tasks:
         doc["tasks"] = [_compact({
             "id": r.task_id, "node": r.node_id, "type": r.node_type, "queue": r.queue, "state": r.state,
