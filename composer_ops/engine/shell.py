@@ -330,22 +330,18 @@ class Shell:
 
     # -- applying actions --------------------------------------------------
 
-    def apply(self, conn: Conn, run: RunSnapshot, decision: Decision, *, event: Event,
-              request: Request) -> Outcome:
-        """Write the decision's actions in order, and the event's history; raise (rolling
-        back) on a fence miss."""
-        return self.apply_sending(conn, run, decision, event=event, request=request)[0]
-
     def apply_sending(self, conn: Conn, run: RunSnapshot, decision: Decision, *, event: Event,
                       request: Request, start: writes.NewRun | None = None, commit: bool = False
                       ) -> tuple[Outcome, writes.Pending | None]:
-        """:meth:`apply`, also inserting the run (``start``), and returning the event's
-        one write (``composer_apply``, :mod:`composer_ops.repo.writes`) unread: a start
-        reads it after its COMMIT, pipelined with it. The created tasks, the history and
-        the dispatches are written by that one statement, after the other actions; the
-        run and the tasks created so far go first, by the same function, before an
-        action that may touch them (rare: a start whose first decision does more than
-        create tasks, or a decision that creates tasks before another action).
+        """Write the decision's actions in order, and the event's history; raise (rolling
+        back) on a fence miss. ``start``: insert the run first. Returns the outcome and
+        the event's one write (``composer_apply``, :mod:`composer_ops.repo.writes`)
+        unread: a start reads it after its COMMIT, pipelined with it. The completions,
+        the run's finish, the created tasks, the history and the dispatches are written by
+        that one statement, after the other actions; what it would write so far goes
+        first, by the same function, before an action that may touch it (rare: a start
+        whose first decision does more than create tasks, a decision that creates or
+        completes tasks before another action).
         ``commit``: the caller's transaction began with an explicit BEGIN (the connection
         in autocommit, :meth:`handle`); when nothing follows the one statement, COMMIT is
         sent with it, in one pipeline (else the caller commits)."""
