@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from psycopg.pq import TransactionStatus
 
@@ -83,7 +83,7 @@ class Started:
         return self.run_id, self.version
 
 
-def _raise_refused(conn: Conn, refused: writes.Refused, run_id: str) -> None:
+def _raise_refused(conn: Conn, refused: writes.Refused, run_id: str) -> NoReturn:
     if refused.why == "run_id":
         validate_run_id(run_id, refused.now)
         raise Invalid(f"run id {run_id} is not within the recency window of the database clock {refused.now}")
@@ -137,9 +137,14 @@ class Prepared:
         return creates_only(self.decided[2])
 
     def send(self, conn: Conn) -> Started:
-        """Send it in ``conn``'s transaction, without reading the answer."""
-        return Started(self.shell, self.run_id, self.version,
-                       self.shell.start_sending(conn, self.request, self.start, self.decided))
+        """Send it in ``conn``'s transaction, without reading the answer (but for a start
+        of more than one statement, whose run is written, and so refused, first)."""
+        try:
+            pending = self.shell.start_sending(conn, self.request, self.start, self.decided)
+        except writes.Refused as refused:
+            _calibrate(self.shell, refused.now)
+            _raise_refused(conn, refused, self.run_id)
+        return Started(self.shell, self.run_id, self.version, pending)
 
 
 def prepare_start(conn: Conn, shell: Shell, *, workflow_id: str, version: int | None, input: Any,
