@@ -123,7 +123,7 @@ def _locks_held(engine: Any, op: Any, repeat: int = 7) -> int:
 def locks(url: str) -> dict[str, int]:
     """Locks held by one call of each hot-path statement (see the module doc)."""
     from composer_ops import Engine
-    from composer_ops.repo import clock, outbox, signals, tasks
+    from composer_ops.repo import clock, outbox, signals, tasks, writes
 
     out: dict[str, int] = {}
     with Engine.connect(url, pool_size=1, application_name="bench-months") as engine:
@@ -150,21 +150,25 @@ def locks(url: str) -> dict[str, int]:
         out["timer scan"] = _locks_held(
             engine, lambda conn: bool(signals.due_waits(conn, 100, now=clock.now(conn), floor=floor)) and False)
         out["active floor read"] = _locks_held(engine, lambda conn: bool(tasks.active_floor(conn)) and False)
-        # A completion is the shell's event transaction: count inside it, just before commit.
+        # A completion is the shell's event transaction: count inside it, after its one
+        # write (composer_apply) and before the COMMIT pipelined with it.
         counted: list[int] = []
-        apply = engine.shell.apply
+        send = writes.send
 
-        def apply_and_count(conn: Any, run: Any, decision: Any, **context: Any) -> Any:
-            result = apply(conn, run, decision, **context)
+        def send_and_count(conn: Any, doc: Any) -> Any:
+            sent = send(conn, doc)
             counted.append(int(conn.execute(_COUNT_LOCKS).fetchone()[0]))
-            return result
+            return sent
 
-        engine.shell.apply = apply_and_count  # type: ignore[method-assign]
-        with engine.pool.connection() as conn, conn.transaction():
-            base = int(conn.execute(_COUNT_LOCKS).fetchone()[0])   # type: ignore[index]
-        engine.complete(held, None)
-        for claimed in engine.claim(["default"], "bench-locks", 7, task_names=["noop"]):
-            engine.complete(claimed, None)
+        writes.send = send_and_count
+        try:
+            with engine.pool.connection() as conn, conn.transaction():
+                base = int(conn.execute(_COUNT_LOCKS).fetchone()[0])   # type: ignore[index]
+            engine.complete(held, None)
+            for claimed in engine.claim(["default"], "bench-locks", 7, task_names=["noop"]):
+                engine.complete(claimed, None)
+        finally:
+            writes.send = send
         out["complete (event transaction)"] = counted[-1] - base
     return out
 

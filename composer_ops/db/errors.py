@@ -101,10 +101,17 @@ def first_line(exc: BaseException) -> str:
     return text.splitlines()[0] if text else type(exc).__name__
 
 
+#: The SQLSTATE ``composer_apply`` (sql/R__apply.sql) raises when a fenced write of an
+#: event matched no row: the event is rolled back, a :class:`Conflict`.
+FENCE_MISSED = "CO409"
+
+
 def translate(exc: psycopg.Error) -> ComposerError:
     """The ComposerError for a driver error (the caller raises it ``from exc``)."""
     diag = getattr(exc, "diag", None)
     msg = " ".join(((diag.message_primary if diag is not None else None) or first_line(exc)).split())
+    if getattr(exc, "sqlstate", None) == FENCE_MISSED:
+        return Conflict(msg)
     if isinstance(exc, pgerr.CheckViolation) and "no partition" in msg:
         return Invalid(f"no partition holds this run ID's month ({msg}); "
                        "run `composer-ops partitions ensure` or use a recent run ID")

@@ -27,7 +27,7 @@ from composer_ops.engine.queues import Queues
 from composer_ops.engine.requests import Request, key_request
 from composer_ops.engine.schedules import Schedules
 from composer_ops.engine.shell import Outcome, Shell
-from composer_ops.engine.starts import start_in
+from composer_ops.engine.starts import StaleDefinition, start_committed
 from composer_ops.errors import Conflict, Invalid, NotFound
 from composer_ops.repo import (
     audit,
@@ -186,18 +186,25 @@ class Engine:
             started = self._started_by(minted[0] if minted else str(client_id), request)
             if started is not None:
                 return started
-        with self.pool.connection() as conn, conn.transaction():
-            try:
-                run_id, used = start_in(conn, self.shell, workflow_id=workflow_id, version=version, input=input,
-                                           run_id=client_id, minted=minted, request=request)
-            except Conflict:
-                # An earlier attempt still finishing on the server when this one looked
-                # (its connection lost, its COMMIT not yet processed) held the run ID's
-                # insert until it committed: look again now that it has.
-                again = minted[0] if minted else client_id
-                if look and again is not None and self._started_by(again, request) is not None:
-                    return again
-                raise
+        for refresh in (False, True):
+            with self.pool.connection() as conn:
+                try:
+                    run_id, used = start_committed(conn, self.shell, workflow_id=workflow_id, version=version,
+                                                   input=input, run_id=client_id, minted=minted, request=request,
+                                                   refresh=refresh)
+                    break
+                except StaleDefinition:
+                    continue
+                except Conflict:
+                    # An earlier attempt still finishing on the server when this one looked
+                    # (its connection lost, its COMMIT not yet processed) held the run ID's
+                    # insert until it committed: look again now that it has.
+                    again = minted[0] if minted else client_id
+                    if look and again is not None and self._started_by(again, request) is not None:
+                        return again
+                    raise
+        else:
+            raise Conflict(f"workflow {workflow_id!r} changed while a run was starting; try again")
         log.info("started run %s of %s v%d", run_id, workflow_id, used,
                  extra={"action": "start_run", "run_id": run_id})
         return run_id

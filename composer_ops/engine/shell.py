@@ -15,8 +15,10 @@ import logging
 import threading
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Any
+
+from psycopg.pq import TransactionStatus
 
 from composer_ops.core.attempts import HistoryRow
 from composer_ops.core.expressions import parse_ref, resolve_ref
@@ -63,13 +65,27 @@ from composer_ops.core.model import (
     TaskState,
 )
 from composer_ops.core.spec import NodeSpec, WorkflowSpec, spec_from_json
+from composer_ops.db.connect import autocommit
 from composer_ops.db.errors import TranslatingPool
 from composer_ops.db.retry import db_retry
 from composer_ops.engine import childrows
 from composer_ops.engine.ids import uuid7_text
 from composer_ops.engine.requests import KEY_PREFIX, Request
+from composer_ops.engine.starts import creates_only
 from composer_ops.errors import Conflict, LockTimeout
-from composer_ops.repo import citus, definitions, history, items, outbox, partitions, runs, signals, tasks, webhooks
+from composer_ops.repo import (
+    citus,
+    clock,
+    definitions,
+    history,
+    items,
+    outbox,
+    partitions,
+    runs,
+    signals,
+    tasks,
+    writes,
+)
 from composer_ops.repo._base import Conn
 from composer_ops.repo.rows import Dispatch, HistoryEntry, NewTask, RunRow, TaskStateRow
 
@@ -129,12 +145,42 @@ class _Store:
         return items.item_outputs(self._conn, self._run_id, node_id)
 
 
+class _NothingYet:
+    """The machine's reads for a run not inserted yet (its start): nothing to read."""
+
+    def load_outputs(self, node_ids: Collection[str]) -> Mapping[str, Any]:
+        return {}
+
+    def pending_signals(self, name: str) -> Sequence[Signal]:
+        return []
+
+    def load_item(self, node_id: str, task_id: str) -> ItemState | None:
+        return None
+
+    def item_outputs(self, node_id: str) -> Sequence[Any]:
+        return []
+
+
+_NOTHING_YET = _NothingYet()
+
+#: Actions that never touch the run's task rows: tasks created before them need not be
+#: written first.
+_LEAVES_ROWS = (ConsumeSignal, BufferSignal, StartChild, CancelChild)
+#: Actions written by the event's one statement (composer_apply) rather than on their own.
+_IN_ONE_WRITE = (CompleteTask, FinishRun)
+
+
 class Shell:
     """Applies events to runs; shared by the Engine, workers and coordinators."""
 
     def __init__(self, pool: TranslatingPool) -> None:
         self.pool = pool
         self._definitions: dict[tuple[str, int], Definition] = {}
+        #: What a start uses (engine/starts.py): the version of (workflow, asked version),
+        #: which the server checks is still current, and this host's clock's offset
+        #: from the database's, seen in the last answer that carried it.
+        self.start_versions: dict[tuple[str, int | None], int] = {}
+        self.clock_offset = timedelta(0)
         self._lock = threading.Lock()
         self._citus: bool | None = None
         self._local = threading.local()   # .deliveries: child rows this thread's transactions wrote
@@ -178,10 +224,22 @@ class Shell:
     def _handle_once(self, run_id: str, make_event: Callable[[datetime], Event], request: Request,
                      lock_wait_s: float | None) -> Outcome:
         look = request.attempt()
-        with self.pool.connection() as conn, conn.transaction():
+        with self.pool.connection() as conn:
             if lock_wait_s is not None:
-                partitions.set_lock_timeout(conn, lock_wait_s, citus=self.on_citus(conn))
-            return self.handle_in(conn, run_id, make_event, request=request, look=look)
+                with conn.transaction():
+                    partitions.set_lock_timeout(conn, lock_wait_s, citus=self.on_citus(conn))
+                    return self.handle_in(conn, run_id, make_event, request=request, look=look)
+            # Two round trips: BEGIN with the lock and load, the one write with COMMIT.
+            with autocommit(conn):
+                try:
+                    outcome = self.handle_in(conn, run_id, make_event, request=request, look=look, begin=True)
+                    if conn.info.transaction_status != TransactionStatus.IDLE:
+                        conn.execute("COMMIT")
+                except BaseException:
+                    if not conn.closed and conn.info.transaction_status != TransactionStatus.IDLE:
+                        conn.execute("ROLLBACK")
+                    raise
+                return outcome
 
     _handle = db_retry()(_handle_once)
     _handle_or_give_up = db_retry(give_up=(LockTimeout,))(_handle_once)
@@ -212,13 +270,16 @@ class Shell:
         return self._citus
 
     def handle_in(self, conn: Conn, run_id: str, make_event: Callable[[datetime], Event], *, request: Request,
-                  look: bool = False) -> Outcome:
+                  look: bool = False, begin: bool = False) -> Outcome:
         """Apply one event to one run in the caller's transaction, under the run's row
         lock, which is held until that transaction ends: what :meth:`handle` does in
         a transaction of its own, and what operator actions that apply one event to
         several runs per transaction call (locking them in run-ID order). ``look``:
-        first look for rows ``request`` already wrote (a retry): a duplicate returns their outcome."""
-        row, tasks_of_run = runs.lock_and_load(conn, run_id)
+        first look for rows ``request`` already wrote (a retry): a duplicate returns their outcome.
+        ``begin``: the connection is in autocommit: BEGIN goes with the lock, COMMIT with
+        the event's one write when it can (:meth:`apply_sending`); the caller commits
+        whatever is left open."""
+        row, tasks_of_run = runs.lock_and_load(conn, run_id, begin=begin)
         if look:
             earlier = history.of_request(conn, run_id, request.id)
             if earlier:
@@ -226,7 +287,7 @@ class Shell:
         snapshot = self.snapshot(conn, row, tasks_of_run)
         event = make_event(row.now)
         decision = decide(snapshot, event, _Store(conn, run_id), uuid7_text)
-        return self.apply(conn, snapshot, decision, event=event, request=request)
+        return self.apply_sending(conn, snapshot, decision, event=event, request=request, commit=begin)[0]
 
     def snapshot(self, conn: Conn, row: RunRow, tasks: Mapping[str, TaskStateRow]) -> RunSnapshot:
         """The machine's view of a locked run and its tasks (:func:`runs.lock_and_load`)."""
@@ -246,20 +307,48 @@ class Shell:
                    for node_id, t in nodes.items()},
         )
 
-    def start_decision(self, conn: Conn, row: RunRow, request: Request) -> Outcome:
-        """Create a just-inserted run's root tasks (the StartRun event)."""
-        snapshot = self.snapshot(conn, row, {})   # just inserted: no tasks yet
+    def start_decision(self, conn: Conn, row: RunRow) -> tuple[RunSnapshot, StartRun, Decision]:
+        """A run's first decision (the StartRun event at ``row.now``), made before the run
+        exists: nothing of it is read. Pure but for the cached definition."""
+        snapshot = self.snapshot(conn, row, {})
         event = StartRun(now=row.now)
-        decision = decide(snapshot, event, _Store(conn, row.id), uuid7_text)
-        return self.apply(conn, snapshot, decision, event=event, request=request)
+        return snapshot, event, decide(snapshot, event, _NOTHING_YET, uuid7_text)
+
+    def start_sending(self, conn: Conn, request: Request, start: writes.NewRun,
+                      decided: tuple[RunSnapshot, StartRun, Decision]) -> writes.Pending | None:
+        """Insert a run and apply its first decision (:meth:`start_decision`), returning
+        its one write unread (:meth:`apply_sending`). A decision that does more than
+        create tasks (:func:`creates_only`: a MAP's items, a child run, which is named
+        after its node's creation instant, a run finished at once) is made again with
+        the transaction's own clock, read first: those writes are not moved to it
+        (sql/R__apply.sql)."""
+        snapshot, event, decision = decided
+        if not creates_only(decision):
+            event = StartRun(now=clock.now(conn))
+            decision = decide(snapshot, event, _NOTHING_YET, uuid7_text)
+        return self.apply_sending(conn, snapshot, decision, event=event, request=request, start=start)[1]
 
     # -- applying actions --------------------------------------------------
 
-    def apply(self, conn: Conn, run: RunSnapshot, decision: Decision, *, event: Event,
-              request: Request) -> Outcome:
+    def apply_sending(self, conn: Conn, run: RunSnapshot, decision: Decision, *, event: Event,
+                      request: Request, start: writes.NewRun | None = None, commit: bool = False
+                      ) -> tuple[Outcome, writes.Pending | None]:
         """Write the decision's actions in order, and the event's history; raise (rolling
-        back) on a fence miss."""
+        back) on a fence miss. ``start``: insert the run first. Returns the outcome and
+        the event's one write (``composer_apply``, :mod:`composer_ops.repo.writes`)
+        unread: a start reads it after its COMMIT, pipelined with it. The completions,
+        the run's finish, the created tasks, the history and the dispatches are written by
+        that one statement, after the other actions; what it would write so far goes
+        first, by the same function, before an action that may touch it (rare: a start
+        whose first decision does more than create tasks, a decision that creates or
+        completes tasks before another action).
+        ``commit``: the caller's transaction began with an explicit BEGIN (the connection
+        in autocommit, :meth:`handle`); when nothing follows the one statement, COMMIT is
+        sent with it, in one pipeline (else the caller commits)."""
         dispatches: list[Dispatch] = []
+        new_rows: list[NewTask] = []
+        done: list[writes.Done] = []          # completions, written by the one statement
+        finish: writes.Finish | None = None
         now = event.now            # the event's one instant (repo.clock), for every write below
         notes = _Notes(event, decision, request)
         finished: RunStatus | None = None
@@ -271,22 +360,28 @@ class Shell:
             if isinstance(action, Stale):
                 log.info("stale event on run %s: %s", run.id, action.reason,
                          extra={"action": "stale", "run_id": run.id})
-                return Outcome(run_id=run.id, stale=action.reason)
+                return Outcome(run_id=run.id, stale=action.reason), None
             if isinstance(action, CreateTask):
                 creating.append(action)
                 created = action.node_id
                 made.append(action.node_id)
                 continue
-            if creating:                      # before any other action, which may touch them
-                self._create(conn, run, creating, dispatches, now)
+            if creating:
+                new_rows.extend(self._create(conn, run, creating, dispatches))
                 creating = []
+            if (new_rows or start is not None or done or finish is not None) \
+                    and not isinstance(action, _LEAVES_ROWS + _IN_ONE_WRITE):
+                # what the one statement would write goes first: this action may touch it
+                writes.send(conn, writes.document(at=now, run_id=run.id, request=request.id, start=start,
+                                                  done=done, finish=finish, tasks=new_rows)).result()
+                start, new_rows, done, finish = None, [], [], None
             if isinstance(action, CompleteTask):
-                _fenced(tasks.complete_task(conn, action.ref, action.output, request=request.id,
-                                            entry=notes.task_entry("completed", action.ref), now=now), action)
+                done.append(writes.Done(ref=action.ref, output=action.output,
+                                        entry=notes.task_entry("completed", action.ref)))
             elif isinstance(action, FailTask):
                 if action.unclaimed and not outbox.take_unstarted(conn, run.id, action.ref.task_id,
                                                                   action.ref.attempt):
-                    return Outcome(run_id=run.id, stale=f"task {action.ref.task_id} was claimed in time")
+                    return Outcome(run_id=run.id, stale=f"task {action.ref.task_id} was claimed in time"), None
                 entry = notes.task_entry(notes.failure_kind, action.ref, error=action.reason, requeued=False)
                 _fenced(tasks.fail_task(conn, action.ref, action.reason, request=request.id, entry=entry, now=now),
                         action)
@@ -318,7 +413,7 @@ class Shell:
                 tasks.cancel_tasks(conn, run.id, action.task_ids, action.reason, now=now)
                 notes.cancelled_tasks += len(action.task_ids)
             elif isinstance(action, FinishRun):
-                self._finish(conn, run, action, now)
+                finish = self._finish(conn, run, action)
                 finished = action.status
             elif isinstance(action, ReopenRun):
                 _fenced(runs.reopen_run(conn, run.id, str(action.status), now=now) or None, action)
@@ -336,29 +431,41 @@ class Shell:
                 later.append(action)
                 notes.child(action)
         if creating:
-            self._create(conn, run, creating, dispatches, now)
-        history.record(conn, run.id, request.id, notes.entries(), now=now)
-        outbox.enqueue(conn, dispatches, now=now)
+            new_rows.extend(self._create(conn, run, creating, dispatches))
+        entries = notes.entries()
+        sent: writes.Pending | None = None
+        tell = decision.finish is not None and run.parent_run_id is not None
+        if start is not None or new_rows or entries or dispatches or done or finish is not None:
+            doc = writes.document(at=now, run_id=run.id, request=request.id, start=start, done=done, finish=finish,
+                                  tasks=new_rows, history=entries, outbox=dispatches)
+            if commit and not later and not tell:
+                with conn.pipeline():        # the one statement and COMMIT in one round trip
+                    sent = writes.send(conn, doc)
+                    conn.execute("COMMIT")
+            else:
+                sent = writes.send(conn, doc)
+                if start is not None and (later or tell):
+                    sent.result()         # refused: before the children or the parent hear of this run
+        if finished is not None:
+            log.info("run %s %s", run.id, finished, extra={"action": "finish_run", "run_id": run.id})
         for child in later:
             self._child_action(conn, run, child, now)
-        finish = decision.finish
-        if finish is not None and run.parent_run_id is not None and run.parent_node_id is not None:
-            self._tell_parent(conn, run, finish, now)
+        ended = decision.finish
+        if ended is not None and run.parent_run_id is not None and run.parent_node_id is not None:
+            self._tell_parent(conn, run, ended, now)
         return Outcome(run_id=run.id, finished=finished, refused=decision.refused, reset=notes.reset,
-                       created=tuple(made))
+                       created=tuple(made)), sent
 
     def _create(self, conn: Conn, run: RunSnapshot, creates: Sequence[CreateTask],
-                dispatches: list[Dispatch], now: datetime) -> None:
+                dispatches: list[Dispatch]) -> list[NewTask]:
+        """The rows of ``creates``, their dispatches appended to ``dispatches``; written
+        by ``composer_apply``, which rolls the event back when a node already has a task."""
         rows = [NewTask(task_id=a.task_id, node_id=a.node_id, node_type=str(a.node_type), queue=_queue(run, a),
                         state=str(a.state), input=a.input, output=a.output, error=a.error, branches=a.branches,
                         wake_at=a.wake_at, signal_name=a.signal_name,
                         items_total=a.items.total if a.items else None,
                         items_started=a.items.started if a.items else None) for a in creates]
-        inserted = tasks.insert_tasks(conn, run.id, rows, now=now)
         for a in creates:
-            if a.node_id not in inserted:
-                raise Conflict(f"run {run.id}: node {a.node_id} already has a task; "
-                               "the decision was based on a stale snapshot and was rolled back")
             if a.node_type is NodeType.TASK and a.state is TaskState.PENDING:
                 node = run.spec.nodes[a.node_id]
                 dispatches.append(Dispatch(run_id=run.id, task_id=a.task_id, attempt=0,
@@ -367,6 +474,7 @@ class Shell:
                                            priority=node.flow.priority, max_run_s=_max_run(node),
                                            start_within_s=node.flow.timeouts.schedule_to_start_s,
                                            **_flow_keys(conn, run, node)))
+        return rows
 
     def _child_action(self, conn: Conn, run: RunSnapshot, a: StartChild | CancelChild, now: datetime) -> None:
         """Start or cancel a SUB_WORKFLOW node's child, after this run's own rows are
@@ -432,17 +540,18 @@ class Shell:
             outbox.delete_for_tasks(conn, run.id, active)     # outbox rows first: the lock order
             tasks.cancel_tasks(conn, run.id, active, a.reason, now=now)
 
-    def _finish(self, conn: Conn, run: RunSnapshot, a: FinishRun, now: datetime) -> None:
-        if not runs.finish_run(conn, run.id, str(a.status), now=now, reason=a.reason, output=a.output):
-            raise Conflict(f"run {run.id} finished concurrently; the decision was rolled back")
-        log.info("run %s %s", run.id, a.status, extra={"action": "finish_run", "run_id": run.id})
+    def _finish(self, conn: Conn, run: RunSnapshot, a: FinishRun) -> writes.Finish:
+        """The run's finish as the one statement writes it, with its webhook delivery
+        when the definition has one."""
         defn = self.definition(conn, run.workflow_id, run.workflow_version)
+        webhook = None
         if defn.webhook_url:
-            webhooks.enqueue(conn, run.id, defn.webhook_url, {
+            webhook = (defn.webhook_url, {
                 "run_id": run.id, "workflow_id": run.workflow_id, "workflow_version": run.workflow_version,
                 "status": str(a.status), "output": a.output,
                 "error": {"error": a.reason} if a.reason else None,
-            }, now=now)
+            })
+        return writes.Finish(status=str(a.status), reason=a.reason, output=a.output, webhook=webhook)
 
 
 class _Notes:

@@ -14,10 +14,12 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Sequence
 from datetime import datetime
+from typing import Any
 
 from psycopg import sql
+from psycopg.types.json import Jsonb
 
-from composer_ops.repo._base import Conn, fetch_all, iso, recordset
+from composer_ops.repo._base import Conn, fetch_all, iso
 from composer_ops.repo.rows import Claim, Dispatch, Unstarted
 
 #: LISTEN/NOTIFY channel every worker listens on; the payload is the queue name. A
@@ -31,11 +33,22 @@ def wake_channel(worker: str) -> str:
     return "composer_wake_" + hashlib.sha1(worker.encode()).hexdigest()[:32]
 
 
+def dispatch_rows(dispatches: Sequence[Dispatch]) -> list[dict[str, Any]]:
+    """The outbox rows of ``dispatches`` as ``composer_enqueue`` (sql/R__dispatch.sql)
+    reads them: one JSON object each, a key left out where its value is None."""
+    return [{k: v for k, v in {
+        "q": d.queue, "r": d.run_id, "t": d.task_id, "a": d.attempt, "n": d.task_name, "l": d.lease_s,
+        "av": iso(d.available_at), "p": d.priority or None, "m": d.max_run_s, "w": d.start_within_s,
+        "ck": d.ckey, "cl": d.climit, "rk": d.rkey, "rp": d.rate_per_s, "rb": d.rate_burst}.items()
+        if v is not None} for d in dispatches]
+
+
 def enqueue(conn: Conn, dispatches: Sequence[Dispatch], *, now: datetime) -> None:
     """Write outbox rows, available from ``now`` unless a retry's backoff says later,
     and wake one idle worker per row (NOTIFY is delivered at commit, and only if the
-    transaction commits). One statement, one round trip, however many rows and queues:
-    the rows come in as one JSON document (:func:`~composer_ops.repo._base.recordset`).
+    transaction commits): ``composer_enqueue`` (sql/R__dispatch.sql), which an event's
+    one write (``composer_apply``, :mod:`composer_ops.repo.writes`) calls for its
+    dispatches; this sends it alone, one statement however many rows and queues.
 
     Idle workers are registered in ``task_waiters`` by their own claims (sql/R__claim.sql).
     Up to one waiter per row is taken, the most recently idle first, among those
@@ -49,41 +62,7 @@ def enqueue(conn: Conn, dispatches: Sequence[Dispatch], *, now: datetime) -> Non
     (killed: a clean stop deletes it) costs the task it is woken for a poll interval."""
     if not dispatches:
         return
-    conn.execute("""
-        WITH ins AS (
-            INSERT INTO task_outbox (queue, run_id, task_id, attempt, task_name, lease_s, available_at, created_at,
-                                     priority, max_run_s, start_by, ckey, climit, rkey, rate_per_s, rate_burst)
-            SELECT q, r, t, a, n, l, COALESCE(av, %(now)s), %(now)s, COALESCE(p, 0), m,
-                   COALESCE(av, %(now)s) + make_interval(secs => w), ck, cl, rk, rp, rb
-              FROM jsonb_to_recordset(%(rows)s::jsonb) AS d(q text, r text, t text, a int4, n text, l int4,
-                                                           av timestamptz, p int2, m int4, w float8, ck text,
-                                                           cl int4, rk text, rp float8, rb int4)
-            RETURNING queue, task_name
-        ), woken AS (
-            DELETE FROM task_waiters w
-             USING (SELECT x.worker FROM task_waiters x
-                     WHERE EXISTS (SELECT 1 FROM ins
-                                    WHERE ins.queue = ANY(x.queues)
-                                      AND (x.task_names IS NULL OR ins.task_name = ANY(x.task_names)))
-                     ORDER BY x.since DESC
-                     LIMIT (SELECT count(*) FROM ins)
-                       FOR UPDATE SKIP LOCKED) s
-             WHERE w.worker = s.worker
-            RETURNING w.channel, w.queues, w.task_names)
-        SELECT pg_notify(channel, queues[1]) FROM woken
-        UNION ALL
-        SELECT pg_notify(%(channel)s, q.queue)
-          FROM (SELECT DISTINCT queue FROM ins ORDER BY queue) q
-         WHERE (SELECT count(*) FROM woken) < (SELECT count(*) FROM ins)
-            OR EXISTS (SELECT 1 FROM woken w, ins i
-                        WHERE NOT (i.queue = ANY(w.queues)
-                                   AND (w.task_names IS NULL OR i.task_name = ANY(w.task_names))))""",
-        {"rows": recordset([{"q": d.queue, "r": d.run_id, "t": d.task_id, "a": d.attempt, "n": d.task_name,
-                             "l": d.lease_s, "av": iso(d.available_at), "p": d.priority or None,
-                             "m": d.max_run_s, "w": d.start_within_s, "ck": d.ckey, "cl": d.climit,
-                             "rk": d.rkey, "rp": d.rate_per_s, "rb": d.rate_burst}
-                            for d in dispatches]),
-         "now": now, "channel": CHANNEL})
+    conn.execute("SELECT composer_enqueue(%s, %s)", (Jsonb(dispatch_rows(dispatches)), now))
 
 
 def listen(conn: Conn, channel: str = CHANNEL) -> None:

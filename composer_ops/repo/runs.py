@@ -9,11 +9,10 @@ from psycopg import sql
 from psycopg.rows import class_row, dict_row
 
 from composer_ops.core.filters import RunFilter
-from composer_ops.core.model import ACTIVE_RUN_STATUSES
 from composer_ops.errors import ComposerError, Conflict, Invalid, NotFound
-from composer_ops.repo import clock, history, partitions
-from composer_ops.repo._base import Conn, error_json, fetch_all, fetch_one, jsonb, sql_states
-from composer_ops.repo.rows import ChildRun, HistoryEntry, RunListRow, RunRow, RunView, TaskStateRow, TaskView
+from composer_ops.repo import clock, history, partitions, writes
+from composer_ops.repo._base import Conn, fetch_all, fetch_one, jsonb
+from composer_ops.repo.rows import ChildRun, RunListRow, RunRow, RunView, TaskStateRow, TaskView
 
 # Without the run's context: its input can be large (a MAP's list of items), and most
 # events never read it; load_context does, under this lock, when the machine asks.
@@ -32,7 +31,7 @@ _LOAD_TASKS = """
       FROM {tasks} WHERE run_id = %s AND item_index IS NULL"""
 
 
-def lock_and_load(conn: Conn, run_id: str) -> tuple[RunRow, dict[str, TaskStateRow]]:
+def lock_and_load(conn: Conn, run_id: str, *, begin: bool = False) -> tuple[RunRow, dict[str, TaskStateRow]]:
     """Read the database clock, take the run's row lock for the rest of the
     transaction, and load the state of every task of the run keyed by node (small
     columns only); NotFound when the run does not exist. Every state transition of a
@@ -49,25 +48,30 @@ def lock_and_load(conn: Conn, run_id: str) -> tuple[RunRow, dict[str, TaskStateR
 
     Both name the run's month partitions (:func:`partitions.run_tables`), which the
     lock then holds until the transaction ends, so the rest of the event's statements
-    on them cannot find them gone."""
+    on them cannot find them gone.
+
+    ``begin``: ``conn`` is in autocommit; a BEGIN goes first in the same round trip,
+    opening the transaction the caller ends."""
     runs, tasks = partitions.run_tables(conn, run_id)
-    found = _lock_and_load(conn, run_id, runs, tasks)
+    found = _lock_and_load(conn, run_id, runs, tasks, begin)
     if found is None and runs != "workflow_runs":
         partitions.forget_month(conn, run_id)   # the month may have been made again since it was checked
         again = partitions.run_tables(conn, run_id)
         if again != (runs, tasks):
-            found = _lock_and_load(conn, run_id, *again)
+            found = _lock_and_load(conn, run_id, *again, False)
     if found is None:
         raise NotFound(f"workflow run {run_id} does not exist")
     return found
 
 
-def _lock_and_load(conn: Conn, run_id: str, runs: str, tasks: str
+def _lock_and_load(conn: Conn, run_id: str, runs: str, tasks: str, begin: bool
                    ) -> tuple[RunRow, dict[str, TaskStateRow]] | None:
     try:
         with conn.cursor() as clock_cur, conn.cursor(row_factory=dict_row) as lock, \
                 conn.cursor(row_factory=class_row(TaskStateRow)) as load:
             with conn.pipeline():
+                if begin:
+                    conn.execute("BEGIN")
                 clock_cur.execute(clock.NOW)
                 lock.execute(partitions.on_tables(_LOCK_RUN, runs, tasks), (run_id,))
                 load.execute(partitions.on_tables(_LOAD_TASKS, runs, tasks), (run_id,))
@@ -110,52 +114,29 @@ def load_outputs(conn: Conn, run_id: str, node_ids: list[str]) -> dict[str, Any]
     return {node_id: output for node_id, output in cur.fetchall()}
 
 
-_INSERT_RUN = """
-    INSERT INTO workflow_runs (id, workflow_definition_id, workflow_version, status, input_json, context_json,
-                               parent_run_id, parent_node_id, created_at, updated_at)
-    SELECT %(id)s, d.id, d.version, 'RUNNING', %(input)s, %(context)s, %(parent)s, %(parent_node)s,
-           %(now)s, %(now)s
-      FROM workflow_definitions d
-     WHERE d.id = %(wf)s AND d.version = %(version)s AND d.deleted_at IS NULL
-       AND to_regclass(%(partition)s) IS NOT NULL
-    ON CONFLICT (id) DO NOTHING
-    RETURNING id"""
-#: The insert and the run's first history row ('started', carrying the request), in one statement.
-_INSERT_RUN_RECORDED = history.recorded(_INSERT_RUN, "id")
-
-
 def insert_run(conn: Conn, *, run_id: str, workflow_id: str, workflow_version: int,
-               input: Any, context: Any, now: datetime, request: str | None = None,
-               started_detail: Any = None, parent: tuple[str, str] | None = None) -> None:
-    """Create a RUNNING run; with ``request``, its history starts with a 'started' row
-    written by that request (how a retried start recognises its own run), with
-    ``started_detail`` (a schedule's slot). Fails if the
-    definition is missing or deleted (NotFound / Invalid), if the run ID is taken
-    (Conflict) or has no partition (Invalid); a refused insert leaves the caller's
-    transaction usable. ``parent``: the run and SUB_WORKFLOW node that start this one.
-
-    One statement in the common case: the definition and the partition are checked in
-    the INSERT itself, so a refused start raises no database error (which would abort
-    the caller's transaction); only when no row was inserted do follow-up queries find
-    out why, in the order of the checks."""
+               input: Any, context: Any, now: datetime, request: str | None = None, started_detail: Any = None,
+               parent: tuple[str, str] | None = None) -> None:
+    """Create a RUNNING run with no tasks and, with ``request``, its 'started' history
+    row written by that request, through the start's one write (``composer_apply``,
+    :mod:`composer_ops.repo.writes`) with ``now`` as the decision's instant: what seeds
+    and tests use; the engine starts runs through :mod:`composer_ops.engine.starts`.
+    Refused, with nothing written and the caller's transaction usable: a missing or
+    deleted definition (NotFound / Invalid), a run ID taken (Conflict) or without a
+    partition (Invalid)."""
+    start = writes.NewRun(workflow_id=workflow_id, version=workflow_version, deployed=False, input=input,
+                          context=context, parent=parent, started=started_detail)
     try:
-        partition = partitions.runs_partition(run_id)
-    except ComposerError:  # not a UUIDv7, so no partition name: the guarded insert lets the database judge it
-        _insert_run_guarded(conn, run_id=run_id, workflow_id=workflow_id, workflow_version=workflow_version,
-                            input=input, context=context, now=now)
-        return
-    params = {"id": run_id, "input": jsonb(input), "context": jsonb(context), "wf": workflow_id,
-              "version": workflow_version, "partition": partition, "now": now,
-              "parent": parent[0] if parent else None, "parent_node": parent[1] if parent else None}
-    if request is not None:
-        params |= history.entry_params(run_id, request, HistoryEntry(kind="started", detail=started_detail),
-                                        now=now)
-    cur = conn.execute(_INSERT_RUN if request is None else _INSERT_RUN_RECORDED, params)
-    if cur.fetchone() is not None:
-        return
-    _check_definition(conn, workflow_id, workflow_version)
-    partitions.require_run_partition(conn, run_id)
-    raise Conflict(f"workflow run {run_id} already exists")
+        writes.send(conn, writes.document(at=now, run_id=run_id, request=request, start=start)).result()
+    except writes.Refused as refused:
+        if refused.why == "definition":
+            _check_definition(conn, workflow_id, workflow_version)
+            raise Invalid(f"workflow {workflow_id} v{workflow_version} is disabled") from None
+        if refused.why == "run_id":
+            raise Invalid(f"run id {run_id!r} is not a canonical UUIDv7") from None
+        if refused.why == "partition":
+            partitions.require_run_partition(conn, run_id)
+        raise Conflict(f"workflow run {run_id} already exists") from None
 
 
 def _check_definition(conn: Conn, workflow_id: str, workflow_version: int) -> None:
@@ -166,39 +147,6 @@ def _check_definition(conn: Conn, workflow_id: str, workflow_version: int) -> No
         raise NotFound(f"workflow definition {workflow_id} v{workflow_version} does not exist")
     if found[0] is not None:
         raise Invalid(f"workflow {workflow_id} v{workflow_version} has been deleted")
-
-
-def _insert_run_guarded(conn: Conn, *, run_id: str, workflow_id: str, workflow_version: int,
-                        input: Any, context: Any, now: datetime) -> None:
-    """The general path: check the definition, then insert inside a savepoint."""
-    _check_definition(conn, workflow_id, workflow_version)
-    # A savepoint, so a refused insert leaves the caller's transaction usable.
-    with conn.transaction():
-        cur = conn.execute("""
-            INSERT INTO workflow_runs (id, workflow_definition_id, workflow_version, status,
-                                       input_json, context_json, created_at, updated_at)
-            VALUES (%s, %s, %s, 'RUNNING', %s, %s, %s, %s)
-            ON CONFLICT (id) DO NOTHING""",
-            (run_id, workflow_id, workflow_version, jsonb(input), jsonb(context), now, now))
-    if cur.rowcount == 0:
-        raise Conflict(f"workflow run {run_id} already exists")
-
-
-_FINISH_RUN = f"""
-        UPDATE {{runs}}
-           SET status = %s, error_json = %s, output_json = %s,
-               completed_at = %s, updated_at = %s
-         WHERE id = %s AND status IN {sql_states(ACTIVE_RUN_STATUSES)}"""
-
-
-def finish_run(conn: Conn, run_id: str, status: str, *, now: datetime, reason: str | None = None,
-               output: Any = None) -> bool:
-    """Move a non-terminal run to a terminal status at ``now``; False when it already
-    was. Called under the run's lock (:func:`lock_and_load`), so on the same tables."""
-    runs, tasks = partitions.run_tables(conn, run_id)
-    cur = conn.execute(partitions.on_tables(_FINISH_RUN, runs, tasks),
-                       (status, error_json(reason), jsonb(output), now, now, run_id))
-    return cur.rowcount == 1
 
 
 def reopen_run(conn: Conn, run_id: str, status: str, *, now: datetime) -> bool:

@@ -5,8 +5,9 @@ node_id, attempt, an in-flight state). The machine already checked under the run
 this is defence in depth: if anything wrote to the task outside the engine, the
 update matches zero rows and the shell rolls the transaction back.
 
-Completion, failure and re-queue write their run-history row in the same statement
-(``history.recorded``), only when the fenced update matched.
+Failure and re-queue write their run-history row in the same statement
+(``history.recorded``), only when the fenced update matched; a completion is written,
+fenced the same way, by the event's one write (sql/R__apply.sql).
 """
 
 from __future__ import annotations
@@ -17,8 +18,8 @@ from typing import Any
 
 from composer_ops.core.model import ACTIVE_TASK_STATES, IN_FLIGHT_TASK_STATES, TaskRef
 from composer_ops.errors import ComposerError
-from composer_ops.repo import history, partitions
-from composer_ops.repo._base import Conn, error_doc, error_json, fetch_all, fetch_one, iso, jsonb, recordset, sql_states
+from composer_ops.repo import history, partitions, writes
+from composer_ops.repo._base import Conn, error_json, fetch_all, fetch_one, sql_states
 from composer_ops.repo.rows import ExpiredLease, FinishedTask, HistoryEntry, NewTask, TaskDispatch
 
 _IN_FLIGHT = sql_states(IN_FLIGHT_TASK_STATES)
@@ -29,58 +30,26 @@ def insert_task(conn: Conn, run_id: str, *, task_id: str, node_id: str, node_typ
                 queue: str | None, state: str, input: Any = None, output: Any = None,
                 error: str | None = None, branches: Sequence[str] | None = None,
                 wake_at: datetime | None = None, signal_name: str | None = None, now: datetime) -> bool:
-    """Insert the task a CreateTask action describes, created at ``now``; False (no
-    error) when the (run, node) already has a task. :func:`insert_tasks` with one row."""
-    return node_id in insert_tasks(conn, run_id, [NewTask(
+    """Insert the task a CreateTask action describes, created at ``now``:
+    :func:`insert_tasks` with one row."""
+    insert_tasks(conn, run_id, [NewTask(
         task_id=task_id, node_id=node_id, node_type=node_type, queue=queue, state=state, input=input,
         output=output, error=error, branches=branches, wake_at=wake_at, signal_name=signal_name)], now=now)
+    return True
 
 
-def insert_tasks(conn: Conn, run_id: str, rows: Sequence[NewTask], *, now: datetime) -> set[str]:
-    """Insert the tasks of several CreateTask actions, created at ``now``, in one statement (a 10-way
-    fan-out is one INSERT, not ten); returns the nodes inserted, leaving out those
-    whose (run, node) already had a task, as :func:`insert_task` does for one.
-
-    The rows travel as one JSON document (:func:`recordset`), read back by
-    ``jsonb_to_recordset``: one parameter to adapt instead of one array per column,
-    whose element types psycopg would work out again at every call."""
-    if not rows:
-        return set()
-    cur = conn.execute("""
-        INSERT INTO task_instances
-               (id, run_id, node_id, node_type, queue, state, input_json, output_json, last_error,
-                branches, wake_at, signal_name, items_total, items_started, items_done, items_failed,
-                scheduled_at, finished_at, completed_at, created_at, updated_at)
-        SELECT r.id, %(run)s, r.node, r.type, r.queue, r.state, r.input, r.output, r.error,
-               CASE WHEN r.branches IS NOT NULL THEN ARRAY(SELECT jsonb_array_elements_text(r.branches)) END,
-               r.wake, r.signal, r.total, r.started, CASE WHEN r.total IS NOT NULL THEN 0 END,
-               CASE WHEN r.total IS NOT NULL THEN 0 END, %(now)s::timestamptz,
-               CASE WHEN r.state IN ('COMPLETED', 'FAILED', 'SKIPPED', 'CANCELLED') THEN %(now)s::timestamptz END,
-               CASE WHEN r.state = 'COMPLETED' THEN %(now)s::timestamptz END, %(now)s, %(now)s
-          FROM jsonb_to_recordset(%(rows)s::jsonb)
-               AS r(id text, node text, type text, queue text, state text, input jsonb, output jsonb,
-                    error jsonb, branches jsonb, wake timestamptz, signal text, total int, started int)
-        ON CONFLICT (run_id, node_id) WHERE item_index IS NULL DO NOTHING
-        RETURNING node_id""",
-        {"run": run_id, "now": now, "rows": recordset([
-            {"id": r.task_id, "node": r.node_id, "type": r.node_type, "queue": r.queue, "state": r.state,
-             "input": r.input, "output": r.output, "error": error_doc(r.error),
-             "branches": None if r.branches is None else list(r.branches), "wake": iso(r.wake_at),
-             "signal": r.signal_name, "total": r.items_total, "started": r.items_started} for r in rows])})
-    return {str(row[0]) for row in cur.fetchall()}
+def insert_tasks(conn: Conn, run_id: str, rows: Sequence[NewTask], *, now: datetime) -> None:
+    """Insert the tasks of CreateTask actions decided at ``now``, through an event's one
+    write (``composer_apply``, :mod:`composer_ops.repo.writes`), which is how the shell
+    inserts them: what seeds and tests use. A (run, node) that already has a task is a
+    Conflict (and the caller's transaction aborted)."""
+    if rows:
+        writes.send(conn, writes.document(at=now, run_id=run_id, request=None, tasks=rows)).result()
 
 
 _FENCE = f"""
          WHERE run_id = %(run)s AND id = %(task)s AND node_id = %(node)s AND attempt = %(attempt)s
            AND state IN {_IN_FLIGHT}"""
-
-_COMPLETE = history.recorded(f"""
-        UPDATE {{tasks}}
-           SET state = 'COMPLETED', output_json = %(output)s,
-               completed_at = %(now)s, finished_at = %(now)s, updated_at = %(now)s,
-               lease_owner = NULL, lease_expires_at = NULL
-        {_FENCE}
-        RETURNING node_type, started_at""", "node_type, started_at")
 
 _FAIL = history.recorded(f"""
         UPDATE {{tasks}}
@@ -109,15 +78,6 @@ def _on_run(conn: Conn, statement: str, run_id: str) -> str:
     """``statement`` on the run's month partitions (:func:`partitions.run_tables`). The
     fenced updates run under the run's lock, which holds those partitions."""
     return partitions.on_tables(statement, *partitions.run_tables(conn, run_id))
-
-
-def complete_task(conn: Conn, ref: TaskRef, output: Any, *, request: str, entry: HistoryEntry,
-                  now: datetime) -> FinishedTask | None:
-    """Mark the referenced attempt COMPLETED and release its lease, recording ``entry``;
-    None when the attempt is stale or the task already finished."""
-    return fetch_one(conn, FinishedTask, _on_run(conn, _COMPLETE, ref.run_id),
-                     {**_ref(ref), "output": jsonb(output), "now": now,
-                      **history.entry_params(ref.run_id, request, entry, now=now)})
 
 
 def fail_task(conn: Conn, ref: TaskRef, reason: str, *, request: str, entry: HistoryEntry,

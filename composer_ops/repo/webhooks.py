@@ -2,25 +2,8 @@
 
 from __future__ import annotations
 
-from datetime import datetime
-from typing import Any
-
-from composer_ops.repo._base import Conn, fetch_all, jsonb
+from composer_ops.repo._base import Conn, fetch_all
 from composer_ops.repo.rows import WebhookDelivery
-
-
-def enqueue(conn: Conn, run_id: str, url: str, payload: Any, *, now: datetime) -> None:
-    """Record a delivery, due at ``now``, in the transaction that finished the run. A
-    run finishes more than once only when it was retried: its delivery is then armed
-    again with the new outcome, under a new id, so a relay still sending the old one
-    cannot mark the new one delivered."""
-    conn.execute("""
-        INSERT INTO webhook_deliveries (run_id, url, payload, next_attempt_at, created_at) VALUES (%s, %s, %s, %s, %s)
-        ON CONFLICT (run_id) DO UPDATE
-           SET id = DEFAULT, url = EXCLUDED.url, payload = EXCLUDED.payload, attempts = 0,
-               next_attempt_at = EXCLUDED.next_attempt_at, delivered_at = NULL, gave_up_at = NULL,
-               last_status = NULL, last_error = NULL, created_at = EXCLUDED.created_at""",
-        (run_id, url, jsonb(payload), now, now))
 
 
 def claim_due(conn: Conn, limit: int, lease_s: float) -> list[WebhookDelivery]:

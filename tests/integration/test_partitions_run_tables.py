@@ -35,9 +35,11 @@ def _plans(conn: Any, pattern: str) -> list[tuple[str, int, int]]:
 
 def test_the_events_of_a_run_reuse_cached_plans_on_its_month(db_url: str) -> None:
     """Fifteen 1-task runs started, claimed and completed over one session: the run lock,
-    the task load, the fenced completion, the run's finish and the dispatch are each
-    planned at most five times (psycopg prepares from the fifth call; the server tries
-    five custom plans before it compares), then run on the cached generic plan."""
+    the task load and the event's one write (``composer_apply``) are each planned at most
+    five times (psycopg prepares from the fifth call; the server tries five custom plans
+    before it compares), then run on the cached generic plan. Inside the write, the fenced
+    completion and the run's finish are planned at each call with the run's ID (EXECUTE),
+    which keeps them to its month (sql/R__apply.sql)."""
     with psycopg.connect(db_url, autocommit=True) as conn:
         add_definition(conn)
     with Engine.connect(db_url, pool_size=1, application_name="test-plans") as engine:
@@ -50,9 +52,7 @@ def test_the_events_of_a_run_reuse_cached_plans_on_its_month(db_url: str) -> Non
             found = {
                 "lock": _plans(conn, f'%FROM "workflow_runs_p{month}"%FOR UPDATE%'),
                 "load": _plans(conn, f'%FROM "task_instances_p{month}" WHERE run_id%'),
-                "complete": _plans(conn, f"%UPDATE \"task_instances_p{month}\"%SET state = 'COMPLETED'%"),
-                "finish": _plans(conn, f'%UPDATE "workflow_runs_p{month}"%SET status%'),
-                "dispatch": _plans(conn, "%INSERT INTO task_outbox%"),
+                "write": _plans(conn, "%composer_apply%"),
             }
     for name, plans in found.items():
         assert len(plans) == 1, f"{name}: {plans}"

@@ -12,8 +12,8 @@ import pytest
 from composer_ops.core.model import TaskRef
 from composer_ops.core.runids import month_of
 from composer_ops.errors import Conflict, Invalid, NotFound
-from composer_ops.repo import clock, definitions, history, outbox, runs, signals, tasks, webhooks
-from composer_ops.repo.rows import Dispatch, HistoryEntry, StartTarget
+from composer_ops.repo import clock, definitions, history, outbox, runs, signals, tasks, webhooks, writes
+from composer_ops.repo.rows import Dispatch, HistoryEntry, NewTask, StartTarget
 from tests.integration.helpers import add_definition, add_run, now_utc
 
 NOTE = HistoryEntry(kind="note")
@@ -34,6 +34,15 @@ def _task(conn: Any, run_id: str, node: str = "a", state: str = "PENDING", **kw:
 
 def _ref(run_id: str, task_id: str, node: str = "a", attempt: int = 0) -> TaskRef:
     return TaskRef(task_id=task_id, run_id=run_id, node_id=node, attempt=attempt)
+
+
+def _write(conn: Any, run_id: str, **parts: Any) -> None:
+    """An event's one write (composer_apply) of ``parts``, decided now."""
+    writes.send(conn, writes.document(at=clock.now(conn), run_id=run_id, request="r", **parts)).result()
+
+
+def _complete(conn: Any, ref: TaskRef) -> None:
+    _write(conn, ref.run_id, done=[writes.Done(ref=ref, output=None, entry=NOTE)])
 
 
 def _state(conn: Any, run_id: str, node: str = "a") -> tuple[str, int]:
@@ -104,7 +113,7 @@ def test_insert_tasks_and_enqueue_write_every_column_as_given(conn: Any, run_id:
                          ('q"uo\\te', "default", {"k": ['é', None, 1.5]})])]
     rows.append(NewTask(task_id=f"{run_id[:8]}-w", node_id="w", node_type="WAIT", queue=None, state="WAITING",
                         wake_at=wake, signal_name="go", branches=["x", "y"], error="boom", output={"o": 1}))
-    assert tasks.insert_tasks(conn, run_id, rows, now=now) == {r.node_id for r in rows}
+    tasks.insert_tasks(conn, run_id, rows, now=now)
     got = {r[0]: r[1:] for r in conn.execute(
         "SELECT node_id, input_json, input_json IS NULL, queue, wake_at, signal_name, branches, last_error,"
         " output_json, scheduled_at FROM task_instances WHERE run_id = %s", (run_id,))}
@@ -123,12 +132,31 @@ def test_insert_tasks_and_enqueue_write_every_column_as_given(conn: Any, run_id:
         (rows[0].task_id, 3, "q1", "t1", 17, later, now), (rows[1].task_id, 0, "q2", "t2", 30, now, now)]
 
 
-def test_insert_task_twice_for_one_node_reports_false(conn: Any, run_id: str) -> None:
+def test_insert_task_twice_for_one_node_is_a_conflict_that_writes_nothing(conn: Any, run_id: str) -> None:
     _task(conn, run_id)
-    again = tasks.insert_task(conn, run_id, task_id="other", node_id="a", node_type="TASK", queue=None,
-                              state="PENDING", now=clock.now(conn))
-    assert again is False
+    conn.commit()
+    with pytest.raises(Conflict, match="node a already has a task"):
+        tasks.insert_tasks(conn, run_id, [
+            NewTask(task_id="new-b", node_id="b", node_type="TASK", queue=None, state="PENDING"),
+            NewTask(task_id="other", node_id="a", node_type="TASK", queue=None, state="PENDING")],
+            now=clock.now(conn))
+    conn.rollback()
     assert conn.execute("SELECT count(*) FROM task_instances WHERE run_id = %s", (run_id,)).fetchone()[0] == 1
+
+
+def test_a_fenced_completion_that_misses_rolls_the_event_back(conn: Any, run_id: str) -> None:
+    task_id = _task(conn, run_id)
+    conn.commit()
+    for ref in (_ref(run_id, task_id, attempt=7), _ref(run_id, task_id, node="zzz")):
+        with pytest.raises(Conflict, match="fenced write matched no row"):
+            _write(conn, run_id, done=[writes.Done(ref=ref, output=1, entry=NOTE)],
+                   history=[HistoryEntry(kind="other")])
+        conn.rollback()
+    assert _state(conn, run_id) == ("PENDING", 0)
+    assert history.run_history(conn, run_id) == []
+    _complete(conn, _ref(run_id, task_id))
+    assert _state(conn, run_id) == ("COMPLETED", 0)
+    assert [(h.kind, h.task_id, h.request) for h in history.run_history(conn, run_id)] == [("completed", task_id, "r")]
 
 
 def test_insert_task_terminal_states_stamp_times(conn: Any, run_id: str) -> None:
@@ -138,11 +166,10 @@ def test_insert_task_terminal_states_stamp_times(conn: Any, run_id: str) -> None
     assert row == (True, True)
 
 
-@pytest.mark.parametrize("op", ["complete", "fail", "requeue"])
+@pytest.mark.parametrize("op", ["fail", "requeue"])
 def test_fenced_updates_refuse_stale_attempt_and_finished_task(conn: Any, run_id: str, op: str) -> None:
     task_id = _task(conn, run_id)
     apply: Callable[[TaskRef], object] = {
-        "complete": lambda ref: tasks.complete_task(conn, ref, {"ok": 1}, request="r", entry=NOTE, now=clock.now(conn)),
         "fail": lambda ref: tasks.fail_task(conn, ref, "boom", request="r", entry=NOTE, now=clock.now(conn)),
         "requeue": lambda ref: tasks.requeue_task(conn, ref, "retry", lease_expired=False, request="r", entry=NOTE,
                                                   now=clock.now(conn)),
@@ -152,14 +179,14 @@ def test_fenced_updates_refuse_stale_attempt_and_finished_task(conn: Any, run_id
     assert _state(conn, run_id) == ("PENDING", 0)
     assert apply(_ref(run_id, task_id)) is not None
     after = _state(conn, run_id)
-    tasks.complete_task(conn, _ref(run_id, task_id, attempt=after[1]), None, request="r", entry=NOTE,
-                        now=clock.now(conn))
+    if after[0] == "PENDING":                    # re-queued: complete the next attempt
+        _complete(conn, _ref(run_id, task_id, attempt=after[1]))
     final = _state(conn, run_id)
     assert apply(_ref(run_id, task_id, attempt=after[1])) is None   # finished task
     assert _state(conn, run_id) == final
     # A history row for each update that matched, none for those that did not.
-    matched = 2 if op == "requeue" else 1        # after a requeue the completion matches too
-    assert [h.kind for h in history.run_history(conn, run_id)] == ["note"] * matched
+    assert [h.kind for h in history.run_history(conn, run_id)] == ["note", "completed"] if op == "requeue" \
+        else ["note"]
 
 
 def test_requeue_bumps_attempt_and_returns_dispatch(conn: Any, run_id: str) -> None:
@@ -176,8 +203,11 @@ def test_requeue_bumps_attempt_and_returns_dispatch(conn: Any, run_id: str) -> N
 
 
 def test_finish_run_once(conn: Any, run_id: str) -> None:
-    assert runs.finish_run(conn, run_id, "SUCCEEDED", output={"a": 1}, now=clock.now(conn)) is True
-    assert runs.finish_run(conn, run_id, "FAILED", reason="late", now=clock.now(conn)) is False
+    _write(conn, run_id, finish=writes.Finish(status="SUCCEEDED", reason=None, output={"a": 1}))
+    conn.commit()
+    with pytest.raises(Conflict, match="finished concurrently"):
+        _write(conn, run_id, finish=writes.Finish(status="FAILED", reason="late", output=None))
+    conn.rollback()
     view = runs.get_run(conn, run_id)
     assert (view.status, view.output, view.error) == ("SUCCEEDED", {"a": 1}, None)
 
@@ -303,8 +333,7 @@ def test_a_claim_records_its_id_and_claimed_by_finds_what_it_took(conn: Any, run
     assert (row.kind, row.task_id, row.attempt, row.worker, row.request) == ("claimed", taken[0].task_id, 0, "w1",
                                                                              "claim-1")
     assert row.detail == {"task": "job", "lease_s": 9}
-    tasks.complete_task(conn, _ref(run_id, taken[0].task_id, node=taken[0].node_id), None, request="r", entry=NOTE,
-                        now=clock.now(conn))
+    _complete(conn, _ref(run_id, taken[0].task_id, node=taken[0].node_id))
     assert outbox.claimed_by(conn, "w1", "claim-1") == []          # no longer held
 
 
@@ -331,8 +360,8 @@ def test_delete_outbox_rows_for_tasks(conn: Any, run_id: str) -> None:
 
 
 def test_webhook_delivery_claim_and_outcomes(conn: Any, run_id: str) -> None:
-    webhooks.enqueue(conn, run_id, "http://127.0.0.1:9/hook", {"run_id": run_id}, now=clock.now(conn))
-    webhooks.enqueue(conn, run_id, "http://127.0.0.1:9/hook", {"dup": True}, now=clock.now(conn))
+    _write(conn, run_id, finish=writes.Finish(status="SUCCEEDED", reason=None, output=None,
+                                              webhook=("http://127.0.0.1:9/hook", {"run_id": run_id})))
     first = webhooks.claim_due(conn, 10, lease_s=30)
     assert [(d.run_id, d.attempts) for d in first] == [(run_id, 1)]
     assert webhooks.claim_due(conn, 10, lease_s=30) == []         # leased

@@ -1,4 +1,5 @@
-"""A decision's new tasks are inserted by one statement: a fan-out of 8 is one INSERT."""
+"""A decision's new tasks are written by its one statement (composer_apply): a fan-out of 8
+and the completion that causes it are one write."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from typing import Any
 import pytest
 
 from composer_ops import Engine
-from composer_ops.repo import tasks
+from composer_ops.repo import writes
 
 FAN = {"id": "fan", "nodes": [
     {"id": "split", "type": "TASK", "task": "noop"},
@@ -19,20 +20,20 @@ FAN = {"id": "fan", "nodes": [
 
 def test_completing_the_split_inserts_its_nine_successors_in_one_statement(
         db_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    calls: list[list[str]] = []
-    insert = tasks.insert_tasks
+    calls: list[tuple[list[str], list[str]]] = []
+    send = writes.send
 
-    def counted(conn: Any, run_id: str, rows: Any, *, now: Any) -> Any:
-        calls.append([r.node_id for r in rows])
-        return insert(conn, run_id, rows, now=now)
+    def counted(conn: Any, doc: Any) -> Any:
+        calls.append(([d["n"] for d in doc.get("done", [])], [t["node"] for t in doc.get("tasks", [])]))
+        return send(conn, doc)
 
     with Engine.connect(db_url, pool_size=2) as engine:
         engine.deploy(FAN)
         run_id = engine.start("fan")
-        monkeypatch.setattr(tasks, "insert_tasks", counted)
+        monkeypatch.setattr(writes, "send", counted)
         [split] = engine.claim(["default"], "w", 10, task_names=["noop"])
         assert engine.complete(split, {"n": 8}).applied
-        assert calls == [[*(f"f{i}" for i in range(8)), "wait"]]
+        assert calls == [(["split"], [*(f"f{i}" for i in range(8)), "wait"])]
         claimed = engine.claim(["default"], "w", 20, task_names=["noop"])
         run = engine.get_run(run_id)
     assert sorted(c.node_id for c in claimed) == [f"f{i}" for i in range(8)]

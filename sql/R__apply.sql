@@ -1,0 +1,178 @@
+-- The one write of an event: composer_apply(doc). A repeatable file
+-- (docs/architecture.md, "where new code goes"; the write path).
+--
+-- The shell (composer_ops/engine/shell.py) turns what a decision writes at its end into
+-- one JSON document and sends it as one statement; a start sends nothing else, so with
+-- BEGIN and COMMIT pipelined a start is one round trip (composer_ops/engine/starts.py).
+-- The document (built by composer_ops/repo/writes.py):
+--   at       the instant the decision was made with (the event's clock);
+--   run_id, request (the API call: every history row carries it; a start without one, a
+--            seed's, writes no 'started' row)
+--   start    (a start only) the run to insert: wf, version, deployed (the caller asked
+--            for the deployed version), input, context, parent, parent_node, started
+--            (the detail of its 'started' history row), max_age_s and max_ahead_s (the
+--            run ID's recency window; absent for a derived ID: a child's, a schedule
+--            slot's);
+--   done     CompleteTask actions: t task, n node, a attempt, output, and the history row's
+--            w worker and d detail; fenced (a miss raises CO409, a Conflict);
+--   finish   FinishRun: status, error, output and, for a definition with a webhook, webhook
+--            {url, payload}; only from an active status (else CO409);
+--   tasks    the rows of CreateTask actions (repo/writes.py names the keys);
+--   history  the event's history rows, in order;
+--   outbox   the dispatches, exactly as composer_enqueue (sql/R__dispatch.sql) reads them.
+--
+-- The database's clock is the only clock: every instant written is this transaction's
+-- now(). An instant the decision computed (a timer's wake_at, a retry's available_at)
+-- is moved by (now() - at): it keeps its distance from the event's instant. An event
+-- decided under the run lock (repo/runs.py lock_and_load) was decided with now() itself,
+-- so nothing moves; a start is decided before its one round trip, with the client's
+-- estimate of the database clock, and its timers start from the commit's clock.
+--
+-- A start is refused, with nothing written, as a status (the caller's transaction stays
+-- usable): 'run_id' (not a UUIDv7, or outside the recency window by now()), 'partition'
+-- (no partition holds its month), 'definition' (the version is missing, deleted,
+-- disabled or, asked for the deployed one, no longer deployed: the caller refreshes its
+-- cached definition and tries once more), 'conflict' (the run ID is taken). A task whose
+-- (run, node) already has one raises unique_violation, which rolls the event back.
+-- Returns {"status": ..., "now": now()}.
+CREATE OR REPLACE FUNCTION composer_apply(doc JSONB) RETURNS JSONB
+LANGUAGE plpgsql AS $$
+DECLARE
+    at_now TIMESTAMPTZ := now();
+    shift INTERVAL := now() - (doc->>'at')::timestamptz;
+    v_run TEXT := doc->>'run_id';
+    v_start JSONB := doc->'start';
+    v_month TEXT;
+    v_minted TIMESTAMPTZ;
+    v_def RECORD;
+    v_rows INT;
+    v_missing TEXT;
+    v_outbox JSONB := doc->'outbox';
+    v_done JSONB;
+BEGIN
+    IF v_start IS NOT NULL THEN
+        v_month := composer_run_month(v_run);
+        IF v_month IS NULL THEN
+            RETURN jsonb_build_object('status', 'run_id', 'now', at_now);
+        END IF;
+        IF v_start ? 'max_age_s' THEN
+            v_minted := timestamptz 'epoch'
+                        + ('x' || substr(v_run, 1, 8) || substr(v_run, 10, 4))::bit(48)::bigint * interval '1 ms';
+            IF v_minted < at_now - make_interval(secs => (v_start->>'max_age_s')::float8)
+               OR v_minted > at_now + make_interval(secs => (v_start->>'max_ahead_s')::float8) THEN
+                RETURN jsonb_build_object('status', 'run_id', 'now', at_now);
+            END IF;
+        END IF;
+        IF to_regclass('workflow_runs_p' || v_month) IS NULL THEN
+            RETURN jsonb_build_object('status', 'partition', 'now', at_now);
+        END IF;
+        SELECT d.deployed, d.enabled, d.deleted_at INTO v_def
+          FROM workflow_definitions d
+         WHERE d.id = v_start->>'wf' AND d.version = (v_start->>'version')::int;
+        IF NOT FOUND OR v_def.deleted_at IS NOT NULL OR NOT v_def.enabled
+           OR ((v_start->>'deployed')::boolean AND NOT v_def.deployed) THEN
+            RETURN jsonb_build_object('status', 'definition', 'now', at_now);
+        END IF;
+        INSERT INTO workflow_runs (id, workflow_definition_id, workflow_version, status, input_json, context_json,
+                                   parent_run_id, parent_node_id, created_at, updated_at)
+        VALUES (v_run, v_start->>'wf', (v_start->>'version')::int, 'RUNNING', v_start->'input', v_start->'context',
+                v_start->>'parent', v_start->>'parent_node', at_now, at_now)
+        ON CONFLICT (id) DO NOTHING;
+        GET DIAGNOSTICS v_rows = ROW_COUNT;
+        IF v_rows = 0 THEN
+            RETURN jsonb_build_object('status', 'conflict', 'now', at_now);
+        END IF;
+        IF doc ? 'request' THEN        -- how a retried start recognises its own run
+            INSERT INTO run_history (run_id, at, kind, request, detail)
+            VALUES (v_run, at_now, 'started', doc->>'request', v_start->'started');
+        END IF;
+    END IF;
+
+    -- Completions, fenced by attempt and in-flight state, each with its history row: a
+    -- miss rolls the event back. EXECUTE: planned with the run ID's value, so only its
+    -- month is locked (a cached generic plan locks every month before pruning).
+    FOR v_done IN SELECT x.o FROM jsonb_array_elements(doc->'done') WITH ORDINALITY AS x(o, i) ORDER BY x.i LOOP
+        EXECUTE $q$
+            UPDATE task_instances
+               SET state = 'COMPLETED', output_json = $5, completed_at = $6, finished_at = $6, updated_at = $6,
+                   lease_owner = NULL, lease_expires_at = NULL
+             WHERE run_id = $1 AND id = $2 AND node_id = $3 AND attempt = $4
+               AND state IN ('PENDING', 'QUEUED', 'RUNNING')$q$
+            USING v_run, v_done->>'t', v_done->>'n', (v_done->>'a')::int, v_done->'output', at_now;
+        GET DIAGNOSTICS v_rows = ROW_COUNT;
+        IF v_rows = 0 THEN
+            RAISE EXCEPTION 'fenced write matched no row (CompleteTask); the task changed outside the engine, the event was rolled back'
+                USING ERRCODE = 'CO409';
+        END IF;
+        INSERT INTO run_history (run_id, at, kind, node_id, task_id, attempt, worker, request, detail)
+        VALUES (v_run, at_now, 'completed', v_done->>'n', v_done->>'t', (v_done->>'a')::int, v_done->>'w',
+                doc->>'request', v_done->'d');
+    END LOOP;
+
+    -- The run finished: only from an active status, else the event is rolled back.
+    IF doc ? 'finish' THEN
+        EXECUTE $q$
+            UPDATE workflow_runs
+               SET status = $2, error_json = $3, output_json = $4, completed_at = $5, updated_at = $5
+             WHERE id = $1 AND status IN ('PENDING', 'RUNNING')$q$
+            USING v_run, doc->'finish'->>'status', doc->'finish'->'error', doc->'finish'->'output', at_now;
+        GET DIAGNOSTICS v_rows = ROW_COUNT;
+        IF v_rows = 0 THEN
+            RAISE EXCEPTION 'run % finished concurrently; the decision was rolled back', v_run USING ERRCODE = 'CO409';
+        END IF;
+        IF doc->'finish' ? 'webhook' THEN
+            INSERT INTO webhook_deliveries (run_id, url, payload, next_attempt_at, created_at)
+            VALUES (v_run, doc->'finish'->'webhook'->>'url', doc->'finish'->'webhook'->'payload', at_now, at_now)
+            ON CONFLICT (run_id) DO UPDATE
+               SET id = DEFAULT, url = EXCLUDED.url, payload = EXCLUDED.payload, attempts = 0,
+                   next_attempt_at = EXCLUDED.next_attempt_at, delivered_at = NULL, gave_up_at = NULL,
+                   last_status = NULL, last_error = NULL, created_at = EXCLUDED.created_at;
+        END IF;
+    END IF;
+
+    IF jsonb_array_length(COALESCE(doc->'tasks', '[]')) > 0 THEN
+        WITH ins AS (
+            INSERT INTO task_instances
+                   (id, run_id, node_id, node_type, queue, state, input_json, output_json, last_error,
+                    branches, wake_at, signal_name, items_total, items_started, items_done, items_failed,
+                    scheduled_at, finished_at, completed_at, created_at, updated_at)
+            SELECT r.id, v_run, r.node, r.type, r.queue, r.state, r.input, r.output, r.error,
+                   CASE WHEN r.branches IS NOT NULL THEN ARRAY(SELECT jsonb_array_elements_text(r.branches)) END,
+                   r.wake + shift, r.signal, r.total, r.started, CASE WHEN r.total IS NOT NULL THEN 0 END,
+                   CASE WHEN r.total IS NOT NULL THEN 0 END, at_now,
+                   CASE WHEN r.state IN ('COMPLETED', 'FAILED', 'SKIPPED', 'CANCELLED') THEN at_now END,
+                   CASE WHEN r.state = 'COMPLETED' THEN at_now END, at_now, at_now
+              FROM jsonb_to_recordset(doc->'tasks')
+                   AS r(id text, node text, type text, queue text, state text, input jsonb, output jsonb,
+                        error jsonb, branches jsonb, wake timestamptz, signal text, total int, started int)
+            ON CONFLICT (run_id, node_id) WHERE item_index IS NULL DO NOTHING
+            RETURNING node_id)
+        SELECT min(r.node) INTO v_missing
+          FROM jsonb_to_recordset(doc->'tasks') AS r(node text)
+         WHERE r.node NOT IN (SELECT node_id FROM ins);
+        IF v_missing IS NOT NULL THEN
+            RAISE EXCEPTION 'run %: node % already has a task; the decision was based on a stale snapshot and was rolled back',
+                v_run, v_missing USING ERRCODE = 'unique_violation';
+        END IF;
+    END IF;
+
+    IF jsonb_array_length(COALESCE(doc->'history', '[]')) > 0 THEN
+        INSERT INTO run_history (run_id, at, kind, node_id, task_id, attempt, worker, request, detail)
+        SELECT v_run, at_now, e.o->>'k', e.o->>'n', e.o->>'t', (e.o->>'a')::int4, e.o->>'w', doc->>'request',
+               e.o->'d'
+          FROM jsonb_array_elements(doc->'history') WITH ORDINALITY AS e(o, i)
+         ORDER BY e.i;
+    END IF;
+
+    IF jsonb_array_length(COALESCE(v_outbox, '[]')) > 0 THEN
+        IF shift <> interval '0' THEN
+            SELECT jsonb_agg(CASE WHEN o ? 'av' THEN o || jsonb_build_object('av', (o->>'av')::timestamptz + shift)
+                                  ELSE o END ORDER BY i)
+              INTO v_outbox
+              FROM jsonb_array_elements(v_outbox) WITH ORDINALITY AS x(o, i);
+        END IF;
+        PERFORM composer_enqueue(v_outbox, at_now);
+    END IF;
+    RETURN jsonb_build_object('status', 'ok', 'now', at_now);
+END;
+$$;
