@@ -8,9 +8,10 @@
 --      then finds what that attempt claimed (docs/reliability.md); the retry also fences
 --      the claim ID (claim_fences), and an attempt that gets the lock after a fence
 --      committed (its statement reached the server late) claims nothing;
---   1. a listening worker registers itself in task_waiters (its queues, task names and
---      wake channel) before it takes any outbox row, so a claim that waits there (an
---      enqueuer is deleting the same row and has not committed) holds nothing yet;
+--   1. a listening worker registers itself in task_waiters (its queues, task names, wake
+--      channel, the wake-ups it has taken up, and its slots as if it got all it asks
+--      for) before it takes any outbox row, so a claim that waits there (a dispatch
+--      holds the row and has not committed) holds nothing yet;
 --   2. it deletes up to p_limit available outbox rows of its queues, highest priority
 --      first, then oldest, FOR UPDATE SKIP LOCKED; a paused queue gives none, and a
 --      queue with max_running gives at most its room (queue_settings, flow_slots:
@@ -33,12 +34,11 @@
 -- would scan it whole: with enable_seqscan off the claim's plans go through the indexes
 -- (task update by run_id, outbox delete by id) whatever the tables held when planned.
 
--- A dispatch (repo/outbox.py, enqueue) deletes up to one waiter per task it makes
--- available, the most recently idle first, and notifies each on its own channel; when
--- it wakes fewer workers than tasks, or one that does not serve every task, it also
--- notifies the shared channel. Wake-ups are an optimisation: workers poll, so a waiter
--- row of a dead worker costs one dispatch at most one poll interval. task_waiters is
--- UNLOGGED: after a crash it is empty and every worker registers again at its next claim.
+-- Idle workers: a listening worker's claim registers it in task_waiters with its free
+-- slots and the wake-ups it has taken up; a dispatch (composer_enqueue,
+-- sql/R__dispatch.sql, which says how the two fit and why the poll is the safety net)
+-- hands a waiter up to that many. task_waiters is UNLOGGED: after a crash it is empty
+-- and every worker registers again at its next claim.
 
 -- A dispatch with a concurrency key or a rate limit (task_outbox.ckey, rkey: sql/V003) is
 -- taken only when composer_flow_admit says so; the pick (composer_pick) asks it about such
@@ -301,13 +301,17 @@ END;
 $$;
 REVOKE ALL ON FUNCTION composer_claim_month(TEXT, BOOLEAN) FROM PUBLIC;
 
--- The claim workers make: p_limit tasks at most (the wake-ups the worker had on its own
--- channel), while p_room, its free slots, decides its registration: a claim that takes
--- fewer than p_room leaves the worker registered, to be woken by the next dispatch, and
--- one that takes p_room withdraws it with SKIP LOCKED (a row an enqueuer is deleting is
--- already going). p_channel NULL: a caller that is not a listening worker (no registration).
+-- The claim workers make: p_limit tasks at most (the wake-ups the worker took up for
+-- it), while p_room, its free slots, and p_seen, the total of wake-ups handed to it
+-- (task_waiters.promised) it has taken up, make its registration: it can be handed
+-- p_room - (what it claimed) more, less those on their way to it. Written at step 1
+-- with p_room - p_limit (it waits there for a dispatch holding the row, holding nothing
+-- else yet), and the row stays locked to the claim's end, so a dispatch meanwhile
+-- skips this worker; a claim that got fewer than p_limit raises it at the end. p_seen
+-- NULL: all handed out taken up. p_channel NULL: a caller that is not a listening
+-- worker (no registration).
 CREATE OR REPLACE FUNCTION composer_claim(p_queues TEXT[], p_names TEXT[], p_owner TEXT, p_limit INT,
-                               p_claim TEXT, p_channel TEXT, p_room INT)
+                               p_claim TEXT, p_channel TEXT, p_room INT, p_seen BIGINT)
 RETURNS TABLE(run_id TEXT, task_id TEXT, node_id TEXT, attempt INT, task_name TEXT, queue TEXT,
               input JSONB, lease_s INT, lease_owner TEXT, lease_expires_at TIMESTAMPTZ)
 LANGUAGE plpgsql
@@ -353,9 +357,14 @@ BEGIN
         RETURN;
     END IF;
     IF p_channel IS NOT NULL THEN
-        INSERT INTO task_waiters (worker, channel, queues, task_names)
-        VALUES (p_owner, p_channel, p_queues, p_names)
-        ON CONFLICT (worker) DO NOTHING;
+        INSERT INTO task_waiters AS x (worker, channel, queues, task_names, slots, promised, seen)
+        VALUES (p_owner, p_channel, p_queues, p_names, GREATEST(p_room - p_limit, 0), COALESCE(p_seen, 0),
+                COALESCE(p_seen, 0))
+        ON CONFLICT (worker) DO UPDATE
+           SET channel = EXCLUDED.channel, queues = EXCLUDED.queues, task_names = EXCLUDED.task_names,
+               slots = EXCLUDED.slots, since = now(),
+               promised = GREATEST(x.promised, COALESCE(p_seen, x.promised)),
+               seen = COALESCE(p_seen, x.promised);
     END IF;
     -- The queue settings of p_queues (sql/V003; a queue without a row is open and
     -- unlimited): a paused queue is skipped, its tasks stay in the outbox; the open
@@ -434,39 +443,40 @@ BEGIN
             claimed := claimed + got;
         END LOOP;
     END IF;
-    -- Registered at step 1; a claim that took p_limit writes the registration again (as
-    -- the most recently idle) or, with no room left, withdraws it. A row locked here is
-    -- being deleted by a dispatch that has not committed, which wakes this worker when it
-    -- does; waiting for it would hold this claim's outbox and task rows, so it is skipped,
-    -- and the NOT EXISTS keeps the insert from waiting for it.
-    IF p_channel IS NOT NULL AND claimed >= p_limit THEN
-        DELETE FROM task_waiters w
-         WHERE w.worker = (SELECT x.worker FROM task_waiters x WHERE x.worker = p_owner FOR UPDATE SKIP LOCKED);
-        IF claimed < p_room THEN
-            INSERT INTO task_waiters (worker, channel, queues, task_names)
-            SELECT p_owner, p_channel, p_queues, p_names
-             WHERE NOT EXISTS (SELECT 1 FROM task_waiters x WHERE x.worker = p_owner)
-            ON CONFLICT (worker) DO NOTHING;
-        END IF;
+    -- Registered at step 1 as if this claim got p_limit; one that got fewer has room for
+    -- more. The row is this claim's since step 1 (a dispatch meanwhile skipped it).
+    IF p_channel IS NOT NULL AND claimed < p_limit THEN
+        UPDATE task_waiters w SET slots = p_room - claimed WHERE w.worker = p_owner;
     END IF;
 END;
 $$;
 
--- The six-argument claim, of callers without free slots of their own to count: the
--- claim above with p_room = p_limit.
+-- The seven- and six-argument claims, of callers that count no wake-ups (p_seen NULL)
+-- or no free slots either (p_room = p_limit): the claim above.
+CREATE OR REPLACE FUNCTION composer_claim(p_queues TEXT[], p_names TEXT[], p_owner TEXT, p_limit INT,
+                               p_claim TEXT, p_channel TEXT, p_room INT)
+RETURNS TABLE(run_id TEXT, task_id TEXT, node_id TEXT, attempt INT, task_name TEXT, queue TEXT,
+              input JSONB, lease_s INT, lease_owner TEXT, lease_expires_at TIMESTAMPTZ)
+LANGUAGE sql
+AS $$
+    SELECT * FROM composer_claim(p_queues, p_names, p_owner, p_limit, p_claim, p_channel, p_room, NULL::bigint)
+$$;
+
 CREATE OR REPLACE FUNCTION composer_claim(p_queues TEXT[], p_names TEXT[], p_owner TEXT, p_limit INT,
                                p_claim TEXT, p_channel TEXT)
 RETURNS TABLE(run_id TEXT, task_id TEXT, node_id TEXT, attempt INT, task_name TEXT, queue TEXT,
               input JSONB, lease_s INT, lease_owner TEXT, lease_expires_at TIMESTAMPTZ)
 LANGUAGE sql
 AS $$
-    SELECT * FROM composer_claim(p_queues, p_names, p_owner, p_limit, p_claim, p_channel, p_limit)
+    SELECT * FROM composer_claim(p_queues, p_names, p_owner, p_limit, p_claim, p_channel, p_limit, NULL::bigint)
 $$;
 
 REVOKE ALL ON FUNCTION composer_claim(TEXT[], TEXT[], TEXT, INT, TEXT, TEXT) FROM PUBLIC;
 GRANT EXECUTE ON FUNCTION composer_claim(TEXT[], TEXT[], TEXT, INT, TEXT, TEXT) TO composer_ops_engine;
 REVOKE ALL ON FUNCTION composer_claim(TEXT[], TEXT[], TEXT, INT, TEXT, TEXT, INT) FROM PUBLIC;
 GRANT EXECUTE ON FUNCTION composer_claim(TEXT[], TEXT[], TEXT, INT, TEXT, TEXT, INT) TO composer_ops_engine;
+REVOKE ALL ON FUNCTION composer_claim(TEXT[], TEXT[], TEXT, INT, TEXT, TEXT, INT, BIGINT) FROM PUBLIC;
+GRANT EXECUTE ON FUNCTION composer_claim(TEXT[], TEXT[], TEXT, INT, TEXT, TEXT, INT, BIGINT) TO composer_ops_engine;
 
 -- A running attempt that took a slot (task_instances.flow_slot, set by the claim) frees
 -- it when it leaves RUNNING, whatever moves it (completion, failure, re-queue after a

@@ -6,7 +6,8 @@ its queues deleted FOR UPDATE SKIP LOCKED, their tasks moved to RUNNING with a l
 fenced on attempt, and a 'claimed' history row each. Lock order: a transaction touching
 a task and its outbox row locks the outbox row first (the claim, and the shell when it
 cancels tasks), so the two never deadlock. Idle workers' registrations are taken by a
-dispatch with SKIP LOCKED and written by a claim before it locks anything else.
+dispatch with SKIP LOCKED, and written by a claim before it locks anything else (it
+holds its worker's row to its end, and a dispatch meanwhile skips that worker).
 """
 
 from __future__ import annotations
@@ -21,69 +22,40 @@ from composer_ops.repo._base import Conn, fetch_all, iso, recordset
 from composer_ops.repo.rows import Claim, Dispatch, Unstarted
 
 #: LISTEN/NOTIFY channel every worker listens on; the payload is the queue name. A
-#: dispatch notifies it only when no idle worker is registered (see :func:`enqueue`).
+#: dispatch notifies it only for rows no registered idle worker takes (see :func:`enqueue`).
 CHANNEL = "composer_tasks"
 
 
 def wake_channel(worker: str) -> str:
     """The channel only ``worker`` listens on, named after it (an identifier of at most
-    63 bytes, whatever the worker's ID)."""
+    63 bytes, whatever the worker's ID). A notification there carries the total of
+    wake-ups handed to the worker so far (``task_waiters.promised``)."""
     return "composer_wake_" + hashlib.sha1(worker.encode()).hexdigest()[:32]
 
 
 def enqueue(conn: Conn, dispatches: Sequence[Dispatch], *, now: datetime) -> None:
     """Write outbox rows, available from ``now`` unless a retry's backoff says later,
-    and wake one idle worker per row (NOTIFY is delivered at commit, and only if the
-    transaction commits). One statement, one round trip, however many rows and queues:
-    the rows come in as one JSON document (:func:`~composer_ops.repo._base.recordset`).
+    and wake idle workers for them (NOTIFY is delivered at commit, and only if the
+    transaction commits): one call of ``composer_enqueue`` (sql/R__dispatch.sql), one
+    round trip, however many rows and queues; the rows go in as one JSON document
+    (:func:`~composer_ops.repo._base.recordset`).
 
-    Idle workers are registered in ``task_waiters`` by their own claims (sql/R__claim.sql).
-    Up to one waiter per row is taken, the most recently idle first, among those
-    serving the row's queue and task name, and notified on its own channel; a worker so
-    woken claims one task per wake-up, the oldest it serves. When fewer waiters are taken
-    than rows written, or a waiter taken does not serve every row (so its one claim may
-    take a row another was woken for), one notification per distinct queue also goes to
-    :data:`CHANNEL`, which every worker listens on and which makes a worker claim all it
-    has room for (a worker between its wake-up and its next claim is not registered, and
-    is woken that way; on Citus no claim registers). A waiter row outliving its worker
-    (killed: a clean stop deletes it) costs the task it is woken for a poll interval."""
+    Idle workers are registered in ``task_waiters`` by their own claims with their free
+    slots (sql/R__claim.sql). The dispatch hands each waiter, the most recently
+    registered first, up to as many of the rows it serves as it has room for, with one
+    notification on its own channel; only rows no waiter takes (or every row, when a
+    waiter taken does not serve them all) are announced on :data:`CHANNEL`, once per
+    queue. The poll is the safety net: a wake-up lost (a killed waiter's row outlives
+    it) costs its row at most a poll interval of an idle worker (sql/R__dispatch.sql)."""
     if not dispatches:
         return
-    conn.execute("""
-        WITH ins AS (
-            INSERT INTO task_outbox (queue, run_id, task_id, attempt, task_name, lease_s, available_at, created_at,
-                                     priority, max_run_s, start_by, ckey, climit, rkey, rate_per_s, rate_burst)
-            SELECT q, r, t, a, n, l, COALESCE(av, %(now)s), %(now)s, COALESCE(p, 0), m,
-                   COALESCE(av, %(now)s) + make_interval(secs => w), ck, cl, rk, rp, rb
-              FROM jsonb_to_recordset(%(rows)s::jsonb) AS d(q text, r text, t text, a int4, n text, l int4,
-                                                           av timestamptz, p int2, m int4, w float8, ck text,
-                                                           cl int4, rk text, rp float8, rb int4)
-            RETURNING queue, task_name
-        ), woken AS (
-            DELETE FROM task_waiters w
-             USING (SELECT x.worker FROM task_waiters x
-                     WHERE EXISTS (SELECT 1 FROM ins
-                                    WHERE ins.queue = ANY(x.queues)
-                                      AND (x.task_names IS NULL OR ins.task_name = ANY(x.task_names)))
-                     ORDER BY x.since DESC
-                     LIMIT (SELECT count(*) FROM ins)
-                       FOR UPDATE SKIP LOCKED) s
-             WHERE w.worker = s.worker
-            RETURNING w.channel, w.queues, w.task_names)
-        SELECT pg_notify(channel, queues[1]) FROM woken
-        UNION ALL
-        SELECT pg_notify(%(channel)s, q.queue)
-          FROM (SELECT DISTINCT queue FROM ins ORDER BY queue) q
-         WHERE (SELECT count(*) FROM woken) < (SELECT count(*) FROM ins)
-            OR EXISTS (SELECT 1 FROM woken w, ins i
-                        WHERE NOT (i.queue = ANY(w.queues)
-                                   AND (w.task_names IS NULL OR i.task_name = ANY(w.task_names))))""",
+    conn.execute("SELECT composer_enqueue(%(rows)s::jsonb, %(now)s)",
         {"rows": recordset([{"q": d.queue, "r": d.run_id, "t": d.task_id, "a": d.attempt, "n": d.task_name,
                              "l": d.lease_s, "av": iso(d.available_at), "p": d.priority or None,
                              "m": d.max_run_s, "w": d.start_within_s, "ck": d.ckey, "cl": d.climit,
                              "rk": d.rkey, "rp": d.rate_per_s, "rb": d.rate_burst}
                             for d in dispatches]),
-         "now": now, "channel": CHANNEL})
+         "now": now})
 
 
 def listen(conn: Conn, channel: str = CHANNEL) -> None:
@@ -94,20 +66,23 @@ def listen(conn: Conn, channel: str = CHANNEL) -> None:
 _CLAIM = """
         SELECT run_id, task_id, node_id, attempt, task_name, queue, input, lease_s, lease_owner, lease_expires_at
           FROM composer_claim(%(queues)s, %(names)s::text[], %(owner)s, %(limit)s, %(claim)s, %(channel)s,
-                              %(room)s)"""
+                              %(room)s, %(seen)s::bigint)"""
 
 
 def claim(conn: Conn, queues: Sequence[str], owner: str, limit: int,
           task_names: Sequence[str] | None = None, *, claim_id: str, wake: str | None = None,
-          room: int | None = None) -> list[Claim]:
+          room: int | None = None, seen: int | None = None) -> list[Claim]:
     """Claim up to ``limit`` available tasks of ``queues`` for ``owner`` (only tasks
     named in ``task_names`` when given: a worker never takes work it has no handler for),
     recording each in its run's history as claimed by ``claim_id``. With ``wake`` (the
-    channel ``owner`` listens on), a claim that gets fewer than ``room`` (the tasks
-    ``owner`` has room for; default ``limit``) leaves ``owner`` registered as idle, to be
-    woken there by the next dispatch (:func:`enqueue`); one that gets ``room`` withdraws it."""
+    channel ``owner`` listens on), the claim registers ``owner`` to be woken there by
+    dispatches (:func:`enqueue`) for as many tasks as it has room for afterwards
+    (``room``: the tasks ``owner`` had room for, default ``limit``), less the wake-ups on
+    their way to it (``seen``: the total of wake-ups handed to ``owner`` it has taken up,
+    the payloads of its channel; None: all)."""
     return fetch_all(conn, Claim, _CLAIM,
                      {"queues": list(queues), "owner": owner, "limit": limit, "claim": claim_id, "channel": wake,
+                      "seen": seen,
                       "room": limit if room is None else max(room, limit),
                       "names": list(task_names) if task_names is not None else None})
 
