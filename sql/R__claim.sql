@@ -8,10 +8,11 @@
 --      then finds what that attempt claimed (docs/reliability.md); the retry also fences
 --      the claim ID (claim_fences), and an attempt that gets the lock after a fence
 --      committed (its statement reached the server late) claims nothing;
---   1. a listening worker registers itself in task_waiters (its queues, task names, wake
---      channel, the wake-ups it has taken up, and its slots as if it got all it asks
---      for) before it takes any outbox row, so a claim that waits there (a dispatch
---      holds the row and has not committed) holds nothing yet;
+--   1. a listening worker not yet registered in task_waiters inserts its row (queues,
+--      task names, wake channel, the wake-ups it has taken up, its slots as if it got
+--      all it asks for) before it takes any outbox row, so a claim that waits there (a
+--      dispatch holds the row and has not committed) holds nothing yet; an existing row
+--      is left unlocked, for dispatches meanwhile;
 --   2. it deletes up to p_limit available outbox rows of its queues, highest priority
 --      first, then oldest, FOR UPDATE SKIP LOCKED; a paused queue gives none, and a
 --      queue with max_running gives at most its room (queue_settings, flow_slots:
@@ -304,10 +305,13 @@ REVOKE ALL ON FUNCTION composer_claim_month(TEXT, BOOLEAN) FROM PUBLIC;
 -- The claim workers make: p_limit tasks at most (the wake-ups the worker took up for
 -- it), while p_room, its free slots, and p_seen, the total of wake-ups handed to it
 -- (task_waiters.promised) it has taken up, make its registration: it can be handed
--- p_room - (what it claimed) more, less those on their way to it. Written at step 1
--- with p_room - p_limit (it waits there for a dispatch holding the row, holding nothing
--- else yet), and the row stays locked to the claim's end, so a dispatch meanwhile
--- skips this worker; a claim that got fewer than p_limit raises it at the end. p_seen
+-- p_room - (what it claimed) more, less those on their way to it. Inserted at step 1
+-- when missing, written at the end, where a row a dispatch holds (it has not committed)
+-- is skipped rather than waited for, as waiting would hold this claim's outbox and task
+-- rows while the dispatch may come to need them. A registration so left behind is what
+-- the worker registered at its previous claim: as the dispatch took it, with room for
+-- wake-ups the worker may have no slot for now, whose rows wait for one of its slots or
+-- another worker's poll (sql/R__dispatch.sql), until its next claim writes it. p_seen
 -- NULL: all handed out taken up. p_channel NULL: a caller that is not a listening
 -- worker (no registration).
 CREATE OR REPLACE FUNCTION composer_claim(p_queues TEXT[], p_names TEXT[], p_owner TEXT, p_limit INT,
@@ -357,14 +361,10 @@ BEGIN
         RETURN;
     END IF;
     IF p_channel IS NOT NULL THEN
-        INSERT INTO task_waiters AS x (worker, channel, queues, task_names, slots, promised, seen)
+        INSERT INTO task_waiters (worker, channel, queues, task_names, slots, promised, seen)
         VALUES (p_owner, p_channel, p_queues, p_names, GREATEST(p_room - p_limit, 0), COALESCE(p_seen, 0),
                 COALESCE(p_seen, 0))
-        ON CONFLICT (worker) DO UPDATE
-           SET channel = EXCLUDED.channel, queues = EXCLUDED.queues, task_names = EXCLUDED.task_names,
-               slots = EXCLUDED.slots, since = now(),
-               promised = GREATEST(x.promised, COALESCE(p_seen, x.promised)),
-               seen = COALESCE(p_seen, x.promised);
+        ON CONFLICT (worker) DO NOTHING;
     END IF;
     -- The queue settings of p_queues (sql/V003; a queue without a row is open and
     -- unlimited): a paused queue is skipped, its tasks stay in the outbox; the open
@@ -443,10 +443,14 @@ BEGIN
             claimed := claimed + got;
         END LOOP;
     END IF;
-    -- Registered at step 1 as if this claim got p_limit; one that got fewer has room for
-    -- more. The row is this claim's since step 1 (a dispatch meanwhile skipped it).
-    IF p_channel IS NOT NULL AND claimed < p_limit THEN
-        UPDATE task_waiters w SET slots = p_room - claimed WHERE w.worker = p_owner;
+    -- The registration, with the room this claim leaves. A row locked here is held by a
+    -- dispatch that has not committed: skipped (header above).
+    IF p_channel IS NOT NULL THEN
+        UPDATE task_waiters w
+           SET channel = p_channel, queues = p_queues, task_names = p_names, slots = p_room - claimed,
+               promised = GREATEST(w.promised, COALESCE(p_seen, w.promised)), seen = COALESCE(p_seen, w.promised),
+               since = now()
+         WHERE w.worker = (SELECT x.worker FROM task_waiters x WHERE x.worker = p_owner FOR UPDATE SKIP LOCKED);
     END IF;
 END;
 $$;

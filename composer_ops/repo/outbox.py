@@ -6,8 +6,8 @@ its queues deleted FOR UPDATE SKIP LOCKED, their tasks moved to RUNNING with a l
 fenced on attempt, and a 'claimed' history row each. Lock order: a transaction touching
 a task and its outbox row locks the outbox row first (the claim, and the shell when it
 cancels tasks), so the two never deadlock. Idle workers' registrations are taken by a
-dispatch with SKIP LOCKED, and written by a claim before it locks anything else (it
-holds its worker's row to its end, and a dispatch meanwhile skips that worker).
+dispatch with SKIP LOCKED, inserted by a claim before it locks anything else, and
+written at its end with SKIP LOCKED.
 """
 
 from __future__ import annotations

@@ -168,11 +168,11 @@ def test_a_woken_worker_that_does_not_serve_every_task_also_tells_the_shared_cha
     assert wakes.notified() == ["a", "b", "shared"]
 
 
-def test_a_claiming_worker_is_skipped_by_a_dispatch_not_waited_for(db_url: str, wakes: Wakes) -> None:
-    """A claim holds its worker's registration from its first step to its commit. A
-    dispatch meanwhile (two dispatches racing for one waiter are the same case) skips the
-    row, never waiting for the claim, and announces its task on the shared channel; the
-    claim then registers the worker's room as usual."""
+def test_a_claim_that_registers_again_never_waits_for_a_dispatch(db_url: str, wakes: Wakes) -> None:
+    """A claim writes its worker's registration after it has locked its tasks. A dispatch
+    that took that registration meanwhile and has not committed must not make it wait
+    there, holding its task while the dispatch may come to need it: the claim leaves the
+    registration as the dispatch wrote it."""
     wakes.idle("a", room=2, seen=0)
     wakes.dispatch(nodes=("x",))
     assert wakes.told() == [("a", "1")]
@@ -186,15 +186,15 @@ def test_a_claiming_worker_is_skipped_by_a_dispatch_not_waited_for(db_url: str, 
             blocker.execute("SELECT 1 FROM task_instances WHERE node_id = 'x' FOR UPDATE")
             claim.start()
             wait_for(partial(_lock_waits, wakes.conn, 1), what="the claim waiting at its task")
-            done = threading.Event()
-            threading.Thread(target=lambda: (Wakes(dispatcher, wakes.listen, wakes.channels).dispatch(
-                run_id, nodes=("y",)), done.set()), daemon=True).start()
-            assert done.wait(30), "the dispatch waited for the claim's registration"
+            Wakes(dispatcher, wakes.listen, wakes.channels).dispatch(run_id, nodes=("y",))  # takes a's row
         claim.join(30)
+        waited = claim.is_alive()
         dispatcher.commit()
+        claim.join(30)
+        assert not waited, "the claim waited for the uncommitted dispatch, holding its task"
     assert [len(g) for g in got] == [1]
-    assert wakes.notified() == ["shared"]           # the second dispatch skipped a
-    assert _room(wakes.conn, "a") == 1
+    assert wakes.told() == [("a", "2")]             # a had room for y: one slot free, one owed
+    assert _room(wakes.conn, "a") == 0
 
 
 def _lock_waits(conn: psycopg.Connection[Any], n: int) -> bool:
