@@ -349,6 +349,8 @@ DECLARE
     m_queues TEXT[];
     m_maxruns INT[];
     m_ckeys TEXT[];
+    more BOOLEAN;
+    total BIGINT;
 BEGIN
     -- First, before anything else: held until this claim commits or rolls back, so a
     -- retry of the same claim, which takes it before it looks (repo/outbox.py,
@@ -444,13 +446,27 @@ BEGIN
         END LOOP;
     END IF;
     -- The registration, with the room this claim leaves. A row locked here is held by a
-    -- dispatch that has not committed: skipped (header above).
+    -- dispatch that has not committed: skipped (header above). A claim that filled the
+    -- worker's room may have left ready rows behind that no other worker was told of (a
+    -- dispatch told this worker, or everyone, and this claim took what it had room for):
+    -- it hands its worker one wake-up more, so the worker claims again when a slot frees,
+    -- and otherwise waits for a wake-up (engine/worker.py) instead of claiming on spec.
     IF p_channel IS NOT NULL THEN
+        more := claimed >= p_room
+                AND EXISTS (SELECT 1 FROM task_outbox o
+                             WHERE o.queue = ANY(p_queues) AND o.available_at <= now()
+                               AND (p_names IS NULL OR o.task_name = ANY(p_names)));
         UPDATE task_waiters w
            SET channel = p_channel, queues = p_queues, task_names = p_names, slots = p_room - claimed,
-               promised = GREATEST(w.promised, COALESCE(p_seen, w.promised)), seen = COALESCE(p_seen, w.promised),
-               since = now()
-         WHERE w.worker = (SELECT x.worker FROM task_waiters x WHERE x.worker = p_owner FOR UPDATE SKIP LOCKED);
+               promised = GREATEST(w.promised, COALESCE(p_seen, w.promised)) + more::int,
+               seen = COALESCE(p_seen, w.promised), since = now()
+         WHERE w.worker = (SELECT x.worker FROM task_waiters x WHERE x.worker = p_owner FOR UPDATE SKIP LOCKED)
+        RETURNING w.promised INTO total;
+        IF more AND total IS NOT NULL THEN
+            PERFORM pg_notify(p_channel, total::text);
+        ELSIF more THEN                     -- the registration skipped: every worker is told
+            PERFORM pg_notify('composer_tasks', u.q) FROM unnest(p_queues) AS u(q);
+        END IF;
     END IF;
 END;
 $$;

@@ -366,6 +366,16 @@ class Engine:
                     outbox.fence_claim(conn, request.id)
                 return claims
 
+    @db_retry()
+    def register_idle(self, queues: Sequence[str], owner: str, task_names: Sequence[str] | None, *, wake: str,
+                      room: int, seen: int) -> None:
+        """Register ``owner`` to be woken on ``wake`` for ``room`` tasks, as its claims do
+        (:func:`composer_ops.repo.outbox.register`); idempotent. On Citus, where no claim
+        registers, nothing."""
+        with self.pool.connection() as conn, autocommit(conn):
+            if not self._on_citus(conn):
+                outbox.register(conn, queues, owner, task_names, wake=wake, room=room, seen=seen)
+
     def complete(self, claim: Claim, output: Any) -> Outcome:
         ref = _task_ref(claim)
         return self.shell.handle(claim.run_id, lambda now: TaskCompleted(ref=ref, output=output, now=now))

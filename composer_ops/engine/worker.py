@@ -204,6 +204,7 @@ class Worker:
 
     def _claim_loop(self, slots: queue.SimpleQueue[tuple[Claim, float] | None]) -> None:
         failures = 0          # claims failed in a row
+        filled = False        # the last claim took every free slot: registered with no room
         while not self._stop.is_set():
             # Attempts in flight can exceed the slots (a claim that got more than it asked
             # for): no room then, as with every slot taken, until enough of them finish.
@@ -211,6 +212,19 @@ class Worker:
             if free <= 0:
                 self._wake.wait(self.poll_interval)
                 self._wake.clear()
+                continue
+            if filled and not self._woken():
+                # Slots freed after a claim that filled them and left nothing ready (it
+                # would have woken this worker): register the room instead of claiming.
+                filled = False
+                with self._wake_lock:
+                    seen = self._taken
+                try:
+                    self.engine.register_idle(self.queues, self.worker_id, list(self._handlers),
+                                              wake=self._wake_channel, room=free, seen=seen)
+                except Exception as exc:  # the claim below registers it, at the poll
+                    log.warning("could not register worker %s as idle: %s", self.worker_id, exc)
+                self._wait_for_dispatch()
                 continue
             claimed_at = time.monotonic()
             with self._wake_lock:
@@ -235,6 +249,7 @@ class Worker:
                 self._stop.wait(delay)
                 continue
             failures = 0
+            filled = len(claims) >= free
             counts = self._claims[reason]
             counts[0] += 1
             counts[1] += not claims
@@ -242,7 +257,10 @@ class Worker:
                 with self._active_lock:
                     self._inflight += 1
                 slots.put((claim, claimed_at))
-            if len(claims) < free:
+            # A claim that filled every slot and left tasks ready handed this worker a
+            # wake-up for them (sql/R__claim.sql): when a slot frees, it claims if woken
+            # and registers its room otherwise (above), never claiming on spec.
+            if not filled:
                 self._wait_for_dispatch()
 
     def claim_backoff(self, failures: int) -> float:
@@ -261,10 +279,11 @@ class Worker:
         return {reason: {"claims": n, "empty": empty} for reason, (n, empty) in self._claims.items()}
 
     def _wait_for_dispatch(self) -> None:
-        """After a claim that got less than it had room for (which registered this worker as
-        idle): wait for a notification, a stop or the poll interval. A handler finishing
-        meanwhile does not end the wait: the registration stands for every free slot,
-        and claiming without a dispatch would come back empty."""
+        """After a claim (which registered this worker with the room it left): wait for a
+        notification, a stop or the poll interval. A handler finishing meanwhile does not
+        end the wait: a dispatch hands out the room, and a claim that filled the slots
+        and left tasks behind woke this worker itself; claiming without either would
+        come back empty."""
         deadline = time.monotonic() + self.poll_interval
         while not self._stop.is_set() and not self._woken():
             left = deadline - time.monotonic()

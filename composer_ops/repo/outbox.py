@@ -87,6 +87,23 @@ def claim(conn: Conn, queues: Sequence[str], owner: str, limit: int,
                       "names": list(task_names) if task_names is not None else None})
 
 
+def register(conn: Conn, queues: Sequence[str], owner: str, task_names: Sequence[str] | None, *, wake: str,
+             room: int, seen: int) -> None:
+    """Register ``owner`` as idle with ``room`` free slots, woken on channel ``wake``,
+    having taken up ``seen`` wake-ups: what a claim writes (sql/R__claim.sql), for a
+    worker whose last claim filled its slots and left nothing ready, once a slot frees
+    (a claim then would come back empty). Waits for a dispatch holding the row."""
+    conn.execute("""
+        INSERT INTO task_waiters AS w (worker, channel, queues, task_names, slots, promised, seen)
+        VALUES (%(owner)s, %(wake)s, %(queues)s, %(names)s::text[], %(room)s, %(seen)s, %(seen)s)
+        ON CONFLICT (worker) DO UPDATE
+           SET channel = EXCLUDED.channel, queues = EXCLUDED.queues, task_names = EXCLUDED.task_names,
+               slots = EXCLUDED.slots, promised = GREATEST(w.promised, EXCLUDED.seen), seen = EXCLUDED.seen,
+               since = now()""",
+                 {"owner": owner, "wake": wake, "queues": list(queues), "room": room, "seen": seen,
+                  "names": list(task_names) if task_names is not None else None})
+
+
 #: The lock a claim takes as its first step (sql/R__claim.sql, and :func:`composer_ops.repo.citus.claim`),
 #: until it commits or rolls back: two int4 keys, a space apart from the one-bigint keys.
 _LOCK_CLAIM = "SELECT pg_advisory_xact_lock(hashtext('composer_claim'), hashtext(%(claim)s))"

@@ -129,9 +129,9 @@ def test_a_claim_of_its_wake_ups_keeps_a_worker_with_room_registered(wakes: Wake
     wakes.dispatch()
     assert wakes.notified() == ["shared"]
     got = outbox.claim(conn, ["default"], "a", 2, claim_id="full", wake=outbox.wake_channel("a"), room=2, seen=3)
-    assert len(got) == 2
+    assert len(got) == 2                            # of 3 ready: a is handed one more wake-up
     wakes.dispatch()                                # a is busy: no room registered
-    assert wakes.notified() == ["shared"]
+    assert wakes.told() == [("a", "4"), ("shared", "default")]
 
 
 def test_wake_ups_on_their_way_to_a_worker_are_not_handed_out_again(wakes: Wakes) -> None:
@@ -149,8 +149,9 @@ def test_wake_ups_on_their_way_to_a_worker_are_not_handed_out_again(wakes: Wakes
     wakes.dispatch()                                # a's two slots: one busy, one owed
     assert wakes.notified() == ["shared"]
     got = outbox.claim(conn, ["default"], "a", 1, claim_id="second", wake=outbox.wake_channel("a"), room=1, seen=2)
-    assert len(got) == 1
-    assert _room(conn, "a") == 0
+    assert len(got) == 1                            # full, the third task left: one more wake-up
+    assert wakes.told() == [("a", "3")]
+    assert _room(conn, "a") == -1
 
 
 def _room(conn: psycopg.Connection[Any], worker: str) -> int:

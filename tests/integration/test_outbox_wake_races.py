@@ -140,10 +140,10 @@ def test_two_dispatches_racing_for_one_waiter(db_url: str, wakes: Wakes) -> None
     wakes.idle("a", room=2, seen=0)
     with psycopg.connect(db_url) as first, psycopg.connect(db_url, autocommit=True) as second:
         Wakes(first, wakes.listen, wakes.channels).dispatch()          # uncommitted: holds a's row
-        done = threading.Event()
-        threading.Thread(target=lambda: (Wakes(second, wakes.listen, wakes.channels).dispatch(), done.set()),
-                         daemon=True).start()
-        assert done.wait(30), "the second dispatch waited for the first"
+        racing = threading.Thread(target=Wakes(second, wakes.listen, wakes.channels).dispatch, daemon=True)
+        racing.start()
+        racing.join(30)
+        assert not racing.is_alive(), "the second dispatch waited for the first"
         assert wakes.told() == [("shared", "default")]
         first.commit()
     assert wakes.told() == [("a", "1")]
