@@ -147,3 +147,29 @@ def test_two_dispatches_racing_for_one_waiter(db_url: str, wakes: Wakes) -> None
         assert wakes.told() == [("shared", "default")]
         first.commit()
     assert wakes.told() == [("a", "1")]
+
+
+def test_a_worker_that_fills_its_slots_claims_again_only_for_tasks_left(db_url: str, engine: Engine) -> None:
+    """A worker of one slot, two tasks ready: its first claim fills the slot and leaves
+    one task, so it hands the worker a wake-up, and the worker claims that task when the
+    slot frees; that claim leaves nothing, so the worker registers its freed slot instead
+    of claiming (a claim would come back empty), and the next dispatch wakes it."""
+    first, second = engine.start("one"), engine.start("one")
+    w_engine = Engine.connect(db_url, pool_size=2)
+    worker = Worker(w_engine, concurrency=1, poll_interval=3600.0, worker_id="single")
+    worker.handler("noop")(lambda _input, _ctx: None)
+    thread = threading.Thread(target=worker.run, daemon=True)
+    thread.start()
+    try:
+        for run_id in (first, second):
+            wait_for(partial(_finished, engine, run_id), what=f"run {run_id}")
+        wait_for(lambda: _room(engine, "single") == 1, what="the freed slot registered")
+        assert worker.claim_counts() == {"own": {"claims": 1, "empty": 0}, "shared": {"claims": 0, "empty": 0},
+                                         "room": {"claims": 1, "empty": 0}}
+        third = engine.start("one")
+        wait_for(partial(_finished, engine, third), what=f"run {third}")
+    finally:
+        worker.stop()
+        thread.join(60)
+        w_engine.close()
+    assert worker.claim_counts()["own"] == {"claims": 2, "empty": 0}
