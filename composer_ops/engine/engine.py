@@ -368,13 +368,15 @@ class Engine:
 
     @db_retry()
     def register_idle(self, queues: Sequence[str], owner: str, task_names: Sequence[str] | None, *, wake: str,
-                      room: int, seen: int) -> None:
+                      room: int, seen: int) -> bool:
         """Register ``owner`` to be woken on ``wake`` for ``room`` tasks, as its claims do
-        (:func:`composer_ops.repo.outbox.register`); idempotent. On Citus, where no claim
-        registers, nothing."""
+        (:func:`composer_ops.repo.outbox.register`); idempotent. False on Citus, where no
+        claim registers (nor wakes its worker for tasks it left): nothing is written."""
         with self.pool.connection() as conn, autocommit(conn):
-            if not self._on_citus(conn):
-                outbox.register(conn, queues, owner, task_names, wake=wake, room=room, seen=seen)
+            if self._on_citus(conn):
+                return False
+            outbox.register(conn, queues, owner, task_names, wake=wake, room=room, seen=seen)
+            return True
 
     def complete(self, claim: Claim, output: Any) -> Outcome:
         ref = _task_ref(claim)

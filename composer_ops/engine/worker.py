@@ -216,16 +216,12 @@ class Worker:
             if filled and not self._woken():
                 # Slots freed after a claim that filled them and left nothing ready (it
                 # would have woken this worker): register the room instead of claiming.
+                # On Citus, or when registering fails, claim as the claim may have left
+                # tasks behind.
                 filled = False
-                with self._wake_lock:
-                    seen = self._taken
-                try:
-                    self.engine.register_idle(self.queues, self.worker_id, list(self._handlers),
-                                              wake=self._wake_channel, room=free, seen=seen)
-                except Exception as exc:  # the claim below registers it, at the poll
-                    log.warning("could not register worker %s as idle: %s", self.worker_id, exc)
-                self._wait_for_dispatch()
-                continue
+                if self._register_idle(free):
+                    self._wait_for_dispatch()
+                    continue
             claimed_at = time.monotonic()
             with self._wake_lock:
                 # Wake-ups beyond the free slots stay owed: claimed when slots free.
@@ -262,6 +258,16 @@ class Worker:
             # and registers its room otherwise (above), never claiming on spec.
             if not filled:
                 self._wait_for_dispatch()
+
+    def _register_idle(self, free: int) -> bool:
+        with self._wake_lock:
+            seen = self._taken
+        try:
+            return self.engine.register_idle(self.queues, self.worker_id, list(self._handlers),
+                                             wake=self._wake_channel, room=free, seen=seen)
+        except Exception as exc:  # the claim registers it instead
+            log.warning("could not register worker %s as idle: %s", self.worker_id, exc)
+            return False
 
     def claim_backoff(self, failures: int) -> float:
         """Seconds to pause after a claim failed, ``failures`` claims having failed in a

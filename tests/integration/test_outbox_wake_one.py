@@ -292,9 +292,7 @@ def test_four_idle_workers_few_empty_claims(db_url: str, spec: dict[str, Any], r
     tasks, dispatched by one statement: the dispatch hands the four to one worker with
     room for them, which claims them (with the shared channel told, or a worker woken
     per task each claiming all it has room for, the others' claims would come back
-    empty). A worker whose claim filled its last slot claims again when a slot frees,
-    since more may be waiting: with 1 slot that claim is empty whenever nothing is
-    queued, so the slots here are 4."""
+    empty)."""
     with Engine.connect(db_url, pool_size=2) as engine:
         engine.deploy(spec)
         with _idle_workers(db_url, engine) as counts:
