@@ -8,9 +8,11 @@
 --      then finds what that attempt claimed (docs/reliability.md); the retry also fences
 --      the claim ID (claim_fences), and an attempt that gets the lock after a fence
 --      committed (its statement reached the server late) claims nothing;
---   1. a listening worker registers itself in task_waiters (its queues, task names and
---      wake channel) before it takes any outbox row, so a claim that waits there (an
---      enqueuer is deleting the same row and has not committed) holds nothing yet;
+--   1. a listening worker not yet registered in task_waiters inserts its row (queues,
+--      task names, wake channel, the wake-ups it has taken up, its slots as if it got
+--      all it asks for) before it takes any outbox row, so a claim that waits there (a
+--      dispatch holds the row and has not committed) holds nothing yet; an existing row
+--      is left unlocked, for dispatches meanwhile;
 --   2. it deletes up to p_limit available outbox rows of its queues, highest priority
 --      first, then oldest, FOR UPDATE SKIP LOCKED; a paused queue gives none, and a
 --      queue with max_running gives at most its room (queue_settings, flow_slots:
@@ -33,12 +35,11 @@
 -- would scan it whole: with enable_seqscan off the claim's plans go through the indexes
 -- (task update by run_id, outbox delete by id) whatever the tables held when planned.
 
--- A dispatch (repo/outbox.py, enqueue) deletes up to one waiter per task it makes
--- available, the most recently idle first, and notifies each on its own channel; when
--- it wakes fewer workers than tasks, or one that does not serve every task, it also
--- notifies the shared channel. Wake-ups are an optimisation: workers poll, so a waiter
--- row of a dead worker costs one dispatch at most one poll interval. task_waiters is
--- UNLOGGED: after a crash it is empty and every worker registers again at its next claim.
+-- Idle workers: a listening worker's claim registers it in task_waiters with its free
+-- slots and the wake-ups it has taken up; a dispatch (composer_enqueue,
+-- sql/R__dispatch.sql, which says how the two fit and why the poll is the safety net)
+-- hands a waiter up to that many. task_waiters is UNLOGGED: after a crash it is empty
+-- and every worker registers again at its next claim.
 
 -- A dispatch with a concurrency key or a rate limit (task_outbox.ckey, rkey: sql/V003) is
 -- taken only when composer_flow_admit says so; the pick (composer_pick) asks it about such
@@ -301,13 +302,20 @@ END;
 $$;
 REVOKE ALL ON FUNCTION composer_claim_month(TEXT, BOOLEAN) FROM PUBLIC;
 
--- The claim workers make: p_limit tasks at most (the wake-ups the worker had on its own
--- channel), while p_room, its free slots, decides its registration: a claim that takes
--- fewer than p_room leaves the worker registered, to be woken by the next dispatch, and
--- one that takes p_room withdraws it with SKIP LOCKED (a row an enqueuer is deleting is
--- already going). p_channel NULL: a caller that is not a listening worker (no registration).
+-- The claim workers make: p_limit tasks at most (the wake-ups the worker took up for
+-- it), while p_room, its free slots, and p_seen, the total of wake-ups handed to it
+-- (task_waiters.promised) it has taken up, make its registration: it can be handed
+-- p_room - (what it claimed) more, less those on their way to it. Inserted at step 1
+-- when missing, written at the end, where a row a dispatch holds (it has not committed)
+-- is skipped rather than waited for, as waiting would hold this claim's outbox and task
+-- rows while the dispatch may come to need them. A registration so left behind is what
+-- the worker registered at its previous claim: as the dispatch took it, with room for
+-- wake-ups the worker may have no slot for now, whose rows wait for one of its slots or
+-- another worker's poll (sql/R__dispatch.sql), until its next claim writes it. p_seen
+-- NULL: all handed out taken up. p_channel NULL: a caller that is not a listening
+-- worker (no registration).
 CREATE OR REPLACE FUNCTION composer_claim(p_queues TEXT[], p_names TEXT[], p_owner TEXT, p_limit INT,
-                               p_claim TEXT, p_channel TEXT, p_room INT)
+                               p_claim TEXT, p_channel TEXT, p_room INT, p_seen BIGINT)
 RETURNS TABLE(run_id TEXT, task_id TEXT, node_id TEXT, attempt INT, task_name TEXT, queue TEXT,
               input JSONB, lease_s INT, lease_owner TEXT, lease_expires_at TIMESTAMPTZ)
 LANGUAGE plpgsql
@@ -341,6 +349,8 @@ DECLARE
     m_queues TEXT[];
     m_maxruns INT[];
     m_ckeys TEXT[];
+    more BOOLEAN;
+    total BIGINT;
 BEGIN
     -- First, before anything else: held until this claim commits or rolls back, so a
     -- retry of the same claim, which takes it before it looks (repo/outbox.py,
@@ -353,8 +363,9 @@ BEGIN
         RETURN;
     END IF;
     IF p_channel IS NOT NULL THEN
-        INSERT INTO task_waiters (worker, channel, queues, task_names)
-        VALUES (p_owner, p_channel, p_queues, p_names)
+        INSERT INTO task_waiters (worker, channel, queues, task_names, slots, promised, seen)
+        VALUES (p_owner, p_channel, p_queues, p_names, GREATEST(p_room - p_limit, 0), COALESCE(p_seen, 0),
+                COALESCE(p_seen, 0))
         ON CONFLICT (worker) DO NOTHING;
     END IF;
     -- The queue settings of p_queues (sql/V003; a queue without a row is open and
@@ -434,39 +445,58 @@ BEGIN
             claimed := claimed + got;
         END LOOP;
     END IF;
-    -- Registered at step 1; a claim that took p_limit writes the registration again (as
-    -- the most recently idle) or, with no room left, withdraws it. A row locked here is
-    -- being deleted by a dispatch that has not committed, which wakes this worker when it
-    -- does; waiting for it would hold this claim's outbox and task rows, so it is skipped,
-    -- and the NOT EXISTS keeps the insert from waiting for it.
-    IF p_channel IS NOT NULL AND claimed >= p_limit THEN
-        DELETE FROM task_waiters w
-         WHERE w.worker = (SELECT x.worker FROM task_waiters x WHERE x.worker = p_owner FOR UPDATE SKIP LOCKED);
-        IF claimed < p_room THEN
-            INSERT INTO task_waiters (worker, channel, queues, task_names)
-            SELECT p_owner, p_channel, p_queues, p_names
-             WHERE NOT EXISTS (SELECT 1 FROM task_waiters x WHERE x.worker = p_owner)
-            ON CONFLICT (worker) DO NOTHING;
+    -- The registration, with the room this claim leaves. A row locked here is held by a
+    -- dispatch that has not committed: skipped (header above). A claim that filled the
+    -- worker's room may have left ready rows behind that no other worker was told of (a
+    -- dispatch told this worker, or everyone, and this claim took what it had room for):
+    -- it hands its worker one wake-up more, so the worker claims again when a slot frees,
+    -- and otherwise waits for a wake-up (engine/worker.py) instead of claiming on spec.
+    IF p_channel IS NOT NULL THEN
+        more := claimed >= p_room
+                AND EXISTS (SELECT 1 FROM task_outbox o
+                             WHERE o.queue = ANY(p_queues) AND o.available_at <= now()
+                               AND (p_names IS NULL OR o.task_name = ANY(p_names)));
+        UPDATE task_waiters w
+           SET channel = p_channel, queues = p_queues, task_names = p_names, slots = p_room - claimed,
+               promised = GREATEST(w.promised, COALESCE(p_seen, w.promised)) + more::int,
+               seen = COALESCE(p_seen, w.promised), since = now()
+         WHERE w.worker = (SELECT x.worker FROM task_waiters x WHERE x.worker = p_owner FOR UPDATE SKIP LOCKED)
+        RETURNING w.promised INTO total;
+        IF more AND total IS NOT NULL THEN
+            PERFORM pg_notify(p_channel, total::text);
+        ELSIF more THEN                     -- the registration skipped: every worker is told
+            PERFORM pg_notify('composer_tasks', u.q) FROM unnest(p_queues) AS u(q);
         END IF;
     END IF;
 END;
 $$;
 
--- The six-argument claim, of callers without free slots of their own to count: the
--- claim above with p_room = p_limit.
+-- The seven- and six-argument claims, of callers that count no wake-ups (p_seen NULL)
+-- or no free slots either (p_room = p_limit): the claim above.
+CREATE OR REPLACE FUNCTION composer_claim(p_queues TEXT[], p_names TEXT[], p_owner TEXT, p_limit INT,
+                               p_claim TEXT, p_channel TEXT, p_room INT)
+RETURNS TABLE(run_id TEXT, task_id TEXT, node_id TEXT, attempt INT, task_name TEXT, queue TEXT,
+              input JSONB, lease_s INT, lease_owner TEXT, lease_expires_at TIMESTAMPTZ)
+LANGUAGE sql
+AS $$
+    SELECT * FROM composer_claim(p_queues, p_names, p_owner, p_limit, p_claim, p_channel, p_room, NULL::bigint)
+$$;
+
 CREATE OR REPLACE FUNCTION composer_claim(p_queues TEXT[], p_names TEXT[], p_owner TEXT, p_limit INT,
                                p_claim TEXT, p_channel TEXT)
 RETURNS TABLE(run_id TEXT, task_id TEXT, node_id TEXT, attempt INT, task_name TEXT, queue TEXT,
               input JSONB, lease_s INT, lease_owner TEXT, lease_expires_at TIMESTAMPTZ)
 LANGUAGE sql
 AS $$
-    SELECT * FROM composer_claim(p_queues, p_names, p_owner, p_limit, p_claim, p_channel, p_limit)
+    SELECT * FROM composer_claim(p_queues, p_names, p_owner, p_limit, p_claim, p_channel, p_limit, NULL::bigint)
 $$;
 
 REVOKE ALL ON FUNCTION composer_claim(TEXT[], TEXT[], TEXT, INT, TEXT, TEXT) FROM PUBLIC;
 GRANT EXECUTE ON FUNCTION composer_claim(TEXT[], TEXT[], TEXT, INT, TEXT, TEXT) TO composer_ops_engine;
 REVOKE ALL ON FUNCTION composer_claim(TEXT[], TEXT[], TEXT, INT, TEXT, TEXT, INT) FROM PUBLIC;
 GRANT EXECUTE ON FUNCTION composer_claim(TEXT[], TEXT[], TEXT, INT, TEXT, TEXT, INT) TO composer_ops_engine;
+REVOKE ALL ON FUNCTION composer_claim(TEXT[], TEXT[], TEXT, INT, TEXT, TEXT, INT, BIGINT) FROM PUBLIC;
+GRANT EXECUTE ON FUNCTION composer_claim(TEXT[], TEXT[], TEXT, INT, TEXT, TEXT, INT, BIGINT) TO composer_ops_engine;
 
 -- A running attempt that took a slot (task_instances.flow_slot, set by the claim) frees
 -- it when it leaves RUNNING, whatever moves it (completion, failure, re-queue after a

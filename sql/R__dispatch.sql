@@ -1,46 +1,104 @@
--- Dispatch: outbox rows written and idle workers woken. A repeatable file
--- (docs/architecture.md, "where new code goes").
+-- The dispatch: outbox rows written and idle workers woken for them. A repeatable file
+-- (docs/architecture.md, "where new code goes"): the dispatch's whole SQL is here; the
+-- claim, which registers the idle workers, is sql/R__claim.sql.
 --
--- composer_enqueue(rows, now): write the outbox rows in ``rows`` (one JSON array of
--- objects, the recordset repo/outbox.py builds: q queue, r run, t task, a attempt, n task
--- name, l lease_s, av available_at, p priority, m max_run_s, w schedule_to_start_s, ck/cl
--- concurrency key and limit, rk/rp/rb rate key, per second and burst), available from
--- ``now`` unless a retry's backoff says later, and wake one idle worker per row. Called
--- by composer_apply (sql/R__apply.sql), the one write of an event; repo/outbox.py says
--- how waiters are picked and when the shared channel is notified.
-CREATE OR REPLACE FUNCTION composer_enqueue(rows JSONB, now TIMESTAMPTZ) RETURNS VOID
-LANGUAGE plpgsql AS $$
+-- A listening worker's claim registers it in task_waiters with its free slots after the
+-- claim (`slots`), and with how many wake-ups handed to it it had taken up (`seen`, a
+-- total; `promised` is the total handed out). A waiter can take
+-- slots - (promised - seen) more wake-ups: what it has room for, less the wake-ups on
+-- their way to it. composer_enqueue writes the rows, then takes waiters, the most
+-- recently registered first (a killed worker's row stops being refreshed and drifts to
+-- the back), each FOR UPDATE SKIP LOCKED (a waiter another dispatch holds is skipped),
+-- one at a time and only as many as it needs: each takes up to what it can, of the rows
+-- it serves (queue and task name). Each waiter taken gets one notification on its own
+-- channel, whose payload is its new `promised` total; the worker claims up to
+-- (that total - the wake-ups it took up before).
+--
+-- The shared channel (composer_tasks, every worker listens and claims all it has room
+-- for) is notified, once per queue, only for rows no waiter took (none registered with
+-- room, all locked, or none serving them); and for every queue when a waiter taken
+-- does not serve every row written, as its claims may take a row another was woken for.
+--
+-- Wake-ups are an optimisation; the poll is the safety net. A worker whose claim came
+-- back short waits for a wake-up at most its poll interval, then claims again. So a row
+-- whose wake-up is lost (its waiter was killed and its row outlives it; its notification
+-- reached a worker that then had no room; it went to a worker whose claim another took
+-- first) waits at most one poll interval of any idle worker serving it. A worker between
+-- its wake-up and its next claim stays registered, with room for what it was not woken
+-- for. On Citus no claim registers: every dispatch notifies the shared channel.
+CREATE OR REPLACE FUNCTION composer_enqueue(p_rows JSONB, p_now TIMESTAMPTZ)
+RETURNS VOID
+LANGUAGE plpgsql
+AS $$
 DECLARE
-    notified BIGINT;
+    gq TEXT[];              -- the rows written, grouped by (queue, task name)
+    gn TEXT[];
+    gc INT[];               -- rows of each group no waiter has taken yet
+    qs TEXT[];              -- their distinct queues
+    waiting INT;
+    waiters CURSOR (p_qs TEXT[]) FOR
+        SELECT x.worker, x.channel, x.queues, x.task_names, x.slots - (x.promised - x.seen) AS room
+          FROM task_waiters x
+         WHERE x.slots > x.promised - x.seen AND x.queues && p_qs
+         ORDER BY x.since DESC
+           FOR UPDATE SKIP LOCKED;
+    v_w RECORD;
+    v_k INT;
+    v_t INT;
+    v_all BOOLEAN;
+    v_total BIGINT;
+    v_partial BOOLEAN := false;
 BEGIN
-        WITH ins AS (
-            INSERT INTO task_outbox (queue, run_id, task_id, attempt, task_name, lease_s, available_at, created_at,
-                                     priority, max_run_s, start_by, ckey, climit, rkey, rate_per_s, rate_burst)
-            SELECT q, r, t, a, n, l, COALESCE(av, composer_enqueue.now), composer_enqueue.now, COALESCE(p, 0), m,
-                   COALESCE(av, composer_enqueue.now) + make_interval(secs => w), ck, cl, rk, rp, rb
-              FROM jsonb_to_recordset(composer_enqueue.rows) AS d(q text, r text, t text, a int4, n text, l int4,
-                                                           av timestamptz, p int2, m int4, w float8, ck text,
-                                                           cl int4, rk text, rp float8, rb int4)
-            RETURNING queue, task_name
-        ), woken AS (
-            DELETE FROM task_waiters w
-             USING (SELECT x.worker FROM task_waiters x
-                     WHERE EXISTS (SELECT 1 FROM ins
-                                    WHERE ins.queue = ANY(x.queues)
-                                      AND (x.task_names IS NULL OR ins.task_name = ANY(x.task_names)))
-                     ORDER BY x.since DESC
-                     LIMIT (SELECT count(*) FROM ins)
-                       FOR UPDATE SKIP LOCKED) s
-             WHERE w.worker = s.worker
-            RETURNING w.channel, w.queues, w.task_names)
-        SELECT count(*) INTO notified FROM (
-        SELECT pg_notify(channel, queues[1]) FROM woken
-        UNION ALL
-        SELECT pg_notify('composer_tasks', q.queue)
-          FROM (SELECT DISTINCT queue FROM ins ORDER BY queue) q
-         WHERE (SELECT count(*) FROM woken) < (SELECT count(*) FROM ins)
-            OR EXISTS (SELECT 1 FROM woken w, ins i
-                        WHERE NOT (i.queue = ANY(w.queues)
-                                   AND (w.task_names IS NULL OR i.task_name = ANY(w.task_names))))) n;
+    WITH ins AS (
+        INSERT INTO task_outbox (queue, run_id, task_id, attempt, task_name, lease_s, available_at, created_at,
+                                 priority, max_run_s, start_by, ckey, climit, rkey, rate_per_s, rate_burst)
+        SELECT d.q, d.r, d.t, d.a, d.n, d.l, COALESCE(d.av, p_now), p_now, COALESCE(d.p, 0), d.m,
+               COALESCE(d.av, p_now) + make_interval(secs => d.w), d.ck, d.cl, d.rk, d.rp, d.rb
+          FROM jsonb_to_recordset(p_rows) AS d(q text, r text, t text, a int4, n text, l int4,
+                                               av timestamptz, p int2, m int4, w float8, ck text,
+                                               cl int4, rk text, rp float8, rb int4)
+        RETURNING queue, task_name
+    ), g AS (
+        SELECT ins.queue, ins.task_name, count(*)::int AS c FROM ins GROUP BY ins.queue, ins.task_name
+    )
+    SELECT array_agg(g.queue ORDER BY g.queue, g.task_name), array_agg(g.task_name ORDER BY g.queue, g.task_name),
+           array_agg(g.c ORDER BY g.queue, g.task_name), sum(g.c)::int
+      INTO gq, gn, gc, waiting
+      FROM g;
+    IF waiting IS NULL THEN
+        RETURN;
+    END IF;
+    SELECT array_agg(DISTINCT u.q ORDER BY u.q) INTO qs FROM unnest(gq) AS u(q);
+    OPEN waiters(qs);
+    WHILE waiting > 0 LOOP
+        FETCH waiters INTO v_w;
+        EXIT WHEN NOT FOUND;
+        v_k := 0;
+        v_all := true;
+        FOR i IN 1 .. cardinality(gq) LOOP
+            IF gq[i] = ANY(v_w.queues) AND (v_w.task_names IS NULL OR gn[i] = ANY(v_w.task_names)) THEN
+                v_t := LEAST(gc[i], v_w.room - v_k);
+                gc[i] := gc[i] - v_t;
+                v_k := v_k + v_t;
+            ELSE
+                v_all := false;
+            END IF;
+        END LOOP;
+        CONTINUE WHEN v_k = 0;
+        waiting := waiting - v_k;
+        v_partial := v_partial OR NOT v_all;
+        UPDATE task_waiters x SET promised = x.promised + v_k WHERE x.worker = v_w.worker
+        RETURNING x.promised INTO v_total;
+        PERFORM pg_notify(v_w.channel, v_total::text);
+    END LOOP;
+    CLOSE waiters;
+    IF waiting > 0 OR v_partial THEN
+        PERFORM pg_notify('composer_tasks', u.q)
+           FROM (SELECT DISTINCT gq[i] AS q FROM generate_subscripts(gq, 1) AS i
+                  WHERE v_partial OR gc[i] > 0 ORDER BY 1) u;
+    END IF;
 END;
 $$;
+
+REVOKE ALL ON FUNCTION composer_enqueue(JSONB, TIMESTAMPTZ) FROM PUBLIC;
+GRANT EXECUTE ON FUNCTION composer_enqueue(JSONB, TIMESTAMPTZ) TO composer_ops_engine;

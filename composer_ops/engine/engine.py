@@ -320,33 +320,35 @@ class Engine:
     # -- the worker's side ----------------------------------------------------
 
     def claim(self, queues: Sequence[str], owner: str, limit: int, task_names: Sequence[str] | None = None,
-              *, wake: str | None = None, room: int | None = None) -> list[Claim]:
+              *, wake: str | None = None, room: int | None = None, seen: int | None = None) -> list[Claim]:
         """Claim up to ``limit`` tasks for ``owner``: one statement, its own transaction
         (autocommit: no BEGIN/COMMIT round trips around it); on Citus a transaction of
         three round trips (:func:`composer_ops.repo.citus.claim`). Each claimed task's
         history records the claim's ID; a retry after a lost acknowledgement first waits
         for the lost attempt to finish on the server (the claim's advisory lock), then
         returns the tasks it took, which ``owner`` still holds. A worker passes
-        ``wake``, the channel it listens on, and ``room``, the tasks it has room for
-        (default ``limit``): on a single server, a claim that gets fewer than ``room``
-        registers it to be woken there by the next dispatch (on Citus no claim
+        ``wake``, the channel it listens on, ``room``, the tasks it has room for
+        (default ``limit``), and ``seen``, the total of wake-ups handed to it that it has
+        taken up (the payloads of its channel): on a single server, the claim registers
+        it to be woken there by dispatches for the room it has left (on Citus no claim
         registers, and every dispatch notifies the shared channel). A ``limit`` or
         ``room`` below 1 is :class:`Invalid`, refused before any round trip."""
         for name, value in (("limit", limit), ("room", room)):
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise Invalid(f"claim {name} must be an integer of at least 1, got {value!r}")
-        return self._claim(queues, owner, limit, task_names, Request(), wake, room)
+        return self._claim(queues, owner, limit, task_names, Request(), wake, room, seen)
 
     @db_retry()
     def _claim(self, queues: Sequence[str], owner: str, limit: int, task_names: Sequence[str] | None,
-               request: Request, wake: str | None = None, room: int | None = None) -> list[Claim]:
+               request: Request, wake: str | None = None, room: int | None = None,
+               seen: int | None = None) -> list[Claim]:
         look = request.attempt()
         with self.pool.connection() as conn:
             with autocommit(conn):
                 on_citus = self._on_citus(conn)
                 if not look and not on_citus:
                     return outbox.claim(conn, queues, owner, limit, task_names=task_names, claim_id=request.id,
-                                        wake=wake, room=room)
+                                        wake=wake, room=room, seen=seen)
             with conn.transaction():
                 if look:
                     # Lock, then look: the attempt retried may still be executing or
@@ -366,10 +368,22 @@ class Engine:
                     claims = citus.claim(conn, queues, owner, limit, task_names=task_names, claim_id=request.id)
                 else:
                     claims = outbox.claim(conn, queues, owner, limit, task_names=task_names, claim_id=request.id,
-                                          wake=wake, room=room)
+                                          wake=wake, room=room, seen=seen)
                 if look:
                     outbox.fence_claim(conn, request.id)
                 return claims
+
+    @db_retry()
+    def register_idle(self, queues: Sequence[str], owner: str, task_names: Sequence[str] | None, *, wake: str,
+                      room: int, seen: int) -> bool:
+        """Register ``owner`` to be woken on ``wake`` for ``room`` tasks, as its claims do
+        (:func:`composer_ops.repo.outbox.register`); idempotent. False on Citus, where no
+        claim registers (nor wakes its worker for tasks it left): nothing is written."""
+        with self.pool.connection() as conn, autocommit(conn):
+            if self._on_citus(conn):
+                return False
+            outbox.register(conn, queues, owner, task_names, wake=wake, room=room, seen=seen)
+            return True
 
     def complete(self, claim: Claim, output: Any) -> Outcome:
         ref = _task_ref(claim)

@@ -2,9 +2,9 @@
 
 The ``run()`` thread claims tasks whenever a slot is free and hands them to
 ``concurrency`` handler threads, each lease extended by heartbeats; a handler whose
-lease is lost has its result dropped as stale. An idle worker registers and sleeps on
-LISTEN (woken on its own channel it claims one task; otherwise as many as it has room
-for), polling as the fallback. Everything about a running handler is keyed by its
+lease is lost has its result dropped as stale. An idle worker registers its free slots
+and sleeps on LISTEN (woken on its own channel for k tasks it claims up to k; on the
+shared channel, as many as it has room for), polling as the fallback. Everything about a running handler is keyed by its
 attempt, so a late attempt finishing cannot touch the current one. ``run()`` installs
 no signal handlers; after ``stop()`` it waits at most ``shutdown_timeout`` seconds,
 then abandons what still runs and raises :class:`~composer_ops.errors.ShutdownTimeout`.
@@ -125,9 +125,11 @@ class Worker:
         self._wake = threading.Event()
         #: the channel only this worker listens on; its idle claims register it there
         self._wake_channel = wake_channel(self.worker_id)
-        #: dispatches that woke this worker since its last claim began: how many on its
-        #: own channel, and whether one was told on the shared channel; guarded by _wake_lock
-        self._own_wakes = 0
+        #: wake-ups handed to this worker on its own channel (the largest total a payload
+        #: there carried), how many of them its claims took up, and whether the shared
+        #: channel told it since its last claim began; guarded by _wake_lock
+        self._promised = 0
+        self._taken = 0
         self._told_all = False
         self._wake_lock = threading.Lock()
         #: claims made and how many came back empty, by what started them (see claim_counts)
@@ -202,6 +204,7 @@ class Worker:
 
     def _claim_loop(self, slots: queue.SimpleQueue[tuple[Claim, float] | None]) -> None:
         failures = 0          # claims failed in a row
+        filled = False        # the last claim took every free slot: registered with no room
         while not self._stop.is_set():
             # Attempts in flight can exceed the slots (a claim that got more than it asked
             # for): no room then, as with every slot taken, until enough of them finish.
@@ -210,15 +213,27 @@ class Worker:
                 self._wake.wait(self.poll_interval)
                 self._wake.clear()
                 continue
+            if filled and not self._woken():
+                # Slots freed after a claim that filled them and left nothing ready (it
+                # would have woken this worker): register the room instead of claiming.
+                # On Citus, or when registering fails, claim as the claim may have left
+                # tasks behind.
+                filled = False
+                if self._register_idle(free):
+                    self._wait_for_dispatch()
+                    continue
             claimed_at = time.monotonic()
             with self._wake_lock:
-                own, told_all = self._own_wakes, self._told_all
-                self._own_wakes, self._told_all = 0, False
-            limit = min(free, own) if own and not told_all else free
+                # Wake-ups beyond the free slots stay owed: claimed when slots free.
+                own, told_all = min(free, self._promised - self._taken), self._told_all
+                self._taken += own
+                self._told_all = False
+                seen = self._taken
+            limit = own if own and not told_all else free
             reason = "shared" if told_all else "own" if own else "room"
             try:
                 claims = self.engine.claim(self.queues, self.worker_id, limit, task_names=list(self._handlers),
-                                           wake=self._wake_channel, room=free)
+                                           wake=self._wake_channel, room=free, seen=seen)
             except Exception as exc:  # a connection lost beyond db_retry included: keep serving, after a pause
                 delay = self.claim_backoff(failures)
                 failures += 1
@@ -230,6 +245,7 @@ class Worker:
                 self._stop.wait(delay)
                 continue
             failures = 0
+            filled = len(claims) >= free
             counts = self._claims[reason]
             counts[0] += 1
             counts[1] += not claims
@@ -237,8 +253,21 @@ class Worker:
                 with self._active_lock:
                     self._inflight += 1
                 slots.put((claim, claimed_at))
-            if len(claims) < free:
+            # A claim that filled every slot and left tasks ready handed this worker a
+            # wake-up for them (sql/R__claim.sql): when a slot frees, it claims if woken
+            # and registers its room otherwise (above), never claiming on spec.
+            if not filled:
                 self._wait_for_dispatch()
+
+    def _register_idle(self, free: int) -> bool:
+        with self._wake_lock:
+            seen = self._taken
+        try:
+            return self.engine.register_idle(self.queues, self.worker_id, list(self._handlers),
+                                             wake=self._wake_channel, room=free, seen=seen)
+        except Exception as exc:  # the claim registers it instead
+            log.warning("could not register worker %s as idle: %s", self.worker_id, exc)
+            return False
 
     def claim_backoff(self, failures: int) -> float:
         """Seconds to pause after a claim failed, ``failures`` claims having failed in a
@@ -249,17 +278,18 @@ class Worker:
 
     def claim_counts(self) -> dict[str, dict[str, int]]:
         """Claims this worker made and how many came back empty, by what started each
-        (:data:`CLAIM_REASONS`): ``own``, woken on its own channel only (one task per
-        wake-up); ``shared``, told on the shared channel (all it has room for); ``room``,
+        (:data:`CLAIM_REASONS`): ``own``, woken on its own channel only (up to one task
+        per wake-up); ``shared``, told on the shared channel (all it has room for); ``room``,
         neither: its first claim, a slot freed while it was full, or the poll interval
         passed. Read by the benchmark to say where empty claims come from."""
         return {reason: {"claims": n, "empty": empty} for reason, (n, empty) in self._claims.items()}
 
     def _wait_for_dispatch(self) -> None:
-        """After a claim that got less than it had room for (which registered this worker as
-        idle): wait for a notification, a stop or the poll interval. A handler finishing
-        meanwhile does not end the wait: the registration stands for every free slot,
-        and claiming without a dispatch would come back empty."""
+        """After a claim (which registered this worker with the room it left): wait for a
+        notification, a stop or the poll interval. A handler finishing meanwhile does not
+        end the wait: a dispatch hands out the room, and a claim that filled the slots
+        and left tasks behind woke this worker itself; claiming without either would
+        come back empty."""
         deadline = time.monotonic() + self.poll_interval
         while not self._stop.is_set() and not self._woken():
             left = deadline - time.monotonic()
@@ -319,18 +349,23 @@ class Worker:
         self._wake.set()
 
     def _on_notify(self, channel: str, payload: str) -> None:
-        if payload not in self.queues:
-            return
-        with self._wake_lock:
-            if channel == self._wake_channel:
-                self._own_wakes += 1
-            else:
+        if channel == self._wake_channel:
+            try:
+                promised = int(payload)
+            except ValueError:
+                return
+            with self._wake_lock:
+                self._promised = max(self._promised, promised)
+        elif payload in self.queues:
+            with self._wake_lock:
                 self._told_all = True
+        else:
+            return
         self._wake.set()
 
     def _woken(self) -> bool:
         with self._wake_lock:
-            return self._told_all or self._own_wakes > 0
+            return self._told_all or self._promised > self._taken
 
     # -- one attempt ---------------------------------------------------------------
 

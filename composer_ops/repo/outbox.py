@@ -6,7 +6,8 @@ its queues deleted FOR UPDATE SKIP LOCKED, their tasks moved to RUNNING with a l
 fenced on attempt, and a 'claimed' history row each. Lock order: a transaction touching
 a task and its outbox row locks the outbox row first (the claim, and the shell when it
 cancels tasks), so the two never deadlock. Idle workers' registrations are taken by a
-dispatch with SKIP LOCKED and written by a claim before it locks anything else.
+dispatch with SKIP LOCKED, inserted by a claim before it locks anything else, and
+written at its end with SKIP LOCKED.
 """
 
 from __future__ import annotations
@@ -23,13 +24,14 @@ from composer_ops.repo._base import Conn, fetch_all, iso
 from composer_ops.repo.rows import Claim, Dispatch, Unstarted
 
 #: LISTEN/NOTIFY channel every worker listens on; the payload is the queue name. A
-#: dispatch notifies it only when no idle worker is registered (see :func:`enqueue`).
+#: dispatch notifies it only for rows no registered idle worker takes (see :func:`enqueue`).
 CHANNEL = "composer_tasks"
 
 
 def wake_channel(worker: str) -> str:
     """The channel only ``worker`` listens on, named after it (an identifier of at most
-    63 bytes, whatever the worker's ID)."""
+    63 bytes, whatever the worker's ID). A notification there carries the total of
+    wake-ups handed to the worker so far (``task_waiters.promised``)."""
     return "composer_wake_" + hashlib.sha1(worker.encode()).hexdigest()[:32]
 
 
@@ -45,21 +47,19 @@ def dispatch_rows(dispatches: Sequence[Dispatch]) -> list[dict[str, Any]]:
 
 def enqueue(conn: Conn, dispatches: Sequence[Dispatch], *, now: datetime) -> None:
     """Write outbox rows, available from ``now`` unless a retry's backoff says later,
-    and wake one idle worker per row (NOTIFY is delivered at commit, and only if the
-    transaction commits): ``composer_enqueue`` (sql/R__dispatch.sql), which an event's
-    one write (``composer_apply``, :mod:`composer_ops.repo.writes`) calls for its
-    dispatches; this sends it alone, one statement however many rows and queues.
+    and wake idle workers for them (NOTIFY is delivered at commit, and only if the
+    transaction commits): one call of ``composer_enqueue`` (sql/R__dispatch.sql), one
+    round trip, however many rows and queues; the rows go in as one JSON document
+    (:func:`dispatch_rows`), as an event's one write (``composer_apply``,
+    :mod:`composer_ops.repo.writes`) passes them for its dispatches.
 
-    Idle workers are registered in ``task_waiters`` by their own claims (sql/R__claim.sql).
-    Up to one waiter per row is taken, the most recently idle first, among those
-    serving the row's queue and task name, and notified on its own channel; a worker so
-    woken claims one task per wake-up, the oldest it serves. When fewer waiters are taken
-    than rows written, or a waiter taken does not serve every row (so its one claim may
-    take a row another was woken for), one notification per distinct queue also goes to
-    :data:`CHANNEL`, which every worker listens on and which makes a worker claim all it
-    has room for (a worker between its wake-up and its next claim is not registered, and
-    is woken that way; on Citus no claim registers). A waiter row outliving its worker
-    (killed: a clean stop deletes it) costs the task it is woken for a poll interval."""
+    Idle workers are registered in ``task_waiters`` by their own claims with their free
+    slots (sql/R__claim.sql). The dispatch hands each waiter, the most recently
+    registered first, up to as many of the rows it serves as it has room for, with one
+    notification on its own channel; only rows no waiter takes (or every row, when a
+    waiter taken does not serve them all) are announced on :data:`CHANNEL`, once per
+    queue. The poll is the safety net: a wake-up lost (a killed waiter's row outlives
+    it) costs its row at most a poll interval of an idle worker (sql/R__dispatch.sql)."""
     if not dispatches:
         return
     conn.execute("SELECT composer_enqueue(%s, %s)", (Jsonb(dispatch_rows(dispatches)), now))
@@ -73,22 +73,42 @@ def listen(conn: Conn, channel: str = CHANNEL) -> None:
 _CLAIM = """
         SELECT run_id, task_id, node_id, attempt, task_name, queue, input, lease_s, lease_owner, lease_expires_at
           FROM composer_claim(%(queues)s, %(names)s::text[], %(owner)s, %(limit)s, %(claim)s, %(channel)s,
-                              %(room)s)"""
+                              %(room)s, %(seen)s::bigint)"""
 
 
 def claim(conn: Conn, queues: Sequence[str], owner: str, limit: int,
           task_names: Sequence[str] | None = None, *, claim_id: str, wake: str | None = None,
-          room: int | None = None) -> list[Claim]:
+          room: int | None = None, seen: int | None = None) -> list[Claim]:
     """Claim up to ``limit`` available tasks of ``queues`` for ``owner`` (only tasks
     named in ``task_names`` when given: a worker never takes work it has no handler for),
     recording each in its run's history as claimed by ``claim_id``. With ``wake`` (the
-    channel ``owner`` listens on), a claim that gets fewer than ``room`` (the tasks
-    ``owner`` has room for; default ``limit``) leaves ``owner`` registered as idle, to be
-    woken there by the next dispatch (:func:`enqueue`); one that gets ``room`` withdraws it."""
+    channel ``owner`` listens on), the claim registers ``owner`` to be woken there by
+    dispatches (:func:`enqueue`) for as many tasks as it has room for afterwards
+    (``room``: the tasks ``owner`` had room for, default ``limit``), less the wake-ups on
+    their way to it (``seen``: the total of wake-ups handed to ``owner`` it has taken up,
+    the payloads of its channel; None: all)."""
     return fetch_all(conn, Claim, _CLAIM,
                      {"queues": list(queues), "owner": owner, "limit": limit, "claim": claim_id, "channel": wake,
+                      "seen": seen,
                       "room": limit if room is None else max(room, limit),
                       "names": list(task_names) if task_names is not None else None})
+
+
+def register(conn: Conn, queues: Sequence[str], owner: str, task_names: Sequence[str] | None, *, wake: str,
+             room: int, seen: int) -> None:
+    """Register ``owner`` as idle with ``room`` free slots, woken on channel ``wake``,
+    having taken up ``seen`` wake-ups: what a claim writes (sql/R__claim.sql), for a
+    worker whose last claim filled its slots and left nothing ready, once a slot frees
+    (a claim then would come back empty). Waits for a dispatch holding the row."""
+    conn.execute("""
+        INSERT INTO task_waiters AS w (worker, channel, queues, task_names, slots, promised, seen)
+        VALUES (%(owner)s, %(wake)s, %(queues)s, %(names)s::text[], %(room)s, %(seen)s, %(seen)s)
+        ON CONFLICT (worker) DO UPDATE
+           SET channel = EXCLUDED.channel, queues = EXCLUDED.queues, task_names = EXCLUDED.task_names,
+               slots = EXCLUDED.slots, promised = GREATEST(w.promised, EXCLUDED.seen), seen = EXCLUDED.seen,
+               since = now()""",
+                 {"owner": owner, "wake": wake, "queues": list(queues), "room": room, "seen": seen,
+                  "names": list(task_names) if task_names is not None else None})
 
 
 #: The lock a claim takes as its first step (sql/R__claim.sql, and :func:`composer_ops.repo.citus.claim`),

@@ -32,7 +32,7 @@ from composer_ops.engine.retention import drop_due_months
 from composer_ops.engine.shell import Outcome
 from composer_ops.engine.webhooks import RelayPolicy
 from composer_ops.errors import Unavailable
-from composer_ops.repo import partitions
+from composer_ops.repo import outbox, partitions
 from composer_ops.repo.archive import DETACHED_SCHEMA
 from composer_ops.repo.partitions import RUN_TABLES
 from composer_ops.repo.rows import Claim
@@ -71,6 +71,10 @@ KEYED = {"id": "f-keyed", "nodes": [{"id": "a", "type": "TASK", "task": "t", "qu
                                      "concurrency": {"key": "$.input.customer", "limit": 1}}]}
 MAP = {"id": "f-map", "nodes": [
     {"id": "each", "type": "MAP", "items": "$.input.ids", "task": "t", "queue": "fq", "max_parallel": 2}]}
+#: Tasks on a queue of their own, for the cases with an idle worker registered to be woken.
+WAITED = {"id": "f-waited", "nodes": [
+    {"id": "a", "type": "TASK", "task": "t", "queue": "fw"},
+    {"id": "b", "type": "TASK", "task": "t", "queue": "fw", "depends_on": ["a"]}]}
 KID = {"id": "f-kid", "nodes": [{"id": "k", "type": "TASK", "task": "t", "queue": "fq"}]}
 PARENT = {"id": "f-parent", "nodes": [{"id": "call", "type": "SUB_WORKFLOW", "workflow": "f-kid",
                                        "input": {"token": "$.input.token"}}]}
@@ -94,7 +98,8 @@ def b(server: Server, template_db: str) -> Iterator[Rig]:
     try:
         with server.database(template=template_db) as url, bench(url) as fb:
             rig = Rig(db_url=fb.db_url, proxy=fb.proxy, direct=fb.direct, engine=fb.engine, hook=hook)
-            for spec in (CHAIN, RETRIED, TWO_WAITERS, ONE_WAITER, TIMER, LIMITED, PROMPT, KEYED, MAP, KID, PARENT):
+            for spec in (CHAIN, RETRIED, TWO_WAITERS, ONE_WAITER, TIMER, LIMITED, PROMPT, KEYED, MAP, KID, PARENT,
+                         WAITED):
                 rig.direct.deploy(spec)
             for definition, hook_url in (("f-hook", hook.base), ("f-pruned", NOWHERE)):
                 rig.direct.deploy({"id": definition, "webhook_url": hook_url, "nodes": ONE_WAITER["nodes"]})
@@ -541,6 +546,57 @@ def _one_run_started(b: Rig, token: str, result: Result) -> list[str]:
     return problems + _unexpected(b, runs[0], tasks={"a": ("PENDING", 0)}, outbox=[("a", 0)])
 
 
+def _idle_waiter(b: Rig, *, cancel: bool = True) -> str:
+    """A worker registered as idle on queue fw with room for one task (its empty claim,
+    once what earlier cases left active is cancelled), through the direct engine."""
+    if cancel:
+        _cancel_active(b)
+    worker = f"w-idle-{_token()[:8]}"
+    assert b.direct.claim(["fw"], worker, 1, wake=outbox.wake_channel(worker), seen=0) == []
+    return worker
+
+
+def _handed_out(b: Rig, worker: str) -> int:
+    """The wake-ups dispatches handed to ``worker`` (task_waiters.promised)."""
+    return int(b.sql("SELECT promised FROM task_waiters WHERE worker = %s", (worker,))[0][0])
+
+
+def _waited_start(b: Rig) -> tuple[str, str]:
+    return _token(), _idle_waiter(b)
+
+
+def _one_run_started_and_handed_out_once(b: Rig, s: tuple[str, str], result: Result) -> list[str]:
+    """A start retried after a lost acknowledgement finds its run: its one dispatch hands
+    the idle worker one wake-up, not one per attempt."""
+    token, worker = s
+    runs = [r[0] for r in b.sql("SELECT id FROM workflow_runs WHERE input_json->>'token' = %s", (token,))]
+    if len(runs) != 1:
+        return [f"{len(runs)} runs for one start"] + _raised(result)
+    handed = _handed_out(b, worker)
+    return (_raised(result) + _unexpected(b, runs[0], tasks={"a": ("PENDING", 0)}, outbox=[("a", 0)])
+            + ([] if handed == 1 else [f"{handed} wake-ups handed to the idle worker for one task"]))
+
+
+@dataclass
+class ClaimedWaited(Claimed):
+    worker: str
+
+
+def _waited_claimed(b: Rig) -> ClaimedWaited:
+    """A fresh f-waited run whose first task the direct engine holds, and an idle worker
+    registered on its queue."""
+    run_id = _fresh_run(b, "f-waited")
+    claims = b.direct.claim(["fw"], "w-direct", 1)
+    assert len(claims) == 1, claims
+    return ClaimedWaited(run_id=run_id, claim=claims[0], worker=_idle_waiter(b, cancel=False))
+
+
+def _completed_and_handed_out_once(b: Rig, s: ClaimedWaited, result: Result) -> list[str]:
+    handed = _handed_out(b, s.worker)
+    return (_leaves(tasks={"a": ("COMPLETED", 0), "b": ("PENDING", 0)}, outbox=[("b", 0)])(b, s, result)
+            + ([] if handed == 1 else [f"{handed} wake-ups handed to the idle worker for one task"]))
+
+
 def _items(b: Rig, run_id: str) -> tuple[list[tuple[int, str]], list[int], tuple[Any, ...]]:
     """A MAP run's items (index, state), the dispatched ones (index), and the node's counters."""
     items = [(int(i), str(st)) for i, st in b.sql(
@@ -953,6 +1009,8 @@ PATHS = [
               lambda b, run_id: b.engine.start("f-chain", input={"k": 1}, run_id=run_id),
               _the_client_run_id_returned),
     WritePath("signal (two waiters)", _waiters_and_token, _signal_token, _resolved_or_buffered_once),
+    WritePath("start (idle worker registered)", _waited_start,
+              lambda b, s: b.engine.start("f-waited", input={"token": s[0]}), _one_run_started_and_handed_out_once),
     WritePath("signal (finishes the run)", lambda b: b.direct.start("f-one-waiter"),
               lambda b, run_id: b.engine.signal(run_id, "go", payload={"x": 1}), _leaves(status="SUCCEEDED")),
     WritePath("signal (buffered)", _both_waiters_resolved, _signal_token, _buffered_once),
@@ -978,6 +1036,8 @@ PATHS = [
               _one_per_key),
     WritePath("complete", _claimed("f-chain"), lambda b, s: b.engine.complete(s.claim, {"done": True}),
               _leaves(tasks={"a": ("COMPLETED", 0), "b": ("PENDING", 0)}, outbox=[("b", 0)])),
+    WritePath("complete (idle worker registered)", _waited_claimed,
+              lambda b, s: b.engine.complete(s.claim, {"done": True}), _completed_and_handed_out_once),
     WritePath("fail (retried)", _claimed("f-retried"), lambda b, s: b.engine.fail(s.claim, "boom", retryable=True),
               _leaves(tasks={"a": ("PENDING", 1)}, outbox=[("a", 1)])),
     WritePath("fail (for good)", _claimed("f-chain"), lambda b, s: b.engine.fail(s.claim, "fatal", retryable=False),

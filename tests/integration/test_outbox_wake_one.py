@@ -1,8 +1,10 @@
-"""A dispatch wakes one idle worker, not every worker listening.
+"""A dispatch wakes the idle workers it needs, not every worker listening.
 
-An idle worker is registered by its own claim (one that got less than it had room for)
-and woken on its own channel, where each wake-up stands for one task; only a dispatch
-that finds fewer registered workers than it has tasks notifies the shared channel.
+An idle worker is registered by its own claim with its free slots and woken on its own
+channel, where a notification hands it wake-ups (its payload: the total handed to it so
+far), each standing for one task; only tasks no registered worker has room for (or
+every task, when a worker woken does not serve them all) are announced on the shared
+channel.
 """
 
 from __future__ import annotations
@@ -34,10 +36,11 @@ class Wakes:
     listen: psycopg.Connection[Any]
     channels: dict[str, str]          # channel name -> "shared" or the worker
 
-    def idle(self, worker: str, names: list[str] | None = None) -> None:
-        """An empty claim of ``worker`` with its wake channel: registers it as idle."""
-        assert outbox.claim(self.conn, ["default"], worker, 2, task_names=names, claim_id=f"idle-{worker}",
-                            wake=outbox.wake_channel(worker)) == []
+    def idle(self, worker: str, names: list[str] | None = None, room: int = 2, seen: int | None = None) -> None:
+        """An empty claim of ``worker`` with its wake channel: registers it as idle with
+        ``room`` free slots, having taken up ``seen`` wake-ups (None: all handed out)."""
+        assert outbox.claim(self.conn, ["default"], worker, room, task_names=names, claim_id=f"idle-{worker}-{seen}",
+                            wake=outbox.wake_channel(worker), seen=seen) == []
 
     def dispatch(self, run_id: str | None = None, nodes: tuple[str, ...] = ("t",), task_name: str | None = "t") -> None:
         """A PENDING task of ``task_name`` (None: named after its node) for each node of
@@ -53,7 +56,12 @@ class Wakes:
 
     def notified(self) -> list[str]:
         """Who was told since the last call (a wake channel's worker, or "shared")."""
-        return sorted(self.channels[n.channel] for n in self.listen.notifies(timeout=0.5))
+        return sorted(w for w, _ in self.told())
+
+    def told(self) -> list[tuple[str, str]]:
+        """Who was told since the last call, with the payloads: (worker, wake-ups handed
+        to it so far) on a wake channel, ("shared", queue) on the shared channel."""
+        return sorted((self.channels[n.channel], n.payload) for n in self.listen.notifies(timeout=0.5))
 
 
 @pytest.fixture
@@ -70,70 +78,111 @@ def test_one_dispatch_wakes_the_most_recently_idle_worker_only(wakes: Wakes) -> 
     wakes.idle("a")
     wakes.idle("b")
     wakes.dispatch()
-    assert wakes.notified() == ["b"]
-    wakes.dispatch()                                # b's registration was used: a is next
-    assert wakes.notified() == ["a"]
-    wakes.dispatch()                                # nobody registered: every worker is told
-    assert wakes.notified() == ["shared"]
+    assert wakes.told() == [("b", "1")]
+    wakes.dispatch()                                # b has room for a second
+    assert wakes.told() == [("b", "2")]
+    wakes.dispatch()                                # b's room is handed out: a is next
+    assert wakes.told() == [("a", "1")]
+    wakes.dispatch()
+    assert wakes.told() == [("a", "2")]
+    wakes.dispatch()                                # no room registered: every worker is told
+    assert wakes.told() == [("shared", "default")]
 
 
-def test_a_dispatch_of_several_tasks_wakes_as_many_workers(wakes: Wakes) -> None:
+def test_a_dispatch_of_several_tasks_hands_them_to_one_worker_with_room(wakes: Wakes) -> None:
+    """One notification hands a worker as many tasks as it has room for: the shared
+    channel is not told, nor a second worker."""
+    wakes.idle("a", room=1)
+    wakes.idle("b", room=3)
+    wakes.dispatch(nodes=("x", "y", "z"))
+    assert wakes.told() == [("b", "3")]
+
+
+def test_a_dispatch_of_more_tasks_than_one_has_room_for_wakes_as_many_workers(wakes: Wakes) -> None:
     for w in "abc":
-        wakes.idle(w)
+        wakes.idle(w, room=1)
     wakes.dispatch(nodes=("x", "y"))
-    assert wakes.notified() == ["b", "c"]
+    assert wakes.told() == [("b", "1"), ("c", "1")]
 
 
-def test_more_tasks_than_registered_workers_also_tell_the_shared_channel(wakes: Wakes) -> None:
-    """A woken worker claims one task per wake-up, so the tasks beyond the registered
-    workers are announced on the shared channel, where every worker claims all it has
-    room for: none is left for a poll."""
-    wakes.idle("a")
+def test_more_tasks_than_registered_room_also_tell_the_shared_channel(wakes: Wakes) -> None:
+    """The tasks beyond the registered room are announced on the shared channel, where
+    every worker claims all it has room for: none is left for a poll."""
+    wakes.idle("a", room=1)
     wakes.dispatch(nodes=("x", "y"))
     assert wakes.notified() == ["a", "shared"]
 
 
 def test_a_claim_of_its_wake_ups_keeps_a_worker_with_room_registered(wakes: Wakes) -> None:
     """Woken once with 3 free slots, a worker claims 1 task and stays registered for the
-    other 2 (sql/R__claim.sql); a claim that fills its room withdraws the registration."""
+    other 2 (sql/R__claim.sql); a claim that fills its room leaves it none."""
     conn = wakes.conn
-    wakes.idle("a")
+    wakes.idle("a", room=1)
     wakes.dispatch()
     wakes.dispatch()
     assert wakes.notified() == ["a", "shared"]
-    got = outbox.claim(conn, ["default"], "a", 1, claim_id="woken", wake=outbox.wake_channel("a"), room=3)
+    got = outbox.claim(conn, ["default"], "a", 1, claim_id="woken", wake=outbox.wake_channel("a"), room=3, seen=1)
     assert len(got) == 1
-    assert conn.execute("SELECT worker FROM task_waiters").fetchall() == [("a",)]
-    wakes.dispatch()                                # a is registered: woken alone
-    assert wakes.notified() == ["a"]
-    got = outbox.claim(conn, ["default"], "a", 2, claim_id="full", wake=outbox.wake_channel("a"), room=2)
-    assert len(got) == 2
-    assert conn.execute("SELECT count(*) FROM task_waiters").fetchone() == (0,)
+    wakes.dispatch()                                # a has room for 2: woken alone, twice
+    wakes.dispatch()
+    assert wakes.told() == [("a", "2"), ("a", "3")]
+    wakes.dispatch()
+    assert wakes.notified() == ["shared"]
+    got = outbox.claim(conn, ["default"], "a", 2, claim_id="full", wake=outbox.wake_channel("a"), room=2, seen=3)
+    assert len(got) == 2                            # of 3 ready: a is handed one more wake-up
+    wakes.dispatch()                                # a is busy: no room registered
+    assert wakes.told() == [("a", "4"), ("shared", "default")]
+
+
+def test_wake_ups_on_their_way_to_a_worker_are_not_handed_out_again(wakes: Wakes) -> None:
+    """A worker between its wake-up and its next claim stays registered for the rest of
+    its room. Its claim says how many wake-ups it has taken up: those handed out after
+    it read its channel are still owed, so its room for more is what is left of them."""
+    conn = wakes.conn
+    wakes.idle("a", room=2)
+    wakes.dispatch()
+    wakes.dispatch()                                # before a claims: a has room for it
+    assert wakes.told() == [("a", "1"), ("a", "2")]
+    # a read only the first wake-up before it claimed: one task, one still on its way
+    got = outbox.claim(conn, ["default"], "a", 1, claim_id="first", wake=outbox.wake_channel("a"), room=2, seen=1)
+    assert len(got) == 1
+    wakes.dispatch()                                # a's two slots: one busy, one owed
+    assert wakes.notified() == ["shared"]
+    got = outbox.claim(conn, ["default"], "a", 1, claim_id="second", wake=outbox.wake_channel("a"), room=1, seen=2)
+    assert len(got) == 1                            # full, the third task left: one more wake-up
+    assert wakes.told() == [("a", "3")]
+    assert _room(conn, "a") == -1
+
+
+def _room(conn: psycopg.Connection[Any], worker: str) -> int:
+    row = conn.execute("SELECT slots - (promised - seen) FROM task_waiters WHERE worker = %s", (worker,)).fetchone()
+    assert row is not None
+    return int(row[0])
 
 
 def test_a_woken_worker_that_does_not_serve_every_task_also_tells_the_shared_channel(wakes: Wakes) -> None:
     """Workers a (tasks x and y) and b (x only), one dispatch of x and y: both are woken,
-    but b's one claim cannot take y, and a's may take x; so every worker is told too."""
-    wakes.idle("a", names=["x", "y"])
-    wakes.idle("b", names=["x"])
+    but b's claim cannot take y, and a's may take x; so every worker is told too."""
+    wakes.idle("a", names=["x", "y"], room=1)
+    wakes.idle("b", names=["x"], room=1)
     wakes.dispatch(nodes=("x", "y"), task_name=None)
     assert wakes.notified() == ["a", "b", "shared"]
 
 
 def test_a_claim_that_registers_again_never_waits_for_a_dispatch(db_url: str, wakes: Wakes) -> None:
-    """A claim of one task with room for two writes the worker's registration again after
-    it has locked its task. A dispatch that took (deleted) that registration meanwhile and
-    has not committed must not make it wait there, holding its task while the dispatch
-    may come to need it: the dispatch wakes the worker when it commits."""
-    wakes.dispatch(nodes=("x",))                    # queued while nobody is registered
-    wakes.conn.execute("INSERT INTO task_waiters (worker, channel, queues) VALUES ('a', %s, '{default}')",
-                       (outbox.wake_channel("a"),))
+    """A claim writes its worker's registration after it has locked its tasks. A dispatch
+    that took that registration meanwhile and has not committed must not make it wait
+    there, holding its task while the dispatch may come to need it: the claim leaves the
+    registration as the dispatch wrote it."""
+    wakes.idle("a", room=2, seen=0)
+    wakes.dispatch(nodes=("x",))
+    assert wakes.told() == [("a", "1")]
     run_id = add_run(wakes.conn)
     got: list[Any] = []
     with psycopg.connect(db_url, autocommit=True) as claimer, psycopg.connect(db_url) as blocker, \
             psycopg.connect(db_url) as dispatcher:
         claim = threading.Thread(target=lambda: got.append(outbox.claim(
-            claimer, ["default"], "a", 1, claim_id="c", wake=outbox.wake_channel("a"), room=2)))
+            claimer, ["default"], "a", 2, claim_id="c", wake=outbox.wake_channel("a"), room=2, seen=1)))
         with blocker.transaction():                 # holds the claim at its task update
             blocker.execute("SELECT 1 FROM task_instances WHERE node_id = 'x' FOR UPDATE")
             claim.start()
@@ -145,7 +194,8 @@ def test_a_claim_that_registers_again_never_waits_for_a_dispatch(db_url: str, wa
         claim.join(30)
         assert not waited, "the claim waited for the uncommitted dispatch, holding its task"
     assert [len(g) for g in got] == [1]
-    assert wakes.notified() == ["a", "shared"]      # the first dispatch's, then the second's wake-up
+    assert wakes.told() == [("a", "2")]             # a had room for y: one slot free, one owed
+    assert _room(wakes.conn, "a") == 0
 
 
 def _lock_waits(conn: psycopg.Connection[Any], n: int) -> bool:
@@ -160,18 +210,16 @@ def test_a_worker_without_a_handler_for_the_task_is_not_woken(wakes: Wakes) -> N
     assert wakes.notified() == ["a"]
 
 
-def test_a_claim_that_gets_all_it_asked_for_withdraws_the_registration(wakes: Wakes) -> None:
+def test_a_claim_that_gets_all_it_has_room_for_leaves_no_room_registered(wakes: Wakes) -> None:
     conn = wakes.conn
-    wakes.idle("a")
-    conn.execute("DELETE FROM task_waiters WHERE worker = 'a'")   # as a dispatch that woke it
     wakes.dispatch()
     wakes.dispatch()
     assert wakes.notified() == ["shared", "shared"]
     got = outbox.claim(conn, ["default"], "a", 2, claim_id="full", wake=outbox.wake_channel("a"))
     assert len(got) == 2
-    wakes.dispatch()                                # a is busy: not registered
+    wakes.dispatch()                                # a is busy: no room
     assert wakes.notified() == ["shared"]
-    assert conn.execute("SELECT count(*) FROM task_waiters").fetchone() == (0,)
+    assert _room(conn, "a") == 0
 
 
 def test_a_rolled_back_dispatch_wakes_nobody_and_keeps_the_registration(db_url: str, wakes: Wakes) -> None:
@@ -182,7 +230,7 @@ def test_a_rolled_back_dispatch_wakes_nobody_and_keeps_the_registration(db_url: 
         raise psycopg.Rollback()
     assert wakes.notified() == []
     with psycopg.connect(db_url, autocommit=True) as conn:
-        assert conn.execute("SELECT worker FROM task_waiters").fetchall() == [("a",)]
+        assert _room(conn, "a") == 2
 
 
 ONE = {"id": "one", "nodes": [{"id": "a", "type": "TASK", "task": "noop"}]}
@@ -234,19 +282,17 @@ def _idle_workers(db_url: str, engine: Engine, n: int = 4) -> Iterator[dict[str,
 FOUR = {"id": "four", "nodes": [{"id": n, "type": "TASK", "task": "noop"} for n in "abcd"]}
 
 
-@pytest.mark.parametrize(("spec", "runs", "min_claims", "max_empty"), [(ONE, 20, 20, 2), (FOUR, 10, 40, 4)],
+@pytest.mark.parametrize(("spec", "runs", "min_claims", "max_empty"), [(ONE, 20, 20, 2), (FOUR, 10, 10, 4)],
                          ids=["one-task-runs", "four-task-runs"])
 def test_four_idle_workers_few_empty_claims(db_url: str, spec: dict[str, Any], runs: int, min_claims: int,
                                             max_empty: int) -> None:
     """Four idle workers of 4 slots, one run at a time. Runs of one task: each dispatch
     wakes one worker, so a claim comes back empty only when a wake-up races a poll (with
     every worker woken by each dispatch, three claims in four would be). Runs of four
-    tasks, dispatched by one statement: the dispatch wakes the four workers, each of
-    which claims one task for its one wake-up; were a woken worker to claim all it has
-    room for, the first would take the tasks the others were woken for, and their
-    claims would come back empty. A worker whose claim filled its last slot claims
-    again when a slot frees, since more may be waiting: with 1 slot that claim is empty
-    whenever nothing is queued, so the slots here are 4."""
+    tasks, dispatched by one statement: the dispatch hands the four to one worker with
+    room for them, which claims them (with the shared channel told, or a worker woken
+    per task each claiming all it has room for, the others' claims would come back
+    empty)."""
     with Engine.connect(db_url, pool_size=2) as engine:
         engine.deploy(spec)
         with _idle_workers(db_url, engine) as counts:
@@ -321,7 +367,8 @@ def _finished(engine: Engine, run_id: str) -> bool:
 
 def _waiters(engine: Engine) -> list[str]:
     with engine.pool.connection() as conn:
-        return [r[0] for r in conn.execute("SELECT worker FROM task_waiters ORDER BY worker").fetchall()]
+        return [r[0] for r in conn.execute("SELECT worker FROM task_waiters WHERE slots > promised - seen "
+                                           "ORDER BY worker").fetchall()]
 
 
 def _registered(engine: Engine, worker_id: str) -> bool:

@@ -1,0 +1,175 @@
+"""The races of the wake-up handshake (sql/R__dispatch.sql), each forced.
+
+A waiter registers its free slots; a dispatch hands it wake-ups. What can go wrong: a
+waiter killed (its row outlives it), a waiter woken whose claim finds its task taken by
+another, two dispatches racing for one waiter. Wake-ups are an optimisation and the poll
+the safety net: none of these leaves a task undispatched past an idle worker's poll.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from functools import partial
+from typing import Any
+
+import psycopg
+import pytest
+
+from composer_ops import Engine, Worker
+from composer_ops.repo import outbox
+from composer_ops.testing.processes import TERMINAL, wait_for
+from tests.integration.test_outbox_wake_one import Wakes, wakes  # noqa: F401  (the fixture)
+
+ONE = {"id": "one", "nodes": [{"id": "a", "type": "TASK", "task": "noop"}]}
+
+#: A worker process that registers as idle (an empty claim with its wake channel and
+#: room for 4), says so, and waits to be killed.
+_WAITER = """
+import sys, time
+import psycopg
+from composer_ops.repo import outbox
+with psycopg.connect(sys.argv[1], autocommit=True) as conn:
+    assert outbox.claim(conn, ["default"], "dead", 4, task_names=["noop"], claim_id="dead-1",
+                        wake=outbox.wake_channel("dead"), seen=0) == []
+    print("ready", flush=True)
+    time.sleep(3600)
+"""
+
+
+@pytest.fixture
+def engine(db_url: str) -> Iterator[Engine]:
+    with Engine.connect(db_url, pool_size=2) as engine:
+        engine.deploy(ONE)
+        yield engine
+
+
+def _finished(engine: Engine, run_id: str) -> bool:
+    return engine.get_run(run_id).status in TERMINAL
+
+
+def _room(engine: Engine, worker: str) -> int:
+    with engine.pool.connection() as conn:
+        row = conn.execute("SELECT slots - (promised - seen) FROM task_waiters WHERE worker = %s",
+                           (worker,)).fetchone()
+    return 0 if row is None else int(row[0])
+
+
+def test_a_killed_waiters_task_is_claimed_by_an_idle_workers_poll(db_url: str, engine: Engine) -> None:
+    """A waiter killed keeps its registration, and a dispatch may hand it the task: the
+    live idle worker, never told, claims it at its next poll (2 s here)."""
+    poll = 2.0
+    w_engine = Engine.connect(db_url, pool_size=2)
+    worker = Worker(w_engine, concurrency=2, poll_interval=poll, worker_id="live")
+    worker.handler("noop")(lambda _input, _ctx: None)
+    thread = threading.Thread(target=worker.run, daemon=True)
+    thread.start()
+    try:
+        wait_for(lambda: _room(engine, "live") == 2, what="the live worker idle")
+        with subprocess.Popen([sys.executable, "-c", _WAITER, db_url], stdout=subprocess.PIPE, text=True) as dead:
+            try:
+                assert dead.stdout is not None and dead.stdout.readline().strip() == "ready"
+            finally:
+                dead.kill()
+                dead.wait(30)
+        with psycopg.connect(db_url, autocommit=True) as listen:
+            outbox.listen(listen, outbox.wake_channel("dead"))
+            outbox.listen(listen, outbox.CHANNEL)
+            with engine.pool.connection() as conn:   # as if it registered last: the live one polls meanwhile
+                conn.execute("UPDATE task_waiters SET since = now() + interval '1 hour' WHERE worker = 'dead'")
+            began = time.monotonic()
+            run_id = engine.start("one")
+            told = [(n.channel, n.payload) for n in listen.notifies(timeout=1.0)]
+        assert told == [(outbox.wake_channel("dead"), "1")]
+        wait_for(partial(_finished, engine, run_id), timeout=poll + 20, what=f"run {run_id} claimed by a poll")
+        took = time.monotonic() - began
+    finally:
+        worker.stop()
+        thread.join(60)
+        w_engine.close()
+    assert took < poll + 20
+    assert engine.get_run(run_id).tasks[0].state == "COMPLETED"
+
+
+def test_a_woken_worker_whose_task_another_took_is_woken_again(db_url: str, engine: Engine) -> None:
+    """A worker woken for a task whose claim finds it taken by another (the claim of a
+    worker that polled) comes back empty and registers its whole room again: the next
+    dispatch wakes it on its own channel, and it claims that task."""
+    taken = threading.Event()
+    go = threading.Event()
+    w_engine = Engine.connect(db_url, pool_size=2)
+    claim = w_engine.claim
+
+    def held(*args: Any, **kwargs: Any) -> Any:
+        if kwargs.get("seen"):          # a claim for wake-ups: waits until the task is taken
+            taken.set()
+            go.wait(30)
+        return claim(*args, **kwargs)
+
+    w_engine.claim = held  # type: ignore[method-assign]
+    worker = Worker(w_engine, concurrency=2, poll_interval=3600.0, worker_id="woken")
+    worker.handler("noop")(lambda _input, _ctx: None)
+    thread = threading.Thread(target=worker.run, daemon=True)
+    thread.start()
+    try:
+        wait_for(lambda: _room(engine, "woken") == 2, what="the worker idle")
+        first = engine.start("one")
+        assert taken.wait(30), "the worker was not woken"
+        with engine.pool.connection() as conn:
+            assert len(outbox.claim(conn, ["default"], "other", 1, claim_id="other")) == 1
+        go.set()
+        wait_for(lambda: worker.claim_counts()["own"] == {"claims": 1, "empty": 1}, what="the empty claim")
+        wait_for(lambda: _room(engine, "woken") == 2, what="the worker's room registered again")
+        second = engine.start("one")
+        wait_for(partial(_finished, engine, second), what=f"run {second}")
+    finally:
+        go.set()
+        worker.stop()
+        thread.join(60)
+        w_engine.close()
+    assert engine.get_run(first).tasks[0].state == "RUNNING"      # the other holds it
+    assert worker.claim_counts()["own"] == {"claims": 2, "empty": 1}
+
+
+def test_two_dispatches_racing_for_one_waiter(db_url: str, wakes: Wakes) -> None:  # noqa: F811
+    """The first dispatch holds the waiter's row until it commits; the second skips it,
+    never waiting, and tells the shared channel; the waiter is handed the first's task."""
+    wakes.idle("a", room=2, seen=0)
+    with psycopg.connect(db_url) as first, psycopg.connect(db_url, autocommit=True) as second:
+        Wakes(first, wakes.listen, wakes.channels).dispatch()          # uncommitted: holds a's row
+        racing = threading.Thread(target=Wakes(second, wakes.listen, wakes.channels).dispatch, daemon=True)
+        racing.start()
+        racing.join(30)
+        assert not racing.is_alive(), "the second dispatch waited for the first"
+        assert wakes.told() == [("shared", "default")]
+        first.commit()
+    assert wakes.told() == [("a", "1")]
+
+
+def test_a_worker_that_fills_its_slots_claims_again_only_for_tasks_left(db_url: str, engine: Engine) -> None:
+    """A worker of one slot, two tasks ready: its first claim fills the slot and leaves
+    one task, so it hands the worker a wake-up, and the worker claims that task when the
+    slot frees; that claim leaves nothing, so the worker registers its freed slot instead
+    of claiming (a claim would come back empty), and the next dispatch wakes it."""
+    first, second = engine.start("one"), engine.start("one")
+    w_engine = Engine.connect(db_url, pool_size=2)
+    worker = Worker(w_engine, concurrency=1, poll_interval=3600.0, worker_id="single")
+    worker.handler("noop")(lambda _input, _ctx: None)
+    thread = threading.Thread(target=worker.run, daemon=True)
+    thread.start()
+    try:
+        for run_id in (first, second):
+            wait_for(partial(_finished, engine, run_id), what=f"run {run_id}")
+        wait_for(lambda: _room(engine, "single") == 1, what="the freed slot registered")
+        assert worker.claim_counts() == {"own": {"claims": 1, "empty": 0}, "shared": {"claims": 0, "empty": 0},
+                                         "room": {"claims": 1, "empty": 0}}
+        third = engine.start("one")
+        wait_for(partial(_finished, engine, third), what=f"run {third}")
+    finally:
+        worker.stop()
+        thread.join(60)
+        w_engine.close()
+    assert worker.claim_counts()["own"] == {"claims": 2, "empty": 0}
