@@ -135,7 +135,7 @@ def _run(args: argparse.Namespace, behaviour: Any, console: Any) -> int:
     from composer_ops.repo import simulator
     from composer_ops.simulate import summary
     from composer_ops.simulate.definitions import definitions, deploy_definitions
-    from composer_ops.simulate.live import LiveOptions, LiveSimulation
+    from composer_ops.simulate.live import PROGRESS_DEADLINE_S, LiveOptions, LiveSimulation
     from composer_ops.simulate.months import MonthsOptions, backfill
 
     with Engine.connect(args.database_url, pool_size=4, application_name="composer-ops simulate") as engine:
@@ -181,7 +181,8 @@ def _run(args: argparse.Namespace, behaviour: Any, console: Any) -> int:
             figures = summary.live_figures(engine, result.run_ids, result.kills)
             summary.render_live(console, result, figures)
             if result.run_ids and sum(figures.by_status[s] for s in TERMINAL_RUN_STATUSES) == 0:
-                raise ComposerError("no live run finished: the worker processes did not make progress"
+                raise ComposerError(f"no live run finished, {PROGRESS_DEADLINE_S:.0f} s after the traffic ended: "
+                                    "the worker processes did not make progress"
                                     + (f" (logs under {result.log_dir})" if result.log_dir else ""))
         summary.render_database(console, summary.database_overview(engine))
     return EXIT_OK

@@ -4,8 +4,9 @@ The driver spawns ``composer-ops coordinator`` and simulator worker processes, t
 a plan drawn from the seed: Poisson-timed starts, signals early (buffered), late, too
 late (refused) or never, duplicates, cancellations, and ``kill_workers`` SIGKILLs of the
 busiest worker (the last one as the simulation stops, leaving lapsing leases for the
-lease report). After ``duration_s`` everything stops with runs in flight. The plan is a
-function of the seed; what the processes make of it depends on real timing.
+lease report). After ``duration_s`` everything stops with runs in flight, once at least
+one run has finished (a loaded machine's workers may not have served anything yet). The
+plan is a function of the seed; what the processes make of it depends on real timing.
 """
 
 from __future__ import annotations
@@ -54,6 +55,10 @@ _KILL_MIN_BUSY = 3
 #: Calls of Engine.start per planned run when it raises Transient (each call already
 #: retries its own transaction): a server restarting or a pool exhausted for a while.
 _START_ATTEMPTS = 4
+#: After the traffic, the fleet runs on until a started run has finished, at most this
+#: long: on a loaded machine a short simulation can end before the workers (whole Python
+#: processes to start) have served anything, and what it left would show no progress.
+PROGRESS_DEADLINE_S = 180.0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -126,6 +131,7 @@ class LiveResult:
     kills: list[tuple[str, list[HeldTask]]] = field(default_factory=list)   # (lease owner, its RUNNING tasks)
     unexpected_exits: list[str] = field(default_factory=list)
     seconds: float = 0.0
+    progress_wait_s: float = 0.0                # after the traffic, waiting for a first finished run
     log_dir: str | None = None
 
 
@@ -211,6 +217,7 @@ class LiveSimulation:
             for when, deadline in kill_times:
                 self._at(when, "kill", deadline)
             self._loop(fleet, options.duration_s)
+            self._await_progress(fleet, PROGRESS_DEADLINE_S)
             if kill_at_end:
                 self._kill(fleet, replace=False, min_busy=1)
             fleet.terminate("coordinator", timeout=10)
@@ -256,6 +263,20 @@ class LiveSimulation:
         self.result.seconds = time.monotonic() - t0
         self._poll(stop_at)
         self._report("stopped")
+
+    def _await_progress(self, fleet: Fleet, deadline_s: float) -> None:
+        """Keep the fleet running after the traffic until a started run has finished, or
+        ``deadline_s`` has passed (then the caller reports that nothing made progress)."""
+        t0 = time.monotonic()
+        while self.runs and not any(s.finished for s in self.runs.values()):
+            waited = time.monotonic() - t0
+            if waited >= deadline_s:
+                break
+            self._check(fleet)
+            time.sleep(_POLL_S)
+            self._poll(self.result.seconds + waited)
+            self._report("waiting")
+        self.result.progress_wait_s = time.monotonic() - t0
 
     def _handle(self, fleet: Fleet, kind: str, payload: Any, now: float) -> None:
         if kind == "start":

@@ -110,6 +110,9 @@ def render_live(console: Console, result: LiveResult, figures: LiveFigures) -> N
                   + (f", {result.start_retries} retried after a transient error" if result.start_retries else ""))
     if result.start_failures:
         table.add_row("  not started", _fmt(len(result.start_failures)), "the database refused them (below)")
+    if result.progress_wait_s >= 1.0:
+        table.add_row("  waited", f"{result.progress_wait_s:.0f} s",
+                      "after the traffic, until a first run finished (a loaded machine)")
     for status in (RunStatus.SUCCEEDED, RunStatus.FAILED, RunStatus.CANCELLED, RunStatus.RUNNING):
         note = "left active" if status is RunStatus.RUNNING else ""
         table.add_row(f"  {status.lower()}", _fmt(figures.by_status.get(status, 0)), note)

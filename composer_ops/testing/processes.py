@@ -32,9 +32,11 @@ class Fleet(_Fleet):
         super().__init__(db_url, app=app, **options)
 
 
-def wait_for(predicate: Callable[[], Any], timeout: float = 30.0, interval: float = 0.1, what: str = "") -> Any:
+def wait_for(predicate: Callable[[], Any], timeout: float = 90.0, interval: float = 0.1, what: str = "") -> Any:
     """Poll ``predicate`` until it returns something true, and return that; raise
-    AssertionError naming ``what`` after ``timeout`` seconds."""
+    AssertionError naming ``what`` after ``timeout`` seconds (by default long enough for
+    worker and coordinator processes to start on a loaded machine: it costs nothing when
+    the condition comes sooner)."""
     deadline = time.monotonic() + timeout
     while True:
         value = predicate()

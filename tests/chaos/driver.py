@@ -35,9 +35,9 @@ import psycopg
 from composer_ops import Conflict, Engine
 from composer_ops.engine.ids import uuid7_at
 from composer_ops.testing import servers
-from composer_ops.testing.processes import Fleet
+from composer_ops.testing.processes import Fleet, Proc
 from tests.chaos.hook import SECRET, Hook
-from tests.chaos.verify import AUDIT_SQL, AUDIT_SQL_CITUS, TERMINAL, Audit, audit, describe_stuck
+from tests.chaos.verify import AUDIT_SQL, AUDIT_SQL_CITUS, TERMINAL, Audit, audit, describe_stuck, owner_pid
 from tests.chaos.workload import LEASE_S, Planned, plan, specs
 
 T = TypeVar("T")
@@ -70,6 +70,7 @@ class Report:
     elapsed_s: float
     engine_retries: int = 0
     stuck: list[str] = field(default_factory=list)
+    busy_kills: int = 0               # worker kills chosen among workers holding a running task
 
     @property
     def ok(self) -> bool:
@@ -82,7 +83,8 @@ class Report:
         lost = len(self.stuck) + sig.get("lost", 0) + sig.get("doubled", 0) + hooks.get("missing", 0)
         out = [
             f"chaos: {f.get('runs', 0)} runs in {self.elapsed_s:.1f}s {f.get('by_status', {})}",
-            f"  kills: {sum(self.kills.values())} {self.kills}; server restarts: {len(self.restarts)} "
+            f"  kills: {sum(self.kills.values())} {self.kills}, {self.busy_kills} of a worker running a task; "
+            f"server restarts: {len(self.restarts)} "
             f"({self.restart_note})",
             f"  retries: {sum(req.values())} {req}; runs failed by lease expiry alone: "
             f"{f.get('failed_by_lease_expiry')}; history: {f.get('history')}",
@@ -152,6 +154,7 @@ class Chaos:
         self._starting_done = threading.Event()
         self._starts_ended: float | None = None
         self._stop = threading.Event()
+        self.busy_kills = 0          # kills of a worker that held a running task when chosen
 
     # -- client calls, retried through the faults ----------------------------------
 
@@ -225,9 +228,25 @@ class Chaos:
                 due()
 
     def _killing(self) -> bool:
+        """Until the starts end, then ``kill_after_starts_s`` more, and on (until the run is
+        over) while no worker holding a running task has been killed yet."""
         if self._stop.is_set():
             return False
-        return self._starts_ended is None or time.monotonic() - self._starts_ended < self.o.kill_after_starts_s
+        return (self._starts_ended is None or time.monotonic() - self._starts_ended < self.o.kill_after_starts_s
+                or not self.busy_kills)
+
+    def _busy_workers(self) -> list[Proc] | None:
+        """The live workers holding a RUNNING task's lease; None when the database cannot
+        say (a server down for the fault)."""
+        workers = self.fleet.alive("worker")
+        try:
+            with psycopg.connect(self.db_url, autocommit=True, connect_timeout=2) as conn:
+                owners = conn.execute("SELECT DISTINCT lease_owner FROM task_instances "
+                                      "WHERE state = 'RUNNING'").fetchall()
+        except psycopg.Error:
+            return None
+        pids = {owner_pid(row[0]) for row in owners}
+        return [w for w in workers if w.pid in pids]
 
     def _killer(self) -> None:
         while self._killing():
@@ -238,8 +257,12 @@ class Chaos:
                 continue
             roll = self.rng.random()
             if roll < 0.65:
-                victims = self.fleet.alive("worker")[:]
+                # A worker holding running tasks, when one does: a random one, on a loaded
+                # machine, is often a replacement still starting, and its kill hits nothing.
+                busy = self._busy_workers()
+                victims = busy or self.fleet.alive("worker")
                 victims = [self.rng.choice(victims)] if victims else []
+                self.busy_kills += bool(busy)
             elif roll < 0.9:
                 coordinators = self.fleet.alive("coordinator")
                 victims = [self.rng.choice(coordinators)] if coordinators else []
@@ -308,7 +331,7 @@ class Chaos:
             kills[k.kind] = kills.get(k.kind, 0) + 1
         report = Report(self.o, result, kills, [t1 - t0 for t0, t1 in self.restarts], self.restart_note, crashes,
                         {**self.retries, **self.error_types}, log_summary(self.fleet.logdir), time.monotonic() - began,
-                        stuck=stuck_text)
+                        stuck=stuck_text, busy_kills=self.busy_kills)
         return report
 
     def _wait_until_done(self, began: float) -> list[str]:

@@ -10,9 +10,9 @@ from tests.chaos.driver import assert_nothing_lost, ci_options, run_chaos
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(150)
+@pytest.mark.timeout(300)
 def test_chaos_run_loses_nothing(server: Server, template_db: str, capsys: pytest.CaptureFixture[str]) -> None:
-    report = run_chaos(server, ci_options(start_rate=15.0, timeout_s=85.0), template=template_db)
+    report = run_chaos(server, ci_options(start_rate=15.0, timeout_s=200.0), template=template_db)
     with capsys.disabled():
         print("\n" + "\n".join(report.lines()))
     assert_nothing_lost(report, restarts=1 if report.options.restart else 0)

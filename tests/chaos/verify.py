@@ -68,7 +68,7 @@ class Audit:
             self.problems.append(text)
 
 
-def _owner_pid(owner: str | None) -> int | None:
+def owner_pid(owner: str | None) -> int | None:
     parts = (owner or "").split(":")
     return int(parts[1]) if len(parts) >= 3 and parts[1].isdigit() else None
 
@@ -217,7 +217,7 @@ def _check_requeues(a: Audit, conn: psycopg.Connection[Any], started: dict[str, 
             a.problem(f"task {task_id} ({node_id}) of run {run_id} re-queued {old_attempt}->{new_attempt} "
                       f"neither by an injected failure nor by its lease's expiry: {text!r}")
             continue
-        kill = killed_at.get(_owner_pid(owner) or -1)
+        kill = killed_at.get(owner_pid(owner) or -1)
         if kill is not None and kill <= at:
             causes["lease expired: worker killed"] += 1
             detected.append(at - kill)

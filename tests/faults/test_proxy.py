@@ -58,7 +58,7 @@ def test_it_forwards_transactions_pipelines_copy_and_notifications(proxy: FaultP
         listener.execute("LISTEN chan")
         conn.execute("NOTIFY chan, 'hello'")
         conn.commit()
-        heard = [n.payload for n in listener.notifies(timeout=5, stop_after=1)]
+        heard = [n.payload for n in listener.notifies(timeout=60, stop_after=1)]
         listener.close()
     assert got == ["a", "b", "c", "d"] and heard == ["hello"]
     assert _ids(db_url) == [1, 2, 3, 4]

@@ -110,7 +110,8 @@ def _audit(url: str) -> list[tuple[Any, ...]]:
                             "FROM operator_audit ORDER BY id").fetchall()
 
 
-@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
+                                                                    HealthCheck.too_slow])
 @given(layout=layouts, archive_tz=st.sampled_from(ZONES), restore_tz=st.sampled_from(ZONES))
 def test_archive_drop_restore_gives_back_identical_rows(db_url: str, tmp_path_factory: pytest.TempPathFactory,
                                                        monkeypatch: pytest.MonkeyPatch, layout: dict[str, Any],

@@ -120,7 +120,6 @@ def test_an_unexpected_exception_does_not_stop_the_batch(engine: Engine, db_url:
     assert _state(engine, expired_live, "a") == ("PENDING", 1)
 
 
-@pytest.mark.timeout(60)
 @pytest.mark.parametrize("loop", ["leases", "timers"])
 def test_a_run_whose_lock_is_held_elsewhere_does_not_stall_the_pass(engine: Engine, db_url: str, loop: str,
                                                                     monkeypatch: pytest.MonkeyPatch) -> None:

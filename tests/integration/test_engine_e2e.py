@@ -11,7 +11,8 @@ import pytest
 from composer_ops import Engine
 from composer_ops.testing.processes import TERMINAL, Fleet, wait_for
 
-pytestmark = pytest.mark.slow
+# Each test starts worker and coordinator processes: on a loaded machine, a minute or more.
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -34,7 +35,7 @@ def fleet(db_url: str, *, workers: int = 1, coordinators: int = 1) -> Fleet:
     return f
 
 
-def finished(engine: Engine, run_id: str, timeout: float = 30) -> Any:
+def finished(engine: Engine, run_id: str, timeout: float = 120) -> Any:
     return wait_for(lambda: (r := engine.get_run(run_id)).status in TERMINAL and r, timeout, what=f"run {run_id}")
 
 

@@ -25,9 +25,10 @@ ROOT = Path(__file__).resolve().parents[2]
 def cli(db_url: str, *args: str) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "COMPOSER_DATABASE_URL": db_url, "PYTHONPATH": str(ROOT)}
     return subprocess.run([sys.executable, "-m", "composer_ops", *args], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=60)
+                          text=True, timeout=180)
 
 
+@pytest.mark.timeout(360)          # three worker and coordinator processes, and a CLI
 def test_the_history_of_a_run_that_lived_through_a_killed_worker(engine: Engine, db_url: str, tmp_path: Path,
                                                                  capsys: pytest.CaptureFixture[str]) -> None:
     """A worker process is SIGKILLed holding the task; its lease lapses, a coordinator
@@ -43,13 +44,13 @@ def test_the_history_of_a_run_that_lived_through_a_killed_worker(engine: Engine,
     fleet = Fleet(db_url)
     try:
         doomed = fleet.worker("--registry-interval", "0.5", concurrency=1)
-        wait_for(lambda: engine.get_run(run_id).tasks[0].state == "RUNNING", timeout=30, what="the claim")
+        wait_for(lambda: engine.get_run(run_id).tasks[0].state == "RUNNING", timeout=120, what="the claim")
         fleet.kill(doomed)
         with engine.pool.connection() as conn:     # the next attempt is quick
             conn.execute("UPDATE task_instances SET input_json = '{\"sleep\": 0}' WHERE run_id = %s", (run_id,))
         fleet.coordinator()
         fleet.worker(concurrency=1)
-        wait_for(lambda: engine.get_run(run_id).status != "RUNNING", timeout=60, what="the run to finish")
+        wait_for(lambda: engine.get_run(run_id).status != "RUNNING", timeout=120, what="the run to finish")
     finally:
         fleet.stop()
     run = engine.get_run(run_id)

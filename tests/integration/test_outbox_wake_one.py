@@ -26,6 +26,9 @@ from composer_ops.repo.rows import Dispatch
 from composer_ops.testing.processes import TERMINAL, wait_for
 from tests.integration.helpers import add_definition, add_run
 
+#: The channel :meth:`Wakes.notified` ends its listening on.
+SENTINEL = "test_wakes_heard"
+
 
 @dataclass
 class Wakes:
@@ -60,15 +63,24 @@ class Wakes:
 
     def told(self) -> list[tuple[str, str]]:
         """Who was told since the last call, with the payloads: (worker, wake-ups handed
-        to it so far) on a wake channel, ("shared", queue) on the shared channel."""
-        return sorted((self.channels[n.channel], n.payload) for n in self.listen.notifies(timeout=0.5))
+        to it so far) on a wake channel, ("shared", queue) on the shared channel; what the
+        listener hears before a notification sent now, after them. A listener hears
+        notifications in the order their transactions committed, so nothing is counted in
+        a window a loaded machine could overrun."""
+        self.conn.execute(f"NOTIFY {SENTINEL}")
+        heard: list[tuple[str, str]] = []
+        for n in self.listen.notifies(timeout=60):
+            if n.channel == SENTINEL:
+                return sorted(heard)
+            heard.append((self.channels[n.channel], n.payload))
+        raise AssertionError(f"the listener did not hear {SENTINEL} within 60 s (before it: {heard})")
 
 
 @pytest.fixture
 def wakes(db_url: str) -> Iterator[Wakes]:
     channels = {outbox.CHANNEL: "shared", **{outbox.wake_channel(w): w for w in "abc"}}
     with psycopg.connect(db_url, autocommit=True) as listen, psycopg.connect(db_url, autocommit=True) as conn:
-        for channel in channels:
+        for channel in (*channels, SENTINEL):
             outbox.listen(listen, channel)
         add_definition(conn)
         yield Wakes(conn, listen, channels)

@@ -70,7 +70,8 @@ def _populate(conn: psycopg.Connection[Any], layout: dict[str, list[tuple[str, i
                          (fixtures.uuid7_text(ts, 200 + i), run_id))
 
 
-@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
+                                                                    HealthCheck.too_slow])
 @given(layout=layouts, cutoff=cutoffs, tz=st.sampled_from(["UTC", "America/New_York", "Asia/Tokyo"]),
        nudge=st.sampled_from([None, timedelta(0), timedelta(microseconds=-1), timedelta(hours=-5)]),
        via=st.sampled_from(["sql", "engine"]))

@@ -1,12 +1,14 @@
 """The live simulator's starts, against a stand-in engine: every planned start is made or
 reported with its error, transient errors are retried, and a driver that falls behind
-its plan still makes the plan's last starts."""
+its plan still makes the plan's last starts, and a simulation over before any run
+finished waits (up to a deadline) for one."""
 
 from __future__ import annotations
 
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from datetime import UTC, datetime
 from typing import Any
 
 import pytest
@@ -112,3 +114,52 @@ def test_a_driver_behind_its_plan_still_makes_every_planned_start() -> None:
     sim._loop(fleet, options.duration_s)
     assert len(sim.result.run_ids) == options.runs and sim.result.start_failures == []
     assert sorted(sim.runs) == list(range(options.runs))
+
+
+class _QuietFleet:
+    """A fleet whose processes all stay up and are stopped when asked."""
+
+    def __init__(self) -> None:
+        self.logdir = None
+
+    def worker(self, **kwargs: Any) -> None:
+        return None
+
+    def coordinator(self, **kwargs: Any) -> None:
+        return None
+
+    def exited(self) -> list[Any]:
+        return []
+
+    def terminate(self, kind: str, timeout: float) -> list[Any]:
+        return []
+
+    def stop(self, timeout: float, keep_logs: bool) -> None:
+        return None
+
+
+def test_a_simulation_over_before_any_run_finished_waits_for_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The workers of a loaded machine serve nothing within the traffic's 0.2 s; the first
+    # run finishes 1.5 s after the start. The simulation ends only once it has.
+    finish_at = time.monotonic() + 1.5
+    monkeypatch.setattr(simulator, "clock", lambda conn: datetime.now(UTC))
+    monkeypatch.setattr(simulator, "finished_runs",
+                        lambda conn, ids: list(ids)[:1] if time.monotonic() >= finish_at else [])
+    monkeypatch.setattr(live, "simulation_fleet", lambda url, behaviour: _QuietFleet())
+    engine = _Engine()
+    engine.url = ""  # type: ignore[attr-defined]
+    options = LiveOptions(seed=5, runs=3, duration_s=0.2, cancel_rate=0.0, kill_workers=0)
+    result = LiveSimulation(engine, options).run()  # type: ignore[arg-type]
+    assert len(result.run_ids) == options.runs
+    assert time.monotonic() >= finish_at and result.progress_wait_s > 0.5
+
+
+def test_the_wait_for_a_first_finished_run_ends_at_its_deadline(monkeypatch: pytest.MonkeyPatch) -> None:
+    engine = _Engine()
+    options = LiveOptions(seed=5, runs=2, duration_s=0.2, cancel_rate=0.0)
+    sim = LiveSimulation(engine, options)  # type: ignore[arg-type]
+    for planned in plan_live(options):
+        sim._start(planned, 0.0)
+    began = time.monotonic()
+    sim._await_progress(_QuietFleet(), 0.6)  # type: ignore[arg-type]
+    assert 0.6 <= time.monotonic() - began < 5.0 and not any(s.finished for s in sim.runs.values())
