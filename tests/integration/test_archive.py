@@ -110,6 +110,8 @@ def _audit(url: str) -> list[tuple[Any, ...]]:
                             "FROM operator_audit ORDER BY id").fetchall()
 
 
+# 12 archive-drop-restore rounds: on Citus at load average 25, more than the default 120 s.
+@pytest.mark.timeout(600)
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
                                                                     HealthCheck.too_slow])
 @given(layout=layouts, archive_tz=st.sampled_from(ZONES), restore_tz=st.sampled_from(ZONES))
