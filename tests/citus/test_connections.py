@@ -22,7 +22,7 @@ from composer_ops.testing.citus import CitusCluster
 
 #: What the V013 migration sets: connections a statement may use per worker node,
 #: and as many kept for the session.
-PER_WORKER = 4
+PER_WORKER = 1
 #: The shards of the database the passes scan: the session's database has 8 (the test
 #: cluster's), 2 per node at a time, too few to make a scan open more connections.
 SHARDS = 32
