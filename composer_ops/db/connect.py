@@ -106,6 +106,32 @@ def autocommit(conn: psycopg.Connection[Any]) -> Iterator[psycopg.Connection[Any
             conn.autocommit = False
 
 
+@contextlib.contextmanager
+def sent_transaction(conn: psycopg.Connection[Any]) -> Iterator[None]:
+    """A transaction whose BEGIN and COMMIT the block sends itself (:func:`send_begin`,
+    :func:`send_commit`), pipelined with its statements, on a connection in
+    :func:`autocommit`: so that the driver adds no round trip of its own. Leaving the
+    block commits a transaction still open; an exception rolls it back."""
+    try:
+        yield
+        if conn.info.transaction_status != TransactionStatus.IDLE:
+            send_commit(conn)
+    except BaseException:
+        if not conn.closed and conn.info.transaction_status != TransactionStatus.IDLE:
+            conn.execute("ROLLBACK")
+        raise
+
+
+def send_begin(conn: psycopg.Connection[Any]) -> None:
+    """BEGIN, in a :func:`sent_transaction` (queued when ``conn`` is in a pipeline)."""
+    conn.execute("BEGIN")
+
+
+def send_commit(conn: psycopg.Connection[Any]) -> None:
+    """COMMIT, in a :func:`sent_transaction` (queued when ``conn`` is in a pipeline)."""
+    conn.execute("COMMIT")
+
+
 def wait_until_reachable(url: str, *, wait_s: float = 0.0, application_name: str = "composer-ops") -> None:
     """Connect once and disconnect. With ``wait_s`` > 0, a failure that may pass (the
     server down, starting, shutting down or full: :func:`connect_may_succeed_later`)

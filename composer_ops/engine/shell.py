@@ -18,8 +18,6 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
-from psycopg.pq import TransactionStatus
-
 from composer_ops.core.attempts import HistoryRow
 from composer_ops.core.expressions import parse_ref, resolve_ref
 from composer_ops.core.flow import flow_refs, key_text
@@ -65,7 +63,7 @@ from composer_ops.core.model import (
     TaskState,
 )
 from composer_ops.core.spec import NodeSpec, WorkflowSpec, spec_from_json
-from composer_ops.db.connect import autocommit
+from composer_ops.db.connect import autocommit, send_commit, sent_transaction
 from composer_ops.db.errors import TranslatingPool
 from composer_ops.db.retry import db_retry
 from composer_ops.engine import childrows
@@ -230,16 +228,8 @@ class Shell:
                     partitions.set_lock_timeout(conn, lock_wait_s, citus=self.on_citus(conn))
                     return self.handle_in(conn, run_id, make_event, request=request, look=look)
             # Two round trips: BEGIN with the lock and load, the one write with COMMIT.
-            with autocommit(conn):
-                try:
-                    outcome = self.handle_in(conn, run_id, make_event, request=request, look=look, begin=True)
-                    if conn.info.transaction_status != TransactionStatus.IDLE:
-                        conn.execute("COMMIT")
-                except BaseException:
-                    if not conn.closed and conn.info.transaction_status != TransactionStatus.IDLE:
-                        conn.execute("ROLLBACK")
-                    raise
-                return outcome
+            with autocommit(conn), sent_transaction(conn):
+                return self.handle_in(conn, run_id, make_event, request=request, look=look, begin=True)
 
     _handle = db_retry()(_handle_once)
     _handle_or_give_up = db_retry(give_up=(LockTimeout,))(_handle_once)
@@ -441,7 +431,7 @@ class Shell:
             if commit and not later and not tell:
                 with conn.pipeline():        # the one statement and COMMIT in one round trip
                     sent = writes.send(conn, doc)
-                    conn.execute("COMMIT")
+                    send_commit(conn)
             else:
                 sent = writes.send(conn, doc)
                 if start is not None and (later or tell):

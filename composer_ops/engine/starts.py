@@ -19,11 +19,9 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any, NoReturn
 
-from psycopg.pq import TransactionStatus
-
 from composer_ops.core.model import CreateTask
 from composer_ops.core.runids import RUN_ID_MAX_AGE, RUN_ID_MAX_AHEAD, validate_run_id
-from composer_ops.db.connect import autocommit
+from composer_ops.db.connect import autocommit, send_begin, send_commit, sent_transaction
 from composer_ops.engine.ids import uuid7_at
 from composer_ops.engine.requests import Request
 from composer_ops.errors import Conflict, Invalid
@@ -187,15 +185,10 @@ def start_committed(conn: Conn, shell: Shell, *, workflow_id: str, version: int 
         if not prepared.one_statement:
             with conn.transaction():
                 return prepared.send(conn).result(conn)
-        try:
-            with conn.pipeline():
-                conn.execute("BEGIN")
-                sent = prepared.send(conn)
-                conn.execute("COMMIT")
-        except BaseException:
-            if not conn.closed and conn.info.transaction_status != TransactionStatus.IDLE:
-                conn.execute("ROLLBACK")
-            raise
+        with sent_transaction(conn), conn.pipeline():
+            send_begin(conn)
+            sent = prepared.send(conn)
+            send_commit(conn)
         return sent.result(conn)
 
 
