@@ -145,15 +145,21 @@ def months_table(mon: dict[str, Any]) -> Table:
 
 
 def citus_table(case: dict[str, Any]) -> Table:
-    table = Table(title=f"Citus {case['citus_version']}, {case['nodes']} nodes on this machine, {case['shard_count']} "
-                        f"shards, vs one server of the same binaries (W=1, medians of {case['rounds']} rounds)")
-    for col in ("mode", "single runs/s", "Citus runs/s", "Citus / single", "per round",
-                "CPU ms/run single", "CPU ms/run Citus"):
+    by_nodes = case.get("by_worker_nodes") or {str(case["nodes"] - 1): case}
+    counts = " and ".join(by_nodes)
+    table = Table(title=f"Citus {case['citus_version']}, a coordinator and {counts} worker nodes on this machine, "
+                        f"{case['shard_count']} shards, vs one server of the same binaries "
+                        f"(W=1, medians of {case['rounds']} rounds)")
+    first = next(iter(by_nodes))
+    for col in ("worker nodes", "mode", "single runs/s", "Citus runs/s", "Citus / single", "per round",
+                f"vs {first} worker nodes", "CPU ms/run single", "CPU ms/run Citus"):
         table.add_column(col, justify="right")
-    for mode, e in case["summary"].items():
-        table.add_row(mode, _f(e["single_runs_per_s"], 0), _f(e["citus_runs_per_s"], 0), _f(e["ratio"], 2),
-                      ", ".join(_f(r, 2) for r in case["ratios"][mode]), _f(e["single_cpu_ms_per_run"], 1),
-                      _f(e["citus_cpu_ms_per_run"], 1))
+    for nodes, entry in by_nodes.items():
+        for mode, e in entry["summary"].items():
+            table.add_row(nodes, mode, _f(e["single_runs_per_s"], 0), _f(e["citus_runs_per_s"], 0), _f(e["ratio"], 2),
+                          ", ".join(_f(r, 2) for r in entry["ratios"][mode]),
+                          _f(e.get(f"ratio_to_{first}_worker_nodes"), 2), _f(e["single_cpu_ms_per_run"], 1),
+                          _f(e["citus_cpu_ms_per_run"], 1))
     return table
 
 

@@ -77,6 +77,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="runs per drain in the Citus case (default 400: at its rate a drain of --runs took 40 s)")
     p.add_argument("--citus-shards", type=int, default=32,
                    help="shards per distributed table in the Citus case (Citus's default, 32)")
+    p.add_argument("--citus-worker-nodes", default="2",
+                   help="worker-node counts of the Citus case, each a cluster of its own measured side by side "
+                        "(default 2; 2,4 compares two and four)")
     p.add_argument("--flow-runs", type=int, default=80,
                    help="claims per configuration, mode and round of flow control's cost (bench.flowcost)")
     p.add_argument("--skip", default="", help=f"comma-separated parts to skip: {', '.join(PARTS)}")
@@ -88,6 +91,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         args.workers, args.runs, args.duration, args.hot_runs, args.retention_rows = "1,4", 300, 3.0, 100, 50_000
         args.repeat, args.months, args.months_runs, args.months_claims = 1, "1,3", 200, 50
         args.citus_runs, args.flow_runs = 100, 20
+    try:
+        args.citus_worker_nodes = tuple(dict.fromkeys(int(x) for x in args.citus_worker_nodes.split(",") if x.strip()))
+    except ValueError:
+        p.error(f"--citus-worker-nodes takes counts like 2,4, got {args.citus_worker_nodes}")
+    if not args.citus_worker_nodes or min(args.citus_worker_nodes) < 1:
+        p.error("--citus-worker-nodes needs at least one count, each at least 1")
     args.skip = _parts(p, args.skip)
     args.skip_pg15 = _parts(p, args.skip_pg15)
     args.skip_pg18 = _parts(p, args.skip_pg18)
@@ -256,10 +265,12 @@ def run_leg(args: argparse.Namespace, server: servers.Server, peer: Any, skip: s
         results["flow"] = flowcost.measure(server, runs=args.flow_runs, rounds=2 if args.quick else 4, log=_log)
 
     if "citus" not in skip and server.kind == "cluster":
-        _log("the Citus case: the same workload on a coordinator and two worker nodes of this server's binaries")
+        nodes = " and ".join(str(n) for n in args.citus_worker_nodes)
+        _log(f"the Citus case: the same workload on a coordinator and {nodes} worker nodes of this server's binaries")
         results["citus"] = citus.measure(server, template, runs=args.citus_runs, duration=args.duration,
                                          max_backlog=args.max_backlog, rounds=max(2, args.repeat // 2),
-                                         shard_count=args.citus_shards, log=_log)
+                                         shard_count=args.citus_shards, log=_log,
+                                         worker_nodes=args.citus_worker_nodes)
 
     if "notebooks" not in skip:
         # Building 10 million task rows takes longer than this whole run: `python -m
