@@ -349,7 +349,10 @@ DECLARE
     m_queues TEXT[];
     m_maxruns INT[];
     m_ckeys TEXT[];
-    more BOOLEAN;
+    owed INT := 0;
+    want INT;
+    mine BIGINT;
+    elsewhere BIGINT;
     total BIGINT;
 BEGIN
     -- First, before anything else: held until this claim commits or rolls back, so a
@@ -446,25 +449,41 @@ BEGIN
         END LOOP;
     END IF;
     -- The registration, with the room this claim leaves. A row locked here is held by a
-    -- dispatch that has not committed: skipped (header above). A claim that filled the
-    -- worker's room may have left ready rows behind that no other worker was told of (a
-    -- dispatch told this worker, or everyone, and this claim took what it had room for):
-    -- it hands its worker one wake-up more, so the worker claims again when a slot frees,
-    -- and otherwise waits for a wake-up (engine/worker.py) instead of claiming on spec.
+    -- dispatch that has not committed: skipped (header above). A claim that took all it
+    -- asked for may have left ready rows behind that no worker was told of: it hands its
+    -- worker wake-ups for them. Rows covered by wake-ups already on their way (to this
+    -- worker, or to another one) are not counted: those workers claim them. It hands as
+    -- many as the room the worker still has (claimed at once, so a backlog is drained
+    -- at full concurrency), or, with no room left and none on its way, one (claimed when
+    -- a slot frees). Otherwise the worker waits for a wake-up (engine/worker.py)
+    -- instead of claiming on spec. The counts are read without locks: a wake-up too many
+    -- costs an empty claim, one too few a wait for the next dispatch or the poll.
     IF p_channel IS NOT NULL THEN
-        more := claimed >= p_room
-                AND EXISTS (SELECT 1 FROM task_outbox o
-                             WHERE o.queue = ANY(p_queues) AND o.available_at <= now()
-                               AND (p_names IS NULL OR o.task_name = ANY(p_names)));
+        IF claimed >= p_limit THEN
+            SELECT GREATEST(w.promised - COALESCE(p_seen, w.promised), 0) INTO mine
+              FROM task_waiters w WHERE w.worker = p_owner;
+            mine := COALESCE(mine, 0);
+            want := GREATEST(p_room - claimed - mine, CASE WHEN mine = 0 THEN 1 ELSE 0 END);
+            IF want > 0 THEN
+                SELECT COALESCE(sum(GREATEST(w.promised - w.seen, 0)), 0) INTO elsewhere
+                  FROM task_waiters w WHERE w.worker <> p_owner AND w.queues && p_queues;
+                SELECT count(*) - elsewhere - mine INTO owed
+                  FROM (SELECT 1 FROM task_outbox o
+                         WHERE o.queue = ANY(p_queues) AND o.available_at <= now()
+                           AND (p_names IS NULL OR o.task_name = ANY(p_names))
+                         LIMIT want + elsewhere + mine) AS ready;
+                owed := LEAST(GREATEST(owed, 0), want);
+            END IF;
+        END IF;
         UPDATE task_waiters w
            SET channel = p_channel, queues = p_queues, task_names = p_names, slots = p_room - claimed,
-               promised = GREATEST(w.promised, COALESCE(p_seen, w.promised)) + more::int,
+               promised = GREATEST(w.promised, COALESCE(p_seen, w.promised)) + owed,
                seen = COALESCE(p_seen, w.promised), since = now()
          WHERE w.worker = (SELECT x.worker FROM task_waiters x WHERE x.worker = p_owner FOR UPDATE SKIP LOCKED)
         RETURNING w.promised INTO total;
-        IF more AND total IS NOT NULL THEN
+        IF owed > 0 AND total IS NOT NULL THEN
             PERFORM pg_notify(p_channel, total::text);
-        ELSIF more THEN                     -- the registration skipped: every worker is told
+        ELSIF owed > 0 THEN                 -- the registration skipped: every worker is told
             PERFORM pg_notify('composer_tasks', u.q) FROM unnest(p_queues) AS u(q);
         END IF;
     END IF;

@@ -253,9 +253,11 @@ class Worker:
                 with self._active_lock:
                     self._inflight += 1
                 slots.put((claim, claimed_at))
-            # A claim that filled every slot and left tasks ready handed this worker a
-            # wake-up for them (sql/R__claim.sql): when a slot frees, it claims if woken
-            # and registers its room otherwise (above), never claiming on spec.
+            # A claim that took all it asked for and left tasks ready that no wake-up on
+            # its way covers handed this worker wake-ups for them (sql/R__claim.sql): as
+            # many as its room left, claimed when they arrive, or one when it filled every
+            # slot, claimed when a slot frees; with none it registers its room (above),
+            # never claiming on spec.
             if not filled:
                 self._wait_for_dispatch()
 
