@@ -4,8 +4,10 @@ One Engine with a single pooled connection, traced with libpq's PQtrace: a round
 trip is a ReadyForQuery message from the server (one per synchronous exchange), a
 statement an Execute or simple Query. Measured for the three events of a 1-task run:
 start (Engine.start), claim (Engine.claim, one task per call as a busy worker mostly
-claims) and complete (Engine.complete), with the client's and the server's CPU time
-per event. No concurrency: this isolates what the code asks of the server from how
+claims) and complete (Engine.complete), and for a failure report (Engine.fail) of a
+1-task workflow with two attempts: requeue (the first attempt failed, re-queued without
+backoff) and fail (the last attempt failed, and the run with it); with the client's and
+the server's CPU time per event. No concurrency: this isolates what the code asks of the server from how
 busy the machine is.
 
 ``python -m bench.roundtrips [--runs N]`` prints a JSON object.
@@ -43,6 +45,12 @@ def _count(path: str) -> tuple[int, int, int]:
     return ready, statements, parses
 
 
+#: A 1-task workflow whose task fails twice: re-queued at once, then failed for good.
+FLAKY: dict[str, Any] = {"id": "bench-flaky", "nodes": [{
+    "id": "a", "type": "TASK", "task": "flaky",
+    "retry": {"max_attempts": 2, "initial_backoff_s": 0, "multiplier": 1, "max_backoff_s": 0}}]}
+
+
 def measure(server: Server, template: str, *, runs: int = 500) -> dict[str, Any]:
     from composer_ops import Engine
 
@@ -71,8 +79,34 @@ def measure(server: Server, template: str, *, runs: int = 500) -> dict[str, Any]
                 for c in claims:
                     engine.complete(c, None)
 
-            ops: list[tuple[str, Callable[[], None]]] = [("start", start), ("claim", claim), ("complete", complete)]
+            engine.deploy(FLAKY)
+            failing: list[Any] = []
+
+            def claim_failing() -> None:
+                failing.clear()
+                while len(failing) < runs:
+                    got = engine.claim(["default"], "rt", 50, task_names=["flaky"])
+                    if not got:
+                        time.sleep(0.01)
+                    failing.extend(got)
+
+            def fail() -> None:
+                for c in failing:
+                    if engine.fail(c, "boom").stale:
+                        raise RuntimeError(f"failure of {c.task_id} was stale")
+
+            def prepare_failures() -> None:
+                for _ in range(runs):
+                    engine.start(FLAKY["id"])
+                claim_failing()
+
+            ops: list[tuple[str, Callable[[], None]]] = [
+                ("start", start), ("claim", claim), ("complete", complete),
+                ("requeue", fail), ("fail", fail)]
+            before: dict[str, Callable[[], None]] = {"requeue": prepare_failures, "fail": claim_failing}
             for name, op in ops:
+                if name in before:
+                    before[name]()
                 fd, path = tempfile.mkstemp(prefix="composer-trace-")
                 try:
                     with engine.pool.connection() as conn:

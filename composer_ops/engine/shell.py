@@ -165,7 +165,7 @@ _NOTHING_YET = _NothingYet()
 #: written first.
 _LEAVES_ROWS = (ConsumeSignal, BufferSignal, StartChild, CancelChild)
 #: Actions written by the event's one statement (composer_apply) rather than on their own.
-_IN_ONE_WRITE = (CompleteTask, FinishRun)
+_IN_ONE_WRITE = (CompleteTask, FailTask, RequeueTask, FinishRun)
 
 
 class Shell:
@@ -327,17 +327,18 @@ class Shell:
         back) on a fence miss. ``start``: insert the run first. Returns the outcome and
         the event's one write (``composer_apply``, :mod:`composer_ops.repo.writes`)
         unread: a start reads it after its COMMIT, pipelined with it. The completions,
-        the run's finish, the created tasks, the history and the dispatches are written by
-        that one statement, after the other actions; what it would write so far goes
-        first, by the same function, before an action that may touch it (rare: a start
-        whose first decision does more than create tasks, a decision that creates or
-        completes tasks before another action).
+        failures and re-queues, the run's finish, the created tasks, the history and the
+        dispatches are written by that one statement, after the other actions; what it
+        would write so far goes first, by the same function, before an action that may
+        touch it (rare: a start whose first decision does more than create tasks, a
+        decision that creates, completes or fails tasks before another action).
         ``commit``: the caller's transaction began with an explicit BEGIN (the connection
         in autocommit, :meth:`handle`); when nothing follows the one statement, COMMIT is
         sent with it, in one pipeline (else the caller commits)."""
         dispatches: list[Dispatch] = []
         new_rows: list[NewTask] = []
         done: list[writes.Done] = []          # completions, written by the one statement
+        failed: list[writes.Fail] = []        # failures and re-queues, likewise
         finish: writes.Finish | None = None
         now = event.now            # the event's one instant (repo.clock), for every write below
         notes = _Notes(event, decision, request)
@@ -359,12 +360,12 @@ class Shell:
             if creating:
                 new_rows.extend(self._create(conn, run, creating, dispatches))
                 creating = []
-            if (new_rows or start is not None or done or finish is not None) \
+            if (new_rows or start is not None or done or failed or finish is not None) \
                     and not isinstance(action, _LEAVES_ROWS + _IN_ONE_WRITE):
                 # what the one statement would write goes first: this action may touch it
                 writes.send(conn, writes.document(at=now, run_id=run.id, request=request.id, start=start,
-                                                  done=done, finish=finish, tasks=new_rows)).result()
-                start, new_rows, done, finish = None, [], [], None
+                                                  done=done, failed=failed, finish=finish, tasks=new_rows)).result()
+                start, new_rows, done, failed, finish = None, [], [], [], None
             if isinstance(action, CompleteTask):
                 done.append(writes.Done(ref=action.ref, output=action.output,
                                         entry=notes.task_entry("completed", action.ref)))
@@ -373,16 +374,16 @@ class Shell:
                                                                   action.ref.attempt):
                     return Outcome(run_id=run.id, stale=f"task {action.ref.task_id} was claimed in time"), None
                 entry = notes.task_entry(notes.failure_kind, action.ref, error=action.reason, requeued=False)
-                _fenced(tasks.fail_task(conn, action.ref, action.reason, request=request.id, entry=entry, now=now),
-                        action)
+                failed.append(writes.Fail(ref=action.ref, reason=action.reason, entry=entry))
             elif isinstance(action, RequeueTask):
                 entry = notes.task_entry(notes.failure_kind, action.ref, error=action.reason, requeued=True,
                                          available_at=action.available_at.isoformat())
-                nxt = _fenced(tasks.requeue_task(conn, action.ref, action.reason, lease_expired=action.lease_expired,
-                                                 request=request.id, entry=entry, now=now), action)
-                node = run.spec.nodes[nxt.node_id]
-                dispatches.append(Dispatch(run_id=run.id, task_id=nxt.task_id, attempt=nxt.attempt,
-                                           queue=node.queue or "default", task_name=node.task or nxt.node_id,
+                failed.append(writes.Fail(ref=action.ref, reason=action.reason, entry=entry, requeue=True,
+                                          lease_expired=action.lease_expired))
+                node = run.spec.nodes[action.ref.node_id]
+                dispatches.append(Dispatch(run_id=run.id, task_id=action.ref.task_id,
+                                           attempt=action.ref.attempt + 1,
+                                           queue=node.queue or "default", task_name=node.task or action.ref.node_id,
                                            lease_s=_lease(node.lease_s), available_at=action.available_at,
                                            priority=node.flow.priority, max_run_s=_max_run(node),
                                            start_within_s=node.flow.timeouts.schedule_to_start_s,
@@ -425,9 +426,9 @@ class Shell:
         entries = notes.entries()
         sent: writes.Pending | None = None
         tell = decision.finish is not None and run.parent_run_id is not None
-        if start is not None or new_rows or entries or dispatches or done or finish is not None:
-            doc = writes.document(at=now, run_id=run.id, request=request.id, start=start, done=done, finish=finish,
-                                  tasks=new_rows, history=entries, outbox=dispatches)
+        if start is not None or new_rows or entries or dispatches or done or failed or finish is not None:
+            doc = writes.document(at=now, run_id=run.id, request=request.id, start=start, done=done, failed=failed,
+                                  finish=finish, tasks=new_rows, history=entries, outbox=dispatches)
             if commit and not later and not tell:
                 with conn.pipeline():        # the one statement and COMMIT in one round trip
                     sent = writes.send(conn, doc)
@@ -567,8 +568,8 @@ class _Notes:
         self.recorded = False                  # the event's own row is among ``rows``
 
     def task_entry(self, kind: str, ref: Any, **detail: Any) -> HistoryEntry:
-        """The event's own row, for a worker's report or a lease expiry (written by the
-        task's fenced update rather than with the other rows)."""
+        """The event's own row, for a worker's report or a lease expiry (written with the
+        task's fenced update in the event's one write rather than with the other rows)."""
         if isinstance(self.event, TaskFailed):
             detail["retryable"] = self.event.retryable
         return HistoryEntry(kind=kind, node_id=ref.node_id, task_id=ref.task_id, attempt=ref.attempt,
