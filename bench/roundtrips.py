@@ -10,7 +10,9 @@ backoff) and fail (the last attempt failed, and the run with it); with the clien
 the server's CPU time per event. No concurrency: this isolates what the code asks of the server from how
 busy the machine is.
 
-``python -m bench.roundtrips [--runs N]`` prints a JSON object.
+``python -m bench.roundtrips [--runs N]`` prints a JSON object;
+``python -m bench.roundtrips NAME=DIR NAME=DIR ... [--rounds N]`` runs it from each source
+tree (each on its own schema), alternated, and prints the medians and every round.
 """
 
 from __future__ import annotations
@@ -18,9 +20,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import tempfile
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from psycopg.pq import Trace
@@ -135,10 +139,39 @@ def measure(server: Server, template: str, *, runs: int = 500) -> dict[str, Any]
         server.drop_database(db)
 
 
+def alternate(trees: dict[str, Path], rounds: int, runs: int) -> dict[str, Any]:
+    """This measurement run from each source tree (``name -> tree``, each on a schema its
+    own ``sql/`` migrated, :mod:`bench.sides`), the trees' order reversed every round;
+    the medians per tree and event, and every round."""
+    from bench import sides
+
+    started = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    per: dict[str, list[dict[str, Any]]] = {name: [] for name in trees}
+    loads: list[float] = []
+    for r in range(rounds):
+        for name in (list(trees) if r % 2 == 0 else list(trees)[::-1]):
+            per[name].append(json.loads(sides.run(trees[name], "-m", "bench.roundtrips", "--runs", str(runs))))
+            loads.append(os.getloadavg()[0])
+    medians = {name: {event: {key: statistics.median(o[event][key] for o in outs if o[event][key] is not None)
+                              for key in ("round_trips", "statements", "client_cpu_ms", "server_cpu_ms", "wall_ms")}
+                      for event, first in outs[0].items() if isinstance(first, dict)}
+               for name, outs in per.items()}
+    return {"trees": {name: str(root) for name, root in trees.items()}, "runs": runs, "rounds": rounds,
+            "started": started, "finished": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "machine": {"cpus": os.cpu_count(), "load_1min_after_each": loads}, "median": medians, "per_round": per}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(prog="python -m bench.roundtrips")
     parser.add_argument("--runs", type=int, default=500)
+    parser.add_argument("trees", nargs="*", metavar="NAME=DIR",
+                        help="run from each source tree instead, alternated (--rounds), and print the medians")
+    parser.add_argument("--rounds", type=int, default=4)
     args = parser.parse_args()
+    if args.trees:
+        trees = {name: Path(root).resolve() for name, root in (t.split("=", 1) for t in args.trees)}
+        print(json.dumps(alternate(trees, args.rounds, args.runs), indent=1))
+        return
     from bench.workload import make_template
     from composer_ops.testing import servers
 
