@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
@@ -40,17 +40,14 @@ from composer_ops.core.model import (
     FinishMap,
     FinishRun,
     ItemCounts,
-    ItemState,
     NodeState,
     NodeType,
     ReopenRun,
     RequeueTask,
     ResetTasks,
     ResolveWait,
-    RunContext,
     RunSnapshot,
     RunStatus,
-    Signal,
     SignalReceived,
     Stale,
     StartChild,
@@ -64,6 +61,7 @@ from composer_ops.db.retry import db_retry
 from composer_ops.engine import childrows
 from composer_ops.engine.ids import uuid7_text
 from composer_ops.engine.notes import EventNotes
+from composer_ops.engine.reads import NOTHING_YET, LazyContext, RunStore, run_context
 from composer_ops.engine.requests import Request
 from composer_ops.engine.starts import creates_only
 from composer_ops.errors import Conflict, LockTimeout
@@ -119,43 +117,6 @@ class Outcome:
     def applied(self) -> bool:
         return self.stale is None
 
-
-class _Store:
-    """The machine's reads, served in the event's transaction."""
-
-    def __init__(self, conn: Conn, run_id: str) -> None:
-        self._conn, self._run_id = conn, run_id
-
-    def load_outputs(self, node_ids: Collection[str]) -> Mapping[str, Any]:
-        return runs.load_outputs(self._conn, self._run_id, sorted(node_ids))
-
-    def pending_signals(self, name: str) -> Sequence[Signal]:
-        return signals.pending_signals(self._conn, self._run_id, name)
-
-    def load_item(self, node_id: str, task_id: str) -> ItemState | None:
-        return items.item_state(self._conn, self._run_id, node_id, task_id)
-
-    def item_outputs(self, node_id: str) -> Sequence[Any]:
-        return items.item_outputs(self._conn, self._run_id, node_id)
-
-
-class _NothingYet:
-    """The machine's reads for a run not inserted yet (its start): nothing to read."""
-
-    def load_outputs(self, node_ids: Collection[str]) -> Mapping[str, Any]:
-        return {}
-
-    def pending_signals(self, name: str) -> Sequence[Signal]:
-        return []
-
-    def load_item(self, node_id: str, task_id: str) -> ItemState | None:
-        return None
-
-    def item_outputs(self, node_id: str) -> Sequence[Any]:
-        return []
-
-
-_NOTHING_YET = _NothingYet()
 
 #: Actions that never touch the run's task rows: tasks created before them need not be
 #: written first.
@@ -272,7 +233,7 @@ class Shell:
                 return _replayed(run_id, earlier, make_event(row.now))
         snapshot = self.snapshot(conn, row, tasks_of_run)
         event = make_event(row.now)
-        decision = decide(snapshot, event, _Store(conn, run_id), uuid7_text)
+        decision = decide(snapshot, event, RunStore(conn, run_id), uuid7_text)
         return self.apply_sending(conn, snapshot, decision, event=event, request=request, commit=begin)[0]
 
     def snapshot(self, conn: Conn, row: RunRow, tasks: Mapping[str, TaskStateRow]) -> RunSnapshot:
@@ -282,8 +243,8 @@ class Shell:
         return RunSnapshot(
             id=row.id, workflow_id=row.workflow_id, workflow_version=row.workflow_version,
             status=RunStatus(row.status),
-            context=_context(row.context) if row.context is not None
-            else _LazyContext(lambda: _context(runs.load_context(conn, row.id))),
+            context=run_context(row.context) if row.context is not None
+            else LazyContext(lambda: run_context(runs.load_context(conn, row.id))),
             spec=defn.spec, parent_run_id=row.parent_run_id, parent_node_id=row.parent_node_id,
             nodes={node_id: NodeState(task_id=t.task_id, state=TaskState(t.state), attempt=t.attempt,
                                       branches=tuple(t.branches) if t.branches is not None else None,
@@ -298,7 +259,7 @@ class Shell:
         exists: nothing of it is read. Pure but for the cached definition."""
         snapshot = self.snapshot(conn, row, {})
         event = StartRun(now=row.now)
-        return snapshot, event, decide(snapshot, event, _NOTHING_YET, uuid7_text)
+        return snapshot, event, decide(snapshot, event, NOTHING_YET, uuid7_text)
 
     def start_sending(self, conn: Conn, request: Request, start: writes.NewRun,
                       decided: tuple[RunSnapshot, StartRun, Decision]) -> writes.Pending | None:
@@ -311,7 +272,7 @@ class Shell:
         snapshot, event, decision = decided
         if not creates_only(decision):
             event = StartRun(now=clock.now(conn))
-            decision = decide(snapshot, event, _NOTHING_YET, uuid7_text)
+            decision = decide(snapshot, event, NOTHING_YET, uuid7_text)
         return self.apply_sending(conn, snapshot, decision, event=event, request=request, start=start)[1]
 
     # -- applying actions --------------------------------------------------
@@ -555,38 +516,6 @@ def _replayed(run_id: str, rows: list[HistoryRow], event: Event) -> Outcome:
              extra={"action": "duplicate", "run_id": run_id})
     return Outcome(run_id=run_id, finished=RunStatus(finished) if finished else None, refused=refused,
                    duplicate=True)
-
-
-def _context(stored: Any) -> RunContext:
-    """The machine's context from the run's stored ``context_json``."""
-    context = stored or {}
-    return RunContext(input=context.get("input"), config=context.get("config") or {})
-
-
-class _LazyContext(RunContext):
-    """A run's context read on first use, in the event's transaction under the run's
-    lock: most events (a task's or a MAP item's completion) never read it, and a run's
-    input can be large (a MAP over a list in the input: 34 KB at 10,000 IDs, which every
-    event loaded and parsed when the lock read it)."""
-
-    def __init__(self, load: Callable[[], RunContext]) -> None:
-        object.__setattr__(self, "_load", load)
-        object.__setattr__(self, "_loaded", None)
-
-    def _value(self) -> RunContext:
-        loaded: RunContext | None = object.__getattribute__(self, "_loaded")
-        if loaded is None:
-            loaded = object.__getattribute__(self, "_load")()
-            object.__setattr__(self, "_loaded", loaded)
-        return loaded
-
-    @property
-    def input(self) -> Any:
-        return self._value().input
-
-    @property
-    def config(self) -> Mapping[str, Any]:
-        return self._value().config
 
 
 def _queue(run: RunSnapshot, a: CreateTask) -> str | None:
