@@ -1,8 +1,8 @@
 -- The one write of an event: composer_apply(doc). A repeatable file
 -- (docs/architecture.md, "where new code goes"; the write path).
 
--- The fenced updates of an event, on its run's month (doc's 'done', 'failed' and
--- 'finish', as composer_apply's header says), as the text of a CREATE FUNCTION p_fn(p_run, p_doc, p_at)
+-- The fenced updates of an event, on its run's month (doc's 'done', 'failed',
+-- 'resolved' and 'finish', as composer_apply's header says), as the text of a CREATE FUNCTION p_fn(p_run, p_doc, p_at)
 -- on the tables p_runs and p_tasks. One text, two uses (the claim's step 3 does the same,
 -- sql/R__claim.sql composer_claim_tasks_source):
 --   composer_apply_updates_pYYYYMM on the month's own partitions (composer_apply_month,
@@ -14,7 +14,8 @@
 --   month before pruning (PostgreSQL 15 to 18), so it is planned at every call with the
 --   run ID's value (force_custom_plan) and the planner keeps its month only.
 -- Each completion, failure and re-queue is fenced by attempt and in-flight state and
--- writes its history row; the finish only moves an active run. A miss raises CO409 and rolls the event back.
+-- writes its history row; a resolved wait moves a WAITING task only; the finish only
+-- moves an active run. A miss raises CO409 and rolls the event back.
 CREATE OR REPLACE FUNCTION composer_apply_updates_source(p_fn TEXT, p_runs TEXT, p_tasks TEXT, p_options TEXT)
 RETURNS TEXT
 LANGUAGE sql IMMUTABLE AS $src$
@@ -65,6 +66,18 @@ BEGIN
         INSERT INTO run_history (run_id, at, kind, node_id, task_id, attempt, worker, request, detail)
         VALUES (p_run, p_at, v_done->>'k', v_done->>'n', v_done->>'t', (v_done->>'a')::int, v_done->>'w',
                 p_doc->>'request', v_done->'d');
+    END LOOP;
+    FOR v_done IN SELECT x.o FROM jsonb_array_elements(p_doc->'resolved') WITH ORDINALITY AS x(o, i) ORDER BY x.i LOOP
+        UPDATE %3$I t
+           SET state = v_done->>'s', output_json = v_done->'output', last_error = v_done->'e',
+               finished_at = p_at, updated_at = p_at,
+               completed_at = CASE WHEN v_done->>'s' = 'COMPLETED' THEN p_at END
+         WHERE t.run_id = p_run AND t.id = v_done->>'t' AND t.state = 'WAITING';
+        GET DIAGNOSTICS v_rows = ROW_COUNT;
+        IF v_rows = 0 THEN
+            RAISE EXCEPTION 'fenced write matched no row (%%); the task changed outside the engine, the event was rolled back',
+                v_done->>'f' USING ERRCODE = 'CO409';
+        END IF;
     END LOOP;
     IF p_doc ? 'finish' THEN
         UPDATE %2$I r
@@ -153,6 +166,9 @@ REVOKE ALL ON FUNCTION composer_apply_month(TEXT, BOOLEAN) FROM PUBLIC;
 --            kind, e the error document, r true for a re-queue (attempt + 1, back to
 --            PENDING; its dispatch is in outbox) and x 1 when a lost lease caused it
 --            (one more lease expiry); fenced (a miss raises CO409);
+--   resolved ResolveWait, FinishChild and FinishMap: t the WAITING task, s its new state
+--            (COMPLETED or FAILED), output, e the error document, f the action's name
+--            (for the error); fenced on the task still WAITING (a miss raises CO409);
 --   finish   FinishRun: status, error, output and, for a definition with a webhook, webhook
 --            {url, payload}; only from an active status (else CO409);
 --   tasks    the rows of CreateTask actions (repo/writes.py names the keys);
@@ -225,10 +241,10 @@ BEGIN
         END IF;
     END IF;
 
-    -- Completions, failures, re-queues and the run's finish, on the run's month partitions
+    -- Completions, failures, re-queues, resolved waits and the run's finish, on the run's month partitions
     -- by name (composer_apply_updates_source says why); the dispatch below is a function call,
     -- planned at every call, the updates inside it are not.
-    IF doc ? 'done' OR doc ? 'failed' OR doc ? 'finish' THEN
+    IF doc ? 'done' OR doc ? 'failed' OR doc ? 'resolved' OR doc ? 'finish' THEN
         v_month := COALESCE(v_month, composer_run_month(v_run));
         IF v_month IS NOT NULL AND to_regproc('composer_apply_updates_p' || v_month) IS NOT NULL THEN
             EXECUTE format('SELECT %I($1, $2, $3)', 'composer_apply_updates_p' || v_month) USING v_run, doc, at_now;

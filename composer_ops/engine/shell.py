@@ -122,7 +122,7 @@ class Outcome:
 #: written first.
 _LEAVES_ROWS = (ConsumeSignal, BufferSignal, StartChild, CancelChild)
 #: Actions written by the event's one statement (composer_apply) rather than on their own.
-_IN_ONE_WRITE = (CompleteTask, FailTask, RequeueTask, FinishRun)
+_IN_ONE_WRITE = (CompleteTask, FailTask, RequeueTask, ResolveWait, FinishChild, FinishMap, FinishRun)
 
 
 class Shell:
@@ -296,6 +296,7 @@ class Shell:
         new_rows: list[NewTask] = []
         done: list[writes.Done] = []          # completions, written by the one statement
         failed: list[writes.Fail] = []        # failures and re-queues, likewise
+        resolved: list[writes.Resolve] = []   # waiting tasks resolved, likewise
         finish: writes.Finish | None = None
         now = event.now            # the event's one instant (repo.clock), for every write below
         notes = EventNotes(event, decision, request)
@@ -317,12 +318,13 @@ class Shell:
             if creating:
                 new_rows.extend(self._create(conn, run, creating, dispatches))
                 creating = []
-            if (new_rows or start is not None or done or failed or finish is not None) \
+            if (new_rows or start is not None or done or failed or resolved or finish is not None) \
                     and not isinstance(action, _LEAVES_ROWS + _IN_ONE_WRITE):
                 # what the one statement would write goes first: this action may touch it
                 writes.send(conn, writes.document(at=now, run_id=run.id, request=request.id, start=start,
-                                                  done=done, failed=failed, finish=finish, tasks=new_rows)).result()
-                start, new_rows, done, failed, finish = None, [], [], [], None
+                                                  done=done, failed=failed, resolved=resolved, finish=finish,
+                                                  tasks=new_rows)).result()
+                start, new_rows, done, failed, resolved, finish = None, [], [], [], [], None
             if isinstance(action, CompleteTask):
                 done.append(writes.Done(ref=action.ref, output=action.output,
                                         entry=notes.task_entry("completed", action.ref)))
@@ -346,8 +348,8 @@ class Shell:
                                            start_within_s=node.flow.timeouts.schedule_to_start_s,
                                            **_flow_keys(conn, run, node)))
             elif isinstance(action, ResolveWait):
-                _fenced(signals.resolve_wait(conn, run.id, action.task_id, state=str(action.state), now=now,
-                                             output=action.output, reason=action.reason) or None, action)
+                resolved.append(writes.Resolve(task_id=action.task_id, state=str(action.state),
+                                               output=action.output, reason=action.reason))
                 notes.resolved(action)
             elif isinstance(action, BufferSignal):
                 signals.buffer_signal(conn, run.id, signal_id=action.signal_id, name=action.name,
@@ -370,11 +372,11 @@ class Shell:
                 outbox.delete_for_tasks(conn, run.id, removed)
                 _fenced(tasks.reset_tasks(conn, run.id, removed) == len(removed) or None, action)
                 notes.reset = action.node_ids
-            elif isinstance(action, CreateItems | DispatchItems | CountItems | FinishMap | CancelItems):
+            elif isinstance(action, CreateItems | DispatchItems | CountItems | CancelItems):
                 self._map_action(conn, run, action, dispatches, now)
-            elif isinstance(action, FinishChild):
-                _fenced(signals.resolve_wait(conn, run.id, action.parent, state=str(action.state), now=now,
-                                             output=action.output, reason=action.reason) or None, action)
+            elif isinstance(action, FinishChild | FinishMap):
+                resolved.append(writes.Resolve(task_id=action.parent, state=str(action.state), output=action.output,
+                                               reason=action.reason, action=type(action).__name__))
             elif isinstance(action, StartChild | CancelChild):
                 later.append(action)
                 notes.child(action)
@@ -383,9 +385,11 @@ class Shell:
         entries = notes.entries()
         sent: writes.Pending | None = None
         tell = decision.finish is not None and run.parent_run_id is not None
-        if start is not None or new_rows or entries or dispatches or done or failed or finish is not None:
+        if start is not None or new_rows or entries or dispatches or done or failed or resolved \
+                or finish is not None:
             doc = writes.document(at=now, run_id=run.id, request=request.id, start=start, done=done, failed=failed,
-                                  finish=finish, tasks=new_rows, history=entries, outbox=dispatches)
+                                  resolved=resolved, finish=finish, tasks=new_rows, history=entries,
+                                  outbox=dispatches)
             if commit and not later and not tell:
                 with conn.pipeline():        # the one statement and COMMIT in one round trip
                     sent = writes.send(conn, doc)
@@ -459,7 +463,7 @@ class Shell:
                               status=finish.status, output=finish.output, error=finish.reason, request=Request())
 
     def _map_action(self, conn: Conn, run: RunSnapshot,
-                    a: CreateItems | DispatchItems | CountItems | FinishMap | CancelItems,
+                    a: CreateItems | DispatchItems | CountItems | CancelItems,
                     dispatches: list[Dispatch], now: datetime) -> None:
         """Apply one action on a MAP node's items or counters (core/mapnode.py)."""
         node = run.spec.nodes[a.node_id]
@@ -480,9 +484,6 @@ class Shell:
                                        lease_s=lease, available_at=a.available_at) for _, task_id, attempt in found)
         elif isinstance(a, CountItems):
             _fenced(items.count_items(conn, run.id, a.node_id, a.parent, a.items, now=now) or None, a)
-        elif isinstance(a, FinishMap):
-            _fenced(signals.resolve_wait(conn, run.id, a.parent, state=str(a.state), now=now, output=a.output,
-                                         reason=a.reason) or None, a)
         else:
             active = items.active_items(conn, run.id, [a.node_id])
             outbox.delete_for_tasks(conn, run.id, active)     # outbox rows first: the lock order

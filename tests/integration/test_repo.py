@@ -228,9 +228,16 @@ def test_due_waits_and_resolve_wait(conn: Any, run_id: str) -> None:
     due = _task(conn, run_id, "w1", state="WAITING", node_type="WAIT", wake_at=past)
     _task(conn, run_id, "w2", state="WAITING", node_type="WAIT", wake_at=future)
     assert [w.task_id for w in signals.due_waits(conn, 10, now=clock.now(conn))] == [due]
-    assert signals.resolve_wait(conn, run_id, due, state="COMPLETED", output={"ok": True}, now=clock.now(conn))
-    assert not signals.resolve_wait(conn, run_id, due, state="FAILED", reason="late", now=clock.now(conn))
+    conn.commit()
+    _write(conn, run_id, resolved=[writes.Resolve(task_id=due, state="COMPLETED", output={"ok": True})])
+    conn.commit()
+    with pytest.raises(Conflict, match=r"fenced write matched no row \(ResolveWait\)"):
+        _write(conn, run_id, resolved=[writes.Resolve(task_id=due, state="FAILED", reason="late")])
+    conn.rollback()
     assert _state(conn, run_id, "w1") == ("COMPLETED", 0)
+    row = conn.execute("SELECT output_json, completed_at IS NOT NULL FROM task_instances WHERE id = %s",
+                       (due,)).fetchone()
+    assert row == ({"ok": True}, True)
     assert signals.due_waits(conn, 10, now=clock.now(conn)) == []
 
 
