@@ -4,11 +4,15 @@ One Engine with a single pooled connection, traced with libpq's PQtrace: a round
 trip is a ReadyForQuery message from the server (one per synchronous exchange), a
 statement an Execute or simple Query. Measured for the three events of a 1-task run:
 start (Engine.start), claim (Engine.claim, one task per call as a busy worker mostly
-claims) and complete (Engine.complete), with the client's and the server's CPU time
-per event. No concurrency: this isolates what the code asks of the server from how
+claims) and complete (Engine.complete), and for a failure report (Engine.fail) of a
+1-task workflow with two attempts: requeue (the first attempt failed, re-queued without
+backoff) and fail (the last attempt failed, and the run with it); with the client's and
+the server's CPU time per event. No concurrency: this isolates what the code asks of the server from how
 busy the machine is.
 
-``python -m bench.roundtrips [--runs N]`` prints a JSON object.
+``python -m bench.roundtrips [--runs N]`` prints a JSON object;
+``python -m bench.roundtrips NAME=DIR NAME=DIR ... [--rounds N]`` runs it from each source
+tree (each on its own schema), alternated, and prints the medians and every round.
 """
 
 from __future__ import annotations
@@ -16,9 +20,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import tempfile
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from psycopg.pq import Trace
@@ -41,6 +47,12 @@ def _count(path: str) -> tuple[int, int, int]:
             elif parts[0] == "F" and parts[2].strip() == "Parse":
                 parses += 1
     return ready, statements, parses
+
+
+#: A 1-task workflow whose task fails twice: re-queued at once, then failed for good.
+FLAKY: dict[str, Any] = {"id": "bench-flaky", "nodes": [{
+    "id": "a", "type": "TASK", "task": "flaky",
+    "retry": {"max_attempts": 2, "initial_backoff_s": 0, "multiplier": 1, "max_backoff_s": 0}}]}
 
 
 def measure(server: Server, template: str, *, runs: int = 500) -> dict[str, Any]:
@@ -71,8 +83,34 @@ def measure(server: Server, template: str, *, runs: int = 500) -> dict[str, Any]
                 for c in claims:
                     engine.complete(c, None)
 
-            ops: list[tuple[str, Callable[[], None]]] = [("start", start), ("claim", claim), ("complete", complete)]
+            engine.deploy(FLAKY)
+            failing: list[Any] = []
+
+            def claim_failing() -> None:
+                failing.clear()
+                while len(failing) < runs:
+                    got = engine.claim(["default"], "rt", 50, task_names=["flaky"])
+                    if not got:
+                        time.sleep(0.01)
+                    failing.extend(got)
+
+            def fail() -> None:
+                for c in failing:
+                    if engine.fail(c, "boom").stale:
+                        raise RuntimeError(f"failure of {c.task_id} was stale")
+
+            def prepare_failures() -> None:
+                for _ in range(runs):
+                    engine.start(FLAKY["id"])
+                claim_failing()
+
+            ops: list[tuple[str, Callable[[], None]]] = [
+                ("start", start), ("claim", claim), ("complete", complete),
+                ("requeue", fail), ("fail", fail)]
+            before: dict[str, Callable[[], None]] = {"requeue": prepare_failures, "fail": claim_failing}
             for name, op in ops:
+                if name in before:
+                    before[name]()
                 fd, path = tempfile.mkstemp(prefix="composer-trace-")
                 try:
                     with engine.pool.connection() as conn:
@@ -101,10 +139,39 @@ def measure(server: Server, template: str, *, runs: int = 500) -> dict[str, Any]
         server.drop_database(db)
 
 
+def alternate(trees: dict[str, Path], rounds: int, runs: int) -> dict[str, Any]:
+    """This measurement run from each source tree (``name -> tree``, each on a schema its
+    own ``sql/`` migrated, :mod:`bench.sides`), the trees' order reversed every round;
+    the medians per tree and event, and every round."""
+    from bench import sides
+
+    started = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    per: dict[str, list[dict[str, Any]]] = {name: [] for name in trees}
+    loads: list[float] = []
+    for r in range(rounds):
+        for name in (list(trees) if r % 2 == 0 else list(trees)[::-1]):
+            per[name].append(json.loads(sides.run(trees[name], "-m", "bench.roundtrips", "--runs", str(runs))))
+            loads.append(os.getloadavg()[0])
+    medians = {name: {event: {key: statistics.median(o[event][key] for o in outs if o[event][key] is not None)
+                              for key in ("round_trips", "statements", "client_cpu_ms", "server_cpu_ms", "wall_ms")}
+                      for event, first in outs[0].items() if isinstance(first, dict)}
+               for name, outs in per.items()}
+    return {"trees": {name: str(root) for name, root in trees.items()}, "runs": runs, "rounds": rounds,
+            "started": started, "finished": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "machine": {"cpus": os.cpu_count(), "load_1min_after_each": loads}, "median": medians, "per_round": per}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(prog="python -m bench.roundtrips")
     parser.add_argument("--runs", type=int, default=500)
+    parser.add_argument("trees", nargs="*", metavar="NAME=DIR",
+                        help="run from each source tree instead, alternated (--rounds), and print the medians")
+    parser.add_argument("--rounds", type=int, default=4)
     args = parser.parse_args()
+    if args.trees:
+        trees = {name: Path(root).resolve() for name, root in (t.split("=", 1) for t in args.trees)}
+        print(json.dumps(alternate(trees, args.rounds, args.runs), indent=1))
+        return
     from bench.workload import make_template
     from composer_ops.testing import servers
 

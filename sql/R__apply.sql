@@ -1,7 +1,154 @@
 -- The one write of an event: composer_apply(doc). A repeatable file
 -- (docs/architecture.md, "where new code goes"; the write path).
---
--- The shell (composer_ops/engine/shell.py) turns what a decision writes at its end into
+
+-- The fenced updates of an event, on its run's month (doc's 'done', 'failed',
+-- 'resolved' and 'finish', as composer_apply's header says), as the text of a CREATE FUNCTION p_fn(p_run, p_doc, p_at)
+-- on the tables p_runs and p_tasks. One text, two uses (the claim's step 3 does the same,
+-- sql/R__claim.sql composer_claim_tasks_source):
+--   composer_apply_updates_pYYYYMM on the month's own partitions (composer_apply_month,
+--   made with the partitions by composer_ensure_partitions_from, dropped with them):
+--   an ordinary table's statements, so PL/pgSQL caches their plans (generic after five
+--   calls), and they lock that month's partitions and indexes only;
+--   composer_apply_updates on the partitioned tables, for a run ID that is not a UUIDv7,
+--   a month without its function, and Citus: a cached generic plan would lock every
+--   month before pruning (PostgreSQL 15 to 18), so it is planned at every call with the
+--   run ID's value (force_custom_plan) and the planner keeps its month only.
+-- Each completion, failure and re-queue is fenced by attempt and in-flight state and
+-- writes its history row; a resolved wait moves a WAITING task only; the finish only
+-- moves an active run. A miss raises CO409 and rolls the event back.
+CREATE OR REPLACE FUNCTION composer_apply_updates_source(p_fn TEXT, p_runs TEXT, p_tasks TEXT, p_options TEXT)
+RETURNS TEXT
+LANGUAGE sql IMMUTABLE AS $src$
+    SELECT format($fn$
+CREATE OR REPLACE FUNCTION %1$I(p_run TEXT, p_doc JSONB, p_at TIMESTAMPTZ) RETURNS VOID
+LANGUAGE plpgsql
+%4$s
+AS $body$
+DECLARE
+    v_done JSONB;
+    v_rows INT;
+BEGIN
+    FOR v_done IN SELECT x.o FROM jsonb_array_elements(p_doc->'done') WITH ORDINALITY AS x(o, i) ORDER BY x.i LOOP
+        UPDATE %3$I t
+           SET state = 'COMPLETED', output_json = v_done->'output', completed_at = p_at, finished_at = p_at,
+               updated_at = p_at, lease_owner = NULL, lease_expires_at = NULL
+         WHERE t.run_id = p_run AND t.id = v_done->>'t' AND t.node_id = v_done->>'n'
+           AND t.attempt = (v_done->>'a')::int AND t.state IN ('PENDING', 'QUEUED', 'RUNNING');
+        GET DIAGNOSTICS v_rows = ROW_COUNT;
+        IF v_rows = 0 THEN
+            RAISE EXCEPTION 'fenced write matched no row (CompleteTask); the task changed outside the engine, the event was rolled back'
+                USING ERRCODE = 'CO409';
+        END IF;
+        INSERT INTO run_history (run_id, at, kind, node_id, task_id, attempt, worker, request, detail)
+        VALUES (p_run, p_at, 'completed', v_done->>'n', v_done->>'t', (v_done->>'a')::int, v_done->>'w',
+                p_doc->>'request', v_done->'d');
+    END LOOP;
+    FOR v_done IN SELECT x.o FROM jsonb_array_elements(p_doc->'failed') WITH ORDINALITY AS x(o, i) ORDER BY x.i LOOP
+        IF (v_done->>'r')::boolean THEN      -- re-queued: the next attempt, its dispatch in the outbox
+            UPDATE %3$I t
+               SET state = 'PENDING', attempt = t.attempt + 1,
+                   lease_expiries = t.lease_expiries + COALESCE((v_done->>'x')::int, 0), last_error = v_done->'e',
+                   started_at = NULL, updated_at = p_at, lease_owner = NULL, lease_expires_at = NULL
+             WHERE t.run_id = p_run AND t.id = v_done->>'t' AND t.node_id = v_done->>'n'
+               AND t.attempt = (v_done->>'a')::int AND t.state IN ('PENDING', 'QUEUED', 'RUNNING');
+        ELSE
+            UPDATE %3$I t
+               SET state = 'FAILED', last_error = v_done->'e', finished_at = p_at, updated_at = p_at,
+                   lease_owner = NULL, lease_expires_at = NULL
+             WHERE t.run_id = p_run AND t.id = v_done->>'t' AND t.node_id = v_done->>'n'
+               AND t.attempt = (v_done->>'a')::int AND t.state IN ('PENDING', 'QUEUED', 'RUNNING');
+        END IF;
+        GET DIAGNOSTICS v_rows = ROW_COUNT;
+        IF v_rows = 0 THEN
+            RAISE EXCEPTION 'fenced write matched no row (%%); the task changed outside the engine, the event was rolled back',
+                CASE WHEN (v_done->>'r')::boolean THEN 'RequeueTask' ELSE 'FailTask' END USING ERRCODE = 'CO409';
+        END IF;
+        INSERT INTO run_history (run_id, at, kind, node_id, task_id, attempt, worker, request, detail)
+        VALUES (p_run, p_at, v_done->>'k', v_done->>'n', v_done->>'t', (v_done->>'a')::int, v_done->>'w',
+                p_doc->>'request', v_done->'d');
+    END LOOP;
+    FOR v_done IN SELECT x.o FROM jsonb_array_elements(p_doc->'resolved') WITH ORDINALITY AS x(o, i) ORDER BY x.i LOOP
+        UPDATE %3$I t
+           SET state = v_done->>'s', output_json = v_done->'output', last_error = v_done->'e',
+               finished_at = p_at, updated_at = p_at,
+               completed_at = CASE WHEN v_done->>'s' = 'COMPLETED' THEN p_at END
+         WHERE t.run_id = p_run AND t.id = v_done->>'t' AND t.state = 'WAITING';
+        GET DIAGNOSTICS v_rows = ROW_COUNT;
+        IF v_rows = 0 THEN
+            RAISE EXCEPTION 'fenced write matched no row (%%); the task changed outside the engine, the event was rolled back',
+                v_done->>'f' USING ERRCODE = 'CO409';
+        END IF;
+    END LOOP;
+    IF p_doc ? 'finish' THEN
+        UPDATE %2$I r
+           SET status = p_doc->'finish'->>'status', error_json = p_doc->'finish'->'error',
+               output_json = p_doc->'finish'->'output', completed_at = p_at, updated_at = p_at
+         WHERE r.id = p_run AND r.status IN ('PENDING', 'RUNNING');
+        GET DIAGNOSTICS v_rows = ROW_COUNT;
+        IF v_rows = 0 THEN
+            RAISE EXCEPTION 'run %% finished concurrently; the decision was rolled back', p_run USING ERRCODE = 'CO409';
+        END IF;
+        IF p_doc->'finish' ? 'webhook' THEN
+            INSERT INTO webhook_deliveries (run_id, url, payload, next_attempt_at, created_at)
+            VALUES (p_run, p_doc->'finish'->'webhook'->>'url', p_doc->'finish'->'webhook'->'payload', p_at, p_at)
+            ON CONFLICT (run_id) DO UPDATE
+               SET id = DEFAULT, url = EXCLUDED.url, payload = EXCLUDED.payload, attempts = 0,
+                   next_attempt_at = EXCLUDED.next_attempt_at, delivered_at = NULL, gave_up_at = NULL,
+                   last_status = NULL, last_error = NULL, created_at = EXCLUDED.created_at;
+        END IF;
+    END IF;
+END;
+$body$;
+REVOKE ALL ON FUNCTION %1$I(TEXT, JSONB, TIMESTAMPTZ) FROM PUBLIC;
+GRANT EXECUTE ON FUNCTION %1$I(TEXT, JSONB, TIMESTAMPTZ) TO composer_ops_engine;
+$fn$, p_fn, p_runs, p_tasks, p_options)
+$src$;
+
+DO $$
+BEGIN
+    EXECUTE composer_apply_updates_source('composer_apply_updates', 'workflow_runs', 'task_instances',
+                                          'SET plan_cache_mode = force_custom_plan');
+END;
+$$;
+
+-- Make (p_replace: or make again) composer_apply_updates_p<p_month> (YYYYMM) when the
+-- month's workflow_runs and task_instances partitions are attached with exactly that
+-- month's bounds, and drop it otherwise (a month dropped, detached or misaligned); true
+-- when it exists afterwards. Called wherever the claim's function of the month is
+-- (composer_claim_month, sql/R__claim.sql: R__partitions.sql, the retention drop, the
+-- archive's removal of a month). Not on Citus.
+CREATE OR REPLACE FUNCTION composer_apply_month(p_month TEXT, p_replace BOOLEAN DEFAULT false)
+RETURNS BOOLEAN
+LANGUAGE plpgsql AS $$
+DECLARE
+    fn TEXT := 'composer_apply_updates_p' || p_month;
+    lo TEXT;
+    hi TEXT;
+    aligned BOOLEAN;
+BEGIN
+    IF p_month IS NULL OR p_month !~ '^\d{6}$' OR EXISTS (SELECT 1 FROM pg_extension WHERE extname = 'citus') THEN
+        RETURN false;
+    END IF;
+    lo := composer_uuid7_bound(to_date(p_month, 'YYYYMM')::timestamp AT TIME ZONE 'UTC');
+    hi := composer_uuid7_bound((to_date(p_month, 'YYYYMM') + INTERVAL '1 month') AT TIME ZONE 'UTC');
+    SELECT count(*) = 2 INTO aligned
+      FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid
+     WHERE (c.oid, i.inhparent) IN ((to_regclass(format('%I', 'workflow_runs_p' || p_month)), 'workflow_runs'::regclass),
+                                    (to_regclass(format('%I', 'task_instances_p' || p_month)), 'task_instances'::regclass))
+       AND pg_get_expr(c.relpartbound, c.oid) = format('FOR VALUES FROM (%L) TO (%L)', lo, hi);
+    IF NOT aligned THEN
+        EXECUTE format('DROP FUNCTION IF EXISTS %I(TEXT, JSONB, TIMESTAMPTZ)', fn);
+        RETURN false;
+    END IF;
+    IF p_replace OR to_regproc(format('%I', fn)) IS NULL THEN
+        EXECUTE composer_apply_updates_source(fn, 'workflow_runs_p' || p_month, 'task_instances_p' || p_month, '');
+    END IF;
+    RETURN true;
+END;
+$$;
+REVOKE ALL ON FUNCTION composer_apply_month(TEXT, BOOLEAN) FROM PUBLIC;
+
+-- composer_apply(doc), the event's one write. The shell (composer_ops/engine/shell.py) turns what a decision writes at its end into
 -- one JSON document and sends it as one statement; a start sends nothing else, so with
 -- BEGIN and COMMIT pipelined a start is one round trip (composer_ops/engine/starts.py).
 -- The document (built by composer_ops/repo/writes.py):
@@ -15,6 +162,13 @@
 --            slot's);
 --   done     CompleteTask actions: t task, n node, a attempt, output, and the history row's
 --            w worker and d detail; fenced (a miss raises CO409, a Conflict);
+--   failed   FailTask and RequeueTask actions: t, n, a, w, d as in done, k the history row's
+--            kind, e the error document, r true for a re-queue (attempt + 1, back to
+--            PENDING; its dispatch is in outbox) and x 1 when a lost lease caused it
+--            (one more lease expiry); fenced (a miss raises CO409);
+--   resolved ResolveWait, FinishChild and FinishMap: t the WAITING task, s its new state
+--            (COMPLETED or FAILED), output, e the error document, f the action's name
+--            (for the error); fenced on the task still WAITING (a miss raises CO409);
 --   finish   FinishRun: status, error, output and, for a definition with a webhook, webhook
 --            {url, payload}; only from an active status (else CO409);
 --   tasks    the rows of CreateTask actions (repo/writes.py names the keys);
@@ -48,7 +202,6 @@ DECLARE
     v_rows INT;
     v_missing TEXT;
     v_outbox JSONB := doc->'outbox';
-    v_done JSONB;
 BEGIN
     IF v_start IS NOT NULL THEN
         v_month := composer_run_month(v_run);
@@ -88,45 +241,15 @@ BEGIN
         END IF;
     END IF;
 
-    -- Completions, fenced by attempt and in-flight state, each with its history row: a
-    -- miss rolls the event back. EXECUTE: planned with the run ID's value, so only its
-    -- month is locked (a cached generic plan locks every month before pruning).
-    FOR v_done IN SELECT x.o FROM jsonb_array_elements(doc->'done') WITH ORDINALITY AS x(o, i) ORDER BY x.i LOOP
-        EXECUTE $q$
-            UPDATE task_instances
-               SET state = 'COMPLETED', output_json = $5, completed_at = $6, finished_at = $6, updated_at = $6,
-                   lease_owner = NULL, lease_expires_at = NULL
-             WHERE run_id = $1 AND id = $2 AND node_id = $3 AND attempt = $4
-               AND state IN ('PENDING', 'QUEUED', 'RUNNING')$q$
-            USING v_run, v_done->>'t', v_done->>'n', (v_done->>'a')::int, v_done->'output', at_now;
-        GET DIAGNOSTICS v_rows = ROW_COUNT;
-        IF v_rows = 0 THEN
-            RAISE EXCEPTION 'fenced write matched no row (CompleteTask); the task changed outside the engine, the event was rolled back'
-                USING ERRCODE = 'CO409';
-        END IF;
-        INSERT INTO run_history (run_id, at, kind, node_id, task_id, attempt, worker, request, detail)
-        VALUES (v_run, at_now, 'completed', v_done->>'n', v_done->>'t', (v_done->>'a')::int, v_done->>'w',
-                doc->>'request', v_done->'d');
-    END LOOP;
-
-    -- The run finished: only from an active status, else the event is rolled back.
-    IF doc ? 'finish' THEN
-        EXECUTE $q$
-            UPDATE workflow_runs
-               SET status = $2, error_json = $3, output_json = $4, completed_at = $5, updated_at = $5
-             WHERE id = $1 AND status IN ('PENDING', 'RUNNING')$q$
-            USING v_run, doc->'finish'->>'status', doc->'finish'->'error', doc->'finish'->'output', at_now;
-        GET DIAGNOSTICS v_rows = ROW_COUNT;
-        IF v_rows = 0 THEN
-            RAISE EXCEPTION 'run % finished concurrently; the decision was rolled back', v_run USING ERRCODE = 'CO409';
-        END IF;
-        IF doc->'finish' ? 'webhook' THEN
-            INSERT INTO webhook_deliveries (run_id, url, payload, next_attempt_at, created_at)
-            VALUES (v_run, doc->'finish'->'webhook'->>'url', doc->'finish'->'webhook'->'payload', at_now, at_now)
-            ON CONFLICT (run_id) DO UPDATE
-               SET id = DEFAULT, url = EXCLUDED.url, payload = EXCLUDED.payload, attempts = 0,
-                   next_attempt_at = EXCLUDED.next_attempt_at, delivered_at = NULL, gave_up_at = NULL,
-                   last_status = NULL, last_error = NULL, created_at = EXCLUDED.created_at;
+    -- Completions, failures, re-queues, resolved waits and the run's finish, on the run's month partitions
+    -- by name (composer_apply_updates_source says why); the dispatch below is a function call,
+    -- planned at every call, the updates inside it are not.
+    IF doc ? 'done' OR doc ? 'failed' OR doc ? 'resolved' OR doc ? 'finish' THEN
+        v_month := COALESCE(v_month, composer_run_month(v_run));
+        IF v_month IS NOT NULL AND to_regproc('composer_apply_updates_p' || v_month) IS NOT NULL THEN
+            EXECUTE format('SELECT %I($1, $2, $3)', 'composer_apply_updates_p' || v_month) USING v_run, doc, at_now;
+        ELSE
+            PERFORM composer_apply_updates(v_run, doc, at_now);
         END IF;
     END IF;
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
@@ -26,9 +26,7 @@ from composer_ops.core.model import (
     BufferSignal,
     CancelChild,
     CancelItems,
-    CancelRun,
     CancelTasks,
-    ChildFinished,
     CompleteTask,
     ConsumeSignal,
     CountItems,
@@ -42,24 +40,18 @@ from composer_ops.core.model import (
     FinishMap,
     FinishRun,
     ItemCounts,
-    ItemState,
-    LeaseExpired,
     NodeState,
     NodeType,
     ReopenRun,
     RequeueTask,
     ResetTasks,
     ResolveWait,
-    RetryRun,
-    RunContext,
     RunSnapshot,
     RunStatus,
-    Signal,
     SignalReceived,
     Stale,
     StartChild,
     StartRun,
-    TaskFailed,
     TaskState,
 )
 from composer_ops.core.spec import NodeSpec, WorkflowSpec, spec_from_json
@@ -68,7 +60,9 @@ from composer_ops.db.errors import TranslatingPool
 from composer_ops.db.retry import db_retry
 from composer_ops.engine import childrows
 from composer_ops.engine.ids import uuid7_text
-from composer_ops.engine.requests import KEY_PREFIX, Request
+from composer_ops.engine.notes import EventNotes
+from composer_ops.engine.reads import NOTHING_YET, LazyContext, RunStore, run_context
+from composer_ops.engine.requests import Request
 from composer_ops.engine.starts import creates_only
 from composer_ops.errors import Conflict, LockTimeout
 from composer_ops.repo import (
@@ -85,7 +79,7 @@ from composer_ops.repo import (
     writes,
 )
 from composer_ops.repo._base import Conn
-from composer_ops.repo.rows import Dispatch, HistoryEntry, NewTask, RunRow, TaskStateRow
+from composer_ops.repo.rows import Dispatch, NewTask, RunRow, TaskStateRow
 
 log = logging.getLogger(__name__)
 
@@ -124,48 +118,11 @@ class Outcome:
         return self.stale is None
 
 
-class _Store:
-    """The machine's reads, served in the event's transaction."""
-
-    def __init__(self, conn: Conn, run_id: str) -> None:
-        self._conn, self._run_id = conn, run_id
-
-    def load_outputs(self, node_ids: Collection[str]) -> Mapping[str, Any]:
-        return runs.load_outputs(self._conn, self._run_id, sorted(node_ids))
-
-    def pending_signals(self, name: str) -> Sequence[Signal]:
-        return signals.pending_signals(self._conn, self._run_id, name)
-
-    def load_item(self, node_id: str, task_id: str) -> ItemState | None:
-        return items.item_state(self._conn, self._run_id, node_id, task_id)
-
-    def item_outputs(self, node_id: str) -> Sequence[Any]:
-        return items.item_outputs(self._conn, self._run_id, node_id)
-
-
-class _NothingYet:
-    """The machine's reads for a run not inserted yet (its start): nothing to read."""
-
-    def load_outputs(self, node_ids: Collection[str]) -> Mapping[str, Any]:
-        return {}
-
-    def pending_signals(self, name: str) -> Sequence[Signal]:
-        return []
-
-    def load_item(self, node_id: str, task_id: str) -> ItemState | None:
-        return None
-
-    def item_outputs(self, node_id: str) -> Sequence[Any]:
-        return []
-
-
-_NOTHING_YET = _NothingYet()
-
 #: Actions that never touch the run's task rows: tasks created before them need not be
 #: written first.
 _LEAVES_ROWS = (ConsumeSignal, BufferSignal, StartChild, CancelChild)
 #: Actions written by the event's one statement (composer_apply) rather than on their own.
-_IN_ONE_WRITE = (CompleteTask, FinishRun)
+_IN_ONE_WRITE = (CompleteTask, FailTask, RequeueTask, ResolveWait, FinishChild, FinishMap, FinishRun)
 
 
 class Shell:
@@ -276,7 +233,7 @@ class Shell:
                 return _replayed(run_id, earlier, make_event(row.now))
         snapshot = self.snapshot(conn, row, tasks_of_run)
         event = make_event(row.now)
-        decision = decide(snapshot, event, _Store(conn, run_id), uuid7_text)
+        decision = decide(snapshot, event, RunStore(conn, run_id), uuid7_text)
         return self.apply_sending(conn, snapshot, decision, event=event, request=request, commit=begin)[0]
 
     def snapshot(self, conn: Conn, row: RunRow, tasks: Mapping[str, TaskStateRow]) -> RunSnapshot:
@@ -286,8 +243,8 @@ class Shell:
         return RunSnapshot(
             id=row.id, workflow_id=row.workflow_id, workflow_version=row.workflow_version,
             status=RunStatus(row.status),
-            context=_context(row.context) if row.context is not None
-            else _LazyContext(lambda: _context(runs.load_context(conn, row.id))),
+            context=run_context(row.context) if row.context is not None
+            else LazyContext(lambda: run_context(runs.load_context(conn, row.id))),
             spec=defn.spec, parent_run_id=row.parent_run_id, parent_node_id=row.parent_node_id,
             nodes={node_id: NodeState(task_id=t.task_id, state=TaskState(t.state), attempt=t.attempt,
                                       branches=tuple(t.branches) if t.branches is not None else None,
@@ -302,7 +259,7 @@ class Shell:
         exists: nothing of it is read. Pure but for the cached definition."""
         snapshot = self.snapshot(conn, row, {})
         event = StartRun(now=row.now)
-        return snapshot, event, decide(snapshot, event, _NOTHING_YET, uuid7_text)
+        return snapshot, event, decide(snapshot, event, NOTHING_YET, uuid7_text)
 
     def start_sending(self, conn: Conn, request: Request, start: writes.NewRun,
                       decided: tuple[RunSnapshot, StartRun, Decision]) -> writes.Pending | None:
@@ -315,7 +272,7 @@ class Shell:
         snapshot, event, decision = decided
         if not creates_only(decision):
             event = StartRun(now=clock.now(conn))
-            decision = decide(snapshot, event, _NOTHING_YET, uuid7_text)
+            decision = decide(snapshot, event, NOTHING_YET, uuid7_text)
         return self.apply_sending(conn, snapshot, decision, event=event, request=request, start=start)[1]
 
     # -- applying actions --------------------------------------------------
@@ -327,20 +284,22 @@ class Shell:
         back) on a fence miss. ``start``: insert the run first. Returns the outcome and
         the event's one write (``composer_apply``, :mod:`composer_ops.repo.writes`)
         unread: a start reads it after its COMMIT, pipelined with it. The completions,
-        the run's finish, the created tasks, the history and the dispatches are written by
-        that one statement, after the other actions; what it would write so far goes
-        first, by the same function, before an action that may touch it (rare: a start
-        whose first decision does more than create tasks, a decision that creates or
-        completes tasks before another action).
+        failures and re-queues, the run's finish, the created tasks, the history and the
+        dispatches are written by that one statement, after the other actions; what it
+        would write so far goes first, by the same function, before an action that may
+        touch it (rare: a start whose first decision does more than create tasks, a
+        decision that creates, completes or fails tasks before another action).
         ``commit``: the caller's transaction began with an explicit BEGIN (the connection
         in autocommit, :meth:`handle`); when nothing follows the one statement, COMMIT is
         sent with it, in one pipeline (else the caller commits)."""
         dispatches: list[Dispatch] = []
         new_rows: list[NewTask] = []
         done: list[writes.Done] = []          # completions, written by the one statement
+        failed: list[writes.Fail] = []        # failures and re-queues, likewise
+        resolved: list[writes.Resolve] = []   # waiting tasks resolved, likewise
         finish: writes.Finish | None = None
         now = event.now            # the event's one instant (repo.clock), for every write below
-        notes = _Notes(event, decision, request)
+        notes = EventNotes(event, decision, request)
         finished: RunStatus | None = None
         created: str | None = None            # the node of the last CreateTask (a ConsumeSignal follows it)
         creating: list[CreateTask] = []       # consecutive CreateTasks, inserted by one statement
@@ -359,12 +318,13 @@ class Shell:
             if creating:
                 new_rows.extend(self._create(conn, run, creating, dispatches))
                 creating = []
-            if (new_rows or start is not None or done or finish is not None) \
+            if (new_rows or start is not None or done or failed or resolved or finish is not None) \
                     and not isinstance(action, _LEAVES_ROWS + _IN_ONE_WRITE):
                 # what the one statement would write goes first: this action may touch it
                 writes.send(conn, writes.document(at=now, run_id=run.id, request=request.id, start=start,
-                                                  done=done, finish=finish, tasks=new_rows)).result()
-                start, new_rows, done, finish = None, [], [], None
+                                                  done=done, failed=failed, resolved=resolved, finish=finish,
+                                                  tasks=new_rows)).result()
+                start, new_rows, done, failed, resolved, finish = None, [], [], [], [], None
             if isinstance(action, CompleteTask):
                 done.append(writes.Done(ref=action.ref, output=action.output,
                                         entry=notes.task_entry("completed", action.ref)))
@@ -373,23 +333,23 @@ class Shell:
                                                                   action.ref.attempt):
                     return Outcome(run_id=run.id, stale=f"task {action.ref.task_id} was claimed in time"), None
                 entry = notes.task_entry(notes.failure_kind, action.ref, error=action.reason, requeued=False)
-                _fenced(tasks.fail_task(conn, action.ref, action.reason, request=request.id, entry=entry, now=now),
-                        action)
+                failed.append(writes.Fail(ref=action.ref, reason=action.reason, entry=entry))
             elif isinstance(action, RequeueTask):
                 entry = notes.task_entry(notes.failure_kind, action.ref, error=action.reason, requeued=True,
                                          available_at=action.available_at.isoformat())
-                nxt = _fenced(tasks.requeue_task(conn, action.ref, action.reason, lease_expired=action.lease_expired,
-                                                 request=request.id, entry=entry, now=now), action)
-                node = run.spec.nodes[nxt.node_id]
-                dispatches.append(Dispatch(run_id=run.id, task_id=nxt.task_id, attempt=nxt.attempt,
-                                           queue=node.queue or "default", task_name=node.task or nxt.node_id,
+                failed.append(writes.Fail(ref=action.ref, reason=action.reason, entry=entry, requeue=True,
+                                          lease_expired=action.lease_expired))
+                node = run.spec.nodes[action.ref.node_id]
+                dispatches.append(Dispatch(run_id=run.id, task_id=action.ref.task_id,
+                                           attempt=action.ref.attempt + 1,
+                                           queue=node.queue or "default", task_name=node.task or action.ref.node_id,
                                            lease_s=_lease(node.lease_s), available_at=action.available_at,
                                            priority=node.flow.priority, max_run_s=_max_run(node),
                                            start_within_s=node.flow.timeouts.schedule_to_start_s,
                                            **_flow_keys(conn, run, node)))
             elif isinstance(action, ResolveWait):
-                _fenced(signals.resolve_wait(conn, run.id, action.task_id, state=str(action.state), now=now,
-                                             output=action.output, reason=action.reason) or None, action)
+                resolved.append(writes.Resolve(task_id=action.task_id, state=str(action.state),
+                                               output=action.output, reason=action.reason))
                 notes.resolved(action)
             elif isinstance(action, BufferSignal):
                 signals.buffer_signal(conn, run.id, signal_id=action.signal_id, name=action.name,
@@ -412,11 +372,11 @@ class Shell:
                 outbox.delete_for_tasks(conn, run.id, removed)
                 _fenced(tasks.reset_tasks(conn, run.id, removed) == len(removed) or None, action)
                 notes.reset = action.node_ids
-            elif isinstance(action, CreateItems | DispatchItems | CountItems | FinishMap | CancelItems):
+            elif isinstance(action, CreateItems | DispatchItems | CountItems | CancelItems):
                 self._map_action(conn, run, action, dispatches, now)
-            elif isinstance(action, FinishChild):
-                _fenced(signals.resolve_wait(conn, run.id, action.parent, state=str(action.state), now=now,
-                                             output=action.output, reason=action.reason) or None, action)
+            elif isinstance(action, FinishChild | FinishMap):
+                resolved.append(writes.Resolve(task_id=action.parent, state=str(action.state), output=action.output,
+                                               reason=action.reason, action=type(action).__name__))
             elif isinstance(action, StartChild | CancelChild):
                 later.append(action)
                 notes.child(action)
@@ -425,9 +385,11 @@ class Shell:
         entries = notes.entries()
         sent: writes.Pending | None = None
         tell = decision.finish is not None and run.parent_run_id is not None
-        if start is not None or new_rows or entries or dispatches or done or finish is not None:
-            doc = writes.document(at=now, run_id=run.id, request=request.id, start=start, done=done, finish=finish,
-                                  tasks=new_rows, history=entries, outbox=dispatches)
+        if start is not None or new_rows or entries or dispatches or done or failed or resolved \
+                or finish is not None:
+            doc = writes.document(at=now, run_id=run.id, request=request.id, start=start, done=done, failed=failed,
+                                  resolved=resolved, finish=finish, tasks=new_rows, history=entries,
+                                  outbox=dispatches)
             if commit and not later and not tell:
                 with conn.pipeline():        # the one statement and COMMIT in one round trip
                     sent = writes.send(conn, doc)
@@ -501,7 +463,7 @@ class Shell:
                               status=finish.status, output=finish.output, error=finish.reason, request=Request())
 
     def _map_action(self, conn: Conn, run: RunSnapshot,
-                    a: CreateItems | DispatchItems | CountItems | FinishMap | CancelItems,
+                    a: CreateItems | DispatchItems | CountItems | CancelItems,
                     dispatches: list[Dispatch], now: datetime) -> None:
         """Apply one action on a MAP node's items or counters (core/mapnode.py)."""
         node = run.spec.nodes[a.node_id]
@@ -522,9 +484,6 @@ class Shell:
                                        lease_s=lease, available_at=a.available_at) for _, task_id, attempt in found)
         elif isinstance(a, CountItems):
             _fenced(items.count_items(conn, run.id, a.node_id, a.parent, a.items, now=now) or None, a)
-        elif isinstance(a, FinishMap):
-            _fenced(signals.resolve_wait(conn, run.id, a.parent, state=str(a.state), now=now, output=a.output,
-                                         reason=a.reason) or None, a)
         else:
             active = items.active_items(conn, run.id, [a.node_id])
             outbox.delete_for_tasks(conn, run.id, active)     # outbox rows first: the lock order
@@ -544,85 +503,6 @@ class Shell:
         return writes.Finish(status=str(a.status), reason=a.reason, output=a.output, webhook=webhook)
 
 
-class _Notes:
-    """The history rows of one event, in the order of its actions: the row that records
-    the event itself (it carries what the caller gets back on a duplicate: ``finished``,
-    ``refused``) and the rows of what else happened in the same decision (timeouts
-    judged at a signal, buffered signals consumed by new nodes)."""
-
-    def __init__(self, event: Event, decision: Decision, request: Request) -> None:
-        self.event = event
-        finish = decision.finish
-        self.outcome: dict[str, Any] = {}
-        if finish is not None:
-            self.outcome["finished"] = str(finish.status)
-        if decision.refused is not None:
-            self.outcome["refused"] = decision.refused
-        self.key = request.id[len(KEY_PREFIX):] if request.id.startswith(KEY_PREFIX) else None
-        self.failure_kind = "lease_expired" if isinstance(event, LeaseExpired) else "failed"
-        self.cancelled_tasks = 0
-        self.operator: dict[str, Any] = {"operator": request.operator} if request.operator else {}
-        self.reset: tuple[str, ...] = ()       # the nodes a retry removed, to run again
-        self.rows: list[HistoryEntry] = []
-        self.recorded = False                  # the event's own row is among ``rows``
-
-    def task_entry(self, kind: str, ref: Any, **detail: Any) -> HistoryEntry:
-        """The event's own row, for a worker's report or a lease expiry (written by the
-        task's fenced update rather than with the other rows)."""
-        if isinstance(self.event, TaskFailed):
-            detail["retryable"] = self.event.retryable
-        return HistoryEntry(kind=kind, node_id=ref.node_id, task_id=ref.task_id, attempt=ref.attempt,
-                            worker=ref.lease_owner, detail={**detail, **self.outcome} or None)
-
-    def _signal(self, **detail: Any) -> dict[str, Any]:
-        assert isinstance(self.event, SignalReceived)
-        signal: dict[str, Any] = {"name": self.event.name}
-        if self.key is not None:
-            signal["key"] = self.key
-        self.recorded = True
-        return {**signal, **detail, **self.outcome}
-
-    def resolved(self, a: ResolveWait) -> None:
-        if not a.timer:
-            self.rows.append(HistoryEntry(kind="signal", node_id=a.node_id, task_id=a.task_id,
-                                          detail=self._signal()))
-            return
-        detail: dict[str, Any] = {"state": str(a.state)}
-        if a.reason:
-            detail["error"] = a.reason
-        if isinstance(self.event, SignalReceived):
-            detail["judged_at"] = "signal"      # overdue when the signal came: resolved as its timer would
-        else:
-            detail |= self.outcome
-            self.recorded = True
-        self.rows.append(HistoryEntry(kind="timer", node_id=a.node_id, task_id=a.task_id, detail=detail))
-
-    def buffered(self, a: BufferSignal) -> None:
-        self.rows.append(HistoryEntry(kind="signal", detail=self._signal(buffered=a.signal_id)))
-
-    def child(self, a: StartChild | CancelChild) -> None:
-        kind = "child_started" if isinstance(a, StartChild) else "child_cancelled"
-        self.rows.append(HistoryEntry(kind=kind, node_id=a.node_id, detail={"child": a.child_run_id}))
-
-    def consumed(self, a: ConsumeSignal, node_id: str | None) -> None:
-        self.rows.append(HistoryEntry(kind="signal_consumed", node_id=node_id, detail={"signal": a.signal_id}))
-
-    def entries(self) -> list[HistoryEntry]:
-        """The rows to write once the actions are applied."""
-        if isinstance(self.event, CancelRun):
-            self.rows.append(HistoryEntry(kind="cancelled", detail={
-                "reason": self.event.reason, "tasks": self.cancelled_tasks, **self.operator, **self.outcome}))
-        elif isinstance(self.event, SignalReceived) and not self.recorded:
-            self.rows.append(HistoryEntry(kind="signal", detail=self._signal()))   # refused
-        elif isinstance(self.event, ChildFinished):
-            self.rows.append(HistoryEntry(kind="child_finished", node_id=self.event.node_id, detail={
-                "child": self.event.child_run_id, "status": str(self.event.status), **self.outcome}))
-        elif isinstance(self.event, RetryRun):
-            self.rows.append(HistoryEntry(kind="retried", detail={
-                "from": list(self.event.from_nodes), "reset": list(self.reset), **self.operator, **self.outcome}))
-        return self.rows
-
-
 def _replayed(run_id: str, rows: list[HistoryRow], event: Event) -> Outcome:
     """The outcome of a request that was already applied, from the rows it wrote."""
     details = [r.detail for r in rows if isinstance(r.detail, dict)]
@@ -637,38 +517,6 @@ def _replayed(run_id: str, rows: list[HistoryRow], event: Event) -> Outcome:
              extra={"action": "duplicate", "run_id": run_id})
     return Outcome(run_id=run_id, finished=RunStatus(finished) if finished else None, refused=refused,
                    duplicate=True)
-
-
-def _context(stored: Any) -> RunContext:
-    """The machine's context from the run's stored ``context_json``."""
-    context = stored or {}
-    return RunContext(input=context.get("input"), config=context.get("config") or {})
-
-
-class _LazyContext(RunContext):
-    """A run's context read on first use, in the event's transaction under the run's
-    lock: most events (a task's or a MAP item's completion) never read it, and a run's
-    input can be large (a MAP over a list in the input: 34 KB at 10,000 IDs, which every
-    event loaded and parsed when the lock read it)."""
-
-    def __init__(self, load: Callable[[], RunContext]) -> None:
-        object.__setattr__(self, "_load", load)
-        object.__setattr__(self, "_loaded", None)
-
-    def _value(self) -> RunContext:
-        loaded: RunContext | None = object.__getattribute__(self, "_loaded")
-        if loaded is None:
-            loaded = object.__getattribute__(self, "_load")()
-            object.__setattr__(self, "_loaded", loaded)
-        return loaded
-
-    @property
-    def input(self) -> Any:
-        return self._value().input
-
-    @property
-    def config(self) -> Mapping[str, Any]:
-        return self._value().config
 
 
 def _queue(run: RunSnapshot, a: CreateTask) -> str | None:

@@ -48,25 +48,6 @@ class TaskStateRow:
 
 
 @dataclass(frozen=True, kw_only=True)
-class FinishedTask:
-    node_type: str
-    started_at: datetime | None
-
-
-@dataclass(frozen=True, kw_only=True)
-class TaskDispatch:
-    """What the next dispatch of a re-queued task needs."""
-
-    task_id: str
-    run_id: str
-    node_id: str
-    node_type: str
-    queue: str
-    attempt: int
-    input: Any
-
-
-@dataclass(frozen=True, kw_only=True)
 class DueWait:
     run_id: str
     task_id: str

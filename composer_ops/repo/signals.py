@@ -7,7 +7,7 @@ from datetime import datetime
 from typing import Any
 
 from composer_ops.core.model import Signal
-from composer_ops.repo._base import Conn, error_json, fetch_all, jsonb
+from composer_ops.repo._base import Conn, fetch_all, jsonb
 from composer_ops.repo.rows import DueWait
 
 
@@ -28,21 +28,6 @@ def due_waits(conn: Conn, limit: int, *, now: datetime, skip: Sequence[str] = ()
            AND r.deleted_at IS NULL AND r.status IN ('PENDING', 'RUNNING')
          ORDER BY t.wake_at
          LIMIT %(limit)s""", {"now": now, "skip": list(skip), "limit": limit, "floor": floor}, prepare=False)
-
-
-def resolve_wait(conn: Conn, run_id: str, task_id: str, *, state: str, now: datetime, output: Any = None,
-                 reason: str | None = None) -> bool:
-    """Move a WAITING task to COMPLETED (with output) or FAILED (with reason); False
-    when it was no longer waiting."""
-    cur = conn.execute("""
-        UPDATE task_instances
-           SET state = %(state)s, output_json = %(output)s, last_error = %(error)s,
-               finished_at = %(now)s, updated_at = %(now)s,
-               completed_at = CASE WHEN %(state)s = 'COMPLETED' THEN %(now)s::timestamptz END
-         WHERE run_id = %(run)s AND id = %(task)s AND state = 'WAITING'""",
-        {"state": state, "output": jsonb(output), "error": error_json(reason), "now": now,
-         "run": run_id, "task": task_id})
-    return cur.rowcount == 1
 
 
 def buffer_signal(conn: Conn, run_id: str, *, signal_id: str, name: str, payload: Any, now: datetime) -> None:

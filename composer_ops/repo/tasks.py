@@ -5,9 +5,8 @@ node_id, attempt, an in-flight state). The machine already checked under the run
 this is defence in depth: if anything wrote to the task outside the engine, the
 update matches zero rows and the shell rolls the transaction back.
 
-Failure and re-queue write their run-history row in the same statement
-(``history.recorded``), only when the fenced update matched; a completion is written,
-fenced the same way, by the event's one write (sql/R__apply.sql).
+Completions, failures and re-queues are written, fenced the same way and each with its
+run-history row, by the event's one write (sql/R__apply.sql, composer_ops/repo/writes.py).
 """
 
 from __future__ import annotations
@@ -16,13 +15,12 @@ from collections.abc import Sequence
 from datetime import datetime
 from typing import Any
 
-from composer_ops.core.model import ACTIVE_TASK_STATES, IN_FLIGHT_TASK_STATES, TaskRef
+from composer_ops.core.model import ACTIVE_TASK_STATES, TaskRef
 from composer_ops.errors import ComposerError
-from composer_ops.repo import history, partitions, writes
-from composer_ops.repo._base import Conn, error_json, fetch_all, fetch_one, sql_states
-from composer_ops.repo.rows import ExpiredLease, FinishedTask, HistoryEntry, NewTask, TaskDispatch
+from composer_ops.repo import partitions, writes
+from composer_ops.repo._base import Conn, error_json, fetch_all, sql_states
+from composer_ops.repo.rows import ExpiredLease, NewTask
 
-_IN_FLIGHT = sql_states(IN_FLIGHT_TASK_STATES)
 _ACTIVE = sql_states(ACTIVE_TASK_STATES)
 
 
@@ -45,57 +43,6 @@ def insert_tasks(conn: Conn, run_id: str, rows: Sequence[NewTask], *, now: datet
     Conflict (and the caller's transaction aborted)."""
     if rows:
         writes.send(conn, writes.document(at=now, run_id=run_id, request=None, tasks=rows)).result()
-
-
-_FENCE = f"""
-         WHERE run_id = %(run)s AND id = %(task)s AND node_id = %(node)s AND attempt = %(attempt)s
-           AND state IN {_IN_FLIGHT}"""
-
-_FAIL = history.recorded(f"""
-        UPDATE {{tasks}}
-           SET state = 'FAILED', last_error = %(error)s,
-               finished_at = %(now)s, updated_at = %(now)s,
-               lease_owner = NULL, lease_expires_at = NULL
-        {_FENCE}
-        RETURNING node_type, started_at""", "node_type, started_at")
-
-_REQUEUE = history.recorded(f"""
-        UPDATE {{tasks}}
-           SET state = 'PENDING', attempt = attempt + 1, lease_expiries = lease_expiries + %(expired)s,
-               last_error = %(error)s, started_at = NULL, updated_at = %(now)s,
-               lease_owner = NULL, lease_expires_at = NULL
-        {_FENCE}
-        RETURNING id AS task_id, run_id, node_id, node_type,
-                  COALESCE(queue, lower(node_type)) AS queue, attempt, input_json AS input""",
-    "task_id, run_id, node_id, node_type, queue, attempt, input")
-
-
-def _ref(ref: TaskRef) -> dict[str, Any]:
-    return {"run": ref.run_id, "task": ref.task_id, "node": ref.node_id, "attempt": ref.attempt}
-
-
-def _on_run(conn: Conn, statement: str, run_id: str) -> str:
-    """``statement`` on the run's month partitions (:func:`partitions.run_tables`). The
-    fenced updates run under the run's lock, which holds those partitions."""
-    return partitions.on_tables(statement, *partitions.run_tables(conn, run_id))
-
-
-def fail_task(conn: Conn, ref: TaskRef, reason: str, *, request: str, entry: HistoryEntry,
-              now: datetime) -> FinishedTask | None:
-    """Mark the referenced attempt FAILED and release its lease, recording ``entry``."""
-    return fetch_one(conn, FinishedTask, _on_run(conn, _FAIL, ref.run_id),
-                     {**_ref(ref), "error": error_json(reason), "now": now,
-                      **history.entry_params(ref.run_id, request, entry, now=now)})
-
-
-def requeue_task(conn: Conn, ref: TaskRef, reason: str, *, lease_expired: bool, request: str,
-                 entry: HistoryEntry, now: datetime) -> TaskDispatch | None:
-    """Schedule the next attempt: back to PENDING with attempt+1 (and one more lease
-    expiry when ``lease_expired``), recording ``entry``. Returns what the next dispatch
-    needs, including the stored input."""
-    return fetch_one(conn, TaskDispatch, _on_run(conn, _REQUEUE, ref.run_id),
-                     {**_ref(ref), "error": error_json(reason), "expired": int(lease_expired), "now": now,
-                      **history.entry_params(ref.run_id, request, entry, now=now)})
 
 
 def cancel_tasks(conn: Conn, run_id: str, task_ids: Sequence[str], reason: str, *, now: datetime) -> int:

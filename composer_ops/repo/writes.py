@@ -1,10 +1,11 @@
 """The one write of an event: its rows as one JSON document, written by ``composer_apply``.
 
-The shell collects what a decision writes at its end (a start's run, created tasks,
-history rows, dispatches) into one document and sends it as one statement
-(sql/R__apply.sql says what the function does with each part, and how the instants a
-decision computed are moved to the database's clock). A start sends nothing else, so
-that with BEGIN and COMMIT pipelined it is one round trip (engine/starts.py).
+The shell collects what a decision writes at its end (a start's run, completions,
+failures and re-queues, resolved waits, the run's finish, created tasks, history rows,
+dispatches) into one document and sends it as one statement (sql/R__apply.sql says what
+the function does with each part, and how the instants a decision computed are moved to
+the database's clock). A start sends nothing else, so that with BEGIN and COMMIT pipelined
+it is one round trip (engine/starts.py).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from composer_ops.repo._base import Conn, error_doc, iso
 from composer_ops.repo.outbox import dispatch_rows
 from composer_ops.repo.rows import Dispatch, HistoryEntry, NewTask
 
-__all__ = ["Done", "Finish", "NewRun", "Pending", "Refused", "document", "send"]
+__all__ = ["Done", "Fail", "Finish", "Resolve", "NewRun", "Pending", "Refused", "document", "send"]
 
 
 class Refused(Exception):
@@ -59,6 +60,32 @@ class Done:
 
 
 @dataclass(frozen=True, kw_only=True)
+class Fail:
+    """A FailTask or, with ``requeue``, a RequeueTask (``failed``): the attempt, fenced, its
+    error and history row; a re-queue's next attempt is ``ref.attempt + 1``, whose dispatch
+    the caller puts in the document's outbox."""
+
+    ref: TaskRef
+    reason: str | None
+    entry: HistoryEntry
+    requeue: bool = False
+    lease_expired: bool = False
+
+
+@dataclass(frozen=True, kw_only=True)
+class Resolve:
+    """A WAITING task resolved (``resolved``): a wait's timer or signal (ResolveWait), a
+    child run's end (FinishChild), a MAP's last item (FinishMap); ``action`` names it in
+    the error of a fence miss."""
+
+    task_id: str
+    state: str
+    output: Any = None
+    reason: str | None = None
+    action: str = "ResolveWait"
+
+
+@dataclass(frozen=True, kw_only=True)
 class Finish:
     """A FinishRun (``finish``), with the webhook delivery (url, payload) of a definition
     that has one."""
@@ -70,7 +97,8 @@ class Finish:
 
 
 def document(*, at: datetime, run_id: str, request: str | None, start: NewRun | None = None,
-             done: Sequence[Done] = (), finish: Finish | None = None, tasks: Sequence[NewTask] = (),
+             done: Sequence[Done] = (), failed: Sequence[Fail] = (), resolved: Sequence[Resolve] = (),
+             finish: Finish | None = None, tasks: Sequence[NewTask] = (),
              history: Sequence[HistoryEntry] = (),
              outbox: Sequence[Dispatch] = ()) -> dict[str, Any]:
     """The document of one event's writes, decided at ``at``; keys whose value is None
@@ -87,6 +115,13 @@ def document(*, at: datetime, run_id: str, request: str | None, start: NewRun | 
     if done:
         doc["done"] = [_compact({"t": d.ref.task_id, "n": d.ref.node_id, "a": d.ref.attempt, "output": d.output,
                                  "w": d.entry.worker, "d": d.entry.detail}) for d in done]
+    if failed:
+        doc["failed"] = [_compact({"t": f.ref.task_id, "n": f.ref.node_id, "a": f.ref.attempt, "k": f.entry.kind,
+                                   "e": error_doc(f.reason), "r": f.requeue, "x": int(f.lease_expired),
+                                   "w": f.entry.worker, "d": f.entry.detail}) for f in failed]
+    if resolved:
+        doc["resolved"] = [_compact({"t": r.task_id, "s": r.state, "output": r.output, "e": error_doc(r.reason),
+                                     "f": r.action}) for r in resolved]
     if finish is not None:
         doc["finish"] = _compact({"status": finish.status, "error": error_doc(finish.reason), "output": finish.output,
                                   "webhook": None if finish.webhook is None

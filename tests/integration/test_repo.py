@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
@@ -166,38 +165,49 @@ def test_insert_task_terminal_states_stamp_times(conn: Any, run_id: str) -> None
     assert row == (True, True)
 
 
+def _fail(conn: Any, ref: TaskRef, reason: str, *, requeue: bool = False, lease_expired: bool = False) -> None:
+    _write(conn, ref.run_id, failed=[writes.Fail(ref=ref, reason=reason, entry=NOTE, requeue=requeue,
+                                                 lease_expired=lease_expired)])
+
+
 @pytest.mark.parametrize("op", ["fail", "requeue"])
 def test_fenced_updates_refuse_stale_attempt_and_finished_task(conn: Any, run_id: str, op: str) -> None:
     task_id = _task(conn, run_id)
-    apply: Callable[[TaskRef], object] = {
-        "fail": lambda ref: tasks.fail_task(conn, ref, "boom", request="r", entry=NOTE, now=clock.now(conn)),
-        "requeue": lambda ref: tasks.requeue_task(conn, ref, "retry", lease_expired=False, request="r", entry=NOTE,
-                                                  now=clock.now(conn)),
-    }[op]
-    assert apply(_ref(run_id, task_id, attempt=7)) is None          # stale attempt
-    assert apply(_ref(run_id, task_id, node="zzz")) is None         # wrong node
+    conn.commit()
+
+    def apply(ref: TaskRef) -> bool:
+        try:
+            _fail(conn, ref, "boom", requeue=op == "requeue")
+        except Conflict as exc:
+            assert "fenced write matched no row" in str(exc)
+            conn.rollback()
+            return False
+        conn.commit()
+        return True
+
+    assert not apply(_ref(run_id, task_id, attempt=7))          # stale attempt
+    assert not apply(_ref(run_id, task_id, node="zzz"))         # wrong node
     assert _state(conn, run_id) == ("PENDING", 0)
-    assert apply(_ref(run_id, task_id)) is not None
+    assert apply(_ref(run_id, task_id))
     after = _state(conn, run_id)
     if after[0] == "PENDING":                    # re-queued: complete the next attempt
         _complete(conn, _ref(run_id, task_id, attempt=after[1]))
+        conn.commit()
     final = _state(conn, run_id)
-    assert apply(_ref(run_id, task_id, attempt=after[1])) is None   # finished task
+    assert not apply(_ref(run_id, task_id, attempt=after[1]))  # finished task
     assert _state(conn, run_id) == final
     # A history row for each update that matched, none for those that did not.
     assert [h.kind for h in history.run_history(conn, run_id)] == ["note", "completed"] if op == "requeue" \
         else ["note"]
 
 
-def test_requeue_bumps_attempt_and_returns_dispatch(conn: Any, run_id: str) -> None:
+def test_requeue_bumps_attempt_and_counts_a_lost_lease(conn: Any, run_id: str) -> None:
     task_id = _task(conn, run_id, input={"n": 3})
-    d = tasks.requeue_task(conn, _ref(run_id, task_id), "flaky", lease_expired=False, request="r", entry=NOTE,
-                           now=clock.now(conn))
-    assert d is not None and (d.attempt, d.input, d.queue, d.node_type) == (1, {"n": 3}, "default", "TASK")
-    err = conn.execute("SELECT last_error FROM task_instances WHERE id = %s", (task_id,)).fetchone()[0]
-    assert err == {"error": "flaky"}
-    assert tasks.requeue_task(conn, _ref(run_id, task_id, attempt=1), "lapsed", lease_expired=True, request="r",
-                              entry=NOTE, now=clock.now(conn)) is not None
+    _fail(conn, _ref(run_id, task_id), "flaky", requeue=True)
+    row = conn.execute("SELECT attempt, state, last_error, input_json FROM task_instances WHERE id = %s",
+                       (task_id,)).fetchone()
+    assert row == (1, "PENDING", {"error": "flaky"}, {"n": 3})
+    _fail(conn, _ref(run_id, task_id, attempt=1), "lapsed", requeue=True, lease_expired=True)
     row = conn.execute("SELECT attempt, lease_expiries FROM task_instances WHERE id = %s", (task_id,)).fetchone()
     assert row == (2, 1)
 
@@ -218,9 +228,16 @@ def test_due_waits_and_resolve_wait(conn: Any, run_id: str) -> None:
     due = _task(conn, run_id, "w1", state="WAITING", node_type="WAIT", wake_at=past)
     _task(conn, run_id, "w2", state="WAITING", node_type="WAIT", wake_at=future)
     assert [w.task_id for w in signals.due_waits(conn, 10, now=clock.now(conn))] == [due]
-    assert signals.resolve_wait(conn, run_id, due, state="COMPLETED", output={"ok": True}, now=clock.now(conn))
-    assert not signals.resolve_wait(conn, run_id, due, state="FAILED", reason="late", now=clock.now(conn))
+    conn.commit()
+    _write(conn, run_id, resolved=[writes.Resolve(task_id=due, state="COMPLETED", output={"ok": True})])
+    conn.commit()
+    with pytest.raises(Conflict, match=r"fenced write matched no row \(ResolveWait\)"):
+        _write(conn, run_id, resolved=[writes.Resolve(task_id=due, state="FAILED", reason="late")])
+    conn.rollback()
     assert _state(conn, run_id, "w1") == ("COMPLETED", 0)
+    row = conn.execute("SELECT output_json, completed_at IS NOT NULL FROM task_instances WHERE id = %s",
+                       (due,)).fetchone()
+    assert row == ({"ok": True}, True)
     assert signals.due_waits(conn, 10, now=clock.now(conn)) == []
 
 
