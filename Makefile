@@ -113,8 +113,8 @@ demo-ci: $(STAMP)
 # its worker's. --dist worksteal: a worker that runs out takes queued tests from the other,
 # so the long tests (chaos, faults, notebooks) do not leave one core idle at the end.
 # PYTEST_XDIST="-p no:xdist" runs a leg in one process. Measured 2026-12-03 on 2 cores
-# shared with three other test sessions (load average 8 to 16): test-18 took 32 min on
-# two workers, 42 min in one process (README.md, "Tests").
+# shared with three other test sessions (load averages in README.md, "Tests"): test-18
+# took 42 min in one process, 32 and 16 min on two workers; test-15 27 min on two.
 PYTEST_XDIST ?= -n 2 --dist worksteal
 test-18: $(STAMP)
 	env -u COMPOSER_DATABASE_URL -u COMPOSER_TEST_PGBIN $(BIN)/python -m pytest -q $(PYTEST_XDIST) \
