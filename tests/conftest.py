@@ -134,39 +134,57 @@ def _under(item_path: Path, directory: Path) -> bool:
     return item_path == directory or directory in item_path.parents
 
 
-def pytest_collection_finish(session: pytest.Session) -> None:
-    wanted = _requirements(session.config)
-    short = []
-    for directory, minimum in wanted.items():
-        found = sum(1 for item in session.items if _under(item.path, directory))
-        if found < minimum:
-            short.append(f"{directory.relative_to(session.config.rootpath)}: {found} selected, at least {minimum} "
-                         "expected")
-    if short:
-        raise pytest.UsageError("too few tests collected: " + "; ".join(short))
-    session.config.stash[_RAN] = dict.fromkeys(wanted, 0)
+class _Required:
+    """The ``--require`` checks, run where the whole run is seen: in the pytest process
+    itself or, under pytest-xdist (``-n``), in the controller, from each worker's
+    collection and every test's report (a worker sees only the tests it was given, so
+    this is not registered there)."""
+
+    def __init__(self, config: pytest.Config) -> None:
+        self.config = config
+        self.wanted = _requirements(config)
+        self.ran: dict[Path, int] | None = None
+
+    def _path(self, nodeid: str) -> Path:
+        # A node id starts with its file's path relative to the rootdir.
+        return (self.config.rootpath / nodeid.split("::", 1)[0]).resolve()
+
+    def check_collected(self, paths: list[Path]) -> None:
+        short = []
+        for directory, minimum in self.wanted.items():
+            found = sum(1 for path in paths if _under(path, directory))
+            if found < minimum:
+                short.append(f"{directory.relative_to(self.config.rootpath)}: {found} selected, at least {minimum} "
+                             "expected")
+        if short:
+            raise pytest.UsageError("too few tests collected: " + "; ".join(short))
+        self.ran = dict.fromkeys(self.wanted, 0)
+
+    def pytest_collection_finish(self, session: pytest.Session) -> None:
+        self.check_collected([item.path for item in session.items])
+
+    @pytest.hookimpl(optionalhook=True)
+    def pytest_xdist_node_collection_finished(self, node: Any, ids: list[str]) -> None:
+        self.check_collected([self._path(nodeid) for nodeid in ids])
+
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        # An expected failure (xfail) ran; a skip did not.
+        if self.ran is not None and report.when == "call" and (
+                report.outcome != "skipped" or hasattr(report, "wasxfail")):
+            path = self._path(report.nodeid)
+            for directory in self.ran:
+                if _under(path, directory):
+                    self.ran[directory] += 1
+
+    def pytest_sessionfinish(self, session: pytest.Session, exitstatus: int) -> None:
+        if not self.ran or exitstatus != 0:
+            return
+        idle = [str(d.relative_to(self.config.rootpath)) for d, n in self.ran.items() if n == 0]
+        if idle:
+            self.config.get_terminal_writer().line(f"no test ran (all skipped) under: {', '.join(idle)}", red=True)
+            session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
-_RAN = pytest.StashKey[dict[Path, int]]()
-
-
-@pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
-    outcome: Any = yield
-    report: pytest.TestReport = outcome.get_result()
-    ran = item.config.stash.get(_RAN, None)
-    # An expected failure (xfail) ran; a skip did not.
-    if ran is not None and report.when == "call" and (report.outcome != "skipped" or hasattr(report, "wasxfail")):
-        for directory in ran:
-            if _under(item.path, directory):
-                ran[directory] += 1
-
-
-def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
-    ran = session.config.stash.get(_RAN, None)
-    if not ran or exitstatus != 0:
-        return
-    idle = [str(d.relative_to(session.config.rootpath)) for d, n in ran.items() if n == 0]
-    if idle:
-        session.config.get_terminal_writer().line(f"no test ran (all skipped) under: {', '.join(idle)}", red=True)
-        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+def pytest_configure(config: pytest.Config) -> None:
+    if not hasattr(config, "workerinput"):      # not an xdist worker
+        config.pluginmanager.register(_Required(config), "composer-require")

@@ -3,11 +3,15 @@ and in random order, and collect every failure.
 
     python -m tests.flaky --runs 3 --hogs 2 --leg 18 --leg 15 tests/integration tests/notebooks
     python -m tests.flaky --runs 10 --hogs 2 --random-order        # the test-18 selection
+    python -m tests.flaky --runs 2 --workers 0 tests/integration  # one pytest process, no xdist
 
 Arguments it does not know are passed to pytest (the selection, ``-k``, ``-x``); with
 none, the selection of ``make test-18`` (everything but tests/packaging and tests/citus).
 Each run of each leg (``18``: the embedded server; ``15``: ``--pg15-bin``'s binaries) is
-one ``pytest`` process writing JUnit XML, read back for the failed and errored tests.
+one ``pytest`` run writing JUnit XML, read back for the failed and errored tests; like
+``make test``'s legs it runs on ``--workers`` pytest-xdist workers (default 2, each with
+a server of its own; 0: in one process). The load averages at the start and the end of
+each run are written beside it, since a failure under load is what this hunts.
 ``--hogs K`` keeps K busy-looping Python processes running beside the runs, so a test
 that races a timer against the machine's load fails here rather than on CI; they are
 killed however the finder ends. ``--random-order`` shuffles the tests globally with
@@ -36,6 +40,8 @@ from types import FrameType
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_SELECTION = ["--ignore=tests/packaging", "--ignore=tests/citus", "tests"]
 LEGS = ("18", "15")
+#: How ``make test``'s 18 and 15 legs spread tests over workers (the Makefile's PYTEST_XDIST).
+DIST = ["--dist", "worksteal"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -56,6 +62,8 @@ class RunResult:
     seconds: float
     tests: int
     failures: list[Failure] = field(default_factory=list)
+    load_start: tuple[float, float, float] = (0.0, 0.0, 0.0)    # os.getloadavg() at the start and the end
+    load_end: tuple[float, float, float] = (0.0, 0.0, 0.0)
 
 
 def nodeid(classname: str, name: str, root: Path = ROOT) -> str:
@@ -102,11 +110,20 @@ def leg_env(leg: str, pg15_bin: str) -> dict[str, str]:
     return env
 
 
-def run_once(leg: str, run: int, selection: list[str], out: Path, *, pg15_bin: str, seed: int | None) -> RunResult:
+def pytest_command(junit: Path, selection: list[str], *, workers: int, seed: int | None) -> list[str]:
+    # The seed is the same in every xdist worker, so each collects the same shuffled order.
+    order = ["--random-order-bucket=global", f"--random-order-seed={seed}"] if seed else []
+    parallel = ["-n", str(workers), *DIST] if workers else ["-p", "no:xdist"]
+    return [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={junit}", *parallel, *order,
+            *selection]
+
+
+def run_once(leg: str, run: int, selection: list[str], out: Path, *, pg15_bin: str, seed: int | None,
+             workers: int = 2) -> RunResult:
     junit = out / f"run{run:02d}-pg{leg}.xml"
     log = out / f"run{run:02d}-pg{leg}.log"
-    order = ["--random-order-bucket=global", f"--random-order-seed={seed}"] if seed else []
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={junit}", *order, *selection]
+    cmd = pytest_command(junit, selection, workers=workers, seed=seed)
+    load_start = os.getloadavg()
     began = time.monotonic()
     with log.open("w", encoding="utf-8") as sink:
         code = subprocess.call(cmd, cwd=ROOT, env=leg_env(leg, pg15_bin), stdout=sink, stderr=subprocess.STDOUT)
@@ -118,7 +135,8 @@ def run_once(leg: str, run: int, selection: list[str], out: Path, *, pg15_bin: s
         lines = [ln for ln in log.read_text(encoding="utf-8", errors="replace").splitlines() if ln.strip()]
         failures.append(Failure(test="(pytest session)", leg=leg, run=run, kind="pytest",
                                 message=f"exit {code}: {lines[-1].strip() if lines else 'no output'}"[:300]))
-    return RunResult(leg=leg, run=run, seed=seed, exit_code=code, seconds=seconds, tests=tests, failures=failures)
+    return RunResult(leg=leg, run=run, seed=seed, exit_code=code, seconds=seconds, tests=tests, failures=failures,
+                     load_start=load_start, load_end=os.getloadavg())
 
 
 class Hogs:
@@ -144,10 +162,11 @@ class Hogs:
 def markdown(results: list[RunResult], hogs: int, selection: list[str]) -> str:
     lines = [f"# Flaky-test finder: {len(results)} pytest runs, {hogs} CPU hogs", "",
              f"Selection: `{' '.join(selection)}`", "",
-             "| run | leg | seed | tests | failures | seconds | exit |", "|---|---|---|---|---|---|---|"]
+             "| run | leg | seed | tests | failures | seconds | exit | load 1/5/15 min at start | at end |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         lines.append(f"| {r.run} | {r.leg} | {r.seed or ''} | {r.tests} | {len(r.failures)} | {r.seconds:.0f} | "
-                     f"{r.exit_code} |")
+                     f"{r.exit_code} | {_load(r.load_start)} | {_load(r.load_end)} |")
     failures = [f for r in results for f in r.failures]
     lines += ["", f"## Failures: {len(failures)}", ""]
     if not failures:
@@ -155,6 +174,10 @@ def markdown(results: list[RunResult], hogs: int, selection: list[str]) -> str:
     for f in failures:
         lines.append(f"- `{f.test}` (PostgreSQL {f.leg}, run {f.run}, {f.kind}): {f.message}")
     return "\n".join(lines) + "\n"
+
+
+def _load(load: tuple[float, float, float]) -> str:
+    return " / ".join(f"{x:.1f}" for x in load)
 
 
 def write_summary(out: Path, results: list[RunResult], hogs: int, selection: list[str]) -> None:
@@ -178,6 +201,8 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--leg", action="append", choices=LEGS, help="PostgreSQL leg, repeatable (default 18)")
     parser.add_argument("--pg15-bin", default=os.environ.get("PG15_BIN", "/usr/lib/postgresql/15/bin"))
     parser.add_argument("--random-order", action="store_true", help="shuffle the tests, a new seed each run")
+    parser.add_argument("--workers", type=_positive, default=2,
+                        help="pytest-xdist workers per run, as make test's legs (default 2; 0: one process)")
     parser.add_argument("--out", type=Path, default=ROOT / "reports" / "flaky", help="where the summary goes")
     args, selection = parser.parse_known_args(argv)
     if args.runs == 0:
@@ -200,11 +225,12 @@ def main(argv: list[str] | None = None) -> int:
         for run in range(1, args.runs + 1):
             for leg in args.leg or ["18"]:
                 seed = rng.randrange(1, 2**31) if args.random_order else None
-                result = run_once(leg, run, selection, out, pg15_bin=args.pg15_bin, seed=seed)
+                result = run_once(leg, run, selection, out, pg15_bin=args.pg15_bin, seed=seed, workers=args.workers)
                 results.append(result)
                 write_summary(out, results, args.hogs, selection)
                 print(f"run {run} leg {leg}: {result.tests} tests, {len(result.failures)} failures, "
-                      f"{result.seconds:.0f} s" + (f", seed {seed}" if seed else ""), flush=True)
+                      f"{result.seconds:.0f} s, load {_load(result.load_start)} -> {_load(result.load_end)}"
+                      + (f", seed {seed}" if seed else ""), flush=True)
                 for f in result.failures:
                     print(f"  {f.kind} {f.test}: {f.message}", flush=True)
     failures = sum(len(r.failures) for r in results)

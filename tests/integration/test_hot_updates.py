@@ -159,9 +159,12 @@ def test_lease_sweeper_reads_the_running_partial_index(seeded: Any) -> None:
         "idx_task_instances_running", "idx_task_instances_run_active"}, scans
     # the run of each candidate (deleted? still active?) is one primary-key lookup
     assert {p for _, r, p in scans if p and r.startswith("workflow_runs")} <= {"workflow_runs_pkey"}, scans
-    expired = tasks.expired_leases(seeded, 1000, now=clock.now(seeded))
+    # One instant for both: the seed's leases lapse over time, and a loaded machine may
+    # take seconds between two statements' now().
+    now = clock.now(seeded)
+    expired = tasks.expired_leases(seeded, 1000, now=now)
     expected = seeded.execute(
-        "SELECT count(*) FROM task_instances WHERE state = 'RUNNING' AND lease_expires_at <= now()").fetchone()[0]
+        "SELECT count(*) FROM task_instances WHERE state = 'RUNNING' AND lease_expires_at <= %s", (now,)).fetchone()[0]
     assert len(expired) == expected > 0
     assert [e.lease_owner for e in expired] == ["worker-0"] * expected
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import uuid
 from datetime import UTC, datetime
 from typing import Any
 
@@ -95,7 +94,8 @@ def test_latest_run_defaults(conn: psycopg.Connection[Any], seeded: fixtures.See
         ops.latest_run_id(conn, status="DONE")
 
 
-@pytest.mark.parametrize("bad", ["not-a-uuid", "", "0195", 42, None, str(uuid.uuid4()),
+@pytest.mark.parametrize("bad", ["not-a-uuid", "", "0195", 42, None,
+                                 "3e607b0f-94ca-449c-aa7b-fedb68d6b415",  # a version-4 UUID, not v7
                                  "01959ed3-4200-7ce4-aa5f-17d5a289aee5'; DROP TABLE workflow_runs; --"])
 def test_a_bad_run_id_is_refused_before_any_query(bad: Any) -> None:
     # NOWHERE cannot be connected to: reaching the database would raise Unavailable.

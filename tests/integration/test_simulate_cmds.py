@@ -41,6 +41,14 @@ def _rows(conn: psycopg.Connection[Any], query: str, *params: Any) -> list[tuple
     return conn.execute(query, params).fetchall()
 
 
+KILLED = "a SIGKILLed worker's task retried after its lease lapsed"
+
+
+def _holds_a_task(db_url: str, owner: str) -> bool:
+    with psycopg.connect(db_url) as conn:
+        return bool(_rows(conn, "SELECT 1 FROM task_instances WHERE state = 'RUNNING' AND lease_owner = %s", owner))
+
+
 def _missing(db_url: str, live: list[str]) -> list[str]:
     """What the promised mix of the live runs still lacks."""
     with psycopg.connect(db_url) as conn:
@@ -61,7 +69,7 @@ def _missing(db_url: str, live: list[str]) -> list[str]:
         "every node type": types == {"TASK", "SWITCH", "WAIT", "WAIT_FOR_SIGNAL"},
         "a retried task": retried >= 1,
         "a failed task": failed >= 1,
-        "a SIGKILLed worker's task retried after its lease lapsed": lapsed >= 1,
+        KILLED: lapsed >= 1,
         "a buffered signal consumed": buffered >= 1 and consumed >= 1,
     }
     return [what for what, ok in wanted.items() if not ok]
@@ -101,11 +109,17 @@ def test_simulate_at_ci_size_leaves_the_promised_mix(db_url: str, tmp_path: Path
     # the mix is the point, not the throughput. What is still missing when the simulation
     # stops, a worker and a coordinator of the same behaviour finish, within a generous
     # deadline; they stop as soon as the mix is there, so runs are still left active.
+    # A loaded machine may run no task within the 14 s, so that no worker the simulation
+    # killed held one: then the finish kills its own worker once it holds a task.
     if _missing(db_url, live):
         behaviour = Behaviour(time_scale=0.5, transient_rate=0.06, permanent_rate=0.03)
         with simulation_fleet(db_url, behaviour, logdir=tmp_path / "finish") as fleet:
             fleet.coordinator()
-            fleet.worker(concurrency=6)
+            worker = fleet.worker(concurrency=6)
+            if KILLED in _missing(db_url, live):
+                wait_for(lambda: _holds_a_task(db_url, f"sim-worker:{worker.pid}"), timeout=400, interval=0.2,
+                         what="the finishing worker to hold a task")
+                fleet.kill(worker, replace=True)
             wait_for(lambda: not _missing(db_url, live), timeout=400, interval=1.0,
                      what="the live runs to show the mix")
     assert _missing(db_url, live) == []

@@ -41,14 +41,24 @@ def test_classnames_of_notebooks_and_of_no_file() -> None:
 
 def test_without_a_selection_it_runs_the_18_legs_selection() -> None:
     args, selection = flaky.parse(["--runs", "2", "--hogs", "1"])
-    assert (args.runs, args.hogs, args.leg, selection) == (2, 1, None, flaky.DEFAULT_SELECTION)
+    assert (args.runs, args.hogs, args.leg, args.workers, selection) == (2, 1, None, 2, flaky.DEFAULT_SELECTION)
     args, selection = flaky.parse(["--leg", "15", "-k", "webhook", "tests/integration"])
     assert (args.leg, selection) == (["15"], ["-k", "webhook", "tests/integration"])
 
 
 def test_the_summary_lists_every_failure() -> None:
     failure = flaky.Failure(test="tests/a.py::t", leg="18", run=3, kind="failed", message="boom")
-    runs = [flaky.RunResult(leg="18", run=3, seed=7, exit_code=1, seconds=12.0, tests=5, failures=[failure])]
+    runs = [flaky.RunResult(leg="18", run=3, seed=7, exit_code=1, seconds=12.0, tests=5, failures=[failure],
+                            load_start=(2.0, 1.5, 1.25), load_end=(9.0, 4.0, 2.0))]
     text = flaky.markdown(runs, 2, ["tests/a.py"])
-    assert "| 3 | 18 | 7 | 5 | 1 | 12 | 1 |" in text
+    assert "| 3 | 18 | 7 | 5 | 1 | 12 | 1 | 2.0 / 1.5 / 1.2 | 9.0 / 4.0 / 2.0 |" in text
     assert "- `tests/a.py::t` (PostgreSQL 18, run 3, failed): boom" in text
+
+
+def test_runs_go_to_xdist_workers_as_the_legs_do_with_the_seed_in_each(tmp_path: Path) -> None:
+    junit = tmp_path / "r.xml"
+    cmd = flaky.pytest_command(junit, ["tests/unit"], workers=2, seed=11)
+    assert cmd[cmd.index("-n"):] == ["-n", "2", *flaky.DIST, "--random-order-bucket=global",
+                                     "--random-order-seed=11", "tests/unit"]
+    cmd = flaky.pytest_command(junit, ["tests/unit"], workers=0, seed=None)
+    assert "-n" not in cmd and cmd[-3:] == ["-p", "no:xdist", "tests/unit"]
