@@ -275,21 +275,11 @@ RETURNS BOOLEAN
 LANGUAGE plpgsql AS $$
 DECLARE
     fn TEXT := 'composer_claim_tasks_p' || p_month;
-    lo TEXT;
-    hi TEXT;
-    aligned BOOLEAN;
 BEGIN
     IF p_month IS NULL OR p_month !~ '^\d{6}$' OR EXISTS (SELECT 1 FROM pg_extension WHERE extname = 'citus') THEN
         RETURN false;
     END IF;
-    lo := composer_uuid7_bound(to_date(p_month, 'YYYYMM')::timestamp AT TIME ZONE 'UTC');
-    hi := composer_uuid7_bound((to_date(p_month, 'YYYYMM') + INTERVAL '1 month') AT TIME ZONE 'UTC');
-    SELECT count(*) = 2 INTO aligned
-      FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid
-     WHERE (c.oid, i.inhparent) IN ((to_regclass(format('%I', 'workflow_runs_p' || p_month)), 'workflow_runs'::regclass),
-                                    (to_regclass(format('%I', 'task_instances_p' || p_month)), 'task_instances'::regclass))
-       AND pg_get_expr(c.relpartbound, c.oid) = format('FOR VALUES FROM (%L) TO (%L)', lo, hi);
-    IF NOT aligned THEN
+    IF NOT composer_month_aligned(p_month) THEN
         EXECUTE format('DROP FUNCTION IF EXISTS %I(TEXT, TEXT, TEXT[], TEXT[], TEXT[], INT[], TEXT[], INT[], TEXT[], '
                        'INT[], TEXT[])', fn);
         RETURN false;

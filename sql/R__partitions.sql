@@ -22,6 +22,32 @@ LANGUAGE sql IMMUTABLE AS $$
       FROM (SELECT lpad(to_hex(floor(extract(epoch FROM ts) * 1000)::BIGINT), 12, '0') AS h) b
 $$;
 
+-- Whether month p_month's (YYYYMM) workflow_runs and task_instances partitions are both
+-- attached with exactly that month's bounds: only then does a run ID's month name the
+-- partition holding it, which the per-month functions of the claim (sql/R__claim.sql)
+-- and of the event's write (sql/R__apply.sql) rely on. False for a malformed p_month;
+-- not called on Citus, whose claim and write are their own.
+CREATE OR REPLACE FUNCTION composer_month_aligned(p_month TEXT) RETURNS BOOLEAN
+LANGUAGE plpgsql STABLE AS $$
+DECLARE
+    lo TEXT;
+    hi TEXT;
+BEGIN
+    IF composer_suffix_month(p_month) IS NULL THEN
+        RETURN false;
+    END IF;
+    lo := composer_uuid7_bound(to_date(p_month, 'YYYYMM')::timestamp AT TIME ZONE 'UTC');
+    hi := composer_uuid7_bound((to_date(p_month, 'YYYYMM') + INTERVAL '1 month') AT TIME ZONE 'UTC');
+    RETURN (SELECT count(*) = 2
+              FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid
+             WHERE (c.oid, i.inhparent) IN ((to_regclass(format('%I', 'workflow_runs_p' || p_month)),
+                                             'workflow_runs'::regclass),
+                                            (to_regclass(format('%I', 'task_instances_p' || p_month)),
+                                             'task_instances'::regclass))
+               AND pg_get_expr(c.relpartbound, c.oid) = format('FOR VALUES FROM (%L) TO (%L)', lo, hi));
+END;
+$$;
+
 -- The first instant (UTC) of the month that contains `day`.
 CREATE OR REPLACE FUNCTION composer_month_start(day DATE) RETURNS TIMESTAMPTZ
 LANGUAGE sql IMMUTABLE AS $$
