@@ -292,8 +292,45 @@ END;
 $$;
 REVOKE ALL ON FUNCTION composer_claim_month(TEXT, BOOLEAN) FROM PUBLIC;
 
+-- How many ready outbox rows of p_queues (p_names NULL: of any task) no wake-up on its
+-- way covers, counting at most p_cap: wake-ups handed to other registered workers and
+-- not yet taken up (promised - seen), and those handed to p_owner beyond p_seen, each
+-- cover a row their worker will claim. Read without locks: a count too high costs an
+-- empty claim somewhere, too low a wait for the next dispatch or the poll.
+CREATE OR REPLACE FUNCTION composer_uncovered(p_queues TEXT[], p_names TEXT[], p_owner TEXT, p_seen BIGINT,
+                                              p_cap INT)
+RETURNS INT
+LANGUAGE plpgsql STABLE
+SET plan_cache_mode = force_generic_plan
+AS $$
+DECLARE
+    mine BIGINT;
+    elsewhere BIGINT;
+    ready BIGINT;
+BEGIN
+    IF p_cap IS NULL OR p_cap <= 0 THEN
+        RETURN 0;
+    END IF;
+    SELECT GREATEST(w.promised - COALESCE(p_seen, w.promised), 0) INTO mine
+      FROM task_waiters w WHERE w.worker = p_owner;
+    SELECT COALESCE(sum(GREATEST(w.promised - w.seen, 0)), 0) INTO elsewhere
+      FROM task_waiters w WHERE w.worker <> p_owner AND w.queues && p_queues;
+    mine := COALESCE(mine, 0);
+    SELECT count(*) INTO ready
+      FROM (SELECT 1 FROM task_outbox o
+             WHERE o.queue = ANY(p_queues) AND o.available_at <= now()
+               AND (p_names IS NULL OR o.task_name = ANY(p_names))
+             LIMIT p_cap + elsewhere + mine) AS r;
+    RETURN LEAST(GREATEST(ready - elsewhere - mine, 0), p_cap);
+END;
+$$;
+REVOKE ALL ON FUNCTION composer_uncovered(TEXT[], TEXT[], TEXT, BIGINT, INT) FROM PUBLIC;
+GRANT EXECUTE ON FUNCTION composer_uncovered(TEXT[], TEXT[], TEXT, BIGINT, INT) TO composer_ops_engine;
+
 -- The claim workers make: p_limit tasks at most (the wake-ups the worker took up for
--- it), while p_room, its free slots, and p_seen, the total of wake-ups handed to it
+-- it), and, a listening worker with more free slots than that, as many more of the
+-- ready rows no wake-up on its way covers (composer_uncovered) as those slots take: a
+-- backlog no dispatch announces is claimed at full concurrency. p_room, its free slots, and p_seen, the total of wake-ups handed to it
 -- (task_waiters.promised) it has taken up, make its registration: it can be handed
 -- p_room - (what it claimed) more, less those on their way to it. Inserted at step 1
 -- when missing, written at the end, where a row a dispatch holds (it has not committed)
@@ -339,10 +376,9 @@ DECLARE
     m_queues TEXT[];
     m_maxruns INT[];
     m_ckeys TEXT[];
+    lim INT := p_limit;
     owed INT := 0;
-    want INT;
     mine BIGINT;
-    elsewhere BIGINT;
     total BIGINT;
 BEGIN
     -- First, before anything else: held until this claim commits or rolls back, so a
@@ -360,6 +396,10 @@ BEGIN
         VALUES (p_owner, p_channel, p_queues, p_names, GREATEST(p_room - p_limit, 0), COALESCE(p_seen, 0),
                 COALESCE(p_seen, 0))
         ON CONFLICT (worker) DO NOTHING;
+        IF p_room > p_limit THEN
+            -- The rows its p_limit wake-ups cover are among those counted.
+            lim := GREATEST(p_limit, composer_uncovered(p_queues, p_names, p_owner, p_seen, p_room));
+        END IF;
     END IF;
     -- The queue settings of p_queues (sql/V003; a queue without a row is open and
     -- unlimited): a paused queue is skipped, its tasks stay in the outbox; the open
@@ -373,15 +413,15 @@ BEGIN
     FOR i IN 0 .. COALESCE(array_length(limited, 1), 0) LOOP
         IF i = 0 THEN
             pick_queues := open_queues;
-            room := p_limit;
+            room := lim;
         ELSE
-            EXIT WHEN COALESCE(array_length(runs, 1), 0) >= p_limit;
+            EXIT WHEN COALESCE(array_length(runs, 1), 0) >= lim;
             pick_queues := ARRAY[limited[i]];
             -- Held to this claim's end: a racing claim of the queue counts after this
             -- one's slots are committed (each statement here takes a new snapshot).
             PERFORM pg_advisory_xact_lock(hashtext('composer_flow'), hashtext('queue:' || limited[i]));
             SELECT limits[i] - count(*) INTO room FROM flow_slots f WHERE f.key = 'queue:' || limited[i];
-            room := LEAST(room, p_limit - COALESCE(array_length(runs, 1), 0));
+            room := LEAST(room, lim - COALESCE(array_length(runs, 1), 0));
         END IF;
         CONTINUE WHEN pick_queues IS NULL OR room <= 0;
         -- The pick runs once (MATERIALIZED): as a subquery the planner could rescan it on
@@ -440,30 +480,18 @@ BEGIN
     END IF;
     -- The registration, with the room this claim leaves. A row locked here is held by a
     -- dispatch that has not committed: skipped (header above). A claim that took all it
-    -- asked for may have left ready rows behind that no worker was told of: it hands its
-    -- worker wake-ups for them. Rows covered by wake-ups already on their way (to this
-    -- worker, or to another one) are not counted: those workers claim them. It hands as
-    -- many as the room the worker still has (claimed at once, so a backlog is drained
-    -- at full concurrency), or, with no room left and none on its way, one (claimed when
+    -- could may have left ready rows behind that no wake-up on its way covers: it hands
+    -- its worker wake-ups for them, as many as the room it still has (a race: rows
+    -- committed meanwhile), or, with no room left and none on its way, one (claimed when
     -- a slot frees). Otherwise the worker waits for a wake-up (engine/worker.py)
-    -- instead of claiming on spec. The counts are read without locks: a wake-up too many
-    -- costs an empty claim, one too few a wait for the next dispatch or the poll.
+    -- instead of claiming on spec.
     IF p_channel IS NOT NULL THEN
-        IF claimed >= p_limit THEN
+        IF claimed >= lim THEN
             SELECT GREATEST(w.promised - COALESCE(p_seen, w.promised), 0) INTO mine
               FROM task_waiters w WHERE w.worker = p_owner;
             mine := COALESCE(mine, 0);
-            want := GREATEST(p_room - claimed - mine, CASE WHEN mine = 0 THEN 1 ELSE 0 END);
-            IF want > 0 THEN
-                SELECT COALESCE(sum(GREATEST(w.promised - w.seen, 0)), 0) INTO elsewhere
-                  FROM task_waiters w WHERE w.worker <> p_owner AND w.queues && p_queues;
-                SELECT count(*) - elsewhere - mine INTO owed
-                  FROM (SELECT 1 FROM task_outbox o
-                         WHERE o.queue = ANY(p_queues) AND o.available_at <= now()
-                           AND (p_names IS NULL OR o.task_name = ANY(p_names))
-                         LIMIT want + elsewhere + mine) AS ready;
-                owed := LEAST(GREATEST(owed, 0), want);
-            END IF;
+            owed := composer_uncovered(p_queues, p_names, p_owner, p_seen,
+                                       GREATEST(p_room - claimed - mine, CASE WHEN mine = 0 THEN 1 ELSE 0 END)::int);
         END IF;
         UPDATE task_waiters w
            SET channel = p_channel, queues = p_queues, task_names = p_names, slots = p_room - claimed,

@@ -126,26 +126,26 @@ def test_more_tasks_than_registered_room_also_tell_the_shared_channel(wakes: Wak
 
 
 def test_a_claim_of_its_wake_ups_keeps_a_worker_with_room_registered(wakes: Wakes) -> None:
-    """Woken once with 3 free slots, a worker claims 1 task and stays registered for the
-    other 2 (sql/R__claim.sql); the task left ready, which no wake-up on its way covers
-    (it was announced on the shared channel), is handed to it at once, in one of them; a
-    claim that fills its room leaves it none."""
+    """Woken once with 3 free slots, a worker claims its task and the one no wake-up on
+    its way covers (announced on the shared channel), and stays registered for its last
+    slot (sql/R__claim.sql); a claim that fills its room and leaves a task ready hands
+    it one more wake-up, and leaves it no room."""
     conn = wakes.conn
     wakes.idle("a", room=1)
     wakes.dispatch()
     wakes.dispatch()
     assert wakes.notified() == ["a", "shared"]
     got = outbox.claim(conn, ["default"], "a", 1, claim_id="woken", wake=outbox.wake_channel("a"), room=3, seen=1)
-    assert len(got) == 1
-    assert wakes.told() == [("a", "2")]
+    assert len(got) == 2
+    assert wakes.told() == []
     wakes.dispatch()                                # a has room for 1 more: woken alone
-    assert wakes.told() == [("a", "3")]
+    assert wakes.told() == [("a", "2")]
     wakes.dispatch()
     assert wakes.notified() == ["shared"]
-    got = outbox.claim(conn, ["default"], "a", 2, claim_id="full", wake=outbox.wake_channel("a"), room=2, seen=3)
-    assert len(got) == 2                            # of 3 ready: a is handed one more wake-up
+    got = outbox.claim(conn, ["default"], "a", 1, claim_id="full", wake=outbox.wake_channel("a"), room=1, seen=2)
+    assert len(got) == 1                            # of 2 ready: a is handed one more wake-up
     wakes.dispatch()                                # a is busy: no room registered
-    assert wakes.told() == [("a", "4"), ("shared", "default")]
+    assert wakes.told() == [("a", "3"), ("shared", "default")]
 
 
 def test_wake_ups_on_their_way_to_a_worker_are_not_handed_out_again(wakes: Wakes) -> None:
