@@ -45,6 +45,9 @@ __all__ = ["MAX_BACKFILL", "Backfill", "PassResult", "Schedules", "slot_input"]
 MAX_BACKFILL = 1000
 #: The most slots one pass looks at per schedule; the rest wait for the next pass.
 SLOTS_PER_PASS = 1000
+#: How long a pass retried after a lost connection waits for the schedule's row lock,
+#: which the lost attempt's session holds until the server has noticed the cut.
+RETRY_LOCK_WAIT_S = 5.0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -338,15 +341,24 @@ class Schedules:
         with self.engine.pool.connection() as conn:
             return repo.due(conn, clock.now(conn), limit)
 
-    @db_retry()
     def fire_one(self, schedule_id: str, result: PassResult, *, grace: timedelta, max_starts: int,
                  buffer_poll: timedelta) -> None:
         """Lock one due schedule (skipped if another coordinator holds it or decided it
         already), plan its due slots by its policies, start the runs, record the slots
         not started, and move its cursor: one transaction."""
+        self._fire_one(schedule_id, result, Request(), grace=grace, max_starts=max_starts, buffer_poll=buffer_poll)
+
+    @db_retry()
+    def _fire_one(self, schedule_id: str, result: PassResult, request: Request, *, grace: timedelta,
+                  max_starts: int, buffer_poll: timedelta) -> None:
+        # A retry follows an attempt whose connection broke: its session may hold the
+        # schedule's row lock until the server notices, so the retry waits for the lock
+        # (RETRY_LOCK_WAIT_S) where a first attempt skips a held row as another
+        # coordinator's; skipping it would leave the due slots to a later pass.
+        retry = request.attempt()
         with self.engine.pool.connection() as conn, conn.transaction():
             now = clock.now(conn)
-            row = repo.lock_due(conn, schedule_id, now)
+            row = repo.lock_due(conn, schedule_id, now, wait_s=RETRY_LOCK_WAIT_S if retry else None)
             if row is None:
                 result.contended += 1
                 return
@@ -360,7 +372,6 @@ class Schedules:
                 due, following, now=now, previous_active=previous_active, grace=grace, max_starts=max_starts,
                 buffer_poll=buffer_poll)
             events: list[ScheduleEvent] = []
-            request = Request()
             started, buffered, missed, skipped, last_missed, reason = 0, 0, 0, 0, None, None
             for slot in plan.start:
                 run_id, refused = self._start_slot(conn, now, row, slot, "cron", "cron", request)

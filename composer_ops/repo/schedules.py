@@ -14,7 +14,7 @@ from datetime import datetime
 from typing import Any
 
 from composer_ops.core.model import ACTIVE_RUN_STATUSES
-from composer_ops.errors import Conflict
+from composer_ops.errors import Conflict, LockTimeout
 from composer_ops.repo._base import Conn, fetch_all, fetch_one, jsonb, sql_states
 
 
@@ -113,13 +113,34 @@ def due(conn: Conn, now: datetime, limit: int) -> list[str]:
     return [r[0] for r in rows]
 
 
-def lock_due(conn: Conn, schedule_id: str, now: datetime) -> ScheduleRow | None:
+def lock_due(conn: Conn, schedule_id: str, now: datetime, *, wait_s: float | None = None) -> ScheduleRow | None:
     """Lock the schedule if it is still due at ``now``; None when it is not (another
-    coordinator decided it) or another transaction holds it (one is deciding it now)."""
-    return fetch_one(conn, ScheduleRow, f"""
-        SELECT {_COLUMNS} FROM schedules
-         WHERE id = %s AND wake_at <= %s AND NOT paused AND deleted_at IS NULL
-           FOR UPDATE SKIP LOCKED""", (schedule_id, now))
+    coordinator decided it) or another transaction holds it (one is deciding it now).
+
+    ``wait_s``: wait up to that many seconds for a transaction holding the row, rather
+    than skip it at once (then the row is judged again once that transaction ended):
+    a pass retried after its connection was cut, whose lost attempt's session may still
+    hold the lock until the server notices the cut. Still held after ``wait_s``: None,
+    the caller's transaction usable (the wait is in a savepoint)."""
+    if wait_s is None:
+        return fetch_one(conn, ScheduleRow, f"""
+            SELECT {_COLUMNS} FROM schedules
+             WHERE id = %s AND wake_at <= %s AND NOT paused AND deleted_at IS NULL
+               FOR UPDATE SKIP LOCKED""", (schedule_id, now))
+    try:
+        with conn.transaction():
+            row = conn.execute("SELECT current_setting('lock_timeout'), "
+                               "set_config('lock_timeout', %s, true)",
+                               (f"{max(1, round(wait_s * 1000))}ms",)).fetchone()
+            assert row is not None
+            found = fetch_one(conn, ScheduleRow, f"""
+                SELECT {_COLUMNS} FROM schedules
+                 WHERE id = %s AND wake_at <= %s AND NOT paused AND deleted_at IS NULL
+                   FOR UPDATE""", (schedule_id, now))
+            conn.execute("SELECT set_config('lock_timeout', %s, true)", (row[0],))
+            return found
+    except LockTimeout:
+        return None
 
 
 def advance(conn: Conn, schedule_id: str, *, next_slot_at: datetime | None, wake_at: datetime | None,

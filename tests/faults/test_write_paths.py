@@ -11,8 +11,12 @@ up, the operation, and its check. ``test_write_path`` sweeps every row.
 
 from __future__ import annotations
 
+import contextlib
+import os
 import re
+import signal
 import tempfile
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -36,6 +40,7 @@ from composer_ops.repo import outbox, partitions
 from composer_ops.repo.archive import DETACHED_SCHEMA
 from composer_ops.repo.partitions import RUN_TABLES
 from composer_ops.repo.rows import Claim
+from composer_ops.testing.faultproxy import Fault
 from composer_ops.testing.servers import Server
 from tests.chaos.hook import Hook
 from tests.faults.harness import FULL, Bench, Result, bench, expire_leases, make_due, sweep
@@ -1100,3 +1105,46 @@ def test_write_path(b: Rig, path: WritePath) -> None:
     sweep(b, path.name, setup=partial(path.setup, b), act=partial(path.act, b), check=partial(path.check, b),
           every_request=path.every_request,
           settle=partial(path.settle, b) if path.settle is not None else None).assert_clean()
+
+
+def test_schedules_pass_retry_waits_for_its_lost_attempts_lock(b: Rig) -> None:
+    """A pass whose connection is cut mid-transaction is retried at once; the server may
+    not yet have ended the cut session, which still holds the schedule's row lock (a
+    loaded machine: the sweep's one failure, 'runs [] for 3 slots' with the cursor where
+    it was). The retry must wait for that lock, not skip the schedule as if another
+    coordinator were deciding it, nor leave it to a later pass that the lock may skip too.
+    The cut session is stopped (SIGSTOP) until a second after the cut to make it so."""
+    name = _schedule(b, due_hours=2)
+    with b.engine.pool.connection() as conn:
+        pid = conn.info.backend_pid
+    fire = b.proxy._fire
+    timers: list[threading.Timer] = []
+
+    def stop_then_fire(pipe: Any, req: Any) -> None:
+        os.kill(pid, signal.SIGSTOP)       # the session cannot see its client go
+        timer = threading.Timer(1.5, os.kill, (pid, signal.SIGCONT))
+        timers.append(timer)
+        timer.start()
+        fire(pipe, req)
+
+    applies = iter(range(1, 100))
+    b.proxy._fire = stop_then_fire  # type: ignore[method-assign]
+    try:
+        b.proxy.reset()
+        b.proxy.arm(Fault.LOSE_ACK, match=lambda r: "composer_apply" in r.text and next(applies) == 2)
+        stats = b.engine.coordinator().run_once(["schedules"])
+        fired = b.proxy.fired
+        b.proxy.disarm()
+        sid, cursor = b.sql("SELECT id, next_slot_at FROM schedules WHERE name = %s", (name,))[0]
+        fired_runs = _schedule_runs(b, name)
+    finally:
+        b.proxy._fire = fire  # type: ignore[method-assign]
+        for timer in timers:
+            timer.join()
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGCONT)    # the session ended once it was let run
+    assert fired is not None and "composer_apply" in fired.text
+    assert stats.schedule_runs_started == 3 and not stats.errors, stats
+    assert len(fired_runs) == 3 and all(datetime.fromisoformat(s) < cursor for _, _, s in fired_runs), \
+        (fired_runs, cursor)
+    assert b.sql("SELECT count(*) FROM schedule_events WHERE schedule_id = %s AND kind = 'started'", (sid,)) == [(3,)]
