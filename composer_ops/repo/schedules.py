@@ -122,21 +122,19 @@ def lock_due(conn: Conn, schedule_id: str, now: datetime, *, wait_s: float | Non
     a pass retried after its connection was cut, whose lost attempt's session may still
     hold the lock until the server notices the cut. Still held after ``wait_s``: None,
     the caller's transaction usable (the wait is in a savepoint)."""
+    query = f"""
+        SELECT {_COLUMNS} FROM schedules
+         WHERE id = %s AND wake_at <= %s AND NOT paused AND deleted_at IS NULL
+           FOR UPDATE{" SKIP LOCKED" if wait_s is None else ""}"""
     if wait_s is None:
-        return fetch_one(conn, ScheduleRow, f"""
-            SELECT {_COLUMNS} FROM schedules
-             WHERE id = %s AND wake_at <= %s AND NOT paused AND deleted_at IS NULL
-               FOR UPDATE SKIP LOCKED""", (schedule_id, now))
+        return fetch_one(conn, ScheduleRow, query, (schedule_id, now))
     try:
         with conn.transaction():
             row = conn.execute("SELECT current_setting('lock_timeout'), "
                                "set_config('lock_timeout', %s, true)",
                                (f"{max(1, round(wait_s * 1000))}ms",)).fetchone()
             assert row is not None
-            found = fetch_one(conn, ScheduleRow, f"""
-                SELECT {_COLUMNS} FROM schedules
-                 WHERE id = %s AND wake_at <= %s AND NOT paused AND deleted_at IS NULL
-                   FOR UPDATE""", (schedule_id, now))
+            found = fetch_one(conn, ScheduleRow, query, (schedule_id, now))
             conn.execute("SELECT set_config('lock_timeout', %s, true)", (row[0],))
             return found
     except LockTimeout:
