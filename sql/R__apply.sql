@@ -89,12 +89,11 @@ BEGIN
             RAISE EXCEPTION 'run %% finished concurrently; the decision was rolled back', p_run USING ERRCODE = 'CO409';
         END IF;
         IF p_doc->'finish' ? 'webhook' THEN
+            -- A run finished again (retried) gets a new delivery, under a new ID: the row
+            -- of its earlier finish goes first (Citus refuses a new ID in an upsert's SET).
+            DELETE FROM webhook_deliveries WHERE run_id = p_run;
             INSERT INTO webhook_deliveries (run_id, url, payload, next_attempt_at, created_at)
-            VALUES (p_run, p_doc->'finish'->'webhook'->>'url', p_doc->'finish'->'webhook'->'payload', p_at, p_at)
-            ON CONFLICT (run_id) DO UPDATE
-               SET id = DEFAULT, url = EXCLUDED.url, payload = EXCLUDED.payload, attempts = 0,
-                   next_attempt_at = EXCLUDED.next_attempt_at, delivered_at = NULL, gave_up_at = NULL,
-                   last_status = NULL, last_error = NULL, created_at = EXCLUDED.created_at;
+            VALUES (p_run, p_doc->'finish'->'webhook'->>'url', p_doc->'finish'->'webhook'->'payload', p_at, p_at);
         END IF;
     END IF;
 END;
@@ -182,16 +181,19 @@ REVOKE ALL ON FUNCTION composer_apply_month(TEXT, BOOLEAN) FROM PUBLIC;
 CREATE OR REPLACE FUNCTION composer_apply(doc JSONB) RETURNS JSONB
 LANGUAGE plpgsql AS $$
 DECLARE
-    at_now TIMESTAMPTZ := now();
-    shift INTERVAL := now() - (doc->>'at')::timestamptz;
+    -- exact: 'at' was read in this transaction: it is the clock.
+    at_now TIMESTAMPTZ := CASE WHEN (doc->>'exact')::boolean THEN (doc->>'at')::timestamptz ELSE now() END;
+    shift INTERVAL := at_now - (doc->>'at')::timestamptz;
     v_run TEXT := doc->>'run_id';
     v_start JSONB := doc->'start';
     v_month TEXT;
     v_minted TIMESTAMPTZ;
     v_def RECORD;
     v_rows INT;
-    v_missing TEXT;
     v_outbox JSONB := doc->'outbox';
+    v_task RECORD;
+    v_entry JSONB;
+    v_branches TEXT[];
 BEGIN
     IF v_start IS NOT NULL THEN
         v_month := composer_run_month(v_run);
@@ -243,39 +245,39 @@ BEGIN
         END IF;
     END IF;
 
-    IF jsonb_array_length(COALESCE(doc->'tasks', '[]')) > 0 THEN
-        WITH ins AS (
-            INSERT INTO task_instances
-                   (id, run_id, node_id, node_type, queue, state, input_json, output_json, last_error,
-                    branches, wake_at, signal_name, items_total, items_started, items_done, items_failed,
-                    scheduled_at, finished_at, completed_at, created_at, updated_at)
-            SELECT r.id, v_run, r.node, r.type, r.queue, r.state, r.input, r.output, r.error,
-                   CASE WHEN r.branches IS NOT NULL THEN ARRAY(SELECT jsonb_array_elements_text(r.branches)) END,
-                   r.wake + shift, r.signal, r.total, r.started, CASE WHEN r.total IS NOT NULL THEN 0 END,
-                   CASE WHEN r.total IS NOT NULL THEN 0 END, at_now,
-                   CASE WHEN r.state IN ('COMPLETED', 'FAILED', 'SKIPPED', 'CANCELLED') THEN at_now END,
-                   CASE WHEN r.state = 'COMPLETED' THEN at_now END, at_now, at_now
-              FROM jsonb_to_recordset(doc->'tasks')
-                   AS r(id text, node text, type text, queue text, state text, input jsonb, output jsonb,
-                        error jsonb, branches jsonb, wake timestamptz, signal text, total int, started int)
-            ON CONFLICT (run_id, node_id) WHERE item_index IS NULL DO NOTHING
-            RETURNING node_id)
-        SELECT min(r.node) INTO v_missing
-          FROM jsonb_to_recordset(doc->'tasks') AS r(node text)
-         WHERE r.node NOT IN (SELECT node_id FROM ins);
-        IF v_missing IS NOT NULL THEN
+    -- One INSERT ... VALUES per row, naming the run: each routed to the run's shard on
+    -- Citus (an INSERT ... SELECT from the document is planned through the coordinator
+    -- and committed with two-phase commit, docs/scaling.md).
+    FOR v_task IN SELECT * FROM jsonb_to_recordset(COALESCE(doc->'tasks', '[]'))
+                  AS r(id text, node text, type text, queue text, state text, input jsonb, output jsonb,
+                       error jsonb, branches jsonb, wake timestamptz, signal text, total int, started int) LOOP
+        v_branches := CASE WHEN v_task.branches IS NOT NULL
+                           THEN ARRAY(SELECT jsonb_array_elements_text(v_task.branches)) END;
+        INSERT INTO task_instances
+               (id, run_id, node_id, node_type, queue, state, input_json, output_json, last_error,
+                branches, wake_at, signal_name, items_total, items_started, items_done, items_failed,
+                scheduled_at, finished_at, completed_at, created_at, updated_at)
+        VALUES (v_task.id, v_run, v_task.node, v_task.type, v_task.queue, v_task.state, v_task.input, v_task.output,
+                v_task.error,
+                v_branches,
+                v_task.wake + shift, v_task.signal, v_task.total, v_task.started,
+                CASE WHEN v_task.total IS NOT NULL THEN 0 END, CASE WHEN v_task.total IS NOT NULL THEN 0 END, at_now,
+                CASE WHEN v_task.state IN ('COMPLETED', 'FAILED', 'SKIPPED', 'CANCELLED') THEN at_now END,
+                CASE WHEN v_task.state = 'COMPLETED' THEN at_now END, at_now, at_now)
+        ON CONFLICT (run_id, node_id) WHERE item_index IS NULL DO NOTHING;
+        GET DIAGNOSTICS v_rows = ROW_COUNT;
+        IF v_rows = 0 THEN
             RAISE EXCEPTION 'run %: node % already has a task; the decision was based on a stale snapshot and was rolled back',
-                v_run, v_missing USING ERRCODE = 'unique_violation';
+                v_run, v_task.node USING ERRCODE = 'unique_violation';
         END IF;
-    END IF;
+    END LOOP;
 
-    IF jsonb_array_length(COALESCE(doc->'history', '[]')) > 0 THEN
+    FOR v_entry IN SELECT e.o FROM jsonb_array_elements(COALESCE(doc->'history', '[]')) WITH ORDINALITY AS e(o, i)
+                    ORDER BY e.i LOOP
         INSERT INTO run_history (run_id, at, kind, node_id, task_id, attempt, worker, request, detail)
-        SELECT v_run, at_now, e.o->>'k', e.o->>'n', e.o->>'t', (e.o->>'a')::int4, e.o->>'w', doc->>'request',
-               e.o->'d'
-          FROM jsonb_array_elements(doc->'history') WITH ORDINALITY AS e(o, i)
-         ORDER BY e.i;
-    END IF;
+        VALUES (v_run, at_now, v_entry->>'k', v_entry->>'n', v_entry->>'t', (v_entry->>'a')::int4, v_entry->>'w',
+                doc->>'request', v_entry->'d');
+    END LOOP;
 
     IF jsonb_array_length(COALESCE(v_outbox, '[]')) > 0 THEN
         IF shift <> interval '0' THEN
@@ -287,5 +289,20 @@ BEGIN
         PERFORM composer_enqueue(v_outbox, at_now);
     END IF;
     RETURN jsonb_build_object('status', 'ok', 'now', at_now);
+END;
+$$;
+
+-- The event's one write, by its run: composer_apply(doc) for doc's run p_run. What the
+-- engine calls (composer_ops/repo/writes.py). The run ID as an argument of its own is
+-- what would let Citus delegate the call to the run's node; it is not delegated
+-- (sql/citus/R__apply_on.sql says why).
+CREATE OR REPLACE FUNCTION composer_apply_on(p_run TEXT, doc JSONB) RETURNS JSONB
+LANGUAGE plpgsql AS $$
+BEGIN
+    IF p_run IS DISTINCT FROM doc->>'run_id' THEN
+        RAISE EXCEPTION 'composer_apply_on: run % does not match the document''s run %', p_run, doc->>'run_id'
+            USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+    RETURN composer_apply(doc);
 END;
 $$;

@@ -150,7 +150,7 @@ LANGUAGE plpgsql
 AS $$
 DECLARE
     ready CURSOR FOR
-        SELECT o.id, o.ckey, o.climit, o.rkey, o.rate_per_s, o.rate_burst
+        SELECT o.id, o.run_id, o.ckey, o.climit, o.rkey, o.rate_per_s, o.rate_burst
           FROM task_outbox o
          WHERE o.queue = ANY(p_queues) AND o.available_at <= now()
            AND (p_names IS NULL OR o.task_name = ANY(p_names))
@@ -169,7 +169,9 @@ BEGIN
         IF r.ckey IS NOT NULL OR r.rkey IS NOT NULL THEN
             CONTINUE WHEN NOT composer_flow_admit(r.ckey, r.climit, r.rkey, r.rate_per_s, r.rate_burst);
         END IF;
-        PERFORM 1 FROM task_outbox o WHERE o.id = r.id AND o.available_at <= now() FOR UPDATE SKIP LOCKED;
+        -- By run ID too: on Citus that routes the lock to the row's shard.
+        PERFORM 1 FROM task_outbox o WHERE o.run_id = r.run_id AND o.id = r.id AND o.available_at <= now()
+            FOR UPDATE SKIP LOCKED;
         CONTINUE WHEN NOT FOUND;
         IF r.ckey IS NOT NULL OR r.rkey IS NOT NULL THEN
             PERFORM composer_flow_take(r.ckey, r.rkey, r.rate_per_s, r.rate_burst);

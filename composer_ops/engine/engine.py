@@ -62,6 +62,8 @@ class Engine:
         self.url = url
         self.shell = Shell(pool)
         self.schedules = Schedules(self)
+        self._stream_keys: list[str] = []
+        self._stream_next = 0
 
     def _on_citus(self, conn: Any) -> bool:
         """Whether the database is a Citus coordinator (:meth:`Shell.on_citus`, asked
@@ -346,32 +348,81 @@ class Engine:
         with self.pool.connection() as conn:
             with autocommit(conn):
                 on_citus = self._on_citus(conn)
-                if not look and not on_citus:
+                if on_citus:
+                    if look:
+                        return self._claim_streams_again(conn, queues, owner, limit, task_names, request.id)
+                    return self._claim_streams(conn, queues, owner, limit, task_names, request.id)
+                if not look:
                     return outbox.claim(conn, queues, owner, limit, task_names=task_names, claim_id=request.id,
                                         wake=wake, room=room, seen=seen)
             with conn.transaction():
-                if look:
-                    # Lock, then look: the attempt retried may still be executing or
-                    # committing on the server; it holds this lock until it is done.
-                    outbox.lock_claim(conn, request.id)
-                    earlier = outbox.claimed_by(conn, owner, request.id)
-                    # An earlier attempt whose statement has not reached the server yet
-                    # holds no lock: the fence, committed with this attempt, makes it
-                    # claim nothing when it does (after this attempt's own claim below,
-                    # which the fence must not stop).
-                    if earlier:
-                        outbox.fence_claim(conn, request.id)
-                        log.info("claim %s by %s was committed before its acknowledgement was lost: %d task(s)",
-                                 request.id, owner, len(earlier), extra={"action": "claim"})
-                        return earlier
-                if on_citus:
-                    claims = citus.claim(conn, queues, owner, limit, task_names=task_names, claim_id=request.id)
-                else:
-                    claims = outbox.claim(conn, queues, owner, limit, task_names=task_names, claim_id=request.id,
-                                          wake=wake, room=room, seen=seen)
-                if look:
+                # Lock, then look: the attempt retried may still be executing or
+                # committing on the server; it holds this lock until it is done.
+                outbox.lock_claim(conn, request.id)
+                earlier = outbox.claimed_by(conn, owner, request.id)
+                # An earlier attempt whose statement has not reached the server yet
+                # holds no lock: the fence, committed with this attempt, makes it
+                # claim nothing when it does (after this attempt's own claim below,
+                # which the fence must not stop).
+                if earlier:
                     outbox.fence_claim(conn, request.id)
+                    log.info("claim %s by %s was committed before its acknowledgement was lost: %d task(s)",
+                             request.id, owner, len(earlier), extra={"action": "claim"})
+                    return earlier
+                claims = outbox.claim(conn, queues, owner, limit, task_names=task_names, claim_id=request.id,
+                                      wake=wake, room=room, seen=seen)
+                outbox.fence_claim(conn, request.id)
                 return claims
+
+    def _keys(self, conn: Any) -> list[str]:
+        """The stream keys, one per node (:func:`citus.stream_keys`), found once."""
+        if not self._stream_keys:
+            self._stream_keys = citus.stream_keys(conn)
+        return self._stream_keys
+
+    def _claim_streams_again(self, conn: Any, queues: Sequence[str], owner: str, limit: int,
+                             task_names: Sequence[str] | None, claim_id: str) -> list[Claim]:
+        """On Citus, a claim retried: the lost attempt ran node by node, each call under
+        its node's lock. Lock and fence the ID on every node (an attempt still running
+        there is waited for, one arriving later claims nothing), then on the
+        coordinator (its flow-controlled claim); only then look, over the nodes, for the
+        tasks the ID took that ``owner`` still holds, and return them. When it took
+        none, claim under the same ID, past the fences (``retry``)."""
+        for key in self._keys(conn):
+            citus.claim_on_node(conn, key, queues, owner, 0, task_names, claim_id=claim_id, retry=True)
+        with conn.transaction():
+            outbox.lock_claim(conn, claim_id)
+            outbox.fence_claim(conn, claim_id)
+            earlier = outbox.claimed_by(conn, owner, claim_id)
+        if earlier:
+            log.info("claim %s by %s was committed before its acknowledgement was lost: %d task(s)",
+                     claim_id, owner, len(earlier), extra={"action": "claim"})
+            return earlier
+        return self._claim_streams(conn, queues, owner, limit, task_names, claim_id, retry=True)
+
+    def _claim_streams(self, conn: Any, queues: Sequence[str], owner: str, limit: int,
+                       task_names: Sequence[str] | None, claim_id: str, *, retry: bool = False) -> list[Claim]:
+        """On Citus: claim node by node (:func:`citus.claim_on_node`), starting at the
+        node after the one this engine started at last time, until ``limit`` is reached
+        or every node was asked once."""
+        keys = self._keys(conn)
+        self._stream_next = (self._stream_next + 1) % max(1, len(keys))
+        claims: list[Claim] = []
+        flow = False
+        for i in range(len(keys)):
+            key = keys[(self._stream_next + i) % len(keys)]
+            got, limited = citus.claim_on_node(conn, key, queues, owner, limit - len(claims), task_names,
+                                               claim_id=claim_id, retry=retry)
+            claims += got
+            flow = flow or limited
+            if len(claims) >= limit:
+                break
+        if flow and len(claims) < limit:
+            # Rows under a limit: the coordinator's claim, with the flow tables there.
+            with conn.transaction():
+                claims += citus.claim(conn, queues, owner, limit - len(claims), task_names=task_names,
+                                      claim_id=claim_id, retry=retry)
+        return claims
 
     @db_retry()
     def register_idle(self, queues: Sequence[str], owner: str, task_names: Sequence[str] | None, *, wake: str,

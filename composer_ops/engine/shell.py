@@ -270,16 +270,18 @@ class Shell:
         the transaction's own clock, read first: those writes are not moved to it
         (sql/R__apply.sql)."""
         snapshot, event, decision = decided
-        if not creates_only(decision):
+        exact = not creates_only(decision)
+        if exact:
             event = StartRun(now=clock.now(conn))
             decision = decide(snapshot, event, NOTHING_YET, uuid7_text)
-        return self.apply_sending(conn, snapshot, decision, event=event, request=request, start=start)[1]
+        return self.apply_sending(conn, snapshot, decision, event=event, request=request, start=start,
+                                  exact=exact)[1]
 
     # -- applying actions --------------------------------------------------
 
     def apply_sending(self, conn: Conn, run: RunSnapshot, decision: Decision, *, event: Event,
-                      request: Request, start: writes.NewRun | None = None, commit: bool = False
-                      ) -> tuple[Outcome, writes.Pending | None]:
+                      request: Request, start: writes.NewRun | None = None, commit: bool = False,
+                      exact: bool | None = None) -> tuple[Outcome, writes.Pending | None]:
         """Write the decision's actions in order, and the event's history; raise (rolling
         back) on a fence miss. ``start``: insert the run first. Returns the outcome and
         the event's one write (``composer_apply``, :mod:`composer_ops.repo.writes`)
@@ -299,6 +301,8 @@ class Shell:
         resolved: list[writes.Resolve] = []   # waiting tasks resolved, likewise
         finish: writes.Finish | None = None
         now = event.now            # the event's one instant (repo.clock), for every write below
+        if exact is None:          # decided under the run lock, with this transaction's clock
+            exact = start is None
         notes = EventNotes(event, decision, request)
         finished: RunStatus | None = None
         created: str | None = None            # the node of the last CreateTask (a ConsumeSignal follows it)
@@ -323,7 +327,7 @@ class Shell:
                 # what the one statement would write goes first: this action may touch it
                 writes.send(conn, writes.document(at=now, run_id=run.id, request=request.id, start=start,
                                                   done=done, failed=failed, resolved=resolved, finish=finish,
-                                                  tasks=new_rows)).result()
+                                                  tasks=new_rows, exact=exact)).result()
                 start, new_rows, done, failed, resolved, finish = None, [], [], [], [], None
             if isinstance(action, CompleteTask):
                 done.append(writes.Done(ref=action.ref, output=action.output,
@@ -389,13 +393,21 @@ class Shell:
                 or finish is not None:
             doc = writes.document(at=now, run_id=run.id, request=request.id, start=start, done=done, failed=failed,
                                   resolved=resolved, finish=finish, tasks=new_rows, history=entries,
-                                  outbox=dispatches)
+                                  outbox=dispatches, exact=exact)
+            # On Citus no worker registers to be woken (sql/citus/R__dispatch.sql): the
+            # shared channel is notified here, in the same transaction (delivered at its
+            # commit, not at all if it rolls back).
+            woken = sorted({d.queue for d in dispatches}) if dispatches and self.on_citus(conn) else []
             if commit and not later and not tell:
                 with conn.pipeline():        # the one statement and COMMIT in one round trip
                     sent = writes.send(conn, doc)
+                    if woken:
+                        outbox.announce(conn, woken)
                     send_commit(conn)
             else:
                 sent = writes.send(conn, doc)
+                if woken:
+                    outbox.announce(conn, woken)
                 if start is not None and (later or tell):
                     sent.result()         # refused: before the children or the parent hear of this run
         if finished is not None:

@@ -264,7 +264,7 @@ def _outcome(future: Future[PostResult]) -> PostResult:
 @db_retry()
 def _claim(pool: Any, policy: RelayPolicy) -> list[WebhookDelivery]:
     with pool.connection() as conn, conn.transaction():
-        return webhooks.claim_due(conn, policy.batch, policy.lease)
+        return sorted(webhooks.claim_due(conn, policy.batch, policy.lease), key=lambda d: d.id)
 
 
 @db_retry()
@@ -272,13 +272,14 @@ def _record(pool: Any, ended: list[tuple[WebhookDelivery, PostResult]], policy: 
     with pool.connection() as conn, conn.transaction():
         for item, result in ended:
             if result.error is None:
-                webhooks.mark_delivered(conn, item.id, result.status or 200)
+                webhooks.mark_delivered(conn, item.run_id, item.id, result.status or 200)
             else:
-                _record_failure(conn, item.id, item.attempts, result, policy)
+                _record_failure(conn, item.run_id, item.id, item.attempts, result, policy)
 
 
-def _record_failure(conn: Conn, delivery_id: int, attempts: int, result: PostResult, policy: RelayPolicy) -> None:
+def _record_failure(conn: Conn, run_id: str, delivery_id: int, attempts: int, result: PostResult,
+                    policy: RelayPolicy) -> None:
     retry_in = None if result.permanent or attempts >= policy.max_attempts else min(
         policy.max_backoff_s, policy.initial_backoff_s * 2 ** (attempts - 1))
-    webhooks.mark_failed(conn, delivery_id, status=result.status, error=result.error or "failed",
+    webhooks.mark_failed(conn, run_id, delivery_id, status=result.status, error=result.error or "failed",
                          retry_in_s=retry_in)

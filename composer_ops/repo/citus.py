@@ -37,9 +37,9 @@ def is_citus(conn: Conn) -> bool:
 # claim's order, locked, those with a concurrency key or a rate limit taken only when
 # composer_flow_admit says so; a key at its limit skips its rows and the walk goes on behind
 # them; a paused queue is not in the array it walks. A claim ID fenced by its retry picks
-# nothing (a limit of 0). When the pick comes short, its second part names the keys the
-# function counted at their limit in this transaction, to be checked (citus_flow.held);
-# a full pick does not pay for that scan.
+# nothing (a limit of 0), unless this is that retry (%(retry)s). When the pick comes
+# short, its second part names the keys the function counted at their limit in this
+# transaction, to be checked (citus_flow.held); a full pick does not pay for that scan.
 _PICK = """
     WITH open AS (
         SELECT ARRAY(SELECT w.q FROM unnest(%(queues)s::text[]) AS w(q) LEFT JOIN queue_settings s ON s.queue = w.q
@@ -48,22 +48,26 @@ _PICK = """
     ), chosen AS MATERIALIZED (
         SELECT p.id, p.n
           FROM composer_pick((SELECT queues FROM open)::text[], %(names)s::text[],
-                             CASE WHEN EXISTS (SELECT 1 FROM claim_fences f WHERE f.claim = %(claim)s) THEN 0
+                             CASE WHEN NOT %(retry)s AND EXISTS (SELECT 1 FROM claim_fences f WHERE f.claim = %(claim)s)
+                                  THEN 0
                                   ELSE %(limit)s END,
                              %(taken)s::bigint[]) WITH ORDINALITY AS p(id, n)
     ), picked AS MATERIALIZED (
         SELECT o.id, o.run_id, o.task_id, o.attempt, o.task_name, LEAST(o.lease_s, o.max_run_s) AS lease_s, o.queue,
                o.max_run_s, o.ckey
           FROM task_outbox o JOIN chosen c ON c.id = o.id
-         ORDER BY c.n)
+         ORDER BY c.n
+    ), keyed AS MATERIALIZED (        -- read on the shards; judged below, on the coordinator
+        SELECT DISTINCT ckey, climit
+          FROM task_outbox
+         WHERE queue = ANY((SELECT queues FROM open)::text[]) AND available_at <= now() AND ckey IS NOT NULL
+           AND (%(names)s::text[] IS NULL OR task_name = ANY(%(names)s::text[])))
     SELECT id, run_id, task_id, attempt, task_name, lease_s, queue, max_run_s, ckey FROM picked
     UNION ALL
-    SELECT DISTINCT NULL::bigint, NULL, NULL, NULL::int, NULL, NULL::int, NULL, NULL::int, ckey
-      FROM task_outbox
+    SELECT DISTINCT NULL::bigint, NULL, NULL, NULL::int, NULL, NULL::int, NULL, NULL::int, k.ckey
+      FROM keyed k
      WHERE (SELECT count(*) FROM picked) < %(limit)s
-       AND queue = ANY((SELECT queues FROM open)::text[]) AND available_at <= now() AND ckey IS NOT NULL
-       AND (%(names)s::text[] IS NULL OR task_name = ANY(%(names)s::text[]))
-       AND NULLIF(current_setting('composer_flow.c' || md5(ckey), true), '')::int >= climit"""
+       AND NULLIF(current_setting('composer_flow.c' || md5(k.ckey), true), '')::int >= k.climit"""
 
 # The attempt of a task row as this statement sees it (no row: not visible yet), routed
 # to its shard; sent before the claim of the same task. In READ COMMITTED each statement
@@ -107,9 +111,10 @@ _CLAIM_ONE = """
 class _Picks:
     """The outbox rows a claim locked so far, and the keys its picks found at their limit."""
 
-    def __init__(self, conn: Conn, queues: Sequence[str], names: Sequence[str] | None, claim_id: str) -> None:
+    def __init__(self, conn: Conn, queues: Sequence[str], names: Sequence[str] | None, claim_id: str,
+                 retry: bool) -> None:
         self.conn = conn
-        self.params: dict[str, Any] = {"queues": list(queues), "claim": claim_id,
+        self.params: dict[str, Any] = {"queues": list(queues), "claim": claim_id, "retry": retry,
                                        "names": list(names) if names is not None else None}
         self.rows: list[dict[str, Any]] = []
         self.limited: set[int] = set()          # IDs of the rows taken under a queue limit
@@ -151,7 +156,7 @@ def _pick_limited(picks: _Picks, limited: Sequence[tuple[str, int]], rooms: dict
 
 
 def claim(conn: Conn, queues: Sequence[str], owner: str, limit: int,
-          task_names: Sequence[str] | None = None, *, claim_id: str) -> list[Claim]:
+          task_names: Sequence[str] | None = None, *, claim_id: str, retry: bool = False) -> list[Claim]:
     """:func:`composer_ops.repo.outbox.claim` on Citus, in the caller's transaction:
     lock up to ``limit`` available outbox rows (FOR UPDATE SKIP LOCKED, on the
     coordinator), claim each task on its shard (fenced on attempt and state, skipping
@@ -162,7 +167,8 @@ def claim(conn: Conn, queues: Sequence[str], owner: str, limit: int,
     the rows behind it are picked meanwhile. Its first statement takes the claim's
     advisory lock (:func:`~composer_ops.repo.outbox.lock_claim`, on the coordinator), so
     a retry of the claim waits for it; a claim ID its retry fenced off picks nothing
-    (:func:`~composer_ops.repo.outbox.fence_claim`). Three round trips without limits;
+    (:func:`~composer_ops.repo.outbox.fence_claim`) unless ``retry`` (the retry's own
+    claim, after it fenced the ID). Three round trips without limits;
     the clock is read once, on the coordinator.
 
     Flow control as on a single server (sql/R__claim.sql): a paused queue gives nothing;
@@ -173,12 +179,12 @@ def claim(conn: Conn, queues: Sequence[str], owner: str, limit: int,
     (:mod:`composer_ops.repo.citus_flow`): a queue at its limit has its slots checked
     before its pick, and when keys were at their limit and the claim came short, their
     slots are checked and the queues picked once more (a few round trips, only then)."""
-    picks = _Picks(conn, queues, task_names, claim_id)
+    picks = _Picks(conn, queues, task_names, claim_id, retry)
     with conn.cursor() as clock_cur, conn.cursor() as limited_cur, conn.cursor(row_factory=dict_row) as pick:
         with conn.pipeline():
             lock_claim(conn, claim_id)          # first, as the single-server claim (sql/R__claim.sql)
             clock_cur.execute(clock.NOW)
-            limited_cur.execute(citus_flow.LIMITED, {"queues": list(queues), "claim": claim_id})
+            limited_cur.execute(citus_flow.LIMITED, {"queues": list(queues), "claim": claim_id, "retry": retry})
             pick.execute(_PICK, picks.statement(queues, limit, limited=False))
         now_row = clock_cur.fetchone()
         limited = [(str(q), int(n)) for q, n in limited_cur.fetchall()]
@@ -239,3 +245,41 @@ def claim(conn: Conn, queues: Sequence[str], owner: str, limit: int,
         if slots:
             conn.execute(*citus_flow.take_statement(slots))
     return claims
+
+
+# One distribution value per worker node that holds outbox shards: the key a claim
+# passes to composer_claim_node (sql/citus/R__claim_node.sql) so that Citus delegates
+# the call to that node. Found by hashing candidate keys until every node has one.
+_STREAM_KEYS = """
+    SELECT DISTINCT ON (p.groupid) s.k
+      FROM generate_series(0, 4095) AS i,
+           LATERAL (SELECT 'stream-' || i AS k) AS s,
+           LATERAL (SELECT get_shard_id_for_distribution_column('task_outbox', s.k) AS shardid) AS x
+      JOIN pg_dist_placement p ON p.shardid = x.shardid
+     WHERE p.groupid IN (SELECT DISTINCT pl.groupid FROM pg_dist_shard sh JOIN pg_dist_placement pl USING (shardid)
+                          WHERE sh.logicalrelid = 'task_outbox'::regclass)
+     ORDER BY p.groupid, i"""
+
+
+def stream_keys(conn: Conn) -> list[str]:
+    """One key per node holding outbox shards (see :data:`_STREAM_KEYS`)."""
+    return [str(r[0]) for r in conn.execute(_STREAM_KEYS).fetchall()]
+
+
+_CLAIM_NODE = "SELECT * FROM composer_claim_node(%s, %s, %s, %s, %s, %s, %s)"
+
+
+def claim_on_node(conn: Conn, key: str, queues: Sequence[str], owner: str, limit: int,
+                  task_names: Sequence[str] | None, *, claim_id: str, retry: bool = False
+                  ) -> tuple[list[Claim], bool]:
+    """Claim up to ``limit`` tasks from the outbox shards of the node ``key`` hashes to:
+    one statement, delegated to that node, in autocommit (a one-node transaction). The
+    flag: that node has ready rows only :func:`claim` takes (a limited queue's, or with a
+    concurrency key or a rate limit). A claim ID fenced on the node claims nothing there;
+    ``retry``: the call of the claim's retry, which fences the ID on the node under the
+    claim's lock first, then claims (``limit`` 0: only that)."""
+    with conn.cursor(row_factory=dict_row) as cur:
+        rows = cur.execute(_CLAIM_NODE, (key, list(queues), list(task_names) if task_names is not None else None,
+                                         owner, limit, claim_id, retry)).fetchall()
+    limited = any(row.pop("limited") for row in rows)
+    return [Claim(**row) for row in rows if row["run_id"] is not None], limited

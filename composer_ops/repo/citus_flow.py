@@ -38,11 +38,12 @@ from composer_ops.core.flow import slot_is_free
 from composer_ops.repo._base import Conn
 
 #: The queues of a claim with a limit, by name (the order every claim locks them in);
-#: none when the claim is fenced off (sql/V007), so a fenced claim takes no lock.
+#: none when the claim is fenced off (sql/V007) and is not its retry, so a fenced claim
+#: takes no lock.
 LIMITED = """
     SELECT queue, max_running FROM queue_settings
      WHERE queue = ANY(%(queues)s) AND NOT paused AND max_running > 0
-       AND NOT EXISTS (SELECT 1 FROM claim_fences f WHERE f.claim = %(claim)s)
+       AND (%(retry)s OR NOT EXISTS (SELECT 1 FROM claim_fences f WHERE f.claim = %(claim)s))
      ORDER BY queue"""
 
 # The queue's lock, held to the claim's end (as sql/R__claim.sql takes it): a racing claim

@@ -49,19 +49,16 @@ def entry_params(run_id: str, request: str, entry: HistoryEntry, *, now: datetim
 
 
 def record(conn: Conn, run_id: str, request: str, entries: Sequence[HistoryEntry], *, now: datetime) -> None:
-    """Append ``entries`` to the run's history at ``now``, in order, in one statement."""
+    """Append ``entries`` to the run's history at ``now``, in order: one ``INSERT ...
+    VALUES`` per row, pipelined (one round trip). Each names the run, so on Citus it is
+    routed to the run's node and the transaction commits there in one phase (an ``INSERT
+    ... SELECT`` is planned through the coordinator, docs/scaling.md)."""
     if not entries:
         return
-    conn.execute(f"""
-        INSERT INTO run_history ({_COLUMNS})
-        SELECT %(run)s, %(at)s, k, n, t, a, w, %(request)s, d
-          FROM unnest(%(kinds)s::text[], %(nodes)s::text[], %(tasks)s::text[], %(attempts)s::int4[],
-                      %(workers)s::text[], %(details)s::jsonb[]) WITH ORDINALITY AS e(k, n, t, a, w, d, i)
-         ORDER BY i""",
-        {"run": run_id, "at": now, "request": request, "kinds": [e.kind for e in entries],
-         "nodes": [e.node_id for e in entries], "tasks": [e.task_id for e in entries],
-         "attempts": [e.attempt for e in entries], "workers": [e.worker for e in entries],
-         "details": [jsonb(e.detail) for e in entries]})
+    with conn.cursor() as cur:
+        cur.executemany(f"INSERT INTO run_history ({_COLUMNS}) VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s)",
+                        [(run_id, now, e.kind, e.node_id, e.task_id, e.attempt, e.worker, request, jsonb(e.detail))
+                         for e in entries])
 
 
 def run_history(conn: Conn, run_id: str) -> list[HistoryRow]:

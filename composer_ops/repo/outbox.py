@@ -170,16 +170,23 @@ def take_unstarted(conn: Conn, run_id: str, task_id: str, attempt: int) -> int:
 
 def raise_waiting(conn: Conn, older_than_s: float) -> int:
     """Raise every dispatch ready for more than ``older_than_s`` (the database clock) and
-    below its queue's highest priority to that priority; rows a claim holds are skipped
-    (it is taking them). The priority aging of the coordinator's timer loop."""
+    below its queue's highest priority to that priority. The priority aging of the
+    coordinator's timer loop. A row a claim holds is waited for (briefly: the claim
+    deletes it, and then it is not raised); the same statement on Citus, where the
+    outbox is distributed and a statement over many shards cannot skip locked rows."""
     return conn.execute("""
-        WITH top AS (SELECT queue, max(priority) AS priority FROM task_outbox GROUP BY queue),
-             aged AS (SELECT o.id, top.priority FROM task_outbox o JOIN top ON top.queue = o.queue
-                       WHERE o.priority < top.priority
-                         AND o.available_at <= now() - make_interval(secs => %s)
-                         FOR UPDATE OF o SKIP LOCKED)
-        UPDATE task_outbox o SET priority = aged.priority FROM aged WHERE o.id = aged.id""",
+        UPDATE task_outbox o SET priority = top.priority
+          FROM (SELECT queue, max(priority) AS priority FROM task_outbox GROUP BY queue) top
+         WHERE top.queue = o.queue AND o.priority < top.priority
+           AND o.available_at <= now() - make_interval(secs => %s)""",
         (older_than_s,)).rowcount
+
+
+def announce(conn: Conn, queues: Sequence[str]) -> None:
+    """Notify the shared channel of ``queues``, in the caller's transaction (delivered at
+    its commit). On Citus, where a dispatch is written on its run's worker node by the
+    delegated ``composer_apply_on`` and a NOTIFY there reaches no worker."""
+    conn.execute("SELECT pg_notify(%s, q) FROM unnest(%s::text[]) AS u(q)", (CHANNEL, list(queues)))
 
 
 def delete_for_tasks(conn: Conn, run_id: str, task_ids: Sequence[str]) -> int:

@@ -10,34 +10,41 @@ def claim_due(conn: Conn, limit: int, lease_s: float) -> list[WebhookDelivery]:
     """Take up to ``limit`` due deliveries and push their next attempt ``lease_s``
     ahead, so another relay does not send them while this one is; if this relay
     dies the delivery is simply tried again after the lease (at least once). In the
-    order they were made (by ID): an UPDATE returns its rows in no defined order, and
-    the relay starts its POSTs in the order given."""
+    order they were made (by ID). Two statements, the same on a single server and on
+    Citus (where the deliveries are distributed by run ID and a statement over many
+    shards cannot lock rows): the due rows are read, then taken by an update that
+    checks again that each is due, so a relay that took one meanwhile (its update
+    waits for the other's to commit, then finds the row pushed ahead) skips it."""
+    due = conn.execute("""
+        SELECT run_id, id FROM webhook_deliveries
+         WHERE delivered_at IS NULL AND gave_up_at IS NULL AND next_attempt_at <= NOW()
+         ORDER BY next_attempt_at LIMIT %s""", (limit,)).fetchall()
+    if not due:
+        return []
     return fetch_all(conn, WebhookDelivery, """
-        WITH taken AS (
-            UPDATE webhook_deliveries d
-               SET next_attempt_at = NOW() + make_interval(secs => %s), attempts = d.attempts + 1
-              FROM (SELECT id FROM webhook_deliveries
-                     WHERE delivered_at IS NULL AND gave_up_at IS NULL AND next_attempt_at <= NOW()
-                     ORDER BY next_attempt_at LIMIT %s FOR UPDATE SKIP LOCKED) due
-             WHERE d.id = due.id
-            RETURNING d.id, d.run_id, d.url, d.payload, d.attempts)
-        SELECT id, run_id, url, payload, attempts FROM taken ORDER BY id""", (lease_s, limit))
+        UPDATE webhook_deliveries d
+           SET next_attempt_at = NOW() + make_interval(secs => %(lease)s), attempts = d.attempts + 1
+         WHERE d.run_id = ANY(%(runs)s) AND d.id = ANY(%(ids)s)
+           AND d.delivered_at IS NULL AND d.gave_up_at IS NULL AND d.next_attempt_at <= NOW()
+        RETURNING d.id, d.run_id, d.url, d.payload, d.attempts""",
+        {"lease": lease_s, "runs": [r[0] for r in due], "ids": [r[1] for r in due]})
 
 
-def mark_delivered(conn: Conn, delivery_id: int, status: int) -> None:
+def mark_delivered(conn: Conn, run_id: str, delivery_id: int, status: int) -> None:
     conn.execute("""UPDATE webhook_deliveries SET delivered_at = NOW(), last_status = %s, last_error = NULL
-                     WHERE id = %s""", (status, delivery_id))
+                     WHERE run_id = %s AND id = %s""", (status, run_id, delivery_id))
 
 
-def mark_failed(conn: Conn, delivery_id: int, *, status: int | None, error: str, retry_in_s: float | None) -> None:
+def mark_failed(conn: Conn, run_id: str, delivery_id: int, *, status: int | None, error: str,
+                retry_in_s: float | None) -> None:
     """Record a failed attempt; ``retry_in_s=None`` gives up."""
-    conn.execute("""
-        UPDATE webhook_deliveries
-           SET last_status = %s, last_error = %s,
-               next_attempt_at = CASE WHEN %s::float8 IS NULL THEN next_attempt_at
-                                      ELSE NOW() + make_interval(secs => %s::float8) END,
-               gave_up_at = CASE WHEN %s::float8 IS NULL THEN NOW() END
-         WHERE id = %s""", (status, error[:2000], retry_in_s, retry_in_s, retry_in_s, delivery_id))
+    if retry_in_s is None:
+        conn.execute("""UPDATE webhook_deliveries SET last_status = %s, last_error = %s, gave_up_at = NOW()
+                         WHERE run_id = %s AND id = %s""", (status, error[:2000], run_id, delivery_id))
+    else:
+        conn.execute("""UPDATE webhook_deliveries
+                           SET last_status = %s, last_error = %s, next_attempt_at = NOW() + make_interval(secs => %s)
+                         WHERE run_id = %s AND id = %s""", (status, error[:2000], retry_in_s, run_id, delivery_id))
 
 
 def prune(conn: Conn, keep_s: float, limit: int) -> int:

@@ -100,10 +100,13 @@ def document(*, at: datetime, run_id: str, request: str | None, start: NewRun | 
              done: Sequence[Done] = (), failed: Sequence[Fail] = (), resolved: Sequence[Resolve] = (),
              finish: Finish | None = None, tasks: Sequence[NewTask] = (),
              history: Sequence[HistoryEntry] = (),
-             outbox: Sequence[Dispatch] = ()) -> dict[str, Any]:
+             outbox: Sequence[Dispatch] = (), exact: bool = False) -> dict[str, Any]:
     """The document of one event's writes, decided at ``at``; keys whose value is None
-    are left out (SQL NULL)."""
-    doc: dict[str, Any] = _compact({"at": iso(at), "run_id": run_id, "request": request})
+    are left out (SQL NULL). ``exact``: ``at`` is the clock of the transaction the
+    document is written in (read in it), which ``composer_apply`` then uses as its own
+    rather than its ``now()``: the one clock of the event, whichever node runs it."""
+    doc: dict[str, Any] = _compact({"at": iso(at), "run_id": run_id, "request": request,
+                                    "exact": True if exact else None})
     if start is not None:
         run: dict[str, Any] = {"wf": start.workflow_id, "version": start.version, "deployed": start.deployed,
                                "input": start.input, "context": start.context, "started": start.started}
@@ -168,4 +171,4 @@ class Pending:
 
 def send(conn: Conn, doc: dict[str, Any]) -> Pending:
     """Send one event's writes as one statement."""
-    return Pending(conn.execute("SELECT composer_apply(%s)", (Jsonb(doc),)))
+    return Pending(conn.execute("SELECT composer_apply_on(%s, %s)", (doc["run_id"], Jsonb(doc))))

@@ -188,7 +188,8 @@ class Baseline:
 ENGINE_TABLES = ("run_history", "workflow_events", "task_instances", "workflow_runs", "workflow_definitions",
                  "task_outbox", "webhook_deliveries", "child_deliveries", "task_waiters", "workers", "operator_audit",
                  "retention_drops",
-                 "schedule_events", "schedules", "queue_settings", "flow_slots", "rate_buckets")
+                 "schedule_events", "schedules", "queue_settings", "flow_slots", "rate_buckets", "claim_fences",
+                 "claim_node_fences")
 
 
 def baseline(url: str) -> Baseline:
@@ -217,6 +218,27 @@ def reset(url: str, to: Baseline) -> None:
             if name.startswith("workflow_runs"):
                 conn.execute(sql.SQL("ALTER TABLE workflow_runs DETACH PARTITION {}").format(sql.Identifier(name)))
             conn.execute(sql.SQL("DROP TABLE {}").format(sql.Identifier(name)))
+
+
+def run_ids_on_one_shard(url: str, n: int) -> list[str]:
+    """``n`` fresh run IDs (UUIDv7, in minting order) that hash to one shard of the run
+    tables: runs started with them have their outbox rows on one shard, where priority
+    and FIFO order the claim (docs/scaling.md, "Dispatch on Citus")."""
+    from composer_ops.engine.ids import uuid7_text
+
+    ids: list[str] = []
+    with psycopg.connect(url, autocommit=True) as conn:
+        shard = None
+        while len(ids) < n:
+            run_id = uuid7_text()
+            row = conn.execute("SELECT get_shard_id_for_distribution_column('workflow_runs', %s::text)",
+                               (run_id,)).fetchone()
+            assert row is not None
+            if shard is None:
+                shard = row[0]
+            if row[0] == shard:
+                ids.append(run_id)
+    return ids
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,16 +1,13 @@
 """Dispatch on Citus cannot lose a task.
 
-The outbox lives on the coordinator and the task rows on the worker nodes, so a
-transaction that creates a task and its outbox row commits with two-phase commit:
-the coordinator's part first, then the workers' (COMMIT PREPARED). Between the two
-a claimer can see the outbox row while the task row is not visible yet. The claim
-must keep such a row for a later claim, and still drop a row whose task is no
-longer PENDING (cancelled, or a stale attempt)."""
+The outbox is distributed by run ID and co-located with the runs (sql/citus/V016), so
+a task and its outbox row are written on one node by one transaction that commits in
+one phase: no claimer can see one without the other. The claim still drops a row whose
+task is no longer PENDING (cancelled, or a stale attempt)."""
 
 from __future__ import annotations
 
 import threading
-import time
 from collections import Counter
 from collections.abc import Iterator
 from typing import Any
@@ -19,6 +16,7 @@ import psycopg
 import pytest
 
 from composer_ops import Engine
+from composer_ops.core.model import TimerDue
 from composer_ops.engine.ids import uuid7_text
 
 SPEC = {"id": "one", "nodes": [{"id": "a", "type": "TASK", "task": "t"}]}
@@ -34,31 +32,6 @@ def engine(db_url: str) -> Iterator[Engine]:
 def _outbox(url: str) -> list[tuple[Any, ...]]:
     with psycopg.connect(url) as conn:
         return conn.execute("SELECT run_id, task_id, attempt FROM task_outbox ORDER BY id").fetchall()
-
-
-def test_an_outbox_row_whose_task_is_not_visible_yet_is_kept_and_claimed_later(db_url: str, engine: Engine) -> None:
-    # The state two-phase commit leaves for a moment, held open here: the coordinator's
-    # part (the outbox row) committed, the worker's part (the run and its task) not yet.
-    run_id, task_id = uuid7_text(), uuid7_text()
-    with psycopg.connect(db_url) as starter:
-        starter.execute("""INSERT INTO workflow_runs (id, workflow_definition_id, workflow_version, status)
-                           VALUES (%s, 'one', 1, 'RUNNING')""", (run_id,))
-        starter.execute("""INSERT INTO task_instances (id, run_id, node_id, node_type, queue, state)
-                           VALUES (%s, %s, 'a', 'TASK', 'default', 'PENDING')""", (task_id, run_id))
-        with psycopg.connect(db_url, autocommit=True) as coordinator_part:
-            coordinator_part.execute("""INSERT INTO task_outbox (queue, run_id, task_id, attempt, task_name, lease_s)
-                                        VALUES ('default', %s, %s, 0, 't', 30)""", (run_id, task_id))
-        assert engine.claim(["default"], "w1", 10) == []
-        assert _outbox(db_url) == [(run_id, task_id, 0)]       # kept, not lost
-        starter.commit()
-    deadline = time.monotonic() + 5
-    claims = engine.claim(["default"], "w1", 10)
-    while not claims and time.monotonic() < deadline:         # a kept row may be delayed a little
-        time.sleep(0.05)
-        claims = engine.claim(["default"], "w1", 10)
-    assert [(c.run_id, c.task_id, c.attempt) for c in claims] == [(run_id, task_id, 0)]
-    assert _outbox(db_url) == []
-    assert engine.get_run(run_id).tasks[0].state == "RUNNING"
 
 
 def test_an_outbox_row_whose_task_is_no_longer_pending_is_dropped(db_url: str, engine: Engine) -> None:
@@ -113,36 +86,119 @@ def test_two_phase_commit_starts_against_concurrent_claimers_lose_no_task(db_url
     assert len(claimed) == starts and set(claimed.values()) == {1}
 
 
-def test_an_outbox_row_of_a_next_attempt_not_visible_yet_is_kept_and_claimed_later(db_url: str,
-                                                                                   engine: Engine) -> None:
-    # A re-queue (lease expired, or a retry) moves the same task row to attempt + 1 and
-    # adds that attempt's outbox row in one two-phase transaction. Held open here: the
-    # coordinator's part (the outbox row for attempt 1) committed, the worker's part (the
-    # row's move from attempt 0 to 1) not yet, so the claimer still sees attempt 0
-    # RUNNING. That is not a settled task: it was lost when the claim dropped the row
-    # (the CI run of ecc547c, with a worker node killed between PREPARE and COMMIT
-    # PREPARED, left a run's task PENDING at attempt 1 for good).
-    run_id = engine.start("one")
-    [first] = engine.claim(["default"], "w0", 10)
-    assert first.attempt == 0
-    with psycopg.connect(db_url) as requeuer:
-        requeuer.execute("""UPDATE task_instances SET state = 'PENDING', attempt = 1,
-                                   lease_owner = NULL, lease_expires_at = NULL
-                             WHERE run_id = %s AND id = %s""", (run_id, first.task_id))
-        with psycopg.connect(db_url, autocommit=True) as coordinator_part:
-            coordinator_part.execute("""INSERT INTO task_outbox (queue, run_id, task_id, attempt, task_name, lease_s)
-                                        VALUES ('default', %s, %s, 1, 't', 30)""", (run_id, first.task_id))
-        assert engine.claim(["default"], "w1", 10) == []
-        assert _outbox(db_url) == [(run_id, first.task_id, 1)]       # kept, not lost
-        # Kept, it is put back: a claim of one task takes the row behind it, not it again.
-        other = engine.start("one")
-        assert [c.run_id for c in engine.claim(["default"], "w2", 1)] == [other]
-        requeuer.commit()
-    deadline = time.monotonic() + 5
-    claims = engine.claim(["default"], "w1", 10)
-    while not claims and time.monotonic() < deadline:
-        time.sleep(0.05)
-        claims = engine.claim(["default"], "w1", 10)
-    assert [(c.run_id, c.task_id, c.attempt) for c in claims] == [(run_id, first.task_id, 1)]
-    assert _outbox(db_url) == []
-    assert engine.get_run(run_id).tasks[0].state == "RUNNING"
+def test_a_task_and_its_outbox_row_commit_together_on_the_runs_node_in_one_phase(db_url: str,
+                                                                                 engine: Engine) -> None:
+    with psycopg.connect(db_url, autocommit=True) as conn:
+        before = [r[0] for r in conn.execute("SELECT gid FROM pg_dist_transaction").fetchall()]
+        runs = [engine.start("one") for _ in range(10)]
+        prepared = conn.execute("SELECT count(*) FROM pg_dist_transaction WHERE gid <> ALL(%s)",
+                                (before,)).fetchone()
+        assert prepared == (0,)                      # no start prepared a transaction on any node
+        queued = [r[0] for r in conn.execute("SELECT run_id FROM task_outbox WHERE run_id = ANY(%s)",
+                                             (runs,)).fetchall()]
+        placed = conn.execute("""
+            SELECT r,
+                   (SELECT groupid FROM pg_dist_placement
+                     WHERE shardid = get_shard_id_for_distribution_column('workflow_runs', r)),
+                   (SELECT groupid FROM pg_dist_placement
+                     WHERE shardid = get_shard_id_for_distribution_column('task_outbox', r))
+              FROM unnest(%s::text[]) AS u(r)""", (queued,)).fetchall()
+    assert sorted(r for r, _, _ in placed) == sorted(runs)
+    assert all(run_node == outbox_node for _, run_node, outbox_node in placed)
+
+
+
+FLOW = {"id": "flow", "nodes": [
+    {"id": "a", "type": "TASK", "task": "t", "retry": {"max_attempts": 2, "initial_backoff_s": 0}},
+    {"id": "b", "type": "WAIT_FOR_EVENT", "event": "go", "depends_on": ["a"]},
+    {"id": "c", "type": "TASK", "task": "t", "depends_on": ["b"]}]}
+
+
+def test_failures_requeues_and_resolved_waits_commit_in_one_phase(db_url: str, engine: Engine) -> None:
+    """The events whose fenced updates composer_apply writes (sql/R__apply.sql: failed,
+    resolved, finish) prepare no transaction: each commits on its run's node alone."""
+    engine.deploy(FLOW)
+    prepared: dict[str, int] = {}
+    with psycopg.connect(db_url, autocommit=True) as conn:
+
+        def count(name: str, event: Any) -> Any:
+            before = [r[0] for r in conn.execute("SELECT gid FROM pg_dist_transaction").fetchall()]
+            result = event()
+            row = conn.execute("SELECT count(*) FROM pg_dist_transaction WHERE gid <> ALL(%s)", (before,)).fetchone()
+            prepared[name] = row[0] if row else -1
+            return result
+
+        run = engine.start("flow")
+        first = engine.claim(["default"], "w1", 1)
+        count("re-queue", lambda: engine.fail(first[0], "boom", retryable=True))
+        again = engine.claim(["default"], "w1", 1)
+        assert [(c.run_id, c.attempt) for c in again] == [(run, 1)]
+        count("complete", lambda: engine.complete(again[0], {"ok": True}))
+        count("resolved wait (signal)", lambda: engine.signal(run, "go", {"x": 1}))
+        last = engine.claim(["default"], "w1", 1)
+        assert [c.node_id for c in last] == ["c"]
+        count("failure, run finished", lambda: engine.fail(last[0], "fatal", retryable=False))
+        other = engine.start("flow", run_id=_on_another_node(conn, run))
+        # The count itself: a write to runs on two nodes in one transaction prepares.
+        count("probe", lambda: conn.execute("UPDATE workflow_runs SET updated_at = updated_at WHERE id = ANY(%s)",
+                                            ([run, other],)))
+    assert engine.get_run(run).status == "FAILED"
+    assert prepared.pop("probe") > 0
+    assert prepared == {"re-queue": 0, "complete": 0, "resolved wait (signal)": 0, "failure, run finished": 0}
+
+
+def _on_another_node(conn: psycopg.Connection[Any], run: str) -> str:
+    """A fresh run ID whose shard is on another node than ``run``'s."""
+    node = ("SELECT groupid FROM pg_dist_placement "
+            "WHERE shardid = get_shard_id_for_distribution_column('workflow_runs', %s::text)")
+    mine = conn.execute(node, (run,)).fetchone()
+    while True:
+        candidate = uuid7_text()
+        if conn.execute(node, (candidate,)).fetchone() != mine:
+            return candidate
+
+
+OTHERS = {"id": "others", "nodes": [
+    {"id": "a", "type": "TASK", "task": "t", "lease_s": 1, "retry": {"max_attempts": 3, "initial_backoff_s": 0}},
+    {"id": "nap", "type": "WAIT", "duration_s": 0, "depends_on": ["a"]},
+    {"id": "b", "type": "WAIT_FOR_EVENT", "event": "go", "depends_on": ["nap"]},
+    {"id": "c", "type": "TASK", "task": "t", "depends_on": ["b"]}]}
+
+
+def test_the_other_events_of_a_run_commit_in_one_phase(db_url: str, engine: Engine) -> None:
+    """Heartbeat, a lost lease noted, lease expiry, a timer, a buffered signal, cancel and
+    retry: none prepares a transaction."""
+    engine.deploy(OTHERS)
+    prepared: dict[str, int] = {}
+    coordinator = engine.coordinator()
+    with psycopg.connect(db_url, autocommit=True) as conn:
+
+        def count(name: str, event: Any) -> Any:
+            before = [r[0] for r in conn.execute("SELECT gid FROM pg_dist_transaction").fetchall()]
+            result = event()
+            row = conn.execute("SELECT count(*) FROM pg_dist_transaction WHERE gid <> ALL(%s)", (before,)).fetchone()
+            prepared[name] = row[0] if row else -1
+            return result
+
+        run = engine.start("others")
+        first = engine.claim(["default"], "w1", 1)
+        count("heartbeat", lambda: engine.heartbeat(first[0]))
+        count("lease lost, noted", lambda: engine.lease_lost(first[0], "test"))
+        conn.execute("UPDATE task_instances SET lease_expires_at = now() - interval '1 s' WHERE run_id = %s", (run,))
+        stats = count("lease expiry", lambda: coordinator.run_once(["leases"]))
+        assert stats.leases_expired == 1
+        again = engine.claim(["default"], "w1", 1)
+        engine.complete(again[0], None)
+        count("signal buffered", lambda: engine.signal(run, "go", {"x": 1}))
+        nap = conn.execute("SELECT id FROM task_instances WHERE run_id = %s AND node_id = 'nap'", (run,)).fetchone()
+        assert nap is not None
+        # The event alone: the timers loop's pass also ages priorities, a statement over
+        # every outbox shard (docs/scaling.md).
+        fired = count("timer", lambda: engine.shell.handle(run, lambda now: TimerDue(task_id=nap[0], node_id="nap",
+                                                                                     now=now)))
+        assert not fired.stale
+        assert engine.get_run(run).status == "RUNNING"
+        count("cancel", lambda: engine.cancel(run))
+        count("retry", lambda: engine.retry(run))
+    assert prepared == dict.fromkeys(("heartbeat", "lease lost, noted", "lease expiry", "signal buffered", "timer",
+                                      "cancel", "retry"), 0)

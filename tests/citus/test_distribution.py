@@ -25,7 +25,7 @@ def _layout(url: str) -> dict[str, tuple[str, int | None]]:
     return {name: (kind, colocation) for name, kind, colocation in rows}
 
 
-def test_migrate_distributes_the_run_tables_by_run_id_colocated_and_keeps_the_queues_local(db_url: str) -> None:
+def test_migrate_distributes_the_run_tables_and_the_dispatch_rows_by_run_id_colocated(db_url: str) -> None:
     layout = _layout(db_url)
     assert layout["workflow_definitions"][0] == "reference"
     parents = {t: layout[t] for t in partitions.RUN_TABLES}
@@ -44,12 +44,16 @@ def test_migrate_distributes_the_run_tables_by_run_id_colocated_and_keeps_the_qu
     assert layout["child_deliveries"] == parents["workflow_runs"]    # a child row on its deciding run's node
     # Every monthly partition is distributed alongside its parent.
     assert parts and all(layout[p] == parents["workflow_runs"] for p in parts)
-    # The queues stay plain tables on the coordinator.
-    assert "task_outbox" not in layout and "webhook_deliveries" not in layout
+    # The dispatch rows live with their run (sql/citus/V016); the queue settings everywhere.
+    assert layout["task_outbox"] == layout["webhook_deliveries"] == parents["workflow_runs"]
+    assert columns["task_outbox"] == columns["webhook_deliveries"] == "run_id"
+    assert layout["queue_settings"][0] == "reference"
+    assert layout["claim_node_fences"] == parents["workflow_runs"]     # a node's fences on its own shards
     assert all(applied for _, applied in status(db_url))
-    assert [m.filename for m, _ in status(db_url) if m.citus] == ["V002__distribute_by_run_id.sql",
-                                                                  "V013__cached_worker_connections.sql",
-                                                                  "R__child_deliveries.sql", "R__partition_stats.sql"]
+    assert [m.filename for m, _ in status(db_url) if m.citus] == [
+        "V002__distribute_by_run_id.sql", "V013__cached_worker_connections.sql", "V016__dispatch_on_run_nodes.sql",
+        "V017__claim_node_fences.sql", "R__dispatch.sql", "R__apply_on.sql", "R__child_deliveries.sql",
+        "R__claim_node.sql", "R__partition_stats.sql"]
 
 
 def test_partitions_created_and_dropped_on_the_coordinator_reach_the_shards(db_url: str,
@@ -136,7 +140,9 @@ def test_a_single_server_database_with_runs_converts_to_citus_and_keeps_working(
     # The distribution and the connection settings, then every repeatable file again (the functions' Citus settings),
     # the Citus body of composer_partition_stats last.
     assert applied.splitlines() == ["applied V002__distribute_by_run_id.sql",
-                                    "applied V013__cached_worker_connections.sql"] + [
+                                    "applied V013__cached_worker_connections.sql",
+                                    "applied V016__dispatch_on_run_nodes.sql",
+                                    "applied V017__claim_node_fences.sql"] + [
         f"applied {r.filename}" for r in discover_repeatable(citus=True)]
     assert applied.splitlines()[-1] == "applied R__partition_stats.sql"
     layout = _layout(plain_db)

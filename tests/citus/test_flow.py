@@ -16,6 +16,7 @@ from composer_ops import Engine
 from composer_ops.engine.requests import Request
 from composer_ops.repo import citus
 from composer_ops.repo.rows import Claim
+from composer_ops.testing.citus import run_ids_on_one_shard
 from composer_ops.testing.processes import wait_for
 from tests.integration.test_flow_races import (  # noqa: F401
     test_a_concurrency_key_is_never_over_its_limit_with_eight_workers_killed,
@@ -26,7 +27,6 @@ from tests.integration.test_queues import (  # noqa: F401
     test_a_paused_queue_claims_nothing_keeps_its_tasks_and_resumes,
     test_a_rate_limit_gives_its_burst_then_refills_by_the_database_clock,
     test_keys_at_their_limit_and_rate_limited_waits_are_reported,
-    test_priority_orders_the_claim_within_a_queue,
 )
 
 PERCUST: dict[str, Any] = {"id": "percust", "nodes": [{"id": "t", "type": "TASK", "task": "work", "queue": "k",
@@ -56,6 +56,19 @@ def _slots(url: str) -> list[tuple[Any, ...]]:
 
 def _task(url: str, run_id: str) -> tuple[Any, ...]:
     return _sql(url, "SELECT id, attempt, state FROM task_instances WHERE run_id = %s", (run_id,))[0]
+
+
+def test_priority_then_fifo_order_the_claim_within_a_shard(db_url: str, engine: Engine) -> None:
+    """On Citus the claim orders a queue's rows by priority, then oldest first, within
+    each shard of the outbox (a run's shard), not across shards (docs/scaling.md,
+    "Dispatch on Citus"): the runs here are placed on one shard."""
+    ids = run_ids_on_one_shard(db_url, 5)
+    low = engine.start("low", run_id=ids[0])
+    high = engine.start("high", run_id=ids[1])
+    mid = engine.start("mid", run_id=ids[2])
+    low_later = engine.start("low", run_id=ids[3])
+    high_later = engine.start("high", run_id=ids[4])
+    assert [engine.claim(["q"], "w", 1)[0].run_id for _ in range(5)] == [high, high_later, mid, low, low_later]
 
 
 def test_max_running_bounds_the_queue_and_a_place_is_freed_once_its_attempt_ends(db_url: str,

@@ -1,7 +1,7 @@
 """On Citus too (tests/integration/test_queues.py's single-server twin, as far as the
 Citus claim goes): a paused queue gives no task and keeps them, priorities order the
-claim, start_to_close caps the lease, and a task not claimed by its schedule_to_start
-deadline fails its run."""
+claim (within a shard: the runs are placed on one), start_to_close caps the lease, and a
+task not claimed by its schedule_to_start deadline fails its run."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import psycopg
 import pytest
 
 from composer_ops import Engine
+from composer_ops.testing.citus import run_ids_on_one_shard
 
 
 @pytest.fixture
@@ -23,8 +24,9 @@ def engine(db_url: str) -> Iterator[Engine]:
 
 
 def test_pause_priority_and_timeouts(db_url: str, engine: Engine) -> None:
-    low = engine.start("low")
-    high = engine.start("high")
+    ids = run_ids_on_one_shard(db_url, 2)
+    low = engine.start("low", run_id=ids[0])
+    high = engine.start("high", run_id=ids[1])
     engine.queues.pause("q", reason="incident")
     assert engine.claim(["q"], "w", 10) == []
     assert {r.queue: r.depth for r in engine.queues.list()} == {"q": 2}

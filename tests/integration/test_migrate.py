@@ -247,8 +247,9 @@ def test_citus_repeatable_files_replace_theirs_by_name_and_the_citus_only_ones_r
     assert [(r.name, r.key) for r in on_citus if r.citus] == [("claim", "citus/R__claim.sql"),
                                                               ("aaa", "citus/R__aaa.sql")]
     assert [r.key for r in discover_repeatable()] == [r.filename for r in discover_repeatable()]
-    assert {r.key for r in discover_repeatable(citus=True) if r.citus} == {"citus/R__child_deliveries.sql",
-                                                                            "citus/R__partition_stats.sql"}
+    assert {r.key for r in discover_repeatable(citus=True) if r.citus} == {
+        "citus/R__apply_on.sql", "citus/R__child_deliveries.sql", "citus/R__claim_node.sql", "citus/R__dispatch.sql",
+        "citus/R__partition_stats.sql"}
 
 
 def test_migrate_citus_on_a_database_without_the_extension_is_refused_and_changes_nothing(

@@ -382,9 +382,9 @@ def test_webhook_delivery_claim_and_outcomes(conn: Any, run_id: str) -> None:
     first = webhooks.claim_due(conn, 10, lease_s=30)
     assert [(d.run_id, d.attempts) for d in first] == [(run_id, 1)]
     assert webhooks.claim_due(conn, 10, lease_s=30) == []         # leased
-    webhooks.mark_failed(conn, first[0].id, status=500, error="boom", retry_in_s=0)
+    webhooks.mark_failed(conn, first[0].run_id, first[0].id, status=500, error="boom", retry_in_s=0)
     again = webhooks.claim_due(conn, 10, lease_s=30)
     assert [d.attempts for d in again] == [2]
-    webhooks.mark_delivered(conn, again[0].id, 200)
+    webhooks.mark_delivered(conn, again[0].run_id, again[0].id, 200)
     row = conn.execute("SELECT delivered_at IS NOT NULL, last_status FROM webhook_deliveries").fetchone()
     assert row == (True, 200)
