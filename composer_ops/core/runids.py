@@ -8,6 +8,7 @@ recent, or it would land in a partition that does not exist.
 
 from __future__ import annotations
 
+import re
 import uuid
 from datetime import UTC, datetime, timedelta
 
@@ -34,6 +35,9 @@ _EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 _HEX = frozenset("0123456789abcdef")
 _HYPHENS = (8, 13, 18, 23)
 _EXAMPLE = "0190b6c8-5a3e-7d2c-9f1e-3b4a5c6d7e8f"
+#: Exactly what :func:`_check_uuid7` accepts: one match per event's run ID, and the
+#: checks below only to say what is wrong with another.
+_CANONICAL = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-7[0-9a-f]{3}-[89ab][0-9a-f]{3}-[0-9a-f]{12}")
 
 #: How far a client-supplied run ID's timestamp may lag or lead the database clock. A
 #: month therefore still receives runs for RUN_ID_MAX_AGE after it ends (retention waits).
@@ -70,6 +74,8 @@ def _iso(ts: datetime) -> str:
 
 def _check_uuid7(run_id: object, name: str = "run id") -> str:
     """Return ``run_id`` if it is a canonical lowercase UUIDv7, else raise Invalid."""
+    if isinstance(run_id, str) and _CANONICAL.fullmatch(run_id):
+        return run_id
     if not isinstance(run_id, str):
         raise Invalid(f"{name} must be a string, got {type(run_id).__name__}")
     shape_ok = len(run_id) == 36 and all(
@@ -89,7 +95,7 @@ def _check_uuid7(run_id: object, name: str = "run id") -> str:
             f"{name} {run_id!r} has variant nibble {run_id[19]!r}; "
             "a UUIDv7 needs the RFC 9562 variant (bits 10xx: 8, 9, a or b)"
         )
-    return run_id
+    raise Invalid(f"{name} {run_id!r} is not a canonical UUIDv7, like {_EXAMPLE}")
 
 
 def uuid7_timestamp(run_id: str) -> datetime:
@@ -149,7 +155,8 @@ def validate_run_id(
 
 def month_of(run_id: str) -> str:
     """The ``YYYYMM`` (UTC) of the partition a run ID belongs to."""
-    return uuid7_timestamp(run_id).strftime("%Y%m")
+    ts = uuid7_timestamp(run_id)
+    return f"{ts.year:04d}{ts.month:02d}"
 
 
 def uuid7_bound(ts: datetime) -> str:

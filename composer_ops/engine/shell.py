@@ -39,7 +39,6 @@ from composer_ops.core.model import (
     FinishChild,
     FinishMap,
     FinishRun,
-    ItemCounts,
     NodeState,
     NodeType,
     ReopenRun,
@@ -79,7 +78,7 @@ from composer_ops.repo import (
     writes,
 )
 from composer_ops.repo._base import Conn
-from composer_ops.repo.rows import Dispatch, NewTask, RunRow, TaskStateRow
+from composer_ops.repo.rows import Dispatch, NewTask, RunRow
 
 log = logging.getLogger(__name__)
 
@@ -236,22 +235,15 @@ class Shell:
         decision = decide(snapshot, event, RunStore(conn, run_id), uuid7_text)
         return self.apply_sending(conn, snapshot, decision, event=event, request=request, commit=begin)[0]
 
-    def snapshot(self, conn: Conn, row: RunRow, tasks: Mapping[str, TaskStateRow]) -> RunSnapshot:
+    def snapshot(self, conn: Conn, row: RunRow, nodes: Mapping[str, NodeState]) -> RunSnapshot:
         """The machine's view of a locked run and its tasks (:func:`runs.lock_and_load`)."""
         defn = self.definition(conn, row.workflow_id, row.workflow_version)
-        nodes = tasks
         return RunSnapshot(
             id=row.id, workflow_id=row.workflow_id, workflow_version=row.workflow_version,
             status=RunStatus(row.status),
             context=run_context(row.context) if row.context is not None
             else LazyContext(lambda: run_context(runs.load_context(conn, row.id))),
-            spec=defn.spec, parent_run_id=row.parent_run_id, parent_node_id=row.parent_node_id,
-            nodes={node_id: NodeState(task_id=t.task_id, state=TaskState(t.state), attempt=t.attempt,
-                                      branches=tuple(t.branches) if t.branches is not None else None,
-                                      signal_name=t.signal_name, lease_owner=t.lease_owner,
-                                      lease_expires_at=t.lease_expires_at, created_at=t.created_at,
-                                      wake_at=t.wake_at, lease_expiries=t.lease_expiries, items=_counts(t))
-                   for node_id, t in nodes.items()},
+            spec=defn.spec, parent_run_id=row.parent_run_id, parent_node_id=row.parent_node_id, nodes=nodes,
         )
 
     def start_decision(self, conn: Conn, row: RunRow) -> tuple[RunSnapshot, StartRun, Decision]:
@@ -536,14 +528,6 @@ def _queue(run: RunSnapshot, a: CreateTask) -> str | None:
     if a.node_type is NodeType.TASK or a.node_type is NodeType.MAP:
         return run.spec.nodes[a.node_id].queue or "default"
     return None
-
-
-def _counts(t: TaskStateRow) -> ItemCounts | None:
-    """A MAP node's counters, from its row."""
-    if t.items_total is None:
-        return None
-    return ItemCounts(total=t.items_total, started=t.items_started or 0, done=t.items_done or 0,
-                      failed=t.items_failed or 0)
 
 
 def _maps(run: RunSnapshot, node_ids: Sequence[str]) -> list[str]:

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from datetime import date, datetime
 from functools import lru_cache
-from typing import Any
+from typing import Any, NamedTuple
 from weakref import WeakKeyDictionary
 
 from psycopg import sql
-from psycopg.errors import UndefinedTable
+from psycopg.errors import UndefinedFunction, UndefinedTable
 
 from composer_ops.core.runids import month_bounds, month_of
 from composer_ops.errors import ComposerError, Invalid
@@ -25,32 +25,56 @@ def runs_partition(run_id: str) -> str:
     return f"workflow_runs_p{month_of(run_id)}"
 
 
-#: Per connection, what :func:`run_tables` found for each month: True when the month's
-#: ``workflow_runs`` and ``task_instances`` partitions are attached with the month's own
-#: bounds and this role may read and update them, False otherwise.
-_ALIGNED: WeakKeyDictionary[Conn, dict[str, bool]] = WeakKeyDictionary()
+class RunTables(NamedTuple):
+    """Where a run's own rows are addressed (:func:`month_tables`): its ``workflow_runs``
+    and ``task_instances`` tables, and ``load``, the SQL function that takes its lock and
+    loads it on them (sql/R__apply.sql, ``composer_load_run_source``)."""
 
-_ALIGNED_SQL = """
+    runs: str
+    tasks: str
+    load: str
+
+
+#: The partitioned tables, for a run whose month cannot be named.
+PARTITIONED = RunTables("workflow_runs", "task_instances", "composer_load_run")
+
+#: Per connection, what :func:`month_tables` found for each month: the month's own
+#: partitions (and its load function, when there is one) when its ``workflow_runs`` and
+#: ``task_instances`` partitions are attached with the month's own bounds and this role
+#: may read and update them, :data:`PARTITIONED` otherwise.
+_CHECKED: WeakKeyDictionary[Conn, dict[str, RunTables]] = WeakKeyDictionary()
+
+_CHECK_SQL = """
     SELECT count(*) FILTER (
                WHERE pg_get_expr(c.relpartbound, c.oid)
                          = format('FOR VALUES FROM (%%L) TO (%%L)', %(lo)s::text, %(hi)s::text)
                  AND has_table_privilege(c.oid, 'SELECT') AND has_table_privilege(c.oid, 'UPDATE')) = 2,
-           count(*) = 2
+           count(*) = 2,
+           COALESCE(has_function_privilege(to_regprocedure(%(load)s)::oid, 'EXECUTE'), false)
       FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid
      WHERE (c.oid, i.inhparent) IN ((to_regclass(%(runs)s), 'workflow_runs'::regclass),
                                     (to_regclass(%(tasks)s), 'task_instances'::regclass))"""
 
 
 def run_tables(conn: Conn, run_id: str) -> tuple[str, str]:
-    """The tables to address a run's own rows in: ``(runs, tasks)``, its month's
-    partitions of ``workflow_runs`` and ``task_instances`` by name, or the two
-    partitioned tables when that cannot be trusted.
+    """The tables to address a run's own rows in: ``(runs, tasks)`` of
+    :func:`month_tables`."""
+    found = month_tables(conn, run_id)
+    return found.runs, found.tasks
+
+
+def month_tables(conn: Conn, run_id: str) -> RunTables:
+    """The tables to address a run's own rows in, its month's partitions of
+    ``workflow_runs`` and ``task_instances`` by name, or the two partitioned tables when
+    that cannot be trusted; and the function that locks and loads the run on them.
 
     A statement on a partitioned table that names a run is planned at every call: a
     cached generic plan would lock every month before pruning (PostgreSQL 15 to 18), so
     the plan cache keeps making custom plans, at 0.06 to 0.16 ms of server CPU each. The
     same statement on the month's partition is an ordinary table's: planned once,
-    cached, and it locks that month only.
+    cached, and it locks that month only. So is the month's load function,
+    ``composer_load_run_pYYYYMM``, made with the month (not on Citus, where
+    ``composer_load_run`` on the partitioned tables serves every month).
 
     The name is the run ID's UTC month; it is used only after this connection has seen
     both partitions attached with exactly that month's bounds and found it may read and
@@ -58,26 +82,28 @@ def run_tables(conn: Conn, run_id: str) -> tuple[str, str]:
     partition's own privileges, which sql/R__partitions.sql grants the engine role). A partition
     made with other bounds (``_misaligned`` data), one the role has no privileges on, or
     a run ID that is not a canonical UUIDv7 falls back to the partitioned tables.
-    A partition dropped or detached after that check makes the statement fail with
-    ``UndefinedTable`` (a detached month is also moved out of the schema), which the
-    caller reports as the run not existing, as the partitioned table would, after
+    A partition dropped or detached after that check (and the month's load function with
+    it) makes the statement fail with ``UndefinedTable`` (a detached month is also moved
+    out of the schema) or ``UndefinedFunction``, which the caller handles after
     :func:`gone_since_checked`."""
     try:
         month = month_of(run_id)
     except ComposerError:
-        return "workflow_runs", "task_instances"
-    seen = _ALIGNED.setdefault(conn, {})
-    aligned = seen.get(month)
-    if aligned is None:
+        return PARTITIONED
+    seen = _CHECKED.setdefault(conn, {})
+    found = seen.get(month)
+    if found is None:
         lo, hi = month_bounds(month)
-        row = conn.execute(_ALIGNED_SQL, {"runs": f"workflow_runs_p{month}", "tasks": f"task_instances_p{month}",
-                                          "lo": lo, "hi": hi}).fetchone()
-        aligned = bool(row and row[0])
-        if aligned or (row and row[1]):   # a month not made yet is checked again next time
-            seen[month] = aligned
-    if not aligned:
-        return "workflow_runs", "task_instances"
-    return f"workflow_runs_p{month}", f"task_instances_p{month}"
+        load = f"composer_load_run_p{month}"
+        row = conn.execute(_CHECK_SQL, {"runs": f"workflow_runs_p{month}", "tasks": f"task_instances_p{month}",
+                                        "lo": lo, "hi": hi, "load": f"{load}(text)"}).fetchone()
+        found = PARTITIONED
+        if row and row[0]:
+            found = RunTables(f"workflow_runs_p{month}", f"task_instances_p{month}",
+                              load if row[2] else PARTITIONED.load)
+        if row and (row[0] or row[1]):   # a month not made yet is checked again next time
+            seen[month] = found
+    return found
 
 
 @lru_cache(maxsize=512)
@@ -91,17 +117,19 @@ def forget_month(conn: Conn, run_id: str) -> None:
     """Check the month of ``run_id`` again at its next use on ``conn`` (its partition
     was not there, or did not hold the run)."""
     try:
-        _ALIGNED.get(conn, {}).pop(month_of(run_id), None)
+        _CHECKED.get(conn, {}).pop(month_of(run_id), None)
     except ComposerError:
         pass
 
 
 def gone_since_checked(conn: Conn, run_id: str, table: str, exc: ComposerError) -> bool:
-    """True when ``exc`` says ``table``, a month partition :func:`run_tables` named for
-    ``run_id``, was dropped or detached since this connection checked it; the month is
-    then checked again at its next use. False for the partitioned tables and for any
-    other error, which the caller raises again."""
-    if table in ("workflow_runs", "task_instances") or not isinstance(exc.__cause__, UndefinedTable):
+    """True when ``exc`` says ``table``, a month partition :func:`month_tables` named for
+    ``run_id``, was dropped or detached since this connection checked it (or the month's
+    load function, dropped with it); the month is then checked again at its next use.
+    False for the partitioned tables and for any other error, which the caller raises
+    again."""
+    if table in ("workflow_runs", "task_instances") \
+            or not isinstance(exc.__cause__, UndefinedTable | UndefinedFunction):
         return False
     forget_month(conn, run_id)
     return True

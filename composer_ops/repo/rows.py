@@ -27,27 +27,6 @@ class RunRow:
 
 
 @dataclass(frozen=True, kw_only=True)
-class TaskStateRow:
-    """What lock_and_load reads per task: small columns only, no inputs or outputs."""
-
-    node_id: str
-    task_id: str
-    state: str
-    attempt: int
-    branches: list[str] | None
-    signal_name: str | None
-    lease_owner: str | None
-    lease_expires_at: datetime | None
-    created_at: datetime
-    wake_at: datetime | None
-    lease_expiries: int
-    items_total: int | None = None       # a MAP node's counters (ItemCounts)
-    items_started: int | None = None
-    items_done: int | None = None
-    items_failed: int | None = None
-
-
-@dataclass(frozen=True, kw_only=True)
 class DueWait:
     run_id: str
     task_id: str

@@ -3,89 +3,99 @@
 from __future__ import annotations
 
 from datetime import datetime
+from functools import lru_cache
 from typing import Any
 
 from psycopg import sql
-from psycopg.rows import class_row, dict_row
+from psycopg.rows import class_row
 
 from composer_ops.core.filters import RunFilter
-from composer_ops.errors import ComposerError, Conflict, Invalid, NotFound
-from composer_ops.repo import clock, history, partitions, writes
+from composer_ops.core.model import ItemCounts, NodeState, TaskState
+from composer_ops.errors import ComposerError, Conflict, Invalid, NotFound, Transient
+from composer_ops.repo import history, partitions, writes
 from composer_ops.repo._base import Conn, fetch_all, fetch_one, jsonb
-from composer_ops.repo.rows import ChildRun, RunListRow, RunRow, RunView, TaskStateRow, TaskView
-
-# Without the run's context: its input can be large (a MAP's list of items), and most
-# events never read it; load_context does, under this lock, when the machine asks.
-_LOCK_RUN = """
-    SELECT id, workflow_definition_id AS workflow_id, workflow_version, status,
-           parent_run_id, parent_node_id
-      FROM {runs}
-     WHERE id = %s AND deleted_at IS NULL
-       FOR UPDATE"""
-
-_LOAD_TASKS = """
-    SELECT node_id, id AS task_id, state, attempt, branches,
-           CASE WHEN state = 'WAITING' THEN signal_name END AS signal_name,
-           lease_owner, lease_expires_at, created_at, wake_at, lease_expiries,
-           items_total, items_started, items_done, items_failed
-      FROM {tasks} WHERE run_id = %s AND item_index IS NULL"""
+from composer_ops.repo.rows import ChildRun, RunListRow, RunRow, RunView, TaskView
 
 
-def lock_and_load(conn: Conn, run_id: str, *, begin: bool = False) -> tuple[RunRow, dict[str, TaskStateRow]]:
+def lock_and_load(conn: Conn, run_id: str, *, begin: bool = False) -> tuple[RunRow, dict[str, NodeState]]:
     """Read the database clock, take the run's row lock for the rest of the
     transaction, and load the state of every task of the run keyed by node (small
-    columns only); NotFound when the run does not exist. Every state transition of a
-    run happens under this lock, which serialises concurrent completions so join
-    decisions always see each other's writes. The clock (``RunRow.now``) is the event's
-    one instant (:mod:`composer_ops.repo.clock`): the caller passes it to every write.
+    columns only: no inputs, outputs or context, which the machine asks for when it
+    needs them); NotFound when the run does not exist. Every state transition of a run
+    happens under this lock, which serialises concurrent completions so join decisions
+    always see each other's writes. The clock (``RunRow.now``) is the event's one
+    instant (:mod:`composer_ops.repo.clock`): the caller passes it to every write.
 
-    Three statements sent in one round trip (pipeline mode), in that order. The server
-    executes pipelined statements one after the other and, in READ COMMITTED, gives each
-    a snapshot when it starts, so the tasks are read after the lock is granted and see
-    everything the previous holder of the lock committed. (One statement joining both
-    would read the tasks with a snapshot taken before it waited for the lock, and could
-    miss a sibling's completion: the join race the lock exists to prevent.)
-
-    Both name the run's month partitions (:func:`partitions.run_tables`), which the
-    lock then holds until the transaction ends, so the rest of the event's statements
-    on them cannot find them gone.
+    One statement, one row: the run's load function (sql/R__apply.sql,
+    ``composer_load_run_source``), whose second statement reads the tasks with a
+    snapshot taken after the lock was granted, so they include everything the previous
+    holder of the lock committed. On the run's month (:func:`partitions.month_tables`)
+    it locks that month's partitions only, which the lock then holds until the
+    transaction ends, so the rest of the event's statements on them cannot find them
+    gone. A month that no longer holds the run is checked again, and the run looked
+    for where the check says; a month dropped or detached since this connection
+    checked it raises ``Transient``: the caller runs the transaction again, which then
+    looks where the month is now.
 
     ``begin``: ``conn`` is in autocommit; a BEGIN goes first in the same round trip,
     opening the transaction the caller ends."""
-    runs, tasks = partitions.run_tables(conn, run_id)
-    found = _lock_and_load(conn, run_id, runs, tasks, begin)
-    if found is None and runs != "workflow_runs":
+    tables = partitions.month_tables(conn, run_id)
+    found = _lock_and_load(conn, run_id, tables, begin)
+    if found is None and tables.runs != "workflow_runs":
         partitions.forget_month(conn, run_id)   # the month may have been made again since it was checked
-        again = partitions.run_tables(conn, run_id)
-        if again != (runs, tasks):
-            found = _lock_and_load(conn, run_id, *again, False)
+        again = partitions.month_tables(conn, run_id)
+        if again != tables:
+            found = _lock_and_load(conn, run_id, again, False)
     if found is None:
         raise NotFound(f"workflow run {run_id} does not exist")
     return found
 
 
-def _lock_and_load(conn: Conn, run_id: str, runs: str, tasks: str, begin: bool
-                   ) -> tuple[RunRow, dict[str, TaskStateRow]] | None:
+@lru_cache(maxsize=512)
+def _load_statement(function: str) -> str:
+    return f'SELECT * FROM "{function}"(%s)'
+
+
+def _lock_and_load(conn: Conn, run_id: str, tables: partitions.RunTables, begin: bool
+                   ) -> tuple[RunRow, dict[str, NodeState]] | None:
     try:
-        with conn.cursor() as clock_cur, conn.cursor(row_factory=dict_row) as lock, \
-                conn.cursor(row_factory=class_row(TaskStateRow)) as load:
-            with conn.pipeline():
-                if begin:
+        with conn.cursor() as cur:
+            if begin:
+                with conn.pipeline():
                     conn.execute("BEGIN")
-                clock_cur.execute(clock.NOW)
-                lock.execute(partitions.on_tables(_LOCK_RUN, runs, tasks), (run_id,))
-                load.execute(partitions.on_tables(_LOAD_TASKS, runs, tasks), (run_id,))
-            now = clock_cur.fetchone()
-            row = lock.fetchone()
-            loaded = load.fetchall()
+                    cur.execute(_load_statement(tables.load), (run_id,))
+            else:
+                cur.execute(_load_statement(tables.load), (run_id,))
+            row = cur.fetchone()
     except ComposerError as exc:
-        if not partitions.gone_since_checked(conn, run_id, runs, exc):
+        if not partitions.gone_since_checked(conn, run_id, tables.runs, exc):
             raise
-        raise NotFound(f"workflow run {run_id} does not exist (its month's partition is gone)") from exc
-    if row is None:
+        raise Transient(f"workflow run {run_id}: its month's partitions changed since this connection "
+                        "checked them; the transaction is to run again") from exc
+    assert row is not None
+    now, found, workflow_id, version, status, parent, parent_node, loaded = row
+    if found is None:
         return None
-    assert now is not None
-    return RunRow(**row, now=now[0]), {r.node_id: r for r in loaded}
+    return (RunRow(id=found, workflow_id=workflow_id, workflow_version=version, status=status, now=now,
+                   parent_run_id=parent, parent_node_id=parent_node),
+            {t[0]: _node(t) for t in loaded} if loaded else {})
+
+
+def _node(t: list[Any]) -> NodeState:
+    """One task as the load function returns it (its array of columns), for the machine."""
+    (_, task_id, state, attempt, branches, signal_name, lease_owner, expires, created, wake, expiries,
+     total, started, done, failed) = t
+    return NodeState(task_id=task_id, state=TaskState(state), attempt=attempt,
+                     branches=tuple(branches) if branches is not None else None, signal_name=signal_name,
+                     lease_owner=lease_owner, lease_expires_at=_instant(expires), created_at=_instant(created),
+                     wake_at=_instant(wake), lease_expiries=expiries,
+                     items=None if total is None else ItemCounts(total=total, started=started or 0, done=done or 0,
+                                                                 failed=failed or 0))
+
+
+def _instant(text: str | None) -> datetime | None:
+    """A timestamptz as JSON writes it (ISO 8601 with the session's offset)."""
+    return None if text is None else datetime.fromisoformat(text)
 
 
 _LOAD_CONTEXT = "SELECT context_json FROM {runs} WHERE id = %s"

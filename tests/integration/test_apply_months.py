@@ -112,12 +112,13 @@ def test_a_month_without_its_function_is_written_on_the_partitioned_tables(db_ur
 
 def test_retention_drops_a_months_functions_with_its_partitions(db_url: str) -> None:
     old = _months_ago(24)
-    names = (f"composer_apply_updates_p{old:%Y%m}", f"composer_claim_tasks_p{old:%Y%m}")
+    names = (f"composer_apply_updates_p{old:%Y%m}", f"composer_claim_tasks_p{old:%Y%m}",
+             f"composer_load_run_p{old:%Y%m}")
     with psycopg.connect(db_url, autocommit=True) as conn:
         partitions.ensure_from(conn, old, 0)
         exists = "SELECT to_regproc(%s) IS NOT NULL"
-        assert [conn.execute(exists, (n,)).fetchone() for n in names] == [(True,), (True,)]
+        assert [conn.execute(exists, (n,)).fetchone() for n in names] == [(True,)] * 3
         dropped = [r[0] for r in conn.execute(
             "SELECT composer_drop_partitions(now() - interval '400 days', interval '1 hour')").fetchall()]
         assert f"{old:%Y%m}" in dropped
-        assert [conn.execute(exists, (n,)).fetchone() for n in names] == [(False,), (False,)]
+        assert [conn.execute(exists, (n,)).fetchone() for n in names] == [(False,)] * 3

@@ -83,7 +83,8 @@ def test_an_item_event_loads_the_node_rows_only(engine: Engine, db_url: str) -> 
     with psycopg.connect(db_url) as conn, conn.transaction():
         _, loaded = runs.lock_and_load(conn, run_id)
     assert set(loaded) == {"each"}
-    assert loaded["each"].items_total == 50 and loaded["each"].items_started == 2
+    counts = loaded["each"].items
+    assert counts is not None and (counts.total, counts.started) == (50, 2)
 
 
 def test_an_item_event_does_not_read_the_runs_input(engine: Engine, db_url: str,

@@ -20,7 +20,7 @@ from psycopg import sql
 from composer_ops import Engine
 from composer_ops.core.model import TaskRef
 from composer_ops.db.errors import TranslatingConnection
-from composer_ops.errors import NotFound
+from composer_ops.errors import NotFound, Transient
 from composer_ops.repo import archive, partitions, runs, tasks
 from composer_ops.testing.fixtures import _misaligned_month
 from tests.integration.helpers import add_definition, add_run, now_utc, uuid7_at
@@ -34,12 +34,12 @@ def _plans(conn: Any, pattern: str) -> list[tuple[str, int, int]]:
 
 
 def test_the_events_of_a_run_reuse_cached_plans_on_its_month(db_url: str) -> None:
-    """Fifteen 1-task runs started, claimed and completed over one session: the run lock,
-    the task load and the event's one write (``composer_apply``) are each planned at most
-    five times (psycopg prepares from the fifth call; the server tries five custom plans
-    before it compares), then run on the cached generic plan. Inside the write, the fenced
-    completion and the run's finish are planned at each call with the run's ID (EXECUTE),
-    which keeps them to its month (sql/R__apply.sql)."""
+    """Fifteen 1-task runs started, claimed and completed over one session: the run's
+    lock and load (its month's function, ``composer_load_run_pYYYYMM``) and the event's
+    one write (``composer_apply``) are each planned at most five times (psycopg prepares
+    from the fifth call; the server tries five custom plans before it compares), then run
+    on the cached generic plan; the month's functions cache their own statements' plans
+    (sql/R__apply.sql)."""
     with psycopg.connect(db_url, autocommit=True) as conn:
         add_definition(conn)
     with Engine.connect(db_url, pool_size=1, application_name="test-plans") as engine:
@@ -50,14 +50,45 @@ def test_the_events_of_a_run_reuse_cached_plans_on_its_month(db_url: str) -> Non
         with engine.pool.connection() as conn:
             month = f"{now_utc():%Y%m}"
             found = {
-                "lock": _plans(conn, f'%FROM "workflow_runs_p{month}"%FOR UPDATE%'),
-                "load": _plans(conn, f'%FROM "task_instances_p{month}" WHERE run_id%'),
+                "load": _plans(conn, f'%"composer_load_run_p{month}"%'),
                 "write": _plans(conn, "%composer_apply%"),
             }
     for name, plans in found.items():
         assert len(plans) == 1, f"{name}: {plans}"
         (_, generic, custom), = plans
         assert generic >= 5 and custom <= 5, f"{name}: {generic} generic and {custom} custom plans"
+
+
+_PARTITIONS_LOCKED = """
+    SELECT c.relname::text FROM pg_locks l JOIN pg_class c ON c.oid = l.relation
+     WHERE l.pid = pg_backend_pid() AND l.locktype = 'relation'
+       AND c.relname ~ '^(task_instances|workflow_runs)_p' AND c.relkind = 'r'"""
+
+
+def test_the_lock_and_load_locks_its_months_partitions_only(db_url: str) -> None:
+    """With a year of months retained, a run's lock and load takes the locks of its
+    month's partitions only: through the month's own function, and through
+    composer_load_run on the partitioned tables for a month without one (on Citus every
+    month), which is planned with the run's ID."""
+    month = f"{now_utc():%Y%m}"
+    today = now_utc().date()
+    with TranslatingConnection.connect(db_url, autocommit=True) as setup:
+        add_definition(setup)
+        partitions.ensure_from(setup, date(today.year - 1, today.month, 1), 11)
+        run_id = add_run(setup)
+        tasks.insert_task(setup, run_id, task_id=f"{run_id[:8]}-a", node_id="a", node_type="TASK",
+                          queue="default", state="PENDING", now=now_utc())
+    own = {f"workflow_runs_p{month}", f"task_instances_p{month}"}
+    for load in (f"composer_load_run_p{month}", "composer_load_run"):
+        with TranslatingConnection.connect(db_url) as conn:
+            for _ in range(7):                         # past the five custom plans
+                assert partitions.month_tables(conn, run_id).load == load
+                row, loaded = runs.lock_and_load(conn, run_id)
+                assert row.id == run_id and set(loaded) == {"a"}
+                assert {r[0] for r in conn.execute(_PARTITIONS_LOCKED).fetchall()} == own
+                conn.rollback()
+            conn.execute(f"DROP FUNCTION IF EXISTS composer_load_run_p{month}".encode())
+            conn.commit()
 
 
 def test_a_month_whose_partitions_have_other_bounds_is_read_through_the_partitioned_tables(
@@ -78,7 +109,7 @@ def test_a_month_whose_partitions_have_other_bounds_is_read_through_the_partitio
         assert partitions.run_tables(conn, run_id) == ("workflow_runs", "task_instances")
         row, _ = runs.lock_and_load(conn, run_id)
         assert row.id == run_id
-    assert partitions._ALIGNED[conn]["202412"] is False          # kept: not checked again at every event
+    assert partitions._CHECKED[conn]["202412"] == partitions.PARTITIONED   # kept: not checked at every event
     month = f"{now_utc():%Y%m}"
     assert partitions.run_tables(conn, current) == (f"workflow_runs_p{month}", f"task_instances_p{month}")
     assert runs.lock_and_load(conn, current)[0].id == current
@@ -104,9 +135,11 @@ def _last_year(conn: Any) -> tuple[str, str, str]:
 def test_a_month_gone_after_a_connection_checked_it_is_a_missing_run(db_url: str, how: str) -> None:
     """One connection locks a run of last year's month (the month is checked and
     remembered); another drops that month (or detaches it into composer_detached). The
-    first then finds the run missing (NotFound, as through the partitioned table), its
-    heartbeat finds the lease lost, and once the month is made again its new runs are
-    found: the connection checks the month again rather than trusting what it saw."""
+    first's next lock finds the month's load function gone with it (Transient: the
+    transaction runs again) and, checked again, the run missing (NotFound, as through the
+    partitioned table); its heartbeat finds the lease lost, and once the month is made
+    again its new runs are found: the connection checks the month again rather than
+    trusting what it saw."""
     with TranslatingConnection.connect(db_url, autocommit=True) as other, TranslatingConnection.connect(db_url) as conn:
         add_definition(other)
         run_id, task_id, month = _last_year(other)
@@ -118,6 +151,9 @@ def test_a_month_gone_after_a_connection_checked_it_is_a_missing_run(db_url: str
         conn.commit()
         with other.transaction():
             archive.remove_month(other, month, partitions.RUN_TABLES, keep_table=how == "detached")
+        with pytest.raises(Transient, match=run_id):
+            runs.lock_and_load(conn, run_id)
+        conn.rollback()
         with pytest.raises(NotFound, match=run_id):
             runs.lock_and_load(conn, run_id)
         conn.rollback()
@@ -136,10 +172,13 @@ def test_the_month_check_is_per_connection(db_url: str) -> None:
         add_definition(a)
         run_id = add_run(a)
         runs.lock_and_load(a, run_id)
-        assert partitions._ALIGNED.get(a) == {f"{now_utc():%Y%m}": True}
-        assert partitions._ALIGNED.get(b) is None
+        month = f"{now_utc():%Y%m}"
+        own = partitions.RunTables(f"workflow_runs_p{month}", f"task_instances_p{month}",
+                                   f"composer_load_run_p{month}")
+        assert partitions._CHECKED.get(a) == {month: own}
+        assert partitions._CHECKED.get(b) is None
         assert runs.lock_and_load(b, run_id)[0].id == run_id
-        assert partitions._ALIGNED.get(b) == {f"{now_utc():%Y%m}": True}
+        assert partitions._CHECKED.get(b) == {month: own}
 
 
 
@@ -188,8 +227,9 @@ def _early_month(conn: Any, month: str, start: datetime, end: datetime) -> None:
 def test_a_month_made_again_with_other_bounds_is_checked_again_when_a_run_is_not_in_it(db_url: str) -> None:
     """A connection found December 2024 aligned; the month is then dropped and made
     again an hour early, with January after it, so a run of 2024-12-31 23:30 UTC lives
-    in January's partition. The connection does not find it by December's name, checks
-    the month again, and finds it through the partitioned tables."""
+    in January's partition. The connection looks for it with December's load function,
+    dropped with the month (Transient: the transaction runs again), checks the month
+    again, and finds it through the partitioned tables."""
     with TranslatingConnection.connect(db_url, autocommit=True) as other, TranslatingConnection.connect(db_url) as conn:
         add_definition(other)
         partitions.ensure_from(other, date(2024, 12, 1), 0)
@@ -207,6 +247,9 @@ def test_a_month_made_again_with_other_bounds_is_checked_again_when_a_run_is_not
         other.execute("""INSERT INTO workflow_runs (id, workflow_definition_id, workflow_version, status, created_at,
                                                     updated_at)
                          VALUES (%s, 'wf', 1, 'RUNNING', now(), now())""", (late,))
+        with pytest.raises(Transient, match=late):
+            runs.lock_and_load(conn, late)
+        conn.rollback()
         assert runs.lock_and_load(conn, late)[0].id == late
         assert partitions.run_tables(conn, late) == ("workflow_runs", "task_instances")
         conn.rollback()

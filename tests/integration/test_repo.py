@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+import time
 from datetime import timedelta
 from typing import Any
 
@@ -67,6 +69,38 @@ def test_lock_and_load_reads_the_row_and_the_db_clock_and_holds_the_lock(conn: A
         runs.lock_and_load(conn, "0190f0c0-0000-7000-8000-000000000000")
 
 
+def test_lock_and_load_sees_what_the_locks_previous_holder_committed(db_url: str) -> None:
+    """One transaction holds a run's lock, completes its task and creates the next; a
+    second event's lock_and_load waits for that lock meanwhile. Once the first commits,
+    the second sees both writes: its tasks are read after its lock was granted, not with
+    a snapshot from before it waited (the join race the run lock prevents)."""
+    from composer_ops.db.errors import TranslatingConnection
+
+    with (TranslatingConnection.connect(db_url, autocommit=True) as setup,
+          TranslatingConnection.connect(db_url) as first, TranslatingConnection.connect(db_url) as second):
+        add_definition(setup)
+        run_id = add_run(setup)
+        task_a = _task(setup, run_id, "a", state="RUNNING")
+        runs.lock_and_load(first, run_id)
+        _complete(first, _ref(run_id, task_a))
+        _task(first, run_id, "b")
+        found: list[Any] = []
+        waiter = threading.Thread(target=lambda: found.append(runs.lock_and_load(second, run_id)))
+        waiter.start()
+        deadline = time.monotonic() + 60
+        while setup.execute("SELECT wait_event_type FROM pg_stat_activity WHERE pid = %s",
+                            (second.info.backend_pid,)).fetchone() != ("Lock",):
+            assert time.monotonic() < deadline, "the second event never waited for the run's lock"
+            time.sleep(0.02)
+        first.commit()
+        waiter.join(60)
+        assert found, "the second event did not get the lock"
+        (_, loaded), = found
+        second.rollback()
+    assert set(loaded) == {"a", "b"}
+    assert (loaded["a"].state, loaded["b"].state) == ("COMPLETED", "PENDING")
+
+
 def test_insert_run_twice_is_conflict(conn: Any, run_id: str) -> None:
     with pytest.raises(Conflict, match="already exists"):
         runs.insert_run(conn, run_id=run_id, workflow_id="wf", workflow_version=1, input=None, context={},
@@ -90,7 +124,7 @@ def test_load_tasks_and_outputs(conn: Any, run_id: str) -> None:
     _, loaded = runs.lock_and_load(conn, run_id)
     assert set(loaded) == {"a", "w", "s"}
     assert loaded["w"].signal_name == "go" and loaded["a"].signal_name is None
-    assert loaded["s"].branches == ["x"]
+    assert loaded["s"].branches == ("x",)
     assert runs.load_outputs(conn, run_id, ["a", "w"]) == {"a": {"tier": "gold"}}
     assert runs.load_outputs(conn, run_id, []) == {}
 
