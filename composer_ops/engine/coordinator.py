@@ -254,7 +254,7 @@ class Coordinator:
         if time.monotonic() < self._next_aging:
             return
         self._next_aging = time.monotonic() + self.priority_aging_s / 4
-        with self.engine.pool.connection() as conn, conn.transaction():
+        with self.engine.pool.connection() as conn, autocommit(conn):
             stats.priorities_raised += outbox.raise_waiting(conn, self.priority_aging_s)
 
     def _leases(self, stats: PassStats) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import time
 from collections.abc import Callable, Mapping, Sequence
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
@@ -50,6 +51,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+#: How long a Citus engine keeps the stream keys (one per node holding outbox shards)
+#: before it finds them again: the delay after which a node added or rebalanced is claimed from.
+STREAM_KEYS_TTL_S = 60.0
+
 
 class Engine:
     """A connection pool plus the shell: deploy, start, signal, cancel, inspect.
@@ -63,6 +68,7 @@ class Engine:
         self.shell = Shell(pool)
         self.schedules = Schedules(self)
         self._stream_keys: list[str] = []
+        self._stream_keys_at = 0.0
         self._stream_next = 0
 
     def _on_citus(self, conn: Any) -> bool:
@@ -375,9 +381,13 @@ class Engine:
                 return claims
 
     def _keys(self, conn: Any) -> list[str]:
-        """The stream keys, one per node (:func:`citus.stream_keys`), found once."""
-        if not self._stream_keys:
+        """The stream keys, one per node (:func:`citus.stream_keys`), found again every
+        :data:`STREAM_KEYS_TTL_S`: after a node is added or shards are moved, each node
+        holding outbox shards gets its key within that time (a node without one would
+        have its dispatches claimed by nobody)."""
+        if not self._stream_keys or time.monotonic() - self._stream_keys_at > STREAM_KEYS_TTL_S:
             self._stream_keys = citus.stream_keys(conn)
+            self._stream_keys_at = time.monotonic()
         return self._stream_keys
 
     def _claim_streams_again(self, conn: Any, queues: Sequence[str], owner: str, limit: int,

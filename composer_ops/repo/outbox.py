@@ -171,15 +171,23 @@ def take_unstarted(conn: Conn, run_id: str, task_id: str, attempt: int) -> int:
 def raise_waiting(conn: Conn, older_than_s: float) -> int:
     """Raise every dispatch ready for more than ``older_than_s`` (the database clock) and
     below its queue's highest priority to that priority. The priority aging of the
-    coordinator's timer loop. A row a claim holds is waited for (briefly: the claim
-    deletes it, and then it is not raised); the same statement on Citus, where the
-    outbox is distributed and a statement over many shards cannot skip locked rows."""
-    return conn.execute("""
-        UPDATE task_outbox o SET priority = top.priority
-          FROM (SELECT queue, max(priority) AS priority FROM task_outbox GROUP BY queue) top
-         WHERE top.queue = o.queue AND o.priority < top.priority
-           AND o.available_at <= now() - make_interval(secs => %s)""",
-        (older_than_s,)).rowcount
+    coordinator's timer loop, called in autocommit: one read, then one single-row update
+    per aged dispatch, each its own transaction. So the pass never holds one row's lock
+    while it waits for another's (a claim or a cancel holding several rows cannot
+    deadlock with it), a row a claim holds is waited for briefly (the claim deletes it,
+    and then it is not raised), and on Citus each update names its run and commits on
+    that run's node in one phase."""
+    aged = conn.execute("""
+        SELECT o.run_id, o.id, top.priority
+          FROM task_outbox o
+          JOIN (SELECT queue, max(priority) AS priority FROM task_outbox GROUP BY queue) top ON top.queue = o.queue
+         WHERE o.priority < top.priority AND o.available_at <= now() - make_interval(secs => %s)""",
+        (older_than_s,)).fetchall()
+    raised = 0
+    for run_id, outbox_id, priority in aged:
+        raised += conn.execute("UPDATE task_outbox SET priority = %s WHERE run_id = %s AND id = %s AND priority < %s",
+                               (priority, run_id, outbox_id, priority)).rowcount
+    return raised
 
 
 def announce(conn: Conn, queues: Sequence[str]) -> None:

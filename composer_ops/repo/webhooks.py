@@ -53,7 +53,7 @@ def prune(conn: Conn, keep_s: float, limit: int) -> int:
     returns how many. Small batches keep each transaction short."""
     cur = conn.execute("""
         DELETE FROM webhook_deliveries
-         WHERE id IN (SELECT id FROM webhook_deliveries
+         WHERE (run_id, id) IN (SELECT run_id, id FROM webhook_deliveries
                        WHERE (delivered_at IS NOT NULL OR gave_up_at IS NOT NULL)
                          AND COALESCE(delivered_at, gave_up_at) < NOW() - make_interval(secs => %s)
                        ORDER BY COALESCE(delivered_at, gave_up_at)

@@ -65,13 +65,13 @@ BEGIN
         CONTINUE WHEN v_got >= p_limit OR v_open IS NULL;
         FOR o IN EXECUTE format($q$
             DELETE FROM %1$s x
-             WHERE x.id = ANY(ARRAY(
-                   SELECT y.id FROM %1$s y
+             WHERE (x.run_id, x.id) IN (
+                   SELECT y.run_id, y.id FROM %1$s y
                     WHERE y.queue = ANY($1) AND y.available_at <= $2 AND ($3::text[] IS NULL OR y.task_name = ANY($3))
                       AND y.ckey IS NULL AND y.rkey IS NULL
                     ORDER BY y.priority DESC, y.available_at, y.id
                     LIMIT $4
-                      FOR UPDATE SKIP LOCKED))
+                      FOR UPDATE SKIP LOCKED)
             RETURNING x.run_id, x.task_id, x.attempt, x.task_name, x.queue, x.lease_s, x.max_run_s$q$, v_shard)
             USING v_open, v_now, p_names, p_limit - v_got
         LOOP

@@ -192,8 +192,7 @@ def test_the_other_events_of_a_run_commit_in_one_phase(db_url: str, engine: Engi
         count("signal buffered", lambda: engine.signal(run, "go", {"x": 1}))
         nap = conn.execute("SELECT id FROM task_instances WHERE run_id = %s AND node_id = 'nap'", (run,)).fetchone()
         assert nap is not None
-        # The event alone: the timers loop's pass also ages priorities, a statement over
-        # every outbox shard (docs/scaling.md).
+        # The event alone (the timers loop's priority aging: the next test).
         fired = count("timer", lambda: engine.shell.handle(run, lambda now: TimerDue(task_id=nap[0], node_id="nap",
                                                                                      now=now)))
         assert not fired.stale
@@ -202,3 +201,21 @@ def test_the_other_events_of_a_run_commit_in_one_phase(db_url: str, engine: Engi
         count("retry", lambda: engine.retry(run))
     assert prepared == dict.fromkeys(("heartbeat", "lease lost, noted", "lease expiry", "signal buffered", "timer",
                                       "cancel", "retry"), 0)
+
+
+def test_priority_aging_raises_each_dispatch_in_one_phase(db_url: str, engine: Engine) -> None:
+    """The timers loop's priority aging reads the outbox over every shard in autocommit,
+    then raises each aged dispatch with a statement routed to its run's node: nothing
+    prepares, and the raise holds no row's lock while it waits for another's."""
+    runs = [engine.start("one") for _ in range(5)]
+    with psycopg.connect(db_url, autocommit=True) as conn:
+        conn.execute("UPDATE task_outbox SET priority = 0, available_at = now() - interval '1 hour' "
+                     "WHERE run_id = ANY(%s::uuid[])", (runs[:4],))
+        conn.execute("UPDATE task_outbox SET priority = 5 WHERE run_id = %s", (runs[4],))
+        before = [r[0] for r in conn.execute("SELECT gid FROM pg_dist_transaction").fetchall()]
+        stats = engine.coordinator(priority_aging_s=60).run_once(["timers"])
+        row = conn.execute("SELECT count(*) FROM pg_dist_transaction WHERE gid <> ALL(%s)", (before,)).fetchone()
+        priorities = [r[0] for r in conn.execute("SELECT priority FROM task_outbox ORDER BY run_id").fetchall()]
+    assert stats.priorities_raised == 4
+    assert priorities == [5] * 5
+    assert row is not None and row[0] == 0
