@@ -89,10 +89,7 @@ _SEEN_ATTEMPT = "SELECT attempt FROM task_instances WHERE run_id = %(run)s AND i
 #: a worker claiming one task at a time would get nothing all that while.
 KEPT_DELAY = timedelta(seconds=0.25)
 
-# Rows named by run and ID: the outbox's key is (run_id, id) (sql/citus/V016), so the run
-# IDs route to their shards and the key finds the rows (an ID alone scans every shard).
-_PUT_BACK = "UPDATE task_outbox SET available_at = %(at)s WHERE run_id = ANY(%(runs)s::uuid[]) AND id = ANY(%(ids)s)"
-_SETTLE = "DELETE FROM task_outbox WHERE run_id = ANY(%(runs)s::uuid[]) AND id = ANY(%(ids)s)"
+_PUT_BACK = "UPDATE task_outbox SET available_at = %(at)s WHERE id = ANY(%(ids)s)"
 
 # One task, routed to its shard (every table named is filtered on the run ID): the
 # claim and its history row.
@@ -225,7 +222,6 @@ def claim(conn: Conn, queues: Sequence[str], owner: str, limit: int,
             cur.close()
     claims: list[Claim] = []
     settled: list[int] = []
-    runs = [str(row["run_id"]) for row in picked]
     slots: list[tuple[str, str, str, int]] = []
     for row, result, seen_attempt in zip(picked, results, seen_attempts, strict=True):
         if result.get("node_id") is not None:
@@ -243,9 +239,9 @@ def claim(conn: Conn, queues: Sequence[str], owner: str, limit: int,
     kept = [row["id"] for row in picked if row["id"] not in settled]
     with conn.pipeline():
         if settled:
-            conn.execute(_SETTLE, {"runs": runs, "ids": settled})
+            conn.execute("DELETE FROM task_outbox WHERE id = ANY(%s)", (settled,))
         if kept:
-            conn.execute(_PUT_BACK, {"runs": runs, "ids": kept, "at": now + KEPT_DELAY})
+            conn.execute(_PUT_BACK, {"ids": kept, "at": now + KEPT_DELAY})
         if slots:
             conn.execute(*citus_flow.take_statement(slots))
     return claims

@@ -210,7 +210,7 @@ def test_priority_aging_raises_each_dispatch_in_one_phase(db_url: str, engine: E
     runs = [engine.start("one") for _ in range(5)]
     with psycopg.connect(db_url, autocommit=True) as conn:
         conn.execute("UPDATE task_outbox SET priority = 0, available_at = now() - interval '1 hour' "
-                     "WHERE run_id = ANY(%s::uuid[])", (runs[:4],))
+                     "WHERE run_id = ANY(%s)", (runs[:4],))
         conn.execute("UPDATE task_outbox SET priority = 5 WHERE run_id = %s", (runs[4],))
         before = [r[0] for r in conn.execute("SELECT gid FROM pg_dist_transaction").fetchall()]
         stats = engine.coordinator(priority_aging_s=60).run_once(["timers"])
