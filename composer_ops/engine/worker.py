@@ -28,6 +28,8 @@ from composer_ops.db.retry import backoff_delay
 from composer_ops.engine.jsonvalues import check_json
 from composer_ops.engine.listener import Listener
 from composer_ops.errors import Invalid, NonRetryableError, ShutdownTimeout
+from composer_ops.repo import outbox
+from composer_ops.repo._base import Conn
 from composer_ops.repo.outbox import CHANNEL, wake_channel
 from composer_ops.repo.rows import Claim
 
@@ -131,7 +133,11 @@ class Worker:
         self._promised = 0
         self._taken = 0
         self._told_all = False
+        #: a claim has begun (so it may have registered this worker before it listened)
+        self._claimed = False
         self._wake_lock = threading.Lock()
+        #: the LISTEN connection is up (set once; its reconnects are told by _on_listening)
+        self._listening = threading.Event()
         #: claims made and how many came back empty, by what started them (see claim_counts)
         self._claims: dict[str, list[int]] = {reason: [0, 0] for reason in CLAIM_REASONS}
         self._done = threading.Event()          # run() has returned: the heartbeat loop ends
@@ -176,7 +182,8 @@ class Worker:
                    for i in range(self.concurrency)]
         for thread in threads:
             thread.start()
-        listener = Listener(self.engine.url, CHANNEL, self._on_notify, self._stop, also=[self._wake_channel])
+        listener = Listener(self.engine.url, CHANNEL, self._on_notify, self._stop, also=[self._wake_channel],
+                            on_listening=self._on_listening)
         listener.start()
         beat = threading.Thread(target=self._heartbeat_loop, name="composer-heartbeat", daemon=True)
         beat.start()
@@ -205,6 +212,7 @@ class Worker:
     def _claim_loop(self, slots: queue.SimpleQueue[tuple[Claim, float] | None]) -> None:
         failures = 0          # claims failed in a row
         filled = False        # the last claim took every free slot: registered with no room
+        self._await_listening()
         while not self._stop.is_set():
             # Attempts in flight can exceed the slots (a claim that got more than it asked
             # for): no room then, as with every slot taken, until enough of them finish.
@@ -228,6 +236,7 @@ class Worker:
                 own, told_all = min(free, self._promised - self._taken), self._told_all
                 self._taken += own
                 self._told_all = False
+                self._claimed = True
                 seen = self._taken
             limit = own if own and not told_all else free
             reason = "shared" if told_all else "own" if own else "room"
@@ -264,6 +273,7 @@ class Worker:
     def _register_idle(self, free: int) -> bool:
         with self._wake_lock:
             seen = self._taken
+            self._claimed = True
         try:
             return self.engine.register_idle(self.queues, self.worker_id, list(self._handlers),
                                              wake=self._wake_channel, room=free, seen=seen)
@@ -281,10 +291,37 @@ class Worker:
     def claim_counts(self) -> dict[str, dict[str, int]]:
         """Claims this worker made and how many came back empty, by what started each
         (:data:`CLAIM_REASONS`): ``own``, woken on its own channel only (up to one task
-        per wake-up); ``shared``, told on the shared channel (all it has room for); ``room``,
+        per wake-up); ``shared``, told on the shared channel, or its LISTEN connection up again
+        after a loss (all it has room for); ``room``,
         neither: its first claim, a slot freed while it was full, or the poll interval
         passed. Read by the benchmark to say where empty claims come from."""
         return {reason: {"claims": n, "empty": empty} for reason, (n, empty) in self._claims.items()}
+
+    def _await_listening(self) -> None:
+        """Before the first claim: wait (at most the poll interval, a stop ends it) for
+        the LISTEN connection, so that the claim's registration, and a wake-up it hands
+        this worker, are heard. A claim made without it is made up for by
+        :meth:`_on_listening`."""
+        deadline = time.monotonic() + self.poll_interval
+        while not self._stop.is_set() and not self._listening.is_set():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            self._wake.wait(left)
+            self._wake.clear()
+
+    def _on_listening(self, conn: Conn) -> None:
+        """The LISTEN connection ``conn`` is up (the first, or again after a loss). A
+        notification sent while none listened reached no one: the wake-ups handed to this
+        worker meanwhile are read from its registration (their total, as a payload on its
+        channel carries it), and, when a claim may have registered it before (the shared
+        channel's announcements are not kept anywhere), it claims for all its room."""
+        promised = outbox.promised(conn, self.worker_id)
+        with self._wake_lock:
+            self._promised = max(self._promised, promised)
+            self._told_all = self._told_all or self._claimed
+        self._listening.set()
+        self._wake.set()
 
     def _wait_for_dispatch(self) -> None:
         """After a claim (which registered this worker with the room it left): wait for a

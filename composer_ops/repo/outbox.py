@@ -111,6 +111,14 @@ def register(conn: Conn, queues: Sequence[str], owner: str, task_names: Sequence
                   "names": list(task_names) if task_names is not None else None})
 
 
+def promised(conn: Conn, owner: str) -> int:
+    """The total of wake-ups handed to ``owner`` so far (``task_waiters.promised``; 0 when
+    it is not registered): what the notifications on its channel carry, read by a worker
+    once it listens, as those sent before reached no one."""
+    row = conn.execute("SELECT promised FROM task_waiters WHERE worker = %s", (owner,)).fetchone()
+    return 0 if row is None else int(row[0])
+
+
 #: The lock a claim takes as its first step (sql/R__claim.sql, and :func:`composer_ops.repo.citus.claim`),
 #: until it commits or rolls back: two int4 keys, a space apart from the one-bigint keys.
 _LOCK_CLAIM = "SELECT pg_advisory_xact_lock(hashtext('composer_claim'), hashtext(%(claim)s))"

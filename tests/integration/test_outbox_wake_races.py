@@ -20,6 +20,7 @@ import psycopg
 import pytest
 
 from composer_ops import Engine, Worker
+from composer_ops.db.connect import connect
 from composer_ops.repo import outbox
 from composer_ops.testing.processes import TERMINAL, wait_for
 from tests.integration.test_outbox_wake_one import Wakes, wakes  # noqa: F401  (the fixture)
@@ -201,3 +202,91 @@ def test_a_backlog_is_drained_at_full_concurrency_without_the_poll(db_url: str, 
         thread.join(60)
         w_engine.close()
     assert {engine.get_run(r).status for r in runs} == {"SUCCEEDED"}
+
+
+def _held_listener(monkeypatch: pytest.MonkeyPatch) -> tuple[threading.Event, threading.Event]:
+    """Hold the worker's LISTEN connection back: each connect waits for ``go`` (the
+    event returned second), after setting ``connecting``; real connections otherwise."""
+    connecting, go = threading.Event(), threading.Event()
+
+    def held(*args: Any, **kwargs: Any) -> Any:
+        connecting.set()
+        assert go.wait(120), "the test never let the listener connect"
+        return connect(*args, **kwargs)
+
+    monkeypatch.setattr("composer_ops.engine.listener.connect", held)
+    return connecting, go
+
+
+def test_a_wake_up_handed_before_the_worker_listens_is_not_lost(db_url: str, engine: Engine,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """The worker's first claim can commit, and hand the worker a wake-up for the task it
+    left, before its LISTEN connection is up (the listener connects on a thread of its
+    own; under load it is the slower): the NOTIFY reaches no one. Once listening, the
+    worker reads the wake-ups handed to it so far, so it claims the task left without
+    the poll (an hour here). Forced: the listener connects only after that claim."""
+    first, second = engine.start("one"), engine.start("one")
+    connecting, go = _held_listener(monkeypatch)
+    w_engine = Engine.connect(db_url, pool_size=2)
+    claim = w_engine.claim
+    claimed = threading.Event()
+
+    def noting(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return claim(*args, **kwargs)
+        finally:
+            claimed.set()
+
+    w_engine.claim = noting  # type: ignore[method-assign]
+    worker = Worker(w_engine, concurrency=1, poll_interval=3600.0, worker_id="late-listener")
+    worker.handler("noop")(lambda _input, _ctx: None)
+    thread = threading.Thread(target=worker.run, daemon=True)
+    thread.start()
+    try:
+        assert connecting.wait(30), "the listener never tried to connect"
+        if not claimed.wait(5):       # a worker that waits for its LISTEN first: let it listen
+            go.set()
+        wait_for(partial(_finished, engine, first), what=f"run {first}")
+        go.set()
+        wait_for(partial(_finished, engine, second), timeout=60, what=f"run {second} claimed without the poll")
+    finally:
+        go.set()
+        worker.stop()
+        thread.join(60)
+        w_engine.close()
+
+
+def test_a_wake_up_handed_while_the_listen_connection_is_down_is_not_lost(
+        db_url: str, engine: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The LISTEN connection is cut while the worker waits idle; a dispatch meanwhile
+    hands the worker (still registered) a wake-up whose NOTIFY reaches no one. Once
+    listening again, the worker reads what it was handed and claims the task without
+    the poll (an hour here)."""
+    worker = Worker(Engine.connect(db_url, pool_size=2), concurrency=2, poll_interval=3600.0,
+                    worker_id="relistening")
+    worker.handler("noop")(lambda _input, _ctx: None)
+    thread = threading.Thread(target=worker.run, daemon=True)
+    thread.start()
+    try:
+        wait_for(lambda: _room(engine, "relistening") == 2, what="the worker idle")
+
+        def listening() -> bool:
+            with engine.pool.connection() as conn:
+                return conn.execute("SELECT count(*) FROM pg_stat_activity WHERE application_name = 'composer-listen'"
+                                    ).fetchone() == (1,)
+        wait_for(listening, what="the worker listening")
+        connecting, go = _held_listener(monkeypatch)
+        with engine.pool.connection() as conn:
+            conn.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+                         "WHERE application_name = 'composer-listen'")
+        assert connecting.wait(60), "the listener did not reconnect"
+        run_id = engine.start("one")
+        with engine.pool.connection() as conn:     # the dispatch handed it to the worker's registration
+            assert conn.execute("SELECT promised FROM task_waiters WHERE worker = 'relistening'").fetchone() == (1,)
+        go.set()
+        wait_for(partial(_finished, engine, run_id), timeout=60, what=f"run {run_id} claimed without the poll")
+    finally:
+        go.set()
+        worker.stop()
+        thread.join(60)
+        worker.engine.close()
