@@ -8,11 +8,12 @@ the safety net: none of these leaves a task undispatched past an idle worker's p
 
 from __future__ import annotations
 
+import contextlib
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from functools import partial
 from typing import Any
 
@@ -48,6 +49,23 @@ def engine(db_url: str) -> Iterator[Engine]:
         yield engine
 
 
+@contextlib.contextmanager
+def _serving(w_engine: Engine, worker_id: str, concurrency: int, *, poll: float = 3600.0,
+             handler: Callable[[Any, Any], None] = lambda _input, _ctx: None) -> Iterator[Worker]:
+    """A worker on ``w_engine`` (closed afterwards) running ``handler`` for task "noop" on
+    a thread, stopped when the block ends."""
+    worker = Worker(w_engine, concurrency=concurrency, poll_interval=poll, worker_id=worker_id)
+    worker.handler("noop")(handler)
+    thread = threading.Thread(target=worker.run, daemon=True)
+    thread.start()
+    try:
+        yield worker
+    finally:
+        worker.stop()
+        thread.join(60)
+        w_engine.close()
+
+
 def _finished(engine: Engine, run_id: str) -> bool:
     return engine.get_run(run_id).status in TERMINAL
 
@@ -63,12 +81,7 @@ def test_a_killed_waiters_task_is_claimed_by_an_idle_workers_poll(db_url: str, e
     """A waiter killed keeps its registration, and a dispatch may hand it the task: the
     live idle worker, never told, claims it at its next poll (2 s here)."""
     poll = 2.0
-    w_engine = Engine.connect(db_url, pool_size=2)
-    worker = Worker(w_engine, concurrency=2, poll_interval=poll, worker_id="live")
-    worker.handler("noop")(lambda _input, _ctx: None)
-    thread = threading.Thread(target=worker.run, daemon=True)
-    thread.start()
-    try:
+    with _serving(Engine.connect(db_url, pool_size=2), "live", 2, poll=poll):
         wait_for(lambda: _room(engine, "live") == 2, what="the live worker idle")
         with subprocess.Popen([sys.executable, "-c", _WAITER, db_url], stdout=subprocess.PIPE, text=True) as dead:
             try:
@@ -87,10 +100,6 @@ def test_a_killed_waiters_task_is_claimed_by_an_idle_workers_poll(db_url: str, e
         assert told == [(outbox.wake_channel("dead"), "1")]
         wait_for(partial(_finished, engine, run_id), timeout=poll + 20, what=f"run {run_id} claimed by a poll")
         took = time.monotonic() - began
-    finally:
-        worker.stop()
-        thread.join(60)
-        w_engine.close()
     assert took < poll + 20
     assert engine.get_run(run_id).tasks[0].state == "COMPLETED"
 
@@ -111,11 +120,7 @@ def test_a_woken_worker_whose_task_another_took_is_woken_again(db_url: str, engi
         return claim(*args, **kwargs)
 
     w_engine.claim = held  # type: ignore[method-assign]
-    worker = Worker(w_engine, concurrency=2, poll_interval=3600.0, worker_id="woken")
-    worker.handler("noop")(lambda _input, _ctx: None)
-    thread = threading.Thread(target=worker.run, daemon=True)
-    thread.start()
-    try:
+    with _serving(w_engine, "woken", 2) as worker, _released(go):
         wait_for(lambda: _room(engine, "woken") == 2, what="the worker idle")
         first = engine.start("one")
         assert taken.wait(30), "the worker was not woken"
@@ -126,11 +131,6 @@ def test_a_woken_worker_whose_task_another_took_is_woken_again(db_url: str, engi
         wait_for(lambda: _room(engine, "woken") == 2, what="the worker's room registered again")
         second = engine.start("one")
         wait_for(partial(_finished, engine, second), what=f"run {second}")
-    finally:
-        go.set()
-        worker.stop()
-        thread.join(60)
-        w_engine.close()
     assert engine.get_run(first).tasks[0].state == "RUNNING"      # the other holds it
     assert worker.claim_counts()["own"] == {"claims": 2, "empty": 1}
 
@@ -156,12 +156,7 @@ def test_a_worker_that_fills_its_slots_claims_again_only_for_tasks_left(db_url: 
     slot frees; that claim leaves nothing, so the worker registers its freed slot instead
     of claiming (a claim would come back empty), and the next dispatch wakes it."""
     first, second = engine.start("one"), engine.start("one")
-    w_engine = Engine.connect(db_url, pool_size=2)
-    worker = Worker(w_engine, concurrency=1, poll_interval=3600.0, worker_id="single")
-    worker.handler("noop")(lambda _input, _ctx: None)
-    thread = threading.Thread(target=worker.run, daemon=True)
-    thread.start()
-    try:
+    with _serving(Engine.connect(db_url, pool_size=2), "single", 1) as worker:
         for run_id in (first, second):
             wait_for(partial(_finished, engine, run_id), what=f"run {run_id}")
         wait_for(lambda: _room(engine, "single") == 1, what="the freed slot registered")
@@ -169,10 +164,6 @@ def test_a_worker_that_fills_its_slots_claims_again_only_for_tasks_left(db_url: 
                                          "room": {"claims": 1, "empty": 0}}
         third = engine.start("one")
         wait_for(partial(_finished, engine, third), what=f"run {third}")
-    finally:
-        worker.stop()
-        thread.join(60)
-        w_engine.close()
     assert worker.claim_counts()["own"] == {"claims": 2, "empty": 0}
 
 
@@ -185,29 +176,30 @@ def test_a_backlog_is_drained_at_full_concurrency_without_the_poll(db_url: str, 
     drain rate of 5f2f967 in bench.ab before the fix)."""
     runs = [engine.start("one") for _ in range(24)]
     together = threading.Barrier(4)
-    w_engine = Engine.connect(db_url, pool_size=6)
-    worker = Worker(w_engine, concurrency=4, poll_interval=3600.0, worker_id="drainer")
 
     def noop(_input: Any, _ctx: Any) -> None:
         together.wait(timeout=300)
 
-    worker.handler("noop")(noop)
-    thread = threading.Thread(target=worker.run, daemon=True)
-    thread.start()
-    try:
-        wait_for(lambda: all(_finished(engine, r) for r in runs), timeout=90, what="the 24 runs finished")
-    finally:
-        together.abort()
-        worker.stop()
-        thread.join(60)
-        w_engine.close()
+    with _serving(Engine.connect(db_url, pool_size=6), "drainer", 4, handler=noop):
+        try:
+            wait_for(lambda: all(_finished(engine, r) for r in runs), timeout=90, what="the 24 runs finished")
+        finally:
+            together.abort()
     assert {engine.get_run(r).status for r in runs} == {"SUCCEEDED"}
 
 
-def _held_listener(monkeypatch: pytest.MonkeyPatch) -> tuple[threading.Event, threading.Event]:
-    """Hold the worker's LISTEN connection back: each connect waits for ``go`` (the
-    event returned second), after setting ``connecting``; real connections otherwise."""
-    connecting, go = threading.Event(), threading.Event()
+@contextlib.contextmanager
+def _released(go: threading.Event) -> Iterator[None]:
+    """Set ``go`` when the block ends, however: nothing stays held by the test."""
+    try:
+        yield
+    finally:
+        go.set()
+
+
+def _hold_listener(monkeypatch: pytest.MonkeyPatch, connecting: threading.Event, go: threading.Event) -> None:
+    """Hold the worker's LISTEN connection back: each connect sets ``connecting``, then
+    waits for ``go``; real connections otherwise."""
 
     def held(*args: Any, **kwargs: Any) -> Any:
         connecting.set()
@@ -215,7 +207,6 @@ def _held_listener(monkeypatch: pytest.MonkeyPatch) -> tuple[threading.Event, th
         return connect(*args, **kwargs)
 
     monkeypatch.setattr("composer_ops.engine.listener.connect", held)
-    return connecting, go
 
 
 def test_a_wake_up_handed_before_the_worker_listens_is_not_lost(db_url: str, engine: Engine,
@@ -226,7 +217,8 @@ def test_a_wake_up_handed_before_the_worker_listens_is_not_lost(db_url: str, eng
     worker reads the wake-ups handed to it so far, so it claims the task left without
     the poll (an hour here). Forced: the listener connects only after that claim."""
     first, second = engine.start("one"), engine.start("one")
-    connecting, go = _held_listener(monkeypatch)
+    connecting, go = threading.Event(), threading.Event()
+    _hold_listener(monkeypatch, connecting, go)
     w_engine = Engine.connect(db_url, pool_size=2)
     claim = w_engine.claim
     claimed = threading.Event()
@@ -238,22 +230,13 @@ def test_a_wake_up_handed_before_the_worker_listens_is_not_lost(db_url: str, eng
             claimed.set()
 
     w_engine.claim = noting  # type: ignore[method-assign]
-    worker = Worker(w_engine, concurrency=1, poll_interval=3600.0, worker_id="late-listener")
-    worker.handler("noop")(lambda _input, _ctx: None)
-    thread = threading.Thread(target=worker.run, daemon=True)
-    thread.start()
-    try:
+    with _serving(w_engine, "late-listener", 1), _released(go):
         assert connecting.wait(30), "the listener never tried to connect"
         if not claimed.wait(5):       # a worker that waits for its LISTEN first: let it listen
             go.set()
         wait_for(partial(_finished, engine, first), what=f"run {first}")
         go.set()
         wait_for(partial(_finished, engine, second), timeout=60, what=f"run {second} claimed without the poll")
-    finally:
-        go.set()
-        worker.stop()
-        thread.join(60)
-        w_engine.close()
 
 
 def test_a_wake_up_handed_while_the_listen_connection_is_down_is_not_lost(
@@ -262,12 +245,8 @@ def test_a_wake_up_handed_while_the_listen_connection_is_down_is_not_lost(
     hands the worker (still registered) a wake-up whose NOTIFY reaches no one. Once
     listening again, the worker reads what it was handed and claims the task without
     the poll (an hour here)."""
-    worker = Worker(Engine.connect(db_url, pool_size=2), concurrency=2, poll_interval=3600.0,
-                    worker_id="relistening")
-    worker.handler("noop")(lambda _input, _ctx: None)
-    thread = threading.Thread(target=worker.run, daemon=True)
-    thread.start()
-    try:
+    connecting, go = threading.Event(), threading.Event()
+    with _serving(Engine.connect(db_url, pool_size=2), "relistening", 2), _released(go):
         wait_for(lambda: _room(engine, "relistening") == 2, what="the worker idle")
 
         def listening() -> bool:
@@ -275,7 +254,7 @@ def test_a_wake_up_handed_while_the_listen_connection_is_down_is_not_lost(
                 return conn.execute("SELECT count(*) FROM pg_stat_activity WHERE application_name = 'composer-listen'"
                                     ).fetchone() == (1,)
         wait_for(listening, what="the worker listening")
-        connecting, go = _held_listener(monkeypatch)
+        _hold_listener(monkeypatch, connecting, go)
         with engine.pool.connection() as conn:
             conn.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
                          "WHERE application_name = 'composer-listen'")
@@ -285,8 +264,3 @@ def test_a_wake_up_handed_while_the_listen_connection_is_down_is_not_lost(
             assert conn.execute("SELECT promised FROM task_waiters WHERE worker = 'relistening'").fetchone() == (1,)
         go.set()
         wait_for(partial(_finished, engine, run_id), timeout=60, what=f"run {run_id} claimed without the poll")
-    finally:
-        go.set()
-        worker.stop()
-        thread.join(60)
-        worker.engine.close()
