@@ -89,7 +89,10 @@ _SEEN_ATTEMPT = "SELECT attempt FROM task_instances WHERE run_id = %(run)s AND i
 #: a worker claiming one task at a time would get nothing all that while.
 KEPT_DELAY = timedelta(seconds=0.25)
 
-_PUT_BACK = "UPDATE task_outbox SET available_at = %(at)s WHERE id = ANY(%(ids)s)"
+# A settled or kept outbox row, named by its key (run_id, id) (sql/citus/V016): the run ID
+# routes each statement to the row's shard (by ID alone, one would scan every shard).
+_SETTLE = "DELETE FROM task_outbox WHERE run_id = %(run)s AND id = %(id)s"
+_PUT_BACK = "UPDATE task_outbox SET available_at = %(at)s WHERE run_id = %(run)s AND id = %(id)s"
 
 # One task, routed to its shard (every table named is filtered on the run ID): the
 # claim and its history row.
@@ -221,11 +224,11 @@ def claim(conn: Conn, queues: Sequence[str], owner: str, limit: int,
         for cur in (*seen, *cursors):
             cur.close()
     claims: list[Claim] = []
-    settled: list[int] = []
+    settled: set[int] = set()
     slots: list[tuple[str, str, str, int]] = []
     for row, result, seen_attempt in zip(picked, results, seen_attempts, strict=True):
         if result.get("node_id") is not None:
-            settled.append(row["id"])
+            settled.add(row["id"])
             claims.append(Claim(run_id=row["run_id"], task_id=row["task_id"], node_id=result["node_id"],
                                 attempt=row["attempt"], task_name=row["task_name"], queue=row["queue"],
                                 input=result["input"], lease_s=row["lease_s"], lease_owner=owner,
@@ -235,15 +238,17 @@ def claim(conn: Conn, queues: Sequence[str], owner: str, limit: int,
             if row["ckey"] is not None:
                 slots.append(("c:" + row["ckey"], row["run_id"], row["task_id"], row["attempt"]))
         elif seen_attempt is not None and seen_attempt >= row["attempt"]:
-            settled.append(row["id"])          # cancelled, finished or a stale attempt: nothing to run
-    kept = [row["id"] for row in picked if row["id"] not in settled]
-    with conn.pipeline():
-        if settled:
-            conn.execute("DELETE FROM task_outbox WHERE id = ANY(%s)", (settled,))
+            settled.add(row["id"])             # cancelled, finished or a stale attempt: nothing to run
+    gone = [{"run": row["run_id"], "id": row["id"]} for row in picked if row["id"] in settled]
+    kept = [{"run": row["run_id"], "id": row["id"], "at": now + KEPT_DELAY}
+            for row in picked if row["id"] not in settled]
+    with conn.pipeline(), conn.cursor() as cur:
+        if gone:
+            cur.executemany(_SETTLE, gone)
         if kept:
-            conn.execute(_PUT_BACK, {"ids": kept, "at": now + KEPT_DELAY})
+            cur.executemany(_PUT_BACK, kept)
         if slots:
-            conn.execute(*citus_flow.take_statement(slots))
+            cur.execute(*citus_flow.take_statement(slots))
     return claims
 
 

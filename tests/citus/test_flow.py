@@ -5,6 +5,7 @@ citus_flow lists them)."""
 
 from __future__ import annotations
 
+import re
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -251,3 +252,25 @@ def test_a_key_at_its_limit_does_not_hold_up_the_keys_behind_it_across_claims(db
     assert len(engine.claim(["k"], "w", limit)) == limit
     (other,) = engine.claim(["k"], "w", 1)
     assert other.run_id == b
+
+
+def test_the_flow_claim_deletes_and_puts_back_each_outbox_row_on_its_shard_alone(db_url: str,
+                                                                                 engine: Engine) -> None:
+    """A settled outbox row is deleted, a kept one put back, each by a statement routed to
+    the row's shard (the outbox's key is (run_id, id)), not one sent to every shard. The
+    commands the coordinator sends to the shards are read from citus.log_remote_commands."""
+    claimed, cancelled, requeued = (engine.start("low") for _ in range(3))
+    engine.queues.set_limit("q", 5)                            # the coordinator's claim
+    with psycopg.connect(db_url, autocommit=True) as conn:
+        conn.execute("UPDATE task_instances SET state = 'CANCELLED' WHERE run_id = %s", (cancelled,))
+        conn.execute("UPDATE task_outbox SET attempt = 1 WHERE run_id = %s", (requeued,))   # kept
+    sent: list[str] = []
+    with psycopg.connect(db_url) as conn:
+        conn.add_notice_handler(lambda d: sent.append(d.message_primary or ""))
+        conn.execute("SET citus.log_remote_commands = on")
+        assert [c.run_id for c in citus.claim(conn, ["q"], "w1", 10, claim_id="claim-R")] == [claimed]
+    deletes = [c for c in sent if re.search(r"DELETE FROM \S*task_outbox_\d+", c)]
+    put_backs = [c for c in sent if re.search(r"UPDATE \S*task_outbox_\d+ ", c)]
+    assert len(deletes) == 2, deletes
+    assert len(put_backs) == 1, put_backs
+    assert [r[0] for r in _sql(db_url, "SELECT run_id FROM task_outbox")] == [requeued]
