@@ -185,3 +185,17 @@ def test_the_claims_month_of_a_run_id_is_the_one_its_partition_holds(db_url: str
             assert row == (runids.month_of(run_id),), run_id
         for text in ("not-a-uuid", ids[2].upper(), ids[2].replace("-7abc-", "-4abc-"), ""):
             assert conn.execute("SELECT composer_run_month(%s)", (text,)).fetchone() == (None,)
+
+
+def test_a_function_that_turns_a_plan_type_off_turns_jit_off(db_url: str) -> None:
+    """A function setting ``enable_<plan> = off`` (the claim: sql/R__claim.sql) makes any
+    plan it still needs of that type cost 10^10, far over ``jit_above_cost``: on a server
+    with JIT (Debian's PostgreSQL 15) every call compiled it, 140 to 270 ms. Each such
+    function sets ``jit = off`` too; the claim is one."""
+    with psycopg.connect(db_url) as conn:
+        rows = conn.execute("""
+            SELECT p.oid::regprocedure::text, p.proconfig FROM pg_proc p
+             WHERE p.pronamespace = current_schema()::regnamespace
+               AND EXISTS (SELECT 1 FROM unnest(p.proconfig) AS c(s) WHERE c.s ~ '^enable_[a-z_]+=off$')""").fetchall()
+    assert any(name.startswith("composer_claim(") for name, _ in rows), rows
+    assert [name for name, config in rows if "jit=off" not in config] == []
