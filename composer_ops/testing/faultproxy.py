@@ -136,6 +136,18 @@ class FaultProxy:
         with self._lock:
             return self._count
 
+    def describe(self) -> str:
+        """One line on the proxy's state: requests counted since :meth:`reset`, and each
+        connection's (startup done, passing bytes through unparsed, a request open,
+        requests awaiting their answer). For a test's failure message."""
+        with self._lock:
+            count = self._count
+        pipes = "; ".join(
+            f"conn {p.serial}: ready={p.ready} passthrough={p.passthrough} copy_in={p.copy_in} "
+            f"open={p.current.index if p.current else None} inflight={len(p.inflight)} parked={p.parked}"
+            for p in list(self._pipes.values()))
+        return f"{count} requests since reset; {pipes or 'no connections'}"
+
     def close_all(self) -> None:
         """Cut every connection now (as a network failure would)."""
         def cut() -> None:

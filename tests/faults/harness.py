@@ -156,7 +156,8 @@ def sweep(b: Bench, name: str, *, setup: Callable[[], S], act: Callable[[S], Any
     n = len(out.recorded)
     if n == 0:
         raised = f"; it raised {type(result.error).__name__}: {result.error}" if result.error else ""
-        raise AssertionError(f"{name}: the operation sent no request through the proxy{raised}")
+        raise AssertionError(f"{name}: the operation sent no request through the proxy{raised} "
+                             f"(proxy: {b.proxy.describe()})")
     commits = [r.index for r in out.recorded if r.commits]
     # the commit that makes the operation's effect durable (its last)
     last_commit = commits[-1:]
