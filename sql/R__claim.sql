@@ -35,9 +35,10 @@
 -- would scan it whole: with enable_seqscan off the claim's plans go through the indexes
 -- (task update by run_id, outbox delete by id) whatever the tables held when planned.
 -- A scan with no index to use (the wake-up count's read of task_waiters) is still a
--- sequential scan, costed at 10^10 by that setting: far over jit_above_cost, so a server
--- with JIT (PostgreSQL 15 as Debian builds it, on by default) compiled it at every call,
--- 140 to 270 ms each; the claim turns JIT off (tests/integration/test_outbox_claim_months.py).
+-- sequential scan, costed at 10^10 by that setting (PostgreSQL 15 to 17; 18 counts
+-- disabled nodes apart): far over jit_above_cost, so a server with JIT (PostgreSQL 15
+-- as Debian builds it, on by default) compiled it at every call, 140 to 270 ms each;
+-- the claim turns JIT off (tests/integration/test_outbox_claim_months.py).
 
 -- Idle workers: a listening worker's claim registers it in task_waiters with its free
 -- slots and the wake-ups it has taken up; a dispatch (composer_enqueue,

@@ -435,6 +435,14 @@ class Engine:
         return claims
 
     @db_retry()
+    def wakeups_handed(self, owner: str) -> int:
+        """The total of wake-ups handed to worker ``owner`` so far (``task_waiters.promised``;
+        0 when it is not registered): what a worker reads as it starts, since a
+        registration under its ID may be a previous process's."""
+        with self.pool.connection() as conn, autocommit(conn):
+            return outbox.promised(conn, owner)
+
+    @db_retry()
     def register_idle(self, queues: Sequence[str], owner: str, task_names: Sequence[str] | None, *, wake: str,
                       room: int, seen: int) -> bool:
         """Register ``owner`` to be woken on ``wake`` for ``room`` tasks, as its claims do

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 from composer_ops.db.retry import backoff_delay
 from composer_ops.engine.jsonvalues import check_json
 from composer_ops.engine.listener import Listener
-from composer_ops.errors import Invalid, NonRetryableError, ShutdownTimeout
+from composer_ops.errors import ComposerError, Invalid, NonRetryableError, ShutdownTimeout
 from composer_ops.repo import outbox
 from composer_ops.repo._base import Conn
 from composer_ops.repo.outbox import CHANNEL, wake_channel
@@ -212,6 +212,7 @@ class Worker:
     def _claim_loop(self, slots: queue.SimpleQueue[tuple[Claim, float] | None]) -> None:
         failures = 0          # claims failed in a row
         filled = False        # the last claim took every free slot: registered with no room
+        self._adopt_registration()
         self._await_listening()
         while not self._stop.is_set():
             # Attempts in flight can exceed the slots (a claim that got more than it asked
@@ -297,6 +298,22 @@ class Worker:
         passed. Read by the benchmark to say where empty claims come from."""
         return {reason: {"claims": n, "empty": empty} for reason, (n, empty) in self._claims.items()}
 
+    def _adopt_registration(self) -> None:
+        """Before the first claim: a registration under this worker's ID is a previous
+        process's (one killed before it could unregister, its ID reused), and the
+        wake-ups it counts were handed to that process: they count as taken up, and the
+        first claim (for all the room) writes them so. Otherwise the worker would make
+        one claim per such wake-up, each empty. Reading fails: as if none (the claim
+        that follows fails or registers the worker afresh)."""
+        try:
+            handed = self.engine.wakeups_handed(self.worker_id)
+        except Exception as exc:
+            log.warning("could not read worker %s's registration: %s", self.worker_id, exc)
+            return
+        with self._wake_lock:
+            self._promised = max(self._promised, handed)
+            self._taken = max(self._taken, handed)
+
     def _await_listening(self) -> None:
         """Before the first claim: wait (at most the poll interval, a stop ends it) for
         the LISTEN connection, so that the claim's registration, and a wake-up it hands
@@ -315,11 +332,19 @@ class Worker:
         notification sent while none listened reached no one: the wake-ups handed to this
         worker meanwhile are read from its registration (their total, as a payload on its
         channel carries it), and, when a claim may have registered it before (the shared
-        channel's announcements are not kept anywhere), it claims for all its room."""
-        promised = outbox.promised(conn, self.worker_id)
+        channel's announcements are not kept anywhere), it claims for all its room.
+
+        Reading fails: the worker claims for all its room, as after a loss, and the
+        LISTEN stays up."""
+        try:
+            promised = outbox.promised(conn, self.worker_id)
+        except ComposerError as exc:
+            log.warning("could not read the wake-ups handed to worker %s: %s", self.worker_id, exc)
+            promised = None
         with self._wake_lock:
-            self._promised = max(self._promised, promised)
-            self._told_all = self._told_all or self._claimed
+            if promised is not None:
+                self._promised = max(self._promised, promised)
+            self._told_all = self._told_all or self._claimed or promised is None
         self._listening.set()
         self._wake.set()
 

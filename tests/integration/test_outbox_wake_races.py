@@ -251,16 +251,37 @@ def test_a_wake_up_handed_while_the_listen_connection_is_down_is_not_lost(
 
         def listening() -> bool:
             with engine.pool.connection() as conn:
-                return conn.execute("SELECT count(*) FROM pg_stat_activity WHERE application_name = 'composer-listen'"
-                                    ).fetchone() == (1,)
+                return conn.execute("SELECT count(*) FROM pg_stat_activity WHERE application_name = 'composer-listen' "
+                                    "AND datname = current_database()").fetchone() == (1,)
         wait_for(listening, what="the worker listening")
         _hold_listener(monkeypatch, connecting, go)
         with engine.pool.connection() as conn:
             conn.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
-                         "WHERE application_name = 'composer-listen'")
+                         "WHERE application_name = 'composer-listen' AND datname = current_database()")
         assert connecting.wait(60), "the listener did not reconnect"
         run_id = engine.start("one")
         with engine.pool.connection() as conn:     # the dispatch handed it to the worker's registration
             assert conn.execute("SELECT promised FROM task_waiters WHERE worker = 'relistening'").fetchone() == (1,)
         go.set()
         wait_for(partial(_finished, engine, run_id), timeout=60, what=f"run {run_id} claimed without the poll")
+        with engine.pool.connection() as conn:     # and took up what it read: nothing left on its way
+            wait_for(lambda: conn.execute("SELECT promised - seen FROM task_waiters WHERE worker = 'relistening'"
+                                          ).fetchone() == (0,), what="the wake-up taken up")
+
+
+def test_a_registration_left_by_a_killed_process_of_the_same_id_is_taken_over(db_url: str,
+                                                                              engine: Engine) -> None:
+    """A process killed before it unregistered leaves its registration, whose totals count
+    wake-ups handed to it; a new process with the same worker ID (a fixed ID, or one
+    reused in a container) counts them as taken up: its first claim writes them so, and
+    it makes no claim per stale wake-up (each would come back empty)."""
+    with engine.pool.connection() as conn:
+        conn.execute("INSERT INTO task_waiters (worker, channel, queues, slots, promised, seen) "
+                     "VALUES ('reused', %s, ARRAY['default'], 4, 4000, 3998)", (outbox.wake_channel("reused"),))
+    with _serving(Engine.connect(db_url, pool_size=2), "reused", 4) as worker:
+        wait_for(lambda: _room(engine, "reused") == 4, what="the worker registered afresh")
+        run_id = engine.start("one")
+        wait_for(partial(_finished, engine, run_id), what=f"run {run_id}")
+        counts = worker.claim_counts()
+    assert sum(c["empty"] for c in counts.values()) <= 1, counts
+    assert sum(c["claims"] for c in counts.values()) <= 3, counts
