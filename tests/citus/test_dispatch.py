@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import threading
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import psycopg
@@ -86,14 +86,20 @@ def test_two_phase_commit_starts_against_concurrent_claimers_lose_no_task(db_url
     assert len(claimed) == starts and set(claimed.values()) == {1}
 
 
+def _prepared_during(conn: psycopg.Connection[Any], event: Callable[[], Any]) -> tuple[int, Any]:
+    """How many two-phase commits Citus recorded (``pg_dist_transaction`` rows, one per
+    worker node a transaction prepared on) while ``event()`` ran, and its result."""
+    before = [r[0] for r in conn.execute("SELECT gid FROM pg_dist_transaction").fetchall()]
+    result = event()
+    row = conn.execute("SELECT count(*) FROM pg_dist_transaction WHERE gid <> ALL(%s)", (before,)).fetchone()
+    return (row[0] if row else -1), result
+
+
 def test_a_task_and_its_outbox_row_commit_together_on_the_runs_node_in_one_phase(db_url: str,
                                                                                  engine: Engine) -> None:
     with psycopg.connect(db_url, autocommit=True) as conn:
-        before = [r[0] for r in conn.execute("SELECT gid FROM pg_dist_transaction").fetchall()]
-        runs = [engine.start("one") for _ in range(10)]
-        prepared = conn.execute("SELECT count(*) FROM pg_dist_transaction WHERE gid <> ALL(%s)",
-                                (before,)).fetchone()
-        assert prepared == (0,)                      # no start prepared a transaction on any node
+        prepared, runs = _prepared_during(conn, lambda: [engine.start("one") for _ in range(10)])
+        assert prepared == 0                         # no start prepared a transaction on any node
         queued = [r[0] for r in conn.execute("SELECT run_id FROM task_outbox WHERE run_id = ANY(%s)",
                                              (runs,)).fetchall()]
         placed = conn.execute("""
@@ -121,11 +127,8 @@ def test_failures_requeues_and_resolved_waits_commit_in_one_phase(db_url: str, e
     prepared: dict[str, int] = {}
     with psycopg.connect(db_url, autocommit=True) as conn:
 
-        def count(name: str, event: Any) -> Any:
-            before = [r[0] for r in conn.execute("SELECT gid FROM pg_dist_transaction").fetchall()]
-            result = event()
-            row = conn.execute("SELECT count(*) FROM pg_dist_transaction WHERE gid <> ALL(%s)", (before,)).fetchone()
-            prepared[name] = row[0] if row else -1
+        def count(name: str, event: Callable[[], Any]) -> Any:
+            prepared[name], result = _prepared_during(conn, event)
             return result
 
         run = engine.start("flow")
@@ -173,11 +176,8 @@ def test_the_other_events_of_a_run_commit_in_one_phase(db_url: str, engine: Engi
     coordinator = engine.coordinator()
     with psycopg.connect(db_url, autocommit=True) as conn:
 
-        def count(name: str, event: Any) -> Any:
-            before = [r[0] for r in conn.execute("SELECT gid FROM pg_dist_transaction").fetchall()]
-            result = event()
-            row = conn.execute("SELECT count(*) FROM pg_dist_transaction WHERE gid <> ALL(%s)", (before,)).fetchone()
-            prepared[name] = row[0] if row else -1
+        def count(name: str, event: Callable[[], Any]) -> Any:
+            prepared[name], result = _prepared_during(conn, event)
             return result
 
         run = engine.start("others")
@@ -212,10 +212,8 @@ def test_priority_aging_raises_each_dispatch_in_one_phase(db_url: str, engine: E
         conn.execute("UPDATE task_outbox SET priority = 0, available_at = now() - interval '1 hour' "
                      "WHERE run_id = ANY(%s)", (runs[:4],))
         conn.execute("UPDATE task_outbox SET priority = 5 WHERE run_id = %s", (runs[4],))
-        before = [r[0] for r in conn.execute("SELECT gid FROM pg_dist_transaction").fetchall()]
-        stats = engine.coordinator(priority_aging_s=60).run_once(["timers"])
-        row = conn.execute("SELECT count(*) FROM pg_dist_transaction WHERE gid <> ALL(%s)", (before,)).fetchone()
+        prepared, stats = _prepared_during(conn, lambda: engine.coordinator(priority_aging_s=60).run_once(["timers"]))
         priorities = [r[0] for r in conn.execute("SELECT priority FROM task_outbox ORDER BY run_id").fetchall()]
     assert stats.priorities_raised == 4
     assert priorities == [5] * 5
-    assert row is not None and row[0] == 0
+    assert prepared == 0
