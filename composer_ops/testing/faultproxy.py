@@ -1,7 +1,8 @@
 """A PostgreSQL wire-protocol proxy that injects connection faults at exact points.
 
 ``FaultProxy(server_url)`` forwards every connection from its own Unix socket and counts
-*requests* (everything up to a ``Sync`` or a simple ``Query``), recording each in
+*requests* (everything up to a ``Sync`` or a simple ``Query``; a ``Flush`` outside a
+request opens none), recording each in
 :attr:`FaultProxy.requests`. One fault is armed at a time, at the Nth request or the
 first whose SQL matches: ``DROP_BEFORE``; ``LOSE_ACK`` (the server completes it, the
 connection is cut as it reports the result; a ``COPY ... FROM STDIN``, which completes
@@ -331,7 +332,10 @@ class FaultProxy:
         if not pipe.ready:
             pipe.to_server += msg        # authentication exchange
             return True
-        if kind == b"X":
+        if kind == b"X" or (kind == b"H" and pipe.current is None):
+            # A Terminate; or a Flush outside a request, which asks for nothing new: psycopg
+            # sends one after a pipeline's Sync, and counted as the start of a request it
+            # would swallow the client's next request (numbered as part of this one).
             pipe.to_server += msg
             return True
         if pipe.current is None and not (pipe.copy_in and kind in wire.COPY_FROM_CLIENT):

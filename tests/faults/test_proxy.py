@@ -68,6 +68,43 @@ def test_it_forwards_transactions_pipelines_copy_and_notifications(proxy: FaultP
     assert not proxy.requests[1].commits and proxy.requests[1].status_after == "T"
 
 
+def _pipelined_transaction(conn: psycopg.Connection[Any], value: int) -> None:
+    """BEGIN, an INSERT and COMMIT in one pipeline on an autocommit connection (how
+    the engine's one-statement events are sent): psycopg ends it with a Sync, then
+    sends a Flush of its own."""
+    with conn.pipeline():
+        conn.execute("BEGIN")
+        conn.execute("INSERT INTO proxied VALUES (%s, 'x')", (value,))
+        conn.execute("COMMIT")
+
+
+def test_a_pipelined_transaction_is_one_request_and_the_flush_after_it_none(proxy: FaultProxy, table: str,
+                                                                             db_url: str) -> None:
+    """A Flush that follows a pipeline's Sync opened a request of its own, which then
+    swallowed the client's next request: the fault sweep numbered a pipelined event's
+    requests wrongly, cut it after its COMMIT where it meant before, and saw none at
+    all when psycopg happened not to send the Flush."""
+    with psycopg.connect(proxy.url(), autocommit=True) as conn:
+        proxy.reset()
+        _pipelined_transaction(conn, 1)
+        conn.execute("SELECT 1")
+        _pipelined_transaction(conn, 2)
+    assert [r.sql for r in proxy.requests] == [
+        ["BEGIN", "INSERT INTO proxied VALUES ($1, 'x')", "COMMIT"], ["SELECT 1"],
+        ["BEGIN", "INSERT INTO proxied VALUES ($1, 'x')", "COMMIT"]], proxy.describe()
+    assert proxy.requests[0].commits and proxy.requests[2].commits
+    assert proxy.requests[0].tags == ["BEGIN", "INSERT 0 1", "COMMIT"]
+    assert "open=None" in proxy.describe()
+    with psycopg.connect(proxy.url(), autocommit=True) as conn:
+        proxy.reset()
+        conn.execute("SELECT 1")
+        proxy.arm(Fault.DROP_BEFORE, at=2)        # the pipeline: none of it reaches the server
+        with pytest.raises(psycopg.OperationalError):
+            _pipelined_transaction(conn, 3)
+    assert proxy.fired is not None and proxy.fired.index == 2
+    assert _ids(db_url) == [1, 2]
+
+
 def test_drop_before_commit_rolls_back(proxy: FaultProxy, table: str, db_url: str) -> None:
     proxy.arm(Fault.DROP_BEFORE, match=lambda r: r.text == "COMMIT")
     with pytest.raises(psycopg.OperationalError):
