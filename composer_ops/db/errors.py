@@ -78,6 +78,10 @@ _CONNECT_NOT_YET = (
     "the database system is not accepting connections",
     "sorry, too many clients already",
     "remaining connection slots are reserved",
+    # a server stopping (or an operator's pg_terminate_backend) ends a session still
+    # in its startup; one restarting after a crash of another backend, the same
+    "terminating connection due to administrator command",
+    "terminating connection because of crash of another server process",
 )
 
 
