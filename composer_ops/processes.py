@@ -14,6 +14,7 @@ interpreter's ``-m composer_ops`` or an installed ``composer-ops``.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -27,7 +28,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
+from composer_ops.engine.worker import DEFAULT_SHUTDOWN_TIMEOUT_S
+
 Kind = Literal["worker", "coordinator"]
+#: How long :meth:`Fleet.terminate` waits after SIGTERM: the processes' own shutdown
+#: timeout (they wait that long for running handlers) and time to close connections.
+STOP_TIMEOUT_S = DEFAULT_SHUTDOWN_TIMEOUT_S + 15.0
 
 
 @dataclass
@@ -140,10 +146,11 @@ class Fleet:
         returns the replacements."""
         return [self.spawn(p.kind, *p.args, env=p.env) for p in self.exited()]
 
-    def terminate(self, kind: Kind | None = None, timeout: float = 15.0) -> list[Proc]:
-        """SIGTERM the processes (of ``kind``, else all), SIGKILL those still running
-        after ``timeout``; an exit other than a clean one (0, or death by the SIGTERM) is
-        recorded in ``crashes``. Returns the processes it stopped."""
+    def terminate(self, kind: Kind | None = None, timeout: float = STOP_TIMEOUT_S) -> list[Proc]:
+        """SIGTERM the processes (of ``kind``, else all); one still running after
+        ``timeout`` is sent SIGUSR1 (its threads' stacks go to its log) and then SIGKILL.
+        An exit other than a clean one (0, or death by the SIGTERM) is recorded in
+        ``crashes``. Returns the processes it stopped."""
         with self._lock:
             procs = [p for p in self.procs if kind is None or p.kind == kind]
             self.procs = [p for p in self.procs if p not in procs]
@@ -155,13 +162,16 @@ class Fleet:
             try:
                 p.popen.wait(max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
+                p.popen.send_signal(signal.SIGUSR1)
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    p.popen.wait(1)
                 p.popen.kill()
                 p.popen.wait(5)
             if p.popen.returncode not in (0, -signal.SIGTERM):
                 self.crashes.append((p, int(p.popen.returncode)))
         return procs
 
-    def stop(self, timeout: float = 15.0, *, keep_logs: bool = False) -> None:
+    def stop(self, timeout: float = STOP_TIMEOUT_S, *, keep_logs: bool = False) -> None:
         """:meth:`terminate` every process, print the tail of up to three logs that hold a
         traceback, and delete the fleet's own log directory unless ``keep_logs``."""
         procs = self.terminate(None, timeout)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import faulthandler
 import importlib
 import signal
 import sys
@@ -33,7 +34,7 @@ from composer_ops.core.attempts import Attempt, HistoryRow, attempts
 from composer_ops.core.cutoff import parse_cutoff
 from composer_ops.engine import Engine, Worker
 from composer_ops.engine.webhooks import RelayPolicy
-from composer_ops.engine.worker import check_shutdown_timeout
+from composer_ops.engine.worker import DEFAULT_SHUTDOWN_TIMEOUT_S, check_shutdown_timeout
 from composer_ops.errors import Invalid, ShutdownTimeout
 
 
@@ -125,7 +126,8 @@ def add_connect_wait_option(parser: argparse.ArgumentParser) -> None:
 
 
 def add_shutdown_timeout_option(parser: argparse.ArgumentParser, what: str) -> None:
-    env_option(parser, "--shutdown-timeout", env="COMPOSER_SHUTDOWN_TIMEOUT", type=float, default=30.0,
+    env_option(parser, "--shutdown-timeout", env="COMPOSER_SHUTDOWN_TIMEOUT", type=float,
+               default=DEFAULT_SHUTDOWN_TIMEOUT_S,
                metavar="SECONDS", help=f"on SIGTERM or SIGINT, stop taking work and wait at most SECONDS {what}")
 
 
@@ -136,13 +138,17 @@ def _shutdown_timeout(args: argparse.Namespace) -> float:
 
 @contextlib.contextmanager
 def stop_on_signals(stop: Callable[[], None]) -> Iterator[None]:
-    """SIGTERM and SIGINT call ``stop`` while the block runs; the handlers that were
-    installed before are put back afterwards. Only this entry point installs handlers:
-    a Worker or Coordinator used as a library leaves its host's signals alone."""
+    """SIGTERM and SIGINT call ``stop`` while the block runs, and SIGUSR1 writes every
+    thread's stack to stderr (what a process that does not stop is waiting on); the
+    handlers that were installed before are put back afterwards. Only this entry point
+    installs handlers: a Worker or Coordinator used as a library leaves its host's
+    signals alone."""
     previous = {sig: signal.signal(sig, lambda *_: stop()) for sig in (signal.SIGTERM, signal.SIGINT)}
+    faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True, chain=False)
     try:
         yield
     finally:
+        faulthandler.unregister(signal.SIGUSR1)
         for sig, handler in previous.items():
             signal.signal(sig, handler)
 

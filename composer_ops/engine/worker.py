@@ -551,6 +551,10 @@ class Worker:
             self._done.wait(0.1)
 
 
+#: How long ``composer-ops worker`` and ``coordinator`` wait, by default, on SIGTERM.
+DEFAULT_SHUTDOWN_TIMEOUT_S = 30.0
+
+
 def check_shutdown_timeout(value: float | None) -> None:
     """``None`` (wait for handlers as long as they take) or a finite number of seconds >= 0."""
     if value is None:

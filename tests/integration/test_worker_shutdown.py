@@ -200,3 +200,24 @@ def test_the_cli_worker_exits_1_naming_what_it_abandoned(db_url: str, engine: En
         assert "Traceback" not in err, err
     finally:
         fleet.stop()
+
+
+def test_a_worker_that_does_not_stop_in_time_has_its_stacks_logged_before_the_kill(db_url: str,
+                                                                                   engine: Engine) -> None:
+    """A process still running when the fleet's stop deadline passes (here a worker told
+    to wait 60 s for a handler sleeping 60 s, the fleet waiting 2 s) is sent SIGUSR1
+    first: its log then shows where every thread was (the main one waiting for the
+    handler), and the kill is recorded as a crash."""
+    engine.deploy({"id": "sleepy", "nodes": [{"id": "job", "type": "TASK", "task": "work",
+                                              "input": {"sleep": 60}}]})
+    run_id = engine.start("sleepy")
+    fleet = Fleet(db_url)
+    try:
+        proc = fleet.worker("--shutdown-timeout", "60", concurrency=1)
+        wait_for(lambda: _task_row(db_url, run_id)[0] == "RUNNING", timeout=30, what="the task to be claimed")
+        assert fleet.terminate("worker", timeout=2) == [proc]
+        err = proc.stderr()
+        assert fleet.crashes == [(proc, -signal.SIGKILL)], err
+        assert "most recent call first" in err and "in _drain" in err, err
+    finally:
+        fleet.stop()
