@@ -166,11 +166,12 @@ test-citus: $(STAMP)
 	$(BIN)/python -m composer_ops.testing.citus install
 	env -u COMPOSER_DATABASE_URL -u COMPOSER_TEST_PGBIN $(BIN)/python -m pytest -q --require tests/citus=88 --durations=12 tests/citus
 
-# The flaky-test finder (tests/flaky.py): FLAKY_ARGS' selection (default: the test-18 one)
-# run --runs times on each --leg (18, 15), on --workers xdist workers as the legs above
-# (default 2; 0: one process), beside --hogs busy-looping processes (always killed at the
-# end), with --random-order a shuffled order and a new seed each run. Every failure (test,
-# leg, run, seed, first line) and each run's load averages go to
+# The flaky-test finder (tests/flaky.py): FLAKY_ARGS' selection (default: each leg's own)
+# run --runs times on each --leg (18, 15, citus), on --workers xdist workers as the legs
+# above (default 2; 0: one process; citus always one), beside --hogs busy-looping
+# processes (always killed at the end), with --random-order a shuffled order and a new
+# seed each run. Every failure (test, leg, run, seed, first line) and each run's load
+# averages go to
 # reports/flaky/flaky.{json,md}; the target fails if any run failed.
 # E.g. FLAKY_ARGS="--runs 3 --hogs 2 --leg 15 tests/integration".
 FLAKY_ARGS ?= --runs 3 --hogs 2

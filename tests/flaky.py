@@ -4,13 +4,16 @@ and in random order, and collect every failure.
     python -m tests.flaky --runs 3 --hogs 2 --leg 18 --leg 15 tests/integration tests/notebooks
     python -m tests.flaky --runs 10 --hogs 2 --random-order        # the test-18 selection
     python -m tests.flaky --runs 2 --workers 0 tests/integration  # one pytest process, no xdist
+    python -m tests.flaky --runs 3 --hogs 2 --leg citus          # make test-citus's tests
 
 Arguments it does not know are passed to pytest (the selection, ``-k``, ``-x``); with
-none, the selection of ``make test-18`` (everything but tests/packaging and tests/citus).
-Each run of each leg (``18``: the embedded server; ``15``: ``--pg15-bin``'s binaries) is
-one ``pytest`` run writing JUnit XML, read back for the failed and errored tests; like
-``make test``'s legs it runs on ``--workers`` pytest-xdist workers (default 2, each with
-a server of its own; 0: in one process). The load averages at the start and the end of
+none, each leg's selection in ``make test``: for ``18`` and ``15`` everything but
+tests/packaging and tests/citus, for ``citus`` tests/citus. Each run of each leg (``18``:
+the embedded server; ``15``: ``--pg15-bin``'s binaries; ``citus``: a local Citus cluster
+on those binaries, Citus installed first as ``make test-citus`` does) is one ``pytest``
+run writing JUnit XML, read back for the failed and errored tests; like ``make test``'s
+legs, 18 and 15 run on ``--workers`` pytest-xdist workers (default 2, each with a server
+of its own; 0: in one process) and citus in one process. The load averages at the start and the end of
 each run are written beside it, since a failure under load is what this hunts.
 ``--hogs K`` keeps K busy-looping Python processes running beside the runs, so a test
 that races a timer against the machine's load fails here rather than on CI; they are
@@ -39,7 +42,9 @@ from types import FrameType
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_SELECTION = ["--ignore=tests/packaging", "--ignore=tests/citus", "tests"]
-LEGS = ("18", "15")
+LEGS = ("18", "15", "citus")
+#: Each leg's selection when none is given (``make test``'s).
+LEG_SELECTION = {"18": DEFAULT_SELECTION, "15": DEFAULT_SELECTION, "citus": ["tests/citus"]}
 #: How ``make test``'s 18 and 15 legs spread tests over workers (the Makefile's PYTEST_XDIST).
 DIST = ["--dist", "worksteal"]
 
@@ -110,6 +115,12 @@ def leg_env(leg: str, pg15_bin: str) -> dict[str, str]:
     return env
 
 
+def leg_plan(leg: str, selection: list[str], workers: int) -> tuple[list[str], int]:
+    """The selection and xdist workers of one leg: the given selection, else the leg's own;
+    the citus leg in one process, as ``make test-citus`` runs it (one cluster)."""
+    return selection or LEG_SELECTION[leg], 0 if leg == "citus" else workers
+
+
 def pytest_command(junit: Path, selection: list[str], *, workers: int, seed: int | None) -> list[str]:
     # The seed is the same in every xdist worker, so each collects the same shuffled order.
     order = ["--random-order-bucket=global", f"--random-order-seed={seed}"] if seed else []
@@ -160,8 +171,11 @@ class Hogs:
 
 
 def markdown(results: list[RunResult], hogs: int, selection: list[str]) -> str:
+    legs = sorted({r.leg for r in results}, key=LEGS.index)
+    chosen = [f"`{' '.join(selection)}`"] if selection else [f"{leg}: `{' '.join(LEG_SELECTION[leg])}`"
+                                                           for leg in legs]
     lines = [f"# Flaky-test finder: {len(results)} pytest runs, {hogs} CPU hogs", "",
-             f"Selection: `{' '.join(selection)}`", "",
+             f"Selection: {'; '.join(chosen)}", "",
              "| run | leg | seed | tests | failures | seconds | exit | load 1/5/15 min at start | at end |",
              "|---|---|---|---|---|---|---|---|---|"]
     for r in results:
@@ -172,7 +186,8 @@ def markdown(results: list[RunResult], hogs: int, selection: list[str]) -> str:
     if not failures:
         lines.append("None.")
     for f in failures:
-        lines.append(f"- `{f.test}` (PostgreSQL {f.leg}, run {f.run}, {f.kind}): {f.message}")
+        lines.append(f"- `{f.test}` ({'Citus' if f.leg == 'citus' else 'PostgreSQL ' + f.leg}, run {f.run}, "
+                     f"{f.kind}): {f.message}")
     return "\n".join(lines) + "\n"
 
 
@@ -181,7 +196,9 @@ def _load(load: tuple[float, float, float]) -> str:
 
 
 def write_summary(out: Path, results: list[RunResult], hogs: int, selection: list[str]) -> None:
-    doc = {"hogs": hogs, "selection": selection, "runs": [asdict(r) for r in results],
+    legs = sorted({r.leg for r in results}, key=LEGS.index)
+    doc = {"hogs": hogs, "selection": selection or {leg: LEG_SELECTION[leg] for leg in legs},
+           "runs": [asdict(r) for r in results],
            "failures": [asdict(f) for r in results for f in r.failures]}
     (out / "flaky.json").write_text(json.dumps(doc, indent=2) + "\n", encoding="utf-8")
     (out / "flaky.md").write_text(markdown(results, hogs, selection), encoding="utf-8")
@@ -198,7 +215,8 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser = argparse.ArgumentParser(prog="python -m tests.flaky", description=__doc__.split("\n\n")[0])
     parser.add_argument("--runs", type=_positive, default=3, help="repetitions of each leg (default 3)")
     parser.add_argument("--hogs", type=_positive, default=0, help="CPU-hogging processes beside the runs")
-    parser.add_argument("--leg", action="append", choices=LEGS, help="PostgreSQL leg, repeatable (default 18)")
+    parser.add_argument("--leg", action="append", choices=LEGS,
+                        help="leg: PostgreSQL 18, 15 or a Citus cluster; repeatable (default 18)")
     parser.add_argument("--pg15-bin", default=os.environ.get("PG15_BIN", "/usr/lib/postgresql/15/bin"))
     parser.add_argument("--random-order", action="store_true", help="shuffle the tests, a new seed each run")
     parser.add_argument("--workers", type=_positive, default=2,
@@ -207,7 +225,7 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     args, selection = parser.parse_known_args(argv)
     if args.runs == 0:
         parser.error("--runs must be at least 1")
-    return args, selection or DEFAULT_SELECTION
+    return args, selection
 
 
 def _terminate(signum: int, frame: FrameType | None) -> None:
@@ -221,11 +239,15 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     rng = random.Random()
     results: list[RunResult] = []
+    legs = args.leg or ["18"]
+    if "citus" in legs:
+        subprocess.run([sys.executable, "-m", "composer_ops.testing.citus", "install"], cwd=ROOT, check=True)
     with Hogs(args.hogs):
         for run in range(1, args.runs + 1):
-            for leg in args.leg or ["18"]:
+            for leg in legs:
                 seed = rng.randrange(1, 2**31) if args.random_order else None
-                result = run_once(leg, run, selection, out, pg15_bin=args.pg15_bin, seed=seed, workers=args.workers)
+                chosen, workers = leg_plan(leg, selection, args.workers)
+                result = run_once(leg, run, chosen, out, pg15_bin=args.pg15_bin, seed=seed, workers=workers)
                 results.append(result)
                 write_summary(out, results, args.hogs, selection)
                 print(f"run {run} leg {leg}: {result.tests} tests, {len(result.failures)} failures, "

@@ -39,11 +39,25 @@ def test_classnames_of_notebooks_and_of_no_file() -> None:
     assert flaky.nodeid("", "test_x") == "test_x"
 
 
-def test_without_a_selection_it_runs_the_18_legs_selection() -> None:
+def test_without_a_selection_each_leg_runs_its_make_test_selection() -> None:
     args, selection = flaky.parse(["--runs", "2", "--hogs", "1"])
-    assert (args.runs, args.hogs, args.leg, args.workers, selection) == (2, 1, None, 2, flaky.DEFAULT_SELECTION)
-    args, selection = flaky.parse(["--leg", "15", "-k", "webhook", "tests/integration"])
-    assert (args.leg, selection) == (["15"], ["-k", "webhook", "tests/integration"])
+    assert (args.runs, args.hogs, args.leg, args.workers, selection) == (2, 1, None, 2, [])
+    assert flaky.leg_plan("18", selection, 2) == (flaky.DEFAULT_SELECTION, 2)
+    assert flaky.leg_plan("15", selection, 2) == (flaky.DEFAULT_SELECTION, 2)
+    # Citus: make test-citus's tests, in one process (one cluster), whatever --workers says.
+    assert flaky.leg_plan("citus", selection, 2) == (["tests/citus"], 0)
+    args, selection = flaky.parse(["--leg", "15", "--leg", "citus", "-k", "webhook", "tests/integration"])
+    assert (args.leg, selection) == (["15", "citus"], ["-k", "webhook", "tests/integration"])
+    assert flaky.leg_plan("citus", selection, 2) == (["-k", "webhook", "tests/integration"], 0)
+
+
+def test_the_summary_names_each_legs_selection_and_a_citus_failure() -> None:
+    failure = flaky.Failure(test="tests/citus/test_a.py::t", leg="citus", run=1, kind="failed", message="boom")
+    runs = [flaky.RunResult(leg="18", run=1, seed=None, exit_code=0, seconds=9.0, tests=5),
+            flaky.RunResult(leg="citus", run=1, seed=None, exit_code=1, seconds=9.0, tests=5, failures=[failure])]
+    text = flaky.markdown(runs, 0, [])
+    assert "Selection: 18: `--ignore=tests/packaging --ignore=tests/citus tests`; citus: `tests/citus`" in text
+    assert "- `tests/citus/test_a.py::t` (Citus, run 1, failed): boom" in text
 
 
 def test_the_summary_lists_every_failure() -> None:
