@@ -63,15 +63,20 @@ BEGIN
                 INTO v_limited USING v_open, v_now, p_names;
         END IF;
         CONTINUE WHEN v_got >= p_limit OR v_open IS NULL;
+        -- The rows are picked in a MATERIALIZED CTE, run once. Picked in an IN (subquery),
+        -- a nested-loop semi join (the plan of a shard analyzed while empty) ran the
+        -- subquery again for every outbox row, and each run skipped the rows this
+        -- statement had deleted and locked the next: LIMIT 1 deleted every ready row.
         FOR o IN EXECUTE format($q$
-            DELETE FROM %1$s x
-             WHERE (x.run_id, x.id) IN (
-                   SELECT y.run_id, y.id FROM %1$s y
-                    WHERE y.queue = ANY($1) AND y.available_at <= $2 AND ($3::text[] IS NULL OR y.task_name = ANY($3))
-                      AND y.ckey IS NULL AND y.rkey IS NULL
-                    ORDER BY y.priority DESC, y.available_at, y.id
-                    LIMIT $4
-                      FOR UPDATE SKIP LOCKED)
+            WITH picked AS MATERIALIZED (
+                 SELECT y.run_id, y.id FROM %1$s y
+                  WHERE y.queue = ANY($1) AND y.available_at <= $2 AND ($3::text[] IS NULL OR y.task_name = ANY($3))
+                    AND y.ckey IS NULL AND y.rkey IS NULL
+                  ORDER BY y.priority DESC, y.available_at, y.id
+                  LIMIT $4
+                    FOR UPDATE SKIP LOCKED)
+            DELETE FROM %1$s x USING picked p
+             WHERE x.run_id = p.run_id AND x.id = p.id
             RETURNING x.run_id, x.task_id, x.attempt, x.task_name, x.queue, x.lease_s, x.max_run_s$q$, v_shard)
             USING v_open, v_now, p_names, p_limit - v_got
         LOOP

@@ -18,6 +18,7 @@ import pytest
 from composer_ops import Engine
 from composer_ops.core.model import TimerDue
 from composer_ops.engine.ids import uuid7_text
+from composer_ops.testing.citus import run_ids_on_one_shard
 
 SPEC = {"id": "one", "nodes": [{"id": "a", "type": "TASK", "task": "t"}]}
 
@@ -217,3 +218,23 @@ def test_priority_aging_raises_each_dispatch_in_one_phase(db_url: str, engine: E
     assert stats.priorities_raised == 4
     assert priorities == [5] * 5
     assert prepared == 0
+
+
+def test_a_node_claim_takes_no_more_than_its_limit_from_a_shard_analyzed_empty(db_url: str,
+                                                                               engine: Engine) -> None:
+    """The node claim's pick ran as ``DELETE ... WHERE (run_id, id) IN (SELECT ... LIMIT n
+    FOR UPDATE SKIP LOCKED)``. A shard whose rows were all claimed and then vacuumed (an
+    autovacuum does it) has statistics of one page and no rows: the planner, expecting one
+    row, ran the pick as a nested-loop semi join that repeated the LIMIT subquery for every
+    outbox row, each run skipping the rows the statement had deleted. A claim of one took
+    every ready row of the shard (2 of 4 in the flaky-test finder's run of 945be0f)."""
+    ids = run_ids_on_one_shard(db_url, 8)
+    for run_id in ids[:4]:
+        engine.start("one", run_id=run_id)
+    assert len(engine.claim(["default"], "w0", 4)) == 4            # the shard's rows claimed: empty
+    with psycopg.connect(db_url, autocommit=True) as conn:
+        conn.execute("ANALYZE task_outbox")                        # the shard: one page, no rows
+    runs = [engine.start("one", run_id=run_id) for run_id in ids[4:]]
+    claimed = engine.claim(["default"], "w1", 1)
+    assert [c.run_id for c in claimed] == runs[:1]
+    assert sorted(r[0] for r in _outbox(db_url)) == sorted(runs[1:])
