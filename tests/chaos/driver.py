@@ -34,6 +34,7 @@ import psycopg
 
 from composer_ops import Conflict, Engine
 from composer_ops.engine.ids import uuid7_at
+from composer_ops.errors import Transient, Unavailable
 from composer_ops.testing import servers
 from composer_ops.testing.processes import Fleet, Proc
 from tests.chaos.hook import SECRET, Hook
@@ -71,6 +72,7 @@ class Report:
     engine_retries: int = 0
     stuck: list[str] = field(default_factory=list)
     busy_kills: int = 0               # worker kills chosen among workers holding a running task
+    unclassed: list[str] = field(default_factory=list)   # client errors retried that were not Transient/Unavailable
 
     @property
     def ok(self) -> bool:
@@ -97,6 +99,8 @@ class Report:
             f"  signals: {sig}",
             f"  webhooks: {hooks}",
             f"  client retries (transient errors seen by the driver): {self.client_retries}",
+            f"  of them not classed transient or unavailable: {len(self.unclassed)}"
+            + "".join(f"\n    {u}" for u in self.unclassed[:5]),
             f"  processes: stale results dropped {self.logs.get('stale')}, leases lost {self.logs.get('lease_lost')}, "
             f"unexpected exits {len(self.crashes)}",
             f"  tracebacks logged: {self.logs.get('tracebacks') or 'none'}",
@@ -155,6 +159,7 @@ class Chaos:
         self._starts_ended: float | None = None
         self._stop = threading.Event()
         self.busy_kills = 0          # kills of a worker that held a running task when chosen
+        self.unclassed: list[str] = []
 
     # -- client calls, retried through the faults ----------------------------------
 
@@ -170,6 +175,8 @@ class Chaos:
                 raise
             except Exception as exc:  # Unavailable, or a driver error the engine let through
                 self.error_types[f"{what}: {type(exc).__module__}.{type(exc).__name__}"] += 1
+                if not isinstance(exc, Transient | Unavailable):
+                    self.unclassed.append(f"{what}: {type(exc).__name__}: {str(exc).splitlines()[0][:300]}")
                 if time.monotonic() > deadline:
                     self.errors.append(f"{what}: gave up: {exc}")
                     return None
@@ -331,7 +338,7 @@ class Chaos:
             kills[k.kind] = kills.get(k.kind, 0) + 1
         report = Report(self.o, result, kills, [t1 - t0 for t0, t1 in self.restarts], self.restart_note, crashes,
                         {**self.retries, **self.error_types}, log_summary(self.fleet.logdir), time.monotonic() - began,
-                        stuck=stuck_text, busy_kills=self.busy_kills)
+                        stuck=stuck_text, busy_kills=self.busy_kills, unclassed=self.unclassed)
         return report
 
     def _wait_until_done(self, began: float) -> list[str]:
