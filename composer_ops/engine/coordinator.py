@@ -22,7 +22,7 @@ import threading
 import time
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
-from datetime import datetime
+from datetime import datetime, timedelta
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
@@ -140,6 +140,8 @@ class Coordinator:
         self._next_upkeep = float("-inf")
         self._upkeep_failures = 0
         self._node_backoff = _Backoff(cap_s=30.0)
+        self._ceiling: str | None = None
+        self._next_ceiling = float("-inf")
         self._uncovered: str | None = None        # why the last pass scanned through the coordinator
         self._pass_scan: citus_scan.NodeScan | None = None
         self._pass_scanned = False
@@ -218,6 +220,26 @@ class Coordinator:
             self._floor = floor
             self._next_floor = time.monotonic() + self.floor_every_s
         return self._floor
+
+    def active_ceiling(self, conn: Any) -> str | None:
+        """The run ID above which the node scans do not look on Citus
+        (:func:`~composer_ops.core.runids.active_ceiling` of the database clock and the
+        newest run with an active task, allowing for the starts of the next
+        ``floor_every_s``), read again every ``floor_every_s`` as the floor is: with it
+        a node scan plans only the months between floor and ceiling on each shard, not
+        the empty months ahead. None (no ceiling) until it is read; a failed read keeps
+        the last one."""
+        if time.monotonic() >= self._next_ceiling:
+            try:
+                newest = tasks.active_ceiling(conn)
+            except Exception as exc:
+                if conn.broken or conn.closed:
+                    raise
+                log.warning("coordinator: the active ceiling could not be read, keeping %r: %s", self._ceiling, exc)
+                return self._ceiling
+            self._ceiling = runids.active_ceiling(clock.now(conn), newest, timedelta(seconds=self.floor_every_s))
+            self._next_ceiling = time.monotonic() + self.floor_every_s
+        return self._ceiling
 
     def _schedules(self, stats: PassStats) -> None:
         """Start the due slots of at most ``batch`` schedules (:meth:`Schedules.fire_due`):
@@ -359,14 +381,14 @@ class Coordinator:
         keys = self._covering_keys(conn, stats)
         if keys is None:
             return None
-        now, floor = clock.now(conn), self.active_floor(conn)
+        now, floor, ceiling = clock.now(conn), self.active_floor(conn), self.active_ceiling(conn)
         skipped = set(self._node_backoff.skipped())
         found: list[Any] = []
         for key in keys:
             if key in skipped:
                 continue
             try:
-                found += citus_scan.scan_node(conn, key, now=now, floor=floor, limit=self.batch,
+                found += citus_scan.scan_node(conn, key, now=now, floor=floor, ceiling=ceiling, limit=self.batch,
                                               kinds=self._pass_kinds, skip_timers=self._timer_backoff.skipped(),
                                               skip_leases=self._lease_backoff.skipped(),
                                               skip_starts=self._start_backoff.skipped())

@@ -40,18 +40,19 @@ class NodeScan:
     starts: list[Unstarted] = field(default_factory=list)
 
 
-_SCAN = "SELECT * FROM composer_scan_node(%s, %s, %s, %s, %s, %s, %s, %s)"
+_SCAN = "SELECT * FROM composer_scan_node(%s, %s, %s, %s, %s, %s, %s, %s, %s)"
 
 
 def scan_node(conn: Conn, key: str, *, now: datetime, floor: str, limit: int, kinds: Sequence[str],
-              skip_timers: Sequence[str] = (), skip_leases: Sequence[str] = (),
+              ceiling: str | None = None, skip_timers: Sequence[str] = (), skip_leases: Sequence[str] = (),
               skip_starts: Sequence[str] = ()) -> list[tuple[datetime, DueWait | ExpiredLease | Unstarted]]:
     """Up to ``limit`` candidates of each of ``kinds`` on the node ``key`` hashes to, each
     with its sort time (wake-up, lease expiry, start deadline): one statement, delegated
     to that node, in autocommit. ``now`` is the coordinator's clock, ``floor`` the active
-    floor, the ``skip_*`` keys those of the statements they replace."""
+    floor, ``ceiling`` the active ceiling (:func:`composer_ops.core.runids.active_ceiling`;
+    None: none), the ``skip_*`` keys those of the statements they replace."""
     with conn.cursor(row_factory=dict_row) as cur:
-        rows = cur.execute(_SCAN, (key, now, floor, limit, list(kinds), list(skip_timers), list(skip_leases),
+        rows = cur.execute(_SCAN, (key, now, floor, ceiling, limit, list(kinds), list(skip_timers), list(skip_leases),
                                    list(skip_starts)), prepare=False).fetchall()
     found: list[tuple[datetime, DueWait | ExpiredLease | Unstarted]] = []
     for r in rows:

@@ -15,83 +15,77 @@
 -- (compared as text, as there: a run ID that is not a UUIDv7 is seen as the single
 -- server sees it), the p_skip_* arrays the keys the coordinator is backing off. The
 -- rows are hints: the coordinator handles each under its run's lock, where it is
--- checked again. Each kind is one statement over the node's shards (UNION ALL of one
--- branch per shard, each through its partial index), planned for these values.
-CREATE OR REPLACE FUNCTION composer_scan_node(p_key TEXT, p_now TIMESTAMPTZ, p_floor TEXT, p_limit INT,
-                                              p_kinds TEXT[], p_skip_timers TEXT[], p_skip_leases TEXT[],
-                                              p_skip_starts TEXT[])
+-- checked again. p_ceiling (NULL: none) is the active ceiling, the greatest run ID
+-- with an active task or the end of the month a start may still use
+-- (core/runids.py active_ceiling): with the floor it keeps the planner to the months
+-- in between; the months ahead, empty, cost planning time on every shard otherwise.
+-- One statement per shard and kind, through its partial index, planned for these
+-- values; JIT off (a statement over a shard's months is costed above its threshold).
+CREATE OR REPLACE FUNCTION composer_scan_node(p_key TEXT, p_now TIMESTAMPTZ, p_floor TEXT, p_ceiling TEXT,
+                                              p_limit INT, p_kinds TEXT[], p_skip_timers TEXT[],
+                                              p_skip_leases TEXT[], p_skip_starts TEXT[])
 RETURNS TABLE(kind TEXT, run_id TEXT, task_id TEXT, node_id TEXT, attempt INT, lease_owner TEXT,
               timed_out BOOLEAN, at TIMESTAMPTZ)
-LANGUAGE plpgsql AS $$
+LANGUAGE plpgsql
+SET jit = off
+AS $$
 #variable_conflict use_column
 DECLARE
-    v_runs TEXT[];        -- the node's workflow_runs shards, paired with
-    v_tasks TEXT[];       -- its task_instances shards (the same hash range)
-    v_outbox TEXT[];
-    v_sql TEXT;
+    s RECORD;
 BEGIN
-    SELECT array_agg(shard_name('workflow_runs'::regclass, r.shardid) ORDER BY r.shardid),
-           array_agg(shard_name('task_instances'::regclass, t.shardid) ORDER BY r.shardid)
-      INTO v_runs, v_tasks
-      FROM pg_dist_shard r
-      JOIN pg_dist_shard t ON t.logicalrelid = 'task_instances'::regclass AND t.shardminvalue = r.shardminvalue
-      JOIN pg_dist_placement p ON p.shardid = r.shardid
-     WHERE r.logicalrelid = 'workflow_runs'::regclass AND p.groupid = (SELECT groupid FROM pg_dist_local_group);
-    SELECT array_agg(shard_name('task_outbox'::regclass, s.shardid) ORDER BY s.shardid)
-      INTO v_outbox
-      FROM pg_dist_shard s JOIN pg_dist_placement p ON p.shardid = s.shardid
-     WHERE s.logicalrelid = 'task_outbox'::regclass AND p.groupid = (SELECT groupid FROM pg_dist_local_group);
-
-    IF 'timer' = ANY(p_kinds) AND v_tasks IS NOT NULL THEN
-        SELECT string_agg(format($q$(SELECT t.run_id, t.id, t.node_id, t.wake_at
-                                       FROM %1$s t JOIN %2$s r ON r.id = t.run_id
-                                      WHERE t.state = 'WAITING' AND t.wake_at <= $1 AND t.id <> ALL($2)
-                                        AND t.run_id >= $3 AND r.id >= $3
-                                        AND r.deleted_at IS NULL AND r.status IN ('PENDING', 'RUNNING')
-                                      ORDER BY t.wake_at LIMIT $4)$q$, tk, rn), ' UNION ALL ')
-          INTO v_sql
-          FROM unnest(v_tasks, v_runs) AS u(tk, rn);
-        RETURN QUERY EXECUTE 'SELECT ''timer''::text, x.run_id, x.id, x.node_id, NULL::int, NULL::text, NULL::boolean, '
-                             'x.wake_at FROM (' || v_sql || ') x ORDER BY x.wake_at LIMIT $4'
-            USING p_now, p_skip_timers, p_floor, p_limit;
-    END IF;
-
-    IF 'lease' = ANY(p_kinds) AND v_tasks IS NOT NULL THEN
-        SELECT string_agg(format($q$(SELECT t.run_id, t.id, t.node_id, t.attempt, t.lease_owner,
-                                            COALESCE(t.lease_expires_at >= t.run_deadline_at, false) AS timed_out,
-                                            t.lease_expires_at
-                                       FROM %1$s t JOIN %2$s r ON r.id = t.run_id
-                                      WHERE t.state = 'RUNNING' AND t.lease_expires_at <= $1
-                                        AND t.id || ':' || t.attempt <> ALL($2)
-                                        AND t.run_id >= $3 AND r.id >= $3
-                                        AND r.deleted_at IS NULL AND r.status IN ('PENDING', 'RUNNING')
-                                      ORDER BY t.lease_expires_at LIMIT $4)$q$, tk, rn), ' UNION ALL ')
-          INTO v_sql
-          FROM unnest(v_tasks, v_runs) AS u(tk, rn);
-        RETURN QUERY EXECUTE 'SELECT ''lease''::text, x.run_id, x.id, x.node_id, x.attempt, x.lease_owner, '
-                             'x.timed_out, x.lease_expires_at FROM (' || v_sql || ') x '
-                             'ORDER BY x.lease_expires_at LIMIT $4'
-            USING p_now, p_skip_leases, p_floor, p_limit;
-    END IF;
-
-    IF 'start' = ANY(p_kinds) AND v_outbox IS NOT NULL THEN
-        SELECT string_agg(format($q$(SELECT o.run_id, o.task_id, o.attempt, o.start_by FROM %1$s o
-                                      WHERE o.start_by <= $1 AND o.task_id || ':' || o.attempt <> ALL($2)
-                                      ORDER BY o.start_by LIMIT $3)$q$, ob), ' UNION ALL ')
-          INTO v_sql
-          FROM unnest(v_outbox) AS u(ob);
-        RETURN QUERY EXECUTE 'SELECT ''start''::text, x.run_id, x.task_id, NULL::text, x.attempt, NULL::text, '
-                             'NULL::boolean, x.start_by FROM (' || v_sql || ') x ORDER BY x.start_by LIMIT $3'
-            USING p_now, p_skip_starts, p_limit;
-    END IF;
+    -- The node's shards: each workflow_runs shard with the task_instances and task_outbox
+    -- shards of its hash range (co-located: the same node).
+    FOR s IN
+        SELECT shard_name('workflow_runs'::regclass, r.shardid) AS runs,
+               shard_name('task_instances'::regclass, t.shardid) AS tasks,
+               shard_name('task_outbox'::regclass, o.shardid) AS outbox
+          FROM pg_dist_shard r
+          JOIN pg_dist_shard t ON t.logicalrelid = 'task_instances'::regclass AND t.shardminvalue = r.shardminvalue
+          JOIN pg_dist_shard o ON o.logicalrelid = 'task_outbox'::regclass AND o.shardminvalue = r.shardminvalue
+          JOIN pg_dist_placement p ON p.shardid = r.shardid
+         WHERE r.logicalrelid = 'workflow_runs'::regclass AND p.groupid = (SELECT groupid FROM pg_dist_local_group)
+    LOOP
+        IF 'timer' = ANY(p_kinds) THEN
+            RETURN QUERY EXECUTE format($q$
+                SELECT 'timer'::text, t.run_id, t.id, t.node_id, NULL::int, NULL::text, NULL::boolean, t.wake_at
+                  FROM %1$s t JOIN %2$s r ON r.id = t.run_id
+                 WHERE t.state = 'WAITING' AND t.wake_at <= $1 AND t.id <> ALL($2)
+                   AND t.run_id >= $3 AND r.id >= $3 AND ($5::text IS NULL OR (t.run_id <= $5 AND r.id <= $5))
+                   AND r.deleted_at IS NULL AND r.status IN ('PENDING', 'RUNNING')
+                 ORDER BY t.wake_at LIMIT $4$q$, s.tasks, s.runs)
+                USING p_now, p_skip_timers, p_floor, p_limit, p_ceiling;
+        END IF;
+        IF 'lease' = ANY(p_kinds) THEN
+            RETURN QUERY EXECUTE format($q$
+                SELECT 'lease'::text, t.run_id, t.id, t.node_id, t.attempt, t.lease_owner,
+                       COALESCE(t.lease_expires_at >= t.run_deadline_at, false), t.lease_expires_at
+                  FROM %1$s t JOIN %2$s r ON r.id = t.run_id
+                 WHERE t.state = 'RUNNING' AND t.lease_expires_at <= $1
+                   AND t.id || ':' || t.attempt <> ALL($2)
+                   AND t.run_id >= $3 AND r.id >= $3 AND ($5::text IS NULL OR (t.run_id <= $5 AND r.id <= $5))
+                   AND r.deleted_at IS NULL AND r.status IN ('PENDING', 'RUNNING')
+                 ORDER BY t.lease_expires_at LIMIT $4$q$, s.tasks, s.runs)
+                USING p_now, p_skip_leases, p_floor, p_limit, p_ceiling;
+        END IF;
+        IF 'start' = ANY(p_kinds) THEN
+            RETURN QUERY EXECUTE format($q$
+                SELECT 'start'::text, o.run_id, o.task_id, NULL::text, o.attempt, NULL::text, NULL::boolean, o.start_by
+                  FROM %1$s o
+                 WHERE o.start_by <= $1 AND o.task_id || ':' || o.attempt <> ALL($2)
+                 ORDER BY o.start_by LIMIT $3$q$, s.outbox)
+                USING p_now, p_skip_starts, p_limit;
+        END IF;
+    END LOOP;
 END;
 $$;
 
-REVOKE ALL ON FUNCTION composer_scan_node(TEXT, TIMESTAMPTZ, TEXT, INT, TEXT[], TEXT[], TEXT[], TEXT[]) FROM PUBLIC;
-GRANT EXECUTE ON FUNCTION composer_scan_node(TEXT, TIMESTAMPTZ, TEXT, INT, TEXT[], TEXT[], TEXT[], TEXT[])
+REVOKE ALL ON FUNCTION composer_scan_node(TEXT, TIMESTAMPTZ, TEXT, TEXT, INT, TEXT[], TEXT[], TEXT[], TEXT[])
+    FROM PUBLIC;
+GRANT EXECUTE ON FUNCTION composer_scan_node(TEXT, TIMESTAMPTZ, TEXT, TEXT, INT, TEXT[], TEXT[], TEXT[], TEXT[])
     TO composer_ops_engine;
-SELECT create_distributed_function('composer_scan_node(text, timestamptz, text, int, text[], text[], text[], text[])',
-                                   'p_key', colocate_with => 'workflow_runs');
+SELECT create_distributed_function(
+    'composer_scan_node(text, timestamptz, text, text, int, text[], text[], text[], text[])', 'p_key',
+    colocate_with => 'workflow_runs');
 
 -- The webhook prune on this node (repo/webhooks.py prune, node by node): delete up to
 -- p_limit deliveries of the node's shards delivered or given up more than p_keep_s
