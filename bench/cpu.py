@@ -158,9 +158,9 @@ class SessionPoll:
     """The benchmark's own polling of one measurement: a query run on one connection,
     opened once (on Citus, its worker connections are cached for the session), with
     the server CPU it costs read from its backends: the session's own and, on Citus,
-    the backends the worker nodes serve it with (the same global PID). That CPU is
-    reported apart from the engine's; every node runs on this machine, so each backend
-    is a process here."""
+    the backends the worker nodes serve it with (the same global PID), found when it is
+    opened. That CPU is reported apart from the engine's; every node runs on this
+    machine, so each backend is a process here."""
 
     def __init__(self, url: str, query: str, *, application_name: str = "bench-poll") -> None:
         self.query = query
@@ -168,7 +168,13 @@ class SessionPoll:
         # A fresh database has no statistics yet: without this the planner reads the
         # whole table instead of the index the count is written for.
         self.conn.execute("SET enable_seqscan = off")
+        # One count now, before any window: on Citus it opens (and caches) the session's
+        # connections to the worker nodes, whose backends are then found once, here.
+        # citus_stat_activity connects to every node, so it is not read inside a window.
         self.polls = 0
+        self.count()
+        self.polls = 0
+        self._pids_seen = self._pids()
         self._cpu0 = self._cpu()
 
     def count(self) -> int:
@@ -186,7 +192,7 @@ class SessionPoll:
 
     def _cpu(self) -> float:
         total = 0.0
-        for pid in self._pids():
+        for pid in self._pids_seen:
             try:
                 t = psutil.Process(pid).cpu_times()
                 total += t.user + t.system

@@ -156,6 +156,15 @@ UNFINISHED = {
 }
 
 
+#: The newest item's key on each side (the benchmark's window waits for it to change:
+#: the producer's first item, :class:`bench.scenario.WindowClock`); through the primary
+#: keys' indexes, rows already there (history) included.
+PRODUCED = {
+    "composer": "SELECT max(id) FROM workflow_runs",
+    "procrastinate": "SELECT max(id) FROM procrastinate_jobs",
+}
+
+
 def composer_submitter(url: str, workflow: str, threads: int) -> tuple[Callable[[], Any], Callable[[], None]]:
     from composer_ops import Engine
 

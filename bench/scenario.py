@@ -8,7 +8,10 @@
   ``warmup + duration`` seconds, either held to a bounded backlog (at most
   ``max_backlog`` unfinished items: the rate the system sustains end to end without
   its backlog growing) or paced at a fixed rate (for latency at moderate load).
-  Throughput = items completed inside the last ``duration`` seconds.
+  Throughput = items completed inside the measured window of ``duration`` seconds,
+  which starts ``warmup`` seconds after the producer's first item exists: by then its
+  pool and its backlog session have grown, so the window measures the system's
+  sessions, not the benchmark's (:class:`WindowClock`).
 
 Each measurement runs in a fresh database cloned from the system's template and
 reports CPU per item (server, and the benchmark's own processes) next to the rates.
@@ -24,13 +27,21 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import psycopg
+
 from bench.cpu import Meter, ServerCPU, SessionPoll, per_item_ms, server_cpu
 from bench.measure import rate, seconds, unit_stats
-from bench.procs import ROOT, ProcessGroup, db_now, read_json_line, wait_until
+from bench.procs import ROOT, ProcessGroup, read_json_line, wait_until
+from bench.producer import PRODUCED
 from composer_ops.testing import servers
 from composer_ops.testing.servers import Server
 
 PRODUCER_THREADS = 4
+#: How much longer than ``warmup + duration`` the sustained producer runs: its seconds
+#: count from the start of its loop, and the window starts ``warmup`` after its first
+#: item is seen, so without this slack it would stop before the window ends (its first
+#: start connects, and the wait polls every 50 ms).
+PRODUCER_SLACK_S = 3.0
 #: How often the drain checks whether every item finished, on one connection
 #: (:class:`bench.cpu.SessionPoll`); its server CPU is reported apart.
 DRAIN_POLL_S = 0.25
@@ -70,6 +81,33 @@ class System:
     @property
     def tag(self) -> str:
         return self.label or self.name
+
+
+class WindowClock:
+    """The database clock of a measured window, read on one connection opened before the
+    window (a connection opened inside it would be a session the window counts, and on
+    Citus a coordinator backend more), and the wait for the producer's first item."""
+
+    def __init__(self, url: str) -> None:
+        self.conn = psycopg.connect(url, autocommit=True, application_name="bench-clock")
+
+    def now(self) -> Any:
+        row = self.conn.execute("SELECT clock_timestamp()").fetchone()
+        assert row is not None
+        return row[0]
+
+    def produced(self, system: System) -> Any:
+        """The newest item's key (:data:`bench.producer.PRODUCED`), None before the first."""
+        row = self.conn.execute(PRODUCED[system.name]).fetchone()
+        return row[0] if row else None
+
+    def wait_for_first_item(self, system: System, before: Any, group: ProcessGroup, timeout: float = 120.0) -> None:
+        """Until the producer has made an item (the newest key is no longer ``before``)."""
+        wait_until(lambda: self.produced(system) != before, timeout=timeout, interval=0.05,
+                   what=f"the {system.tag} producer's first item", group=group)
+
+    def close(self) -> None:
+        self.conn.close()
 
 
 def _producer(system: System, group: ProcessGroup, url: str, workflow: str, *extra: str) -> Any:
@@ -142,22 +180,28 @@ def sustained_on(system: System, url: str, *, workers: int, duration: float, wor
     finishes inside the window counts, so rows already there (history) do not.
     ``cpu``: the server-side meter (default: the server behind ``url``)."""
     mode = "paced" if pace else "sustained"
-    with system.spawn(url, workers, system.root) as group:
-        extra = ["--seconds", str(warmup + duration)]
-        if pace:
-            extra += ["--rate", str(pace)]
-        if max_backlog:
-            extra += ["--max-backlog", str(max_backlog)]
-        producer = _producer(system, group, url, workflow, *extra)
-        meter = Meter(cpu or ServerCPU(url), group)
-        time.sleep(warmup)
-        meter.start()
-        w0 = db_now(url)
-        time.sleep(duration)
-        w1 = db_now(url)
-        meter.stop()
-        produced = read_json_line(producer, timeout=120)
-        time.sleep(min(2.0, duration / 4))   # let the window's in-flight items finish
+    clock = WindowClock(url)
+    try:
+        with system.spawn(url, workers, system.root) as group:
+            extra = ["--seconds", str(warmup + duration + PRODUCER_SLACK_S)]
+            if pace:
+                extra += ["--rate", str(pace)]
+            if max_backlog:
+                extra += ["--max-backlog", str(max_backlog)]
+            before = clock.produced(system)
+            producer = _producer(system, group, url, workflow, *extra)
+            meter = Meter(cpu or ServerCPU(url), group)
+            clock.wait_for_first_item(system, before, group)
+            time.sleep(warmup)
+            meter.start()
+            w0 = clock.now()
+            time.sleep(duration)
+            w1 = clock.now()
+            meter.stop()
+            produced = read_json_line(producer, timeout=120)
+            time.sleep(min(2.0, duration / 4))   # let the window's in-flight items finish
+    finally:
+        clock.close()
     stats = unit_stats(url, system.units_sql, (w0, w1))
     created, completed, _ = system.runs_window(url, (w0, w1))
     window = seconds(w0, w1)

@@ -232,6 +232,24 @@ def month_bounds(month: str) -> tuple[str, str]:
     return uuid7_bound(month_start(month)), uuid7_bound(month_start(add_months(month, 1)))
 
 
+def active_ceiling(now: datetime, newest_active: str | None, within: timedelta) -> str:
+    """The run ID above which no run needs the coordinator's timers or lease sweeper for
+    the next ``within`` after ``now`` (the database clock), with ``newest_active`` the
+    greatest run ID that has an active task (None: none has): the end of the later of
+    two months, that of ``newest_active`` and that of ``now + RUN_ID_MAX_AHEAD +
+    within`` (the newest ID a start may accept meanwhile). An ID compared ``<=`` it. A
+    ``newest_active`` that is not a UUIDv7 (written by hand) bounds the ceiling itself;
+    such a run made after the read is seen from the next read, as below the floor."""
+    _require_aware(now, "now")
+    ceiling = month_bounds(month_label(now + RUN_ID_MAX_AHEAD + within))[1]
+    if newest_active is None:
+        return ceiling
+    try:
+        return max(ceiling, month_bounds(month_of(newest_active))[1])
+    except Invalid:
+        return max(ceiling, newest_active)
+
+
 def active_floor(now: datetime, oldest_active: str | None) -> str:
     """The run ID below which no run needs the coordinator's timers or lease sweeper,
     as read at the database clock ``now`` with ``oldest_active`` the least run ID that

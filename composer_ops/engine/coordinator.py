@@ -20,9 +20,9 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
-from datetime import datetime
+from datetime import datetime, timedelta
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
@@ -38,7 +38,18 @@ from composer_ops.engine.retention import drop_due_months
 from composer_ops.engine.shell import Outcome
 from composer_ops.engine.webhooks import RelayPolicy, relay_once
 from composer_ops.errors import ComposerError, Invalid, LockTimeout, Transient
-from composer_ops.repo import citus_flow, clock, deliveries, outbox, partitions, queues, signals, tasks, webhooks
+from composer_ops.repo import (
+    citus_flow,
+    citus_scan,
+    clock,
+    deliveries,
+    outbox,
+    partitions,
+    queues,
+    signals,
+    tasks,
+    webhooks,
+)
 
 if TYPE_CHECKING:
     from composer_ops.engine.engine import Engine
@@ -75,6 +86,9 @@ class PassStats:
     priorities_raised: int = 0     # dispatches raised to their queue's top priority (the aging rule)
     slots_freed: int = 0           # flow_slots of attempts no longer RUNNING (sql/V003), healed
     children_delivered: int = 0    # child starts, cancels and finishes applied from their rows (Citus)
+    node_scans: int = 0            # Citus: calls of composer_scan_node, one per worker node a pass
+    node_scans_failed: int = 0     # Citus: node scans or prunes that failed (a node down): backed off
+    scans_through_coordinator: bool = False   # Citus: the nodes did not cover every shard this pass
     errors: list[str] = field(default_factory=list)
 
 
@@ -125,6 +139,14 @@ class Coordinator:
         self._child_backoff = _Backoff()
         self._next_upkeep = float("-inf")
         self._upkeep_failures = 0
+        self._node_backoff = _Backoff(cap_s=30.0)
+        self._ceiling: str | None = None
+        self._next_ceiling = float("-inf")
+        self._uncovered: str | None = None        # why the last pass scanned through the coordinator
+        self._pass_scan: citus_scan.NodeScan | None = None
+        self._pass_scanned = False
+        self._in_pass = False
+        self._pass_kinds: tuple[str, ...] = citus_scan.KINDS
 
     def stop(self) -> None:
         self._stop.set()
@@ -152,14 +174,24 @@ class Coordinator:
                  ("retention", self._retention))
         if loops is not None and not set(loops) <= {name for name, _ in every}:
             raise Invalid(f"unknown coordinator loops {sorted(set(loops) - {name for name, _ in every})}")
-        for name, loop in every:
-            if loops is not None and name not in loops:
-                continue
-            try:
-                loop(stats)
-            except Exception as exc:  # one loop's failure (e.g. a lost connection) must not stop the others
-                log.warning("coordinator %s loop failed: %s", name, exc)
-                stats.errors.append(f"{name}: {exc}")
+        # On Citus the timers, start timeouts and lease sweeper share one scan per worker
+        # node, made when the first of them needs it (see _node_scan).
+        self._pass_scan, self._pass_scanned, self._in_pass = None, False, True
+        self._pass_kinds = tuple(kind for kind, loop in (("timer", "timers"), ("lease", "leases"),
+                                                         ("start", "timers"))
+                                 if loops is None or loop in loops)
+        try:
+            for name, loop in every:
+                if loops is not None and name not in loops:
+                    continue
+                try:
+                    loop(stats)
+                except Exception as exc:  # one loop's failure (e.g. a lost connection) must not stop the others
+                    log.warning("coordinator %s loop failed: %s", name, exc)
+                    stats.errors.append(f"{name}: {exc}")
+        finally:
+            self._pass_scan, self._pass_scanned, self._in_pass = None, False, False
+            self._pass_kinds = citus_scan.KINDS
         return stats
 
     def active_floor(self, conn: Any) -> str:
@@ -172,12 +204,42 @@ class Coordinator:
         active task again (an operator's retry of an old run, a start held open longer)
         is seen from the next read, at most ``floor_every_s`` later."""
         if time.monotonic() >= self._next_floor:
-            floor = runids.active_floor(clock.now(conn), tasks.active_floor(conn))
+            try:
+                oldest = tasks.active_floor(conn)
+            except Exception as exc:
+                if conn.broken or conn.closed:
+                    raise
+                # On Citus a worker node down fails this read over every shard: keep the
+                # floor read last (the start's: none) and read again on the next pass, so
+                # the other nodes' timers and leases are still handled.
+                log.warning("coordinator: the active floor could not be read, keeping %r: %s", self._floor, exc)
+                return self._floor
+            floor = runids.active_floor(clock.now(conn), oldest)
             if floor != self._floor:
                 log.info("the timers and the lease sweeper now read run IDs from %s on (the active floor)", floor)
             self._floor = floor
             self._next_floor = time.monotonic() + self.floor_every_s
         return self._floor
+
+    def active_ceiling(self, conn: Any) -> str | None:
+        """The run ID above which the node scans do not look on Citus
+        (:func:`~composer_ops.core.runids.active_ceiling` of the database clock and the
+        newest run with an active task, allowing for the starts of the next
+        ``floor_every_s``), read again every ``floor_every_s`` as the floor is: with it
+        a node scan plans only the months between floor and ceiling on each shard, not
+        the empty months ahead. None (no ceiling) until it is read; a failed read keeps
+        the last one."""
+        if time.monotonic() >= self._next_ceiling:
+            try:
+                newest = tasks.active_ceiling(conn)
+            except Exception as exc:
+                if conn.broken or conn.closed:
+                    raise
+                log.warning("coordinator: the active ceiling could not be read, keeping %r: %s", self._ceiling, exc)
+                return self._ceiling
+            self._ceiling = runids.active_ceiling(clock.now(conn), newest, timedelta(seconds=self.floor_every_s))
+            self._next_ceiling = time.monotonic() + self.floor_every_s
+        return self._ceiling
 
     def _schedules(self, stats: PassStats) -> None:
         """Start the due slots of at most ``batch`` schedules (:meth:`Schedules.fire_due`):
@@ -219,8 +281,10 @@ class Coordinator:
         # every shard of a Citus cluster opens no distributed transaction on each worker
         # connection (a BEGIN and a transaction ID per connection, per pass).
         with self.engine.pool.connection() as conn, autocommit(conn):
-            due = signals.due_waits(conn, self.batch, now=clock.now(conn), skip=self._timer_backoff.skipped(),
-                                    floor=self.active_floor(conn))
+            scan = self._node_scan(conn, stats)
+            due = scan.timers if scan is not None else signals.due_waits(
+                conn, self.batch, now=clock.now(conn), skip=self._timer_backoff.skipped(),
+                floor=self.active_floor(conn))
         locked: set[str] = set()
         for wait in due:
             outcome = self._handle("timer", wait.task_id, wait.task_id, wait.run_id,
@@ -235,7 +299,9 @@ class Coordinator:
         deadline (judged in SQL by the database clock, through the outbox's partial index);
         under the run lock the dispatch is deleted first, so a claim that took it in time wins."""
         with self.engine.pool.connection() as conn, autocommit(conn):
-            late = outbox.unstarted(conn, self.batch, now=clock.now(conn), skip=self._start_backoff.skipped())
+            scan = self._node_scan(conn, stats)
+            late = scan.starts if scan is not None else outbox.unstarted(
+                conn, self.batch, now=clock.now(conn), skip=self._start_backoff.skipped())
         locked: set[str] = set()
         for row in late:
             outcome = self._handle("start timeout", row.task_id, f"{row.task_id}:{row.attempt}", row.run_id,
@@ -259,8 +325,10 @@ class Coordinator:
 
     def _leases(self, stats: PassStats) -> None:
         with self.engine.pool.connection() as conn, autocommit(conn):
-            expired = tasks.expired_leases(conn, self.batch, now=clock.now(conn),
-                                           skip=self._lease_backoff.skipped(), floor=self.active_floor(conn))
+            scan = self._node_scan(conn, stats)
+            expired = scan.leases if scan is not None else tasks.expired_leases(
+                conn, self.batch, now=clock.now(conn), skip=self._lease_backoff.skipped(),
+                floor=self.active_floor(conn))
         locked: set[str] = set()
         for lease in expired:
             ref = TaskRef(task_id=lease.task_id, run_id=lease.run_id, node_id=lease.node_id,
@@ -273,6 +341,73 @@ class Coordinator:
                 log.info("lease of task %s (run %s, owner %s) expired", lease.task_id, lease.run_id,
                          lease.lease_owner, extra={"action": "lease_expired", "run_id": lease.run_id})
         self._heal_slots(stats)
+
+    def _covering_keys(self, conn: Any, stats: PassStats) -> list[str] | None:
+        """On Citus, the stream keys (one per worker node) when their nodes hold every
+        shard (:func:`citus_scan.covered`; the keys are found afresh once when they do
+        not); None on a single server, or when they still do not (a shard move in
+        progress, a node added): then this pass runs the statements over every shard
+        through the coordinator, and says so."""
+        if not self.engine.shell.on_citus(conn):
+            return None
+        keys = self.engine.stream_keys(conn)
+        why = citus_scan.covered(conn, keys)
+        if why is not None:
+            keys = self.engine.stream_keys(conn, fresh=True)
+            why = citus_scan.covered(conn, keys)
+        if why is not None:
+            stats.scans_through_coordinator = True
+            if why != self._uncovered:
+                log.warning("coordinator: the worker nodes' scans do not cover every shard (%s): the pass scans "
+                            "every shard through the coordinator until they do", why)
+            self._uncovered = why
+            return None
+        if self._uncovered is not None:
+            log.info("coordinator: the worker nodes cover every shard again: one scan per node")
+            self._uncovered = None
+        return keys
+
+    def _node_scan(self, conn: Any, stats: PassStats) -> citus_scan.NodeScan | None:
+        """On Citus, this pass's candidates of the timers, the start timeouts and the
+        lease sweeper: one ``composer_scan_node`` call per worker node
+        (:func:`citus_scan.scan_node`), made once a pass, for the loops the pass runs.
+        A node whose call fails (down, unreachable) is logged and backed off (1 s, 2 s,
+        ... up to 30 s) and the other nodes' candidates are used: its rows stay where
+        they are, and a pass after it is back finds them. None: the statements over
+        every shard are to be used (a single server, or keys not covering every shard)."""
+        if self._in_pass and self._pass_scanned:
+            return self._pass_scan
+        self._pass_scanned = self._in_pass      # a loop called on its own scans for itself
+        keys = self._covering_keys(conn, stats)
+        if keys is None:
+            return None
+        now, floor, ceiling = clock.now(conn), self.active_floor(conn), self.active_ceiling(conn)
+        skipped = set(self._node_backoff.skipped())
+        found: list[Any] = []
+        for key in keys:
+            if key in skipped:
+                continue
+            try:
+                found += citus_scan.scan_node(conn, key, now=now, floor=floor, ceiling=ceiling, limit=self.batch,
+                                              kinds=self._pass_kinds, skip_timers=self._timer_backoff.skipped(),
+                                              skip_leases=self._lease_backoff.skipped(),
+                                              skip_starts=self._start_backoff.skipped())
+            except Exception as exc:
+                if conn.broken or conn.closed:
+                    raise           # the coordinator itself is lost: the loop fails, as without nodes
+                self._node_failed(stats, "scan", key, exc)
+                continue
+            stats.node_scans += 1
+            self._node_backoff.succeeded(key)
+        self._pass_scan = citus_scan.merge(found, self.batch)
+        return self._pass_scan
+
+    def _node_failed(self, stats: PassStats, what: str, key: str, exc: Exception) -> None:
+        self._node_backoff.failed(key)
+        stats.node_scans_failed += 1
+        stats.errors.append(f"{what} of the node of stream key {key}: {exc}")
+        log.warning("coordinator: the %s of the worker node of stream key %s failed, backing it off; the other "
+                    "nodes go on: %s", what, key, exc)
 
     def _heal_slots(self, stats: PassStats) -> None:
         """Free the places under a queue's limit that an attempt no longer RUNNING still
@@ -385,6 +520,11 @@ class Coordinator:
         fails leaves the prune due on the next pass."""
         if self.webhook_keep_days is None or time.monotonic() < self._next_prune:
             return
+        with self.engine.pool.connection() as conn, autocommit(conn):
+            keys = self._covering_keys(conn, stats)
+        if keys is not None:
+            self._prune_nodes(stats, keys, batch, max_batches)
+            return
         for _ in range(max_batches):
             gone = _prune_batch(self.engine.pool, self.webhook_keep_days * 86400.0, batch)
             stats.webhooks_pruned += gone
@@ -392,6 +532,29 @@ class Coordinator:
                 self._next_prune = time.monotonic() + self.upkeep_every_s
                 return
         self._next_prune = time.monotonic()     # more left: continue on the next pass
+
+    def _prune_nodes(self, stats: PassStats, keys: Sequence[str], batch: int, max_batches: int) -> None:
+        """The prune on Citus: node by node, batches of one delegated call each
+        (:func:`citus_scan.prune_webhooks_on_node`), a one-phase transaction of that
+        node; up to ``max_batches`` per node a pass. A node whose call fails is logged
+        and the prune stays due for the next pass; the other nodes go on."""
+        assert self.webhook_keep_days is not None
+        keep_s, more = self.webhook_keep_days * 86400.0, False
+        for key in keys:
+            for _ in range(max_batches):
+                try:
+                    with self.engine.pool.connection() as conn, autocommit(conn):
+                        gone = citus_scan.prune_webhooks_on_node(conn, key, keep_s, batch)
+                except Exception as exc:
+                    self._node_failed(stats, "webhook prune", key, exc)
+                    more = True
+                    break
+                stats.webhooks_pruned += gone
+                if gone < batch:
+                    break
+            else:
+                more = True
+        self._next_prune = time.monotonic() + (0.0 if more else self.upkeep_every_s)
 
 
 class _Backoff:

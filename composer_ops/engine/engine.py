@@ -380,15 +380,20 @@ class Engine:
                 outbox.fence_claim(conn, request.id)
                 return claims
 
-    def _keys(self, conn: Any) -> list[str]:
+    def _keys(self, conn: Any, *, fresh: bool = False) -> list[str]:
         """The stream keys, one per node (:func:`citus.stream_keys`), found again every
-        :data:`STREAM_KEYS_TTL_S`: after a node is added or shards are moved, each node
-        holding outbox shards gets its key within that time (a node without one would
-        have its dispatches claimed by nobody)."""
-        if not self._stream_keys or time.monotonic() - self._stream_keys_at > STREAM_KEYS_TTL_S:
+        :data:`STREAM_KEYS_TTL_S` (or now, with ``fresh``): after a node is added or shards
+        are moved, each node holding outbox shards gets its key within that time (a node
+        without one would have its dispatches claimed by nobody)."""
+        if fresh or not self._stream_keys or time.monotonic() - self._stream_keys_at > STREAM_KEYS_TTL_S:
             self._stream_keys = citus.stream_keys(conn)
             self._stream_keys_at = time.monotonic()
         return self._stream_keys
+
+    def stream_keys(self, conn: Any, *, fresh: bool = False) -> list[str]:
+        """The stream keys the claims use, one per worker node (Citus only): the
+        coordinator's node scans reach the nodes with them too."""
+        return self._keys(conn, fresh=fresh)
 
     def _claim_streams_again(self, conn: Any, queues: Sequence[str], owner: str, limit: int,
                              task_names: Sequence[str] | None, claim_id: str) -> list[Claim]:

@@ -104,6 +104,13 @@ def active_floor(conn: Conn) -> str | None:
     return None if row is None else row[0]
 
 
+def active_ceiling(conn: Conn) -> str | None:
+    """The greatest run ID that has an active task, None when no task is active
+    (:func:`active_floor`'s other end)."""
+    row = conn.execute(f"SELECT max(run_id) FROM task_instances WHERE state IN {_ACTIVE}").fetchone()
+    return None if row is None else row[0]
+
+
 def expired_leases(conn: Conn, limit: int, *, now: datetime, skip: Sequence[str] = (),
                    floor: str = "") -> list[ExpiredLease]:
     """RUNNING tasks whose lease had lapsed at ``now`` (the database clock), oldest first,

@@ -53,7 +53,7 @@ def test_migrate_distributes_the_run_tables_and_the_dispatch_rows_by_run_id_colo
     assert [m.filename for m, _ in status(db_url) if m.citus] == [
         "V002__distribute_by_run_id.sql", "V013__cached_worker_connections.sql", "V016__dispatch_on_run_nodes.sql",
         "V017__claim_node_fences.sql", "R__dispatch.sql", "R__apply_on.sql", "R__child_deliveries.sql",
-        "R__claim_node.sql", "R__partition_stats.sql"]
+        "R__claim_node.sql", "R__partition_stats.sql", "R__scan_node.sql"]
 
 
 def test_partitions_created_and_dropped_on_the_coordinator_reach_the_shards(db_url: str,
@@ -138,13 +138,13 @@ def test_a_single_server_database_with_runs_converts_to_citus_and_keeps_working(
     assert main(["migrate", "--database-url", plain_db]) == 0
     applied = capsys.readouterr().out
     # The distribution and the connection settings, then every repeatable file again (the functions' Citus settings),
-    # the Citus body of composer_partition_stats last.
+    # then the Citus-only ones by name: the Citus body of composer_partition_stats, the node scans.
     assert applied.splitlines() == ["applied V002__distribute_by_run_id.sql",
                                     "applied V013__cached_worker_connections.sql",
                                     "applied V016__dispatch_on_run_nodes.sql",
                                     "applied V017__claim_node_fences.sql"] + [
         f"applied {r.filename}" for r in discover_repeatable(citus=True)]
-    assert applied.splitlines()[-1] == "applied R__partition_stats.sql"
+    assert applied.splitlines()[-2:] == ["applied R__partition_stats.sql", "applied R__scan_node.sql"]
     layout = _layout(plain_db)
     assert {layout[t] for t in (*partitions.RUN_TABLES, "child_deliveries")} == {layout["workflow_runs"]}
     assert layout["workflow_runs"][0] == "distributed"

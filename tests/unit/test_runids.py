@@ -16,6 +16,7 @@ from composer_ops.core.runids import (
     RUN_ID_MAX_AGE,
     RUN_ID_MAX_AHEAD,
     RUN_START_SLACK,
+    active_ceiling,
     active_floor,
     add_months,
     month_bounds,
@@ -248,6 +249,29 @@ def test_the_active_floor_is_a_month_bound_at_or_below_the_oldest_active_run(now
     floor = active_floor(now, run_id)
     assert floor <= run_id
     assert floor in (month_bounds(month_of(run_id))[0], active_floor(now, None))
+
+
+@given(st.datetimes(min_value=datetime(2000, 1, 1), max_value=datetime(2199, 1, 1), timezones=st.just(UTC)),
+       st.timedeltas(min_value=timedelta(0), max_value=RUN_ID_MAX_AHEAD),
+       st.timedeltas(min_value=timedelta(0), max_value=timedelta(hours=1)),
+       st.datetimes(min_value=datetime(1990, 1, 1), max_value=datetime(2199, 1, 1), timezones=st.just(UTC)))
+def test_the_active_ceiling_is_above_every_run_a_start_can_create_meanwhile_and_every_active_run(
+        now: datetime, ahead: timedelta, within: timedelta, newest: datetime) -> None:
+    """Within ``within`` of the read, a start accepts IDs up to RUN_ID_MAX_AHEAD past its
+    clock: all of them, and the newest active run, are at or below the ceiling."""
+    later = now + within
+    assert mint(later + ahead, "7fff-bfff-ffffffffffff") <= active_ceiling(now, None, within)
+    newest_id = mint(newest)
+    ceiling = active_ceiling(now, newest_id, within)
+    assert newest_id <= ceiling and active_ceiling(now, None, within) <= ceiling
+    assert ceiling in (month_bounds(month_of(newest_id))[1], active_ceiling(now, None, within))
+
+
+def test_an_active_ceiling_from_an_id_that_is_not_a_uuidv7_is_at_least_that_id() -> None:
+    odd = "ffffffff-0000-4000-8000-000000000000"
+    assert active_ceiling(NOW, odd, timedelta(seconds=30)) == odd
+    assert active_ceiling(NOW, "00000000-0000-4000-8000-000000000000", timedelta(seconds=30)) == active_ceiling(
+        NOW, None, timedelta(seconds=30))
 
 
 def test_an_active_floor_from_an_id_that_is_not_a_uuidv7_is_that_id() -> None:

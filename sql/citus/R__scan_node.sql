@@ -1,0 +1,128 @@
+-- Citus only: the coordinator's scans and its webhook prune, one delegated call per worker
+-- node (docs/scaling.md, "The coordinator's pass on Citus"). The coordinator calls each
+-- function with a key that hashes to a shard of the node (repo/citus.py, stream keys);
+-- Citus delegates the call there (create_distributed_function below), and the function
+-- reads or deletes in that node's own shards only, by their shard names: a plain local
+-- transaction of one node, committed in one phase, with no connection to any other node.
+-- Called in autocommit: inside a transaction block Citus would pin every statement to
+-- p_key's own run.
+
+-- The candidates of the coordinator's timers, lease sweeper and start timeouts on this
+-- node (composer_ops/repo/citus_scan.py): each kind in p_kinds ('timer', 'lease',
+-- 'start'), up to p_limit rows of it, in the order of the single server's statement
+-- (repo/signals.py due_waits, repo/tasks.py expired_leases, repo/outbox.py unstarted),
+-- with the same predicates: p_now is the coordinator's clock, p_floor the active floor
+-- (compared as text, as there: a run ID that is not a UUIDv7 is seen as the single
+-- server sees it), the p_skip_* arrays the keys the coordinator is backing off. The
+-- rows are hints: the coordinator handles each under its run's lock, where it is
+-- checked again. p_ceiling (NULL: none) is the active ceiling, the greatest run ID
+-- with an active task or the end of the month a start may still use
+-- (core/runids.py active_ceiling): with the floor it keeps the planner to the months
+-- in between; the months ahead, empty, cost planning time on every shard otherwise.
+-- One statement per shard and kind, through its partial index, planned for these
+-- values; JIT off (a statement over a shard's months is costed above its threshold).
+CREATE OR REPLACE FUNCTION composer_scan_node(p_key TEXT, p_now TIMESTAMPTZ, p_floor TEXT, p_ceiling TEXT,
+                                              p_limit INT, p_kinds TEXT[], p_skip_timers TEXT[],
+                                              p_skip_leases TEXT[], p_skip_starts TEXT[])
+RETURNS TABLE(kind TEXT, run_id TEXT, task_id TEXT, node_id TEXT, attempt INT, lease_owner TEXT,
+              timed_out BOOLEAN, at TIMESTAMPTZ)
+LANGUAGE plpgsql
+SET jit = off
+AS $$
+#variable_conflict use_column
+DECLARE
+    s RECORD;
+BEGIN
+    -- The node's shards: each workflow_runs shard with the task_instances and task_outbox
+    -- shards of its hash range (co-located: the same node).
+    FOR s IN
+        SELECT shard_name('workflow_runs'::regclass, r.shardid) AS runs,
+               shard_name('task_instances'::regclass, t.shardid) AS tasks,
+               shard_name('task_outbox'::regclass, o.shardid) AS outbox
+          FROM pg_dist_shard r
+          JOIN pg_dist_shard t ON t.logicalrelid = 'task_instances'::regclass AND t.shardminvalue = r.shardminvalue
+          JOIN pg_dist_shard o ON o.logicalrelid = 'task_outbox'::regclass AND o.shardminvalue = r.shardminvalue
+          JOIN pg_dist_placement p ON p.shardid = r.shardid
+         WHERE r.logicalrelid = 'workflow_runs'::regclass AND p.groupid = (SELECT groupid FROM pg_dist_local_group)
+    LOOP
+        IF 'timer' = ANY(p_kinds) THEN
+            RETURN QUERY EXECUTE format($q$
+                SELECT 'timer'::text, t.run_id, t.id, t.node_id, NULL::int, NULL::text, NULL::boolean, t.wake_at
+                  FROM %1$s t JOIN %2$s r ON r.id = t.run_id
+                 WHERE t.state = 'WAITING' AND t.wake_at <= $1 AND t.id <> ALL($2)
+                   AND t.run_id >= $3 AND r.id >= $3 AND ($5::text IS NULL OR (t.run_id <= $5 AND r.id <= $5))
+                   AND r.deleted_at IS NULL AND r.status IN ('PENDING', 'RUNNING')
+                 ORDER BY t.wake_at LIMIT $4$q$, s.tasks, s.runs)
+                USING p_now, p_skip_timers, p_floor, p_limit, p_ceiling;
+        END IF;
+        IF 'lease' = ANY(p_kinds) THEN
+            RETURN QUERY EXECUTE format($q$
+                SELECT 'lease'::text, t.run_id, t.id, t.node_id, t.attempt, t.lease_owner,
+                       COALESCE(t.lease_expires_at >= t.run_deadline_at, false), t.lease_expires_at
+                  FROM %1$s t JOIN %2$s r ON r.id = t.run_id
+                 WHERE t.state = 'RUNNING' AND t.lease_expires_at <= $1
+                   AND t.id || ':' || t.attempt <> ALL($2)
+                   AND t.run_id >= $3 AND r.id >= $3 AND ($5::text IS NULL OR (t.run_id <= $5 AND r.id <= $5))
+                   AND r.deleted_at IS NULL AND r.status IN ('PENDING', 'RUNNING')
+                 ORDER BY t.lease_expires_at LIMIT $4$q$, s.tasks, s.runs)
+                USING p_now, p_skip_leases, p_floor, p_limit, p_ceiling;
+        END IF;
+        IF 'start' = ANY(p_kinds) THEN
+            RETURN QUERY EXECUTE format($q$
+                SELECT 'start'::text, o.run_id, o.task_id, NULL::text, o.attempt, NULL::text, NULL::boolean, o.start_by
+                  FROM %1$s o
+                 WHERE o.start_by <= $1 AND o.task_id || ':' || o.attempt <> ALL($2)
+                 ORDER BY o.start_by LIMIT $3$q$, s.outbox)
+                USING p_now, p_skip_starts, p_limit;
+        END IF;
+    END LOOP;
+END;
+$$;
+
+REVOKE ALL ON FUNCTION composer_scan_node(TEXT, TIMESTAMPTZ, TEXT, TEXT, INT, TEXT[], TEXT[], TEXT[], TEXT[])
+    FROM PUBLIC;
+GRANT EXECUTE ON FUNCTION composer_scan_node(TEXT, TIMESTAMPTZ, TEXT, TEXT, INT, TEXT[], TEXT[], TEXT[], TEXT[])
+    TO composer_ops_engine;
+SELECT create_distributed_function(
+    'composer_scan_node(text, timestamptz, text, text, int, text[], text[], text[], text[])', 'p_key',
+    colocate_with => 'workflow_runs');
+
+-- The webhook prune on this node (repo/webhooks.py prune, node by node): delete up to
+-- p_limit deliveries of the node's shards delivered or given up more than p_keep_s
+-- seconds ago, the oldest of each shard first; returns how many. One local transaction,
+-- one phase (a DELETE over every shard through the coordinator commits in two).
+CREATE OR REPLACE FUNCTION composer_prune_webhooks_node(p_key TEXT, p_keep_s FLOAT8, p_limit INT)
+RETURNS INT
+LANGUAGE plpgsql AS $$
+DECLARE
+    v_shard TEXT;
+    v_gone INT := 0;
+    v_n INT;
+BEGIN
+    FOR v_shard IN
+        SELECT shard_name('webhook_deliveries'::regclass, s.shardid)
+          FROM pg_dist_shard s JOIN pg_dist_placement p ON p.shardid = s.shardid
+         WHERE s.logicalrelid = 'webhook_deliveries'::regclass
+           AND p.groupid = (SELECT groupid FROM pg_dist_local_group)
+         ORDER BY s.shardid
+    LOOP
+        EXIT WHEN v_gone >= p_limit;
+        EXECUTE format($q$
+            DELETE FROM %1$s
+             WHERE (run_id, id) IN (SELECT run_id, id FROM %1$s
+                                     WHERE (delivered_at IS NOT NULL OR gave_up_at IS NOT NULL)
+                                       AND COALESCE(delivered_at, gave_up_at) < now() - make_interval(secs => $1)
+                                     ORDER BY COALESCE(delivered_at, gave_up_at)
+                                     LIMIT $2)$q$, v_shard)
+            USING p_keep_s, p_limit - v_gone;
+        GET DIAGNOSTICS v_n = ROW_COUNT;
+        v_gone := v_gone + v_n;
+    END LOOP;
+    RETURN v_gone;
+END;
+$$;
+
+REVOKE ALL ON FUNCTION composer_prune_webhooks_node(TEXT, FLOAT8, INT) FROM PUBLIC;
+GRANT EXECUTE ON FUNCTION composer_prune_webhooks_node(TEXT, FLOAT8, INT) TO composer_ops_engine;
+SELECT create_distributed_function('composer_prune_webhooks_node(text, float8, int)', 'p_key',
+                                   colocate_with => 'workflow_runs');

@@ -1,0 +1,204 @@
+"""The coordinator's pass on Citus: one scan per worker node, one prune per node.
+
+The timers, the start timeouts and the lease sweeper read their candidates with one
+``composer_scan_node`` call per worker node (sql/citus/R__scan_node.sql), delegated to
+the node; the webhook prune deletes with one ``composer_prune_webhooks_node`` call per
+node. Each is a local transaction of its node: no two-phase commit. When the nodes do
+not cover every shard the pass falls back to the statements over every shard; a node
+down is logged and backed off, and the other nodes go on."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import psycopg
+import pytest
+
+from composer_ops import Engine
+from composer_ops.engine.coordinator import Coordinator, PassStats
+from composer_ops.engine.ids import uuid7_text
+from composer_ops.repo import citus_scan, clock, outbox, signals, tasks
+from composer_ops.testing.citus import CitusCluster
+
+WAITS = {"id": "sn-wait", "nodes": [{"id": "w", "type": "WAIT", "duration_s": 3600}]}
+LEASED = {"id": "sn-lease", "nodes": [{"id": "a", "type": "TASK", "task": "t", "queue": "snl",
+                                       "retry": {"max_attempts": 3, "initial_backoff_s": 0}}]}
+UNSTARTED = {"id": "sn-start", "nodes": [{"id": "a", "type": "TASK", "task": "t", "queue": "sns",
+                                          "timeouts": {"schedule_to_start_s": 3600}}]}
+HOOKED = {"id": "sn-hook", "webhook_url": "http://127.0.0.1:9/never",
+          "nodes": [{"id": "a", "type": "TASK", "task": "t", "queue": "snh"}]}
+
+
+@pytest.fixture
+def engine(db_url: str) -> Iterator[Engine]:
+    with Engine.connect(db_url, pool_size=4) as e:
+        for spec in (WAITS, LEASED, UNSTARTED, HOOKED):
+            e.deploy(spec)
+        yield e
+
+
+def _ids_per_node(db_url: str, per_node: int) -> dict[int, list[str]]:
+    """Fresh run IDs, ``per_node`` for each worker node (by the group holding its shard)."""
+    found: dict[int, list[str]] = {}
+    with psycopg.connect(db_url, autocommit=True) as conn:
+        groups = [int(r[0]) for r in conn.execute(
+            "SELECT DISTINCT groupid FROM pg_dist_placement p JOIN pg_dist_shard s USING (shardid) "
+            "WHERE s.logicalrelid = 'workflow_runs'::regclass").fetchall()]
+        while any(len(found.get(g, [])) < per_node for g in groups):
+            run_id = uuid7_text()
+            row = conn.execute("SELECT groupid FROM pg_dist_placement WHERE shardid = "
+                               "get_shard_id_for_distribution_column('workflow_runs', %s::text)", (run_id,)).fetchone()
+            assert row is not None
+            if len(found.setdefault(int(row[0]), [])) < per_node:
+                found[int(row[0])].append(run_id)
+    return found
+
+
+def _candidates_on_every_node(db_url: str, engine: Engine) -> dict[int, dict[str, str]]:
+    """On each worker node: a run with a due timer, one with an expired lease and one
+    whose dispatch is past its schedule_to_start deadline."""
+    placed: dict[int, dict[str, str]] = {}
+    for group, (timer, lease, start) in _ids_per_node(db_url, 3).items():
+        engine.start("sn-wait", run_id=timer)
+        engine.start("sn-lease", run_id=lease)
+        engine.start("sn-start", run_id=start)
+        placed[group] = {"timer": timer, "lease": lease, "start": start}
+    leased = [run for p in placed.values() for run in [p["lease"]]]
+    assert {c.run_id for c in engine.claim(["snl"], "w", 10)} == set(leased)
+    with psycopg.connect(db_url, autocommit=True) as conn:
+        conn.execute("UPDATE task_instances SET wake_at = now() - interval '1 minute' WHERE run_id = ANY(%s)",
+                     ([p["timer"] for p in placed.values()],))
+        conn.execute("UPDATE task_instances SET lease_expires_at = now() - interval '1 minute' "
+                     "WHERE run_id = ANY(%s)", (leased,))
+        conn.execute("UPDATE task_outbox SET start_by = now() - interval '1 minute' WHERE run_id = ANY(%s)",
+                     ([p["start"] for p in placed.values()],))
+    return placed
+
+
+def _two_phase_commits_during(db_url: str, action: Callable[[], Any]) -> tuple[int, Any]:
+    """Two-phase commits Citus recorded (``pg_dist_transaction`` rows) while ``action`` ran."""
+    with psycopg.connect(db_url, autocommit=True) as conn:
+        before = [r[0] for r in conn.execute("SELECT gid FROM pg_dist_transaction").fetchall()]
+        result = action()
+        row = conn.execute("SELECT count(*) FROM pg_dist_transaction WHERE gid <> ALL(%s)", (before,)).fetchone()
+    return (int(row[0]) if row else -1), result
+
+
+def _no_statements_over_every_shard(monkeypatch: pytest.MonkeyPatch) -> None:
+    def refused(*_: Any, **__: Any) -> Any:
+        raise AssertionError("a statement over every shard ran in a pass with node scans")
+
+    for module, name in ((signals, "due_waits"), (tasks, "expired_leases"), (outbox, "unstarted")):
+        monkeypatch.setattr(module, name, refused)
+
+
+def test_one_pass_finds_a_due_timer_an_expired_lease_and_an_unstarted_dispatch_on_each_node(
+        db_url: str, engine: Engine, citus_cluster: CitusCluster, monkeypatch: pytest.MonkeyPatch) -> None:
+    placed = _candidates_on_every_node(db_url, engine)
+    assert len(placed) == len(citus_cluster.workers)
+    # What the node scans find is what the statements over every shard find.
+    with engine.pool.connection() as conn:
+        conn.autocommit = True
+        now, keys = clock.now(conn), engine.stream_keys(conn)
+        assert citus_scan.covered(conn, keys) is None
+        found = citus_scan.merge([c for key in keys for c in citus_scan.scan_node(
+            conn, key, now=now, floor="", limit=100, kinds=citus_scan.KINDS)], 100)
+        assert sorted(found.timers, key=str) == sorted(signals.due_waits(conn, 100, now=now), key=str)
+        assert sorted(found.leases, key=str) == sorted(tasks.expired_leases(conn, 100, now=now), key=str)
+        assert sorted(found.starts, key=str) == sorted(outbox.unstarted(conn, 100, now=now), key=str)
+    _no_statements_over_every_shard(monkeypatch)
+    coordinator = engine.coordinator(batch=10)
+    prepared, stats = _two_phase_commits_during(db_url, lambda: coordinator.run_once(["timers", "leases"]))
+    nodes = len(citus_cluster.workers)
+    assert (stats.timers_fired, stats.leases_expired, stats.start_timeouts) == (nodes, nodes, nodes), stats
+    assert (stats.node_scans, stats.node_scans_failed, stats.scans_through_coordinator, stats.errors) == (
+        nodes, 0, False, [])
+    assert prepared == 0
+    for p in placed.values():
+        assert engine.get_run(p["timer"]).status == "SUCCEEDED"
+        lease = engine.get_run(p["lease"]).tasks[0]
+        assert (lease.state, lease.attempt) == ("PENDING", 1)
+        assert engine.get_run(p["start"]).status == "FAILED"
+
+
+def test_a_pass_whose_nodes_do_not_cover_every_shard_scans_through_the_coordinator(
+        db_url: str, engine: Engine, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
+    placed = _candidates_on_every_node(db_url, engine)
+    coordinator = engine.coordinator(batch=10)
+    with engine.pool.connection() as conn:
+        one = engine.stream_keys(conn)[:1]              # as if a node had just been given shards
+    monkeypatch.setattr(engine, "stream_keys", lambda conn, fresh=False: one)
+    with caplog.at_level(logging.WARNING, logger="composer_ops.engine.coordinator"):
+        stats = coordinator.run_once(["timers", "leases"])
+    assert stats.scans_through_coordinator and stats.node_scans == 0 and stats.errors == []
+    assert (stats.timers_fired, stats.leases_expired, stats.start_timeouts) == (len(placed),) * 3
+    assert any("do not cover every shard" in r.getMessage() for r in caplog.records)
+
+
+def _passes_until(coordinator: Coordinator, done: Callable[[PassStats], bool], timeout: float = 60.0
+                  ) -> list[PassStats]:
+    seen: list[PassStats] = []
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        seen.append(coordinator.run_once(["timers", "leases"]))
+        if done(seen[-1]):
+            return seen
+        time.sleep(0.2)
+    raise AssertionError(f"not done after {timeout}s: {seen[-3:]}")
+
+
+@pytest.mark.timeout(180)
+def test_a_pass_with_a_node_down_logs_it_and_goes_on_with_the_other_nodes(
+        db_url: str, engine: Engine, citus_cluster: CitusCluster, caplog: pytest.LogCaptureFixture) -> None:
+    placed = _candidates_on_every_node(db_url, engine)
+    down = citus_cluster.workers[-1]
+    with psycopg.connect(db_url) as conn:
+        groups: dict[int, int] = dict(conn.execute("SELECT nodeport, groupid FROM pg_dist_node").fetchall())
+    assert down.port is not None
+    lost = placed[groups[down.port]]
+    live = [p for g, p in placed.items() if g != groups[down.port]]
+    coordinator = engine.coordinator(batch=10, event_lock_wait_s=0.5)
+    with caplog.at_level(logging.WARNING, logger="composer_ops.engine.coordinator"), down.down("immediate"):
+        stats = coordinator.run_once(["timers", "leases"])
+    assert stats.node_scans_failed == 1 and stats.node_scans == len(live), stats
+    assert (stats.timers_fired, stats.leases_expired, stats.start_timeouts) == (len(live),) * 3, stats
+    assert any("failed, backing it off" in r.getMessage() for r in caplog.records)
+    for p in live:
+        assert engine.get_run(p["timer"]).status == "SUCCEEDED"
+    # Back up: a later pass (after the node's backoff) finds its candidates; nothing was lost.
+    later = _passes_until(coordinator, lambda s: s.timers_fired > 0 and s.node_scans_failed == 0)
+    fired = sum(s.timers_fired for s in later)
+    expired = sum(s.leases_expired for s in later)
+    timed_out = sum(s.start_timeouts for s in later)
+    assert (fired, expired, timed_out) == (1, 1, 1), later
+    assert engine.get_run(lost["timer"]).status == "SUCCEEDED"
+    assert engine.get_run(lost["start"]).status == "FAILED"
+    lease = engine.get_run(lost["lease"]).tasks[0]
+    assert (lease.state, lease.attempt) == ("PENDING", 1)
+
+
+def test_the_webhook_prune_deletes_node_by_node_in_one_phase(db_url: str, engine: Engine,
+                                                             citus_cluster: CitusCluster) -> None:
+    runs = [run for ids in _ids_per_node(db_url, 3).values() for run in ids]
+    for run_id in runs:
+        engine.start("sn-hook", run_id=run_id)
+    for claim in engine.claim(["snh"], "w", len(runs)):
+        engine.complete(claim, None)
+    with psycopg.connect(db_url, autocommit=True) as conn:
+        assert conn.execute("SELECT count(*) FROM webhook_deliveries").fetchone() == (len(runs),)
+        kept = runs[0]
+        conn.execute("UPDATE webhook_deliveries SET gave_up_at = now() - interval '8 days' WHERE run_id <> %s",
+                     (kept,))
+    coordinator = engine.coordinator(webhook_keep_days=7)
+    stats = PassStats()
+    prepared, _ = _two_phase_commits_during(db_url, lambda: coordinator._prune_webhooks(stats, batch=2,
+                                                                                        max_batches=1))
+    assert prepared == 0
+    assert stats.webhooks_pruned == 2 * len(citus_cluster.workers) and stats.errors == []  # a batch per node
+    coordinator._prune_webhooks(stats, batch=2, max_batches=1)                               # due again at once
+    assert stats.webhooks_pruned == len(runs) - 1
+    with psycopg.connect(db_url) as conn:
+        assert conn.execute("SELECT run_id FROM webhook_deliveries").fetchall() == [(kept,)]
