@@ -64,6 +64,11 @@ PRIORITY_AGING_S = 60.0
 #: gets an active task again is seen by the timers and the lease sweeper.
 MAX_FLOOR_EVERY_S = 3600.0
 
+#: After a failed read of the active floor or of the newest active run (on Citus, a
+#: worker node down fails these reads over every shard), the next read is tried this
+#: much later, not at every pass.
+FAILED_READ_RETRY_S = 5.0
+
 
 @dataclass
 class PassStats:
@@ -140,6 +145,7 @@ class Coordinator:
         self._next_upkeep = float("-inf")
         self._upkeep_failures = 0
         self._node_backoff = _Backoff(cap_s=30.0)
+        self._prune_backoff = _Backoff(cap_s=300.0)
         self._ceiling: str | None = None
         self._next_ceiling = float("-inf")
         self._uncovered: str | None = None        # why the last pass scanned through the coordinator
@@ -213,6 +219,7 @@ class Coordinator:
                 # floor read last (the start's: none) and read again on the next pass, so
                 # the other nodes' timers and leases are still handled.
                 log.warning("coordinator: the active floor could not be read, keeping %r: %s", self._floor, exc)
+                self._next_floor = time.monotonic() + min(self.floor_every_s, FAILED_READ_RETRY_S)
                 return self._floor
             floor = runids.active_floor(clock.now(conn), oldest)
             if floor != self._floor:
@@ -221,25 +228,36 @@ class Coordinator:
             self._next_floor = time.monotonic() + self.floor_every_s
         return self._floor
 
-    def active_ceiling(self, conn: Any) -> str | None:
+    def active_ceiling(self, conn: Any, now: datetime) -> str | None:
         """The run ID above which the node scans do not look on Citus
         (:func:`~composer_ops.core.runids.active_ceiling` of the database clock and the
         newest run with an active task, allowing for the starts of the next
-        ``floor_every_s``), read again every ``floor_every_s`` as the floor is: with it
-        a node scan plans only the months between floor and ceiling on each shard, not
-        the empty months ahead. None (no ceiling) until it is read; a failed read keeps
-        the last one."""
+        ``floor_every_s``), the newest run read again every ``floor_every_s`` as the
+        floor is: with it a node scan plans only the months between floor and ceiling
+        on each shard, not the empty months ahead. The clock's part is taken at ``now``
+        (this pass's clock) on every call: a read that fails (a worker node down fails
+        this read over every shard) keeps the newest run read last, but never a ceiling
+        below the runs a start may make now, so the nodes still up handle the runs of a
+        month begun during the outage. None (no ceiling) until a read succeeds."""
         if time.monotonic() >= self._next_ceiling:
             try:
                 newest = tasks.active_ceiling(conn)
             except Exception as exc:
                 if conn.broken or conn.closed:
                     raise
-                log.warning("coordinator: the active ceiling could not be read, keeping %r: %s", self._ceiling, exc)
-                return self._ceiling
-            self._ceiling = runids.active_ceiling(clock.now(conn), newest, timedelta(seconds=self.floor_every_s))
-            self._next_ceiling = time.monotonic() + self.floor_every_s
-        return self._ceiling
+                log.warning("coordinator: the newest active run could not be read, keeping %r: %s",
+                            self._ceiling, exc)
+                self._next_ceiling = time.monotonic() + min(self.floor_every_s, FAILED_READ_RETRY_S)
+            else:
+                self._ceiling = runids.active_ceiling(now, newest, self._ceiling_within)
+                self._next_ceiling = time.monotonic() + self.floor_every_s
+        if self._ceiling is None:
+            return None
+        return max(self._ceiling, runids.active_ceiling(now, None, self._ceiling_within))
+
+    @property
+    def _ceiling_within(self) -> timedelta:
+        return timedelta(seconds=self.floor_every_s)
 
     def _schedules(self, stats: PassStats) -> None:
         """Start the due slots of at most ``batch`` schedules (:meth:`Schedules.fire_due`):
@@ -381,7 +399,8 @@ class Coordinator:
         keys = self._covering_keys(conn, stats)
         if keys is None:
             return None
-        now, floor, ceiling = clock.now(conn), self.active_floor(conn), self.active_ceiling(conn)
+        now = clock.now(conn)
+        floor, ceiling = self.active_floor(conn), self.active_ceiling(conn, now)
         skipped = set(self._node_backoff.skipped())
         found: list[Any] = []
         for key in keys:
@@ -402,8 +421,9 @@ class Coordinator:
         self._pass_scan = citus_scan.merge(found, self.batch)
         return self._pass_scan
 
-    def _node_failed(self, stats: PassStats, what: str, key: str, exc: Exception) -> None:
-        self._node_backoff.failed(key)
+    def _node_failed(self, stats: PassStats, what: str, key: str, exc: Exception,
+                     backoff: _Backoff | None = None) -> None:
+        (backoff or self._node_backoff).failed(key)
         stats.node_scans_failed += 1
         stats.errors.append(f"{what} of the node of stream key {key}: {exc}")
         log.warning("coordinator: the %s of the worker node of stream key %s failed, backing it off; the other "
@@ -540,15 +560,22 @@ class Coordinator:
         and the prune stays due for the next pass; the other nodes go on."""
         assert self.webhook_keep_days is not None
         keep_s, more = self.webhook_keep_days * 86400.0, False
+        # Its own backoff: a failing prune (a lock or statement timeout on a large
+        # delete) must not hold up that node's scans, nor be retried at every pass.
+        skipped = set(self._prune_backoff.skipped())
         for key in keys:
+            if key in skipped:
+                more = True
+                continue
             for _ in range(max_batches):
                 try:
                     with self.engine.pool.connection() as conn, autocommit(conn):
                         gone = citus_scan.prune_webhooks_on_node(conn, key, keep_s, batch)
                 except Exception as exc:
-                    self._node_failed(stats, "webhook prune", key, exc)
+                    self._node_failed(stats, "webhook prune", key, exc, self._prune_backoff)
                     more = True
                     break
+                self._prune_backoff.succeeded(key)
                 stats.webhooks_pruned += gone
                 if gone < batch:
                     break

@@ -1,3 +1,5 @@
+-- The signature of the first version (no p_ceiling), in databases migrated with it.
+DROP FUNCTION IF EXISTS composer_scan_node(TEXT, TIMESTAMPTZ, TEXT, INT, TEXT[], TEXT[], TEXT[], TEXT[]);
 -- Citus only: the coordinator's scans and its webhook prune, one delegated call per worker
 -- node (docs/scaling.md, "The coordinator's pass on Citus"). The coordinator calls each
 -- function with a key that hashes to a shard of the node (repo/citus.py, stream keys);
@@ -9,7 +11,8 @@
 
 -- The candidates of the coordinator's timers, lease sweeper and start timeouts on this
 -- node (composer_ops/repo/citus_scan.py): each kind in p_kinds ('timer', 'lease',
--- 'start'), up to p_limit rows of it, in the order of the single server's statement
+-- 'start'), up to p_limit rows of it from each shard (the coordinator merges the nodes'
+-- rows and keeps the first p_limit of each kind), in the order of the single server's statement
 -- (repo/signals.py due_waits, repo/tasks.py expired_leases, repo/outbox.py unstarted),
 -- with the same predicates: p_now is the coordinator's clock, p_floor the active floor
 -- (compared as text, as there: a run ID that is not a UUIDv7 is seen as the single

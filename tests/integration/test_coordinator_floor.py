@@ -17,7 +17,7 @@ from typing import Any
 import psycopg
 import pytest
 
-from composer_ops import Engine, Invalid
+from composer_ops import Engine, Invalid, Transient
 from composer_ops.core import runids
 from composer_ops.engine.coordinator import MAX_FLOOR_EVERY_S
 from composer_ops.repo import clock, partitions, signals, tasks
@@ -166,3 +166,27 @@ def test_a_floor_that_is_never_read_again_is_refused(engine: Engine) -> None:
         with pytest.raises(Invalid, match="floor_every_s must be 0 to 3600 seconds"):
             engine.coordinator(floor_every_s=bad)
     assert engine.coordinator(floor_every_s=MAX_FLOOR_EVERY_S).floor_every_s == MAX_FLOOR_EVERY_S
+
+
+def test_a_failed_read_of_the_newest_active_run_keeps_a_ceiling_no_lower_than_the_clocks(
+        engine: Engine, db_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The ceiling of the Citus node scans is read with a statement over every shard,
+    which fails while a worker node is down. Keeping the last ceiling as it was hid, from
+    the nodes still up, the runs of a month begun during the outage: their IDs are above
+    it. The clock's part is taken at every pass, so the ceiling is never below the runs
+    a start may make now."""
+    coordinator = engine.coordinator(floor_every_s=0)
+    december = datetime(2026, 12, 31, 23, 50, tzinfo=UTC)
+    with psycopg.connect(db_url, autocommit=True) as conn:
+        read = coordinator.active_ceiling(conn, december)             # no active run: the clock's part only
+        assert read == runids.month_bounds("202612")[1]
+
+        def node_down(conn: Any) -> str | None:
+            raise Transient("connection to the remote node failed (a transient database error)")
+
+        monkeypatch.setattr(tasks, "active_ceiling", node_down)
+        january = datetime(2027, 1, 1, 0, 1, tzinfo=UTC)
+        ceiling = coordinator.active_ceiling(conn, january)
+        assert ceiling is not None and ceiling >= runids.month_bounds("202701")[1] > read
+        new_run = runids.uuid7_bound(january)
+        assert new_run <= ceiling                                     # a January run is scanned
