@@ -213,13 +213,8 @@ class Coordinator:
             try:
                 oldest = tasks.active_floor(conn)
             except Exception as exc:
-                if conn.broken or conn.closed:
-                    raise
-                # On Citus a worker node down fails this read over every shard: keep the
-                # floor read last (the start's: none) and read again on the next pass, so
-                # the other nodes' timers and leases are still handled.
-                log.warning("coordinator: the active floor could not be read, keeping %r: %s", self._floor, exc)
-                self._next_floor = time.monotonic() + min(self.floor_every_s, FAILED_READ_RETRY_S)
+                # The floor read last is kept (the start's: none).
+                self._next_floor = self._failed_read(conn, exc, "the active floor", self._floor)
                 return self._floor
             floor = runids.active_floor(clock.now(conn), oldest)
             if floor != self._floor:
@@ -243,17 +238,23 @@ class Coordinator:
             try:
                 newest = tasks.active_ceiling(conn)
             except Exception as exc:
-                if conn.broken or conn.closed:
-                    raise
-                log.warning("coordinator: the newest active run could not be read, keeping %r: %s",
-                            self._ceiling, exc)
-                self._next_ceiling = time.monotonic() + min(self.floor_every_s, FAILED_READ_RETRY_S)
+                self._next_ceiling = self._failed_read(conn, exc, "the newest active run", self._ceiling)
             else:
                 self._ceiling = runids.active_ceiling(now, newest, self._ceiling_within)
                 self._next_ceiling = time.monotonic() + self.floor_every_s
         if self._ceiling is None:
             return None
         return max(self._ceiling, runids.active_ceiling(now, None, self._ceiling_within))
+
+    def _failed_read(self, conn: Any, exc: Exception, what: str, kept: str | None) -> float:
+        """A read over every shard that failed: on Citus a worker node down fails it, and the
+        value read last is kept so the other nodes' timers and leases are still handled.
+        Re-raises when the coordinator's own connection is lost; returns when to read again
+        (after ``FAILED_READ_RETRY_S``, not at every pass)."""
+        if conn.broken or conn.closed:
+            raise exc
+        log.warning("coordinator: %s could not be read, keeping %r: %s", what, kept, exc)
+        return time.monotonic() + min(self.floor_every_s, FAILED_READ_RETRY_S)
 
     @property
     def _ceiling_within(self) -> timedelta:
