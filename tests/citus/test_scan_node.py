@@ -18,8 +18,10 @@ import psycopg
 import pytest
 
 from composer_ops import Engine
+from composer_ops.db import autocommit
 from composer_ops.engine.coordinator import Coordinator, PassStats
 from composer_ops.engine.ids import uuid7_text
+from composer_ops.errors import NotDelegated
 from composer_ops.repo import citus_scan, clock, outbox, signals, tasks
 from composer_ops.testing.citus import CitusCluster
 
@@ -202,3 +204,20 @@ def test_the_webhook_prune_deletes_node_by_node_in_one_phase(db_url: str, engine
     assert stats.webhooks_pruned == len(runs) - 1
     with psycopg.connect(db_url) as conn:
         assert conn.execute("SELECT run_id FROM webhook_deliveries").fetchall() == [(kept,)]
+
+
+def test_a_node_scan_or_prune_citus_does_not_delegate_fails_instead_of_finding_nothing(
+        db_url: str, engine: Engine) -> None:
+    """In a transaction block Citus does not delegate a distributed function: the call ran
+    on the coordinator, whose group holds none of the node's shards, and found nothing."""
+    _candidates_on_every_node(db_url, engine)
+    with engine.pool.connection() as conn, autocommit(conn):
+        now = clock.now(conn)
+        for key in engine.stream_keys(conn):
+            assert len(citus_scan.scan_node(conn, key, now=now, floor="", limit=10, kinds=citus_scan.KINDS)) == 3
+            with pytest.raises(NotDelegated, match=r"composer_scan_node\('stream-\d+'\) ran on node group 0"), \
+                    conn.transaction():
+                citus_scan.scan_node(conn, key, now=now, floor="", limit=10, kinds=citus_scan.KINDS)
+            with pytest.raises(NotDelegated, match=r"composer_prune_webhooks_node\('stream-\d+'\)"), \
+                    conn.transaction():
+                citus_scan.prune_webhooks_on_node(conn, key, 0.0, 10)
