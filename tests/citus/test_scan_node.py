@@ -221,3 +221,65 @@ def test_a_node_scan_or_prune_citus_does_not_delegate_fails_instead_of_finding_n
             with pytest.raises(NotDelegated, match=r"composer_prune_webhooks_node\('stream-\d+'\)"), \
                     conn.transaction():
                 citus_scan.prune_webhooks_on_node(conn, key, 0.0, 10)
+
+
+@pytest.mark.timeout(180)
+def test_a_pass_whose_node_scan_is_not_delegated_logs_it_once_and_scans_through_the_coordinator(
+        db_url: str, engine: Engine, citus_cluster: CitusCluster, caplog: pytest.LogCaptureFixture) -> None:
+    """A worker node whose metadata is not synced is not delegated to: its scan raises
+    (an error about our call, not about reaching the node), which backs off no node,
+    is logged once with its traceback, and this pass scans every shard through the
+    coordinator, finding every node's candidates."""
+    placed = _candidates_on_every_node(db_url, engine)
+    worker = citus_cluster.workers[-1]
+    coordinator = engine.coordinator(batch=10)
+    with psycopg.connect(db_url, autocommit=True) as conn:
+        conn.execute("SELECT stop_metadata_sync_to_node('127.0.0.1', %s)", (worker.port,))
+        try:
+            with caplog.at_level(logging.DEBUG, logger="composer_ops.engine.coordinator"):
+                first = coordinator.run_once(["timers", "leases"])
+                second = coordinator.run_once(["timers", "leases"])
+        finally:
+            conn.execute("SELECT start_metadata_sync_to_node('127.0.0.1', %s)", (worker.port,))
+    assert (first.timers_fired, first.leases_expired, first.start_timeouts) == (len(placed),) * 3, first
+    assert first.scans_through_coordinator and first.node_errors == 1 and first.node_scans_failed == 0, first
+    assert any("ran on node group 0" in e for e in first.errors), first.errors
+    assert second.node_errors == 1 and second.node_scans_failed == 0, second
+    assert coordinator._node_backoff.skipped() == []
+    logged = [r for r in caplog.records if r.levelno == logging.ERROR]
+    assert len(logged) == 1 and logged[0].exc_info is not None, [r.getMessage() for r in logged]
+    assert "not about reaching the node" in logged[0].getMessage()
+    for p in placed.values():
+        assert engine.get_run(p["timer"]).status == "SUCCEEDED"
+        assert engine.get_run(p["start"]).status == "FAILED"
+    # Delegated again: one scan per node, and it says so.
+    with caplog.at_level(logging.INFO, logger="composer_ops.engine.coordinator"):
+        again = coordinator.run_once(["timers", "leases"])
+    assert (again.node_scans, again.node_errors, again.scans_through_coordinator) == (
+        len(citus_cluster.workers), 0, False), again
+    assert any("scans succeed again" in r.getMessage() for r in caplog.records)
+
+
+def test_a_bug_in_one_node_scan_backs_off_no_node(db_url: str, engine: Engine, citus_cluster: CitusCluster,
+                                                  caplog: pytest.LogCaptureFixture,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """Only an error about reaching a node (Unavailable) backs the node off; a bug is
+    counted and logged with its traceback, and the pass scans through the coordinator."""
+    placed = _candidates_on_every_node(db_url, engine)
+    real = citus_scan.scan_node
+    with engine.pool.connection() as conn:
+        broken = engine.stream_keys(conn)[-1]
+
+    def buggy(conn: Any, key: str, **kwargs: Any) -> Any:
+        if key == broken:
+            raise KeyError("a bug")
+        return real(conn, key, **kwargs)
+
+    monkeypatch.setattr(citus_scan, "scan_node", buggy)
+    coordinator = engine.coordinator(batch=10)
+    with caplog.at_level(logging.WARNING, logger="composer_ops.engine.coordinator"):
+        stats = coordinator.run_once(["timers", "leases"])
+    assert (stats.node_errors, stats.node_scans_failed, stats.scans_through_coordinator) == (1, 0, True), stats
+    assert (stats.timers_fired, stats.leases_expired, stats.start_timeouts) == (len(placed),) * 3, stats
+    assert coordinator._node_backoff.skipped() == []
+    assert [r.exc_info[0] for r in caplog.records if r.exc_info] == [KeyError]
