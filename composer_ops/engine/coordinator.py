@@ -364,18 +364,18 @@ class Coordinator:
         self._heal_slots(stats)
 
     def _covering_keys(self, conn: Any, stats: PassStats) -> list[str] | None:
-        """On Citus, the stream keys (one per worker node) when their nodes hold every
-        shard (:func:`citus_scan.covered`; the keys are found afresh once when they do
-        not); None on a single server, or when they still do not (a shard move in
+        """On Citus, the stream keys, one per worker node (two keys on one node, after a
+        shard move, keep the first), when their nodes hold every shard
+        (:func:`citus_scan.covered`; the keys are found afresh once when they do not);
+        None on a single server, or when they still do not (a shard move in
         progress, a node added): then this pass runs the statements over every shard
         through the coordinator, and says so."""
         if not self.engine.shell.on_citus(conn):
             return None
-        keys = self.engine.stream_keys(conn)
-        why = citus_scan.covered(conn, keys)
-        if why is not None:
-            keys = self.engine.stream_keys(conn, fresh=True)
-            why = citus_scan.covered(conn, keys)
+        coverage = citus_scan.covered(conn, self.engine.stream_keys(conn))
+        if coverage.why is not None:
+            coverage = citus_scan.covered(conn, self.engine.stream_keys(conn, fresh=True))
+        why = coverage.why
         if why is not None:
             stats.scans_through_coordinator = True
             if why != self._uncovered:
@@ -386,7 +386,7 @@ class Coordinator:
         if self._uncovered is not None:
             log.info("coordinator: the worker nodes cover every shard again: one scan per node")
             self._uncovered = None
-        return keys
+        return coverage.keys
 
     def _node_scan(self, conn: Any, stats: PassStats) -> citus_scan.NodeScan | None:
         """On Citus, this pass's candidates of the timers, the start timeouts and the

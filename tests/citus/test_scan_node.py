@@ -105,7 +105,7 @@ def test_one_pass_finds_a_due_timer_an_expired_lease_and_an_unstarted_dispatch_o
     with engine.pool.connection() as conn:
         conn.autocommit = True
         now, keys = clock.now(conn), engine.stream_keys(conn)
-        assert citus_scan.covered(conn, keys) is None
+        assert citus_scan.covered(conn, keys).why is None
         found = citus_scan.merge([c for key in keys for c in citus_scan.scan_node(
             conn, key, now=now, floor="", limit=100, kinds=citus_scan.KINDS)], 100)
         assert sorted(found.timers, key=str) == sorted(signals.due_waits(conn, 100, now=now), key=str)
@@ -206,6 +206,13 @@ def test_the_webhook_prune_deletes_node_by_node_in_one_phase(db_url: str, engine
         assert conn.execute("SELECT run_id FROM webhook_deliveries").fetchall() == [(kept,)]
 
 
+def _group_of(conn: Any, key: str) -> int:
+    row = conn.execute("SELECT groupid FROM pg_dist_placement WHERE shardid = "
+                       "get_shard_id_for_distribution_column('workflow_runs', %s::text)", (key,)).fetchone()
+    assert row is not None
+    return int(row[0])
+
+
 def test_a_node_scan_or_prune_citus_does_not_delegate_fails_instead_of_finding_nothing(
         db_url: str, engine: Engine) -> None:
     """In a transaction block Citus does not delegate a distributed function: the call ran
@@ -283,3 +290,28 @@ def test_a_bug_in_one_node_scan_backs_off_no_node(db_url: str, engine: Engine, c
     assert (stats.timers_fired, stats.leases_expired, stats.start_timeouts) == (len(placed),) * 3, stats
     assert coordinator._node_backoff.skipped() == []
     assert [r.exc_info[0] for r in caplog.records if r.exc_info] == [KeyError]
+
+
+def test_two_stream_keys_on_one_node_scan_it_once(db_url: str, engine: Engine, citus_cluster: CitusCluster,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """Keys found before a shard move can reach one node twice: the node is scanned
+    once, so each candidate is found once."""
+    placed = _candidates_on_every_node(db_url, engine)
+    with engine.pool.connection() as conn, autocommit(conn):
+        keys = engine.stream_keys(conn)
+        home = _group_of(conn, keys[0])
+        twin = next(f"stream-{i}" for i in range(10_000)
+                    if f"stream-{i}" not in keys and _group_of(conn, f"stream-{i}") == home)
+    monkeypatch.setattr(engine, "stream_keys", lambda conn, fresh=False: [*keys, twin])
+    coordinator = engine.coordinator(batch=10)
+    with engine.pool.connection() as conn, autocommit(conn):
+        stats = PassStats()
+        scan = coordinator._node_scan(conn, stats)
+    assert scan is not None and stats.node_scans == len(citus_cluster.workers)
+    assert sorted(w.run_id for w in scan.timers) == sorted(p["timer"] for p in placed.values())
+    assert sorted(lease.run_id for lease in scan.leases) == sorted(p["lease"] for p in placed.values())
+    assert sorted(s.run_id for s in scan.starts) == sorted(p["start"] for p in placed.values())
+    stats = coordinator.run_once(["timers", "leases"])
+    assert (stats.timers_fired, stats.leases_expired, stats.start_timeouts, stats.stale) == (len(placed),) * 3 + (0,)
+    with engine.pool.connection() as conn, autocommit(conn):
+        assert citus_scan.covered(conn, [twin, *keys]).keys == [twin, *keys[1:]]
