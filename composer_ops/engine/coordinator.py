@@ -99,6 +99,10 @@ class PassStats:
 
 
 class Coordinator:
+    """The loops of one coordinator process (``engine.coordinator()``), driven by one
+    thread: :meth:`run` or :meth:`run_once`, not both at once (any number of coordinators,
+    each its own object, may run side by side)."""
+
     def __init__(self, engine: Engine, *, interval: float = 0.5, batch: int = 100, months_ahead: int = 3,
                  upkeep_every_s: float = 3600.0, webhook_secret: str | None = None,
                  relay: RelayPolicy | None = None, upkeep_lock_timeout_s: float = 0.5,
@@ -151,6 +155,11 @@ class Coordinator:
         self._next_ceiling = float("-inf")
         self._uncovered: str | None = None        # why the last pass scanned through the coordinator
         self._node_erred: tuple[str, str, str] | None = None   # the node error logged last (_node_error)
+        # The pass's node scan, shared by its loops (_node_scan), is not locked, nor is any
+        # state here (backoffs, floor, ceiling): one thread drives a Coordinator. run()
+        # calls run_once(), which runs the loops one after another; the CLI starts run()
+        # on one thread (cli/run_cmds.py); the webhook relay's POST threads
+        # (engine/webhooks.py) get the pool, not the coordinator.
         self._pass_scan: citus_scan.NodeScan | None = None
         self._pass_scanned = False
         self._in_pass = False
