@@ -16,6 +16,7 @@ from typing import Any
 
 import psycopg
 import pytest
+from psycopg import sql
 
 from composer_ops import Engine
 from composer_ops.db import autocommit
@@ -315,3 +316,74 @@ def test_two_stream_keys_on_one_node_scan_it_once(db_url: str, engine: Engine, c
     assert (stats.timers_fired, stats.leases_expired, stats.start_timeouts, stats.stale) == (len(placed),) * 3 + (0,)
     with engine.pool.connection() as conn, autocommit(conn):
         assert citus_scan.covered(conn, [twin, *keys]).keys == [twin, *keys[1:]]
+
+
+def _refuse_deletes_on(node_url: str, table: str) -> Callable[[], None]:
+    """Make every DELETE on the node's shards of ``table`` fail (a trigger on each, made
+    on that node only); returns what undoes it."""
+    with psycopg.connect(node_url, autocommit=True) as conn:
+        conn.execute("SET citus.enable_ddl_propagation TO off")
+        conn.execute("SET citus.enable_manual_changes_to_shards TO on")
+        conn.execute("CREATE FUNCTION test_refuse_delete() RETURNS trigger LANGUAGE plpgsql AS "
+                     "$$ BEGIN RAISE EXCEPTION 'deletes refused on this node'; END $$")
+        shards = [str(r[0]) for r in conn.execute(
+            "SELECT shard_name(%s::regclass, s.shardid) FROM pg_dist_shard s JOIN pg_dist_placement p USING (shardid) "
+            "WHERE s.logicalrelid = %s::regclass AND p.groupid = (SELECT groupid FROM pg_dist_local_group)",
+            (table, table)).fetchall()]
+        for shard in shards:
+            conn.execute(sql.SQL("CREATE TRIGGER test_refuse BEFORE DELETE ON {} FOR EACH STATEMENT "
+                                 "EXECUTE FUNCTION test_refuse_delete()").format(sql.Identifier(shard)))
+
+    def undo() -> None:
+        with psycopg.connect(node_url, autocommit=True) as conn:
+            conn.execute("SET citus.enable_ddl_propagation TO off")
+            conn.execute("DROP FUNCTION test_refuse_delete() CASCADE")
+
+    return undo
+
+
+@pytest.mark.timeout(120)
+def test_a_node_whose_webhook_prune_fails_is_backed_off_for_the_prune_only(
+        db_url: str, engine: Engine, citus_cluster: CitusCluster) -> None:
+    runs = [run for ids in _ids_per_node(db_url, 2).values() for run in ids]
+    for run_id in runs:
+        engine.start("sn-hook", run_id=run_id)
+    for claim in engine.claim(["snh"], "w", len(runs)):
+        engine.complete(claim, None)
+    placed = _candidates_on_every_node(db_url, engine)
+    worker = citus_cluster.workers[-1]
+    with psycopg.connect(db_url, autocommit=True) as conn:
+        conn.execute("UPDATE webhook_deliveries SET gave_up_at = now() - interval '8 days'")
+        groups: dict[int, int] = dict(conn.execute("SELECT nodeport, groupid FROM pg_dist_node").fetchall())
+        assert worker.port is not None
+        group = groups[worker.port]
+        kept = [r for r in runs if _group_of(conn, r) == group]
+        name = conn.info.dbname
+    with engine.pool.connection() as conn, autocommit(conn):
+        failing = next(k for k in engine.stream_keys(conn) if _group_of(conn, k) == group)
+    undo = _refuse_deletes_on(worker.url(name), "webhook_deliveries")
+    try:
+        coordinator = engine.coordinator(webhook_keep_days=7, batch=10)
+        stats = PassStats()
+        coordinator._prune_webhooks(stats)
+        assert stats.node_scans_failed == 1 and stats.webhooks_pruned == len(runs) - len(kept), stats
+        assert any("webhook prune" in e and "deletes refused" in e for e in stats.errors), stats.errors
+        assert coordinator._prune_backoff.skipped() == [failing]
+        # The node's scans go on: its timer fires, its lease expires, its late start fails.
+        scans = coordinator.run_once(["timers", "leases"])
+        assert (scans.node_scans, scans.node_scans_failed, scans.errors) == (len(citus_cluster.workers), 0, []), scans
+        assert (scans.timers_fired, scans.leases_expired, scans.start_timeouts) == (len(placed),) * 3, scans
+        assert coordinator._node_backoff.skipped() == []
+        # Still backed off: the next prune does not call it.
+        again = PassStats()
+        coordinator._prune_webhooks(again)
+        assert (again.node_scans_failed, again.webhooks_pruned, again.errors) == (0, 0, []), again
+    finally:
+        undo()
+    deadline = time.monotonic() + 30
+    while coordinator._prune_backoff.skipped() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    done = PassStats()
+    coordinator._prune_webhooks(done)
+    assert (done.webhooks_pruned, done.errors) == (len(kept), []), done
+    assert coordinator._prune_backoff.skipped() == []
