@@ -94,7 +94,7 @@ class PassStats:
     node_scans: int = 0            # Citus: calls of composer_scan_node, one per worker node a pass
     node_scans_failed: int = 0     # Citus: node scans or prunes that failed (a node down): backed off
     node_errors: int = 0           # Citus: node scans failed otherwise (a bug, not delegated): through the coordinator
-    scans_through_coordinator: bool = False   # Citus: the nodes did not cover every shard this pass
+    scans_through_coordinator: bool = False   # Citus: the nodes did not cover every shard, or a node_error
     errors: list[str] = field(default_factory=list)
 
 
