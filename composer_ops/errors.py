@@ -3,7 +3,8 @@
 ``ComposerError`` is the root; ``NotFound``, ``Conflict``, ``Invalid`` and
 ``PermissionDenied`` say what kind of refusal it is, and each carries the CLI's exit
 code. ``Unavailable`` (and its ``Transient`` subset, of which ``LockTimeout`` is one)
-means the database could not serve the request now.
+means the database could not serve the request now; ``NotDelegated``, that a call Citus
+was to run on one worker node ran elsewhere.
 ``NonRetryableError`` is raised by worker handlers to skip the remaining attempts of
 a task. Driver errors become these at one boundary, the connection class of
 :mod:`composer_ops.db.errors`, with the driver's error kept as ``__cause__``.
@@ -62,6 +63,15 @@ class LockTimeout(Transient):
 class PermissionDenied(ComposerError):
     """The database role lacks a privilege the request needs: someone must grant it,
     no retry helps."""
+
+    exit_code = 1
+
+
+class NotDelegated(ComposerError):
+    """On Citus, a call meant to run on one worker node (a node's claim, scan or webhook
+    prune, sql/citus/R__node_local.sql) ran on a node that does not hold its key's shard:
+    Citus did not delegate it (a transaction block, the node's metadata not synced).
+    What the call reads is not that node's: no result is better than an empty one."""
 
     exit_code = 1
 

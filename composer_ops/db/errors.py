@@ -25,6 +25,7 @@ from composer_ops.errors import (
     Conflict,
     Invalid,
     LockTimeout,
+    NotDelegated,
     NotFound,
     PermissionDenied,
     Transient,
@@ -109,6 +110,10 @@ def first_line(exc: BaseException) -> str:
 #: event matched no row: the event is rolled back, a :class:`Conflict`.
 FENCE_MISSED = "CO409"
 
+#: The SQLSTATE of a per-node function of Citus that ran on a node not holding its key's
+#: shard (sql/citus/R__node_local.sql): :class:`NotDelegated`.
+NOT_DELEGATED = "CO421"
+
 
 def translate(exc: psycopg.Error) -> ComposerError:
     """The ComposerError for a driver error (the caller raises it ``from exc``)."""
@@ -116,6 +121,8 @@ def translate(exc: psycopg.Error) -> ComposerError:
     msg = " ".join(((diag.message_primary if diag is not None else None) or first_line(exc)).split())
     if getattr(exc, "sqlstate", None) == FENCE_MISSED:
         return Conflict(msg)
+    if getattr(exc, "sqlstate", None) == NOT_DELEGATED:
+        return NotDelegated(msg)
     if isinstance(exc, pgerr.CheckViolation) and "no partition" in msg:
         return Invalid(f"no partition holds this run ID's month ({msg}); "
                        "run `composer-ops partitions ensure` or use a recent run ID")

@@ -37,7 +37,7 @@ from composer_ops.engine import childrows
 from composer_ops.engine.retention import drop_due_months
 from composer_ops.engine.shell import Outcome
 from composer_ops.engine.webhooks import RelayPolicy, relay_once
-from composer_ops.errors import ComposerError, Invalid, LockTimeout, Transient
+from composer_ops.errors import ComposerError, Invalid, LockTimeout, Transient, Unavailable
 from composer_ops.repo import (
     citus_flow,
     citus_scan,
@@ -93,11 +93,16 @@ class PassStats:
     children_delivered: int = 0    # child starts, cancels and finishes applied from their rows (Citus)
     node_scans: int = 0            # Citus: calls of composer_scan_node, one per worker node a pass
     node_scans_failed: int = 0     # Citus: node scans or prunes that failed (a node down): backed off
-    scans_through_coordinator: bool = False   # Citus: the nodes did not cover every shard this pass
+    node_errors: int = 0           # Citus: node scans failed otherwise (a bug, not delegated): through the coordinator
+    scans_through_coordinator: bool = False   # Citus: the nodes did not cover every shard, or a node_error
     errors: list[str] = field(default_factory=list)
 
 
 class Coordinator:
+    """The loops of one coordinator process (``engine.coordinator()``), driven by one
+    thread: :meth:`run` or :meth:`run_once`, not both at once (any number of coordinators,
+    each its own object, may run side by side)."""
+
     def __init__(self, engine: Engine, *, interval: float = 0.5, batch: int = 100, months_ahead: int = 3,
                  upkeep_every_s: float = 3600.0, webhook_secret: str | None = None,
                  relay: RelayPolicy | None = None, upkeep_lock_timeout_s: float = 0.5,
@@ -149,6 +154,12 @@ class Coordinator:
         self._ceiling: str | None = None
         self._next_ceiling = float("-inf")
         self._uncovered: str | None = None        # why the last pass scanned through the coordinator
+        self._node_erred: tuple[str, str, str] | None = None   # the node error logged last (_node_error)
+        # The pass's node scan, shared by its loops (_node_scan), is not locked, nor is any
+        # state here (backoffs, floor, ceiling): one thread drives a Coordinator. run()
+        # calls run_once(), which runs the loops one after another; the CLI starts run()
+        # on one thread (cli/run_cmds.py); the webhook relay's POST threads
+        # (engine/webhooks.py) get the pool, not the coordinator.
         self._pass_scan: citus_scan.NodeScan | None = None
         self._pass_scanned = False
         self._in_pass = False
@@ -362,18 +373,18 @@ class Coordinator:
         self._heal_slots(stats)
 
     def _covering_keys(self, conn: Any, stats: PassStats) -> list[str] | None:
-        """On Citus, the stream keys (one per worker node) when their nodes hold every
-        shard (:func:`citus_scan.covered`; the keys are found afresh once when they do
-        not); None on a single server, or when they still do not (a shard move in
+        """On Citus, the stream keys, one per worker node (two keys on one node, after a
+        shard move, keep the first), when their nodes hold every shard
+        (:func:`citus_scan.covered`; the keys are found afresh once when they do not);
+        None on a single server, or when they still do not (a shard move in
         progress, a node added): then this pass runs the statements over every shard
         through the coordinator, and says so."""
         if not self.engine.shell.on_citus(conn):
             return None
-        keys = self.engine.stream_keys(conn)
-        why = citus_scan.covered(conn, keys)
-        if why is not None:
-            keys = self.engine.stream_keys(conn, fresh=True)
-            why = citus_scan.covered(conn, keys)
+        coverage = citus_scan.covered(conn, self.engine.stream_keys(conn))
+        if coverage.why is not None:
+            coverage = citus_scan.covered(conn, self.engine.stream_keys(conn, fresh=True))
+        why = coverage.why
         if why is not None:
             stats.scans_through_coordinator = True
             if why != self._uncovered:
@@ -384,16 +395,21 @@ class Coordinator:
         if self._uncovered is not None:
             log.info("coordinator: the worker nodes cover every shard again: one scan per node")
             self._uncovered = None
-        return keys
+        return coverage.keys
 
     def _node_scan(self, conn: Any, stats: PassStats) -> citus_scan.NodeScan | None:
         """On Citus, this pass's candidates of the timers, the start timeouts and the
         lease sweeper: one ``composer_scan_node`` call per worker node
         (:func:`citus_scan.scan_node`), made once a pass, for the loops the pass runs.
-        A node whose call fails (down, unreachable) is logged and backed off (1 s, 2 s,
-        ... up to 30 s) and the other nodes' candidates are used: its rows stay where
-        they are, and a pass after it is back finds them. None: the statements over
-        every shard are to be used (a single server, or keys not covering every shard)."""
+        A node whose call fails to reach it (:class:`Unavailable`: down, unreachable,
+        overloaded) is logged and backed off (1 s, 2 s, ... up to 30 s) and the other
+        nodes' candidates are used: its rows stay where they are, and a pass after it is
+        back finds them. Any other error (a bug, an error of the SQL function, a call
+        Citus did not delegate) says nothing about the node: no node is backed off, it
+        is counted and logged with its traceback (:meth:`_node_error`), and the pass
+        scans through the coordinator instead. None: the statements over every shard
+        are to be used (a single server, keys not covering every shard, such an
+        error)."""
         if self._in_pass and self._pass_scanned:
             return self._pass_scan
         self._pass_scanned = self._in_pass      # a loop called on its own scans for itself
@@ -415,10 +431,18 @@ class Coordinator:
             except Exception as exc:
                 if conn.broken or conn.closed:
                     raise           # the coordinator itself is lost: the loop fails, as without nodes
-                self._node_failed(stats, "scan", key, exc)
-                continue
+                if isinstance(exc, Unavailable):
+                    self._node_failed(stats, "scan", key, exc)
+                    continue
+                self._node_error(stats, "scan", key, exc)
+                stats.scans_through_coordinator = True
+                self._pass_scan = None
+                return None
             stats.node_scans += 1
             self._node_backoff.succeeded(key)
+        if self._node_erred is not None:
+            log.info("coordinator: the worker nodes' scans succeed again")
+            self._node_erred = None
         self._pass_scan = citus_scan.merge(found, self.batch)
         return self._pass_scan
 
@@ -428,7 +452,23 @@ class Coordinator:
         stats.node_scans_failed += 1
         stats.errors.append(f"{what} of the node of stream key {key}: {exc}")
         log.warning("coordinator: the %s of the worker node of stream key %s failed, backing it off; the other "
-                    "nodes go on: %s", what, key, exc)
+                    "nodes go on: %s", what, key, exc, exc_info=None if isinstance(exc, Unavailable) else exc)
+
+    def _node_error(self, stats: PassStats, what: str, key: str, exc: Exception) -> None:
+        """A node call's error that is not about reaching the node: counted in
+        ``node_errors`` and ``errors`` on every pass, logged with its traceback once
+        until another error comes or the node scans succeed again (each pass meets it
+        again: a log line per pass would bury the first)."""
+        stats.node_errors += 1
+        stats.errors.append(f"{what} of the node of stream key {key}: {exc}")
+        seen = (what, type(exc).__name__, str(exc))
+        if seen == self._node_erred:
+            log.debug("coordinator: the %s of the worker node of stream key %s failed again: %s", what, key, exc)
+            return
+        self._node_erred = seen
+        log.error("coordinator: the %s of the worker node of stream key %s failed with an error that is not about "
+                  "reaching the node; no node is backed off, the pass scans every shard through the coordinator "
+                  "(logged once while it repeats): %s", what, key, exc, exc_info=exc)
 
     def _heal_slots(self, stats: PassStats) -> None:
         """Free the places under a queue's limit that an attempt no longer RUNNING still

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from datetime import datetime
@@ -29,7 +30,7 @@ from composer_ops.engine.requests import Request, key_request
 from composer_ops.engine.schedules import Schedules
 from composer_ops.engine.shell import Outcome, Shell
 from composer_ops.engine.starts import StaleDefinition, start_committed
-from composer_ops.errors import Conflict, Invalid, NotFound
+from composer_ops.errors import Conflict, Invalid, NotDelegated, NotFound
 from composer_ops.repo import (
     audit,
     citus,
@@ -70,6 +71,8 @@ class Engine:
         self._stream_keys: list[str] = []
         self._stream_keys_at = 0.0
         self._stream_next = 0
+        self._undelegated: set[str] = set()     # stream keys whose node call Citus did not delegate
+        self._undelegated_lock = threading.Lock()
 
     def _on_citus(self, conn: Any) -> bool:
         """Whether the database is a Citus coordinator (:meth:`Shell.on_citus`, asked
@@ -419,15 +422,25 @@ class Engine:
                        task_names: Sequence[str] | None, claim_id: str, *, retry: bool = False) -> list[Claim]:
         """On Citus: claim node by node (:func:`citus.claim_on_node`), starting at the
         node after the one this engine started at last time, until ``limit`` is reached
-        or every node was asked once."""
+        or every node was asked once. A node call Citus did not delegate
+        (:class:`NotDelegated`: the node's metadata not synced, say) is logged, once until
+        it is delegated again, and that node's tasks are left to the coordinator's claim
+        over every shard (:func:`citus.claim`), as rows under a limit are."""
         keys = self._keys(conn)
         self._stream_next = (self._stream_next + 1) % max(1, len(keys))
         claims: list[Claim] = []
         flow = False
         for i in range(len(keys)):
             key = keys[(self._stream_next + i) % len(keys)]
-            got, limited = citus.claim_on_node(conn, key, queues, owner, limit - len(claims), task_names,
-                                               claim_id=claim_id, retry=retry)
+            try:
+                got, limited = citus.claim_on_node(conn, key, queues, owner, limit - len(claims), task_names,
+                                                   claim_id=claim_id, retry=retry)
+            except NotDelegated as exc:
+                self._not_delegated(key, exc)
+                flow = True
+                continue
+            if key in self._undelegated:
+                self._not_delegated(key, None)
             claims += got
             flow = flow or limited
             if len(claims) >= limit:
@@ -438,6 +451,18 @@ class Engine:
                 claims += citus.claim(conn, queues, owner, limit - len(claims), task_names=task_names,
                                       claim_id=claim_id, retry=retry)
         return claims
+
+    def _not_delegated(self, key: str, exc: NotDelegated | None) -> None:
+        """Note that the node call of stream ``key`` was not delegated (``exc``) or is
+        again (None): logged at each change only, not at every claim."""
+        with self._undelegated_lock:
+            if exc is not None and key not in self._undelegated:
+                self._undelegated.add(key)
+                log.error("claim: the node call of stream key %s was not delegated to its worker node; that node's "
+                          "tasks are claimed through the coordinator until it is: %s", key, exc)
+            elif exc is None and key in self._undelegated:
+                self._undelegated.discard(key)
+                log.info("claim: the node call of stream key %s is delegated to its worker node again", key)
 
     @db_retry()
     def wakeups_handed(self, owner: str) -> int:

@@ -7,9 +7,9 @@ and :func:`composer_ops.repo.outbox.unstarted`; on Citus each of those runs over
 shard through the coordinator. :func:`scan_node` asks one node instead:
 ``composer_scan_node`` (sql/citus/R__scan_node.sql), delegated to the node a stream key
 hashes to (:func:`composer_ops.repo.citus.stream_keys`), reads that node's shards with
-the same predicates and returns the three kinds of candidates. :func:`covered` says
-whether the nodes of a set of keys hold every shard, the condition for the node scans
-to see what the statements would. :func:`prune_webhooks_on_node` is the webhook prune
+the same predicates and returns the three kinds of candidates. :func:`covered` keeps
+one key per node and says whether those nodes hold every shard, the condition for the
+node scans to see what the statements would, each once. :func:`prune_webhooks_on_node` is the webhook prune
 of one node, a local one-phase transaction.
 """
 
@@ -78,34 +78,50 @@ def merge(found: Sequence[tuple[datetime, DueWait | ExpiredLease | Unstarted]], 
     return scan
 
 
-# Shards of the scanned tables not held by exactly one placement in a group of the keys'
-# nodes (a shard moved to a node no key reaches yet, or a move in progress), out of all.
+# The keys' nodes: each group reached by a key, with the first key (in the given order)
+# reaching it; then the shards of the scanned tables not held by exactly one placement in
+# one of those groups (a shard moved to a node no key reaches yet, or a move in progress),
+# out of all.
 _COVERAGE = """
     WITH keyed AS (
-        SELECT DISTINCT p.groupid
-          FROM unnest(%(keys)s::text[]) AS k(key)
+        SELECT DISTINCT ON (p.groupid) p.groupid, k.key, k.n
+          FROM unnest(%(keys)s::text[]) WITH ORDINALITY AS k(key, n)
           JOIN pg_dist_placement p ON p.shardid = get_shard_id_for_distribution_column('task_outbox', k.key)
+         ORDER BY p.groupid, k.n
     ), shards AS (
         SELECT s.shardid, count(p.placementid) AS placements,
                COALESCE(bool_and(p.groupid IN (SELECT groupid FROM keyed)), false) AS reached
           FROM pg_dist_shard s LEFT JOIN pg_dist_placement p ON p.shardid = s.shardid
          WHERE s.logicalrelid = ANY(%(tables)s::regclass[])
          GROUP BY s.shardid)
-    SELECT count(*) FILTER (WHERE placements <> 1 OR NOT reached), count(*) FROM shards"""
+    SELECT ARRAY(SELECT key FROM keyed GROUP BY key ORDER BY min(n)),
+           count(*) FILTER (WHERE placements <> 1 OR NOT reached), count(*)
+      FROM shards"""
 
 
-def covered(conn: Conn, keys: Sequence[str]) -> str | None:
-    """None when the nodes of ``keys`` hold every shard of :data:`SCANNED_TABLES`, each
-    shard once; else why not, in words. Reads the coordinator's metadata only."""
+@dataclass(frozen=True, kw_only=True)
+class Coverage:
+    """What a set of stream keys reaches: ``keys``, one per worker node (the first of the
+    keys given that reaches it: two keys whose shards a move put on one node would scan
+    it twice), and ``why`` not every shard, in words (None: every shard, each once)."""
+
+    keys: list[str]
+    why: str | None
+
+
+def covered(conn: Conn, keys: Sequence[str]) -> Coverage:
+    """The nodes ``keys`` reach, one key each, and whether they hold every shard of
+    :data:`SCANNED_TABLES`, each shard once. Reads the coordinator's metadata only."""
     if not keys:
-        return "no stream keys"
+        return Coverage(keys=[], why="no stream keys")
     row = conn.execute(_COVERAGE, {"keys": list(keys), "tables": list(SCANNED_TABLES)}).fetchone()
-    missing, total = (int(row[0]), int(row[1])) if row else (0, 0)
+    nodes, missing, total = (list(row[0]), int(row[1]), int(row[2])) if row else ([], 0, 0)
     if total == 0:
-        return "no shards found"
+        return Coverage(keys=nodes, why="no shards found")
     if missing:
-        return f"{missing} of {total} shards are on no node a stream key reaches, or on more than one"
-    return None
+        return Coverage(keys=nodes, why=f"{missing} of {total} shards are on no node a stream key reaches, "
+                                        "or on more than one")
+    return Coverage(keys=nodes, why=None)
 
 
 def prune_webhooks_on_node(conn: Conn, key: str, keep_s: float, limit: int) -> int:

@@ -9,8 +9,9 @@ DROP FUNCTION IF EXISTS composer_claim_node(TEXT, TEXT[], TEXT[], TEXT, INT, TEX
 -- shard, starting at a shard picked at random: per-shard FIFO, not global. Each task is
 -- claimed with its history row by statements routed to the run's shard, on this node:
 -- the whole claim is a local transaction of one node, committed in one phase.
--- Called in autocommit (one statement for the caller): inside a transaction block Citus
--- would pin every statement to p_key's own run.
+-- Called in autocommit (one statement for the caller): a call Citus does not delegate (in
+-- a transaction block, say) raises CO421 rather than claim from no shard
+-- (sql/citus/R__node_local.sql).
 -- A claim ID fenced on this node (claim_node_fences, sql/citus/V017) claims nothing here,
 -- unless p_retry: the call of a retried claim, which first fences its ID on the node, in
 -- this transaction, under the claim's lock (so an attempt of it still running here is
@@ -34,6 +35,9 @@ DECLARE
     v_open TEXT[];
     v_limited BOOLEAN := false;
 BEGIN
+    IF NOT composer_key_on_this_node(p_key) THEN     -- not delegated (sql/citus/R__node_local.sql)
+        PERFORM composer_not_delegated('composer_claim_node', p_key);
+    END IF;
     PERFORM pg_advisory_xact_lock(hashtext('composer_claim'), hashtext(p_claim));
     IF p_retry THEN
         DELETE FROM claim_node_fences f WHERE f.key = p_key AND f.at < now() - interval '1 day';

@@ -6,8 +6,9 @@ DROP FUNCTION IF EXISTS composer_scan_node(TEXT, TIMESTAMPTZ, TEXT, INT, TEXT[],
 -- Citus delegates the call there (create_distributed_function below), and the function
 -- reads or deletes in that node's own shards only, by their shard names: a plain local
 -- transaction of one node, committed in one phase, with no connection to any other node.
--- Called in autocommit: inside a transaction block Citus would pin every statement to
--- p_key's own run.
+-- Called in autocommit: a call Citus does not delegate (in a transaction block, the
+-- node's metadata not synced) raises CO421 rather than read no shard
+-- (sql/citus/R__node_local.sql).
 
 -- The candidates of the coordinator's timers, lease sweeper and start timeouts on this
 -- node (composer_ops/repo/citus_scan.py): each kind in p_kinds ('timer', 'lease',
@@ -36,6 +37,9 @@ AS $$
 DECLARE
     s RECORD;
 BEGIN
+    IF NOT composer_key_on_this_node(p_key) THEN     -- not delegated (sql/citus/R__node_local.sql)
+        PERFORM composer_not_delegated('composer_scan_node', p_key);
+    END IF;
     -- The node's shards: each workflow_runs shard with the task_instances and task_outbox
     -- shards of its hash range (co-located: the same node).
     FOR s IN
@@ -102,6 +106,9 @@ DECLARE
     v_gone INT := 0;
     v_n INT;
 BEGIN
+    IF NOT composer_key_on_this_node(p_key) THEN
+        PERFORM composer_not_delegated('composer_prune_webhooks_node', p_key);
+    END IF;
     FOR v_shard IN
         SELECT shard_name('webhook_deliveries'::regclass, s.shardid)
           FROM pg_dist_shard s JOIN pg_dist_placement p ON p.shardid = s.shardid

@@ -7,6 +7,7 @@ task is no longer PENDING (cancelled, or a stale attempt)."""
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -17,8 +18,11 @@ import pytest
 
 from composer_ops import Engine
 from composer_ops.core.model import TimerDue
+from composer_ops.db import autocommit
 from composer_ops.engine.ids import uuid7_text
-from composer_ops.testing.citus import run_ids_on_one_shard
+from composer_ops.errors import NotDelegated
+from composer_ops.repo import citus
+from composer_ops.testing.citus import CitusCluster, run_ids_on_one_shard
 
 SPEC = {"id": "one", "nodes": [{"id": "a", "type": "TASK", "task": "t"}]}
 
@@ -238,3 +242,38 @@ def test_a_node_claim_takes_no_more_than_its_limit_from_a_shard_analyzed_empty(d
     claimed = engine.claim(["default"], "w1", 1)
     assert [c.run_id for c in claimed] == runs[:1]
     assert sorted(r[0] for r in _outbox(db_url)) == sorted(runs[1:])
+
+
+def test_a_node_claim_citus_does_not_delegate_fails_instead_of_claiming_nothing(db_url: str,
+                                                                               engine: Engine) -> None:
+    """In a transaction block Citus does not delegate a distributed function: the call ran
+    on the coordinator, whose group holds no outbox shard, and claimed nothing though
+    tasks were ready on the key's node."""
+    runs = {engine.start("one") for _ in range(6)}
+    with engine.pool.connection() as conn, autocommit(conn):
+        for key in engine.stream_keys(conn):
+            with pytest.raises(NotDelegated, match=r"composer_claim_node\('stream-\d+'\) ran on node group 0"), \
+                    conn.transaction():
+                citus.claim_on_node(conn, key, ["default"], "w", 10, None, claim_id=uuid7_text())
+    assert {c.run_id for c in engine.claim(["default"], "w", 10)} == runs        # nothing was taken
+
+
+def test_a_claim_whose_node_call_is_not_delegated_logs_it_and_claims_through_the_coordinator(
+        db_url: str, engine: Engine, citus_cluster: CitusCluster, caplog: pytest.LogCaptureFixture) -> None:
+    """A worker node whose metadata is not synced (being added, or an operator's
+    stop_metadata_sync_to_node) is not delegated to: its node call raises, the engine logs
+    it once and its ready tasks are claimed by the coordinator's claim, over every shard."""
+    runs = {engine.start("one") for _ in range(8)}
+    worker = citus_cluster.workers[-1]
+    with psycopg.connect(db_url, autocommit=True) as conn:
+        conn.execute("SELECT stop_metadata_sync_to_node('127.0.0.1', %s)", (worker.port,))
+        try:
+            with caplog.at_level(logging.ERROR, logger="composer_ops.engine.engine"):
+                claimed = {c.run_id for c in engine.claim(["default"], "w", 4)}
+                claimed |= {c.run_id for c in engine.claim(["default"], "w", 10)}
+        finally:
+            conn.execute("SELECT start_metadata_sync_to_node('127.0.0.1', %s)", (worker.port,))
+    assert claimed == runs
+    assert _outbox(db_url) == []
+    logged = [r for r in caplog.records if "not delegated" in r.getMessage()]
+    assert len(logged) == 1, [r.getMessage() for r in caplog.records]

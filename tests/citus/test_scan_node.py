@@ -16,10 +16,13 @@ from typing import Any
 
 import psycopg
 import pytest
+from psycopg import sql
 
 from composer_ops import Engine
+from composer_ops.db import autocommit
 from composer_ops.engine.coordinator import Coordinator, PassStats
 from composer_ops.engine.ids import uuid7_text
+from composer_ops.errors import NotDelegated
 from composer_ops.repo import citus_scan, clock, outbox, signals, tasks
 from composer_ops.testing.citus import CitusCluster
 
@@ -103,7 +106,7 @@ def test_one_pass_finds_a_due_timer_an_expired_lease_and_an_unstarted_dispatch_o
     with engine.pool.connection() as conn:
         conn.autocommit = True
         now, keys = clock.now(conn), engine.stream_keys(conn)
-        assert citus_scan.covered(conn, keys) is None
+        assert citus_scan.covered(conn, keys).why is None
         found = citus_scan.merge([c for key in keys for c in citus_scan.scan_node(
             conn, key, now=now, floor="", limit=100, kinds=citus_scan.KINDS)], 100)
         assert sorted(found.timers, key=str) == sorted(signals.due_waits(conn, 100, now=now), key=str)
@@ -202,3 +205,185 @@ def test_the_webhook_prune_deletes_node_by_node_in_one_phase(db_url: str, engine
     assert stats.webhooks_pruned == len(runs) - 1
     with psycopg.connect(db_url) as conn:
         assert conn.execute("SELECT run_id FROM webhook_deliveries").fetchall() == [(kept,)]
+
+
+def _group_of(conn: Any, key: str) -> int:
+    row = conn.execute("SELECT groupid FROM pg_dist_placement WHERE shardid = "
+                       "get_shard_id_for_distribution_column('workflow_runs', %s::text)", (key,)).fetchone()
+    assert row is not None
+    return int(row[0])
+
+
+def test_a_node_scan_or_prune_citus_does_not_delegate_fails_instead_of_finding_nothing(
+        db_url: str, engine: Engine) -> None:
+    """In a transaction block Citus does not delegate a distributed function: the call ran
+    on the coordinator, whose group holds none of the node's shards, and found nothing."""
+    _candidates_on_every_node(db_url, engine)
+    with engine.pool.connection() as conn, autocommit(conn):
+        now = clock.now(conn)
+        for key in engine.stream_keys(conn):
+            assert len(citus_scan.scan_node(conn, key, now=now, floor="", limit=10, kinds=citus_scan.KINDS)) == 3
+            with pytest.raises(NotDelegated, match=r"composer_scan_node\('stream-\d+'\) ran on node group 0"), \
+                    conn.transaction():
+                citus_scan.scan_node(conn, key, now=now, floor="", limit=10, kinds=citus_scan.KINDS)
+            with pytest.raises(NotDelegated, match=r"composer_prune_webhooks_node\('stream-\d+'\)"), \
+                    conn.transaction():
+                citus_scan.prune_webhooks_on_node(conn, key, 0.0, 10)
+
+
+@pytest.mark.timeout(180)
+def test_a_pass_whose_node_scan_is_not_delegated_logs_it_once_and_scans_through_the_coordinator(
+        db_url: str, engine: Engine, citus_cluster: CitusCluster, caplog: pytest.LogCaptureFixture) -> None:
+    """A worker node whose metadata is not synced is not delegated to: its scan raises
+    (an error about our call, not about reaching the node), which backs off no node,
+    is logged once with its traceback, and this pass scans every shard through the
+    coordinator, finding every node's candidates."""
+    placed = _candidates_on_every_node(db_url, engine)
+    worker = citus_cluster.workers[-1]
+    coordinator = engine.coordinator(batch=10)
+    with psycopg.connect(db_url, autocommit=True) as conn:
+        conn.execute("SELECT stop_metadata_sync_to_node('127.0.0.1', %s)", (worker.port,))
+        try:
+            with caplog.at_level(logging.DEBUG, logger="composer_ops.engine.coordinator"):
+                first = coordinator.run_once(["timers", "leases"])
+                second = coordinator.run_once(["timers", "leases"])
+        finally:
+            conn.execute("SELECT start_metadata_sync_to_node('127.0.0.1', %s)", (worker.port,))
+    assert (first.timers_fired, first.leases_expired, first.start_timeouts) == (len(placed),) * 3, first
+    assert first.scans_through_coordinator and first.node_errors == 1 and first.node_scans_failed == 0, first
+    assert any("ran on node group 0" in e for e in first.errors), first.errors
+    assert second.node_errors == 1 and second.node_scans_failed == 0, second
+    assert coordinator._node_backoff.skipped() == []
+    logged = [r for r in caplog.records if r.levelno == logging.ERROR]
+    assert len(logged) == 1 and logged[0].exc_info is not None, [r.getMessage() for r in logged]
+    assert "not about reaching the node" in logged[0].getMessage()
+    for p in placed.values():
+        assert engine.get_run(p["timer"]).status == "SUCCEEDED"
+        assert engine.get_run(p["start"]).status == "FAILED"
+    # Delegated again: one scan per node, and it says so.
+    with caplog.at_level(logging.INFO, logger="composer_ops.engine.coordinator"):
+        again = coordinator.run_once(["timers", "leases"])
+    assert (again.node_scans, again.node_errors, again.scans_through_coordinator) == (
+        len(citus_cluster.workers), 0, False), again
+    assert any("scans succeed again" in r.getMessage() for r in caplog.records)
+
+
+def test_a_bug_in_one_node_scan_backs_off_no_node(db_url: str, engine: Engine, citus_cluster: CitusCluster,
+                                                  caplog: pytest.LogCaptureFixture,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """Only an error about reaching a node (Unavailable) backs the node off; a bug is
+    counted and logged with its traceback, and the pass scans through the coordinator."""
+    placed = _candidates_on_every_node(db_url, engine)
+    real = citus_scan.scan_node
+    with engine.pool.connection() as conn:
+        broken = engine.stream_keys(conn)[-1]
+
+    def buggy(conn: Any, key: str, **kwargs: Any) -> Any:
+        if key == broken:
+            raise KeyError("a bug")
+        return real(conn, key, **kwargs)
+
+    monkeypatch.setattr(citus_scan, "scan_node", buggy)
+    coordinator = engine.coordinator(batch=10)
+    with caplog.at_level(logging.WARNING, logger="composer_ops.engine.coordinator"):
+        stats = coordinator.run_once(["timers", "leases"])
+    assert (stats.node_errors, stats.node_scans_failed, stats.scans_through_coordinator) == (1, 0, True), stats
+    assert (stats.timers_fired, stats.leases_expired, stats.start_timeouts) == (len(placed),) * 3, stats
+    assert coordinator._node_backoff.skipped() == []
+    assert [r.exc_info[0] for r in caplog.records if r.exc_info] == [KeyError]
+
+
+def test_two_stream_keys_on_one_node_scan_it_once(db_url: str, engine: Engine, citus_cluster: CitusCluster,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """Keys found before a shard move can reach one node twice: the node is scanned
+    once, so each candidate is found once."""
+    placed = _candidates_on_every_node(db_url, engine)
+    with engine.pool.connection() as conn, autocommit(conn):
+        keys = engine.stream_keys(conn)
+        home = _group_of(conn, keys[0])
+        twin = next(f"stream-{i}" for i in range(10_000)
+                    if f"stream-{i}" not in keys and _group_of(conn, f"stream-{i}") == home)
+    monkeypatch.setattr(engine, "stream_keys", lambda conn, fresh=False: [*keys, twin])
+    coordinator = engine.coordinator(batch=10)
+    with engine.pool.connection() as conn, autocommit(conn):
+        stats = PassStats()
+        scan = coordinator._node_scan(conn, stats)
+    assert scan is not None and stats.node_scans == len(citus_cluster.workers)
+    assert sorted(w.run_id for w in scan.timers) == sorted(p["timer"] for p in placed.values())
+    assert sorted(lease.run_id for lease in scan.leases) == sorted(p["lease"] for p in placed.values())
+    assert sorted(s.run_id for s in scan.starts) == sorted(p["start"] for p in placed.values())
+    stats = coordinator.run_once(["timers", "leases"])
+    assert (stats.timers_fired, stats.leases_expired, stats.start_timeouts, stats.stale) == (len(placed),) * 3 + (0,)
+    with engine.pool.connection() as conn, autocommit(conn):
+        assert citus_scan.covered(conn, [twin, *keys]).keys == [twin, *keys[1:]]
+
+
+def _refuse_deletes_on(node_url: str, table: str) -> Callable[[], None]:
+    """Make every DELETE on the node's shards of ``table`` fail (a trigger on each, made
+    on that node only); returns what undoes it."""
+    with psycopg.connect(node_url, autocommit=True) as conn:
+        conn.execute("SET citus.enable_ddl_propagation TO off")
+        conn.execute("SET citus.enable_manual_changes_to_shards TO on")
+        conn.execute("CREATE FUNCTION test_refuse_delete() RETURNS trigger LANGUAGE plpgsql AS "
+                     "$$ BEGIN RAISE EXCEPTION 'deletes refused on this node'; END $$")
+        shards = [str(r[0]) for r in conn.execute(
+            "SELECT shard_name(%s::regclass, s.shardid) FROM pg_dist_shard s JOIN pg_dist_placement p USING (shardid) "
+            "WHERE s.logicalrelid = %s::regclass AND p.groupid = (SELECT groupid FROM pg_dist_local_group)",
+            (table, table)).fetchall()]
+        for shard in shards:
+            conn.execute(sql.SQL("CREATE TRIGGER test_refuse BEFORE DELETE ON {} FOR EACH STATEMENT "
+                                 "EXECUTE FUNCTION test_refuse_delete()").format(sql.Identifier(shard)))
+
+    def undo() -> None:
+        with psycopg.connect(node_url, autocommit=True) as conn:
+            conn.execute("SET citus.enable_ddl_propagation TO off")
+            conn.execute("DROP FUNCTION test_refuse_delete() CASCADE")
+
+    return undo
+
+
+@pytest.mark.timeout(120)
+def test_a_node_whose_webhook_prune_fails_is_backed_off_for_the_prune_only(
+        db_url: str, engine: Engine, citus_cluster: CitusCluster) -> None:
+    runs = [run for ids in _ids_per_node(db_url, 2).values() for run in ids]
+    for run_id in runs:
+        engine.start("sn-hook", run_id=run_id)
+    for claim in engine.claim(["snh"], "w", len(runs)):
+        engine.complete(claim, None)
+    placed = _candidates_on_every_node(db_url, engine)
+    worker = citus_cluster.workers[-1]
+    with psycopg.connect(db_url, autocommit=True) as conn:
+        conn.execute("UPDATE webhook_deliveries SET gave_up_at = now() - interval '8 days'")
+        groups: dict[int, int] = dict(conn.execute("SELECT nodeport, groupid FROM pg_dist_node").fetchall())
+        assert worker.port is not None
+        group = groups[worker.port]
+        kept = [r for r in runs if _group_of(conn, r) == group]
+        name = conn.info.dbname
+    with engine.pool.connection() as conn, autocommit(conn):
+        failing = next(k for k in engine.stream_keys(conn) if _group_of(conn, k) == group)
+    undo = _refuse_deletes_on(worker.url(name), "webhook_deliveries")
+    try:
+        coordinator = engine.coordinator(webhook_keep_days=7, batch=10)
+        stats = PassStats()
+        coordinator._prune_webhooks(stats)
+        assert stats.node_scans_failed == 1 and stats.webhooks_pruned == len(runs) - len(kept), stats
+        assert any("webhook prune" in e and "deletes refused" in e for e in stats.errors), stats.errors
+        assert coordinator._prune_backoff.skipped() == [failing]
+        # The node's scans go on: its timer fires, its lease expires, its late start fails.
+        scans = coordinator.run_once(["timers", "leases"])
+        assert (scans.node_scans, scans.node_scans_failed, scans.errors) == (len(citus_cluster.workers), 0, []), scans
+        assert (scans.timers_fired, scans.leases_expired, scans.start_timeouts) == (len(placed),) * 3, scans
+        assert coordinator._node_backoff.skipped() == []
+        # Still backed off: the next prune does not call it.
+        again = PassStats()
+        coordinator._prune_webhooks(again)
+        assert (again.node_scans_failed, again.webhooks_pruned, again.errors) == (0, 0, []), again
+    finally:
+        undo()
+    deadline = time.monotonic() + 30
+    while coordinator._prune_backoff.skipped() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    done = PassStats()
+    coordinator._prune_webhooks(done)
+    assert (done.webhooks_pruned, done.errors) == (len(kept), []), done
+    assert coordinator._prune_backoff.skipped() == []

@@ -249,7 +249,7 @@ def test_citus_repeatable_files_replace_theirs_by_name_and_the_citus_only_ones_r
     assert [r.key for r in discover_repeatable()] == [r.filename for r in discover_repeatable()]
     assert {r.key for r in discover_repeatable(citus=True) if r.citus} == {
         "citus/R__apply_on.sql", "citus/R__child_deliveries.sql", "citus/R__claim_node.sql", "citus/R__dispatch.sql",
-        "citus/R__partition_stats.sql", "citus/R__scan_node.sql"}
+        "citus/R__node_local.sql", "citus/R__partition_stats.sql", "citus/R__scan_node.sql"}
 
 
 def test_migrate_citus_on_a_database_without_the_extension_is_refused_and_changes_nothing(
