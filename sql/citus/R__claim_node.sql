@@ -97,8 +97,8 @@ BEGIN
     -- Rows of this node that only the coordinator's claim takes, looked for only when
     -- this node fell short of p_limit: the engine reads the flag only then (it asks the
     -- coordinator's claim for what the nodes did not give). Each shard's look is a
-    -- statement planned on every call, about a third of a one-task claim's CPU on a
-    -- node of 16 shards (docs/scaling.md, "Where a run's CPU goes").
+    -- statement planned on every call, a fifth to a third of a one-task claim's CPU
+    -- on a node of 16 shards (docs/scaling.md, "Where a run's CPU goes").
     IF v_got < p_limit AND NOT v_limited AND v_open IS NOT NULL THEN
         FOREACH v_shard IN ARRAY v_shards LOOP
             EXECUTE format($q$SELECT EXISTS (SELECT 1 FROM %1$s y
