@@ -1,7 +1,7 @@
 """Where a Citus run's cost goes: one event kind at a time, on a local cluster.
 
-``python -m bench.citus_profile [--runs 200] [--passes 20] [--shards 32] [--json PATH]``
-starts a coordinator and two worker nodes (:mod:`composer_ops.testing.citus`, Debian's
+``python -m bench.citus_profile [--runs 200] [--passes 20] [--shards 32] [--worker-nodes 2] [--json PATH]``
+starts a coordinator and two worker nodes (or ``--worker-nodes``) (:mod:`composer_ops.testing.citus`, Debian's
 PostgreSQL 15, ``pg_stat_statements`` preloaded, Citus's two-phase commit recovery off so
 that ``pg_dist_transaction`` keeps one row per worker group per two-phase commit), makes a
 database with ``composer-ops migrate``'s Citus series, and measures, from one client in
@@ -198,11 +198,12 @@ def measure(probe: Probe, name: str, items: int, work: Callable[[], object], *, 
 
 
 def profile(*, runs: int, passes: int, shards: int, settings: dict[str, str],
-            log: Callable[[str], None]) -> dict[str, Any]:
+            log: Callable[[str], None], worker_nodes: int = 2) -> dict[str, Any]:
     from composer_ops import Engine
     from composer_ops.db.migrate import migrate
 
-    cluster = CitusCluster.start(workers=2, shard_count=shards, settings={**PROFILE_SETTINGS, **settings})
+    cluster = CitusCluster.start(workers=worker_nodes, shard_count=shards,
+                                 settings={**PROFILE_SETTINGS, **settings})
     try:
         url = cluster.create_database("profile")
         with psycopg.connect(url, autocommit=True) as conn:
@@ -242,7 +243,7 @@ def profile(*, runs: int, passes: int, shards: int, settings: dict[str, str],
             got: dict[str, str] = dict(conn.execute("""SELECT name, setting FROM pg_settings WHERE name IN
                 ('citus.max_cached_conns_per_worker', 'citus.max_adaptive_executor_pool_size',
                  'citus.shard_count', 'citus.executor_slow_start_interval')""").fetchall())
-        return {"runs": runs, "passes": passes, "shards": shards, "settings": got,
+        return {"runs": runs, "passes": passes, "shards": shards, "worker_nodes": worker_nodes, "settings": got,
                 "phases": [p.as_dict() for p in phases]}
     finally:
         cluster.stop()
@@ -278,13 +279,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--runs", type=int, default=200)
     parser.add_argument("--passes", type=int, default=20)
     parser.add_argument("--shards", type=int, default=32)
+    parser.add_argument("--worker-nodes", type=int, default=2)
     parser.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
                         help="an extra server setting of every node (repeatable)")
     parser.add_argument("--json", help="write the result here")
     args = parser.parse_args(argv)
     extra = dict(s.split("=", 1) for s in args.set)
     result = profile(runs=args.runs, passes=args.passes, shards=args.shards, settings=extra,
-                     log=lambda m: print(m, file=sys.stderr, flush=True))
+                     log=lambda m: print(m, file=sys.stderr, flush=True), worker_nodes=args.worker_nodes)
     result["date"] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     result["load_average"] = psutil.getloadavg()
     print(render(result))

@@ -34,6 +34,7 @@ DECLARE
     v_lease INT;
     v_open TEXT[];
     v_limited BOOLEAN := false;
+    v_shards TEXT[] := '{}';
 BEGIN
     IF NOT composer_key_on_this_node(p_key) THEN     -- not delegated (sql/citus/R__node_local.sql)
         PERFORM composer_not_delegated('composer_claim_node', p_key);
@@ -59,14 +60,9 @@ BEGIN
          WHERE s.logicalrelid = 'task_outbox'::regclass AND p.groupid = (SELECT groupid FROM pg_dist_local_group)
          ORDER BY random()
     LOOP
-        IF NOT v_limited THEN
-            EXECUTE format($q$SELECT EXISTS (SELECT 1 FROM %1$s y
-                                WHERE y.queue = ANY($1) AND y.available_at <= $2
-                                  AND ($3::text[] IS NULL OR y.task_name = ANY($3))
-                                  AND (y.ckey IS NOT NULL OR y.rkey IS NOT NULL))$q$, v_shard)
-                INTO v_limited USING v_open, v_now, p_names;
-        END IF;
-        CONTINUE WHEN v_got >= p_limit OR v_open IS NULL;
+        EXIT WHEN v_got >= p_limit;
+        v_shards := v_shards || v_shard;
+        CONTINUE WHEN v_open IS NULL;
         -- The rows are picked in a MATERIALIZED CTE, run once. Picked in an IN (subquery),
         -- a nested-loop semi join (the plan of a shard analyzed while empty) ran the
         -- subquery again for every outbox row, and each run skipped the rows this
@@ -102,6 +98,21 @@ BEGIN
             RETURN NEXT;
         END LOOP;
     END LOOP;
+    -- Rows of this node that only the coordinator's claim takes, looked for only when
+    -- this node fell short of p_limit: the engine reads the flag only then (it asks the
+    -- coordinator's claim for what the nodes did not give). Each shard's look is a
+    -- statement planned on every call, a fifth to a third of a one-task claim's CPU
+    -- on a node of 16 shards (docs/scaling.md, "Where a run's CPU goes").
+    IF v_got < p_limit AND NOT v_limited AND v_open IS NOT NULL THEN
+        FOREACH v_shard IN ARRAY v_shards LOOP
+            EXECUTE format($q$SELECT EXISTS (SELECT 1 FROM %1$s y
+                                WHERE y.queue = ANY($1) AND y.available_at <= $2
+                                  AND ($3::text[] IS NULL OR y.task_name = ANY($3))
+                                  AND (y.ckey IS NOT NULL OR y.rkey IS NOT NULL))$q$, v_shard)
+                INTO v_limited USING v_open, v_now, p_names;
+            EXIT WHEN v_limited;
+        END LOOP;
+    END IF;
     IF v_limited THEN
         run_id := NULL; task_id := NULL; node_id := NULL; attempt := NULL; task_name := NULL; queue := NULL;
         input := NULL; lease_s := NULL; lease_owner := NULL; lease_expires_at := NULL; limited := true;

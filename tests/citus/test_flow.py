@@ -14,6 +14,7 @@ import psycopg
 import pytest
 
 from composer_ops import Engine
+from composer_ops.engine.ids import uuid7_text
 from composer_ops.engine.requests import Request
 from composer_ops.repo import citus
 from composer_ops.repo.rows import Claim
@@ -274,3 +275,29 @@ def test_the_flow_claim_deletes_and_puts_back_each_outbox_row_on_its_shard_alone
     assert len(deletes) == 2, deletes
     assert len(put_backs) == 1, put_backs
     assert [r[0] for r in _sql(db_url, "SELECT run_id FROM task_outbox")] == [requeued]
+
+
+def test_a_node_claim_looks_for_rows_under_flow_control_only_when_it_falls_short(db_url: str,
+                                                                                  engine: Engine) -> None:
+    """A node claim says whether its node has ready rows only the coordinator's claim
+    takes (here, with a concurrency key) only when it gave fewer tasks than asked: the
+    engine reads the flag only then, and the look is a statement per shard of the node,
+    planned on every call (sql/citus/R__claim_node.sql)."""
+    engine.deploy(PERCUST)
+    ids = run_ids_on_one_shard(db_url, 2)
+    plain = engine.start("low", run_id=ids[0])
+    engine.start("percust", run_id=ids[1], input={"customer": "c1"})
+
+    def claim_each_node(limit: int) -> tuple[list[str], list[bool]]:
+        claimed: list[str] = []
+        flags: list[bool] = []
+        with psycopg.connect(db_url, autocommit=True) as conn:
+            for key in citus.stream_keys(conn):
+                got, limited = citus.claim_on_node(conn, key, ["q", "k"], "w", limit, None, claim_id=uuid7_text())
+                claimed += [c.run_id for c in got]
+                flags.append(limited)
+        return claimed, flags
+
+    assert claim_each_node(1) == ([plain], [False, False])       # its node gave 1 of 1, the other 0 of 1
+    claimed, flags = claim_each_node(1)
+    assert claimed == [] and sorted(flags) == [False, True]       # short on both, the key's row on one
