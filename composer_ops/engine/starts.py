@@ -22,7 +22,6 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 from composer_ops.core.model import CreateTask
 from composer_ops.core.runids import RUN_ID_MAX_AGE, RUN_ID_MAX_AHEAD, validate_run_id
-from composer_ops.db.connect import autocommit
 from composer_ops.engine.ids import uuid7_at
 from composer_ops.engine.requests import Request
 from composer_ops.errors import Conflict, Invalid
@@ -181,18 +180,17 @@ def start_committed(conn: Conn, shell: Shell, *, workflow_id: str, version: int 
     one fails), so no BEGIN or COMMIT is sent, and the answer is read after the commit
     (a refused start wrote nothing). Any other start runs in an ordinary transaction.
     :class:`StaleDefinition` asks the caller to try once more with ``refresh``."""
-    with autocommit(conn):
-        prepared = prepare_start(conn, shell, workflow_id=workflow_id, version=version, input=input, run_id=run_id,
-                                 minted=minted, request=request, refresh=refresh)
-        if not prepared.one_statement:
-            with conn.transaction():
-                return prepared.send(conn).result(conn)
-        # Only statements are queued in the block. Its sync, sent even when the block
-        # raises, commits what was queued: an exception after the write is a lost
-        # acknowledgement, whose retry finds its run (Engine._start).
-        with conn.pipeline():
-            sent = prepared.send(conn)
-        return sent.result(conn)
+    prepared = prepare_start(conn, shell, workflow_id=workflow_id, version=version, input=input, run_id=run_id,
+                             minted=minted, request=request, refresh=refresh)
+    if not prepared.one_statement:
+        with conn.transaction():
+            return prepared.send(conn).result(conn)
+    # Only statements are queued in the block. Its sync, sent even when the block
+    # raises, commits what was queued: an exception after the write is a lost
+    # acknowledgement, whose retry finds its run (Engine._start).
+    with conn.pipeline():
+        sent = prepared.send(conn)
+    return sent.result(conn)
 
 
 def start_in(conn: Conn, shell: Shell, *, workflow_id: str, version: int | None, input: Any,
