@@ -93,11 +93,13 @@ def check_connection(conn: psycopg.Connection[Any]) -> None:
 
 @contextlib.contextmanager
 def autocommit(conn: psycopg.Connection[Any]) -> Iterator[psycopg.Connection[Any]]:
-    """A pooled connection in autocommit for the block: a single statement runs as its
-    own transaction, without the BEGIN and COMMIT round trips ``conn.transaction()``
-    adds. Only for one statement (several would each commit on their own). The
-    connection goes back to the pool as it was lent: not in autocommit, idle (a
-    broken one is left for the pool to discard)."""
+    """``conn`` in autocommit for the block, as it was after it (idle; a broken one is
+    left as it is): a single statement runs as its own transaction, without BEGIN and
+    COMMIT round trips. A pool's connections (:func:`make_pool`) are in autocommit
+    already; this is for a connection of :func:`connect`."""
+    if conn.autocommit:
+        yield conn
+        return
     conn.autocommit = True
     try:
         yield conn
@@ -108,10 +110,10 @@ def autocommit(conn: psycopg.Connection[Any]) -> Iterator[psycopg.Connection[Any
 
 @contextlib.contextmanager
 def sent_transaction(conn: psycopg.Connection[Any]) -> Iterator[None]:
-    """A transaction whose BEGIN and COMMIT the block sends itself (:func:`send_begin`,
-    :func:`send_commit`), pipelined with its statements, on a connection in
-    :func:`autocommit`: so that the driver adds no round trip of its own. Leaving the
-    block commits a transaction still open; an exception rolls it back."""
+    """A transaction whose BEGIN and COMMIT the block sends itself (:func:`send_commit`),
+    pipelined with its statements, on a connection in autocommit (a pool's): so that
+    the driver adds no round trip of its own. Leaving the block commits a transaction
+    still open; an exception rolls it back."""
     try:
         yield
         if conn.info.transaction_status != TransactionStatus.IDLE:
@@ -120,11 +122,6 @@ def sent_transaction(conn: psycopg.Connection[Any]) -> Iterator[None]:
         if not conn.closed and conn.info.transaction_status != TransactionStatus.IDLE:
             conn.execute("ROLLBACK")
         raise
-
-
-def send_begin(conn: psycopg.Connection[Any]) -> None:
-    """BEGIN, in a :func:`sent_transaction` (queued when ``conn`` is in a pipeline)."""
-    conn.execute("BEGIN")
 
 
 def send_commit(conn: psycopg.Connection[Any]) -> None:
@@ -167,7 +164,11 @@ def make_pool(url: str | None = None, *, min_size: int = 1, max_size: int = 8,
               application_name: str = "composer-ops", timeout: float = 30.0,
               wait_s: float = 0.0) -> TranslatingPool:
     """A checked pool of translating connections (:func:`check_connection` drops
-    connections a server restart killed).
+    connections a server restart killed), in autocommit: a statement outside
+    ``conn.transaction()`` is a transaction of its own, sent without BEGIN or COMMIT
+    (one round trip where the driver would add two), and several statements that
+    must commit together go in ``conn.transaction()``, whose BEGIN and COMMIT are the
+    same in either mode.
 
     ``wait_s``: how long to wait for a server that is not reachable yet (see
     :func:`wait_until_reachable`); 0 fails at once, as one-shot commands should."""
@@ -180,7 +181,7 @@ def make_pool(url: str | None = None, *, min_size: int = 1, max_size: int = 8,
         connection_class=TranslatingConnection,
         min_size=min_size,
         max_size=max_size,
-        kwargs={"application_name": application_name},
+        kwargs={"application_name": application_name, "autocommit": True},
         check=check_connection,
         timeout=timeout,
         open=False,

@@ -18,7 +18,7 @@ from composer_ops.core.model import TERMINAL_RUN_STATUSES, CancelRun, SignalRece
 from composer_ops.core.runids import validate_run_id
 from composer_ops.core.selection import selection
 from composer_ops.core.spec import ID_PATTERN, WorkflowSpec, parse_spec
-from composer_ops.db import autocommit, make_pool, resolve_url
+from composer_ops.db import make_pool, resolve_url
 from composer_ops.db.errors import TranslatingPool
 from composer_ops.db.migrate import migrate as run_migrations
 from composer_ops.db.retry import db_retry
@@ -355,15 +355,14 @@ class Engine:
                seen: int | None = None) -> list[Claim]:
         look = request.attempt()
         with self.pool.connection() as conn:
-            with autocommit(conn):
-                on_citus = self._on_citus(conn)
-                if on_citus:
-                    if look:
-                        return self._claim_streams_again(conn, queues, owner, limit, task_names, request.id)
-                    return self._claim_streams(conn, queues, owner, limit, task_names, request.id)
-                if not look:
-                    return outbox.claim(conn, queues, owner, limit, task_names=task_names, claim_id=request.id,
-                                        wake=wake, room=room, seen=seen)
+            on_citus = self._on_citus(conn)
+            if on_citus:
+                if look:
+                    return self._claim_streams_again(conn, queues, owner, limit, task_names, request.id)
+                return self._claim_streams(conn, queues, owner, limit, task_names, request.id)
+            if not look:
+                return outbox.claim(conn, queues, owner, limit, task_names=task_names, claim_id=request.id,
+                                    wake=wake, room=room, seen=seen)
             with conn.transaction():
                 # Lock, then look: the attempt retried may still be executing or
                 # committing on the server; it holds this lock until it is done.
@@ -469,7 +468,7 @@ class Engine:
         """The total of wake-ups handed to worker ``owner`` so far (``task_waiters.promised``;
         0 when it is not registered): what a worker reads as it starts, since a
         registration under its ID may be a previous process's."""
-        with self.pool.connection() as conn, autocommit(conn):
+        with self.pool.connection() as conn:
             return outbox.promised(conn, owner)
 
     @db_retry()
@@ -478,7 +477,7 @@ class Engine:
         """Register ``owner`` to be woken on ``wake`` for ``room`` tasks, as its claims do
         (:func:`composer_ops.repo.outbox.register`); idempotent. False on Citus, where no
         claim registers (nor wakes its worker for tasks it left): nothing is written."""
-        with self.pool.connection() as conn, autocommit(conn):
+        with self.pool.connection() as conn:
             if self._on_citus(conn):
                 return False
             outbox.register(conn, queues, owner, task_names, wake=wake, room=room, seen=seen)
@@ -522,20 +521,20 @@ class Engine:
     def register_worker(self, worker_id: str, *, host: str, pid: int, queues: Sequence[str], concurrency: int,
                         heartbeat_s: float) -> None:
         """Record a worker that starts serving ``queues`` (``composer-ops workers list``)."""
-        with self.pool.connection() as conn, autocommit(conn):
+        with self.pool.connection() as conn:
             workers.register(conn, worker_id, host=host, pid=pid, queues=queues, concurrency=concurrency,
                              heartbeat_s=heartbeat_s)
 
     @db_retry(max_attempts=3)
     def worker_alive(self, worker_id: str) -> bool:
         """Refresh a registered worker's last sign of life; False if it is not registered."""
-        with self.pool.connection() as conn, autocommit(conn):
+        with self.pool.connection() as conn:
             return workers.beat(conn, worker_id)
 
     @db_retry(max_attempts=3)
     def worker_stopped(self, worker_id: str) -> None:
         """Record that a worker stopped cleanly."""
-        with self.pool.connection() as conn, autocommit(conn):
+        with self.pool.connection() as conn:
             workers.stopped(conn, worker_id)
 
     def find_runs(self, *, workflow: str | None = None, status: str | Sequence[str] | None = None,

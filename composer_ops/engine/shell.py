@@ -54,7 +54,7 @@ from composer_ops.core.model import (
     TaskState,
 )
 from composer_ops.core.spec import NodeSpec, WorkflowSpec, spec_from_json
-from composer_ops.db.connect import autocommit, send_commit, sent_transaction
+from composer_ops.db.connect import send_commit, sent_transaction
 from composer_ops.db.errors import TranslatingPool
 from composer_ops.db.retry import db_retry
 from composer_ops.engine import childrows
@@ -184,7 +184,7 @@ class Shell:
                     partitions.set_lock_timeout(conn, lock_wait_s, citus=self.on_citus(conn))
                     return self.handle_in(conn, run_id, make_event, request=request, look=look)
             # Two round trips: BEGIN with the lock and load, the one write with COMMIT.
-            with autocommit(conn), sent_transaction(conn):
+            with sent_transaction(conn):
                 return self.handle_in(conn, run_id, make_event, request=request, look=look, begin=True)
 
     _handle = db_retry()(_handle_once)

@@ -1,9 +1,10 @@
 """The one start path: a run inserted and its first decision, in one statement.
 
-``Engine.start`` sends it with BEGIN and COMMIT in one pipeline (:func:`start_committed`):
-one round trip, and reads its result after the COMMIT (a refused start wrote nothing, so
-committing it is harmless). The shell calls :func:`start_in` for a SUB_WORKFLOW node's child, inside the
-parent's decision, and the schedules loop for a slot's run, in their transactions.
+``Engine.start`` sends it in a pipeline, in autocommit (:func:`start_committed`): one
+round trip and one implicit transaction, its result read after the commit (a refused
+start wrote nothing, so committing it is harmless). The shell calls :func:`start_in` for
+a SUB_WORKFLOW node's child, inside the parent's decision, and the schedules loop for a
+slot's run, in their transactions.
 
 The start is decided before the round trip, with the shell's estimate of the database
 clock (:func:`estimate`, corrected by every answer), and with the definition version the
@@ -21,7 +22,6 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 from composer_ops.core.model import CreateTask
 from composer_ops.core.runids import RUN_ID_MAX_AGE, RUN_ID_MAX_AHEAD, validate_run_id
-from composer_ops.db.connect import autocommit, send_begin, send_commit, sent_transaction
 from composer_ops.engine.ids import uuid7_at
 from composer_ops.engine.requests import Request
 from composer_ops.errors import Conflict, Invalid
@@ -174,22 +174,23 @@ def prepare_start(conn: Conn, shell: Shell, *, workflow_id: str, version: int | 
 def start_committed(conn: Conn, shell: Shell, *, workflow_id: str, version: int | None, input: Any,
                     run_id: str | None, minted: list[str], request: Request, refresh: bool) -> tuple[str, int]:
     """Start a run in a transaction of its own on ``conn`` (idle, lent by the pool). A
-    start of one statement (:attr:`Prepared.one_statement`, the common case) is sent
-    with BEGIN and COMMIT in one pipeline, in autocommit so that the driver adds no
-    round trip of its own around them, and its answer read after the COMMIT (a refused
-    start wrote nothing); any other in an ordinary transaction.
+    start of one statement (:attr:`Prepared.one_statement`, the common case) is sent in
+    one pipeline on the connection in autocommit: the statements of a pipeline up to its
+    sync are one implicit transaction, committed at the sync (or rolled back whole, when
+    one fails), so no BEGIN or COMMIT is sent, and the answer is read after the commit
+    (a refused start wrote nothing). Any other start runs in an ordinary transaction.
     :class:`StaleDefinition` asks the caller to try once more with ``refresh``."""
-    with autocommit(conn):
-        prepared = prepare_start(conn, shell, workflow_id=workflow_id, version=version, input=input, run_id=run_id,
-                                 minted=minted, request=request, refresh=refresh)
-        if not prepared.one_statement:
-            with conn.transaction():
-                return prepared.send(conn).result(conn)
-        with sent_transaction(conn), conn.pipeline():
-            send_begin(conn)
-            sent = prepared.send(conn)
-            send_commit(conn)
-        return sent.result(conn)
+    prepared = prepare_start(conn, shell, workflow_id=workflow_id, version=version, input=input, run_id=run_id,
+                             minted=minted, request=request, refresh=refresh)
+    if not prepared.one_statement:
+        with conn.transaction():
+            return prepared.send(conn).result(conn)
+    # Only statements are queued in the block. Its sync, sent even when the block
+    # raises, commits what was queued: an exception after the write is a lost
+    # acknowledgement, whose retry finds its run (Engine._start).
+    with conn.pipeline():
+        sent = prepared.send(conn)
+    return sent.result(conn)
 
 
 def start_in(conn: Conn, shell: Shell, *, workflow_id: str, version: int | None, input: Any,

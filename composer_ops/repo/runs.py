@@ -61,8 +61,8 @@ def _lock_and_load(conn: Conn, run_id: str, tables: partitions.RunTables, begin:
     try:
         with conn.cursor() as cur:
             if begin:
-                with conn.pipeline():
-                    conn.execute("BEGIN")
+                with conn.pipeline():   # the cursor's result is the last statement's: the load's
+                    cur.execute("BEGIN")
                     cur.execute(_load_statement(tables.load), (run_id,))
             else:
                 cur.execute(_load_statement(tables.load), (run_id,))

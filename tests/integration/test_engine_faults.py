@@ -68,8 +68,8 @@ def test_driver_errors_reach_callers_as_composer_errors(db_url: str) -> None:
 def test_a_claim_is_one_autocommit_statement_and_its_connection_goes_back_as_lent(db_url: str,
                                                                                   tmp_path: Path) -> None:
     """No BEGIN/COMMIT around the claim's single statement; after it, and after a
-    claim the server refuses, the pool's only connection is idle and not in
-    autocommit, so the next transaction on it is a transaction."""
+    claim the server refuses, the pool's only connection is idle and in autocommit,
+    as the pool lends its connections."""
     engine = Engine(make_pool(db_url, min_size=1, max_size=1), db_url)
     trace = tmp_path / "libpq.trace"
     fd = os.open(trace, os.O_WRONLY | os.O_CREAT, 0o600)
@@ -87,7 +87,7 @@ def test_a_claim_is_one_autocommit_statement_and_its_connection_goes_back_as_len
             engine.claim(["default"], "w", 2**31)        # not an INT: the server finds no such function
         with engine.pool.connection() as conn:
             conn.pgconn.untrace()
-            assert conn.autocommit is False and conn.info.transaction_status == TransactionStatus.IDLE
+            assert conn.autocommit is True and conn.info.transaction_status == TransactionStatus.IDLE
         assert [c.node_id for c in claims] == ["a"]
         sent = [line.split("\t")[2] for line in trace.read_text().splitlines() if line.startswith("F\t")]
         # Two claims, each one extended-protocol statement ending in one Sync (one round
