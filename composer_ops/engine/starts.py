@@ -185,11 +185,17 @@ def start_committed(conn: Conn, shell: Shell, *, workflow_id: str, version: int 
     if not prepared.one_statement:
         with conn.transaction():
             return prepared.send(conn).result(conn)
-    # Only statements are queued in the block. Its sync, sent even when the block
-    # raises, commits what was queued: an exception after the write is a lost
-    # acknowledgement, whose retry finds its run (Engine._start).
+    # Only statements are queued in the block. Its sync, which psycopg sends even when
+    # the block raises, would commit what was queued: on an exception before it, the
+    # connection is closed instead, so the server rolls the statement back (and the pool
+    # drops the connection). An exception after the sync is a lost acknowledgement, whose
+    # retry finds its run (Engine._start).
     with conn.pipeline():
-        sent = prepared.send(conn)
+        try:
+            sent = prepared.send(conn)
+        except BaseException:
+            conn.close()
+            raise
     return sent.result(conn)
 
 

@@ -56,3 +56,29 @@ def test_a_cached_version_no_longer_deployed_or_enabled_is_checked_by_the_server
             engine.start("waits")
         with pytest.raises(Invalid, match="disabled"):
             engine.start("waits", version=1)
+
+
+def test_a_start_that_raises_before_its_pipeline_is_synced_writes_nothing(
+        db_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The one-statement start is queued in a pipeline on a connection in autocommit, whose
+    sync commits what was queued. An exception raised in the client after the statement was
+    queued and before the sync (a bug, an interrupt) reaches the caller: the start must not
+    be committed behind its back, or a caller that starts again has two runs."""
+    from composer_ops.repo import writes
+
+    with Engine.connect(db_url, pool_size=1) as engine:
+        engine.deploy(WAITS)
+        engine.start("waits")                                   # caches the version, calibrates
+        real = writes.send
+
+        def send_then_raise(conn: psycopg.Connection[object], doc: dict[str, object]) -> writes.Pending:
+            real(conn, doc)
+            raise RuntimeError("raised after the start's statement was queued")
+
+        monkeypatch.setattr(writes, "send", send_then_raise)
+        with pytest.raises(RuntimeError, match="was queued"):
+            engine.start("waits")
+        monkeypatch.setattr(writes, "send", real)
+        engine.start("waits")                                   # the pool lends a working connection
+    with psycopg.connect(db_url) as conn:
+        assert conn.execute("SELECT count(*) FROM workflow_runs").fetchone() == (2,)
