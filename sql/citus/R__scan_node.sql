@@ -29,11 +29,11 @@ DROP FUNCTION IF EXISTS composer_scan_node(TEXT, TIMESTAMPTZ, TEXT, INT, TEXT[],
 -- that is a long-lived backend), planned once with a generic plan (the floor prunes
 -- the older months when the plan starts): planning each shard's statement at
 -- every call made a pass's cost grow with the shards (docs/scaling.md, "The
--- coordinator's pass on Citus"). A statement is named by its kind and the md5 of the
--- shard names it reads, so a shard renamed or of another ID gets a statement of its
--- own; a shard table dropped and made again under its name (a shard moved away and
--- back) is found again by PostgreSQL, which analyses a prepared statement afresh after
--- DDL on what it reads. Each call deallocates the session's statements of shards no
+-- coordinator's pass on Citus"). A statement is named by its kind and the md5 of its
+-- text, shard names included, so a shard renamed or of another ID, or a new version of
+-- this file, gets a statement of its own; a shard table dropped and made again under
+-- its name (a shard moved away and back) is found again by PostgreSQL, which analyses
+-- a prepared statement afresh after DDL on what it reads. Each call deallocates the session's statements of shards no
 -- longer on this node: a session keeps at most three per shard of its node.
 CREATE OR REPLACE FUNCTION composer_scan_node(p_key TEXT, p_now TIMESTAMPTZ, p_floor TEXT, p_ceiling TEXT,
                                               p_limit INT, p_kinds TEXT[], p_skip_timers TEXT[],
@@ -48,6 +48,7 @@ AS $$
 DECLARE
     s RECORD;
     v_kind TEXT;
+    v_sql TEXT;
     v_name TEXT;
     v_names TEXT[] := '{}';
     v_have TEXT[];
@@ -67,37 +68,34 @@ BEGIN
          WHERE r.logicalrelid = 'workflow_runs'::regclass AND p.groupid = (SELECT groupid FROM pg_dist_local_group)
     LOOP
         FOREACH v_kind IN ARRAY ARRAY['timer', 'lease', 'start'] LOOP
-            v_name := format('composer_scan_%s_%s', v_kind,
-                             md5(CASE v_kind WHEN 'start' THEN s.outbox ELSE s.tasks || ' ' || s.runs END));
-            v_names := v_names || v_name;
-            CONTINUE WHEN NOT v_kind = ANY(p_kinds);
-            IF NOT v_name = ANY(v_have) THEN
-                EXECUTE format(CASE v_kind
-                    WHEN 'timer' THEN $q$
-                PREPARE %1$I(timestamptz, text[], text, int, text) AS
+            v_sql := format(CASE v_kind
+                WHEN 'timer' THEN $q$
                 SELECT 'timer'::text, t.run_id, t.id, t.node_id, NULL::int, NULL::text, NULL::boolean, t.wake_at
-                  FROM %2$s t JOIN %3$s r ON r.id = t.run_id
+                  FROM %1$s t JOIN %2$s r ON r.id = t.run_id
                  WHERE t.state = 'WAITING' AND t.wake_at <= $1 AND t.id <> ALL($2)
                    AND t.run_id >= $3 AND r.id >= $3 AND ($5::text IS NULL OR (t.run_id <= $5 AND r.id <= $5))
                    AND r.deleted_at IS NULL AND r.status IN ('PENDING', 'RUNNING')
                  ORDER BY t.wake_at LIMIT $4$q$
-                    WHEN 'lease' THEN $q$
-                PREPARE %1$I(timestamptz, text[], text, int, text) AS
+                WHEN 'lease' THEN $q$
                 SELECT 'lease'::text, t.run_id, t.id, t.node_id, t.attempt, t.lease_owner,
                        COALESCE(t.lease_expires_at >= t.run_deadline_at, false), t.lease_expires_at
-                  FROM %2$s t JOIN %3$s r ON r.id = t.run_id
+                  FROM %1$s t JOIN %2$s r ON r.id = t.run_id
                  WHERE t.state = 'RUNNING' AND t.lease_expires_at <= $1
                    AND t.id || ':' || t.attempt <> ALL($2)
                    AND t.run_id >= $3 AND r.id >= $3 AND ($5::text IS NULL OR (t.run_id <= $5 AND r.id <= $5))
                    AND r.deleted_at IS NULL AND r.status IN ('PENDING', 'RUNNING')
                  ORDER BY t.lease_expires_at LIMIT $4$q$
-                    ELSE $q$
-                PREPARE %1$I(timestamptz, text[], text, int, text) AS
+                ELSE $q$
                 SELECT 'start'::text, o.run_id, o.task_id, NULL::text, o.attempt, NULL::text, NULL::boolean, o.start_by
-                  FROM %4$s o
+                  FROM %3$s o
                  WHERE o.start_by <= $1 AND o.task_id || ':' || o.attempt <> ALL($2)
                  ORDER BY o.start_by LIMIT $4$q$ END,
-                    v_name, s.tasks, s.runs, s.outbox);
+                s.tasks, s.runs, s.outbox);
+            v_name := format('composer_scan_%s_%s', v_kind, md5(v_sql));
+            v_names := v_names || v_name;
+            CONTINUE WHEN NOT v_kind = ANY(p_kinds);
+            IF NOT v_name = ANY(v_have) THEN
+                EXECUTE format('PREPARE %I(timestamptz, text[], text, int, text) AS %s', v_name, v_sql);
             END IF;
             RETURN QUERY EXECUTE format('EXECUTE %I(%L, %L, %L, %L, %L)', v_name, p_now,
                 CASE v_kind WHEN 'timer' THEN p_skip_timers WHEN 'lease' THEN p_skip_leases ELSE p_skip_starts END,
