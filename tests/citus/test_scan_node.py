@@ -415,12 +415,18 @@ def test_a_node_scan_keeps_one_statement_per_shard_and_kind_across_shard_moves(
         assert row is not None
         group = int(row[0])
         other = next(g for g in placed if g != group)
-        key = next(k for k in engine.stream_keys(coordinator) if _group_of(coordinator, k) == group)
         moved_run = placed[group]["timer"]
-        row = coordinator.execute("SELECT get_shard_id_for_distribution_column('workflow_runs', %s::text)",
-                                  (moved_run,)).fetchone()
-        assert row is not None
-        shard = int(row[0])
+
+        def shard_of(key: str) -> int:
+            row = coordinator.execute("SELECT get_shard_id_for_distribution_column('workflow_runs', %s::text)",
+                                      (key,)).fetchone()
+            assert row is not None
+            return int(row[0])
+
+        shard = shard_of(moved_run)
+        # A key of this node whose shard stays here (the call goes where its key's shard is).
+        key = next(k for k in (f"stream-{i}" for i in range(10_000))
+                   if _group_of(coordinator, k) == group and shard_of(k) != shard)
 
         def scan() -> set[str]:
             now = clock.now(node)
@@ -444,6 +450,10 @@ def test_a_node_scan_keeps_one_statement_per_shard_and_kind_across_shard_moves(
         everything = set(placed[group].values())
         assert scan() == everything
         assert statements() == 3 * shards_here()
+        assert scan() == everything
+        row = node.execute("SELECT sum(custom_plans), min(generic_plans), max(generic_plans) "
+                           "FROM pg_prepared_statements WHERE name LIKE 'composer\\_scan\\_%%'").fetchone()
+        assert row is not None and tuple(int(x) for x in row) == (0, 2, 2)      # the generic plan, kept
         _move(coordinator, shard, group, other)     # away and back, no scan in between
         _move(coordinator, shard, other, group)
         assert scan() == everything
