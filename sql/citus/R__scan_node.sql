@@ -23,8 +23,18 @@ DROP FUNCTION IF EXISTS composer_scan_node(TEXT, TIMESTAMPTZ, TEXT, INT, TEXT[],
 -- with an active task or the end of the month a start may still use
 -- (core/runids.py active_ceiling): with the floor it keeps the planner to the months
 -- in between; the months ahead, empty, cost planning time on every shard otherwise.
--- One statement per shard and kind, through its partial index, planned for these
--- values; JIT off (a statement over a shard's months is costed above its threshold).
+-- One statement per shard and kind, through its partial index; JIT off (a statement
+-- over a shard's months is costed above its threshold). Each is a prepared statement of
+-- the session (the coordinator reaches the node over its cached connection, V013, so
+-- that is a long-lived backend), planned once with a generic plan (the floor prunes
+-- the older months when the plan starts): planning each shard's statement at
+-- every call made a pass's cost grow with the shards (docs/scaling.md, "The
+-- coordinator's pass on Citus"). A statement is named by its kind and the md5 of its
+-- text, shard names included, so a shard renamed or of another ID, or a new version of
+-- this file, gets a statement of its own; a shard table dropped and made again under
+-- its name (a shard moved away and back) is found again by PostgreSQL, which analyses
+-- a prepared statement afresh after DDL on what it reads. Each call deallocates the session's statements of shards no
+-- longer on this node: a session keeps at most three per shard of its node.
 CREATE OR REPLACE FUNCTION composer_scan_node(p_key TEXT, p_now TIMESTAMPTZ, p_floor TEXT, p_ceiling TEXT,
                                               p_limit INT, p_kinds TEXT[], p_skip_timers TEXT[],
                                               p_skip_leases TEXT[], p_skip_starts TEXT[])
@@ -32,16 +42,21 @@ RETURNS TABLE(kind TEXT, run_id TEXT, task_id TEXT, node_id TEXT, attempt INT, l
               timed_out BOOLEAN, at TIMESTAMPTZ)
 LANGUAGE plpgsql
 SET jit = off
+SET plan_cache_mode = force_generic_plan
 AS $$
 #variable_conflict use_column
 DECLARE
     s RECORD;
+    v_kind TEXT;
+    v_sql TEXT;
+    v_name TEXT;
+    v_names TEXT[] := '{}';
+    v_have TEXT[];
 BEGIN
     IF NOT composer_key_on_this_node(p_key) THEN     -- not delegated (sql/citus/R__node_local.sql)
         PERFORM composer_not_delegated('composer_scan_node', p_key);
     END IF;
-    -- The node's shards: each workflow_runs shard with the task_instances and task_outbox
-    -- shards of its hash range (co-located: the same node).
+    v_have := ARRAY(SELECT name FROM pg_prepared_statements WHERE name LIKE 'composer\_scan\_%');
     FOR s IN
         SELECT shard_name('workflow_runs'::regclass, r.shardid) AS runs,
                shard_name('task_instances'::regclass, t.shardid) AS tasks,
@@ -52,18 +67,16 @@ BEGIN
           JOIN pg_dist_placement p ON p.shardid = r.shardid
          WHERE r.logicalrelid = 'workflow_runs'::regclass AND p.groupid = (SELECT groupid FROM pg_dist_local_group)
     LOOP
-        IF 'timer' = ANY(p_kinds) THEN
-            RETURN QUERY EXECUTE format($q$
+        FOREACH v_kind IN ARRAY ARRAY['timer', 'lease', 'start'] LOOP
+            v_sql := format(CASE v_kind
+                WHEN 'timer' THEN $q$
                 SELECT 'timer'::text, t.run_id, t.id, t.node_id, NULL::int, NULL::text, NULL::boolean, t.wake_at
                   FROM %1$s t JOIN %2$s r ON r.id = t.run_id
                  WHERE t.state = 'WAITING' AND t.wake_at <= $1 AND t.id <> ALL($2)
                    AND t.run_id >= $3 AND r.id >= $3 AND ($5::text IS NULL OR (t.run_id <= $5 AND r.id <= $5))
                    AND r.deleted_at IS NULL AND r.status IN ('PENDING', 'RUNNING')
-                 ORDER BY t.wake_at LIMIT $4$q$, s.tasks, s.runs)
-                USING p_now, p_skip_timers, p_floor, p_limit, p_ceiling;
-        END IF;
-        IF 'lease' = ANY(p_kinds) THEN
-            RETURN QUERY EXECUTE format($q$
+                 ORDER BY t.wake_at LIMIT $4$q$
+                WHEN 'lease' THEN $q$
                 SELECT 'lease'::text, t.run_id, t.id, t.node_id, t.attempt, t.lease_owner,
                        COALESCE(t.lease_expires_at >= t.run_deadline_at, false), t.lease_expires_at
                   FROM %1$s t JOIN %2$s r ON r.id = t.run_id
@@ -71,16 +84,28 @@ BEGIN
                    AND t.id || ':' || t.attempt <> ALL($2)
                    AND t.run_id >= $3 AND r.id >= $3 AND ($5::text IS NULL OR (t.run_id <= $5 AND r.id <= $5))
                    AND r.deleted_at IS NULL AND r.status IN ('PENDING', 'RUNNING')
-                 ORDER BY t.lease_expires_at LIMIT $4$q$, s.tasks, s.runs)
-                USING p_now, p_skip_leases, p_floor, p_limit, p_ceiling;
-        END IF;
-        IF 'start' = ANY(p_kinds) THEN
-            RETURN QUERY EXECUTE format($q$
+                 ORDER BY t.lease_expires_at LIMIT $4$q$
+                ELSE $q$
                 SELECT 'start'::text, o.run_id, o.task_id, NULL::text, o.attempt, NULL::text, NULL::boolean, o.start_by
-                  FROM %1$s o
+                  FROM %3$s o
                  WHERE o.start_by <= $1 AND o.task_id || ':' || o.attempt <> ALL($2)
-                 ORDER BY o.start_by LIMIT $3$q$, s.outbox)
-                USING p_now, p_skip_starts, p_limit;
+                 ORDER BY o.start_by LIMIT $4$q$ END,
+                s.tasks, s.runs, s.outbox);
+            v_name := format('composer_scan_%s_%s', v_kind, md5(v_sql));
+            v_names := v_names || v_name;
+            CONTINUE WHEN NOT v_kind = ANY(p_kinds);
+            IF NOT v_name = ANY(v_have) THEN
+                EXECUTE format('PREPARE %I(timestamptz, text[], text, int, text) AS %s', v_name, v_sql);
+            END IF;
+            RETURN QUERY EXECUTE format('EXECUTE %I(%L, %L, %L, %L, %L)', v_name, p_now,
+                CASE v_kind WHEN 'timer' THEN p_skip_timers WHEN 'lease' THEN p_skip_leases ELSE p_skip_starts END,
+                p_floor, p_limit, p_ceiling);
+        END LOOP;
+    END LOOP;
+    -- Statements of shards no longer on this node (moved, dropped): deallocated.
+    FOREACH v_name IN ARRAY v_have LOOP
+        IF NOT v_name = ANY(v_names) THEN
+            EXECUTE format('DEALLOCATE %I', v_name);
         END IF;
     END LOOP;
 END;

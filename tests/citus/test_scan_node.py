@@ -387,3 +387,81 @@ def test_a_node_whose_webhook_prune_fails_is_backed_off_for_the_prune_only(
     coordinator._prune_webhooks(done)
     assert (done.webhooks_pruned, done.errors) == (len(kept), []), done
     assert coordinator._prune_backoff.skipped() == []
+
+
+def _move(conn: Any, shard: int, source: int, target: int) -> None:
+    """Move ``shard`` (with its co-located shards) from group ``source`` to ``target``,
+    blocking writes, and drop what the move left behind on the source."""
+    nodes = dict((int(g), (str(h), int(p))) for g, h, p in conn.execute(
+        "SELECT groupid, nodename, nodeport FROM pg_dist_node WHERE groupid IN (%s, %s)", (source, target)).fetchall())
+    conn.execute("SELECT citus_move_shard_placement(%s, %s, %s, %s, %s, shard_transfer_mode => 'block_writes')",
+                 (shard, *nodes[source], *nodes[target]))
+    conn.execute("CALL citus_cleanup_orphaned_resources()")
+
+
+@pytest.mark.timeout(300)
+def test_a_node_scan_keeps_one_statement_per_shard_and_kind_across_shard_moves(
+        db_url: str, engine: Engine, citus_cluster: CitusCluster) -> None:
+    """The node scan prepares its statements once per session (planned once, not at
+    every pass): a shard moved away and back between two scans of one session is read
+    again (its table made anew under its name), the statements of a shard moved away are
+    deallocated, and a session keeps three per shard of its node."""
+    placed = _candidates_on_every_node(db_url, engine)
+    dbname = psycopg.conninfo.conninfo_to_dict(db_url)["dbname"]
+    worker = citus_cluster.workers[0]
+    with psycopg.connect(worker.url(str(dbname)), autocommit=True) as node, \
+            psycopg.connect(db_url, autocommit=True) as coordinator:
+        row = node.execute("SELECT groupid FROM pg_dist_local_group").fetchone()
+        assert row is not None
+        group = int(row[0])
+        other = next(g for g in placed if g != group)
+        moved_run = placed[group]["timer"]
+
+        def shard_of(key: str) -> int:
+            row = coordinator.execute("SELECT get_shard_id_for_distribution_column('workflow_runs', %s::text)",
+                                      (key,)).fetchone()
+            assert row is not None
+            return int(row[0])
+
+        shard = shard_of(moved_run)
+        # A key of this node whose shard stays here (the call goes where its key's shard is).
+        key = next(k for k in (f"stream-{i}" for i in range(10_000))
+                   if _group_of(coordinator, k) == group and shard_of(k) != shard)
+
+        def scan() -> set[str]:
+            now = clock.now(node)
+            return {c.run_id for _, c in citus_scan.scan_node(node, key, now=now, floor="", limit=10,
+                                                              kinds=citus_scan.KINDS)}
+
+        def statements() -> int:
+            row = node.execute("SELECT count(*) FROM pg_prepared_statements "
+                               "WHERE name LIKE 'composer\\_scan\\_%%'").fetchone()
+            return int(row[0]) if row else -1
+
+        def shards_here() -> int:
+            row = coordinator.execute("SELECT count(*) FROM pg_dist_shard s JOIN pg_dist_placement p USING (shardid) "
+                                      "WHERE s.logicalrelid = 'workflow_runs'::regclass AND p.groupid = %s",
+                                      (group,)).fetchone()
+            return int(row[0]) if row else -1
+
+        def here() -> set[str]:
+            return {r for r in placed[group].values() if _group_of(coordinator, r) == group}
+
+        everything = set(placed[group].values())
+        assert scan() == everything
+        assert statements() == 3 * shards_here()
+        assert scan() == everything
+        row = node.execute("SELECT sum(custom_plans), min(generic_plans), max(generic_plans) "
+                           "FROM pg_prepared_statements WHERE name LIKE 'composer\\_scan\\_%%'").fetchone()
+        assert row is not None and tuple(int(x) for x in row) == (0, 2, 2)      # the generic plan, kept
+        _move(coordinator, shard, group, other)     # away and back, no scan in between
+        _move(coordinator, shard, other, group)
+        assert scan() == everything
+        assert statements() == 3 * shards_here()
+        _move(coordinator, shard, group, other)
+        assert moved_run not in here()
+        assert scan() == here()
+        assert statements() == 3 * shards_here()
+        _move(coordinator, shard, other, group)
+        assert scan() == everything
+        assert statements() == 3 * shards_here()

@@ -1,0 +1,138 @@
+"""Two bodies of the Citus node scan, side by side on one cluster.
+
+``python -m bench.citus_scan_ab [--shards 8 32] [--rounds 3] [--passes 40] A=PATH B=PATH ...``
+starts, for each shard count, a coordinator and two worker nodes
+(:mod:`bench.citus_profile`'s settings, ``citus.shard_count`` = the count), migrates a
+database, starts ``--runs`` 1-task runs (their dispatches are the start timeouts' rows)
+and, in each round, for each body in turn (the order reversed every other round),
+installs the file ``PATH`` (a version of ``sql/citus/R__scan_node.sql``), makes 5 passes
+to compile it (and, for a body that caches plans, to fill its cache), then measures
+``--passes`` passes of the coordinator's node scans, as ``Coordinator._node_scan`` makes
+them: one ``composer_scan_node`` call per worker node, every kind, the coordinator's
+floor and ceiling, from one autocommit connection kept open (so each node is reached
+over the same cached connection, as the coordinator's are). Half the runs' tasks are
+claimed and left RUNNING: a day ahead their leases have expired. Measured: the CPU time of
+every server process of the worker nodes and of the coordinator (``/proc/PID/schedstat``),
+per pass. Before measuring, each body's rows for a clock a day ahead (every dispatch
+past its ``start_by``, every lease expired) are compared with the first body's: a body that finds other
+rows fails the run. One cluster per shard count: only the body differs between
+measurements.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import psutil
+import psycopg
+
+from bench.citus_claim_ab import _on_cpu_ns
+from bench.citus_profile import PROFILE_SETTINGS, Probe
+from bench.workload import ONE_TASK
+from composer_ops.testing.citus import CitusCluster
+
+
+def measure(bodies: dict[str, Path], *, shards: int, rounds: int, passes: int, runs: int) -> dict[str, Any]:
+    from composer_ops import Engine
+    from composer_ops.db.migrate import migrate
+    from composer_ops.repo import citus, citus_scan, clock
+
+    results: dict[str, list[dict[str, float]]] = {name: [] for name in bodies}
+    cluster = CitusCluster.start(workers=2, shard_count=shards, settings=PROFILE_SETTINGS)
+    try:
+        url = cluster.create_database("scan_ab")
+        migrate(url)
+        probe = Probe(cluster, "scan_ab")
+        engine = Engine.connect(url, pool_size=1, application_name="scan-ab-client")
+        coordinator_engine = Engine.connect(url, pool_size=1, application_name="scan-ab-coordinator")
+        try:
+            engine.deploy(ONE_TASK)
+            for _ in range(runs):
+                engine.start(ONE_TASK["id"])
+            claimed = sum(len(engine.claim(["default"], "scan-ab", 1)) for _ in range(runs // 2))
+            coordinator = coordinator_engine.coordinator()
+            with psycopg.connect(url, autocommit=True, application_name="scan-ab-scans") as conn:
+                keys = citus_scan.covered(conn, citus.stream_keys(conn)).keys
+
+                def one_pass(ahead: timedelta = timedelta(0)) -> list[Any]:
+                    now = clock.now(conn) + ahead
+                    floor, ceiling = coordinator.active_floor(conn), coordinator.active_ceiling(conn, now)
+                    found: list[Any] = []
+                    for key in keys:
+                        found += citus_scan.scan_node(conn, key, now=now, floor=floor, ceiling=ceiling, limit=100,
+                                                      kinds=citus_scan.KINDS)
+                    return found
+
+                reference: list[Any] | None = None
+                order = list(bodies.items())
+                for r in range(rounds):
+                    for name, path in order if r % 2 == 0 else order[::-1]:
+                        with psycopg.connect(url, autocommit=True) as admin:
+                            admin.execute(path.read_text())
+                        for _ in range(5):
+                            one_pass()
+                        rows = sorted(repr(row) for row in one_pass(timedelta(days=1)))
+                        if reference is None:
+                            reference = rows
+                        elif rows != reference:
+                            raise SystemExit(f"{name} found other rows than the first body ({len(rows)} vs "
+                                             f"{len(reference)})")
+                        before = [_on_cpu_ns(p) for p in probe.postmasters]
+                        t0 = time.monotonic()
+                        for _ in range(passes):
+                            one_pass()
+                        wall = time.monotonic() - t0
+                        after = [_on_cpu_ns(p) for p in probe.postmasters]
+                        ms = [sum(v - b.get(pid, 0) for pid, v in a.items()) / 1e6 / passes
+                              for b, a in zip(before, after, strict=True)]
+                        results[name].append({"round": r, "rows_a_day_ahead": len(rows),
+                                              "worker_nodes_cpu_ms_per_pass": sum(ms[1:]),
+                                              "coordinator_cpu_ms_per_pass": ms[0],
+                                              "wall_ms_per_pass": 1000 * wall / passes,
+                                              "load_average": psutil.getloadavg()[0]})
+                        print(shards, name, results[name][-1], file=sys.stderr, flush=True)
+        finally:
+            engine.close()
+            coordinator_engine.close()
+            probe.close()
+    finally:
+        cluster.stop()
+    return {"shards": shards, "worker_nodes": len(keys), "claimed": claimed, "rounds": results}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.citus_scan_ab")
+    parser.add_argument("bodies", nargs="+", metavar="NAME=PATH", help="a version of R__scan_node.sql")
+    parser.add_argument("--shards", type=int, nargs="+", default=[8, 32])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--passes", type=int, default=40)
+    parser.add_argument("--runs", type=int, default=100)
+    parser.add_argument("--json", help="write the result here")
+    args = parser.parse_args(argv)
+    bodies = {name: Path(path) for name, path in (b.split("=", 1) for b in args.bodies)}
+    out: dict[str, Any] = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "passes": args.passes,
+                           "runs": args.runs, "bodies": {k: str(v) for k, v in bodies.items()}, "clusters": []}
+    for shards in args.shards:
+        result = measure(bodies, shards=shards, rounds=args.rounds, passes=args.passes, runs=args.runs)
+        out["clusters"].append(result)
+        for name, rows in result["rounds"].items():
+            nodes = [row["worker_nodes_cpu_ms_per_pass"] for row in rows]
+            wall = [row["wall_ms_per_pass"] for row in rows]
+            print(f"{shards} shards, {name}: worker nodes' CPU per pass, median {statistics.median(nodes):.2f} ms "
+                  f"(rounds {', '.join(f'{x:.2f}' for x in nodes)}); wall median {statistics.median(wall):.1f} ms")
+    out["load_average_end"] = psutil.getloadavg()
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
