@@ -42,6 +42,11 @@ def _on_cpu_ns(postmaster: psutil.Process) -> dict[int, int]:
     return out
 
 
+def median_rounds(values: list[float]) -> str:
+    """``median M ms (rounds a, b, ...)``: how the A/B scripts print a figure per round."""
+    return f"median {statistics.median(values):.2f} ms (rounds {', '.join(f'{x:.2f}' for x in values)})"
+
+
 def measure(bodies: dict[str, Path], *, rounds: int, claims: int) -> dict[str, list[dict[str, float]]]:
     from composer_ops import Engine
     from composer_ops.db.migrate import migrate
@@ -101,8 +106,8 @@ def main(argv: list[str] | None = None) -> int:
     for name, rows in results.items():
         nodes = [row["worker_nodes_cpu_ms_per_task"] for row in rows]
         coordinator = [row["coordinator_cpu_ms_per_task"] for row in rows]
-        print(f"{name}: worker nodes' CPU per task claimed, median {statistics.median(nodes):.2f} ms "
-              f"(rounds {', '.join(f'{x:.2f}' for x in nodes)}); coordinator {statistics.median(coordinator):.2f} ms")
+        print(f"{name}: worker nodes' CPU per task claimed, {median_rounds(nodes)}; "
+              f"coordinator {statistics.median(coordinator):.2f} ms")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1)

@@ -33,7 +33,7 @@ from typing import Any
 import psutil
 import psycopg
 
-from bench.citus_claim_ab import _on_cpu_ns
+from bench.citus_claim_ab import _on_cpu_ns, median_rounds
 from bench.citus_profile import PROFILE_SETTINGS, Probe
 from bench.workload import ONE_TASK
 from composer_ops.testing.citus import CitusCluster
@@ -125,8 +125,8 @@ def main(argv: list[str] | None = None) -> int:
         for name, rows in result["rounds"].items():
             nodes = [row["worker_nodes_cpu_ms_per_pass"] for row in rows]
             wall = [row["wall_ms_per_pass"] for row in rows]
-            print(f"{shards} shards, {name}: worker nodes' CPU per pass, median {statistics.median(nodes):.2f} ms "
-                  f"(rounds {', '.join(f'{x:.2f}' for x in nodes)}); wall median {statistics.median(wall):.1f} ms")
+            print(f"{shards} shards, {name}: worker nodes' CPU per pass, {median_rounds(nodes)}; "
+                  f"wall median {statistics.median(wall):.1f} ms")
     out["load_average_end"] = psutil.getloadavg()
     if args.json:
         with open(args.json, "w") as f:
