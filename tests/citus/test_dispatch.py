@@ -277,3 +277,83 @@ def test_a_claim_whose_node_call_is_not_delegated_logs_it_and_claims_through_the
     assert _outbox(db_url) == []
     logged = [r for r in caplog.records if "not delegated" in r.getMessage()]
     assert len(logged) == 1, [r.getMessage() for r in caplog.records]
+
+
+def _move(conn: psycopg.Connection[Any], shard: int, source: int, target: int) -> None:
+    """Move ``shard`` (with its co-located shards) from group ``source`` to ``target``,
+    blocking writes, and drop what the move left behind on the source."""
+    nodes = dict((int(g), (str(h), int(p))) for g, h, p in conn.execute(
+        "SELECT groupid, nodename, nodeport FROM pg_dist_node WHERE groupid IN (%s, %s)", (source, target)).fetchall())
+    conn.execute("SELECT citus_move_shard_placement(%s, %s, %s, %s, %s, shard_transfer_mode => 'block_writes')",
+                 (shard, *nodes[source], *nodes[target]))
+    conn.execute("CALL citus_cleanup_orphaned_resources()")
+
+
+@pytest.mark.timeout(300)
+def test_a_node_claim_keeps_two_statements_per_shard_across_shard_moves(
+        db_url: str, engine: Engine, citus_cluster: CitusCluster) -> None:
+    """The node claim prepares its pick and its look of each shard once per session
+    (planned once, with a generic plan, not at every claim): a shard moved away and back
+    between two claims of one session is claimed from again (its table made anew under
+    its name), the statements of a shard moved away are deallocated, and a session keeps
+    two per shard of its node."""
+    ids = run_ids_on_one_shard(db_url, 4)
+    dbname = str(psycopg.conninfo.conninfo_to_dict(db_url)["dbname"])
+    with psycopg.connect(db_url, autocommit=True) as coordinator:
+        def one(query: str, *args: Any) -> int:
+            row = coordinator.execute(query, args).fetchone()
+            assert row is not None
+            return int(row[0])
+
+        def shard_of(key: str) -> int:
+            return one("SELECT get_shard_id_for_distribution_column('workflow_runs', %s::text)", key)
+
+        def group_of_shard(shard: int) -> int:
+            return one("SELECT groupid FROM pg_dist_placement WHERE shardid = %s", shard)
+
+        def shards_here(group: int) -> int:
+            return one("SELECT count(*) FROM pg_dist_shard s JOIN pg_dist_placement p USING (shardid) "
+                       "WHERE s.logicalrelid = 'task_outbox'::regclass AND p.groupid = %s", group)
+
+        shard = shard_of(ids[0])
+        group = group_of_shard(shard)
+        other = one("SELECT groupid FROM pg_dist_node WHERE groupid NOT IN (0, %s) AND noderole = 'primary'", group)
+        # A key of that node whose shard stays there (the call goes where its key's shard is).
+        key = next(k for k in (f"stream-{i}" for i in range(10_000))
+                   if shard_of(k) != shard and group_of_shard(shard_of(k)) == group)
+        nodes = [psycopg.connect(w.url(dbname), autocommit=True) for w in citus_cluster.workers]
+        try:
+            node = next(n for n in nodes if n.execute("SELECT groupid FROM pg_dist_local_group").fetchone() == (group,))
+            def claim() -> list[str]:
+                claims, limited = citus.claim_on_node(node, key, ["default"], "w", 10, None, claim_id=uuid7_text())
+                assert not limited
+                return [c.run_id for c in claims]
+
+            def statements() -> tuple[int, int, int, int]:
+                row = node.execute("SELECT count(*), COALESCE(sum(custom_plans), 0), min(generic_plans), "
+                                   "max(generic_plans) FROM pg_prepared_statements "
+                                   "WHERE name LIKE 'composer\\_claim\\_%%'").fetchone()
+                assert row is not None
+                return int(row[0]), int(row[1]), int(row[2] or 0), int(row[3] or 0)
+
+            engine.start("one", run_id=ids[0])
+            assert claim() == [ids[0]]          # short of its limit: every shard read and looked at
+            assert statements() == (2 * shards_here(group), 0, 1, 1)
+            engine.start("one", run_id=ids[1])
+            assert claim() == [ids[1]]
+            assert statements() == (2 * shards_here(group), 0, 2, 2)           # the generic plans, kept
+            _move(coordinator, shard, group, other)     # away and back, no claim in between
+            _move(coordinator, shard, other, group)
+            engine.start("one", run_id=ids[2])
+            assert claim() == [ids[2]]
+            assert statements()[0] == 2 * shards_here(group)
+            _move(coordinator, shard, group, other)
+            engine.start("one", run_id=ids[3])
+            assert claim() == []                # the run's shard is on the other node now
+            assert statements()[0] == 2 * shards_here(group)
+            _move(coordinator, shard, other, group)
+            assert claim() == [ids[3]]
+            assert statements()[0] == 2 * shards_here(group)
+        finally:
+            for n in nodes:
+                n.close()
