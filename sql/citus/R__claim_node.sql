@@ -62,6 +62,7 @@ DECLARE
     v_open TEXT[];
     v_limited BOOLEAN := false;
     v_shards TEXT[];
+    v_n INT;
     v_picks TEXT[] := '{}';
     v_looks TEXT[] := '{}';
     v_look_sql TEXT[] := '{}';
@@ -135,16 +136,27 @@ BEGIN
                      AS x(run_id TEXT, task_id TEXT, attempt INT, task_name TEXT, queue TEXT, lease_s INT, max_run_s INT)
         LOOP
             v_lease := LEAST(o.lease_s, o.max_run_s);
-            UPDATE task_instances t
-               SET state = 'RUNNING', lease_owner = p_owner, lease_expires_at = v_now + make_interval(secs => v_lease),
-                   run_deadline_at = v_now + make_interval(secs => o.max_run_s), started_at = v_now, updated_at = v_now
-             WHERE t.run_id = o.run_id AND t.id = o.task_id AND t.attempt = o.attempt AND t.state IN ('PENDING', 'QUEUED')
-               AND NOT EXISTS (SELECT 1 FROM workflow_runs r WHERE r.id = o.run_id AND r.deleted_at IS NOT NULL)
-            RETURNING t.node_id, t.input_json INTO v_node, v_input;
-            CONTINUE WHEN NOT FOUND;
-            INSERT INTO run_history (run_id, at, kind, node_id, task_id, attempt, worker, request, detail)
-            VALUES (o.run_id, v_now, 'claimed', v_node, o.task_id, o.attempt, p_owner, p_claim,
-                    jsonb_build_object('task', o.task_name, 'lease_s', v_lease));
+            EXECUTE format($q$
+                WITH claimed AS (
+                    UPDATE %1$s t
+                       SET state = 'RUNNING', lease_owner = $1, lease_expires_at = $2 + make_interval(secs => $3),
+                           run_deadline_at = $2 + make_interval(secs => $4), started_at = $2, updated_at = $2
+                     WHERE t.run_id = $5 AND t.id = $6 AND t.attempt = $7 AND t.state IN ('PENDING', 'QUEUED')
+                       AND NOT EXISTS (SELECT 1 FROM %2$s r WHERE r.id = $5 AND r.deleted_at IS NOT NULL)
+                    RETURNING t.node_id, t.input_json),
+                history AS (
+                    INSERT INTO %3$s (run_id, seq, at, kind, node_id, task_id, attempt, worker, request, detail)
+                    SELECT $5, nextval('run_history_seq'), $2, 'claimed', c.node_id, $6, $7, $1, $8,
+                           jsonb_build_object('task', $9::text, 'lease_s', $3)
+                      FROM claimed c)
+                SELECT c.node_id, c.input_json FROM claimed c$q$,
+                shard_name('task_instances'::regclass, get_shard_id_for_distribution_column('task_instances', o.run_id)),
+                shard_name('workflow_runs'::regclass, get_shard_id_for_distribution_column('workflow_runs', o.run_id)),
+                shard_name('run_history'::regclass, get_shard_id_for_distribution_column('run_history', o.run_id)))
+                INTO v_node, v_input
+                USING p_owner, v_now, v_lease, o.max_run_s, o.run_id, o.task_id, o.attempt, p_claim, o.task_name;
+            GET DIAGNOSTICS v_n = ROW_COUNT;
+            CONTINUE WHEN v_n = 0;
             run_id := o.run_id; task_id := o.task_id; node_id := v_node; attempt := o.attempt;
             task_name := o.task_name; queue := o.queue; input := v_input; lease_s := v_lease;
             lease_owner := p_owner; lease_expires_at := v_now + make_interval(secs => v_lease); limited := false;
