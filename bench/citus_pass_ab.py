@@ -20,7 +20,10 @@ kept open (each side's node sessions keep their own prepared statements):
   kinds, and nothing else (the relay given no candidate opens no transaction).
 
 Both sides take the clock and the coordinator's floor and ceiling first. Nothing is due:
-these are idle passes. Before measuring, the sides' candidates a day ahead (every lease
+these are idle passes. Then, in each round, ``--passes`` calls of the priority aging's
+read (``outbox.raise_waiting``, which both sides make every ``priority_aging_s / 4``, over
+every shard through the coordinator; the runs have one priority, so it raises none) are
+measured the same way, as ``aging``. Before measuring, the sides' candidates a day ahead (every lease
 expired) are compared: a side that finds other rows fails the run. Measured: the CPU
 time of every server process of the worker nodes and of the coordinator
 (``/proc/PID/schedstat``), per pass, and the wall time per pass.
@@ -52,9 +55,9 @@ _BEFORE_SCAN = "SELECT kind, run_id, task_id FROM composer_scan_node(%s, %s, %s,
 def measure(before_body: Path, *, shards: int, rounds: int, passes: int, runs: int) -> dict[str, Any]:
     from composer_ops import Engine
     from composer_ops.db.migrate import migrate
-    from composer_ops.repo import citus, citus_scan, clock, deliveries, webhooks
+    from composer_ops.repo import citus, citus_scan, clock, deliveries, outbox, webhooks
 
-    results: dict[str, list[dict[str, float]]] = {"before": [], "after": []}
+    results: dict[str, list[dict[str, float]]] = {"before": [], "after": [], "aging": []}
     cluster = CitusCluster.start(workers=2, shard_count=shards, settings=PROFILE_SETTINGS)
     try:
         url = cluster.create_database("pass_ab")
@@ -101,10 +104,14 @@ def measure(before_body: Path, *, shards: int, rounds: int, passes: int, runs: i
                             found.append(repr(_row(c)))
                     return found
 
+                def aging(ahead: timedelta = timedelta(0)) -> list[str]:
+                    outbox.raise_waiting(after_conn, 60.0)
+                    return []
+
                 sides: list[tuple[str, Callable[..., list[str]]]] = [("before", before), ("after", after)]
                 for r in range(rounds):
                     rows: dict[str, list[str]] = {}
-                    for name, one_pass in sides if r % 2 == 0 else sides[::-1]:
+                    for name, one_pass in [*(sides if r % 2 == 0 else sides[::-1]), ("aging", aging)]:
                         for _ in range(5):
                             one_pass()
                         rows[name] = sorted(one_pass(timedelta(days=1)))
