@@ -290,7 +290,8 @@ class Coordinator:
         events wrote, then those the engine that wrote them did not deliver (it died, or
         the delivery failed). Each is applied idempotently, so a row another coordinator
         or engine is applying meanwhile is skipped (its lock) or applied as a no-op; a
-        row whose delivery fails is backed off. A single server writes no rows."""
+        row whose delivery fails is backed off. On Citus the rows are read by the pass's
+        node scans (:meth:`_node_scan`). A single server writes no rows."""
         stats.children_delivered += childrows.drain(self.engine.shell)
         with self.engine.pool.connection() as conn, autocommit(conn):
             scan = self._node_scan(conn, stats)
@@ -577,7 +578,8 @@ class Coordinator:
 
     def _webhooks(self, stats: PassStats) -> None:
         """POST the due deliveries (:func:`relay_once`; on Citus, the candidates of this
-        pass's node scans, which the relay takes if they are still due), then prune."""
+        pass's node scans, read when the pass's first loop needed them: the relay takes
+        those still due, and one that fell due since waits for the next pass), then prune."""
         with self.engine.pool.connection() as conn, autocommit(conn):
             scan = self._node_scan(conn, stats)
         delivered, failed = relay_once(self.engine.pool, secret=self.webhook_secret, policy=self.relay,
