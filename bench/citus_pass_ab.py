@@ -23,10 +23,13 @@ Both sides take the clock and the coordinator's floor and ceiling first. Nothing
 these are idle passes. Then, in each round, ``--passes`` calls of the priority aging's
 read (``outbox.raise_waiting``, which both sides make every ``priority_aging_s / 4``, over
 every shard through the coordinator; the runs have one priority, so it raises none) are
-measured the same way, as ``aging``. Before measuring, the sides' candidates a day ahead (every lease
-expired) are compared: a side that finds other rows fails the run. Measured: the CPU
-time of every server process of the worker nodes and of the coordinator
-(``/proc/PID/schedstat``), per pass, and the wall time per pass.
+measured the same way, as ``aging``, and ``--passes`` calls of the lease sweeper's
+check of the queue limits (``citus_flow.free_stale``, every pass on both sides, over
+every shard; no queue has a limit, so it frees none), as ``heal``. Before measuring,
+the sides' candidates a day ahead (every lease expired) are compared: a side that finds
+other rows fails the run. Measured: the CPU time of every server process of the worker
+nodes and of the coordinator (``/proc/PID/schedstat``), per pass (per call for
+``aging`` and ``heal``), and the wall time per pass.
 """
 
 from __future__ import annotations
@@ -55,9 +58,9 @@ _BEFORE_SCAN = "SELECT kind, run_id, task_id FROM composer_scan_node(%s, %s, %s,
 def measure(before_body: Path, *, shards: int, rounds: int, passes: int, runs: int) -> dict[str, Any]:
     from composer_ops import Engine
     from composer_ops.db.migrate import migrate
-    from composer_ops.repo import citus, citus_scan, clock, deliveries, outbox, webhooks
+    from composer_ops.repo import citus, citus_flow, citus_scan, clock, deliveries, outbox, webhooks
 
-    results: dict[str, list[dict[str, float]]] = {"before": [], "after": [], "aging": []}
+    results: dict[str, list[dict[str, float]]] = {"before": [], "after": [], "aging": [], "heal": []}
     cluster = CitusCluster.start(workers=2, shard_count=shards, settings=PROFILE_SETTINGS)
     try:
         url = cluster.create_database("pass_ab")
@@ -108,10 +111,14 @@ def measure(before_body: Path, *, shards: int, rounds: int, passes: int, runs: i
                     outbox.raise_waiting(after_conn, 60.0)
                     return []
 
+                def heal(ahead: timedelta = timedelta(0)) -> list[str]:
+                    citus_flow.free_stale(after_conn)
+                    return []
+
                 sides: list[tuple[str, Callable[..., list[str]]]] = [("before", before), ("after", after)]
                 for r in range(rounds):
                     rows: dict[str, list[str]] = {}
-                    for name, one_pass in [*(sides if r % 2 == 0 else sides[::-1]), ("aging", aging)]:
+                    for name, one_pass in [*(sides if r % 2 == 0 else sides[::-1]), ("aging", aging), ("heal", heal)]:
                         for _ in range(5):
                             one_pass()
                         rows[name] = sorted(one_pass(timedelta(days=1)))
