@@ -163,7 +163,7 @@ class Coordinator:
         self._pass_scan: citus_scan.NodeScan | None = None
         self._pass_scanned = False
         self._in_pass = False
-        self._pass_kinds: tuple[str, ...] = citus_scan.KINDS
+        self._pass_kinds: tuple[str, ...] = citus_scan.ALL_KINDS
 
     def stop(self) -> None:
         self._stop.set()
@@ -191,11 +191,13 @@ class Coordinator:
                  ("retention", self._retention))
         if loops is not None and not set(loops) <= {name for name, _ in every}:
             raise Invalid(f"unknown coordinator loops {sorted(set(loops) - {name for name, _ in every})}")
-        # On Citus the timers, start timeouts and lease sweeper share one scan per worker
-        # node, made when the first of them needs it (see _node_scan).
+        # On Citus the children loop, timers, start timeouts, lease sweeper and webhook
+        # relay share one scan per worker node, made when the first of them needs it (see
+        # _node_scan).
         self._pass_scan, self._pass_scanned, self._in_pass = None, False, True
         self._pass_kinds = tuple(kind for kind, loop in (("timer", "timers"), ("lease", "leases"),
-                                                         ("start", "timers"))
+                                                         ("start", "timers"), ("child", "children"),
+                                                         ("webhook", "webhooks"))
                                  if loops is None or loop in loops)
         try:
             for name, loop in every:
@@ -208,7 +210,7 @@ class Coordinator:
                     stats.errors.append(f"{name}: {exc}")
         finally:
             self._pass_scan, self._pass_scanned, self._in_pass = None, False, False
-            self._pass_kinds = citus_scan.KINDS
+            self._pass_kinds = citus_scan.ALL_KINDS
         return stats
 
     def active_floor(self, conn: Any) -> str:
@@ -288,10 +290,13 @@ class Coordinator:
         events wrote, then those the engine that wrote them did not deliver (it died, or
         the delivery failed). Each is applied idempotently, so a row another coordinator
         or engine is applying meanwhile is skipped (its lock) or applied as a no-op; a
-        row whose delivery fails is backed off. A single server writes no rows."""
+        row whose delivery fails is backed off. On Citus the rows are read by the pass's
+        node scans (:meth:`_node_scan`). A single server writes no rows."""
         stats.children_delivered += childrows.drain(self.engine.shell)
         with self.engine.pool.connection() as conn, autocommit(conn):
-            keys = deliveries.pending(conn, self.batch, skip=self._child_backoff.skipped())
+            scan = self._node_scan(conn, stats)
+            keys = [c.key for c in scan.children] if scan is not None else deliveries.pending(
+                conn, self.batch, skip=self._child_backoff.skipped())
         for key in keys:
             try:
                 stats.children_delivered += childrows.deliver(self.engine.shell, key)
@@ -398,9 +403,10 @@ class Coordinator:
         return coverage.keys
 
     def _node_scan(self, conn: Any, stats: PassStats) -> citus_scan.NodeScan | None:
-        """On Citus, this pass's candidates of the timers, the start timeouts and the
-        lease sweeper: one ``composer_scan_node`` call per worker node
-        (:func:`citus_scan.scan_node`), made once a pass, for the loops the pass runs.
+        """On Citus, this pass's candidates of the timers, the start timeouts, the lease
+        sweeper, the children loop and the webhook relay: one ``composer_scan_node`` call
+        per worker node (:func:`citus_scan.scan_node`), made once a pass, for the loops
+        the pass runs.
         A node whose call fails to reach it (:class:`Unavailable`: down, unreachable,
         overloaded) is logged and backed off (1 s, 2 s, ... up to 30 s) and the other
         nodes' candidates are used: its rows stay where they are, and a pass after it is
@@ -419,15 +425,18 @@ class Coordinator:
         now = clock.now(conn)
         floor, ceiling = self.active_floor(conn), self.active_ceiling(conn, now)
         skipped = set(self._node_backoff.skipped())
+        # The relay takes up to its own batch of deliveries a pass, the other loops up to ``batch``.
+        limit = max(self.batch, self.relay.batch) if "webhook" in self._pass_kinds else self.batch
         found: list[Any] = []
         for key in keys:
             if key in skipped:
                 continue
             try:
-                found += citus_scan.scan_node(conn, key, now=now, floor=floor, ceiling=ceiling, limit=self.batch,
+                found += citus_scan.scan_node(conn, key, now=now, floor=floor, ceiling=ceiling, limit=limit,
                                               kinds=self._pass_kinds, skip_timers=self._timer_backoff.skipped(),
                                               skip_leases=self._lease_backoff.skipped(),
-                                              skip_starts=self._start_backoff.skipped())
+                                              skip_starts=self._start_backoff.skipped(),
+                                              skip_children=self._child_backoff.skipped())
             except Exception as exc:
                 if conn.broken or conn.closed:
                     raise           # the coordinator itself is lost: the loop fails, as without nodes
@@ -443,7 +452,7 @@ class Coordinator:
         if self._node_erred is not None:
             log.info("coordinator: the worker nodes' scans succeed again")
             self._node_erred = None
-        self._pass_scan = citus_scan.merge(found, self.batch)
+        self._pass_scan = citus_scan.merge(found, self.batch, webhook_limit=self.relay.batch)
         return self._pass_scan
 
     def _node_failed(self, stats: PassStats, what: str, key: str, exc: Exception,
@@ -568,7 +577,13 @@ class Coordinator:
                         ", ".join(month.active_run_ids[:5]))
 
     def _webhooks(self, stats: PassStats) -> None:
-        delivered, failed = relay_once(self.engine.pool, secret=self.webhook_secret, policy=self.relay)
+        """POST the due deliveries (:func:`relay_once`; on Citus, the candidates of this
+        pass's node scans, read when the pass's first loop needed them: the relay takes
+        those still due, and one that fell due since waits for the next pass), then prune."""
+        with self.engine.pool.connection() as conn, autocommit(conn):
+            scan = self._node_scan(conn, stats)
+        delivered, failed = relay_once(self.engine.pool, secret=self.webhook_secret, policy=self.relay,
+                                       due=None if scan is None else scan.webhooks)
         stats.webhooks_delivered += delivered
         stats.webhooks_failed += failed
         self._prune_webhooks(stats)

@@ -20,7 +20,7 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Any
@@ -30,7 +30,7 @@ from composer_ops.db.retry import db_retry
 from composer_ops.errors import Invalid
 from composer_ops.repo import webhooks
 from composer_ops.repo._base import Conn
-from composer_ops.repo.rows import WebhookDelivery
+from composer_ops.repo.rows import DueWebhook, WebhookDelivery
 
 log = logging.getLogger(__name__)
 
@@ -214,9 +214,12 @@ def _abort(sockets: list[socket.socket], expired: threading.Event) -> None:
             pass
 
 
-def relay_once(pool: Any, *, secret: str | None, policy: RelayPolicy = RelayPolicy()) -> tuple[int, int]:
+def relay_once(pool: Any, *, secret: str | None, policy: RelayPolicy = RelayPolicy(),
+               due: Sequence[DueWebhook] | None = None) -> tuple[int, int]:
     """Deliver what is due, the batch's POSTs in parallel so one slow endpoint costs
-    the others nothing; returns (delivered, failed attempts).
+    the others nothing; returns (delivered, failed attempts). ``due``: the candidates,
+    read by the caller (the coordinator's node scans on Citus), of which those still due
+    are taken; None: read here (:func:`composer_ops.repo.webhooks.due`).
 
     Taking the batch is one transaction, and so is recording each group of POSTs that
     ended together (the relay records as POSTs end, not once the whole batch has), each
@@ -226,12 +229,13 @@ def relay_once(pool: Any, *, secret: str | None, policy: RelayPolicy = RelayPoli
     again. A POST is repeated only when the relay dies between it and its record, so a
     relay killed mid-batch repeats at most the POSTs in flight or just ended, not every
     POST of the batch that ended before the slowest one."""
-    due = _claim(pool, policy)
-    if not due:
+    taken = _claim(pool, policy, due)
+    if not taken:
         return 0, 0
     delivered = failed = 0
-    with ThreadPoolExecutor(max_workers=min(PARALLEL_POSTS, len(due)), thread_name_prefix="composer-webhook") as posts:
-        pending = {posts.submit(post, d.url, d.payload, secret=secret, policy=policy): d for d in due}
+    with ThreadPoolExecutor(max_workers=min(PARALLEL_POSTS, len(taken)),
+                            thread_name_prefix="composer-webhook") as posts:
+        pending = {posts.submit(post, d.url, d.payload, secret=secret, policy=policy): d for d in taken}
         try:
             while pending:
                 done, _ = wait(pending, return_when=FIRST_COMPLETED)
@@ -262,9 +266,13 @@ def _outcome(future: Future[PostResult]) -> PostResult:
 
 
 @db_retry()
-def _claim(pool: Any, policy: RelayPolicy) -> list[WebhookDelivery]:
+def _claim(pool: Any, policy: RelayPolicy, due: Sequence[DueWebhook] | None) -> list[WebhookDelivery]:
+    if due is not None and not due:
+        return []
     with pool.connection() as conn, conn.transaction():
-        return sorted(webhooks.claim_due(conn, policy.batch, policy.lease), key=lambda d: d.id)
+        taken = (webhooks.claim_due(conn, policy.batch, policy.lease) if due is None
+                 else webhooks.take(conn, due[:policy.batch], policy.lease))
+        return sorted(taken, key=lambda d: d.id)
 
 
 @db_retry()

@@ -1,16 +1,18 @@
 """The coordinator's scans on Citus, one call per worker node.
 
 On a single server, and on Citus when the nodes do not cover every shard, the timers,
-the lease sweeper and the start timeouts read their candidates with the statements of
-:func:`composer_ops.repo.signals.due_waits`, :func:`composer_ops.repo.tasks.expired_leases`
-and :func:`composer_ops.repo.outbox.unstarted`; on Citus each of those runs over every
-shard through the coordinator. :func:`scan_node` asks one node instead:
-``composer_scan_node`` (sql/citus/R__scan_node.sql), delegated to the node a stream key
-hashes to (:func:`composer_ops.repo.citus.stream_keys`), reads that node's shards with
-the same predicates and returns the three kinds of candidates. :func:`covered` keeps
-one key per node and says whether those nodes hold every shard, the condition for the
-node scans to see what the statements would, each once. :func:`prune_webhooks_on_node` is the webhook prune
-of one node, a local one-phase transaction.
+the lease sweeper, the start timeouts, the children loop and the webhook relay read
+their candidates with the statements of :func:`composer_ops.repo.signals.due_waits`,
+:func:`composer_ops.repo.tasks.expired_leases`, :func:`composer_ops.repo.outbox.unstarted`,
+:func:`composer_ops.repo.deliveries.pending` and :func:`composer_ops.repo.webhooks.due`;
+on Citus each of those runs over every shard through the coordinator. :func:`scan_node`
+asks one node instead: ``composer_scan_node`` (sql/citus/R__scan_node.sql), delegated to
+the node a stream key hashes to (:func:`composer_ops.repo.citus.stream_keys`), reads
+that node's shards with the same predicates and returns the five kinds of candidates.
+:func:`covered` keeps one key per node and says whether those nodes hold every shard,
+the condition for the node scans to see what the statements would, each once.
+:func:`prune_webhooks_on_node` is the webhook prune of one node, a local one-phase
+transaction.
 """
 
 from __future__ import annotations
@@ -22,13 +24,21 @@ from datetime import datetime
 from psycopg.rows import dict_row
 
 from composer_ops.repo._base import Conn
-from composer_ops.repo.rows import DueWait, ExpiredLease, Unstarted
+from composer_ops.repo.rows import DueWait, DueWebhook, ExpiredLease, PendingChild, Unstarted
 
-#: The kinds a node scan reads: due timers, expired leases, unstarted dispatches.
+#: The kinds of the timers, the lease sweeper and the start timeouts: due timers,
+#: expired leases, unstarted dispatches.
 KINDS = ("timer", "lease", "start")
 
+#: Every kind a node scan reads: :data:`KINDS`, the children loop's pending child rows
+#: and the webhook relay's due deliveries.
+ALL_KINDS = (*KINDS, "child", "webhook")
+
 #: The distributed tables whose shards the node scans and the node prune read.
-SCANNED_TABLES = ("workflow_runs", "task_instances", "task_outbox", "webhook_deliveries")
+SCANNED_TABLES = ("workflow_runs", "task_instances", "task_outbox", "child_deliveries", "webhook_deliveries")
+
+#: A candidate of a node scan, of any kind.
+Candidate = DueWait | ExpiredLease | Unstarted | PendingChild | DueWebhook
 
 
 @dataclass
@@ -38,43 +48,57 @@ class NodeScan:
     timers: list[DueWait] = field(default_factory=list)
     leases: list[ExpiredLease] = field(default_factory=list)
     starts: list[Unstarted] = field(default_factory=list)
+    children: list[PendingChild] = field(default_factory=list)
+    webhooks: list[DueWebhook] = field(default_factory=list)
 
 
-_SCAN = "SELECT * FROM composer_scan_node(%s, %s, %s, %s, %s, %s, %s, %s, %s)"
+_SCAN = "SELECT * FROM composer_scan_node(%s, %s, %s, %s, %s, %s, %s, %s, %s, %s)"
 
 
 def scan_node(conn: Conn, key: str, *, now: datetime, floor: str, limit: int, kinds: Sequence[str],
               ceiling: str | None = None, skip_timers: Sequence[str] = (), skip_leases: Sequence[str] = (),
-              skip_starts: Sequence[str] = ()) -> list[tuple[datetime, DueWait | ExpiredLease | Unstarted]]:
+              skip_starts: Sequence[str] = (), skip_children: Sequence[str] = ()
+              ) -> list[tuple[datetime, Candidate]]:
     """Up to ``limit`` candidates of each of ``kinds`` on the node ``key`` hashes to, each
-    with its sort time (wake-up, lease expiry, start deadline): one statement, delegated
-    to that node, in autocommit. ``now`` is the coordinator's clock, ``floor`` the active
-    floor, ``ceiling`` the active ceiling (:func:`composer_ops.core.runids.active_ceiling`;
-    None: none), the ``skip_*`` keys those of the statements they replace."""
+    with its sort time (wake-up, lease expiry, start deadline, a child row's writing, a
+    delivery's next attempt): one statement, delegated to that node, in autocommit.
+    ``now`` is the coordinator's clock, ``floor`` the active floor, ``ceiling`` the
+    active ceiling (:func:`composer_ops.core.runids.active_ceiling`; None: none), the
+    ``skip_*`` keys those of the statements they replace."""
     with conn.cursor(row_factory=dict_row) as cur:
         rows = cur.execute(_SCAN, (key, now, floor, ceiling, limit, list(kinds), list(skip_timers), list(skip_leases),
-                                   list(skip_starts)), prepare=False).fetchall()
-    found: list[tuple[datetime, DueWait | ExpiredLease | Unstarted]] = []
+                                   list(skip_starts), list(skip_children)), prepare=False).fetchall()
+    found: list[tuple[datetime, Candidate]] = []
     for r in rows:
-        if r["kind"] == "timer":
-            found.append((r["at"], DueWait(run_id=r["run_id"], task_id=r["task_id"], node_id=r["node_id"])))
-        elif r["kind"] == "lease":
-            found.append((r["at"], ExpiredLease(run_id=r["run_id"], task_id=r["task_id"], node_id=r["node_id"],
-                                                attempt=r["attempt"], lease_owner=r["lease_owner"],
-                                                timed_out=bool(r["timed_out"]))))
+        kind, run_id = r["kind"], r["run_id"]
+        candidate: Candidate
+        if kind == "timer":
+            candidate = DueWait(run_id=run_id, task_id=r["task_id"], node_id=r["node_id"])
+        elif kind == "lease":
+            candidate = ExpiredLease(run_id=run_id, task_id=r["task_id"], node_id=r["node_id"], attempt=r["attempt"],
+                                     lease_owner=r["lease_owner"], timed_out=bool(r["timed_out"]))
+        elif kind == "start":
+            candidate = Unstarted(run_id=run_id, task_id=r["task_id"], attempt=r["attempt"])
+        elif kind == "child":
+            candidate = PendingChild(run_id=run_id, target_run_id=r["target_run_id"])
         else:
-            found.append((r["at"], Unstarted(run_id=r["run_id"], task_id=r["task_id"], attempt=r["attempt"])))
+            candidate = DueWebhook(run_id=run_id, id=int(r["delivery_id"]))
+        found.append((r["at"], candidate))
     return found
 
 
-def merge(found: Sequence[tuple[datetime, DueWait | ExpiredLease | Unstarted]], limit: int) -> NodeScan:
+def merge(found: Sequence[tuple[datetime, Candidate]], limit: int, *, webhook_limit: int | None = None) -> NodeScan:
     """The candidates of several nodes as one :class:`NodeScan`: per kind, the ``limit``
-    first by sort time (each node returned its own first ``limit``)."""
+    first by sort time (each node returned its own first ``limit``); of the webhook
+    deliveries, the ``webhook_limit`` first (None: ``limit``)."""
     ordered = sorted(found, key=lambda pair: pair[0])
     scan = NodeScan()
     scan.timers = [c for _, c in ordered if isinstance(c, DueWait)][:limit]
     scan.leases = [c for _, c in ordered if isinstance(c, ExpiredLease)][:limit]
     scan.starts = [c for _, c in ordered if isinstance(c, Unstarted)][:limit]
+    scan.children = [c for _, c in ordered if isinstance(c, PendingChild)][:limit]
+    webhooks = [c for _, c in ordered if isinstance(c, DueWebhook)]
+    scan.webhooks = webhooks[:limit if webhook_limit is None else webhook_limit]
     return scan
 
 

@@ -210,6 +210,27 @@ class PartitionRow:
 
 
 @dataclass(frozen=True, kw_only=True)
+class PendingChild:
+    """A child delivery's row waiting to be applied (``child_deliveries``): the run whose
+    decision wrote it and the run it is applied to."""
+
+    run_id: str
+    target_run_id: str
+
+    @property
+    def key(self) -> tuple[str, str]:
+        return self.run_id, self.target_run_id
+
+
+@dataclass(frozen=True, kw_only=True)
+class DueWebhook:
+    """A webhook delivery due to be sent, before the relay takes it."""
+
+    run_id: str
+    id: int
+
+
+@dataclass(frozen=True, kw_only=True)
 class WebhookDelivery:
     id: int
     run_id: str

@@ -2,24 +2,39 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from composer_ops.repo._base import Conn, fetch_all
-from composer_ops.repo.rows import WebhookDelivery
+from composer_ops.repo.rows import DueWebhook, WebhookDelivery
 
 
 def claim_due(conn: Conn, limit: int, lease_s: float) -> list[WebhookDelivery]:
-    """Take up to ``limit`` due deliveries and push their next attempt ``lease_s``
-    ahead, so another relay does not send them while this one is; if this relay
-    dies the delivery is simply tried again after the lease (at least once). In the
-    order they were made (by ID). Two statements, the same on a single server and on
-    Citus (where the deliveries are distributed by run ID and a statement over many
-    shards cannot lock rows): the due rows are read, then taken by an update that
-    checks again that each is due, so a relay that took one meanwhile (its update
-    waits for the other's to commit, then finds the row pushed ahead) skips it."""
-    due = conn.execute("""
+    """Take up to ``limit`` due deliveries (:func:`due`, then :func:`take`) and push their
+    next attempt ``lease_s`` ahead, so another relay does not send them while this one
+    is; if this relay dies the delivery is simply tried again after the lease (at least
+    once)."""
+    return take(conn, due(conn, limit), lease_s)
+
+
+def due(conn: Conn, limit: int) -> list[DueWebhook]:
+    """Up to ``limit`` deliveries due now (the database's NOW()), the longest due first
+    (the partial index on ``next_attempt_at``). On Citus this reads every shard; the
+    coordinator reads them node by node instead (repo/citus_scan.py)."""
+    rows = conn.execute("""
         SELECT run_id, id FROM webhook_deliveries
          WHERE delivered_at IS NULL AND gave_up_at IS NULL AND next_attempt_at <= NOW()
          ORDER BY next_attempt_at LIMIT %s""", (limit,)).fetchall()
-    if not due:
+    return [DueWebhook(run_id=str(r[0]), id=int(r[1])) for r in rows]
+
+
+def take(conn: Conn, candidates: Sequence[DueWebhook], lease_s: float) -> list[WebhookDelivery]:
+    """Take the ``candidates`` still due and push their next attempt ``lease_s`` ahead.
+    A read of due rows and this update are two statements, the same on a single server
+    and on Citus (where the deliveries are distributed by run ID and a statement over
+    many shards cannot lock rows): the update checks again that each is due, so a relay
+    that took one meanwhile (this update waits for the other's to commit, then finds
+    the row pushed ahead) skips it."""
+    if not candidates:
         return []
     return fetch_all(conn, WebhookDelivery, """
         UPDATE webhook_deliveries d
@@ -27,7 +42,7 @@ def claim_due(conn: Conn, limit: int, lease_s: float) -> list[WebhookDelivery]:
          WHERE d.run_id = ANY(%(runs)s) AND d.id = ANY(%(ids)s)
            AND d.delivered_at IS NULL AND d.gave_up_at IS NULL AND d.next_attempt_at <= NOW()
         RETURNING d.id, d.run_id, d.url, d.payload, d.attempts""",
-        {"lease": lease_s, "runs": [r[0] for r in due], "ids": [r[1] for r in due]})
+        {"lease": lease_s, "runs": [c.run_id for c in candidates], "ids": [c.id for c in candidates]})
 
 
 def mark_delivered(conn: Conn, run_id: str, delivery_id: int, status: int) -> None:

@@ -1,14 +1,16 @@
 """The coordinator's pass on Citus: one scan per worker node, one prune per node.
 
-The timers, the start timeouts and the lease sweeper read their candidates with one
-``composer_scan_node`` call per worker node (sql/citus/R__scan_node.sql), delegated to
-the node; the webhook prune deletes with one ``composer_prune_webhooks_node`` call per
-node. Each is a local transaction of its node: no two-phase commit. When the nodes do
-not cover every shard the pass falls back to the statements over every shard; a node
-down is logged and backed off, and the other nodes go on."""
+The timers, the start timeouts, the lease sweeper, the children loop and the webhook
+relay read their candidates with one ``composer_scan_node`` call per worker node
+(sql/citus/R__scan_node.sql), delegated to the node; the webhook prune deletes with
+one ``composer_prune_webhooks_node`` call per node. Each is a local transaction of its
+node: no two-phase commit. When the nodes do not cover every shard the pass falls back
+to the statements over every shard; a node down is logged and backed off, and the
+other nodes go on."""
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from collections.abc import Callable, Iterator
@@ -20,11 +22,13 @@ from psycopg import sql
 
 from composer_ops import Engine
 from composer_ops.db import autocommit
+from composer_ops.engine import childrows
 from composer_ops.engine.coordinator import Coordinator, PassStats
 from composer_ops.engine.ids import uuid7_text
 from composer_ops.errors import NotDelegated
-from composer_ops.repo import citus_scan, clock, outbox, signals, tasks
+from composer_ops.repo import citus_scan, clock, deliveries, outbox, signals, tasks, webhooks
 from composer_ops.testing.citus import CitusCluster
+from tests.receiver import Receiver
 
 WAITS = {"id": "sn-wait", "nodes": [{"id": "w", "type": "WAIT", "duration_s": 3600}]}
 LEASED = {"id": "sn-lease", "nodes": [{"id": "a", "type": "TASK", "task": "t", "queue": "snl",
@@ -465,3 +469,147 @@ def test_a_node_scan_keeps_one_statement_per_shard_and_kind_across_shard_moves(
         _move(coordinator, shard, other, group)
         assert scan() == everything
         assert statements() == 3 * shards_here()
+
+
+CHILD = {"id": "sn-child", "nodes": [{"id": "a", "type": "TASK", "task": "t", "queue": "snc"}]}
+PARENT = {"id": "sn-parent", "nodes": [{"id": "call", "type": "SUB_WORKFLOW", "workflow": "sn-child"}]}
+
+
+@pytest.fixture
+def receiver() -> Iterator[Receiver]:
+    r = Receiver(lambda request, body: 204)
+    yield r
+    r.close()
+
+
+def _child_rows_and_due_webhooks_on_every_node(db_url: str, engine: Engine, url: str,
+                                               monkeypatch: pytest.MonkeyPatch) -> dict[int, dict[str, str]]:
+    """On each worker node: a parent whose child's start is a pending row (no engine
+    delivers it after its commit), a run whose webhook delivery is due, one whose next
+    attempt is an hour ahead and one whose delivery was delivered (neither of which is due)."""
+    monkeypatch.setattr(childrows, "drain", lambda shell: 0)
+    engine.deploy(CHILD)
+    engine.deploy(PARENT)
+    engine.deploy({"id": "sn-hook-ok", "webhook_url": url,
+                   "nodes": [{"id": "a", "type": "TASK", "task": "t", "queue": "sno"}]})
+    placed: dict[int, dict[str, str]] = {}
+    for group, (parent, due, later, done) in _ids_per_node(db_url, 4).items():
+        engine.start("sn-parent", run_id=parent)
+        for run_id in (due, later, done):
+            engine.start("sn-hook-ok", run_id=run_id)
+        placed[group] = {"parent": parent, "due": due, "later": later, "done": done}
+    claims = engine.claim(["sno"], "w", 3 * len(placed))
+    assert len(claims) == 3 * len(placed)
+    for claimed in claims:
+        engine.complete(claimed, None)
+    with psycopg.connect(db_url, autocommit=True) as conn:
+        conn.execute("UPDATE webhook_deliveries SET next_attempt_at = now() + interval '1 hour' WHERE run_id = ANY(%s)",
+                     ([p["later"] for p in placed.values()],))
+        conn.execute("UPDATE webhook_deliveries SET delivered_at = now() WHERE run_id = ANY(%s)",
+                     ([p["done"] for p in placed.values()],))
+        assert sorted(str(r[0]) for r in conn.execute("SELECT run_id FROM child_deliveries").fetchall()) == sorted(
+            p["parent"] for p in placed.values())
+    return placed
+
+
+def test_the_node_scans_find_the_child_rows_and_due_webhooks_the_statements_find(
+        db_url: str, engine: Engine, citus_cluster: CitusCluster, receiver: Receiver,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    placed = _child_rows_and_due_webhooks_on_every_node(db_url, engine, receiver.url("/ok"), monkeypatch)
+    assert len(placed) == len(citus_cluster.workers)
+    with engine.pool.connection() as conn, autocommit(conn):
+        now, keys = clock.now(conn), engine.stream_keys(conn)
+        assert citus_scan.covered(conn, keys).why is None
+
+        def scan(skip_children: list[str]) -> citus_scan.NodeScan:
+            return citus_scan.merge([c for key in keys for c in citus_scan.scan_node(
+                conn, key, now=now, floor="", limit=100, kinds=("child", "webhook"),
+                skip_children=skip_children)], 100)
+
+        found = scan([])
+        assert (found.timers, found.leases, found.starts) == ([], [], [])
+        assert sorted(c.key for c in found.children) == sorted(deliveries.pending(conn, 100))
+        assert sorted(c.run_id for c in found.children) == sorted(p["parent"] for p in placed.values())
+        assert sorted(found.webhooks, key=str) == sorted(webhooks.due(conn, 100), key=str)
+        assert sorted(w.run_id for w in found.webhooks) == sorted(p["due"] for p in placed.values())
+        # The children loop's backoff keys: skipped by both alike.
+        skip = [deliveries.key_text(found.children[0].key)]
+        assert sorted(c.key for c in scan(skip).children) == sorted(deliveries.pending(conn, 100, skip=skip))
+        assert len(scan(skip).children) == len(placed) - 1
+
+
+def _no_delivery_reads_over_every_shard(monkeypatch: pytest.MonkeyPatch) -> None:
+    def refused(*_: Any, **__: Any) -> Any:
+        raise AssertionError("a statement over every shard ran in a pass with node scans")
+
+    for module, name in ((deliveries, "pending"), (webhooks, "due")):
+        monkeypatch.setattr(module, name, refused)
+
+
+def test_one_pass_delivers_the_child_rows_and_due_webhooks_of_every_node_with_one_scan_per_node(
+        db_url: str, engine: Engine, citus_cluster: CitusCluster, receiver: Receiver,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    placed = _child_rows_and_due_webhooks_on_every_node(db_url, engine, receiver.url("/ok"), monkeypatch)
+    _no_statements_over_every_shard(monkeypatch)
+    _no_delivery_reads_over_every_shard(monkeypatch)
+    coordinator = engine.coordinator(batch=10, webhook_keep_days=None)
+    stats = coordinator.run_once(["children", "timers", "leases", "webhooks"])
+    nodes = len(citus_cluster.workers)
+    assert (stats.children_delivered, stats.webhooks_delivered, stats.webhooks_failed) == (nodes, nodes, 0), stats
+    assert (stats.node_scans, stats.node_scans_failed, stats.scans_through_coordinator, stats.errors) == (
+        nodes, 0, False, [])
+    assert sorted(json.loads(body)["run_id"] for _, body, _ in receiver.requests) == sorted(
+        p["due"] for p in placed.values())
+    with psycopg.connect(db_url) as conn:
+        assert conn.execute("SELECT count(*) FROM child_deliveries").fetchone() == (0,)
+    for p in placed.values():
+        assert [c.id for c in engine.get_run(p["parent"]).children] != []
+    # Nothing due any more: the next pass takes and posts nothing.
+    again = coordinator.run_once(["children", "webhooks"])
+    assert (again.children_delivered, again.webhooks_delivered, again.node_scans) == (0, 0, nodes), again
+    assert len(receiver.requests) == nodes
+
+
+def test_a_pass_whose_nodes_do_not_cover_every_shard_delivers_child_rows_and_webhooks_through_the_coordinator(
+        db_url: str, engine: Engine, citus_cluster: CitusCluster, receiver: Receiver,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    placed = _child_rows_and_due_webhooks_on_every_node(db_url, engine, receiver.url("/ok"), monkeypatch)
+    with engine.pool.connection() as conn:
+        one = engine.stream_keys(conn)[:1]
+    monkeypatch.setattr(engine, "stream_keys", lambda conn, fresh=False: one)
+    stats = engine.coordinator(batch=10, webhook_keep_days=None).run_once(["children", "webhooks"])
+    assert stats.scans_through_coordinator and stats.node_scans == 0 and stats.errors == [], stats
+    assert (stats.children_delivered, stats.webhooks_delivered) == (len(placed), len(placed)), stats
+
+
+def test_a_child_row_whose_delivery_fails_is_skipped_by_the_node_scans_while_backed_off(
+        db_url: str, engine: Engine, citus_cluster: CitusCluster, receiver: Receiver,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    placed = _child_rows_and_due_webhooks_on_every_node(db_url, engine, receiver.url("/ok"), monkeypatch)
+    failing = sorted(p["parent"] for p in placed.values())[0]
+    real = childrows.deliver
+    tried: list[str] = []
+
+    def deliver(shell: Any, key: tuple[str, str]) -> bool:
+        tried.append(key[0])
+        if key[0] == failing:
+            raise RuntimeError("this delivery fails")
+        return real(shell, key)
+
+    monkeypatch.setattr(childrows, "deliver", deliver)
+    _no_delivery_reads_over_every_shard(monkeypatch)
+    coordinator = engine.coordinator(batch=10)
+    first = coordinator.run_once(["children"])
+    assert first.children_delivered == len(placed) - 1 and first.node_scans == len(citus_cluster.workers), first
+    assert any("this delivery fails" in e for e in first.errors), first.errors
+    assert sorted(tried) == sorted(p["parent"] for p in placed.values())
+    with psycopg.connect(db_url) as conn:
+        (row,) = conn.execute("SELECT run_id, target_run_id FROM child_deliveries").fetchall()
+    assert row[0] == failing
+    # Missed again and again: skipped for a minute, which no pass below outlasts on a loaded machine.
+    for _ in range(6):
+        coordinator._child_backoff.failed(deliveries.key_text((str(row[0]), str(row[1]))))
+    tried.clear()
+    second = coordinator.run_once(["children"])
+    assert (second.children_delivered, second.errors, second.node_scans, tried) == (
+        0, [], len(citus_cluster.workers), []), second
