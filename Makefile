@@ -164,7 +164,7 @@ test-psycopg-oldest: $(STAMP)
 test-citus: $(STAMP)
 	@test -x $(PG15_BIN)/initdb || { echo "PostgreSQL 15 server binaries not found in $(PG15_BIN) (apt-get install postgresql-15)"; exit 1; }
 	$(BIN)/python -m composer_ops.testing.citus install
-	env -u COMPOSER_DATABASE_URL -u COMPOSER_TEST_PGBIN $(BIN)/python -m pytest -q --require tests/citus=105 --durations=12 tests/citus
+	env -u COMPOSER_DATABASE_URL -u COMPOSER_TEST_PGBIN $(BIN)/python -m pytest -q --require tests/citus=110 --durations=12 tests/citus
 
 # The flaky-test finder (tests/flaky.py): FLAKY_ARGS' selection (default: each leg's own)
 # run --runs times on each --leg (18, 15, citus), on --workers xdist workers as the legs

@@ -52,14 +52,22 @@ _LOCK_QUEUE = "SELECT pg_advisory_xact_lock(hashtext('composer_flow'), hashtext(
 _COUNT = "SELECT count(*) FROM flow_slots WHERE key = %(key)s"
 
 _SLOTS = "SELECT key, run_id, task_id, attempt, taken_at FROM flow_slots WHERE key = ANY(%(keys)s)"
-_AT_LIMIT = """
-    SELECT 'queue:' || s.queue FROM queue_settings s
+# The keys at their limit, in two reads: the queues and the concurrency keys holding
+# places (the coordinator's tables alone), then, only when some key holds places, the
+# limits of those keys' ready dispatches (task_outbox: every shard of every node). A key
+# without a place is not at its limit (a limit is at least 1), so a cluster using no
+# concurrency key reads no shard here.
+_HELD = """
+    SELECT 'queue:' || s.queue, NULL::bigint FROM queue_settings s
      WHERE s.max_running > 0
        AND (SELECT count(*) FROM flow_slots f WHERE f.key = 'queue:' || s.queue) >= s.max_running
-    UNION
+    UNION ALL
+    SELECT f.key, count(*) FROM flow_slots f WHERE f.key LIKE 'c:%' GROUP BY f.key"""
+_KEYS_AT_LIMIT = """
     SELECT 'c:' || w.key FROM (SELECT ckey AS key, max(climit) AS key_limit FROM task_outbox
-                                WHERE ckey IS NOT NULL AND available_at <= now() GROUP BY ckey) w
-     WHERE (SELECT count(*) FROM flow_slots f WHERE f.key = 'c:' || w.key) >= w.key_limit"""
+                                WHERE ckey = ANY(%(keys)s::text[]) AND available_at <= now() GROUP BY ckey) w
+      JOIN unnest(%(keys)s::text[], %(held)s::bigint[]) AS h(key, held) ON h.key = w.key
+     WHERE h.held >= w.key_limit"""
 # Routed to the task's shard (filtered on the run ID).
 _TASK = "SELECT attempt, state FROM task_instances WHERE run_id = %(run)s AND id = %(task)s"
 _FREE = """
@@ -108,7 +116,12 @@ def free_stale(conn: Conn) -> int:
     limit), and delete those whose attempt is over; how many it deleted. Slots of keys
     below their limit are left for the claim that finds them at it."""
     with conn.cursor() as cur:
-        keys = [str(k) for k, in cur.execute(_AT_LIMIT).fetchall()]
+        held = cur.execute(_HELD).fetchall()
+        keys = [str(k) for k, n in held if n is None]
+        ckeys = [(str(k)[2:], int(n)) for k, n in held if n is not None]
+        if ckeys:
+            keys += [str(k) for k, in cur.execute(_KEYS_AT_LIMIT, {"keys": [k for k, _ in ckeys],
+                                                                 "held": [n for _, n in ckeys]}).fetchall()]
     return _check(conn, keys)[1] if keys else 0
 
 

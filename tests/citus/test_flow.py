@@ -16,7 +16,7 @@ import pytest
 from composer_ops import Engine
 from composer_ops.engine.ids import uuid7_text
 from composer_ops.engine.requests import Request
-from composer_ops.repo import citus
+from composer_ops.repo import citus, citus_flow
 from composer_ops.repo.rows import Claim
 from composer_ops.testing.citus import run_ids_on_one_shard
 from composer_ops.testing.processes import wait_for
@@ -213,6 +213,27 @@ def test_the_lease_sweeper_frees_the_places_of_keys_at_their_limit(db_url: str, 
     assert _slots(db_url) == [("c:A", 1), ("queue:q", 1)]
     assert engine.coordinator().run_once(["leases"]).slots_freed == 2
     assert _slots(db_url) == []
+
+
+def test_the_lease_sweeper_reads_no_shard_while_no_concurrency_key_holds_a_place(db_url: str,
+                                                                                  engine: Engine) -> None:
+    """The keys at their limit are found from the coordinator's tables first: while no
+    concurrency key holds a place, the sweeper's pass does not read the outbox over
+    every shard (a cluster without concurrency keys pays nothing for them at every pass).
+    Seen by a lock: with the outbox locked, the read would wait for it."""
+    engine.start("low")
+    with psycopg.connect(db_url) as holder, psycopg.connect(db_url, autocommit=True) as conn:
+        holder.execute("LOCK TABLE task_outbox IN ACCESS EXCLUSIVE MODE")     # held until the end
+        conn.execute("SET statement_timeout = '5s'")
+        assert citus_flow.free_stale(conn) == 0
+        # A key holding a place: its limit is read from its ready dispatches (the outbox).
+        conn.execute("INSERT INTO flow_slots (key, run_id, task_id, attempt) VALUES ('c:A', %s, 't', 0)",
+                     (uuid7_text(),))
+        with pytest.raises(psycopg.errors.QueryCanceled):
+            citus_flow.free_stale(conn)
+        holder.rollback()
+    with psycopg.connect(db_url) as conn:       # the slot's task does not exist: its place is free
+        assert citus_flow.free_stale(conn) == 0   # not at its limit (no ready dispatch of key A): kept
 
 
 def test_a_claim_retried_after_a_lost_acknowledgement_takes_no_second_place(db_url: str, engine: Engine) -> None:
