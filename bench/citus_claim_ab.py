@@ -47,6 +47,15 @@ def median_rounds(values: list[float]) -> str:
     return f"median {statistics.median(values):.2f} ms (rounds {', '.join(f'{x:.2f}' for x in values)})"
 
 
+def save(out: dict[str, Any], path: str | None) -> None:
+    """Write a Citus script's result as JSON to ``path`` (None: nowhere), with the load
+    average at its end."""
+    out["load_average_end"] = psutil.getloadavg()
+    if path:
+        with open(path, "w") as f:
+            json.dump(out, f, indent=1)
+
+
 def measure(bodies: dict[str, Path], *, rounds: int, claims: int) -> dict[str, list[dict[str, float]]]:
     from composer_ops import Engine
     from composer_ops.db.migrate import migrate
@@ -108,9 +117,7 @@ def main(argv: list[str] | None = None) -> int:
         coordinator = [row["coordinator_cpu_ms_per_task"] for row in rows]
         print(f"{name}: worker nodes' CPU per task claimed, {median_rounds(nodes)}; "
               f"coordinator {statistics.median(coordinator):.2f} ms")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(out, f, indent=1)
+    save(out, args.json)
     return 0
 
 

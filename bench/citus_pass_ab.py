@@ -35,7 +35,6 @@ nodes and of the coordinator (``/proc/PID/schedstat``), per pass (per call for
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -44,109 +43,74 @@ from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
 
-import psutil
 import psycopg
 
-from bench.citus_claim_ab import _on_cpu_ns, median_rounds
-from bench.citus_profile import PROFILE_SETTINGS, Probe
-from bench.workload import ONE_TASK
-from composer_ops.testing.citus import CitusCluster
+from bench.citus_claim_ab import median_rounds, save
+from bench.citus_scan_ab import seeded, timed
 
 _BEFORE_SCAN = "SELECT kind, run_id, task_id FROM composer_scan_node(%s, %s, %s, %s, %s, %s, %s, %s, %s)"
 
 
 def measure(before_body: Path, *, shards: int, rounds: int, passes: int, runs: int) -> dict[str, Any]:
-    from composer_ops import Engine
-    from composer_ops.db.migrate import migrate
     from composer_ops.repo import citus, citus_flow, citus_scan, clock, deliveries, outbox, webhooks
 
     results: dict[str, list[dict[str, float]]] = {"before": [], "after": [], "aging": [], "heal": []}
-    cluster = CitusCluster.start(workers=2, shard_count=shards, settings=PROFILE_SETTINGS)
-    try:
-        url = cluster.create_database("pass_ab")
-        migrate(url)
-        with psycopg.connect(url, autocommit=True) as admin:
+    with seeded("pass_ab", shards=shards, runs=runs) as seed:
+        with psycopg.connect(seed.url, autocommit=True) as admin:
             admin.execute(before_body.read_text())
-        probe = Probe(cluster, "pass_ab")
-        engine = Engine.connect(url, pool_size=1, application_name="pass-ab-client")
-        coordinator_engine = Engine.connect(url, pool_size=1, application_name="pass-ab-coordinator")
-        try:
-            engine.deploy(ONE_TASK)
-            for _ in range(runs):
-                engine.start(ONE_TASK["id"])
-            claimed = sum(len(engine.claim(["default"], "pass-ab", 1)) for _ in range(runs // 2))
-            coordinator = coordinator_engine.coordinator()
-            with psycopg.connect(url, autocommit=True, application_name="pass-ab-before") as before_conn, \
-                    psycopg.connect(url, autocommit=True, application_name="pass-ab-after") as after_conn:
-                keys = citus_scan.covered(after_conn, citus.stream_keys(after_conn)).keys
+        coordinator = seed.coordinator
+        with psycopg.connect(seed.url, autocommit=True, application_name="pass-ab-before") as before_conn, \
+                psycopg.connect(seed.url, autocommit=True, application_name="pass-ab-after") as after_conn:
+            keys = citus_scan.covered(after_conn, citus.stream_keys(after_conn)).keys
 
-                def bounds(conn: psycopg.Connection[Any], ahead: timedelta) -> tuple[datetime, str, str | None]:
-                    now = clock.now(conn) + ahead
-                    return now, coordinator.active_floor(conn), coordinator.active_ceiling(conn, now)
+            def bounds(conn: psycopg.Connection[Any], ahead: timedelta) -> tuple[datetime, str, str | None]:
+                now = clock.now(conn) + ahead
+                return now, coordinator.active_floor(conn), coordinator.active_ceiling(conn, now)
 
-                def before(ahead: timedelta = timedelta(0)) -> list[str]:
-                    conn = before_conn
-                    now, floor, ceiling = bounds(conn, ahead)
-                    found: list[str] = []
-                    for key in keys:
-                        found += [repr(tuple(r)) for r in conn.execute(
-                            _BEFORE_SCAN, (key, now, floor, ceiling, 100, list(citus_scan.KINDS), [], [], []),
-                            prepare=False).fetchall()]
-                    found += [repr(("child", *k)) for k in deliveries.pending(conn, 100)]
-                    with conn.transaction():
-                        found += [repr(("webhook", w.run_id, w.id)) for w in webhooks.due(conn, 20)]
-                    return found
+            def before(ahead: timedelta = timedelta(0)) -> list[str]:
+                conn = before_conn
+                now, floor, ceiling = bounds(conn, ahead)
+                found: list[str] = []
+                for key in keys:
+                    found += [repr(tuple(r)) for r in conn.execute(
+                        _BEFORE_SCAN, (key, now, floor, ceiling, 100, list(citus_scan.KINDS), [], [], []),
+                        prepare=False).fetchall()]
+                found += [repr(("child", *k)) for k in deliveries.pending(conn, 100)]
+                with conn.transaction():
+                    found += [repr(("webhook", w.run_id, w.id)) for w in webhooks.due(conn, 20)]
+                return found
 
-                def after(ahead: timedelta = timedelta(0)) -> list[str]:
-                    conn = after_conn
-                    now, floor, ceiling = bounds(conn, ahead)
-                    found: list[str] = []
-                    for key in keys:
-                        for _, c in citus_scan.scan_node(conn, key, now=now, floor=floor, ceiling=ceiling,
-                                                         limit=100, kinds=citus_scan.ALL_KINDS):
-                            found.append(repr(_row(c)))
-                    return found
+            def after(ahead: timedelta = timedelta(0)) -> list[str]:
+                conn = after_conn
+                now, floor, ceiling = bounds(conn, ahead)
+                found: list[str] = []
+                for key in keys:
+                    for _, c in citus_scan.scan_node(conn, key, now=now, floor=floor, ceiling=ceiling,
+                                                     limit=100, kinds=citus_scan.ALL_KINDS):
+                        found.append(repr(_row(c)))
+                return found
 
-                def aging(ahead: timedelta = timedelta(0)) -> list[str]:
-                    outbox.raise_waiting(after_conn, 60.0)
-                    return []
+            def aging(ahead: timedelta = timedelta(0)) -> list[str]:
+                outbox.raise_waiting(after_conn, 60.0)
+                return []
 
-                def heal(ahead: timedelta = timedelta(0)) -> list[str]:
-                    citus_flow.free_stale(after_conn)
-                    return []
+            def heal(ahead: timedelta = timedelta(0)) -> list[str]:
+                citus_flow.free_stale(after_conn)
+                return []
 
-                sides: list[tuple[str, Callable[..., list[str]]]] = [("before", before), ("after", after)]
-                for r in range(rounds):
-                    rows: dict[str, list[str]] = {}
-                    for name, one_pass in [*(sides if r % 2 == 0 else sides[::-1]), ("aging", aging), ("heal", heal)]:
-                        for _ in range(5):
-                            one_pass()
-                        rows[name] = sorted(one_pass(timedelta(days=1)))
-                        before_cpu = [_on_cpu_ns(p) for p in probe.postmasters]
-                        t0 = time.monotonic()
-                        for _ in range(passes):
-                            one_pass()
-                        wall = time.monotonic() - t0
-                        after_cpu = [_on_cpu_ns(p) for p in probe.postmasters]
-                        ms = [sum(v - b.get(pid, 0) for pid, v in a.items()) / 1e6 / passes
-                              for b, a in zip(before_cpu, after_cpu, strict=True)]
-                        results[name].append({"round": r, "rows_a_day_ahead": len(rows[name]),
-                                              "worker_nodes_cpu_ms_per_pass": sum(ms[1:]),
-                                              "coordinator_cpu_ms_per_pass": ms[0],
-                                              "all_nodes_cpu_ms_per_pass": sum(ms),
-                                              "wall_ms_per_pass": 1000 * wall / passes,
-                                              "load_average": psutil.getloadavg()[0]})
-                        print(shards, name, results[name][-1], file=sys.stderr, flush=True)
-                    if rows["before"] != rows["after"]:
-                        raise SystemExit(f"the sides found other rows a day ahead ({len(rows['before'])} vs "
-                                         f"{len(rows['after'])})")
-        finally:
-            engine.close()
-            coordinator_engine.close()
-            probe.close()
-    finally:
-        cluster.stop()
-    return {"shards": shards, "worker_nodes": len(keys), "claimed": claimed, "rounds": results}
+            sides: list[tuple[str, Callable[..., list[str]]]] = [("before", before), ("after", after)]
+            for r in range(rounds):
+                rows: dict[str, list[str]] = {}
+                for name, one_pass in [*(sides if r % 2 == 0 else sides[::-1]), ("aging", aging), ("heal", heal)]:
+                    for _ in range(5):
+                        one_pass()
+                    rows[name] = sorted(one_pass(timedelta(days=1)))
+                    results[name].append(timed(seed.probe, one_pass, passes=passes, r=r, rows=len(rows[name])))
+                    print(shards, name, results[name][-1], file=sys.stderr, flush=True)
+                if rows["before"] != rows["after"]:
+                    raise SystemExit(f"the sides found other rows a day ahead ({len(rows['before'])} vs "
+                                     f"{len(rows['after'])})")
+    return {"shards": shards, "worker_nodes": len(keys), "claimed": seed.claimed, "rounds": results}
 
 
 def _row(candidate: Any) -> tuple[Any, ...]:
@@ -186,10 +150,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{shards} shards, {name}: all nodes' CPU per pass, {median_rounds(total)}; worker nodes "
                   f"{median_rounds(nodes)}; coordinator {median_rounds(coord)}; "
                   f"wall median {statistics.median(wall):.1f} ms")
-    out["load_average_end"] = psutil.getloadavg()
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(out, f, indent=1)
+    save(out, args.json)
     return 0
 
 

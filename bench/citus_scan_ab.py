@@ -22,89 +22,116 @@ measurements.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import psutil
 import psycopg
 
-from bench.citus_claim_ab import _on_cpu_ns, median_rounds
+from bench.citus_claim_ab import _on_cpu_ns, median_rounds, save
 from bench.citus_profile import PROFILE_SETTINGS, Probe
 from bench.workload import ONE_TASK
 from composer_ops.testing.citus import CitusCluster
 
+if TYPE_CHECKING:
+    from composer_ops.engine.coordinator import Coordinator
 
-def measure(bodies: dict[str, Path], *, shards: int, rounds: int, passes: int, runs: int) -> dict[str, Any]:
+
+@dataclass
+class Seeded:
+    """A cluster the pass's A/B scripts measure on (:func:`seeded`)."""
+
+    url: str
+    probe: Probe
+    coordinator: Coordinator
+    claimed: int
+
+
+@contextmanager
+def seeded(name: str, *, shards: int, runs: int) -> Iterator[Seeded]:
+    """A coordinator and two worker nodes of ``shards`` shards, a database ``name``
+    migrated, ``runs`` one-task runs started and half of them claimed (their leases held),
+    a coordinator of its own; stopped at the end."""
     from composer_ops import Engine
     from composer_ops.db.migrate import migrate
-    from composer_ops.repo import citus, citus_scan, clock
 
-    results: dict[str, list[dict[str, float]]] = {name: [] for name in bodies}
     cluster = CitusCluster.start(workers=2, shard_count=shards, settings=PROFILE_SETTINGS)
     try:
-        url = cluster.create_database("scan_ab")
+        url = cluster.create_database(name)
         migrate(url)
-        probe = Probe(cluster, "scan_ab")
-        engine = Engine.connect(url, pool_size=1, application_name="scan-ab-client")
-        coordinator_engine = Engine.connect(url, pool_size=1, application_name="scan-ab-coordinator")
+        probe = Probe(cluster, name)
+        engine = Engine.connect(url, pool_size=1, application_name=f"{name}-client")
+        coordinator_engine = Engine.connect(url, pool_size=1, application_name=f"{name}-coordinator")
         try:
             engine.deploy(ONE_TASK)
             for _ in range(runs):
                 engine.start(ONE_TASK["id"])
-            claimed = sum(len(engine.claim(["default"], "scan-ab", 1)) for _ in range(runs // 2))
-            coordinator = coordinator_engine.coordinator()
-            with psycopg.connect(url, autocommit=True, application_name="scan-ab-scans") as conn:
-                keys = citus_scan.covered(conn, citus.stream_keys(conn)).keys
-
-                def one_pass(ahead: timedelta = timedelta(0)) -> list[Any]:
-                    now = clock.now(conn) + ahead
-                    floor, ceiling = coordinator.active_floor(conn), coordinator.active_ceiling(conn, now)
-                    found: list[Any] = []
-                    for key in keys:
-                        found += citus_scan.scan_node(conn, key, now=now, floor=floor, ceiling=ceiling, limit=100,
-                                                      kinds=citus_scan.KINDS)
-                    return found
-
-                reference: list[Any] | None = None
-                order = list(bodies.items())
-                for r in range(rounds):
-                    for name, path in order if r % 2 == 0 else order[::-1]:
-                        with psycopg.connect(url, autocommit=True) as admin:
-                            admin.execute(path.read_text())
-                        for _ in range(5):
-                            one_pass()
-                        rows = sorted(repr(row) for row in one_pass(timedelta(days=1)))
-                        if reference is None:
-                            reference = rows
-                        elif rows != reference:
-                            raise SystemExit(f"{name} found other rows than the first body ({len(rows)} vs "
-                                             f"{len(reference)})")
-                        before = [_on_cpu_ns(p) for p in probe.postmasters]
-                        t0 = time.monotonic()
-                        for _ in range(passes):
-                            one_pass()
-                        wall = time.monotonic() - t0
-                        after = [_on_cpu_ns(p) for p in probe.postmasters]
-                        ms = [sum(v - b.get(pid, 0) for pid, v in a.items()) / 1e6 / passes
-                              for b, a in zip(before, after, strict=True)]
-                        results[name].append({"round": r, "rows_a_day_ahead": len(rows),
-                                              "worker_nodes_cpu_ms_per_pass": sum(ms[1:]),
-                                              "coordinator_cpu_ms_per_pass": ms[0],
-                                              "wall_ms_per_pass": 1000 * wall / passes,
-                                              "load_average": psutil.getloadavg()[0]})
-                        print(shards, name, results[name][-1], file=sys.stderr, flush=True)
+            claimed = sum(len(engine.claim(["default"], name, 1)) for _ in range(runs // 2))
+            yield Seeded(url=url, probe=probe, coordinator=coordinator_engine.coordinator(), claimed=claimed)
         finally:
             engine.close()
             coordinator_engine.close()
             probe.close()
     finally:
         cluster.stop()
-    return {"shards": shards, "worker_nodes": len(keys), "claimed": claimed, "rounds": results}
+
+
+def timed(probe: Probe, one_pass: Callable[[], object], *, passes: int, r: int, rows: int) -> dict[str, float]:
+    """``passes`` calls of ``one_pass``: the servers' CPU per call (the coordinator's, the
+    worker nodes', all) and the wall time, as a round's row of the A/B scripts."""
+    before = [_on_cpu_ns(p) for p in probe.postmasters]
+    t0 = time.monotonic()
+    for _ in range(passes):
+        one_pass()
+    wall = time.monotonic() - t0
+    after = [_on_cpu_ns(p) for p in probe.postmasters]
+    ms = [sum(v - b.get(pid, 0) for pid, v in a.items()) / 1e6 / passes for b, a in zip(before, after, strict=True)]
+    return {"round": r, "rows_a_day_ahead": rows, "worker_nodes_cpu_ms_per_pass": sum(ms[1:]),
+            "coordinator_cpu_ms_per_pass": ms[0], "all_nodes_cpu_ms_per_pass": sum(ms),
+            "wall_ms_per_pass": 1000 * wall / passes, "load_average": psutil.getloadavg()[0]}
+
+
+def measure(bodies: dict[str, Path], *, shards: int, rounds: int, passes: int, runs: int) -> dict[str, Any]:
+    from composer_ops.repo import citus, citus_scan, clock
+
+    results: dict[str, list[dict[str, float]]] = {name: [] for name in bodies}
+    with seeded("scan_ab", shards=shards, runs=runs) as seed, \
+            psycopg.connect(seed.url, autocommit=True, application_name="scan-ab-scans") as conn:
+        keys = citus_scan.covered(conn, citus.stream_keys(conn)).keys
+
+        def one_pass(ahead: timedelta = timedelta(0)) -> list[Any]:
+            now = clock.now(conn) + ahead
+            floor, ceiling = seed.coordinator.active_floor(conn), seed.coordinator.active_ceiling(conn, now)
+            found: list[Any] = []
+            for key in keys:
+                found += citus_scan.scan_node(conn, key, now=now, floor=floor, ceiling=ceiling, limit=100,
+                                              kinds=citus_scan.KINDS)
+            return found
+
+        reference: list[Any] | None = None
+        order = list(bodies.items())
+        for r in range(rounds):
+            for name, path in order if r % 2 == 0 else order[::-1]:
+                with psycopg.connect(seed.url, autocommit=True) as admin:
+                    admin.execute(path.read_text())
+                for _ in range(5):
+                    one_pass()
+                rows = sorted(repr(row) for row in one_pass(timedelta(days=1)))
+                if reference is None:
+                    reference = rows
+                elif rows != reference:
+                    raise SystemExit(f"{name} found other rows than the first body ({len(rows)} vs "
+                                     f"{len(reference)})")
+                results[name].append(timed(seed.probe, one_pass, passes=passes, r=r, rows=len(rows)))
+                print(shards, name, results[name][-1], file=sys.stderr, flush=True)
+    return {"shards": shards, "worker_nodes": len(keys), "claimed": seed.claimed, "rounds": results}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -127,10 +154,7 @@ def main(argv: list[str] | None = None) -> int:
             wall = [row["wall_ms_per_pass"] for row in rows]
             print(f"{shards} shards, {name}: worker nodes' CPU per pass, {median_rounds(nodes)}; "
                   f"wall median {statistics.median(wall):.1f} ms")
-    out["load_average_end"] = psutil.getloadavg()
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(out, f, indent=1)
+    save(out, args.json)
     return 0
 
 
