@@ -62,7 +62,7 @@ _HELD = """
      WHERE s.max_running > 0
        AND (SELECT count(*) FROM flow_slots f WHERE f.key = 'queue:' || s.queue) >= s.max_running
     UNION ALL
-    SELECT f.key, count(*) FROM flow_slots f WHERE f.key LIKE 'c:%' GROUP BY f.key"""
+    SELECT f.key, count(*) FROM flow_slots f WHERE left(f.key, 2) = 'c:' GROUP BY f.key"""
 _KEYS_AT_LIMIT = """
     SELECT 'c:' || w.key FROM (SELECT ckey AS key, max(climit) AS key_limit FROM task_outbox
                                 WHERE ckey = ANY(%(keys)s::text[]) AND available_at <= now() GROUP BY ckey) w

@@ -123,6 +123,19 @@ _COVERAGE = """
       FROM shards"""
 
 
+# The scanned tables not distributed in workflow_runs' co-location group: a node scan
+# joins each runs shard to the other tables' shards of the same range, and a table
+# distributed otherwise (another shard count, not distributed) would leave out its
+# shards, and with them every candidate of those runs, without an error.
+_APART = """
+    SELECT ARRAY(SELECT t.name FROM unnest(%(tables)s::text[]) AS t(name)
+                  WHERE NOT EXISTS (SELECT 1 FROM pg_dist_partition p, pg_dist_partition r
+                                     WHERE p.logicalrelid = t.name::regclass
+                                       AND r.logicalrelid = 'workflow_runs'::regclass
+                                       AND p.colocationid = r.colocationid)
+                  ORDER BY t.name)"""
+
+
 @dataclass(frozen=True, kw_only=True)
 class Coverage:
     """What a set of stream keys reaches: ``keys``, one per worker node (the first of the
@@ -135,9 +148,13 @@ class Coverage:
 
 def covered(conn: Conn, keys: Sequence[str]) -> Coverage:
     """The nodes ``keys`` reach, one key each, and whether they hold every shard of
-    :data:`SCANNED_TABLES`, each shard once. Reads the coordinator's metadata only."""
+    :data:`SCANNED_TABLES`, each shard once, those tables all co-located with
+    ``workflow_runs``. Reads the coordinator's metadata only."""
     if not keys:
         return Coverage(keys=[], why="no stream keys")
+    apart = conn.execute(_APART, {"tables": list(SCANNED_TABLES)}).fetchone()
+    if apart and apart[0]:
+        return Coverage(keys=[], why=f"{', '.join(apart[0])} not co-located with workflow_runs")
     row = conn.execute(_COVERAGE, {"keys": list(keys), "tables": list(SCANNED_TABLES)}).fetchone()
     nodes, missing, total = (list(row[0]), int(row[1]), int(row[2])) if row else ([], 0, 0)
     if total == 0:

@@ -613,3 +613,17 @@ def test_a_child_row_whose_delivery_fails_is_skipped_by_the_node_scans_while_bac
     second = coordinator.run_once(["children"])
     assert (second.children_delivered, second.errors, second.node_scans, tried) == (
         0, [], len(citus_cluster.workers), []), second
+
+
+def test_a_scanned_table_not_co_located_with_the_runs_is_not_covered(db_url: str, engine: Engine) -> None:
+    """A node scan joins each runs shard to the other tables' shards of its range: a
+    scanned table distributed apart from the runs would leave those shards, and every
+    candidate of their runs, out of the scan without an error. The coverage check says
+    so instead, and the pass reads through the coordinator."""
+    with psycopg.connect(db_url, autocommit=True) as conn:
+        keys = engine.stream_keys(conn)
+        assert citus_scan.covered(conn, keys).why is None
+        conn.execute("SELECT update_distributed_table_colocation('child_deliveries', colocate_with => 'none')")
+        assert citus_scan.covered(conn, keys).why == "child_deliveries not co-located with workflow_runs"
+    stats = engine.coordinator(batch=10).run_once(["timers", "leases"])
+    assert (stats.node_scans, stats.scans_through_coordinator, stats.errors) == (0, True, [])
