@@ -105,7 +105,10 @@ def merge(found: Sequence[tuple[datetime, Candidate]], limit: int, *, webhook_li
 # The keys' nodes: each group reached by a key, with the first key (in the given order)
 # reaching it; then the shards of the scanned tables not held by exactly one placement in
 # one of those groups (a shard moved to a node no key reaches yet, or a move in progress),
-# out of all.
+# out of all; then the scanned tables not distributed in workflow_runs' co-location group:
+# a node scan joins each runs shard to the other tables' shards of the same range, and a
+# table distributed otherwise (another shard count, not distributed) would leave out its
+# shards, and with them every candidate of those runs, without an error.
 _COVERAGE = """
     WITH keyed AS (
         SELECT DISTINCT ON (p.groupid) p.groupid, k.key, k.n
@@ -119,21 +122,14 @@ _COVERAGE = """
          WHERE s.logicalrelid = ANY(%(tables)s::regclass[])
          GROUP BY s.shardid)
     SELECT ARRAY(SELECT key FROM keyed GROUP BY key ORDER BY min(n)),
-           count(*) FILTER (WHERE placements <> 1 OR NOT reached), count(*)
-      FROM shards"""
-
-
-# The scanned tables not distributed in workflow_runs' co-location group: a node scan
-# joins each runs shard to the other tables' shards of the same range, and a table
-# distributed otherwise (another shard count, not distributed) would leave out its
-# shards, and with them every candidate of those runs, without an error.
-_APART = """
-    SELECT ARRAY(SELECT t.name FROM unnest(%(tables)s::text[]) AS t(name)
+           count(*) FILTER (WHERE placements <> 1 OR NOT reached), count(*),
+           ARRAY(SELECT t.name FROM unnest(%(tables)s::text[]) AS t(name)
                   WHERE NOT EXISTS (SELECT 1 FROM pg_dist_partition p, pg_dist_partition r
                                      WHERE p.logicalrelid = t.name::regclass
                                        AND r.logicalrelid = 'workflow_runs'::regclass
                                        AND p.colocationid = r.colocationid)
-                  ORDER BY t.name)"""
+                  ORDER BY t.name)
+      FROM shards"""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -152,11 +148,10 @@ def covered(conn: Conn, keys: Sequence[str]) -> Coverage:
     ``workflow_runs``. Reads the coordinator's metadata only."""
     if not keys:
         return Coverage(keys=[], why="no stream keys")
-    apart = conn.execute(_APART, {"tables": list(SCANNED_TABLES)}).fetchone()
-    if apart and apart[0]:
-        return Coverage(keys=[], why=f"{', '.join(apart[0])} not co-located with workflow_runs")
     row = conn.execute(_COVERAGE, {"keys": list(keys), "tables": list(SCANNED_TABLES)}).fetchone()
-    nodes, missing, total = (list(row[0]), int(row[1]), int(row[2])) if row else ([], 0, 0)
+    nodes, missing, total, apart = (list(row[0]), int(row[1]), int(row[2]), list(row[3])) if row else ([], 0, 0, [])
+    if apart:
+        return Coverage(keys=[], why=f"{', '.join(apart)} not co-located with workflow_runs")
     if total == 0:
         return Coverage(keys=nodes, why="no shards found")
     if missing:
