@@ -46,7 +46,7 @@ from typing import Any
 import psycopg
 
 from bench.citus_claim_ab import median_rounds, save
-from bench.citus_scan_ab import seeded, timed
+from bench.citus_scan_ab import pass_options, seeded, timed
 
 _BEFORE_SCAN = "SELECT kind, run_id, task_id FROM composer_scan_node(%s, %s, %s, %s, %s, %s, %s, %s, %s)"
 
@@ -131,11 +131,7 @@ def _row(candidate: Any) -> tuple[Any, ...]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.citus_pass_ab")
     parser.add_argument("--before", required=True, help="a version of R__scan_node.sql of nine arguments")
-    parser.add_argument("--shards", type=int, nargs="+", default=[8, 32])
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--passes", type=int, default=40)
-    parser.add_argument("--runs", type=int, default=100)
-    parser.add_argument("--json", help="write the result here")
+    pass_options(parser)
     args = parser.parse_args(argv)
     out: dict[str, Any] = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "passes": args.passes,
                            "runs": args.runs, "before": args.before, "clusters": []}

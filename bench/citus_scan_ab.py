@@ -134,14 +134,19 @@ def measure(bodies: dict[str, Path], *, shards: int, rounds: int, passes: int, r
     return {"shards": shards, "worker_nodes": len(keys), "claimed": seed.claimed, "rounds": results}
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.citus_scan_ab")
-    parser.add_argument("bodies", nargs="+", metavar="NAME=PATH", help="a version of R__scan_node.sql")
+def pass_options(parser: argparse.ArgumentParser) -> None:
+    """The options the pass's A/B scripts share: shard counts, rounds, passes, runs, JSON."""
     parser.add_argument("--shards", type=int, nargs="+", default=[8, 32])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--passes", type=int, default=40)
     parser.add_argument("--runs", type=int, default=100)
     parser.add_argument("--json", help="write the result here")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.citus_scan_ab")
+    parser.add_argument("bodies", nargs="+", metavar="NAME=PATH", help="a version of R__scan_node.sql")
+    pass_options(parser)
     args = parser.parse_args(argv)
     bodies = {name: Path(path) for name, path in (b.split("=", 1) for b in args.bodies)}
     out: dict[str, Any] = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "passes": args.passes,
