@@ -84,6 +84,46 @@ def test_priority_orders_the_claim_within_a_queue(engine: Engine) -> None:
     assert [engine.claim(["q"], "w", 1)[0].run_id for _ in range(3)] == [high, mid, low]
 
 
+def test_a_claim_of_several_queues_takes_their_rows_in_one_order(engine: Engine) -> None:
+    """The pick walks each queue in its index's order and merges the walks: priority
+    first, then age, across the queues."""
+    first = engine.start("low")
+    other = engine.start("other")
+    second = engine.start("low")
+    high = engine.start("high")
+    later = engine.start("other")
+    mid = engine.start("mid")
+    taken = [engine.claim(["r", "q"], "w", 1)[0].run_id for _ in range(6)]
+    assert taken == [high, mid, first, other, second, later]
+    assert engine.claim(["q", "r", "q"], "w", 1) == []
+
+
+def test_a_claim_reads_the_rows_it_takes_not_the_whole_backlog(db_url: str, engine: Engine) -> None:
+    """Behind 1,500 ready rows a one-task claim reads a handful of outbox rows: the pick
+    follows the index's order instead of reading and sorting every ready row."""
+    runs = {engine.start("low") for _ in range(8)}
+    with psycopg.connect(db_url, autocommit=True) as conn:
+        conn.execute("""INSERT INTO task_outbox (queue, run_id, task_id, attempt, task_name, lease_s, available_at)
+                        SELECT 'q', 'backlog-' || i, 't', 1, 'work', 30, now()
+                          FROM generate_series(1, 1500) AS i""")       # ready, behind the runs
+        conn.execute("ANALYZE task_outbox")
+        for i in range(8):                 # past the plan cache's five custom plans
+            with conn.transaction():
+                if i == 7:
+                    before = conn.execute(
+                        "SELECT idx_tup_fetch + seq_tup_read FROM pg_stat_xact_user_tables"
+                        " WHERE relname = 'task_outbox'").fetchone()
+                got = conn.execute("SELECT run_id FROM composer_claim(ARRAY['q'], NULL, 'w', 1, %s, NULL)",
+                                   (f"claim-{i}",)).fetchall()
+                assert len(got) == 1 and got[0][0] in runs
+                if i == 7:
+                    after = conn.execute(
+                        "SELECT idx_tup_fetch + seq_tup_read FROM pg_stat_xact_user_tables"
+                        " WHERE relname = 'task_outbox'").fetchone()
+        assert before is not None and after is not None
+        assert after[0] - before[0] < 20, f"a one-task claim read {after[0] - before[0]} outbox rows"
+
+
 def test_a_change_retried_with_its_request_is_applied_once(db_url: str, engine: Engine) -> None:
     first = engine.queues.set_limit("q", 3, request_id="req-1")
     engine.queues.set_limit("q", 7)                             # someone else changes it meanwhile
