@@ -162,6 +162,7 @@ AS $$
 DECLARE
     walks refcursor[] := '{}';
     heads task_outbox[] := '{}';
+    opened TEXT[] := '{}';
     walk refcursor;
     q TEXT;
     r task_outbox;
@@ -172,7 +173,9 @@ BEGIN
     IF p_queues IS NULL OR p_limit IS NULL OR p_limit <= 0 THEN
         RETURN;
     END IF;
-    FOR q IN SELECT DISTINCT u.q FROM unnest(p_queues) AS u(q) WHERE u.q IS NOT NULL LOOP
+    FOREACH q IN ARRAY p_queues LOOP
+        CONTINUE WHEN q IS NULL OR q = ANY(opened);
+        opened := opened || q;
         walk := NULL;           -- a portal of its own (OPEN names it)
         OPEN walk FOR
             SELECT o.* FROM task_outbox o
