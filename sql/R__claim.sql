@@ -153,11 +153,18 @@ $$;
 -- priority DESC, available_at, id) with its queue fixed, merged here by that order: so a
 -- claim reads the rows it takes and those it passes over, whatever the backlog. (One
 -- cursor over queue = ANY(p_queues) cannot follow the index's order across queues, and
--- read and sorted every ready row of the queues at every claim: 12 ms a claim behind
--- 20,000 ready rows, docs/performance.md.)
+-- read and sorted every ready row of the queues at every claim: 7 ms of server CPU a
+-- claim behind 20,000 ready rows, docs/performance.md.) A bitmap scan cannot follow the
+-- index's order either, and a plan made while the table was nearly empty chose one or a
+-- sequential scan, then sorted 20,000 rows: both off here, whatever the caller's settings
+-- (and JIT, as composer_claim says why). Each queue listed costs a cursor, whether it has
+-- ready rows or not.
 CREATE OR REPLACE FUNCTION composer_pick(p_queues TEXT[], p_names TEXT[], p_limit INT, p_skip BIGINT[] DEFAULT NULL)
 RETURNS SETOF BIGINT
 LANGUAGE plpgsql
+SET enable_seqscan = off
+SET enable_bitmapscan = off
+SET jit = off
 AS $$
 DECLARE
     walks refcursor[] := '{}';

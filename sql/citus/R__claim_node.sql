@@ -22,7 +22,9 @@ CREATE OR REPLACE FUNCTION composer_claim_node(p_key TEXT, p_queues TEXT[], p_na
                                                p_limit INT, p_claim TEXT, p_retry BOOLEAN)
 RETURNS TABLE(run_id TEXT, task_id TEXT, node_id TEXT, attempt INT, task_name TEXT, queue TEXT,
               input JSONB, lease_s INT, lease_owner TEXT, lease_expires_at TIMESTAMPTZ, limited BOOLEAN)
-LANGUAGE plpgsql AS $$
+LANGUAGE plpgsql
+SET enable_bitmapscan = off
+AS $$
 #variable_conflict use_column
 DECLARE
     v_now TIMESTAMPTZ := now();
@@ -70,9 +72,11 @@ BEGIN
         -- Each queue is read on its own (LATERAL, its queue fixed), in the order of the
         -- shard's idx_task_outbox_ready: a claim reads the rows it locks, whatever the
         -- shard's backlog (over queue = ANY(...) the index's order does not serve, and
-        -- every ready row of the shard was read and sorted). Of a claim of several
+        -- every ready row of the shard was read and sorted; so does a bitmap scan, which
+        -- a shard without statistics got: off for this function). Of a claim of several
         -- queues, the rows a queue locked beyond the first $4 of all stay locked to the
-        -- claim's end (one short transaction of this node), skipped by other claims.
+        -- claim's end (one short transaction of this node): a claim of the same shard
+        -- meanwhile skips them, and may come back short of rows that are ready.
         FOR o IN EXECUTE format($q$
             WITH picked AS MATERIALIZED (
                  SELECT c.run_id, c.id
