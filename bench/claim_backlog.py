@@ -1,14 +1,14 @@
 """One-task claims behind a backlog: does a claim's cost grow with the ready rows of its queue?
 
-``python -m bench.claim_backlog [--pgbin DIR] [--sizes 50 2000 20000] [--claims 40] [NAME=DIR ...]``
+``python -m bench.claim_backlog [--pgbin DIR] [--sizes 50 2000 20000] [--claims 40] [--queues 1] [NAME=DIR ...]``
 
 For each source tree (default: this one, as ``new``), a template database migrated by
 that tree's own ``sql/`` (:mod:`bench.sides`), and for each backlog size a database
 cloned from it holding ``--claims`` ready 1-task runs and, behind them in the claim's
 order, that many more ready outbox rows of the same queue (rows of no task: a claim
 never reaches them, it only has them to pass over or to read). Then ``--claims``
-one-task claims, one session, each ``composer_claim`` in a transaction of its own,
-measured around the call: wall time, the server backend's time on a CPU
+one-task claims, each listing that queue and ``--queues`` - 1 empty ones, from one
+session, each ``composer_claim`` in a transaction of its own, measured around the call: wall time, the server backend's time on a CPU
 (``/proc/PID/schedstat``) and the outbox rows the transaction read
 (``pg_stat_xact_user_tables``: index fetches plus sequential reads). The first five
 claims of a session are not counted (PL/pgSQL's plans are custom until then).
@@ -51,8 +51,10 @@ def _read(conn: psycopg.Connection[Any]) -> int:
     return int(row[0]) if row else 0
 
 
-def measure(url: str, *, backlog: int, claims: int) -> dict[str, float]:
-    """``claims`` one-task claims of ``url`` behind ``backlog`` ready rows: medians."""
+def measure(url: str, *, backlog: int, claims: int, queues: int = 1) -> dict[str, float]:
+    """``claims`` one-task claims of ``url`` behind ``backlog`` ready rows, each listing
+    ``queues`` queues (``default`` and empty ones): medians."""
+    listed = ["default"] + [f"empty-{i}" for i in range(1, queues)]
     from composer_ops import Engine
 
     with Engine.connect(url, pool_size=1, application_name="bench-backlog-setup") as engine:
@@ -70,8 +72,8 @@ def measure(url: str, *, backlog: int, claims: int) -> dict[str, float]:
         for i in range(claims + WARM):
             with conn.transaction():
                 read0, cpu0, t0 = _read(conn), _cpu_ns(pid), time.perf_counter()
-                got = conn.execute("SELECT run_id FROM composer_claim(ARRAY['default'], ARRAY['noop'], 'bench', 1,"
-                                   " %s, NULL)", (f"backlog-claim-{i}",)).fetchall()
+                got = conn.execute("SELECT run_id FROM composer_claim(%s, ARRAY['noop'], 'bench', 1, %s, NULL)",
+                                   (listed, f"backlog-claim-{i}")).fetchall()
                 t1, cpu1, read1 = time.perf_counter(), _cpu_ns(pid), _read(conn)
             if len(got) != 1 or str(got[0][0]).startswith("backlog-"):
                 raise RuntimeError(f"claim {i} behind {backlog} rows took {got}, not one run")
@@ -83,7 +85,7 @@ def measure(url: str, *, backlog: int, claims: int) -> dict[str, float]:
             "outbox_rows_read": statistics.median(rows)}
 
 
-def run(server: Server, trees: dict[str, Path], *, sizes: list[int], claims: int) -> dict[str, Any]:
+def run(server: Server, trees: dict[str, Path], *, sizes: list[int], claims: int, queues: int = 1) -> dict[str, Any]:
     """Each tree's claims behind each size, on ``server``: the templates made and, per
     tree and size, the medians and their ratios to the smallest size's. Leaves no
     database behind."""
@@ -96,7 +98,7 @@ def run(server: Server, trees: dict[str, Path], *, sizes: list[int], claims: int
                 db = f"bench_backlog_{name}_{size}"
                 url = server.create_database(db, template=made[name]["template"])
                 try:
-                    got = measure(url, backlog=size, claims=claims)
+                    got = measure(url, backlog=size, claims=claims, queues=queues)
                 finally:
                     server.drop_database(db)
                 results[name][str(size)] = got
@@ -124,17 +126,19 @@ def main() -> int:
     parser.add_argument("--sizes", type=int, nargs="+", default=[50, 2000, 20000],
                         help="ready rows behind the claimed runs (default 50 2000 20000)")
     parser.add_argument("--claims", type=int, default=40, help="claims measured per tree and size (default 40)")
+    parser.add_argument("--queues", type=int, default=1,
+                        help="queues each claim lists: the workload's and empty ones (default 1)")
     parser.add_argument("--out", type=Path, help="default bench/results/claim-backlog-pg<major>-<date>-<commit>.json")
     args = parser.parse_args()
-    if args.claims < 1 or min(args.sizes) < 0:
-        parser.error("--claims must be at least 1 and --sizes at least 0")
+    if args.claims < 1 or args.queues < 1 or min(args.sizes) < 0:
+        parser.error("--claims and --queues must be at least 1, --sizes at least 0")
     trees = {n: Path(r).resolve() for n, r in (t.split("=", 1) for t in args.trees)} if args.trees else {"new": ROOT}
     server = scenario.start_server(args.pgbin)
     out: dict[str, Any] = {"server_version": server.version,
                            "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                            "command": "python -m bench.claim_backlog " + " ".join(sys.argv[1:]),
-                           "load_average_before": os.getloadavg(), "claims": args.claims,
-                           **run(server, trees, sizes=args.sizes, claims=args.claims)}
+                           "load_average_before": os.getloadavg(), "claims": args.claims, "queues": args.queues,
+                           **run(server, trees, sizes=args.sizes, claims=args.claims, queues=args.queues)}
     out["load_average_after"] = os.getloadavg()
     path = args.out or dated_path(RESULTS, f"claim-backlog-pg{server.version_num // 10000}-")
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -11,7 +11,7 @@ from composer_ops.testing.servers import Server
 
 
 def test_claim_backlog_measures_each_size_and_reads_no_backlog(server: Server) -> None:
-    out = claim_backlog.run(server, {"new": claim_backlog.ROOT}, sizes=[0, 300], claims=3)
+    out = claim_backlog.run(server, {"new": claim_backlog.ROOT}, sizes=[0, 300], claims=3, queues=2)
     got = out["results"]["new"]
     assert set(got) == {"0", "300"}
     for size in got.values():
