@@ -8,10 +8,11 @@ cloned from it holding ``--claims`` ready 1-task runs and, behind them in the cl
 order, that many more ready outbox rows of the same queue (rows of no task: a claim
 never reaches them, it only has them to pass over or to read). Then ``--claims``
 one-task claims, each listing that queue and ``--queues`` - 1 empty ones, from one
-session, each ``composer_claim`` in a transaction of its own, measured around the call: wall time, the server backend's time on a CPU
-(``/proc/PID/schedstat``) and the outbox rows the transaction read
-(``pg_stat_xact_user_tables``: index fetches plus sequential reads). The first five
-claims of a session are not counted (PL/pgSQL's plans are custom until then).
+session, each ``composer_claim`` in a transaction of its own, measured around the
+call: wall time, the server backend's time on a CPU (``/proc/PID/schedstat``) and the
+outbox rows the transaction read (``pg_stat_xact_user_tables``: index fetches plus
+sequential reads). The first five claims of a session are not counted (PL/pgSQL's
+plans are custom until then).
 
 Prints, per tree and size, the medians and the ratio of each to the smallest size's,
 measured in this one run; ``--out`` writes them as JSON. The trees share one server
