@@ -149,28 +149,70 @@ $$;
 -- too, to the claim's end, and keep them from the claims that could take them); each row
 -- it would take is admitted, then locked by its ID, SKIP LOCKED, in a statement of its own
 -- whose snapshot sees what racing claims committed, and still ready.
+-- The walk is one cursor per queue, each in the order of idx_task_outbox_ready (queue,
+-- priority DESC, available_at, id) with its queue fixed, merged here by that order: so a
+-- claim reads the rows it takes and those it passes over, whatever the backlog. (One
+-- cursor over queue = ANY(p_queues) cannot follow the index's order across queues, and
+-- read and sorted every ready row of the queues at every claim: 7 ms of server CPU a
+-- claim behind 20,000 ready rows, docs/performance.md.) A bitmap scan cannot follow the
+-- index's order either, and a plan made while the table was nearly empty chose one or a
+-- sequential scan, then sorted 20,000 rows: both off here, whatever the caller's settings
+-- (and JIT, as composer_claim says why). Each queue listed costs a cursor, whether it has
+-- ready rows or not.
 CREATE OR REPLACE FUNCTION composer_pick(p_queues TEXT[], p_names TEXT[], p_limit INT, p_skip BIGINT[] DEFAULT NULL)
 RETURNS SETOF BIGINT
 LANGUAGE plpgsql
+SET enable_seqscan = off
+SET enable_bitmapscan = off
+SET jit = off
 AS $$
 DECLARE
-    ready CURSOR FOR
-        SELECT o.id, o.run_id, o.ckey, o.climit, o.rkey, o.rate_per_s, o.rate_burst
-          FROM task_outbox o
-         WHERE o.queue = ANY(p_queues) AND o.available_at <= now()
-           AND (p_names IS NULL OR o.task_name = ANY(p_names))
-           AND (p_skip IS NULL OR o.id <> ALL(p_skip))
-         ORDER BY o.priority DESC, o.available_at, o.id;
-    r RECORD;
+    walks refcursor[] := '{}';
+    heads task_outbox[] := '{}';
+    opened TEXT[] := '{}';
+    walk refcursor;
+    q TEXT;
+    r task_outbox;
+    nxt task_outbox;
+    best INT;
     taken INT := 0;
 BEGIN
     IF p_queues IS NULL OR p_limit IS NULL OR p_limit <= 0 THEN
         RETURN;
     END IF;
-    OPEN ready;
+    FOREACH q IN ARRAY p_queues LOOP
+        CONTINUE WHEN q IS NULL OR q = ANY(opened);
+        opened := opened || q;
+        walk := NULL;           -- a portal of its own (OPEN names it)
+        OPEN walk FOR
+            SELECT o.* FROM task_outbox o
+             WHERE o.queue = q AND o.available_at <= now()
+               AND (p_names IS NULL OR o.task_name = ANY(p_names))
+               AND (p_skip IS NULL OR o.id <> ALL(p_skip))
+             ORDER BY o.priority DESC, o.available_at, o.id;
+        FETCH walk INTO r;
+        IF FOUND THEN
+            walks := walks || walk;
+            heads := heads || r;
+        ELSE
+            CLOSE walk;
+        END IF;
+    END LOOP;
     LOOP
-        FETCH ready INTO r;
-        EXIT WHEN NOT FOUND;
+        best := NULL;           -- the queue whose head comes first
+        FOR i IN 1 .. cardinality(heads) LOOP
+            CONTINUE WHEN (heads[i]).id IS NULL;
+            IF best IS NULL OR (heads[i]).priority > (heads[best]).priority
+               OR ((heads[i]).priority = (heads[best]).priority
+                   AND ((heads[i]).available_at, (heads[i]).id) < ((heads[best]).available_at, (heads[best]).id)) THEN
+                best := i;
+            END IF;
+        END LOOP;
+        EXIT WHEN best IS NULL;
+        r := heads[best];
+        walk := walks[best];
+        FETCH walk INTO nxt;                -- none left: a row of NULLs
+        heads[best] := nxt;
         IF r.ckey IS NOT NULL OR r.rkey IS NOT NULL THEN
             CONTINUE WHEN NOT composer_flow_admit(r.ckey, r.climit, r.rkey, r.rate_per_s, r.rate_burst);
         END IF;
@@ -185,7 +227,9 @@ BEGIN
         taken := taken + 1;
         EXIT WHEN taken >= p_limit;
     END LOOP;
-    CLOSE ready;
+    FOREACH walk IN ARRAY walks LOOP
+        CLOSE walk;
+    END LOOP;
 END;
 $$;
 

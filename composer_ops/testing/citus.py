@@ -178,9 +178,13 @@ class CitusCluster:
 
 @dataclass(frozen=True)
 class Baseline:
-    """What :func:`reset` brings a database back to: its partitions."""
+    """What :func:`reset` brings a database back to (its partitions), and what no test
+    may change for the tests after it (:func:`drift`): each distributed or reference
+    table's co-location group, and the node group of each of their shards."""
 
     partitions: frozenset[str]
+    colocation: frozenset[tuple[str, int]] = frozenset()
+    placements: frozenset[tuple[int, int]] = frozenset()
 
 
 #: Every table whose rows a test can leave behind, referencing tables first: :func:`reset`
@@ -194,7 +198,36 @@ ENGINE_TABLES = ("run_history", "workflow_events", "task_instances", "workflow_r
 
 def baseline(url: str) -> Baseline:
     with psycopg.connect(url) as conn:
-        return Baseline(partitions=frozenset(_partitions(conn)))
+        return Baseline(partitions=frozenset(_partitions(conn)), colocation=frozenset(_colocation(conn)),
+                        placements=frozenset(_placements(conn)))
+
+
+def _colocation(conn: psycopg.Connection[Any]) -> list[tuple[str, int]]:
+    """(table, co-location group) of every distributed or reference table but partitions."""
+    rows = conn.execute("""SELECT p.logicalrelid::regclass::text, p.colocationid FROM pg_dist_partition p
+                            WHERE NOT EXISTS (SELECT 1 FROM pg_inherits i WHERE i.inhrelid = p.logicalrelid)""")
+    return [(str(r[0]), int(r[1])) for r in rows.fetchall()]
+
+
+def _placements(conn: psycopg.Connection[Any]) -> list[tuple[int, int]]:
+    """(shard, node group) of every placement of a distributed table but partitions."""
+    rows = conn.execute("""SELECT s.shardid, p.groupid FROM pg_dist_shard s JOIN pg_dist_placement p USING (shardid)
+                            WHERE NOT EXISTS (SELECT 1 FROM pg_inherits i WHERE i.inhrelid = s.logicalrelid)""")
+    return [(int(r[0]), int(r[1])) for r in rows.fetchall()]
+
+
+def drift(url: str, since: Baseline) -> list[str]:
+    """How the database's distribution differs from ``since``: shard placements moved,
+    and one line per table whose co-location group changed (a test that changes either
+    must undo it, or every later test of the session runs on another layout)."""
+    with psycopg.connect(url) as conn:
+        now = dict(_colocation(conn))
+        placed = set(_placements(conn))
+    moved = sorted(placed ^ since.placements)
+    then = dict(since.colocation)
+    return ([f"shard placements moved (shard, node group; gone or new): {moved}"] if moved else []) + [
+        f"{table}: co-location group {then.get(table)} -> {now.get(table)}"
+            for table in sorted(set(now) | set(then)) if now.get(table) != then.get(table)]
 
 
 def _partitions(conn: psycopg.Connection[Any]) -> list[str]:

@@ -22,7 +22,9 @@ CREATE OR REPLACE FUNCTION composer_claim_node(p_key TEXT, p_queues TEXT[], p_na
                                                p_limit INT, p_claim TEXT, p_retry BOOLEAN)
 RETURNS TABLE(run_id TEXT, task_id TEXT, node_id TEXT, attempt INT, task_name TEXT, queue TEXT,
               input JSONB, lease_s INT, lease_owner TEXT, lease_expires_at TIMESTAMPTZ, limited BOOLEAN)
-LANGUAGE plpgsql AS $$
+LANGUAGE plpgsql
+SET enable_bitmapscan = off
+AS $$
 #variable_conflict use_column
 DECLARE
     v_now TIMESTAMPTZ := now();
@@ -50,7 +52,7 @@ BEGIN
     -- reference table, read here). A limited queue's rows, and rows with a concurrency
     -- key or a rate limit, are the coordinator's claim's (repo/citus.py): when this node
     -- has such rows ready, the last row returned says so (limited, run_id NULL).
-    SELECT array_agg(w.q) FILTER (WHERE s.queue IS NULL OR (NOT s.paused AND s.max_running = 0)),
+    SELECT array_agg(DISTINCT w.q) FILTER (WHERE s.queue IS NULL OR (NOT s.paused AND s.max_running = 0)),
            COALESCE(bool_or(NOT s.paused AND s.max_running > 0), false)
       INTO v_open, v_limited
       FROM unnest(p_queues) AS w(q) LEFT JOIN queue_settings s ON s.queue = w.q;
@@ -67,14 +69,27 @@ BEGIN
         -- a nested-loop semi join (the plan of a shard analyzed while empty) ran the
         -- subquery again for every outbox row, and each run skipped the rows this
         -- statement had deleted and locked the next: LIMIT 1 deleted every ready row.
+        -- Each queue is read on its own (LATERAL, its queue fixed), in the order of the
+        -- shard's idx_task_outbox_ready: a claim reads the rows it locks, whatever the
+        -- shard's backlog (over queue = ANY(...) the index's order does not serve, and
+        -- every ready row of the shard was read and sorted; so does a bitmap scan, which
+        -- a shard without statistics got: off for this function). Of a claim of several
+        -- queues, the rows a queue locked beyond the first $4 of all stay locked to the
+        -- claim's end (one short transaction of this node): a claim of the same shard
+        -- meanwhile skips them, and may come back short of rows that are ready.
         FOR o IN EXECUTE format($q$
             WITH picked AS MATERIALIZED (
-                 SELECT y.run_id, y.id FROM %1$s y
-                  WHERE y.queue = ANY($1) AND y.available_at <= $2 AND ($3::text[] IS NULL OR y.task_name = ANY($3))
-                    AND y.ckey IS NULL AND y.rkey IS NULL
-                  ORDER BY y.priority DESC, y.available_at, y.id
-                  LIMIT $4
-                    FOR UPDATE SKIP LOCKED)
+                 SELECT c.run_id, c.id
+                   FROM unnest($1::text[]) AS w(q),
+                        LATERAL (SELECT y.run_id, y.id, y.priority, y.available_at FROM %1$s y
+                                  WHERE y.queue = w.q AND y.available_at <= $2
+                                    AND ($3::text[] IS NULL OR y.task_name = ANY($3))
+                                    AND y.ckey IS NULL AND y.rkey IS NULL
+                                  ORDER BY y.priority DESC, y.available_at, y.id
+                                  LIMIT $4
+                                    FOR UPDATE SKIP LOCKED) AS c
+                  ORDER BY c.priority DESC, c.available_at, c.id
+                  LIMIT $4)
             DELETE FROM %1$s x USING picked p
              WHERE x.run_id = p.run_id AND x.id = p.id
             RETURNING x.run_id, x.task_id, x.attempt, x.task_name, x.queue, x.lease_s, x.max_run_s$q$, v_shard)

@@ -44,3 +44,21 @@ def test_pause_priority_and_timeouts(db_url: str, engine: Engine) -> None:
     assert engine.coordinator().run_once(["timers"]).start_timeouts == 1
     run = engine.get_run(late)
     assert run.status == "FAILED" and "schedule_to_start timeout" in str(run.error)
+
+
+def test_a_node_claim_of_two_queues_takes_a_shards_rows_in_one_order(db_url: str, engine: Engine) -> None:
+    """The node claim reads each queue of a shard on its own, in its index's order, and
+    takes the first of them all: priority, then age, across the queues of the shard."""
+    engine.deploy({"id": "other", "nodes": [{"id": "t", "type": "TASK", "task": "work", "queue": "r"}]})
+    engine.deploy({"id": "other-high", "nodes": [{"id": "t", "type": "TASK", "task": "work", "queue": "r",
+                                                  "priority": 7}]})
+    ids = run_ids_on_one_shard(db_url, 6)
+    first = engine.start("low", run_id=ids[0])
+    other = engine.start("other", run_id=ids[1])
+    second = engine.start("low", run_id=ids[2])
+    high = engine.start("high", run_id=ids[3])
+    top = engine.start("other-high", run_id=ids[4])
+    later = engine.start("other", run_id=ids[5])
+    taken = [c.run_id for _ in range(6) for c in engine.claim(["r", "q"], "w", 1)]
+    assert taken == [top, high, first, other, second, later]
+    assert engine.claim(["q", "r"], "w", 1) == []

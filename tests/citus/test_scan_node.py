@@ -624,6 +624,11 @@ def test_a_scanned_table_not_co_located_with_the_runs_is_not_covered(db_url: str
         keys = engine.stream_keys(conn)
         assert citus_scan.covered(conn, keys).why is None
         conn.execute("SELECT update_distributed_table_colocation('child_deliveries', colocate_with => 'none')")
-        assert citus_scan.covered(conn, keys).why == "child_deliveries not co-located with workflow_runs"
-    stats = engine.coordinator(batch=10).run_once(["timers", "leases"])
-    assert (stats.node_scans, stats.scans_through_coordinator, stats.errors) == (0, True, [])
+        try:
+            assert citus_scan.covered(conn, keys).why == "child_deliveries not co-located with workflow_runs"
+            stats = engine.coordinator(batch=10).run_once(["timers", "leases"])
+            assert (stats.node_scans, stats.scans_through_coordinator, stats.errors) == (0, True, [])
+        finally:        # the session's database, shared by the tests after this one
+            conn.execute("SELECT update_distributed_table_colocation('child_deliveries', "
+                         "colocate_with => 'workflow_runs')")
+        assert citus_scan.covered(conn, keys).why is None

@@ -84,6 +84,69 @@ def test_priority_orders_the_claim_within_a_queue(engine: Engine) -> None:
     assert [engine.claim(["q"], "w", 1)[0].run_id for _ in range(3)] == [high, mid, low]
 
 
+def test_a_claim_of_several_queues_takes_their_rows_in_one_order(db_url: str, engine: Engine) -> None:
+    """The pick walks each queue in its index's order and merges the walks: priority
+    first, then the time a row is available from (not its ID), across the queues."""
+    first = engine.start("low")
+    other = engine.start("other")
+    second = engine.start("low")
+    high = engine.start("high")
+    later = engine.start("other")
+    mid = engine.start("mid")
+    retried = engine.start("low")
+    _sql(db_url, "UPDATE task_outbox SET available_at = available_at - interval '1 hour' WHERE run_id = %s "
+                 "RETURNING id", (retried,))                 # available before all, the newest ID
+    taken = [engine.claim(["r", "q"], "w", 1)[0].run_id for _ in range(7)]
+    assert taken == [high, mid, retried, first, other, second, later]
+    assert engine.claim(["q", "r", "q"], "w", 1) == []
+
+
+def test_a_pick_in_any_session_follows_the_index_whatever_its_cached_plans(db_url: str) -> None:
+    """composer_pick turns off the scans that cannot follow the index's order: called in
+    a session of default settings whose plans were made while the outbox was empty, it
+    reads a handful of rows behind 1,500, not all of them."""
+    with psycopg.connect(db_url, autocommit=True) as conn:
+        conn.execute("ANALYZE task_outbox")
+        for _ in range(8):                 # past the plan cache's five custom plans
+            assert conn.execute("SELECT * FROM composer_pick(ARRAY['q'], NULL, 1)").fetchall() == []
+        conn.execute("""INSERT INTO task_outbox (queue, run_id, task_id, attempt, task_name, lease_s, available_at)
+                        SELECT 'q', 'backlog-' || i, 't', 1, 'work', 30, now() FROM generate_series(1, 1500) AS i""")
+        with conn.transaction():
+            before = conn.execute("SELECT idx_tup_fetch + seq_tup_read FROM pg_stat_xact_user_tables"
+                                  " WHERE relname = 'task_outbox'").fetchone()
+            assert len(conn.execute("SELECT * FROM composer_pick(ARRAY['q'], NULL, 1)").fetchall()) == 1
+            after = conn.execute("SELECT idx_tup_fetch + seq_tup_read FROM pg_stat_xact_user_tables"
+                                 " WHERE relname = 'task_outbox'").fetchone()
+    assert before is not None and after is not None
+    assert after[0] - before[0] < 20, f"a pick of one read {after[0] - before[0]} outbox rows"
+
+
+def test_a_claim_reads_the_rows_it_takes_not_the_whole_backlog(db_url: str, engine: Engine) -> None:
+    """Behind 1,500 ready rows a one-task claim reads a handful of outbox rows: the pick
+    follows the index's order instead of reading and sorting every ready row."""
+    runs = {engine.start("low") for _ in range(8)}
+    with psycopg.connect(db_url, autocommit=True) as conn:
+        conn.execute("""INSERT INTO task_outbox (queue, run_id, task_id, attempt, task_name, lease_s, available_at)
+                        SELECT 'q', 'backlog-' || i, 't', 1, 'work', 30, now()
+                          FROM generate_series(1, 1500) AS i""")       # ready, behind the runs
+        conn.execute("ANALYZE task_outbox")
+        for i in range(8):                 # past the plan cache's five custom plans
+            with conn.transaction():
+                if i == 7:
+                    before = conn.execute(
+                        "SELECT idx_tup_fetch + seq_tup_read FROM pg_stat_xact_user_tables"
+                        " WHERE relname = 'task_outbox'").fetchone()
+                got = conn.execute("SELECT run_id FROM composer_claim(ARRAY['q'], NULL, 'w', 1, %s, NULL)",
+                                   (f"claim-{i}",)).fetchall()
+                assert len(got) == 1 and got[0][0] in runs
+                if i == 7:
+                    after = conn.execute(
+                        "SELECT idx_tup_fetch + seq_tup_read FROM pg_stat_xact_user_tables"
+                        " WHERE relname = 'task_outbox'").fetchone()
+        assert before is not None and after is not None
+        assert after[0] - before[0] < 20, f"a one-task claim read {after[0] - before[0]} outbox rows"
+
+
 def test_a_change_retried_with_its_request_is_applied_once(db_url: str, engine: Engine) -> None:
     first = engine.queues.set_limit("q", 3, request_id="req-1")
     engine.queues.set_limit("q", 7)                             # someone else changes it meanwhile
