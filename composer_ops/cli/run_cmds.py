@@ -6,6 +6,7 @@ import argparse
 import contextlib
 import faulthandler
 import importlib
+import os
 import signal
 import sys
 import threading
@@ -142,15 +143,43 @@ def stop_on_signals(stop: Callable[[], None]) -> Iterator[None]:
     thread's stack to stderr (what a process that does not stop is waiting on); the
     handlers that were installed before are put back afterwards. Only this entry point
     installs handlers: a Worker or Coordinator used as a library leaves its host's
-    signals alone."""
-    previous = {sig: signal.signal(sig, lambda *_: stop()) for sig in (signal.SIGTERM, signal.SIGINT)}
+    signals alone.
+
+    ``stop`` runs on a thread of its own, woken through the signal module's wake-up file
+    descriptor; the Python handler itself does nothing. A Python handler runs on the
+    main thread between two of its bytecodes, possibly while that thread holds a lock
+    ``stop`` takes: a worker's main thread inside its wake-up Event's wait or clear, whose
+    ``set()`` from the handler then waited on its own thread forever (the flaky-test
+    finder saw a worker ignore SIGTERM until it was killed)."""
+    read_end, write_end = os.pipe()
+    os.set_blocking(write_end, False)
+
+    def watch() -> None:
+        while True:
+            try:
+                got = os.read(read_end, 64)
+            except OSError:
+                return
+            if not got:                     # the write end closed: the block ended
+                return
+            if signal.SIGTERM in got or signal.SIGINT in got:
+                stop()
+
+    previous = {sig: signal.signal(sig, lambda *_: None) for sig in (signal.SIGTERM, signal.SIGINT)}
+    previous_fd = signal.set_wakeup_fd(write_end, warn_on_full_buffer=False)
+    watcher = threading.Thread(target=watch, name="composer-signals", daemon=True)
+    watcher.start()
     faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True, chain=False)
     try:
         yield
     finally:
         faulthandler.unregister(signal.SIGUSR1)
+        signal.set_wakeup_fd(previous_fd)
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+        os.close(write_end)
+        watcher.join(5)
+        os.close(read_end)
 
 
 def _connect_wait(args: argparse.Namespace) -> float:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import signal
 import subprocess
+import sys
 import threading
 import time
 from typing import Any
@@ -166,8 +167,31 @@ def test_the_cli_handlers_are_restored_afterwards() -> None:
     with stop_on_signals(lambda: calls.append("stop")):
         assert signal.getsignal(signal.SIGTERM) is not before
         signal.raise_signal(signal.SIGTERM)
+        wait_for(lambda: calls == ["stop"], timeout=30, what="stop called by SIGTERM")
     assert calls == ["stop"]
     assert signal.getsignal(signal.SIGTERM) is before
+    assert signal.set_wakeup_fd(-1) == -1              # the wake-up descriptor put back too
+
+
+#: A process whose main thread holds the lock of the Event ``stop`` sets when SIGTERM
+#: arrives, as a worker's main thread does inside its wake-up Event's wait or clear.
+_HELD = """
+import signal, sys, threading
+from composer_ops.cli.run_cmds import stop_on_signals
+stopped = threading.Event()
+with stop_on_signals(stopped.set):
+    with stopped._cond:
+        signal.raise_signal(signal.SIGTERM)   # a Python handler would run here, on this thread
+    sys.exit(0 if stopped.wait(20) else 3)
+"""
+
+
+def test_sigterm_while_the_main_thread_holds_the_stop_events_lock_stops_the_process() -> None:
+    """The handler used to call ``stop`` itself, on the main thread: with that thread
+    holding the lock of the Event ``stop`` sets, ``set()`` waited for it forever, and a
+    worker ignored SIGTERM until it was killed (the flaky-test finder's chaos run)."""
+    done = subprocess.run([sys.executable, "-c", _HELD], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
 
 
 def test_a_bad_shutdown_timeout_is_refused() -> None:
