@@ -165,18 +165,19 @@ def stop_on_signals(stop: Callable[[], None]) -> Iterator[None]:
             if signal.SIGTERM in got or signal.SIGINT in got:
                 stop()
 
-    previous = {sig: signal.signal(sig, lambda *_: None) for sig in (signal.SIGTERM, signal.SIGINT)}
-    previous_fd = signal.set_wakeup_fd(write_end, warn_on_full_buffer=False)
     watcher = threading.Thread(target=watch, name="composer-signals", daemon=True)
     watcher.start()
+    # The descriptor before the handlers, so no signal reaches a handler with no one told.
+    previous_fd = signal.set_wakeup_fd(write_end, warn_on_full_buffer=False)
+    previous = {sig: signal.signal(sig, lambda *_: None) for sig in (signal.SIGTERM, signal.SIGINT)}
     faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True, chain=False)
     try:
         yield
     finally:
         faulthandler.unregister(signal.SIGUSR1)
-        signal.set_wakeup_fd(previous_fd)
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+        signal.set_wakeup_fd(previous_fd)
         os.close(write_end)
         watcher.join(5)
         os.close(read_end)

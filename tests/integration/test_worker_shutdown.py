@@ -164,13 +164,16 @@ def test_the_library_worker_installs_no_signal_handlers(engine: Engine) -> None:
 def test_the_cli_handlers_are_restored_afterwards() -> None:
     calls: list[str] = []
     before = signal.getsignal(signal.SIGTERM)
+    before_fd = signal.set_wakeup_fd(-1)
+    signal.set_wakeup_fd(before_fd)
     with stop_on_signals(lambda: calls.append("stop")):
         assert signal.getsignal(signal.SIGTERM) is not before
         signal.raise_signal(signal.SIGTERM)
         wait_for(lambda: calls == ["stop"], timeout=30, what="stop called by SIGTERM")
     assert calls == ["stop"]
     assert signal.getsignal(signal.SIGTERM) is before
-    assert signal.set_wakeup_fd(-1) == -1              # the wake-up descriptor put back too
+    after_fd = signal.set_wakeup_fd(before_fd)
+    assert after_fd == before_fd                       # the wake-up descriptor put back too
 
 
 #: A process whose main thread holds the lock of the Event ``stop`` sets when SIGTERM
