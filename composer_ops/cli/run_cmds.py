@@ -145,14 +145,27 @@ def stop_on_signals(stop: Callable[[], None]) -> Iterator[None]:
     installs handlers: a Worker or Coordinator used as a library leaves its host's
     signals alone.
 
-    ``stop`` runs on a thread of its own, woken through the signal module's wake-up file
-    descriptor; the Python handler itself does nothing. A Python handler runs on the
-    main thread between two of its bytecodes, possibly while that thread holds a lock
-    ``stop`` takes: a worker's main thread inside its wake-up Event's wait or clear, whose
-    ``set()`` from the handler then waited on its own thread forever (the flaky-test
-    finder saw a worker ignore SIGTERM until it was killed)."""
+    ``stop`` runs on a thread of its own; the handler only writes a byte to a pipe that
+    thread reads (``os.write`` takes no Python lock). A handler runs on the main thread
+    between two of its bytecodes, possibly while that thread holds a lock ``stop`` takes:
+    a worker's main thread inside its wake-up Event's wait or clear, whose ``set()`` from
+    the handler then waited on its own thread forever (the flaky-test finder saw a worker
+    ignore SIGTERM until it was killed). A process forked from this one (a task using
+    multiprocessing) inherits the handler but not the thread: there the handler puts the
+    handler from before the block back and raises the signal again, so the child does what
+    it would have done, and its signal never reaches this process's pipe."""
     read_end, write_end = os.pipe()
     os.set_blocking(write_end, False)
+    owner = os.getpid()
+    previous: dict[int, Any] = {}
+
+    def handler(signum: int, _frame: object) -> None:
+        if os.getpid() != owner:
+            signal.signal(signum, previous.get(signum, signal.SIG_DFL))
+            signal.raise_signal(signum)
+            return
+        with contextlib.suppress(OSError):      # a full pipe: a stop is on its way already
+            os.write(write_end, b"s")
 
     def watch() -> None:
         while True:
@@ -160,27 +173,28 @@ def stop_on_signals(stop: Callable[[], None]) -> Iterator[None]:
                 got = os.read(read_end, 64)
             except OSError:
                 return
-            if not got:                     # the write end closed: the block ended
+            if not got:                         # the write end closed: the block ended
                 return
-            if signal.SIGTERM in got or signal.SIGINT in got:
+            try:
                 stop()
+            except Exception as exc:            # the next signal still gets its stop()
+                sys.stderr.write(f"composer-ops: stopping on a signal failed: {exc!r}\n")
 
     watcher = threading.Thread(target=watch, name="composer-signals", daemon=True)
     watcher.start()
-    # The descriptor before the handlers, so no signal reaches a handler with no one told.
-    previous_fd = signal.set_wakeup_fd(write_end, warn_on_full_buffer=False)
-    previous = {sig: signal.signal(sig, lambda *_: None) for sig in (signal.SIGTERM, signal.SIGINT)}
-    faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True, chain=False)
     try:
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            previous[signum] = signal.signal(signum, handler)
+        faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True, chain=False)
         yield
     finally:
         faulthandler.unregister(signal.SIGUSR1)
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-        signal.set_wakeup_fd(previous_fd)
+        for number, old in previous.items():
+            signal.signal(number, old)
         os.close(write_end)
         watcher.join(5)
-        os.close(read_end)
+        if not watcher.is_alive():              # else a stop() still running may read again
+            os.close(read_end)
 
 
 def _connect_wait(args: argparse.Namespace) -> float:

@@ -197,6 +197,32 @@ def test_sigterm_while_the_main_thread_holds_the_stop_events_lock_stops_the_proc
     assert done.returncode == 0, done.stderr
 
 
+#: A process that forks a child inside the block (as a task using multiprocessing does),
+#: sends the child SIGTERM, and says whether the child died of it and this process did not stop.
+_FORKED = """
+import os, signal, sys, threading, time
+from composer_ops.cli.run_cmds import stop_on_signals
+stopped = threading.Event()
+with stop_on_signals(stopped.set):
+    child = os.fork()
+    if child == 0:
+        time.sleep(60)
+        os._exit(7)
+    os.kill(child, signal.SIGTERM)
+    _, status = os.waitpid(child, 0)
+    died = os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGTERM
+    sys.exit(0 if died and not stopped.wait(2) else 3)
+"""
+
+
+def test_sigterm_to_a_forked_child_ends_the_child_and_leaves_the_worker_running() -> None:
+    """A child forked inside the block inherits the handler but not the thread that
+    calls ``stop``: its SIGTERM must neither stop the parent (a wake-up descriptor shared
+    with the parent did) nor be swallowed (the child would not end)."""
+    done = subprocess.run([sys.executable, "-c", _FORKED], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+
+
 def test_a_bad_shutdown_timeout_is_refused() -> None:
     for bad in (-1, float("nan"), float("inf"), "3", True):
         with pytest.raises(Invalid, match="shutdown timeout"):
