@@ -204,10 +204,13 @@ import os, signal, sys, threading, time
 from composer_ops.cli.run_cmds import stop_on_signals
 stopped = threading.Event()
 with stop_on_signals(stopped.set):
+    ready, tell = os.pipe()
     child = os.fork()
     if child == 0:
+        os.write(tell, b"r")    # past Python's after-fork steps, which drop a signal pending then
         time.sleep(60)
         os._exit(7)
+    assert os.read(ready, 1) == b"r"
     os.kill(child, signal.SIGTERM)
     _, status = os.waitpid(child, 0)
     died = os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGTERM
