@@ -33,6 +33,7 @@ from typing import Any
 import psycopg
 
 from bench import scenario, sides
+from bench.flowcost import OnCpu
 from bench.report import dated_path
 from bench.workload import ONE_TASK
 from composer_ops.testing.servers import Server
@@ -40,10 +41,6 @@ from composer_ops.testing.servers import Server
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
 WARM = 5
-
-
-def _cpu_ns(pid: int) -> int:
-    return int(Path(f"/proc/{pid}/schedstat").read_text().split()[0])
 
 
 def _read(conn: psycopg.Connection[Any]) -> int:
@@ -66,21 +63,21 @@ def measure(url: str, *, backlog: int, claims: int, queues: int = 1) -> dict[str
                         SELECT 'default', 'backlog-' || i, 'work', 1, 'noop', 30, now()
                           FROM generate_series(1, %s) AS i""", (backlog,))
         conn.execute("ANALYZE task_outbox")
-        pid = conn.execute("SELECT pg_backend_pid()").fetchone()[0]  # type: ignore[index]
+        backend = OnCpu(conn.execute("SELECT pg_backend_pid()").fetchone()[0])  # type: ignore[index]
         wall: list[float] = []
         cpu: list[float] = []
         rows: list[int] = []
         for i in range(claims + WARM):
             with conn.transaction():
-                read0, cpu0, t0 = _read(conn), _cpu_ns(pid), time.perf_counter()
+                read0, cpu0, t0 = _read(conn), backend.seconds(), time.perf_counter()
                 got = conn.execute("SELECT run_id FROM composer_claim(%s, ARRAY['noop'], 'bench', 1, %s, NULL)",
                                    (listed, f"backlog-claim-{i}")).fetchall()
-                t1, cpu1, read1 = time.perf_counter(), _cpu_ns(pid), _read(conn)
+                t1, cpu1, read1 = time.perf_counter(), backend.seconds(), _read(conn)
             if len(got) != 1 or str(got[0][0]).startswith("backlog-"):
                 raise RuntimeError(f"claim {i} behind {backlog} rows took {got}, not one run")
             if i >= WARM:
                 wall.append((t1 - t0) * 1e3)
-                cpu.append((cpu1 - cpu0) / 1e6)
+                cpu.append((cpu1 - cpu0) * 1e3)
                 rows.append(read1 - read0)
     return {"claim_ms": statistics.median(wall), "server_cpu_ms": statistics.median(cpu),
             "outbox_rows_read": statistics.median(rows)}
