@@ -1,0 +1,330 @@
+"""The cost of the function layers: the server's CPU for each event of a 1-task run, in the engine's
+functions against the same rows written by plain prepared statements.
+
+``python -m bench.layers [--pgbin DIR] [--runs 200] [--rounds 4] [--out FILE]``
+
+A design measurement, not a second engine. The engine writes an event through
+PL/pgSQL functions (a start and a completion through ``composer_apply``, a claim
+through ``composer_claim``, sql/R__apply.sql and sql/R__claim.sql). Here the same row
+writes (a start: the run, its task, the outbox row and the 'started' history row; a
+claim: the outbox row deleted, the task leased, the 'claimed' history row; a
+completion: the run locked and read with its tasks, the task completed, the
+'completed' history row, the run finished) are made again by plain statements that
+psycopg prepares, naming the month's partitions, with the checks the engine's make on
+this path (the definition, the claim's advisory lock and fence, the queue's pause,
+the run not deleted, the fenced task update) and the start's wake-up read of
+``task_waiters`` and notification; the completion as three statements in a
+transaction (its BEGIN and COMMIT included). What it leaves out: the engine's
+decisions (the pure core, on the client), flow control beyond a paused queue, more
+than one queue or month per claim, and retries.
+
+Each round runs ``--runs`` starts, then claims (one task each), then completions,
+each event by the engine (one pooled connection) and by the plain statements (a
+connection of their own), which goes first alternating by round; each block is
+measured as its session's backend time on a CPU (``/proc/PID/schedstat``). Prints the
+medians per event, their ratio, and the sum per run; ``--out`` writes them as JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import psycopg
+from psycopg.types.json import Jsonb
+from rich.console import Console
+from rich.table import Table
+
+from bench import scenario
+from bench.flowcost import OnCpu
+from bench.report import dated_path
+from bench.workload import ONE_TASK, make_template
+from composer_ops.core.runids import month_of
+from composer_ops.engine.ids import uuid7_text
+from composer_ops.testing.servers import Server
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "bench" / "results"
+EVENTS = ("start", "claim", "complete")
+WARM = 10
+
+START = """
+WITH d AS (
+    SELECT 1 FROM workflow_definitions
+     WHERE id = %(wf)s AND version = %(version)s AND enabled AND deleted_at IS NULL
+), r AS (
+    INSERT INTO workflow_runs_p{m} (id, workflow_definition_id, workflow_version, status, context_json,
+                                    created_at, updated_at)
+    SELECT %(run)s, %(wf)s, %(version)s, 'RUNNING', %(context)s, now(), now() FROM d
+    ON CONFLICT (id) DO NOTHING
+    RETURNING id
+), t AS (
+    INSERT INTO task_instances_p{m} (id, run_id, node_id, node_type, queue, state, input_json, scheduled_at,
+                                     created_at, updated_at)
+    SELECT %(task)s, r.id, 'work', 'TASK', 'default', 'PENDING', '{{}}', now(), now(), now() FROM r
+    RETURNING run_id, id
+), o AS (
+    INSERT INTO task_outbox (queue, run_id, task_id, attempt, task_name, lease_s, available_at, created_at, priority)
+    SELECT 'default', t.run_id, t.id, 0, 'noop', 30, now(), now(), 0 FROM t
+    RETURNING id
+), h AS (
+    INSERT INTO run_history_p{m} (run_id, at, kind, request) SELECT r.id, now(), 'started', %(request)s FROM r
+), w AS (
+    SELECT x.worker FROM task_waiters x
+     WHERE x.slots > x.promised - x.seen AND x.queues && ARRAY['default']
+     ORDER BY x.since DESC LIMIT 1
+       FOR UPDATE SKIP LOCKED
+)
+SELECT (SELECT count(*) FROM o) AS written, (SELECT count(*) FROM w) AS waiters, pg_notify('composer_tasks', 'default')
+"""
+
+CLAIM = """
+WITH l AS (
+    SELECT pg_advisory_xact_lock(hashtext('composer_claim'), hashtext(%(claim)s))
+), go AS (
+    SELECT NOT EXISTS (SELECT 1 FROM claim_fences f WHERE f.claim = %(claim)s)
+           AND NOT COALESCE((SELECT s.paused FROM queue_settings s WHERE s.queue = 'default'), false) AS ok
+      FROM l
+), o AS (
+    DELETE FROM task_outbox
+     WHERE id = (SELECT id FROM task_outbox
+                  WHERE queue = 'default' AND available_at <= now() AND task_name = ANY(%(names)s)
+                  ORDER BY priority DESC, available_at, id LIMIT 1
+                    FOR UPDATE SKIP LOCKED)
+       AND (SELECT ok FROM go)
+    RETURNING run_id, task_id, attempt, task_name, lease_s, max_run_s, queue
+), t AS (
+    UPDATE task_instances_p{m} t
+       SET state = 'RUNNING', lease_owner = %(owner)s,
+           lease_expires_at = now() + make_interval(secs => LEAST(o.lease_s, o.max_run_s)),
+           run_deadline_at = now() + make_interval(secs => o.max_run_s), started_at = now(), updated_at = now()
+      FROM o
+     WHERE t.run_id = o.run_id AND t.id = o.task_id AND t.attempt = o.attempt AND t.state IN ('PENDING', 'QUEUED')
+       AND NOT EXISTS (SELECT 1 FROM workflow_runs_p{m} r WHERE r.id = o.run_id AND r.deleted_at IS NOT NULL)
+    RETURNING t.run_id, t.id AS task_id, t.node_id, t.attempt, o.task_name, o.queue, t.input_json,
+              LEAST(o.lease_s, o.max_run_s) AS lease_s, t.lease_owner, t.lease_expires_at
+), h AS (
+    INSERT INTO run_history_p{m} (run_id, kind, node_id, task_id, attempt, worker, request, detail)
+    SELECT t.run_id, 'claimed', t.node_id, t.task_id, t.attempt, t.lease_owner, %(claim)s,
+           jsonb_build_object('task', t.task_name, 'lease_s', t.lease_s)
+      FROM t
+)
+SELECT run_id, task_id, attempt FROM t
+"""
+
+LOCK = """
+SELECT now(), r.id, r.workflow_definition_id, r.workflow_version, r.status, r.context_json
+  FROM workflow_runs_p{m} r WHERE r.id = %(run)s AND r.deleted_at IS NULL
+   FOR UPDATE
+"""
+
+LOAD = """
+SELECT node_id, id, state, attempt, branches, signal_name, lease_owner, lease_expires_at, created_at, wake_at,
+       lease_expiries, items_total, items_started, items_done, items_failed
+  FROM task_instances_p{m} WHERE run_id = %(run)s
+"""
+
+FINISH = """
+WITH t AS (
+    UPDATE task_instances_p{m} t
+       SET state = 'COMPLETED', output_json = %(output)s, completed_at = now(), finished_at = now(),
+           updated_at = now(), lease_owner = NULL, lease_expires_at = NULL
+     WHERE t.run_id = %(run)s AND t.id = %(task)s AND t.node_id = 'work' AND t.attempt = %(attempt)s
+       AND t.state IN ('PENDING', 'QUEUED', 'RUNNING')
+    RETURNING t.run_id
+), h AS (
+    INSERT INTO run_history_p{m} (run_id, at, kind, node_id, task_id, attempt, worker, request, detail)
+    SELECT t.run_id, now(), 'completed', 'work', %(task)s, %(attempt)s, %(owner)s, %(request)s,
+           '{{"finished": "SUCCEEDED"}}'
+      FROM t
+), f AS (
+    UPDATE workflow_runs_p{m} r
+       SET status = 'SUCCEEDED', output_json = %(result)s, completed_at = now(), updated_at = now()
+     WHERE r.id = %(run)s AND r.status IN ('PENDING', 'RUNNING') AND EXISTS (SELECT 1 FROM t)
+    RETURNING r.id
+)
+SELECT (SELECT count(*) FROM t) AS tasks, (SELECT count(*) FROM f) AS runs
+"""
+
+
+def _id() -> str:
+    return uuid7_text()
+
+
+class Plain:
+    """The three events as plain prepared statements, on a connection of their own."""
+
+    def __init__(self, url: str) -> None:
+        self.auto = psycopg.connect(url, autocommit=True, application_name="bench-layers-plain")
+        self.pid = int(self.auto.execute("SELECT pg_backend_pid()").fetchone()[0])  # type: ignore[index]
+        # What the engine's claim sets for its own statements (sql/R__claim.sql): the
+        # pick follows the outbox index's order rather than reading and sorting the backlog.
+        for setting in ("enable_seqscan", "enable_bitmapscan", "jit"):
+            self.auto.execute(f"SET {setting} = off")
+        row = self.auto.execute("SELECT version FROM workflow_definitions WHERE id = %s ORDER BY version DESC LIMIT 1",
+                                (ONE_TASK["id"],)).fetchone()
+        if row is None:
+            raise RuntimeError(f"{ONE_TASK['id']} is not deployed")
+        self.version = int(row[0])
+        self.month = month_of(_id())
+        self.claimed: list[tuple[str, str, int]] = []
+
+    def _sql(self, text: str) -> str:
+        return text.format(m=self.month)
+
+    def start(self) -> None:
+        run = _id()
+        if month_of(run) != self.month:
+            raise RuntimeError(f"the month turned during the measurement ({self.month} -> {month_of(run)})")
+        row = self.auto.execute(self._sql(START), {
+            "wf": ONE_TASK["id"], "version": self.version, "run": run, "task": _id(),
+            "context": Jsonb({"input": None, "config": {}}), "request": _id()}, prepare=True).fetchone()
+        if row is None or row[0] != 1:
+            raise RuntimeError(f"plain start of {run} wrote {row}")
+
+    def claim(self) -> None:
+        rows = self.auto.execute(self._sql(CLAIM), {"claim": _id(), "names": ["noop"], "owner": "bench-layers"},
+                                 prepare=True).fetchall()
+        if len(rows) != 1:
+            raise RuntimeError(f"plain claim took {len(rows)} tasks, not 1")
+        self.claimed.append((str(rows[0][0]), str(rows[0][1]), int(rows[0][2])))
+
+    def complete(self) -> None:
+        run, task, attempt = self.claimed.pop()
+        self.auto.autocommit = False
+        try:
+            with self.auto.transaction():
+                if self.auto.execute(self._sql(LOCK), {"run": run}, prepare=True).fetchone() is None:
+                    raise RuntimeError(f"plain completion: run {run} is missing")
+                self.auto.execute(self._sql(LOAD), {"run": run}, prepare=True).fetchall()
+                row = self.auto.execute(self._sql(FINISH), {
+                    "run": run, "task": task, "attempt": attempt, "owner": "bench-layers", "request": _id(),
+                    "output": Jsonb(None), "result": Jsonb({"work": None})}, prepare=True).fetchone()
+                if row != (1, 1):
+                    raise RuntimeError(f"plain completion of {run} wrote {row}")
+        finally:
+            self.auto.autocommit = True
+
+    def close(self) -> None:
+        self.auto.close()
+
+
+def measure(server: Server, template: str, *, runs: int = 200, rounds: int = 4,
+            log: Callable[[str], None] = lambda _m: None) -> dict[str, Any]:
+    """``rounds`` rounds of ``runs`` of each event per side on a database cloned from
+    ``template``: the per-round server ms per event of each side, their medians and ratio."""
+    from composer_ops import Engine
+
+    db = "bench_layers"
+    url = server.create_database(db, template=template)
+    try:
+        with Engine.connect(url, pool_size=1, application_name="bench-layers-engine") as engine:
+            with engine.pool.connection() as conn:
+                engine_cpu = OnCpu(int(conn.execute("SELECT pg_backend_pid()").fetchone()[0]))  # type: ignore[index]
+            plain = Plain(url)
+            try:
+                plain_cpu = OnCpu(plain.pid)
+                claims: list[Any] = []
+
+                def engine_start() -> None:
+                    engine.start(ONE_TASK["id"])
+
+                def engine_claim() -> None:
+                    got = engine.claim(["default"], "bench-layers", 1, task_names=["noop"])
+                    if len(got) != 1:
+                        raise RuntimeError(f"engine claim took {len(got)} tasks, not 1")
+                    claims.extend(got)
+
+                def engine_complete() -> None:
+                    engine.complete(claims.pop(), None)
+
+                sides: dict[str, dict[str, Callable[[], None]]] = {
+                    "engine": {"start": engine_start, "claim": engine_claim, "complete": engine_complete},
+                    "plain": {"start": plain.start, "claim": plain.claim, "complete": plain.complete}}
+                cpus = {"engine": engine_cpu, "plain": plain_cpu}
+                for event in EVENTS:         # warm: plans cached, statements prepared
+                    for name in sides:
+                        for _ in range(WARM):
+                            sides[name][event]()
+                per: dict[str, dict[str, list[float]]] = {n: {e: [] for e in EVENTS} for n in sides}
+                for r in range(rounds):
+                    order = list(sides) if r % 2 == 0 else list(sides)[::-1]
+                    for event in EVENTS:
+                        for name in order:
+                            cpu0 = cpus[name].seconds()
+                            for _ in range(runs):
+                                sides[name][event]()
+                            per[name][event].append((cpus[name].seconds() - cpu0) / runs * 1e3)
+                    log(f"round {r + 1} of {rounds}: " + ", ".join(
+                        f"{e} {per['engine'][e][-1]:.3f}/{per['plain'][e][-1]:.3f}" for e in EVENTS))
+            finally:
+                plain.close()
+        with psycopg.connect(url, autocommit=True) as check:
+            row = check.execute("SELECT count(*) FILTER (WHERE status = 'SUCCEEDED'), count(*) FROM workflow_runs"
+                               ).fetchone()
+            left = check.execute("SELECT count(*) FROM task_outbox").fetchone()
+        expected = 2 * (WARM + runs * rounds)
+        if row != (expected, expected) or left != (0,):
+            raise RuntimeError(f"runs succeeded/all {row}, outbox rows left {left}; expected {expected} and none")
+    finally:
+        server.drop_database(db)
+    medians = {n: {e: statistics.median(v) for e, v in events.items()} for n, events in per.items()}
+    return {"runs": runs, "rounds": rounds, "server_ms_per_event": per, "median": medians,
+            "per_run": {n: sum(m.values()) for n, m in medians.items()},
+            "plain_over_engine": {e: medians["plain"][e] / medians["engine"][e] for e in EVENTS},
+            "plain_over_engine_per_run": sum(medians["plain"].values()) / sum(medians["engine"].values())}
+
+
+def table(result: dict[str, Any]) -> Table:
+    t = Table(title=f"server CPU ms per event, medians of {result['rounds']} rounds of {result['runs']} "
+                    f"(PostgreSQL {result.get('server_version', '?')})")
+    for col in ("event", "engine", "plain statements", "plain / engine"):
+        t.add_column(col, justify="left" if col == "event" else "right")
+    for e in EVENTS:
+        t.add_row(e, f"{result['median']['engine'][e]:.3f}", f"{result['median']['plain'][e]:.3f}",
+                  f"{result['plain_over_engine'][e]:.2f}")
+    t.add_row("a run", f"{result['per_run']['engine']:.3f}", f"{result['per_run']['plain']:.3f}",
+              f"{result['plain_over_engine_per_run']:.2f}")
+    return t
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.layers", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--pgbin", type=Path, help="server binaries of a throwaway cluster (default: the embedded server)")
+    p.add_argument("--runs", type=int, default=200, help="events per side, event and round (default 200)")
+    p.add_argument("--rounds", type=int, default=4, help="rounds (default 4)")
+    p.add_argument("--out", type=Path, default=None, help="default bench/results/layers-pg<major>-<date>-<commit>.json")
+    args = p.parse_args(argv)
+    if args.runs < 1 or args.rounds < 1:
+        p.error("--runs and --rounds must be at least 1")
+    if args.pgbin and not (args.pgbin / "initdb").exists():
+        p.error(f"no PostgreSQL server binaries in {args.pgbin}")
+    server = scenario.start_server(args.pgbin)
+
+    def log(message: str) -> None:
+        sys.stderr.write(f"[layers {time.strftime('%H:%M:%S')}] {message}\n")
+        sys.stderr.flush()
+
+    out = {"server_version": server.version, "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+           "command": "python -m bench.layers " + " ".join(argv if argv is not None else sys.argv[1:]),
+           "load_average_before": os.getloadavg(),
+           **measure(server, make_template(server, "bench_tpl_layers"), runs=args.runs, rounds=args.rounds, log=log),
+           "load_average_after": os.getloadavg()}
+    path = args.out or dated_path(RESULTS, f"layers-pg{server.version_num // 10000}-")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(out, indent=2, default=str) + "\n")
+    Console(width=200).print(table(out))
+    log(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
