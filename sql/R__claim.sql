@@ -180,6 +180,7 @@ BEGIN
     IF p_queues IS NULL OR p_limit IS NULL OR p_limit <= 0 THEN
         RETURN;
     END IF;
+    p_skip := array_remove(p_skip, NULL);      -- o.id <> ALL of an array with a NULL is never true
     FOREACH q IN ARRAY p_queues LOOP
         CONTINUE WHEN q IS NULL OR q = ANY(opened);
         opened := opened || q;

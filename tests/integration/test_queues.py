@@ -121,6 +121,16 @@ def test_a_pick_in_any_session_follows_the_index_whatever_its_cached_plans(db_ur
     assert after[0] - before[0] < 20, f"a pick of one read {after[0] - before[0]} outbox rows"
 
 
+def test_a_null_among_the_ids_a_pick_skips_skips_nothing_else(db_url: str, engine: Engine) -> None:
+    """``o.id <> ALL(p_skip)`` is NULL for every row when p_skip holds a NULL: the pick
+    took nothing. A NULL names no row; the rows not named are taken."""
+    for _ in range(3):
+        engine.start("low")
+    ids = [row[0] for row in _sql(db_url, "SELECT id FROM task_outbox ORDER BY id")]
+    got = _sql(db_url, "SELECT * FROM composer_pick(ARRAY['q'], NULL, 5, ARRAY[NULL, %s]::bigint[])", (ids[0],))
+    assert [row[0] for row in got] == ids[1:]
+
+
 def test_a_claim_reads_the_rows_it_takes_not_the_whole_backlog(db_url: str, engine: Engine) -> None:
     """Behind 1,500 ready rows a one-task claim reads a handful of outbox rows: the pick
     follows the index's order instead of reading and sorting every ready row."""
