@@ -20,9 +20,11 @@ than one queue or month per claim, and retries.
 
 Each round runs ``--runs`` starts, then claims (one task each), then completions,
 each event by the engine (one pooled connection) and by the plain statements (a
-connection of their own), which goes first alternating by round; each block is
-measured as its session's backend time on a CPU (``/proc/PID/schedstat``). Prints the
-medians per event, their ratio, and the sum per run; ``--out`` writes them as JSON.
+connection of their own), which goes first alternating by round; then, plain only,
+``--runs`` completions each making the next claim in its own transaction (a sketch of
+claim-on-complete). Each block is measured as its session's backend time on a CPU
+(``/proc/PID/schedstat``). Prints the medians per event, their ratio, the sum per run,
+and the completion with its claim against the two apart; ``--out`` writes them as JSON.
 """
 
 from __future__ import annotations
@@ -196,7 +198,8 @@ class Plain:
             raise RuntimeError(f"plain claim took {len(rows)} tasks, not 1")
         self.claimed.append((str(rows[0][0]), str(rows[0][1]), int(rows[0][2])))
 
-    def complete(self) -> None:
+    def complete(self, *, then_claim: bool = False) -> None:
+        """The completion; ``then_claim``: the next claim made in its transaction."""
         run, task, attempt = self.claimed.pop()
         self.auto.autocommit = False
         try:
@@ -209,6 +212,8 @@ class Plain:
                     "output": Jsonb(None), "result": Jsonb({"work": None})}, prepare=True).fetchone()
                 if row != (1, 1):
                     raise RuntimeError(f"plain completion of {run} wrote {row}")
+                if then_claim:
+                    self.claim()
         finally:
             self.auto.autocommit = True
 
@@ -254,6 +259,7 @@ def measure(server: Server, template: str, *, runs: int = 200, rounds: int = 4,
                         for _ in range(WARM):
                             sides[name][event]()
                 per: dict[str, dict[str, list[float]]] = {n: {e: [] for e in EVENTS} for n in sides}
+                together: list[float] = []
                 for r in range(rounds):
                     order = list(sides) if r % 2 == 0 else list(sides)[::-1]
                     for event in EVENTS:
@@ -262,15 +268,28 @@ def measure(server: Server, template: str, *, runs: int = 200, rounds: int = 4,
                             for _ in range(runs):
                                 sides[name][event]()
                             per[name][event].append((cpus[name].seconds() - cpu0) / runs * 1e3)
+                    # A completion that makes the next claim in its transaction: runs
+                    # claimed in hand and as many ready, then completed afterwards.
+                    for _ in range(2 * runs):
+                        plain.start()
+                    for _ in range(runs):
+                        plain.claim()
+                    cpu0 = plain_cpu.seconds()
+                    for _ in range(runs):
+                        plain.complete(then_claim=True)
+                    together.append((plain_cpu.seconds() - cpu0) / runs * 1e3)
+                    for _ in range(runs):
+                        plain.complete()
                     log(f"round {r + 1} of {rounds}: " + ", ".join(
-                        f"{e} {per['engine'][e][-1]:.3f}/{per['plain'][e][-1]:.3f}" for e in EVENTS))
+                        f"{e} {per['engine'][e][-1]:.3f}/{per['plain'][e][-1]:.3f}" for e in EVENTS)
+                        + f", plain completion and claim together {together[-1]:.3f}")
             finally:
                 plain.close()
         with psycopg.connect(url, autocommit=True) as check:
             row = check.execute("SELECT count(*) FILTER (WHERE status = 'SUCCEEDED'), count(*) FROM workflow_runs"
                                ).fetchone()
             left = check.execute("SELECT count(*) FROM task_outbox").fetchone()
-        expected = 2 * (WARM + runs * rounds)
+        expected = 2 * (WARM + runs * rounds) + 2 * runs * rounds
         if row != (expected, expected) or left != (0,):
             raise RuntimeError(f"runs succeeded/all {row}, outbox rows left {left}; expected {expected} and none")
     finally:
@@ -279,7 +298,10 @@ def measure(server: Server, template: str, *, runs: int = 200, rounds: int = 4,
     return {"runs": runs, "rounds": rounds, "server_ms_per_event": per, "median": medians,
             "per_run": {n: sum(m.values()) for n, m in medians.items()},
             "plain_over_engine": {e: medians["plain"][e] / medians["engine"][e] for e in EVENTS},
-            "plain_over_engine_per_run": sum(medians["plain"].values()) / sum(medians["engine"].values())}
+            "plain_over_engine_per_run": sum(medians["plain"].values()) / sum(medians["engine"].values()),
+            "plain_complete_and_claim_together": together,
+            "together_over_apart": statistics.median(together) / (medians["plain"]["complete"]
+                                                                   + medians["plain"]["claim"])}
 
 
 def table(result: dict[str, Any]) -> Table:
@@ -292,6 +314,9 @@ def table(result: dict[str, Any]) -> Table:
                   f"{result['plain_over_engine'][e]:.2f}")
     t.add_row("a run", f"{result['per_run']['engine']:.3f}", f"{result['per_run']['plain']:.3f}",
               f"{result['plain_over_engine_per_run']:.2f}")
+    together = statistics.median(result["plain_complete_and_claim_together"])
+    t.add_row("completion with the next claim, one transaction (plain; ratio to apart)", "",
+              f"{together:.3f}", f"{result['together_over_apart']:.2f}")
     return t
 
 

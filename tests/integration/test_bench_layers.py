@@ -23,6 +23,7 @@ def test_layers_measures_both_sides_of_every_event_and_cleans_up(server: Server)
         assert all(len(v) == 2 for v in out["server_ms_per_event"][side].values())
         assert out["per_run"][side] > 0
     assert set(out["plain_over_engine"]) == set(layers.EVENTS)
+    assert len(out["plain_complete_and_claim_together"]) == 2 and out["together_over_apart"] > 0
     with psycopg.connect(server.admin_url) as conn:
         left = conn.execute("SELECT datname FROM pg_database WHERE datname LIKE 'bench_layers%%'").fetchall()
     assert left == []
