@@ -170,18 +170,16 @@ class Coordinator:
 
     def run(self) -> None:
         """Loop until ``stop()``; the pass in progress finishes first. Installs no signal
-        handlers (the CLI entry point does). A ``stop()`` made before ``run()`` makes it
-        return without a pass; once it has returned, it can run again."""
+        handlers (the CLI entry point does). A ``stop()`` is final, whenever it is made: one
+        made before ``run()`` makes it return without a pass, as does any ``run()`` after it
+        (``run_once()`` still runs a pass)."""
         log.info("coordinator running (interval %.2fs)", self.interval)
-        try:
-            while not self._stop.is_set():
-                stats = self.run_once()
-                full = (stats.timers_fired + stats.leases_expired >= self.batch
-                        or stats.schedule_runs_started >= self.batch or stats.children_delivered >= self.batch)
-                if not full:
-                    self._stop.wait(self.interval)
-        finally:
-            self._stop.clear()      # the stop it answered; not cleared at the start, where one would be lost
+        while not self._stop.is_set():
+            stats = self.run_once()
+            full = (stats.timers_fired + stats.leases_expired >= self.batch or stats.schedule_runs_started >= self.batch
+                    or stats.children_delivered >= self.batch)
+            if not full:
+                self._stop.wait(self.interval)
 
     def run_once(self, loops: Collection[str] | None = None) -> PassStats:
         """One pass of every loop (or of the named ones: ``partitions``, ``schedules``,

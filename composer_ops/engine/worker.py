@@ -172,17 +172,11 @@ class Worker:
     def run(self) -> None:
         """Claim and run tasks until ``stop()``; then wait for the handlers in flight
         (at most ``shutdown_timeout`` seconds). Raises ``ShutdownTimeout`` naming the
-        attempts abandoned at the deadline. A ``stop()`` made before ``run()`` (a SIGTERM
-        that reached the CLI while it set up) makes it return without claiming; once it
-        has returned, it can run again."""
+        attempts abandoned at the deadline. A ``stop()`` is final, whenever it is made: one
+        made before ``run()`` (a SIGTERM that reached the CLI while it set up) makes it
+        return without claiming, as does any ``run()`` after it (a new Worker serves again)."""
         if not self._handlers:
             raise Invalid("the worker has no handlers; register one with @worker.handler(name)")
-        try:
-            self._run()
-        finally:
-            self._stop.clear()      # the stop it answered; not cleared at the start, where one would be lost
-
-    def _run(self) -> None:
         self._done.clear()
         slots: queue.SimpleQueue[tuple[Claim, float] | None] = queue.SimpleQueue()
         threads = [threading.Thread(target=self._slot, args=(slots,), name=f"composer-task-{i}", daemon=True)

@@ -139,47 +139,40 @@ def test_shutdown_waits_for_handlers_that_finish_in_time(engine: Engine) -> None
     assert engine.get_run(run_id).status == "SUCCEEDED"
 
 
-def test_a_stop_before_run_is_not_lost_and_the_worker_can_run_again(engine: Engine) -> None:
+def test_a_stop_before_run_is_not_lost_and_stays_final(engine: Engine) -> None:
     """run() used to clear its stop Event when it started: a stop() made before (a
     SIGTERM that reached the CLI between installing its handlers and run()) was lost, and
-    the worker served on until a second signal."""
+    the worker served on until a second signal. A stop is final: no run() after it claims."""
     engine.deploy({"id": "noop", "nodes": [{"id": "job", "type": "TASK", "task": "job"}]})
     run_id = engine.start("noop")
     worker = Worker(engine, concurrency=1, poll_interval=0.05)
     worker.handler("job")(lambda input, ctx: {"ok": True})
     worker.stop()
-    thread = threading.Thread(target=worker.run, daemon=True)
-    thread.start()
-    thread.join(60)
-    try:
-        assert not thread.is_alive(), "run() ignored the stop() made before it"
-        assert engine.get_run(run_id).status == "RUNNING"
+    for attempt in ("first", "second"):
+        thread = threading.Thread(target=worker.run, daemon=True)
+        thread.start()
+        thread.join(60)
+        assert not thread.is_alive(), f"the {attempt} run() ignored the stop() made before it"
         assert [t.state for t in engine.get_run(run_id).tasks] == ["PENDING"]   # nothing claimed
-        again = threading.Thread(target=worker.run, daemon=True)         # the stop it answered is spent
-        again.start()
-        wait_for(lambda: engine.get_run(run_id).status == "SUCCEEDED", timeout=60, what="the run to succeed")
-    finally:
-        worker.stop()
-    again.join(60)
-    assert not again.is_alive()
 
 
-def test_a_stop_before_run_ends_the_coordinators_run_too(engine: Engine) -> None:
+def test_a_stop_before_run_ends_the_coordinators_run_too(engine: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
     coordinator = engine.coordinator()
+    passes: list[object] = []
+    real = coordinator.run_once
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        passes.append(real(*args, **kwargs))
+        return passes[-1]
+
+    monkeypatch.setattr(coordinator, "run_once", counted)
     coordinator.stop()
-    thread = threading.Thread(target=coordinator.run, daemon=True)
-    thread.start()
-    thread.join(60)
-    try:
-        assert not thread.is_alive(), "the coordinator's run() ignored the stop() made before it"
-        again = threading.Thread(target=coordinator.run, daemon=True)      # the stop it answered is spent
-        again.start()
-        again.join(1.0)
-        assert again.is_alive(), "the coordinator's second run() returned without a stop()"
-    finally:
-        coordinator.stop()
-    again.join(60)
-    assert not again.is_alive()
+    for attempt in ("first", "second"):
+        thread = threading.Thread(target=coordinator.run, daemon=True)
+        thread.start()
+        thread.join(60)
+        assert not thread.is_alive(), f"the coordinator's {attempt} run() ignored the stop() made before it"
+    assert passes == []
 
 
 def test_the_library_worker_installs_no_signal_handlers(engine: Engine) -> None:
