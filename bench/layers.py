@@ -16,7 +16,11 @@ the run not deleted, the fenced task update) and the start's wake-up read of
 ``task_waiters`` and notification; the completion as three statements in a
 transaction (its BEGIN and COMMIT included). What it leaves out: the engine's
 decisions (the pure core, on the client), flow control beyond a paused queue, more
-than one queue or month per claim, and retries.
+than one queue or month per claim, retries, and the hand-off of wake-ups to registered
+workers (none is registered here, so neither side hands any out). A sketch, not a
+replacement: its claim checks the fence in the snapshot its advisory lock was taken in
+(the engine's looks again after the lock), and its start leaves ``max_run_s`` and the
+'started' row's detail out.
 
 Each round runs ``--runs`` starts, then claims (one task each), then completions,
 each event by the engine (one pooled connection) and by the plain statements (a
