@@ -19,8 +19,8 @@ decisions (the pure core, on the client), flow control beyond a paused queue, mo
 than one queue or month per claim, retries, and the hand-off of wake-ups to registered
 workers (none is registered here, so neither side hands any out). A sketch, not a
 replacement: its claim checks the fence in the snapshot its advisory lock was taken in
-(the engine's looks again after the lock), and its start leaves ``max_run_s`` and the
-'started' row's detail out.
+(the engine's looks again after the lock). Its start writes the rows the engine's
+writes for this workflow (no ``max_run_s``, no 'started' detail: bench-one has neither).
 
 Each round runs ``--runs`` starts, then claims (one task each), then completions,
 each event by the engine (one pooled connection) and by the plain statements (a
