@@ -41,8 +41,6 @@ Writes ``bench/results/flowcost-pg<major>-<date>-<commit>.json`` (or ``--out``) 
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import statistics
 import sys
 import time
@@ -57,7 +55,7 @@ from rich.table import Table
 
 from bench import scenario
 from bench.months import _Backend, _percentile
-from bench.report import dated_path
+from bench.report import measured_run, stderr_log, write_results
 from composer_ops.testing.servers import Server
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -363,20 +361,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.pgbin and not (args.pgbin / "initdb").exists():
         p.error(f"no PostgreSQL server binaries in {args.pgbin}")
     server = scenario.start_server(args.pgbin, STATEMENT_SETTINGS if args.pgbin else None)
-
-    def log(message: str) -> None:
-        sys.stderr.write(f"[flowcost {time.strftime('%H:%M:%S')}] {message}\n")
-        sys.stderr.flush()
-
-    out = {"server_version": server.version, "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-           "command": "python -m bench.flowcost " + " ".join(argv if argv is not None else sys.argv[1:]),
-           "load_average_before": os.getloadavg(),
-           **measure(server, runs=args.runs, rounds=args.rounds, other_queues=args.other_queues, held=args.held,
-                     log=log),
-           "load_average_after": os.getloadavg()}
-    path = args.out or dated_path(RESULTS, f"flowcost-pg{server.version_num // 10000}-")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(out, indent=2, default=str) + "\n")
+    log = stderr_log("flowcost")
+    out = measured_run(server.version,
+                       "python -m bench.flowcost " + " ".join(argv if argv is not None else sys.argv[1:]),
+                       lambda: measure(server, runs=args.runs, rounds=args.rounds, other_queues=args.other_queues,
+                                       held=args.held, log=log))
+    path = write_results(out, args.out, RESULTS, f"flowcost-pg{server.version_num // 10000}-")
     Console(width=200).print(table(out))
     log(f"wrote {path}")
     return 0

@@ -34,11 +34,8 @@ and the completion with its claim against the two apart; ``--out`` writes them a
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import statistics
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -50,7 +47,7 @@ from rich.table import Table
 
 from bench import scenario
 from bench.flowcost import OnCpu
-from bench.report import dated_path
+from bench.report import measured_run, stderr_log, write_results
 from bench.workload import ONE_TASK, make_template
 from composer_ops.core.runids import month_of
 from composer_ops.engine.ids import uuid7_text
@@ -337,19 +334,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.pgbin and not (args.pgbin / "initdb").exists():
         p.error(f"no PostgreSQL server binaries in {args.pgbin}")
     server = scenario.start_server(args.pgbin)
-
-    def log(message: str) -> None:
-        sys.stderr.write(f"[layers {time.strftime('%H:%M:%S')}] {message}\n")
-        sys.stderr.flush()
-
-    out = {"server_version": server.version, "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-           "command": "python -m bench.layers " + " ".join(argv if argv is not None else sys.argv[1:]),
-           "load_average_before": os.getloadavg(),
-           **measure(server, make_template(server, "bench_tpl_layers"), runs=args.runs, rounds=args.rounds, log=log),
-           "load_average_after": os.getloadavg()}
-    path = args.out or dated_path(RESULTS, f"layers-pg{server.version_num // 10000}-")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(out, indent=2, default=str) + "\n")
+    log = stderr_log("layers")
+    out = measured_run(server.version, "python -m bench.layers " + " ".join(argv if argv is not None else sys.argv[1:]),
+                       lambda: measure(server, make_template(server, "bench_tpl_layers"), runs=args.runs,
+                                       rounds=args.rounds, log=log))
+    path = write_results(out, args.out, RESULTS, f"layers-pg{server.version_num // 10000}-")
     Console(width=200).print(table(out))
     log(f"wrote {path}")
     return 0

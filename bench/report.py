@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
+import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -210,3 +213,27 @@ def dated_path(results: Path, prefix: str = "") -> Path:
 def write(summary: dict[str, Any], path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(summary, indent=2, default=str) + "\n")
+
+
+def stderr_log(name: str) -> Callable[[str], None]:
+    """A progress logger of one benchmark: ``[name HH:MM:SS] message`` on stderr."""
+    def log(message: str) -> None:
+        sys.stderr.write(f"[{name} {time.strftime('%H:%M:%S')}] {message}\n")
+        sys.stderr.flush()
+
+    return log
+
+
+def measured_run(server_version: str, command: str, measure: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+    """What ``measure()`` returns, with the server's version, the UTC date, the command and
+    the load average before and after it: one benchmark's results file."""
+    return {"server_version": server_version, "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "command": command, "load_average_before": os.getloadavg(), **measure(),
+            "load_average_after": os.getloadavg()}
+
+
+def write_results(out: dict[str, Any], path: Path | None, results: Path, prefix: str) -> Path:
+    """Write ``out`` to ``path``, or to ``results/<prefix><date>-<commit>.json``; the path."""
+    path = path or dated_path(results, prefix)
+    write(out, path)
+    return path
