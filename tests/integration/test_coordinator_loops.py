@@ -161,14 +161,14 @@ def test_a_locked_run_is_waited_for_once_a_pass_not_once_per_candidate(engine: E
     _sql(db_url, "UPDATE task_instances SET lease_expires_at = now() - interval '1 minute' WHERE run_id = %s",
          (run_id,))
     # A wait long enough that once and twice differ by more than a loaded machine adds.
-    coordinator = engine.coordinator(batch=10, event_lock_wait_s=3.0)
+    coordinator = engine.coordinator(batch=10, event_lock_wait_s=5.0)
     with psycopg.connect(db_url) as holder:
         holder.execute("SELECT 1 FROM workflow_runs WHERE id = %s FOR UPDATE", (run_id,))
         began = time.monotonic()
         stats = coordinator.run_once(["leases"])
         took = time.monotonic() - began
     assert (stats.busy, stats.leases_expired, stats.errors) == (2, 0, []), stats
-    assert 3.0 <= took < 6.0, took
+    assert 5.0 <= took < 10.0, took                        # once, with 5 s for the rest of the pass
 
 
 def test_coordinator_once_says_how_many_it_backed_off_behind_a_locked_run(

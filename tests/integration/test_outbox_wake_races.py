@@ -24,7 +24,7 @@ from composer_ops import Engine, Worker
 from composer_ops.db.connect import connect
 from composer_ops.repo import outbox
 from composer_ops.testing.processes import TERMINAL, wait_for
-from tests.integration.test_outbox_wake_one import Wakes, wakes  # noqa: F401  (the fixture)
+from tests.integration.test_outbox_wake_one import SENTINEL, Wakes, wakes  # noqa: F401  (the fixture)
 
 ONE = {"id": "one", "nodes": [{"id": "a", "type": "TASK", "task": "noop"}]}
 
@@ -92,11 +92,20 @@ def test_a_killed_waiters_task_is_claimed_by_an_idle_workers_poll(db_url: str, e
         with psycopg.connect(db_url, autocommit=True) as listen:
             outbox.listen(listen, outbox.wake_channel("dead"))
             outbox.listen(listen, outbox.CHANNEL)
+            listen.execute(f"LISTEN {SENTINEL}")
             with engine.pool.connection() as conn:   # as if it registered last: the live one polls meanwhile
                 conn.execute("UPDATE task_waiters SET since = now() + interval '1 hour' WHERE worker = 'dead'")
             began = time.monotonic()
             run_id = engine.start("one")
-            told = [(n.channel, n.payload) for n in listen.notifies(timeout=1.0)]
+            with engine.pool.connection() as conn:   # heard after everything the start's commit sent
+                conn.execute(f"NOTIFY {SENTINEL}")
+            told: list[tuple[str, str]] = []
+            for n in listen.notifies(timeout=60):
+                if n.channel == SENTINEL:
+                    break
+                told.append((n.channel, n.payload))
+            else:
+                raise AssertionError(f"the listener did not hear {SENTINEL} within 60 s (before it: {told})")
         assert told == [(outbox.wake_channel("dead"), "1")]
         wait_for(partial(_finished, engine, run_id), timeout=poll + 20, what=f"run {run_id} claimed by a poll")
         took = time.monotonic() - began

@@ -32,7 +32,7 @@ def test_a_late_attempt_finishing_leaves_the_current_attempts_heartbeats_alone(d
     attempt 1 to the same worker. When attempt 0 finally returns, attempt 1 must keep
     its entry and its heartbeats: its lease never lapses while its handler runs."""
     engine.deploy({"id": "zombie", "nodes": [
-        {"id": "job", "type": "TASK", "task": "job", "lease_s": 3, "retry": {"max_attempts": 3}}]})
+        {"id": "job", "type": "TASK", "task": "job", "lease_s": 6, "retry": {"max_attempts": 3}}]})
     run_id = engine.start("zombie")
     release = {0: threading.Event(), 1: threading.Event()}
     started: dict[int, TaskContext] = {}
@@ -55,9 +55,9 @@ def test_a_late_attempt_finishing_leaves_the_current_attempts_heartbeats_alone(d
         assert engine.coordinator().run_once().leases_expired == 1
         wait_for(lambda: 1 in started, timeout=60, what="attempt 1 to start in the same worker")
         release[0].set()                                   # the late attempt returns (its result is stale)
-        # Two leases and more of attempt 1: heartbeats (every second) must have extended it.
-        # A lease of 3 s leaves a loaded machine two missed beats before it would lapse.
-        time.sleep(7.0)
+        # Two leases and more of attempt 1: heartbeats (every 2 s) must have extended it.
+        # A lease of 6 s leaves a loaded machine two missed beats before it would lapse.
+        time.sleep(13.0)
         state, attempt, expires = _task_row(db_url, run_id)
         assert (state, attempt) == ("RUNNING", 1)
         assert not started[1].lease_lost, "attempt 1 lost its lease on a healthy worker"
@@ -109,9 +109,18 @@ def test_shutdown_abandons_a_hung_handler_at_the_deadline_and_stops_its_lease(db
         assert len(raised) == 1 and isinstance(raised[0], ShutdownTimeout), raised
         task_id = engine.get_run(run_id).tasks[0].id
         assert f"task {task_id} attempt 0" in str(raised[0])
-        # No more heartbeats: the lease lapses, the sweeper re-queues the task.
-        time.sleep(1.5)
-        assert engine.coordinator().run_once().leases_expired == 1
+        # No more heartbeats: the lease lapses, the sweeper re-queues the task. Swept
+        # until then: a beat already under way when run() returned may have extended it
+        # once more, and on a loaded machine that lands late.
+        coordinator = engine.coordinator()
+        expired: list[int] = []
+
+        def swept() -> bool:
+            expired.append(coordinator.run_once(["leases"]).leases_expired)
+            return sum(expired) >= 1
+
+        wait_for(swept, timeout=30, what="the abandoned task's lease to lapse and be swept")
+        assert sum(expired) == 1
         state, attempt, _ = _task_row(db_url, run_id)
         assert (state, attempt) == ("PENDING", 1)
     finally:
@@ -297,7 +306,7 @@ def test_the_cli_worker_exits_1_naming_what_it_abandoned(db_url: str, engine: En
 def test_a_worker_that_does_not_stop_in_time_has_its_stacks_logged_before_the_kill(db_url: str,
                                                                                    engine: Engine) -> None:
     """A process still running when the fleet's stop deadline passes (here a worker told
-    to wait 60 s for a handler sleeping 60 s, the fleet waiting 2 s) is sent SIGUSR1
+    to wait 60 s for a handler sleeping 60 s, the fleet waiting 10 s) is sent SIGUSR1
     first: its log then shows where every thread was (the main one waiting for the
     handler), and the kill is recorded as a crash."""
     engine.deploy({"id": "sleepy", "nodes": [{"id": "job", "type": "TASK", "task": "work",
@@ -307,7 +316,7 @@ def test_a_worker_that_does_not_stop_in_time_has_its_stacks_logged_before_the_ki
     try:
         proc = fleet.worker("--shutdown-timeout", "60", concurrency=1)
         wait_for(lambda: _task_row(db_url, run_id)[0] == "RUNNING", timeout=30, what="the task to be claimed")
-        assert fleet.terminate("worker", timeout=2) == [proc]
+        assert fleet.terminate("worker", timeout=10) == [proc]
         err = proc.stderr()
         assert fleet.crashes == [(proc, -signal.SIGKILL)], err
         assert "most recent call first" in err and "in _drain" in err, err

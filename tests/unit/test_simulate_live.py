@@ -140,18 +140,27 @@ class _QuietFleet:
 
 def test_a_simulation_over_before_any_run_finished_waits_for_one(monkeypatch: pytest.MonkeyPatch) -> None:
     # The workers of a loaded machine serve nothing within the traffic's 0.2 s; the first
-    # run finishes 1.5 s after the start. The simulation ends only once it has.
-    finish_at = time.monotonic() + 1.5
+    # run finishes 1 s into the wait after the traffic (timed from the wait's start, not
+    # the test's: a slow set-up must not eat it). The simulation ends only once it has.
+    waiting_since: list[float] = []
+    await_progress = LiveSimulation._await_progress
+
+    def timed_wait(self: LiveSimulation, fleet: Any, deadline_s: float) -> None:
+        waiting_since.append(time.monotonic())
+        await_progress(self, fleet, deadline_s)
+
+    monkeypatch.setattr(LiveSimulation, "_await_progress", timed_wait)
     monkeypatch.setattr(simulator, "clock", lambda conn: datetime.now(UTC))
     monkeypatch.setattr(simulator, "finished_runs",
-                        lambda conn, ids: list(ids)[:1] if time.monotonic() >= finish_at else [])
+                        lambda conn, ids: list(ids)[:1]
+                        if waiting_since and time.monotonic() >= waiting_since[0] + 1.0 else [])
     monkeypatch.setattr(live, "simulation_fleet", lambda url, behaviour: _QuietFleet())
     engine = _Engine()
     engine.url = ""  # type: ignore[attr-defined]
     options = LiveOptions(seed=5, runs=3, duration_s=0.2, cancel_rate=0.0, kill_workers=0)
     result = LiveSimulation(engine, options).run()  # type: ignore[arg-type]
     assert len(result.run_ids) == options.runs
-    assert time.monotonic() >= finish_at and result.progress_wait_s > 0.5
+    assert len(waiting_since) == 1 and result.progress_wait_s >= 1.0
 
 
 def test_the_wait_for_a_first_finished_run_ends_at_its_deadline(monkeypatch: pytest.MonkeyPatch) -> None:
