@@ -1,7 +1,7 @@
 """The cost of the function layers: the server's CPU for each event of a 1-task run, in the engine's
 functions against the same rows written by plain prepared statements.
 
-``python -m bench.layers [--pgbin DIR] [--runs 200] [--rounds 4] [--out FILE]``
+``python -m bench.layers [--pgbin DIR [--fsync off]] [--runs 200] [--rounds 4] [--out FILE]``
 
 A design measurement, not a second engine. The engine writes an event through
 PL/pgSQL functions (a start and a completion through ``composer_apply``, a claim
@@ -307,7 +307,7 @@ def measure(server: Server, template: str, *, runs: int = 200, rounds: int = 4,
 
 def table(result: dict[str, Any]) -> Table:
     t = Table(title=f"server CPU ms per event, medians of {result['rounds']} rounds of {result['runs']} "
-                    f"(PostgreSQL {result.get('server_version', '?')})")
+                    f"(PostgreSQL {result.get('server_version', '?')}, fsync {result.get('fsync', '?')})")
     for col in ("event", "engine", "plain statements", "plain / engine"):
         t.add_column(col, justify="left" if col == "event" else "right")
     for e in EVENTS:
@@ -327,18 +327,26 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--pgbin", type=Path, help="server binaries of a throwaway cluster (default: the embedded server)")
     p.add_argument("--runs", type=int, default=200, help="events per side, event and round (default 200)")
     p.add_argument("--rounds", type=int, default=4, help="rounds (default 4)")
-    p.add_argument("--out", type=Path, default=None, help="default bench/results/layers-pg<major>-<date>-<commit>.json")
+    p.add_argument("--fsync", choices=("on", "off"), default="on",
+                   help="the cluster's fsync (off: with --pgbin only; the CPU a commit's flush costs the "
+                        "session's backend is then left out)")
+    p.add_argument("--out", type=Path, default=None,
+                   help="default bench/results/layers-pg<major>-[fsync-off-]<date>-<commit>.json")
     args = p.parse_args(argv)
     if args.runs < 1 or args.rounds < 1:
         p.error("--runs and --rounds must be at least 1")
     if args.pgbin and not (args.pgbin / "initdb").exists():
         p.error(f"no PostgreSQL server binaries in {args.pgbin}")
-    server = scenario.start_server(args.pgbin)
+    if args.fsync == "off" and not args.pgbin:
+        p.error("--fsync off needs --pgbin (the embedded server keeps its own settings)")
+    server = scenario.start_server(args.pgbin, {"fsync": args.fsync} if args.pgbin else None)
     log = stderr_log("layers")
     out = measured_run(server.version, "python -m bench.layers " + " ".join(argv if argv is not None else sys.argv[1:]),
                        lambda: measure(server, make_template(server, "bench_tpl_layers"), runs=args.runs,
                                        rounds=args.rounds, log=log))
-    path = write_results(out, args.out, RESULTS, f"layers-pg{server.version_num // 10000}-")
+    out["fsync"] = server.settings(("fsync",)).get("fsync")
+    path = write_results(out, args.out, RESULTS, f"layers-pg{server.version_num // 10000}-"
+                                                 + ("fsync-off-" if args.fsync == "off" else ""))
     Console(width=200).print(table(out))
     log(f"wrote {path}")
     return 0
