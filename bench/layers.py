@@ -34,6 +34,7 @@ and the completion with its claim against the two apart; ``--out`` writes them a
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 from collections.abc import Callable
@@ -51,6 +52,7 @@ from bench.report import measured_run, stderr_log, write_results
 from bench.workload import ONE_TASK, make_template
 from composer_ops.core.runids import month_of
 from composer_ops.engine.ids import uuid7_text
+from composer_ops.testing import servers
 from composer_ops.testing.servers import Server
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -337,8 +339,8 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--runs and --rounds must be at least 1")
     if args.pgbin and not (args.pgbin / "initdb").exists():
         p.error(f"no PostgreSQL server binaries in {args.pgbin}")
-    if args.fsync == "off" and not args.pgbin:
-        p.error("--fsync off needs --pgbin (the embedded server keeps its own settings)")
+    if args.fsync == "off" and (not args.pgbin or os.environ.get(servers.ENV_URL)):
+        p.error("--fsync off needs --pgbin and no COMPOSER_DATABASE_URL (a cluster of its own)")
     server = scenario.start_server(args.pgbin, {"fsync": args.fsync} if args.pgbin else None)
     log = stderr_log("layers")
     out = measured_run(server.version, "python -m bench.layers " + " ".join(argv if argv is not None else sys.argv[1:]),

@@ -65,7 +65,7 @@ def test_failing_heartbeats_stop_the_handler_and_its_result_is_dropped(
     with Running(engine) as w:
         wait_for(lambda: w.results, timeout=60, what="the attempt to end")
     assert w.noticed, "the handler was never told that its lease was lost"
-    assert w.noticed[0] - w.started[0] < 1.0 + 3.0          # by the lease's own clock; slack for a loaded machine
+    assert w.noticed[0] - w.started[0] < 1.0 + 1.5          # by the lease's own clock; slack for a loaded machine
     assert [r.status for r in w.results] == ["stale"]
     task = engine.get_run(run_id).tasks[0]
     assert (task.state, task.attempt, task.output) == ("RUNNING", 0, None)   # nothing applied
