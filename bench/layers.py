@@ -3,9 +3,10 @@ functions against the same rows written by plain prepared statements.
 
 ``python -m bench.layers [--pgbin DIR [--fsync off]] [--runs 200] [--rounds 4] [--out FILE]``
 
-A design measurement, not a second engine. The engine writes an event through
-PL/pgSQL functions (a start and a completion through ``composer_apply``, a claim
-through ``composer_claim``, sql/R__apply.sql and sql/R__claim.sql). Here the same row
+A design measurement, not a second engine. The engine writes a claim through PL/pgSQL
+functions (``composer_claim``, sql/R__claim.sql), and wrote a start and a completion
+through ``composer_apply`` until 2026-12-05 (now one statement it prepares,
+composer_ops/repo/writes.py; the completion's lock and load is still a function). Here the same row
 writes (a start: the run, its task, the outbox row and the 'started' history row; a
 claim: the outbox row deleted, the task leased, the 'claimed' history row; a
 completion: the run locked and read with its tasks, the task completed, the

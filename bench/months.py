@@ -151,7 +151,7 @@ def locks(url: str) -> dict[str, int]:
             engine, lambda conn: bool(signals.due_waits(conn, 100, now=clock.now(conn), floor=floor)) and False)
         out["active floor read"] = _locks_held(engine, lambda conn: bool(tasks.active_floor(conn)) and False)
         # A completion is the shell's event transaction: count inside it, after its one
-        # write (composer_apply) and before the COMMIT pipelined with it.
+        # write (repo/writes.py) and before the COMMIT pipelined with it.
         counted: list[int] = []
         send = writes.send
 

@@ -12,6 +12,8 @@ a task. Driver errors become these at one boundary, the connection class of
 
 from __future__ import annotations
 
+from datetime import datetime
+
 
 class ComposerError(Exception):
     """Base class of every error composer_ops raises on purpose."""
@@ -74,6 +76,21 @@ class NotDelegated(ComposerError):
     What the call reads is not that node's: no result is better than an empty one."""
 
     exit_code = 1
+
+
+class StartRefused(ComposerError):
+    """A run's start the database refused, writing nothing (the start's one statement,
+    composer_ops/repo/writes.py): ``why`` is 'run_id' (outside the run ID's recency
+    window by the database clock, or not a UUIDv7), 'partition' (no partition of its
+    month), 'definition' (the version is missing, deleted, disabled or no longer the
+    deployed one asked for) or 'conflict' (the run ID is taken); ``now`` is the database
+    clock. The engine's start says what was wrong (composer_ops/engine/starts.py)."""
+
+    exit_code = 1
+
+    def __init__(self, why: str, now: datetime) -> None:
+        super().__init__(f"start refused: {why}")
+        self.why, self.now = why, now
 
 
 class NonRetryableError(Exception):

@@ -26,7 +26,8 @@
 -- first) waits at most one poll interval of any idle worker serving it. A worker between
 -- its wake-up and its next claim stays registered, with room for what it was not woken
 -- for. On Citus no claim registers: every dispatch notifies the shared channel.
-CREATE OR REPLACE FUNCTION composer_enqueue(p_rows JSONB, p_now TIMESTAMPTZ)
+DROP FUNCTION IF EXISTS composer_enqueue(JSONB, TIMESTAMPTZ);
+CREATE OR REPLACE FUNCTION composer_enqueue(p_rows JSONB, p_now TIMESTAMPTZ, p_shift INTERVAL DEFAULT '0')
 RETURNS VOID
 LANGUAGE plpgsql
 AS $$
@@ -52,8 +53,8 @@ BEGIN
     WITH ins AS (
         INSERT INTO task_outbox (queue, run_id, task_id, attempt, task_name, lease_s, available_at, created_at,
                                  priority, max_run_s, start_by, ckey, climit, rkey, rate_per_s, rate_burst)
-        SELECT d.q, d.r, d.t, d.a, d.n, d.l, COALESCE(d.av, p_now), p_now, COALESCE(d.p, 0), d.m,
-               COALESCE(d.av, p_now) + make_interval(secs => d.w), d.ck, d.cl, d.rk, d.rp, d.rb
+        SELECT d.q, d.r, d.t, d.a, d.n, d.l, COALESCE(d.av + p_shift, p_now), p_now, COALESCE(d.p, 0), d.m,
+               COALESCE(d.av + p_shift, p_now) + make_interval(secs => d.w), d.ck, d.cl, d.rk, d.rp, d.rb
           FROM jsonb_to_recordset(p_rows) AS d(q text, r text, t text, a int4, n text, l int4,
                                                av timestamptz, p int2, m int4, w float8, ck text,
                                                cl int4, rk text, rp float8, rb int4)
@@ -100,5 +101,5 @@ BEGIN
 END;
 $$;
 
-REVOKE ALL ON FUNCTION composer_enqueue(JSONB, TIMESTAMPTZ) FROM PUBLIC;
-GRANT EXECUTE ON FUNCTION composer_enqueue(JSONB, TIMESTAMPTZ) TO composer_ops_engine;
+REVOKE ALL ON FUNCTION composer_enqueue(JSONB, TIMESTAMPTZ, INTERVAL) FROM PUBLIC;
+GRANT EXECUTE ON FUNCTION composer_enqueue(JSONB, TIMESTAMPTZ, INTERVAL) TO composer_ops_engine;

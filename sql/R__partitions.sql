@@ -78,10 +78,11 @@ $$;
 -- lease_expires_at, which no index contains, and the free fifth of each page lets
 -- them be HOT updates (partitioned tables take no storage parameters, so each
 -- partition gets it). Each month gets the claim's function of its own
--- (composer_claim_month, sql/R__claim.sql) and the event's, its lock and load and its
--- fenced updates (composer_apply_month, sql/R__apply.sql). The engine role gets SELECT and UPDATE on the new workflow_runs
--- and task_instances partitions: it names a run's month partition in its per-run
--- statements (repo/partitions.py, run_tables), and PostgreSQL checks a named
+-- (composer_claim_month, sql/R__claim.sql) and the event's lock and load
+-- (composer_load_month, sql/R__apply.sql). The engine role gets SELECT and UPDATE on the
+-- new workflow_runs and task_instances partitions: it names a run's month partition in
+-- its per-run statements (repo/partitions.py, run_tables; the event's fenced updates,
+-- repo/writes.py), and PostgreSQL checks a named
 -- partition's own privileges. On Citus a GRANT on a distributed table reaches its shards.
 CREATE OR REPLACE FUNCTION composer_ensure_partitions_from(first_month DATE, months_ahead INT DEFAULT 3)
 RETURNS INT
@@ -118,7 +119,7 @@ BEGIN
             END IF;
         END LOOP;
         PERFORM composer_claim_month(to_char(month_wall, 'YYYYMM'));
-        PERFORM composer_apply_month(to_char(month_wall, 'YYYYMM'));
+        PERFORM composer_load_month(to_char(month_wall, 'YYYYMM'));
     END LOOP;
     RETURN created;
 END;
@@ -235,7 +236,7 @@ $$;
 
 -- The claim's and the event's functions of every month there is, made again from
 -- the current text, and none for a month that is gone (sql/R__claim.sql
--- composer_claim_month, sql/R__apply.sql composer_apply_month).
+-- composer_claim_month, sql/R__apply.sql composer_load_month).
 DO $$
 DECLARE
     m TEXT;
@@ -244,12 +245,12 @@ BEGIN
                FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid
               WHERE i.inhparent = 'task_instances'::regclass
              UNION
-             SELECT substring(f.proname FROM '^composer_(?:claim_tasks|apply_updates|load_run)_p(\d{6})$')
+             SELECT substring(f.proname FROM '^composer_(?:claim_tasks|load_run)_p(\d{6})$')
                FROM pg_proc f
-              WHERE f.proname ~ '^composer_(claim_tasks|apply_updates|load_run)_p\d{6}$'
+              WHERE f.proname ~ '^composer_(claim_tasks|load_run)_p\d{6}$'
                 AND f.pronamespace = current_schema()::regnamespace LOOP
         PERFORM composer_claim_month(m, true);
-        PERFORM composer_apply_month(m, true);
+        PERFORM composer_load_month(m, true);
     END LOOP;
 END;
 $$;

@@ -162,7 +162,7 @@ BEGIN
             EXECUTE format('ALTER TABLE workflow_runs DETACH PARTITION %I', 'workflow_runs_p' || p.month);
             EXECUTE format('DROP TABLE %I', 'workflow_runs_p' || p.month);
         END IF;
-        PERFORM composer_claim_month(p.month), composer_apply_month(p.month);   -- dropped with the month
+        PERFORM composer_claim_month(p.month), composer_load_month(p.month);   -- dropped with the month
         RETURN NEXT p.month;
     END LOOP;
 END;

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Generator, Iterator
+from datetime import datetime
 from typing import Any, Self
 
 import psycopg
@@ -28,6 +29,7 @@ from composer_ops.errors import (
     NotDelegated,
     NotFound,
     PermissionDenied,
+    StartRefused,
     Transient,
     Unavailable,
 )
@@ -106,9 +108,13 @@ def first_line(exc: BaseException) -> str:
     return text.splitlines()[0] if text else type(exc).__name__
 
 
-#: The SQLSTATE ``composer_apply`` (sql/R__apply.sql) raises when a fenced write of an
-#: event matched no row: the event is rolled back, a :class:`Conflict`.
+#: The SQLSTATE an event's one statement (composer_ops/repo/writes.py) raises when a
+#: fenced write matched no row: the event is rolled back, a :class:`Conflict`.
 FENCE_MISSED = "CO409"
+
+#: The SQLSTATE a start's one statement raises when the database refuses the start: its
+#: message is why, its detail the database clock (:class:`StartRefused`).
+START_REFUSED = "CO412"
 
 #: The SQLSTATE of a per-node function of Citus that ran on a node not holding its key's
 #: shard (sql/citus/R__node_local.sql): :class:`NotDelegated`.
@@ -123,6 +129,8 @@ def translate(exc: psycopg.Error) -> ComposerError:
         return Conflict(msg)
     if getattr(exc, "sqlstate", None) == NOT_DELEGATED:
         return NotDelegated(msg)
+    if getattr(exc, "sqlstate", None) == START_REFUSED and diag is not None and diag.message_detail:
+        return StartRefused(msg, datetime.fromisoformat(diag.message_detail))
     if isinstance(exc, pgerr.CheckViolation) and "no partition" in msg:
         return Invalid(f"no partition holds this run ID's month ({msg}); "
                        "run `composer-ops partitions ensure` or use a recent run ID")

@@ -120,7 +120,7 @@ class Outcome:
 #: Actions that never touch the run's task rows: tasks created before them need not be
 #: written first.
 _LEAVES_ROWS = (ConsumeSignal, BufferSignal, StartChild, CancelChild)
-#: Actions written by the event's one statement (composer_apply) rather than on their own.
+#: Actions written by the event's one statement (repo/writes.py) rather than on their own.
 _IN_ONE_WRITE = (CompleteTask, FailTask, RequeueTask, ResolveWait, FinishChild, FinishMap, FinishRun)
 
 
@@ -276,7 +276,7 @@ class Shell:
                       exact: bool | None = None) -> tuple[Outcome, writes.Pending | None]:
         """Write the decision's actions in order, and the event's history; raise (rolling
         back) on a fence miss. ``start``: insert the run first. Returns the outcome and
-        the event's one write (``composer_apply``, :mod:`composer_ops.repo.writes`)
+        the event's one write (:mod:`composer_ops.repo.writes`)
         unread: a start reads it after its COMMIT, pipelined with it. The completions,
         failures and re-queues, the run's finish, the created tasks, the history and the
         dispatches are written by that one statement, after the other actions; what it
@@ -415,7 +415,8 @@ class Shell:
     def _create(self, conn: Conn, run: RunSnapshot, creates: Sequence[CreateTask],
                 dispatches: list[Dispatch]) -> list[NewTask]:
         """The rows of ``creates``, their dispatches appended to ``dispatches``; written
-        by ``composer_apply``, which rolls the event back when a node already has a task."""
+        by the event's one statement (:mod:`composer_ops.repo.writes`), which rolls the
+        event back when a node already has a task."""
         rows = [NewTask(task_id=a.task_id, node_id=a.node_id, node_type=str(a.node_type), queue=_queue(run, a),
                         state=str(a.state), input=a.input, output=a.output, error=a.error, branches=a.branches,
                         wake_at=a.wake_at, signal_name=a.signal_name,

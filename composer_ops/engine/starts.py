@@ -24,7 +24,7 @@ from composer_ops.core.model import CreateTask
 from composer_ops.core.runids import RUN_ID_MAX_AGE, RUN_ID_MAX_AHEAD, validate_run_id
 from composer_ops.engine.ids import uuid7_at
 from composer_ops.engine.requests import Request
-from composer_ops.errors import Conflict, Invalid
+from composer_ops.errors import Conflict, Invalid, StartRefused
 from composer_ops.repo import definitions, partitions, writes
 from composer_ops.repo._base import Conn
 from composer_ops.repo.rows import RunRow
@@ -68,26 +68,25 @@ class Started:
     version: int
     pending: writes.Pending | None
 
-    def result(self, conn: Conn) -> tuple[str, int]:
-        """``(run_id, version)``, or the error of a refused start (read on ``conn``,
-        whose transaction a refusal left usable)."""
-        if self.pending is None:
-            return self.run_id, self.version
-        try:
+    def result(self) -> tuple[str, int]:
+        """``(run_id, version)``; the database's clock it answered with corrects the
+        shell's estimate."""
+        if self.pending is not None:
             _calibrate(self.shell, self.pending.result())
-        except writes.Refused as refused:
-            _calibrate(self.shell, refused.now)
-            _raise_refused(conn, refused, self.run_id)
         return self.run_id, self.version
 
 
-def _raise_refused(conn: Conn, refused: writes.Refused, run_id: str) -> NoReturn:
+def _raise_refused(shell: Shell, refused: StartRefused, run_id: str) -> NoReturn:
+    """The error of a refused start (no statement: the refusal aborted the transaction
+    it was made in)."""
+    _calibrate(shell, refused.now)
     if refused.why == "run_id":
         validate_run_id(run_id, refused.now)
         raise Invalid(f"run id {run_id} is not within the recency window of the database clock {refused.now}")
     if refused.why == "partition":
-        partitions.require_run_partition(conn, run_id)
-        raise Invalid(f"run id {run_id}: no partition holds this run ID's month")
+        raise Invalid(f"run id {run_id}: no partition holds this run ID's month "
+                      f"({partitions.runs_partition(run_id)} does not exist); "
+                      "run `composer-ops partitions ensure` or use a recent run ID")
     if refused.why == "definition":
         raise StaleDefinition(run_id)
     raise Conflict(f"workflow run {run_id} already exists")
@@ -135,14 +134,11 @@ class Prepared:
         return creates_only(self.decided[2])
 
     def send(self, conn: Conn) -> Started:
-        """Send it in ``conn``'s transaction, without reading the answer (but for a start
-        of more than one statement, whose run is written, and so refused, first)."""
-        try:
-            pending = self.shell.start_sending(conn, self.request, self.start, self.decided)
-        except writes.Refused as refused:
-            _calibrate(self.shell, refused.now)
-            _raise_refused(conn, refused, self.run_id)
-        return Started(self.shell, self.run_id, self.version, pending)
+        """Send it in ``conn``'s transaction, without reading the answer. A refusal
+        raises :class:`StartRefused` where the statement does (here, or in a pipeline
+        at its sync) and aborts the transaction: the caller says why (:func:`_raise_refused`)."""
+        return Started(self.shell, self.run_id, self.version,
+                       self.shell.start_sending(conn, self.request, self.start, self.decided))
 
 
 def prepare_start(conn: Conn, shell: Shell, *, workflow_id: str, version: int | None, input: Any,
@@ -182,21 +178,25 @@ def start_committed(conn: Conn, shell: Shell, *, workflow_id: str, version: int 
     :class:`StaleDefinition` asks the caller to try once more with ``refresh``."""
     prepared = prepare_start(conn, shell, workflow_id=workflow_id, version=version, input=input, run_id=run_id,
                              minted=minted, request=request, refresh=refresh)
-    if not prepared.one_statement:
-        with conn.transaction():
-            return prepared.send(conn).result(conn)
-    # Only statements are queued in the block. Its sync, which psycopg sends even when
-    # the block raises, would commit what was queued: on an exception before it, the
-    # connection is closed instead, so the server rolls the statement back (and the pool
-    # drops the connection). An exception after the sync is a lost acknowledgement, whose
-    # retry finds its run (Engine._start).
-    with conn.pipeline():
-        try:
-            sent = prepared.send(conn)
-        except BaseException:
-            conn.close()
-            raise
-    return sent.result(conn)
+    try:
+        if not prepared.one_statement:
+            with conn.transaction():
+                return prepared.send(conn).result()
+        # Only statements are queued in the block. Its sync, which psycopg sends even
+        # when the block raises, would commit what was queued: on an exception before
+        # it, the connection is closed instead, so the server rolls the statement back
+        # (and the pool drops the connection). An exception after the sync is a lost
+        # acknowledgement, whose retry finds its run (Engine._start); a refusal there
+        # rolled the implicit transaction back.
+        with conn.pipeline():
+            try:
+                sent = prepared.send(conn)
+            except BaseException:
+                conn.close()
+                raise
+        return sent.result()
+    except StartRefused as refused:
+        _raise_refused(shell, refused, prepared.run_id)
 
 
 def start_in(conn: Conn, shell: Shell, *, workflow_id: str, version: int | None, input: Any,
@@ -205,13 +205,18 @@ def start_in(conn: Conn, shell: Shell, *, workflow_id: str, version: int | None,
              derived: bool = False) -> tuple[str, int]:
     """Start a run in the caller's transaction (:func:`prepare_start`, sent, its answer
     read); returns ``(run_id, version)``. A taken run ID is a :class:`Conflict` that
-    leaves the caller's transaction usable, as does every refusal."""
+    leaves the caller's transaction usable, as does every refusal: the start runs under
+    a savepoint, rolled back to when it is refused."""
     for refresh in (False, True):
         prepared = prepare_start(conn, shell, workflow_id=workflow_id, version=version, input=input, run_id=run_id,
                                  minted=minted, request=request, parent=parent, started_detail=started_detail,
                                  derived=derived, refresh=refresh)
         try:
-            return prepared.send(conn).result(conn)
+            try:
+                with conn.transaction():
+                    return prepared.send(conn).result()
+            except StartRefused as refused:
+                _raise_refused(shell, refused, prepared.run_id)
         except StaleDefinition:
             continue
     raise Conflict(f"workflow {workflow_id!r} changed while a run was starting; try again")

@@ -168,7 +168,7 @@ def remove_month(conn: Conn, month: str, tables: Sequence[str], *, keep_table: b
             conn.execute(sql.SQL("DROP TABLE {}").format(ident))
         done.append(part)
     # The month's own functions (the claim's, the completion's) go with its partitions.
-    conn.execute("SELECT composer_claim_month(%s), composer_apply_month(%s)", (month, month))
+    conn.execute("SELECT composer_claim_month(%s), composer_load_month(%s)", (month, month))
     return done
 
 

@@ -50,8 +50,8 @@ def enqueue(conn: Conn, dispatches: Sequence[Dispatch], *, now: datetime) -> Non
     and wake idle workers for them (NOTIFY is delivered at commit, and only if the
     transaction commits): one call of ``composer_enqueue`` (sql/R__dispatch.sql), one
     round trip, however many rows and queues; the rows go in as one JSON document
-    (:func:`dispatch_rows`), as an event's one write (``composer_apply``,
-    :mod:`composer_ops.repo.writes`) passes them for its dispatches.
+    (:func:`dispatch_rows`), as an event's one write (:mod:`composer_ops.repo.writes`)
+    passes them for its dispatches.
 
     Idle workers are registered in ``task_waiters`` by their own claims with their free
     slots (sql/R__claim.sql). The dispatch hands each waiter, the most recently
@@ -200,8 +200,9 @@ def raise_waiting(conn: Conn, older_than_s: float) -> int:
 
 def announce(conn: Conn, queues: Sequence[str]) -> None:
     """Notify the shared channel of ``queues``, in the caller's transaction (delivered at
-    its commit). On Citus, where a dispatch is written on its run's worker node by the
-    delegated ``composer_apply_on`` and a NOTIFY there reaches no worker."""
+    its commit). On Citus, where a dispatch is written on its run's worker node (the
+    event's one statement, :mod:`composer_ops.repo.writes`, routed there) and a NOTIFY
+    there reaches no worker."""
     conn.execute("SELECT pg_notify(%s, q) FROM unnest(%s::text[]) AS u(q)", (CHANNEL, list(queues)))
 
 

@@ -11,7 +11,7 @@ from psycopg.rows import class_row
 
 from composer_ops.core.filters import RunFilter
 from composer_ops.core.model import ItemCounts, NodeState, TaskState
-from composer_ops.errors import ComposerError, Conflict, Invalid, NotFound, Transient
+from composer_ops.errors import ComposerError, Conflict, Invalid, NotFound, StartRefused, Transient
 from composer_ops.repo import history, partitions, writes
 from composer_ops.repo._base import Conn, fetch_all, fetch_one, jsonb
 from composer_ops.repo.rows import ChildRun, RunListRow, RunRow, RunView, TaskView
@@ -128,17 +128,18 @@ def insert_run(conn: Conn, *, run_id: str, workflow_id: str, workflow_version: i
                input: Any, context: Any, now: datetime, request: str | None = None, started_detail: Any = None,
                parent: tuple[str, str] | None = None) -> None:
     """Create a RUNNING run with no tasks and, with ``request``, its 'started' history
-    row written by that request, through the start's one write (``composer_apply``,
-    :mod:`composer_ops.repo.writes`) with ``now`` as the decision's instant: what seeds
+    row written by that request, through the start's one write
+    (:mod:`composer_ops.repo.writes`) with ``now`` as the decision's instant: what seeds
     and tests use; the engine starts runs through :mod:`composer_ops.engine.starts`.
-    Refused, with nothing written and the caller's transaction usable: a missing or
-    deleted definition (NotFound / Invalid), a run ID taken (Conflict) or without a
-    partition (Invalid)."""
+    Refused, with nothing written and the caller's transaction usable (the write runs
+    under a savepoint): a missing or deleted definition (NotFound / Invalid), a run ID
+    taken (Conflict) or without a partition (Invalid)."""
     start = writes.NewRun(workflow_id=workflow_id, version=workflow_version, deployed=False, input=input,
                           context=context, parent=parent, started=started_detail)
     try:
-        writes.send(conn, writes.document(at=now, run_id=run_id, request=request, start=start)).result()
-    except writes.Refused as refused:
+        with conn.transaction():
+            writes.send(conn, writes.document(at=now, run_id=run_id, request=request, start=start)).result()
+    except StartRefused as refused:
         if refused.why == "definition":
             _check_definition(conn, workflow_id, workflow_version)
             raise Invalid(f"workflow {workflow_id} v{workflow_version} is disabled") from None

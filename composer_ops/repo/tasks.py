@@ -38,7 +38,7 @@ def insert_task(conn: Conn, run_id: str, *, task_id: str, node_id: str, node_typ
 
 def insert_tasks(conn: Conn, run_id: str, rows: Sequence[NewTask], *, now: datetime) -> None:
     """Insert the tasks of CreateTask actions decided at ``now``, through an event's one
-    write (``composer_apply``, :mod:`composer_ops.repo.writes`), which is how the shell
+    write (:mod:`composer_ops.repo.writes`), which is how the shell
     inserts them: what seeds and tests use. A (run, node) that already has a task is a
     Conflict (and the caller's transaction aborted)."""
     if rows:

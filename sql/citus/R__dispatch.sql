@@ -5,7 +5,8 @@
 -- two-phase commit). No waiter registers on Citus: the engine notifies the shared
 -- channel in the event's transaction (composer_ops/repo/outbox.py, announce); the poll
 -- stays the safety net.
-CREATE OR REPLACE FUNCTION composer_enqueue(p_rows JSONB, p_now TIMESTAMPTZ)
+DROP FUNCTION IF EXISTS composer_enqueue(JSONB, TIMESTAMPTZ);
+CREATE OR REPLACE FUNCTION composer_enqueue(p_rows JSONB, p_now TIMESTAMPTZ, p_shift INTERVAL DEFAULT '0')
 RETURNS VOID
 LANGUAGE plpgsql
 AS $$
@@ -17,11 +18,11 @@ BEGIN
                                                           cl int4, rk text, rp float8, rb int4) LOOP
         INSERT INTO task_outbox (queue, run_id, task_id, attempt, task_name, lease_s, available_at, created_at,
                                  priority, max_run_s, start_by, ckey, climit, rkey, rate_per_s, rate_burst)
-        VALUES (d.q, d.r, d.t, d.a, d.n, d.l, COALESCE(d.av, p_now), p_now, COALESCE(d.p, 0), d.m,
-                COALESCE(d.av, p_now) + make_interval(secs => d.w), d.ck, d.cl, d.rk, d.rp, d.rb);
+        VALUES (d.q, d.r, d.t, d.a, d.n, d.l, COALESCE(d.av + p_shift, p_now), p_now, COALESCE(d.p, 0), d.m,
+                COALESCE(d.av + p_shift, p_now) + make_interval(secs => d.w), d.ck, d.cl, d.rk, d.rp, d.rb);
     END LOOP;
 END;
 $$;
 
-REVOKE ALL ON FUNCTION composer_enqueue(JSONB, TIMESTAMPTZ) FROM PUBLIC;
-GRANT EXECUTE ON FUNCTION composer_enqueue(JSONB, TIMESTAMPTZ) TO composer_ops_engine;
+REVOKE ALL ON FUNCTION composer_enqueue(JSONB, TIMESTAMPTZ, INTERVAL) FROM PUBLIC;
+GRANT EXECUTE ON FUNCTION composer_enqueue(JSONB, TIMESTAMPTZ, INTERVAL) TO composer_ops_engine;

@@ -126,7 +126,7 @@ FLOW = {"id": "flow", "nodes": [
 
 
 def test_failures_requeues_and_resolved_waits_commit_in_one_phase(db_url: str, engine: Engine) -> None:
-    """The events whose fenced updates composer_apply writes (sql/R__apply.sql: failed,
+    """The events whose fenced updates the event's one statement writes (repo/writes.py: failed,
     resolved, finish) prepare no transaction: each commits on its run's node alone."""
     engine.deploy(FLOW)
     prepared: dict[str, int] = {}

@@ -52,7 +52,7 @@ def test_migrate_distributes_the_run_tables_and_the_dispatch_rows_by_run_id_colo
     assert all(applied for _, applied in status(db_url))
     assert [m.filename for m, _ in status(db_url) if m.citus] == [
         "V002__distribute_by_run_id.sql", "V013__cached_worker_connections.sql", "V016__dispatch_on_run_nodes.sql",
-        "V017__claim_node_fences.sql", "R__dispatch.sql", "R__apply_on.sql", "R__child_deliveries.sql",
+        "V017__claim_node_fences.sql", "R__dispatch.sql", "R__child_deliveries.sql",
         "R__claim_node.sql", "R__node_local.sql", "R__partition_stats.sql", "R__scan_node.sql"]
 
 

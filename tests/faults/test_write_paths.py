@@ -269,7 +269,7 @@ def test_schedules_pass_retry_waits_for_its_lost_attempts_lock(b: Rig) -> None:
     b.proxy._fire = stop_then_fire  # type: ignore[method-assign]
     try:
         b.proxy.reset()
-        b.proxy.arm(Fault.LOSE_ACK, match=lambda r: "composer_apply" in r.text and next(applies) == 2)
+        b.proxy.arm(Fault.LOSE_ACK, match=lambda r: "composer_event" in r.text and next(applies) == 2)
         stats = b.engine.coordinator().run_once(["schedules"])
         fired = b.proxy.fired
         b.proxy.disarm()
@@ -281,7 +281,7 @@ def test_schedules_pass_retry_waits_for_its_lost_attempts_lock(b: Rig) -> None:
             timer.join()
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGCONT)    # the session ended once it was let run
-    assert fired is not None and "composer_apply" in fired.text
+    assert fired is not None and "composer_event" in fired.text
     assert stats.schedule_runs_started == 3 and not stats.errors, stats
     assert len(fired_runs) == 3 and all(datetime.fromisoformat(s) < cursor for _, _, s in fired_runs), \
         (fired_runs, cursor)

@@ -248,7 +248,7 @@ def test_citus_repeatable_files_replace_theirs_by_name_and_the_citus_only_ones_r
                                                               ("aaa", "citus/R__aaa.sql")]
     assert [r.key for r in discover_repeatable()] == [r.filename for r in discover_repeatable()]
     assert {r.key for r in discover_repeatable(citus=True) if r.citus} == {
-        "citus/R__apply_on.sql", "citus/R__child_deliveries.sql", "citus/R__claim_node.sql", "citus/R__dispatch.sql",
+        "citus/R__child_deliveries.sql", "citus/R__claim_node.sql", "citus/R__dispatch.sql",
         "citus/R__node_local.sql", "citus/R__partition_stats.sql", "citus/R__scan_node.sql"}
 
 

@@ -35,11 +35,10 @@ def _plans(conn: Any, pattern: str) -> list[tuple[str, int, int]]:
 
 def test_the_events_of_a_run_reuse_cached_plans_on_its_month(db_url: str) -> None:
     """Fifteen 1-task runs started, claimed and completed over one session: the run's
-    lock and load (its month's function, ``composer_load_run_pYYYYMM``) and the event's
-    one write (``composer_apply``) are each planned at most five times (psycopg prepares
-    from the fifth call; the server tries five custom plans before it compares), then run
-    on the cached generic plan; the month's functions cache their own statements' plans
-    (sql/R__apply.sql)."""
+    lock and load (its month's function, ``composer_load_run_pYYYYMM``), the start's one
+    statement and the completion's (repo/writes.py, on the month's partitions) are each
+    planned at most five times (psycopg prepares from the fifth call; the server tries
+    five custom plans before it compares), then run on the cached generic plan."""
     with psycopg.connect(db_url, autocommit=True) as conn:
         add_definition(conn)
     with Engine.connect(db_url, pool_size=1, application_name="test-plans") as engine:
@@ -51,7 +50,8 @@ def test_the_events_of_a_run_reuse_cached_plans_on_its_month(db_url: str) -> Non
             month = f"{now_utc():%Y%m}"
             found = {
                 "load": _plans(conn, f'%"composer_load_run_p{month}"%'),
-                "write": _plans(conn, "%composer_apply%"),
+                "start": _plans(conn, "/* composer_event */%INSERT INTO workflow_runs%"),
+                "completion": _plans(conn, f'/* composer_event */%UPDATE "task_instances_p{month}"%'),
             }
     for name, plans in found.items():
         assert len(plans) == 1, f"{name}: {plans}"

@@ -38,7 +38,7 @@ def _ref(run_id: str, task_id: str, node: str = "a", attempt: int = 0) -> TaskRe
 
 
 def _write(conn: Any, run_id: str, **parts: Any) -> None:
-    """An event's one write (composer_apply) of ``parts``, decided now."""
+    """An event's one write (repo/writes.py) of ``parts``, decided now."""
     writes.send(conn, writes.document(at=clock.now(conn), run_id=run_id, request="r", **parts)).result()
 
 

@@ -82,3 +82,67 @@ def test_a_start_that_raises_before_its_pipeline_is_synced_writes_nothing(
         engine.start("waits")                                   # the pool lends a working connection
     with psycopg.connect(db_url) as conn:
         assert conn.execute("SELECT count(*) FROM workflow_runs").fetchone() == (2,)
+
+
+def test_a_start_refused_in_the_callers_transaction_leaves_it_usable(db_url: str) -> None:
+    """A SUB_WORKFLOW child's or a schedule slot's start (``start_in``) runs in its caller's
+    transaction. The statement raises when the database refuses it (CO412), so it runs
+    under a savepoint: a taken run ID is a Conflict, a disabled workflow Invalid, and the
+    caller's transaction goes on and commits what it wrote before and after."""
+    from composer_ops.engine.requests import Request
+    from composer_ops.engine.starts import start_in
+    from composer_ops.errors import Conflict
+
+    with Engine.connect(db_url, pool_size=1) as engine:
+        engine.deploy(WAITS)
+        engine.deploy({**WAITS, "id": "off"})
+        engine.set_enabled("off", False)
+        taken = engine.start("waits")
+        with engine.pool.connection() as conn, conn.transaction():
+            conn.execute("CREATE TABLE before_and_after (n int)")
+            conn.execute("INSERT INTO before_and_after VALUES (1)")
+            with pytest.raises(Conflict, match="already exists"):
+                start_in(conn, engine.shell, workflow_id="waits", version=None, input=None, run_id=taken,
+                         minted=[], request=Request())
+            with pytest.raises(Invalid, match="disabled"):
+                start_in(conn, engine.shell, workflow_id="off", version=None, input=None, run_id=None,
+                         minted=[], request=Request())
+            started, _ = start_in(conn, engine.shell, workflow_id="waits", version=None, input=None, run_id=None,
+                                  minted=[], request=Request())
+            conn.execute("INSERT INTO before_and_after VALUES (2)")
+    with psycopg.connect(db_url) as conn:
+        assert conn.execute("SELECT array_agg(n ORDER BY n) FROM before_and_after").fetchone() == ([1, 2],)
+        assert conn.execute("SELECT id FROM workflow_runs ORDER BY id").fetchall() == sorted(
+            [(taken,), (started,)])
+        assert conn.execute("SELECT count(*) FROM task_instances").fetchone() == (2,)
+        assert conn.execute("SELECT count(*) FROM run_history WHERE kind = 'started'").fetchone() == (2,)
+
+
+def test_a_refused_start_writes_none_of_its_rows(db_url: str) -> None:
+    """Each refusal (a run ID outside the window, a month without a partition, a disabled
+    workflow, a taken run ID) raises before the start's statement could write its task,
+    history or outbox rows, or rolls them back with it."""
+    from composer_ops.engine.ids import uuid7_at
+    from composer_ops.engine.requests import Request
+    from composer_ops.engine.starts import start_in
+    from composer_ops.errors import Conflict
+    from tests.integration.helpers import now_utc
+
+    with Engine.connect(db_url, pool_size=1) as engine:
+        engine.deploy({"id": "one", "nodes": [{"id": "a", "type": "TASK", "task": "t"}]})
+        taken = engine.start("one")
+        with pytest.raises(Invalid, match="before the database clock"):
+            engine.start("one", run_id=uuid7_at(now_utc() - timedelta(hours=2)))
+        with engine.pool.connection() as conn, pytest.raises(Invalid, match="no partition holds"):
+            start_in(conn, engine.shell, workflow_id="one", version=None, input=None, derived=True,
+                     run_id=uuid7_at(now_utc() + timedelta(days=2000)), minted=[], request=Request())
+        with pytest.raises(Conflict, match="already exists"):
+            engine.start("one", run_id=taken)
+        engine.set_enabled("one", False)
+        with pytest.raises(Invalid, match="disabled"):
+            engine.start("one")
+    with psycopg.connect(db_url) as conn:
+        counts = conn.execute("""SELECT (SELECT count(*) FROM workflow_runs), (SELECT count(*) FROM task_instances),
+                                        (SELECT count(*) FROM task_outbox),
+                                        (SELECT array_agg(DISTINCT run_id) FROM run_history)""")
+        assert counts.fetchone() == (1, 1, 1, [taken])      # the first run's rows only

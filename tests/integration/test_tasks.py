@@ -1,4 +1,4 @@
-"""A decision's new tasks are written by its one statement (composer_apply): a fan-out of 8
+"""A decision's new tasks are written by its one statement (repo/writes.py): a fan-out of 8
 and the completion that causes it are one write."""
 
 from __future__ import annotations
