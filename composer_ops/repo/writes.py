@@ -172,6 +172,15 @@ def send(conn: Conn, doc: dict[str, Any]) -> Pending:
     if "start" in doc and not _UPDATES.isdisjoint(doc):
         send(conn, {k: v for k, v in doc.items() if k in ("at", "run_id", "request", "exact", "start")})
         doc = {k: v for k, v in doc.items() if k != "start"}
+    tasks, entries = doc.get("tasks", ()), doc.get("history", ())
+    if len(tasks) > MAX_ROWS or len(entries) > MAX_ROWS:
+        # A statement takes at most 65,535 parameters: the rows past MAX_ROWS go in
+        # statements of their own, after it, in order, in the same transaction.
+        first = send(conn, _rows(doc, tasks[:MAX_ROWS], entries[:MAX_ROWS]))
+        for i in range(MAX_ROWS, max(len(tasks), len(entries)), MAX_ROWS):
+            send(conn, _rows({k: doc[k] for k in ("at", "run_id", "request", "exact") if k in doc},
+                             tasks[i:i + MAX_ROWS], entries[i:i + MAX_ROWS]))
+        return first
     updates = not _UPDATES.isdisjoint(doc)
     tables = partitions.month_tables(conn, doc["run_id"]) if updates else partitions.PARTITIONED
     if "webhook" in doc.get("finish", {}):
@@ -184,6 +193,21 @@ def send(conn: Conn, doc: dict[str, Any]) -> Pending:
     prepare = False if updates and tables.runs == "workflow_runs" else None
     return Pending(conn.execute(text, params, prepare=prepare))
 
+
+def _rows(doc: dict[str, Any], tasks: Sequence[Any], entries: Sequence[Any]) -> dict[str, Any]:
+    """``doc`` with ``tasks`` and ``history`` (its other history rows) replaced."""
+    out = {k: v for k, v in doc.items() if k not in ("tasks", "history")}
+    if tasks:
+        out["tasks"] = list(tasks)
+    if entries:
+        out["history"] = list(entries)
+    return out
+
+
+#: The most created tasks, and the most history rows, one statement writes (13 and 7
+#: parameters each; PostgreSQL's protocol allows 65,535 a statement): a document with
+#: more is written by several (:func:`send`).
+MAX_ROWS = 1000
 
 #: The document's parts that update rows of the run (on its month's partitions).
 _UPDATES = frozenset({"done", "failed", "resolved", "finish"})
@@ -230,6 +254,8 @@ def statement(doc: dict[str, Any], runs: str, tasks: str) -> tuple[str, dict[str
     # Every JSON value travels in one parameter, an object keyed by the placeholder it
     # stands for (a value that is None is left out: SQL NULL), so one JSON dump serves
     # the statement (_text reads each as ``js -> 'key'``).
+    if "start" in doc and not _UPDATES.isdisjoint(doc):
+        raise ValueError("a start's statement carries no updates: send() writes them after it")
     js: dict[str, Any] = {}
     params: dict[str, Any] = {"run": doc["run_id"], "request": doc.get("request"), "at": doc["at"], "js": None}
     start = doc.get("start")
@@ -389,7 +415,8 @@ def _text(shape: tuple[Any, ...], runs: str, tasks: str) -> str:
         checks.append(f"WHEN (SELECT count(*) FROM new_tasks) < {n_tasks} THEN composer_fail('23505', "
                       f"format('run %%s: node %%s already has a task; the decision was based on a stale snapshot "
                       f"and was rolled back', %(run)s::text, (SELECT min(n) FROM unnest(ARRAY[{nodes}]) AS u(n) "
-                      f"WHERE n NOT IN (SELECT node_id FROM new_tasks))))")
+                      f"WHERE n NOT IN (SELECT node_id FROM new_tasks) "
+                      f"OR (SELECT count(*) FROM unnest(ARRAY[{nodes}]) AS w(m) WHERE m = n) > 1)))")
     if n_history:       # numbered in the order of VALUES
         rows = ",\n           ".join(
             f"(%(run)s::text, {at}, %(h{k}_k)s::text, %(h{k}_n)s::text, %(h{k}_t)s::text, %(h{k}_a)s::int, "

@@ -95,8 +95,9 @@ def test_a_month_made_after_the_connection_began_is_written_on_its_own_partition
         assert {frozenset(f[1]) for f in found} == {frozenset({f"task_instances_p{past:%Y%m}",
                                                                f"workflow_runs_p{past:%Y%m}"})}
         assert len(_plans(conn, f"task_instances_p{past:%Y%m}")) == 1     # prepared, as any month
+        this_month = now_utc().replace(day=1, hour=0, minute=0, second=0, microsecond=0)
         done = conn.execute("SELECT count(*) FROM workflow_runs WHERE id < %s AND status = 'COMPLETED'",
-                            (partitions_bound(now_utc().replace(day=1, hour=0, minute=0, second=0, microsecond=0)),)).fetchone()
+                            (partitions_bound(this_month),)).fetchone()
         assert done == (7,)
 
 

@@ -8,6 +8,7 @@ from typing import Any
 import pytest
 
 from composer_ops import Engine
+from composer_ops.errors import Conflict
 from composer_ops.repo import writes
 
 FAN = {"id": "fan", "nodes": [
@@ -39,3 +40,31 @@ def test_completing_the_split_inserts_its_nine_successors_in_one_statement(
     assert sorted(c.node_id for c in claimed) == [f"f{i}" for i in range(8)]
     states = {t.node_id: t.state for t in run.tasks}
     assert states == {"split": "COMPLETED", "wait": "WAITING", **{f"f{i}": "RUNNING" for i in range(8)}}
+
+
+def test_a_decision_creating_more_tasks_than_one_statement_takes_is_written_whole(conn: Any) -> None:
+    """13 parameters a task: past about 5,040 tasks one statement would pass PostgreSQL's
+    65,535 parameters and could never be sent (each retry failing the same way). The
+    rows past writes.MAX_ROWS go in statements of their own, in the same transaction,
+    the history rows in their order."""
+    from composer_ops.repo import clock
+    from composer_ops.repo.rows import HistoryEntry, NewTask
+    from tests.integration.helpers import add_definition, add_run
+
+    add_definition(conn)
+    run_id = add_run(conn)
+    n = 5200
+    rows = [NewTask(task_id=f"{run_id[:8]}-t{i}", node_id=f"n{i}", node_type="TASK", queue="default",
+                    state="SKIPPED") for i in range(n)]
+    entries = [HistoryEntry(kind="skipped", node_id=f"n{i}") for i in range(n)]
+    doc = writes.document(at=clock.now(conn), run_id=run_id, request="r-many", tasks=rows, history=entries)
+    writes.send(conn, doc).result()
+    assert conn.execute("SELECT count(*) FROM task_instances WHERE run_id = %s", (run_id,)).fetchone() == (n,)
+    nodes = [r[0] for r in conn.execute("SELECT node_id FROM run_history WHERE run_id = %s AND request = 'r-many' "
+                                        "ORDER BY seq", (run_id,)).fetchall()]
+    assert nodes == [f"n{i}" for i in range(n)]
+    again = writes.document(at=clock.now(conn), run_id=run_id, request=None,
+                            tasks=[*rows[-2:], NewTask(task_id="x", node_id="fresh", node_type="TASK",
+                                                       queue="default", state="SKIPPED")])
+    with pytest.raises(Conflict, match=f"node n{n - 2} already has a task"):
+        writes.send(conn, again)
