@@ -110,12 +110,12 @@ def test_a_start_refused_in_the_callers_transaction_leaves_it_usable(db_url: str
             started, _ = start_in(conn, engine.shell, workflow_id="waits", version=None, input=None, run_id=None,
                                   minted=[], request=Request())
             conn.execute("INSERT INTO before_and_after VALUES (2)")
-    with psycopg.connect(db_url) as conn:
-        assert conn.execute("SELECT array_agg(n ORDER BY n) FROM before_and_after").fetchone() == ([1, 2],)
-        assert conn.execute("SELECT id FROM workflow_runs ORDER BY id").fetchall() == sorted(
+    with psycopg.connect(db_url) as check:
+        assert check.execute("SELECT array_agg(n ORDER BY n) FROM before_and_after").fetchone() == ([1, 2],)
+        assert check.execute("SELECT id FROM workflow_runs ORDER BY id").fetchall() == sorted(
             [(taken,), (started,)])
-        assert conn.execute("SELECT count(*) FROM task_instances").fetchone() == (2,)
-        assert conn.execute("SELECT count(*) FROM run_history WHERE kind = 'started'").fetchone() == (2,)
+        assert check.execute("SELECT count(*) FROM task_instances").fetchone() == (2,)
+        assert check.execute("SELECT count(*) FROM run_history WHERE kind = 'started'").fetchone() == (2,)
 
 
 def test_a_refused_start_writes_none_of_its_rows(db_url: str) -> None:
