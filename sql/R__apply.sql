@@ -24,7 +24,7 @@ $$;
 
 -- Raise p_message with SQLSTATE p_state (and p_detail): what the event's statement
 -- calls, in a CASE, when a fenced update matched no row (CO409, a Conflict:
--- composer_ops/db/errors.py), a node already has a task (23505) or the database
+-- composer_ops/db/errors.py) or the database
 -- refuses a start (CO412, why, and the clock as detail: StartRefused), which rolls the
 -- whole event back. Called only then: the statement's own SQL does the rest.
 CREATE OR REPLACE FUNCTION composer_fail(p_state TEXT, p_message TEXT, p_detail TEXT DEFAULT NULL) RETURNS TEXT

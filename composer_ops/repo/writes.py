@@ -237,8 +237,8 @@ def statement(doc: dict[str, Any], runs: str, tasks: str) -> tuple[str, dict[str
     document's shape (which parts, how many rows), so psycopg prepares it and the
     server keeps its plan. Its last select returns ('ok', the event's instant), and
     raises where a fenced update matched no row (``CO409``: a
-    :class:`~composer_ops.errors.Conflict`) or a node already has a task
-    (``unique_violation``); either rolls the whole event back.
+    :class:`~composer_ops.errors.Conflict`); a node that already has a task fails its
+    insert (``unique_violation``, a Conflict too); either rolls the whole event back.
 
     The database's clock is the only clock: every instant written is ``now()``, or,
     ``exact``, ``at``, read in this transaction. An instant the decision computed (a
@@ -405,18 +405,15 @@ def _text(shape: tuple[Any, ...], runs: str, tasks: str) -> str:
             f"%(t{k}_w)s::timestamptz{shift}, %(t{k}_sig)s::text, %(t{k}_tot)s::int, %(t{k}_st)s::int, "
             f"%(t{k}_z)s::int, %(t{k}_z)s::int, {at}, CASE WHEN %(t{k}_end)s::boolean THEN {at} END, "
             f"CASE WHEN %(t{k}_ok)s::boolean THEN {at} END, {at}, {at})" for k in range(n_tasks))
+        # A node that already has a task fails the insert (unique_violation on the (run_id,
+        # node_id) index, naming the node: a Conflict), which rolls the event back. A
+        # plain insert, no check after it: on Citus each check of a part's result is a
+        # subplan of its own, a round trip to a node.
         parts.append(f"""new_tasks AS (
     INSERT INTO task_instances (id, run_id, node_id, node_type, queue, state, input_json, output_json, last_error,
                                 branches, wake_at, signal_name, items_total, items_started, items_done, items_failed,
                                 scheduled_at, finished_at, completed_at, created_at, updated_at)
-    VALUES {rows}
-    ON CONFLICT (run_id, node_id) WHERE item_index IS NULL DO NOTHING RETURNING node_id)""")
-        nodes = ", ".join(f"%(t{k}_n)s::text" for k in range(n_tasks))
-        checks.append(f"WHEN (SELECT count(*) FROM new_tasks) < {n_tasks} THEN composer_fail('23505', "
-                      f"format('run %%s: node %%s already has a task; the decision was based on a stale snapshot "
-                      f"and was rolled back', %(run)s::text, (SELECT min(n) FROM unnest(ARRAY[{nodes}]) AS u(n) "
-                      f"WHERE n NOT IN (SELECT node_id FROM new_tasks) "
-                      f"OR (SELECT count(*) FROM unnest(ARRAY[{nodes}]) AS w(m) WHERE m = n) > 1)))")
+    VALUES {rows})""")
     if n_history:       # numbered in the order of VALUES
         rows = ",\n           ".join(
             f"(%(run)s::text, {at}, %(h{k}_k)s::text, %(h{k}_n)s::text, %(h{k}_t)s::text, %(h{k}_a)s::int, "
@@ -430,7 +427,7 @@ def _text(shape: tuple[Any, ...], runs: str, tasks: str) -> str:
         # In FROM: a column of its own would be of type void, which Citus cannot keep as
         # an intermediate result.
         parts.append(f"""dispatch AS (SELECT 1 FROM composer_enqueue(%(outbox)s::jsonb, {at}, {moved}) AS e)""")
-        enqueued = ", (SELECT count(*) FROM dispatch)"
+        enqueued = ", EXISTS (SELECT FROM dispatch)"
     status = "CASE " + " ".join(checks) + " ELSE 'ok' END" if checks else "'ok'"
     head = "WITH " + ",\n".join(parts) + "\n" if parts else ""
     # Each JSON placeholder read from the one JSON parameter (statement).

@@ -168,7 +168,7 @@ def test_insert_tasks_and_enqueue_write_every_column_as_given(conn: Any, run_id:
 def test_insert_task_twice_for_one_node_is_a_conflict_that_writes_nothing(conn: Any, run_id: str) -> None:
     _task(conn, run_id)
     conn.commit()
-    with pytest.raises(Conflict, match="node a already has a task"):
+    with pytest.raises(Conflict, match=r"\(run_id, node_id\)=\([^)]*, a\) already exists"):
         tasks.insert_tasks(conn, run_id, [
             NewTask(task_id="new-b", node_id="b", node_type="TASK", queue=None, state="PENDING"),
             NewTask(task_id="other", node_id="a", node_type="TASK", queue=None, state="PENDING")],
