@@ -84,9 +84,7 @@ def _raise_refused(shell: Shell, refused: StartRefused, run_id: str) -> NoReturn
         validate_run_id(run_id, refused.now)
         raise Invalid(f"run id {run_id} is not within the recency window of the database clock {refused.now}")
     if refused.why == "partition":
-        raise Invalid(f"run id {run_id}: no partition holds this run ID's month "
-                      f"({partitions.runs_partition(run_id)} does not exist); "
-                      "run `composer-ops partitions ensure` or use a recent run ID")
+        raise partitions.no_partition(run_id)
     if refused.why == "definition":
         raise StaleDefinition(run_id)
     raise Conflict(f"workflow run {run_id} already exists")

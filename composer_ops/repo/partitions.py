@@ -140,8 +140,13 @@ def require_run_partition(conn: Conn, run_id: str) -> None:
     name = runs_partition(run_id)
     found = conn.execute("SELECT to_regclass(%s) IS NOT NULL", (name,)).fetchone()
     if not found or not found[0]:
-        raise Invalid(f"run id {run_id}: no partition holds this run ID's month ({name} does not exist); "
-                      "run `composer-ops partitions ensure` or use a recent run ID")
+        raise no_partition(run_id)
+
+
+def no_partition(run_id: str) -> Invalid:
+    """The error of a run ID whose month has no partition (a canonical UUIDv7)."""
+    return Invalid(f"run id {run_id}: no partition holds this run ID's month ({runs_partition(run_id)} does not "
+                   "exist); run `composer-ops partitions ensure` or use a recent run ID")
 
 
 def ensure(conn: Conn, months_ahead: int = 3, *, lock_timeout_s: float | None = 2.0) -> int:

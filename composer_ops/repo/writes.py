@@ -263,7 +263,7 @@ def statement(doc: dict[str, Any], runs: str, tasks: str) -> tuple[str, dict[str
         try:
             minted = uuid7_timestamp(doc["run_id"])
         except ComposerError:
-            return f"{MARK} SELECT composer_fail('CO412', 'run_id', to_json(now()) #>> '{{}}'), now()", {}
+            return f"{MARK} SELECT {_refuse('run_id')}, now()", {}
         params.update(part=f"workflow_runs_p{minted.year:04d}{minted.month:02d}", wf=start["wf"],
                       version=start["version"],
                       deployed=bool(start.get("deployed")), parent=start.get("parent"),
