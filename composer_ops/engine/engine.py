@@ -24,6 +24,7 @@ from composer_ops.db.migrate import migrate as run_migrations
 from composer_ops.db.retry import db_retry
 from composer_ops.engine import admin, childrows
 from composer_ops.engine.admin import WorkerReport
+from composer_ops.engine.ids import uuid7_text
 from composer_ops.engine.jsonvalues import check_json
 from composer_ops.engine.queues import Queues
 from composer_ops.engine.requests import Request, key_request
@@ -45,6 +46,7 @@ from composer_ops.repo import (
     workers,
 )
 from composer_ops.repo._base import Conn
+from composer_ops.repo.outbox import ClaimAsk, ClaimNext
 from composer_ops.repo.rows import Claim, DeletedRun, HistoryEntry, PartitionRow, RunListRow, RunView
 
 if TYPE_CHECKING:
@@ -344,42 +346,55 @@ class Engine:
         it to be woken there by dispatches for the room it has left (on Citus no claim
         registers, and every dispatch notifies the shared channel). A ``limit`` or
         ``room`` below 1 is :class:`Invalid`, refused before any round trip."""
+        return self._claim(self.next_claim(queues, owner, limit, task_names, wake=wake, room=room, seen=seen),
+                           Request())
+
+    @property
+    def claims_with_events(self) -> bool:
+        """Whether ``claim_next`` (:meth:`complete`, :meth:`fail`) is made: on a single
+        server, once this engine knows it is one (after its first claim or event)."""
+        return self.shell.known_single_server
+
+    def next_claim(self, queues: Sequence[str], owner: str, limit: int, task_names: Sequence[str] | None = None,
+                   *, wake: str | None = None, room: int | None = None, seen: int | None = None) -> ClaimAsk:
+        """The claim :meth:`claim` makes with these arguments, under an ID of its own, not
+        made: what :meth:`complete` and :meth:`fail` take as ``claim_next``. A ``limit`` or
+        ``room`` below 1 is :class:`Invalid`."""
         for name, value in (("limit", limit), ("room", room)):
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise Invalid(f"claim {name} must be an integer of at least 1, got {value!r}")
-        return self._claim(queues, owner, limit, task_names, Request(), wake, room, seen)
+        return ClaimAsk(queues=tuple(queues), owner=owner, limit=limit, claim_id=uuid7_text(),
+                        task_names=None if task_names is None else tuple(task_names), wake=wake, room=room,
+                        seen=seen)
 
     @db_retry()
-    def _claim(self, queues: Sequence[str], owner: str, limit: int, task_names: Sequence[str] | None,
-               request: Request, wake: str | None = None, room: int | None = None,
-               seen: int | None = None) -> list[Claim]:
+    def _claim(self, ask: ClaimAsk, request: Request) -> list[Claim]:
         look = request.attempt()
+        queues, owner, limit, task_names = ask.queues, ask.owner, ask.limit, ask.task_names
         with self.pool.connection() as conn:
             on_citus = self._on_citus(conn)
             if on_citus:
                 if look:
-                    return self._claim_streams_again(conn, queues, owner, limit, task_names, request.id)
-                return self._claim_streams(conn, queues, owner, limit, task_names, request.id)
+                    return self._claim_streams_again(conn, queues, owner, limit, task_names, ask.claim_id)
+                return self._claim_streams(conn, queues, owner, limit, task_names, ask.claim_id)
             if not look:
-                return outbox.claim(conn, queues, owner, limit, task_names=task_names, claim_id=request.id,
-                                    wake=wake, room=room, seen=seen)
+                return outbox.claim_sending(conn, ask)()
             with conn.transaction():
                 # Lock, then look: the attempt retried may still be executing or
                 # committing on the server; it holds this lock until it is done.
-                outbox.lock_claim(conn, request.id)
-                earlier = outbox.claimed_by(conn, owner, request.id)
+                outbox.lock_claim(conn, ask.claim_id)
+                earlier = outbox.claimed_by(conn, owner, ask.claim_id)
                 # An earlier attempt whose statement has not reached the server yet
                 # holds no lock: the fence, committed with this attempt, makes it
                 # claim nothing when it does (after this attempt's own claim below,
                 # which the fence must not stop).
                 if earlier:
-                    outbox.fence_claim(conn, request.id)
+                    outbox.fence_claim(conn, ask.claim_id)
                     log.info("claim %s by %s was committed before its acknowledgement was lost: %d task(s)",
-                             request.id, owner, len(earlier), extra={"action": "claim"})
+                             ask.claim_id, owner, len(earlier), extra={"action": "claim"})
                     return earlier
-                claims = outbox.claim(conn, queues, owner, limit, task_names=task_names, claim_id=request.id,
-                                      wake=wake, room=room, seen=seen)
-                outbox.fence_claim(conn, request.id)
+                claims = outbox.claim_sending(conn, ask)()
+                outbox.fence_claim(conn, ask.claim_id)
                 return claims
 
     def _keys(self, conn: Any, *, fresh: bool = False) -> list[str]:
@@ -483,14 +498,24 @@ class Engine:
             outbox.register(conn, queues, owner, task_names, wake=wake, room=room, seen=seen)
             return True
 
-    def complete(self, claim: Claim, output: Any) -> Outcome:
+    def complete(self, claim: Claim, output: Any, *, claim_next: ClaimNext | None = None) -> Outcome:
+        """Record ``claim``'s task as completed with ``output``. ``claim_next``
+        (:meth:`next_claim`): claim the worker's next tasks in the same transaction, in
+        the round trip of the completion's write and COMMIT; the tasks taken are
+        ``Outcome.claimed`` (none when the completion was not one write, or on Citus:
+        the worker claims apart then)."""
         ref = _task_ref(claim)
-        return self.shell.handle(claim.run_id, lambda now: TaskCompleted(ref=ref, output=output, now=now))
+        return self.shell.handle(claim.run_id, lambda now: TaskCompleted(ref=ref, output=output, now=now),
+                                 claim_next=claim_next)
 
-    def fail(self, claim: Claim, error: str, *, retryable: bool = True) -> Outcome:
+    def fail(self, claim: Claim, error: str, *, retryable: bool = True, claim_next: ClaimNext | None = None) -> Outcome:
+        """Record ``claim``'s attempt as failed with ``error`` (re-queued when
+        ``retryable`` and its node's retry policy allows). ``claim_next``: as
+        :meth:`complete` says."""
         ref = _task_ref(claim)
         return self.shell.handle(claim.run_id,
-                                 lambda now: TaskFailed(ref=ref, error=error, retryable=retryable, now=now))
+                                 lambda now: TaskFailed(ref=ref, error=error, retryable=retryable, now=now),
+                                 claim_next=claim_next)
 
     @db_retry(max_attempts=3)
     def heartbeat(self, claim: Claim) -> datetime | None:

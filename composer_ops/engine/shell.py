@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -78,7 +78,8 @@ from composer_ops.repo import (
     writes,
 )
 from composer_ops.repo._base import Conn
-from composer_ops.repo.rows import Dispatch, NewTask, RunRow
+from composer_ops.repo.outbox import ClaimNext
+from composer_ops.repo.rows import Claim, Dispatch, NewTask, RunRow
 
 log = logging.getLogger(__name__)
 
@@ -111,6 +112,9 @@ class Outcome:
     duplicate: bool = False
     reset: tuple[str, ...] = ()         # nodes whose tasks a retry removed, to run again
     created: tuple[str, ...] = ()       # nodes whose tasks this event created
+    #: tasks claimed in the event's transaction (``claim_next`` of :meth:`Shell.handle`);
+    #: None when no claim was made
+    claimed: tuple[Claim, ...] | None = None
 
     @property
     def applied(self) -> bool:
@@ -157,16 +161,26 @@ class Shell:
     # -- events ------------------------------------------------------------
 
     def handle(self, run_id: str, make_event: Callable[[datetime], Event], *,
-               request: Request | None = None, lock_wait_s: float | None = None) -> Outcome:
+               request: Request | None = None, lock_wait_s: float | None = None,
+               claim_next: ClaimNext | None = None) -> Outcome:
         """Apply one event to one run in one transaction, under the run's row lock;
         ``request`` is the API call it belongs to (a new one when None).
         ``lock_wait_s``: give up when a lock the event needs (its run's first) is not
         granted within that many seconds, raising
         :class:`~composer_ops.errors.LockTimeout` at once, without the retries other
-        transient errors get; None waits as long as it takes."""
+        transient errors get; None waits as long as it takes.
+
+        ``claim_next``: a worker's claim of its next tasks, made in the event's
+        transaction when the event is one write (:meth:`apply_sending`) and the
+        database a single server: in the write's round trip, before its COMMIT, so a
+        completion and the claim that follows it cost one transaction. The tasks are
+        ``Outcome.claimed``; none when the event wrote otherwise (the worker claims
+        apart then). A retry after a lost acknowledgement that finds the event applied
+        returns the tasks that claim took (:func:`outbox.claimed_by`): the claim
+        committed with the event or not at all."""
         try:
             if lock_wait_s is None:
-                outcome = self._handle(run_id, make_event, request or Request(), None)
+                outcome = self._handle(run_id, make_event, request or Request(), None, claim_next)
             else:
                 outcome = self._handle_or_give_up(run_id, make_event, request or Request(), lock_wait_s)
         except BaseException:
@@ -176,7 +190,7 @@ class Shell:
         return outcome
 
     def _handle_once(self, run_id: str, make_event: Callable[[datetime], Event], request: Request,
-                     lock_wait_s: float | None) -> Outcome:
+                     lock_wait_s: float | None, claim_next: ClaimNext | None = None) -> Outcome:
         look = request.attempt()
         with self.pool.connection() as conn:
             if lock_wait_s is not None:
@@ -185,7 +199,8 @@ class Shell:
                     return self.handle_in(conn, run_id, make_event, request=request, look=look)
             # Two round trips: BEGIN with the lock and load, the one write with COMMIT.
             with sent_transaction(conn):
-                return self.handle_in(conn, run_id, make_event, request=request, look=look, begin=True)
+                return self.handle_in(conn, run_id, make_event, request=request, look=look, begin=True,
+                                      claim_next=claim_next)
 
     _handle = db_retry()(_handle_once)
     _handle_or_give_up = db_retry(give_up=(LockTimeout,))(_handle_once)
@@ -207,6 +222,11 @@ class Shell:
         self._local.deliveries = []
         return noted
 
+    @property
+    def known_single_server(self) -> bool:
+        """Whether :meth:`on_citus` has been asked and said no."""
+        return self._citus is False
+
     def on_citus(self, conn: Conn) -> bool:
         """Whether the database is a Citus coordinator, asked once per shell on the
         connection at hand. A single-server database converted to Citus needs its
@@ -216,7 +236,7 @@ class Shell:
         return self._citus
 
     def handle_in(self, conn: Conn, run_id: str, make_event: Callable[[datetime], Event], *, request: Request,
-                  look: bool = False, begin: bool = False) -> Outcome:
+                  look: bool = False, begin: bool = False, claim_next: ClaimNext | None = None) -> Outcome:
         """Apply one event to one run in the caller's transaction, under the run's row
         lock, which is held until that transaction ends: what :meth:`handle` does in
         a transaction of its own, and what operator actions that apply one event to
@@ -224,16 +244,21 @@ class Shell:
         first look for rows ``request`` already wrote (a retry): a duplicate returns their outcome.
         ``begin``: the connection is in autocommit: BEGIN goes with the lock, COMMIT with
         the event's one write when it can (:meth:`apply_sending`); the caller commits
-        whatever is left open."""
+        whatever is left open. ``claim_next``: as :meth:`handle` says."""
         row, tasks_of_run = runs.lock_and_load(conn, run_id, begin=begin)
         if look:
             earlier = history.of_request(conn, run_id, request.id)
             if earlier:
-                return _replayed(run_id, earlier, make_event(row.now))
+                replayed = _replayed(run_id, earlier, make_event(row.now))
+                asked = None if claim_next is None or self.on_citus(conn) else claim_next.asked()
+                if asked is None:
+                    return replayed
+                return replace(replayed, claimed=tuple(outbox.claimed_by(conn, asked.owner, asked.claim_id)))
         snapshot = self.snapshot(conn, row, tasks_of_run)
         event = make_event(row.now)
         decision = decide(snapshot, event, RunStore(conn, run_id), uuid7_text)
-        return self.apply_sending(conn, snapshot, decision, event=event, request=request, commit=begin)[0]
+        return self.apply_sending(conn, snapshot, decision, event=event, request=request, commit=begin,
+                                  claim_next=claim_next)[0]
 
     def snapshot(self, conn: Conn, row: RunRow, nodes: Mapping[str, NodeState]) -> RunSnapshot:
         """The machine's view of a locked run and its tasks (:func:`runs.lock_and_load`)."""
@@ -273,7 +298,8 @@ class Shell:
 
     def apply_sending(self, conn: Conn, run: RunSnapshot, decision: Decision, *, event: Event,
                       request: Request, start: writes.NewRun | None = None, commit: bool = False,
-                      exact: bool | None = None) -> tuple[Outcome, writes.Pending | None]:
+                      exact: bool | None = None,
+                      claim_next: ClaimNext | None = None) -> tuple[Outcome, writes.Pending | None]:
         """Write the decision's actions in order, and the event's history; raise (rolling
         back) on a fence miss. ``start``: insert the run first. Returns the outcome and
         the event's one write (:mod:`composer_ops.repo.writes`)
@@ -285,7 +311,9 @@ class Shell:
         decision that creates, completes or fails tasks before another action).
         ``commit``: the caller's transaction began with an explicit BEGIN (the connection
         in autocommit, :meth:`handle`); when nothing follows the one statement, COMMIT is
-        sent with it, in one pipeline (else the caller commits)."""
+        sent with it, in one pipeline (else the caller commits). ``claim_next``: a claim
+        sent in that pipeline, between the statement and COMMIT (:meth:`handle`); not
+        made otherwise."""
         dispatches: list[Dispatch] = []
         new_rows: list[NewTask] = []
         done: list[writes.Done] = []          # completions, written by the one statement
@@ -380,6 +408,7 @@ class Shell:
             new_rows.extend(self._create(conn, run, creating, dispatches))
         entries = notes.entries()
         sent: writes.Pending | None = None
+        claimed: tuple[Claim, ...] | None = None
         tell = decision.finish is not None and run.parent_run_id is not None
         if start is not None or new_rows or entries or dispatches or done or failed or resolved \
                 or finish is not None:
@@ -391,11 +420,17 @@ class Shell:
             # commit, not at all if it rolls back).
             woken = sorted({d.queue for d in dispatches}) if dispatches and self.on_citus(conn) else []
             if commit and not later and not tell:
-                with conn.pipeline():        # the one statement and COMMIT in one round trip
+                ask = None if claim_next is None or self.on_citus(conn) else claim_next.ask()
+                read_claims: Callable[[], list[Claim]] | None = None
+                with conn.pipeline():        # the one statement (and a claim) and COMMIT in one round trip
                     sent = writes.send(conn, doc)
                     if woken:
                         outbox.announce(conn, woken)
+                    if ask is not None:
+                        read_claims = outbox.claim_sending(conn, ask)
                     send_commit(conn)
+                if read_claims is not None:
+                    claimed = tuple(read_claims())
             else:
                 sent = writes.send(conn, doc)
                 if woken:
@@ -410,7 +445,7 @@ class Shell:
         if ended is not None and run.parent_run_id is not None and run.parent_node_id is not None:
             self._tell_parent(conn, run, ended, now)
         return Outcome(run_id=run.id, finished=finished, refused=decision.refused, reset=notes.reset,
-                       created=tuple(made)), sent
+                       created=tuple(made), claimed=claimed), sent
 
     def _create(self, conn: Conn, run: RunSnapshot, creates: Sequence[CreateTask],
                 dispatches: list[Dispatch]) -> list[NewTask]:

@@ -30,7 +30,7 @@ from composer_ops.engine.listener import Listener
 from composer_ops.errors import ComposerError, Invalid, NonRetryableError, ShutdownTimeout
 from composer_ops.repo import outbox
 from composer_ops.repo._base import Conn
-from composer_ops.repo.outbox import CHANNEL, wake_channel
+from composer_ops.repo.outbox import CHANNEL, ClaimAsk, wake_channel
 from composer_ops.repo.rows import Claim
 
 if TYPE_CHECKING:
@@ -88,6 +88,89 @@ class TaskContext:
         return self._worker._beat(self)
 
 
+class _ReportClaim:
+    """The claim a report makes in its transaction (``claim_next`` of
+    :meth:`Engine.complete <composer_ops.engine.engine.Engine.complete>`), the claim the
+    claim loop would make for the free slots and the reporting one: one transaction
+    fewer per task, and the slot goes on to its next task at once.
+
+    Decided when the report's write is about to be sent (:meth:`ask`): only when the
+    worker was woken for tasks (its own wake-ups or the shared channel's word) and is not
+    stopping. It takes the worker's claim lock there, and holds it until
+    :meth:`finish`, so it counts the free slots and the wake-ups as the claim loop does
+    and the two never claim for the same slot; while a report may claim, the claim
+    loop leaves the free slots to it."""
+
+    def __init__(self, worker: Worker) -> None:
+        self._worker = worker
+        self._ask: ClaimAsk | None = None
+        self._declined = False
+        self._locked = False
+        self._free = 0
+        self._reason = ""
+        self._own = 0
+        self._told_all = False
+        #: when the report began: no later than its transaction's start, whose clock
+        #: the claim's leases count from (the worker's view of a lease ends no later)
+        self._at = time.monotonic()
+        with worker._wake_lock:
+            worker._reports += 1
+
+    def ask(self) -> ClaimAsk | None:
+        w = self._worker
+        if self._ask is not None or self._declined:
+            return self._ask
+        if w._stop.is_set() or not w._woken():
+            self._declined = True
+            return None
+        w._claim_lock.acquire()
+        self._locked = True
+        try:
+            free = w._free_slots() + 1            # the reporting slot's too
+            taken = w._take_wakeups(free, woken=True)
+            if taken is None:                     # the claim loop took the wake-ups meanwhile
+                self._declined = True
+                self._release()
+                return None
+            limit, self._reason, seen, self._own, self._told_all = taken
+            self._free = free
+            self._ask = w.engine.next_claim(w.queues, w.worker_id, limit, list(w._handlers), wake=w._wake_channel,
+                                            room=free, seen=seen)
+        except BaseException:
+            self._release()
+            raise
+        return self._ask
+
+    def asked(self) -> ClaimAsk | None:
+        return self._ask
+
+    def finish(self, claimed: tuple[Claim, ...] | None,
+               slots: queue.SimpleQueue[tuple[Claim, float] | None]) -> tuple[Claim, float] | None:
+        """After the report (``claimed``: ``Outcome.claimed``, None when it failed):
+        count the claim, hand the tasks past the first to ``slots``, give back the
+        wake-ups of a claim not made, release the claim lock. Returns the first task."""
+        w = self._worker
+        try:
+            if self._ask is None:
+                return None
+            if claimed is None:          # not made (the report was not one write), or the report failed
+                w._give_back(self._own, self._told_all)
+                return None
+            w._count_claim(self._reason, claimed, len(claimed) >= self._free)
+            w._hand_out(claimed[1:], self._at, slots)
+            return (claimed[0], self._at) if claimed else None
+        finally:
+            self._release()
+            with w._wake_lock:
+                w._reports -= 1
+            w._wake.set()            # the claim loop looks again: its free slots are its own now
+
+    def _release(self) -> None:
+        if self._locked:
+            self._locked = False
+            self._worker._claim_lock.release()
+
+
 @dataclass(frozen=True)
 class Result:
     """How one attempt ended, for callers that count (the simulator, tests)."""
@@ -138,8 +221,20 @@ class Worker:
         self._wake_lock = threading.Lock()
         #: the LISTEN connection is up (set once; its reconnects are told by _on_listening)
         self._listening = threading.Event()
-        #: claims made and how many came back empty, by what started them (see claim_counts)
+        #: claims made and how many came back empty, by what started them (see claim_counts);
+        #: guarded by _wake_lock
         self._claims: dict[str, list[int]] = {reason: [0, 0] for reason in CLAIM_REASONS}
+        #: One claim at a time, the claim loop's or a report's (:class:`_ReportClaim`),
+        #: each of which writes the worker's registration for the room it counted.
+        self._claim_lock = threading.Lock()
+        #: reports under way that may claim (the claim loop leaves the free slots to them)
+        self._reports = 0
+        #: What the last claim left: "filled" (it took every free slot: registered with
+        #: no room), "registered" (it registered its room at _left_at: wait for a wake-up,
+        #: the poll interval from then at most), None (claim when a slot is free).
+        #: Guarded by _wake_lock.
+        self._left: str | None = None
+        self._left_at = 0.0
         self._done = threading.Event()          # run() has returned: the heartbeat loop ends
         self._inflight = 0            # handed to a slot and not yet finished; guarded by _active_lock
         self._idle = threading.Condition()      # notified whenever an attempt finishes
@@ -212,7 +307,6 @@ class Worker:
 
     def _claim_loop(self, slots: queue.SimpleQueue[tuple[Claim, float] | None]) -> None:
         failures = 0          # claims failed in a row
-        filled = False        # the last claim took every free slot: registered with no room
         self._adopt_registration()
         self._await_listening()
         while not self._stop.is_set():
@@ -223,54 +317,107 @@ class Worker:
                 self._wake.wait(self.poll_interval)
                 self._wake.clear()
                 continue
-            if filled and not self._woken():
-                # Slots freed after a claim that filled them and left nothing ready (it
-                # would have woken this worker): register the room instead of claiming.
-                # On Citus, or when registering fails, claim as the claim may have left
-                # tasks behind.
-                filled = False
-                if self._register_idle(free):
-                    self._wait_for_dispatch()
+            self._wake.clear()
+            if self._reports_may_claim():
+                # A report under way claims for the free slots with its own (or declines:
+                # the slot it frees, or its end, wakes this loop again).
+                self._wake.wait(self.poll_interval)
+                continue
+            wait_since: float | None = None
+            failed: Exception | None = None
+            with self._claim_lock:
+                free = self._free_slots()
+                if free <= 0:
                     continue
-            claimed_at = time.monotonic()
-            with self._wake_lock:
-                # Wake-ups beyond the free slots stay owed: claimed when slots free.
-                own, told_all = min(free, self._promised - self._taken), self._told_all
-                self._taken += own
-                self._told_all = False
-                self._claimed = True
-                seen = self._taken
-            limit = own if own and not told_all else free
-            reason = "shared" if told_all else "own" if own else "room"
-            try:
-                claims = self.engine.claim(self.queues, self.worker_id, limit, task_names=list(self._handlers),
-                                           wake=self._wake_channel, room=free, seen=seen)
-            except Exception as exc:  # a connection lost beyond db_retry included: keep serving, after a pause
+                with self._wake_lock:
+                    woken = self._told_all or self._promised > self._taken
+                    left, since = (None, 0.0) if woken else (self._left, self._left_at)
+                    self._left = None
+                if left == "registered":
+                    wait_since = since
+                elif left == "filled" and self._register_idle(free):
+                    # Slots freed after a claim that filled them and left nothing ready
+                    # (it would have woken this worker): register the room instead of
+                    # claiming. On Citus, or when registering fails, claim as the claim
+                    # may have left tasks behind.
+                    wait_since = time.monotonic()
+                else:
+                    claimed_at = time.monotonic()
+                    taken = self._take_wakeups(free)
+                    assert taken is not None
+                    limit, reason, seen, _own, _told = taken
+                    try:
+                        claims = self.engine.claim(self.queues, self.worker_id, limit,
+                                                   task_names=list(self._handlers), wake=self._wake_channel,
+                                                   room=free, seen=seen)
+                    except Exception as exc:  # a connection lost beyond db_retry included: keep serving
+                        failed = exc
+                        self._count_claim(reason, [], None)
+                    else:
+                        self._count_claim(reason, claims, len(claims) >= free)
+                        self._hand_out(claims, claimed_at, slots)
+            if wait_since is not None:
+                self._wait_for_dispatch(wait_since)
+            elif failed is not None:
                 delay = self.claim_backoff(failures)
                 failures += 1
-                log.warning("claim failed (%d in a row; next claim in %.2fs): %s", failures, delay, exc)
-                self._claims[reason][0] += 1
-                self._claims[reason][1] += 1
+                log.warning("claim failed (%d in a row; next claim in %.2fs): %s", failures, delay, failed)
                 # Not woken by a dispatch or a slot freeing: each would make the next
                 # failure come at once. Only stop() ends the pause early.
                 self._stop.wait(delay)
-                continue
-            failures = 0
-            filled = len(claims) >= free
+            else:
+                failures = 0
+
+    def _reports_may_claim(self) -> bool:
+        with self._wake_lock:
+            return self._reports > 0
+
+    def _hand_out(self, claims: Sequence[Claim], claimed_at: float,
+                  slots: queue.SimpleQueue[tuple[Claim, float] | None]) -> None:
+        """Hand claimed tasks to the slots, each counted in flight from now."""
+        for claim in claims:
+            with self._active_lock:
+                self._inflight += 1
+            slots.put((claim, claimed_at))
+
+    def _take_wakeups(self, free: int, *, woken: bool = False) -> tuple[int, str, int, int, bool] | None:
+        """What a claim for ``free`` slots asks for, with the wake-ups it takes up counted
+        taken: its limit, its reason (:data:`CLAIM_REASONS`), the wake-ups taken up in
+        all (``seen``), and what it took (its own wake-ups, the shared channel's word)
+        for :meth:`_give_back`. Wake-ups beyond the free slots stay owed: claimed when
+        slots free. ``woken``: None unless the worker was woken for tasks."""
+        with self._wake_lock:
+            own, told_all = min(free, self._promised - self._taken), self._told_all
+            if woken and not own and not told_all:
+                return None
+            self._taken += own
+            self._told_all = False
+            self._claimed = True
+            seen = self._taken
+        limit = own if own and not told_all else free
+        return limit, "shared" if told_all else "own" if own else "room", seen, own, told_all
+
+    def _give_back(self, own: int, told_all: bool) -> None:
+        """Undo :meth:`_take_wakeups` for a claim that was not made."""
+        with self._wake_lock:
+            self._taken -= own
+            self._told_all = self._told_all or told_all
+
+    def _count_claim(self, reason: str, claims: Sequence[Claim], filled: bool | None) -> None:
+        """Count a claim (of ``reason``; empty when it failed) and note what it left:
+        ``filled``, it took every free slot; False, it registered the room it left;
+        None, it failed. A claim that took all it asked for and left tasks ready that no
+        wake-up on its way covers handed this worker wake-ups for them
+        (sql/R__claim.sql): as many as its room left, claimed when they arrive, or one
+        when it filled every slot, claimed when a slot frees; with none the worker
+        registers its room when a slot frees, never claiming on spec."""
+        with self._wake_lock:
             counts = self._claims[reason]
             counts[0] += 1
             counts[1] += not claims
-            for claim in claims:
-                with self._active_lock:
-                    self._inflight += 1
-                slots.put((claim, claimed_at))
-            # A claim that took all it asked for and left tasks ready that no wake-up on
-            # its way covers handed this worker wake-ups for them (sql/R__claim.sql): as
-            # many as its room left, claimed when they arrive, or one when it filled every
-            # slot, claimed when a slot frees; with none it registers its room (above),
-            # never claiming on spec.
-            if not filled:
-                self._wait_for_dispatch()
+            if filled is not None:
+                self._left = "filled" if filled else "registered"
+                self._left_at = time.monotonic()
 
     def _register_idle(self, free: int) -> bool:
         with self._wake_lock:
@@ -349,13 +496,13 @@ class Worker:
         self._listening.set()
         self._wake.set()
 
-    def _wait_for_dispatch(self) -> None:
-        """After a claim (which registered this worker with the room it left): wait for a
-        notification, a stop or the poll interval. A handler finishing meanwhile does not
-        end the wait: a dispatch hands out the room, and a claim that filled the slots
-        and left tasks behind woke this worker itself; claiming without either would
-        come back empty."""
-        deadline = time.monotonic() + self.poll_interval
+    def _wait_for_dispatch(self, since: float | None = None) -> None:
+        """After a claim (which registered this worker with the room it left) made at
+        ``since`` (monotonic; default now): wait for a notification, a stop or the poll
+        interval from then. A handler finishing meanwhile does not end the wait: a
+        dispatch hands out the room, and a claim that filled the slots and left tasks
+        behind woke this worker itself; claiming without either would come back empty."""
+        deadline = (time.monotonic() if since is None else since) + self.poll_interval
         while not self._stop.is_set() and not self._woken():
             left = deadline - time.monotonic()
             if left <= 0:
@@ -397,10 +544,15 @@ class Worker:
 
     def _slot(self, slots: queue.SimpleQueue[tuple[Claim, float] | None]) -> None:
         while (item := slots.get()) is not None:
-            try:
-                self._execute(*item)
-            finally:
-                self._release()
+            # The slot goes on with the task its report claimed, if any (:meth:`_report`).
+            while item is not None:
+                nxt: tuple[Claim, float] | None = None
+                try:
+                    nxt = self._execute(*item, slots=slots)
+                finally:
+                    if nxt is None:
+                        self._release()
+                item = nxt
 
     def _free_slots(self) -> int:
         with self._active_lock:
@@ -434,7 +586,11 @@ class Worker:
 
     # -- one attempt ---------------------------------------------------------------
 
-    def _execute(self, claim: Claim, claimed_at: float) -> None:
+    def _execute(self, claim: Claim, claimed_at: float, *,
+                 slots: queue.SimpleQueue[tuple[Claim, float] | None] | None = None) -> tuple[Claim, float] | None:
+        """Run ``claim``'s handler and report its result. With ``slots``, the report may
+        claim the next tasks (:meth:`_report`): this slot's is returned, with the instant
+        its claim began."""
         ctx = TaskContext(run_id=claim.run_id, node_id=claim.node_id, task_id=claim.task_id,
                           attempt=claim.attempt, task=claim.task_name, _worker=self, _claim=claim,
                           _held_until=claimed_at + claim.lease_s)
@@ -447,13 +603,14 @@ class Worker:
                 self._dropped(claim, "its lease was lost while the handler ran")
                 self._note_loss(claim, f"{ctx._loss}; the result was dropped")
             else:
-                self._report(claim, *outcome)
+                return self._report(claim, *outcome, slots=slots)
         except Exception:  # reporting failed beyond retries: the lease sweeper will retry the task
             log.exception("could not report the result of task %s of run %s", claim.task_id, claim.run_id)
         finally:
             with self._active_lock:
                 if self._active.get(ctx.key) is ctx:
                     del self._active[ctx.key]
+        return None
 
     def _call(self, claim: Claim, ctx: TaskContext) -> tuple[str, Any, bool]:
         fn = self._handlers[claim.task_name]
@@ -470,17 +627,37 @@ class Worker:
             return "failed", str(exc), False
         return "completed", output, True
 
-    def _report(self, claim: Claim, status: str, value: Any, retryable: bool) -> None:
-        if status == "completed":
-            outcome = self.engine.complete(claim, value)
-        else:
-            outcome = self.engine.fail(claim, str(value), retryable=retryable)
+    def _report(self, claim: Claim, status: str, value: Any, retryable: bool, *,
+                slots: queue.SimpleQueue[tuple[Claim, float] | None] | None = None) -> tuple[Claim, float] | None:
+        """Report the attempt's result. With ``slots``, the report may claim the next
+        tasks in its transaction (:class:`_ReportClaim`): this slot's next, returned with
+        the instant its claim began, and the free slots' (handed to ``slots``)."""
+        then = _ReportClaim(self) if slots is not None and not self._stop.is_set() \
+            and self.engine.claims_with_events else None
+        claimed: tuple[Claim, ...] | None = None
+        nxt = None
+        try:
+            if status == "completed":
+                outcome = self.engine.complete(claim, value, claim_next=then)
+            else:
+                outcome = self.engine.fail(claim, str(value), retryable=retryable, claim_next=then)
+            claimed = outcome.claimed
+        finally:
+            if then is not None:
+                assert slots is not None
+                nxt = then.finish(claimed, slots)
         if outcome.stale:
             log.info("dropped stale result of task %s (run %s, attempt %d): %s", claim.task_id, claim.run_id,
                      claim.attempt, outcome.stale, extra={"action": "stale", "run_id": claim.run_id})
             status = "stale"
         if self.on_result:
-            self.on_result(Result(claim, status, outcome.stale or ""))
+            try:
+                self.on_result(Result(claim, status, outcome.stale or ""))
+            except Exception:
+                if nxt is None:
+                    raise
+                log.exception("the result callback failed for task %s of run %s", claim.task_id, claim.run_id)
+        return nxt
 
     def _dropped(self, claim: Claim, reason: str) -> None:
         log.info("dropped stale result of task %s (run %s, attempt %d): %s", claim.task_id, claim.run_id,

@@ -13,11 +13,13 @@ written at its end with SKIP LOCKED.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from datetime import datetime
-from typing import Any
+from typing import Any, Protocol
 
 from psycopg import sql
+from psycopg.rows import class_row
 from psycopg.types.json import Jsonb
 
 from composer_ops.repo._base import Conn, fetch_all, iso
@@ -76,22 +78,74 @@ _CLAIM = """
                               %(room)s, %(seen)s::bigint)"""
 
 
+@dataclass(frozen=True, kw_only=True)
+class ClaimAsk:
+    """What a claim asks for: up to ``limit`` available tasks of ``queues`` for
+    ``owner`` (only tasks named in ``task_names`` when given: a worker never takes work
+    it has no handler for), each recorded in its run's history as claimed by
+    ``claim_id``. With ``wake`` (the channel ``owner`` listens on), the claim registers
+    ``owner`` to be woken there by dispatches (:func:`enqueue`) for as many tasks as it
+    has room for afterwards (``room``: the tasks ``owner`` had room for, default
+    ``limit``), less the wake-ups on their way to it (``seen``: the total of wake-ups
+    handed to ``owner`` it has taken up, the payloads of its channel; None: all)."""
+
+    queues: tuple[str, ...]
+    owner: str
+    limit: int
+    claim_id: str
+    task_names: tuple[str, ...] | None = None
+    wake: str | None = None
+    room: int | None = None
+    seen: int | None = None
+
+    def ask(self) -> ClaimAsk:
+        """This claim, as a :class:`ClaimNext` asks for it."""
+        return self
+
+    def asked(self) -> ClaimAsk:
+        """This claim, as a :class:`ClaimNext` says it was asked for."""
+        return self
+
+    def params(self) -> dict[str, Any]:
+        return {"queues": list(self.queues), "owner": self.owner, "limit": self.limit, "claim": self.claim_id,
+                "channel": self.wake, "seen": self.seen,
+                "room": self.limit if self.room is None else max(self.room, self.limit),
+                "names": list(self.task_names) if self.task_names is not None else None}
+
+
+class ClaimNext(Protocol):
+    """A claim made with an event, in its transaction (``claim_next`` of
+    :meth:`composer_ops.engine.shell.Shell.handle`); a :class:`ClaimAsk` is one, and a
+    worker's report makes one that decides at the last moment."""
+
+    def ask(self) -> ClaimAsk | None:
+        """The claim to send with the event's one write, asked just before it is sent
+        (again by a retry of the event), or None: no claim."""
+        ...
+
+    def asked(self) -> ClaimAsk | None:
+        """The claim an earlier attempt sent, if any: a retry that finds the event
+        applied returns its tasks."""
+        ...
+
+
 def claim(conn: Conn, queues: Sequence[str], owner: str, limit: int,
           task_names: Sequence[str] | None = None, *, claim_id: str, wake: str | None = None,
           room: int | None = None, seen: int | None = None) -> list[Claim]:
-    """Claim up to ``limit`` available tasks of ``queues`` for ``owner`` (only tasks
-    named in ``task_names`` when given: a worker never takes work it has no handler for),
-    recording each in its run's history as claimed by ``claim_id``. With ``wake`` (the
-    channel ``owner`` listens on), the claim registers ``owner`` to be woken there by
-    dispatches (:func:`enqueue`) for as many tasks as it has room for afterwards
-    (``room``: the tasks ``owner`` had room for, default ``limit``), less the wake-ups on
-    their way to it (``seen``: the total of wake-ups handed to ``owner`` it has taken up,
-    the payloads of its channel; None: all)."""
-    return fetch_all(conn, Claim, _CLAIM,
-                     {"queues": list(queues), "owner": owner, "limit": limit, "claim": claim_id, "channel": wake,
-                      "seen": seen,
-                      "room": limit if room is None else max(room, limit),
-                      "names": list(task_names) if task_names is not None else None})
+    """Claim what :class:`ClaimAsk` of these says, in one statement (``composer_claim``)."""
+    ask = ClaimAsk(queues=tuple(queues), owner=owner, limit=limit, claim_id=claim_id,
+                   task_names=None if task_names is None else tuple(task_names), wake=wake, room=room, seen=seen)
+    return fetch_all(conn, Claim, _CLAIM, ask.params())
+
+
+def claim_sending(conn: Conn, ask: ClaimAsk) -> Callable[[], list[Claim]]:
+    """:func:`claim`, sent and not read: the returned function reads the tasks claimed.
+    In a pipeline the statement goes in the pipeline's round trip (a completion's claim
+    of the next tasks, :meth:`composer_ops.engine.shell.Shell.handle`), and its rows are
+    read after the pipeline's sync."""
+    cur = conn.cursor(row_factory=class_row(Claim))
+    cur.execute(_CLAIM, ask.params())
+    return cur.fetchall
 
 
 def register(conn: Conn, queues: Sequence[str], owner: str, task_names: Sequence[str] | None, *, wake: str,

@@ -277,3 +277,15 @@ def test_a_claim_whose_node_call_is_not_delegated_logs_it_and_claims_through_the
     assert _outbox(db_url) == []
     logged = [r for r in caplog.records if "not delegated" in r.getMessage()]
     assert len(logged) == 1, [r.getMessage() for r in caplog.records]
+
+
+def test_a_report_makes_no_claim_on_citus(engine: Engine) -> None:
+    """On Citus a report's ``claim_next`` is not made (the claim there is a transaction
+    of its own, node by node): ``Outcome.claimed`` is None and the ready task stays
+    ready for the claim loop."""
+    engine.start("one")
+    (first,) = engine.claim(["default"], "w1", 1)
+    ready = engine.start("one")
+    outcome = engine.complete(first, None, claim_next=engine.next_claim(["default"], "w1", 1))
+    assert outcome.applied and outcome.claimed is None
+    assert [c.run_id for c in engine.claim(["default"], "w2", 1)] == [ready]

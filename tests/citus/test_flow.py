@@ -20,6 +20,7 @@ from composer_ops.repo import citus, citus_flow
 from composer_ops.repo.rows import Claim
 from composer_ops.testing.citus import run_ids_on_one_shard
 from composer_ops.testing.processes import wait_for
+from tests.integration.helpers import claim_ask
 from tests.integration.test_flow_races import (  # noqa: F401
     test_a_concurrency_key_is_never_over_its_limit_with_eight_workers_killed,
     test_a_rate_limit_holds_within_ten_percent_over_twenty_seconds,
@@ -244,7 +245,7 @@ def test_a_claim_retried_after_a_lost_acknowledgement_takes_no_second_place(db_u
         assert len(citus.claim(first, ["q"], "w1", 2, claim_id="claim-F")) == 1
         result: list[list[Claim]] = []
         retry = threading.Thread(target=lambda: result.append(
-            engine._claim(["q"], "w1", 2, None, Request(id="claim-F", tries=1))), daemon=True)
+            engine._claim(claim_ask(["q"], "w1", 2, None, "claim-F"), Request(tries=1))), daemon=True)
         retry.start()
 
         def waiting() -> bool:

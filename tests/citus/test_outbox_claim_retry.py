@@ -15,6 +15,7 @@ from composer_ops.engine.requests import Request
 from composer_ops.repo import citus
 from composer_ops.repo.rows import Claim
 from composer_ops.testing.processes import wait_for
+from tests.integration.helpers import claim_ask
 
 
 @pytest.fixture
@@ -30,7 +31,7 @@ def test_a_retry_waits_for_its_first_attempt_and_returns_what_it_took(db_url: st
         assert [c.run_id for c in citus.claim(first, ["default"], "w1", 1, claim_id="claim-C")] == [run_id]
         result: list[list[Claim]] = []
         retry = threading.Thread(target=lambda: result.append(
-            engine._claim(["default"], "w1", 1, None, Request(id="claim-C", tries=1))), daemon=True)
+            engine._claim(claim_ask(["default"], "w1", 1, None, "claim-C"), Request(tries=1))), daemon=True)
         retry.start()
 
         def waiting() -> bool:
@@ -83,7 +84,7 @@ def test_a_retry_waits_for_its_first_attempt_on_the_node(db_url: str, engine: En
         wait_for(blocked, timeout=60, what="the first attempt to wait for the task's row lock on its node")
         result: list[list[Claim]] = []
         retry = threading.Thread(target=lambda: result.append(
-            engine._claim(["default"], "w1", 1, None, Request(id="claim-N", tries=1))), daemon=True)
+            engine._claim(claim_ask(["default"], "w1", 1, None, "claim-N"), Request(tries=1))), daemon=True)
         retry.start()
         retry.join(5)            # a retry that does not wait returns meanwhile
         blocker.rollback()
@@ -97,7 +98,7 @@ def test_a_first_attempt_arriving_after_its_retry_claims_nothing(db_url: str, en
     """The retry fences its claim ID on every node: the first attempt's delegated call,
     reaching a node only after the retry, takes no task there."""
     runs = [engine.start("one") for _ in range(4)]
-    claimed = engine._claim(["default"], "w1", 1, None, Request(id="claim-F", tries=1))
+    claimed = engine._claim(claim_ask(["default"], "w1", 1, None, "claim-F"), Request(tries=1))
     assert len(claimed) == 1
     for run_id in runs:
         assert _node_claim(db_url, engine, run_id, "claim-F") == []

@@ -479,6 +479,30 @@ def _claimed_by_its_holder(b: Rig, state: tuple[str, str], result: Result) -> li
     return problems
 
 
+def _completed_and_next_claimed_once(b: Rig, s: Claimed, result: Result) -> list[str]:
+    """A completion that claims the next tasks in its transaction (``claim_next``): task
+    a COMPLETED once, and its successor b, dispatched by the same write, claimed by it
+    once, leased to the claim's owner at attempt 0 and returned as ``Outcome.claimed``,
+    whatever was cut (a retry that finds the completion applied returns what its claim
+    took); no other task leased to that owner."""
+    problems = _applied(result)
+    claimed = list(result.value.claimed or []) if isinstance(result.value, Outcome) else []
+    if result.error is None and [c.node_id for c in claimed] != ["b"]:
+        problems.append(f"the completion's claim returned {[c.node_id for c in claimed]}, not ['b']")
+    leased = set(b.sql("SELECT run_id, id FROM task_instances WHERE state = 'RUNNING' AND lease_owner = 'w-proxied'"))
+    if leased != {(c.run_id, c.task_id) for c in claimed}:
+        problems.append(f"tasks leased to the claim's owner {sorted(leased)}, returned "
+                        f"{sorted((c.run_id, c.task_id) for c in claimed)}")
+    nodes = _nodes(b, s.run_id)
+    if nodes != {"a": ("COMPLETED", 0), "b": ("RUNNING", 0)}:
+        problems.append(f"tasks {nodes}, not a COMPLETED and b RUNNING, each at attempt 0")
+    notes = b.sql("SELECT count(*) FROM run_history WHERE run_id = %s AND kind = 'claimed' AND node_id = 'b'",
+                  (s.run_id,))[0][0]
+    if notes != 1:
+        problems.append(f"{notes} 'claimed' history rows for b, not 1")
+    return problems
+
+
 def _limit_kept(b: Rig, run_id: str, result: Result) -> list[str]:
     """A claim on a queue limited to one RUNNING task: whatever was cut, one place at
     most is taken, by exactly the task RUNNING; once that task completes (claimed again

@@ -13,6 +13,7 @@ import uuid6
 
 from composer_ops import Engine
 from composer_ops.repo import clock, definitions, runs
+from composer_ops.repo.outbox import ClaimAsk
 
 T = TypeVar("T")
 
@@ -140,3 +141,9 @@ class CoordinatorClock:
 
     def advance(self, seconds: float) -> None:
         self.now += seconds
+
+
+def claim_ask(queues: list[str], owner: str, limit: int, names: list[str] | None, claim_id: str) -> ClaimAsk:
+    """The claim of ID ``claim_id`` (a test's own, as a retried claim's first attempt had)."""
+    return ClaimAsk(queues=tuple(queues), owner=owner, limit=limit, claim_id=claim_id,
+                    task_names=None if names is None else tuple(names))

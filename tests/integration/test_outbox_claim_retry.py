@@ -24,6 +24,7 @@ from composer_ops.engine.requests import Request
 from composer_ops.repo import outbox
 from composer_ops.repo.rows import Claim
 from composer_ops.testing.processes import wait_for
+from tests.integration.helpers import claim_ask
 
 
 @pytest.fixture
@@ -39,11 +40,11 @@ class Retry:
     def __init__(self, engine: Engine, claim_id: str) -> None:
         self.result: list[Claim] | None = None
         self.error: BaseException | None = None
-        request = Request(id=claim_id, tries=1)      # attempt 1 was the one run by hand
+        request = Request(tries=1)      # attempt 1 was the one run by hand
 
         def run() -> None:
             try:
-                self.result = engine._claim(["default"], "w1", 1, ["t"], request, None, None)
+                self.result = engine._claim(claim_ask(["default"], "w1", 1, ["t"], claim_id), request)
             except BaseException as exc:  # noqa: BLE001 - reported by the test
                 self.error = exc
 

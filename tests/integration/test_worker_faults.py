@@ -99,8 +99,8 @@ def test_a_finished_task_raises_no_lease_lost_alarm(engine: Engine, caplog: pyte
     run_id = engine.start("quick")
     complete = engine.complete
 
-    def slow_ack(claim: Any, output: Any) -> Any:
-        outcome = complete(claim, output)
+    def slow_ack(claim: Any, output: Any, **kw: Any) -> Any:
+        outcome = complete(claim, output, **kw)
         time.sleep(2.5)                   # committed; the acknowledgement is slow (heartbeats every 1 s)
         return outcome
 
