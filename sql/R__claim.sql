@@ -549,7 +549,7 @@ BEGIN
         UPDATE task_waiters w
            SET channel = p_channel, queues = p_queues, task_names = p_names, slots = p_room - claimed,
                promised = GREATEST(w.promised, COALESCE(p_seen, w.promised)) + owed,
-               seen = COALESCE(p_seen, w.promised), since = now()
+               seen = GREATEST(w.seen, COALESCE(p_seen, w.promised)), since = now()
          WHERE w.worker = (SELECT x.worker FROM task_waiters x WHERE x.worker = p_owner FOR UPDATE SKIP LOCKED)
         RETURNING w.promised INTO total;
         IF owed > 0 AND total IS NOT NULL THEN

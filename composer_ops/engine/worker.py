@@ -123,10 +123,14 @@ class _ReportClaim:
         if w._stop.is_set() or not w._woken():
             self._declined = True
             return None
-        w._claim_lock.acquire()
-        self._locked = True
+        if w._free_slots() > 0:
+            # Free slots too: claimed for under the claim lock, as the claim loop does.
+            # With none, the claim is for this slot alone, which no other claim counts:
+            # reports of a busy worker claim side by side.
+            w._claim_lock.acquire()
+            self._locked = True
         try:
-            free = w._free_slots() + 1            # the reporting slot's too
+            free = w._free_slots() + 1 if self._locked else 1      # the reporting slot's too
             taken = w._take_wakeups(free, woken=True)
             if taken is None:                     # the claim loop took the wake-ups meanwhile
                 self._declined = True

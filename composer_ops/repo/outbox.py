@@ -159,8 +159,8 @@ def register(conn: Conn, queues: Sequence[str], owner: str, task_names: Sequence
         VALUES (%(owner)s, %(wake)s, %(queues)s, %(names)s::text[], %(room)s, %(seen)s, %(seen)s)
         ON CONFLICT (worker) DO UPDATE
            SET channel = EXCLUDED.channel, queues = EXCLUDED.queues, task_names = EXCLUDED.task_names,
-               slots = EXCLUDED.slots, promised = GREATEST(w.promised, EXCLUDED.seen), seen = EXCLUDED.seen,
-               since = now()""",
+               slots = EXCLUDED.slots, promised = GREATEST(w.promised, EXCLUDED.seen),
+               seen = GREATEST(w.seen, EXCLUDED.seen), since = now()""",
                  {"owner": owner, "wake": wake, "queues": list(queues), "room": room, "seen": seen,
                   "names": list(task_names) if task_names is not None else None})
 
