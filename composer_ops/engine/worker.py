@@ -4,8 +4,10 @@ The ``run()`` thread claims tasks whenever a slot is free and hands them to
 ``concurrency`` handler threads, each lease extended by heartbeats; a handler whose
 lease is lost has its result dropped as stale. An idle worker registers its free slots
 and sleeps on LISTEN (woken on its own channel for k tasks it claims up to k; on the
-shared channel, as many as it has room for), polling as the fallback. Everything about a running handler is keyed by its
-attempt, so a late attempt finishing cannot touch the current one. ``run()`` installs
+shared channel, as many as it has room for), polling as the fallback. A busy worker
+woken for tasks claims them with its reports instead, each in the report's transaction,
+and the reporting slot goes on to its next task at once. Everything about a running
+handler is keyed by its attempt, so a late attempt finishing cannot touch the current one. ``run()`` installs
 no signal handlers; after ``stop()`` it waits at most ``shutdown_timeout`` seconds,
 then abandons what still runs and raises :class:`~composer_ops.errors.ShutdownTimeout`.
 """
@@ -322,9 +324,10 @@ class Worker:
                 self._wake.clear()
                 continue
             self._wake.clear()
-            if self._reports_may_claim():
-                # A report under way claims for the free slots with its own (or declines:
-                # the slot it frees, or its end, wakes this loop again).
+            if self._woken() and self._reports_may_claim():
+                # A report under way claims what this worker was woken for, for the free
+                # slots with its own (or declines: the slot it frees, or its end, wakes
+                # this loop again).
                 self._wake.wait(self.poll_interval)
                 continue
             wait_since: float | None = None
@@ -442,7 +445,8 @@ class Worker:
         return backoff_delay(failures, base=0.05, cap=max(1.0, self.poll_interval))
 
     def claim_counts(self) -> dict[str, dict[str, int]]:
-        """Claims this worker made and how many came back empty, by what started each
+        """Claims this worker made (its claim loop's, and those its reports made in their
+        transactions) and how many came back empty, by what started each
         (:data:`CLAIM_REASONS`): ``own``, woken on its own channel only (up to one task
         per wake-up); ``shared``, told on the shared channel, or its LISTEN connection up again
         after a loss (all it has room for); ``room``,
