@@ -177,7 +177,8 @@ class Shell:
         ``Outcome.claimed``; none when the event wrote otherwise (the worker claims
         apart then). A retry after a lost acknowledgement that finds the event applied
         returns the tasks that claim took (:func:`outbox.claimed_by`): the claim
-        committed with the event or not at all."""
+        committed with the event or not at all; finding none, it returns None, as the
+        attempt that committed may have made no claim."""
         try:
             if lock_wait_s is None:
                 outcome = self._handle(run_id, make_event, request or Request(), None, claim_next)
@@ -251,9 +252,10 @@ class Shell:
             if earlier:
                 replayed = _replayed(run_id, earlier, make_event(row.now))
                 asked = None if claim_next is None or self.on_citus(conn) else claim_next.asked()
-                if asked is None:
-                    return replayed
-                return replace(replayed, claimed=tuple(outbox.claimed_by(conn, asked.owner, asked.claim_id)))
+                # Nothing found: the attempt that committed may have made no claim (an
+                # earlier one sent it and rolled back): as if none was made.
+                found = [] if asked is None else outbox.claimed_by(conn, asked.owner, asked.claim_id)
+                return replace(replayed, claimed=tuple(found)) if found else replayed
         snapshot = self.snapshot(conn, row, tasks_of_run)
         event = make_event(row.now)
         decision = decide(snapshot, event, RunStore(conn, run_id), uuid7_text)

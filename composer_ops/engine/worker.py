@@ -98,10 +98,14 @@ class _ReportClaim:
 
     Decided when the report's write is about to be sent (:meth:`ask`): only when the
     worker was woken for tasks (its own wake-ups or the shared channel's word) and is not
-    stopping. It takes the worker's claim lock there, and holds it until
-    :meth:`finish`, so it counts the free slots and the wake-ups as the claim loop does
-    and the two never claim for the same slot; while a report may claim, the claim
-    loop leaves the free slots to it."""
+    stopping. With free slots, and the worker's claim lock free, it takes the lock there
+    and holds it until :meth:`finish`, claiming for those slots too, as the claim loop
+    would (which takes the same lock): the two never claim for the same slot. Otherwise
+    it claims for the reporting slot alone, which no other claim counts, without the
+    lock: a report never waits for it (it holds a connection and its run's row lock;
+    the claim loop may be waiting for a connection with the lock held), and the reports
+    of a busy worker claim side by side. Wake-ups are taken atomically either way.
+    ``run()`` hands out what reports under way claim before it ends its slots."""
 
     def __init__(self, worker: Worker) -> None:
         self._worker = worker
@@ -118,6 +122,10 @@ class _ReportClaim:
         with worker._wake_lock:
             worker._reports += 1
 
+    @property
+    def claim_id(self) -> str | None:
+        return None if self._ask is None else self._ask.claim_id
+
     def ask(self) -> ClaimAsk | None:
         w = self._worker
         if self._ask is not None or self._declined:
@@ -125,11 +133,7 @@ class _ReportClaim:
         if w._stop.is_set() or not w._woken():
             self._declined = True
             return None
-        if w._free_slots() > 0:
-            # Free slots too: claimed for under the claim lock, as the claim loop does.
-            # With none, the claim is for this slot alone, which no other claim counts:
-            # reports of a busy worker claim side by side.
-            w._claim_lock.acquire()
+        if w._free_slots() > 0 and w._claim_lock.acquire(blocking=False):
             self._locked = True
         try:
             free = w._free_slots() + 1 if self._locked else 1      # the reporting slot's too
@@ -162,14 +166,17 @@ class _ReportClaim:
             if claimed is None:          # not made (the report was not one write), or the report failed
                 w._give_back(self._own, self._told_all)
                 return None
-            w._count_claim(self._reason, claimed, len(claimed) >= self._free)
+            # What the claim left, for the claim loop: a claim for this slot alone that
+            # got its task leaves the worker as it was.
+            w._count_claim(self._reason, claimed,
+                           None if claimed and not self._locked else len(claimed) >= self._free)
             w._hand_out(claimed[1:], self._at, slots)
             return (claimed[0], self._at) if claimed else None
         finally:
             self._release()
             with w._wake_lock:
                 w._reports -= 1
-            w._wake.set()            # the claim loop looks again: its free slots are its own now
+                w._reports_done.notify_all()
 
     def _release(self) -> None:
         if self._locked:
@@ -235,6 +242,7 @@ class Worker:
         self._claim_lock = threading.Lock()
         #: reports under way that may claim (the claim loop leaves the free slots to them)
         self._reports = 0
+        self._reports_done = threading.Condition(self._wake_lock)
         #: What the last claim left: "filled" (it took every free slot: registered with
         #: no room), "registered" (it registered its room at _left_at: wait for a wake-up,
         #: the poll interval from then at most), None (claim when a slot is free).
@@ -296,6 +304,9 @@ class Worker:
         try:
             self._claim_loop(slots)
         finally:
+            # Reports under way may still hand out tasks they claimed: before the ends.
+            with self._wake_lock:
+                self._reports_done.wait_for(lambda: self._reports == 0, timeout=self.shutdown_timeout)
             for _ in threads:
                 slots.put(None)      # each idle slot thread takes one and ends
             abandoned = self._drain()
@@ -322,13 +333,6 @@ class Worker:
             if free <= 0:
                 self._wake.wait(self.poll_interval)
                 self._wake.clear()
-                continue
-            self._wake.clear()
-            if self._woken() and self._reports_may_claim():
-                # A report under way claims what this worker was woken for, for the free
-                # slots with its own (or declines: the slot it frees, or its end, wakes
-                # this loop again).
-                self._wake.wait(self.poll_interval)
                 continue
             wait_since: float | None = None
             failed: Exception | None = None
@@ -375,10 +379,6 @@ class Worker:
             else:
                 failures = 0
 
-    def _reports_may_claim(self) -> bool:
-        with self._wake_lock:
-            return self._reports > 0
-
     def _hand_out(self, claims: Sequence[Claim], claimed_at: float,
                   slots: queue.SimpleQueue[tuple[Claim, float] | None]) -> None:
         """Hand claimed tasks to the slots, each counted in flight from now."""
@@ -413,8 +413,9 @@ class Worker:
     def _count_claim(self, reason: str, claims: Sequence[Claim], filled: bool | None) -> None:
         """Count a claim (of ``reason``; empty when it failed) and note what it left:
         ``filled``, it took every free slot; False, it registered the room it left;
-        None, it failed. A claim that took all it asked for and left tasks ready that no
-        wake-up on its way covers handed this worker wake-ups for them
+        None: nothing to note (it failed, or took a slot's next task). A claim that took
+        all it asked for and left tasks ready that no wake-up on its way covers handed this
+        worker wake-ups for them
         (sql/R__claim.sql): as many as its room left, claimed when they arrive, or one
         when it filled every slot, claimed when a slot frees; with none the worker
         registers its room when a slot frees, never claiming on spec."""
@@ -605,6 +606,10 @@ class Worker:
         with self._active_lock:
             self._active[ctx.key] = ctx
         try:
+            if ctx.lease_lost:   # waited (a slow report's retries, a queue) past its lease: not run
+                self._dropped(claim, "its lease ran out before the handler started")
+                self._note_loss(claim, "its lease ran out before the handler started; the handler was not run")
+                return None
             outcome = self._call(claim, ctx)
             ctx._reporting = True
             if ctx.lease_lost:   # the handler may have stopped half-way: never apply what it returned
@@ -650,6 +655,12 @@ class Worker:
             else:
                 outcome = self.engine.fail(claim, str(value), retryable=retryable, claim_next=then)
             claimed = outcome.claimed
+        except BaseException:
+            if then is not None and then.claim_id is not None:
+                # It may have committed: then its tasks wait out their leases.
+                log.warning("the report of task %s (run %s) failed with claim %s of worker %s in its transaction",
+                            claim.task_id, claim.run_id, then.claim_id, self.worker_id)
+            raise
         finally:
             if then is not None:
                 assert slots is not None

@@ -9,11 +9,14 @@ woken for tasks; its slot then runs the task it got without waiting for the clai
 from __future__ import annotations
 
 import threading
+import time
 from typing import Any
 
 import psycopg
+import pytest
 
 from composer_ops import Engine, Worker
+from composer_ops.engine import worker as worker_module
 from composer_ops.engine.worker import Result
 from composer_ops.testing.processes import wait_for
 
@@ -103,3 +106,61 @@ def test_a_busy_worker_claims_with_its_reports_and_runs_every_task_once(db_url: 
     assert shared is not None and shared[0] >= 1, "no task was claimed with a report"
     counts: dict[str, Any] = worker.claim_counts()
     assert sum(c["claims"] - c["empty"] for c in counts.values()) <= len(runs), counts
+
+
+class _OneClaimWorker(Worker):
+    """A worker whose claim loop claims once, then waits for stop(): what it runs after
+    its first task is what its reports claim."""
+
+    def _claim_loop(self, slots: Any) -> None:
+        self._adopt_registration()
+        self._await_listening()
+        claims = self.engine.claim(self.queues, self.worker_id, 1, task_names=list(self._handlers),
+                                   wake=self._wake_channel, room=self.concurrency, seen=0)
+        self._hand_out(claims, time.monotonic(), slots)
+        self._stop.wait()
+
+
+def test_tasks_a_report_claims_for_free_slots_run_when_the_worker_stops_meanwhile(
+        db_url: str, engine: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A report that claims for the free slots as well as its own, with stop() arriving
+    while its claim is on its way: run() hands the tasks to the free slots before it
+    ends them, so every task claimed runs and run() returns without waiting out its
+    shutdown timeout (it would otherwise find them in flight and never run)."""
+    engine.deploy(ONE)
+    first = engine.start("one")
+    go = threading.Event()
+    results: list[Result] = []
+    with Engine.connect(db_url, pool_size=5) as w_engine:
+        worker = _OneClaimWorker(w_engine, concurrency=3, poll_interval=3600.0, on_result=results.append,
+                                 shutdown_timeout=30.0)
+        worker.handler("t")(lambda _input, ctx: go.wait(30) if ctx.run_id == first else None)
+        ask = worker_module._ReportClaim.ask
+
+        def ask_then_stop(self: Any) -> Any:
+            asked = ask(self)
+            if asked is not None:
+                worker.stop()            # while the claim is on its way
+            return asked
+
+        monkeypatch.setattr(worker_module._ReportClaim, "ask", ask_then_stop)
+        thread = threading.Thread(target=worker.run, daemon=True)
+        thread.start()
+        try:
+            wait_for(lambda: [t.state for t in engine.get_run(first).tasks] == ["RUNNING"], what="the first task")
+            more = [engine.start("one") for _ in range(4)]
+            wait_for(lambda: worker._promised >= 2, what="the wake-ups for the free slots")
+            go.set()
+            began = time.monotonic()
+            thread.join(60)
+            assert not thread.is_alive()
+            assert time.monotonic() - began < 20, "run() waited out its shutdown timeout"
+        finally:
+            go.set()
+            worker.stop()
+            thread.join(60)
+    done = [r.claim.run_id for r in results if r.status == "completed"]
+    assert first in done and len(done) == 4, (done, more)
+    with psycopg.connect(db_url) as conn:
+        held = conn.execute("SELECT count(*) FROM task_instances WHERE state = 'RUNNING'").fetchone()
+    assert held == (0,)
