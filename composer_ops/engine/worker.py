@@ -41,6 +41,9 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 Handler = Callable[[Any, "TaskContext"], Any]
+#: How long a woken worker's claim loop leaves its free slots to its reports under way,
+#: which claim for them in their transactions, before it claims for them itself.
+REPORT_WAIT_S = 0.05
 #: What started a worker's claim, the keys of :meth:`Worker.claim_counts`.
 CLAIM_REASONS = ("own", "shared", "room")
 
@@ -104,8 +107,10 @@ class _ReportClaim:
     it claims for the reporting slot alone, which no other claim counts, without the
     lock: a report never waits for it (it holds a connection and its run's row lock;
     the claim loop may be waiting for a connection with the lock held), and the reports
-    of a busy worker claim side by side. Wake-ups are taken atomically either way.
-    ``run()`` hands out what reports under way claim before it ends its slots."""
+    of a busy worker claim side by side. Wake-ups are taken atomically either way. A
+    woken claim loop leaves its free slots to reports under way for
+    :data:`REPORT_WAIT_S` at most. ``run()`` hands out what reports under way claim
+    before it ends its slots."""
 
     def __init__(self, worker: Worker) -> None:
         self._worker = worker
@@ -177,6 +182,7 @@ class _ReportClaim:
             with w._wake_lock:
                 w._reports -= 1
                 w._reports_done.notify_all()
+            w._wake.set()            # the claim loop looks again (it may have left free slots to this report)
 
     def _release(self) -> None:
         if self._locked:
@@ -324,6 +330,7 @@ class Worker:
 
     def _claim_loop(self, slots: queue.SimpleQueue[tuple[Claim, float] | None]) -> None:
         failures = 0          # claims failed in a row
+        deferring: float | None = None      # since when this loop has left the free slots to reports
         self._adopt_registration()
         self._await_listening()
         while not self._stop.is_set():
@@ -334,6 +341,17 @@ class Worker:
                 self._wake.wait(self.poll_interval)
                 self._wake.clear()
                 continue
+            self._wake.clear()
+            if self._woken() and self._reports_under_way():
+                # A report under way claims what this worker was woken for, for the free
+                # slots with its own, in its transaction: left to it (its end wakes this
+                # loop), for REPORT_WAIT_S at most.
+                deferring = time.monotonic() if deferring is None else deferring
+                left_s = REPORT_WAIT_S - (time.monotonic() - deferring)
+                if left_s > 0:
+                    self._wake.wait(left_s)
+                    continue
+            deferring = None
             wait_since: float | None = None
             failed: Exception | None = None
             with self._claim_lock:
@@ -386,6 +404,10 @@ class Worker:
             with self._active_lock:
                 self._inflight += 1
             slots.put((claim, claimed_at))
+
+    def _reports_under_way(self) -> bool:
+        with self._wake_lock:
+            return self._reports > 0
 
     def _take_wakeups(self, free: int, *, woken: bool = False) -> tuple[int, str, int, int, bool] | None:
         """What a claim for ``free`` slots asks for, with the wake-ups it takes up counted
