@@ -60,15 +60,19 @@ def make_worker(engine: Engine) -> Worker:
 
 
 def _count_claims(worker: Worker, path: str) -> None:
-    """Instrumentation for the benchmark: count claim calls and how many came back
-    empty, appended as one JSON line to ``path`` when the process exits."""
+    """Instrumentation for the benchmark: count claims, how many came back empty and
+    the tasks they took, appended as one JSON line to ``path`` when the process exits.
+    The claims are the worker's own count (:meth:`Worker.claim_counts`: its claim
+    loop's and its reports', which claim in their transactions) where it keeps one;
+    a worker of an older tree (bench.ab's before side) is counted at ``Engine.claim``."""
     import atexit
     import json
     import threading
 
     counts = {"pid": os.getpid(), "claims": 0, "empty": 0, "tasks": 0}
     lock = threading.Lock()
-    claim = worker.engine.claim
+    engine = worker.engine
+    claim, complete, fail = engine.claim, engine.complete, engine.fail
 
     def counted(*args: Any, **kwargs: Any) -> Any:
         got = claim(*args, **kwargs)
@@ -78,12 +82,24 @@ def _count_claims(worker: Worker, path: str) -> None:
             counts["tasks"] += len(got)
         return got
 
-    worker.engine.claim = counted  # type: ignore[method-assign]
+    def reported(report: Any) -> Any:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            outcome = report(*args, **kwargs)
+            with lock:
+                counts["tasks"] += len(getattr(outcome, "claimed", None) or ())
+            return outcome
+        return call
+
+    engine.claim = counted  # type: ignore[method-assign]
+    engine.complete = reported(complete)  # type: ignore[method-assign]
+    engine.fail = reported(fail)  # type: ignore[method-assign]
 
     def dump() -> None:
+        by_reason = worker.claim_counts() if hasattr(worker, "claim_counts") else None
+        if by_reason is not None:
+            counts["claims"] = sum(n["claims"] for n in by_reason.values())
+            counts["empty"] = sum(n["empty"] for n in by_reason.values())
         with open(path, "a") as f:
-            # a worker of an older tree (bench.ab's before side) does not count by reason
-            by_reason = worker.claim_counts() if hasattr(worker, "claim_counts") else None
             f.write(json.dumps({**counts, "by_reason": by_reason}) + "\n")
 
     atexit.register(dump)

@@ -164,3 +164,35 @@ def test_tasks_a_report_claims_for_free_slots_run_when_the_worker_stops_meanwhil
     with psycopg.connect(db_url) as conn:
         held = conn.execute("SELECT count(*) FROM task_instances WHERE state = 'RUNNING'").fetchone()
     assert held == (0,)
+
+
+def test_a_report_held_up_leaves_the_free_slots_to_the_claim_loop_soon(db_url: str, engine: Engine) -> None:
+    """The claim loop leaves free slots to reports under way, which claim for them in
+    their transactions, only for a moment (``REPORT_WAIT_S``): a report held up (here
+    its run's row is locked elsewhere) must not keep a ready task from a free slot until
+    it ends."""
+    engine.deploy(ONE)
+    held = engine.start("one")
+    locked = threading.Event()
+    results: list[Result] = []
+    with Engine.connect(db_url, pool_size=5) as w_engine, psycopg.connect(db_url) as locker:
+        worker = Worker(w_engine, concurrency=2, poll_interval=3600.0, on_result=results.append)
+        worker.handler("t")(lambda _input, ctx: locked.wait(30) if ctx.run_id == held else None)
+        thread = threading.Thread(target=worker.run, daemon=True)
+        thread.start()
+        try:
+            wait_for(lambda: [t.state for t in engine.get_run(held).tasks] == ["RUNNING"], what="the held run's task")
+            locker.execute("SELECT 1 FROM workflow_runs WHERE id = %s FOR UPDATE", (held,))
+            locked.set()                 # its report now waits for the run's lock
+            wait_for(lambda: worker._reports_under_way(), what="the held-up report")
+            ready = engine.start("one")
+            wait_for(lambda: engine.get_run(ready).status == "SUCCEEDED", timeout=30,
+                     what="the ready run, claimed for the free slot while the report waits")
+            assert engine.get_run(held).status == "RUNNING"
+        finally:
+            locked.set()
+            locker.rollback()
+            wait_for(lambda: len(results) >= 2, timeout=60, what="both reports")
+            worker.stop()
+            thread.join(60)
+    assert engine.get_run(held).status == "SUCCEEDED"
