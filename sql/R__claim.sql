@@ -10,8 +10,8 @@
 --      committed (its statement reached the server late) claims nothing;
 --   1. a listening worker not yet registered in task_waiters inserts its row (queues,
 --      task names, wake channel, the wake-ups it has taken up, its slots as if it got
---      all it asks for) before it takes any outbox row, so a claim that waits there (a
---      dispatch holds the row and has not committed) holds nothing yet; an existing row
+--      all it asks for) before it takes any outbox row; an existing row (looked up
+--      first: an INSERT ... ON CONFLICT meeting it would wait for a dispatch writing it)
 --      is left unlocked, for dispatches meanwhile;
 --   2. it deletes up to p_limit available outbox rows of its queues, highest priority
 --      first, then oldest, FOR UPDATE SKIP LOCKED; a paused queue gives none, and a
@@ -445,10 +445,14 @@ BEGIN
         RETURN;
     END IF;
     IF p_channel IS NOT NULL THEN
-        INSERT INTO task_waiters (worker, channel, queues, task_names, slots, promised, seen)
-        VALUES (p_owner, p_channel, p_queues, p_names, GREATEST(p_room - p_limit, 0), COALESCE(p_seen, 0),
-                COALESCE(p_seen, 0))
-        ON CONFLICT (worker) DO NOTHING;
+        -- Looked up first (step 1 above): an INSERT ... ON CONFLICT that meets the row
+        -- while a dispatch or another claim of this worker writes it waits for that one.
+        IF NOT EXISTS (SELECT 1 FROM task_waiters x WHERE x.worker = p_owner) THEN
+            INSERT INTO task_waiters (worker, channel, queues, task_names, slots, promised, seen)
+            VALUES (p_owner, p_channel, p_queues, p_names, GREATEST(p_room - p_limit, 0), COALESCE(p_seen, 0),
+                    COALESCE(p_seen, 0))
+            ON CONFLICT (worker) DO NOTHING;
+        END IF;
         IF p_room > p_limit THEN
             -- The rows its p_limit wake-ups cover are among those counted.
             lim := GREATEST(p_limit, composer_uncovered(p_queues, p_names, p_owner, p_seen, p_room));

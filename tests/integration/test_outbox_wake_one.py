@@ -212,6 +212,29 @@ def test_a_claim_that_registers_again_never_waits_for_a_dispatch(db_url: str, wa
     assert _room(wakes.conn, "a") == 0
 
 
+def test_a_claim_never_waits_for_a_dispatch_writing_its_registration(db_url: str, wakes: Wakes) -> None:
+    """A dispatch that handed worker a a wake-up holds a's registration until it commits.
+    a's claim meanwhile, which begins by registering a if it is not yet (sql/R__claim.sql,
+    step 1), must not wait for it: it takes its task and leaves the registration as the
+    dispatch wrote it."""
+    wakes.idle("a", room=2, seen=0)
+    wakes.dispatch()
+    assert wakes.told() == [("a", "1")]
+    got: list[Any] = []
+    with psycopg.connect(db_url, autocommit=True) as claimer, psycopg.connect(db_url) as dispatcher:
+        Wakes(dispatcher, wakes.listen, wakes.channels).dispatch()      # uncommitted: holds a's row
+        claim = threading.Thread(target=lambda: got.append(outbox.claim(
+            claimer, ["default"], "a", 1, claim_id="c", wake=outbox.wake_channel("a"), room=2, seen=1)))
+        claim.start()
+        claim.join(30)
+        waited = claim.is_alive()
+        dispatcher.commit()
+        claim.join(30)
+        assert not waited, "the claim waited for the uncommitted dispatch"
+    assert [len(g) for g in got] == [1]
+    assert wakes.told() == [("a", "2")]
+
+
 def _lock_waits(conn: psycopg.Connection[Any], n: int) -> bool:
     row = conn.execute("SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock'").fetchone()
     return row is not None and row[0] >= n
