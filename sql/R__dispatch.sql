@@ -14,18 +14,35 @@
 -- channel, whose payload is its new `promised` total; the worker claims up to
 -- (that total - the wake-ups it took up before).
 --
+-- Rows no waiter had room for go to busy workers, whose next report claims its task
+-- with its event (engine/worker.py): each waiter registered with no room left and
+-- serving them, the least over-promised first (promised - seen - slots), then the most
+-- recently registered, is taken FOR UPDATE SKIP LOCKED for one row, as many as there
+-- are rows; rows still left are shared out among those taken that serve them. Each gets
+-- one notification, its new `promised` total, as above: the wake-ups beyond its room are
+-- claimed as its slots free. When every such waiter is held by a transaction not yet
+-- committed (its claim writing its registration, another dispatch), the most recently
+-- registered worker serving the rows is told on its own channel with an empty payload:
+-- no wake-up handed, it claims one task more than its wake-ups (read without locks).
+-- So a dispatch wakes one worker per row, where telling every worker would wake them
+-- all for one task (at four busy workers, 0.36 of claims came back empty;
+-- docs/performance.md, "Wake-ups handed to busy workers").
+--
 -- The shared channel (composer_tasks, every worker listens and claims all it has room
--- for) is notified, once per queue, only for rows no waiter took (none registered with
--- room, all locked, or none serving them); and for every queue when a waiter taken
--- does not serve every row written, as its claims may take a row another was woken for.
+-- for) is notified, once per queue, only for rows no registered worker serves; and for
+-- every queue when a waiter taken does not serve every row written, as its claims may
+-- take a row another was woken for.
 --
 -- Wake-ups are an optimisation; the poll is the safety net. A worker whose claim came
--- back short waits for a wake-up at most its poll interval, then claims again. So a row
--- whose wake-up is lost (its waiter was killed and its row outlives it; its notification
--- reached a worker that then had no room; it went to a worker whose claim another took
--- first) waits at most one poll interval of any idle worker serving it. A worker between
--- its wake-up and its next claim stays registered, with room for what it was not woken
--- for. On Citus no claim registers: every dispatch notifies the shared channel.
+-- back short waits for a wake-up at most its poll interval, then claims again; a worker
+-- whose slots were all taken registers the room a slot leaves when it frees, and waits
+-- the same way. So a row whose wake-up is lost (its waiter was killed and its row
+-- outlives it; its notification reached a worker that then had no room; it went to a
+-- worker whose claim another took first, or to a busy worker whose handlers run long
+-- while a slot frees elsewhere) waits at most one poll interval of any idle worker
+-- serving it. A worker between its wake-up and its next claim stays registered, with
+-- room for what it was not woken for. On Citus no claim registers: every dispatch
+-- notifies the shared channel.
 DROP FUNCTION IF EXISTS composer_enqueue(JSONB, TIMESTAMPTZ);
 CREATE OR REPLACE FUNCTION composer_enqueue(p_rows JSONB, p_now TIMESTAMPTZ, p_shift INTERVAL DEFAULT '0')
 RETURNS VOID
@@ -43,7 +60,16 @@ DECLARE
          WHERE x.slots > x.promised - x.seen AND x.queues && p_qs
          ORDER BY x.since DESC
            FOR UPDATE SKIP LOCKED;
+    busy CURSOR (p_qs TEXT[]) FOR
+        SELECT x.*
+          FROM task_waiters x
+         WHERE x.slots <= x.promised - x.seen AND x.queues && p_qs
+         ORDER BY x.promised - x.seen - x.slots, x.since DESC
+           FOR UPDATE SKIP LOCKED;
     v_w RECORD;
+    v_row task_waiters;
+    v_busy task_waiters[] := '{}';
+    v_gave INT[] := '{}';
     v_k INT;
     v_t INT;
     v_all BOOLEAN;
@@ -93,6 +119,67 @@ BEGIN
         PERFORM pg_notify(v_w.channel, v_total::text);
     END LOOP;
     CLOSE waiters;
+    IF waiting > 0 THEN
+        -- Busy workers, each taken (locked) for one row at first, the least over-promised
+        -- first; rows still left are shared out among those taken that serve them.
+        OPEN busy(qs);
+        WHILE waiting > 0 LOOP
+            FETCH busy INTO v_row;
+            EXIT WHEN NOT FOUND;
+            FOR i IN 1 .. cardinality(gq) LOOP
+                IF gc[i] > 0 AND gq[i] = ANY(v_row.queues)
+                   AND (v_row.task_names IS NULL OR gn[i] = ANY(v_row.task_names)) THEN
+                    gc[i] := gc[i] - 1;
+                    waiting := waiting - 1;
+                    v_busy := v_busy || v_row;
+                    v_gave := v_gave || 1;
+                    EXIT;
+                END IF;
+            END LOOP;
+        END LOOP;
+        CLOSE busy;
+        FOR i IN 1 .. cardinality(gq) LOOP
+            CONTINUE WHEN gc[i] = 0;
+            v_t := 0;                   -- how many of those taken serve group i
+            FOR j IN 1 .. cardinality(v_busy) LOOP
+                IF gq[i] = ANY((v_busy[j]).queues)
+                   AND ((v_busy[j]).task_names IS NULL OR gn[i] = ANY((v_busy[j]).task_names)) THEN
+                    v_t := v_t + 1;
+                END IF;
+            END LOOP;
+            CONTINUE WHEN v_t = 0;
+            v_k := 0;                   -- the servers of group i seen so far
+            FOR j IN 1 .. cardinality(v_busy) LOOP
+                IF gq[i] = ANY((v_busy[j]).queues)
+                   AND ((v_busy[j]).task_names IS NULL OR gn[i] = ANY((v_busy[j]).task_names)) THEN
+                    v_gave[j] := v_gave[j] + gc[i] / v_t + CASE WHEN v_k < gc[i] % v_t THEN 1 ELSE 0 END;
+                    v_k := v_k + 1;
+                END IF;
+            END LOOP;
+            waiting := waiting - gc[i];
+            gc[i] := 0;
+        END LOOP;
+        FOR j IN 1 .. cardinality(v_busy) LOOP
+            UPDATE task_waiters x SET promised = x.promised + v_gave[j] WHERE x.worker = (v_busy[j]).worker
+            RETURNING x.promised INTO v_total;
+            PERFORM pg_notify((v_busy[j]).channel, v_total::text);
+        END LOOP;
+    END IF;
+    IF waiting > 0 THEN
+        -- Every busy worker serving the rows left is held by a claim or a dispatch not yet
+        -- committed: the most recently registered of them is told, without a wake-up handed.
+        FOR v_w IN SELECT x.channel, x.queues, x.task_names FROM task_waiters x WHERE x.queues && qs
+                    ORDER BY x.since DESC LOOP
+            FOR i IN 1 .. cardinality(gq) LOOP
+                IF gc[i] > 0 AND gq[i] = ANY(v_w.queues) AND (v_w.task_names IS NULL OR gn[i] = ANY(v_w.task_names)) THEN
+                    waiting := waiting - gc[i];
+                    gc[i] := 0;
+                    PERFORM pg_notify(v_w.channel, '');
+                END IF;
+            END LOOP;
+            EXIT WHEN waiting = 0;
+        END LOOP;
+    END IF;
     IF waiting > 0 OR v_partial THEN
         PERFORM pg_notify('composer_tasks', u.q)
            FROM (SELECT DISTINCT gq[i] AS q FROM generate_subscripts(gq, 1) AS i

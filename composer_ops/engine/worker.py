@@ -3,10 +3,11 @@
 The ``run()`` thread claims tasks whenever a slot is free and hands them to
 ``concurrency`` handler threads, each lease extended by heartbeats; a handler whose
 lease is lost has its result dropped as stale. An idle worker registers its free slots
-and sleeps on LISTEN (woken on its own channel for k tasks it claims up to k; on the
-shared channel, as many as it has room for), polling as the fallback. A busy worker
-woken for tasks claims them with its reports instead, each in the report's transaction,
-and the reporting slot goes on to its next task at once. Everything about a running
+and sleeps on LISTEN (woken on its own channel for k tasks it claims up to k, or told
+there with no wake-up handed, one; on the shared channel, as many as it has room for),
+polling as the fallback. A busy worker is handed wake-ups beyond its room for tasks no
+worker has room for, and claims them with its reports, each in the report's
+transaction; the reporting slot goes on to its next task at once. Everything about a running
 handler is keyed by its attempt, so a late attempt finishing cannot touch the current one. ``run()`` installs
 no signal handlers; after ``stop()`` it waits at most ``shutdown_timeout`` seconds,
 then abandons what still runs and raises :class:`~composer_ops.errors.ShutdownTimeout`.
@@ -46,6 +47,9 @@ Handler = Callable[[Any, "TaskContext"], Any]
 REPORT_WAIT_S = 0.05
 #: What started a worker's claim, the keys of :meth:`Worker.claim_counts`.
 CLAIM_REASONS = ("own", "shared", "room")
+#: What a worker was told since its last claim began: nothing, one task more (on its own
+#: channel, no wake-up handed), all it has room for (the shared channel).
+NOT_TOLD, TOLD_ONE, TOLD_ALL = 0, 1, 2
 
 #: One execution attempt of a task: (task id, attempt number).
 AttemptKey = tuple[str, int]
@@ -120,7 +124,7 @@ class _ReportClaim:
         self._free = 0
         self._reason = ""
         self._own = 0
-        self._told_all = False
+        self._told = NOT_TOLD
         #: when the report began: no later than its transaction's start, whose clock
         #: the claim's leases count from (the worker's view of a lease ends no later)
         self._at = time.monotonic()
@@ -147,7 +151,7 @@ class _ReportClaim:
                 self._declined = True
                 self._release()
                 return None
-            limit, self._reason, seen, self._own, self._told_all = taken
+            limit, self._reason, seen, self._own, self._told = taken
             self._free = free
             self._ask = w.engine.next_claim(w.queues, w.worker_id, limit, list(w._handlers), wake=w._wake_channel,
                                             room=free, seen=seen)
@@ -169,7 +173,7 @@ class _ReportClaim:
             if self._ask is None:
                 return None
             if claimed is None:          # not made (the report was not one write), or the report failed
-                w._give_back(self._own, self._told_all)
+                w._give_back(self._own, self._told)
                 return None
             # What the claim left, for the claim loop: a claim for this slot alone that
             # got its task leaves the worker as it was.
@@ -230,11 +234,12 @@ class Worker:
         #: the channel only this worker listens on; its idle claims register it there
         self._wake_channel = wake_channel(self.worker_id)
         #: wake-ups handed to this worker on its own channel (the largest total a payload
-        #: there carried), how many of them its claims took up, and whether the shared
-        #: channel told it since its last claim began; guarded by _wake_lock
+        #: there carried), how many of them its claims took up, and what it was told since
+        #: its last claim began (:data:`TOLD_ALL`: by the shared channel, :data:`TOLD_ONE`:
+        #: on its own channel, with no wake-up handed); guarded by _wake_lock
         self._promised = 0
         self._taken = 0
-        self._told_all = False
+        self._told = NOT_TOLD
         #: a claim has begun (so it may have registered this worker before it listened)
         self._claimed = False
         self._wake_lock = threading.Lock()
@@ -359,7 +364,7 @@ class Worker:
                 if free <= 0:
                     continue
                 with self._wake_lock:
-                    woken = self._told_all or self._promised > self._taken
+                    woken = bool(self._told) or self._promised > self._taken
                     left, since = (None, 0.0) if woken else (self._left, self._left_at)
                     self._left = None
                 if left == "registered":
@@ -409,28 +414,30 @@ class Worker:
         with self._wake_lock:
             return self._reports > 0
 
-    def _take_wakeups(self, free: int, *, woken: bool = False) -> tuple[int, str, int, int, bool] | None:
+    def _take_wakeups(self, free: int, *, woken: bool = False) -> tuple[int, str, int, int, int] | None:
         """What a claim for ``free`` slots asks for, with the wake-ups it takes up counted
         taken: its limit, its reason (:data:`CLAIM_REASONS`), the wake-ups taken up in
-        all (``seen``), and what it took (its own wake-ups, the shared channel's word)
-        for :meth:`_give_back`. Wake-ups beyond the free slots stay owed: claimed when
-        slots free. ``woken``: None unless the worker was woken for tasks."""
+        all (``seen``), and what it took (its own wake-ups, what it was told) for
+        :meth:`_give_back`. Told by the shared channel, it claims all it has room for; told
+        on its own channel, one task more than its own wake-ups. Wake-ups beyond the free
+        slots stay owed: claimed when slots free. ``woken``: None unless the worker was
+        woken for tasks."""
         with self._wake_lock:
-            own, told_all = min(free, self._promised - self._taken), self._told_all
-            if woken and not own and not told_all:
+            own, told = min(free, self._promised - self._taken), self._told
+            if woken and not own and not told:
                 return None
             self._taken += own
-            self._told_all = False
+            self._told = NOT_TOLD
             self._claimed = True
             seen = self._taken
-        limit = own if own and not told_all else free
-        return limit, "shared" if told_all else "own" if own else "room", seen, own, told_all
+        limit = free if told == TOLD_ALL or not (own or told) else min(free, own + (told == TOLD_ONE))
+        return limit, "shared" if told else "own" if own else "room", seen, own, told
 
-    def _give_back(self, own: int, told_all: bool) -> None:
+    def _give_back(self, own: int, told: int) -> None:
         """Undo :meth:`_take_wakeups` for a claim that was not made."""
         with self._wake_lock:
             self._taken -= own
-            self._told_all = self._told_all or told_all
+            self._told = max(self._told, told)
 
     def _count_claim(self, reason: str, claims: Sequence[Claim], filled: bool | None) -> None:
         """Count a claim (of ``reason``; empty when it failed) and note what it left:
@@ -523,7 +530,8 @@ class Worker:
         with self._wake_lock:
             if promised is not None:
                 self._promised = max(self._promised, promised)
-            self._told_all = self._told_all or self._claimed or promised is None
+            if self._claimed or promised is None:
+                self._told = TOLD_ALL
         self._listening.set()
         self._wake.set()
 
@@ -598,22 +606,27 @@ class Worker:
 
     def _on_notify(self, channel: str, payload: str) -> None:
         if channel == self._wake_channel:
+            # Its payload: the wake-ups handed to it in all, or none (told with no wake-up
+            # handed: sql/R__dispatch.sql).
             try:
-                promised = int(payload)
+                promised = int(payload) if payload else None
             except ValueError:
                 return
             with self._wake_lock:
-                self._promised = max(self._promised, promised)
+                if promised is None:
+                    self._told = max(self._told, TOLD_ONE)
+                else:
+                    self._promised = max(self._promised, promised)
         elif payload in self.queues:
             with self._wake_lock:
-                self._told_all = True
+                self._told = TOLD_ALL
         else:
             return
         self._wake.set()
 
     def _woken(self) -> bool:
         with self._wake_lock:
-            return self._told_all or self._promised > self._taken
+            return bool(self._told) or self._promised > self._taken
 
     # -- one attempt ---------------------------------------------------------------
 

@@ -97,8 +97,14 @@ def test_one_dispatch_wakes_the_most_recently_idle_worker_only(wakes: Wakes) -> 
     assert wakes.told() == [("a", "1")]
     wakes.dispatch()
     assert wakes.told() == [("a", "2")]
-    wakes.dispatch()                                # no room registered: every worker is told
-    assert wakes.told() == [("shared", "default")]
+    # No room registered: one more wake-up for a busy worker, the least over-promised
+    # first, then the most recently registered; not the shared channel.
+    wakes.dispatch()
+    assert wakes.told() == [("b", "3")]
+    wakes.dispatch()
+    assert wakes.told() == [("a", "3")]
+    wakes.dispatch()
+    assert wakes.told() == [("b", "4")]
 
 
 def test_a_dispatch_of_several_tasks_hands_them_to_one_worker_with_room(wakes: Wakes) -> None:
@@ -117,35 +123,47 @@ def test_a_dispatch_of_more_tasks_than_one_has_room_for_wakes_as_many_workers(wa
     assert wakes.told() == [("b", "1"), ("c", "1")]
 
 
-def test_more_tasks_than_registered_room_also_tell_the_shared_channel(wakes: Wakes) -> None:
-    """The tasks beyond the registered room are announced on the shared channel, where
-    every worker claims all it has room for: none is left for a poll."""
-    wakes.idle("a", room=1)
-    wakes.dispatch(nodes=("x", "y"))
-    assert wakes.notified() == ["a", "shared"]
+def test_more_tasks_than_registered_room_go_to_busy_workers(wakes: Wakes) -> None:
+    """The tasks beyond the registered room are handed to the registered workers as
+    wake-ups beyond their room, shared out among them, each claimed when one of their
+    slots frees: none is left for a poll, and the shared channel is not told."""
+    for w in "abc":
+        wakes.idle(w, room=1)
+    wakes.dispatch(nodes=("p", "q", "r", "s", "t"))
+    # One each for their room, then one more each for the two most recently registered.
+    assert wakes.told() == [("a", "1"), ("b", "1"), ("b", "2"), ("c", "1"), ("c", "2")]
+    wakes.dispatch(nodes=("u", "v", "w", "x"))
+    # a is the least over-promised: one each, a first, and the fourth to a.
+    assert wakes.told() == [("a", "3"), ("b", "3"), ("c", "3")]
+    assert [_room(wakes.conn, w) for w in "abc"] == [-2, -2, -2]
 
 
-def test_a_claim_of_its_wake_ups_keeps_a_worker_with_room_registered(wakes: Wakes) -> None:
-    """Woken once with 3 free slots, a worker claims its task and the one no wake-up on
-    its way covers (announced on the shared channel), and stays registered for its last
-    slot (sql/R__claim.sql); a claim that fills its room and leaves a task ready hands
-    it one more wake-up, and leaves it no room."""
+def test_a_claim_of_its_wake_ups_keeps_a_worker_with_room_registered(db_url: str, wakes: Wakes) -> None:
+    """Woken twice (once beyond its room), now with 3 free slots, a worker claims its two
+    tasks and stays registered for its last slot (sql/R__claim.sql). A task dispatched
+    while its registration is held by a transaction not yet committed is told to it with
+    no wake-up handed; a claim that fills its room and leaves that task ready hands it
+    one more wake-up, and leaves it no room."""
     conn = wakes.conn
     wakes.idle("a", room=1)
     wakes.dispatch()
     wakes.dispatch()
-    assert wakes.notified() == ["a", "shared"]
-    got = outbox.claim(conn, ["default"], "a", 1, claim_id="woken", wake=outbox.wake_channel("a"), room=3, seen=1)
+    assert wakes.told() == [("a", "1"), ("a", "2")]
+    got = outbox.claim(conn, ["default"], "a", 2, claim_id="woken", wake=outbox.wake_channel("a"), room=3, seen=2)
     assert len(got) == 2
     assert wakes.told() == []
     wakes.dispatch()                                # a has room for 1 more: woken alone
-    assert wakes.told() == [("a", "2")]
-    wakes.dispatch()
-    assert wakes.notified() == ["shared"]
-    got = outbox.claim(conn, ["default"], "a", 1, claim_id="full", wake=outbox.wake_channel("a"), room=1, seen=2)
+    assert wakes.told() == [("a", "3")]
+    with psycopg.connect(db_url) as holder:
+        holder.execute("SELECT 1 FROM task_waiters WHERE worker = 'a' FOR UPDATE")
+        wakes.dispatch()
+        assert wakes.told() == [("a", "")]
+    got = outbox.claim(conn, ["default"], "a", 1, claim_id="full", wake=outbox.wake_channel("a"), room=1, seen=3)
     assert len(got) == 1                            # of 2 ready: a is handed one more wake-up
-    wakes.dispatch()                                # a is busy: no room registered
-    assert wakes.told() == [("a", "3"), ("shared", "default")]
+    assert wakes.told() == [("a", "4")]
+    assert _room(conn, "a") == -1
+    wakes.dispatch()                                # a is busy: one more beyond its room
+    assert wakes.told() == [("a", "5")]
 
 
 def test_wake_ups_on_their_way_to_a_worker_are_not_handed_out_again(wakes: Wakes) -> None:
@@ -160,11 +178,11 @@ def test_wake_ups_on_their_way_to_a_worker_are_not_handed_out_again(wakes: Wakes
     # a read only the first wake-up before it claimed: one task, one still on its way
     got = outbox.claim(conn, ["default"], "a", 1, claim_id="first", wake=outbox.wake_channel("a"), room=2, seen=1)
     assert len(got) == 1
-    wakes.dispatch()                                # a's two slots: one busy, one owed
-    assert wakes.notified() == ["shared"]
-    got = outbox.claim(conn, ["default"], "a", 1, claim_id="second", wake=outbox.wake_channel("a"), room=1, seen=2)
-    assert len(got) == 1                            # full, the third task left: one more wake-up
+    wakes.dispatch()                                # a's two slots: one busy, one owed: one beyond
     assert wakes.told() == [("a", "3")]
+    got = outbox.claim(conn, ["default"], "a", 1, claim_id="second", wake=outbox.wake_channel("a"), room=1, seen=2)
+    assert len(got) == 1                            # full, the third task left for a's third wake-up
+    assert wakes.told() == []
     assert _room(conn, "a") == -1
 
 
@@ -241,9 +259,14 @@ def _lock_waits(conn: psycopg.Connection[Any], n: int) -> bool:
 
 
 def test_a_worker_without_a_handler_for_the_task_is_not_woken(wakes: Wakes) -> None:
-    wakes.idle("a", names=["t"])
-    wakes.idle("b", names=["other"])
+    wakes.idle("b", names=["other"], room=1)
+    wakes.dispatch(task_name="t")                   # no registered worker serves t
+    assert wakes.told() == [("shared", "default")]
+    assert len(outbox.claim(wakes.conn, ["default"], "a", 1, task_names=["t"], claim_id="a-first",
+                            wake=outbox.wake_channel("a"), room=2)) == 1       # that task, one slot left
     wakes.dispatch(task_name="t")
+    assert wakes.notified() == ["a"]
+    wakes.dispatch(task_name="t")                   # a is busy; b does not serve t either way
     assert wakes.notified() == ["a"]
 
 
@@ -254,9 +277,10 @@ def test_a_claim_that_gets_all_it_has_room_for_leaves_no_room_registered(wakes: 
     assert wakes.notified() == ["shared", "shared"]
     got = outbox.claim(conn, ["default"], "a", 2, claim_id="full", wake=outbox.wake_channel("a"))
     assert len(got) == 2
-    wakes.dispatch()                                # a is busy: no room
-    assert wakes.notified() == ["shared"]
     assert _room(conn, "a") == 0
+    wakes.dispatch()                                # a is busy: no room, one wake-up beyond it
+    assert wakes.told() == [("a", "1")]
+    assert _room(conn, "a") == -1
 
 
 def test_a_rolled_back_dispatch_wakes_nobody_and_keeps_the_registration(db_url: str, wakes: Wakes) -> None:

@@ -146,7 +146,8 @@ def test_a_woken_worker_whose_task_another_took_is_woken_again(db_url: str, engi
 
 def test_two_dispatches_racing_for_one_waiter(db_url: str, wakes: Wakes) -> None:  # noqa: F811
     """The first dispatch holds the waiter's row until it commits; the second skips it,
-    never waiting, and tells the shared channel; the waiter is handed the first's task."""
+    never waiting, and tells the waiter on its own channel with no wake-up handed (it
+    claims one task more); the waiter is handed the first's task."""
     wakes.idle("a", room=2, seen=0)
     with psycopg.connect(db_url) as first, psycopg.connect(db_url, autocommit=True) as second:
         Wakes(first, wakes.listen, wakes.channels).dispatch()          # uncommitted: holds a's row
@@ -154,9 +155,72 @@ def test_two_dispatches_racing_for_one_waiter(db_url: str, wakes: Wakes) -> None
         racing.start()
         racing.join(30)
         assert not racing.is_alive(), "the second dispatch waited for the first"
-        assert wakes.told() == [("shared", "default")]
+        assert wakes.told() == [("a", "")]
         first.commit()
     assert wakes.told() == [("a", "1")]
+
+
+def test_a_worker_whose_registration_is_held_is_told_and_claims(db_url: str, engine: Engine) -> None:
+    """An idle worker's registration held by a transaction not yet committed (a claim
+    or a dispatch of its own): a dispatch cannot hand it a wake-up, so it tells it on its
+    own channel, and the worker claims the task while the row is still held (its claim
+    skips writing its registration rather than wait)."""
+    with _serving(Engine.connect(db_url, pool_size=2), "held", 1) as worker, \
+            psycopg.connect(db_url, autocommit=True) as listen:
+        outbox.listen(listen, outbox.CHANNEL)
+        outbox.listen(listen, SENTINEL)
+        wait_for(lambda: _room(engine, "held") == 1, what="the worker idle")
+        with psycopg.connect(db_url) as holder:
+            holder.execute("SELECT 1 FROM task_waiters WHERE worker = 'held' FOR UPDATE")
+            run_id = engine.start("one")
+            wait_for(partial(_finished, engine, run_id), what=f"run {run_id} claimed while the row is held")
+        assert worker.claim_counts()["shared"] == {"claims": 1, "empty": 0}
+        assert worker.claim_counts()["own"]["claims"] == 0
+        with engine.pool.connection() as conn:       # heard after everything the start's commit sent
+            conn.execute(f"NOTIFY {SENTINEL}")
+        heard = []
+        for n in listen.notifies(timeout=60):
+            if n.channel == SENTINEL:
+                break
+            heard.append(n.payload)
+        assert heard == [], "the shared channel was told"
+
+
+def test_a_wake_up_handed_to_a_killed_busy_worker_is_claimed_at_a_poll(db_url: str, engine: Engine) -> None:
+    """A dispatch with no room registered hands the task to a busy worker, here one that
+    was killed while busy (its registration outlives it, the most recent). The live
+    worker, busy when the task came and never told, registers its slot when it frees,
+    and claims the task at its poll interval (2 s) at most."""
+    poll = 2.0
+    go = threading.Event()
+
+    def held(_input: Any, _ctx: Any) -> None:
+        go.wait(30)
+
+    with _serving(Engine.connect(db_url, pool_size=2), "live", 1, poll=poll, handler=held) as worker, \
+            _released(go):
+        wait_for(lambda: _room(engine, "live") == 1, what="the live worker idle")
+        first = engine.start("one")
+        wait_for(lambda: worker.claim_counts()["own"]["claims"] == 1, what="the live worker busy")
+        with engine.pool.connection() as conn:
+            conn.execute("INSERT INTO task_waiters (worker, channel, queues, task_names, slots, promised, seen, since) "
+                         "VALUES ('dead', %s, '{default}', '{noop}', 0, 0, 0, now() + interval '1 hour')",
+                         (outbox.wake_channel("dead"),))
+        second = engine.start("one")
+        wait_for(lambda: _promised(engine, "dead") == 1, what="the wake-up handed to the killed worker")
+        go.set()
+        wait_for(partial(_finished, engine, first), what=f"run {first}")
+        began = time.monotonic()
+        wait_for(partial(_finished, engine, second), timeout=poll + 20, what=f"run {second} claimed at a poll")
+        took = time.monotonic() - began
+    assert took < poll + 20
+    assert worker.claim_counts()["room"]["claims"] >= 2        # its first claim, and the poll's
+
+
+def _promised(engine: Engine, worker: str) -> int:
+    with engine.pool.connection() as conn:
+        row = conn.execute("SELECT promised FROM task_waiters WHERE worker = %s", (worker,)).fetchone()
+    return 0 if row is None else int(row[0])
 
 
 def test_a_worker_that_fills_its_slots_claims_again_only_for_tasks_left(db_url: str, engine: Engine) -> None:
