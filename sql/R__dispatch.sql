@@ -15,23 +15,26 @@
 -- (that total - the wake-ups it took up before).
 --
 -- Rows no waiter had room for go to busy workers, whose next report claims its task
--- with its event (engine/worker.py): each waiter registered with no room left and
--- serving them, the least over-promised first (promised - seen - slots), then the most
--- recently registered, is taken FOR UPDATE SKIP LOCKED for one row, as many as there
--- are rows; rows still left are shared out among those taken that serve them. Each gets
--- one notification, its new `promised` total, as above: the wake-ups beyond its room are
--- claimed as its slots free. When every such waiter is held by a transaction not yet
--- committed (its claim writing its registration, another dispatch), the most recently
--- registered worker serving the rows is told on its own channel with an empty payload:
--- no wake-up handed, it claims one task more than its wake-ups (read without locks).
--- So a dispatch wakes one worker per row, where telling every worker would wake them
--- all for one task (at four busy workers, 0.36 of claims came back empty;
--- docs/performance.md, "Wake-ups handed to busy workers").
+-- with its event (engine/worker.py): waiters registered with no room left, serving them
+-- and handed at most one wake-up beyond their room so far, the least over-promised
+-- first, then the most recently registered, are taken FOR UPDATE SKIP LOCKED, one row
+-- each, with one notification as above (their new `promised` total); such wake-ups are
+-- claimed as the worker's slots free. At most two beyond its room: a worker killed while
+-- busy (its row outlives it), stopping, or running long handlers holds back two rows at
+-- most, which `composer_uncovered` (sql/R__claim.sql) counts as covered. One row still
+-- left (every such waiter held by a transaction not yet committed, its claim writing its
+-- registration or another dispatch, or at its two) is told to the most recently
+-- registered waiter serving it, on its own channel with an empty payload: no wake-up
+-- handed, it claims one task more than its wake-ups (read without locks). So a dispatch
+-- wakes one worker per row, where telling every worker would wake them all for one
+-- task: at four busy workers, 0.33 to 0.36 of claims came back empty
+-- (docs/performance.md, "Wake-ups handed to busy workers").
 --
 -- The shared channel (composer_tasks, every worker listens and claims all it has room
--- for) is notified, once per queue, only for rows no registered worker serves; and for
--- every queue when a waiter taken does not serve every row written, as its claims may
--- take a row another was woken for.
+-- for) is notified, once per queue, for the rows left beyond that (a backlog larger than
+-- the workers registered take: all claim, at full concurrency), and for every queue when
+-- a waiter taken does not serve every row written, as its claims may take a row another
+-- was woken for.
 --
 -- Wake-ups are an optimisation; the poll is the safety net. A worker whose claim came
 -- back short waits for a wake-up at most its poll interval, then claims again; a worker
@@ -54,22 +57,22 @@ DECLARE
     gc INT[];               -- rows of each group no waiter has taken yet
     qs TEXT[];              -- their distinct queues
     waiting INT;
-    waiters CURSOR (p_qs TEXT[]) FOR
+    waiters CURSOR (p_qs TEXT[], p_ns TEXT[]) FOR
         SELECT x.worker, x.channel, x.queues, x.task_names, x.slots - (x.promised - x.seen) AS room
           FROM task_waiters x
          WHERE x.slots > x.promised - x.seen AND x.queues && p_qs
+           AND (x.task_names IS NULL OR x.task_names && p_ns)
          ORDER BY x.since DESC
            FOR UPDATE SKIP LOCKED;
-    busy CURSOR (p_qs TEXT[]) FOR
-        SELECT x.*
+    busy CURSOR (p_qs TEXT[], p_ns TEXT[]) FOR
+        SELECT x.worker, x.channel, x.queues, x.task_names
           FROM task_waiters x
-         WHERE x.slots <= x.promised - x.seen AND x.queues && p_qs
+         WHERE x.promised - x.seen - x.slots BETWEEN 0 AND 1 AND x.queues && p_qs
+           AND (x.task_names IS NULL OR x.task_names && p_ns)
          ORDER BY x.promised - x.seen - x.slots, x.since DESC
            FOR UPDATE SKIP LOCKED;
     v_w RECORD;
-    v_row task_waiters;
-    v_busy task_waiters[] := '{}';
-    v_gave INT[] := '{}';
+    v_chan TEXT;
     v_k INT;
     v_t INT;
     v_all BOOLEAN;
@@ -96,7 +99,7 @@ BEGIN
         RETURN;
     END IF;
     SELECT array_agg(DISTINCT u.q ORDER BY u.q) INTO qs FROM unnest(gq) AS u(q);
-    OPEN waiters(qs);
+    OPEN waiters(qs, gn);
     WHILE waiting > 0 LOOP
         FETCH waiters INTO v_w;
         EXIT WHEN NOT FOUND;
@@ -120,64 +123,45 @@ BEGIN
     END LOOP;
     CLOSE waiters;
     IF waiting > 0 THEN
-        -- Busy workers, each taken (locked) for one row at first, the least over-promised
-        -- first; rows still left are shared out among those taken that serve them.
-        OPEN busy(qs);
+        -- Busy workers with no wake-up beyond their room on its way, one row each.
+        OPEN busy(qs, gn);
         WHILE waiting > 0 LOOP
-            FETCH busy INTO v_row;
+            FETCH busy INTO v_w;
             EXIT WHEN NOT FOUND;
+            v_k := 0;
+            v_all := true;
             FOR i IN 1 .. cardinality(gq) LOOP
-                IF gc[i] > 0 AND gq[i] = ANY(v_row.queues)
-                   AND (v_row.task_names IS NULL OR gn[i] = ANY(v_row.task_names)) THEN
-                    gc[i] := gc[i] - 1;
-                    waiting := waiting - 1;
-                    v_busy := v_busy || v_row;
-                    v_gave := v_gave || 1;
-                    EXIT;
+                IF gq[i] = ANY(v_w.queues) AND (v_w.task_names IS NULL OR gn[i] = ANY(v_w.task_names)) THEN
+                    IF v_k = 0 AND gc[i] > 0 THEN
+                        gc[i] := gc[i] - 1;
+                        v_k := 1;
+                    END IF;
+                ELSE
+                    v_all := false;
                 END IF;
             END LOOP;
+            CONTINUE WHEN v_k = 0;
+            waiting := waiting - 1;
+            v_partial := v_partial OR NOT v_all;
+            UPDATE task_waiters x SET promised = x.promised + 1 WHERE x.worker = v_w.worker
+            RETURNING x.promised INTO v_total;
+            PERFORM pg_notify(v_w.channel, v_total::text);
         END LOOP;
         CLOSE busy;
+    END IF;
+    IF waiting = 1 AND NOT v_partial THEN
+        -- One row left, every busy worker serving it held or already handed one beyond its
+        -- room: the most recently registered is told, with no wake-up handed.
         FOR i IN 1 .. cardinality(gq) LOOP
             CONTINUE WHEN gc[i] = 0;
-            v_t := 0;                   -- how many of those taken serve group i
-            FOR j IN 1 .. cardinality(v_busy) LOOP
-                IF gq[i] = ANY((v_busy[j]).queues)
-                   AND ((v_busy[j]).task_names IS NULL OR gn[i] = ANY((v_busy[j]).task_names)) THEN
-                    v_t := v_t + 1;
-                END IF;
-            END LOOP;
-            CONTINUE WHEN v_t = 0;
-            v_k := 0;                   -- the servers of group i seen so far
-            FOR j IN 1 .. cardinality(v_busy) LOOP
-                IF gq[i] = ANY((v_busy[j]).queues)
-                   AND ((v_busy[j]).task_names IS NULL OR gn[i] = ANY((v_busy[j]).task_names)) THEN
-                    v_gave[j] := v_gave[j] + gc[i] / v_t + CASE WHEN v_k < gc[i] % v_t THEN 1 ELSE 0 END;
-                    v_k := v_k + 1;
-                END IF;
-            END LOOP;
-            waiting := waiting - gc[i];
-            gc[i] := 0;
-        END LOOP;
-        FOR j IN 1 .. cardinality(v_busy) LOOP
-            UPDATE task_waiters x SET promised = x.promised + v_gave[j] WHERE x.worker = (v_busy[j]).worker
-            RETURNING x.promised INTO v_total;
-            PERFORM pg_notify((v_busy[j]).channel, v_total::text);
-        END LOOP;
-    END IF;
-    IF waiting > 0 THEN
-        -- Every busy worker serving the rows left is held by a claim or a dispatch not yet
-        -- committed: the most recently registered of them is told, without a wake-up handed.
-        FOR v_w IN SELECT x.channel, x.queues, x.task_names FROM task_waiters x WHERE x.queues && qs
-                    ORDER BY x.since DESC LOOP
-            FOR i IN 1 .. cardinality(gq) LOOP
-                IF gc[i] > 0 AND gq[i] = ANY(v_w.queues) AND (v_w.task_names IS NULL OR gn[i] = ANY(v_w.task_names)) THEN
-                    waiting := waiting - gc[i];
-                    gc[i] := 0;
-                    PERFORM pg_notify(v_w.channel, '');
-                END IF;
-            END LOOP;
-            EXIT WHEN waiting = 0;
+            SELECT x.channel INTO v_chan FROM task_waiters x
+             WHERE gq[i] = ANY(x.queues) AND (x.task_names IS NULL OR gn[i] = ANY(x.task_names))
+             ORDER BY x.since DESC LIMIT 1;
+            IF v_chan IS NOT NULL THEN
+                PERFORM pg_notify(v_chan, '');
+                gc[i] := 0;
+                waiting := 0;
+            END IF;
         END LOOP;
     END IF;
     IF waiting > 0 OR v_partial THEN

@@ -46,7 +46,7 @@ Handler = Callable[[Any, "TaskContext"], Any]
 #: which claim for them in their transactions, before it claims for them itself.
 REPORT_WAIT_S = 0.05
 #: What started a worker's claim, the keys of :meth:`Worker.claim_counts`.
-CLAIM_REASONS = ("own", "shared", "room")
+CLAIM_REASONS = ("own", "told", "shared", "room")
 #: What a worker was told since its last claim began: nothing, one task more (on its own
 #: channel, no wake-up handed), all it has room for (the shared channel).
 NOT_TOLD, TOLD_ONE, TOLD_ALL = 0, 1, 2
@@ -419,19 +419,22 @@ class Worker:
         taken: its limit, its reason (:data:`CLAIM_REASONS`), the wake-ups taken up in
         all (``seen``), and what it took (its own wake-ups, what it was told) for
         :meth:`_give_back`. Told by the shared channel, it claims all it has room for; told
-        on its own channel, one task more than its own wake-ups. Wake-ups beyond the free
-        slots stay owed: claimed when slots free. ``woken``: None unless the worker was
-        woken for tasks."""
+        on its own channel, one task more than its own wake-ups, if it has a slot for it.
+        Wake-ups (and that one task) beyond the free slots stay owed: claimed when slots
+        free. ``woken``: None unless the worker was woken for tasks."""
         with self._wake_lock:
             own, told = min(free, self._promised - self._taken), self._told
             if woken and not own and not told:
                 return None
+            if told == TOLD_ONE and own >= free:
+                told = NOT_TOLD             # no slot for it: still owed
             self._taken += own
-            self._told = NOT_TOLD
+            self._told = self._told if told == NOT_TOLD else NOT_TOLD
             self._claimed = True
             seen = self._taken
         limit = free if told == TOLD_ALL or not (own or told) else min(free, own + (told == TOLD_ONE))
-        return limit, "shared" if told else "own" if own else "room", seen, own, told
+        reason = "shared" if told == TOLD_ALL else "told" if told == TOLD_ONE else "own" if own else "room"
+        return limit, reason, seen, own, told
 
     def _give_back(self, own: int, told: int) -> None:
         """Undo :meth:`_take_wakeups` for a claim that was not made."""
@@ -478,7 +481,8 @@ class Worker:
         """Claims this worker made (its claim loop's, and those its reports made in their
         transactions) and how many came back empty, by what started each
         (:data:`CLAIM_REASONS`): ``own``, woken on its own channel only (up to one task
-        per wake-up); ``shared``, told on the shared channel, or its LISTEN connection up again
+        per wake-up); ``told``, told on its own channel with no wake-up handed (one task
+        more); ``shared``, told on the shared channel, or its LISTEN connection up again
         after a loss (all it has room for); ``room``,
         neither: its first claim, a slot freed while it was full, or the poll interval
         passed. Read by the benchmark to say where empty claims come from."""

@@ -26,14 +26,15 @@ from composer_ops.repo._base import Conn, fetch_all, iso
 from composer_ops.repo.rows import Claim, Dispatch, Unstarted
 
 #: LISTEN/NOTIFY channel every worker listens on; the payload is the queue name. A
-#: dispatch notifies it only for rows no registered idle worker takes (see :func:`enqueue`).
+#: dispatch notifies it only for rows no registered worker is handed (see :func:`enqueue`).
 CHANNEL = "composer_tasks"
 
 
 def wake_channel(worker: str) -> str:
     """The channel only ``worker`` listens on, named after it (an identifier of at most
     63 bytes, whatever the worker's ID). A notification there carries the total of
-    wake-ups handed to the worker so far (``task_waiters.promised``)."""
+    wake-ups handed to the worker so far (``task_waiters.promised``), or nothing: told
+    with no wake-up handed (sql/R__dispatch.sql)."""
     return "composer_wake_" + hashlib.sha1(worker.encode()).hexdigest()[:32]
 
 
@@ -55,13 +56,16 @@ def enqueue(conn: Conn, dispatches: Sequence[Dispatch], *, now: datetime) -> Non
     (:func:`dispatch_rows`), as an event's one write (:mod:`composer_ops.repo.writes`)
     passes them for its dispatches.
 
-    Idle workers are registered in ``task_waiters`` by their own claims with their free
+    Workers are registered in ``task_waiters`` by their own claims with their free
     slots (sql/R__claim.sql). The dispatch hands each waiter, the most recently
     registered first, up to as many of the rows it serves as it has room for, with one
-    notification on its own channel; only rows no waiter takes (or every row, when a
-    waiter taken does not serve them all) are announced on :data:`CHANNEL`, once per
-    queue. The poll is the safety net: a wake-up lost (a killed waiter's row outlives
-    it) costs its row at most a poll interval of an idle worker (sql/R__dispatch.sql)."""
+    notification on its own channel; rows left go to busy waiters, one each (two beyond
+    a waiter's room at most), and one row still left is told to the most recently
+    registered waiter with an empty payload. Only rows beyond that (or every row, when a
+    waiter handed some does not serve them all) are announced on :data:`CHANNEL`, once
+    per queue. The poll is the safety net: a wake-up lost (a killed waiter's row
+    outlives it) costs its row at most a poll interval of an idle worker
+    (sql/R__dispatch.sql)."""
     if not dispatches:
         return
     conn.execute("SELECT composer_enqueue(%s, %s)", (Jsonb(dispatch_rows(dispatches)), now))

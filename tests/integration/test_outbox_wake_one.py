@@ -1,10 +1,12 @@
-"""A dispatch wakes the idle workers it needs, not every worker listening.
+"""A dispatch wakes the workers it needs, not every worker listening.
 
 An idle worker is registered by its own claim with its free slots and woken on its own
 channel, where a notification hands it wake-ups (its payload: the total handed to it so
-far), each standing for one task; only tasks no registered worker has room for (or
-every task, when a worker woken does not serve them all) are announced on the shared
-channel.
+far), each standing for one task. Tasks no registered worker has room for are handed to
+busy registered workers, one each, two beyond a worker's room at most; one task left is
+told to the most recently registered worker with an empty payload. Only the tasks left
+beyond that (or every task, when a worker woken does not serve them all) are announced
+on the shared channel.
 """
 
 from __future__ import annotations
@@ -105,6 +107,10 @@ def test_one_dispatch_wakes_the_most_recently_idle_worker_only(wakes: Wakes) -> 
     assert wakes.told() == [("a", "3")]
     wakes.dispatch()
     assert wakes.told() == [("b", "4")]
+    wakes.dispatch()
+    assert wakes.told() == [("a", "4")]
+    wakes.dispatch()                                # two beyond the room of each: b is told
+    assert wakes.told() == [("b", "")]
 
 
 def test_a_dispatch_of_several_tasks_hands_them_to_one_worker_with_room(wakes: Wakes) -> None:
@@ -124,17 +130,23 @@ def test_a_dispatch_of_more_tasks_than_one_has_room_for_wakes_as_many_workers(wa
 
 
 def test_more_tasks_than_registered_room_go_to_busy_workers(wakes: Wakes) -> None:
-    """The tasks beyond the registered room are handed to the registered workers as
-    wake-ups beyond their room, shared out among them, each claimed when one of their
-    slots frees: none is left for a poll, and the shared channel is not told."""
+    """The tasks beyond the registered room are handed to busy registered workers, one
+    each, as wake-ups beyond their room, claimed when one of their slots frees; never
+    more than two beyond a worker's room, so a worker killed while busy, or one whose
+    handlers run long, holds back two tasks at most. One task left over is told to the
+    most recently registered worker (no wake-up handed); more go to the shared channel."""
     for w in "abc":
         wakes.idle(w, room=1)
     wakes.dispatch(nodes=("p", "q", "r", "s", "t"))
-    # One each for their room, then one more each for the two most recently registered.
+    # One each for their room, then one more for the two most recently registered.
     assert wakes.told() == [("a", "1"), ("b", "1"), ("b", "2"), ("c", "1"), ("c", "2")]
+    assert [_room(wakes.conn, w) for w in "abc"] == [0, -1, -1]
     wakes.dispatch(nodes=("u", "v", "w", "x"))
-    # a is the least over-promised: one each, a first, and the fourth to a.
-    assert wakes.told() == [("a", "3"), ("b", "3"), ("c", "3")]
+    # One each, a (the least over-promised) first; the fourth is told to c.
+    assert wakes.told() == [("a", "2"), ("b", "3"), ("c", ""), ("c", "3")]
+    assert [_room(wakes.conn, w) for w in "abc"] == [-1, -2, -2]
+    wakes.dispatch(nodes=("y", "z", "zz"))
+    assert wakes.told() == [("a", "3"), ("shared", "default")]
     assert [_room(wakes.conn, w) for w in "abc"] == [-2, -2, -2]
 
 
@@ -199,6 +211,17 @@ def test_a_woken_worker_that_does_not_serve_every_task_also_tells_the_shared_cha
     wakes.idle("b", names=["x"], room=1)
     wakes.dispatch(nodes=("x", "y"), task_name=None)
     assert wakes.notified() == ["a", "b", "shared"]
+
+
+def test_a_busy_worker_handed_a_task_that_does_not_serve_every_task_also_tells_the_shared_channel(
+        wakes: Wakes) -> None:
+    """The same rule for busy workers: a (x only, the most recent) and b (x and y), both
+    busy; one dispatch of x and y hands x to a and y to b, but b's claim may take x."""
+    wakes.idle("b", names=["x", "y"], room=1)
+    wakes.idle("a", names=["x"], room=1)
+    wakes.conn.execute("UPDATE task_waiters SET slots = 0")
+    wakes.dispatch(nodes=("x", "y"), task_name=None)
+    assert wakes.told() == [("a", "1"), ("b", "1"), ("shared", "default")]
 
 
 def test_a_claim_that_registers_again_never_waits_for_a_dispatch(db_url: str, wakes: Wakes) -> None:
@@ -444,7 +467,8 @@ def test_a_worker_counts_its_claims_by_what_started_them(db_url: str) -> None:
     """Worker.claim_counts, which the benchmark reads to say where empty claims come
     from: the first claim (``room``) finds nothing; a dispatch wakes the worker on its
     own channel (``own``) and its claim gets the task; a notification on the shared
-    channel with nothing queued (``shared``) makes a claim that comes back empty."""
+    channel with nothing queued (``shared``) makes a claim that comes back empty, as does
+    an empty one on its own channel (``told``)."""
     with Engine.connect(db_url, pool_size=2) as engine:
         engine.deploy(ONE)
         w_engine = Engine.connect(db_url, pool_size=2)
@@ -459,9 +483,13 @@ def test_a_worker_counts_its_claims_by_what_started_them(db_url: str) -> None:
             with engine.pool.connection() as conn:
                 conn.execute("SELECT pg_notify(%s, 'default')", (outbox.CHANNEL,))
             wait_for(lambda: worker.claim_counts()["shared"]["claims"] == 1, what="the shared wake-up's claim")
+            with engine.pool.connection() as conn:
+                conn.execute("SELECT pg_notify(%s, '')", (outbox.wake_channel("counting"),))
+            wait_for(lambda: worker.claim_counts()["told"]["claims"] == 1, what="the told claim")
         finally:
             worker.stop()
             thread.join(60)
             w_engine.close()
-    assert worker.claim_counts() == {"own": {"claims": 1, "empty": 0}, "shared": {"claims": 1, "empty": 1},
+    assert worker.claim_counts() == {"own": {"claims": 1, "empty": 0}, "told": {"claims": 1, "empty": 1},
+                                     "shared": {"claims": 1, "empty": 1},
                                      "room": {"claims": 1, "empty": 1}}
