@@ -540,8 +540,10 @@ BEGIN
     -- could may have left ready rows behind that no wake-up on its way covers: it hands
     -- its worker wake-ups for them, as many as the room it still has (a race: rows
     -- committed meanwhile), or, with no room left and none on its way, one (claimed when
-    -- a slot frees). Otherwise the worker waits for a wake-up (engine/worker.py)
-    -- instead of claiming on spec.
+    -- a slot frees); with its registration skipped, it tells its worker on its own
+    -- channel with an empty payload for one (one task more, engine/worker.py), or every
+    -- worker for more. Otherwise the worker waits for a wake-up instead of claiming on
+    -- spec.
     IF p_channel IS NOT NULL THEN
         IF claimed >= lim THEN
             SELECT GREATEST(w.promised - COALESCE(p_seen, w.promised), 0) INTO mine
@@ -558,7 +560,9 @@ BEGIN
         RETURNING w.promised INTO total;
         IF owed > 0 AND total IS NOT NULL THEN
             PERFORM pg_notify(p_channel, total::text);
-        ELSIF owed > 0 THEN                 -- the registration skipped: every worker is told
+        ELSIF owed = 1 THEN                 -- the registration skipped: told, no wake-up handed
+            PERFORM pg_notify(p_channel, '');
+        ELSIF owed > 1 THEN                 -- the same, for more: every worker is told
             PERFORM pg_notify('composer_tasks', u.q) FROM unnest(p_queues) AS u(q);
         END IF;
     END IF;

@@ -253,6 +253,22 @@ def test_a_claim_that_registers_again_never_waits_for_a_dispatch(db_url: str, wa
     assert _room(wakes.conn, "a") == 0
 
 
+def test_a_claim_that_cannot_write_its_registration_tells_its_own_worker(db_url: str, wakes: Wakes) -> None:
+    """A claim that fills its slot and leaves a task no wake-up covers hands its worker
+    one more wake-up in its registration; with the registration held by a transaction
+    not yet committed, it tells its own worker instead (an empty payload: one task more),
+    not every worker."""
+    wakes.idle("a", room=1, seen=0)
+    with psycopg.connect(db_url) as holder:
+        holder.execute("SELECT 1 FROM task_waiters WHERE worker = 'a' FOR UPDATE")
+        wakes.dispatch(nodes=("x", "y"))            # a is held: two rows, so every worker is told
+        assert wakes.told() == [("shared", "default")]
+        got = outbox.claim(wakes.conn, ["default"], "a", 1, claim_id="held", wake=outbox.wake_channel("a"),
+                           room=1, seen=0)
+        assert len(got) == 1
+        assert wakes.told() == [("a", "")]
+
+
 def test_a_claim_never_waits_for_a_dispatch_writing_its_registration(db_url: str, wakes: Wakes) -> None:
     """A dispatch that handed worker a a wake-up holds a's registration until it commits.
     a's claim meanwhile, which begins by registering a if it is not yet (sql/R__claim.sql,
