@@ -3,8 +3,8 @@
 The ``run()`` thread claims tasks whenever a slot is free and hands them to
 ``concurrency`` handler threads, each lease extended by heartbeats; a handler whose
 lease is lost has its result dropped as stale. An idle worker registers its free slots
-and sleeps on LISTEN (woken on its own channel for k tasks it claims up to k, or told
-there with no wake-up handed, one; on the shared channel, as many as it has room for),
+and sleeps on LISTEN (woken on its own channel for k tasks it claims up to k; told on
+the shared channel, or on its own with an empty payload, as many as it has room for),
 polling as the fallback. A busy worker is handed wake-ups beyond its room for tasks no
 worker has room for, and claims them with its reports, each in the report's
 transaction; the reporting slot goes on to its next task at once. Everything about a running
@@ -46,10 +46,7 @@ Handler = Callable[[Any, "TaskContext"], Any]
 #: which claim for them in their transactions, before it claims for them itself.
 REPORT_WAIT_S = 0.05
 #: What started a worker's claim, the keys of :meth:`Worker.claim_counts`.
-CLAIM_REASONS = ("own", "told", "shared", "room")
-#: What a worker was told since its last claim began: nothing, one task more (on its own
-#: channel, no wake-up handed), all it has room for (the shared channel).
-NOT_TOLD, TOLD_ONE, TOLD_ALL = 0, 1, 2
+CLAIM_REASONS = ("own", "shared", "room")
 
 #: One execution attempt of a task: (task id, attempt number).
 AttemptKey = tuple[str, int]
@@ -124,7 +121,7 @@ class _ReportClaim:
         self._free = 0
         self._reason = ""
         self._own = 0
-        self._told = NOT_TOLD
+        self._told_all = False
         #: when the report began: no later than its transaction's start, whose clock
         #: the claim's leases count from (the worker's view of a lease ends no later)
         self._at = time.monotonic()
@@ -151,7 +148,7 @@ class _ReportClaim:
                 self._declined = True
                 self._release()
                 return None
-            limit, self._reason, seen, self._own, self._told = taken
+            limit, self._reason, seen, self._own, self._told_all = taken
             self._free = free
             self._ask = w.engine.next_claim(w.queues, w.worker_id, limit, list(w._handlers), wake=w._wake_channel,
                                             room=free, seen=seen)
@@ -173,7 +170,7 @@ class _ReportClaim:
             if self._ask is None:
                 return None
             if claimed is None:          # not made (the report was not one write), or the report failed
-                w._give_back(self._own, self._told)
+                w._give_back(self._own, self._told_all)
                 return None
             # What the claim left, for the claim loop: a claim for this slot alone that
             # got its task leaves the worker as it was.
@@ -234,12 +231,11 @@ class Worker:
         #: the channel only this worker listens on; its idle claims register it there
         self._wake_channel = wake_channel(self.worker_id)
         #: wake-ups handed to this worker on its own channel (the largest total a payload
-        #: there carried), how many of them its claims took up, and what it was told since
-        #: its last claim began (:data:`TOLD_ALL`: by the shared channel, :data:`TOLD_ONE`:
-        #: on its own channel, with no wake-up handed); guarded by _wake_lock
+        #: there carried), how many of them its claims took up, and whether the shared
+        #: channel told it since its last claim began; guarded by _wake_lock
         self._promised = 0
         self._taken = 0
-        self._told = NOT_TOLD
+        self._told_all = False
         #: a claim has begun (so it may have registered this worker before it listened)
         self._claimed = False
         self._wake_lock = threading.Lock()
@@ -364,7 +360,7 @@ class Worker:
                 if free <= 0:
                     continue
                 with self._wake_lock:
-                    woken = bool(self._told) or self._promised > self._taken
+                    woken = self._told_all or self._promised > self._taken
                     left, since = (None, 0.0) if woken else (self._left, self._left_at)
                     self._left = None
                 if left == "registered":
@@ -414,33 +410,28 @@ class Worker:
         with self._wake_lock:
             return self._reports > 0
 
-    def _take_wakeups(self, free: int, *, woken: bool = False) -> tuple[int, str, int, int, int] | None:
+    def _take_wakeups(self, free: int, *, woken: bool = False) -> tuple[int, str, int, int, bool] | None:
         """What a claim for ``free`` slots asks for, with the wake-ups it takes up counted
         taken: its limit, its reason (:data:`CLAIM_REASONS`), the wake-ups taken up in
-        all (``seen``), and what it took (its own wake-ups, what it was told) for
-        :meth:`_give_back`. Told by the shared channel, it claims all it has room for; told
-        on its own channel, one task more than its own wake-ups, if it has a slot for it.
-        Wake-ups (and that one task) beyond the free slots stay owed: claimed when slots
-        free. ``woken``: None unless the worker was woken for tasks."""
+        all (``seen``), and what it took (its own wake-ups, the shared channel's word)
+        for :meth:`_give_back`. Wake-ups beyond the free slots stay owed: claimed when
+        slots free. ``woken``: None unless the worker was woken for tasks."""
         with self._wake_lock:
-            own, told = min(free, self._promised - self._taken), self._told
-            if woken and not own and not told:
+            own, told_all = min(free, self._promised - self._taken), self._told_all
+            if woken and not own and not told_all:
                 return None
-            if told == TOLD_ONE and own >= free:
-                told = NOT_TOLD             # no slot for it: still owed
             self._taken += own
-            self._told = self._told if told == NOT_TOLD else NOT_TOLD
+            self._told_all = False
             self._claimed = True
             seen = self._taken
-        limit = free if told == TOLD_ALL or not (own or told) else min(free, own + (told == TOLD_ONE))
-        reason = "shared" if told == TOLD_ALL else "told" if told == TOLD_ONE else "own" if own else "room"
-        return limit, reason, seen, own, told
+        limit = own if own and not told_all else free
+        return limit, "shared" if told_all else "own" if own else "room", seen, own, told_all
 
-    def _give_back(self, own: int, told: int) -> None:
+    def _give_back(self, own: int, told_all: bool) -> None:
         """Undo :meth:`_take_wakeups` for a claim that was not made."""
         with self._wake_lock:
             self._taken -= own
-            self._told = max(self._told, told)
+            self._told_all = self._told_all or told_all
 
     def _count_claim(self, reason: str, claims: Sequence[Claim], filled: bool | None) -> None:
         """Count a claim (of ``reason``; empty when it failed) and note what it left:
@@ -481,9 +472,8 @@ class Worker:
         """Claims this worker made (its claim loop's, and those its reports made in their
         transactions) and how many came back empty, by what started each
         (:data:`CLAIM_REASONS`): ``own``, woken on its own channel only (up to one task
-        per wake-up); ``told``, told on its own channel with no wake-up handed (one task
-        more); ``shared``, told on the shared channel, or its LISTEN connection up again
-        after a loss (all it has room for); ``room``,
+        per wake-up); ``shared``, told on the shared channel or on its own with an empty
+        payload, or its LISTEN connection up again after a loss (all it has room for); ``room``,
         neither: its first claim, a slot freed while it was full, or the poll interval
         passed. Read by the benchmark to say where empty claims come from."""
         return {reason: {"claims": n, "empty": empty} for reason, (n, empty) in self._claims.items()}
@@ -534,8 +524,7 @@ class Worker:
         with self._wake_lock:
             if promised is not None:
                 self._promised = max(self._promised, promised)
-            if self._claimed or promised is None:
-                self._told = TOLD_ALL
+            self._told_all = self._told_all or self._claimed or promised is None
         self._listening.set()
         self._wake.set()
 
@@ -609,28 +598,25 @@ class Worker:
         self._wake.set()
 
     def _on_notify(self, channel: str, payload: str) -> None:
-        if channel == self._wake_channel:
-            # Its payload: the wake-ups handed to it in all, or none (told with no wake-up
-            # handed: sql/R__dispatch.sql).
+        if channel == self._wake_channel and payload:
             try:
-                promised = int(payload) if payload else None
+                promised = int(payload)
             except ValueError:
                 return
             with self._wake_lock:
-                if promised is None:
-                    self._told = max(self._told, TOLD_ONE)
-                else:
-                    self._promised = max(self._promised, promised)
-        elif payload in self.queues:
+                self._promised = max(self._promised, promised)
+        elif payload in self.queues or channel == self._wake_channel:
+            # The shared channel's word, or the same on its own channel (an empty payload:
+            # told with no wake-up handed, sql/R__dispatch.sql): claim all it has room for.
             with self._wake_lock:
-                self._told = TOLD_ALL
+                self._told_all = True
         else:
             return
         self._wake.set()
 
     def _woken(self) -> bool:
         with self._wake_lock:
-            return bool(self._told) or self._promised > self._taken
+            return self._told_all or self._promised > self._taken
 
     # -- one attempt ---------------------------------------------------------------
 

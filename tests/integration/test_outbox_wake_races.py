@@ -147,7 +147,7 @@ def test_a_woken_worker_whose_task_another_took_is_woken_again(db_url: str, engi
 def test_two_dispatches_racing_for_one_waiter(db_url: str, wakes: Wakes) -> None:  # noqa: F811
     """The first dispatch holds the waiter's row until it commits; the second skips it,
     never waiting, and tells the waiter on its own channel with no wake-up handed (it
-    claims one task more); the waiter is handed the first's task."""
+    claims all it has room for); the waiter is handed the first's task."""
     wakes.idle("a", room=2, seen=0)
     with psycopg.connect(db_url) as first, psycopg.connect(db_url, autocommit=True) as second:
         Wakes(first, wakes.listen, wakes.channels).dispatch()          # uncommitted: holds a's row
@@ -174,7 +174,7 @@ def test_a_worker_whose_registration_is_held_is_told_and_claims(db_url: str, eng
             holder.execute("SELECT 1 FROM task_waiters WHERE worker = 'held' FOR UPDATE")
             run_id = engine.start("one")
             wait_for(partial(_finished, engine, run_id), what=f"run {run_id} claimed while the row is held")
-        assert worker.claim_counts()["told"] == {"claims": 1, "empty": 0}
+        assert worker.claim_counts()["shared"] == {"claims": 1, "empty": 0}
         assert worker.claim_counts()["own"]["claims"] == 0
         with engine.pool.connection() as conn:       # heard after everything the start's commit sent
             conn.execute(f"NOTIFY {SENTINEL}")
@@ -212,7 +212,7 @@ def test_a_wake_up_handed_to_a_killed_busy_worker_is_claimed_at_a_poll(db_url: s
         wait_for(partial(_finished, engine, second), what=f"run {second} claimed at a poll")
     counts = worker.claim_counts()
     assert counts["room"]["claims"] >= 2, counts        # its first claim, and the poll's
-    assert counts["told"]["claims"] == counts["shared"]["claims"] == 0, counts      # never told
+    assert counts["shared"]["claims"] == 0, counts      # never told
 
 
 def _promised(engine: Engine, worker: str) -> int:
@@ -231,8 +231,7 @@ def test_a_worker_that_fills_its_slots_claims_again_only_for_tasks_left(db_url: 
         for run_id in (first, second):
             wait_for(partial(_finished, engine, run_id), what=f"run {run_id}")
         wait_for(lambda: _room(engine, "single") == 1, what="the freed slot registered")
-        assert worker.claim_counts() == {"own": {"claims": 1, "empty": 0}, "told": {"claims": 0, "empty": 0},
-                                         "shared": {"claims": 0, "empty": 0},
+        assert worker.claim_counts() == {"own": {"claims": 1, "empty": 0}, "shared": {"claims": 0, "empty": 0},
                                          "room": {"claims": 1, "empty": 0}}
         third = engine.start("one")
         wait_for(partial(_finished, engine, third), what=f"run {third}")
