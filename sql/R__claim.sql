@@ -536,7 +536,8 @@ BEGIN
         END LOOP;
     END IF;
     -- The registration, with the room this claim leaves. A row locked here is held by a
-    -- dispatch that has not committed: skipped (header above). A claim that took all it
+    -- dispatch that has not committed (busy workers' rows too, sql/R__dispatch.sql):
+    -- skipped (header above), the worker's next claim writes it. A claim that took all it
     -- could may have left ready rows behind that no wake-up on its way covers: it hands
     -- its worker wake-ups for them, as many as the room it still has (a race: rows
     -- committed meanwhile), or, with no room left and none on its way, one (claimed when

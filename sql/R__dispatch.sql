@@ -23,8 +23,9 @@
 -- busy (its row outlives it), stopping, or running long handlers holds back two rows at
 -- most, which `composer_uncovered` (sql/R__claim.sql) counts as covered. One row still
 -- left (every such waiter held by a transaction not yet committed, its claim writing its
--- registration or another dispatch, or at its two) is told to the most recently
--- registered waiter serving it, on its own channel with an empty payload: no wake-up
+-- registration or another dispatch, at its two, or handed one by this dispatch) is told
+-- to the least over-promised waiter serving it, then the most recently registered, on
+-- its own channel with an empty payload: no wake-up
 -- handed (read without locks), it claims all it has room for, as the shared channel's
 -- word makes a worker claim; a busy worker's next report claims. So a dispatch
 -- wakes one worker per row, where telling every worker would wake them all for one
@@ -58,20 +59,7 @@ DECLARE
     gc INT[];               -- rows of each group no waiter has taken yet
     qs TEXT[];              -- their distinct queues
     waiting INT;
-    waiters CURSOR (p_qs TEXT[], p_ns TEXT[]) FOR
-        SELECT x.worker, x.channel, x.queues, x.task_names, x.slots - (x.promised - x.seen) AS room
-          FROM task_waiters x
-         WHERE x.slots > x.promised - x.seen AND x.queues && p_qs
-           AND (x.task_names IS NULL OR x.task_names && p_ns)
-         ORDER BY x.since DESC
-           FOR UPDATE SKIP LOCKED;
-    busy CURSOR (p_qs TEXT[], p_ns TEXT[]) FOR
-        SELECT x.worker, x.channel, x.queues, x.task_names
-          FROM task_waiters x
-         WHERE x.promised - x.seen - x.slots BETWEEN 0 AND 1 AND x.queues && p_qs
-           AND (x.task_names IS NULL OR x.task_names && p_ns)
-         ORDER BY x.promised - x.seen - x.slots, x.since DESC
-           FOR UPDATE SKIP LOCKED;
+    walk refcursor;
     v_w RECORD;
     v_chan TEXT;
     v_k INT;
@@ -100,64 +88,52 @@ BEGIN
         RETURN;
     END IF;
     SELECT array_agg(DISTINCT u.q ORDER BY u.q) INTO qs FROM unnest(gq) AS u(q);
-    OPEN waiters(qs, gn);
-    WHILE waiting > 0 LOOP
-        FETCH waiters INTO v_w;
-        EXIT WHEN NOT FOUND;
-        v_k := 0;
-        v_all := true;
-        FOR i IN 1 .. cardinality(gq) LOOP
-            IF gq[i] = ANY(v_w.queues) AND (v_w.task_names IS NULL OR gn[i] = ANY(v_w.task_names)) THEN
-                v_t := LEAST(gc[i], v_w.room - v_k);
-                gc[i] := gc[i] - v_t;
-                v_k := v_k + v_t;
-            ELSE
-                v_all := false;
-            END IF;
-        END LOOP;
-        CONTINUE WHEN v_k = 0;
-        waiting := waiting - v_k;
-        v_partial := v_partial OR NOT v_all;
-        UPDATE task_waiters x SET promised = x.promised + v_k WHERE x.worker = v_w.worker
-        RETURNING x.promised INTO v_total;
-        PERFORM pg_notify(v_w.channel, v_total::text);
-    END LOOP;
-    CLOSE waiters;
-    IF waiting > 0 THEN
-        -- Busy workers with no wake-up beyond their room on its way, one row each.
-        OPEN busy(qs, gn);
+    -- Pass 1, waiters with room, the most recently registered first, up to their room
+    -- each; pass 2, busy waiters with at most one wake-up beyond their room so far, the
+    -- least over-promised first, then the most recently registered, one row each.
+    FOR v_pass IN 1 .. 2 LOOP
+        EXIT WHEN waiting = 0;
+        OPEN walk FOR
+            SELECT x.worker, x.channel, x.queues, x.task_names,
+                   CASE WHEN v_pass = 1 THEN x.slots - (x.promised - x.seen) ELSE 1 END AS room
+              FROM task_waiters x
+             WHERE x.queues && qs AND (x.task_names IS NULL OR x.task_names && gn)
+               AND CASE WHEN v_pass = 1 THEN x.slots > x.promised - x.seen
+                        ELSE x.promised - x.seen - x.slots BETWEEN 0 AND 1 END
+             ORDER BY CASE WHEN v_pass = 1 THEN 0 ELSE x.promised - x.seen - x.slots END, x.since DESC
+               FOR UPDATE SKIP LOCKED;
         WHILE waiting > 0 LOOP
-            FETCH busy INTO v_w;
+            FETCH walk INTO v_w;
             EXIT WHEN NOT FOUND;
             v_k := 0;
             v_all := true;
             FOR i IN 1 .. cardinality(gq) LOOP
                 IF gq[i] = ANY(v_w.queues) AND (v_w.task_names IS NULL OR gn[i] = ANY(v_w.task_names)) THEN
-                    IF v_k = 0 AND gc[i] > 0 THEN
-                        gc[i] := gc[i] - 1;
-                        v_k := 1;
-                    END IF;
+                    v_t := LEAST(gc[i], v_w.room - v_k);
+                    gc[i] := gc[i] - v_t;
+                    v_k := v_k + v_t;
                 ELSE
                     v_all := false;
                 END IF;
             END LOOP;
             CONTINUE WHEN v_k = 0;
-            waiting := waiting - 1;
+            waiting := waiting - v_k;
             v_partial := v_partial OR NOT v_all;
-            UPDATE task_waiters x SET promised = x.promised + 1 WHERE x.worker = v_w.worker
+            UPDATE task_waiters x SET promised = x.promised + v_k WHERE x.worker = v_w.worker
             RETURNING x.promised INTO v_total;
             PERFORM pg_notify(v_w.channel, v_total::text);
         END LOOP;
-        CLOSE busy;
-    END IF;
+        CLOSE walk;
+    END LOOP;
     IF waiting = 1 AND NOT v_partial THEN
-        -- One row left, every busy worker serving it held or already handed one beyond its
-        -- room: the most recently registered is told, with no wake-up handed.
+        -- One row left, every busy worker serving it held, at its two, or handed one by this
+        -- dispatch: the least over-promised, then the most recently registered, is told,
+        -- with no wake-up handed.
         FOR i IN 1 .. cardinality(gq) LOOP
             CONTINUE WHEN gc[i] = 0;
             SELECT x.channel INTO v_chan FROM task_waiters x
              WHERE gq[i] = ANY(x.queues) AND (x.task_names IS NULL OR gn[i] = ANY(x.task_names))
-             ORDER BY x.since DESC LIMIT 1;
+             ORDER BY x.promised - x.seen - x.slots, x.since DESC LIMIT 1;
             IF v_chan IS NOT NULL THEN
                 PERFORM pg_notify(v_chan, '');
                 gc[i] := 0;

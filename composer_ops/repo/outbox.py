@@ -60,8 +60,8 @@ def enqueue(conn: Conn, dispatches: Sequence[Dispatch], *, now: datetime) -> Non
     slots (sql/R__claim.sql). The dispatch hands each waiter, the most recently
     registered first, up to as many of the rows it serves as it has room for, with one
     notification on its own channel; rows left go to busy waiters, one each (two beyond
-    a waiter's room at most), and one row still left is told to the most recently
-    registered waiter with an empty payload. Only rows beyond that (or every row, when a
+    a waiter's room at most), and one row still left is told to the least over-promised
+    waiter with an empty payload. Only rows beyond that (or every row, when a
     waiter handed some does not serve them all) are announced on :data:`CHANNEL`, once
     per queue. The poll is the safety net: a wake-up lost (a killed waiter's row
     outlives it) costs its row at most a poll interval of an idle worker

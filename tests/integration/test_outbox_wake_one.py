@@ -4,7 +4,7 @@ An idle worker is registered by its own claim with its free slots and woken on i
 channel, where a notification hands it wake-ups (its payload: the total handed to it so
 far), each standing for one task. Tasks no registered worker has room for are handed to
 busy registered workers, one each, two beyond a worker's room at most; one task left is
-told to the most recently registered worker with an empty payload. Only the tasks left
+told to the least over-promised worker with an empty payload. Only the tasks left
 beyond that (or every task, when a worker woken does not serve them all) are announced
 on the shared channel.
 """
@@ -134,7 +134,7 @@ def test_more_tasks_than_registered_room_go_to_busy_workers(wakes: Wakes) -> Non
     each, as wake-ups beyond their room, claimed when one of their slots frees; never
     more than two beyond a worker's room, so a worker killed while busy, or one whose
     handlers run long, holds back two tasks at most. One task left over is told to the
-    most recently registered worker (no wake-up handed); more go to the shared channel."""
+    least over-promised worker (no wake-up handed); more go to the shared channel."""
     for w in "abc":
         wakes.idle(w, room=1)
     wakes.dispatch(nodes=("p", "q", "r", "s", "t"))
@@ -142,8 +142,8 @@ def test_more_tasks_than_registered_room_go_to_busy_workers(wakes: Wakes) -> Non
     assert wakes.told() == [("a", "1"), ("b", "1"), ("b", "2"), ("c", "1"), ("c", "2")]
     assert [_room(wakes.conn, w) for w in "abc"] == [0, -1, -1]
     wakes.dispatch(nodes=("u", "v", "w", "x"))
-    # One each, a (the least over-promised) first; the fourth is told to c.
-    assert wakes.told() == [("a", "2"), ("b", "3"), ("c", ""), ("c", "3")]
+    # One each, a (the least over-promised) first; the fourth is told to a, now the least.
+    assert wakes.told() == [("a", ""), ("a", "2"), ("b", "3"), ("c", "3")]
     assert [_room(wakes.conn, w) for w in "abc"] == [-1, -2, -2]
     wakes.dispatch(nodes=("y", "z", "zz"))
     assert wakes.told() == [("a", "3"), ("shared", "default")]
