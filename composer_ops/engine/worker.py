@@ -360,7 +360,7 @@ class Worker:
                 if free <= 0:
                     continue
                 with self._wake_lock:
-                    woken = self._told_all or self._promised > self._taken
+                    woken = self._woken_locked()
                     left, since = (None, 0.0) if woken else (self._left, self._left_at)
                     self._left = None
                 if left == "registered":
@@ -616,7 +616,11 @@ class Worker:
 
     def _woken(self) -> bool:
         with self._wake_lock:
-            return self._told_all or self._promised > self._taken
+            return self._woken_locked()
+
+    def _woken_locked(self) -> bool:
+        """Woken for tasks: told, or handed wake-ups not yet taken up (_wake_lock held)."""
+        return self._told_all or self._promised > self._taken
 
     # -- one attempt ---------------------------------------------------------------
 

@@ -243,11 +243,7 @@ def test_a_claim_that_registers_again_never_waits_for_a_dispatch(db_url: str, wa
             claim.start()
             wait_for(partial(_lock_waits, wakes.conn, 1), what="the claim waiting at its task")
             Wakes(dispatcher, wakes.listen, wakes.channels).dispatch(run_id, nodes=("y",))  # takes a's row
-        claim.join(30)
-        waited = claim.is_alive()
-        dispatcher.commit()
-        claim.join(30)
-        assert not waited, "the claim waited for the uncommitted dispatch, holding its task"
+        assert not _waited_for(claim, dispatcher), "the claim waited for the uncommitted dispatch, holding its task"
     assert [len(g) for g in got] == [1]
     assert wakes.told() == [("a", "2")]             # a had room for y: one slot free, one owed
     assert _room(wakes.conn, "a") == 0
@@ -283,13 +279,19 @@ def test_a_claim_never_waits_for_a_dispatch_writing_its_registration(db_url: str
         claim = threading.Thread(target=lambda: got.append(outbox.claim(
             claimer, ["default"], "a", 1, claim_id="c", wake=outbox.wake_channel("a"), room=2, seen=1)))
         claim.start()
-        claim.join(30)
-        waited = claim.is_alive()
-        dispatcher.commit()
-        claim.join(30)
-        assert not waited, "the claim waited for the uncommitted dispatch"
+        assert not _waited_for(claim, dispatcher), "the claim waited for the uncommitted dispatch"
     assert [len(g) for g in got] == [1]
     assert wakes.told() == [("a", "2")]
+
+
+def _waited_for(claim: threading.Thread, holder: psycopg.Connection[Any]) -> bool:
+    """Whether ``claim`` (a thread started) was still running after 30 s, while ``holder``
+    had not committed; then ``holder`` commits and the claim is given 30 s more to end."""
+    claim.join(30)
+    waited = claim.is_alive()
+    holder.commit()
+    claim.join(30)
+    return waited
 
 
 def _lock_waits(conn: psycopg.Connection[Any], n: int) -> bool:
