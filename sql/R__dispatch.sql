@@ -52,6 +52,7 @@ DROP FUNCTION IF EXISTS composer_enqueue(JSONB, TIMESTAMPTZ);
 CREATE OR REPLACE FUNCTION composer_enqueue(p_rows JSONB, p_now TIMESTAMPTZ, p_shift INTERVAL DEFAULT '0')
 RETURNS VOID
 LANGUAGE plpgsql
+SET plan_cache_mode = force_generic_plan
 AS $$
 DECLARE
     gq TEXT[];              -- the rows written, grouped by (queue, task name)

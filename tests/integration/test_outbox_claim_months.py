@@ -199,3 +199,15 @@ def test_a_function_that_turns_a_plan_type_off_turns_jit_off(db_url: str) -> Non
                AND EXISTS (SELECT 1 FROM unnest(p.proconfig) AS c(s) WHERE c.s ~ '^enable_[a-z_]+=off$')""").fetchall()
     assert any(name.startswith("composer_claim(") for name, _ in rows), rows
     assert [name for name, config in rows if "jit=off" not in config] == []
+
+
+def test_the_dispatch_keeps_its_plans(db_url: str) -> None:
+    """composer_enqueue (sql/R__dispatch.sql) runs with generic plans: with the default
+    plan cache mode its walk over task_waiters, whose pass is a parameter, kept choosing
+    custom plans, planned at every open, twice per start (0.22 ms of planning per run in
+    bench/results/profile-pg15-2026-12-05-df3145a.json). It reads and writes only
+    unpartitioned tables, so a generic plan locks nothing more."""
+    with psycopg.connect(db_url) as conn:
+        row = conn.execute("SELECT proconfig FROM pg_proc WHERE oid = "
+                           "'composer_enqueue(jsonb, timestamptz, interval)'::regprocedure").fetchone()
+    assert row is not None and "plan_cache_mode=force_generic_plan" in (row[0] or []), row
