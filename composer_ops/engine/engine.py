@@ -498,6 +498,17 @@ class Engine:
             outbox.register(conn, queues, owner, task_names, wake=wake, room=room, seen=seen)
             return True
 
+    @db_retry()
+    def unregister_idle(self, owner: str, *, seen: int, told: bool) -> bool:
+        """``owner`` (a worker stopping) is woken for tasks no more, and what it was
+        woken for and had not claimed is passed on to the other workers
+        (:func:`composer_ops.repo.outbox.unregister`); idempotent. False on Citus, where
+        no claim registers, or when nothing was passed on."""
+        with self.pool.connection() as conn:
+            if self._on_citus(conn):
+                return False
+            return outbox.unregister(conn, owner, seen=seen, told=told)
+
     def complete(self, claim: Claim, output: Any, *, claim_next: ClaimNext | None = None) -> Outcome:
         """Record ``claim``'s task as completed with ``output``. ``claim_next``
         (:meth:`next_claim`): claim the worker's next tasks in the same transaction, in

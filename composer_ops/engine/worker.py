@@ -9,7 +9,8 @@ polling as the fallback. A busy worker is handed wake-ups beyond its room for ta
 worker has room for, and claims them with its reports, each in the report's
 transaction; the reporting slot goes on to its next task at once. Everything about a running
 handler is keyed by its attempt, so a late attempt finishing cannot touch the current one. ``run()`` installs
-no signal handlers; after ``stop()`` it waits at most ``shutdown_timeout`` seconds,
+no signal handlers; after ``stop()`` it unregisters (no wake-up is handed to it, and those
+it had not claimed for are told to the other workers), then waits at most ``shutdown_timeout`` seconds,
 then abandons what still runs and raises :class:`~composer_ops.errors.ShutdownTimeout`.
 """
 
@@ -314,6 +315,8 @@ class Worker:
             # Reports under way may still hand out tasks they claimed: before the ends.
             with self._wake_lock:
                 self._reports_done.wait_for(lambda: self._reports == 0, timeout=self.shutdown_timeout)
+            # Nothing claims from here on: before the handlers in flight are waited for.
+            self._unregister()
             for _ in threads:
                 slots.put(None)      # each idle slot thread takes one and ends
             abandoned = self._drain()
@@ -460,6 +463,19 @@ class Worker:
         except Exception as exc:  # the claim registers it instead
             log.warning("could not register worker %s as idle: %s", self.worker_id, exc)
             return False
+
+    def _unregister(self) -> None:
+        """The worker claims no more: its registration goes, so no dispatch hands it a
+        wake-up while its handlers in flight finish (a whole ``shutdown_timeout`` at
+        most), and what it was woken for and had not claimed is told to the others
+        (:meth:`Engine.unregister_idle`). Failing, it is logged: the registry's stop
+        deletes the registration too, and the rows wait for the others' polls."""
+        with self._wake_lock:
+            seen, told = self._taken, self._told_all
+        try:
+            self.engine.unregister_idle(self.worker_id, seen=seen, told=told)
+        except Exception as exc:
+            log.warning("worker %s: could not unregister as idle: %s", self.worker_id, exc)
 
     def claim_backoff(self, failures: int) -> float:
         """Seconds to pause after a claim failed, ``failures`` claims having failed in a

@@ -169,6 +169,23 @@ def register(conn: Conn, queues: Sequence[str], owner: str, task_names: Sequence
                   "names": list(task_names) if task_names is not None else None})
 
 
+def unregister(conn: Conn, owner: str, *, seen: int, told: bool) -> bool:
+    """``owner`` waits for tasks no more (a worker stopping: it claims nothing from now
+    on): its registration is deleted, so no dispatch hands it a wake-up it would not act
+    on. Wake-ups handed to it that it had not taken up (``promised`` beyond ``seen``),
+    or the word it was told (``told``: on the shared channel, or on its own with an
+    empty payload) and had not claimed for, are passed on: every worker serving its
+    queues is told on the shared channel, as their rows wait in the outbox. Waits for a
+    dispatch holding the row, and reads what it handed out. True when it was told on."""
+    row = conn.execute("""
+        WITH gone AS (DELETE FROM task_waiters WHERE worker = %(owner)s RETURNING queues, promised)
+        SELECT count(pg_notify(%(channel)s, q.q))
+          FROM (SELECT DISTINCT u.q FROM gone, unnest(gone.queues) AS u(q)
+                 WHERE gone.promised > %(seen)s OR %(told)s) AS q""",
+                       {"owner": owner, "channel": CHANNEL, "seen": seen, "told": told}).fetchone()
+    return bool(row and row[0])
+
+
 def promised(conn: Conn, owner: str) -> int:
     """The total of wake-ups handed to ``owner`` so far (``task_waiters.promised``; 0 when
     it is not registered): what the notifications on its channel carry, read by a worker

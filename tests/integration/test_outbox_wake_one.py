@@ -510,3 +510,25 @@ def test_a_worker_counts_its_claims_by_what_started_them(db_url: str) -> None:
             w_engine.close()
     assert worker.claim_counts() == {"own": {"claims": 1, "empty": 0}, "shared": {"claims": 2, "empty": 2},
                                      "room": {"claims": 1, "empty": 1}}
+
+
+def test_a_worker_that_unregisters_passes_on_what_it_was_woken_for(wakes: Wakes) -> None:
+    """A stopping worker's registration goes (outbox.unregister): dispatches hand its
+    room to the others, and wake-ups it had not taken up, or the word it was told and
+    had not claimed for, are told on the shared channel; nothing else is."""
+    wakes.idle("a")
+    wakes.idle("b")
+    wakes.dispatch()
+    assert wakes.told() == [("b", "1")]
+    assert outbox.unregister(wakes.conn, "b", seen=0, told=False)       # its wake-up not taken up
+    assert wakes.told() == [("shared", "default")]
+    assert not outbox.unregister(wakes.conn, "b", seen=0, told=False)   # gone already
+    wakes.dispatch()
+    assert wakes.told() == [("a", "1")]
+    assert not outbox.unregister(wakes.conn, "a", seen=1, told=False)   # all taken up: no one told
+    assert wakes.notified() == []
+    wakes.idle("c", names=["other"])              # the rows above wait: it claims none of them
+    assert outbox.unregister(wakes.conn, "c", seen=0, told=True)        # told, not yet claimed
+    assert wakes.told() == [("shared", "default")]
+    with wakes.conn.cursor() as cur:
+        assert cur.execute("SELECT count(*) FROM task_waiters").fetchone() == (0,)

@@ -356,3 +356,45 @@ def test_a_registration_left_by_a_killed_process_of_the_same_id_is_taken_over(db
         counts = worker.claim_counts()
     assert sum(c["empty"] for c in counts.values()) <= 1, counts
     assert sum(c["claims"] for c in counts.values()) <= 3, counts
+
+
+def test_a_stopping_worker_is_handed_no_wake_up_while_its_handlers_finish(db_url: str, engine: Engine) -> None:
+    """A worker told to stop unregisters before it waits for its handlers: a task
+    started meanwhile goes to an idle worker at once. Before, the stopping worker kept
+    its registration (the most recent, with room) until its handlers finished, the
+    dispatch handed it the task, and the task waited for another worker's poll (an
+    hour here)."""
+    release = threading.Event()
+
+    def held_until_released(_input: Any, _ctx: Any) -> None:
+        release.wait(120)
+
+    try:
+        with _serving(Engine.connect(db_url, pool_size=3), "idle", 1) as idle:
+            wait_for(lambda: _room(engine, idle.worker_id) == 1, timeout=60, what="the idle worker registered")
+            with _serving(Engine.connect(db_url, pool_size=4), "stopping", 2,
+                          handler=held_until_released) as stopping:
+                wait_for(lambda: _room(engine, stopping.worker_id) == 2, timeout=60,
+                         what="the second worker registered after the first")
+                held = engine.start("one")          # to the most recently registered: the second
+                wait_for(lambda: _claimed_by(engine, held) == "stopping", timeout=60,
+                         what="the second worker's claim")
+                stopping.stop()                     # its handler runs on: it drains
+                wait_for(lambda: _room(engine, stopping.worker_id) == 0, timeout=60,
+                         what="the stopping worker's registration gone")
+                run_id = engine.start("one")
+                wait_for(partial(_finished, engine, run_id), timeout=60,
+                         what="the run started while the other drained")
+                assert _claimed_by(engine, run_id) == "idle"
+                assert engine.get_run(held).status == "RUNNING"
+                release.set()
+            assert _finished(engine, held)
+    finally:
+        release.set()
+
+
+def _claimed_by(engine: Engine, run_id: str) -> str | None:
+    with engine.pool.connection() as conn:
+        row = conn.execute("SELECT worker FROM run_history WHERE run_id = %s AND kind = 'claimed'",
+                           (run_id,)).fetchone()
+    return None if row is None else row[0]
