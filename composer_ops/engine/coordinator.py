@@ -90,6 +90,7 @@ class PassStats:
     start_timeouts: int = 0        # tasks failed unclaimed past their schedule_to_start deadline
     priorities_raised: int = 0     # dispatches raised to their queue's top priority (the aging rule)
     slots_freed: int = 0           # flow_slots of attempts no longer RUNNING (sql/V003), healed
+    waiters_forgotten: int = 0     # task_waiters rows of workers gone (killed), deleted
     children_delivered: int = 0    # child starts, cancels and finishes applied from their rows (Citus)
     node_scans: int = 0            # Citus: calls of composer_scan_node, one per worker node a pass
     node_scans_failed: int = 0     # Citus: node scans or prunes that failed (a node down): backed off
@@ -481,7 +482,8 @@ class Coordinator:
                   "(logged once while it repeats): %s", what, key, exc, exc_info=exc)
 
     def _heal_slots(self, stats: PassStats) -> None:
-        """Free the places under a queue's limit that an attempt no longer RUNNING still
+        """Delete the registrations of workers gone (:func:`outbox.forget_dead`), and free
+        the places under a queue's limit that an attempt no longer RUNNING still
         holds: the trigger of sql/R__claim.sql frees them as attempts end, this catches
         what bypassed it. On Citus, where no trigger frees them and claims free the places
         of a key only when it is at its limit, this frees the rest, so the reports' counts
@@ -490,6 +492,8 @@ class Coordinator:
             on_citus = self.engine.shell.on_citus(conn)
             with conn.transaction():
                 stats.slots_freed += citus_flow.free_stale(conn) if on_citus else queues.free_stale_slots(conn)
+                if not on_citus:            # no claim registers on Citus
+                    stats.waiters_forgotten += outbox.forget_dead(conn)
 
     def _handle(self, kind: str, task_id: str, key: str, run_id: str, make_event: Callable[[datetime], Event],
                 backoff: _Backoff, stats: PassStats, locked: set[str]) -> Outcome | None:

@@ -24,6 +24,7 @@ from psycopg.types.json import Jsonb
 
 from composer_ops.repo._base import Conn, fetch_all, iso
 from composer_ops.repo.rows import Claim, Dispatch, Unstarted
+from composer_ops.repo.workers import DEAD_AFTER
 
 #: LISTEN/NOTIFY channel every worker listens on; the payload is the queue name. A
 #: dispatch notifies it only for rows no registered worker is handed (see :func:`enqueue`).
@@ -184,6 +185,42 @@ def unregister(conn: Conn, owner: str, *, seen: int, told: bool) -> bool:
                  WHERE gone.promised > %(seen)s OR %(told)s) AS q""",
                        {"owner": owner, "channel": CHANNEL, "seen": seen, "told": told}).fetchone()
     return bool(row and row[0])
+
+
+#: How long a registration stays unrefreshed (``since``, which each claim of its worker
+#: writes) before :func:`forget_dead` may take its worker for gone when the workers
+#: registry does not show it live: a worker's first claims may come before its
+#: registry row.
+DEAD_WAITER_GRACE_S = 60.0
+
+
+def forget_dead(conn: Conn, grace_s: float = DEAD_WAITER_GRACE_S) -> int:
+    """Delete the registrations of workers that are gone: not refreshed for ``grace_s``
+    seconds, and whose worker the registry (``workers``) shows stopped, dead
+    (:data:`~composer_ops.repo.workers.DEAD_AFTER` heartbeat intervals silent) or not at
+    all. A killed worker's row outlives it: dispatches would hand it wake-ups up to its
+    room and two beyond, and the wake-ups it was handed and never took up would count,
+    in every claim's ``composer_uncovered`` (sql/R__claim.sql), as covering ready rows,
+    so claims that fill their slots would leave those rows to the polls. Wake-ups not
+    taken up are told on the shared channel, as :func:`unregister` does. Rows a
+    dispatch or a claim holds are skipped, never waited for. Returns the rows deleted."""
+    row = conn.execute(f"""
+        WITH gone AS (
+            DELETE FROM task_waiters w
+             WHERE w.worker IN (
+                   SELECT x.worker FROM task_waiters x
+                    WHERE x.since < now() - make_interval(secs => %(grace)s)
+                      AND NOT EXISTS (
+                          SELECT 1 FROM workers k
+                           WHERE k.id = x.worker AND k.stopped_at IS NULL
+                             AND k.last_seen_at >= now() - make_interval(secs => {DEAD_AFTER} * k.heartbeat_s))
+                      FOR UPDATE SKIP LOCKED)
+            RETURNING w.queues, w.promised > w.seen AS owed)
+        SELECT (SELECT count(*) FROM gone),
+               (SELECT count(pg_notify(%(channel)s, q.q))
+                  FROM (SELECT DISTINCT u.q FROM gone, unnest(gone.queues) AS u(q) WHERE gone.owed) AS q)""",
+                       {"grace": grace_s, "channel": CHANNEL}).fetchone()
+    return int(row[0]) if row else 0
 
 
 def promised(conn: Conn, owner: str) -> int:

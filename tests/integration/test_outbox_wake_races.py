@@ -22,7 +22,7 @@ import pytest
 
 from composer_ops import Engine, Worker
 from composer_ops.db.connect import connect
-from composer_ops.repo import outbox
+from composer_ops.repo import outbox, workers
 from composer_ops.testing.processes import TERMINAL, wait_for
 from tests.integration.test_outbox_wake_one import SENTINEL, Wakes, wakes  # noqa: F401  (the fixture)
 
@@ -398,3 +398,37 @@ def _claimed_by(engine: Engine, run_id: str) -> str | None:
         row = conn.execute("SELECT worker FROM run_history WHERE run_id = %s AND kind = 'claimed'",
                            (run_id,)).fetchone()
     return None if row is None else row[0]
+
+
+def test_the_registrations_of_workers_gone_are_forgotten(wakes: Wakes, engine: Engine) -> None:  # noqa: F811
+    """A killed worker's registration outlives it. Not refreshed for a minute and its
+    worker not live in the registry (dead, stopped or never there), it is deleted by the
+    coordinator's lease loop (outbox.forget_dead); the wake-ups it had not taken up are
+    told on the shared channel. Before, they counted as covering ready rows in every
+    other worker's claim for good (composer_uncovered): a claim that filled its slots left
+    such rows to the polls."""
+    conn = wakes.conn
+    for worker in ("a", "b"):
+        workers.register(conn, worker, host="h", pid=1, queues=["default"], concurrency=2, heartbeat_s=10)
+    conn.execute("UPDATE workers SET last_seen_at = now() - interval '1 hour' WHERE id = 'b'")   # b is dead
+    for worker in ("a", "b", "c"):                                                               # c: never there
+        wakes.idle(worker)
+    wakes.dispatch()
+    assert wakes.told() == [("c", "1")]
+
+    def uncovered() -> int:
+        row = conn.execute("SELECT composer_uncovered(ARRAY['default'], NULL, 'a', NULL, 10)").fetchone()
+        return int(row[0]) if row else -1
+
+    assert uncovered() == 0                        # the ready row counts as c's to claim
+    assert outbox.forget_dead(conn) == 0           # all refreshed within the minute
+    conn.execute("UPDATE task_waiters SET since = now() - interval '2 minutes'")
+    assert outbox.forget_dead(conn) == 2
+    assert sorted(r[0] for r in conn.execute("SELECT worker FROM task_waiters")) == ["a"]   # live, however old
+    assert wakes.told() == [("shared", "default")]     # c's wake-up, not taken up
+    assert uncovered() == 1
+    wakes.idle("b", names=["other"])               # b back, refreshed: kept until it ages again
+    assert outbox.forget_dead(conn) == 0
+    conn.execute("UPDATE task_waiters SET since = now() - interval '2 minutes' WHERE worker = 'b'")
+    assert engine.coordinator().run_once(["leases"]).waiters_forgotten == 1
+    assert wakes.notified() == []                  # b had taken up all it was handed
