@@ -492,7 +492,8 @@ class Coordinator:
             on_citus = self.engine.shell.on_citus(conn)
             with conn.transaction():
                 stats.slots_freed += citus_flow.free_stale(conn) if on_citus else queues.free_stale_slots(conn)
-                if not on_citus:            # no claim registers on Citus
+            if not on_citus:            # no claim registers on Citus
+                with conn.transaction():
                     stats.waiters_forgotten += outbox.forget_dead(conn)
 
     def _handle(self, kind: str, task_id: str, key: str, run_id: str, make_event: Callable[[datetime], Event],

@@ -498,12 +498,13 @@ class Engine:
             outbox.register(conn, queues, owner, task_names, wake=wake, room=room, seen=seen)
             return True
 
-    @db_retry()
     def unregister_idle(self, owner: str, *, seen: int, told: bool) -> bool:
         """``owner`` (a worker stopping) is woken for tasks no more, and what it was
         woken for and had not claimed is passed on to the other workers
         (:func:`composer_ops.repo.outbox.unregister`); idempotent. False on Citus, where
-        no claim registers, or when nothing was passed on."""
+        no claim registers, or when nothing was passed on. One attempt, not retried: a
+        stopping worker does not wait on a database that is down
+        (:meth:`worker_stopped` unregisters too)."""
         with self.pool.connection() as conn:
             if self._on_citus(conn):
                 return False
@@ -569,8 +570,12 @@ class Engine:
 
     @db_retry(max_attempts=3)
     def worker_stopped(self, worker_id: str) -> None:
-        """Record that a worker stopped cleanly."""
+        """Record that a worker stopped cleanly; its registration as a waiter goes too,
+        if a claim under way as it unregistered wrote it again, and what it was handed
+        and did not take up is told to the others (:func:`outbox.unregister`)."""
         with self.pool.connection() as conn:
+            if not self._on_citus(conn):
+                outbox.unregister(conn, worker_id, seen=None, told=False)
             workers.stopped(conn, worker_id)
 
     def find_runs(self, *, workflow: str | None = None, status: str | Sequence[str] | None = None,

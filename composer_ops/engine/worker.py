@@ -137,7 +137,7 @@ class _ReportClaim:
         w = self._worker
         if self._ask is not None or self._declined:
             return self._ask
-        if w._stop.is_set() or not w._woken():
+        if w._stop.is_set() or w._claims_over.is_set() or not w._woken():
             self._declined = True
             return None
         if w._free_slots() > 0 and w._claim_lock.acquire(blocking=False):
@@ -258,6 +258,8 @@ class Worker:
         self._left: str | None = None
         self._left_at = 0.0
         self._done = threading.Event()          # run() has returned: the heartbeat loop ends
+        #: run() claims no more, nor do its reports: set as it ends, before it unregisters
+        self._claims_over = threading.Event()
         self._inflight = 0            # handed to a slot and not yet finished; guarded by _active_lock
         self._idle = threading.Condition()      # notified whenever an attempt finishes
         self._active: dict[AttemptKey, TaskContext] = {}
@@ -295,6 +297,7 @@ class Worker:
         if not self._handlers:
             raise Invalid("the worker has no handlers; register one with @worker.handler(name)")
         self._done.clear()
+        self._claims_over.clear()
         slots: queue.SimpleQueue[tuple[Claim, float] | None] = queue.SimpleQueue()
         threads = [threading.Thread(target=self._slot, args=(slots,), name=f"composer-task-{i}", daemon=True)
                    for i in range(self.concurrency)]
@@ -315,7 +318,9 @@ class Worker:
             # Reports under way may still hand out tasks they claimed: before the ends.
             with self._wake_lock:
                 self._reports_done.wait_for(lambda: self._reports == 0, timeout=self.shutdown_timeout)
-            # Nothing claims from here on: before the handlers in flight are waited for.
+            # Nothing claims from here on (reports included, even after a claim loop that
+            # raised): before the handlers in flight are waited for.
+            self._claims_over.set()
             self._unregister()
             for _ in threads:
                 slots.put(None)      # each idle slot thread takes one and ends

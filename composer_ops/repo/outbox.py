@@ -170,19 +170,20 @@ def register(conn: Conn, queues: Sequence[str], owner: str, task_names: Sequence
                   "names": list(task_names) if task_names is not None else None})
 
 
-def unregister(conn: Conn, owner: str, *, seen: int, told: bool) -> bool:
+def unregister(conn: Conn, owner: str, *, seen: int | None, told: bool) -> bool:
     """``owner`` waits for tasks no more (a worker stopping: it claims nothing from now
     on): its registration is deleted, so no dispatch hands it a wake-up it would not act
-    on. Wake-ups handed to it that it had not taken up (``promised`` beyond ``seen``),
-    or the word it was told (``told``: on the shared channel, or on its own with an
-    empty payload) and had not claimed for, are passed on: every worker serving its
-    queues is told on the shared channel, as their rows wait in the outbox. Waits for a
-    dispatch holding the row, and reads what it handed out. True when it was told on."""
+    on. Wake-ups handed to it that it had not taken up (``promised`` beyond ``seen``, or
+    beyond what its last claim wrote when None), or the word it was told (``told``: on
+    the shared channel, or on its own with an empty payload) and had not claimed for,
+    are passed on: every worker serving its queues is told on the shared channel, as
+    their rows wait in the outbox. Waits for a dispatch holding the row, and reads what
+    it handed out. True when it was told on."""
     row = conn.execute("""
-        WITH gone AS (DELETE FROM task_waiters WHERE worker = %(owner)s RETURNING queues, promised)
+        WITH gone AS (DELETE FROM task_waiters WHERE worker = %(owner)s RETURNING queues, promised, seen)
         SELECT count(pg_notify(%(channel)s, q.q))
           FROM (SELECT DISTINCT u.q FROM gone, unnest(gone.queues) AS u(q)
-                 WHERE gone.promised > %(seen)s OR %(told)s) AS q""",
+                 WHERE gone.promised > COALESCE(%(seen)s, gone.seen) OR %(told)s) AS q""",
                        {"owner": owner, "channel": CHANNEL, "seen": seen, "told": told}).fetchone()
     return bool(row and row[0])
 
@@ -203,7 +204,11 @@ def forget_dead(conn: Conn, grace_s: float = DEAD_WAITER_GRACE_S) -> int:
     in every claim's ``composer_uncovered`` (sql/R__claim.sql), as covering ready rows,
     so claims that fill their slots would leave those rows to the polls. Wake-ups not
     taken up are told on the shared channel, as :func:`unregister` does. Rows a
-    dispatch or a claim holds are skipped, never waited for. Returns the rows deleted."""
+    dispatch or a claim holds are skipped, never waited for. Returns the rows deleted.
+
+    A live worker whose registry heartbeats failed for a while (the database out for
+    more than a minute) can lose its row this way: its next claim writes it again, and
+    until then no dispatch wakes it (its poll still claims)."""
     row = conn.execute(f"""
         WITH gone AS (
             DELETE FROM task_waiters w

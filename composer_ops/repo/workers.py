@@ -40,11 +40,9 @@ def beat(conn: Conn, worker_id: str) -> bool:
 
 
 def stopped(conn: Conn, worker_id: str) -> None:
-    """The worker stopped cleanly: so it no longer waits for tasks either (its
-    ``task_waiters`` row would take a dispatch's wake-up it can no longer act on)."""
-    conn.execute("""
-        WITH idle AS (DELETE FROM task_waiters WHERE worker = %(w)s)
-        UPDATE workers SET last_seen_at = now(), stopped_at = now() WHERE id = %(w)s""", {"w": worker_id})
+    """The worker stopped cleanly (its registration as a waiter goes first:
+    :func:`composer_ops.repo.outbox.unregister`)."""
+    conn.execute("UPDATE workers SET last_seen_at = now(), stopped_at = now() WHERE id = %(w)s", {"w": worker_id})
 
 
 def list_workers(conn: Conn, *, window_s: float | None = None) -> list[WorkerRow]:

@@ -530,5 +530,10 @@ def test_a_worker_that_unregisters_passes_on_what_it_was_woken_for(wakes: Wakes)
     wakes.idle("c", names=["other"])              # the rows above wait: it claims none of them
     assert outbox.unregister(wakes.conn, "c", seen=0, told=True)        # told, not yet claimed
     assert wakes.told() == [("shared", "default")]
+    wakes.idle("c", names=["other"])
+    wakes.dispatch(task_name="other")
+    assert wakes.told() == [("c", "1")]
+    assert outbox.unregister(wakes.conn, "c", seen=None, told=False)    # the row's own seen: 0 of 1
+    assert wakes.told() == [("shared", "default")]
     with wakes.conn.cursor() as cur:
         assert cur.execute("SELECT count(*) FROM task_waiters").fetchone() == (0,)

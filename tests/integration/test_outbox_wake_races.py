@@ -380,7 +380,7 @@ def test_a_stopping_worker_is_handed_no_wake_up_while_its_handlers_finish(db_url
                 wait_for(lambda: _claimed_by(engine, held) == "stopping", timeout=60,
                          what="the second worker's claim")
                 stopping.stop()                     # its handler runs on: it drains
-                wait_for(lambda: _room(engine, stopping.worker_id) == 0, timeout=60,
+                wait_for(lambda: not _registered(engine, stopping.worker_id), timeout=60,
                          what="the stopping worker's registration gone")
                 run_id = engine.start("one")
                 wait_for(partial(_finished, engine, run_id), timeout=60,
@@ -391,6 +391,11 @@ def test_a_stopping_worker_is_handed_no_wake_up_while_its_handlers_finish(db_url
             assert _finished(engine, held)
     finally:
         release.set()
+
+
+def _registered(engine: Engine, worker: str) -> bool:
+    with engine.pool.connection() as conn:
+        return conn.execute("SELECT 1 FROM task_waiters WHERE worker = %s", (worker,)).fetchone() is not None
 
 
 def _claimed_by(engine: Engine, run_id: str) -> str | None:
@@ -408,9 +413,9 @@ def test_the_registrations_of_workers_gone_are_forgotten(wakes: Wakes, engine: E
     other worker's claim for good (composer_uncovered): a claim that filled its slots left
     such rows to the polls."""
     conn = wakes.conn
-    for worker in ("a", "b"):
-        workers.register(conn, worker, host="h", pid=1, queues=["default"], concurrency=2, heartbeat_s=10)
-    conn.execute("UPDATE workers SET last_seen_at = now() - interval '1 hour' WHERE id = 'b'")   # b is dead
+    for worker in ("a", "b"):        # a live for three hours: however slow this test runs
+        workers.register(conn, worker, host="h", pid=1, queues=["default"], concurrency=2, heartbeat_s=3600)
+    conn.execute("UPDATE workers SET last_seen_at = now() - interval '1 day' WHERE id = 'b'")    # b is dead
     for worker in ("a", "b", "c"):                                                               # c: never there
         wakes.idle(worker)
     wakes.dispatch()
