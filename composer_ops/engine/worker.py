@@ -31,10 +31,11 @@ from typing import TYPE_CHECKING, Any
 from composer_ops.db.retry import backoff_delay
 from composer_ops.engine.jsonvalues import check_json
 from composer_ops.engine.listener import Listener
+from composer_ops.engine.report_claim import ReportClaim
 from composer_ops.errors import ComposerError, Invalid, NonRetryableError, ShutdownTimeout
 from composer_ops.repo import outbox
 from composer_ops.repo._base import Conn
-from composer_ops.repo.outbox import CHANNEL, ClaimAsk, wake_channel
+from composer_ops.repo.outbox import CHANNEL, wake_channel
 from composer_ops.repo.rows import Claim
 
 if TYPE_CHECKING:
@@ -95,103 +96,6 @@ class TaskContext:
         return self._worker._beat(self)
 
 
-class _ReportClaim:
-    """The claim a report makes in its transaction (``claim_next`` of
-    :meth:`Engine.complete <composer_ops.engine.engine.Engine.complete>`), the claim the
-    claim loop would make for the free slots and the reporting one: one transaction
-    fewer per task, and the slot goes on to its next task at once.
-
-    Decided when the report's write is about to be sent (:meth:`ask`): only when the
-    worker was woken for tasks (its own wake-ups or the shared channel's word) and is not
-    stopping. With free slots, and the worker's claim lock free, it takes the lock there
-    and holds it until :meth:`finish`, claiming for those slots too, as the claim loop
-    would (which takes the same lock): the two never claim for the same slot. Otherwise
-    it claims for the reporting slot alone, which no other claim counts, without the
-    lock: a report never waits for it (it holds a connection and its run's row lock;
-    the claim loop may be waiting for a connection with the lock held), and the reports
-    of a busy worker claim side by side. Wake-ups are taken atomically either way. A
-    woken claim loop leaves its free slots to reports under way for
-    :data:`REPORT_WAIT_S` at most. ``run()`` hands out what reports under way claim
-    before it ends its slots."""
-
-    def __init__(self, worker: Worker) -> None:
-        self._worker = worker
-        self._ask: ClaimAsk | None = None
-        self._declined = False
-        self._locked = False
-        self._free = 0
-        self._reason = ""
-        self._own = 0
-        self._told_all = False
-        #: when the report began: no later than its transaction's start, whose clock
-        #: the claim's leases count from (the worker's view of a lease ends no later)
-        self._at = time.monotonic()
-        with worker._wake_lock:
-            worker._reports += 1
-
-    @property
-    def claim_id(self) -> str | None:
-        return None if self._ask is None else self._ask.claim_id
-
-    def ask(self) -> ClaimAsk | None:
-        w = self._worker
-        if self._ask is not None or self._declined:
-            return self._ask
-        if w._stop.is_set() or w._claims_over.is_set() or not w._woken():
-            self._declined = True
-            return None
-        if w._free_slots() > 0 and w._claim_lock.acquire(blocking=False):
-            self._locked = True
-        try:
-            free = w._free_slots() + 1 if self._locked else 1      # the reporting slot's too
-            taken = w._take_wakeups(free, woken=True)
-            if taken is None:                     # the claim loop took the wake-ups meanwhile
-                self._declined = True
-                self._release()
-                return None
-            limit, self._reason, seen, self._own, self._told_all = taken
-            self._free = free
-            self._ask = w.engine.next_claim(w.queues, w.worker_id, limit, list(w._handlers), wake=w._wake_channel,
-                                            room=free, seen=seen)
-        except BaseException:
-            self._release()
-            raise
-        return self._ask
-
-    def asked(self) -> ClaimAsk | None:
-        return self._ask
-
-    def finish(self, claimed: tuple[Claim, ...] | None,
-               slots: queue.SimpleQueue[tuple[Claim, float] | None]) -> tuple[Claim, float] | None:
-        """After the report (``claimed``: ``Outcome.claimed``, None when it failed):
-        count the claim, hand the tasks past the first to ``slots``, give back the
-        wake-ups of a claim not made, release the claim lock. Returns the first task."""
-        w = self._worker
-        try:
-            if self._ask is None:
-                return None
-            if claimed is None:          # not made (the report was not one write), or the report failed
-                w._give_back(self._own, self._told_all)
-                return None
-            # What the claim left, for the claim loop: a claim for this slot alone that
-            # got its task leaves the worker as it was.
-            w._count_claim(self._reason, claimed,
-                           None if claimed and not self._locked else len(claimed) >= self._free)
-            w._hand_out(claimed[1:], self._at, slots)
-            return (claimed[0], self._at) if claimed else None
-        finally:
-            self._release()
-            with w._wake_lock:
-                w._reports -= 1
-                w._reports_done.notify_all()
-            w._wake.set()            # the claim loop looks again (it may have left free slots to this report)
-
-    def _release(self) -> None:
-        if self._locked:
-            self._locked = False
-            self._worker._claim_lock.release()
-
-
 @dataclass(frozen=True)
 class Result:
     """How one attempt ended, for callers that count (the simulator, tests)."""
@@ -245,7 +149,7 @@ class Worker:
         #: claims made and how many came back empty, by what started them (see claim_counts);
         #: guarded by _wake_lock
         self._claims: dict[str, list[int]] = {reason: [0, 0] for reason in CLAIM_REASONS}
-        #: One claim at a time, the claim loop's or a report's (:class:`_ReportClaim`),
+        #: One claim at a time, the claim loop's or a report's (:class:`ReportClaim`),
         #: each of which writes the worker's registration for the room it counted.
         self._claim_lock = threading.Lock()
         #: reports under way that may claim (the claim loop leaves the free slots to them)
@@ -693,9 +597,9 @@ class Worker:
     def _report(self, claim: Claim, status: str, value: Any, retryable: bool, *,
                 slots: queue.SimpleQueue[tuple[Claim, float] | None] | None = None) -> tuple[Claim, float] | None:
         """Report the attempt's result. With ``slots``, the report may claim the next
-        tasks in its transaction (:class:`_ReportClaim`): this slot's next, returned with
+        tasks in its transaction (:class:`ReportClaim`): this slot's next, returned with
         the instant its claim began, and the free slots' (handed to ``slots``)."""
-        then = _ReportClaim(self) if slots is not None and not self._stop.is_set() \
+        then = ReportClaim(self) if slots is not None and not self._stop.is_set() \
             and self.engine.claims_with_events else None
         claimed: tuple[Claim, ...] | None = None
         nxt = None

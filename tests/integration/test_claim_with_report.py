@@ -16,7 +16,7 @@ import psycopg
 import pytest
 
 from composer_ops import Engine, Worker
-from composer_ops.engine import worker as worker_module
+from composer_ops.engine import report_claim
 from composer_ops.engine.worker import Result
 from composer_ops.testing.processes import wait_for
 
@@ -135,7 +135,7 @@ def test_tasks_a_report_claims_for_free_slots_run_when_the_worker_stops_meanwhil
         worker = _OneClaimWorker(w_engine, concurrency=3, poll_interval=3600.0, on_result=results.append,
                                  shutdown_timeout=30.0)
         worker.handler("t")(lambda _input, ctx: go.wait(30) if ctx.run_id == first else None)
-        ask = worker_module._ReportClaim.ask
+        ask = report_claim.ReportClaim.ask
 
         def ask_then_stop(self: Any) -> Any:
             asked = ask(self)
@@ -143,7 +143,7 @@ def test_tasks_a_report_claims_for_free_slots_run_when_the_worker_stops_meanwhil
                 worker.stop()            # while the claim is on its way
             return asked
 
-        monkeypatch.setattr(worker_module._ReportClaim, "ask", ask_then_stop)
+        monkeypatch.setattr(report_claim.ReportClaim, "ask", ask_then_stop)
         thread = threading.Thread(target=worker.run, daemon=True)
         thread.start()
         try:
