@@ -179,13 +179,9 @@ def unregister(conn: Conn, owner: str, *, seen: int | None, told: bool) -> bool:
     are passed on: every worker serving its queues is told on the shared channel, as
     their rows wait in the outbox. Waits for a dispatch holding the row, and reads what
     it handed out. True when it was told on."""
-    row = conn.execute("""
-        WITH gone AS (DELETE FROM task_waiters WHERE worker = %(owner)s RETURNING queues, promised, seen)
-        SELECT count(pg_notify(%(channel)s, q.q))
-          FROM (SELECT DISTINCT u.q FROM gone, unnest(gone.queues) AS u(q)
-                 WHERE gone.promised > COALESCE(%(seen)s, gone.seen) OR %(told)s) AS q""",
-                       {"owner": owner, "channel": CHANNEL, "seen": seen, "told": told}).fetchone()
-    return bool(row and row[0])
+    _, told_on = _forget(conn, "w.worker = %(owner)s", "w.promised > COALESCE(%(seen)s, w.seen) OR %(told)s",
+                               {"owner": owner, "seen": seen, "told": told})
+    return told_on > 0
 
 
 #: How long a registration stays unrefreshed (``since``, which each claim of its worker
@@ -209,23 +205,29 @@ def forget_dead(conn: Conn, grace_s: float = DEAD_WAITER_GRACE_S) -> int:
     A live worker whose registry heartbeats failed for a while (the database out for
     more than a minute) can lose its row this way: its next claim writes it again, and
     until then no dispatch wakes it (its poll still claims)."""
+    deleted, _ = _forget(conn, f"""
+        w.worker IN (SELECT x.worker FROM task_waiters x
+                      WHERE x.since < now() - make_interval(secs => %(grace)s)
+                        AND NOT EXISTS (
+                            SELECT 1 FROM workers k
+                             WHERE k.id = x.worker AND k.stopped_at IS NULL
+                               AND k.last_seen_at >= now() - make_interval(secs => {DEAD_AFTER} * k.heartbeat_s))
+                        FOR UPDATE SKIP LOCKED)""", "w.promised > w.seen", {"grace": grace_s})
+    return deleted
+
+
+def _forget(conn: Conn, which: str, owed: str, params: dict[str, Any]) -> tuple[int, int]:
+    """Delete the registrations ``which`` selects (SQL over ``task_waiters w``) and tell
+    the shared channel, once per queue, of those where ``owed`` (SQL over the row) holds:
+    (rows deleted, notifications sent). The one statement of :func:`unregister` and
+    :func:`forget_dead`."""
     row = conn.execute(f"""
-        WITH gone AS (
-            DELETE FROM task_waiters w
-             WHERE w.worker IN (
-                   SELECT x.worker FROM task_waiters x
-                    WHERE x.since < now() - make_interval(secs => %(grace)s)
-                      AND NOT EXISTS (
-                          SELECT 1 FROM workers k
-                           WHERE k.id = x.worker AND k.stopped_at IS NULL
-                             AND k.last_seen_at >= now() - make_interval(secs => {DEAD_AFTER} * k.heartbeat_s))
-                      FOR UPDATE SKIP LOCKED)
-            RETURNING w.queues, w.promised > w.seen AS owed)
+        WITH gone AS (DELETE FROM task_waiters w WHERE {which} RETURNING w.queues, {owed} AS owed)
         SELECT (SELECT count(*) FROM gone),
                (SELECT count(pg_notify(%(channel)s, q.q))
                   FROM (SELECT DISTINCT u.q FROM gone, unnest(gone.queues) AS u(q) WHERE gone.owed) AS q)""",
-                       {"grace": grace_s, "channel": CHANNEL}).fetchone()
-    return int(row[0]) if row else 0
+                       {**params, "channel": CHANNEL}).fetchone()
+    return (int(row[0]), int(row[1])) if row else (0, 0)
 
 
 def promised(conn: Conn, owner: str) -> int:
