@@ -127,7 +127,12 @@ def make_template(server: Any, root: Path, name: str, workflows: list[dict[str, 
     run(root, "-m", "composer_ops", "migrate", extra_env=extra)
     run(root, "-c", _DEPLOY, extra_env=extra, stdin=json.dumps(workflows))
     with psycopg.connect(url) as conn:
-        applied = {str(s): str(c) for s, c in conn.execute("SELECT script, checksum FROM schema_migrations")}
+        if conn.execute("SELECT 1 FROM information_schema.columns "
+                        "WHERE table_name = 'schema_migrations' AND column_name = 'script'").fetchone():
+            applied = {str(s): str(c) for s, c in conn.execute("SELECT script, checksum FROM schema_migrations")}
+        else:       # a tree from before the table named files (c3b698e and earlier): V files only, by version
+            applied = {f"V{int(v):03d}__{n}.sql": str(c)
+                       for v, n, c in conn.execute("SELECT version, name, checksum FROM schema_migrations")}
     expected = sql_files(root)
     if applied != expected:
         raise RuntimeError(f"template {name} of {root}: schema_migrations holds {sorted(applied)}, "
