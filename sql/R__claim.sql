@@ -542,7 +542,7 @@ BEGIN
     -- its worker wake-ups for them, as many as the room it still has (a race: rows
     -- committed meanwhile), or, with no room left and none on its way, one (claimed when
     -- a slot frees); with its registration skipped, it tells its worker on its own
-    -- channel with an empty payload for one (it claims one at least), or every
+    -- channel with an empty payload for one (it claims all it has room for), or every
     -- worker for more. Otherwise the worker waits for a wake-up instead of claiming on
     -- spec.
     IF p_channel IS NOT NULL THEN

@@ -355,15 +355,6 @@ class Engine:
         server, once this engine knows it is one (after its first claim or event)."""
         return self.shell.known_single_server
 
-    @property
-    def claims_count_wakeups(self) -> bool:
-        """Whether a worker's claim with more ``room`` than its ``limit`` also takes the
-        ready tasks no wake-up on its way to any worker covers (``composer_uncovered``,
-        sql/R__claim.sql), up to that room: on a single server, once this engine knows it
-        is one (after its first claim or event). Not on Citus, where no claim registers
-        its worker and a claim takes ``limit`` tasks at most."""
-        return self.shell.known_single_server
-
     def next_claim(self, queues: Sequence[str], owner: str, limit: int, task_names: Sequence[str] | None = None,
                    *, wake: str | None = None, room: int | None = None, seen: int | None = None) -> ClaimAsk:
         """The claim :meth:`claim` makes with these arguments, under an ID of its own, not

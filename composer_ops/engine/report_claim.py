@@ -42,7 +42,7 @@ class ReportClaim:
         self._free = 0
         self._reason = ""
         self._own = 0
-        self._told = 0                  # what it was told (NOT_TOLD, engine/worker.py)
+        self._told_all = False
         #: when the report began: no later than its transaction's start, whose clock
         #: the claim's leases count from (the worker's view of a lease ends no later)
         self._at = time.monotonic()
@@ -69,7 +69,7 @@ class ReportClaim:
                 self._declined = True
                 self._release()
                 return None
-            limit, self._reason, seen, self._own, self._told = taken
+            limit, self._reason, seen, self._own, self._told_all = taken
             self._free = free
             self._ask = w.engine.next_claim(w.queues, w.worker_id, limit, list(w._handlers), wake=w._wake_channel,
                                             room=free, seen=seen)
@@ -91,7 +91,7 @@ class ReportClaim:
             if self._ask is None:
                 return None
             if claimed is None:          # not made (the report was not one write), or the report failed
-                w._give_back(self._own, self._told)
+                w._give_back(self._own, self._told_all)
                 return None
             # What the claim left, for the claim loop: a claim for this slot alone that
             # got its task leaves the worker as it was.

@@ -3,10 +3,9 @@
 The ``run()`` thread claims tasks whenever a slot is free and hands them to
 ``concurrency`` handler threads, each lease extended by heartbeats; a handler whose
 lease is lost has its result dropped as stale. An idle worker registers its free slots
-and sleeps on LISTEN (woken on its own channel for k tasks it claims up to k, and on a
-single server the ready tasks no wake-up covers as well, up to its room; told of one
-task, an empty payload there, the same with one at least; told on the shared channel,
-as many as it has room for), polling as the fallback. A busy worker is handed wake-ups beyond its room for tasks no
+and sleeps on LISTEN (woken on its own channel for k tasks it claims up to k; told on
+the shared channel, or on its own with an empty payload, as many as it has room for),
+polling as the fallback. A busy worker is handed wake-ups beyond its room for tasks no
 worker has room for, and claims them with its reports, each in the report's
 transaction; the reporting slot goes on to its next task at once. Everything about a running
 handler is keyed by its attempt, so a late attempt finishing cannot touch the current one. ``run()`` installs
@@ -50,11 +49,6 @@ Handler = Callable[[Any, "TaskContext"], Any]
 REPORT_WAIT_S = 0.05
 #: What started a worker's claim, the keys of :meth:`Worker.claim_counts`.
 CLAIM_REASONS = ("own", "shared", "room")
-#: What a worker was told since its last claim began (the larger wins): nothing; of one
-#: task no wake-up was handed for (an empty payload on its own channel,
-#: sql/R__dispatch.sql and sql/R__claim.sql); of tasks for every worker (the shared
-#: channel's word, or its LISTEN connection up again after a loss).
-NOT_TOLD, TOLD_ONE, TOLD_ALL = 0, 1, 2
 
 #: One execution attempt of a task: (task id, attempt number).
 AttemptKey = tuple[str, int]
@@ -142,11 +136,11 @@ class Worker:
         #: the channel only this worker listens on; its idle claims register it there
         self._wake_channel = wake_channel(self.worker_id)
         #: wake-ups handed to this worker on its own channel (the largest total a payload
-        #: there carried), how many of them its claims took up, and what it was told since
-        #: its last claim began (NOT_TOLD, TOLD_ONE, TOLD_ALL); guarded by _wake_lock
+        #: there carried), how many of them its claims took up, and whether the shared
+        #: channel told it since its last claim began; guarded by _wake_lock
         self._promised = 0
         self._taken = 0
-        self._told = NOT_TOLD
+        self._told_all = False
         #: a claim has begun (so it may have registered this worker before it listened)
         self._claimed = False
         self._wake_lock = threading.Lock()
@@ -328,40 +322,28 @@ class Worker:
         with self._wake_lock:
             return self._reports > 0
 
-    def _take_wakeups(self, free: int, *, woken: bool = False) -> tuple[int, str, int, int, int] | None:
+    def _take_wakeups(self, free: int, *, woken: bool = False) -> tuple[int, str, int, int, bool] | None:
         """What a claim for ``free`` slots asks for, with the wake-ups it takes up counted
         taken: its limit, its reason (:data:`CLAIM_REASONS`), the wake-ups taken up in
-        all (``seen``), and what it took (its own wake-ups, what it was told) for
-        :meth:`_give_back`. Wake-ups beyond the free slots stay owed: claimed when slots
-        free. Its own wake-ups alone: as many (on a single server the claim adds the
-        ready tasks no wake-up covers, up to ``free``: ``composer_uncovered``,
-        sql/R__claim.sql). Told of one task: the same, one at least (on Citus, ``free``).
-        Told for every worker, or neither (its first claim, a slot freed, the poll):
-        ``free``. ``woken``: None unless the worker was woken for tasks."""
+        all (``seen``), and what it took (its own wake-ups, the shared channel's word)
+        for :meth:`_give_back`. Wake-ups beyond the free slots stay owed: claimed when
+        slots free. ``woken``: None unless the worker was woken for tasks."""
         with self._wake_lock:
-            own, told = min(free, self._promised - self._taken), self._told
-            if woken and not own and told == NOT_TOLD:
+            own, told_all = min(free, self._promised - self._taken), self._told_all
+            if woken and not own and not told_all:
                 return None
             self._taken += own
-            self._told = NOT_TOLD
+            self._told_all = False
             self._claimed = True
             seen = self._taken
-        if told == TOLD_ONE and self.engine.claims_count_wakeups:
-            # Told of one task no worker was handed: its own wake-ups (one at least), the
-            # claim adding the ready tasks no wake-up covers, up to its room. Asking for
-            # all its room took tasks handed to other workers, whose claims for them then
-            # came back empty (docs/performance.md, "Told of one task").
-            limit = max(own, 1)
-        else:
-            limit = own if own and told == NOT_TOLD else free
-        reason = "shared" if told != NOT_TOLD else "own" if own else "room"
-        return limit, reason, seen, own, told
+        limit = own if own and not told_all else free
+        return limit, "shared" if told_all else "own" if own else "room", seen, own, told_all
 
-    def _give_back(self, own: int, told: int) -> None:
+    def _give_back(self, own: int, told_all: bool) -> None:
         """Undo :meth:`_take_wakeups` for a claim that was not made."""
         with self._wake_lock:
             self._taken -= own
-            self._told = max(self._told, told)
+            self._told_all = self._told_all or told_all
 
     def _count_claim(self, reason: str, claims: Sequence[Claim], filled: bool | None) -> None:
         """Count a claim (of ``reason``; empty when it failed) and note what it left:
@@ -398,7 +380,7 @@ class Worker:
         (:meth:`Engine.unregister_idle`). Failing, it is logged: the registry's stop
         deletes the registration too, and the rows wait for the others' polls."""
         with self._wake_lock:
-            seen, told = self._taken, self._told != NOT_TOLD
+            seen, told = self._taken, self._told_all
         try:
             self.engine.unregister_idle(self.worker_id, seen=seen, told=told)
         except Exception as exc:
@@ -416,7 +398,7 @@ class Worker:
         transactions) and how many came back empty, by what started each
         (:data:`CLAIM_REASONS`): ``own``, woken on its own channel only (up to one task
         per wake-up); ``shared``, told on the shared channel or on its own with an empty
-        payload, or its LISTEN connection up again after a loss (:meth:`_take_wakeups`); ``room``,
+        payload, or its LISTEN connection up again after a loss (all it has room for); ``room``,
         neither: its first claim, a slot freed while it was full, or the poll interval
         passed. Read by the benchmark to say where empty claims come from."""
         return {reason: {"claims": n, "empty": empty} for reason, (n, empty) in self._claims.items()}
@@ -467,8 +449,7 @@ class Worker:
         with self._wake_lock:
             if promised is not None:
                 self._promised = max(self._promised, promised)
-            if self._claimed or promised is None:
-                self._told = TOLD_ALL
+            self._told_all = self._told_all or self._claimed or promised is None
         self._listening.set()
         self._wake.set()
 
@@ -549,13 +530,11 @@ class Worker:
                 return
             with self._wake_lock:
                 self._promised = max(self._promised, promised)
-        elif channel == self._wake_channel:
-            # An empty payload: told of one task, no wake-up handed (sql/R__dispatch.sql).
+        elif payload in self.queues or channel == self._wake_channel:
+            # The shared channel's word, or the same on its own channel (an empty payload:
+            # told with no wake-up handed, sql/R__dispatch.sql): claim all it has room for.
             with self._wake_lock:
-                self._told = max(self._told, TOLD_ONE)
-        elif payload in self.queues:
-            with self._wake_lock:
-                self._told = TOLD_ALL
+                self._told_all = True
         else:
             return
         self._wake.set()
@@ -566,7 +545,7 @@ class Worker:
 
     def _woken_locked(self) -> bool:
         """Woken for tasks: told, or handed wake-ups not yet taken up (_wake_lock held)."""
-        return self._told != NOT_TOLD or self._promised > self._taken
+        return self._told_all or self._promised > self._taken
 
     # -- one attempt ---------------------------------------------------------------
 

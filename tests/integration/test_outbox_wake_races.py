@@ -186,29 +186,6 @@ def test_a_worker_whose_registration_is_held_is_told_and_claims(db_url: str, eng
         assert heard == [], "the shared channel was told"
 
 
-def test_a_worker_told_of_one_task_leaves_the_tasks_handed_to_others(db_url: str, engine: Engine) -> None:
-    """An empty payload on a worker's own channel tells it of one task no worker was
-    handed. Its claim asks for one and adds the ready tasks no wake-up covers: it leaves
-    the tasks handed to another registered worker to that one, whose claims for them
-    would otherwise come back empty (docs/performance.md, "Told of one task")."""
-    with _serving(Engine.connect(db_url, pool_size=2), "told", 4) as worker:
-        wait_for(lambda: _room(engine, "told") == 4, what="the worker idle")
-        with engine.pool.connection() as conn:      # registered after it: handed the dispatches
-            outbox.register(conn, ["default"], "other", ["noop"], wake=outbox.wake_channel("other"), room=3, seen=0)
-        runs = [engine.start("one") for _ in range(3)]
-        with engine.pool.connection() as conn:
-            assert outbox.promised(conn, "other") == 3
-            assert outbox.promised(conn, "told") == 0
-            conn.execute("SELECT pg_notify(%s, '')", (outbox.wake_channel("told"),))
-        wait_for(lambda: worker.claim_counts()["shared"]["claims"] == 1, what="the told worker's claim")
-        # Counted once the claim has committed: what it took is written.
-        assert worker.claim_counts()["shared"] == {"claims": 1, "empty": 0}
-        assert [_claimed_by(engine, r) for r in runs].count("told") == 1
-        with engine.pool.connection() as conn:
-            left = conn.execute("SELECT count(*) FROM task_outbox").fetchone()
-        assert left == (2,), "the tasks handed to the other worker were taken"
-
-
 def test_a_wake_up_handed_to_a_killed_busy_worker_is_claimed_at_a_poll(db_url: str, engine: Engine) -> None:
     """A dispatch with no room registered hands the task to a busy worker, here one that
     was killed while busy (its registration outlives it, the most recent). The live
