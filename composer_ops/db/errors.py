@@ -267,6 +267,11 @@ class TranslatingClientCursor(TranslatingCursor[Row], psycopg.ClientCursor[Row])
     """psycopg's client-side binding cursor (``conn.cursor_factory = TranslatingClientCursor``), translating."""
 
 
+class TranslatingRawCursor(TranslatingCursor[Row], psycopg.RawCursor[Row]):
+    """psycopg's cursor for statements with PostgreSQL's own ``$n`` placeholders, sent as
+    they are (no conversion at each execute), translating: ``TranslatingRawCursor(conn)``."""
+
+
 class TranslatingServerCursor(TranslatingCursor[Row], psycopg.ServerCursor[Row]):  # type: ignore[misc]  # __iter__, as above
     """A named (server-side) cursor, translating: ``conn.cursor(name=...)``."""
 

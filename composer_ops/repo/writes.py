@@ -24,6 +24,7 @@ from psycopg.types.json import Jsonb
 
 from composer_ops.core.model import TaskRef
 from composer_ops.core.runids import uuid7_timestamp
+from composer_ops.db.errors import TranslatingRawCursor
 from composer_ops.errors import ComposerError
 from composer_ops.repo import partitions
 from composer_ops.repo._base import Conn, error_doc, iso
@@ -187,11 +188,12 @@ def send(conn: Conn, doc: dict[str, Any]) -> Pending:
         # A run finished again (retried) gets a new delivery, under a new ID: the row of
         # its earlier finish goes first (Citus refuses a new ID in an upsert's SET).
         conn.execute("DELETE FROM webhook_deliveries WHERE run_id = %s", (doc["run_id"],))
-    text, params = statement(doc, tables.runs, tables.tasks)
+    text, values = statement(doc, tables.runs, tables.tasks)
     # On the partitioned tables an update is planned at every call, for its month only
     # (partitions.month_tables says why): never prepared.
     prepare = False if updates and tables.runs == "workflow_runs" else None
-    return Pending(conn.execute(text, params, prepare=prepare))
+    # Sent as it is (its $n placeholders made once per shape, _positional).
+    return Pending(TranslatingRawCursor(conn).execute(text, values, prepare=prepare))
 
 
 def _rows(doc: dict[str, Any], tasks: Sequence[Any], entries: Sequence[Any]) -> dict[str, Any]:
@@ -226,8 +228,9 @@ def _refuse(why: str) -> str:
     return f"composer_fail('CO412', '{why}', to_json(now()) #>> '{{}}')"
 
 
-def statement(doc: dict[str, Any], runs: str, tasks: str) -> tuple[str, dict[str, Any]]:
-    """The one statement that writes ``doc`` (:func:`document`), and its parameters.
+def statement(doc: dict[str, Any], runs: str, tasks: str) -> tuple[str, list[Any]]:
+    """The one statement that writes ``doc`` (:func:`document`), with PostgreSQL's own
+    ``$n`` placeholders, and its parameters in their order.
 
     A data-modifying WITH: each part of the document a sub-statement of its own, the
     updates on the run's month partitions ``runs`` and ``tasks`` (or the partitioned
@@ -263,7 +266,7 @@ def statement(doc: dict[str, Any], runs: str, tasks: str) -> tuple[str, dict[str
         try:
             minted = uuid7_timestamp(doc["run_id"])
         except ComposerError:
-            return f"{MARK} SELECT {_refuse('run_id')}, now()", {}
+            return f"{MARK} SELECT {_refuse('run_id')}, now()", []
         params.update(part=f"workflow_runs_p{minted.year:04d}{minted.month:02d}", wf=start["wf"],
                       version=start["version"],
                       deployed=bool(start.get("deployed")), parent=start.get("parent"),
@@ -312,7 +315,8 @@ def statement(doc: dict[str, Any], runs: str, tasks: str) -> tuple[str, dict[str
     shape = (start is not None, start is not None and "max_age_s" in start, bool(doc.get("exact")), len(done),
              tuple([bool(f.get("r")) for f in failed]), len(resolved),
              None if finish is None else "webhook" in finish, len(new_tasks), len(history), bool(outbox))
-    return _text(shape, runs, tasks), params
+    text, names = _text(shape, runs, tasks)
+    return text, [params[name] for name in names]
 
 
 def _history(doc: dict[str, Any]) -> list[tuple[str, Any, Any, Any, Any, Any]]:
@@ -331,8 +335,32 @@ def _history(doc: dict[str, Any]) -> list[tuple[str, Any, Any, Any, Any, Any]]:
     return rows
 
 
+_NAMED = re.compile(r"%\((\w+)\)s|%%|%")
+
+
+def _positional(text: str) -> tuple[str, tuple[str, ...]]:
+    """``text`` with its ``%(name)s`` placeholders as PostgreSQL's ``$n`` (one number
+    per name, in order of first use) and ``%%`` as ``%``, and the names in number order.
+    psycopg converts a statement with named placeholders at every execute once it is
+    longer than 4 kB or has more than 50 parameters (an event that creates several
+    tasks: 2 to 3 ms of the worker's CPU per 10-task fan-out run, docs/performance.md);
+    this is done once per shape (:func:`_text`), and the statement sent as it is."""
+    names: dict[str, int] = {}
+
+    def number(m: re.Match[str]) -> str:
+        if m.group(1) is not None:
+            return f"${names.setdefault(m.group(1), len(names) + 1)}"
+        if m.group(0) == "%%":
+            return "%"
+        raise ValueError(f"a lone % at character {m.start()} of an event's statement")
+
+    return _NAMED.sub(number, text), tuple(names)
+
+
 @lru_cache(maxsize=1024)
-def _text(shape: tuple[Any, ...], runs: str, tasks: str) -> str:
+def _text(shape: tuple[Any, ...], runs: str, tasks: str) -> tuple[str, tuple[str, ...]]:
+    """The statement of a document of this shape (:func:`statement`), and the names
+    of its parameters in the order of its ``$n`` placeholders."""
     is_start, window, exact, n_done, failed, n_resolved, finish, n_tasks, n_history, outbox = shape
     at = "%(at)s::timestamptz" if exact else "now()"
     shift = "" if exact else " + (now() - %(at)s::timestamptz)"
@@ -431,4 +459,5 @@ def _text(shape: tuple[Any, ...], runs: str, tasks: str) -> str:
     status = "CASE " + " ".join(checks) + " ELSE 'ok' END" if checks else "'ok'"
     head = "WITH " + ",\n".join(parts) + "\n" if parts else ""
     # Each JSON placeholder read from the one JSON parameter (statement).
-    return _JSON_PLACEHOLDER.sub(r"(%(js)s::jsonb -> '\1')", f"{MARK}\n{head}SELECT {status}, {at}{enqueued}")
+    return _positional(_JSON_PLACEHOLDER.sub(r"(%(js)s::jsonb -> '\1')",
+                                             f"{MARK}\n{head}SELECT {status}, {at}{enqueued}"))
