@@ -140,7 +140,7 @@ $$;
 -- The claim's pick, on a single server (composer_claim) and on Citus (repo/citus.py):
 -- up to p_limit ready outbox rows of p_queues (p_names NULL: of any task; p_skip: IDs
 -- passed over), highest priority first, then oldest, each locked FOR UPDATE SKIP LOCKED
--- and returned in that order. It walks the ready rows in that order and stops once it
+-- and returned in the order taken. It walks the ready rows in that order and stops once it
 -- has p_limit, so flow control is asked only about rows the walk reaches, and a row's
 -- place and token are taken only once the pick holds the row. (One statement with the
 -- check in its WHERE evaluates it on every ready row of the queues before sorting them:
@@ -149,6 +149,13 @@ $$;
 -- too, to the claim's end, and keep them from the claims that could take them); each row
 -- it would take is admitted, then locked by its ID, SKIP LOCKED, in a statement of its own
 -- whose snapshot sees what racing claims committed, and still ready.
+-- Spread over runs: a row of a run in p_busy (the runs the claiming worker has tasks of
+-- in flight) or of a run this pick already took a row of is put back (up to p_limit of
+-- them, in order) and the walk goes on, for SPREAD more rows at most; the rows put back
+-- are taken, in order, before any row of a lower priority, and when the walk ends or has
+-- gone that far. So a worker's slots take the tasks of several runs where they are
+-- ready, and their reports do not wait for each other's run lock (a 10-task fan-out's
+-- siblings, docs/performance.md); with none else ready they take the same run's.
 -- The walk is one cursor per queue, each in the order of idx_task_outbox_ready (queue,
 -- priority DESC, available_at, id) with its queue fixed, merged here by that order: so a
 -- claim reads the rows it takes and those it passes over, whatever the backlog. (One
@@ -159,7 +166,9 @@ $$;
 -- sequential scan, then sorted 20,000 rows: both off here, whatever the caller's settings
 -- (and JIT, as composer_claim says why). Each queue listed costs a cursor, whether it has
 -- ready rows or not.
-CREATE OR REPLACE FUNCTION composer_pick(p_queues TEXT[], p_names TEXT[], p_limit INT, p_skip BIGINT[] DEFAULT NULL)
+DROP FUNCTION IF EXISTS composer_pick(TEXT[], TEXT[], INT, BIGINT[]);
+CREATE OR REPLACE FUNCTION composer_pick(p_queues TEXT[], p_names TEXT[], p_limit INT, p_skip BIGINT[] DEFAULT NULL,
+                                         p_busy TEXT[] DEFAULT NULL)
 RETURNS SETOF BIGINT
 LANGUAGE plpgsql
 SET enable_seqscan = off
@@ -167,6 +176,7 @@ SET enable_bitmapscan = off
 SET jit = off
 AS $$
 DECLARE
+    spread CONSTANT INT := 64;  -- rows the walk may put back, at most
     walks refcursor[] := '{}';
     heads task_outbox[] := '{}';
     opened TEXT[] := '{}';
@@ -176,6 +186,9 @@ DECLARE
     nxt task_outbox;
     best INT;
     taken INT := 0;
+    later task_outbox[] := '{}';    -- rows put back, in order
+    put_back INT := 0;
+    runs TEXT[] := COALESCE(p_busy, '{}');
 BEGIN
     IF p_queues IS NULL OR p_limit IS NULL OR p_limit <= 0 THEN
         RETURN;
@@ -209,11 +222,25 @@ BEGIN
                 best := i;
             END IF;
         END LOOP;
-        EXIT WHEN best IS NULL;
-        r := heads[best];
-        walk := walks[best];
-        FETCH walk INTO nxt;                -- none left: a row of NULLs
-        heads[best] := nxt;
+        IF cardinality(later) > 0
+           AND (best IS NULL OR put_back >= spread OR (heads[best]).priority < (later[1]).priority) THEN
+            r := later[1];      -- a row put back: its turn
+            later := later[2:];
+        ELSIF best IS NULL THEN
+            EXIT;
+        ELSE
+            r := heads[best];
+            walk := walks[best];
+            FETCH walk INTO nxt;                -- none left: a row of NULLs
+            heads[best] := nxt;
+            IF put_back < spread AND r.run_id = ANY(runs) THEN
+                put_back := put_back + 1;
+                IF cardinality(later) < p_limit THEN
+                    later := later || r;
+                END IF;
+                CONTINUE;
+            END IF;
+        END IF;
         IF r.ckey IS NOT NULL OR r.rkey IS NOT NULL THEN
             CONTINUE WHEN NOT composer_flow_admit(r.ckey, r.climit, r.rkey, r.rate_per_s, r.rate_burst);
         END IF;
@@ -225,6 +252,7 @@ BEGIN
             PERFORM composer_flow_take(r.ckey, r.rkey, r.rate_per_s, r.rate_burst);
         END IF;
         RETURN NEXT r.id;
+        runs := runs || r.run_id;
         taken := taken + 1;
         EXIT WHEN taken >= p_limit;
     END LOOP;
@@ -392,9 +420,10 @@ GRANT EXECUTE ON FUNCTION composer_uncovered(TEXT[], TEXT[], TEXT, BIGINT, INT) 
 -- wake-ups the worker may have no slot for now, whose rows wait for one of its slots or
 -- another worker's poll (sql/R__dispatch.sql), until its next claim writes it. p_seen
 -- NULL: all handed out taken up. p_channel NULL: a caller that is not a listening
--- worker (no registration).
+-- worker (no registration). p_busy: the runs the worker has tasks of in flight, whose
+-- ready rows the pick takes after others (composer_pick, "spread over runs").
 CREATE OR REPLACE FUNCTION composer_claim(p_queues TEXT[], p_names TEXT[], p_owner TEXT, p_limit INT,
-                               p_claim TEXT, p_channel TEXT, p_room INT, p_seen BIGINT)
+                               p_claim TEXT, p_channel TEXT, p_room INT, p_seen BIGINT, p_busy TEXT[])
 RETURNS TABLE(run_id TEXT, task_id TEXT, node_id TEXT, attempt INT, task_name TEXT, queue TEXT,
               input JSONB, lease_s INT, lease_owner TEXT, lease_expires_at TIMESTAMPTZ)
 LANGUAGE plpgsql
@@ -484,7 +513,7 @@ BEGIN
         -- The pick runs once (MATERIALIZED): as a subquery the planner could rescan it on
         -- the inner side of a nested loop, and pick again.
         WITH s AS MATERIALIZED (
-            SELECT p.id FROM composer_pick(pick_queues, p_names, room) AS p(id)
+            SELECT p.id FROM composer_pick(pick_queues, p_names, room, NULL, p_busy) AS p(id)
         ), picked AS (
             DELETE FROM task_outbox o
              WHERE o.id = ANY (ARRAY(SELECT s.id FROM s))
@@ -570,8 +599,18 @@ BEGIN
 END;
 $$;
 
--- The seven- and six-argument claims, of callers that count no wake-ups (p_seen NULL)
--- or no free slots either (p_room = p_limit): the claim above.
+-- The eight-, seven- and six-argument claims, of callers that name no runs in flight
+-- (p_busy NULL), count no wake-ups (p_seen NULL) or no free slots either (p_room =
+-- p_limit): the claim above.
+CREATE OR REPLACE FUNCTION composer_claim(p_queues TEXT[], p_names TEXT[], p_owner TEXT, p_limit INT,
+                               p_claim TEXT, p_channel TEXT, p_room INT, p_seen BIGINT)
+RETURNS TABLE(run_id TEXT, task_id TEXT, node_id TEXT, attempt INT, task_name TEXT, queue TEXT,
+              input JSONB, lease_s INT, lease_owner TEXT, lease_expires_at TIMESTAMPTZ)
+LANGUAGE sql
+AS $$
+    SELECT * FROM composer_claim(p_queues, p_names, p_owner, p_limit, p_claim, p_channel, p_room, p_seen, NULL::text[])
+$$;
+
 CREATE OR REPLACE FUNCTION composer_claim(p_queues TEXT[], p_names TEXT[], p_owner TEXT, p_limit INT,
                                p_claim TEXT, p_channel TEXT, p_room INT)
 RETURNS TABLE(run_id TEXT, task_id TEXT, node_id TEXT, attempt INT, task_name TEXT, queue TEXT,
@@ -596,6 +635,9 @@ REVOKE ALL ON FUNCTION composer_claim(TEXT[], TEXT[], TEXT, INT, TEXT, TEXT, INT
 GRANT EXECUTE ON FUNCTION composer_claim(TEXT[], TEXT[], TEXT, INT, TEXT, TEXT, INT) TO composer_ops_engine;
 REVOKE ALL ON FUNCTION composer_claim(TEXT[], TEXT[], TEXT, INT, TEXT, TEXT, INT, BIGINT) FROM PUBLIC;
 GRANT EXECUTE ON FUNCTION composer_claim(TEXT[], TEXT[], TEXT, INT, TEXT, TEXT, INT, BIGINT) TO composer_ops_engine;
+REVOKE ALL ON FUNCTION composer_claim(TEXT[], TEXT[], TEXT, INT, TEXT, TEXT, INT, BIGINT, TEXT[]) FROM PUBLIC;
+GRANT EXECUTE ON FUNCTION composer_claim(TEXT[], TEXT[], TEXT, INT, TEXT, TEXT, INT, BIGINT, TEXT[])
+    TO composer_ops_engine;
 
 -- A running attempt that took a slot (task_instances.flow_slot, set by the claim) frees
 -- it when it leaves RUNNING, whatever moves it (completion, failure, re-queue after a
@@ -627,8 +669,8 @@ BEGIN
 END;
 $$;
 
-REVOKE ALL ON FUNCTION composer_pick(TEXT[], TEXT[], INT, BIGINT[]) FROM PUBLIC;
-GRANT EXECUTE ON FUNCTION composer_pick(TEXT[], TEXT[], INT, BIGINT[]) TO composer_ops_engine;
+REVOKE ALL ON FUNCTION composer_pick(TEXT[], TEXT[], INT, BIGINT[], TEXT[]) FROM PUBLIC;
+GRANT EXECUTE ON FUNCTION composer_pick(TEXT[], TEXT[], INT, BIGINT[], TEXT[]) TO composer_ops_engine;
 REVOKE ALL ON FUNCTION composer_flow_admit(TEXT, INT, TEXT, FLOAT8, INT) FROM PUBLIC;
 GRANT EXECUTE ON FUNCTION composer_flow_admit(TEXT, INT, TEXT, FLOAT8, INT) TO composer_ops_engine;
 REVOKE ALL ON FUNCTION composer_flow_take(TEXT, TEXT, FLOAT8, INT) FROM PUBLIC;

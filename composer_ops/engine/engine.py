@@ -333,7 +333,8 @@ class Engine:
     # -- the worker's side ----------------------------------------------------
 
     def claim(self, queues: Sequence[str], owner: str, limit: int, task_names: Sequence[str] | None = None,
-              *, wake: str | None = None, room: int | None = None, seen: int | None = None) -> list[Claim]:
+              *, wake: str | None = None, room: int | None = None, seen: int | None = None,
+              busy: Sequence[str] = ()) -> list[Claim]:
         """Claim up to ``limit`` tasks for ``owner``: one statement, its own transaction
         (autocommit: no BEGIN/COMMIT round trips around it); on Citus a transaction of
         three round trips (:func:`composer_ops.repo.citus.claim`). Each claimed task's
@@ -344,10 +345,13 @@ class Engine:
         (default ``limit``), and ``seen``, the total of wake-ups handed to it that it has
         taken up (the payloads of its channel): on a single server, the claim registers
         it to be woken there by dispatches for the room it has left (on Citus no claim
-        registers, and every dispatch notifies the shared channel). A ``limit`` or
-        ``room`` below 1 is :class:`Invalid`, refused before any round trip."""
-        return self._claim(self.next_claim(queues, owner, limit, task_names, wake=wake, room=room, seen=seen),
-                           Request())
+        registers, and every dispatch notifies the shared channel). ``busy``: the runs
+        ``owner`` has tasks of in flight; on a single server their ready tasks are taken
+        after other runs' of the same priority, so its slots do not wait for each other's
+        run lock. A ``limit`` or ``room`` below 1 is :class:`Invalid`, refused before any
+        round trip."""
+        return self._claim(self.next_claim(queues, owner, limit, task_names, wake=wake, room=room, seen=seen,
+                                           busy=busy), Request())
 
     @property
     def claims_with_events(self) -> bool:
@@ -356,7 +360,8 @@ class Engine:
         return self.shell.known_single_server
 
     def next_claim(self, queues: Sequence[str], owner: str, limit: int, task_names: Sequence[str] | None = None,
-                   *, wake: str | None = None, room: int | None = None, seen: int | None = None) -> ClaimAsk:
+                   *, wake: str | None = None, room: int | None = None, seen: int | None = None,
+                   busy: Sequence[str] = ()) -> ClaimAsk:
         """The claim :meth:`claim` makes with these arguments, under an ID of its own, not
         made: what :meth:`complete` and :meth:`fail` take as ``claim_next``. A ``limit`` or
         ``room`` below 1 is :class:`Invalid`."""
@@ -365,7 +370,7 @@ class Engine:
                 raise Invalid(f"claim {name} must be an integer of at least 1, got {value!r}")
         return ClaimAsk(queues=tuple(queues), owner=owner, limit=limit, claim_id=uuid7_text(),
                         task_names=None if task_names is None else tuple(task_names), wake=wake, room=room,
-                        seen=seen)
+                        seen=seen, busy=tuple(busy))
 
     @db_retry()
     def _claim(self, ask: ClaimAsk, request: Request) -> list[Claim]:

@@ -34,8 +34,9 @@ class ReportClaim:
     :data:`REPORT_WAIT_S` at most. ``run()`` hands out what reports under way claim
     before it ends its slots."""
 
-    def __init__(self, worker: Worker) -> None:
+    def __init__(self, worker: Worker, reporting: tuple[str, int]) -> None:
         self._worker = worker
+        self._reporting = reporting      # the attempt reported: its run is not busy for it
         self._ask: ClaimAsk | None = None
         self._declined = False
         self._locked = False
@@ -72,7 +73,7 @@ class ReportClaim:
             limit, self._reason, seen, self._own, self._told_all = taken
             self._free = free
             self._ask = w.engine.next_claim(w.queues, w.worker_id, limit, list(w._handlers), wake=w._wake_channel,
-                                            room=free, seen=seen)
+                                            room=free, seen=seen, busy=w._busy_runs(self._reporting))
         except BaseException:
             self._release()
             raise

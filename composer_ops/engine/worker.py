@@ -291,7 +291,7 @@ class Worker:
                     try:
                         claims = self.engine.claim(self.queues, self.worker_id, limit,
                                                    task_names=list(self._handlers), wake=self._wake_channel,
-                                                   room=free, seen=seen)
+                                                   room=free, seen=seen, busy=self._busy_runs())
                     except Exception as exc:  # a connection lost beyond db_retry included: keep serving
                         failed = exc
                         self._count_claim(reason, [], None)
@@ -515,6 +515,13 @@ class Worker:
         with self._active_lock:
             return self.concurrency - self._inflight
 
+    def _busy_runs(self, besides: AttemptKey | None = None) -> tuple[str, ...]:
+        """The runs of the attempts this worker runs (but ``besides``): a claim takes
+        their ready tasks after other runs' (``busy`` of :meth:`Engine.claim`), so the
+        slots' reports do not queue for one run's lock."""
+        with self._active_lock:
+            return tuple(sorted({c.run_id for k, c in self._active.items() if k != besides}))
+
     def _release(self) -> None:
         with self._active_lock:
             self._inflight -= 1
@@ -599,7 +606,7 @@ class Worker:
         """Report the attempt's result. With ``slots``, the report may claim the next
         tasks in its transaction (:class:`ReportClaim`): this slot's next, returned with
         the instant its claim began, and the free slots' (handed to ``slots``)."""
-        then = ReportClaim(self) if slots is not None and not self._stop.is_set() \
+        then = ReportClaim(self, (claim.task_id, claim.attempt)) if slots is not None and not self._stop.is_set() \
             and self.engine.claims_with_events else None
         claimed: tuple[Claim, ...] | None = None
         nxt = None

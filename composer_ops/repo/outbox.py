@@ -80,7 +80,7 @@ def listen(conn: Conn, channel: str = CHANNEL) -> None:
 _CLAIM = """
         SELECT run_id, task_id, node_id, attempt, task_name, queue, input, lease_s, lease_owner, lease_expires_at
           FROM composer_claim(%(queues)s, %(names)s::text[], %(owner)s, %(limit)s, %(claim)s, %(channel)s,
-                              %(room)s, %(seen)s::bigint)"""
+                              %(room)s, %(seen)s::bigint, %(busy)s::text[])"""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -92,7 +92,10 @@ class ClaimAsk:
     ``owner`` to be woken there by dispatches (:func:`enqueue`) for as many tasks as it
     has room for afterwards (``room``: the tasks ``owner`` had room for, default
     ``limit``), less the wake-ups on their way to it (``seen``: the total of wake-ups
-    handed to ``owner`` it has taken up, the payloads of its channel; None: all)."""
+    handed to ``owner`` it has taken up, the payloads of its channel; None: all).
+    ``busy``: the runs ``owner`` has tasks of in flight, whose ready tasks the claim
+    takes after others of the same priority (sql/R__claim.sql composer_pick, "spread
+    over runs"; not on Citus)."""
 
     queues: tuple[str, ...]
     owner: str
@@ -102,6 +105,7 @@ class ClaimAsk:
     wake: str | None = None
     room: int | None = None
     seen: int | None = None
+    busy: tuple[str, ...] = ()
 
     def ask(self) -> ClaimAsk:
         """This claim, as a :class:`ClaimNext` asks for it."""
@@ -115,7 +119,8 @@ class ClaimAsk:
         return {"queues": list(self.queues), "owner": self.owner, "limit": self.limit, "claim": self.claim_id,
                 "channel": self.wake, "seen": self.seen,
                 "room": self.limit if self.room is None else max(self.room, self.limit),
-                "names": list(self.task_names) if self.task_names is not None else None}
+                "names": list(self.task_names) if self.task_names is not None else None,
+                "busy": list(self.busy) if self.busy else None}
 
 
 class ClaimNext(Protocol):

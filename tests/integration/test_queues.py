@@ -449,3 +449,52 @@ def test_a_claim_takes_tokens_and_key_locks_only_for_the_rows_it_takes(db_url: s
                 (other,) = outbox.claim(second, ["c"], "w2", 1, claim_id="second")
     assert held.run_id != other.run_id
     assert _sql(db_url, "SELECT count(*) FROM flow_slots WHERE key LIKE 'c:%'")[0][0] == 2
+
+
+def _ready(conn: psycopg.Connection[Any], rows: list[tuple[str, int]]) -> list[int]:
+    """Ready outbox rows of queue 'q', one per (run, priority), in that order of age."""
+    ids = []
+    for k, (run, priority) in enumerate(rows):
+        row = conn.execute("""INSERT INTO task_outbox (queue, run_id, task_id, attempt, task_name, lease_s,
+                                                       available_at, priority)
+                              VALUES ('q', %s, %s, 1, 'work', 30, now() - make_interval(secs => 100 - %s), %s)
+                              RETURNING id""", (run, f"t{k}", k, priority)).fetchone()
+        assert row is not None
+        ids.append(row[0])
+    return ids
+
+
+def _pick(conn: psycopg.Connection[Any], limit: int, busy: list[str] | None = None) -> list[int]:
+    # Rolled back: the rows stay ready, unlocked, for the next pick.
+    conn.execute("BEGIN")
+    try:
+        got = conn.execute("SELECT * FROM composer_pick(ARRAY['q'], NULL, %s, NULL, %s::text[])",
+                           (limit, busy)).fetchall()
+    finally:
+        conn.execute("ROLLBACK")
+    return [r[0] for r in got]
+
+
+def test_a_pick_spreads_over_runs_within_a_priority(db_url: str) -> None:
+    """The rows of a run the worker is busy with, or that the pick already took a row of,
+    come after other runs' of the same priority; never before a higher priority's, and
+    taken all the same when nothing else is ready (sql/R__claim.sql, spread over runs)."""
+    with psycopg.connect(db_url, autocommit=True) as conn:
+        a1, a2, b1, a3 = _ready(conn, [("A", 0), ("A", 0), ("B", 0), ("A", 0)])
+        assert _pick(conn, 2) == [a1, b1]                       # one of each run first
+        assert _pick(conn, 4) == [a1, b1, a2, a3]               # then the rest, in order
+        assert _pick(conn, 1, ["A"]) == [b1]                    # A busy: B's first
+        assert _pick(conn, 3, ["A", "B"]) == [a1, a2, b1]       # all busy: in order
+        conn.execute("DELETE FROM task_outbox")
+        hi, lo = _ready(conn, [("A", 5), ("B", 0)])
+        assert _pick(conn, 1, ["A"]) == [hi]                    # a higher priority goes first
+        conn.execute("DELETE FROM task_outbox")
+        # At most 64 rows put back: a row far behind a busy run's is not reached.
+        ids = _ready(conn, [("A", 0)] * 70 + [("B", 0)])
+        assert _pick(conn, 1, ["A"]) == [ids[0]]
+
+
+def test_a_worker_busy_with_a_run_claims_another_runs_task_first(engine: Engine) -> None:
+    first, second = engine.start("low"), engine.start("low")
+    assert [c.run_id for c in engine.claim(["q"], "w", 1, busy=[first])] == [second]
+    assert [c.run_id for c in engine.claim(["q"], "w", 1, busy=[first])] == [first]
