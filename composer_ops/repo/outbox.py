@@ -95,7 +95,7 @@ class ClaimAsk:
     handed to ``owner`` it has taken up, the payloads of its channel; None: all).
     ``busy``: the runs ``owner`` has tasks of in flight, whose ready tasks the claim
     takes after others of the same priority (sql/R__claim.sql composer_pick, "spread
-    over runs"; not on Citus)."""
+    over runs"; not named on Citus, whose pick spreads only its own rows)."""
 
     queues: tuple[str, ...]
     owner: str
