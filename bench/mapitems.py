@@ -74,9 +74,10 @@ def measure(server: servers.Server, *, sizes: tuple[int, ...] = SIZES, rounds: i
     first that many rounds only (each of its rounds is one run of that many events:
     ``make bench`` runs it once, to stay within its time); None: in every round."""
     results: list[dict[str, Any]] = []
+    largest = max(sizes)
     for r in range(rounds):
         for size in (sizes if r % 2 == 0 else tuple(reversed(sizes))):
-            if largest_rounds is not None and size == max(sizes) and r >= largest_rounds:
+            if size == largest and largest_rounds is not None and r >= largest_rounds:
                 continue
             name = f"bench_map_{size}_{r}"
             url = server.create_database(name)
