@@ -24,7 +24,6 @@ import re
 import sys
 import tempfile
 import time
-import uuid
 from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
@@ -38,12 +37,12 @@ from composer_ops.lazyimport import defer_rfc3987_syntax
 defer_rfc3987_syntax()  # before papermill/nbformat import jsonschema: -1 s per report command
 
 from jupyter_client.kernelspec import KernelSpec, KernelSpecManager  # noqa: E402
-from jupyter_client.localinterfaces import localhost  # noqa: E402
 from jupyter_client.manager import AsyncKernelManager  # noqa: E402
 from traitlets import default  # noqa: E402
 
 from composer_ops.db import ENV_URL, find_url  # noqa: E402
 from composer_ops.errors import ComposerError, Invalid, NotFound  # noqa: E402
+from composer_ops.kernels import UnixSocketKernelManager  # noqa: E402
 
 #: The package the notebooks ship in (built from notebooks/); COMPOSER_NOTEBOOKS_DIR overrides it.
 NOTEBOOKS_PACKAGE = "composer_ops.notebooks"
@@ -67,48 +66,13 @@ class _ThisPythonKernelSpecManager(KernelSpecManager):
         return super().get_kernel_spec(kernel_name)
 
 
-class ThisPythonKernelManager(AsyncKernelManager):
-    """Kernel manager papermill uses: the kernel is ``sys.executable -m ipykernel_launcher``.
-
-    On POSIX the kernel talks over Unix sockets (zmq ``ipc``), not TCP. jupyter_client's
-    TCP transport picks five free ports, closes them and lets the kernel bind them a
-    second later; two reports starting together (``--jobs 2``), or any other process
-    taking an ephemeral port in that window, can leave the kernel with
-    "Address already in use" and the report dead before its first cell. Socket paths
-    are unique per kernel, so nothing can race for them.
-    """
+class ThisPythonKernelManager(UnixSocketKernelManager, AsyncKernelManager):
+    """Kernel manager papermill uses: the kernel is ``sys.executable -m ipykernel_launcher``,
+    on Unix sockets (:mod:`composer_ops.kernels`)."""
 
     @default("kernel_spec_manager")
     def _this_python_spec_manager(self) -> KernelSpecManager:
         return _ThisPythonKernelSpecManager(data_dir=self.data_dir)
-
-    @default("transport")
-    def _unix_sockets_where_possible(self) -> str:
-        return "ipc" if os.name == "posix" else "tcp"
-
-    @default("ip")
-    def _private_socket_prefix(self) -> str:
-        return kernel_socket_prefix() if self.transport == "ipc" else localhost()
-
-
-#: Longest Unix socket path this module creates (sun_path is 108 bytes on Linux, 104 on macOS).
-_MAX_SOCKET_PATH = 100
-
-
-def kernel_socket_prefix() -> str:
-    """A fresh path prefix for one kernel's five sockets (``PREFIX-1`` .. ``PREFIX-5``):
-    in the Jupyter runtime directory (private to the user), or in the temporary
-    directory when that path would be too long for a Unix socket. Either way only
-    the user can connect (zmq creates the sockets without write access for others)
-    and every message is signed with the kernel's key."""
-    from jupyter_core.paths import jupyter_runtime_dir
-
-    name = f"composer-kernel-{uuid.uuid4().hex[:12]}"
-    runtime = Path(jupyter_runtime_dir())
-    if len(str(runtime / name)) + len("-99") <= _MAX_SOCKET_PATH:
-        runtime.mkdir(mode=0o700, parents=True, exist_ok=True)
-        return str(runtime / name)
-    return str(Path(tempfile.gettempdir()) / name)
 
 
 @dataclass(frozen=True, kw_only=True)

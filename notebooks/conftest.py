@@ -13,6 +13,9 @@ read-only role), they are used as they are. Otherwise this file starts a throwaw
 server the way the test suite does (``COMPOSER_DATABASE_URL`` server, else
 ``COMPOSER_TEST_PGBIN``, else the embedded one), creates a seeded database on it,
 and drops it at the end.
+
+Kernels listen on Unix sockets (:mod:`composer_ops.kernels`): two nbval runs side by side
+cannot take each other's ports.
 """
 
 from __future__ import annotations
@@ -37,8 +40,10 @@ def _active(config: pytest.Config) -> bool:
 def pytest_configure(config: pytest.Config) -> None:
     if not _active(config):
         return
+    from composer_ops.kernels import use_in_nbval
     from composer_ops.testing.checks import ENV_EXPECT, load_expectations
 
+    use_in_nbval()
     if not os.environ.get(ENV_EXPECT):
         _seed_throwaway_database()
     _read_notebooks_expecting(load_expectations(os.environ[ENV_EXPECT]))
