@@ -42,13 +42,15 @@ class ProcessGroup:
         self._imports: list[dict[str, Any]] = []
 
     def spawn(self, argv: Sequence[str], env: dict[str, str] | None = None,
-              stdout: int | None = subprocess.DEVNULL) -> subprocess.Popen[bytes]:
+              stdout: int | None = subprocess.DEVNULL,
+              stdin: int | None = subprocess.DEVNULL) -> subprocess.Popen[bytes]:
         """Start ``python -m MODULE ...`` (``argv``) from the group's tree, through
         :data:`bench.sides.BOOT`: it imports that tree's code and ``sql/``."""
         full_env = sides.env(self.root, {**(env or {}), "BENCH_IMPORT_LOG": str(self._import_log)})
         log = tempfile.TemporaryFile()
         self._logs.append(log)
-        proc = subprocess.Popen(sides.argv(*argv), cwd=self.root, env=full_env, stdout=stdout, stderr=log)
+        proc = subprocess.Popen(sides.argv(*argv), cwd=self.root, env=full_env, stdin=stdin, stdout=stdout,
+                                stderr=log)
         self.procs.append(proc)
         return proc
 
@@ -159,7 +161,9 @@ def connections(url: str, application_name: str) -> int:
 
 
 def read_json_line(proc: subprocess.Popen[bytes], timeout: float) -> dict[str, Any]:
-    """Wait for a producer child and parse the one JSON line it printed."""
+    """Wait for a producer child and parse the one JSON line it printed. Its standard
+    input, a pipe, is closed first (``communicate`` does): a producer run with
+    ``--until-eof`` stops then."""
     out, _ = proc.communicate(timeout=timeout)
     if proc.returncode != 0:
         raise RuntimeError(f"producer {proc.args!r} exited with {proc.returncode}")

@@ -5,7 +5,9 @@ the call each thread makes: ``engine.start(workflow)`` (one transaction: run row
 root task, outbox row, NOTIFY) or ``task.defer()`` (one transaction: job row, event
 row, NOTIFY). Either for ``--count`` items (pre-filling a queue to drain) or for
 ``--seconds`` (producing while workers consume), optionally paced at ``--rate``/s
-or held to at most ``--max-backlog`` unfinished items.
+or held to at most ``--max-backlog`` unfinished items. With ``--until-eof`` it also
+stops when its standard input is closed: the benchmark closes it when its measured
+window ends, instead of waiting out a producer timed to outlast the window.
 
 Run as ``python -m bench.producer {composer,procrastinate} --url URL ...``; prints one
 JSON line with what it did.
@@ -16,6 +18,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -82,9 +85,9 @@ class Backlog:
             turnover = self.limit / rate if rate > 0 else longest * BACKLOG_READS_PER_TURNOVER
             interval = min(longest, max(shortest, turnover / BACKLOG_READS_PER_TURNOVER))
 
-    def acquire(self, deadline: float) -> bool:
-        """Wait for room; False if the deadline passed first."""
-        while time.monotonic() < deadline:
+    def acquire(self, over: Callable[[], bool]) -> bool:
+        """Wait for room; False if the producer's time was ``over`` first."""
+        while not over():
             with self._lock:
                 if self._count + self._since < self.limit:
                     self._since += 1
@@ -95,10 +98,11 @@ class Backlog:
 
 def produce(submit: Callable[[], Any], *, threads: int, count: int | None = None,
             seconds: float | None = None, rate: float | None = None,
-            backlog: Backlog | None = None) -> dict[str, Any]:
+            backlog: Backlog | None = None, stop: threading.Event | None = None) -> dict[str, Any]:
     """Call ``submit`` from ``threads`` threads until ``count`` calls or ``seconds``
-    elapse; with ``rate``, call number i is not made before ``start + i / rate``;
-    with ``backlog``, never with more than its limit of unfinished items."""
+    elapse, or ``stop`` is set; with ``rate``, call number i is not made before
+    ``start + i / rate``; with ``backlog``, never with more than its limit of
+    unfinished items."""
     if count is None and seconds is None:
         raise ValueError("give count or seconds")
     ticket = itertools.count()
@@ -109,6 +113,11 @@ def produce(submit: Callable[[], Any], *, threads: int, count: int | None = None
     start = time.monotonic()
     deadline = start + seconds if seconds is not None else float("inf")
 
+    halt = stop or threading.Event()
+
+    def over() -> bool:
+        return time.monotonic() >= deadline or halt.is_set()
+
     def loop() -> None:
         nonlocal done
         while True:
@@ -118,11 +127,11 @@ def produce(submit: Callable[[], Any], *, threads: int, count: int | None = None
                 return
             if rate:
                 delay = start + i / rate - time.monotonic()
-                if delay > 0:
-                    time.sleep(delay)
-            if backlog is not None and not backlog.acquire(deadline):
+                if delay > 0 and halt.wait(delay):
+                    return
+            if backlog is not None and not backlog.acquire(over):
                 return
-            if time.monotonic() >= deadline:
+            if over():
                 return
             try:
                 submit()
@@ -191,7 +200,16 @@ def main() -> None:
     parser.add_argument("--seconds", type=float)
     parser.add_argument("--rate", type=float)
     parser.add_argument("--max-backlog", type=int, help="never more than this many unfinished items")
+    parser.add_argument("--until-eof", action="store_true",
+                        help="also stop when standard input is closed (the caller's window ended)")
     args = parser.parse_args()
+    stop = threading.Event()
+    if args.until_eof:
+        def wait_for_eof() -> None:
+            sys.stdin.buffer.read()
+            stop.set()
+
+        threading.Thread(target=wait_for_eof, daemon=True).start()
     if args.system == "composer":
         from bench.workload import WORKFLOWS
 
@@ -203,10 +221,11 @@ def main() -> None:
         if args.max_backlog:
             with Backlog(args.url, UNFINISHED[args.system], args.max_backlog) as backlog:
                 result = produce(submit, threads=args.threads, count=args.count, seconds=args.seconds,
-                                 rate=args.rate, backlog=backlog)
+                                 rate=args.rate, backlog=backlog, stop=stop)
             result.update(backlog_polls=backlog.polls, backlog_server_cpu_s=backlog.server_cpu_s)
         else:
-            result = produce(submit, threads=args.threads, count=args.count, seconds=args.seconds, rate=args.rate)
+            result = produce(submit, threads=args.threads, count=args.count, seconds=args.seconds, rate=args.rate,
+                             stop=stop)
     finally:
         close()
     print(json.dumps(result), flush=True)

@@ -110,10 +110,20 @@ class WindowClock:
         self.conn.close()
 
 
-def _producer(system: System, group: ProcessGroup, url: str, workflow: str, *extra: str) -> Any:
+def _producer(system: System, group: ProcessGroup, url: str, workflow: str, *extra: str,
+              stdin: int | None = subprocess.DEVNULL) -> Any:
     argv = ["-m", "bench.producer", system.name, "--url", url, "--workflow", workflow,
             "--threads", str(PRODUCER_THREADS), *extra]
-    return group.spawn(argv, stdout=subprocess.PIPE)
+    return group.spawn(argv, stdout=subprocess.PIPE, stdin=stdin)
+
+
+def _stops_at_eof(root: Path) -> bool:
+    """Whether the producer of the tree at ``root`` takes ``--until-eof`` (an older tree
+    compared by :mod:`bench.ab` may not: its producer runs out its seconds)."""
+    try:
+        return "--until-eof" in (root / "bench" / "producer.py").read_text(encoding="utf-8")
+    except OSError:
+        return False
 
 
 def drain(system: System, server: Server, template: str, *, workers: int, items: int,
@@ -183,13 +193,17 @@ def sustained_on(system: System, url: str, *, workers: int, duration: float, wor
     clock = WindowClock(url)
     try:
         with system.spawn(url, workers, system.root) as group:
-            extra = ["--seconds", str(warmup + duration + PRODUCER_SLACK_S)]
+            # The producer's seconds outlast the window (PRODUCER_SLACK_S); one that takes
+            # --until-eof stops when the window ends instead, its input closed.
+            eof = _stops_at_eof(system.root)
+            extra = ["--seconds", str(warmup + duration + PRODUCER_SLACK_S), *(["--until-eof"] if eof else [])]
             if pace:
                 extra += ["--rate", str(pace)]
             if max_backlog:
                 extra += ["--max-backlog", str(max_backlog)]
             before = clock.produced(system)
-            producer = _producer(system, group, url, workflow, *extra)
+            producer = _producer(system, group, url, workflow, *extra,
+                                 stdin=subprocess.PIPE if eof else subprocess.DEVNULL)
             meter = Meter(cpu or ServerCPU(url), group)
             clock.wait_for_first_item(system, before, group)
             time.sleep(warmup)
@@ -198,7 +212,7 @@ def sustained_on(system: System, url: str, *, workers: int, duration: float, wor
             time.sleep(duration)
             w1 = clock.now()
             meter.stop()
-            produced = read_json_line(producer, timeout=120)
+            produced = read_json_line(producer, timeout=120)    # closes its input: --until-eof stops it
             time.sleep(min(2.0, duration / 4))   # let the window's in-flight items finish
     finally:
         clock.close()
