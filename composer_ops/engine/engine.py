@@ -348,8 +348,8 @@ class Engine:
         registers, and every dispatch notifies the shared channel). ``busy``: the runs
         ``owner`` has tasks of in flight; on a single server their ready tasks are taken
         after other runs' of the same priority, so its slots do not wait for each other's
-        run lock. A ``limit`` or ``room`` below 1 is :class:`Invalid`, refused before any
-        round trip."""
+        run lock. A ``limit`` or ``room`` below 1, or one string where a list is taken, is
+        :class:`Invalid`, refused before any round trip."""
         return self._claim(self.next_claim(queues, owner, limit, task_names, wake=wake, room=room, seen=seen,
                                            busy=busy), Request())
 
@@ -364,10 +364,15 @@ class Engine:
                    busy: Sequence[str] = ()) -> ClaimAsk:
         """The claim :meth:`claim` makes with these arguments, under an ID of its own, not
         made: what :meth:`complete` and :meth:`fail` take as ``claim_next``. A ``limit`` or
-        ``room`` below 1 is :class:`Invalid`."""
+        ``room`` below 1, or one string where a list is taken (``queues``, ``task_names``,
+        ``busy``), is :class:`Invalid`."""
         for name, value in (("limit", limit), ("room", room)):
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise Invalid(f"claim {name} must be an integer of at least 1, got {value!r}")
+        for name, names in (("queues", queues), ("task_names", task_names), ("busy", busy)):
+            # One string is a sequence of strings too: "default" would claim from d, e, f, ...
+            if isinstance(names, str | bytes):
+                raise Invalid(f"claim {name} must be a list of strings, not one string: got {names!r}")
         return ClaimAsk(queues=tuple(queues), owner=owner, limit=limit, claim_id=uuid7_text(),
                         task_names=None if task_names is None else tuple(task_names), wake=wake, room=room,
                         seen=seen, busy=tuple(busy))

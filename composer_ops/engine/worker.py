@@ -112,7 +112,7 @@ class Worker:
                  poll_interval: float = 1.0, worker_id: str | None = None,
                  on_result: Callable[[Result], None] | None = None,
                  shutdown_timeout: float | None = None, registry_interval: float = 10.0) -> None:
-        if not queues or any(not isinstance(q, str) or not q for q in queues):
+        if not queues or isinstance(queues, str | bytes) or any(not isinstance(q, str) or not q for q in queues):
             raise Invalid(f"queues must be a non-empty list of queue names, got {queues!r}")
         if concurrency < 1:
             raise Invalid(f"concurrency must be at least 1, got {concurrency}")
