@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import os
 import sys
 import threading
 import time
@@ -206,7 +207,13 @@ def main() -> None:
     stop = threading.Event()
     if args.until_eof:
         def wait_for_eof() -> None:
-            sys.stdin.buffer.read()
+            # The descriptor, not sys.stdin: a daemon thread blocked in a buffered read holds
+            # the buffer's lock, and the interpreter's exit can abort on it ("could not
+            # acquire lock for <_io.BufferedReader name='<stdin>'>") when the producer ends
+            # on its seconds first.
+            if sys.stdin is not None:
+                while os.read(sys.stdin.fileno(), 65536):
+                    pass
             stop.set()
 
         threading.Thread(target=wait_for_eof, daemon=True).start()

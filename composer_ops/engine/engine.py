@@ -370,9 +370,7 @@ class Engine:
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise Invalid(f"claim {name} must be an integer of at least 1, got {value!r}")
         for name, names in (("queues", queues), ("task_names", task_names), ("busy", busy)):
-            # One string is a sequence of strings too: "default" would claim from d, e, f, ...
-            if isinstance(names, str | bytes):
-                raise Invalid(f"claim {name} must be a list of strings, not one string: got {names!r}")
+            _check_names(f"claim {name}", names)
         return ClaimAsk(queues=tuple(queues), owner=owner, limit=limit, claim_id=uuid7_text(),
                         task_names=None if task_names is None else tuple(task_names), wake=wake, room=room,
                         seen=seen, busy=tuple(busy))
@@ -502,6 +500,8 @@ class Engine:
         """Register ``owner`` to be woken on ``wake`` for ``room`` tasks, as its claims do
         (:func:`composer_ops.repo.outbox.register`); idempotent. False on Citus, where no
         claim registers (nor wakes its worker for tasks it left): nothing is written."""
+        _check_names("register_idle queues", queues)
+        _check_names("register_idle task_names", task_names)
         with self.pool.connection() as conn:
             if self._on_citus(conn):
                 return False
@@ -568,6 +568,7 @@ class Engine:
     def register_worker(self, worker_id: str, *, host: str, pid: int, queues: Sequence[str], concurrency: int,
                         heartbeat_s: float) -> None:
         """Record a worker that starts serving ``queues`` (``composer-ops workers list``)."""
+        _check_names("register_worker queues", queues)
         with self.pool.connection() as conn:
             workers.register(conn, worker_id, host=host, pid=pid, queues=queues, concurrency=concurrency,
                              heartbeat_s=heartbeat_s)
@@ -633,6 +634,13 @@ class Engine:
         lease, live first; the leases the dead and stopped ones hold; lease owners that
         never registered."""
         return admin.workers_report(self.pool, window_s=window_s)
+
+
+def _check_names(what: str, names: object) -> None:
+    """``Invalid`` for one string where a list of names is taken: a string is a sequence
+    of strings too, and "default" would be read as the queues d, e, f, a, u, l, t."""
+    if isinstance(names, str | bytes):
+        raise Invalid(f"{what} must be a list of strings, not one string: got {names!r}")
 
 
 def _check_workflow_id(workflow_id: object) -> None:

@@ -21,7 +21,7 @@ from composer_ops import reports
 from composer_ops.cli import main
 from composer_ops.ops.display import figures_text
 from composer_ops.testing import fixtures
-from tests.notebooks.harness import ROOT, as_role, seed_committed
+from tests.notebooks.harness import ROOT, as_role, hold_first_kernel_port, seed_committed
 
 NOWHERE = "postgresql://nobody@/nowhere?host=/nonexistent"
 NAMES = ["active_tasks", "lease_expiries", "partition_sizes", "retention_dry_run", "run_investigation"]
@@ -312,16 +312,14 @@ def test_a_port_taken_before_the_kernel_binds_it_cannot_kill_a_report(transport:
     # jupyter_client's TCP transport picks free ports, closes them, and the kernel binds
     # them a second later. Another process taking one in between (CI saw it with
     # `report --all --jobs 2`) killed the kernel: "Address already in use", then
-    # "Kernel died before replying to kernel_info". The race is forced here: every port
-    # jupyter_client hands out is one this test holds. The tcp case shows the forcing
+    # "Kernel died before replying to kernel_info". The race is forced here: the first
+    # port jupyter_client hands out is one this test holds. The tcp case shows the forcing
     # works (and so that this test can fail); report kernels use Unix sockets instead.
-    from jupyter_client.connect import LocalPortCache
-
     held = socket.socket()
     held.bind(("127.0.0.1", 0))
     held.listen()
     taken = held.getsockname()[1]
-    monkeypatch.setattr(LocalPortCache, "find_available_port", lambda self, ip: taken)
+    hold_first_kernel_port(monkeypatch, taken)
     if transport == "tcp":
         monkeypatch.setattr(reports, "ThisPythonKernelManager", _TcpKernelManager)
     monkeypatch.setenv(reports.ENV_NOTEBOOKS, str(_write_whoami(tmp_path / "books")))

@@ -51,10 +51,11 @@ def code_cell_index(path: Path, needle: str) -> int:
 def run_nbval(paths: list[Path], env: dict[str, str], *, rootdir: Path = ROOT,
               timeout: float = 240) -> subprocess.CompletedProcess[str]:
     """``python -m pytest --nbval-lax PATHS`` with the current interpreter as the kernel
-    and the project's pytest configuration."""
+    and the project's pytest configuration; kernels on Unix sockets
+    (tests/notebooks/unix_kernels.py), so runs side by side cannot take each other's ports."""
     cmd = [sys.executable, "-m", "pytest", "-c", str(ROOT / "pyproject.toml"), "--rootdir", str(rootdir),
            "--nbval-lax", "--nbval-current-env", "--nbval-cell-timeout=120",
-           "-p", "no:cacheprovider", "-q", "-rf", "--no-header",
+           "-p", "no:cacheprovider", "-p", "tests.notebooks.unix_kernels", "-q", "-rf", "--no-header",
            # nbval starts each kernel with stderr=open(os.devnull, "w") and never closes it;
            # the file is finalized whenever the garbage collector gets to it, anywhere in the
            # run (an import under assertion rewriting), and `filterwarnings = error` would
@@ -96,3 +97,19 @@ def inject_after_parameters(source: Path, target: Path, code: str) -> Path:
                                    "execution_count": None, "outputs": [], "source": code})
     target.write_text(json.dumps(nb, indent=1), encoding="utf-8")
     return target
+
+
+def hold_first_kernel_port(monkeypatch: Any, port: int) -> None:
+    """The race a kernel on TCP can lose, forced: jupyter_client's first free port is
+    ``port`` (one the caller holds, as another process would); the kernel's other four
+    are jupyter_client's own choice, so only the held one can kill the kernel."""
+    from jupyter_client.connect import LocalPortCache
+
+    choose = LocalPortCache.find_available_port
+    handed: list[int] = []
+
+    def first_held(self: LocalPortCache, ip: str) -> int:
+        handed.append(port if not handed else choose(self, ip))
+        return handed[-1]
+
+    monkeypatch.setattr(LocalPortCache, "find_available_port", first_held)

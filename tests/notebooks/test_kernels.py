@@ -11,13 +11,13 @@ import subprocess
 import types
 from pathlib import Path
 
+import nbformat
 import nbval.kernel
 import nbval.plugin
 import pytest
-from jupyter_client.connect import LocalPortCache
 
 from composer_ops import kernels
-from tests.notebooks.harness import NOTEBOOKS
+from tests.notebooks.harness import NOTEBOOKS, hold_first_kernel_port, passed_count, run_nbval
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -25,13 +25,13 @@ pytestmark = pytest.mark.timeout(180)
 @pytest.mark.parametrize("transport", ["ipc", "tcp"])
 def test_a_port_taken_before_the_kernel_binds_it_cannot_kill_an_nbval_kernel(
         transport: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    # The race is forced: every port jupyter_client hands out is one this test holds.
+    # The race is forced: the first port jupyter_client hands out is one this test holds.
     # The tcp case is nbval's own kernel manager, and shows the forcing works.
     held = socket.socket()
     held.bind(("127.0.0.1", 0))
     held.listen()
     taken = held.getsockname()[1]
-    monkeypatch.setattr(LocalPortCache, "find_available_port", lambda self, ip: taken)
+    hold_first_kernel_port(monkeypatch, taken)
     monkeypatch.setattr(nbval.kernel, "KernelManager", nbval.kernel.KernelManager)  # restored afterwards
     if transport == "ipc":
         kernels.use_in_nbval()
@@ -69,3 +69,18 @@ def test_the_notebooks_harness_starts_nbval_kernels_on_unix_sockets(
     config = types.SimpleNamespace(option=types.SimpleNamespace(nbval=False, nbval_lax=True))
     conftest.pytest_configure(config)
     assert nbval.kernel.KernelManager is kernels.UnixSocketKernelManager
+
+
+def test_nbval_runs_outside_notebooks_use_unix_sockets_too(tmp_path: Path) -> None:
+    """tests/notebooks/test_nbval.py runs nbval over copies in a temporary directory, two
+    runs side by side, where notebooks/conftest.py is not loaded: the harness's plugin
+    (tests/notebooks/unix_kernels.py) gives those kernels Unix sockets too."""
+    nb = nbformat.v4.new_notebook()  # type: ignore[no-untyped-call]
+    nb.cells = [nbformat.v4.new_code_cell(  # type: ignore[no-untyped-call]
+        "from ipykernel.connect import get_connection_info\n"
+        "assert get_connection_info(unpack=True)['transport'] == 'ipc'")]
+    path = tmp_path / "transport.ipynb"
+    nbformat.write(nb, str(path))  # type: ignore[no-untyped-call]
+    result = run_nbval([path], {}, rootdir=tmp_path, timeout=170)
+    output = result.stdout + result.stderr
+    assert result.returncode == 0 and passed_count(output) == 1, output[-3000:]

@@ -41,3 +41,12 @@ def test_a_claim_with_lists_keeps_them_as_they_are() -> None:
 def test_a_worker_takes_a_list_of_queue_names_only(queues: Any) -> None:
     with pytest.raises(Invalid, match="queues must be a non-empty list of queue names"):
         Worker(cast(Any, None), queues=queues)
+
+
+def test_the_registrations_take_a_list_of_queue_names_only() -> None:
+    with pytest.raises(Invalid, match="register_idle queues must be a list of strings"):
+        _engine().register_idle("default", "w", None, wake="c", room=1, seen=0)
+    with pytest.raises(Invalid, match="register_idle task_names must be a list of strings"):
+        _engine().register_idle(["default"], "w", "noop", wake="c", room=1, seen=0)
+    with pytest.raises(Invalid, match="register_worker queues must be a list of strings"):
+        _engine().register_worker("w", host="h", pid=1, queues="default", concurrency=1, heartbeat_s=1.0)
