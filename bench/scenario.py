@@ -110,10 +110,12 @@ class WindowClock:
         self.conn.close()
 
 
-def _producer(system: System, group: ProcessGroup, url: str, workflow: str, *extra: str,
-              stdin: int | None = subprocess.DEVNULL) -> Any:
+def _producer(system: System, group: ProcessGroup, url: str, workflow: str, *extra: str) -> Any:
+    """The producer child; with ``--until-eof`` its input is a pipe, which
+    :func:`~bench.procs.read_json_line` closes."""
     argv = ["-m", "bench.producer", system.name, "--url", url, "--workflow", workflow,
             "--threads", str(PRODUCER_THREADS), *extra]
+    stdin = subprocess.PIPE if "--until-eof" in extra else subprocess.DEVNULL
     return group.spawn(argv, stdout=subprocess.PIPE, stdin=stdin)
 
 
@@ -195,15 +197,15 @@ def sustained_on(system: System, url: str, *, workers: int, duration: float, wor
         with system.spawn(url, workers, system.root) as group:
             # The producer's seconds outlast the window (PRODUCER_SLACK_S); one that takes
             # --until-eof stops when the window ends instead, its input closed.
-            eof = _stops_at_eof(system.root)
-            extra = ["--seconds", str(warmup + duration + PRODUCER_SLACK_S), *(["--until-eof"] if eof else [])]
+            extra = ["--seconds", str(warmup + duration + PRODUCER_SLACK_S)]
+            if _stops_at_eof(system.root):
+                extra.append("--until-eof")
             if pace:
                 extra += ["--rate", str(pace)]
             if max_backlog:
                 extra += ["--max-backlog", str(max_backlog)]
             before = clock.produced(system)
-            producer = _producer(system, group, url, workflow, *extra,
-                                 stdin=subprocess.PIPE if eof else subprocess.DEVNULL)
+            producer = _producer(system, group, url, workflow, *extra)
             meter = Meter(cpu or ServerCPU(url), group)
             clock.wait_for_first_item(system, before, group)
             time.sleep(warmup)

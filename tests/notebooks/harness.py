@@ -13,6 +13,7 @@ from typing import Any
 from urllib.parse import parse_qsl, quote, urlencode, urlsplit, urlunsplit
 
 import psycopg
+import pytest
 
 from composer_ops.testing import fixtures
 
@@ -99,7 +100,7 @@ def inject_after_parameters(source: Path, target: Path, code: str) -> Path:
     return target
 
 
-def hold_first_kernel_port(monkeypatch: Any, port: int) -> None:
+def hold_first_kernel_port(monkeypatch: pytest.MonkeyPatch, port: int) -> None:
     """The race a kernel on TCP can lose, forced: jupyter_client's first free port is
     ``port`` (one the caller holds, as another process would); the kernel's other four
     are jupyter_client's own choice, so only the held one can kill the kernel."""
