@@ -166,9 +166,18 @@ $$;
 -- sequential scan, then sorted 20,000 rows: both off here, whatever the caller's settings
 -- (and JIT, as composer_claim says why). Each queue listed costs a cursor, whether it has
 -- ready rows or not.
+-- Rows handed to another worker (p_me given: a woken worker's claim): a row whose
+-- task_outbox.handed_to (sql/V018) names another worker still registered in task_waiters
+-- with wake-ups it has not taken up (promised > seen: it will claim again) is passed over
+-- for its first second ready, left to that worker's claim (its wake-up may be for it).
+-- After that second (its worker was killed, or is busy with long handlers), or handed to
+-- p_me, to nobody, to a worker no longer registered (stopped, or forgotten as dead) or
+-- to one whose claims took up every wake-up handed to it (one took other rows), it is
+-- taken as any other. p_me NULL (a poll, Citus): any row.
 DROP FUNCTION IF EXISTS composer_pick(TEXT[], TEXT[], INT, BIGINT[]);
+DROP FUNCTION IF EXISTS composer_pick(TEXT[], TEXT[], INT, BIGINT[], TEXT[]);
 CREATE OR REPLACE FUNCTION composer_pick(p_queues TEXT[], p_names TEXT[], p_limit INT, p_skip BIGINT[] DEFAULT NULL,
-                                         p_busy TEXT[] DEFAULT NULL)
+                                         p_busy TEXT[] DEFAULT NULL, p_me TEXT DEFAULT NULL)
 RETURNS SETOF BIGINT
 LANGUAGE plpgsql
 SET enable_seqscan = off
@@ -177,6 +186,7 @@ SET jit = off
 AS $$
 DECLARE
     spread CONSTANT INT := 64;  -- rows the walk may put back, at most
+    handed_for CONSTANT INTERVAL := '1 second';  -- a row handed to another worker is left to it
     walks refcursor[] := '{}';
     heads task_outbox[] := '{}';
     opened TEXT[] := '{}';
@@ -233,6 +243,11 @@ BEGIN
             walk := walks[best];
             FETCH walk INTO nxt;                -- none left: a row of NULLs
             heads[best] := nxt;
+            IF p_me IS NOT NULL AND r.handed_to IS NOT NULL AND r.handed_to <> p_me
+               AND r.available_at > now() - handed_for THEN
+                CONTINUE WHEN EXISTS (SELECT 1 FROM task_waiters w
+                                       WHERE w.worker = r.handed_to AND w.promised > w.seen);
+            END IF;
             IF put_back < spread AND r.run_id = ANY(runs) THEN
                 put_back := put_back + 1;
                 IF cardinality(later) < p_limit THEN
@@ -422,8 +437,17 @@ GRANT EXECUTE ON FUNCTION composer_uncovered(TEXT[], TEXT[], TEXT, BIGINT, INT) 
 -- NULL: all handed out taken up. p_channel NULL: a caller that is not a listening
 -- worker (no registration). p_busy: the runs the worker has tasks of in flight, whose
 -- ready rows the pick takes after others (composer_pick, "spread over runs").
+-- p_woken: the worker claims because it was woken (its own wake-ups, told on its channel
+-- or the shared one): it takes none of the rows a dispatch handed to another registered
+-- worker with wake-ups still to take up, in their first second ready (composer_pick's
+-- p_me), so it does not take the row another worker was woken for and leave that
+-- worker's claim empty. Otherwise (its poll, its first claim) every ready row is its to
+-- take. A row told to a worker with no wake-up handed (sql/R__dispatch.sql) is counted
+-- by composer_uncovered as no wake-up's, and may be left to its worker all the same: a
+-- claim owed a wake-up for it can come back empty.
 CREATE OR REPLACE FUNCTION composer_claim(p_queues TEXT[], p_names TEXT[], p_owner TEXT, p_limit INT,
-                               p_claim TEXT, p_channel TEXT, p_room INT, p_seen BIGINT, p_busy TEXT[])
+                               p_claim TEXT, p_channel TEXT, p_room INT, p_seen BIGINT, p_busy TEXT[],
+                               p_woken BOOLEAN)
 RETURNS TABLE(run_id TEXT, task_id TEXT, node_id TEXT, attempt INT, task_name TEXT, queue TEXT,
               input JSONB, lease_s INT, lease_owner TEXT, lease_expires_at TIMESTAMPTZ)
 LANGUAGE plpgsql
@@ -462,6 +486,7 @@ DECLARE
     owed INT := 0;
     mine BIGINT;
     total BIGINT;
+    me TEXT;                -- composer_pick's p_me: a woken worker's claim
 BEGIN
     -- First, before anything else: held until this claim commits or rolls back, so a
     -- retry of the same claim, which takes it before it looks (repo/outbox.py,
@@ -481,6 +506,9 @@ BEGIN
             VALUES (p_owner, p_channel, p_queues, p_names, GREATEST(p_room - p_limit, 0), COALESCE(p_seen, 0),
                     COALESCE(p_seen, 0))
             ON CONFLICT (worker) DO NOTHING;
+        END IF;
+        IF p_woken THEN
+            me := p_owner;
         END IF;
         IF p_room > p_limit THEN
             -- The rows its p_limit wake-ups cover are among those counted.
@@ -513,7 +541,7 @@ BEGIN
         -- The pick runs once (MATERIALIZED): as a subquery the planner could rescan it on
         -- the inner side of a nested loop, and pick again.
         WITH s AS MATERIALIZED (
-            SELECT p.id FROM composer_pick(pick_queues, p_names, room, NULL, p_busy) AS p(id)
+            SELECT p.id FROM composer_pick(pick_queues, p_names, room, NULL, p_busy, me) AS p(id)
         ), picked AS (
             DELETE FROM task_outbox o
              WHERE o.id = ANY (ARRAY(SELECT s.id FROM s))
@@ -599,9 +627,19 @@ BEGIN
 END;
 $$;
 
--- The eight-, seven- and six-argument claims, of callers that name no runs in flight
--- (p_busy NULL), count no wake-ups (p_seen NULL) or no free slots either (p_room =
--- p_limit): the claim above.
+-- The nine-, eight-, seven- and six-argument claims, of callers that claim as a poll
+-- does (p_woken false), name no runs in flight (p_busy NULL), count no wake-ups (p_seen
+-- NULL) or no free slots either (p_room = p_limit): the claim above.
+CREATE OR REPLACE FUNCTION composer_claim(p_queues TEXT[], p_names TEXT[], p_owner TEXT, p_limit INT,
+                               p_claim TEXT, p_channel TEXT, p_room INT, p_seen BIGINT, p_busy TEXT[])
+RETURNS TABLE(run_id TEXT, task_id TEXT, node_id TEXT, attempt INT, task_name TEXT, queue TEXT,
+              input JSONB, lease_s INT, lease_owner TEXT, lease_expires_at TIMESTAMPTZ)
+LANGUAGE sql
+AS $$
+    SELECT * FROM composer_claim(p_queues, p_names, p_owner, p_limit, p_claim, p_channel, p_room, p_seen, p_busy,
+                                 false)
+$$;
+
 CREATE OR REPLACE FUNCTION composer_claim(p_queues TEXT[], p_names TEXT[], p_owner TEXT, p_limit INT,
                                p_claim TEXT, p_channel TEXT, p_room INT, p_seen BIGINT)
 RETURNS TABLE(run_id TEXT, task_id TEXT, node_id TEXT, attempt INT, task_name TEXT, queue TEXT,
@@ -638,6 +676,9 @@ GRANT EXECUTE ON FUNCTION composer_claim(TEXT[], TEXT[], TEXT, INT, TEXT, TEXT, 
 REVOKE ALL ON FUNCTION composer_claim(TEXT[], TEXT[], TEXT, INT, TEXT, TEXT, INT, BIGINT, TEXT[]) FROM PUBLIC;
 GRANT EXECUTE ON FUNCTION composer_claim(TEXT[], TEXT[], TEXT, INT, TEXT, TEXT, INT, BIGINT, TEXT[])
     TO composer_ops_engine;
+REVOKE ALL ON FUNCTION composer_claim(TEXT[], TEXT[], TEXT, INT, TEXT, TEXT, INT, BIGINT, TEXT[], BOOLEAN) FROM PUBLIC;
+GRANT EXECUTE ON FUNCTION composer_claim(TEXT[], TEXT[], TEXT, INT, TEXT, TEXT, INT, BIGINT, TEXT[], BOOLEAN)
+    TO composer_ops_engine;
 
 -- A running attempt that took a slot (task_instances.flow_slot, set by the claim) frees
 -- it when it leaves RUNNING, whatever moves it (completion, failure, re-queue after a
@@ -669,8 +710,8 @@ BEGIN
 END;
 $$;
 
-REVOKE ALL ON FUNCTION composer_pick(TEXT[], TEXT[], INT, BIGINT[], TEXT[]) FROM PUBLIC;
-GRANT EXECUTE ON FUNCTION composer_pick(TEXT[], TEXT[], INT, BIGINT[], TEXT[]) TO composer_ops_engine;
+REVOKE ALL ON FUNCTION composer_pick(TEXT[], TEXT[], INT, BIGINT[], TEXT[], TEXT) FROM PUBLIC;
+GRANT EXECUTE ON FUNCTION composer_pick(TEXT[], TEXT[], INT, BIGINT[], TEXT[], TEXT) TO composer_ops_engine;
 REVOKE ALL ON FUNCTION composer_flow_admit(TEXT, INT, TEXT, FLOAT8, INT) FROM PUBLIC;
 GRANT EXECUTE ON FUNCTION composer_flow_admit(TEXT, INT, TEXT, FLOAT8, INT) TO composer_ops_engine;
 REVOKE ALL ON FUNCTION composer_flow_take(TEXT, TEXT, FLOAT8, INT) FROM PUBLIC;

@@ -6,9 +6,9 @@
 -- claim (`slots`), and with how many wake-ups handed to it it had taken up (`seen`, a
 -- total; `promised` is the total handed out). A waiter can take
 -- slots - (promised - seen) more wake-ups: what it has room for, less the wake-ups on
--- their way to it. composer_enqueue writes the rows, then takes waiters, the most
--- recently registered first (a killed worker's row stops being refreshed and drifts to
--- the back), each FOR UPDATE SKIP LOCKED (a waiter another dispatch holds is skipped),
+-- their way to it. composer_enqueue takes waiters for the rows, then writes the rows. It
+-- takes them the most recently registered first (a killed worker's row stops being
+-- refreshed and drifts to the back), each FOR UPDATE SKIP LOCKED (a waiter another dispatch holds is skipped),
 -- one at a time and only as many as it needs: each takes up to what it can, of the rows
 -- it serves (queue and task name). Each waiter taken gets one notification on its own
 -- channel, whose payload is its new `promised` total; the worker claims up to
@@ -36,7 +36,15 @@
 -- for) is notified, once per queue, for the rows left beyond that (a backlog larger than
 -- the workers registered take: all claim, at full concurrency), and for every queue when
 -- a waiter taken does not serve every row written, as its claims may take a row another
--- was woken for.
+-- was woken for (still so with the rows handed to their workers, below: a claim takes
+-- such a row after its first second ready, or when that worker has no wake-up to take up).
+--
+-- Each row handed to a waiter (either pass, or told) and ready now is written with it
+-- (task_outbox.handed_to, sql/V018; a row ready later, a retry's backoff, with none): a
+-- claim a worker makes because it was woken leaves rows handed to another registered
+-- worker that has wake-ups still to take up to that one, for their first second ready
+-- (composer_pick, sql/R__claim.sql), so a wake-up is not emptied by another worker's
+-- claim taking its row; a poll takes any row.
 --
 -- Wake-ups are an optimisation; the poll is the safety net. A worker whose claim came
 -- back short waits for a wake-up at most its poll interval, then claims again; a worker
@@ -55,39 +63,37 @@ LANGUAGE plpgsql
 SET plan_cache_mode = force_generic_plan
 AS $$
 DECLARE
-    gq TEXT[];              -- the rows written, grouped by (queue, task name)
+    gq TEXT[];              -- the rows to write, grouped by (queue, task name)
     gn TEXT[];
     gc INT[];               -- rows of each group no waiter has taken yet
+    gords INT[];            -- the rows' places in p_rows, by group (gq, gn) then place
+    go INT[];               -- where each group's rows no waiter has taken begin in gords, less one
+    handed TEXT[];          -- by place in p_rows: the waiter the row is handed to (task_outbox.handed_to)
     qs TEXT[];              -- their distinct queues
     waiting INT;
     walk refcursor;
     v_w RECORD;
-    v_chan TEXT;
     v_k INT;
     v_t INT;
     v_all BOOLEAN;
     v_total BIGINT;
     v_partial BOOLEAN := false;
 BEGIN
-    WITH ins AS (
-        INSERT INTO task_outbox (queue, run_id, task_id, attempt, task_name, lease_s, available_at, created_at,
-                                 priority, max_run_s, start_by, ckey, climit, rkey, rate_per_s, rate_burst)
-        SELECT d.q, d.r, d.t, d.a, d.n, d.l, COALESCE(d.av + p_shift, p_now), p_now, COALESCE(d.p, 0), d.m,
-               COALESCE(d.av + p_shift, p_now) + make_interval(secs => d.w), d.ck, d.cl, d.rk, d.rp, d.rb
-          FROM jsonb_to_recordset(p_rows) AS d(q text, r text, t text, a int4, n text, l int4,
-                                               av timestamptz, p int2, m int4, w float8, ck text,
-                                               cl int4, rk text, rp float8, rb int4)
-        RETURNING queue, task_name
-    ), g AS (
-        SELECT ins.queue, ins.task_name, count(*)::int AS c FROM ins GROUP BY ins.queue, ins.task_name
-    )
-    SELECT array_agg(g.queue ORDER BY g.queue, g.task_name), array_agg(g.task_name ORDER BY g.queue, g.task_name),
-           array_agg(g.c ORDER BY g.queue, g.task_name), sum(g.c)::int
-      INTO gq, gn, gc, waiting
-      FROM g;
-    IF waiting IS NULL THEN
+    -- The waiters are taken before the rows are written, so each row is written with the
+    -- waiter it is handed to.
+    SELECT array_agg(r.q ORDER BY r.pos) FILTER (WHERE r.k = 1), array_agg(r.n ORDER BY r.pos) FILTER (WHERE r.k = 1),
+           array_agg(r.c ORDER BY r.pos) FILTER (WHERE r.k = 1), count(*)::int,
+           array_agg(r.pos - 1 ORDER BY r.pos) FILTER (WHERE r.k = 1), array_agg(r.ord ORDER BY r.pos)
+      INTO gq, gn, gc, waiting, go, gords
+      FROM (SELECT d.q, d.n, d.ord::int AS ord,
+                   row_number() OVER (PARTITION BY d.q, d.n ORDER BY d.ord) AS k,
+                   count(*) OVER (PARTITION BY d.q, d.n)::int AS c,
+                   row_number() OVER (ORDER BY d.q, d.n, d.ord)::int AS pos
+              FROM ROWS FROM (jsonb_to_recordset(p_rows) AS (q text, n text)) WITH ORDINALITY AS d(q, n, ord)) r;
+    IF waiting = 0 THEN
         RETURN;
     END IF;
+    handed := array_fill(NULL::text, ARRAY[waiting]);
     SELECT array_agg(DISTINCT u.q ORDER BY u.q) INTO qs FROM unnest(gq) AS u(q);
     -- Pass 1, waiters with room, the most recently registered first, up to their room
     -- each; pass 2, busy waiters with at most one wake-up beyond their room so far, the
@@ -111,6 +117,10 @@ BEGIN
             FOR i IN 1 .. cardinality(gq) LOOP
                 IF gq[i] = ANY(v_w.queues) AND (v_w.task_names IS NULL OR gn[i] = ANY(v_w.task_names)) THEN
                     v_t := LEAST(gc[i], v_w.room - v_k);
+                    FOR k IN go[i] + 1 .. go[i] + v_t LOOP
+                        handed[gords[k]] := v_w.worker;
+                    END LOOP;
+                    go[i] := go[i] + v_t;
                     gc[i] := gc[i] - v_t;
                     v_k := v_k + v_t;
                 ELSE
@@ -132,16 +142,26 @@ BEGIN
         -- with no wake-up handed.
         FOR i IN 1 .. cardinality(gq) LOOP
             CONTINUE WHEN gc[i] = 0;
-            SELECT x.channel INTO v_chan FROM task_waiters x
+            SELECT x.worker, x.channel INTO v_w FROM task_waiters x
              WHERE gq[i] = ANY(x.queues) AND (x.task_names IS NULL OR gn[i] = ANY(x.task_names))
              ORDER BY x.promised - x.seen - x.slots, x.since DESC LIMIT 1;
-            IF v_chan IS NOT NULL THEN
-                PERFORM pg_notify(v_chan, '');
+            IF FOUND THEN
+                PERFORM pg_notify(v_w.channel, '');
+                handed[gords[go[i] + 1]] := v_w.worker;
                 gc[i] := 0;
                 waiting := 0;
             END IF;
         END LOOP;
     END IF;
+    INSERT INTO task_outbox (queue, run_id, task_id, attempt, task_name, lease_s, available_at, created_at,
+                             priority, max_run_s, start_by, ckey, climit, rkey, rate_per_s, rate_burst, handed_to)
+    SELECT d.q, d.r, d.t, d.a, d.n, d.l, COALESCE(d.av + p_shift, p_now), p_now, COALESCE(d.p, 0), d.m,
+           COALESCE(d.av + p_shift, p_now) + make_interval(secs => d.w), d.ck, d.cl, d.rk, d.rp, d.rb,
+           CASE WHEN d.av IS NULL OR d.av + p_shift <= p_now THEN handed[d.ord] END
+      FROM ROWS FROM (jsonb_to_recordset(p_rows) AS (q text, r text, t text, a int4, n text, l int4, av timestamptz,
+                                                     p int2, m int4, w float8, ck text, cl int4, rk text,
+                                                     rp float8, rb int4))
+           WITH ORDINALITY AS d(q, r, t, a, n, l, av, p, m, w, ck, cl, rk, rp, rb, ord);
     IF waiting > 0 OR v_partial THEN
         PERFORM pg_notify('composer_tasks', u.q)
            FROM (SELECT DISTINCT gq[i] AS q FROM generate_subscripts(gq, 1) AS i

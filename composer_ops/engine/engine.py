@@ -334,7 +334,7 @@ class Engine:
 
     def claim(self, queues: Sequence[str], owner: str, limit: int, task_names: Sequence[str] | None = None,
               *, wake: str | None = None, room: int | None = None, seen: int | None = None,
-              busy: Sequence[str] = ()) -> list[Claim]:
+              busy: Sequence[str] = (), woken: bool = False) -> list[Claim]:
         """Claim up to ``limit`` tasks for ``owner``: one statement, its own transaction
         (autocommit: no BEGIN/COMMIT round trips around it); on Citus a transaction of
         three round trips (:func:`composer_ops.repo.citus.claim`). Each claimed task's
@@ -348,10 +348,14 @@ class Engine:
         registers, and every dispatch notifies the shared channel). ``busy``: the runs
         ``owner`` has tasks of in flight; on a single server their ready tasks are taken
         after other runs' of the same priority, so its slots do not wait for each other's
-        run lock. A ``limit`` or ``room`` below 1, or one string where a list is taken, is
-        :class:`Invalid`, refused before any round trip."""
+        run lock. ``woken``: the worker claims because it was woken (its own wake-ups, or
+        told); with ``wake``, on a single server, it then leaves tasks a dispatch handed
+        to another registered worker with wake-ups still to take up to that worker, for
+        their first second ready (a poll, ``woken`` false, takes any). A ``limit`` or
+        ``room`` below 1, or one string where a list is taken, is :class:`Invalid`,
+        refused before any round trip."""
         return self._claim(self.next_claim(queues, owner, limit, task_names, wake=wake, room=room, seen=seen,
-                                           busy=busy), Request())
+                                           busy=busy, woken=woken), Request())
 
     @property
     def claims_with_events(self) -> bool:
@@ -361,7 +365,7 @@ class Engine:
 
     def next_claim(self, queues: Sequence[str], owner: str, limit: int, task_names: Sequence[str] | None = None,
                    *, wake: str | None = None, room: int | None = None, seen: int | None = None,
-                   busy: Sequence[str] = ()) -> ClaimAsk:
+                   busy: Sequence[str] = (), woken: bool = False) -> ClaimAsk:
         """The claim :meth:`claim` makes with these arguments, under an ID of its own, not
         made: what :meth:`complete` and :meth:`fail` take as ``claim_next``. A ``limit`` or
         ``room`` below 1, or one string where a list is taken (``queues``, ``task_names``,
@@ -373,7 +377,7 @@ class Engine:
             _check_names(f"claim {name}", names)
         return ClaimAsk(queues=tuple(queues), owner=owner, limit=limit, claim_id=uuid7_text(),
                         task_names=None if task_names is None else tuple(task_names), wake=wake, room=room,
-                        seen=seen, busy=tuple(busy))
+                        seen=seen, busy=tuple(busy), woken=woken)
 
     @db_retry()
     def _claim(self, ask: ClaimAsk, request: Request) -> list[Claim]:

@@ -73,7 +73,8 @@ class ReportClaim:
             limit, self._reason, seen, self._own, self._told_all = taken
             self._free = free
             self._ask = w.engine.next_claim(w.queues, w.worker_id, limit, list(w._handlers), wake=w._wake_channel,
-                                            room=free, seen=seen, busy=w._busy_runs(self._reporting))
+                                            room=free, seen=seen, busy=w._busy_runs(self._reporting),
+                                            woken=True)
         except BaseException:
             self._release()
             raise

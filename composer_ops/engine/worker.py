@@ -4,8 +4,9 @@ The ``run()`` thread claims tasks whenever a slot is free and hands them to
 ``concurrency`` handler threads, each lease extended by heartbeats; a handler whose
 lease is lost has its result dropped as stale. An idle worker registers its free slots
 and sleeps on LISTEN (woken on its own channel for k tasks it claims up to k; told on
-the shared channel, or on its own with an empty payload, as many as it has room for),
-polling as the fallback. A busy worker is handed wake-ups beyond its room for tasks no
+the shared channel, or on its own with an empty payload, as many as it has room for;
+either way leaving tasks a dispatch handed to other workers to them), polling as the
+fallback (a poll takes any task). A busy worker is handed wake-ups beyond its room for tasks no
 worker has room for, and claims them with its reports, each in the report's
 transaction; the reporting slot goes on to its next task at once. Everything about a running
 handler is keyed by its attempt, so a late attempt finishing cannot touch the current one. ``run()`` installs
@@ -291,7 +292,8 @@ class Worker:
                     try:
                         claims = self.engine.claim(self.queues, self.worker_id, limit,
                                                    task_names=list(self._handlers), wake=self._wake_channel,
-                                                   room=free, seen=seen, busy=self._busy_runs())
+                                                   room=free, seen=seen, busy=self._busy_runs(),
+                                                   woken=reason != "room")
                     except Exception as exc:  # a connection lost beyond db_retry included: keep serving
                         failed = exc
                         self._count_claim(reason, [], None)

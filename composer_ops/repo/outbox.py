@@ -62,7 +62,10 @@ def enqueue(conn: Conn, dispatches: Sequence[Dispatch], *, now: datetime) -> Non
     registered first, up to as many of the rows it serves as it has room for, with one
     notification on its own channel; rows left go to busy waiters, one each (two beyond
     a waiter's room at most), and one row still left is told to the least over-promised
-    waiter with an empty payload. Only rows beyond that (or every row, when a
+    waiter with an empty payload. Each row handed out and ready now is written with
+    its waiter (``handed_to``), to which other workers' woken claims leave it for a
+    second while that waiter has wake-ups still to take up.
+    Only rows beyond that (or every row, when a
     waiter handed some does not serve them all) are announced on :data:`CHANNEL`, once
     per queue. The poll is the safety net: a wake-up lost (a killed waiter's row
     outlives it) costs its row at most a poll interval of an idle worker
@@ -80,7 +83,7 @@ def listen(conn: Conn, channel: str = CHANNEL) -> None:
 _CLAIM = """
         SELECT run_id, task_id, node_id, attempt, task_name, queue, input, lease_s, lease_owner, lease_expires_at
           FROM composer_claim(%(queues)s, %(names)s::text[], %(owner)s, %(limit)s, %(claim)s, %(channel)s,
-                              %(room)s, %(seen)s::bigint, %(busy)s::text[])"""
+                              %(room)s, %(seen)s::bigint, %(busy)s::text[], %(woken)s)"""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -95,7 +98,11 @@ class ClaimAsk:
     handed to ``owner`` it has taken up, the payloads of its channel; None: all).
     ``busy``: the runs ``owner`` has tasks of in flight, whose ready tasks the claim
     takes after others of the same priority (sql/R__claim.sql composer_pick, "spread
-    over runs"; not named on Citus, whose pick spreads only its own rows)."""
+    over runs"; not named on Citus, whose pick spreads only its own rows). ``woken``:
+    ``owner`` claims because it was woken; with ``wake`` it leaves tasks handed to
+    another registered worker with wake-ups still to take up to that worker, for their
+    first second ready (sql/R__claim.sql, composer_pick's p_me; not on Citus, where none
+    is handed)."""
 
     queues: tuple[str, ...]
     owner: str
@@ -106,6 +113,7 @@ class ClaimAsk:
     room: int | None = None
     seen: int | None = None
     busy: tuple[str, ...] = ()
+    woken: bool = False
 
     def ask(self) -> ClaimAsk:
         """This claim, as a :class:`ClaimNext` asks for it."""
@@ -120,7 +128,7 @@ class ClaimAsk:
                 "channel": self.wake, "seen": self.seen,
                 "room": self.limit if self.room is None else max(self.room, self.limit),
                 "names": list(self.task_names) if self.task_names is not None else None,
-                "busy": list(self.busy) if self.busy else None}
+                "busy": list(self.busy) if self.busy else None, "woken": self.woken}
 
 
 class ClaimNext(Protocol):
@@ -141,10 +149,11 @@ class ClaimNext(Protocol):
 
 def claim(conn: Conn, queues: Sequence[str], owner: str, limit: int,
           task_names: Sequence[str] | None = None, *, claim_id: str, wake: str | None = None,
-          room: int | None = None, seen: int | None = None) -> list[Claim]:
+          room: int | None = None, seen: int | None = None, woken: bool = False) -> list[Claim]:
     """Claim what :class:`ClaimAsk` of these says, in one statement (``composer_claim``)."""
     ask = ClaimAsk(queues=tuple(queues), owner=owner, limit=limit, claim_id=claim_id,
-                   task_names=None if task_names is None else tuple(task_names), wake=wake, room=room, seen=seen)
+                   task_names=None if task_names is None else tuple(task_names), wake=wake, room=room, seen=seen,
+                   woken=woken)
     return fetch_all(conn, Claim, _CLAIM, ask.params())
 
 

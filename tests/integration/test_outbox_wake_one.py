@@ -16,6 +16,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from datetime import timedelta
 from functools import partial
 from typing import Any
 
@@ -481,15 +482,24 @@ def _waiting(engine: Engine) -> int:
     return len(_waiters(engine))
 
 
-def test_a_worker_counts_its_claims_by_what_started_them(db_url: str) -> None:
+def test_a_worker_counts_its_claims_by_what_started_them(db_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Worker.claim_counts, which the benchmark reads to say where empty claims come
     from: the first claim (``room``) finds nothing; a dispatch wakes the worker on its
     own channel (``own``) and its claim gets the task; a notification on the shared
     channel with nothing queued (``shared``) makes a claim that comes back empty, as does
-    an empty one on its own channel (counted ``shared`` too)."""
+    an empty one on its own channel (counted ``shared`` too). All but the first claim
+    say they were woken (they leave tasks handed to other workers to them)."""
     with Engine.connect(db_url, pool_size=2) as engine:
         engine.deploy(ONE)
         w_engine = Engine.connect(db_url, pool_size=2)
+        woken: list[bool] = []
+        claim = w_engine.claim
+
+        def recording(*args: Any, **kwargs: Any) -> Any:
+            woken.append(kwargs["woken"])
+            return claim(*args, **kwargs)
+
+        monkeypatch.setattr(w_engine, "claim", recording)
         worker = Worker(w_engine, concurrency=4, poll_interval=30.0, worker_id="counting")
         worker.handler("noop")(lambda _input, _ctx: None)
         thread = threading.Thread(target=worker.run, daemon=True)
@@ -510,6 +520,7 @@ def test_a_worker_counts_its_claims_by_what_started_them(db_url: str) -> None:
             w_engine.close()
     assert worker.claim_counts() == {"own": {"claims": 1, "empty": 0}, "shared": {"claims": 2, "empty": 2},
                                      "room": {"claims": 1, "empty": 1}}
+    assert woken == [False, True, True, True]
 
 
 def test_a_worker_that_unregisters_passes_on_what_it_was_woken_for(wakes: Wakes) -> None:
@@ -537,3 +548,130 @@ def test_a_worker_that_unregisters_passes_on_what_it_was_woken_for(wakes: Wakes)
     assert wakes.told() == [("shared", "default")]
     with wakes.conn.cursor() as cur:
         assert cur.execute("SELECT count(*) FROM task_waiters").fetchone() == (0,)
+
+
+def _handed(conn: psycopg.Connection[Any]) -> list[str | None]:
+    """The worker each ready outbox row was handed to, in ID order."""
+    return [h for (h,) in conn.execute("SELECT handed_to FROM task_outbox ORDER BY id")]
+
+
+def _claim(wakes: Wakes, worker: str, *, woken: bool, room: int = 2, ready_s: float = 0.0) -> list[str]:
+    """A claim of ``worker`` for ``room`` slots, woken (as its own wake-ups or the word
+    it was told make it claim) or not (its poll): the task IDs it took. Every ready row
+    has been ready ``ready_s`` seconds when it claims, by the clock of its transaction
+    (no time passes between the two on a loaded machine)."""
+    with wakes.conn.transaction():
+        wakes.conn.execute("UPDATE task_outbox SET available_at = now() - make_interval(secs => %s)", (ready_s,))
+        got = outbox.claim(wakes.conn, ["default"], worker, room, claim_id=f"{worker}-{woken}-{time.monotonic_ns()}",
+                           wake=outbox.wake_channel(worker), room=room, woken=woken)
+    return [c.task_id for c in got]
+
+
+def test_a_woken_claim_leaves_the_task_handed_to_another_worker(wakes: Wakes) -> None:
+    """The row a dispatch handed to b records b; a's claim, woken (on the shared
+    channel, say), leaves it to b, whose wake-up is for it; a's poll takes any row."""
+    wakes.idle("a")
+    wakes.idle("b")
+    wakes.dispatch()
+    assert wakes.told() == [("b", "1")]
+    assert _handed(wakes.conn) == ["b"]
+    assert _claim(wakes, "a", woken=True) == []
+    assert _handed(wakes.conn) == ["b"]
+    assert len(_claim(wakes, "a", woken=False)) == 1
+    assert _handed(wakes.conn) == []
+
+
+def test_the_woken_worker_takes_the_task_handed_to_it(wakes: Wakes) -> None:
+    wakes.idle("a")
+    wakes.idle("b")
+    wakes.dispatch()
+    assert _handed(wakes.conn) == ["b"]
+    assert len(_claim(wakes, "b", woken=True)) == 1
+
+
+def test_a_task_handed_to_a_worker_no_longer_registered_is_any_woken_claims(wakes: Wakes) -> None:
+    """b stops (its registration deleted, its wake-up told on the shared channel): a's
+    woken claim takes the row handed to b."""
+    wakes.idle("a")
+    wakes.idle("b")
+    wakes.dispatch()
+    assert outbox.unregister(wakes.conn, "b", seen=0, told=False)
+    assert wakes.told() == [("b", "1"), ("shared", "default")]
+    assert len(_claim(wakes, "a", woken=True)) == 1
+
+
+def test_a_task_handed_to_another_worker_a_second_ago_is_any_woken_claims(wakes: Wakes) -> None:
+    """b was killed (its registration outlives it) or runs long handlers: once the row
+    handed to it has been ready a second, a's woken claim takes it."""
+    wakes.idle("a")
+    wakes.idle("b")
+    wakes.dispatch()
+    assert _claim(wakes, "a", woken=True, ready_s=0.9) == []
+    assert len(_claim(wakes, "a", woken=True, ready_s=1.1)) == 1
+
+
+def test_every_task_handed_out_records_its_worker(wakes: Wakes) -> None:
+    """Rows handed to workers with room, to busy workers beyond their room, and the one
+    row told with no wake-up handed each record the worker; rows told on the shared
+    channel none. A woken claim takes its own rows and those handed to nobody."""
+    for w in "ab":
+        wakes.idle(w, room=1)
+    wakes.dispatch(nodes=("p", "q", "r", "s", "t"))
+    # a and b one each for their room, one each beyond it, then the fifth told to b
+    assert wakes.told() == [("a", "1"), ("a", "2"), ("b", ""), ("b", "1"), ("b", "2")]
+    assert sorted(_handed(wakes.conn), key=str) == ["a", "a", "b", "b", "b"]
+    wakes.dispatch(nodes=("u", "v", "w"))       # one more beyond each, the third told to b
+    assert wakes.told() == [("a", "3"), ("b", ""), ("b", "3")]
+    wakes.dispatch(nodes=("x", "y"))            # both at two beyond: the shared channel
+    assert wakes.told() == [("shared", "default")]
+    assert sorted(_handed(wakes.conn), key=str) == [None, None, "a", "a", "a", "b", "b", "b", "b", "b"]
+    got = _claim(wakes, "a", woken=True, room=10)
+    assert len(got) == 5                         # its three and the two handed to nobody
+    assert _handed(wakes.conn) == ["b"] * 5
+
+
+def test_a_task_handed_to_a_worker_with_no_wake_up_to_take_up_is_any_woken_claims(wakes: Wakes) -> None:
+    """b has taken up the wake-up handed to it (its claim took another row, and no
+    wake-up was owed to it for this one): b will not claim for it, so a's woken claim
+    takes the row rather than leave it to a poll."""
+    wakes.idle("a")
+    wakes.idle("b")
+    wakes.dispatch()
+    assert wakes.told() == [("b", "1")]
+    assert _claim(wakes, "a", woken=True) == []
+    wakes.conn.execute("UPDATE task_waiters SET seen = promised WHERE worker = 'b'")
+    assert len(_claim(wakes, "a", woken=True)) == 1
+
+
+def test_a_task_ready_later_is_handed_to_nobody(wakes: Wakes) -> None:
+    """A row written to be ready later (a retry's backoff) is written with no worker:
+    whoever claims when it is ready takes it."""
+    wakes.idle("a")
+    run_id = add_run(wakes.conn)
+    now = clock.now(wakes.conn)
+    assert tasks.insert_task(wakes.conn, run_id, task_id="later", node_id="t", node_type="TASK", queue="default",
+                             state="PENDING", now=now)
+    outbox.enqueue(wakes.conn, [Dispatch(run_id=run_id, task_id="later", attempt=0, queue="default",
+                                         task_name="t", lease_s=30, available_at=now + timedelta(seconds=30))],
+                   now=now)
+    assert wakes.told() == [("a", "1")]
+    assert _handed(wakes.conn) == [None]
+
+
+def test_rows_of_several_tasks_are_each_handed_to_a_worker_serving_them(wakes: Wakes) -> None:
+    """One dispatch of rows of two task names, interleaved: each row is written with the
+    worker that serves its task (the shared channel is told too, as each worker serves
+    only some of the rows)."""
+    wakes.idle("a", names=["x"], room=3)
+    wakes.idle("b", names=["y"], room=3)
+    run_id = add_run(wakes.conn)
+    now = clock.now(wakes.conn)
+    names = ["x", "y", "x", "y", "y"]
+    for i in range(len(names)):
+        assert tasks.insert_task(wakes.conn, run_id, task_id=f"t{i}", node_id=f"n{i}", node_type="TASK",
+                                 queue="default", state="PENDING", now=now)
+    outbox.enqueue(wakes.conn, [Dispatch(run_id=run_id, task_id=f"t{i}", attempt=0, queue="default",
+                                         task_name=name, lease_s=30) for i, name in enumerate(names)], now=now)
+    assert wakes.told() == [("a", "2"), ("b", "3"), ("shared", "default")]
+    rows = wakes.conn.execute("SELECT task_id, handed_to FROM task_outbox ORDER BY task_id").fetchall()
+    assert rows == [("t0", "a"), ("t1", "b"), ("t2", "a"), ("t3", "b"), ("t4", "b")]
