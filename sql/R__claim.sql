@@ -437,13 +437,14 @@ GRANT EXECUTE ON FUNCTION composer_uncovered(TEXT[], TEXT[], TEXT, BIGINT, INT) 
 -- NULL: all handed out taken up. p_channel NULL: a caller that is not a listening
 -- worker (no registration). p_busy: the runs the worker has tasks of in flight, whose
 -- ready rows the pick takes after others (composer_pick, "spread over runs").
--- p_woken: the worker claims because it was woken (its own wake-ups, told on its channel
--- or the shared one): it takes none of the rows a dispatch handed to another registered
--- worker with wake-ups still to take up, in their first second ready (composer_pick's
--- p_me), so it does not take the row another worker was woken for and leave that
--- worker's claim empty. Otherwise (its poll, its first claim) every ready row is its to
--- take. A row told to a worker with no wake-up handed (sql/R__dispatch.sql) is counted
--- by composer_uncovered as no wake-up's, and may be left to its worker all the same: a
+-- p_woken (with p_channel): the worker claims because it was woken (its own wake-ups,
+-- told on its channel or the shared one): it takes none of the rows a dispatch handed
+-- to another registered worker with wake-ups still to take up, in their first second
+-- ready (composer_pick's p_me), so it does not take the row another worker was woken
+-- for and leave that worker's claim empty. Otherwise (its poll, its first claim, its
+-- claim when a slot frees after its slots were full) every ready row is its to take. A
+-- row told to a worker with no wake-up handed (sql/R__dispatch.sql) is counted by
+-- composer_uncovered as no wake-up's, and may be left to its worker all the same: a
 -- claim owed a wake-up for it can come back empty.
 CREATE OR REPLACE FUNCTION composer_claim(p_queues TEXT[], p_names TEXT[], p_owner TEXT, p_limit INT,
                                p_claim TEXT, p_channel TEXT, p_room INT, p_seen BIGINT, p_busy TEXT[],

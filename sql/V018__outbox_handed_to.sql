@@ -1,10 +1,12 @@
--- Each outbox row a dispatch hands to a registered worker records that worker
--- (task_waiters.worker; sql/R__dispatch.sql): the claims a worker makes because it was
--- woken (on its own channel or the shared one, or with a report) leave rows handed to
--- another registered worker to that worker's claim, so a claim never takes the row
--- another worker was woken for and leaves that worker's wake-up empty. A worker's poll
--- takes any row, and a row handed to a worker no longer registered (stopped, or
--- forgotten as dead) is any woken claim's (sql/R__claim.sql, composer_pick). NULL: handed
--- to nobody (told on the shared channel, or no worker registered; always on Citus, where
+-- Each outbox row a dispatch hands to a registered worker, and ready now, records that
+-- worker (task_waiters.worker; sql/R__dispatch.sql). A claim a worker makes because it
+-- was woken (on its own channel or the shared one, or with a report) passes over a row
+-- handed to another registered worker that has wake-ups still to take up, in the row's
+-- first second ready, so it does not take the row that worker was woken for and leave
+-- its wake-up empty (sql/R__claim.sql, composer_pick). A worker's poll takes any row,
+-- and so does a woken claim after that second, or when the row's worker is no longer
+-- registered (stopped, or forgotten as dead) or has taken up every wake-up handed to
+-- it. NULL: handed to nobody (told on the shared channel, no worker registered, or a row
+-- ready later, a retry's backoff, whose wake-up is still handed; always on Citus, where
 -- no claim registers). Written with the row, never updated; not indexed.
 ALTER TABLE task_outbox ADD COLUMN IF NOT EXISTS handed_to TEXT;

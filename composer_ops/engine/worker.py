@@ -5,14 +5,16 @@ The ``run()`` thread claims tasks whenever a slot is free and hands them to
 lease is lost has its result dropped as stale. An idle worker registers its free slots
 and sleeps on LISTEN (woken on its own channel for k tasks it claims up to k; told on
 the shared channel, or on its own with an empty payload, as many as it has room for;
-either way leaving tasks a dispatch handed to other workers to them), polling as the
-fallback (a poll takes any task). A busy worker is handed wake-ups beyond its room for tasks no
-worker has room for, and claims them with its reports, each in the report's
-transaction; the reporting slot goes on to its next task at once. Everything about a running
-handler is keyed by its attempt, so a late attempt finishing cannot touch the current one. ``run()`` installs
-no signal handlers; after ``stop()`` it unregisters (no wake-up is handed to it, and those
-it had not claimed for are told to the other workers), then waits at most ``shutdown_timeout`` seconds,
-then abandons what still runs and raises :class:`~composer_ops.errors.ShutdownTimeout`.
+either way leaving tasks a dispatch handed to other workers with wake-ups to take up
+to them, for a second), polling as the fallback (a poll takes any task). A busy
+worker is handed wake-ups beyond its room for tasks no worker has room for, and claims
+them with its reports, each in the report's transaction; the reporting slot goes on to
+its next task at once. Everything about a running handler is keyed by its attempt, so
+a late attempt finishing cannot touch the current one. ``run()`` installs no signal
+handlers; after ``stop()`` it unregisters (no wake-up is handed to it, and those it had
+not claimed for are told to the other workers), then waits at most
+``shutdown_timeout`` seconds, then abandons what still runs and raises
+:class:`~composer_ops.errors.ShutdownTimeout`.
 """
 
 from __future__ import annotations
