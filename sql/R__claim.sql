@@ -155,7 +155,7 @@ $$;
 -- are taken, in order, before any row of a lower priority, and when the walk ends or has
 -- gone that far. So a worker's slots take the tasks of several runs where they are
 -- ready, and their reports do not wait for each other's run lock (a 10-task fan-out's
--- siblings, docs/performance.md); with none else ready they take the same run's.
+-- siblings, docs/performance-log.md); with none else ready they take the same run's.
 -- The walk is one cursor per queue, each in the order of idx_task_outbox_ready (queue,
 -- priority DESC, available_at, id) with its queue fixed, merged here by that order: so a
 -- claim reads the rows it takes and those it passes over, whatever the backlog. (One

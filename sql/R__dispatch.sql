@@ -30,7 +30,7 @@
 -- word makes a worker claim; a busy worker's next report claims. So a dispatch
 -- wakes one worker per row, where telling every worker would wake them all for one
 -- task: at four busy workers, 0.33 to 0.36 of claims came back empty
--- (docs/performance.md, "Wake-ups handed to busy workers").
+-- (docs/performance-log.md, "Wake-ups handed to busy workers").
 --
 -- The shared channel (composer_tasks, every worker listens and claims all it has room
 -- for) is notified, once per queue, for the rows left beyond that (a backlog larger than

@@ -343,7 +343,7 @@ def _positional(text: str) -> tuple[str, tuple[str, ...]]:
     per name, in order of first use) and ``%%`` as ``%``, and the names in number order.
     psycopg converts a statement with named placeholders at every execute once it is
     longer than 4 kB or has more than 50 parameters (an event that creates several
-    tasks: 2 to 3 ms of the worker's CPU per 10-task fan-out run, docs/performance.md);
+    tasks: 2 to 3 ms of the worker's CPU per 10-task fan-out run, docs/performance-log.md);
     this is done once per shape (:func:`_text`), and the statement sent as it is."""
     names: dict[str, int] = {}
 
