@@ -265,6 +265,85 @@ def _one_run_started_and_handed_out_once(b: Rig, s: tuple[str, str], result: Res
             + ([] if handed == 1 else [f"{handed} wake-ups handed to the idle worker for one task"]))
 
 
+def _registration(b: Rig, worker: str) -> tuple[Any, ...] | None:
+    """``worker``'s row of task_waiters (channel, queues, slots, promised, seen), if any."""
+    rows = b.sql("SELECT channel, queues, slots, promised, seen FROM task_waiters WHERE worker = %s", (worker,))
+    return rows[0] if rows else None
+
+
+def _registered_once(b: Rig, worker: str, result: Result) -> list[str]:
+    """A worker's registration of its freed room, retried after a lost acknowledgement,
+    is its one row as asked: two free slots, no wake-up handed or taken up."""
+    row = _registration(b, worker)
+    want = (outbox.wake_channel(worker), ["fw"], 2, 0, 0)
+    return _raised(result) + ([] if row == want else [f"registration {row}, expected {want}"])
+
+
+@dataclass
+class HandedWaiter:
+    worker: str
+    run_id: str
+
+
+def _handed_waiter(b: Rig) -> HandedWaiter:
+    """An idle worker registered on queue fw and handed the wake-up of an f-waited run's
+    first task, which it has not taken up."""
+    worker = _idle_waiter(b)
+    run_id = b.direct.start("f-waited")
+    assert _handed_out(b, worker) == 1
+    return HandedWaiter(worker=worker, run_id=run_id)
+
+
+def _stop_worker(b: Rig, s: HandedWaiter) -> None:
+    """What a stopping Worker sends: its unregistration (one attempt; a failure is logged,
+    engine/worker.py ``_unregister``), then the registry's stop, which unregisters too."""
+    try:
+        b.engine.unregister_idle(s.worker, seen=0, told=False)
+    except Exception:
+        pass
+    b.engine.worker_stopped(s.worker)
+
+
+def _unregistered_task_kept(b: Rig, s: HandedWaiter, result: Result) -> list[str]:
+    """Whatever the fault, a stopped worker's registration is gone (no dispatch hands it
+    a wake-up it will not act on), and the task it was woken for still waits in the
+    outbox for the other workers."""
+    problems = _raised(result) + _unexpected(b, s.run_id, tasks={"a": ("PENDING", 0)}, outbox=[("a", 0)])
+    row = _registration(b, s.worker)
+    return problems + ([] if row is None else [f"the stopped worker is still registered: {row}"])
+
+
+@dataclass
+class TwoWaiters:
+    dead: str
+    live: str
+
+
+def _dead_and_live_waiters(b: Rig) -> TwoWaiters:
+    """Two idle workers registered on queue fw, neither in the workers registry: one
+    unrefreshed for two minutes (gone, past outbox.DEAD_WAITER_GRACE_S), one just now."""
+    dead = _idle_waiter(b)
+    live = _idle_waiter(b, cancel=False)
+    b.sql("UPDATE task_waiters SET since = now() - interval '2 minutes' WHERE worker = %s", (dead,))
+    return TwoWaiters(dead=dead, live=live)
+
+
+def _waiters_pass_again(b: Rig, _: TwoWaiters) -> None:
+    """The next pass, which finishes what a pass cut short left (a failing loop is
+    logged, and the pass goes on)."""
+    b.direct.coordinator().run_once(["leases"])
+
+
+def _dead_forgotten_live_kept(b: Rig, s: TwoWaiters, result: Result) -> list[str]:
+    problems = _raised(result)
+    if _registration(b, s.dead) is not None:
+        problems.append("the dead worker's registration is still there")
+    live = _registration(b, s.live)
+    if live is None or live[2:] != (1, 0, 0):
+        problems.append(f"the live worker's registration is {live}, expected 1 slot, no wake-ups")
+    return problems
+
+
 @dataclass
 class ClaimedWaited(Claimed):
     worker: str

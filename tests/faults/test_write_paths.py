@@ -25,6 +25,7 @@ import pytest
 
 from composer_ops.engine import archive
 from composer_ops.engine.retention import drop_due_months
+from composer_ops.repo import outbox
 from composer_ops.testing.faultproxy import Fault
 from composer_ops.testing.servers import Server
 from tests.chaos.hook import Hook
@@ -56,10 +57,13 @@ from tests.faults.cases import (
     _claimed_by_its_holder,
     _completed_and_handed_out_once,
     _completed_and_next_claimed_once,
+    _dead_and_live_waiters,
+    _dead_forgotten_live_kept,
     _deleted_once,
     _due_timer,
     _failed_unstarted_once,
     _finished_deliveries,
+    _handed_waiter,
     _item_completed_once,
     _lease_still_held,
     _leaves,
@@ -78,18 +82,22 @@ from tests.faults.cases import (
     _parent_started,
     _posted_once,
     _queue_changed_once,
+    _registered_once,
     _reopened_once,
     _requeued_once,
     _resolved_or_buffered_once,
     _signal_token,
+    _stop_worker,
     _succeeded,
     _the_client_run_id_returned,
     _timer_fired,
     _token,
     _two_ready,
+    _unregistered_task_kept,
     _waited_claimed,
     _waited_start,
     _waiters_and_token,
+    _waiters_pass_again,
 )
 from tests.faults.harness import FULL, bench, sweep
 from tests.faults.ops_cases import (
@@ -191,6 +199,10 @@ PATHS = [
     WritePath("fail (for good)", _claimed("f-chain"), lambda b, s: b.engine.fail(s.claim, "fatal", retryable=False),
               _leaves(tasks={"a": ("FAILED", 0)}, status="FAILED")),
     WritePath("heartbeat", _claimed("f-chain"), lambda b, s: b.engine.heartbeat(s.claim), _lease_still_held),
+    WritePath("register idle", lambda b: f"w-reg-{_token()[:8]}",
+              lambda b, w: b.engine.register_idle(["fw"], w, ["t"], wake=outbox.wake_channel(w), room=2, seen=0),
+              _registered_once),
+    WritePath("worker stopping (unregister)", _handed_waiter, _stop_worker, _unregistered_task_kept),
     # the coordinator's writes
     WritePath("timer", _due_timer, lambda b, _: b.engine.coordinator().run_once(["timers"]), _timer_fired),
     WritePath("start timeout", _late_start, lambda b, _: b.engine.coordinator().run_once(["timers"]),
@@ -200,6 +212,10 @@ PATHS = [
     # under the default policy (one attempt) the expiry must not fail the run
     WritePath("lease expiry (default policy)", _claimed("f-chain", lease_over=True),
               lambda b, _: b.engine.coordinator().run_once(["leases"]), _requeued_once),
+    # a pass cut short logs the failure; the next pass (settle) forgets what it left
+    WritePath("waiters pass (dead workers forgotten)", _dead_and_live_waiters,
+              lambda b, _: b.engine.coordinator().run_once(["leases"]), _dead_forgotten_live_kept,
+              settle=_waiters_pass_again),
     # a row left by a delivery cut short is delivered again by the next pass (settle)
     WritePath("children pass", _child_start_row, lambda b, _: b.engine.coordinator().run_once(["children"]),
               _child_started_once, settle=_children_delivered),
