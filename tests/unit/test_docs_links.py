@@ -1,9 +1,12 @@
 """Every link between the project's Markdown files resolves: the file exists, and an
 anchor (``#...``) names a heading of that file as GitHub renders it. Links with a
-scheme (https:, mailto:) are not followed."""
+scheme (https:, mailto:) are not followed. And every reference by name in the text,
+code and SQL (``docs/NAME.md, "Section"``) names a file of docs/ and the start of one of
+its headings."""
 
 from __future__ import annotations
 
+import functools
 import re
 from collections import Counter
 from pathlib import Path
@@ -13,7 +16,15 @@ from markdown_it import MarkdownIt
 from markdown_it.token import Token
 
 ROOT = Path(__file__).resolve().parents[2]
-DOCS = sorted([ROOT / "README.md", ROOT / "CHANGELOG.md", *(ROOT / "docs").glob("*.md")])
+DOCS = sorted([ROOT / "README.md", ROOT / "CHANGELOG.md", ROOT / "reports" / "README.md",
+               *(ROOT / "docs").glob("*.md")])
+#: Where a section of docs/ is named in prose: the docs, the SQL, the Python, the Makefile.
+SOURCES = sorted([*DOCS, ROOT / "Makefile", *(ROOT / "sql").rglob("*.sql"),
+                  *[p for d in ("composer_ops", "bench", "tests") for p in (ROOT / d).rglob("*.py")
+                    if p != Path(__file__).resolve()]])
+#: ``docs/NAME.md, "Section"`` (the quote may go on over a line break, a comment's marker
+#: with it: ``--`` in SQL, ``#`` in Python).
+_NAMED = re.compile(r'docs/([\w-]+\.md)`?,?\s*(?:\n\s*(?:--|#)?\s*)?"([^"]+)"')
 _PARSER = MarkdownIt("commonmark").enable("table")
 
 
@@ -35,6 +46,23 @@ def slugs(text: str) -> set[str]:
         out.add(base if seen[base] == 0 else f"{base}-{seen[base]}")
         seen[base] += 1
     return out
+
+
+def headings(text: str) -> list[str]:
+    """The headings of a Markdown text, as written (code spans without their backticks)."""
+    tokens = _PARSER.parse(text)
+    return [_inline_text(tokens[i + 1]).strip() for i, t in enumerate(tokens) if t.type == "heading_open"]
+
+
+def named_sections(text: str) -> list[tuple[str, str]]:
+    """The references by name in ``text``: (file of docs/, the section as quoted, its line
+    breaks and comment markers folded into spaces)."""
+    return [(m.group(1), re.sub(r"\s*\n\s*(?:--|#)?\s*", " ", m.group(2)).strip()) for m in _NAMED.finditer(text)]
+
+
+@functools.cache
+def _file_slugs(path: Path) -> frozenset[str]:
+    return frozenset(slugs(path.read_text()))
 
 
 def links(text: str) -> list[str]:
@@ -62,6 +90,34 @@ def test_links_resolve(doc: Path) -> None:
         target = (doc.parent / path).resolve() if path else doc
         if not target.exists():
             broken.append(f"{href}: no file {target}")
-        elif anchor and target.suffix == ".md" and anchor not in slugs(target.read_text()):
+        elif anchor and target.suffix == ".md" and anchor not in _file_slugs(target):
             broken.append(f"{href}: no heading #{anchor} in {target.relative_to(ROOT)}")
     assert not broken, f"{doc.relative_to(ROOT)}: " + "; ".join(broken)
+
+
+def test_named_sections_are_read_across_comment_lines() -> None:
+    text = '-- (docs/performance-log.md, "Wake-ups\n-- handed to busy workers")\nx docs/a.md, "B"'
+    assert named_sections(text) == [("performance-log.md", "Wake-ups handed to busy workers"), ("a.md", "B")]
+
+
+def test_sections_named_in_prose_exist() -> None:
+    """A reference such as (docs/performance-log.md, "What the function layers cost")
+    names a file of docs/ and the start of one of its headings (any case)."""
+    found: dict[str, list[str]] = {}
+    broken = []
+    count = 0
+    for source in SOURCES:
+        text = source.read_text()
+        if "docs/" not in text:
+            continue
+        for name, section in named_sections(text):
+            count += 1
+            target = ROOT / "docs" / name
+            if not target.exists():
+                broken.append(f"{source.relative_to(ROOT)}: docs/{name} does not exist")
+                continue
+            heads = found.setdefault(name, [h.lower() for h in headings(target.read_text())])
+            if not any(h.startswith(section.lower()) for h in heads):
+                broken.append(f'{source.relative_to(ROOT)}: no heading of docs/{name} starts with "{section}"')
+    assert count > 20, f"only {count} references by name found: is the pattern still right?"
+    assert not broken, "; ".join(broken)
