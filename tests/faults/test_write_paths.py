@@ -212,7 +212,7 @@ PATHS = [
     # under the default policy (one attempt) the expiry must not fail the run
     WritePath("lease expiry (default policy)", _claimed("f-chain", lease_over=True),
               lambda b, _: b.engine.coordinator().run_once(["leases"]), _requeued_once),
-    # a pass cut short logs the failure; the next pass (settle) forgets what it left
+    # a pass cut short logs the failure; the next passes (settle) forget what it left
     WritePath("waiters pass (dead workers forgotten)", _dead_and_live_waiters,
               lambda b, _: b.engine.coordinator().run_once(["leases"]), _dead_forgotten_live_kept,
               settle=_waiters_pass_again),
