@@ -22,9 +22,10 @@ DOCS = sorted([ROOT / "README.md", ROOT / "CHANGELOG.md", ROOT / "reports" / "RE
 SOURCES = sorted([*DOCS, ROOT / "Makefile", *(ROOT / "sql").rglob("*.sql"),
                   *[p for d in ("composer_ops", "bench", "tests") for p in (ROOT / d).rglob("*.py")
                     if p != Path(__file__).resolve()]])
-#: ``docs/NAME.md, "Section"`` (the quote may go on over a line break, a comment's marker
-#: with it: ``--`` in SQL, ``#`` in Python).
-_NAMED = re.compile(r'docs/([\w-]+\.md)`?,?\s*(?:\n\s*(?:--|#)?\s*)?"([^"]+)"')
+#: ``docs/NAME.md, "Section"``, ``docs/NAME.md ("Section")`` or the same of README.md (the
+#: quote may go on over a line break, a comment's marker with it: ``--`` in SQL, ``#`` in
+#: Python and the Makefile).
+_NAMED = re.compile(r'\b(README\.md|docs/[\w-]+\.md)`?,?\s*(?:\n\s*(?:--|#)?\s*)?\(?"([^"]+)"')
 _PARSER = MarkdownIt("commonmark").enable("table")
 
 
@@ -55,8 +56,8 @@ def headings(text: str) -> list[str]:
 
 
 def named_sections(text: str) -> list[tuple[str, str]]:
-    """The references by name in ``text``: (file of docs/, the section as quoted, its line
-    breaks and comment markers folded into spaces)."""
+    """The references by name in ``text``: (the file, from the project's root; the section
+    as quoted, its line breaks and comment markers folded into spaces)."""
     return [(m.group(1), re.sub(r"\s*\n\s*(?:--|#)?\s*", " ", m.group(2)).strip()) for m in _NAMED.finditer(text)]
 
 
@@ -96,28 +97,30 @@ def test_links_resolve(doc: Path) -> None:
 
 
 def test_named_sections_are_read_across_comment_lines() -> None:
-    text = '-- (docs/performance-log.md, "Wake-ups\n-- handed to busy workers")\nx docs/a.md, "B"'
-    assert named_sections(text) == [("performance-log.md", "Wake-ups handed to busy workers"), ("a.md", "B")]
+    text = ('-- (docs/performance-log.md, "Wake-ups\n-- handed to busy workers")\nx docs/a.md, "B"\n'
+            '# README.md, "Tests": y docs/b.md ("C")')
+    assert named_sections(text) == [("docs/performance-log.md", "Wake-ups handed to busy workers"),
+                                    ("docs/a.md", "B"), ("README.md", "Tests"), ("docs/b.md", "C")]
 
 
 def test_sections_named_in_prose_exist() -> None:
     """A reference such as (docs/performance-log.md, "What the function layers cost")
-    names a file of docs/ and the start of one of its headings (any case)."""
+    names a Markdown file of the project and the start of one of its headings (any case)."""
     found: dict[str, list[str]] = {}
     broken = []
     count = 0
     for source in SOURCES:
         text = source.read_text()
-        if "docs/" not in text:
+        if ".md" not in text:
             continue
         for name, section in named_sections(text):
             count += 1
-            target = ROOT / "docs" / name
+            target = ROOT / name
             if not target.exists():
-                broken.append(f"{source.relative_to(ROOT)}: docs/{name} does not exist")
+                broken.append(f"{source.relative_to(ROOT)}: {name} does not exist")
                 continue
             heads = found.setdefault(name, [h.lower() for h in headings(target.read_text())])
             if not any(h.startswith(section.lower()) for h in heads):
-                broken.append(f'{source.relative_to(ROOT)}: no heading of docs/{name} starts with "{section}"')
+                broken.append(f'{source.relative_to(ROOT)}: no heading of {name} starts with "{section}"')
     assert count > 20, f"only {count} references by name found: is the pattern still right?"
     assert not broken, "; ".join(broken)
