@@ -57,13 +57,10 @@ from tests.faults.cases import (
     _claimed_by_its_holder,
     _completed_and_handed_out_once,
     _completed_and_next_claimed_once,
-    _dead_and_live_waiters,
-    _dead_forgotten_live_kept,
     _deleted_once,
     _due_timer,
     _failed_unstarted_once,
     _finished_deliveries,
-    _handed_waiter,
     _item_completed_once,
     _lease_still_held,
     _leaves,
@@ -82,22 +79,18 @@ from tests.faults.cases import (
     _parent_started,
     _posted_once,
     _queue_changed_once,
-    _registered_once,
     _reopened_once,
     _requeued_once,
     _resolved_or_buffered_once,
     _signal_token,
-    _stop_worker,
     _succeeded,
     _the_client_run_id_returned,
     _timer_fired,
     _token,
     _two_ready,
-    _unregistered_task_kept,
     _waited_claimed,
     _waited_start,
     _waiters_and_token,
-    _waiters_pass_again,
 )
 from tests.faults.harness import FULL, bench, sweep
 from tests.faults.ops_cases import (
@@ -126,6 +119,15 @@ from tests.faults.ops_cases import (
     _three_tokened_runs,
     _triggered_once,
     _two_of_one_customer,
+)
+from tests.faults.waiter_cases import (
+    _dead_and_live_waiters,
+    _dead_forgotten_live_kept,
+    _handed_waiter,
+    _registered_once,
+    _stop_worker,
+    _unregistered_task_kept,
+    _waiters_pass_again,
 )
 from tests.integration.helpers import now_utc, uuid7_at
 
