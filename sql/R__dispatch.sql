@@ -57,7 +57,9 @@
 -- room for what it was not woken for. On Citus no claim registers: every dispatch
 -- notifies the shared channel.
 DROP FUNCTION IF EXISTS composer_enqueue(JSONB, TIMESTAMPTZ);
-CREATE OR REPLACE FUNCTION composer_enqueue(p_rows JSONB, p_now TIMESTAMPTZ, p_shift INTERVAL DEFAULT '0')
+DROP FUNCTION IF EXISTS composer_enqueue(JSONB, TIMESTAMPTZ, INTERVAL);
+CREATE OR REPLACE FUNCTION composer_enqueue(p_rows JSONB, p_now TIMESTAMPTZ, p_shift INTERVAL, p_gq TEXT[],
+                                            p_gn TEXT[], p_gc INT[], p_ords INT[])
 RETURNS VOID
 LANGUAGE plpgsql
 SET plan_cache_mode = force_generic_plan
@@ -80,21 +82,34 @@ DECLARE
     v_partial BOOLEAN := false;
 BEGIN
     -- The waiters are taken before the rows are written, so each row is written with the
-    -- waiter it is handed to.
-    SELECT array_agg(r.q ORDER BY r.pos) FILTER (WHERE r.k = 1), array_agg(r.n ORDER BY r.pos) FILTER (WHERE r.k = 1),
-           array_agg(r.c ORDER BY r.pos) FILTER (WHERE r.k = 1), count(*)::int,
-           array_agg(r.pos - 1 ORDER BY r.pos) FILTER (WHERE r.k = 1), array_agg(r.ord ORDER BY r.pos)
-      INTO gq, gn, gc, waiting, go, gords
-      FROM (SELECT d.q, d.n, d.ord::int AS ord,
-                   row_number() OVER (PARTITION BY d.q, d.n ORDER BY d.ord) AS k,
-                   count(*) OVER (PARTITION BY d.q, d.n)::int AS c,
-                   row_number() OVER (ORDER BY d.q, d.n, d.ord)::int AS pos
-              FROM ROWS FROM (jsonb_to_recordset(p_rows) AS (q text, n text)) WITH ORDINALITY AS d(q, n, ord)) r;
+    -- waiter it is handed to. The rows' groups (p_gq, p_gn, p_gc: queue, task name and
+    -- count of each, by queue then task name; p_ords: the rows' places in p_rows, by
+    -- group then place) are the client's (composer_ops/repo/outbox.py, dispatch_groups).
+    waiting := COALESCE(jsonb_array_length(p_rows), 0);
     IF waiting = 0 THEN
         RETURN;
     END IF;
+    gq := p_gq;
+    gn := p_gn;
+    gc := p_gc;
+    gords := p_ords;
+    IF cardinality(gords) IS DISTINCT FROM waiting OR cardinality(gq) IS DISTINCT FROM cardinality(gn)
+       OR cardinality(gq) IS DISTINCT FROM cardinality(gc) OR cardinality(gq) = 0 THEN
+        RAISE EXCEPTION 'composer_enqueue: % rows, % places, groups of % queues, % names and % counts',
+            waiting, cardinality(gords), cardinality(gq), cardinality(gn), cardinality(gc);
+    END IF;
+    go := array_fill(0, ARRAY[cardinality(gq)]);
+    qs := ARRAY[gq[1]];
+    FOR i IN 2 .. cardinality(gq) LOOP
+        go[i] := go[i - 1] + gc[i - 1];
+        IF gq[i] <> gq[i - 1] THEN
+            qs := qs || gq[i];
+        END IF;
+    END LOOP;
+    IF go[cardinality(gq)] + gc[cardinality(gq)] <> waiting THEN
+        RAISE EXCEPTION 'composer_enqueue: % rows, groups counting %', waiting, go[cardinality(gq)] + gc[cardinality(gq)];
+    END IF;
     handed := array_fill(NULL::text, ARRAY[waiting]);
-    SELECT array_agg(DISTINCT u.q ORDER BY u.q) INTO qs FROM unnest(gq) AS u(q);
     -- Pass 1, waiters with room, the most recently registered first, up to their room
     -- each; pass 2, busy waiters with at most one wake-up beyond their room so far, the
     -- least over-promised first, then the most recently registered, one row each.
@@ -170,5 +185,6 @@ BEGIN
 END;
 $$;
 
-REVOKE ALL ON FUNCTION composer_enqueue(JSONB, TIMESTAMPTZ, INTERVAL) FROM PUBLIC;
-GRANT EXECUTE ON FUNCTION composer_enqueue(JSONB, TIMESTAMPTZ, INTERVAL) TO composer_ops_engine;
+REVOKE ALL ON FUNCTION composer_enqueue(JSONB, TIMESTAMPTZ, INTERVAL, TEXT[], TEXT[], INT[], INT[]) FROM PUBLIC;
+GRANT EXECUTE ON FUNCTION composer_enqueue(JSONB, TIMESTAMPTZ, INTERVAL, TEXT[], TEXT[], INT[], INT[])
+    TO composer_ops_engine;

@@ -13,7 +13,7 @@ written at its end with SKIP LOCKED.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, Protocol
@@ -49,6 +49,44 @@ def dispatch_rows(dispatches: Sequence[Dispatch]) -> list[dict[str, Any]]:
         if v is not None} for d in dispatches]
 
 
+def dispatch_groups(rows: Sequence[dict[str, Any]]) -> tuple[str, str, str, str]:
+    """The groups of outbox rows (:func:`dispatch_rows`) as ``composer_enqueue`` takes
+    them, beside the rows (:func:`groups`), as four PostgreSQL array literals (text[],
+    text[], int[], int[]), which a string parameter passes more cheaply than a list."""
+    queues, names, counts, places = groups(rows)
+    return _texts(queues), _texts(names), _ints(counts), _ints(places)
+
+
+def groups(rows: Sequence[dict[str, Any]]) -> tuple[list[str], list[str], list[int], list[int]]:
+    """Each (queue, task name) of ``rows`` once, in that order, with its count of rows;
+    and the rows' places (from 1) by group, then by place. Computed here, where it costs
+    a sort of the rows, rather than by a query in the dispatch (docs/performance-log.md,
+    "The dispatch's groups")."""
+    order = sorted(range(len(rows)), key=lambda i: (rows[i]["q"], rows[i]["n"]))
+    queues: list[str] = []
+    names: list[str] = []
+    counts: list[int] = []
+    for i in order:
+        queue, name = rows[i]["q"], rows[i]["n"]
+        if counts and queues[-1] == queue and names[-1] == name:
+            counts[-1] += 1
+        else:
+            queues.append(queue)
+            names.append(name)
+            counts.append(1)
+    return queues, names, counts, [i + 1 for i in order]
+
+
+def _texts(values: Iterable[str]) -> str:
+    """A text[] literal of ``values``, each quoted."""
+    return "{" + ",".join('"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"' for v in values) + "}"
+
+
+def _ints(values: Iterable[int]) -> str:
+    """An int[] literal of ``values``."""
+    return "{" + ",".join(map(str, values)) + "}"
+
+
 def enqueue(conn: Conn, dispatches: Sequence[Dispatch], *, now: datetime) -> None:
     """Write outbox rows, available from ``now`` unless a retry's backoff says later,
     and wake idle workers for them (NOTIFY is delivered at commit, and only if the
@@ -72,7 +110,9 @@ def enqueue(conn: Conn, dispatches: Sequence[Dispatch], *, now: datetime) -> Non
     (sql/R__dispatch.sql)."""
     if not dispatches:
         return
-    conn.execute("SELECT composer_enqueue(%s, %s)", (Jsonb(dispatch_rows(dispatches)), now))
+    rows = dispatch_rows(dispatches)
+    conn.execute("SELECT composer_enqueue(%s, %s, interval '0', %s::text[], %s::text[], %s::int[], %s::int[])",
+                 (Jsonb(rows), now, *dispatch_groups(rows)))
 
 
 def listen(conn: Conn, channel: str = CHANNEL) -> None:

@@ -28,7 +28,7 @@ from composer_ops.db.errors import TranslatingRawCursor
 from composer_ops.errors import ComposerError
 from composer_ops.repo import partitions
 from composer_ops.repo._base import Conn, error_doc, iso
-from composer_ops.repo.outbox import dispatch_rows
+from composer_ops.repo.outbox import dispatch_groups, dispatch_rows
 from composer_ops.repo.rows import Dispatch, HistoryEntry, NewTask
 
 __all__ = ["Done", "Fail", "Finish", "Resolve", "NewRun", "Pending", "document", "send", "statement"]
@@ -309,6 +309,8 @@ def statement(doc: dict[str, Any], runs: str, tasks: str) -> tuple[str, list[Any
         js[f"h{k}_d"] = detail
     outbox = doc.get("outbox")
     js["outbox"] = outbox or None
+    if outbox:
+        params["oq"], params["on"], params["oc"], params["oo"] = dispatch_groups(outbox)
     kept = {key: value for key, value in js.items() if value is not None}
     if kept:
         params["js"] = Jsonb(kept)
@@ -454,7 +456,8 @@ def _text(shape: tuple[Any, ...], runs: str, tasks: str) -> tuple[str, tuple[str
         moved = "interval '0'" if exact else "now() - %(at)s::timestamptz"
         # In FROM: a column of its own would be of type void, which Citus cannot keep as
         # an intermediate result.
-        parts.append(f"""dispatch AS (SELECT 1 FROM composer_enqueue(%(outbox)s::jsonb, {at}, {moved}) AS e)""")
+        parts.append(f"""dispatch AS (SELECT 1 FROM composer_enqueue(%(outbox)s::jsonb, {at}, {moved}, %(oq)s::text[],
+                                          %(on)s::text[], %(oc)s::int[], %(oo)s::int[]) AS e)""")
         enqueued = ", EXISTS (SELECT FROM dispatch)"
     status = "CASE " + " ".join(checks) + " ELSE 'ok' END" if checks else "'ok'"
     head = "WITH " + ",\n".join(parts) + "\n" if parts else ""

@@ -5,8 +5,12 @@
 -- two-phase commit). No waiter registers on Citus: the engine notifies the shared
 -- channel in the event's transaction (composer_ops/repo/outbox.py, announce); the poll
 -- stays the safety net.
+-- The rows' groups (p_gq, p_gn, p_gc, p_ords: sql/R__dispatch.sql) hand rows to
+-- waiters; with none registered here, they are not read.
 DROP FUNCTION IF EXISTS composer_enqueue(JSONB, TIMESTAMPTZ);
-CREATE OR REPLACE FUNCTION composer_enqueue(p_rows JSONB, p_now TIMESTAMPTZ, p_shift INTERVAL DEFAULT '0')
+DROP FUNCTION IF EXISTS composer_enqueue(JSONB, TIMESTAMPTZ, INTERVAL);
+CREATE OR REPLACE FUNCTION composer_enqueue(p_rows JSONB, p_now TIMESTAMPTZ, p_shift INTERVAL, p_gq TEXT[],
+                                            p_gn TEXT[], p_gc INT[], p_ords INT[])
 RETURNS VOID
 LANGUAGE plpgsql
 AS $$
@@ -24,5 +28,6 @@ BEGIN
 END;
 $$;
 
-REVOKE ALL ON FUNCTION composer_enqueue(JSONB, TIMESTAMPTZ, INTERVAL) FROM PUBLIC;
-GRANT EXECUTE ON FUNCTION composer_enqueue(JSONB, TIMESTAMPTZ, INTERVAL) TO composer_ops_engine;
+REVOKE ALL ON FUNCTION composer_enqueue(JSONB, TIMESTAMPTZ, INTERVAL, TEXT[], TEXT[], INT[], INT[]) FROM PUBLIC;
+GRANT EXECUTE ON FUNCTION composer_enqueue(JSONB, TIMESTAMPTZ, INTERVAL, TEXT[], TEXT[], INT[], INT[])
+    TO composer_ops_engine;

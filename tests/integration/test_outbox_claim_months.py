@@ -208,6 +208,6 @@ def test_the_dispatch_keeps_its_plans(db_url: str) -> None:
     bench/results/profile-pg15-2026-12-05-df3145a.json). It reads and writes only
     unpartitioned tables, so a generic plan locks nothing more."""
     with psycopg.connect(db_url) as conn:
-        row = conn.execute("SELECT proconfig FROM pg_proc WHERE oid = "
-                           "'composer_enqueue(jsonb, timestamptz, interval)'::regprocedure").fetchone()
+        row = conn.execute("SELECT proconfig FROM pg_proc WHERE oid = 'composer_enqueue(jsonb, timestamptz, "
+                           "interval, text[], text[], int[], int[])'::regprocedure").fetchone()
     assert row is not None and "plan_cache_mode=force_generic_plan" in (row[0] or []), row

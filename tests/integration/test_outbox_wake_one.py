@@ -22,9 +22,12 @@ from typing import Any
 
 import psycopg
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from composer_ops import Engine, Worker
 from composer_ops.repo import clock, outbox, tasks
+from composer_ops.repo.outbox import dispatch_groups
 from composer_ops.repo.rows import Dispatch
 from composer_ops.testing.processes import TERMINAL, wait_for
 from tests.integration.helpers import add_definition, add_run
@@ -334,6 +337,50 @@ def test_a_rolled_back_dispatch_wakes_nobody_and_keeps_the_registration(db_url: 
     assert wakes.notified() == []
     with psycopg.connect(db_url, autocommit=True) as conn:
         assert _room(conn, "a") == 2
+
+
+
+@pytest.mark.parametrize(("groups", "why"), [
+    ((["default"], ["t"], [2], [1, 2]), None),
+    ((["default"], ["t"], [1], [1]), "2 rows, 1 places"),
+    ((["default"], ["t", "u"], [2], [1, 2]), "groups of 1 queues, 2 names"),
+    ((["default", "default"], ["t", "u"], [1, 2], [1, 2]), "2 rows, groups counting 3"),
+    (([], [], [], [1, 2]), "groups of 0 queues"),
+], ids=["right", "places", "names", "counts", "none"])
+def test_a_dispatch_whose_groups_disagree_with_its_rows_writes_nothing(wakes: Wakes, groups: tuple[Any, ...],
+                                                                       why: str | None) -> None:
+    """composer_enqueue takes the rows' groups from its caller (outbox.dispatch_groups): groups
+    that do not add up to the rows are refused whole, before a waiter is taken."""
+    wakes.idle("a")
+    run_id = add_run(wakes.conn)
+    rows = [{"q": "default", "r": run_id, "t": f"x{i}", "a": 0, "n": "t", "l": 30, "w": 3600} for i in range(2)]
+    call = ("SELECT composer_enqueue(%s, now(), interval '0', %s::text[], %s::text[], %s::int[], %s::int[])",
+            (psycopg.types.json.Jsonb(rows), *groups))
+    if why is None:                             # the right groups: written, handed to a
+        wakes.conn.execute(*call)
+        assert wakes.told() == [("a", "2")]
+        return
+    with pytest.raises(psycopg.errors.RaiseException, match=why):
+        wakes.conn.execute(*call)
+    assert wakes.notified() == []
+    assert wakes.conn.execute("SELECT count(*) FROM task_outbox WHERE run_id = %s", (run_id,)).fetchone() == (0,)
+    assert _room(wakes.conn, "a") == 2
+
+
+
+#: What a queue or task name can hold: any text but NUL, which PostgreSQL's text cannot.
+_NAMED = st.characters(codec="utf-8", exclude_characters="\x00")
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.lists(st.fixed_dictionaries({"q": st.text(_NAMED, min_size=1, max_size=6), "n": st.text(_NAMED, max_size=6)}),
+                min_size=1, max_size=6))
+def test_the_groups_reach_the_dispatch_as_they_were(wakes: Wakes, rows: list[dict[str, str]]) -> None:
+    """outbox.dispatch_groups passes each group as an array literal: whatever a queue or task
+    name holds (quotes, backslashes, commas, braces), the server reads back outbox.groups."""
+    literals = dispatch_groups(rows)
+    got = wakes.conn.execute("SELECT %s::text[], %s::text[], %s::int[], %s::int[]", literals).fetchone()
+    assert got == outbox.groups(rows)
 
 
 ONE = {"id": "one", "nodes": [{"id": "a", "type": "TASK", "task": "noop"}]}

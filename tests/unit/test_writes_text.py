@@ -40,7 +40,7 @@ def _completion_creating(n: int) -> dict[str, object]:
               "input": {"k": k}} for k in range(n)]
     return {"at": AT, "run_id": RUN, "request": "r1",
             "done": [{"t": "root", "n": "root", "a": 0, "output": {"ok": True}}],
-            "tasks": tasks, "outbox": [{"t": f"t{k}"} for k in range(n)]}
+            "tasks": tasks, "outbox": [{"q": "default", "t": f"t{k}", "n": "t"} for k in range(n)]}
 
 
 @pytest.mark.parametrize("n", [1, 10, 40])
