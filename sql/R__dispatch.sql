@@ -84,7 +84,12 @@ BEGIN
     -- The waiters are taken before the rows are written, so each row is written with the
     -- waiter it is handed to. The rows' groups (p_gq, p_gn, p_gc: queue, task name and
     -- count of each, by queue then task name; p_ords: the rows' places in p_rows, by
-    -- group then place) are the client's (composer_ops/repo/outbox.py, dispatch_groups).
+    -- group then place) are the client's (composer_ops/repo/outbox.py, groups); their
+    -- order decides only which of a waiter's groups it is handed first. Checked here:
+    -- every group named and counted, the counts adding up to the rows. Trusted: that the
+    -- groups name the rows' own queues and task names, and the places each row once (a
+    -- client that got them wrong would hand wake-ups amiss, which the poll covers; the
+    -- rows are written from p_rows whatever the groups say).
     waiting := COALESCE(jsonb_array_length(p_rows), 0);
     IF waiting = 0 THEN
         RETURN;
@@ -100,13 +105,17 @@ BEGIN
     END IF;
     go := array_fill(0, ARRAY[cardinality(gq)]);
     qs := ARRAY[gq[1]];
-    FOR i IN 2 .. cardinality(gq) LOOP
+    FOR i IN 1 .. cardinality(gq) LOOP
+        IF gq[i] IS NULL OR gn[i] IS NULL OR gc[i] IS NULL OR gc[i] < 1 THEN
+            RAISE EXCEPTION 'composer_enqueue: group % is (%, %) counting %', i, gq[i], gn[i], gc[i];
+        END IF;
+        CONTINUE WHEN i = 1;
         go[i] := go[i - 1] + gc[i - 1];
         IF gq[i] <> gq[i - 1] THEN
             qs := qs || gq[i];
         END IF;
     END LOOP;
-    IF go[cardinality(gq)] + gc[cardinality(gq)] <> waiting THEN
+    IF go[cardinality(gq)] + gc[cardinality(gq)] IS DISTINCT FROM waiting THEN
         RAISE EXCEPTION 'composer_enqueue: % rows, groups counting %', waiting, go[cardinality(gq)] + gc[cardinality(gq)];
     END IF;
     handed := array_fill(NULL::text, ARRAY[waiting]);

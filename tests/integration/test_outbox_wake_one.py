@@ -22,7 +22,7 @@ from typing import Any
 
 import psycopg
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from composer_ops import Engine, Worker
@@ -346,11 +346,15 @@ def test_a_rolled_back_dispatch_wakes_nobody_and_keeps_the_registration(db_url: 
     ((["default"], ["t", "u"], [2], [1, 2]), "groups of 1 queues, 2 names"),
     ((["default", "default"], ["t", "u"], [1, 2], [1, 2]), "2 rows, groups counting 3"),
     (([], [], [], [1, 2]), "groups of 0 queues"),
-], ids=["right", "places", "names", "counts", "none"])
+    ((["default", "default"], ["t", "u"], [2, None], [1, 2]), r"group 2 is \(default, u\) counting <NULL>"),
+    ((["default", "default"], ["t", "u"], [2, 0], [1, 2]), r"group 2 is \(default, u\) counting 0"),
+    (([None], ["t"], [2], [1, 2]), r"group 1 is \(<NULL>, t\) counting 2"),
+], ids=["right", "places", "names", "counts", "none", "null-count", "zero-count", "null-queue"])
 def test_a_dispatch_whose_groups_disagree_with_its_rows_writes_nothing(wakes: Wakes, groups: tuple[Any, ...],
                                                                        why: str | None) -> None:
     """composer_enqueue takes the rows' groups from its caller (outbox.dispatch_groups): groups
-    that do not add up to the rows are refused whole, before a waiter is taken."""
+    that do not add up to the rows, or a group unnamed or uncounted, are refused, and the
+    dispatch with them (nothing written, nobody told)."""
     wakes.idle("a")
     run_id = add_run(wakes.conn)
     rows = [{"q": "default", "r": run_id, "t": f"x{i}", "a": 0, "n": "t", "l": 30, "w": 3600} for i in range(2)]
@@ -373,6 +377,8 @@ _NAMED = st.characters(codec="utf-8", exclude_characters="\x00")
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@example([{"q": "NULL", "n": ""}, {"q": " a ", "n": "\\"}, {"q": '"', "n": "{"}, {"q": ",", "n": "}"},
+          {"q": "é\\\"", "n": "NULL"}])
 @given(st.lists(st.fixed_dictionaries({"q": st.text(_NAMED, min_size=1, max_size=6), "n": st.text(_NAMED, max_size=6)}),
                 min_size=1, max_size=6))
 def test_the_groups_reach_the_dispatch_as_they_were(wakes: Wakes, rows: list[dict[str, str]]) -> None:
