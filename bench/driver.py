@@ -1,0 +1,145 @@
+"""What one statement costs the client's Python, by the way it is sent.
+
+``python -m bench.driver [--pgbin DIR] [--statements 5000] [--rounds 3] [--out FILE]``
+
+A design measurement of the driver, not of the engine: the same prepared statement (an
+indexed read of one row of a small table) sent ``--statements`` times in a row from one
+thread, each of these ways, alternating which goes first by round:
+
+- ``cursor``: ``Cursor.execute`` with ``%s`` placeholders, prepared (most of the
+  engine's statements);
+- ``raw cursor``: ``RawCursor.execute`` with ``$n`` placeholders (an event's one write,
+  composer_ops/repo/writes.py);
+- ``raw cursor, pipeline``: the same inside a ``Connection.pipeline()`` block of its own
+  (a start sends its statement so; a completion's two round trips are two such blocks of
+  two or three statements);
+- ``libpq``: ``PGconn.exec_prepared`` of psycopg's ``pq`` module, blocking, the value
+  read from the result: no cursor, adaptation or wait loop. The floor of what a
+  statement's round trip costs in Python here, not a way the engine could send one as
+  it is (it neither waits without blocking nor adapts values).
+
+Each is measured as this process's CPU time (``time.process_time``) and the session
+backend's (``/proc/PID/schedstat``) per statement. Prints the medians per way;
+``--out`` writes them as JSON (default ``bench/results/driver-pg<major>-<date>-<commit>.json``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import psycopg
+from rich.console import Console
+from rich.table import Table
+
+from bench import scenario
+from bench.flowcost import OnCpu
+from bench.report import measured_run, stderr_log, write_results
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "bench" / "results"
+ROWS = 1000
+WAYS = ("cursor", "raw cursor", "raw cursor, pipeline", "libpq")
+
+
+def _ways(conn: psycopg.Connection[Any]) -> dict[str, Callable[[int], Any]]:
+    cur = conn.cursor()
+    raw = psycopg.RawCursor(conn)
+    pgconn = conn.pgconn
+    pgconn.prepare(b"bench_driver_read", b"SELECT v FROM bench_driver WHERE id = $1", [23])
+
+    def by_cursor(i: int) -> Any:
+        cur.execute("SELECT v FROM bench_driver WHERE id = %s", (i,), prepare=True)
+        return cur.fetchone()
+
+    def by_raw(i: int) -> Any:
+        raw.execute("SELECT v FROM bench_driver WHERE id = $1", (i,), prepare=True)
+        return raw.fetchone()
+
+    def by_pipeline(i: int) -> Any:
+        with conn.pipeline():
+            raw.execute("SELECT v FROM bench_driver WHERE id = $1", (i,), prepare=True)
+        return raw.fetchone()
+
+    def by_libpq(i: int) -> Any:
+        result = pgconn.exec_prepared(b"bench_driver_read", [str(i).encode()])
+        if result.status != psycopg.pq.ExecStatus.TUPLES_OK:
+            raise RuntimeError(f"bench.driver: the libpq read failed: {result.error_message!r}")
+        return result.get_value(0, 0)
+
+    return dict(zip(WAYS, (by_cursor, by_raw, by_pipeline, by_libpq), strict=True))
+
+
+def measure(url: str, *, statements: int, rounds: int, log: Callable[[str], None]) -> dict[str, Any]:
+    """Per way, the client's and the backend's CPU microseconds per statement in each round."""
+    per_round: dict[str, list[dict[str, float]]] = {way: [] for way in WAYS}
+    with psycopg.connect(url, autocommit=True) as conn:
+        conn.execute("CREATE TABLE IF NOT EXISTS bench_driver (id INT PRIMARY KEY, v TEXT NOT NULL)")
+        conn.execute("INSERT INTO bench_driver SELECT g, 'value ' || g FROM generate_series(1, %s) g "
+                     "ON CONFLICT DO NOTHING", (ROWS,))
+        row = conn.execute("SELECT pg_backend_pid()").fetchone()
+        assert row is not None
+        backend = OnCpu(row[0])
+        ways = _ways(conn)
+        for way, send in ways.items():              # prepared, warm, and reading what it should
+            for i in range(1, 20):
+                got = send(i)
+            if got not in (("value 19",), b"value 19"):
+                raise RuntimeError(f"bench.driver: {way} read {got!r} for row 19")
+        for r in range(rounds):
+            for way in (WAYS if r % 2 == 0 else tuple(reversed(WAYS))):
+                send = ways[way]
+                client, server = time.process_time(), backend.seconds()
+                for i in range(statements):
+                    send(i % ROWS + 1)
+                per_round[way].append({"client_us": (time.process_time() - client) / statements * 1e6,
+                                       "server_us": (backend.seconds() - server) / statements * 1e6})
+            log(f"round {r + 1}/{rounds} done")
+    return {"statements": statements, "rounds": rounds, "backend_time_exact": backend.exact,
+            "median": {way: {key: statistics.median(x[key] for x in rows) for key in ("client_us", "server_us")}
+                       for way, rows in per_round.items()},
+            "per_round": per_round}
+
+
+def table(out: dict[str, Any]) -> Table:
+    t = Table(title=f"CPU microseconds per statement, median of {out['rounds']} rounds of {out['statements']} "
+                    f"(PostgreSQL {out['server_version']})")
+    for column in ("way", "client", "server"):
+        t.add_column(column, justify="left" if column == "way" else "right")
+    for way, m in out["median"].items():
+        t.add_row(way, f"{m['client_us']:.1f}", f"{m['server_us']:.1f}")
+    return t
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.driver", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--pgbin", type=Path, help="server binaries of a throwaway cluster (default: the embedded server)")
+    p.add_argument("--statements", type=int, default=5000, help="statements per way and round (default 5000)")
+    p.add_argument("--rounds", type=int, default=3, help="rounds (default 3)")
+    p.add_argument("--out", type=Path, default=None,
+                   help="default bench/results/driver-pg<major>-<date>-<commit>.json")
+    args = p.parse_args(argv)
+    if args.statements < 1 or args.rounds < 1:
+        p.error("--statements and --rounds must be at least 1")
+    if args.pgbin and not (args.pgbin / "initdb").exists():
+        p.error(f"no PostgreSQL server binaries in {args.pgbin}")
+    server = scenario.start_server(args.pgbin)
+    log = stderr_log("driver")
+    with server.database() as url:
+        out = measured_run(server.version,
+                           "python -m bench.driver " + " ".join(argv if argv is not None else sys.argv[1:]),
+                           lambda: measure(url, statements=args.statements, rounds=args.rounds, log=log))
+    path = write_results(out, args.out, RESULTS, f"driver-pg{server.version_num // 10000}-")
+    Console(width=200).print(table(out))
+    log(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
