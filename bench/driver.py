@@ -1,4 +1,4 @@
-"""What one statement costs the client's Python, by the way it is sent.
+"""What one statement costs the client's Python, by the psycopg call it goes through.
 
 ``python -m bench.driver [--pgbin DIR] [--statements 5000] [--rounds 3] [--out FILE]``
 
@@ -7,7 +7,8 @@ indexed read of one row of a small table) sent ``--statements`` times in a row f
 thread, each of these ways, alternating which goes first by round:
 
 - ``cursor``: ``Cursor.execute`` with ``%s`` placeholders, prepared (most of the
-  engine's statements);
+  engine's statements, through its error boundary's wrappers: composer_ops/db/errors.py,
+  one more layer, not measured here);
 - ``raw cursor``: ``RawCursor.execute`` with ``$n`` placeholders (an event's one write,
   composer_ops/repo/writes.py);
 - ``raw cursor, pipeline``: the same inside a ``Connection.pipeline()`` block of its own
@@ -19,13 +20,16 @@ thread, each of these ways, alternating which goes first by round:
   it is (it neither waits without blocking nor adapts values).
 
 Each is measured as this process's CPU time (``time.process_time``) and the session
-backend's (``/proc/PID/schedstat``) per statement. Prints the medians per way;
-``--out`` writes them as JSON (default ``bench/results/driver-pg<major>-<date>-<commit>.json``).
+backend's (``/proc/PID/schedstat``; None on a server whose processes this machine cannot
+read, such as ``COMPOSER_DATABASE_URL``'s) per statement. Prints the medians per way and
+writes them as JSON, with psycopg's version and build and libpq's version, to ``--out``
+(default ``bench/results/driver-pg<major>-<date>-<commit>.json``).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import time
@@ -40,6 +44,7 @@ from rich.table import Table
 from bench import scenario
 from bench.flowcost import OnCpu
 from bench.report import measured_run, stderr_log, write_results
+from composer_ops.testing import servers
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
@@ -75,9 +80,11 @@ def _ways(conn: psycopg.Connection[Any]) -> dict[str, Callable[[int], Any]]:
     return dict(zip(WAYS, (by_cursor, by_raw, by_pipeline, by_libpq), strict=True))
 
 
-def measure(url: str, *, statements: int, rounds: int, log: Callable[[str], None]) -> dict[str, Any]:
-    """Per way, the client's and the backend's CPU microseconds per statement in each round."""
-    per_round: dict[str, list[dict[str, float]]] = {way: [] for way in WAYS}
+def measure(url: str, *, statements: int, rounds: int, log: Callable[[str], None],
+            server_local: bool = True) -> dict[str, Any]:
+    """Per way, the client's and the backend's CPU microseconds per statement in each round
+    (the backend's None unless ``server_local`` and its process is readable here)."""
+    per_round: dict[str, list[dict[str, float | None]]] = {way: [] for way in WAYS}
     with psycopg.connect(url, autocommit=True) as conn:
         conn.execute("CREATE TABLE IF NOT EXISTS bench_driver (id INT PRIMARY KEY, v TEXT NOT NULL)")
         conn.execute("INSERT INTO bench_driver SELECT g, 'value ' || g FROM generate_series(1, %s) g "
@@ -85,6 +92,7 @@ def measure(url: str, *, statements: int, rounds: int, log: Callable[[str], None
         row = conn.execute("SELECT pg_backend_pid()").fetchone()
         assert row is not None
         backend = OnCpu(row[0])
+        readable = server_local and backend.readable
         ways = _ways(conn)
         for way, send in ways.items():              # prepared, warm, and reading what it should
             for i in range(1, 20):
@@ -94,16 +102,24 @@ def measure(url: str, *, statements: int, rounds: int, log: Callable[[str], None
         for r in range(rounds):
             for way in (WAYS if r % 2 == 0 else tuple(reversed(WAYS))):
                 send = ways[way]
-                client, server = time.process_time(), backend.seconds()
+                client, server = time.process_time(), backend.seconds() if readable else 0.0
                 for i in range(statements):
                     send(i % ROWS + 1)
                 per_round[way].append({"client_us": (time.process_time() - client) / statements * 1e6,
-                                       "server_us": (backend.seconds() - server) / statements * 1e6})
+                                       "server_us": (backend.seconds() - server) / statements * 1e6
+                                       if readable else None})
             log(f"round {r + 1}/{rounds} done")
-    return {"statements": statements, "rounds": rounds, "backend_time_exact": backend.exact,
-            "median": {way: {key: statistics.median(x[key] for x in rows) for key in ("client_us", "server_us")}
+    return {"statements": statements, "rounds": rounds, "backend_time_exact": backend.exact if readable else None,
+            "psycopg": psycopg.__version__, "psycopg_build": psycopg.pq.__impl__,
+            "libpq": psycopg.pq.version(),
+            "median": {way: {key: _median([x[key] for x in rows]) for key in ("client_us", "server_us")}
                        for way, rows in per_round.items()},
             "per_round": per_round}
+
+
+def _median(values: list[float | None]) -> float | None:
+    present = [v for v in values if v is not None]
+    return statistics.median(present) if present else None
 
 
 def table(out: dict[str, Any]) -> Table:
@@ -112,7 +128,7 @@ def table(out: dict[str, Any]) -> Table:
     for column in ("way", "client", "server"):
         t.add_column(column, justify="left" if column == "way" else "right")
     for way, m in out["median"].items():
-        t.add_row(way, f"{m['client_us']:.1f}", f"{m['server_us']:.1f}")
+        t.add_row(way, f"{m['client_us']:.1f}", "-" if m["server_us"] is None else f"{m['server_us']:.1f}")
     return t
 
 
@@ -134,7 +150,8 @@ def main(argv: list[str] | None = None) -> int:
     with server.database() as url:
         out = measured_run(server.version,
                            "python -m bench.driver " + " ".join(argv if argv is not None else sys.argv[1:]),
-                           lambda: measure(url, statements=args.statements, rounds=args.rounds, log=log))
+                           lambda: measure(url, statements=args.statements, rounds=args.rounds, log=log,
+                                           server_local=not os.environ.get(servers.ENV_URL)))
     path = write_results(out, args.out, RESULTS, f"driver-pg{server.version_num // 10000}-")
     Console(width=200).print(table(out))
     log(f"wrote {path}")
