@@ -38,12 +38,11 @@ from pathlib import Path
 from typing import Any
 
 import psycopg
-from rich.console import Console
 from rich.table import Table
 
 from bench import scenario
 from bench.flowcost import OnCpu
-from bench.report import measured_run, stderr_log, write_results
+from bench.report import measured_run, publish, require_binaries, stderr_log
 from composer_ops.testing import servers
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -143,8 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.statements < 1 or args.rounds < 1:
         p.error("--statements and --rounds must be at least 1")
-    if args.pgbin and not (args.pgbin / "initdb").exists():
-        p.error(f"no PostgreSQL server binaries in {args.pgbin}")
+    require_binaries(p, args.pgbin)
     server = scenario.start_server(args.pgbin)
     log = stderr_log("driver")
     with server.database() as url:
@@ -152,9 +150,7 @@ def main(argv: list[str] | None = None) -> int:
                            "python -m bench.driver " + " ".join(argv if argv is not None else sys.argv[1:]),
                            lambda: measure(url, statements=args.statements, rounds=args.rounds, log=log,
                                            server_local=not os.environ.get(servers.ENV_URL)))
-    path = write_results(out, args.out, RESULTS, f"driver-pg{server.version_num // 10000}-")
-    Console(width=200).print(table(out))
-    log(f"wrote {path}")
+    publish(out, args.out, RESULTS, f"driver-pg{server.version_num // 10000}-", table(out), log)
     return 0
 
 

@@ -50,12 +50,11 @@ from pathlib import Path
 from typing import Any
 
 import psycopg
-from rich.console import Console
 from rich.table import Table
 
 from bench import scenario
 from bench.months import _Backend, _percentile
-from bench.report import measured_run, stderr_log, write_results
+from bench.report import measured_run, publish, require_binaries, stderr_log
 from composer_ops.testing.servers import Server
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -358,17 +357,14 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.runs < 1 or args.rounds < 1 or args.other_queues < 0 or args.held < 0:
         p.error("--runs and --rounds must be at least 1, --other-queues and --held at least 0")
-    if args.pgbin and not (args.pgbin / "initdb").exists():
-        p.error(f"no PostgreSQL server binaries in {args.pgbin}")
+    require_binaries(p, args.pgbin)
     server = scenario.start_server(args.pgbin, STATEMENT_SETTINGS if args.pgbin else None)
     log = stderr_log("flowcost")
     out = measured_run(server.version,
                        "python -m bench.flowcost " + " ".join(argv if argv is not None else sys.argv[1:]),
                        lambda: measure(server, runs=args.runs, rounds=args.rounds, other_queues=args.other_queues,
                                        held=args.held, log=log))
-    path = write_results(out, args.out, RESULTS, f"flowcost-pg{server.version_num // 10000}-")
-    Console(width=200).print(table(out))
-    log(f"wrote {path}")
+    publish(out, args.out, RESULTS, f"flowcost-pg{server.version_num // 10000}-", table(out), log)
     return 0
 
 

@@ -44,12 +44,11 @@ from typing import Any
 
 import psycopg
 from psycopg.types.json import Jsonb
-from rich.console import Console
 from rich.table import Table
 
 from bench import scenario
 from bench.flowcost import OnCpu
-from bench.report import measured_run, stderr_log, write_results
+from bench.report import measured_run, publish, require_binaries, stderr_log
 from bench.workload import ONE_TASK, make_template
 from composer_ops.core.runids import month_of
 from composer_ops.engine.ids import uuid7_text
@@ -338,8 +337,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.runs < 1 or args.rounds < 1:
         p.error("--runs and --rounds must be at least 1")
-    if args.pgbin and not (args.pgbin / "initdb").exists():
-        p.error(f"no PostgreSQL server binaries in {args.pgbin}")
+    require_binaries(p, args.pgbin)
     if args.fsync == "off" and (not args.pgbin or os.environ.get(servers.ENV_URL)):
         p.error("--fsync off needs --pgbin and no COMPOSER_DATABASE_URL (a cluster of its own)")
     server = scenario.start_server(args.pgbin, {"fsync": args.fsync} if args.pgbin else None)
@@ -348,10 +346,8 @@ def main(argv: list[str] | None = None) -> int:
                        lambda: measure(server, make_template(server, "bench_tpl_layers"), runs=args.runs,
                                        rounds=args.rounds, log=log))
     out["fsync"] = server.settings(("fsync",)).get("fsync")
-    path = write_results(out, args.out, RESULTS, f"layers-pg{server.version_num // 10000}-"
-                                                 + ("fsync-off-" if args.fsync == "off" else ""))
-    Console(width=200).print(table(out))
-    log(f"wrote {path}")
+    publish(out, args.out, RESULTS, f"layers-pg{server.version_num // 10000}-"
+            + ("fsync-off-" if args.fsync == "off" else ""), table(out), log)
     return 0
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
@@ -237,3 +238,20 @@ def write_results(out: dict[str, Any], path: Path | None, results: Path, prefix:
     path = path or dated_path(results, prefix)
     write(out, path)
     return path
+
+
+def require_binaries(parser: argparse.ArgumentParser, pgbin: Path | None) -> None:
+    """A one-benchmark CLI's check of ``--pgbin``: the parser's error (exit 2) unless it
+    is unset (the embedded server) or holds ``initdb``."""
+    if pgbin and not (pgbin / "initdb").exists():
+        parser.error(f"no PostgreSQL server binaries in {pgbin}")
+
+
+def publish(out: dict[str, Any], path: Path | None, results: Path, prefix: str, shown: Table,
+            log: Callable[[str], None]) -> Path:
+    """The end of a one-benchmark CLI: ``out`` written (:func:`write_results`), its table
+    printed, and where it went logged; the path."""
+    written = write_results(out, path, results, prefix)
+    Console(width=200).print(shown)
+    log(f"wrote {written}")
+    return written
