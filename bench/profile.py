@@ -4,10 +4,11 @@
     python -m bench.profile --pgbin ''               # the embedded PostgreSQL 18 (no pg_stat_statements)
     python -m bench.profile --systems composer --seconds 20 --out /tmp/profile.json
     python -m bench.profile --systems composer --workflow fan   # the 10-task fan-out/fan-in, per run
+    python -m bench.profile --workers 4              # W=4: four worker processes (their CPU summed)
 
 For each system (Composer, then Procrastinate) it runs the sustained 1-task workload
-of ``make bench`` (W=1 worker process of concurrency 4, Composer's coordinator, a
-producer of 4 threads holding the backlog at 50 unfinished items) on a fresh
+of ``make bench`` (W=1 worker process of concurrency 4, or ``--workers`` W; Composer's
+coordinator; a producer of 4 threads holding the backlog at 50 unfinished items) on a fresh
 database, and after 2 s of warm-up measures two windows of ``--seconds`` each:
 
 1. **CPU by process**, from /proc (psutil): each benchmark process (producer, worker,
@@ -24,9 +25,9 @@ Every figure is divided by the runs (jobs) completed inside its window. The two
 windows are separate because py-spy pauses the process it samples. The
 ``bench-backlog`` session is the producer's measuring device (a count every 10 ms),
 the same for both systems. Writes ``bench/results/profile-pg<major>-<date>-<commit>.json``
-(``profile-fan-pg...`` with ``--workflow fan``; or ``--out``) and prints tables. py-spy
-is not a dependency: ``pip install py-spy`` into the environment first, or the
-function profile is left out.
+(``profile-fan-pg...`` with ``--workflow fan``, ``profile-w4-pg...`` with ``--workers 4``;
+or ``--out``) and prints tables. py-spy is not a dependency: ``pip install py-spy`` into
+the environment first, or the function profile is left out.
 """
 
 from __future__ import annotations
@@ -136,19 +137,20 @@ def _collapse(path: Path) -> tuple[int, Counter[str], Counter[str]]:
 
 
 def profile(system: System, server: Server, template: str, *, seconds: float, spy: str | None,
-            statements: bool, workflow: str = "one") -> dict[str, Any]:
+            statements: bool, workflow: str = "one", workers: int = 1) -> dict[str, Any]:
     db = f"bench_profile_{system.tag}"
     url = server.create_database(db, template=template)
-    result: dict[str, Any] = {"system": system.tag, "window_s": seconds, "workflow": workflow}
+    result: dict[str, Any] = {"system": system.tag, "window_s": seconds, "workflow": workflow, "workers": workers}
     try:
         server.checkpoint()
-        with system.spawn(url, 1, system.root) as group:
+        with system.spawn(url, workers, system.root) as group:
             producer = group.spawn(["-m", "bench.producer", system.name, "--url", url, "--workflow", workflow,
                                     "--threads",
                                     str(PRODUCER_THREADS), "--max-backlog", "50", "--seconds",
                                     str(2 + 2 * seconds + 2)], stdout=subprocess.PIPE)
             time.sleep(2)
             roles = {p.pid: _role([str(a) for a in p.args]) for p in group.procs}  # type: ignore[union-attr]
+            result["processes"] = dict(Counter(roles.values()))
             backends = _backends(url)
             server_cpu = ServerCPU(url)
             # window 1: CPU by process, statements
@@ -175,9 +177,11 @@ def profile(system: System, server: Server, template: str, *, seconds: float, sp
                     rec.wait(seconds + 60)
                 v1 = db_now(url)
                 spied["runs"] = _completed(url, system, v0, v1)
-                for role, out, _ in recorders:
+                for role, out, _ in recorders:   # a role's processes (W worker processes) summed
                     if out.exists():
-                        spied[role] = _collapse(out)
+                        total, inclusive, own = _collapse(out)
+                        before = spied.get(role, (0, Counter[str](), Counter[str]()))
+                        spied[role] = (before[0] + total, before[1] + inclusive, before[2] + own)
                 shutil.rmtree(tmp, ignore_errors=True)
             producer.communicate(timeout=2 * seconds + 60)
         runs = _completed(url, system, w0, w1)
@@ -257,6 +261,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workflow", default="one", choices=["one", "fan"],
                         help="Composer's workflow: one (1 task, the default) or fan (10 tasks); "
                              "Procrastinate always runs 1-task jobs")
+    parser.add_argument("--workers", type=int, default=1,
+                        help="worker processes (W), each of concurrency 4; a role's processes are summed")
     parser.add_argument("--no-py-spy", action="store_true")
     parser.add_argument("--out", type=Path, default=None,
                         help="default bench/results/profile-pg<major>-<date>-<commit>.json")
@@ -290,10 +296,11 @@ def main(argv: list[str] | None = None) -> int:
         sys.stderr.write(f"[profile] {system.tag} on PostgreSQL {server.version}\n")
         results.append(profile(system, server, tpl, seconds=args.seconds,
                                spy=spy if system.name == "composer" else None, statements=statements,
-                               workflow=args.workflow if system.name == "composer" else "one"))
+                               workflow=args.workflow if system.name == "composer" else "one",
+                               workers=args.workers))
     out = {"server_version": server.version, "py_spy": spy is not None, "pg_stat_statements": statements,
            "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "results": results}
-    kind = "" if args.workflow == "one" else f"{args.workflow}-"
+    kind = ("" if args.workflow == "one" else f"{args.workflow}-") + ("" if args.workers == 1 else f"w{args.workers}-")
     path = args.out or dated_path(RESULTS, f"profile-{kind}pg{server.version_num // 10000}-")
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(out, indent=2, default=str) + "\n")
