@@ -20,11 +20,14 @@ database, and after 2 s of warm-up measures two windows of ``--seconds`` each:
 2. **By function**: ``py-spy record`` (sampling, 200 Hz, idle threads excluded) of
    each Composer process at once; samples of a function's frames anywhere on the
    stack (inclusive) and at the top (self), in ms of CPU per run.
+3. With ``--waits``, **what the sessions wait for**: ``pg_stat_activity`` sampled every
+   5 ms, each kind of session's mean count by state (the client's turn, in a
+   transaction or between them) and, while active, by wait event (``CPU``: none).
 
-Every figure is divided by the runs (jobs) completed inside its window. The two
-windows are separate because py-spy pauses the process it samples. The
-``bench-backlog`` session is the producer's measuring device (a count every 10 ms),
-the same for both systems. Writes ``bench/results/profile-pg<major>-<date>-<commit>.json``
+Every figure is divided by the runs (jobs) completed inside its window. The windows
+are separate because py-spy pauses the process it samples and the sampling session of
+the third costs server CPU. The ``bench-backlog`` session is the producer's measuring
+device (a count every 10 ms), the same for both systems. Writes ``bench/results/profile-pg<major>-<date>-<commit>.json``
 (``profile-fan-pg...`` with ``--workflow fan``, ``profile-w4-pg...`` with ``--workers 4``;
 or ``--out``) and prints tables. py-spy is not a dependency: ``pip install py-spy`` into
 the environment first, or the function profile is left out.
@@ -57,6 +60,8 @@ from composer_ops.testing.servers import Server
 
 RESULTS = ROOT / "bench" / "results"
 PY_SPY_RATE = 200
+#: ``--waits``: pg_stat_activity is sampled this often in its window
+WAIT_SAMPLE_S = 0.005
 STATEMENT_SETTINGS = {"shared_preload_libraries": "pg_stat_statements", "pg_stat_statements.track": "all",
                       "pg_stat_statements.track_planning": "on"}
 
@@ -114,6 +119,32 @@ def _statements(url: str) -> list[dict[str, Any]]:
              "wal_bytes": int(w), "toplevel": t} for q, c, e, p, r, w, t in rows]
 
 
+def _waits(url: str, seconds: float, every_s: float = WAIT_SAMPLE_S) -> dict[str, Any]:
+    """Sample ``pg_stat_activity`` every ``every_s`` for ``seconds``: per session kind
+    (application name), how many of its sessions were in each state on average (they
+    add up to its sessions): ``idle`` (the client's turn, between transactions), ``idle
+    in transaction`` (the client's turn inside one), ``active`` by wait event (``CPU``
+    when it waits for none: running or runnable). What a rate bound by neither CPU nor
+    commits waits for."""
+    counts: dict[str, Counter[str]] = {}
+    samples = 0
+    with psycopg.connect(url, autocommit=True, application_name="bench-profile") as conn:
+        query = """
+            SELECT application_name, state, wait_event_type, wait_event FROM pg_stat_activity
+             WHERE datname = current_database() AND backend_type = 'client backend' AND pid <> pg_backend_pid()"""
+        end = time.monotonic() + seconds
+        while time.monotonic() < end:
+            for app, state, wtype, wevent in conn.execute(query).fetchall():
+                what = (str(state) if state != "active" else f"active: {wtype}:{wevent}" if wtype
+                        else "active: CPU")
+                counts.setdefault(app or "unnamed", Counter[str]())[what] += 1
+            samples += 1
+            time.sleep(every_s)
+    return {"samples": samples, "every_s": every_s,
+            "sessions_by_state": {app: {k: v / samples for k, v in c.most_common()}
+                                  for app, c in sorted(counts.items())}}
+
+
 def _py_spy() -> str | None:
     found = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
     return found if Path(found).exists() else None
@@ -137,7 +168,7 @@ def _collapse(path: Path) -> tuple[int, Counter[str], Counter[str]]:
 
 
 def profile(system: System, server: Server, template: str, *, seconds: float, spy: str | None,
-            statements: bool, workflow: str = "one", workers: int = 1) -> dict[str, Any]:
+            statements: bool, workflow: str = "one", workers: int = 1, waits: bool = False) -> dict[str, Any]:
     db = f"bench_profile_{system.tag}"
     url = server.create_database(db, template=template)
     result: dict[str, Any] = {"system": system.tag, "window_s": seconds, "workflow": workflow, "workers": workers}
@@ -147,7 +178,7 @@ def profile(system: System, server: Server, template: str, *, seconds: float, sp
             producer = group.spawn(["-m", "bench.producer", system.name, "--url", url, "--workflow", workflow,
                                     "--threads",
                                     str(PRODUCER_THREADS), "--max-backlog", "50", "--seconds",
-                                    str(2 + 2 * seconds + 2)], stdout=subprocess.PIPE)
+                                    str(2 + (3 if waits else 2) * seconds + 2)], stdout=subprocess.PIPE)
             time.sleep(2)
             roles = {p.pid: _role([str(a) for a in p.args]) for p in group.procs}  # type: ignore[union-attr]
             result["processes"] = dict(Counter(roles.values()))
@@ -183,7 +214,9 @@ def profile(system: System, server: Server, template: str, *, seconds: float, sp
                         before = spied.get(role, (0, Counter[str](), Counter[str]()))
                         spied[role] = (before[0] + total, before[1] + inclusive, before[2] + own)
                 shutil.rmtree(tmp, ignore_errors=True)
-            producer.communicate(timeout=2 * seconds + 60)
+            if waits:     # window 3: what the sessions wait for
+                result["waits"] = _waits(url, seconds)
+            producer.communicate(timeout=3 * seconds + 60)
         runs = _completed(url, system, w0, w1)
         result["runs"] = runs
         result["runs_per_s"] = runs / seconds
@@ -241,6 +274,14 @@ def render(results: list[dict[str, Any]], console: Console) -> None:
                 st.add_row(f"{s['calls_per_run']:.2f}", f"{s['ms_per_run']:.3f}",
                            f"{s['plan_ms'] / max(r['runs'], 1):.3f}", s["query"][:110])
             console.print(st)
+        if r.get("waits"):
+            wt = Table(title=f"{r['system']}: sessions by state and wait event, mean of "
+                             f"{r['waits']['samples']} samples (top 6 each)")
+            wt.add_column("sessions")
+            wt.add_column("state: mean sessions")
+            for app, shares in r["waits"]["sessions_by_state"].items():
+                wt.add_row(app, ", ".join(f"{k} {v:.2f}" for k, v in list(shares.items())[:6]))
+            console.print(wt)
         for role, p in (r.get("py_spy") or {}).get("processes", {}).items():
             ft = Table(title=f"{r['system']} {role}: py-spy, {p['ms_per_run']:.3f} ms of samples per run "
                              "(inclusive, top 25)")
@@ -264,6 +305,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workers", type=int, default=1,
                         help="worker processes (W), each of concurrency 4; a role's processes are summed")
     parser.add_argument("--no-py-spy", action="store_true")
+    parser.add_argument("--waits", action="store_true",
+                        help="a third window: pg_stat_activity sampled every 5 ms, each kind of "
+                             "session's mean count by state and wait event")
     parser.add_argument("--out", type=Path, default=None,
                         help="default bench/results/profile-pg<major>-<date>-<commit>.json")
     args = parser.parse_args(argv)
@@ -297,7 +341,7 @@ def main(argv: list[str] | None = None) -> int:
         results.append(profile(system, server, tpl, seconds=args.seconds,
                                spy=spy if system.name == "composer" else None, statements=statements,
                                workflow=args.workflow if system.name == "composer" else "one",
-                               workers=args.workers))
+                               workers=args.workers, waits=args.waits))
     out = {"server_version": server.version, "py_spy": spy is not None, "pg_stat_statements": statements,
            "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "results": results}
     kind = ("" if args.workflow == "one" else f"{args.workflow}-") + ("" if args.workers == 1 else f"w{args.workers}-")
