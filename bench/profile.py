@@ -9,7 +9,8 @@
 For each system (Composer, then Procrastinate) it runs the sustained 1-task workload
 of ``make bench`` (W=1 worker process of concurrency 4, or ``--workers`` W; Composer's
 coordinator; a producer of 4 threads holding the backlog at 50 unfinished items) on a fresh
-database, and after 2 s of warm-up measures two windows of ``--seconds`` each:
+database, and after 2 s of warm-up measures two windows (three with ``--waits``) of
+``--seconds`` each:
 
 1. **CPU by process**, from /proc (psutil): each benchmark process (producer, worker,
    coordinator), and each server backend by the ``application_name`` of its session
@@ -20,9 +21,10 @@ database, and after 2 s of warm-up measures two windows of ``--seconds`` each:
 2. **By function**: ``py-spy record`` (sampling, 200 Hz, idle threads excluded) of
    each Composer process at once; samples of a function's frames anywhere on the
    stack (inclusive) and at the top (self), in ms of CPU per run.
-3. With ``--waits``, **what the sessions wait for**: ``pg_stat_activity`` sampled every
-   5 ms, each kind of session's mean count by state (the client's turn, in a
-   transaction or between them) and, while active, by wait event (``CPU``: none).
+3. With ``--waits``, **what the sessions wait for**: ``pg_stat_activity`` sampled about
+   every 5 ms, each kind of session's mean count by state (the client's turn, in a
+   transaction or between them) and, while active, by wait event (``CPU``: none), and
+   the runs completed in that window.
 
 Every figure is divided by the runs (jobs) completed inside its window. The windows
 are separate because py-spy pauses the process it samples and the sampling session of
@@ -60,8 +62,11 @@ from composer_ops.testing.servers import Server
 
 RESULTS = ROOT / "bench" / "results"
 PY_SPY_RATE = 200
-#: ``--waits``: pg_stat_activity is sampled this often in its window
+#: ``--waits``: the pause between two samples of pg_stat_activity in its window
 WAIT_SAMPLE_S = 0.005
+#: the producer goes on this long past the windows: py-spy's attaching to each process
+#: makes its window longer than ``--seconds``
+PRODUCER_SLACK_S = 10
 STATEMENT_SETTINGS = {"shared_preload_libraries": "pg_stat_statements", "pg_stat_statements.track": "all",
                       "pg_stat_statements.track_planning": "on"}
 
@@ -120,14 +125,16 @@ def _statements(url: str) -> list[dict[str, Any]]:
 
 
 def _waits(url: str, seconds: float, every_s: float = WAIT_SAMPLE_S) -> dict[str, Any]:
-    """Sample ``pg_stat_activity`` every ``every_s`` for ``seconds``: per session kind
-    (application name), how many of its sessions were in each state on average (they
-    add up to its sessions): ``idle`` (the client's turn, between transactions), ``idle
-    in transaction`` (the client's turn inside one), ``active`` by wait event (``CPU``
-    when it waits for none: running or runnable). What a rate bound by neither CPU nor
-    commits waits for."""
+    """Sample ``pg_stat_activity`` for ``seconds``, sleeping ``every_s`` between two
+    samples (the interval is that and the query's time: ``interval_s`` is the mean): per
+    session kind (application name), how many of its sessions were in each state on
+    average (their sum is its mean number of sessions): ``idle`` (the client's turn,
+    between transactions), ``idle in transaction`` (the client's turn inside one),
+    ``active`` by wait event (``CPU`` when it waits for none: running or runnable).
+    Where the time goes when CPU does not bind the rate."""
     counts: dict[str, Counter[str]] = {}
     samples = 0
+    began = time.monotonic()
     with psycopg.connect(url, autocommit=True, application_name="bench-profile") as conn:
         query = """
             SELECT application_name, state, wait_event_type, wait_event FROM pg_stat_activity
@@ -135,12 +142,12 @@ def _waits(url: str, seconds: float, every_s: float = WAIT_SAMPLE_S) -> dict[str
         end = time.monotonic() + seconds
         while time.monotonic() < end:
             for app, state, wtype, wevent in conn.execute(query).fetchall():
-                what = (str(state) if state != "active" else f"active: {wtype}:{wevent}" if wtype
+                what = (state or "no state" if state != "active" else f"active: {wtype}:{wevent}" if wtype
                         else "active: CPU")
                 counts.setdefault(app or "unnamed", Counter[str]())[what] += 1
             samples += 1
             time.sleep(every_s)
-    return {"samples": samples, "every_s": every_s,
+    return {"samples": samples, "every_s": every_s, "interval_s": (time.monotonic() - began) / max(samples, 1),
             "sessions_by_state": {app: {k: v / samples for k, v in c.most_common()}
                                   for app, c in sorted(counts.items())}}
 
@@ -167,6 +174,13 @@ def _collapse(path: Path) -> tuple[int, Counter[str], Counter[str]]:
     return total, inclusive, own
 
 
+def _add_samples(spied: dict[str, Any], role: str, part: tuple[int, Counter[str], Counter[str]]) -> None:
+    """Add one process's samples (:func:`_collapse`) to its role's: W worker processes
+    are summed as one role."""
+    total, inclusive, own = spied.get(role, (0, Counter[str](), Counter[str]()))
+    spied[role] = (total + part[0], inclusive + part[1], own + part[2])
+
+
 def profile(system: System, server: Server, template: str, *, seconds: float, spy: str | None,
             statements: bool, workflow: str = "one", workers: int = 1, waits: bool = False) -> dict[str, Any]:
     db = f"bench_profile_{system.tag}"
@@ -178,7 +192,8 @@ def profile(system: System, server: Server, template: str, *, seconds: float, sp
             producer = group.spawn(["-m", "bench.producer", system.name, "--url", url, "--workflow", workflow,
                                     "--threads",
                                     str(PRODUCER_THREADS), "--max-backlog", "50", "--seconds",
-                                    str(2 + (3 if waits else 2) * seconds + 2)], stdout=subprocess.PIPE)
+                                    str(2 + (3 if waits else 2) * seconds + PRODUCER_SLACK_S)],
+                                   stdout=subprocess.PIPE)
             time.sleep(2)
             roles = {p.pid: _role([str(a) for a in p.args]) for p in group.procs}  # type: ignore[union-attr]
             result["processes"] = dict(Counter(roles.values()))
@@ -208,15 +223,15 @@ def profile(system: System, server: Server, template: str, *, seconds: float, sp
                     rec.wait(seconds + 60)
                 v1 = db_now(url)
                 spied["runs"] = _completed(url, system, v0, v1)
-                for role, out, _ in recorders:   # a role's processes (W worker processes) summed
+                for role, out, _ in recorders:
                     if out.exists():
-                        total, inclusive, own = _collapse(out)
-                        before = spied.get(role, (0, Counter[str](), Counter[str]()))
-                        spied[role] = (before[0] + total, before[1] + inclusive, before[2] + own)
+                        _add_samples(spied, role, _collapse(out))
                 shutil.rmtree(tmp, ignore_errors=True)
-            if waits:     # window 3: what the sessions wait for
+            if waits:     # window 3: what the sessions wait for, and the runs it saw finish
+                v0 = db_now(url)
                 result["waits"] = _waits(url, seconds)
-            producer.communicate(timeout=3 * seconds + 60)
+                result["waits"]["runs"] = _completed(url, system, v0, db_now(url))
+            producer.communicate(timeout=3 * seconds + 60 + PRODUCER_SLACK_S)
         runs = _completed(url, system, w0, w1)
         result["runs"] = runs
         result["runs_per_s"] = runs / seconds
@@ -276,7 +291,7 @@ def render(results: list[dict[str, Any]], console: Console) -> None:
             console.print(st)
         if r.get("waits"):
             wt = Table(title=f"{r['system']}: sessions by state and wait event, mean of "
-                             f"{r['waits']['samples']} samples (top 6 each)")
+                             f"{r['waits']['samples']} samples, {r['waits']['runs']} runs finished (top 6 each)")
             wt.add_column("sessions")
             wt.add_column("state: mean sessions")
             for app, shares in r["waits"]["sessions_by_state"].items():

@@ -4,6 +4,9 @@ window, the sessions' states are sampled (``--waits``), and it leaves no databas
 
 from __future__ import annotations
 
+from collections import Counter
+from typing import Any
+
 import psycopg
 
 from bench import profile
@@ -23,10 +26,23 @@ def test_profile_counts_every_worker_process_and_cleans_up(server: Server) -> No
     assert out["cpu_ms_per_run"]["worker"] > 0 and out["cpu_ms_per_run_total"] > 0
     assert "statements" not in out and "py_spy" not in out
     waits = out["waits"]
-    assert waits["samples"] > 0
-    assert sum(waits["sessions_by_state"]["composer-worker"].values()) >= 1   # sessions, not shares
+    assert waits["samples"] > 0 and waits["runs"] > 0 and waits["interval_s"] >= profile.WAIT_SAMPLE_S
+    workers = waits["sessions_by_state"]["composer-worker"]
+    assert sum(workers.values()) >= 2                          # sessions, not shares: two processes' at least
+    assert sum(v for k, v in workers.items() if k != "idle") > 0   # seen at work, not only between transactions
+    assert all(k in ("idle", "idle in transaction") or k.startswith("active: ") for k in workers)
+
     with psycopg.connect(server.admin_url) as conn:
         listen = conn.execute("SELECT count(*) FROM pg_stat_activity WHERE application_name = 'composer-listen'")
         assert listen.fetchone() == (0,)
         left = conn.execute("SELECT datname FROM pg_database WHERE datname LIKE 'bench_profile%%'").fetchall()
     assert left == []
+
+
+def test_py_spy_samples_of_a_roles_processes_add_up() -> None:
+    spied: dict[str, Any] = {}
+    profile._add_samples(spied, "worker", (3, Counter({"a": 3, "b": 1}), Counter({"b": 1})))
+    profile._add_samples(spied, "worker", (2, Counter({"a": 2}), Counter({"a": 2})))
+    profile._add_samples(spied, "producer", (1, Counter({"p": 1}), Counter({"p": 1})))
+    assert spied == {"worker": (5, Counter({"a": 5, "b": 1}), Counter({"a": 2, "b": 1})),
+                     "producer": (1, Counter({"p": 1}), Counter({"p": 1}))}
