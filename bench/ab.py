@@ -90,6 +90,11 @@ def main(argv: list[str] | None = None) -> int:
         per_side = {side: [x for x in rows if x["system"] == side and x["mode"] == mode] for side in trees}
         ratios = [a["runs_per_s"] / b["runs_per_s"]
                   for a, b in zip(per_side["after"], per_side["before"], strict=True) if b["runs_per_s"]]
+        # Tasks claimed and finished: the unit of a many-task workflow's goal, which the runs
+        # in flight at a short window's edges do not move as they move runs/s.
+        transition_ratios = [a["transitions_per_s"] / b["transitions_per_s"]
+                             for a, b in zip(per_side["after"], per_side["before"], strict=True)
+                             if b["transitions_per_s"]]
         summary["modes"][mode] = {
             side: {"runs_per_s": statistics.median(x["runs_per_s"] for x in xs),
                    "transitions_per_s": statistics.median(x["transitions_per_s"] for x in xs),
@@ -102,6 +107,9 @@ def main(argv: list[str] | None = None) -> int:
             for side, xs in per_side.items()}
         summary["modes"][mode]["after_over_before"] = statistics.median(ratios) if ratios else None
         summary["modes"][mode]["ratios"] = ratios
+        summary["modes"][mode]["transitions_after_over_before"] = (statistics.median(transition_ratios)
+                                                                   if transition_ratios else None)
+        summary["modes"][mode]["transition_ratios"] = transition_ratios
     sys.stderr.write("[ab] round trips per event, both trees\n")
     summary["roundtrips"] = {side: _roundtrips(root, args.roundtrip_runs) for side, root in trees.items()}
     summary["raw"] = rows

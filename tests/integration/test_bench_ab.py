@@ -77,6 +77,12 @@ def test_ab_runs_each_side_on_its_own_schema(server: Server, before_tree: Path, 
                                                    "migrations": [str(root / "sql")]}, side
     assert {r["system"] for r in result["raw"]} == {"after", "before"}
     assert all(r["runs"] == 10 for r in result["raw"] if r["mode"] == "drain")
+    for mode, summary in result["modes"].items():        # per round, after over before, in both units
+        rows = {r["system"]: r for r in result["raw"] if r["mode"] == mode}
+        for key, unit in (("transition_ratios", "transitions_per_s"), ("ratios", "runs_per_s")):
+            want = [rows["after"][unit] / rows["before"][unit]] if rows["before"][unit] else []
+            assert summary[key] == want, (mode, key)
+        assert summary["transitions_after_over_before"] == (summary["transition_ratios"] or [None])[0], mode
     with psycopg.connect(server.admin_url) as conn:
         left = conn.execute("SELECT datname FROM pg_database "
                             "WHERE datname ~ '^bench_(tpl_ab_|after_|before_)'").fetchall()
