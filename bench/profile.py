@@ -321,7 +321,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="worker processes (W), each of concurrency 4; a role's processes are summed")
     parser.add_argument("--no-py-spy", action="store_true")
     parser.add_argument("--waits", action="store_true",
-                        help="a third window: pg_stat_activity sampled every 5 ms, each kind of "
+                        help="a third window: pg_stat_activity sampled about every 5 ms, each kind of "
                              "session's mean count by state and wait event")
     parser.add_argument("--out", type=Path, default=None,
                         help="default bench/results/profile-pg<major>-<date>-<commit>.json")
@@ -330,6 +330,8 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.pgbin and not (Path(args.pgbin) / "initdb").exists():
         parser.error(f"no PostgreSQL server binaries in {args.pgbin} (--pgbin '' for the embedded server)")
+    if args.workers < 1 or args.seconds <= 0:
+        parser.error(f"--workers must be at least 1 and --seconds above 0 (got {args.workers} and {args.seconds})")
     server = scenario.start_server(Path(args.pgbin) if args.pgbin else None, STATEMENT_SETTINGS)
     statements = False
     with psycopg.connect(server.admin_url) as conn:

@@ -8,6 +8,7 @@ from collections import Counter
 from typing import Any
 
 import psycopg
+import pytest
 
 from bench import profile
 from bench.workload import COMPOSER, make_template
@@ -46,3 +47,12 @@ def test_py_spy_samples_of_a_roles_processes_add_up() -> None:
     profile._add_samples(spied, "producer", (1, Counter({"p": 1}), Counter({"p": 1})))
     assert spied == {"worker": (5, Counter({"a": 5, "b": 1}), Counter({"a": 2, "b": 1})),
                      "producer": (1, Counter({"p": 1}), Counter({"p": 1}))}
+
+
+@pytest.mark.parametrize("argv", [["--workers", "0"], ["--seconds", "0"]])
+def test_bad_counts_are_refused_before_any_server_starts(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as stopped:
+        profile.main(["--pgbin", "", *argv])
+    assert stopped.value.code == 2
+    err = capsys.readouterr().err
+    assert "--workers must be at least 1 and --seconds above 0" in err and len(err.strip().splitlines()[-1]) < 200
