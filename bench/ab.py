@@ -88,13 +88,12 @@ def main(argv: list[str] | None = None) -> int:
                                "modes": {}}
     for mode in modes:
         per_side = {side: [x for x in rows if x["system"] == side and x["mode"] == mode] for side in trees}
-        ratios = [a["runs_per_s"] / b["runs_per_s"]
-                  for a, b in zip(per_side["after"], per_side["before"], strict=True) if b["runs_per_s"]]
-        # Tasks claimed and finished: the unit of a many-task workflow's goal, which the runs
-        # in flight at a short window's edges do not move as they move runs/s.
-        transition_ratios = [a["transitions_per_s"] / b["transitions_per_s"]
-                             for a, b in zip(per_side["after"], per_side["before"], strict=True)
-                             if b["transitions_per_s"]]
+        # Per round, in runs/s and in transitions/s (tasks claimed and finished: the unit of
+        # a many-task workflow's goal, which the runs in flight at a short window's edges
+        # do not move as they move runs/s).
+        ratios, transition_ratios = ([a[unit] / b[unit] for a, b in zip(per_side["after"], per_side["before"],
+                                                                        strict=True) if b[unit]]
+                                     for unit in ("runs_per_s", "transitions_per_s"))
         summary["modes"][mode] = {
             side: {"runs_per_s": statistics.median(x["runs_per_s"] for x in xs),
                    "transitions_per_s": statistics.median(x["transitions_per_s"] for x in xs),

@@ -41,6 +41,7 @@ import psutil
 import psycopg
 
 from bench import scenario
+from bench.report import require_binaries
 from bench.workload import COMPOSER, WORKFLOWS
 from composer_ops.testing.servers import Server
 
@@ -311,8 +312,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--duration", type=float, default=6.0)
     args = parser.parse_args(argv)
-    if args.pgbin and not (Path(args.pgbin) / "initdb").exists():
-        parser.error(f"no PostgreSQL server binaries in {args.pgbin}")
+    require_binaries(parser, args.pgbin)
     server = scenario.start_server(Path(args.pgbin) if args.pgbin else None)
 
     def log(msg: str) -> None:

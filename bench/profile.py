@@ -56,7 +56,7 @@ from rich.table import Table
 from bench import scenario
 from bench.cpu import ServerCPU
 from bench.procs import ROOT, db_now
-from bench.report import dated_path
+from bench.report import dated_path, require_binaries
 from bench.scenario import PRODUCER_THREADS, System
 from composer_ops.testing.servers import Server
 
@@ -142,8 +142,12 @@ def _waits(url: str, seconds: float, every_s: float = WAIT_SAMPLE_S) -> dict[str
         end = time.monotonic() + seconds
         while time.monotonic() < end:
             for app, state, wtype, wevent in conn.execute(query).fetchall():
-                what = (state or "no state" if state != "active" else f"active: {wtype}:{wevent}" if wtype
-                        else "active: CPU")
+                if state != "active":
+                    what = state or "no state"
+                elif wtype:
+                    what = f"active: {wtype}:{wevent}"
+                else:
+                    what = "active: CPU"
                 counts.setdefault(app or "unnamed", Counter[str]())[what] += 1
             samples += 1
             time.sleep(every_s)
@@ -328,8 +332,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     from bench.workload import COMPOSER, make_template
 
-    if args.pgbin and not (Path(args.pgbin) / "initdb").exists():
-        parser.error(f"no PostgreSQL server binaries in {args.pgbin} (--pgbin '' for the embedded server)")
+    require_binaries(parser, args.pgbin, " (--pgbin '' for the embedded server)")
     if args.workers < 1 or args.seconds <= 0:
         parser.error(f"--workers must be at least 1 and --seconds above 0 (got {args.workers} and {args.seconds})")
     server = scenario.start_server(Path(args.pgbin) if args.pgbin else None, STATEMENT_SETTINGS)

@@ -240,11 +240,11 @@ def write_results(out: dict[str, Any], path: Path | None, results: Path, prefix:
     return path
 
 
-def require_binaries(parser: argparse.ArgumentParser, pgbin: Path | None) -> None:
-    """A one-benchmark CLI's check of ``--pgbin``: the parser's error (exit 2) unless it
-    is unset (the embedded server) or holds ``initdb``."""
-    if pgbin and not (pgbin / "initdb").exists():
-        parser.error(f"no PostgreSQL server binaries in {pgbin}")
+def require_binaries(parser: argparse.ArgumentParser, pgbin: Path | str | None, hint: str = "") -> None:
+    """A one-benchmark CLI's check of ``--pgbin``: the parser's error (exit 2, ``hint``
+    after it) unless it is unset or empty (the embedded server) or holds ``initdb``."""
+    if pgbin and not (Path(pgbin) / "initdb").exists():
+        parser.error(f"no PostgreSQL server binaries in {pgbin}{hint}")
 
 
 def publish(out: dict[str, Any], path: Path | None, results: Path, prefix: str, shown: Table,
