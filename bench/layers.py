@@ -15,7 +15,8 @@ psycopg prepares, naming the month's partitions, with the checks the engine's ma
 this path (the definition, the claim's advisory lock and fence, the queue's pause,
 the run not deleted, the fenced task update) and the start's wake-up read of
 ``task_waiters`` and notification; the completion as three statements in a
-transaction (its BEGIN and COMMIT included). What it leaves out: the engine's
+transaction (its BEGIN and COMMIT included), pipelined into two round trips as the
+engine's (since 2026-12-06; before, one round trip each). What it leaves out: the engine's
 decisions (the pure core, on the client), flow control beyond a paused queue, more
 than one queue or month per claim, retries, and the hand-off of wake-ups to registered
 workers (none is registered here, so neither side hands any out). A sketch, not a
@@ -159,6 +160,10 @@ SELECT (SELECT count(*) FROM t) AS tasks, (SELECT count(*) FROM f) AS runs
 """
 
 
+#: A claimed task: (run ID, task ID, attempt).
+Claimed = tuple[str, str, int]
+
+
 def _id() -> str:
     return uuid7_text()
 
@@ -166,8 +171,8 @@ def _id() -> str:
 class Plain:
     """The three events as plain prepared statements, on a connection of their own."""
 
-    def __init__(self, url: str) -> None:
-        self.auto = psycopg.connect(url, autocommit=True, application_name="bench-layers-plain")
+    def __init__(self, url: str, *, application_name: str = "bench-layers-plain") -> None:
+        self.auto = psycopg.connect(url, autocommit=True, application_name=application_name)
         self.pid = int(self.auto.execute("SELECT pg_backend_pid()").fetchone()[0])  # type: ignore[index]
         # What the engine's claim sets for its own statements (sql/R__claim.sql): the
         # pick follows the outbox index's order rather than reading and sorting the backlog.
@@ -179,7 +184,6 @@ class Plain:
             raise RuntimeError(f"{ONE_TASK['id']} is not deployed")
         self.version = int(row[0])
         self.month = month_of(_id())
-        self.claimed: list[tuple[str, str, int]] = []
 
     def _sql(self, text: str) -> str:
         return text.format(m=self.month)
@@ -194,31 +198,35 @@ class Plain:
         if row is None or row[0] != 1:
             raise RuntimeError(f"plain start of {run} wrote {row}")
 
-    def claim(self) -> None:
-        rows = self.auto.execute(self._sql(CLAIM), {"claim": _id(), "names": ["noop"], "owner": "bench-layers"},
-                                 prepare=True).fetchall()
-        if len(rows) != 1:
-            raise RuntimeError(f"plain claim took {len(rows)} tasks, not 1")
-        self.claimed.append((str(rows[0][0]), str(rows[0][1]), int(rows[0][2])))
+    def claim(self, owner: str = "bench-layers") -> Claimed | None:
+        """One ready task leased to ``owner``, or None when none is ready."""
+        row = self.auto.execute(self._sql(CLAIM), {"claim": _id(), "names": ["noop"], "owner": owner},
+                                prepare=True).fetchone()
+        return None if row is None else (str(row[0]), str(row[1]), int(row[2]))
 
-    def complete(self, *, then_claim: bool = False) -> None:
-        """The completion; ``then_claim``: the next claim made in its transaction."""
-        run, task, attempt = self.claimed.pop()
-        self.auto.autocommit = False
-        try:
-            with self.auto.transaction():
-                if self.auto.execute(self._sql(LOCK), {"run": run}, prepare=True).fetchone() is None:
-                    raise RuntimeError(f"plain completion: run {run} is missing")
-                self.auto.execute(self._sql(LOAD), {"run": run}, prepare=True).fetchall()
-                row = self.auto.execute(self._sql(FINISH), {
-                    "run": run, "task": task, "attempt": attempt, "owner": "bench-layers", "request": _id(),
-                    "output": Jsonb(None), "result": Jsonb({"work": None})}, prepare=True).fetchone()
-                if row != (1, 1):
-                    raise RuntimeError(f"plain completion of {run} wrote {row}")
-                if then_claim:
-                    self.claim()
-        finally:
-            self.auto.autocommit = True
+    def complete(self, claimed: Claimed, *, owner: str = "bench-layers", then_claim: bool = False) -> Claimed | None:
+        """The completion of ``claimed`` in two round trips (the run locked and read; the
+        writes and the commit), as the engine's; ``then_claim``: the next claim made in
+        its transaction, returned."""
+        run, task, attempt = claimed
+        conn = self.auto
+        with conn.pipeline() as pipe, conn.transaction():
+            locked = conn.execute(self._sql(LOCK), {"run": run}, prepare=True)
+            loaded = conn.execute(self._sql(LOAD), {"run": run}, prepare=True)
+            pipe.sync()
+            if locked.fetchone() is None:
+                raise RuntimeError(f"plain completion: run {run} is missing")
+            loaded.fetchall()
+            written = conn.execute(self._sql(FINISH), {
+                "run": run, "task": task, "attempt": attempt, "owner": owner, "request": _id(),
+                "output": Jsonb(None), "result": Jsonb({"work": None})}, prepare=True)
+            nxt = conn.execute(self._sql(CLAIM), {"claim": _id(), "names": ["noop"], "owner": owner},
+                               prepare=True) if then_claim else None
+        row = written.fetchone()
+        if row != (1, 1):
+            raise RuntimeError(f"plain completion of {run} wrote {row}")
+        got = None if nxt is None else nxt.fetchone()
+        return None if got is None else (str(got[0]), str(got[1]), int(got[2]))
 
     def close(self) -> None:
         self.auto.close()
@@ -253,9 +261,24 @@ def measure(server: Server, template: str, *, runs: int = 200, rounds: int = 4,
                 def engine_complete() -> None:
                     engine.complete(claims.pop(), None)
 
+                held: list[Claimed] = []
+
+                def plain_claim() -> None:
+                    got = plain.claim()
+                    if got is None:
+                        raise RuntimeError("plain claim took no task")
+                    held.append(got)
+
+                def plain_complete(then_claim: bool = False) -> None:
+                    got = plain.complete(held.pop(), then_claim=then_claim)
+                    if then_claim:
+                        if got is None:
+                            raise RuntimeError("plain completion claimed no next task")
+                        held.insert(0, got)
+
                 sides: dict[str, dict[str, Callable[[], None]]] = {
                     "engine": {"start": engine_start, "claim": engine_claim, "complete": engine_complete},
-                    "plain": {"start": plain.start, "claim": plain.claim, "complete": plain.complete}}
+                    "plain": {"start": plain.start, "claim": plain_claim, "complete": plain_complete}}
                 cpus = {"engine": engine_cpu, "plain": plain_cpu}
                 for event in EVENTS:         # warm: plans cached, statements prepared
                     for name in sides:
@@ -276,13 +299,13 @@ def measure(server: Server, template: str, *, runs: int = 200, rounds: int = 4,
                     for _ in range(2 * runs):
                         plain.start()
                     for _ in range(runs):
-                        plain.claim()
+                        plain_claim()
                     cpu0 = plain_cpu.seconds()
                     for _ in range(runs):
-                        plain.complete(then_claim=True)
+                        plain_complete(then_claim=True)
                     together.append((plain_cpu.seconds() - cpu0) / runs * 1e3)
                     for _ in range(runs):
-                        plain.complete()
+                        plain_complete()
                     log(f"round {r + 1} of {rounds}: " + ", ".join(
                         f"{e} {per['engine'][e][-1]:.3f}/{per['plain'][e][-1]:.3f}" for e in EVENTS)
                         + f", plain completion and claim together {together[-1]:.3f}")

@@ -9,8 +9,8 @@ or held to at most ``--max-backlog`` unfinished items. With ``--until-eof`` it a
 stops when its standard input is closed: the benchmark closes it when its measured
 window ends, instead of waiting out a producer timed to outlast the window.
 
-Run as ``python -m bench.producer {composer,procrastinate} --url URL ...``; prints one
-JSON line with what it did.
+Run as ``python -m bench.producer {composer,procrastinate,floor} --url URL ...``; prints
+one JSON line with what it did (the floor: :mod:`bench.floor`'s plain statements).
 """
 
 from __future__ import annotations
@@ -164,6 +164,8 @@ UNFINISHED = {
                 "WHERE state IN ('PENDING', 'RUNNING', 'QUEUED', 'WAITING')",
     "procrastinate": "SELECT count(*) FROM procrastinate_jobs WHERE status IN ('todo', 'doing')",
 }
+#: The floor (:mod:`bench.floor`) writes Composer's rows.
+UNFINISHED["floor"] = UNFINISHED["composer"]
 
 
 #: The newest item's key on each side (the benchmark's window waits for it to change:
@@ -173,6 +175,7 @@ PRODUCED = {
     "composer": "SELECT max(id) FROM workflow_runs",
     "procrastinate": "SELECT max(id) FROM procrastinate_jobs",
 }
+PRODUCED["floor"] = PRODUCED["composer"]
 
 
 def composer_submitter(url: str, workflow: str, threads: int) -> tuple[Callable[[], Any], Callable[[], None]]:
@@ -193,7 +196,7 @@ def procrastinate_submitter(url: str, threads: int) -> tuple[Callable[[], Any], 
 
 def main() -> None:
     parser = argparse.ArgumentParser(prog="python -m bench.producer")
-    parser.add_argument("system", choices=["composer", "procrastinate"])
+    parser.add_argument("system", choices=["composer", "procrastinate", "floor"])
     parser.add_argument("--url", required=True)
     parser.add_argument("--workflow", default="one", help="one, fan, or a deployed workflow id")
     parser.add_argument("--threads", type=int, default=4)
@@ -222,6 +225,10 @@ def main() -> None:
 
         workflow = WORKFLOWS[args.workflow]["id"] if args.workflow in WORKFLOWS else args.workflow
         submit, close = composer_submitter(args.url, workflow, args.threads)
+    elif args.system == "floor":
+        from bench.floor import submitter
+
+        submit, close = submitter(args.url)
     else:
         submit, close = procrastinate_submitter(args.url, args.threads)
     try:

@@ -136,7 +136,7 @@ def spawn_cluster(url: str, workers: int, root: Path = ROOT, *, coordinators: in
     return group
 
 
-def _run_window(url: str, window: tuple[Any, Any] | None) -> tuple[int, int, Any]:
+def run_window(url: str, window: tuple[Any, Any] | None) -> tuple[int, int, Any]:
     """Runs created and completed inside the window, and the last completion."""
     w0, w1 = window if window else (None, None)
     with psycopg.connect(url) as conn:
@@ -151,4 +151,4 @@ def _run_window(url: str, window: tuple[Any, Any] | None) -> tuple[int, int, Any
 
 
 COMPOSER = System(name="composer", concurrency=CONCURRENCY, units_sql=COMPOSER_UNITS, spawn=spawn_cluster,
-                  unfinished_sql=UNFINISHED["composer"], runs_window=_run_window)
+                  unfinished_sql=UNFINISHED["composer"], runs_window=run_window)

@@ -1,0 +1,300 @@
+"""The floor: what any design that writes Composer's rows reaches, side by side with
+Composer and Procrastinate.
+
+``python -m bench.floor [--pgbin DIR] [--rounds 4] [--runs 1000] [--duration 5] [--systems ...] [--out FILE]``
+
+A measurement of the design space, not a second engine. The third system here writes a
+1-task run's rows exactly as :mod:`bench.layers`' plain statements do (the run, its
+task, the outbox row and the 'started' history row in one statement; a claim deleting
+the outbox row, leasing the task and writing the 'claimed' history row in one; a
+completion locking and reading the run, completing the task, writing the 'completed'
+history row and finishing the run, pipelined into two round trips, the worker's next
+claim in its transaction), on the engine's own schema, with the least Python a worker
+can have: four threads, each a connection of its own, a no-op handler, no pure core,
+no heartbeats, no registration, no coordinator. Idle threads sleep on the shared
+channel the starts notify (50 ms at most). What it leaves out is
+:mod:`bench.layers`' list (decisions, flow control, retries, hand-offs) and every
+fault path: it is an upper bound on a design's rate and a lower bound on its CPU on
+this machine, not something that could ship.
+
+Two hybrids put each side of a run on its own (:data:`HYBRIDS`): Composer's starts
+with the floor's worker, and the floor's starts with Composer's worker; either worker
+takes either's runs, as both write the same rows.
+
+Each round measures each system's sustained rate at one worker process (a producer of
+4 threads holding the backlog to ``--max-backlog``; the CPU is the server's and every
+process's, the producer's included) and its drain of ``--runs`` (the runs started
+first; the CPU is the worker side's alone), in :mod:`bench.scenario`'s code, the
+systems' order rotating by round. Prints the medians of each system's runs/s and CPU
+per run and the medians of the per-round ratios to Procrastinate; ``--out`` writes
+them as JSON.
+
+``python -m bench.floor worker --url URL`` is the floor's worker process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import signal
+import statistics
+import sys
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import psycopg
+from rich.table import Table
+
+from bench import scenario
+from bench.layers import Claimed, Plain
+from bench.measure import COMPOSER_UNITS
+from bench.procs import ROOT, ProcessGroup, connections, wait_until
+from bench.producer import UNFINISHED
+from bench.report import measured_run, publish, require_binaries, stderr_log
+from bench.scenario import System
+from bench.workload import COMPOSER, run_window, spawn_cluster
+
+RESULTS = ROOT / "bench" / "results"
+CONCURRENCY = 4
+#: The longest an idle thread sleeps before it claims again without a notification.
+IDLE_WAIT_S = 0.05
+APP = "bench-floor"
+MODES = ("sustained", "drain")
+
+
+def work(url: str, concurrency: int, stop: threading.Event) -> None:
+    """The floor's worker: ``concurrency`` threads, each claiming, running a no-op and
+    completing with the next claim in the completion's transaction, until ``stop``."""
+    wake = threading.Event()
+
+    def listen() -> None:
+        with psycopg.connect(url, autocommit=True, application_name=f"{APP}-listen") as conn:
+            conn.execute("LISTEN composer_tasks")
+            while not stop.is_set():
+                for _ in conn.notifies(timeout=0.5, stop_after=1):
+                    wake.set()
+
+    def slot() -> None:
+        plain = Plain(url, application_name=APP)
+        held: Claimed | None = None
+        try:
+            while not stop.is_set():
+                if held is None:
+                    held = plain.claim(APP)
+                    if held is None:
+                        wake.wait(IDLE_WAIT_S)
+                        wake.clear()
+                    continue
+                held = plain.complete(held, owner=APP, then_claim=True)
+        finally:
+            plain.close()
+
+    threads = [threading.Thread(target=listen, daemon=True)]
+    threads += [threading.Thread(target=slot, daemon=True) for _ in range(concurrency)]
+    for t in threads:
+        t.start()
+    stop.wait()
+    for t in threads:
+        t.join(timeout=5)
+
+
+def spawn_workers(url: str, workers: int, root: Path = ROOT) -> ProcessGroup:
+    group = ProcessGroup(f"floor x{workers}", root)
+    for _ in range(workers):
+        group.spawn(["-m", "bench.floor", "worker", "--url", url])
+    wait_until(lambda: connections(url, APP) >= workers * CONCURRENCY and connections(url, f"{APP}-listen") >= workers,
+               timeout=60, what=f"{workers} floor workers", group=group)
+    return group
+
+
+FLOOR = System(name="floor", concurrency=CONCURRENCY, units_sql=COMPOSER_UNITS, spawn=spawn_workers,
+               unfinished_sql=UNFINISHED["floor"], runs_window=run_window)
+#: Each side of a run on its own: Composer's starts with the floor's worker, and the
+#: floor's starts with Composer's worker (and coordinator). Both write the same rows, so
+#: either worker takes either's runs; the difference to the floor is one side's cost.
+HYBRIDS = {
+    "composer-start-floor-worker": dataclasses.replace(COMPOSER, spawn=spawn_workers,
+                                                       label="composer-start-floor-worker"),
+    "floor-start-composer-worker": dataclasses.replace(FLOOR, spawn=spawn_cluster,
+                                                       label="floor-start-composer-worker"),
+}
+SYSTEMS = ("composer", "floor", *HYBRIDS, "procrastinate")
+
+
+def submitter(url: str) -> tuple[Callable[[], Any], Callable[[], None]]:
+    """The producer's call for the floor: a start as one statement, on a connection of
+    each producer thread's own (:class:`bench.layers.Plain`)."""
+    local = threading.local()
+    made: list[Plain] = []
+    lock = threading.Lock()
+
+    def submit() -> None:
+        plain = getattr(local, "plain", None)
+        if plain is None:
+            plain = local.plain = Plain(url, application_name="bench-producer")
+            with lock:
+                made.append(plain)
+        plain.start()
+
+    def close() -> None:
+        for plain in made:
+            plain.close()
+
+    return submit, close
+
+
+def measure(server: Any, *, rounds: int, runs: int, duration: float, max_backlog: int, peer: Any,
+            systems: tuple[str, ...] = SYSTEMS, log: Callable[[str], None] = lambda _m: None) -> dict[str, Any]:
+    """``rounds`` rounds of each of ``systems``' (:data:`SYSTEMS`, Procrastinate among
+    them) sustained rate and drain at W=1: the raw results, each system's medians, and
+    the per-round ratios to Procrastinate."""
+    from bench.workload import make_template
+
+    if "procrastinate" not in systems:
+        raise ValueError("the ratios are to Procrastinate: it must be one of the systems")
+    by_name = {"composer": COMPOSER, "floor": FLOOR, **HYBRIDS, "procrastinate": peer.PROCRASTINATE}
+    composer_tpl, peer_tpl = "bench_tpl_floor_composer", "bench_tpl_floor_peer"
+    make_template(server, composer_tpl)
+    peer.make_template(server, peer_tpl)
+    chosen = [by_name[name] for name in systems]
+    rows: list[dict[str, Any]] = []
+    try:
+        for r in range(rounds):
+            order = chosen[r % len(chosen):] + chosen[:r % len(chosen)]
+            for system in order:
+                tpl = peer_tpl if system.name == "procrastinate" else composer_tpl
+                sus = scenario.sustained(system, server, tpl, workers=1, duration=duration, max_backlog=max_backlog)
+                drained = scenario.drain(system, server, tpl, workers=1, items=runs)
+                for row in (sus, drained):
+                    rows.append({**row, "round": r})
+                log(f"round {r + 1} of {rounds}: {system.tag} sustained {sus['runs_per_s']:.0f} runs/s, "
+                    f"drain {drained['runs_per_s']:.0f}")
+    finally:
+        for name in (composer_tpl, peer_tpl):
+            server.drop_database(name)
+    return summarize(rows, rounds)
+
+
+def _cpu(row: dict[str, Any]) -> float | None:
+    cpu = row["cpu"]
+    if cpu["server_ms_per_item"] is None or cpu["processes_ms_per_item"] is None:
+        return None
+    total: float = cpu["server_ms_per_item"] + cpu["processes_ms_per_item"]
+    return total
+
+
+def summarize(rows: list[dict[str, Any]], rounds: int) -> dict[str, Any]:
+    """Per mode and system: the median runs/s and CPU ms per run; per mode and system
+    but Procrastinate: the per-round ratios of runs/s and of CPU to Procrastinate's,
+    and their medians."""
+    out: dict[str, Any] = {"rounds": rounds, "results": rows, "median": {}, "ratios": {}}
+    names = sorted({row["system"] for row in rows})
+    for mode in MODES:
+        mine = [row for row in rows if row["mode"] == mode]
+        out["median"][mode] = {}
+        for name in names:
+            own = [row for row in mine if row["system"] == name]
+            out["median"][mode][name] = {
+                "runs_per_s": _median([row["runs_per_s"] for row in own]),
+                "cpu_ms_per_run": _median([c for row in own if (c := _cpu(row)) is not None]),
+                "server_ms_per_run": _median([c for row in own if (c := row["cpu"]["server_ms_per_item"]) is not None]),
+                "processes_ms_per_run": _median([row["cpu"]["processes_ms_per_item"] for row in own])}
+        out["ratios"][mode] = {}
+        for name in names:
+            if name == "procrastinate":
+                continue
+            rate_r, cpu_r = [], []
+            for r in range(rounds):
+                a = [row for row in mine if row["system"] == name and row["round"] == r]
+                p = [row for row in mine if row["system"] == "procrastinate" and row["round"] == r]
+                if not a or not p:
+                    continue
+                if p[0]["runs_per_s"]:
+                    rate_r.append(a[0]["runs_per_s"] / p[0]["runs_per_s"])
+                ca, cp = _cpu(a[0]), _cpu(p[0])
+                if ca is not None and cp:
+                    cpu_r.append(ca / cp)
+            out["ratios"][mode][name] = {"runs_per_s_rounds": rate_r, "runs_per_s": _median(rate_r),
+                                         "cpu_rounds": cpu_r, "cpu": _median(cpu_r)}
+    return out
+
+
+def _median(values: list[float]) -> float | None:
+    return statistics.median(values) if values else None
+
+
+def _f(value: float | None, digits: int) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+def table(result: dict[str, Any]) -> Table:
+    t = Table(title=f"W=1, medians of {result['rounds']} rounds (PostgreSQL {result.get('server_version', '?')}); "
+                    "ratios to Procrastinate, median of the rounds' ratios")
+    for col in ("mode", "system", "runs/s", "CPU ms/run", "server", "processes", "runs/s ratio", "CPU ratio"):
+        t.add_column(col, justify="left" if col in ("mode", "system") else "right")
+    for mode in MODES:
+        for name, med in result["median"][mode].items():
+            ratio = result["ratios"][mode].get(name) or {}
+            t.add_row(mode, name, _f(med["runs_per_s"], 0), _f(med["cpu_ms_per_run"], 3),
+                      _f(med["server_ms_per_run"], 3), _f(med["processes_ms_per_run"], 3),
+                      _f(ratio.get("runs_per_s"), 2), _f(ratio.get("cpu"), 2))
+    return t
+
+
+def _worker_main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.floor worker")
+    p.add_argument("--url", required=True)
+    p.add_argument("--concurrency", type=int, default=CONCURRENCY)
+    args = p.parse_args(argv)
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    work(args.url, args.concurrency, stop)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["worker"]:
+        return _worker_main(argv[1:])
+    p = argparse.ArgumentParser(prog="python -m bench.floor", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--pgbin", type=Path, help="server binaries of a throwaway cluster (default: the embedded server)")
+    p.add_argument("--rounds", type=int, default=4, help="rounds (default 4)")
+    p.add_argument("--runs", type=int, default=1000, help="runs (jobs) per drain (default 1000, as make bench)")
+    p.add_argument("--duration", type=float, default=5.0, help="seconds measured per sustained workload (default 5)")
+    p.add_argument("--max-backlog", type=int, default=50, help="unfinished runs the sustained producer allows")
+    p.add_argument("--systems", default=",".join(SYSTEMS),
+                   help=f"the systems measured, procrastinate among them (default {','.join(SYSTEMS)})")
+    p.add_argument("--out", type=Path, default=None,
+                   help="default bench/results/floor-pg<major>-<date>-<commit>.json")
+    args = p.parse_args(argv)
+    if args.rounds < 1 or args.runs < 1 or args.duration <= 0 or args.max_backlog < 1:
+        p.error("--rounds, --runs and --max-backlog must be at least 1, --duration more than 0")
+    systems = tuple(dict.fromkeys(x.strip() for x in args.systems.split(",") if x.strip()))
+    if "procrastinate" not in systems or set(systems) - set(SYSTEMS):
+        p.error(f"--systems takes procrastinate and any of {', '.join(x for x in SYSTEMS if x != 'procrastinate')}, "
+                f"got {args.systems}")
+    require_binaries(p, args.pgbin)
+    try:
+        from bench import peer_procrastinate as peer
+
+        peer.version()
+    except Exception as exc:
+        print(f"python -m bench.floor: Procrastinate is not installed ({exc}); make bench installs it, "
+              "or pip install 'procrastinate>=3,<4'", file=sys.stderr)
+        return 2
+    server = scenario.start_server(args.pgbin)
+    log = stderr_log("floor")
+    out = measured_run(server.version, "python -m bench.floor " + " ".join(argv),
+                       lambda: measure(server, rounds=args.rounds, runs=args.runs, duration=args.duration,
+                                       max_backlog=args.max_backlog, peer=peer, systems=systems, log=log))
+    out["procrastinate_version"] = peer.version()
+    publish(out, args.out, RESULTS, f"floor-pg{server.version_num // 10000}-", table(out), log)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
