@@ -1,0 +1,137 @@
+"""bench.floor: the floor's worker and starts write runs the engine reads as its own, and
+each worker finishes the other's starts (the hybrids' premise); the summary's ratios;
+the CLI's refusals. Procrastinate is not installed for the test suite, so the three
+systems are not measured side by side here (`python -m bench.floor` does that)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import psycopg
+import pytest
+
+from bench import floor
+from bench.producer import UNFINISHED
+from bench.workload import ONE_TASK, make_template, noop
+from composer_ops import Engine, Worker
+from composer_ops.testing.servers import Server
+
+
+def _unfinished(url: str) -> int:
+    with psycopg.connect(url) as conn:
+        row = conn.execute(UNFINISHED["floor"]).fetchone()
+    assert row is not None
+    return int(row[0])
+
+
+def _wait_finished(url: str, thread: threading.Thread, timeout: float = 120.0) -> None:
+    """Until no run is unfinished, or ``timeout``, or the worker's thread ended."""
+    deadline = time.monotonic() + timeout
+    while _unfinished(url) and time.monotonic() < deadline and thread.is_alive():
+        time.sleep(0.05)
+
+
+def _check_runs(url: str, runs: list[str]) -> None:
+    """Each run succeeded as the engine shows it: its task completed, a history of a
+    start, a claim and a completion, no outbox row left."""
+    with Engine.connect(url, pool_size=1) as engine:
+        for run_id in runs:
+            view = engine.get_run(run_id)
+            assert view.status == "SUCCEEDED", run_id
+            assert [t.state for t in view.tasks] == ["COMPLETED"], run_id
+            assert [h.kind for h in view.history] == ["started", "claimed", "completed"], run_id
+    with psycopg.connect(url) as conn:
+        assert conn.execute("SELECT count(*) FROM task_outbox").fetchone() == (0,)
+
+
+def _floor_starts(url: str, n: int) -> list[str]:
+    submit, close = floor.submitter(url)
+    try:
+        for _ in range(n):
+            submit()
+    finally:
+        close()
+    with psycopg.connect(url) as conn:
+        return [str(r[0]) for r in conn.execute("SELECT id FROM workflow_runs ORDER BY id").fetchall()]
+
+
+@pytest.fixture
+def url(server: Server) -> Any:
+    make_template(server, "bench_tpl_floor_test")
+    made = server.create_database("bench_floor_test", template="bench_tpl_floor_test")
+    try:
+        yield made
+    finally:
+        server.drop_database("bench_floor_test")
+        server.drop_database("bench_tpl_floor_test")
+
+
+def test_the_floor_worker_finishes_its_own_and_the_engines_starts(url: str) -> None:
+    runs = _floor_starts(url, 20)
+    with Engine.connect(url, pool_size=1) as engine:
+        runs += [engine.start(ONE_TASK["id"]) for _ in range(20)]
+    assert len(set(runs)) == 40
+    stop = threading.Event()
+    thread = threading.Thread(target=floor.work, args=(url, 2, stop), daemon=True)
+    thread.start()
+    try:
+        _wait_finished(url, thread)
+    finally:
+        stop.set()
+        thread.join(timeout=30)
+    assert not thread.is_alive()
+    assert _unfinished(url) == 0
+    _check_runs(url, runs)
+
+
+def test_the_engines_worker_finishes_the_floors_starts(url: str) -> None:
+    runs = _floor_starts(url, 20)
+    with Engine.connect(url, pool_size=4) as engine:
+        worker = Worker(engine, queues=["default"], concurrency=2, poll_interval=0.2)
+        worker.handler("noop")(noop)
+        thread = threading.Thread(target=worker.run, daemon=True)
+        thread.start()
+        try:
+            _wait_finished(url, thread)
+        finally:
+            worker.stop()
+            thread.join(timeout=30)
+    assert _unfinished(url) == 0
+    _check_runs(url, runs)
+
+
+def _row(system: str, mode: str, rnd: int, rate: float, server_ms: float, proc_ms: float) -> dict[str, Any]:
+    return {"system": system, "mode": mode, "round": rnd, "runs_per_s": rate,
+            "cpu": {"server_ms_per_item": server_ms, "processes_ms_per_item": proc_ms}}
+
+
+def test_the_summary_takes_each_rounds_ratio_to_procrastinate() -> None:
+    rows = [_row("floor", "sustained", 0, 1000, 0.5, 0.5), _row("procrastinate", "sustained", 0, 500, 1.0, 1.0),
+            _row("floor", "sustained", 1, 900, 0.6, 0.6), _row("procrastinate", "sustained", 1, 600, 1.2, 1.2),
+            _row("floor", "drain", 0, 1500, 0.4, 0.4), _row("procrastinate", "drain", 0, 750, 0.8, 0.8)]
+    out = floor.summarize(rows, rounds=2)
+    sus = out["ratios"]["sustained"]["floor"]
+    assert sus["runs_per_s_rounds"] == [2.0, 1.5] and sus["runs_per_s"] == 1.75
+    assert sus["cpu_rounds"] == [0.5, 0.5] and sus["cpu"] == 0.5
+    assert out["ratios"]["drain"]["floor"]["runs_per_s_rounds"] == [2.0]       # round 1 had no drain
+    assert out["median"]["sustained"]["procrastinate"] == {
+        "runs_per_s": 550, "cpu_ms_per_run": 2.2, "server_ms_per_run": 1.1, "processes_ms_per_run": 1.1}
+    assert "procrastinate" not in out["ratios"]["sustained"]
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--systems", "composer,floor"], "--systems takes procrastinate"),
+    (["--systems", "procrastinate,nope"], "--systems takes procrastinate"),
+    (["--rounds", "0"], "--rounds, --runs and --max-backlog must be at least 1"),
+    (["--duration", "0"], "--duration more than 0"),
+    (["--pgbin", "/nope"], "no PostgreSQL server binaries in /nope"),
+])
+def test_bad_arguments_are_refused_before_any_server_starts(argv: list[str], says: str,
+                                                            capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as stopped:
+        floor.main(argv)
+    assert stopped.value.code == 2
+    err = capsys.readouterr().err
+    assert says in err and len(err.strip().splitlines()[-1]) < 200
