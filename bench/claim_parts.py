@@ -44,7 +44,7 @@ from rich.table import Table
 
 from bench import scenario
 from bench.flowcost import OnCpu
-from bench.layers import CLAIM, WARM, Plain
+from bench.layers import CLAIM, ENGINE_CLAIM, WARM, Plain
 from bench.report import measured_run, publish, require_binaries, stderr_log
 from bench.workload import make_template
 from composer_ops.core.runids import month_of
@@ -59,8 +59,6 @@ _PICK = "SELECT p.id FROM composer_pick(pick_queues, p_names, room, NULL, p_busy
 _ONE_PICK = ("SELECT o.id FROM task_outbox o WHERE o.queue = pick_queues[1] AND o.available_at <= now() "
              "AND (p_names IS NULL OR o.task_name = ANY(p_names)) "
              "ORDER BY o.priority DESC, o.available_at, o.id LIMIT room FOR UPDATE SKIP LOCKED")
-_CALL = ("SELECT run_id, task_id, attempt FROM {fn}(ARRAY['default'], %(names)s, %(owner)s, 1, %(claim)s, "
-         "{channel}, 1, {seen}, NULL, false)")
 
 
 def _replace(text: str, old: str | re.Pattern[str], new: str, what: str) -> str:
@@ -85,11 +83,11 @@ def variants(conn: psycopg.Connection[Any], month: str) -> dict[str, str]:
     for name, text in copies.items():
         conn.execute(_replace(text, "FUNCTION public.composer_claim(", f"FUNCTION public.{name}(", "its name"))
     return {
-        "engine": _CALL.format(fn="composer_claim", channel="NULL", seen="NULL"),
-        "engine, registering": _CALL.format(fn="composer_claim", channel="'bench_claim_parts'", seen="0"),
-        "month function called directly": _CALL.format(fn="bench_claim_direct", channel="NULL", seen="NULL"),
-        "pick as one statement": _CALL.format(fn="bench_claim_one_pick", channel="NULL", seen="NULL"),
-        "both": _CALL.format(fn="bench_claim_both", channel="NULL", seen="NULL"),
+        "engine": ENGINE_CLAIM.format(fn="composer_claim", channel="NULL", seen="NULL"),
+        "engine, registering": ENGINE_CLAIM.format(fn="composer_claim", channel="'bench_claim_parts'", seen="0"),
+        "month function called directly": ENGINE_CLAIM.format(fn="bench_claim_direct", channel="NULL", seen="NULL"),
+        "pick as one statement": ENGINE_CLAIM.format(fn="bench_claim_one_pick", channel="NULL", seen="NULL"),
+        "both": ENGINE_CLAIM.format(fn="bench_claim_both", channel="NULL", seen="NULL"),
         "plain statement": CLAIM.format(m=month),
     }
 

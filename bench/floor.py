@@ -19,7 +19,8 @@ this machine, not something that could ship.
 
 Two hybrids put each side of a run on its own (:data:`HYBRIDS`): Composer's starts
 with the floor's worker, and the floor's starts with Composer's worker; either worker
-takes either's runs, as both write the same rows.
+takes either's runs, as both write the same rows. A third is the floor with the engine's
+claim function (``composer_claim``, as a completion's claim calls it) in its worker.
 
 Each round measures each system's sustained rate at one worker process (a producer of
 4 threads holding the backlog to ``--max-backlog``; the CPU is the server's and every
@@ -36,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import signal
 import statistics
 import sys
@@ -64,9 +66,11 @@ APP = "bench-floor"
 MODES = ("sustained", "drain")
 
 
-def work(url: str, concurrency: int, stop: threading.Event) -> None:
+def work(url: str, concurrency: int, stop: threading.Event, *, engine_claim: bool = False) -> None:
     """The floor's worker: ``concurrency`` threads, each claiming, running a no-op and
-    completing with the next claim in the completion's transaction, until ``stop``."""
+    completing with the next claim in the completion's transaction, until ``stop``.
+    ``engine_claim``: claiming by the engine's ``composer_claim`` instead of the plain
+    statement (:class:`bench.layers.Plain`)."""
     wake = threading.Event()
 
     def listen() -> None:
@@ -77,7 +81,7 @@ def work(url: str, concurrency: int, stop: threading.Event) -> None:
                     wake.set()
 
     def slot() -> None:
-        plain = Plain(url, application_name=APP)
+        plain = Plain(url, application_name=APP, engine_claim=engine_claim)
         held: Claimed | None = None
         try:
             while not stop.is_set():
@@ -100,10 +104,10 @@ def work(url: str, concurrency: int, stop: threading.Event) -> None:
         t.join(timeout=5)
 
 
-def spawn_workers(url: str, workers: int, root: Path = ROOT) -> ProcessGroup:
+def spawn_workers(url: str, workers: int, root: Path = ROOT, *, engine_claim: bool = False) -> ProcessGroup:
     group = ProcessGroup(f"floor x{workers}", root)
     for _ in range(workers):
-        group.spawn(["-m", "bench.floor", "worker", "--url", url])
+        group.spawn(["-m", "bench.floor", "worker", "--url", url, *(["--engine-claim"] if engine_claim else [])])
     wait_until(lambda: connections(url, APP) >= workers * CONCURRENCY and connections(url, f"{APP}-listen") >= workers,
                timeout=60, what=f"{workers} floor workers", group=group)
     return group
@@ -114,7 +118,10 @@ FLOOR = System(name="floor", concurrency=CONCURRENCY, units_sql=COMPOSER_UNITS, 
 #: Each side of a run on its own: Composer's starts with the floor's worker, and the
 #: floor's starts with Composer's worker (and coordinator). Both write the same rows, so
 #: either worker takes either's runs; the difference to the floor is one side's cost.
+#: And the floor with the engine's claim function in its worker: the claim's share.
 HYBRIDS = {
+    "floor-engine-claim": dataclasses.replace(FLOOR, spawn=functools.partial(spawn_workers, engine_claim=True),
+                                              label="floor-engine-claim"),
     "composer-start-floor-worker": dataclasses.replace(COMPOSER, spawn=spawn_workers,
                                                        label="composer-start-floor-worker"),
     "floor-start-composer-worker": dataclasses.replace(FLOOR, spawn=spawn_cluster,
@@ -247,11 +254,12 @@ def _worker_main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.floor worker")
     p.add_argument("--url", required=True)
     p.add_argument("--concurrency", type=int, default=CONCURRENCY)
+    p.add_argument("--engine-claim", action="store_true", help="claim by the engine's composer_claim")
     args = p.parse_args(argv)
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
-    work(args.url, args.concurrency, stop)
+    work(args.url, args.concurrency, stop, engine_claim=args.engine_claim)
     return 0
 
 

@@ -125,6 +125,12 @@ WITH l AS (
 SELECT run_id, task_id, attempt FROM t
 """
 
+#: The engine's claim of one task of queue 'default' (sql/R__claim.sql), to format with
+#: the function's name, ``channel`` and ``seen`` (NULL and NULL: as a completion's claim
+#: of its slot's next task calls it, no registration).
+ENGINE_CLAIM = ("SELECT run_id, task_id, attempt FROM {fn}(ARRAY['default'], %(names)s, %(owner)s, 1, %(claim)s, "
+                "{channel}, 1, {seen}, NULL, false)")
+
 LOCK = """
 SELECT now(), r.id, r.workflow_definition_id, r.workflow_version, r.status, r.context_json
   FROM workflow_runs_p{m} r WHERE r.id = %(run)s AND r.deleted_at IS NULL
@@ -171,8 +177,11 @@ def _id() -> str:
 class Plain:
     """The three events as plain prepared statements, on a connection of their own."""
 
-    def __init__(self, url: str, *, application_name: str = "bench-layers-plain") -> None:
+    def __init__(self, url: str, *, application_name: str = "bench-layers-plain", engine_claim: bool = False) -> None:
+        """``engine_claim``: claims (and a completion's next claim) by the engine's
+        ``composer_claim`` (:data:`ENGINE_CLAIM`) instead of the plain statement."""
         self.auto = psycopg.connect(url, autocommit=True, application_name=application_name)
+        self._claim = ENGINE_CLAIM.format(fn="composer_claim", channel="NULL", seen="NULL") if engine_claim else CLAIM
         self.pid = int(self.auto.execute("SELECT pg_backend_pid()").fetchone()[0])  # type: ignore[index]
         # What the engine's claim sets for its own statements (sql/R__claim.sql): the
         # pick follows the outbox index's order rather than reading and sorting the backlog.
@@ -200,7 +209,7 @@ class Plain:
 
     def claim(self, owner: str = "bench-layers") -> Claimed | None:
         """One ready task leased to ``owner``, or None when none is ready."""
-        row = self.auto.execute(self._sql(CLAIM), {"claim": _id(), "names": ["noop"], "owner": owner},
+        row = self.auto.execute(self._sql(self._claim), {"claim": _id(), "names": ["noop"], "owner": owner},
                                 prepare=True).fetchone()
         return None if row is None else (str(row[0]), str(row[1]), int(row[2]))
 
@@ -220,7 +229,7 @@ class Plain:
             written = conn.execute(self._sql(FINISH), {
                 "run": run, "task": task, "attempt": attempt, "owner": owner, "request": _id(),
                 "output": Jsonb(None), "result": Jsonb({"work": None})}, prepare=True)
-            nxt = conn.execute(self._sql(CLAIM), {"claim": _id(), "names": ["noop"], "owner": owner},
+            nxt = conn.execute(self._sql(self._claim), {"claim": _id(), "names": ["noop"], "owner": owner},
                                prepare=True) if then_claim else None
         row = written.fetchone()
         if row != (1, 1):

@@ -1,5 +1,6 @@
-"""bench.floor: the floor's worker and starts write runs the engine reads as its own, and
-each worker finishes the other's starts (the hybrids' premise); the summary's ratios;
+"""bench.floor: the floor's worker (with the plain claim or the engine's) and starts write
+runs the engine reads as its own, and each worker finishes the other's starts (the
+hybrids' premise); the summary's ratios;
 the CLI's refusals. Procrastinate is not installed for the test suite, so the three
 systems are not measured side by side here (`python -m bench.floor` does that)."""
 
@@ -68,13 +69,15 @@ def url(server: Server) -> Any:
         server.drop_database("bench_tpl_floor_test")
 
 
-def test_the_floor_worker_finishes_its_own_and_the_engines_starts(url: str) -> None:
+@pytest.mark.parametrize("engine_claim", [False, True], ids=["plain-claim", "engine-claim"])
+def test_the_floor_worker_finishes_its_own_and_the_engines_starts(url: str, engine_claim: bool) -> None:
     runs = _floor_starts(url, 20)
     with Engine.connect(url, pool_size=1) as engine:
         runs += [engine.start(ONE_TASK["id"]) for _ in range(20)]
     assert len(set(runs)) == 40
     stop = threading.Event()
-    thread = threading.Thread(target=floor.work, args=(url, 2, stop), daemon=True)
+    thread = threading.Thread(target=floor.work, args=(url, 2, stop), kwargs={"engine_claim": engine_claim},
+                              daemon=True)
     thread.start()
     try:
         _wait_finished(url, thread)
