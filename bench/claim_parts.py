@@ -135,7 +135,7 @@ def measure(server: Server, template: str, *, claims: int = 250, rounds: int = 4
         server.drop_database(db)
     medians = {name: statistics.median(v) for name, v in per.items()}
     return {"claims": claims, "rounds": rounds, "server_ms_per_claim": per, "median": medians,
-            "over_engine": {name: m / medians["engine"] for name, m in medians.items()}}
+            "over_engine": {name: m / medians["engine"] if medians["engine"] else None for name, m in medians.items()}}
 
 
 def table(result: dict[str, Any]) -> Table:
@@ -144,7 +144,8 @@ def table(result: dict[str, Any]) -> Table:
     for col in ("claim", "ms", "/ engine"):
         t.add_column(col, justify="left" if col == "claim" else "right")
     for name, m in result["median"].items():
-        t.add_row(name, f"{m:.3f}", f"{result['over_engine'][name]:.2f}")
+        ratio = result["over_engine"][name]
+        t.add_row(name, f"{m:.3f}", "-" if ratio is None else f"{ratio:.2f}")
     return t
 
 

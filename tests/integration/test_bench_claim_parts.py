@@ -21,8 +21,10 @@ def test_every_variant_claims_and_is_measured(server: Server) -> None:
         server.drop_database(template)
     assert set(out["median"]) == {"engine", "engine, registering", "month function called directly",
                                   "pick as one statement", "both", "plain statement"}
-    assert all(len(v) == 2 and min(v) > 0 for v in out["server_ms_per_claim"].values())
-    assert out["over_engine"]["engine"] == 1.0
+    per = out["server_ms_per_claim"]
+    assert all(len(v) == 2 and min(v) >= 0 for v in per.values())
+    assert sum(sum(v) for v in per.values()) > 0      # (a backend's CPU read in 10 ms ticks may show 0 for 3 claims)
+    assert out["over_engine"]["engine"] in (1.0, None)
     with psycopg.connect(server.admin_url) as conn:
         left = conn.execute("SELECT datname FROM pg_database WHERE datname LIKE 'bench_claim_parts%%'").fetchall()
     assert left == []
