@@ -31,7 +31,6 @@ plain statements) is claimed from on one connection, every variant's block of
 
 from __future__ import annotations
 
-import argparse
 import re
 import statistics
 import sys
@@ -45,7 +44,7 @@ from rich.table import Table
 from bench import scenario
 from bench.flowcost import OnCpu
 from bench.layers import CLAIM, ENGINE_CLAIM, WARM, Plain
-from bench.report import measured_run, publish, require_binaries, stderr_log
+from bench.report import measured_run, parser, publish, require_binaries, stderr_log
 from bench.workload import make_template
 from composer_ops.core.runids import month_of
 from composer_ops.engine.ids import uuid7_text
@@ -151,13 +150,9 @@ def table(result: dict[str, Any]) -> Table:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    p = argparse.ArgumentParser(prog="python -m bench.claim_parts", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--pgbin", type=Path, help="server binaries of a throwaway cluster (default: the embedded server)")
+    p = parser("python -m bench.claim_parts", __doc__, "claim-parts-pg<major>-")
     p.add_argument("--claims", type=int, default=250, help="claims per variant and round (default 250)")
     p.add_argument("--rounds", type=int, default=4, help="rounds (default 4)")
-    p.add_argument("--out", type=Path, default=None,
-                   help="default bench/results/claim-parts-pg<major>-<date>-<commit>.json")
     args = p.parse_args(argv)
     if args.claims < 1 or args.rounds < 1:
         p.error("--claims and --rounds must be at least 1")

@@ -28,7 +28,6 @@ writes them as JSON, with psycopg's version and build and libpq's version, to ``
 
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
 import sys
@@ -42,7 +41,7 @@ from rich.table import Table
 
 from bench import scenario
 from bench.flowcost import OnCpu
-from bench.report import measured_run, publish, require_binaries, stderr_log
+from bench.report import measured_run, parser, publish, require_binaries, stderr_log
 from composer_ops.testing import servers
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -132,13 +131,9 @@ def table(out: dict[str, Any]) -> Table:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.driver", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--pgbin", type=Path, help="server binaries of a throwaway cluster (default: the embedded server)")
+    p = parser("python -m bench.driver", __doc__, "driver-pg<major>-")
     p.add_argument("--statements", type=int, default=5000, help="statements per way and round (default 5000)")
     p.add_argument("--rounds", type=int, default=3, help="rounds (default 3)")
-    p.add_argument("--out", type=Path, default=None,
-                   help="default bench/results/driver-pg<major>-<date>-<commit>.json")
     args = p.parse_args(argv)
     if args.statements < 1 or args.rounds < 1:
         p.error("--statements and --rounds must be at least 1")

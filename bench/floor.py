@@ -54,7 +54,7 @@ from bench.layers import Claimed, Plain
 from bench.measure import COMPOSER_UNITS
 from bench.procs import ROOT, ProcessGroup, connections, wait_until
 from bench.producer import UNFINISHED
-from bench.report import measured_run, publish, require_binaries, stderr_log
+from bench.report import measured_run, parser, publish, require_binaries, stderr_log
 from bench.scenario import System
 from bench.workload import COMPOSER, run_window, spawn_cluster
 
@@ -267,17 +267,13 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["worker"]:
         return _worker_main(argv[1:])
-    p = argparse.ArgumentParser(prog="python -m bench.floor", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--pgbin", type=Path, help="server binaries of a throwaway cluster (default: the embedded server)")
+    p = parser("python -m bench.floor", __doc__, "floor-pg<major>-")
     p.add_argument("--rounds", type=int, default=4, help="rounds (default 4)")
     p.add_argument("--runs", type=int, default=1000, help="runs (jobs) per drain (default 1000, as make bench)")
     p.add_argument("--duration", type=float, default=5.0, help="seconds measured per sustained workload (default 5)")
     p.add_argument("--max-backlog", type=int, default=50, help="unfinished runs the sustained producer allows")
     p.add_argument("--systems", default=",".join(SYSTEMS),
                    help=f"the systems measured, procrastinate among them (default {','.join(SYSTEMS)})")
-    p.add_argument("--out", type=Path, default=None,
-                   help="default bench/results/floor-pg<major>-<date>-<commit>.json")
     args = p.parse_args(argv)
     if args.rounds < 1 or args.runs < 1 or args.duration <= 0 or args.max_backlog < 1:
         p.error("--rounds, --runs and --max-backlog must be at least 1, --duration more than 0")

@@ -35,7 +35,6 @@ and the completion with its claim against the two apart; ``--out`` writes them a
 
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
 import sys
@@ -49,7 +48,7 @@ from rich.table import Table
 
 from bench import scenario
 from bench.flowcost import OnCpu
-from bench.report import measured_run, publish, require_binaries, stderr_log
+from bench.report import measured_run, parser, publish, require_binaries, stderr_log
 from bench.workload import ONE_TASK, make_template
 from composer_ops.core.runids import month_of
 from composer_ops.engine.ids import uuid7_text
@@ -356,16 +355,12 @@ def table(result: dict[str, Any]) -> Table:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.layers", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--pgbin", type=Path, help="server binaries of a throwaway cluster (default: the embedded server)")
+    p = parser("python -m bench.layers", __doc__, "layers-pg<major>-[fsync-off-]")
     p.add_argument("--runs", type=int, default=200, help="events per side, event and round (default 200)")
     p.add_argument("--rounds", type=int, default=4, help="rounds (default 4)")
     p.add_argument("--fsync", choices=("on", "off"), default="on",
                    help="the cluster's fsync (off: with --pgbin only; the CPU a commit's flush costs the "
                         "session's backend is then left out)")
-    p.add_argument("--out", type=Path, default=None,
-                   help="default bench/results/layers-pg<major>-[fsync-off-]<date>-<commit>.json")
     args = p.parse_args(argv)
     if args.runs < 1 or args.rounds < 1:
         p.error("--runs and --rounds must be at least 1")

@@ -240,6 +240,16 @@ def write_results(out: dict[str, Any], path: Path | None, results: Path, prefix:
     return path
 
 
+def parser(prog: str, doc: str | None, results: str) -> argparse.ArgumentParser:
+    """A one-benchmark CLI's parser with its two common options: ``--pgbin`` (a throwaway
+    cluster of those binaries, else the embedded server; :func:`require_binaries` checks
+    it) and ``--out`` (default ``bench/results/<results><date>-<commit>.json``)."""
+    p = argparse.ArgumentParser(prog=prog, description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--pgbin", type=Path, help="server binaries of a throwaway cluster (default: the embedded server)")
+    p.add_argument("--out", type=Path, default=None, help=f"default bench/results/{results}<date>-<commit>.json")
+    return p
+
+
 def require_binaries(parser: argparse.ArgumentParser, pgbin: Path | str | None, hint: str = "") -> None:
     """A one-benchmark CLI's check of ``--pgbin``: the parser's error (exit 2, ``hint``
     after it) unless it is unset or empty (the embedded server) or holds ``initdb``."""

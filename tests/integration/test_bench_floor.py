@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import psycopg
@@ -27,11 +28,19 @@ def _unfinished(url: str) -> int:
     return int(row[0])
 
 
-def _wait_finished(url: str, thread: threading.Thread, timeout: float = 120.0) -> None:
-    """Until no run is unfinished, or ``timeout``, or the worker's thread ended."""
-    deadline = time.monotonic() + timeout
-    while _unfinished(url) and time.monotonic() < deadline and thread.is_alive():
-        time.sleep(0.05)
+def _drive(url: str, thread: threading.Thread, stop: Callable[[], None], timeout: float = 120.0) -> None:
+    """Run a worker's ``thread`` until no run is unfinished (or ``timeout``, or the thread
+    ended), then ``stop`` it; every run must have finished and the thread ended."""
+    thread.start()
+    try:
+        deadline = time.monotonic() + timeout
+        while _unfinished(url) and time.monotonic() < deadline and thread.is_alive():
+            time.sleep(0.05)
+    finally:
+        stop()
+        thread.join(timeout=30)
+    assert not thread.is_alive()
+    assert _unfinished(url) == 0
 
 
 def _check_runs(url: str, runs: list[str]) -> None:
@@ -76,16 +85,8 @@ def test_the_floor_worker_finishes_its_own_and_the_engines_starts(url: str, engi
         runs += [engine.start(ONE_TASK["id"]) for _ in range(20)]
     assert len(set(runs)) == 40
     stop = threading.Event()
-    thread = threading.Thread(target=floor.work, args=(url, 2, stop), kwargs={"engine_claim": engine_claim},
-                              daemon=True)
-    thread.start()
-    try:
-        _wait_finished(url, thread)
-    finally:
-        stop.set()
-        thread.join(timeout=30)
-    assert not thread.is_alive()
-    assert _unfinished(url) == 0
+    _drive(url, threading.Thread(target=floor.work, args=(url, 2, stop), kwargs={"engine_claim": engine_claim},
+                                 daemon=True), stop.set)
     _check_runs(url, runs)
 
 
@@ -94,14 +95,7 @@ def test_the_engines_worker_finishes_the_floors_starts(url: str) -> None:
     with Engine.connect(url, pool_size=4) as engine:
         worker = Worker(engine, queues=["default"], concurrency=2, poll_interval=0.2)
         worker.handler("noop")(noop)
-        thread = threading.Thread(target=worker.run, daemon=True)
-        thread.start()
-        try:
-            _wait_finished(url, thread)
-        finally:
-            worker.stop()
-            thread.join(timeout=30)
-    assert _unfinished(url) == 0
+        _drive(url, threading.Thread(target=worker.run, daemon=True), worker.stop)
     _check_runs(url, runs)
 
 
