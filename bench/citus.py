@@ -21,13 +21,13 @@ same window (:class:`bench.cpu.DbCounters`).
 from __future__ import annotations
 
 import dataclasses
-import statistics
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import psycopg
 
 from bench import scenario
+from bench.measure import median
 from bench.workload import COMPOSER, WORKFLOWS
 from composer_ops.testing.citus import CitusCluster
 from composer_ops.testing.servers import Server
@@ -148,9 +148,6 @@ def _summarize(results: list[dict[str, Any]], rounds: int, nodes: int, baseline_
             if top and bottom:
                 out.append(top[0] / bottom[0])
         return out
-
-    def median(values: list[float]) -> float | None:
-        return statistics.median(values) if values else None
 
     def cpu(rows: list[dict[str, Any]]) -> float | None:
         return median([x["cpu"]["server_ms_per_item"] + x["cpu"]["processes_ms_per_item"] for x in rows

@@ -11,10 +11,10 @@ not measure the original under another name). They are right for what is measure
 here only (one queue, no flow control, no busy runs, no hand-offs), which is the 1-task
 benchmark's claim:
 
-- ``engine``: ``composer_claim`` as a completion's claim of the next task calls it (no
-  registration: ``p_channel`` NULL);
-- ``engine, registering``: as the claim loop calls it (the worker's registration read
-  and written);
+- ``engine, not registering``: ``composer_claim`` with ``p_channel`` NULL, as a caller
+  that is not a listening worker calls it;
+- ``engine, registering``: as a worker's claims call it, its claim loop's and its
+  reports' (the worker's registration read and written; not woken, no runs in flight);
 - ``month function called directly``: the call of the month's function written into
   the copy for this month, instead of built by ``format`` and run by ``EXECUTE``;
 - ``pick as one statement``: ``composer_pick`` (a PL/pgSQL walk with a cursor per
@@ -23,10 +23,13 @@ benchmark's claim:
 - both of the last two;
 - ``plain statement``: :data:`bench.layers.CLAIM`, the claim's rows in one statement.
 
-A database of ``--claims * rounds * 6`` ready runs (started by :mod:`bench.floor`'s
-plain statements) is claimed from on one connection, every variant's block of
-``--claims`` claims in turn, ``--rounds`` times; each block's backend CPU
-(``/proc/PID/schedstat``) per claim. Prints the medians; ``--out`` writes them as JSON.
+A database of 6 x (``--claims`` x ``--rounds`` + 10) ready runs (started by
+:class:`bench.layers.Plain`) is claimed from on one connection, every variant's block of
+``--claims`` claims in turn, ``--rounds`` times; each block's backend CPU per claim
+(``/proc/PID/schedstat``; where the kernel has none, 10 ms ticks, too coarse for this:
+the results say which, ``cpu_exact``). The copies are called as ``engine, not
+registering`` calls the function, and compare with it. Prints the medians; ``--out``
+writes them as JSON.
 """
 
 from __future__ import annotations
@@ -82,7 +85,7 @@ def variants(conn: psycopg.Connection[Any], month: str) -> dict[str, str]:
     for name, text in copies.items():
         conn.execute(_replace(text, "FUNCTION public.composer_claim(", f"FUNCTION public.{name}(", "its name"))
     return {
-        "engine": ENGINE_CLAIM.format(fn="composer_claim", channel="NULL", seen="NULL"),
+        "engine, not registering": ENGINE_CLAIM.format(fn="composer_claim", channel="NULL", seen="NULL"),
         "engine, registering": ENGINE_CLAIM.format(fn="composer_claim", channel="'bench_claim_parts'", seen="0"),
         "month function called directly": ENGINE_CLAIM.format(fn="bench_claim_direct", channel="NULL", seen="NULL"),
         "pick as one statement": ENGINE_CLAIM.format(fn="bench_claim_one_pick", channel="NULL", seen="NULL"),
@@ -133,14 +136,15 @@ def measure(server: Server, template: str, *, claims: int = 250, rounds: int = 4
     finally:
         server.drop_database(db)
     medians = {name: statistics.median(v) for name, v in per.items()}
-    return {"claims": claims, "rounds": rounds, "server_ms_per_claim": per, "median": medians,
-            "over_engine": {name: m / medians["engine"] if medians["engine"] else None for name, m in medians.items()}}
+    base = medians["engine, not registering"]
+    return {"claims": claims, "rounds": rounds, "cpu_exact": cpu.exact, "server_ms_per_claim": per, "median": medians,
+            "over_engine": {name: m / base if base else None for name, m in medians.items()}}
 
 
 def table(result: dict[str, Any]) -> Table:
     t = Table(title=f"server CPU ms per claim of one task, medians of {result['rounds']} rounds of "
                     f"{result['claims']} (PostgreSQL {result.get('server_version', '?')})")
-    for col in ("claim", "ms", "/ engine"):
+    for col in ("claim", "ms", "/ engine, not registering"):
         t.add_column(col, justify="left" if col == "claim" else "right")
     for name, m in result["median"].items():
         ratio = result["over_engine"][name]

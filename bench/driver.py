@@ -29,7 +29,6 @@ writes them as JSON, with psycopg's version and build and libpq's version, to ``
 from __future__ import annotations
 
 import os
-import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -41,6 +40,7 @@ from rich.table import Table
 
 from bench import scenario
 from bench.flowcost import OnCpu
+from bench.measure import median
 from bench.report import measured_run, parser, publish, require_binaries, stderr_log
 from composer_ops.testing import servers
 
@@ -110,14 +110,9 @@ def measure(url: str, *, statements: int, rounds: int, log: Callable[[str], None
     return {"statements": statements, "rounds": rounds, "backend_time_exact": backend.exact if readable else None,
             "psycopg": psycopg.__version__, "psycopg_build": psycopg.pq.__impl__,
             "libpq": psycopg.pq.version(),
-            "median": {way: {key: _median([x[key] for x in rows]) for key in ("client_us", "server_us")}
+            "median": {way: {key: median([x[key] for x in rows]) for key in ("client_us", "server_us")}
                        for way, rows in per_round.items()},
             "per_round": per_round}
-
-
-def _median(values: list[float | None]) -> float | None:
-    present = [v for v in values if v is not None]
-    return statistics.median(present) if present else None
 
 
 def table(out: dict[str, Any]) -> Table:

@@ -1,5 +1,5 @@
-"""The floor: what any design that writes Composer's rows reaches, side by side with
-Composer and Procrastinate.
+"""The floor: Composer's rows written with as little as a worker can do, side by side
+with Composer and Procrastinate.
 
 ``python -m bench.floor [--pgbin DIR] [--rounds 4] [--runs 1000] [--duration 5] [--systems ...] [--out FILE]``
 
@@ -9,7 +9,7 @@ task, the outbox row and the 'started' history row in one statement; a claim del
 the outbox row, leasing the task and writing the 'claimed' history row in one; a
 completion locking and reading the run, completing the task, writing the 'completed'
 history row and finishing the run, pipelined into two round trips, the worker's next
-claim in its transaction), on the engine's own schema, with the least Python a worker
+claim in its transaction), on the engine's own schema, with as little Python as a worker
 can have: four threads, each a connection of its own, a no-op handler, no pure core,
 no heartbeats, no registration, no coordinator. Idle threads sleep on the shared
 channel the starts notify (50 ms at most). What it leaves out is
@@ -17,18 +17,21 @@ channel the starts notify (50 ms at most). What it leaves out is
 fault path: it is an upper bound on a design's rate and a lower bound on its CPU on
 this machine, not something that could ship.
 
-Two hybrids put each side of a run on its own (:data:`HYBRIDS`): Composer's starts
-with the floor's worker, and the floor's starts with Composer's worker; either worker
-takes either's runs, as both write the same rows. A third is the floor with the engine's
-claim function (``composer_claim``, as a completion's claim calls it) in its worker.
+Hybrids put each side of a run on its own (:data:`HYBRIDS`, which says how far they
+do): Composer's starts with the floor's worker, and the floor's starts with Composer's
+worker; either worker takes either's runs, as both write the same rows. A third is the
+floor with the engine's claim function in its worker (``composer_claim`` without the
+registration a worker's own claims write).
 
 Each round measures each system's sustained rate at one worker process (a producer of
 4 threads holding the backlog to ``--max-backlog``; the CPU is the server's and every
 process's, the producer's included) and its drain of ``--runs`` (the runs started
-first; the CPU is the worker side's alone), in :mod:`bench.scenario`'s code, the
-systems' order rotating by round. Prints the medians of each system's runs/s and CPU
-per run and the medians of the per-round ratios to Procrastinate; ``--out`` writes
-them as JSON.
+first; the CPU is the worker side's alone), in :mod:`bench.scenario`'s code; the first
+round takes the systems in their order, the next backwards, and so on. The floor's
+workers count their claims (a completion's next claim included) as Composer's do.
+Prints the medians of each system's runs/s and CPU per run and the medians of the
+per-round ratios to Procrastinate; ``--out`` writes them as JSON, partial (with
+``failed``) when a measurement fails, which exits 1.
 
 ``python -m bench.floor worker --url URL`` is the floor's worker process.
 """
@@ -38,8 +41,10 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import json
+import math
+import os
 import signal
-import statistics
 import sys
 import threading
 from collections.abc import Callable
@@ -51,7 +56,7 @@ from rich.table import Table
 
 from bench import scenario
 from bench.layers import Claimed, Plain
-from bench.measure import COMPOSER_UNITS
+from bench.measure import COMPOSER_UNITS, median
 from bench.procs import ROOT, ProcessGroup, connections, wait_until
 from bench.producer import UNFINISHED
 from bench.report import measured_run, parser, publish, require_binaries, stderr_log
@@ -66,12 +71,23 @@ APP = "bench-floor"
 MODES = ("sustained", "drain")
 
 
-def work(url: str, concurrency: int, stop: threading.Event, *, engine_claim: bool = False) -> None:
+def work(url: str, concurrency: int, stop: threading.Event, *, engine_claim: bool = False) -> dict[str, int]:
     """The floor's worker: ``concurrency`` threads, each claiming, running a no-op and
     completing with the next claim in the completion's transaction, until ``stop``.
-    ``engine_claim``: claiming by the engine's ``composer_claim`` instead of the plain
-    statement (:class:`bench.layers.Plain`)."""
+    ``engine_claim``: claiming by the engine's ``composer_claim`` without registering
+    (:data:`bench.layers.ENGINE_CLAIM`) instead of the plain statement. Returns the claims
+    made (a completion's next claim included), how many came back empty and the tasks
+    they took. A thread that fails stops the others; its error is raised once all ended."""
     wake = threading.Event()
+    counts = {"claims": 0, "empty": 0, "tasks": 0}
+    lock = threading.Lock()
+    errors: list[BaseException] = []
+
+    def counted(got: Claimed | None) -> Claimed | None:
+        with lock:
+            counts["claims"] += 1
+            counts["empty" if got is None else "tasks"] += 1
+        return got
 
     def listen() -> None:
         with psycopg.connect(url, autocommit=True, application_name=f"{APP}-listen") as conn:
@@ -86,28 +102,42 @@ def work(url: str, concurrency: int, stop: threading.Event, *, engine_claim: boo
         try:
             while not stop.is_set():
                 if held is None:
-                    held = plain.claim(APP)
+                    held = counted(plain.claim(APP))
                     if held is None:
                         wake.wait(IDLE_WAIT_S)
                         wake.clear()
                     continue
-                held = plain.complete(held, owner=APP, then_claim=True)
+                held = counted(plain.complete(held, owner=APP, then_claim=True))
         finally:
             plain.close()
 
-    threads = [threading.Thread(target=listen, daemon=True)]
-    threads += [threading.Thread(target=slot, daemon=True) for _ in range(concurrency)]
+    def guarded(target: Callable[[], None]) -> Callable[[], None]:
+        def run() -> None:
+            try:
+                target()
+            except BaseException as exc:
+                errors.append(exc)
+                stop.set()
+        return run
+
+    threads = [threading.Thread(target=guarded(listen), daemon=True)]
+    threads += [threading.Thread(target=guarded(slot), daemon=True) for _ in range(concurrency)]
     for t in threads:
         t.start()
     stop.wait()
     for t in threads:
         t.join(timeout=5)
+    if errors:
+        raise errors[0]
+    return counts
 
 
 def spawn_workers(url: str, workers: int, root: Path = ROOT, *, engine_claim: bool = False) -> ProcessGroup:
     group = ProcessGroup(f"floor x{workers}", root)
+    env = group.count_claims()
     for _ in range(workers):
-        group.spawn(["-m", "bench.floor", "worker", "--url", url, *(["--engine-claim"] if engine_claim else [])])
+        group.spawn(["-m", "bench.floor", "worker", "--url", url, *(["--engine-claim"] if engine_claim else [])],
+                    env=env)
     wait_until(lambda: connections(url, APP) >= workers * CONCURRENCY and connections(url, f"{APP}-listen") >= workers,
                timeout=60, what=f"{workers} floor workers", group=group)
     return group
@@ -117,8 +147,12 @@ FLOOR = System(name="floor", concurrency=CONCURRENCY, units_sql=COMPOSER_UNITS, 
                unfinished_sql=UNFINISHED["floor"], runs_window=run_window)
 #: Each side of a run on its own: Composer's starts with the floor's worker, and the
 #: floor's starts with Composer's worker (and coordinator). Both write the same rows, so
-#: either worker takes either's runs; the difference to the floor is one side's cost.
-#: And the floor with the engine's claim function in its worker: the claim's share.
+#: either worker takes either's runs; the difference to the floor is about one side's
+#: cost, not exactly: the floor's start notifies every worker on the shared channel at
+#: each start and hands no wake-up (Composer's worker then claims as one told), and the
+#: floor's worker registers nowhere (Composer's start then hands no wake-up out). And the
+#: floor with the engine's claim function (without the registration a worker's claims
+#: write) in its worker: about the claim's share.
 HYBRIDS = {
     "floor-engine-claim": dataclasses.replace(FLOOR, spawn=functools.partial(spawn_workers, engine_claim=True),
                                               label="floor-engine-claim"),
@@ -156,7 +190,8 @@ def measure(server: Any, *, rounds: int, runs: int, duration: float, max_backlog
             systems: tuple[str, ...] = SYSTEMS, log: Callable[[str], None] = lambda _m: None) -> dict[str, Any]:
     """``rounds`` rounds of each of ``systems``' (:data:`SYSTEMS`, Procrastinate among
     them) sustained rate and drain at W=1: the raw results, each system's medians, and
-    the per-round ratios to Procrastinate."""
+    the per-round ratios to Procrastinate. A measurement that fails ends the rounds:
+    what was measured is returned, with ``failed`` saying why (None otherwise)."""
     from bench.workload import make_template
 
     if "procrastinate" not in systems:
@@ -167,10 +202,11 @@ def measure(server: Any, *, rounds: int, runs: int, duration: float, max_backlog
     peer.make_template(server, peer_tpl)
     chosen = [by_name[name] for name in systems]
     rows: list[dict[str, Any]] = []
+    failed: str | None = None
     try:
         for r in range(rounds):
-            order = chosen[r % len(chosen):] + chosen[:r % len(chosen)]
-            for system in order:
+            # Forward, then backward: over two rounds each system runs as early as late.
+            for system in chosen if r % 2 == 0 else chosen[::-1]:
                 tpl = peer_tpl if system.name == "procrastinate" else composer_tpl
                 sus = scenario.sustained(system, server, tpl, workers=1, duration=duration, max_backlog=max_backlog)
                 drained = scenario.drain(system, server, tpl, workers=1, items=runs)
@@ -178,10 +214,13 @@ def measure(server: Any, *, rounds: int, runs: int, duration: float, max_backlog
                     rows.append({**row, "round": r})
                 log(f"round {r + 1} of {rounds}: {system.tag} sustained {sus['runs_per_s']:.0f} runs/s, "
                     f"drain {drained['runs_per_s']:.0f}")
+    except Exception as exc:   # what was measured is kept, and the run is marked failed
+        failed = f"{type(exc).__name__}: {exc}"
+        log(f"stopped: {failed}")
     finally:
         for name in (composer_tpl, peer_tpl):
             server.drop_database(name)
-    return summarize(rows, rounds)
+    return {**summarize(rows, rounds), "failed": failed}
 
 
 def _cpu(row: dict[str, Any]) -> float | None:
@@ -204,10 +243,10 @@ def summarize(rows: list[dict[str, Any]], rounds: int) -> dict[str, Any]:
         for name in names:
             own = [row for row in mine if row["system"] == name]
             out["median"][mode][name] = {
-                "runs_per_s": _median([row["runs_per_s"] for row in own]),
-                "cpu_ms_per_run": _median([c for row in own if (c := _cpu(row)) is not None]),
-                "server_ms_per_run": _median([c for row in own if (c := row["cpu"]["server_ms_per_item"]) is not None]),
-                "processes_ms_per_run": _median([row["cpu"]["processes_ms_per_item"] for row in own])}
+                "runs_per_s": median([row["runs_per_s"] for row in own]),
+                "cpu_ms_per_run": median([c for row in own if (c := _cpu(row)) is not None]),
+                "server_ms_per_run": median([c for row in own if (c := row["cpu"]["server_ms_per_item"]) is not None]),
+                "processes_ms_per_run": median([row["cpu"]["processes_ms_per_item"] for row in own])}
         out["ratios"][mode] = {}
         for name in names:
             if name == "procrastinate":
@@ -223,13 +262,9 @@ def summarize(rows: list[dict[str, Any]], rounds: int) -> dict[str, Any]:
                 ca, cp = _cpu(a[0]), _cpu(p[0])
                 if ca is not None and cp:
                     cpu_r.append(ca / cp)
-            out["ratios"][mode][name] = {"runs_per_s_rounds": rate_r, "runs_per_s": _median(rate_r),
-                                         "cpu_rounds": cpu_r, "cpu": _median(cpu_r)}
+            out["ratios"][mode][name] = {"runs_per_s_rounds": rate_r, "runs_per_s": median(rate_r),
+                                         "cpu_rounds": cpu_r, "cpu": median(cpu_r)}
     return out
-
-
-def _median(values: list[float]) -> float | None:
-    return statistics.median(values) if values else None
 
 
 def _f(value: float | None, digits: int) -> str:
@@ -254,12 +289,16 @@ def _worker_main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.floor worker")
     p.add_argument("--url", required=True)
     p.add_argument("--concurrency", type=int, default=CONCURRENCY)
-    p.add_argument("--engine-claim", action="store_true", help="claim by the engine's composer_claim")
+    p.add_argument("--engine-claim", action="store_true",
+                   help="claim by the engine's composer_claim (without registering)")
     args = p.parse_args(argv)
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
-    work(args.url, args.concurrency, stop, engine_claim=args.engine_claim)
+    counts = work(args.url, args.concurrency, stop, engine_claim=args.engine_claim)   # a failure: its traceback, exit 1
+    if os.environ.get("BENCH_CLAIM_LOG"):
+        with open(os.environ["BENCH_CLAIM_LOG"], "a") as f:
+            f.write(json.dumps({"pid": os.getpid(), **counts, "by_reason": None}) + "\n")
     return 0
 
 
@@ -275,20 +314,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--systems", default=",".join(SYSTEMS),
                    help=f"the systems measured, procrastinate among them (default {','.join(SYSTEMS)})")
     args = p.parse_args(argv)
-    if args.rounds < 1 or args.runs < 1 or args.duration <= 0 or args.max_backlog < 1:
-        p.error("--rounds, --runs and --max-backlog must be at least 1, --duration more than 0")
+    if args.rounds < 1 or args.runs < 1 or not 0 < args.duration < math.inf or args.max_backlog < 1:
+        p.error("--rounds, --runs and --max-backlog must be at least 1, --duration more than 0 seconds")
     systems = tuple(dict.fromkeys(x.strip() for x in args.systems.split(",") if x.strip()))
     if "procrastinate" not in systems or set(systems) - set(SYSTEMS):
         p.error(f"--systems takes procrastinate and any of {', '.join(x for x in SYSTEMS if x != 'procrastinate')}, "
                 f"got {args.systems}")
     require_binaries(p, args.pgbin)
-    try:
-        from bench import peer_procrastinate as peer
+    from bench import peer_procrastinate as peer
 
-        peer.version()
-    except Exception as exc:
-        print(f"python -m bench.floor: Procrastinate is not installed ({exc}); make bench installs it, "
-              "or pip install 'procrastinate>=3,<4'", file=sys.stderr)
+    if not peer.installed():
+        print("python -m bench.floor: Procrastinate is not installed (make bench installs it; "
+              "or pip install 'procrastinate>=3,<4')", file=sys.stderr)
         return 2
     server = scenario.start_server(args.pgbin)
     log = stderr_log("floor")
@@ -297,6 +334,10 @@ def main(argv: list[str] | None = None) -> int:
                                        max_backlog=args.max_backlog, peer=peer, systems=systems, log=log))
     out["procrastinate_version"] = peer.version()
     publish(out, args.out, RESULTS, f"floor-pg{server.version_num // 10000}-", table(out), log)
+    if out["failed"]:
+        print(f"python -m bench.floor: a measurement failed, the results are partial: {out['failed']}",
+              file=sys.stderr)
+        return 1
     return 0
 
 

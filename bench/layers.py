@@ -38,7 +38,9 @@ from __future__ import annotations
 import os
 import statistics
 import sys
+import time
 from collections.abc import Callable
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -125,8 +127,9 @@ SELECT run_id, task_id, attempt FROM t
 """
 
 #: The engine's claim of one task of queue 'default' (sql/R__claim.sql), to format with
-#: the function's name, ``channel`` and ``seen`` (NULL and NULL: as a completion's claim
-#: of its slot's next task calls it, no registration).
+#: the function's name, ``channel`` and ``seen``. NULL and NULL: without registering (as
+#: a caller that is not a listening worker claims); a worker's own claims, its reports'
+#: included, name its channel and register.
 ENGINE_CLAIM = ("SELECT run_id, task_id, attempt FROM {fn}(ARRAY['default'], %(names)s, %(owner)s, 1, %(claim)s, "
                 "{channel}, 1, {seen}, NULL, false)")
 
@@ -161,7 +164,10 @@ WITH t AS (
      WHERE r.id = %(run)s AND r.status IN ('PENDING', 'RUNNING') AND EXISTS (SELECT 1 FROM t)
     RETURNING r.id
 )
-SELECT (SELECT count(*) FROM t) AS tasks, (SELECT count(*) FROM f) AS runs
+SELECT (SELECT count(*) FROM t) AS tasks, (SELECT count(*) FROM f) AS runs,
+       CASE WHEN (SELECT count(*) FROM t) = 1 AND (SELECT count(*) FROM f) = 1 THEN 'ok'
+            ELSE composer_fail('CO409', 'plain completion: the task or the run was not where it was claimed')
+       END AS ok
 """
 
 
@@ -192,14 +198,18 @@ class Plain:
             raise RuntimeError(f"{ONE_TASK['id']} is not deployed")
         self.version = int(row[0])
         self.month = month_of(_id())
+        #: the statements name this month's partitions: past its end (UTC) they would miss
+        year, month = int(self.month[:4]), int(self.month[4:])
+        self._month_ends = datetime(year + month // 12, month % 12 + 1, 1, tzinfo=UTC).timestamp()
 
     def _sql(self, text: str) -> str:
+        if time.time() >= self._month_ends:
+            raise RuntimeError(f"the month turned during the measurement (its statements name {self.month}'s "
+                               "partitions)")
         return text.format(m=self.month)
 
     def start(self) -> None:
         run = _id()
-        if month_of(run) != self.month:
-            raise RuntimeError(f"the month turned during the measurement ({self.month} -> {month_of(run)})")
         row = self.auto.execute(self._sql(START), {
             "wf": ONE_TASK["id"], "version": self.version, "run": run, "task": _id(),
             "context": Jsonb({"input": None, "config": {}}), "request": _id()}, prepare=True).fetchone()
@@ -230,8 +240,8 @@ class Plain:
                 "output": Jsonb(None), "result": Jsonb({"work": None})}, prepare=True)
             nxt = conn.execute(self._sql(self._claim), {"claim": _id(), "names": ["noop"], "owner": owner},
                                prepare=True) if then_claim else None
-        row = written.fetchone()
-        if row != (1, 1):
+        row = written.fetchone()      # (a write that matched nothing failed in the statement: rolled back)
+        if row is None or row[:2] != (1, 1):
             raise RuntimeError(f"plain completion of {run} wrote {row}")
         got = None if nxt is None else nxt.fetchone()
         return None if got is None else (str(got[0]), str(got[1]), int(got[2]))

@@ -14,6 +14,8 @@ start-to-claim = started - created, claim-to-complete = finished - started. A
 
 from __future__ import annotations
 
+import statistics
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from datetime import datetime
 from typing import Any
@@ -92,3 +94,10 @@ def seconds(a: datetime | None, b: datetime | None) -> float:
 
 def rate(count: int, elapsed_s: float) -> float:
     return count / elapsed_s if elapsed_s > 0 else 0.0
+
+
+def median(values: Iterable[float | None]) -> float | None:
+    """The median of the values that are not None (a figure a round could not measure,
+    such as CPU per item of a window that finished none); None when none is."""
+    present = [v for v in values if v is not None]
+    return statistics.median(present) if present else None

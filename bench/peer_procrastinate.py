@@ -46,6 +46,16 @@ def version() -> str:
     return dist_version("procrastinate")
 
 
+def installed() -> bool:
+    """Whether Procrastinate can be imported here (`make bench` installs it)."""
+    try:
+        version()
+        import procrastinate  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
 def make_template(server: Server, name: str) -> str:
     """A database with Procrastinate's schema; scenarios clone it."""
     url = server.create_database(name)

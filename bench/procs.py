@@ -54,6 +54,15 @@ class ProcessGroup:
         self.procs.append(proc)
         return proc
 
+    def count_claims(self) -> dict[str, str]:
+        """Make the file the group's workers append their claim counts to at exit (one
+        JSON line each: claims, empty, tasks, by_reason), read by :meth:`stop` into
+        :meth:`claim_counts`; returns the environment that names it to them."""
+        fd, log = tempfile.mkstemp(prefix="bench-claims-", suffix=".jsonl")
+        os.close(fd)
+        self.claim_log = Path(log)
+        return {"BENCH_CLAIM_LOG": log}
+
     def check_alive(self) -> None:
         for proc in self.procs:
             if proc.poll() not in (None, 0):

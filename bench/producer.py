@@ -228,6 +228,8 @@ def main() -> None:
     elif args.system == "floor":
         from bench.floor import submitter
 
+        if args.workflow != "one":
+            parser.error(f"the floor starts 1-task runs only (--workflow one), got --workflow {args.workflow}")
         submit, close = submitter(args.url)
     else:
         submit, close = procrastinate_submitter(args.url, args.threads)

@@ -34,7 +34,6 @@ import json
 import os
 import platform
 import shutil
-import statistics
 import sys
 import time
 from datetime import UTC, datetime
@@ -42,6 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from bench import citus, flowcost, hot, mapitems, months, pgbench, retention, scenario
+from bench.measure import median
 from bench.report import dated_path, render, render_headline, write
 from bench.scenario import System
 from bench.workload import COMPOSER, make_template
@@ -160,12 +160,7 @@ def _procrastinate() -> Any:
         from bench import peer_procrastinate
     except ImportError:
         return None
-    try:
-        peer_procrastinate.version()
-        import procrastinate  # noqa: F401
-    except Exception:
-        return None
-    return peer_procrastinate
+    return peer_procrastinate if peer_procrastinate.installed() else None
 
 
 def _log(message: str) -> None:
@@ -285,14 +280,10 @@ def run_leg(args: argparse.Namespace, server: servers.Server, peer: Any, skip: s
     return summarize(results, server, leg_peer, args, began, load_before)
 
 
-def _median(values: list[float]) -> float | None:
-    return statistics.median(values) if values else None
-
-
 def _median_by_key(dicts: list[dict[str, float]]) -> dict[str, float | None]:
     """Per key, the median of the values the dicts have for it."""
     keys = sorted({k for d in dicts for k in d})
-    return {k: _median([d[k] for d in dicts if k in d]) for k in keys}
+    return {k: median([d[k] for d in dicts if k in d]) for k in keys}
 
 
 def aggregate(throughput: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -308,13 +299,13 @@ def aggregate(throughput: list[dict[str, Any]]) -> list[dict[str, Any]]:
             mine = [r for r in same if r["system"] == system]
             row[system] = None if not mine else {
                 "rounds": len(mine),
-                "runs_per_s": _median([r["runs_per_s"] for r in mine]),
-                "transitions_per_s": _median([r["transitions_per_s"] for r in mine]),
+                "runs_per_s": median([r["runs_per_s"] for r in mine]),
+                "transitions_per_s": median([r["transitions_per_s"] for r in mine]),
                 "runs_per_s_all": [r["runs_per_s"] for r in mine],
-                "server_cpu_ms_per_run": _median([r["cpu"]["server_ms_per_item"] for r in mine
+                "server_cpu_ms_per_run": median([r["cpu"]["server_ms_per_item"] for r in mine
                                                   if r["cpu"]["server_ms_per_item"] is not None]),
-                "process_cpu_ms_per_run": _median([r["cpu"]["processes_ms_per_item"] for r in mine]),
-                "empty_claim_share": _median([r["claims"]["empty_share"] for r in mine
+                "process_cpu_ms_per_run": median([r["cpu"]["processes_ms_per_item"] for r in mine]),
+                "empty_claim_share": median([r["claims"]["empty_share"] for r in mine
                                               if (r.get("claims") or {}).get("empty_share") is not None]),
                 "empty_claim_share_by_reason": _median_by_key(
                     [(r.get("claims") or {}).get("empty_share_by_reason") or {} for r in mine]),
@@ -326,7 +317,7 @@ def aggregate(throughput: list[dict[str, Any]]) -> list[dict[str, Any]]:
             if c and p and p[0]["runs_per_s"]:
                 ratios.append(c[0]["runs_per_s"] / p[0]["runs_per_s"])
         row["ratios"] = ratios
-        row["ratio"] = _median(ratios)
+        row["ratio"] = median(ratios)
         rows.append(row)
     return rows
 

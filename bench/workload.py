@@ -10,7 +10,6 @@ no-op handler, as the peer's job, so what is measured is the engine.
 from __future__ import annotations
 
 import os
-import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -122,10 +121,7 @@ def make_template(server: Server, name: str, target: int | None = None) -> str:
 def spawn_cluster(url: str, workers: int, root: Path = ROOT, *, coordinators: int = 1) -> ProcessGroup:
     """W worker processes (concurrency 4 each) and the coordinator, ready to work."""
     group = ProcessGroup(f"composer x{workers}", root)
-    fd, log = tempfile.mkstemp(prefix="bench-claims-", suffix=".jsonl")
-    os.close(fd)
-    group.claim_log = Path(log)
-    env = {"COMPOSER_DATABASE_URL": url, "BENCH_CONCURRENCY": str(CONCURRENCY), "BENCH_CLAIM_LOG": log}
+    env = {"COMPOSER_DATABASE_URL": url, "BENCH_CONCURRENCY": str(CONCURRENCY), **group.count_claims()}
     for _ in range(workers):
         group.spawn(["-m", "composer_ops", "worker", "--app", "bench.workload:make_worker"], env=env)
     for _ in range(coordinators):

@@ -19,12 +19,13 @@ def test_every_variant_claims_and_is_measured(server: Server) -> None:
         out = claim_parts.measure(server, template, claims=3, rounds=2)
     finally:
         server.drop_database(template)
-    assert set(out["median"]) == {"engine", "engine, registering", "month function called directly",
+    assert set(out["median"]) == {"engine, not registering", "engine, registering", "month function called directly",
                                   "pick as one statement", "both", "plain statement"}
     per = out["server_ms_per_claim"]
     assert all(len(v) == 2 and min(v) >= 0 for v in per.values())
     assert sum(sum(v) for v in per.values()) > 0      # (a backend's CPU read in 10 ms ticks may show 0 for 3 claims)
-    assert out["over_engine"]["engine"] in (1.0, None)
+    assert out["over_engine"]["engine, not registering"] in (1.0, None)
+    assert isinstance(out["cpu_exact"], bool)
     with psycopg.connect(server.admin_url) as conn:
         left = conn.execute("SELECT datname FROM pg_database WHERE datname LIKE 'bench_claim_parts%%'").fetchall()
     assert left == []

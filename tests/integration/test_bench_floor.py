@@ -14,7 +14,7 @@ from typing import Any
 import psycopg
 import pytest
 
-from bench import floor
+from bench import floor, scenario
 from bench.producer import UNFINISHED
 from bench.workload import ONE_TASK, make_template, noop
 from composer_ops import Engine, Worker
@@ -78,16 +78,52 @@ def url(server: Server) -> Any:
         server.drop_database("bench_tpl_floor_test")
 
 
+def _claim_function_calls(url: str) -> int:
+    with psycopg.connect(url) as conn:
+        row = conn.execute("SELECT COALESCE(sum(calls), 0) FROM pg_stat_user_functions "
+                           "WHERE funcname = 'composer_claim'").fetchone()
+    assert row is not None
+    return int(row[0])
+
+
 @pytest.mark.parametrize("engine_claim", [False, True], ids=["plain-claim", "engine-claim"])
 def test_the_floor_worker_finishes_its_own_and_the_engines_starts(url: str, engine_claim: bool) -> None:
+    with psycopg.connect(url, autocommit=True) as conn:       # the sessions opened from now on count calls
+        conn.execute("SELECT current_database()")
+        conn.execute(f"ALTER DATABASE {conn.info.dbname} SET track_functions = 'pl'")
     runs = _floor_starts(url, 20)
     with Engine.connect(url, pool_size=1) as engine:
         runs += [engine.start(ONE_TASK["id"]) for _ in range(20)]
     assert len(set(runs)) == 40
     stop = threading.Event()
-    _drive(url, threading.Thread(target=floor.work, args=(url, 2, stop), kwargs={"engine_claim": engine_claim},
+    counts: dict[str, int] = {}
+    _drive(url, threading.Thread(target=lambda: counts.update(floor.work(url, 2, stop, engine_claim=engine_claim)),
                                  daemon=True), stop.set)
     _check_runs(url, runs)
+    assert counts["tasks"] == 40 and counts["claims"] == counts["tasks"] + counts["empty"]
+    # The claims went where they were asked to (the sessions' counts are flushed as they closed).
+    assert (_claim_function_calls(url) >= counts["claims"]) if engine_claim else _claim_function_calls(url) == 0
+
+
+def test_the_floor_and_each_hybrid_drain_through_their_processes(server: Server) -> None:
+    """Through `python -m bench.floor worker` and `bench.producer floor`, as the
+    benchmark runs them: each system finishes every run, and the worker that counts its
+    claims is the one the system names (the floor's count has no reasons, Composer's has)."""
+    template = make_template(server, "bench_tpl_floor_drain_test")
+    # system: (whose starts, whether the floor's worker)
+    expected = {"floor": ("floor", True), "floor-engine-claim": ("floor", True),
+                "composer-start-floor-worker": ("composer", True), "floor-start-composer-worker": ("floor", False)}
+    try:
+        for system in (floor.FLOOR, *floor.HYBRIDS.values()):
+            out = scenario.drain(system, server, template, workers=1, items=30)
+            assert out["runs"] == 30, system.tag
+            claims = out["claims"]
+            assert claims is not None and claims["processes"] == 1 and claims["tasks"] == 30, (system.tag, claims)
+            starts, floor_worker = expected[system.tag]
+            assert system.name == starts, system.tag
+            assert (claims["by_reason"] == {}) == floor_worker, (system.tag, claims)
+    finally:
+        server.drop_database(template)
 
 
 def test_the_engines_worker_finishes_the_floors_starts(url: str) -> None:
@@ -132,3 +168,17 @@ def test_bad_arguments_are_refused_before_any_server_starts(argv: list[str], say
     assert stopped.value.code == 2
     err = capsys.readouterr().err
     assert says in err and len(err.strip().splitlines()[-1]) < 200
+
+
+def test_the_summary_leaves_out_a_round_that_measured_no_cpu() -> None:
+    """A window that finished no run has no CPU per run: its round counts for the rate
+    and not for CPU, and the summary does not fail (the whole run would be lost)."""
+    rows = [_row("floor", "sustained", 0, 1000, 0.5, 0.5), _row("procrastinate", "sustained", 0, 500, 1.0, 1.0),
+            {**_row("floor", "sustained", 1, 0, 0.0, 0.0), "cpu": {"server_ms_per_item": None,
+                                                                 "processes_ms_per_item": None}},
+            _row("procrastinate", "sustained", 1, 600, 1.2, 1.2)]
+    out = floor.summarize(rows, rounds=2)
+    assert out["median"]["sustained"]["floor"] == {"runs_per_s": 500, "cpu_ms_per_run": 1.0,
+                                                   "server_ms_per_run": 0.5, "processes_ms_per_run": 0.5}
+    assert out["ratios"]["sustained"]["floor"]["runs_per_s_rounds"] == [2.0, 0.0]
+    assert out["ratios"]["sustained"]["floor"]["cpu_rounds"] == [0.5]
