@@ -187,14 +187,19 @@ class Plain:
         ``composer_claim`` (:data:`ENGINE_CLAIM`) instead of the plain statement."""
         self.auto = psycopg.connect(url, autocommit=True, application_name=application_name)
         self._claim = ENGINE_CLAIM.format(fn="composer_claim", channel="NULL", seen="NULL") if engine_claim else CLAIM
-        self.pid = int(self.auto.execute("SELECT pg_backend_pid()").fetchone()[0])  # type: ignore[index]
-        # What the engine's claim sets for its own statements (sql/R__claim.sql): the
-        # pick follows the outbox index's order rather than reading and sorting the backlog.
-        for setting in ("enable_seqscan", "enable_bitmapscan", "jit"):
-            self.auto.execute(f"SET {setting} = off")
-        row = self.auto.execute("SELECT version FROM workflow_definitions WHERE id = %s ORDER BY version DESC LIMIT 1",
-                                (ONE_TASK["id"],)).fetchone()
+        try:
+            self.pid = int(self.auto.execute("SELECT pg_backend_pid()").fetchone()[0])  # type: ignore[index]
+            # What the engine's claim sets for its own statements (sql/R__claim.sql): the pick
+            # follows the outbox index's order rather than reading and sorting the backlog.
+            for setting in ("enable_seqscan", "enable_bitmapscan", "jit"):
+                self.auto.execute(f"SET {setting} = off")
+            row = self.auto.execute("SELECT version FROM workflow_definitions WHERE id = %s "
+                                    "ORDER BY version DESC LIMIT 1", (ONE_TASK["id"],)).fetchone()
+        except BaseException:
+            self.auto.close()
+            raise
         if row is None:
+            self.auto.close()
             raise RuntimeError(f"{ONE_TASK['id']} is not deployed")
         self.version = int(row[0])
         self.month = month_of(_id())

@@ -214,6 +214,7 @@ def sustained_on(system: System, url: str, *, workers: int, duration: float, wor
             time.sleep(duration)
             w1 = clock.now()
             meter.stop()
+            group.check_alive()     # a worker that died in the window: no figures from it
             produced = read_json_line(producer, timeout=120)    # closes its input: --until-eof stops it
             time.sleep(min(2.0, duration / 4))   # let the window's in-flight items finish
     finally:

@@ -182,3 +182,16 @@ def test_the_summary_leaves_out_a_round_that_measured_no_cpu() -> None:
                                                    "server_ms_per_run": 0.5, "processes_ms_per_run": 0.5}
     assert out["ratios"]["sustained"]["floor"]["runs_per_s_rounds"] == [2.0, 0.0]
     assert out["ratios"]["sustained"]["floor"]["cpu_rounds"] == [0.5]
+
+
+def test_a_failing_slot_stops_the_floor_worker_and_raises(server: Server) -> None:
+    """A slot that cannot work (here: no workflow deployed) stops the others, and the
+    worker raises its error instead of serving on with fewer slots."""
+    empty = server.create_database("bench_floor_empty_test")
+    try:
+        stop = threading.Event()
+        with pytest.raises(Exception, match="bench-one is not deployed|workflow_definitions"):
+            floor.work(empty, 2, stop)
+        assert stop.is_set()
+    finally:
+        server.drop_database("bench_floor_empty_test")
