@@ -59,7 +59,7 @@ from bench.layers import Claimed, Plain
 from bench.measure import COMPOSER_UNITS, median
 from bench.procs import ROOT, ProcessGroup, connections, wait_until
 from bench.producer import UNFINISHED
-from bench.report import measured_run, parser, publish, require_binaries, stderr_log
+from bench.report import figure, measured_run, parser, publish, require_binaries, stderr_log
 from bench.scenario import System
 from bench.workload import COMPOSER, run_window, spawn_cluster
 
@@ -243,10 +243,10 @@ def summarize(rows: list[dict[str, Any]], rounds: int) -> dict[str, Any]:
         for name in names:
             own = [row for row in mine if row["system"] == name]
             out["median"][mode][name] = {
-                "runs_per_s": median([row["runs_per_s"] for row in own]),
-                "cpu_ms_per_run": median([c for row in own if (c := _cpu(row)) is not None]),
-                "server_ms_per_run": median([c for row in own if (c := row["cpu"]["server_ms_per_item"]) is not None]),
-                "processes_ms_per_run": median([row["cpu"]["processes_ms_per_item"] for row in own])}
+                "runs_per_s": median(row["runs_per_s"] for row in own),
+                "cpu_ms_per_run": median(_cpu(row) for row in own),
+                "server_ms_per_run": median(row["cpu"]["server_ms_per_item"] for row in own),
+                "processes_ms_per_run": median(row["cpu"]["processes_ms_per_item"] for row in own)}
         out["ratios"][mode] = {}
         for name in names:
             if name == "procrastinate":
@@ -267,10 +267,6 @@ def summarize(rows: list[dict[str, Any]], rounds: int) -> dict[str, Any]:
     return out
 
 
-def _f(value: float | None, digits: int) -> str:
-    return "-" if value is None else f"{value:.{digits}f}"
-
-
 def table(result: dict[str, Any]) -> Table:
     t = Table(title=f"W=1, medians of {result['rounds']} rounds (PostgreSQL {result.get('server_version', '?')}); "
                     "ratios to Procrastinate, median of the rounds' ratios")
@@ -279,9 +275,9 @@ def table(result: dict[str, Any]) -> Table:
     for mode in MODES:
         for name, med in result["median"][mode].items():
             ratio = result["ratios"][mode].get(name) or {}
-            t.add_row(mode, name, _f(med["runs_per_s"], 0), _f(med["cpu_ms_per_run"], 3),
-                      _f(med["server_ms_per_run"], 3), _f(med["processes_ms_per_run"], 3),
-                      _f(ratio.get("runs_per_s"), 2), _f(ratio.get("cpu"), 2))
+            t.add_row(mode, name, figure(med["runs_per_s"], 0), figure(med["cpu_ms_per_run"], 3),
+                      figure(med["server_ms_per_run"], 3), figure(med["processes_ms_per_run"], 3),
+                      figure(ratio.get("runs_per_s"), 2), figure(ratio.get("cpu"), 2))
     return t
 
 

@@ -16,7 +16,8 @@ from rich.console import Console
 from rich.table import Table
 
 
-def _f(value: Any, digits: int = 0, suffix: str = "") -> str:
+def figure(value: Any, digits: int = 0, suffix: str = "") -> str:
+    """A table cell: ``-`` for None, a float to ``digits`` places with thousands separators."""
     if value is None:
         return "-"
     if isinstance(value, float):
@@ -37,12 +38,12 @@ def throughput_table(rows: list[dict[str, Any]]) -> Table:
         def cpu(side: dict[str, Any] | None) -> str:
             if not side:
                 return "-"
-            return f"{_f(side['server_cpu_ms_per_run'], 2)} + {_f(side['process_cpu_ms_per_run'], 2)}"
+            return f"{figure(side['server_cpu_ms_per_run'], 2)} + {figure(side['process_cpu_ms_per_run'], 2)}"
 
         table.add_row(label, str(row["workers"]), str((c or p or {}).get("rounds", "")),
-                      _f(c and c["runs_per_s"], 0), _f(c and c["transitions_per_s"], 0),
-                      _f(p and p["runs_per_s"], 0), _f(row.get("ratio"), 2), cpu(c), cpu(p),
-                      _f(c and c.get("empty_claim_share") is not None and c["empty_claim_share"] * 100, 0, "%"))
+                      figure(c and c["runs_per_s"], 0), figure(c and c["transitions_per_s"], 0),
+                      figure(p and p["runs_per_s"], 0), figure(row.get("ratio"), 2), cpu(c), cpu(p),
+                      figure(c and c.get("empty_claim_share") is not None and c["empty_claim_share"] * 100, 0, "%"))
     return table
 
 
@@ -54,8 +55,8 @@ def latency_table(rows: list[dict[str, Any]]) -> Table:
         u = r["units"]
         rate = f" @{r['target_rate']:.0f}/s" if r.get("target_rate") else ""
         table.add_row(r["system"], f"{r['workflow']}, {r['mode']}{rate}", str(r["workers"]),
-                      _f(u["start_to_claim_p50_ms"], 1), _f(u["start_to_claim_p99_ms"], 1),
-                      _f(u["claim_to_complete_p50_ms"], 1), _f(u["claim_to_complete_p99_ms"], 1))
+                      figure(u["start_to_claim_p50_ms"], 1), figure(u["start_to_claim_p99_ms"], 1),
+                      figure(u["claim_to_complete_p50_ms"], 1), figure(u["claim_to_complete_p99_ms"], 1))
     return table
 
 
@@ -66,10 +67,10 @@ def hot_table(hot: dict[str, Any]) -> Table:
         table.add_column(col, justify="left" if col == "phase" else "right")
     for phase in ("steady", "long_tasks", "heartbeats"):
         b, a = hot["before"]["phases"][phase], hot["after"]["phases"][phase]
-        table.add_row(phase, _f(b["hot_ratio"] and b["hot_ratio"] * 100, 0, "%"),
-                      _f(a["hot_ratio"] and a["hot_ratio"] * 100, 0, "%") if a["hot_ratio"] is not None else "-",
-                      _f(b["index_writes_per_row_write"], 2), _f(a["index_writes_per_row_write"], 2),
-                      _f(b["wal_bytes_per_row_write"], 0), _f(a["wal_bytes_per_row_write"], 0))
+        table.add_row(phase, figure(b["hot_ratio"] and b["hot_ratio"] * 100, 0, "%"),
+                      figure(a["hot_ratio"] and a["hot_ratio"] * 100, 0, "%") if a["hot_ratio"] is not None else "-",
+                      figure(b["index_writes_per_row_write"], 2), figure(a["index_writes_per_row_write"], 2),
+                      figure(b["wal_bytes_per_row_write"], 0), figure(a["wal_bytes_per_row_write"], 0))
     return table
 
 
@@ -79,16 +80,16 @@ def ceiling_table(summary: dict[str, Any]) -> Table:
     table.add_column("value", justify="right")
     pg = summary["results"].get("pgbench") or {}
     for clients, tps in (pg.get("tps_by_clients") or {}).items():
-        table.add_row(f"pgbench -N TPS, {clients} clients", _f(tps, 0))
+        table.add_row(f"pgbench -N TPS, {clients} clients", figure(tps, 0))
     if summary.get("composer_runs_per_s") and summary.get("pgbench_tps"):
         table.add_row("1-task runs/s x 3 commits / best pgbench TPS",
-                      _f(summary["composer_runs_per_s"] * 3 / summary["pgbench_tps"] * 100, 0, "%"))
+                      figure(summary["composer_runs_per_s"] * 3 / summary["pgbench_tps"] * 100, 0, "%"))
     ret = summary["results"].get("retention")
     if ret:
-        table.add_row(f"drop a month ({ret['task_rows_per_month']:,} task rows), s", _f(ret["drop"]["seconds"], 2))
-        table.add_row("DELETE the same rows, s", _f(ret["delete"]["seconds"], 2))
-        table.add_row("  + VACUUM, s", _f(ret["delete"]["vacuum_seconds"], 2))
-        table.add_row("DELETE / drop", _f(ret["delete_over_drop"], 0, "x"))
+        table.add_row(f"drop a month ({ret['task_rows_per_month']:,} task rows), s", figure(ret["drop"]["seconds"], 2))
+        table.add_row("DELETE the same rows, s", figure(ret["delete"]["seconds"], 2))
+        table.add_row("  + VACUUM, s", figure(ret["delete"]["vacuum_seconds"], 2))
+        table.add_row("DELETE / drop", figure(ret["delete_over_drop"], 0, "x"))
     return table
 
 
@@ -103,8 +104,9 @@ def notebooks_table(nb: dict[str, Any]) -> Table:
     table.add_column("ok")
     for item in nb.get("items", []):
         each = " / ".join(f"{t:.2f}" for t in item.get("seconds_each") or [])
-        table.add_row(item["name"], _f(item.get("seconds"), 2), each, _f(item.get("notebook_seconds"), 2),
-                      _f(item.get("rows")), _f(item.get("peak_rss_mb"), 0), "" if item.get("ok", True) else "FAILED")
+        table.add_row(item["name"], figure(item.get("seconds"), 2), each, figure(item.get("notebook_seconds"), 2),
+                      figure(item.get("rows")), figure(item.get("peak_rss_mb"), 0),
+                      "" if item.get("ok", True) else "FAILED")
     return table
 
 
@@ -140,11 +142,12 @@ def months_table(mon: dict[str, Any]) -> Table:
         table.add_column(col, justify="right")
     for m, e in mon["by_months"].items():
         lk = e["locks"]
-        table.add_row(m, str(e["partitions_per_table"]), _f(e["claim_p50_ms"], 2), _f(e["claim_p99_ms"], 2),
-                      _f(e.get("claim_server_cpu_ms"), 3), _f(e["heartbeat_p50_ms"], 2), _f(e["complete_p50_ms"], 2),
+        table.add_row(m, str(e["partitions_per_table"]), figure(e["claim_p50_ms"], 2), figure(e["claim_p99_ms"], 2),
+                      figure(e.get("claim_server_cpu_ms"), 3), figure(e["heartbeat_p50_ms"], 2),
+                      figure(e["complete_p50_ms"], 2),
                       str(lk["claim"]), str(lk["heartbeat"]), str(lk["complete (event transaction)"]),
                       str(lk["sweeper scan"]), str(lk["timer scan"]), str(lk.get("active floor read", "-")),
-                      _f(e["runs_per_s"], 0))
+                      figure(e["runs_per_s"], 0))
     return table
 
 
@@ -160,10 +163,11 @@ def citus_table(case: dict[str, Any]) -> Table:
         table.add_column(col, justify="right")
     for nodes, entry in by_nodes.items():
         for mode, e in entry["summary"].items():
-            table.add_row(nodes, mode, _f(e["single_runs_per_s"], 0), _f(e["citus_runs_per_s"], 0), _f(e["ratio"], 2),
-                          ", ".join(_f(r, 2) for r in entry["ratios"][mode]),
-                          _f(e.get(f"ratio_to_{first}_worker_nodes"), 2), _f(e["single_cpu_ms_per_run"], 1),
-                          _f(e["citus_cpu_ms_per_run"], 1))
+            table.add_row(nodes, mode, figure(e["single_runs_per_s"], 0), figure(e["citus_runs_per_s"], 0),
+                          figure(e["ratio"], 2),
+                          ", ".join(figure(r, 2) for r in entry["ratios"][mode]),
+                          figure(e.get(f"ratio_to_{first}_worker_nodes"), 2), figure(e["single_cpu_ms_per_run"], 1),
+                          figure(e["citus_cpu_ms_per_run"], 1))
     return table
 
 
