@@ -35,7 +35,12 @@ from composer_ops.core.attempts import Attempt, HistoryRow, attempts
 from composer_ops.core.cutoff import parse_cutoff
 from composer_ops.engine import Engine, Worker
 from composer_ops.engine.webhooks import RelayPolicy
-from composer_ops.engine.worker import DEFAULT_SHUTDOWN_TIMEOUT_S, check_shutdown_timeout
+from composer_ops.engine.worker import (
+    DEFAULT_SHUTDOWN_TIMEOUT_S,
+    MAX_PREFETCH,
+    SHORT_HANDLER_S,
+    check_shutdown_timeout,
+)
 from composer_ops.errors import Invalid, ShutdownTimeout
 
 
@@ -111,6 +116,11 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
                help="module:attribute naming a Worker, or a function taking an Engine and returning one")
     env_option(work, "--concurrency", env="COMPOSER_WORKER_CONCURRENCY", type=int,
                help="override the Worker's concurrency")
+    env_option(work, "--prefetch", env="COMPOSER_WORKER_PREFETCH", type=int, metavar="N",
+               help="override the Worker's prefetch: tasks its claims may take beyond its free slots while "
+                    f"its handlers are short (each of its last ones within {SHORT_HANDLER_S:g} s), held for the "
+                    f"next slot that frees, their leases extended meanwhile (0 to {MAX_PREFETCH}; 0: free slots "
+                    "only)")
     env_option(work, "--registry-interval", env="COMPOSER_WORKER_REGISTRY_INTERVAL", type=float, metavar="SECONDS",
                help="override the seconds between the worker's heartbeats in the workers registry (10); "
                     "`workers list` calls a worker dead after three intervals without one")
@@ -487,6 +497,8 @@ def cmd_worker(args: argparse.Namespace) -> int:
         raise Invalid("worker needs --app module:attribute (or COMPOSER_WORKER_APP)")
     if args.concurrency is not None and args.concurrency < 1:
         raise Invalid(f"--concurrency must be at least 1, got {args.concurrency}")
+    if args.prefetch is not None and not 0 <= args.prefetch <= MAX_PREFETCH:
+        raise Invalid(f"--prefetch must be from 0 to {MAX_PREFETCH} tasks, got {args.prefetch}")
     if args.registry_interval is not None and not 0 < args.registry_interval <= 3600:
         raise Invalid(f"--registry-interval must be more than 0 and at most 3600 seconds, "
                       f"got {args.registry_interval:g}")
@@ -497,6 +509,8 @@ def cmd_worker(args: argparse.Namespace) -> int:
         worker = load_app(args.app, target, engine)
         if args.concurrency:
             worker.concurrency = args.concurrency
+        if args.prefetch is not None:
+            worker.prefetch = args.prefetch
         worker.shutdown_timeout = shutdown_timeout
         if args.registry_interval is not None:
             worker.registry_interval = args.registry_interval

@@ -12,7 +12,7 @@ from composer_ops.repo.outbox import ClaimAsk
 from composer_ops.repo.rows import Claim
 
 if TYPE_CHECKING:
-    from composer_ops.engine.worker import Worker
+    from composer_ops.engine.worker import TaskContext, Worker
 
 
 class ReportClaim:
@@ -25,7 +25,10 @@ class ReportClaim:
     worker was woken for tasks (its own wake-ups or the shared channel's word) and is not
     stopping. With free slots, and the worker's claim lock free, it takes the lock there
     and holds it until :meth:`finish`, claiming for those slots too, as the claim loop
-    would (which takes the same lock): the two never claim for the same slot. Otherwise
+    would (which takes the same lock): the two never claim for the same slot; so too,
+    with the lock, for the tasks the worker may hold ahead (``prefetch``). While the
+    worker holds such tasks and the lock is not to be had, it makes no claim: its slot
+    takes the oldest held task next. Otherwise
     it claims for the reporting slot alone, which no other claim counts, without the
     lock: a report never waits for it (it holds a connection and its run's row lock;
     the claim loop may be waiting for a connection with the lock held), and the reports
@@ -61,16 +64,23 @@ class ReportClaim:
         if w._stop.is_set() or w._claims_over.is_set() or not w._woken():
             self._declined = True
             return None
-        if w._free_slots() > 0 and w._claim_lock.acquire(blocking=False):
+        if (w._free_slots() > 0 or w._ahead()) and w._claim_lock.acquire(blocking=False):
             self._locked = True
+        elif w._holding():
+            # Tasks wait for a slot (claimed ahead): this slot takes the first of them, so a
+            # claim for it alone would put a new task before them.
+            self._declined = True
+            return None
         try:
-            free = w._free_slots() + 1 if self._locked else 1      # the reporting slot's too
-            taken = w._take_wakeups(free, woken=True)
+            free = max(w._free_slots(), 0) + 1 if self._locked else 1      # the reporting slot's too
+            ahead = w._claim_ahead(1) if self._locked else 0
+            taken = w._take_wakeups(max(free, ahead), woken=True)
             if taken is None:                     # the claim loop took the wake-ups meanwhile
                 self._declined = True
                 self._release()
                 return None
             limit, self._reason, seen, self._own, self._told_all = taken
+            limit = max(limit, ahead)
             self._free = free
             self._ask = w.engine.next_claim(w.queues, w.worker_id, limit, list(w._handlers), wake=w._wake_channel,
                                             room=free, seen=seen, busy=w._busy_runs(self._reporting),
@@ -84,7 +94,7 @@ class ReportClaim:
         return self._ask
 
     def finish(self, claimed: tuple[Claim, ...] | None,
-               slots: queue.SimpleQueue[tuple[Claim, float] | None]) -> tuple[Claim, float] | None:
+               slots: queue.SimpleQueue[TaskContext | None]) -> TaskContext | None:
         """After the report (``claimed``: ``Outcome.claimed``, None when it failed):
         count the claim, hand the tasks past the first to ``slots``, give back the
         wake-ups of a claim not made, release the claim lock. Returns the first task."""
@@ -99,8 +109,11 @@ class ReportClaim:
             # got its task leaves the worker as it was.
             w._count_claim(self._reason, claimed,
                            None if claimed and not self._locked else len(claimed) >= self._free)
+            if w._holding():
+                return w._next_after_held(claimed, self._at, slots)
+            first = w._hold(claimed[0], self._at) if claimed else None
             w._hand_out(claimed[1:], self._at, slots)
-            return (claimed[0], self._at) if claimed else None
+            return first
         finally:
             self._release()
             with w._wake_lock:

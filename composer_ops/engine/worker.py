@@ -9,7 +9,11 @@ either way leaving tasks a dispatch handed to other workers with wake-ups to tak
 to them, for a second), polling as the fallback (a poll takes any task). A busy
 worker is handed wake-ups beyond its room for tasks no worker has room for, and claims
 them with its reports, each in the report's transaction; the reporting slot goes on to
-its next task at once. Everything about a running handler is keyed by its attempt, so
+its next task at once. With ``prefetch`` N, while its handlers are short (each of the
+last ones finished within :data:`SHORT_HANDLER_S`, none running longer), its claims
+take up to N tasks beyond its free slots, held for the next slot that frees, their
+leases extended by its heartbeats as a running task's. Everything about a running
+handler is keyed by its attempt, so
 a late attempt finishing cannot touch the current one. ``run()`` installs no signal
 handlers; after ``stop()`` it unregisters (no wake-up is handed to it, and those it had
 not claimed for are told to the other workers), then waits at most
@@ -19,6 +23,7 @@ not claimed for are told to the other workers), then waits at most
 
 from __future__ import annotations
 
+import collections
 import logging
 import math
 import os
@@ -50,6 +55,15 @@ Handler = Callable[[Any, "TaskContext"], Any]
 #: How long a woken worker's claim loop leaves its free slots to its reports under way,
 #: which claim for them in their transactions, before it claims for them itself.
 REPORT_WAIT_S = 0.05
+#: A worker with ``prefetch`` claims ahead only while its handlers are short: each of
+#: its last ``2 x concurrency`` (at least 8) finished within this many seconds, and none
+#: running has run longer. A task it holds then waits for a slot about as long as
+#: ``prefetch / concurrency`` (rounded up) handlers take; a handler that runs longer
+#: stops the claims ahead at once.
+SHORT_HANDLER_S = 0.5
+#: The most tasks a worker may hold beyond its slots (``prefetch``): each held task is
+#: heartbeated as a running one.
+MAX_PREFETCH = 100
 #: What started a worker's claim, the keys of :meth:`Worker.claim_counts`.
 CLAIM_REASONS = ("own", "shared", "room")
 
@@ -80,8 +94,11 @@ class TaskContext:
     #: why the lease is lost, for the run's history
     _loss: str = field(default="", repr=False)
     _reporting: bool = field(default=False, repr=False)
-    #: set when a shutdown gave up waiting for the handler: no more heartbeats
+    #: set when a shutdown gave up waiting for the handler: no more heartbeats (one
+    #: still waiting for a slot is never started)
     _abandoned: bool = field(default=False, repr=False)
+    #: monotonic instant its handler began; None while it waits for a slot (held)
+    _started: float | None = field(default=None, repr=False)
 
     @property
     def key(self) -> AttemptKey:
@@ -114,12 +131,14 @@ class Worker:
     def __init__(self, engine: Engine, queues: Sequence[str] = ("default",), concurrency: int = 4, *,
                  poll_interval: float = 1.0, worker_id: str | None = None,
                  on_result: Callable[[Result], None] | None = None,
-                 shutdown_timeout: float | None = None, registry_interval: float = 10.0) -> None:
+                 shutdown_timeout: float | None = None, registry_interval: float = 10.0,
+                 prefetch: int = 0) -> None:
         if not queues or isinstance(queues, str | bytes) or any(not isinstance(q, str) or not q for q in queues):
             raise Invalid(f"queues must be a non-empty list of queue names, got {queues!r}")
         if concurrency < 1:
             raise Invalid(f"concurrency must be at least 1, got {concurrency}")
         check_shutdown_timeout(shutdown_timeout)
+        check_prefetch(prefetch)
         if not 0 < registry_interval <= 3600:
             raise Invalid(f"registry interval must be more than 0 and at most 3600 seconds, got {registry_interval}")
         self.engine = engine
@@ -133,6 +152,9 @@ class Worker:
         #: Seconds between the worker's heartbeats in the workers registry: one small
         #: update per interval, however many tasks it runs.
         self.registry_interval = registry_interval
+        #: Tasks its claims may take beyond its free slots while its handlers are short
+        #: (:data:`SHORT_HANDLER_S`), held for the next slot that frees.
+        self.prefetch = prefetch
         self._handlers: dict[str, Handler] = {}
         self._stop = threading.Event()
         self._wake = threading.Event()
@@ -169,8 +191,11 @@ class Worker:
         self._claims_over = threading.Event()
         self._inflight = 0            # handed to a slot and not yet finished; guarded by _active_lock
         self._idle = threading.Condition()      # notified whenever an attempt finishes
+        #: held for a slot or running (the heartbeat loop extends their leases); guarded by _active_lock
         self._active: dict[AttemptKey, TaskContext] = {}
         self._active_lock = threading.Lock()
+        #: how long its last handlers took (:meth:`_ahead`); guarded by _active_lock
+        self._durations: collections.deque[float] = collections.deque(maxlen=max(8, 2 * concurrency))
 
     def handler(self, name: str) -> Callable[[Handler], Handler]:
         """Register the function that runs tasks whose node says ``"task": name``."""
@@ -205,7 +230,10 @@ class Worker:
             raise Invalid("the worker has no handlers; register one with @worker.handler(name)")
         self._done.clear()
         self._claims_over.clear()
-        slots: queue.SimpleQueue[tuple[Claim, float] | None] = queue.SimpleQueue()
+        check_prefetch(self.prefetch)           # set after construction (the CLI's --prefetch)
+        with self._active_lock:
+            self._durations = collections.deque(maxlen=max(8, 2 * self.concurrency))
+        slots: queue.SimpleQueue[TaskContext | None] = queue.SimpleQueue()
         threads = [threading.Thread(target=self._slot, args=(slots,), name=f"composer-task-{i}", daemon=True)
                    for i in range(self.concurrency)]
         for thread in threads:
@@ -238,13 +266,15 @@ class Worker:
         if abandoned:
             names = ", ".join(f"task {c.task_id} attempt {c.attempt} (run {c.run_id}, node {c.node_id})"
                               for c in abandoned)
+            held = sum(c._started is None for c in abandoned)
+            waiting = f" and {held} task(s) held for a slot" if held else ""
             raise ShutdownTimeout(
-                f"worker {self.worker_id} stopped with {len(abandoned)} handler(s) still running after "
-                f"{self.shutdown_timeout:g}s; abandoned {names}: their leases are no longer extended, "
+                f"worker {self.worker_id} stopped with {len(abandoned) - held} handler(s) still running{waiting} "
+                f"after {self.shutdown_timeout:g}s; abandoned {names}: their leases are no longer extended, "
                 "so the tasks are retried after their leases lapse")
         log.info("worker %s stopped", self.worker_id)
 
-    def _claim_loop(self, slots: queue.SimpleQueue[tuple[Claim, float] | None]) -> None:
+    def _claim_loop(self, slots: queue.SimpleQueue[TaskContext | None]) -> None:
         failures = 0          # claims failed in a row
         deferring: float | None = None      # since when this loop has left the free slots to reports
         self._adopt_registration()
@@ -288,9 +318,13 @@ class Worker:
                     wait_since = time.monotonic()
                 else:
                     claimed_at = time.monotonic()
-                    taken = self._take_wakeups(free)
+                    # Ahead (prefetch), the claim may take more than the free slots: the
+                    # wake-ups it takes up are counted up to that, its room stays the slots'.
+                    ahead = self._claim_ahead(0)
+                    taken = self._take_wakeups(max(free, ahead))
                     assert taken is not None
                     limit, reason, seen, _own, _told = taken
+                    limit = max(limit, ahead)
                     try:
                         claims = self.engine.claim(self.queues, self.worker_id, limit,
                                                    task_names=list(self._handlers), wake=self._wake_channel,
@@ -315,12 +349,48 @@ class Worker:
                 failures = 0
 
     def _hand_out(self, claims: Sequence[Claim], claimed_at: float,
-                  slots: queue.SimpleQueue[tuple[Claim, float] | None]) -> None:
+                  slots: queue.SimpleQueue[TaskContext | None]) -> None:
         """Hand claimed tasks to the slots, each counted in flight from now."""
         for claim in claims:
             with self._active_lock:
                 self._inflight += 1
-            slots.put((claim, claimed_at))
+            slots.put(self._hold(claim, claimed_at))
+
+    def _hold(self, claim: Claim, claimed_at: float) -> TaskContext:
+        """The attempt of a task claimed at ``claimed_at`` (monotonic, no later than the
+        claim's transaction began): held until a slot runs it, its lease extended by the
+        heartbeat loop meanwhile."""
+        ctx = TaskContext(run_id=claim.run_id, node_id=claim.node_id, task_id=claim.task_id,
+                          attempt=claim.attempt, task=claim.task_name, _worker=self, _claim=claim,
+                          _held_until=claimed_at + claim.lease_s)
+        with self._active_lock:
+            self._active[ctx.key] = ctx
+        return ctx
+
+    def _ahead(self) -> int:
+        """How many tasks a claim may take beyond the free slots: ``prefetch`` while the
+        handlers are short (:data:`SHORT_HANDLER_S`), else none."""
+        if not self.prefetch:
+            return 0
+        now = time.monotonic()
+        with self._active_lock:
+            recent = self._durations
+            if len(recent) < (recent.maxlen or 0) or max(recent) > SHORT_HANDLER_S:
+                return 0
+            if any(c._started is not None and not c._reporting and now - c._started > SHORT_HANDLER_S
+                   for c in self._active.values()):
+                return 0
+        return self.prefetch
+
+    def _claim_ahead(self, reporting: int) -> int:
+        """What a claim may take in all with the tasks it holds ahead (:meth:`_ahead`):
+        up to ``concurrency + prefetch`` in flight, ``reporting`` of those in flight
+        being reported (their slots take the next)."""
+        ahead = self._ahead()
+        if not ahead:
+            return 0
+        with self._active_lock:
+            return self.concurrency + ahead - (self._inflight - reporting)
 
     def _reports_under_way(self) -> bool:
         with self._wake_lock:
@@ -487,10 +557,11 @@ class Worker:
             for ctx in abandoned:
                 ctx._abandoned = True
         for ctx in abandoned:
-            log.warning("abandoning task %s attempt %d of run %s at shutdown: its handler is still running; "
-                        "the lease is no longer extended", ctx.task_id, ctx.attempt, ctx.run_id,
+            doing = "still running" if ctx._started is not None else "not started (held for a slot)"
+            log.warning("abandoning task %s attempt %d of run %s at shutdown: its handler is %s; "
+                        "the lease is no longer extended", ctx.task_id, ctx.attempt, ctx.run_id, doing,
                         extra={"action": "abandon", "run_id": ctx.run_id})
-            self._note_loss(ctx._claim, f"abandoned at shutdown: the handler was still running after "
+            self._note_loss(ctx._claim, f"abandoned at shutdown: the handler was {doing} after "
                                         f"{self.shutdown_timeout:g}s; the lease is no longer extended")
         return abandoned
 
@@ -503,17 +574,57 @@ class Worker:
             log.warning("could not record the lost lease of task %s in run %s's history: %s", claim.task_id,
                         claim.run_id, exc)
 
-    def _slot(self, slots: queue.SimpleQueue[tuple[Claim, float] | None]) -> None:
+    def _slot(self, slots: queue.SimpleQueue[TaskContext | None]) -> None:
         while (item := slots.get()) is not None:
             # The slot goes on with the task its report claimed, if any (:meth:`_report`).
             while item is not None:
-                nxt: tuple[Claim, float] | None = None
+                nxt: TaskContext | None = None
                 try:
-                    nxt = self._execute(*item, slots=slots)
+                    nxt = self._execute(item, slots=slots)
                 finally:
                     if nxt is None:
                         self._release()
                 item = nxt
+
+    def _next_after_held(self, claimed: Sequence[Claim], claimed_at: float,
+                         slots: queue.SimpleQueue[TaskContext | None]) -> TaskContext | None:
+        """A report's slot's next task while tasks wait for a slot (:meth:`_holding`):
+        the oldest of them, with the tasks ``claimed`` with the report queued after it,
+        so no task claimed ahead waits behind newer ones. The reporting slot's count in
+        flight goes to the task returned, never counted twice. None (none held any more,
+        none claimed): the slot releases its count and takes from the queue."""
+        fresh = [self._hold(claim, claimed_at) for claim in claimed]
+        end = False                  # took a slot's end (run() ends the slots): put back last
+        try:
+            head = slots.get_nowait()
+            end = head is None
+        except queue.Empty:
+            head = None
+        if head is None:
+            if not fresh:
+                if end:
+                    slots.put(None)
+                return None
+            head, fresh = fresh[0], fresh[1:]
+            more = len(fresh)        # the slot's count goes to the first claimed
+        else:
+            more = len(fresh) - 1    # the oldest held was counted; the slot's task is done
+        with self._active_lock:
+            self._inflight += more
+        for ctx in fresh:
+            slots.put(ctx)
+        if end:
+            slots.put(None)
+        if more < 0:
+            with self._idle:
+                self._idle.notify_all()
+            self._wake.set()
+        return head
+
+    def _holding(self) -> bool:
+        """Whether tasks claimed ahead wait for a slot: more in flight than slots."""
+        with self._active_lock:
+            return self._inflight > self.concurrency
 
     def _free_slots(self) -> int:
         with self._active_lock:
@@ -560,22 +671,29 @@ class Worker:
 
     # -- one attempt ---------------------------------------------------------------
 
-    def _execute(self, claim: Claim, claimed_at: float, *,
-                 slots: queue.SimpleQueue[tuple[Claim, float] | None] | None = None) -> tuple[Claim, float] | None:
-        """Run ``claim``'s handler and report its result. With ``slots``, the report may
-        claim the next tasks (:meth:`_report`): this slot's is returned, with the instant
-        its claim began."""
-        ctx = TaskContext(run_id=claim.run_id, node_id=claim.node_id, task_id=claim.task_id,
-                          attempt=claim.attempt, task=claim.task_name, _worker=self, _claim=claim,
-                          _held_until=claimed_at + claim.lease_s)
-        with self._active_lock:
-            self._active[ctx.key] = ctx
+    def _execute(self, ctx: TaskContext, *,
+                 slots: queue.SimpleQueue[TaskContext | None] | None = None) -> TaskContext | None:
+        """Run the handler of ``ctx`` (:meth:`_hold`) and report its result. With
+        ``slots``, the report may claim the next tasks (:meth:`_report`): this slot's is
+        returned."""
+        claim = ctx._claim
         try:
-            if ctx.lease_lost:   # waited (a slow report's retries, a queue) past its lease: not run
-                self._dropped(claim, "its lease ran out before the handler started")
-                self._note_loss(claim, "its lease ran out before the handler started; the handler was not run")
+            started = time.monotonic()
+            with self._active_lock:
+                abandoned = ctx._abandoned
+                if not abandoned:
+                    ctx._started = started
+            if abandoned:        # held for a slot when shutdown gave up (_drain): never started
+                return None
+            found_gone = ctx._lost      # a heartbeat while it was held found the lease gone
+            if ctx.lease_lost:   # held (a slow report's retries, a queue) past its lease, or lost: not run
+                why = ctx._loss if found_gone else "its lease ran out"
+                self._dropped(claim, f"{why} before the handler started")
+                self._note_loss(claim, f"{why} before the handler started; the handler was not run")
                 return None
             outcome = self._call(claim, ctx)
+            with self._active_lock:
+                self._durations.append(time.monotonic() - started)
             ctx._reporting = True
             if ctx.lease_lost:   # the handler may have stopped half-way: never apply what it returned
                 self._dropped(claim, "its lease was lost while the handler ran")
@@ -606,10 +724,10 @@ class Worker:
         return "completed", output, True
 
     def _report(self, claim: Claim, status: str, value: Any, retryable: bool, *,
-                slots: queue.SimpleQueue[tuple[Claim, float] | None] | None = None) -> tuple[Claim, float] | None:
+                slots: queue.SimpleQueue[TaskContext | None] | None = None) -> TaskContext | None:
         """Report the attempt's result. With ``slots``, the report may claim the next
-        tasks in its transaction (:class:`ReportClaim`): this slot's next, returned with
-        the instant its claim began, and the free slots' (handed to ``slots``)."""
+        tasks in its transaction (:class:`ReportClaim`): this slot's next, returned, and
+        the others (handed to ``slots``)."""
         then = ReportClaim(self, (claim.task_id, claim.attempt)) if slots is not None and not self._stop.is_set() \
             and self.engine.claims_with_events else None
         claimed: tuple[Claim, ...] | None = None
@@ -723,6 +841,12 @@ def check_shutdown_timeout(value: float | None) -> None:
         return
     if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value < 0:
         raise Invalid(f"shutdown timeout must be a number of seconds >= 0, got {value!r}")
+
+
+def check_prefetch(value: object) -> None:
+    """A whole number of tasks from 0 (claim for free slots only) to :data:`MAX_PREFETCH`."""
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_PREFETCH:
+        raise Invalid(f"prefetch must be a whole number of tasks from 0 to {MAX_PREFETCH}, got {value!r}")
 
 
 def _describe(exc: BaseException) -> str:

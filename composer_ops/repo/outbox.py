@@ -134,8 +134,10 @@ class ClaimAsk:
     ``claim_id``. With ``wake`` (the channel ``owner`` listens on), the claim registers
     ``owner`` to be woken there by dispatches (:func:`enqueue`) for as many tasks as it
     has room for afterwards (``room``: the tasks ``owner`` had room for, default
-    ``limit``), less the wake-ups on their way to it (``seen``: the total of wake-ups
-    handed to ``owner`` it has taken up, the payloads of its channel; None: all).
+    ``limit``; a worker claiming ahead asks for more and may leave a room below zero,
+    which a dispatch's first pass skips and its second hands one wake-up at most), less
+    the wake-ups on their way to it (``seen``: the total of wake-ups handed to ``owner``
+    it has taken up, the payloads of its channel; None: all).
     ``busy``: the runs ``owner`` has tasks of in flight, whose ready tasks the claim
     takes after others of the same priority (sql/R__claim.sql composer_pick, "spread
     over runs"; not named on Citus, whose pick spreads only its own rows). ``woken``:
@@ -166,7 +168,7 @@ class ClaimAsk:
     def params(self) -> dict[str, Any]:
         return {"queues": list(self.queues), "owner": self.owner, "limit": self.limit, "claim": self.claim_id,
                 "channel": self.wake, "seen": self.seen,
-                "room": self.limit if self.room is None else max(self.room, self.limit),
+                "room": self.limit if self.room is None else self.room,
                 "names": list(self.task_names) if self.task_names is not None else None,
                 "busy": list(self.busy) if self.busy else None, "woken": self.woken}
 

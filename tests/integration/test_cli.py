@@ -71,6 +71,7 @@ def _bad_spec(tmp_path: Path, text: str, name: str = "bad.json") -> str:
     (["worker", "--app", APP, "--connect-wait", "-1"], "--connect-wait must be 0 or more"),
     (["coordinator", "--connect-wait", "-5"], "--connect-wait must be 0 or more"),
     (["worker", "--app", APP, "--concurrency", "0"], "--concurrency must be at least 1"),
+    (["worker", "--app", APP, "--prefetch", "-1"], "--prefetch must be from 0 to 100 tasks, got -1"),
     (["worker", "--app", "no_such_module_here:w"], "cannot import 'no_such_module_here'"),
     (["start"], "the following arguments are required"),
 ])
