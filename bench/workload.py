@@ -4,7 +4,9 @@
 
 A run counts when its ``workflow_runs`` row is completed; its units are its TASK rows.
 The worker processes run ``composer-ops worker --app bench.workload:make_worker``: one
-no-op handler, as the peer's job, so what is measured is the engine.
+no-op handler, as the peer's job, so what is measured is the engine. Each worker has 4
+slots, as the peer's, and claims ahead up to 4 tasks beyond them (``prefetch``, from
+2026-12-06; ``BENCH_PREFETCH`` sets it, 0 for none), which the peer has no option for.
 """
 
 from __future__ import annotations
@@ -40,6 +42,8 @@ FAN_OUT: dict[str, Any] = {
 
 WORKFLOWS = {"one": ONE_TASK, "fan": FAN_OUT}
 CONCURRENCY = 4
+#: Tasks each benchmark worker may claim beyond its slots (Worker's ``prefetch``).
+PREFETCH = 4
 PRODUCER_THREADS = 4
 
 
@@ -51,7 +55,8 @@ def make_worker(engine: Engine) -> Worker:
     """The benchmark's worker app: queue ``default``, handler ``noop``."""
     from composer_ops import Worker
 
-    worker = Worker(engine, queues=["default"], concurrency=int(os.environ.get("BENCH_CONCURRENCY", "4")))
+    worker = Worker(engine, queues=["default"], concurrency=int(os.environ.get("BENCH_CONCURRENCY", "4")),
+                    prefetch=int(os.environ.get("BENCH_PREFETCH", str(PREFETCH))))
     worker.handler("noop")(noop)
     if os.environ.get("BENCH_CLAIM_LOG"):
         _count_claims(worker, os.environ["BENCH_CLAIM_LOG"])
