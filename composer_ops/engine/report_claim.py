@@ -44,6 +44,7 @@ class ReportClaim:
         self._declined = False
         self._locked = False
         self._free = 0
+        self._limit = 0
         self._reason = ""
         self._own = 0
         self._told_all = False
@@ -82,6 +83,7 @@ class ReportClaim:
             limit, self._reason, seen, self._own, self._told_all = taken
             limit = max(limit, ahead)
             self._free = free
+            self._limit = limit
             self._ask = w.engine.next_claim(w.queues, w.worker_id, limit, list(w._handlers), wake=w._wake_channel,
                                             room=free, seen=seen, busy=w._busy_runs(self._reporting),
                                             woken=True)
@@ -107,6 +109,7 @@ class ReportClaim:
                 return None
             # What the claim left, for the claim loop: a claim for this slot alone that
             # got its task leaves the worker as it was.
+            w._backlog = len(claimed) >= self._limit
             w._count_claim(self._reason, claimed,
                            None if claimed and not self._locked else len(claimed) >= self._free)
             if w._holding():

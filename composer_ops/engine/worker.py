@@ -196,6 +196,8 @@ class Worker:
         self._active_lock = threading.Lock()
         #: how long its last handlers took (:meth:`_ahead`); guarded by _active_lock
         self._durations: collections.deque[float] = collections.deque(maxlen=max(8, 2 * concurrency))
+        #: whether its last claim got all it asked for: tasks may be left (:meth:`_ahead`)
+        self._backlog = False
 
     def handler(self, name: str) -> Callable[[Handler], Handler]:
         """Register the function that runs tasks whose node says ``"task": name``."""
@@ -233,6 +235,7 @@ class Worker:
         check_prefetch(self.prefetch)           # set after construction (the CLI's --prefetch)
         with self._active_lock:
             self._durations = collections.deque(maxlen=max(8, 2 * self.concurrency))
+        self._backlog = False
         slots: queue.SimpleQueue[TaskContext | None] = queue.SimpleQueue()
         threads = [threading.Thread(target=self._slot, args=(slots,), name=f"composer-task-{i}", daemon=True)
                    for i in range(self.concurrency)]
@@ -335,6 +338,7 @@ class Worker:
                         self._count_claim(reason, [], None)
                     else:
                         self._count_claim(reason, claims, len(claims) >= free)
+                        self._backlog = len(claims) >= limit
                         self._hand_out(claims, claimed_at, slots)
             if wait_since is not None:
                 self._wait_for_dispatch(wait_since)
@@ -369,8 +373,10 @@ class Worker:
 
     def _ahead(self) -> int:
         """How many tasks a claim may take beyond the free slots: ``prefetch`` while the
-        handlers are short (:data:`SHORT_HANDLER_S`), else none."""
-        if not self.prefetch:
+        handlers are short (:data:`SHORT_HANDLER_S`) and the last claim got all it asked
+        for (a claim that came back short found no backlog to take ahead: other workers
+        woken for the tasks there are would find theirs taken), else none."""
+        if not self.prefetch or not self._backlog:
             return 0
         now = time.monotonic()
         with self._active_lock:
