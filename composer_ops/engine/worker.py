@@ -10,10 +10,10 @@ to them, for a second), polling as the fallback (a poll takes any task). A busy
 worker is handed wake-ups beyond its room for tasks no worker has room for, and claims
 them with its reports, each in the report's transaction; the reporting slot goes on to
 its next task at once. With ``prefetch`` N, while its handlers are short (each of the
-last ones finished within :data:`SHORT_HANDLER_S`, none running longer), its claims
-take up to N tasks beyond its free slots, held for the next slot that frees, their
-leases extended by its heartbeats as a running task's. Everything about a running
-handler is keyed by its attempt, so
+last ones finished within :data:`SHORT_HANDLER_S`, none running longer) and its last
+claim got all it asked for, its claims take up to N tasks beyond its free slots, held
+for the next slot that frees, their leases extended by its heartbeats as a running
+task's. Everything about a running handler is keyed by its attempt, so
 a late attempt finishing cannot touch the current one. ``run()`` installs no signal
 handlers; after ``stop()`` it unregisters (no wake-up is handed to it, and those it had
 not claimed for are told to the other workers), then waits at most
@@ -153,7 +153,8 @@ class Worker:
         #: update per interval, however many tasks it runs.
         self.registry_interval = registry_interval
         #: Tasks its claims may take beyond its free slots while its handlers are short
-        #: (:data:`SHORT_HANDLER_S`), held for the next slot that frees.
+        #: (:data:`SHORT_HANDLER_S`) and its claims find a backlog, held for the next
+        #: slot that frees (:meth:`_ahead`).
         self.prefetch = prefetch
         self._handlers: dict[str, Handler] = {}
         self._stop = threading.Event()
