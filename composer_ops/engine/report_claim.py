@@ -109,7 +109,8 @@ class ReportClaim:
                 return None
             # What the claim left, for the claim loop: a claim for this slot alone that
             # got its task leaves the worker as it was.
-            w._backlog = len(claimed) >= self._limit
+            if self._locked:             # for the free slots too (alone, it says nothing of a backlog)
+                w._note_backlog(self._limit, self._free, len(claimed))
             w._count_claim(self._reason, claimed,
                            None if claimed and not self._locked else len(claimed) >= self._free)
             if w._holding():

@@ -339,7 +339,7 @@ class Worker:
                         self._count_claim(reason, [], None)
                     else:
                         self._count_claim(reason, claims, len(claims) >= free)
-                        self._backlog = len(claims) >= limit
+                        self._note_backlog(limit, free, len(claims))
                         self._hand_out(claims, claimed_at, slots)
             if wait_since is not None:
                 self._wait_for_dispatch(wait_since)
@@ -374,9 +374,10 @@ class Worker:
 
     def _ahead(self) -> int:
         """How many tasks a claim may take beyond the free slots: ``prefetch`` while the
-        handlers are short (:data:`SHORT_HANDLER_S`) and the last claim got all it asked
-        for (a claim that came back short found no backlog to take ahead: other workers
-        woken for the tasks there are would find theirs taken), else none."""
+        handlers are short (:data:`SHORT_HANDLER_S`) and the last claim for every free
+        slot or more got all it asked for (:meth:`_note_backlog`; one that came back short
+        found no backlog to take ahead: other workers woken for the tasks there are would
+        find theirs taken), else none."""
         if not self.prefetch or not self._backlog:
             return 0
         now = time.monotonic()
@@ -388,6 +389,14 @@ class Worker:
                    for c in self._active.values()):
                 return 0
         return self.prefetch
+
+    def _note_backlog(self, limit: int, free: int, got: int) -> None:
+        """What a claim that asked for ``limit`` tasks, for ``free`` slots, says of the
+        backlog (:meth:`_ahead`): one that asked for every free slot or more says whether
+        tasks were left (it got all it asked for) or not; one that asked for fewer (the
+        wake-ups handed to this worker, rows kept for it) says nothing."""
+        if limit >= free:
+            self._backlog = got >= limit
 
     def _claim_ahead(self, reporting: int) -> int:
         """What a claim may take in all with the tasks it holds ahead (:meth:`_ahead`):

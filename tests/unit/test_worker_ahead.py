@@ -70,3 +70,15 @@ def test_claims_ahead_fill_up_to_concurrency_plus_prefetch() -> None:
     assert w._claim_ahead(1) == 2 + 3 - 3          # a reporting slot takes the next
     w._backlog = False
     assert w._claim_ahead(0) == 0
+
+
+def test_only_a_claim_for_every_free_slot_or_more_tells_of_a_backlog() -> None:
+    w = _worker(3)
+    w._note_backlog(limit=1, free=2, got=0)        # asked for its wake-ups only: says nothing
+    assert w._backlog
+    w._note_backlog(limit=5, free=2, got=4)        # asked ahead, came back short: no backlog
+    assert not w._backlog
+    w._note_backlog(limit=1, free=2, got=1)
+    assert not w._backlog
+    w._note_backlog(limit=2, free=2, got=2)        # every free slot filled: tasks may be left
+    assert w._backlog
