@@ -119,7 +119,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     env_option(work, "--prefetch", env="COMPOSER_WORKER_PREFETCH", type=int, metavar="N",
                help="override the Worker's prefetch: tasks its claims may take beyond its free slots while "
                     f"its handlers are short (each of its last ones within {SHORT_HANDLER_S:g} s) and its last claim "
-                    "got all it asked for, held for the "
+                    "for all its free slots got all it asked for, held for the "
                     f"next slot that frees, their leases extended meanwhile (0 to {MAX_PREFETCH}; 0: free slots "
                     "only)")
     env_option(work, "--registry-interval", env="COMPOSER_WORKER_REGISTRY_INTERVAL", type=float, metavar="SECONDS",

@@ -11,9 +11,9 @@ worker is handed wake-ups beyond its room for tasks no worker has room for, and 
 them with its reports, each in the report's transaction; the reporting slot goes on to
 its next task at once. With ``prefetch`` N, while its handlers are short (each of the
 last ones finished within :data:`SHORT_HANDLER_S`, none running longer) and its last
-claim got all it asked for, its claims take up to N tasks beyond its free slots, held
-for the next slot that frees, their leases extended by its heartbeats as a running
-task's. Everything about a running handler is keyed by its attempt, so
+claim for all its free slots got all it asked for, its claims take up to N tasks
+beyond its free slots, held for the next slot that frees, their leases extended by
+its heartbeats as a running task's. Everything about a running handler is keyed by its attempt, so
 a late attempt finishing cannot touch the current one. ``run()`` installs no signal
 handlers; after ``stop()`` it unregisters (no wake-up is handed to it, and those it had
 not claimed for are told to the other workers), then waits at most
