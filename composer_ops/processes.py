@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from composer_ops.engine.worker import DEFAULT_SHUTDOWN_TIMEOUT_S
+from composer_ops.engine.worker_options import DEFAULT_SHUTDOWN_TIMEOUT_S
 
 Kind = Literal["worker", "coordinator"]
 #: How long :meth:`Fleet.terminate` waits after SIGTERM: the processes' own shutdown

@@ -35,12 +35,8 @@ from composer_ops.core.attempts import Attempt, HistoryRow, attempts
 from composer_ops.core.cutoff import parse_cutoff
 from composer_ops.engine import Engine, Worker
 from composer_ops.engine.webhooks import RelayPolicy
-from composer_ops.engine.worker import (
-    DEFAULT_SHUTDOWN_TIMEOUT_S,
-    MAX_PREFETCH,
-    SHORT_HANDLER_S,
-    check_shutdown_timeout,
-)
+from composer_ops.engine.worker import SHORT_HANDLER_S
+from composer_ops.engine.worker_options import DEFAULT_SHUTDOWN_TIMEOUT_S, MAX_PREFETCH, check_shutdown_timeout
 from composer_ops.errors import Invalid, ShutdownTimeout
 
 

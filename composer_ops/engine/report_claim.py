@@ -12,7 +12,8 @@ from composer_ops.repo.outbox import ClaimAsk
 from composer_ops.repo.rows import Claim
 
 if TYPE_CHECKING:
-    from composer_ops.engine.worker import TaskContext, Worker
+    from composer_ops.engine.attempt import TaskContext
+    from composer_ops.engine.worker import Worker
 
 
 class ReportClaim:

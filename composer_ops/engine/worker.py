@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import collections
 import logging
-import math
 import os
 import queue
 import socket
@@ -33,13 +32,14 @@ import threading
 import time
 import traceback
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from composer_ops.db.retry import backoff_delay
+from composer_ops.engine.attempt import AttemptKey, Result, TaskContext, describe
 from composer_ops.engine.jsonvalues import check_json
 from composer_ops.engine.listener import Listener
 from composer_ops.engine.report_claim import ReportClaim
+from composer_ops.engine.worker_options import check_prefetch, check_shutdown_timeout
 from composer_ops.errors import ComposerError, Invalid, NonRetryableError, ShutdownTimeout
 from composer_ops.repo import outbox
 from composer_ops.repo._base import Conn
@@ -48,6 +48,8 @@ from composer_ops.repo.rows import Claim
 
 if TYPE_CHECKING:
     from composer_ops.engine.engine import Engine
+
+__all__ = ["CLAIM_REASONS", "REPORT_WAIT_S", "SHORT_HANDLER_S", "Handler", "Result", "TaskContext", "Worker"]
 
 log = logging.getLogger(__name__)
 
@@ -61,69 +63,8 @@ REPORT_WAIT_S = 0.05
 #: ``prefetch / concurrency`` (rounded up) handlers take; a handler that runs longer
 #: stops the claims ahead at once.
 SHORT_HANDLER_S = 0.5
-#: The most tasks a worker may hold beyond its slots (``prefetch``): each held task is
-#: heartbeated as a running one.
-MAX_PREFETCH = 100
 #: What started a worker's claim, the keys of :meth:`Worker.claim_counts`.
 CLAIM_REASONS = ("own", "shared", "room")
-
-#: One execution attempt of a task: (task id, attempt number).
-AttemptKey = tuple[str, int]
-
-
-@dataclass
-class TaskContext:
-    """What a handler knows about the attempt it runs: ``ctx.heartbeat()`` extends
-    the lease now (long handlers between natural checkpoints); ``ctx.lease_lost``
-    turns true when the lease is gone (cancelled, re-queued, taken over) or can no
-    longer be known to be held (heartbeats failed for a whole lease). Once it is
-    true the result will be dropped, so a long handler should poll it and stop."""
-
-    run_id: str
-    node_id: str
-    task_id: str
-    attempt: int
-    task: str
-    _worker: Worker = field(repr=False)
-    _claim: Claim = field(repr=False)
-    #: monotonic instant until which the lease is surely held: lease_s after the start
-    #: of the claim or of the last heartbeat that extended it (the database's expiry
-    #: is later, counted from inside those statements).
-    _held_until: float = field(default=math.inf, repr=False)
-    _lost: bool = field(default=False, repr=False)
-    #: why the lease is lost, for the run's history
-    _loss: str = field(default="", repr=False)
-    _reporting: bool = field(default=False, repr=False)
-    #: set when a shutdown gave up waiting for the handler: no more heartbeats (one
-    #: still waiting for a slot is never started)
-    _abandoned: bool = field(default=False, repr=False)
-    #: monotonic instant its handler began; None while it waits for a slot (held)
-    _started: float | None = field(default=None, repr=False)
-
-    @property
-    def key(self) -> AttemptKey:
-        return (self.task_id, self.attempt)
-
-    @property
-    def lease_lost(self) -> bool:
-        if not self._lost and time.monotonic() >= self._held_until:
-            self._lost = True
-            self._loss = "heartbeats failed for a whole lease: the lease can no longer be known to be held"
-        return self._lost
-
-    def heartbeat(self) -> bool:
-        """Extend the lease; False when it is lost (stop working: the result is stale)."""
-        return self._worker._beat(self)
-
-
-@dataclass(frozen=True)
-class Result:
-    """How one attempt ended, for callers that count (the simulator, tests)."""
-
-    claim: Claim
-    status: str          # "completed" | "failed" | "stale"
-    detail: str = ""
-
 
 class Worker:
     """``Worker(engine, queues=[...], concurrency=N)`` with ``@worker.handler("name")``."""
@@ -197,7 +138,8 @@ class Worker:
         self._active_lock = threading.Lock()
         #: how long its last handlers took (:meth:`_ahead`); guarded by _active_lock
         self._durations: collections.deque[float] = collections.deque(maxlen=max(8, 2 * concurrency))
-        #: whether its last claim got all it asked for: tasks may be left (:meth:`_ahead`)
+        #: whether its last claim for every free slot or more got all it asked for: tasks
+        #: may be left (:meth:`_note_backlog`, :meth:`_ahead`)
         self._backlog = False
 
     def handler(self, name: str) -> Callable[[Handler], Handler]:
@@ -729,10 +671,10 @@ class Worker:
         try:
             output = fn(claim.input, ctx)
         except NonRetryableError as exc:
-            return "failed", _describe(exc), False
+            return "failed", describe(exc), False
         except Exception as exc:
             log.debug("handler %s raised: %s", claim.task_name, traceback.format_exc())
-            return "failed", _describe(exc), True
+            return "failed", describe(exc), True
         try:
             check_json(output, f"output of handler {claim.task_name!r}")
         except Invalid as exc:
@@ -845,26 +787,3 @@ class Worker:
             for gone in set(last) - {c.key for c in running}:
                 last.pop(gone, None)
             self._done.wait(0.1)
-
-
-#: How long ``composer-ops worker`` and ``coordinator`` wait, by default, on SIGTERM.
-DEFAULT_SHUTDOWN_TIMEOUT_S = 30.0
-
-
-def check_shutdown_timeout(value: float | None) -> None:
-    """``None`` (wait for handlers as long as they take) or a finite number of seconds >= 0."""
-    if value is None:
-        return
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value < 0:
-        raise Invalid(f"shutdown timeout must be a number of seconds >= 0, got {value!r}")
-
-
-def check_prefetch(value: object) -> None:
-    """A whole number of tasks from 0 (claim for free slots only) to :data:`MAX_PREFETCH`."""
-    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_PREFETCH:
-        raise Invalid(f"prefetch must be a whole number of tasks from 0 to {MAX_PREFETCH}, got {value!r}")
-
-
-def _describe(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__

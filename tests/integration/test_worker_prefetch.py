@@ -38,6 +38,16 @@ def _running(worker: Worker) -> Callable[[], None]:
     return stop
 
 
+def _run_until_reported(worker: Worker, results: list[Result], count: int, timeout: float) -> None:
+    """Runs ``worker`` until ``count`` attempts are reported in ``results`` (its
+    ``on_result``), then stops it."""
+    stop = _running(worker)
+    try:
+        wait_for(lambda: len(results) >= count, timeout=timeout, what="every task reported")
+    finally:
+        stop()
+
+
 def _history(db_url: str, runs: list[str]) -> dict[str, list[str]]:
     with psycopg.connect(db_url) as conn:
         rows = conn.execute("SELECT run_id, kind FROM run_history WHERE run_id = ANY(%s) ORDER BY seq",
@@ -67,11 +77,7 @@ def test_a_worker_claims_ahead_over_a_backlog_and_runs_every_task_once(db_url: s
             in_flight.append(worker._inflight)
             time.sleep(0.002)
 
-        stop = _running(worker)
-        try:
-            wait_for(lambda: len(results) >= len(runs), timeout=120, what="every task reported")
-        finally:
-            stop()
+        _run_until_reported(worker, results, len(runs), timeout=120)
     assert sorted(r.status for r in results) == ["completed"] * len(runs)
     assert _statuses(db_url, runs) == {"SUCCEEDED"}
     # Each task claimed once and completed once; nothing given up or expired.
@@ -110,11 +116,7 @@ def test_held_tasks_keep_their_leases_and_start_in_the_order_claimed(db_url: str
                 past_lease.append(ctx.task_id)
             time.sleep(0.25)
 
-        stop = _running(worker)
-        try:
-            wait_for(lambda: len(results) >= len(runs), timeout=180, what="every task reported")
-        finally:
-            stop()
+        _run_until_reported(worker, results, len(runs), timeout=180)
     assert [r.status for r in results] == ["completed"] * len(runs), [r.detail for r in results]
     assert past_lease, "no held task waited past the lease its claim gave it"
     assert started == held
