@@ -288,7 +288,8 @@ def restore_rows(conn: Conn, path: Path, manifest: Manifest, *, progress: Progre
     be empty, in the caller's transaction (tables in foreign-key order), then check
     every table against the manifest: the row count, and the database's fingerprint
     when the table has the archived columns exactly. A mismatch raises
-    :class:`BadArchive` (the caller's transaction must then roll back)."""
+    :class:`BadArchive`, runs of a definition version the database does not hold
+    :class:`Invalid` (the caller's transaction must then roll back)."""
     shown = progress or _Silent()
     repo.pin_text_output(conn)
     done: list[Restored] = []
@@ -317,6 +318,10 @@ def restore_rows(conn: Conn, path: Path, manifest: Manifest, *, progress: Progre
                 shown.advance(len(batch))
 
         n = repo.copy_rows(conn, partition, [c.name for c in archived], rows())
+        if table == "workflow_runs" and (unknown := repo.unknown_definitions(conn, partition)):
+            named = ", ".join(f"{wf!r} v{version}" for wf, version in unknown[:5])
+            raise Invalid(f"{partition}: the archive's runs are of workflow definition versions this database "
+                          f"does not hold ({named}{', ...' if len(unknown) > 5 else ''}); deploy them, then restore")
         count, fingerprint = repo.fingerprint(conn, partition)
         same_columns = list(current) == [c.name for c in archived]
         if count != entry.rows or n != entry.rows:

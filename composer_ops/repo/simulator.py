@@ -68,7 +68,7 @@ def copy_rows(conn: Conn, table: str, columns: Sequence[str], lines: Sequence[st
     trigger that checks each row's foreign key costs one lookup query per row, about
     two thirds of the server's time. Their foreign key is then checked for the
     whole batch by :func:`check_references`, which raises (the caller rolls back)
-    on an orphan. Runs keep their per-row check against the definitions."""
+    on an orphan. Runs have no foreign key to their definition since V019."""
     skip = skip_row_triggers and table in _REFERENCING
     with conn.cursor() as cur:
         if skip:

@@ -277,6 +277,29 @@ def test_restore_dry_run_writes_nothing_and_a_month_with_rows_is_refused(
         archive.restore_month(db_url, "202503", tmp_path, yes=False)   # no archive of that month
 
 
+def test_a_restore_of_runs_whose_definition_is_gone_is_refused_and_writes_nothing(
+        db_url: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """What the runs' foreign key to their definition refused row by row until V019: a
+    definition version deleted by hand since the month was archived."""
+    _seeded(db_url)
+    with psycopg.connect(db_url) as conn:
+        archive.export_month(conn, "202501", tmp_path)
+        named = conn.execute("SELECT DISTINCT workflow_definition_id, workflow_version FROM workflow_runs_p202501"
+                             " ORDER BY 1, 2").fetchall()
+    assert named
+    with psycopg.connect(db_url, autocommit=True) as conn:
+        assert drop_months(conn, datetime(2025, 2, 1, tzinfo=UTC)) == ["202412", "202501"]
+        wf, version = named[0]
+        conn.execute("DELETE FROM workflow_definitions WHERE id = %s AND version = %s", (wf, version))
+    args = ["partitions", "restore", "202501", "--from", str(tmp_path), "--database-url", db_url, "--yes"]
+    assert main(args) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"{wf!r} v{version}" in err[0] and "deploy them, then restore" in err[0], err
+    with psycopg.connect(db_url) as conn:
+        assert conn.execute("SELECT count(*) FROM workflow_runs_p202501").fetchone() == (0,)
+    assert _audit(db_url) == []
+
+
 def test_a_run_table_without_the_months_partition_is_archived_empty(db_url: str, tmp_path: Path) -> None:
     _seeded(db_url)
     with psycopg.connect(db_url) as conn:

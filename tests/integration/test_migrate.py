@@ -102,6 +102,30 @@ def test_v011_drops_the_task_to_run_key_on_every_month_and_new_months_have_none(
             ("workflow_events_p203101", "workflow_runs")]
 
 
+_DEFINITION_KEYS = """SELECT c.conrelid::regclass::text FROM pg_constraint c
+                        WHERE c.contype = 'f' AND c.confrelid = 'workflow_definitions'::regclass ORDER BY 1"""
+
+
+def test_v019_drops_the_run_to_definition_key_on_every_month_and_new_months_have_none(empty_db_url: str) -> None:
+    """The runs' key to their definition goes from the parent and every month partition,
+    the rows stay; a month made afterwards has none either."""
+    migrate(empty_db_url, target=18)
+    run_id = uuid7_at(datetime.now(UTC))
+    with psycopg.connect(empty_db_url, autocommit=True) as conn:
+        before = [t for (t,) in conn.execute(_DEFINITION_KEYS).fetchall()]
+        assert "workflow_runs" in before and any(t.startswith("workflow_runs_p") for t in before), before
+        conn.execute("""INSERT INTO workflow_definitions (id, name, version, spec_json, created_by)
+                        VALUES ('d', 'd', 1, '{}', 'test')""")
+        conn.execute("INSERT INTO workflow_runs (id, workflow_definition_id, workflow_version) VALUES (%s, 'd', 1)",
+                     (run_id,))
+    assert "V019__runs_without_definition_fk.sql" in [a.filename for a in migrate(empty_db_url)]
+    with psycopg.connect(empty_db_url, autocommit=True) as conn:
+        conn.execute("SELECT composer_ensure_partitions_from('2031-01-01', 0)")
+        assert conn.execute(_DEFINITION_KEYS).fetchall() == []
+        assert conn.execute("SELECT workflow_definition_id FROM workflow_runs WHERE id = %s",
+                            (run_id,)).fetchall() == [("d",)]
+
+
 def test_migrate_from_empty_equals_applying_the_files_by_hand(empty_db_url: str, fresh_url: str) -> None:
     with psycopg.connect(empty_db_url, autocommit=True) as conn:
         for script in [*discover(), *discover_repeatable()]:

@@ -146,3 +146,17 @@ def test_a_refused_start_writes_none_of_its_rows(db_url: str) -> None:
                                         (SELECT count(*) FROM task_outbox),
                                         (SELECT array_agg(DISTINCT run_id) FROM run_history)""")
         assert counts.fetchone() == (1, 1, 1, [taken])      # the first run's rows only
+
+
+def test_a_start_locks_nothing_of_its_definition(db_url: str) -> None:
+    """Until V019 the runs' foreign key locked the definition's row FOR KEY SHARE at every
+    start: a row lock written to the WAL, and a MultiXact when starts of the definition
+    ran side by side. The start checks the version itself, in its statement."""
+    with Engine.connect(db_url, pool_size=1) as engine:
+        engine.deploy(WAITS)
+        with psycopg.connect(db_url, autocommit=True) as conn:
+            before = conn.execute("SELECT xmin, xmax FROM workflow_definitions WHERE id = 'waits'").fetchone()
+            assert before is not None
+            for _ in range(3):
+                engine.start("waits")
+            assert conn.execute("SELECT xmin, xmax FROM workflow_definitions WHERE id = 'waits'").fetchone() == before

@@ -1,0 +1,22 @@
+-- workflow_runs loses its foreign key to workflow_definitions.
+--
+-- Every start checks, in its own statement, that the definition version it starts is
+-- there, enabled and not deleted (the start's refusal 'definition', composer_ops/repo/
+-- writes.py); nothing deletes a definition version (a deleted one keeps its row, with
+-- deleted_at), and the engine's role may not (V001's grants: SELECT, INSERT, UPDATE). So
+-- the key's check, a trigger per inserted run that locks the definition's row FOR KEY
+-- SHARE, never found one missing, and cost more than its query (0.03 ms of the server's
+-- CPU a start, docs/performance-log.md, "The runs' foreign key to their definition"):
+-- every start of a definition locked the same row, a lock written to the WAL, and
+-- concurrent starts share it as a MultiXact (1,554 made by 7,992 starts on four
+-- connections in five seconds), which PostgreSQL keeps and vacuums apart.
+-- What the key also carried, made explicit:
+--   - `partitions restore` checks that the definition versions of the runs it restores
+--     are there (composer_ops/engine/archive.py), which the key's check did row by row;
+--   - a DELETE of a definition version by its owner, by hand, is no longer refused
+--     while runs of it exist (their events would then fail to find their definition):
+--     a definition is deleted by Engine.delete, which keeps its rows (deleted_at), never
+--     by SQL.
+-- On Citus the key, from the distributed runs to the reference table of definitions,
+-- is dropped from every shard with it.
+ALTER TABLE workflow_runs DROP CONSTRAINT IF EXISTS workflow_runs_workflow_definition_id_workflow_version_fkey;
