@@ -9,9 +9,11 @@ side: what differs is the schema) start runs of the 1-task workflow for ``--seco
 Per tree and round: starts a second, the server's CPU a start (the engine's sessions,
 ``/proc/PID/schedstat``), the client's, and the MultiXacts the server made (the
 difference of ``next_multixact_id`` over a checkpoint before and after: concurrent row
-locks on one row, such as a foreign key's on its parent, make them). Prints the medians
-and the ratios of each tree's to the first's; writes them as JSON
-(``bench/results/starts-pg<major>-<date>-<commit>.json`` unless ``--out``).
+locks on one row, such as a foreign key's on its parent, make them; ``CHECKPOINT`` needs
+a superuser or ``pg_checkpoint``). The server's CPU is read only where the server runs
+here (not with ``COMPOSER_DATABASE_URL``, whose server this tool uses when set): None
+otherwise. Prints the medians and the ratios of each tree's to the first's; writes them
+as JSON (``bench/results/starts-pg<major>-<date>-<commit>.json`` unless ``--out``).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from bench import scenario, sides
 from bench.flowcost import OnCpu
 from bench.report import dated_path
 from bench.workload import ONE_TASK
+from composer_ops.testing import servers
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
@@ -45,68 +48,100 @@ def _next_multixact(conn: psycopg.Connection[Any]) -> int:
     return int(row[0])
 
 
-def _server_seconds(conn: psycopg.Connection[Any]) -> float:
-    pids = [r[0] for r in conn.execute("SELECT pid FROM pg_stat_activity WHERE application_name = %s", (APP,))]
-    return sum(OnCpu(pid).seconds() for pid in pids)
+def _backends(conn: psycopg.Connection[Any]) -> list[OnCpu]:
+    return [OnCpu(r[0]) for r in conn.execute("SELECT pid FROM pg_stat_activity WHERE application_name = %s", (APP,))]
 
 
-def measure(url: str, *, threads: int, seconds: float) -> dict[str, float]:
+def _starting(engine: Any, threads: int, *, until: float | None = None, each: int = 0) -> int:
+    """``threads`` threads starting runs of the 1-task workflow, until ``until``
+    (``time.perf_counter``) or ``each`` runs each: how many were started. A thread's
+    error raises, once every thread has stopped."""
+    started = [0] * threads
+    errors: list[BaseException] = []
+
+    def more(k: int) -> bool:
+        return time.perf_counter() < until if until is not None else started[k] < each
+
+    def loop(k: int) -> None:
+        try:
+            while more(k):
+                engine.start(ONE_TASK["id"])
+                started[k] += 1
+        except BaseException as exc:    # raised below
+            errors.append(exc)
+
+    workers = [threading.Thread(target=loop, args=(k,)) for k in range(threads)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+    if errors:
+        raise RuntimeError(f"bench.starts: a starting thread failed: {errors[0]!r}") from errors[0]
+    return sum(started)
+
+
+def measure(url: str, *, threads: int, seconds: float, server_local: bool = True) -> dict[str, Any]:
     """``threads`` threads starting runs of the 1-task workflow on ``url`` for ``seconds``."""
     from composer_ops import Engine
 
     with Engine.connect(url, pool_size=threads, application_name=APP) as engine, \
             psycopg.connect(url, autocommit=True) as admin:
-        for _ in range(threads * 5):                    # definitions cached, statements prepared
-            engine.start(ONE_TASK["id"])
-        started = [0] * threads
-        mx0, srv0, cpu0 = _next_multixact(admin), _server_seconds(admin), time.process_time()
-        t0 = time.perf_counter()
-        stop = t0 + seconds
-
-        def loop(k: int) -> None:
-            while time.perf_counter() < stop:
-                engine.start(ONE_TASK["id"])
-                started[k] += 1
-
-        workers = [threading.Thread(target=loop, args=(k,)) for k in range(threads)]
-        for w in workers:
-            w.start()
-        for w in workers:
-            w.join()
+        _starting(engine, threads, each=5)       # every connection open, the definition cached, statements prepared
+        backends = _backends(admin)
+        if len(backends) != threads:
+            raise RuntimeError(f"bench.starts: {len(backends)} engine sessions open, not {threads}")
+        readable = server_local and all(b.readable for b in backends)
+        mx0 = _next_multixact(admin)
+        srv0 = sum(b.seconds() for b in backends) if readable else 0.0
+        cpu0, t0 = time.process_time(), time.perf_counter()
+        n = _starting(engine, threads, until=t0 + seconds)
         elapsed = time.perf_counter() - t0
-        srv1, cpu1 = _server_seconds(admin), time.process_time()
+        srv1 = sum(b.seconds() for b in backends) if readable else 0.0
+        cpu1 = time.process_time()
         mx1 = _next_multixact(admin)
-    n = sum(started)
-    return {"starts": n, "starts_per_s": n / elapsed, "server_cpu_ms": (srv1 - srv0) / n * 1e3,
+    if n == 0:
+        raise RuntimeError(f"bench.starts: no run started in {seconds} s")
+    return {"starts": n, "starts_per_s": n / elapsed, "server_cpu_ms": (srv1 - srv0) / n * 1e3 if readable else None,
             "client_cpu_ms": (cpu1 - cpu0) / n * 1e3, "multixacts": mx1 - mx0}
+
+
+def _median(values: list[Any]) -> float | None:
+    return None if any(v is None for v in values) else float(statistics.median(values))
+
+
+def _ms(value: float | None) -> str:
+    return "not read" if value is None else f"{value:.3f} ms"
 
 
 def run(server: Any, trees: dict[str, Path], *, threads: int, seconds: float, rounds: int) -> dict[str, Any]:
     """Each tree's schema, measured ``rounds`` times alternately on ``server``: medians,
     ratios to the first tree's and every round. Leaves no database behind."""
-    made = {name: sides.make_template(server, root, f"bench_starts_tpl_{name}", [ONE_TASK])
-            for name, root in trees.items()}
-    per: dict[str, list[dict[str, float]]] = {name: [] for name in trees}
+    made: dict[str, dict[str, Any]] = {}
+    per: dict[str, list[dict[str, Any]]] = {name: [] for name in trees}
+    local = not os.environ.get(servers.ENV_URL)
     try:
+        for name, root in trees.items():
+            made[name] = sides.make_template(server, root, f"bench_starts_tpl_{name}", [ONE_TASK])
         for r in range(rounds):
             for name in (list(trees) if r % 2 == 0 else list(trees)[::-1]):
                 db = f"bench_starts_{name}"
                 url = server.create_database(db, template=made[name]["template"])
                 try:
-                    got = measure(url, threads=threads, seconds=seconds)
+                    got = measure(url, threads=threads, seconds=seconds, server_local=local)
                 finally:
                     server.drop_database(db)
                 per[name].append(got)
                 print(f"[starts] round {r + 1}/{rounds} {name}: {got['starts_per_s']:.0f} starts/s, server CPU "
-                      f"{got['server_cpu_ms']:.3f} ms a start, client {got['client_cpu_ms']:.3f}, "
+                      f"{_ms(got['server_cpu_ms'])} a start, client {_ms(got['client_cpu_ms'])}, "
                       f"{got['multixacts']} MultiXacts", file=sys.stderr, flush=True)
     finally:
         for template in made.values():
             server.drop_database(template["template"])
     keys = ("starts_per_s", "server_cpu_ms", "client_cpu_ms", "multixacts")
-    medians = {name: {k: statistics.median(o[k] for o in outs) for k in keys} for name, outs in per.items()}
+    medians = {name: {k: _median([o[k] for o in outs]) for k in keys} for name, outs in per.items()}
     first = next(iter(trees))
-    ratios = {name: {k: round(m[k] / medians[first][k], 3) if medians[first][k] else None for k in keys[:3]}
+    ratios = {name: {k: round(v / base, 3) if v is not None and (base := medians[first][k]) else None
+                     for k, v in m.items() if k != "multixacts"}
               for name, m in medians.items()}
     return {"templates": made, "threads": threads, "seconds": seconds, "rounds": rounds, "median": medians,
             "ratio_to_" + first: ratios, "per_round": per}
@@ -128,6 +163,9 @@ def main() -> int:
     bad = [t for t in args.trees if "=" not in t]
     if bad:
         parser.error(f"a tree is NAME=DIR, got {bad[0]!r}")
+    names = [t.split("=", 1)[0] for t in args.trees]
+    if len(set(names)) != len(names):
+        parser.error(f"each tree needs a name of its own, got {', '.join(names)}")
     trees = {n: Path(r).resolve() for n, r in (t.split("=", 1) for t in args.trees)}
     server = scenario.start_server(args.pgbin)
     out: dict[str, Any] = {"server_version": server.version,
@@ -140,8 +178,8 @@ def main() -> int:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(out, indent=1, default=str) + "\n")
     for name, m in out["median"].items():
-        print(f"{name}: {m['starts_per_s']:.0f} starts/s, server CPU {m['server_cpu_ms']:.3f} ms a start, "
-              f"client {m['client_cpu_ms']:.3f} ms, {m['multixacts']:.0f} MultiXacts; "
+        print(f"{name}: {m['starts_per_s']:.0f} starts/s, server CPU {_ms(m['server_cpu_ms'])} a start, "
+              f"client {_ms(m['client_cpu_ms'])}, {m['multixacts']:.0f} MultiXacts; "
               f"ratios {out['ratio_to_' + next(iter(trees))][name]}")
     print(f"[starts] wrote {path}")
     return 0

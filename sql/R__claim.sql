@@ -392,9 +392,9 @@ REVOKE ALL ON FUNCTION composer_claim_month(TEXT, BOOLEAN) FROM PUBLIC;
 -- not yet taken up (promised - seen), and those handed to p_owner beyond p_seen, each
 -- cover a row their worker will claim. Read without locks: a count too high costs an
 -- empty claim somewhere, too low a wait for the next dispatch or the poll. The count
--- stops at its LIMIT on an index scan only: the bitmap scan its generic plan chose reads
--- every ready row's index entry first (0.12 ms a call behind 3,000 ready rows on
--- PostgreSQL 15, called twice by a claim that takes all it asks for), so bitmap scans
+-- stops at its LIMIT on an index scan only: the bitmap scan its generic plan took when
+-- made on an empty outbox reads every ready row's index entry first (2,013 read by a
+-- claim behind 2,000 ready rows, tests/integration/test_claim_reads.py), so bitmap scans
 -- are off here (and JIT with them, as composer_claim says why; docs/performance-log.md,
 -- "The claim's count of ready rows").
 CREATE OR REPLACE FUNCTION composer_uncovered(p_queues TEXT[], p_names TEXT[], p_owner TEXT, p_seen BIGINT,

@@ -5,11 +5,11 @@
 -- writes.py); nothing deletes a definition version (a deleted one keeps its row, with
 -- deleted_at), and the engine's role may not (V001's grants: SELECT, INSERT, UPDATE). So
 -- the key's check, a trigger per inserted run that locks the definition's row FOR KEY
--- SHARE, never found one missing, and cost more than its query (0.03 ms of the server's
--- CPU a start, docs/performance-log.md, "The runs' foreign key to their definition"):
--- every start of a definition locked the same row, a lock written to the WAL, and
--- concurrent starts share it as a MultiXact (1,554 made by 7,992 starts on four
--- connections in five seconds), which PostgreSQL keeps and vacuums apart.
+-- SHARE, never found one missing, and cost more than its query (0.02 to 0.025 ms of the
+-- server's CPU a start, docs/performance-log.md, "The runs' foreign key to their
+-- definition"): every start of a definition locked the same row, a lock written to the
+-- WAL, and concurrent starts share it as a MultiXact (about 4,500 made in 4 s of four
+-- connections starting runs), which PostgreSQL keeps and vacuums apart.
 -- What the key also carried, made explicit:
 --   - `partitions restore` checks that the definition versions of the runs it restores
 --     are there (composer_ops/engine/archive.py), which the key's check did row by row;
@@ -19,4 +19,4 @@
 --     by SQL.
 -- On Citus the key, from the distributed runs to the reference table of definitions,
 -- is dropped from every shard with it.
-ALTER TABLE workflow_runs DROP CONSTRAINT IF EXISTS workflow_runs_workflow_definition_id_workflow_version_fkey;
+ALTER TABLE workflow_runs DROP CONSTRAINT workflow_runs_workflow_definition_id_workflow_version_fkey;

@@ -48,8 +48,9 @@ from composer_ops.repo._base import Conn, repeatable_read
 from composer_ops.repo.archive import Column
 from composer_ops.repo.partitions import RUN_TABLES
 
-__all__ = ["Progress", "RestoreResult", "Restored", "column_specs", "content_fingerprint", "export_month",
-           "read_rows", "restore_month", "restore_rows", "verify_month"]
+__all__ = ["Progress", "RestoreResult", "Restored", "archived_definitions", "column_specs", "content_fingerprint",
+           "export_month", "read_rows", "refuse_missing_definitions", "restore_month", "restore_rows",
+           "verify_month"]
 
 _BATCH = 5000
 
@@ -283,14 +284,44 @@ class Restored:
     fingerprint_matches: bool | None
 
 
+def archived_definitions(path: Path, manifest: Manifest) -> list[tuple[str, int]]:
+    """The definition versions the runs of a verified archive are of (two columns of its
+    runs file), in order."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    entry = manifest.table("workflow_runs")
+    assert entry is not None    # verify_month checked
+    file = Path(path) / entry.file
+    try:
+        runs = pq.read_table(file, columns=["workflow_definition_id", "workflow_version"])
+    except (OSError, pa.ArrowException, ValueError, KeyError) as exc:
+        raise BadArchive(f"{file}: its runs' definition columns cannot be read ({exc})") from None
+    return sorted(set(zip(runs.column(0).to_pylist(), runs.column(1).to_pylist(), strict=True)))
+
+
+def refuse_missing_definitions(conn: Conn, path: Path, manifest: Manifest) -> None:
+    """:class:`Invalid` when runs of the archive are of a definition version the
+    database does not hold: their events could not load it (nothing deletes one; a
+    version deleted by hand in SQL)."""
+    missing = repo.missing_definitions(conn, archived_definitions(path, manifest))
+    if missing:
+        named = ", ".join(f"{wf!r} v{version}" for wf, version in missing[:5])
+        raise Invalid(f"the archive of {manifest.month} holds runs of workflow definition versions this database "
+                      f"does not hold ({named}{', ...' if len(missing) > 5 else ''}); put those "
+                      "workflow_definitions rows back (from a backup), then restore")
+
+
 def restore_rows(conn: Conn, path: Path, manifest: Manifest, *, progress: Progress | None = None) -> list[Restored]:
     """COPY a verified archive's rows into its month's partitions, which must exist and
     be empty, in the caller's transaction (tables in foreign-key order), then check
     every table against the manifest: the row count, and the database's fingerprint
     when the table has the archived columns exactly. A mismatch raises
     :class:`BadArchive`, runs of a definition version the database does not hold
-    :class:`Invalid` (the caller's transaction must then roll back)."""
+    :class:`Invalid`, before anything is copied (the caller's transaction must then
+    roll back)."""
     shown = progress or _Silent()
+    refuse_missing_definitions(conn, path, manifest)
     repo.pin_text_output(conn)
     done: list[Restored] = []
     for table in RUN_TABLES:
@@ -318,10 +349,6 @@ def restore_rows(conn: Conn, path: Path, manifest: Manifest, *, progress: Progre
                 shown.advance(len(batch))
 
         n = repo.copy_rows(conn, partition, [c.name for c in archived], rows())
-        if table == "workflow_runs" and (unknown := repo.unknown_definitions(conn, partition)):
-            named = ", ".join(f"{wf!r} v{version}" for wf, version in unknown[:5])
-            raise Invalid(f"{partition}: the archive's runs are of workflow definition versions this database "
-                          f"does not hold ({named}{', ...' if len(unknown) > 5 else ''}); deploy them, then restore")
         count, fingerprint = repo.fingerprint(conn, partition)
         same_columns = list(current) == [c.name for c in archived]
         if count != entry.rows or n != entry.rows:
@@ -357,7 +384,9 @@ def restore_month(url: str | None, month: str, directory: Path, *, yes: bool, ac
     short transaction of its own, so nothing queues behind the copy), and COPY every
     table in one transaction that also checks the rows against the manifest and writes
     the audit row. Without ``yes`` nothing is written: the result says what would be
-    restored. Partitions holding rows are refused (:class:`ComposerError`)."""
+    restored. Partitions holding rows are refused (:class:`ComposerError`), and so are
+    runs of a definition version the database does not hold (:class:`Invalid`), with
+    ``yes`` or without."""
     if lock_timeout_s <= 0:
         raise Invalid(f"lock timeout must be more than 0 seconds, got {lock_timeout_s:g}")
     path = month_dir(Path(directory), month)
@@ -370,6 +399,7 @@ def restore_month(url: str | None, month: str, directory: Path, *, yes: bool, ac
                 if repo.exists(conn, t.partition) and (n := repo.row_count(conn, t.partition)):
                     raise ComposerError(f"{t.partition} already holds {n} rows; restore fills only a month that "
                                         "was dropped (or is empty)")
+            refuse_missing_definitions(conn, path, manifest)
         return RestoreResult(month=month, source=str(path), tables=planned, applied=False)
     request = request_id or uuid.uuid4().hex
     _create_month(url, month, lock_timeout_s)

@@ -119,14 +119,16 @@ def copy_rows(conn: Conn, table: str, names: Sequence[str], rows: Iterable[Seque
     return n
 
 
-def unknown_definitions(conn: Conn, runs_partition: str) -> list[tuple[str, int]]:
-    """The definition versions runs of ``runs_partition`` name that workflow_definitions
-    does not hold (what the runs' foreign key checked until V019), in order."""
-    return [(r[0], int(r[1])) for r in conn.execute(sql.SQL("""
-        SELECT DISTINCT r.workflow_definition_id, r.workflow_version FROM {} r
-         WHERE NOT EXISTS (SELECT 1 FROM workflow_definitions d
-                            WHERE d.id = r.workflow_definition_id AND d.version = r.workflow_version)
-         ORDER BY 1, 2""").format(sql.Identifier(runs_partition))).fetchall()]
+def missing_definitions(conn: Conn, named: Sequence[tuple[str, int]]) -> list[tuple[str, int]]:
+    """Of the definition versions ``named``, those workflow_definitions does not hold, in
+    order (what the runs' foreign key checked row by row until V019)."""
+    if not named:
+        return []
+    rows = conn.execute("""
+        SELECT u.id, u.version FROM unnest(%s::text[], %s::int[]) AS u(id, version)
+         WHERE NOT EXISTS (SELECT 1 FROM workflow_definitions d WHERE d.id = u.id AND d.version = u.version)
+         ORDER BY 1, 2""", ([n[0] for n in named], [n[1] for n in named])).fetchall()
+    return [(r[0], int(r[1])) for r in rows]
 
 
 def row_count(conn: Conn, table: str) -> int:

@@ -241,20 +241,15 @@ def _odd(s: _Seeder) -> None:
     """Rows that break what the engine guarantees, for the reports to flag: a RUNNING
     task without a lease (L9), a task for a node the definition does not have (H9's
     legacy_audit), and a run whose definition version is missing (H12 names
-    order-fulfilment v3, inserted past the foreign key as a restore without
-    constraints would leave it)."""
+    order-fulfilment v3, as a definition deleted by hand in SQL would leave it: runs have
+    no foreign key to their definition since V019)."""
     base = month_start(month_label(s.now))
     s.run("L9", "order-fulfilment", 2, "RUNNING", s.ago(400), id_at=base + timedelta(seconds=9))
     s.task("L9", "charge", "TASK", "payments", "RUNNING", s.ago(400), started=s.ago(300))
     t0 = _at("202503", 16)
     s.task("H9", "legacy_audit", "TASK", "default", "COMPLETED", t0 + timedelta(seconds=60),
            started=t0 + timedelta(seconds=61), finished=t0 + timedelta(seconds=62))
-    # On Citus the UPDATE runs on a worker node: citus.propagate_set_commands carries the
-    # SET LOCAL there (on a single server the setting is an inert placeholder).
-    s.conn.execute("SET LOCAL citus.propagate_set_commands = 'local'")
-    s.conn.execute("SET LOCAL session_replication_role = replica")
     s.conn.execute("UPDATE workflow_runs SET workflow_version = 3 WHERE id = %s", (s.runs["H12"],))
-    s.conn.execute("SET LOCAL session_replication_role = DEFAULT")
 
 
 def _at(month: str, day: int, hour: int = 12) -> datetime:
