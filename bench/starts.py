@@ -124,12 +124,8 @@ def run(server: Any, trees: dict[str, Path], *, threads: int, seconds: float, ro
             made[name] = sides.make_template(server, root, f"bench_starts_tpl_{name}", [ONE_TASK])
         for r in range(rounds):
             for name in (list(trees) if r % 2 == 0 else list(trees)[::-1]):
-                db = f"bench_starts_{name}"
-                url = server.create_database(db, template=made[name]["template"])
-                try:
+                with server.database(template=made[name]["template"], prefix=f"bench_starts_{name}_") as url:
                     got = measure(url, threads=threads, seconds=seconds, server_local=local)
-                finally:
-                    server.drop_database(db)
                 per[name].append(got)
                 print(f"[starts] round {r + 1}/{rounds} {name}: {got['starts_per_s']:.0f} starts/s, server CPU "
                       f"{_ms(got['server_cpu_ms'])} a start, client {_ms(got['client_cpu_ms'])}, "
@@ -151,8 +147,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.starts", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("trees", nargs="+", metavar="NAME=DIR", help="source trees, the first the reference")
-    parser.add_argument("--pgbin", type=Path, help="server binaries of a throwaway cluster (default: the embedded "
-                                                       "server)")
+    parser.add_argument("--pgbin", type=Path, help="server binaries of a throwaway cluster (default: "
+                                                       "COMPOSER_DATABASE_URL's server if set, else the embedded one)")
     parser.add_argument("--threads", type=int, default=4, help="connections starting runs side by side (default 4)")
     parser.add_argument("--seconds", type=float, default=4.0, help="each measurement's length (default 4)")
     parser.add_argument("--rounds", type=int, default=4, help="rounds, the trees' order reversed each (default 4)")
