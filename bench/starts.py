@@ -11,7 +11,7 @@ Per tree and round: starts a second, the server's CPU a start (the engine's sess
 difference of ``next_multixact_id`` over a checkpoint before and after: concurrent row
 locks on one row, such as a foreign key's on its parent, make them; ``CHECKPOINT`` needs
 a superuser or ``pg_checkpoint``). The server's CPU is read only where the server runs
-here (not with ``COMPOSER_DATABASE_URL``, whose server this tool uses when set): None
+here (not one of ``COMPOSER_DATABASE_URL``, which this tool uses when set): None
 otherwise. Prints the medians and the ratios of each tree's to the first's; writes them
 as JSON (``bench/results/starts-pg<major>-<date>-<commit>.json`` unless ``--out``).
 """
@@ -34,7 +34,6 @@ from bench import scenario, sides
 from bench.flowcost import OnCpu
 from bench.report import dated_path
 from bench.workload import ONE_TASK
-from composer_ops.testing import servers
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
@@ -49,7 +48,8 @@ def _next_multixact(conn: psycopg.Connection[Any]) -> int:
 
 
 def _backends(conn: psycopg.Connection[Any]) -> list[OnCpu]:
-    return [OnCpu(r[0]) for r in conn.execute("SELECT pid FROM pg_stat_activity WHERE application_name = %s", (APP,))]
+    return [OnCpu(r[0]) for r in conn.execute("SELECT pid FROM pg_stat_activity WHERE application_name = %s "
+                                              "AND datname = current_database()", (APP,))]
 
 
 def _starting(engine: Any, threads: int, *, until: float | None = None, each: int = 0) -> int:
@@ -86,7 +86,9 @@ def measure(url: str, *, threads: int, seconds: float, server_local: bool = True
 
     with Engine.connect(url, pool_size=threads, application_name=APP) as engine, \
             psycopg.connect(url, autocommit=True) as admin:
-        _starting(engine, threads, each=5)       # every connection open, the definition cached, statements prepared
+        engine.pool.resize(threads, threads)     # every connection open before the window
+        engine.pool.wait(60)
+        _starting(engine, threads, each=5)       # the definition cached, statements prepared
         backends = _backends(admin)
         if len(backends) != threads:
             raise RuntimeError(f"bench.starts: {len(backends)} engine sessions open, not {threads}")
@@ -118,7 +120,7 @@ def run(server: Any, trees: dict[str, Path], *, threads: int, seconds: float, ro
     ratios to the first tree's and every round. Leaves no database behind."""
     made: dict[str, dict[str, Any]] = {}
     per: dict[str, list[dict[str, Any]]] = {name: [] for name in trees}
-    local = not os.environ.get(servers.ENV_URL)
+    local = server.owned
     try:
         for name, root in trees.items():
             made[name] = sides.make_template(server, root, f"bench_starts_tpl_{name}", [ONE_TASK])
@@ -131,8 +133,8 @@ def run(server: Any, trees: dict[str, Path], *, threads: int, seconds: float, ro
                       f"{_ms(got['server_cpu_ms'])} a start, client {_ms(got['client_cpu_ms'])}, "
                       f"{got['multixacts']} MultiXacts", file=sys.stderr, flush=True)
     finally:
-        for template in made.values():
-            server.drop_database(template["template"])
+        for name in trees:                       # made or not (a failed migrate leaves its database)
+            server.drop_database(f"bench_starts_tpl_{name}")
     keys = ("starts_per_s", "server_cpu_ms", "client_cpu_ms", "multixacts")
     medians = {name: {k: _median([o[k] for o in outs]) for k in keys} for name, outs in per.items()}
     first = next(iter(trees))

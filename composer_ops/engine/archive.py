@@ -393,13 +393,15 @@ def restore_month(url: str | None, month: str, directory: Path, *, yes: bool, ac
     manifest = verify_month(path, month=month, progress=progress)
     planned = [Restored(table=t.table, partition=t.partition, rows=t.rows, fingerprint_matches=None)
                for t in manifest.tables]
-    if not yes:
-        with connect(url, application_name="composer-ops partitions restore") as conn:
+    with connect(url, application_name="composer-ops partitions restore") as conn:
+        if not yes:
             for t in planned:
                 if repo.exists(conn, t.partition) and (n := repo.row_count(conn, t.partition)):
                     raise ComposerError(f"{t.partition} already holds {n} rows; restore fills only a month that "
                                         "was dropped (or is empty)")
-            refuse_missing_definitions(conn, path, manifest)
+        # Before the month's partitions are made; the copy checks again, in its transaction.
+        refuse_missing_definitions(conn, path, manifest)
+    if not yes:
         return RestoreResult(month=month, source=str(path), tables=planned, applied=False)
     request = request_id or uuid.uuid4().hex
     _create_month(url, month, lock_timeout_s)

@@ -4,19 +4,16 @@ server keeps no database of it."""
 
 from __future__ import annotations
 
-import os
-
 import psycopg
 
 from bench import starts
-from composer_ops.testing import servers
 from composer_ops.testing.servers import Server
 
 
 def test_starts_measures_each_tree_every_round_and_leaves_nothing(server: Server) -> None:
     out = starts.run(server, {"a": starts.ROOT, "b": starts.ROOT}, threads=2, seconds=0.3, rounds=2)
     assert set(out["per_round"]) == {"a", "b"} and all(len(r) == 2 for r in out["per_round"].values())
-    local = not os.environ.get(servers.ENV_URL)        # the server's CPU is read where it runs here only
+    local = server.owned                                # the server's CPU is read where it runs here only
     for got in (m for rounds in out["per_round"].values() for m in rounds):
         assert got["starts"] > 0 and got["starts_per_s"] > 0 and got["client_cpu_ms"] > 0 and got["multixacts"] >= 0
         assert (got["server_cpu_ms"] > 0) if local else got["server_cpu_ms"] is None

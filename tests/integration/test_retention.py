@@ -212,7 +212,6 @@ def test_a_month_whose_finished_runs_have_live_children_is_kept_and_says_so(conn
     child = conn.execute("SELECT min(id) FROM workflow_runs WHERE status = 'RUNNING' AND id >= %s",
                          (month_bounds(info.current_month)[0],)).fetchone()
     assert parent is not None and child is not None and child[0] is not None
-    conn.execute("SET LOCAL session_replication_role = replica")     # the seed's odd rows, as above
     conn.execute("UPDATE workflow_runs SET parent_run_id = %s, parent_node_id = 'call' WHERE id = %s",
                  (parent[0], child[0]))
     plan = ops.retention_plan(conn, MAY_2025)
