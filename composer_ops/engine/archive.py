@@ -393,14 +393,9 @@ def restore_month(url: str | None, month: str, directory: Path, *, yes: bool, ac
     manifest = verify_month(path, month=month, progress=progress)
     planned = [Restored(table=t.table, partition=t.partition, rows=t.rows, fingerprint_matches=None)
                for t in manifest.tables]
-    with connect(url, application_name="composer-ops partitions restore") as conn:
-        if not yes:
-            for t in planned:
-                if repo.exists(conn, t.partition) and (n := repo.row_count(conn, t.partition)):
-                    raise ComposerError(f"{t.partition} already holds {n} rows; restore fills only a month that "
-                                        "was dropped (or is empty)")
-        # Before the month's partitions are made; the copy checks again, in its transaction.
-        refuse_missing_definitions(conn, path, manifest)
+    # Before the month's partitions are made; the copy checks the definitions again, in
+    # its transaction.
+    _refuse_before(url, path, manifest, planned if not yes else [])
     if not yes:
         return RestoreResult(month=month, source=str(path), tables=planned, applied=False)
     request = request_id or uuid.uuid4().hex
@@ -408,8 +403,20 @@ def restore_month(url: str | None, month: str, directory: Path, *, yes: bool, ac
     return _copy_month(url, path, manifest, actor, lock_timeout_s, progress, request)
 
 
-# Each attempt of these two opens a connection of its own: a retry after a lost
+# Each attempt of these three opens a connection of its own: a retry after a lost
 # connection must not run on the dead one.
+
+@db_retry(max_attempts=5, base=0.25, cap=4.0)
+def _refuse_before(url: str | None, path: Path, manifest: Manifest, filled: list[Restored]) -> None:
+    """What a restore refuses before it writes: ``filled``'s partitions holding rows (the
+    dry run's check), runs of a definition version the database does not hold."""
+    with connect(url, application_name="composer-ops partitions restore") as conn:
+        for t in filled:
+            if repo.exists(conn, t.partition) and (n := repo.row_count(conn, t.partition)):
+                raise ComposerError(f"{t.partition} already holds {n} rows; restore fills only a month that "
+                                    "was dropped (or is empty)")
+        refuse_missing_definitions(conn, path, manifest)
+
 
 @db_retry(max_attempts=5, base=0.25, cap=4.0)
 def _create_month(url: str | None, month: str, lock_timeout_s: float) -> None:
