@@ -300,15 +300,15 @@ def archived_definitions(path: Path, manifest: Manifest) -> list[tuple[str, int]
     return sorted(set(zip(runs.column(0).to_pylist(), runs.column(1).to_pylist(), strict=True)))
 
 
-def refuse_missing_definitions(conn: Conn, path: Path, manifest: Manifest) -> None:
-    """:class:`Invalid` when runs of the archive are of a definition version the
-    database does not hold: their events could not load it (nothing deletes one; a
-    version deleted by hand in SQL)."""
-    missing = repo.missing_definitions(conn, archived_definitions(path, manifest))
+def refuse_missing_definitions(conn: Conn, month: str, named: Sequence[tuple[str, int]]) -> None:
+    """:class:`Invalid` when runs of the archive of ``month`` are of a definition version
+    (``named``: :func:`archived_definitions`) the database does not hold: their events
+    could not load it (nothing deletes one; a version deleted by hand in SQL)."""
+    missing = repo.missing_definitions(conn, named)
     if missing:
-        named = ", ".join(f"{wf!r} v{version}" for wf, version in missing[:5])
-        raise Invalid(f"the archive of {manifest.month} holds runs of workflow definition versions this database "
-                      f"does not hold ({named}{', ...' if len(missing) > 5 else ''}); put those "
+        listed = ", ".join(f"{wf!r} v{version}" for wf, version in missing[:5])
+        raise Invalid(f"the archive of {month} holds runs of workflow definition versions this database "
+                      f"does not hold ({listed}{', ...' if len(missing) > 5 else ''}); put those "
                       "workflow_definitions rows back (from a backup), then restore")
 
 
@@ -317,11 +317,9 @@ def restore_rows(conn: Conn, path: Path, manifest: Manifest, *, progress: Progre
     be empty, in the caller's transaction (tables in foreign-key order), then check
     every table against the manifest: the row count, and the database's fingerprint
     when the table has the archived columns exactly. A mismatch raises
-    :class:`BadArchive`, runs of a definition version the database does not hold
-    :class:`Invalid`, before anything is copied (the caller's transaction must then
-    roll back)."""
+    :class:`BadArchive` (the caller's transaction must then roll back). The definitions
+    of its runs were checked before (:func:`restore_month`)."""
     shown = progress or _Silent()
-    refuse_missing_definitions(conn, path, manifest)
     repo.pin_text_output(conn)
     done: list[Restored] = []
     for table in RUN_TABLES:
@@ -393,9 +391,9 @@ def restore_month(url: str | None, month: str, directory: Path, *, yes: bool, ac
     manifest = verify_month(path, month=month, progress=progress)
     planned = [Restored(table=t.table, partition=t.partition, rows=t.rows, fingerprint_matches=None)
                for t in manifest.tables]
-    # Before the month's partitions are made; the copy checks the definitions again, in
-    # its transaction.
-    _refuse_before(url, path, manifest, planned if not yes else [])
+    # Before the month's partitions are made. Nothing locks a definition's row (V019):
+    # checked once, as a hand-run DELETE could come after any check.
+    _refuse_before(url, manifest.month, archived_definitions(path, manifest), planned if not yes else [])
     if not yes:
         return RestoreResult(month=month, source=str(path), tables=planned, applied=False)
     request = request_id or uuid.uuid4().hex
@@ -407,7 +405,7 @@ def restore_month(url: str | None, month: str, directory: Path, *, yes: bool, ac
 # connection must not run on the dead one.
 
 @db_retry(max_attempts=5, base=0.25, cap=4.0)
-def _refuse_before(url: str | None, path: Path, manifest: Manifest, filled: list[Restored]) -> None:
+def _refuse_before(url: str | None, month: str, named: Sequence[tuple[str, int]], filled: list[Restored]) -> None:
     """What a restore refuses before it writes: ``filled``'s partitions holding rows (the
     dry run's check), runs of a definition version the database does not hold."""
     with connect(url, application_name="composer-ops partitions restore") as conn:
@@ -415,7 +413,7 @@ def _refuse_before(url: str | None, path: Path, manifest: Manifest, filled: list
             if repo.exists(conn, t.partition) and (n := repo.row_count(conn, t.partition)):
                 raise ComposerError(f"{t.partition} already holds {n} rows; restore fills only a month that "
                                     "was dropped (or is empty)")
-        refuse_missing_definitions(conn, path, manifest)
+        refuse_missing_definitions(conn, month, named)
 
 
 @db_retry(max_attempts=5, base=0.25, cap=4.0)
