@@ -18,21 +18,17 @@ as JSON (``bench/results/starts-pg<major>-<date>-<commit>.json`` unless ``--out`
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
 import statistics
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import Any
 
 import psycopg
 
-from bench import scenario, sides
+from bench import report, scenario, sides
 from bench.flowcost import OnCpu
-from bench.report import dated_path
+from bench.producer import produce
 from bench.workload import ONE_TASK
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -52,32 +48,11 @@ def _backends(conn: psycopg.Connection[Any]) -> list[OnCpu]:
                                               "AND datname = current_database()", (APP,))]
 
 
-def _starting(engine: Any, threads: int, *, until: float | None = None, each: int = 0) -> int:
-    """``threads`` threads starting runs of the 1-task workflow, until ``until``
-    (``time.perf_counter``) or ``each`` runs each: how many were started. A thread's
-    error raises, once every thread has stopped."""
-    started = [0] * threads
-    errors: list[BaseException] = []
-
-    def more(k: int) -> bool:
-        return time.perf_counter() < until if until is not None else started[k] < each
-
-    def loop(k: int) -> None:
-        try:
-            while more(k):
-                engine.start(ONE_TASK["id"])
-                started[k] += 1
-        except BaseException as exc:    # raised below
-            errors.append(exc)
-
-    workers = [threading.Thread(target=loop, args=(k,)) for k in range(threads)]
-    for w in workers:
-        w.start()
-    for w in workers:
-        w.join()
-    if errors:
-        raise RuntimeError(f"bench.starts: a starting thread failed: {errors[0]!r}") from errors[0]
-    return sum(started)
+def _started(produced: dict[str, Any]) -> int:
+    """How many runs :func:`bench.producer.produce` started; a failed start raises."""
+    if produced["errors"]:
+        raise RuntimeError(f"bench.starts: {produced['errors']} starts failed, the first: {produced['first_error']}")
+    return int(produced["submitted"])
 
 
 def measure(url: str, *, threads: int, seconds: float, server_local: bool = True) -> dict[str, Any]:
@@ -86,9 +61,12 @@ def measure(url: str, *, threads: int, seconds: float, server_local: bool = True
 
     with Engine.connect(url, pool_size=threads, application_name=APP) as engine, \
             psycopg.connect(url, autocommit=True) as admin:
+        def start() -> None:
+            engine.start(ONE_TASK["id"])
+
         engine.pool.resize(threads, threads)     # every connection open before the window
         engine.pool.wait(60)
-        _starting(engine, threads, each=5)       # the definition cached, statements prepared
+        _started(produce(start, threads=threads, count=5 * threads))   # the definition cached, statements prepared
         backends = _backends(admin)
         if len(backends) != threads:
             raise RuntimeError(f"bench.starts: {len(backends)} engine sessions open, not {threads}")
@@ -96,7 +74,7 @@ def measure(url: str, *, threads: int, seconds: float, server_local: bool = True
         mx0 = _next_multixact(admin)
         srv0 = sum(b.seconds() for b in backends) if readable else 0.0
         cpu0, t0 = time.process_time(), time.perf_counter()
-        n = _starting(engine, threads, until=t0 + seconds)
+        n = _started(produce(start, threads=threads, seconds=seconds))
         elapsed = time.perf_counter() - t0
         srv1 = sum(b.seconds() for b in backends) if readable else 0.0
         cpu1 = time.process_time()
@@ -146,16 +124,13 @@ def run(server: Any, trees: dict[str, Path], *, threads: int, seconds: float, ro
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.starts", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = report.parser("python -m bench.starts", __doc__, "starts-pg<major>-")
     parser.add_argument("trees", nargs="+", metavar="NAME=DIR", help="source trees, the first the reference")
-    parser.add_argument("--pgbin", type=Path, help="server binaries of a throwaway cluster (default: "
-                                                       "COMPOSER_DATABASE_URL's server if set, else the embedded one)")
     parser.add_argument("--threads", type=int, default=4, help="connections starting runs side by side (default 4)")
     parser.add_argument("--seconds", type=float, default=4.0, help="each measurement's length (default 4)")
     parser.add_argument("--rounds", type=int, default=4, help="rounds, the trees' order reversed each (default 4)")
-    parser.add_argument("--out", type=Path, help="default bench/results/starts-pg<major>-<date>-<commit>.json")
     args = parser.parse_args()
+    report.require_binaries(parser, args.pgbin)
     if args.threads < 1 or args.seconds <= 0 or args.rounds < 1:
         parser.error("--threads and --rounds must be at least 1, --seconds above 0")
     bad = [t for t in args.trees if "=" not in t]
@@ -166,15 +141,10 @@ def main() -> int:
         parser.error(f"each tree needs a name of its own, got {', '.join(names)}")
     trees = {n: Path(r).resolve() for n, r in (t.split("=", 1) for t in args.trees)}
     server = scenario.start_server(args.pgbin)
-    out: dict[str, Any] = {"server_version": server.version,
-                           "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                           "command": "python -m bench.starts " + " ".join(sys.argv[1:]),
-                           "load_average_before": os.getloadavg(),
-                           **run(server, trees, threads=args.threads, seconds=args.seconds, rounds=args.rounds)}
-    out["load_average_after"] = os.getloadavg()
-    path = args.out or dated_path(RESULTS, f"starts-pg{server.version_num // 10000}-")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(out, indent=1, default=str) + "\n")
+    out = report.measured_run(server.version, "python -m bench.starts " + " ".join(sys.argv[1:]),
+                              lambda: run(server, trees, threads=args.threads, seconds=args.seconds,
+                                          rounds=args.rounds))
+    path = report.write_results(out, args.out, RESULTS, f"starts-pg{server.version_num // 10000}-")
     for name, m in out["median"].items():
         print(f"{name}: {m['starts_per_s']:.0f} starts/s, server CPU {_ms(m['server_cpu_ms'])} a start, "
               f"client {_ms(m['client_cpu_ms'])}, {m['multixacts']:.0f} MultiXacts; "
