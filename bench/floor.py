@@ -1,7 +1,7 @@
 """The floor: Composer's rows written with as little as a worker can do, side by side
 with Composer and Procrastinate.
 
-``python -m bench.floor [--pgbin DIR] [--rounds 4] [--runs 1000] [--duration 5] [--systems ...] [--out FILE]``
+``python -m bench.floor [--pgbin DIR] [--rounds 4] [--runs 1000] [--duration 5] [--workers 1] [--systems ...] [--out FILE]``
 
 A measurement of the design space, not a second engine. The third system here writes a
 1-task run's rows exactly as :mod:`bench.layers`' plain statements do (the run, its
@@ -23,14 +23,17 @@ worker; either worker takes either's runs, as both write the same rows. A third 
 floor with the engine's claim function in its worker (``composer_claim`` without the
 registration a worker's own claims write).
 
-Each round measures each system's sustained rate at one worker process (a producer of
-4 threads holding the backlog to ``--max-backlog``; the CPU is the server's and every
-process's, the producer's included) and its drain of ``--runs`` (the runs started
-first; the CPU is the worker side's alone), in :mod:`bench.scenario`'s code; the first
+Each round measures each system's sustained rate at one worker process, or at W with
+``--workers`` W (as ``make bench``'s W=4 round; a producer of 4 threads holding the
+backlog to ``--max-backlog``; the CPU is the server's and every process's, the
+producer's included) and, at one worker, its drain of ``--runs`` (the runs started
+first; the CPU is the worker side's alone; not at W > 1, where the CPU's window would
+open only once every worker process is up, after the first ones drained part), in :mod:`bench.scenario`'s code; the first
 round takes the systems in their order, the next backwards, and so on. The floor's
 workers count their claims (a completion's next claim included) as Composer's do.
 Prints the medians of each system's runs/s and CPU per run and the medians of the
-per-round ratios to Procrastinate; ``--out`` writes them as JSON, partial (with
+per-round ratios to Procrastinate; ``--out`` writes them as JSON (by default
+``floor-pg<major>-...``, ``floor-w<W>-pg<major>-...`` with ``--workers``), partial (with
 ``failed``) when a measurement fails, which exits 1.
 
 ``python -m bench.floor worker --url URL`` is the floor's worker process.
@@ -187,9 +190,11 @@ def submitter(url: str) -> tuple[Callable[[], Any], Callable[[], None]]:
 
 
 def measure(server: Any, *, rounds: int, runs: int, duration: float, max_backlog: int, peer: Any,
-            systems: tuple[str, ...] = SYSTEMS, log: Callable[[str], None] = lambda _m: None) -> dict[str, Any]:
+            systems: tuple[str, ...] = SYSTEMS, workers: int = 1,
+            log: Callable[[str], None] = lambda _m: None) -> dict[str, Any]:
     """``rounds`` rounds of each of ``systems``' (:data:`SYSTEMS`, Procrastinate among
-    them) sustained rate and drain at W=1: the raw results, each system's medians, and
+    them) sustained rate and drain at ``workers`` worker processes (each of
+    :data:`CONCURRENCY` slots, as every system's): the raw results, each system's medians, and
     the per-round ratios to Procrastinate. A measurement that fails ends the rounds:
     what was measured is returned, with ``failed`` saying why (None otherwise)."""
     from bench.workload import make_template
@@ -208,19 +213,24 @@ def measure(server: Any, *, rounds: int, runs: int, duration: float, max_backlog
             # Forward, then backward: over two rounds each system runs as early as late.
             for system in chosen if r % 2 == 0 else chosen[::-1]:
                 tpl = peer_tpl if system.name == "procrastinate" else composer_tpl
-                sus = scenario.sustained(system, server, tpl, workers=1, duration=duration, max_backlog=max_backlog)
-                drained = scenario.drain(system, server, tpl, workers=1, items=runs)
-                for row in (sus, drained):
-                    rows.append({**row, "round": r})
-                log(f"round {r + 1} of {rounds}: {system.tag} sustained {sus['runs_per_s']:.0f} runs/s, "
-                    f"drain {drained['runs_per_s']:.0f}")
+                sus = scenario.sustained(system, server, tpl, workers=workers, duration=duration,
+                                         max_backlog=max_backlog)
+                rows.append({**sus, "round": r})
+                said = f"round {r + 1} of {rounds}: {system.tag} sustained {sus['runs_per_s']:.0f} runs/s"
+                if workers == 1:
+                    # At W > 1 a drain's CPU window opens once every worker process is
+                    # up, and the first ones have drained part of it by then.
+                    drained = scenario.drain(system, server, tpl, workers=workers, items=runs)
+                    rows.append({**drained, "round": r})
+                    said += f", drain {drained['runs_per_s']:.0f}"
+                log(said)
     except Exception as exc:   # what was measured is kept, and the run is marked failed
         failed = f"{type(exc).__name__}: {exc}"
         log(f"stopped: {failed}")
     finally:
         for name in (composer_tpl, peer_tpl):
             server.drop_database(name)
-    return {**summarize(rows, rounds), "failed": failed}
+    return {**summarize(rows, rounds), "workers": workers, "failed": failed}
 
 
 def _cpu(row: dict[str, Any]) -> float | None:
@@ -239,6 +249,8 @@ def summarize(rows: list[dict[str, Any]], rounds: int) -> dict[str, Any]:
     names = sorted({row["system"] for row in rows})
     for mode in MODES:
         mine = [row for row in rows if row["mode"] == mode]
+        if not mine:
+            continue
         out["median"][mode] = {}
         for name in names:
             own = [row for row in mine if row["system"] == name]
@@ -268,11 +280,11 @@ def summarize(rows: list[dict[str, Any]], rounds: int) -> dict[str, Any]:
 
 
 def table(result: dict[str, Any]) -> Table:
-    t = Table(title=f"W=1, medians of {result['rounds']} rounds (PostgreSQL {result.get('server_version', '?')}); "
+    t = Table(title=f"W={result.get('workers', 1)}, medians of {result['rounds']} rounds (PostgreSQL {result.get('server_version', '?')}); "
                     "ratios to Procrastinate, median of the rounds' ratios")
     for col in ("mode", "system", "runs/s", "CPU ms/run", "server", "processes", "runs/s ratio", "CPU ratio"):
         t.add_column(col, justify="left" if col in ("mode", "system") else "right")
-    for mode in MODES:
+    for mode in result["median"]:
         for name, med in result["median"][mode].items():
             ratio = result["ratios"][mode].get(name) or {}
             t.add_row(mode, name, figure(med["runs_per_s"], 0), figure(med["cpu_ms_per_run"], 3),
@@ -307,11 +319,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--runs", type=int, default=1000, help="runs (jobs) per drain (default 1000, as make bench)")
     p.add_argument("--duration", type=float, default=5.0, help="seconds measured per sustained workload (default 5)")
     p.add_argument("--max-backlog", type=int, default=50, help="unfinished runs the sustained producer allows")
+    p.add_argument("--workers", type=int, default=1,
+                   help="worker processes of each system, 4 slots each (default 1; make bench's W=4 round: 4)")
     p.add_argument("--systems", default=",".join(SYSTEMS),
                    help=f"the systems measured, procrastinate among them (default {','.join(SYSTEMS)})")
     args = p.parse_args(argv)
-    if args.rounds < 1 or args.runs < 1 or not 0 < args.duration < math.inf or args.max_backlog < 1:
-        p.error("--rounds, --runs and --max-backlog must be at least 1, --duration more than 0 seconds")
+    if (args.rounds < 1 or args.runs < 1 or not 0 < args.duration < math.inf or args.max_backlog < 1
+            or args.workers < 1):
+        p.error("--rounds, --runs, --max-backlog and --workers must be at least 1, --duration more than 0 seconds")
     systems = tuple(dict.fromkeys(x.strip() for x in args.systems.split(",") if x.strip()))
     if "procrastinate" not in systems or set(systems) - set(SYSTEMS):
         p.error(f"--systems takes procrastinate and any of {', '.join(x for x in SYSTEMS if x != 'procrastinate')}, "
@@ -327,9 +342,11 @@ def main(argv: list[str] | None = None) -> int:
     log = stderr_log("floor")
     out = measured_run(server.version, "python -m bench.floor " + " ".join(argv),
                        lambda: measure(server, rounds=args.rounds, runs=args.runs, duration=args.duration,
-                                       max_backlog=args.max_backlog, peer=peer, systems=systems, log=log))
+                                       max_backlog=args.max_backlog, peer=peer, systems=systems,
+                                       workers=args.workers, log=log))
     out["procrastinate_version"] = peer.version()
-    publish(out, args.out, RESULTS, f"floor-pg{server.version_num // 10000}-", table(out), log)
+    kind = "floor-" if args.workers == 1 else f"floor-w{args.workers}-"
+    publish(out, args.out, RESULTS, f"{kind}pg{server.version_num // 10000}-", table(out), log)
     if out["failed"]:
         print(f"python -m bench.floor: a measurement failed, the results are partial: {out['failed']}",
               file=sys.stderr)

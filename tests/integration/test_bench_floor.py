@@ -126,6 +126,18 @@ def test_the_floor_and_each_hybrid_drain_through_their_processes(server: Server)
         server.drop_database(template)
 
 
+def test_two_floor_worker_processes_share_a_drain(server: Server) -> None:
+    """`--workers 2`: two floor worker processes take one drain's runs between them."""
+    template = make_template(server, "bench_tpl_floor_w2_test")
+    try:
+        out = scenario.drain(floor.FLOOR, server, template, workers=2, items=40)
+        assert out["runs"] == 40
+        claims = out["claims"]
+        assert claims is not None and claims["processes"] == 2 and claims["tasks"] == 40, claims
+    finally:
+        server.drop_database(template)
+
+
 def test_the_engines_worker_finishes_the_floors_starts(url: str) -> None:
     runs = _floor_starts(url, 20)
     with Engine.connect(url, pool_size=4) as engine:
@@ -157,7 +169,8 @@ def test_the_summary_takes_each_rounds_ratio_to_procrastinate() -> None:
 @pytest.mark.parametrize("argv, says", [
     (["--systems", "composer,floor"], "--systems takes procrastinate"),
     (["--systems", "procrastinate,nope"], "--systems takes procrastinate"),
-    (["--rounds", "0"], "--rounds, --runs and --max-backlog must be at least 1"),
+    (["--rounds", "0"], "--rounds, --runs, --max-backlog and --workers must be at least 1"),
+    (["--workers", "0"], "--rounds, --runs, --max-backlog and --workers must be at least 1"),
     (["--duration", "0"], "--duration more than 0"),
     (["--pgbin", "/nope"], "no PostgreSQL server binaries in /nope"),
 ])
@@ -168,6 +181,15 @@ def test_bad_arguments_are_refused_before_any_server_starts(argv: list[str], say
     assert stopped.value.code == 2
     err = capsys.readouterr().err
     assert says in err and len(err.strip().splitlines()[-1]) < 200
+
+
+def test_the_summary_of_sustained_rounds_alone_has_no_drain() -> None:
+    """At W > 1 only the sustained rate is measured: the summary and its table hold that
+    mode alone."""
+    rows = [_row("floor", "sustained", 0, 1000, 0.5, 0.5), _row("procrastinate", "sustained", 0, 500, 1.0, 1.0)]
+    out = floor.summarize(rows, rounds=1)
+    assert list(out["median"]) == ["sustained"] and list(out["ratios"]) == ["sustained"]
+    assert floor.table({**out, "workers": 4}).row_count == 2
 
 
 def test_the_summary_leaves_out_a_round_that_measured_no_cpu() -> None:
