@@ -1,7 +1,8 @@
 """The floor: Composer's rows written with as little as a worker can do, side by side
 with Composer and Procrastinate.
 
-``python -m bench.floor [--pgbin DIR] [--rounds 4] [--runs 1000] [--duration 5] [--workers 1] [--systems ...] [--out FILE]``
+``python -m bench.floor [--pgbin DIR] [--rounds 4] [--runs 1000] [--duration 5] [--workers 1] [--systems ...]
+[--out FILE]``
 
 A measurement of the design space, not a second engine. The third system here writes a
 1-task run's rows exactly as :mod:`bench.layers`' plain statements do (the run, its
@@ -28,9 +29,10 @@ Each round measures each system's sustained rate at one worker process, or at W 
 backlog to ``--max-backlog``; the CPU is the server's and every process's, the
 producer's included) and, at one worker, its drain of ``--runs`` (the runs started
 first; the CPU is the worker side's alone; not at W > 1, where the CPU's window would
-open only once every worker process is up, after the first ones drained part), in :mod:`bench.scenario`'s code; the first
-round takes the systems in their order, the next backwards, and so on. The floor's
-workers count their claims (a completion's next claim included) as Composer's do.
+open only once every worker process is up, after the first ones drained part), in
+:mod:`bench.scenario`'s code; the first round takes the systems in their order, the
+next backwards, and so on. The floor's workers count their claims (a completion's next
+claim included) as Composer's do.
 Prints the medians of each system's runs/s and CPU per run and the medians of the
 per-round ratios to Procrastinate; ``--out`` writes them as JSON (by default
 ``floor-pg<major>-...``, ``floor-w<W>-pg<major>-...`` with ``--workers``), partial (with
@@ -280,7 +282,8 @@ def summarize(rows: list[dict[str, Any]], rounds: int) -> dict[str, Any]:
 
 
 def table(result: dict[str, Any]) -> Table:
-    t = Table(title=f"W={result.get('workers', 1)}, medians of {result['rounds']} rounds (PostgreSQL {result.get('server_version', '?')}); "
+    t = Table(title=f"W={result.get('workers', 1)}, medians of {result['rounds']} rounds "
+                    f"(PostgreSQL {result.get('server_version', '?')}); "
                     "ratios to Procrastinate, median of the rounds' ratios")
     for col in ("mode", "system", "runs/s", "CPU ms/run", "server", "processes", "runs/s ratio", "CPU ratio"):
         t.add_column(col, justify="left" if col in ("mode", "system") else "right")

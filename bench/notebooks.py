@@ -1,4 +1,4 @@
-"""Reports and ops functions on a database of at least 10 million task rows.
+"""Reports, runbooks and ops functions on a database of at least 10 million task rows.
 
 ``python -m bench.notebooks`` builds (or reuses) a database of 12 months of history
 with the simulator's backfill (``composer-ops simulate --history-months 12
@@ -11,7 +11,11 @@ tasks to look at, runs ANALYZE as an operator would after a bulk load, then time
   process and kernel), ``--rounds`` times (default 3, round-robin; the median is the
   figure): the whole command, the notebook's own execution (papermill's metadata:
   without process and kernel start-up and HTML rendering), and the kernel's peak
-  resident memory (polled every 0.1 s).
+  resident memory (polled every 0.1 s);
+- every runbook, ``composer-ops runbook NAME`` as the on-call engineer runs it
+  (diagnose and plan, no ``confirm``), with its default parameters, and ``find_run``
+  also as an incident asks it, by an order ID that no run has (every month is read)
+  and by a customer (:data:`RUNBOOK_CASES`); timed as the reports are.
 
 Building takes 5-15 minutes on 2 cores (machine load), so it is not part of ``make bench``; its
 result, ``bench/results/notebooks-<date>-<commit>.json`` with a copy in
@@ -150,15 +154,28 @@ def _executed_seconds(folder: Path) -> float | None:
     return float(duration) if duration is not None else None
 
 
-def _one_report(url: str, name: str, out: str, root: Path = ROOT) -> dict[str, Any]:
-    """``composer-ops report NAME`` of the tree at ``root`` (its package first on the path)."""
+def _timed(args: list[str], url: str, record: Path, root: Path = ROOT) -> dict[str, Any]:
+    """``composer-ops ARGS`` of the tree at ``root`` (its package first on the path),
+    timed, its kernel's peak memory polled; ``record``: the folder its executed notebook
+    is kept in (the notebook's own execution time is read from it)."""
     env = {**os.environ, "COMPOSER_DATABASE_URL": url, "PYTHONPATH": str(root), "COMPOSER_REPORT_PROGRESS": "0"}
-    proc = subprocess.Popen([sys.executable, "-m", "composer_ops", "report", name, "--out", out], cwd=root,
-                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    peak_mb, seconds = _peak_rss(proc)
-    err = proc.stderr.read().decode(errors="replace") if proc.stderr else ""
-    return {"seconds": seconds, "peak_rss_mb": peak_mb or None, "notebook_seconds": _executed_seconds(Path(out) / name),
+    with subprocess.Popen([sys.executable, "-m", "composer_ops", *args], cwd=root, env=env,
+                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE) as proc:
+        peak_mb, seconds = _peak_rss(proc)
+        err = proc.stderr.read().decode(errors="replace") if proc.stderr else ""
+    return {"seconds": seconds, "peak_rss_mb": peak_mb or None, "notebook_seconds": _executed_seconds(record),
             "ok": proc.returncode == 0, "error": err.strip()[-500:] if proc.returncode else None}
+
+
+def _one_report(url: str, name: str, out: str, root: Path = ROOT) -> dict[str, Any]:
+    """``composer-ops report NAME``."""
+    return _timed(["report", name, "--out", out], url, Path(out) / name, root)
+
+
+def _one_runbook(url: str, name: str, params: tuple[tuple[str, str], ...], out: str) -> dict[str, Any]:
+    """``composer-ops runbook NAME -p KEY VALUE ...`` (diagnose and plan: no confirm)."""
+    pairs = [arg for key, value in params for arg in ("-p", key, value)]
+    return _timed(["runbook", name, *pairs, "--out", out], url, Path(out) / "runbooks" / name)
 
 
 def _summary(label: str, got: list[dict[str, Any]]) -> dict[str, Any]:
@@ -189,6 +206,31 @@ def time_reports(url: str, rounds: int = 3, before: Path | None = None) -> list[
     return [_summary(label, got) for label, got in sorted(runs.items())]
 
 
+def runbook_cases() -> list[tuple[str, str, tuple[tuple[str, str], ...]]]:
+    """(label, runbook, parameters): every runbook with its defaults, and ``find_run``
+    as an incident asks it: by an order ID no run has (the simulator's are ORD- and 7
+    digits), so every month is read, and by one customer (C-00042; the simulator draws
+    25,000)."""
+    from composer_ops.runbooks.catalogue import RUNBOOKS
+
+    cases: list[tuple[str, str, tuple[tuple[str, str], ...]]] = [(f"runbook {r.name}", r.name, ()) for r in RUNBOOKS]
+    cases += [("runbook find_run, an order ID no run has", "find_run", (("where", "input.order_id=ORD-NONE"),)),
+              ("runbook find_run, a customer", "find_run", (("where", "input.customer=C-00042"),))]
+    return cases
+
+
+def time_runbooks(url: str, rounds: int = 3,
+                  cases: list[tuple[str, str, tuple[tuple[str, str], ...]]] | None = None) -> list[dict[str, Any]]:
+    """Each of ``cases`` (default :func:`runbook_cases`) ``rounds`` times, round-robin;
+    ``seconds`` is the median of the rounds."""
+    runs: dict[str, list[dict[str, Any]]] = {}
+    for _ in range(rounds):
+        for label, name, params in cases if cases is not None else runbook_cases():
+            with tempfile.TemporaryDirectory(prefix="composer-bench-runbooks-") as out:
+                runs.setdefault(label, []).append(_one_runbook(url, name, params, out))
+    return [_summary(label, got) for label, got in runs.items()]
+
+
 def measure(url: str, rounds: int = 3, before: Path | None = None) -> dict[str, Any]:
     with psycopg.connect(url) as conn:
         version = str(conn.execute("SHOW server_version").fetchone()[0])  # type: ignore[index]
@@ -199,7 +241,7 @@ def measure(url: str, rounds: int = 3, before: Path | None = None) -> dict[str, 
     return {"date": datetime.now(UTC).isoformat(timespec="seconds"), "server_version": version,
             "task_rows": rows, "task_partitions": int(months), "database_bytes": int(size),
             "report_rounds": rounds, "before_tree": str(before) if before else None,
-            "items": time_ops(url) + time_reports(url, rounds, before)}
+            "items": time_ops(url) + time_reports(url, rounds, before) + time_runbooks(url, rounds)}
 
 
 def main(argv: list[str] | None = None) -> int:

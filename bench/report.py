@@ -94,7 +94,8 @@ def ceiling_table(summary: dict[str, Any]) -> Table:
 
 
 def notebooks_table(nb: dict[str, Any]) -> Table:
-    table = Table(title=f"Reports and ops functions on {nb.get('task_rows', 0):,} task rows ({nb.get('date', '')})")
+    table = Table(title=f"Reports, runbooks and ops functions on {nb.get('task_rows', 0):,} task rows "
+                        f"({nb.get('date', '')})")
     table.add_column("what")
     table.add_column("seconds", justify="right")
     table.add_column("each round", justify="right")
