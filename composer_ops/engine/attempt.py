@@ -74,6 +74,7 @@ class Result:
 
 
 def describe(exc: BaseException) -> str:
-    """A handler's exception as its attempt's error: its type, and its message if any."""
+    """An exception as an attempt's error (a handler's, a webhook POST's): its type, and
+    its message if any."""
     text = str(exc).strip()
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__

@@ -27,6 +27,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from composer_ops.db.retry import db_retry
+from composer_ops.engine.attempt import describe
 from composer_ops.errors import Invalid
 from composer_ops.repo import webhooks
 from composer_ops.repo._base import Conn
@@ -179,8 +180,7 @@ def post(url: str, payload: Any, *, secret: str | None, policy: RelayPolicy = Re
     except Exception as exc:  # socket, TLS, protocol or encoding errors: all are a failed attempt
         if expired.is_set():
             return PostResult(None, f"no complete response within the {policy.deadline_s:g}s deadline")
-        text = str(exc).strip()
-        return PostResult(None, f"{type(exc).__name__}: {text}" if text else type(exc).__name__)
+        return PostResult(None, describe(exc))
     finally:
         watchdog.cancel()
         conn.close()
@@ -262,7 +262,7 @@ def _outcome(future: Future[PostResult]) -> PostResult:
     try:
         return future.result()
     except Exception as exc:
-        return PostResult(None, f"{type(exc).__name__}: {exc}")
+        return PostResult(None, describe(exc))
 
 
 @db_retry()
