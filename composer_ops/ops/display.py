@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 import polars as pl
 
-from composer_ops.lazyimport import skip_itables_samples
+from composer_ops.lazyimport import held_back, skip_itables_samples
 
 if TYPE_CHECKING:
     from composer_ops.ops._common import ReadFrom
@@ -261,7 +261,8 @@ def setup() -> None:
     from IPython.display import HTML, display
     from itables.javascript import init_notebook_mode
 
-    init_notebook_mode(all_interactive=False, connected=False)
+    with held_back("pandas"):     # imported only to reset pandas' HTML output (lazyimport.held_back)
+        init_notebook_mode(all_interactive=False, connected=False)
     display(HTML(_STYLE))  # type: ignore[no-untyped-call]
     _one_line_errors()
 
