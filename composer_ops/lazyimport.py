@@ -74,8 +74,8 @@ def held_back(name: str) -> Iterator[None]:
     """Inside the block, ``import NAME`` raises ImportError, unless NAME is imported
     already; afterwards it imports as usual. For a library that imports an optional
     module, when it can, only to patch it: itables' ``init_notebook_mode`` imports
-    pandas to reset its HTML output, which the reports never use (about 90 MB and 0.3 s
-    of every report kernel, measured at 10 million task rows by bench.notebooks)."""
+    pandas to reset its HTML output, which the reports never use (about 80 MB and 0.3 s
+    of every report and runbook kernel, measured by bench.notebooks)."""
     if name in sys.modules:
         yield
         return

@@ -53,7 +53,7 @@ def test_nothing_to_do_once_jsonschema_is_imported() -> None:
 def test_the_report_kernel_imports_neither_the_grammars_nor_the_engine_nor_pandas() -> None:
     """What a report's first cells do (the tables' DataTables set up, a table and a chart
     drawn) imports no pandas, installed or not: itables' set-up imports it, when it can,
-    only to reset pandas' HTML output (about 90 MB and 0.3 s of every kernel, measured
+    only to reset pandas' HTML output (about 80 MB and 0.3 s of every kernel, measured
     by bench.notebooks at 10 million task rows)."""
     printed = _run("""
         import sys
