@@ -195,8 +195,8 @@ def measure(server: Any, *, rounds: int, runs: int, duration: float, max_backlog
             systems: tuple[str, ...] = SYSTEMS, workers: int = 1,
             log: Callable[[str], None] = lambda _m: None) -> dict[str, Any]:
     """``rounds`` rounds of each of ``systems``' (:data:`SYSTEMS`, Procrastinate among
-    them) sustained rate and drain at ``workers`` worker processes (each of
-    :data:`CONCURRENCY` slots, as every system's): the raw results, each system's medians, and
+    them) sustained rate at ``workers`` worker processes (each of :data:`CONCURRENCY`
+    slots, as every system's) and, at one, its drain: the raw results, each system's medians, and
     the per-round ratios to Procrastinate. A measurement that fails ends the rounds:
     what was measured is returned, with ``failed`` saying why (None otherwise)."""
     from bench.workload import make_template

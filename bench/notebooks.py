@@ -159,10 +159,14 @@ def _timed(args: list[str], url: str, record: Path, root: Path = ROOT) -> dict[s
     timed, its kernel's peak memory polled; ``record``: the folder its executed notebook
     is kept in (the notebook's own execution time is read from it)."""
     env = {**os.environ, "COMPOSER_DATABASE_URL": url, "PYTHONPATH": str(root), "COMPOSER_REPORT_PROGRESS": "0"}
-    with subprocess.Popen([sys.executable, "-m", "composer_ops", *args], cwd=root, env=env,
-                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE) as proc:
+    # stderr to a file, not a pipe: nothing reads a pipe while the command runs, so one
+    # that filled it would block the command for good.
+    with tempfile.TemporaryFile() as stderr, \
+            subprocess.Popen([sys.executable, "-m", "composer_ops", *args], cwd=root, env=env,
+                             stdout=subprocess.DEVNULL, stderr=stderr) as proc:
         peak_mb, seconds = _peak_rss(proc)
-        err = proc.stderr.read().decode(errors="replace") if proc.stderr else ""
+        stderr.seek(0)
+        err = stderr.read().decode(errors="replace")
     return {"seconds": seconds, "peak_rss_mb": peak_mb or None, "notebook_seconds": _executed_seconds(record),
             "ok": proc.returncode == 0, "error": err.strip()[-500:] if proc.returncode else None}
 
