@@ -55,8 +55,13 @@ def _started(produced: dict[str, Any]) -> int:
     return int(produced["submitted"])
 
 
-def measure(url: str, *, threads: int, seconds: float, server_local: bool = True) -> dict[str, Any]:
-    """``threads`` threads starting runs of the 1-task workflow on ``url`` for ``seconds``."""
+def measure(url: str, *, threads: int, seconds: float | None = None, starts: int | None = None,
+            server_local: bool = True) -> dict[str, Any]:
+    """``threads`` threads starting runs of the 1-task workflow on ``url`` for ``seconds``,
+    or (``starts``) until that many runs are started, however long it takes: what a test
+    on a loaded machine waits for."""
+    if (seconds is None) == (starts is None):
+        raise ValueError("give seconds or starts")
     from composer_ops import Engine
 
     with Engine.connect(url, pool_size=threads, application_name=APP) as engine, \
@@ -74,13 +79,13 @@ def measure(url: str, *, threads: int, seconds: float, server_local: bool = True
         mx0 = _next_multixact(admin)
         srv0 = sum(b.seconds() for b in backends) if readable else 0.0
         cpu0, t0 = time.process_time(), time.perf_counter()
-        n = _started(produce(start, threads=threads, seconds=seconds))
+        n = _started(produce(start, threads=threads, seconds=seconds, count=starts))
         elapsed = time.perf_counter() - t0
         srv1 = sum(b.seconds() for b in backends) if readable else 0.0
         cpu1 = time.process_time()
         mx1 = _next_multixact(admin)
     if n == 0:
-        raise RuntimeError(f"bench.starts: no run started in {seconds} s")
+        raise RuntimeError(f"bench.starts: no run started in {seconds} s")   # only a window can end with none
     return {"starts": n, "starts_per_s": n / elapsed, "server_cpu_ms": (srv1 - srv0) / n * 1e3 if readable else None,
             "client_cpu_ms": (cpu1 - cpu0) / n * 1e3, "multixacts": mx1 - mx0}
 
@@ -93,7 +98,8 @@ def _ms(value: float | None) -> str:
     return "not read" if value is None else f"{value:.3f} ms"
 
 
-def run(server: Any, trees: dict[str, Path], *, threads: int, seconds: float, rounds: int) -> dict[str, Any]:
+def run(server: Any, trees: dict[str, Path], *, threads: int, rounds: int, seconds: float | None = None,
+        starts: int | None = None) -> dict[str, Any]:
     """Each tree's schema, measured ``rounds`` times alternately on ``server``: medians,
     ratios to the first tree's and every round. Leaves no database behind."""
     made: dict[str, dict[str, Any]] = {}
@@ -105,7 +111,7 @@ def run(server: Any, trees: dict[str, Path], *, threads: int, seconds: float, ro
         for r in range(rounds):
             for name in (list(trees) if r % 2 == 0 else list(trees)[::-1]):
                 with server.database(template=made[name]["template"], prefix=f"bench_starts_{name}_") as url:
-                    got = measure(url, threads=threads, seconds=seconds, server_local=local)
+                    got = measure(url, threads=threads, seconds=seconds, starts=starts, server_local=local)
                 per[name].append(got)
                 print(f"[starts] round {r + 1}/{rounds} {name}: {got['starts_per_s']:.0f} starts/s, server CPU "
                       f"{_ms(got['server_cpu_ms'])} a start, client {_ms(got['client_cpu_ms'])}, "
@@ -119,8 +125,8 @@ def run(server: Any, trees: dict[str, Path], *, threads: int, seconds: float, ro
     ratios = {name: {k: round(v / base, 3) if v is not None and (base := medians[first][k]) else None
                      for k, v in m.items() if k != "multixacts"}
               for name, m in medians.items()}
-    return {"templates": made, "threads": threads, "seconds": seconds, "rounds": rounds, "median": medians,
-            "ratio_to_" + first: ratios, "per_round": per}
+    return {"templates": made, "threads": threads, "seconds": seconds, "starts": starts, "rounds": rounds,
+            "median": medians, "ratio_to_" + first: ratios, "per_round": per}
 
 
 def main() -> int:

@@ -11,7 +11,8 @@ from composer_ops.testing.servers import Server
 
 
 def test_starts_measures_each_tree_every_round_and_leaves_nothing(server: Server) -> None:
-    out = starts.run(server, {"a": starts.ROOT, "b": starts.ROOT}, threads=2, seconds=0.3, rounds=2)
+    # A count of starts, not a window: a loaded machine takes longer, never finds none.
+    out = starts.run(server, {"a": starts.ROOT, "b": starts.ROOT}, threads=2, starts=10, rounds=2)
     assert set(out["per_round"]) == {"a", "b"} and all(len(r) == 2 for r in out["per_round"].values())
     local = server.owned                                # the server's CPU is read where it runs here only
     for got in (m for rounds in out["per_round"].values() for m in rounds):
