@@ -539,6 +539,9 @@ class Worker:
                 nxt: TaskContext | None = None
                 try:
                     nxt = self._execute(item, slots=slots)
+                except BaseException:   # never the slot's end: its thread takes the next task
+                    log.exception("the slot running task %s of run %s failed; the lease sweeper retries the task",
+                                  item.task_id, item.run_id)
                 finally:
                     if nxt is None:
                         self._release()
@@ -674,6 +677,12 @@ class Worker:
             return "failed", describe(exc), False
         except Exception as exc:
             log.debug("handler %s raised: %s", claim.task_name, traceback.format_exc())
+            return "failed", describe(exc), True
+        except BaseException as exc:    # SystemExit, KeyboardInterrupt raised by the handler's own code
+            # A handler cannot stop its worker: in its slot's thread this would end the
+            # thread and leave the slot's next tasks held, their leases renewed, never run.
+            log.warning("handler %s raised %s; its attempt fails (a handler cannot stop its worker)",
+                        claim.task_name, type(exc).__name__)
             return "failed", describe(exc), True
         try:
             check_json(output, f"output of handler {claim.task_name!r}")

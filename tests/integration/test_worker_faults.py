@@ -117,3 +117,35 @@ def test_a_finished_task_raises_no_lease_lost_alarm(engine: Engine, caplog: pyte
         thread.join(60)
     assert engine.get_run(run_id).status == "SUCCEEDED" and [r.status for r in results] == ["completed"]
     assert not [r for r in caplog.records if "lease lost" in r.getMessage()]
+
+
+@pytest.mark.parametrize("raised", [SystemExit("bye"), KeyboardInterrupt()], ids=["SystemExit", "KeyboardInterrupt"])
+def test_a_handler_raising_systemexit_fails_its_attempt_and_the_slot_goes_on(engine: Engine,
+                                                                              raised: BaseException) -> None:
+    """sys.exit() (or a KeyboardInterrupt raised) in a handler is the attempt's failure,
+    not the end of its slot's thread: the one slot runs the next task."""
+    engine.deploy({"id": "exits", "nodes": [{"id": "job", "type": "TASK", "task": "job",
+                                             "input": {"exit": "$.input.exit"}, "retry": {"max_attempts": 1}}]})
+    results: list[Result] = []
+    worker = Worker(engine, concurrency=1, poll_interval=0.1, on_result=results.append)
+
+    @worker.handler("job")
+    def job(input: Any, ctx: TaskContext) -> dict[str, Any]:
+        if input["exit"]:
+            raise raised
+        return {"ok": True}
+
+    exiting = engine.start("exits", input={"exit": True})
+    thread = threading.Thread(target=worker.run, daemon=True)
+    thread.start()
+    try:
+        wait_for(lambda: engine.get_run(exiting).status == "FAILED", timeout=30, what="the exiting run failed")
+        plain = engine.start("exits", input={"exit": False})
+        wait_for(lambda: engine.get_run(plain).status == "SUCCEEDED", timeout=30, what="the next run, same slot")
+    finally:
+        worker.stop()
+        thread.join(60)
+    assert not thread.is_alive()
+    failed = engine.get_run(exiting).tasks[0]
+    assert type(raised).__name__ in str(failed.error), failed.error
+    assert [r.status for r in results] == ["failed", "completed"]
