@@ -69,7 +69,10 @@ def cmd_runbook(args: argparse.Namespace) -> int:
                          f"see {result.html}\n")
         return EXIT_FAILED
     if not done.act.get("confirm"):
-        print("dry run: nothing was changed (add -p confirm true to act)")
+        again = records.confirm_command(args.name, pairs)
+        if url:
+            again += " (with the same --database-url)"
+        print(f"dry run: nothing was changed; to act as planned: {again}")
     print(f"index: {out / 'index.html'}")
     return EXIT_OK
 

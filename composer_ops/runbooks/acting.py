@@ -2,9 +2,10 @@
 may take operator actions, with an actor whose audit rows name the runbook's record.
 
 ``composer-ops runbook`` runs the notebook with ``COMPOSER_RUNBOOK_RECORD`` (the
-executed notebook's path) and ``COMPOSER_RUNBOOK_COMMAND`` (its command line,
-passwords removed) in the kernel's environment; a notebook opened in JupyterLab has
-neither, and its audit rows say so.
+executed notebook's path), ``COMPOSER_RUNBOOK_COMMAND`` (its command line, passwords
+removed) and ``COMPOSER_RUNBOOK_CONFIRM`` (the command that acts as this run planned:
+its ``-p`` parameters and ``-p confirm true``) in the kernel's environment; a notebook
+opened in JupyterLab has none of them, and its audit rows say so.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from composer_ops.db import find_url
 
 ENV_RECORD = "COMPOSER_RUNBOOK_RECORD"
 ENV_COMMAND = "COMPOSER_RUNBOOK_COMMAND"
+ENV_CONFIRM = "COMPOSER_RUNBOOK_CONFIRM"
 #: The role operator actions need (docs/security.md).
 OPERATOR_ROLE = "composer_ops_engine"
 
@@ -59,8 +61,10 @@ class Act:
         if self.nothing is not None:
             return f"**Nothing to act on from here:** {self.nothing}."
         if not self.confirm:
-            return ("**Dry run:** nothing was changed. Run again with `confirm=True` "
-                    f"(`composer-ops runbook {self.runbook} -p confirm true`) to act as planned above.")
+            again = os.environ.get(ENV_CONFIRM)
+            how = (f"`{again}`" if again else
+                   "`confirm = True` in the parameters cell, the other parameters as they are")
+            return f"**Dry run:** nothing was changed. To act as planned above, run again with {how}."
         if self.refused is not None:
             return f"**Not acted:** {self.refused}. Nothing was changed."
         return "Acted: " + ("; ".join(self.did) or "nothing needed doing") + "."

@@ -6,6 +6,7 @@ HTML page, the index), kept as ``reports/runbooks/<name>/<UTC timestamp>.ipynb``
 from __future__ import annotations
 
 import json
+import shlex
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,6 +29,17 @@ class RunbookRun:
         return str(refused) if refused else None
 
 
+def confirm_command(name: str, pairs: Sequence[tuple[str, str]]) -> str:
+    """The command that runs runbook ``name`` again with the same ``-p`` pairs and
+    ``-p confirm true``: what a dry run tells the operator to run to act as it planned
+    (``database_url``, which may hold a password, left out)."""
+    words = ["composer-ops", "runbook", name]
+    for key, value in pairs:
+        if key not in ("confirm", "database_url"):
+            words += ["-p", key, value]
+    return shlex.join([*words, "-p", "confirm", "true"])
+
+
 def run(name: str, pairs: Sequence[tuple[str, str]], out_dir: Path, *, database_url: str | None, command: str,
         progress: bool = True, cell_timeout_s: int = 600) -> RunbookRun:
     """Execute runbook ``name`` with the ``-p`` pairs into ``out_dir/runbooks/name/``
@@ -43,10 +55,10 @@ def run(name: str, pairs: Sequence[tuple[str, str]], out_dir: Path, *, database_
     from composer_ops.files import check_directory
 
     check_directory(out_dir / catalogue.FOLDER / name, "--out: directory")   # one line, exit 2, before a kernel
+    kernel_env = {acting.ENV_COMMAND: command, acting.ENV_CONFIRM: confirm_command(name, pairs)}
     (result,) = reports.run_reports([name], params, out_dir / catalogue.FOLDER, database_url=database_url,
                                     progress=progress, cell_timeout_s=cell_timeout_s, directory=directory,
-                                    kernel_env={acting.ENV_COMMAND: command}, record_env=acting.ENV_RECORD,
-                                    index_dir=out_dir)
+                                    kernel_env=kernel_env, record_env=acting.ENV_RECORD, index_dir=out_dir)
     figures = reports.key_figures(result.ipynb) if result.ipynb.exists() else None
     return RunbookRun(name=name, result=result, act=dict((figures or {}).get("act") or {}))
 

@@ -85,13 +85,16 @@ def sweep_act(act: Act, database_url: str | None) -> SweepResult | None:
 # -- the outbox ---------------------------------------------------------------------------
 
 
-def stuck_queues(backlog: pl.DataFrame, registry: pl.DataFrame, ready_age_s: float) -> pl.DataFrame:
+def stuck_queues(backlog: pl.DataFrame, registry: pl.DataFrame, ready_age_s: float,
+                 held: Sequence[str] = ()) -> pl.DataFrame:
     """Queues whose oldest ready dispatch waited more than ``ready_age_s``, with the live
-    workers that serve them (0: nobody claims that queue)."""
+    workers that serve them (0: nobody claims that queue); the ``held`` queues (paused,
+    or at their limit: :func:`composer_ops.ops.active.held_queues`) left out, as the
+    check leaves them."""
     live = registry.filter(pl.col("state") == "live")
     rows = []
     for queue, ready, age in backlog.select("queue", "ready", "oldest_ready_age_s").iter_rows():
-        if age is None or age <= ready_age_s:
+        if age is None or age <= ready_age_s or queue in held:
             continue
         serving = [w for w, qs in live.select("worker", "queues").iter_rows() if queue in (qs or [])]
         rows.append((queue, ready, age, len(serving), serving))

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import re
+import shlex
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -279,8 +280,12 @@ def test_downstream_overloaded_plans_then_pauses_the_queue_with_its_audit_row(
                               capsys)
     assert code == 0 and "dry run: nothing was changed" in printed, err
     assert _audit(db_url) == []
-    code, printed, err = _run(["downstream_overloaded", *params, "-p", "confirm", "true", "--database-url", operator,
-                               "--out", str(out)], capsys)
+    # The command the dry run says acts as planned: its parameters, and confirm.
+    (again,) = re.findall(r"to act as planned: (.*) \(with the same --database-url\)$", printed, re.M)
+    assert again in _record(out, "downstream_overloaded").with_suffix(".ipynb").read_text(encoding="utf-8")
+    words = shlex.split(again)
+    assert words[:2] == ["composer-ops", "runbook"] and words[-3:] == ["-p", "confirm", "true"]
+    code, printed, err = _run([*words[2:], "--database-url", operator, "--out", str(out)], capsys)
     assert code == 0, err
     assert 'did: queues pause: queue payments' in printed
     ((action, target, counts, command, db_role),) = _audit(db_url)
