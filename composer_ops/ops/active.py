@@ -109,6 +109,13 @@ def outbox_backlog(source: Source = None) -> pl.DataFrame:
         })
 
 
+def held_queues(queue_rows: pl.DataFrame) -> list[str]:
+    """The queues of :func:`queue_overview` whose ready dispatches no claim takes now, on
+    purpose: paused, or with as many tasks RUNNING as their ``max_running``. Their rows
+    waiting in the outbox are not stuck, and no worker would take them."""
+    return sorted(queue_rows.filter(pl.col("paused") | pl.col("at_limit"))["queue"].to_list())
+
+
 def long_waits(source: Source = None, *, older_than_s: float = 86400, limit: int = 50) -> tuple[pl.DataFrame, int]:
     """WAIT_FOR_SIGNAL tasks with no timeout that have waited longer than ``older_than_s``
     (oldest first, at most ``limit``) and how many there are in all. Such a node waits

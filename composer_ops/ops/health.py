@@ -133,15 +133,24 @@ def check_health(source: Source = None, thresholds: Thresholds | None = None) ->
                 "is a coordinator running?" if expired.height else "no expired lease is still RUNNING"),
         help="Seconds since the longest-expired lease of a task still RUNNING (0: none)."))
 
-    ready = max(backlog["oldest_ready_age_s"].to_list(), default=0.0)
-    stuck = backlog.filter(pl.col("oldest_ready_age_s") > t.outbox_ready_age_s)["queue"].to_list()
+    # A paused queue's rows, or those of a queue at its limit, wait on purpose: the
+    # queue's own check (queue paused long) and the queues' figures speak for them.
+    held = active.held_queues(queue_rows)
+    claimable = backlog.filter(~pl.col("queue").is_in(held))
+    held_ready = int(backlog.filter(pl.col("queue").is_in(held))["ready"].sum()) if backlog.height else 0
+    ready = max(claimable["oldest_ready_age_s"].drop_nulls().to_list(), default=0.0)
+    stuck = claimable.filter(pl.col("oldest_ready_age_s") > t.outbox_ready_age_s)["queue"].to_list()
     checks.append(Check(
         name="oldest ready outbox row", runbook="outbox_ready",
         metric="composer_outbox_oldest_ready_seconds", value=ready,
         threshold=t.outbox_ready_age_s, alert=ready > t.outbox_ready_age_s,
         detail=(f"no worker claims queue(s) {', '.join(stuck)}" if stuck
-                else f"{int(backlog['ready'].sum()) if backlog.height else 0} ready dispatch(es), none waiting long"),
-        help="Seconds the oldest claimable dispatch has waited in the outbox (0: none)."))
+                else f"{int(claimable['ready'].sum()) if claimable.height else 0} ready dispatch(es), "
+                     "none waiting long")
+               + (f"; not counted: {held_ready} ready in queue(s) {', '.join(held)}, paused or at their limit"
+                  if held_ready else ""),
+        help="Seconds the oldest claimable dispatch has waited in the outbox (0: none); the rows of a paused "
+             "queue or of one at its max_running are not counted."))
 
     blocked = plan.filter(pl.col("reason").is_in(["has active runs", "has live children"]))
     runs = [r for ids in blocked["active_run_ids"].to_list() for r in ids]

@@ -234,10 +234,19 @@ def test_check_alerts_on_a_long_pause_and_exports_the_queues(db_url: str, engine
     engine.queues.pause("q", reason="incident")
     calm = check_health(db_url)
     assert next(c for c in calm.checks if c.name == "queue paused long").alert is False
-    health = check_health(db_url, Thresholds(queue_paused_h=0))
+    health = check_health(db_url, Thresholds(queue_paused_h=0, outbox_ready_age_s=0))
     paused = next(c for c in health.checks if c.name == "queue paused long")
     assert paused.alert and paused.value > 0 and "queue(s) q paused" in paused.detail
-    (row,) = health.queues
+    # Its ready row waits on purpose: not the outbox check's (which would send the
+    # operator to start workers), whatever its age.
+    outbox = next(c for c in health.checks if c.name == "oldest ready outbox row")
+    assert not outbox.alert and outbox.value == 0, outbox
+    assert "not counted: 1 ready in queue(s) q, paused or at their limit" in outbox.detail
+    engine.start("other")                   # queue r, open: counted
+    other = next(c for c in check_health(db_url, Thresholds(outbox_ready_age_s=0)).checks
+                 if c.name == "oldest ready outbox row")
+    assert other.alert and "no worker claims queue(s) r" in other.detail, other
+    row = next(r for r in health.queues if r["queue"] == "q")
     assert (row["queue"], row["paused"], row["max_running"], row["running"], row["depth"], row["at_limit"]) == \
         ("q", True, 1, 1, 1, True)
     prom = tmp_path / "composer.prom"
