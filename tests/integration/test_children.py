@@ -74,6 +74,35 @@ def test_a_failed_child_fails_the_parent(engine: Engine) -> None:
                                   'after 1 attempt: bank says no'}
 
 
+def test_a_failed_child_is_retried_through_its_parent_only(engine: Engine, db_url: str,
+                                                            capsys: pytest.CaptureFixture[str]) -> None:
+    """A child run retried on its own would finish unseen by its parent, and the
+    parent's retry would then run the child's work a second time: refused, naming the
+    parent's retry, which starts a new child."""
+    from composer_ops.cli import main
+    from composer_ops.errors import Conflict
+
+    engine.deploy(REFUND)
+    engine.deploy(parent_spec())
+    parent = engine.start("order", input={"amount": 7})
+    (task,) = claim(engine)
+    engine.fail(task, "bank says no", retryable=False)
+    child = task.run_id
+    with pytest.raises(Conflict, match=f"run {child} is the child of run {parent}"):
+        engine.retry(child)
+    assert main(["runs", "retry", child, "--yes", "--database-url", db_url]) == 1
+    err = capsys.readouterr().err
+    assert f"composer-ops runs retry {parent} --from refund" in err and err.count("\n") == 1, err
+    assert (engine.get_run(child).status, engine.get_run(parent).status) == ("FAILED", "FAILED")
+    engine.retry(parent, "refund")
+    (again,) = claim(engine)
+    assert again.run_id != child
+    engine.complete(again, {"refunded": 7})
+    (after,) = claim(engine)
+    engine.complete(after, "done")
+    assert engine.get_run(parent).status == "SUCCEEDED" and engine.get_run(child).status == "FAILED"
+
+
 def test_cancelling_the_parent_cancels_the_child_and_its_tasks(engine: Engine, db_url: str) -> None:
     engine.deploy(REFUND)
     engine.deploy(parent_spec())
