@@ -28,14 +28,19 @@ from composer_ops.cli import (
 from composer_ops.cli._common import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_OK, ArgumentParser, check_options
 from composer_ops.errors import ComposerError, Unavailable
 
+#: The values --log-level (and COMPOSER_LOG_LEVEL) take, in either case.
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
 
 def build_parser() -> ArgumentParser:
     parser = ArgumentParser(prog="composer-ops", description=__doc__)
     parser.add_argument("--version", action="version", version=f"composer-ops {__version__}")
     parser.add_argument("--debug", action="store_true", default=os.environ.get("COMPOSER_DEBUG") == "1",
                         help="show tracebacks and debug logs [env: COMPOSER_DEBUG=1]")
-    parser.add_argument("--log-level", default=os.environ.get("COMPOSER_LOG_LEVEL", "WARNING"),
-                        help="log level for the composer_ops logger [env: COMPOSER_LOG_LEVEL]")
+    parser.add_argument("--log-level", default=os.environ.get("COMPOSER_LOG_LEVEL", "WARNING"), type=str.upper,
+                        choices=LOG_LEVELS, metavar="LEVEL",
+                        help=f"log level for the composer_ops logger: {', '.join(LOG_LEVELS)} "
+                             "[env: COMPOSER_LOG_LEVEL]")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=ArgumentParser)
     db_cmds.register(sub)
     run_cmds.register(sub)
@@ -54,7 +59,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)    # for the audit rows of operator actions
-    level = logging.DEBUG if args.debug else getattr(logging, str(args.log_level).upper(), logging.WARNING)
+    if args.log_level not in LOG_LEVELS:        # from COMPOSER_LOG_LEVEL (argparse checks only what is typed)
+        parser.error(f"COMPOSER_LOG_LEVEL: {args.log_level!r} is not one of {', '.join(LOG_LEVELS)}")
+    level = logging.DEBUG if args.debug else getattr(logging, args.log_level)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("composer_ops").setLevel(level)
     try:

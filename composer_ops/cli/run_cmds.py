@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import faulthandler
+import functools
 import importlib
 import os
 import signal
@@ -33,6 +34,7 @@ from composer_ops.cli._common import (
 from composer_ops.cli.partition_cmds import add_months_ahead_option
 from composer_ops.core.attempts import Attempt, HistoryRow, attempts
 from composer_ops.core.cutoff import parse_cutoff
+from composer_ops.db.errors import first_line
 from composer_ops.engine import Engine, Worker
 from composer_ops.engine.webhooks import RelayPolicy
 from composer_ops.engine.worker import SHORT_HANDLER_S
@@ -210,12 +212,29 @@ def _connect_wait(args: argparse.Namespace) -> float:
     return float(args.connect_wait)
 
 
+@functools.cache
+def _yaml_loader() -> Any:
+    """YAML's safe loader, less its timestamps: an unquoted date or instant (``until:
+    2030-01-01T00:00:00Z``) stays the text written, as in JSON, which has no dates."""
+    import yaml
+
+    class Loader(yaml.SafeLoader):
+        pass
+
+    Loader.yaml_implicit_resolvers = {
+        first: [(tag, pattern) for tag, pattern in resolvers if tag != "tag:yaml.org,2002:timestamp"]
+        for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()}
+    return Loader
+
+
 def load_definition(path: str) -> Any:
     """Read a JSON or YAML definition, with errors that name the file and position."""
     if path == "-":
         text, name = sys.stdin.read(), "<stdin>"
     else:
         file = Path(path)
+        if file.is_dir():
+            raise Invalid(f"{path}: a directory, not a definition file")
         if not file.is_file():
             raise Invalid(f"{path}: no such file")
         text, name = file.read_text(encoding="utf-8"), path
@@ -223,7 +242,7 @@ def load_definition(path: str) -> Any:
         import yaml
 
         try:
-            return yaml.safe_load(text)
+            return yaml.load(text, Loader=_yaml_loader())   # a SafeLoader
         except RecursionError:
             raise Invalid(f"{name}: YAML nests too deeply to be a workflow definition") from None
         except yaml.YAMLError as exc:
@@ -471,6 +490,9 @@ def find_app(spec: str) -> object:
         module = importlib.import_module(module_name)
     except ImportError as exc:
         raise Invalid(f"--app {spec}: cannot import {module_name!r}: {exc}") from None
+    except Exception as exc:    # the module's own code failed (SyntaxError, NameError, ...): --debug shows where
+        raise Invalid(f"--app {spec}: importing {module_name!r} raised {type(exc).__name__}: "
+                      f"{first_line(exc)}") from exc
     target = getattr(module, attr, None)
     if target is None:
         raise Invalid(f"--app {spec}: module {module_name!r} has no attribute {attr!r}")
@@ -483,9 +505,16 @@ def load_app(spec: str, target: object, engine: Engine) -> Worker:
     """The Worker ``find_app(spec)`` found, or the one its factory builds with the Engine."""
     # A factory gets this command's Engine (and so --database-url); a ready-made
     # Worker keeps the Engine it was built with.
-    worker = target if isinstance(target, Worker) else target(engine) if callable(target) else None
+    if isinstance(target, Worker):
+        return target
+    try:
+        worker = target(engine) if callable(target) else None
+    except Exception as exc:    # the factory's own code (or a callable that is no factory): --debug shows where
+        raise Invalid(f"--app {spec}: calling it with the Engine raised {type(exc).__name__}: "
+                      f"{first_line(exc)}") from exc
     if not isinstance(worker, Worker):
-        raise Invalid(f"--app {spec}: expected a Worker or a function returning one, got {type(target).__name__}")
+        raise Invalid(f"--app {spec}: expected a Worker or a function returning one, got {type(target).__name__} "
+                      f"returning {type(worker).__name__}")
     return worker
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -73,6 +74,8 @@ def _bad_spec(tmp_path: Path, text: str, name: str = "bad.json") -> str:
     (["worker", "--app", APP, "--concurrency", "0"], "--concurrency must be at least 1"),
     (["worker", "--app", APP, "--prefetch", "-1"], "--prefetch must be from 0 to 100 tasks, got -1"),
     (["worker", "--app", "no_such_module_here:w"], "cannot import 'no_such_module_here'"),
+    (["worker", "--app", "json:dumps"], "--app json:dumps: calling it with the Engine raised TypeError: "),
+    (["deploy", "/"], "/: a directory, not a definition file"),
     (["start"], "the following arguments are required"),
 ])
 def test_bad_input_is_one_line_exit_2_and_writes_nothing(
@@ -87,6 +90,45 @@ def test_bad_input_is_one_line_exit_2_and_writes_nothing(
     assert message in err
     assert err.count("\n") == 1 and "Traceback" not in err
     assert counts(db_url) == before
+
+
+@pytest.mark.parametrize(("source", "message"), [
+    ("def make(:\n", "importing 'broken_app' raised SyntaxError: "),
+    ("import nowhere_to_be_found_x\n", "cannot import 'broken_app': No module named 'nowhere_to_be_found_x'"),
+    ("VALUE = 1 / 0\n", "importing 'broken_app' raised ZeroDivisionError: division by zero"),
+    ("def make():\n    return None\n", "calling it with the Engine raised TypeError: make() takes 0 positional"),
+    ("def make(engine):\n    raise KeyError('queue')\n", "calling it with the Engine raised KeyError: 'queue'"),
+    ("def make(engine):\n    return 5\n", "expected a Worker or a function returning one, got function returning int"),
+])
+def test_a_broken_worker_app_is_one_line_exit_2(capsys: pytest.CaptureFixture[str], db_url: str, tmp_path: Path,
+                                                monkeypatch: pytest.MonkeyPatch, source: str, message: str) -> None:
+    """The --app module's or its factory's own errors: one line naming them, no traceback."""
+    (tmp_path / "broken_app.py").write_text(source)
+    monkeypatch.chdir(tmp_path)                 # the worker imports --app from the working directory
+    monkeypatch.delitem(sys.modules, "broken_app", raising=False)
+    code, _, err = run(capsys, db_url, "worker", "--app", "broken_app:make", "--connect-wait", "0")
+    assert code == 2 and f"composer-ops: invalid: --app broken_app:make: {message}" in err, err
+    assert err.count("\n") == 1 and "Traceback" not in err
+
+
+def test_a_log_level_typo_is_refused(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    with pytest.raises(SystemExit) as typed:
+        main(["--log-level", "nope", "workers", "list"])
+    assert typed.value.code == 2 and "argument --log-level: invalid choice: 'NOPE'" in capsys.readouterr().err
+    monkeypatch.setenv("COMPOSER_LOG_LEVEL", "verbose")
+    with pytest.raises(SystemExit) as from_env:
+        main(["workers", "list"])
+    assert from_env.value.code == 2 and "COMPOSER_LOG_LEVEL: 'VERBOSE' is not one of" in capsys.readouterr().err
+
+
+def test_yaml_dates_stay_the_text_written(capsys: pytest.CaptureFixture[str], db_url: str, tmp_path: Path) -> None:
+    """An unquoted instant in a YAML definition is the string JSON would hold, not a date."""
+    doc = "id: dated\nnodes:\n  - {id: w, type: WAIT, until: 2030-01-01T00:00:00Z}\n"
+    code, _, err = run(capsys, db_url, "deploy", _bad_spec(tmp_path, doc, "dated.yaml"))
+    assert code == 0, err
+    with psycopg.connect(db_url) as conn:
+        (spec,) = conn.execute("SELECT spec_json FROM workflow_definitions WHERE id = 'dated'").fetchone() or ()
+    assert spec["nodes"][0]["until"] == "2030-01-01T00:00:00Z"
 
 
 @pytest.mark.parametrize(("doc", "message"), [
