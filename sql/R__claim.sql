@@ -693,11 +693,26 @@ GRANT EXECUTE ON FUNCTION composer_claim(TEXT[], TEXT[], TEXT, INT, TEXT, TEXT, 
 -- lost lease, cancel), in that transaction. Only tasks with flow_slot fire it. Not on
 -- Citus: there the tasks live on the worker nodes and flow_slots on the coordinator,
 -- and the Citus claim frees slots lazily instead (composer_ops/repo/citus_flow.py).
+-- The place freed may be what ready rows of the task's queue wait for (its key at its
+-- limit, the queue at its max_running), and no dispatch is coming for them: with such
+-- rows, a worker serving the queue is told, as a dispatch tells one (sql/R__dispatch.sql:
+-- the least over-promised, then the most recently registered, on its own channel with
+-- an empty payload, sent when this transaction commits, so its claim sees the place
+-- free), or, none registered, the shared channel. Otherwise the rows waited for the
+-- next poll of a worker: a second a task in one place.
 CREATE OR REPLACE FUNCTION composer_free_flow_slot() RETURNS trigger
 LANGUAGE plpgsql
 AS $$
+DECLARE
+    q TEXT := COALESCE(OLD.queue, 'default');
+    told TEXT;
 BEGIN
     DELETE FROM flow_slots f WHERE f.run_id = OLD.run_id AND f.task_id = OLD.id;
+    IF EXISTS (SELECT 1 FROM task_outbox o WHERE o.queue = q AND o.available_at <= now()) THEN
+        SELECT x.channel INTO told FROM task_waiters x WHERE q = ANY(x.queues)
+         ORDER BY x.promised - x.seen - x.slots, x.since DESC LIMIT 1;
+        PERFORM pg_notify(COALESCE(told, 'composer_tasks'), CASE WHEN told IS NULL THEN q ELSE '' END);
+    END IF;
     RETURN NULL;
 END;
 $$;
