@@ -1,6 +1,6 @@
 """``composer-ops schedules create|list|pause|resume|delete|trigger|backfill``: cron
-schedules whose slots the coordinator starts. Each action writes an audit row; delete
-and backfill change nothing without --yes."""
+schedules whose slots the coordinator starts. Each action writes an audit row, and,
+as every operator command, changes nothing without --yes (it says what it would do)."""
 
 from __future__ import annotations
 
@@ -37,7 +37,8 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
                     "_schedule key (name, slot, source); its run ID is derived from the schedule and the slot, "
                     "so a slot never starts twice. --overlap: skip a slot while the previous run is active, "
                     "buffer one to start when it ends, or allow. --catchup after a coordinator outage: start "
-                    "none of the late slots, the latest, or all. Exit 2 for bad input (nothing written).")
+                    "none of the late slots, the latest, or all. Dry-run unless --yes. Exit 2 for bad input "
+                    "(nothing written).")
     create.add_argument("name")
     create.add_argument("--workflow", required=True, help="the workflow id (its deployed version starts)")
     create.add_argument("--cron", required=True, metavar="EXPR",
@@ -48,16 +49,18 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
                metavar_default="skip", help="when the previous run is still active")
     env_option(create, "--catchup", env="COMPOSER_SCHEDULE_CATCHUP", default="latest", choices=CATCHUP_POLICIES,
                metavar_default="latest", help="which late slots start after an outage")
+    add_yes_option(create, "create it (without: check everything and show what would be created)")
     add_json_option(create, "print the schedule as a JSON object")
 
     lst = add_command(ssub, "list", cmd_list, database="reads",
                       help="every schedule: next and last slot, last run, slots missed or skipped and why")
     add_json_option(lst, "print a JSON list of objects")
 
-    for name, func, text in (("pause", cmd_pause, "stop starting slots (they are not run later)"),
-                             ("resume", cmd_resume, "start slots again from the next one")):
+    for name, func, text in (("pause", cmd_pause, "stop starting slots (they are not run later; dry-run unless --yes)"),
+                             ("resume", cmd_resume, "start slots again from the next one (dry-run unless --yes)")):
         p = add_command(ssub, name, func, help=text)
         p.add_argument("name")
+        add_yes_option(p, f"{name} it (without: show what would change)")
         add_json_option(p)
 
     delete = add_command(ssub, "delete", cmd_delete, help="delete a schedule; its runs go on (dry-run unless --yes)")
@@ -65,8 +68,9 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     add_yes_option(delete, "delete it (without: show what would be deleted)")
     add_json_option(delete)
 
-    trig = add_command(ssub, "trigger", cmd_trigger, help="start one run of the schedule now")
+    trig = add_command(ssub, "trigger", cmd_trigger, help="start one run of the schedule now (dry-run unless --yes)")
     trig.add_argument("name")
+    add_yes_option(trig, "start it (without: check the schedule can start a run now, and start none)")
     add_json_option(trig)
 
     back = add_command(
@@ -106,12 +110,13 @@ def cmd_create(args: argparse.Namespace) -> int:
     with open_engine(args) as engine:
         row = engine.schedules.create(args.name, workflow=args.workflow, cron=args.cron, timezone=args.timezone,
                                       input=document, overlap=args.overlap, catchup=args.catchup,
-                                      actor=actor(args))
+                                      actor=actor(args), yes=args.yes)
     if args.json:
-        emit_json(_record(row))
+        emit_json({**_record(row), "applied": bool(args.yes)})
         return EXIT_OK
-    print(f"created schedule {row.name}: {row.workflow_id} at {row.cron!r} in {row.timezone} "
-          f"(overlap {row.overlap}, catchup {row.catchup}); next slot {_utc(row.next_slot_at)}")
+    what = (f"schedule {row.name}: {row.workflow_id} at {row.cron!r} in {row.timezone} "
+            f"(overlap {row.overlap}, catchup {row.catchup}); next slot {_utc(row.next_slot_at)}")
+    print(f"created {what}" if args.yes else f"would create {what}; nothing was changed (add --yes to create)")
     return EXIT_OK
 
 
@@ -139,13 +144,17 @@ def cmd_list(args: argparse.Namespace) -> int:
 def _paused(args: argparse.Namespace, pause: bool) -> int:
     with open_engine(args) as engine:
         act = engine.schedules.pause if pause else engine.schedules.resume
-        changed = act(args.name, actor=actor(args))
+        changed = act(args.name, actor=actor(args), yes=args.yes)
         row = engine.schedules.get(args.name)
     if args.json:
-        emit_json({"name": args.name, "paused": row.paused, "changed": changed, "next_slot_at": row.next_slot_at})
+        emit_json({"name": args.name, "paused": row.paused, "changed": changed, "applied": bool(args.yes),
+                   "next_slot_at": row.next_slot_at})
         return EXIT_OK
+    verb = "pause" if pause else "resume"
     if not changed:
         print(f"schedule {args.name} was {'paused' if pause else 'running'} already")
+    elif not args.yes:
+        print(f"would {verb} schedule {args.name}; nothing was changed (add --yes to {verb})")
     elif pause:
         print(f"paused schedule {args.name}")
     else:
@@ -179,11 +188,14 @@ def cmd_delete(args: argparse.Namespace) -> int:
 
 def cmd_trigger(args: argparse.Namespace) -> int:
     with open_engine(args) as engine:
-        run_id = engine.schedules.trigger(args.name, actor=actor(args))
+        run_id = engine.schedules.trigger(args.name, actor=actor(args), yes=args.yes)
     if args.json:
-        emit_json({"name": args.name, "run_id": run_id})
+        emit_json({"name": args.name, "run_id": run_id if args.yes else None, "applied": bool(args.yes)})
         return EXIT_OK
-    print(run_id)
+    if args.yes:
+        print(run_id)
+    else:
+        print(f"would start one run of schedule {args.name} now; nothing was changed (add --yes to start it)")
     return EXIT_OK
 
 

@@ -106,10 +106,12 @@ class Schedules:
     # -- operator actions -------------------------------------------------------
 
     def create(self, name: str, *, workflow: str, cron: str, timezone: str, input: Any = None,
-               overlap: str = "skip", catchup: str = "latest", actor: Actor | None = None) -> ScheduleRow:
+               overlap: str = "skip", catchup: str = "latest", actor: Actor | None = None,
+               yes: bool = True) -> ScheduleRow:
         """A schedule starting runs of ``workflow`` at each slot of ``cron`` in ``timezone``.
         Everything is checked before anything is written: the name, the workflow (deployed),
-        the cron fields, the zone, the input (a JSON object or None), the policies."""
+        the cron fields, the zone, the input (a JSON object or None), the policies. Not
+        ``yes``: a dry run, made and rolled back (the row it returns is what would be)."""
         from composer_ops.engine.engine import _check_workflow_id
 
         rules.check_name(name)
@@ -122,13 +124,13 @@ class Schedules:
         check_json(input, "input")
         rules.check_policy("overlap", overlap)
         rules.check_policy("catchup", catchup)
-        return self._create(name, workflow, expr, timezone, input, overlap, catchup, actor, Request())
+        return self._create(name, workflow, expr, timezone, input, overlap, catchup, actor, Request(), yes)
 
     @db_retry()
     def _create(self, name: str, workflow: str, cron: str, timezone: str, input: Any, overlap: str, catchup: str,
-                actor: Actor | None, request: Request) -> ScheduleRow:
+                actor: Actor | None, request: Request, yes: bool = True) -> ScheduleRow:
         look = request.attempt()
-        with self.engine.pool.connection() as conn, conn.transaction():
+        with self.engine.pool.connection() as conn, conn.transaction(force_rollback=not yes):
             audit.require_record(conn, "schedules create")
             now, target = definitions.clock_and_start_target(conn, workflow, None)
             if target is None:
@@ -149,8 +151,9 @@ class Schedules:
                          detail={"workflow": workflow, "cron": cron, "timezone": timezone, "overlap": overlap,
                                  "catchup": catchup, "next_slot_at": _iso(row.next_slot_at)
                                  if row.next_slot_at else None})
-        log.info("created schedule %s (%s, %s) of %s", name, cron, timezone, workflow,
-                 extra={"action": "schedule_create"})
+        if yes:
+            log.info("created schedule %s (%s, %s) of %s", name, cron, timezone, workflow,
+                     extra={"action": "schedule_create"})
         return row
 
     def get(self, name: str) -> ScheduleRow:
@@ -166,20 +169,22 @@ class Schedules:
         with self.engine.pool.connection() as conn:
             return repo.summaries(conn)
 
-    def pause(self, name: str, *, actor: Actor | None = None) -> bool:
-        """Stop starting slots; True if it was running. Slots while paused are not run."""
-        return self._set_paused(name, True, actor, Request())
+    def pause(self, name: str, *, actor: Actor | None = None, yes: bool = True) -> bool:
+        """Stop starting slots; True if it was running. Slots while paused are not run.
+        Not ``yes``: a dry run (made and rolled back)."""
+        return self._set_paused(name, True, actor, Request(), yes)
 
-    def resume(self, name: str, *, actor: Actor | None = None) -> bool:
-        """Start slots again from the first slot after now; True if it was paused."""
-        return self._set_paused(name, False, actor, Request())
+    def resume(self, name: str, *, actor: Actor | None = None, yes: bool = True) -> bool:
+        """Start slots again from the first slot after now; True if it was paused. Not
+        ``yes``: a dry run (made and rolled back)."""
+        return self._set_paused(name, False, actor, Request(), yes)
 
     @db_retry()
-    def _set_paused(self, name: str, paused: bool, actor: Actor | None, request: Request) -> bool:
+    def _set_paused(self, name: str, paused: bool, actor: Actor | None, request: Request, yes: bool = True) -> bool:
         rules.check_name(name)
         action = "schedules pause" if paused else "schedules resume"
         look = request.attempt()
-        with self.engine.pool.connection() as conn, conn.transaction():
+        with self.engine.pool.connection() as conn, conn.transaction(force_rollback=not yes):
             row = self._lock(conn, name, action)
             if look and (earlier := audit.of_request(conn, request.id)):
                 return bool(earlier[0].counts.get("schedules"))
@@ -214,16 +219,17 @@ class Schedules:
                          counts={"schedules": 1}, detail={"id": row.id})
         return row.id
 
-    def trigger(self, name: str, *, actor: Actor | None = None) -> str:
+    def trigger(self, name: str, *, actor: Actor | None = None, yes: bool = True) -> str:
         """Start one run now (a slot at the database clock, whatever the overlap
-        policy); returns its run ID."""
+        policy); returns its run ID. Not ``yes``: a dry run, made and rolled back
+        (the run ID it returns was not started)."""
         rules.check_name(name)
-        return self._trigger(name, actor, Request())
+        return self._trigger(name, actor, Request(), yes)
 
     @db_retry()
-    def _trigger(self, name: str, actor: Actor | None, request: Request) -> str:
+    def _trigger(self, name: str, actor: Actor | None, request: Request, yes: bool = True) -> str:
         look = request.attempt()
-        with self.engine.pool.connection() as conn, conn.transaction():
+        with self.engine.pool.connection() as conn, conn.transaction(force_rollback=not yes):
             row = self._lock(conn, name, "schedules trigger")
             if look and (earlier := audit.of_request(conn, request.id)):
                 return str(earlier[0].detail["run_id"])
@@ -236,7 +242,9 @@ class Schedules:
                                                      last_slot_at=now, run_id=run_id)], now)
             audit.record(conn, "schedules trigger", actor=actor, target=name, request=request.id,
                          counts={"runs": 1}, detail={"run_id": run_id, "slot": _iso(now)})
-        log.info("schedule %s triggered run %s", name, run_id, extra={"action": "schedule_trigger", "run_id": run_id})
+        if yes:
+            log.info("schedule %s triggered run %s", name, run_id,
+                     extra={"action": "schedule_trigger", "run_id": run_id})
         return run_id
 
     def backfill(self, name: str, *, start: datetime | str, end: datetime | str, yes: bool = False,

@@ -1,6 +1,6 @@
 """``composer-ops schedules ...`` (composer_ops/cli/schedule_cmds.py): bad input is one
 line and exit 2 with nothing written; each action prints, says --json, and is audited;
-delete and backfill change nothing without --yes."""
+none changes anything without --yes."""
 
 from __future__ import annotations
 
@@ -51,14 +51,27 @@ def test_create_list_trigger_backfill_pause_resume_delete(url: str, capsys: pyte
         code = main([*argv, "--database-url", url])
         return code, capsys.readouterr().out
 
-    code, out = run("schedules", "create", "nightly-eu", "--workflow", "nightly", "--cron", "0 2 * * *",
-                    "--timezone", "Europe/Paris", "--input", '{"region": "eu"}', "--overlap", "buffer_one",
-                    "--catchup", "all")
+    create = ("schedules", "create", "nightly-eu", "--workflow", "nightly", "--cron", "0 2 * * *",
+              "--timezone", "Europe/Paris", "--input", '{"region": "eu"}', "--overlap", "buffer_one",
+              "--catchup", "all")
+    # Without --yes: checked, said, nothing written.
+    code, out = run(*create)
+    assert code == 0 and out.startswith("would create schedule nightly-eu: nightly at '0 2 * * *' in Europe/Paris")
+    assert "nothing was changed (add --yes to create)" in out
+    assert _sql(url, "SELECT (SELECT count(*) FROM schedules), (SELECT count(*) FROM operator_audit)") == [(0, 0)]
+    code, out = run(*create, "--yes")
     assert code == 0 and out.startswith("created schedule nightly-eu: nightly at '0 2 * * *' in Europe/Paris")
     code, out = run("schedules", "create", "nightly-eu", "--workflow", "nightly", "--cron", "0 2 * * *",
-                    "--timezone", "UTC")
+                    "--timezone", "UTC", "--yes")
     assert code == 1 and _sql(url, "SELECT count(*) FROM schedules") == [(1,)]         # Conflict
-    code, out = run("schedules", "trigger", "nightly-eu", "--json")
+    code, out = run("schedules", "create", "nightly-eu", "--workflow", "nightly", "--cron", "0 2 * * *",
+                    "--timezone", "UTC")
+    assert code == 1, out                                                               # the dry run says so too
+    code, out = run("schedules", "trigger", "nightly-eu")
+    assert (code, out) == (0, "would start one run of schedule nightly-eu now; nothing was changed "
+                              "(add --yes to start it)\n")
+    assert _sql(url, "SELECT count(*) FROM workflow_runs") == [(0,)]
+    code, out = run("schedules", "trigger", "nightly-eu", "--yes", "--json")
     run_id = json.loads(out)["run_id"]
     assert code == 0 and _sql(url, f"SELECT input_json->>'region' FROM workflow_runs WHERE id = '{run_id}'") == [
         ("eu",)]
@@ -73,10 +86,13 @@ def test_create_list_trigger_backfill_pause_resume_delete(url: str, capsys: pyte
     [listed] = json.loads(out)
     assert (listed["name"], listed["last_run_id"], listed["overlap"], listed["catchup"]) == (
         "nightly-eu", run_id, "buffer_one", "all")
-    assert run("schedules", "pause", "nightly-eu") == (0, "paused schedule nightly-eu\n")
+    assert run("schedules", "pause", "nightly-eu") == (
+        0, "would pause schedule nightly-eu; nothing was changed (add --yes to pause)\n")
+    assert "paused" not in run("schedules", "list")[1]
+    assert run("schedules", "pause", "nightly-eu", "--yes") == (0, "paused schedule nightly-eu\n")
     code, out = run("schedules", "list")
     assert code == 0 and "nightly-eu  nightly  '0 2 * * *' Europe/Paris" in out and "paused" in out
-    code, out = run("schedules", "resume", "nightly-eu")
+    code, out = run("schedules", "resume", "nightly-eu", "--yes")
     assert code == 0 and out.startswith("resumed schedule nightly-eu; next slot ")
     code, out = run("schedules", "delete", "nightly-eu")
     assert code == 0 and "nothing was changed (add --yes to delete)" in out
