@@ -195,9 +195,13 @@ def resolve_parameters(names: Sequence[str], pairs: Sequence[tuple[str, str]],
     return out
 
 
-def check_parameters(parameters: Mapping[str, Mapping[str, Any]], kind: str = "report") -> None:
+def check_parameters(parameters: Mapping[str, Mapping[str, Any]], kind: str = "report"
+                     ) -> dict[str, dict[str, Any]]:
     """Check the values given for each notebook (:class:`Invalid` names the first bad
-    one as ``-p KEY``): the same checks the notebooks run, before any kernel starts."""
+    one as ``-p KEY``): the same checks the notebooks run, before any kernel starts.
+    Returns the parameters to inject: as given, but a directory made absolute (the
+    kernel runs in the notebooks' folder, not the caller's)."""
+    from composer_ops.ops.params import absolute_paths
     from composer_ops.ops.params import check_parameters as check
 
     for name, values in parameters.items():
@@ -205,6 +209,7 @@ def check_parameters(parameters: Mapping[str, Mapping[str, Any]], kind: str = "r
             check(name, **values)
         except Invalid as exc:
             raise Invalid(f"-p {exc} ({kind} {name}); nothing was run") from None
+    return {name: absolute_paths(name, values) for name, values in parameters.items()}
 
 
 def timestamp(now: datetime | None = None) -> str:

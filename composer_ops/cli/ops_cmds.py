@@ -110,7 +110,8 @@ def cmd_report(args: argparse.Namespace) -> int:
         if key == "database_url":
             url = value
     params = reports.resolve_parameters(names, [(k, v) for k, v in pairs if k != "database_url"])
-    reports.check_parameters(params)  # a bad value exits 2 here, before a kernel starts or a file is written
+    # A bad value exits 2 here, before a kernel starts or a file is written.
+    params = reports.check_parameters(params)
     out = Path(args.out).expanduser()
     check_directory(out, "--out")     # one line, exit 2, before a kernel starts
     results = reports.run_reports(names, params, out, database_url=url or os.environ.get("COMPOSER_DATABASE_URL"),

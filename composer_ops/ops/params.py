@@ -9,6 +9,7 @@ one-line error).
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import Any
 
 from composer_ops.errors import Invalid
@@ -65,9 +66,16 @@ def _where(name: str, value: Any) -> Any:
 
 
 def _directory(name: str, value: Any) -> str | None:
-    if value is not None and (not isinstance(value, str) or not value.strip()):
+    """An existing directory, as an absolute path: a kernel runs in the notebooks' folder,
+    where a relative path would name another directory (or none)."""
+    if value is None:
+        return None
+    if not isinstance(value, str) or not value.strip():
         raise Invalid(f"must be a directory path or None, got {value!r}")
-    return value
+    path = Path(value).expanduser()
+    if not path.is_dir():
+        raise Invalid(f"{value}: no such directory" if not path.exists() else f"{value}: not a directory")
+    return str(path.resolve())
 
 
 def _url(name: str, value: Any) -> str | None:
@@ -168,6 +176,14 @@ CHECKS: dict[str, dict[str, Check]] = {
     "run_investigation": {"run_id": _run_id, "where": _where, "archive_dir": _directory},
     **RUNBOOK_CHECKS,
 }
+
+
+def absolute_paths(notebook: str, values: Mapping[str, Any]) -> dict[str, Any]:
+    """``values`` with each directory parameter of ``notebook`` as the absolute path its
+    check makes of it (what a caller outside the kernel gives one it starts)."""
+    checks = CHECKS.get(notebook, {})
+    return {name: _directory(name, value) if checks.get(name) is _directory else value
+            for name, value in values.items()}
 
 
 def check_parameters(notebook: str, /, **values: Any) -> dict[str, Any]:

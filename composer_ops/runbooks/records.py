@@ -51,7 +51,7 @@ def run(name: str, pairs: Sequence[tuple[str, str]], out_dir: Path, *, database_
     catalogue.get(name)
     directory = catalogue.notebooks_dir()
     params = reports.resolve_parameters([name], list(pairs), directory, kind="runbook")
-    reports.check_parameters(params, kind="runbook")
+    params = reports.check_parameters(params, kind="runbook")
     from composer_ops.files import check_directory
 
     check_directory(out_dir / catalogue.FOLDER / name, "--out: directory")   # one line, exit 2, before a kernel

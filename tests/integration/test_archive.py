@@ -273,6 +273,10 @@ def test_restore_dry_run_writes_nothing_and_a_month_with_rows_is_refused(
     assert [(a, t, c["rows"]) for a, t, c, *_ in _audit(db_url)] == [("partitions restore", "202501", 12)]
     assert main([*base, "--yes"]) == 1                          # a second restore finds the rows there
     assert main(["partitions", "restore", "2025-01", "--from", str(tmp_path), "--database-url", db_url]) == 2
+    capsys.readouterr()
+    assert main(["partitions", "restore", "202501", "--from", str(tmp_path / "nowhere"), "--database-url",
+                 db_url]) == 2
+    assert f"--from {tmp_path / 'nowhere'}: no such directory" in capsys.readouterr().err
     with pytest.raises(ComposerError):
         archive.restore_month(db_url, "202503", tmp_path, yes=False)   # no archive of that month
 

@@ -73,7 +73,8 @@ def test_an_archived_run_reads_back_as_it_was(db_url: str, tmp_path: Path) -> No
 
 
 def test_run_investigation_report_by_input_and_from_an_archive(db_url: str, tmp_path: Path,
-                                                               capsys: pytest.CaptureFixture[str]) -> None:
+                                                               capsys: pytest.CaptureFixture[str],
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
     info = _seeded(db_url)
     with psycopg.connect(db_url) as conn:
         archive.export_month(conn, "202501", tmp_path / "archive")
@@ -84,9 +85,15 @@ def test_run_investigation_report_by_input_and_from_an_archive(db_url: str, tmp_
     assert main([*base, "-p", "where", "input.order=H6"]) == 0, capsys.readouterr().err
     figures = json.loads(next((out / "run_investigation").glob("*.json")).read_text())
     assert figures["key_figures"]["run_id"] == info.runs["H6"]
-    assert main([*base, "-p", "run_id", info.runs["H2"], "-p", "archive_dir", str(tmp_path / "archive")]) == 0, \
+    # Relative to the caller's directory, not the kernel's (which runs in the notebooks' folder).
+    monkeypatch.chdir(tmp_path)
+    assert main([*base, "-p", "run_id", info.runs["H2"], "-p", "archive_dir", "archive"]) == 0, \
         capsys.readouterr().err
     pages = sorted((out / "run_investigation").glob("*.html"))
     assert "archive " in pages[-1].read_text(encoding="utf-8")
+    assert main([*base, "-p", "run_id", info.runs["H2"], "-p", "archive_dir", "nowhere"]) == 2
+    assert "-p archive_dir: nowhere: no such directory (report run_investigation); nothing was run" in \
+        capsys.readouterr().err
+    assert len(sorted((out / "run_investigation").glob("*.html"))) == len(pages)
     assert main([*base, "-p", "where", "order=1"]) == 2
     assert "where: value 'order=1': at column 1" in capsys.readouterr().err
