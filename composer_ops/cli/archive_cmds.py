@@ -75,8 +75,10 @@ def register(psub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg
                     "move them, under the same names, to the schema composer_detached (pg_partman's "
                     "retention_keep_table): the engine and the reports no longer see them, the data stays. Month "
                     "by month, each judged again under its locks, with an audit row. Exit codes as `partitions "
-                    "drop`: 3 when months past the cut-off were kept for active runs. Refused on Citus (exit 2, "
-                    "nothing changed): use `partitions drop --archive DIR` there.")
+                    "drop`: 3 when months past the cut-off were kept for active runs; 1 when a month was "
+                    "refused because composer_detached holds a copy of it already (detached before, restored "
+                    "since): the other months go on. Refused on Citus (exit 2, nothing changed): use "
+                    "`partitions drop --archive DIR` there.")
     add_cutoff_option(det)
     add_yes_option(det, "detach for real (without: print the plan)")
     add_json_option(det)
@@ -202,4 +204,7 @@ def _retire(args: argparse.Namespace, when: Cutoff, *, archive_dir: Path | None,
             print("no month is due for retention")
         elif not result.applied:
             print("nothing was changed (add --yes)")
-    return blocked_exit(result.blocked)
+    refused = [m for m in result.months if m.outcome == "refused"]
+    for m in refused:
+        sys.stderr.write(f"composer-ops: month {m.month} not detached: {m.reason}\n")
+    return EXIT_FAILED if refused else blocked_exit(result.blocked)

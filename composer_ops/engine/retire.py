@@ -46,8 +46,8 @@ class MonthRetired:
     """What happened to one month the plan would drop."""
 
     month: str
-    outcome: str                     # "dropped" | "detached" | "kept" (judged again under its locks)
-    reason: str = ""                 # why it was kept
+    outcome: str                     # "dropped" | "detached" | "kept" (judged again under its locks) | "refused"
+    reason: str = ""                 # why it was kept or refused
     partitions: list[str] = field(default_factory=list)
     rows: int = 0                    # exact when archived, else the plan's estimate
     archive: str | None = None
@@ -95,9 +95,13 @@ def retire_months(url: str | None, older_than: datetime | str | Cutoff, *, archi
             if keep_table and citus.is_citus(conn):
                 raise Invalid(CITUS_DETACH_REFUSED)
             judged = retention.plan(conn, older_than)
+            copies = {m.month: repo.detached_copies(conn, m.month, RUN_TABLES) for m in judged.due} \
+                if keep_table else {}
         plan, cutoff, due = judged.months, judged.cutoff, judged.due
         if not yes:
             return RetireResult(cutoff=cutoff, plan=plan, applied=False, months=[
+                MonthRetired(month=m.month, outcome="refused", reason=_copies_refused(copies[m.month]))
+                if copies.get(m.month) else
                 MonthRetired(month=m.month, outcome="would detach" if keep_table else "would drop",
                              partitions=list(m.partitions), rows=m.rows,
                              archive=str(month_dir(archive_dir, m.month)) if archive_dir else None) for m in due])
@@ -117,6 +121,11 @@ def retire_months(url: str | None, older_than: datetime | str | Cutoff, *, archi
             except BadArchive as exc:
                 raise BadArchive(f"{exc}{_so_far(done)}") from exc
     return RetireResult(cutoff=cutoff, plan=plan, months=done, applied=True)
+
+
+def _copies_refused(copies: list[str]) -> str:
+    return (f"a detached copy of the month is already in {repo.DETACHED_SCHEMA} ({', '.join(copies)}): "
+            "drop or rename it first; nothing of this month was changed")
 
 
 def _so_far(done: list[MonthRetired]) -> str:
@@ -178,6 +187,8 @@ def _retire_once(conn: psycopg.Connection[Any], month: str, cutoff: datetime, ma
         first = _judged(conn, cutoff, month)
         if first is None or first.action != "drop":
             return MonthRetired(month=month, outcome="kept", reason=first.reason if first else "no longer exists")
+        if keep_table and (copies := repo.detached_copies(conn, month, RUN_TABLES)):
+            return MonthRetired(month=month, outcome="refused", reason=_copies_refused(copies))
         # SHARE while the month is judged and its rows compared: no writer gets in, and
         # readers (the coordinator's scans) go on, so none of them holds the run tables
         # while waiting for the month when the drop asks for the tables below.

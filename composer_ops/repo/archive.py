@@ -184,6 +184,16 @@ def remove_month(conn: Conn, month: str, tables: Sequence[str], *, keep_table: b
     return done
 
 
+def detached_copies(conn: Conn, month: str, tables: Sequence[str]) -> list[str]:
+    """The partitions of ``month`` that an earlier ``partitions detach`` kept in
+    :data:`DETACHED_SCHEMA` (the month restored since, say): detaching it again would
+    move a second table to the same name."""
+    names = [f"{table}_p{month}" for table in tables]
+    return [str(r[0]) for r in conn.execute(
+        "SELECT tablename::text FROM pg_tables WHERE schemaname = %s AND tablename = ANY(%s) ORDER BY 1",
+        (DETACHED_SCHEMA, names)).fetchall()]
+
+
 def detached(conn: Conn) -> list[str]:
     """The tables ``partitions detach`` kept, by name."""
     return [str(r[0]) for r in conn.execute(

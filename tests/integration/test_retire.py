@@ -139,6 +139,19 @@ def test_detach_keeps_the_months_as_tables(db_url: str, capsys: pytest.CaptureFi
         conn.rollback()
     assert main([*base, "--yes"]) == 3                                  # nothing left to detach
     assert "no month is due for retention" in capsys.readouterr().out
+    # The month made again (restored, say) and due again: its detached copy holds the
+    # names, so it is refused, dry run or not, and the copy is left as it was.
+    with psycopg.connect(db_url) as conn:
+        partitions.ensure_from(conn, date(2025, 1, 1), 0)
+    for argv in (base, [*base, "--yes"]):
+        assert main(argv) == 1
+        captured = capsys.readouterr()
+        assert "month 202501 not detached: a detached copy of the month is already in composer_detached " \
+               "(run_history_p202501, task_instances_p202501, " in captured.err, captured.err
+        assert "refused 202501" in captured.out
+    assert "202501" in _months(db_url) and _audit(db_url) == [("partitions detach", m) for m in DUE]
+    with psycopg.connect(db_url) as conn:
+        assert conn.execute("SELECT count(*) FROM composer_detached.task_instances_p202501").fetchone() == before
 
 
 
