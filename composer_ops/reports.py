@@ -143,29 +143,34 @@ def declared_parameters(name: str, directory: Path | None = None) -> dict[str, P
             for k, v in found.items()}
 
 
-def convert_value(param: Parameter, text: str, notebook: str) -> Any:
-    """Turn ``-p KEY VALUE`` text into the type of the parameter's default value."""
+def convert_value(param: Parameter, text: str, notebook: str, kind: str = "report") -> Any:
+    """Turn ``-p KEY VALUE`` text into the type of the parameter's default value (a
+    number where the notebook's check takes any number, whatever its default's type)."""
+    from composer_ops.ops.params import takes_number
+
     try:
         default_value = ast.literal_eval(param.default)
     except (ValueError, SyntaxError):
         default_value = None
+    if isinstance(default_value, int) and not isinstance(default_value, bool) and takes_number(notebook, param.name):
+        default_value = float(default_value)
     if isinstance(default_value, bool):
         lowered = text.strip().lower()
         if lowered in {"true", "1", "yes", "on"}:
             return True
         if lowered in {"false", "0", "no", "off"}:
             return False
-        raise Invalid(f"-p {param.name}: {text!r} is not a boolean (true/false) for report {notebook}")
+        raise Invalid(f"-p {param.name}: {text!r} is not a boolean (true/false) for {kind} {notebook}")
     if isinstance(default_value, int):
         try:
             return int(text)
         except ValueError:
-            raise Invalid(f"-p {param.name}: {text!r} is not an integer for report {notebook}") from None
+            raise Invalid(f"-p {param.name}: {text!r} is not an integer for {kind} {notebook}") from None
     if isinstance(default_value, float):
         try:
             return float(text)
         except ValueError:
-            raise Invalid(f"-p {param.name}: {text!r} is not a number for report {notebook}") from None
+            raise Invalid(f"-p {param.name}: {text!r} is not a number for {kind} {notebook}") from None
     if isinstance(default_value, str):
         return text
     if text in {"None", "null"}:
@@ -175,7 +180,7 @@ def convert_value(param: Parameter, text: str, notebook: str) -> Any:
     except json.JSONDecodeError:
         return text
     except RecursionError:
-        raise Invalid(f"-p {param.name}: the value nests too deeply for report {notebook}") from None
+        raise Invalid(f"-p {param.name}: the value nests too deeply for {kind} {notebook}") from None
 
 
 def resolve_parameters(names: Sequence[str], pairs: Sequence[tuple[str, str]],
@@ -191,7 +196,7 @@ def resolve_parameters(names: Sequence[str], pairs: Sequence[tuple[str, str]],
             shown = key if key.isidentifier() else json.dumps(key)   # odd keys escaped onto one line
             raise Invalid(f"-p {shown}: no selected {kind} declares it; parameters: {', '.join(known)}")
         for n in targets:
-            out[n][key] = convert_value(declared[n][key], text, n)
+            out[n][key] = convert_value(declared[n][key], text, n, kind)
     return out
 
 

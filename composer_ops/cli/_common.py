@@ -90,9 +90,19 @@ def env_option(parser: argparse._ActionsContainer, *flags: str, env: str, help: 
 
 def check_options(args: argparse.Namespace) -> None:
     """Refuse (:class:`Invalid`) the first option value outside what its ``accepts`` says,
-    before the command does anything."""
+    or a database URL libpq cannot parse, before the command does anything."""
     for dest, flag, accepts in getattr(args, "option_checks", None) or ():
         accepts.check(flag, getattr(args, dest))
+    url = getattr(args, "database_url", None)
+    if url:
+        import psycopg
+        from psycopg.conninfo import conninfo_to_dict
+
+        try:
+            conninfo_to_dict(url)
+        except psycopg.ProgrammingError as exc:      # bad input (exit 2), not a server that is down (exit 1)
+            raise Invalid(f"--database-url (or COMPOSER_DATABASE_URL) is not a libpq URL or connection string: "
+                          f"{str(exc).strip().splitlines()[0]}") from None
 
 
 Database = Literal["reads", "writes"]

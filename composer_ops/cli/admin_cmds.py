@@ -106,7 +106,7 @@ def add_selection_options(parser: argparse.ArgumentParser) -> None:
                              "separate with commas for several")
     parser.add_argument("--since", metavar="WHEN",
                         help="runs created at or after WHEN: an ISO date (midnight UTC), an ISO instant, or an age "
-                             "counted back from the database clock (36h, 7d, 2w, 3 months)")
+                             "counted back from the database clock (10min, 36h, 7d, 2w, 3 months)")
     parser.add_argument("--until", metavar="WHEN", help="runs created before WHEN (same forms as --since)")
     parser.add_argument("--where", metavar="EXPR",
                         help="conditions on the run's input, joined by 'and': input.customer=42, "

@@ -25,7 +25,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
                     "role and the command line. Exit 0, 2 for bad input.")
     env_option(lst, "--since", env="COMPOSER_AUDIT_SINCE", metavar="WHEN",
                help="commands that wrote at or after WHEN: an ISO date (midnight UTC), an ISO instant, or an age "
-                    "counted back from the database clock (36h, 7d, 2w, 3 months)")
+                    "counted back from the database clock (10min, 36h, 7d, 2w, 3 months)")
     env_option(lst, "--action", env="COMPOSER_AUDIT_ACTION", metavar="ACTION",
                help=f"only this action, or several separated by commas ({', '.join(ACTIONS)})")
     env_option(lst, "--limit", env="COMPOSER_AUDIT_LIMIT", type=int, default=50, metavar_default="50",
@@ -41,7 +41,7 @@ def cmd_audit_list(args: argparse.Namespace) -> int:
         since = parse_cutoff(args.since) if args.since else None      # a bad WHEN exits 2 before connecting
     except Invalid:
         raise Invalid(f"--since {args.since!r} is not an ISO date (2025-01-31), an ISO instant "
-                      "(2025-01-31T12:00:00Z) or an age (36h, 7d, 2w, 3 months)") from None
+                      "(2025-01-31T12:00:00Z) or an age (10min, 36h, 7d, 2w, 3 months)") from None
     actions = [a.strip() for a in args.action.split(",") if a.strip()] if args.action else None
     found = audit_commands(database_url(args), since=since, actions=actions, limit=args.limit)
     if args.json:

@@ -66,9 +66,11 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     chk = add_command(
         sub, "check", cmd_check, database="reads",
         help="deployment health against thresholds (exit 0 healthy, 1 alert, 2 bad input)",
-        description="Read the database once and judge: partition months ahead, sweeper lag, the oldest ready "
-                    "outbox row, retention blocked by active runs, WAIT_FOR_SIGNAL nodes without a timeout "
-                    "waiting long, failing webhook deliveries; each alert names its runbook (composer-ops "
+        description="Read the database once and judge nine figures: replay lag (on a hot standby), partition "
+                    "months ahead, sweeper lag, the oldest ready outbox row (paused queues and queues at their "
+                    "limit not counted), retention blocked by active runs, WAIT_FOR_SIGNAL nodes without a "
+                    "timeout waiting long, failing webhook deliveries, late schedules, queues paused long; "
+                    "each alert names its runbook (composer-ops "
                     "runbook NAME). Exit 0 when healthy, 1 when a check alerts (or the database cannot be read: "
                     "then --prometheus writes composer_check_up 0 and --json an error object), 2 for bad input.")
     add_json_option(chk, "print the checks as a JSON object")

@@ -87,7 +87,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
                "the secret is read from the environment only, never from the command line.")
     coord.add_argument("--once", action="store_true", help="one pass of every loop, then exit")
     env_option(coord, "--interval", env="COMPOSER_COORDINATOR_INTERVAL", type=float, default=0.5,
-               help="seconds between passes when idle")
+               accepts=above(0), help="seconds between passes when idle")
     add_months_ahead_option(coord, "partition months kept ahead")
     env_option(coord, "--webhook-connect-timeout", env="COMPOSER_WEBHOOK_CONNECT_TIMEOUT_S", type=float,
                default=3.0, help="seconds to connect to a webhook endpoint")
@@ -451,6 +451,8 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
             print(f"timers fired {stats.timers_fired}, leases expired {stats.leases_expired}, "
                   f"stale {stats.stale}, partitions created {stats.partitions_created}, "
                   f"webhooks delivered {stats.webhooks_delivered} (failed {stats.webhooks_failed})"
+                  + (f", months dropped by retention {', '.join(stats.months_dropped)}" if stats.months_dropped
+                     else "")
                   + (f", backed off behind a locked run {stats.busy}" if stats.busy else ""))
             for err in stats.errors:
                 sys.stderr.write(f"composer-ops: {err}\n")

@@ -1,7 +1,7 @@
 """A retention or selection cut-off as the operator writes it, parsed without a clock.
 
 An ISO date (midnight UTC), an ISO instant (UTC when it has no offset), or an age like
-``90d``, ``2w``, ``6 months``, ``1y``, ``36h``; an age is counted back from the database
+``90d``, ``2w``, ``6 months``, ``1y``, ``36h``, ``10min``; an age is counted back from the database
 clock when it is resolved (``repo.retention.resolve``), in UTC calendar arithmetic.
 """
 
@@ -17,6 +17,7 @@ __all__ = ["Cutoff", "parse_cutoff"]
 
 _RELATIVE = re.compile(r"^\s*(\d{1,6})\s*([a-z]+)\s*$")
 _UNITS = {
+    "min": "minutes", "mins": "minutes", "minute": "minutes", "minutes": "minutes",
     "h": "hours", "hour": "hours", "hours": "hours",
     "d": "days", "day": "days", "days": "days",
     "w": "weeks", "week": "weeks", "weeks": "weeks",
@@ -46,7 +47,7 @@ def parse_cutoff(text: str) -> Cutoff:
     if rel:
         unit = _UNITS.get(rel.group(2))
         if unit is None:
-            raise Invalid(f"cut-off {text!r}: unknown unit {rel.group(2)!r} (use h, d, w, mo/months or y)")
+            raise Invalid(f"cut-off {text!r}: unknown unit {rel.group(2)!r} (use min, h, d, w, mo/months or y)")
         return Cutoff(text=raw, amount=int(rel.group(1)), unit=unit)
     try:
         if re.fullmatch(r"\d{4}-\d{2}-\d{2}", raw):

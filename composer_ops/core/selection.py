@@ -66,7 +66,7 @@ def parse_when(value: datetime | str, option: str) -> datetime | Cutoff:
         return parse_cutoff(value)
     except Invalid:
         raise Invalid(f"{option} {value!r} is not an ISO date (2025-01-31), an ISO instant "
-                      "(2025-01-31T12:00:00Z) or an age (36h, 7d, 2w, 3 months, 1y)") from None
+                      "(2025-01-31T12:00:00Z) or an age (10min, 36h, 7d, 2w, 3 months, 1y)") from None
 
 
 def selection(*, workflow: str | None = None, status: str | Sequence[str] | None = None, since: When = None,

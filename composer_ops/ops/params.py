@@ -25,6 +25,10 @@ def _int_between(low: int, high: int) -> Check:
     return check
 
 
+#: The checks of parameters that take any number (an integer default too).
+_NUMBERS: list[Check] = []
+
+
 def _number_above(low: float, *, inclusive: bool) -> Check:
     def check(name: str, value: Any) -> float:
         ok = isinstance(value, int | float) and not isinstance(value, bool) and (
@@ -32,6 +36,7 @@ def _number_above(low: float, *, inclusive: bool) -> Check:
         if not ok:
             raise Invalid(f"must be a number {'>=' if inclusive else '>'} {low:g}, got {value!r}")
         return float(value)
+    _NUMBERS.append(check)
     return check
 
 
@@ -176,6 +181,12 @@ CHECKS: dict[str, dict[str, Check]] = {
     "run_investigation": {"run_id": _run_id, "where": _where, "archive_dir": _directory},
     **RUNBOOK_CHECKS,
 }
+
+
+def takes_number(notebook: str, name: str) -> bool:
+    """Whether parameter ``name`` of ``notebook`` takes any number (``-p sweeper_lag_s
+    1.5``), whatever the type of its default."""
+    return any(check is CHECKS.get(notebook, {}).get(name) for check in _NUMBERS)
 
 
 def absolute_paths(notebook: str, values: Mapping[str, Any]) -> dict[str, Any]:

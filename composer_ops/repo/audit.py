@@ -19,10 +19,10 @@ from composer_ops.repo._base import Conn, fetch_all, jsonb
 from composer_ops.repo.rows import AuditRow
 
 #: Every action an audit row names (``composer-ops audit list --action``).
-ACTIONS = ("partitions archive", "partitions drop", "partitions detach", "partitions restore", "runs cancel",
-           "runs retry", "runs delete", "schedules create", "schedules pause", "schedules resume",
+ACTIONS = ("partitions archive", "partitions drop", "partitions detach", "partitions restore", "partitions ensure",
+           "runs cancel", "runs retry", "runs delete", "schedules create", "schedules pause", "schedules resume",
            "schedules delete", "schedules trigger", "schedules backfill", "queues pause", "queues resume",
-           "queues set-limit")
+           "queues set-limit", "lease sweep")
 
 # Actor is also imported from here by engine modules (admin, archive, retention, retire).
 __all__ = ["ACTIONS", "Actor", "commands", "of_request", "operator_note", "recent", "record", "require_record"]
@@ -53,7 +53,10 @@ _COLUMNS = """id, at, action, target, counts, detail, command, client_host, clie
 
 def record(conn: Conn, action: str, *, actor: Actor | None, target: str | None, counts: dict[str, Any],
            detail: Any = None, request: str | None = None) -> AuditRow:
-    """Append one audit row in the caller's transaction and return it."""
+    """Append one audit row in the caller's transaction and return it. ``action`` is one
+    of :data:`ACTIONS`, which ``audit list --action`` accepts (else ValueError: a bug)."""
+    if action not in ACTIONS:
+        raise ValueError(f"audit action {action!r} is not one of ACTIONS (composer_ops/repo/audit.py)")
     rows = fetch_all(conn, AuditRow, f"""
         INSERT INTO operator_audit (action, target, counts, detail, command, client_host, request, command_id)
         VALUES (%s, %s, %s, %s, %s, %s, %s, %s)

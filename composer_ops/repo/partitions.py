@@ -257,7 +257,7 @@ def count_rows(conn: Conn, partition: str) -> int:
 
 
 def age_before_now(conn: Conn, *, years: int = 0, months: int = 0, weeks: int = 0, days: int = 0,
-                   hours: int = 0) -> datetime:
+                   hours: int = 0, minutes: int = 0) -> datetime:
     """The database clock minus an age, in calendar arithmetic on the UTC wall clock,
     so the session TimeZone (and its DST changes) cannot shift it. An age reaching back
     past the year 2 gives 0002-01-01 UTC: long before any run or partition, and an
@@ -266,9 +266,9 @@ def age_before_now(conn: Conn, *, years: int = 0, months: int = 0, weeks: int = 
     row = conn.execute(
         """SELECT GREATEST((now() AT TIME ZONE 'UTC')
                            - LEAST(make_interval(years => %(y)s, months => %(mo)s, weeks => %(w)s, days => %(d)s,
-                                                 hours => %(h)s), INTERVAL '5000 years'),
+                                                 hours => %(h)s, mins => %(mi)s), INTERVAL '5000 years'),
                            TIMESTAMP '0002-01-01 00:00:00') AT TIME ZONE 'UTC'""",
-        {"y": years, "mo": months, "w": weeks, "d": days, "h": hours}).fetchone()
+        {"y": years, "mo": months, "w": weeks, "d": days, "h": hours, "mi": minutes}).fetchone()
     assert row is not None
     value: datetime = row[0]
     return value

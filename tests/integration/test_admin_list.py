@@ -14,7 +14,7 @@ from composer_ops import Engine
 from composer_ops.cli import main
 from composer_ops.core.filters import RunFilter
 from composer_ops.errors import Invalid
-from composer_ops.repo import runs
+from composer_ops.repo import partitions, runs
 from tests.integration.helpers import add_definition, uuid7_at
 
 
@@ -125,6 +125,14 @@ def test_cli_runs_list(db_url: str, seeded: dict[str, str], capsys: pytest.Captu
     assert main(["runs", "list", "--database-url", db_url, "--since", "2025-05-01"]) == 0
     text = capsys.readouterr().out
     assert seeded["may"] in text and "1 run(s)" in text
+    # An incident's window, in minutes, counted back from the database clock (the seed's runs are older).
+    assert main(["runs", "list", "--database-url", db_url, "--since", "10min", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out) == []
+    with psycopg.connect(db_url) as conn:
+        assert partitions.age_before_now(conn, minutes=10) == conn.execute(
+            "SELECT now() - interval '10 minutes'").fetchone()[0]    # type: ignore[index]
+    assert main(["runs", "list", "--database-url", db_url, "--since", "10m"]) == 2     # minutes or months?
+    assert "unknown unit 'm'" not in (err := capsys.readouterr().err) and "10min" in err, err
     for bad in (["--where", "input.customer=42 or input.x=1"], ["--where", "customer=42"], ["--status", "DONE"],
                 ["--since", "last tuesday"], ["--limit", "0"], ["--where", "input.a='x'"]):
         assert main(["runs", "list", "--database-url", db_url, *bad]) == 2, bad

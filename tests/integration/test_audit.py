@@ -125,3 +125,22 @@ def test_audit_list_refuses_bad_input_with_exit_2(db_url: str, capsys: pytest.Ca
     assert main(["audit", "list", option, value, "--database-url", db_url]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and (option in err or value in err), err
+
+
+def test_every_action_the_runbooks_take_is_listed_by_its_name(db_url: str,
+                                                              capsys: pytest.CaptureFixture[str]) -> None:
+    """The on-call actions (the runbooks' lease sweep and partitions ensure) are audit
+    actions `audit list --action` takes; a row of any other name is a bug, refused."""
+    from composer_ops.core.actor import Actor
+    from composer_ops.engine import oncall
+    from composer_ops.repo import audit
+
+    who = Actor(command="runbook sweeper_lag", host="test")
+    with Engine.connect(db_url, pool_size=1) as engine:
+        oncall.sweep_leases(engine, actor=who)
+        oncall.ensure_partitions(engine, 3, actor=who)
+    for action in ("lease sweep", "partitions ensure"):
+        assert main(["audit", "list", "--action", action, "--json", "--database-url", db_url]) == 0
+        assert action in capsys.readouterr().out
+    with psycopg.connect(db_url) as conn, pytest.raises(ValueError, match="'runs kill' is not one of ACTIONS"):
+        audit.record(conn, "runs kill", actor=None, target=None, counts={})

@@ -71,6 +71,7 @@ def _bad_spec(tmp_path: Path, text: str, name: str = "bad.json") -> str:
     (["partitions", "ensure", "--months-ahead", "-1"], "--months-ahead"),
     (["worker", "--app", APP, "--connect-wait", "-1"], "--connect-wait must be 0 or more"),
     (["coordinator", "--connect-wait", "-5"], "--connect-wait must be 0 or more"),
+    (["coordinator", "--interval", "-1"], "--interval"),
     (["worker", "--app", APP, "--concurrency", "0"], "--concurrency must be at least 1"),
     (["worker", "--app", APP, "--prefetch", "-1"], "--prefetch must be from 0 to 100 tasks, got -1"),
     (["worker", "--app", "no_such_module_here:w"], "cannot import 'no_such_module_here'"),
@@ -119,6 +120,17 @@ def test_a_log_level_typo_is_refused(capsys: pytest.CaptureFixture[str], monkeyp
     with pytest.raises(SystemExit) as from_env:
         main(["workers", "list"])
     assert from_env.value.code == 2 and "COMPOSER_LOG_LEVEL: 'VERBOSE' is not one of" in capsys.readouterr().err
+
+
+def test_a_malformed_database_url_is_bad_input_not_an_outage(capsys: pytest.CaptureFixture[str],
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """Exit 2, not 1: cron and monitoring must not read a typo as the database down."""
+    assert main(["workers", "list", "--database-url", "not a url"]) == 2
+    err = capsys.readouterr().err
+    assert err == ("composer-ops: invalid: --database-url (or COMPOSER_DATABASE_URL) is not a libpq URL or "
+                   'connection string: missing "=" after "not" in connection info string\n')
+    monkeypatch.setenv("COMPOSER_DATABASE_URL", "dbname")
+    assert main(["check"]) == 2 and "is not a libpq URL" in capsys.readouterr().err
 
 
 def test_yaml_dates_stay_the_text_written(capsys: pytest.CaptureFixture[str], db_url: str, tmp_path: Path) -> None:

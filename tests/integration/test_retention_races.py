@@ -164,3 +164,12 @@ def test_the_drop_function_locks_the_run_tables_before_the_month(db_url: str) ->
         thread.join(60)
     assert read == (1,), f"the reader could not read the month while the drop waited: {read!r}"
     assert done == {"dropped": ["202503"]}, done
+
+
+def test_coordinator_once_names_the_months_its_retention_dropped(db_url: str,
+                                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    from composer_ops.cli import main
+
+    _old_month(db_url, "2025-02-01")
+    assert main(["coordinator", "--once", "--retention", "2025-04-01", "--database-url", db_url]) == 0
+    assert ", months dropped by retention 202502" in capsys.readouterr().out

@@ -235,6 +235,9 @@ def test_schedule_late_triggers_the_schedules_it_names(db_url: str, operator: st
     (["nosuch"], "unknown runbook 'nosuch'"),
     (["sweeper_lag", "-p", "confirm", "maybe"], "-p confirm: 'maybe' is not a boolean"),
     (["sweeper_lag", "-p", "sweeper_lag_s", "-5"], "-p sweeper_lag_s: must be a number >= 0"),
+    (["sweeper_lag", "-p", "sweeper_lag_s", "-1.5"], "-p sweeper_lag_s: must be a number >= 0, got -1.5"),
+    (["sweeper_lag", "-p", "sweeper_lag_s", "soon"], "-p sweeper_lag_s: 'soon' is not a number for runbook "
+                                                      "sweeper_lag"),
     (["sweeper_lag", "-p", "cutoff", "6 months"], "-p cutoff: no selected runbook declares it"),
     (["long_waits", "-p", "cancel_runs", '["not-a-run"]'], "-p cancel_runs:"),
     (["replay_failed", "-p", "since", "yesterday"], "-p since:"),
