@@ -5,9 +5,14 @@ change and its audit row commit together."""
 from __future__ import annotations
 
 import argparse
+import sys
+from typing import TYPE_CHECKING
 
 from composer_ops.cli._common import EXIT_OK, add_command, add_json_option, add_yes_option, emit_json, open_engine
 from composer_ops.cli.admin_cmds import actor
+
+if TYPE_CHECKING:
+    from composer_ops.engine import Engine
 
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -79,16 +84,27 @@ def _report(args: argparse.Namespace, change: object) -> int:
     return EXIT_OK
 
 
+def _warn_unnamed(engine: Engine, queue: str) -> None:
+    """A queue nothing names is likely a typo: said on stderr before the change (which
+    goes on: a queue may be set up before its first task)."""
+    if not engine.queues.named(queue):
+        sys.stderr.write(f"composer-ops: warning: no deployed workflow, worker, task or setting names queue "
+                         f"{queue!r} (a typo? `composer-ops queues list` shows the queues in use)\n")
+
+
 def cmd_queues_pause(args: argparse.Namespace) -> int:
     with open_engine(args) as engine:
+        _warn_unnamed(engine, args.queue)
         return _report(args, engine.queues.pause(args.queue, reason=args.reason, yes=args.yes, actor=actor(args)))
 
 
 def cmd_queues_resume(args: argparse.Namespace) -> int:
     with open_engine(args) as engine:
+        _warn_unnamed(engine, args.queue)
         return _report(args, engine.queues.resume(args.queue, yes=args.yes, actor=actor(args)))
 
 
 def cmd_queues_set_limit(args: argparse.Namespace) -> int:
     with open_engine(args) as engine:
+        _warn_unnamed(engine, args.queue)
         return _report(args, engine.queues.set_limit(args.queue, args.max_running, yes=args.yes, actor=actor(args)))

@@ -317,7 +317,10 @@ def cmd_runs_show(args: argparse.Namespace) -> int:
         if t.item_index is not None:          # a MAP item: counted per node below, not listed
             items.setdefault(t.node_id, Counter())[t.state] += 1
             continue
-        detail = t.error or (f"waits for {t.signal_name!r}" if t.state == "WAITING" and t.signal_name else "")
+        # A task that failed an attempt and went on keeps that attempt's error: not its own.
+        error = (t.error if t.state in ("FAILED", "CANCELLED") or not t.error
+                 else f"an earlier attempt's error: {t.error}")
+        detail = error or (f"waits for {t.signal_name!r}" if t.state == "WAITING" and t.signal_name else "")
         if t.state == "WAITING" and t.wake_at:
             detail = f"{detail} until {t.wake_at:%Y-%m-%d %H:%M:%S%z}".strip()
         print(f"{t.node_id:<24} {t.node_type:<15} {t.state:<10} {t.attempt:>7}  {detail}")

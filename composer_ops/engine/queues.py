@@ -76,6 +76,13 @@ class Queues:
             repeatable_read(conn, read_only=True)
             return queues.overview(conn, clock.now(conn))
 
+    @db_retry()
+    def named(self, queue: str) -> bool:
+        """Whether a setting, a dispatch, a running task, a worker or a deployed workflow
+        names ``queue`` (else a change to it is likely a typo: the CLI warns)."""
+        with self._pool.connection() as conn:
+            return queues.named(conn, check_queue(queue))
+
     def pause(self, queue: str, *, reason: str | None = None, yes: bool = True, actor: Actor | None = None,
               request_id: str | None = None) -> QueueChange:
         """Stop every claim from taking tasks of ``queue``; its tasks stay queued."""

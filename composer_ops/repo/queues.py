@@ -25,6 +25,23 @@ def settings(conn: Conn, queues: Sequence[str]) -> list[QueueSetting]:
                      (list(queues),))
 
 
+def named(conn: Conn, queue: str) -> bool:
+    """Whether anything names ``queue``: a setting, a dispatch, a task, a worker that
+    serves it (registered, stopped or not) or a node of a deployed definition (``queue``
+    given, or a TASK's ``default``). What a pause of a queue nothing names (a typo) is
+    warned of by. The tasks are read through their queue's dispatches and RUNNING ones."""
+    row = conn.execute("""
+        SELECT EXISTS (SELECT 1 FROM queue_settings WHERE queue = %(q)s)
+            OR EXISTS (SELECT 1 FROM task_outbox WHERE queue = %(q)s)
+            OR EXISTS (SELECT 1 FROM task_instances WHERE state = 'RUNNING' AND queue = %(q)s)
+            OR EXISTS (SELECT 1 FROM workers WHERE %(q)s = ANY(queues))
+            OR EXISTS (SELECT 1 FROM workflow_definitions d, jsonb_array_elements(d.spec_json -> 'nodes') n
+                        WHERE d.deleted_at IS NULL
+                          AND COALESCE(n ->> 'queue', CASE WHEN n ->> 'type' = 'TASK' THEN 'default' END) = %(q)s)""",
+                       {"q": queue}).fetchone()
+    return bool(row and row[0])
+
+
 def lock(conn: Conn, queue: str) -> QueueSetting:
     """Lock ``queue``'s settings row for the rest of the transaction (creating an open,
     unlimited one when there is none) and return it as the lock found it."""

@@ -85,6 +85,8 @@ def test_the_history_of_a_run_that_lived_through_a_killed_worker(engine: Engine,
     assert first["error"].startswith(f"lease of {owner} expired") and first["ended_at"] >= first["claimed_at"]
     assert (second["attempt"], second["outcome"], second["requeued"]) == (1, "completed", None)
     assert second["worker"] == rows[3][2] and second["task_id"] == first["task_id"]
+    (task_line,) = [line for line in lines if line.startswith("slow ")]
+    assert "COMPLETED" in task_line and f"an earlier attempt's error: {{'error': 'lease of {owner}" in task_line
     listed = lines[lines.index("attempts:") + 1:start]
     assert len(listed) == 2 and owner in listed[0] and "lease expired (re-queued)" in listed[0], listed
     assert "completed" in listed[1]

@@ -190,8 +190,16 @@ def test_cli(db_url: str, engine: Engine, capsys: pytest.CaptureFixture[str]) ->
     engine.start("low")
     url = ["--database-url", db_url]
     assert main(["queues", "pause", "q", "--reason", "incident 42", *url]) == 0
-    assert "dry run" in capsys.readouterr().out
+    captured = capsys.readouterr()
+    assert "dry run" in captured.out and "warning" not in captured.err          # its workflows name q
     assert _sql(db_url, "SELECT count(*) FROM queue_settings") == [(0,)]
+    # A queue nothing names: a typo, said; the change goes on (a queue may be set up first).
+    assert main(["queues", "pause", "qq", *url]) == 0
+    assert "composer-ops: warning: no deployed workflow, worker, task or setting names queue 'qq'" in \
+        capsys.readouterr().err
+    engine.deploy({"id": "plain", "nodes": [{"id": "t", "type": "TASK", "task": "work"}]})
+    assert main(["queues", "resume", "default", *url]) == 0
+    assert "warning" not in capsys.readouterr().err           # a TASK without a queue names it
     assert main(["queues", "pause", "q", "--reason", "incident 42", "--yes", "--json", *url]) == 0
     done = json.loads(capsys.readouterr().out)
     assert done["applied"] and done["after"] == {"paused": True, "reason": "incident 42", "max_running": 0}
