@@ -468,7 +468,7 @@ def _node_refs(node: NodeSpec) -> list[tuple[str, str]]:
     return []
 
 
-def _check_graph(nodes: Mapping[str, NodeSpec]) -> None:
+def _check_graph(nodes: Mapping[str, NodeSpec], stored: bool = False) -> None:
     for node in nodes.values():
         for dep in node.depends_on:
             if dep == node.id:
@@ -492,6 +492,8 @@ def _check_graph(nodes: Mapping[str, NodeSpec]) -> None:
                     raise Invalid(
                         f"node {_q(node.id)}: {label} names {_q(target)}, which does not depend on {_q(node.id)}"
                     )
+    if not stored:        # a version deployed before this rule keeps loading: its runs skip the node
+        _check_reachable(nodes)
     above = ancestors(nodes, topological_order(nodes))
     for node in nodes.values():
         for loc, text in _node_refs(node):
@@ -505,6 +507,21 @@ def _check_graph(nodes: Mapping[str, NodeSpec]) -> None:
                     f"node {_q(node.id)}: {loc} references {_q(upstream)}, which is not upstream of "
                     f"{_q(node.id)} (add it to depends_on, directly or transitively)"
                 )
+
+
+def _check_reachable(nodes: Mapping[str, NodeSpec]) -> None:
+    """Refuse a node every dependency of which is a SWITCH that names it in no case and
+    not in its default: no decision can make it run, so it would always be SKIPPED (a
+    dependency on any other node, or a SWITCH that names it, can)."""
+    def names(switch: NodeSpec, node_id: str) -> bool:
+        return any(node_id in targets for targets in [*switch.cases.values(), switch.default])
+
+    for node in nodes.values():
+        deps = [nodes[d] for d in node.depends_on]
+        if deps and all(d.type is NodeType.SWITCH and not names(d, node.id) for d in deps):
+            switches = ", ".join(_q(d.id) for d in deps)
+            raise Invalid(f"node {_q(node.id)}: depends only on SWITCH {switches}, and no case or default names "
+                          "it, so it would always be SKIPPED (name it in a case or the default)")
 
 
 def parse_spec(doc: Mapping[str, Any], *, stored: bool = False) -> WorkflowSpec:
@@ -546,7 +563,7 @@ def parse_spec(doc: Mapping[str, Any], *, stored: bool = False) -> WorkflowSpec:
     seen: set[str] = set()
     parsed = [_parse_node(raw, i, seen, stored) for i, raw in enumerate(raw_nodes)]
     nodes = {node.id: node for node in parsed}
-    _check_graph(nodes)
+    _check_graph(nodes, stored)
     return WorkflowSpec(
         id=workflow_id,
         name=name,

@@ -122,7 +122,10 @@ def test_switch_reads_an_earlier_output_through_the_store() -> None:
 def test_no_matching_case_and_no_default_skips_everything_downstream() -> None:
     doc = dict(EXAMPLE)
     doc["nodes"] = [dict(n) for n in EXAMPLE["nodes"]]
-    doc["nodes"][1] = {k: v for k, v in doc["nodes"][1].items() if k != "default"}
+    # No default, the nodes it named moved to a case nothing matches: every case misses.
+    switch = {k: v for k, v in doc["nodes"][1].items() if k != "default"}
+    switch["cases"] = {**switch["cases"], "never": doc["nodes"][1]["default"]}
+    doc["nodes"][1] = switch
     sim = Sim(doc, input={})
     sim.start()
     decision = sim.complete("charge", {"tier": "bronze"})

@@ -89,6 +89,14 @@ def workflows(draw: st.DrawFn) -> dict[str, Any]:
             node["on_timeout"] = draw(st.sampled_from(["fail", "continue"]))
             node["optional"] = draw(st.booleans())
         nodes.append(node)
+    # A node whose every dependency is a SWITCH that names it nowhere can never run, and
+    # deploy refuses it (core/spec.py): the first of those switches takes it as a default.
+    by_id = {n["id"]: n for n in nodes}
+    for node in nodes:
+        switches = [by_id[d] for d in node["depends_on"]]
+        if switches and all(d["type"] == "SWITCH" and not any(
+                node["id"] in targets for targets in [*d["cases"].values(), d.get("default", [])]) for d in switches):
+            switches[0]["default"] = [*switches[0].get("default", []), node["id"]]
     return {"id": "random", "nodes": nodes}
 
 

@@ -236,6 +236,12 @@ INVALID: list[tuple[str, Callable[[dict[str, Any]], None], tuple[str, ...]]] = [
         ('node "route": SWITCH default names "notify", which does not depend on "route"',),
     ),
     (
+        "a node only switches lead to, named by none",
+        edit("route", default=[]),
+        ('node "standard": depends only on SWITCH "route", and no case or default names it, so it would always '
+         "be SKIPPED",),
+    ),
+    (
         "switch case names unknown",
         edit("route", cases={"gold": ["expres"]}),
         ('node "route"', '"expres"', "not a node"),
@@ -320,3 +326,13 @@ def test_parse_does_not_mutate_input() -> None:
     doc = example()
     parse_spec(doc)
     assert doc == EXAMPLE
+
+
+def test_a_deployed_version_with_a_node_no_switch_names_still_loads() -> None:
+    """The rule came after 0.1.0's deploys: a stored version keeps loading, and its runs
+    skip the node, as they always did."""
+    doc = example()
+    edit("route", default=[])(doc)
+    with pytest.raises(Invalid, match="always be SKIPPED"):
+        parse_spec(doc)
+    assert parse_spec(doc, stored=True).nodes["standard"].depends_on == ("route",)
