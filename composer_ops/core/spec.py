@@ -195,8 +195,9 @@ class WorkflowSpec:
 def _q(value: object) -> str:
     """A value quoted for a one-line message; never raises (an int of more than
     4,300 digits cannot be printed, and a message must not fail on bad input)."""
-    if isinstance(value, str):
-        return json.dumps(value)
+    if isinstance(value, str):      # an id (at most 128 characters) in full; a longer text cut
+        text = json.dumps(value)
+        return text if len(text) <= 140 else text[:137] + "..."
     try:
         text = repr(value)
     except ValueError:

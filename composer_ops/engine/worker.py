@@ -66,6 +66,11 @@ SHORT_HANDLER_S = 0.5
 #: What started a worker's claim, the keys of :meth:`Worker.claim_counts`.
 CLAIM_REASONS = ("own", "shared", "room")
 
+def _named(fn: object) -> str:
+    """A handler as an error names it: its module and qualified name."""
+    return f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', repr(fn))}"
+
+
 class Worker:
     """``Worker(engine, queues=[...], concurrency=N)`` with ``@worker.handler("name")``."""
 
@@ -76,12 +81,15 @@ class Worker:
                  prefetch: int = 0) -> None:
         if not queues or isinstance(queues, str | bytes) or any(not isinstance(q, str) or not q for q in queues):
             raise Invalid(f"queues must be a non-empty list of queue names, got {queues!r}")
-        if concurrency < 1:
-            raise Invalid(f"concurrency must be at least 1, got {concurrency}")
+        if isinstance(concurrency, bool) or not isinstance(concurrency, int) or concurrency < 1:
+            raise Invalid(f"concurrency must be an integer of at least 1, got {concurrency!r}")
+        if isinstance(poll_interval, bool) or not isinstance(poll_interval, int | float) or not poll_interval > 0:
+            raise Invalid(f"poll interval must be a number of seconds above 0, got {poll_interval!r}")
         check_shutdown_timeout(shutdown_timeout)
         check_prefetch(prefetch)
-        if not 0 < registry_interval <= 3600:
-            raise Invalid(f"registry interval must be more than 0 and at most 3600 seconds, got {registry_interval}")
+        if isinstance(registry_interval, bool) or not isinstance(registry_interval, int | float) \
+                or not 0 < registry_interval <= 3600:
+            raise Invalid(f"registry interval must be more than 0 and at most 3600 seconds, got {registry_interval!r}")
         self.engine = engine
         self.queues = list(queues)
         self.concurrency = concurrency
@@ -143,11 +151,18 @@ class Worker:
         self._backlog = False
 
     def handler(self, name: str) -> Callable[[Handler], Handler]:
-        """Register the function that runs tasks whose node says ``"task": name``."""
+        """Register the function that runs tasks whose node says ``"task": name``: one
+        per name (a second is refused, not silently put in the first one's place)."""
         if not isinstance(name, str) or not name:
             raise Invalid("a handler needs a non-empty task name")
+        if name in self._handlers:
+            raise Invalid(f"task {name!r} has a handler already: {_named(self._handlers[name])}")
 
         def register(fn: Handler) -> Handler:
+            if not callable(fn):
+                raise Invalid(f"the handler of task {name!r} must be a function (input, ctx), got {fn!r}")
+            if name in self._handlers:
+                raise Invalid(f"task {name!r} has a handler already: {_named(self._handlers[name])}")
             self._handlers[name] = fn
             return fn
 

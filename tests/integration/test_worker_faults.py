@@ -149,3 +149,23 @@ def test_a_handler_raising_systemexit_fails_its_attempt_and_the_slot_goes_on(eng
     failed = engine.get_run(exiting).tasks[0]
     assert type(raised).__name__ in str(failed.error), failed.error
     assert [r.status for r in results] == ["failed", "completed"]
+
+
+def test_worker_misuse_is_refused_in_one_line(engine: Engine) -> None:
+    from composer_ops.errors import Invalid
+
+    for bad in ({"concurrency": "4"}, {"concurrency": 0}, {"concurrency": True}, {"poll_interval": 0},
+                {"poll_interval": "1"}, {"registry_interval": None}):
+        with pytest.raises(Invalid, match="must be"):
+            Worker(engine, **bad)
+    worker = Worker(engine)
+
+    @worker.handler("job")
+    def job(input: Any, ctx: TaskContext) -> None:
+        return None
+
+    with pytest.raises(Invalid, match=r"task 'job' has a handler already: .*\.job"):
+        worker.handler("job")
+    with pytest.raises(Invalid, match="the handler of task 'other' must be a function"):
+        worker.handler("other")(5)        # type: ignore[arg-type]
+    assert list(worker._handlers) == ["job"]

@@ -336,3 +336,9 @@ def test_a_deployed_version_with_a_node_no_switch_names_still_loads() -> None:
     with pytest.raises(Invalid, match="always be SKIPPED"):
         parse_spec(doc)
     assert parse_spec(doc, stored=True).nodes["standard"].depends_on == ("route",)
+
+
+def test_a_huge_id_is_not_echoed_whole() -> None:
+    with pytest.raises(Invalid) as refused:
+        parse_spec({"id": "x" * 5000, "nodes": [{"id": "a", "type": "TASK", "task": "t"}]})
+    assert len(str(refused.value)) < 250 and str(refused.value).endswith("must match [A-Za-z0-9_.-]{1,128}")
