@@ -64,9 +64,9 @@ demo: $(STAMP)
 	$(BIN)/python -m examples.fanout_demo; \
 	$(BIN)/composer-ops schedules delete demo-nightly-batch --yes >/dev/null 2>&1 || true; \
 	$(BIN)/composer-ops schedules create demo-nightly-batch --workflow nightly-batch --cron "*/15 * * * *" \
-	    --timezone Europe/Paris --input '{"date": "scheduled"}' --catchup all; \
+	    --timezone Europe/Paris --input '{"date": "scheduled"}' --catchup all --yes; \
 	$(BIN)/composer-ops schedules backfill demo-nightly-batch --from 1h --to 0h --yes; \
-	$(BIN)/composer-ops schedules trigger demo-nightly-batch; \
+	$(BIN)/composer-ops schedules trigger demo-nightly-batch --yes; \
 	$(BIN)/composer-ops report --all $(DEMO_REPORT_$(DEMO_SIZE))
 	@echo "reports: $$(cd "$${COMPOSER_REPORTS_DIR:-reports}" && pwd)/index.html"
 

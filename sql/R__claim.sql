@@ -693,23 +693,38 @@ GRANT EXECUTE ON FUNCTION composer_claim(TEXT[], TEXT[], TEXT, INT, TEXT, TEXT, 
 -- lost lease, cancel), in that transaction. Only tasks with flow_slot fire it. Not on
 -- Citus: there the tasks live on the worker nodes and flow_slots on the coordinator,
 -- and the Citus claim frees slots lazily instead (composer_ops/repo/citus_flow.py).
--- The place freed may be what ready rows of the task's queue wait for (its key at its
--- limit, the queue at its max_running), and no dispatch is coming for them: with such
--- rows, a worker serving the queue is told, as a dispatch tells one (sql/R__dispatch.sql:
+-- The place freed may be what ready rows wait for (rows of its key, or of its queue when
+-- the queue has a limit), and no dispatch is coming for them: with such a row, a worker
+-- serving its queue and its task is told, as a dispatch tells one (sql/R__dispatch.sql:
 -- the least over-promised, then the most recently registered, on its own channel with
 -- an empty payload, sent when this transaction commits, so its claim sees the place
 -- free), or, none registered, the shared channel. Otherwise the rows waited for the
--- next poll of a worker: a second a task in one place.
+-- next poll of a worker: a second a task in one place. Places freed together (a cancel)
+-- tell one worker, which claims all it has room for. Scans as the claim's (header).
 CREATE OR REPLACE FUNCTION composer_free_flow_slot() RETURNS trigger
 LANGUAGE plpgsql
+SET enable_seqscan = off
+SET enable_bitmapscan = off
+SET jit = off
 AS $$
 DECLARE
     q TEXT := COALESCE(OLD.queue, 'default');
+    freed TEXT[];
+    ready TEXT;
     told TEXT;
 BEGIN
-    DELETE FROM flow_slots f WHERE f.run_id = OLD.run_id AND f.task_id = OLD.id;
-    IF EXISTS (SELECT 1 FROM task_outbox o WHERE o.queue = q AND o.available_at <= now()) THEN
-        SELECT x.channel INTO told FROM task_waiters x WHERE q = ANY(x.queues)
+    WITH d AS (DELETE FROM flow_slots f WHERE f.run_id = OLD.run_id AND f.task_id = OLD.id RETURNING f.key)
+    SELECT array_agg(d.key) INTO freed FROM d;
+    IF freed IS NULL THEN
+        RETURN NULL;
+    END IF;
+    SELECT o.task_name INTO ready FROM task_outbox o
+     WHERE o.queue = q AND o.available_at <= now()
+       AND ('queue:' || q = ANY(freed) OR 'c:' || o.ckey = ANY(freed))
+     ORDER BY o.priority DESC, o.available_at, o.id LIMIT 1;
+    IF FOUND THEN
+        SELECT x.channel INTO told FROM task_waiters x
+         WHERE q = ANY(x.queues) AND (x.task_names IS NULL OR ready = ANY(x.task_names))
          ORDER BY x.promised - x.seen - x.slots, x.since DESC LIMIT 1;
         PERFORM pg_notify(COALESCE(told, 'composer_tasks'), CASE WHEN told IS NULL THEN q ELSE '' END);
     END IF;

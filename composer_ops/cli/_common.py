@@ -100,9 +100,11 @@ def check_options(args: argparse.Namespace) -> None:
 
         try:
             conninfo_to_dict(url)
-        except psycopg.ProgrammingError as exc:      # bad input (exit 2), not a server that is down (exit 1)
-            raise Invalid(f"--database-url (or COMPOSER_DATABASE_URL) is not a libpq URL or connection string: "
-                          f"{str(exc).strip().splitlines()[0]}") from None
+        except psycopg.ProgrammingError:    # bad input (exit 2), not a server that is down (exit 1)
+            # libpq's reason quotes the text it could not parse, which may be a password: not shown.
+            raise Invalid("--database-url (or COMPOSER_DATABASE_URL) is not a libpq URL "
+                          "(postgresql://user@host:port/dbname) or key=value connection string; "
+                          "libpq cannot parse it") from None
 
 
 Database = Literal["reads", "writes"]

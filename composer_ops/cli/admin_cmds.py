@@ -147,8 +147,10 @@ def register_runs(rsub: argparse._SubParsersAction) -> None:  # type: ignore[typ
                     "machine decides it under the run's lock and the run goes back to RUNNING; an audit row "
                     "records it. Without --yes the same decision is made and rolled back, and the nodes that "
                     "would run again are listed. Refused: an active or SUCCEEDED run, an unknown node, a "
-                    "deleted definition version. Instead of RUN, a selection (as for `runs list`, FAILED runs "
-                    "unless --status says CANCELLED) retries up to --limit runs, oldest first, each in its own "
+                    "deleted definition version, a SUB_WORKFLOW child whose parent is FAILED or CANCELLED "
+                    "(retry the parent from the node: the error names the command). Instead of RUN, a "
+                    "selection (as for `runs list`, FAILED runs unless --status says CANCELLED) retries up "
+                    "to --limit runs, oldest first, each in its own "
                     "transaction. Exit 0 done, 1 refused or failed, 2 bad input.")
     rty.add_argument("run_id", metavar="RUN", nargs="?", help="the run to retry (or give a selection)")
     rty.add_argument("--from", dest="from_nodes", metavar="NODE", action="append", default=[],

@@ -107,10 +107,11 @@ def cmd_restore(args: argparse.Namespace) -> int:
     month_start(args.month)                                  # YYYYMM, else exit 2
     if not args.source:
         raise Invalid("--from DIR is required (or COMPOSER_ARCHIVE_DIR)")
-    if not Path(args.source).expanduser().is_dir():          # bad input, exit 2: a damaged archive is exit 1
+    source = Path(args.source).expanduser()
+    if not source.is_dir():          # bad input, exit 2: a damaged archive is exit 1
         raise Invalid(f"--from {args.source}: no such directory")
     with progress_bars() as bars:
-        result = restore_month(args.database_url, args.month, Path(args.source), yes=args.yes, actor=actor(args),
+        result = restore_month(args.database_url, args.month, source, yes=args.yes, actor=actor(args),
                                lock_timeout_s=args.lock_timeout, progress=bars)
     if args.json:
         out: dict[str, Any] = {"month": result.month, "from": result.source, "restored": result.applied,

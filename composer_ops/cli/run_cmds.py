@@ -39,7 +39,7 @@ from composer_ops.engine import Engine, Worker
 from composer_ops.engine.webhooks import RelayPolicy
 from composer_ops.engine.worker import SHORT_HANDLER_S
 from composer_ops.engine.worker_options import DEFAULT_SHUTDOWN_TIMEOUT_S, MAX_PREFETCH, check_shutdown_timeout
-from composer_ops.errors import Invalid, ShutdownTimeout
+from composer_ops.errors import ComposerError, Invalid, ShutdownTimeout
 
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -514,6 +514,8 @@ def load_app(spec: str, target: object, engine: Engine) -> Worker:
         return target
     try:
         worker = target(engine) if callable(target) else None
+    except ComposerError:       # the database (unavailable, refused): reported as such, not as bad input
+        raise
     except Exception as exc:    # the factory's own code (or a callable that is no factory): --debug shows where
         raise Invalid(f"--app {spec}: calling it with the Engine raised {type(exc).__name__}: "
                       f"{first_line(exc)}") from exc

@@ -285,10 +285,13 @@ class CancelRun:
 class RetryRun:
     """An operator asked to run a FAILED or CANCELLED run again: from ``from_nodes``
     (none: from the nodes that failed) and every node downstream of them; tasks that
-    were cancelled when the run ended run again too. Completed upstream outputs are kept."""
+    were cancelled when the run ended run again too. Completed upstream outputs are kept.
+    ``parent_status``: a child run's parent's status as the caller read it (None: no
+    parent, or it is gone)."""
 
     from_nodes: tuple[str, ...] = ()
     now: datetime
+    parent_status: str | None = None
 
 
 @dataclass(frozen=True, kw_only=True)

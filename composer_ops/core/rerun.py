@@ -26,7 +26,8 @@ def retry_run(d: Decider, event: model.RetryRun) -> Decision:
     node downstream of those. Their tasks are removed; every other node keeps its
     task and output. Then the nodes that are ready are created as usual. A node that
     failed the run and would not run again is refused: the run would go on as if it
-    had not failed. A child run (SUB_WORKFLOW) is refused: its parent is retried.
+    had not failed. A child run (SUB_WORKFLOW) whose parent is FAILED or CANCELLED is
+    refused: the parent is retried from the node, with a new child.
     """
     run, spec = d.run, d.spec
     if run.status not in TERMINAL_RUN_STATUSES:
@@ -34,12 +35,15 @@ def retry_run(d: Decider, event: model.RetryRun) -> Decision:
                        "(cancel it first)")
     if run.status is RunStatus.SUCCEEDED:
         raise Conflict(f"run {run.id} SUCCEEDED: only a FAILED or CANCELLED run can be retried")
-    if run.parent_run_id is not None:
-        # Its parent took its finish already: a child run again would finish unseen, and
+    if run.parent_run_id is not None and event.parent_status in (RunStatus.FAILED, RunStatus.CANCELLED):
+        # Its parent took its finish and ended: a child run again would finish unseen, and
         # the parent's own retry would start another child and run the same work twice.
+        # (A parent that went on, its node optional, or that is gone, leaves the child's
+        # retry the only way to run its work again.)
         raise Conflict(f"run {run.id} is the child of run {run.parent_run_id} (node "
-                       f"{json.dumps(run.parent_node_id)}): retry the parent from that node, which starts a new "
-                       f"child (composer-ops runs retry {run.parent_run_id} --from {run.parent_node_id})")
+                       f"{json.dumps(run.parent_node_id)}), which is {event.parent_status}: retry the parent from "
+                       f"that node, which starts a new child (composer-ops runs retry {run.parent_run_id} --from "
+                       f"{run.parent_node_id})")
     unknown = [n for n in event.from_nodes if n not in spec.nodes]
     if unknown:
         raise Invalid(f"run {run.id}: workflow {json.dumps(run.workflow_id)} version {run.workflow_version} "

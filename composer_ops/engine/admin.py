@@ -298,7 +298,8 @@ def _retry(shell: Shell, run_id: str, nodes: tuple[str, ...], yes: bool, actor: 
                           f"{'does not exist' if found is None else 'was deleted'}; a retry runs the version the "
                           "run started on, so it cannot be retried")
         noted = Request(id=request, operator=audit.operator_note("runs retry", actor))
-        outcome = shell.handle_in(conn, run_id, partial(_retry_event, nodes), request=noted)
+        parent = runs.parent_status(conn, run_id)
+        outcome = shell.handle_in(conn, run_id, partial(_retry_event, nodes, parent), request=noted)
         finished = str(outcome.finished) if outcome.finished is not None else None
         if yes:
             audit.record(conn, "runs retry", actor=actor, target=run_id, request=request,
@@ -309,8 +310,8 @@ def _retry(shell: Shell, run_id: str, nodes: tuple[str, ...], yes: bool, actor: 
                            finished=finished)
 
 
-def _retry_event(nodes: tuple[str, ...], now: datetime) -> RetryRun:
-    return RetryRun(from_nodes=nodes, now=now)
+def _retry_event(nodes: tuple[str, ...], parent: str | None, now: datetime) -> RetryRun:
+    return RetryRun(from_nodes=nodes, now=now, parent_status=parent)
 
 
 #: The most runs one bulk retry takes.

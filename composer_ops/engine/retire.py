@@ -124,8 +124,9 @@ def retire_months(url: str | None, older_than: datetime | str | Cutoff, *, archi
 
 
 def _copies_refused(copies: list[str]) -> str:
-    return (f"a detached copy of the month is already in {repo.DETACHED_SCHEMA} ({', '.join(copies)}): "
-            "drop or rename it first; nothing of this month was changed")
+    shown = ", ".join(copies[:4]) + (f" and {len(copies) - 4} more" if len(copies) > 4 else "")
+    return (f"a detached copy of the month is already in {repo.DETACHED_SCHEMA} ({shown}): "
+            "drop it, or move it to another schema, first; nothing of this month was changed")
 
 
 def _so_far(done: list[MonthRetired]) -> str:

@@ -555,8 +555,8 @@ class Worker:
                 try:
                     nxt = self._execute(item, slots=slots)
                 except BaseException:   # never the slot's end: its thread takes the next task
-                    log.exception("the slot running task %s of run %s failed; the lease sweeper retries the task",
-                                  item.task_id, item.run_id)
+                    log.exception("the slot running task %s of run %s failed after its handler (a result not "
+                                  "reported comes back when its lease lapses)", item.task_id, item.run_id)
                 finally:
                     if nxt is None:
                         self._release()
@@ -737,7 +737,7 @@ class Worker:
         if self.on_result:
             try:
                 self.on_result(Result(claim, status, outcome.stale or ""))
-            except Exception:
+            except BaseException:       # SystemExit too: the slot's next task must not be lost with it
                 if nxt is None:
                     raise
                 log.exception("the result callback failed for task %s of run %s", claim.task_id, claim.run_id)

@@ -185,13 +185,21 @@ def remove_month(conn: Conn, month: str, tables: Sequence[str], *, keep_table: b
 
 
 def detached_copies(conn: Conn, month: str, tables: Sequence[str]) -> list[str]:
-    """The partitions of ``month`` that an earlier ``partitions detach`` kept in
-    :data:`DETACHED_SCHEMA` (the month restored since, say): detaching it again would
-    move a second table to the same name."""
+    """What :data:`DETACHED_SCHEMA` holds under the names ``month``'s partitions and
+    their indexes would take there (an earlier ``partitions detach`` of the month,
+    restored since; or its tables renamed, whose indexes keep their names): detaching the
+    month again would move a second relation to one of those names. Tables first."""
     names = [f"{table}_p{month}" for table in tables]
-    return [str(r[0]) for r in conn.execute(
-        "SELECT tablename::text FROM pg_tables WHERE schemaname = %s AND tablename = ANY(%s) ORDER BY 1",
-        (DETACHED_SCHEMA, names)).fetchall()]
+    return [str(r[0]) for r in conn.execute("""
+        WITH wanted AS (
+            SELECT p.name FROM unnest(%(names)s::text[]) AS p(name)
+            UNION ALL
+            SELECT ic.relname::text FROM unnest(%(names)s::text[]) AS p(name)
+              JOIN pg_index i ON i.indrelid = to_regclass(quote_ident(p.name))
+              JOIN pg_class ic ON ic.oid = i.indexrelid)
+        SELECT c.relname::text FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace
+         WHERE n.nspname = %(schema)s AND c.relname IN (SELECT w.name FROM wanted w)
+         ORDER BY c.relkind = 'i', 1""", {"names": names, "schema": DETACHED_SCHEMA}).fetchall()]
 
 
 def detached(conn: Conn) -> list[str]:

@@ -178,6 +178,18 @@ def workflow_of(conn: Conn, run_id: str) -> tuple[str, int] | None:
     return None if row is None else (str(row[0]), int(row[1]))
 
 
+def parent_status(conn: Conn, run_id: str) -> str | None:
+    """The status of the run's parent (a SUB_WORKFLOW child's), None when it has none or
+    the parent was deleted (or its month dropped)."""
+    # Two reads, each by its run ID (on Citus a join of two runs is not on one shard).
+    child = conn.execute("SELECT parent_run_id FROM workflow_runs WHERE id = %s", (run_id,)).fetchone()
+    if child is None or child[0] is None:
+        return None
+    row = conn.execute("SELECT status FROM workflow_runs WHERE id = %s AND deleted_at IS NULL",
+                       (child[0],)).fetchone()
+    return None if row is None else str(row[0])
+
+
 def get_run(conn: Conn, run_id: str) -> RunView:
     """The run and all its tasks, for display (not for decisions)."""
     run = fetch_one(conn, RunView, """

@@ -88,7 +88,7 @@ def test_a_failed_child_is_retried_through_its_parent_only(engine: Engine, db_ur
     (task,) = claim(engine)
     engine.fail(task, "bank says no", retryable=False)
     child = task.run_id
-    with pytest.raises(Conflict, match=f"run {child} is the child of run {parent}"):
+    with pytest.raises(Conflict, match=f"run {child} is the child of run {parent} .node \"refund\"., which is FAILED"):
         engine.retry(child)
     assert main(["runs", "retry", child, "--yes", "--database-url", db_url]) == 1
     err = capsys.readouterr().err
@@ -101,6 +101,24 @@ def test_a_failed_child_is_retried_through_its_parent_only(engine: Engine, db_ur
     (after,) = claim(engine)
     engine.complete(after, "done")
     assert engine.get_run(parent).status == "SUCCEEDED" and engine.get_run(child).status == "FAILED"
+
+
+def test_a_failed_child_of_an_optional_node_is_retried_on_its_own(engine: Engine) -> None:
+    """Its parent went on (the node is optional) and cannot be retried: the child's own
+    retry is the way to run its work again, and its finish reaches the parent as stale."""
+    engine.deploy(REFUND)
+    engine.deploy(parent_spec(optional=True))
+    parent = engine.start("order", input={"amount": 7})
+    (task,) = claim(engine)
+    engine.fail(task, "bank says no", retryable=False)
+    (after,) = claim(engine)
+    engine.complete(after, "done")
+    assert engine.get_run(parent).status == "SUCCEEDED"
+    engine.retry(task.run_id)
+    (again,) = claim(engine)
+    assert again.run_id == task.run_id
+    engine.complete(again, {"refunded": 7})
+    assert engine.get_run(task.run_id).status == "SUCCEEDED" and engine.get_run(parent).status == "SUCCEEDED"
 
 
 def test_cancelling_the_parent_cancels_the_child_and_its_tasks(engine: Engine, db_url: str) -> None:

@@ -533,20 +533,28 @@ def test_a_freed_place_is_taken_at_once_not_at_the_next_poll(db_url: str, engine
     engine.deploy({"id": "brief", "nodes": [node]})
     runs = [engine.start("brief", input={"customer": "c1"}) for _ in range(6)]
     worker = Worker(engine, queues=["flow"], concurrency=2, poll_interval=30)
+    # Another worker on the queue, without the task's handler: never the one told.
+    bystander = Worker(engine, queues=["flow"], concurrency=2, poll_interval=30)
 
     @worker.handler("brief")
     def brief(input: Any, ctx: TaskContext) -> None:
         time.sleep(0.05)
 
-    thread = threading.Thread(target=worker.run, daemon=True)
+    @bystander.handler("other")
+    def other(input: Any, ctx: TaskContext) -> None:
+        return None
+
+    threads = [threading.Thread(target=w.run, daemon=True) for w in (worker, bystander)]
     began = time.monotonic()
-    thread.start()
+    for thread in threads:
+        thread.start()
     try:
         wait_for(lambda: all(engine.get_run(r).status == "SUCCEEDED" for r in runs), timeout=25,
                  what="every run, each claimed when the place before it freed")
     finally:
-        worker.stop()
-        thread.join(60)
+        for w, thread in zip((worker, bystander), threads, strict=True):
+            w.stop()
+            thread.join(60)
     assert time.monotonic() - began < 25
     spans = _sql(db_url, "SELECT started_at, finished_at FROM task_instances WHERE queue = 'flow' ORDER BY 1")
     assert all(later[0] >= earlier[1] for earlier, later in zip(spans, spans[1:], strict=False)), spans  # one place

@@ -152,6 +152,11 @@ def test_detach_keeps_the_months_as_tables(db_url: str, capsys: pytest.CaptureFi
     assert "202501" in _months(db_url) and _audit(db_url) == [("partitions detach", m) for m in DUE]
     with psycopg.connect(db_url) as conn:
         assert conn.execute("SELECT count(*) FROM composer_detached.task_instances_p202501").fetchone() == before
+        # Renamed, the copies keep their indexes' names, which the month's own would take.
+        for table in ("run_history", "task_instances", "workflow_events", "workflow_runs"):
+            conn.execute(f"ALTER TABLE composer_detached.{table}_p202501 RENAME TO old_{table}_p202501".encode())
+    assert main(base) == 1
+    assert "_p202501_pkey" in capsys.readouterr().err
 
 
 
