@@ -651,7 +651,10 @@ def _check_workflow_id(workflow_id: object) -> None:
     """Every deployed id matches ID_PATTERN (the validator sees to it), so anything else
     is refused here, before a query, with its text escaped onto one line."""
     if not isinstance(workflow_id, str) or not ID_PATTERN.fullmatch(workflow_id):
-        shown = json.dumps(workflow_id) if isinstance(workflow_id, str) else type(workflow_id).__name__
+        if not isinstance(workflow_id, str):
+            raise Invalid(f"a workflow id must be a string (1 to 128 of A-Z a-z 0-9 _ . -), got "
+                          f"{type(workflow_id).__name__}")
+        shown = json.dumps(workflow_id)
         shown = shown if len(shown) <= 60 else shown[:57] + "..."
         raise Invalid(f"workflow id {shown} is not a workflow id (1 to 128 of A-Z a-z 0-9 _ . -)")
 

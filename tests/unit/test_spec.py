@@ -342,3 +342,16 @@ def test_a_huge_id_is_not_echoed_whole() -> None:
     with pytest.raises(Invalid) as refused:
         parse_spec({"id": "x" * 5000, "nodes": [{"id": "a", "type": "TASK", "task": "t"}]})
     assert len(str(refused.value)) < 250 and str(refused.value).endswith("must match [A-Za-z0-9_.-]{1,128}")
+
+
+@pytest.mark.parametrize(("value", "message"), [
+    (None, "a workflow id must be a string (1 to 128 of A-Z a-z 0-9 _ . -), got NoneType"),
+    (7, "a workflow id must be a string (1 to 128 of A-Z a-z 0-9 _ . -), got int"),
+    ("no way", 'workflow id "no way" is not a workflow id'),
+])
+def test_a_bad_workflow_id_is_named_in_one_line(value: object, message: str) -> None:
+    from composer_ops.engine.engine import _check_workflow_id
+
+    with pytest.raises(Invalid) as refused:
+        _check_workflow_id(value)
+    assert str(refused.value).startswith(message)
