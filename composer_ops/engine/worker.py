@@ -30,17 +30,22 @@ import queue
 import socket
 import threading
 import time
-import traceback
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from composer_ops.db.retry import backoff_delay
-from composer_ops.engine.attempt import AttemptKey, Result, TaskContext, describe
-from composer_ops.engine.jsonvalues import check_json
+from composer_ops.engine import handlers
+from composer_ops.engine.attempt import AttemptKey, Result, TaskContext
+from composer_ops.engine.handlers import Handler
 from composer_ops.engine.listener import Listener
 from composer_ops.engine.report_claim import ReportClaim
-from composer_ops.engine.worker_options import check_prefetch, check_shutdown_timeout
-from composer_ops.errors import ComposerError, Invalid, NonRetryableError, ShutdownTimeout
+from composer_ops.engine.worker_options import (
+    check_concurrency,
+    check_prefetch,
+    check_seconds,
+    check_shutdown_timeout,
+)
+from composer_ops.errors import ComposerError, Invalid, ShutdownTimeout
 from composer_ops.repo import outbox
 from composer_ops.repo._base import Conn
 from composer_ops.repo.outbox import CHANNEL, wake_channel
@@ -53,7 +58,6 @@ __all__ = ["CLAIM_REASONS", "REPORT_WAIT_S", "SHORT_HANDLER_S", "Handler", "Resu
 
 log = logging.getLogger(__name__)
 
-Handler = Callable[[Any, "TaskContext"], Any]
 #: How long a woken worker's claim loop leaves its free slots to its reports under way,
 #: which claim for them in their transactions, before it claims for them itself.
 REPORT_WAIT_S = 0.05
@@ -66,11 +70,6 @@ SHORT_HANDLER_S = 0.5
 #: What started a worker's claim, the keys of :meth:`Worker.claim_counts`.
 CLAIM_REASONS = ("own", "shared", "room")
 
-def _named(fn: object) -> str:
-    """A handler as an error names it: its module and qualified name."""
-    return f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', repr(fn))}"
-
-
 class Worker:
     """``Worker(engine, queues=[...], concurrency=N)`` with ``@worker.handler("name")``."""
 
@@ -81,15 +80,11 @@ class Worker:
                  prefetch: int = 0) -> None:
         if not queues or isinstance(queues, str | bytes) or any(not isinstance(q, str) or not q for q in queues):
             raise Invalid(f"queues must be a non-empty list of queue names, got {queues!r}")
-        if isinstance(concurrency, bool) or not isinstance(concurrency, int) or concurrency < 1:
-            raise Invalid(f"concurrency must be an integer of at least 1, got {concurrency!r}")
-        if isinstance(poll_interval, bool) or not isinstance(poll_interval, int | float) or not poll_interval > 0:
-            raise Invalid(f"poll interval must be a number of seconds above 0, got {poll_interval!r}")
+        check_concurrency(concurrency)
+        check_seconds("poll interval", poll_interval)
         check_shutdown_timeout(shutdown_timeout)
         check_prefetch(prefetch)
-        if isinstance(registry_interval, bool) or not isinstance(registry_interval, int | float) \
-                or not 0 < registry_interval <= 3600:
-            raise Invalid(f"registry interval must be more than 0 and at most 3600 seconds, got {registry_interval!r}")
+        check_seconds("registry interval", registry_interval, most=3600)
         self.engine = engine
         self.queues = list(queues)
         self.concurrency = concurrency
@@ -155,15 +150,10 @@ class Worker:
         per name (a second is refused, not silently put in the first one's place)."""
         if not isinstance(name, str) or not name:
             raise Invalid("a handler needs a non-empty task name")
-        if name in self._handlers:
-            raise Invalid(f"task {name!r} has a handler already: {_named(self._handlers[name])}")
+        handlers.check_free(self._handlers, name)
 
         def register(fn: Handler) -> Handler:
-            if not callable(fn):
-                raise Invalid(f"the handler of task {name!r} must be a function (input, ctx), got {fn!r}")
-            if name in self._handlers:
-                raise Invalid(f"task {name!r} has a handler already: {_named(self._handlers[name])}")
-            self._handlers[name] = fn
+            handlers.register(self._handlers, name, fn)
             return fn
 
         return register
@@ -685,25 +675,7 @@ class Worker:
         return None
 
     def _call(self, claim: Claim, ctx: TaskContext) -> tuple[str, Any, bool]:
-        fn = self._handlers[claim.task_name]
-        try:
-            output = fn(claim.input, ctx)
-        except NonRetryableError as exc:
-            return "failed", describe(exc), False
-        except Exception as exc:
-            log.debug("handler %s raised: %s", claim.task_name, traceback.format_exc())
-            return "failed", describe(exc), True
-        except BaseException as exc:    # SystemExit, KeyboardInterrupt raised by the handler's own code
-            # A handler cannot stop its worker: in its slot's thread this would end the
-            # thread and leave the slot's next tasks held, their leases renewed, never run.
-            log.warning("handler %s raised %s; its attempt fails (a handler cannot stop its worker)",
-                        claim.task_name, type(exc).__name__)
-            return "failed", describe(exc), True
-        try:
-            check_json(output, f"output of handler {claim.task_name!r}")
-        except Invalid as exc:
-            return "failed", str(exc), False
-        return "completed", output, True
+        return handlers.call(self._handlers[claim.task_name], claim.task_name, claim.input, ctx)
 
     def _report(self, claim: Claim, status: str, value: Any, retryable: bool, *,
                 slots: queue.SimpleQueue[TaskContext | None] | None = None) -> TaskContext | None:

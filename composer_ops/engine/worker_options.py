@@ -27,3 +27,16 @@ def check_prefetch(value: object) -> None:
     """A whole number of tasks from 0 (claim for free slots only) to :data:`MAX_PREFETCH`."""
     if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_PREFETCH:
         raise Invalid(f"prefetch must be a whole number of tasks from 0 to {MAX_PREFETCH}, got {value!r}")
+
+
+def check_concurrency(value: object) -> None:
+    """A whole number of slots, at least 1."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise Invalid(f"concurrency must be an integer of at least 1, got {value!r}")
+
+
+def check_seconds(what: str, value: object, *, most: float = math.inf) -> None:
+    """A number of seconds above 0 (and at most ``most``), for ``what`` (e.g. "poll interval")."""
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value <= most:
+        bound = "" if math.isinf(most) else f" and at most {most:g}"
+        raise Invalid(f"{what} must be a number of seconds above 0{bound}, got {value!r}")
