@@ -137,7 +137,8 @@ def check_health(source: Source = None, thresholds: Thresholds | None = None) ->
     # queue's own check (queue paused long) and the queues' figures speak for them.
     held = active.held_queues(queue_rows)
     claimable = backlog.filter(~pl.col("queue").is_in(held))
-    held_ready = int(backlog.filter(pl.col("queue").is_in(held))["ready"].sum()) if backlog.height else 0
+    waiting = backlog.filter(pl.col("queue").is_in(held) & (pl.col("ready") > 0))
+    held_ready = int(waiting["ready"].sum())
     ready = max(claimable["oldest_ready_age_s"].drop_nulls().to_list(), default=0.0)
     stuck = claimable.filter(pl.col("oldest_ready_age_s") > t.outbox_ready_age_s)["queue"].to_list()
     checks.append(Check(
@@ -147,7 +148,8 @@ def check_health(source: Source = None, thresholds: Thresholds | None = None) ->
         detail=(f"no worker claims queue(s) {', '.join(stuck)}" if stuck
                 else f"{int(claimable['ready'].sum()) if claimable.height else 0} ready dispatch(es), "
                      "none waiting long")
-               + (f"; not counted: {held_ready} ready in queue(s) {', '.join(held)}, paused or at their limit"
+               + (f"; not counted: {held_ready} ready in queue(s) {', '.join(waiting['queue'].to_list())}, "
+                  "paused or at their limit"
                   if held_ready else ""),
         help="Seconds the oldest claimable dispatch has waited in the outbox (0: none); the rows of a paused "
              "queue or of one at its max_running are not counted."))
