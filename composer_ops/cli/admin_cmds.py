@@ -326,14 +326,18 @@ def cmd_runs_retry(args: argparse.Namespace) -> int:
                               limit=args.limit)
         if args.json:
             emit_json({"retried": [_retry_record(r) for r in bulk.retried],
-                       "refused": [{"run_id": r, "error": e} for r, e in bulk.refused]})
+                       "refused": [{"run_id": r, "error": e} for r, e in bulk.refused],
+                       "left_to_parent": [{"run_id": r, "why": w} for r, w in bulk.left_to_parent]})
             return EXIT_OK
         for result in bulk.retried:
             print(_retry_line(result))
         for run_id, why in bulk.refused:
             print(f"refused run {run_id}: {why}")
+        for run_id, why in bulk.left_to_parent:
+            print(f"left child run {run_id} to its parent: {why}")
         verb = "retried" if args.yes else "would retry"
         print(f"{verb} {len(bulk.retried)} run(s), {len(bulk.refused)} refused"
+              + (f", {len(bulk.left_to_parent)} child run(s) left to their parent" if bulk.left_to_parent else "")
               + ("" if args.yes else "; nothing was changed (add --yes to retry)"))
         return EXIT_OK
     run_id = validate_run_id(args.run_id, normalise=True)

@@ -287,11 +287,13 @@ class RetryRun:
     (none: from the nodes that failed) and every node downstream of them; tasks that
     were cancelled when the run ended run again too. Completed upstream outputs are kept.
     ``parent_status``: a child run's parent's status as the caller read it (None: no
-    parent, or it is gone)."""
+    parent, or it is gone); ``parent_child``: the child run its parent's node stands
+    for now (None: the node has no task; :func:`composer_ops.core.rerun.child_left_to_parent`)."""
 
     from_nodes: tuple[str, ...] = ()
     now: datetime
     parent_status: str | None = None
+    parent_child: str | None = None
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -14,7 +14,7 @@ from composer_ops.errors import Conflict, Invalid
 if TYPE_CHECKING:
     from composer_ops.core.machine import Decider
 
-__all__ = ["retry_run"]
+__all__ = ["child_left_to_parent", "retry_run"]
 
 
 def retry_run(d: Decider, event: model.RetryRun) -> Decision:
@@ -26,8 +26,8 @@ def retry_run(d: Decider, event: model.RetryRun) -> Decision:
     node downstream of those. Their tasks are removed; every other node keeps its
     task and output. Then the nodes that are ready are created as usual. A node that
     failed the run and would not run again is refused: the run would go on as if it
-    had not failed. A child run (SUB_WORKFLOW) whose parent is FAILED or CANCELLED is
-    refused: the parent is retried from the node, with a new child.
+    had not failed. A child run (SUB_WORKFLOW) is refused where its parent's retry
+    is the way to run its work again (:func:`child_left_to_parent`).
     """
     run, spec = d.run, d.spec
     if run.status not in TERMINAL_RUN_STATUSES:
@@ -35,15 +35,11 @@ def retry_run(d: Decider, event: model.RetryRun) -> Decision:
                        "(cancel it first)")
     if run.status is RunStatus.SUCCEEDED:
         raise Conflict(f"run {run.id} SUCCEEDED: only a FAILED or CANCELLED run can be retried")
-    if run.parent_run_id is not None and event.parent_status in (RunStatus.FAILED, RunStatus.CANCELLED):
-        # Its parent took its finish and ended: a child run again would finish unseen, and
-        # the parent's own retry would start another child and run the same work twice.
-        # (A parent that went on, its node optional, or that is gone, leaves the child's
-        # retry the only way to run its work again.)
-        raise Conflict(f"run {run.id} is the child of run {run.parent_run_id} (node "
-                       f"{json.dumps(run.parent_node_id)}), which is {event.parent_status}: retry the parent from "
-                       f"that node, which starts a new child (composer-ops runs retry {run.parent_run_id} --from "
-                       f"{run.parent_node_id})")
+    if run.parent_run_id is not None and run.parent_node_id is not None:
+        why = child_left_to_parent(run.id, run.parent_run_id, run.parent_node_id, event.parent_status,
+                                   event.parent_child)
+        if why is not None:
+            raise Conflict(why)
     unknown = [n for n in event.from_nodes if n not in spec.nodes]
     if unknown:
         raise Invalid(f"run {run.id}: workflow {json.dumps(run.workflow_id)} version {run.workflow_version} "
@@ -80,3 +76,28 @@ def _downstream(spec: WorkflowSpec, seeds: Collection[str]) -> set[str]:
         if any(dep in found for dep in spec.nodes[node_id].depends_on):
             found.add(node_id)
     return found
+
+
+def child_left_to_parent(run_id: str, parent_run_id: str, parent_node_id: str, parent_status: str | None,
+                         parent_child: str | None) -> str | None:
+    """Why a SUB_WORKFLOW child run may not be retried on its own, or None when it may.
+    ``parent_status`` is its parent's status (None: the parent is gone, and the child's
+    retry is the only way to run its work again); ``parent_child`` the child run the
+    parent's node stands for now (None: the node has no task).
+
+    Refused: a parent FAILED or CANCELLED took the child's finish and ended, so the
+    child run again would finish unseen, and the parent's own retry would start another
+    child and run the same work twice; a parent whose node stands for another child
+    (a retry of the parent started it) or for none (it is to start one) has the work
+    in hand. Left: a parent that went on without the child (its node optional), where
+    the child's retry finishes unseen but is the only way to run its work again."""
+    node = json.dumps(parent_node_id)
+    if parent_status in (RunStatus.FAILED, RunStatus.CANCELLED):
+        return (f"run {run_id} is the child of run {parent_run_id} (node {node}), which is {parent_status}: "
+                f"retry the parent from that node, which starts a new child (composer-ops runs retry "
+                f"{parent_run_id} --from {parent_node_id})")
+    if parent_status is not None and parent_child != run_id:
+        now = f"run {parent_child} now" if parent_child is not None else "no child yet (it starts a new one)"
+        return (f"run {run_id} is the child of run {parent_run_id} (node {node}), which is {parent_status} "
+                f"and whose node stands for {now}: a retry of this child would run the node's work twice")
+    return None

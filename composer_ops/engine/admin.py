@@ -23,8 +23,10 @@ from typing import Any
 import psycopg
 
 from composer_ops.core.actor import Actor
+from composer_ops.core.children import child_run_id
 from composer_ops.core.filters import RunFilter
 from composer_ops.core.model import ACTIVE_RUN_STATUSES, CancelRun, RetryRun, RunStatus
+from composer_ops.core.rerun import child_left_to_parent
 from composer_ops.core.selection import Selection, check_limit
 from composer_ops.db.errors import TranslatingPool
 from composer_ops.db.retry import db_retry
@@ -33,7 +35,7 @@ from composer_ops.engine.shell import Shell
 from composer_ops.errors import Conflict, Invalid, NotFound
 from composer_ops.repo import audit, definitions, retention, runs, workers
 from composer_ops.repo._base import repeatable_read
-from composer_ops.repo.rows import DefinitionRow, LeaseRow, RunListRow, WorkerRow
+from composer_ops.repo.rows import DefinitionRow, LeaseRow, ParentRow, RunListRow, WorkerRow
 
 __all__ = ["CANCEL_CHUNK", "RETRY_LIMIT", "BulkRetry", "CancelChunk", "CancelResult", "RetryResult",
            "WorkerReport", "cancel_runs", "find_runs", "retry_run", "retry_runs", "workers_report"]
@@ -298,7 +300,7 @@ def _retry(shell: Shell, run_id: str, nodes: tuple[str, ...], yes: bool, actor: 
                           f"{'does not exist' if found is None else 'was deleted'}; a retry runs the version the "
                           "run started on, so it cannot be retried")
         noted = Request(id=request, operator=audit.operator_note("runs retry", actor))
-        parent = runs.parent_status(conn, run_id)
+        parent = runs.parent_of(conn, run_id)
         outcome = shell.handle_in(conn, run_id, partial(_retry_event, nodes, parent), request=noted)
         finished = str(outcome.finished) if outcome.finished is not None else None
         if yes:
@@ -310,8 +312,16 @@ def _retry(shell: Shell, run_id: str, nodes: tuple[str, ...], yes: bool, actor: 
                            finished=finished)
 
 
-def _retry_event(nodes: tuple[str, ...], parent: str | None, now: datetime) -> RetryRun:
-    return RetryRun(from_nodes=nodes, now=now, parent_status=parent)
+def _retry_event(nodes: tuple[str, ...], parent: ParentRow | None, now: datetime) -> RetryRun:
+    if parent is None:
+        return RetryRun(from_nodes=nodes, now=now)
+    return RetryRun(from_nodes=nodes, now=now, parent_status=parent.status, parent_child=_node_child(parent))
+
+
+def _node_child(parent: ParentRow) -> str | None:
+    """The child run the parent's node stands for now."""
+    at = parent.node_created_at
+    return None if at is None else child_run_id(parent.run_id, parent.node_id, at)
 
 
 #: The most runs one bulk retry takes.
@@ -324,6 +334,10 @@ class BulkRetry:
 
     retried: list[RetryResult] = field(default_factory=list)
     refused: list[tuple[str, str]] = field(default_factory=list)   # (run ID, why), e.g. a deleted definition
+    #: (child run ID, why): SUB_WORKFLOW children whose work their parent's retry runs
+    #: again (:func:`~composer_ops.core.rerun.child_left_to_parent`); not counted
+    #: against the limit
+    left_to_parent: list[tuple[str, str]] = field(default_factory=list)
 
 
 def retry_runs(shell: Shell, chosen: Selection, from_nodes: Sequence[str] = (), *, yes: bool,
@@ -331,7 +345,11 @@ def retry_runs(shell: Shell, chosen: Selection, from_nodes: Sequence[str] = (), 
     """Retry every FAILED (or, when asked, CANCELLED) run ``chosen`` selects, oldest
     first, at most ``limit``: each run as :func:`retry_run` does, in a transaction of
     its own with its audit row. A run the machine refuses (a node it does not have, a
-    deleted definition, a run that changed meanwhile) is reported and the others go on."""
+    deleted definition, a run that changed meanwhile) is reported and the others go on.
+    A SUB_WORKFLOW child whose work its parent's retry runs (its parent FAILED or
+    CANCELLED, or its node now standing for another child) is not retried: it is listed
+    in ``left_to_parent``, not counted against ``limit``, and the selection goes on
+    past it."""
     if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= RETRY_LIMIT:
         raise Invalid(f"limit must be an integer from 1 to {RETRY_LIMIT}, got {limit!r}")
     if not chosen.workflow_id and chosen.since is None and chosen.until is None and chosen.contains is None:
@@ -340,14 +358,41 @@ def retry_runs(shell: Shell, chosen: Selection, from_nodes: Sequence[str] = (), 
     wanted = tuple(s for s in chosen.statuses if s in retryable) if chosen.statuses else (RunStatus.FAILED,)
     if chosen.statuses and len(wanted) != len(chosen.statuses):
         raise Invalid(f"--status {','.join(chosen.statuses)}: only FAILED and CANCELLED runs can be retried")
-    _, found = _selected(shell.pool, Selection(workflow_id=chosen.workflow_id, statuses=wanted, since=chosen.since,
-                                               until=chosen.until, contains=chosen.contains),
-                         limit=limit, oldest_first=True)
-    listed = [r.id for r in found]
+    resolved, found = _selected(shell.pool, Selection(workflow_id=chosen.workflow_id, statuses=wanted,
+                                                      since=chosen.since, until=chosen.until,
+                                                      contains=chosen.contains),
+                                limit=limit, oldest_first=True)
     out = BulkRetry()
-    for run_id in listed:
-        try:
-            out.retried.append(retry_run(shell, run_id, from_nodes, yes=yes, actor=actor))
-        except (Conflict, Invalid, NotFound) as exc:
-            out.refused.append((run_id, str(exc)))
+    while found:
+        for row in found:
+            if len(out.retried) + len(out.refused) == limit:
+                return out
+            why = _left_to_parent(shell.pool, row.id)
+            if why is not None:
+                out.left_to_parent.append((row.id, why))
+                continue
+            try:
+                out.retried.append(retry_run(shell, row.id, from_nodes, yes=yes, actor=actor))
+            except (Conflict, Invalid, NotFound) as exc:
+                out.refused.append((row.id, str(exc)))
+        if len(found) < limit:
+            break
+        found = _next_page(shell.pool, resolved, after=found[-1].id, limit=limit)
     return out
+
+
+@db_retry()
+def _left_to_parent(pool: TranslatingPool, run_id: str) -> str | None:
+    """Why the run is a child its parent's retry runs again, or None. A read: the retry
+    itself decides under the run's lock, by the same rule."""
+    with _snapshot(pool) as conn:
+        parent = runs.parent_of(conn, run_id)
+    if parent is None:
+        return None
+    return child_left_to_parent(run_id, parent.run_id, parent.node_id, parent.status, _node_child(parent))
+
+
+@db_retry()
+def _next_page(pool: TranslatingPool, resolved: RunFilter, *, after: str, limit: int) -> list[RunListRow]:
+    with _snapshot(pool) as conn:
+        return runs.find_runs(conn, resolved, limit=limit, after=after, oldest_first=True)

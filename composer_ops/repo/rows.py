@@ -335,6 +335,16 @@ class RunListRow:
 
 
 @dataclass(frozen=True, kw_only=True)
+class ParentRow:
+    """A child run's parent as a retry of the child reads it (:func:`composer_ops.repo.runs.parent_of`)."""
+
+    run_id: str
+    node_id: str
+    status: str | None                   # None: the parent is gone
+    node_created_at: datetime | None     # its node's task's creation: which child it stands for
+
+
+@dataclass(frozen=True, kw_only=True)
 class QueueSetting:
     """A queue's row in ``queue_settings`` (sql/V003)."""
 

@@ -14,7 +14,7 @@ from composer_ops.core.model import ItemCounts, NodeState, TaskState
 from composer_ops.errors import ComposerError, Conflict, Invalid, NotFound, StartRefused, Transient
 from composer_ops.repo import history, partitions, writes
 from composer_ops.repo._base import Conn, fetch_all, fetch_one, jsonb
-from composer_ops.repo.rows import ChildRun, RunListRow, RunRow, RunView, TaskView
+from composer_ops.repo.rows import ChildRun, ParentRow, RunListRow, RunRow, RunView, TaskView
 
 
 def lock_and_load(conn: Conn, run_id: str, *, begin: bool = False) -> tuple[RunRow, dict[str, NodeState]]:
@@ -178,16 +178,23 @@ def workflow_of(conn: Conn, run_id: str) -> tuple[str, int] | None:
     return None if row is None else (str(row[0]), int(row[1]))
 
 
-def parent_status(conn: Conn, run_id: str) -> str | None:
-    """The status of the run's parent (a SUB_WORKFLOW child's), None when it has none or
-    the parent was deleted (or its month dropped)."""
-    # Two reads, each by its run ID (on Citus a join of two runs is not on one shard).
-    child = conn.execute("SELECT parent_run_id FROM workflow_runs WHERE id = %s", (run_id,)).fetchone()
+def parent_of(conn: Conn, run_id: str) -> ParentRow | None:
+    """A SUB_WORKFLOW child run's parent as it stands: its ID and node, its status and
+    when its node's task was created (each None when the parent is gone: deleted or its
+    month dropped; the instant None when the node has no task); None when the run has
+    no parent."""
+    # Reads each by one run ID (on Citus a join of two runs is not on one shard).
+    child = conn.execute("SELECT parent_run_id, parent_node_id FROM workflow_runs WHERE id = %s",
+                         (run_id,)).fetchone()
     if child is None or child[0] is None:
         return None
-    row = conn.execute("SELECT status FROM workflow_runs WHERE id = %s AND deleted_at IS NULL",
-                       (child[0],)).fetchone()
-    return None if row is None else str(row[0])
+    parent, node = str(child[0]), str(child[1])
+    row = conn.execute("SELECT status FROM workflow_runs WHERE id = %s AND deleted_at IS NULL", (parent,)).fetchone()
+    if row is None:
+        return ParentRow(run_id=parent, node_id=node, status=None, node_created_at=None)
+    task = conn.execute("SELECT created_at FROM task_instances WHERE run_id = %s AND node_id = %s "
+                        "AND item_index IS NULL", (parent, node)).fetchone()
+    return ParentRow(run_id=parent, node_id=node, status=str(row[0]), node_created_at=None if task is None else task[0])
 
 
 def get_run(conn: Conn, run_id: str) -> RunView:

@@ -258,6 +258,7 @@ _REPLAY_SCHEMA: Schema = {"run_id": pl.String, "action": pl.String, "reset": pl.
 def _replay_frame(bulk: Any) -> pl.DataFrame:
     rows: list[tuple[Any, ...]] = [(r.run_id, "retry", list(r.reset), list(r.created), None) for r in bulk.retried]
     rows += [(run_id, "refused", None, None, why) for run_id, why in bulk.refused]
+    rows += [(run_id, "left to parent", None, None, why) for run_id, why in bulk.left_to_parent]
     return pl.DataFrame(rows, orient="row", schema=_REPLAY_SCHEMA)
 
 
@@ -271,7 +272,8 @@ def replay_act(act: Act, database_url: str | None, *, workflow: str | None, sinc
     with engine(database_url, act.runbook) as e:
         bulk = act.run("runs retry", lambda: retry_runs(e.shell, chosen, nodes, yes=True, limit=limit,
                                                         actor=actor(act.runbook)),
-                       lambda b: f"retried {len(b.retried)} run(s), {len(b.refused)} refused")
+                       lambda b: f"retried {len(b.retried)} run(s), {len(b.refused)} refused, "
+                                 f"{len(b.left_to_parent)} left to their parent")
     return None if bulk is None else _replay_frame(bulk)
 
 

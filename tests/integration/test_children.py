@@ -103,6 +103,66 @@ def test_a_failed_child_is_retried_through_its_parent_only(engine: Engine, db_ur
     assert engine.get_run(parent).status == "SUCCEEDED" and engine.get_run(child).status == "FAILED"
 
 
+def test_a_bulk_retry_leaves_children_to_their_parents_and_does_not_count_them(
+        engine: Engine, db_url: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """A bulk retry selects the failed children with their parents. Each child is left to
+    its parent's retry, with why, and not counted against --limit: the selection goes on
+    to the next parent. The first version retried a child once its parent's retry,
+    earlier in the same command, had made the parent RUNNING: the work twice."""
+    from composer_ops.cli import main
+
+    engine.deploy(REFUND)
+    engine.deploy(parent_spec())
+    pairs = []
+    for amount in (1, 2):
+        parent = engine.start("order", input={"amount": amount})
+        (task,) = claim(engine)
+        engine.fail(task, "bank says no", retryable=False)
+        pairs.append((parent, task.run_id))
+    (p1, c1), (p2, c2) = pairs
+    assert max(p1, c1) < min(p2, c2)     # the first page of two holds a child (a child's ID shares its parent's ms)
+    args = ["runs", "retry", "--since", "1h", "--limit", "2", "--json", "--database-url", db_url]
+    assert main(args) == 0
+    dry = json.loads(capsys.readouterr().out)
+    assert [r["run_id"] for r in dry["retried"]] == [p1, p2] and dry["refused"] == []
+    left = [c1] + ([c2] if c2 < p2 else [])          # the selection stops at the limit
+    assert [r["run_id"] for r in dry["left_to_parent"]] == left, dry
+    assert "which is FAILED: retry the parent from that node" in dry["left_to_parent"][0]["why"]
+    assert {engine.get_run(r).status for r in (p1, c1, p2, c2)} == {"FAILED"}     # a dry run
+    assert main(args[:-3] + ["--yes", "--database-url", db_url]) == 0
+    out = capsys.readouterr().out
+    assert f"left child run {c1} to its parent: run {c1} is the child of run {p1}" in out
+    assert out.rstrip().endswith(f"retried 2 run(s), 0 refused, {len(left)} child run(s) left to their parent"), out
+    assert [engine.get_run(r).status for r in (p1, c1, p2, c2)] == ["RUNNING", "FAILED", "RUNNING", "FAILED"]
+    children = {t.run_id for t in claim(engine)}
+    assert len(children) == 2 and not children & {c1, c2}     # the parents' new children, the old ones not run
+
+
+def test_a_child_its_parents_retry_replaced_is_not_retried(engine: Engine) -> None:
+    """Once the parent's retry started a new child for the node, the old child's work is
+    in hand: its own retry would run it twice, while the parent runs and after."""
+    from composer_ops.errors import Conflict
+
+    engine.deploy(REFUND)
+    engine.deploy(parent_spec())
+    parent = engine.start("order", input={"amount": 7})
+    (task,) = claim(engine)
+    engine.fail(task, "bank says no", retryable=False)
+    old = task.run_id
+    engine.retry(parent, "refund")
+    (again,) = claim(engine)
+    with pytest.raises(Conflict, match=f"run {old} is the child of run {parent} .node \"refund\"., which is RUNNING "
+                                       f"and whose node stands for run {again.run_id} now"):
+        engine.retry(old)
+    engine.complete(again, {"refunded": 7})
+    (after,) = claim(engine)
+    engine.complete(after, "done")
+    assert engine.get_run(parent).status == "SUCCEEDED"
+    with pytest.raises(Conflict, match="which is SUCCEEDED and whose node stands for run"):
+        engine.retry(old)
+    assert engine.get_run(old).status == "FAILED"
+
+
 def test_a_failed_child_of_an_optional_node_is_retried_on_its_own(engine: Engine) -> None:
     """Its parent went on (the node is optional) and cannot be retried: the child's own
     retry is the way to run its work again, and its finish reaches the parent as stale."""

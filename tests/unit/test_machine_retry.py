@@ -202,3 +202,21 @@ def test_retried_runs_always_finish_under_the_invariants(width: int, fail_at: in
     event: Any = RetryRun(now=sim.now)
     with pytest.raises(Conflict):
         sim.send(event)
+
+
+@pytest.mark.parametrize(("status", "child", "refused"), [
+    (None, None, None),                                   # the parent is gone: the child's retry is the only way
+    ("SUCCEEDED", "c", None),                             # it went on without the child (an optional node)
+    ("RUNNING", "c", None),
+    ("FAILED", "c", "which is FAILED: retry the parent from that node"),
+    ("CANCELLED", "c", "which is CANCELLED: retry the parent"),
+    ("RUNNING", "c2", "whose node stands for run c2 now"),   # the parent's retry started another child
+    ("SUCCEEDED", "c2", "whose node stands for run c2 now"),
+    ("RUNNING", None, "whose node stands for no child yet"),
+])
+def test_a_child_is_left_to_its_parent_where_the_parents_retry_runs_its_work(
+        status: str | None, child: str | None, refused: str | None) -> None:
+    from composer_ops.core.rerun import child_left_to_parent
+
+    why = child_left_to_parent("c", "p", "refund", status, child)
+    assert (why is None) == (refused is None) and (refused is None or refused in str(why)), why
