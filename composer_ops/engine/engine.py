@@ -551,6 +551,14 @@ class Engine:
         with self.pool.connection() as conn, conn.transaction():
             return tasks.heartbeat(conn, _task_ref(claim), claim.lease_owner, claim.lease_s)
 
+    def end_lease(self, claim: Claim) -> bool:
+        """End the claim's live lease now (by the database clock), so the lease sweeper
+        re-queues the attempt at its next pass, as for any lapsed lease: for an attempt
+        its worker gives up without starting it. False when the lease was lost already.
+        Idempotent: a retry finds the lease ended, and changes nothing."""
+        with self.pool.connection() as conn, conn.transaction():
+            return tasks.heartbeat(conn, _task_ref(claim), claim.lease_owner, 0) is not None
+
     def lease_lost(self, claim: Claim, reason: str) -> None:
         """Record in the run's history that ``claim``'s worker found its lease lost (or
         gave the attempt up, ``reason`` says which) and dropped its result."""

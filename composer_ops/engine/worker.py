@@ -520,13 +520,28 @@ class Worker:
             for ctx in abandoned:
                 ctx._abandoned = True
         for ctx in abandoned:
-            doing = "still running" if ctx._started is not None else "not started (held for a slot)"
-            log.warning("abandoning task %s attempt %d of run %s at shutdown: its handler is %s; "
-                        "the lease is no longer extended", ctx.task_id, ctx.attempt, ctx.run_id, doing,
+            # A handler still running keeps its lease to the end (it may yet finish, and the
+            # task must not run twice at once); a held task, never started, gives its up now.
+            if ctx._started is not None:
+                doing, lease = "still running", "the lease is no longer extended"
+            else:
+                doing, lease = "not started (held for a slot)", self._give_up_lease(ctx._claim)
+            log.warning("abandoning task %s attempt %d of run %s at shutdown: its handler is %s; %s",
+                        ctx.task_id, ctx.attempt, ctx.run_id, doing, lease,
                         extra={"action": "abandon", "run_id": ctx.run_id})
             self._note_loss(ctx._claim, f"abandoned at shutdown: the handler was {doing} after "
-                                        f"{self.shutdown_timeout:g}s; the lease is no longer extended")
+                                        f"{self.shutdown_timeout:g}s; {lease}")
         return abandoned
+
+    def _give_up_lease(self, claim: Claim) -> str:
+        """End a held task's lease, so the sweeper re-queues it at its next pass rather
+        than once the lease lapses; what became of the lease, for the log and history."""
+        try:
+            ended = self.engine.end_lease(claim)
+        except Exception as exc:     # the database may be what failed: the lease lapses in its time
+            log.warning("could not end the lease of task %s in run %s: %s", claim.task_id, claim.run_id, exc)
+            return "the lease is no longer extended"
+        return "its lease was ended, for the lease sweeper to re-queue it" if ended else "its lease was lost already"
 
     def _note_loss(self, claim: Claim, reason: str) -> None:
         """Record in the run's history that this worker gave up the attempt (best effort:
