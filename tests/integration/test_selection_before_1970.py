@@ -52,6 +52,6 @@ def test_runs_retry_shares_the_clamped_selection(db_url: str, engine: Engine,
     engine.cancel(run_id, reason="for the test")
     base = ["runs", "retry", "--database-url", db_url, "--status", "CANCELLED", "--json"]
     assert main([*base, "--until", "1969-12-31"]) == 0
-    assert json.loads(capsys.readouterr().out) == {"retried": [], "refused": []}
+    assert json.loads(capsys.readouterr().out) == {"retried": [], "refused": [], "left_to_parent": []}
     assert main([*base, "--since", "100y"]) == 0
     assert [r["run_id"] for r in json.loads(capsys.readouterr().out)["retried"]] == [run_id]
