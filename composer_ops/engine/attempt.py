@@ -8,6 +8,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from composer_ops.engine.jsonvalues import storable_text
 from composer_ops.repo.rows import Claim
 
 if TYPE_CHECKING:
@@ -75,6 +76,12 @@ class Result:
 
 def describe(exc: BaseException) -> str:
     """An exception as an attempt's error (a handler's, a webhook POST's): its type, and
-    its message if any."""
-    text = str(exc).strip()
-    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+    its message if any, as the database can store it (:func:`storable_text`). Never
+    raises: an exception whose ``str()`` raises is described by its type and that."""
+    name = type(exc).__name__
+    try:
+        text = str(exc).strip()
+    except Exception as inner:     # a broken __str__: the attempt's failure is still recorded
+        text = f"(its message could not be read: str() raised {type(inner).__name__})"
+    text = storable_text(text)
+    return f"{name}: {text}" if text else name

@@ -24,7 +24,8 @@ def check_json(value: Any, what: str) -> Any:
     """Return ``value`` if it is a storable JSON document, else raise Invalid."""
     _walk(value, what, "$", 0, [0])
     try:
-        size = len(json.dumps(value, allow_nan=False, separators=(",", ":")).encode())
+        # Counted as stored: UTF-8, not with every non-ASCII character as a 6-byte escape.
+        size = len(json.dumps(value, allow_nan=False, separators=(",", ":"), ensure_ascii=False).encode())
     except (TypeError, ValueError) as exc:
         raise Invalid(f"{what} is not JSON: {exc}") from None
     if size > MAX_BYTES:
@@ -57,6 +58,8 @@ def _walk(value: Any, what: str, path: str, depth: int, size: list[int]) -> None
         return
     if isinstance(value, str):
         size[0] += len(value)
+        if size[0] > MAX_BYTES:      # named here, not at the value after it
+            raise Invalid(f"{what} is more than {MAX_BYTES} bytes of JSON (at {path}); the limit is {MAX_BYTES}")
         _check_text(value, what, path)
         return
     if isinstance(value, list | tuple):
@@ -98,6 +101,19 @@ def _check_text(text: str, what: str, path: str) -> None:
         text.encode("utf-8")
     except UnicodeEncodeError:
         raise Invalid(f"{what} has text that is not valid UTF-8 (a lone surrogate) at {path}") from None
+
+
+def storable_text(text: str) -> str:
+    """``text`` as PostgreSQL can store it in JSON: a NUL written as ``\\x00`` and a
+    lone surrogate as its ``\\udXXX`` escape, the rest as it is. For texts the engine
+    records whatever they hold (a handler's error), where :func:`check_json` refuses."""
+    if "\x00" in text:
+        text = text.replace("\x00", "\\x00")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        text = text.encode("utf-8", "backslashreplace").decode("utf-8")
+    return text
 
 
 def parse_json_text(text: str | bytes, what: str) -> Any:

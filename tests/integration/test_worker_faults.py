@@ -12,7 +12,7 @@ import pytest
 
 from composer_ops import Engine, TaskContext, Worker
 from composer_ops.engine.worker import Result
-from composer_ops.errors import Transient
+from composer_ops.errors import NonRetryableError, Transient
 from composer_ops.testing.processes import wait_for
 
 
@@ -149,6 +149,48 @@ def test_a_handler_raising_systemexit_fails_its_attempt_and_the_slot_goes_on(eng
     failed = engine.get_run(exiting).tasks[0]
     assert type(raised).__name__ in str(failed.error), failed.error
     assert [r.status for r in results] == ["failed", "completed"]
+
+
+class _Unprintable(Exception):
+    def __str__(self) -> str:
+        raise RuntimeError("str of the exception exploded")
+
+
+@pytest.mark.parametrize(("raised", "shown"), [
+    (NonRetryableError("bank\x00says no"), "NonRetryableError: bank\\x00says no"),
+    (NonRetryableError("bad \udc80 byte"), "NonRetryableError: bad \\udc80 byte"),
+    (_Unprintable(), "_Unprintable: (its message could not be read: str() raised RuntimeError)"),
+], ids=["NUL", "lone-surrogate", "str-raises"])
+def test_a_handler_error_the_database_cannot_store_as_it_is_still_fails_the_attempt(
+        engine: Engine, raised: BaseException, shown: str) -> None:
+    """Its report was refused (jsonb takes no NUL, UTF-8 no lone surrogate) or never
+    made (str() raised while describing it): the task stayed RUNNING, ran again at each
+    lease expiry, and failed as 'lease expired 4 times', NonRetryableError or not. Now
+    the text is stored escaped, and the attempt fails once, as any other."""
+    engine.deploy({"id": "odd", "nodes": [{"id": "job", "type": "TASK", "task": "job", "lease_s": 2,
+                                           "retry": {"max_attempts": 3, "initial_backoff_s": 0}}]})
+    results: list[Result] = []
+    worker = Worker(engine, concurrency=1, poll_interval=0.1, on_result=results.append)
+    calls: list[int] = []
+
+    @worker.handler("job")
+    def job(input: Any, ctx: TaskContext) -> None:
+        calls.append(ctx.attempt)
+        raise raised
+
+    run_id = engine.start("odd")
+    thread = threading.Thread(target=worker.run, daemon=True)
+    thread.start()
+    try:
+        wait_for(lambda: engine.get_run(run_id).status == "FAILED", timeout=60, what="the run failed")
+    finally:
+        worker.stop()
+        thread.join(60)
+    run = engine.get_run(run_id)
+    expected_calls = [0] if isinstance(raised, NonRetryableError) else [0, 1, 2]
+    assert calls == expected_calls and [r.status for r in results] == ["failed"] * len(calls), (calls, results)
+    assert run.tasks[0].error == {"error": shown}, run.tasks[0].error
+    assert "lease expired" not in str(run.error), run.error
 
 
 def test_worker_misuse_is_refused_in_one_line(engine: Engine) -> None:
