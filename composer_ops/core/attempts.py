@@ -2,7 +2,9 @@
 
 A task row keeps only its current attempt, so earlier attempts exist only in the run's
 history: a ``claimed`` row opens an attempt and ``completed``, ``failed``,
-``lease_expired`` or ``cancelled`` ends it (``lease_lost`` is a note, not an end). An
+``lease_expired`` or ``cancelled`` ends it (a run's cancel, every attempt still running;
+the tasks a failure cancelled, those of the nodes its row names; ``lease_lost`` is a
+note, not an end). An
 operator's retry (``retried``) numbers attempts from 0 again, so each attempt carries
 the retry generation it began in. :class:`HistoryRow` is declared here, in the pure
 core, so the rule is typed on the row ``repo.history`` returns.
@@ -74,8 +76,11 @@ def attempts(history: Iterable[HistoryRow]) -> list[Attempt]:
             generation += 1
             continue
         if row.kind == "cancelled":
+            # A run's cancel ends every attempt still running; tasks cancelled as a run
+            # or a MAP node failed, those of the nodes the row names.
+            nodes = detail.get("nodes")
             for key, a in found.items():
-                if a.outcome == "running":
+                if a.outcome == "running" and (nodes is None or a.node_id in nodes):
                     found[key] = replace(a, outcome="cancelled", ended_at=row.at)
             continue
         if row.task_id is None or row.attempt is None or row.kind not in (*_ENDS, "claimed", "lease_lost"):

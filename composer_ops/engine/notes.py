@@ -43,6 +43,9 @@ class EventNotes:
         self.key = request.id[len(KEY_PREFIX):] if request.id.startswith(KEY_PREFIX) else None
         self.failure_kind = "lease_expired" if isinstance(event, LeaseExpired) else "failed"
         self.cancelled_tasks = 0
+        #: why the decision cancelled tasks (the first reason given), and their nodes
+        self.cancel_reason: str | None = None
+        self.cancelled_nodes: set[str] = set()
         self.operator: dict[str, Any] = {"operator": request.operator} if request.operator else {}
         self.reset: tuple[str, ...] = ()       # the nodes a retry removed, to run again
         self.rows: list[HistoryEntry] = []
@@ -55,6 +58,12 @@ class EventNotes:
             detail["retryable"] = self.event.retryable
         return HistoryEntry(kind=kind, node_id=ref.node_id, task_id=ref.task_id, attempt=ref.attempt,
                             worker=ref.lease_owner, detail={**detail, **self.outcome} or None)
+
+    def cancel(self, count: int, reason: str, nodes: list[str]) -> None:
+        """``count`` active tasks (or MAP items) of ``nodes`` cancelled by the decision."""
+        self.cancelled_tasks += count
+        self.cancel_reason = self.cancel_reason or reason
+        self.cancelled_nodes.update(nodes)
 
     def _signal(self, **detail: Any) -> dict[str, Any]:
         assert isinstance(self.event, SignalReceived)
@@ -94,6 +103,11 @@ class EventNotes:
         if isinstance(self.event, CancelRun):
             self.rows.append(HistoryEntry(kind="cancelled", detail={
                 "reason": self.event.reason, "tasks": self.cancelled_tasks, **self.operator, **self.outcome}))
+        elif self.cancelled_tasks and self.cancel_reason is not None:
+            # Tasks (or MAP items) the event cancelled as it failed the run, or as a MAP
+            # node failed: their nodes' attempts end here (core/attempts.py).
+            self.rows.append(HistoryEntry(kind="cancelled", detail={
+                "reason": self.cancel_reason, "tasks": self.cancelled_tasks, "nodes": sorted(self.cancelled_nodes)}))
         elif isinstance(self.event, SignalReceived) and not self.recorded:
             self.rows.append(HistoryEntry(kind="signal", detail=self._signal()))   # refused
         elif isinstance(self.event, ChildFinished):

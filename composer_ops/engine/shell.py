@@ -387,7 +387,8 @@ class Shell:
             elif isinstance(action, CancelTasks):
                 outbox.delete_for_tasks(conn, run.id, action.task_ids)     # outbox rows first: the lock order
                 tasks.cancel_tasks(conn, run.id, action.task_ids, action.reason, now=now)
-                notes.cancelled_tasks += len(action.task_ids)
+                notes.cancel(len(action.task_ids), action.reason,
+                             [n for n, slot in run.nodes.items() if slot.task_id in action.task_ids])
             elif isinstance(action, FinishRun):
                 finish = self._finish(conn, run, action)
                 finished = action.status
@@ -399,7 +400,9 @@ class Shell:
                 _fenced(tasks.reset_tasks(conn, run.id, removed) == len(removed) or None, action)
                 notes.reset = action.node_ids
             elif isinstance(action, CreateItems | DispatchItems | CountItems | CancelItems):
-                self._map_action(conn, run, action, dispatches, now)
+                cancelled = self._map_action(conn, run, action, dispatches, now)
+                if cancelled and isinstance(action, CancelItems):
+                    notes.cancel(cancelled, action.reason, [action.node_id])
             elif isinstance(action, FinishChild | FinishMap):
                 resolved.append(writes.Resolve(task_id=action.parent, state=str(action.state), output=action.output,
                                                reason=action.reason, action=type(action).__name__))
@@ -506,8 +509,9 @@ class Shell:
 
     def _map_action(self, conn: Conn, run: RunSnapshot,
                     a: CreateItems | DispatchItems | CountItems | CancelItems,
-                    dispatches: list[Dispatch], now: datetime) -> None:
-        """Apply one action on a MAP node's items or counters (core/mapnode.py)."""
+                    dispatches: list[Dispatch], now: datetime) -> int:
+        """Apply one action on a MAP node's items or counters (core/mapnode.py); how many
+        active items it cancelled."""
         node = run.spec.nodes[a.node_id]
         queue, name, lease = node.queue or "default", node.task or a.node_id, _lease(node.lease_s)
         if isinstance(a, CreateItems):
@@ -530,6 +534,8 @@ class Shell:
             active = items.active_items(conn, run.id, [a.node_id])
             outbox.delete_for_tasks(conn, run.id, active)     # outbox rows first: the lock order
             tasks.cancel_tasks(conn, run.id, active, a.reason, now=now)
+            return len(active)
+        return 0
 
     def _finish(self, conn: Conn, run: RunSnapshot, a: FinishRun) -> writes.Finish:
         """The run's finish as the one statement writes it, with its webhook delivery

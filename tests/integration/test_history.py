@@ -124,6 +124,38 @@ def test_signals_timers_and_cancels_are_in_the_history(engine: Engine) -> None:
     assert history[4].detail == {"reason": "enough", "tasks": 1, "finished": "CANCELLED"}
 
 
+def test_tasks_a_failure_cancels_are_in_the_history_and_their_attempts_end(
+        engine: Engine, db_url: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """A node failing the run cancels the tasks still running (and a failing MAP item
+    its node's other items): their history row says so, and ``runs show`` ends their
+    attempts as cancelled. Before, nothing was written and the attempts read 'running'
+    for good."""
+    from composer_ops.core.attempts import attempts
+
+    engine.deploy({"id": "pair", "nodes": [{"id": "fast", "type": "TASK", "task": "fast"},
+                                           {"id": "slow", "type": "TASK", "task": "slow"}]})
+    engine.deploy({"id": "fan", "nodes": [{"id": "m", "type": "MAP", "task": "item", "items": "$.input.xs"}]})
+    run_id = engine.start("pair")
+    claimed = {c.node_id: c for c in engine.claim(["default"], "w1", 10)}
+    engine.fail(claimed["fast"], "no", retryable=False)
+    fan = engine.start("fan", input={"xs": [1, 2, 3]})
+    items = engine.claim(["default"], "w1", 10)
+    assert len(items) == 3
+    engine.fail(items[0], "bad item", retryable=False)
+    for rid, node, count in ((run_id, "slow", 1), (fan, "m", 2)):
+        run = engine.get_run(rid)
+        assert run.status == "FAILED", run
+        (row,) = [h for h in run.history if h.kind == "cancelled"]
+        assert row.detail["tasks"] == count and row.detail["nodes"] == [node], row.detail
+        assert "failed" in row.detail["reason"], row.detail
+        ended = {(a.node_id, a.outcome) for a in attempts(run.history)}
+        assert "running" not in {o for _, o in ended}, ended
+        assert (node, "cancelled") in ended, ended
+    assert main(["runs", "show", run_id, "--database-url", db_url]) == 0
+    out = capsys.readouterr().out
+    assert " running" not in out and "cancelled" in out, out
+
+
 def test_the_cli_signal_key_resolves_at_most_one_node(engine: Engine, db_url: str) -> None:
     engine.deploy({"id": "twice", "nodes": [{"id": "w1", "type": "WAIT_FOR_SIGNAL", "signal": "go"},
                                             {"id": "w2", "type": "WAIT_FOR_SIGNAL", "signal": "go"}]})

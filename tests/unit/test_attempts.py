@@ -66,3 +66,14 @@ def test_attempts_after_a_retry_carry_the_retry_generation() -> None:
                       row(7, "claimed", "t3", 0)])
     assert [(a.task_id, a.attempt, a.retry, a.label) for a in found] == [
         ("t1", 0, 0, "0"), ("t2", 0, 1, "0 (retry 1)"), ("t3", 0, 2, "0 (retry 2)")]
+
+
+def test_tasks_cancelled_as_a_node_failed_end_only_their_nodes_attempts() -> None:
+    rows = [
+        row(1, "claimed", "slow", "t1", 0, "w1"),
+        row(2, "claimed", "map", "i1", 0, "w1"),
+        row(3, "claimed", "other", "t3", 0, "w2"),
+        row(4, "cancelled", detail={"reason": "node map failed", "tasks": 2, "nodes": ["map", "slow"]}),
+    ]
+    assert [(a.task_id, a.outcome, a.ended_at) for a in attempts(rows)] == [
+        ("t1", "cancelled", at(4)), ("i1", "cancelled", at(4)), ("t3", "running", None)]
