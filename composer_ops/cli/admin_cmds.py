@@ -105,9 +105,11 @@ def add_selection_options(parser: argparse.ArgumentParser) -> None:
                         help="runs in this status (PENDING, RUNNING, SUCCEEDED, FAILED, CANCELLED); repeat or "
                              "separate with commas for several")
     parser.add_argument("--since", metavar="WHEN",
-                        help="runs created at or after WHEN: an ISO date (midnight UTC), an ISO instant, or an age "
+                        help="runs whose ID's instant (their creation; a schedule's run of a past slot: the "
+                             "slot) is at or after WHEN: an ISO date (midnight UTC), an ISO instant, or an age "
                              "counted back from the database clock (10min, 36h, 7d, 2w, 3 months)")
-    parser.add_argument("--until", metavar="WHEN", help="runs created before WHEN (same forms as --since)")
+    parser.add_argument("--until", metavar="WHEN",
+                        help="runs whose ID's instant is before WHEN (same forms as --since)")
     parser.add_argument("--where", metavar="EXPR",
                         help="conditions on the run's input, joined by 'and': input.customer=42, "
                              "input.tier=gold, input.order=\"A-17\" (values are JSON; a bare word is a string); "
@@ -146,12 +148,15 @@ def register_runs(rsub: argparse._SubParsersAction) -> None:  # type: ignore[typ
                     "that were cancelled when the run ended; completed upstream outputs are kept. The state "
                     "machine decides it under the run's lock and the run goes back to RUNNING; an audit row "
                     "records it. Without --yes the same decision is made and rolled back, and the nodes that "
-                    "would run again are listed. Refused: an active or SUCCEEDED run, an unknown node, a "
-                    "deleted definition version, a SUB_WORKFLOW child whose parent is FAILED or CANCELLED "
-                    "(retry the parent from the node: the error names the command). Instead of RUN, a "
+                    "would run again are listed. Refused (exit 1): an active or SUCCEEDED run, a SUB_WORKFLOW "
+                    "child whose parent's retry runs its work again (its parent FAILED or CANCELLED: retry the "
+                    "parent from the node, as the error says; or its node now standing for another child). "
+                    "Bad input (exit 2): an unknown node, a failed node the given nodes would not rerun, a "
+                    "run whose definition version is deleted or missing. Instead of RUN, a "
                     "selection (as for `runs list`, FAILED runs unless --status says CANCELLED) retries up "
-                    "to --limit runs, oldest first, each in its own "
-                    "transaction. Exit 0 done, 1 refused or failed, 2 bad input.")
+                    "to --limit runs, oldest first, each in its own transaction; a run refused or bad is "
+                    "reported and the others go on (exit 0), and children left to their parent are listed "
+                    "and not counted. Exit 0 done, 1 refused or failed, 2 bad input.")
     rty.add_argument("run_id", metavar="RUN", nargs="?", help="the run to retry (or give a selection)")
     rty.add_argument("--from", dest="from_nodes", metavar="NODE", action="append", default=[],
                      help="run again from this node (repeat for several; default: the nodes that failed)")

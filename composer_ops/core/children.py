@@ -102,7 +102,9 @@ def child_finished(d: Decider, event: model.ChildFinished) -> model.Decision:
         d.set_state(node.id, TaskState.COMPLETED, output=event.output)
     else:
         why = f": {event.error}" if event.error else ""
-        reason = f"child run {event.child_run_id} {event.status}{why}"
+        # A child that could not start has no run to name: its ID would lead nowhere.
+        reason = f"child run {event.child_run_id} {event.status}{why}" if event.started else \
+            f"its child {event.error or 'did not start'}"
         d.actions.append(model.FinishChild(node_id=node.id, parent=slot.task_id, state=TaskState.FAILED,
                                            reason=reason))
         d.set_state(node.id, TaskState.FAILED)

@@ -309,13 +309,16 @@ class StartTimedOut:
 @dataclass(frozen=True, kw_only=True)
 class ChildFinished:
     """The child run a SUB_WORKFLOW node started finished (``status``, with its
-    ``output`` or ``error``); delivered to the parent under the parent's run lock."""
+    ``output`` or ``error``); delivered to the parent under the parent's run lock.
+    ``started`` False: the child could not be started (``error`` says why), so no run
+    has its ID."""
 
     node_id: str
     child_run_id: str
     status: RunStatus
     output: Any = None
     error: str | None = None
+    started: bool = True
     now: datetime
 
 

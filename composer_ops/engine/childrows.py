@@ -84,10 +84,11 @@ def cancel_child(conn: Conn, shell: Shell, *, parent: str, child: str, reason: s
 
 
 def tell_parent(conn: Conn, shell: Shell, *, child: str, parent: str, node_id: str, status: RunStatus,
-                output: Any, error: str | None, request: Request) -> None:
-    """Deliver a child's finish to its parent run, under the parent's lock."""
+                output: Any, error: str | None, request: Request, started: bool = True) -> None:
+    """Deliver a child's finish to its parent run, under the parent's lock (``started``
+    False: the child could not start, ``error`` says why)."""
     shell.handle_in(conn, parent, lambda now: ChildFinished(
-        node_id=node_id, child_run_id=child, status=status, output=output, error=error, now=now),
+        node_id=node_id, child_run_id=child, status=status, output=output, error=error, started=started, now=now),
         request=request, look=request.look_first)
 
 
@@ -182,7 +183,7 @@ def _refused(shell: Shell, row: Delivery, why: str) -> None:
     with shell.pool.connection() as conn, conn.transaction():
         tell_parent(conn, shell, child=row.target_run_id, parent=row.run_id, node_id=row.node_id,
                     status=RunStatus.FAILED, output=None, error=why,
-                    request=Request(id=row.request, look_first=True))
+                    request=Request(id=row.request, look_first=True), started=False)
         deliveries.delete(conn, row.run_id, row.target_run_id, row.request)
 
 

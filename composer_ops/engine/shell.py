@@ -488,7 +488,8 @@ class Shell:
                                         workflow=a.workflow, version=a.version, input=a.input, request=Request())
             if why is not None:
                 childrows.tell_parent(conn, self, child=a.child_run_id, parent=run.id, node_id=a.node_id,
-                                      status=RunStatus.FAILED, output=None, error=why, request=Request())
+                                      status=RunStatus.FAILED, output=None, error=why, request=Request(),
+                                      started=False)
         elif rows:
             childrows.write_cancel(conn, self, parent=run.id, node_id=a.node_id, child=a.child_run_id,
                                    reason=a.reason, now=now)

@@ -240,7 +240,8 @@ def test_a_child_whose_workflow_is_disabled_before_its_start_is_delivered_fails_
     assert deliver(engine) == 1
     run = engine.get_run(parent)
     assert run.status == "FAILED"
-    assert "did not start: workflow 'refund' is disabled; it accepts no new runs" in run.error["error"]
+    assert run.error["error"] == ('node "refund" failed: its child did not start: workflow \'refund\' is '
+                                  "disabled; it accepts no new runs"), run.error     # no run named: none exists
     assert run.children == []
     assert rows(db_url) == []
 

@@ -212,7 +212,8 @@ def test_a_child_whose_workflow_was_disabled_fails_the_node(engine: Engine) -> N
     parent = engine.start("order", input={"amount": 7})
     run = engine.get_run(parent)
     assert run.status == "FAILED"
-    assert "did not start: workflow 'refund' is disabled; it accepts no new runs" in run.error["error"]
+    assert run.error["error"] == ('node "refund" failed: its child did not start: workflow \'refund\' is '
+                                  "disabled; it accepts no new runs"), run.error     # no run named: none exists
 
 
 @pytest.mark.parametrize(("specs", "message"), [
