@@ -69,6 +69,14 @@ class PermissionDenied(ComposerError):
     exit_code = 1
 
 
+class BrokenRun(ComposerError):
+    """A run whose rows no event can be decided on: odd data, such as a definition
+    version that does not exist or a task in a state the engine does not know. Nothing
+    is changed; the rows must be repaired, or the run deleted (``runs delete``)."""
+
+    exit_code = 1
+
+
 class NotDelegated(ComposerError):
     """On Citus, a call meant to run on one worker node (a node's claim, scan or webhook
     prune, sql/citus/R__node_local.sql) ran on a node that does not hold its key's shard:

@@ -133,8 +133,11 @@ def register_runs(rsub: argparse._SubParsersAction) -> None:  # type: ignore[typ
         description="Select runs as `runs list` does (at least one of --where, --workflow, --since, --until), "
                     "keep the active ones (PENDING, RUNNING), and cancel them through the engine's cancel event: "
                     "oldest first, CHUNK runs per transaction, each run under its lock, one audit row per chunk. "
-                    "Without --yes it lists what it would cancel. Interrupted, it keeps what it did; run it "
-                    "again to cancel the rest. Exit 0 done, 1 failed, 2 bad input.")
+                    "Without --yes it lists what it would cancel (each chunk decided and rolled back). A run "
+                    "no event can be decided on (odd data: its definition version missing, a task in a "
+                    "state the engine does not know) is refused with why, and the others go on. "
+                    "Interrupted, it keeps what it did; run it "
+                    "again to cancel the rest. Exit 0 done, 1 failed or a run refused, 2 bad input.")
     add_selection_options(can)
     can.add_argument("--reason", default="cancelled by operator", help="recorded as each run's error")
     add_yes_option(can, "cancel for real (without: list what would be cancelled)")
@@ -272,7 +275,7 @@ def cmd_runs_cancel(args: argparse.Namespace) -> int:
 
                 def chunk_done(c: CancelChunk) -> None:
                     cancelled.extend(c.cancelled)
-                    bars.advance(len(c.cancelled) + len(c.skipped))
+                    bars.advance(len(c.cancelled) + len(c.skipped) + len(c.refused))
                     if pressed.is_set():
                         raise _Stopped
 
@@ -289,20 +292,29 @@ def cmd_runs_cancel(args: argparse.Namespace) -> int:
             # the pool would log what they clean up as they close; that is not news here.
             logging.getLogger("psycopg").setLevel(logging.CRITICAL)
             raise KeyboardInterrupt(f"at least {so_far()}") from None
+    refused = result.refused if result.applied else result.would_refuse
     if args.json:
         emit_json({"applied": result.applied, "cancelled": result.cancelled, "skipped": result.skipped,
-                   "chunks": len(result.chunks), "would_cancel": result.would_cancel, "more": result.more})
-        return EXIT_OK
+                   "chunks": len(result.chunks), "would_cancel": result.would_cancel, "more": result.more,
+                   "refused": [{"run_id": r, "error": e} for r, e in refused]})
+        return EXIT_FAILED if refused else EXIT_OK
     if not result.applied:
         for run_id in result.would_cancel:
             print(f"would cancel {run_id}")
-        more = f" (and more: only the first {len(result.would_cancel)} are listed)" if result.more else ""
-        print(f"would cancel {len(result.would_cancel)} active run(s){more}; nothing was changed "
+        for run_id, why in refused:
+            print(f"would refuse run {run_id}: {why}")
+        more = f" (and more: only the first {len(result.would_cancel) + len(refused)} are listed)" if result.more \
+            else ""
+        print(f"would cancel {len(result.would_cancel)} active run(s)"
+              + (f" and refuse {len(refused)}" if refused else "") + f"{more}; nothing was changed "
               "(add --yes to cancel)")
         return EXIT_OK
+    for run_id, why in refused:
+        print(f"refused run {run_id}: {why}")
     skipped = f", skipped {len(result.skipped)} that finished meanwhile" if result.skipped else ""
-    print(f"cancelled {len(result.cancelled)} run(s) in {len(result.chunks)} transaction(s){skipped}")
-    return EXIT_OK
+    refusals = f", refused {len(refused)} (above)" if refused else ""
+    print(f"cancelled {len(result.cancelled)} run(s) in {len(result.chunks)} transaction(s){skipped}{refusals}")
+    return EXIT_FAILED if refused else EXIT_OK
 
 
 def _retry_record(result: Any) -> dict[str, Any]:

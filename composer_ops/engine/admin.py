@@ -32,7 +32,7 @@ from composer_ops.db.errors import TranslatingPool
 from composer_ops.db.retry import db_retry
 from composer_ops.engine.requests import Request
 from composer_ops.engine.shell import Shell
-from composer_ops.errors import Conflict, Invalid, NotFound
+from composer_ops.errors import BrokenRun, Conflict, Invalid, NotFound
 from composer_ops.repo import audit, definitions, retention, runs, workers
 from composer_ops.repo._base import repeatable_read
 from composer_ops.repo.rows import DefinitionRow, LeaseRow, ParentRow, RunListRow, WorkerRow
@@ -105,6 +105,7 @@ class CancelChunk:
     number: int
     cancelled: list[str]
     skipped: list[str]           # finished (or deleted) between being listed and being locked
+    refused: list[tuple[str, str]] = field(default_factory=list)   # (run ID, why): odd data (BrokenRun)
     duplicate: bool = False       # an earlier attempt committed; its audit row was read back
 
 
@@ -117,6 +118,7 @@ class CancelResult:
     chunks: list[CancelChunk] = field(default_factory=list)
     would_cancel: list[str] = field(default_factory=list)   # a dry run: the active runs selected (at most
     more: bool = False                                      # DRY_RUN_LIST; ``more`` when there are others)
+    would_refuse: list[tuple[str, str]] = field(default_factory=list)   # a dry run: those it would refuse
 
     @property
     def cancelled(self) -> list[str]:
@@ -125,6 +127,10 @@ class CancelResult:
     @property
     def skipped(self) -> list[str]:
         return [r for c in self.chunks for r in c.skipped]
+
+    @property
+    def refused(self) -> list[tuple[str, str]]:
+        return [r for c in self.chunks for r in c.refused]
 
 
 def _active(chosen: Selection) -> Selection:
@@ -150,9 +156,12 @@ def cancel_runs(shell: Shell, chosen: Selection, *, reason: str, yes: bool, acto
     the rest: every run is cancelled once. A chunk retried after its connection was
     lost (its COMMIT acknowledged or not, or still under way) first locks the runs it
     lists, then finds its audit row when the earlier attempt committed, and reports
-    what that attempt did. Without ``yes`` nothing is written: the result lists the runs
-    it would cancel. ``on_total`` is told, before the first chunk, how many runs the
-    selection holds (what a progress bar counts to)."""
+    what that attempt did. A run no event can be decided on (:class:`BrokenRun`: its
+    definition version missing, a task in an unknown state) is refused with why, and the
+    chunk goes on. Without ``yes`` the same chunks are decided and rolled back, up to
+    DRY_RUN_LIST runs: the result lists the runs it would cancel and those it would
+    refuse. ``on_total`` is told, before the first chunk, how many runs the selection
+    holds (what a progress bar counts to)."""
     if isinstance(chunk, bool) or not isinstance(chunk, int) or not 1 <= chunk <= 1000:
         raise Invalid(f"chunk must be an integer from 1 to 1000, got {chunk!r}")
     if not isinstance(reason, str) or not reason.strip() or len(reason) > 1000:
@@ -161,26 +170,34 @@ def cancel_runs(shell: Shell, chosen: Selection, *, reason: str, yes: bool, acto
         raise Invalid("say which runs to cancel: give --where, --workflow, --since or --until "
                       "(--since 100y selects every run)")
     active = _active(chosen)
-    if not yes:
-        resolved, found = _selected(shell.pool, active, limit=DRY_RUN_LIST + 1, oldest_first=True)
-        return CancelResult(selection=resolved, applied=False, would_cancel=[r.id for r in found[:DRY_RUN_LIST]],
-                            more=len(found) > DRY_RUN_LIST)
     request = request_id or uuid.uuid4().hex
     resolved, _ = _selected(shell.pool, active, limit=0, oldest_first=True)   # once: every chunk, one window
-    if on_total is not None:
+    if yes and on_total is not None:
         on_total(_count(shell.pool, resolved))
     done: list[CancelChunk] = []
     after: str | None = None
-    while True:
+    seen = 0
+    while yes or seen <= DRY_RUN_LIST:
         number = len(done) + 1
-        step = _cancel_chunk(shell, resolved, after, chunk, reason, actor, f"{request}:{number}", number, [0])
+        size = chunk if yes else min(CANCEL_CHUNK, DRY_RUN_LIST + 1 - seen)
+        step = _cancel_chunk(shell, resolved, after, size, reason, actor, f"{request}:{number}", number, [0],
+                             yes=yes)
         if step is None:
             break
         done.append(step)
-        if on_chunk is not None:
+        if on_chunk is not None and yes:
             on_chunk(step)
-        after = max(step.cancelled + step.skipped)
-    return CancelResult(selection=resolved, applied=True, chunks=done)
+        listed = step.cancelled + step.skipped + [r for r, _ in step.refused]
+        seen += len(listed)
+        after = max(listed)
+    if yes:
+        return CancelResult(selection=resolved, applied=True, chunks=done)
+    # A dry run: the chunks were decided and rolled back; one run past the list was
+    # taken, to know there are more.
+    more = seen > DRY_RUN_LIST
+    would = [r for c in done for r in c.cancelled if not (more and r == after)]
+    refused = [r for c in done for r in c.refused if not (more and r[0] == after)]
+    return CancelResult(selection=resolved, applied=False, would_cancel=would, would_refuse=refused, more=more)
 
 
 @db_retry()
@@ -191,12 +208,14 @@ def _count(pool: TranslatingPool, selection: RunFilter) -> int:
 
 @db_retry()
 def _cancel_chunk(shell: Shell, selection: RunFilter, after: str | None, chunk: int, reason: str,
-                  actor: Actor | None, request: str, number: int, tries: list[int]) -> CancelChunk | None:
-    """One chunk in one transaction; None when no active run is left to select."""
+                  actor: Actor | None, request: str, number: int, tries: list[int], *,
+                  yes: bool = True) -> CancelChunk | None:
+    """One chunk in one transaction (rolled back without ``yes``); None when no active
+    run is left to select."""
     tries[0] += 1
-    with shell.pool.connection() as conn, conn.transaction():
+    with shell.pool.connection() as conn, conn.transaction(force_rollback=not yes):
         listed = [r.id for r in runs.find_runs(conn, selection, limit=chunk, after=after, oldest_first=True)]
-        if tries[0] > 1:
+        if tries[0] > 1 and yes:
             # An earlier attempt may still be committing: it holds the locks of the runs
             # listed here (the same ones, as long as it has not committed), so take them
             # before looking for its audit row, which a new snapshot then sees.
@@ -205,23 +224,33 @@ def _cancel_chunk(shell: Shell, selection: RunFilter, after: str | None, chunk: 
             if earlier:
                 detail = earlier[0].detail or {}
                 return CancelChunk(number=number, cancelled=list(detail.get("cancelled", [])),
-                                   skipped=list(detail.get("skipped", [])), duplicate=True)
+                                   skipped=list(detail.get("skipped", [])),
+                                   refused=[(r, "refused (its reason is in the first attempt's output)")
+                                            for r in detail.get("refused", [])], duplicate=True)
         if not listed:
             return None
         cancelled: list[str] = []
         skipped: list[str] = []
+        refused: list[tuple[str, str]] = []
         noted = Request(id=request, operator=audit.operator_note("runs cancel", actor))   # in each run's history
         for run_id in listed:                       # ascending: the lock order of every bulk action
             try:
-                outcome = shell.handle_in(conn, run_id, partial(_cancel_event, reason), request=noted)
+                with conn.transaction():            # a savepoint: a run refused leaves the others' cancels
+                    outcome = shell.handle_in(conn, run_id, partial(_cancel_event, reason), request=noted)
             except (Conflict, NotFound):             # finished or deleted since it was listed
                 skipped.append(run_id)
                 continue
+            except BrokenRun as exc:                 # odd data: no event can be decided on it
+                refused.append((run_id, str(exc)))
+                continue
             (cancelled if outcome.applied else skipped).append(run_id)
-        audit.record(conn, "runs cancel", actor=actor, target=_describe(selection), request=request,
-                     counts={"cancelled": len(cancelled), "skipped": len(skipped), "chunk": number},
-                     detail={"cancelled": cancelled, "skipped": skipped, "reason": reason})
-        return CancelChunk(number=number, cancelled=cancelled, skipped=skipped)
+        if yes:
+            audit.record(conn, "runs cancel", actor=actor, target=_describe(selection), request=request,
+                         counts={"cancelled": len(cancelled), "skipped": len(skipped), "chunk": number,
+                                 **({"refused": len(refused)} if refused else {})},
+                         detail={"cancelled": cancelled, "skipped": skipped, "reason": reason,
+                                 **({"refused": [r for r, _ in refused]} if refused else {})})
+        return CancelChunk(number=number, cancelled=cancelled, skipped=skipped, refused=refused)
 
 
 def _cancel_event(reason: str, now: datetime) -> CancelRun:

@@ -63,7 +63,7 @@ from composer_ops.engine.notes import EventNotes
 from composer_ops.engine.reads import NOTHING_YET, LazyContext, RunStore, run_context
 from composer_ops.engine.requests import Request
 from composer_ops.engine.starts import creates_only
-from composer_ops.errors import Conflict, LockTimeout
+from composer_ops.errors import BrokenRun, Conflict, LockTimeout, NotFound
 from composer_ops.repo import (
     citus,
     clock,
@@ -263,8 +263,14 @@ class Shell:
                                   claim_next=claim_next)[0]
 
     def snapshot(self, conn: Conn, row: RunRow, nodes: Mapping[str, NodeState]) -> RunSnapshot:
-        """The machine's view of a locked run and its tasks (:func:`runs.lock_and_load`)."""
-        defn = self.definition(conn, row.workflow_id, row.workflow_version)
+        """The machine's view of a locked run and its tasks (:func:`runs.lock_and_load`);
+        :class:`BrokenRun` when its definition version does not exist."""
+        try:
+            defn = self.definition(conn, row.workflow_id, row.workflow_version)
+        except NotFound:
+            raise BrokenRun(f"run {row.id}: its definition {row.workflow_id} v{row.workflow_version} does not exist, "
+                            f"so no event can be decided on it; restore that version, or delete the run "
+                            f"(composer-ops runs delete {row.id} --yes)") from None
         return RunSnapshot(
             id=row.id, workflow_id=row.workflow_id, workflow_version=row.workflow_version,
             status=RunStatus(row.status),

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from datetime import datetime
+import json
+from datetime import UTC, datetime
 from functools import lru_cache
 from typing import Any
 
@@ -11,7 +12,7 @@ from psycopg.rows import class_row
 
 from composer_ops.core.filters import RunFilter
 from composer_ops.core.model import ItemCounts, NodeState, TaskState
-from composer_ops.errors import ComposerError, Conflict, Invalid, NotFound, StartRefused, Transient
+from composer_ops.errors import BrokenRun, ComposerError, Conflict, Invalid, NotFound, StartRefused, Transient
 from composer_ops.repo import history, partitions, writes
 from composer_ops.repo._base import Conn, fetch_all, fetch_one, jsonb
 from composer_ops.repo.rows import ChildRun, ParentRow, RunListRow, RunRow, RunView, TaskView
@@ -76,15 +77,22 @@ def _lock_and_load(conn: Conn, run_id: str, tables: partitions.RunTables, begin:
     now, found, workflow_id, version, status, parent, parent_node, loaded = row
     if found is None:
         return None
+    try:
+        nodes = {t[0]: _node(t) for t in loaded} if loaded else {}
+    except ValueError as exc:       # a state the engine does not know (odd data)
+        raise BrokenRun(f"run {run_id}: {exc}; repair the task's row, or delete the run "
+                        f"(composer-ops runs delete {run_id} --yes)") from None
     return (RunRow(id=found, workflow_id=workflow_id, workflow_version=version, status=status, now=now,
-                   parent_run_id=parent, parent_node_id=parent_node),
-            {t[0]: _node(t) for t in loaded} if loaded else {})
+                   parent_run_id=parent, parent_node_id=parent_node), nodes)
 
 
 def _node(t: list[Any]) -> NodeState:
     """One task as the load function returns it (its array of columns), for the machine."""
     (_, task_id, state, attempt, branches, signal_name, lease_owner, expires, created, wake, expiries,
      total, started, done, failed) = t
+    if state not in _STATES:
+        raise ValueError(f"task {task_id} of node {json.dumps(t[0])} is in state {state!r}, which the engine does "
+                         "not know")
     return NodeState(task_id=task_id, state=TaskState(state), attempt=attempt,
                      branches=tuple(branches) if branches is not None else None, signal_name=signal_name,
                      lease_owner=lease_owner, lease_expires_at=_instant(expires), created_at=_instant(created),
@@ -93,9 +101,19 @@ def _node(t: list[Any]) -> NodeState:
                                                                  failed=failed or 0))
 
 
+_STATES = frozenset(str(s) for s in TaskState)
+
+
 def _instant(text: str | None) -> datetime | None:
-    """A timestamptz as JSON writes it (ISO 8601 with the session's offset)."""
-    return None if text is None else datetime.fromisoformat(text)
+    """A timestamptz as JSON writes it (ISO 8601 with the session's offset); an infinite
+    one (odd data, such as a lease set by hand) as the latest or earliest instant."""
+    if text is None:
+        return None
+    if text == "infinity":
+        return datetime.max.replace(tzinfo=UTC)
+    if text == "-infinity":
+        return datetime.min.replace(tzinfo=UTC)
+    return datetime.fromisoformat(text)
 
 
 _LOAD_CONTEXT = "SELECT context_json FROM {runs} WHERE id = %s"

@@ -128,3 +128,34 @@ def test_cli_runs_cancel(db_url: str, engine: Engine, capsys: pytest.CaptureFixt
     assert main([*base, "--status", "FAILED"]) == 2
     with pytest.raises(Invalid):
         engine.cancel_runs(where="input.customer=3", chunk=0)
+
+
+def test_runs_no_event_can_be_decided_on_are_refused_in_the_dry_run_and_for_real(
+        db_url: str, engine: Engine, capsys: pytest.CaptureFixture[str]) -> None:
+    """Odd data: a run whose definition version does not exist, a run with a task in a
+    state the engine does not know. Before, the dry run listed them as cancellable, the
+    cancel skipped the first as 'finished meanwhile' and stopped the whole command on the
+    second (exit 2, later chunks not cancelled). Now both are refused with why, in the
+    dry run too, the others are cancelled, and the command exits 1."""
+    plain, no_definition, odd_state, later = _start(engine, 4, customer=5)
+    with psycopg.connect(db_url) as conn:
+        conn.execute("UPDATE workflow_runs SET workflow_version = 99 WHERE id = %s", (no_definition,))
+        conn.execute("UPDATE task_instances SET state = 'WEIRD' WHERE run_id = %s", (odd_state,))
+    args = ["runs", "cancel", "--where", "input.customer=5", "--chunk", "1", "--database-url", db_url]
+    assert main([*args, "--json"]) == 1
+    dry = json.loads(capsys.readouterr().out)
+    assert dry["would_cancel"] == [plain, later] and [r["run_id"] for r in dry["refused"]] == [no_definition, odd_state]
+    assert "its definition shop v99 does not exist" in dry["refused"][0]["error"]
+    assert "is in state 'WEIRD', which the engine does not know" in dry["refused"][1]["error"]
+    assert _statuses(engine, [plain, later]) == {"RUNNING"} and _audit(db_url) == []
+    assert main([*args, "--yes"]) == 1
+    out = capsys.readouterr().out
+    assert f"refused run {no_definition}: run {no_definition}: its definition shop v99 does not exist" in out
+    assert out.rstrip().endswith("cancelled 2 run(s) in 4 transaction(s), refused 2 (above)"), out
+    assert _statuses(engine, [plain, later]) == {"CANCELLED"}
+    with psycopg.connect(db_url) as conn:
+        left = conn.execute("SELECT status FROM workflow_runs WHERE id = ANY(%s)", ([no_definition, odd_state],))
+        assert {r[0] for r in left} == {"RUNNING"}
+    assert main(["cancel", no_definition, "--database-url", db_url]) == 1      # one run: the same, one line
+    err = capsys.readouterr().err
+    assert "delete the run (composer-ops runs delete" in err and err.count("\n") == 1, err
