@@ -126,7 +126,7 @@ class Queues:
                request: str) -> QueueChange:
         with self._pool.connection() as conn, conn.transaction():
             audit.require_record(conn, action)
-            locked = queues.lock(conn, queue)            # lock, then look: an earlier attempt committed first
+            locked, created = queues.lock(conn, queue)   # lock, then look: an earlier attempt committed first
             earlier = audit.of_request(conn, request)
             if earlier:
                 detail = earlier[0].detail or {}
@@ -139,9 +139,12 @@ class Queues:
             paused_at = None
             if after["paused"]:
                 paused_at = locked.paused_at if locked.paused and locked.paused_at is not None else now
-            queues.update(conn, queue, paused=after["paused"], reason=after["reason"], paused_at=paused_at,
-                          max_running=after["max_running"], now=now)
             changed = after != before
+            if created and not changed:
+                queues.forget(conn, queue)       # a change to nothing: no row for a queue that had none
+            else:
+                queues.update(conn, queue, paused=after["paused"], reason=after["reason"], paused_at=paused_at,
+                              max_running=after["max_running"], now=now)
             audit.record(conn, action, actor=actor, target=queue, request=request,
                          counts={"changed": int(changed)},
                          detail={"before": before, "after": after, "changed": changed})

@@ -42,12 +42,19 @@ def named(conn: Conn, queue: str) -> bool:
     return bool(row and row[0])
 
 
-def lock(conn: Conn, queue: str) -> QueueSetting:
+def lock(conn: Conn, queue: str) -> tuple[QueueSetting, bool]:
     """Lock ``queue``'s settings row for the rest of the transaction (creating an open,
-    unlimited one when there is none) and return it as the lock found it."""
-    conn.execute("INSERT INTO queue_settings (queue) VALUES (%s) ON CONFLICT (queue) DO NOTHING", (queue,))
+    unlimited one when there is none) and return it as the lock found it, and whether
+    this call created it."""
+    created = conn.execute("INSERT INTO queue_settings (queue) VALUES (%s) ON CONFLICT (queue) DO NOTHING "
+                           "RETURNING queue", (queue,)).fetchone() is not None
     return fetch_all(conn, QueueSetting, f"SELECT {_SETTING} FROM queue_settings WHERE queue = %s FOR UPDATE",
-                     (queue,))[0]
+                     (queue,))[0], created
+
+
+def forget(conn: Conn, queue: str) -> None:
+    """Delete ``queue``'s settings row (locked by :func:`lock`): an open, unlimited queue needs none."""
+    conn.execute("DELETE FROM queue_settings WHERE queue = %s", (queue,))
 
 
 def update(conn: Conn, queue: str, *, paused: bool, reason: str | None, paused_at: datetime | None,

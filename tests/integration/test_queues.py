@@ -167,6 +167,19 @@ def test_a_change_retried_with_its_request_is_applied_once(db_url: str, engine: 
     assert _sql(db_url, "SELECT count(*) FROM operator_audit WHERE request = 'req-1'") == [(1,)]
 
 
+def test_a_change_to_nothing_leaves_no_row_for_a_queue_that_had_none(db_url: str, engine: Engine) -> None:
+    """`queues resume nosuchqueue --yes` (a typo) made a settings row, and the typo stayed
+    in `queues list` for good. A change that changes nothing writes no row; its audit
+    row still records it."""
+    done = engine.queues.resume("nosuchqueue")
+    assert done.applied and not done.changed
+    assert _sql(db_url, "SELECT count(*) FROM queue_settings WHERE queue = 'nosuchqueue'") == [(0,)]
+    assert _sql(db_url, "SELECT count(*) FROM operator_audit WHERE target = 'nosuchqueue'") == [(1,)]
+    engine.queues.set_limit("q", 2)
+    engine.queues.set_limit("q", 0)           # a row that existed stays, at its defaults
+    assert _sql(db_url, "SELECT max_running FROM queue_settings WHERE queue = 'q'") == [(0,)]
+
+
 def test_pausing_again_keeps_the_first_instant(db_url: str, engine: Engine) -> None:
     engine.queues.pause("q", reason="one")
     at = _sql(db_url, "SELECT paused_at FROM queue_settings")
