@@ -73,7 +73,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.debug:
             raise
         # A Transient is an Unavailable the engine retried already: people see one kind.
-        kind = "unavailable" if isinstance(exc, Unavailable) else type(exc).__name__.lower()
+        # A ComposerError of no kind of its own is an error, as any other failure.
+        kind = "unavailable" if isinstance(exc, Unavailable) else \
+            "error" if type(exc) is ComposerError else type(exc).__name__.lower()
         sys.stderr.write(f"composer-ops: {kind}: {exc}\n")
         return exc.exit_code
     except KeyboardInterrupt as exc:

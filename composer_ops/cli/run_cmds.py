@@ -303,7 +303,7 @@ def cmd_runs_show(args: argparse.Namespace) -> int:
     done = f"{run.completed_at:%Y-%m-%d %H:%M:%S%z}" if run.completed_at else "-"
     print(f"created {run.created_at:%Y-%m-%d %H:%M:%S%z}  completed {done}")
     if run.error:
-        print(f"error: {run.error}")
+        print(f"error: {_error_text(run.error)}")
     if run.output is not None:
         print(f"output: {json_text(run.output, ensure_ascii=False)}")
     if run.parent_run_id:
@@ -318,8 +318,8 @@ def cmd_runs_show(args: argparse.Namespace) -> int:
             items.setdefault(t.node_id, Counter())[t.state] += 1
             continue
         # A task that failed an attempt and went on keeps that attempt's error: not its own.
-        error = (t.error if t.state in ("FAILED", "CANCELLED") or not t.error
-                 else f"an earlier attempt's error: {t.error}")
+        error = (_error_text(t.error) if t.state in ("FAILED", "CANCELLED") or not t.error
+                 else f"an earlier attempt's error: {_error_text(t.error)}")
         detail = error or (f"waits for {t.signal_name!r}" if t.state == "WAITING" and t.signal_name else "")
         if t.state == "WAITING" and t.wake_at:
             detail = f"{detail} until {t.wake_at:%Y-%m-%d %H:%M:%S%z}".strip()
@@ -331,8 +331,9 @@ def cmd_runs_show(args: argparse.Namespace) -> int:
         print(f"(the run was retried {retried} time(s): a retried node's attempts count from 0 again, "
               "shown as 'N (retry R)' below)")
     print("attempts:" if tried else "attempts: none")
+    item_of = {t.id: t.item_index for t in run.tasks if t.item_index is not None}
     for a in tried:
-        print(f"  {describe_attempt(a)}")
+        print(f"  {describe_attempt(a, item=item_of.get(a.task_id))}")
     print("history:" if run.history else "history: none")
     generation = 0
     for h in run.history:
@@ -379,14 +380,25 @@ def cmd_runs_delete(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def describe_attempt(a: Attempt) -> str:
-    """One line for an attempt of a task (:func:`composer_ops.core.attempts.attempts`)."""
+def _error_text(doc: Any) -> str:
+    """A stored error document (``{"error": text}``) as its text; anything else as JSON."""
+    if isinstance(doc, dict) and set(doc) == {"error"} and isinstance(doc["error"], str):
+        return doc["error"]
+    return json_text(doc, ensure_ascii=False)
+
+
+def describe_attempt(a: Attempt, *, item: int | None = None) -> str:
+    """One line for an attempt of a task (:func:`composer_ops.core.attempts.attempts`);
+    ``item``: the MAP item's index, when the task is one."""
+    node = a.node_id or "-"
+    if item is not None:
+        node = f"{node}[{item}]"
     began = f"{a.claimed_at:%Y-%m-%d %H:%M:%S%z}" if a.claimed_at else "-"
     ended = f"{a.ended_at:%Y-%m-%d %H:%M:%S%z}" if a.ended_at else "-"
     then = "" if a.requeued is None else (" (re-queued)" if a.requeued else " (gave up)")
     error = f": {a.error}" if a.error else ""
     lost = f"; the worker noted: {a.lost}" if a.lost else ""
-    return (f"{a.node_id or '-':<24} {a.label:>11}  {a.worker or '-':<36} {began}  {ended}  "
+    return (f"{node:<24} {a.label:>11}  {a.worker or '-':<36} {began}  {ended}  "
             f"{a.outcome}{then}{error}{lost}")
 
 

@@ -86,7 +86,7 @@ def test_the_history_of_a_run_that_lived_through_a_killed_worker(engine: Engine,
     assert (second["attempt"], second["outcome"], second["requeued"]) == (1, "completed", None)
     assert second["worker"] == rows[3][2] and second["task_id"] == first["task_id"]
     (task_line,) = [line for line in lines if line.startswith("slow ")]
-    assert "COMPLETED" in task_line and f"an earlier attempt's error: {{'error': 'lease of {owner}" in task_line
+    assert "COMPLETED" in task_line and f"an earlier attempt's error: lease of {owner}" in task_line
     listed = lines[lines.index("attempts:") + 1:start]
     assert len(listed) == 2 and owner in listed[0] and "lease expired (re-queued)" in listed[0], listed
     assert "completed" in listed[1]
@@ -154,6 +154,10 @@ def test_tasks_a_failure_cancels_are_in_the_history_and_their_attempts_end(
     assert main(["runs", "show", run_id, "--database-url", db_url]) == 0
     out = capsys.readouterr().out
     assert " running" not in out and "cancelled" in out, out
+    assert '\nerror: node "fast" failed after 1 attempt: no\n' in out and "{'error'" not in out, out   # text
+    assert main(["runs", "show", fan, "--database-url", db_url]) == 0
+    out = capsys.readouterr().out
+    assert "  m[0] " in out and "  m[1] " in out, out         # which item each attempt was
 
 
 def test_the_cli_signal_key_resolves_at_most_one_node(engine: Engine, db_url: str) -> None:
