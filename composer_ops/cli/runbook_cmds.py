@@ -68,7 +68,10 @@ def cmd_runbook(args: argparse.Namespace) -> int:
         sys.stderr.write(f"composer-ops: runbook {args.name}: {done.refused}; nothing was changed; "
                          f"see {result.html}\n")
         return EXIT_FAILED
-    if not done.act.get("confirm"):
+    book = next(r for r in catalogue.RUNBOOKS if r.name == args.name)
+    if book.reads_only:
+        print(f"read only: this runbook changes nothing ({book.acts})")
+    elif not done.act.get("confirm"):
         again = records.confirm_command(args.name, pairs)
         if url:
             again += " (with the same --database-url)"

@@ -32,6 +32,11 @@ class Runbook:
     def serves(self) -> str:
         return f"check alert: {self.alert}" if self.alert else f"incident: {self.incident}"
 
+    @property
+    def reads_only(self) -> bool:
+        """Whether acting does nothing (``acts`` says ``nothing: ...`` and why)."""
+        return self.acts.startswith("nothing:")
+
 
 RUNBOOKS: tuple[Runbook, ...] = (
     Runbook(name="replay_lag", alert="replay lag", incident=None,

@@ -264,6 +264,16 @@ def test_the_reader_plans_a_retry_without_the_locks_its_dry_run_takes(db_url: st
     assert _status(db_url, info.runs["H7"]) == "FAILED" and _audit(db_url) == []
 
 
+def test_a_runbook_that_only_reads_does_not_offer_to_act(db_url: str, tmp_path: Path,
+                                                         capsys: pytest.CaptureFixture[str]) -> None:
+    """find_run acts on nothing: its run used to end with 'to act as planned: ...
+    -p confirm true', a command that would change nothing."""
+    code, printed, err = _run(["find_run", "-p", "where", "input.customer=1", "--database-url", as_role(db_url),
+                               "--out", str(tmp_path / "reports")], capsys)
+    assert code == 0, err
+    assert "to act as planned" not in printed and "read only: this runbook changes nothing (nothing:" in printed
+
+
 def test_an_unwritable_out_directory_is_one_line_and_exit_2(tmp_path: Path,
                                                             capsys: pytest.CaptureFixture[str]) -> None:
     blocker = tmp_path / "a-file"
