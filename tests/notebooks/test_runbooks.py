@@ -272,6 +272,8 @@ def test_a_runbook_that_only_reads_does_not_offer_to_act(db_url: str, tmp_path: 
                                "--out", str(tmp_path / "reports")], capsys)
     assert code == 0, err
     assert "to act as planned" not in printed and "read only: this runbook changes nothing (nothing:" in printed
+    text = _record(tmp_path / "reports", "find_run").read_text(encoding="utf-8")
+    assert "database_url&#x27;: None" not in text and "'database_url': None" not in text   # no dict shown
 
 
 def test_an_unwritable_out_directory_is_one_line_and_exit_2(tmp_path: Path,
