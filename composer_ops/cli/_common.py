@@ -82,6 +82,12 @@ def env_option(parser: argparse._ActionsContainer, *flags: str, env: str, help: 
             raise SystemExit(EXIT_BAD_INPUT) from None
     shown = f" [env: {env}]" + (f" (default: {kw['metavar_default']})" if "metavar_default" in kw else "")
     kw.pop("metavar_default", None)
+    choices = kw.get("choices")
+    if accepts is None and choices is not None and env in os.environ:
+        # argparse checks the choices of a value typed, not of a default: the variable's
+        # value is checked when the command runs (check_options), as a typed one would be.
+        listed = tuple(choices)
+        accepts = Accepts(lambda v: v in listed, f"one of {', '.join(map(str, listed))} (from {env})")
     action = parser.add_argument(*flags, default=default, help=help + shown, **kw)
     if accepts is not None:
         checks = parser.get_default("option_checks") or ()

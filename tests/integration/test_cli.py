@@ -133,6 +133,19 @@ def test_a_log_level_typo_is_refused(capsys: pytest.CaptureFixture[str], monkeyp
     assert from_env.value.code == 2 and "COMPOSER_LOG_LEVEL: 'VERBOSE' is not one of" in capsys.readouterr().err
 
 
+def test_a_choice_from_the_environment_is_checked_as_a_typed_one(capsys: pytest.CaptureFixture[str],
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """`--progress yes` was refused while COMPOSER_REPORT_PROGRESS=yes was taken silently."""
+    monkeypatch.setenv("COMPOSER_REPORT_PROGRESS", "yes")
+    assert main(["report", "partition_sizes", "--database-url", "postgresql://nobody@127.0.0.1:1/none"]) == 2
+    assert capsys.readouterr().err == ("composer-ops: invalid: --progress must be one of 0, 1 (from "
+                                       "COMPOSER_REPORT_PROGRESS), got yes\n")
+    monkeypatch.setenv("COMPOSER_REPORT_PROGRESS", "0")
+    with pytest.raises(SystemExit) as shown:
+        main(["report", "--help"])          # a good value: no complaint
+    assert shown.value.code == 0 and capsys.readouterr().err == ""
+
+
 def test_a_malformed_database_url_is_bad_input_not_an_outage(capsys: pytest.CaptureFixture[str],
                                                               monkeypatch: pytest.MonkeyPatch) -> None:
     """Exit 2, not 1: cron and monitoring must not read a typo as the database down."""
