@@ -296,7 +296,7 @@ def cmd_runs_cancel(args: argparse.Namespace) -> int:
     if args.json:
         emit_json({"applied": result.applied, "cancelled": result.cancelled, "skipped": result.skipped,
                    "chunks": len(result.chunks), "would_cancel": result.would_cancel, "more": result.more,
-                   "refused": [{"run_id": r, "error": e} for r, e in refused]})
+                   "refused": [{"run_id": r, "error": e} for r, e in refused], "decided": result.decided})
         return EXIT_FAILED if refused else EXIT_OK
     if not result.applied:
         for run_id in result.would_cancel:
@@ -308,6 +308,9 @@ def cmd_runs_cancel(args: argparse.Namespace) -> int:
         print(f"would cancel {len(result.would_cancel)} active run(s)"
               + (f" and refuse {len(refused)}" if refused else "") + f"{more}; nothing was changed "
               "(add --yes to cancel)")
+        if not result.decided:
+            print("listed, not decided: this role may only read, and a decided dry run takes the runs' locks "
+                  "(run it as the operator role for the exact plan)")
         return EXIT_OK
     for run_id, why in refused:
         print(f"refused run {run_id}: {why}")

@@ -32,7 +32,7 @@ from composer_ops.db.errors import TranslatingPool
 from composer_ops.db.retry import db_retry
 from composer_ops.engine.requests import Request
 from composer_ops.engine.shell import Shell
-from composer_ops.errors import BrokenRun, Conflict, Invalid, NotFound
+from composer_ops.errors import BrokenRun, Conflict, Invalid, NotFound, PermissionDenied
 from composer_ops.repo import audit, definitions, retention, runs, workers
 from composer_ops.repo._base import repeatable_read
 from composer_ops.repo.rows import DefinitionRow, LeaseRow, ParentRow, RunListRow, WorkerRow
@@ -119,6 +119,8 @@ class CancelResult:
     would_cancel: list[str] = field(default_factory=list)   # a dry run: the active runs selected (at most
     more: bool = False                                      # DRY_RUN_LIST; ``more`` when there are others)
     would_refuse: list[tuple[str, str]] = field(default_factory=list)   # a dry run: those it would refuse
+    #: a dry run decided each run (else, for a role that may only read, listed them only)
+    decided: bool = True
 
     @property
     def cancelled(self) -> list[str]:
@@ -171,6 +173,21 @@ def cancel_runs(shell: Shell, chosen: Selection, *, reason: str, yes: bool, acto
                       "(--since 100y selects every run)")
     active = _active(chosen)
     request = request_id or uuid.uuid4().hex
+    if not yes:
+        try:
+            return _cancel_chunks(shell, active, reason, False, actor, chunk, on_chunk, request, on_total)
+        except PermissionDenied:
+            # A role that may only read cannot take the run locks a decided dry run takes:
+            # it gets the runs the selection holds, listed, not decided (``decided``).
+            resolved, found = _selected(shell.pool, active, limit=DRY_RUN_LIST + 1, oldest_first=True)
+            return CancelResult(selection=resolved, applied=False, would_cancel=[r.id for r in found[:DRY_RUN_LIST]],
+                                more=len(found) > DRY_RUN_LIST, decided=False)
+    return _cancel_chunks(shell, active, reason, True, actor, chunk, on_chunk, request, on_total)
+
+
+def _cancel_chunks(shell: Shell, active: Selection, reason: str, yes: bool, actor: Actor | None, chunk: int,
+                   on_chunk: Callable[[CancelChunk], None] | None, request: str,
+                   on_total: Callable[[int], None] | None) -> CancelResult:
     resolved, _ = _selected(shell.pool, active, limit=0, oldest_first=True)   # once: every chunk, one window
     if yes and on_total is not None:
         on_total(_count(shell.pool, resolved))

@@ -119,12 +119,14 @@ def unblock_plan(database_url: str | None, months: Sequence[str], reason: str) -
     RUNNING,PENDING`` would cancel (its dry run)."""
     from composer_ops.engine.admin import cancel_runs
 
-    rows: list[tuple[str, str]] = []
+    rows: list[tuple[str, str, str, str | None]] = []
     with engine(database_url, "retention_blocked") as e:
         for month in months:
             result = cancel_runs(e.shell, _month_selection(month), reason=reason, yes=False)
-            rows.extend((month, run_id) for run_id in result.would_cancel)
-    return pl.DataFrame(rows, orient="row", schema={"month": pl.String, "run_id": pl.String})
+            rows.extend((month, run_id, "cancel", None) for run_id in result.would_cancel)
+            rows.extend((month, run_id, "refused", why) for run_id, why in result.would_refuse)
+    return pl.DataFrame(rows, orient="row", schema={"month": pl.String, "run_id": pl.String, "action": pl.String,
+                                                    "why": pl.String})
 
 
 def unblock_act(act: Act, database_url: str | None, months: Sequence[str], reason: str) -> list[CancelResult]:
@@ -137,7 +139,8 @@ def unblock_act(act: Act, database_url: str | None, months: Sequence[str], reaso
                 return cancel_runs(e.shell, _month_selection(m), reason=reason, yes=True, actor=actor(act.runbook))
 
             result = act.run(f"runs cancel, month {month}", cancel,
-                             lambda r: f"cancelled {len(r.cancelled)} run(s), skipped {len(r.skipped)}")
+                             lambda r: f"cancelled {len(r.cancelled)} run(s), skipped {len(r.skipped)}"
+                                       + (f", refused {len(r.refused)}" if r.refused else ""))
             if result is not None:
                 done.append(result)
     return done

@@ -177,9 +177,9 @@ def test_each_acting_runbook_acts_through_the_engine_with_its_audit_row(
         return printed
 
     printed = act("retention_blocked", "-p", "cutoff", "2025-05-01")
-    # H6 (February) is cancelled; H12 (April) names a definition version that does not exist: skipped.
+    # H6 (February) is cancelled; H12 (April) names a definition version that does not exist: refused.
     assert "month 202502: cancelled 1 run(s), skipped 0" in printed
-    assert "month 202504: cancelled 0 run(s), skipped 1" in printed
+    assert "month 202504: cancelled 0 run(s), skipped 0, refused 1" in printed
     assert _status(db_url, info.runs["H6"]) == "CANCELLED" and _status(db_url, info.runs["H12"]) == "PENDING"
     printed = act("dead_worker")      # worker-b's two expired leases
     assert "lease sweep: 2 expired lease(s) handled" in printed
@@ -192,12 +192,12 @@ def test_each_acting_runbook_acts_through_the_engine_with_its_audit_row(
     printed = act("partitions_ahead", "-p", "months_ahead", "4")
     assert "partitions ensure: created 4 partition(s) up to 4 month(s) ahead" in printed   # one month, four tables
     printed = act("replay_failed", "-p", "since", "2025-03-01", "-p", "workflow", "nightly-report")  # H7
-    assert "runs retry: retried 1 run(s), 0 refused" in printed
+    assert "runs retry: retried 1 run(s), 0 refused, 0 left to their parent" in printed
     assert _status(db_url, info.runs["H7"]) == "RUNNING"
     rows = _audit(db_url)
     assert [(a, c) for a, _t, c, _cmd, _r in rows] == [
         ("runs cancel", {"chunk": 1, "skipped": 0, "cancelled": 1}),
-        ("runs cancel", {"chunk": 1, "skipped": 1, "cancelled": 0}),
+        ("runs cancel", {"chunk": 1, "skipped": 0, "cancelled": 0, "refused": 1}),
         ("lease sweep", {"busy": 0, "leases_expired": 2}),
         ("lease sweep", {"busy": 0, "leases_expired": 0}),
         ("partitions ensure", {"created": 4}),
