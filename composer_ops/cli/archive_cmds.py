@@ -39,6 +39,19 @@ def cutoff(args: argparse.Namespace) -> Cutoff:
     return parse_cutoff(args.older_than)
 
 
+def archive_directory(value: str | None, flag: str) -> Path:
+    """The archive directory given as ``flag`` (or COMPOSER_ARCHIVE_DIR), ``~`` expanded:
+    the one reading of it for ``--to``, ``--archive`` and ``--from``. :class:`Invalid`
+    (exit 2, before anything is done) when it is missing, empty or blank: an unset shell
+    variable must not turn ``drop --archive "$DIR"`` into a drop without an archive."""
+    if value is None:
+        raise Invalid(f"{flag} DIR is required (or COMPOSER_ARCHIVE_DIR)")
+    if not value.strip():
+        raise Invalid(f"{flag} {value!r} (or COMPOSER_ARCHIVE_DIR): the archive directory is empty; "
+                      "name a directory (an unset shell variable?)")
+    return Path(value).expanduser()
+
+
 def add_lock_options(parser: argparse.ArgumentParser, *, attempts: bool = True) -> None:
     """``--lock-timeout`` (and ``--attempts``): how long DDL waits for a lock, how often it tries."""
     env_option(parser, "--lock-timeout", env="COMPOSER_RETENTION_LOCK_TIMEOUT", type=float, default=2.0,
@@ -63,7 +76,8 @@ def register(psub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg
                     "listed), 1 a month could not be archived, 2 bad input.")
     add_cutoff_option(arc)
     env_option(arc, "--to", dest="target", env="COMPOSER_ARCHIVE_DIR", metavar="DIR",
-               help="the archive directory (created if missing; an earlier archive of a month is replaced)")
+               help="the archive directory (created if missing; ~ is expanded; an empty value is refused; an earlier "
+                    "archive of a month is replaced)")
     arc.add_argument("--dry-run", action="store_true", help="list the months it would archive, write nothing")
     add_json_option(arc)
 
@@ -94,7 +108,7 @@ def register(psub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg
                     "(or would restore), 1 the archive is bad or the restore failed, 2 bad input.")
     rst.add_argument("month", metavar="MONTH", help="the month to restore, YYYYMM")
     env_option(rst, "--from", dest="source", env="COMPOSER_ARCHIVE_DIR", metavar="DIR",
-               help="the archive directory (the one `partitions archive --to` wrote)")
+               help="the archive directory (the one `partitions archive --to` wrote; ~ is expanded)")
     add_yes_option(rst, "restore for real (without: verify and say what it would do)")
     add_json_option(rst)
     add_lock_options(rst, attempts=False)
@@ -105,9 +119,7 @@ def cmd_restore(args: argparse.Namespace) -> int:
     from composer_ops.engine.archive import restore_month
 
     month_start(args.month)                                  # YYYYMM, else exit 2
-    if not args.source:
-        raise Invalid("--from DIR is required (or COMPOSER_ARCHIVE_DIR)")
-    source = Path(args.source).expanduser()
+    source = archive_directory(args.source, "--from")
     if not source.is_dir():          # bad input, exit 2: a damaged archive is exit 1
         raise Invalid(f"--from {args.source}: no such directory")
     with progress_bars() as bars:
@@ -133,10 +145,9 @@ def cmd_archive(args: argparse.Namespace) -> int:
     from composer_ops.engine.archive import archive_due
 
     when = cutoff(args)
-    if not args.target:
-        raise Invalid("--to DIR is required (or COMPOSER_ARCHIVE_DIR)")
+    target = archive_directory(args.target, "--to")
     with progress_bars() as bars:
-        result = archive_due(database_url(args), when, Path(args.target), dry_run=args.dry_run,
+        result = archive_due(database_url(args), when, target, dry_run=args.dry_run,
                              actor=actor(args), progress=bars)
     if args.json:
         emit_json({"cutoff": result.cutoff, "dry_run": args.dry_run,
@@ -164,7 +175,7 @@ def cmd_detach(args: argparse.Namespace) -> int:
 
 def drop_archived(args: argparse.Namespace, when: Cutoff) -> int:
     """``partitions drop --archive DIR``: archive each month, drop it once verified."""
-    return _retire(args, when, archive_dir=Path(args.archive), keep_table=False)
+    return _retire(args, when, archive_dir=archive_directory(args.archive, "--archive"), keep_table=False)
 
 
 def _retire(args: argparse.Namespace, when: Cutoff, *, archive_dir: Path | None, keep_table: bool) -> int:

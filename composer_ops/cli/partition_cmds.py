@@ -52,7 +52,8 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     archive_cmds.add_lock_options(drp)
     env_option(drp, "--archive", env="COMPOSER_ARCHIVE_DIR", metavar="DIR",
                help="archive each month first (as `partitions archive` does) and drop it only once its archive "
-                    "verified and its rows are unchanged, month by month")
+                    "verified and its rows are unchanged, month by month; ~ is expanded, an empty value is refused "
+                    "(exit 2)")
     archive_cmds.register(psub)
 
 
@@ -103,7 +104,7 @@ def cmd_drop(args: argparse.Namespace) -> int:
 
     when = archive_cmds.cutoff(args)
     dropped: list[str] | None = None
-    if args.archive:
+    if args.archive is not None:        # given, even empty: an empty one is refused, never a plain drop
         return archive_cmds.drop_archived(args, when)
     if args.yes:
         result = drop_due_months(args.database_url, when, lock_timeout_s=args.lock_timeout,
