@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from composer_ops.cli._common import (
     EXIT_FAILED,
@@ -23,6 +23,9 @@ from composer_ops.cli._common import (
 from composer_ops.cli.admin_cmds import actor, progress_bars
 from composer_ops.core.cutoff import Cutoff, parse_cutoff
 from composer_ops.errors import Invalid
+
+if TYPE_CHECKING:
+    from composer_ops.engine.archive import MonthArchived
 
 
 def add_cutoff_option(parser: argparse.ArgumentParser) -> None:
@@ -71,13 +74,15 @@ def register(psub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg
         description="For the months the retention plan would drop for --older-than (the plan `partitions drop` "
                     "follows), write each run table's partition to DIR/YYYYMM/<table>.parquet (zstd) with a "
                     "manifest (month, bounds, rows, schema version, SHA-256 of every file and of its content), "
-                    "re-read every file to verify it, and only then move it into place and write an audit row. "
+                    "re-read every file to verify it, and only then move it into place and write an audit row. An "
+                    "archive of the month in DIR holding more rows of a table than the month now does is kept "
+                    "and the month refused (exit 1; the other months go on). "
                     "Nothing in the database changes except the audit rows. Exit 0 archived (or, with --dry-run, "
                     "listed), 1 a month could not be archived, 2 bad input.")
     add_cutoff_option(arc)
     env_option(arc, "--to", dest="target", env="COMPOSER_ARCHIVE_DIR", metavar="DIR",
                help="the archive directory (created if missing; ~ is expanded; an empty value is refused; an earlier "
-                    "archive of a month is replaced)")
+                    "archive of a month is replaced, unless it holds more rows of a table: that month is refused)")
     arc.add_argument("--dry-run", action="store_true", help="list the months it would archive, write nothing")
     add_json_option(arc)
 
@@ -102,7 +107,8 @@ def register(psub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg
         psub, "restore", cmd_restore, help="re-import an archived month with COPY (dry-run unless --yes)",
         description="Verify DIR/MONTH against its manifest (every file re-read), then with --yes create the "
                     "month's partitions where they are missing and COPY every table back in one transaction, "
-                    "which checks the rows against the manifest and writes an audit row. A month whose "
+                    "which checks the rows against the manifest and writes an audit row (when it fails, the "
+                    "partitions it created are dropped again). A month whose "
                     "partitions hold rows is refused, and so, before anything is written, is an archive whose "
                     "runs are of a definition version the database does not hold (exit 2). Exit 0 restored "
                     "(or would restore), 1 the archive is bad or the restore failed, 2 bad input.")
@@ -152,21 +158,31 @@ def cmd_archive(args: argparse.Namespace) -> int:
     if args.json:
         emit_json({"cutoff": result.cutoff, "dry_run": args.dry_run,
                    "months": [{"month": m.month, "path": m.path, "rows": m.rows, "archived": m.written,
-                               "partitions": m.partitions} for m in result.months],
+                               "refused": m.refused or None, "partitions": m.partitions} for m in result.months],
                    "kept": [{"month": month, "reason": reason} for month, reason in result.kept]})
-        return EXIT_OK
+        return _refused_exit(result.months)
     print(f"retention cut-off {result.cutoff:%Y-%m-%dT%H:%M:%SZ}: "
           f"{'dry-run' if args.dry_run else 'archiving'} the months it would drop")
     for m in result.months:
         if m.written:
             print(f"archived {m.month}: {m.rows} rows, verified, in {m.path}")
+        elif m.refused:
+            print(f"refused {m.month}: {m.refused}")
         else:
             print(f"would archive {m.month}: about {m.rows} rows to {m.path}")
     if not result.months:
         print("no month is due for retention: nothing to archive")
     elif args.dry_run:
         print("nothing was written (run it without --dry-run to archive)")
-    return EXIT_OK
+    return _refused_exit(result.months)
+
+
+def _refused_exit(months: list[MonthArchived]) -> int:
+    """0, or 1 naming on stderr each month not archived (the others were)."""
+    for m in months:
+        if m.refused:
+            sys.stderr.write(f"composer-ops: month {m.month} not archived: {m.refused}\n")
+    return EXIT_FAILED if any(m.refused for m in months) else EXIT_OK
 
 
 def cmd_detach(args: argparse.Namespace) -> int:
@@ -218,5 +234,5 @@ def _retire(args: argparse.Namespace, when: Cutoff, *, archive_dir: Path | None,
             print("nothing was changed (add --yes)")
     refused = [m for m in result.months if m.outcome == "refused"]
     for m in refused:
-        sys.stderr.write(f"composer-ops: month {m.month} not detached: {m.reason}\n")
+        sys.stderr.write(f"composer-ops: month {m.month} not {'detached' if keep_table else 'dropped'}: {m.reason}\n")
     return EXIT_FAILED if refused else blocked_exit(result.blocked)

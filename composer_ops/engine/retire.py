@@ -25,7 +25,7 @@ import psycopg
 
 from composer_ops.core.actor import Actor
 from composer_ops.core.cutoff import Cutoff
-from composer_ops.core.manifest import BadArchive, Manifest, month_dir
+from composer_ops.core.manifest import ArchiveKept, BadArchive, Manifest, month_dir
 from composer_ops.db import connect
 from composer_ops.db.retry import backoff_delay
 from composer_ops.engine.archive import Progress, content_fingerprint, export_month
@@ -112,6 +112,10 @@ def retire_months(url: str | None, older_than: datetime | str | Cutoff, *, archi
                 try:
                     manifest = export_month(conn, month.month, archive_dir, progress=progress,
                                             on_exported=lambda c, m: _audit_archived(c, m, actor, archive_dir))
+                except ArchiveKept as exc:      # refused; the other months go on
+                    done.append(MonthRetired(month=month.month, outcome="refused", reason=str(exc),
+                                             partitions=list(month.partitions), rows=month.rows))
+                    continue
                 except BadArchive as exc:
                     raise BadArchive(f"month {month.month} was not dropped: its archive did not verify ({exc})"
                                      + _so_far(done)) from exc
