@@ -197,6 +197,7 @@ def drop_archived(args: argparse.Namespace, when: Cutoff) -> int:
 def _retire(args: argparse.Namespace, when: Cutoff, *, archive_dir: Path | None, keep_table: bool) -> int:
     from composer_ops.cli.partition_cmds import blocked_exit
     from composer_ops.core.manifest import BadArchive
+    from composer_ops.engine.retention import misaligned
     from composer_ops.engine.retire import retire_months
 
     if archive_dir is not None and args.yes:
@@ -226,7 +227,7 @@ def _retire(args: argparse.Namespace, when: Cutoff, *, archive_dir: Path | None,
             why = f" ({m.reason})" if m.reason else ""
             print(f"{m.outcome} {m.month}: {m.rows} rows{where}{why}")
         for planned in result.plan:
-            if planned.action == "keep" and planned.reason != "too new":
+            if planned.action == "keep" and planned.reason != "too new" and planned not in misaligned(result.plan):
                 print(f"kept {planned.month}: {planned.reason} ({planned.active_runs} active runs)")
         if not result.months:
             print("no month is due for retention")

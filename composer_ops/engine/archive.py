@@ -43,6 +43,7 @@ from composer_ops.core.manifest import (
 from composer_ops.core.runids import month_bounds, month_start
 from composer_ops.db import connect
 from composer_ops.db.retry import db_retry
+from composer_ops.engine.retention import misaligned
 from composer_ops.errors import ComposerError, Invalid
 from composer_ops.repo import archive as repo
 from composer_ops.repo import audit, partitions, retention
@@ -542,9 +543,11 @@ def archive_due(url: str | None, older_than: datetime | str | Cutoff, directory:
                 audit.require_record(conn, "partitions archive")    # before any file or directory is written
             plan = retention.plan(conn, older_than)      # the one `partitions drop` follows
             cutoff, due, kept = plan.cutoff, plan.due, plan.kept
+        done: list[MonthArchived] = [
+            MonthArchived(month=m.month, path=str(month_dir(directory, m.month)), partitions=list(m.partitions),
+                          rows=m.rows, written=False, refused=m.reason) for m in misaligned(plan.months)]
         if not dry_run:
             check_directory(directory)
-        done: list[MonthArchived] = []
         for month in due:
             target = month_dir(directory, month.month)
             if dry_run:
@@ -560,7 +563,7 @@ def archive_due(url: str | None, older_than: datetime | str | Cutoff, directory:
                 continue
             done.append(MonthArchived(month=month.month, path=str(target), partitions=list(month.partitions),
                                       rows=manifest.rows, written=True))
-    return ArchiveResult(cutoff=cutoff, months=done, kept=kept)
+    return ArchiveResult(cutoff=cutoff, months=sorted(done, key=lambda m: m.month), kept=kept)
 
 
 def _audit_archive(conn: Conn, manifest: Manifest, *, actor: Actor | None, target: Path) -> None:

@@ -29,7 +29,7 @@ from composer_ops.core.manifest import ArchiveKept, BadArchive, Manifest, month_
 from composer_ops.db import connect
 from composer_ops.db.retry import backoff_delay
 from composer_ops.engine.archive import Progress, content_fingerprint, export_month
-from composer_ops.engine.retention import BLOCKED_REASONS
+from composer_ops.engine.retention import BLOCKED_REASONS, misaligned
 from composer_ops.errors import ComposerError, Invalid, Transient
 from composer_ops.repo import archive as repo
 from composer_ops.repo import audit, citus, partitions, retention
@@ -98,13 +98,15 @@ def retire_months(url: str | None, older_than: datetime | str | Cutoff, *, archi
             copies = {m.month: repo.detached_copies(conn, m.month, RUN_TABLES) for m in judged.due} \
                 if keep_table else {}
         plan, cutoff, due = judged.months, judged.cutoff, judged.due
+        refused = [MonthRetired(month=m.month, outcome="refused", reason=m.reason, partitions=list(m.partitions),
+                                rows=m.rows) for m in misaligned(plan)]
         if not yes:
-            return RetireResult(cutoff=cutoff, plan=plan, applied=False, months=[
+            return RetireResult(cutoff=cutoff, plan=plan, applied=False, months=_by_month(refused, [
                 MonthRetired(month=m.month, outcome="refused", reason=_copies_refused(copies[m.month]))
                 if copies.get(m.month) else
                 MonthRetired(month=m.month, outcome="would detach" if keep_table else "would drop",
                              partitions=list(m.partitions), rows=m.rows,
-                             archive=str(month_dir(archive_dir, m.month)) if archive_dir else None) for m in due])
+                             archive=str(month_dir(archive_dir, m.month)) if archive_dir else None) for m in due]))
         done: list[MonthRetired] = []
         for month in due:
             manifest = None
@@ -124,7 +126,11 @@ def retire_months(url: str | None, older_than: datetime | str | Cutoff, *, archi
                                     f"{request}:{month.month}", lock_timeout_s, max_attempts))
             except BadArchive as exc:
                 raise BadArchive(f"{exc}{_so_far(done)}") from exc
-    return RetireResult(cutoff=cutoff, plan=plan, months=done, applied=True)
+    return RetireResult(cutoff=cutoff, plan=plan, months=_by_month(refused, done), applied=True)
+
+
+def _by_month(*parts: list[MonthRetired]) -> list[MonthRetired]:
+    return sorted((m for part in parts for m in part), key=lambda m: m.month)
 
 
 def _copies_refused(copies: list[str]) -> str:

@@ -24,7 +24,7 @@ from composer_ops.engine import archive
 from composer_ops.errors import ComposerError
 from composer_ops.repo import partitions
 from composer_ops.testing import fixtures
-from tests.integration.helpers import drop_months
+from tests.integration.helpers import drop_months, seed_aligned
 
 MONTHS = [f"{y}{m:02d}" for y in (2024, 2025) for m in range(1, 13)]
 TERMINAL = ["SUCCEEDED", "FAILED", "CANCELLED"]
@@ -153,7 +153,7 @@ def test_archive_drop_restore_gives_back_identical_rows(db_url: str, tmp_path_fa
 
 def _seeded(db_url: str) -> fixtures.SeedInfo:
     with psycopg.connect(db_url) as conn:
-        info = fixtures.seed(conn)
+        info = seed_aligned(conn)
         conn.commit()
     return info
 

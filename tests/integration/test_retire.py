@@ -19,13 +19,14 @@ from composer_ops.core.manifest import BadArchive
 from composer_ops.engine import archive, retire
 from composer_ops.repo import partitions
 from composer_ops.testing import fixtures
+from tests.integration.helpers import seed_aligned
 
 DUE = ["202412", "202501", "202503"]          # the seed's months the plan drops at 2025-05-01
 
 
 def _seeded(db_url: str) -> fixtures.SeedInfo:
     with psycopg.connect(db_url) as conn:
-        info = fixtures.seed(conn)
+        info = seed_aligned(conn)
         conn.commit()
     return info
 
