@@ -97,12 +97,14 @@ def retire_months(url: str | None, older_than: datetime | str | Cutoff, *, archi
             judged = retention.plan(conn, older_than)
             copies = {m.month: repo.detached_copies(conn, m.month, RUN_TABLES) for m in judged.due} \
                 if keep_table else {}
+            held = {month: _month_rows(conn, month) for month, named in copies.items() if named}
         plan, cutoff, due = judged.months, judged.cutoff, judged.due
         refused = [MonthRetired(month=m.month, outcome="refused", reason=m.reason, partitions=list(m.partitions),
                                 rows=m.rows) for m in misaligned(plan)]
         if not yes:
             return RetireResult(cutoff=cutoff, plan=plan, applied=False, months=_by_month(refused, [
-                MonthRetired(month=m.month, outcome="refused", reason=_copies_refused(copies[m.month]))
+                MonthRetired(month=m.month, outcome="refused", reason=_copies_refused(copies[m.month]),
+                             partitions=list(m.partitions), rows=held[m.month])
                 if copies.get(m.month) else
                 MonthRetired(month=m.month, outcome="would detach" if keep_table else "would drop",
                              partitions=list(m.partitions), rows=m.rows,
@@ -199,7 +201,8 @@ def _retire_once(conn: psycopg.Connection[Any], month: str, cutoff: datetime, ma
         if first is None or first.action != "drop":
             return MonthRetired(month=month, outcome="kept", reason=first.reason if first else "no longer exists")
         if keep_table and (copies := repo.detached_copies(conn, month, RUN_TABLES)):
-            return MonthRetired(month=month, outcome="refused", reason=_copies_refused(copies))
+            return MonthRetired(month=month, outcome="refused", reason=_copies_refused(copies),
+                                partitions=list(first.partitions), rows=_month_rows(conn, month))
         # SHARE while the month is judged and its rows compared: no writer gets in, and
         # readers (the coordinator's scans) go on, so none of them holds the run tables
         # while waiting for the month when the drop asks for the tables below.
@@ -225,6 +228,11 @@ def _retire_once(conn: psycopg.Connection[Any], month: str, cutoff: datetime, ma
                      detail={"cutoff": cutoff.isoformat(), "partitions": handled, "archive": archive,
                              "schema": repo.DETACHED_SCHEMA if keep_table else None})
     return MonthRetired(month=month, outcome=outcome, partitions=handled, rows=rows, archive=archive)
+
+
+def _month_rows(conn: psycopg.Connection[Any], month: str) -> int:
+    """The rows ``month``'s partitions hold, counted (what a refused month reports)."""
+    return sum(repo.row_count(conn, p) for p in (f"{t}_p{month}" for t in RUN_TABLES) if repo.exists(conn, p))
 
 
 def _judged(conn: psycopg.Connection[Any], cutoff: datetime, month: str) -> RetentionMonth | None:

@@ -144,3 +144,23 @@ def test_every_action_the_runbooks_take_is_listed_by_its_name(db_url: str,
         assert action in capsys.readouterr().out
     with psycopg.connect(db_url) as conn, pytest.raises(ValueError, match="'runs kill' is not one of ACTIONS"):
         audit.record(conn, "runs kill", actor=None, target=None, counts={})
+
+
+def test_drop_with_archive_counts_each_months_rows_once(
+        db_url: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``drop --archive`` writes an archive row and a drop row per month, each counting the
+    month's rows: the command's counts are per action, not their sum (twice the rows)."""
+    import json
+
+    with psycopg.connect(db_url) as conn:
+        seed_aligned(conn)
+        conn.commit()
+    assert main(["partitions", "drop", "--older-than", "2025-02-01", "--archive", str(tmp_path / "a"), "--yes",
+                 "--database-url", db_url]) == 0
+    capsys.readouterr()
+    assert main(["audit", "list", "--database-url", db_url]) == 0
+    [line] = capsys.readouterr().out.strip().splitlines()
+    assert "[partitions archive: rows 12; partitions drop: rows 12, " in line and "4 transaction(s)" in line, line
+    assert main(["audit", "list", "--json", "--database-url", db_url]) == 0
+    [command] = json.loads(capsys.readouterr().out)
+    assert command["counts"]["partitions archive"]["rows"] == command["counts"]["partitions drop"]["rows"] == 12

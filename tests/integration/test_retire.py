@@ -144,12 +144,15 @@ def test_detach_keeps_the_months_as_tables(db_url: str, capsys: pytest.CaptureFi
     # names, so it is refused, dry run or not, and the copy is left as it was.
     with psycopg.connect(db_url) as conn:
         partitions.ensure_from(conn, date(2025, 1, 1), 0)
+        conn.execute("""INSERT INTO workflow_runs (id, workflow_definition_id, workflow_version, status, input_json)
+                        SELECT id, workflow_definition_id, workflow_version, status, input_json
+                          FROM composer_detached.workflow_runs_p202501""")
     for argv in (base, [*base, "--yes"]):
         assert main(argv) == 1
         captured = capsys.readouterr()
         assert "month 202501 not detached: a detached copy of the month is already in composer_detached " \
                "(run_history_p202501, task_instances_p202501, " in captured.err, captured.err
-        assert "refused 202501" in captured.out
+        assert "refused 202501: 3 rows" in captured.out, captured.out      # the rows the month holds
     assert "202501" in _months(db_url) and _audit(db_url) == [("partitions detach", m) for m in DUE]
     with psycopg.connect(db_url) as conn:
         assert conn.execute("SELECT count(*) FROM composer_detached.task_instances_p202501").fetchone() == before
