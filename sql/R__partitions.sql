@@ -48,6 +48,40 @@ BEGIN
 END;
 $$;
 
+-- How partition `part`'s bounds differ from those of the month its name ends in
+-- (_pYYYYMM): NULL when they are exactly that month's; else its real bounds, as UTC
+-- instants ('[2027-04-01 00:00, 2027-05-01 00:00) UTC'), or as declared when they are
+-- not UUIDv7 texts. The one check of it: the partition reports flag such a partition
+-- (repo/partitions.py, CATALOG_SQL: bounds_match) and the retention plan refuses its
+-- month (sql/R__retention.sql), which its name would misjudge.
+CREATE OR REPLACE FUNCTION composer_misaligned_bounds(part REGCLASS) RETURNS TEXT
+LANGUAGE plpgsql STABLE AS $$
+DECLARE
+    bound TEXT;
+    month DATE;
+    lo TEXT;
+    hi TEXT;
+BEGIN
+    SELECT pg_get_expr(c.relpartbound, c.oid), composer_suffix_month(substring(c.relname FROM '_p(\d{6})$'))
+      INTO bound, month FROM pg_class c WHERE c.oid = part;
+    IF month IS NOT NULL AND bound = format('FOR VALUES FROM (%L) TO (%L)',
+            composer_uuid7_bound(month::timestamp AT TIME ZONE 'UTC'),
+            composer_uuid7_bound((month + INTERVAL '1 month') AT TIME ZONE 'UTC')) THEN
+        RETURN NULL;
+    END IF;
+    lo := substring(bound FROM 'FROM \(''([0-9a-f]{8}-[0-9a-f]{4})-[^'']*''\)');
+    hi := substring(bound FROM 'TO \(''([0-9a-f]{8}-[0-9a-f]{4})-[^'']*''\)');
+    IF lo IS NULL OR hi IS NULL THEN
+        RETURN COALESCE(bound, 'no bounds');
+    END IF;
+    RETURN format('[%s, %s) UTC',
+                  to_char(to_timestamp(('x' || lpad(replace(lo, '-', ''), 16, '0'))::bit(64)::bigint / 1000.0)
+                          AT TIME ZONE 'UTC', 'YYYY-MM-DD HH24:MI'),
+                  to_char(to_timestamp(('x' || lpad(replace(hi, '-', ''), 16, '0'))::bit(64)::bigint / 1000.0)
+                          AT TIME ZONE 'UTC', 'YYYY-MM-DD HH24:MI'));
+END;
+$$;
+
 -- The first instant (UTC) of the month that contains `day`.
 CREATE OR REPLACE FUNCTION composer_month_start(day DATE) RETURNS TIMESTAMPTZ
 LANGUAGE sql IMMUTABLE AS $$

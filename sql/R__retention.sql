@@ -7,6 +7,8 @@
 
 -- One row per partition month (YYYYMM suffix), oldest first:
 --   action 'drop' | 'keep'; reason 'too new' | 'has active runs' | 'has live children' |
+--   'bounds do not match its name: <partition> holds [<from>, <to>) UTC; ...' (its month's
+--   partitions whose bounds are not the month's, composer_misaligned_bounds: refused) |
 --   'past cut-off, no active runs';
 --   active_runs / active_run_ids: RUNNING or PENDING runs of the month (first 20 ids), or for
 --   'has live children' the finished runs of the month whose SUB_WORKFLOW child runs (in
@@ -28,6 +30,7 @@ DECLARE
     part TEXT;
     n BIGINT;
     runs_part TEXT;
+    misaligned TEXT;
     horizon TIMESTAMPTZ;
 BEGIN
     IF older_than IS NULL OR min_age IS NULL THEN
@@ -73,6 +76,19 @@ BEGIN
             action := 'keep';
             reason := 'too new';
         ELSE
+            -- A partition whose bounds are not its name's month holds other rows than the
+            -- month's: judged by its name it could be dropped with newer runs in it.
+            SELECT string_agg(format('%s holds %s', x.part, composer_misaligned_bounds(to_regclass(format('%I', x.part)))),
+                              '; ' ORDER BY x.ord)
+              INTO misaligned
+              FROM unnest(m.parts) WITH ORDINALITY AS x(part, ord)
+             WHERE composer_misaligned_bounds(to_regclass(format('%I', x.part))) IS NOT NULL;
+            IF misaligned IS NOT NULL THEN
+                action := 'keep';
+                reason := 'bounds do not match its name: ' || misaligned;
+                RETURN NEXT;
+                CONTINUE;
+            END IF;
             runs_part := 'workflow_runs_p' || m.suffix;
             IF runs_part = ANY(m.parts) THEN
                 EXECUTE format('SELECT count(*), COALESCE((array_agg(id ORDER BY id))[1:20], ARRAY[]::TEXT[])

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from composer_ops.cli._common import (
     EXIT_FAILED,
@@ -24,6 +24,9 @@ from composer_ops.cli.admin_cmds import actor, progress_bars
 from composer_ops.core.cutoff import Cutoff, parse_cutoff
 from composer_ops.errors import Invalid
 
+if TYPE_CHECKING:
+    from composer_ops.engine.archive import MonthArchived
+
 
 def add_cutoff_option(parser: argparse.ArgumentParser) -> None:
     """``--older-than WHEN``: the retention cut-off every plan-driven command takes."""
@@ -37,6 +40,19 @@ def cutoff(args: argparse.Namespace) -> Cutoff:
     if not args.older_than:
         raise Invalid("--older-than WHEN is required (an ISO date, an ISO instant, or an age like 90d)")
     return parse_cutoff(args.older_than)
+
+
+def archive_directory(value: str | None, flag: str) -> Path:
+    """The archive directory given as ``flag`` (or COMPOSER_ARCHIVE_DIR), ``~`` expanded:
+    the one reading of it for ``--to``, ``--archive`` and ``--from``. :class:`Invalid`
+    (exit 2, before anything is done) when it is missing, empty or blank: an unset shell
+    variable must not turn ``drop --archive "$DIR"`` into a drop without an archive."""
+    if value is None:
+        raise Invalid(f"{flag} DIR is required (or COMPOSER_ARCHIVE_DIR)")
+    if not value.strip():
+        raise Invalid(f"{flag} {value!r} (or COMPOSER_ARCHIVE_DIR): the archive directory is empty; "
+                      "name a directory (an unset shell variable?)")
+    return Path(value).expanduser()
 
 
 def add_lock_options(parser: argparse.ArgumentParser, *, attempts: bool = True) -> None:
@@ -58,12 +74,15 @@ def register(psub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg
         description="For the months the retention plan would drop for --older-than (the plan `partitions drop` "
                     "follows), write each run table's partition to DIR/YYYYMM/<table>.parquet (zstd) with a "
                     "manifest (month, bounds, rows, schema version, SHA-256 of every file and of its content), "
-                    "re-read every file to verify it, and only then move it into place and write an audit row. "
+                    "re-read every file to verify it, and only then move it into place and write an audit row. An "
+                    "archive of the month in DIR holding more rows of a table than the month now does is kept "
+                    "and the month refused (exit 1; the other months go on). "
                     "Nothing in the database changes except the audit rows. Exit 0 archived (or, with --dry-run, "
                     "listed), 1 a month could not be archived, 2 bad input.")
     add_cutoff_option(arc)
     env_option(arc, "--to", dest="target", env="COMPOSER_ARCHIVE_DIR", metavar="DIR",
-               help="the archive directory (created if missing; an earlier archive of a month is replaced)")
+               help="the archive directory (created if missing; ~ is expanded; an empty value is refused; an earlier "
+                    "archive of a month is replaced, unless it holds more rows of a table: that month is refused)")
     arc.add_argument("--dry-run", action="store_true", help="list the months it would archive, write nothing")
     add_json_option(arc)
 
@@ -88,13 +107,14 @@ def register(psub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg
         psub, "restore", cmd_restore, help="re-import an archived month with COPY (dry-run unless --yes)",
         description="Verify DIR/MONTH against its manifest (every file re-read), then with --yes create the "
                     "month's partitions where they are missing and COPY every table back in one transaction, "
-                    "which checks the rows against the manifest and writes an audit row. A month whose "
+                    "which checks the rows against the manifest and writes an audit row (when it fails, the "
+                    "partitions it created are dropped again). A month whose "
                     "partitions hold rows is refused, and so, before anything is written, is an archive whose "
                     "runs are of a definition version the database does not hold (exit 2). Exit 0 restored "
                     "(or would restore), 1 the archive is bad or the restore failed, 2 bad input.")
     rst.add_argument("month", metavar="MONTH", help="the month to restore, YYYYMM")
     env_option(rst, "--from", dest="source", env="COMPOSER_ARCHIVE_DIR", metavar="DIR",
-               help="the archive directory (the one `partitions archive --to` wrote)")
+               help="the archive directory (the one `partitions archive --to` wrote; ~ is expanded)")
     add_yes_option(rst, "restore for real (without: verify and say what it would do)")
     add_json_option(rst)
     add_lock_options(rst, attempts=False)
@@ -105,9 +125,7 @@ def cmd_restore(args: argparse.Namespace) -> int:
     from composer_ops.engine.archive import restore_month
 
     month_start(args.month)                                  # YYYYMM, else exit 2
-    if not args.source:
-        raise Invalid("--from DIR is required (or COMPOSER_ARCHIVE_DIR)")
-    source = Path(args.source).expanduser()
+    source = archive_directory(args.source, "--from")
     if not source.is_dir():          # bad input, exit 2: a damaged archive is exit 1
         raise Invalid(f"--from {args.source}: no such directory")
     with progress_bars() as bars:
@@ -133,29 +151,38 @@ def cmd_archive(args: argparse.Namespace) -> int:
     from composer_ops.engine.archive import archive_due
 
     when = cutoff(args)
-    if not args.target:
-        raise Invalid("--to DIR is required (or COMPOSER_ARCHIVE_DIR)")
+    target = archive_directory(args.target, "--to")
     with progress_bars() as bars:
-        result = archive_due(database_url(args), when, Path(args.target), dry_run=args.dry_run,
+        result = archive_due(database_url(args), when, target, dry_run=args.dry_run,
                              actor=actor(args), progress=bars)
     if args.json:
         emit_json({"cutoff": result.cutoff, "dry_run": args.dry_run,
                    "months": [{"month": m.month, "path": m.path, "rows": m.rows, "archived": m.written,
-                               "partitions": m.partitions} for m in result.months],
+                               "refused": m.refused or None, "partitions": m.partitions} for m in result.months],
                    "kept": [{"month": month, "reason": reason} for month, reason in result.kept]})
-        return EXIT_OK
+        return _refused_exit(result.months)
     print(f"retention cut-off {result.cutoff:%Y-%m-%dT%H:%M:%SZ}: "
           f"{'dry-run' if args.dry_run else 'archiving'} the months it would drop")
     for m in result.months:
         if m.written:
             print(f"archived {m.month}: {m.rows} rows, verified, in {m.path}")
+        elif m.refused:
+            print(f"refused {m.month}: {m.refused}")
         else:
             print(f"would archive {m.month}: about {m.rows} rows to {m.path}")
     if not result.months:
         print("no month is due for retention: nothing to archive")
     elif args.dry_run:
         print("nothing was written (run it without --dry-run to archive)")
-    return EXIT_OK
+    return _refused_exit(result.months)
+
+
+def _refused_exit(months: list[MonthArchived]) -> int:
+    """0, or 1 naming on stderr each month not archived (the others were)."""
+    for m in months:
+        if m.refused:
+            sys.stderr.write(f"composer-ops: month {m.month} not archived: {m.refused}\n")
+    return EXIT_FAILED if any(m.refused for m in months) else EXIT_OK
 
 
 def cmd_detach(args: argparse.Namespace) -> int:
@@ -164,12 +191,13 @@ def cmd_detach(args: argparse.Namespace) -> int:
 
 def drop_archived(args: argparse.Namespace, when: Cutoff) -> int:
     """``partitions drop --archive DIR``: archive each month, drop it once verified."""
-    return _retire(args, when, archive_dir=Path(args.archive), keep_table=False)
+    return _retire(args, when, archive_dir=archive_directory(args.archive, "--archive"), keep_table=False)
 
 
 def _retire(args: argparse.Namespace, when: Cutoff, *, archive_dir: Path | None, keep_table: bool) -> int:
     from composer_ops.cli.partition_cmds import blocked_exit
     from composer_ops.core.manifest import BadArchive
+    from composer_ops.engine.retention import misaligned
     from composer_ops.engine.retire import retire_months
 
     if archive_dir is not None and args.yes:
@@ -199,7 +227,7 @@ def _retire(args: argparse.Namespace, when: Cutoff, *, archive_dir: Path | None,
             why = f" ({m.reason})" if m.reason else ""
             print(f"{m.outcome} {m.month}: {m.rows} rows{where}{why}")
         for planned in result.plan:
-            if planned.action == "keep" and planned.reason != "too new":
+            if planned.action == "keep" and planned.reason != "too new" and planned not in misaligned(result.plan):
                 print(f"kept {planned.month}: {planned.reason} ({planned.active_runs} active runs)")
         if not result.months:
             print("no month is due for retention")
@@ -207,5 +235,5 @@ def _retire(args: argparse.Namespace, when: Cutoff, *, archive_dir: Path | None,
             print("nothing was changed (add --yes)")
     refused = [m for m in result.months if m.outcome == "refused"]
     for m in refused:
-        sys.stderr.write(f"composer-ops: month {m.month} not detached: {m.reason}\n")
+        sys.stderr.write(f"composer-ops: month {m.month} not {'detached' if keep_table else 'dropped'}: {m.reason}\n")
     return EXIT_FAILED if refused else blocked_exit(result.blocked)

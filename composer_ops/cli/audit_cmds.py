@@ -21,7 +21,8 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         help="operator commands, newest first, one line each",
         description="Every operator action writes audit rows in its own transactions (a bulk cancel one per "
                     "chunk, a retention drop one per month); this lists them one line per command, newest "
-                    "first: when, the action, on what, the counts added up, the transactions, the database "
+                    "first: when, the action, on what, the counts added up (per action for a command of several), "
+                    "the transactions, the database "
                     "role and the command line. Exit 0, 2 for bad input.")
     env_option(lst, "--since", env="COMPOSER_AUDIT_SINCE", metavar="WHEN",
                help="commands that wrote at or after WHEN: an ISO date (midnight UTC), an ISO instant, or an age "
@@ -51,12 +52,17 @@ def cmd_audit_list(args: argparse.Namespace) -> int:
         print("no operator action is recorded" + (" that matches" if since or actions else ""))
         return EXIT_OK
     for c in found:
-        counts = ", ".join(f"{k} {v}" for k, v in c.counts.items() if not isinstance(v, dict))
+        counts = (_counts_text(c.counts) if len(c.actions) == 1 else
+                  "; ".join(f"{a}: {_counts_text(c.counts[a]) or 'no counts'}" for a in c.actions))
         who = f"{c.last.db_role}@{c.last.client_host or c.last.client_addr}"
         print(f"{c.last.at.astimezone(UTC):%Y-%m-%dT%H:%M:%SZ}  {', '.join(c.actions):<18}  "
               f"{', '.join(c.targets) or '-'}  [{counts or 'no counts'}; {len(c.rows)} transaction(s)]  {who}  "
               f"{c.last.command or '-'}")
     return EXIT_OK
+
+
+def _counts_text(counts: dict[str, Any]) -> str:
+    return ", ".join(f"{k} {v}" for k, v in counts.items() if not isinstance(v, dict))
 
 
 def _record(c: Any) -> dict[str, Any]:

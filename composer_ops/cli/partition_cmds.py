@@ -8,7 +8,16 @@ from datetime import datetime
 from typing import Any
 
 from composer_ops.cli import archive_cmds
-from composer_ops.cli._common import EXIT_OK, add_command, add_json_option, at_least, emit_json, env_option, open_engine
+from composer_ops.cli._common import (
+    EXIT_FAILED,
+    EXIT_OK,
+    add_command,
+    add_json_option,
+    at_least,
+    emit_json,
+    env_option,
+    open_engine,
+)
 from composer_ops.cli.admin_cmds import actor
 from composer_ops.db import connect
 from composer_ops.ops.display import iec_bytes
@@ -37,10 +46,13 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         psub, "drop", cmd_drop, database="reads",
         help="retention: drop whole months older than a cut-off (dry-run unless --yes)",
         description="Show (default) or apply the retention plan: every partition month ended at or before "
-                    "the cut-off (and at least an hour ago) with no RUNNING/PENDING run is dropped, for every "
+                    "the cut-off (and at least an hour ago) with no RUNNING/PENDING run, and whose partitions' bounds "
+                    "are its name's month, is dropped, for every "
                     f"run-scoped table ({tables}). The dry-run and --yes use the same SQL plan "
                     "(composer_retention_plan); --yes judges each month again while holding its partitions' locks.",
-        epilog="Exit codes: 0 ok; 1 failed (nothing dropped in the failing attempt); 2 bad input; "
+        epilog="Exit codes: 0 ok; 1 failed (nothing dropped in the failing attempt), or a month was refused "
+               "because a partition of it has bounds that are not its name's month (named on stderr with its "
+               "bounds; dry run or not, the rest of the plan goes on); 2 bad input; "
                "3 months past the cut-off were kept because they still have active runs (named on stderr; "
                "the rest of the plan was applied).")
     archive_cmds.add_cutoff_option(drp)
@@ -52,7 +64,8 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     archive_cmds.add_lock_options(drp)
     env_option(drp, "--archive", env="COMPOSER_ARCHIVE_DIR", metavar="DIR",
                help="archive each month first (as `partitions archive` does) and drop it only once its archive "
-                    "verified and its rows are unchanged, month by month")
+                    "verified and its rows are unchanged, month by month; ~ is expanded, an empty value is refused "
+                    "(exit 2)")
     archive_cmds.register(psub)
 
 
@@ -98,12 +111,12 @@ def _records(plan: list[RetentionMonth], cutoff: datetime, dropped: list[str] | 
 
 
 def cmd_drop(args: argparse.Namespace) -> int:
-    from composer_ops.engine.retention import BLOCKED_REASONS, drop_due_months
+    from composer_ops.engine.retention import BLOCKED_REASONS, drop_due_months, misaligned
     from composer_ops.repo import retention
 
     when = archive_cmds.cutoff(args)
     dropped: list[str] | None = None
-    if args.archive:
+    if args.archive is not None:        # given, even empty: an empty one is refused, never a plain drop
         return archive_cmds.drop_archived(args, when)
     if args.yes:
         result = drop_due_months(args.database_url, when, lock_timeout_s=args.lock_timeout,
@@ -119,7 +132,11 @@ def cmd_drop(args: argparse.Namespace) -> int:
         emit_json(_records(plan, cutoff, dropped))
     else:
         _print_plan(plan, cutoff, when.text, dropped)
-    return blocked_exit(blocked)
+    code = blocked_exit(blocked)
+    for m in misaligned(plan):
+        sys.stderr.write(f"composer-ops: month {m.month} not dropped: {m.reason}\n")
+        code = EXIT_FAILED
+    return code
 
 
 def blocked_exit(blocked: list[RetentionMonth]) -> int:

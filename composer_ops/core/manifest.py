@@ -14,8 +14,8 @@ from pathlib import Path
 from composer_ops.core.runids import month_start
 from composer_ops.errors import ComposerError
 
-__all__ = ["FORMAT", "MANIFEST", "RENAMED_COLUMNS", "BadArchive", "Manifest", "TableArchive", "current_column",
-           "month_dir", "read_manifest"]
+__all__ = ["FORMAT", "MANIFEST", "RENAMED_COLUMNS", "ArchiveKept", "BadArchive", "Manifest", "TableArchive",
+           "current_column", "fewer_rows", "month_dir", "read_manifest"]
 
 #: The manifest's ``format``: readers refuse any other.
 FORMAT = "composer-archive/1"
@@ -24,6 +24,11 @@ MANIFEST = "manifest.json"
 
 class BadArchive(ComposerError):
     """An archive that is missing, partial or does not match its manifest."""
+
+
+class ArchiveKept(ComposerError):
+    """A month not archived because the archive of it in place holds more rows of a
+    table than the month now does (:func:`fewer_rows`): the old archive is kept."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -74,6 +79,22 @@ class Manifest:
             raise
         except (ValueError, TypeError, KeyError, AttributeError) as exc:
             raise BadArchive(f"{where}: not a readable archive manifest ({exc})") from None
+
+
+def fewer_rows(old: Manifest, new: Manifest) -> str:
+    """Why ``new`` must not replace ``old``, an archive of the same month in place: the
+    first table of which it holds fewer rows, named with both counts; '' when it may (the
+    same rows archived again, as a ``drop --archive`` run again after an interruption
+    does, or more). A month emptied by a failed restore must never overwrite its only
+    copy."""
+    for entry in old.tables:
+        now = new.table(entry.table)
+        rows = now.rows if now is not None else 0
+        if rows < entry.rows:
+            return (f"the archive in place holds {entry.rows} rows of {entry.table}, the month now {rows}: "
+                    "an archive is never replaced by one with fewer rows (restore the month from it, or archive "
+                    "into another directory)")
+    return ""
 
 
 def month_dir(directory: Path, month: str) -> Path:

@@ -31,16 +31,19 @@ from composer_ops.core.cutoff import Cutoff
 from composer_ops.core.manifest import (
     FORMAT,
     MANIFEST,
+    ArchiveKept,
     BadArchive,
     Manifest,
     TableArchive,
     current_column,
+    fewer_rows,
     month_dir,
     read_manifest,
 )
 from composer_ops.core.runids import month_bounds, month_start
 from composer_ops.db import connect
 from composer_ops.db.retry import db_retry
+from composer_ops.engine.retention import misaligned
 from composer_ops.errors import ComposerError, Invalid
 from composer_ops.repo import archive as repo
 from composer_ops.repo import audit, partitions, retention
@@ -130,7 +133,9 @@ def export_month(conn: Conn, month: str, directory: Path, *, progress: Progress 
     them; returns the manifest. One REPEATABLE READ transaction on ``conn`` reads
     everything; ``on_exported`` runs in it after the files are verified and in place
     (the caller's audit row), and the transaction commits after it. A month whose
-    partitions do not exist is :class:`Invalid`. ``before_verify`` sees the files before
+    partitions do not exist is :class:`Invalid`; one whose archive in place holds more
+    rows of a table than the month now does is :class:`ArchiveKept`, the archive in
+    place untouched (:func:`~composer_ops.core.manifest.fewer_rows`). ``before_verify`` sees the files before
     they are verified (tests corrupt them there)."""
     shown = progress or _Silent()
     directory = Path(directory)
@@ -153,6 +158,7 @@ def export_month(conn: Conn, month: str, directory: Path, *, progress: Progress 
             if before_verify is not None:
                 before_verify(work)
             verify_month(work, month=month, progress=shown)
+            _refuse_fewer_rows(target, manifest)
             _move_into_place(work, target)
         except BaseException:
             shutil.rmtree(work, ignore_errors=True)
@@ -197,6 +203,18 @@ def content_fingerprint(conn: Conn, partition: str) -> tuple[int, str]:
     """:func:`repo.archive.fingerprint` of a partition; ``(0, "0")``, what an empty one
     gives, when it does not exist."""
     return repo.fingerprint(conn, partition) if repo.exists(conn, partition) else (0, "0")
+
+
+def _refuse_fewer_rows(target: Path, manifest: Manifest) -> None:
+    """:class:`ArchiveKept` when the archive at ``target`` (a manifest in place was
+    verified before it was moved there) holds more rows of a table than ``manifest``."""
+    try:
+        old = read_manifest(target)
+    except BadArchive:
+        return                     # no archive there (nothing, or a partial one): nothing to keep
+    reason = fewer_rows(old, manifest)
+    if reason:
+        raise ArchiveKept(f"{target}: {reason}")
 
 
 def _move_into_place(work: Path, target: Path) -> None:
@@ -381,10 +399,12 @@ def restore_month(url: str | None, month: str, directory: Path, *, yes: bool, ac
     file re-read), then, with ``yes``, create the month's partitions where missing (a
     short transaction of its own, so nothing queues behind the copy), and COPY every
     table in one transaction that also checks the rows against the manifest and writes
-    the audit row. Without ``yes`` nothing is written: the result says what would be
-    restored. Partitions holding rows are refused (:class:`ComposerError`), and so are
-    runs of a definition version the database does not hold (:class:`Invalid`), with
-    ``yes`` or without."""
+    the audit row. When the copy fails, the partitions this call created are dropped
+    again if they are still empty: empty partitions left behind would look like an
+    empty month to the next ``drop --archive``. Without ``yes`` nothing is written: the
+    result says what would be restored. Partitions holding rows are refused
+    (:class:`ComposerError`), and so are runs of a definition version the database does
+    not hold (:class:`Invalid`), with ``yes`` or without."""
     if lock_timeout_s <= 0:
         raise Invalid(f"lock timeout must be more than 0 seconds, got {lock_timeout_s:g}")
     path = month_dir(Path(directory), month)
@@ -393,27 +413,51 @@ def restore_month(url: str | None, month: str, directory: Path, *, yes: bool, ac
                for t in manifest.tables]
     # Before the month's partitions are made. Nothing locks a definition's row (V019):
     # checked once, as a hand-run DELETE could come after any check.
-    _refuse_before(url, manifest.month, archived_definitions(path, manifest), planned if not yes else [])
+    absent = _refuse_before(url, manifest.month, archived_definitions(path, manifest), planned if not yes else [])
     if not yes:
         return RestoreResult(month=month, source=str(path), tables=planned, applied=False)
     request = request_id or uuid.uuid4().hex
     _create_month(url, month, lock_timeout_s)
-    return _copy_month(url, path, manifest, actor, lock_timeout_s, progress, request)
+    try:
+        return _copy_month(url, path, manifest, actor, lock_timeout_s, progress, request)
+    except BaseException as exc:
+        left = _drop_created(url, month, absent, lock_timeout_s)
+        if left and isinstance(exc, ComposerError):
+            failed = ComposerError(f"{exc}; {left}")
+            failed.exit_code = exc.exit_code
+            raise failed from exc
+        raise
 
 
-# Each attempt of these three opens a connection of its own: a retry after a lost
+def _drop_created(url: str | None, month: str, created: list[str], lock_timeout_s: float) -> str:
+    """Drop the partitions a failed restore created (``created``) that are still empty;
+    what could not be done, or ''."""
+    if not created:
+        return ""
+    try:
+        kept = _drop_if_empty(url, month, created, lock_timeout_s)
+    except ComposerError as exc:
+        return (f"the empty partitions it created ({', '.join(created)}) could not be dropped again ({exc}); "
+                "run the restore again to fill them")
+    return f"{', '.join(kept)} hold rows now and were kept" if kept else ""
+
+
+# Each attempt of these opens a connection of its own: a retry after a lost
 # connection must not run on the dead one.
 
 @db_retry(max_attempts=5, base=0.25, cap=4.0)
-def _refuse_before(url: str | None, month: str, named: Sequence[tuple[str, int]], filled: list[Restored]) -> None:
+def _refuse_before(url: str | None, month: str, named: Sequence[tuple[str, int]],
+                   filled: list[Restored]) -> list[str]:
     """What a restore refuses before it writes: ``filled``'s partitions holding rows (the
-    dry run's check), runs of a definition version the database does not hold."""
+    dry run's check), runs of a definition version the database does not hold. Returns
+    the month's partitions that do not exist (the restore creates them)."""
     with connect(url, application_name="composer-ops partitions restore") as conn:
         for t in filled:
             if repo.exists(conn, t.partition) and (n := repo.row_count(conn, t.partition)):
                 raise ComposerError(f"{t.partition} already holds {n} rows; restore fills only a month that "
                                     "was dropped (or is empty)")
         refuse_missing_definitions(conn, month, named)
+        return [p for p in (f"{t}_p{month}" for t in RUN_TABLES) if not repo.exists(conn, p)]
 
 
 @db_retry(max_attempts=5, base=0.25, cap=4.0)
@@ -421,6 +465,24 @@ def _create_month(url: str | None, month: str, lock_timeout_s: float) -> None:
     with connect(url, application_name="composer-ops partitions restore") as conn, conn.transaction():
         partitions.set_lock_timeout(conn, lock_timeout_s)
         partitions.ensure_from(conn, month_start(month).date(), 0)
+
+
+@db_retry(max_attempts=3, base=0.25, cap=4.0)
+def _drop_if_empty(url: str | None, month: str, created: list[str], lock_timeout_s: float) -> list[str]:
+    """Drop the partitions of ``created`` that exist, unless one of them holds rows (a
+    copy that committed after all); returns those holding rows. Under the partition
+    advisory lock (a restore's copy holds it) and the partitions' own locks."""
+    with connect(url, application_name="composer-ops partitions restore") as conn, conn.transaction():
+        partitions.set_lock_timeout(conn, lock_timeout_s)
+        retention.lock_partitions(conn)
+        present = [p for p in created if repo.exists(conn, p)]
+        if not present:
+            return []
+        retention.lock_tables(conn, present)
+        holding = [p for p in present if repo.row_count(conn, p)]
+        if not holding:
+            repo.remove_month(conn, month, [t for t in RUN_TABLES if f"{t}_p{month}" in present], keep_table=False)
+        return holding
 
 
 @db_retry(max_attempts=5, base=0.25, cap=4.0)
@@ -459,6 +521,7 @@ class MonthArchived:
     partitions: list[str]
     rows: int                       # exact when written, the plan's estimate on a dry run
     written: bool
+    refused: str = ""               # why it was not written (ArchiveKept)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -480,20 +543,27 @@ def archive_due(url: str | None, older_than: datetime | str | Cutoff, directory:
                 audit.require_record(conn, "partitions archive")    # before any file or directory is written
             plan = retention.plan(conn, older_than)      # the one `partitions drop` follows
             cutoff, due, kept = plan.cutoff, plan.due, plan.kept
+        done: list[MonthArchived] = [
+            MonthArchived(month=m.month, path=str(month_dir(directory, m.month)), partitions=list(m.partitions),
+                          rows=m.rows, written=False, refused=m.reason) for m in misaligned(plan.months)]
         if not dry_run:
             check_directory(directory)
-        done: list[MonthArchived] = []
         for month in due:
             target = month_dir(directory, month.month)
             if dry_run:
                 done.append(MonthArchived(month=month.month, path=str(target), partitions=list(month.partitions),
                                           rows=month.rows, written=False))
                 continue
-            manifest = export_month(conn, month.month, directory, progress=progress,
-                                    on_exported=partial(_audit_archive, actor=actor, target=target))
+            try:
+                manifest = export_month(conn, month.month, directory, progress=progress,
+                                        on_exported=partial(_audit_archive, actor=actor, target=target))
+            except ArchiveKept as exc:      # the other months go on
+                done.append(MonthArchived(month=month.month, path=str(target), partitions=list(month.partitions),
+                                          rows=month.rows, written=False, refused=str(exc)))
+                continue
             done.append(MonthArchived(month=month.month, path=str(target), partitions=list(month.partitions),
                                       rows=manifest.rows, written=True))
-    return ArchiveResult(cutoff=cutoff, months=done, kept=kept)
+    return ArchiveResult(cutoff=cutoff, months=sorted(done, key=lambda m: m.month), kept=kept)
 
 
 def _audit_archive(conn: Conn, manifest: Manifest, *, actor: Actor | None, target: Path) -> None:

@@ -41,6 +41,16 @@ BLOCKED_REASON = "has active runs"
 #: ... or for finished runs whose SUB_WORKFLOW children are still active.
 CHILDREN_REASON = "has live children"
 BLOCKED_REASONS = (BLOCKED_REASON, CHILDREN_REASON)
+#: The plan's reason (then ': <partition> holds [<from>, <to>) UTC') for a month it
+#: refuses: a partition of it has bounds that are not its name's month's
+#: (``composer_misaligned_bounds``), so its name says nothing of the rows it holds.
+MISALIGNED_REASON = "bounds do not match its name"
+
+
+def misaligned(plan: list[RetentionMonth]) -> list[RetentionMonth]:
+    """The months of ``plan`` it refuses for :data:`MISALIGNED_REASON`: drop, archive and
+    detach name them (exit 1) and leave them as they are."""
+    return [m for m in plan if m.action == "keep" and m.reason.startswith(MISALIGNED_REASON)]
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -25,11 +25,11 @@ import psycopg
 
 from composer_ops.core.actor import Actor
 from composer_ops.core.cutoff import Cutoff
-from composer_ops.core.manifest import BadArchive, Manifest, month_dir
+from composer_ops.core.manifest import ArchiveKept, BadArchive, Manifest, month_dir
 from composer_ops.db import connect
 from composer_ops.db.retry import backoff_delay
 from composer_ops.engine.archive import Progress, content_fingerprint, export_month
-from composer_ops.engine.retention import BLOCKED_REASONS
+from composer_ops.engine.retention import BLOCKED_REASONS, misaligned
 from composer_ops.errors import ComposerError, Invalid, Transient
 from composer_ops.repo import archive as repo
 from composer_ops.repo import audit, citus, partitions, retention
@@ -97,14 +97,18 @@ def retire_months(url: str | None, older_than: datetime | str | Cutoff, *, archi
             judged = retention.plan(conn, older_than)
             copies = {m.month: repo.detached_copies(conn, m.month, RUN_TABLES) for m in judged.due} \
                 if keep_table else {}
+            held = {month: _month_rows(conn, month) for month, named in copies.items() if named}
         plan, cutoff, due = judged.months, judged.cutoff, judged.due
+        refused = [MonthRetired(month=m.month, outcome="refused", reason=m.reason, partitions=list(m.partitions),
+                                rows=m.rows) for m in misaligned(plan)]
         if not yes:
-            return RetireResult(cutoff=cutoff, plan=plan, applied=False, months=[
-                MonthRetired(month=m.month, outcome="refused", reason=_copies_refused(copies[m.month]))
+            return RetireResult(cutoff=cutoff, plan=plan, applied=False, months=_by_month(refused, [
+                MonthRetired(month=m.month, outcome="refused", reason=_copies_refused(copies[m.month]),
+                             partitions=list(m.partitions), rows=held[m.month])
                 if copies.get(m.month) else
                 MonthRetired(month=m.month, outcome="would detach" if keep_table else "would drop",
                              partitions=list(m.partitions), rows=m.rows,
-                             archive=str(month_dir(archive_dir, m.month)) if archive_dir else None) for m in due])
+                             archive=str(month_dir(archive_dir, m.month)) if archive_dir else None) for m in due]))
         done: list[MonthRetired] = []
         for month in due:
             manifest = None
@@ -112,6 +116,10 @@ def retire_months(url: str | None, older_than: datetime | str | Cutoff, *, archi
                 try:
                     manifest = export_month(conn, month.month, archive_dir, progress=progress,
                                             on_exported=lambda c, m: _audit_archived(c, m, actor, archive_dir))
+                except ArchiveKept as exc:      # refused; the other months go on
+                    done.append(MonthRetired(month=month.month, outcome="refused", reason=str(exc),
+                                             partitions=list(month.partitions), rows=month.rows))
+                    continue
                 except BadArchive as exc:
                     raise BadArchive(f"month {month.month} was not dropped: its archive did not verify ({exc})"
                                      + _so_far(done)) from exc
@@ -120,7 +128,11 @@ def retire_months(url: str | None, older_than: datetime | str | Cutoff, *, archi
                                     f"{request}:{month.month}", lock_timeout_s, max_attempts))
             except BadArchive as exc:
                 raise BadArchive(f"{exc}{_so_far(done)}") from exc
-    return RetireResult(cutoff=cutoff, plan=plan, months=done, applied=True)
+    return RetireResult(cutoff=cutoff, plan=plan, months=_by_month(refused, done), applied=True)
+
+
+def _by_month(*parts: list[MonthRetired]) -> list[MonthRetired]:
+    return sorted((m for part in parts for m in part), key=lambda m: m.month)
 
 
 def _copies_refused(copies: list[str]) -> str:
@@ -189,7 +201,8 @@ def _retire_once(conn: psycopg.Connection[Any], month: str, cutoff: datetime, ma
         if first is None or first.action != "drop":
             return MonthRetired(month=month, outcome="kept", reason=first.reason if first else "no longer exists")
         if keep_table and (copies := repo.detached_copies(conn, month, RUN_TABLES)):
-            return MonthRetired(month=month, outcome="refused", reason=_copies_refused(copies))
+            return MonthRetired(month=month, outcome="refused", reason=_copies_refused(copies),
+                                partitions=list(first.partitions), rows=_month_rows(conn, month))
         # SHARE while the month is judged and its rows compared: no writer gets in, and
         # readers (the coordinator's scans) go on, so none of them holds the run tables
         # while waiting for the month when the drop asks for the tables below.
@@ -215,6 +228,11 @@ def _retire_once(conn: psycopg.Connection[Any], month: str, cutoff: datetime, ma
                      detail={"cutoff": cutoff.isoformat(), "partitions": handled, "archive": archive,
                              "schema": repo.DETACHED_SCHEMA if keep_table else None})
     return MonthRetired(month=month, outcome=outcome, partitions=handled, rows=rows, archive=archive)
+
+
+def _month_rows(conn: psycopg.Connection[Any], month: str) -> int:
+    """The rows ``month``'s partitions hold, counted (what a refused month reports)."""
+    return sum(repo.row_count(conn, p) for p in (f"{t}_p{month}" for t in RUN_TABLES) if repo.exists(conn, p))
 
 
 def _judged(conn: psycopg.Connection[Any], cutoff: datetime, month: str) -> RetentionMonth | None:

@@ -125,7 +125,13 @@ class AuditCommand:
     @property
     def counts(self) -> dict[str, Any]:
         """The rows' counts added up key by key (numbers summed, nested objects too);
-        ``chunk``, a chunk's ordinal, is left out: ``len(rows)`` is the transactions."""
+        ``chunk``, a chunk's ordinal, is left out: ``len(rows)`` is the transactions. A
+        command of several actions (``drop --archive``: an archive row and a drop row per
+        month, both counting the month's rows) has them per action, ``{action: counts}``:
+        added together they would count each row twice."""
+        if len(self.actions) > 1:
+            return {action: _summed([r.counts for r in self.rows if r.action == action and isinstance(r.counts, dict)],
+                                    skip=("chunk",)) for action in self.actions}
         return _summed([r.counts for r in self.rows if isinstance(r.counts, dict)], skip=("chunk",))
 
 

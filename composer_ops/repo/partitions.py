@@ -211,7 +211,8 @@ CATALOG_SQL = """
                AS upper_bound,
            COALESCE(st.rows, 0)::bigint AS rows, COALESCE(st.heap_bytes, 0)::bigint AS heap_bytes,
            COALESCE(st.index_bytes, 0)::bigint AS index_bytes, COALESCE(st.toast_bytes, 0)::bigint AS toast_bytes,
-           COALESCE(st.total_bytes, 0)::bigint AS total_bytes
+           COALESCE(st.total_bytes, 0)::bigint AS total_bytes,
+           composer_misaligned_bounds(c.oid::regclass) IS NULL AS bounds_match
       FROM pg_inherits i
       JOIN pg_class c ON c.oid = i.inhrelid
       JOIN pg_class p ON p.oid = i.inhparent
@@ -239,7 +240,9 @@ def list_partitions(conn: Conn) -> list[PartitionRow]:
 def catalog(conn: Conn) -> list[tuple[Any, ...]]:
     """Every partition: table, name, month (YYYYMM, '' when the name has none),
     lower_bound, upper_bound, rows (catalog estimate), heap_bytes, index_bytes,
-    toast_bytes, total_bytes. Reads catalogs only."""
+    toast_bytes, total_bytes, bounds_match (whether its bounds are exactly its name's
+    month's: ``composer_misaligned_bounds``, the check the retention plan makes too).
+    Reads catalogs only."""
     return conn.execute(CATALOG_SQL.encode()).fetchall()
 
 

@@ -106,15 +106,21 @@ def lock_months(conn: Conn, months: list[RetentionMonth], *, exclusive: bool = T
     it. Holding a month's ACCESS EXCLUSIVE lock while waiting for a parent's would
     deadlock with any reader of the parent (the coordinator's scans lock the parent,
     then each month)."""
-    if not months:
+    for month in months:
+        lock_tables(conn, month.partitions, exclusive=exclusive, parents=month is months[0])
+
+
+def lock_tables(conn: Conn, names: list[str], *, exclusive: bool = True, parents: bool = True) -> None:
+    """Lock the partitions ``names`` as :func:`lock_months` locks a month's (with
+    ``parents``, the run tables first when ``exclusive``)."""
+    if not names:
         return
     partitions.one_connection_per_node(conn)
-    if exclusive:
+    if exclusive and parents:
         lock_parents(conn)
     mode = sql.SQL("ACCESS EXCLUSIVE" if exclusive else "SHARE")
-    for month in months:
-        conn.execute(sql.SQL("LOCK TABLE {} IN {} MODE").format(
-            sql.SQL(", ").join(sql.Identifier(p) for p in month.partitions), mode))
+    conn.execute(sql.SQL("LOCK TABLE {} IN {} MODE").format(
+        sql.SQL(", ").join(sql.Identifier(p) for p in names), mode))
 
 
 def lock_parents(conn: Conn) -> None:

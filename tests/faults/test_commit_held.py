@@ -23,9 +23,8 @@ from composer_ops import Engine
 from composer_ops.engine import archive, retire
 from composer_ops.engine.retention import drop_due_months
 from composer_ops.repo import partitions
-from composer_ops.testing import fixtures
 from composer_ops.testing.faultproxy import Fault, FaultProxy, Request
-from tests.integration.helpers import drop_months
+from tests.integration.helpers import drop_months, seed_aligned
 
 pytestmark = [pytest.mark.timeout(180)]
 
@@ -72,7 +71,7 @@ def _audit(db_url: str, action: str) -> list[tuple[str, str | None]]:
 
 def _seeded(db_url: str) -> None:
     with psycopg.connect(db_url) as conn:
-        fixtures.seed(conn)
+        seed_aligned(conn)
         conn.commit()
 
 

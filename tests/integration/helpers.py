@@ -14,6 +14,7 @@ import uuid6
 from composer_ops import Engine
 from composer_ops.repo import clock, definitions, runs
 from composer_ops.repo.outbox import ClaimAsk
+from composer_ops.testing import fixtures
 
 T = TypeVar("T")
 
@@ -85,6 +86,15 @@ class LoseAck:
                 self.left -= 1
                 self.fired += 1
                 conn.execute("SELECT pg_terminate_backend(pg_backend_pid())")
+
+
+def seed_aligned(conn: Any) -> fixtures.SeedInfo:
+    """``fixtures.seed``, then its misaligned 202412 re-attached with the month's bounds
+    (what `composer-ops migrate` repairs): retention refuses a month whose partitions'
+    bounds are not its name's, and these tests drop 202412 with the others."""
+    info = fixtures.seed(conn)
+    conn.execute("SELECT composer_repair_partition_bounds()")
+    return info
 
 
 def drop_months(conn: Any, older_than: datetime) -> list[str]:

@@ -24,7 +24,7 @@ from composer_ops.engine import archive
 from composer_ops.errors import ComposerError
 from composer_ops.repo import partitions
 from composer_ops.testing import fixtures
-from tests.integration.helpers import drop_months
+from tests.integration.helpers import drop_months, seed_aligned
 
 MONTHS = [f"{y}{m:02d}" for y in (2024, 2025) for m in range(1, 13)]
 TERMINAL = ["SUCCEEDED", "FAILED", "CANCELLED"]
@@ -153,7 +153,7 @@ def test_archive_drop_restore_gives_back_identical_rows(db_url: str, tmp_path_fa
 
 def _seeded(db_url: str) -> fixtures.SeedInfo:
     with psycopg.connect(db_url) as conn:
-        info = fixtures.seed(conn)
+        info = seed_aligned(conn)
         conn.commit()
     return info
 
@@ -367,3 +367,55 @@ def test_an_archive_written_before_v006_restores_its_signal_names(db_url: str, t
     assert all(t.fingerprint_matches for t in restored.tables)
     with psycopg.connect(db_url) as conn:
         assert conn.execute("SELECT id, signal_name FROM task_instances_p202503 ORDER BY id").fetchall() == before
+
+
+def _rows_archived(path: Path) -> dict[str, int]:
+    return {t.table: t.rows for t in archive.verify_month(path).tables}
+
+
+def test_a_failed_restore_leaves_no_partitions_and_its_archive_is_never_emptied(
+        db_url: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A restore whose copy fails (here its lock wait on the audit table) drops the month's
+    partitions it created; and were empty partitions left there, `drop --archive` into the
+    same directory refuses the month rather than replace its only copy with an empty one."""
+    _seeded(db_url)
+    target = tmp_path / "arch"
+    drop = ["partitions", "drop", "--older-than", "2025-02-01", "--archive", str(target), "--database-url", db_url,
+            "--yes"]
+    assert main(drop) == 0
+    archived = _rows_archived(target / "202501")
+    assert archived["workflow_runs"] == 3
+    restore = ["partitions", "restore", "202501", "--from", str(target), "--database-url", db_url, "--yes",
+               "--lock-timeout", "0.1"]
+    with psycopg.connect(db_url) as holder:
+        holder.execute("LOCK TABLE operator_audit IN ACCESS EXCLUSIVE MODE")
+        assert main(restore) == 1
+        holder.rollback()
+    assert "lock" in capsys.readouterr().err
+    with psycopg.connect(db_url) as conn:
+        assert "202501" not in {p.month for p in partitions.list_partitions(conn)}
+    # The month's partitions empty anyway (a restore that could not drop them again):
+    # the archive in place holds more rows, so the month is refused and the others go on.
+    with psycopg.connect(db_url) as conn:
+        partitions.ensure_from(conn, date(2025, 1, 1), 0)
+        conn.commit()
+    assert main([*drop[:3], "2025-03-01", *drop[4:]]) == 1
+    captured = capsys.readouterr()
+    assert "refused 202501: 0 rows" in captured.out and "kept 202502: has active runs" in captured.out
+    assert captured.err.strip().splitlines() == [
+        f"composer-ops: month 202501 not dropped: {target / '202501'}: the archive in place holds 3 rows of "
+        "workflow_runs, the month now 0: an archive is never replaced by one with fewer rows (restore the month "
+        "from it, or archive into another directory)"]
+    assert _rows_archived(target / "202501") == archived
+    assert main(["partitions", "archive", "--older-than", "2025-02-01", "--to", str(target), "--database-url",
+                 db_url]) == 1
+    captured = capsys.readouterr()
+    assert "refused 202501: " in captured.out and "holds 3 rows of workflow_runs, the month now 0" in captured.err
+    assert _rows_archived(target / "202501") == archived
+    assert main(restore) == 0                     # the empty partitions are filled from the archive kept
+    capsys.readouterr()
+    # The same rows archived again (a drop --archive run again after an interruption) replace it.
+    assert main(["partitions", "archive", "--older-than", "2025-02-01", "--to", str(target), "--database-url",
+                 db_url]) == 0
+    assert main(drop) == 0
+    assert _rows_archived(target / "202501") == archived

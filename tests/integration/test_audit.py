@@ -14,7 +14,7 @@ from psycopg.conninfo import make_conninfo
 
 from composer_ops import Engine
 from composer_ops.cli import main
-from composer_ops.testing import fixtures
+from tests.integration.helpers import seed_aligned
 
 
 def _rows(db_url: str) -> list[dict[str, Any]]:
@@ -24,7 +24,7 @@ def _rows(db_url: str) -> list[dict[str, Any]]:
 
 def test_each_action_writes_one_row_and_its_dry_run_none(db_url: str, tmp_path: Path) -> None:
     with psycopg.connect(db_url) as conn:
-        info = fixtures.seed(conn)
+        info = seed_aligned(conn)
         conn.commit()
     secret_url = make_conninfo(db_url, password="hunter2")     # the test servers ignore it (trust)
     with Engine.connect(db_url, pool_size=2) as engine:
@@ -73,7 +73,7 @@ def test_each_action_writes_one_row_and_its_dry_run_none(db_url: str, tmp_path: 
 @pytest.mark.parametrize("action", ["runs delete"])
 def test_an_action_that_changes_nothing_writes_no_row(db_url: str, action: str) -> None:
     with psycopg.connect(db_url) as conn:
-        info = fixtures.seed(conn)
+        info = seed_aligned(conn)
         conn.commit()
     base = ["runs", "delete", info.runs["H1"], "--database-url", db_url, "--yes"]
     assert main(base) == 0 and main(base) == 0         # the second finds it deleted already
@@ -90,7 +90,7 @@ def test_audit_list_shows_one_line_per_command_and_the_report_keeps_older_comman
     from composer_ops import ops
 
     with psycopg.connect(db_url) as conn:
-        fixtures.seed(conn)
+        seed_aligned(conn)
         conn.commit()
     archive = ["partitions", "archive", "--older-than", "2025-05-01", "--to", str(tmp_path / "a"),
                "--database-url", db_url]
@@ -144,3 +144,23 @@ def test_every_action_the_runbooks_take_is_listed_by_its_name(db_url: str,
         assert action in capsys.readouterr().out
     with psycopg.connect(db_url) as conn, pytest.raises(ValueError, match="'runs kill' is not one of ACTIONS"):
         audit.record(conn, "runs kill", actor=None, target=None, counts={})
+
+
+def test_drop_with_archive_counts_each_months_rows_once(
+        db_url: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``drop --archive`` writes an archive row and a drop row per month, each counting the
+    month's rows: the command's counts are per action, not their sum (twice the rows)."""
+    import json
+
+    with psycopg.connect(db_url) as conn:
+        seed_aligned(conn)
+        conn.commit()
+    assert main(["partitions", "drop", "--older-than", "2025-02-01", "--archive", str(tmp_path / "a"), "--yes",
+                 "--database-url", db_url]) == 0
+    capsys.readouterr()
+    assert main(["audit", "list", "--database-url", db_url]) == 0
+    [line] = capsys.readouterr().out.strip().splitlines()
+    assert "[partitions archive: rows 12; partitions drop: rows 12, " in line and "4 transaction(s)" in line, line
+    assert main(["audit", "list", "--json", "--database-url", db_url]) == 0
+    [command] = json.loads(capsys.readouterr().out)
+    assert command["counts"]["partitions archive"]["rows"] == command["counts"]["partitions drop"]["rows"] == 12

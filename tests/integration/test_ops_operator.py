@@ -18,12 +18,12 @@ from composer_ops.cli import main
 from composer_ops.engine import archive
 from composer_ops.errors import Invalid, NotFound
 from composer_ops.testing import fixtures
-from tests.integration.helpers import drop_months
+from tests.integration.helpers import drop_months, seed_aligned
 
 
 def _seeded(db_url: str) -> fixtures.SeedInfo:
     with psycopg.connect(db_url) as conn:
-        info = fixtures.seed(conn)
+        info = seed_aligned(conn)
         conn.commit()
     return info
 

@@ -55,7 +55,7 @@ def test_every_ops_function_works_as_the_reader(reader: psycopg.Connection[Any],
     assert ops.long_waits(reader)[1] == 1
     assert ops.recent_requeues(reader).height == 2
     plan = ops.retention_plan(reader, datetime(2025, 5, 1, tzinfo=UTC), exact_rows=True)
-    assert plan.filter(plan["action"] == "drop")["month"].to_list() == ["202412", "202501", "202503"]
+    assert plan.filter(plan["action"] == "drop")["month"].to_list() == ["202501", "202503"]   # 202412 misaligned
     story = ops.run_story(reader, ops.latest_run_id(reader) or "")
     assert story.status == "FAILED" and story.tasks.height == 8 and story.webhook.height == 1
     # A URL with the role in its options goes through ops' own read-only session.

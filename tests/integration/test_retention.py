@@ -21,14 +21,14 @@ from composer_ops.engine.retention import drop_due_months
 from composer_ops.errors import ComposerError, Invalid
 from composer_ops.repo import partitions
 from composer_ops.testing import fixtures
-from tests.integration.helpers import connect_in_tz
+from tests.integration.helpers import connect_in_tz, seed_aligned
 
 MAY_2025 = datetime(2025, 5, 1, tzinfo=UTC)
 
 
 def _seed_committed(url: str) -> fixtures.SeedInfo:
     with psycopg.connect(url) as conn:
-        info = fixtures.seed(conn)
+        info = seed_aligned(conn)
         conn.commit()
     return info
 
@@ -43,7 +43,9 @@ def test_plan_for_the_seed_drops_old_idle_months_and_says_why_it_keeps_others(co
     cur = info.current_month
     rows = plan.select("month", "action", "reason", "active_runs", "active_run_ids", "rows").rows()
     assert rows[:5] == [
-        ("202412", "drop", "past cut-off, no active runs", 0, [], 0),   # the seed's misaligned month
+        ("202412", "keep", "bounds do not match its name: "            # the seed's misaligned month
+         + "; ".join(f"{t}_p202412 holds [2024-11-30 23:00, 2024-12-31 23:00) UTC"
+                     for t in ("workflow_runs", "task_instances", "workflow_events")), 0, [], 0),
         ("202501", "drop", "past cut-off, no active runs", 0, [], 12),
         ("202502", "keep", "has active runs", 1, [info.runs["H6"]], 16),
         ("202503", "drop", "past cut-off, no active runs", 0, [], 18),
@@ -61,7 +63,7 @@ def test_plan_for_the_seed_drops_old_idle_months_and_says_why_it_keeps_others(co
 
 
 def test_plan_never_drops_the_current_or_a_future_month(conn: psycopg.Connection[Any]) -> None:
-    fixtures.seed(conn)
+    seed_aligned(conn)
     conn.execute("UPDATE workflow_runs SET status = 'SUCCEEDED' WHERE status IN ('RUNNING', 'PENDING')")
     plan = ops.retention_plan(conn, datetime(2100, 1, 1, tzinfo=UTC))
     row = conn.execute("SELECT to_char(now() AT TIME ZONE 'UTC', 'YYYYMM')").fetchone()
@@ -221,3 +223,44 @@ def test_a_month_whose_finished_runs_have_live_children_is_kept_and_says_so(conn
     conn.execute("UPDATE workflow_runs SET status = 'SUCCEEDED' WHERE id = %s", (child[0],))
     again = ops.retention_plan(conn, MAY_2025).filter(pl.col("month") == "202501")
     assert again.select("action").rows() == [("drop",)]
+
+
+def test_a_month_whose_partition_holds_another_months_range_is_refused(
+        db_url: str, tmp_path: Any, capsys: pytest.CaptureFixture[str]) -> None:
+    """Retention judges a month by its partitions' names; a partition named for an old
+    month that holds a future range (made by hand) would be dropped with its new rows.
+    Drop, drop --archive, archive and detach refuse the month instead, dry run too,
+    naming the partition and its real bounds, by the check the partition reports make."""
+    run = fixtures.uuid7_text(datetime(2031, 4, 2, tzinfo=UTC), 1)
+    with psycopg.connect(db_url) as conn:
+        conn.execute("""CREATE TABLE workflow_runs_p202301 PARTITION OF workflow_runs FOR VALUES
+                        FROM (composer_uuid7_bound('2031-04-01Z')) TO (composer_uuid7_bound('2031-05-01Z'))""")
+        conn.execute("""INSERT INTO workflow_runs (id, workflow_definition_id, workflow_version, status, input_json)
+                        VALUES (%s, 'wf', 1, 'SUCCEEDED', '{}')""", (run,))
+        conn.commit()
+        bad = ops.partition_inventory(conn).filter(~pl.col("bounds_match"))["partition"].to_list()
+    assert bad == ["workflow_runs_p202301"]                 # what the reports flag, the plan refuses
+    why = "bounds do not match its name: workflow_runs_p202301 holds [2031-04-01 00:00, 2031-05-01 00:00) UTC"
+    base = ["--older-than", "2023-02-01", "--database-url", db_url]
+    commands = {
+        "drop": ["partitions", "drop", *base],
+        "drop --yes": ["partitions", "drop", *base, "--yes"],
+        "drop --archive": ["partitions", "drop", *base, "--archive", str(tmp_path / "a")],
+        "drop --archive --yes": ["partitions", "drop", *base, "--archive", str(tmp_path / "a"), "--yes"],
+        "archive --dry-run": ["partitions", "archive", *base, "--to", str(tmp_path / "a"), "--dry-run"],
+        "archive": ["partitions", "archive", *base, "--to", str(tmp_path / "a")],
+        "detach": ["partitions", "detach", *base],
+        "detach --yes": ["partitions", "detach", *base, "--yes"],
+    }
+    for name, argv in commands.items():
+        assert main(argv) == 1, name
+        captured = capsys.readouterr()
+        err = captured.err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("composer-ops: month 202301 not ") and err[0].endswith(why), \
+            (name, err)
+        assert "202301" in captured.out, name
+    assert not (tmp_path / "a" / "202301").exists()
+    with psycopg.connect(db_url) as conn:
+        assert conn.execute("SELECT count(*) FROM workflow_runs WHERE id = %s", (run,)).fetchone() == (1,)
+        assert "202301" in _months(conn)
+        assert conn.execute("SELECT count(*) FROM operator_audit").fetchone() == (0,)

@@ -19,13 +19,14 @@ from composer_ops.core.manifest import BadArchive
 from composer_ops.engine import archive, retire
 from composer_ops.repo import partitions
 from composer_ops.testing import fixtures
+from tests.integration.helpers import seed_aligned
 
 DUE = ["202412", "202501", "202503"]          # the seed's months the plan drops at 2025-05-01
 
 
 def _seeded(db_url: str) -> fixtures.SeedInfo:
     with psycopg.connect(db_url) as conn:
-        info = fixtures.seed(conn)
+        info = seed_aligned(conn)
         conn.commit()
     return info
 
@@ -143,12 +144,15 @@ def test_detach_keeps_the_months_as_tables(db_url: str, capsys: pytest.CaptureFi
     # names, so it is refused, dry run or not, and the copy is left as it was.
     with psycopg.connect(db_url) as conn:
         partitions.ensure_from(conn, date(2025, 1, 1), 0)
+        conn.execute("""INSERT INTO workflow_runs (id, workflow_definition_id, workflow_version, status, input_json)
+                        SELECT id, workflow_definition_id, workflow_version, status, input_json
+                          FROM composer_detached.workflow_runs_p202501""")
     for argv in (base, [*base, "--yes"]):
         assert main(argv) == 1
         captured = capsys.readouterr()
         assert "month 202501 not detached: a detached copy of the month is already in composer_detached " \
                "(run_history_p202501, task_instances_p202501, " in captured.err, captured.err
-        assert "refused 202501" in captured.out
+        assert "refused 202501: 3 rows" in captured.out, captured.out      # the rows the month holds
     assert "202501" in _months(db_url) and _audit(db_url) == [("partitions detach", m) for m in DUE]
     with psycopg.connect(db_url) as conn:
         assert conn.execute("SELECT count(*) FROM composer_detached.task_instances_p202501").fetchone() == before
@@ -199,3 +203,46 @@ def test_the_coordinators_scans_go_on_while_a_month_is_compared_with_its_archive
     assert finished_while_held, "the coordinator's pass waited for the month being compared"
     assert passes and passes[0].errors == []
     assert [(m.month, m.outcome) for m in results[0].months] == [(m, "dropped") for m in DUE]
+
+
+@pytest.mark.parametrize("given", ["--archive ''", "--archive ' '", "COMPOSER_ARCHIVE_DIR=''"])
+def test_an_empty_archive_directory_is_refused_before_anything(
+        db_url: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], given: str) -> None:
+    """``--archive "$DIR"`` with DIR unset must not become a drop without an archive."""
+    _seeded(db_url)
+    before = _months(db_url)
+    if given.startswith("COMPOSER_ARCHIVE_DIR"):
+        monkeypatch.setenv("COMPOSER_ARCHIVE_DIR", "")
+        extra = []
+    else:
+        extra = ["--archive", given.split(" ", 1)[1].strip("'")]
+    for yes in ([], ["--yes"]):
+        assert main(["partitions", "drop", "--older-than", "2025-05-01", *extra, "--database-url", db_url,
+                     *yes]) == 2
+        captured = capsys.readouterr()
+        err = captured.err.strip().splitlines()
+        assert len(err) == 1 and "the archive directory is empty" in err[0], err
+        assert captured.out == ""
+    assert _months(db_url) == before and _audit(db_url) == []
+
+
+def test_a_tilde_archive_directory_is_the_home_directory(
+        db_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """``--archive ~/arch`` (and COMPOSER_ARCHIVE_DIR) is under $HOME, as ``restore --from ~/arch`` reads it,
+    never a directory named ``~`` in the working directory."""
+    _seeded(db_url)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.chdir(tmp_path)
+    assert main(["partitions", "archive", "--older-than", "2025-02-01", "--to", "~/a", "--database-url",
+                 db_url]) == 0
+    monkeypatch.setenv("COMPOSER_ARCHIVE_DIR", "~/b")
+    assert _drop_env(db_url, "--yes") == 3
+    capsys.readouterr()
+    assert not (tmp_path / "~").exists()
+    assert archive.verify_month(tmp_path / "home" / "a" / "202412").month == "202412"
+    assert all(archive.verify_month(tmp_path / "home" / "b" / m).month == m for m in DUE)
+    assert main(["partitions", "restore", "202412", "--from", "~/b", "--database-url", db_url, "--yes"]) == 0
+
+
+def _drop_env(db_url: str, *extra: str) -> int:
+    return main(["partitions", "drop", "--older-than", "2025-05-01", "--database-url", db_url, *extra])
