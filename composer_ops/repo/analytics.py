@@ -24,6 +24,15 @@ ACTIVE_SQL = sql_states(ACTIVE_TASK_STATES)
 COORDINATOR_QUEUE = "(coordinator)"
 
 
+def _seconds_until(column: str) -> str:
+    """SQL for the seconds from the database clock to ``column``, +/-Infinity when the
+    column holds 'infinity' or '-infinity' (odd data a hand edit leaves; PostgreSQL 15
+    refuses to subtract an infinite timestamp), NULL when it is NULL."""
+    return (f"CASE WHEN isfinite({column}) THEN extract(epoch FROM {column} - %(now)s::timestamptz)::float8 "
+            f"WHEN {column} > %(now)s::timestamptz THEN 'Infinity'::float8 "
+            f"WHEN {column} < %(now)s::timestamptz THEN '-Infinity'::float8 END")
+
+
 def _rows(conn: Conn, query: str, params: dict[str, Any] | None = None) -> list[Row]:
     """Run ``query`` with ``params`` and ``now``, the database clock."""
     with conn.cursor() as cur:
@@ -182,10 +191,10 @@ def outbox_backlog(conn: Conn) -> list[Row]:
 
 # -- leases ------------------------------------------------------------------------
 
-RUNNING_LEASES_SQL = """
+RUNNING_LEASES_SQL = f"""
     SELECT run_id, id, node_id, COALESCE(queue, '') AS queue, lease_owner, attempt, started_at,
            lease_expires_at,
-           extract(epoch FROM lease_expires_at - %(now)s::timestamptz)::float8 AS expires_in_s,
+           {_seconds_until("lease_expires_at")} AS expires_in_s,
            extract(epoch FROM %(now)s::timestamptz - started_at)::float8 AS running_s
       FROM task_instances
      WHERE state = 'RUNNING'
@@ -300,13 +309,12 @@ RUN_SQL = """
      WHERE r.id = %(run)s
 """
 
-RUN_TASKS_SQL = """
+RUN_TASKS_SQL = f"""
     SELECT id, node_id, node_type, queue, state, attempt, created_at, started_at, finished_at, updated_at,
            extract(epoch FROM COALESCE(started_at, finished_at, %(now)s::timestamptz) - created_at)::float8 AS queued_s,
            extract(epoch FROM COALESCE(finished_at, %(now)s::timestamptz) - started_at)::float8 AS ran_s,
-           wake_at, extract(epoch FROM wake_at - %(now)s::timestamptz)::float8 AS wakes_in_s, signal_name,
-           lease_owner, lease_expires_at,
-           extract(epoch FROM lease_expires_at - %(now)s::timestamptz)::float8 AS lease_left_s,
+           wake_at, {_seconds_until("wake_at")} AS wakes_in_s, signal_name,
+           lease_owner, lease_expires_at, {_seconds_until("lease_expires_at")} AS lease_left_s,
            COALESCE(last_error ->> 'error', last_error::text) AS last_error, branches, output_json::text
       FROM task_instances
      WHERE run_id = %(run)s AND item_index IS NULL

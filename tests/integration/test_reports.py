@@ -14,6 +14,7 @@ from html import escape
 from pathlib import Path
 
 import nbformat
+import psycopg
 import pytest
 from traitlets import default
 
@@ -347,3 +348,20 @@ def test_one_node_shows_its_table_under_where_the_data_is_and_no_blocked_month_s
     assert 'id="itables_' in where and "local" in where          # the one node's table, under its heading
     plan = next((out / "retention_dry_run").glob("*.html")).read_text(encoding="utf-8")
     assert plan.count("none: no month past the cut-off is kept for active runs") == 1
+
+
+def test_a_lease_at_infinity_renders_flagged_in_every_report_that_reads_leases(
+        db_url: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A lease expiry set to 'infinity' by hand (odd data): each report that reads it renders
+    and lists it as an anomaly."""
+    info = seed_committed(db_url)
+    with psycopg.connect(db_url) as conn:
+        conn.execute("UPDATE task_instances SET lease_expires_at = 'infinity' WHERE run_id = %s", (info.runs["L1"],))
+    out = tmp_path / "reports"
+    code = main(["report", "active_tasks", "lease_expiries", "run_investigation", "-p", "run_id", info.runs["L1"],
+                 "--out", str(out), "--database-url", as_role(db_url), "--progress", "0", "--jobs", "2"])
+    assert code == 0, capsys.readouterr().err
+    for name in ("active_tasks", "lease_expiries", "run_investigation"):
+        page = next((out / name).glob("*.html")).read_text(encoding="utf-8")
+        assert "RUNNING with an infinite lease" in page and info.runs["L1"] in page, name
+        assert "self-checks passed" in page, name

@@ -296,3 +296,17 @@ def test_downstream_overloaded_plans_then_pauses_the_queue_with_its_audit_row(
     assert command.startswith("composer-ops runbook downstream_overloaded")
     with psycopg.connect(db_url) as conn:
         assert conn.execute("SELECT paused, reason FROM queue_settings").fetchall() == [(True, "provider 503s")]
+
+
+def test_the_lease_runbooks_diagnose_a_lease_at_infinity(db_url: str, tmp_path: Path,
+                                                         capsys: pytest.CaptureFixture[str]) -> None:
+    """A lease expiry set to 'infinity' by hand (odd data) is read, not a failed diagnosis."""
+    info = seed_committed(db_url)
+    with psycopg.connect(db_url) as conn:
+        conn.execute("UPDATE task_instances SET lease_expires_at = 'infinity' WHERE run_id = %s", (info.runs["L1"],))
+    out = tmp_path / "reports"
+    for name in ("sweeper_lag", "dead_worker"):
+        code, printed, err = _run([name, "--database-url", as_role(db_url), "--out", str(out)], capsys)
+        assert code == 0 and "dry run: nothing was changed" in printed, (name, err)
+    text = _record(out, "sweeper_lag").read_text(encoding="utf-8")
+    assert "odd data: 2 RUNNING task(s) without a lease or with an infinite one" in text
