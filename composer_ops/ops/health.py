@@ -14,7 +14,7 @@ from typing import Any
 import polars as pl
 
 from composer_ops.errors import Invalid
-from composer_ops.ops import active, leases, partitions, retention, schedules
+from composer_ops.ops import active, leases, params, partitions, retention, schedules
 from composer_ops.ops._common import Source, connection, db_now, read_from
 from composer_ops.ops.display import duration
 from composer_ops.repo import analytics
@@ -39,12 +39,15 @@ class Thresholds:
         """Itself, or :class:`Invalid` naming the first threshold out of range."""
         if self.months_ahead_min < 0:
             raise Invalid(f"--months-ahead-min must be 0 or more, got {self.months_ahead_min}")
-        for name, value in (("--sweeper-lag", self.sweeper_lag_s), ("--replay-lag", self.replay_lag_s),
-                            ("--outbox-ready-age", self.outbox_ready_age_s),
-                            ("--long-wait-h", self.long_wait_h), ("--schedule-late", self.schedule_late_s),
-                            ("--queue-paused-h", self.queue_paused_h)):
-            if not value >= 0:
-                raise Invalid(f"{name} must be 0 or more, got {value}")
+        for name, value, unit in (("--sweeper-lag", self.sweeper_lag_s, "s"), ("--replay-lag", self.replay_lag_s, "s"),
+                                  ("--outbox-ready-age", self.outbox_ready_age_s, "s"),
+                                  ("--long-wait-h", self.long_wait_h, "h"),
+                                  ("--schedule-late", self.schedule_late_s, "s"),
+                                  ("--queue-paused-h", self.queue_paused_h, "h")):
+            try:
+                params.number(value, unit=unit)
+            except Invalid as exc:
+                raise Invalid(f"{name} {exc}") from None
         if self.webhook_attempts < 1:
             raise Invalid(f"--webhook-attempts must be 1 or more, got {self.webhook_attempts}")
         retention.parse_cutoff(self.retention_older_than)

@@ -98,6 +98,24 @@ def test_bad_thresholds_exit_2_with_one_line(argv: list[str], tmp_path: Path,
     assert not prom.exists()
 
 
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--sweeper-lag", "inf"], "--sweeper-lag must be a finite number of at most 3155760000 (100 years in seconds)"),
+    (["--outbox-ready-age", "inf"], "--outbox-ready-age must be a finite number"),
+    (["--queue-paused-h", "inf"], "--queue-paused-h must be a finite number of at most 876600 (100 years in hours)"),
+    (["--long-wait-h", "inf"], "--long-wait-h must be a finite number"),
+    (["--long-wait-h", "1e12"], "--long-wait-h must be a finite number"),    # an interval out of range
+    (["--schedule-late=-inf"], "--schedule-late must be a number >= 0, got -inf"),
+])
+def test_infinite_and_huge_thresholds_exit_2_before_the_database_is_read(
+        argv: list[str], message: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    prom = tmp_path / "x.prom"
+    code = main(["check", *argv, "--database-url", "postgresql://nobody@/nowhere?host=/nonexistent",
+                 "--prometheus", str(prom)])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and message in err, err
+    assert not prom.exists()
+
+
 def test_an_unreadable_database_is_exit_1(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     code = main(["check", "--database-url", "postgresql://nobody@/nowhere?host=/nonexistent"])
     err = capsys.readouterr().err

@@ -121,6 +121,9 @@ def test_a_failing_cell_fails_the_report_naming_it(tmp_path: Path, capsys: pytes
     (["-p", "top_n", "0"], "-p top_n: must be an integer from 1 to 1000, got 0 (report active_tasks)"),
     (["-p", "cutoff", "yesterday"], "-p cutoff: cut-off 'yesterday' is not an ISO date"),
     (["-p", "requeue_window_s", "-5"], "-p requeue_window_s: must be a number > 0"),
+    (["-p", "long_wait_h", "inf"], "-p long_wait_h: must be a finite number of at most 876600 (100 years in hours)"),
+    (["-p", "long_wait_h", "1e12"], "-p long_wait_h: must be a finite number"),
+    (["-p", "requeue_window_s", "inf"], "-p requeue_window_s: must be a finite number"),
 ])
 def test_a_bad_parameter_value_exits_2_before_any_kernel(param: list[str], message: str, tmp_path: Path,
                                                          monkeypatch: pytest.MonkeyPatch,

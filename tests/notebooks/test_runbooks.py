@@ -236,6 +236,8 @@ def test_schedule_late_triggers_the_schedules_it_names(db_url: str, operator: st
     (["sweeper_lag", "-p", "confirm", "maybe"], "-p confirm: 'maybe' is not a boolean"),
     (["sweeper_lag", "-p", "sweeper_lag_s", "-5"], "-p sweeper_lag_s: must be a number >= 0"),
     (["sweeper_lag", "-p", "sweeper_lag_s", "-1.5"], "-p sweeper_lag_s: must be a number >= 0, got -1.5"),
+    (["sweeper_lag", "-p", "sweeper_lag_s", "inf"], "-p sweeper_lag_s: must be a finite number of at most"),
+    (["downstream_overloaded", "-p", "queue_paused_h", "inf"], "-p queue_paused_h: must be a finite number"),
     (["sweeper_lag", "-p", "sweeper_lag_s", "soon"], "-p sweeper_lag_s: 'soon' is not a number for runbook "
                                                       "sweeper_lag"),
     (["sweeper_lag", "-p", "cutoff", "6 months"], "-p cutoff: no selected runbook declares it"),
