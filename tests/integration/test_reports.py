@@ -368,3 +368,45 @@ def test_a_lease_at_infinity_renders_flagged_in_every_report_that_reads_leases(
         page = next((out / name).glob("*.html")).read_text(encoding="utf-8")
         assert "RUNNING with an infinite lease" in page and info.runs["L1"] in page, name
         assert "self-checks passed" in page, name
+
+
+def test_a_cell_waiting_on_a_lock_past_the_timeout_fails_in_one_line_naming_it(
+        db_url: str, tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
+    """The report's query waits for a lock another session holds on a month: at --timeout the
+    kernel is interrupted, and the report fails like any other, one line naming the cell (no
+    papermill log, no kernel traceback on stderr), with failed_cell in its summary."""
+    info = seed_committed(db_url)
+    out = tmp_path / "reports"
+    with psycopg.connect(db_url) as holder:
+        holder.execute(f"LOCK TABLE workflow_runs_p{info.current_month} IN ACCESS EXCLUSIVE MODE".encode())
+        code = main(["report", "retention_dry_run", "-p", "cutoff", "1mo", "--timeout", "3", "--out", str(out),
+                     "--database-url", db_url, "--progress", "0"])
+        holder.rollback()
+    err = capfd.readouterr().err
+    assert code == 1 and err.count("\n") == 1, err
+    assert re.search(r"failed at cell \d+ \(In \[\d+\]\) `.+`: CellTimeoutError: the cell ran longer than 3 s "
+                     r"\(--timeout\) and was interrupted; see ", err), err
+    summary = json.loads(next((out / "retention_dry_run").glob("*.json")).read_text(encoding="utf-8"))
+    assert summary["ok"] is False and isinstance(summary["failed_cell"], int) and summary["execution_count"]
+    assert "CellTimeoutError" in next((out / "retention_dry_run").glob("*.html")).read_text(encoding="utf-8")
+
+
+def test_a_cell_deaf_to_the_interrupt_still_fails_naming_it(db_url: str, tmp_path: Path,
+                                                            capfd: pytest.CaptureFixture[str]) -> None:
+    """A cell that ignores the interrupt at its timeout leaves no error output of its own:
+    the report fails all the same, naming it, and the page says why."""
+    books = tmp_path / "books"
+    books.mkdir()
+    nb = nbformat.v4.new_notebook()  # type: ignore[no-untyped-call]
+    nb.cells = [nbformat.v4.new_code_cell("x = 1"),  # type: ignore[no-untyped-call]
+                nbformat.v4.new_code_cell("import signal, time\n"  # type: ignore[no-untyped-call]
+                                          "signal.signal(signal.SIGINT, signal.SIG_IGN)\ntime.sleep(60)")]
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    nbformat.write(nb, str(books / "deaf.ipynb"))  # type: ignore[no-untyped-call]
+    (result,) = reports.run_reports(["deaf"], {}, tmp_path / "out", database_url=db_url, progress=False,
+                                    cell_timeout_s=2, directory=books)
+    assert not result.ok and result.failed_cell == 1, result
+    assert result.cell_source == "signal.signal(signal.SIGINT, signal.SIG_IGN)"
+    assert result.error == "CellTimeoutError: the cell ran longer than 2 s (--timeout) and was interrupted"
+    assert result.html is not None and "CellTimeoutError" in result.html.read_text(encoding="utf-8")
+    assert "Traceback" not in capfd.readouterr().err
