@@ -42,7 +42,7 @@ _THRESHOLDS = (
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     rep = add_command(
-        sub, "report", cmd_report, help="execute operations notebooks and write HTML reports",
+        sub, "report", cmd_report, database="reads", help="execute operations notebooks and write HTML reports",
         description="Execute notebooks from the notebooks directory with papermill and write "
                     "OUT/<notebook>/<UTC timestamp>.html (code hidden, plotly embedded) beside the executed "
                     ".ipynb, then OUT/index.html. Exit 1 if a notebook fails (the failing cell is named), "
