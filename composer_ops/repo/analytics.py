@@ -303,7 +303,7 @@ RUN_SQL = """
     SELECT r.id, r.workflow_definition_id, r.workflow_version, r.status, r.created_at, r.updated_at,
            r.completed_at, extract(epoch FROM COALESCE(r.completed_at, %(now)s::timestamptz) - r.created_at)::float8,
            r.input_json::text, r.output_json::text, COALESCE(r.error_json ->> 'error', r.error_json::text),
-           regexp_replace(r.tableoid::regclass::text, '_[0-9]+$', ''), d.spec_json
+           regexp_replace(r.tableoid::regclass::text, '_[0-9]+$', ''), r.deleted_at, d.spec_json
       FROM workflow_runs r
       LEFT JOIN workflow_definitions d ON d.id = r.workflow_definition_id AND d.version = r.workflow_version
      WHERE r.id = %(run)s
@@ -400,8 +400,9 @@ LATEST_RUN_SQL = """
 
 def run_row(conn: Conn, run_id: str) -> Row | None:
     """The run: run_id, workflow_id, workflow_version, status, created_at, updated_at,
-    completed_at, duration_s, input, output, error, partition, and last its
-    definition's spec_json (None when that version is missing)."""
+    completed_at, duration_s, input, output, error, partition, deleted_at (None unless
+    ``runs delete`` deleted it), and last its definition's spec_json (None when that
+    version is missing)."""
     rows = _rows(conn, RUN_SQL, {"run": run_id})
     return rows[0] if rows else None
 

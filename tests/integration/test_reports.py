@@ -410,3 +410,21 @@ def test_a_cell_deaf_to_the_interrupt_still_fails_naming_it(db_url: str, tmp_pat
     assert result.error == "CellTimeoutError: the cell ran longer than 2 s (--timeout) and was interrupted"
     assert result.html is not None and "CellTimeoutError" in result.html.read_text(encoding="utf-8")
     assert "Traceback" not in capfd.readouterr().err
+
+
+def test_a_deleted_run_is_investigated_as_deleted_not_as_live(db_url: str, tmp_path: Path,
+                                                              capsys: pytest.CaptureFixture[str]) -> None:
+    """After `runs delete`, run_investigation says prominently that the run was deleted, when
+    and by what (its history row), and does not show its old status as the run's."""
+    info = seed_committed(db_url)
+    run = info.runs["H4"]         # SUCCEEDED
+    assert main(["runs", "delete", run, "--yes", "--database-url", db_url]) == 0
+    assert main(["runs", "show", run, "--database-url", db_url]) == 2
+    capsys.readouterr()
+    out = tmp_path / "reports"
+    assert main(["report", "run_investigation", "-p", "run_id", run, "--out", str(out),
+                 "--database-url", as_role(db_url), "--progress", "0"]) == 0, capsys.readouterr().err
+    page = next((out / "run_investigation").glob("*.html")).read_text(encoding="utf-8")
+    assert "This run was deleted</b>, deleted at " in page and "composer-ops runs delete" in page
+    assert re.search(r"\(history row \d+; it was SUCCEEDED\)", page)
+    assert "<b>DELETED (it was SUCCEEDED)</b>" in page and "<b>SUCCEEDED</b>" not in page
