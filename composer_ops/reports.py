@@ -18,6 +18,7 @@ import contextlib
 import html
 import importlib.resources
 import json
+import logging
 import multiprocessing
 import os
 import re
@@ -48,6 +49,7 @@ from composer_ops.kernels import UnixSocketKernelManager  # noqa: E402
 NOTEBOOKS_PACKAGE = "composer_ops.notebooks"
 ENV_NOTEBOOKS = "COMPOSER_NOTEBOOKS_DIR"
 KERNEL_NAME = "python3"
+log = logging.getLogger(__name__)
 _EXTERNAL_SCRIPT = re.compile(r"<script[^>]*\ssrc=\"https?://[^\"]*\"[^>]*>\s*</script>", re.IGNORECASE)
 
 
@@ -66,13 +68,28 @@ class _ThisPythonKernelSpecManager(KernelSpecManager):
         return super().get_kernel_spec(kernel_name)
 
 
+#: The file a report's kernel writes its stderr to (set by :func:`_run_one`): a kernel
+#: interrupted at a cell timeout, or stopped while a cell still runs, prints tracebacks of
+#: its own sockets there, which are not the report's news (``--debug`` logs them).
+ENV_KERNEL_STDERR = "COMPOSER_REPORT_KERNEL_STDERR"
+
+
 class ThisPythonKernelManager(UnixSocketKernelManager, AsyncKernelManager):
     """Kernel manager papermill uses: the kernel is ``sys.executable -m ipykernel_launcher``,
-    on Unix sockets (:mod:`composer_ops.kernels`)."""
+    on Unix sockets (:mod:`composer_ops.kernels`), its stderr in the file
+    ``COMPOSER_REPORT_KERNEL_STDERR`` names when it is set."""
 
     @default("kernel_spec_manager")
     def _this_python_spec_manager(self) -> KernelSpecManager:
         return _ThisPythonKernelSpecManager(data_dir=self.data_dir)
+
+    async def start_kernel(self, **kw: Any) -> None:  # type: ignore[override]
+        path = os.environ.get(ENV_KERNEL_STDERR)
+        if not path or "stderr" in kw:
+            await super().start_kernel(**kw)
+            return
+        with open(path, "ab") as sink:      # the kernel gets its own descriptor of it
+            await super().start_kernel(**kw, stderr=sink)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -350,6 +367,7 @@ def _run_quietly(args: tuple[str, dict[str, Any], Path, str, int, Path | None, s
 def _run_one(name: str, params: dict[str, Any], out_dir: Path, stamp: str, *, progress: bool,
              cell_timeout_s: int, directory: Path | None, record_env: str | None = None) -> ReportResult:
     import papermill
+    from nbclient.exceptions import CellTimeoutError
     from papermill.exceptions import PapermillExecutionError
 
     source = notebook_path(name, directory)
@@ -359,18 +377,37 @@ def _run_one(name: str, params: dict[str, Any], out_dir: Path, stamp: str, *, pr
     ipynb, page = folder / f"{stem}.ipynb", folder / f"{stem}.html"
     started = time.monotonic()
     failure: dict[str, Any] = {}
-    try:
-        with _kernel_env(None, {record_env: str(ipynb)} if record_env else None):
-            papermill.execute_notebook(
-                str(source), str(ipynb), parameters=params, kernel_name=KERNEL_NAME, progress_bar=progress,
-                cwd=str(source.parent), execution_timeout=cell_timeout_s,
-                kernel_manager_class=ThisPythonKernelManager,
-            )
-    except PapermillExecutionError as exc:
-        failure = {"failed_cell": exc.cell_index, "execution_count": exc.exec_count,
-                   "cell_source": _first_code_line(exc.source), "error": f"{exc.ename}: {_first_line(exc.evalue)}"}
-    except Exception as exc:  # kernel died, timed out, could not start: still a failed report
-        failure = {"error": f"{type(exc).__name__}: {_first_line(str(exc))}"}
+    timed_out = f"CellTimeoutError: the cell ran longer than {cell_timeout_s} s (--timeout) and was interrupted"
+    with tempfile.NamedTemporaryFile(prefix="composer-kernel-", suffix=".log") as kernel_log:
+        more = {ENV_KERNEL_STDERR: kernel_log.name, **({record_env: str(ipynb)} if record_env else {})}
+        try:
+            with _kernel_env(None, more), _quiet_papermill():
+                # At a cell's timeout the kernel is interrupted (a query waiting for a lock is
+                # cancelled) and the cell fails, named like any failing cell: not stopped
+                # mid-cell, which leaves the failure unplaced and the kernel's sockets noisy.
+                papermill.execute_notebook(
+                    str(source), str(ipynb), parameters=params, kernel_name=KERNEL_NAME, progress_bar=progress,
+                    cwd=str(source.parent), execution_timeout=cell_timeout_s,
+                    kernel_manager_class=ThisPythonKernelManager, interrupt_on_timeout=True,
+                    error_on_timeout={"ename": "CellTimeoutError", "evalue": timed_out, "traceback": [timed_out]},
+                )
+            # A kernel that did not answer the interrupt in time leaves the cell failed, without
+            # an error output (papermill then raises nothing), or nbclient raises a timeout.
+            failure = _timed_out(ipynb, timed_out, known=False)
+        except PapermillExecutionError as exc:
+            if exc.ename == "KeyboardInterrupt":    # the one a headless report gets is the timeout's
+                failure = _timed_out(ipynb, timed_out, known=True)
+            else:
+                failure = {"failed_cell": exc.cell_index, "execution_count": exc.exec_count,
+                           "cell_source": _first_code_line(exc.source),
+                           "error": f"{exc.ename}: {_first_line(exc.evalue)}"}
+        except CellTimeoutError:
+            failure = _timed_out(ipynb, timed_out, known=True)
+        except Exception as exc:  # kernel died, could not start: still a failed report
+            failure = {"error": f"{type(exc).__name__}: {_first_line(str(exc))}"}
+        said = Path(kernel_log.name).read_text(encoding="utf-8", errors="replace").strip()
+        if said:
+            log.debug("report %s: the kernel's stderr:\n%s", name, said)
     seconds = time.monotonic() - started
     rendered: Path | None = None
     if ipynb.exists():
@@ -383,6 +420,48 @@ def _run_one(name: str, params: dict[str, Any], out_dir: Path, stamp: str, *, pr
     summary["key_figures"] = key_figures(ipynb) if ipynb.exists() else None
     (folder / f"{stem}.json").write_text(json.dumps(summary, indent=2, default=str) + "\n", encoding="utf-8")
     return result
+
+
+@contextlib.contextmanager
+def _quiet_papermill() -> Iterator[None]:
+    """papermill's own log (each timeout it meets, each kernel interrupt) off for the
+    block: the report's one line says what failed. ``--debug`` keeps it."""
+    logger = logging.getLogger("papermill")
+    before = logger.level
+    if not log.isEnabledFor(logging.DEBUG):
+        logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        logger.setLevel(before)
+
+
+def _timed_out(ipynb: Path, error: str, *, known: bool) -> dict[str, Any]:
+    """The failure of the cell that timed out, with ``error`` as its one error output in
+    the executed notebook (in place of the interrupt's KeyboardInterrupt), so the page
+    says why. The cell is the one papermill marked failed; when ``known`` (the execution
+    raised a timeout), else the last cell it started. Nothing when neither is found and
+    not ``known``."""
+    import nbformat
+
+    if not ipynb.exists():
+        return {"error": error} if known else {}
+    nb = nbformat.read(str(ipynb), as_version=4)  # type: ignore[no-untyped-call]
+    marks = [cell.get("metadata", {}).get("papermill", {}) for cell in nb.cells]
+    failed = [i for i, m in enumerate(marks) if m.get("status") == "failed"]
+    started = [i for i, m in enumerate(marks) if m.get("start_time")]
+    index = failed[0] if failed else (started[-1] if known and started else None)
+    if index is None:
+        return {"error": error} if known else {}
+    cell = nb.cells[index]
+    ename, _, evalue = error.partition(": ")
+    cell.outputs = [o for o in cell.get("outputs", []) if not (
+        o.get("output_type") == "error" and o.get("ename") in ("KeyboardInterrupt", ename))]
+    cell.outputs.append(nbformat.v4.new_output("error", ename=ename, evalue=evalue,  # type: ignore[no-untyped-call]
+                                               traceback=[error]))
+    nbformat.write(nb, str(ipynb))  # type: ignore[no-untyped-call]
+    return {"failed_cell": index, "execution_count": cell.get("execution_count"),
+            "cell_source": _first_code_line(cell.get("source", "")), "error": error}
 
 
 def _first_code_line(source: str) -> str:

@@ -121,7 +121,8 @@ def add_command(sub: argparse._SubParsersAction, name: str,  # type: ignore[type
                 **kw: Any) -> argparse.ArgumentParser:
     """Subcommand ``name`` running ``func(args)``. With ``database``, its first option is
     ``--database-url``: a command that ``"reads"`` only uses a running server and never
-    starts the embedded one (:func:`database_url`, :func:`open_engine`)."""
+    starts the embedded one (:func:`database_url`, :func:`open_engine`); some of them
+    change data too (``partitions drop``, ``detach``, ``restore``), on a server that runs."""
     parser: argparse.ArgumentParser = sub.add_parser(name, help=help, **kw)
     if database is not None:
         add_database_option(parser, reads_only=database == "reads")

@@ -104,7 +104,8 @@ def register(psub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg
     add_lock_options(det)
 
     rst = add_command(
-        psub, "restore", cmd_restore, help="re-import an archived month with COPY (dry-run unless --yes)",
+        psub, "restore", cmd_restore, database="reads",
+        help="re-import an archived month with COPY (dry-run unless --yes)",
         description="Verify DIR/MONTH against its manifest (every file re-read), then with --yes create the "
                     "month's partitions where they are missing and COPY every table back in one transaction, "
                     "which checks the rows against the manifest and writes an audit row (when it fails, the "

@@ -42,7 +42,7 @@ _THRESHOLDS = (
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     rep = add_command(
-        sub, "report", cmd_report, help="execute operations notebooks and write HTML reports",
+        sub, "report", cmd_report, database="reads", help="execute operations notebooks and write HTML reports",
         description="Execute notebooks from the notebooks directory with papermill and write "
                     "OUT/<notebook>/<UTC timestamp>.html (code hidden, plotly embedded) beside the executed "
                     ".ipynb, then OUT/index.html. Exit 1 if a notebook fails (the failing cell is named), "
@@ -54,7 +54,8 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     env_option(rep, "--out", env="COMPOSER_REPORTS_DIR", default="reports", metavar_default="reports",
                help="directory the reports and index.html are written to")
     env_option(rep, "--timeout", env="COMPOSER_REPORT_CELL_TIMEOUT", type=int, default=600,
-               metavar_default="600", help="seconds one cell may run before the report fails")
+               metavar_default="600",
+               help="seconds one cell may run; then it is interrupted and the report fails naming it")
     env_option(rep, "--progress", env="COMPOSER_REPORT_PROGRESS", default="1", choices=["0", "1"],
                metavar_default="1", help="show a progress bar per notebook (0: no)")
     env_option(rep, "--jobs", env="COMPOSER_REPORT_JOBS", type=int, default=1, metavar_default="1",

@@ -31,7 +31,8 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     env_option(rb, "--out", env="COMPOSER_REPORTS_DIR", default="reports", metavar_default="reports",
                help="reports directory: records go to OUT/runbooks/NAME/, the index to OUT/index.html")
     env_option(rb, "--timeout", env="COMPOSER_REPORT_CELL_TIMEOUT", type=int, default=600,
-               metavar_default="600", help="seconds one cell may run before the runbook fails")
+               metavar_default="600",
+               help="seconds one cell may run; then it is interrupted and the runbook fails naming it")
     env_option(rb, "--progress", env="COMPOSER_REPORT_PROGRESS", default="1", choices=["0", "1"],
                metavar_default="1", help="show a progress bar (0: no)")
     add_json_option(rb, "with `list`: print a JSON object")

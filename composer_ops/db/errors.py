@@ -21,6 +21,7 @@ from psycopg import errors as pgerr
 from psycopg.rows import Row
 from psycopg_pool import ConnectionPool, PoolClosed
 
+from composer_ops.db import loaders
 from composer_ops.errors import (
     ComposerError,
     Conflict,
@@ -283,6 +284,7 @@ class TranslatingConnection(psycopg.Connection[Row]):
         super().__init__(*args, **kwargs)
         self.cursor_factory = TranslatingCursor
         self.server_cursor_factory = TranslatingServerCursor
+        loaders.register(self)   # 'infinity' timestamps load: a hand-edited row does not stop a reader
 
     @classmethod
     def connect(cls, conninfo: str = "", **kwargs: Any) -> Self:

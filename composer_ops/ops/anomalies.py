@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import polars as pl
 
+from composer_ops.db.loaders import INFINITY, MINUS_INFINITY
 from composer_ops.ops.display import Anomaly
 
 
@@ -19,14 +20,27 @@ def _where(run_id: str | None, node_id: str | None = None) -> str:
 
 
 def leases(without_lease: pl.DataFrame) -> list[Anomaly]:
-    """RUNNING tasks without a lease (from :func:`composer_ops.ops.leases.without_lease`)."""
-    return [Anomaly(
-        kind="RUNNING without a lease", subject=_where(run, node),
-        detail=f"attempt {attempt}, owner {owner or '(none)'}, lease expiry {'set' if expiry else '(none)'}: "
-               "no worker heartbeats it and the lease sweeper never expires it, so it stays RUNNING",
-        action="open it with run_investigation, then cancel the run (composer-ops cancel RUN)")
-        for run, node, attempt, owner, expiry in without_lease.select(
-            "run_id", "node_id", "attempt", "lease_owner", "lease_expires_at").iter_rows()]
+    """RUNNING tasks without a lease, or with an infinite one (from
+    :func:`composer_ops.ops.leases.without_lease`)."""
+    out = []
+    for run, node, attempt, owner, expiry in without_lease.select(
+            "run_id", "node_id", "attempt", "lease_owner", "lease_expires_at").iter_rows():
+        if expiry in (INFINITY, MINUS_INFINITY):
+            never = expiry == INFINITY
+            out.append(Anomaly(
+                kind="RUNNING with an infinite lease", subject=_where(run, node),
+                detail=f"attempt {attempt}, owner {owner or '(none)'}, lease expiry "
+                       f"{'infinity' if never else '-infinity'}: the engine never writes one (a hand edit?); "
+                       + ("the lease never lapses, so if its worker dies the sweeper never re-queues the task"
+                          if never else "the sweeper takes it for a lease that expired before any worker held it"),
+                action="open it with run_investigation, then cancel the run (composer-ops cancel RUN)"))
+            continue
+        out.append(Anomaly(
+            kind="RUNNING without a lease", subject=_where(run, node),
+            detail=f"attempt {attempt}, owner {owner or '(none)'}, lease expiry {'set' if expiry else '(none)'}: "
+                   "no worker heartbeats it and the lease sweeper never expires it, so it stays RUNNING",
+            action="open it with run_investigation, then cancel the run (composer-ops cancel RUN)"))
+    return out
 
 
 def partitions(inventory: pl.DataFrame) -> list[Anomaly]:

@@ -212,8 +212,9 @@ def outbox(backlog: pl.DataFrame) -> go.Figure:
 
 def lease_timeline(leases: pl.DataFrame, now: datetime) -> go.Figure:
     """Each RUNNING task at its lease expiry (UTC), one row per owner; left of the line = expired.
-    Tasks without a lease are not on this axis (the anomalies table lists them)."""
-    df = leases.filter(pl.col("lease_expires_at").is_not_null())
+    Tasks without a lease, or with one at 'infinity' (odd data), are not on this axis (the
+    anomalies table lists them)."""
+    df = leases.filter(pl.col("lease_expires_at").is_not_null() & pl.col("expires_in_s").is_finite())
     if df.is_empty():
         return _empty("Lease expiries", "none: no RUNNING task holds a lease")
     hover = ["run_id", "node_id", "attempt", "expires_in_s"]

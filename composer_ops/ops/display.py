@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 import polars as pl
 
+from composer_ops.db.loaders import is_infinite
 from composer_ops.lazyimport import held_back, skip_itables_samples
 
 if TYPE_CHECKING:
@@ -72,6 +73,8 @@ def duration(seconds: float | None) -> str:
         return ""
     sign = "-" if seconds < 0 else ""
     s = abs(float(seconds))
+    if math.isinf(s):       # odd data: a time at 'infinity' (ops.anomalies flags it)
+        return f"{sign}infinite"
     if s < 1:
         return f"{sign}{s * 1000:.0f} ms"
     if s < 60:
@@ -91,9 +94,12 @@ def duration(seconds: float | None) -> str:
 
 
 def utc_text(value: datetime | None, *, seconds: bool = True) -> str:
-    """``2025-03-16 12:00:35`` (UTC, whatever the zone of ``value``)."""
+    """``2025-03-16 12:00:35`` (UTC, whatever the zone of ``value``); ``infinity`` and
+    ``-infinity`` for what was read from those (odd data, flagged where it matters)."""
     if value is None:
         return ""
+    if is_infinite(value):
+        return "infinity" if value.year == datetime.max.year else "-infinity"
     return value.astimezone(UTC).strftime("%Y-%m-%d %H:%M:%S" if seconds else "%Y-%m-%d %H:%M")
 
 

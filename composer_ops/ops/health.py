@@ -14,7 +14,7 @@ from typing import Any
 import polars as pl
 
 from composer_ops.errors import Invalid
-from composer_ops.ops import active, leases, partitions, retention, schedules
+from composer_ops.ops import active, leases, params, partitions, retention, schedules
 from composer_ops.ops._common import Source, connection, db_now, read_from
 from composer_ops.ops.display import duration
 from composer_ops.repo import analytics
@@ -39,12 +39,15 @@ class Thresholds:
         """Itself, or :class:`Invalid` naming the first threshold out of range."""
         if self.months_ahead_min < 0:
             raise Invalid(f"--months-ahead-min must be 0 or more, got {self.months_ahead_min}")
-        for name, value in (("--sweeper-lag", self.sweeper_lag_s), ("--replay-lag", self.replay_lag_s),
-                            ("--outbox-ready-age", self.outbox_ready_age_s),
-                            ("--long-wait-h", self.long_wait_h), ("--schedule-late", self.schedule_late_s),
-                            ("--queue-paused-h", self.queue_paused_h)):
-            if not value >= 0:
-                raise Invalid(f"{name} must be 0 or more, got {value}")
+        for name, value, unit in (("--sweeper-lag", self.sweeper_lag_s, "s"), ("--replay-lag", self.replay_lag_s, "s"),
+                                  ("--outbox-ready-age", self.outbox_ready_age_s, "s"),
+                                  ("--long-wait-h", self.long_wait_h, "h"),
+                                  ("--schedule-late", self.schedule_late_s, "s"),
+                                  ("--queue-paused-h", self.queue_paused_h, "h")):
+            try:
+                params.number(value, unit=unit)
+            except Invalid as exc:
+                raise Invalid(f"{name} {exc}") from None
         if self.webhook_attempts < 1:
             raise Invalid(f"--webhook-attempts must be 1 or more, got {self.webhook_attempts}")
         retention.parse_cutoff(self.retention_older_than)
@@ -72,6 +75,7 @@ class Health:
     checks: list[Check]
     queues: list[dict[str, Any]] = field(default_factory=list)   # per queue: active.queue_overview's rows
     keys_at_limit: int = 0             # concurrency keys at their limit with tasks ready behind them
+    odd_leases: int = 0                # RUNNING tasks without a lease or with an infinite one (odd data)
 
     @property
     def healthy(self) -> bool:
@@ -80,7 +84,7 @@ class Health:
     def as_json(self) -> dict[str, Any]:
         return {"healthy": self.healthy, "up": True, "checked_at": self.checked_at.isoformat().replace("+00:00", "Z"),
                 "checks": [asdict(c) for c in self.checks], "queues": self.queues,
-                "keys_at_limit": self.keys_at_limit}
+                "keys_at_limit": self.keys_at_limit, "odd_leases": self.odd_leases}
 
 
 def check_health(source: Source = None, thresholds: Thresholds | None = None) -> Health:
@@ -123,14 +127,19 @@ def check_health(source: Source = None, thresholds: Thresholds | None = None) ->
                 else f"every table has {fewest} months after {ahead['current_month'][0]}"),
         help="Fewest partition months after the current UTC month over the run tables (-1: current missing)."))
 
-    expired = leases.expired_running(leases=running)
+    # A lease at '-infinity' (odd data) is expired but has no lag to measure: it is
+    # counted with the odd leases instead.
+    expired = leases.expired_running(leases=running).filter(pl.col("overdue_s").is_finite())
+    odd = leases.without_lease(running)
     lag = max(expired["overdue_s"].to_list(), default=0.0)
     checks.append(Check(
         name="sweeper lag", runbook="sweeper_lag",
         metric="composer_sweeper_lag_seconds", value=lag, threshold=t.sweeper_lag_s,
         alert=lag > t.sweeper_lag_s,
         detail=(f"{expired.height} RUNNING task(s) with an expired lease, the oldest {duration(lag)} ago: "
-                "is a coordinator running?" if expired.height else "no expired lease is still RUNNING"),
+                "is a coordinator running?" if expired.height else "no expired lease is still RUNNING")
+               + (f"; odd data: {odd.height} RUNNING task(s) without a lease or with an infinite one, e.g. run "
+                  f"{odd['run_id'][0]} (the lease_expiries report lists them)" if odd.height else ""),
         help="Seconds since the longest-expired lease of a task still RUNNING (0: none)."))
 
     # A paused queue's rows, or those of a queue at its limit, wait on purpose: the
@@ -200,7 +209,7 @@ def check_health(source: Source = None, thresholds: Thresholds | None = None) ->
                 "(composer-ops queues resume NAME --yes once the downstream service is back)" if long_paused.height
                 else f"{paused.height} queue(s) paused, none over {t.queue_paused_h:g} h"),
         help="Seconds the longest-paused queue has been paused (0: none paused)."))
-    return Health(checked_at=now, checks=checks, keys_at_limit=at_limit.height, queues=[
+    return Health(checked_at=now, checks=checks, keys_at_limit=at_limit.height, odd_leases=odd.height, queues=[
         {k: (v.isoformat().replace("+00:00", "Z") if isinstance(v, datetime) else v) for k, v in row.items()}
         for row in queue_rows.to_dicts()])
 
@@ -225,6 +234,8 @@ def write_prometheus(health: Health, path: str) -> None:
     _queue_gauges(registry, health.queues)
     Gauge("composer_concurrency_keys_at_limit", "Concurrency keys with as many attempts RUNNING as their limit "
           "and tasks ready behind them.", registry=registry).set(health.keys_at_limit)
+    Gauge("composer_running_odd_leases", "RUNNING tasks without a lease or with one at 'infinity' or '-infinity' "
+          "(odd data: the lease_expiries report lists them).", registry=registry).set(health.odd_leases)
     Gauge("composer_check_timestamp_seconds", "When the checks read the database (its clock).",
           registry=registry).set(health.checked_at.timestamp())
     _write(registry, path)

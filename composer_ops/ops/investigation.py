@@ -13,7 +13,7 @@ from __future__ import annotations
 import functools
 import json
 from dataclasses import dataclass, field
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Any
 
 import polars as pl
@@ -114,6 +114,30 @@ class RunStory:
     links: pl.DataFrame = field(default_factory=lambda: rows_frame([], LINKS_SCHEMA))
     #: Each MAP node's own row with its counters (:data:`MAP_NODES_SCHEMA`).
     map_nodes: pl.DataFrame = field(default_factory=lambda: rows_frame([], MAP_NODES_SCHEMA))
+    #: When ``runs delete`` deleted the run (soft: its rows stay until retention drops its
+    #: month, and every command, loop and claim treats it as gone); None for a live run.
+    deleted_at: datetime | None = None
+
+    @property
+    def deletion(self) -> str | None:
+        """For a deleted run, one line saying when and by what (its ``deleted`` history
+        row: the status it had, the operator's command and host); None otherwise."""
+        if self.deleted_at is None:
+            return None
+        text = f"deleted at {self.deleted_at:%Y-%m-%d %H:%M:%S} UTC"
+        rows = self.history.filter(pl.col("kind") == "deleted")
+        if rows.is_empty():
+            return text + " (no deleted row in its history: deleted_at was set by hand?)"
+        row = rows.row(-1, named=True)
+        detail = json.loads(row["detail"]) if row["detail"] else {}
+        operator = detail.get("operator") if isinstance(detail, dict) else None
+        by = ""
+        if isinstance(operator, dict):
+            by = f" by `{operator.get('command') or operator.get('action')}`"
+            by += f" on {operator['host']}" if operator.get("host") else ""
+        status = detail.get("status") if isinstance(detail, dict) else None
+        return (f"{text}{by} (history row {row['seq']}"
+                + (f"; it was {status}" if status else "") + ")")
 
     @property
     def map_disagreements(self) -> list[tuple[str, str]]:
@@ -148,8 +172,8 @@ def run_story(source: Source, run_id: str) -> RunStory:
         run_row = analytics.run_row(conn, rid)
         if run_row is None:
             raise NotFound(f"workflow run {rid} does not exist (or its month's partition was dropped)")
-        spec = run_row[-1]
-        run = rows_frame([run_row[:-1]], {
+        *fields, deleted_at, spec = run_row
+        run = rows_frame([fields], {
             "run_id": pl.String, "workflow_id": pl.String, "workflow_version": pl.Int64, "status": pl.String,
             "created_at": UTC_TS, "updated_at": UTC_TS, "completed_at": UTC_TS, "duration_s": pl.Float64,
             "input": pl.String, "output": pl.String, "error": pl.String, "partition": pl.String,
@@ -175,7 +199,8 @@ def run_story(source: Source, run_id: str) -> RunStory:
     nodes, edges = definition_graph(spec, tasks)
     return RunStory(run=run, nodes=nodes, edges=edges, tasks=tasks, signals=signals, outbox=outbox,
                     webhook=webhook, spec_found=spec is not None, history=history, item_states=item_states,
-                    slowest_items=slowest, links=links, map_nodes=map_nodes)
+                    slowest_items=slowest, links=links, map_nodes=map_nodes,
+                    deleted_at=deleted_at.astimezone(UTC) if deleted_at is not None else None)
 
 
 def map_disagreements(map_nodes: pl.DataFrame, item_states: pl.DataFrame) -> list[tuple[str, str]]:

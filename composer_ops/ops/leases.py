@@ -6,13 +6,16 @@ active tasks are on, and the recent re-queues with the error that caused them.
 The RUNNING queries filter on ``state = 'RUNNING'`` and the others on the active
 states, the predicates of the partial indexes, so they read only live work. Time to
 expiry is ``lease_expires_at - now()`` on the database clock, the clock the sweeper
-itself judges by.
+itself judges by. A lease expiry of ``'infinity'`` or ``'-infinity'`` (odd data: the
+engine never writes one) reads as ``datetime.max``/``min`` with a time to expiry of
+plus or minus infinity, and is flagged by :func:`without_lease`.
 """
 
 from __future__ import annotations
 
 import polars as pl
 
+from composer_ops.db.loaders import INFINITY, MINUS_INFINITY
 from composer_ops.errors import Invalid
 from composer_ops.ops._common import UTC_TS, Source, connection, rows_frame
 from composer_ops.repo import analytics
@@ -63,10 +66,17 @@ def expiry_buckets(leases: pl.DataFrame) -> pl.DataFrame:
 
 
 def without_lease(leases: pl.DataFrame) -> pl.DataFrame:
-    """RUNNING tasks (from :func:`running_leases`) with no lease owner or no expiry:
-    no worker can heartbeat them and the sweeper never expires them, so they stay
-    RUNNING until someone cancels or retries the run."""
-    return leases.filter(pl.col("lease_expires_at").is_null() | pl.col("lease_owner").is_null())
+    """RUNNING tasks (from :func:`running_leases`, or a run's tasks) with no lease
+    owner, no expiry, or an infinite expiry (:func:`infinite_expiry`): no worker can
+    heartbeat them and the sweeper never expires them (or, at ``'-infinity'``, expires
+    a lease no worker could have held), so they are odd data to flag."""
+    return leases.filter(pl.col("lease_expires_at").is_null() | pl.col("lease_owner").is_null()
+                         | infinite_expiry())
+
+
+def infinite_expiry(column: str = "lease_expires_at") -> pl.Expr:
+    """True where ``column`` was read from ``'infinity'`` or ``'-infinity'``."""
+    return pl.col(column).is_in([INFINITY, MINUS_INFINITY]).fill_null(False)
 
 
 def expired_running(source: Source = None, *, leases: pl.DataFrame | None = None) -> pl.DataFrame:

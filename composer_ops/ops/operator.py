@@ -189,8 +189,9 @@ def archived_run_story(directory: str | Path, run_id: str, source: Source = None
     history = rows_frame([], HISTORY_SCHEMA) if logged.is_empty() else logged.sort("seq").select(
         pl.col("seq").cast(pl.Int64), "at", "kind", "node_id", "task_id", pl.col("attempt").cast(pl.Int64),
         "worker", "request", "detail").cast(dict(HISTORY_SCHEMA))  # type: ignore[arg-type]
+    deleted = run_rows["deleted_at"][0] if "deleted_at" in run_rows.columns else None
     return RunStory(run=run, nodes=nodes, edges=edges, tasks=tasks, signals=signals, outbox=empty_outbox,
-                    webhook=empty_webhook, spec_found=spec is not None, history=history)
+                    webhook=empty_webhook, spec_found=spec is not None, history=history, deleted_at=deleted)
 
 
 def definition_spec(source: Source, workflow_id: str, version: int) -> Any:

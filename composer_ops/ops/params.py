@@ -8,6 +8,7 @@ one-line error).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -28,14 +29,30 @@ def _int_between(low: int, high: int) -> Check:
 #: The checks of parameters that take any number (an integer default too).
 _NUMBERS: list[Check] = []
 
+#: The largest duration a number parameter or a ``check`` threshold may give, per unit
+#: (its name's suffix, ``_s`` or ``_h``): 100 years. The reads turn them into intervals
+#: counted back from the database clock, which overflow (or leave PostgreSQL's range of
+#: timestamps) far above it; ``inf`` would fail there, or when the value is printed.
+MOST = {"s": 100 * 365.25 * 86400, "h": 100 * 365.25 * 24}
 
-def _number_above(low: float, *, inclusive: bool) -> Check:
+
+def number(value: Any, *, low: float = 0, inclusive: bool = True, unit: str = "s") -> float:
+    """``value`` as a float when it is a finite number above ``low`` and at most
+    :data:`MOST` of ``unit``; else :class:`Invalid` saying so ("must be a number ...").
+    The one check of the notebooks' number parameters and of ``check``'s thresholds."""
+    most = MOST[unit]
+    if isinstance(value, bool) or not isinstance(value, int | float) or not (
+            value >= low if inclusive else value > low):
+        raise Invalid(f"must be a number {'>=' if inclusive else '>'} {low:g}, got {value!r}")
+    if not math.isfinite(value) or value > most:
+        raise Invalid(f"must be a finite number of at most {most:.10g} (100 years in "
+                      f"{'seconds' if unit == 's' else 'hours'}), got {value!r}")
+    return float(value)
+
+
+def _number_above(low: float, *, inclusive: bool, unit: str = "s") -> Check:
     def check(name: str, value: Any) -> float:
-        ok = isinstance(value, int | float) and not isinstance(value, bool) and (
-            value >= low if inclusive else value > low)
-        if not ok:
-            raise Invalid(f"must be a number {'>=' if inclusive else '>'} {low:g}, got {value!r}")
-        return float(value)
+        return number(value, low=low, inclusive=inclusive, unit=unit)
     _NUMBERS.append(check)
     return check
 
@@ -153,17 +170,18 @@ RUNBOOK_CHECKS: dict[str, dict[str, Check]] = {
     "partitions_ahead": {"months_ahead_min": _int_between(0, 120), "months_ahead": _int_between(0, 120)},
     "sweeper_lag": {"sweeper_lag_s": _number_above(0, inclusive=True)},
     "outbox_ready": {"outbox_ready_age_s": _number_above(0, inclusive=True),
-                     "workers_window_h": _number_above(0, inclusive=True)},
+                     "workers_window_h": _number_above(0, inclusive=True, unit="h")},
     "retention_blocked": {"cutoff": _cutoff, "reason": _text},
-    "long_waits": {"long_wait_h": _number_above(0, inclusive=True), "cancel_runs": _run_ids, "reason": _text},
+    "long_waits": {"long_wait_h": _number_above(0, inclusive=True, unit="h"), "cancel_runs": _run_ids,
+                   "reason": _text},
     "failing_webhooks": {"webhook_attempts": _int_between(1, 1000), "limit": _int_between(1, 1000)},
     "schedule_late": {"schedule_late_s": _number_above(0, inclusive=True), "trigger": _schedule_names},
-    "dead_worker": {"workers_window_h": _number_above(0, inclusive=True)},
+    "dead_worker": {"workers_window_h": _number_above(0, inclusive=True, unit="h")},
     "replay_failed": {"workflow": _selection, "since": _selection, "where": _selection, "from_node": _node,
                       "limit": _int_between(1, 1000)},
     "downstream_overloaded": {"queue": _queue, "action": _queue_action, "reason": _reason,
                               "max_running": _int_between(0, 1_000_000),
-                              "queue_paused_h": _number_above(0, inclusive=True)},
+                              "queue_paused_h": _number_above(0, inclusive=True, unit="h")},
     "find_run": {"workflow": _selection, "since": _selection, "where": _selection, "limit": _int_between(1, 1000)},
 }
 for _checks in RUNBOOK_CHECKS.values():
@@ -172,9 +190,10 @@ for _checks in RUNBOOK_CHECKS.values():
 #: Per notebook, each parameter's check (the notebooks' parameters cells declare them).
 CHECKS: dict[str, dict[str, Check]] = {
     "active_tasks": {"top_n": _int_between(1, 1000), "oldest_limit": _int_between(1, 1000),
-                     "long_wait_h": _number_above(0, inclusive=True)},
+                     "long_wait_h": _number_above(0, inclusive=True, unit="h")},
     "lease_expiries": {"requeue_window_s": _number_above(0, inclusive=False),
-                       "requeue_limit": _int_between(1, 1000), "workers_window_h": _number_above(0, inclusive=True)},
+                       "requeue_limit": _int_between(1, 1000),
+                       "workers_window_h": _number_above(0, inclusive=True, unit="h")},
     "partition_sizes": {"months_ahead_min": _int_between(0, 120), "exact_rows": _boolean,
                         "projection_months": _int_between(0, 60)},
     "retention_dry_run": {"cutoff": _cutoff, "exact_rows": _boolean},

@@ -24,6 +24,15 @@ ACTIVE_SQL = sql_states(ACTIVE_TASK_STATES)
 COORDINATOR_QUEUE = "(coordinator)"
 
 
+def _seconds_until(column: str) -> str:
+    """SQL for the seconds from the database clock to ``column``, +/-Infinity when the
+    column holds 'infinity' or '-infinity' (odd data a hand edit leaves; PostgreSQL 15
+    refuses to subtract an infinite timestamp), NULL when it is NULL."""
+    return (f"CASE WHEN isfinite({column}) THEN extract(epoch FROM {column} - %(now)s::timestamptz)::float8 "
+            f"WHEN {column} > %(now)s::timestamptz THEN 'Infinity'::float8 "
+            f"WHEN {column} < %(now)s::timestamptz THEN '-Infinity'::float8 END")
+
+
 def _rows(conn: Conn, query: str, params: dict[str, Any] | None = None) -> list[Row]:
     """Run ``query`` with ``params`` and ``now``, the database clock."""
     with conn.cursor() as cur:
@@ -182,10 +191,10 @@ def outbox_backlog(conn: Conn) -> list[Row]:
 
 # -- leases ------------------------------------------------------------------------
 
-RUNNING_LEASES_SQL = """
+RUNNING_LEASES_SQL = f"""
     SELECT run_id, id, node_id, COALESCE(queue, '') AS queue, lease_owner, attempt, started_at,
            lease_expires_at,
-           extract(epoch FROM lease_expires_at - %(now)s::timestamptz)::float8 AS expires_in_s,
+           {_seconds_until("lease_expires_at")} AS expires_in_s,
            extract(epoch FROM %(now)s::timestamptz - started_at)::float8 AS running_s
       FROM task_instances
      WHERE state = 'RUNNING'
@@ -294,19 +303,18 @@ RUN_SQL = """
     SELECT r.id, r.workflow_definition_id, r.workflow_version, r.status, r.created_at, r.updated_at,
            r.completed_at, extract(epoch FROM COALESCE(r.completed_at, %(now)s::timestamptz) - r.created_at)::float8,
            r.input_json::text, r.output_json::text, COALESCE(r.error_json ->> 'error', r.error_json::text),
-           regexp_replace(r.tableoid::regclass::text, '_[0-9]+$', ''), d.spec_json
+           regexp_replace(r.tableoid::regclass::text, '_[0-9]+$', ''), r.deleted_at, d.spec_json
       FROM workflow_runs r
       LEFT JOIN workflow_definitions d ON d.id = r.workflow_definition_id AND d.version = r.workflow_version
      WHERE r.id = %(run)s
 """
 
-RUN_TASKS_SQL = """
+RUN_TASKS_SQL = f"""
     SELECT id, node_id, node_type, queue, state, attempt, created_at, started_at, finished_at, updated_at,
            extract(epoch FROM COALESCE(started_at, finished_at, %(now)s::timestamptz) - created_at)::float8 AS queued_s,
            extract(epoch FROM COALESCE(finished_at, %(now)s::timestamptz) - started_at)::float8 AS ran_s,
-           wake_at, extract(epoch FROM wake_at - %(now)s::timestamptz)::float8 AS wakes_in_s, signal_name,
-           lease_owner, lease_expires_at,
-           extract(epoch FROM lease_expires_at - %(now)s::timestamptz)::float8 AS lease_left_s,
+           wake_at, {_seconds_until("wake_at")} AS wakes_in_s, signal_name,
+           lease_owner, lease_expires_at, {_seconds_until("lease_expires_at")} AS lease_left_s,
            COALESCE(last_error ->> 'error', last_error::text) AS last_error, branches, output_json::text
       FROM task_instances
      WHERE run_id = %(run)s AND item_index IS NULL
@@ -392,8 +400,9 @@ LATEST_RUN_SQL = """
 
 def run_row(conn: Conn, run_id: str) -> Row | None:
     """The run: run_id, workflow_id, workflow_version, status, created_at, updated_at,
-    completed_at, duration_s, input, output, error, partition, and last its
-    definition's spec_json (None when that version is missing)."""
+    completed_at, duration_s, input, output, error, partition, deleted_at (None unless
+    ``runs delete`` deleted it), and last its definition's spec_json (None when that
+    version is missing)."""
     rows = _rows(conn, RUN_SQL, {"run": run_id})
     return rows[0] if rows else None
 

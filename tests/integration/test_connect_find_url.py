@@ -52,6 +52,21 @@ def test_read_only_commands_with_no_database_fail_in_one_line(argv: list[str], n
     assert not nothing_configured.exists()
 
 
+def test_report_and_restore_say_and_do_the_same_with_no_database(nothing_configured: Path, tmp_path: Path,
+                                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    """Their help says the embedded server must be running, as for every command that only
+    finds a running one; a report with none fails in one line and starts nothing."""
+    for argv in (["report", "--help"], ["partitions", "restore", "--help"]):
+        with pytest.raises(SystemExit):
+            main(argv)
+        text = " ".join(capsys.readouterr().out.split())
+        assert "which must be running (composer-ops db up)" in text and "started if it is not" not in text, argv
+    code = main(["report", "active_tasks", "--out", str(tmp_path / "reports"), "--progress", "0"])
+    err = capsys.readouterr().err
+    assert code == 1 and err.count("\n") == 1 and err.startswith("composer-ops: unavailable: no database to read")
+    assert not nothing_configured.exists()
+
+
 def test_an_explicit_url_or_the_variable_wins(nothing_configured: Path, db_url: str,
                                               monkeypatch: pytest.MonkeyPatch) -> None:
     assert find_url(db_url) == db_url == resolve_url(db_url)

@@ -98,6 +98,24 @@ def test_bad_thresholds_exit_2_with_one_line(argv: list[str], tmp_path: Path,
     assert not prom.exists()
 
 
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--sweeper-lag", "inf"], "--sweeper-lag must be a finite number of at most 3155760000 (100 years in seconds)"),
+    (["--outbox-ready-age", "inf"], "--outbox-ready-age must be a finite number"),
+    (["--queue-paused-h", "inf"], "--queue-paused-h must be a finite number of at most 876600 (100 years in hours)"),
+    (["--long-wait-h", "inf"], "--long-wait-h must be a finite number"),
+    (["--long-wait-h", "1e12"], "--long-wait-h must be a finite number"),    # an interval out of range
+    (["--schedule-late=-inf"], "--schedule-late must be a number >= 0, got -inf"),
+])
+def test_infinite_and_huge_thresholds_exit_2_before_the_database_is_read(
+        argv: list[str], message: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    prom = tmp_path / "x.prom"
+    code = main(["check", *argv, "--database-url", "postgresql://nobody@/nowhere?host=/nonexistent",
+                 "--prometheus", str(prom)])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and message in err, err
+    assert not prom.exists()
+
+
 def test_an_unreadable_database_is_exit_1(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     code = main(["check", "--database-url", "postgresql://nobody@/nowhere?host=/nonexistent"])
     err = capsys.readouterr().err
@@ -183,3 +201,21 @@ def test_check_help_says_it_never_starts_the_server(capsys: pytest.CaptureFixtur
     text = " ".join(capsys.readouterr().out.split())
     assert "started if it is not running" not in text
     assert "which must be running (composer-ops db up)" in text
+
+
+def test_a_lease_at_infinity_is_flagged_not_taken_for_bad_input(db_url: str, tmp_path: Path,
+                                                                capsys: pytest.CaptureFixture[str]) -> None:
+    """A RUNNING task whose lease expiry was set to 'infinity' by hand: check reads it,
+    writes its figures and names it as odd data (exit 1 here for the seed's own alerts)."""
+    info = seed_committed(db_url)
+    with psycopg.connect(db_url) as conn:
+        conn.execute("UPDATE task_instances SET lease_expires_at = 'infinity' WHERE run_id = %s", (info.runs["L1"],))
+    prom = tmp_path / "composer.prom"
+    assert main(["check", "--json", "--database-url", as_role(db_url), "--prometheus", str(prom)]) == 1
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["up"] is True and doc["odd_leases"] == 2        # L1's infinite lease and L9's missing one
+    sweeper = next(c for c in doc["checks"] if c["metric"] == "composer_sweeper_lag_seconds")
+    assert sweeper["value"] == pytest.approx(7200, abs=60)      # L7's lease, as without the odd row
+    assert "odd data: 2 RUNNING task(s) without a lease or with an infinite one" in sweeper["detail"]
+    samples = _samples(prom)
+    assert samples[("composer_check_up", "")] == 1.0 and samples[("composer_running_odd_leases", "")] == 2.0

@@ -4,6 +4,7 @@ under the suite's New York session and under Asia/Tokyo."""
 from __future__ import annotations
 
 from collections.abc import Iterator
+from datetime import UTC, datetime
 from typing import Any
 
 import polars as pl
@@ -12,6 +13,7 @@ import pytest
 
 from composer_ops import ops
 from composer_ops.errors import ComposerError, Invalid
+from composer_ops.ops import anomalies, charts, display
 from composer_ops.testing import fixtures
 from tests.integration.helpers import connect_in_tz
 
@@ -164,3 +166,40 @@ def test_a_url_source_opens_and_closes_its_own_read_only_session(db_url: str) ->
         with pytest.raises(ComposerError, match="read-only transaction") as refused:
             conn.execute("DELETE FROM task_outbox")
         assert isinstance(refused.value.__cause__, psycopg.errors.ReadOnlySqlTransaction)
+
+
+def test_a_lease_at_infinity_is_read_and_flagged(db_url: str) -> None:
+    """A lease expiry set to 'infinity' or '-infinity' by hand (the engine never writes one)
+    loads on every connection composer_ops opens, on PostgreSQL 15 as on newer servers,
+    and is flagged as odd."""
+    with psycopg.connect(db_url) as owner:
+        info = fixtures.seed(owner)
+        owner.execute("UPDATE task_instances SET lease_expires_at = 'infinity' WHERE run_id = %s",
+                      (info.runs["L1"],))
+        owner.execute("UPDATE task_instances SET lease_expires_at = '-infinity' WHERE run_id = %s "
+                      "AND node_id = 'express'", (info.runs["L3"],))
+    with ops.snapshot(db_url) as conn:
+        leases = ops.running_leases(conn)
+        story = ops.run_story(conn, info.runs["L1"])
+        now = ops.db_now(conn)
+    rows = {r: (e, x, b) for r, e, x, b in leases.select("run_id", "expires_in_s", "expired", "bucket").iter_rows()}
+    assert rows[info.runs["L1"]] == (float("inf"), False, "expires in > 30 min")
+    assert rows[info.runs["L3"]] == (float("-inf"), True, "expired > 1 h ago")
+    assert leases.filter(pl.col("run_id") == info.runs["L1"])["lease_expires_at"][0] == datetime.max.replace(tzinfo=UTC)
+    odd = ops.without_lease(leases)
+    assert sorted(odd["run_id"].to_list()) == sorted([info.runs["L9"], info.runs["L1"], info.runs["L3"]])
+    found = {a.subject: a for a in anomalies.leases(odd)}
+    assert found[f"run {info.runs['L1']}, node charge"].kind == "RUNNING with an infinite lease"
+    assert "lease expiry infinity" in found[f"run {info.runs['L1']}, node charge"].detail
+    assert "lease expiry -infinity" in found[f"run {info.runs['L3']}, node express"].detail
+    assert found[f"run {info.runs['L9']}, node charge"].kind == "RUNNING without a lease"
+    owners = ops.lease_owners(leases=leases)
+    assert display.duration(owners.filter(pl.col("lease_owner") == "worker-a")["max_overdue_s"][0]) == "infinite"
+    assert display.utc_text(datetime.max.replace(tzinfo=UTC)) == "infinity"
+    # The run investigation reads the same task, its time left infinite.
+    assert story.tasks.select("node_id", "lease_left_s").rows() == [("charge", float("inf"))]
+    running = story.tasks.filter(pl.col("state") == "RUNNING").with_columns(pl.lit(story.run_id).alias("run_id"))
+    assert [a.kind for a in anomalies.leases(ops.without_lease(running))] == ["RUNNING with an infinite lease"]
+    # The lease timeline leaves the infinite leases off its axis (the anomalies list them).
+    figure = charts.lease_timeline(leases, now)
+    assert sum(len(trace.x) for trace in figure.data) == leases.height - 3

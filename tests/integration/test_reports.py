@@ -14,6 +14,7 @@ from html import escape
 from pathlib import Path
 
 import nbformat
+import psycopg
 import pytest
 from traitlets import default
 
@@ -120,6 +121,9 @@ def test_a_failing_cell_fails_the_report_naming_it(tmp_path: Path, capsys: pytes
     (["-p", "top_n", "0"], "-p top_n: must be an integer from 1 to 1000, got 0 (report active_tasks)"),
     (["-p", "cutoff", "yesterday"], "-p cutoff: cut-off 'yesterday' is not an ISO date"),
     (["-p", "requeue_window_s", "-5"], "-p requeue_window_s: must be a number > 0"),
+    (["-p", "long_wait_h", "inf"], "-p long_wait_h: must be a finite number of at most 876600 (100 years in hours)"),
+    (["-p", "long_wait_h", "1e12"], "-p long_wait_h: must be a finite number"),
+    (["-p", "requeue_window_s", "inf"], "-p requeue_window_s: must be a finite number"),
 ])
 def test_a_bad_parameter_value_exits_2_before_any_kernel(param: list[str], message: str, tmp_path: Path,
                                                          monkeypatch: pytest.MonkeyPatch,
@@ -347,3 +351,80 @@ def test_one_node_shows_its_table_under_where_the_data_is_and_no_blocked_month_s
     assert 'id="itables_' in where and "local" in where          # the one node's table, under its heading
     plan = next((out / "retention_dry_run").glob("*.html")).read_text(encoding="utf-8")
     assert plan.count("none: no month past the cut-off is kept for active runs") == 1
+
+
+def test_a_lease_at_infinity_renders_flagged_in_every_report_that_reads_leases(
+        db_url: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A lease expiry set to 'infinity' by hand (odd data): each report that reads it renders
+    and lists it as an anomaly."""
+    info = seed_committed(db_url)
+    with psycopg.connect(db_url) as conn:
+        conn.execute("UPDATE task_instances SET lease_expires_at = 'infinity' WHERE run_id = %s", (info.runs["L1"],))
+    out = tmp_path / "reports"
+    code = main(["report", "active_tasks", "lease_expiries", "run_investigation", "-p", "run_id", info.runs["L1"],
+                 "--out", str(out), "--database-url", as_role(db_url), "--progress", "0", "--jobs", "2"])
+    assert code == 0, capsys.readouterr().err
+    for name in ("active_tasks", "lease_expiries", "run_investigation"):
+        page = next((out / name).glob("*.html")).read_text(encoding="utf-8")
+        assert "RUNNING with an infinite lease" in page and info.runs["L1"] in page, name
+        assert "self-checks passed" in page, name
+
+
+def test_a_cell_waiting_on_a_lock_past_the_timeout_fails_in_one_line_naming_it(
+        db_url: str, tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
+    """The report's query waits for a lock another session holds on a month: at --timeout the
+    kernel is interrupted, and the report fails like any other, one line naming the cell (no
+    papermill log, no kernel traceback on stderr), with failed_cell in its summary."""
+    info = seed_committed(db_url)
+    out = tmp_path / "reports"
+    with psycopg.connect(db_url) as holder:
+        holder.execute(f"LOCK TABLE workflow_runs_p{info.current_month} IN ACCESS EXCLUSIVE MODE".encode())
+        code = main(["report", "retention_dry_run", "-p", "cutoff", "1mo", "--timeout", "3", "--out", str(out),
+                     "--database-url", db_url, "--progress", "0"])
+        holder.rollback()
+    err = capfd.readouterr().err
+    assert code == 1 and err.count("\n") == 1, err
+    assert re.search(r"failed at cell \d+ \(In \[\d+\]\) `.+`: CellTimeoutError: the cell ran longer than 3 s "
+                     r"\(--timeout\) and was interrupted; see ", err), err
+    summary = json.loads(next((out / "retention_dry_run").glob("*.json")).read_text(encoding="utf-8"))
+    assert summary["ok"] is False and isinstance(summary["failed_cell"], int) and summary["execution_count"]
+    assert "CellTimeoutError" in next((out / "retention_dry_run").glob("*.html")).read_text(encoding="utf-8")
+
+
+def test_a_cell_deaf_to_the_interrupt_still_fails_naming_it(db_url: str, tmp_path: Path,
+                                                            capfd: pytest.CaptureFixture[str]) -> None:
+    """A cell that ignores the interrupt at its timeout leaves no error output of its own:
+    the report fails all the same, naming it, and the page says why."""
+    books = tmp_path / "books"
+    books.mkdir()
+    nb = nbformat.v4.new_notebook()  # type: ignore[no-untyped-call]
+    nb.cells = [nbformat.v4.new_code_cell("x = 1"),  # type: ignore[no-untyped-call]
+                nbformat.v4.new_code_cell("import signal, time\n"  # type: ignore[no-untyped-call]
+                                          "signal.signal(signal.SIGINT, signal.SIG_IGN)\ntime.sleep(60)")]
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    nbformat.write(nb, str(books / "deaf.ipynb"))  # type: ignore[no-untyped-call]
+    (result,) = reports.run_reports(["deaf"], {}, tmp_path / "out", database_url=db_url, progress=False,
+                                    cell_timeout_s=2, directory=books)
+    assert not result.ok and result.failed_cell == 1, result
+    assert result.cell_source == "signal.signal(signal.SIGINT, signal.SIG_IGN)"
+    assert result.error == "CellTimeoutError: the cell ran longer than 2 s (--timeout) and was interrupted"
+    assert result.html is not None and "CellTimeoutError" in result.html.read_text(encoding="utf-8")
+    assert "Traceback" not in capfd.readouterr().err
+
+
+def test_a_deleted_run_is_investigated_as_deleted_not_as_live(db_url: str, tmp_path: Path,
+                                                              capsys: pytest.CaptureFixture[str]) -> None:
+    """After `runs delete`, run_investigation says prominently that the run was deleted, when
+    and by what (its history row), and does not show its old status as the run's."""
+    info = seed_committed(db_url)
+    run = info.runs["H4"]         # SUCCEEDED
+    assert main(["runs", "delete", run, "--yes", "--database-url", db_url]) == 0
+    assert main(["runs", "show", run, "--database-url", db_url]) == 2
+    capsys.readouterr()
+    out = tmp_path / "reports"
+    assert main(["report", "run_investigation", "-p", "run_id", run, "--out", str(out),
+                 "--database-url", as_role(db_url), "--progress", "0"]) == 0, capsys.readouterr().err
+    page = next((out / "run_investigation").glob("*.html")).read_text(encoding="utf-8")
+    assert "This run was deleted</b>, deleted at " in page and "composer-ops runs delete" in page
+    assert re.search(r"\(history row \d+; it was SUCCEEDED\)", page)
+    assert "<b>DELETED (it was SUCCEEDED)</b>" in page and "<b>SUCCEEDED</b>" not in page

@@ -8,6 +8,7 @@ import json
 import re
 from datetime import UTC, datetime
 
+import psycopg
 import pytest
 
 from composer_ops import Engine
@@ -64,3 +65,18 @@ def test_runs_show_prints_json_output_and_tells_retried_attempts_apart(
     instants = [shown["created_at"], shown["completed_at"], *(h["at"] for h in shown["history"]),
                 *(a["claimed_at"] for a in shown["attempts"])]
     assert instants and all(ISO.match(t) for t in instants), instants
+
+
+def test_runs_show_reads_a_lease_at_infinity(db_url: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """A lease expiry set to 'infinity' by hand (odd data) is shown, not refused."""
+    with Engine.connect(db_url, pool_size=2) as engine:
+        engine.deploy({"id": "w", "nodes": [{"id": "a", "type": "TASK", "task": "t"}]})
+        run = engine.start("w", input={})
+        engine.claim(["default"], "w-one", 1)
+    with psycopg.connect(db_url) as conn:
+        conn.execute("UPDATE task_instances SET lease_expires_at = 'infinity' WHERE run_id = %s", (run,))
+    assert main(["runs", "show", run, "--database-url", db_url]) == 0
+    assert "RUNNING" in capsys.readouterr().out
+    assert main(["runs", "show", run, "--json", "--database-url", db_url]) == 0
+    (task,) = json.loads(capsys.readouterr().out)["tasks"]
+    assert task["state"] == "RUNNING" and task["lease_expires_at"].startswith("9999-12-31T23:59:59")

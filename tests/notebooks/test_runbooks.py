@@ -236,6 +236,8 @@ def test_schedule_late_triggers_the_schedules_it_names(db_url: str, operator: st
     (["sweeper_lag", "-p", "confirm", "maybe"], "-p confirm: 'maybe' is not a boolean"),
     (["sweeper_lag", "-p", "sweeper_lag_s", "-5"], "-p sweeper_lag_s: must be a number >= 0"),
     (["sweeper_lag", "-p", "sweeper_lag_s", "-1.5"], "-p sweeper_lag_s: must be a number >= 0, got -1.5"),
+    (["sweeper_lag", "-p", "sweeper_lag_s", "inf"], "-p sweeper_lag_s: must be a finite number of at most"),
+    (["downstream_overloaded", "-p", "queue_paused_h", "inf"], "-p queue_paused_h: must be a finite number"),
     (["sweeper_lag", "-p", "sweeper_lag_s", "soon"], "-p sweeper_lag_s: 'soon' is not a number for runbook "
                                                       "sweeper_lag"),
     (["sweeper_lag", "-p", "cutoff", "6 months"], "-p cutoff: no selected runbook declares it"),
@@ -308,3 +310,17 @@ def test_downstream_overloaded_plans_then_pauses_the_queue_with_its_audit_row(
     assert command.startswith("composer-ops runbook downstream_overloaded")
     with psycopg.connect(db_url) as conn:
         assert conn.execute("SELECT paused, reason FROM queue_settings").fetchall() == [(True, "provider 503s")]
+
+
+def test_the_lease_runbooks_diagnose_a_lease_at_infinity(db_url: str, tmp_path: Path,
+                                                         capsys: pytest.CaptureFixture[str]) -> None:
+    """A lease expiry set to 'infinity' by hand (odd data) is read, not a failed diagnosis."""
+    info = seed_committed(db_url)
+    with psycopg.connect(db_url) as conn:
+        conn.execute("UPDATE task_instances SET lease_expires_at = 'infinity' WHERE run_id = %s", (info.runs["L1"],))
+    out = tmp_path / "reports"
+    for name in ("sweeper_lag", "dead_worker"):
+        code, printed, err = _run([name, "--database-url", as_role(db_url), "--out", str(out)], capsys)
+        assert code == 0 and "dry run: nothing was changed" in printed, (name, err)
+    text = _record(out, "sweeper_lag").read_text(encoding="utf-8")
+    assert "odd data: 2 RUNNING task(s) without a lease or with an infinite one" in text

@@ -1,0 +1,64 @@
+"""How values read from the database become Python values, where psycopg's own
+loaders would refuse them.
+
+PostgreSQL's ``timestamptz`` has ``'infinity'`` and ``'-infinity'``; Python's
+``datetime`` has neither, and psycopg refuses to load them ("timestamp too large").
+The engine never writes them, but a row edited by hand may hold one, and a reader
+(``runs show``, ``check``, the reports) must still render it and flag it. Every
+connection composer_ops opens (:class:`~composer_ops.db.errors.TranslatingConnection`)
+loads them as ``datetime.max`` and ``datetime.min`` in UTC (psycopg's documented
+way: a subclass of its loader, registered on the connection's adapters).
+"""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+
+from psycopg.abc import AdaptContext, Buffer
+from psycopg.adapt import AdaptersMap
+from psycopg.types.datetime import TimestamptzBinaryLoader, TimestamptzLoader
+
+#: What a ``timestamptz`` of ``'infinity'`` and ``'-infinity'`` loads as.
+INFINITY = datetime.max.replace(tzinfo=UTC)
+MINUS_INFINITY = datetime.min.replace(tzinfo=UTC)
+
+# The binary form of a timestamp is microseconds since 2000-01-01 as an int64; the two
+# infinities are its largest and smallest values.
+_BINARY_INFINITY = (2**63 - 1).to_bytes(8, "big", signed=True)
+_BINARY_MINUS_INFINITY = (-(2**63)).to_bytes(8, "big", signed=True)
+
+
+class InfiniteTimestamptzLoader(TimestamptzLoader):
+    """``timestamptz`` in text: the infinities as :data:`INFINITY` and :data:`MINUS_INFINITY`."""
+
+    def load(self, data: Buffer) -> datetime:
+        raw = bytes(data)
+        if raw == b"infinity":
+            return INFINITY
+        if raw == b"-infinity":
+            return MINUS_INFINITY
+        return super().load(data)
+
+
+class InfiniteTimestamptzBinaryLoader(TimestamptzBinaryLoader):
+    """``timestamptz`` in binary: the infinities as :data:`INFINITY` and :data:`MINUS_INFINITY`."""
+
+    def load(self, data: Buffer) -> datetime:
+        raw = bytes(data)
+        if raw == _BINARY_INFINITY:
+            return INFINITY
+        if raw == _BINARY_MINUS_INFINITY:
+            return MINUS_INFINITY
+        return super().load(data)
+
+
+def register(context: AdaptContext) -> None:
+    """Load infinite timestamps on ``context`` (a connection or cursor) and what it makes."""
+    adapters: AdaptersMap = context.adapters
+    adapters.register_loader("timestamptz", InfiniteTimestamptzLoader)
+    adapters.register_loader("timestamptz", InfiniteTimestamptzBinaryLoader)
+
+
+def is_infinite(value: datetime | None) -> bool:
+    """True for a timestamp loaded from ``'infinity'`` or ``'-infinity'``."""
+    return value is not None and (value == INFINITY or value == MINUS_INFINITY)
