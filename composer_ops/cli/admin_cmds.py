@@ -311,7 +311,7 @@ def cmd_runs_cancel(args: argparse.Namespace) -> int:
         if not result.decided:
             print("listed, not decided: this role may only read, and a decided dry run takes the runs' locks "
                   "(run it as the operator role for the exact plan)")
-        return EXIT_OK
+        return EXIT_FAILED if refused else EXIT_OK
     for run_id, why in refused:
         print(f"refused run {run_id}: {why}")
     skipped = f", skipped {len(result.skipped)} that finished meanwhile" if result.skipped else ""

@@ -294,6 +294,7 @@ class RetryRun:
     now: datetime
     parent_status: str | None = None
     parent_child: str | None = None
+    parent_waits: bool = False       # the parent's node still waits for that child's finish
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -37,7 +37,7 @@ def retry_run(d: Decider, event: model.RetryRun) -> Decision:
         raise Conflict(f"run {run.id} SUCCEEDED: only a FAILED or CANCELLED run can be retried")
     if run.parent_run_id is not None and run.parent_node_id is not None:
         why = child_left_to_parent(run.id, run.parent_run_id, run.parent_node_id, event.parent_status,
-                                   event.parent_child)
+                                   event.parent_child, waits=event.parent_waits)
         if why is not None:
             raise Conflict(why)
     unknown = [n for n in event.from_nodes if n not in spec.nodes]
@@ -79,7 +79,7 @@ def _downstream(spec: WorkflowSpec, seeds: Collection[str]) -> set[str]:
 
 
 def child_left_to_parent(run_id: str, parent_run_id: str, parent_node_id: str, parent_status: str | None,
-                         parent_child: str | None) -> str | None:
+                         parent_child: str | None, *, waits: bool = False) -> str | None:
     """Why a SUB_WORKFLOW child run may not be retried on its own, or None when it may.
     ``parent_status`` is its parent's status (None: the parent is gone, and the child's
     retry is the only way to run its work again); ``parent_child`` the child run the
@@ -89,13 +89,20 @@ def child_left_to_parent(run_id: str, parent_run_id: str, parent_node_id: str, p
     child run again would finish unseen, and the parent's own retry would start another
     child and run the same work twice; a parent whose node stands for another child
     (a retry of the parent started it) or for none (it is to start one) has the work
-    in hand. Left: a parent that went on without the child (its node optional), where
-    the child's retry finishes unseen but is the only way to run its work again."""
+    in hand; a parent whose node still waits for this child (``waits``: on Citus its
+    finish may not have been delivered yet) is about to take the finish, and then it is
+    the parent's retry that runs the work again. Left: a parent that went on without the
+    child (its node optional), where the child's retry finishes unseen but is the only
+    way to run its work again."""
     node = json.dumps(parent_node_id)
     if parent_status in (RunStatus.FAILED, RunStatus.CANCELLED):
         return (f"run {run_id} is the child of run {parent_run_id} (node {node}), which is {parent_status}: "
                 f"retry the parent from that node, which starts a new child (composer-ops runs retry "
                 f"{parent_run_id} --from {parent_node_id})")
+    if parent_status is not None and parent_child == run_id and waits:
+        return (f"run {run_id} is the child of run {parent_run_id} (node {node}), whose node still waits for its "
+                f"finish (on its way to the parent): retry once the parent has it (composer-ops runs show "
+                f"{parent_run_id})")
     if parent_status is not None and parent_child != run_id:
         now = f"run {parent_child} now" if parent_child is not None else "no child yet (it starts a new one)"
         return (f"run {run_id} is the child of run {parent_run_id} (node {node}), which is {parent_status} "

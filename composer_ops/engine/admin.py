@@ -25,15 +25,15 @@ import psycopg
 from composer_ops.core.actor import Actor
 from composer_ops.core.children import child_run_id
 from composer_ops.core.filters import RunFilter
-from composer_ops.core.model import ACTIVE_RUN_STATUSES, CancelRun, RetryRun, RunStatus
+from composer_ops.core.model import ACTIVE_RUN_STATUSES, CancelRun, RetryRun, RunStatus, TaskState
 from composer_ops.core.rerun import child_left_to_parent
 from composer_ops.core.selection import Selection, check_limit
 from composer_ops.db.errors import TranslatingPool
 from composer_ops.db.retry import db_retry
 from composer_ops.engine.requests import Request
 from composer_ops.engine.shell import Shell
-from composer_ops.errors import BrokenRun, Conflict, Invalid, NotFound, PermissionDenied
-from composer_ops.repo import audit, definitions, retention, runs, workers
+from composer_ops.errors import BrokenRun, Conflict, Invalid, LockTimeout, NotFound, PermissionDenied
+from composer_ops.repo import audit, definitions, partitions, retention, runs, workers
 from composer_ops.repo._base import repeatable_read
 from composer_ops.repo.rows import DefinitionRow, LeaseRow, ParentRow, RunListRow, WorkerRow
 
@@ -96,6 +96,8 @@ def workers_report(pool: TranslatingPool, *, window_s: float | None = None) -> W
 CANCEL_CHUNK = 50
 #: Runs a dry run lists at most.
 DRY_RUN_LIST = 1000
+#: Seconds a bulk cancel's dry run waits for a run's lock; then it lists the run undecided.
+DRY_RUN_LOCK_WAIT_S = 1.0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -230,7 +232,12 @@ def _cancel_chunk(shell: Shell, selection: RunFilter, after: str | None, chunk: 
     """One chunk in one transaction (rolled back without ``yes``); None when no active
     run is left to select."""
     tries[0] += 1
-    with shell.pool.connection() as conn, conn.transaction(force_rollback=not yes):
+    with shell.pool.connection() as conn, conn.transaction(force_rollback=not yes), \
+            contextlib.nullcontext() if yes else shell.rehearsal():
+        if not yes:
+            # A dry run waits for a run's lock (a worker's completion, an operator's
+            # session) at most DRY_RUN_LOCK_WAIT_S: that run is listed, not decided.
+            partitions.set_lock_timeout(conn, DRY_RUN_LOCK_WAIT_S, citus=shell.on_citus(conn))
         listed = [r.id for r in runs.find_runs(conn, selection, limit=chunk, after=after, oldest_first=True)]
         if tries[0] > 1 and yes:
             # An earlier attempt may still be committing: it holds the locks of the runs
@@ -259,6 +266,9 @@ def _cancel_chunk(shell: Shell, selection: RunFilter, after: str | None, chunk: 
                 continue
             except BrokenRun as exc:                 # odd data: no event can be decided on it
                 refused.append((run_id, str(exc)))
+                continue
+            except LockTimeout:                      # a dry run only: its lock is held, listed undecided
+                cancelled.append(run_id)
                 continue
             (cancelled if outcome.applied else skipped).append(run_id)
         if yes:
@@ -325,7 +335,8 @@ def retry_run(shell: Shell, run_id: str, from_nodes: Sequence[str] = (), *, yes:
 def _retry(shell: Shell, run_id: str, nodes: tuple[str, ...], yes: bool, actor: Actor | None, request: str,
            tries: list[int]) -> RetryResult:
     tries[0] += 1
-    with shell.pool.connection() as conn, conn.transaction(force_rollback=not yes):
+    with shell.pool.connection() as conn, conn.transaction(force_rollback=not yes), \
+            contextlib.nullcontext() if yes else shell.rehearsal():
         if yes and tries[0] > 1:
             runs.lock_runs(conn, [run_id])    # an earlier attempt still committing holds it: wait, then look
             earlier = audit.of_request(conn, request)
@@ -361,7 +372,8 @@ def _retry(shell: Shell, run_id: str, nodes: tuple[str, ...], yes: bool, actor: 
 def _retry_event(nodes: tuple[str, ...], parent: ParentRow | None, now: datetime) -> RetryRun:
     if parent is None:
         return RetryRun(from_nodes=nodes, now=now)
-    return RetryRun(from_nodes=nodes, now=now, parent_status=parent.status, parent_child=_node_child(parent))
+    return RetryRun(from_nodes=nodes, now=now, parent_status=parent.status, parent_child=_node_child(parent),
+                    parent_waits=parent.node_state == TaskState.WAITING)
 
 
 def _node_child(parent: ParentRow) -> str | None:
@@ -419,7 +431,7 @@ def retry_runs(shell: Shell, chosen: Selection, from_nodes: Sequence[str] = (), 
                 continue
             try:
                 out.retried.append(retry_run(shell, row.id, from_nodes, yes=yes, actor=actor))
-            except (Conflict, Invalid, NotFound) as exc:
+            except (Conflict, Invalid, NotFound, BrokenRun) as exc:
                 out.refused.append((row.id, str(exc)))
         if len(found) < limit:
             break
@@ -435,7 +447,8 @@ def _left_to_parent(pool: TranslatingPool, run_id: str) -> str | None:
         parent = runs.parent_of(conn, run_id)
     if parent is None:
         return None
-    return child_left_to_parent(run_id, parent.run_id, parent.node_id, parent.status, _node_child(parent))
+    return child_left_to_parent(run_id, parent.run_id, parent.node_id, parent.status, _node_child(parent),
+                                waits=parent.node_state == TaskState.WAITING)
 
 
 @db_retry()

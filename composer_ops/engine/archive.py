@@ -413,7 +413,8 @@ def restore_month(url: str | None, month: str, directory: Path, *, yes: bool, ac
                for t in manifest.tables]
     # Before the month's partitions are made. Nothing locks a definition's row (V019):
     # checked once, as a hand-run DELETE could come after any check.
-    absent = _refuse_before(url, manifest.month, archived_definitions(path, manifest), planned if not yes else [])
+    absent = _refuse_before(url, manifest.month, archived_definitions(path, manifest), planned if not yes else [],
+                            acting=yes)
     if not yes:
         return RestoreResult(month=month, source=str(path), tables=planned, applied=False)
     request = request_id or uuid.uuid4().hex
@@ -447,11 +448,14 @@ def _drop_created(url: str | None, month: str, created: list[str], lock_timeout_
 
 @db_retry(max_attempts=5, base=0.25, cap=4.0)
 def _refuse_before(url: str | None, month: str, named: Sequence[tuple[str, int]],
-                   filled: list[Restored]) -> list[str]:
-    """What a restore refuses before it writes: ``filled``'s partitions holding rows (the
-    dry run's check), runs of a definition version the database does not hold. Returns
-    the month's partitions that do not exist (the restore creates them)."""
+                   filled: list[Restored], *, acting: bool = False) -> list[str]:
+    """What a restore refuses before it writes: a role that may not restore (``acting``),
+    ``filled``'s partitions holding rows (the dry run's check), runs of a definition
+    version the database does not hold. Returns the month's partitions that do not exist
+    (the restore creates them)."""
     with connect(url, application_name="composer-ops partitions restore") as conn:
+        if acting:
+            audit.require_record(conn, "partitions restore")
         for t in filled:
             if repo.exists(conn, t.partition) and (n := repo.row_count(conn, t.partition)):
                 raise ComposerError(f"{t.partition} already holds {n} rows; restore fills only a month that "
@@ -561,6 +565,10 @@ def archive_due(url: str | None, older_than: datetime | str | Cutoff, directory:
                 done.append(MonthArchived(month=month.month, path=str(target), partitions=list(month.partitions),
                                           rows=month.rows, written=False, refused=str(exc)))
                 continue
+            except KeyboardInterrupt:       # the months written are kept: say which
+                written = [m.month for m in done if m.written]
+                raise KeyboardInterrupt(f"month {month.month} was not archived; archived before it: "
+                                        f"{', '.join(written) or 'none'}; run it again to go on") from None
             done.append(MonthArchived(month=month.month, path=str(target), partitions=list(month.partitions),
                                       rows=manifest.rows, written=True))
     return ArchiveResult(cutoff=cutoff, months=sorted(done, key=lambda m: m.month), kept=kept)

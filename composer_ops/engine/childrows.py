@@ -38,7 +38,7 @@ from composer_ops.db.retry import db_retry
 from composer_ops.engine.ids import uuid7_text
 from composer_ops.engine.requests import Request
 from composer_ops.engine.starts import start_in
-from composer_ops.errors import Conflict, Invalid, NotFound, Transient
+from composer_ops.errors import BrokenRun, Conflict, Invalid, NotFound, Transient
 from composer_ops.repo import deliveries, runs
 from composer_ops.repo._base import Conn
 from composer_ops.repo.deliveries import Delivery
@@ -81,6 +81,9 @@ def cancel_child(conn: Conn, shell: Shell, *, parent: str, child: str, reason: s
     except (Conflict, NotFound) as exc:
         log.info("child run %s of run %s not cancelled: %s", child, parent, exc,
                  extra={"action": "cancel_child", "run_id": parent})
+    except BrokenRun as exc:     # odd data in the child: its parent's event goes on without it
+        log.warning("child run %s of run %s not cancelled: %s", child, parent, exc,
+                    extra={"action": "cancel_child", "run_id": parent})
 
 
 def tell_parent(conn: Conn, shell: Shell, *, child: str, parent: str, node_id: str, status: RunStatus,

@@ -551,11 +551,12 @@ class Engine:
         with self.pool.connection() as conn, conn.transaction():
             return tasks.heartbeat(conn, _task_ref(claim), claim.lease_owner, claim.lease_s)
 
+    @db_retry(max_attempts=2)
     def end_lease(self, claim: Claim) -> bool:
         """End the claim's live lease now (by the database clock), so the lease sweeper
         re-queues the attempt at its next pass, as for any lapsed lease: for an attempt
-        its worker gives up without starting it. False when the lease was lost already.
-        Idempotent: a retry finds the lease ended, and changes nothing."""
+        its worker gives up without starting it. False when the lease was lost already
+        (as a retry after a lost acknowledgement finds it: it changes nothing then)."""
         with self.pool.connection() as conn, conn.transaction():
             return tasks.heartbeat(conn, _task_ref(claim), claim.lease_owner, 0) is not None
 

@@ -103,11 +103,6 @@ class EventNotes:
         if isinstance(self.event, CancelRun):
             self.rows.append(HistoryEntry(kind="cancelled", detail={
                 "reason": self.event.reason, "tasks": self.cancelled_tasks, **self.operator, **self.outcome}))
-        elif self.cancelled_tasks and self.cancel_reason is not None:
-            # Tasks (or MAP items) the event cancelled as it failed the run, or as a MAP
-            # node failed: their nodes' attempts end here (core/attempts.py).
-            self.rows.append(HistoryEntry(kind="cancelled", detail={
-                "reason": self.cancel_reason, "tasks": self.cancelled_tasks, "nodes": sorted(self.cancelled_nodes)}))
         elif isinstance(self.event, SignalReceived) and not self.recorded:
             self.rows.append(HistoryEntry(kind="signal", detail=self._signal()))   # refused
         elif isinstance(self.event, ChildFinished):
@@ -116,4 +111,10 @@ class EventNotes:
         elif isinstance(self.event, RetryRun):
             self.rows.append(HistoryEntry(kind="retried", detail={
                 "from": list(self.event.from_nodes), "reset": list(self.reset), **self.operator, **self.outcome}))
+        if not isinstance(self.event, CancelRun) and self.cancelled_tasks and self.cancel_reason is not None:
+            # Tasks (or MAP items) the event cancelled as it failed the run, or as a MAP
+            # node failed, after the event's own row: their nodes' attempts end here
+            # (core/attempts.py).
+            self.rows.append(HistoryEntry(kind="cancelled", detail={
+                "reason": self.cancel_reason, "tasks": self.cancelled_tasks, "nodes": sorted(self.cancelled_nodes)}))
         return self.rows

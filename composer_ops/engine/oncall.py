@@ -9,6 +9,7 @@ finds its own audit row when a retry follows a lost COMMIT acknowledgement.
 
 from __future__ import annotations
 
+import contextlib
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -21,7 +22,7 @@ from composer_ops.core.model import CancelRun
 from composer_ops.core.runids import validate_run_id
 from composer_ops.db.retry import db_retry
 from composer_ops.engine.requests import Request
-from composer_ops.errors import Conflict, Invalid, NotFound
+from composer_ops.errors import BrokenRun, Conflict, Invalid, NotFound
 from composer_ops.repo import audit, partitions
 
 if TYPE_CHECKING:
@@ -91,7 +92,8 @@ def cancel_listed(shell: Shell, run_ids: Sequence[str], *, reason: str, yes: boo
 def _cancel(shell: Shell, ids: list[str], reason: str, yes: bool, actor: Actor | None, request: str,
             tries: list[int]) -> ListedCancel:
     tries[0] += 1
-    with shell.pool.connection() as conn, conn.transaction(force_rollback=not yes):
+    with shell.pool.connection() as conn, conn.transaction(force_rollback=not yes), \
+            contextlib.nullcontext() if yes else shell.rehearsal():
         if yes and tries[0] > 1:
             earlier = audit.of_request(conn, request)
             if earlier:
@@ -102,11 +104,12 @@ def _cancel(shell: Shell, ids: list[str], reason: str, yes: bool, actor: Actor |
         noted = Request(id=request, operator=audit.operator_note("runs cancel", actor))
         for run_id in ids:                   # ascending: the lock order of every bulk action
             try:
-                outcome = shell.handle_in(conn, run_id, partial(_cancel_event, reason), request=noted)
+                with conn.transaction():     # a savepoint: a run refused leaves the others' cancels
+                    outcome = shell.handle_in(conn, run_id, partial(_cancel_event, reason), request=noted)
             except NotFound:
                 out.skipped.append((run_id, "does not exist"))
                 continue
-            except Conflict as exc:
+            except (Conflict, BrokenRun) as exc:     # finished; odd data no event can be decided on
                 out.skipped.append((run_id, str(exc)))
                 continue
             if outcome.applied:

@@ -129,6 +129,8 @@ class Queues:
             locked, created = queues.lock(conn, queue)   # lock, then look: an earlier attempt committed first
             earlier = audit.of_request(conn, request)
             if earlier:
+                if created:                      # the lock made the row the earlier attempt forgot
+                    queues.forget(conn, queue)
                 detail = earlier[0].detail or {}
                 return QueueChange(queue=queue, action=action, applied=True, changed=bool(detail.get("changed")),
                                    before=dict(detail.get("before") or {}), after=dict(detail.get("after") or {}),

@@ -94,6 +94,8 @@ def retire_months(url: str | None, older_than: datetime | str | Cutoff, *, archi
         with conn.transaction():
             if keep_table and citus.is_citus(conn):
                 raise Invalid(CITUS_DETACH_REFUSED)
+            if yes:
+                audit.require_record(conn, "partitions detach" if keep_table else "partitions drop")
             judged = retention.plan(conn, older_than)
             copies = {m.month: repo.detached_copies(conn, m.month, RUN_TABLES) for m in judged.due} \
                 if keep_table else {}
@@ -123,11 +125,16 @@ def retire_months(url: str | None, older_than: datetime | str | Cutoff, *, archi
                 except BadArchive as exc:
                     raise BadArchive(f"month {month.month} was not dropped: its archive did not verify ({exc})"
                                      + _so_far(done)) from exc
+                except KeyboardInterrupt:       # while archiving: the month is still there
+                    raise KeyboardInterrupt(f"month {month.month} was being archived, not dropped"
+                                            f"{_so_far(done)}; run it again to go on") from None
             try:
                 done.append(_retire(url, month.month, cutoff, manifest, archive_dir, keep_table, actor,
                                     f"{request}:{month.month}", lock_timeout_s, max_attempts))
             except BadArchive as exc:
                 raise BadArchive(f"{exc}{_so_far(done)}") from exc
+            except KeyboardInterrupt:
+                raise KeyboardInterrupt(_interrupted_at(month.month, keep_table, done)) from None
     return RetireResult(cutoff=cutoff, plan=plan, months=_by_month(refused, done), applied=True)
 
 
@@ -139,6 +146,14 @@ def _copies_refused(copies: list[str]) -> str:
     shown = ", ".join(copies[:4]) + (f" and {len(copies) - 4} more" if len(copies) > 4 else "")
     return (f"a detached copy of the month is already in {repo.DETACHED_SCHEMA} ({shown}): "
             "drop it, or move it to another schema, first; nothing of this month was changed")
+
+
+def _interrupted_at(month: str, keep_table: bool, done: list[MonthRetired]) -> str:
+    """What an interrupt while ``month`` was being dropped (or detached) leaves: that month
+    as it was or gone (its transaction committed or not), and the months done before it."""
+    verb = "detached" if keep_table else "dropped"
+    return (f"month {month} was being {verb} (`partitions list` says whether it was){_so_far(done)}; "
+            "run it again to go on")
 
 
 def _so_far(done: list[MonthRetired]) -> str:

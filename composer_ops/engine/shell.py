@@ -11,14 +11,16 @@ before updating the tasks, the claim's lock order.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
 from typing import Any
 
 from composer_ops.core.attempts import HistoryRow
+from composer_ops.core.children import child_run_id
 from composer_ops.core.expressions import parse_ref, resolve_ref
 from composer_ops.core.flow import flow_refs, key_text
 from composer_ops.core.machine import decide
@@ -26,6 +28,7 @@ from composer_ops.core.model import (
     BufferSignal,
     CancelChild,
     CancelItems,
+    CancelRun,
     CancelTasks,
     CompleteTask,
     ConsumeSignal,
@@ -223,6 +226,16 @@ class Shell:
         self._local.deliveries = []
         return noted
 
+    @contextlib.contextmanager
+    def rehearsal(self) -> Iterator[None]:
+        """This thread's events, in the block, are a dry run's, decided in a transaction the
+        caller rolls back: what they would finish is not logged as finished."""
+        self._local.rehearsal = True
+        try:
+            yield
+        finally:
+            self._local.rehearsal = False
+
     @property
     def known_single_server(self) -> bool:
         """Whether :meth:`on_citus` has been asked and said no."""
@@ -256,27 +269,32 @@ class Shell:
                 # earlier one sent it and rolled back): as if none was made.
                 found = [] if asked is None else outbox.claimed_by(conn, asked.owner, asked.claim_id)
                 return replace(replayed, claimed=tuple(found)) if found else replayed
-        snapshot = self.snapshot(conn, row, tasks_of_run)
         event = make_event(row.now)
+        snapshot = self.snapshot(conn, row, tasks_of_run, cancel=isinstance(event, CancelRun))
         decision = decide(snapshot, event, RunStore(conn, run_id), uuid7_text)
         return self.apply_sending(conn, snapshot, decision, event=event, request=request, commit=begin,
                                   claim_next=claim_next)[0]
 
-    def snapshot(self, conn: Conn, row: RunRow, nodes: Mapping[str, NodeState]) -> RunSnapshot:
+    def snapshot(self, conn: Conn, row: RunRow, nodes: Mapping[str, NodeState], *,
+                 cancel: bool = False) -> RunSnapshot:
         """The machine's view of a locked run and its tasks (:func:`runs.lock_and_load`);
-        :class:`BrokenRun` when its definition version does not exist."""
+        :class:`BrokenRun` when its definition version does not exist, but for a
+        ``cancel``, which needs of the definition only which nodes are MAP and
+        SUB_WORKFLOW nodes: it is decided on a stand-in (:func:`_stand_in`)."""
         try:
-            defn = self.definition(conn, row.workflow_id, row.workflow_version)
+            spec = self.definition(conn, row.workflow_id, row.workflow_version).spec
         except NotFound:
-            raise BrokenRun(f"run {row.id}: its definition {row.workflow_id} v{row.workflow_version} does not exist, "
-                            f"so no event can be decided on it; restore that version, or delete the run "
-                            f"(composer-ops runs delete {row.id} --yes)") from None
+            if not cancel:
+                raise BrokenRun(f"run {row.id}: its definition {row.workflow_id} v{row.workflow_version} does not "
+                                "exist, so no event but a cancel can be decided on it; restore that version, or "
+                                f"cancel the run (composer-ops cancel {row.id})") from None
+            spec = _stand_in(conn, row, nodes)
         return RunSnapshot(
             id=row.id, workflow_id=row.workflow_id, workflow_version=row.workflow_version,
             status=RunStatus(row.status),
             context=run_context(row.context) if row.context is not None
             else LazyContext(lambda: run_context(runs.load_context(conn, row.id))),
-            spec=defn.spec, parent_run_id=row.parent_run_id, parent_node_id=row.parent_node_id, nodes=nodes,
+            spec=spec, parent_run_id=row.parent_run_id, parent_node_id=row.parent_node_id, nodes=nodes,
         )
 
     def start_decision(self, conn: Conn, row: RunRow) -> tuple[RunSnapshot, StartRun, Decision]:
@@ -448,7 +466,7 @@ class Shell:
                     outbox.announce(conn, woken)
                 if start is not None and (later or tell):
                     sent.result()         # refused: before the children or the parent hear of this run
-        if finished is not None:
+        if finished is not None and not self._local.__dict__.get("rehearsal"):
             log.info("run %s %s", run.id, finished, extra={"action": "finish_run", "run_id": run.id})
         for child in later:
             self._child_action(conn, run, child, now)
@@ -547,15 +565,36 @@ class Shell:
     def _finish(self, conn: Conn, run: RunSnapshot, a: FinishRun) -> writes.Finish:
         """The run's finish as the one statement writes it, with its webhook delivery
         when the definition has one."""
-        defn = self.definition(conn, run.workflow_id, run.workflow_version)
+        try:
+            defn: Definition | None = self.definition(conn, run.workflow_id, run.workflow_version)
+        except NotFound:            # a run cancelled on a stand-in (:meth:`snapshot`): no webhook known
+            defn = None
         webhook = None
-        if defn.webhook_url:
+        if defn is not None and defn.webhook_url:
             webhook = (defn.webhook_url, {
                 "run_id": run.id, "workflow_id": run.workflow_id, "workflow_version": run.workflow_version,
                 "status": str(a.status), "output": a.output,
                 "error": {"error": a.reason} if a.reason else None,
             })
         return writes.Finish(status=str(a.status), reason=a.reason, output=a.output, webhook=webhook)
+
+
+def _stand_in(conn: Conn, row: RunRow, nodes: Mapping[str, NodeState]) -> WorkflowSpec:
+    """For the cancel of a run whose definition version is missing (odd data): a spec of
+    its nodes that says what a cancel needs, each node's kind, from its rows: a node
+    with item counts is a MAP, one whose derived child run exists a SUB_WORKFLOW (the
+    child's ID is the node's and its creation instant's, :func:`child_run_id`), any other
+    a TASK, whose task the cancel cancels as it is."""
+    stand: dict[str, NodeSpec] = {}
+    for node_id, slot in nodes.items():
+        kind = NodeType.TASK
+        if slot.items is not None:
+            kind = NodeType.MAP
+        elif slot.state is TaskState.WAITING and slot.created_at is not None \
+                and runs.workflow_of(conn, child_run_id(row.id, node_id, slot.created_at)) is not None:
+            kind = NodeType.SUB_WORKFLOW
+        stand[node_id] = NodeSpec(id=node_id, type=kind)
+    return WorkflowSpec(id=row.workflow_id, name=row.workflow_id, nodes=stand)
 
 
 def _replayed(run_id: str, rows: list[HistoryRow], event: Event) -> Outcome:

@@ -219,10 +219,14 @@ class Worker:
                               for c in abandoned)
             held = sum(c._started is None for c in abandoned)
             waiting = f" and {held} task(s) held for a slot" if held else ""
+            then = ("the running ones' leases are no longer extended, so they are retried once their leases "
+                    "lapse" if len(abandoned) > held else "")
+            if held:
+                then += ("; " if then else "") + ("the held ones never started, and their leases were ended for "
+                                                   "the sweeper's next pass")
             raise ShutdownTimeout(
                 f"worker {self.worker_id} stopped with {len(abandoned) - held} handler(s) still running{waiting} "
-                f"after {self.shutdown_timeout:g}s; abandoned {names}: their leases are no longer extended, "
-                "so the tasks are retried after their leases lapse")
+                f"after {self.shutdown_timeout:g}s; abandoned {names}: {then}")
         log.info("worker %s stopped", self.worker_id)
 
     def _claim_loop(self, slots: queue.SimpleQueue[TaskContext | None]) -> None:

@@ -18,6 +18,7 @@ from composer_ops.ops import active, leases, params, partitions, retention, sche
 from composer_ops.ops._common import Source, connection, db_now, read_from
 from composer_ops.ops.display import duration
 from composer_ops.repo import analytics
+from composer_ops.repo._base import set_read_timeouts
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -87,11 +88,22 @@ class Health:
                 "keys_at_limit": self.keys_at_limit, "odd_leases": self.odd_leases}
 
 
+#: A check's reads give up on a lock wait, and a statement, after these many seconds
+#: (when it opens its own connection): run from cron every minute, a check behind an
+#: operator's lock would otherwise wait with every later one.
+CHECK_LOCK_TIMEOUT_S = 10.0
+CHECK_STATEMENT_TIMEOUT_S = 60.0
+
+
 def check_health(source: Source = None, thresholds: Thresholds | None = None) -> Health:
-    """Read every figure in one snapshot and judge it (see :class:`Thresholds`)."""
+    """Read every figure in one snapshot and judge it (see :class:`Thresholds`); on its
+    own connection, within :data:`CHECK_LOCK_TIMEOUT_S` per lock wait and
+    :data:`CHECK_STATEMENT_TIMEOUT_S` per statement."""
     t = (thresholds or Thresholds()).checked()
     cutoff = retention.parse_cutoff(t.retention_older_than)
     with connection(source, application_name="composer-ops check") as conn:
+        if conn is not source:
+            set_read_timeouts(conn, lock_s=CHECK_LOCK_TIMEOUT_S, statement_s=CHECK_STATEMENT_TIMEOUT_S)
         now = db_now(conn)
         reading = read_from(conn)
         ahead = partitions.lookahead(conn, minimum=t.months_ahead_min)

@@ -88,3 +88,12 @@ def repeatable_read(conn: Conn, *, read_only: bool = False) -> None:
     read-only when asked): every statement of it sees the same rows and ``now()``."""
     conn.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ, READ ONLY" if read_only
                   else "SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
+
+
+def set_read_timeouts(conn: Conn, *, lock_s: float, statement_s: float) -> None:
+    """Until the end of the caller's transaction, a statement that waits for a lock longer
+    than ``lock_s`` (lock_not_available: :class:`~composer_ops.errors.LockTimeout`) or runs
+    longer than ``statement_s`` (query_canceled) fails: a reader run from cron fails in its
+    time rather than queue behind an operator's lock and stack up with the next runs."""
+    conn.execute("SELECT set_config('lock_timeout', %s, true), set_config('statement_timeout', %s, true)",
+                 (f"{max(1, round(lock_s * 1000))}ms", f"{max(1, round(statement_s * 1000))}ms"))

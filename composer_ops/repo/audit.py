@@ -66,10 +66,26 @@ def record(conn: Conn, action: str, *, actor: Actor | None, target: str | None, 
     return rows[0]
 
 
+#: The operator actions only the schema's owner may take: they create, drop or detach
+#: partitions, or read ``schema_migrations`` (docs/security.md).
+OWNER_ACTIONS = frozenset({"partitions archive", "partitions drop", "partitions detach", "partitions restore"})
+
+
 def require_record(conn: Conn, action: str) -> None:
     """Refuse (:class:`PermissionDenied`) an ``action`` whose audit row the session's role
-    could not write, before the action does anything it cannot take back (files it writes
-    outside the database are not rolled back with the transaction)."""
+    could not write, or, for :data:`OWNER_ACTIONS`, a role that is not the schema's owner
+    (nor a superuser), before the action does anything it cannot take back (files it
+    writes outside the database are not rolled back with the transaction)."""
+    if action in OWNER_ACTIONS:
+        row = conn.execute("""
+            SELECT current_user, r.rolsuper OR pg_has_role(current_user, c.relowner, 'USAGE')
+              FROM pg_class c, pg_roles r
+             WHERE c.oid = 'schema_migrations'::regclass AND r.rolname = current_user""").fetchone()
+        if row is not None and not row[1]:
+            raise PermissionDenied(f"{action}: role {row[0]} is not the schema's owner, which {action} needs (it "
+                                   "reads schema_migrations and creates, drops or detaches partitions); run it as "
+                                   "the owner, the role that runs composer-ops migrate (docs/security.md)")
+        return
     row = conn.execute("SELECT current_user, has_table_privilege('operator_audit', 'INSERT')").fetchone()
     if row is not None and not row[1]:
         raise PermissionDenied(f"{action}: role {row[0]} may not write the operator audit (operator_audit); "

@@ -342,6 +342,7 @@ class ParentRow:
     node_id: str
     status: str | None                   # None: the parent is gone
     node_created_at: datetime | None     # its node's task's creation: which child it stands for
+    node_state: str | None = None        # its node's task's state (WAITING: for its child's finish)
 
 
 @dataclass(frozen=True, kw_only=True)

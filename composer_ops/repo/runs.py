@@ -80,8 +80,8 @@ def _lock_and_load(conn: Conn, run_id: str, tables: partitions.RunTables, begin:
     try:
         nodes = {t[0]: _node(t) for t in loaded} if loaded else {}
     except ValueError as exc:       # a state the engine does not know (odd data)
-        raise BrokenRun(f"run {run_id}: {exc}; repair the task's row, or delete the run "
-                        f"(composer-ops runs delete {run_id} --yes)") from None
+        raise BrokenRun(f"run {run_id}: {exc}, so no event can be decided on the run; repair the task's row "
+                        "(its state) first") from None
     return (RunRow(id=found, workflow_id=workflow_id, workflow_version=version, status=status, now=now,
                    parent_run_id=parent, parent_node_id=parent_node), nodes)
 
@@ -210,9 +210,10 @@ def parent_of(conn: Conn, run_id: str) -> ParentRow | None:
     row = conn.execute("SELECT status FROM workflow_runs WHERE id = %s AND deleted_at IS NULL", (parent,)).fetchone()
     if row is None:
         return ParentRow(run_id=parent, node_id=node, status=None, node_created_at=None)
-    task = conn.execute("SELECT created_at FROM task_instances WHERE run_id = %s AND node_id = %s "
+    task = conn.execute("SELECT created_at, state FROM task_instances WHERE run_id = %s AND node_id = %s "
                         "AND item_index IS NULL", (parent, node)).fetchone()
-    return ParentRow(run_id=parent, node_id=node, status=str(row[0]), node_created_at=None if task is None else task[0])
+    return ParentRow(run_id=parent, node_id=node, status=str(row[0]), node_created_at=None if task is None else task[0],
+                     node_state=None if task is None else str(task[1]))
 
 
 def get_run(conn: Conn, run_id: str) -> RunView:

@@ -132,35 +132,42 @@ def test_cli_runs_cancel(db_url: str, engine: Engine, capsys: pytest.CaptureFixt
 
 def test_runs_no_event_can_be_decided_on_are_refused_in_the_dry_run_and_for_real(
         db_url: str, engine: Engine, capsys: pytest.CaptureFixture[str]) -> None:
-    """Odd data: a run whose definition version does not exist, a run with a task in a
-    state the engine does not know. Before, the dry run listed them as cancellable, the
-    cancel skipped the first as 'finished meanwhile' and stopped the whole command on the
-    second (exit 2, later chunks not cancelled). Now both are refused with why, in the
-    dry run too, the others are cancelled, and the command exits 1."""
+    """Odd data: a run with a task in a state the engine does not know, and a run whose
+    definition version does not exist. Before, the dry run listed both as cancellable,
+    the cancel skipped the second as 'finished meanwhile' and stopped the whole command
+    on the first (exit 2, later chunks not cancelled). Now the first is refused with why,
+    in the dry run too, and the command exits 1; the second is cancelled on a stand-in of
+    its definition (its tasks' kinds), and so are the others."""
     plain, no_definition, odd_state, later = _start(engine, 4, customer=5)
     with psycopg.connect(db_url) as conn:
         conn.execute("UPDATE workflow_runs SET workflow_version = 99 WHERE id = %s", (no_definition,))
         conn.execute("UPDATE task_instances SET state = 'WEIRD' WHERE run_id = %s", (odd_state,))
     args = ["runs", "cancel", "--where", "input.customer=5", "--chunk", "1", "--database-url", db_url]
+    assert main(args) == 1              # the dry run says it would refuse one, and exits as the cancel will
+    assert f"would refuse run {odd_state}" in capsys.readouterr().out
     assert main([*args, "--json"]) == 1
     dry = json.loads(capsys.readouterr().out)
     # Runs started in one millisecond are in ID order, not start order: compared as sets.
-    refused = {r["run_id"]: r["error"] for r in dry["refused"]}
-    assert sorted(dry["would_cancel"]) == sorted([plain, later]) and set(refused) == {no_definition, odd_state}
-    assert "its definition shop v99 does not exist" in refused[no_definition]
-    assert "is in state 'WEIRD', which the engine does not know" in refused[odd_state]
+    assert sorted(dry["would_cancel"]) == sorted([plain, no_definition, later])
+    assert [r["run_id"] for r in dry["refused"]] == [odd_state]
+    assert "is in state 'WEIRD', which the engine does not know" in dry["refused"][0]["error"]
     assert _statuses(engine, [plain, later]) == {"RUNNING"} and _audit(db_url) == []
     assert main([*args, "--yes"]) == 1
     out = capsys.readouterr().out
-    assert f"refused run {no_definition}: run {no_definition}: its definition shop v99 does not exist" in out
-    assert out.rstrip().endswith("cancelled 2 run(s) in 4 transaction(s), refused 2 (above)"), out
+    assert f"refused run {odd_state}: run {odd_state}: task " in out
+    assert out.rstrip().endswith("cancelled 3 run(s) in 4 transaction(s), refused 1 (above)"), out
     assert _statuses(engine, [plain, later]) == {"CANCELLED"}
     with psycopg.connect(db_url) as conn:
-        left = conn.execute("SELECT status FROM workflow_runs WHERE id = ANY(%s)", ([no_definition, odd_state],))
-        assert {r[0] for r in left} == {"RUNNING"}
-    assert main(["cancel", no_definition, "--database-url", db_url]) == 1      # one run: the same, one line
+        rows = conn.execute("SELECT id, status FROM workflow_runs WHERE id = ANY(%s)",
+                            ([no_definition, odd_state],)).fetchall()
+        states: dict[str, str] = dict(rows)
+        tasks = conn.execute("SELECT state FROM task_instances WHERE run_id = %s", (no_definition,)).fetchall()
+    assert states == {no_definition: "CANCELLED", odd_state: "RUNNING"} and tasks == [("CANCELLED",)]
+    assert main(["cancel", odd_state, "--database-url", db_url]) == 1      # one run: the same, one line
     err = capsys.readouterr().err
-    assert "delete the run (composer-ops runs delete" in err and err.count("\n") == 1, err
+    assert "repair the task's row (its state) first" in err and err.count("\n") == 1, err
+    assert main(["signal", no_definition, "go", "--database-url", db_url]) == 1   # a cancel only
+    assert "no event but a cancel can be decided on it" in capsys.readouterr().err
 
 
 def test_a_role_that_may_only_read_gets_the_dry_run_listed_not_decided(

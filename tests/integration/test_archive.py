@@ -332,7 +332,7 @@ def test_archive_as_the_read_only_role_is_refused_before_anything_is_written(
     capsys.readouterr()
     assert main(args) == 1
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "composer_ops_reader may not write the operator audit" in err[0], err
+    assert len(err) == 1 and "role composer_ops_reader is not the schema's owner" in err[0], err
     assert not target.exists() and _audit(db_url) == []
 
 

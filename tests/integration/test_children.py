@@ -74,6 +74,24 @@ def test_a_failed_child_fails_the_parent(engine: Engine) -> None:
                                   'after 1 attempt: bank says no'}
 
 
+def test_a_failing_child_writes_its_finish_and_the_cancels_it_caused(engine: Engine) -> None:
+    """A child's failure fails its parent and cancels the parent's task still running: the
+    parent's history has the child's finish and then the cancel (the first version wrote
+    the cancel instead of the finish)."""
+    engine.deploy(REFUND)
+    engine.deploy({"id": "order", "nodes": [
+        {"id": "refund", "type": "SUB_WORKFLOW", "workflow": "refund", "input": {"amount": "$.input.amount"}},
+        {"id": "side", "type": "TASK", "task": "order.side", "queue": "kids"}]})
+    parent = engine.start("order", input={"amount": 7})
+    claimed = {c.node_id: c for c in claim(engine)}
+    assert set(claimed) == {"pay_back", "side"}
+    engine.fail(claimed["pay_back"], "bank says no", retryable=False)
+    run = engine.get_run(parent)
+    assert run.status == "FAILED"
+    kinds = [(h.kind, (h.detail or {}).get("finished"), (h.detail or {}).get("nodes")) for h in run.history]
+    assert kinds[-2:] == [("child_finished", "FAILED", None), ("cancelled", None, ["side"])], kinds
+
+
 def test_a_failed_child_is_retried_through_its_parent_only(engine: Engine, db_url: str,
                                                             capsys: pytest.CaptureFixture[str]) -> None:
     """A child run retried on its own would finish unseen by its parent, and the

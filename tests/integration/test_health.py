@@ -219,3 +219,39 @@ def test_a_lease_at_infinity_is_flagged_not_taken_for_bad_input(db_url: str, tmp
     assert "odd data: 2 RUNNING task(s) without a lease or with an infinite one" in sweeper["detail"]
     samples = _samples(prom)
     assert samples[("composer_check_up", "")] == 1.0 and samples[("composer_running_odd_leases", "")] == 2.0
+
+
+def test_a_check_behind_a_held_lock_gives_up_in_its_time(db_url: str, tmp_path: Path,
+                                                         monkeypatch: pytest.MonkeyPatch,
+                                                         capsys: pytest.CaptureFixture[str]) -> None:
+    """It waited for as long as an operator's ACCESS EXCLUSIVE lock on a partition was
+    held (24 s in the tryout; from cron every minute, the runs stack up). Now its reads
+    give up after its lock timeout: exit 1, down in the JSON and the textfile."""
+    import threading
+    import time
+
+    from composer_ops.ops import health
+
+    monkeypatch.setattr(health, "CHECK_LOCK_TIMEOUT_S", 0.5)
+    prom = tmp_path / "composer.prom"
+    held, done = threading.Event(), threading.Event()
+
+    def hold() -> None:           # the lock, for 20 s at most: without a timeout the check waits it out
+        with psycopg.connect(db_url) as holder:
+            holder.execute("LOCK TABLE workflow_runs IN ACCESS EXCLUSIVE MODE")
+            held.set()
+            done.wait(20)
+            holder.rollback()
+
+    thread = threading.Thread(target=hold, daemon=True)
+    thread.start()
+    assert held.wait(30)
+    began = time.monotonic()
+    code = main(["check", "--json", "--database-url", db_url, "--prometheus", str(prom)])
+    took = time.monotonic() - began
+    done.set()
+    thread.join(30)
+    captured = capsys.readouterr()
+    assert code == 1 and took < 15, (code, took)          # not the lock's whole hold
+    assert json.loads(captured.out)["up"] is False and "lock timeout" in captured.err, captured.err
+    assert _samples(prom)[("composer_check_up", "")] == 0.0

@@ -167,6 +167,11 @@ def test_a_change_retried_with_its_request_is_applied_once(db_url: str, engine: 
     assert _sql(db_url, "SELECT count(*) FROM operator_audit WHERE request = 'req-1'") == [(1,)]
 
 
+def done_request(url: str) -> str:
+    """The request of the newest audit row: what a retry after a lost acknowledgement repeats."""
+    return str(_sql(url, "SELECT request FROM operator_audit ORDER BY id DESC LIMIT 1")[0][0])
+
+
 def test_a_change_to_nothing_leaves_no_row_for_a_queue_that_had_none(db_url: str, engine: Engine) -> None:
     """`queues resume nosuchqueue --yes` (a typo) made a settings row, and the typo stayed
     in `queues list` for good. A change that changes nothing writes no row; its audit
@@ -175,6 +180,9 @@ def test_a_change_to_nothing_leaves_no_row_for_a_queue_that_had_none(db_url: str
     assert done.applied and not done.changed
     assert _sql(db_url, "SELECT count(*) FROM queue_settings WHERE queue = 'nosuchqueue'") == [(0,)]
     assert _sql(db_url, "SELECT count(*) FROM operator_audit WHERE target = 'nosuchqueue'") == [(1,)]
+    again = engine.queues.resume("nosuchqueue", request_id=done_request(db_url))   # retried after a lost ack
+    assert again.duplicate
+    assert _sql(db_url, "SELECT count(*) FROM queue_settings WHERE queue = 'nosuchqueue'") == [(0,)]
     engine.queues.set_limit("q", 2)
     engine.queues.set_limit("q", 0)           # a row that existed stays, at its defaults
     assert _sql(db_url, "SELECT max_running FROM queue_settings WHERE queue = 'q'") == [(0,)]

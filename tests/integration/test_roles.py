@@ -182,3 +182,23 @@ def test_a_missing_privilege_is_permission_denied_and_the_backfill_checks_rows_o
         assert simulator.may_skip_row_triggers(conn) is False
     with connect(db_url) as conn:
         assert simulator.may_skip_row_triggers(conn) is True
+
+
+@pytest.mark.parametrize("argv", [
+    ["partitions", "archive", "--older-than", "1d", "--to", "{dir}"],
+    ["partitions", "drop", "--older-than", "1d", "--archive", "{dir}", "--yes"],
+    ["partitions", "detach", "--older-than", "1d", "--yes"],
+], ids=["archive", "drop", "detach"])
+def test_the_partition_actions_refuse_a_role_that_is_not_the_owner_naming_the_owner(
+        db_url: str, argv: list[str], tmp_path: Any, capsys: pytest.CaptureFixture[str]) -> None:
+    """As the engine role, archive failed on `permission denied for table schema_migrations`
+    and the audit's refusal advised the engine role itself: each is refused at once, in one
+    line naming the owner, nothing written."""
+    from composer_ops.cli import main
+
+    args = [a.replace("{dir}", str(tmp_path / "arch")) for a in argv]
+    assert main([*args, "--database-url", as_role(db_url, ENGINE_ROLE)]) == 1
+    err = capsys.readouterr().err
+    assert f"role {ENGINE_ROLE} is not the schema's owner" in err and "run it as the owner" in err, err
+    arch = tmp_path / "arch"
+    assert err.count("\n") == 1 and not (arch.exists() and any(arch.iterdir())), err     # no file written

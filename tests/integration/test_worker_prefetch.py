@@ -270,8 +270,8 @@ def test_tasks_held_when_the_shutdown_gives_up_are_never_started(db_url: str, en
         details = [r[0] for r in conn.execute(
             "SELECT detail->>'reason' FROM run_history WHERE kind = 'lease_lost' AND run_id = ANY(%s)",
             (never,)).fetchall()]
-    assert all("not started (held for a slot)" in (d or "") and "its lease was ended" in (d or "")
-               for d in details), details
+    assert len(details) == held and all("not started (held for a slot)" in (d or "") and "its lease was ended"
+                                        in (d or "") for d in details), details
     # Their leases ended at shutdown (not one lease later), for the sweeper to re-queue at once.
     with psycopg.connect(db_url) as conn:
         ended = conn.execute("SELECT bool_and(lease_expires_at <= now()), count(*) FROM task_instances "

@@ -213,10 +213,13 @@ def test_retried_runs_always_finish_under_the_invariants(width: int, fail_at: in
     ("RUNNING", "c2", "whose node stands for run c2 now"),   # the parent's retry started another child
     ("SUCCEEDED", "c2", "whose node stands for run c2 now"),
     ("RUNNING", None, "whose node stands for no child yet"),
+    ("RUNNING", "c+waits", "whose node still waits for its finish"),     # on Citus, its finish on its way
 ])
 def test_a_child_is_left_to_its_parent_where_the_parents_retry_runs_its_work(
         status: str | None, child: str | None, refused: str | None) -> None:
     from composer_ops.core.rerun import child_left_to_parent
 
-    why = child_left_to_parent("c", "p", "refund", status, child)
+    waits = child is not None and child.endswith("+waits")
+    why = child_left_to_parent("c", "p", "refund", status, None if child is None else child.split("+")[0],
+                               waits=waits)
     assert (why is None) == (refused is None) and (refused is None or refused in str(why)), why
