@@ -92,6 +92,32 @@ def test_a_failing_child_writes_its_finish_and_the_cancels_it_caused(engine: Eng
     assert kinds[-2:] == [("child_finished", "FAILED", None), ("cancelled", None, ["side"])], kinds
 
 
+def test_a_run_whose_definition_is_missing_is_cancelled_with_its_child_and_items(engine: Engine,
+                                                                                  db_url: str) -> None:
+    """Odd data: the run's definition version is gone. Its cancel is decided on a stand-in
+    made from its rows: the SUB_WORKFLOW node's child (found by its derived ID) and the
+    MAP node's items are cancelled with it; any other event is refused."""
+    from composer_ops.errors import BrokenRun
+
+    engine.deploy(REFUND)
+    engine.deploy({"id": "order", "nodes": [
+        {"id": "refund", "type": "SUB_WORKFLOW", "workflow": "refund", "input": {"amount": "$.input.amount"}},
+        {"id": "each", "type": "MAP", "task": "order.each", "queue": "kids", "items": "$.input.xs"}]})
+    parent = engine.start("order", input={"amount": 7, "xs": [1, 2, 3]})
+    (child,) = engine.get_run(parent).children
+    with psycopg.connect(db_url) as conn:
+        conn.execute("UPDATE workflow_runs SET workflow_version = 99 WHERE id = %s", (parent,))
+    with pytest.raises(BrokenRun, match="no event but a cancel can be decided on it"):
+        engine.signal(parent, "go")
+    engine.cancel(parent, reason="odd data")
+    with psycopg.connect(db_url) as conn:
+        states = conn.execute("SELECT state, count(*) FROM task_instances WHERE run_id = %s GROUP BY 1",
+                              (parent,)).fetchall()
+        status = conn.execute("SELECT status FROM workflow_runs WHERE id = %s", (parent,)).fetchone()
+    assert status == ("CANCELLED",) and states == [("CANCELLED", 5)], states    # 2 nodes and 3 items
+    assert engine.get_run(child.id).status == "CANCELLED"
+
+
 def test_a_failed_child_is_retried_through_its_parent_only(engine: Engine, db_url: str,
                                                             capsys: pytest.CaptureFixture[str]) -> None:
     """A child run retried on its own would finish unseen by its parent, and the
