@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -14,7 +15,7 @@ from composer_ops.repo.rows import Claim
 if TYPE_CHECKING:
     from composer_ops.engine.worker import Worker
 
-__all__ = ["AttemptKey", "Result", "TaskContext", "describe"]
+__all__ = ["AttemptKey", "Result", "TaskContext", "abandoned_at_shutdown", "describe"]
 
 #: One execution attempt of a task: (task id, attempt number).
 AttemptKey = tuple[str, int]
@@ -85,3 +86,18 @@ def describe(exc: BaseException) -> str:
         text = f"(its message could not be read: str() raised {type(inner).__name__})"
     text = storable_text(text)
     return f"{name}: {text}" if text else name
+
+
+def abandoned_at_shutdown(worker_id: str, timeout: float | None, abandoned: Sequence[TaskContext]) -> str:
+    """What a worker whose shutdown gave up after ``timeout`` seconds says of the
+    attempts it abandoned: the handlers still running keep their leases until they
+    lapse; the tasks held for a slot never started and gave theirs up."""
+    names = ", ".join(f"task {c.task_id} attempt {c.attempt} (run {c.run_id}, node {c.node_id})" for c in abandoned)
+    held = sum(c._started is None for c in abandoned)
+    waiting = f" and {held} task(s) held for a slot" if held else ""
+    then = ["the running ones' leases are no longer extended, so they are retried once their leases lapse"
+            ] if len(abandoned) > held else []
+    if held:
+        then.append("the held ones never started, and their leases were ended for the sweeper's next pass")
+    return (f"worker {worker_id} stopped with {len(abandoned) - held} handler(s) still running{waiting} "
+            f"after {timeout or 0:g}s; abandoned {names}: {'; '.join(then)}")

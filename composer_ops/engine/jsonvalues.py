@@ -105,7 +105,7 @@ def _check_text(text: str, what: str, path: str) -> None:
 
 def storable_text(text: str) -> str:
     """``text`` as PostgreSQL can store it in JSON: a NUL written as ``\\x00`` and a
-    lone surrogate as its ``\\udXXX`` escape, the rest as it is. For texts the engine
+    lone surrogate as its backslash escape (``\\udc80``), the rest as it is. For texts the engine
     records whatever they hold (a handler's error), where :func:`check_json` refuses."""
     if "\x00" in text:
         text = text.replace("\x00", "\\x00")

@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any
 
 from composer_ops.db.retry import backoff_delay
 from composer_ops.engine import handlers
-from composer_ops.engine.attempt import AttemptKey, Result, TaskContext
+from composer_ops.engine.attempt import AttemptKey, Result, TaskContext, abandoned_at_shutdown
 from composer_ops.engine.handlers import Handler
 from composer_ops.engine.listener import Listener
 from composer_ops.engine.report_claim import ReportClaim
@@ -215,18 +215,7 @@ class Worker:
             listener.join(timeout=5)
             registry.join(timeout=5)
         if abandoned:
-            names = ", ".join(f"task {c.task_id} attempt {c.attempt} (run {c.run_id}, node {c.node_id})"
-                              for c in abandoned)
-            held = sum(c._started is None for c in abandoned)
-            waiting = f" and {held} task(s) held for a slot" if held else ""
-            then = ("the running ones' leases are no longer extended, so they are retried once their leases "
-                    "lapse" if len(abandoned) > held else "")
-            if held:
-                then += ("; " if then else "") + ("the held ones never started, and their leases were ended for "
-                                                   "the sweeper's next pass")
-            raise ShutdownTimeout(
-                f"worker {self.worker_id} stopped with {len(abandoned) - held} handler(s) still running{waiting} "
-                f"after {self.shutdown_timeout:g}s; abandoned {names}: {then}")
+            raise ShutdownTimeout(abandoned_at_shutdown(self.worker_id, self.shutdown_timeout, abandoned))
         log.info("worker %s stopped", self.worker_id)
 
     def _claim_loop(self, slots: queue.SimpleQueue[TaskContext | None]) -> None:
