@@ -267,8 +267,10 @@ def _cancel_chunk(shell: Shell, selection: RunFilter, after: str | None, chunk: 
             except BrokenRun as exc:                 # odd data: no event can be decided on it
                 refused.append((run_id, str(exc)))
                 continue
-            except LockTimeout:                      # a dry run only: its lock is held, listed undecided
-                cancelled.append(run_id)
+            except LockTimeout:
+                if yes:                              # the whole chunk runs again (db_retry)
+                    raise
+                cancelled.append(run_id)             # a dry run's wait ran out: listed, not decided
                 continue
             (cancelled if outcome.applied else skipped).append(run_id)
         if yes:
@@ -372,14 +374,16 @@ def _retry(shell: Shell, run_id: str, nodes: tuple[str, ...], yes: bool, actor: 
 def _retry_event(nodes: tuple[str, ...], parent: ParentRow | None, now: datetime) -> RetryRun:
     if parent is None:
         return RetryRun(from_nodes=nodes, now=now)
-    return RetryRun(from_nodes=nodes, now=now, parent_status=parent.status, parent_child=_node_child(parent),
-                    parent_waits=parent.node_state == TaskState.WAITING)
+    status, child, waits = _parent_view(parent)
+    return RetryRun(from_nodes=nodes, now=now, parent_status=status, parent_child=child, parent_waits=waits)
 
 
-def _node_child(parent: ParentRow) -> str | None:
-    """The child run the parent's node stands for now."""
+def _parent_view(parent: ParentRow) -> tuple[str | None, str | None, bool]:
+    """What the rule on a child's retry reads of its parent (core/rerun.child_left_to_parent):
+    its status, the child run its node stands for now, whether that node still waits."""
     at = parent.node_created_at
-    return None if at is None else child_run_id(parent.run_id, parent.node_id, at)
+    child = None if at is None else child_run_id(parent.run_id, parent.node_id, at)
+    return parent.status, child, parent.node_state == TaskState.WAITING
 
 
 #: The most runs one bulk retry takes.
@@ -447,8 +451,8 @@ def _left_to_parent(pool: TranslatingPool, run_id: str) -> str | None:
         parent = runs.parent_of(conn, run_id)
     if parent is None:
         return None
-    return child_left_to_parent(run_id, parent.run_id, parent.node_id, parent.status, _node_child(parent),
-                                waits=parent.node_state == TaskState.WAITING)
+    status, child, waits = _parent_view(parent)
+    return child_left_to_parent(run_id, parent.run_id, parent.node_id, status, child, waits=waits)
 
 
 @db_retry()

@@ -411,8 +411,9 @@ class Shell:
             elif isinstance(action, CancelTasks):
                 outbox.delete_for_tasks(conn, run.id, action.task_ids)     # outbox rows first: the lock order
                 tasks.cancel_tasks(conn, run.id, action.task_ids, action.reason, now=now)
+                ids = set(action.task_ids)
                 notes.cancel(len(action.task_ids), action.reason,
-                             [n for n, slot in run.nodes.items() if slot.task_id in action.task_ids])
+                             [n for n, slot in run.nodes.items() if slot.task_id in ids])
             elif isinstance(action, FinishRun):
                 finish = self._finish(conn, run, action)
                 finished = action.status

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from datetime import UTC, datetime
+from datetime import datetime
 from functools import lru_cache
 from typing import Any
 
@@ -12,6 +12,7 @@ from psycopg.rows import class_row
 
 from composer_ops.core.filters import RunFilter
 from composer_ops.core.model import ItemCounts, NodeState, TaskState
+from composer_ops.db.loaders import INFINITY, MINUS_INFINITY
 from composer_ops.errors import BrokenRun, ComposerError, Conflict, Invalid, NotFound, StartRefused, Transient
 from composer_ops.repo import history, partitions, writes
 from composer_ops.repo._base import Conn, fetch_all, fetch_one, jsonb
@@ -110,9 +111,9 @@ def _instant(text: str | None) -> datetime | None:
     if text is None:
         return None
     if text == "infinity":
-        return datetime.max.replace(tzinfo=UTC)
+        return INFINITY
     if text == "-infinity":
-        return datetime.min.replace(tzinfo=UTC)
+        return MINUS_INFINITY
     return datetime.fromisoformat(text)
 
 
