@@ -19,6 +19,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import psycopg
+from psycopg.conninfo import conninfo_to_dict
 from psycopg.pq import TransactionStatus
 from psycopg.rows import dict_row
 from psycopg_pool import ConnectionPool
@@ -49,6 +50,17 @@ def find_url(url: str | None = None) -> str:
     raise Unavailable(f"no database to read: {ENV_URL} is not set and the embedded server under "
                       f"{embedded.home()} is not running; set {ENV_URL} to a libpq URL, "
                       "or start the embedded server with `composer-ops db up`")
+
+
+def check_url(url: str, what: str = "the database URL") -> None:
+    """Refuse (:class:`Invalid`) a URL libpq cannot parse: a typo in the configuration,
+    which no retry cures, unlike a server that is down (:class:`Unavailable`)."""
+    try:
+        conninfo_to_dict(url)
+    except psycopg.ProgrammingError:
+        # libpq's reason quotes the text it could not parse, which may be a password: not shown.
+        raise Invalid(f"{what} is not a libpq URL (postgresql://user@host:port/dbname) or key=value "
+                      "connection string; libpq cannot parse it") from None
 
 
 def resolve_url(url: str | None = None) -> str:
@@ -173,6 +185,7 @@ def make_pool(url: str | None = None, *, min_size: int = 1, max_size: int = 8,
     ``wait_s``: how long to wait for a server that is not reachable yet (see
     :func:`wait_until_reachable`); 0 fails at once, as one-shot commands should."""
     target = resolve_url(url)
+    check_url(target)
     # One direct attempt first: an unreachable server is one clear error now, not
     # ``timeout`` seconds of the pool's reconnect warnings.
     wait_until_reachable(target, wait_s=wait_s, application_name=application_name)
