@@ -147,7 +147,7 @@ def _attempt(conn: psycopg.Connection[Any], older_than: datetime | str | Cutoff,
         retention.record(conn, request, cutoff, planned)
         if planned:
             audit.record(conn, "partitions drop", actor=actor, target=",".join(dropped), request=request,
-                         counts={"months": len(planned), "rows": sum(m.rows for m in planned),
+                         counts={"months": len(planned), audit.ESTIMATED_ROWS: sum(m.rows for m in planned),
                                  "bytes": sum(m.bytes for m in planned)},
                          detail={"cutoff": cutoff.isoformat(),
                                  "partitions": [p for m in planned for p in m.partitions]})

@@ -25,7 +25,13 @@ ACTIONS = ("partitions archive", "partitions drop", "partitions detach", "partit
            "queues set-limit", "lease sweep")
 
 # Actor is also imported from here by engine modules (admin, archive, retention, retire).
-__all__ = ["ACTIONS", "Actor", "commands", "of_request", "operator_note", "recent", "record", "require_record"]
+__all__ = ["ACTIONS", "ESTIMATED_ROWS", "Actor", "commands", "of_request", "operator_note", "recent", "record",
+           "require_record"]
+
+#: The counts' key of rows that are the catalog's estimate, not a count (``reltuples``,
+#: else the live-tuple statistic: 0 for a month never analysed since the statistics were
+#: reset): what ``partitions drop`` and ``detach`` record; an archive's rows are ``rows``.
+ESTIMATED_ROWS = "rows_estimated"
 
 
 def can_record(conn: Conn) -> tuple[bool, str]:
