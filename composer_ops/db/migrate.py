@@ -23,6 +23,7 @@ from typing import Any
 import psycopg
 from psycopg import sql
 
+from composer_ops.db import roles
 from composer_ops.db.connect import connect, resolve_url
 from composer_ops.errors import ComposerError, Invalid
 
@@ -211,6 +212,7 @@ def migrate(url: str | None = None, *, sql_dir: Traversable = SQL_DIR, target: i
         series = on_citus if citus is None else citus
         files = discover(sql_dir, citus=series)
         repeatable = discover_repeatable(sql_dir, citus=series)
+        roles.require_owner(conn, "migrate", "it creates and changes the schema's tables, functions and grants")
         # Session-level lock: held across the per-file transactions below.
         conn.execute("SELECT pg_advisory_lock(hashtext(%s))", (_LOCK_KEY,))
         try:

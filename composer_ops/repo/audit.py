@@ -14,6 +14,7 @@ from datetime import datetime
 from typing import Any
 
 from composer_ops.core.actor import Actor
+from composer_ops.db import roles
 from composer_ops.errors import PermissionDenied
 from composer_ops.repo._base import Conn, fetch_all, jsonb
 from composer_ops.repo.rows import AuditRow
@@ -83,14 +84,7 @@ def require_record(conn: Conn, action: str) -> None:
     (nor a superuser), before the action does anything it cannot take back (files it
     writes outside the database are not rolled back with the transaction)."""
     if action in OWNER_ACTIONS:
-        row = conn.execute("""
-            SELECT current_user, r.rolsuper OR pg_has_role(current_user, c.relowner, 'USAGE')
-              FROM pg_class c, pg_roles r
-             WHERE c.oid = 'schema_migrations'::regclass AND r.rolname = current_user""").fetchone()
-        if row is not None and not row[1]:
-            raise PermissionDenied(f"{action}: role {row[0]} is not the schema's owner, which {action} needs (it "
-                                   "reads schema_migrations and creates, drops or detaches partitions); run it as "
-                                   "the owner, the role that runs composer-ops migrate (docs/security.md)")
+        roles.require_owner(conn, action, "it reads schema_migrations and creates, drops or detaches partitions")
         return
     row = conn.execute("SELECT current_user, has_table_privilege('operator_audit', 'INSERT')").fetchone()
     if row is not None and not row[1]:

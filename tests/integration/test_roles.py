@@ -202,3 +202,32 @@ def test_the_partition_actions_refuse_a_role_that_is_not_the_owner_naming_the_ow
     assert f"role {ENGINE_ROLE} is not the schema's owner" in err and "run it as the owner" in err, err
     arch = tmp_path / "arch"
     assert err.count("\n") == 1 and not (arch.exists() and any(arch.iterdir())), err     # no file written
+
+
+@pytest.mark.parametrize(("role", "argv", "needs"), [
+    (ENGINE_ROLE, ["partitions", "drop", "--older-than", "1d", "--yes"], "is not the schema's owner"),
+    (READER_ROLE, ["partitions", "drop", "--older-than", "1d", "--yes"], "is not the schema's owner"),
+    (ENGINE_ROLE, ["migrate"], "is not the schema's owner"),
+    (READER_ROLE, ["partitions", "ensure", "--months-ahead", "3"], f"run it as the engine role ({ENGINE_ROLE})"),
+    (READER_ROLE, ["runs", "cancel", "--workflow", "wf", "--yes"], "may not write the operator audit"),
+    (ENGINE_ROLE, ["simulate", "--no-live", "--history-months", "2", "--runs-per-month", "5"],
+     "is not the schema's owner"),
+], ids=["drop-engine", "drop-reader", "migrate-engine", "ensure-reader", "cancel-reader", "simulate-engine"])
+def test_a_command_the_role_may_not_take_names_the_role_it_needs(
+        db_url: str, role: str, argv: list[str], needs: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """These failed on the server's bare `permission denied for table ...` (simulate after
+    deploying its definitions): each is refused first, in the one line the other
+    operator commands print, naming the role, with nothing changed."""
+    from composer_ops.cli import main
+
+    with psycopg.connect(db_url) as conn:
+        before = conn.execute("""SELECT (SELECT count(*) FROM workflow_definitions), (SELECT count(*) FROM pg_class),
+                                        (SELECT count(*) FROM operator_audit)""").fetchone()
+    assert main([*argv, "--database-url", as_role(db_url, role)]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"role {role} " in err and needs in err, err
+    assert "permission denied for" not in err, err
+    with psycopg.connect(db_url) as conn:
+        after = conn.execute("""SELECT (SELECT count(*) FROM workflow_definitions), (SELECT count(*) FROM pg_class),
+                                       (SELECT count(*) FROM operator_audit)""").fetchone()
+    assert after == before
