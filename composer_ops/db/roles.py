@@ -1,6 +1,6 @@
 """Whether the session's role may take an operator command, asked before the command
 changes anything: the one place that turns a missing privilege into the line naming
-the role it needs (docs/security.md, "Roles"), rather than the server's bare
+the role it needs (docs/security.md, "Logins and passwords"), rather than the server's bare
 ``permission denied for table ...`` halfway through.
 
 :func:`require_owner` is for what only the schema's owner may do (migrations, dropping,
