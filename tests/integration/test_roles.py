@@ -231,3 +231,23 @@ def test_a_command_the_role_may_not_take_names_the_role_it_needs(
         after = conn.execute("""SELECT (SELECT count(*) FROM workflow_definitions), (SELECT count(*) FROM pg_class),
                                        (SELECT count(*) FROM operator_audit)""").fetchone()
     assert after == before
+
+
+@pytest.mark.parametrize("once", [True, False], ids=["once", "loop"])
+def test_a_coordinator_with_retention_is_refused_at_start_unless_it_is_the_owner(
+        db_url: str, once: bool, capsys: pytest.CaptureFixture[str]) -> None:
+    """As the engine role, `coordinator --retention` started, then logged `permission denied
+    for table retention_drops` every pass, for ever: it is refused before it starts."""
+    from composer_ops.cli import main
+
+    argv = ["coordinator", "--retention", "5 months", "--database-url", as_role(db_url, ENGINE_ROLE)]
+    assert main([*argv, "--once"] if once else argv) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "coordinator --retention: role composer_ops_engine is not the schema's " \
+                                    "owner" in err, err
+    with Engine.connect(as_role(db_url, ENGINE_ROLE), pool_size=1) as engine:
+        with pytest.raises(PermissionDenied, match="is not the schema's owner"):
+            engine.coordinator(retention="5 months")
+        engine.coordinator()                           # without retention the engine role is enough
+    with Engine.connect(db_url, pool_size=1) as engine:
+        engine.coordinator(retention="5 months")       # the owner
