@@ -38,7 +38,7 @@ ESTIMATED_ROWS = "rows_estimated"
 def can_record(conn: Conn) -> tuple[bool, str]:
     """Whether the session's role may write audit rows (every operator action writes
     one, so a role that cannot is read-only for operator actions), and its name."""
-    row = conn.execute("SELECT has_table_privilege('operator_audit', 'INSERT'), current_user::text").fetchone()
+    row = conn.execute("SELECT has_any_column_privilege('operator_audit', 'INSERT'), current_user::text").fetchone()
     assert row is not None
     return bool(row[0]), str(row[1])
 
@@ -86,7 +86,7 @@ def require_record(conn: Conn, action: str) -> None:
     if action in OWNER_ACTIONS:
         roles.require_owner(conn, action, "it reads schema_migrations and creates, drops or detaches partitions")
         return
-    row = conn.execute("SELECT current_user, has_table_privilege('operator_audit', 'INSERT')").fetchone()
+    row = conn.execute("SELECT current_user, has_any_column_privilege('operator_audit', 'INSERT')").fetchone()
     if row is not None and not row[1]:
         raise PermissionDenied(f"{action}: role {row[0]} may not write the operator audit (operator_audit); "
                                "run it as the operator role (the owner or composer_ops_engine)")
