@@ -30,6 +30,8 @@ from composer_ops.db.retry import backoff_delay
 from composer_ops.errors import Invalid, Transient, Unavailable
 
 ENV_URL = "COMPOSER_DATABASE_URL"
+#: The least time a new pool waits for its first connection (:func:`make_pool`).
+OPEN_TIMEOUT_S = 10.0
 log = logging.getLogger(__name__)
 
 
@@ -183,7 +185,9 @@ def make_pool(url: str | None = None, *, min_size: int = 1, max_size: int = 8,
     same in either mode.
 
     ``wait_s``: how long to wait for a server that is not reachable yet (see
-    :func:`wait_until_reachable`); 0 fails at once, as one-shot commands should."""
+    :func:`wait_until_reachable`); 0 fails at once, as one-shot commands should.
+    ``timeout``: how long a caller waits for a pooled connection (the first one, at
+    least :data:`OPEN_TIMEOUT_S`)."""
     target = resolve_url(url)
     check_url(target)
     # One direct attempt first: an unreachable server is one clear error now, not
@@ -201,7 +205,9 @@ def make_pool(url: str | None = None, *, min_size: int = 1, max_size: int = 8,
         name=application_name,
     )
     try:
-        pool.open(wait=True, timeout=timeout)
+        # The first connection may take longer than a short per-call wait on a loaded
+        # host: the server answered wait_until_reachable just now.
+        pool.open(wait=True, timeout=max(timeout, OPEN_TIMEOUT_S))
     except Exception as exc:
         pool.close()
         raise Unavailable(f"cannot connect to the database: {first_line(exc)}") from exc
