@@ -100,17 +100,10 @@ def check_options(args: argparse.Namespace) -> None:
     for dest, flag, accepts in getattr(args, "option_checks", None) or ():
         accepts.check(flag, getattr(args, dest))
     url = getattr(args, "database_url", None)
-    if url:
-        import psycopg
-        from psycopg.conninfo import conninfo_to_dict
+    if url:    # bad input (exit 2), not a server that is down (exit 1)
+        from composer_ops.db.connect import check_url
 
-        try:
-            conninfo_to_dict(url)
-        except psycopg.ProgrammingError:    # bad input (exit 2), not a server that is down (exit 1)
-            # libpq's reason quotes the text it could not parse, which may be a password: not shown.
-            raise Invalid("--database-url (or COMPOSER_DATABASE_URL) is not a libpq URL "
-                          "(postgresql://user@host:port/dbname) or key=value connection string; "
-                          "libpq cannot parse it") from None
+        check_url(url, "--database-url (or COMPOSER_DATABASE_URL)")
 
 
 Database = Literal["reads", "writes"]

@@ -216,6 +216,7 @@ def _retire(args: argparse.Namespace, when: Cutoff, *, archive_dir: Path | None,
     if args.json:
         emit_json({"cutoff": result.cutoff, "applied": result.applied,
                    "months": [{"month": m.month, "outcome": m.outcome, "reason": m.reason, "rows": m.rows,
+                               "rows_estimated": m.estimated,
                                "partitions": m.partitions, "archive": m.archive} for m in result.months],
                    "kept": [{"month": m.month, "reason": m.reason, "active_runs": m.active_runs}
                             for m in result.plan if m.action == "keep"]})
@@ -226,7 +227,7 @@ def _retire(args: argparse.Namespace, when: Cutoff, *, archive_dir: Path | None,
         for m in result.months:
             where = f", archived in {m.archive}" if m.archive and m.outcome == "dropped" else ""
             why = f" ({m.reason})" if m.reason else ""
-            print(f"{m.outcome} {m.month}: {m.rows} rows{where}{why}")
+            print(f"{m.outcome} {m.month}: {'about ' if m.estimated else ''}{m.rows} rows{where}{why}")
         for planned in result.plan:
             if planned.action == "keep" and planned.reason != "too new" and planned not in misaligned(result.plan):
                 print(f"kept {planned.month}: {planned.reason} ({planned.active_runs} active runs)")

@@ -6,9 +6,9 @@ import argparse
 import os
 import sys
 
-from composer_ops.cli._common import EXIT_FAILED, EXIT_OK, add_command, env_option
+from composer_ops.cli._common import EXIT_FAILED, EXIT_OK, above, add_command, at_least, env_option
 from composer_ops.db import embedded
-from composer_ops.db.migrate import migrate, status
+from composer_ops.db.migrate import LOCK_ATTEMPTS, LOCK_TIMEOUT_S, migrate, status
 
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -26,6 +26,13 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
                      help="require a Citus coordinator and apply its series (sql/citus/ too: the tables are "
                           "distributed by run ID); without it a database with the citus extension is still "
                           "detected [env: COMPOSER_CITUS=1]")
+    env_option(mig, "--lock-timeout", env="COMPOSER_MIGRATE_LOCK_TIMEOUT", type=float, default=LOCK_TIMEOUT_S,
+               accepts=above(0), metavar_default=f"{LOCK_TIMEOUT_S:g}",
+               help="seconds each migration file waits for a lock (behind a long transaction) before it is "
+                    "rolled back and tried again; the engine's statements on that table wait no longer")
+    env_option(mig, "--attempts", env="COMPOSER_MIGRATE_ATTEMPTS", type=int, default=LOCK_ATTEMPTS,
+               accepts=at_least(1), metavar_default=str(LOCK_ATTEMPTS),
+               help="tries per file before giving up, naming the sessions that hold locks")
 
 
 def cmd_db(args: argparse.Namespace) -> int:
@@ -54,7 +61,7 @@ def cmd_migrate(args: argparse.Namespace) -> int:
             print(f"{'applied' if applied else 'pending'}  {mig.filename}")
         return EXIT_OK
     done = migrate(args.database_url, on_apply=lambda m: print(f"applied {m.filename}", flush=True),
-                   citus=True if args.citus else None)
+                   citus=True if args.citus else None, lock_timeout_s=args.lock_timeout, attempts=args.attempts)
     if not done:
         print("schema is up to date")
     return EXIT_OK

@@ -89,7 +89,11 @@ def cmd_list(args: argparse.Namespace) -> int:
 
 
 def cmd_ensure(args: argparse.Namespace) -> int:
+    from composer_ops.db.roles import require_engine
+
     with open_engine(args) as engine:
+        with engine.pool.connection() as conn:
+            require_engine(conn, "partitions ensure", "EXECUTE", "composer_ensure_partitions(integer)")
         created = engine.ensure_partitions(args.months_ahead)
     print(f"created {created} partitions")
     return EXIT_OK

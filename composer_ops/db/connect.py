@@ -19,6 +19,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import psycopg
+from psycopg.conninfo import conninfo_to_dict
 from psycopg.pq import TransactionStatus
 from psycopg.rows import dict_row
 from psycopg_pool import ConnectionPool
@@ -29,6 +30,8 @@ from composer_ops.db.retry import backoff_delay
 from composer_ops.errors import Invalid, Transient, Unavailable
 
 ENV_URL = "COMPOSER_DATABASE_URL"
+#: The least time a new pool waits for its first connection (:func:`make_pool`).
+OPEN_TIMEOUT_S = 10.0
 log = logging.getLogger(__name__)
 
 
@@ -49,6 +52,17 @@ def find_url(url: str | None = None) -> str:
     raise Unavailable(f"no database to read: {ENV_URL} is not set and the embedded server under "
                       f"{embedded.home()} is not running; set {ENV_URL} to a libpq URL, "
                       "or start the embedded server with `composer-ops db up`")
+
+
+def check_url(url: str, what: str = "the database URL") -> None:
+    """Refuse (:class:`Invalid`) a URL libpq cannot parse: a typo in the configuration,
+    which no retry cures, unlike a server that is down (:class:`Unavailable`)."""
+    try:
+        conninfo_to_dict(url)
+    except psycopg.ProgrammingError:
+        # libpq's reason quotes the text it could not parse, which may be a password: not shown.
+        raise Invalid(f"{what} is not a libpq URL (postgresql://user@host:port/dbname) or key=value "
+                      "connection string; libpq cannot parse it") from None
 
 
 def resolve_url(url: str | None = None) -> str:
@@ -171,8 +185,11 @@ def make_pool(url: str | None = None, *, min_size: int = 1, max_size: int = 8,
     same in either mode.
 
     ``wait_s``: how long to wait for a server that is not reachable yet (see
-    :func:`wait_until_reachable`); 0 fails at once, as one-shot commands should."""
+    :func:`wait_until_reachable`); 0 fails at once, as one-shot commands should.
+    ``timeout``: how long a caller waits for a pooled connection (the first one, at
+    least :data:`OPEN_TIMEOUT_S`)."""
     target = resolve_url(url)
+    check_url(target)
     # One direct attempt first: an unreachable server is one clear error now, not
     # ``timeout`` seconds of the pool's reconnect warnings.
     wait_until_reachable(target, wait_s=wait_s, application_name=application_name)
@@ -188,7 +205,9 @@ def make_pool(url: str | None = None, *, min_size: int = 1, max_size: int = 8,
         name=application_name,
     )
     try:
-        pool.open(wait=True, timeout=timeout)
+        # The first connection may take longer than a short per-call wait on a loaded
+        # host: the server answered wait_until_reachable just now.
+        pool.open(wait=True, timeout=max(timeout, OPEN_TIMEOUT_S))
     except Exception as exc:
         pool.close()
         raise Unavailable(f"cannot connect to the database: {first_line(exc)}") from exc

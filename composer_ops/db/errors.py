@@ -141,8 +141,8 @@ def translate(exc: psycopg.Error) -> ComposerError:
         return Conflict(text) if isinstance(exc, pgerr.UniqueViolation) else NotFound(text)
     if isinstance(exc, (psycopg.DataError, psycopg.IntegrityError)):   # classes 22 and 23: the data
         return Invalid(msg)
-    if isinstance(exc, PoolClosed):
-        return Unavailable(f"{msg} (the engine or pool was closed)")
+    if isinstance(exc, PoolClosed):     # the caller's own close(), which no retry cures
+        return ComposerError(f"{msg} (the engine or pool was closed by this process and cannot be used again)")
     if isinstance(exc, pgerr.InsufficientPrivilege):
         return PermissionDenied(msg)
     if isinstance(exc, pgerr.LockNotAvailable):
@@ -396,8 +396,9 @@ class TranslatingConnection(psycopg.Connection[Row]):
 
 
 class TranslatingPool(ConnectionPool[TranslatingConnection[Any]]):
-    """A pool of :class:`TranslatingConnection`; waiting for a free connection in vain (or asking
-    a closed pool) raises :class:`Transient` rather than a driver error."""
+    """A pool of :class:`TranslatingConnection`; waiting for a free connection in vain raises
+    :class:`Transient` rather than a driver error, asking a closed pool a plain
+    :class:`ComposerError`."""
 
     def getconn(self, timeout: float | None = None) -> TranslatingConnection[Any]:
         try:

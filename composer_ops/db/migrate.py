@@ -7,6 +7,12 @@ R file is new or changed, every ``R__<name>.sql`` (the current body of every SQL
 function) in name order in one transaction. On Citus, ``sql/citus/`` joins the series
 (its R files run after the plain ones). Files ship as ``composer_ops.migrations``. A
 database built by the pre-release migrations is refused with one line: re-create it.
+
+Each file's transaction waits at most ``lock_timeout_s`` for any lock (``SET LOCAL
+lock_timeout``): a migration's ALTER queued behind a long reader would otherwise queue
+every later statement on that table, the engine's included, for as long as the reader
+lasts. A file whose locks stay busy is rolled back and tried again with backoff, up to
+``attempts`` times, then refused naming the sessions that hold locks longest.
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ import hashlib
 import importlib.resources
 import logging
 import re
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from importlib.resources.abc import Traversable
@@ -23,8 +30,10 @@ from typing import Any
 import psycopg
 from psycopg import sql
 
+from composer_ops.db import roles
 from composer_ops.db.connect import connect, resolve_url
-from composer_ops.errors import ComposerError, Invalid
+from composer_ops.db.retry import backoff_delay
+from composer_ops.errors import ComposerError, Invalid, LockTimeout
 
 log = logging.getLogger(__name__)
 
@@ -33,6 +42,10 @@ SQL_DIR: Traversable = importlib.resources.files("composer_ops.migrations")
 _NAME = re.compile(r"^V(\d{3,})__([a-z0-9_]+)\.sql$")
 _REPEATABLE = re.compile(r"^R__([a-z0-9_]+)\.sql$")
 _LOCK_KEY = "composer_migrations"
+#: How long, by default, a migration's statements wait for a lock, and how many times a
+#: file whose locks stay busy is tried (``composer-ops migrate --lock-timeout/--attempts``).
+LOCK_TIMEOUT_S = 2.0
+LOCK_ATTEMPTS = 5
 #: Migrations that run on Citus only, or instead of the plain file of their name.
 CITUS_DIR_NAME = "citus"
 #: The one line a database of the pre-release migrations gets.
@@ -189,19 +202,81 @@ def _run(conn: psycopg.Connection[Any], script: Script, *, on_citus: bool) -> No
         conn.execute("SET LOCAL citus.multi_shard_modify_mode TO 'sequential'")
     try:
         conn.execute(script.path.read_text(encoding="utf-8").encode())
+    except LockTimeout:
+        raise                       # waited out and tried again by _locking
     except ComposerError as exc:
         raise ComposerError(f"{script.filename} failed: {exc}") from exc
 
 
+def _locking(conn: psycopg.Connection[Any], what: str, body: Callable[[], None], *, lock_timeout_s: float,
+             attempts: int) -> None:
+    """``body`` in a transaction whose lock waits end after ``lock_timeout_s``; a lock
+    timeout rolls it back and, after a backoff, runs it again, up to ``attempts`` times,
+    then raises naming who holds locks (:func:`_lock_holders`)."""
+    for attempt in range(1, attempts + 1):
+        try:
+            with conn.transaction():
+                conn.execute(sql.SQL("SET LOCAL lock_timeout = {}").format(
+                    sql.Literal(f"{max(1, round(lock_timeout_s * 1000))}ms")))
+                body()
+            return
+        except LockTimeout as exc:
+            if attempt >= attempts:
+                raise ComposerError(
+                    f"{what}: could not take its locks within {lock_timeout_s:g}s in {attempts} attempts "
+                    f"({_lock_holders(conn, lock_timeout_s)}); nothing of it was applied: end that transaction "
+                    "or try again later (--lock-timeout, --attempts)") from exc
+            delay = backoff_delay(attempt - 1, base=0.25, cap=4.0)
+            log.warning("%s: a lock was busy for %gs (attempt %d of %d); trying again in %.2fs",
+                        what, lock_timeout_s, attempt, attempts, delay)
+            time.sleep(delay)
+
+
+#: The other sessions holding locks on this database's tables, oldest transaction first
+#: (a role that may not see another's xact_start sees its pid, role and program only).
+_HOLDERS = """
+    SELECT a.pid, a.usename::text, a.application_name, a.state,
+           extract(epoch FROM now() - a.xact_start)::float8,
+           string_agg(DISTINCT c.relname::text, ', ' ORDER BY c.relname::text)
+      FROM pg_locks l
+      JOIN pg_stat_activity a ON a.pid = l.pid
+      JOIN pg_class c ON c.oid = l.relation AND c.relkind IN ('r', 'p')
+     WHERE l.locktype = 'relation' AND l.granted AND l.pid <> pg_backend_pid()
+       AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
+     GROUP BY 1, 2, 3, 4, 5
+     ORDER BY 5 DESC NULLS LAST, 1
+     LIMIT 3"""
+
+
+def _lock_holders(conn: psycopg.Connection[Any], lock_timeout_s: float) -> str:
+    """Who may hold the lock a migration waited for: the sessions holding table locks
+    longest, each with its role, program, state, transaction age and tables."""
+    rows = conn.execute(_HOLDERS).fetchall()
+    if not rows:
+        return "no session holds a table lock now"
+    held = []
+    for pid, role, program, state, age, tables in rows:
+        since = f", in a transaction for {age:.0f}s" if age is not None else ""
+        held.append(f"pid {pid} ({role}{f', {program}' if program else ''}{f', {state}' if state else ''}{since}) "
+                    f"holds {tables}")
+    return "locks held by " + "; ".join(held)
+
+
 def migrate(url: str | None = None, *, sql_dir: Traversable = SQL_DIR, target: int | None = None,
-            on_apply: Callable[[Script], None] | None = None, citus: bool | None = None) -> list[Script]:
+            on_apply: Callable[[Script], None] | None = None, citus: bool | None = None,
+            lock_timeout_s: float = LOCK_TIMEOUT_S, attempts: int = LOCK_ATTEMPTS) -> list[Script]:
     """Apply every pending migration up to ``target``, then the repeatable files if
-    anything changed; return the files applied.
+    anything changed; return the files applied. Each file waits at most
+    ``lock_timeout_s`` for a lock and is tried ``attempts`` times (see the module).
 
     ``citus``: None detects a Citus database (the extension is installed); True
     requires one (``composer-ops migrate --citus``); False applies the plain series.
     ``target`` (tests) stops after that version: the schema of that version with the
     current functions."""
+    if not lock_timeout_s > 0 or lock_timeout_s == float("inf"):
+        raise Invalid(f"the lock timeout must be a positive number of seconds, got {lock_timeout_s!r}")
+    if isinstance(attempts, bool) or not isinstance(attempts, int) or attempts < 1:
+        raise Invalid(f"attempts must be an integer, 1 or more, got {attempts!r}")
     applied_now: list[Script] = []
     with connect(resolve_url(url), application_name="composer-ops migrate", autocommit=True) as conn:
         on_citus = is_citus(conn)
@@ -211,6 +286,7 @@ def migrate(url: str | None = None, *, sql_dir: Traversable = SQL_DIR, target: i
         series = on_citus if citus is None else citus
         files = discover(sql_dir, citus=series)
         repeatable = discover_repeatable(sql_dir, citus=series)
+        roles.require_owner(conn, "migrate", "it creates and changes the schema's tables, functions and grants")
         # Session-level lock: held across the per-file transactions below.
         conn.execute("SELECT pg_advisory_lock(hashtext(%s))", (_LOCK_KEY,))
         try:
@@ -232,18 +308,21 @@ def migrate(url: str | None = None, *, sql_dir: Traversable = SQL_DIR, target: i
                     continue
                 if target is not None and mig.version > target:
                     break
-                with conn.transaction():
+                def apply(mig: Migration = mig) -> None:
                     _run(conn, mig, on_citus=on_citus)
                     conn.execute(
                         "INSERT INTO schema_migrations (script, version, name, checksum) VALUES (%s, %s, %s, %s)",
                         (mig.key, mig.version, mig.name, mig.checksum),
                     )
+
+                _locking(conn, mig.filename, apply, lock_timeout_s=lock_timeout_s, attempts=attempts)
                 log.info("applied %s", mig.filename)
                 applied_now.append(mig)
                 if on_apply:
                     on_apply(mig)
             if applied_now or done_repeatable != {r.key: r.checksum for r in repeatable}:
-                applied_now += _apply_repeatable(conn, repeatable, on_citus=on_citus, on_apply=on_apply)
+                applied_now += _apply_repeatable(conn, repeatable, on_citus=on_citus, on_apply=on_apply,
+                                                 lock_timeout_s=lock_timeout_s, attempts=attempts)
         finally:
             conn.execute("SELECT pg_advisory_unlock(hashtext(%s))", (_LOCK_KEY,))
     return applied_now
@@ -264,16 +343,19 @@ def _drop_repeatable_triggers(conn: psycopg.Connection[Any]) -> None:
 
 
 def _apply_repeatable(conn: psycopg.Connection[Any], repeatable: Sequence[Repeatable], *, on_citus: bool,
-                      on_apply: Callable[[Script], None] | None) -> list[Script]:
+                      on_apply: Callable[[Script], None] | None, lock_timeout_s: float = LOCK_TIMEOUT_S,
+                      attempts: int = LOCK_ATTEMPTS) -> list[Script]:
     """Run every repeatable file, in order, in one transaction, and record them (the
     rows of files that are gone go with it)."""
-    with conn.transaction():
+    def apply() -> None:
         for rep in repeatable:
             _run(conn, rep, on_citus=on_citus)
         conn.execute("DELETE FROM schema_migrations WHERE version IS NULL")
         for rep in repeatable:
             conn.execute("INSERT INTO schema_migrations (script, name, checksum) VALUES (%s, %s, %s)",
                          (rep.key, rep.name, rep.checksum))
+
+    _locking(conn, "the repeatable files (R__*.sql)", apply, lock_timeout_s=lock_timeout_s, attempts=attempts)
     for rep in repeatable:
         log.info("applied %s", rep.filename)
         if on_apply:

@@ -28,8 +28,13 @@ def backoff_delay(attempt: int, *, base: float = 0.05, cap: float = 2.0, rng: ra
     return (rng or random).uniform(0, min(cap, base * (2**attempt)))
 
 
+#: The calls in all, by default, of a function :func:`db_retry` decorates.
+DEFAULT_ATTEMPTS = 6
+
+
 def db_retry(
-    max_attempts: int = 6, *, base: float = 0.05, cap: float = 2.0, give_up: tuple[type[Transient], ...] = ()
+    max_attempts: int = DEFAULT_ATTEMPTS, *, base: float = 0.05, cap: float = 2.0,
+    give_up: tuple[type[Transient], ...] = (),
 ) -> Callable[[Callable[P, T]], Callable[P, T]]:
     """Decorator: call again when the function raises :class:`Transient`, up to
     ``max_attempts`` calls in all; the last error propagates. The kinds of Transient in

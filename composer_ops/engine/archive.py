@@ -44,7 +44,7 @@ from composer_ops.core.runids import month_bounds, month_start
 from composer_ops.db import connect
 from composer_ops.db.retry import db_retry
 from composer_ops.engine.retention import misaligned
-from composer_ops.errors import ComposerError, Invalid
+from composer_ops.errors import ComposerError, Invalid, NotFound
 from composer_ops.repo import archive as repo
 from composer_ops.repo import audit, partitions, retention
 from composer_ops.repo._base import Conn, repeatable_read
@@ -392,6 +392,12 @@ class RestoreResult:
         return sum(t.rows for t in self.tables)
 
 
+def _months_held(directory: Path) -> str:
+    """What an archive directory holds, for the error naming a month it does not."""
+    held = sorted(p.name for p in directory.glob("[0-9]" * 6) if (p / MANIFEST).is_file()) if directory.is_dir() else []
+    return f"it holds {', '.join(held)}" if held else "it holds no month's archive"
+
+
 def restore_month(url: str | None, month: str, directory: Path, *, yes: bool, actor: Actor | None = None,
                   lock_timeout_s: float = 2.0, progress: Progress | None = None,
                   request_id: str | None = None) -> RestoreResult:
@@ -408,6 +414,9 @@ def restore_month(url: str | None, month: str, directory: Path, *, yes: bool, ac
     if lock_timeout_s <= 0:
         raise Invalid(f"lock timeout must be more than 0 seconds, got {lock_timeout_s:g}")
     path = month_dir(Path(directory), month)
+    if not path.exists():      # a wrong month or directory (bad input); a partial one stays BadArchive
+        raise NotFound(f"no archive of month {month} under {directory} (no {path}); "
+                       f"{_months_held(Path(directory))}")
     manifest = verify_month(path, month=month, progress=progress)
     planned = [Restored(table=t.table, partition=t.partition, rows=t.rows, fingerprint_matches=None)
                for t in manifest.tables]

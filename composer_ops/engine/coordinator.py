@@ -30,7 +30,7 @@ from composer_ops.core import runids
 from composer_ops.core.actor import Actor
 from composer_ops.core.cutoff import Cutoff, parse_cutoff
 from composer_ops.core.model import Event, LeaseExpired, StartTimedOut, TaskRef, TimerDue
-from composer_ops.db import autocommit
+from composer_ops.db import autocommit, roles
 from composer_ops.db.errors import TranslatingPool
 from composer_ops.db.retry import db_retry
 from composer_ops.engine import childrows
@@ -124,6 +124,10 @@ class Coordinator:
         self._timer_backoff = _Backoff()
         self.retention = parse_cutoff(retention) if isinstance(retention, str) else retention
         self.retention_every_s = retention_every_s
+        if self.retention is not None:
+            # Refused now, in one line, rather than a warning each retention pass for ever.
+            with engine.pool.connection() as conn:
+                roles.require_owner(conn, "coordinator --retention", "its retention drops partitions")
         if webhook_keep_days is not None and not webhook_keep_days >= 0:
             raise Invalid(f"webhook_keep_days must be 0 or more days (or None: keep for ever), got {webhook_keep_days}")
         self.webhook_keep_days = webhook_keep_days
@@ -560,7 +564,7 @@ class Coordinator:
         """The optional retention: drop the months past ``retention`` (the same function
         as ``composer-ops partitions drop --yes``), at most every ``retention_every_s``,
         backing off like upkeep when it fails. Needs the owner role (the engine role
-        may not drop partitions)."""
+        may not drop partitions): a coordinator of another role is refused when made."""
         if self.retention is None or time.monotonic() < self._next_retention:
             return
         try:

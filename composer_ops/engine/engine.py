@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import threading
 import time
@@ -21,7 +22,7 @@ from composer_ops.core.spec import ID_PATTERN, WorkflowSpec, parse_spec
 from composer_ops.db import make_pool, resolve_url
 from composer_ops.db.errors import TranslatingPool
 from composer_ops.db.migrate import migrate as run_migrations
-from composer_ops.db.retry import db_retry
+from composer_ops.db.retry import DEFAULT_ATTEMPTS, db_retry
 from composer_ops.engine import admin, childrows
 from composer_ops.engine.admin import WorkerReport
 from composer_ops.engine.ids import uuid7_text
@@ -59,6 +60,31 @@ log = logging.getLogger(__name__)
 STREAM_KEYS_TTL_S = 60.0
 
 
+#: How long, by default, one call of an engine waits for the database in all (:meth:`Engine.connect`).
+DEFAULT_TIMEOUT_S = 30.0
+#: The attempts of one call on a transient error (``db_retry``'s default), over which
+#: ``timeout_s`` is shared.
+CALL_ATTEMPTS = DEFAULT_ATTEMPTS
+POOL_SIZE_ENV = "COMPOSER_POOL_SIZE"
+
+
+def _positive_seconds(value: object) -> bool:
+    return (isinstance(value, (int, float)) and not isinstance(value, bool)
+            and math.isfinite(value) and value > 0)
+
+
+def _pool_size(size: object) -> int:
+    """``size``, else ``COMPOSER_POOL_SIZE``, else 10: a positive integer, or :class:`Invalid`."""
+    if size is None:
+        text = os.environ.get(POOL_SIZE_ENV, "10").strip()
+        if not text.isdigit() or int(text) < 1:
+            raise Invalid(f"{POOL_SIZE_ENV} must be a positive integer, got {text!r}")
+        return int(text)
+    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+        raise Invalid(f"pool_size must be a positive integer, got {size!r}")
+    return size
+
+
 class Engine:
     """A connection pool plus the shell: deploy, start, signal, cancel, inspect.
 
@@ -83,7 +109,8 @@ class Engine:
 
     @classmethod
     def connect(cls, url: str | None = None, *, pool_size: int | None = None,
-                application_name: str = "composer-engine", connect_wait_s: float = 0.0) -> Engine:
+                application_name: str = "composer-engine", connect_wait_s: float = 0.0,
+                timeout_s: float = DEFAULT_TIMEOUT_S) -> Engine:
         """Open the pool on ``url``, else ``COMPOSER_DATABASE_URL``, else the embedded
         server, which is started if it is not running (:func:`~composer_ops.db.resolve_url`;
         code that only reads and must never start a server passes
@@ -92,14 +119,27 @@ class Engine:
         An unreachable server raises :class:`Unavailable` at once, unless
         ``connect_wait_s`` > 0: then a server that is down, starting or shutting down is
         waited for that long (what a long-running worker or coordinator wants when it
-        starts before, or during a restart of, the database)."""
+        starts before, or during a restart of, the database).
+
+        ``timeout_s`` bounds how long one call waits for the database once connected:
+        a call retries a transient error up to :data:`CALL_ATTEMPTS` times, each
+        attempt waiting at most ``timeout_s / CALL_ATTEMPTS`` for a pooled connection,
+        so a call on a server that went down raises :class:`Transient` after about
+        ``timeout_s`` seconds (plus under 2 s of backoff between attempts).
+        ``pool_size`` (else ``COMPOSER_POOL_SIZE``, else 10) is the most connections
+        the pool opens. A URL libpq cannot parse, or a size or time out of range, is
+        :class:`Invalid`."""
+        if not _positive_seconds(timeout_s):
+            raise Invalid(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
+        size = _pool_size(pool_size)
         target = resolve_url(url)
-        size = pool_size or int(os.environ.get("COMPOSER_POOL_SIZE", "10"))
         pool = make_pool(target, min_size=1, max_size=size, application_name=application_name,
-                         wait_s=connect_wait_s)
+                         timeout=timeout_s / CALL_ATTEMPTS, wait_s=connect_wait_s)
         return cls(pool, target)
 
     def close(self) -> None:
+        """Close the pool; a call made afterwards raises a :class:`ComposerError` (not
+        :class:`Unavailable`: the caller's bug, which no retry cures)."""
         self.pool.close()
 
     def __enter__(self) -> Engine:

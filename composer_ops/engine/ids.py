@@ -20,6 +20,15 @@ def uuid7_text() -> str:
     return str(uuid6.uuid7())
 
 
+def new_run_id() -> str:
+    """A run ID for ``Engine.start(run_id=...)``, minted by this process's clock: a
+    canonical lowercase UUIDv7. A client that mints it before it calls (and stores it,
+    to retry the same start) must start within an hour of minting, by the database
+    clock (and this host's clock at most 5 minutes ahead of it); a start with a run ID
+    already taken is a :class:`~composer_ops.errors.Conflict`."""
+    return uuid7_text()
+
+
 def uuid7_at(ts: datetime) -> str:
     """A fresh UUIDv7 whose 48-bit timestamp is ``ts`` (random low 74 bits)."""
     # Exact integer arithmetic: ts.timestamp() * 1000 is a float and can land on the

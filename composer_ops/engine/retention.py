@@ -126,6 +126,7 @@ def _connection(source: Source) -> Iterator[psycopg.Connection[Any]]:
 def _attempt(conn: psycopg.Connection[Any], older_than: datetime | str | Cutoff, lock_timeout_s: float,
              min_age: timedelta, request: str, attempts: int, actor: Actor | None) -> RetentionResult:
     with conn.transaction():
+        audit.require_record(conn, "partitions drop")     # the owner's: one line naming it, not the server's
         partitions.set_lock_timeout(conn, lock_timeout_s)
         # The advisory lock first: an earlier attempt still committing holds it, and its
         # record is visible to the statement after the lock is granted.
@@ -147,7 +148,7 @@ def _attempt(conn: psycopg.Connection[Any], older_than: datetime | str | Cutoff,
         retention.record(conn, request, cutoff, planned)
         if planned:
             audit.record(conn, "partitions drop", actor=actor, target=",".join(dropped), request=request,
-                         counts={"months": len(planned), "rows": sum(m.rows for m in planned),
+                         counts={"months": len(planned), audit.ESTIMATED_ROWS: sum(m.rows for m in planned),
                                  "bytes": sum(m.bytes for m in planned)},
                          detail={"cutoff": cutoff.isoformat(),
                                  "partitions": [p for m in planned for p in m.partitions]})

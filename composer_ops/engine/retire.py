@@ -49,7 +49,8 @@ class MonthRetired:
     outcome: str                     # "dropped" | "detached" | "kept" (judged again under its locks) | "refused"
     reason: str = ""                 # why it was kept or refused
     partitions: list[str] = field(default_factory=list)
-    rows: int = 0                    # exact when archived, else the plan's estimate
+    rows: int = 0                    # exact when archived or refused, else the plan's estimate
+    estimated: bool = False          # ``rows`` is the catalog's estimate (a detach), not a count
     archive: str | None = None
     duplicate: bool = False
 
@@ -210,8 +211,10 @@ def _retire_once(conn: psycopg.Connection[Any], month: str, cutoff: datetime, ma
         earlier = audit.of_request(conn, request)
         if earlier:
             detail = earlier[0].detail or {}
+            counts = earlier[0].counts or {}
             return MonthRetired(month=month, outcome=outcome, partitions=list(detail.get("partitions", [])),
-                                rows=int((earlier[0].counts or {}).get("rows", 0)), archive=archive, duplicate=True)
+                                rows=int(counts.get("rows", counts.get(audit.ESTIMATED_ROWS, 0))),
+                                estimated=audit.ESTIMATED_ROWS in counts, archive=archive, duplicate=True)
         first = _judged(conn, cutoff, month)
         if first is None or first.action != "drop":
             return MonthRetired(month=month, outcome="kept", reason=first.reason if first else "no longer exists")
@@ -238,11 +241,16 @@ def _retire_once(conn: psycopg.Connection[Any], month: str, cutoff: datetime, ma
         handled = repo.remove_month(conn, month, RUN_TABLES, keep_table=keep_table)
         if not keep_table:
             retention.record(conn, request, cutoff, [judged])
+        # Without an archive the rows are the plan's estimate: counting them here would
+        # scan the whole month under the locks that hold every writer of the run tables.
+        estimated = manifest is None
         audit.record(conn, action, actor=actor, target=month, request=request,
-                     counts={"rows": rows, "bytes": judged.bytes, "partitions": len(handled)},
+                     counts={audit.ESTIMATED_ROWS if estimated else "rows": rows, "bytes": judged.bytes,
+                             "partitions": len(handled)},
                      detail={"cutoff": cutoff.isoformat(), "partitions": handled, "archive": archive,
                              "schema": repo.DETACHED_SCHEMA if keep_table else None})
-    return MonthRetired(month=month, outcome=outcome, partitions=handled, rows=rows, archive=archive)
+    return MonthRetired(month=month, outcome=outcome, partitions=handled, rows=rows, estimated=estimated,
+                        archive=archive)
 
 
 def _month_rows(conn: psycopg.Connection[Any], month: str) -> int:

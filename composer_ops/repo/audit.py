@@ -14,6 +14,7 @@ from datetime import datetime
 from typing import Any
 
 from composer_ops.core.actor import Actor
+from composer_ops.db import roles
 from composer_ops.errors import PermissionDenied
 from composer_ops.repo._base import Conn, fetch_all, jsonb
 from composer_ops.repo.rows import AuditRow
@@ -25,13 +26,19 @@ ACTIONS = ("partitions archive", "partitions drop", "partitions detach", "partit
            "queues set-limit", "lease sweep")
 
 # Actor is also imported from here by engine modules (admin, archive, retention, retire).
-__all__ = ["ACTIONS", "Actor", "commands", "of_request", "operator_note", "recent", "record", "require_record"]
+__all__ = ["ACTIONS", "ESTIMATED_ROWS", "Actor", "commands", "of_request", "operator_note", "recent", "record",
+           "require_record"]
+
+#: The counts' key of rows that are the catalog's estimate, not a count (``reltuples``,
+#: else the live-tuple statistic: 0 for a month never analysed since the statistics were
+#: reset): what ``partitions drop`` and ``detach`` record; an archive's rows are ``rows``.
+ESTIMATED_ROWS = "rows_estimated"
 
 
 def can_record(conn: Conn) -> tuple[bool, str]:
     """Whether the session's role may write audit rows (every operator action writes
     one, so a role that cannot is read-only for operator actions), and its name."""
-    row = conn.execute("SELECT has_table_privilege('operator_audit', 'INSERT'), current_user::text").fetchone()
+    row = conn.execute("SELECT has_any_column_privilege('operator_audit', 'INSERT'), current_user::text").fetchone()
     assert row is not None
     return bool(row[0]), str(row[1])
 
@@ -77,16 +84,9 @@ def require_record(conn: Conn, action: str) -> None:
     (nor a superuser), before the action does anything it cannot take back (files it
     writes outside the database are not rolled back with the transaction)."""
     if action in OWNER_ACTIONS:
-        row = conn.execute("""
-            SELECT current_user, r.rolsuper OR pg_has_role(current_user, c.relowner, 'USAGE')
-              FROM pg_class c, pg_roles r
-             WHERE c.oid = 'schema_migrations'::regclass AND r.rolname = current_user""").fetchone()
-        if row is not None and not row[1]:
-            raise PermissionDenied(f"{action}: role {row[0]} is not the schema's owner, which {action} needs (it "
-                                   "reads schema_migrations and creates, drops or detaches partitions); run it as "
-                                   "the owner, the role that runs composer-ops migrate (docs/security.md)")
+        roles.require_owner(conn, action, "it reads schema_migrations and creates, drops or detaches partitions")
         return
-    row = conn.execute("SELECT current_user, has_table_privilege('operator_audit', 'INSERT')").fetchone()
+    row = conn.execute("SELECT current_user, has_any_column_privilege('operator_audit', 'INSERT')").fetchone()
     if row is not None and not row[1]:
         raise PermissionDenied(f"{action}: role {row[0]} may not write the operator audit (operator_audit); "
                                "run it as the operator role (the owner or composer_ops_engine)")

@@ -419,3 +419,20 @@ def test_a_failed_restore_leaves_no_partitions_and_its_archive_is_never_emptied(
                  db_url]) == 0
     assert main(drop) == 0
     assert _rows_archived(target / "202501") == archived
+
+
+def test_a_month_the_archive_directory_does_not_hold_is_bad_input(
+        db_url: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    _seeded(db_url)
+    with psycopg.connect(db_url) as conn:
+        archive.export_month(conn, "202501", tmp_path)
+    capsys.readouterr()
+    restore = ["partitions", "restore", "202503", "--from", str(tmp_path), "--database-url", db_url]
+    assert main(restore) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"no archive of month 202503 under {tmp_path}" in err, err
+    assert "it holds 202501" in err, err
+    (tmp_path / "202503").mkdir()                  # there, but partial: a damaged archive, exit 1
+    assert main(restore) == 1
+    assert "no manifest.json" in capsys.readouterr().err
+    assert _audit(db_url) == []

@@ -164,3 +164,41 @@ def test_drop_with_archive_counts_each_months_rows_once(
     assert main(["audit", "list", "--json", "--database-url", db_url]) == 0
     [command] = json.loads(capsys.readouterr().out)
     assert command["counts"]["partitions archive"]["rows"] == command["counts"]["partitions drop"]["rows"] == 12
+
+
+@pytest.mark.parametrize("column,value", [
+    ("at", "now() - interval '2 days'"),
+    ("login_role", "'composer_owner'"),
+    ("db_role", "'composer_owner'"),
+    ("client_addr", "'10.0.0.1'"),
+])
+def test_the_engine_role_cannot_forge_who_or_when(db_url: str, column: str, value: str) -> None:
+    """The engine role held INSERT on every column: a worker's login could write a row
+    dated days back and signed by the owner. It may write the columns the commands fill
+    in only; the database fills in when, who and from where."""
+    from tests.notebooks.harness import as_role
+
+    engine_url = as_role(db_url, "composer_ops_engine")
+    with psycopg.connect(engine_url) as conn, pytest.raises(psycopg.errors.InsufficientPrivilege):
+        conn.execute(f"INSERT INTO operator_audit (action, target, {column}) "
+                     f"VALUES ('partitions drop', '202607', {value})")
+    with psycopg.connect(engine_url) as conn:
+        conn.execute("INSERT INTO operator_audit (action, target, command) VALUES ('runs cancel', 'x', 'c')")
+        conn.commit()
+    [row] = _rows(db_url)
+    assert row["db_role"] == "composer_ops_engine" and row["login_role"] != "composer_owner"
+    with psycopg.connect(db_url) as conn:
+        assert conn.execute("SELECT now() - %s < interval '1 minute'", (row["at"],)).fetchone() == (True,)
+
+
+def test_the_engine_role_still_writes_its_operator_actions_audit(db_url: str,
+                                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    from tests.notebooks.harness import as_role
+
+    with Engine.connect(db_url, pool_size=1) as engine:
+        engine.deploy({"id": "audited", "nodes": [{"id": "a", "type": "TASK", "task": "t"}]})
+        engine.start("audited", input={})
+    argv = ["runs", "cancel", "--workflow", "audited", "--yes",
+            "--database-url", as_role(db_url, "composer_ops_engine")]
+    assert main(argv) == 0, capsys.readouterr().err
+    assert [(r["action"], r["db_role"]) for r in _rows(db_url)] == [("runs cancel", "composer_ops_engine")]

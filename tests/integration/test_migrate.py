@@ -296,3 +296,57 @@ def test_a_plain_file_numbered_like_a_citus_only_file_is_refused_in_both_modes(t
     for citus in (False, True):
         with pytest.raises(Invalid, match=f"share version {last + 1}; a file in sql/citus/ replaces"):
             discover(sql_dir, citus=citus)
+
+
+def test_a_migration_behind_a_long_reader_gives_up_within_its_lock_timeout(
+        db_url: str, caplog: pytest.LogCaptureFixture) -> None:
+    """A pending ALTER queued behind a reader's open transaction held every later statement
+    on the table (the engine's starts) for as long as the reader lasted. Each try waits
+    lock_timeout_s, then backs off; after the attempts it is refused naming the holder,
+    applying nothing, and meanwhile other sessions' statements on the table go through."""
+    import threading
+    import time
+
+    with psycopg.connect(db_url, autocommit=True) as conn:       # V018 pending again (it is idempotent)
+        conn.execute("DELETE FROM schema_migrations WHERE script LIKE 'V018%'")
+    reader = psycopg.connect(db_url, application_name="oncall-psql")
+    reader.execute("SELECT count(*) FROM task_outbox")           # in a transaction: ACCESS SHARE held
+    try:
+        waited: list[float] = []
+        stop = threading.Event()
+
+        def engine_reads() -> None:
+            with psycopg.connect(db_url, autocommit=True) as other:
+                while not stop.is_set():
+                    t0 = time.monotonic()
+                    other.execute("SELECT count(*) FROM task_outbox")
+                    waited.append(time.monotonic() - t0)
+                    time.sleep(0.02)
+
+        traffic = threading.Thread(target=engine_reads)
+        traffic.start()
+        started = time.monotonic()
+        try:
+            with pytest.raises(ComposerError) as refused:
+                migrate(db_url, lock_timeout_s=0.3, attempts=3)
+        finally:
+            stop.set()
+            traffic.join(30)
+        took = time.monotonic() - started
+        text = str(refused.value)
+        assert "V018__outbox_handed_to.sql: could not take its locks within 0.3s in 3 attempts" in text, text
+        assert f"pid {reader.info.backend_pid} (" in text and "oncall-psql" in text and "task_outbox" in text, text
+        assert took < 10.0, took                                   # 3 x 0.3 s plus backoff under 0.75 s
+        assert waited and max(waited) < 2.0, max(waited)           # never queued longer than a try
+        assert len([r for r in caplog.records if "a lock was busy" in r.getMessage()]) == 2
+        with psycopg.connect(db_url) as conn:
+            assert conn.execute("SELECT count(*) FROM schema_migrations WHERE script LIKE 'V018%'").fetchone() == (0,)
+    finally:
+        reader.close()
+    assert [m.filename for m in migrate(db_url, lock_timeout_s=0.3)][0] == "V018__outbox_handed_to.sql"
+
+
+@pytest.mark.parametrize(("kw", "match"), [({"lock_timeout_s": 0}, "lock timeout"), ({"attempts": 0}, "attempts")])
+def test_bad_lock_options_are_invalid(kw: dict[str, Any], match: str) -> None:
+    with pytest.raises(Invalid, match=match):
+        migrate("postgresql://nobody@/nowhere?host=/nonexistent", **kw)

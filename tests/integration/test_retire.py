@@ -246,3 +246,24 @@ def test_a_tilde_archive_directory_is_the_home_directory(
 
 def _drop_env(db_url: str, *extra: str) -> int:
     return main(["partitions", "drop", "--older-than", "2025-05-01", "--database-url", db_url, *extra])
+
+
+def test_detach_says_its_rows_are_an_estimate(db_url: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """Detach reports the plan's catalog estimate (counting would scan each month under the
+    locks that stop every writer): its line and its audit row say so, as they would
+    after the statistics were reset and the estimate fell to 0."""
+    _seeded(db_url)
+    with psycopg.connect(db_url, autocommit=True) as conn:
+        conn.execute("ANALYZE")
+        exact = conn.execute("SELECT count(*) FROM task_instances_p202501").fetchone()
+        conn.execute("SELECT pg_stat_reset_single_table_counters('task_instances_p202501'::regclass)")
+    assert main(["partitions", "detach", "--older-than", "2025-05-01", "--database-url", db_url, "--yes"]) == 3
+    out = capsys.readouterr().out
+    assert "detached 202501: about " in out, out
+    with psycopg.connect(db_url) as conn:
+        counts = conn.execute("""SELECT counts FROM operator_audit
+                                  WHERE action = 'partitions detach' AND target = '202501'""").fetchone()
+        assert exact == conn.execute("SELECT count(*) FROM composer_detached.task_instances_p202501").fetchone()
+    assert counts is not None and "rows" not in counts[0] and counts[0]["rows_estimated"] >= 0, counts
+    assert main(["audit", "list", "--database-url", db_url, "--action", "partitions detach"]) == 0
+    assert "rows_estimated" in capsys.readouterr().out

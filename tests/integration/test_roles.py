@@ -202,3 +202,52 @@ def test_the_partition_actions_refuse_a_role_that_is_not_the_owner_naming_the_ow
     assert f"role {ENGINE_ROLE} is not the schema's owner" in err and "run it as the owner" in err, err
     arch = tmp_path / "arch"
     assert err.count("\n") == 1 and not (arch.exists() and any(arch.iterdir())), err     # no file written
+
+
+@pytest.mark.parametrize(("role", "argv", "needs"), [
+    (ENGINE_ROLE, ["partitions", "drop", "--older-than", "1d", "--yes"], "is not the schema's owner"),
+    (READER_ROLE, ["partitions", "drop", "--older-than", "1d", "--yes"], "is not the schema's owner"),
+    (ENGINE_ROLE, ["migrate"], "is not the schema's owner"),
+    (READER_ROLE, ["partitions", "ensure", "--months-ahead", "3"], f"run it as the engine role ({ENGINE_ROLE})"),
+    (READER_ROLE, ["runs", "cancel", "--workflow", "wf", "--yes"], "may not write the operator audit"),
+    (ENGINE_ROLE, ["simulate", "--no-live", "--history-months", "2", "--runs-per-month", "5"],
+     "is not the schema's owner"),
+], ids=["drop-engine", "drop-reader", "migrate-engine", "ensure-reader", "cancel-reader", "simulate-engine"])
+def test_a_command_the_role_may_not_take_names_the_role_it_needs(
+        db_url: str, role: str, argv: list[str], needs: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """These failed on the server's bare `permission denied for table ...` (simulate after
+    deploying its definitions): each is refused first, in the one line the other
+    operator commands print, naming the role, with nothing changed."""
+    from composer_ops.cli import main
+
+    with psycopg.connect(db_url) as conn:
+        before = conn.execute("""SELECT (SELECT count(*) FROM workflow_definitions), (SELECT count(*) FROM pg_class),
+                                        (SELECT count(*) FROM operator_audit)""").fetchone()
+    assert main([*argv, "--database-url", as_role(db_url, role)]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"role {role} " in err and needs in err, err
+    assert "permission denied for" not in err, err
+    with psycopg.connect(db_url) as conn:
+        after = conn.execute("""SELECT (SELECT count(*) FROM workflow_definitions), (SELECT count(*) FROM pg_class),
+                                       (SELECT count(*) FROM operator_audit)""").fetchone()
+    assert after == before
+
+
+@pytest.mark.parametrize("once", [True, False], ids=["once", "loop"])
+def test_a_coordinator_with_retention_is_refused_at_start_unless_it_is_the_owner(
+        db_url: str, once: bool, capsys: pytest.CaptureFixture[str]) -> None:
+    """As the engine role, `coordinator --retention` started, then logged `permission denied
+    for table retention_drops` every pass, for ever: it is refused before it starts."""
+    from composer_ops.cli import main
+
+    argv = ["coordinator", "--retention", "5 months", "--database-url", as_role(db_url, ENGINE_ROLE)]
+    assert main([*argv, "--once"] if once else argv) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "coordinator --retention: role composer_ops_engine is not the schema's " \
+                                    "owner" in err, err
+    with Engine.connect(as_role(db_url, ENGINE_ROLE), pool_size=1) as engine:
+        with pytest.raises(PermissionDenied, match="is not the schema's owner"):
+            engine.coordinator(retention="5 months")
+        engine.coordinator()                           # without retention the engine role is enough
+    with Engine.connect(db_url, pool_size=1) as engine:
+        engine.coordinator(retention="5 months")       # the owner

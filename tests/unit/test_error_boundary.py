@@ -32,7 +32,7 @@ NOT_TRANSIENT: list[tuple[Exception, type[ComposerError]]] = [
     (pgerr.CheckViolation("no partition of relation \"workflow_runs\" found for row"), Invalid),
     (pgerr.InvalidTextRepresentation("invalid input syntax for type integer"), Invalid),
     (pgerr.QueryCanceled("canceling statement due to statement timeout"), Unavailable),
-    (PoolClosed("the pool 'x' is already closed"), Unavailable),
+    (PoolClosed("the pool 'x' is already closed"), ComposerError),
     (pgerr.InsufficientPrivilege("permission denied for table workflow_runs"), PermissionDenied),
     (pgerr.SyntaxError("syntax error at or near \"SELEC\""), ComposerError),
 ]
