@@ -144,7 +144,11 @@ def translate(exc: psycopg.Error) -> ComposerError:
     if isinstance(exc, PoolClosed):     # the caller's own close(), which no retry cures
         return ComposerError(f"{msg} (the engine or pool was closed by this process and cannot be used again)")
     if isinstance(exc, pgerr.InsufficientPrivilege):
-        return PermissionDenied(msg)
+        # Commands that check first name the role themselves (db/roles.py); any other
+        # refusal is the server's, which names the object but not the role it wants.
+        return PermissionDenied(f"{msg} (this session's role may not: changing runs, queues and schedules needs "
+                                "the engine role composer_ops_engine, partitions and migrations the owner; "
+                                "docs/security.md)")
     if isinstance(exc, pgerr.LockNotAvailable):
         return LockTimeout(f"{msg} (a transient database error; the request can be retried)")
     if is_transient(exc):

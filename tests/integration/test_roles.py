@@ -251,3 +251,32 @@ def test_a_coordinator_with_retention_is_refused_at_start_unless_it_is_the_owner
         engine.coordinator()                           # without retention the engine role is enough
     with Engine.connect(db_url, pool_size=1) as engine:
         engine.coordinator(retention="5 months")       # the owner
+
+
+@pytest.mark.parametrize("argv", [
+    ["start", "wf"],
+    ["signal", "{run}", "go"],
+    ["cancel", "{run}"],
+    ["runs", "retry", "{run}", "--yes"],
+    ["runs", "delete", "{run}", "--yes"],
+], ids=["start", "signal", "cancel", "retry", "delete"])
+def test_a_change_refused_to_the_reader_names_the_role_it_needs(
+        db_url: str, argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    """The commands that do not check the role first were refused with the server's bare
+    `permission denied for table ...`: the one line says which role would do, and nothing changed."""
+    from composer_ops.cli import main
+
+    with Engine.connect(db_url, pool_size=1) as engine:
+        engine.deploy({"id": "wf", "nodes": [{"id": "w", "type": "WAIT_FOR_SIGNAL", "signal": "go"}]})
+        run_id = engine.start("wf")
+    with psycopg.connect(db_url) as conn:
+        before = conn.execute("SELECT (SELECT count(*) FROM workflow_runs), (SELECT count(*) FROM run_history), "
+                              "(SELECT count(*) FROM operator_audit)").fetchone()
+    code = main([*(a.replace("{run}", run_id) for a in argv), "--database-url", as_role(db_url, READER_ROLE)])
+    err = capsys.readouterr().err
+    assert code == 1 and err.count("\n") == 1, (code, err)
+    assert "permission denied" in err and f"engine role {ENGINE_ROLE}" in err, err
+    with psycopg.connect(db_url) as conn:
+        after = conn.execute("SELECT (SELECT count(*) FROM workflow_runs), (SELECT count(*) FROM run_history), "
+                             "(SELECT count(*) FROM operator_audit)").fetchone()
+    assert after == before
