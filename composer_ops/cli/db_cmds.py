@@ -8,7 +8,8 @@ import sys
 
 from composer_ops.cli._common import EXIT_FAILED, EXIT_OK, above, add_command, at_least, env_option
 from composer_ops.db import embedded
-from composer_ops.db.migrate import LOCK_ATTEMPTS, LOCK_TIMEOUT_S, migrate, status
+from composer_ops.db.migrate import CHANGED, LOCK_ATTEMPTS, LOCK_TIMEOUT_S, migrate, status
+from composer_ops.errors import Invalid
 
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -21,7 +22,9 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     dsub.add_parser("stop", help="stop the embedded server")
 
     mig = add_command(sub, "migrate", cmd_migrate, help="apply pending sql/V*.sql migrations in order")
-    mig.add_argument("--status", action="store_true", help="list migrations and whether each is applied")
+    mig.add_argument("--status", action="store_true",
+                     help="list migrations: applied, pending, or changed after it was applied (exit 2: migrate "
+                          "refuses it)")
     mig.add_argument("--citus", action="store_true", default=os.environ.get("COMPOSER_CITUS") == "1",
                      help="require a Citus coordinator and apply its series (sql/citus/ too: the tables are "
                           "distributed by run ID); without it a database with the citus extension is still "
@@ -57,8 +60,13 @@ def cmd_db(args: argparse.Namespace) -> int:
 
 def cmd_migrate(args: argparse.Namespace) -> int:
     if args.status:
-        for mig, applied in status(args.database_url):
-            print(f"{'applied' if applied else 'pending'}  {mig.filename}")
+        found = status(args.database_url)
+        for mig, state in found:
+            print(f"{state}  {mig.filename}")
+        changed = [mig.filename for mig, state in found if state == CHANGED]
+        if changed:
+            raise Invalid(f"{', '.join(changed)} changed after it was applied; `composer-ops migrate` refuses it "
+                          "(add a new migration instead of editing an applied one)")
         return EXIT_OK
     done = migrate(args.database_url, on_apply=lambda m: print(f"applied {m.filename}", flush=True),
                    citus=True if args.citus else None, lock_timeout_s=args.lock_timeout, attempts=args.attempts)

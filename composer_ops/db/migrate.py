@@ -363,14 +363,25 @@ def _apply_repeatable(conn: psycopg.Connection[Any], repeatable: Sequence[Repeat
     return list(repeatable)
 
 
-def status(url: str | None = None, *, sql_dir: Traversable = SQL_DIR) -> list[tuple[Script, bool]]:
-    """Each file of the database's series (plain or Citus) and whether it is applied (a
-    repeatable file: applied as it is now); reads a running server only (it never
-    starts the embedded one)."""
+#: What :func:`status` says of a file: applied (a repeatable file: as it is now), pending,
+#: or changed (a versioned file edited after it was applied, which :func:`migrate` refuses).
+APPLIED, PENDING, CHANGED = "applied", "pending", "changed"
+
+
+def status(url: str | None = None, *, sql_dir: Traversable = SQL_DIR) -> list[tuple[Script, str]]:
+    """Each file of the database's series (plain or Citus) and its state
+    (:data:`APPLIED`, :data:`PENDING`, :data:`CHANGED`); reads a running server only (it
+    never starts the embedded one)."""
     with connect(url, application_name="composer-ops migrate") as conn:
         series = is_citus(conn)
         files = discover(sql_dir, citus=series)
         repeatable = discover_repeatable(sql_dir, citus=series)
         done, done_repeatable = _recorded(conn) or ({}, {})
-    return ([(m, m.version in done) for m in files]
-            + [(r, done_repeatable.get(r.key) == r.checksum) for r in repeatable])
+
+    def versioned(m: Migration) -> str:
+        if m.version not in done:
+            return PENDING
+        return APPLIED if done[m.version] in _accepted_checksums(m, sql_dir) else CHANGED
+
+    return ([(m, versioned(m)) for m in files]
+            + [(r, APPLIED if done_repeatable.get(r.key) == r.checksum else PENDING) for r in repeatable])

@@ -103,14 +103,14 @@ def retire_months(url: str | None, older_than: datetime | str | Cutoff, *, archi
             held = {month: _month_rows(conn, month) for month, named in copies.items() if named}
         plan, cutoff, due = judged.months, judged.cutoff, judged.due
         refused = [MonthRetired(month=m.month, outcome="refused", reason=m.reason, partitions=list(m.partitions),
-                                rows=m.rows) for m in misaligned(plan)]
+                                rows=m.rows, estimated=True) for m in misaligned(plan)]
         if not yes:
             return RetireResult(cutoff=cutoff, plan=plan, applied=False, months=_by_month(refused, [
                 MonthRetired(month=m.month, outcome="refused", reason=_copies_refused(copies[m.month]),
                              partitions=list(m.partitions), rows=held[m.month])
                 if copies.get(m.month) else
                 MonthRetired(month=m.month, outcome="would detach" if keep_table else "would drop",
-                             partitions=list(m.partitions), rows=m.rows,
+                             partitions=list(m.partitions), rows=m.rows, estimated=True,
                              archive=str(month_dir(archive_dir, m.month)) if archive_dir else None) for m in due]))
         done: list[MonthRetired] = []
         for month in due:

@@ -49,7 +49,7 @@ def test_migrate_distributes_the_run_tables_and_the_dispatch_rows_by_run_id_colo
     assert columns["task_outbox"] == columns["webhook_deliveries"] == "run_id"
     assert layout["queue_settings"][0] == "reference"
     assert layout["claim_node_fences"] == parents["workflow_runs"]     # a node's fences on its own shards
-    assert all(applied for _, applied in status(db_url))
+    assert all(state == "applied" for _, state in status(db_url))
     assert [m.filename for m, _ in status(db_url) if m.citus] == [
         "V002__distribute_by_run_id.sql", "V013__cached_worker_connections.sql", "V016__dispatch_on_run_nodes.sql",
         "V017__claim_node_fences.sql", "R__dispatch.sql", "R__child_deliveries.sql",

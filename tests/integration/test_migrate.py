@@ -136,7 +136,7 @@ def test_migrate_from_empty_equals_applying_the_files_by_hand(empty_db_url: str,
 
 def test_migrate_is_idempotent_and_reports_status(db_url: str) -> None:
     assert migrate(db_url) == []
-    assert all(applied for _, applied in status(db_url))
+    assert all(state == "applied" for _, state in status(db_url))
     assert [s.filename for s, _ in status(db_url)] == [s.filename for s in [*discover(), *discover_repeatable()]]
 
 
@@ -163,6 +163,26 @@ def test_an_edited_applied_file_is_refused(empty_db_url: str, tmp_path: Path) ->
     first.write_text(first.read_text() + "\n-- an innocent-looking edit\n")
     with pytest.raises(Invalid, match="V001__init.sql was changed after it was applied"):
         migrate(empty_db_url, sql_dir=sql_dir)
+    # `migrate --status`, the upgrade's first step, says so before migrate is tried
+    states = {script.filename: state for script, state in status(empty_db_url, sql_dir=sql_dir)}
+    assert states[first.name] == "changed" and {s for f, s in states.items() if f != first.name} == {"applied"}
+
+
+def test_migrate_status_exits_2_naming_a_file_edited_after_it_was_applied(
+        empty_db_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    from composer_ops.cli import main
+    from composer_ops.db import migrate as migrate_module
+
+    sql_dir = _copy_migrations(tmp_path / "sql")
+    migrate(empty_db_url, sql_dir=sql_dir)
+    first = sorted(sql_dir.glob("V001__*.sql"))[0]
+    first.write_text(first.read_text() + "\n-- an innocent-looking edit\n")
+    monkeypatch.setattr(migrate_module, "SQL_DIR", sql_dir)
+    monkeypatch.setattr(migrate_module.status, "__kwdefaults__", {"sql_dir": sql_dir})
+    assert main(["migrate", "--status", "--database-url", empty_db_url]) == 2
+    out, err = capsys.readouterr()
+    assert f"changed  {first.name}" in out and "pending" not in out, out
+    assert err.count("\n") == 1 and f"{first.name} changed after it was applied" in err, err
 
 
 def _body(url: str, function: str) -> str:
@@ -183,7 +203,7 @@ def test_an_edited_repeatable_file_is_applied_again_and_the_catalogs_tell(
         r.filename for r in discover_repeatable(sql_dir)]
     assert "RETURN removed;  -- edited" in _body(empty_db_url, "composer_reset_tasks")
     assert migrate(empty_db_url, sql_dir=sql_dir) == []
-    assert all(applied for _, applied in status(empty_db_url, sql_dir=sql_dir))
+    assert all(state == "applied" for _, state in status(empty_db_url, sql_dir=sql_dir))
     # The snapshot compares whole function definitions: one edited line is a difference.
     diff = differences(snapshot(empty_db_url), snapshot(fresh_url))
     assert list(diff) == ["function"]

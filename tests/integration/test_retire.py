@@ -257,6 +257,9 @@ def test_detach_says_its_rows_are_an_estimate(db_url: str, capsys: pytest.Captur
         conn.execute("ANALYZE")
         exact = conn.execute("SELECT count(*) FROM task_instances_p202501").fetchone()
         conn.execute("SELECT pg_stat_reset_single_table_counters('task_instances_p202501'::regclass)")
+    assert main(["partitions", "detach", "--older-than", "2025-05-01", "--database-url", db_url]) == 3
+    out = capsys.readouterr().out
+    assert "would detach 202501: about " in out, out          # the dry run says so too
     assert main(["partitions", "detach", "--older-than", "2025-05-01", "--database-url", db_url, "--yes"]) == 3
     out = capsys.readouterr().out
     assert "detached 202501: about " in out, out
