@@ -1,8 +1,9 @@
 """The ``composer-ops`` command line.
 
-Every option can also be set through the ``COMPOSER_*`` variable shown in --help.
-Errors are one line on stderr (a traceback only with --debug); exit codes are 0 ok,
-1 operation failed, 2 bad input.
+Every setting (the database URL, thresholds, timeouts, limits, directories) can also
+be set through the ``COMPOSER_*`` variable its --help shows. Errors are one line on
+stderr (a traceback only with --debug); exit codes are 0 ok, 1 operation failed, 2 bad
+input, 3 retention blocked (``partitions drop``).
 """
 
 from __future__ import annotations

@@ -110,8 +110,8 @@ def register(psub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg
                     "month's partitions where they are missing and COPY every table back in one transaction, "
                     "which checks the rows against the manifest and writes an audit row (when it fails, the "
                     "partitions it created are dropped again). A month whose "
-                    "partitions hold rows is refused, and so, before anything is written, is an archive whose "
-                    "runs are of a definition version the database does not hold (exit 2). Exit 0 restored "
+                    "partitions hold rows is refused (exit 1), and so, before anything is written, is an archive "
+                    "whose runs are of a definition version the database does not hold (exit 2). Exit 0 restored "
                     "(or would restore), 1 the archive is bad or the restore failed, 2 bad input.")
     rst.add_argument("month", metavar="MONTH", help="the month to restore, YYYYMM")
     env_option(rst, "--from", dest="source", env="COMPOSER_ARCHIVE_DIR", metavar="DIR",

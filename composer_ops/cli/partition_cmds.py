@@ -72,7 +72,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
 def add_months_ahead_option(parser: argparse.ArgumentParser, help: str) -> None:
     """``--months-ahead``: how many partition months are kept beyond the current one."""
     env_option(parser, "--months-ahead", env="COMPOSER_MONTHS_AHEAD", type=int, default=3, accepts=at_least(0),
-               help=help)
+               metavar_default="3", help=help)
 
 
 def cmd_list(args: argparse.Namespace) -> int:

@@ -19,7 +19,8 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     qp = sub.add_parser("queues", help="queues: depth, running, paused, limits; pause, resume, set a limit")
     qsub = qp.add_subparsers(dest="queues_command", required=True, metavar="{list,pause,resume,set-limit}")
     lst = add_command(qsub, "list", cmd_queues_list, database="reads",
-                      help="every queue: paused (why, for how long), max running, depth, oldest ready, running",
+                      help="every queue: paused (why, for how long), limit (max running), running, depth, "
+                           "ready, oldest ready",
                       description="Every queue with a setting, a dispatch waiting or a task RUNNING, judged by the "
                                   "database clock. Exit 0 whatever their state.")
     add_json_option(lst)
@@ -58,7 +59,7 @@ def cmd_queues_list(args: argparse.Namespace) -> int:
         print("no queue has a setting, a waiting dispatch or a running task")
         return EXIT_OK
     width = max(5, *(len(r.queue) for r in rows))
-    print(f"{'queue':<{width}}  {'state':<8} {'max':>6} {'running':>7} {'depth':>7} {'ready':>7} "
+    print(f"{'queue':<{width}}  {'state':<8} {'limit':>6} {'running':>7} {'depth':>7} {'ready':>7} "
           f"{'oldest ready':>12}  paused for / reason")
     for r in rows:
         since = f"{r.paused_s:.0f}s" if r.paused_s is not None else ""

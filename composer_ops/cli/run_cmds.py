@@ -87,7 +87,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
                "the secret is read from the environment only, never from the command line.")
     coord.add_argument("--once", action="store_true", help="one pass of every loop, then exit")
     env_option(coord, "--interval", env="COMPOSER_COORDINATOR_INTERVAL", type=float, default=0.5,
-               accepts=above(0), help="seconds between passes when idle")
+               accepts=above(0), metavar_default="0.5", help="seconds between passes when idle")
     add_months_ahead_option(coord, "partition months kept ahead")
     env_option(coord, "--webhook-connect-timeout", env="COMPOSER_WEBHOOK_CONNECT_TIMEOUT_S", type=float,
                default=3.0, help="seconds to connect to a webhook endpoint")
@@ -99,7 +99,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
                accepts=at_least(0), metavar_default="7",
                help="days a delivered (or given up) webhook delivery is kept before the coordinator deletes it")
     env_option(coord, "--event-lock-wait", env="COMPOSER_COORDINATOR_EVENT_LOCK_WAIT_S", type=float, default=1.0,
-               accepts=above(0), metavar="SECONDS",
+               accepts=above(0), metavar="SECONDS", metavar_default="1",
                help="seconds a timer or lease event waits for a lock of its run before it is backed off and the "
                     "pass goes on (a run locked by a transaction left open or, on Citus, left prepared by a "
                     "crashed node)")
@@ -131,13 +131,13 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
 
 def add_connect_wait_option(parser: argparse.ArgumentParser) -> None:
     env_option(parser, "--connect-wait", env="COMPOSER_CONNECT_WAIT_S", type=float, default=60.0, metavar="SECONDS",
-               help="seconds to wait at start-up for a database that is down, starting or shutting down "
+               metavar_default="60", help="seconds to wait at start-up for a database that is down, starting or shutting down "
                     "(0: exit at once); a bad password or database name exits at once either way")
 
 
 def add_shutdown_timeout_option(parser: argparse.ArgumentParser, what: str) -> None:
     env_option(parser, "--shutdown-timeout", env="COMPOSER_SHUTDOWN_TIMEOUT", type=float,
-               default=DEFAULT_SHUTDOWN_TIMEOUT_S,
+               default=DEFAULT_SHUTDOWN_TIMEOUT_S, metavar_default=f"{DEFAULT_SHUTDOWN_TIMEOUT_S:g}",
                metavar="SECONDS", help=f"on SIGTERM or SIGINT, stop taking work and wait at most SECONDS {what}")
 
 

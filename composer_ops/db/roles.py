@@ -22,12 +22,14 @@ def require_owner(conn: Any, what: str, why: str) -> None:
     schema's owner (it may use the role owning ``schema_migrations``) or a superuser. A
     database with no ``schema_migrations`` yet passes: its first ``migrate`` makes the owner."""
     row = conn.execute("""
-        SELECT current_user::text, r.rolsuper OR pg_has_role(current_user, c.relowner, 'USAGE')
+        SELECT current_user::text, r.rolsuper OR pg_has_role(current_user, c.relowner, 'USAGE'),
+               pg_get_userbyid(c.relowner)::text
           FROM pg_class c, pg_roles r
          WHERE c.oid = to_regclass('schema_migrations') AND r.rolname = current_user""").fetchone()
     if row is not None and not row[1]:
         raise PermissionDenied(f"{what}: role {row[0]} is not the schema's owner, which {what} needs ({why}); "
-                               "run it as the owner, the role that runs composer-ops migrate (docs/security.md)")
+                               f"run it as the owner, {row[2]}, the role that runs composer-ops migrate "
+                               "(docs/security.md)")
 
 
 def require_engine(conn: Any, what: str, privilege: str, on: str) -> None:

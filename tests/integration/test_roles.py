@@ -199,7 +199,8 @@ def test_the_partition_actions_refuse_a_role_that_is_not_the_owner_naming_the_ow
     args = [a.replace("{dir}", str(tmp_path / "arch")) for a in argv]
     assert main([*args, "--database-url", as_role(db_url, ENGINE_ROLE)]) == 1
     err = capsys.readouterr().err
-    assert f"role {ENGINE_ROLE} is not the schema's owner" in err and "run it as the owner" in err, err
+    assert f"role {ENGINE_ROLE} is not the schema's owner" in err, err
+    assert f"run it as the owner, {owner_name(db_url)}, " in err, err         # named: who to run it as
     arch = tmp_path / "arch"
     assert err.count("\n") == 1 and not (arch.exists() and any(arch.iterdir())), err     # no file written
 
