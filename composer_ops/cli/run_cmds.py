@@ -131,7 +131,8 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
 
 def add_connect_wait_option(parser: argparse.ArgumentParser) -> None:
     env_option(parser, "--connect-wait", env="COMPOSER_CONNECT_WAIT_S", type=float, default=60.0, metavar="SECONDS",
-               metavar_default="60", help="seconds to wait at start-up for a database that is down, starting or shutting down "
+               metavar_default="60",
+               help="seconds to wait at start-up for a database that is down, starting or shutting down "
                     "(0: exit at once); a bad password or database name exits at once either way")
 
 
