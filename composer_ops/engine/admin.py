@@ -184,9 +184,15 @@ def cancel_runs(shell: Shell, chosen: Selection, *, reason: str, yes: bool, acto
             resolved, found = _selected(shell.pool, active, limit=DRY_RUN_LIST + 1, oldest_first=True)
             return CancelResult(selection=resolved, applied=False, would_cancel=[r.id for r in found[:DRY_RUN_LIST]],
                                 more=len(found) > DRY_RUN_LIST, decided=False)
-    with shell.pool.connection() as conn:
-        audit.require_record(conn, "runs cancel")     # a reader: one line naming the role, before any lock
+    _require_record(shell.pool, "runs cancel")     # a reader: one line naming the role, before any lock
     return _cancel_chunks(shell, active, reason, True, actor, chunk, on_chunk, request, on_total)
+
+
+@db_retry()
+def _require_record(pool: TranslatingPool, action: str) -> None:
+    """:func:`audit.require_record` on a connection of its own, retried as any read is."""
+    with pool.connection() as conn:
+        audit.require_record(conn, action)
 
 
 def _cancel_chunks(shell: Shell, active: Selection, reason: str, yes: bool, actor: Actor | None, chunk: int,
