@@ -89,11 +89,10 @@ def cmd_list(args: argparse.Namespace) -> int:
 
 
 def cmd_ensure(args: argparse.Namespace) -> int:
-    from composer_ops.db.roles import require_engine
+    from composer_ops.db.roles import check_first, require_engine
 
     with open_engine(args) as engine:
-        with engine.pool.connection() as conn:
-            require_engine(conn, "partitions ensure", "EXECUTE", "composer_ensure_partitions(integer)")
+        check_first(engine.pool, require_engine, "partitions ensure", "EXECUTE", "composer_ensure_partitions(integer)")
         created = engine.ensure_partitions(args.months_ahead)
     print(f"created {created} partitions")
     return EXIT_OK

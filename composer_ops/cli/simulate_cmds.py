@@ -131,7 +131,7 @@ def _progress(console: Any, enabled: bool) -> Any:
 
 def _run(args: argparse.Namespace, behaviour: Any, console: Any) -> int:
     from composer_ops.core.spec import parse_spec
-    from composer_ops.db.roles import require_owner
+    from composer_ops.db.roles import check_first, require_owner
     from composer_ops.engine import Engine
     from composer_ops.repo import simulator
     from composer_ops.simulate import summary
@@ -141,8 +141,8 @@ def _run(args: argparse.Namespace, behaviour: Any, console: Any) -> int:
 
     with Engine.connect(args.database_url, pool_size=4, application_name="composer-ops simulate") as engine:
         if args.history_months:     # refused before a definition is deployed, not after
-            with engine.pool.connection() as conn:
-                require_owner(conn, "simulate --history-months", "it creates the past months' partitions")
+            check_first(engine.pool, require_owner, "simulate --history-months",
+                        "it creates the past months' partitions")
         deployed = deploy_definitions(engine, args.time_scale)
         console.print("definitions: " + ", ".join(
             f"{wf} v{version}" + ("" if new else " (unchanged)") for wf, (version, new) in deployed.items()))

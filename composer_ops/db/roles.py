@@ -10,11 +10,23 @@ what the engine role (or the owner) may do and the reader may not.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
+from composer_ops.db.retry import db_retry
 from composer_ops.errors import PermissionDenied
 
 ENGINE_ROLE = "composer_ops_engine"
+
+
+@db_retry()
+def check_first(pool: Any, check: Callable[..., None], *args: Any) -> None:
+    """``check(conn, *args)`` (:func:`require_owner`, :func:`require_engine`, the audit's
+    ``require_record``) on a connection of its own from ``pool``, before the command opens
+    its transaction: retried on a transient error as any read is, so a connection cut
+    there fails nothing."""
+    with pool.connection() as conn:
+        check(conn, *args)
 
 
 def require_owner(conn: Any, what: str, why: str) -> None:

@@ -28,6 +28,7 @@ from composer_ops.core.filters import RunFilter
 from composer_ops.core.model import ACTIVE_RUN_STATUSES, CancelRun, RetryRun, RunStatus, TaskState
 from composer_ops.core.rerun import child_left_to_parent
 from composer_ops.core.selection import Selection, check_limit
+from composer_ops.db import roles
 from composer_ops.db.errors import TranslatingPool
 from composer_ops.db.retry import db_retry
 from composer_ops.engine.requests import Request
@@ -184,15 +185,9 @@ def cancel_runs(shell: Shell, chosen: Selection, *, reason: str, yes: bool, acto
             resolved, found = _selected(shell.pool, active, limit=DRY_RUN_LIST + 1, oldest_first=True)
             return CancelResult(selection=resolved, applied=False, would_cancel=[r.id for r in found[:DRY_RUN_LIST]],
                                 more=len(found) > DRY_RUN_LIST, decided=False)
-    _require_record(shell.pool, "runs cancel")     # a reader: one line naming the role, before any lock
+    # a reader: one line naming the role, before any lock
+    roles.check_first(shell.pool, audit.require_record, "runs cancel")
     return _cancel_chunks(shell, active, reason, True, actor, chunk, on_chunk, request, on_total)
-
-
-@db_retry()
-def _require_record(pool: TranslatingPool, action: str) -> None:
-    """:func:`audit.require_record` on a connection of its own, retried as any read is."""
-    with pool.connection() as conn:
-        audit.require_record(conn, action)
 
 
 def _cancel_chunks(shell: Shell, active: Selection, reason: str, yes: bool, actor: Actor | None, chunk: int,

@@ -126,8 +126,8 @@ class Coordinator:
         self.retention_every_s = retention_every_s
         if self.retention is not None:
             # Refused now, in one line, rather than a warning each retention pass for ever.
-            with engine.pool.connection() as conn:
-                roles.require_owner(conn, "coordinator --retention", "its retention drops partitions")
+            roles.check_first(engine.pool, roles.require_owner, "coordinator --retention",
+                              "its retention drops partitions")
         if webhook_keep_days is not None and not webhook_keep_days >= 0:
             raise Invalid(f"webhook_keep_days must be 0 or more days (or None: keep for ever), got {webhook_keep_days}")
         self.webhook_keep_days = webhook_keep_days
