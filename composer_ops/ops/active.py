@@ -132,6 +132,30 @@ def long_waits(source: Source = None, *, older_than_s: float = 86400, limit: int
     }), total
 
 
+#: Columns of :func:`definition_mismatches`; ``node_id`` is null on a run's own row.
+DEFINITION_MISMATCH_SCHEMA = {
+    "run_id": pl.String, "workflow_id": pl.String, "workflow_version": pl.Int64, "status": pl.String,
+    "node_id": pl.String, "node_type": pl.String, "tasks": pl.Int64, "states": pl.String,
+    "oldest_created_at": UTC_TS, "oldest_age_s": pl.Float64,
+}
+
+
+def definition_mismatches(source: Source = None, *, limit: int = 50) -> tuple[pl.DataFrame, int]:
+    """Active work its run's definition does not explain, oldest first (at most ``limit``
+    rows), and how many rows there are in all: a run with active tasks whose definition
+    version row is missing (one row, ``node_id`` null), and a run's active tasks for a
+    node its definition version does not have (one row per node; a MAP node's items count
+    as its tasks). :func:`composer_ops.ops.anomalies.definitions` turns them into anomalies.
+    Only active rows are read (the partial index), so a run with no active task is not
+    listed here: the run investigation flags it."""
+    if limit < 1:
+        raise Invalid(f"limit must be 1 or more, got {limit}")
+    with connection(source) as conn:
+        rows = analytics.definition_mismatches(conn, limit)
+    total = int(rows[0][-1]) if rows else 0
+    return rows_frame([r[:-1] for r in rows], DEFINITION_MISMATCH_SCHEMA), total
+
+
 def queue_overview(source: Source = None) -> pl.DataFrame:
     """Every queue with a setting, a dispatch or a RUNNING task: paused (why, since when,
     for how long), its limit (``max_running``, 0: none) and whether it is at it, the

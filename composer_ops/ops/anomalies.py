@@ -59,21 +59,48 @@ def partitions(inventory: pl.DataFrame) -> list[Anomaly]:
     return out
 
 
+def _missing_version(run_id: str | None, workflow: str | None, version: int | None, seen: str = "",
+                     action: str = "restore that version's definition row (its spec_json) or cancel the run",
+                     ) -> Anomaly:
+    return Anomaly(
+        kind="definition version missing", subject=_where(run_id),
+        detail=f"the run started on {workflow} v{version}, which is not in workflow_definitions{seen}: "
+               "the coordinator cannot load it to decide the next step",
+        action=action)
+
+
+def _unknown_node(run_id: str | None, node: str | None, workflow: str | None, version: int | None,
+                  seen: str = "", action: str = "compare the definition version with the code that deployed it; "
+                                                 "the graph shows the node apart") -> Anomaly:
+    return Anomaly(
+        kind="task for a node not in its definition", subject=_where(run_id, node),
+        detail=f"{workflow} v{version} has no node {node!r}{seen}: the task was written by other code or "
+               "the definition row was changed after the run started",
+        action=action)
+
+
 def run(spec_found: bool, workflow: str, version: int, unknown_nodes: list[str], run_id: str) -> list[Anomaly]:
     """A run whose definition version is missing, and tasks for nodes its definition lacks."""
+    out = [] if spec_found else [_missing_version(run_id, workflow, version)]
+    return out + [_unknown_node(run_id, node, workflow, version) for node in unknown_nodes]
+
+
+def definitions(mismatches: pl.DataFrame) -> list[Anomaly]:
+    """Active runs whose definition version is missing, and active tasks for nodes their
+    run's definition lacks (from :func:`composer_ops.ops.active.definition_mismatches`:
+    a row without ``node_id`` is the run's own)."""
     out = []
-    if not spec_found:
-        out.append(Anomaly(
-            kind="definition version missing", subject=_where(run_id),
-            detail=f"the run started on {workflow} v{version}, which is not in workflow_definitions: "
-                   "the coordinator cannot load it to decide the next step",
-            action="restore that version's definition row (its spec_json) or cancel the run"))
-    for node in unknown_nodes:
-        out.append(Anomaly(
-            kind="task for a node not in its definition", subject=_where(run_id, node),
-            detail=f"{workflow} v{version} has no node {node!r}: the task was written by other code or "
-                   "the definition row was changed after the run started",
-            action="compare the definition version with the code that deployed it; the graph shows the node apart"))
+    for run_id, workflow, version, status, node, tasks, states in mismatches.select(
+            "run_id", "workflow_id", "workflow_version", "status", "node_id", "tasks", "states").iter_rows():
+        seen = f" ({tasks} active task{'' if tasks == 1 else 's'}: {states}; run {status})"
+        if node is None:
+            out.append(_missing_version(run_id, workflow, version, seen,
+                                        "open it with run_investigation; restore that version's definition row "
+                                        "(its spec_json) or cancel the run (composer-ops cancel RUN)"))
+        else:
+            out.append(_unknown_node(run_id, node, workflow, version, seen,
+                                     "open it with run_investigation (the graph shows the node apart); compare the "
+                                     "definition version with the code that deployed it, or cancel the run"))
     return out
 
 

@@ -141,6 +141,34 @@ LONG_WAITS_SQL = """
 """
 
 
+# Active tasks their run's definition does not explain: the run's definition version row
+# is missing (one row per run, node_id NULL), or it has no node of the task's node_id (one
+# row per run and node: a MAP node's items count as its tasks). The active-state predicate
+# picks the rows through the partial index; each one's run and definition are read by key.
+# A spec node's id is matched by containment, as definition_graph reads it ("nodes": [{"id"}]).
+# An active task whose run row is gone is not listed (the inner join).
+DEFINITION_MISMATCHES_SQL = f"""
+    WITH odd AS MATERIALIZED (
+        SELECT t.run_id, r.workflow_definition_id AS workflow_id, r.workflow_version, r.status,
+               CASE WHEN d.id IS NOT NULL THEN t.node_id END AS node_id, t.node_type, t.state, t.created_at
+          FROM task_instances t
+          JOIN workflow_runs r ON r.id = t.run_id
+          LEFT JOIN workflow_definitions d ON d.id = r.workflow_definition_id AND d.version = r.workflow_version
+         WHERE t.state IN {ACTIVE_SQL}
+           AND (d.id IS NULL OR NOT COALESCE(
+                    d.spec_json -> 'nodes' @> jsonb_build_array(jsonb_build_object('id', t.node_id)), false)))
+    SELECT run_id, workflow_id, workflow_version, status, node_id,
+           CASE WHEN node_id IS NOT NULL THEN min(node_type) END AS node_type, count(*) AS tasks,
+           string_agg(DISTINCT state, ', ' ORDER BY state) AS states, min(created_at) AS oldest_created_at,
+           extract(epoch FROM %(now)s::timestamptz - min(created_at))::float8 AS oldest_age_s,
+           count(*) OVER () AS total
+      FROM odd
+     GROUP BY run_id, workflow_id, workflow_version, status, node_id
+     ORDER BY min(created_at), run_id, node_id NULLS FIRST
+     LIMIT %(limit)s
+"""
+
+
 def active_tasks(conn: Conn, limit: int) -> list[Row]:
     """The ``limit`` oldest active tasks: run_id, task_id, node_id, node_type, queue,
     state, attempt, created_at, updated_at, wake_at, signal_name, age_s."""
@@ -175,6 +203,14 @@ def long_waits(conn: Conn, older_than_s: float, limit: int) -> list[Row]:
     oldest first: run_id, task_id, node_id, signal_name, created_at, waiting_s, and
     total (how many there are in all, whatever ``limit``)."""
     return _rows(conn, LONG_WAITS_SQL, {"older_than_s": older_than_s, "limit": limit})
+
+
+def definition_mismatches(conn: Conn, limit: int) -> list[Row]:
+    """Active runs whose definition version is missing (node_id NULL) and active tasks
+    for nodes their run's definition lacks, oldest first: run_id, workflow_id,
+    workflow_version, status, node_id, node_type, tasks, states, oldest_created_at,
+    oldest_age_s, and total (how many rows there are in all, whatever ``limit``)."""
+    return _rows(conn, DEFINITION_MISMATCHES_SQL, {"limit": limit})
 
 
 def map_items(conn: Conn) -> list[Row]:

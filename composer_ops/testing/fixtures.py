@@ -252,6 +252,32 @@ def _odd(s: _Seeder) -> None:
     s.conn.execute("UPDATE workflow_runs SET workflow_version = 3 WHERE id = %s", (s.runs["H12"],))
 
 
+def odd_definitions(conn: psycopg.Connection[Any], info: SeedInfo) -> None:
+    """On top of :func:`seed` (does not commit): active work its definition does not
+    explain, as hand edits in SQL leave it. nightly-report v1 loses its node extract_a
+    (L6's PENDING and L7's RUNNING extract_a are then for a node not in their definition),
+    and L8 (RUNNING, its charge PENDING) names order-fulfilment v9, which does not exist.
+    Every count of the active work is unchanged (:func:`odd_definitions_figures`)."""
+    conn.execute("""UPDATE workflow_definitions
+                       SET spec_json = jsonb_set(spec_json, '{nodes}',
+                                                 (SELECT jsonb_agg(n) FROM jsonb_array_elements(spec_json -> 'nodes') n
+                                                   WHERE n ->> 'id' <> 'extract_a'))
+                     WHERE id = 'nightly-report' AND version = 1""")
+    conn.execute("UPDATE workflow_runs SET workflow_version = 9 WHERE id = %s", (info.runs["L8"],))
+
+
+def odd_definitions_figures(info: SeedInfo) -> dict[str, Any]:
+    """The active_tasks figures for :func:`seed` then :func:`odd_definitions`: the seed's,
+    with L7's and L6's extract_a and the run L8 flagged (three rows, oldest first)."""
+    runs = info.runs
+    return {**expected_figures(info)["active_tasks"], "definition_mismatches": 3, "anomalies": sorted([
+        f"RUNNING without a lease: run {runs['L9']}, node charge",
+        f"task for a node not in its definition: run {runs['L6']}, node extract_a",
+        f"task for a node not in its definition: run {runs['L7']}, node extract_a",
+        f"definition version missing: run {runs['L8']}",
+    ])}
+
+
 def _at(month: str, day: int, hour: int = 12) -> datetime:
     return month_start(month).replace(day=day, hour=hour)
 
@@ -465,6 +491,9 @@ def expected_figures(info: SeedInfo) -> dict[str, dict[str, Any]]:
             "outbox": {"payments": {"rows": 3, "ready": 3, "delayed": 0},
                        "reports": {"rows": 2, "ready": 1, "delayed": 1}},
             "long_waits": [[runs["H6"], "delivered", "delivered"]], "long_waits_total": 1,
+            # Every active task's node is in its run's definition (H12's missing v3 has no active
+            # task: run_investigation flags it; odd_definitions adds some).
+            "definition_mismatches": 0,
             "anomalies": no_lease, "self_checks_failed": [],
         },
         "lease_expiries": {

@@ -77,3 +77,20 @@ def test_ages_of_one_report_are_judged_against_one_instant(db_url: str, started:
 def test_a_run_is_shown_in_its_partition_not_its_shard(db_url: str, started: list[str]) -> None:
     story = ops.run_story(db_url, started[0])
     assert story.run["partition"][0] == partitions.runs_partition(started[0])
+
+
+def test_active_work_its_definition_does_not_explain_is_found_over_every_shard(
+        db_url: str, started: list[str]) -> None:
+    # Hand edits: the definition loses its node, and one run names a version that does not exist.
+    with psycopg.connect(db_url) as conn:
+        conn.execute("UPDATE workflow_definitions SET spec_json = jsonb_set(spec_json, '{nodes}', '[]') "
+                     "WHERE id = 'one'")
+        conn.execute("UPDATE workflow_runs SET workflow_version = 9 WHERE id = %s", (started[0],))
+    found, total = ops.definition_mismatches(db_url, limit=RUNS)
+    assert total == RUNS and found.height == RUNS
+    missing = found.filter(pl.col("node_id").is_null())
+    assert missing["run_id"].to_list() == [started[0]] and missing["workflow_version"][0] == 9
+    assert set(found.filter(pl.col("node_id") == "a")["run_id"].to_list()) == set(started[1:])
+    assert found["oldest_age_s"].is_sorted(descending=True)
+    first, total = ops.definition_mismatches(db_url, limit=5)
+    assert total == RUNS and first.drop("oldest_age_s").rows() == found.head(5).drop("oldest_age_s").rows()

@@ -144,6 +144,49 @@ def test_long_waits_are_wait_for_event_nodes_without_a_timeout(session: tuple[ps
         ops.long_waits(conn, older_than_s=-1)
 
 
+def test_definition_mismatches_flag_active_work_its_definition_does_not_explain(
+        session: tuple[psycopg.Connection[Any], Any]) -> None:
+    conn, info = session
+    runs = info.runs
+    # The seed's own odd definitions have no active task: H9's legacy_audit is COMPLETED and
+    # H12 (v3 missing) has no task at all.
+    found, total = ops.definition_mismatches(conn)
+    assert total == 0 and found.is_empty() and found.columns[0] == "run_id"
+    fixtures.odd_definitions(conn, info)
+    found, total = ops.definition_mismatches(conn)
+    assert total == 3
+    assert found.select("run_id", "workflow_id", "workflow_version", "status", "node_id", "node_type", "tasks",
+                        "states").rows() == [
+        (runs["L7"], "nightly-report", 1, "RUNNING", "extract_a", "TASK", 1, "RUNNING"),    # 2 days old
+        (runs["L6"], "nightly-report", 1, "RUNNING", "extract_a", "TASK", 1, "PENDING"),    # 1800 s
+        (runs["L8"], "order-fulfilment", 9, "RUNNING", None, None, 1, "PENDING"),           # 700 s, its charge
+    ]
+    assert found["oldest_age_s"].to_list() == [2 * 86400.0, 1800.0, 700.0]
+    # Bounded: the oldest rows, with the total of them all.
+    first, total = ops.definition_mismatches(conn, limit=2)
+    assert total == 3 and first["run_id"].to_list() == [runs["L7"], runs["L6"]]
+    flagged = anomalies.definitions(found)
+    assert [(a.kind, a.subject) for a in flagged] == [
+        ("task for a node not in its definition", f"run {runs['L7']}, node extract_a"),
+        ("task for a node not in its definition", f"run {runs['L6']}, node extract_a"),
+        ("definition version missing", f"run {runs['L8']}"),
+    ]
+    assert "order-fulfilment v9" in flagged[2].detail and "1 active task: PENDING; run RUNNING" in flagged[2].detail
+    with pytest.raises(Invalid):
+        ops.definition_mismatches(conn, limit=0)
+
+
+def test_a_map_node_not_in_its_definition_is_one_row_with_its_items(
+        session: tuple[psycopg.Connection[Any], Any]) -> None:
+    conn, info = session
+    # M1's MAP node and its three active items, after charge_all is removed from charge-all v1.
+    conn.execute("""UPDATE workflow_definitions SET spec_json = jsonb_set(spec_json, '{nodes}', '[]')
+                     WHERE id = 'charge-all'""")
+    found, total = ops.definition_mismatches(conn)
+    assert total == 1 and found.select("run_id", "node_id", "node_type", "tasks", "states").rows() == [
+        (info.runs["M1"], "charge_all", "MAP", 4, "PENDING, RUNNING, WAITING")]
+
+
 def test_an_empty_database_gives_empty_well_typed_frames(conn: psycopg.Connection[Any]) -> None:
     assert ops.active_by_group(conn).is_empty() and ops.map_items(conn).is_empty()
     assert ops.age_histogram(conn)["tasks"].sum() == 0

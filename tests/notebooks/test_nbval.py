@@ -8,6 +8,7 @@ import re
 import shutil
 from pathlib import Path
 
+import psycopg
 import pytest
 
 from composer_ops import reports
@@ -75,6 +76,41 @@ def test_nbval_checks_run_investigation_on_the_map_and_sub_workflow_runs(db_url:
     output = "\n".join(r.stdout + r.stderr for r in results)
     assert [r.returncode for r in results] == [0, 0], output[-4000:]
     assert sum(passed_count(r.stdout) for r in results) == sum(code_cells(p) for p in books), output[-2000:]
+
+
+# Two deliberate bugs in the definition check, each caught only by the seed's exact figures:
+# the run whose version is missing read as a task for an unknown node, and the total counted
+# wrong.
+ODD_BREAKS = {
+    "kind": "import composer_ops.repo.analytics as _a\n"
+            "_a.DEFINITION_MISMATCHES_SQL = _a.DEFINITION_MISMATCHES_SQL.replace("
+            "'CASE WHEN d.id IS NOT NULL THEN t.node_id END', 't.node_id')\n",
+    "count": "import composer_ops.repo.analytics as _a\n"
+             "_a.DEFINITION_MISMATCHES_SQL = _a.DEFINITION_MISMATCHES_SQL.replace("
+             "'count(*) OVER () AS total', 'count(*) AS total')\n",
+}
+
+
+def test_active_tasks_flags_exactly_the_active_work_its_definition_does_not_explain(
+        db_url: str, tmp_path: Path) -> None:
+    """The seed plus :func:`fixtures.odd_definitions`: active_tasks renders, as the reader
+    role, and flags L6's and L7's extract_a and the run L8, with their count; a copy whose
+    query misreads the run or miscounts fails its key figures."""
+    info = seed_committed(db_url)
+    with psycopg.connect(db_url) as conn:
+        fixtures.odd_definitions(conn, info)
+    figures = fixtures.odd_definitions_figures(info)
+    good = write_expecting(NOTEBOOKS / "active_tasks.ipynb", tmp_path / "active_tasks_odd.ipynb", figures)
+    broken = [write_expecting(path, path, figures) for path in (
+        inject_after_parameters(NOTEBOOKS / "active_tasks.ipynb", tmp_path / f"broken_{kind}.ipynb", code)
+        for kind, code in ODD_BREAKS.items())]
+    results = run_nbval_parallel([[good], broken], {"COMPOSER_DATABASE_URL": as_role(db_url)}, rootdir=tmp_path)
+    output = "\n".join(r.stdout + r.stderr for r in results)
+    assert [r.returncode for r in results] == [0, 1], output[-4000:]
+    assert passed_count(results[0].stdout) == code_cells(good), output[-2000:]
+    failures = {f.rsplit("/", 1)[-1] for f in failed_items(results[1].stdout)}
+    assert failures == {f"{p.name}::Cell {code_cell_index(p, 'show_key_figures(')}" for p in broken}, output[-4000:]
+    assert "Cell outputs differ" in results[1].stdout and "caused an exception" not in results[1].stdout
 
 
 # Two deliberate bugs: one that the notebook's own invariants catch (WAITING tasks
