@@ -168,10 +168,12 @@ def export_month(conn: Conn, month: str, directory: Path, *, progress: Progress 
             if before_verify is not None:
                 before_verify(work)
             verify_month(work, month=month, progress=shown)
+            _sync(work)         # on disk before it takes the place of an archive a drop may rely on
             with _locked(directory):
                 _tidy(directory, month)             # a run killed meanwhile may have moved the archive aside
                 _refuse_fewer_rows(target, manifest)
                 _move_into_place(work, target)
+                _sync_directory(directory)
         except BaseException:
             shutil.rmtree(work, ignore_errors=True)
             raise
@@ -298,6 +300,28 @@ def _created_at(path: Path) -> str:
         return read_manifest(path).created_at
     except BadArchive:
         return ""
+
+
+def _sync(work: Path) -> None:
+    """Flush every file of ``work`` and the directory itself to disk (``fsync``): a
+    verified archive read back from the page cache is not yet one a power loss keeps,
+    and ``partitions drop --archive`` drops the month once it verifies."""
+    for path in sorted(work.iterdir()):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    _sync_directory(work)
+
+
+def _sync_directory(directory: Path) -> None:
+    """Flush ``directory``'s entries (the renames into it) to disk."""
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _move_into_place(work: Path, target: Path) -> None:

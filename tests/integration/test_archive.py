@@ -560,3 +560,34 @@ def test_an_archive_killed_while_replacing_one_in_place_loses_nothing(
     assert not month["archived"] and "an archive is never replaced by one with fewer rows" in month["refused"]
     assert archive.verify_month(target / "202501") == first
     assert _hidden(target) == []
+
+
+def test_an_archive_is_on_disk_before_it_is_moved_into_place(db_url: str, tmp_path: Path,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """A drop with --archive relies on the archive once it verifies, and verifying reads
+    the page cache: every file and its directory are flushed (fsync) before the archive
+    takes its place, and the archive directory after the rename."""
+    _seeded(db_url)
+    synced: list[str] = []
+    real_fsync = os.fsync
+
+    def fsync(fd: int) -> None:
+        synced.append(os.readlink(f"/proc/self/fd/{fd}"))
+        real_fsync(fd)
+    monkeypatch.setattr(os, "fsync", fsync)
+    moves: list[int] = []
+    real_move = archive._move_into_place
+
+    def move(work: Path, target: Path) -> None:
+        moves.append(len(synced))
+        real_move(work, target)
+    monkeypatch.setattr(archive, "_move_into_place", move)
+    with psycopg.connect(db_url) as conn:
+        archive.export_month(conn, "202501", tmp_path)
+    (before,) = moves
+    done = tmp_path / "202501"
+    work = Path(synced[before - 1])
+    assert work.name.startswith(".202501.partial-"), synced
+    files = {work / p.name for p in done.iterdir()}
+    assert files and files <= {Path(s) for s in synced[:before]}, (files, synced)
+    assert synced[before:] == [str(tmp_path)], synced
