@@ -5,9 +5,10 @@ A MAP node's own task is WAITING while its items run and carries the node's coun
 node, PENDING, and dispatched in item order as earlier items finish, so an event on an
 item reads the counters (in the snapshot), that one item (``Store.load_item``) and
 nothing else; the item outputs are read once, in item order, when the last item
-finishes (``Store.item_outputs``). A worker's handler receives the node's resolved
-``input`` object with ``"item"`` (the list element) and ``"index"`` (its 0-based
-position) added.
+finishes (``Store.item_outputs``), and the node fails if, assembled, they exceed the
+limit of one JSON document (:data:`~composer_ops.core.jsonsize.MAX_BYTES`). A worker's
+handler receives the node's resolved ``input`` object with ``"item"`` (the list
+element) and ``"index"`` (its 0-based position) added.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from composer_ops.core import model
 from composer_ops.core.expressions import parse_ref, referenced_nodes, resolve, resolve_ref
+from composer_ops.core.jsonsize import MAX_BYTES, json_size
 from composer_ops.core.model import ItemCounts, ItemState, NodeType, TaskRef, TaskState
 from composer_ops.core.spec import NodeSpec
 
@@ -126,6 +128,17 @@ def item_finished(d: Decider, item: ItemState, node_id: str, *, output: Any = No
     outputs = list(d.store.item_outputs(node_id))
     if error is None:
         outputs[item.index] = output        # its own completion is written after this decision
+    # Each item's output is within the limit (a handler's larger one fails its item); all
+    # of them together need not be, and are refused here rather than stored.
+    size = json_size(outputs)
+    if size > MAX_BYTES:
+        reason = (f"the assembled output of node {json.dumps(node_id)} is {size} bytes of JSON; "
+                  f"the limit is {MAX_BYTES}")
+        d.actions.append(model.FinishMap(node_id=node_id, parent=slot.task_id, state=TaskState.FAILED,
+                                         reason=reason))
+        d.set_state(node_id, TaskState.FAILED, items=counts)
+        d.node_failed(node_id, f"node {json.dumps(node_id)} failed: {reason}")
+        return
     d.actions.append(model.FinishMap(node_id=node_id, parent=slot.task_id, state=TaskState.COMPLETED,
                                      output=outputs))
     d.set_state(node_id, TaskState.COMPLETED, output=outputs, items=counts)

@@ -5,15 +5,20 @@ verified by reading them back, and restored with COPY.
 schema version, and per table rows, file and content SHA-256 and the database's
 fingerprint). A month is exported in one REPEATABLE READ snapshot into a hidden
 directory, every file re-read and checked there, and only then moved into place, so a
-crash never leaves a manifest over short files. JSON and other non-native types are
-stored as the text PostgreSQL prints, which COPY parses back unchanged.
+crash never leaves a manifest over short files. A process killed on the way leaves a
+hidden directory (``.YYYYMM.partial-*``, or ``.YYYYMM.old-*``: the archive it was
+replacing, moved aside); the next export of the month tidies them up (:func:`_tidy`)
+and nothing reads them as an archive. JSON and other non-native types are stored as the
+text PostgreSQL prints, which COPY parses back unchanged.
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import hashlib
 import json
+import logging
 import os
 import shutil
 import tempfile
@@ -54,6 +59,8 @@ from composer_ops.repo.partitions import RUN_TABLES
 __all__ = ["Progress", "RestoreResult", "Restored", "archived_definitions", "column_specs", "content_fingerprint",
            "export_month", "read_rows", "refuse_missing_definitions", "restore_month", "restore_rows",
            "verify_month"]
+
+log = logging.getLogger(__name__)
 
 _BATCH = 5000
 
@@ -148,7 +155,10 @@ def export_month(conn: Conn, month: str, directory: Path, *, progress: Progress 
         if not repo.exists(conn, f"{RUN_TABLES[0]}_p{month}"):
             raise Invalid(f"month {month} has no partition {RUN_TABLES[0]}_p{month}: nothing to archive")
         version = repo.schema_version(conn)
-        work = Path(tempfile.mkdtemp(prefix=f".{month}.partial-", dir=directory))
+        with _locked(directory):
+            _tidy(directory, month)
+            work = Path(tempfile.mkdtemp(prefix=f".{month}.partial-", dir=directory))
+            held = _hold(work)          # until it is in place or removed: no tidying takes it for a leftover
         try:
             tables = [_export_table(conn, table, f"{table}_p{month}", work, shown) for table in RUN_TABLES]
             manifest = Manifest(format=FORMAT, month=month, lower_bound=lower, upper_bound=upper,
@@ -158,11 +168,17 @@ def export_month(conn: Conn, month: str, directory: Path, *, progress: Progress 
             if before_verify is not None:
                 before_verify(work)
             verify_month(work, month=month, progress=shown)
-            _refuse_fewer_rows(target, manifest)
-            _move_into_place(work, target)
+            _sync(work)         # on disk before it takes the place of an archive a drop may rely on
+            with _locked(directory):
+                _tidy(directory, month)             # a run killed meanwhile may have moved the archive aside
+                _refuse_fewer_rows(target, manifest)
+                _move_into_place(work, target)
+                _sync_directory(directory)
         except BaseException:
             shutil.rmtree(work, ignore_errors=True)
             raise
+        finally:
+            os.close(held)
         if on_exported is not None:
             on_exported(conn, manifest)
     return manifest
@@ -217,8 +233,100 @@ def _refuse_fewer_rows(target: Path, manifest: Manifest) -> None:
         raise ArchiveKept(f"{target}: {reason}")
 
 
+@contextlib.contextmanager
+def _locked(directory: Path) -> Iterator[None]:
+    """Hold an exclusive ``flock`` of the archive directory: its entries change (a work
+    directory made, an archive moved into place, leftovers tidied) only under it, so
+    archive runs sharing a directory see each other's steps whole. Held for renames and
+    listings only; a process that dies releases it."""
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
+
+
+def _hold(work: Path) -> int:
+    """Lock the work directory of a live export (``flock``, released when the process
+    ends, however it ends); its descriptor, to close once the export is over."""
+    fd = os.open(work, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _abandoned(work: Path) -> bool:
+    """Whether no live process holds ``work`` (:func:`_hold`): its export was killed."""
+    try:
+        fd = os.open(work, os.O_RDONLY)
+    except FileNotFoundError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    finally:
+        os.close(fd)
+    return True
+
+
+def _tidy(directory: Path, month: str) -> None:
+    """Under :func:`_locked`: clear what export runs of ``month`` killed on the way left.
+    A ``.YYYYMM.old-*`` is an archive that was in place, moved aside by a replacement
+    that never moved in: put back when nothing is in place (the newest, if several),
+    removed otherwise, as the replacement would have. A ``.YYYYMM.partial-*`` that no
+    live export holds is removed: it was never verified."""
+    target = month_dir(directory, month)
+    aside = sorted(directory.glob(f".{month}.old-*"), key=_created_at, reverse=True)
+    for old in aside:
+        if target.exists():
+            shutil.rmtree(old)
+        else:
+            os.replace(old, target)
+            log.warning("archive of %s: put back %s, which a killed archive run had moved aside to %s",
+                        month, target, old.name)
+    for work in directory.glob(f".{month}.partial-*"):
+        if _abandoned(work):
+            shutil.rmtree(work)
+
+
+def _created_at(path: Path) -> str:
+    """When the archive at ``path`` was written, by its manifest ('' when unreadable)."""
+    try:
+        return read_manifest(path).created_at
+    except BadArchive:
+        return ""
+
+
+def _sync(work: Path) -> None:
+    """Flush every file of ``work`` and the directory itself to disk (``fsync``): a
+    verified archive read back from the page cache is not yet one a power loss keeps,
+    and ``partitions drop --archive`` drops the month once it verifies."""
+    for path in sorted(work.iterdir()):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    _sync_directory(work)
+
+
+def _sync_directory(directory: Path) -> None:
+    """Flush ``directory``'s entries (the renames into it) to disk."""
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def _move_into_place(work: Path, target: Path) -> None:
-    """Replace ``target`` with the verified ``work`` directory (a rename each way)."""
+    """Replace ``target`` with the verified ``work`` directory (a rename each way; a
+    kill between them leaves the old archive aside for :func:`_tidy` to put back)."""
     old = None
     if target.exists():
         old = target.with_name(f".{target.name}.old-{uuid.uuid4().hex[:8]}")
@@ -415,8 +523,11 @@ def restore_month(url: str | None, month: str, directory: Path, *, yes: bool, ac
         raise Invalid(f"lock timeout must be more than 0 seconds, got {lock_timeout_s:g}")
     path = month_dir(Path(directory), month)
     if not path.exists():      # a wrong month or directory (bad input); a partial one stays BadArchive
+        aside = sorted(Path(directory).glob(f".{month}.old-*"))
+        kept = (f"; {aside[0]} is the archive of it a killed archive run was replacing: run `partitions archive` "
+                "of the month again to put it back in place") if aside else ""
         raise NotFound(f"no archive of month {month} under {directory} (no {path}); "
-                       f"{_months_held(Path(directory))}")
+                       f"{_months_held(Path(directory))}{kept}")
     manifest = verify_month(path, month=month, progress=progress)
     planned = [Restored(table=t.table, partition=t.partition, rows=t.rows, fingerprint_matches=None)
                for t in manifest.tables]

@@ -569,7 +569,11 @@ class Engine:
         (:meth:`next_claim`): claim the worker's next tasks in the same transaction, in
         the round trip of the completion's write and COMMIT; the tasks taken are
         ``Outcome.claimed`` (none when the completion was not one write, or on Citus:
-        the worker claims apart then)."""
+        the worker claims apart then). An ``output`` that is not a storable JSON document
+        (:func:`~composer_ops.engine.jsonvalues.check_json`: over 8 MiB, not JSON) is
+        :class:`Invalid` and changes nothing; a :class:`Worker` turns its handler's into
+        the attempt's failure first."""
+        check_json(output, "output")
         ref = _task_ref(claim)
         return self.shell.handle(claim.run_id, lambda now: TaskCompleted(ref=ref, output=output, now=now),
                                  claim_next=claim_next)

@@ -7,7 +7,11 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import shutil
+import signal
+import subprocess
+import sys
 from datetime import UTC, date, datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -24,6 +28,7 @@ from composer_ops.engine import archive
 from composer_ops.errors import ComposerError
 from composer_ops.repo import partitions
 from composer_ops.testing import fixtures
+from composer_ops.testing.processes import wait_for
 from tests.integration.helpers import drop_months, seed_aligned
 
 MONTHS = [f"{y}{m:02d}" for y in (2024, 2025) for m in range(1, 13)]
@@ -436,3 +441,153 @@ def test_a_month_the_archive_directory_does_not_hold_is_bad_input(
     assert main(restore) == 1
     assert "no manifest.json" in capsys.readouterr().err
     assert _audit(db_url) == []
+
+
+# A child process that archives one month and is SIGKILLed at a chosen point: "write"
+# once every file of the month is written in its hidden work directory, before it is
+# verified; "move" between the two renames that replace an archive in place.
+_KILLED_ARCHIVE = """
+import os, sys, time
+from pathlib import Path
+import psycopg
+from composer_ops.engine import archive
+
+url, month, directory, ready, point = sys.argv[1:]
+
+def pause(*_):
+    Path(ready).write_text(str(os.getpid()))
+    time.sleep(120)
+
+hook = None
+if point == "write":
+    hook = pause
+else:
+    replace = os.replace
+    def paused(src, dst):
+        replace(src, dst)
+        if Path(src).name == month:      # the archive in place moved aside; its successor not yet moved in
+            pause()
+    archive.os.replace = paused
+with psycopg.connect(url) as conn:
+    archive.export_month(conn, month, Path(directory), before_verify=hook)
+"""
+
+
+def _archive_killed(db_url: str, directory: Path, month: str, point: str, tmp_path: Path) -> None:
+    """Run :data:`_KILLED_ARCHIVE` and SIGKILL it at ``point``."""
+    ready = tmp_path / f"ready-{month}-{point}"
+    ready.unlink(missing_ok=True)
+    child = subprocess.Popen([sys.executable, "-c", _KILLED_ARCHIVE, db_url, month, str(directory), str(ready),
+                              point], env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[2])})
+    try:
+        wait_for(lambda: ready.exists() or child.poll() is not None, timeout=120, what="the archive to pause")
+        assert child.poll() is None, f"the archiving child exited with {child.returncode} before its kill"
+        os.kill(child.pid, signal.SIGKILL)
+    finally:
+        if child.poll() is None:
+            child.kill()
+        child.wait(30)
+    assert child.returncode == -signal.SIGKILL
+
+
+def _hidden(directory: Path) -> list[str]:
+    return sorted(p.name for p in directory.iterdir() if p.name.startswith("."))
+
+
+def test_an_archive_killed_while_writing_leaves_nothing_taken_for_an_archive(
+        db_url: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    _seeded(db_url)
+    target = tmp_path / "arch"
+    _archive_killed(db_url, target, "202501", "write", tmp_path)
+    (partial,) = _hidden(target)
+    assert partial.startswith(".202501.partial-")
+    assert sorted(p.name for p in (target / partial).iterdir()) == sorted(
+        ["manifest.json", *(f"{t}.parquet" for t in partitions.RUN_TABLES)])    # complete, but never verified
+    assert not (target / "202501").exists()
+    capsys.readouterr()
+    # Restore does not take it for an archive: the month is not there (bad input), and
+    # the directory, it says, holds no month's archive.
+    restore = ["partitions", "restore", "202501", "--from", str(target), "--database-url", db_url]
+    assert main(restore) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "no archive of month 202501" in err and "it holds no month's archive" in err
+    # The next archive of the month writes it afresh and removes what the killed one left.
+    args = ["partitions", "archive", "--older-than", "2025-05-01", "--to", str(target), "--database-url", db_url]
+    assert main([*args, "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert [(m["month"], m["archived"]) for m in out["months"]] == [("202412", True), ("202501", True),
+                                                                    ("202503", True)]
+    assert _hidden(target) == []
+    assert archive.verify_month(target / "202501").rows == 12
+    # A kill while `drop --archive` writes leaves the same; its next run drops the months
+    # and leaves nothing hidden either, and the month restores from its archive.
+    _archive_killed(db_url, target, "202503", "write", tmp_path)
+    assert [h.split("-")[0] for h in _hidden(target)] == [".202503.partial"]
+    drop = ["partitions", "drop", "--older-than", "2025-05-01", "--archive", str(target), "--yes",
+            "--database-url", db_url]
+    assert main(drop) == 3, capsys.readouterr().err          # 3: 202502 and 202504 kept for their active runs
+    assert "dropped" in capsys.readouterr().out
+    assert _hidden(target) == []
+    assert main([*restore, "--yes"]) == 0, capsys.readouterr().err
+    assert "restored month 202501" in capsys.readouterr().out
+
+
+def test_an_archive_killed_while_replacing_one_in_place_loses_nothing(
+        db_url: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    _seeded(db_url)
+    target = tmp_path / "arch"
+    with psycopg.connect(db_url) as conn:
+        first = archive.export_month(conn, "202501", target)
+    _archive_killed(db_url, target, "202501", "move", tmp_path)
+    # Killed between the renames: the verified archive moved aside, its successor not in place.
+    assert not (target / "202501").exists()
+    assert sorted(h.split("-")[0] for h in _hidden(target)) == [".202501.old", ".202501.partial"]
+    capsys.readouterr()
+    restore = ["partitions", "restore", "202501", "--from", str(target), "--database-url", db_url]
+    assert main(restore) == 2                     # not in place, and restore reads nothing hidden: it says where
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "no archive of month 202501" in err and "/.202501.old-" in err, err
+    assert "a killed archive run was replacing" in err
+    # The month now holds fewer runs than the archive that was being replaced: the next
+    # archive of it must find that archive and keep it, never write the smaller one over it.
+    with psycopg.connect(db_url) as conn:
+        conn.execute("DELETE FROM workflow_runs WHERE id = (SELECT min(id) FROM workflow_runs_p202501)")
+    capsys.readouterr()
+    args = ["partitions", "archive", "--older-than", "2025-05-01", "--to", str(target), "--database-url", db_url]
+    assert main([*args, "--json"]) == 1
+    out = json.loads(capsys.readouterr().out)
+    (month,) = [m for m in out["months"] if m["month"] == "202501"]
+    assert not month["archived"] and "an archive is never replaced by one with fewer rows" in month["refused"]
+    assert archive.verify_month(target / "202501") == first
+    assert _hidden(target) == []
+
+
+def test_an_archive_is_on_disk_before_it_is_moved_into_place(db_url: str, tmp_path: Path,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """A drop with --archive relies on the archive once it verifies, and verifying reads
+    the page cache: every file and its directory are flushed (fsync) before the archive
+    takes its place, and the archive directory after the rename."""
+    _seeded(db_url)
+    synced: list[str] = []
+    real_fsync = os.fsync
+
+    def fsync(fd: int) -> None:
+        synced.append(os.readlink(f"/proc/self/fd/{fd}"))
+        real_fsync(fd)
+    monkeypatch.setattr(os, "fsync", fsync)
+    moves: list[int] = []
+    real_move = archive._move_into_place
+
+    def move(work: Path, target: Path) -> None:
+        moves.append(len(synced))
+        real_move(work, target)
+    monkeypatch.setattr(archive, "_move_into_place", move)
+    with psycopg.connect(db_url) as conn:
+        archive.export_month(conn, "202501", tmp_path)
+    (before,) = moves
+    done = tmp_path / "202501"
+    work = Path(synced[before - 1])
+    assert work.name.startswith(".202501.partial-"), synced
+    files = {work / p.name for p in done.iterdir()}
+    assert files and files <= {Path(s) for s in synced[:before]}, (files, synced)
+    assert synced[before:] == [str(tmp_path)], synced

@@ -222,3 +222,58 @@ def test_a_large_map_gives_a_month_without_statistics_its_first_and_lookups_use_
     assert stats == (1,)
     assert "pkey" in plan, plan
     assert again == (False,)                  # it has statistics now: nothing is analyzed again
+
+
+#: An item output under the 8 MiB limit on its own; three of them assemble to more.
+BIG_ITEM = "x" * (3 * 1024 * 1024)
+#: The assembled output's size as the JSON check counts it: three quoted strings, two commas, brackets.
+BIG_MAP = 3 * (len(BIG_ITEM) + 2) + 2 + 2
+
+
+def test_items_under_the_limit_assembling_to_more_fail_the_node_cleanly(engine: Engine, db_url: str) -> None:
+    engine.deploy(map_spec(max_parallel=3, retry={"max_attempts": 3}))
+    run_id = engine.start("fan", input={"ids": [1, 2, 3]})
+    for claim in claim_all(engine):
+        assert engine.complete(claim, BIG_ITEM).stale is None
+    run = engine.get_run(run_id)
+    why = f'the assembled output of node "each" is {BIG_MAP} bytes of JSON; the limit is 8388608'
+    assert run.status == "FAILED"
+    assert run.error == {"error": f'node "each" failed: {why}'}
+    (each,) = [t for t in run.tasks if t.node_id == "each" and t.item_index is None]
+    assert (each.state, each.output, each.error) == ("FAILED", None, {"error": why})
+    assert item_rows(db_url, run_id) == [(0, "COMPLETED"), (1, "COMPLETED"), (2, "COMPLETED")]
+    assert [t for t in run.tasks if t.node_id == "after"] == []
+    assert outbox_rows(db_url, run_id) == 0
+    assert claim_all(engine) == []
+    with psycopg.connect(db_url) as conn:          # nothing over the limit was stored
+        row = conn.execute("SELECT max(octet_length(output_json::text)) FROM task_instances WHERE run_id = %s",
+                           (run_id,)).fetchone()
+    assert row is not None and row[0] < 8 * 1024 * 1024
+
+
+def test_an_optional_map_over_the_limit_fails_and_the_run_goes_on(engine: Engine) -> None:
+    engine.deploy(map_spec(max_parallel=3, optional=True))
+    run_id = engine.start("fan", input={"ids": [1, 2, 3]})
+    worker = Worker(engine, queues=["items"], concurrency=3, poll_interval=0.1)
+
+    @worker.handler("item.work")
+    def work(input: dict[str, Any], ctx: TaskContext) -> Any:
+        return BIG_ITEM                  # each one passes the worker's own check of its output
+
+    @worker.handler("item.after")
+    def after(input: dict[str, Any], ctx: TaskContext) -> Any:
+        return {"all": input["all"]}
+
+    thread = threading.Thread(target=worker.run, daemon=True)
+    thread.start()
+    try:
+        run = wait_for(lambda: (r := engine.get_run(run_id)).status != "RUNNING" and r, timeout=120, what="the run")
+    finally:
+        worker.stop()
+        thread.join(60)
+    assert run.status == "SUCCEEDED"
+    assert run.output == {"after": {"all": None}}
+    (each,) = [t for t in run.tasks if t.node_id == "each" and t.item_index is None]
+    assert each.state == "FAILED"
+    assert each.error == {"error": f'the assembled output of node "each" is {BIG_MAP} bytes of JSON; '
+                                   'the limit is 8388608'}

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from composer_ops.core import model
+from composer_ops.core import mapnode, model
 from composer_ops.core.model import RunStatus, TaskState
 from composer_ops.core.spec import parse_spec
 from composer_ops.errors import Invalid
@@ -120,6 +120,50 @@ def test_continue_policy_keeps_going_with_null_for_failed_items() -> None:
     assert sim.status is RunStatus.SUCCEEDED
     assert sim.run_output == {"each": ["one", None, "three"]}
     assert sim.nodes["each"].items == model.ItemCounts(total=3, started=3, done=2, failed=1)
+
+
+@pytest.mark.parametrize(("outputs", "fails"), [
+    (["aaaa", "bbbb", "cccc"], False),          # ["aaaa","bbbb","cccc"]: 22 bytes, at the limit
+    (["aaaa", "bbbb", "ccccc"], True),          # 23 bytes: one over
+])
+def test_assembled_output_over_the_limit_fails_the_node(monkeypatch: pytest.MonkeyPatch, outputs: list[str],
+                                                        fails: bool) -> None:
+    monkeypatch.setattr(mapnode, "MAX_BYTES", 22)
+    sim = Sim(wf(mapped(max_parallel=3), task("after", "each", input={"all": "$.nodes.each.output"})),
+              input={"ids": [1, 2, 3]})
+    sim.start()
+    for i, output in enumerate(outputs[:-1]):
+        finish_item(sim, i, output)
+    last = finish_item(sim, 2, outputs[-1])
+    if not fails:
+        assert kinds(last) == ["CompleteTask each", "CountItems", "FinishMap", "Create after PENDING"]
+        assert sim.rows["each"].output == outputs
+        return
+    why = 'the assembled output of node "each" is 23 bytes of JSON; the limit is 22'
+    assert kinds(last) == ["CompleteTask each", "CountItems", "FinishMap", "FinishRun FAILED"]
+    finish = last.actions[2]
+    assert isinstance(finish, model.FinishMap)
+    assert (finish.state, finish.output, finish.reason) == (TaskState.FAILED, None, why)
+    assert sim.nodes["each"].state is TaskState.FAILED
+    assert item_states(sim) == [TaskState.COMPLETED] * 3
+    assert sim.status is RunStatus.FAILED
+    assert sim.run_reason == f'node "each" failed: {why}'
+
+
+def test_an_optional_map_over_the_limit_fails_and_its_dependents_run_without_it(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(mapnode, "MAX_BYTES", 10)
+    sim = Sim(wf(mapped(max_parallel=2, optional=True, on_item_failure="continue", retry={"max_attempts": 1}),
+                 task("after", "each", input={"all": "$.nodes.each.output"})),
+              input={"ids": [1, 2]})
+    sim.start()
+    finish_item(sim, 0, error="bad", retryable=False)
+    last = finish_item(sim, 1, "0123456789")            # [null,"0123456789"]: 19 bytes
+    assert kinds(last) == ["CompleteTask each", "CountItems", "FinishMap", "Create after PENDING"]
+    after = last.actions[-1]
+    assert isinstance(after, model.CreateTask) and after.input == {"all": None}
+    assert sim.nodes["each"].state is TaskState.FAILED
+    assert sim.status is RunStatus.RUNNING
 
 
 def test_item_lease_expiry_requeues_the_item_only() -> None:
