@@ -8,6 +8,7 @@ children loop delivers, and a step is made to fail where a process could die."""
 
 from __future__ import annotations
 
+import json
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -303,3 +304,57 @@ def test_a_childs_finish_outlives_the_childs_month(engine: Engine, db_url: str, 
     assert rows(db_url) == []
     (after,) = claim(engine)
     assert (after.run_id, after.input) == (parent, {"refund": {"pay_back": {"refunded": 7}}})
+
+
+def test_a_failed_child_whose_finish_is_on_its_way_is_left_to_its_parent(
+        engine: Engine, db_url: str, no_eager: None, capsys: pytest.CaptureFixture[str]) -> None:
+    """On Citus a child's finish reaches its parent as a row the coordinator's loop
+    delivers. Between the two the parent is RUNNING and its node still waits for this
+    child: a retry of the child then would run its work, and the parent, given the first
+    finish, would fail and its own retry run the work again. Refused, by one run's retry
+    and a bulk retry alike, until the parent has the finish; then refused as the child
+    of a FAILED parent (core/rerun.child_left_to_parent, unit-tested in
+    tests/unit/test_machine_retry.py; this is the state only Citus makes)."""
+    from composer_ops.cli import main
+    from composer_ops.errors import Conflict
+
+    engine.deploy(REFUND)
+    engine.deploy(parent_spec())
+    parent = engine.start("order", input={"amount": 7})
+    assert deliver(engine) == 1
+    (task,) = claim(engine)
+    child = task.run_id
+    engine.fail(task, "bank says no", retryable=False)
+    assert rows(db_url) == [(child, parent, "finish")]
+    assert (engine.get_run(child).status, engine.get_run(parent).status) == ("FAILED", "RUNNING")
+    with psycopg.connect(db_url) as conn:
+        assert node_state(conn, parent, "refund") == "WAITING"
+
+    on_its_way = (f"run {child} is the child of run {parent} .node \"refund\"., whose node still waits for its "
+                  f"finish .on its way to the parent.")
+    with pytest.raises(Conflict, match=on_its_way):
+        engine.retry(child)
+    assert main(["runs", "retry", "--since", "1h", "--json", "--database-url", db_url]) == 0
+    dry = json.loads(capsys.readouterr().out)
+    assert [r["run_id"] for r in dry["left_to_parent"]] == [child], dry
+    assert "on its way to the parent" in dry["left_to_parent"][0]["why"], dry
+    assert dry["retried"] == [] and dry["refused"] == [], dry      # the parent is RUNNING: not selected
+    assert main(["runs", "retry", "--since", "1h", "--yes", "--database-url", db_url]) == 0
+    out = capsys.readouterr().out
+    assert out.rstrip().endswith("retried 0 run(s), 0 refused, 1 child run(s) left to their parent"), out
+    assert engine.get_run(child).status == "FAILED" and claim(engine) == []       # nothing ran again
+
+    assert deliver(engine) == 1
+    assert rows(db_url) == []
+    assert engine.get_run(parent).status == "FAILED"
+    with pytest.raises(Conflict, match=f"run {child} is the child of run {parent} .node \"refund\"., which is FAILED"):
+        engine.retry(child)
+    engine.retry(parent, "refund")
+    assert deliver(engine) == 1
+    (again,) = claim(engine)
+    assert again.run_id not in (child, parent)
+    engine.complete(again, {"refunded": 7})
+    assert deliver(engine) == 1
+    (after,) = claim(engine)
+    engine.complete(after, "done")
+    assert (engine.get_run(parent).status, engine.get_run(child).status) == ("SUCCEEDED", "FAILED")
