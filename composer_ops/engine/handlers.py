@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import inspect
 import logging
 import traceback
 from collections.abc import Callable, MutableMapping
@@ -36,6 +37,10 @@ def register(handlers: MutableMapping[str, Handler], name: str, fn: object) -> N
     """Add ``fn`` as the handler of task ``name``: a callable, the name's first."""
     if not callable(fn):
         raise Invalid(f"the handler of task {name!r} must be a function (input, ctx), got {fn!r}")
+    if inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(type(fn).__call__):
+        raise Invalid(f"the handler of task {name!r} is an async function ({named(fn)}): a worker runs its handlers "
+                      f"in threads and takes what they return; give a plain function (one that awaits can "
+                      f"call asyncio.run)")
     check_free(handlers, name)
     handlers[name] = fn
 
@@ -56,6 +61,11 @@ def call(fn: Handler, name: str, input: Any, ctx: TaskContext) -> tuple[str, Any
         log.warning("handler %s raised %s; its attempt fails (a handler cannot stop its worker)",
                     name, type(exc).__name__)
         return "failed", describe(exc), True
+    if inspect.isawaitable(output):     # an async callable registration could not see (a partial, a wrapper)
+        if inspect.iscoroutine(output):
+            output.close()              # never awaited: closed, not warned about at garbage collection
+        return "failed", (f"handler {name!r} returned an awaitable ({type(output).__name__}), not its output: "
+                          f"async handlers are not supported (give a plain function)"), False
     try:
         check_json(output, f"output of handler {name!r}")
     except Invalid as exc:

@@ -210,4 +210,46 @@ def test_worker_misuse_is_refused_in_one_line(engine: Engine) -> None:
         worker.handler("job")
     with pytest.raises(Invalid, match="the handler of task 'other' must be a function"):
         worker.handler("other")(5)        # type: ignore[arg-type]
+    async def later(input: Any, ctx: TaskContext) -> None:
+        return None
+
+    class Awaits:
+        async def __call__(self, input: Any, ctx: TaskContext) -> None:
+            return None
+
+    for coroutine in (later, Awaits()):
+        with pytest.raises(Invalid, match=r"the handler of task 'async' is an async function \(.*\): a worker runs "):
+            worker.handler("async")(coroutine)      # type: ignore[arg-type]
     assert list(worker._handlers) == ["job"]
+
+
+def test_a_handler_that_returns_an_awaitable_fails_its_attempt_once_saying_why(engine: Engine) -> None:
+    """An async function registration cannot see (wrapped in a plain callable) returns a
+    coroutine: the attempt fails, not retried, naming the cause (before: "is not JSON:
+    coroutine at $"), and the coroutine is closed, not left to warn at collection."""
+    import warnings
+
+    async def later(input: Any, ctx: TaskContext, *, extra: int) -> int:
+        return extra
+
+    engine.deploy({"id": "awaits", "nodes": [{"id": "a", "type": "TASK", "task": "awaits",
+                                             "retry": {"max_attempts": 3}}]})
+    run_id = engine.start("awaits")
+    results: list[Result] = []
+    worker = Worker(engine, concurrency=1, poll_interval=0.05, on_result=results.append)
+    worker.handler("awaits")(lambda input, ctx: later(input, ctx, extra=1))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)      # "coroutine ... was never awaited"
+        thread = threading.Thread(target=worker.run, daemon=True)
+        thread.start()
+        try:
+            wait_for(lambda: results, timeout=60, what="the attempt's result")
+        finally:
+            worker.stop()
+            thread.join(60)
+    run = engine.get_run(run_id)
+    assert run.status == "FAILED", run
+    (task,) = run.tasks
+    assert task.attempt == 0        # the first attempt, not retried
+    assert run.error == {"error": 'node "a" failed after 1 attempt: handler \'awaits\' returned an awaitable '
+                         "(coroutine), not its output: async handlers are not supported (give a plain function)"}
