@@ -219,7 +219,7 @@ def test_worker_misuse_is_refused_in_one_line(engine: Engine) -> None:
 
     for coroutine in (later, Awaits()):
         with pytest.raises(Invalid, match=r"the handler of task 'async' is an async function \(.*\): a worker runs "):
-            worker.handler("async")(coroutine)      # type: ignore[arg-type]
+            worker.handler("async")(coroutine)
     assert list(worker._handlers) == ["job"]
 
 
