@@ -145,7 +145,8 @@ def definition_mismatches(source: Source = None, *, limit: int = 50) -> tuple[pl
     rows), and how many rows there are in all: a run with active tasks whose definition
     version row is missing (one row, ``node_id`` null), and a run's active tasks for a
     node its definition version does not have (one row per node; a MAP node's items count
-    as its tasks). :func:`composer_ops.ops.anomalies.definitions` turns them into anomalies.
+    as its tasks), and a run's active tasks whose run row is gone (one row, ``status`` and
+    ``node_id`` null). :func:`composer_ops.ops.anomalies.definitions` turns them into anomalies.
     Only active rows are read (the partial index), so a run with no active task is not
     listed here: the run investigation flags it."""
     if limit < 1:

@@ -86,14 +86,22 @@ def run(spec_found: bool, workflow: str, version: int, unknown_nodes: list[str],
 
 
 def definitions(mismatches: pl.DataFrame) -> list[Anomaly]:
-    """Active runs whose definition version is missing, and active tasks for nodes their
-    run's definition lacks (from :func:`composer_ops.ops.active.definition_mismatches`:
-    a row without ``node_id`` is the run's own)."""
+    """Active runs whose definition version is missing, active tasks for nodes their
+    run's definition lacks, and active tasks of a run whose row is gone (from
+    :func:`composer_ops.ops.active.definition_mismatches`: a row without ``status`` has
+    no run, one without ``node_id`` is the run's own)."""
     out = []
     for run_id, workflow, version, status, node, tasks, states in mismatches.select(
             "run_id", "workflow_id", "workflow_version", "status", "node_id", "tasks", "states").iter_rows():
         seen = f" ({tasks} active task{'' if tasks == 1 else 's'}: {states}; run {status})"
-        if node is None:
+        if status is None:
+            out.append(Anomaly(
+                kind="active tasks of a run that does not exist", subject=_where(run_id),
+                detail=f"{tasks} active task{'' if tasks == 1 else 's'} ({states}) whose workflow_runs row is gone: "
+                       "no event of theirs can be decided (the engine loads the run first), so they stay active",
+                action="find how the run row went (a DELETE by hand: no key holds a task to its run); put the "
+                       "row back, or delete the run's task rows and their outbox rows"))
+        elif node is None:
             out.append(_missing_version(run_id, workflow, version, seen,
                                         "open it with run_investigation; restore that version's definition row "
                                         "(its spec_json) or cancel the run (composer-ops cancel RUN)"))

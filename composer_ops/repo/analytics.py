@@ -152,7 +152,7 @@ DEFINITION_MISMATCHES_SQL = f"""
         SELECT t.run_id, r.workflow_definition_id AS workflow_id, r.workflow_version, r.status,
                CASE WHEN d.id IS NOT NULL THEN t.node_id END AS node_id, t.node_type, t.state, t.created_at
           FROM task_instances t
-          JOIN workflow_runs r ON r.id = t.run_id
+          LEFT JOIN workflow_runs r ON r.id = t.run_id      -- no key holds them together (V011): may be gone
           LEFT JOIN workflow_definitions d ON d.id = r.workflow_definition_id AND d.version = r.workflow_version
          WHERE t.state IN {ACTIVE_SQL}
            AND (d.id IS NULL OR NOT COALESCE(

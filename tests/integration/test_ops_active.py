@@ -187,6 +187,21 @@ def test_a_map_node_not_in_its_definition_is_one_row_with_its_items(
         (info.runs["M1"], "charge_all", "MAP", 4, "PENDING, RUNNING, WAITING")]
 
 
+def test_active_tasks_of_a_run_whose_row_is_gone_are_flagged(session: tuple[psycopg.Connection[Any], Any]) -> None:
+    """No foreign key holds a task to its run (V011): a run row deleted by hand, or lost
+    with a month, leaves its active tasks, which no event can decide. Before, the join
+    to the run left them out silently."""
+    conn, info = session
+    run = info.runs["L6"]
+    conn.execute("DELETE FROM workflow_runs WHERE id = %s", (run,))
+    found, total = ops.definition_mismatches(conn)
+    assert total == 1 and found.select("run_id", "workflow_id", "status", "node_id", "tasks", "states").rows() == [
+        (run, None, None, None, 2, "PENDING")]
+    (flagged,) = anomalies.definitions(found)
+    assert (flagged.kind, flagged.subject) == ("active tasks of a run that does not exist", f"run {run}")
+    assert flagged.detail.startswith("2 active tasks (PENDING) whose workflow_runs row is gone"), flagged.detail
+
+
 def test_an_empty_database_gives_empty_well_typed_frames(conn: psycopg.Connection[Any]) -> None:
     assert ops.active_by_group(conn).is_empty() and ops.map_items(conn).is_empty()
     assert ops.age_histogram(conn)["tasks"].sum() == 0

@@ -86,7 +86,7 @@ def test_report_all_writes_html_beside_the_executed_notebook_and_an_index(
         assert "self-checks passed" in text[name] and "self-checks FAILED" not in text[name], name
     # A long wait without a timeout is flagged; no active work lacks its definition (fixtures.odd_definitions).
     assert "1 WAIT_FOR_SIGNAL node(s) without a timeout</b>" in text["active_tasks"]
-    assert "and every run with an active task has its definition version." in text["active_tasks"]
+    assert "and every run with an active task has its definition version and its run row." in text["active_tasks"]
     # IEC units and humanised durations, never SI or raw seconds; full run IDs with their command.
     assert re.search(r"\d\.\d KiB", text["partition_sizes"]) and not re.search(r"\d\.\d [kMG]B\b",
                                                                              text["partition_sizes"])
