@@ -176,8 +176,9 @@ def parse_flow(raw: Mapping[str, Any], where: str) -> FlowControl:
 
 def key_text(value: Any) -> str:
     """A resolved key as the text tasks are grouped by: a string as it is, anything else
-    (a number, null when the path leads nowhere, an object) as canonical JSON, so 42 and
-    "42" are different keys and every task whose key resolves to nothing shares "null"."""
+    (a number, null when the path leads nowhere, an object) as canonical JSON. Keys are
+    compared as this text, so 42 and "42" are one key (as are true and "true"), and every
+    task whose key resolves to nothing shares "null" with the string "null"."""
     return value if isinstance(value, str) else json.dumps(value, sort_keys=True, separators=(",", ":"))
 
 
