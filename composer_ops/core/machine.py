@@ -82,8 +82,8 @@ def _instant(value: Any) -> datetime | None:
     return ts if ts.tzinfo is not None and ts.utcoffset() is not None else None
 
 
-def _stale(reason: str) -> Decision:
-    return Decision(actions=(model.Stale(reason=reason),))
+def _stale(reason: str, *, odd: bool = False) -> Decision:
+    return Decision(actions=(model.Stale(reason=reason, odd=odd),))
 
 
 class Decider:
@@ -337,11 +337,25 @@ class Decider:
             return None
         return slot if slot.task_id == ref.task_id else mapnode.item_of(self, ref)
 
+    def odd_node(self, node_id: str) -> str:
+        """Why an event for a task of node ``node_id``, which the run's definition does
+        not have, changes nothing (odd data: :func:`is_odd` tells it apart)."""
+        return (f"run {self.run.id} has a task for node {json.dumps(node_id)}, which its definition "
+                f"{self.run.workflow_id} v{self.run.workflow_version} does not have: odd data, left as it is "
+                f"(the run_investigation report shows it; cancel the run to end it)")
+
+    def stale(self, node_id: str, reason: str) -> Decision:
+        """A decision that changes nothing, ``reason`` why; odd data when the run's
+        definition has no node ``node_id``."""
+        return _stale(reason, odd=node_id not in self.spec.nodes)
+
     def fence(self, ref: TaskRef) -> str | None:
         """Why a worker's report for ``ref`` is stale, or None if it is current."""
         run = self.run
         if ref.run_id != run.id:
             return f"task {ref.task_id} belongs to run {ref.run_id}, not {run.id}"
+        if ref.node_id not in self.spec.nodes:
+            return self.odd_node(ref.node_id)
         slot = self.task_of(ref)
         if slot is None:
             return f"run {run.id} has no task {ref.task_id} for node {json.dumps(ref.node_id)}"
@@ -371,7 +385,7 @@ class Decider:
     def task_completed(self, event: model.TaskCompleted) -> Decision:
         reason = self.on_result(event.ref)
         if reason is not None:
-            return _stale(reason)
+            return self.stale(event.ref.node_id, reason)
         self.actions.append(model.CompleteTask(ref=event.ref, output=event.output))
         item = self.task_of(event.ref)
         if isinstance(item, ItemState):
@@ -412,7 +426,7 @@ class Decider:
         ref = event.ref
         reason = self.fence(ref)
         if reason is not None:
-            return _stale(reason)
+            return self.stale(ref.node_id, reason)
         slot = self.task_of(ref)
         assert slot is not None
         expires = slot.lease_expires_at
@@ -459,7 +473,9 @@ class Decider:
     def timer_due(self, event: model.TimerDue) -> Decision:
         slot = self.slots.get(event.node_id)
         node = self.spec.nodes.get(event.node_id)
-        if node is None or slot is None or slot.task_id != event.task_id:
+        if node is None:
+            return self.stale(event.node_id, self.odd_node(event.node_id))
+        if slot is None or slot.task_id != event.task_id:
             return _stale(f"run {self.run.id} has no task {event.task_id} for node {json.dumps(event.node_id)}")
         if slot.state is not TaskState.WAITING:
             return _stale(f"task {event.task_id} is {slot.state}, not WAITING")
@@ -534,7 +550,7 @@ def decide(run: RunSnapshot, event: model.Event, store: Store, new_id: Callable[
     if isinstance(event, model.TaskFailed):
         reason = decider.on_result(event.ref)
         if reason is not None:
-            return _stale(reason)
+            return decider.stale(event.ref.node_id, reason)
         return decider.task_failed(event.ref, event.error, event.retryable)
     if isinstance(event, model.LeaseExpired):
         return decider.lease_expired(event)

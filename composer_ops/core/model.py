@@ -551,9 +551,12 @@ class FinishChild:
 
 @dataclass(frozen=True, kw_only=True)
 class Stale:
-    """The event changes nothing; a reported result is dropped and reported as stale."""
+    """The event changes nothing; a reported result is dropped and reported as stale.
+    ``odd``: not a late or repeated event but odd data (a task for a node the run's
+    definition does not have), which no retry or later event resolves."""
 
     reason: str
+    odd: bool = False
 
 
 Action: TypeAlias = (

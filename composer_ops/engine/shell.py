@@ -145,6 +145,20 @@ class Shell:
         self._lock = threading.Lock()
         self._citus: bool | None = None
         self._local = threading.local()   # .deliveries: child rows this thread's transactions wrote
+        self._odd_runs: set[str] = set()  # runs whose odd data was logged (:meth:`_first_odd`)
+
+    #: At most this many runs are remembered as logged; past it the set starts again.
+    MAX_ODD_RUNS = 1000
+
+    def _first_odd(self, run_id: str) -> bool:
+        """Whether ``run_id``'s odd data is seen here for the first time (then noted)."""
+        with self._lock:
+            if run_id in self._odd_runs:
+                return False
+            if len(self._odd_runs) >= self.MAX_ODD_RUNS:
+                self._odd_runs.clear()
+            self._odd_runs.add(run_id)
+            return True
 
     # -- definitions -------------------------------------------------------
 
@@ -357,8 +371,13 @@ class Shell:
         later: list[StartChild | CancelChild] = []   # other runs' events: once this run's rows are written
         for action in decision.actions:
             if isinstance(action, Stale):
-                log.info("stale event on run %s: %s", run.id, action.reason,
-                         extra={"action": "stale", "run_id": run.id})
+                # Odd data no later event resolves: said once per run and process, not at
+                # every pass of the sweeper that finds its lease expired again.
+                if action.odd and self._first_odd(run.id):
+                    log.warning("run %s: %s", run.id, action.reason, extra={"action": "odd", "run_id": run.id})
+                else:
+                    log.info("stale event on run %s: %s", run.id, action.reason,
+                             extra={"action": "stale", "run_id": run.id})
                 return Outcome(run_id=run.id, stale=action.reason), None
             if isinstance(action, CreateTask):
                 creating.append(action)

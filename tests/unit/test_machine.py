@@ -430,7 +430,7 @@ def test_result_after_the_lease_lapsed_is_stale(running: tuple[Sim, model.TaskRe
         ({"task_id": "t9999"}, "no task t9999"),
         ({"run_id": "other-run"}, "belongs to run other-run"),
         ({"node_id": "b"}, "no task"),
-        ({"node_id": "ghost"}, "no task"),
+        ({"node_id": "ghost"}, 'has a task for node "ghost", which its definition'),
         ({"attempt": 1}, "attempt 1"),
     ],
 )
@@ -446,6 +446,17 @@ def test_mismatched_refs_are_stale(running: tuple[Sim, model.TaskRef], change: d
         assert decision.stale, event
         stale = decision.actions[0]
         assert isinstance(stale, model.Stale) and fragment in stale.reason
+        # Only a node the definition lacks is odd data (logged as a warning, once):
+        # the rest are late, repeated or misdirected reports.
+        assert stale.odd is (bad.node_id == "ghost"), stale
+
+
+def test_a_timer_for_a_node_not_in_the_definition_is_odd_data() -> None:
+    sim = Sim(RETRYING)
+    sim.start()
+    decision = sim.send(model.TimerDue(task_id="t-ghost", node_id="ghost", now=sim.now))
+    (stale,) = decision.actions
+    assert isinstance(stale, model.Stale) and stale.odd and 'node "ghost", which its definition' in stale.reason
 
 
 def test_owner_check_is_skipped_when_the_ref_has_none(running: tuple[Sim, model.TaskRef]) -> None:
