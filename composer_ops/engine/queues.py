@@ -85,11 +85,12 @@ class Queues:
 
     def pause(self, queue: str, *, reason: str | None = None, yes: bool = True, actor: Actor | None = None,
               request_id: str | None = None) -> QueueChange:
-        """Stop every claim from taking tasks of ``queue``; its tasks stay queued."""
+        """Stop every claim from taking tasks of ``queue``; its tasks stay queued. A
+        ``reason`` replaces the queue's; without one, a paused queue keeps its own."""
         if reason is not None and (not isinstance(reason, str) or len(reason) > 1000):
             raise Invalid("the reason must be text of at most 1000 characters")
-        return self._change(check_queue(queue), "queues pause", {"paused": True, "reason": reason or None},
-                            yes, actor, request_id)
+        wanted: dict[str, Any] = {"paused": True, **({"reason": reason} if reason else {})}
+        return self._change(check_queue(queue), "queues pause", wanted, yes, actor, request_id)
 
     def resume(self, queue: str, *, yes: bool = True, actor: Actor | None = None,
                request_id: str | None = None) -> QueueChange:

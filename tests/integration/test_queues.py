@@ -51,10 +51,14 @@ def test_a_paused_queue_claims_nothing_keeps_its_tasks_and_resumes(db_url: str, 
     assert listed["q"].paused and listed["q"].reason == "provider down" and listed["q"].depth == 3
     assert listed["q"].paused_s is not None and listed["q"].paused_s >= 0
     assert not listed["r"].paused and listed["r"].running == 1
+    again = engine.queues.pause("q")      # paused again without a reason: the first one's stays
+    assert (again.changed, again.after["reason"]) == (False, "provider down")
+    assert {r.queue: r for r in engine.queues.list()}["q"].reason == "provider down"
     engine.queues.resume("q")
     assert sorted(c.run_id for c in engine.claim(["q"], "w1", 10)) == sorted(runs)
     actions = _sql(db_url, "SELECT action, target, counts FROM operator_audit ORDER BY id")
-    assert actions == [("queues pause", "q", {"changed": 1}), ("queues resume", "q", {"changed": 1})]
+    assert actions == [("queues pause", "q", {"changed": 1}), ("queues pause", "q", {"changed": 0}),
+                       ("queues resume", "q", {"changed": 1})]
 
 
 def test_max_running_bounds_the_queue_and_frees_a_place_when_an_attempt_ends(db_url: str,
