@@ -29,7 +29,8 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
                         description="Every claim reads its queues' settings, so the pause holds from each "
                                     "worker's next claim (at most one poll interval). Running tasks finish.")
     pause.add_argument("queue", metavar="NAME")
-    pause.add_argument("--reason", help="why (kept with the setting and in the audit row; a paused queue paused again without one keeps its reason)")
+    pause.add_argument("--reason", help="why (kept with the setting and in the audit row; a paused queue "
+                                        "paused again without one keeps its reason)")
     resume = add_command(qsub, "resume", cmd_queues_resume, help="let workers take tasks of a paused queue again")
     resume.add_argument("queue", metavar="NAME")
     limit = add_command(qsub, "set-limit", cmd_queues_set_limit,
