@@ -80,9 +80,11 @@ def _unknown_node(run_id: str | None, node: str | None, workflow: str | None, ve
 
 
 def run(spec_found: bool, workflow: str, version: int, unknown_nodes: list[str], run_id: str) -> list[Anomaly]:
-    """A run whose definition version is missing, and tasks for nodes its definition lacks."""
-    out = [] if spec_found else [_missing_version(run_id, workflow, version)]
-    return out + [_unknown_node(run_id, node, workflow, version) for node in unknown_nodes]
+    """A run whose definition version is missing (then its nodes are not judged: each
+    would read as missing from it), or its tasks for nodes its definition lacks."""
+    if not spec_found:
+        return [_missing_version(run_id, workflow, version)]
+    return [_unknown_node(run_id, node, workflow, version) for node in unknown_nodes]
 
 
 def definitions(mismatches: pl.DataFrame) -> list[Anomaly]:

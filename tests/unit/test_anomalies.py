@@ -38,7 +38,8 @@ def test_definition_mismatches_become_one_anomaly_each_with_the_kinds_of_run() -
     assert "run_investigation" in node.action and "composer-ops cancel RUN" in run.action
     # The same kinds as the one-run check of run_investigation, so the index and the figures
     # name one concept one way.
-    one_run = anomalies.run(False, "order-fulfilment", 9, ["extract_a"], OTHER)
+    one_run = anomalies.run(False, "order-fulfilment", 9, [], OTHER) + anomalies.run(
+        True, "nightly-report", 1, ["extract_a"], RUN)
     assert {a.kind for a in one_run} == {a.kind for a in found}
 
 
@@ -47,9 +48,20 @@ def test_no_mismatch_is_no_anomaly() -> None:
 
 
 def test_the_one_run_check_reads_as_before() -> None:
-    missing, unknown = anomalies.run(False, "order-fulfilment", 3, ["legacy_audit"], RUN)
+    (missing,) = anomalies.run(False, "order-fulfilment", 3, ["legacy_audit"], RUN)
+    (unknown,) = anomalies.run(True, "order-fulfilment", 3, ["legacy_audit"], RUN)
     assert missing.detail == ("the run started on order-fulfilment v3, which is not in workflow_definitions: "
                               "the coordinator cannot load it to decide the next step")
     assert unknown.subject == f"run {RUN}, node legacy_audit"
     assert unknown.detail.startswith("order-fulfilment v3 has no node 'legacy_audit': the task was written")
     assert anomalies.run(True, "order-fulfilment", 1, [], RUN) == []
+
+
+def test_a_run_whose_version_is_missing_is_one_anomaly_not_one_per_node() -> None:
+    """Without its definition every node of the run reads as "not in its definition":
+    the run investigation listed each (noise an on-call tester met); the missing version
+    is the one finding."""
+    found = anomalies.run(False, "order-fulfilment", 99, ["charge", "ship"], RUN)
+    assert [(a.kind, a.subject) for a in found] == [("definition version missing", f"run {RUN}")]
+    found = anomalies.run(True, "order-fulfilment", 1, ["ghost"], RUN)
+    assert [(a.kind, a.subject) for a in found] == [("task for a node not in its definition", f"run {RUN}, node ghost")]
