@@ -120,6 +120,10 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
                     "for all its free slots got all it asked for, held for the "
                     f"next slot that frees, their leases extended meanwhile (0 to {MAX_PREFETCH}; 0: free slots "
                     "only)")
+    env_option(work, "--poll-interval", env="COMPOSER_WORKER_POLL_INTERVAL", type=float, metavar="SECONDS",
+               help="override the Worker's poll interval (1): the longest an idle worker waits between claims "
+                    "without a wake-up; a rate-limited task held for a token goes at the next claim, so a "
+                    "rate_limit's burst below per_s x this caps the rate (docs/spec.md)")
     env_option(work, "--registry-interval", env="COMPOSER_WORKER_REGISTRY_INTERVAL", type=float, metavar="SECONDS",
                help="override the seconds between the worker's heartbeats in the workers registry (10); "
                     "`workers list` calls a worker dead after three intervals without one")
@@ -545,6 +549,8 @@ def cmd_worker(args: argparse.Namespace) -> int:
         raise Invalid(f"--concurrency must be at least 1, got {args.concurrency}")
     if args.prefetch is not None and not 0 <= args.prefetch <= MAX_PREFETCH:
         raise Invalid(f"--prefetch must be from 0 to {MAX_PREFETCH} tasks, got {args.prefetch}")
+    if args.poll_interval is not None and not 0 < args.poll_interval <= 3600:
+        raise Invalid(f"--poll-interval must be more than 0 and at most 3600 seconds, got {args.poll_interval:g}")
     if args.registry_interval is not None and not 0 < args.registry_interval <= 3600:
         raise Invalid(f"--registry-interval must be more than 0 and at most 3600 seconds, "
                       f"got {args.registry_interval:g}")
@@ -558,6 +564,8 @@ def cmd_worker(args: argparse.Namespace) -> int:
         if args.prefetch is not None:
             worker.prefetch = args.prefetch
         worker.shutdown_timeout = shutdown_timeout
+        if args.poll_interval is not None:
+            worker.poll_interval = args.poll_interval
         if args.registry_interval is not None:
             worker.registry_interval = args.registry_interval
         with stop_on_signals(worker.stop):

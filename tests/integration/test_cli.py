@@ -74,6 +74,8 @@ def _bad_spec(tmp_path: Path, text: str, name: str = "bad.json") -> str:
     (["coordinator", "--interval", "-1"], "--interval"),
     (["worker", "--app", APP, "--concurrency", "0"], "--concurrency must be at least 1"),
     (["worker", "--app", APP, "--prefetch", "-1"], "--prefetch must be from 0 to 100 tasks, got -1"),
+    (["worker", "--app", APP, "--poll-interval", "0"], "--poll-interval must be more than 0 and at most 3600"),
+    (["worker", "--app", APP, "--poll-interval", "nan"], "--poll-interval must be more than 0 and at most 3600"),
     (["worker", "--app", "no_such_module_here:w"], "cannot import 'no_such_module_here'"),
     (["worker", "--app", "json:dumps"], "--app json:dumps: calling it with the Engine raised TypeError: "),
     (["deploy", "/"], "/: a directory, not a definition file"),
@@ -243,3 +245,21 @@ def test_signal_to_a_finished_run_is_a_clear_error(capsys: pytest.CaptureFixture
     code, _, err = run(capsys, db_url, "signal", run_id, "delivered")
     assert code == 1 and "CANCELLED" in err and err.count("\n") == 1
     assert counts(db_url) == before
+
+
+def test_the_worker_options_override_the_apps_worker(capfd: pytest.CaptureFixture[str], db_url: str,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """What `worker` sets on the Worker its --app made, before it runs."""
+    from composer_ops import Worker
+
+    seen: dict[str, Any] = {}
+
+    def run_once(self: Worker) -> None:
+        seen.update(concurrency=self.concurrency, prefetch=self.prefetch, poll_interval=self.poll_interval,
+                    registry_interval=self.registry_interval)
+    monkeypatch.setattr(Worker, "run", run_once)
+    # capfd: the worker command reads its streams' file descriptors, which capsys has not
+    code, _, err = run(capfd, db_url, "worker", "--app", APP, "--concurrency", "3", "--prefetch", "2",
+                       "--poll-interval", "0.25", "--registry-interval", "5", "--connect-wait", "0")
+    assert code == 0, err
+    assert seen == {"concurrency": 3, "prefetch": 2, "poll_interval": 0.25, "registry_interval": 5.0}
