@@ -41,7 +41,9 @@ class EventNotes:
         if decision.refused is not None:
             self.outcome["refused"] = decision.refused
         self.key = request.id[len(KEY_PREFIX):] if request.id.startswith(KEY_PREFIX) else None
-        self.failure_kind = "lease_expired" if isinstance(event, LeaseExpired) else "failed"
+        # A lease that lapsed at its start_to_close deadline is the handler's failure (the
+        # retry policy counts it), so its row says failed, not lease expired.
+        self.failure_kind = "lease_expired" if isinstance(event, LeaseExpired) and not event.timed_out else "failed"
         self.cancelled_tasks = 0
         #: why the decision cancelled tasks (the first reason given), and their nodes
         self.cancel_reason: str | None = None

@@ -326,6 +326,12 @@ def test_start_to_close_caps_the_lease_and_its_heartbeats_then_fails_the_attempt
     engine.coordinator().run_once(["leases"])
     run = engine.get_run(run_id)
     assert run.status == "FAILED" and "failed after 2 attempts: start_to_close timeout" in str(run.error)
+    # Each is the handler's failure in the run's history too (before: "lease_expired", so
+    # `runs show` said "lease expired" of an attempt the retry policy counted as failed).
+    kinds = _sql(db_url, "SELECT kind, attempt, detail->>'error' FROM run_history WHERE run_id = %s "
+                         "AND kind IN ('failed', 'lease_expired') ORDER BY attempt", (run_id,))
+    assert [(k, a) for k, a, _ in kinds] == [("failed", 0), ("failed", 1)], kinds
+    assert all(e.startswith("start_to_close timeout: attempt ") for _, _, e in kinds), kinds
 
 
 def test_without_start_to_close_a_lapsed_lease_is_a_lease_expiry(db_url: str, engine: Engine) -> None:
