@@ -33,6 +33,7 @@ from composer_ops.ops.active import (
     queue_overview,
     rate_limited,
     start_latency,
+    timers_overdue,
     top_runs,
 )
 from composer_ops.ops.display import SelfChecks, show_key_figures, table
@@ -120,6 +121,7 @@ __all__ = [
     "queue_overview",
     "rate_limited",
     "start_latency",
+    "timers_overdue",
     "parse_cutoff",
     "node_totals",
     "partition_inventory",

@@ -28,6 +28,7 @@ QUERIES = {
     "attempt_distribution": (analytics.ATTEMPTS_SQL, None),
     "recent_requeues": (analytics.REQUEUES_SQL, {"window_s": 3600.0, "limit": 50}),
     "long_waits": (analytics.LONG_WAITS_SQL, {"older_than_s": 86400.0, "limit": 50}),
+    "timers_overdue": (analytics.TIMERS_OVERDUE_SQL, {"older_than_s": 60.0, "limit": 1}),
     "definition_mismatches": (analytics.DEFINITION_MISMATCHES_SQL, {"limit": 50}),
 }
 
