@@ -51,6 +51,8 @@ from composer_ops.ops.leases import (
     expired_running,
     expiry_buckets,
     lease_owners,
+    odd_lease_counts,
+    odd_lease_text,
     recent_requeues,
     running_leases,
     without_lease,
@@ -143,5 +145,7 @@ __all__ = [
     "unblock_command",
     "validate_run_id",
     "without_lease",
+    "odd_lease_counts",
+    "odd_lease_text",
     "workers_frame",
 ]

@@ -505,6 +505,7 @@ def expected_figures(info: SeedInfo) -> dict[str, dict[str, Any]]:
             "buckets": {"expired > 1 h ago": 1, "expired 5-60 min ago": 1, "expired < 5 min ago": 0,
                         "expires in < 1 min": 0, "expires in 1-5 min": 0, "expires in 5-30 min": 2,
                         "expires in > 30 min": 1, "no lease": 1},
+            "odd_leases": {"without": 1, "infinite": 0},      # L9's charge has no lease
             "attempts": {"0": 14, "1": 2, "2": 1},
             "requeues": [[runs["L6"], "extract_a", "connection reset by peer"],
                          [runs["L2"], "charge", "card processor timeout"]],
