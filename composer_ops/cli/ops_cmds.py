@@ -24,8 +24,8 @@ _THRESHOLDS = (
     ("sweeper_lag_s", "--sweeper-lag", "COMPOSER_CHECK_SWEEPER_LAG", "SECONDS",
      "alert when a lease expired more than this many seconds ago and its task is still RUNNING"),
     ("timers_overdue_s", "--timers-overdue", "COMPOSER_CHECK_TIMERS_OVERDUE", "SECONDS",
-     "alert when a WAITING task's timer (a WAIT node, a WAIT_FOR_SIGNAL timeout) passed more than this many "
-     "seconds ago: no coordinator fires timers"),
+     "alert when a WAITING task's timer (a WAIT node, a WAIT_FOR_SIGNAL timeout), or a dispatch's "
+     "schedule_to_start deadline, passed more than this many seconds ago: no coordinator fires timers"),
     ("replay_lag_s", "--replay-lag", "COMPOSER_CHECK_REPLAY_LAG", "SECONDS",
      "on a hot standby, alert when its replay lags the primary by more than this many seconds"),
     ("outbox_ready_age_s", "--outbox-ready-age", "COMPOSER_CHECK_OUTBOX_READY_AGE", "SECONDS",

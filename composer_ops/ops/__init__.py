@@ -33,6 +33,7 @@ from composer_ops.ops.active import (
     queue_overview,
     rate_limited,
     start_latency,
+    starts_overdue,
     timers_overdue,
     top_runs,
 )
@@ -123,6 +124,7 @@ __all__ = [
     "queue_overview",
     "rate_limited",
     "start_latency",
+    "starts_overdue",
     "timers_overdue",
     "parse_cutoff",
     "node_totals",

@@ -111,6 +111,7 @@ def check_health(source: Source = None, thresholds: Thresholds | None = None) ->
         ahead = partitions.lookahead(conn, minimum=t.months_ahead_min)
         running = leases.running_leases(conn)
         timers, timers_due, timers_late = active.timers_overdue(conn, older_than_s=t.timers_overdue_s, limit=1)
+        starts, starts_due, starts_late = active.starts_overdue(conn, older_than_s=t.timers_overdue_s, limit=1)
         backlog = active.outbox_backlog(conn)
         plan = retention.retention_plan(conn, cutoff)
         waits, waits_total = active.long_waits(conn, older_than_s=t.long_wait_h * 3600, limit=1)
@@ -157,19 +158,29 @@ def check_health(source: Source = None, thresholds: Thresholds | None = None) ->
                   f"{odd['run_id'][0]} (the lease_expiries report lists them)" if odd.height else ""),
         help="Seconds since the longest-expired lease of a task still RUNNING (0: none)."))
 
-    # The coordinator's timer loop fires a due timer within a pass: one still WAITING
-    # past the threshold means no coordinator runs, even while workers do.
-    overdue = float(timers["overdue_s"][0]) if timers.height else 0.0
+    # The coordinator's timer loop fires a due timer, and fails a dispatch past its
+    # schedule_to_start deadline, within a pass: one still there past the threshold
+    # means no coordinator runs, even while workers do.
+    timer_s = float(timers["overdue_s"][0]) if timers.height else 0.0
+    start_s = float(starts["overdue_s"][0]) if starts.height else 0.0
+    overdue = max(timer_s, start_s)
+    over = duration(t.timers_overdue_s)
+    late_parts = ([f"{timers_late} WAITING task(s) whose timer passed over {over} ago, the oldest "
+                   f"{duration(timer_s)} overdue in run {timers['run_id'][0]} (node {timers['node_id'][0]})"]
+                  if timer_s > t.timers_overdue_s else []) + \
+                 ([f"{starts_late} dispatch(es) past their schedule_to_start deadline by over {over}, the oldest "
+                   f"{duration(start_s)} in run {starts['run_id'][0]}"] if start_s > t.timers_overdue_s else [])
     checks.append(Check(
         name="timers overdue", runbook="timers_overdue",
         metric="composer_timers_overdue_seconds", value=overdue, threshold=t.timers_overdue_s,
         alert=overdue > t.timers_overdue_s,
-        detail=(f"{timers_late} WAITING task(s) whose timer passed over {duration(t.timers_overdue_s)} ago, the "
-                f"oldest {duration(overdue)} overdue in run {timers['run_id'][0]} (node {timers['node_id'][0]}): "
-                "is a coordinator running?" if overdue > t.timers_overdue_s
-                else f"{timers_due} timer(s) due, none overdue over {duration(t.timers_overdue_s)}"),
-        help="Seconds the most overdue timer (a WAIT node's timer, a WAIT_FOR_SIGNAL node's timeout) of an "
-             "active run is past its wake_at and still WAITING (0: none due)."))
+        detail=("; ".join(late_parts) + ": is a coordinator running?" if late_parts
+                else f"{timers_due} timer(s) due, none overdue over {over}"
+                     + (f"; {starts_due} dispatch(es) past their schedule_to_start deadline, none by over {over}"
+                        if starts_due else "")),
+        help="Seconds the most overdue timer of an active run (a WAIT node's timer, a WAIT_FOR_SIGNAL node's "
+             "timeout) is past its wake_at and still WAITING, or a dispatch past its schedule_to_start deadline "
+             "is still in the outbox: both are the coordinator's to fire (0: none due)."))
 
     # A paused queue's rows, or those of a queue at its limit, wait on purpose: the
     # queue's own check (queue paused long) and the queues' figures speak for them.

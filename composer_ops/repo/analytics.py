@@ -227,6 +227,29 @@ def long_waits(conn: Conn, older_than_s: float, limit: int) -> list[Row]:
     return _rows(conn, LONG_WAITS_SQL, {"older_than_s": older_than_s, "limit": limit})
 
 
+# Dispatches past their schedule_to_start deadline (start_by) still in the outbox: the
+# coordinator's timer loop fails their tasks within a pass (outbox.unstarted selects them),
+# through the outbox's partial start_by index. The most overdue row, how many are overdue,
+# and how many by more than the threshold.
+STARTS_OVERDUE_SQL = """
+    SELECT run_id, task_id, start_by, extract(epoch FROM %(now)s::timestamptz - start_by)::float8 AS overdue_s,
+           count(*) OVER () AS overdue,
+           count(*) FILTER (WHERE start_by < %(now)s::timestamptz - make_interval(secs => %(older_than_s)s))
+               OVER () AS late
+      FROM task_outbox
+     WHERE start_by <= %(now)s::timestamptz AND isfinite(start_by)
+     ORDER BY start_by, run_id, task_id
+     LIMIT %(limit)s
+"""
+
+
+def starts_overdue(conn: Conn, older_than_s: float, limit: int) -> list[Row]:
+    """Dispatches past their schedule_to_start deadline, most overdue first: run_id,
+    task_id, start_by, overdue_s, overdue (how many in all) and late (how many by more
+    than ``older_than_s``)."""
+    return _rows(conn, STARTS_OVERDUE_SQL, {"older_than_s": older_than_s, "limit": limit})
+
+
 def timers_overdue(conn: Conn, older_than_s: float, limit: int) -> list[Row]:
     """WAITING tasks whose timer (wake_at) has passed, of active runs, most overdue first:
     run_id, task_id, node_id, node_type, wake_at, overdue_s, overdue (how many in all,

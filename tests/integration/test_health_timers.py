@@ -22,6 +22,8 @@ from tests.notebooks.harness import as_role
 
 TIMER = {"id": "tmo", "nodes": [{"id": "z", "type": "WAIT", "duration_s": 3600},
                                 {"id": "b", "type": "TASK", "task": "t", "depends_on": ["z"]}]}
+STARTS = {"id": "sto", "nodes": [{"id": "a", "type": "TASK", "task": "t", "queue": "nobody",
+                                  "timeouts": {"schedule_to_start_s": 3600}}]}
 SIGNAL = {"id": "sgo", "nodes": [{"id": "s", "type": "WAIT_FOR_SIGNAL", "signal": "go", "timeout_s": 3600,
                                   "on_timeout": "continue"}]}
 
@@ -30,6 +32,7 @@ SIGNAL = {"id": "sgo", "nodes": [{"id": "s", "type": "WAIT_FOR_SIGNAL", "signal"
 def engine(engine: Engine) -> Engine:
     engine.deploy(TIMER)
     engine.deploy(SIGNAL)
+    engine.deploy(STARTS)
     return engine
 
 
@@ -124,3 +127,28 @@ def test_a_running_coordinator_fires_the_timers_and_the_alert_clears(engine: Eng
     assert (check.value, check.alert) == (0.0, False), check
     states = {r: {t.node_id: t.state for t in engine.get_run(r).tasks} for r in (waiting, signalled)}
     assert states[waiting]["z"] == "COMPLETED" and states[signalled]["s"] == "COMPLETED", states
+
+
+def test_a_dispatch_past_its_schedule_to_start_deadline_alerts_until_a_coordinator_fails_it(
+        engine: Engine, db_url: str) -> None:
+    """The timer loop also fails a task whose dispatch no worker claimed by its
+    schedule_to_start deadline: one left in the outbox past the threshold alerts too."""
+    run_id = engine.start("sto")
+    with psycopg.connect(db_url, autocommit=True) as conn:
+        cur = conn.execute("UPDATE task_outbox SET start_by = now() - interval '1 hour' WHERE run_id = %s",
+                           (run_id,))
+        assert cur.rowcount == 1
+    check = _timers_check(db_url)
+    assert check.alert is True and check.value == pytest.approx(3600, abs=60), check
+    assert check.detail == (f"1 dispatch(es) past their schedule_to_start deadline by over 1 min, the oldest 1 h "
+                            f"in run {run_id}: is a coordinator running?")
+    assert _timers_check(db_url, threshold_s=7200).alert is False
+    running = engine.coordinator(interval=0.1)
+    thread = threading.Thread(target=running.run, daemon=True)
+    thread.start()
+    try:
+        wait_for(lambda: not _timers_check(db_url).alert, timeout=60, what="the coordinator to fail the task")
+    finally:
+        running.stop()
+        thread.join(60)
+    assert engine.get_run(run_id).status == "FAILED"
