@@ -23,6 +23,9 @@ _THRESHOLDS = (
      "alert when fewer partition months exist after the current one"),
     ("sweeper_lag_s", "--sweeper-lag", "COMPOSER_CHECK_SWEEPER_LAG", "SECONDS",
      "alert when a lease expired more than this many seconds ago and its task is still RUNNING"),
+    ("timers_overdue_s", "--timers-overdue", "COMPOSER_CHECK_TIMERS_OVERDUE", "SECONDS",
+     "alert when a WAITING task's timer (a WAIT node, a WAIT_FOR_SIGNAL timeout), or a dispatch's "
+     "schedule_to_start deadline, passed more than this many seconds ago: no coordinator fires timers"),
     ("replay_lag_s", "--replay-lag", "COMPOSER_CHECK_REPLAY_LAG", "SECONDS",
      "on a hot standby, alert when its replay lags the primary by more than this many seconds"),
     ("outbox_ready_age_s", "--outbox-ready-age", "COMPOSER_CHECK_OUTBOX_READY_AGE", "SECONDS",
@@ -67,13 +70,13 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     chk = add_command(
         sub, "check", cmd_check, database="reads",
         help="deployment health against thresholds (exit 0 healthy, 1 alert, 2 bad input)",
-        description="Read the database once and judge nine figures: replay lag (on a hot standby), partition "
-                    "months ahead, sweeper lag, the oldest ready outbox row (paused queues and queues at their "
-                    "limit not counted), retention blocked by active runs, WAIT_FOR_SIGNAL nodes without a "
-                    "timeout waiting long, failing webhook deliveries, late schedules, queues paused long; "
-                    "each alert names its runbook (composer-ops "
-                    "runbook NAME). Exit 0 when healthy, 1 when a check alerts (or the database cannot be read: "
-                    "then --prometheus writes composer_check_up 0 and --json an error object), 2 for bad input.")
+        description="Read the database once and judge ten figures: replay lag (on a hot standby), partition "
+                    "months ahead, sweeper lag, timers overdue (a stopped coordinator), the oldest ready outbox "
+                    "row (paused queues and queues at their limit not counted), retention blocked by active "
+                    "runs, WAIT_FOR_SIGNAL nodes without a timeout waiting long, failing webhook deliveries, late "
+                    "schedules, queues paused long; each alert names its runbook (composer-ops runbook NAME). "
+                    "Exit 0 when healthy, 1 when a check alerts (or the database cannot be read: then "
+                    "--prometheus writes composer_check_up 0 and --json an error object), 2 for bad input.")
     add_json_option(chk, "print the checks as a JSON object")
     env_option(chk, "--prometheus", env="COMPOSER_CHECK_PROMETHEUS", metavar="FILE",
                help="also write the figures in the Prometheus text format to FILE (atomically; for "

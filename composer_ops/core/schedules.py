@@ -14,7 +14,7 @@ exists: none in the skipped hour, both passes of the repeated one.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
@@ -273,15 +273,19 @@ def plan_pass(schedule: Schedule, due: Sequence[datetime], following: datetime |
 
 def late_reason(*, paused: bool, next_slot_at: datetime | None, last_slot_at: datetime | None,
                 last_missed_slot_at: datetime | None, last_not_started_reason: str | None, now: datetime,
-                threshold: timedelta) -> str | None:
+                threshold: timedelta, duration: Callable[[float], str] | None = None) -> str | None:
     """Why a schedule's last due slot did not start (None: it did, or none is due): its
     cursor is more than ``threshold`` behind the clock (no coordinator decided the slot),
     or the newest slot decided was missed and none started after it. A paused schedule
-    is never late; an overlap skip is the policy working, not a miss."""
+    is never late; an overlap skip is the policy working, not a miss. ``duration`` writes
+    the seconds overdue (the reports' and ``check``'s
+    :func:`composer_ops.ops.display.duration`; None: ``360s``)."""
     if paused:
         return None
     if next_slot_at is not None and now - next_slot_at > threshold:
-        return (f"slot {next_slot_at.astimezone(UTC):%Y-%m-%dT%H:%M:%SZ} is {_seconds(now - next_slot_at)} "
+        late = now - next_slot_at
+        return (f"slot {next_slot_at.astimezone(UTC):%Y-%m-%dT%H:%M:%SZ} is "
+                f"{duration(late.total_seconds()) if duration else _seconds(late)} "
                 "overdue: is a coordinator running the schedules loop?")
     if last_missed_slot_at is not None and (last_slot_at is None or last_missed_slot_at > last_slot_at):
         return (f"slot {last_missed_slot_at.astimezone(UTC):%Y-%m-%dT%H:%M:%SZ} was missed: "

@@ -33,6 +33,8 @@ from composer_ops.ops.active import (
     queue_overview,
     rate_limited,
     start_latency,
+    starts_overdue,
+    timers_overdue,
     top_runs,
 )
 from composer_ops.ops.display import SelfChecks, show_key_figures, table
@@ -50,6 +52,8 @@ from composer_ops.ops.leases import (
     expired_running,
     expiry_buckets,
     lease_owners,
+    odd_lease_counts,
+    odd_lease_text,
     recent_requeues,
     running_leases,
     without_lease,
@@ -120,6 +124,8 @@ __all__ = [
     "queue_overview",
     "rate_limited",
     "start_latency",
+    "starts_overdue",
+    "timers_overdue",
     "parse_cutoff",
     "node_totals",
     "partition_inventory",
@@ -141,5 +147,7 @@ __all__ = [
     "unblock_command",
     "validate_run_id",
     "without_lease",
+    "odd_lease_counts",
+    "odd_lease_text",
     "workers_frame",
 ]

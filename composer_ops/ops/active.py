@@ -132,6 +132,40 @@ def long_waits(source: Source = None, *, older_than_s: float = 86400, limit: int
     }), total
 
 
+def timers_overdue(source: Source = None, *, older_than_s: float = 60,
+                   limit: int = 50) -> tuple[pl.DataFrame, int, int]:
+    """WAITING tasks of active runs whose timer (``wake_at``: a WAIT node's timer, a
+    WAIT_FOR_SIGNAL node's timeout) has passed, most overdue first (at most ``limit``),
+    how many are overdue in all, and how many by more than ``older_than_s``. The
+    coordinator's timer loop fires them within a pass: minutes overdue mean no
+    coordinator is running, or its passes fail."""
+    if older_than_s < 0 or limit < 1:
+        raise Invalid(f"timers_overdue needs older_than_s >= 0 and limit >= 1, got {older_than_s} and {limit}")
+    with connection(source) as conn:
+        rows = analytics.timers_overdue(conn, older_than_s, limit)
+    overdue, late = (int(rows[0][-2]), int(rows[0][-1])) if rows else (0, 0)
+    return rows_frame([r[:-2] for r in rows], {
+        "run_id": pl.String, "task_id": pl.String, "node_id": pl.String, "node_type": pl.String,
+        "wake_at": UTC_TS, "overdue_s": pl.Float64,
+    }), overdue, late
+
+
+def starts_overdue(source: Source = None, *, older_than_s: float = 60,
+                   limit: int = 50) -> tuple[pl.DataFrame, int, int]:
+    """Dispatches still in the outbox past their schedule_to_start deadline (``start_by``),
+    most overdue first (at most ``limit``), how many in all, and how many by more than
+    ``older_than_s``. The coordinator's timer loop fails their tasks within a pass, as it
+    fires :func:`timers_overdue`'s timers."""
+    if older_than_s < 0 or limit < 1:
+        raise Invalid(f"starts_overdue needs older_than_s >= 0 and limit >= 1, got {older_than_s} and {limit}")
+    with connection(source) as conn:
+        rows = analytics.starts_overdue(conn, older_than_s, limit)
+    overdue, late = (int(rows[0][-2]), int(rows[0][-1])) if rows else (0, 0)
+    return rows_frame([r[:-2] for r in rows], {
+        "run_id": pl.String, "task_id": pl.String, "start_by": UTC_TS, "overdue_s": pl.Float64,
+    }), overdue, late
+
+
 #: Columns of :func:`definition_mismatches`; ``node_id`` is null on a run's own row.
 DEFINITION_MISMATCH_SCHEMA = {
     "run_id": pl.String, "workflow_id": pl.String, "workflow_version": pl.Int64, "status": pl.String,

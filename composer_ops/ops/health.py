@@ -35,6 +35,7 @@ class Thresholds:
     webhook_attempts: int = 3          # a delivery still retried after this many attempts is failing
     schedule_late_s: float = 300       # alert on a schedule whose last due slot did not start this long after it
     queue_paused_h: float = 1          # alert on a queue paused longer than this (an incident's pause forgotten)
+    timers_overdue_s: float = 60       # alert when a WAITING task's timer (wake_at) passed longer ago than this
 
     def checked(self) -> Thresholds:
         """Itself, or :class:`Invalid` naming the first threshold out of range."""
@@ -44,7 +45,8 @@ class Thresholds:
                                   ("--outbox-ready-age", self.outbox_ready_age_s, "s"),
                                   ("--long-wait-h", self.long_wait_h, "h"),
                                   ("--schedule-late", self.schedule_late_s, "s"),
-                                  ("--queue-paused-h", self.queue_paused_h, "h")):
+                                  ("--queue-paused-h", self.queue_paused_h, "h"),
+                                  ("--timers-overdue", self.timers_overdue_s, "s")):
             try:
                 params.number(value, unit=unit)
             except Invalid as exc:
@@ -108,6 +110,8 @@ def check_health(source: Source = None, thresholds: Thresholds | None = None) ->
         reading = read_from(conn)
         ahead = partitions.lookahead(conn, minimum=t.months_ahead_min)
         running = leases.running_leases(conn)
+        timers, timers_due, timers_late = active.timers_overdue(conn, older_than_s=t.timers_overdue_s, limit=1)
+        starts, starts_due, starts_late = active.starts_overdue(conn, older_than_s=t.timers_overdue_s, limit=1)
         backlog = active.outbox_backlog(conn)
         plan = retention.retention_plan(conn, cutoff)
         waits, waits_total = active.long_waits(conn, older_than_s=t.long_wait_h * 3600, limit=1)
@@ -153,6 +157,30 @@ def check_health(source: Source = None, thresholds: Thresholds | None = None) ->
                + (f"; odd data: {odd.height} RUNNING task(s) without a lease or with an infinite one, e.g. run "
                   f"{odd['run_id'][0]} (the lease_expiries report lists them)" if odd.height else ""),
         help="Seconds since the longest-expired lease of a task still RUNNING (0: none)."))
+
+    # The coordinator's timer loop fires a due timer, and fails a dispatch past its
+    # schedule_to_start deadline, within a pass: one still there past the threshold
+    # means no coordinator runs, even while workers do.
+    timer_s = float(timers["overdue_s"][0]) if timers.height else 0.0
+    start_s = float(starts["overdue_s"][0]) if starts.height else 0.0
+    overdue = max(timer_s, start_s)
+    over = duration(t.timers_overdue_s)
+    late_parts = ([f"{timers_late} WAITING task(s) whose timer passed over {over} ago, the oldest "
+                   f"{duration(timer_s)} overdue in run {timers['run_id'][0]} (node {timers['node_id'][0]})"]
+                  if timer_s > t.timers_overdue_s else []) + \
+                 ([f"{starts_late} dispatch(es) past their schedule_to_start deadline by over {over}, the oldest "
+                   f"{duration(start_s)} in run {starts['run_id'][0]}"] if start_s > t.timers_overdue_s else [])
+    checks.append(Check(
+        name="timers overdue", runbook="timers_overdue",
+        metric="composer_timers_overdue_seconds", value=overdue, threshold=t.timers_overdue_s,
+        alert=overdue > t.timers_overdue_s,
+        detail=("; ".join(late_parts) + ": is a coordinator running?" if late_parts
+                else f"{timers_due} timer(s) due, none overdue over {over}"
+                     + (f"; {starts_due} dispatch(es) past their schedule_to_start deadline, none by over {over}"
+                        if starts_due else "")),
+        help="Seconds the most overdue timer of an active run (a WAIT node's timer, a WAIT_FOR_SIGNAL node's "
+             "timeout) is past its wake_at and still WAITING, or a dispatch past its schedule_to_start deadline "
+             "is still in the outbox: both are the coordinator's to fire (0: none due)."))
 
     # A paused queue's rows, or those of a queue at its limit, wait on purpose: the
     # queue's own check (queue paused long) and the queues' figures speak for them.

@@ -74,6 +74,23 @@ def without_lease(leases: pl.DataFrame) -> pl.DataFrame:
                          | infinite_expiry())
 
 
+def odd_lease_counts(leases: pl.DataFrame) -> dict[str, int]:
+    """How many RUNNING tasks (from :func:`running_leases`) have no lease (no owner or no
+    expiry) and how many an infinite one (``'infinity'`` or ``'-infinity'``): the two
+    kinds of :func:`without_lease`, each counted once (``without`` + ``infinite`` is its
+    height)."""
+    odd = without_lease(leases)
+    infinite = odd.filter(infinite_expiry()).height
+    return {"without": odd.height - infinite, "infinite": infinite}
+
+
+def odd_lease_text(counts: dict[str, int]) -> str:
+    """``1 without a lease, 1 with an infinite lease``: :func:`odd_lease_counts` in words
+    (the infinite part only when there is one)."""
+    text = f"{counts['without']:,} without a lease"
+    return text + (f", {counts['infinite']:,} with an infinite lease" if counts["infinite"] else "")
+
+
 def infinite_expiry(column: str = "lease_expires_at") -> pl.Expr:
     """True where ``column`` was read from ``'infinity'`` or ``'-infinity'``."""
     return pl.col(column).is_in([INFINITY, MINUS_INFINITY]).fill_null(False)

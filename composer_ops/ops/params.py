@@ -169,6 +169,7 @@ RUNBOOK_CHECKS: dict[str, dict[str, Check]] = {
     "replay_lag": {"replay_lag_s": _number_above(0, inclusive=True)},
     "partitions_ahead": {"months_ahead_min": _int_between(0, 120), "months_ahead": _int_between(0, 120)},
     "sweeper_lag": {"sweeper_lag_s": _number_above(0, inclusive=True)},
+    "timers_overdue": {"timers_overdue_s": _number_above(0, inclusive=True), "limit": _int_between(1, 1000)},
     "outbox_ready": {"outbox_ready_age_s": _number_above(0, inclusive=True),
                      "workers_window_h": _number_above(0, inclusive=True, unit="h")},
     "retention_blocked": {"cutoff": _cutoff, "reason": _text},

@@ -14,6 +14,7 @@ import polars as pl
 from composer_ops.core.schedules import late_reason
 from composer_ops.errors import Invalid
 from composer_ops.ops._common import UTC_TS, Source, connection, rows_frame
+from composer_ops.ops.display import duration
 from composer_ops.repo import schedules
 
 #: Columns of :func:`schedules_overview`, in order.
@@ -42,7 +43,7 @@ def schedules_overview(source: Source = None, *, late_after_s: float = 300) -> p
         why = late_reason(paused=r.paused, next_slot_at=r.next_slot_at, last_slot_at=r.last_slot_at,
                           last_missed_slot_at=r.last_missed_slot_at,
                           last_not_started_reason=r.last_not_started_reason, now=r.now,
-                          threshold=timedelta(seconds=late_after_s))
+                          threshold=timedelta(seconds=late_after_s), duration=duration)
         out.append((r.name, r.workflow_id, r.cron, r.timezone, r.overlap, r.catchup, r.paused, r.next_slot_at,
                     r.last_slot_at, r.last_run_id, r.last_run_status, r.missed_slots, r.skipped_slots,
                     r.last_not_started_reason, r.buffered_slot_at, why is not None, why))

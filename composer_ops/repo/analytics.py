@@ -141,6 +141,28 @@ LONG_WAITS_SQL = """
 """
 
 
+# Timers the coordinator's timer loop should have fired: WAITING tasks whose wake_at has
+# passed (a WAIT node's timer, a WAIT_FOR_SIGNAL node's timeout), of runs that are active
+# and not soft-deleted, as signals.due_waits selects them. Read through the partial wake
+# index (state = 'WAITING' AND wake_at IS NOT NULL); the most overdue row, how many are
+# overdue, and how many by more than the threshold. A wake_at at '-infinity' (odd data)
+# has no lateness to measure: it is left out.
+TIMERS_OVERDUE_SQL = """
+    SELECT t.run_id, t.id, t.node_id, t.node_type, t.wake_at,
+           extract(epoch FROM %(now)s::timestamptz - t.wake_at)::float8 AS overdue_s,
+           count(*) OVER () AS overdue,
+           count(*) FILTER (WHERE t.wake_at < %(now)s::timestamptz - make_interval(secs => %(older_than_s)s))
+               OVER () AS late
+      FROM task_instances t
+      JOIN workflow_runs r ON r.id = t.run_id
+     WHERE t.state = 'WAITING' AND t.wake_at IS NOT NULL AND t.wake_at <= %(now)s::timestamptz
+       AND isfinite(t.wake_at)
+       AND r.deleted_at IS NULL AND r.status IN ('PENDING', 'RUNNING')
+     ORDER BY t.wake_at, t.run_id, t.node_id
+     LIMIT %(limit)s
+"""
+
+
 # Active tasks their run's definition does not explain: the run's definition version row
 # is missing (one row per run, node_id NULL), or it has no node of the task's node_id (one
 # row per run and node: a MAP node's items count as its tasks). The active-state predicate
@@ -203,6 +225,36 @@ def long_waits(conn: Conn, older_than_s: float, limit: int) -> list[Row]:
     oldest first: run_id, task_id, node_id, signal_name, created_at, waiting_s, and
     total (how many there are in all, whatever ``limit``)."""
     return _rows(conn, LONG_WAITS_SQL, {"older_than_s": older_than_s, "limit": limit})
+
+
+# Dispatches past their schedule_to_start deadline (start_by) still in the outbox: the
+# coordinator's timer loop fails their tasks within a pass (outbox.unstarted selects them),
+# through the outbox's partial start_by index. The most overdue row, how many are overdue,
+# and how many by more than the threshold.
+STARTS_OVERDUE_SQL = """
+    SELECT run_id, task_id, start_by, extract(epoch FROM %(now)s::timestamptz - start_by)::float8 AS overdue_s,
+           count(*) OVER () AS overdue,
+           count(*) FILTER (WHERE start_by < %(now)s::timestamptz - make_interval(secs => %(older_than_s)s))
+               OVER () AS late
+      FROM task_outbox
+     WHERE start_by <= %(now)s::timestamptz AND isfinite(start_by)
+     ORDER BY start_by, run_id, task_id
+     LIMIT %(limit)s
+"""
+
+
+def starts_overdue(conn: Conn, older_than_s: float, limit: int) -> list[Row]:
+    """Dispatches past their schedule_to_start deadline, most overdue first: run_id,
+    task_id, start_by, overdue_s, overdue (how many in all) and late (how many by more
+    than ``older_than_s``)."""
+    return _rows(conn, STARTS_OVERDUE_SQL, {"older_than_s": older_than_s, "limit": limit})
+
+
+def timers_overdue(conn: Conn, older_than_s: float, limit: int) -> list[Row]:
+    """WAITING tasks whose timer (wake_at) has passed, of active runs, most overdue first:
+    run_id, task_id, node_id, node_type, wake_at, overdue_s, overdue (how many in all,
+    whatever ``limit``) and late (how many by more than ``older_than_s``)."""
+    return _rows(conn, TIMERS_OVERDUE_SQL, {"older_than_s": older_than_s, "limit": limit})
 
 
 def definition_mismatches(conn: Conn, limit: int) -> list[Row]:

@@ -49,6 +49,10 @@ RUNBOOKS: tuple[Runbook, ...] = (
     Runbook(name="sweeper_lag", alert="sweeper lag", incident=None,
             means="a task is still RUNNING long after its lease expired: no coordinator sweeps leases",
             acts="runs one pass of the lease sweeper (as a coordinator would), one audit row"),
+    Runbook(name="timers_overdue", alert="timers overdue", incident="the coordinator is down",
+            means="a WAITING task's timer (a WAIT node, a WAIT_FOR_SIGNAL timeout) or a dispatch's "
+                  "schedule_to_start deadline passed long ago and did not fire: no coordinator runs the timer loop",
+            acts="nothing: start a coordinator; the runbook lists the timers it will fire"),
     Runbook(name="outbox_ready", alert="oldest ready outbox row", incident=None,
             means="a claimable dispatch has waited too long: no live worker serves its queue, or too few",
             acts="nothing: start or scale workers for the queues named; the runbook names them"),

@@ -505,6 +505,7 @@ def expected_figures(info: SeedInfo) -> dict[str, dict[str, Any]]:
             "buckets": {"expired > 1 h ago": 1, "expired 5-60 min ago": 1, "expired < 5 min ago": 0,
                         "expires in < 1 min": 0, "expires in 1-5 min": 0, "expires in 5-30 min": 2,
                         "expires in > 30 min": 1, "no lease": 1},
+            "odd_leases": {"without": 1, "infinite": 0},      # L9's charge has no lease
             "attempts": {"0": 14, "1": 2, "2": 1},
             "requeues": [[runs["L6"], "extract_a", "connection reset by peer"],
                          [runs["L2"], "charge", "card processor timeout"]],
@@ -567,6 +568,10 @@ def runbook_figures(info: SeedInfo) -> dict[str, dict[str, Any]]:
     tables = ("workflow_runs", "task_instances", "workflow_events", "run_history")
     return {
         "sweeper_lag": {"alert": True, "expired": lost, "suspect_dead": ["worker-b"], "plan": lost, "act": dry},
+        # The seed's timers (L4's cool_off, L5's delivered timeout) are not due yet; no dispatch has a
+        # schedule_to_start deadline.
+        "timers_overdue": {"alert": False, "due": 0, "late": 0, "plan": [], "starts_due": 0, "start_plan": [],
+                           "act": dry},
         "dead_worker": {"dead": [], "suspect_dead": ["worker-b"], "plan": lost, "act": dry},
         "partitions_ahead": {"alert": False, "months_ahead": dict.fromkeys(tables, 3), "plan": [], "act": dry},
         # L8's charge (payments) and L6's extract_b (reports) are ready; the seed registers no worker.

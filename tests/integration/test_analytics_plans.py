@@ -28,6 +28,7 @@ QUERIES = {
     "attempt_distribution": (analytics.ATTEMPTS_SQL, None),
     "recent_requeues": (analytics.REQUEUES_SQL, {"window_s": 3600.0, "limit": 50}),
     "long_waits": (analytics.LONG_WAITS_SQL, {"older_than_s": 86400.0, "limit": 50}),
+    "timers_overdue": (analytics.TIMERS_OVERDUE_SQL, {"older_than_s": 60.0, "limit": 1}),
     "definition_mismatches": (analytics.DEFINITION_MISMATCHES_SQL, {"limit": 50}),
 }
 
@@ -109,3 +110,23 @@ def test_query_reads_task_instances_only_through_partial_indexes(busy_db: str, n
             assert node["Index Name"] in partial, (name, node["Index Name"])
         seen[relation] = node["Node Type"]
     assert populated <= set(seen), f"{name}: populated partitions not read through an index: {populated - set(seen)}"
+
+
+def test_the_start_deadline_query_reads_the_outbox_through_its_partial_index(busy_db: str) -> None:
+    """check's timers-overdue figure also reads the dispatches past their schedule_to_start
+    deadline: through idx_task_outbox_start_by (only rows with a deadline), not by
+    scanning an outbox of 5,000 ready rows without one."""
+    with psycopg.connect(busy_db) as conn:
+        conn.execute("""INSERT INTO task_outbox (queue, run_id, task_id, attempt, task_name, lease_s, start_by)
+                        SELECT 'q', 'r' || i, 't' || i, 0, 't', 30,
+                               CASE WHEN i <= 5 THEN now() - make_interval(mins => i) END
+                          FROM generate_series(1, 5000) i""")
+        conn.execute("ANALYZE task_outbox")
+        explained = conn.execute(f"EXPLAIN (FORMAT JSON) {analytics.STARTS_OVERDUE_SQL}".encode(),
+                                 {"older_than_s": 60.0, "limit": 1, "now": clock.now(conn)}).fetchone()
+        conn.rollback()
+    assert explained is not None
+    nodes = [node for node, _parent in _scans(explained[0][0]["Plan"])]
+    outbox = [n for n in nodes if n.get("Relation Name") == "task_outbox"]
+    assert outbox and all(n["Node Type"] != "Seq Scan" for n in outbox), outbox
+    assert {n.get("Index Name") for n in nodes} & {"idx_task_outbox_start_by"}, nodes

@@ -14,6 +14,7 @@ from composer_ops.cli import main
 from tests.notebooks.harness import as_role, seed_committed
 
 METRICS = ["composer_replay_lag_seconds", "composer_partitions_months_ahead", "composer_sweeper_lag_seconds",
+           "composer_timers_overdue_seconds",
            "composer_outbox_oldest_ready_seconds",
            "composer_retention_blocked_months", "composer_long_waits_without_timeout",
            "composer_webhook_deliveries_failing", "composer_schedules_late", "composer_queue_paused_longest_seconds"]
@@ -54,6 +55,7 @@ def test_the_seeded_database_alerts_and_says_why(db_url: str, tmp_path: Path,
     assert doc["healthy"] is False and list(checks) == METRICS
     alerting = {m for m, c in checks.items() if c["alert"]}
     assert alerting == set(METRICS) - {"composer_partitions_months_ahead", "composer_replay_lag_seconds",
+                                       "composer_timers_overdue_seconds",  # the seed's timers are not due
                                        "composer_schedules_late",          # the seed has no schedule
                                        "composer_queue_paused_longest_seconds"}
     assert checks["composer_sweeper_lag_seconds"]["value"] == pytest.approx(7200, abs=60)   # L7's lease
@@ -84,7 +86,8 @@ def test_thresholds_come_from_the_environment(db_url: str, monkeypatch: pytest.M
 
 @pytest.mark.parametrize("argv", [["--sweeper-lag", "-1"], ["--months-ahead-min", "-2"],
                                   ["--retention-older-than", "yesterday"], ["--webhook-attempts", "0"],
-                                  ["--long-wait-h", "nan"], ["--outbox-ready-age", "soon"]])
+                                  ["--long-wait-h", "nan"], ["--outbox-ready-age", "soon"],
+                                  ["--timers-overdue", "-1"]])
 def test_bad_thresholds_exit_2_with_one_line(argv: list[str], tmp_path: Path,
                                              capsys: pytest.CaptureFixture[str]) -> None:
     prom = tmp_path / "x.prom"
@@ -129,13 +132,14 @@ def test_check_help_shows_every_threshold_with_its_variable(capsys: pytest.Captu
     for env, default in (("COMPOSER_CHECK_MONTHS_AHEAD_MIN", "2"), ("COMPOSER_CHECK_SWEEPER_LAG", "60"),
                          ("COMPOSER_CHECK_OUTBOX_READY_AGE", "300"), ("COMPOSER_RETENTION_OLDER_THAN", "6 months"),
                          ("COMPOSER_CHECK_LONG_WAIT_H", "24"), ("COMPOSER_CHECK_WEBHOOK_ATTEMPTS", "3"),
-                         ("COMPOSER_CHECK_SCHEDULE_LATE", "300")):
+                         ("COMPOSER_CHECK_SCHEDULE_LATE", "300"), ("COMPOSER_CHECK_TIMERS_OVERDUE", "60")):
         assert f"[env: {env}] (default: {default})" in text, env
     assert "COMPOSER_CHECK_PROMETHEUS" in text
 
 
 RUNBOOKS = {"composer_replay_lag_seconds": "replay_lag", "composer_partitions_months_ahead": "partitions_ahead",
-            "composer_sweeper_lag_seconds": "sweeper_lag", "composer_outbox_oldest_ready_seconds": "outbox_ready",
+            "composer_sweeper_lag_seconds": "sweeper_lag", "composer_timers_overdue_seconds": "timers_overdue",
+            "composer_outbox_oldest_ready_seconds": "outbox_ready",
             "composer_retention_blocked_months": "retention_blocked",
             "composer_long_waits_without_timeout": "long_waits",
             "composer_webhook_deliveries_failing": "failing_webhooks", "composer_schedules_late": "schedule_late",

@@ -369,6 +369,9 @@ def test_a_lease_at_infinity_renders_flagged_in_every_report_that_reads_leases(
         page = next((out / name).glob("*.html")).read_text(encoding="utf-8")
         assert "RUNNING with an infinite lease" in page and info.runs["L1"] in page, name
         assert "self-checks passed" in page, name
+    # The headline counts L1's infinite lease apart from L9's missing one (its buckets say 1 and 1).
+    page = next((out / "lease_expiries").glob("*.html")).read_text(encoding="utf-8")
+    assert "1 without a lease, 1 with an infinite lease," in page and "2 without a lease" not in page
 
 
 def test_a_cell_waiting_on_a_lock_past_the_timeout_fails_in_one_line_naming_it(

@@ -260,7 +260,7 @@ def test_check_alerts_on_a_schedule_whose_due_slot_did_not_start(engine: Engine,
     assert late()[0] is False
     frozen.set(START + timedelta(hours=1, minutes=6))          # no coordinator: 6 minutes overdue
     alert, detail = late()
-    assert alert and "slot 2026-03-28T13:00:00Z is 360s overdue" in detail
+    assert alert and "slot 2026-03-28T13:00:00Z is 6 min overdue" in detail
     _pass(engine)                                             # catch-up latest starts it, late as it is
     assert late()[0] is False
     engine.set_enabled("nightly", False)

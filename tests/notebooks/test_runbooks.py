@@ -210,6 +210,25 @@ def test_each_acting_runbook_acts_through_the_engine_with_its_audit_row(
         assert db_role == role and command.endswith(f"[record {record}]"), (action, command)
 
 
+def test_timers_overdue_names_the_overdue_timer_and_acts_on_nothing(db_url: str, tmp_path: Path,
+                                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    """L4's WAIT timer an hour overdue (no coordinator ran since): the runbook, as the
+    reader, alerts and lists it in its diagnosis and plan; asked to act, it says there is
+    nothing to do from here but start a coordinator, and changes nothing."""
+    info = seed_committed(db_url)
+    with psycopg.connect(db_url) as conn:
+        conn.execute("UPDATE task_instances SET wake_at = now() - interval '1 hour' "
+                     "WHERE run_id = %s AND state = 'WAITING'", (info.runs["L4"],))
+    out = tmp_path / "reports"
+    code, printed, err = _run(["timers_overdue", "-p", "confirm", "true", "--database-url", as_role(db_url),
+                               "--out", str(out)], capsys)
+    assert code == 0, err
+    text = _record(out, "timers_overdue").read_text(encoding="utf-8")
+    assert "check timers overdue: ALERT" in text and info.runs["L4"] in text and "cool_off" in text
+    assert "Nothing to act on from here:" in text and "start a coordinator" in text
+    assert _audit(db_url) == []
+
+
 def test_schedule_late_triggers_the_schedules_it_names(db_url: str, operator: str, tmp_path: Path,
                                                         capsys: pytest.CaptureFixture[str]) -> None:
     from composer_ops import Engine
