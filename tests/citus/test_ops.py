@@ -13,6 +13,7 @@ import psycopg
 import pytest
 
 from composer_ops import Engine, ops
+from composer_ops.ops.health import check_health
 from composer_ops.repo import partitions
 from composer_ops.testing.citus import CitusCluster
 
@@ -94,3 +95,18 @@ def test_active_work_its_definition_does_not_explain_is_found_over_every_shard(
     assert found["oldest_age_s"].is_sorted(descending=True)
     first, total = ops.definition_mismatches(db_url, limit=5)
     assert total == RUNS and first.drop("oldest_age_s").rows() == found.head(5).drop("oldest_age_s").rows()
+
+
+def test_check_reads_every_figure_on_citus_and_sees_overdue_timers(db_url: str) -> None:
+    """`check` on a cluster: every figure read (the outbox, wake and lease queries over the
+    shards), and a timer left overdue (no coordinator here) alerts as on one server."""
+    with Engine.connect(db_url, pool_size=2) as engine:
+        engine.deploy({"id": "sleepy", "nodes": [{"id": "nap", "type": "WAIT", "duration_s": 1}]})
+        run_id = engine.start("sleepy")
+    with psycopg.connect(db_url, autocommit=True) as conn:
+        conn.execute("UPDATE task_instances SET wake_at = now() - interval '2 hours' WHERE run_id = %s", (run_id,))
+    health = check_health(db_url)
+    by_name = {c.name: c for c in health.checks}
+    timers = by_name["timers overdue"]
+    assert timers.alert and timers.value >= 7000 and run_id in timers.detail, timers
+    assert not by_name["sweeper lag"].alert and not by_name["oldest ready outbox row"].alert
