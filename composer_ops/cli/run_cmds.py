@@ -80,6 +80,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
                     "of the run is given up.")
     delete.add_argument("run_id")
     add_yes_option(delete, "delete it (without: show what would be deleted)")
+    add_lock_wait_option(delete)
     add_json_option(delete)
     admin_cmds.register_runs(rsub)
 

@@ -236,8 +236,7 @@ def _locking(conn: psycopg.Connection[Any], what: str, body: Callable[[], None],
 def _lock_holders(conn: psycopg.Connection[Any], lock_timeout_s: float) -> str:
     """Who may hold the lock a migration waited for: the sessions holding table locks
     longest (:func:`composer_ops.repo.locks.lock_holders`)."""
-    rows = locks.lock_holders(conn)
-    return "locks held by " + locks.describe(rows) if rows else "no session holds a table lock now"
+    return locks.holders_text(conn)
 
 
 def migrate(url: str | None = None, *, sql_dir: Traversable = SQL_DIR, target: int | None = None,

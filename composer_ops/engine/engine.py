@@ -32,7 +32,7 @@ from composer_ops.engine.requests import Request, key_request
 from composer_ops.engine.schedules import Schedules
 from composer_ops.engine.shell import Outcome, Shell
 from composer_ops.engine.starts import StaleDefinition, start_committed
-from composer_ops.errors import Conflict, Invalid, NotDelegated, NotFound
+from composer_ops.errors import Conflict, Invalid, LockTimeout, NotDelegated, NotFound
 from composer_ops.repo import (
     audit,
     citus,
@@ -318,12 +318,16 @@ class Engine:
         committed returns what that attempt did, and in an ``operator_audit`` row
         (``actor``: who asked) with the same request."""
         validate_run_id(run_id)
-        return self._delete_run(run_id, Request(), actor)
+        try:
+            return self._delete_run(run_id, Request(), actor)
+        except LockTimeout as exc:
+            raise self.shell.run_locked(exc, run_id) from exc
 
-    @db_retry()
+    @db_retry(give_up=(LockTimeout,))
     def _delete_run(self, run_id: str, request: Request, actor: Actor | None) -> DeletedRun:
         look = request.attempt()
         with self.pool.connection() as conn, conn.transaction():
+            self.shell.operator_lock_timeout(conn)
             found = runs.lock_for_delete(conn, run_id)
             if found is None:
                 raise NotFound(f"workflow run {run_id} does not exist")

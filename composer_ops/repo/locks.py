@@ -47,6 +47,13 @@ def run_locker(conn: Conn, run_id: str) -> list[tuple[Any, ...]]:
     return conn.execute(_RUN_LOCKER, {"run": run_id}).fetchall()
 
 
+def holders_text(conn: Conn, tables: Sequence[str] | None = None) -> str:
+    """:func:`lock_holders` in one line: "locks held by pid ... holds ...", or that no
+    session holds one now."""
+    rows = lock_holders(conn, tables)
+    return "locks held by " + describe(rows) if rows else "no other session holds a lock on them now"
+
+
 def describe(rows: Sequence[tuple[Any, ...]]) -> str:
     """Rows of :func:`lock_holders` in one line: each pid with its role, program, state,
     transaction age and tables."""

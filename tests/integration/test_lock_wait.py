@@ -133,3 +133,13 @@ def test_bulk_cancel_dry_run_lists_a_locked_run_as_not_decided(db_url: str, engi
     assert main(argv) == 0
     out = capsys.readouterr().out
     assert f"would cancel {locked}" in out and "not decided" not in out, out
+
+
+@pytest.mark.timeout(60)
+def test_delete_gives_up_behind_a_held_row_lock(db_url: str, engine: Engine,
+                                                capsys: pytest.CaptureFixture[str]) -> None:
+    run = engine.start("lockwait")
+    engine.cancel(run)
+    argv = ["runs", "delete", run, "--yes"]
+    _gives_up(db_url, run, argv, capsys)
+    assert main([*argv, "--database-url", db_url]) == 0
