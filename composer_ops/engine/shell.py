@@ -224,7 +224,13 @@ class Shell:
         try:
             with self.pool.connection() as conn, conn.transaction():
                 partitions.set_lock_timeout(conn, 0.5)
-                rows = locks.run_locker(conn, run) if run is not None else []
+                rows = []
+                if run is not None:
+                    try:
+                        with conn.transaction():      # a table lock blocks reading the row: ask pg_locks then
+                            rows = locks.run_locker(conn, run)
+                    except LockTimeout:
+                        rows = []
                 if rows:
                     holders = "held by " + locks.describe(rows)
                 else:

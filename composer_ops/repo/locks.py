@@ -29,7 +29,7 @@ _HOLDERS = """
 #: transaction ID (a multixact ID when several share the lock, matching no session).
 _RUN_LOCKER = """
     SELECT a.pid, a.usename::text, a.application_name, a.state,
-           extract(epoch FROM now() - a.xact_start)::float8, 'workflow_runs'
+           extract(epoch FROM now() - a.xact_start)::float8, NULL::text
       FROM workflow_runs r
       JOIN pg_stat_activity a ON a.backend_xid = r.xmax
      WHERE r.id = %(run)s AND r.xmax <> '0'::xid AND a.pid <> pg_backend_pid()"""
@@ -55,11 +55,11 @@ def holders_text(conn: Conn, tables: Sequence[str] | None = None) -> str:
 
 
 def describe(rows: Sequence[tuple[Any, ...]]) -> str:
-    """Rows of :func:`lock_holders` in one line: each pid with its role, program, state,
-    transaction age and tables."""
+    """Rows of :func:`lock_holders` (or :func:`run_locker`, whose tables are NULL) in one
+    line: each pid with its role, program, state, transaction age and tables."""
     held = []
     for pid, role, program, state, age, tables in rows:
         since = f", in a transaction for {age:.0f}s" if age is not None else ""
-        held.append(f"pid {pid} ({role}{f', {program}' if program else ''}{f', {state}' if state else ''}{since}) "
-                    f"holds {tables}")
+        held.append(f"pid {pid} ({role}{f', {program}' if program else ''}{f', {state}' if state else ''}{since})"
+                    + (f" holds {tables}" if tables else ""))
     return "; ".join(held)

@@ -143,3 +143,23 @@ def test_delete_gives_up_behind_a_held_row_lock(db_url: str, engine: Engine,
     argv = ["runs", "delete", run, "--yes"]
     _gives_up(db_url, run, argv, capsys)
     assert main([*argv, "--database-url", db_url]) == 0
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("mode", ["EXCLUSIVE", "ACCESS EXCLUSIVE"])
+def test_behind_a_table_lock_the_likely_holders_are_named(db_url: str, engine: Engine, mode: str,
+                                                         capsys: pytest.CaptureFixture[str]) -> None:
+    """A lock on the whole table, not the run's row (ACCESS EXCLUSIVE: not even its row
+    can be read): its holder is named as likely."""
+    run = engine.start("lockwait")
+    with psycopg.connect(db_url, application_name="psql-table") as conn:
+        conn.execute(f"LOCK TABLE workflow_runs IN {mode} MODE")
+        pid = conn.info.backend_pid
+        started = time.monotonic()
+        code = main(["cancel", run, "--database-url", db_url])
+        took = time.monotonic() - started
+        conn.rollback()
+    err = capsys.readouterr().err
+    assert code == 1 and took < WAIT_S + 20, (code, took, err)
+    assert f"likely held by one of: pid {pid} (" in err and "psql-table" in err and run in err, err
+    assert _status(db_url, run) == "RUNNING"
