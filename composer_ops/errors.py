@@ -59,7 +59,10 @@ class Transient(Unavailable):
 
 class LockTimeout(Transient):
     """A lock was not granted within the session's ``lock_timeout``: its holder (a long
-    reader, another drop) may let go, so the whole transaction can be re-run."""
+    reader, another drop) may let go, so the whole transaction can be re-run.
+    ``run_id``: the run whose event waited, when the wait was in one."""
+
+    run_id: str | None = None
 
 
 class PermissionDenied(ComposerError):

@@ -141,11 +141,21 @@ def database_url(args: argparse.Namespace) -> str | None:
     return find_url(args.database_url) if args.reads_only else args.database_url
 
 
+def add_lock_wait_option(parser: argparse._ActionsContainer) -> None:
+    """``--lock-wait``: how long a command acting on runs waits for a run's lock."""
+    env_option(parser, "--lock-wait", env="COMPOSER_LOCK_WAIT", type=float, default=30.0, metavar="SECONDS",
+               accepts=above(0),
+               help="give up (exit 1, naming the session holding it) when a run's lock is not granted "
+                    "within this many seconds (default 30)")
+
+
 def open_engine(args: argparse.Namespace, *, pool_size: int = 1) -> Engine:
-    """The engine of one command, on :func:`database_url`, named after the command."""
+    """The engine of one command, on :func:`database_url`, named after the command;
+    with the command's ``--lock-wait``, when it has one."""
     from composer_ops.engine import Engine
 
-    return Engine.connect(database_url(args), pool_size=pool_size, application_name=f"composer-ops {args.command}")
+    return Engine.connect(database_url(args), pool_size=pool_size, application_name=f"composer-ops {args.command}",
+                          lock_wait_s=getattr(args, "lock_wait", None))
 
 
 def add_json_option(parser: argparse.ArgumentParser, help: str = "print JSON") -> None:

@@ -22,6 +22,7 @@ from composer_ops.cli._common import (
     EXIT_OK,
     add_command,
     add_json_option,
+    add_lock_wait_option,
     add_yes_option,
     emit_json,
     env_option,
@@ -141,6 +142,7 @@ def register_runs(rsub: argparse._SubParsersAction) -> None:  # type: ignore[typ
     add_selection_options(can)
     can.add_argument("--reason", default="cancelled by operator", help="recorded as each run's error")
     add_yes_option(can, "cancel for real (without: list what would be cancelled)")
+    add_lock_wait_option(can)
     env_option(can, "--chunk", env="COMPOSER_CANCEL_CHUNK", type=int, default=50, metavar_default="50",
                help="runs cancelled per transaction")
     add_json_option(can)
@@ -167,6 +169,7 @@ def register_runs(rsub: argparse._SubParsersAction) -> None:  # type: ignore[typ
     env_option(rty, "--limit", env="COMPOSER_RETRY_LIMIT", type=int, default=100, metavar_default="100",
                help="with a selection: retry at most this many runs")
     add_yes_option(rty, "retry for real (without: say what would run again)")
+    add_lock_wait_option(rty)
     add_json_option(rty)
 
 
@@ -296,6 +299,7 @@ def cmd_runs_cancel(args: argparse.Namespace) -> int:
     if args.json:
         emit_json({"applied": result.applied, "cancelled": result.cancelled, "skipped": result.skipped,
                    "chunks": len(result.chunks), "would_cancel": result.would_cancel, "more": result.more,
+                   "locked": result.locked,
                    "refused": [{"run_id": r, "error": e} for r, e in refused], "decided": result.decided})
         return EXIT_FAILED if refused else EXIT_OK
     if not result.applied:
@@ -303,10 +307,14 @@ def cmd_runs_cancel(args: argparse.Namespace) -> int:
             print(f"would cancel {run_id}")
         for run_id, why in refused:
             print(f"would refuse run {run_id}: {why}")
-        more = f" (and more: only the first {len(result.would_cancel) + len(refused)} are listed)" if result.more \
-            else ""
+        for run_id in result.locked:
+            print(f"run {run_id}: locked by another session: not decided")
+        listed = len(result.would_cancel) + len(refused) + len(result.locked)
+        more = f" (and more: only the first {listed} are listed)" if result.more else ""
         print(f"would cancel {len(result.would_cancel)} active run(s)"
-              + (f" and refuse {len(refused)}" if refused else "") + f"{more}; nothing was changed "
+              + (f" and refuse {len(refused)}" if refused else "")
+              + (f", {len(result.locked)} locked, not decided" if result.locked else "")
+              + f"{more}; nothing was changed "
               "(add --yes to cancel)")
         if not result.decided:
             print("listed, not decided: this role may only read, and a decided dry run takes the runs' locks "

@@ -23,6 +23,7 @@ from composer_ops.cli._common import (
     above,
     add_command,
     add_json_option,
+    add_lock_wait_option,
     add_yes_option,
     at_least,
     emit_json,
@@ -59,10 +60,12 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     sig.add_argument("--payload", help="signal payload as JSON")
     sig.add_argument("--key", help="idempotency key: sending again with the same key (to the same run) "
                                    "resolves nothing more and prints the first outcome")
+    add_lock_wait_option(sig)
 
     cancel = add_command(sub, "cancel", cmd_cancel, help="cancel a run and its active tasks")
     cancel.add_argument("run_id")
     cancel.add_argument("--reason", default="cancelled by operator", help="recorded as the run's error")
+    add_lock_wait_option(cancel)
 
     runs = sub.add_parser("runs", help="inspect, find and act on runs")
     rsub = runs.add_subparsers(dest="runs_command", required=True, metavar="{show,delete,list,cancel,retry}")
@@ -77,6 +80,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
                     "of the run is given up.")
     delete.add_argument("run_id")
     add_yes_option(delete, "delete it (without: show what would be deleted)")
+    add_lock_wait_option(delete)
     add_json_option(delete)
     admin_cmds.register_runs(rsub)
 

@@ -34,6 +34,7 @@ from composer_ops.db import roles
 from composer_ops.db.connect import connect, resolve_url
 from composer_ops.db.retry import backoff_delay
 from composer_ops.errors import ComposerError, Invalid, LockTimeout
+from composer_ops.repo import locks
 
 log = logging.getLogger(__name__)
 
@@ -232,34 +233,10 @@ def _locking(conn: psycopg.Connection[Any], what: str, body: Callable[[], None],
             time.sleep(delay)
 
 
-#: The other sessions holding locks on this database's tables, oldest transaction first
-#: (a role that may not see another's xact_start sees its pid, role and program only).
-_HOLDERS = """
-    SELECT a.pid, a.usename::text, a.application_name, a.state,
-           extract(epoch FROM now() - a.xact_start)::float8,
-           string_agg(DISTINCT c.relname::text, ', ' ORDER BY c.relname::text)
-      FROM pg_locks l
-      JOIN pg_stat_activity a ON a.pid = l.pid
-      JOIN pg_class c ON c.oid = l.relation AND c.relkind IN ('r', 'p')
-     WHERE l.locktype = 'relation' AND l.granted AND l.pid <> pg_backend_pid()
-       AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
-     GROUP BY 1, 2, 3, 4, 5
-     ORDER BY 5 DESC NULLS LAST, 1
-     LIMIT 3"""
-
-
 def _lock_holders(conn: psycopg.Connection[Any], lock_timeout_s: float) -> str:
     """Who may hold the lock a migration waited for: the sessions holding table locks
-    longest, each with its role, program, state, transaction age and tables."""
-    rows = conn.execute(_HOLDERS).fetchall()
-    if not rows:
-        return "no session holds a table lock now"
-    held = []
-    for pid, role, program, state, age, tables in rows:
-        since = f", in a transaction for {age:.0f}s" if age is not None else ""
-        held.append(f"pid {pid} ({role}{f', {program}' if program else ''}{f', {state}' if state else ''}{since}) "
-                    f"holds {tables}")
-    return "locks held by " + "; ".join(held)
+    longest (:func:`composer_ops.repo.locks.lock_holders`)."""
+    return locks.holders_text(conn)
 
 
 def migrate(url: str | None = None, *, sql_dir: Traversable = SQL_DIR, target: int | None = None,

@@ -110,6 +110,7 @@ class CancelChunk:
     skipped: list[str]           # finished (or deleted) between being listed and being locked
     refused: list[tuple[str, str]] = field(default_factory=list)   # (run ID, why): odd data (BrokenRun)
     duplicate: bool = False       # an earlier attempt committed; its audit row was read back
+    locked: list[str] = field(default_factory=list)   # a dry run: locked by another session, not decided
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -122,6 +123,8 @@ class CancelResult:
     would_cancel: list[str] = field(default_factory=list)   # a dry run: the active runs selected (at most
     more: bool = False                                      # DRY_RUN_LIST; ``more`` when there are others)
     would_refuse: list[tuple[str, str]] = field(default_factory=list)   # a dry run: those it would refuse
+    #: a dry run: runs whose lock another session held past DRY_RUN_LOCK_WAIT_S: not decided
+    locked: list[str] = field(default_factory=list)
     #: a dry run decided each run (else, for a role that may only read, listed them only)
     decided: bool = True
 
@@ -202,14 +205,17 @@ def _cancel_chunks(shell: Shell, active: Selection, reason: str, yes: bool, acto
     while yes or seen <= DRY_RUN_LIST:
         number = len(done) + 1
         size = chunk if yes else min(CANCEL_CHUNK, DRY_RUN_LIST + 1 - seen)
-        step = _cancel_chunk(shell, resolved, after, size, reason, actor, f"{request}:{number}", number, [0],
-                             yes=yes)
+        try:
+            step = _cancel_chunk(shell, resolved, after, size, reason, actor, f"{request}:{number}", number, [0],
+                                 yes=yes)
+        except LockTimeout as exc:                   # --yes: the chunk rolled back; those before it stay done
+            raise shell.run_locked(exc) from exc
         if step is None:
             break
         done.append(step)
         if on_chunk is not None and yes:
             on_chunk(step)
-        listed = step.cancelled + step.skipped + [r for r, _ in step.refused]
+        listed = step.cancelled + step.skipped + [r for r, _ in step.refused] + step.locked
         seen += len(listed)
         after = max(listed)
     if yes:
@@ -219,7 +225,9 @@ def _cancel_chunks(shell: Shell, active: Selection, reason: str, yes: bool, acto
     more = seen > DRY_RUN_LIST
     would = [r for c in done for r in c.cancelled if not (more and r == after)]
     refused = [r for c in done for r in c.refused if not (more and r[0] == after)]
-    return CancelResult(selection=resolved, applied=False, would_cancel=would, would_refuse=refused, more=more)
+    locked = [r for c in done for r in c.locked if not (more and r == after)]
+    return CancelResult(selection=resolved, applied=False, would_cancel=would, would_refuse=refused, more=more,
+                        locked=locked)
 
 
 @db_retry()
@@ -228,7 +236,7 @@ def _count(pool: TranslatingPool, selection: RunFilter) -> int:
         return runs.count_runs(conn, selection)
 
 
-@db_retry()
+@db_retry(give_up=(LockTimeout,))
 def _cancel_chunk(shell: Shell, selection: RunFilter, after: str | None, chunk: int, reason: str,
                   actor: Actor | None, request: str, number: int, tries: list[int], *,
                   yes: bool = True) -> CancelChunk | None:
@@ -241,6 +249,8 @@ def _cancel_chunk(shell: Shell, selection: RunFilter, after: str | None, chunk: 
             # A dry run waits for a run's lock (a worker's completion, an operator's
             # session) at most DRY_RUN_LOCK_WAIT_S: that run is listed, not decided.
             partitions.set_lock_timeout(conn, DRY_RUN_LOCK_WAIT_S, citus=shell.on_citus(conn))
+        else:
+            shell.operator_lock_timeout(conn)
         listed = [r.id for r in runs.find_runs(conn, selection, limit=chunk, after=after, oldest_first=True)]
         if tries[0] > 1 and yes:
             # An earlier attempt may still be committing: it holds the locks of the runs
@@ -259,6 +269,7 @@ def _cancel_chunk(shell: Shell, selection: RunFilter, after: str | None, chunk: 
         cancelled: list[str] = []
         skipped: list[str] = []
         refused: list[tuple[str, str]] = []
+        locked: list[str] = []
         noted = Request(id=request, operator=audit.operator_note("runs cancel", actor))   # in each run's history
         for run_id in listed:                       # ascending: the lock order of every bulk action
             try:
@@ -270,10 +281,11 @@ def _cancel_chunk(shell: Shell, selection: RunFilter, after: str | None, chunk: 
             except BrokenRun as exc:                 # odd data: no event can be decided on it
                 refused.append((run_id, str(exc)))
                 continue
-            except LockTimeout:
-                if yes:                              # the whole chunk runs again (db_retry)
+            except LockTimeout as exc:
+                if yes:                              # the whole chunk rolls back: the caller names the holder
+                    exc.run_id = exc.run_id or run_id
                     raise
-                cancelled.append(run_id)             # a dry run's wait ran out: listed, not decided
+                locked.append(run_id)                # a dry run's wait ran out: listed, not decided
                 continue
             (cancelled if outcome.applied else skipped).append(run_id)
         if yes:
@@ -282,7 +294,7 @@ def _cancel_chunk(shell: Shell, selection: RunFilter, after: str | None, chunk: 
                                  **({"refused": len(refused)} if refused else {})},
                          detail={"cancelled": cancelled, "skipped": skipped, "reason": reason,
                                  **({"refused": [r for r, _ in refused]} if refused else {})})
-        return CancelChunk(number=number, cancelled=cancelled, skipped=skipped, refused=refused)
+        return CancelChunk(number=number, cancelled=cancelled, skipped=skipped, refused=refused, locked=locked)
 
 
 def _cancel_event(reason: str, now: datetime) -> CancelRun:
@@ -333,15 +345,19 @@ def retry_run(shell: Shell, run_id: str, from_nodes: Sequence[str] = (), *, yes:
     nodes = tuple(dict.fromkeys(from_nodes))
     if any(not isinstance(n, str) or not n for n in nodes):
         raise Invalid(f"nodes to retry from must be node ids, got {list(from_nodes)!r}")
-    return _retry(shell, run_id, nodes, yes, actor, request_id or uuid.uuid4().hex, [0])
+    try:
+        return _retry(shell, run_id, nodes, yes, actor, request_id or uuid.uuid4().hex, [0])
+    except LockTimeout as exc:
+        raise shell.run_locked(exc, run_id) from exc
 
 
-@db_retry()
+@db_retry(give_up=(LockTimeout,))
 def _retry(shell: Shell, run_id: str, nodes: tuple[str, ...], yes: bool, actor: Actor | None, request: str,
            tries: list[int]) -> RetryResult:
     tries[0] += 1
     with shell.pool.connection() as conn, conn.transaction(force_rollback=not yes), \
             contextlib.nullcontext() if yes else shell.rehearsal():
+        shell.operator_lock_timeout(conn)
         if yes and tries[0] > 1:
             runs.lock_runs(conn, [run_id])    # an earlier attempt still committing holds it: wait, then look
             earlier = audit.of_request(conn, request)

@@ -32,7 +32,7 @@ from composer_ops.engine.requests import Request, key_request
 from composer_ops.engine.schedules import Schedules
 from composer_ops.engine.shell import Outcome, Shell
 from composer_ops.engine.starts import StaleDefinition, start_committed
-from composer_ops.errors import Conflict, Invalid, NotDelegated, NotFound
+from composer_ops.errors import Conflict, Invalid, LockTimeout, NotDelegated, NotFound
 from composer_ops.repo import (
     audit,
     citus,
@@ -91,10 +91,11 @@ class Engine:
     Thread-safe; one per process is enough. Every error it raises is a ComposerError.
     """
 
-    def __init__(self, pool: TranslatingPool, url: str) -> None:
+    def __init__(self, pool: TranslatingPool, url: str, *, lock_wait_s: float = DEFAULT_TIMEOUT_S) -> None:
         self.pool = pool
         self.url = url
         self.shell = Shell(pool)
+        self.shell.operator_lock_wait_s = lock_wait_s
         self.schedules = Schedules(self)
         self._stream_keys: list[str] = []
         self._stream_keys_at = 0.0
@@ -110,7 +111,7 @@ class Engine:
     @classmethod
     def connect(cls, url: str | None = None, *, pool_size: int | None = None,
                 application_name: str = "composer-engine", connect_wait_s: float = 0.0,
-                timeout_s: float = DEFAULT_TIMEOUT_S) -> Engine:
+                timeout_s: float = DEFAULT_TIMEOUT_S, lock_wait_s: float | None = None) -> Engine:
         """Open the pool on ``url``, else ``COMPOSER_DATABASE_URL``, else the embedded
         server, which is started if it is not running (:func:`~composer_ops.db.resolve_url`;
         code that only reads and must never start a server passes
@@ -126,16 +127,23 @@ class Engine:
         attempt waiting at most ``timeout_s / CALL_ATTEMPTS`` for a pooled connection,
         so a call on a server that went down raises :class:`Transient` after about
         ``timeout_s`` seconds (plus under 2 s of backoff between attempts).
+        An operator's call on existing runs (:meth:`signal`, :meth:`cancel`,
+        :meth:`retry`, :meth:`cancel_runs`) waits at most ``lock_wait_s`` (else
+        ``timeout_s``) for a run's lock, then raises :class:`LockTimeout` naming the run
+        and the session holding it; a worker's :meth:`complete` and :meth:`fail` wait
+        as long as it takes (the lease and its fencing cover them).
         ``pool_size`` (else ``COMPOSER_POOL_SIZE``, else 10) is the most connections
         the pool opens. A URL libpq cannot parse, or a size or time out of range, is
         :class:`Invalid`."""
         if not _positive_seconds(timeout_s):
             raise Invalid(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
+        if lock_wait_s is not None and not _positive_seconds(lock_wait_s):
+            raise Invalid(f"lock_wait_s must be a positive number of seconds, got {lock_wait_s!r}")
         size = _pool_size(pool_size)
         target = resolve_url(url)
         pool = make_pool(target, min_size=1, max_size=size, application_name=application_name,
                          timeout=timeout_s / CALL_ATTEMPTS, wait_s=connect_wait_s)
-        return cls(pool, target)
+        return cls(pool, target, lock_wait_s=timeout_s if lock_wait_s is None else lock_wait_s)
 
     def close(self) -> None:
         """Close the pool; a call made afterwards raises a :class:`ComposerError` (not
@@ -288,8 +296,9 @@ class Engine:
                                 or not key.isprintable()):
             raise Invalid(f"signal key must be a non-empty printable string of at most 200 characters, got {key!r}")
         check_json(payload, "payload")
-        outcome = self.shell.handle(run_id, lambda now: SignalReceived(name=name, payload=payload, now=now),
-                                    request=key_request(key) if key is not None else None)
+        outcome = self.shell.handle_operator(run_id, lambda now: SignalReceived(name=name, payload=payload,
+                                                                                now=now),
+                                             request=key_request(key) if key is not None else None)
         if outcome.refused:
             raise Conflict(outcome.refused)
         return outcome
@@ -297,7 +306,7 @@ class Engine:
     def cancel(self, run_id: str, reason: str = "cancelled") -> Outcome:
         """Cancel a run and its active tasks; late results for them are stale."""
         validate_run_id(run_id)
-        return self.shell.handle(run_id, lambda now: CancelRun(reason=reason, now=now))
+        return self.shell.handle_operator(run_id, lambda now: CancelRun(reason=reason, now=now))
 
     def delete_run(self, run_id: str, *, actor: Actor | None = None) -> DeletedRun:
         """Soft-delete a finished run: it disappears from ``get_run``, the loops, the
@@ -309,12 +318,16 @@ class Engine:
         committed returns what that attempt did, and in an ``operator_audit`` row
         (``actor``: who asked) with the same request."""
         validate_run_id(run_id)
-        return self._delete_run(run_id, Request(), actor)
+        try:
+            return self._delete_run(run_id, Request(), actor)
+        except LockTimeout as exc:
+            raise self.shell.run_locked(exc, run_id) from exc
 
-    @db_retry()
+    @db_retry(give_up=(LockTimeout,))
     def _delete_run(self, run_id: str, request: Request, actor: Actor | None) -> DeletedRun:
         look = request.attempt()
         with self.pool.connection() as conn, conn.transaction():
+            self.shell.operator_lock_timeout(conn)
             found = runs.lock_for_delete(conn, run_id)
             if found is None:
                 raise NotFound(f"workflow run {run_id} does not exist")

@@ -22,7 +22,7 @@ from composer_ops.core.model import CancelRun
 from composer_ops.core.runids import validate_run_id
 from composer_ops.db.retry import db_retry
 from composer_ops.engine.requests import Request
-from composer_ops.errors import BrokenRun, Conflict, Invalid, NotFound
+from composer_ops.errors import BrokenRun, Conflict, Invalid, LockTimeout, NotFound
 from composer_ops.repo import audit, partitions
 
 if TYPE_CHECKING:
@@ -85,15 +85,19 @@ def cancel_listed(shell: Shell, run_ids: Sequence[str], *, reason: str, yes: boo
         raise Invalid(f"at most {MAX_LISTED} runs at once, got {len(ids)}")
     if not isinstance(reason, str) or not reason.strip() or len(reason) > 1000:
         raise Invalid("the reason must be non-empty text of at most 1000 characters")
-    return _cancel(shell, ids, reason, yes, actor, request_id or uuid.uuid4().hex, [0])
+    try:
+        return _cancel(shell, ids, reason, yes, actor, request_id or uuid.uuid4().hex, [0])
+    except LockTimeout as exc:
+        raise shell.run_locked(exc) from exc
 
 
-@db_retry()
+@db_retry(give_up=(LockTimeout,))
 def _cancel(shell: Shell, ids: list[str], reason: str, yes: bool, actor: Actor | None, request: str,
             tries: list[int]) -> ListedCancel:
     tries[0] += 1
     with shell.pool.connection() as conn, conn.transaction(force_rollback=not yes), \
             contextlib.nullcontext() if yes else shell.rehearsal():
+        shell.operator_lock_timeout(conn)
         if yes and tries[0] > 1:
             earlier = audit.of_request(conn, request)
             if earlier:

@@ -29,7 +29,7 @@ from composer_ops.db import connect
 from composer_ops.db.errors import TranslatingPool
 from composer_ops.db.retry import backoff_delay
 from composer_ops.errors import ComposerError, Invalid, LockTimeout, Transient, Unavailable
-from composer_ops.repo import audit, partitions, retention
+from composer_ops.repo import audit, locks, partitions, retention
 from composer_ops.repo.rows import RetentionMonth
 
 log = logging.getLogger(__name__)
@@ -99,7 +99,7 @@ def drop_due_months(source: Source, older_than: datetime | str | Cutoff, *, lock
                 if isinstance(exc, LockTimeout):
                     raise ComposerError(
                         f"could not lock the partitions to drop within {lock_timeout_s:g}s in {attempts} attempts "
-                        "(a long transaction holds them); nothing was dropped, try again later") from exc
+                        f"({_holders(source)}); nothing was dropped, try again later") from exc
                 if isinstance(exc, _Raced):
                     raise ComposerError(f"retention aborted: {exc}; nothing was dropped, try again") from exc
                 raise
@@ -121,6 +121,16 @@ def _connection(source: Source) -> Iterator[psycopg.Connection[Any]]:
     else:
         with connect(source, application_name="composer-ops retention") as conn:
             yield conn
+
+
+def _holders(source: Source) -> str:
+    """Who likely holds the run tables' locks (:func:`locks.holders_text`); when that
+    cannot be looked up, only that a long transaction holds them."""
+    try:
+        with _connection(source) as conn, conn.transaction():
+            return locks.holders_text(conn, partitions.RUN_TABLES)
+    except ComposerError:
+        return "a long transaction holds them"
 
 
 def _attempt(conn: psycopg.Connection[Any], older_than: datetime | str | Cutoff, lock_timeout_s: float,

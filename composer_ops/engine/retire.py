@@ -32,7 +32,7 @@ from composer_ops.engine.archive import Progress, content_fingerprint, export_mo
 from composer_ops.engine.retention import BLOCKED_REASONS, misaligned
 from composer_ops.errors import ComposerError, Invalid, Transient
 from composer_ops.repo import archive as repo
-from composer_ops.repo import audit, citus, partitions, retention
+from composer_ops.repo import audit, citus, locks, partitions, retention
 from composer_ops.repo.partitions import RUN_TABLES
 from composer_ops.repo.rows import RetentionMonth
 
@@ -186,7 +186,8 @@ def _retire(url: str | None, month: str, cutoff: datetime, manifest: Manifest | 
                 if isinstance(exc.__cause__, psycopg.errors.LockNotAvailable):
                     raise ComposerError(
                         f"month {month}: could not lock its partitions within {lock_timeout_s:g}s in {attempts} "
-                        "attempts (a long transaction holds them); it was not dropped, try again later") from exc
+                        f"attempts ({_holders(url)}); it was not {'detached' if keep_table else 'dropped'}, "
+                        "try again later") from exc
                 raise
             delay = backoff_delay(attempts - 1, base=0.25, cap=4.0)
             log.warning("month %s: attempt %d failed (%s); retrying in %.2fs", month, attempts, exc, delay)
@@ -197,6 +198,16 @@ def _retire(url: str | None, month: str, cutoff: datetime, manifest: Manifest | 
 def _fresh(url: str | None) -> Iterator[psycopg.Connection[Any]]:
     with connect(url, application_name="composer-ops partitions retire") as conn:
         yield conn
+
+
+def _holders(url: str | None) -> str:
+    """Who likely holds the run tables' locks (:func:`locks.holders_text`), looked up on
+    a fresh connection; when that fails, only that a long transaction holds them."""
+    try:
+        with _fresh(url) as conn:
+            return locks.holders_text(conn, partitions.RUN_TABLES)
+    except ComposerError:
+        return "a long transaction holds them"
 
 
 def _retire_once(conn: psycopg.Connection[Any], month: str, cutoff: datetime, manifest: Manifest | None,

@@ -66,13 +66,14 @@ from composer_ops.engine.notes import EventNotes
 from composer_ops.engine.reads import NOTHING_YET, LazyContext, RunStore, run_context
 from composer_ops.engine.requests import Request
 from composer_ops.engine.starts import creates_only
-from composer_ops.errors import BrokenRun, Conflict, LockTimeout, NotFound
+from composer_ops.errors import BrokenRun, ComposerError, Conflict, LockTimeout, NotFound
 from composer_ops.repo import (
     citus,
     clock,
     definitions,
     history,
     items,
+    locks,
     outbox,
     partitions,
     runs,
@@ -146,6 +147,9 @@ class Shell:
         self._citus: bool | None = None
         self._local = threading.local()   # .deliveries: child rows this thread's transactions wrote
         self._odd_runs: set[str] = set()  # runs whose odd data was logged (:meth:`_first_odd`)
+        #: How long an operator's call (signal, cancel, retry, bulk cancel) waits for a
+        #: run's lock before it gives up (:meth:`run_locked`); None: as long as it takes.
+        self.operator_lock_wait_s: float | None = None
 
     #: At most this many runs are remembered as logged; past it the set starts again.
     MAX_ODD_RUNS = 1000
@@ -206,6 +210,54 @@ class Shell:
             raise
         childrows.drain(self)
         return outcome
+
+    def handle_operator(self, run_id: str, make_event: Callable[[datetime], Event], *,
+                        request: Request | None = None) -> Outcome:
+        """:meth:`handle` for an operator's call: its locks are waited for at most
+        :attr:`operator_lock_wait_s`, then :meth:`run_locked` is raised."""
+        wait = self.operator_lock_wait_s
+        try:
+            return self.handle(run_id, make_event, request=request, lock_wait_s=wait)
+        except LockTimeout as exc:
+            raise self.run_locked(exc, run_id) from exc
+
+    def operator_lock_timeout(self, conn: Conn) -> None:
+        """Bound the lock waits of an operator's transaction by :attr:`operator_lock_wait_s`."""
+        if self.operator_lock_wait_s is not None:
+            partitions.set_lock_timeout(conn, self.operator_lock_wait_s, citus=self.on_citus(conn))
+
+    def run_locked(self, exc: LockTimeout, run_id: str | None = None) -> LockTimeout:
+        """The error an operator's call gives up with when a run's lock was not granted
+        in time (``exc``): one line naming the run and the session holding its row lock
+        or, when that cannot be told, the sessions likely holding it (those holding
+        locks on its table longest). Looked up on a connection of its own, after the
+        call's transaction ended; a lookup that fails leaves the holder unnamed, the
+        error the same."""
+        run = exc.run_id or run_id
+        waited = f" within {self.operator_lock_wait_s:g}s" if self.operator_lock_wait_s is not None else ""
+        try:
+            with self.pool.connection() as conn, conn.transaction():
+                partitions.set_lock_timeout(conn, 0.5)
+                rows = []
+                if run is not None:
+                    try:
+                        with conn.transaction():      # a table lock blocks reading the row: ask pg_locks then
+                            rows = locks.run_locker(conn, run)
+                    except LockTimeout:
+                        rows = []
+                if rows:
+                    holders = "held by " + locks.describe(rows)
+                else:
+                    rows = locks.lock_holders(conn, ["workflow_runs"])
+                    holders = ("likely held by one of: " + locks.describe(rows)) if rows else \
+                        "no other session holds a lock on workflow_runs now"
+        except ComposerError:
+            holders = "its holder could not be looked up"
+        what = f"run {run}" if run is not None else "a run"
+        found = LockTimeout(f"{what}: its lock was not granted{waited} ({holders}); nothing was changed: "
+                            "try again once that transaction ends")
+        found.run_id = run
+        return found
 
     def _handle_once(self, run_id: str, make_event: Callable[[datetime], Event], request: Request,
                      lock_wait_s: float | None, claim_next: ClaimNext | None = None) -> Outcome:
@@ -273,7 +325,11 @@ class Shell:
         ``begin``: the connection is in autocommit: BEGIN goes with the lock, COMMIT with
         the event's one write when it can (:meth:`apply_sending`); the caller commits
         whatever is left open. ``claim_next``: as :meth:`handle` says."""
-        row, tasks_of_run = runs.lock_and_load(conn, run_id, begin=begin)
+        try:
+            row, tasks_of_run = runs.lock_and_load(conn, run_id, begin=begin)
+        except LockTimeout as exc:
+            exc.run_id = exc.run_id or run_id
+            raise
         if look:
             earlier = history.of_request(conn, run_id, request.id)
             if earlier:
