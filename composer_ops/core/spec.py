@@ -550,7 +550,7 @@ def parse_spec(doc: Mapping[str, Any], *, stored: bool = False) -> WorkflowSpec:
         raise Invalid(f"{where}: description must be a string, got {_q(description)}")
     webhook_url = doc.get("webhook_url")
     if webhook_url is not None:
-        _check_url(webhook_url, where)
+        _check_url(webhook_url, where, stored)
     config = doc.get("config", {})
     if not isinstance(config, dict):
         raise Invalid(f"{where}: config must be an object, got {_q(config)}")
@@ -575,7 +575,12 @@ def parse_spec(doc: Mapping[str, Any], *, stored: bool = False) -> WorkflowSpec:
     )
 
 
-def _check_url(url: Any, where: str) -> None:
+#: Why a webhook URL with a user or password is refused: at deploy, and again before
+#: every POST (engine/webhooks.py; a version deployed before the deploy check keeps loading).
+CREDENTIALS_REFUSED = "webhook URL carries credentials; they are refused (they would end up in logs and rows)"
+
+
+def _check_url(url: Any, where: str, stored: bool) -> None:
     if not isinstance(url, str):
         raise Invalid(f"{where}: webhook_url must be a string, got {_q(url)}")
     try:
@@ -583,6 +588,8 @@ def _check_url(url: Any, where: str) -> None:
         parts.port  # noqa: B018 - raises ValueError on a malformed port
     except ValueError as exc:
         raise Invalid(f"{where}: webhook_url {_q(url)} is not a valid URL ({exc})") from None
+    if not stored and (parts.username is not None or parts.password is not None):
+        raise Invalid(f"{where}: {CREDENTIALS_REFUSED}")         # the URL is not echoed: it holds them
     if parts.scheme not in ("http", "https") or not parts.hostname or any(c.isspace() for c in url):
         raise Invalid(f"{where}: webhook_url must be an http(s) URL with a host, got {_q(url)}")
 

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
+from composer_ops.core.spec import CREDENTIALS_REFUSED
 from composer_ops.db.retry import db_retry
 from composer_ops.engine.attempt import describe
 from composer_ops.errors import Invalid
@@ -139,7 +140,7 @@ def url_problem(url: object) -> str | None:
     except ValueError as exc:
         return f"webhook URL is malformed ({exc})"
     if parts.username is not None or parts.password is not None:
-        return "webhook URL carries credentials; they are refused (they would end up in logs and rows)"
+        return CREDENTIALS_REFUSED
     if parts.scheme not in ("http", "https"):
         return f"webhook URL scheme {parts.scheme or '(none)'!r} refused: only http and https"
     if not parts.hostname:

@@ -328,6 +328,19 @@ def test_parse_does_not_mutate_input() -> None:
     assert doc == EXAMPLE
 
 
+def test_a_webhook_url_with_credentials_is_refused_at_deploy_without_echoing_them() -> None:
+    """docs/security.md said deploy refuses it; deploy took it, and every delivery of its
+    runs was then given up. Refused now, naming no secret; a version deployed before
+    keeps loading (its deliveries are still refused before each POST)."""
+    doc = example()
+    doc["webhook_url"] = "https://user:pa55w0rd@example.invalid/hook"
+    with pytest.raises(Invalid) as refused:
+        parse_spec(doc)
+    assert str(refused.value) == ('workflow "order-fulfilment": webhook URL carries credentials; they are refused '
+                                  "(they would end up in logs and rows)")
+    assert parse_spec(doc, stored=True).webhook_url == doc["webhook_url"]
+
+
 def test_a_deployed_version_with_a_node_no_switch_names_still_loads() -> None:
     """The rule came after 0.1.0's deploys: a stored version keeps loading, and its runs
     skip the node, as they always did."""
