@@ -309,6 +309,9 @@ def cmd_runs_show(args: argparse.Namespace) -> int:
                    "history": [{k: v for k, v in h.__dict__.items() if k != "request"} for h in run.history]})
         return EXIT_OK
     print(f"run {run.id}  {run.workflow_id} v{run.workflow_version}  {run.status}")
+    if not run.definition_found:
+        print(f"odd data: {run.workflow_id} v{run.workflow_version} is not in workflow_definitions, so no event of "
+              "this run can be decided (restore that version's definition row, or cancel the run)")
     done = f"{run.completed_at:%Y-%m-%d %H:%M:%S%z}" if run.completed_at else "-"
     print(f"created {run.created_at:%Y-%m-%d %H:%M:%S%z}  completed {done}")
     if run.error:

@@ -188,6 +188,9 @@ class RunView:
     parent_run_id: str | None = None     # a child run: the run whose SUB_WORKFLOW node started it
     parent_node_id: str | None = None
     children: list[ChildRun] = field(default_factory=list)
+    #: False: odd data, the run's definition version row is gone, so no event of the run
+    #: can be decided (the run_investigation report flags it)
+    definition_found: bool = True
 
 
 @dataclass(frozen=True, kw_only=True)

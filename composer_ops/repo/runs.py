@@ -222,7 +222,9 @@ def get_run(conn: Conn, run_id: str) -> RunView:
     run = fetch_one(conn, RunView, """
         SELECT id, workflow_definition_id AS workflow_id, workflow_version, status,
                input_json AS input, output_json AS output, error_json AS error,
-               created_at, updated_at, completed_at, parent_run_id, parent_node_id
+               created_at, updated_at, completed_at, parent_run_id, parent_node_id,
+               EXISTS (SELECT 1 FROM workflow_definitions d
+                        WHERE d.id = workflow_definition_id AND d.version = workflow_version) AS definition_found
           FROM workflow_runs WHERE id = %s AND deleted_at IS NULL""", (run_id,))
     if run is None:
         raise NotFound(f"workflow run {run_id} does not exist")
