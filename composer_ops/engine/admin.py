@@ -430,7 +430,8 @@ def retry_runs(shell: Shell, chosen: Selection, from_nodes: Sequence[str] = (), 
     A SUB_WORKFLOW child whose work its parent's retry runs (its parent FAILED or
     CANCELLED, or its node now standing for another child) is not retried: it is listed
     in ``left_to_parent``, not counted against ``limit``, and the selection goes on
-    past it."""
+    past it. A run whose lock another session holds past the lock wait is refused,
+    naming that session, and the rest go on."""
     if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= RETRY_LIMIT:
         raise Invalid(f"limit must be an integer from 1 to {RETRY_LIMIT}, got {limit!r}")
     if not chosen.workflow_id and chosen.since is None and chosen.until is None and chosen.contains is None:
@@ -454,7 +455,9 @@ def retry_runs(shell: Shell, chosen: Selection, from_nodes: Sequence[str] = (), 
                 continue
             try:
                 out.retried.append(retry_run(shell, row.id, from_nodes, yes=yes, actor=actor))
-            except (Conflict, Invalid, NotFound, BrokenRun) as exc:
+            except (Conflict, Invalid, NotFound, BrokenRun, LockTimeout) as exc:
+                # A run another session holds locked is refused, naming the holder, and the
+                # selection goes on: the runs retried before it stay retried.
                 out.refused.append((row.id, str(exc)))
         if len(found) < limit:
             break

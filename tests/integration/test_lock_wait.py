@@ -5,6 +5,7 @@ same command succeeds. A bulk cancel's dry run lists such a run apart, not decid
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -133,6 +134,34 @@ def test_bulk_cancel_dry_run_lists_a_locked_run_as_not_decided(db_url: str, engi
     assert main(argv) == 0
     out = capsys.readouterr().out
     assert f"would cancel {locked}" in out and "not decided" not in out, out
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("yes", [False, True], ids=["dry-run", "yes"])
+def test_bulk_retry_refuses_a_locked_run_and_goes_on(db_url: str, engine: Engine, yes: bool,
+                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    """Before, the first locked run ended the whole bulk retry with its error."""
+    runs = []
+    for _ in range(2):
+        run = engine.start("lockwait", input={"customer": 79})
+        engine.cancel(run)
+        runs.append(run)
+        time.sleep(0.005)                       # distinct milliseconds: ID order is start order
+    locked, free = runs
+    argv = ["runs", "retry", "--where", "input.customer=79", "--status", "CANCELLED", "--json",
+            *(["--yes"] if yes else []), "--database-url", db_url]
+    before = _state(db_url, locked)
+    with _held(db_url, locked) as pid:
+        started = time.monotonic()
+        code = main(argv)
+        took = time.monotonic() - started
+    out = json.loads(capsys.readouterr().out)
+    assert code == 0 and took < WAIT_S + 20, (code, took, out)     # a refused run is listed, as others are
+    assert [r["run_id"] for r in out["retried"]] == [free], out
+    ((refused, why),) = [(r["run_id"], r["error"]) for r in out["refused"]]
+    assert refused == locked and f"pid {pid}" in why and "its lock was not granted" in why, why
+    assert _state(db_url, locked)[0] == before[0] == ("CANCELLED",)
+    assert _status(db_url, free) == ("RUNNING" if yes else "CANCELLED")
 
 
 @pytest.mark.timeout(60)
