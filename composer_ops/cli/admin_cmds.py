@@ -30,7 +30,7 @@ from composer_ops.cli._common import (
     open_engine,
 )
 from composer_ops.core.actor import Actor
-from composer_ops.errors import Invalid
+from composer_ops.errors import Invalid, LockTimeout
 
 _URL_PASSWORD = re.compile(r"(?P<head>[a-z][a-z0-9+.-]*://[^/@:\s]*:)\S*@", re.IGNORECASE)
 _KV_PASSWORD = re.compile(r"(?P<head>\bpassword\s*=\s*)('(?:[^'\\]|\\.)*'|\S+)", re.IGNORECASE)
@@ -290,6 +290,13 @@ def cmd_runs_cancel(args: argparse.Namespace) -> int:
                            "total": total[0] if total else None})
             sys.stderr.write(f"composer-ops: interrupted: {so_far()}\n")
             return EXIT_FAILED
+        except LockTimeout as exc:
+            # A run held locked elsewhere past --lock-wait: its chunk rolled back, the chunks
+            # before it stay cancelled (the error's line says how many; --json lists them).
+            if args.json and args.yes:
+                emit_json({"applied": True, "interrupted": True, "cancelled": cancelled,
+                           "total": total[0] if total else None, "error": str(exc)})
+            raise
         except KeyboardInterrupt:
             # Interrupted inside a statement: its transaction rolls back. The driver and
             # the pool would log what they clean up as they close; that is not news here.

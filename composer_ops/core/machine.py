@@ -339,7 +339,7 @@ class Decider:
 
     def odd_node(self, node_id: str) -> str:
         """Why an event for a task of node ``node_id``, which the run's definition does
-        not have, changes nothing (odd data: :func:`is_odd` tells it apart)."""
+        not have, changes nothing (odd data: :meth:`stale` marks its decision ``odd``)."""
         return (f"run {self.run.id} has a task for node {json.dumps(node_id)}, which its definition "
                 f"{self.run.workflow_id} v{self.run.workflow_version} does not have: odd data, left as it is "
                 f"(the run_investigation report shows it; cancel the run to end it)")

@@ -205,11 +205,14 @@ def _cancel_chunks(shell: Shell, active: Selection, reason: str, yes: bool, acto
     while yes or seen <= DRY_RUN_LIST:
         number = len(done) + 1
         size = chunk if yes else min(CANCEL_CHUNK, DRY_RUN_LIST + 1 - seen)
+        tries = [0]
         try:
-            step = _cancel_chunk(shell, resolved, after, size, reason, actor, f"{request}:{number}", number, [0],
+            step = _cancel_chunk(shell, resolved, after, size, reason, actor, f"{request}:{number}", number, tries,
                                  yes=yes)
         except LockTimeout as exc:                   # --yes: the chunk rolled back; those before it stay done
-            raise shell.run_locked(exc) from exc
+            before = sum(len(c.cancelled) for c in done)
+            kept = f"the {before} run(s) cancelled before it stay cancelled" if done else ""
+            raise shell.run_locked(exc, retried=tries[0] > 1, kept=kept) from exc
         if step is None:
             break
         done.append(step)
@@ -345,10 +348,11 @@ def retry_run(shell: Shell, run_id: str, from_nodes: Sequence[str] = (), *, yes:
     nodes = tuple(dict.fromkeys(from_nodes))
     if any(not isinstance(n, str) or not n for n in nodes):
         raise Invalid(f"nodes to retry from must be node ids, got {list(from_nodes)!r}")
+    tries = [0]
     try:
-        return _retry(shell, run_id, nodes, yes, actor, request_id or uuid.uuid4().hex, [0])
+        return _retry(shell, run_id, nodes, yes, actor, request_id or uuid.uuid4().hex, tries)
     except LockTimeout as exc:
-        raise shell.run_locked(exc, run_id) from exc
+        raise shell.run_locked(exc, run_id, retried=yes and tries[0] > 1) from exc
 
 
 @db_retry(give_up=(LockTimeout,))

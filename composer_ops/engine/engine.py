@@ -318,10 +318,11 @@ class Engine:
         committed returns what that attempt did, and in an ``operator_audit`` row
         (``actor``: who asked) with the same request."""
         validate_run_id(run_id)
+        request = Request()
         try:
-            return self._delete_run(run_id, Request(), actor)
+            return self._delete_run(run_id, request, actor)
         except LockTimeout as exc:
-            raise self.shell.run_locked(exc, run_id) from exc
+            raise self.shell.run_locked(exc, run_id, retried=request.tries > 1) from exc
 
     @db_retry(give_up=(LockTimeout,))
     def _delete_run(self, run_id: str, request: Request, actor: Actor | None) -> DeletedRun:

@@ -85,10 +85,11 @@ def cancel_listed(shell: Shell, run_ids: Sequence[str], *, reason: str, yes: boo
         raise Invalid(f"at most {MAX_LISTED} runs at once, got {len(ids)}")
     if not isinstance(reason, str) or not reason.strip() or len(reason) > 1000:
         raise Invalid("the reason must be non-empty text of at most 1000 characters")
+    tries = [0]
     try:
-        return _cancel(shell, ids, reason, yes, actor, request_id or uuid.uuid4().hex, [0])
+        return _cancel(shell, ids, reason, yes, actor, request_id or uuid.uuid4().hex, tries)
     except LockTimeout as exc:
-        raise shell.run_locked(exc) from exc
+        raise shell.run_locked(exc, retried=yes and tries[0] > 1) from exc
 
 
 @db_retry(give_up=(LockTimeout,))

@@ -216,23 +216,28 @@ class Shell:
         """:meth:`handle` for an operator's call: its locks are waited for at most
         :attr:`operator_lock_wait_s`, then :meth:`run_locked` is raised."""
         wait = self.operator_lock_wait_s
+        request = request or Request()
         try:
             return self.handle(run_id, make_event, request=request, lock_wait_s=wait)
         except LockTimeout as exc:
-            raise self.run_locked(exc, run_id) from exc
+            raise self.run_locked(exc, run_id, retried=request.tries > 1) from exc
 
     def operator_lock_timeout(self, conn: Conn) -> None:
         """Bound the lock waits of an operator's transaction by :attr:`operator_lock_wait_s`."""
         if self.operator_lock_wait_s is not None:
             partitions.set_lock_timeout(conn, self.operator_lock_wait_s, citus=self.on_citus(conn))
 
-    def run_locked(self, exc: LockTimeout, run_id: str | None = None) -> LockTimeout:
+    def run_locked(self, exc: LockTimeout, run_id: str | None = None, *, retried: bool = False,
+                   kept: str = "") -> LockTimeout:
         """The error an operator's call gives up with when a run's lock was not granted
         in time (``exc``): one line naming the run and the session holding its row lock
         or, when that cannot be told, the sessions likely holding it (those holding
         locks on its table longest). Looked up on a connection of its own, after the
         call's transaction ended; a lookup that fails leaves the holder unnamed, the
-        error the same."""
+        error the same. ``retried``: the attempt that gave up was a retry after a
+        transient error, whose first attempt may have committed (its acknowledgement
+        lost), so the line does not say nothing was changed. ``kept``: what earlier
+        transactions of the call committed (a bulk action's chunks), said instead."""
         run = exc.run_id or run_id
         waited = f" within {self.operator_lock_wait_s:g}s" if self.operator_lock_wait_s is not None else ""
         try:
@@ -248,14 +253,20 @@ class Shell:
                 if rows:
                     holders = "held by " + locks.describe(rows)
                 else:
-                    rows = locks.lock_holders(conn, ["workflow_runs"])
+                    rows = locks.lock_holders(conn, ["workflow_runs"], lockers=True)
                     holders = ("likely held by one of: " + locks.describe(rows)) if rows else \
                         "no other session holds a lock on workflow_runs now"
         except ComposerError:
             holders = "its holder could not be looked up"
         what = f"run {run}" if run is not None else "a run"
-        found = LockTimeout(f"{what}: its lock was not granted{waited} ({holders}); nothing was changed: "
-                            "try again once that transaction ends")
+        if retried:
+            changed = ("an earlier attempt of this call may have been applied (its acknowledgement was lost): "
+                       f"look at it (composer-ops runs show {run or 'RUN'}) before trying again")
+        elif kept:
+            changed = f"this step was rolled back, {kept}: run it again once that transaction ends"
+        else:
+            changed = "nothing was changed: try again once that transaction ends"
+        found = LockTimeout(f"{what}: its lock was not granted{waited} ({holders}); {changed}")
         found.run_id = run
         return found
 

@@ -168,7 +168,7 @@ TIMERS_OVERDUE_SQL = """
 # row per run and node: a MAP node's items count as its tasks). The active-state predicate
 # picks the rows through the partial index; each one's run and definition are read by key.
 # A spec node's id is matched by containment, as definition_graph reads it ("nodes": [{"id"}]).
-# An active task whose run row is gone is not listed (the inner join).
+# An active task whose run row is gone is one row per run too, its status and node_id NULL.
 DEFINITION_MISMATCHES_SQL = f"""
     WITH odd AS MATERIALIZED (
         SELECT t.run_id, r.workflow_definition_id AS workflow_id, r.workflow_version, r.status,

@@ -8,8 +8,9 @@ from typing import Any
 from composer_ops.repo._base import Conn
 
 #: The other sessions holding locks on this database's tables (on ``tables`` and their
-#: partitions, when given), oldest transaction first (a role that may not see another's
-#: xact_start sees its pid, role and program only).
+#: partitions, when given; with ``lockers``, only locks that can block a row lock, not a
+#: plain reader's ACCESS SHARE), oldest transaction first (a role that may not see
+#: another's xact_start sees its pid, role and program only).
 _HOLDERS = """
     SELECT a.pid, a.usename::text, a.application_name, a.state,
            extract(epoch FROM now() - a.xact_start)::float8,
@@ -18,6 +19,7 @@ _HOLDERS = """
       JOIN pg_stat_activity a ON a.pid = l.pid
       JOIN pg_class c ON c.oid = l.relation AND c.relkind IN ('r', 'p')
      WHERE l.locktype = 'relation' AND l.granted AND l.pid <> pg_backend_pid()
+       AND (NOT %(lockers)s OR l.mode <> 'AccessShareLock')
        AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
        AND (%(tables)s::text[] IS NULL OR c.relname = ANY(%(tables)s::text[])
             OR pg_partition_root(c.oid)::text = ANY(%(tables)s::text[]))
@@ -26,19 +28,26 @@ _HOLDERS = """
      LIMIT 3"""
 
 #: The session whose transaction locked a run's row: the row's xmax is the locker's
-#: transaction ID (a multixact ID when several share the lock, matching no session).
+#: transaction ID, or its subtransaction's when it locked inside a savepoint (a multixact
+#: ID when several share the lock, matching no session); every transaction and
+#: subtransaction holds an exclusive lock on its own ID, which names its session.
 _RUN_LOCKER = """
     SELECT a.pid, a.usename::text, a.application_name, a.state,
            extract(epoch FROM now() - a.xact_start)::float8, NULL::text
       FROM workflow_runs r
-      JOIN pg_stat_activity a ON a.backend_xid = r.xmax
+      JOIN pg_locks l ON l.locktype = 'transactionid' AND l.transactionid = r.xmax
+                     AND l.mode = 'ExclusiveLock' AND l.granted
+      JOIN pg_stat_activity a ON a.pid = l.pid
      WHERE r.id = %(run)s AND r.xmax <> '0'::xid AND a.pid <> pg_backend_pid()"""
 
 
-def lock_holders(conn: Conn, tables: Sequence[str] | None = None) -> list[tuple[Any, ...]]:
+def lock_holders(conn: Conn, tables: Sequence[str] | None = None, *,
+                 lockers: bool = False) -> list[tuple[Any, ...]]:
     """The (at most 3) other sessions holding locks on ``tables`` (or on any table)
-    longest: pid, role, program, state, transaction age in seconds, tables."""
-    return conn.execute(_HOLDERS, {"tables": list(tables) if tables is not None else None}).fetchall()
+    longest: pid, role, program, state, transaction age in seconds, tables.
+    ``lockers``: only those whose locks can block a row lock (not plain readers)."""
+    return conn.execute(_HOLDERS, {"tables": list(tables) if tables is not None else None,
+                                   "lockers": lockers}).fetchall()
 
 
 def run_locker(conn: Conn, run_id: str) -> list[tuple[Any, ...]]:

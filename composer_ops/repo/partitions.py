@@ -188,7 +188,9 @@ def set_lock_timeout(conn: Conn, seconds: float, *, citus: bool = False) -> None
     out: tests/citus/test_coordinator.py hangs). One round trip, two with ``citus``."""
     if citus:
         conn.execute("SET LOCAL citus.propagate_set_commands = 'local'")
-    conn.execute(sql.SQL("SET LOCAL lock_timeout = {}").format(sql.Literal(f"{max(1, round(seconds * 1000))}ms")))
+    # The server takes at most INT_MAX ms (about 24.8 days); a longer wait is that one.
+    millis = min(2_147_483_647, max(1, round(seconds * 1000)))
+    conn.execute(sql.SQL("SET LOCAL lock_timeout = {}").format(sql.Literal(f"{millis}ms")))
 
 
 def ensure_from(conn: Conn, first_month: date, months_ahead: int) -> int:

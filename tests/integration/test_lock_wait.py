@@ -6,6 +6,7 @@ same command succeeds. A bulk cancel's dry run lists such a run apart, not decid
 from __future__ import annotations
 
 import json
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -16,6 +17,7 @@ import pytest
 
 from composer_ops import Engine
 from composer_ops.cli import main
+from composer_ops.errors import LockTimeout
 
 #: The bound the commands get here; the assertions allow a loaded machine 20 s more.
 WAIT_S = 1.0
@@ -192,3 +194,106 @@ def test_behind_a_table_lock_the_likely_holders_are_named(db_url: str, engine: E
     assert code == 1 and took < WAIT_S + 20, (code, took, err)
     assert f"likely held by one of: pid {pid} (" in err and "psql-table" in err and run in err, err
     assert _status(db_url, run) == "RUNNING"
+
+
+def test_a_lock_wait_past_the_servers_largest_is_its_largest(db_url: str, engine: Engine,
+                                                              capsys: pytest.CaptureFixture[str]) -> None:
+    """`--lock-wait 3000000` failed on the server's `invalid value for parameter
+    "lock_timeout"`, a line that never named the option; the wait is the server's largest."""
+    run = engine.start("lockwait")
+    assert main(["cancel", run, "--lock-wait", "3000000", "--database-url", db_url]) == 0, capsys.readouterr()
+    assert _status(db_url, run) == "CANCELLED"
+
+
+SPEC2 = {"id": "two", "nodes": [{"id": "w1", "type": "WAIT_FOR_SIGNAL", "signal": "go"},
+                                 {"id": "w2", "type": "WAIT_FOR_SIGNAL", "signal": "go"}]}
+
+
+def _hold_for(db_url: str, run_id: str, seconds: float, ready: threading.Event) -> None:
+    with psycopg.connect(db_url, application_name="slow-holder") as conn:
+        conn.execute("SELECT id FROM workflow_runs WHERE id = %s FOR UPDATE", (run_id,))
+        ready.set()
+        time.sleep(seconds)
+        conn.rollback()
+
+
+@pytest.mark.timeout(60)
+def test_a_retry_that_gives_up_after_a_lost_ack_does_not_say_nothing_changed(
+        db_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The first attempt commits, its acknowledgement is lost (the backend dies after the
+    COMMIT), and before the retry another session holds the run's lock past the wait.
+    Before, the retry said "nothing was changed" though the signal was applied, and
+    doing as told sent it twice (an adversarial review's finding)."""
+    with Engine.connect(db_url, pool_size=2, lock_wait_s=WAIT_S) as engine:
+        engine.deploy(SPEC2)
+        run = engine.start("two")
+        real = engine.pool.connection
+        holder: list[threading.Thread] = []
+
+        @contextmanager
+        def lose_ack_then_hold(*args: Any, **kwargs: Any) -> Iterator[Any]:
+            with real(*args, **kwargs) as conn:
+                yield conn
+                if not holder:
+                    ready = threading.Event()
+                    holder.append(threading.Thread(target=_hold_for, args=(db_url, run, WAIT_S + 3, ready)))
+                    holder[0].start()
+                    ready.wait(10)
+                    conn.execute("SELECT pg_terminate_backend(pg_backend_pid())")
+        monkeypatch.setattr(engine.pool, "connection", lose_ack_then_hold)
+        with pytest.raises(LockTimeout) as caught:
+            engine.signal(run, "go", {"n": 1})
+        monkeypatch.undo()
+        holder[0].join()
+        said = str(caught.value)
+        assert "nothing was changed" not in said, said
+        assert "an earlier attempt of this call may have been applied" in said and "slow-holder" in said, said
+        assert [t.state for t in engine.get_run(run).tasks] == ["COMPLETED", "WAITING"]     # it was
+
+
+@pytest.mark.timeout(90)
+def test_a_bulk_cancel_that_gives_up_says_what_it_kept(db_url: str, engine: Engine,
+                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    """Chunks committed before the locked run stay cancelled: the line says so and --json
+    lists them (before: "nothing was changed" and no JSON at all)."""
+    runs = []
+    for _ in range(3):
+        runs.append(engine.start("lockwait", input={"customer": 5}))
+        time.sleep(0.005)
+    with _held(db_url, runs[-1]) as pid:
+        code = main(["runs", "cancel", "--where", "input.customer=5", "--yes", "--chunk", "1", "--json",
+                     "--database-url", db_url])
+    out, err = capsys.readouterr()
+    assert code == 1, (out, err)
+    assert err.count("\n") == 1 and f"pid {pid}" in err and "nothing was changed" not in err, err
+    assert "this step was rolled back, the 2 run(s) cancelled before it stay cancelled" in err, err
+    done = json.loads(out)
+    assert (done["applied"], done["interrupted"], done["cancelled"]) == (True, True, runs[:2]), done
+    assert [_status(db_url, r) for r in runs] == ["CANCELLED", "CANCELLED", "RUNNING"]
+
+
+@pytest.mark.timeout(60)
+def test_a_holder_that_locked_in_a_savepoint_is_named_not_the_readers(db_url: str, engine: Engine) -> None:
+    """A row locked inside a savepoint (as the bulk cancel and psql's ON_ERROR_ROLLBACK
+    do) has the subtransaction's ID as its xmax: before, the holder was missed and three
+    plain readers of the table were named instead."""
+    run = engine.start("lockwait")
+    readers = []
+    try:
+        for i in range(3):
+            reader = psycopg.connect(db_url, application_name=f"reader-{i}")
+            reader.execute("SELECT count(*) FROM workflow_runs")
+            readers.append(reader)
+        with psycopg.connect(db_url, application_name="real-holder") as holder:
+            holder.execute("SAVEPOINT s")
+            holder.execute("SELECT id FROM workflow_runs WHERE id = %s FOR UPDATE", (run,))
+            pid = holder.info.backend_pid
+            with pytest.raises(LockTimeout) as caught:
+                engine.cancel(run)
+            holder.rollback()
+    finally:
+        for reader in readers:
+            reader.close()
+    said = str(caught.value)
+    assert f"held by pid {pid} (" in said and "real-holder" in said, said
+    assert "reader-" not in said, said
