@@ -17,6 +17,7 @@ lasts. A file whose locks stay busy is rolled back and tried again with backoff,
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.resources
 import logging
@@ -213,7 +214,7 @@ def _locking(conn: psycopg.Connection[Any], what: str, body: Callable[[], None],
              attempts: int) -> None:
     """``body`` in a transaction whose lock waits end after ``lock_timeout_s``; a lock
     timeout rolls it back and, after a backoff, runs it again, up to ``attempts`` times,
-    then raises naming who holds locks (:func:`_lock_holders`)."""
+    then raises naming who holds locks (:func:`locks.holders_text_on`)."""
     for attempt in range(1, attempts + 1):
         try:
             with conn.transaction():
@@ -223,20 +224,16 @@ def _locking(conn: psycopg.Connection[Any], what: str, body: Callable[[], None],
             return
         except LockTimeout as exc:
             if attempt >= attempts:
+                holders = locks.holders_text_on(contextlib.nullcontext(conn))
                 raise ComposerError(
                     f"{what}: could not take its locks within {lock_timeout_s:g}s in {attempts} attempts "
-                    f"({_lock_holders(conn, lock_timeout_s)}); nothing of it was applied: end that transaction "
+                    f"({holders}); nothing of it was applied: end that transaction "
                     "or try again later (--lock-timeout, --attempts)") from exc
             delay = backoff_delay(attempt - 1, base=0.25, cap=4.0)
             log.warning("%s: a lock was busy for %gs (attempt %d of %d); trying again in %.2fs",
                         what, lock_timeout_s, attempt, attempts, delay)
             time.sleep(delay)
 
-
-def _lock_holders(conn: psycopg.Connection[Any], lock_timeout_s: float) -> str:
-    """Who may hold the lock a migration waited for: the sessions holding table locks
-    longest (:func:`composer_ops.repo.locks.lock_holders`)."""
-    return locks.holders_text(conn)
 
 
 def migrate(url: str | None = None, *, sql_dir: Traversable = SQL_DIR, target: int | None = None,

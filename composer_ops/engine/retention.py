@@ -97,9 +97,10 @@ def drop_due_months(source: Source, older_than: datetime | str | Cutoff, *, lock
         except (_Raced, Transient) as exc:
             if attempts >= max_attempts:
                 if isinstance(exc, LockTimeout):
+                    holders = locks.holders_text_on(_connection(source), partitions.RUN_TABLES)
                     raise ComposerError(
                         f"could not lock the partitions to drop within {lock_timeout_s:g}s in {attempts} attempts "
-                        f"({_holders(source)}); nothing was dropped, try again later") from exc
+                        f"({holders}); nothing was dropped, try again later") from exc
                 if isinstance(exc, _Raced):
                     raise ComposerError(f"retention aborted: {exc}; nothing was dropped, try again") from exc
                 raise
@@ -122,15 +123,6 @@ def _connection(source: Source) -> Iterator[psycopg.Connection[Any]]:
         with connect(source, application_name="composer-ops retention") as conn:
             yield conn
 
-
-def _holders(source: Source) -> str:
-    """Who likely holds the run tables' locks (:func:`locks.holders_text`); when that
-    cannot be looked up, only that a long transaction holds them."""
-    try:
-        with _connection(source) as conn, conn.transaction():
-            return locks.holders_text(conn, partitions.RUN_TABLES)
-    except ComposerError:
-        return "a long transaction holds them"
 
 
 def _attempt(conn: psycopg.Connection[Any], older_than: datetime | str | Cutoff, lock_timeout_s: float,

@@ -184,9 +184,10 @@ def _retire(url: str | None, month: str, cutoff: datetime, manifest: Manifest | 
         except Transient as exc:
             if attempts >= max_attempts:
                 if isinstance(exc.__cause__, psycopg.errors.LockNotAvailable):
+                    holders = locks.holders_text_on(_fresh(url), partitions.RUN_TABLES)
                     raise ComposerError(
                         f"month {month}: could not lock its partitions within {lock_timeout_s:g}s in {attempts} "
-                        f"attempts ({_holders(url)}); it was not {'detached' if keep_table else 'dropped'}, "
+                        f"attempts ({holders}); it was not {'detached' if keep_table else 'dropped'}, "
                         "try again later") from exc
                 raise
             delay = backoff_delay(attempts - 1, base=0.25, cap=4.0)
@@ -199,15 +200,6 @@ def _fresh(url: str | None) -> Iterator[psycopg.Connection[Any]]:
     with connect(url, application_name="composer-ops partitions retire") as conn:
         yield conn
 
-
-def _holders(url: str | None) -> str:
-    """Who likely holds the run tables' locks (:func:`locks.holders_text`), looked up on
-    a fresh connection; when that fails, only that a long transaction holds them."""
-    try:
-        with _fresh(url) as conn:
-            return locks.holders_text(conn, partitions.RUN_TABLES)
-    except ComposerError:
-        return "a long transaction holds them"
 
 
 def _retire_once(conn: psycopg.Connection[Any], month: str, cutoff: datetime, manifest: Manifest | None,

@@ -242,7 +242,7 @@ class Shell:
         waited = f" within {self.operator_lock_wait_s:g}s" if self.operator_lock_wait_s is not None else ""
         try:
             with self.pool.connection() as conn, conn.transaction():
-                partitions.set_lock_timeout(conn, 0.5)
+                partitions.set_lock_timeout(conn, locks.LOOKUP_LOCK_WAIT_S)
                 rows = []
                 if run is not None:
                     try:

@@ -3,9 +3,18 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from contextlib import AbstractContextManager
 from typing import Any
 
+from composer_ops.errors import ComposerError
 from composer_ops.repo._base import Conn
+from composer_ops.repo.partitions import set_lock_timeout
+
+#: How long a lookup of the holders waits for a lock of its own. It reads catalog views
+#: only, whose locks a session may hold all the same (``LOCK pg_locks``, a catalog's
+#: VACUUM FULL): the lookup is given up, rather than keep a call that already gave up on
+#: its own lock waiting for ever on the lookup.
+LOOKUP_LOCK_WAIT_S = 0.5
 
 #: The other sessions holding locks on this database's tables (on ``tables`` and their
 #: partitions, when given; with ``lockers``, only locks that can block a row lock, not a
@@ -61,6 +70,18 @@ def holders_text(conn: Conn, tables: Sequence[str] | None = None) -> str:
     session holds one now."""
     rows = lock_holders(conn, tables)
     return "locks held by " + describe(rows) if rows else "no other session holds a lock on them now"
+
+
+def holders_text_on(opened: AbstractContextManager[Conn], tables: Sequence[str] | None = None) -> str:
+    """:func:`holders_text` on the connection ``opened`` yields (its own, or the caller's
+    idle one), in a transaction whose lock waits end after :data:`LOOKUP_LOCK_WAIT_S`;
+    when the lookup fails, only that a long transaction holds them."""
+    try:
+        with opened as conn, conn.transaction():
+            set_lock_timeout(conn, LOOKUP_LOCK_WAIT_S)
+            return holders_text(conn, tables)
+    except ComposerError:
+        return "a long transaction holds them"
 
 
 def describe(rows: Sequence[tuple[Any, ...]]) -> str:

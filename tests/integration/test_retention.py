@@ -120,6 +120,33 @@ def test_a_lock_held_throughout_fails_cleanly_and_drops_nothing(db_url: str, cap
         assert "202501" in _months(conn)
 
 
+def test_a_drop_that_gives_up_names_the_session_holding_the_lock(db_url: str) -> None:
+    _seed_committed(db_url)
+    with psycopg.connect(db_url, application_name="long-report") as holder:
+        holder.execute("SELECT count(*) FROM workflow_events_p202501")
+        pid = holder.info.backend_pid
+        with pytest.raises(ComposerError) as raised:
+            drop_due_months(db_url, "2025-02-01", lock_timeout_s=0.1, max_attempts=1)
+        holder.rollback()
+    assert f"locks held by pid {pid} (" in str(raised.value) and "long-report" in str(raised.value)
+
+
+def test_a_lookup_of_the_holders_that_cannot_lock_is_given_up(db_url: str) -> None:
+    # The holders are read from catalog views, which a session may lock too: the lookup
+    # waits at most its own short lock wait, and the message says less, rather than the
+    # failed drop waiting for ever on its lookup.
+    _seed_committed(db_url)
+    with psycopg.connect(db_url) as holder:
+        holder.execute("SELECT count(*) FROM workflow_events_p202501")
+        holder.execute("LOCK TABLE pg_catalog.pg_locks IN ACCESS EXCLUSIVE MODE")
+        started = time.monotonic()
+        with pytest.raises(ComposerError) as raised:
+            drop_due_months(db_url, "2025-02-01", lock_timeout_s=0.1, max_attempts=1)
+        took = time.monotonic() - started
+        holder.rollback()
+    assert "(a long transaction holds them)" in str(raised.value) and took < 20
+
+
 def test_cli_dry_run_prints_the_plan_and_changes_nothing(db_url: str, capsys: pytest.CaptureFixture[str]) -> None:
     info = _seed_committed(db_url)
     # months past the cut-off kept for active runs: exit 3, the runs named on stderr

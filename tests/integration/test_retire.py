@@ -17,6 +17,7 @@ from composer_ops import Engine
 from composer_ops.cli import main
 from composer_ops.core.manifest import BadArchive
 from composer_ops.engine import archive, retire
+from composer_ops.errors import ComposerError
 from composer_ops.repo import partitions
 from composer_ops.testing import fixtures
 from tests.integration.helpers import seed_aligned
@@ -270,3 +271,17 @@ def test_detach_says_its_rows_are_an_estimate(db_url: str, capsys: pytest.Captur
     assert counts is not None and "rows" not in counts[0] and counts[0]["rows_estimated"] >= 0, counts
     assert main(["audit", "list", "--database-url", db_url, "--action", "partitions detach"]) == 0
     assert "rows_estimated" in capsys.readouterr().out
+
+
+def test_a_detach_that_gives_up_names_the_session_holding_the_lock(db_url: str) -> None:
+    _seeded(db_url)
+    with psycopg.connect(db_url, application_name="long-report") as holder:
+        holder.execute("SELECT count(*) FROM task_instances_p202412")
+        pid = holder.info.backend_pid
+        with pytest.raises(ComposerError) as raised:
+            retire.retire_months(db_url, "2025-05-01", keep_table=True, yes=True, lock_timeout_s=0.1,
+                                 max_attempts=1)
+        holder.rollback()
+    assert "month 202412: could not lock its partitions" in str(raised.value)
+    assert f"locks held by pid {pid} (" in str(raised.value) and "long-report" in str(raised.value)
+    assert "202412" in _months(db_url)
