@@ -29,7 +29,8 @@ class ArgumentParser(argparse.ArgumentParser):
         # argparse quotes the user's text back; keep the error on one line whatever it holds.
         flat = " ".join(message.split("\n"))
         flat = "".join(c if c.isprintable() else f"\\x{ord(c):02x}" for c in flat)
-        self.exit(EXIT_BAD_INPUT, f"composer-ops: error: {self.prog}: {flat}\n")
+        where = "" if self.prog == "composer-ops" else f"{self.prog}: "
+        self.exit(EXIT_BAD_INPUT, f"composer-ops: error: {where}{flat}\n")
 
 
 @dataclass(frozen=True)
@@ -194,3 +195,20 @@ def json_text(value: Any, **kw: Any) -> str:
 
 def emit_json(value: Any) -> None:
     sys.stdout.write(json_text(value, indent=2, sort_keys=False) + "\n")
+
+
+def run_id_type(value: str) -> str:
+    """The run a command looks up (argparse ``type``): checked before anything
+    connects, and a pasted spelling (any case, braces, ``urn:uuid:``) made canonical.
+    Never for naming a new run (``start --run-id`` takes the canonical text only)."""
+    from composer_ops.core.runids import validate_run_id
+
+    try:
+        return validate_run_id(value, normalise=True)
+    except Invalid as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def add_run_argument(parser: argparse.ArgumentParser, **kw: Any) -> None:
+    """The positional RUN of a command that acts on one run (:func:`run_id_type`)."""
+    parser.add_argument("run_id", metavar="RUN", type=run_id_type, **kw)

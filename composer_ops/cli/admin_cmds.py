@@ -23,6 +23,7 @@ from composer_ops.cli._common import (
     add_command,
     add_json_option,
     add_lock_wait_option,
+    add_run_argument,
     add_yes_option,
     emit_json,
     env_option,
@@ -162,7 +163,7 @@ def register_runs(rsub: argparse._SubParsersAction) -> None:  # type: ignore[typ
                     "to --limit runs, oldest first, each in its own transaction; a run refused or bad is "
                     "reported and the others go on (exit 0), and children left to their parent are listed "
                     "and not counted. Exit 0 done, 1 refused or failed, 2 bad input.")
-    rty.add_argument("run_id", metavar="RUN", nargs="?", help="the run to retry (or give a selection)")
+    add_run_argument(rty, nargs="?", help="the run to retry (or give a selection)")
     rty.add_argument("--from", dest="from_nodes", metavar="NODE", action="append", default=[],
                      help="run again from this node (repeat for several; default: the nodes that failed)")
     add_selection_options(rty)
@@ -348,7 +349,6 @@ def _retry_line(result: Any) -> str:
 
 
 def cmd_runs_retry(args: argparse.Namespace) -> int:
-    from composer_ops.core.runids import validate_run_id
     from composer_ops.engine.admin import retry_runs
 
     selecting = any(v is not None for v in (args.workflow, args.status, args.since, args.until, args.where))
@@ -375,9 +375,8 @@ def cmd_runs_retry(args: argparse.Namespace) -> int:
               + (f", {len(bulk.left_to_parent)} child run(s) left to their parent" if bulk.left_to_parent else "")
               + ("" if args.yes else "; nothing was changed (add --yes to retry)"))
         return EXIT_OK
-    run_id = validate_run_id(args.run_id, normalise=True)
     with open_engine(args) as engine:
-        result = engine.retry(run_id, args.from_nodes or None, yes=args.yes, actor=actor(args))
+        result = engine.retry(args.run_id, args.from_nodes or None, yes=args.yes, actor=actor(args))
     if args.json:
         emit_json(_retry_record(result))
         return EXIT_OK

@@ -24,6 +24,7 @@ from composer_ops.cli._common import (
     add_command,
     add_json_option,
     add_lock_wait_option,
+    add_run_argument,
     add_yes_option,
     at_least,
     emit_json,
@@ -55,7 +56,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     start.add_argument("--run-id", help="client-supplied run ID: a recent lowercase UUIDv7 (idempotency key)")
 
     sig = add_command(sub, "signal", cmd_signal, help="send a signal to a run (buffered if no node waits for it yet)")
-    sig.add_argument("run_id")
+    add_run_argument(sig)
     sig.add_argument("name")
     sig.add_argument("--payload", help="signal payload as JSON")
     sig.add_argument("--key", help="idempotency key: sending again with the same key (to the same run) "
@@ -63,7 +64,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     add_lock_wait_option(sig)
 
     cancel = add_command(sub, "cancel", cmd_cancel, help="cancel a run and its active tasks")
-    cancel.add_argument("run_id")
+    add_run_argument(cancel)
     cancel.add_argument("--reason", default="cancelled by operator", help="recorded as the run's error")
     add_lock_wait_option(cancel)
 
@@ -71,14 +72,14 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     rsub = runs.add_subparsers(dest="runs_command", required=True, metavar="{show,delete,list,cancel,retry}")
     show = add_command(rsub, "show", cmd_runs_show, database="reads",
                        help="a run, its output or error, its tasks, every attempt and its history")
-    show.add_argument("run_id")
+    add_run_argument(show)
     add_json_option(show)
     delete = add_command(
         rsub, "delete", cmd_runs_delete, help="soft-delete a finished run (dry-run unless --yes)",
         description="Hide a finished run from every read, loop and report; its rows leave with its month "
                     "(partitions drop). An active run is refused: cancel it first. A pending webhook delivery "
                     "of the run is given up.")
-    delete.add_argument("run_id")
+    add_run_argument(delete)
     add_yes_option(delete, "delete it (without: show what would be deleted)")
     add_lock_wait_option(delete)
     add_json_option(delete)

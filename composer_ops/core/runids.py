@@ -134,7 +134,8 @@ def validate_run_id(
         try:
             value = str(uuid.UUID(value.strip()))
         except ValueError:
-            raise Invalid(f"{name} {value!r} is not a UUID") from None
+            raise Invalid(f"{name} {value!r} is not a UUID: expected 32 hex digits, with hyphens after the 8th, "
+                          f"12th, 16th and 20th, like {_EXAMPLE}") from None
     run_id = _check_uuid7(value, name)
     if now is None:
         return run_id

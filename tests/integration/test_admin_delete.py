@@ -77,7 +77,12 @@ def test_the_cli_is_a_dry_run_unless_yes(engine: Engine, db_url: str, capsys: py
     assert (record["run_id"], record["action"], record["status"]) == (run_id, "deleted", "SUCCEEDED")
     assert main(["runs", "delete", run_id, "--yes", "--database-url", db_url]) == 0
     assert "was already deleted" in capsys.readouterr().out
-    assert main(["runs", "delete", "not-a-run-id", "--yes", "--database-url", db_url]) == 2
+    with pytest.raises(SystemExit) as bad:                     # argparse's one line, before connecting
+        main(["runs", "delete", "not-a-run-id", "--yes", "--database-url", db_url])
+    assert bad.value.code == 2 and "argument RUN: run id 'not-a-run-id' is not a UUID" in capsys.readouterr().err
+    # A pasted spelling of the run's ID (upper case, braces) names the same run.
+    assert main(["runs", "delete", "{" + run_id.upper() + "}", "--yes", "--database-url", db_url]) == 0
+    assert f"run {run_id} (SUCCEEDED) was already deleted" in capsys.readouterr().out
 
 
 def test_the_claim_skips_a_deleted_run(engine: Engine, db_url: str) -> None:

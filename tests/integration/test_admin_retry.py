@@ -218,7 +218,9 @@ def test_dry_run_writes_nothing_then_retry_with_audit_row_and_a_new_webhook(
     assert command.startswith(f"composer-ops runs retry {run_id} --from b --yes")
     assert again is not None and again[0] != first[0] and again[1:] == ("SUCCEEDED", None)
     assert main(["runs", "retry", run_id, "--database-url", db_url]) == 1      # SUCCEEDED now
-    assert main(["runs", "retry", "not-a-run", "--database-url", db_url]) == 2
+    with pytest.raises(SystemExit) as bad:                     # argparse's one line, before connecting
+        main(["runs", "retry", "not-a-run", "--database-url", db_url])
+    assert bad.value.code == 2
 
 
 def test_the_engine_role_retries_through_the_bounded_function_only(db_url: str) -> None:
