@@ -41,7 +41,7 @@ from jupyter_client.kernelspec import KernelSpec, KernelSpecManager  # noqa: E40
 from jupyter_client.manager import AsyncKernelManager  # noqa: E402
 from traitlets import default  # noqa: E402
 
-from composer_ops.db import ENV_URL, find_url  # noqa: E402
+from composer_ops.db import ENV_LOCK_WAIT, ENV_URL, find_url  # noqa: E402
 from composer_ops.errors import ComposerError, Invalid, NotFound  # noqa: E402
 from composer_ops.kernels import UnixSocketKernelManager  # noqa: E402
 
@@ -266,7 +266,7 @@ def run_reports(names: Sequence[str], parameters: Mapping[str, Mapping[str, Any]
                 database_url: str | None = None, progress: bool = True, cell_timeout_s: int = 600,
                 jobs: int = 1, now: datetime | None = None, directory: Path | None = None,
                 keep: int = 0, kernel_env: Mapping[str, str] | None = None, record_env: str | None = None,
-                index_dir: Path | None = None) -> list[ReportResult]:
+                index_dir: Path | None = None, lock_wait_s: float | None = None) -> list[ReportResult]:
     """Execute each notebook (``jobs`` at a time, each in its own kernel), render its
     HTML, prune each notebook's reports to the newest ``keep`` (0: keep all), then
     rewrite the index. A failing notebook does not stop the others; see each
@@ -276,7 +276,9 @@ def run_reports(names: Sequence[str], parameters: Mapping[str, Mapping[str, Any]
     audit rows name it); the index is written in ``index_dir`` (default ``out_dir``).
     Kernels get a private runtime directory (connection files and sockets) and, when
     the home directory is not writable (a system account), a private IPython
-    directory, both removed at the end."""
+    directory, both removed at the end. ``lock_wait_s``: how long the notebooks' reads
+    wait for a lock held elsewhere (``COMPOSER_LOCK_WAIT`` in their environment;
+    :func:`composer_ops.ops._common.read_lock_wait_s`)."""
     if jobs < 1:
         raise Invalid(f"jobs must be 1 or more, got {jobs}")
     if keep < 0:
@@ -290,6 +292,8 @@ def run_reports(names: Sequence[str], parameters: Mapping[str, Mapping[str, Any]
         return _run_one(name, dict(parameters.get(name, {})), out_dir, stamp, progress=progress,
                         cell_timeout_s=cell_timeout_s, directory=directory, record_env=record_env)
 
+    if lock_wait_s is not None:
+        kernel_env = {**(kernel_env or {}), ENV_LOCK_WAIT: repr(float(lock_wait_s))}
     with _kernel_env(url, kernel_env), _private_jupyter_dirs():
         if jobs == 1 or len(names) == 1:
             results = [one(name) for name in names]

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from datetime import UTC, date, datetime
 from typing import TYPE_CHECKING, Any, Literal
 
+from composer_ops.db.connect import ENV_LOCK_WAIT
 from composer_ops.errors import Invalid
 
 if TYPE_CHECKING:
@@ -144,10 +145,19 @@ def database_url(args: argparse.Namespace) -> str | None:
 
 def add_lock_wait_option(parser: argparse._ActionsContainer) -> None:
     """``--lock-wait``: how long a command acting on runs waits for a run's lock."""
-    env_option(parser, "--lock-wait", env="COMPOSER_LOCK_WAIT", type=float, default=30.0, metavar="SECONDS",
+    env_option(parser, "--lock-wait", env=ENV_LOCK_WAIT, type=float, default=30.0, metavar="SECONDS",
                accepts=above(0),
                help="give up (exit 1, naming the session holding it) when a run's lock is not granted "
                     "within this many seconds (default 30)")
+
+
+def add_read_lock_wait_option(parser: argparse._ActionsContainer) -> None:
+    """``--lock-wait`` of ``report`` and ``runbook``: how long a notebook's read waits
+    for a lock held elsewhere (:data:`composer_ops.ops._common.READ_LOCK_WAIT_S`)."""
+    env_option(parser, "--lock-wait", env=ENV_LOCK_WAIT, type=float, default=30.0, metavar="SECONDS",
+               accepts=above(0),
+               help="a read that waits longer than this many seconds for a lock held elsewhere (a drop, "
+                    "a migration) fails its cell, naming the sessions holding locks (default 30)")
 
 
 def open_engine(args: argparse.Namespace, *, pool_size: int = 1) -> Engine:

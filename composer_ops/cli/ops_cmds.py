@@ -10,7 +10,15 @@ import sys
 import typing
 from pathlib import Path
 
-from composer_ops.cli._common import EXIT_FAILED, EXIT_OK, add_command, add_json_option, emit_json, env_option
+from composer_ops.cli._common import (
+    EXIT_FAILED,
+    EXIT_OK,
+    add_command,
+    add_json_option,
+    add_read_lock_wait_option,
+    emit_json,
+    env_option,
+)
 from composer_ops.errors import ComposerError, Invalid
 from composer_ops.files import check_directory
 from composer_ops.ops import health
@@ -59,6 +67,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     env_option(rep, "--timeout", env="COMPOSER_REPORT_CELL_TIMEOUT", type=int, default=600,
                metavar_default="600",
                help="seconds one cell may run; then it is interrupted and the report fails naming it")
+    add_read_lock_wait_option(rep)
     env_option(rep, "--progress", env="COMPOSER_REPORT_PROGRESS", default="1", choices=["0", "1"],
                metavar_default="1", help="show a progress bar per notebook (0: no)")
     env_option(rep, "--jobs", env="COMPOSER_REPORT_JOBS", type=int, default=1, metavar_default="1",
@@ -122,7 +131,7 @@ def cmd_report(args: argparse.Namespace) -> int:
     check_directory(out, "--out")     # one line, exit 2, before a kernel starts
     results = reports.run_reports(names, params, out, database_url=url or os.environ.get("COMPOSER_DATABASE_URL"),
                                   progress=args.progress == "1", cell_timeout_s=args.timeout, jobs=args.jobs,
-                                  keep=args.keep)
+                                  keep=args.keep, lock_wait_s=args.lock_wait)
     failed = [r for r in results if not r.ok]
     for r in results:
         if r.ok:

@@ -8,7 +8,15 @@ import os
 import sys
 from pathlib import Path
 
-from composer_ops.cli._common import EXIT_FAILED, EXIT_OK, add_command, add_json_option, emit_json, env_option
+from composer_ops.cli._common import (
+    EXIT_FAILED,
+    EXIT_OK,
+    add_command,
+    add_json_option,
+    add_read_lock_wait_option,
+    emit_json,
+    env_option,
+)
 from composer_ops.errors import Invalid
 
 
@@ -33,6 +41,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     env_option(rb, "--timeout", env="COMPOSER_REPORT_CELL_TIMEOUT", type=int, default=600,
                metavar_default="600",
                help="seconds one cell may run; then it is interrupted and the runbook fails naming it")
+    add_read_lock_wait_option(rb)
     env_option(rb, "--progress", env="COMPOSER_REPORT_PROGRESS", default="1", choices=["0", "1"],
                metavar_default="1", help="show a progress bar (0: no)")
     add_json_option(rb, "with `list`: print a JSON object")
@@ -57,7 +66,7 @@ def cmd_runbook(args: argparse.Namespace) -> int:
             url = value
     done = records.run(args.name, [(k, v) for k, v in pairs if k != "database_url"], out,
                        database_url=url or os.environ.get("COMPOSER_DATABASE_URL"), command=actor(args).command or "",
-                       progress=args.progress == "1", cell_timeout_s=args.timeout)
+                       progress=args.progress == "1", cell_timeout_s=args.timeout, lock_wait_s=args.lock_wait)
     result = done.result
     if not result.ok:
         sys.stderr.write(f"composer-ops: {result.describe_failure().replace('report ', 'runbook ', 1)}\n")

@@ -30,6 +30,9 @@ from composer_ops.db.retry import backoff_delay
 from composer_ops.errors import Invalid, Transient, Unavailable
 
 ENV_URL = "COMPOSER_DATABASE_URL"
+#: How long a reader's or an operator command's lock wait lasts, in seconds (the CLI's
+#: ``--lock-wait``; the notebooks' reads, composer_ops/ops/_common.py).
+ENV_LOCK_WAIT = "COMPOSER_LOCK_WAIT"
 #: The least time a new pool waits for its first connection (:func:`make_pool`).
 OPEN_TIMEOUT_S = 10.0
 log = logging.getLogger(__name__)

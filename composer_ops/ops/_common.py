@@ -11,6 +11,8 @@ the analytics never write, and a reader role would refuse it anyway.
 from __future__ import annotations
 
 import contextlib
+import math
+import os
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -21,10 +23,11 @@ import psycopg
 
 from composer_ops.core.model import ACTIVE_TASK_STATES
 from composer_ops.core.runids import add_months, month_label
-from composer_ops.db import connect
-from composer_ops.repo import analytics
+from composer_ops.db import ENV_LOCK_WAIT, connect
+from composer_ops.errors import Invalid, LockTimeout
+from composer_ops.repo import analytics, locks
 from composer_ops.repo.analytics import COORDINATOR_QUEUE
-from composer_ops.repo.partitions import RUN_TABLES
+from composer_ops.repo.partitions import RUN_TABLES, set_lock_timeout
 
 Source: TypeAlias = "psycopg.Connection[Any] | str | None"
 Schema: TypeAlias = Mapping[str, Any]  # column -> polars dtype
@@ -38,20 +41,56 @@ __all__ = ["ACTIVE_STATES", "COORDINATOR_QUEUE", "RUN_TABLES", "ReadFrom", "Sche
 UTC_TS = pl.Datetime("us", "UTC")
 
 
+#: How long a read of a connection opened here waits for a lock held elsewhere (an
+#: operator's drop, a migration's ALTER) before it fails naming the holders:
+#: ``COMPOSER_LOCK_WAIT`` seconds (``report`` and ``runbook --lock-wait`` set it for
+#: their kernels), this unless set. A report would otherwise wait its whole cell timeout
+#: (600 s) and say only that the cell was interrupted.
+READ_LOCK_WAIT_S = 30.0
+
+
+def read_lock_wait_s() -> float:
+    """:data:`READ_LOCK_WAIT_S`, or ``COMPOSER_LOCK_WAIT`` when set (``Invalid`` naming it
+    when it is not a number of seconds above 0)."""
+    raw = os.environ.get(ENV_LOCK_WAIT, "").strip()
+    if not raw:
+        return READ_LOCK_WAIT_S
+    try:
+        seconds = float(raw)
+    except ValueError:
+        seconds = math.nan
+    if not (seconds > 0 and math.isfinite(seconds)):
+        raise Invalid(f"{ENV_LOCK_WAIT} must be a number of seconds above 0, got {raw!r}")
+    return seconds
+
+
 @contextlib.contextmanager
-def connection(source: Source, *, application_name: str = "composer-ops ops") -> Iterator[psycopg.Connection[Any]]:
+def connection(source: Source, *, application_name: str = "composer-ops ops",
+               lock_wait_s: float | None = None) -> Iterator[psycopg.Connection[Any]]:
     """Yield a connection for ``source``. One opened here runs a single read-only
     REPEATABLE READ transaction (every query sees the same snapshot and the same
     ``now()``, so figures computed by different queries agree) and is closed at the
-    end of the block, so a notebook never leaves a session idle in transaction."""
+    end of the block, so a notebook never leaves a session idle in transaction. Its
+    lock waits end after ``lock_wait_s`` (default :func:`read_lock_wait_s`), with a
+    :class:`~composer_ops.errors.LockTimeout` naming the sessions holding locks on the
+    run tables."""
     if isinstance(source, psycopg.Connection):
         yield source
         return
+    wait_s = read_lock_wait_s() if lock_wait_s is None else lock_wait_s
     conn = connect(source, application_name=application_name)
     try:
         conn.isolation_level = psycopg.IsolationLevel.REPEATABLE_READ
         conn.read_only = True
-        yield conn
+        set_lock_timeout(conn, wait_s)
+        try:
+            yield conn
+        except LockTimeout as exc:
+            conn.rollback()
+            holders = locks.holders_text_on(contextlib.nullcontext(conn), RUN_TABLES)
+            raise LockTimeout(f"a read waited {wait_s:g}s for a lock held elsewhere and gave up ({holders}); "
+                              f"try again once that transaction ends, or wait longer with {ENV_LOCK_WAIT} "
+                              "(report and runbook: --lock-wait)") from exc
     finally:
         conn.rollback()
         conn.close()

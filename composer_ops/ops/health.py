@@ -103,7 +103,7 @@ def check_health(source: Source = None, thresholds: Thresholds | None = None) ->
     :data:`CHECK_STATEMENT_TIMEOUT_S` per statement."""
     t = (thresholds or Thresholds()).checked()
     cutoff = retention.parse_cutoff(t.retention_older_than)
-    with connection(source, application_name="composer-ops check") as conn:
+    with connection(source, application_name="composer-ops check", lock_wait_s=CHECK_LOCK_TIMEOUT_S) as conn:
         if conn is not source:
             set_read_timeouts(conn, lock_s=CHECK_LOCK_TIMEOUT_S, statement_s=CHECK_STATEMENT_TIMEOUT_S)
         now = db_now(conn)

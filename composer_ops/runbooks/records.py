@@ -41,7 +41,7 @@ def confirm_command(name: str, pairs: Sequence[tuple[str, str]]) -> str:
 
 
 def run(name: str, pairs: Sequence[tuple[str, str]], out_dir: Path, *, database_url: str | None, command: str,
-        progress: bool = True, cell_timeout_s: int = 600) -> RunbookRun:
+        progress: bool = True, cell_timeout_s: int = 600, lock_wait_s: float | None = None) -> RunbookRun:
     """Execute runbook ``name`` with the ``-p`` pairs into ``out_dir/runbooks/name/``
     and rewrite ``out_dir/index.html``. An unknown runbook or parameter, or a bad
     value, is refused before a kernel starts (:class:`~composer_ops.errors.Invalid`,
@@ -58,7 +58,8 @@ def run(name: str, pairs: Sequence[tuple[str, str]], out_dir: Path, *, database_
     kernel_env = {acting.ENV_COMMAND: command, acting.ENV_CONFIRM: confirm_command(name, pairs)}
     (result,) = reports.run_reports([name], params, out_dir / catalogue.FOLDER, database_url=database_url,
                                     progress=progress, cell_timeout_s=cell_timeout_s, directory=directory,
-                                    kernel_env=kernel_env, record_env=acting.ENV_RECORD, index_dir=out_dir)
+                                    kernel_env=kernel_env, record_env=acting.ENV_RECORD, index_dir=out_dir,
+                                    lock_wait_s=lock_wait_s)
     figures = reports.key_figures(result.ipynb) if result.ipynb.exists() else None
     return RunbookRun(name=name, result=result, act=dict((figures or {}).get("act") or {}))
 

@@ -117,7 +117,7 @@ def test_a_failing_cell_fails_the_report_naming_it(tmp_path: Path, capsys: pytes
 
 
 @pytest.mark.parametrize(("param", "message"), [
-    (["-p", "run_id", "x"], "-p run_id: run_id 'x' is not a UUID (report run_investigation)"),
+    (["-p", "run_id", "x"], "-p run_id: run_id 'x' is not a UUID: expected 32 hex digits"),
     (["-p", "run_id", "0190b6c8-5a3e-4d2c-9f1e-3b4a5c6d7e8f"], "is a version 4 UUID"),
     (["-p", "top_n", "0"], "-p top_n: must be an integer from 1 to 1000, got 0 (report active_tasks)"),
     (["-p", "cutoff", "yesterday"], "-p cutoff: cut-off 'yesterday' is not an ISO date"),
@@ -147,6 +147,7 @@ def test_a_bad_parameter_value_exits_2_before_any_kernel(param: list[str], messa
     (["report"], "give a report name or --all"),
     (["report", "active_tasks", "-p", "top_n"], "expected 2 arguments"),
     (["report", "active_tasks", "--jobs", "0"], "must be at least 1"),
+    (["report", "active_tasks", "--lock-wait", "0"], "--lock-wait must be more than 0"),
 ])
 def test_bad_report_arguments_exit_2_with_one_line(argv: list[str], message: str, tmp_path: Path,
                                                    capsys: pytest.CaptureFixture[str]) -> None:
@@ -393,6 +394,25 @@ def test_a_cell_waiting_on_a_lock_past_the_timeout_fails_in_one_line_naming_it(
     summary = json.loads(next((out / "retention_dry_run").glob("*.json")).read_text(encoding="utf-8"))
     assert summary["ok"] is False and isinstance(summary["failed_cell"], int) and summary["execution_count"]
     assert "CellTimeoutError" in next((out / "retention_dry_run").glob("*.html")).read_text(encoding="utf-8")
+
+
+def test_a_read_behind_a_lock_gives_up_after_lock_wait_naming_the_holder(
+        db_url: str, tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
+    """Within its cell timeout, a read waits --lock-wait for a lock held elsewhere, then the
+    report fails in one line naming the session holding it, rather than wait out the cell."""
+    info = seed_committed(db_url)
+    out = tmp_path / "reports"
+    with psycopg.connect(db_url, application_name="dba-repack") as holder:
+        holder.execute(f"LOCK TABLE task_instances_p{info.current_month} IN ACCESS EXCLUSIVE MODE".encode())
+        code = main(["report", "active_tasks", "--lock-wait", "1", "--timeout", "300", "--out", str(out),
+                     "--database-url", db_url, "--progress", "0"])
+        pid = holder.info.backend_pid
+        holder.rollback()
+    err = capfd.readouterr().err
+    assert code == 1 and err.count("\n") == 1, err
+    assert re.search(r"failed at cell \d+ \(In \[\d+\]\) `.+`: LockTimeout: a read waited 1s for a lock held "
+                     rf"elsewhere and gave up \(locks held by pid {pid} \(\w+, dba-repack, idle in transaction, ",
+                     err), err
 
 
 def test_a_cell_deaf_to_the_interrupt_still_fails_naming_it(db_url: str, tmp_path: Path,
