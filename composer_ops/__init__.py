@@ -60,7 +60,7 @@ __all__ = [
     "Worker",
     "new_run_id",
 ]
-__version__ = "0.1.0"
+__version__ = "0.2.0.dev0"
 
 
 def __getattr__(name: str) -> Any:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -109,9 +110,17 @@ def test_the_wheel_holds_every_module_migration_and_notebook(dists: dict[str, Pa
     assert "composer_ops/py.typed" in names
     with zipfile.ZipFile(dists["wheel"]) as whl:
         meta = whl.read(f"composer_ops-{__version__}.dist-info/METADATA").decode()
-    assert f"\nVersion: {__version__}\n" in meta
+        licence = whl.read(f"composer_ops-{__version__}.dist-info/licenses/LICENSE").decode()
+    assert f"\nVersion: {__version__}\n" in meta and "\nLicense-Expression: Apache-2.0\n" in meta
+    assert "Apache License" in licence and "Version 2.0, January 2004" in licence
     with tarfile.open(dists["sdist"]) as sdist:
-        assert f"composer_ops-{__version__}/CHANGELOG.md" in sdist.getnames()
+        held = set(sdist.getnames())
+    top = f"composer_ops-{__version__}"
+    assert {f"{top}/{name}" for name in ("CHANGELOG.md", "LICENSE")} <= held
+    # The relative links of the readme (the docs, their images) resolve inside the sdist.
+    readme = next(ROOT.glob("README.*")).read_text(encoding="utf-8")
+    linked = set(re.findall(r"\]\(((?:docs/|CHANGELOG)[^)#\s]+)", readme))
+    assert linked and {f"{top}/{link}" for link in linked} <= held, sorted(linked)
     # The data packages carry data only: the notebooks' test conftest stays in the tree.
     assert not [n for n in names if n.startswith(("composer_ops/notebooks/", "composer_ops/migrations/"))
                 and n.endswith(".py") and not n.endswith("/__init__.py")]

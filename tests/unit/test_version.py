@@ -9,6 +9,7 @@ from importlib import metadata
 from pathlib import Path
 
 import pytest
+from packaging.version import Version
 
 import composer_ops
 from composer_ops.cli import main
@@ -21,7 +22,7 @@ def test_composer_ops_version_prints_the_package_version(capsys: pytest.CaptureF
         main(["--version"])
     assert done.value.code == 0
     assert capsys.readouterr().out == f"composer-ops {composer_ops.__version__}\n"
-    assert composer_ops.__version__ == "0.1.0"
+    assert composer_ops.__version__ == "0.2.0.dev0"
 
 
 def test_the_version_is_written_in_one_place() -> None:
@@ -32,6 +33,14 @@ def test_the_version_is_written_in_one_place() -> None:
 
 
 def test_the_changelog_has_a_section_for_this_version() -> None:
+    """A development version (the checkout between releases) is newer than the last
+    release the changelog dates, and its changes are under [Unreleased]; a release has
+    a section of its own, first."""
     changelog = (ROOT / "CHANGELOG.md").read_text(encoding="utf-8")
     headings = re.findall(r"^## \[([^\]]+)\]", changelog, flags=re.MULTILINE)
-    assert headings[:2] == ["Unreleased", composer_ops.__version__], headings
+    version = Version(composer_ops.__version__)
+    if version.is_devrelease:
+        assert headings[0] == "Unreleased" and Version(headings[1]) < version, headings
+        assert f"version is {composer_ops.__version__}" in changelog.split("\n## [", 2)[1]
+    else:
+        assert headings[0] == composer_ops.__version__, headings
