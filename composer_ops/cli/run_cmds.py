@@ -463,6 +463,15 @@ def describe_history(h: HistoryRow, *, retry: int = 0) -> str:
     return f"{h.kind:<15} {node}{by}{': ' + extra if extra else ''}{then}".rstrip()
 
 
+def _require_migrated(engine: Engine) -> None:
+    """A worker or coordinator serves nothing on a database without this version's
+    migrations (every claim or pass would fail, for ever): one line, exit 1, first."""
+    from composer_ops.db import migrate
+
+    with engine.pool.connection() as conn:
+        migrate.require_current(conn)
+
+
 def cmd_coordinator(args: argparse.Namespace) -> int:
     relay = RelayPolicy(connect_timeout_s=args.webhook_connect_timeout, timeout_s=args.webhook_timeout,
                         deadline_s=args.webhook_deadline)   # bad values are refused before connecting
@@ -471,6 +480,7 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
     shutdown_timeout = _shutdown_timeout(args)
     with Engine.connect(args.database_url, pool_size=4, application_name="composer-coordinator",
                         connect_wait_s=wait) as engine:
+        _require_migrated(engine)
         coord = engine.coordinator(interval=args.interval, months_ahead=args.months_ahead, relay=relay,
                                    retention=retention, webhook_keep_days=args.webhook_keep_days,
                                    event_lock_wait_s=args.event_lock_wait)
@@ -566,6 +576,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
     wait = _connect_wait(args)
     shutdown_timeout = _shutdown_timeout(args)
     with Engine.connect(args.database_url, application_name="composer-worker", connect_wait_s=wait) as engine:
+        _require_migrated(engine)
         worker = load_app(args.app, target, engine)
         if args.concurrency:
             worker.concurrency = args.concurrency

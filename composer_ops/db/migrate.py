@@ -34,7 +34,7 @@ from psycopg import sql
 from composer_ops.db import roles
 from composer_ops.db.connect import connect, resolve_url
 from composer_ops.db.retry import backoff_delay
-from composer_ops.errors import ComposerError, Invalid, LockTimeout
+from composer_ops.errors import ComposerError, Invalid, LockTimeout, PermissionDenied
 from composer_ops.repo import locks
 
 log = logging.getLogger(__name__)
@@ -347,10 +347,41 @@ def status(url: str | None = None, *, sql_dir: Traversable = SQL_DIR) -> list[tu
     (:data:`APPLIED`, :data:`PENDING`, :data:`CHANGED`); reads a running server only (it
     never starts the embedded one)."""
     with connect(url, application_name="composer-ops migrate") as conn:
-        series = is_citus(conn)
-        files = discover(sql_dir, citus=series)
-        repeatable = discover_repeatable(sql_dir, citus=series)
-        done, done_repeatable = _recorded(conn) or ({}, {})
+        return _states(conn, sql_dir)
+
+
+def require_current(conn: psycopg.Connection[Any], *, sql_dir: Traversable = SQL_DIR) -> None:
+    """Raise :class:`ComposerError` (one line, naming what is missing) unless the
+    database holds every migration of this version, applied as shipped: what a worker
+    or coordinator checks before it serves anything. A role refused the read of
+    ``schema_migrations`` (the engine role's grant came with V021) is told the same."""
+    from composer_ops import __version__
+
+    try:
+        with conn.transaction():
+            states: list[tuple[Script, str]] | None = _states(conn, sql_dir)
+    except (PermissionDenied, psycopg.errors.InsufficientPrivilege):
+        states = None
+    if states is None:
+        missing = "V021 (the engine role's read of schema_migrations) pending, maybe more"
+    else:
+        off = [f"{script.key} {state}" for script, state in states if state != APPLIED]
+        if not off:
+            return
+        versions = [state for script, state in states if isinstance(script, Migration)]
+        if versions and all(state == PENDING for state in versions):
+            missing = "no composer_ops schema is installed here"
+        else:
+            missing = ", ".join(off[:3]) + (f" and {len(off) - 3} more" if len(off) > 3 else "")
+    raise ComposerError(f"this database is not migrated for composer_ops {__version__}: {missing}; run "
+                        "`composer-ops migrate` with the owner's URL first (README.md, \"Upgrading\")")
+
+
+def _states(conn: psycopg.Connection[Any], sql_dir: Traversable) -> list[tuple[Script, str]]:
+    series = is_citus(conn)
+    files = discover(sql_dir, citus=series)
+    repeatable = discover_repeatable(sql_dir, citus=series)
+    done, done_repeatable = _recorded(conn) or ({}, {})
 
     def versioned(m: Migration) -> str:
         if m.version not in done:
