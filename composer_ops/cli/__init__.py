@@ -34,7 +34,7 @@ LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
 
 def build_parser() -> ArgumentParser:
-    parser = ArgumentParser(prog="composer-ops", description=__doc__)
+    parser = ArgumentParser(prog="composer-ops", description=(__doc__ or "").replace("``", ""))
     parser.add_argument("--version", action="version", version=f"composer-ops {__version__}")
     parser.add_argument("--debug", action="store_true", default=os.environ.get("COMPOSER_DEBUG") == "1",
                         help="show tracebacks and debug logs [env: COMPOSER_DEBUG=1]")
@@ -42,7 +42,9 @@ def build_parser() -> ArgumentParser:
                         choices=LOG_LEVELS, metavar="LEVEL",
                         help=f"log level for the composer_ops logger: {', '.join(LOG_LEVELS)} "
                              "[env: COMPOSER_LOG_LEVEL]")
-    sub = parser.add_subparsers(dest="command", required=True, parser_class=ArgumentParser)
+    # Not required here: main() says a command is missing only once no argument is left
+    # unrecognized, so `composer-ops --bogus` names --bogus rather than a missing command.
+    sub = parser.add_subparsers(dest="command", required=False, parser_class=ArgumentParser)
     db_cmds.register(sub)
     run_cmds.register(sub)
     partition_cmds.register(sub)
@@ -58,7 +60,11 @@ def build_parser() -> ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    if args.command is None:
+        parser.error("the following arguments are required: command")
     args.argv = list(sys.argv[1:] if argv is None else argv)    # for the audit rows of operator actions
     if args.log_level not in LOG_LEVELS:        # from COMPOSER_LOG_LEVEL (argparse checks only what is typed)
         parser.error(f"COMPOSER_LOG_LEVEL: {args.log_level!r} is not one of {', '.join(LOG_LEVELS)}")

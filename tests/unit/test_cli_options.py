@@ -67,3 +67,17 @@ def test_the_environment_default_is_checked_like_the_option(monkeypatch: pytest.
     monkeypatch.setenv("COMPOSER_SIM_WORKERS", "0")
     assert main(["simulate", "--database-url", NOWHERE]) == 2
     assert capsys.readouterr().err == "composer-ops: invalid: --workers must be between 1 and 32, got 0\n"
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--bogus"], "composer-ops: error: unrecognized arguments: --bogus"),
+    ([], "composer-ops: error: the following arguments are required: command"),
+    (["--debug", "check", "--nope"], "composer-ops: error: unrecognized arguments: --nope"),
+    (["runs", "show"], "composer-ops: error: composer-ops runs show: the following arguments are required: RUN"),
+])
+def test_the_parsers_errors_name_what_is_wrong_once(args: list[str], message: str,
+                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as done:
+        main(args)
+    err = capsys.readouterr().err
+    assert done.value.code == 2 and err == message + "\n", err
