@@ -124,3 +124,13 @@ def test_sections_named_in_prose_exist() -> None:
                 broken.append(f'{source.relative_to(ROOT)}: no heading of {name} starts with "{section}"')
     assert count > 20, f"only {count} references by name found: is the pattern still right?"
     assert not broken, "; ".join(broken)
+
+
+def test_every_experiment_of_the_log_is_in_the_index() -> None:
+    """performance.md's "The experiment log" links each dated section of performance-log.md."""
+    log = (ROOT / "docs" / "performance-log.md").read_text()
+    index = (ROOT / "docs" / "performance.md").read_text().split("## The experiment log", 1)[1]
+    linked = set(re.findall(r"\(performance-log\.md#([\w-]+)\)", index))
+    dated = [h for h in re.findall(r"^## (.+)$", log, flags=re.MULTILINE)]
+    unlisted = [h for h in dated if re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-") not in linked]
+    assert dated and not unlisted, unlisted
