@@ -1,5 +1,6 @@
 """``deploy``, ``start``, ``signal``, ``cancel``, ``runs show``, ``coordinator``, ``worker``."""
 
+
 from __future__ import annotations
 
 import argparse
@@ -16,6 +17,8 @@ from collections import Counter
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
+
+import psycopg
 
 from composer_ops.cli import admin_cmds
 from composer_ops.cli._common import (
@@ -504,6 +507,7 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
             stopped.set()
             coord.stop()
 
+        _say(f"coordinator running every {coord.interval:g}s on {_where(engine)}; SIGTERM or SIGINT stops it")
         with stop_on_signals(stop):
             loops.start()
             while loops.is_alive() and not stopped.is_set():
@@ -515,6 +519,7 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
             raise ShutdownTimeout(f"coordinator: the loop pass in progress did not finish within "
                                   f"{shutdown_timeout:g}s of the stop signal; exiting without it (whatever it "
                                   "held, webhook deliveries or a sweep, is picked up again by any coordinator)")
+        _say("coordinator stopped")
     return EXIT_OK
 
 
@@ -587,6 +592,30 @@ def cmd_worker(args: argparse.Namespace) -> int:
             worker.poll_interval = args.poll_interval
         if args.registry_interval is not None:
             worker.registry_interval = args.registry_interval
+        _say(f"worker {worker.worker_id} serving queue(s) {', '.join(worker.queues)} "
+             f"({len(worker.task_names)} task name(s)) with {worker.concurrency} slot(s) on "
+             f"{_where(engine)}; SIGTERM or SIGINT stops it")
         with stop_on_signals(worker.stop):
             worker.run()
+        _say(f"worker {worker.worker_id} stopped")
     return EXIT_OK
+
+
+def _say(line: str) -> None:
+    """One line on stderr from a long-running command (whatever --log-level): that it
+    serves, and that it stopped."""
+    sys.stderr.write(f"composer-ops: {line}\n")
+    sys.stderr.flush()
+
+
+def _where(engine: Engine) -> str:
+    """The engine's database, as host, port and name: never the URL, which may hold a
+    password."""
+    from psycopg.conninfo import conninfo_to_dict
+
+    try:
+        info = conninfo_to_dict(engine.url or "")
+    except psycopg.ProgrammingError:
+        return "its database"
+    host = str(info.get("host") or "local socket")
+    return f"database {info.get('dbname') or '?'} at {host}" + (f":{info['port']}" if info.get("port") else "")

@@ -168,6 +168,11 @@ class Worker:
     def stopping(self) -> bool:
         return self._stop.is_set()
 
+    @property
+    def task_names(self) -> list[str]:
+        """The task names this worker has handlers for, in the order registered."""
+        return list(self._handlers)
+
     # -- main loop ---------------------------------------------------------------
 
     def run(self) -> None:

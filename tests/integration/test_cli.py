@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import sys
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -265,3 +266,23 @@ def test_the_worker_options_override_the_apps_worker(capfd: pytest.CaptureFixtur
                        "--poll-interval", "0.25", "--registry-interval", "5", "--connect-wait", "0")
     assert code == 0, err
     assert seen == {"concurrency": 3, "prefetch": 2, "poll_interval": 0.25, "registry_interval": 5.0}
+    # Whatever the log level, it says on stderr that it serves, where, and that it stopped;
+    # the URL (which may hold a password) is never printed.
+    name = psycopg.conninfo.conninfo_to_dict(db_url)["dbname"]
+    assert re.search(r"^composer-ops: worker \S+ serving queue\(s\) \S.* \(\d+ task name\(s\)\) with 3 slot\(s\) "
+                     rf"on database {name} at \S+; SIGTERM or SIGINT stops it\n"
+                     r"composer-ops: worker \S+ stopped\n$", err), err
+    assert db_url not in err
+
+
+def test_the_coordinator_says_it_runs_and_that_it_stopped(db_url: str, capfd: pytest.CaptureFixture[str],
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    from composer_ops.engine.coordinator import Coordinator
+
+    monkeypatch.setattr(Coordinator, "run", lambda self: None)     # a loop that ends at once
+    code, _, err = run(capfd, db_url, "coordinator", "--interval", "2", "--connect-wait", "0")
+    assert code == 0, err
+    name = psycopg.conninfo.conninfo_to_dict(db_url)["dbname"]
+    assert err == (f"composer-ops: coordinator running every 2s on database {name} at "
+                   f"{psycopg.conninfo.conninfo_to_dict(db_url)['host']}; SIGTERM or SIGINT stops it\n"
+                   "composer-ops: coordinator stopped\n"), err
