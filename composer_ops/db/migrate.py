@@ -26,9 +26,10 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from importlib.resources.abc import Traversable
-from typing import Any
+from typing import Any, NoReturn
 
 import psycopg
+from packaging.version import InvalidVersion, Version
 from psycopg import sql
 
 from composer_ops.db import roles
@@ -176,12 +177,51 @@ _TABLE = """CREATE TABLE IF NOT EXISTS schema_migrations(
                  name TEXT NOT NULL,
                  checksum TEXT NOT NULL,
                  applied_at TIMESTAMPTZ NOT NULL DEFAULT now())"""
+#: The package version whose migrate wrote a row (a later version's rows tell an older
+#: package's migrate and workers that the database is newer than they are).
+_VERSION_COLUMN = "ALTER TABLE schema_migrations ADD COLUMN IF NOT EXISTS composer_version TEXT"
 
 
-def _recorded(conn: psycopg.Connection[Any]) -> tuple[dict[int, str], dict[str, str]] | None:
-    """The applied versions' checksums and the repeatable files' (by key); None when the
-    database has no ``schema_migrations`` yet. A table without the ``script`` column is
-    the pre-release runner's: refused."""
+@dataclass(frozen=True)
+class Recorded:
+    """What ``schema_migrations`` holds: the applied versions' checksums, the repeatable
+    files' (by key), and the package versions whose ``migrate`` wrote its rows (none
+    before 0.2: the column came then)."""
+
+    versions: dict[int, str]
+    repeatable: dict[str, str]
+    by: frozenset[str] = frozenset()
+
+    def newer_than_package(self, files: Sequence[Migration]) -> str | None:
+        """Why this database is a newer package's (a V file this package does not have,
+        or rows a later version's ``migrate`` wrote), or None."""
+        known = max((m.version for m in files), default=0)
+        beyond = sorted(v for v in self.versions if v > known)
+        if beyond:
+            return f"it holds V{beyond[-1]:03d}, and composer_ops {_package()} knows up to V{known:03d}"
+        later = sorted((v for v in self.by if _newer_version(v, _package())), key=Version)
+        if later:
+            return f"composer_ops {later[-1]}'s migrate wrote it, and this is {_package()}"
+        return None
+
+
+def _package() -> str:
+    """This package's version (imported late: the package imports this module)."""
+    from composer_ops import __version__
+
+    return __version__
+
+
+def _newer_version(recorded: str, mine: str) -> bool:
+    try:
+        return Version(recorded) > Version(mine)
+    except InvalidVersion:
+        return False
+
+
+def _recorded(conn: psycopg.Connection[Any]) -> Recorded | None:
+    """What ``schema_migrations`` holds (:class:`Recorded`); None when the database has
+    none yet. A table without the ``script`` column is the pre-release runner's: refused."""
     columns = {r[0] for r in conn.execute(
         """SELECT a.attname FROM pg_attribute a
             WHERE a.attrelid = to_regclass('schema_migrations') AND a.attnum > 0 AND NOT a.attisdropped""")}
@@ -189,10 +229,11 @@ def _recorded(conn: psycopg.Connection[Any]) -> tuple[dict[int, str], dict[str, 
         return None
     if "script" not in columns:
         raise Invalid(PRE_RELEASE)
-    rows = conn.execute("SELECT script, version, checksum FROM schema_migrations").fetchall()
-    versions = {int(v): str(c) for _, v, c in rows if v is not None}
-    repeatable = {str(k): str(c) for k, v, c in rows if v is None}
-    return versions, repeatable
+    by = "composer_version" if "composer_version" in columns else "NULL::text"
+    rows = conn.execute(f"SELECT script, version, checksum, {by} FROM schema_migrations").fetchall()
+    return Recorded(versions={int(v): str(c) for _, v, c, _ in rows if v is not None},
+                    repeatable={str(k): str(c) for k, v, c, _ in rows if v is None},
+                    by=frozenset(str(b) for *_, b in rows if b))
 
 
 def _run(conn: psycopg.Connection[Any], script: Script, *, on_citus: bool) -> None:
@@ -267,8 +308,14 @@ def migrate(url: str | None = None, *, sql_dir: Traversable = SQL_DIR, target: i
             recorded = _recorded(conn)
             if recorded is None:
                 conn.execute(_TABLE)
-                recorded = {}, {}
-            done, done_repeatable = recorded
+                recorded = Recorded(versions={}, repeatable={})
+            newer = recorded.newer_than_package(files)
+            if newer is not None:
+                raise Invalid(f"this database was migrated by a newer composer_ops ({newer}): this migrate would "
+                              "put its older functions back; run the newer version's migrate, or keep this "
+                              "version's processes on the schema as it is if the changelog allows it")
+            conn.execute(_VERSION_COLUMN)
+            done, done_repeatable = recorded.versions, recorded.repeatable
             if on_citus and any(m.version not in done for m in files):
                 _drop_repeatable_triggers(conn)
             for mig in files:
@@ -285,8 +332,9 @@ def migrate(url: str | None = None, *, sql_dir: Traversable = SQL_DIR, target: i
                 def apply(mig: Migration = mig) -> None:
                     _run(conn, mig, on_citus=on_citus)
                     conn.execute(
-                        "INSERT INTO schema_migrations (script, version, name, checksum) VALUES (%s, %s, %s, %s)",
-                        (mig.key, mig.version, mig.name, mig.checksum),
+                        "INSERT INTO schema_migrations (script, version, name, checksum, composer_version) "
+                        "VALUES (%s, %s, %s, %s, %s)",
+                        (mig.key, mig.version, mig.name, mig.checksum, _package()),
                     )
 
                 _locking(conn, mig.filename, apply, lock_timeout_s=lock_timeout_s, attempts=attempts)
@@ -326,8 +374,8 @@ def _apply_repeatable(conn: psycopg.Connection[Any], repeatable: Sequence[Repeat
             _run(conn, rep, on_citus=on_citus)
         conn.execute("DELETE FROM schema_migrations WHERE version IS NULL")
         for rep in repeatable:
-            conn.execute("INSERT INTO schema_migrations (script, name, checksum) VALUES (%s, %s, %s)",
-                         (rep.key, rep.name, rep.checksum))
+            conn.execute("INSERT INTO schema_migrations (script, name, checksum, composer_version) "
+                         "VALUES (%s, %s, %s, %s)", (rep.key, rep.name, rep.checksum, _package()))
 
     _locking(conn, "the repeatable files (R__*.sql)", apply, lock_timeout_s=lock_timeout_s, attempts=attempts)
     for rep in repeatable:
@@ -355,33 +403,44 @@ def require_current(conn: psycopg.Connection[Any], *, sql_dir: Traversable = SQL
     database holds every migration of this version, applied as shipped: what a worker
     or coordinator checks before it serves anything. A role refused the read of
     ``schema_migrations`` (the engine role's grant came with V021) is told the same."""
-    from composer_ops import __version__
-
     try:
         with conn.transaction():
-            states: list[tuple[Script, str]] | None = _states(conn, sql_dir)
+            series = is_citus(conn)
+            files = discover(sql_dir, citus=series)
+            recorded = _recorded(conn)
+            if recorded is not None and recorded.newer_than_package(files) is not None:
+                return          # a newer version's schema: the changelog says whether this one runs on it
+            states = _states(conn, sql_dir, series=series, recorded=recorded)
     except (PermissionDenied, psycopg.errors.InsufficientPrivilege):
-        states = None
-    if states is None:
-        missing = "V021 (the engine role's read of schema_migrations) pending, maybe more"
-    else:
-        off = [f"{script.key} {state}" for script, state in states if state != APPLIED]
-        if not off:
-            return
-        versions = [state for script, state in states if isinstance(script, Migration)]
-        if versions and all(state == PENDING for state in versions):
-            missing = "no composer_ops schema is installed here"
-        else:
-            missing = ", ".join(off[:3]) + (f" and {len(off) - 3} more" if len(off) > 3 else "")
-    raise ComposerError(f"this database is not migrated for composer_ops {__version__}: {missing}; run "
+        _refuse("V021 (the engine role's read of schema_migrations) pending, maybe more")
+    changed = [script.key for script, state in states if state == CHANGED]
+    if changed:
+        raise ComposerError(
+            f"this database's {', '.join(changed[:3])} differs from composer_ops {_package()}'s copy (edited "
+            "after it was applied, or another build's): this version's migrations do not describe the schema; "
+            "find out which package migrated it (`composer-ops migrate --status`) before serving from it")
+    off = [f"{script.key} {state}" for script, state in states if state != APPLIED]
+    if not off:
+        return
+    versions = [state for script, state in states if isinstance(script, Migration)]
+    if versions and all(state == PENDING for state in versions):
+        _refuse("no composer_ops schema is installed here")
+    _refuse(", ".join(off[:3]) + (f" and {len(off) - 3} more" if len(off) > 3 else ""))
+
+
+def _refuse(missing: str) -> NoReturn:
+    raise ComposerError(f"this database is not migrated for composer_ops {_package()}: {missing}; run "
                         "`composer-ops migrate` with the owner's URL first (README.md, \"Upgrading\")")
 
 
-def _states(conn: psycopg.Connection[Any], sql_dir: Traversable) -> list[tuple[Script, str]]:
-    series = is_citus(conn)
+def _states(conn: psycopg.Connection[Any], sql_dir: Traversable, *, series: bool | None = None,
+            recorded: Recorded | None = None) -> list[tuple[Script, str]]:
+    if series is None:
+        series = is_citus(conn)
+        recorded = _recorded(conn)
     files = discover(sql_dir, citus=series)
     repeatable = discover_repeatable(sql_dir, citus=series)
-    done, done_repeatable = _recorded(conn) or ({}, {})
+    done, done_repeatable = (recorded.versions, recorded.repeatable) if recorded is not None else ({}, {})
 
     def versioned(m: Migration) -> str:
         if m.version not in done:

@@ -51,7 +51,7 @@ READ_LOCK_WAIT_S = 30.0
 
 def read_lock_wait_s() -> float:
     """:data:`READ_LOCK_WAIT_S`, or ``COMPOSER_LOCK_WAIT`` when set (``Invalid`` naming it
-    when it is not a number of seconds above 0)."""
+    when it is not a number of seconds above 0), as the CLI's ``--lock-wait`` takes it."""
     raw = os.environ.get(ENV_LOCK_WAIT, "").strip()
     if not raw:
         return READ_LOCK_WAIT_S
@@ -59,7 +59,7 @@ def read_lock_wait_s() -> float:
         seconds = float(raw)
     except ValueError:
         seconds = math.nan
-    if not (seconds > 0 and math.isfinite(seconds)):
+    if not seconds > 0:         # nan too; inf is the longest wait the server takes (about 24.8 days)
         raise Invalid(f"{ENV_LOCK_WAIT} must be a number of seconds above 0, got {raw!r}")
     return seconds
 
@@ -78,6 +78,8 @@ def connection(source: Source, *, application_name: str = "composer-ops ops",
         yield source
         return
     wait_s = read_lock_wait_s() if lock_wait_s is None else lock_wait_s
+    longer = (f", or wait longer with {ENV_LOCK_WAIT} (report and runbook: --lock-wait)" if lock_wait_s is None
+              else "")
     conn = connect(source, application_name=application_name)
     try:
         conn.isolation_level = psycopg.IsolationLevel.REPEATABLE_READ
@@ -86,11 +88,14 @@ def connection(source: Source, *, application_name: str = "composer-ops ops",
         try:
             yield conn
         except LockTimeout as exc:
+            # Only a read of this connection's (its transaction failed on it): a lock
+            # timeout of some other session the block used is its own error, as raised.
+            if conn.info.transaction_status != psycopg.pq.TransactionStatus.INERROR:
+                raise
             conn.rollback()
             holders = locks.holders_text_on(contextlib.nullcontext(conn), RUN_TABLES)
             raise LockTimeout(f"a read waited {wait_s:g}s for a lock held elsewhere and gave up ({holders}); "
-                              f"try again once that transaction ends, or wait longer with {ENV_LOCK_WAIT} "
-                              "(report and runbook: --lock-wait)") from exc
+                              f"try again once that transaction ends{longer}") from exc
     finally:
         conn.rollback()
         conn.close()

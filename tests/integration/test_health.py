@@ -259,4 +259,5 @@ def test_a_check_behind_a_held_lock_gives_up_in_its_time(db_url: str, tmp_path: 
     assert code == 1 and took < 15, (code, took)          # not the lock's whole hold
     assert json.loads(captured.out)["up"] is False, captured.out
     assert "a read waited 0.5s for a lock held elsewhere and gave up (locks held by pid " in captured.err, captured.err
+    assert "COMPOSER_LOCK_WAIT" not in captured.err          # check's wait is its own, not the variable's
     assert _samples(prom)[("composer_check_up", "")] == 0.0

@@ -50,3 +50,43 @@ def test_the_engine_role_reads_what_is_applied_and_is_refused_without_v021(
     assert main(_serve("coordinator", engine_url)) == 1
     err = capfd.readouterr().err
     assert "V021 (the engine role's read of schema_migrations) pending" in err, err
+
+
+def test_migrate_records_which_version_wrote_each_row(db_url: str) -> None:
+    from composer_ops import __version__
+
+    with psycopg.connect(db_url) as conn:
+        assert {r[0] for r in conn.execute("SELECT composer_version FROM schema_migrations")} == {__version__}
+
+
+@pytest.mark.parametrize("newer", ["a V file", "R files"])
+def test_a_database_a_newer_version_migrated_serves_the_older_and_refuses_its_migrate(
+        newer: str, db_url: str, capfd: pytest.CaptureFixture[str]) -> None:
+    """Beside a newer schema (a rolling deploy, a restart after the upgrade's migrate) the
+    older worker and coordinator start, as the changelog allows; the older migrate, which
+    would put its older functions back, refuses and changes nothing."""
+    with psycopg.connect(db_url) as conn:
+        if newer == "a V file":
+            conn.execute("INSERT INTO schema_migrations (script, version, name, checksum, composer_version) "
+                         "VALUES ('V999__later.sql', 999, 'later', 'x', '9.0.0')")
+        conn.execute("UPDATE schema_migrations SET checksum = 'newer', composer_version = '9.0.0' "
+                     "WHERE version IS NULL")
+        before = conn.execute("SELECT prosrc FROM pg_proc WHERE proname = 'composer_pick'").fetchall()
+    assert main(_serve("coordinator", db_url)) == 0
+    capfd.readouterr()
+    assert main(["migrate", "--database-url", db_url]) == 2
+    err = capfd.readouterr().err
+    assert "this database was migrated by a newer composer_ops (" in err and err.count("\n") == 1, err
+    with psycopg.connect(db_url) as conn:
+        assert conn.execute("SELECT prosrc FROM pg_proc WHERE proname = 'composer_pick'").fetchall() == before
+        assert conn.execute("SELECT count(*) > 0 FROM schema_migrations WHERE checksum = 'newer'").fetchone() == (True,)
+
+
+def test_an_applied_file_unlike_this_versions_copy_is_refused_without_advising_migrate(
+        db_url: str, capfd: pytest.CaptureFixture[str]) -> None:
+    with psycopg.connect(db_url) as conn:
+        conn.execute("UPDATE schema_migrations SET checksum = 'edited' WHERE script = 'V005__map_and_children.sql'")
+    assert main(_serve("worker", db_url)) == 1
+    err = capfd.readouterr().err
+    assert "this database's V005__map_and_children.sql differs from composer_ops " in err, err
+    assert "run `composer-ops migrate`" not in err, err
