@@ -110,3 +110,24 @@ def test_check_reads_every_figure_on_citus_and_sees_overdue_timers(db_url: str) 
     timers = by_name["timers overdue"]
     assert timers.alert and timers.value >= 7000 and run_id in timers.detail, timers
     assert not by_name["sweeper lag"].alert and not by_name["oldest ready outbox row"].alert
+
+
+def test_a_coordinator_and_a_worker_start_on_a_migrated_cluster_and_refuse_a_pending_file(
+        db_url: str, capfd: pytest.CaptureFixture[str]) -> None:
+    """The start-up check reads the Citus series (sql/ and sql/citus/) as migrate does."""
+    from composer_ops.cli import main
+
+    assert main(["coordinator", "--once", "--database-url", db_url]) == 0
+    capfd.readouterr()
+    script = "citus/V017__claim_node_fences.sql"
+    with psycopg.connect(db_url) as conn:
+        row = conn.execute("DELETE FROM schema_migrations WHERE script = %s RETURNING *", (script,)).fetchone()
+    try:
+        assert row is not None
+        assert main(["worker", "--app", "examples.order_worker:make_worker", "--database-url", db_url]) == 1
+        err = capfd.readouterr().err
+    finally:
+        if row is not None:                         # the cluster's database serves the next tests
+            with psycopg.connect(db_url) as conn:
+                conn.execute(f"INSERT INTO schema_migrations VALUES ({', '.join(['%s'] * len(row))})", row)
+    assert "citus/V017__claim_node_fences.sql pending; run `composer-ops migrate`" in err, err
