@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 from collections.abc import Callable
@@ -68,6 +69,9 @@ def above_up_to(low: float, high: float) -> Accepts:
 
 #: A share of something: 0 up to, not including, 1.
 FRACTION = Accepts(lambda v: 0 <= v < 1, "a fraction in [0, 1)")
+#: A lock wait (--lock-wait, COMPOSER_LOCK_WAIT): the rule Engine.connect and the ops'
+#: connections (composer_ops.ops._common.read_lock_wait_s) apply too.
+LOCK_WAIT = Accepts(lambda v: math.isfinite(v) and v > 0, "a finite number of seconds above 0")
 
 
 def env_option(parser: argparse._ActionsContainer, *flags: str, env: str, help: str,
@@ -146,7 +150,7 @@ def database_url(args: argparse.Namespace) -> str | None:
 def add_lock_wait_option(parser: argparse._ActionsContainer) -> None:
     """``--lock-wait``: how long a command acting on runs waits for a run's lock."""
     env_option(parser, "--lock-wait", env=ENV_LOCK_WAIT, type=float, default=30.0, metavar="SECONDS",
-               accepts=above(0),
+               accepts=LOCK_WAIT,
                help="give up (exit 1, naming the session holding it) when a run's lock is not granted "
                     "within this many seconds (default 30)")
 
@@ -155,7 +159,7 @@ def add_read_lock_wait_option(parser: argparse._ActionsContainer) -> None:
     """``--lock-wait`` of ``report`` and ``runbook``: how long a notebook's read waits
     for a lock held elsewhere (:data:`composer_ops.ops._common.READ_LOCK_WAIT_S`)."""
     env_option(parser, "--lock-wait", env=ENV_LOCK_WAIT, type=float, default=30.0, metavar="SECONDS",
-               accepts=above(0),
+               accepts=LOCK_WAIT,
                help="a read that waits longer than this many seconds for a lock held elsewhere (a drop, "
                     "a migration) fails its cell, naming the sessions holding locks (default 30)")
 

@@ -24,7 +24,7 @@ import logging
 import re
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from importlib.resources.abc import Traversable
 from typing import Any, NoReturn
 
@@ -36,7 +36,7 @@ from composer_ops.db import roles
 from composer_ops.db.connect import connect, resolve_url
 from composer_ops.db.retry import backoff_delay
 from composer_ops.errors import ComposerError, Invalid, LockTimeout, PermissionDenied
-from composer_ops.repo import locks
+from composer_ops.repo import locks, partitions
 
 log = logging.getLogger(__name__)
 
@@ -176,10 +176,12 @@ _TABLE = """CREATE TABLE IF NOT EXISTS schema_migrations(
                  version INT UNIQUE,          -- a V file's version; NULL for a repeatable file
                  name TEXT NOT NULL,
                  checksum TEXT NOT NULL,
-                 applied_at TIMESTAMPTZ NOT NULL DEFAULT now())"""
-#: The package version whose migrate wrote a row (a later version's rows tell an older
-#: package's migrate and workers that the database is newer than they are).
-_VERSION_COLUMN = "ALTER TABLE schema_migrations ADD COLUMN IF NOT EXISTS composer_version TEXT"
+                 applied_at TIMESTAMPTZ NOT NULL DEFAULT now(),
+                 composer_version TEXT)       -- the package whose migrate wrote the row"""
+#: The column a table made before 0.2 lacks: the package version whose migrate wrote a
+#: row (a later version's rows tell an older package's migrate and workers that the
+#: database is newer than they are). Added once, under the migration lock wait.
+_VERSION_COLUMN = "ALTER TABLE schema_migrations ADD COLUMN composer_version TEXT"
 
 
 @dataclass(frozen=True)
@@ -190,7 +192,8 @@ class Recorded:
 
     versions: dict[int, str]
     repeatable: dict[str, str]
-    by: frozenset[str] = frozenset()
+    by: dict[str, str] = field(default_factory=dict)    # script -> composer_version, where recorded
+    has_version_column: bool = True
 
     def newer_than_package(self, files: Sequence[Migration]) -> str | None:
         """Why this database is a newer package's (a V file this package does not have,
@@ -199,7 +202,7 @@ class Recorded:
         beyond = sorted(v for v in self.versions if v > known)
         if beyond:
             return f"it holds V{beyond[-1]:03d}, and composer_ops {_package()} knows up to V{known:03d}"
-        later = sorted((v for v in self.by if _newer_version(v, _package())), key=Version)
+        later = sorted({v for v in self.by.values() if _newer_version(v, _package())}, key=Version)
         if later:
             return f"composer_ops {later[-1]}'s migrate wrote it, and this is {_package()}"
         return None
@@ -233,7 +236,8 @@ def _recorded(conn: psycopg.Connection[Any]) -> Recorded | None:
     rows = conn.execute(f"SELECT script, version, checksum, {by} FROM schema_migrations").fetchall()
     return Recorded(versions={int(v): str(c) for _, v, c, _ in rows if v is not None},
                     repeatable={str(k): str(c) for k, v, c, _ in rows if v is None},
-                    by=frozenset(str(b) for *_, b in rows if b))
+                    by={str(k): str(b) for k, _, _, b in rows if b},
+                    has_version_column="composer_version" in columns)
 
 
 def _run(conn: psycopg.Connection[Any], script: Script, *, on_citus: bool) -> None:
@@ -314,7 +318,12 @@ def migrate(url: str | None = None, *, sql_dir: Traversable = SQL_DIR, target: i
                 raise Invalid(f"this database was migrated by a newer composer_ops ({newer}): this migrate would "
                               "put its older functions back; run the newer version's migrate, or keep this "
                               "version's processes on the schema as it is if the changelog allows it")
-            conn.execute(_VERSION_COLUMN)
+            if not recorded.has_version_column:
+                def add_column() -> None:
+                    conn.execute(_VERSION_COLUMN)
+
+                _locking(conn, "schema_migrations.composer_version", add_column, lock_timeout_s=lock_timeout_s,
+                         attempts=attempts)
             done, done_repeatable = recorded.versions, recorded.repeatable
             if on_citus and any(m.version not in done for m in files):
                 _drop_repeatable_triggers(conn)
@@ -398,6 +407,10 @@ def status(url: str | None = None, *, sql_dir: Traversable = SQL_DIR) -> list[tu
         return _states(conn, sql_dir)
 
 
+#: How long a worker's or coordinator's start-up check waits for schema_migrations.
+REQUIRE_LOCK_WAIT_S = 10.0
+
+
 def require_current(conn: psycopg.Connection[Any], *, sql_dir: Traversable = SQL_DIR) -> None:
     """Raise :class:`ComposerError` (one line, naming what is missing) unless the
     database holds every migration of this version, applied as shipped: what a worker
@@ -405,6 +418,13 @@ def require_current(conn: psycopg.Connection[Any], *, sql_dir: Traversable = SQL
     ``schema_migrations`` (the engine role's grant came with V021) is told the same."""
     try:
         with conn.transaction():
+            standby, read_only = conn.execute(
+                "SELECT pg_is_in_recovery(), current_setting('transaction_read_only') = 'on'").fetchone() or (0, 0)
+            if standby or read_only:
+                raise ComposerError(f"this database is {'a hot standby' if standby else 'read-only'}: a worker or "
+                                    "coordinator writes, so it needs the primary's URL")
+            # A migrate altering the table holds it: waited for a while, then said.
+            partitions.set_lock_timeout(conn, REQUIRE_LOCK_WAIT_S)
             series = is_citus(conn)
             files = discover(sql_dir, citus=series)
             recorded = _recorded(conn)
@@ -413,12 +433,19 @@ def require_current(conn: psycopg.Connection[Any], *, sql_dir: Traversable = SQL
             states = _states(conn, sql_dir, series=series, recorded=recorded)
     except (PermissionDenied, psycopg.errors.InsufficientPrivilege):
         _refuse("V021 (the engine role's read of schema_migrations) pending, maybe more")
+    except LockTimeout as exc:
+        holders = locks.holders_text_on(contextlib.nullcontext(conn), ["schema_migrations"])
+        raise ComposerError(f"could not read schema_migrations within {REQUIRE_LOCK_WAIT_S:g}s ({holders}): a "
+                            "migrate may be running; start again once it is done") from exc
     changed = [script.key for script, state in states if state == CHANGED]
     if changed:
+        by = recorded.by if recorded is not None else {}
+        named = ", ".join(key + (f" (written by composer_ops {by[key]}'s migrate)"
+                                 if by.get(key, _package()) != _package() else "") for key in changed[:3])
         raise ComposerError(
-            f"this database's {', '.join(changed[:3])} differs from composer_ops {_package()}'s copy (edited "
-            "after it was applied, or another build's): this version's migrations do not describe the schema; "
-            "find out which package migrated it (`composer-ops migrate --status`) before serving from it")
+            f"this database's {named} differs from composer_ops {_package()}'s copy: edited after it was applied, "
+            "or applied by another build; this version's migrations do not describe the schema, so it does not "
+            "serve it (and its migrate refuses it too)")
     off = [f"{script.key} {state}" for script, state in states if state != APPLIED]
     if not off:
         return

@@ -51,7 +51,7 @@ READ_LOCK_WAIT_S = 30.0
 
 def read_lock_wait_s() -> float:
     """:data:`READ_LOCK_WAIT_S`, or ``COMPOSER_LOCK_WAIT`` when set (``Invalid`` naming it
-    when it is not a number of seconds above 0), as the CLI's ``--lock-wait`` takes it."""
+    when it is not a finite number of seconds above 0), as the CLI's ``--lock-wait`` takes it."""
     raw = os.environ.get(ENV_LOCK_WAIT, "").strip()
     if not raw:
         return READ_LOCK_WAIT_S
@@ -59,8 +59,8 @@ def read_lock_wait_s() -> float:
         seconds = float(raw)
     except ValueError:
         seconds = math.nan
-    if not seconds > 0:         # nan too; inf is the longest wait the server takes (about 24.8 days)
-        raise Invalid(f"{ENV_LOCK_WAIT} must be a number of seconds above 0, got {raw!r}")
+    if not (math.isfinite(seconds) and seconds > 0):        # as the CLI's --lock-wait and Engine.connect
+        raise Invalid(f"{ENV_LOCK_WAIT} must be a finite number of seconds above 0, got {raw!r}")
     return seconds
 
 

@@ -147,7 +147,8 @@ def test_a_bad_parameter_value_exits_2_before_any_kernel(param: list[str], messa
     (["report"], "give a report name or --all"),
     (["report", "active_tasks", "-p", "top_n"], "expected 2 arguments"),
     (["report", "active_tasks", "--jobs", "0"], "must be at least 1"),
-    (["report", "active_tasks", "--lock-wait", "0"], "--lock-wait must be more than 0"),
+    (["report", "active_tasks", "--lock-wait", "0"], "--lock-wait must be a finite number of seconds above 0"),
+    (["report", "active_tasks", "--lock-wait", "inf"], "--lock-wait must be a finite number of seconds above 0"),
 ])
 def test_bad_report_arguments_exit_2_with_one_line(argv: list[str], message: str, tmp_path: Path,
                                                    capsys: pytest.CaptureFixture[str]) -> None:

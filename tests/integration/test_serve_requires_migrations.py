@@ -6,6 +6,8 @@ one line, exit 1, before anything is served."""
 
 from __future__ import annotations
 
+import time
+
 import psycopg
 import pytest
 
@@ -90,3 +92,59 @@ def test_an_applied_file_unlike_this_versions_copy_is_refused_without_advising_m
     err = capfd.readouterr().err
     assert "this database's V005__map_and_children.sql differs from composer_ops " in err, err
     assert "run `composer-ops migrate`" not in err, err
+
+
+def test_a_read_only_database_or_a_standby_is_refused(db_url: str, capfd: pytest.CaptureFixture[str]) -> None:
+    with psycopg.connect(db_url, autocommit=True) as conn:
+        name = conn.execute("SELECT current_database()").fetchone()
+        assert name is not None
+        conn.execute(f'ALTER DATABASE "{name[0]}" SET default_transaction_read_only = on')
+    assert main(_serve("coordinator", db_url)) == 1
+    err = capfd.readouterr().err
+    assert "this database is read-only: a worker or coordinator writes, so it needs the primary's URL" in err, err
+
+
+def test_a_migrate_with_nothing_to_do_does_not_wait_for_readers_of_the_table(db_url: str) -> None:
+    from composer_ops.db.migrate import migrate
+
+    with psycopg.connect(db_url) as reader:
+        reader.execute("SELECT count(*) FROM schema_migrations")          # ACCESS SHARE, held
+        began = time.monotonic()
+        assert migrate(db_url, lock_timeout_s=0.2, attempts=1) == []
+        assert time.monotonic() - began < 10
+        reader.rollback()
+
+
+def test_the_version_column_is_added_once_within_the_lock_wait(db_url: str) -> None:
+    from composer_ops.db.migrate import migrate
+    from composer_ops.errors import ComposerError
+
+    with psycopg.connect(db_url) as conn:
+        conn.execute("ALTER TABLE schema_migrations DROP COLUMN composer_version")     # as 0.1.0 left it
+    with psycopg.connect(db_url, application_name="pg_dump-ish") as reader:
+        reader.execute("SELECT count(*) FROM schema_migrations")
+        with pytest.raises(ComposerError, match=r"schema_migrations.composer_version: could not take its locks "
+                                                r"within 0.2s in 2 attempts \(locks held by pid \d+ .*pg_dump-ish"):
+            migrate(db_url, lock_timeout_s=0.2, attempts=2)
+        reader.rollback()
+    assert migrate(db_url) == []                    # the column only: every file is applied
+    with psycopg.connect(db_url) as conn:
+        assert conn.execute("SELECT count(*) FROM pg_attribute WHERE attrelid = 'schema_migrations'::regclass "
+                            "AND attname = 'composer_version'").fetchone() == (1,)
+
+
+def test_a_start_behind_a_migrate_holding_the_table_gives_up_naming_it(
+        db_url: str, capfd: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    from composer_ops.db import migrate
+
+    monkeypatch.setattr(migrate, "REQUIRE_LOCK_WAIT_S", 0.5)
+    with psycopg.connect(db_url, application_name="composer-ops migrate") as holder:
+        holder.execute("LOCK TABLE schema_migrations IN ACCESS EXCLUSIVE MODE")
+        began = time.monotonic()
+        code = main(_serve("coordinator", db_url))
+        took = time.monotonic() - began
+        holder.rollback()
+    err = capfd.readouterr().err
+    assert code == 1 and took < 20, (code, took, err)
+    assert "could not read schema_migrations within 0.5s (locks held by pid " in err and \
+        "a migrate may be running" in err, err

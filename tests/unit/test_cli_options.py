@@ -18,6 +18,8 @@ NOWHERE = "postgresql:///nodb?host=/nonexistent-composer-test"
     (["partitions", "ensure", "--months-ahead", "-2"], "--months-ahead must be 0 or more, got -2"),
     (["coordinator", "--webhook-keep-days", "nan"], "--webhook-keep-days must be 0 or more, got nan"),
     (["coordinator", "--event-lock-wait", "0"], "--event-lock-wait must be more than 0, got 0.0"),
+    (["cancel", "0190f0c0-0000-7000-8000-000000000000", "--lock-wait", "inf"],
+     "--lock-wait must be a finite number of seconds above 0, got inf"),
     (["simulate", "--duration-s", "0"], "--duration-s must be more than 0 and at most 86400, got 0.0"),
     (["simulate", "--growth", "-0.75"], "--growth must be between -0.5 and 1, got -0.75"),
     (["simulate", "--cancel-rate", "1"], "--cancel-rate must be a fraction in [0, 1), got 1.0"),
