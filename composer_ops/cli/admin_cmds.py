@@ -48,7 +48,9 @@ def actor(args: argparse.Namespace) -> Actor:
     known: Actor | None = getattr(args, "actor", None)
     if known is None:
         words: Sequence[str] = getattr(args, "argv", None) or sys.argv[1:]
-        known = Actor(command=redact(shlex.join(["composer-ops", *words])), host=socket.gethostname())
+        # Each word on its own, before quoting: a quoted password inside a key=value word
+        # (password='a b') is no longer one token once shlex has quoted the word around it.
+        known = Actor(command=shlex.join(["composer-ops", *(redact(w) for w in words)]), host=socket.gethostname())
         args.actor = known
     return known
 

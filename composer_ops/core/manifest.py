@@ -74,6 +74,11 @@ class Manifest:
             if doc.get("format") != FORMAT:
                 raise BadArchive(f"{where}: format {doc.get('format')!r} is not {FORMAT!r}")
             tables = [TableArchive(**t) for t in doc.pop("tables")]
+            for t in tables:
+                # A file of the archive directory itself: never a path out of it.
+                if not isinstance(t.file, str) or t.file != Path(t.file).name or t.file in ("", ".", ".."):
+                    raise BadArchive(f"{where}: table {t.table!r} names the file {t.file!r}, which is not a file "
+                                     "name in the archive's own directory")
             return cls(**doc, tables=tables)
         except BadArchive:
             raise

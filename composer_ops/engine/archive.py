@@ -284,14 +284,23 @@ def _tidy(directory: Path, month: str) -> None:
     aside = sorted(directory.glob(f".{month}.old-*"), key=_created_at, reverse=True)
     for old in aside:
         if target.exists():
-            shutil.rmtree(old)
+            _remove(old)
         else:
             os.replace(old, target)
             log.warning("archive of %s: put back %s, which a killed archive run had moved aside to %s",
                         month, target, old.name)
     for work in directory.glob(f".{month}.partial-*"):
         if _abandoned(work):
-            shutil.rmtree(work)
+            _remove(work)
+
+
+def _remove(path: Path) -> None:
+    """Remove an archive directory, or a link or file found in its place (a link is
+    removed, never what it points to)."""
+    if path.is_symlink() or not path.is_dir():
+        path.unlink(missing_ok=True)
+    else:
+        shutil.rmtree(path)
 
 
 def _created_at(path: Path) -> str:
@@ -333,7 +342,8 @@ def _move_into_place(work: Path, target: Path) -> None:
         os.replace(target, old)
     os.replace(work, target)
     if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
+        with contextlib.suppress(OSError):
+            _remove(old)
 
 
 # -- verification and reading --------------------------------------------------------

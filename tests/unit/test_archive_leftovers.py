@@ -51,3 +51,32 @@ def test_an_archive_moved_aside_is_put_back_when_none_is_in_place(tmp_path: Path
         archive._tidy(tmp_path, "202501")
     assert [p.name for p in tmp_path.iterdir()] == ["202501"]
     assert read_manifest(tmp_path / "202501").created_at == "2026-02-01T00:00:00Z"
+
+
+def test_a_link_left_aside_is_removed_and_what_it_points_to_is_kept(tmp_path: Path) -> None:
+    """A link planted in the month's place was moved aside by the archive that replaced it;
+    the next archive of the month removes the link, not its target (it failed on it)."""
+    elsewhere = _archive_dir(tmp_path / "elsewhere", "2025-01-01T00:00:00Z")
+    archives = tmp_path / "archives"
+    archives.mkdir()
+    _archive_dir(archives / "202501", "2025-03-01T00:00:00Z")
+    (archives / ".202501.old-1a2b3c4d").symlink_to(elsewhere)
+    archive._tidy(archives, "202501")
+    assert not (archives / ".202501.old-1a2b3c4d").exists() and not (archives / ".202501.old-1a2b3c4d").is_symlink()
+    assert (elsewhere / "manifest.json").exists() and (archives / "202501" / "manifest.json").exists()
+
+
+def test_a_manifest_naming_a_file_outside_its_directory_is_refused(tmp_path: Path) -> None:
+    import pytest
+
+    from composer_ops.core.manifest import BadArchive
+
+    month = tmp_path / "202501"
+    month.mkdir()
+    (month / "manifest.json").write_text(
+        '{"format": "composer-archive/1", "month": "202501", "lower_bound": "", "upper_bound": "", '
+        '"created_at": "x", "schema_version": 1, "tables": [{"table": "workflow_runs", "partition": "p", '
+        '"file": "../../etc/x.parquet", "rows": 1, "sha256": "", "content_sha256": "", "fingerprint": "", '
+        '"columns": []}]}', encoding="utf-8")
+    with pytest.raises(BadArchive, match=r"names the file '\.\./\.\./etc/x\.parquet', which is not a file name"):
+        read_manifest(month)
