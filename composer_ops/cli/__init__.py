@@ -26,7 +26,15 @@ from composer_ops.cli import (
     runbook_cmds,
     schedule_cmds,
 )
-from composer_ops.cli._common import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_OK, ArgumentParser, check_options
+from composer_ops.cli._common import (
+    EXIT_BAD_INPUT,
+    EXIT_FAILED,
+    EXIT_OK,
+    ArgumentParser,
+    ShownStream,
+    check_options,
+    shown,
+)
 from composer_ops.errors import ComposerError, Unavailable
 
 #: The values --log-level (and COMPOSER_LOG_LEVEL) take, in either case.
@@ -71,6 +79,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     level = logging.DEBUG if args.debug else getattr(logging, args.log_level)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("composer_ops").setLevel(level)
+    # What a command prints reaches a terminal as text (simulate's tables are its own).
+    plain, sys.stdout = sys.stdout, (sys.stdout if args.command == "simulate" else ShownStream(sys.stdout))
     try:
         check_options(args)
         code: int = args.func(args)
@@ -83,7 +93,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         # A ComposerError of no kind of its own is an error, as any other failure.
         kind = "unavailable" if isinstance(exc, Unavailable) else \
             "error" if type(exc) is ComposerError else type(exc).__name__.lower()
-        sys.stderr.write(f"composer-ops: {kind}: {exc}\n")
+        sys.stderr.write(f"composer-ops: {kind}: {shown(str(exc))}\n")
         return exc.exit_code
     except KeyboardInterrupt as exc:
         sys.stderr.write(f"composer-ops: interrupted{f': {exc}' if str(exc) else ''}\n")
@@ -96,8 +106,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (OSError, ValueError) as exc:
         if args.debug:
             raise
-        sys.stderr.write(f"composer-ops: error: {exc}\n")
+        sys.stderr.write(f"composer-ops: error: {shown(str(exc))}\n")
         return EXIT_BAD_INPUT if isinstance(exc, ValueError) else EXIT_FAILED
+    finally:
+        sys.stdout = plain
 
 
 def entry() -> None:

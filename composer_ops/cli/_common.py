@@ -9,6 +9,7 @@ import argparse
 import json
 import math
 import os
+import re
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -226,3 +227,30 @@ def run_id_type(value: str) -> str:
 def add_run_argument(parser: argparse.ArgumentParser, **kw: Any) -> None:
     """The positional RUN of a command that acts on one run (:func:`run_id_type`)."""
     parser.add_argument("run_id", metavar="RUN", type=run_id_type, **kw)
+
+
+#: Characters a terminal acts on rather than shows (C0 and C1 controls but newline and
+#: tab; DEL; bidirectional overrides), which stored text (a handler's error, a worker ID,
+#: a queue name written by the engine role) could carry to an operator's terminal:
+#: colours, a window title, a hidden hyperlink, text that reads backwards.
+_ACTING = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u202a-\u202e\u2066-\u2069]")
+
+
+def shown(text: str) -> str:
+    """``text`` with every character a terminal would act on written as an escape."""
+    return _ACTING.sub(lambda m: f"\\x{ord(m.group()):02x}" if ord(m.group()) < 0x100
+                       else f"\\u{ord(m.group()):04x}", text)
+
+
+class ShownStream:
+    """A text stream whose writes go through :func:`shown`: what a command prints of
+    stored data reaches a terminal as text (JSON output escapes such characters itself)."""
+
+    def __init__(self, stream: Any) -> None:
+        self._stream = stream
+
+    def write(self, text: str) -> int:
+        return int(self._stream.write(shown(text)))
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stream, name)

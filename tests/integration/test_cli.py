@@ -52,6 +52,23 @@ def test_deploy_start_signal_show_cancel(capsys: pytest.CaptureFixture[str], db_
     assert code == 1 and err.count("\n") == 1 and "CANCELLED" in err
 
 
+def test_stored_text_reaches_the_terminal_as_text(capsys: pytest.CaptureFixture[str], db_url: str) -> None:
+    """A reason, an error or a name holding terminal escapes (a colour, a window title, a
+    hidden link, a right-to-left override) is printed escaped, in the text output and in
+    the error line; the JSON output escapes them as JSON does."""
+    payload = "\x1b]0;pwned\x07\x1b[2J\u202egnp.exe"
+    run(capsys, db_url, "deploy", EXAMPLE)
+    run_id = run(capsys, db_url, "start", "order-fulfilment", "--input", '{"amount": 1}')[1].strip()
+    assert run(capsys, db_url, "cancel", run_id, "--reason", payload)[0] == 0
+    code, out, _ = run(capsys, db_url, "runs", "show", run_id)
+    assert code == 0 and "\\x1b]0;pwned\\x07\\x1b[2J\\u202egnp.exe" in out, out
+    assert not any(c in out for c in "\x1b\x07\u202e"), out
+    code, out, _ = run(capsys, db_url, "runs", "show", run_id, "--json")
+    assert code == 0 and json.loads(out)["error"] == {"error": payload}, out
+    code, _, err = run(capsys, db_url, "cancel", run_id, "--reason", payload)
+    assert code == 1 and "\x1b" not in err and err.count("\n") == 1, err
+
+
 def _bad_spec(tmp_path: Path, text: str, name: str = "bad.json") -> str:
     path = tmp_path / name
     path.write_text(text)
