@@ -9,6 +9,7 @@ Both are pure, so the shell may cache the result by ``(workflow_id, version)``.
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import math
 import re
@@ -580,6 +581,22 @@ def parse_spec(doc: Mapping[str, Any], *, stored: bool = False) -> WorkflowSpec:
 CREDENTIALS_REFUSED = "webhook URL carries credentials; they are refused (they would end up in logs and rows)"
 
 
+def refused_address(address: str) -> str | None:
+    """Why a webhook may not be sent to the IP ``address``, or None: a link-local address
+    (169.254.0.0/16, fe80::/10, where cloud metadata services answer), an unspecified one
+    (0.0.0.0, ::) or a multicast one, also as an IPv4-mapped IPv6 address. Loopback and
+    private networks are allowed: receivers often live there (docs/security.md)."""
+    try:
+        ip = ipaddress.ip_address(address.split("%", 1)[0])
+    except ValueError:
+        return None
+    mapped = getattr(ip, "ipv4_mapped", None)
+    ip = mapped if mapped is not None else ip
+    kind = ("link-local" if ip.is_link_local else "unspecified" if ip.is_unspecified
+            else "multicast" if ip.is_multicast else None)
+    return f"webhook URL reaches {ip}, a {kind} address: refused" if kind else None
+
+
 def _check_url(url: Any, where: str, stored: bool) -> None:
     if not isinstance(url, str):
         raise Invalid(f"{where}: webhook_url must be a string, got {_q(url)}")
@@ -592,6 +609,9 @@ def _check_url(url: Any, where: str, stored: bool) -> None:
         raise Invalid(f"{where}: {CREDENTIALS_REFUSED}")         # the URL is not echoed: it holds them
     if parts.scheme not in ("http", "https") or not parts.hostname or any(c.isspace() for c in url):
         raise Invalid(f"{where}: webhook_url must be an http(s) URL with a host, got {_q(url)}")
+    refused = None if stored else refused_address(parts.hostname)
+    if refused is not None:
+        raise Invalid(f"{where}: {refused}")
 
 
 def spec_from_json(doc: Mapping[str, Any] | str | bytes) -> WorkflowSpec:

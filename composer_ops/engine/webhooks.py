@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
-from composer_ops.core.spec import CREDENTIALS_REFUSED
+from composer_ops.core.spec import CREDENTIALS_REFUSED, refused_address
 from composer_ops.db.retry import db_retry
 from composer_ops.engine.attempt import describe
 from composer_ops.errors import Invalid
@@ -160,8 +160,19 @@ def post(url: str, payload: Any, *, secret: str | None, policy: RelayPolicy = Re
     if secret:
         headers[SIGNATURE_HEADER] = sign(secret, body, int(time.time()))
     target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
+    port = parts.port or (443 if parts.scheme == "https" else 80)
+    try:
+        address = _address(parts.hostname or "", port)
+    except OSError as exc:
+        return PostResult(None, f"webhook host {parts.hostname} could not be resolved ({describe(exc)})")
+    except _Refused as exc:
+        return PostResult(None, str(exc), permanent=True)
     factory = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
     conn = factory(parts.hostname or "", parts.port, timeout=policy.connect_timeout_s)
+    # The connection goes to the address checked, not to a second lookup of the host (which
+    # could answer otherwise); TLS still checks the certificate against the host's name.
+    conn._create_connection = (  # type: ignore[attr-defined]
+        lambda where, timeout, source: socket.create_connection((address, where[1]), timeout, source))
     expired = threading.Event()
     sockets: list[socket.socket] = []
     watchdog = threading.Timer(policy.deadline_s, _abort, (sockets, expired))
@@ -190,6 +201,23 @@ def post(url: str, payload: Any, *, secret: str | None, policy: RelayPolicy = Re
     if 300 <= status < 400:
         return PostResult(status, f"HTTP {status} (redirects are not followed)")
     return PostResult(status, f"HTTP {status}")
+
+
+class _Refused(Exception):
+    """A webhook host that resolves to an address no webhook is sent to."""
+
+
+def _address(host: str, port: int) -> str:
+    """The address to connect to for ``host``: its first, once every address it resolves
+    to is one a webhook may reach (:func:`refused_address`); :class:`_Refused` otherwise."""
+    found = [str(info[4][0]) for info in socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)]
+    for address in found:
+        problem = refused_address(address)
+        if problem is not None:
+            raise _Refused(problem + (f" ({host} resolves to it)" if host != address.split("%")[0] else ""))
+    if not found:
+        raise OSError(f"no address for {host}")
+    return found[0]
 
 
 def _read_capped(response: http.client.HTTPResponse, limit: int) -> None:

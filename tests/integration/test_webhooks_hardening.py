@@ -17,6 +17,7 @@ import psycopg
 import pytest
 
 from composer_ops import Engine, Invalid
+from composer_ops.core.spec import parse_spec
 from composer_ops.engine import webhooks
 from composer_ops.engine.webhooks import (
     PARALLEL_POSTS,
@@ -101,6 +102,41 @@ def test_url_checked_at_relay_time(url: str, reason: str) -> None:
     assert "pa55w0rd" not in problem
     result = post(url, {"a": 1}, secret=None, policy=FAST)
     assert result.permanent and result.status is None and "pa55w0rd" not in (result.error or "")
+
+
+@pytest.mark.parametrize("url", ["http://169.254.169.254/latest/meta-data/", "http://[fe80::1]/",
+                                 "http://0.0.0.0:8080/", "http://[::ffff:169.254.169.254]/", "http://224.0.0.1/"])
+def test_a_link_local_unspecified_or_multicast_address_is_never_posted_to(url: str) -> None:
+    """Cloud metadata answers on link-local addresses: refused at deploy, and at relay time
+    (a version stored before), before any connection."""
+    with pytest.raises(Invalid, match="a (link-local|unspecified|multicast) address: refused"):
+        parse_spec({"id": "w", "webhook_url": url, "nodes": [{"id": "a", "type": "TASK", "task": "t"}]})
+    result = post(url, {"a": 1}, secret=None, policy=FAST)
+    assert result.permanent and result.status is None and "address: refused" in (result.error or ""), result
+
+
+def test_a_host_that_resolves_to_a_link_local_address_is_refused_and_others_are_pinned(
+        monkeypatch: pytest.MonkeyPatch, endpoint: Endpoint) -> None:
+    """The name is resolved once: every address it has is checked, and the POST goes to the
+    address checked (a second lookup, as DNS rebinding answers it, is never made)."""
+    real = socket.getaddrinfo
+    looked: list[str] = []
+
+    def lookup(host: str, port: Any, *args: Any, **kw: Any) -> Any:
+        looked.append(host)
+        if host == "metadata.example":
+            return [(socket.AF_INET, socket.SOCK_STREAM, 6, "", ("169.254.169.254", port))]
+        if host == "receiver.example":
+            return real("127.0.0.1", port, *args, **kw)
+        return real(host, port, *args, **kw)
+
+    monkeypatch.setattr(socket, "getaddrinfo", lookup)
+    refused = post("http://metadata.example/x", {}, secret=None, policy=FAST)
+    assert refused.permanent and "169.254.169.254, a link-local address: refused (metadata.example resolves to it)" \
+        in (refused.error or ""), refused
+    port = endpoint.url("/").split(":")[2].split("/")[0]
+    sent = post(f"http://receiver.example:{port}/ok", {}, secret=None, policy=FAST)
+    assert sent.ok and looked.count("receiver.example") == 1, (sent, looked)
 
 
 def test_read_timeout_cap_and_deadline(endpoint: Endpoint) -> None:
