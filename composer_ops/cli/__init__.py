@@ -79,8 +79,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     level = logging.DEBUG if args.debug else getattr(logging, args.log_level)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("composer_ops").setLevel(level)
-    # What a command prints reaches a terminal as text (simulate's tables are its own).
-    plain, sys.stdout = sys.stdout, (sys.stdout if args.command == "simulate" else ShownStream(sys.stdout))
+    # What a command prints reaches a terminal as text. Not simulate's tables (its own), nor
+    # what a worker's or coordinator's process prints: the application's own handlers and
+    # logging write there, colours and all.
+    passes = args.command in ("simulate", "worker", "coordinator")
+    plain, sys.stdout = sys.stdout, (sys.stdout if passes else ShownStream(sys.stdout))
     try:
         check_options(args)
         code: int = args.func(args)

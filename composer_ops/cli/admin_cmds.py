@@ -222,7 +222,8 @@ def cmd_runs_list(args: argparse.Namespace) -> int:
         print("no run matches")
         return EXIT_OK
     # Nothing a selection matched on is cut (the workflow, the input --where searched),
-    # nor anything when stdout is not a terminal (a file or a pipe keeps every character).
+    # nor anything when stdout is not a terminal (a file or a pipe keeps every character;
+    # characters a terminal acts on are escaped, cli._common.shown, whatever stdout is).
     whole = not sys.stdout.isatty()
     cut_input = None if whole or args.where else 40
     cut_error = None if whole else 60

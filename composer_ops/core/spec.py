@@ -13,6 +13,7 @@ import ipaddress
 import json
 import math
 import re
+import socket
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -581,20 +582,40 @@ def parse_spec(doc: Mapping[str, Any], *, stored: bool = False) -> WorkflowSpec:
 CREDENTIALS_REFUSED = "webhook URL carries credentials; they are refused (they would end up in logs and rows)"
 
 
+#: Cloud metadata endpoints outside the link-local range: AWS's over IPv6 (its IPv4 one,
+#: 169.254.169.254, is link-local like GCP's, Azure's and Oracle's) and Alibaba's.
+METADATA_ADDRESSES = frozenset({ipaddress.ip_address("fd00:ec2::254"), ipaddress.ip_address("100.100.100.200")})
+_NAT64 = ipaddress.ip_network("64:ff9b::/96")
+
+
 def refused_address(address: str) -> str | None:
     """Why a webhook may not be sent to the IP ``address``, or None: a link-local address
-    (169.254.0.0/16, fe80::/10, where cloud metadata services answer), an unspecified one
-    (0.0.0.0, ::) or a multicast one, also as an IPv4-mapped IPv6 address. Loopback and
-    private networks are allowed: receivers often live there (docs/security.md)."""
+    (169.254.0.0/16, fe80::/10, where cloud metadata services answer), a known metadata
+    endpoint (:data:`METADATA_ADDRESSES`), an unspecified or a multicast one; an IPv4
+    address inside IPv6 (mapped, compatible, NAT64, 6to4, Teredo) is judged as itself, and
+    one spelled as the C library reads it (``2852039166``, ``0xa9fea9fe``, ``0251.0376.0251.0376``)
+    too. Loopback and private networks are allowed: receivers often live there
+    (docs/security.md). Not a firewall: an egress policy is the place for more."""
+    text = address.split("%", 1)[0].rstrip(".") if address[:1].isdigit() else address.split("%", 1)[0]
     try:
-        ip = ipaddress.ip_address(address.split("%", 1)[0])
+        ip: ipaddress.IPv4Address | ipaddress.IPv6Address = ipaddress.ip_address(text)
     except ValueError:
-        return None
-    mapped = getattr(ip, "ipv4_mapped", None)
-    ip = mapped if mapped is not None else ip
-    kind = ("link-local" if ip.is_link_local else "unspecified" if ip.is_unspecified
-            else "multicast" if ip.is_multicast else None)
-    return f"webhook URL reaches {ip}, a {kind} address: refused" if kind else None
+        try:
+            ip = ipaddress.IPv4Address(socket.inet_aton(text))      # the spellings inet_aton takes
+        except (OSError, ValueError):
+            return None
+    seen = [ip]
+    if isinstance(ip, ipaddress.IPv6Address):
+        inner = [ip.ipv4_mapped, ip.sixtofour, ip.teredo[1] if ip.teredo else None]
+        if ip in _NAT64 or (int(ip) >> 32 == 0 and int(ip) > 0xFFFF):   # NAT64; IPv4-compatible (::a.b.c.d)
+            inner.append(ipaddress.IPv4Address(int(ip) & 0xFFFFFFFF))
+        seen += [i for i in inner if i is not None]
+    for one in seen:
+        kind = ("a link-local" if one.is_link_local else "a cloud metadata" if one in METADATA_ADDRESSES
+                else "an unspecified" if one.is_unspecified else "a multicast" if one.is_multicast else None)
+        if kind:
+            return f"webhook URL reaches {one}, {kind} address: refused"
+    return None
 
 
 def _check_url(url: Any, where: str, stored: bool) -> None:

@@ -162,17 +162,20 @@ def post(url: str, payload: Any, *, secret: str | None, policy: RelayPolicy = Re
     target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
     port = parts.port or (443 if parts.scheme == "https" else 80)
     try:
-        address = _address(parts.hostname or "", port)
-    except OSError as exc:
-        return PostResult(None, f"webhook host {parts.hostname} could not be resolved ({describe(exc)})")
+        addresses = _addresses(parts.hostname or "", port)
     except _Refused as exc:
         return PostResult(None, str(exc), permanent=True)
+    except (UnicodeError, ValueError) as exc:      # a name no resolver takes (a label over 63 characters)
+        return PostResult(None, f"webhook host is not a valid name ({describe(exc)})", permanent=True)
+    except OSError as exc:
+        return PostResult(None, f"webhook host {parts.hostname} could not be resolved ({describe(exc)})")
     factory = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
-    conn = factory(parts.hostname or "", parts.port, timeout=policy.connect_timeout_s)
-    # The connection goes to the address checked, not to a second lookup of the host (which
-    # could answer otherwise); TLS still checks the certificate against the host's name.
+    conn = factory(parts.hostname or "", port, timeout=policy.connect_timeout_s)
+    # The connection goes to the addresses checked, each in turn as the resolver gave them,
+    # not to a second lookup of the host (which could answer otherwise); TLS still checks
+    # the certificate against the host's name.
     conn._create_connection = (  # type: ignore[attr-defined]
-        lambda where, timeout, source: socket.create_connection((address, where[1]), timeout, source))
+        lambda where, timeout, source: _connect_first(addresses, where[1], timeout, source))
     expired = threading.Event()
     sockets: list[socket.socket] = []
     watchdog = threading.Timer(policy.deadline_s, _abort, (sockets, expired))
@@ -207,17 +210,30 @@ class _Refused(Exception):
     """A webhook host that resolves to an address no webhook is sent to."""
 
 
-def _address(host: str, port: int) -> str:
-    """The address to connect to for ``host``: its first, once every address it resolves
-    to is one a webhook may reach (:func:`refused_address`); :class:`_Refused` otherwise."""
-    found = [str(info[4][0]) for info in socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)]
+def _addresses(host: str, port: int) -> list[str]:
+    """The addresses to connect to for ``host``, in the resolver's order, once every one of
+    them is one a webhook may reach (:func:`refused_address`); :class:`_Refused` otherwise."""
+    found = list(dict.fromkeys(str(info[4][0]) for info in socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)))
     for address in found:
         problem = refused_address(address)
         if problem is not None:
             raise _Refused(problem + (f" ({host} resolves to it)" if host != address.split("%")[0] else ""))
     if not found:
         raise OSError(f"no address for {host}")
-    return found[0]
+    return found
+
+
+def _connect_first(addresses: Sequence[str], port: int, timeout: float | None,
+                   source: tuple[str, int] | None) -> socket.socket:
+    """A connection to the first of ``addresses`` that takes one (as
+    ``socket.create_connection`` tries a name's addresses); the last error otherwise."""
+    last: OSError | None = None
+    for address in addresses:
+        try:
+            return socket.create_connection((address, port), timeout, source)
+        except OSError as exc:
+            last = exc
+    raise last if last is not None else OSError("no address to connect to")
 
 
 def _read_capped(response: http.client.HTTPResponse, limit: int) -> None:

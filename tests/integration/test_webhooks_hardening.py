@@ -105,11 +105,14 @@ def test_url_checked_at_relay_time(url: str, reason: str) -> None:
 
 
 @pytest.mark.parametrize("url", ["http://169.254.169.254/latest/meta-data/", "http://[fe80::1]/",
-                                 "http://0.0.0.0:8080/", "http://[::ffff:169.254.169.254]/", "http://224.0.0.1/"])
+                                 "http://0.0.0.0:8080/", "http://[::ffff:169.254.169.254]/", "http://224.0.0.1/",
+                                 "http://[fd00:ec2::254]/", "http://100.100.100.200/", "http://[64:ff9b::a9fe:a9fe]/",
+                                 "http://[::a9fe:a9fe]/", "http://[2002:a9fe:a9fe::1]/", "http://2852039166/",
+                                 "http://0xa9fea9fe/", "http://0251.0376.0251.0376/", "http://169.254.43518/"])
 def test_a_link_local_unspecified_or_multicast_address_is_never_posted_to(url: str) -> None:
     """Cloud metadata answers on link-local addresses: refused at deploy, and at relay time
     (a version stored before), before any connection."""
-    with pytest.raises(Invalid, match="a (link-local|unspecified|multicast) address: refused"):
+    with pytest.raises(Invalid, match="(a link-local|a cloud metadata|an unspecified|a multicast) address: refused"):
         parse_spec({"id": "w", "webhook_url": url, "nodes": [{"id": "a", "type": "TASK", "task": "t"}]})
     result = post(url, {"a": 1}, secret=None, policy=FAST)
     assert result.permanent and result.status is None and "address: refused" in (result.error or ""), result
@@ -137,6 +140,35 @@ def test_a_host_that_resolves_to_a_link_local_address_is_refused_and_others_are_
     port = endpoint.url("/").split(":")[2].split("/")[0]
     sent = post(f"http://receiver.example:{port}/ok", {}, secret=None, policy=FAST)
     assert sent.ok and looked.count("receiver.example") == 1, (sent, looked)
+
+
+@pytest.mark.parametrize("url", ["http://127.0.0.1/", "http://10.1.2.3/", "http://[::1]/", "http://example.com/",
+                                 "https://hooks.example.org:8443/x"])
+def test_loopback_private_and_named_hosts_are_accepted_at_deploy(url: str) -> None:
+    assert parse_spec({"id": "w", "webhook_url": url, "nodes": [{"id": "a", "type": "TASK", "task": "t"}]})
+
+
+def test_each_checked_address_is_tried_in_turn(monkeypatch: pytest.MonkeyPatch, endpoint: Endpoint) -> None:
+    """A name whose first address takes no connection (IPv6 first, the receiver on IPv4
+    only; a dead A record) is posted to at the next, as a lookup by the socket library
+    would have."""
+    real = socket.getaddrinfo
+    port = int(endpoint.url("/").split(":")[2].split("/")[0])
+
+    def lookup(host: str, p: Any, *args: Any, **kw: Any) -> Any:
+        if host == "two.example":                  # the receiver listens on 127.0.0.1 only
+            return [(socket.AF_INET, socket.SOCK_STREAM, 6, "", ("127.0.0.2", p)),
+                    (socket.AF_INET, socket.SOCK_STREAM, 6, "", ("127.0.0.1", p))]
+        return real(host, p, *args, **kw)
+
+    monkeypatch.setattr(socket, "getaddrinfo", lookup)
+    result = post(f"http://two.example:{port}/ok", {}, secret=None, policy=FAST)
+    assert result.ok, result
+
+
+def test_a_host_no_resolver_takes_is_a_permanent_failure_not_an_exception() -> None:
+    result = post(f"http://{'a' * 64}.example/", {}, secret=None, policy=FAST)
+    assert result.permanent and "not a valid name" in (result.error or ""), result
 
 
 def test_read_timeout_cap_and_deadline(endpoint: Endpoint) -> None:
