@@ -596,7 +596,9 @@ def refused_address(address: str) -> str | None:
     one spelled as the C library reads it (``2852039166``, ``0xa9fea9fe``, ``0251.0376.0251.0376``)
     too. Loopback and private networks are allowed: receivers often live there
     (docs/security.md). Not a firewall: an egress policy is the place for more."""
-    text = address.split("%", 1)[0].rstrip(".") if address[:1].isdigit() else address.split("%", 1)[0]
+    text = address.split("%", 1)[0]              # an IPv6 zone (fe80::1%eth0) names no other address
+    if text[:1].isdigit():
+        text = text.rstrip(".")                  # 169.254.169.254. is the same address
     try:
         ip: ipaddress.IPv4Address | ipaddress.IPv6Address = ipaddress.ip_address(text)
     except ValueError:

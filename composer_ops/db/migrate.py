@@ -404,7 +404,9 @@ def status(url: str | None = None, *, sql_dir: Traversable = SQL_DIR) -> list[tu
     (:data:`APPLIED`, :data:`PENDING`, :data:`CHANGED`); reads a running server only (it
     never starts the embedded one)."""
     with connect(url, application_name="composer-ops migrate") as conn:
-        return _states(conn, sql_dir)
+        series = is_citus(conn)
+        return _states(sql_dir, discover(sql_dir, citus=series), discover_repeatable(sql_dir, citus=series),
+                       _recorded(conn))
 
 
 #: How long a worker's or coordinator's start-up check waits for schema_migrations.
@@ -430,7 +432,7 @@ def require_current(conn: psycopg.Connection[Any], *, sql_dir: Traversable = SQL
             recorded = _recorded(conn)
             if recorded is not None and recorded.newer_than_package(files) is not None:
                 return          # a newer version's schema: the changelog says whether this one runs on it
-            states = _states(conn, sql_dir, series=series, recorded=recorded)
+            states = _states(sql_dir, files, discover_repeatable(sql_dir, citus=series), recorded)
     except (PermissionDenied, psycopg.errors.InsufficientPrivilege):
         _refuse("V021 (the engine role's read of schema_migrations) pending, maybe more")
     except LockTimeout as exc:
@@ -460,13 +462,9 @@ def _refuse(missing: str) -> NoReturn:
                         "`composer-ops migrate` with the owner's URL first (README.md, \"Upgrading\")")
 
 
-def _states(conn: psycopg.Connection[Any], sql_dir: Traversable, *, series: bool | None = None,
-            recorded: Recorded | None = None) -> list[tuple[Script, str]]:
-    if series is None:
-        series = is_citus(conn)
-        recorded = _recorded(conn)
-    files = discover(sql_dir, citus=series)
-    repeatable = discover_repeatable(sql_dir, citus=series)
+def _states(sql_dir: Traversable, files: Sequence[Migration], repeatable: Sequence[Repeatable],
+            recorded: Recorded | None) -> list[tuple[Script, str]]:
+    """Each of ``files`` and ``repeatable`` with its state against ``recorded``."""
     done, done_repeatable = (recorded.versions, recorded.repeatable) if recorded is not None else ({}, {})
 
     def versioned(m: Migration) -> str:

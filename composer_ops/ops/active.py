@@ -10,13 +10,15 @@ session TimeZone or the client's clock.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from datetime import timedelta
+from typing import Any
 
 import polars as pl
 
 from composer_ops.core.runids import run_id_bound
 from composer_ops.errors import Invalid
-from composer_ops.ops._common import ACTIVE_STATES, UTC_TS, Source, connection, db_now, rows_frame
+from composer_ops.ops._common import ACTIVE_STATES, UTC_TS, Schema, Source, connection, db_now, rows_frame
 from composer_ops.repo import analytics, queues
 
 #: Age buckets of the histogram: (label, upper bound in seconds; None = unbounded).
@@ -143,11 +145,10 @@ def timers_overdue(source: Source = None, *, older_than_s: float = 60,
         raise Invalid(f"timers_overdue needs older_than_s >= 0 and limit >= 1, got {older_than_s} and {limit}")
     with connection(source) as conn:
         rows = analytics.timers_overdue(conn, older_than_s, limit)
-    overdue, late = (int(rows[0][-2]), int(rows[0][-1])) if rows else (0, 0)
-    return rows_frame([r[:-2] for r in rows], {
+    return _with_totals(rows, {
         "run_id": pl.String, "task_id": pl.String, "node_id": pl.String, "node_type": pl.String,
         "wake_at": UTC_TS, "overdue_s": pl.Float64,
-    }), overdue, late
+    })
 
 
 def starts_overdue(source: Source = None, *, older_than_s: float = 60,
@@ -160,10 +161,16 @@ def starts_overdue(source: Source = None, *, older_than_s: float = 60,
         raise Invalid(f"starts_overdue needs older_than_s >= 0 and limit >= 1, got {older_than_s} and {limit}")
     with connection(source) as conn:
         rows = analytics.starts_overdue(conn, older_than_s, limit)
-    overdue, late = (int(rows[0][-2]), int(rows[0][-1])) if rows else (0, 0)
-    return rows_frame([r[:-2] for r in rows], {
+    return _with_totals(rows, {
         "run_id": pl.String, "task_id": pl.String, "start_by": UTC_TS, "overdue_s": pl.Float64,
-    }), overdue, late
+    })
+
+
+def _with_totals(rows: Sequence[Sequence[Any]], schema: Schema) -> tuple[pl.DataFrame, int, int]:
+    """Rows whose last two columns are the totals over every row (overdue, and overdue by
+    more than the threshold: the same on each row), as the frame of the others and the totals."""
+    overdue, late = (int(rows[0][-2]), int(rows[0][-1])) if rows else (0, 0)
+    return rows_frame([r[:-2] for r in rows], schema), overdue, late
 
 
 #: Columns of :func:`definition_mismatches`; ``node_id`` is null on a run's own row.
