@@ -29,9 +29,9 @@ class ArgumentParser(argparse.ArgumentParser):
     """argparse that reports bad arguments as one line and exit code 2."""
 
     def error(self, message: str) -> Any:
-        # argparse quotes the user's text back; keep the error on one line whatever it holds.
-        flat = " ".join(message.split("\n"))
-        flat = "".join(c if c.isprintable() else f"\\x{ord(c):02x}" for c in flat)
+        # argparse quotes the user's text back: one line whatever it holds, and nothing a
+        # terminal acts on (the rule of everything the CLI prints, shown).
+        flat = shown(" ".join(message.splitlines()))
         where = "" if self.prog == "composer-ops" else f"{self.prog}: "
         self.exit(EXIT_BAD_INPUT, f"composer-ops: error: {where}{flat}\n")
 
@@ -240,6 +240,13 @@ def shown(text: str) -> str:
     """``text`` with every character a terminal would act on written as an escape."""
     return _ACTING.sub(lambda m: f"\\x{ord(m.group()):02x}" if ord(m.group()) < 0x100
                        else f"\\u{ord(m.group()):04x}", text)
+
+
+def say(line: str) -> None:
+    """One line on stderr, ``composer-ops: `` first, with :func:`shown`'s escapes: stderr
+    is not a :class:`ShownStream` (progress bars draw there), and a line that quotes a
+    refusal, a month's reason or an error can carry stored text."""
+    sys.stderr.write(f"composer-ops: {shown(line)}\n")
 
 
 class ShownStream:

@@ -4,7 +4,6 @@ Parquet (or as standalone tables) before retention drops them, and brought back.
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -19,6 +18,7 @@ from composer_ops.cli._common import (
     database_url,
     emit_json,
     env_option,
+    say,
 )
 from composer_ops.cli.admin_cmds import actor, progress_bars
 from composer_ops.core.cutoff import Cutoff, parse_cutoff
@@ -182,7 +182,7 @@ def _refused_exit(months: list[MonthArchived]) -> int:
     """0, or 1 naming on stderr each month not archived (the others were)."""
     for m in months:
         if m.refused:
-            sys.stderr.write(f"composer-ops: month {m.month} not archived: {m.refused}\n")
+            say(f"month {m.month} not archived: {m.refused}")
     return EXIT_FAILED if any(m.refused for m in months) else EXIT_OK
 
 
@@ -211,7 +211,7 @@ def _retire(args: argparse.Namespace, when: Cutoff, *, archive_dir: Path | None,
                                    yes=args.yes, actor=actor(args), lock_timeout_s=args.lock_timeout,
                                    max_attempts=args.attempts, progress=bars)
     except BadArchive as exc:
-        sys.stderr.write(f"composer-ops: archive not verified: {exc}\n")
+        say(f"archive not verified: {exc}")
         return EXIT_FAILED
     if args.json:
         emit_json({"cutoff": result.cutoff, "applied": result.applied,
@@ -237,5 +237,5 @@ def _retire(args: argparse.Namespace, when: Cutoff, *, archive_dir: Path | None,
             print("nothing was changed (add --yes)")
     refused = [m for m in result.months if m.outcome == "refused"]
     for m in refused:
-        sys.stderr.write(f"composer-ops: month {m.month} not {'detached' if keep_table else 'dropped'}: {m.reason}\n")
+        say(f"month {m.month} not {'detached' if keep_table else 'dropped'}: {m.reason}")
     return EXIT_FAILED if refused else blocked_exit(result.blocked)

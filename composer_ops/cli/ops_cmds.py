@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 import typing
 from pathlib import Path
 
@@ -18,6 +17,7 @@ from composer_ops.cli._common import (
     add_read_lock_wait_option,
     emit_json,
     env_option,
+    say,
 )
 from composer_ops.errors import ComposerError, Invalid
 from composer_ops.files import check_directory
@@ -138,7 +138,7 @@ def cmd_report(args: argparse.Namespace) -> int:
             print(f"{r.notebook}: {r.html} ({r.seconds:.1f} s)")
     print(f"index: {out / 'index.html'}")
     for r in failed:
-        sys.stderr.write(f"composer-ops: {r.describe_failure()}\n")
+        say(r.describe_failure())
     return EXIT_FAILED if failed else EXIT_OK
 
 

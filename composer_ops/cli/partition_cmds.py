@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import sys
 from datetime import datetime
 from typing import Any
 
@@ -17,6 +16,7 @@ from composer_ops.cli._common import (
     emit_json,
     env_option,
     open_engine,
+    say,
 )
 from composer_ops.cli.admin_cmds import actor
 from composer_ops.db import connect
@@ -137,7 +137,7 @@ def cmd_drop(args: argparse.Namespace) -> int:
         _print_plan(plan, cutoff, when.text, dropped)
     code = blocked_exit(blocked)
     for m in misaligned(plan):
-        sys.stderr.write(f"composer-ops: month {m.month} not dropped: {m.reason}\n")
+        say(f"month {m.month} not dropped: {m.reason}")
         code = EXIT_FAILED
     return code
 
@@ -149,7 +149,7 @@ def blocked_exit(blocked: list[RetentionMonth]) -> int:
     named = "; ".join(f"{m.month} kept for {m.active_runs} {_why(m)} "
                       f"({', '.join(m.active_run_ids)}{', ...' if m.active_runs > len(m.active_run_ids) else ''})"
                       for m in blocked)
-    sys.stderr.write(f"composer-ops: retention blocked: {named}\n")
+    say(f"retention blocked: {named}")
     return EXIT_RETENTION_BLOCKED
 
 

@@ -35,6 +35,7 @@ from composer_ops.cli._common import (
     json_arg,
     json_text,
     open_engine,
+    say,
 )
 from composer_ops.cli.partition_cmds import add_months_ahead_option
 from composer_ops.core.attempts import Attempt, HistoryRow, attempts
@@ -496,7 +497,7 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
                      else "")
                   + (f", backed off behind a locked run {stats.busy}" if stats.busy else ""))
             for err in stats.errors:
-                sys.stderr.write(f"composer-ops: {err}\n")
+                say(str(err))
             return 1 if stats.errors else EXIT_OK
         # The loops run in a daemon thread so that a pass stuck past the deadline
         # (a hung endpoint, a lock) cannot keep the process from exiting.

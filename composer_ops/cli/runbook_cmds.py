@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 from pathlib import Path
 
 from composer_ops.cli._common import (
@@ -16,6 +15,7 @@ from composer_ops.cli._common import (
     add_read_lock_wait_option,
     emit_json,
     env_option,
+    say,
 )
 from composer_ops.errors import Invalid
 
@@ -69,14 +69,13 @@ def cmd_runbook(args: argparse.Namespace) -> int:
                        progress=args.progress == "1", cell_timeout_s=args.timeout, lock_wait_s=args.lock_wait)
     result = done.result
     if not result.ok:
-        sys.stderr.write(f"composer-ops: {result.describe_failure().replace('report ', 'runbook ', 1)}\n")
+        say(result.describe_failure().replace('report ', 'runbook ', 1))
         return EXIT_FAILED
     print(f"{args.name}: record {result.html} ({result.seconds:.1f} s)")
     for line in done.act.get("did") or []:
         print(f"did: {line}")
     if done.refused:
-        sys.stderr.write(f"composer-ops: runbook {args.name}: {done.refused}; nothing was changed; "
-                         f"see {result.html}\n")
+        say(f"runbook {args.name}: {done.refused}; nothing was changed; see {result.html}")
         return EXIT_FAILED
     book = next(r for r in catalogue.RUNBOOKS if r.name == args.name)
     if book.reads_only:

@@ -83,3 +83,24 @@ def test_the_parsers_errors_name_what_is_wrong_once(args: list[str], message: st
         main(args)
     err = capsys.readouterr().err
     assert done.value.code == 2 and err == message + "\n", err
+
+
+def test_a_bad_argument_is_quoted_back_on_one_line_as_text(capsys: pytest.CaptureFixture[str]) -> None:
+    """argparse quotes the typed text back; the error line escapes what a terminal would
+    act on by the same rule as every line the CLI prints (cli._common.shown), and any line
+    break, however spelled, leaves it one line."""
+    with pytest.raises(SystemExit) as exited:
+        main(["runs", "list", "--database-url", NOWHERE, "\x1b]0;pwned\x07x\u2028y\u202ez"])
+    err = capsys.readouterr().err
+    assert exited.value.code == 2 and err.count("\n") == 1, err
+    assert not any(c in err for c in "\x1b\x07\u2028\u202e"), err
+    assert "\\x1b]0;pwned\\x07x y\\u202ez" in err, err
+
+
+def test_a_line_on_stderr_quoting_stored_text_escapes_it(capsys: pytest.CaptureFixture[str]) -> None:
+    """The refusals, reasons and errors the commands write on stderr themselves (stderr is
+    not wrapped: progress bars draw there) go through one helper with the same escapes."""
+    from composer_ops.cli._common import say
+
+    say("month 202401 not dropped: run \x1b[2J\u202eabc holds it")
+    assert capsys.readouterr().err == "composer-ops: month 202401 not dropped: run \\x1b[2J\\u202eabc holds it\n"
