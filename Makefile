@@ -44,6 +44,9 @@ DEMO_REPORT_small := -p cutoff "1 month"
 # Last, a schedule (demo-nightly-batch, every 15 minutes in Europe/Paris) is made afresh,
 # backfilled over the last hour and triggered once, so active_tasks shows it with its runs
 # (queued: the live traffic's workers have stopped by then).
+# With COMPOSER_DATABASE_URL set (a server of your own), the demo runs only with DEMO_ON_URL=yes:
+# it drops months there.
+DEMO_ON_URL ?=
 DEMO_DROP_full := 5 months
 DEMO_DROP_small := 2 months
 DEMO_AGAIN_full := --runs 60 --duration-s 20 --workers 2 --concurrency 8 --kill-workers 0
@@ -53,7 +56,12 @@ DEMO_AGAIN_small := --runs 10 --duration-s 10 --workers 1 --concurrency 4 --kill
 demo: $(STAMP)
 	@test -n "$(DEMO_SIM_$(DEMO_SIZE))" || { echo "DEMO_SIZE must be full or small, got '$(DEMO_SIZE)'"; exit 2; }
 	@set -e; \
-	if [ -z "$$COMPOSER_DATABASE_URL" ]; then COMPOSER_DATABASE_URL="$$($(BIN)/composer-ops db up)"; fi; \
+	if [ -z "$$COMPOSER_DATABASE_URL" ]; then COMPOSER_DATABASE_URL="$$($(BIN)/composer-ops db up)"; \
+	elif [ "$(DEMO_ON_URL)" != yes ]; then \
+	    echo "make demo: COMPOSER_DATABASE_URL is set, and the demo writes its runs and schedules there, retries" \
+	         "its failed runs and archives and drops its months older than $(DEMO_DROP_$(DEMO_SIZE)):" \
+	         "give it a scratch database and say so with DEMO_ON_URL=yes (nothing was done)" >&2; exit 2; \
+	fi; \
 	export COMPOSER_DATABASE_URL; \
 	$(BIN)/composer-ops migrate; \
 	$(BIN)/composer-ops simulate $(DEMO_SIM_$(DEMO_SIZE)); \
