@@ -526,12 +526,21 @@ BEGIN
     -- The queue settings of p_queues (sql/V003; a queue without a row is open and
     -- unlimited): a paused queue is skipped, its tasks stay in the outbox; the open
     -- unlimited queues are taken together, then each limited one on its own, up to its
-    -- room. One index probe of a small table when no queue has a row.
+    -- room. One index probe of a small table when no queue has a row. Each queue once,
+    -- however often p_queues names it (twice, it would be counted and picked twice,
+    -- each time up to its whole room). Read under each queue's setting lock, shared,
+    -- held to this claim's end: a pause or a new limit (repo/queues.py, lock) takes it
+    -- exclusively, so it waits for the claims of the queue under way, and a claim that
+    -- begins meanwhile reads the settings it committed (this read is a new statement,
+    -- so a new snapshot, after the lock). Claims do not wait for each other here.
+    PERFORM pg_advisory_xact_lock_shared(hashtext('composer_flow'), hashtext('setting:' || u.q))
+       FROM (SELECT DISTINCT x.q FROM unnest(p_queues) AS x(q) WHERE x.q IS NOT NULL ORDER BY x.q) AS u;
     SELECT array_agg(w.q) FILTER (WHERE s.queue IS NULL OR (NOT s.paused AND s.max_running = 0)),
            array_agg(w.q ORDER BY w.q) FILTER (WHERE NOT s.paused AND s.max_running > 0),
            array_agg(s.max_running ORDER BY w.q) FILTER (WHERE NOT s.paused AND s.max_running > 0)
       INTO open_queues, limited, limits
-      FROM unnest(p_queues) AS w(q) LEFT JOIN queue_settings s ON s.queue = w.q;
+      FROM (SELECT DISTINCT x.q FROM unnest(p_queues) AS x(q) WHERE x.q IS NOT NULL) AS w(q)
+           LEFT JOIN queue_settings s ON s.queue = w.q;
     FOR i IN 0 .. COALESCE(array_length(limited, 1), 0) LOOP
         IF i = 0 THEN
             pick_queues := open_queues;

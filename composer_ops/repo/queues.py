@@ -45,11 +45,33 @@ def named(conn: Conn, queue: str) -> bool:
 def lock(conn: Conn, queue: str) -> tuple[QueueSetting, bool]:
     """Lock ``queue``'s settings row for the rest of the transaction (creating an open,
     unlimited one when there is none) and return it as the lock found it, and whether
-    this call created it."""
+    this call created it. First the queue's setting lock, exclusively: every claim of
+    the queue holds it shared while it reads the settings and takes tasks (sql/R__claim.sql,
+    composer_claim), so a change waits for the claims under way and the claims after it
+    read what it wrote; a pause that returned hands out nothing more, a limit counts every
+    attempt a claim started before it (:func:`hold_running`). Not the claims of Citus's
+    worker nodes (sql/citus/R__claim_node.sql), which read the settings on their node
+    without it: one such claim under way may still start its tasks (docs/scaling.md)."""
+    conn.execute("SELECT pg_advisory_xact_lock(hashtext('composer_flow'), hashtext('setting:' || %s))", (queue,))
     created = conn.execute("INSERT INTO queue_settings (queue) VALUES (%s) ON CONFLICT (queue) DO NOTHING "
                            "RETURNING queue", (queue,)).fetchone() is not None
     return fetch_all(conn, QueueSetting, f"SELECT {_SETTING} FROM queue_settings WHERE queue = %s FOR UPDATE",
                      (queue,))[0], created
+
+
+def hold_running(conn: Conn, queue: str) -> int:
+    """A place under ``queue``'s limit for each of its attempts RUNNING without one (claimed
+    while the queue had no limit): the limit counts them, so no new attempt starts until
+    the queue is under it. Under :func:`lock`, so no claim of the queue is under way. How
+    many places were made. Such a place is freed by the coordinator's pass after its
+    attempt ends (:func:`free_stale_slots`), not by the trigger that frees a claimed one
+    at once (the task row's ``flow_slot`` is left as it is: setting it would wait for the
+    row locks of the attempts' own reports)."""
+    return conn.execute("""
+        INSERT INTO flow_slots (key, run_id, task_id, attempt)
+        SELECT 'queue:' || %(q)s, t.run_id, t.id, t.attempt FROM task_instances t
+         WHERE t.state = 'RUNNING' AND t.lease_owner IS NOT NULL AND COALESCE(t.queue, 'default') = %(q)s
+        ON CONFLICT (key, run_id, task_id) DO NOTHING""", {"q": queue}).rowcount
 
 
 def forget(conn: Conn, queue: str) -> None:

@@ -95,6 +95,24 @@ def test_max_running_bounds_the_queue_and_a_place_is_freed_once_its_attempt_ends
     assert running == [(3,)]
 
 
+def test_a_limit_set_while_attempts_run_counts_them(db_url: str, engine: Engine) -> None:
+    """Attempts claimed on the nodes while the queue had no limit hold places once one is
+    set (repo/queues.py, hold_running, on the coordinator's flow_slots); the claim that
+    needs the places frees those of attempts that ended."""
+    for _ in range(5):
+        engine.start("low")
+    running = engine.claim(["q"], "w1", 3)
+    assert len(running) == 3
+    engine.queues.set_limit("q", 2)
+    assert _slots(db_url) == [("queue:q", 3)]
+    assert engine.claim(["q"], "w2", 10) == []
+    engine.complete(running[0], None)
+    engine.complete(running[1], None)
+    assert len(engine.claim(["q"], "w2", 10)) == 1
+    assert engine.claim(["q"], "w3", 10) == []
+    assert _sql(db_url, "SELECT count(*) FROM task_instances WHERE state = 'RUNNING'") == [(2,)]
+
+
 def test_racing_claimers_never_pass_a_queue_limit_or_a_key_limit(db_url: str, engine: Engine) -> None:
     engine.deploy({**PERCUST, "nodes": [{**PERCUST["nodes"][0], "concurrency": {"key": "$.input.customer",
                                                                                 "limit": 2}}]})

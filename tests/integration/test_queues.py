@@ -589,3 +589,75 @@ def test_a_freed_place_is_taken_at_once_not_at_the_next_poll(db_url: str, engine
     assert time.monotonic() - began < 25
     spans = _sql(db_url, "SELECT started_at, finished_at FROM task_instances WHERE queue = 'flow' ORDER BY 1")
     assert all(later[0] >= earlier[1] for earlier, later in zip(spans, spans[1:], strict=False)), spans  # one place
+
+
+def test_a_queue_named_twice_in_a_claim_is_counted_once(db_url: str, engine: Engine) -> None:
+    """Twice in the claim's queues, a limited queue was counted and picked twice, each time
+    up to its whole room: a claim of ["q", "q"] took twice its limit."""
+    for _ in range(5):
+        engine.start("low")
+    engine.queues.set_limit("q", 2)
+    assert len(engine.claim(["q", "q"], "w1", 10)) == 2
+    assert engine.claim(["q", "q", "r"], "w2", 10) == []
+    assert _sql(db_url, "SELECT count(*) FROM task_instances WHERE state = 'RUNNING'") == [(2,)]
+
+
+def test_a_limit_set_while_attempts_run_counts_them(db_url: str, engine: Engine) -> None:
+    """Attempts claimed while the queue had no limit hold places once one is set: no new
+    attempt starts until the queue is under it; an attempt that ends frees its place at the
+    coordinator's next pass."""
+    for _ in range(5):
+        engine.start("low")
+    running = engine.claim(["q"], "w1", 3)
+    assert len(running) == 3
+    engine.queues.set_limit("q", 2)
+    assert engine.claim(["q"], "w2", 10) == []
+    assert {r.queue: r for r in engine.queues.list()}["q"].slots == 3
+    engine.complete(running[0], None)
+    engine.complete(running[1], None)
+    assert engine.claim(["q"], "w2", 10) == []                 # freed by the pass, not at once
+    assert engine.coordinator().run_once(["leases"]).slots_freed == 2
+    assert len(engine.claim(["q"], "w2", 10)) == 1             # 2 RUNNING: the limit
+    assert engine.claim(["q"], "w3", 10) == []
+    assert _sql(db_url, "SELECT count(*) FROM task_instances WHERE state = 'RUNNING'") == [(2,)]
+
+
+def test_a_limit_waits_for_the_claims_under_way_and_counts_their_attempts(db_url: str, engine: Engine) -> None:
+    """A claim of an open queue still under way when the limit is set: the change waits for
+    it (the queue's setting lock), then counts the attempts it started."""
+    from composer_ops.repo import outbox
+
+    for _ in range(5):
+        engine.start("low")
+    done: list[Any] = []
+    with psycopg.connect(db_url) as conn:
+        assert len(outbox.claim(conn, ["q"], "w1", 3, claim_id="under-way")) == 3     # not committed
+        setter = threading.Thread(target=lambda: done.append(engine.queues.set_limit("q", 2)))
+        setter.start()
+        wait_for(lambda: _sql(db_url, "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted")
+                 == [(1,)], timeout=30, what="the change waiting for the claim")
+        assert not done
+        conn.commit()
+    setter.join(timeout=30)
+    assert done and done[0].applied
+    assert engine.claim(["q"], "w2", 10) == []
+    assert _sql(db_url, "SELECT count(*) FROM flow_slots") == [(3,)]
+
+
+def test_a_pause_that_returned_hands_out_nothing_more(db_url: str, engine: Engine) -> None:
+    """A pause waits for the claims of its queue under way; the claims after it read it."""
+    from composer_ops.repo import outbox
+
+    for _ in range(4):
+        engine.start("low")
+    done: list[Any] = []
+    with psycopg.connect(db_url) as conn:
+        assert len(outbox.claim(conn, ["q"], "w1", 1, claim_id="before-pause")) == 1
+        pauser = threading.Thread(target=lambda: done.append(engine.queues.pause("q")))
+        pauser.start()
+        wait_for(lambda: _sql(db_url, "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted")
+                 == [(1,)], timeout=30, what="the pause waiting for the claim")
+        conn.commit()
+    pauser.join(timeout=30)
+    assert done and done[0].applied
+    assert engine.claim(["q"], "w2", 10) == []
