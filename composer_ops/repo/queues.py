@@ -45,18 +45,29 @@ def named(conn: Conn, queue: str) -> bool:
 def lock(conn: Conn, queue: str) -> tuple[QueueSetting, bool]:
     """Lock ``queue``'s settings row for the rest of the transaction (creating an open,
     unlimited one when there is none) and return it as the lock found it, and whether
-    this call created it. First the queue's setting lock, exclusively: every claim of
-    the queue holds it shared while it reads the settings and takes tasks (sql/R__claim.sql,
-    composer_claim), so a change waits for the claims under way and the claims after it
-    read what it wrote; a pause that returned hands out nothing more, a limit counts every
-    attempt a claim started before it (:func:`hold_running`). Not the claims of Citus's
-    worker nodes (sql/citus/R__claim_node.sql), which read the settings on their node
-    without it: one such claim under way may still start its tasks (docs/scaling.md)."""
+    this call created it. First the queue's setting lock, exclusively: every claim of the
+    queue holds it shared while it reads the settings and takes tasks (sql/R__claim.sql,
+    composer_claim; on Citus the coordinator's claim, :func:`share_settings`), so a change
+    waits for the claims under way and the claims after it read what it wrote; a pause
+    that returned hands out nothing more, a limit counts every attempt a claim started
+    before it (:func:`hold_running`). Not the claims of Citus's worker nodes
+    (sql/citus/R__claim_node.sql), which read the settings on their node without it: one
+    such claim under way may still start its tasks (docs/scaling.md)."""
     conn.execute("SELECT pg_advisory_xact_lock(hashtext('composer_flow'), hashtext('setting:' || %s))", (queue,))
     created = conn.execute("INSERT INTO queue_settings (queue) VALUES (%s) ON CONFLICT (queue) DO NOTHING "
                            "RETURNING queue", (queue,)).fetchone() is not None
     return fetch_all(conn, QueueSetting, f"SELECT {_SETTING} FROM queue_settings WHERE queue = %s FOR UPDATE",
                      (queue,))[0], created
+
+
+def share_settings(conn: Conn, queues: Sequence[str]) -> None:
+    """Take the setting lock of each of ``queues``, shared, for the rest of the caller's
+    transaction, before it reads their settings (in a later statement: a new snapshot).
+    What the claim on Citus's coordinator does (repo/citus.py), as sql/R__claim.sql's
+    ``composer_claim`` does on a single server: :func:`lock` says why."""
+    conn.execute("SELECT pg_advisory_xact_lock_shared(hashtext('composer_flow'), hashtext('setting:' || u.q)) "
+                 "FROM (SELECT DISTINCT x.q FROM unnest(%s::text[]) AS x(q) WHERE x.q IS NOT NULL ORDER BY x.q) AS u",
+                 (list(queues),))
 
 
 def hold_running(conn: Conn, queue: str) -> int:

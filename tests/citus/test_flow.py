@@ -28,6 +28,7 @@ from tests.integration.test_flow_races import (  # noqa: F401
 from tests.integration.test_queues import (  # noqa: F401
     test_a_concurrency_key_at_its_limit_does_not_hold_up_other_keys,
     test_a_paused_queue_claims_nothing_keeps_its_tasks_and_resumes,
+    test_a_queue_named_twice_in_a_claim_is_counted_once,
     test_a_rate_limit_gives_its_burst_then_refills_by_the_database_clock,
     test_keys_at_their_limit_and_rate_limited_waits_are_reported,
 )
@@ -111,6 +112,25 @@ def test_a_limit_set_while_attempts_run_counts_them(db_url: str, engine: Engine)
     assert len(engine.claim(["q"], "w2", 10)) == 1
     assert engine.claim(["q"], "w3", 10) == []
     assert _sql(db_url, "SELECT count(*) FROM task_instances WHERE state = 'RUNNING'") == [(2,)]
+
+
+def test_a_pause_waits_for_the_coordinators_claim_under_way(db_url: str, engine: Engine) -> None:
+    """The coordinator's claim (a queue with a limit) holds the queue's setting lock shared
+    (repo/queues.py, share_settings): a pause waits for it, and the claims after it read it."""
+    for _ in range(4):
+        engine.start("low")
+    engine.queues.set_limit("q", 5)
+    done: list[Any] = []
+    with psycopg.connect(db_url) as conn:
+        assert len(citus.claim(conn, ["q"], "w1", 2, claim_id=uuid7_text())) == 2      # not committed
+        pauser = threading.Thread(target=lambda: done.append(engine.queues.pause("q")))
+        pauser.start()
+        wait_for(lambda: _sql(db_url, "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted")
+                 == [(1,)], timeout=30, what="the pause waiting for the claim")
+        conn.commit()
+    pauser.join(timeout=30)
+    assert done and done[0].applied
+    assert engine.claim(["q"], "w2", 10) == []
 
 
 def test_racing_claimers_never_pass_a_queue_limit_or_a_key_limit(db_url: str, engine: Engine) -> None:
