@@ -528,13 +528,10 @@ BEGIN
     -- unlimited queues are taken together, then each limited one on its own, up to its
     -- room. One index probe of a small table when no queue has a row. Each queue once,
     -- however often p_queues names it (twice, it would be counted and picked twice,
-    -- each time up to its whole room). Read under each queue's setting lock, shared,
-    -- held to this claim's end: a pause or a new limit (repo/queues.py, lock) takes it
-    -- exclusively, so it waits for the claims of the queue under way, and a claim that
-    -- begins meanwhile reads the settings it committed (this read is a new statement,
-    -- so a new snapshot, after the lock). Claims do not wait for each other here.
-    PERFORM pg_advisory_xact_lock_shared(hashtext('composer_flow'), hashtext('setting:' || u.q))
-       FROM (SELECT DISTINCT x.q FROM unnest(p_queues) AS x(q) WHERE x.q IS NOT NULL ORDER BY x.q) AS u;
+    -- each time up to its whole room). Read without a lock: a pause or a limit that
+    -- commits while this claim is under way does not hold it up, and this claim's tasks
+    -- start (a limit's places, repo/queues.py hold_running, count the attempts running
+    -- when it commits).
     SELECT array_agg(w.q) FILTER (WHERE s.queue IS NULL OR (NOT s.paused AND s.max_running = 0)),
            array_agg(w.q ORDER BY w.q) FILTER (WHERE NOT s.paused AND s.max_running > 0),
            array_agg(s.max_running ORDER BY w.q) FILTER (WHERE NOT s.paused AND s.max_running > 0)

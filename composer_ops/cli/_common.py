@@ -243,10 +243,11 @@ def shown(text: str) -> str:
 
 
 def say(line: str) -> None:
-    """One line on stderr, ``composer-ops: `` first, with :func:`shown`'s escapes: stderr
-    is not a :class:`ShownStream` (progress bars draw there), and a line that quotes a
-    refusal, a month's reason or an error can carry stored text."""
-    sys.stderr.write(f"composer-ops: {shown(line)}\n")
+    """One line on stderr, ``composer-ops: `` first, its line breaks made spaces and with
+    :func:`shown`'s escapes: stderr is not a :class:`ShownStream` (progress bars draw
+    there), and a line that quotes a refusal, a month's reason or an error can carry
+    stored text."""
+    sys.stderr.write(f"composer-ops: {shown(' '.join(line.splitlines()))}\n")
 
 
 class ShownStream:

@@ -148,8 +148,8 @@ class Queues:
             else:
                 queues.update(conn, queue, paused=after["paused"], reason=after["reason"], paused_at=paused_at,
                               max_running=after["max_running"], now=now)
-            if after["max_running"]:
-                queues.hold_running(conn, queue)   # attempts started while it had no limit count too
+                if changed and after["max_running"]:
+                    queues.hold_running(conn, queue)   # attempts started while it had no limit count too
             audit.record(conn, action, actor=actor, target=queue, request=request,
                          counts={"changed": int(changed)},
                          detail={"before": before, "after": after, "changed": changed})

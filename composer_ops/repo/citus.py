@@ -19,7 +19,6 @@ from psycopg.rows import dict_row
 from psycopg.types.json import Jsonb
 
 from composer_ops.repo import citus_flow, clock
-from composer_ops.repo import queues as queues_repo
 from composer_ops.repo._base import Conn
 from composer_ops.repo.outbox import lock_claim
 from composer_ops.repo.rows import Claim
@@ -187,7 +186,6 @@ def claim(conn: Conn, queues: Sequence[str], owner: str, limit: int,
     with conn.cursor() as clock_cur, conn.cursor() as limited_cur, conn.cursor(row_factory=dict_row) as pick:
         with conn.pipeline():
             lock_claim(conn, claim_id)          # first, as the single-server claim (sql/R__claim.sql)
-            queues_repo.share_settings(conn, queues)    # then the settings read below (repo/queues.py, lock)
             clock_cur.execute(clock.NOW)
             limited_cur.execute(citus_flow.LIMITED, {"queues": list(queues), "claim": claim_id, "retry": retry})
             pick.execute(_PICK, picks.statement(queues, limit, limited=False))

@@ -45,43 +45,36 @@ def named(conn: Conn, queue: str) -> bool:
 def lock(conn: Conn, queue: str) -> tuple[QueueSetting, bool]:
     """Lock ``queue``'s settings row for the rest of the transaction (creating an open,
     unlimited one when there is none) and return it as the lock found it, and whether
-    this call created it. First the queue's setting lock, exclusively: every claim of the
-    queue holds it shared while it reads the settings and takes tasks (sql/R__claim.sql,
-    composer_claim; on Citus the coordinator's claim, :func:`share_settings`), so a change
-    waits for the claims under way and the claims after it read what it wrote; a pause
-    that returned hands out nothing more, a limit counts every attempt a claim started
-    before it (:func:`hold_running`). Not the claims of Citus's worker nodes
-    (sql/citus/R__claim_node.sql), which read the settings on their node without it: one
-    such claim under way may still start its tasks (docs/scaling.md)."""
-    conn.execute("SELECT pg_advisory_xact_lock(hashtext('composer_flow'), hashtext('setting:' || %s))", (queue,))
+    this call created it."""
     created = conn.execute("INSERT INTO queue_settings (queue) VALUES (%s) ON CONFLICT (queue) DO NOTHING "
                            "RETURNING queue", (queue,)).fetchone() is not None
     return fetch_all(conn, QueueSetting, f"SELECT {_SETTING} FROM queue_settings WHERE queue = %s FOR UPDATE",
                      (queue,))[0], created
 
 
-def share_settings(conn: Conn, queues: Sequence[str]) -> None:
-    """Take the setting lock of each of ``queues``, shared, for the rest of the caller's
-    transaction, before it reads their settings (in a later statement: a new snapshot).
-    What the claim on Citus's coordinator does (repo/citus.py), as sql/R__claim.sql's
-    ``composer_claim`` does on a single server: :func:`lock` says why."""
-    conn.execute("SELECT pg_advisory_xact_lock_shared(hashtext('composer_flow'), hashtext('setting:' || u.q)) "
-                 "FROM (SELECT DISTINCT x.q FROM unnest(%s::text[]) AS x(q) WHERE x.q IS NOT NULL ORDER BY x.q) AS u",
-                 (list(queues),))
-
-
 def hold_running(conn: Conn, queue: str) -> int:
     """A place under ``queue``'s limit for each of its attempts RUNNING without one (claimed
     while the queue had no limit): the limit counts them, so no new attempt starts until
-    the queue is under it. Under :func:`lock`, so no claim of the queue is under way. How
-    many places were made. Such a place is freed by the coordinator's pass after its
-    attempt ends (:func:`free_stale_slots`), not by the trigger that frees a claimed one
-    at once (the task row's ``flow_slot`` is left as it is: setting it would wait for the
-    row locks of the attempts' own reports)."""
+    the queue is under it. How many places were made. Such a place is freed by the
+    coordinator's pass after its attempt ends (:func:`free_stale_slots`), not by the
+    trigger that frees a claimed one at once (the task row's ``flow_slot`` is left as it
+    is: setting it would wait for the row locks of the attempts' own reports). A task
+    whose place this snapshot still sees is left alone, so the insert never waits for a
+    transaction deleting one (an attempt ending). Claims take no lock against a change of
+    the settings, so the attempts of a claim under way when the change commits hold no
+    place (at most one claim per worker; they run to their end)."""
+    # Two materialized reads, then the insert: on Citus the tasks are distributed and the
+    # places a coordinator table, which one statement may not join directly.
     return conn.execute("""
+        WITH held AS MATERIALIZED (
+            SELECT f.run_id, f.task_id FROM flow_slots f WHERE f.key = 'queue:' || %(q)s
+        ), running AS MATERIALIZED (
+            SELECT t.run_id, t.id, t.attempt FROM task_instances t
+             WHERE t.state = 'RUNNING' AND t.lease_owner IS NOT NULL AND COALESCE(t.queue, 'default') = %(q)s
+        )
         INSERT INTO flow_slots (key, run_id, task_id, attempt)
-        SELECT 'queue:' || %(q)s, t.run_id, t.id, t.attempt FROM task_instances t
-         WHERE t.state = 'RUNNING' AND t.lease_owner IS NOT NULL AND COALESCE(t.queue, 'default') = %(q)s
+        SELECT 'queue:' || %(q)s, r.run_id, r.id, r.attempt FROM running r
+         WHERE NOT EXISTS (SELECT 1 FROM held h WHERE h.run_id = r.run_id AND h.task_id = r.id)
         ON CONFLICT (key, run_id, task_id) DO NOTHING""", {"q": queue}).rowcount
 
 
@@ -141,11 +134,19 @@ def free_stale_slots(conn: Conn) -> int:
     """Delete the slots whose attempt is no longer RUNNING (a change that bypassed the
     trigger of sql/R__claim.sql, such as a row edited by hand); the lease sweeper's
     self-healing. Few rows: at most the running attempts with a limit."""
+    # Each place as this statement's snapshot saw it (attempt and taken_at): a claim of
+    # the task's next attempt that takes the place over (its upsert sets both) while this
+    # statement waits for the row makes it another place, left alone. A subquery reading
+    # the row's own attempt would, rechecked after the wait, compare the new attempt with
+    # the task in the old snapshot (not RUNNING at it) and free a place whose attempt runs.
     return conn.execute("""
         DELETE FROM flow_slots f
-         WHERE NOT EXISTS (SELECT 1 FROM task_instances t
-                            WHERE t.run_id = f.run_id AND t.id = f.task_id AND t.attempt = f.attempt
-                              AND t.state = 'RUNNING')""").rowcount
+         USING (SELECT s.key, s.run_id, s.task_id, s.attempt, s.taken_at FROM flow_slots s
+                 WHERE NOT EXISTS (SELECT 1 FROM task_instances t
+                                    WHERE t.run_id = s.run_id AND t.id = s.task_id AND t.attempt = s.attempt
+                                      AND t.state = 'RUNNING')) AS stale
+         WHERE f.key = stale.key AND f.run_id = stale.run_id AND f.task_id = stale.task_id
+           AND f.attempt = stale.attempt AND f.taken_at = stale.taken_at""").rowcount
 
 
 def keys_at_limit(conn: Conn, now: datetime) -> list[KeyAtLimit]:

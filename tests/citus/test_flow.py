@@ -114,25 +114,6 @@ def test_a_limit_set_while_attempts_run_counts_them(db_url: str, engine: Engine)
     assert _sql(db_url, "SELECT count(*) FROM task_instances WHERE state = 'RUNNING'") == [(2,)]
 
 
-def test_a_pause_waits_for_the_coordinators_claim_under_way(db_url: str, engine: Engine) -> None:
-    """The coordinator's claim (a queue with a limit) holds the queue's setting lock shared
-    (repo/queues.py, share_settings): a pause waits for it, and the claims after it read it."""
-    for _ in range(4):
-        engine.start("low")
-    engine.queues.set_limit("q", 5)
-    done: list[Any] = []
-    with psycopg.connect(db_url) as conn:
-        assert len(citus.claim(conn, ["q"], "w1", 2, claim_id=uuid7_text())) == 2      # not committed
-        pauser = threading.Thread(target=lambda: done.append(engine.queues.pause("q")))
-        pauser.start()
-        wait_for(lambda: _sql(db_url, "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted")
-                 == [(1,)], timeout=30, what="the pause waiting for the claim")
-        conn.commit()
-    pauser.join(timeout=30)
-    assert done and done[0].applied
-    assert engine.claim(["q"], "w2", 10) == []
-
-
 def test_racing_claimers_never_pass_a_queue_limit_or_a_key_limit(db_url: str, engine: Engine) -> None:
     engine.deploy({**PERCUST, "nodes": [{**PERCUST["nodes"][0], "concurrency": {"key": "$.input.customer",
                                                                                 "limit": 2}}]})

@@ -622,42 +622,64 @@ def test_a_limit_set_while_attempts_run_counts_them(db_url: str, engine: Engine)
     assert _sql(db_url, "SELECT count(*) FROM task_instances WHERE state = 'RUNNING'") == [(2,)]
 
 
-def test_a_limit_waits_for_the_claims_under_way_and_counts_their_attempts(db_url: str, engine: Engine) -> None:
-    """A claim of an open queue still under way when the limit is set: the change waits for
-    it (the queue's setting lock), then counts the attempts it started."""
-    from composer_ops.repo import outbox
-
-    for _ in range(5):
-        engine.start("low")
-    done: list[Any] = []
-    with psycopg.connect(db_url) as conn:
-        assert len(outbox.claim(conn, ["q"], "w1", 3, claim_id="under-way")) == 3     # not committed
-        setter = threading.Thread(target=lambda: done.append(engine.queues.set_limit("q", 2)))
-        setter.start()
-        wait_for(lambda: _sql(db_url, "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted")
-                 == [(1,)], timeout=30, what="the change waiting for the claim")
-        assert not done
-        conn.commit()
-    setter.join(timeout=30)
-    assert done and done[0].applied
-    assert engine.claim(["q"], "w2", 10) == []
-    assert _sql(db_url, "SELECT count(*) FROM flow_slots") == [(3,)]
-
-
-def test_a_pause_that_returned_hands_out_nothing_more(db_url: str, engine: Engine) -> None:
-    """A pause waits for the claims of its queue under way; the claims after it read it."""
-    from composer_ops.repo import outbox
-
+def test_a_limit_set_while_a_report_ends_its_attempt_does_not_wait_for_it(db_url: str, engine: Engine) -> None:
+    """A report whose write freed its place (not committed: it is making the claim of its
+    worker's next tasks) does not hold up a new limit: the limit's places leave alone the
+    tasks whose place its snapshot sees, so its insert meets no row being deleted."""
     for _ in range(4):
         engine.start("low")
+    engine.queues.set_limit("q", 5)
+    first = engine.claim(["q"], "w1", 2)
+    ask = engine.next_claim(["q"], "w1", 1)
     done: list[Any] = []
-    with psycopg.connect(db_url) as conn:
-        assert len(outbox.claim(conn, ["q"], "w1", 1, claim_id="before-pause")) == 1
-        pauser = threading.Thread(target=lambda: done.append(engine.queues.pause("q")))
-        pauser.start()
-        wait_for(lambda: _sql(db_url, "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted")
-                 == [(1,)], timeout=30, what="the pause waiting for the claim")
-        conn.commit()
-    pauser.join(timeout=30)
-    assert done and done[0].applied
-    assert engine.claim(["q"], "w2", 10) == []
+    with psycopg.connect(db_url, autocommit=True) as blocker:   # the report stops at its claim's first lock
+        blocker.execute("SELECT pg_advisory_lock(hashtext('composer_claim'), hashtext(%s))", (ask.claim_id,))
+        report = threading.Thread(target=lambda: done.append(engine.complete(first[0], None, claim_next=ask)))
+        report.start()
+        wait_for(lambda: _sql(db_url, "SELECT count(*) FROM pg_stat_activity WHERE wait_event = 'advisory'")
+                 == [(1,)], timeout=30, what="the report waiting at its claim")
+        changes: list[Any] = []
+        setter = threading.Thread(target=lambda: changes.append(engine.queues.set_limit("q", 3)))
+        setter.start()
+        wait_for(lambda: changes, timeout=30, what="the limit, set while the report is open")
+        assert changes[0].applied and not done
+        blocker.execute("SELECT pg_advisory_unlock(hashtext('composer_claim'), hashtext(%s))", (ask.claim_id,))
+    report.join(timeout=30)
+    assert done and len(done[0].claimed) == 1
+    assert _sql(db_url, "SELECT deadlocks FROM pg_stat_database WHERE datname = current_database()") == [(0,)]
+    assert _sql(db_url, "SELECT count(*) FROM flow_slots") == [(2,)]
+
+
+def test_the_pass_does_not_free_a_place_its_next_attempt_took_over(db_url: str, engine: Engine) -> None:
+    """A place the coordinator's pass finds stale (its attempt ended without the trigger: a
+    place made when the limit was set) and the claim of the task's next attempt takes over
+    (its upsert) while the pass waits for the row: the pass leaves it, so the limit holds."""
+    from composer_ops.repo import outbox
+
+    engine.deploy({"id": "again", "nodes": [{"id": "t", "type": "TASK", "task": "work", "queue": "q",
+                                             "retry": {"max_attempts": 3, "initial_backoff_s": 0}}]})
+    engine.start("again")
+    (first,) = engine.claim(["q"], "w1", 1)                  # claimed while q has no limit
+    engine.queues.set_limit("q", 2)                          # a place for it, made by the limit
+    engine.fail(first, "transient", retryable=True)          # attempt 1 queued; the place stays
+    _sql_write(db_url, "UPDATE task_outbox SET available_at = now() - interval '1 second'")
+    freed: list[int] = []
+    with psycopg.connect(db_url) as claimer:                 # attempt 1's claim, not committed
+        assert [c.attempt for c in outbox.claim(claimer, ["q"], "w2", 1, claim_id="second")] == [1]
+        healer = threading.Thread(target=lambda: freed.append(engine.coordinator().run_once(["leases"]).slots_freed))
+        healer.start()
+        wait_for(lambda: _sql(db_url, "SELECT count(*) FROM pg_stat_activity WHERE wait_event = 'transactionid'")
+                 == [(1,)], timeout=30, what="the pass waiting for the claim's row")
+        claimer.commit()
+    healer.join(timeout=60)
+    assert freed == [0]
+    assert _sql(db_url, "SELECT key, attempt FROM flow_slots") == [("queue:q", 1)]
+    for _ in range(3):
+        engine.start("low")
+    assert len(engine.claim(["q"], "w3", 10)) == 1           # 2 RUNNING: the limit
+    assert _sql(db_url, "SELECT count(*) FROM task_instances WHERE state = 'RUNNING'") == [(2,)]
+
+
+def _sql_write(url: str, query: str) -> None:
+    with psycopg.connect(url) as conn:
+        conn.execute(query)

@@ -99,8 +99,10 @@ def test_a_bad_argument_is_quoted_back_on_one_line_as_text(capsys: pytest.Captur
 
 def test_a_line_on_stderr_quoting_stored_text_escapes_it(capsys: pytest.CaptureFixture[str]) -> None:
     """The refusals, reasons and errors the commands write on stderr themselves (stderr is
-    not wrapped: progress bars draw there) go through one helper with the same escapes."""
+    not wrapped: progress bars draw there) go through one helper with the same escapes,
+    on one line: stored text cannot add a line that reads as the CLI's own."""
     from composer_ops.cli._common import say
 
-    say("month 202401 not dropped: run \x1b[2J\u202eabc holds it")
-    assert capsys.readouterr().err == "composer-ops: month 202401 not dropped: run \\x1b[2J\\u202eabc holds it\n"
+    say("month 202401 not dropped: run \x1b[2J\u202eabc holds it\ncomposer-ops: month 202402 archived")
+    assert capsys.readouterr().err == ("composer-ops: month 202401 not dropped: run \\x1b[2J\\u202eabc holds it "
+                                       "composer-ops: month 202402 archived\n")
