@@ -55,27 +55,31 @@ def lock(conn: Conn, queue: str) -> tuple[QueueSetting, bool]:
 def hold_running(conn: Conn, queue: str) -> int:
     """A place under ``queue``'s limit for each of its attempts RUNNING without one (claimed
     while the queue had no limit): the limit counts them, so no new attempt starts until
-    the queue is under it. How many places were made. Such a place is freed by the
-    coordinator's pass after its attempt ends (:func:`free_stale_slots`), not by the
-    trigger that frees a claimed one at once (the task row's ``flow_slot`` is left as it
-    is: setting it would wait for the row locks of the attempts' own reports). A task
-    whose place this snapshot still sees is left alone, so the insert never waits for a
-    transaction deleting one (an attempt ending). Claims take no lock against a change of
-    the settings, so the attempts of a claim under way when the change commits hold no
-    place (at most one claim per worker; they run to their end)."""
+    the queue is under it. How many places were made or taken over. Such a place is freed
+    by the coordinator's pass after its attempt ends at the latest (:func:`free_stale_slots`;
+    the trigger frees it at once only when the task row's ``flow_slot`` is set, by a claim
+    under a concurrency key: setting it here would wait for the row locks of the attempts'
+    own reports). A task whose place for the attempt running this snapshot sees is left
+    alone, so the insert does not wait for a report ending that attempt. Claims take no
+    lock against a change of the settings, so the attempts of a claim under way when the
+    change commits hold no place (at most one claim per worker; they run to their end)."""
     # Two materialized reads, then the insert: on Citus the tasks are distributed and the
-    # places a coordinator table, which one statement may not join directly.
+    # places a coordinator table, which one statement may not join directly. A place of
+    # an earlier attempt of the task (ended, not yet freed by the pass) is taken over for
+    # the attempt running, as a claim's upsert takes one over (sql/R__claim.sql).
     return conn.execute("""
         WITH held AS MATERIALIZED (
-            SELECT f.run_id, f.task_id FROM flow_slots f WHERE f.key = 'queue:' || %(q)s
+            SELECT f.run_id, f.task_id, f.attempt FROM flow_slots f WHERE f.key = 'queue:' || %(q)s
         ), running AS MATERIALIZED (
             SELECT t.run_id, t.id, t.attempt FROM task_instances t
              WHERE t.state = 'RUNNING' AND t.lease_owner IS NOT NULL AND COALESCE(t.queue, 'default') = %(q)s
         )
-        INSERT INTO flow_slots (key, run_id, task_id, attempt)
+        INSERT INTO flow_slots AS f (key, run_id, task_id, attempt)
         SELECT 'queue:' || %(q)s, r.run_id, r.id, r.attempt FROM running r
-         WHERE NOT EXISTS (SELECT 1 FROM held h WHERE h.run_id = r.run_id AND h.task_id = r.id)
-        ON CONFLICT (key, run_id, task_id) DO NOTHING""", {"q": queue}).rowcount
+         WHERE NOT EXISTS (SELECT 1 FROM held h
+                            WHERE h.run_id = r.run_id AND h.task_id = r.id AND h.attempt = r.attempt)
+        ON CONFLICT (key, run_id, task_id) DO UPDATE SET attempt = EXCLUDED.attempt, taken_at = now()
+         WHERE f.attempt < EXCLUDED.attempt""", {"q": queue}).rowcount
 
 
 def forget(conn: Conn, queue: str) -> None:

@@ -27,6 +27,7 @@ from tests.integration.test_flow_races import (  # noqa: F401
 )
 from tests.integration.test_queues import (  # noqa: F401
     test_a_concurrency_key_at_its_limit_does_not_hold_up_other_keys,
+    test_a_limit_takes_over_the_place_of_an_earlier_attempt_not_yet_freed,
     test_a_paused_queue_claims_nothing_keeps_its_tasks_and_resumes,
     test_a_queue_named_twice_in_a_claim_is_counted_once,
     test_a_rate_limit_gives_its_burst_then_refills_by_the_database_clock,

@@ -680,6 +680,29 @@ def test_the_pass_does_not_free_a_place_its_next_attempt_took_over(db_url: str, 
     assert _sql(db_url, "SELECT count(*) FROM task_instances WHERE state = 'RUNNING'") == [(2,)]
 
 
+def test_a_limit_takes_over_the_place_of_an_earlier_attempt_not_yet_freed(db_url: str, engine: Engine) -> None:
+    """A task whose earlier attempt still has a place (the limit lifted and set again before
+    the coordinator's pass freed it): the attempt running gets it, so the pass that then
+    runs frees nothing and the limit holds."""
+    engine.deploy({"id": "again", "nodes": [{"id": "t", "type": "TASK", "task": "work", "queue": "q",
+                                             "retry": {"max_attempts": 3, "initial_backoff_s": 0}}]})
+    engine.start("again")
+    (first,) = engine.claim(["q"], "w1", 1)                  # attempt 0, no limit
+    engine.queues.set_limit("q", 1)                          # its place
+    engine.queues.set_limit("q", 0)
+    engine.fail(first, "transient", retryable=True)          # attempt 0 over; its place stays
+    _sql_write(db_url, "UPDATE task_outbox SET available_at = now() - interval '1 second'")
+    (second,) = engine.claim(["q"], "w1", 1)                 # attempt 1, no limit: no place of its own
+    assert second.attempt == first.attempt + 1
+    engine.queues.set_limit("q", 1)
+    assert _sql(db_url, "SELECT key, attempt FROM flow_slots") == [("queue:q", second.attempt)]
+    assert engine.coordinator().run_once(["leases"]).slots_freed == 0
+    for _ in range(3):
+        engine.start("low")
+    assert engine.claim(["q"], "w2", 10) == []
+    assert _sql(db_url, "SELECT count(*) FROM task_instances WHERE state = 'RUNNING'") == [(1,)]
+
+
 def _sql_write(url: str, query: str) -> None:
     with psycopg.connect(url) as conn:
         conn.execute(query)
