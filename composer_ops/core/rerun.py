@@ -7,7 +7,7 @@ from collections.abc import Collection
 from typing import TYPE_CHECKING
 
 from composer_ops.core import model
-from composer_ops.core.model import TERMINAL_RUN_STATUSES, Decision, RunStatus, TaskState
+from composer_ops.core.model import ACTIVE_RUN_STATUSES, TERMINAL_RUN_STATUSES, Decision, RunStatus, TaskState
 from composer_ops.core.spec import WorkflowSpec
 from composer_ops.errors import Conflict, Invalid
 
@@ -91,9 +91,12 @@ def child_left_to_parent(run_id: str, parent_run_id: str, parent_node_id: str, p
     (a retry of the parent started it) or for none (it is to start one) has the work
     in hand; a parent whose node still waits for this child (``waits``: on Citus its
     finish may not have been delivered yet) is about to take the finish, and then it is
-    the parent's retry that runs the work again. Left: a parent that went on without the
-    child (its node optional), where the child's retry finishes unseen but is the only
-    way to run its work again."""
+    the parent's retry that runs the work again; a parent that went on without the child
+    (its node optional) and is still active: cancelling or failing it cancels only the
+    children its active nodes stand for, and its retry from the node would start another
+    child, so the child run again would be left running beside it (the work twice).
+    Left: a parent that went on without the child and has ended SUCCEEDED, or is gone,
+    where the child's retry finishes unseen but is the only way to run its work again."""
     node = json.dumps(parent_node_id)
     if parent_status in (RunStatus.FAILED, RunStatus.CANCELLED):
         return (f"run {run_id} is the child of run {parent_run_id} (node {node}), which is {parent_status}: "
@@ -107,4 +110,8 @@ def child_left_to_parent(run_id: str, parent_run_id: str, parent_node_id: str, p
         now = f"run {parent_child} now" if parent_child is not None else "no child yet (it starts a new one)"
         return (f"run {run_id} is the child of run {parent_run_id} (node {node}), which is {parent_status} "
                 f"and whose node stands for {now}: a retry of this child would run the node's work twice")
+    if parent_status in ACTIVE_RUN_STATUSES:
+        return (f"run {run_id} is the child of run {parent_run_id} (node {node}), which went on without it and "
+                f"is {parent_status}: retry this child once the parent has ended, so that cancelling, failing or "
+                f"retrying the parent cannot leave it running unseen (composer-ops runs show {parent_run_id})")
     return None

@@ -17,7 +17,7 @@ import pytest
 
 from composer_ops import Engine
 from composer_ops.core.children import child_run_id
-from composer_ops.errors import Invalid
+from composer_ops.errors import Conflict, Invalid
 from composer_ops.repo.rows import Claim
 from composer_ops.testing.processes import wait_for
 from examples.fanout_worker import make_worker
@@ -124,7 +124,6 @@ def test_a_failed_child_is_retried_through_its_parent_only(engine: Engine, db_ur
     parent's retry would then run the child's work a second time: refused, naming the
     parent's retry, which starts a new child."""
     from composer_ops.cli import main
-    from composer_ops.errors import Conflict
 
     engine.deploy(REFUND)
     engine.deploy(parent_spec())
@@ -185,7 +184,6 @@ def test_a_bulk_retry_leaves_children_to_their_parents_and_does_not_count_them(
 def test_a_child_its_parents_retry_replaced_is_not_retried(engine: Engine) -> None:
     """Once the parent's retry started a new child for the node, the old child's work is
     in hand: its own retry would run it twice, while the parent runs and after."""
-    from composer_ops.errors import Conflict
 
     engine.deploy(REFUND)
     engine.deploy(parent_spec())
@@ -223,6 +221,25 @@ def test_a_failed_child_of_an_optional_node_is_retried_on_its_own(engine: Engine
     assert again.run_id == task.run_id
     engine.complete(again, {"refunded": 7})
     assert engine.get_run(task.run_id).status == "SUCCEEDED" and engine.get_run(parent).status == "SUCCEEDED"
+
+
+def test_a_failed_child_of_an_optional_node_waits_for_its_running_parent_to_end(engine: Engine) -> None:
+    """While the parent that went on without it runs, the child is not retried: cancelling
+    or failing the parent would not reach it (only the children its active nodes stand
+    for are cancelled) and the parent's retry from the node would start a second child.
+    Once the parent has ended SUCCEEDED, the child's retry runs its work again."""
+    engine.deploy(REFUND)
+    engine.deploy(parent_spec(optional=True))
+    parent = engine.start("order", input={"amount": 7})
+    (task,) = claim(engine)
+    engine.fail(task, "bank says no", retryable=False)
+    assert engine.get_run(parent).status == "RUNNING"           # it went on: its next node is queued
+    with pytest.raises(Conflict, match="which went on without it and is RUNNING"):
+        engine.retry(task.run_id)
+    assert engine.get_run(task.run_id).status == "FAILED"
+    engine.cancel(parent, reason="done with it")
+    assert engine.get_run(task.run_id).status == "FAILED"       # nothing of the child is running
+    assert claim(engine) == []
 
 
 def test_cancelling_the_parent_cancels_the_child_and_its_tasks(engine: Engine, db_url: str) -> None:

@@ -207,7 +207,8 @@ def test_retried_runs_always_finish_under_the_invariants(width: int, fail_at: in
 @pytest.mark.parametrize(("status", "child", "refused"), [
     (None, None, None),                                   # the parent is gone: the child's retry is the only way
     ("SUCCEEDED", "c", None),                             # it went on without the child (an optional node)
-    ("RUNNING", "c", None),
+    ("RUNNING", "c", "which went on without it and is RUNNING: retry this child once the parent has ended"),
+    ("PENDING", "c", "which went on without it and is PENDING"),
     ("FAILED", "c", "which is FAILED: retry the parent from that node"),
     ("CANCELLED", "c", "which is CANCELLED: retry the parent"),
     ("RUNNING", "c2", "whose node stands for run c2 now"),   # the parent's retry started another child
