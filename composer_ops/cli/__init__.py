@@ -82,7 +82,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     # What a command prints reaches a terminal as text. Not simulate's tables (its own), nor
     # what a worker's or coordinator's process prints: the application's own handlers and
     # logging write there, colours and all. (stderr is not wrapped: progress bars draw
-    # there; its lines that quote stored text escape it themselves, with shown.)
+    # there; the commands' own lines on it go through cli._common.say, which escapes.)
     passes = args.command in ("simulate", "worker", "coordinator")
     plain, sys.stdout = sys.stdout, (sys.stdout if passes else ShownStream(sys.stdout))
     try:

@@ -246,8 +246,10 @@ def say(line: str) -> None:
     """One line on stderr, ``composer-ops: `` first, its line breaks made spaces and with
     :func:`shown`'s escapes: stderr is not a :class:`ShownStream` (progress bars draw
     there), and a line that quotes a refusal, a month's reason or an error can carry
-    stored text."""
+    stored text. Flushed: a long-running command's lines (that it serves, that it
+    stopped) show at once."""
     sys.stderr.write(f"composer-ops: {shown(' '.join(line.splitlines()))}\n")
+    sys.stderr.flush()
 
 
 class ShownStream:

@@ -508,7 +508,7 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
             stopped.set()
             coord.stop()
 
-        _say(f"coordinator running every {coord.interval:g}s on {_where(engine)}; SIGTERM or SIGINT stops it")
+        say(f"coordinator running every {coord.interval:g}s on {_where(engine)}; SIGTERM or SIGINT stops it")
         with stop_on_signals(stop):
             loops.start()
             while loops.is_alive() and not stopped.is_set():
@@ -520,7 +520,7 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
             raise ShutdownTimeout(f"coordinator: the loop pass in progress did not finish within "
                                   f"{shutdown_timeout:g}s of the stop signal; exiting without it (whatever it "
                                   "held, webhook deliveries or a sweep, is picked up again by any coordinator)")
-        _say("coordinator stopped")
+        say("coordinator stopped")
     return EXIT_OK
 
 
@@ -593,20 +593,13 @@ def cmd_worker(args: argparse.Namespace) -> int:
             worker.poll_interval = args.poll_interval
         if args.registry_interval is not None:
             worker.registry_interval = args.registry_interval
-        _say(f"worker {worker.worker_id} serving queue(s) {', '.join(worker.queues)} "
+        say(f"worker {worker.worker_id} serving queue(s) {', '.join(worker.queues)} "
              f"({len(worker.task_names)} task name(s)) with {worker.concurrency} slot(s) on "
              f"{_where(engine)}; SIGTERM or SIGINT stops it")
         with stop_on_signals(worker.stop):
             worker.run()
-        _say(f"worker {worker.worker_id} stopped")
+        say(f"worker {worker.worker_id} stopped")
     return EXIT_OK
-
-
-def _say(line: str) -> None:
-    """One line on stderr from a long-running command (whatever --log-level): that it
-    serves, and that it stopped."""
-    sys.stderr.write(f"composer-ops: {line}\n")
-    sys.stderr.flush()
 
 
 def _where(engine: Engine) -> str:

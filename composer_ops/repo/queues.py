@@ -135,9 +135,10 @@ def overview(conn: Conn, now: datetime) -> list[QueueRow]:
 
 
 def free_stale_slots(conn: Conn) -> int:
-    """Delete the slots whose attempt is no longer RUNNING (a change that bypassed the
-    trigger of sql/R__claim.sql, such as a row edited by hand); the lease sweeper's
-    self-healing. Few rows: at most the running attempts with a limit."""
+    """Delete the slots whose attempt is no longer RUNNING: the places a limit made for
+    attempts already running (:func:`hold_running`), which no trigger frees, and any a
+    change that bypassed the trigger of sql/R__claim.sql left (a row edited by hand); the
+    lease sweeper's pass. Few rows: at most the running attempts with a limit."""
     # Each place as this statement's snapshot saw it (attempt and taken_at): a claim of
     # the task's next attempt that takes the place over (its upsert sets both) while this
     # statement waits for the row makes it another place, left alone. A subquery reading
